@@ -1,0 +1,114 @@
+"""The exceptions of kvstore, one short hierarchy.
+
+Every error a client can see carries a stable ``code``; the daemon sends the code and a
+message, and the client library raises the matching class.  Errors say what went wrong
+and, where it helps, what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of every kvstore error."""
+
+    code = "internal"
+
+
+class MalformedError(KVStoreError, ValueError):
+    """A request (or a value given to the library) is not well formed."""
+
+    code = "malformed"
+
+
+class VersionMismatchError(KVStoreError):
+    """Client and daemon speak different protocol versions."""
+
+    code = "version_mismatch"
+
+
+class UnknownNamespaceError(KVStoreError):
+    """The namespace was not opened in this session."""
+
+    code = "unknown_namespace"
+
+
+class CapacityError(KVStoreError):
+    """No room for the request under the configured pressure policy."""
+
+    code = "capacity"
+
+
+class LeaseExpiredError(KVStoreError):
+    """A reservation or pin outlived its lease and was rolled back."""
+
+    code = "lease_expired"
+
+
+class NotFoundError(KVStoreError, KeyError):
+    """A key (or reservation, or pin) is not there."""
+
+    code = "not_found"
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message
+        return Exception.__str__(self)
+
+
+class ForbiddenError(KVStoreError):
+    """The session may not do this (wrong tenant, bad credentials)."""
+
+    code = "forbidden"
+
+
+class TooLargeError(KVStoreError):
+    """A request exceeds a configured limit on sizes or counts."""
+
+    code = "too_large"
+
+
+class LimitExceededError(KVStoreError):
+    """A per-session or per-tenant cap (reservations, pins, rate) is reached."""
+
+    code = "limit_exceeded"
+
+
+class UnavailableError(KVStoreError):
+    """The daemon (or a backend) did not answer in time or is shutting down."""
+
+    code = "unavailable"
+
+
+class BackendError(KVStoreError):
+    """A storage backend (SSD, remote plugin) failed."""
+
+    code = "backend"
+
+
+class ConfigError(KVStoreError, ValueError):
+    """The configuration is invalid; the message names the field."""
+
+    code = "config"
+
+
+ERRORS_BY_CODE: dict[str, type[KVStoreError]] = {
+    cls.code: cls
+    for cls in (
+        KVStoreError,
+        MalformedError,
+        VersionMismatchError,
+        UnknownNamespaceError,
+        CapacityError,
+        LeaseExpiredError,
+        NotFoundError,
+        ForbiddenError,
+        TooLargeError,
+        LimitExceededError,
+        UnavailableError,
+        BackendError,
+        ConfigError,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> KVStoreError:
+    """Build the exception a daemon's error reply stands for."""
+    return ERRORS_BY_CODE.get(code, KVStoreError)(message)
