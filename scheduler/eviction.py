@@ -4,10 +4,16 @@ A policy only orders items; it never frees memory.  The block store tells it wha
 happens to each item (inserted, accessed, pinned, unpinned, removed) and asks it for a
 victim that passes the store's own test (leaf-first: a block something cached depends
 on is never a victim).  One policy instance serves one slab class of one tier.
+
+Policies: ``lru``; ``s3fifo`` (scan-resistant, the default: in the offline replay of
+benchmarks/replay.py it beat LRU at every size, and ARC on average); ``arc``.
+``WarmPins`` wraps any of them with soft pins that keep blocks warm until a deadline.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
@@ -100,13 +106,416 @@ class LRUPolicy(EvictionPolicy[T]):
         return f"LRUPolicy(evictable={len(self._order)}, pinned={len(self._pinned)})"
 
 
+class _S3Entry:
+    """What S3-FIFO remembers of one tracked item."""
+
+    __slots__ = ("freq", "in_main", "pinned")
+
+    def __init__(self, in_main: bool) -> None:
+        self.freq = 0
+        self.in_main = in_main
+        self.pinned = False
+
+
+class S3FIFOPolicy(EvictionPolicy[T]):
+    """S3-FIFO (Yang et al., SOSP 2023): a small probation FIFO, a main FIFO, a ghost queue.
+
+    New items enter the small FIFO (about ``small_ratio`` of the items tracked); one
+    reaching its head is promoted to main (its count starting over there) if it was hit
+    at least ``promote_threshold`` times since it entered, and otherwise evicted and
+    remembered in the ghost queue (as many keys as items tracked, by ``ghost_ratio``).  An
+    item inserted while its ghost is remembered goes straight to main.  Main is a FIFO
+    with lazy promotion: a head item that was hit goes back to the tail with its
+    frequency (capped at ``max_freq``) decremented; one that was not is evicted.  A hit
+    only bumps a counter, so a one-pass scan flows through the small FIFO without
+    flushing the main one.
+
+    The store's ``allowed`` test is respected without reordering: an item that fails it
+    is skipped and keeps its place.  A pinned item leaves its FIFO (keeping its queue
+    and frequency) and rejoins that FIFO's tail when unpinned.  The policy does not know
+    the capacity; it takes the number of items it tracks (pinned ones included) as the
+    cache size, which is exact once the slab class is full, the only time it evicts.
+    """
+
+    name = "s3fifo"
+
+    def __init__(
+        self,
+        small_ratio: float = 0.1,
+        promote_threshold: int = 1,
+        max_freq: int = 3,
+        ghost_ratio: float = 1.0,
+    ) -> None:
+        if not 0.0 < small_ratio < 1.0:
+            raise ValueError(f"small_ratio must be in (0, 1), got {small_ratio}")
+        if not 1 <= promote_threshold <= max_freq:
+            raise ValueError("promote_threshold must be in [1, max_freq]")
+        if ghost_ratio < 0.0:
+            raise ValueError(f"ghost_ratio must be >= 0, got {ghost_ratio}")
+        self.small_ratio = small_ratio
+        self.promote_threshold = promote_threshold
+        self.max_freq = max_freq
+        self.ghost_ratio = ghost_ratio
+        self._entries: dict[T, _S3Entry] = {}
+        self._small: OrderedDict[T, None] = OrderedDict()  # oldest first
+        self._main: OrderedDict[T, None] = OrderedDict()  # oldest first
+        self._ghost: OrderedDict[T, None] = OrderedDict()  # oldest first
+
+    def insert(self, item: T) -> None:
+        if item in self._entries:
+            return
+        in_main = self._ghost.pop(item, _MISSING) is not _MISSING
+        self._entries[item] = _S3Entry(in_main)
+        (self._main if in_main else self._small)[item] = None
+
+    def access(self, item: T) -> None:
+        entry = self._entries.get(item)
+        if entry is not None and entry.freq < self.max_freq:
+            entry.freq += 1
+
+    def pin(self, item: T) -> None:
+        entry = self._entries.get(item)
+        if entry is not None and not entry.pinned:
+            entry.pinned = True
+            del (self._main if entry.in_main else self._small)[item]
+
+    def unpin(self, item: T) -> None:
+        entry = self._entries.get(item)
+        if entry is not None and entry.pinned:
+            entry.pinned = False
+            (self._main if entry.in_main else self._small)[item] = None
+
+    def remove(self, item: T) -> None:
+        entry = self._entries.pop(item, None)
+        if entry is not None and not entry.pinned:
+            del (self._main if entry.in_main else self._small)[item]
+
+    def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
+        small_first = len(self._small) >= self.small_ratio * len(self._entries) or not self._main
+        if small_first:
+            victim = self._evict_small(allowed)
+            if victim is None:
+                victim = self._evict_main(allowed)
+        else:
+            victim = self._evict_main(allowed)
+            if victim is None:
+                victim = self._evict_small(allowed)
+        if victim is not None:
+            del self._entries[victim]
+        return victim
+
+    def _evict_small(self, allowed: Callable[[T], bool]) -> T | None:
+        promoted: list[T] = []
+        victim: T | None = None
+        for item in self._small:
+            entry = self._entries[item]
+            if entry.freq >= self.promote_threshold:
+                promoted.append(item)
+            elif allowed(item):
+                victim = item
+                break
+        # Moved after the walk: an OrderedDict cannot change while it is iterated.
+        for item in promoted:
+            del self._small[item]
+            self._main[item] = None
+            entry = self._entries[item]
+            entry.in_main = True
+            entry.freq = 0
+        if victim is not None:
+            del self._small[victim]
+            self._remember(victim)
+        return victim
+
+    def _evict_main(self, allowed: Callable[[T], bool]) -> T | None:
+        # Each pass lowers every frequency it rotates, so after max_freq passes every
+        # item is at zero and the next pass finds a victim if any item is allowed.
+        for _ in range(self.max_freq + 1):
+            rotated: list[T] = []
+            victim: T | None = None
+            for item in self._main:
+                entry = self._entries[item]
+                if entry.freq > 0:
+                    rotated.append(item)
+                elif allowed(item):
+                    victim = item
+                    break
+            for item in rotated:
+                self._main.move_to_end(item)
+                self._entries[item].freq -= 1
+            if victim is not None:
+                del self._main[victim]
+                return victim
+            if not rotated:
+                return None
+        return None
+
+    def _remember(self, item: T) -> None:
+        self._ghost[item] = None
+        limit = self.ghost_ratio * len(self._entries)
+        while len(self._ghost) > limit:
+            self._ghost.popitem(last=False)
+
+    def evictable(self) -> Iterator[T]:
+        return iter([*self._small, *self._main])
+
+    def __len__(self) -> int:
+        return len(self._small) + len(self._main)
+
+    def __repr__(self) -> str:
+        pinned = len(self._entries) - len(self)
+        return (
+            f"S3FIFOPolicy(small={len(self._small)}, main={len(self._main)}, "
+            f"pinned={pinned}, ghost={len(self._ghost)})"
+        )
+
+
+class ARCPolicy(EvictionPolicy[T]):
+    """Adaptive Replacement Cache (Megiddo and Modha, FAST 2003).
+
+    ``T1`` holds items seen once recently, ``T2`` items hit since they entered; each is
+    LRU-ordered, with a ghost list (``B1``, ``B2``) of the keys it evicted.  Inserting a
+    key remembered in a ghost list moves the target size ``p`` of ``T1`` towards the
+    list that would have kept it, and puts the item in ``T2``.  A victim comes from
+    ``T1`` while it is above its target, else from ``T2``; the first item that passes
+    ``allowed`` is taken, the others keep their places.  A pinned item leaves its list
+    and rejoins its MRU end on unpin (in ``T2`` if it was hit meanwhile).  As with
+    S3-FIFO, the cache size ``c`` is the number of items tracked, pinned ones included.
+    """
+
+    name = "arc"
+
+    def __init__(self) -> None:
+        self._t1: OrderedDict[T, None] = OrderedDict()  # LRU first
+        self._t2: OrderedDict[T, None] = OrderedDict()
+        self._b1: OrderedDict[T, None] = OrderedDict()
+        self._b2: OrderedDict[T, None] = OrderedDict()
+        self._in_t2: dict[T, bool] = {}  # every tracked item: which list it belongs to
+        self._pinned: set[T] = set()
+        self._target_t1 = 0.0
+
+    def insert(self, item: T) -> None:
+        if item in self._in_t2:
+            return
+        size = max(1, len(self._in_t2))
+        if item in self._b1:
+            grow = max(1.0, len(self._b2) / max(1, len(self._b1)))
+            self._target_t1 = min(float(size), self._target_t1 + grow)
+            del self._b1[item]
+            self._t2[item] = None
+            self._in_t2[item] = True
+        elif item in self._b2:
+            shrink = max(1.0, len(self._b1) / max(1, len(self._b2)))
+            self._target_t1 = max(0.0, self._target_t1 - shrink)
+            del self._b2[item]
+            self._t2[item] = None
+            self._in_t2[item] = True
+        else:
+            self._t1[item] = None
+            self._in_t2[item] = False
+
+    def access(self, item: T) -> None:
+        in_t2 = self._in_t2.get(item)
+        if in_t2 is None:
+            return
+        if item not in self._pinned:
+            del (self._t2 if in_t2 else self._t1)[item]
+            self._t2[item] = None
+        self._in_t2[item] = True
+
+    def pin(self, item: T) -> None:
+        in_t2 = self._in_t2.get(item)
+        if in_t2 is not None and item not in self._pinned:
+            self._pinned.add(item)
+            del (self._t2 if in_t2 else self._t1)[item]
+
+    def unpin(self, item: T) -> None:
+        if item in self._pinned:
+            self._pinned.discard(item)
+            (self._t2 if self._in_t2[item] else self._t1)[item] = None
+
+    def remove(self, item: T) -> None:
+        in_t2 = self._in_t2.pop(item, None)
+        if in_t2 is None:
+            return
+        if item in self._pinned:
+            self._pinned.discard(item)
+        else:
+            del (self._t2 if in_t2 else self._t1)[item]
+
+    def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
+        t1_first = len(self._t1) > self._target_t1 or not self._t2
+        order = (self._t1, self._t2) if t1_first else (self._t2, self._t1)
+        for queue in order:
+            victim = _first_allowed(queue, allowed)
+            if victim is not None:
+                del queue[victim]
+                del self._in_t2[victim]
+                (self._b1 if queue is self._t1 else self._b2)[victim] = None
+                self._trim_ghosts()
+                return victim
+        return None
+
+    def _trim_ghosts(self) -> None:
+        size = len(self._in_t2)
+        while self._b1 and len(self._t1) + len(self._b1) > size:
+            self._b1.popitem(last=False)
+        while self._b2 and len(self._b1) + len(self._b2) > size:
+            self._b2.popitem(last=False)
+
+    def evictable(self) -> Iterator[T]:
+        return iter([*self._t1, *self._t2])
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __repr__(self) -> str:
+        return (
+            f"ARCPolicy(t1={len(self._t1)}, t2={len(self._t2)}, pinned={len(self._pinned)}, "
+            f"b1={len(self._b1)}, b2={len(self._b2)}, target_t1={self._target_t1:.1f})"
+        )
+
+
+def _first_allowed(queue: OrderedDict[T, None], allowed: Callable[[T], bool]) -> T | None:
+    for item in queue:
+        if allowed(item):
+            return item
+    return None
+
+
+class WarmPins(EvictionPolicy[T]):
+    """Three priority classes over any policy: hard-pinned, kept warm, and ordinary.
+
+    - A **hard pin** is the store's refcount pin (``pin``/``unpin``): never a victim.
+    - A **soft pin** (``pin_soft(item, until)``) keeps an evictable item warm until the
+      time ``until`` on the injected clock: it leaves the inner policy's order, so
+      eviction takes it only when no ordinary item passes ``allowed``, and then the
+      one whose warmth ends first.  Soft-pinning again moves the deadline (to the later
+      one); ``unpin_soft`` or the deadline passing hands the item back to the inner
+      policy as if newly inserted (its hit history there is not kept).  A soft pin
+      does not survive the item's removal.  Hard and soft pins combine: an item that
+      is both is not a victim; when the hard pin goes it stays warm.
+    - Everything else is ordered by the inner policy.
+
+    Deadlines are checked lazily, on ``pop_victim`` and ``expire``; the clock is passed
+    in (the daemon gives ``time.monotonic``, tests a counter), so the order stays pure.
+    Choosing among warm items sorts them; that is the rare path of a class full of
+    warm blocks, and the warm set is small by configuration.
+    """
+
+    def __init__(self, inner: EvictionPolicy[T], clock: Callable[[], float]) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._clock = clock
+        self._warm: dict[T, float] = {}  # item -> deadline
+        self._deadlines: list[tuple[float, int, T]] = []  # heap, lazily pruned
+        self._hard: set[T] = set()  # every hard-pinned item, warm or not
+        self._warm_evictable = 0  # warm items that are not hard-pinned
+        self._seq = itertools.count()
+
+    def pin_soft(self, item: T, until: float) -> None:
+        """Keep a committed item warm until ``until`` (the later of two deadlines)."""
+        current = self._warm.get(item)
+        if current is not None and current >= until:
+            return
+        if current is None:
+            self.inner.remove(item)
+            if item not in self._hard:
+                self._warm_evictable += 1
+        self._warm[item] = until
+        heapq.heappush(self._deadlines, (until, next(self._seq), item))
+
+    def unpin_soft(self, item: T) -> None:
+        """End the item's warmth now; it rejoins the ordinary order."""
+        if self._warm.pop(item, None) is not None:
+            self.inner.insert(item)
+            if item in self._hard:
+                self.inner.pin(item)
+            else:
+                self._warm_evictable -= 1
+
+    def is_warm(self, item: T) -> bool:
+        """Whether the item is soft-pinned (deadline not yet seen to pass)."""
+        return item in self._warm
+
+    def expire(self) -> int:
+        """Hand every item whose warmth has ended back to the inner policy; how many."""
+        now = self._clock()
+        ended = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            until, _, item = heapq.heappop(self._deadlines)
+            if self._warm.get(item) == until:
+                self.unpin_soft(item)
+                ended += 1
+        return ended
+
+    def insert(self, item: T) -> None:
+        if item not in self._warm:
+            self.inner.insert(item)
+
+    def access(self, item: T) -> None:
+        if item not in self._warm:
+            self.inner.access(item)
+
+    def pin(self, item: T) -> None:
+        if item in self._hard:
+            return
+        self._hard.add(item)
+        if item in self._warm:
+            self._warm_evictable -= 1
+        else:
+            self.inner.pin(item)
+
+    def unpin(self, item: T) -> None:
+        if item not in self._hard:
+            return
+        self._hard.discard(item)
+        if item in self._warm:
+            self._warm_evictable += 1
+        else:
+            self.inner.unpin(item)
+
+    def remove(self, item: T) -> None:
+        hard = item in self._hard
+        self._hard.discard(item)
+        if self._warm.pop(item, None) is None:
+            self.inner.remove(item)
+        elif not hard:
+            self._warm_evictable -= 1
+
+    def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
+        self.expire()
+        victim = self.inner.pop_victim(allowed)
+        if victim is not None:
+            return victim
+        for item, _ in sorted(self._warm.items(), key=lambda pair: pair[1]):
+            if item not in self._hard and allowed(item):
+                del self._warm[item]
+                self._warm_evictable -= 1
+                return item
+        return None
+
+    def evictable(self) -> Iterator[T]:
+        warm = [item for item in self._warm if item not in self._hard]
+        return itertools.chain(self.inner.evictable(), warm)
+
+    def __len__(self) -> int:
+        return len(self.inner) + self._warm_evictable
+
+    def __repr__(self) -> str:
+        return f"WarmPins({self.inner!r}, warm={len(self._warm)}, hard={len(self._hard)})"
+
+
 _MISSING = object()
 
 PolicyFactory = Callable[[], EvictionPolicy[T]]
 
 POLICIES: dict[str, Callable[[], EvictionPolicy[Hashable]]] = {
     "lru": LRUPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "arc": ARCPolicy,
 }
+
+DEFAULT_POLICY = "s3fifo"
 
 
 def make_policy(name: str) -> EvictionPolicy[Hashable]:

@@ -1,0 +1,155 @@
+"""The ``kvstore`` command: serve, ping, stats, config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+from kvstore.errors import ConfigError, KVStoreError
+
+
+def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    over: dict[str, Any] = {}
+    if args.endpoint:
+        over.setdefault("server", {})["endpoint"] = args.endpoint
+    if args.extra_endpoint:
+        over.setdefault("server", {})["extra_endpoints"] = args.extra_endpoint
+    if args.lease is not None:
+        over.setdefault("server", {})["lease_seconds"] = args.lease
+    if args.log_level:
+        over.setdefault("server", {})["log_level"] = args.log_level
+    if args.debug_invariants:
+        over.setdefault("server", {})["debug_invariants"] = True
+    if args.dram_capacity:
+        over.setdefault("dram", {})["capacity"] = args.dram_capacity
+    if args.slab_size:
+        over.setdefault("dram", {})["slab_size"] = args.slab_size
+    if args.eviction_policy:
+        over.setdefault("dram", {})["eviction_policy"] = args.eviction_policy
+    return over
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore.config import format_size, load_config
+    from kvstore.server import Server, run_server
+
+    config = load_config(args.config, overrides=_serve_overrides(args))
+    logging.basicConfig(
+        level=config.server.log_level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def ready(server: Server) -> None:
+        for endpoint in server.endpoints:
+            print(f"kvstore serving on {endpoint}", flush=True)
+        print(f"dram tier: {format_size(config.dram_capacity)} arena at {server.arena.path}"
+              if server.arena else "", flush=True)
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a core dependency
+        asyncio.run(run_server(config, ready))
+    else:
+        uvloop.run(run_server(config, ready))
+    return 0
+
+
+def _cmd_ping(args: argparse.Namespace) -> int:
+    import time
+
+    from kvstore.client import Client
+
+    start = time.perf_counter()
+    with Client(args.endpoint, timeout=args.timeout, map_arena=False) as client:
+        client.ping()
+    print(f"pong from {client.endpoint} in {(time.perf_counter() - start) * 1e3:.2f} ms")
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from kvstore.client import Client
+
+    with Client(args.endpoint, timeout=args.timeout, map_arena=False) as client:
+        stats = client.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    for tier, t in stats["tiers"].items():
+        used = (t["committed"] + t["reserved"]) / max(t["capacity"], 1)
+        bar = "#" * int(used * 40)
+        hit = t["hits"] / max(t["lookup_keys"], 1)
+        print(f"{tier:5} [{bar:<40}] {used:6.1%} of {t['capacity']} bytes  "
+              f"blocks={t['blocks']} pinned={t['pinned_blocks']} hit rate={hit:.1%} "
+              f"evictions={t['evictions']}")
+    print(f"sessions={stats['sessions']} namespaces={stats['namespaces']}")
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from kvstore.config import config_to_toml, load_config
+
+    config = load_config(args.file)
+    if args.action == "check":
+        print(f"{args.file or 'defaults'}: ok")
+    else:
+        print(config_to_toml(config), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstore", description="A tiered store for LLM KV-cache blocks.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon (embedded defaults without --config)")
+    serve.add_argument("--config", help="TOML configuration file")
+    serve.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT to bind "
+                       "(default: $KVSTORE_ENDPOINT or ipc:// in the runtime directory)")
+    serve.add_argument("--extra-endpoint", action="append", metavar="URL",
+                       help="another endpoint to bind as well (repeatable)")
+    serve.add_argument("--dram-capacity", metavar="SIZE", help="DRAM arena size, e.g. 256MiB")
+    serve.add_argument("--slab-size", metavar="SIZE", help="slab size, e.g. 64MiB")
+    serve.add_argument("--eviction-policy", metavar="NAME", help="eviction policy (lru, ...)")
+    serve.add_argument("--lease", type=float, metavar="SECONDS",
+                       help="lease of reservations and pins, renewed by any request or ping")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--debug-invariants", action="store_true",
+                       help="check every invariant after each request (slow)")
+    serve.set_defaults(func=_cmd_serve)
+
+    for name, func, text in (("ping", _cmd_ping, "check that the daemon answers"),
+                             ("stats", _cmd_stats, "show what the daemon holds")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--endpoint", help="daemon endpoint (default: $KVSTORE_ENDPOINT)")
+        cmd.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+        if name == "stats":
+            cmd.add_argument("--json", action="store_true", help="machine-readable output")
+        cmd.set_defaults(func=func)
+
+    config = sub.add_parser("config", help="check or show the configuration")
+    config.add_argument("action", choices=["check", "show"])
+    config.add_argument("file", nargs="?", help="TOML file (show: defaults if omitted)")
+    config.set_defaults(func=_cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except ConfigError as exc:
+        print(f"kvstore: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KVStoreError as exc:
+        print(f"kvstore: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

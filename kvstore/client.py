@@ -1,0 +1,639 @@
+"""The client library: the public face of kvstore.
+
+``Client`` is synchronous, ``AsyncClient`` is for asyncio; both speak the same protocol
+over a ZeroMQ DEALER socket, map the daemon's DRAM arena for zero-copy reads and
+writes, and raise the typed errors of ``kvstore.errors``.  Requests carry ids, so an
+``AsyncClient`` may have many in flight at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import mmap
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvstore import protocol as p
+from kvstore.config import endpoint_from_env
+from kvstore.errors import (
+    KVStoreError,
+    MalformedError,
+    UnavailableError,
+    error_from_code,
+)
+from kvstore.identity import Identity
+from kvstore.keys import chain_keys
+from kvstore.tiers.dram import map_arena
+
+R = TypeVar("R", bound=p.Message)
+_PARENT_MEMORY = 1 << 20  # chain links remembered per namespace, for reserve/put parents
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """``blocks`` leading keys are cached; ``tiers[i]`` names the tier of hit block i."""
+
+    blocks: int
+    tiers: list[str]
+
+
+def _default_tenant() -> str:
+    return os.environ.get("KVSTORE_TENANT", "default")
+
+
+def _check_reply(reply: p.Message, expected: type[R]) -> R:
+    if isinstance(reply, p.ErrorReply):
+        raise error_from_code(reply.code, reply.message)
+    if not isinstance(reply, expected):
+        raise KVStoreError(f"expected a {expected.__name__}, got {type(reply).__name__}")
+    return reply
+
+
+def _make_socket(ctx: zmq.Context[Any], endpoint: str) -> Any:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+class _Session:
+    """What both clients share: the hello facts, the arena mapping, request ids."""
+
+    def __init__(self) -> None:
+        self._rids = itertools.count(1)
+        self.hello: p.HelloReply | None = None
+        self._arena: mmap.mmap | None = None
+        self._arena_view: memoryview | None = None
+
+    def _next_rid(self) -> int:
+        return next(self._rids)
+
+    def _map(self, hello: p.HelloReply, map_arena_pages: bool) -> None:
+        self.hello = hello
+        if map_arena_pages:
+            self._arena = map_arena(hello.arena_path, hello.arena_bytes)
+            self._arena_view = memoryview(self._arena)
+
+    def _slots(self, offsets: Sequence[int], size: int, readonly: bool) -> list[memoryview]:
+        if self._arena_view is None:
+            raise KVStoreError("this client did not map the arena (map_arena=False); "
+                               "use put/get instead")
+        view = self._arena_view.toreadonly() if readonly else self._arena_view
+        return [view[o:o + size] for o in offsets]
+
+    def _unmap(self) -> None:
+        if self._arena_view is not None:
+            self._arena_view.release()
+            self._arena_view = None
+        if self._arena is not None:
+            try:
+                self._arena.close()
+            except BufferError:
+                pass  # the caller still holds a view; the mapping goes with it
+            self._arena = None
+
+    @property
+    def session_id(self) -> str:
+        assert self.hello is not None
+        return self.hello.session
+
+    @property
+    def max_keys(self) -> int:
+        return self.hello.max_keys if self.hello else 4096
+
+    @property
+    def max_request_bytes(self) -> int:
+        return self.hello.max_request_bytes if self.hello else 1 << 28
+
+
+class _Chains:
+    """Parents remembered from ``keys()`` so that reserve/put can name a chain's parent."""
+
+    def __init__(self) -> None:
+        self._parents: OrderedDict[bytes, bytes | None] = OrderedDict()
+
+    def remember(self, keys: list[bytes], parent: bytes | None) -> None:
+        for key in keys:
+            self._parents[key] = parent
+            parent = key
+        while len(self._parents) > _PARENT_MEMORY:
+            self._parents.popitem(last=False)
+
+    def parent_of(self, first_key: bytes) -> bytes | None:
+        return self._parents.get(first_key)
+
+
+def _batches(keys: Sequence[bytes], size: int, max_keys: int, max_bytes: int) -> list[slice]:
+    per = max(1, min(max_keys, max_bytes // max(size, 1)))
+    return [slice(i, i + per) for i in range(0, len(keys), per)]
+
+
+def _check_blocks(blocks: Sequence[Any], count: int, size: int) -> None:
+    if len(blocks) != count:
+        raise MalformedError(f"{count} keys but {len(blocks)} blocks")
+    for i, block in enumerate(blocks):
+        n = memoryview(block).nbytes
+        if n != size:
+            raise MalformedError(f"block {i} holds {n} bytes; this namespace's blocks are {size}")
+
+
+# ========================================================================================
+# synchronous client
+# ========================================================================================
+
+class Client(_Session):
+    """A synchronous connection to the daemon.  Use as a context manager or call close()."""
+
+    def __init__(self, endpoint: str | None = None, *, tenant: str | None = None,
+                 token: str = "", timeout: float = 30.0, map_arena: bool = True) -> None:
+        super().__init__()
+        self.endpoint = endpoint or endpoint_from_env()
+        self.timeout = timeout
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._sock = _make_socket(self._ctx, self.endpoint)
+        self._early: dict[int, tuple[p.Message, list[zmq.Frame]]] = {}
+        try:
+            hello = self._call(p.Hello(self._next_rid(), p.PROTOCOL_VERSION,
+                                       tenant or _default_tenant(), token), p.HelloReply)[0]
+            self._map(hello, map_arena)
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, req: p.Message, expected: type[R],
+              payload: Sequence[Any] = ()) -> tuple[R, list[zmq.Frame]]:
+        if self._sock is None:
+            raise KVStoreError("the client is closed")
+        header = p.encoder.encode(req)
+        if payload:
+            self._sock.send_multipart([header, *payload], copy=False)
+        else:
+            self._sock.send(header)
+        reply, frames = self._wait(req.rid)
+        return _check_reply(reply, expected), frames
+
+    def _wait(self, rid: int) -> tuple[p.Message, list[zmq.Frame]]:
+        if rid in self._early:
+            return self._early.pop(rid)
+        timeout_ms = int(self.timeout * 1000)
+        while True:
+            if not self._sock.poll(timeout_ms, zmq.POLLIN):
+                raise UnavailableError(
+                    f"no reply from the daemon at {self.endpoint} within {self.timeout}s")
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                reply = p.reply_decoder.decode(frames[0].buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise KVStoreError(f"undecodable reply from the daemon: {exc}") from None
+            if reply.rid == rid or reply.rid == 0:
+                return reply, frames[1:]
+            self._early[reply.rid] = (reply, frames[1:])
+
+    def namespace(self, identity: Identity) -> Namespace:
+        """Open (or create) the namespace of an identity."""
+        reply = self._call(p.OpenNamespace(self._next_rid(), identity), p.NamespaceReply)[0]
+        return Namespace(self, identity, reply)
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(p.Stats(self._next_rid()), p.StatsReply)[0].stats
+
+    def ping(self) -> None:
+        """Renew this session's leases (reservations and pins)."""
+        self._call(p.Ping(self._next_rid()), p.OkReply)
+
+    def close(self) -> None:
+        self._unmap()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.endpoint}, session={self.hello.session[:8] if self.hello else None})"
+
+
+class _NamespaceBase:
+    """Key computation and chain memory, the same for both clients."""
+
+    def __init__(self, identity: Identity, reply: p.NamespaceReply) -> None:
+        self.identity = identity
+        self.id = reply.ns
+        self.block_bytes = reply.block_bytes
+        self._chains = _Chains()
+
+    def keys(self, token_ids: Sequence[int] | Any, parent: bytes | None = None) -> list[bytes]:
+        """One chained key per full block of ``token_ids``."""
+        keys = chain_keys(self.id, token_ids, self.identity.block_tokens, parent)
+        self._chains.remember(keys, parent)
+        return keys
+
+    def _parent(self, keys: Sequence[bytes], parent: bytes | None) -> bytes | None:
+        return parent if parent is not None or not keys else self._chains.parent_of(keys[0])
+
+
+class Namespace(_NamespaceBase):
+    """An opened namespace: keys, lookup, reserve/commit, acquire/release, put/get."""
+
+    def __init__(self, client: Client, identity: Identity, reply: p.NamespaceReply) -> None:
+        super().__init__(identity, reply)
+        self.client = client
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        c = self.client
+        total, tiers = 0, []
+        for part in _batches(keys, 0, c.max_keys, 1 << 62):
+            r = c._call(p.Lookup(c._next_rid(), self.id, list(keys[part])), p.LookupReply)[0]
+            total += r.blocks
+            tiers.extend(r.tiers)
+            if r.blocks < len(keys[part]):
+                break
+        return LookupResult(total, tiers)
+
+    def reserve(self, keys: Sequence[bytes], parent: bytes | None = None) -> Reservation:
+        """Slots for every key (all or CapacityError); commit() publishes them."""
+        c = self.client
+        reply = c._call(p.Reserve(c._next_rid(), self.id, list(keys),
+                                  self._parent(keys, parent)), p.ReserveReply)[0]
+        return Reservation(self, list(keys), reply)
+
+    def acquire(self, keys: Sequence[bytes]) -> Held:
+        """Pin every key's block (NotFoundError if any is not cached); release() unpins."""
+        c = self.client
+        reply = c._call(p.Acquire(c._next_rid(), self.id, list(keys)), p.AcquireReply)[0]
+        return Held(self, list(keys), reply)
+
+    def put(self, keys: Sequence[bytes], blocks: Sequence[Any],
+            parent: bytes | None = None) -> int:
+        """Store blocks through frames (reserve, write and commit in one step); new blocks."""
+        _check_blocks(blocks, len(keys), self.block_bytes)
+        c = self.client
+        created = 0
+        previous = self._parent(keys, parent)
+        for part in _batches(keys, self.block_bytes, c.max_keys, c.max_request_bytes):
+            r = c._call(p.Put(c._next_rid(), self.id, list(keys[part]), previous), p.PutReply,
+                        list(blocks[part]))[0]
+            created += r.created
+            previous = keys[part][-1]
+        return created
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The blocks' bytes (NotFoundError if any is not cached)."""
+        c = self.client
+        out: list[bytes] = []
+        for part in _batches(keys, self.block_bytes, c.max_keys, c.max_request_bytes):
+            _, frames = c._call(p.Get(c._next_rid(), self.id, list(keys[part])), p.GetReply)
+            out.extend(f.bytes for f in frames)
+        return out
+
+    def evict(self, keys: Sequence[bytes]) -> int:
+        c = self.client
+        return c._call(p.Evict(c._next_rid(), self.id, list(keys)), p.CountReply)[0].count
+
+    def drop(self) -> int:
+        """Drop every unpinned block of this namespace."""
+        c = self.client
+        return c._call(p.DropNamespace(c._next_rid(), self.id), p.CountReply)[0].count
+
+    def __repr__(self) -> str:
+        return f"Namespace({self.identity.model}, {self.id.hex()[:12]})"
+
+
+class _Finishing:
+    id: int
+    done: bool
+    buffers: list[memoryview]
+
+    def _finish(self) -> None:
+        if self.done:
+            raise KVStoreError(f"reservation {self.id} was already committed or aborted")
+        self.done = True
+        for buf in self.buffers:
+            buf.release()
+
+
+class Reservation(_Finishing):
+    """Reserved slots: write ``buffers``, then ``commit()``; leaving a ``with`` aborts."""
+
+    def __init__(self, ns: Namespace, keys: list[bytes], reply: p.ReserveReply) -> None:
+        self.ns = ns
+        self.keys = keys
+        self.id = reply.reservation
+        self.offsets = reply.offsets
+        self.buffers = ns.client._slots(reply.offsets, ns.block_bytes, readonly=False)
+        self.done = False
+
+    def commit(self) -> int:
+        """Publish the blocks; returns how many were new (the rest were cached already)."""
+        c = self.ns.client
+        self._finish()
+        return c._call(p.Commit(c._next_rid(), self.id), p.CommitReply)[0].created
+
+    def abort(self) -> None:
+        if self.done:
+            return
+        c = self.ns.client
+        self._finish()
+        c._call(p.Abort(c._next_rid(), self.id), p.OkReply)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if not self.done and self.ns.client._sock is not None:
+            self.abort()
+
+
+class Held:
+    """Pinned blocks: read-only ``buffers`` in the arena until ``release()``."""
+
+    def __init__(self, ns: Namespace, keys: list[bytes], reply: p.AcquireReply) -> None:
+        self.ns = ns
+        self.keys = keys
+        self.pin = reply.pin
+        self.offsets = reply.offsets
+        self.buffers = ns.client._slots(reply.offsets, ns.block_bytes, readonly=True)
+        self.released = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        for buf in self.buffers:
+            buf.release()
+        c = self.ns.client
+        c._call(p.Release(c._next_rid(), self.pin), p.OkReply)
+
+    def __enter__(self) -> Held:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.ns.client._sock is not None:
+            self.release()
+
+
+# ========================================================================================
+# asyncio client
+# ========================================================================================
+
+class AsyncClient(_Session):
+    """An asyncio connection to the daemon; many requests may be in flight at once."""
+
+    def __init__(self, endpoint: str | None = None, *, tenant: str | None = None,
+                 token: str = "", timeout: float = 30.0, map_arena: bool = True) -> None:
+        super().__init__()
+        self.endpoint = endpoint or endpoint_from_env()
+        self.timeout = timeout
+        self._tenant = tenant or _default_tenant()
+        self._token = token
+        self._map_arena = map_arena
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: Any = None
+        self._waiting: dict[int, asyncio.Future[tuple[p.Message, list[zmq.Frame]]]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def connect(self) -> AsyncClient:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = _make_socket(self._ctx, self.endpoint)
+        self._reader = asyncio.get_running_loop().create_task(self._read_replies())
+        try:
+            hello = (await self._call(p.Hello(self._next_rid(), p.PROTOCOL_VERSION,
+                                              self._tenant, self._token), p.HelloReply))[0]
+            self._map(hello, self._map_arena)
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def _read_replies(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                reply = p.reply_decoder.decode(frames[0].buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            future = self._waiting.pop(reply.rid, None)
+            if future is not None and not future.done():
+                future.set_result((reply, frames[1:]))
+
+    async def _call(self, req: p.Message, expected: type[R],
+                    payload: Sequence[Any] = ()) -> tuple[R, list[zmq.Frame]]:
+        if self._sock is None:
+            raise KVStoreError("the client is not connected")
+        future: asyncio.Future[tuple[p.Message, list[zmq.Frame]]] = (
+            asyncio.get_running_loop().create_future())
+        self._waiting[req.rid] = future
+        try:
+            header = p.encoder.encode(req)
+            if payload:
+                await self._sock.send_multipart([header, *payload], copy=False)
+            else:
+                await self._sock.send(header)
+            try:
+                reply, frames = await asyncio.wait_for(future, self.timeout)
+            except TimeoutError:
+                raise UnavailableError(f"no reply from the daemon at {self.endpoint} "
+                                       f"within {self.timeout}s") from None
+        finally:
+            self._waiting.pop(req.rid, None)
+        return _check_reply(reply, expected), frames
+
+    def namespace(self, identity: Identity) -> AsyncNamespaceOpener:
+        """``ns = await client.namespace(identity)``."""
+        return AsyncNamespaceOpener(self, identity)
+
+    async def stats(self) -> dict[str, Any]:
+        return (await self._call(p.Stats(self._next_rid()), p.StatsReply))[0].stats
+
+    async def ping(self) -> None:
+        await self._call(p.Ping(self._next_rid()), p.OkReply)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except asyncio.CancelledError:
+                pass
+            self._reader = None
+        self._unmap()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncNamespaceOpener:
+    def __init__(self, client: AsyncClient, identity: Identity) -> None:
+        self.client = client
+        self.identity = identity
+
+    def __await__(self) -> Any:
+        return self._open().__await__()
+
+    async def _open(self) -> AsyncNamespace:
+        c = self.client
+        reply = (await c._call(p.OpenNamespace(c._next_rid(), self.identity),
+                               p.NamespaceReply))[0]
+        return AsyncNamespace(c, self.identity, reply)
+
+
+class AsyncNamespace(_NamespaceBase):
+    """The asyncio twin of ``Namespace``."""
+
+    def __init__(self, client: AsyncClient, identity: Identity, reply: p.NamespaceReply) -> None:
+        super().__init__(identity, reply)
+        self.client = client
+
+    async def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        c = self.client
+        total, tiers = 0, []
+        for part in _batches(keys, 0, c.max_keys, 1 << 62):
+            r = (await c._call(p.Lookup(c._next_rid(), self.id, list(keys[part])),
+                               p.LookupReply))[0]
+            total += r.blocks
+            tiers.extend(r.tiers)
+            if r.blocks < len(keys[part]):
+                break
+        return LookupResult(total, tiers)
+
+    def reserve(self, keys: Sequence[bytes], parent: bytes | None = None) -> AsyncReservation:
+        """``async with ns.reserve(keys) as r`` (or ``r = await ns.reserve(keys)``)."""
+        return AsyncReservation(self, list(keys), self._parent(keys, parent))
+
+    def acquire(self, keys: Sequence[bytes]) -> AsyncHeld:
+        """``async with ns.acquire(keys) as held`` (or ``held = await ns.acquire(keys)``)."""
+        return AsyncHeld(self, list(keys))
+
+    async def put(self, keys: Sequence[bytes], blocks: Sequence[Any],
+                  parent: bytes | None = None) -> int:
+        _check_blocks(blocks, len(keys), self.block_bytes)
+        c = self.client
+        created = 0
+        previous = self._parent(keys, parent)
+        for part in _batches(keys, self.block_bytes, c.max_keys, c.max_request_bytes):
+            r = (await c._call(p.Put(c._next_rid(), self.id, list(keys[part]), previous),
+                               p.PutReply, list(blocks[part])))[0]
+            created += r.created
+            previous = keys[part][-1]
+        return created
+
+    async def get(self, keys: Sequence[bytes]) -> list[bytes]:
+        c = self.client
+        out: list[bytes] = []
+        for part in _batches(keys, self.block_bytes, c.max_keys, c.max_request_bytes):
+            _, frames = await c._call(p.Get(c._next_rid(), self.id, list(keys[part])),
+                                      p.GetReply)
+            out.extend(f.bytes for f in frames)
+        return out
+
+    async def evict(self, keys: Sequence[bytes]) -> int:
+        c = self.client
+        return (await c._call(p.Evict(c._next_rid(), self.id, list(keys)), p.CountReply))[0].count
+
+    async def drop(self) -> int:
+        c = self.client
+        return (await c._call(p.DropNamespace(c._next_rid(), self.id), p.CountReply))[0].count
+
+
+class AsyncReservation(_Finishing):
+    def __init__(self, ns: AsyncNamespace, keys: list[bytes], parent: bytes | None) -> None:
+        self.ns = ns
+        self.keys = keys
+        self._parent = parent
+        self.id = 0
+        self.offsets: list[int] = []
+        self.buffers: list[memoryview] = []
+        self.done = False
+
+    def __await__(self) -> Any:
+        return self._reserve().__await__()
+
+    async def _reserve(self) -> AsyncReservation:
+        c = self.ns.client
+        reply = (await c._call(p.Reserve(c._next_rid(), self.ns.id, self.keys, self._parent),
+                               p.ReserveReply))[0]
+        self.id, self.offsets = reply.reservation, reply.offsets
+        self.buffers = c._slots(reply.offsets, self.ns.block_bytes, readonly=False)
+        return self
+
+    async def commit(self) -> int:
+        c = self.ns.client
+        self._finish()
+        return (await c._call(p.Commit(c._next_rid(), self.id), p.CommitReply))[0].created
+
+    async def abort(self) -> None:
+        if self.done:
+            return
+        c = self.ns.client
+        self._finish()
+        await c._call(p.Abort(c._next_rid(), self.id), p.OkReply)
+
+    async def __aenter__(self) -> AsyncReservation:
+        return await self._reserve()
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self.done and self.ns.client._sock is not None:
+            await self.abort()
+
+
+class AsyncHeld:
+    def __init__(self, ns: AsyncNamespace, keys: list[bytes]) -> None:
+        self.ns = ns
+        self.keys = keys
+        self.pin = 0
+        self.offsets: list[int] = []
+        self.buffers: list[memoryview] = []
+        self.released = False
+
+    def __await__(self) -> Any:
+        return self._acquire().__await__()
+
+    async def _acquire(self) -> AsyncHeld:
+        c = self.ns.client
+        reply = (await c._call(p.Acquire(c._next_rid(), self.ns.id, self.keys),
+                               p.AcquireReply))[0]
+        self.pin, self.offsets = reply.pin, reply.offsets
+        self.buffers = c._slots(reply.offsets, self.ns.block_bytes, readonly=True)
+        return self
+
+    async def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        for buf in self.buffers:
+            buf.release()
+        c = self.ns.client
+        await c._call(p.Release(c._next_rid(), self.pin), p.OkReply)
+
+    async def __aenter__(self) -> AsyncHeld:
+        return await self._acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.ns.client._sock is not None:
+            await self.release()

@@ -1,0 +1,251 @@
+"""Configuration: a TOML file, environment overrides, command-line flags, defaults.
+
+Precedence, lowest first: embedded defaults, the TOML file, ``KVSTORE_<SECTION>_<FIELD>``
+environment variables (and ``KVSTORE_ENDPOINT``), command-line flags.  Every field is
+validated; an error names the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvstore.errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int, field: str = "size") -> int:
+    """``"256MiB"`` -> 268435456; plain integers are bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{field}: expected a size such as '256MiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{field}: a size cannot be negative")
+        return value
+    match = _SIZE.match(str(value))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(
+            f"{field}: {value!r} is not a size; use a number with an optional unit "
+            f"(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(value: int) -> str:
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= factor and value % factor == 0:
+            return f"{value // factor}{unit}"
+    return f"{value}B"
+
+
+def runtime_dir() -> Path:
+    """Where the socket lives: $XDG_RUNTIME_DIR/kvstore, else /tmp/kvstore-<uid>."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base):
+        return Path(base) / "kvstore"
+    return Path("/tmp") / f"kvstore-{os.getuid()}"
+
+
+def default_endpoint() -> str:
+    return f"ipc://{runtime_dir() / 'kvstore.sock'}"
+
+
+def endpoint_from_env() -> str:
+    """The endpoint clients use unless told otherwise."""
+    return os.environ.get("KVSTORE_ENDPOINT") or default_endpoint()
+
+
+class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    endpoint: str = ""
+    extra_endpoints: list[str] = []
+    lease_seconds: float = 30.0
+    max_keys_per_request: int = 4096
+    max_request_bytes: str | int = "256MiB"
+    max_reservations_per_session: int = 1024
+    max_pins_per_session: int = 4096
+    log_level: str = "info"
+    debug_invariants: bool = False
+
+
+class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    capacity: str | int = "1GiB"
+    slab_size: str | int = "64MiB"
+    directory: str = "/dev/shm"
+    eviction_policy: str = "lru"
+    populate: bool = True
+
+
+class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    dram: DramConfig = msgspec.field(default_factory=DramConfig)
+
+    # -- derived, validated values ------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint or default_endpoint()
+
+    @property
+    def dram_capacity(self) -> int:
+        return parse_size(self.dram.capacity, "dram.capacity")
+
+    @property
+    def dram_slab_bytes(self) -> int:
+        return parse_size(self.dram.slab_size, "dram.slab_size")
+
+    @property
+    def max_request_bytes(self) -> int:
+        return parse_size(self.server.max_request_bytes, "server.max_request_bytes")
+
+    def validate(self) -> Config:
+        for endpoint in [self.endpoint, *self.server.extra_endpoints]:
+            if not endpoint.startswith(("ipc://", "tcp://")):
+                raise ConfigError(
+                    f"server.endpoint: {endpoint!r} must start with ipc:// or tcp://")
+        if not self.server.lease_seconds > 0:
+            raise ConfigError("server.lease_seconds: must be a positive number of seconds")
+        for name in ("max_keys_per_request", "max_reservations_per_session",
+                     "max_pins_per_session"):
+            if getattr(self.server, name) <= 0:
+                raise ConfigError(f"server.{name}: must be a positive integer")
+        if self.server.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(
+                "server.log_level: expected one of debug, info, warning, error")
+        if self.max_request_bytes < 1 << 20:
+            raise ConfigError("server.max_request_bytes: must be at least 1MiB")
+        if self.dram_capacity < 1 << 20:
+            raise ConfigError("dram.capacity: must be at least 1MiB")
+        if self.dram_slab_bytes < 1 << 16:
+            raise ConfigError("dram.slab_size: must be at least 64KiB")
+        if not os.path.isdir(self.dram.directory):
+            raise ConfigError(f"dram.directory: {self.dram.directory!r} is not a directory")
+        from kvstore.scheduler.eviction import POLICIES
+
+        if self.dram.eviction_policy not in POLICIES:
+            raise ConfigError(
+                f"dram.eviction_policy: {self.dram.eviction_policy!r}; expected one of "
+                f"{sorted(POLICIES)}")
+        return self
+
+
+def _set_path(data: dict[str, Any], section: str, field: str, value: Any) -> None:
+    data.setdefault(section, {})[field] = value
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """``KVSTORE_<SECTION>_<FIELD>=value`` for every known field, plus KVSTORE_ENDPOINT."""
+    data: dict[str, Any] = {}
+    sections = {"server": ServerConfig, "dram": DramConfig}
+    for section, struct in sections.items():
+        for field in struct.__struct_fields__:
+            raw = env.get(f"KVSTORE_{section.upper()}_{field.upper()}")
+            if raw is None:
+                continue
+            _set_path(data, section, field, _coerce(raw, struct, field, section))
+    if env.get("KVSTORE_ENDPOINT") and "endpoint" not in data.get("server", {}):
+        _set_path(data, "server", "endpoint", env["KVSTORE_ENDPOINT"])
+    return data
+
+
+def _coerce(raw: str, struct: Any, field: str, section: str) -> Any:
+    default = getattr(struct(), field)
+    try:
+        if isinstance(default, bool):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+        if isinstance(default, list):
+            return [part for part in raw.split(",") if part]
+    except ValueError:
+        raise ConfigError(
+            f"{section}.{field}: environment value {raw!r} is not a valid "
+            f"{type(default).__name__}") from None
+    return raw
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Defaults, then the file, then the environment, then ``overrides`` (flags)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    data = _merge(data, _env_overrides(os.environ if env is None else env))
+    if overrides:
+        data = _merge(data, overrides)
+    try:
+        config = msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {_field_message(exc)}") from None
+    return config.validate()
+
+
+def _field_message(exc: msgspec.ValidationError) -> str:
+    # msgspec says "... - at `$.dram.capacity`"; lead with the field name.
+    text = str(exc)
+    match = re.search(r"at `\$\.?([^`]*)`", text)
+    if match:
+        return f"{match.group(1)}: {text.split(' - at ')[0]}"
+    return text
+
+
+def config_to_toml(config: Config) -> str:
+    """The effective configuration as TOML text (for `config show`)."""
+    lines: list[str] = []
+    for section in ("server", "dram"):
+        lines.append(f"[{section}]")
+        values = msgspec.structs.asdict(getattr(config, section))
+        if section == "server" and not values["endpoint"]:
+            values["endpoint"] = config.endpoint
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

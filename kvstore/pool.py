@@ -1,0 +1,173 @@
+"""Slab pool: fixed-size slots carved out of one tier's byte range.
+
+Block sizes differ between namespaces, so the tier's range is cut into slabs of
+``slab_bytes`` and each slab serves slots of one size class, as memcached does.  A slab
+whose slots are all free goes back to the tier.  The pool deals in byte offsets only;
+what a slot holds is the block store's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvstore.errors import TooLargeError
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+class Slab:
+    """One slab: a bump pointer over never-used slots plus a stack of freed ones."""
+
+    __slots__ = ("index", "base", "next_unused", "freed", "used")
+
+    def __init__(self, index: int, base: int) -> None:
+        self.index = index
+        self.base = base
+        self.next_unused = 0
+        self.freed: list[int] = []
+        self.used = 0
+
+
+class SlabClass:
+    """All slabs of one slot size in one tier."""
+
+    def __init__(self, slot_bytes: int, slots_per_slab: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.slots_per_slab = slots_per_slab
+        self.slabs: dict[int, Slab] = {}
+        self._with_room: dict[int, Slab] = {}  # slabs that still have a free slot
+        self.free_slots = 0
+
+    @property
+    def capacity_slots(self) -> int:
+        return len(self.slabs) * self.slots_per_slab
+
+    def _take(self) -> int:
+        slab = next(iter(self._with_room.values()))
+        if slab.freed:
+            offset = slab.freed.pop()
+        else:
+            offset = slab.base + slab.next_unused * self.slot_bytes
+            slab.next_unused += 1
+        slab.used += 1
+        self.free_slots -= 1
+        if slab.used == self.slots_per_slab:
+            del self._with_room[slab.index]
+        return offset
+
+    def __repr__(self) -> str:
+        return (f"SlabClass(slot_bytes={self.slot_bytes}, slabs={len(self.slabs)}, "
+                f"free_slots={self.free_slots}/{self.capacity_slots})")
+
+
+class SlabPool:
+    """The slots of one tier, in slabs of one size class each."""
+
+    def __init__(self, capacity_bytes: int, slab_bytes: int, alignment: int = 64) -> None:
+        if capacity_bytes < 0 or slab_bytes <= 0:
+            raise ValueError("capacity and slab size must be positive")
+        self.capacity_bytes = capacity_bytes
+        self.slab_bytes = min(slab_bytes, capacity_bytes) if capacity_bytes else slab_bytes
+        self.alignment = alignment
+        self.num_slabs = capacity_bytes // self.slab_bytes if self.slab_bytes else 0
+        self._empty: list[int] = list(range(self.num_slabs - 1, -1, -1))
+        self.classes: dict[int, SlabClass] = {}
+        self._owner: dict[int, SlabClass] = {}  # slab index -> class using it
+
+    # -- size classes ---------------------------------------------------------
+    def slot_bytes_for(self, block_bytes: int) -> int:
+        slot = align_up(block_bytes, self.alignment)
+        if slot > self.slab_bytes:
+            raise TooLargeError(
+                f"a block of {block_bytes} bytes does not fit a slab of {self.slab_bytes} "
+                f"bytes in a tier of {self.capacity_bytes} bytes; raise the tier capacity "
+                f"or slab size"
+            )
+        return slot
+
+    def class_for(self, block_bytes: int) -> SlabClass:
+        slot = self.slot_bytes_for(block_bytes)
+        cls = self.classes.get(slot)
+        if cls is None:
+            cls = self.classes[slot] = SlabClass(slot, self.slab_bytes // slot)
+        return cls
+
+    # -- allocation -----------------------------------------------------------
+    @property
+    def empty_slabs(self) -> int:
+        return len(self._empty)
+
+    def available(self, cls: SlabClass) -> int:
+        """Slots the class can hand out now without evicting anything."""
+        return cls.free_slots + len(self._empty) * cls.slots_per_slab
+
+    def allocate(self, cls: SlabClass, count: int) -> list[int] | None:
+        """``count`` slot offsets, or None (and nothing taken) if they are not free."""
+        if count > self.available(cls):
+            return None
+        while cls.free_slots < count:
+            self._grow(cls)
+        return [cls._take() for _ in range(count)]
+
+    def free(self, cls: SlabClass, offsets: list[int]) -> None:
+        for offset in offsets:
+            index = offset // self.slab_bytes
+            slab = cls.slabs[index]
+            slab.freed.append(offset)
+            slab.used -= 1
+            cls.free_slots += 1
+            cls._with_room[index] = slab
+            if slab.used == 0:
+                self._shrink(cls, slab)
+
+    def _grow(self, cls: SlabClass) -> None:
+        index = self._empty.pop()
+        slab = Slab(index, index * self.slab_bytes)
+        cls.slabs[index] = slab
+        cls._with_room[index] = slab
+        cls.free_slots += cls.slots_per_slab
+        self._owner[index] = cls
+
+    def _shrink(self, cls: SlabClass, slab: Slab) -> None:
+        del cls.slabs[slab.index]
+        del cls._with_room[slab.index]
+        del self._owner[slab.index]
+        cls.free_slots -= cls.slots_per_slab
+        self._empty.append(slab.index)
+
+    # -- inspection -----------------------------------------------------------
+    def free_offsets(self, cls: SlabClass) -> Iterator[int]:
+        """Every free slot of the class, computed from the slabs themselves."""
+        for slab in cls.slabs.values():
+            yield from slab.freed
+            for i in range(slab.next_unused, cls.slots_per_slab):
+                yield slab.base + i * cls.slot_bytes
+
+    def tail_waste_bytes(self) -> int:
+        """Bytes no slot can use: slab remainders and the tier's remainder."""
+        waste = self.capacity_bytes - self.num_slabs * self.slab_bytes
+        for cls in self.classes.values():
+            waste += len(cls.slabs) * (self.slab_bytes - cls.slots_per_slab * cls.slot_bytes)
+        return waste
+
+    def check(self) -> None:
+        """Slabs are owned once each; per-class free counts match the slabs."""
+        owned = set(self._owner)
+        assert not owned & set(self._empty), "a slab is both empty and owned"
+        assert len(owned) + len(self._empty) == self.num_slabs, "a slab went missing"
+        for cls in self.classes.values():
+            counted = sum(1 for _ in self.free_offsets(cls))
+            assert counted == cls.free_slots, (
+                f"class {cls.slot_bytes}: {counted} free slots in slabs, "
+                f"{cls.free_slots} counted"
+            )
+            for index, slab in cls.slabs.items():
+                assert self._owner[index] is cls, "slab owned by another class"
+                assert 0 < slab.used <= cls.slots_per_slab, "an empty slab was kept"
+
+    def __repr__(self) -> str:
+        return (f"SlabPool(capacity={self.capacity_bytes}, slab_bytes={self.slab_bytes}, "
+                f"empty_slabs={len(self._empty)}/{self.num_slabs}, "
+                f"classes={list(self.classes.values())})")

@@ -1,0 +1,189 @@
+"""The wire protocol: one MessagePack header frame per message, then raw payload frames.
+
+Every message is a tagged ``msgspec.Struct`` (encoded as an array, tag first, then the
+request id), one union per direction, one typed decoder each.  Payload bytes never pass
+through the header: ``Put`` is followed by one frame per block, and so is a ``GetReply``.
+New fields get defaults and go at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from kvstore.identity import Identity
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+
+
+RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+class Message(msgspec.Struct, tag_field="op", array_like=True, omit_defaults=False):
+    rid: RequestId
+
+
+# -- requests (client -> daemon) ---------------------------------------------------------
+
+class Hello(Message, tag="hello"):
+    version: int
+    tenant: str
+    token: str = ""
+    attach: str = ""  # an existing session's id, for a second socket of the same client
+
+
+class OpenNamespace(Message, tag="open"):
+    identity: Identity
+
+
+class Lookup(Message, tag="lookup"):
+    ns: bytes
+    keys: list[bytes]
+
+
+class Reserve(Message, tag="reserve"):
+    ns: bytes
+    keys: list[bytes]
+    parent: bytes | None = None
+
+
+class Commit(Message, tag="commit"):
+    reservation: int
+
+
+class Abort(Message, tag="abort"):
+    reservation: int
+
+
+class Acquire(Message, tag="acquire"):
+    ns: bytes
+    keys: list[bytes]
+
+
+class Release(Message, tag="release"):
+    pin: int
+
+
+class Put(Message, tag="put"):
+    ns: bytes
+    keys: list[bytes]
+    parent: bytes | None = None
+
+
+class Get(Message, tag="get"):
+    ns: bytes
+    keys: list[bytes]
+
+
+class Evict(Message, tag="evict"):
+    ns: bytes
+    keys: list[bytes]
+
+
+class DropNamespace(Message, tag="drop"):
+    ns: bytes
+
+
+class Stats(Message, tag="stats"):
+    pass
+
+
+class Ping(Message, tag="ping"):
+    pass
+
+
+Request = Union[
+    Hello, OpenNamespace, Lookup, Reserve, Commit, Abort, Acquire, Release, Put, Get,
+    Evict, DropNamespace, Stats, Ping,
+]
+
+
+# -- replies (daemon -> client) ----------------------------------------------------------
+
+class HelloReply(Message, tag="hello"):
+    version: int
+    session: str
+    tenant: str
+    arena_path: str
+    arena_bytes: int
+    lease_seconds: float
+    max_keys: int
+    max_request_bytes: int
+
+
+class NamespaceReply(Message, tag="open"):
+    ns: bytes
+    block_bytes: int
+    slot_bytes: int
+
+
+class LookupReply(Message, tag="lookup"):
+    blocks: int
+    tiers: list[str]
+
+
+class ReserveReply(Message, tag="reserve"):
+    reservation: int
+    offsets: list[int]
+    lease_seconds: float
+
+
+class CommitReply(Message, tag="commit"):
+    created: int
+    duplicates: int
+
+
+class AcquireReply(Message, tag="acquire"):
+    pin: int
+    offsets: list[int]
+
+
+class PutReply(Message, tag="put"):
+    created: int
+    duplicates: int
+
+
+class GetReply(Message, tag="get"):
+    blocks: int
+
+
+class CountReply(Message, tag="count"):
+    count: int
+
+
+class OkReply(Message, tag="ok"):
+    pass
+
+
+class StatsReply(Message, tag="stats"):
+    stats: dict[str, Any]
+
+
+class ErrorReply(Message, tag="error"):
+    code: str
+    message: str
+
+
+Reply = Union[
+    HelloReply, NamespaceReply, LookupReply, ReserveReply, CommitReply, AcquireReply,
+    PutReply, GetReply, CountReply, OkReply, StatsReply, ErrorReply,
+]
+
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+encoder = msgspec.msgpack.Encoder()
+_loose_decoder = msgspec.msgpack.Decoder()
+
+
+def request_id_of(header: bytes) -> int:
+    """The request id of a header that failed to decode, or 0 when it cannot be told."""
+    try:
+        value = _loose_decoder.decode(header)
+    except (msgspec.DecodeError, RecursionError):
+        return 0
+    if isinstance(value, list) and len(value) > 1 and type(value[1]) is int:
+        rid: int = value[1]
+        return rid if 0 <= rid < 1 << 63 else 0
+    return 0

@@ -1,0 +1,507 @@
+"""The daemon: a ZeroMQ ROUTER on an asyncio (uvloop) loop, wiring the store and the arena.
+
+The socket is a plain non-blocking zmq socket drained from the loop's reader callback on
+its file descriptor (cheaper than zmq.asyncio).  ZeroMQ's descriptor is edge-triggered,
+so every drain reads until the socket says it has nothing more.  Each request gets
+exactly one reply; every failure becomes a typed error reply and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import secrets
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvstore import protocol as p
+from kvstore.config import Config
+from kvstore.errors import (
+    CapacityError,
+    ForbiddenError,
+    KVStoreError,
+    LeaseExpiredError,
+    MalformedError,
+    TooLargeError,
+    UnknownNamespaceError,
+    VersionMismatchError,
+)
+from kvstore.keys import KEY_BYTES
+from kvstore.store import BlockStore, Limits, Namespace, Reservation
+from kvstore.tiers.dram import DramArena
+
+log = logging.getLogger("kvstore.server")
+
+_DRAIN_BATCH = 256
+_GET_OWNER = ("daemon", "get")  # pins held while zero-copy get frames are in flight
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    tenant: str
+    namespaces: set[bytes] = field(default_factory=set)
+
+    def __repr__(self) -> str:
+        return f"Session({self.id[:8]}, tenant={self.tenant}, namespaces={len(self.namespaces)})"
+
+
+Outcome = tuple[p.Message, list[Any]]
+
+
+class Server:
+    """The kvstore daemon.  ``await serve()`` runs it until ``stop()``."""
+
+    def __init__(self, config: Config, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        s = config.server
+        self.limits = Limits(
+            lease_seconds=s.lease_seconds,
+            max_reservations_per_owner=s.max_reservations_per_session,
+            max_pins_per_owner=s.max_pins_per_session,
+        )
+        self.max_keys = s.max_keys_per_request
+        self.max_request_bytes = config.max_request_bytes
+        self.store = BlockStore(config.dram_capacity, config.dram_slab_bytes,
+                                limits=self.limits, eviction_policy=config.dram.eviction_policy)
+        self.arena: DramArena | None = None
+        self.sessions: dict[bytes, Session] = {}  # routing id -> session
+        self._by_session_id: dict[str, Session] = {}
+        self._expired: dict[bytes, None] = {}
+        self._in_flight_gets: list[tuple[zmq.MessageTracker, int]] = []
+        self._reap_timer = False
+        self.invariant_violations = 0
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.endpoints: list[str] = []
+        self.handlers: dict[type[Any], Callable[[Session, Any, list[Any]], Outcome]] = {
+            p.OpenNamespace: self._open,
+            p.Lookup: self._lookup,
+            p.Reserve: self._reserve,
+            p.Commit: self._commit,
+            p.Abort: self._abort,
+            p.Acquire: self._acquire,
+            p.Release: self._release,
+            p.Put: self._put,
+            p.Get: self._get,
+            p.Evict: self._evict,
+            p.DropNamespace: self._drop,
+            p.Stats: self._stats,
+            p.Ping: self._ping,
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Create the arena and bind the sockets (synchronous; the loop must be running)."""
+        self._loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        d = self.config.dram
+        self.arena = DramArena(self.config.dram_capacity, d.directory, populate=d.populate)
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_request_bytes + p.MAX_HEADER_BYTES)
+        for endpoint in [self.config.endpoint, *self.config.server.extra_endpoints]:
+            self.endpoints.append(self._bind(sock, endpoint))
+        self._sock = sock
+        self._fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
+        self._loop.add_reader(self._fd, self._drain)
+        self._loop.call_soon(self._drain)
+        self._schedule_reaper()
+        self.store.touch_owner(_GET_OWNER, math.inf)
+
+    def _bind(self, sock: zmq.Socket[bytes], endpoint: str) -> str:
+        if endpoint.startswith("ipc://"):
+            path = Path(endpoint[len("ipc://"):])
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if path.exists():
+                if _socket_alive(endpoint):
+                    raise KVStoreError(f"another daemon is serving {endpoint}")
+                path.unlink()
+        sock.bind(endpoint)
+        bound: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if endpoint.startswith("ipc://"):
+            os.chmod(endpoint[len("ipc://"):], 0o600)
+        return bound
+
+    async def serve(self, on_ready: Callable[[Server], None] | None = None) -> None:
+        self.start()
+        if on_ready is not None:
+            on_ready(self)
+        assert self._stopped is not None
+        await self._stopped.wait()
+        self.close()
+
+    def stop(self) -> None:
+        if self._stopped is not None:
+            self._stopped.set()
+
+    def close(self) -> None:
+        for owner in list(self.store.owners):
+            self.store.drop_owner(owner)
+        if self._sock is not None and self._loop is not None:
+            self._loop.remove_reader(self._fd)
+            self._sock.close(linger=0)
+            for endpoint in self.endpoints:
+                if endpoint.startswith("ipc://"):
+                    try:
+                        os.unlink(endpoint[len("ipc://"):])
+                    except FileNotFoundError:
+                        pass
+        if self._ctx is not None:
+            self._ctx.term()
+        if self.arena is not None:
+            self.arena.close()
+        self._sock = None
+
+    # -- socket plumbing --------------------------------------------------------------------
+    def _drain(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(_DRAIN_BATCH):
+            events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
+            if not events & zmq.POLLIN:
+                break
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._on_message(frames)
+        else:
+            assert self._loop is not None
+            self._loop.call_soon(self._drain)  # more waiting: yield to other callbacks first
+        self._reap_sends()
+
+    def _send(self, routing_id: bytes, reply: p.Message, payload: list[Any]) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        header = p.encoder.encode(reply)
+        try:
+            if payload:
+                if isinstance(payload, PinnedFrames):
+                    tracker = sock.send_multipart([routing_id, header, *payload], copy=False,
+                                                  track=True)
+                    assert tracker is not None, "track=True returns a tracker"
+                    self._in_flight_gets.append((tracker, payload.pin))
+                    self._reap_sends()
+                else:
+                    sock.send_multipart([routing_id, header, *payload], copy=False)
+            else:
+                sock.send_multipart([routing_id, header], copy=False)
+        except zmq.ZMQError as exc:
+            log.warning("dropping a reply to a gone peer: %s", exc)
+            if isinstance(payload, PinnedFrames):
+                self.store.release(_GET_OWNER, payload.pin)
+
+    def _reap_sends(self) -> None:
+        """Drop the pins of get replies that zmq has finished sending."""
+        if not self._in_flight_gets:
+            return
+        pending = []
+        for tracker, pin_id in self._in_flight_gets:
+            if tracker.done:
+                self.store.release(_GET_OWNER, pin_id)
+            else:
+                pending.append((tracker, pin_id))
+        self._in_flight_gets = pending
+        if pending and not self._reap_timer and self._loop is not None:
+            self._reap_timer = True
+            self._loop.call_later(0.0005, self._reap_timer_fired)
+
+    def _reap_timer_fired(self) -> None:
+        self._reap_timer = False
+        self._reap_sends()
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        routing_id = frames[0].bytes
+        if len(frames) < 2:
+            self._send(routing_id, p.ErrorReply(0, MalformedError.code,
+                                                "a request needs a header frame"), [])
+            return
+        header = frames[1].buffer
+        rid = 0
+        try:
+            if len(header) > p.MAX_HEADER_BYTES:
+                raise TooLargeError(f"header of {len(header)} bytes; the limit is "
+                                    f"{p.MAX_HEADER_BYTES}")
+            try:
+                request = p.request_decoder.decode(header)
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+                rid = p.request_id_of(bytes(header))
+                raise MalformedError(f"bad request header: {exc}") from None
+            rid = request.rid
+            if isinstance(request, p.Hello):
+                reply, payload = self._hello(routing_id, request, frames[2:])
+            else:
+                session = self._session(routing_id)
+                self.store.touch_owner(session.id, self.clock())
+                handler = self.handlers[type(request)]
+                reply, payload = handler(session, request, frames[2:])
+        except KVStoreError as exc:
+            reply, payload = p.ErrorReply(rid, exc.code, str(exc)), []
+        except Exception as exc:  # a bug: report it, keep serving
+            log.exception("internal error handling a request")
+            reply, payload = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
+        self._send(routing_id, reply, payload)
+        if self.config.server.debug_invariants:
+            self.check_invariants()
+
+    def check_invariants(self) -> bool:
+        """Run the store's checker; a violation is logged and counted, never fatal."""
+        try:
+            self.store.check_invariants()
+        except AssertionError as exc:
+            self.invariant_violations += 1
+            log.error("invariant violated: %s", exc)
+            return False
+        return True
+
+    def _session(self, routing_id: bytes) -> Session:
+        session = self.sessions.get(routing_id)
+        if session is None:
+            if routing_id in self._expired:
+                raise LeaseExpiredError(
+                    "this session's lease ran out and its holdings were rolled back; "
+                    "connect again")
+            raise ForbiddenError("no session: the first request must be hello")
+        return session
+
+    def _namespace(self, session: Session, ns_id: bytes) -> Namespace:
+        if ns_id not in session.namespaces:
+            raise UnknownNamespaceError("namespace not opened in this session; open it first")
+        return self.store.namespaces[ns_id]
+
+    def _check_keys(self, keys: list[bytes]) -> None:
+        if len(keys) > self.max_keys:
+            raise TooLargeError(f"{len(keys)} keys in one request; the limit is {self.max_keys}")
+        for key in keys:
+            if len(key) != KEY_BYTES:
+                raise MalformedError(f"a key must be {KEY_BYTES} bytes, got {len(key)}")
+
+    # -- verbs ---------------------------------------------------------------------------------
+    def _hello(self, routing_id: bytes, req: p.Hello, payload: list[Any]) -> Outcome:
+        if req.version != p.PROTOCOL_VERSION:
+            raise VersionMismatchError(
+                f"client speaks protocol {req.version}, daemon speaks {p.PROTOCOL_VERSION}; "
+                f"upgrade the older side")
+        if not req.tenant:
+            raise MalformedError("hello needs a tenant")
+        if req.attach:
+            session = self._by_session_id.get(req.attach)
+            if session is None or session.tenant != req.tenant:
+                raise ForbiddenError("no such session to attach to")
+        else:
+            old = self.sessions.get(routing_id)
+            if old is not None:
+                self._end_session(routing_id, old)
+            session = Session(secrets.token_hex(16), req.tenant)
+            self._by_session_id[session.id] = session
+        self.sessions[routing_id] = session
+        self.store.touch_owner(session.id, self.clock())
+        assert self.arena is not None
+        return p.HelloReply(
+            req.rid, p.PROTOCOL_VERSION, session.id, session.tenant, self.arena.path,
+            self.arena.capacity_bytes, self.limits.lease_seconds, self.max_keys,
+            self.max_request_bytes), []
+
+    def _end_session(self, routing_id: bytes, session: Session) -> None:
+        self.store.drop_owner(session.id)
+        for rid_, s in list(self.sessions.items()):
+            if s is session:
+                del self.sessions[rid_]
+        self._by_session_id.pop(session.id, None)
+
+    def _open(self, session: Session, req: p.OpenNamespace, payload: list[Any]) -> Outcome:
+        identity = req.identity
+        if identity.tenant != session.tenant:
+            raise ForbiddenError(
+                f"session of tenant {session.tenant!r} cannot open a namespace of another tenant")
+        if identity.block_bytes > self.max_request_bytes:
+            raise TooLargeError(f"blocks of {identity.block_bytes} bytes exceed the request "
+                                f"limit of {self.max_request_bytes}")
+        ns = self.store.open_namespace(identity)
+        session.namespaces.add(ns.id)
+        return p.NamespaceReply(req.rid, ns.id, ns.block_bytes, ns.cls.slot_bytes), []
+
+    def _lookup(self, session: Session, req: p.Lookup, payload: list[Any]) -> Outcome:
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        hits = self.store.lookup(ns, req.keys)
+        return p.LookupReply(req.rid, hits, [self.store.tier] * hits), []
+
+    def _reserve(self, session: Session, req: p.Reserve, payload: list[Any]) -> Outcome:
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        if req.parent is not None:
+            self._check_keys([req.parent])
+        r = self._reserve_slots(session, ns, req.keys, req.parent)
+        return p.ReserveReply(req.rid, r.id, r.offsets, self.limits.lease_seconds), []
+
+    def _reserve_slots(self, session: Session, ns: Namespace, keys: list[bytes],
+                       parent: bytes | None) -> Reservation:
+        try:
+            return self.store.reserve(session.id, ns, keys, parent, self.clock())
+        except CapacityError:
+            if not self._in_flight_gets:
+                raise
+        # Blocks of get replies stay pinned until zmq has sent them, which a client that
+        # already holds the reply can outrun by a few microseconds: wait for those sends
+        # once, briefly, before refusing.
+        for tracker, _ in self._in_flight_gets:
+            try:
+                tracker.wait(0.005)
+            except zmq.NotDone:
+                pass
+        self._reap_sends()
+        return self.store.reserve(session.id, ns, keys, parent, self.clock())
+
+    def _commit(self, session: Session, req: p.Commit, payload: list[Any]) -> Outcome:
+        created, duplicates = self.store.commit(session.id, req.reservation, self.clock())
+        return p.CommitReply(req.rid, created, duplicates), []
+
+    def _abort(self, session: Session, req: p.Abort, payload: list[Any]) -> Outcome:
+        self.store.abort(session.id, req.reservation)
+        return p.OkReply(req.rid), []
+
+    def _acquire(self, session: Session, req: p.Acquire, payload: list[Any]) -> Outcome:
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        pin = self.store.acquire(session.id, ns, req.keys, self.clock())
+        return p.AcquireReply(req.rid, pin.id, [b.offset for b in pin.blocks]), []
+
+    def _release(self, session: Session, req: p.Release, payload: list[Any]) -> Outcome:
+        self.store.release(session.id, req.pin)
+        return p.OkReply(req.rid), []
+
+    def _put(self, session: Session, req: p.Put, payload: list[Any]) -> Outcome:
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        if req.parent is not None:
+            self._check_keys([req.parent])
+        if len(payload) != len(req.keys):
+            raise MalformedError(f"put of {len(req.keys)} keys carries {len(payload)} frames")
+        for i, frame in enumerate(payload):
+            if len(frame) != ns.block_bytes:
+                raise MalformedError(f"frame {i} holds {len(frame)} bytes; a block of this "
+                                     f"namespace is {ns.block_bytes}")
+        now = self.clock()
+        r = self._reserve_slots(session, ns, req.keys, req.parent)
+        try:
+            assert self.arena is not None
+            view, size = self.arena.view, ns.block_bytes
+            for offset, frame in zip(r.offsets, payload):
+                view[offset:offset + size] = frame.buffer
+        except BaseException:
+            self.store.abort(session.id, r.id)
+            raise
+        created, duplicates = self.store.commit(session.id, r.id, now)
+        return p.PutReply(req.rid, created, duplicates), []
+
+    def _get(self, session: Session, req: p.Get, payload: list[Any]) -> Outcome:
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        if len(req.keys) * ns.block_bytes > self.max_request_bytes:
+            raise TooLargeError(f"get of {len(req.keys)} blocks exceeds the request limit of "
+                                f"{self.max_request_bytes} bytes; split it")
+        pin = self.store.acquire(_GET_OWNER, ns, req.keys, self.clock())
+        assert self.arena is not None
+        size = ns.block_bytes
+        frames = [self.arena.slot(b.offset, size) for b in pin.blocks]
+        if not frames:
+            self.store.release(_GET_OWNER, pin.id)
+            return p.GetReply(req.rid, 0), []
+        return p.GetReply(req.rid, len(frames)), PinnedFrames(frames, pin.id)
+
+    def _evict(self, session: Session, req: p.Evict, payload: list[Any]) -> Outcome:
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        return p.CountReply(req.rid, self.store.evict(ns, req.keys)), []
+
+    def _drop(self, session: Session, req: p.DropNamespace, payload: list[Any]) -> Outcome:
+        ns = self._namespace(session, req.ns)
+        return p.CountReply(req.rid, self.store.drop_namespace(ns)), []
+
+    def _stats(self, session: Session, req: p.Stats, payload: list[Any]) -> Outcome:
+        return p.StatsReply(req.rid, self.stats()), []
+
+    def _ping(self, session: Session, req: p.Ping, payload: list[Any]) -> Outcome:
+        return p.OkReply(req.rid), []
+
+    # -- housekeeping ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {
+            "tiers": {self.store.tier: self.store.stats()},
+            "sessions": len(self._by_session_id),
+            "namespaces": len(self.store.namespaces),
+            "invariant_violations": self.invariant_violations,
+        }
+
+    def _schedule_reaper(self) -> None:
+        assert self._loop is not None
+        period = min(1.0, self.limits.lease_seconds / 4)
+        self._loop.call_later(period, self._reap)
+
+    def _reap(self) -> None:
+        if self._sock is None:
+            return
+        gone = set(self.store.expire(self.clock()))
+        if gone:
+            for routing_id, session in list(self.sessions.items()):
+                if session.id in gone:
+                    del self.sessions[routing_id]
+                    self._by_session_id.pop(session.id, None)
+                    self._expired[routing_id] = None
+            while len(self._expired) > 4096:
+                del self._expired[next(iter(self._expired))]
+            log.info("lease expired for %d session(s); their holdings were rolled back", len(gone))
+        self._schedule_reaper()
+
+
+class PinnedFrames(list[Any]):
+    """Zero-copy payload frames of arena slots, pinned until zmq has sent them."""
+
+    def __init__(self, frames: list[memoryview], pin: int) -> None:
+        super().__init__(frames)
+        self.pin = pin
+
+
+def _socket_alive(endpoint: str) -> bool:
+    """Whether something answers on an ipc endpoint (a stale socket file does not)."""
+    import socket
+
+    path = endpoint[len("ipc://"):]
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+async def run_server(config: Config, on_ready: Callable[[Server], None] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM."""
+    server = Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.stop)
+    await server.serve(on_ready)

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import pytest
+
+from kvstore.errors import TooLargeError
+from kvstore.pool import SlabPool
+
+
+def test_allocation_is_all_or_nothing_and_slabs_return_when_empty() -> None:
+    pool = SlabPool(capacity_bytes=4 * 4096, slab_bytes=2 * 4096, alignment=4096)
+    cls = pool.class_for(3000)
+    assert cls.slot_bytes == 4096 and cls.slots_per_slab == 2
+    assert pool.allocate(cls, 5) is None
+    assert pool.empty_slabs == 2
+    got = pool.allocate(cls, 3)
+    assert got is not None and len(set(got)) == 3
+    assert pool.empty_slabs == 0 and cls.free_slots == 1
+    pool.check()
+    pool.free(cls, got[:2])
+    pool.check()
+    pool.free(cls, got[2:])
+    assert pool.empty_slabs == 2 and cls.free_slots == 0
+    pool.check()
+
+
+def test_size_classes_share_the_tier_by_slabs() -> None:
+    pool = SlabPool(capacity_bytes=1 << 20, slab_bytes=1 << 18)
+    small, big = pool.class_for(1000), pool.class_for(100_000)
+    a = pool.allocate(small, 10)
+    b = pool.allocate(big, 2)
+    assert a and b and pool.empty_slabs == 2
+    assert {o // pool.slab_bytes for o in a}.isdisjoint({o // pool.slab_bytes for o in b})
+    assert pool.tail_waste_bytes() == (pool.slab_bytes % small.slot_bytes
+                                       + pool.slab_bytes % big.slot_bytes)
+    pool.check()
+
+
+def test_a_block_larger_than_a_slab_is_refused() -> None:
+    pool = SlabPool(capacity_bytes=1 << 20, slab_bytes=1 << 16)
+    with pytest.raises(TooLargeError):
+        pool.class_for(1 << 17)

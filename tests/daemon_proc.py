@@ -1,0 +1,77 @@
+"""Start a real kvstore daemon process for tests, and stop it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class DaemonProcess:
+    """``python -m kvstore serve`` with the given flags, waited on until it serves."""
+
+    def __init__(self, workdir: Path, *, dram_capacity: str = "64MiB", lease: float = 30.0,
+                 tcp: bool = False, extra: list[str] | None = None,
+                 debug_invariants: bool = True) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.endpoint = f"ipc://{workdir / 'kvstore.sock'}"
+        self.tcp_endpoint = f"tcp://127.0.0.1:{free_port()}" if tcp else None
+        self.args = [sys.executable, "-m", "kvstore", "serve", "--endpoint", self.endpoint,
+                     "--dram-capacity", dram_capacity, "--lease", str(lease),
+                     "--log-level", "warning", *(extra or [])]
+        if self.tcp_endpoint:
+            self.args += ["--extra-endpoint", self.tcp_endpoint]
+        if debug_invariants:
+            self.args.append("--debug-invariants")
+        self.log_path = workdir / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> DaemonProcess:
+        env = dict(os.environ)
+        env.pop("KVSTORE_ENDPOINT", None)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._log,
+                                     env=env)
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"daemon exited early: {self.log_path.read_text()}")
+            if b"serving on" in line:
+                return self
+        raise RuntimeError("daemon did not come up in time")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        self._log.close()
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")

@@ -1,0 +1,111 @@
+"""Opening the tier: clear errors for bad directories, sizes and layouts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ssd_helpers import MiB, StoreFactory, chain, read_ok, write
+from kvstore.errors import ConfigError
+
+
+def test_directory_under_a_file_cannot_be_created(
+    open_store: StoreFactory, tmp_path: Path
+) -> None:
+    (tmp_path / "a-file").write_bytes(b"")
+    path = tmp_path / "a-file" / "ssd"
+    with pytest.raises(ConfigError, match=f"{path} cannot be created"):
+        open_store(path)
+
+
+def test_read_only_directory_is_refused(open_store: StoreFactory, tmp_path: Path) -> None:
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o500)
+        with pytest.raises(ConfigError, match=f"{path} is not writable"):
+            open_store(path)
+        return
+    # root ignores file modes; a read-only mount stops it
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip("running as root without mount rights: no way to make a directory read-only")
+    try:
+        with pytest.raises(ConfigError, match=f"{path} is not writable"):
+            open_store(path)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_capacity_beyond_free_space_names_path_and_size(
+    open_store: StoreFactory, tmp_path: Path
+) -> None:
+    fs = os.statvfs(tmp_path)
+    slab = 64 * MiB
+    capacity = (fs.f_bavail * fs.f_frsize // slab + 16) * slab
+    path = tmp_path / "ssd"
+    with pytest.raises(ConfigError, match=f"{path} has \\d+ bytes free.*capacity_bytes={capacity}"):
+        open_store(path, capacity, slab_bytes=slab)
+    assert not (path / "blocks.dat").exists() and not (path / "index").exists()
+
+
+@pytest.mark.parametrize(
+    ("capacity", "slab", "field"),
+    [(64 * MiB, 8 * MiB + 1, "slab_bytes"), (64 * MiB + 4096, 8 * MiB, "capacity_bytes"),
+     (0, 8 * MiB, "capacity_bytes")],
+)
+def test_bad_sizes(open_store: StoreFactory, capacity: int, slab: int, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        open_store(capacity=capacity, slab_bytes=slab)
+
+
+def test_bad_sync_policy(open_store: StoreFactory) -> None:
+    with pytest.raises(ConfigError, match="sync='sometimes'"):
+        open_store(sync="sometimes")
+
+
+@pytest.mark.parametrize(
+    ("capacity", "slab", "message"),
+    [
+        (128 * MiB, 8 * MiB, "capacity_bytes=67108864 \\(config: 134217728\\)"),
+        (64 * MiB, 16 * MiB, "slab_bytes=8388608 \\(config: 16777216\\)"),
+    ],
+)
+def test_layout_mismatch_on_reopen(
+    open_store: StoreFactory, capacity: int, slab: int, message: str
+) -> None:
+    store = open_store()
+    records = write(store, chain(os.urandom(16), 2, 4096, 0))
+    store.close()
+    with pytest.raises(ConfigError, match=message):
+        open_store(capacity=capacity, slab_bytes=slab)
+    # the refused open touched nothing
+    reopened = open_store()
+    assert all(read_ok(reopened, r) for r in reopened.load())
+    assert len(records) == reopened.stats()["records"]
+
+
+def test_directory_held_by_another_store(open_store: StoreFactory) -> None:
+    open_store()
+    with pytest.raises(ConfigError, match="in use by another kvstore process"):
+        open_store()
+
+
+def test_preallocation_reserves_the_capacity(open_store: StoreFactory, tmp_path: Path) -> None:
+    open_store(capacity=32 * MiB, preallocate=True)
+    assert os.stat(tmp_path / "ssd" / "blocks.dat").st_blocks * 512 >= 32 * MiB
+
+
+def test_lazy_allocation_reserves_slabs_on_first_write(
+    open_store: StoreFactory, tmp_path: Path
+) -> None:
+    store = open_store(capacity=32 * MiB, preallocate=False)
+    data = tmp_path / "ssd" / "blocks.dat"
+    assert os.stat(data).st_size == 32 * MiB and os.stat(data).st_blocks == 0
+    write(store, chain(os.urandom(16), 1, 4096, 8 * MiB))
+    assert 8 * MiB <= os.stat(data).st_blocks * 512 < 16 * MiB

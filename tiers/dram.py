@@ -1,0 +1,78 @@
+"""The DRAM tier's bytes: one shared-memory arena that colocated clients map.
+
+The arena is a file on a tmpfs (``/dev/shm`` by default), mode 0600, mapped shared by
+the daemon and by every client, so blocks are written and read in place with no copy
+through the daemon.  Pages are populated when the arena is created: the first touch of
+fresh shm pages runs several times slower than a warm write.  Clients map the file with
+``mmap`` rather than ``multiprocessing.shared_memory``, whose resource tracker would
+unlink the arena when a client process exits.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+from kvstore.errors import ConfigError
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class DramArena:
+    """A shared-memory file of ``capacity_bytes``, mapped read-write."""
+
+    def __init__(self, capacity_bytes: int, directory: str = "/dev/shm",
+                 *, populate: bool = True, name: str | None = None) -> None:
+        self.capacity_bytes = capacity_bytes
+        name = name or f"kvstore-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}.arena"
+        self.path = str(Path(directory) / name)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise ConfigError(f"dram.directory: cannot create the arena {self.path}: {exc}") \
+                from None
+        try:
+            try:
+                os.posix_fallocate(fd, 0, capacity_bytes)
+            except OSError as exc:
+                raise ConfigError(
+                    f"dram.capacity: cannot allocate {capacity_bytes} bytes in "
+                    f"{directory}: {exc.strerror}") from None
+            flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+            self._mmap = mmap.mmap(fd, capacity_bytes, flags=flags)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+        self.view = memoryview(self._mmap)
+
+    def slot(self, offset: int, length: int) -> memoryview:
+        return self.view[offset:offset + length]
+
+    def close(self) -> None:
+        """Unmap and unlink; clients that still map it keep their pages until they go."""
+        self.view.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a view is still exported (a send in flight); the GC unmaps it later
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __repr__(self) -> str:
+        return f"DramArena({self.path}, {self.capacity_bytes} bytes)"
+
+
+def map_arena(path: str, size: int, *, populate: bool = True) -> mmap.mmap:
+    """A client's mapping of the daemon's arena."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+        return mmap.mmap(fd, size, flags=flags)
+    finally:
+        os.close(fd)

@@ -1,0 +1,274 @@
+"""The SSD tier's durable index: block records, namespaces and layout metadata in LMDB.
+
+Three sub-databases: ``blocks`` (namespace id + key -> msgpack ``BlockRecord``),
+``namespaces`` (namespace id -> opaque identity bytes) and ``meta`` (format version and
+the layout the data file was written with).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+import lmdb
+import msgspec
+
+from kvstore.errors import BackendError, CapacityError, ConfigError
+
+from .ssd_layout import (
+    FORMAT_VERSION,
+    BlockRecord,
+    SlabLayout,
+    decode_record,
+    encode_record,
+)
+
+SyncPolicy = Literal["always", "batch", "none"]
+
+_META_FIELDS = ("format_version", "capacity_bytes", "slab_bytes")
+_DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+_NEARLY_FULL = 1 << 20
+
+
+def _is_disk_full(exc: lmdb.Error, path: Path) -> bool:
+    # py-lmdb reports system errors as a plain lmdb.Error carrying strerror() in the text,
+    # and LMDB turns a short page write on a full disk into EIO: look at the disk too
+    if any(os.strerror(code) in str(exc) for code in _DISK_FULL):
+        return True
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return False
+    return fs.f_bavail * fs.f_frsize < _NEARLY_FULL
+
+
+class SSDIndex:
+    """LMDB environment of the SSD tier.  Thread-safe: LMDB serialises write transactions."""
+
+    def __init__(self, path: Path, layout: SlabLayout, *, map_size: int, sync: SyncPolicy) -> None:
+        """Open (or create) the index at ``path`` and check it was written for ``layout``.
+
+        A new index records the layout only when ``write_layout()`` is called, so a store
+        that fails to open does not pin a layout it never used.
+        """
+        self.path = path
+        self.layout = layout
+        self.fresh = False
+        try:
+            # batch: data pages are synced at commit, the meta page at the next one, so a
+            # power loss can undo the last commit but never corrupts the index
+            self._env = lmdb.open(
+                str(path),
+                map_size=map_size,
+                max_dbs=3,
+                sync=sync != "none",
+                metasync=sync == "always",
+            )
+        except lmdb.Error as exc:
+            raise BackendError(
+                f"SSD index {path} cannot be opened ({exc}); delete it to start the tier cold"
+            ) from exc
+        try:
+            self._blocks = self._env.open_db(b"blocks")
+            self._namespaces = self._env.open_db(b"namespaces")
+            self._meta = self._env.open_db(b"meta")
+            self.fresh = self._check_meta(layout)
+        except BaseException:
+            self._env.close()
+            raise
+
+    @contextmanager
+    def _mapped_errors(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except lmdb.MapFullError as exc:
+            raise CapacityError(
+                f"SSD index {self.path} is full while {action}; raise map_size"
+            ) from exc
+        except lmdb.Error as exc:
+            if _is_disk_full(exc, self.path):
+                raise CapacityError(
+                    f"disk full under SSD index {self.path} while {action}: {exc}"
+                ) from exc
+            raise BackendError(f"SSD index {self.path} failed while {action}: {exc}") from exc
+
+    @staticmethod
+    def _wanted_meta(layout: SlabLayout) -> dict[str, int]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "capacity_bytes": layout.capacity_bytes,
+            "slab_bytes": layout.slab_bytes,
+        }
+
+    def _check_meta(self, layout: SlabLayout) -> bool:
+        """Refuse a layout other than the stored one; True when none is stored yet."""
+        wanted = self._wanted_meta(layout)
+        with self._mapped_errors("reading its metadata"), self._env.begin() as txn:
+            stored = {
+                name: txn.get(name.encode(), db=self._meta) for name in _META_FIELDS
+            }
+        if all(value is None for value in stored.values()):
+            return True
+        found = {name: (v.decode() if v is not None else "missing") for name, v in stored.items()}
+        if found["format_version"] != str(FORMAT_VERSION):
+            raise ConfigError(
+                f"SSD index {self.path} has format version {found['format_version']}, this "
+                f"kvstore reads version {FORMAT_VERSION}; delete the directory to start cold"
+            )
+        differ = [
+            f"{name}={found[name]} (config: {wanted[name]})"
+            for name in _META_FIELDS
+            if found[name] != str(wanted[name])
+        ]
+        if differ:
+            raise ConfigError(
+                f"SSD index {self.path} was written with a different layout: "
+                + ", ".join(differ)
+                + "; restore the old values or delete the directory to start cold"
+            )
+        return False
+
+    def write_layout(self) -> None:
+        """Record the layout in a fresh index (no-op once recorded)."""
+        if not self.fresh:
+            return
+        with self._mapped_errors("writing its metadata"), self._env.begin(write=True) as txn:
+            for name, value in self._wanted_meta(self.layout).items():
+                txn.put(name.encode(), str(value).encode(), db=self._meta)
+        self.fresh = False
+
+    # blocks
+
+    def commit(
+        self, records: Sequence[BlockRecord], touches: Mapping[bytes, float] | None = None
+    ) -> None:
+        """Publish ``records`` (and pending last-access updates) in one write transaction."""
+        with self._mapped_errors("committing records"), self._env.begin(write=True) as txn:
+            for record in records:
+                txn.put(record.index_key, encode_record(record), db=self._blocks)
+            if touches:
+                self._apply_touches(txn, touches)
+
+    def apply_touches(self, touches: Mapping[bytes, float]) -> None:
+        """Raise stored last-access times to ``touches`` (index key -> time)."""
+        if touches:
+            with self._mapped_errors("updating access times"), self._env.begin(write=True) as txn:
+                self._apply_touches(txn, touches)
+
+    def _apply_touches(self, txn: lmdb.Transaction[bytes], touches: Mapping[bytes, float]) -> None:
+        for index_key, when in touches.items():
+            value = txn.get(index_key, db=self._blocks)
+            if value is None:
+                continue
+            try:
+                record = decode_record(value)
+            except msgspec.DecodeError:  # load() drops it; nothing to update
+                continue
+            if when > record.last_access:
+                txn.put(
+                    index_key,
+                    encode_record(msgspec.structs.replace(record, last_access=when)),
+                    db=self._blocks,
+                )
+
+    def delete(self, index_keys: Iterable[bytes]) -> int:
+        """Remove records by index key; returns how many were there."""
+        removed = 0
+        with self._mapped_errors("removing records"), self._env.begin(write=True) as txn:
+            for index_key in index_keys:
+                removed += txn.delete(index_key, db=self._blocks)
+        return removed
+
+    def delete_if_current(self, records: Iterable[BlockRecord]) -> int:
+        """Remove each record only if the index still holds that very block (same offset,
+        length and checksum), so a newer write of the same key survives."""
+        removed = 0
+        with self._mapped_errors("dropping records"), self._env.begin(write=True) as txn:
+            for record in records:
+                value = txn.get(record.index_key, db=self._blocks)
+                if value is None:
+                    continue
+                try:
+                    stored = decode_record(value)
+                except msgspec.DecodeError:
+                    stored = None
+                if stored is None or (
+                    (stored.offset, stored.length, stored.checksum)
+                    == (record.offset, record.length, record.checksum)
+                ):
+                    removed += txn.delete(record.index_key, db=self._blocks)
+        return removed
+
+    def get(self, index_key: bytes) -> BlockRecord | None:
+        """The record under ``index_key``, or None (also when it does not decode)."""
+        with self._env.begin() as txn:
+            value = txn.get(index_key, db=self._blocks)
+        if value is None:
+            return None
+        try:
+            return decode_record(value)
+        except msgspec.DecodeError:
+            return None
+
+    def count(self) -> int:
+        """Number of block records."""
+        with self._env.begin() as txn:
+            return txn.stat(self._blocks)["entries"]
+
+    def scan(
+        self, progress: Callable[[int], None] | None = None
+    ) -> tuple[list[BlockRecord], list[bytes]]:
+        """Every record, and the index keys of values that do not decode or do not match
+        their key.  ``progress`` is called with counts of entries read as the scan goes."""
+        records: list[BlockRecord] = []
+        bad: list[bytes] = []
+        step = 0
+        with self._env.begin(buffers=True) as txn:
+            for key_view, value in txn.cursor(db=self._blocks):
+                key = bytes(key_view)
+                try:
+                    record = decode_record(value)
+                except msgspec.DecodeError:
+                    bad.append(key)
+                else:
+                    if record.index_key == key:
+                        records.append(record)
+                    else:
+                        bad.append(key)
+                step += 1
+                if progress is not None and step == 4096:
+                    progress(step)
+                    step = 0
+        if progress is not None and step:
+            progress(step)
+        return records, bad
+
+    # namespaces
+
+    def put_namespace(self, namespace: bytes, identity: bytes) -> None:
+        """Store the opaque identity bytes of a namespace."""
+        with self._mapped_errors("storing a namespace"), self._env.begin(write=True) as txn:
+            txn.put(namespace, identity, db=self._namespaces)
+
+    def namespaces(self) -> dict[bytes, bytes]:
+        """Every namespace id with its identity bytes."""
+        with self._env.begin() as txn:
+            return dict(txn.cursor(db=self._namespaces))
+
+    # lifecycle
+
+    def flush(self) -> None:
+        """Force committed transactions to disk, whatever the sync policy."""
+        with self._mapped_errors("syncing"):
+            self._env.sync(True)
+
+    def close(self) -> None:
+        """Flush and close the environment."""
+        try:
+            self.flush()
+        finally:
+            self._env.close()

@@ -1,0 +1,210 @@
+"""What the SSD tier's index holds, and the rules that decide which records survive a restart.
+
+Pure: records and arithmetic only, no files.  The flat byte space of ``capacity_bytes`` is
+cut into slabs of ``slab_bytes``; slab ``i`` covers ``[i * slab_bytes, (i + 1) * slab_bytes)``
+and, on disk, the same range of the single data file.  A block (with its size-class slot)
+lies inside one slab.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+FORMAT_VERSION = 1
+ID_BYTES = 16
+IO_ALIGN = 4096  # direct I/O alignment; also covers 512-byte-sector devices
+_U64_MAX = (1 << 64) - 1
+
+
+class BlockRecord(msgspec.Struct, frozen=True, array_like=True):
+    """One block on SSD: where its bytes are and how to check them.
+
+    ``checksum`` is xxh3_64 of the bytes; ``write_blocks`` computes it, so callers leave
+    it at 0 when they write.  ``size_class`` is the slot size of the block's size class in
+    bytes (0: the slot is exactly ``length`` bytes).  New fields go at the end, with defaults.
+    """
+
+    namespace: bytes
+    key: bytes
+    parent: bytes | None
+    offset: int
+    length: int
+    checksum: int = 0
+    last_access: float = 0.0
+    size_class: int = 0
+
+    @property
+    def index_key(self) -> bytes:
+        """The LMDB key: namespace id followed by block key."""
+        return self.namespace + self.key
+
+    @property
+    def span(self) -> int:
+        """Bytes of the slot the block occupies."""
+        return max(self.length, self.size_class)
+
+    @property
+    def end(self) -> int:
+        """First offset past the block's slot."""
+        return self.offset + self.span
+
+
+_record_encoder = msgspec.msgpack.Encoder()
+_record_decoder = msgspec.msgpack.Decoder(BlockRecord)
+
+
+def encode_record(record: BlockRecord) -> bytes:
+    """The index value of a record."""
+    return _record_encoder.encode(record)
+
+
+def decode_record(value: bytes | memoryview) -> BlockRecord:
+    """A record from its index value; raises ``msgspec.ValidationError``/``DecodeError``."""
+    return _record_decoder.decode(value)
+
+
+@dataclass(frozen=True)
+class SlabLayout:
+    """The flat offset space that the daemon's slab pool addresses."""
+
+    capacity_bytes: int
+    slab_bytes: int
+
+    @property
+    def slabs(self) -> int:
+        """Number of slabs."""
+        return self.capacity_bytes // self.slab_bytes
+
+    def slabs_of(self, record: BlockRecord) -> range:
+        """Slab numbers the record's slot touches (one, for a record that fits)."""
+        return range(record.offset // self.slab_bytes, (record.end - 1) // self.slab_bytes + 1)
+
+    def problem(self, record: BlockRecord) -> str | None:
+        """Why the record cannot be in this layout, or None when it fits."""
+        if len(record.namespace) != ID_BYTES or len(record.key) != ID_BYTES:
+            return "namespace and key must be 16 bytes"
+        if record.parent is not None and len(record.parent) != ID_BYTES:
+            return "parent key must be 16 bytes"
+        if record.length <= 0:
+            return f"length {record.length} is not positive"
+        if record.size_class < 0 or (record.size_class and record.length > record.size_class):
+            return f"length {record.length} does not fit size class {record.size_class}"
+        if not 0 <= record.checksum <= _U64_MAX:
+            return "checksum is not a 64-bit unsigned integer"
+        if record.offset < 0 or record.end > self.capacity_bytes:
+            return (
+                f"slot [{record.offset}, {record.end}) is outside capacity {self.capacity_bytes}"
+            )
+        if len(self.slabs_of(record)) != 1:
+            return f"slot [{record.offset}, {record.end}) crosses a slab boundary"
+        return None
+
+
+def overlapping_groups(records: Iterable[BlockRecord]) -> list[list[BlockRecord]]:
+    """Groups of two or more records whose slots overlap (transitively)."""
+    groups: list[list[BlockRecord]] = []
+    current: list[BlockRecord] = []
+    current_end = -1
+    for record in sorted(records, key=lambda r: r.offset):
+        if record.offset < current_end:
+            current.append(record)
+            current_end = max(current_end, record.end)
+            continue
+        if len(current) > 1:
+            groups.append(current)
+        current, current_end = [record], record.end
+    if len(current) > 1:
+        groups.append(current)
+    return groups
+
+
+def settle_overlap(
+    group: Sequence[BlockRecord], verify: Callable[[BlockRecord], bool]
+) -> tuple[list[BlockRecord], list[BlockRecord]]:
+    """Split an overlapping group into (kept, dropped): keep records whose bytes verify,
+    most recently used first, as long as they do not overlap one already kept."""
+    kept: list[BlockRecord] = []
+    dropped: list[BlockRecord] = []
+    for record in sorted(group, key=lambda r: r.last_access, reverse=True):
+        clashes = any(record.offset < k.end and k.offset < record.end for k in kept)
+        if not clashes and verify(record):
+            kept.append(record)
+        else:
+            dropped.append(record)
+    return kept, dropped
+
+
+def prefix_closed(records: Iterable[BlockRecord]) -> tuple[list[BlockRecord], list[BlockRecord]]:
+    """Split records into (closed, orphans).
+
+    ``closed`` holds every record whose chain of parents, in its namespace, reaches a root
+    (parent None), parents before children; ``orphans`` the rest, cycles included.
+    """
+    roots: list[BlockRecord] = []
+    children: defaultdict[bytes, list[BlockRecord]] = defaultdict(list)
+    everything: list[BlockRecord] = []
+    for record in records:
+        everything.append(record)
+        if record.parent is None:
+            roots.append(record)
+        else:
+            children[record.namespace + record.parent].append(record)
+    closed: list[BlockRecord] = []
+    queue = deque(roots)
+    while queue:
+        record = queue.popleft()
+        closed.append(record)
+        queue.extend(children.pop(record.index_key, ()))
+    reached = {r.index_key for r in closed}
+    orphans = [r for r in everything if r.index_key not in reached]
+    return closed, orphans
+
+
+@dataclass
+class LoadPlan:
+    """What a warm restart keeps and drops, by reason."""
+
+    survivors: list[BlockRecord] = field(default_factory=list)
+    invalid: list[bytes] = field(default_factory=list)
+    overlapping: list[BlockRecord] = field(default_factory=list)
+    orphans: list[BlockRecord] = field(default_factory=list)
+
+    @property
+    def dropped_keys(self) -> list[bytes]:
+        """Index keys of every dropped record."""
+        return (
+            self.invalid
+            + [r.index_key for r in self.overlapping]
+            + [r.index_key for r in self.orphans]
+        )
+
+
+def plan_load(
+    records: Iterable[BlockRecord],
+    layout: SlabLayout,
+    verify: Callable[[BlockRecord], bool],
+    invalid_keys: Iterable[bytes] = (),
+) -> LoadPlan:
+    """Decide which index records survive: those that fit the layout, do not overlap
+    (or, where they do, whose bytes verify), and whose prefix is all there.
+
+    ``verify`` reads a record's bytes and checks them; it is called only for overlaps.
+    """
+    plan = LoadPlan(invalid=list(invalid_keys))
+    fitting: list[BlockRecord] = []
+    for record in records:
+        if layout.problem(record) is None:
+            fitting.append(record)
+        else:
+            plan.invalid.append(record.index_key)
+    losers: set[bytes] = set()
+    for group in overlapping_groups(fitting):
+        _, dropped = settle_overlap(group, verify)
+        plan.overlapping.extend(dropped)
+        losers.update(r.index_key for r in dropped)
+    plan.survivors, plan.orphans = prefix_closed(r for r in fitting if r.index_key not in losers)
+    return plan
