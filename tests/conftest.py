@@ -11,15 +11,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from daemon_proc import DaemonProcess  # noqa: E402
 
+from kvtest import make_identity  # noqa: E402
+
 from kvstore import Identity  # noqa: E402
-
-
-def make_identity(**changes: Any) -> Identity:
-    fields: dict[str, Any] = dict(
-        model="tiny-llama", model_revision="r1", tenant="acme", kv_dtype="float16",
-        num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=16)
-    fields.update(changes)
-    return Identity(**fields)
 
 
 @pytest.fixture

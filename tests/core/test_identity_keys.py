@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_identity
+from kvtest import make_identity
 
 from kvstore.errors import MalformedError
 from kvstore.identity import Identity

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import make_identity
+from kvtest import make_identity
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (

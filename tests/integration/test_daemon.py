@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_identity
+from kvtest import make_identity
 from daemon_proc import DaemonProcess
 
 from kvstore import Client

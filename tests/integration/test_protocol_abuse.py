@@ -7,7 +7,7 @@ import os
 import msgspec
 import pytest
 import zmq
-from conftest import make_identity
+from kvtest import make_identity
 from daemon_proc import DaemonProcess
 
 from kvstore import Client
