@@ -248,6 +248,19 @@ class _NamespaceBase:
         return parent if parent is not None or not keys else self._chains.parent_of(keys[0])
 
 
+    def _check_pages(self, kv_caches: Any, page_ids: Sequence[int], keys: Sequence[bytes],
+                     layout: str) -> None:
+        from kvstore.kernels import describe_layout
+
+        if len(page_ids) != len(keys):
+            raise MalformedError(f"{len(keys)} keys but {len(page_ids)} page ids")
+        info = describe_layout(kv_caches, layout)  # type: ignore[arg-type]
+        if info.block_bytes != self.block_bytes:
+            raise MalformedError(
+                f"a page of this cache holds {info.block_bytes} bytes; a block of this "
+                f"namespace is {self.block_bytes} (check the identity's KV format)")
+
+
 class Namespace(_NamespaceBase):
     """An opened namespace: keys, lookup, reserve/commit, acquire/release, put/get."""
 
@@ -305,6 +318,40 @@ class Namespace(_NamespaceBase):
     def evict(self, keys: Sequence[bytes]) -> int:
         c = self.client
         return c._call(p.Evict(c._next_rid(), self.id, list(keys)), p.CountReply)[0].count
+
+    def offload(self, kv_caches: Any, page_ids: Sequence[int], keys: Sequence[bytes], *,
+                layout: str = "per_layer", parent: bytes | None = None) -> int:
+        """Store an engine's pages under ``keys`` (cached leading keys are skipped).
+
+        ``kv_caches`` is the engine's paged cache in ``layout`` (see ``kvstore.kernels``);
+        page ``page_ids[i]`` holds the block of ``keys[i]``.  Returns blocks stored.
+        """
+        from kvstore.kernels import gather
+
+        self._check_pages(kv_caches, page_ids, keys, layout)
+        hit = self.lookup(keys).blocks
+        if hit == len(keys):
+            return 0
+        todo = list(keys[hit:])
+        with self.reserve(todo, parent=keys[hit - 1] if hit else parent) as r:
+            gather(kv_caches, list(page_ids[hit:]), r.buffers, layout=layout)  # type: ignore[arg-type]
+            return r.commit()
+
+    def reload(self, keys: Sequence[bytes], kv_caches: Any, page_ids: Sequence[int], *,
+               layout: str = "per_layer") -> int:
+        """Copy the blocks of ``keys`` into the engine's pages (NotFoundError if any is
+        missing, and then no page is written).  Returns blocks loaded."""
+        from kvstore.kernels import scatter
+
+        self._check_pages(kv_caches, page_ids, keys, layout)
+        if not keys:
+            return 0
+        with self.acquire(keys) as held:
+            sources = self.client._slots(held.offsets, self.block_bytes, readonly=False)
+            scatter(sources, kv_caches, list(page_ids), layout=layout)  # type: ignore[arg-type]
+            for view in sources:
+                view.release()
+        return len(keys)
 
     def drop(self) -> int:
         """Drop every unpinned block of this namespace."""
@@ -555,6 +602,35 @@ class AsyncNamespace(_NamespaceBase):
     async def evict(self, keys: Sequence[bytes]) -> int:
         c = self.client
         return (await c._call(p.Evict(c._next_rid(), self.id, list(keys)), p.CountReply))[0].count
+
+    async def offload(self, kv_caches: Any, page_ids: Sequence[int], keys: Sequence[bytes],
+                      *, layout: str = "per_layer", parent: bytes | None = None) -> int:
+        """See ``Namespace.offload``."""
+        from kvstore.kernels import gather
+
+        self._check_pages(kv_caches, page_ids, keys, layout)
+        hit = (await self.lookup(keys)).blocks
+        if hit == len(keys):
+            return 0
+        todo = list(keys[hit:])
+        async with self.reserve(todo, parent=keys[hit - 1] if hit else parent) as r:
+            gather(kv_caches, list(page_ids[hit:]), r.buffers, layout=layout)  # type: ignore[arg-type]
+            return await r.commit()
+
+    async def reload(self, keys: Sequence[bytes], kv_caches: Any, page_ids: Sequence[int], *,
+                     layout: str = "per_layer") -> int:
+        """See ``Namespace.reload``."""
+        from kvstore.kernels import scatter
+
+        self._check_pages(kv_caches, page_ids, keys, layout)
+        if not keys:
+            return 0
+        async with self.acquire(keys) as held:
+            sources = self.client._slots(held.offsets, self.block_bytes, readonly=False)
+            scatter(sources, kv_caches, list(page_ids), layout=layout)  # type: ignore[arg-type]
+            for view in sources:
+                view.release()
+        return len(keys)
 
     async def drop(self) -> int:
         c = self.client

@@ -1,0 +1,549 @@
+"""GPU check for kvstore.kernels: correctness, bandwidth and CUDA IPC, in one run.
+
+1. Correctness: for every layout, dtype and slot kind (device table, pinned table, pinned
+   arena rows at an unaligned offset, pageable host memory), gather and scatter through
+   the CUDA kernel and through the torch path must give the bytes the CPU path gives
+   (itself tested against a per-block reference in tests/kernels).  Repeated ids included.
+2. Bandwidth, device time with CUDA events (the host's set-up is hidden behind a sleep
+   kernel and reported apart): gather and scatter against one ``copy_`` of a contiguous
+   tensor of the same bytes (target >= 0.80x); GPU -> pinned DRAM and back with the
+   kernels against one large non-blocking copy of a pinned tensor (target >= 0.80x).
+3. CUDA IPC: process A gathers a block into a CUDA tensor and sends it to process B,
+   which maps it, checks it bit-exact and writes an answer into it that A then checks.
+
+Run from the repository root (no install needed):  python benchmarks/gpu_check.py
+It takes about a minute on an H200.  Without a GPU it prints "no GPU" and exits 0; with
+one it exits 1 if a correctness or IPC check failed (a ratio under target only says so).
+Without CuPy it still checks and times the torch-on-CUDA path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import mmap
+import statistics
+import sys
+import time
+import traceback
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _make_kernels_importable() -> None:
+    """Let ``import kvstore.kernels`` work from a bare checkout, as on a GPU machine where
+    the project is not installed (and kvstore's own dependencies may be missing)."""
+    try:
+        importlib.import_module("kvstore.kernels")
+        return
+    except ImportError:
+        pass
+    root = Path(__file__).resolve().parents[1]
+    package = types.ModuleType("kvstore")
+    package.__path__ = [str(root / "kvstore")]
+    sys.modules["kvstore"] = package
+    spec = importlib.util.spec_from_file_location(
+        "kvstore.kernels",
+        root / "kernels" / "__init__.py",
+        submodule_search_locations=[str(root / "kernels")],
+    )
+    assert spec is not None and spec.loader is not None, "kernels/__init__.py not found"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kvstore.kernels"] = module
+    spec.loader.exec_module(module)
+
+
+_make_kernels_importable()
+
+from kvstore.kernels import (
+    LAYOUTS,
+    Backend,
+    KVCaches,
+    Layout,
+    Slots,
+    cuda_kernel_unavailable,
+    gather,
+    register_host_memory,
+    scatter,
+)
+from kvstore.kernels.cuda import CTAS_PER_MULTIPROCESSOR, plan_launch
+from kvstore.kernels.layout import paged_cache
+
+MiB = 1 << 20
+SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: longer than any call's host-side set-up
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.uint8] + [
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
+]
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    tokens: int
+    heads: int
+    dim: int
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.layers * self.tokens * self.heads * self.dim * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        name = str(self.dtype).removeprefix("torch.")
+        return f"L{self.layers} T{self.tokens} H{self.heads} D{self.dim} {name}"
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    *outer, last = shape
+    raw = torch.randint(0, 256, (*outer, last * dtype.itemsize), dtype=torch.uint8, device=device)
+    return raw.view(dtype)
+
+
+def make_cache(layout: Layout, s: Shape, pages: int, device: str, variant: int = 0) -> KVCaches:
+    """Random bit patterns; ``variant`` 1 strides pages (per_layer), puts K/V outermost
+    (kv_split, vLLM's flash-attention layout) or separates layers (all_layer)."""
+    page = (s.tokens, s.heads, s.dim)
+    if layout == "per_layer":
+        if variant:
+            return [
+                random_tensor((pages, 3, *page), s.dtype, device)[:, :2] for _ in range(s.layers)
+            ]
+        return [random_tensor((pages, 2, *page), s.dtype, device) for _ in range(s.layers)]
+    if layout == "per_layer_kv_split":
+        if variant:
+            return [random_tensor((2, pages, *page), s.dtype, device) for _ in range(s.layers)]
+        return [
+            (
+                random_tensor((pages, *page), s.dtype, device),
+                random_tensor((pages, *page), s.dtype, device),
+            )
+            for _ in range(s.layers)
+        ]
+    if variant:
+        return random_tensor((pages, s.layers, 3, *page), s.dtype, device)[:, :, :2]
+    return random_tensor((pages, s.layers, 2, *page), s.dtype, device)
+
+
+def map_cache(cache: KVCaches, function: Callable[[torch.Tensor], torch.Tensor]) -> KVCaches:
+    if isinstance(cache, torch.Tensor):
+        return function(cache)
+    return [
+        function(i) if isinstance(i, torch.Tensor) else tuple(function(t) for t in i) for i in cache
+    ]
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    out.view(torch.uint8).fill_(0xA5)
+    return out
+
+
+def cache_bytes(cache: KVCaches) -> list[bytes]:
+    tensors = [cache] if isinstance(cache, torch.Tensor) else []
+    if not isinstance(cache, torch.Tensor):
+        for item in cache:
+            tensors.extend([item] if isinstance(item, torch.Tensor) else item)
+    return [t.cpu().contiguous().view(torch.uint8).numpy().tobytes() for t in tensors]
+
+
+def address_of(buffer: Any) -> int:
+    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
+
+
+class SlotSet:
+    """Slots of one kind for ``n`` blocks, with ways to fill and read them."""
+
+    def __init__(self, kind: str, n: int, block_bytes: int) -> None:
+        self.kind, self.n, self.block_bytes = kind, n, block_bytes
+        self._arena: bytearray | None = None
+        self._registration: Any = None
+        self.table: torch.Tensor | None = None
+        self.rows: list[memoryview] = []
+        if kind == "device table":
+            self.table = torch.empty((n, block_bytes), dtype=torch.uint8, device="cuda")
+        elif kind == "pinned table":
+            self.table = torch.empty((n, block_bytes), dtype=torch.uint8).pin_memory()
+        elif kind == "pageable table":
+            self.table = torch.empty((n, block_bytes), dtype=torch.uint8)
+        elif kind in ("pinned rows +4B", "pageable rows"):
+            self._arena = bytearray(n * block_bytes + 64)
+            offset = (-address_of(self._arena)) % 16 + 4  # 4 bytes past a 16-byte boundary
+            if kind == "pinned rows +4B":
+                self._registration = register_host_memory(self._arena, chunk_bytes=4 * MiB)
+                assert self._registration.pinned, self._registration.reason
+            whole = memoryview(self._arena)
+            self.rows = [
+                whole[offset + i * block_bytes : offset + (i + 1) * block_bytes] for i in range(n)
+            ]
+        else:
+            raise ValueError(kind)
+
+    @property
+    def slots(self) -> Slots:
+        return self.table if self.table is not None else self.rows
+
+    def write(self, data: torch.Tensor) -> None:
+        if self.table is not None:
+            self.table.copy_(data)
+        else:
+            for row, block in zip(self.rows, data):
+                row[:] = block.numpy().tobytes()
+
+    def read(self) -> bytes:
+        if self.table is not None:
+            return self.table.cpu().numpy().tobytes()
+        return b"".join(bytes(row) for row in self.rows)
+
+    def close(self) -> None:
+        for row in self.rows:
+            row.release()
+        self.rows = []
+        if self._registration is not None:
+            self._registration.unregister()
+
+
+KERNEL_SLOTS = ["device table", "pinned table", "pinned rows +4B"]
+TORCH_SLOTS = ["device table", "pinned table", "pageable table", "pageable rows"]
+
+
+def check_correctness(have_kernel: bool) -> tuple[int, list[str]]:
+    """Kernel and torch-on-CUDA against the CPU path; returns (checks, failures)."""
+    shapes = [Shape(3, 16, 2, 64, dtype) for dtype in DTYPES]
+    shapes += [
+        Shape(2, 3, 1, 5, torch.int8),
+        Shape(2, 5, 3, 7, torch.float16),
+    ]  # byte, 2-byte widths
+    combos: list[tuple[Backend, str]] = [("torch", kind) for kind in TORCH_SLOTS]
+    if have_kernel:
+        combos += [("kernel", kind) for kind in KERNEL_SLOTS] + [("auto", "pageable rows")]
+    checks, failures = 0, []
+    pages, n = 50, 37
+    for layout in LAYOUTS:
+        for shape in shapes:
+            for variant in (0, 1):
+                cache = make_cache(layout, shape, pages, "cuda", variant)
+                host_cache = map_cache(cache, lambda t: t.cpu())
+                ids = torch.randint(0, pages, (n,)).tolist()
+                expected = torch.empty((n, shape.block_bytes), dtype=torch.uint8)
+                gather(host_cache, ids, expected, layout=layout)
+                noise = torch.randint(0, 256, (n, shape.block_bytes), dtype=torch.uint8)
+                expected_pages = map_cache(host_cache, poisoned_like)
+                scatter(noise, expected_pages, ids, layout=layout)
+                want_gather, want_scatter = expected.numpy().tobytes(), cache_bytes(expected_pages)
+                for backend, kind in combos:
+                    label = f"{layout} v{variant} {shape} {backend} {kind}"
+                    slots = SlotSet(kind, n, shape.block_bytes)
+                    try:
+                        gather(cache, ids, slots.slots, layout=layout, backend=backend)
+                        torch.cuda.synchronize()
+                        if slots.read() != want_gather:
+                            failures.append(f"gather {label}")
+                        slots.write(noise)
+                        target = map_cache(cache, poisoned_like)
+                        scatter(slots.slots, target, ids, layout=layout, backend=backend)
+                        torch.cuda.synchronize()
+                        if cache_bytes(target) != want_scatter:
+                            failures.append(f"scatter {label}")
+                    except Exception as exc:  # noqa: BLE001  a check reports, it does not stop the run
+                        failures.append(f"{label}: {type(exc).__name__}: {exc}")
+                    finally:
+                        slots.close()
+                    checks += 2
+    return checks, failures
+
+
+def device_time(call: Callable[[], object], repeats: int = 15) -> tuple[float, float]:
+    """Median device milliseconds and median host microseconds per call."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    device_ms, host_us = [], []
+    for _ in range(repeats):
+        # The GPU waits here while the host queues the call, so the events time the copy alone.
+        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+        start.record()
+        began = time.perf_counter()
+        call()
+        host_us.append((time.perf_counter() - began) * 1e6)
+        end.record()
+        end.synchronize()
+        device_ms.append(start.elapsed_time(end))
+    return statistics.median(device_ms), statistics.median(host_us)
+
+
+@dataclass
+class Result:
+    name: str
+    nbytes: int
+    ms: float
+    host_us: float
+    baseline_ms: float | None = None
+    target: float | None = None
+    note: str = ""
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / (self.ms * 1e-3) / 1e9
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.baseline_ms is None else self.baseline_ms / self.ms
+
+    def line(self) -> str:
+        text = (
+            f"{self.name:<52} {self.gbps:8.1f} GB/s  {self.ms:8.3f} ms  host {self.host_us:7.0f} us"
+        )
+        if self.ratio is not None:
+            text += f"  {self.ratio:5.2f}x"
+            if self.target is not None:
+                text += "  ok" if self.ratio >= self.target else f"  BELOW {self.target:.2f}"
+        return f"{text}  {self.note}" if self.note else text
+
+
+def bench_device(
+    have_kernel: bool, shape: Shape, n: int, pages: int, targets: bool
+) -> list[Result]:
+    """Gather and scatter between device pages and a device slot table, against copy_."""
+    nbytes = n * shape.block_bytes
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    destination = torch.empty_like(source)
+    base_ms, base_host = device_time(functools.partial(destination.copy_, source))
+    results = [Result(f"D2D copy_ {nbytes // MiB} MiB ({shape})", nbytes, base_ms, base_host)]
+    del source, destination
+    backends: list[Backend] = ["kernel", "torch"] if have_kernel else ["torch"]
+    for layout in LAYOUTS:
+        # Prepared once, as a tier would at registration: the calls skip re-validating it.
+        cache = paged_cache(make_cache(layout, shape, pages, "cuda"), layout)
+        ids = torch.randperm(pages)[:n].tolist()
+        slots = torch.empty((n, shape.block_bytes), dtype=torch.uint8, device="cuda")
+        addresses = [slots.data_ptr() + i * slots.stride(0) for i in range(n)]
+        max_ctas = (
+            CTAS_PER_MULTIPROCESSOR * torch.cuda.get_device_properties(0).multi_processor_count
+        )
+        plan = plan_launch(
+            paged_cache(cache, layout),
+            np.asarray(ids, dtype=np.int64),
+            addresses,
+            gather=True,
+            max_ctas=max_ctas,
+        )
+        for backend in backends:
+            target = 0.8 if targets and backend == "kernel" else None
+            for verb in ("gather", "scatter"):
+                if verb == "gather":
+                    call = functools.partial(
+                        gather, cache, ids, slots, layout=layout, backend=backend
+                    )
+                else:
+                    call = functools.partial(
+                        scatter, slots, cache, ids, layout=layout, backend=backend
+                    )
+                ms, host = device_time(call)
+                kernel_name = plan.kernel.replace("gather", verb)
+                note = (
+                    f"[{kernel_name} grid {plan.grid} x{plan.threads}]"
+                    if backend == "kernel"
+                    else ""
+                )
+                results.append(
+                    Result(f"  {verb} {layout} {backend}", nbytes, ms, host, base_ms, target, note)
+                )
+        del cache, slots
+    return results
+
+
+def bench_host(have_kernel: bool, shape: Shape, n: int, pages: int) -> list[Result]:
+    """GPU pages <-> pinned host slots, against one large non-blocking copy."""
+    nbytes = n * shape.block_bytes
+    device_flat = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    table = torch.empty((n, shape.block_bytes), dtype=torch.uint8).pin_memory()
+    flat = table.view(-1)
+    d2h_ms, d2h_host = device_time(functools.partial(flat.copy_, device_flat, non_blocking=True), 9)
+    h2d_ms, h2d_host = device_time(functools.partial(device_flat.copy_, flat, non_blocking=True), 9)
+    results = [
+        Result(f"GPU->pinned one copy {nbytes // MiB} MiB", nbytes, d2h_ms, d2h_host),
+        Result(f"pinned->GPU one copy {nbytes // MiB} MiB", nbytes, h2d_ms, h2d_host),
+    ]
+    del device_flat
+    flags = (
+        mmap.MAP_SHARED | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(mmap, "MAP_POPULATE", 0)
+    )
+    arena = mmap.mmap(-1, nbytes, flags=flags)
+    registration = register_host_memory(arena, chunk_bytes=256 * MiB)
+    whole = memoryview(arena)
+    rows = [whole[i * shape.block_bytes : (i + 1) * shape.block_bytes] for i in range(n)]
+    slot_kinds: list[tuple[str, Slots]] = [("pinned table", table)]
+    if registration.pinned:
+        slot_kinds.append(("registered mmap rows", rows))
+    else:
+        print(f"  mmap arena not pinned: {registration.reason}")
+    backends: list[Backend] = ["kernel", "torch"] if have_kernel else ["torch"]
+    try:
+        for layout in LAYOUTS:
+            # Prepared once, as a tier would at registration: the calls skip re-validating it.
+            cache = paged_cache(make_cache(layout, shape, pages, "cuda"), layout)
+            ids = torch.randperm(pages)[:n].tolist()
+            for kind, slots in slot_kinds:
+                for backend in backends:
+                    target = 0.8 if backend == "kernel" and kind == "pinned table" else None
+
+                    offload = functools.partial(
+                        gather, cache, ids, slots, layout=layout, backend=backend
+                    )
+                    reload = functools.partial(
+                        scatter, slots, cache, ids, layout=layout, backend=backend
+                    )
+
+                    ms, host = device_time(offload, repeats=9)
+                    name = f"  GPU->DRAM {layout} {backend} {kind}"
+                    results.append(Result(name, nbytes, ms, host, d2h_ms, target))
+                    ms, host = device_time(reload, repeats=9)
+                    name = f"  DRAM->GPU {layout} {backend} {kind}"
+                    results.append(Result(name, nbytes, ms, host, h2d_ms, target))
+            del cache
+    finally:
+        for row in rows:
+            row.release()
+        whole.release()
+        registration.unregister()
+        try:
+            arena.close()
+        except BufferError:  # a view still alive; the mapping goes with the process
+            pass
+    return results
+
+
+def _ipc_child(inbox: Any, outbox: Any) -> None:
+    """Process B: map A's CUDA block, check it bit-exact, answer in the same memory."""
+    try:
+        block, expected = inbox.get(timeout=120)
+        same = torch.equal(block.cpu(), expected)
+        block.fill_(0x3C)
+        torch.cuda.synchronize()
+        outbox.put(("ok" if same else "mismatch", block.device.index, block.data_ptr()))
+    except Exception as exc:  # noqa: BLE001  the parent reports it
+        outbox.put((f"{type(exc).__name__}: {exc}", -1, 0))
+
+
+def check_ipc(have_kernel: bool) -> str:
+    """Process A gathers a block into a CUDA tensor; B maps it over CUDA IPC."""
+    from torch import multiprocessing
+
+    shape = Shape(4, 16, 8, 128, torch.bfloat16)
+    cache = make_cache("per_layer", shape, 8, "cuda")
+    block = torch.empty((1, shape.block_bytes), dtype=torch.uint8, device="cuda")
+    gather(cache, [5], block, layout="per_layer", backend="kernel" if have_kernel else "torch")
+    torch.cuda.synchronize()
+    expected = block.cpu()
+    context = multiprocessing.get_context("spawn")
+    inbox, outbox = context.Queue(), context.Queue()
+    child = context.Process(target=_ipc_child, args=(inbox, outbox))
+    child.start()
+    try:
+        inbox.put((block, expected))
+        status, _, _ = outbox.get(timeout=180)
+        if status != "ok":
+            return f"process B: {status}"
+        torch.cuda.synchronize()
+        if not bool((block == 0x3C).all()):
+            return "process A does not see process B's write"
+        return "ok"
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no GPU")
+        return 0
+    began = time.perf_counter()
+    torch.manual_seed(0)
+    properties = torch.cuda.get_device_properties(0)
+    print(
+        f"device: {properties.name}, {properties.multi_processor_count} SMs, torch {torch.__version__}"
+    )
+    reason = cuda_kernel_unavailable(torch.device("cuda"))
+    have_kernel = reason is None
+    try:
+        cupy_version = importlib.import_module("cupy").__version__
+    except ImportError:
+        cupy_version = "missing"
+    print(f"cupy {cupy_version}; CUDA kernel: {'available' if have_kernel else reason}")
+    failed = False
+
+    print("\n== correctness ==")
+    checks, failures = check_correctness(have_kernel)
+    for failure in failures[:40]:
+        print(f"  FAIL {failure}")
+    failed |= bool(failures)
+    correctness = f"correctness: {checks} checks, {len(failures)} failures"
+    print(correctness)
+
+    results: list[Result] = []
+    sections: list[tuple[str, Callable[[], list[Result]]]] = [
+        (
+            "device bandwidth, 2 MiB blocks",
+            lambda: bench_device(
+                have_kernel, Shape(32, 16, 8, 128, torch.bfloat16), 512, 1024, targets=True
+            ),
+        ),
+        (
+            "device bandwidth, small segments (256 KiB blocks, 4-8 KiB per layer)",
+            lambda: bench_device(
+                have_kernel, Shape(32, 16, 2, 64, torch.float16), 2048, 4096, targets=False
+            ),
+        ),
+        (
+            "GPU <-> pinned DRAM, 2 MiB blocks",
+            lambda: bench_host(have_kernel, Shape(32, 16, 8, 128, torch.bfloat16), 256, 512),
+        ),
+    ]
+    for title, run in sections:
+        print(f"\n== {title} ==")
+        try:
+            section = run()
+        except Exception:  # noqa: BLE001  report and go on to the next section
+            traceback.print_exc()
+            failed = True
+            continue
+        for result in section:
+            print(result.line())
+        results.extend(section)
+        torch.cuda.empty_cache()
+
+    print("\n== CUDA IPC ==")
+    try:
+        ipc = check_ipc(have_kernel)
+    except Exception as exc:  # noqa: BLE001
+        ipc = f"{type(exc).__name__}: {exc}"
+    print(f"ipc: {ipc}")
+    failed |= ipc != "ok"
+
+    print(f"\n== summary ({time.perf_counter() - began:.0f} s) ==")
+    print(correctness)
+    print(f"ipc: {ipc}")
+    for result in results:
+        if result.target is not None:
+            print(result.line().strip())
+    below = [
+        r for r in results if r.target is not None and r.ratio is not None and r.ratio < r.target
+    ]
+    print(
+        f"targets: {len([r for r in results if r.target is not None]) - len(below)} met, {len(below)} below"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
