@@ -69,7 +69,6 @@ class Reservation:
     keys: list[bytes]
     parent: Block | None
     offsets: list[int]
-    deadline: float
 
 
 @dataclass(eq=False)
@@ -146,15 +145,13 @@ class BlockStore:
         return ns
 
     def touch_owner(self, owner: Owner, now: float) -> OwnerState:
-        """Renew an owner's lease (and those of its reservations)."""
+        """Renew an owner's lease, which its reservations and pins share."""
         state = self.owners.get(owner)
         deadline = now + self.limits.lease_seconds
         if state is None:
             state = self.owners[owner] = OwnerState(deadline)
         else:
             state.deadline = deadline
-            for r in state.reservations.values():
-                r.deadline = deadline
         return state
 
     def drop_owner(self, owner: Owner) -> tuple[int, int]:
@@ -175,10 +172,6 @@ class BlockStore:
             state = self.owners[owner]
             self.counters.lease_expiries += len(state.reservations) + len(state.pins)
             self.drop_owner(owner)
-        for state in self.owners.values():
-            for r in [r for r in state.reservations.values() if r.deadline <= now]:
-                self.counters.lease_expiries += 1
-                self._rollback(state, r)
         return gone
 
     # -- lookup ---------------------------------------------------------------
@@ -236,8 +229,7 @@ class BlockStore:
             if parent_block is not None:
                 self._unpin_block(parent_block)
             raise
-        r = Reservation(next(self._ids), owner, ns, list(keys), parent_block, offsets,
-                        now + self.limits.lease_seconds)
+        r = Reservation(next(self._ids), owner, ns, list(keys), parent_block, offsets)
         state.reservations[r.id] = r
         self.reserved_slots += count
         self.counters.reservations += 1
@@ -281,7 +273,7 @@ class BlockStore:
         if r is None:
             raise NotFoundError(f"no open reservation {rid} in this session (lease expired, "
                                 f"or already committed or aborted)")
-        if r.deadline <= now:
+        if state.deadline <= now:
             self.counters.lease_expiries += 1
             self._rollback(state, r)
             raise LeaseExpiredError(f"reservation {rid} outlived its lease and was rolled back")
