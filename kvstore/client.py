@@ -274,7 +274,8 @@ class Namespace(_NamespaceBase):
         for part in _batches(keys, 0, c.max_keys, 1 << 62):
             r = c._call(p.Lookup(c._next_rid(), self.id, list(keys[part])), p.LookupReply)[0]
             total += r.blocks
-            tiers.extend(r.tiers)
+            for tier, count in r.tier_runs:
+                tiers.extend([tier] * count)
             if r.blocks < len(keys[part]):
                 break
         return LookupResult(total, tiers)
@@ -564,7 +565,8 @@ class AsyncNamespace(_NamespaceBase):
             r = (await c._call(p.Lookup(c._next_rid(), self.id, list(keys[part])),
                                p.LookupReply))[0]
             total += r.blocks
-            tiers.extend(r.tiers)
+            for tier, count in r.tier_runs:
+                tiers.extend([tier] * count)
             if r.blocks < len(keys[part]):
                 break
         return LookupResult(total, tiers)

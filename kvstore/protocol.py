@@ -19,6 +19,8 @@ MAX_HEADER_BYTES = 1 << 20
 
 
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+KEY_BYTES = 16
+Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 
 
 class Message(msgspec.Struct, tag_field="op", array_like=True, omit_defaults=False):
@@ -40,13 +42,13 @@ class OpenNamespace(Message, tag="open"):
 
 class Lookup(Message, tag="lookup"):
     ns: bytes
-    keys: list[bytes]
+    keys: list[Key]
 
 
 class Reserve(Message, tag="reserve"):
     ns: bytes
-    keys: list[bytes]
-    parent: bytes | None = None
+    keys: list[Key]
+    parent: Key | None = None
 
 
 class Commit(Message, tag="commit"):
@@ -59,7 +61,7 @@ class Abort(Message, tag="abort"):
 
 class Acquire(Message, tag="acquire"):
     ns: bytes
-    keys: list[bytes]
+    keys: list[Key]
 
 
 class Release(Message, tag="release"):
@@ -68,18 +70,18 @@ class Release(Message, tag="release"):
 
 class Put(Message, tag="put"):
     ns: bytes
-    keys: list[bytes]
-    parent: bytes | None = None
+    keys: list[Key]
+    parent: Key | None = None
 
 
 class Get(Message, tag="get"):
     ns: bytes
-    keys: list[bytes]
+    keys: list[Key]
 
 
 class Evict(Message, tag="evict"):
     ns: bytes
-    keys: list[bytes]
+    keys: list[Key]
 
 
 class DropNamespace(Message, tag="drop"):
@@ -121,7 +123,7 @@ class NamespaceReply(Message, tag="open"):
 
 class LookupReply(Message, tag="lookup"):
     blocks: int
-    tiers: list[str]
+    tier_runs: list[tuple[str, int]]  # (tier, count) runs over the hit blocks, in order
 
 
 class ReserveReply(Message, tag="reserve"):

@@ -35,7 +35,6 @@ from kvstore.errors import (
     UnknownNamespaceError,
     VersionMismatchError,
 )
-from kvstore.keys import KEY_BYTES
 from kvstore.store import BlockStore, Limits, Namespace, Reservation
 from kvstore.tiers.dram import DramArena
 
@@ -290,11 +289,9 @@ class Server:
         return self.store.namespaces[ns_id]
 
     def _check_keys(self, keys: list[bytes]) -> None:
+        # Each key's length was checked by the decoder; the count is a setting.
         if len(keys) > self.max_keys:
             raise TooLargeError(f"{len(keys)} keys in one request; the limit is {self.max_keys}")
-        for key in keys:
-            if len(key) != KEY_BYTES:
-                raise MalformedError(f"a key must be {KEY_BYTES} bytes, got {len(key)}")
 
     # -- verbs ---------------------------------------------------------------------------------
     def _hello(self, routing_id: bytes, req: p.Hello, payload: list[Any]) -> Outcome:
@@ -345,13 +342,11 @@ class Server:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
         hits = self.store.lookup(ns, req.keys)
-        return p.LookupReply(req.rid, hits, [self.store.tier] * hits), []
+        return p.LookupReply(req.rid, hits, [(self.store.tier, hits)] if hits else []), []
 
     def _reserve(self, session: Session, req: p.Reserve, payload: list[Any]) -> Outcome:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
-        if req.parent is not None:
-            self._check_keys([req.parent])
         r = self._reserve_slots(session, ns, req.keys, req.parent)
         return p.ReserveReply(req.rid, r.id, r.offsets, self.limits.lease_seconds), []
 
@@ -394,8 +389,6 @@ class Server:
     def _put(self, session: Session, req: p.Put, payload: list[Any]) -> Outcome:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
-        if req.parent is not None:
-            self._check_keys([req.parent])
         if len(payload) != len(req.keys):
             raise MalformedError(f"put of {len(req.keys)} keys carries {len(payload)} frames")
         for i, frame in enumerate(payload):

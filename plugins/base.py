@@ -1,0 +1,322 @@
+"""The storage backend interface, and the guard the daemon puts around every backend.
+
+A backend stores opaque block values under ``(namespace id, block key)``, both 16 bytes.
+It is batch-first and async: each call takes a namespace and a list of keys.  Third
+parties subclass :class:`StorageBackend`, register the class under the entry-point group
+``kvstore.backends``, and the daemon loads it by name (see ``kvstore.plugins.registry``).
+
+The daemon never calls a backend directly: :class:`GuardedBackend` checks arguments and
+results, bounds every call by the configured timeout, and maps whatever a library raises
+into ``kvstore.errors``, so a faulty or stuck plugin cannot hang or crash the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Self, TypeVar, cast
+
+import msgspec
+
+from kvstore.errors import (
+    BackendError,
+    ConfigError,
+    KVStoreError,
+    MalformedError,
+    UnavailableError,
+)
+from kvstore.keys import KEY_BYTES
+
+NAMESPACE_BYTES = 16  # kvstore.identity.namespace_id is a 16-byte digest
+
+BytesLike = bytes | bytearray | memoryview
+
+T = TypeVar("T")
+OptionsT = TypeVar("OptionsT", bound=msgspec.Struct)
+
+
+class BackendHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """What a backend says about itself; ``capacity_bytes``/``used_bytes`` are None if unknown."""
+
+    ok: bool
+    detail: str = ""
+    capacity_bytes: int | None = None
+    used_bytes: int | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class BackendCounters:
+    """Counts a backend keeps for the daemon's metrics."""
+
+    corrupt_values: int = 0  # stored values that failed the codec's checks; read as misses
+    timeouts: int = 0
+    errors: int = 0
+
+
+class StorageBackend(ABC):
+    """A remote (or extra) store of block values, batch-first and async.
+
+    Keys are ``(namespace, key)`` with a 16-byte namespace id and 16-byte block keys; an
+    implementation must keep namespaces apart in what it stores.  Values go through
+    ``kvstore.plugins.codec`` so that a torn, truncated or foreign value reads as a miss.
+    Subclasses call ``super().__init__()`` and count corrupt values in ``self.counters``.
+    ``async with backend:`` closes it at the end.
+
+    Failures that concern the whole call (the store is unreachable, the connection broke)
+    raise: ``UnavailableError`` when retrying later may work, ``BackendError`` otherwise.
+    """
+
+    def __init__(self) -> None:
+        self.counters = BackendCounters()
+
+    @classmethod
+    @abstractmethod
+    def from_options(cls, options: Mapping[str, object], *, timeout_s: float) -> Self:
+        """Build a backend from its configured options, without I/O.
+
+        Raise ``ConfigError`` naming the bad option; ``parse_options`` does this for a
+        msgspec Struct of options.  ``timeout_s`` is the per-operation timeout.
+        """
+
+    @abstractmethod
+    async def exists(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        """The length of the leading run of ``keys`` that are stored."""
+
+    @abstractmethod
+    async def get_into(
+        self, namespace: bytes, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[bool]:
+        """Read each key's value into its buffer; per key, whether it was found.
+
+        ``buffers`` are writable, contiguous 1-D byte memoryviews, one per key, sized to
+        the block.  A value whose length or checksum does not match is a miss (counted in
+        ``counters.corrupt_values``).  The contents of a buffer whose key missed, or of
+        every buffer when the call raises, are undefined; but once the call has returned
+        or raised, the backend must not write into any of them again.
+        """
+
+    @abstractmethod
+    async def put(
+        self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike]
+    ) -> list[bool]:
+        """Store each value under its key (replacing any); per key, whether it was stored.
+
+        The backend must not keep references to ``values`` after it returns.
+        """
+
+    @abstractmethod
+    async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        """Remove the keys; the number that were stored."""
+
+    @abstractmethod
+    async def health(self) -> BackendHealth:
+        """Whether the store answers, and its capacity and use where known; never raises."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release connections, threads and files."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+class GuardedBackend(StorageBackend):
+    """The daemon's view of a backend: checked arguments, bounded time, typed errors.
+
+    Every call finishes within ``timeout_s`` or raises ``UnavailableError``; any other
+    exception from the plugin that is not a ``KVStoreError`` becomes ``BackendError``.
+    ``health()`` never raises.  ``counters`` is shared with the wrapped backend.
+    """
+
+    def __init__(self, inner: StorageBackend, *, name: str, timeout_s: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.name = name
+        self.timeout_s = timeout_s
+        self.counters = inner.counters
+        self._closed = False
+
+    def __repr__(self) -> str:
+        c = self.counters
+        return (
+            f"GuardedBackend({self.name!r}, timeout_s={self.timeout_s:g}, "
+            f"corrupt_values={c.corrupt_values}, timeouts={c.timeouts}, errors={c.errors}"
+            f"{', closed' if self._closed else ''})"
+        )
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object], *, timeout_s: float) -> Self:
+        raise ConfigError("GuardedBackend wraps a loaded backend; use load_backend()")
+
+    async def exists(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        self._check_open()
+        self._check_keys(namespace, keys)
+        if not keys:
+            return 0
+        count = await self._bounded("exists", self.inner.exists(namespace, keys))
+        if type(count) is not int or not 0 <= count <= len(keys):
+            raise self._bad_result("exists", f"{count!r} for {len(keys)} keys")
+        return count
+
+    async def get_into(
+        self, namespace: bytes, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[bool]:
+        self._check_open()
+        self._check_keys(namespace, keys)
+        if len(buffers) != len(keys):
+            raise MalformedError(f"get_into got {len(keys)} keys but {len(buffers)} buffers")
+        views = [_byte_view(buffer, writable=True) for buffer in buffers]
+        if not keys:
+            return []
+        found = await self._bounded("get_into", self.inner.get_into(namespace, keys, views))
+        return self._check_flags("get_into", found, len(keys))
+
+    async def put(
+        self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike]
+    ) -> list[bool]:
+        self._check_open()
+        self._check_keys(namespace, keys)
+        if len(values) != len(keys):
+            raise MalformedError(f"put got {len(keys)} keys but {len(values)} values")
+        payloads: list[BytesLike] = [
+            value if isinstance(value, bytes) else _byte_view(value, writable=False)
+            for value in values
+        ]
+        if not keys:
+            return []
+        stored = await self._bounded("put", self.inner.put(namespace, keys, payloads))
+        return self._check_flags("put", stored, len(keys))
+
+    async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        self._check_open()
+        self._check_keys(namespace, keys)
+        if not keys:
+            return 0
+        count = await self._bounded("delete", self.inner.delete(namespace, keys))
+        if type(count) is not int or not 0 <= count <= len(keys):
+            raise self._bad_result("delete", f"{count!r} for {len(keys)} keys")
+        return count
+
+    async def health(self) -> BackendHealth:
+        if self._closed:
+            return BackendHealth(ok=False, detail=f"{self.name} backend is closed")
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                health = await self.inner.health()
+        except TimeoutError:
+            self.counters.timeouts += 1
+            return BackendHealth(
+                ok=False, detail=f"health check did not answer within {self.timeout_s:g} s"
+            )
+        except Exception as exc:  # noqa: BLE001 - health reports failures, never raises them
+            return BackendHealth(ok=False, detail=f"health check failed: {exc}")
+        if not isinstance(health, BackendHealth):
+            return BackendHealth(ok=False, detail=f"plugin returned {type(health).__name__}")
+        return health
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._bounded("close", self.inner.close())
+
+    async def _bounded(self, op: str, call: Awaitable[T]) -> T:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await call
+        except TimeoutError:
+            self.counters.timeouts += 1
+            raise UnavailableError(
+                f"{self.name} backend: {op} did not finish within {self.timeout_s:g} s"
+            ) from None
+        except KVStoreError:
+            self.counters.errors += 1
+            raise
+        except Exception as exc:
+            self.counters.errors += 1
+            raise BackendError(f"{self.name} backend: {op} failed: {exc!r}") from exc
+
+    def _check_flags(self, op: str, flags: object, count: int) -> list[bool]:
+        if (
+            not isinstance(flags, list)
+            or len(flags) != count
+            or not all(type(flag) is bool for flag in flags)
+        ):
+            raise self._bad_result(op, f"{type(flags).__name__} instead of {count} bools")
+        return cast(list[bool], flags)
+
+    def _bad_result(self, op: str, what: str) -> BackendError:
+        self.counters.errors += 1
+        return BackendError(f"{self.name} backend: {op} returned {what}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UnavailableError(f"{self.name} backend is closed")
+
+    @staticmethod
+    def _check_keys(namespace: bytes, keys: Sequence[bytes]) -> None:
+        if not isinstance(namespace, bytes) or len(namespace) != NAMESPACE_BYTES:
+            raise MalformedError(f"namespace id must be {NAMESPACE_BYTES} bytes")
+        for key in keys:
+            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+                raise MalformedError(f"block keys must be {KEY_BYTES} bytes, got {key!r}")
+
+
+def _byte_view(buffer: BytesLike, *, writable: bool) -> memoryview:
+    """``buffer`` as a flat unsigned-byte view, or MalformedError."""
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise MalformedError(f"{type(buffer).__name__} is not a buffer") from None
+    if writable and view.readonly:
+        raise MalformedError("get_into needs writable buffers")
+    if not view.c_contiguous:
+        raise MalformedError("buffers must be C-contiguous")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+async def run_bounded(count: int, limit: int, job: Callable[[int], Awaitable[T]]) -> list[T]:
+    """``[await job(0), ..., await job(count - 1)]`` with at most ``limit`` running at once.
+
+    The first failure cancels the other jobs, waits for them to end, and is raised as
+    itself rather than inside an ExceptionGroup.
+    """
+    results: list[Any] = [None] * count
+    indices = iter(range(count))
+
+    async def worker() -> None:
+        for index in indices:  # the workers share one iterator: each index runs once
+            results[index] = await job(index)
+
+    workers = min(limit, count)
+    if workers <= 1:
+        await worker()
+        return cast(list[T], results)
+    first_failure: BaseException | None = None
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(workers):
+                group.create_task(worker())
+    except BaseExceptionGroup as failure:
+        first_failure = failure.exceptions[0]
+    if first_failure is not None:
+        raise first_failure  # outside the handler, so it keeps its own cause and context
+    return cast(list[T], results)
+
+
+def parse_options(backend: str, options: Mapping[str, object], kind: type[OptionsT]) -> OptionsT:
+    """Validate ``options`` into the Struct ``kind``; a clear ``ConfigError`` if they don't fit.
+
+    Give ``kind`` ``forbid_unknown_fields=True`` so a misspelt option is an error.
+    """
+    try:
+        return msgspec.convert(dict(options), kind, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"backend {backend!r}: bad options: {exc}") from None

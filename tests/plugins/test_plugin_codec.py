@@ -1,0 +1,69 @@
+"""The stored-value codec: header layout, and that damage of any kind reads as a miss."""
+
+from __future__ import annotations
+
+import struct
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.plugins import codec
+
+NS = bytes(range(16))
+KEY = bytes(range(16, 32))
+
+
+def test_header_layout() -> None:
+    stored = codec.encode_value(NS, KEY, b"payload")
+    magic, version, flags, reserved, length, digest = struct.unpack_from("<4sBBHQQ", stored)
+    assert (magic, version, flags, reserved, length) == (b"KVSB", 1, 0, 0, 7)
+    assert digest == codec.checksum(NS, KEY, b"payload")
+    assert codec.HEADER_BYTES == 24
+    assert stored[24:] == b"payload"
+    assert codec.read_header(stored) == (7, digest)
+
+
+def test_round_trip_into_a_buffer() -> None:
+    out = bytearray(5)
+    assert codec.decode_into(NS, KEY, codec.encode_value(NS, KEY, b"hello"), memoryview(out))
+    assert out == b"hello"
+
+
+def test_empty_payload() -> None:
+    out = bytearray()
+    assert codec.decode_into(NS, KEY, codec.encode_value(NS, KEY, b""), memoryview(out))
+
+
+def test_the_checksum_binds_namespace_and_key() -> None:
+    stored = codec.encode_value(NS, KEY, b"hello")
+    out = bytearray(5)
+    assert not codec.decode_into(bytes(16), KEY, stored, memoryview(out))
+    assert not codec.decode_into(NS, bytes(16), stored, memoryview(out))
+    assert out == bytes(5), "a failed decode leaves the buffer untouched"
+
+
+def test_unknown_versions_and_flags_are_refused() -> None:
+    stored = bytearray(codec.encode_value(NS, KEY, b"hello"))
+    for offset in (4, 5, 6):  # version, flags, reserved
+        changed = bytearray(stored)
+        changed[offset] += 1
+        assert codec.read_header(changed) is None
+    assert codec.read_header(stored[:23]) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(payload=st.binary(min_size=0, max_size=512), data=st.data())
+def test_any_single_byte_change_is_detected(payload: bytes, data: st.DataObject) -> None:
+    stored = bytearray(codec.encode_value(NS, KEY, payload))
+    index = data.draw(st.integers(0, len(stored) - 1), label="index")
+    stored[index] ^= data.draw(st.integers(1, 255), label="xor")
+    out = bytearray(len(payload))
+    assert not codec.decode_into(NS, KEY, stored, memoryview(out))
+
+
+@settings(max_examples=100, deadline=None)
+@given(payload=st.binary(min_size=1, max_size=512), cut=st.integers(1, 600))
+def test_truncation_is_detected(payload: bytes, cut: int) -> None:
+    stored = codec.encode_value(NS, KEY, payload)
+    out = bytearray(len(payload))
+    assert not codec.decode_into(NS, KEY, stored[: max(0, len(stored) - cut)], memoryview(out))
