@@ -22,6 +22,8 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         over.setdefault("server", {})["lease_seconds"] = args.lease
     if args.log_level:
         over.setdefault("server", {})["log_level"] = args.log_level
+    if args.metrics_port is not None:
+        over.setdefault("server", {})["metrics_port"] = args.metrics_port
     if args.debug_invariants:
         over.setdefault("server", {})["debug_invariants"] = True
     if args.dram_capacity:
@@ -116,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lease", type=float, metavar="SECONDS",
                        help="lease of reservations and pins, renewed by any request or ping")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve Prometheus metrics on 127.0.0.1:PORT (0: off)")
     serve.add_argument("--debug-invariants", action="store_true",
                        help="check every invariant after each request (slow)")
     serve.set_defaults(func=_cmd_serve)

@@ -79,6 +79,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_pins_per_session: int = 4096
     log_level: str = "info"
     debug_invariants: bool = False
+    metrics_port: int = 0
 
 
 class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -124,6 +125,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.server.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(
                 "server.log_level: expected one of debug, info, warning, error")
+        if not 0 <= self.server.metrics_port <= 65535:
+            raise ConfigError("server.metrics_port: expected 0 (off) to 65535")
         if self.max_request_bytes < 1 << 20:
             raise ConfigError("server.max_request_bytes: must be at least 1MiB")
         if self.dram_capacity < 1 << 20:

@@ -25,6 +25,8 @@ import zmq
 
 from kvstore import protocol as p
 from kvstore.config import Config
+from kvstore.metrics import Metrics, stats_on_loop
+from kvstore.sdnotify import Notifier
 from kvstore.errors import (
     CapacityError,
     ForbiddenError,
@@ -60,8 +62,10 @@ Outcome = tuple[p.Message, list[Any]]
 class Server:
     """The kvstore daemon.  ``await serve()`` runs it until ``stop()``."""
 
-    def __init__(self, config: Config, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: Config, *, clock: Callable[[], float] = time.monotonic,
+                 metrics: Metrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics
         self.clock = clock
         s = config.server
         self.limits = Limits(
@@ -101,6 +105,8 @@ class Server:
             p.Stats: self._stats,
             p.Ping: self._ping,
         }
+        verb_types: list[type[Any]] = [p.Hello, *self.handlers]
+        self._verbs = {t: str(t.__struct_config__.tag) for t in verb_types}
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -230,6 +236,8 @@ class Server:
 
     # -- dispatch ------------------------------------------------------------------------------
     def _on_message(self, frames: list[zmq.Frame]) -> None:
+        start = time.perf_counter()
+        verb, tenant, code = "invalid", "", None
         routing_id = frames[0].bytes
         if len(frames) < 2:
             self._send(routing_id, p.ErrorReply(0, MalformedError.code,
@@ -247,19 +255,26 @@ class Server:
                 rid = p.request_id_of(bytes(header))
                 raise MalformedError(f"bad request header: {exc}") from None
             rid = request.rid
+            verb = self._verbs[type(request)]
             if isinstance(request, p.Hello):
+                tenant = request.tenant
                 reply, payload = self._hello(routing_id, request, frames[2:])
             else:
                 session = self._session(routing_id)
+                tenant = session.tenant
                 self.store.touch_owner(session.id, self.clock())
                 handler = self.handlers[type(request)]
                 reply, payload = handler(session, request, frames[2:])
         except KVStoreError as exc:
+            code = exc.code
             reply, payload = p.ErrorReply(rid, exc.code, str(exc)), []
         except Exception as exc:  # a bug: report it, keep serving
             log.exception("internal error handling a request")
+            code = "internal"
             reply, payload = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
         self._send(routing_id, reply, payload)
+        if self.metrics is not None:
+            self.metrics.observe_request(verb, time.perf_counter() - start, code, tenant)
         if self.config.server.debug_invariants:
             self.check_invariants()
 
@@ -342,6 +357,10 @@ class Server:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
         hits = self.store.lookup(ns, req.keys)
+        if self.metrics is not None:
+            bt = ns.identity.block_tokens
+            self.metrics.observe_lookup_tokens(self.store.tier, session.tenant, hits * bt,
+                                               (len(req.keys) - hits) * bt)
         return p.LookupReply(req.rid, hits, [(self.store.tier, hits)] if hits else []), []
 
     def _reserve(self, session: Session, req: p.Reserve, payload: list[Any]) -> Outcome:
@@ -492,9 +511,29 @@ def _socket_alive(endpoint: str) -> bool:
 
 
 async def run_server(config: Config, on_ready: Callable[[Server], None] | None = None) -> None:
-    """Serve until SIGINT or SIGTERM."""
-    server = Server(config)
+    """Serve until SIGINT or SIGTERM, with metrics and systemd notifications."""
     loop = asyncio.get_running_loop()
+    server = Server(config)
+    server.metrics = Metrics(stats_on_loop(loop, server.stats))
+    close_http = server.metrics.start_http_server(config.server.metrics_port)
+    notifier = Notifier()
+
+    def ready(s: Server) -> None:
+        if on_ready is not None:
+            on_ready(s)
+        notifier.ready(f"serving on {', '.join(s.endpoints)}")
+
+    stop_watchdog = notifier.start_watchdog(loop, lambda: server._sock is not None)
+
+    def stop() -> None:
+        notifier.stopping()
+        server.stop()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, server.stop)
-    await server.serve(on_ready)
+        loop.add_signal_handler(sig, stop)
+    try:
+        await server.serve(ready)
+    finally:
+        stop_watchdog()
+        if close_http is not None:
+            close_http()

@@ -22,7 +22,8 @@ class DaemonProcess:
 
     def __init__(self, workdir: Path, *, dram_capacity: str = "64MiB", lease: float = 30.0,
                  tcp: bool = False, extra: list[str] | None = None,
-                 debug_invariants: bool = True) -> None:
+                 debug_invariants: bool = True, env: dict[str, str] | None = None) -> None:
+        self.extra_env = env or {}
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.endpoint = f"ipc://{workdir / 'kvstore.sock'}"
@@ -40,6 +41,7 @@ class DaemonProcess:
     def start(self, timeout: float = 30.0) -> DaemonProcess:
         env = dict(os.environ)
         env.pop("KVSTORE_ENDPOINT", None)
+        env.update(self.extra_env)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._log,
                                      env=env)

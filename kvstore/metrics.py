@@ -1,0 +1,373 @@
+"""Prometheus metrics for the daemon, in a private registry.
+
+Four groups: pool state per tier, reuse, scheduling and service, plus invariant
+violations.  Pool state and the counters the store already keeps are read at scrape
+time from a stats callable (the dict of ``Server.stats()``), so nothing is counted
+twice; what only the daemon sees (request latency, transfers, queue waits, admission
+outcomes) is observed through the ``observe_*`` methods.
+
+The stats dict, as the collector reads it (every key optional)::
+
+    {"tiers": {"dram": {"capacity": int, "free": int, "reserved": int,
+                        "committed": int, "peak_committed": int, "tail_waste": int,
+                        "reserved_slots": int, "committed_slots": int, "blocks": int,
+                        "pinned_blocks": int, "empty_slabs": int, "lookups": int,
+                        "lookup_keys": int, "hits": int, "commits": int,
+                        "duplicates": int, "aborts": int, "capacity_rejects": int,
+                        "lease_expiries": int, "checksum_failures": int,
+                        "evictions": int, "evictions_by_cause": {cause: int}}, ...},
+     "sessions": int, "namespaces": int, "invariant_violations": int}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("kvstore.metrics")
+
+StatsSource = Callable[[], Mapping[str, Any]]
+"""Returns the daemon's stats dict (the shape in the module docstring)."""
+
+OTHER_TENANT = "_other"
+"""The label of every tenant past ``max_tenants``."""
+
+REQUEST_SECONDS_BUCKETS = (
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
+    0.1, 0.25, 0.5, 1.0, 2.5)
+TRANSFER_SECONDS_BUCKETS = (
+    100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0)
+TRANSFER_BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(11))  # 4 KiB .. 4 GiB
+QUEUE_WAIT_SECONDS_BUCKETS = (
+    100e-6, 1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# (stats key, metric name, help) of the per-tier pool gauges.
+_POOL_GAUGES = (
+    ("capacity", "kvstore_pool_capacity_bytes", "Bytes the tier can hold."),
+    ("free", "kvstore_pool_free_bytes", "Bytes in free slots."),
+    ("reserved", "kvstore_pool_reserved_bytes", "Bytes in slots reserved but not committed."),
+    ("committed", "kvstore_pool_committed_bytes", "Bytes in slots holding committed blocks."),
+    ("tail_waste", "kvstore_pool_tail_waste_bytes",
+     "Bytes at the ends of slabs too small for another slot."),
+    ("reserved_slots", "kvstore_pool_reserved_slots", "Slots reserved but not committed."),
+    ("committed_slots", "kvstore_pool_committed_slots", "Slots holding committed blocks."),
+    ("blocks", "kvstore_pool_blocks", "Blocks cached."),
+    ("pinned_blocks", "kvstore_pool_pinned_blocks",
+     "Unique blocks referenced by at least one pin or reservation parent."),
+    ("empty_slabs", "kvstore_pool_empty_slabs", "Slabs not assigned to any slot size."),
+)
+
+# (stats key, metric name without _total, help) of the per-tier counters the store keeps.
+_TIER_COUNTERS = (
+    ("lookups", "kvstore_lookups", "Lookup requests."),
+    ("lookup_keys", "kvstore_lookup_blocks", "Blocks asked for by lookups."),
+    ("hits", "kvstore_hit_blocks", "Blocks found by lookups (the leading cached prefix)."),
+    ("commits", "kvstore_committed_blocks", "Blocks committed."),
+    ("duplicates", "kvstore_duplicate_blocks",
+     "Committed blocks another writer had cached first (their slots were freed)."),
+    ("aborts", "kvstore_aborts", "Reservations aborted."),
+    ("capacity_rejects", "kvstore_allocation_failures",
+     "Reservations refused because the tier was full of pinned blocks."),
+    ("lease_expiries", "kvstore_lease_expiries",
+     "Reservations and pins rolled back because their lease ran out."),
+    ("checksum_failures", "kvstore_checksum_failures",
+     "Blocks whose bytes failed their checksum on read (served as misses)."),
+)
+
+
+class _Monotonic:
+    """Turns counters that restart from zero (a tier rebuilt on reload) into ones that
+    only go up, so a rate over the restart stays right."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, ...], float] = {}
+        self._base: dict[tuple[str, ...], float] = {}
+
+    def __call__(self, key: tuple[str, ...], raw: float) -> float:
+        last = self._last.get(key)
+        if last is not None and raw < last:
+            self._base[key] = self._base.get(key, 0.0) + last
+        self._last[key] = raw
+        return self._base.get(key, 0.0) + raw
+
+
+class _StatsCollector(Collector):
+    """Pool state and store counters, read from the stats callable at each scrape."""
+
+    def __init__(self, stats: StatsSource) -> None:
+        self._stats = stats
+        # Scrapes may run concurrently on the HTTP server's threads.
+        self._lock = threading.Lock()
+        self._monotonic = _Monotonic()
+        self._peak: dict[str, float] = {}
+        self._errors = 0
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families({})
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            stats = self._stats()
+            with self._lock:
+                return self._families(stats)
+        except Exception:
+            log.exception("reading the daemon's stats for a scrape failed")
+            with self._lock:
+                self._errors += 1
+                return [self._error_family()]
+
+    def _error_family(self) -> Metric:
+        family = CounterMetricFamily(
+            "kvstore_stats_errors", "Scrapes that could not read the daemon's stats.")
+        family.add_metric([], float(self._errors))
+        return family
+
+    def _families(self, stats: Mapping[str, Any]) -> list[Metric]:
+        pool = {key: GaugeMetricFamily(name, text, labels=["tier"])
+                for key, name, text in _POOL_GAUGES}
+        peak = GaugeMetricFamily(
+            "kvstore_pool_peak_committed_bytes",
+            "Most bytes committed at once since start (as seen at scrapes, unless the "
+            "tier tracks it itself).", labels=["tier"])
+        counters = {key: CounterMetricFamily(name, text, labels=["tier"])
+                    for key, name, text in _TIER_COUNTERS}
+        evictions = CounterMetricFamily(
+            "kvstore_evictions", "Blocks evicted, by cause.", labels=["tier", "cause"])
+        hit_ratio = GaugeMetricFamily(
+            "kvstore_lookup_hit_ratio",
+            "Blocks found over blocks asked for, by lookups since start.", labels=["tier"])
+        sessions = GaugeMetricFamily("kvstore_sessions", "Client sessions open.")
+        namespaces = GaugeMetricFamily("kvstore_namespaces", "Namespaces open.")
+        violations = CounterMetricFamily(
+            "kvstore_invariant_violations",
+            "Invariant checks that failed (each is logged; see --debug-invariants).")
+
+        tiers: Mapping[str, Mapping[str, Any]] = stats.get("tiers", {})
+        for tier, t in tiers.items():
+            for key, gauge in pool.items():
+                if key in t:
+                    gauge.add_metric([tier], float(t[key]))
+            if "committed" in t or "peak_committed" in t:
+                seen = float(t.get("peak_committed", t.get("committed", 0)))
+                self._peak[tier] = max(self._peak.get(tier, 0.0), seen)
+                peak.add_metric([tier], self._peak[tier])
+            for key, counter in counters.items():
+                if key in t:
+                    counter.add_metric([tier], self._monotonic((key, tier), float(t[key])))
+            by_cause: Mapping[str, Any] = t.get("evictions_by_cause") or (
+                {"capacity": t["evictions"]} if "evictions" in t else {})
+            for cause, count in by_cause.items():
+                evictions.add_metric(
+                    [tier, cause], self._monotonic(("evictions", tier, cause), float(count)))
+            if t.get("lookup_keys"):
+                hit_ratio.add_metric([tier], float(t.get("hits", 0)) / float(t["lookup_keys"]))
+        if "sessions" in stats:
+            sessions.add_metric([], float(stats["sessions"]))
+        if "namespaces" in stats:
+            namespaces.add_metric([], float(stats["namespaces"]))
+        if "invariant_violations" in stats:
+            violations.add_metric(
+                [], self._monotonic(("invariant_violations",),
+                                    float(stats["invariant_violations"])))
+        return [*pool.values(), peak, *counters.values(), evictions, hit_ratio, sessions,
+                namespaces, violations, self._error_family()]
+
+
+def stats_on_loop(
+    loop: asyncio.AbstractEventLoop, stats: StatsSource, timeout: float = 2.0
+) -> StatsSource:
+    """Wrap ``stats`` so that scrapes from other threads run it on ``loop``.
+
+    The store's dicts change on the loop's thread; walking them from the HTTP server's
+    thread could see them mid-change.  A loop stuck for longer than ``timeout`` makes
+    the scrape fail (counted in ``kvstore_stats_errors_total``) instead of hanging.
+    """
+
+    def on_loop() -> Mapping[str, Any]:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            return stats()
+        done: concurrent.futures.Future[Mapping[str, Any]] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(stats())
+            except Exception as exc:  # noqa: BLE001 - re-raised in the scraping thread
+                done.set_exception(exc)
+
+        loop.call_soon_threadsafe(run)
+        return done.result(timeout)
+
+    return on_loop
+
+
+class Metrics:
+    """The daemon's metrics in a private registry; ``observe_*`` on the hot paths."""
+
+    def __init__(self, stats: StatsSource | None = None, *, max_tenants: int = 256) -> None:
+        if max_tenants < 1:
+            raise ValueError(f"max_tenants must be positive, got {max_tenants}")
+        self.registry = CollectorRegistry()
+        self.max_tenants = max_tenants
+        self._tenants: set[str] = set()
+        if stats is not None:
+            self.registry.register(_StatsCollector(stats))
+        r = self.registry
+        # service
+        self._requests = Counter(
+            "kvstore_requests", "Requests handled, by verb and tenant.",
+            ["verb", "tenant"], registry=r)
+        self._errors = Counter(
+            "kvstore_request_errors", "Requests answered with an error, by verb, error "
+            "code and tenant.", ["verb", "code", "tenant"], registry=r)
+        self._latency = Histogram(
+            "kvstore_request_duration_seconds", "Time from receiving a request to sending "
+            "its reply, by verb.", ["verb"], buckets=REQUEST_SECONDS_BUCKETS, registry=r)
+        # reuse
+        self._hit_tokens = Counter(
+            "kvstore_lookup_hit_tokens", "Tokens in blocks found by lookups.",
+            ["tier", "tenant"], registry=r)
+        self._missed_tokens = Counter(
+            "kvstore_lookup_missed_tokens", "Tokens in full blocks asked for but not cached "
+            "(the engine recomputes them).", ["tier", "tenant"], registry=r)
+        self._transfer_seconds = Histogram(
+            "kvstore_transfer_duration_seconds", "Time of block transfers, by direction "
+            "(offload, reload, promote, demote) and tier.", ["direction", "tier"],
+            buckets=TRANSFER_SECONDS_BUCKETS, registry=r)
+        self._transfer_bytes = Histogram(
+            "kvstore_transfer_size_bytes", "Bytes per block transfer, by direction and tier.",
+            ["direction", "tier"], buckets=TRANSFER_BYTES_BUCKETS, registry=r)
+        # scheduling
+        self._queue_depth = Gauge(
+            "kvstore_queue_depth", "Transfers waiting, by class.", ["class"], registry=r)
+        self._queue_wait = Histogram(
+            "kvstore_queue_wait_seconds", "Time transfers waited in their queue, by class.",
+            ["class"], buckets=QUEUE_WAIT_SECONDS_BUCKETS, registry=r)
+        self._tenant_wait = Counter(
+            "kvstore_queue_waited_seconds", "Seconds transfers waited, by class and tenant.",
+            ["class", "tenant"], registry=r)
+        self._defers = Counter(
+            "kvstore_admission_defers", "Requests admission deferred, by tier and tenant.",
+            ["tier", "tenant"], registry=r)
+        self._rejects = Counter(
+            "kvstore_admission_rejects", "Requests admission rejected, by tier, tenant and "
+            "cause.", ["tier", "tenant", "cause"], registry=r)
+        self._request_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        self._error_children: dict[tuple[str, str, str], Counter] = {}
+        self._transfer_children: dict[tuple[str, str], tuple[Histogram, Histogram]] = {}
+
+    def __repr__(self) -> str:
+        return (f"Metrics(tenants={len(self._tenants)}/{self.max_tenants}, "
+                f"request_series={len(self._request_children)})")
+
+    def _tenant(self, tenant: str) -> str:
+        # Tenants are named by clients; capping them keeps a misbehaving client from
+        # growing the exposition (and this process) without bound.
+        if tenant in self._tenants:
+            return tenant
+        if len(self._tenants) < self.max_tenants:
+            self._tenants.add(tenant)
+            return tenant
+        return OTHER_TENANT
+
+    # -- service -------------------------------------------------------------------------
+    def observe_request(
+        self, verb: str, seconds: float, error_code: str | None, tenant: str
+    ) -> None:
+        """Count one handled request, its latency, and its error code if it failed."""
+        children = self._request_children.get((verb, tenant))
+        if children is None:
+            label = self._tenant(tenant)
+            children = (self._requests.labels(verb, label), self._latency.labels(verb))
+            if label == tenant:
+                self._request_children[(verb, tenant)] = children
+        children[0].inc()
+        children[1].observe(seconds)
+        if error_code is not None:
+            error = self._error_children.get((verb, error_code, tenant))
+            if error is None:
+                label = self._tenant(tenant)
+                error = self._errors.labels(verb, error_code, label)
+                if label == tenant:
+                    self._error_children[(verb, error_code, tenant)] = error
+            error.inc()
+
+    # -- reuse ---------------------------------------------------------------------------
+    def observe_lookup_tokens(
+        self, tier: str, tenant: str, hit_tokens: int, missed_tokens: int
+    ) -> None:
+        """Tokens a lookup found cached and tokens it asked for in vain."""
+        label = self._tenant(tenant)
+        self._hit_tokens.labels(tier, label).inc(hit_tokens)
+        self._missed_tokens.labels(tier, label).inc(missed_tokens)
+
+    def observe_transfer(self, direction: str, tier: str, nbytes: int, seconds: float) -> None:
+        """One transfer of ``nbytes`` taking ``seconds``.
+
+        ``direction`` is offload or reload (engine and store) or promote or demote
+        (between tiers); ``tier`` is the store tier read or written, for promote and
+        demote the lower of the two.
+        """
+        children = self._transfer_children.get((direction, tier))
+        if children is None:
+            children = (self._transfer_seconds.labels(direction, tier),
+                        self._transfer_bytes.labels(direction, tier))
+            self._transfer_children[(direction, tier)] = children
+        children[0].observe(seconds)
+        children[1].observe(nbytes)
+
+    # -- scheduling ----------------------------------------------------------------------
+    def set_queue_depth(self, cls: str, depth: int) -> None:
+        """How many transfers of class ``cls`` (reload, prefetch, writeback) wait now."""
+        self._queue_depth.labels(cls).set(depth)
+
+    def observe_queue_wait(self, cls: str, tenant: str, seconds: float) -> None:
+        """A transfer of class ``cls`` left its queue after waiting ``seconds``."""
+        self._queue_wait.labels(cls).observe(seconds)
+        self._tenant_wait.labels(cls, self._tenant(tenant)).inc(seconds)
+
+    def observe_defer(self, tier: str, tenant: str) -> None:
+        """Admission deferred a request of ``tenant`` for room in ``tier``."""
+        self._defers.labels(tier, self._tenant(tenant)).inc()
+
+    def observe_reject(self, tier: str, tenant: str, cause: str) -> None:
+        """Admission rejected a request of ``tenant`` in ``tier``, for ``cause``."""
+        self._rejects.labels(tier, self._tenant(tenant), cause).inc()
+
+    # -- export --------------------------------------------------------------------------
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format (what a scrape returns)."""
+        return prometheus_client.generate_latest(self.registry)
+
+    def start_http_server(
+        self, port: int, addr: str = "127.0.0.1"
+    ) -> Callable[[], None] | None:
+        """Serve ``/metrics`` on ``addr:port`` from a background thread.
+
+        Port 0 means disabled and returns None; otherwise returns a function that stops
+        the server and closes its socket.
+        """
+        if port == 0:
+            return None
+        httpd, thread = prometheus_client.start_http_server(
+            port, addr=addr, registry=self.registry)
+
+        def close() -> None:
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join()
+
+        return close

@@ -1,0 +1,42 @@
+"""The example config shipped with the unit loads, and shows every field."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from kvstore.config import Config, DramConfig, ServerConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "systemd" / "kvstore.toml"
+
+
+def test_example_config_loads() -> None:
+    config = load_config(EXAMPLE, env={})
+    assert config.endpoint == "ipc:///run/kvstore/kvstore.sock"
+    assert config.dram.directory == "/dev/shm"
+
+
+def test_example_config_shows_every_field() -> None:
+    data = tomllib.loads(EXAMPLE.read_text())
+    assert set(data) == set(Config.__struct_fields__)
+    for section, struct in (("server", ServerConfig), ("dram", DramConfig)):
+        missing = set(struct.__struct_fields__) - set(data[section])
+        assert not missing, f"[{section}] of the example lacks {sorted(missing)}"
+
+
+def test_config_check_command_accepts_the_example() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore", "config", "check", str(EXAMPLE)],
+        check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_unit_and_example_agree_on_the_endpoint() -> None:
+    unit = (ROOT / "systemd" / "kvstore.service").read_text()
+    endpoint = load_config(EXAMPLE, env={}).endpoint
+    assert f"Environment=KVSTORE_ENDPOINT={endpoint}\n" in unit
