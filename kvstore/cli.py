@@ -22,6 +22,12 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         over.setdefault("server", {})["lease_seconds"] = args.lease
     if args.log_level:
         over.setdefault("server", {})["log_level"] = args.log_level
+    if args.ssd_path:
+        over.setdefault("ssd", {})["path"] = args.ssd_path
+    if args.ssd_capacity is not None:
+        over.setdefault("ssd", {})["capacity"] = args.ssd_capacity
+    if args.ssd_write_policy:
+        over.setdefault("ssd", {})["write_policy"] = args.ssd_write_policy
     if args.metrics_port is not None:
         over.setdefault("server", {})["metrics_port"] = args.metrics_port
     if args.debug_invariants:
@@ -49,6 +55,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(f"kvstore serving on {endpoint}", flush=True)
         print(f"dram tier: {format_size(config.dram_capacity)} arena at {server.arena.path}"
               if server.arena else "", flush=True)
+        if server.ssd is not None:
+            print(f"ssd tier: {format_size(config.ssd_capacity)} in {config.ssd_path} "
+                  f"({server.store.ssd_committed_slots} blocks restored)", flush=True)
 
     try:
         import uvloop
@@ -115,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dram-capacity", metavar="SIZE", help="DRAM arena size, e.g. 256MiB")
     serve.add_argument("--slab-size", metavar="SIZE", help="slab size, e.g. 64MiB")
     serve.add_argument("--eviction-policy", metavar="NAME", help="eviction policy (lru, ...)")
+    serve.add_argument("--ssd-path", metavar="DIR",
+                       help="SSD tier directory (default: the user's data directory)")
+    serve.add_argument("--ssd-capacity", metavar="SIZE",
+                       help="SSD tier size, e.g. 64GiB; 0 runs without the tier")
+    serve.add_argument("--ssd-write-policy", choices=["write-back", "write-through"],
+                       help="write blocks to SSD when DRAM evicts them, or on commit")
     serve.add_argument("--lease", type=float, metavar="SECONDS",
                        help="lease of reservations and pins, renewed by any request or ping")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

@@ -90,9 +90,28 @@ class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     populate: bool = True
 
 
+class SsdConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    path: str = ""
+    capacity: str | int = "4GiB"
+    slab_size: str | int = "256MiB"
+    write_policy: str = "write-back"
+    admit_after: int = 1
+    sync: str = "batch"
+    direct_io: bool = True
+    preallocate: bool = False
+
+
+def data_dir() -> Path:
+    """$XDG_DATA_HOME/kvstore, else ~/.local/share/kvstore."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"),
+                                                           ".local", "share")
+    return Path(base) / "kvstore"
+
+
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     dram: DramConfig = msgspec.field(default_factory=DramConfig)
+    ssd: SsdConfig = msgspec.field(default_factory=SsdConfig)
 
     # -- derived, validated values ------------------------------------------------
     @property
@@ -106,6 +125,23 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def dram_slab_bytes(self) -> int:
         return parse_size(self.dram.slab_size, "dram.slab_size")
+
+    @property
+    def ssd_path(self) -> Path:
+        return Path(self.ssd.path) if self.ssd.path else data_dir() / "ssd"
+
+    @property
+    def ssd_slab_bytes(self) -> int:
+        """The slab size, shrunk to the capacity when that is smaller (4 KiB multiples)."""
+        slab = parse_size(self.ssd.slab_size, "ssd.slab_size")
+        capacity = parse_size(self.ssd.capacity, "ssd.capacity")
+        return max(4096, min(slab, capacity) // 4096 * 4096)
+
+    @property
+    def ssd_capacity(self) -> int:
+        """Whole slabs only; 0 turns the SSD tier off."""
+        capacity = parse_size(self.ssd.capacity, "ssd.capacity")
+        return capacity // self.ssd_slab_bytes * self.ssd_slab_bytes if capacity else 0
 
     @property
     def max_request_bytes(self) -> int:
@@ -135,6 +171,17 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("dram.slab_size: must be at least 64KiB")
         if not os.path.isdir(self.dram.directory):
             raise ConfigError(f"dram.directory: {self.dram.directory!r} is not a directory")
+        if self.ssd_capacity:
+            if self.ssd_capacity < 1 << 20:
+                raise ConfigError("ssd.capacity: must be 0 (off) or at least 1MiB")
+            if parse_size(self.ssd.slab_size, "ssd.slab_size") % 4096:
+                raise ConfigError("ssd.slab_size: must be a multiple of 4KiB")
+        if self.ssd.write_policy not in ("write-back", "write-through"):
+            raise ConfigError("ssd.write_policy: expected 'write-back' or 'write-through'")
+        if self.ssd.admit_after < 1:
+            raise ConfigError("ssd.admit_after: must be at least 1")
+        if self.ssd.sync not in ("always", "batch", "none"):
+            raise ConfigError("ssd.sync: expected one of always, batch, none")
         from kvstore.scheduler.eviction import POLICIES
 
         if self.dram.eviction_policy not in POLICIES:
@@ -151,7 +198,7 @@ def _set_path(data: dict[str, Any], section: str, field: str, value: Any) -> Non
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """``KVSTORE_<SECTION>_<FIELD>=value`` for every known field, plus KVSTORE_ENDPOINT."""
     data: dict[str, Any] = {}
-    sections = {"server": ServerConfig, "dram": DramConfig}
+    sections = {"server": ServerConfig, "dram": DramConfig, "ssd": SsdConfig}
     for section, struct in sections.items():
         for field in struct.__struct_fields__:
             raw = env.get(f"KVSTORE_{section.upper()}_{field.upper()}")
@@ -233,11 +280,13 @@ def _field_message(exc: msgspec.ValidationError) -> str:
 def config_to_toml(config: Config) -> str:
     """The effective configuration as TOML text (for `config show`)."""
     lines: list[str] = []
-    for section in ("server", "dram"):
+    for section in ("server", "dram", "ssd"):
         lines.append(f"[{section}]")
         values = msgspec.structs.asdict(getattr(config, section))
         if section == "server" and not values["endpoint"]:
             values["endpoint"] = config.endpoint
+        if section == "ssd" and not values["path"]:
+            values["path"] = str(config.ssd_path)
         for key, value in values.items():
             lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")

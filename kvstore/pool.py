@@ -122,8 +122,37 @@ class SlabPool:
             if slab.used == 0:
                 self._shrink(cls, slab)
 
-    def _grow(self, cls: SlabClass) -> None:
-        index = self._empty.pop()
+    def claim(self, cls: SlabClass, offset: int) -> bool:
+        """Mark the slot at ``offset`` used (rebuilding a tier at start-up); False if that
+        slot does not exist for this class or is taken."""
+        index, within = divmod(offset, self.slab_bytes)
+        slot, rest = divmod(within, cls.slot_bytes)
+        if offset < 0 or index >= self.num_slabs or rest or slot >= cls.slots_per_slab:
+            return False
+        owner = self._owner.get(index)
+        if owner is None:
+            self._empty.remove(index)
+            self._grow(cls, index)
+        elif owner is not cls:
+            return False
+        slab = cls.slabs[index]
+        if slot >= slab.next_unused:
+            slab.freed.extend(slab.base + i * cls.slot_bytes
+                              for i in range(slab.next_unused, slot))
+            slab.next_unused = slot + 1
+        elif offset in slab.freed:
+            slab.freed.remove(offset)
+        else:
+            return False
+        slab.used += 1
+        cls.free_slots -= 1
+        if slab.used == cls.slots_per_slab:
+            del cls._with_room[index]
+        return True
+
+    def _grow(self, cls: SlabClass, index: int | None = None) -> None:
+        if index is None:
+            index = self._empty.pop()
         slab = Slab(index, index * self.slab_bytes)
         cls.slabs[index] = slab
         cls._with_room[index] = slab

@@ -37,7 +37,15 @@ from kvstore.errors import (
     UnknownNamespaceError,
     VersionMismatchError,
 )
-from kvstore.store import BlockStore, Limits, Namespace, Reservation
+from kvstore.store import (
+    BlockStore,
+    DemotionNeeded,
+    Limits,
+    Namespace,
+    PromotionNeeded,
+    Reservation,
+)
+from kvstore.tiering import SsdMover
 from kvstore.tiers.dram import DramArena
 
 log = logging.getLogger("kvstore.server")
@@ -76,8 +84,12 @@ class Server:
         self.max_keys = s.max_keys_per_request
         self.max_request_bytes = config.max_request_bytes
         self.store = BlockStore(config.dram_capacity, config.dram_slab_bytes,
-                                limits=self.limits, eviction_policy=config.dram.eviction_policy)
+                                limits=self.limits, eviction_policy=config.dram.eviction_policy,
+                                ssd_capacity=config.ssd_capacity,
+                                ssd_slab_bytes=config.ssd_slab_bytes,
+                                ssd_admit_after=config.ssd.admit_after)
         self.arena: DramArena | None = None
+        self.ssd: SsdMover | None = None
         self.sessions: dict[bytes, Session] = {}  # routing id -> session
         self._by_session_id: dict[str, Session] = {}
         self._expired: dict[bytes, None] = {}
@@ -115,6 +127,14 @@ class Server:
         self._stopped = asyncio.Event()
         d = self.config.dram
         self.arena = DramArena(self.config.dram_capacity, d.directory, populate=d.populate)
+        if self.config.ssd_capacity:
+            try:
+                self.ssd = SsdMover(self.config, self.store, self.arena)
+                restored = self.ssd.restore()
+            except BaseException:
+                self.arena.close()
+                raise
+            log.info("ssd tier: %d blocks restored from %s", restored, self.config.ssd_path)
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -150,7 +170,21 @@ class Server:
             on_ready(self)
         assert self._stopped is not None
         await self._stopped.wait()
+        await self.drain()
         self.close()
+
+    async def drain(self, bound: float = 30.0) -> None:
+        """Stop taking requests, let those under way finish (within ``bound`` seconds),
+        flush writes to SSD and sync its index."""
+        if self._sock is not None and self._loop is not None:
+            self._loop.remove_reader(self._fd)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=bound)
+        if self.ssd is not None:
+            try:
+                await asyncio.wait_for(self.ssd.drain(), bound)
+            except (TimeoutError, KVStoreError) as exc:
+                log.error("could not flush the ssd tier on the way out: %r", exc)
 
     def stop(self) -> None:
         if self._stopped is not None:
@@ -170,6 +204,9 @@ class Server:
                         pass
         if self._ctx is not None:
             self._ctx.term()
+        if self.ssd is not None:
+            self.ssd.close()
+            self.ssd = None
         if self.arena is not None:
             self.arena.close()
         self._sock = None
@@ -264,7 +301,13 @@ class Server:
                 tenant = session.tenant
                 self.store.touch_owner(session.id, self.clock())
                 handler = self.handlers[type(request)]
-                reply, payload = handler(session, request, frames[2:])
+                try:
+                    reply, payload = handler(session, request, frames[2:])
+                except (DemotionNeeded, PromotionNeeded) as plan:
+                    # The bytes must move between tiers first: finish in a task.
+                    self._spawn(self._finish_later(routing_id, rid, verb, tenant, start,
+                                                   handler, session, request, frames[2:], plan))
+                    return
         except KVStoreError as exc:
             code = exc.code
             reply, payload = p.ErrorReply(rid, exc.code, str(exc)), []
@@ -273,6 +316,42 @@ class Server:
             code = "internal"
             reply, payload = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
         self._send(routing_id, reply, payload)
+        if self.metrics is not None:
+            self.metrics.observe_request(verb, time.perf_counter() - start, code, tenant)
+        if self.config.server.debug_invariants:
+            self.check_invariants()
+
+    def _spawn(self, coro: Any) -> None:
+        assert self._loop is not None
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _finish_later(self, routing_id: bytes, rid: int, verb: str, tenant: str,
+                            start: float, handler: Callable[[Session, Any, list[Any]], Outcome],
+                            session: Session, request: Any, payload: list[Any],
+                            plan: DemotionNeeded | PromotionNeeded) -> None:
+        """Move what the store asked for, then run the request again; one reply at the end."""
+        code: str | None = None
+        try:
+            for _ in range(4):
+                assert self.ssd is not None, "the store planned a move without an ssd tier"
+                await self.ssd.resolve(plan)
+                try:
+                    reply, out = handler(session, request, payload)
+                    break
+                except (DemotionNeeded, PromotionNeeded) as again:
+                    plan = again
+            else:
+                raise CapacityError("blocks kept moving between tiers; try again")
+        except KVStoreError as exc:
+            code = exc.code
+            reply, out = p.ErrorReply(rid, exc.code, str(exc)), []
+        except Exception as exc:
+            log.exception("internal error finishing a request")
+            code = "internal"
+            reply, out = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
+        self._send(routing_id, reply, out)
         if self.metrics is not None:
             self.metrics.observe_request(verb, time.perf_counter() - start, code, tenant)
         if self.config.server.debug_invariants:
@@ -349,19 +428,23 @@ class Server:
         if identity.block_bytes > self.max_request_bytes:
             raise TooLargeError(f"blocks of {identity.block_bytes} bytes exceed the request "
                                 f"limit of {self.max_request_bytes}")
+        known = identity.namespace_id in self.store.namespaces
         ns = self.store.open_namespace(identity)
+        if not known and self.ssd is not None:
+            self.ssd.remember_namespace(identity)
         session.namespaces.add(ns.id)
         return p.NamespaceReply(req.rid, ns.id, ns.block_bytes, ns.cls.slot_bytes), []
 
     def _lookup(self, session: Session, req: p.Lookup, payload: list[Any]) -> Outcome:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
-        hits = self.store.lookup(ns, req.keys)
+        tiers = self.store.lookup(ns, req.keys)
+        hits = len(tiers)
         if self.metrics is not None:
             bt = ns.identity.block_tokens
             self.metrics.observe_lookup_tokens(self.store.tier, session.tenant, hits * bt,
                                                (len(req.keys) - hits) * bt)
-        return p.LookupReply(req.rid, hits, [(self.store.tier, hits)] if hits else []), []
+        return p.LookupReply(req.rid, hits, _runs(tiers)), []
 
     def _reserve(self, session: Session, req: p.Reserve, payload: list[Any]) -> Outcome:
         ns = self._namespace(session, req.ns)
@@ -388,8 +471,10 @@ class Server:
         return self.store.reserve(session.id, ns, keys, parent, self.clock())
 
     def _commit(self, session: Session, req: p.Commit, payload: list[Any]) -> Outcome:
-        created, duplicates = self.store.commit(session.id, req.reservation, self.clock())
-        return p.CommitReply(req.rid, created, duplicates), []
+        result = self.store.commit(session.id, req.reservation, self.clock())
+        if self.ssd is not None:
+            self.ssd.committed(result.blocks)
+        return p.CommitReply(req.rid, result.created, result.duplicates), []
 
     def _abort(self, session: Session, req: p.Abort, payload: list[Any]) -> Outcome:
         self.store.abort(session.id, req.reservation)
@@ -399,7 +484,7 @@ class Server:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
         pin = self.store.acquire(session.id, ns, req.keys, self.clock())
-        return p.AcquireReply(req.rid, pin.id, [b.offset for b in pin.blocks]), []
+        return p.AcquireReply(req.rid, pin.id, pin.offsets), []
 
     def _release(self, session: Session, req: p.Release, payload: list[Any]) -> Outcome:
         self.store.release(session.id, req.pin)
@@ -424,8 +509,10 @@ class Server:
         except BaseException:
             self.store.abort(session.id, r.id)
             raise
-        created, duplicates = self.store.commit(session.id, r.id, now)
-        return p.PutReply(req.rid, created, duplicates), []
+        result = self.store.commit(session.id, r.id, now)
+        if self.ssd is not None:
+            self.ssd.committed(result.blocks)
+        return p.PutReply(req.rid, result.created, result.duplicates), []
 
     def _get(self, session: Session, req: p.Get, payload: list[Any]) -> Outcome:
         ns = self._namespace(session, req.ns)
@@ -436,7 +523,7 @@ class Server:
         pin = self.store.acquire(_GET_OWNER, ns, req.keys, self.clock())
         assert self.arena is not None
         size = ns.block_bytes
-        frames = [self.arena.slot(b.offset, size) for b in pin.blocks]
+        frames = [self.arena.slot(offset, size) for offset in pin.offsets]
         if not frames:
             self.store.release(_GET_OWNER, pin.id)
             return p.GetReply(req.rid, 0), []
@@ -445,11 +532,17 @@ class Server:
     def _evict(self, session: Session, req: p.Evict, payload: list[Any]) -> Outcome:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
-        return p.CountReply(req.rid, self.store.evict(ns, req.keys)), []
+        count, removed = self.store.evict(ns, req.keys)
+        if self.ssd is not None:
+            self.ssd.removed(removed)
+        return p.CountReply(req.rid, count), []
 
     def _drop(self, session: Session, req: p.DropNamespace, payload: list[Any]) -> Outcome:
         ns = self._namespace(session, req.ns)
-        return p.CountReply(req.rid, self.store.drop_namespace(ns)), []
+        count, removed = self.store.drop_namespace(ns)
+        if self.ssd is not None:
+            self.ssd.removed(removed)
+        return p.CountReply(req.rid, count), []
 
     def _stats(self, session: Session, req: p.Stats, payload: list[Any]) -> Outcome:
         return p.StatsReply(req.rid, self.stats()), []
@@ -459,12 +552,15 @@ class Server:
 
     # -- housekeeping ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return {
-            "tiers": {self.store.tier: self.store.stats()},
+        out: dict[str, Any] = {
+            "tiers": self.store.tier_stats(),
             "sessions": len(self._by_session_id),
             "namespaces": len(self.store.namespaces),
             "invariant_violations": self.invariant_violations,
         }
+        if self.ssd is not None:
+            out["ssd_io"] = self.ssd.stats()
+        return out
 
     def _schedule_reaper(self) -> None:
         assert self._loop is not None
@@ -493,6 +589,16 @@ class PinnedFrames(list[Any]):
     def __init__(self, frames: list[memoryview], pin: int) -> None:
         super().__init__(frames)
         self.pin = pin
+
+
+def _runs(tiers: list[str]) -> list[tuple[str, int]]:
+    runs: list[tuple[str, int]] = []
+    for tier in tiers:
+        if runs and runs[-1][0] == tier:
+            runs[-1] = (tier, runs[-1][1] + 1)
+        else:
+            runs.append((tier, 1))
+    return runs
 
 
 def _socket_alive(endpoint: str) -> bool:

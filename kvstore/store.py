@@ -1,13 +1,26 @@
-"""The block store: namespaces, the key index, reservations, pins and leases.
+"""The block store: namespaces, the key index, reservations, pins, leases and tiers.
 
 Pure bookkeeping over slot offsets: no sockets, files or event loop.  The daemon owns
-the bytes (the DRAM arena) and asks the store where they go.  Every public method
-checks before it mutates, so a failed call leaves nothing behind.
+the bytes (the DRAM arena, the SSD files) and asks the store where they go.  Every
+public method checks before it mutates, so a failed call leaves nothing behind.
 
-Slot states: a slot is free (in its slab), reserved (held by a ``Reservation`` until it
-commits, aborts or its lease ends) or committed (holds a ``Block``; ``refs`` counts the
-pins on it).  Prefix closure: a block is only evicted when no cached block depends on
-it, so a cached key implies its whole prefix is cached.
+A key has one ``Block`` entry, which holds up to one copy per tier: a DRAM slot
+(``offset``) and an SSD slot (``ssd_offset``).  In each tier a slot is free, reserved
+(held by a reservation, a promotion or a write to SSD that has not finished) or
+committed (holds a copy).  ``refs`` counts the pins on the DRAM copy; a pinned copy is
+never evicted, moved or reused.
+
+Prefix closure: a copy is only dropped if the block keeps another copy or nothing cached
+depends on it (leaf first), so a cached key implies its whole prefix is cached.  An
+entry that lost its last copy to corruption stays as a hollow parent of what depends on
+it (lookup stops there) until its children are gone.
+
+When the DRAM tier is full and an SSD tier exists, a cold block that is only in DRAM is
+demoted (written back) rather than lost: allocation raises ``DemotionNeeded`` with the
+victims, the daemon writes them to SSD and calls ``finish_demotion``, then allocates
+again.  A block only on SSD is promoted the same way: ``acquire`` raises
+``PromotionNeeded``, the daemon reads the copies into DRAM slots from
+``begin_promotion`` and reports with ``finish_promotion``.
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.errors import (
     CapacityError,
@@ -27,38 +41,73 @@ from kvstore.pool import SlabClass, SlabPool
 from kvstore.scheduler.eviction import EvictionPolicy, make_policy
 
 Owner = Hashable
+DRAM = "dram"
+SSD = "ssd"
 
 
 class Block:
-    """A committed block: its key, its place in the chain, its slot and its pins."""
+    """One key's entry: its place in the chain, its copies per tier, its pins."""
 
-    __slots__ = ("key", "ns", "parent", "children", "offset", "refs")
+    __slots__ = ("key", "ns", "parent", "children", "offset", "refs", "ssd_offset",
+                 "ssd_record", "ssd_holds", "demoting", "promoting", "seen")
 
-    def __init__(self, key: bytes, ns: Namespace, parent: Block | None, offset: int) -> None:
+    def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
         self.key = key
         self.ns = ns
         self.parent = parent
         self.children = 0
-        self.offset = offset
-        self.refs = 0
+        self.offset: int | None = None      # DRAM slot
+        self.refs = 0                       # pins on the DRAM copy
+        self.ssd_offset: int | None = None  # SSD slot
+        self.ssd_record: Any = None         # what the SSD tier needs to read it back
+        self.ssd_holds = 0                  # reads of the SSD copy in flight
+        self.demoting = False               # DRAM copy being written back, then dropped
+        self.promoting = False              # DRAM copy being read in from SSD
+        self.seen = 0                       # commits and hits, for the SSD admission filter
+
+    @property
+    def present(self) -> bool:
+        return self.offset is not None or self.ssd_offset is not None
+
+    @property
+    def tier(self) -> str:
+        return DRAM if self.offset is not None else SSD
 
     def __repr__(self) -> str:
-        return f"Block({self.key.hex()[:12]}, refs={self.refs}, children={self.children})"
+        return (f"Block({self.key.hex()[:12]}, dram={self.offset}, ssd={self.ssd_offset}, "
+                f"refs={self.refs}, children={self.children})")
 
 
 class Namespace:
     """One identity's blocks in the daemon."""
 
-    def __init__(self, identity: Identity, cls: SlabClass) -> None:
+    def __init__(self, identity: Identity, cls: SlabClass, ssd_cls: SlabClass | None) -> None:
         self.identity = identity
         self.id = identity.namespace_id
         self.tenant = identity.tenant
         self.block_bytes = identity.block_bytes
         self.cls = cls
+        self.ssd_cls = ssd_cls
         self.blocks: dict[bytes, Block] = {}
 
     def __repr__(self) -> str:
         return f"Namespace({self.identity.model}, tenant={self.tenant}, blocks={len(self.blocks)})"
+
+
+class DemotionNeeded(Exception):
+    """Not an error: DRAM slots free up only after these blocks are written to SSD."""
+
+    def __init__(self, blocks: list[Block]) -> None:
+        super().__init__(f"{len(blocks)} blocks to demote first")
+        self.blocks = blocks
+
+
+class PromotionNeeded(Exception):
+    """Not an error: these blocks are only on SSD and must be read into DRAM first."""
+
+    def __init__(self, blocks: list[Block]) -> None:
+        super().__init__(f"{len(blocks)} blocks to promote first")
+        self.blocks = blocks
 
 
 @dataclass(eq=False)
@@ -69,6 +118,7 @@ class Reservation:
     keys: list[bytes]
     parent: Block | None
     offsets: list[int]
+    parent_pinned: bool = False  # the parent's DRAM copy is pinned (else its SSD copy held)
 
 
 @dataclass(eq=False)
@@ -76,6 +126,22 @@ class Pin:
     id: int
     owner: Owner
     blocks: list[Block]
+
+    @property
+    def offsets(self) -> list[int]:
+        """The pinned blocks' DRAM slots (a pinned block always has one)."""
+        return [b.offset for b in self.blocks if b.offset is not None]
+
+
+@dataclass(eq=False)
+class Transfer:
+    """Slots held in one tier while bytes move into them (promotion, write to SSD)."""
+
+    id: int
+    tier: str
+    blocks: list[Block]
+    offsets: list[int]
+    demote: list[bool] = field(default_factory=list)  # SSD writes: demotion, or write-through
 
 
 @dataclass(eq=False)
@@ -100,6 +166,14 @@ class Counters:
     lease_expiries: int = 0
     capacity_rejects: int = 0
     acquires: int = 0
+    peak_committed: int = 0
+    ssd_hits: int = 0
+    ssd_evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    ssd_writes: int = 0
+    checksum_failures: int = 0
+    dropped_on_eviction: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,10 +183,37 @@ class Limits:
     max_pins_per_owner: int = 4096
 
 
-class BlockStore:
-    """Namespaces and blocks of one DRAM tier, with reservations, pins and leases."""
+@dataclass(frozen=True)
+class CommitResult:
+    created: int
+    duplicates: int
+    blocks: list[Block]
 
-    tier = "dram"
+
+class TierSlots:
+    """One tier's slab pool and an eviction order per slab class."""
+
+    def __init__(self, name: str, capacity: int, slab_bytes: int, alignment: int,
+                 policy: str) -> None:
+        self.name = name
+        self.pool = SlabPool(capacity, slab_bytes, alignment)
+        self.policy_name = policy
+        self.policies: dict[int, EvictionPolicy[Block]] = {}
+
+    def class_for(self, block_bytes: int) -> SlabClass:
+        cls = self.pool.class_for(block_bytes)
+        if cls.slot_bytes not in self.policies:
+            self.policies[cls.slot_bytes] = make_policy(self.policy_name)  # type: ignore[assignment]
+        return cls
+
+    def policy(self, cls: SlabClass) -> EvictionPolicy[Block]:
+        return self.policies[cls.slot_bytes]
+
+
+class BlockStore:
+    """Namespaces and blocks in a DRAM tier and an optional SSD tier below it."""
+
+    tier = DRAM
 
     def __init__(
         self,
@@ -121,27 +222,34 @@ class BlockStore:
         *,
         limits: Limits = Limits(),
         eviction_policy: str = "lru",
-        alignment: int = 64,
+        alignment: int = 4096,
+        ssd_capacity: int = 0,
+        ssd_slab_bytes: int = 256 << 20,
+        ssd_admit_after: int = 1,
     ) -> None:
-        self.pool = SlabPool(capacity_bytes, slab_bytes, alignment)
+        self.dram = TierSlots(DRAM, capacity_bytes, slab_bytes, alignment, eviction_policy)
+        self.pool = self.dram.pool
+        self.ssd = (TierSlots(SSD, ssd_capacity, ssd_slab_bytes, 4096, "lru")
+                    if ssd_capacity else None)
+        self.ssd_admit_after = ssd_admit_after
         self.limits = limits
-        self.eviction_policy = eviction_policy
         self.namespaces: dict[bytes, Namespace] = {}
         self.owners: dict[Owner, OwnerState] = {}
+        self.transfers: dict[int, Transfer] = {}
         self.counters = Counters()
-        self._policies: dict[int, EvictionPolicy[Block]] = {}
         self._ids = itertools.count(1)
-        self.reserved_slots = 0
-        self.committed_slots = 0
+        self.reserved_slots = 0      # DRAM slots held by reservations and promotions
+        self.committed_slots = 0     # DRAM copies
+        self.ssd_reserved_slots = 0
+        self.ssd_committed_slots = 0
 
-    # -- namespaces and owners ------------------------------------------------
+    # -- namespaces and owners ----------------------------------------------------------
     def open_namespace(self, identity: Identity) -> Namespace:
         ns = self.namespaces.get(identity.namespace_id)
         if ns is None:
-            cls = self.pool.class_for(identity.block_bytes)
-            if cls.slot_bytes not in self._policies:
-                self._policies[cls.slot_bytes] = make_policy(self.eviction_policy)  # type: ignore[assignment]
-            ns = self.namespaces[identity.namespace_id] = Namespace(identity, cls)
+            cls = self.dram.class_for(identity.block_bytes)
+            ssd_cls = self.ssd.class_for(identity.block_bytes) if self.ssd else None
+            ns = self.namespaces[identity.namespace_id] = Namespace(identity, cls, ssd_cls)
         return ns
 
     def touch_owner(self, owner: Owner, now: float) -> OwnerState:
@@ -166,7 +274,7 @@ class BlockStore:
         return len(state.reservations), len(state.pins)
 
     def expire(self, now: float) -> list[Owner]:
-        """Roll back reservations and owners whose lease ran out; returns owners dropped."""
+        """Roll back the holdings of owners whose lease ran out; returns them."""
         gone = [o for o, s in self.owners.items() if s.deadline <= now]
         for owner in gone:
             state = self.owners[owner]
@@ -174,29 +282,36 @@ class BlockStore:
             self.drop_owner(owner)
         return gone
 
-    # -- lookup ---------------------------------------------------------------
-    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        """How many leading keys are cached."""
+    # -- lookup -------------------------------------------------------------------------------
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> list[str]:
+        """The tier of each leading cached key (its length is the hit count)."""
         blocks = ns.blocks
-        hits = 0
+        chain: list[Block] = []
         for key in keys:
-            if key not in blocks:
+            block = blocks.get(key)
+            if block is None or not block.present:
                 break
-            hits += 1
-        self.counters.lookups += 1
-        self.counters.lookup_keys += len(keys)
-        self.counters.hit_blocks += hits
-        self._access(ns, [blocks[k] for k in keys[:hits]])
-        return hits
+            chain.append(block)
+        c = self.counters
+        c.lookups += 1
+        c.lookup_keys += len(keys)
+        c.hit_blocks += len(chain)
+        c.ssd_hits += sum(1 for b in chain if b.offset is None)
+        self._access(chain)
+        return [b.tier for b in chain]
 
-    def _access(self, ns: Namespace, chain: list[Block]) -> None:
+    def _access(self, chain: list[Block]) -> None:
         # Deepest first, so that a parent is always warmer than its children and the
-        # cold end of the order holds leaves.
-        policy = self._policies[ns.cls.slot_bytes]
+        # cold end of each order holds leaves.
         for block in reversed(chain):
-            policy.access(block)
+            block.seen += 1
+            if block.offset is not None:
+                self.dram.policy(block.ns.cls).access(block)
+            if block.ssd_offset is not None and self.ssd is not None:
+                assert block.ns.ssd_cls is not None
+                self.ssd.policy(block.ns.ssd_cls).access(block)
 
-    # -- reserve / commit / abort ---------------------------------------------
+    # -- reserve / commit / abort -----------------------------------------------------------
     def reserve(
         self,
         owner: Owner,
@@ -205,7 +320,7 @@ class BlockStore:
         parent: bytes | None,
         now: float,
     ) -> Reservation:
-        """Slots for every key, or an error and nothing taken."""
+        """DRAM slots for every key, or an error (or DemotionNeeded) and nothing taken."""
         state = self.touch_owner(owner, now)
         if len(state.reservations) >= self.limits.max_reservations_per_owner:
             raise LimitExceededError(
@@ -215,51 +330,74 @@ class BlockStore:
         parent_block = None
         if parent is not None:
             parent_block = ns.blocks.get(parent)
-            if parent_block is None:
+            if parent_block is None or not parent_block.present:
                 raise NotFoundError(
                     "the parent of the first key is not cached (evicted since lookup?); "
                     "look up the chain again and reserve from its longest cached prefix"
                 )
-        count = len(keys)
-        if parent_block is not None:
-            self._pin_block(parent_block)  # so it cannot be evicted before we commit
-        try:
-            offsets = self._allocate(ns.cls, count)
-        except BaseException:
-            if parent_block is not None:
-                self._unpin_block(parent_block)
-            raise
-        r = Reservation(next(self._ids), owner, ns, list(keys), parent_block, offsets)
+        offsets = self._allocate(ns.cls, len(keys), protect=parent_block)
+        pinned = parent_block is not None and self._hold(parent_block)  # keep it till commit
+        r = Reservation(next(self._ids), owner, ns, list(keys), parent_block, offsets, pinned)
         state.reservations[r.id] = r
-        self.reserved_slots += count
+        self.reserved_slots += len(offsets)
         self.counters.reservations += 1
         return r
 
-    def _allocate(self, cls: SlabClass, count: int) -> list[int]:
-        pool = self.pool
-        shortfall = count - pool.available(cls)
-        if shortfall > 0:
-            policy = self._policies[cls.slot_bytes]
-            if shortfall > len(policy):
+    def _allocate(self, cls: SlabClass, count: int, protect: Block | None = None) -> list[int]:
+        """DRAM slots, evicting (or planning demotions) as needed; all or nothing."""
+        pool = self.dram.pool
+        if pool.available(cls) < count:
+            self._make_room(cls, count, protect)
+        offsets = pool.allocate(cls, count)
+        assert offsets is not None, "allocation failed after making room"
+        return offsets
+
+    def _make_room(self, cls: SlabClass, count: int, protect: Block | None) -> None:
+        pool = self.dram.pool
+        policy = self.dram.policy(cls)
+        demoting = sum(1 for b in self._demoting_blocks(cls))
+        if count > pool.available(cls) + len(policy) + demoting:
+            self.counters.capacity_rejects += 1
+            raise CapacityError(
+                f"{count} slots of {cls.slot_bytes} bytes requested, "
+                f"{pool.available(cls)} free and {len(policy)} evictable in the dram tier; "
+                f"release pins or raise its capacity")
+
+        def allowed(b: Block) -> bool:
+            if b.refs or b is protect:
+                return False
+            return b.ssd_offset is not None or b.children == 0 or self._admitted(b)
+
+        to_demote: list[Block] = []
+        while pool.available(cls) + len(to_demote) + demoting < count:
+            victim = policy.pop_victim(allowed)
+            if victim is None:
+                for b in to_demote:  # nothing was written yet: put them back
+                    b.demoting = False
+                    policy.insert(b)
                 self.counters.capacity_rejects += 1
                 raise CapacityError(
-                    f"{count} slots of {cls.slot_bytes} bytes requested, "
-                    f"{pool.available(cls)} free and {len(policy)} evictable in the "
-                    f"{self.tier} tier; release pins or raise its capacity"
-                )
-            while pool.available(cls) < count:
-                victim = policy.pop_victim(_is_evictable)
-                if victim is None:
-                    self.counters.capacity_rejects += 1
-                    raise CapacityError(
-                        f"{count} slots of {cls.slot_bytes} bytes requested; the "
-                        f"{self.tier} tier is full of pinned blocks or their prefixes"
-                    )
-                self._remove_block(victim)
-                self.counters.evictions += 1
-        offsets = pool.allocate(cls, count)
-        assert offsets is not None, "allocation failed after the capacity check"
-        return offsets
+                    f"{count} slots of {cls.slot_bytes} bytes requested; the dram tier "
+                    f"is full of pinned blocks or their prefixes")
+            if victim.ssd_offset is not None:
+                self._drop_dram_copy(victim)          # clean: the SSD copy stays
+            elif self._admitted(victim):
+                victim.demoting = True                # dirty: write it back first
+                to_demote.append(victim)
+            else:
+                self._drop_dram_copy(victim)          # a cold leaf the SSD tier declines
+                self.counters.dropped_on_eviction += 1
+            self.counters.evictions += 1
+        if to_demote or pool.available(cls) < count:
+            raise DemotionNeeded(to_demote)
+
+    def _demoting_blocks(self, cls: SlabClass) -> Iterable[Block]:
+        for t in self.transfers.values():
+            if t.tier == SSD:
+                yield from (b for b in t.blocks if b.demoting and b.ns.cls is cls)
+
+    def _admitted(self, block: Block) -> bool:
+        return self.ssd is not None and block.seen >= self.ssd_admit_after
 
     def _state(self, owner: Owner) -> OwnerState:
         state = self.owners.get(owner)
@@ -279,39 +417,41 @@ class BlockStore:
             raise LeaseExpiredError(f"reservation {rid} outlived its lease and was rolled back")
         return state, r
 
-    def commit(self, owner: Owner, rid: int, now: float) -> tuple[int, int]:
-        """Publish a reservation's blocks; returns (new blocks, duplicates freed)."""
+    def commit(self, owner: Owner, rid: int, now: float) -> CommitResult:
+        """Publish a reservation's blocks."""
         state, r = self._take_reservation(owner, rid, now)
         del state.reservations[rid]
         self.reserved_slots -= len(r.offsets)
         ns = r.ns
-        policy = self._policies[ns.cls.slot_bytes]
+        policy = self.dram.policy(ns.cls)
         parent = r.parent
         duplicates: list[int] = []
         fresh: list[Block] = []
         for key, offset in zip(r.keys, r.offsets):
-            existing = ns.blocks.get(key)
-            if existing is not None:
+            block = ns.blocks.get(key)
+            if block is None:
+                block = Block(key, ns, parent)
+                if parent is not None:
+                    parent.children += 1
+                ns.blocks[key] = block
+            if block.offset is not None or block.promoting:
                 duplicates.append(offset)
-                parent = existing
-                continue
-            block = Block(key, ns, parent, offset)
-            if parent is not None:
-                parent.children += 1
-            ns.blocks[key] = block
-            fresh.append(block)
+            else:
+                block.offset = offset       # new, or only on SSD: this is its DRAM copy
+                fresh.append(block)
+            block.seen += 1
             parent = block
         for block in reversed(fresh):  # deepest first: parents end up warmer
             policy.insert(block)
-        created = len(fresh)
         if duplicates:
-            self.pool.free(ns.cls, duplicates)
-        self.committed_slots += created
+            self.dram.pool.free(ns.cls, duplicates)
+        self.committed_slots += len(fresh)
+        self.counters.peak_committed = max(self.counters.peak_committed, self.committed_slots)
         if r.parent is not None:
-            self._unpin_block(r.parent)
-        self.counters.committed_blocks += created
+            self._unhold(r.parent, r.parent_pinned)
+        self.counters.committed_blocks += len(fresh)
         self.counters.duplicate_blocks += len(duplicates)
-        return created, len(duplicates)
+        return CommitResult(len(fresh), len(duplicates), fresh)
 
     def abort(self, owner: Owner, rid: int) -> None:
         state = self._state(owner)
@@ -324,13 +464,14 @@ class BlockStore:
     def _rollback(self, state: OwnerState, r: Reservation) -> None:
         del state.reservations[r.id]
         self.reserved_slots -= len(r.offsets)
-        self.pool.free(r.ns.cls, r.offsets)
+        self.dram.pool.free(r.ns.cls, r.offsets)
         if r.parent is not None:
-            self._unpin_block(r.parent)
+            self._unhold(r.parent, r.parent_pinned)
 
-    # -- acquire / release ----------------------------------------------------
+    # -- acquire / release ------------------------------------------------------------------
     def acquire(self, owner: Owner, ns: Namespace, keys: Sequence[bytes], now: float) -> Pin:
-        """Pin every key's block, or NotFoundError and nothing pinned."""
+        """Pin every key's DRAM copy; NotFoundError, or PromotionNeeded for blocks only on
+        SSD, and nothing pinned."""
         state = self.touch_owner(owner, now)
         if len(state.pins) >= self.limits.max_pins_per_owner:
             raise LimitExceededError(
@@ -340,10 +481,13 @@ class BlockStore:
         blocks: list[Block] = []
         for i, key in enumerate(keys):
             block = ns.blocks.get(key)
-            if block is None:
+            if block is None or not block.present:
                 raise NotFoundError(f"key {i} of {len(keys)} ({key.hex()}) is not cached")
             blocks.append(block)
-        self._access(ns, blocks)
+        below = [b for b in blocks if b.offset is None]
+        if below:
+            raise PromotionNeeded(below)
+        self._access(blocks)
         for block in blocks:
             self._pin_block(block)
         pin = Pin(next(self._ids), owner, blocks)
@@ -364,41 +508,87 @@ class BlockStore:
             self._unpin_block(block)
 
     def _pin_block(self, block: Block) -> None:
+        assert block.offset is not None, f"pinning {block} without a DRAM copy"
         block.refs += 1
-        if block.refs == 1:
-            self._policies[block.ns.cls.slot_bytes].pin(block)
+        if block.refs == 1 and not block.demoting:  # a demoting block is off the order
+            self.dram.policy(block.ns.cls).pin(block)
 
     def _unpin_block(self, block: Block) -> None:
         assert block.refs > 0, f"{block} released more often than pinned"
         block.refs -= 1
-        if block.refs == 0:
-            self._policies[block.ns.cls.slot_bytes].unpin(block)
+        if block.refs == 0 and not block.demoting:
+            self.dram.policy(block.ns.cls).unpin(block)
 
-    # -- eviction and dropping ------------------------------------------------
-    def _remove_block(self, block: Block) -> None:
+    def _hold(self, block: Block) -> bool:
+        """Keep a block where it is (a reservation's parent); True if its DRAM copy was
+        pinned, False if its SSD copy is held."""
+        if block.offset is not None:
+            self._pin_block(block)
+            return True
+        block.ssd_holds += 1
+        return False
+
+    def _unhold(self, block: Block, pinned: bool) -> None:
+        if pinned:
+            self._unpin_block(block)
+        else:
+            block.ssd_holds -= 1
+            self._forget_if_gone(block)
+
+    # -- removing copies --------------------------------------------------------------------
+    def _drop_dram_copy(self, block: Block) -> None:
+        """Free the DRAM slot (the block must be off the eviction order or is taken off)."""
+        assert block.offset is not None and block.refs == 0
         ns = block.ns
-        del ns.blocks[block.key]
-        if block.parent is not None:
-            block.parent.children -= 1
-        self._policies[ns.cls.slot_bytes].remove(block)
-        self.pool.free(ns.cls, [block.offset])
+        self.dram.policy(ns.cls).remove(block)
+        self.dram.pool.free(ns.cls, [block.offset])
+        block.offset = None
+        block.demoting = False
         self.committed_slots -= 1
+        self._forget_if_gone(block)
 
-    def evict(self, ns: Namespace, keys: Iterable[bytes]) -> int:
-        """Drop the given unpinned blocks with their unpinned descendants; returns count."""
-        removed = 0
+    def _drop_ssd_copy(self, block: Block) -> tuple[bytes, bytes]:
+        ns = block.ns
+        cls = ns.ssd_cls
+        assert block.ssd_offset is not None and self.ssd is not None and cls is not None
+        self.ssd.policy(cls).remove(block)
+        self.ssd.pool.free(cls, [block.ssd_offset])
+        block.ssd_offset = None
+        block.ssd_record = None
+        self.ssd_committed_slots -= 1
+        self._forget_if_gone(block)
+        return ns.id, block.key
+
+    def _forget_if_gone(self, block: Block | None) -> None:
+        """Remove entries that hold no copy, nothing depends on and nothing holds."""
+        while (block is not None and not block.present and block.children == 0
+               and block.ssd_holds == 0 and not block.promoting
+               and block.ns.blocks.get(block.key) is block):
+            del block.ns.blocks[block.key]
+            parent = block.parent
+            if parent is not None:
+                parent.children -= 1
+            block = parent
+
+    def evict(self, ns: Namespace, keys: Iterable[bytes]) -> tuple[int, list[tuple[bytes, bytes]]]:
+        """Drop the given blocks and what depends on them, from every tier, except what is
+        pinned or moving; returns (entries removed, keys whose SSD copy went)."""
+        removed_ssd: list[tuple[bytes, bytes]] = []
+        before = len(ns.blocks)
         for key in keys:
             block = ns.blocks.get(key)
             if block is not None:
-                removed += self._drop_subtree(ns, [block])
-        return removed
+                self._drop_subtree(ns, [block], removed_ssd)
+        return before - len(ns.blocks), removed_ssd
 
-    def drop_namespace(self, ns: Namespace) -> int:
-        """Drop every unpinned block of a namespace (pinned ones and their prefixes stay)."""
-        roots = [b for b in ns.blocks.values() if b.parent is None]
-        return self._drop_subtree(ns, roots)
+    def drop_namespace(self, ns: Namespace) -> tuple[int, list[tuple[bytes, bytes]]]:
+        """Drop every block of a namespace that is not pinned or moving."""
+        removed_ssd: list[tuple[bytes, bytes]] = []
+        before = len(ns.blocks)
+        self._drop_subtree(ns, [b for b in ns.blocks.values() if b.parent is None], removed_ssd)
+        return before - len(ns.blocks), removed_ssd
 
-    def _drop_subtree(self, ns: Namespace, roots: list[Block]) -> int:
+    def _drop_subtree(self, ns: Namespace, roots: list[Block], removed_ssd: list[tuple[bytes, bytes]]) -> None:
         children: dict[Block, list[Block]] = {}
         for b in ns.blocks.values():
             if b.parent is not None:
@@ -409,32 +599,208 @@ class BlockStore:
             b = stack.pop()
             order.append(b)
             stack.extend(children.get(b, ()))
-        removed = 0
         for b in reversed(order):  # leaves before their parents
-            if b.refs == 0 and b.children == 0 and ns.blocks.get(b.key) is b:
-                self._remove_block(b)
-                removed += 1
-        return removed
+            if b.children or b.refs or b.demoting or b.promoting or b.ssd_holds:
+                continue
+            if b.offset is not None:
+                self._drop_dram_copy_unchecked(b)
+            if b.ssd_offset is not None:
+                removed_ssd.append(self._drop_ssd_copy(b))
 
-    # -- inspection -----------------------------------------------------------
-    def stats(self) -> dict[str, int]:
-        pool = self.pool
-        reserved = committed = 0
-        for cls in pool.classes.values():
-            reserved_c = sum(len(r.offsets) for s in self.owners.values()
-                             for r in s.reservations.values() if r.ns.cls is cls)
-            reserved += reserved_c * cls.slot_bytes
-        for ns in self.namespaces.values():
-            committed += len(ns.blocks) * ns.cls.slot_bytes
+    def _drop_dram_copy_unchecked(self, block: Block) -> None:
+        # the SSD copy, if any, goes right after: keep the entry alive until then
+        block.ssd_holds += 1
+        self._drop_dram_copy(block)
+        block.ssd_holds -= 1
+        self._forget_if_gone(block)
+
+    # -- SSD: demotion, write-through, promotion, restart -----------------------------------
+    def ssd_reserve(self, blocks: list[Block]) -> tuple[Transfer, list[tuple[bytes, bytes]]]:
+        """SSD slots for blocks about to be written there, evicting cold SSD copies; returns
+        the transfer and the keys whose SSD copies went (to withdraw from the index)."""
+        assert self.ssd is not None, "no SSD tier"
+        removed: list[tuple[bytes, bytes]] = []
+        offsets: list[int] = []
+        by_class: dict[int, list[Block]] = {}
+        for b in blocks:
+            assert b.ns.ssd_cls is not None
+            by_class.setdefault(b.ns.ssd_cls.slot_bytes, []).append(b)
+        for group in by_class.values():
+            cls = group[0].ns.ssd_cls
+            assert cls is not None
+            pool, policy = self.ssd.pool, self.ssd.policy(cls)
+            members = set(group)
+
+            def allowed(b: Block) -> bool:
+                if b.ssd_holds or b in members:
+                    return False
+                return b.offset is not None or b.children == 0
+
+            while pool.available(cls) < len(group):
+                victim = policy.pop_victim(allowed)
+                if victim is None:
+                    if offsets:
+                        self._free_ssd_offsets(blocks[: len(offsets)], offsets)
+                    raise CapacityError(
+                        f"the ssd tier has no room for {len(group)} blocks of "
+                        f"{cls.slot_bytes} bytes")
+                removed.append(self._drop_ssd_copy(victim))
+                self.counters.ssd_evictions += 1
+            got = pool.allocate(cls, len(group))
+            assert got is not None
+            offsets.extend(got)
+        ordered = [b for group in by_class.values() for b in group]
+        t = Transfer(next(self._ids), SSD, ordered, offsets, [b.demoting for b in ordered])
+        self.transfers[t.id] = t
+        self.ssd_reserved_slots += len(offsets)
+        for b in ordered:
+            if not b.demoting:
+                self._pin_block(b)   # write-through: keep the DRAM copy while it is read
+        return t, removed
+
+    def _free_ssd_offsets(self, blocks: list[Block], offsets: list[int]) -> None:
+        assert self.ssd is not None
+        for b, off in zip(blocks, offsets):
+            assert b.ns.ssd_cls is not None
+            self.ssd.pool.free(b.ns.ssd_cls, [off])
+
+    def finish_ssd_write(self, t: Transfer, records: list[Any] | None) -> None:
+        """The write of a transfer ended: ``records`` per block on success, None on failure.
+
+        Demoted blocks then leave DRAM (or, on failure, or if pinned meanwhile, return to
+        its eviction order); written-through blocks keep both copies."""
+        assert self.ssd is not None
+        del self.transfers[t.id]
+        self.ssd_reserved_slots -= len(t.offsets)
+        for i, (b, off, demote) in enumerate(zip(t.blocks, t.offsets, t.demote)):
+            cls = b.ns.ssd_cls
+            assert cls is not None
+            if records is None or b.ssd_offset is not None:
+                self.ssd.pool.free(cls, [off])
+            else:
+                b.ssd_offset = off
+                b.ssd_record = records[i]
+                self.ssd.policy(cls).insert(b)
+                self.ssd_committed_slots += 1
+                self.counters.ssd_writes += 1
+                self.counters.demotions += demote
+            if not demote:
+                self._unpin_block(b)
+                continue
+            b.demoting = False
+            if b.ssd_offset is not None and b.refs == 0:
+                self._drop_dram_copy(b)
+            else:  # the write failed, or a reader pinned it meanwhile: it stays in DRAM
+                policy = self.dram.policy(b.ns.cls)
+                policy.insert(b)
+                if b.refs:
+                    policy.pin(b)
+
+    def abort_demotion(self, blocks: list[Block]) -> None:
+        """Demotion victims that could not be written: back on the DRAM eviction order."""
+        for b in blocks:
+            if b.demoting:
+                b.demoting = False
+                policy = self.dram.policy(b.ns.cls)
+                policy.insert(b)
+                if b.refs:
+                    policy.pin(b)
+
+    def write_through_candidates(self, blocks: Iterable[Block]) -> list[Block]:
+        """Newly committed blocks the SSD tier should copy now (write-through)."""
+        return [b for b in blocks if b.offset is not None and b.ssd_offset is None
+                and not b.demoting and self._admitted(b) and b.ns.blocks.get(b.key) is b]
+
+    def begin_promotion(self, blocks: list[Block]) -> Transfer:
+        """DRAM slots to read SSD-only blocks into; may raise DemotionNeeded/CapacityError."""
+        todo = [b for b in dict.fromkeys(blocks)
+                if b.offset is None and b.ssd_offset is not None and not b.promoting]
+        offsets: list[int] = []
+        by_class: dict[int, list[Block]] = {}
+        for b in todo:
+            by_class.setdefault(b.ns.cls.slot_bytes, []).append(b)
+        taken: list[tuple[SlabClass, list[int]]] = []
+        try:
+            for group in by_class.values():
+                got = self._allocate(group[0].ns.cls, len(group))
+                taken.append((group[0].ns.cls, got))
+                offsets.extend(got)
+        except BaseException:
+            for cls, got in taken:
+                self.dram.pool.free(cls, got)
+            raise
+        ordered = [b for group in by_class.values() for b in group]
+        for b in ordered:
+            b.promoting = True
+            b.ssd_holds += 1
+        t = Transfer(next(self._ids), DRAM, ordered, offsets)
+        self.transfers[t.id] = t
+        self.reserved_slots += len(offsets)
+        return t
+
+    def finish_promotion(self, t: Transfer, ok: list[bool]) -> None:
+        """Reads ended: good ones become DRAM copies; a failed one loses its SSD copy."""
+        del self.transfers[t.id]
+        self.reserved_slots -= len(t.offsets)
+        for b, off, good in zip(t.blocks, t.offsets, ok):
+            b.promoting = False
+            b.ssd_holds -= 1
+            if good and b.ssd_offset is not None:
+                b.offset = off
+                self.committed_slots += 1
+                self.dram.policy(b.ns.cls).insert(b)
+                self.counters.promotions += 1
+            else:
+                self.dram.pool.free(b.ns.cls, [off])
+                if not good:
+                    self.counters.checksum_failures += 1
+                    if b.ssd_offset is not None and b.ssd_holds == 0:
+                        self._drop_ssd_copy(b)
+                self._forget_if_gone(b)
+        self.counters.peak_committed = max(self.counters.peak_committed, self.committed_slots)
+
+    def restore_ssd_block(self, ns: Namespace, key: bytes, parent: bytes | None,
+                          offset: int, record: Any) -> bool:
+        """Take back a block found on SSD at start-up (parents first); False if it does not
+        fit this configuration."""
+        assert self.ssd is not None and ns.ssd_cls is not None
+        parent_block = ns.blocks.get(parent) if parent is not None else None
+        if (parent is not None and parent_block is None) or key in ns.blocks:
+            return False
+        if not self.ssd.pool.claim(ns.ssd_cls, offset):
+            return False
+        block = Block(key, ns, parent_block)
+        block.ssd_offset = offset
+        block.ssd_record = record
+        block.seen = self.ssd_admit_after
+        if parent_block is not None:
+            parent_block.children += 1
+        ns.blocks[key] = block
+        self.ssd.policy(ns.ssd_cls).insert(block)
+        self.ssd_committed_slots += 1
+        return True
+
+    # -- inspection -----------------------------------------------------------------------------
+    def tier_stats(self) -> dict[str, dict[str, int]]:
         c = self.counters
-        return {
+        dram_reserved = sum(len(r.offsets) * r.ns.cls.slot_bytes for s in self.owners.values()
+                            for r in s.reservations.values())
+        dram_reserved += sum(len(t.offsets) * b.ns.cls.slot_bytes
+                             for t in self.transfers.values() if t.tier == DRAM
+                             for b in t.blocks[:1])
+        dram_committed = sum(ns.cls.slot_bytes for ns in self.namespaces.values()
+                             for b in ns.blocks.values() if b.offset is not None)
+        dram_blocks = sum(1 for ns in self.namespaces.values() for b in ns.blocks.values()
+                          if b.offset is not None)
+        pool = self.dram.pool
+        out = {DRAM: {
             "capacity": pool.capacity_bytes,
-            "free": pool.capacity_bytes - reserved - committed,
-            "reserved": reserved,
-            "committed": committed,
+            "free": pool.capacity_bytes - dram_reserved - dram_committed,
+            "reserved": dram_reserved,
+            "committed": dram_committed,
             "reserved_slots": self.reserved_slots,
             "committed_slots": self.committed_slots,
-            "blocks": sum(len(ns.blocks) for ns in self.namespaces.values()),
+            "blocks": dram_blocks,
             "pinned_blocks": sum(1 for ns in self.namespaces.values()
                                  for b in ns.blocks.values() if b.refs),
             "tail_waste": pool.tail_waste_bytes(),
@@ -448,66 +814,126 @@ class BlockStore:
             "aborts": c.aborts,
             "lease_expiries": c.lease_expiries,
             "capacity_rejects": c.capacity_rejects,
-        }
+            "peak_committed": c.peak_committed,
+            "promotions": c.promotions,
+            "dropped_on_eviction": c.dropped_on_eviction,
+        }}
+        if self.ssd is not None:
+            spool = self.ssd.pool
+            committed = sum(b.ns.ssd_cls.slot_bytes for ns in self.namespaces.values()
+                            for b in ns.blocks.values()
+                            if b.ssd_offset is not None and b.ns.ssd_cls is not None)
+            reserved = sum(len(t.offsets) * (t.blocks[0].ns.ssd_cls.slot_bytes
+                                              if t.blocks and t.blocks[0].ns.ssd_cls else 0)
+                           for t in self.transfers.values() if t.tier == SSD)
+            out[SSD] = {
+                "capacity": spool.capacity_bytes,
+                "free": spool.capacity_bytes - reserved - committed,
+                "reserved": reserved,
+                "committed": committed,
+                "reserved_slots": self.ssd_reserved_slots,
+                "committed_slots": self.ssd_committed_slots,
+                "blocks": self.ssd_committed_slots,
+                "pinned_blocks": 0,
+                "tail_waste": spool.tail_waste_bytes(),
+                "empty_slabs": spool.empty_slabs,
+                "evictions": c.ssd_evictions,
+                "demotions": c.demotions,
+                "writes": c.ssd_writes,
+                "checksum_failures": c.checksum_failures,
+                "hits": c.ssd_hits,
+            }
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """The DRAM tier's figures (see ``tier_stats`` for every tier)."""
+        return self.tier_stats()[DRAM]
 
     def check_invariants(self) -> None:
-        """Conservation per class, one state per slot, closure, pins off the order."""
-        self.pool.check()
-        reserved: dict[int, list[int]] = {}
+        """Conservation per tier and class, one state per slot, closure, pins off orders."""
+        self.dram.pool.check()
+        if self.ssd is not None:
+            self.ssd.pool.check()
+        reserved: dict[tuple[str, int], list[int]] = {}
         pin_counts: dict[Block, int] = {}
         for state in self.owners.values():
             for r in state.reservations.values():
-                reserved.setdefault(r.ns.cls.slot_bytes, []).extend(r.offsets)
-                if r.parent is not None:
+                reserved.setdefault((DRAM, r.ns.cls.slot_bytes), []).extend(r.offsets)
+                if r.parent is not None and r.parent_pinned:
                     pin_counts[r.parent] = pin_counts.get(r.parent, 0) + 1
             for pin in state.pins.values():
                 for b in pin.blocks:
                     pin_counts[b] = pin_counts.get(b, 0) + 1
-        committed: dict[int, list[int]] = {}
+        for t in self.transfers.values():
+            for b, off in zip(t.blocks, t.offsets):
+                cls = b.ns.cls if t.tier == DRAM else b.ns.ssd_cls
+                assert cls is not None
+                reserved.setdefault((t.tier, cls.slot_bytes), []).append(off)
+        for t in self.transfers.values():
+            for b, demote in zip(t.blocks, t.demote):
+                if t.tier == SSD and not demote:
+                    pin_counts[b] = pin_counts.get(b, 0) + 1
+        committed: dict[tuple[str, int], list[int]] = {}
         for ns in self.namespaces.values():
             child_counts: dict[Block, int] = {}
             for key, b in ns.blocks.items():
                 assert b.key == key and b.ns is ns, f"{b} indexed under the wrong key"
-                committed.setdefault(ns.cls.slot_bytes, []).append(b.offset)
+                if b.offset is not None:
+                    committed.setdefault((DRAM, ns.cls.slot_bytes), []).append(b.offset)
+                if b.ssd_offset is not None:
+                    assert ns.ssd_cls is not None
+                    committed.setdefault((SSD, ns.ssd_cls.slot_bytes), []).append(b.ssd_offset)
                 if b.parent is not None:
                     assert ns.blocks.get(b.parent.key) is b.parent, (
                         f"{b} is cached but its parent is not (prefix closure broken)")
                     child_counts[b.parent] = child_counts.get(b.parent, 0) + 1
-                assert b.refs == pin_counts.get(b, 0), (
-                    f"{b} has refs={b.refs} but {pin_counts.get(b, 0)} pins hold it")
+                if not b.present:
+                    assert b.children or b.ssd_holds or b.promoting, f"hollow {b} kept for nothing"
+                held = pin_counts.get(b, 0)
+                assert b.refs == held, f"{b} has refs={b.refs} but {held} pins hold it"
             for b in ns.blocks.values():
                 assert b.children == child_counts.get(b, 0), f"{b} child count is off"
-        total_reserved = total_committed = 0
-        for slot_bytes, cls in self.pool.classes.items():
-            free = list(self.pool.free_offsets(cls))
-            res = reserved.get(slot_bytes, [])
-            com = committed.get(slot_bytes, [])
-            total_reserved += len(res)
-            total_committed += len(com)
-            assert len(free) + len(res) + len(com) == cls.capacity_slots, (
-                f"class {slot_bytes}: free {len(free)} + reserved {len(res)} + committed "
-                f"{len(com)} != capacity {cls.capacity_slots}")
-            every = free + res + com
-            assert len(set(every)) == len(every), f"class {slot_bytes}: a slot is in two states"
-            policy = self._policies.get(slot_bytes)
-            if policy is not None:
+        tiers = [(DRAM, self.dram)] + ([(SSD, self.ssd)] if self.ssd is not None else [])
+        for name, tier in tiers:
+            for slot_bytes, cls in tier.pool.classes.items():
+                free = list(tier.pool.free_offsets(cls))
+                res = reserved.get((name, slot_bytes), [])
+                com = committed.get((name, slot_bytes), [])
+                assert len(free) + len(res) + len(com) == cls.capacity_slots, (
+                    f"{name} class {slot_bytes}: free {len(free)} + reserved {len(res)} + "
+                    f"committed {len(com)} != capacity {cls.capacity_slots}")
+                every = free + res + com
+                assert len(set(every)) == len(every), (
+                    f"{name} class {slot_bytes}: a slot is in two states")
+                policy = tier.policies.get(slot_bytes)
+                if policy is None:
+                    continue
                 for b in policy.evictable():
-                    assert b.refs == 0, f"pinned {b} is on the eviction order"
                     assert b.ns.blocks.get(b.key) is b, f"{b} on the order but not cached"
-                unpinned = sum(1 for ns in self.namespaces.values() if ns.cls is cls
-                               for b in ns.blocks.values() if b.refs == 0)
-                assert len(policy) == unpinned, (
-                    f"class {slot_bytes}: {len(policy)} on the eviction order, "
-                    f"{unpinned} unpinned committed blocks")
-        assert total_reserved == self.reserved_slots, "reserved slot counter is off"
-        assert total_committed == self.committed_slots, "committed slot counter is off"
+                    if name == DRAM:
+                        assert b.refs == 0, f"pinned {b} is on the eviction order"
+                        assert b.offset is not None and not b.demoting, f"{b} on the order"
+                    else:
+                        assert b.ssd_offset is not None, f"{b} on the ssd order without a copy"
+                if name == DRAM:
+                    expected = sum(1 for ns in self.namespaces.values() if ns.cls is cls
+                                   for b in ns.blocks.values()
+                                   if b.offset is not None and b.refs == 0 and not b.demoting)
+                else:
+                    expected = sum(1 for ns in self.namespaces.values() if ns.ssd_cls is cls
+                                   for b in ns.blocks.values() if b.ssd_offset is not None)
+                assert len(policy) == expected, (
+                    f"{name} class {slot_bytes}: {len(policy)} on the eviction order, "
+                    f"{expected} expected")
+        dram_reserved = sum(len(v) for (n, _), v in reserved.items() if n == DRAM)
+        dram_committed = sum(len(v) for (n, _), v in committed.items() if n == DRAM)
+        assert dram_reserved == self.reserved_slots, "reserved slot counter is off"
+        assert dram_committed == self.committed_slots, "committed slot counter is off"
+        ssd_committed = sum(len(v) for (n, _), v in committed.items() if n == SSD)
+        assert ssd_committed == self.ssd_committed_slots, "ssd committed counter is off"
 
     def __repr__(self) -> str:
-        return (f"BlockStore(tier={self.tier}, namespaces={len(self.namespaces)}, "
-                f"committed_slots={self.committed_slots}, reserved_slots={self.reserved_slots}, "
-                f"owners={len(self.owners)}, pool={self.pool!r})")
-
-
-def _is_evictable(block: Block) -> bool:
-    return block.refs == 0 and block.children == 0
-
+        return (f"BlockStore(namespaces={len(self.namespaces)}, "
+                f"dram committed={self.committed_slots} reserved={self.reserved_slots}, "
+                f"ssd committed={self.ssd_committed_slots} reserved={self.ssd_reserved_slots}, "
+                f"owners={len(self.owners)}, transfers={len(self.transfers)})")

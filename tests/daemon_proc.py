@@ -22,7 +22,8 @@ class DaemonProcess:
 
     def __init__(self, workdir: Path, *, dram_capacity: str = "64MiB", lease: float = 30.0,
                  tcp: bool = False, extra: list[str] | None = None,
-                 debug_invariants: bool = True, env: dict[str, str] | None = None) -> None:
+                 debug_invariants: bool = True, env: dict[str, str] | None = None,
+                 ssd_capacity: str = "0") -> None:
         self.extra_env = env or {}
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
@@ -30,7 +31,8 @@ class DaemonProcess:
         self.tcp_endpoint = f"tcp://127.0.0.1:{free_port()}" if tcp else None
         self.args = [sys.executable, "-m", "kvstore", "serve", "--endpoint", self.endpoint,
                      "--dram-capacity", dram_capacity, "--lease", str(lease),
-                     "--log-level", "warning", *(extra or [])]
+                     "--log-level", "warning", "--ssd-capacity", ssd_capacity,
+                     "--ssd-path", str(workdir / "ssd"), *(extra or [])]
         if self.tcp_endpoint:
             self.args += ["--extra-endpoint", self.tcp_endpoint]
         if debug_invariants:

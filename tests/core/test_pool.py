@@ -39,3 +39,17 @@ def test_a_block_larger_than_a_slab_is_refused() -> None:
     pool = SlabPool(capacity_bytes=1 << 20, slab_bytes=1 << 16)
     with pytest.raises(TooLargeError):
         pool.class_for(1 << 17)
+
+
+def test_claim_rebuilds_exactly_the_slots_named() -> None:
+    pool = SlabPool(capacity_bytes=8 * 4096, slab_bytes=4 * 4096, alignment=4096)
+    cls = pool.class_for(4096)
+    assert pool.claim(cls, 2 * 4096)
+    assert pool.claim(cls, 5 * 4096)
+    assert not pool.claim(cls, 2 * 4096)          # taken
+    assert not pool.claim(cls, 100)               # not a slot boundary
+    assert not pool.claim(cls, 8 * 4096)          # past the end
+    pool.check()
+    got = pool.allocate(cls, 6)
+    assert got is not None and sorted(got + [2 * 4096, 5 * 4096]) == [i * 4096 for i in range(8)]
+    pool.check()

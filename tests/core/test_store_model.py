@@ -52,7 +52,7 @@ class StoreMachine(RuleBasedStateMachine):
     def reserve(self, owner: str, which: int, chain: int, extra: int,
                 length: int) -> Reservation | None:
         ns, keys = self.ns[which], self.chains[which][chain]
-        hit = self.store.lookup(ns, keys)
+        hit = len(self.store.lookup(ns, keys))
         start = min(max(hit - extra, 0), len(keys))  # sometimes re-reserve cached keys
         todo = keys[start:start + length]
         if not todo:
@@ -71,10 +71,10 @@ class StoreMachine(RuleBasedStateMachine):
             return
         self.now += advance
         try:
-            created, dups = self.store.commit(r.owner, r.id, self.now)
+            result = self.store.commit(r.owner, r.id, self.now)
         except (NotFoundError, LeaseExpiredError):
             return  # expired or rolled back with its owner
-        assert created + dups == len(r.keys)
+        assert result.created + result.duplicates == len(r.keys)
         for key in r.keys:
             assert key in r.ns.blocks, "a committed key is not visible"
 

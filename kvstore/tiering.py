@@ -1,0 +1,227 @@
+"""Moving blocks between DRAM and SSD: the daemon's side of the store's plans.
+
+The store decides (which blocks to demote, promote or write through, which SSD copies
+go); this module carries the plans out with the SSD tier's engine and reports back, on
+the daemon's event loop.  A block becomes visible on SSD only once its bytes are durable
+and its index record is committed; a read that fails its checksum is a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Iterable
+from typing import Any
+
+import msgspec
+
+from kvstore.config import Config
+from kvstore.errors import CapacityError, KVStoreError
+from kvstore.identity import Identity
+from kvstore.store import Block, BlockStore, DemotionNeeded, PromotionNeeded, Transfer
+from kvstore.tiers.dram import DramArena
+from kvstore.tiers.ssd import BlockRecord, SSDStore
+
+log = logging.getLogger("kvstore.tiering")
+
+_MAX_ROUNDS = 4  # demote/promote rounds one request may need before it is refused
+
+
+class SsdMover:
+    """Owns the SSD engine and runs demotions, promotions and write-through copies."""
+
+    def __init__(self, config: Config, store: BlockStore, arena: DramArena) -> None:
+        self.store = store
+        self.arena = arena
+        self.write_through = config.ssd.write_policy == "write-through"
+        self.engine = SSDStore(
+            config.ssd_path, config.ssd_capacity, slab_bytes=config.ssd_slab_bytes,
+            sync=config.ssd.sync,  # type: ignore[arg-type]
+            direct_io=config.ssd.direct_io, preallocate=config.ssd.preallocate)
+        self._promoting: dict[Block, asyncio.Future[None]] = {}
+        self._writes: set[asyncio.Task[None]] = set()
+        self._pending_through: list[Block] = []
+        self._through_scheduled = False
+        self._pending_removals: list[tuple[bytes, bytes]] = []
+        self._demotions_done = asyncio.Event()
+        self.errors = 0
+
+    # -- start-up --------------------------------------------------------------------------
+    def restore(self) -> int:
+        """Rebuild the SSD tier's blocks from the durable index (warm restart)."""
+        namespaces = {}
+        for ns_id, blob in self.engine.namespaces().items():
+            try:
+                identity = msgspec.msgpack.decode(blob, type=Identity)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+                continue
+            if identity.namespace_id == ns_id:
+                namespaces[ns_id] = self.store.open_namespace(identity)
+        restored = 0
+        for record in self.engine.load():
+            ns = namespaces.get(record.namespace)
+            if ns is not None and ns.ssd_cls is not None and (
+                    record.length == ns.block_bytes
+                    and record.size_class == ns.ssd_cls.slot_bytes
+                    and self.store.restore_ssd_block(ns, record.key, record.parent,
+                                                     record.offset, record)):
+                restored += 1
+            else:
+                self._pending_removals.append((record.namespace, record.key))
+        return restored
+
+    def remember_namespace(self, identity: Identity) -> None:
+        self.engine.put_namespace(identity.namespace_id, msgspec.msgpack.encode(identity))
+
+    # -- plans the store raised -----------------------------------------------------------
+    async def resolve(self, plan: DemotionNeeded | PromotionNeeded) -> None:
+        """Carry out what a store call asked for, so that the call can be retried."""
+        if isinstance(plan, PromotionNeeded):
+            await self.promote(plan.blocks)
+        elif plan.blocks:
+            await self.demote(plan.blocks)
+        else:  # room is coming from demotions already under way
+            self._demotions_done.clear()
+            try:
+                await asyncio.wait_for(self._demotions_done.wait(), 30)
+            except TimeoutError:
+                raise CapacityError("the dram tier is full and write-back to ssd is "
+                                    "not finishing") from None
+
+    async def demote(self, blocks: list[Block]) -> None:
+        try:
+            await self._write(blocks)
+        finally:
+            self._demotions_done.set()
+
+    async def _write(self, blocks: list[Block]) -> None:
+        """Write DRAM copies to SSD (demotion or write-through) and report to the store."""
+        try:
+            t, removed = self.store.ssd_reserve(blocks)
+        except CapacityError:
+            self.store.abort_demotion(blocks)
+            raise
+        ok = False
+        try:
+            await self._flush_removals(removed)
+            records = [_record(b, off, b.ns.ssd_cls.slot_bytes if b.ns.ssd_cls else 0)
+                       for b, off in zip(t.blocks, t.offsets)]
+            assert all(b.offset is not None for b in t.blocks)
+            datas = [self.arena.slot(b.offset, b.ns.block_bytes)  # type: ignore[arg-type]
+                     for b in t.blocks]
+            written = await self.engine.write_blocks(records, datas)
+            for view in datas:
+                view.release()
+            self.store.finish_ssd_write(t, written)
+            ok = True
+        except KVStoreError as exc:
+            self.errors += 1
+            log.warning("writing %d blocks to ssd failed: %s", len(t.blocks), exc)
+            raise CapacityError(f"the ssd tier could not take the blocks: {exc}") from None
+        finally:
+            if not ok and t.id in self.store.transfers:
+                self.store.finish_ssd_write(t, None)
+
+    async def promote(self, blocks: list[Block]) -> None:
+        """Read SSD-only blocks into DRAM (waiting for reads already under way)."""
+        waits = [self._promoting[b] for b in blocks if b in self._promoting]
+        fresh = [b for b in blocks if b not in self._promoting]
+        if fresh:
+            for _ in range(_MAX_ROUNDS):
+                try:
+                    t = self.store.begin_promotion(fresh)
+                    break
+                except DemotionNeeded as plan:
+                    await self.resolve(plan)
+            else:
+                raise CapacityError("no room in the dram tier to promote blocks from ssd")
+            await self._read(t)
+        if waits:
+            await asyncio.gather(*waits)
+
+    async def _read(self, t: Transfer) -> None:
+        loop = asyncio.get_running_loop()
+        for b in t.blocks:
+            self._promoting[b] = loop.create_future()
+        ok = [False] * len(t.blocks)
+        try:
+            views = [self.arena.slot(off, b.ns.block_bytes) for b, off in zip(t.blocks, t.offsets)]
+            ok = await self.engine.read_many([b.ssd_record for b in t.blocks], views)
+            for view in views:
+                view.release()
+        except KVStoreError as exc:
+            self.errors += 1
+            log.warning("reading %d blocks from ssd failed: %s", len(t.blocks), exc)
+        finally:
+            self.store.finish_promotion(t, ok)
+            for b in t.blocks:
+                future = self._promoting.pop(b)
+                if not future.done():
+                    future.set_result(None)
+
+    # -- background work ------------------------------------------------------------------
+    def committed(self, blocks: Iterable[Block]) -> None:
+        """New blocks were committed: copy them to SSD now under write-through."""
+        if not self.write_through:
+            return
+        self._pending_through.extend(self.store.write_through_candidates(blocks))
+        if self._pending_through and not self._through_scheduled:
+            self._through_scheduled = True
+            self._spawn(self._drain_through())
+
+    async def _drain_through(self) -> None:
+        await asyncio.sleep(0)  # let the commits of this loop turn gather into one batch
+        self._through_scheduled = False
+        batch = self.store.write_through_candidates(dict.fromkeys(self._pending_through))
+        self._pending_through.clear()
+        if batch:
+            try:
+                await self._write(batch)
+            except CapacityError:
+                pass  # counted; the blocks stay in DRAM
+
+    def removed(self, ids: list[tuple[bytes, bytes]]) -> None:
+        """SSD copies the store dropped: withdraw them from the index soon."""
+        if ids:
+            self._pending_removals.extend(ids)
+            self._spawn(self._flush_removals([]))
+
+    async def _flush_removals(self, more: list[tuple[bytes, bytes]]) -> None:
+        ids = self._pending_removals + more
+        self._pending_removals = []
+        if ids:
+            await self.engine.remove(ids)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        ids = [(b.ns.id, b.key) for b in blocks if b.ssd_offset is not None]
+        if ids:
+            self.engine.touch(ids, time.time())
+
+    async def drain(self) -> None:
+        """Finish queued writes and removals, then make everything durable."""
+        while self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
+        await self._flush_removals([])
+        await self.engine.sync()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def stats(self) -> dict[str, int | float]:
+        out = dict(self.engine.stats())
+        out["errors"] = self.errors
+        return out
+
+
+def _record(block: Block, offset: int, slot_bytes: int) -> BlockRecord:
+    return BlockRecord(
+        namespace=block.ns.id, key=block.key,
+        parent=block.parent.key if block.parent is not None else None,
+        offset=offset, length=block.ns.block_bytes, last_access=time.time(),
+        size_class=slot_bytes)
