@@ -316,6 +316,9 @@ class Server:
             code = "internal"
             reply, payload = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
         self._send(routing_id, reply, payload)
+        if self.store.dropped_ssd and self.ssd is not None:
+            self.ssd.removed(self.store.dropped_ssd)
+            self.store.dropped_ssd = []
         if self.metrics is not None:
             self.metrics.observe_request(verb, time.perf_counter() - start, code, tenant)
         if self.config.server.debug_invariants:
@@ -336,7 +339,12 @@ class Server:
         try:
             for _ in range(4):
                 assert self.ssd is not None, "the store planned a move without an ssd tier"
-                await self.ssd.resolve(plan)
+                try:
+                    await self.ssd.resolve(plan)
+                except CapacityError:
+                    if isinstance(plan, PromotionNeeded) or self.store.ssd_writable:
+                        raise
+                    # the ssd tier failed the write-back: dram now evicts without it
                 try:
                     reply, out = handler(session, request, payload)
                     break

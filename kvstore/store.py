@@ -232,6 +232,9 @@ class BlockStore:
         self.ssd = (TierSlots(SSD, ssd_capacity, ssd_slab_bytes, 4096, "lru")
                     if ssd_capacity else None)
         self.ssd_admit_after = ssd_admit_after
+        self.ssd_writable = True  # off for a while after the SSD tier failed a write
+        self._hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
+        self.dropped_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped by sweeps
         self.limits = limits
         self.namespaces: dict[bytes, Namespace] = {}
         self.owners: dict[Owner, OwnerState] = {}
@@ -355,8 +358,9 @@ class BlockStore:
     def _make_room(self, cls: SlabClass, count: int, protect: Block | None) -> None:
         pool = self.dram.pool
         policy = self.dram.policy(cls)
-        demoting = sum(1 for b in self._demoting_blocks(cls))
-        if count > pool.available(cls) + len(policy) + demoting:
+        if count > pool.available(cls) + len(policy):
+            if any(True for _ in self._demoting_blocks(cls)):
+                raise DemotionNeeded([])  # room is on its way: wait for those writes
             self.counters.capacity_rejects += 1
             raise CapacityError(
                 f"{count} slots of {cls.slot_bytes} bytes requested, "
@@ -368,8 +372,10 @@ class BlockStore:
                 return False
             return b.ssd_offset is not None or b.children == 0 or self._admitted(b)
 
+        # Each request demotes its own victims: the room its writes free is taken right
+        # when they finish, with no await in between for another request to slip into.
         to_demote: list[Block] = []
-        while pool.available(cls) + len(to_demote) + demoting < count:
+        while pool.available(cls) + len(to_demote) < count:
             victim = policy.pop_victim(allowed)
             if victim is None:
                 for b in to_demote:  # nothing was written yet: put them back
@@ -388,7 +394,7 @@ class BlockStore:
                 self._drop_dram_copy(victim)          # a cold leaf the SSD tier declines
                 self.counters.dropped_on_eviction += 1
             self.counters.evictions += 1
-        if to_demote or pool.available(cls) < count:
+        if to_demote:
             raise DemotionNeeded(to_demote)
 
     def _demoting_blocks(self, cls: SlabClass) -> Iterable[Block]:
@@ -397,7 +403,8 @@ class BlockStore:
                 yield from (b for b in t.blocks if b.demoting and b.ns.cls is cls)
 
     def _admitted(self, block: Block) -> bool:
-        return self.ssd is not None and block.seen >= self.ssd_admit_after
+        return (self.ssd is not None and self.ssd_writable
+                and block.seen >= self.ssd_admit_after)
 
     def _state(self, owner: Owner) -> OwnerState:
         state = self.owners.get(owner)
@@ -518,6 +525,8 @@ class BlockStore:
         block.refs -= 1
         if block.refs == 0 and not block.demoting:
             self.dram.policy(block.ns.cls).unpin(block)
+            if self._hollow:
+                self._sweep_hollow()
 
     def _hold(self, block: Block) -> bool:
         """Keep a block where it is (a reservation's parent); True if its DRAM copy was
@@ -534,6 +543,8 @@ class BlockStore:
         else:
             block.ssd_holds -= 1
             self._forget_if_gone(block)
+            if self._hollow:
+                self._sweep_hollow()
 
     # -- removing copies --------------------------------------------------------------------
     def _drop_dram_copy(self, block: Block) -> None:
@@ -606,6 +617,15 @@ class BlockStore:
                 self._drop_dram_copy_unchecked(b)
             if b.ssd_offset is not None:
                 removed_ssd.append(self._drop_ssd_copy(b))
+
+    def _sweep_hollow(self) -> None:
+        """Drop what hangs below hollow entries once it is no longer in use."""
+        for b in list(self._hollow):
+            if b.ns.blocks.get(b.key) is b and not b.present:
+                self._drop_subtree(b.ns, [b], self.dropped_ssd)
+                self._forget_if_gone(b)
+            if b.ns.blocks.get(b.key) is not b or b.present:
+                self._hollow.discard(b)
 
     def _drop_dram_copy_unchecked(self, block: Block) -> None:
         # the SSD copy, if any, goes right after: keep the entry alive until then
@@ -738,10 +758,14 @@ class BlockStore:
         self.reserved_slots += len(offsets)
         return t
 
-    def finish_promotion(self, t: Transfer, ok: list[bool]) -> None:
-        """Reads ended: good ones become DRAM copies; a failed one loses its SSD copy."""
+    def finish_promotion(self, t: Transfer, ok: list[bool]) -> list[tuple[bytes, bytes]]:
+        """Reads ended: good ones become DRAM copies.  A failed one (corrupt on disk) loses
+        its SSD copy, and what depends on it goes too unless pinned; returns the SSD
+        copies dropped, to withdraw from the index."""
+        removed: list[tuple[bytes, bytes]] = []
         del self.transfers[t.id]
         self.reserved_slots -= len(t.offsets)
+        failed: list[Block] = []
         for b, off, good in zip(t.blocks, t.offsets, ok):
             b.promoting = False
             b.ssd_holds -= 1
@@ -752,12 +776,22 @@ class BlockStore:
                 self.counters.promotions += 1
             else:
                 self.dram.pool.free(b.ns.cls, [off])
-                if not good:
-                    self.counters.checksum_failures += 1
-                    if b.ssd_offset is not None and b.ssd_holds == 0:
-                        self._drop_ssd_copy(b)
-                self._forget_if_gone(b)
+                if good:
+                    self._forget_if_gone(b)
+                else:
+                    failed.append(b)
+        for b in failed:  # after the good ones, which may hang below a failed one
+            self.counters.checksum_failures += 1
+            if b.ssd_offset is not None and b.ssd_holds == 0:
+                removed.append(self._drop_ssd_copy(b))
+            if not b.present and b.ns.blocks.get(b.key) is b:
+                # a hole in the chain: what hangs below it can no longer be found
+                self._drop_subtree(b.ns, [b], removed)
+            self._forget_if_gone(b)
+            if b.ns.blocks.get(b.key) is b and not b.present:
+                self._hollow.add(b)  # something below is in use: drop it when released
         self.counters.peak_committed = max(self.counters.peak_committed, self.committed_slots)
+        return removed
 
     def restore_ssd_block(self, ns: Namespace, key: bytes, parent: bytes | None,
                           offset: int, record: Any) -> bool:

@@ -26,6 +26,7 @@ from kvstore.tiers.ssd import BlockRecord, SSDStore
 log = logging.getLogger("kvstore.tiering")
 
 _MAX_ROUNDS = 4  # demote/promote rounds one request may need before it is refused
+_WRITE_COOLDOWN = 5.0  # seconds without SSD writes after one failed (disk full, I/O error)
 
 
 class SsdMover:
@@ -117,11 +118,21 @@ class SsdMover:
             ok = True
         except KVStoreError as exc:
             self.errors += 1
-            log.warning("writing %d blocks to ssd failed: %s", len(t.blocks), exc)
+            log.warning("writing %d blocks to ssd failed: %s; ssd writes pause for %gs, "
+                        "dram evicts without writing back meanwhile", len(t.blocks), exc,
+                        _WRITE_COOLDOWN)
+            self._pause_writes()
             raise CapacityError(f"the ssd tier could not take the blocks: {exc}") from None
         finally:
             if not ok and t.id in self.store.transfers:
                 self.store.finish_ssd_write(t, None)
+
+    def _pause_writes(self) -> None:
+        self.store.ssd_writable = False
+        asyncio.get_running_loop().call_later(_WRITE_COOLDOWN, self._resume_writes)
+
+    def _resume_writes(self) -> None:
+        self.store.ssd_writable = True
 
     async def promote(self, blocks: list[Block]) -> None:
         """Read SSD-only blocks into DRAM (waiting for reads already under way)."""
@@ -154,7 +165,7 @@ class SsdMover:
             self.errors += 1
             log.warning("reading %d blocks from ssd failed: %s", len(t.blocks), exc)
         finally:
-            self.store.finish_promotion(t, ok)
+            self.removed(self.store.finish_promotion(t, ok))
             for b in t.blocks:
                 future = self._promoting.pop(b)
                 if not future.done():

@@ -1,0 +1,229 @@
+"""The SSD tier in the real daemon: real files, real LMDB, restarts and SIGKILL."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_proc import DaemonProcess
+from kvtest import make_identity
+
+from kvstore import Client
+from kvstore.errors import NotFoundError
+
+IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=64)  # 64 KiB blocks
+BLOCK = IDENT.block_bytes
+
+
+def content(key: bytes, size: int = BLOCK) -> bytes:
+    """Bytes that follow from the key, so any reader can check any block."""
+    seed = hashlib.blake2b(key, digest_size=32).digest()
+    reps = size // 32 + 1
+    return (seed * reps)[:size]
+
+
+def tier_stats(client: Client, tier: str) -> dict[str, Any]:
+    stats = client.stats()
+    assert stats["invariant_violations"] == 0
+    t: dict[str, Any] = stats["tiers"][tier]
+    return t
+
+
+def start(factory: Any, workdir_daemon: DaemonProcess | None = None, **kw: Any) -> DaemonProcess:
+    kw.setdefault("ssd_capacity", "64MiB")
+    kw.setdefault("dram_capacity", "2MiB")
+    kw.setdefault("extra", ["--slab-size", "1MiB"])
+    return factory(**kw)
+
+
+def restart(d: DaemonProcess, sig: int = signal.SIGTERM) -> int | None:
+    code = d.stop(sig)
+    d.start()
+    return code
+
+
+def put_chain(ns: Any, start_token: int, blocks: int) -> list[bytes]:
+    keys: list[bytes] = ns.keys(range(start_token, start_token + 16 * blocks))
+    ns.put(keys, [content(k) for k in keys])
+    return keys
+
+
+def test_write_through_blocks_survive_a_clean_restart(daemon_factory: Any) -> None:
+    d = start(daemon_factory, extra=["--slab-size", "1MiB", "--ssd-write-policy",
+                                     "write-through"])
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        keys = put_chain(ns, 0, 12)
+        deadline = time.monotonic() + 10
+        while tier_stats(client, "ssd")["committed_slots"] < 12:
+            assert time.monotonic() < deadline, "write-through did not reach the ssd"
+            time.sleep(0.05)
+    assert restart(d) == 0
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        hit = ns.lookup(keys)
+        assert hit.blocks == 12 and set(hit.tiers) == {"ssd"}
+        assert ns.get(keys) == [content(k) for k in keys]          # promoted on read
+        assert ns.lookup(keys).tiers == ["dram"] * 12
+        t = tier_stats(client, "dram")
+        assert t["promotions"] == 12 and t["reserved_slots"] == 0
+
+
+def test_dram_smaller_than_the_working_set_cycles_through_ssd(daemon_factory: Any) -> None:
+    d = start(daemon_factory)                                    # write-back, 32 DRAM slots
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        chains = [put_chain(ns, 100_000 * i, 8) for i in range(12)]   # 96 blocks
+        assert tier_stats(client, "ssd")["committed_slots"] >= 96 - 32
+        for keys in chains:                                       # every block comes back
+            assert ns.lookup(keys).blocks == 8
+            assert ns.get(keys) == [content(k) for k in keys]
+        for keys in reversed(chains):
+            with ns.acquire(keys) as held:
+                assert [bytes(b) for b in held.buffers] == [content(k) for k in keys]
+        dram = tier_stats(client, "dram")
+        ssd = tier_stats(client, "ssd")
+        assert dram["reserved_slots"] == 0 and dram["pinned_blocks"] == 0
+        assert ssd["demotions"] >= 64 and dram["promotions"] >= 64
+        assert dram["dropped_on_eviction"] == 0
+
+
+def test_corrupt_truncated_and_stale_blocks_are_misses(daemon_factory: Any) -> None:
+    d = start(daemon_factory, extra=["--slab-size", "1MiB", "--ssd-write-policy",
+                                     "write-through"])
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        chains = [put_chain(ns, 1_000_000 * i, 2) for i in range(3)]
+        deadline = time.monotonic() + 10
+        while tier_stats(client, "ssd")["committed_slots"] < 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    d.stop()
+    data = d.workdir / "ssd" / "blocks.dat"
+    raw = bytearray(data.read_bytes())
+    # find each chain's first block on disk by its content and damage it three ways
+    at = [raw.find(content(keys[0])) for keys in chains]
+    assert all(a >= 0 for a in at)
+    raw[at[0] + 100] ^= 0xFF                                      # a flipped byte
+    raw[at[2]:at[2] + BLOCK] = content(b"something else")         # stale: other bytes
+    data.write_bytes(bytes(raw))
+    os.truncate(data, at[1] + BLOCK // 2)                         # truncated mid-block
+    d.start()
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        for keys in chains:
+            with pytest.raises(NotFoundError):
+                ns.get(keys)
+            assert ns.lookup(keys).blocks == 0                    # the miss is remembered
+        ssd = tier_stats(client, "ssd")
+        assert ssd["checksum_failures"] >= 3
+        fresh = put_chain(ns, 9_000_000, 4)                       # still serving
+        assert ns.get(fresh) == [content(k) for k in fresh]
+
+
+WRITER = r"""
+import sys, hashlib
+from kvstore import Client, Identity
+sys.path[:0] = [sys.argv[3], sys.argv[3] + "/.."]
+from test_ssd_daemon import IDENT, content
+with Client(sys.argv[1], tenant="acme") as c:
+    ns = c.namespace(IDENT)
+    base = int(sys.argv[2])
+    for i in range(10_000):
+        keys = ns.keys(range(base + i * 64, base + (i + 1) * 64))
+        try:
+            ns.put(keys, [content(k) for k in keys])
+        except Exception as exc:
+            print("error", exc, flush=True)
+            break
+        if i == 3:
+            print("writing", flush=True)
+"""
+
+
+def test_sigkill_during_heavy_write_back_serves_only_good_blocks(daemon_factory: Any) -> None:
+    d = start(daemon_factory, lease=2.0)
+    here = str(Path(__file__).parent)
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, d.endpoint, str(10**8 * (i + 1)),
+                                 here], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+               for i in range(3)]
+    for w in writers:
+        assert w.stdout is not None
+        assert w.stdout.readline().startswith(b"writing")
+    time.sleep(1.0)
+    assert d.proc is not None
+    d.proc.kill()                                                 # mid write-back
+    d.proc.wait()
+    for w in writers:                                             # clients die too
+        w.kill()
+        w.wait()
+        assert w.stdout is not None
+        w.stdout.close()
+    d.stop()
+    d.start()
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        ssd = tier_stats(client, "ssd")
+        assert ssd["committed_slots"] > 0, "nothing reached the ssd before the kill"
+        served = 0
+        for i in range(3):
+            base = 10**8 * (i + 1)
+            for j in range(0, 10_000):
+                keys = ns.keys(range(base + j * 64, base + (j + 1) * 64))
+                hit = ns.lookup(keys).blocks
+                if hit == 0:
+                    if j > 200:
+                        break
+                    continue
+                got = ns.get(keys[:hit])
+                assert got == [content(k) for k in keys[:hit]], "a served block is wrong"
+                served += hit
+        assert served == ssd["committed_slots"]
+        dram = tier_stats(client, "dram")
+        assert dram["reserved_slots"] == 0 and dram["pinned_blocks"] == 0
+
+
+def test_disk_full_keeps_dram_working(daemon_factory: Any, tmp_path: Path) -> None:
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.fail("could not mount a small tmpfs for the disk-full test (needs root)")
+    try:
+        d = daemon_factory(dram_capacity="2MiB", ssd_capacity="6MiB",
+                           extra=["--slab-size", "1MiB", "--ssd-path", str(mount / "ssd"),
+                                  "--ssd-write-policy", "write-through"])
+        with Client(d.endpoint, tenant="acme") as client:
+            ns = client.namespace(IDENT)
+            first = put_chain(ns, 0, 4)
+            deadline = time.monotonic() + 10
+            while tier_stats(client, "ssd")["committed_slots"] < 4:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            filler = mount / "filler"
+            with open(filler, "wb") as f:                        # fill the disk
+                try:
+                    while True:
+                        f.write(b"\0" * (1 << 20))
+                        f.flush()
+                except OSError:
+                    pass
+            more = [put_chain(ns, 10_000 * (i + 1), 4) for i in range(6)]  # DRAM keeps going
+            time.sleep(0.5)
+            assert client.stats()["ssd_io"]["errors"] >= 1
+            assert ns.get(more[-1]) == [content(k) for k in more[-1]]
+            filler.unlink()
+        d.stop()
+        d.start()
+        with Client(d.endpoint, tenant="acme") as client:
+            ns = client.namespace(IDENT)
+            assert ns.get(first) == [content(k) for k in first]   # nothing corrupt on disk
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
