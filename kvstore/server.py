@@ -553,6 +553,7 @@ class Server:
         return p.CountReply(req.rid, count), []
 
     def _stats(self, session: Session, req: p.Stats, payload: list[Any]) -> Outcome:
+        self._reap_sends()  # pins of get replies already sent are not holdings
         return p.StatsReply(req.rid, self.stats()), []
 
     def _ping(self, session: Session, req: p.Ping, payload: list[Any]) -> Outcome:

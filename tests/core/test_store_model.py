@@ -225,3 +225,25 @@ class StoreWithSsdMachine(StoreMachine):
 TestStoreWithSsdMachine = StoreWithSsdMachine.TestCase
 TestStoreWithSsdMachine.settings = settings(max_examples=200, stateful_step_count=80,
                                             deadline=None)
+
+
+def test_the_ssd_admission_filter_spares_blocks_seen_once() -> None:
+    ident = IDENTS[0]
+    slot = ident.block_bytes
+    store = BlockStore(4 * slot, 4 * slot, ssd_capacity=8 * slot, ssd_slab_bytes=4 * slot,
+                       ssd_admit_after=2)
+    ns = store.open_namespace(ident)
+    once, twice = _chains(ns.id, ident.block_tokens)[:2]
+    r = store.reserve("a", ns, once[:2], None, 0.0)
+    store.commit("a", r.id, 0.0)                      # seen once
+    store.lookup(ns, once[:1])                        # the root seen twice, its child once
+    r = store.reserve("a", ns, twice[4:6], None, 0.0)
+    store.commit("a", r.id, 0.0)
+    try:
+        store.reserve("a", ns, twice[:3], None, 0.0)  # needs room: 4 slots, 4 taken
+    except DemotionNeeded as plan:
+        assert [b.key for b in plan.blocks] == [once[0]], "only the block seen twice goes"
+    else:
+        raise AssertionError("the twice-seen root should be demoted, not dropped")
+    assert once[1] not in ns.blocks                  # the leaf seen once was dropped
+    assert store.counters.dropped_on_eviction >= 1

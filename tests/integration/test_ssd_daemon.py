@@ -93,6 +93,7 @@ def test_dram_smaller_than_the_working_set_cycles_through_ssd(daemon_factory: An
         assert dram["reserved_slots"] == 0 and dram["pinned_blocks"] == 0
         assert ssd["demotions"] >= 64 and dram["promotions"] >= 64
         assert dram["dropped_on_eviction"] == 0
+        assert ssd["writes"] <= 96, "a block already on disk was written again"
 
 
 def test_corrupt_truncated_and_stale_blocks_are_misses(daemon_factory: Any) -> None:
@@ -227,3 +228,19 @@ def test_disk_full_keeps_dram_working(daemon_factory: Any, tmp_path: Path) -> No
             assert ns.get(first) == [content(k) for k in first]   # nothing corrupt on disk
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_bad_ssd_directory_stops_the_daemon_with_a_clear_message(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the directory should be")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--endpoint", f"ipc://{tmp_path}/k.sock",
+         "--dram-capacity", "8MiB", "--ssd-path", str(blocker / "ssd"),
+         "--ssd-capacity", "64MiB"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert str(blocker) in result.stderr and "configuration error" in result.stderr
+    huge = subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--endpoint", f"ipc://{tmp_path}/k.sock",
+         "--dram-capacity", "8MiB", "--ssd-path", str(tmp_path / "ssd"),
+         "--ssd-capacity", "900TiB"], capture_output=True, text=True, timeout=60)
+    assert huge.returncode == 2 and "free" in huge.stderr.lower(), huge.stderr
