@@ -28,6 +28,8 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         over.setdefault("ssd", {})["capacity"] = args.ssd_capacity
     if args.ssd_write_policy:
         over.setdefault("ssd", {})["write_policy"] = args.ssd_write_policy
+    if args.remote:
+        over.setdefault("remote", {})["url"] = args.remote
     if args.metrics_port is not None:
         over.setdefault("server", {})["metrics_port"] = args.metrics_port
     if args.debug_invariants:
@@ -130,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="SSD tier size, e.g. 64GiB; 0 runs without the tier")
     serve.add_argument("--ssd-write-policy", choices=["write-back", "write-through"],
                        help="write blocks to SSD when DRAM evicts them, or on commit")
+    serve.add_argument("--remote", metavar="URL",
+                       help="a remote tier shared by many daemons: redis://HOST:PORT/DB, "
+                            "redis+cluster://HOST:PORT, fs:///PATH, or a plugin's URL")
     serve.add_argument("--lease", type=float, metavar="SECONDS",
                        help="lease of reservations and pins, renewed by any request or ping")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

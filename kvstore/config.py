@@ -101,6 +101,15 @@ class SsdConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     preallocate: bool = False
 
 
+class RemoteConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    url: str = ""
+    backend: str = ""
+    options: dict[str, Any] = {}
+    timeout_s: float = 2.0
+    concurrency: int = 4
+    unhealthy_seconds: float = 5.0
+
+
 def data_dir() -> Path:
     """$XDG_DATA_HOME/kvstore, else ~/.local/share/kvstore."""
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"),
@@ -112,6 +121,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     dram: DramConfig = msgspec.field(default_factory=DramConfig)
     ssd: SsdConfig = msgspec.field(default_factory=SsdConfig)
+    remote: RemoteConfig = msgspec.field(default_factory=RemoteConfig)
 
     # -- derived, validated values ------------------------------------------------
     @property
@@ -182,6 +192,14 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("ssd.admit_after: must be at least 1")
         if self.ssd.sync not in ("always", "batch", "none"):
             raise ConfigError("ssd.sync: expected one of always, batch, none")
+        if self.remote.url and self.remote.backend:
+            raise ConfigError("remote: give either url or backend, not both")
+        if not self.remote.timeout_s > 0:
+            raise ConfigError("remote.timeout_s: must be a positive number of seconds")
+        if self.remote.concurrency < 1:
+            raise ConfigError("remote.concurrency: must be at least 1")
+        if self.remote.unhealthy_seconds < 0:
+            raise ConfigError("remote.unhealthy_seconds: cannot be negative")
         from kvstore.scheduler.eviction import POLICIES
 
         if self.dram.eviction_policy not in POLICIES:
@@ -198,7 +216,8 @@ def _set_path(data: dict[str, Any], section: str, field: str, value: Any) -> Non
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """``KVSTORE_<SECTION>_<FIELD>=value`` for every known field, plus KVSTORE_ENDPOINT."""
     data: dict[str, Any] = {}
-    sections = {"server": ServerConfig, "dram": DramConfig, "ssd": SsdConfig}
+    sections = {"server": ServerConfig, "dram": DramConfig, "ssd": SsdConfig,
+                "remote": RemoteConfig}
     for section, struct in sections.items():
         for field in struct.__struct_fields__:
             raw = env.get(f"KVSTORE_{section.upper()}_{field.upper()}")
@@ -280,7 +299,7 @@ def _field_message(exc: msgspec.ValidationError) -> str:
 def config_to_toml(config: Config) -> str:
     """The effective configuration as TOML text (for `config show`)."""
     lines: list[str] = []
-    for section in ("server", "dram", "ssd"):
+    for section in ("server", "dram", "ssd", "remote"):
         lines.append(f"[{section}]")
         values = msgspec.structs.asdict(getattr(config, section))
         if section == "server" and not values["endpoint"]:
@@ -300,4 +319,6 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

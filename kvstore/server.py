@@ -33,18 +33,22 @@ from kvstore.errors import (
     KVStoreError,
     LeaseExpiredError,
     MalformedError,
+    NotFoundError,
     TooLargeError,
     UnknownNamespaceError,
     VersionMismatchError,
 )
 from kvstore.store import (
+    Block,
     BlockStore,
     DemotionNeeded,
     Limits,
     Namespace,
+    Pin,
     PromotionNeeded,
     Reservation,
 )
+from kvstore.remote import RemoteTier
 from kvstore.tiering import SsdMover
 from kvstore.tiers.dram import DramArena
 
@@ -90,6 +94,7 @@ class Server:
                                 ssd_admit_after=config.ssd.admit_after)
         self.arena: DramArena | None = None
         self.ssd: SsdMover | None = None
+        self.remote: RemoteTier | None = None
         self.sessions: dict[bytes, Session] = {}  # routing id -> session
         self._by_session_id: dict[str, Session] = {}
         self._expired: dict[bytes, None] = {}
@@ -135,6 +140,15 @@ class Server:
                 self.arena.close()
                 raise
             log.info("ssd tier: %d blocks restored from %s", restored, self.config.ssd_path)
+        if self.config.remote.url or self.config.remote.backend:
+            try:
+                self.remote = RemoteTier(self.config, self.store, self.arena,
+                                         self.reserve_moving)
+            except BaseException:
+                if self.ssd is not None:
+                    self.ssd.close()
+                self.arena.close()
+                raise
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -180,6 +194,12 @@ class Server:
             self._loop.remove_reader(self._fd)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=bound)
+        if self.remote is not None:
+            try:
+                await asyncio.wait_for(self.remote.drain(), bound)
+            except TimeoutError:
+                log.error("remote writes still under way at exit were dropped")
+            await self.remote.close()
         if self.ssd is not None:
             try:
                 await asyncio.wait_for(self.ssd.drain(), bound)
@@ -303,7 +323,7 @@ class Server:
                 handler = self.handlers[type(request)]
                 try:
                     reply, payload = handler(session, request, frames[2:])
-                except (DemotionNeeded, PromotionNeeded) as plan:
+                except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup) as plan:
                     # The bytes must move between tiers first: finish in a task.
                     self._spawn(self._finish_later(routing_id, rid, verb, tenant, start,
                                                    handler, session, request, frames[2:], plan))
@@ -333,22 +353,21 @@ class Server:
     async def _finish_later(self, routing_id: bytes, rid: int, verb: str, tenant: str,
                             start: float, handler: Callable[[Session, Any, list[Any]], Outcome],
                             session: Session, request: Any, payload: list[Any],
-                            plan: DemotionNeeded | PromotionNeeded) -> None:
+                            plan: Plan) -> None:
         """Move what the store asked for, then run the request again; one reply at the end."""
         code: str | None = None
+        reply: p.Message
+        out: list[Any]
         try:
             for _ in range(4):
-                assert self.ssd is not None, "the store planned a move without an ssd tier"
-                try:
-                    await self.ssd.resolve(plan)
-                except CapacityError:
-                    if isinstance(plan, PromotionNeeded) or self.store.ssd_writable:
-                        raise
-                    # the ssd tier failed the write-back: dram now evicts without it
+                if isinstance(plan, RemoteLookup):
+                    reply, out = await self._remote_lookup(plan), []
+                    break
+                await self._resolve(plan)
                 try:
                     reply, out = handler(session, request, payload)
                     break
-                except (DemotionNeeded, PromotionNeeded) as again:
+                except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup) as again:
                     plan = again
             else:
                 raise CapacityError("blocks kept moving between tiers; try again")
@@ -364,6 +383,36 @@ class Server:
             self.metrics.observe_request(verb, time.perf_counter() - start, code, tenant)
         if self.config.server.debug_invariants:
             self.check_invariants()
+
+    async def _resolve(self, plan: Plan) -> None:
+        if isinstance(plan, RemoteFetch):
+            assert self.remote is not None
+            await self.remote.fetch(plan.ns, plan.keys)
+            return
+        assert self.ssd is not None, "the store planned a move without an ssd tier"
+        assert not isinstance(plan, RemoteLookup)
+        try:
+            await self.ssd.resolve(plan)
+        except CapacityError:
+            if isinstance(plan, PromotionNeeded) or self.store.ssd_writable:
+                raise
+            # the ssd tier failed the write-back: dram now evicts without it
+
+    async def reserve_moving(self, owner: object, ns: Namespace, keys: list[bytes],
+                             parent: bytes | None) -> Reservation:
+        """Reserve DRAM slots, demoting to SSD first where the store asks for it."""
+        for _ in range(4):
+            try:
+                return self.store.reserve(owner, ns, keys, parent, self.clock())
+            except DemotionNeeded as plan:
+                await self._resolve(plan)
+        raise CapacityError("no room in the dram tier after writing back to ssd")
+
+    async def _remote_lookup(self, plan: RemoteLookup) -> p.LookupReply:
+        assert self.remote is not None
+        more = await self.remote.leading(plan.ns, plan.keys[len(plan.tiers):])
+        tiers = plan.tiers + ["remote"] * more
+        return p.LookupReply(plan.rid, len(tiers), _runs(tiers))
 
     def check_invariants(self) -> bool:
         """Run the store's checker; a violation is logged and counted, never fatal."""
@@ -448,6 +497,8 @@ class Server:
         self._check_keys(req.keys)
         tiers = self.store.lookup(ns, req.keys)
         hits = len(tiers)
+        if self.remote is not None and hits < len(req.keys) and self.remote.healthy:
+            raise RemoteLookup(req.rid, ns, req.keys, tiers)
         if self.metrics is not None:
             bt = ns.identity.block_tokens
             self.metrics.observe_lookup_tokens(self.store.tier, session.tenant, hits * bt,
@@ -480,9 +531,14 @@ class Server:
 
     def _commit(self, session: Session, req: p.Commit, payload: list[Any]) -> Outcome:
         result = self.store.commit(session.id, req.reservation, self.clock())
-        if self.ssd is not None:
-            self.ssd.committed(result.blocks)
+        self._committed(result.blocks)
         return p.CommitReply(req.rid, result.created, result.duplicates), []
+
+    def _committed(self, blocks: list[Block]) -> None:
+        if self.ssd is not None:
+            self.ssd.committed(blocks)
+        if self.remote is not None:
+            self.remote.committed(blocks)
 
     def _abort(self, session: Session, req: p.Abort, payload: list[Any]) -> Outcome:
         self.store.abort(session.id, req.reservation)
@@ -491,8 +547,16 @@ class Server:
     def _acquire(self, session: Session, req: p.Acquire, payload: list[Any]) -> Outcome:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
-        pin = self.store.acquire(session.id, ns, req.keys, self.clock())
+        pin = self._acquire_or_fetch(session.id, ns, req.keys)
         return p.AcquireReply(req.rid, pin.id, pin.offsets), []
+
+    def _acquire_or_fetch(self, owner: object, ns: Namespace, keys: list[bytes]) -> Pin:
+        try:
+            return self.store.acquire(owner, ns, keys, self.clock())
+        except NotFoundError:
+            if self.remote is None or not self.remote.healthy:
+                raise
+            raise RemoteFetch(ns, keys) from None
 
     def _release(self, session: Session, req: p.Release, payload: list[Any]) -> Outcome:
         self.store.release(session.id, req.pin)
@@ -518,8 +582,7 @@ class Server:
             self.store.abort(session.id, r.id)
             raise
         result = self.store.commit(session.id, r.id, now)
-        if self.ssd is not None:
-            self.ssd.committed(result.blocks)
+        self._committed(result.blocks)
         return p.PutReply(req.rid, result.created, result.duplicates), []
 
     def _get(self, session: Session, req: p.Get, payload: list[Any]) -> Outcome:
@@ -528,7 +591,7 @@ class Server:
         if len(req.keys) * ns.block_bytes > self.max_request_bytes:
             raise TooLargeError(f"get of {len(req.keys)} blocks exceeds the request limit of "
                                 f"{self.max_request_bytes} bytes; split it")
-        pin = self.store.acquire(_GET_OWNER, ns, req.keys, self.clock())
+        pin = self._acquire_or_fetch(_GET_OWNER, ns, req.keys)
         assert self.arena is not None
         size = ns.block_bytes
         frames = [self.arena.slot(offset, size) for offset in pin.offsets]
@@ -569,6 +632,8 @@ class Server:
         }
         if self.ssd is not None:
             out["ssd_io"] = self.ssd.stats()
+        if self.remote is not None:
+            out["remote"] = self.remote.stats()
         return out
 
     def _schedule_reaper(self) -> None:
@@ -590,6 +655,29 @@ class Server:
                 del self._expired[next(iter(self._expired))]
             log.info("lease expired for %d session(s); their holdings were rolled back", len(gone))
         self._schedule_reaper()
+
+
+class RemoteFetch(Exception):
+    """Not an error: the keys missing here may be in the remote store; fetch, then retry."""
+
+    def __init__(self, ns: Namespace, keys: list[bytes]) -> None:
+        super().__init__("fetch from the remote tier")
+        self.ns = ns
+        self.keys = keys
+
+
+class RemoteLookup(Exception):
+    """Not an error: ask the remote store for the part of the chain not found here."""
+
+    def __init__(self, rid: int, ns: Namespace, keys: list[bytes], tiers: list[str]) -> None:
+        super().__init__("look up in the remote tier")
+        self.rid = rid
+        self.ns = ns
+        self.keys = keys
+        self.tiers = tiers
+
+
+Plan = DemotionNeeded | PromotionNeeded | RemoteFetch | RemoteLookup
 
 
 class PinnedFrames(list[Any]):

@@ -49,7 +49,7 @@ class Block:
     """One key's entry: its place in the chain, its copies per tier, its pins."""
 
     __slots__ = ("key", "ns", "parent", "children", "offset", "refs", "ssd_offset",
-                 "ssd_record", "ssd_holds", "demoting", "promoting", "seen")
+                 "ssd_record", "ssd_holds", "demoting", "promoting", "seen", "remote")
 
     def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
         self.key = key
@@ -64,6 +64,7 @@ class Block:
         self.demoting = False               # DRAM copy being written back, then dropped
         self.promoting = False              # DRAM copy being read in from SSD
         self.seen = 0                       # commits and hits, for the SSD admission filter
+        self.remote = False                 # known to be in the remote store
 
     @property
     def present(self) -> bool:

@@ -10,6 +10,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from daemon_proc import DaemonProcess  # noqa: E402
+from redis_servers import (  # noqa: E402
+    RedisClusterServers,
+    RedisServer,
+    redis_cli_binary,
+    redis_server_binary,
+)
 
 from kvtest import make_identity  # noqa: E402
 
@@ -39,3 +45,46 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
 @pytest.fixture
 def daemon(daemon_factory: Callable[..., DaemonProcess]) -> DaemonProcess:
     return daemon_factory(tcp=True)
+
+
+def _require_redis() -> None:
+    if redis_server_binary() is None:
+        pytest.fail("redis-server is not installed (set $KVSTORE_REDIS_SERVER)")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One standalone redis-server for the whole session; tests use their own namespaces."""
+    _require_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
+    """A 3-master Redis Cluster for the whole session."""
+    _require_redis()
+    if redis_cli_binary() is None:
+        pytest.fail("redis-cli is not installed; it is needed to create a cluster")
+    cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def fresh_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A standalone server of the test's own, free to pause, kill and restart."""
+    _require_redis()
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,185 @@
+"""The remote tier: a store shared by the daemons of many hosts, through a plugin.
+
+Blocks go to the remote store as they commit (write-through, in the background, a few
+transfers at a time) and come back on demand: lookup asks the remote store for the part
+of a chain not found locally, and acquire/get of such blocks reads them into DRAM slots
+first.  Keys carry the namespace id, so daemons of different models or tenants never
+collide.  If the remote store is slow or down, every call is bounded by its timeout, the
+tier is marked unhealthy for a while (lookups skip it), errors are counted, and the
+local tiers keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from typing import Any
+
+from kvstore.config import Config
+from kvstore.errors import KVStoreError, NotFoundError
+from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
+from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
+from kvstore.tiers.dram import DramArena
+
+log = logging.getLogger("kvstore.remote")
+
+REMOTE = "remote"
+_OWNER = ("daemon", "remote")  # holds DRAM copies while they are written to the remote store
+
+ReserveMoving = Callable[[object, Namespace, list[bytes], bytes | None],
+                         Awaitable[Reservation]]
+
+
+class RemoteTier:
+    """Carries out the daemon's traffic with one remote backend."""
+
+    def __init__(self, config: Config, store: BlockStore, arena: DramArena,
+                 reserve_moving: ReserveMoving) -> None:
+        r = config.remote
+        if r.url:
+            name, options = parse_remote_url(r.url)
+        else:
+            name, options = r.backend, {}
+        options = {**options, **r.options, "timeout_s": r.timeout_s}
+        self.name = name
+        self.backend: GuardedBackend = load_backend(name, options)
+        self.store = store
+        self.arena = arena
+        self._reserve_moving = reserve_moving
+        self.cooldown = r.unhealthy_seconds
+        self._unhealthy_until = 0.0
+        self._gate = asyncio.Semaphore(r.concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pending: list[Block] = []
+        self._scheduled = False
+        self.counters = {"writes": 0, "write_bytes": 0, "reads": 0, "read_bytes": 0,
+                         "misses": 0, "errors": 0, "lookups": 0, "hit_blocks": 0}
+        store.touch_owner(_OWNER, float("inf"))
+
+    # -- health ---------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return time.monotonic() >= self._unhealthy_until
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        self.counters["errors"] += 1
+        if self.healthy:
+            log.warning("remote %s failed (%s); skipping the remote tier for %gs",
+                        what, exc, self.cooldown)
+        self._unhealthy_until = time.monotonic() + self.cooldown
+
+    # -- lookup ----------------------------------------------------------------------------
+    async def leading(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` the remote store holds as a leading run (0 if unhealthy)."""
+        if not keys or not self.healthy:
+            return 0
+        self.counters["lookups"] += 1
+        try:
+            async with self._gate:
+                n = await self.backend.exists(ns.id, list(keys))
+        except KVStoreError as exc:
+            self._failed("lookup", exc)
+            return 0
+        self.counters["hit_blocks"] += n
+        return n
+
+    # -- reads -----------------------------------------------------------------------------
+    async def fetch(self, ns: Namespace, keys: Sequence[bytes]) -> None:
+        """Bring the blocks of ``keys`` that are not cached locally in from the remote store
+        (a chain: each missing key's parent is the key before it).  NotFoundError if the
+        remote store lacks any of them."""
+        first = next((i for i, k in enumerate(keys)
+                      if (b := ns.blocks.get(k)) is None or not b.present), None)
+        if first is None:
+            return
+        missing = [k for k in keys[first:]
+                   if (b := ns.blocks.get(k)) is None or not b.present]
+        if await self.leading(ns, missing) < len(missing):
+            self.counters["misses"] += 1
+            raise NotFoundError(f"{len(missing)} blocks are cached neither here nor remotely")
+        parent = keys[first - 1] if first else None
+        r = await self._reserve_moving(_OWNER, ns, missing, parent)
+        views = [self.arena.slot(off, ns.block_bytes) for off in r.offsets]
+        try:
+            async with self._gate:
+                found = await self.backend.get_into(ns.id, missing, views)
+        except KVStoreError as exc:
+            self._failed("read", exc)
+            found = [False] * len(missing)
+        finally:
+            for view in views:
+                view.release()
+        if not all(found):
+            self.store.abort(_OWNER, r.id)
+            self.counters["misses"] += 1
+            raise NotFoundError("a block read from the remote store was missing or corrupt")
+        result = self.store.commit(_OWNER, r.id, time.monotonic())
+        for block in result.blocks:
+            block.remote = True
+        self.counters["reads"] += len(missing)
+        self.counters["read_bytes"] += len(missing) * ns.block_bytes
+
+    # -- writes ----------------------------------------------------------------------------
+    def committed(self, blocks: Iterable[Block]) -> None:
+        """New blocks were committed: copy them to the remote store in the background."""
+        self._pending.extend(b for b in blocks if not b.remote)
+        if self._pending and not self._scheduled:
+            self._scheduled = True
+            self._spawn(self._drain())
+
+    async def _drain(self) -> None:
+        await asyncio.sleep(0)  # gather this loop turn's commits into one batch
+        self._scheduled = False
+        batch, self._pending = self._pending, []
+        by_ns: dict[Namespace, list[Block]] = {}
+        for b in dict.fromkeys(batch):
+            if b.ns.blocks.get(b.key) is b and b.offset is not None and not b.remote:
+                by_ns.setdefault(b.ns, []).append(b)
+        for ns, blocks in by_ns.items():
+            await self._put(ns, blocks)
+
+    async def _put(self, ns: Namespace, blocks: list[Block]) -> None:
+        if not self.healthy:
+            return
+        try:
+            pin: Pin = self.store.acquire(_OWNER, ns, [b.key for b in blocks], time.monotonic())
+        except KVStoreError:
+            return  # gone meanwhile
+        except Exception:  # only on SSD by now (PromotionNeeded): not worth a read
+            return
+        try:
+            views = [self.arena.slot(off, ns.block_bytes) for off in pin.offsets]
+            async with self._gate:
+                ok = await self.backend.put(ns.id, [b.key for b in blocks], views)
+            for view in views:
+                view.release()
+            for b, good in zip(blocks, ok):
+                b.remote = b.remote or good
+            self.counters["writes"] += sum(ok)
+            self.counters["write_bytes"] += sum(ok) * ns.block_bytes
+        except KVStoreError as exc:
+            self._failed("write", exc)
+        finally:
+            self.store.release(_OWNER, pin.id)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counters)
+        out["backend"] = self.name
+        out["healthy"] = self.healthy
+        out["corrupt_values"] = self.backend.counters.corrupt_values
+        out["timeouts"] = self.backend.counters.timeouts
+        return out

@@ -1,0 +1,128 @@
+"""The remote tier in the real daemon: two daemons sharing one real Redis (and a cluster)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from kvtest import make_identity
+from redis_servers import RedisClusterServers, RedisServer
+
+from kvstore import Client
+from kvstore.errors import NotFoundError
+
+IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=64, tenant="acme")  # 64 KiB
+
+
+def content(key: bytes) -> bytes:
+    import hashlib
+
+    return (hashlib.blake2b(key, digest_size=32).digest() * (IDENT.block_bytes // 32 + 1))[
+        : IDENT.block_bytes]
+
+
+def remote_stats(client: Client) -> dict[str, Any]:
+    stats = client.stats()
+    assert stats["invariant_violations"] == 0
+    r: dict[str, Any] = stats["remote"]
+    return r
+
+
+def wait_for(predicate: Any, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def share_through(url: str, factory: Any, tokens: int) -> tuple[Any, Any]:
+    a = factory(remote=url)
+    b = factory(remote=url)
+    with Client(a.endpoint, tenant="acme") as ca:
+        ns = ca.namespace(IDENT)
+        keys = ns.keys(range(tokens, tokens + 16 * 6))
+        ns.put(keys, [content(k) for k in keys])
+        wait_for(lambda: remote_stats(ca)["writes"] >= 6, "write-through to the remote")
+    with Client(b.endpoint, tenant="acme") as cb:
+        ns = cb.namespace(IDENT)
+        keys = ns.keys(range(tokens, tokens + 16 * 6))
+        hit = ns.lookup(keys)
+        assert hit.blocks == 6 and set(hit.tiers) == {"remote"}
+        assert ns.get(keys) == [content(k) for k in keys]        # fetched into B's DRAM
+        assert ns.lookup(keys).tiers == ["dram"] * 6
+        other = cb.namespace(make_identity(num_layers=4, num_kv_heads=4, head_dim=64,
+                                           tenant="acme", model_revision="r2"))
+        assert other.lookup(other.keys(range(tokens, tokens + 16 * 6))).blocks == 0
+        assert remote_stats(cb)["reads"] == 6
+    return a, b
+
+
+@pytest.fixture
+def remote_daemon_factory(daemon_factory: Any) -> Any:
+    def start(remote: str, **kw: Any) -> Any:
+        extra = kw.pop("extra", [])
+        return daemon_factory(extra=["--remote", remote, *extra], **kw)
+    return start
+
+
+def test_a_block_offloaded_through_one_daemon_reloads_through_another(
+        redis_server: RedisServer, remote_daemon_factory: Any) -> None:
+    share_through(redis_server.url, remote_daemon_factory, 1_000_000)
+
+
+def test_sharing_through_a_redis_cluster(redis_cluster: RedisClusterServers,
+                                         remote_daemon_factory: Any) -> None:
+    share_through(redis_cluster.url, remote_daemon_factory, 2_000_000)
+
+
+def test_redis_down_and_back(fresh_redis_server: RedisServer,
+                             remote_daemon_factory: Any) -> None:
+    d = remote_daemon_factory(fresh_redis_server.url,
+                              extra=["--log-level", "error"])
+    with Client(d.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        first = ns.keys(range(16 * 4))
+        ns.put(first, [content(k) for k in first])
+        wait_for(lambda: remote_stats(client)["writes"] >= 4, "the first writes")
+        fresh_redis_server.kill()
+        started = time.monotonic()
+        more = ns.keys(range(50_000, 50_000 + 16 * 4))
+        ns.put(more, [content(k) for k in more])                  # local tiers keep serving
+        unknown = ns.keys(range(90_000, 90_000 + 16 * 4))
+        assert ns.lookup(unknown).blocks == 0                     # bounded by the timeout
+        with pytest.raises(NotFoundError):
+            ns.get(unknown)
+        assert time.monotonic() - started < 8, "a request waited past the remote's timeout"
+        assert ns.get(first) == [content(k) for k in first]       # local data intact
+        wait_for(lambda: remote_stats(client)["errors"] >= 1, "the error count")
+        assert remote_stats(client)["healthy"] is False
+        fresh_redis_server.start()
+        wait_for(lambda: remote_stats(client)["healthy"], "recovery", timeout=20)
+        again = ns.keys(range(70_000, 70_000 + 16 * 2))
+        ns.put(again, [content(k) for k in again])
+        wait_for(lambda: remote_stats(client)["writes"] >= 6, "writes after recovery")
+
+
+def test_a_corrupt_remote_value_is_a_miss(redis_server: RedisServer,
+                                          remote_daemon_factory: Any) -> None:
+    a = remote_daemon_factory(redis_server.url)
+    b = remote_daemon_factory(redis_server.url)
+    with Client(a.endpoint, tenant="acme") as ca:
+        ns = ca.namespace(IDENT)
+        keys = ns.keys(range(3_000_000, 3_000_000 + 16 * 2))
+        ns.put(keys, [content(k) for k in keys])
+        wait_for(lambda: remote_stats(ca)["writes"] >= 2, "write-through")
+    with redis_server.client() as r:
+        stored = [k for k in r.scan_iter() if keys[1] in k]
+        assert len(stored) == 1
+        value = bytearray(r.get(stored[0]))
+        value[-5] ^= 0xFF
+        r.set(stored[0], bytes(value))
+    with Client(b.endpoint, tenant="acme") as cb:
+        ns = cb.namespace(IDENT)
+        with pytest.raises(NotFoundError):
+            ns.get(keys)
+        assert remote_stats(cb)["corrupt_values"] >= 1
+        assert ns.get(keys[:1]) == [content(keys[0])]             # the good prefix still comes
+        assert cb.stats()["tiers"]["dram"]["reserved_slots"] == 0
