@@ -8,7 +8,14 @@ import sys
 import tomllib
 from pathlib import Path
 
-from kvstore.config import Config, DramConfig, ServerConfig, SsdConfig, load_config
+from kvstore.config import (
+    Config,
+    DramConfig,
+    RemoteConfig,
+    ServerConfig,
+    SsdConfig,
+    load_config,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "systemd" / "kvstore.toml"
@@ -23,7 +30,8 @@ def test_example_config_loads() -> None:
 def test_example_config_shows_every_field() -> None:
     data = tomllib.loads(EXAMPLE.read_text())
     assert set(data) == set(Config.__struct_fields__)
-    for section, struct in (("server", ServerConfig), ("dram", DramConfig), ("ssd", SsdConfig)):
+    for section, struct in (("server", ServerConfig), ("dram", DramConfig), ("ssd", SsdConfig),
+                            ("remote", RemoteConfig)):
         missing = set(struct.__struct_fields__) - set(data[section])
         assert not missing, f"[{section}] of the example lacks {sorted(missing)}"
 
