@@ -235,6 +235,7 @@ class BlockStore:
         self.ssd_admit_after = ssd_admit_after
         self.ssd_writable = True  # off for a while after the SSD tier failed a write
         self._hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
+        self._dirty: dict[int, dict[Block, None]] = {}  # per DRAM class: only in DRAM, oldest first
         self.dropped_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped by sweeps
         self.limits = limits
         self.namespaces: dict[bytes, Namespace] = {}
@@ -451,6 +452,11 @@ class BlockStore:
             parent = block
         for block in reversed(fresh):  # deepest first: parents end up warmer
             policy.insert(block)
+        if self.ssd is not None:
+            dirty = self._dirty.setdefault(ns.cls.slot_bytes, {})
+            for block in fresh:
+                if block.ssd_offset is None:
+                    dirty[block] = None
         if duplicates:
             self.dram.pool.free(ns.cls, duplicates)
         self.committed_slots += len(fresh)
@@ -557,6 +563,8 @@ class BlockStore:
         block.offset = None
         block.demoting = False
         self.committed_slots -= 1
+        if self._dirty:
+            self._dirty.get(ns.cls.slot_bytes, {}).pop(block, None)
         self._forget_if_gone(block)
 
     def _drop_ssd_copy(self, block: Block) -> tuple[bytes, bytes]:
@@ -640,6 +648,9 @@ class BlockStore:
         """SSD slots for blocks about to be written there, evicting cold SSD copies; returns
         the transfer and the keys whose SSD copies went (to withdraw from the index)."""
         assert self.ssd is not None, "no SSD tier"
+        for b in blocks:
+            assert b.offset is not None and b.ssd_offset is None, (
+                f"{b} cannot be written to ssd now")
         removed: list[tuple[bytes, bytes]] = []
         offsets: list[int] = []
         by_class: dict[int, list[Block]] = {}
@@ -703,6 +714,7 @@ class BlockStore:
                 b.ssd_record = records[i]
                 self.ssd.policy(cls).insert(b)
                 self.ssd_committed_slots += 1
+                self._dirty.get(b.ns.cls.slot_bytes, {}).pop(b, None)
                 self.counters.ssd_writes += 1
                 self.counters.demotions += demote
             if not demote:
@@ -726,6 +738,24 @@ class BlockStore:
                 policy.insert(b)
                 if b.refs:
                     policy.pin(b)
+
+    def writeback_plan(self, high: float = 0.75, low: float = 0.5,
+                       batch: int = 64) -> list[Block]:
+        """Cold blocks to copy to SSD ahead of need: where blocks only in DRAM fill more
+        than ``high`` of a class's share of the tier, the oldest down towards ``low``, so
+        that eviction finds clean blocks it can drop at once."""
+        plan: list[Block] = []
+        for slot_bytes, dirty in self._dirty.items():
+            total = self.dram.pool.capacity_bytes // slot_bytes
+            if len(dirty) <= high * total:
+                continue
+            want = min(batch, len(dirty) - int(low * total))
+            for b in dirty:
+                if len(plan) >= want:
+                    break
+                if b.refs == 0 and not b.demoting and self._admitted(b):
+                    plan.append(b)
+        return plan
 
     def write_through_candidates(self, blocks: Iterable[Block]) -> list[Block]:
         """Newly committed blocks the SSD tier should copy now (write-through)."""
@@ -960,6 +990,11 @@ class BlockStore:
                 assert len(policy) == expected, (
                     f"{name} class {slot_bytes}: {len(policy)} on the eviction order, "
                     f"{expected} expected")
+        for slot_bytes, dirty in self._dirty.items():
+            for b in dirty:
+                assert b.ns.blocks.get(b.key) is b and b.offset is not None, f"dirty {b} gone"
+                assert b.ssd_offset is None and b.ns.cls.slot_bytes == slot_bytes, (
+                    f"{b} listed dirty but clean")
         dram_reserved = sum(len(v) for (n, _), v in reserved.items() if n == DRAM)
         dram_committed = sum(len(v) for (n, _), v in committed.items() if n == DRAM)
         assert dram_reserved == self.reserved_slots, "reserved slot counter is off"

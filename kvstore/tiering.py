@@ -44,6 +44,7 @@ class SsdMover:
         self._writes: set[asyncio.Task[None]] = set()
         self._pending_through: list[Block] = []
         self._through_scheduled = False
+        self._writing_back = False
         self._pending_removals: list[tuple[bytes, bytes]] = []
         self._demotions_done = asyncio.Event()
         self.errors = 0
@@ -173,8 +174,13 @@ class SsdMover:
 
     # -- background work ------------------------------------------------------------------
     def committed(self, blocks: Iterable[Block]) -> None:
-        """New blocks were committed: copy them to SSD now under write-through."""
+        """New blocks were committed: copy them to SSD now under write-through; under
+        write-back, copy cold ones ahead of need once DRAM fills up."""
         if not self.write_through:
+            if not self._writing_back and self.store.ssd_writable \
+                    and self.store.writeback_plan(batch=1):
+                self._writing_back = True
+                self._spawn(self._write_back())
             return
         self._pending_through.extend(self.store.write_through_candidates(blocks))
         if self._pending_through and not self._through_scheduled:
@@ -184,6 +190,7 @@ class SsdMover:
     async def _drain_through(self) -> None:
         await asyncio.sleep(0)  # let the commits of this loop turn gather into one batch
         self._through_scheduled = False
+        self._writing_back = False
         batch = self.store.write_through_candidates(dict.fromkeys(self._pending_through))
         self._pending_through.clear()
         if batch:
@@ -191,6 +198,18 @@ class SsdMover:
                 await self._write(batch)
             except CapacityError:
                 pass  # counted; the blocks stay in DRAM
+
+    async def _write_back(self) -> None:
+        try:
+            # planned here, not by the caller: by the time a task runs, blocks planned
+            # earlier may be demoting or gone
+            while self.store.ssd_writable and (plan := self.store.writeback_plan()):
+                try:
+                    await self._write(plan)
+                except CapacityError:
+                    break
+        finally:
+            self._writing_back = False
 
     def removed(self, ids: list[tuple[bytes, bytes]]) -> None:
         """SSD copies the store dropped: withdraw them from the index soon."""

@@ -101,6 +101,27 @@ class StoreMachine(RuleBasedStateMachine):
                 self.store.finish_promotion(t, [next(self.outcomes, True) for _ in t.blocks])
         raise CapacityError("kept moving")
 
+    @precondition(lambda self: self.store.ssd is not None)
+    @rule(batch=st.integers(1, 4), ok=st.booleans(), interleave=st.booleans())
+    def write_back(self, batch: int, ok: bool, interleave: bool) -> None:
+        plan = self.store.writeback_plan(high=0.0, low=0.0, batch=batch)
+        if not plan:
+            return
+        try:
+            t, _removed = self.store.ssd_reserve(plan)
+        except CapacityError:
+            return
+        self.store.check_invariants()
+        if interleave:  # other work while the write is under way
+            ns = self.ns[0]
+            keys = self.chains[0][1]
+            try:
+                self.moving(lambda: self.store.acquire("c", ns, keys[:2], self.now))
+            except (NotFoundError, CapacityError):
+                pass
+            self.store.drop_owner("c")
+        self.store.finish_ssd_write(t, [object()] * len(t.blocks) if ok else None)
+
     @rule(pattern=st.lists(st.booleans(), max_size=8))
     def next_transfers(self, pattern: list[bool]) -> None:
         self.outcomes = iter(pattern)
