@@ -22,6 +22,8 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         over.setdefault("server", {})["lease_seconds"] = args.lease
     if args.log_level:
         over.setdefault("server", {})["log_level"] = args.log_level
+    if args.log_format:
+        over.setdefault("server", {})["log_format"] = args.log_format
     if args.ssd_path:
         over.setdefault("ssd", {})["path"] = args.ssd_path
     if args.ssd_capacity is not None:
@@ -48,9 +50,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.server import Server, run_server
 
     config = load_config(args.config, overrides=_serve_overrides(args))
-    logging.basicConfig(
-        level=config.server.log_level.upper(), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvstore.logs import configure
+
+    configure(config.server.log_level, config.server.log_format)
 
     def ready(server: Server) -> None:
         for endpoint in server.endpoints:
@@ -64,9 +66,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a core dependency
-        asyncio.run(run_server(config, ready))
+        asyncio.run(run_server(config, ready))  # pragma: no cover
     else:
-        uvloop.run(run_server(config, ready))
+        uvloop.run(run_server(config, ready, reload=lambda: load_config(
+            args.config, overrides=_serve_overrides(args))))
     return 0
 
 
@@ -83,21 +86,78 @@ def _cmd_ping(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
+    import time
+
     from kvstore.client import Client
 
     with Client(args.endpoint, timeout=args.timeout, map_arena=False) as client:
         stats = client.stats()
-    if args.json:
-        print(json.dumps(stats, indent=2, sort_keys=True))
-        return 0
+        if args.json:
+            print(json.dumps(stats, indent=2, sort_keys=True))
+            return 0
+        if not args.watch:
+            print(_stats_view(stats, None, 0.0))
+            return 0
+        previous, at = stats, time.monotonic()
+        try:
+            while True:
+                time.sleep(args.watch)
+                stats, now = client.stats(), time.monotonic()
+                # clear the screen and draw again, as top does
+                print("\x1b[H\x1b[2J" + _stats_view(stats, previous, now - at), flush=True)
+                previous, at = stats, now
+        except KeyboardInterrupt:
+            return 0
+
+
+def _stats_view(stats: dict[str, Any], previous: dict[str, Any] | None, dt: float) -> str:
+    """The terminal view: a bar per tier, hit rate, and throughput since the last view."""
+    from kvstore.config import format_size
+
+    lines = []
     for tier, t in stats["tiers"].items():
         used = (t["committed"] + t["reserved"]) / max(t["capacity"], 1)
         bar = "#" * int(used * 40)
-        hit = t["hits"] / max(t["lookup_keys"], 1)
-        print(f"{tier:5} [{bar:<40}] {used:6.1%} of {t['capacity']} bytes  "
-              f"blocks={t['blocks']} pinned={t['pinned_blocks']} hit rate={hit:.1%} "
-              f"evictions={t['evictions']}")
-    print(f"sessions={stats['sessions']} namespaces={stats['namespaces']}")
+        hit = t["hits"] / max(t.get("lookup_keys", 0), 1)
+        line = (f"{tier:6} [{bar:<40}] {used:6.1%} of {format_size(t['capacity']):>8}  "
+                f"blocks={t['blocks']} pinned={t['pinned_blocks']} "
+                f"evictions={t['evictions']}")
+        if "lookup_keys" in t:
+            line += f" hit rate={hit:.1%}"
+        if previous is not None and dt > 0:
+            before = previous["tiers"].get(tier, {})
+            rate = (t.get("commits", t.get("writes", 0))
+                    - before.get("commits", before.get("writes", 0))) / dt
+            line += f" {rate:,.0f} blocks/s in"
+        lines.append(line)
+    lines.append(f"sessions={stats['sessions']} namespaces={stats['namespaces']} "
+                 f"invariant violations={stats['invariant_violations']}")
+    if "remote" in stats:
+        r = stats["remote"]
+        lines.append(f"remote {r['backend']}: {'healthy' if r['healthy'] else 'UNHEALTHY'} "
+                     f"writes={r['writes']} reads={r['reads']} errors={r['errors']}")
+    return "\n".join(lines)
+
+
+def _cmd_drop(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from kvstore.client import Client
+    from kvstore.identity import Identity
+
+    text = args.identity
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    try:
+        identity = msgspec.json.decode(text, type=Identity)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        print(f"kvstore: --identity is not a valid identity: {exc}", file=sys.stderr)
+        return 2
+    with Client(args.endpoint, timeout=args.timeout, tenant=identity.tenant,
+                map_arena=False) as client:
+        dropped = client.namespace(identity).drop()
+    print(f"dropped {dropped} blocks of namespace {identity.namespace_id.hex()}")
     return 0
 
 
@@ -138,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lease", type=float, metavar="SECONDS",
                        help="lease of reservations and pins, renewed by any request or ping")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-format", choices=["text", "json"],
+                       help="one JSON object per log line, with request ids (json)")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="serve Prometheus metrics on 127.0.0.1:PORT (0: off)")
     serve.add_argument("--debug-invariants", action="store_true",
@@ -151,7 +213,16 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
         if name == "stats":
             cmd.add_argument("--json", action="store_true", help="machine-readable output")
+            cmd.add_argument("--watch", type=float, metavar="SECONDS", default=0.0,
+                             help="redraw every SECONDS, with throughput (Ctrl-C ends)")
         cmd.set_defaults(func=func)
+
+    drop = sub.add_parser("drop-namespace", help="drop every unpinned block of a namespace")
+    drop.add_argument("--identity", required=True, metavar="JSON",
+                      help="the namespace's identity as JSON, or @FILE holding it")
+    drop.add_argument("--endpoint", help="daemon endpoint (default: $KVSTORE_ENDPOINT)")
+    drop.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    drop.set_defaults(func=_cmd_drop)
 
     config = sub.add_parser("config", help="check or show the configuration")
     config.add_argument("action", choices=["check", "show"])

@@ -80,6 +80,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "info"
     debug_invariants: bool = False
     metrics_port: int = 0
+    log_format: str = "text"
 
 
 class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -171,6 +172,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.server.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(
                 "server.log_level: expected one of debug, info, warning, error")
+        if self.server.log_format not in ("text", "json"):
+            raise ConfigError("server.log_format: expected 'text' or 'json'")
         if not 0 <= self.server.metrics_port <= 65535:
             raise ConfigError("server.metrics_port: expected 0 (off) to 65535")
         if self.max_request_bytes < 1 << 20:

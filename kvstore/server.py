@@ -332,10 +332,14 @@ class Server:
             code = exc.code
             reply, payload = p.ErrorReply(rid, exc.code, str(exc)), []
         except Exception as exc:  # a bug: report it, keep serving
-            log.exception("internal error handling a request")
+            log.exception("internal error handling a request",
+                          extra={"rid": rid, "verb": verb, "tenant": tenant})
             code = "internal"
             reply, payload = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
         self._send(routing_id, reply, payload)
+        if code is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug("%s failed: %s", verb, code, extra={"rid": rid, "verb": verb,
+                                                         "tenant": tenant})
         if self.store.dropped_ssd and self.ssd is not None:
             self.ssd.removed(self.store.dropped_ssd)
             self.store.dropped_ssd = []
@@ -397,6 +401,32 @@ class Server:
             if isinstance(plan, PromotionNeeded) or self.store.ssd_writable:
                 raise
             # the ssd tier failed the write-back: dram now evicts without it
+
+    def reload(self, new: Config) -> list[str]:
+        """Apply the settings that can change live; returns those that need a restart."""
+        old, s = self.config, new.server
+        self.limits = Limits(lease_seconds=s.lease_seconds,
+                             max_reservations_per_owner=s.max_reservations_per_session,
+                             max_pins_per_owner=s.max_pins_per_session)
+        self.store.limits = self.limits
+        self.max_keys = s.max_keys_per_request
+        self.store.ssd_admit_after = new.ssd.admit_after
+        from kvstore.logs import configure
+
+        configure(s.log_level, s.log_format)
+        live = {("server", f) for f in ("lease_seconds", "max_keys_per_request",
+                                        "max_reservations_per_session", "max_pins_per_session",
+                                        "log_level", "log_format", "debug_invariants")}
+        live.add(("ssd", "admit_after"))
+        restart = []
+        for section in ("server", "dram", "ssd", "remote"):
+            before = msgspec.structs.asdict(getattr(old, section))
+            after = msgspec.structs.asdict(getattr(new, section))
+            for field, value in after.items():
+                if before[field] != value and (section, field) not in live:
+                    restart.append(f"{section}.{field}")
+        self.config = _merge_live(old, new)
+        return restart
 
     async def reserve_moving(self, owner: object, ns: Namespace, keys: list[bytes],
                              parent: bytes | None) -> Reservation:
@@ -688,6 +718,19 @@ class PinnedFrames(list[Any]):
         self.pin = pin
 
 
+def _merge_live(old: Config, new: Config) -> Config:
+    """The running configuration with only the live-changeable fields taken from ``new``."""
+    server = msgspec.structs.replace(
+        old.server, lease_seconds=new.server.lease_seconds,
+        max_keys_per_request=new.server.max_keys_per_request,
+        max_reservations_per_session=new.server.max_reservations_per_session,
+        max_pins_per_session=new.server.max_pins_per_session,
+        log_level=new.server.log_level, log_format=new.server.log_format,
+        debug_invariants=new.server.debug_invariants)
+    ssd = msgspec.structs.replace(old.ssd, admit_after=new.ssd.admit_after)
+    return msgspec.structs.replace(old, server=server, ssd=ssd)
+
+
 def _runs(tiers: list[str]) -> list[tuple[str, int]]:
     runs: list[tuple[str, int]] = []
     for tier in tiers:
@@ -713,8 +756,10 @@ def _socket_alive(endpoint: str) -> bool:
     return True
 
 
-async def run_server(config: Config, on_ready: Callable[[Server], None] | None = None) -> None:
-    """Serve until SIGINT or SIGTERM, with metrics and systemd notifications."""
+async def run_server(config: Config, on_ready: Callable[[Server], None] | None = None,
+                     reload: Callable[[], Config] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, with metrics and systemd notifications; SIGHUP
+    re-reads the configuration through ``reload`` and applies what can change live."""
     loop = asyncio.get_running_loop()
     server = Server(config)
     server.metrics = Metrics(stats_on_loop(loop, server.stats))
@@ -732,8 +777,25 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
         notifier.stopping()
         server.stop()
 
+    def hangup() -> None:
+        if reload is None:
+            return
+        notifier.reloading()
+        try:
+            restart = server.reload(reload())
+        except KVStoreError as exc:
+            log.error("reload refused, the running configuration stays: %s", exc)
+        else:
+            if restart:
+                log.warning("reloaded; these settings need a restart to take effect: %s",
+                            ", ".join(restart))
+            else:
+                log.info("reloaded the configuration")
+        notifier.ready("reloaded")
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop)
+    loop.add_signal_handler(signal.SIGHUP, hangup)
     try:
         await server.serve(ready)
     finally:

@@ -31,10 +31,12 @@ class DaemonProcess:
         self.tcp_endpoint = f"tcp://127.0.0.1:{free_port()}" if tcp else None
         self.args = [sys.executable, "-m", "kvstore", "serve", "--endpoint", self.endpoint,
                      "--dram-capacity", dram_capacity, "--lease", str(lease),
-                     "--log-level", "warning", "--ssd-capacity", ssd_capacity,
+                     "--ssd-capacity", ssd_capacity,
                      "--ssd-path", str(workdir / "ssd"), *(extra or [])]
         if self.tcp_endpoint:
             self.args += ["--extra-endpoint", self.tcp_endpoint]
+        if "--log-level" not in self.args:
+            self.args += ["--log-level", "warning"]
         if debug_invariants:
             self.args.append("--debug-invariants")
         self.log_path = workdir / "daemon.log"

@@ -1,0 +1,171 @@
+"""Lifecycle against the real daemon: SIGHUP reload, SIGTERM drain under load, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from kvtest import make_identity
+
+from kvstore import Client
+from kvstore.errors import LimitExceededError
+
+IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=64)  # 64 KiB
+
+
+def test_sighup_changes_a_limit_live_and_names_what_needs_a_restart(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    config = tmp_path / "kvstore.toml"
+    config.write_text("[server]\nmax_reservations_per_session = 2\n")
+    d = daemon_factory(extra=["--config", str(config)])
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        held = [ns.reserve(ns.keys(range(i * 16, (i + 1) * 16))) for i in range(2)]
+        with pytest.raises(LimitExceededError):
+            ns.reserve(ns.keys(range(100, 116)))
+        config.write_text("[server]\nmax_reservations_per_session = 5\n"
+                          "[dram]\nslab_size = \"32MiB\"\n")
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                third = ns.reserve(ns.keys(range(100, 116)))
+                break
+            except LimitExceededError:
+                assert time.monotonic() < deadline, "the reload did not take effect"
+                time.sleep(0.05)
+        for r in [*held, third]:
+            r.abort()
+    deadline = time.monotonic() + 5
+    while "dram.slab_size" not in d.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "need a restart" in d.log() and "dram.slab_size" in d.log()
+
+
+WRITER = r"""
+import sys, hashlib
+sys.path[:0] = [sys.argv[3]]
+from kvtest import make_identity
+from kvstore import Client
+ident = make_identity(num_layers=4, num_kv_heads=4, head_dim=64)
+acked = open(sys.argv[2], "a")
+try:
+    with Client(sys.argv[1], tenant="acme", timeout=5) as c:
+        ns = c.namespace(ident)
+        for i in range(100_000):
+            keys = ns.keys(range(i * 64, (i + 1) * 64))
+            blocks = [hashlib.blake2b(k).digest() * (ident.block_bytes // 64) for k in keys]
+            ns.put(keys, blocks)
+            acked.write(f"{i}\n"); acked.flush()
+except Exception as exc:
+    print("stopped:", type(exc).__name__, exc, flush=True)
+"""
+
+
+def test_sigterm_under_load_loses_no_committed_block(daemon_factory: Any,
+                                                     tmp_path: Path) -> None:
+    d = daemon_factory(ssd_capacity="256MiB", dram_capacity="16MiB",
+                       extra=["--slab-size", "4MiB", "--ssd-write-policy", "write-through"])
+    acked = tmp_path / "acked.txt"
+    tests_dir = str(Path(__file__).parent.parent)
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, d.endpoint,
+                                 str(acked) + str(w), tests_dir],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+               for w in range(2)]
+    deadline = time.monotonic() + 30
+    while sum(len(Path(str(acked) + str(w)).read_text().split()) if
+              Path(str(acked) + str(w)).exists() else 0 for w in range(2)) < 20:
+        assert time.monotonic() < deadline, "the writers did not get going"
+        time.sleep(0.05)
+    assert d.stop(signal.SIGTERM) == 0                        # drains and exits cleanly
+    for w in writers:
+        w.wait(30)
+        assert w.stdout is not None
+        w.stdout.close()
+    d.start()
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        count = 0
+        for w in range(2):
+            for line in Path(str(acked) + str(w)).read_text().split():
+                i = int(line)
+                keys = ns.keys(range(i * 64, (i + 1) * 64))
+                import hashlib
+                want = [hashlib.blake2b(k).digest() * (IDENT.block_bytes // 64) for k in keys]
+                assert ns.get(keys) == want, f"acknowledged put {i} was lost"
+                count += 1
+        assert count >= 20
+        t = client.stats()["tiers"]["dram"]
+        assert t["reserved_slots"] == 0
+
+
+def kvstore_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_cli_ping_stats_and_drop_namespace(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        keys = ns.keys(range(16 * 3))
+        ns.put(keys, [bytes(IDENT.block_bytes)] * 3)
+    assert "pong" in kvstore_cli("ping", "--endpoint", d.endpoint).stdout
+    out = kvstore_cli("stats", "--json", "--endpoint", d.endpoint)
+    stats = json.loads(out.stdout)
+    assert stats["tiers"]["dram"]["blocks"] == 3
+    view = kvstore_cli("stats", "--endpoint", d.endpoint).stdout
+    assert "dram" in view and "blocks=3" in view
+    identity = msgspec.json.encode(IDENT).decode()
+    dropped = kvstore_cli("drop-namespace", "--identity", identity, "--endpoint", d.endpoint)
+    assert dropped.returncode == 0 and "dropped 3 blocks" in dropped.stdout, dropped.stderr
+    assert json.loads(kvstore_cli("stats", "--json", "--endpoint", d.endpoint).stdout)[
+        "tiers"]["dram"]["blocks"] == 0
+
+
+@pytest.mark.parametrize("text,field", [
+    ("[dram]\ncapacity = \"lots\"\n", "dram.capacity"),
+    ("[dram]\neviction_policy = \"random\"\n", "dram.eviction_policy"),
+    ("[server]\nlease_seconds = -1\n", "server.lease_seconds"),
+    ("[server]\nmetrics_port = 70000\n", "server.metrics_port"),
+    ("[server]\nendpoint = \"http://x\"\n", "server.endpoint"),
+    ("[server]\nlog_format = \"xml\"\n", "server.log_format"),
+    ("[ssd]\nwrite_policy = \"sometimes\"\n", "ssd.write_policy"),
+    ("[ssd]\nsync = \"maybe\"\n", "ssd.sync"),
+    ("[remote]\ntimeout_s = 0\n", "remote.timeout_s"),
+    ("[server]\nmax_keys_per_request = \"many\"\n", "server.max_keys_per_request"),
+    ("[dram]\nno_such_field = 1\n", "dram"),
+    ("[server\n", "not valid TOML"),
+])
+def test_every_config_error_names_the_field(tmp_path: Path, text: str, field: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    result = kvstore_cli("config", "check", str(path))
+    assert result.returncode == 2
+    assert field in result.stderr, result.stderr
+
+
+def test_json_logs_carry_request_ids(daemon_factory: Any) -> None:
+    d = daemon_factory(extra=["--log-format", "json", "--log-level", "debug"])
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        with pytest.raises(KeyError):
+            ns.get(ns.keys(range(16)))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        records = [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
+        failed = [r for r in records if r.get("verb") == "get"]
+        if failed:
+            break
+        time.sleep(0.05)
+    assert failed and failed[0]["rid"] > 0 and failed[0]["tenant"] == "acme"
+    assert {"time", "level", "logger", "message"} <= set(failed[0])
