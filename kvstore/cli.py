@@ -172,6 +172,38 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    import os
+
+    if args.secret:
+        from kvstore.auth import write_secret
+
+        try:
+            write_secret(args.secret)
+        except FileExistsError:
+            print(f"kvstore: {args.secret} exists; not overwriting it", file=sys.stderr)
+            return 1
+        print(f"token secret written to {args.secret} (mode 0600)")
+        return 0
+    if not args.dir or not args.name:
+        print("kvstore: keygen needs DIR and --name (or --secret FILE)", file=sys.stderr)
+        return 2
+    import zmq.auth
+
+    os.makedirs(args.dir, mode=0o700, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(args.dir, args.name)
+    os.chmod(secret, 0o600)
+    print(f"public key: {public}\nsecret key: {secret}")
+    return 0
+
+
+def _cmd_token(args: argparse.Namespace) -> int:
+    from kvstore.auth import issue_token, read_secret
+
+    print(issue_token(read_secret(args.secret_file), args.tenant, args.ttl))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstore", description="A tiered store for LLM KV-cache blocks.")
@@ -223,6 +255,21 @@ def build_parser() -> argparse.ArgumentParser:
     drop.add_argument("--endpoint", help="daemon endpoint (default: $KVSTORE_ENDPOINT)")
     drop.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
     drop.set_defaults(func=_cmd_drop)
+
+    keygen = sub.add_parser(
+        "keygen", help="make a CurveZMQ key pair (DIR --name NAME) or a token secret "
+                       "(--secret FILE)")
+    keygen.add_argument("dir", nargs="?", help="directory for NAME.key and NAME.key_secret")
+    keygen.add_argument("--name", help="the key's name; for a client, its tenant")
+    keygen.add_argument("--secret", metavar="FILE", help="write a token-signing secret")
+    keygen.set_defaults(func=_cmd_keygen)
+
+    token = sub.add_parser("token", help="issue a tenant token signed with the daemon's secret")
+    token.add_argument("--secret-file", required=True, help="the daemon's auth.secret_file")
+    token.add_argument("--tenant", required=True)
+    token.add_argument("--ttl", type=float, default=86400.0, metavar="SECONDS",
+                       help="how long the token is valid (default: a day)")
+    token.set_defaults(func=_cmd_token)
 
     config = sub.add_parser("config", help="check or show the configuration")
     config.add_argument("action", choices=["check", "show"])

@@ -46,8 +46,18 @@ class LookupResult:
     tiers: list[str]
 
 
-def _default_tenant() -> str:
-    return os.environ.get("KVSTORE_TENANT", "default")
+def _token(token: str | None) -> str:
+    return token if token is not None else os.environ.get("KVSTORE_TOKEN", "")
+
+
+def _tenant(tenant: str | None, token: str | None) -> str:
+    """The tenant to name in hello: given, from the environment, or (with credentials) left
+    for the daemon to take from them."""
+    if tenant:
+        return tenant
+    if os.environ.get("KVSTORE_TENANT"):
+        return os.environ["KVSTORE_TENANT"]
+    return "" if _token(token) else "default"
 
 
 def _check_reply(reply: p.Message, expected: type[R]) -> R:
@@ -58,11 +68,42 @@ def _check_reply(reply: p.Message, expected: type[R]) -> R:
     return reply
 
 
-def _make_socket(ctx: zmq.Context[Any], endpoint: str) -> Any:
+@dataclass(frozen=True)
+class CurveKeys:
+    """CurveZMQ for ``tcp://``: the daemon's public key and this client's key pair."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def from_files(cls, server_public_file: str, client_secret_file: str) -> CurveKeys:
+        """From ``kvstore keygen`` files: the server's ``.key`` and the client's
+        ``.key_secret``."""
+        import zmq.auth
+
+        server_public, _ = zmq.auth.load_certificate(server_public_file)
+        public, secret = zmq.auth.load_certificate(client_secret_file)
+        if secret is None:
+            raise MalformedError(f"{client_secret_file} holds no secret key")
+        return cls(server_public, public, secret)
+
+
+def _curve_from_env() -> CurveKeys | None:
+    server = os.environ.get("KVSTORE_CURVE_SERVER_KEY")
+    client = os.environ.get("KVSTORE_CURVE_CLIENT_CERT")
+    return CurveKeys.from_files(server, client) if server and client else None
+
+
+def _make_socket(ctx: zmq.Context[Any], endpoint: str, curve: CurveKeys | None = None) -> Any:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if curve is not None and endpoint.startswith("tcp://"):
+        sock.curve_serverkey = curve.server_public
+        sock.curve_publickey = curve.public
+        sock.curve_secretkey = curve.secret
     sock.connect(endpoint)
     return sock
 
@@ -153,19 +194,25 @@ def _check_blocks(blocks: Sequence[Any], count: int, size: int) -> None:
 # ========================================================================================
 
 class Client(_Session):
-    """A synchronous connection to the daemon.  Use as a context manager or call close()."""
+    """A synchronous connection to the daemon.  Use as a context manager or call close().
+
+    ``tenant`` (or $KVSTORE_TENANT) names the tenant where the daemon trusts its clients;
+    where it checks credentials, ``token`` (or $KVSTORE_TOKEN) or, on ``tcp://``, ``curve``
+    keys (or $KVSTORE_CURVE_SERVER_KEY and $KVSTORE_CURVE_CLIENT_CERT) decide it."""
 
     def __init__(self, endpoint: str | None = None, *, tenant: str | None = None,
-                 token: str = "", timeout: float = 30.0, map_arena: bool = True) -> None:
+                 token: str | None = None, timeout: float = 30.0, map_arena: bool = True,
+                 curve: CurveKeys | None = None) -> None:
         super().__init__()
         self.endpoint = endpoint or endpoint_from_env()
         self.timeout = timeout
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._sock = _make_socket(self._ctx, self.endpoint)
+        self._sock = _make_socket(self._ctx, self.endpoint, curve or _curve_from_env())
         self._early: dict[int, tuple[p.Message, list[zmq.Frame]]] = {}
         try:
             hello = self._call(p.Hello(self._next_rid(), p.PROTOCOL_VERSION,
-                                       tenant or _default_tenant(), token), p.HelloReply)[0]
+                                       _tenant(tenant, token), _token(token)),
+                               p.HelloReply)[0]
             self._map(hello, map_arena)
         except BaseException:
             self.close()
@@ -445,12 +492,14 @@ class AsyncClient(_Session):
     """An asyncio connection to the daemon; many requests may be in flight at once."""
 
     def __init__(self, endpoint: str | None = None, *, tenant: str | None = None,
-                 token: str = "", timeout: float = 30.0, map_arena: bool = True) -> None:
+                 token: str | None = None, timeout: float = 30.0, map_arena: bool = True,
+                 curve: CurveKeys | None = None) -> None:
         super().__init__()
         self.endpoint = endpoint or endpoint_from_env()
         self.timeout = timeout
-        self._tenant = tenant or _default_tenant()
-        self._token = token
+        self._tenant = _tenant(tenant, token)
+        self._token = _token(token)
+        self._curve = curve or _curve_from_env()
         self._map_arena = map_arena
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: Any = None
@@ -459,7 +508,7 @@ class AsyncClient(_Session):
 
     async def connect(self) -> AsyncClient:
         self._ctx = zmq.asyncio.Context()
-        self._sock = _make_socket(self._ctx, self.endpoint)
+        self._sock = _make_socket(self._ctx, self.endpoint, self._curve)
         self._reader = asyncio.get_running_loop().create_task(self._read_replies())
         try:
             hello = (await self._call(p.Hello(self._next_rid(), p.PROTOCOL_VERSION,

@@ -111,6 +111,13 @@ class RemoteConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     unhealthy_seconds: float = 5.0
 
 
+class AuthConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    secret_file: str = ""
+    curve_secret_key_file: str = ""
+    curve_clients_dir: str = ""
+    shared_tenants: dict[str, list[str]] = {}
+
+
 def data_dir() -> Path:
     """$XDG_DATA_HOME/kvstore, else ~/.local/share/kvstore."""
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"),
@@ -123,6 +130,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dram: DramConfig = msgspec.field(default_factory=DramConfig)
     ssd: SsdConfig = msgspec.field(default_factory=SsdConfig)
     remote: RemoteConfig = msgspec.field(default_factory=RemoteConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
 
     # -- derived, validated values ------------------------------------------------
     @property
@@ -195,6 +203,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("ssd.admit_after: must be at least 1")
         if self.ssd.sync not in ("always", "batch", "none"):
             raise ConfigError("ssd.sync: expected one of always, batch, none")
+        if self.auth.curve_secret_key_file and not any(
+                e.startswith("tcp://") for e in [self.endpoint, *self.server.extra_endpoints]):
+            raise ConfigError("auth.curve_secret_key_file: CurveZMQ secures tcp:// endpoints, "
+                              "and none is configured")
         if self.remote.url and self.remote.backend:
             raise ConfigError("remote: give either url or backend, not both")
         if not self.remote.timeout_s > 0:
@@ -220,7 +232,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """``KVSTORE_<SECTION>_<FIELD>=value`` for every known field, plus KVSTORE_ENDPOINT."""
     data: dict[str, Any] = {}
     sections = {"server": ServerConfig, "dram": DramConfig, "ssd": SsdConfig,
-                "remote": RemoteConfig}
+                "remote": RemoteConfig, "auth": AuthConfig}
     for section, struct in sections.items():
         for field in struct.__struct_fields__:
             raw = env.get(f"KVSTORE_{section.upper()}_{field.upper()}")
@@ -302,7 +314,7 @@ def _field_message(exc: msgspec.ValidationError) -> str:
 def config_to_toml(config: Config) -> str:
     """The effective configuration as TOML text (for `config show`)."""
     lines: list[str] = []
-    for section in ("server", "dram", "ssd", "remote"):
+    for section in ("server", "dram", "ssd", "remote", "auth"):
         lines.append(f"[{section}]")
         values = msgspec.structs.asdict(getattr(config, section))
         if section == "server" and not values["endpoint"]:

@@ -48,6 +48,7 @@ from kvstore.store import (
     PromotionNeeded,
     Reservation,
 )
+from kvstore.auth import Auth
 from kvstore.remote import RemoteTier
 from kvstore.tiering import SsdMover
 from kvstore.tiers.dram import DramArena
@@ -102,7 +103,11 @@ class Server:
         self._reap_timer = False
         self.invariant_violations = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
-        self._sock: zmq.Socket[bytes] | None = None
+        self._sock: zmq.Socket[bytes] | None = None  # the first socket; None once closed
+        self._socks: list[zmq.Socket[bytes]] = []
+        self._sock_curve: list[bool] = []
+        self._fds: list[int] = []
+        self.auth = Auth(config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -150,17 +155,28 @@ class Server:
                 self.arena.close()
                 raise
         self._ctx = zmq.Context()
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_request_bytes + p.MAX_HEADER_BYTES)
-        for endpoint in [self.config.endpoint, *self.config.server.extra_endpoints]:
-            self.endpoints.append(self._bind(sock, endpoint))
-        self._sock = sock
-        self._fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
-        self._loop.add_reader(self._fd, self._drain)
-        self._loop.call_soon(self._drain)
+        endpoints = [self.config.endpoint, *self.config.server.extra_endpoints]
+        curve = self.auth.curve_enabled
+        groups = [[e for e in endpoints if not (curve and e.startswith("tcp://"))]]
+        if curve:
+            groups.append([e for e in endpoints if e.startswith("tcp://")])
+        for i, group in enumerate(groups):
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_request_bytes + p.MAX_HEADER_BYTES)
+            if i == 1:
+                self.auth.make_curve_server(self._ctx, sock)
+            for endpoint in group:
+                self.endpoints.append(self._bind(sock, endpoint))
+            self._socks.append(sock)
+            self._sock_curve.append(i == 1)
+            fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
+            self._fds.append(fd)
+            self._loop.add_reader(fd, self._drain, i)
+            self._loop.call_soon(self._drain, i)
+        self._sock = self._socks[0]
         self._schedule_reaper()
         self.store.touch_owner(_GET_OWNER, math.inf)
 
@@ -191,7 +207,8 @@ class Server:
         """Stop taking requests, let those under way finish (within ``bound`` seconds),
         flush writes to SSD and sync its index."""
         if self._sock is not None and self._loop is not None:
-            self._loop.remove_reader(self._fd)
+            for fd in self._fds:
+                self._loop.remove_reader(fd)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=bound)
         if self.remote is not None:
@@ -214,14 +231,16 @@ class Server:
         for owner in list(self.store.owners):
             self.store.drop_owner(owner)
         if self._sock is not None and self._loop is not None:
-            self._loop.remove_reader(self._fd)
-            self._sock.close(linger=0)
+            for fd, sock in zip(self._fds, self._socks):
+                self._loop.remove_reader(fd)
+                sock.close(linger=0)
             for endpoint in self.endpoints:
                 if endpoint.startswith("ipc://"):
                     try:
                         os.unlink(endpoint[len("ipc://"):])
                     except FileNotFoundError:
                         pass
+        self.auth.close()
         if self._ctx is not None:
             self._ctx.term()
         if self.ssd is not None:
@@ -232,10 +251,10 @@ class Server:
         self._sock = None
 
     # -- socket plumbing --------------------------------------------------------------------
-    def _drain(self) -> None:
-        sock = self._sock
-        if sock is None:
+    def _drain(self, index: int = 0) -> None:
+        if self._sock is None:
             return
+        sock = self._socks[index]
         for _ in range(_DRAIN_BATCH):
             events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
             if not events & zmq.POLLIN:
@@ -244,16 +263,17 @@ class Server:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            self._on_message(frames)
+            self._on_message(frames, index)
         else:
             assert self._loop is not None
-            self._loop.call_soon(self._drain)  # more waiting: yield to other callbacks first
+            self._loop.call_soon(self._drain, index)  # more waiting: yield to others first
         self._reap_sends()
 
-    def _send(self, routing_id: bytes, reply: p.Message, payload: list[Any]) -> None:
-        sock = self._sock
-        if sock is None:
+    def _send(self, peer: bytes, reply: p.Message, payload: list[Any]) -> None:
+        """Reply to ``peer``: the socket's index byte, then the peer's routing id."""
+        if self._sock is None:
             return
+        sock, routing_id = self._socks[peer[0]], peer[1:]
         header = p.encoder.encode(reply)
         try:
             if payload:
@@ -292,10 +312,11 @@ class Server:
         self._reap_sends()
 
     # -- dispatch ------------------------------------------------------------------------------
-    def _on_message(self, frames: list[zmq.Frame]) -> None:
+    def _on_message(self, frames: list[zmq.Frame], index: int = 0) -> None:
         start = time.perf_counter()
         verb, tenant, code = "invalid", "", None
-        routing_id = frames[0].bytes
+        # peers of different sockets may share routing ids: key them by socket too
+        routing_id = bytes((index,)) + frames[0].bytes
         if len(frames) < 2:
             self._send(routing_id, p.ErrorReply(0, MalformedError.code,
                                                 "a request needs a header frame"), [])
@@ -315,7 +336,9 @@ class Server:
             verb = self._verbs[type(request)]
             if isinstance(request, p.Hello):
                 tenant = request.tenant
-                reply, payload = self._hello(routing_id, request, frames[2:])
+                curve_tenant = (str(frames[1].get("User-Id")) if self._sock_curve[index]
+                                else None)
+                reply, payload = self._hello(routing_id, request, curve_tenant)
             else:
                 session = self._session(routing_id)
                 tenant = session.tenant
@@ -419,7 +442,7 @@ class Server:
                                         "log_level", "log_format", "debug_invariants")}
         live.add(("ssd", "admit_after"))
         restart = []
-        for section in ("server", "dram", "ssd", "remote"):
+        for section in ("server", "dram", "ssd", "remote", "auth"):
             before = msgspec.structs.asdict(getattr(old, section))
             after = msgspec.structs.asdict(getattr(new, section))
             for field, value in after.items():
@@ -475,22 +498,21 @@ class Server:
             raise TooLargeError(f"{len(keys)} keys in one request; the limit is {self.max_keys}")
 
     # -- verbs ---------------------------------------------------------------------------------
-    def _hello(self, routing_id: bytes, req: p.Hello, payload: list[Any]) -> Outcome:
+    def _hello(self, routing_id: bytes, req: p.Hello, curve_tenant: str | None) -> Outcome:
         if req.version != p.PROTOCOL_VERSION:
             raise VersionMismatchError(
                 f"client speaks protocol {req.version}, daemon speaks {p.PROTOCOL_VERSION}; "
                 f"upgrade the older side")
-        if not req.tenant:
-            raise MalformedError("hello needs a tenant")
+        tenant = self.auth.tenant_of(req.tenant, req.token, curve_tenant)
+        if routing_id in self.sessions:
+            raise ForbiddenError("this connection already has a session; a second hello is "
+                                 "refused (connect again for a new one)")
         if req.attach:
             session = self._by_session_id.get(req.attach)
-            if session is None or session.tenant != req.tenant:
+            if session is None or session.tenant != tenant:
                 raise ForbiddenError("no such session to attach to")
         else:
-            old = self.sessions.get(routing_id)
-            if old is not None:
-                self._end_session(routing_id, old)
-            session = Session(secrets.token_hex(16), req.tenant)
+            session = Session(secrets.token_hex(16), tenant)
             self._by_session_id[session.id] = session
         self.sessions[routing_id] = session
         self.store.touch_owner(session.id, self.clock())
@@ -500,18 +522,12 @@ class Server:
             self.arena.capacity_bytes, self.limits.lease_seconds, self.max_keys,
             self.max_request_bytes), []
 
-    def _end_session(self, routing_id: bytes, session: Session) -> None:
-        self.store.drop_owner(session.id)
-        for rid_, s in list(self.sessions.items()):
-            if s is session:
-                del self.sessions[rid_]
-        self._by_session_id.pop(session.id, None)
-
     def _open(self, session: Session, req: p.OpenNamespace, payload: list[Any]) -> Outcome:
         identity = req.identity
-        if identity.tenant != session.tenant:
+        if not self.auth.may_open(session.tenant, identity.tenant):
             raise ForbiddenError(
-                f"session of tenant {session.tenant!r} cannot open a namespace of another tenant")
+                f"session of tenant {session.tenant!r} cannot open a namespace of tenant "
+                f"{identity.tenant!r}")
         if identity.block_bytes > self.max_request_bytes:
             raise TooLargeError(f"blocks of {identity.block_bytes} bytes exceed the request "
                                 f"limit of {self.max_request_bytes}")

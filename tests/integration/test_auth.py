@@ -1,0 +1,165 @@
+"""Authentication and isolation against the real daemon: tokens, CurveZMQ, shared namespaces."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from kvtest import make_identity
+
+from kvstore import Client
+from kvstore import protocol as p
+from kvstore.auth import issue_token, read_secret, verify_token
+from kvstore.client import CurveKeys
+from kvstore.errors import ForbiddenError, UnavailableError, UnknownNamespaceError
+
+IDENT_A = make_identity(tenant="acme")
+IDENT_B = make_identity(tenant="globex")
+SHARED = make_identity(tenant="public", model="system-prompt")
+
+
+def cli(*args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True,
+                          text=True, check=True, timeout=60).stdout
+
+
+@pytest.fixture
+def token_daemon(daemon_factory: Any, tmp_path: Path) -> tuple[Any, bytes, Path]:
+    secret_file = tmp_path / "secret"
+    cli("keygen", "--secret", str(secret_file))
+    config = tmp_path / "auth.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n'
+                      '[auth.shared_tenants]\npublic = ["acme", "globex"]\n')
+    d = daemon_factory(extra=["--config", str(config)])
+    return d, read_secret(secret_file), secret_file
+
+
+def test_tokens_decide_the_tenant(token_daemon: tuple[Any, bytes, Path]) -> None:
+    d, secret, secret_file = token_daemon
+    token_a = cli("token", "--secret-file", str(secret_file), "--tenant", "acme").strip()
+    assert verify_token(secret, token_a) == "acme"
+    with Client(d.endpoint, token=token_a) as a:
+        assert a.hello is not None and a.hello.tenant == "acme"
+        ns = a.namespace(IDENT_A)
+        keys = ns.keys(range(64))
+        ns.put(keys, [b"\1" * ns.block_bytes] * 4)
+        with pytest.raises(ForbiddenError):
+            a.namespace(IDENT_B)                   # another tenant's identity
+    with pytest.raises(ForbiddenError, match="credentials are for tenant"):
+        Client(d.endpoint, token=token_a, tenant="globex")   # naming another tenant
+    with pytest.raises(ForbiddenError, match="requires a token"):
+        Client(d.endpoint, tenant="acme")          # no token
+    forged = issue_token(b"x" * 32, "acme", 60)
+    with pytest.raises(ForbiddenError, match="signature"):
+        Client(d.endpoint, token=forged)           # wrong key
+    expired = issue_token(secret, "acme", -1)
+    with pytest.raises(ForbiddenError, match="expired"):
+        Client(d.endpoint, token=expired)
+    with pytest.raises(ForbiddenError):
+        Client(d.endpoint, token="garbage")
+
+
+def test_a_replayed_hello_gets_no_second_session(token_daemon: tuple[Any, bytes, Path]) -> None:
+    d, secret, _ = token_daemon
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoint)
+    try:
+        hello = p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "", issue_token(secret, "acme", 60)))
+        for expected in (p.HelloReply, p.ErrorReply):
+            sock.send(hello)
+            assert sock.poll(5000)
+            reply = p.reply_decoder.decode(sock.recv())
+            assert isinstance(reply, expected), reply
+        assert isinstance(reply, p.ErrorReply) and reply.code == "forbidden"
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_isolation_for_every_verb_with_a_shared_namespace(
+        token_daemon: tuple[Any, bytes, Path]) -> None:
+    d, secret, _ = token_daemon
+    with Client(d.endpoint, token=issue_token(secret, "acme", 60)) as a, \
+            Client(d.endpoint, token=issue_token(secret, "globex", 60)) as b:
+        ns_a = a.namespace(IDENT_A)
+        keys = ns_a.keys(range(64))
+        ns_a.put(keys, [b"\2" * ns_a.block_bytes] * 4)
+        ns_b = b.namespace(IDENT_B)
+        assert ns_b.lookup(keys).blocks == 0           # A's keys in B's namespace: a miss
+        ns_b.id = ns_a.id                              # forge A's namespace id
+        for call in (lambda: ns_b.lookup(keys), lambda: ns_b.acquire(keys),
+                     lambda: ns_b.get(keys), lambda: ns_b.reserve(keys),
+                     lambda: ns_b.put(keys, [b"\3" * ns_b.block_bytes] * 4),
+                     lambda: ns_b.evict(keys), ns_b.drop):
+            with pytest.raises(UnknownNamespaceError):
+                call()
+        # both tenants share the "public" namespace
+        shared_a, shared_b = a.namespace(SHARED), b.namespace(SHARED)
+        sys_keys = shared_a.keys(range(32))
+        shared_a.put(sys_keys, [b"\4" * shared_a.block_bytes] * 2)
+        assert shared_b.get(shared_b.keys(range(32))) == [b"\4" * shared_b.block_bytes] * 2
+        assert ns_a.get(keys) == [b"\2" * ns_a.block_bytes] * 4
+
+
+def test_lookup_misses_take_the_same_time_whoever_holds_the_key(
+        token_daemon: tuple[Any, bytes, Path]) -> None:
+    d, secret, _ = token_daemon
+    with Client(d.endpoint, token=issue_token(secret, "acme", 60)) as a, \
+            Client(d.endpoint, token=issue_token(secret, "globex", 60)) as b:
+        ns_a = a.namespace(IDENT_A)
+        held = ns_a.keys(range(16 * 64))
+        ns_a.put(held, [b"\5" * ns_a.block_bytes] * 64)
+        ns_b = b.namespace(IDENT_B)
+        never = ns_b.keys(range(10**6, 10**6 + 16 * 64))
+
+        def timed(keys: list[bytes]) -> float:
+            samples = []
+            for _ in range(200):
+                start = time.perf_counter()
+                assert ns_b.lookup(keys).blocks == 0
+                samples.append(time.perf_counter() - start)
+            return sorted(samples)[len(samples) // 2]
+
+        timed(never)
+        a_keys, b_keys = timed(held), timed(never)
+        assert abs(a_keys - b_keys) < 0.5 * max(a_keys, b_keys), (a_keys, b_keys)
+
+
+def test_curve_on_tcp(daemon_factory: Any, tmp_path: Path) -> None:
+    keys_dir, clients_dir = tmp_path / "server", tmp_path / "clients"
+    cli("keygen", str(keys_dir), "--name", "server")
+    cli("keygen", str(tmp_path / "acme"), "--name", "acme")
+    cli("keygen", str(tmp_path / "stranger"), "--name", "stranger")
+    clients_dir.mkdir()
+    (clients_dir / "acme.key").write_bytes((tmp_path / "acme" / "acme.key").read_bytes())
+    config = tmp_path / "curve.toml"
+    config.write_text(f'[auth]\ncurve_secret_key_file = "{keys_dir / "server.key_secret"}"\n'
+                      f'curve_clients_dir = "{clients_dir}"\n')
+    d = daemon_factory(tcp=True, extra=["--config", str(config)])
+    assert d.tcp_endpoint is not None
+    server_key = str(keys_dir / "server.key")
+    acme = CurveKeys.from_files(server_key, str(tmp_path / "acme" / "acme.key_secret"))
+    with Client(d.tcp_endpoint, curve=acme, tenant="acme") as c:
+        assert c.hello is not None and c.hello.tenant == "acme"
+        ns = c.namespace(IDENT_A)
+        ns.put(ns.keys(range(16)), [b"\6" * ns.block_bytes])
+        with pytest.raises(ForbiddenError):
+            c.namespace(IDENT_B)
+    with pytest.raises(ForbiddenError):
+        Client(d.tcp_endpoint, curve=acme, tenant="globex")
+    stranger = CurveKeys.from_files(server_key,
+                                    str(tmp_path / "stranger" / "stranger.key_secret"))
+    with pytest.raises(UnavailableError):
+        Client(d.tcp_endpoint, curve=stranger, timeout=1.5)      # unknown key: no answer
+    with pytest.raises(UnavailableError):
+        Client(d.tcp_endpoint, tenant="acme", timeout=1.5)       # no key at all
+    with Client(d.endpoint, tenant="acme") as local:             # ipc: trusted local users
+        assert local.namespace(IDENT_A).lookup(
+            local.namespace(IDENT_A).keys(range(16))).blocks == 1
