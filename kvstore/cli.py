@@ -57,8 +57,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     def ready(server: Server) -> None:
         for endpoint in server.endpoints:
             print(f"kvstore serving on {endpoint}", flush=True)
-        print(f"dram tier: {format_size(config.dram_capacity)} arena at {server.arena.path}"
-              if server.arena else "", flush=True)
+        arenas = server.arenas.by_name if server.arenas else {}
+        where = (", ".join(a.path for a in arenas.values()) if arenas
+                 else "one arena per tenant, made at its first hello")
+        print(f"dram tier: {format_size(config.dram_capacity)} arena(s): {where}", flush=True)
         if server.ssd is not None:
             print(f"ssd tier: {format_size(config.ssd_capacity)} in {config.ssd_path} "
                   f"({server.store.ssd_committed_slots} blocks restored)", flush=True)

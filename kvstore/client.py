@@ -114,35 +114,47 @@ class _Session:
     def __init__(self) -> None:
         self._rids = itertools.count(1)
         self.hello: p.HelloReply | None = None
-        self._arena: mmap.mmap | None = None
-        self._arena_view: memoryview | None = None
+        self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}  # arena path -> mapping
+        self._map_arenas = True
 
     def _next_rid(self) -> int:
         return next(self._rids)
 
     def _map(self, hello: p.HelloReply, map_arena_pages: bool) -> None:
         self.hello = hello
+        self._map_arenas = map_arena_pages
         if map_arena_pages:
-            self._arena = map_arena(hello.arena_path, hello.arena_bytes)
-            self._arena_view = memoryview(self._arena)
+            self._view_of(hello.arena_path, hello.arena_bytes)
 
-    def _slots(self, offsets: Sequence[int], size: int, readonly: bool) -> list[memoryview]:
-        if self._arena_view is None:
-            raise KVStoreError("this client did not map the arena (map_arena=False); "
-                               "use put/get instead")
-        view = self._arena_view.toreadonly() if readonly else self._arena_view
+    def _view_of(self, path: str, size: int) -> memoryview:
+        mapped = self._maps.get(path)
+        if mapped is None:
+            if not self._map_arenas:
+                raise KVStoreError("this client did not map the arena (map_arena=False); "
+                                   "use put/get instead")
+            arena = map_arena(path, size)
+            mapped = self._maps[path] = (arena, memoryview(arena))
+        return mapped[1]
+
+    def _slots(self, offsets: Sequence[int], size: int, readonly: bool,
+               arena: tuple[str, int] | None = None) -> list[memoryview]:
+        """Views of slots in an arena (the namespace's; by default the hello's)."""
+        if arena is None or not arena[0]:
+            assert self.hello is not None
+            arena = (self.hello.arena_path, self.hello.arena_bytes)
+        view = self._view_of(*arena)
+        if readonly:
+            view = view.toreadonly()
         return [view[o:o + size] for o in offsets]
 
     def _unmap(self) -> None:
-        if self._arena_view is not None:
-            self._arena_view.release()
-            self._arena_view = None
-        if self._arena is not None:
+        for arena, view in self._maps.values():
+            view.release()
             try:
-                self._arena.close()
+                arena.close()
             except BufferError:
                 pass  # the caller still holds a view; the mapping goes with it
-            self._arena = None
+        self._maps.clear()
 
     @property
     def session_id(self) -> str:
@@ -283,6 +295,7 @@ class _NamespaceBase:
         self.identity = identity
         self.id = reply.ns
         self.block_bytes = reply.block_bytes
+        self.arena = (reply.arena_path, reply.arena_bytes)  # where its blocks live
         self._chains = _Chains()
 
     def keys(self, token_ids: Sequence[int] | Any, parent: bytes | None = None) -> list[bytes]:
@@ -395,7 +408,8 @@ class Namespace(_NamespaceBase):
         if not keys:
             return 0
         with self.acquire(keys) as held:
-            sources = self.client._slots(held.offsets, self.block_bytes, readonly=False)
+            sources = self.client._slots(held.offsets, self.block_bytes, readonly=False,
+                                         arena=self.arena)
             scatter(sources, kv_caches, list(page_ids), layout=layout)  # type: ignore[arg-type]
             for view in sources:
                 view.release()
@@ -431,7 +445,8 @@ class Reservation(_Finishing):
         self.keys = keys
         self.id = reply.reservation
         self.offsets = reply.offsets
-        self.buffers = ns.client._slots(reply.offsets, ns.block_bytes, readonly=False)
+        self.buffers = ns.client._slots(reply.offsets, ns.block_bytes, readonly=False,
+                                        arena=ns.arena)
         self.done = False
 
     def commit(self) -> int:
@@ -464,7 +479,8 @@ class Held:
         self.keys = keys
         self.pin = reply.pin
         self.offsets = reply.offsets
-        self.buffers = ns.client._slots(reply.offsets, ns.block_bytes, readonly=True)
+        self.buffers = ns.client._slots(reply.offsets, ns.block_bytes, readonly=True,
+                                        arena=ns.arena)
         self.released = False
 
     def release(self) -> None:
@@ -677,7 +693,8 @@ class AsyncNamespace(_NamespaceBase):
         if not keys:
             return 0
         async with self.acquire(keys) as held:
-            sources = self.client._slots(held.offsets, self.block_bytes, readonly=False)
+            sources = self.client._slots(held.offsets, self.block_bytes, readonly=False,
+                                         arena=self.arena)
             scatter(sources, kv_caches, list(page_ids), layout=layout)  # type: ignore[arg-type]
             for view in sources:
                 view.release()
@@ -706,7 +723,8 @@ class AsyncReservation(_Finishing):
         reply = (await c._call(p.Reserve(c._next_rid(), self.ns.id, self.keys, self._parent),
                                p.ReserveReply))[0]
         self.id, self.offsets = reply.reservation, reply.offsets
-        self.buffers = c._slots(reply.offsets, self.ns.block_bytes, readonly=False)
+        self.buffers = c._slots(reply.offsets, self.ns.block_bytes, readonly=False,
+                                arena=self.ns.arena)
         return self
 
     async def commit(self) -> int:
@@ -746,7 +764,8 @@ class AsyncHeld:
         reply = (await c._call(p.Acquire(c._next_rid(), self.ns.id, self.keys),
                                p.AcquireReply))[0]
         self.pin, self.offsets = reply.pin, reply.offsets
-        self.buffers = c._slots(reply.offsets, self.ns.block_bytes, readonly=True)
+        self.buffers = c._slots(reply.offsets, self.ns.block_bytes, readonly=True,
+                                arena=self.ns.arena)
         return self
 
     async def release(self) -> None:

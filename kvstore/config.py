@@ -89,6 +89,8 @@ class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     directory: str = "/dev/shm"
     eviction_policy: str = "lru"
     populate: bool = True
+    per_tenant_arenas: bool = False
+    max_arenas: int = 64
 
 
 class SsdConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -190,6 +192,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("dram.capacity: must be at least 1MiB")
         if self.dram_slab_bytes < 1 << 16:
             raise ConfigError("dram.slab_size: must be at least 64KiB")
+        if self.dram.max_arenas < 1:
+            raise ConfigError("dram.max_arenas: must be at least 1")
         if not os.path.isdir(self.dram.directory):
             raise ConfigError(f"dram.directory: {self.dram.directory!r} is not a directory")
         if self.ssd_capacity:

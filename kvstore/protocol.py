@@ -119,6 +119,8 @@ class NamespaceReply(Message, tag="open"):
     ns: bytes
     block_bytes: int
     slot_bytes: int
+    arena_path: str = ""   # the arena this namespace's blocks live in ("": the hello's)
+    arena_bytes: int = 0
 
 
 class LookupReply(Message, tag="lookup"):

@@ -21,7 +21,6 @@ from kvstore.config import Config
 from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
 from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
-from kvstore.tiers.dram import DramArena
 
 log = logging.getLogger("kvstore.remote")
 
@@ -35,7 +34,8 @@ ReserveMoving = Callable[[object, Namespace, list[bytes], bytes | None],
 class RemoteTier:
     """Carries out the daemon's traffic with one remote backend."""
 
-    def __init__(self, config: Config, store: BlockStore, arena: DramArena,
+    def __init__(self, config: Config, store: BlockStore,
+                 slot: Callable[[Namespace, int], memoryview],
                  reserve_moving: ReserveMoving) -> None:
         r = config.remote
         if r.url:
@@ -46,7 +46,7 @@ class RemoteTier:
         self.name = name
         self.backend: GuardedBackend = load_backend(name, options)
         self.store = store
-        self.arena = arena
+        self.slot = slot
         self._reserve_moving = reserve_moving
         self.cooldown = r.unhealthy_seconds
         self._unhealthy_until = 0.0
@@ -101,7 +101,7 @@ class RemoteTier:
             raise NotFoundError(f"{len(missing)} blocks are cached neither here nor remotely")
         parent = keys[first - 1] if first else None
         r = await self._reserve_moving(_OWNER, ns, missing, parent)
-        views = [self.arena.slot(off, ns.block_bytes) for off in r.offsets]
+        views = [self.slot(ns, off) for off in r.offsets]
         try:
             async with self._gate:
                 found = await self.backend.get_into(ns.id, missing, views)
@@ -150,7 +150,7 @@ class RemoteTier:
         except Exception:  # only on SSD by now (PromotionNeeded): not worth a read
             return
         try:
-            views = [self.arena.slot(off, ns.block_bytes) for off in pin.offsets]
+            views = [self.slot(ns, off) for off in pin.offsets]
             async with self._gate:
                 ok = await self.backend.put(ns.id, [b.key for b in blocks], views)
             for view in views:

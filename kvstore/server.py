@@ -51,7 +51,7 @@ from kvstore.store import (
 from kvstore.auth import Auth
 from kvstore.remote import RemoteTier
 from kvstore.tiering import SsdMover
-from kvstore.tiers.dram import DramArena
+from kvstore.tiers.dram import Arenas, DramArena
 
 log = logging.getLogger("kvstore.server")
 
@@ -90,10 +90,11 @@ class Server:
         self.max_request_bytes = config.max_request_bytes
         self.store = BlockStore(config.dram_capacity, config.dram_slab_bytes,
                                 limits=self.limits, eviction_policy=config.dram.eviction_policy,
+                                per_tenant=config.dram.per_tenant_arenas,
                                 ssd_capacity=config.ssd_capacity,
                                 ssd_slab_bytes=config.ssd_slab_bytes,
                                 ssd_admit_after=config.ssd.admit_after)
-        self.arena: DramArena | None = None
+        self.arenas: Arenas | None = None
         self.ssd: SsdMover | None = None
         self.remote: RemoteTier | None = None
         self.sessions: dict[bytes, Session] = {}  # routing id -> session
@@ -136,23 +137,26 @@ class Server:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         d = self.config.dram
-        self.arena = DramArena(self.config.dram_capacity, d.directory, populate=d.populate)
+        self.arenas = Arenas(self.config.dram_capacity, d.directory, populate=d.populate,
+                             max_arenas=d.max_arenas)
+        if not d.per_tenant_arenas:
+            self.arenas.get("")  # the one arena, made (and its pages touched) at start-up
         if self.config.ssd_capacity:
             try:
-                self.ssd = SsdMover(self.config, self.store, self.arena)
+                self.ssd = SsdMover(self.config, self.store, self.slot)
                 restored = self.ssd.restore()
             except BaseException:
-                self.arena.close()
+                self.arenas.close()
                 raise
             log.info("ssd tier: %d blocks restored from %s", restored, self.config.ssd_path)
         if self.config.remote.url or self.config.remote.backend:
             try:
-                self.remote = RemoteTier(self.config, self.store, self.arena,
+                self.remote = RemoteTier(self.config, self.store, self.slot,
                                          self.reserve_moving)
             except BaseException:
                 if self.ssd is not None:
                     self.ssd.close()
-                self.arena.close()
+                self.arenas.close()
                 raise
         self._ctx = zmq.Context()
         endpoints = [self.config.endpoint, *self.config.server.extra_endpoints]
@@ -246,8 +250,8 @@ class Server:
         if self.ssd is not None:
             self.ssd.close()
             self.ssd = None
-        if self.arena is not None:
-            self.arena.close()
+        if self.arenas is not None:
+            self.arenas.close()
         self._sock = None
 
     # -- socket plumbing --------------------------------------------------------------------
@@ -451,6 +455,15 @@ class Server:
         self.config = _merge_live(old, new)
         return restart
 
+    def arena_for(self, tenant: str) -> DramArena:
+        """The arena a tenant's blocks live in (its own, with per-tenant arenas)."""
+        assert self.arenas is not None
+        return self.arenas.get(self.store.arena_of(tenant))
+
+    def slot(self, ns: Namespace, offset: int) -> memoryview:
+        """A block's DRAM slot in its arena."""
+        return self.arena_for(ns.tenant).slot(offset, ns.block_bytes)
+
     async def reserve_moving(self, owner: object, ns: Namespace, keys: list[bytes],
                              parent: bytes | None) -> Reservation:
         """Reserve DRAM slots, demoting to SSD first where the store asks for it."""
@@ -516,10 +529,10 @@ class Server:
             self._by_session_id[session.id] = session
         self.sessions[routing_id] = session
         self.store.touch_owner(session.id, self.clock())
-        assert self.arena is not None
+        arena = self.arena_for(session.tenant)
         return p.HelloReply(
-            req.rid, p.PROTOCOL_VERSION, session.id, session.tenant, self.arena.path,
-            self.arena.capacity_bytes, self.limits.lease_seconds, self.max_keys,
+            req.rid, p.PROTOCOL_VERSION, session.id, session.tenant, arena.path,
+            arena.capacity_bytes, self.limits.lease_seconds, self.max_keys,
             self.max_request_bytes), []
 
     def _open(self, session: Session, req: p.OpenNamespace, payload: list[Any]) -> Outcome:
@@ -536,7 +549,9 @@ class Server:
         if not known and self.ssd is not None:
             self.ssd.remember_namespace(identity)
         session.namespaces.add(ns.id)
-        return p.NamespaceReply(req.rid, ns.id, ns.block_bytes, ns.cls.slot_bytes), []
+        arena = self.arena_for(identity.tenant)
+        return p.NamespaceReply(req.rid, ns.id, ns.block_bytes, ns.cls.slot_bytes,
+                                arena.path, arena.capacity_bytes), []
 
     def _lookup(self, session: Session, req: p.Lookup, payload: list[Any]) -> Outcome:
         ns = self._namespace(session, req.ns)
@@ -620,8 +635,7 @@ class Server:
         now = self.clock()
         r = self._reserve_slots(session, ns, req.keys, req.parent)
         try:
-            assert self.arena is not None
-            view, size = self.arena.view, ns.block_bytes
+            view, size = self.arena_for(ns.tenant).view, ns.block_bytes
             for offset, frame in zip(r.offsets, payload):
                 view[offset:offset + size] = frame.buffer
         except BaseException:
@@ -638,9 +652,8 @@ class Server:
             raise TooLargeError(f"get of {len(req.keys)} blocks exceeds the request limit of "
                                 f"{self.max_request_bytes} bytes; split it")
         pin = self._acquire_or_fetch(_GET_OWNER, ns, req.keys)
-        assert self.arena is not None
-        size = ns.block_bytes
-        frames = [self.arena.slot(offset, size) for offset in pin.offsets]
+        size, arena = ns.block_bytes, self.arena_for(ns.tenant)
+        frames = [arena.slot(offset, size) for offset in pin.offsets]
         if not frames:
             self.store.release(_GET_OWNER, pin.id)
             return p.GetReply(req.rid, 0), []

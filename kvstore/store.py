@@ -82,8 +82,10 @@ class Block:
 class Namespace:
     """One identity's blocks in the daemon."""
 
-    def __init__(self, identity: Identity, cls: SlabClass, ssd_cls: SlabClass | None) -> None:
+    def __init__(self, identity: Identity, dram: TierSlots, cls: SlabClass,
+                 ssd_cls: SlabClass | None) -> None:
         self.identity = identity
+        self.dram = dram  # the DRAM tier (arena) this namespace's blocks live in
         self.id = identity.namespace_id
         self.tenant = identity.tenant
         self.block_bytes = identity.block_bytes
@@ -224,18 +226,20 @@ class BlockStore:
         limits: Limits = Limits(),
         eviction_policy: str = "lru",
         alignment: int = 4096,
+        per_tenant: bool = False,
         ssd_capacity: int = 0,
         ssd_slab_bytes: int = 256 << 20,
         ssd_admit_after: int = 1,
     ) -> None:
-        self.dram = TierSlots(DRAM, capacity_bytes, slab_bytes, alignment, eviction_policy)
-        self.pool = self.dram.pool
+        self._dram_args = (capacity_bytes, slab_bytes, alignment, eviction_policy)
+        self.per_tenant = per_tenant
+        self.drams: dict[str, TierSlots] = {}  # one DRAM tier (arena) per tenant, or one for all
         self.ssd = (TierSlots(SSD, ssd_capacity, ssd_slab_bytes, 4096, "lru")
                     if ssd_capacity else None)
         self.ssd_admit_after = ssd_admit_after
         self.ssd_writable = True  # off for a while after the SSD tier failed a write
         self._hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
-        self._dirty: dict[int, dict[Block, None]] = {}  # per DRAM class: only in DRAM, oldest first
+        self._dirty: dict[SlabClass, dict[Block, None]] = {}  # per DRAM class: DRAM-only, oldest first
         self.dropped_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped by sweeps
         self.limits = limits
         self.namespaces: dict[bytes, Namespace] = {}
@@ -252,10 +256,23 @@ class BlockStore:
     def open_namespace(self, identity: Identity) -> Namespace:
         ns = self.namespaces.get(identity.namespace_id)
         if ns is None:
-            cls = self.dram.class_for(identity.block_bytes)
+            dram = self.dram_for(identity.tenant)
+            cls = dram.class_for(identity.block_bytes)
             ssd_cls = self.ssd.class_for(identity.block_bytes) if self.ssd else None
-            ns = self.namespaces[identity.namespace_id] = Namespace(identity, cls, ssd_cls)
+            ns = Namespace(identity, dram, cls, ssd_cls)
+            self.namespaces[identity.namespace_id] = ns
         return ns
+
+    def arena_of(self, tenant: str) -> str:
+        """The name of the DRAM arena a tenant's blocks live in ("" when shared by all)."""
+        return tenant if self.per_tenant else ""
+
+    def dram_for(self, tenant: str) -> TierSlots:
+        name = self.arena_of(tenant)
+        tier = self.drams.get(name)
+        if tier is None:
+            tier = self.drams[name] = TierSlots(DRAM, *self._dram_args)
+        return tier
 
     def touch_owner(self, owner: Owner, now: float) -> OwnerState:
         """Renew an owner's lease, which its reservations and pins share."""
@@ -311,7 +328,7 @@ class BlockStore:
         for block in reversed(chain):
             block.seen += 1
             if block.offset is not None:
-                self.dram.policy(block.ns.cls).access(block)
+                block.ns.dram.policy(block.ns.cls).access(block)
             if block.ssd_offset is not None and self.ssd is not None:
                 assert block.ns.ssd_cls is not None
                 self.ssd.policy(block.ns.ssd_cls).access(block)
@@ -340,7 +357,7 @@ class BlockStore:
                     "the parent of the first key is not cached (evicted since lookup?); "
                     "look up the chain again and reserve from its longest cached prefix"
                 )
-        offsets = self._allocate(ns.cls, len(keys), protect=parent_block)
+        offsets = self._allocate(ns, len(keys), protect=parent_block)
         pinned = parent_block is not None and self._hold(parent_block)  # keep it till commit
         r = Reservation(next(self._ids), owner, ns, list(keys), parent_block, offsets, pinned)
         state.reservations[r.id] = r
@@ -348,18 +365,19 @@ class BlockStore:
         self.counters.reservations += 1
         return r
 
-    def _allocate(self, cls: SlabClass, count: int, protect: Block | None = None) -> list[int]:
+    def _allocate(self, ns: Namespace, count: int, protect: Block | None = None) -> list[int]:
         """DRAM slots, evicting (or planning demotions) as needed; all or nothing."""
-        pool = self.dram.pool
+        pool, cls = ns.dram.pool, ns.cls
         if pool.available(cls) < count:
-            self._make_room(cls, count, protect)
+            self._make_room(ns.dram, cls, count, protect)
         offsets = pool.allocate(cls, count)
         assert offsets is not None, "allocation failed after making room"
         return offsets
 
-    def _make_room(self, cls: SlabClass, count: int, protect: Block | None) -> None:
-        pool = self.dram.pool
-        policy = self.dram.policy(cls)
+    def _make_room(self, dram: TierSlots, cls: SlabClass, count: int,
+                   protect: Block | None) -> None:
+        pool = dram.pool
+        policy = dram.policy(cls)
         if count > pool.available(cls) + len(policy):
             if any(True for _ in self._demoting_blocks(cls)):
                 raise DemotionNeeded([])  # room is on its way: wait for those writes
@@ -432,7 +450,7 @@ class BlockStore:
         del state.reservations[rid]
         self.reserved_slots -= len(r.offsets)
         ns = r.ns
-        policy = self.dram.policy(ns.cls)
+        policy = ns.dram.policy(ns.cls)
         parent = r.parent
         duplicates: list[int] = []
         fresh: list[Block] = []
@@ -453,12 +471,12 @@ class BlockStore:
         for block in reversed(fresh):  # deepest first: parents end up warmer
             policy.insert(block)
         if self.ssd is not None:
-            dirty = self._dirty.setdefault(ns.cls.slot_bytes, {})
+            dirty = self._dirty.setdefault(ns.cls, {})
             for block in fresh:
                 if block.ssd_offset is None:
                     dirty[block] = None
         if duplicates:
-            self.dram.pool.free(ns.cls, duplicates)
+            ns.dram.pool.free(ns.cls, duplicates)
         self.committed_slots += len(fresh)
         self.counters.peak_committed = max(self.counters.peak_committed, self.committed_slots)
         if r.parent is not None:
@@ -478,7 +496,7 @@ class BlockStore:
     def _rollback(self, state: OwnerState, r: Reservation) -> None:
         del state.reservations[r.id]
         self.reserved_slots -= len(r.offsets)
-        self.dram.pool.free(r.ns.cls, r.offsets)
+        r.ns.dram.pool.free(r.ns.cls, r.offsets)
         if r.parent is not None:
             self._unhold(r.parent, r.parent_pinned)
 
@@ -525,13 +543,13 @@ class BlockStore:
         assert block.offset is not None, f"pinning {block} without a DRAM copy"
         block.refs += 1
         if block.refs == 1 and not block.demoting:  # a demoting block is off the order
-            self.dram.policy(block.ns.cls).pin(block)
+            block.ns.dram.policy(block.ns.cls).pin(block)
 
     def _unpin_block(self, block: Block) -> None:
         assert block.refs > 0, f"{block} released more often than pinned"
         block.refs -= 1
         if block.refs == 0 and not block.demoting:
-            self.dram.policy(block.ns.cls).unpin(block)
+            block.ns.dram.policy(block.ns.cls).unpin(block)
             if self._hollow:
                 self._sweep_hollow()
 
@@ -558,13 +576,13 @@ class BlockStore:
         """Free the DRAM slot (the block must be off the eviction order or is taken off)."""
         assert block.offset is not None and block.refs == 0
         ns = block.ns
-        self.dram.policy(ns.cls).remove(block)
-        self.dram.pool.free(ns.cls, [block.offset])
+        ns.dram.policy(ns.cls).remove(block)
+        ns.dram.pool.free(ns.cls, [block.offset])
         block.offset = None
         block.demoting = False
         self.committed_slots -= 1
         if self._dirty:
-            self._dirty.get(ns.cls.slot_bytes, {}).pop(block, None)
+            self._dirty.get(ns.cls, {}).pop(block, None)
         self._forget_if_gone(block)
 
     def _drop_ssd_copy(self, block: Block) -> tuple[bytes, bytes]:
@@ -714,7 +732,7 @@ class BlockStore:
                 b.ssd_record = records[i]
                 self.ssd.policy(cls).insert(b)
                 self.ssd_committed_slots += 1
-                self._dirty.get(b.ns.cls.slot_bytes, {}).pop(b, None)
+                self._dirty.get(b.ns.cls, {}).pop(b, None)
                 self.counters.ssd_writes += 1
                 self.counters.demotions += demote
             if not demote:
@@ -724,7 +742,7 @@ class BlockStore:
             if b.ssd_offset is not None and b.refs == 0:
                 self._drop_dram_copy(b)
             else:  # the write failed, or a reader pinned it meanwhile: it stays in DRAM
-                policy = self.dram.policy(b.ns.cls)
+                policy = b.ns.dram.policy(b.ns.cls)
                 policy.insert(b)
                 if b.refs:
                     policy.pin(b)
@@ -734,7 +752,7 @@ class BlockStore:
         for b in blocks:
             if b.demoting:
                 b.demoting = False
-                policy = self.dram.policy(b.ns.cls)
+                policy = b.ns.dram.policy(b.ns.cls)
                 policy.insert(b)
                 if b.refs:
                     policy.pin(b)
@@ -745,8 +763,10 @@ class BlockStore:
         than ``high`` of a class's share of the tier, the oldest down towards ``low``, so
         that eviction finds clean blocks it can drop at once."""
         plan: list[Block] = []
-        for slot_bytes, dirty in self._dirty.items():
-            total = self.dram.pool.capacity_bytes // slot_bytes
+        for cls, dirty in self._dirty.items():
+            if not dirty:
+                continue
+            total = next(iter(dirty)).ns.dram.pool.capacity_bytes // cls.slot_bytes
             if len(dirty) <= high * total:
                 continue
             want = min(batch, len(dirty) - int(low * total))
@@ -767,20 +787,20 @@ class BlockStore:
         todo = [b for b in dict.fromkeys(blocks)
                 if b.offset is None and b.ssd_offset is not None and not b.promoting]
         offsets: list[int] = []
-        by_class: dict[int, list[Block]] = {}
+        by_ns: dict[Namespace, list[Block]] = {}
         for b in todo:
-            by_class.setdefault(b.ns.cls.slot_bytes, []).append(b)
-        taken: list[tuple[SlabClass, list[int]]] = []
+            by_ns.setdefault(b.ns, []).append(b)
+        taken: list[tuple[Namespace, list[int]]] = []
         try:
-            for group in by_class.values():
-                got = self._allocate(group[0].ns.cls, len(group))
-                taken.append((group[0].ns.cls, got))
+            for ns, group in by_ns.items():
+                got = self._allocate(ns, len(group))
+                taken.append((ns, got))
                 offsets.extend(got)
         except BaseException:
-            for cls, got in taken:
-                self.dram.pool.free(cls, got)
+            for ns, got in taken:
+                ns.dram.pool.free(ns.cls, got)
             raise
-        ordered = [b for group in by_class.values() for b in group]
+        ordered = [b for group in by_ns.values() for b in group]
         for b in ordered:
             b.promoting = True
             b.ssd_holds += 1
@@ -803,10 +823,10 @@ class BlockStore:
             if good and b.ssd_offset is not None:
                 b.offset = off
                 self.committed_slots += 1
-                self.dram.policy(b.ns.cls).insert(b)
+                b.ns.dram.policy(b.ns.cls).insert(b)
                 self.counters.promotions += 1
             else:
-                self.dram.pool.free(b.ns.cls, [off])
+                b.ns.dram.pool.free(b.ns.cls, [off])
                 if good:
                     self._forget_if_gone(b)
                 else:
@@ -857,10 +877,12 @@ class BlockStore:
                              for b in ns.blocks.values() if b.offset is not None)
         dram_blocks = sum(1 for ns in self.namespaces.values() for b in ns.blocks.values()
                           if b.offset is not None)
-        pool = self.dram.pool
+        pools = [t.pool for t in self.drams.values()]
+        capacity = (sum(p.capacity_bytes for p in pools) if self.per_tenant
+                    else self._dram_args[0])
         out = {DRAM: {
-            "capacity": pool.capacity_bytes,
-            "free": pool.capacity_bytes - dram_reserved - dram_committed,
+            "capacity": capacity,
+            "free": capacity - dram_reserved - dram_committed,
             "reserved": dram_reserved,
             "committed": dram_committed,
             "reserved_slots": self.reserved_slots,
@@ -868,8 +890,9 @@ class BlockStore:
             "blocks": dram_blocks,
             "pinned_blocks": sum(1 for ns in self.namespaces.values()
                                  for b in ns.blocks.values() if b.refs),
-            "tail_waste": pool.tail_waste_bytes(),
-            "empty_slabs": pool.empty_slabs,
+            "tail_waste": sum(p.tail_waste_bytes() for p in pools),
+            "empty_slabs": sum(p.empty_slabs for p in pools),
+            "arenas": len(pools),
             "hits": c.hit_blocks,
             "lookups": c.lookups,
             "lookup_keys": c.lookup_keys,
@@ -916,14 +939,15 @@ class BlockStore:
 
     def check_invariants(self) -> None:
         """Conservation per tier and class, one state per slot, closure, pins off orders."""
-        self.dram.pool.check()
+        for dram in self.drams.values():
+            dram.pool.check()
         if self.ssd is not None:
             self.ssd.pool.check()
-        reserved: dict[tuple[str, int], list[int]] = {}
+        reserved: dict[SlabClass, list[int]] = {}
         pin_counts: dict[Block, int] = {}
         for state in self.owners.values():
             for r in state.reservations.values():
-                reserved.setdefault((DRAM, r.ns.cls.slot_bytes), []).extend(r.offsets)
+                reserved.setdefault(r.ns.cls, []).extend(r.offsets)
                 if r.parent is not None and r.parent_pinned:
                     pin_counts[r.parent] = pin_counts.get(r.parent, 0) + 1
             for pin in state.pins.values():
@@ -933,21 +957,21 @@ class BlockStore:
             for b, off in zip(t.blocks, t.offsets):
                 cls = b.ns.cls if t.tier == DRAM else b.ns.ssd_cls
                 assert cls is not None
-                reserved.setdefault((t.tier, cls.slot_bytes), []).append(off)
+                reserved.setdefault(cls, []).append(off)
         for t in self.transfers.values():
             for b, demote in zip(t.blocks, t.demote):
                 if t.tier == SSD and not demote:
                     pin_counts[b] = pin_counts.get(b, 0) + 1
-        committed: dict[tuple[str, int], list[int]] = {}
+        committed: dict[SlabClass, list[int]] = {}
         for ns in self.namespaces.values():
             child_counts: dict[Block, int] = {}
             for key, b in ns.blocks.items():
                 assert b.key == key and b.ns is ns, f"{b} indexed under the wrong key"
                 if b.offset is not None:
-                    committed.setdefault((DRAM, ns.cls.slot_bytes), []).append(b.offset)
+                    committed.setdefault(ns.cls, []).append(b.offset)
                 if b.ssd_offset is not None:
                     assert ns.ssd_cls is not None
-                    committed.setdefault((SSD, ns.ssd_cls.slot_bytes), []).append(b.ssd_offset)
+                    committed.setdefault(ns.ssd_cls, []).append(b.ssd_offset)
                 if b.parent is not None:
                     assert ns.blocks.get(b.parent.key) is b.parent, (
                         f"{b} is cached but its parent is not (prefix closure broken)")
@@ -958,12 +982,13 @@ class BlockStore:
                 assert b.refs == held, f"{b} has refs={b.refs} but {held} pins hold it"
             for b in ns.blocks.values():
                 assert b.children == child_counts.get(b, 0), f"{b} child count is off"
-        tiers = [(DRAM, self.dram)] + ([(SSD, self.ssd)] if self.ssd is not None else [])
+        tiers = [(DRAM, t) for t in self.drams.values()]
+        tiers += [(SSD, self.ssd)] if self.ssd is not None else []
         for name, tier in tiers:
             for slot_bytes, cls in tier.pool.classes.items():
                 free = list(tier.pool.free_offsets(cls))
-                res = reserved.get((name, slot_bytes), [])
-                com = committed.get((name, slot_bytes), [])
+                res = reserved.get(cls, [])
+                com = committed.get(cls, [])
                 assert len(free) + len(res) + len(com) == cls.capacity_slots, (
                     f"{name} class {slot_bytes}: free {len(free)} + reserved {len(res)} + "
                     f"committed {len(com)} != capacity {cls.capacity_slots}")
@@ -990,16 +1015,17 @@ class BlockStore:
                 assert len(policy) == expected, (
                     f"{name} class {slot_bytes}: {len(policy)} on the eviction order, "
                     f"{expected} expected")
-        for slot_bytes, dirty in self._dirty.items():
+        for dirty_cls, dirty in self._dirty.items():
             for b in dirty:
                 assert b.ns.blocks.get(b.key) is b and b.offset is not None, f"dirty {b} gone"
-                assert b.ssd_offset is None and b.ns.cls.slot_bytes == slot_bytes, (
+                assert b.ssd_offset is None and b.ns.cls is dirty_cls, (
                     f"{b} listed dirty but clean")
-        dram_reserved = sum(len(v) for (n, _), v in reserved.items() if n == DRAM)
-        dram_committed = sum(len(v) for (n, _), v in committed.items() if n == DRAM)
+        ssd_classes = set(self.ssd.pool.classes.values()) if self.ssd is not None else set()
+        dram_reserved = sum(len(v) for c, v in reserved.items() if c not in ssd_classes)
+        dram_committed = sum(len(v) for c, v in committed.items() if c not in ssd_classes)
         assert dram_reserved == self.reserved_slots, "reserved slot counter is off"
         assert dram_committed == self.committed_slots, "committed slot counter is off"
-        ssd_committed = sum(len(v) for (n, _), v in committed.items() if n == SSD)
+        ssd_committed = sum(len(v) for c, v in committed.items() if c in ssd_classes)
         assert ssd_committed == self.ssd_committed_slots, "ssd committed counter is off"
 
     def __repr__(self) -> str:

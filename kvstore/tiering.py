@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 import msgspec
@@ -19,8 +19,14 @@ import msgspec
 from kvstore.config import Config
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.identity import Identity
-from kvstore.store import Block, BlockStore, DemotionNeeded, PromotionNeeded, Transfer
-from kvstore.tiers.dram import DramArena
+from kvstore.store import (
+    Block,
+    BlockStore,
+    DemotionNeeded,
+    Namespace,
+    PromotionNeeded,
+    Transfer,
+)
 from kvstore.tiers.ssd import BlockRecord, SSDStore
 
 log = logging.getLogger("kvstore.tiering")
@@ -32,9 +38,10 @@ _WRITE_COOLDOWN = 5.0  # seconds without SSD writes after one failed (disk full,
 class SsdMover:
     """Owns the SSD engine and runs demotions, promotions and write-through copies."""
 
-    def __init__(self, config: Config, store: BlockStore, arena: DramArena) -> None:
+    def __init__(self, config: Config, store: BlockStore,
+                 slot: Callable[[Namespace, int], memoryview]) -> None:
         self.store = store
-        self.arena = arena
+        self.slot = slot
         self.write_through = config.ssd.write_policy == "write-through"
         self.engine = SSDStore(
             config.ssd_path, config.ssd_capacity, slab_bytes=config.ssd_slab_bytes,
@@ -110,8 +117,7 @@ class SsdMover:
             records = [_record(b, off, b.ns.ssd_cls.slot_bytes if b.ns.ssd_cls else 0)
                        for b, off in zip(t.blocks, t.offsets)]
             assert all(b.offset is not None for b in t.blocks)
-            datas = [self.arena.slot(b.offset, b.ns.block_bytes)  # type: ignore[arg-type]
-                     for b in t.blocks]
+            datas = [self.slot(b.ns, b.offset) for b in t.blocks]  # type: ignore[arg-type]
             written = await self.engine.write_blocks(records, datas)
             for view in datas:
                 view.release()
@@ -158,7 +164,7 @@ class SsdMover:
             self._promoting[b] = loop.create_future()
         ok = [False] * len(t.blocks)
         try:
-            views = [self.arena.slot(off, b.ns.block_bytes) for b, off in zip(t.blocks, t.offsets)]
+            views = [self.slot(b.ns, off) for b, off in zip(t.blocks, t.offsets)]
             ok = await self.engine.read_many([b.ssd_record for b in t.blocks], views)
             for view in views:
                 view.release()

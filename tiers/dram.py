@@ -76,3 +76,37 @@ def map_arena(path: str, size: int, *, populate: bool = True) -> mmap.mmap:
         return mmap.mmap(fd, size, flags=flags)
     finally:
         os.close(fd)
+
+
+class Arenas:
+    """The daemon's arenas: one for all tenants, or one per tenant (``name_of`` decides which
+    a tenant's blocks live in), created on first use, at most ``max_arenas``."""
+
+    def __init__(self, capacity_bytes: int, directory: str, *, populate: bool,
+                 max_arenas: int = 64) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.directory = directory
+        self.populate = populate
+        self.max_arenas = max_arenas
+        self.by_name: dict[str, DramArena] = {}
+
+    def get(self, name: str) -> DramArena:
+        arena = self.by_name.get(name)
+        if arena is None:
+            if len(self.by_name) >= self.max_arenas:
+                from kvstore.errors import LimitExceededError
+
+                raise LimitExceededError(
+                    f"{len(self.by_name)} arenas exist (limit dram.max_arenas); no room for "
+                    f"another tenant's arena")
+            arena = DramArena(self.capacity_bytes, self.directory, populate=self.populate)
+            self.by_name[name] = arena
+        return arena
+
+    def close(self) -> None:
+        for arena in self.by_name.values():
+            arena.close()
+        self.by_name.clear()
+
+    def __repr__(self) -> str:
+        return f"Arenas({len(self.by_name)} of {self.capacity_bytes} bytes)"

@@ -119,17 +119,14 @@ def test_lookup_misses_take_the_same_time_whoever_holds_the_key(
         ns_b = b.namespace(IDENT_B)
         never = ns_b.keys(range(10**6, 10**6 + 16 * 64))
 
-        def timed(keys: list[bytes]) -> float:
-            samples = []
-            for _ in range(200):
-                start = time.perf_counter()
-                assert ns_b.lookup(keys).blocks == 0
-                samples.append(time.perf_counter() - start)
-            return sorted(samples)[len(samples) // 2]
-
-        timed(never)
-        a_keys, b_keys = timed(held), timed(never)
-        assert abs(a_keys - b_keys) < 0.5 * max(a_keys, b_keys), (a_keys, b_keys)
+        samples: dict[int, list[float]] = {0: [], 1: []}
+        for i in range(600):          # interleaved, so that noise hits both alike
+            keys = held if i % 2 else never
+            start = time.perf_counter()
+            assert ns_b.lookup(keys).blocks == 0
+            samples[i % 2].append(time.perf_counter() - start)
+        a_keys, b_keys = (sorted(v)[len(v) // 2] for v in (samples[1], samples[0]))
+        assert abs(a_keys - b_keys) < 0.25 * max(a_keys, b_keys) + 100e-6, (a_keys, b_keys)
 
 
 def test_curve_on_tcp(daemon_factory: Any, tmp_path: Path) -> None:
@@ -163,3 +160,37 @@ def test_curve_on_tcp(daemon_factory: Any, tmp_path: Path) -> None:
     with Client(d.endpoint, tenant="acme") as local:             # ipc: trusted local users
         assert local.namespace(IDENT_A).lookup(
             local.namespace(IDENT_A).keys(range(16))).blocks == 1
+
+
+def test_per_tenant_arenas_hold_only_what_their_tenant_may_read(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    secret_file = tmp_path / "secret"
+    cli("keygen", "--secret", str(secret_file))
+    secret = read_secret(secret_file)
+    config = tmp_path / "arenas.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n'
+                      '[auth.shared_tenants]\npublic = ["acme", "globex"]\n'
+                      '[dram]\nper_tenant_arenas = true\n')
+    d = daemon_factory(dram_capacity="8MiB", extra=["--config", str(config)])
+    with Client(d.endpoint, token=issue_token(secret, "acme", 60)) as a, \
+            Client(d.endpoint, token=issue_token(secret, "globex", 60)) as b:
+        assert a.hello is not None and b.hello is not None
+        assert a.hello.arena_path != b.hello.arena_path
+        secret_a = b"acme-only " * (IDENT_A.block_bytes // 10) + b"\0" * (
+            IDENT_A.block_bytes % 10)
+        ns_a = a.namespace(IDENT_A)
+        with ns_a.reserve(ns_a.keys(range(16))) as r:
+            r.buffers[0][:] = secret_a
+            r.commit()
+        ns_b = b.namespace(IDENT_B)
+        ns_b.put(ns_b.keys(range(16)), [b"\7" * ns_b.block_bytes])
+        with open(b.hello.arena_path, "rb") as f:
+            assert b"acme-only" not in f.read()        # B's arena never held A's bytes
+        with open(a.hello.arena_path, "rb") as f:
+            assert b"acme-only" in f.read()
+        shared = b.namespace(SHARED)                   # a third arena, both may map
+        assert shared.arena[0] not in (a.hello.arena_path, b.hello.arena_path)
+        shared.put(shared.keys(range(16)), [b"\10" * shared.block_bytes])
+        with a.namespace(SHARED).acquire(a.namespace(SHARED).keys(range(16))) as held:
+            assert bytes(held.buffers[0]) == b"\10" * shared.block_bytes
+        assert a.stats()["tiers"]["dram"]["arenas"] == 3
