@@ -1,0 +1,392 @@
+"""kvstore as an LMCache L2 adapter (LMCache's ``plugin`` adapter type).
+
+Configure LMCache with::
+
+    --l2-adapter '{"type": "plugin", "module_path": "kvstore.integrations.lmcache",
+                   "class_name": "KVStoreL2Adapter",
+                   "adapter_params": {"endpoint": "ipc:///run/kvstore.sock",
+                                      "tenant": "acme", "object_bytes": 262144}}'
+
+LMCache objects are opaque byte strings of up to ``object_bytes`` (LMCache's chunk
+size in bytes), so they live in namespaces of their own (layout ``lmcache-object``),
+one per LMCache model name and ``cache_salt``; a slot holds a 16-byte header (magic,
+length) and the object.  The chunk hash, ``kv_rank`` and object group make the key.
+
+The adapter keeps LMCache's contract: every call only queues a task; one worker
+thread, the only user of its daemon connection, runs the tasks in order and signals
+three distinct event fds (store, lookup-and-lock, load).  Lookup-and-lock pins the
+blocks it finds (a daemon pin, renewed by the worker's pings) until ``submit_unlock``;
+a load pins, copies and unpins.  ``close()`` stops the worker thread, then closes the
+connection (which drops any pin left), then the event fds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import os
+import queue
+import struct
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.platform import create_event_notifier
+
+from kvstore.client import Client, Held, Namespace
+from kvstore.errors import KVStoreError, NotFoundError
+from kvstore.identity import Identity
+
+if TYPE_CHECKING:
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.memory_management import MemoryObj
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = b"kvsLMC01"
+_HEADER = struct.Struct("<8sQ")  # magic, object length
+_KEY_DOMAIN = b"kvstore.lmcache"
+_MAX_DIM = 1 << 20  # Identity's bound on head_dim and block_tokens
+
+
+class KVStoreL2AdapterConfig(L2AdapterConfigBase):
+    """``adapter_params`` of the plugin: where the daemon is and how big objects are."""
+
+    def __init__(self, *, object_bytes: int, endpoint: str | None = None,
+                 tenant: str | None = None, token: str = "",
+                 model_revision: str = "unversioned", timeout: float = 10.0) -> None:
+        self.object_bytes = object_bytes
+        self.endpoint = endpoint
+        self.tenant = tenant or os.environ.get("KVSTORE_TENANT", "default")
+        self.token = token
+        self.model_revision = model_revision
+        self.timeout = timeout
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVStoreL2AdapterConfig:
+        object_bytes = d.get("object_bytes")
+        if type(object_bytes) is not int or object_bytes <= 0:
+            raise ValueError("object_bytes must be a positive integer (LMCache's chunk "
+                             "size in bytes: the largest object this adapter stores)")
+        unknown = set(d) - {"object_bytes", "endpoint", "tenant", "token", "model_revision",
+                            "timeout"}
+        if unknown:
+            raise ValueError(f"unknown kvstore adapter parameters: {sorted(unknown)}")
+        timeout = d.get("timeout", 10.0)
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError("timeout must be a positive number of seconds")
+        return cls(object_bytes=object_bytes, endpoint=d.get("endpoint"),
+                   tenant=d.get("tenant"), token=str(d.get("token", "")),
+                   model_revision=str(d.get("model_revision", "unversioned")),
+                   timeout=float(timeout))
+
+    @classmethod
+    def help(cls) -> str:
+        return ("kvstore L2 adapter parameters:\n"
+                "- object_bytes (int, required): the largest object stored (LMCache's "
+                "chunk size in bytes)\n"
+                "- endpoint (str): the daemon's endpoint (default: KVSTORE_ENDPOINT or "
+                "the runtime directory's socket)\n"
+                "- tenant (str): the daemon tenant (default: KVSTORE_TENANT or 'default')\n"
+                "- token (str), model_revision (str), timeout (float seconds)")
+
+
+def object_identity(model_name: str, cache_salt: str,
+                    config: KVStoreL2AdapterConfig) -> Identity:
+    """The namespace of one LMCache model's objects under one cache salt.
+
+    A slot is ``2 * head_dim * block_tokens`` bytes of uint8 (one layer, one head):
+    the header plus ``object_bytes``, rounded up to even.
+    """
+    half = (_HEADER.size + config.object_bytes + 1) // 2
+    tokens = next(t for t in range(1, half + 1) if half % t == 0 and half // t <= _MAX_DIM)
+    return Identity(model=model_name, model_revision=config.model_revision,
+                    tenant=config.tenant, kv_dtype="uint8", num_layers=1, num_kv_heads=1,
+                    head_dim=half // tokens, block_tokens=tokens, layout="lmcache-object",
+                    salt=cache_salt)
+
+
+def object_key(key: ObjectKey) -> bytes:
+    h = hashlib.blake2b(digest_size=16, person=_KEY_DOMAIN)
+    h.update(struct.pack("<qi", key.kv_rank, key.object_group_id))
+    h.update(key.chunk_hash)
+    return h.digest()
+
+
+@dataclass
+class _Task:
+    kind: str                     # store | lookup | load | unlock | stop
+    task_id: L2TaskId
+    keys: list[ObjectKey]
+    objects: list[MemoryObj] | None = None
+
+
+class KVStoreL2Adapter(L2AdapterInterface):
+    """An LMCache L2 adapter that keeps objects in a kvstore daemon."""
+
+    def __init__(self, config: KVStoreL2AdapterConfig | dict[str, Any],
+                 l1_memory_desc: Any = None) -> None:
+        super().__init__(max_capacity_bytes=0)  # the daemon evicts by its own policy
+        if isinstance(config, dict):
+            config = KVStoreL2AdapterConfig.from_dict(config)
+        self._config = config
+        # Connect here, so a wrong endpoint fails adapter creation rather than every task.
+        self._client = Client(config.endpoint, tenant=config.tenant, token=config.token,
+                              timeout=config.timeout)
+        self._namespaces: dict[tuple[str, str], Namespace] = {}
+        self._store_efd = create_event_notifier()
+        self._lookup_efd = create_event_notifier()
+        self._load_efd = create_event_notifier()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # guards the result dicts and the id counter
+        self._store_results: dict[L2TaskId, L2StoreResult] = {}
+        self._lookup_results: dict[L2TaskId, Bitmap] = {}
+        self._load_results: dict[L2TaskId, Bitmap] = {}
+        # Worker-thread state: pins held for lookup-and-lock, per key and per pin.
+        self._pins_by_key: dict[bytes, list[Held]] = defaultdict(list)
+        self._pin_keys_left: dict[int, int] = {}
+        self._last_error = ""
+        self._tasks: queue.Queue[_Task] = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="kvstore-l2", daemon=True)
+        self._worker.start()
+
+    # -- event fds ------------------------------------------------------------------
+    def get_store_event_fd(self) -> int:
+        return int(self._store_efd.fileno())
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return int(self._lookup_efd.fileno())
+
+    def get_load_event_fd(self) -> int:
+        return int(self._load_efd.fileno())
+
+    # -- submissions (any thread) ---------------------------------------------------------
+    def _submit(self, kind: str, keys: list[ObjectKey],
+                objects: list[MemoryObj] | None = None) -> L2TaskId:
+        if objects is not None and len(objects) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+        with self._lock:
+            task_id = next(self._ids)
+        self._tasks.put(_Task(kind, task_id, list(keys), objects))
+        return task_id
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit("store", keys, objects)
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._store_results = self._store_results, {}
+        return done
+
+    def submit_lookup_and_lock_task(self, keys: list[ObjectKey],
+                                    group_layout_descs: dict[int, MemoryLayoutDesc]) -> L2TaskId:
+        return self._submit("lookup", keys)
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._lookup_results.pop(task_id, None)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        self._submit("unlock", keys)
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit("load", keys, objects)
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._load_results.pop(task_id, None)
+
+    def report_status(self) -> dict[str, Any]:
+        return {"is_healthy": self._worker.is_alive() and not self._last_error,
+                "type": "KVStoreL2Adapter", "endpoint": self._client.endpoint,
+                "pinned_keys": len(self._pins_by_key), "last_error": self._last_error,
+                "queued_tasks": self._tasks.qsize()}
+
+    def close(self) -> None:
+        if self._worker.is_alive():
+            self._tasks.put(_Task("stop", -1, []))
+            self._worker.join()
+        self._client.close()  # the daemon drops this session's pins with it
+        for efd in (self._store_efd, self._lookup_efd, self._load_efd):
+            efd.close()
+
+    def __repr__(self) -> str:
+        return (f"KVStoreL2Adapter({self._client.endpoint}, pinned_keys="
+                f"{len(self._pins_by_key)}, queued={self._tasks.qsize()})")
+
+    # -- the worker thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        ping_every = max(self._config.timeout, 1.0)
+        while True:
+            try:
+                task = self._tasks.get(timeout=ping_every)
+            except queue.Empty:
+                self._keep_pins_alive()
+                continue
+            if task.kind == "stop":
+                return
+            handler: Callable[[_Task], None] = getattr(self, f"_do_{task.kind}")
+            try:
+                handler(task)
+            except Exception as exc:  # never let one task kill the worker
+                logger.exception("kvstore L2 adapter: %s task failed", task.kind)
+                self._last_error = f"{type(exc).__name__}: {exc}"
+                self._fail(task)
+
+    def _keep_pins_alive(self) -> None:
+        if self._pin_keys_left:
+            try:
+                self._client.ping()
+            except KVStoreError as exc:
+                self._last_error = str(exc)
+
+    def _fail(self, task: _Task) -> None:
+        if task.kind == "store":
+            self._finish(self._store_results, task.task_id,
+                         L2StoreResult(False, 0), self._store_efd)
+        elif task.kind in ("lookup", "load"):
+            results = self._lookup_results if task.kind == "lookup" else self._load_results
+            efd = self._lookup_efd if task.kind == "lookup" else self._load_efd
+            self._finish(results, task.task_id, Bitmap(len(task.keys)), efd)
+
+    def _finish(self, results: dict[L2TaskId, Any], task_id: L2TaskId, value: Any,
+                efd: Any) -> None:
+        with self._lock:
+            results[task_id] = value
+        efd.notify()
+
+    def _namespace(self, key: ObjectKey) -> Namespace:
+        where = (key.model_name, key.cache_salt)
+        ns = self._namespaces.get(where)
+        if ns is None:
+            ns = self._client.namespace(object_identity(*where, self._config))
+            self._namespaces[where] = ns
+        return ns
+
+    def _by_namespace(self, keys: Sequence[ObjectKey]) -> dict[tuple[str, str], list[int]]:
+        """Positions of ``keys`` grouped by namespace, in order."""
+        groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for i, key in enumerate(keys):
+            groups[(key.model_name, key.cache_salt)].append(i)
+        return groups
+
+    def _do_store(self, task: _Task) -> None:
+        assert task.objects is not None
+        stored = 0
+        ok = True
+        for positions in self._by_namespace(task.keys).values():
+            ns = self._namespace(task.keys[positions[0]])
+            for part in _chunks(positions, self._client.max_keys):
+                sizes = [task.objects[i].get_size() for i in part]
+                if max(sizes) > self._config.object_bytes:
+                    logger.warning("kvstore L2 adapter: an object of %d bytes exceeds "
+                                   "object_bytes=%d; not stored", max(sizes),
+                                   self._config.object_bytes)
+                    ok = False
+                    continue
+                keys = [object_key(task.keys[i]) for i in part]
+                try:
+                    with ns.reserve(keys) as r:
+                        for buf, i, size in zip(r.buffers, part, sizes):
+                            _HEADER.pack_into(buf, 0, _MAGIC, size)
+                            buf[_HEADER.size:_HEADER.size + size] = _bytes_of(task.objects[i])
+                        r.commit()
+                except KVStoreError as exc:
+                    logger.warning("kvstore L2 adapter: store failed: %s", exc)
+                    ok = False
+                    continue
+                stored += sum(sizes)
+                self._notify_keys_stored([task.keys[i] for i in part], sizes)
+        self._finish(self._store_results, task.task_id, L2StoreResult(ok, stored),
+                     self._store_efd)
+
+    def _present_runs(self, ns: Namespace, keys: list[bytes]) -> list[tuple[int, Held]]:
+        """Pin every run of cached keys: (start, pin) per run.  One lookup per run and
+        per miss; a run evicted between lookup and pin counts as missing."""
+        runs: list[tuple[int, Held]] = []
+        i = 0
+        while i < len(keys):
+            hits = ns.lookup(keys[i:]).blocks
+            if hits:
+                try:
+                    runs.append((i, ns.acquire(keys[i:i + hits])))
+                except NotFoundError:
+                    pass
+            i += hits + 1
+        return runs
+
+    def _do_lookup(self, task: _Task) -> None:
+        found = Bitmap(len(task.keys))
+        for positions in self._by_namespace(task.keys).values():
+            ns = self._namespace(task.keys[positions[0]])
+            keys = [object_key(task.keys[i]) for i in positions]
+            for start, held in self._present_runs(ns, keys):
+                self._pin_keys_left[held.pin] = len(held.keys)
+                for offset, key in enumerate(held.keys):
+                    found.set(positions[start + offset])
+                    self._pins_by_key[key].append(held)
+        self._finish(self._lookup_results, task.task_id, found, self._lookup_efd)
+
+    def _do_unlock(self, task: _Task) -> None:
+        for key in task.keys:
+            pins = self._pins_by_key.get(object_key(key))
+            if not pins:
+                continue
+            held = pins.pop()
+            if not pins:
+                del self._pins_by_key[object_key(key)]
+            self._pin_keys_left[held.pin] -= 1
+            if self._pin_keys_left[held.pin] == 0:
+                del self._pin_keys_left[held.pin]
+                try:
+                    held.release()
+                except KVStoreError as exc:  # the pin's lease ends it anyway
+                    logger.warning("kvstore L2 adapter: unlock failed: %s", exc)
+
+    def _do_load(self, task: _Task) -> None:
+        assert task.objects is not None
+        loaded = Bitmap(len(task.keys))
+        for positions in self._by_namespace(task.keys).values():
+            ns = self._namespace(task.keys[positions[0]])
+            keys = [object_key(task.keys[i]) for i in positions]
+            try:
+                runs = [(0, ns.acquire(keys))]
+            except NotFoundError:
+                runs = self._present_runs(ns, keys)
+            for start, held in runs:
+                try:
+                    for offset, buf in enumerate(held.buffers):
+                        i = positions[start + offset]
+                        if self._copy_out(buf, task.objects[i]):
+                            loaded.set(i)
+                finally:
+                    held.release()
+        self._finish(self._load_results, task.task_id, loaded, self._load_efd)
+
+    def _copy_out(self, slot: memoryview, obj: MemoryObj) -> bool:
+        magic, length = _HEADER.unpack_from(slot, 0)
+        if magic != _MAGIC or length != obj.get_size():
+            logger.warning("kvstore L2 adapter: stored object holds %d bytes, the load "
+                           "buffer %d; not loaded", length, obj.get_size())
+            return False
+        _bytes_of(obj)[:] = slot[_HEADER.size:_HEADER.size + length]
+        return True
+
+
+def _bytes_of(obj: MemoryObj) -> memoryview:
+    """The object's logical bytes as a plain byte view (``byte_array`` is a ctypes
+    buffer whose item format does not match arena slots)."""
+    return np.frombuffer(obj.byte_array, dtype=np.uint8).data
+
+
+def _chunks(items: list[int], size: int) -> list[list[int]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+

