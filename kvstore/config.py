@@ -81,6 +81,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     debug_invariants: bool = False
     metrics_port: int = 0
     log_format: str = "text"
+    max_requests_per_second: float = 0.0
+    max_bytes_in_flight: str | int = "1GiB"
+    max_reservations_per_tenant: int = 0
+    max_pins_per_tenant: int = 0
 
 
 class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -182,6 +186,12 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.server.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(
                 "server.log_level: expected one of debug, info, warning, error")
+        if self.server.max_requests_per_second < 0:
+            raise ConfigError("server.max_requests_per_second: 0 (no limit) or more")
+        parse_size(self.server.max_bytes_in_flight, "server.max_bytes_in_flight")
+        for name in ("max_reservations_per_tenant", "max_pins_per_tenant"):
+            if getattr(self.server, name) < 0:
+                raise ConfigError(f"server.{name}: 0 (no limit) or a positive integer")
         if self.server.log_format not in ("text", "json"):
             raise ConfigError("server.log_format: expected 'text' or 'json'")
         if not 0 <= self.server.metrics_port <= 65535:

@@ -83,6 +83,12 @@ class BackendError(KVStoreError):
     code = "backend"
 
 
+class CorruptError(KVStoreError):
+    """Bytes read do not match the checksum they were written with."""
+
+    code = "corrupt"
+
+
 class ConfigError(KVStoreError, ValueError):
     """The configuration is invalid; the message names the field."""
 
@@ -104,6 +110,7 @@ ERRORS_BY_CODE: dict[str, type[KVStoreError]] = {
         LimitExceededError,
         UnavailableError,
         BackendError,
+        CorruptError,
         ConfigError,
     )
 }

@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from kvstore import protocol as p
-from kvstore.config import Config
+from kvstore.config import Config, parse_size
 from kvstore.metrics import Metrics, stats_on_loop
 from kvstore.sdnotify import Notifier
 from kvstore.errors import (
@@ -32,6 +32,7 @@ from kvstore.errors import (
     ForbiddenError,
     KVStoreError,
     LeaseExpiredError,
+    LimitExceededError,
     MalformedError,
     NotFoundError,
     TooLargeError,
@@ -64,6 +65,9 @@ class Session:
     id: str
     tenant: str
     namespaces: set[bytes] = field(default_factory=set)
+    tokens: float = 0.0          # request-rate bucket
+    refilled: float = 0.0
+    bytes_in_flight: int = 0     # payload held by requests still moving between tiers
 
     def __repr__(self) -> str:
         return f"Session({self.id[:8]}, tenant={self.tenant}, namespaces={len(self.namespaces)})"
@@ -88,6 +92,8 @@ class Server:
         )
         self.max_keys = s.max_keys_per_request
         self.max_request_bytes = config.max_request_bytes
+        self.max_bytes_in_flight = parse_size(s.max_bytes_in_flight,
+                                              "server.max_bytes_in_flight")
         self.store = BlockStore(config.dram_capacity, config.dram_slab_bytes,
                                 limits=self.limits, eviction_policy=config.dram.eviction_policy,
                                 per_tenant=config.dram.per_tenant_arenas,
@@ -309,7 +315,8 @@ class Server:
         self._in_flight_gets = pending
         if pending and not self._reap_timer and self._loop is not None:
             self._reap_timer = True
-            self._loop.call_later(0.0005, self._reap_timer_fired)
+            # uvloop rounds delays down to whole milliseconds: less than 1 ms would spin
+            self._loop.call_later(0.001, self._reap_timer_fired)
 
     def _reap_timer_fired(self) -> None:
         self._reap_timer = False
@@ -346,12 +353,20 @@ class Server:
             else:
                 session = self._session(routing_id)
                 tenant = session.tenant
+                self._admit(session)
                 self.store.touch_owner(session.id, self.clock())
                 handler = self.handlers[type(request)]
                 try:
                     reply, payload = handler(session, request, frames[2:])
                 except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup) as plan:
                     # The bytes must move between tiers first: finish in a task.
+                    held = sum(len(f) for f in frames[2:])
+                    if session.bytes_in_flight + held > self.max_bytes_in_flight:
+                        raise LimitExceededError(
+                            f"the session has {session.bytes_in_flight} bytes in requests "
+                            f"still under way (limit {self.max_bytes_in_flight}); wait for "
+                            f"their replies") from None
+                    session.bytes_in_flight += held
                     self._spawn(self._finish_later(routing_id, rid, verb, tenant, start,
                                                    handler, session, request, frames[2:], plan))
                     return
@@ -409,11 +424,39 @@ class Server:
             log.exception("internal error finishing a request")
             code = "internal"
             reply, out = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
+        session.bytes_in_flight -= sum(len(f) for f in payload)
         self._send(routing_id, reply, out)
         if self.metrics is not None:
             self.metrics.observe_request(verb, time.perf_counter() - start, code, tenant)
         if self.config.server.debug_invariants:
             self.check_invariants()
+
+    def _admit(self, session: Session) -> None:
+        """The session's request rate, as a token bucket (a burst of one second's worth)."""
+        rate = self.config.server.max_requests_per_second
+        if not rate:
+            return
+        now = self.clock()
+        session.tokens = min(rate, session.tokens + (now - session.refilled) * rate)
+        session.refilled = now
+        if session.tokens < 1.0:
+            raise LimitExceededError(
+                f"more than {rate:g} requests per second from this session; slow down")
+        session.tokens -= 1.0
+
+    def _tenant_cap(self, session: Session, what: str) -> None:
+        """Per-tenant caps on open reservations and pins, over all its sessions."""
+        s = self.config.server
+        cap = s.max_reservations_per_tenant if what == "reservations" else s.max_pins_per_tenant
+        if not cap:
+            return
+        held = sum(len(getattr(self.store.owners[x.id], what))
+                   for x in self._by_session_id.values()
+                   if x.tenant == session.tenant and x.id in self.store.owners)
+        if held >= cap:
+            raise LimitExceededError(
+                f"tenant {session.tenant!r} holds {held} {what} (limit {cap}); "
+                f"release some")
 
     async def _resolve(self, plan: Plan) -> None:
         if isinstance(plan, RemoteFetch):
@@ -443,7 +486,9 @@ class Server:
         configure(s.log_level, s.log_format)
         live = {("server", f) for f in ("lease_seconds", "max_keys_per_request",
                                         "max_reservations_per_session", "max_pins_per_session",
-                                        "log_level", "log_format", "debug_invariants")}
+                                        "log_level", "log_format", "debug_invariants",
+                                        "max_requests_per_second", "max_reservations_per_tenant",
+                                        "max_pins_per_tenant")}
         live.add(("ssd", "admit_after"))
         restart = []
         for section in ("server", "dram", "ssd", "remote", "auth"):
@@ -569,6 +614,7 @@ class Server:
     def _reserve(self, session: Session, req: p.Reserve, payload: list[Any]) -> Outcome:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
+        self._tenant_cap(session, "reservations")
         r = self._reserve_slots(session, ns, req.keys, req.parent)
         return p.ReserveReply(req.rid, r.id, r.offsets, self.limits.lease_seconds), []
 
@@ -608,6 +654,7 @@ class Server:
     def _acquire(self, session: Session, req: p.Acquire, payload: list[Any]) -> Outcome:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
+        self._tenant_cap(session, "pins")
         pin = self._acquire_or_fetch(session.id, ns, req.keys)
         return p.AcquireReply(req.rid, pin.id, pin.offsets), []
 
@@ -755,7 +802,10 @@ def _merge_live(old: Config, new: Config) -> Config:
         max_reservations_per_session=new.server.max_reservations_per_session,
         max_pins_per_session=new.server.max_pins_per_session,
         log_level=new.server.log_level, log_format=new.server.log_format,
-        debug_invariants=new.server.debug_invariants)
+        debug_invariants=new.server.debug_invariants,
+        max_requests_per_second=new.server.max_requests_per_second,
+        max_reservations_per_tenant=new.server.max_reservations_per_tenant,
+        max_pins_per_tenant=new.server.max_pins_per_tenant)
     ssd = msgspec.structs.replace(old.ssd, admit_after=new.ssd.admit_after)
     return msgspec.structs.replace(old, server=server, ssd=ssd)
 

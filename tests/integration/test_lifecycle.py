@@ -169,3 +169,36 @@ def test_json_logs_carry_request_ids(daemon_factory: Any) -> None:
         time.sleep(0.05)
     assert failed and failed[0]["rid"] > 0 and failed[0]["tenant"] == "acme"
     assert {"time", "level", "logger", "message"} <= set(failed[0])
+
+
+def test_limits_answer_at_once_and_spare_other_clients(daemon_factory: Any,
+                                                       tmp_path: Path) -> None:
+    config = tmp_path / "limits.toml"
+    config.write_text("[server]\nmax_requests_per_second = 50\nmax_pins_per_tenant = 2\n")
+    d = daemon_factory(extra=["--config", str(config)])
+    with Client(d.endpoint, tenant="acme") as a, Client(d.endpoint, tenant="acme") as a2, \
+            Client(d.endpoint, tenant="globex") as g:
+        ns = a.namespace(IDENT)
+        keys = ns.keys(range(64))
+        ns.put(keys, [bytes(IDENT.block_bytes)] * 4)
+        limited = 0
+        started = time.monotonic()
+        for _ in range(200):                         # far over 50 per second
+            try:
+                a.ping()
+            except LimitExceededError:
+                limited += 1
+        assert limited > 100 and time.monotonic() - started < 5, "refused at once, no stall"
+        g.ping()                                     # another session is not slowed
+        time.sleep(1.1)
+        ns2 = a2.namespace(IDENT)
+        held = [ns2.acquire(keys[:1]), ns2.acquire(keys[:2])]
+        with pytest.raises(LimitExceededError, match="tenant 'acme'"):
+            ns2.acquire(keys[:3])                    # the tenant's third pin
+        ns_g = g.namespace(make_identity(num_layers=4, num_kv_heads=4, head_dim=64,
+                                         tenant="globex"))
+        ns_g.put(ns_g.keys(range(16)), [bytes(IDENT.block_bytes)])
+        with ns_g.acquire(ns_g.keys(range(16))):     # another tenant's pins are its own
+            pass
+        for h in held:
+            h.release()
