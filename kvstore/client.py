@@ -19,12 +19,14 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import msgspec
+import xxhash
 import zmq
 import zmq.asyncio
 
 from kvstore import protocol as p
 from kvstore.config import endpoint_from_env
 from kvstore.errors import (
+    CorruptError,
     KVStoreError,
     MalformedError,
     UnavailableError,
@@ -115,6 +117,7 @@ class _Session:
         self._rids = itertools.count(1)
         self.hello: p.HelloReply | None = None
         self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}  # arena path -> mapping
+        self.checksums = True  # send xxh3_64 of what is written, for readers to verify
         self._map_arenas = True
 
     def _next_rid(self) -> int:
@@ -185,6 +188,17 @@ class _Chains:
 
     def parent_of(self, first_key: bytes) -> bytes | None:
         return self._parents.get(first_key)
+
+
+def checksum(block: Any) -> int:
+    """xxh3_64 of a block's bytes: what writers send and readers check."""
+    return xxhash.xxh3_64_intdigest(block)
+
+
+def _verify(blocks: Sequence[Any], sums: Sequence[int]) -> None:
+    for i, (block, want) in enumerate(zip(blocks, sums)):
+        if want and checksum(block) != want:
+            raise CorruptError(f"block {i} does not match the checksum it was written with")
 
 
 def _batches(keys: Sequence[bytes], size: int, max_keys: int, max_bytes: int) -> list[slice]:
@@ -361,19 +375,25 @@ class Namespace(_NamespaceBase):
         created = 0
         previous = self._parent(keys, parent)
         for part in _batches(keys, self.block_bytes, c.max_keys, c.max_request_bytes):
-            r = c._call(p.Put(c._next_rid(), self.id, list(keys[part]), previous), p.PutReply,
-                        list(blocks[part]))[0]
+            sums = [checksum(b) for b in blocks[part]] if c.checksums else []
+            r = c._call(p.Put(c._next_rid(), self.id, list(keys[part]), previous, sums),
+                        p.PutReply, list(blocks[part]))[0]
             created += r.created
             previous = keys[part][-1]
         return created
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes]:
-        """The blocks' bytes (NotFoundError if any is not cached)."""
+    def get(self, keys: Sequence[bytes], verify: bool = True) -> list[bytes]:
+        """The blocks' bytes (NotFoundError if any is not cached; CorruptError if one does
+        not match the checksum it was written with)."""
         c = self.client
         out: list[bytes] = []
         for part in _batches(keys, self.block_bytes, c.max_keys, c.max_request_bytes):
-            _, frames = c._call(p.Get(c._next_rid(), self.id, list(keys[part])), p.GetReply)
-            out.extend(f.bytes for f in frames)
+            reply, frames = c._call(p.Get(c._next_rid(), self.id, list(keys[part])),
+                                    p.GetReply)
+            blocks = [f.bytes for f in frames]
+            if verify:
+                _verify(blocks, reply.checksums)
+            out.extend(blocks)
         return out
 
     def evict(self, keys: Sequence[bytes]) -> int:
@@ -452,8 +472,9 @@ class Reservation(_Finishing):
     def commit(self) -> int:
         """Publish the blocks; returns how many were new (the rest were cached already)."""
         c = self.ns.client
+        sums = [checksum(b) for b in self.buffers] if c.checksums else []
         self._finish()
-        return c._call(p.Commit(c._next_rid(), self.id), p.CommitReply)[0].created
+        return c._call(p.Commit(c._next_rid(), self.id, sums), p.CommitReply)[0].created
 
     def abort(self) -> None:
         if self.done:
@@ -479,9 +500,14 @@ class Held:
         self.keys = keys
         self.pin = reply.pin
         self.offsets = reply.offsets
+        self.checksums = reply.checksums
         self.buffers = ns.client._slots(reply.offsets, ns.block_bytes, readonly=True,
                                         arena=ns.arena)
         self.released = False
+
+    def verify(self) -> None:
+        """CorruptError unless every buffer matches the checksum it was written with."""
+        _verify(self.buffers, self.checksums)
 
     def release(self) -> None:
         if self.released:
@@ -651,19 +677,23 @@ class AsyncNamespace(_NamespaceBase):
         created = 0
         previous = self._parent(keys, parent)
         for part in _batches(keys, self.block_bytes, c.max_keys, c.max_request_bytes):
-            r = (await c._call(p.Put(c._next_rid(), self.id, list(keys[part]), previous),
+            sums = [checksum(b) for b in blocks[part]] if c.checksums else []
+            r = (await c._call(p.Put(c._next_rid(), self.id, list(keys[part]), previous, sums),
                                p.PutReply, list(blocks[part])))[0]
             created += r.created
             previous = keys[part][-1]
         return created
 
-    async def get(self, keys: Sequence[bytes]) -> list[bytes]:
+    async def get(self, keys: Sequence[bytes], verify: bool = True) -> list[bytes]:
         c = self.client
         out: list[bytes] = []
         for part in _batches(keys, self.block_bytes, c.max_keys, c.max_request_bytes):
-            _, frames = await c._call(p.Get(c._next_rid(), self.id, list(keys[part])),
-                                      p.GetReply)
-            out.extend(f.bytes for f in frames)
+            reply, frames = await c._call(p.Get(c._next_rid(), self.id, list(keys[part])),
+                                          p.GetReply)
+            blocks = [f.bytes for f in frames]
+            if verify:
+                _verify(blocks, reply.checksums)
+            out.extend(blocks)
         return out
 
     async def evict(self, keys: Sequence[bytes]) -> int:
@@ -729,8 +759,10 @@ class AsyncReservation(_Finishing):
 
     async def commit(self) -> int:
         c = self.ns.client
+        sums = [checksum(b) for b in self.buffers] if c.checksums else []
         self._finish()
-        return (await c._call(p.Commit(c._next_rid(), self.id), p.CommitReply))[0].created
+        return (await c._call(p.Commit(c._next_rid(), self.id, sums),
+                              p.CommitReply))[0].created
 
     async def abort(self) -> None:
         if self.done:
@@ -753,6 +785,7 @@ class AsyncHeld:
         self.keys = keys
         self.pin = 0
         self.offsets: list[int] = []
+        self.checksums: list[int] = []
         self.buffers: list[memoryview] = []
         self.released = False
 
@@ -763,10 +796,14 @@ class AsyncHeld:
         c = self.ns.client
         reply = (await c._call(p.Acquire(c._next_rid(), self.ns.id, self.keys),
                                p.AcquireReply))[0]
-        self.pin, self.offsets = reply.pin, reply.offsets
+        self.pin, self.offsets, self.checksums = reply.pin, reply.offsets, reply.checksums
         self.buffers = c._slots(reply.offsets, self.ns.block_bytes, readonly=True,
                                 arena=self.ns.arena)
         return self
+
+    def verify(self) -> None:
+        """CorruptError unless every buffer matches the checksum it was written with."""
+        _verify(self.buffers, self.checksums)
 
     async def release(self) -> None:
         if self.released:

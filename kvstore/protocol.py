@@ -53,6 +53,7 @@ class Reserve(Message, tag="reserve"):
 
 class Commit(Message, tag="commit"):
     reservation: int
+    checksums: list[int] = []  # xxh3_64 of each block as written, for readers to verify
 
 
 class Abort(Message, tag="abort"):
@@ -72,6 +73,7 @@ class Put(Message, tag="put"):
     ns: bytes
     keys: list[Key]
     parent: Key | None = None
+    checksums: list[int] = []
 
 
 class Get(Message, tag="get"):
@@ -142,6 +144,7 @@ class CommitReply(Message, tag="commit"):
 class AcquireReply(Message, tag="acquire"):
     pin: int
     offsets: list[int]
+    checksums: list[int] = []  # as written (0: not known)
 
 
 class PutReply(Message, tag="put"):
@@ -151,6 +154,7 @@ class PutReply(Message, tag="put"):
 
 class GetReply(Message, tag="get"):
     blocks: int
+    checksums: list[int] = []
 
 
 class CountReply(Message, tag="count"):

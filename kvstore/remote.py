@@ -115,11 +115,17 @@ class RemoteTier:
             self.store.abort(_OWNER, r.id)
             self.counters["misses"] += 1
             raise NotFoundError("a block read from the remote store was missing or corrupt")
-        result = self.store.commit(_OWNER, r.id, time.monotonic())
+        import xxhash
+
+        sums = [xxhash.xxh3_64_intdigest(v) for v in self._checked_views(ns, r.offsets)]
+        result = self.store.commit(_OWNER, r.id, time.monotonic(), sums)
         for block in result.blocks:
             block.remote = True
         self.counters["reads"] += len(missing)
         self.counters["read_bytes"] += len(missing) * ns.block_bytes
+
+    def _checked_views(self, ns: Namespace, offsets: list[int]) -> list[memoryview]:
+        return [self.slot(ns, off) for off in offsets]
 
     # -- writes ----------------------------------------------------------------------------
     def committed(self, blocks: Iterable[Block]) -> None:

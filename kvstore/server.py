@@ -637,7 +637,7 @@ class Server:
         return self.store.reserve(session.id, ns, keys, parent, self.clock())
 
     def _commit(self, session: Session, req: p.Commit, payload: list[Any]) -> Outcome:
-        result = self.store.commit(session.id, req.reservation, self.clock())
+        result = self.store.commit(session.id, req.reservation, self.clock(), req.checksums)
         self._committed(result.blocks)
         return p.CommitReply(req.rid, result.created, result.duplicates), []
 
@@ -656,7 +656,7 @@ class Server:
         self._check_keys(req.keys)
         self._tenant_cap(session, "pins")
         pin = self._acquire_or_fetch(session.id, ns, req.keys)
-        return p.AcquireReply(req.rid, pin.id, pin.offsets), []
+        return p.AcquireReply(req.rid, pin.id, pin.offsets, pin.checksums), []
 
     def _acquire_or_fetch(self, owner: object, ns: Namespace, keys: list[bytes]) -> Pin:
         try:
@@ -675,6 +675,9 @@ class Server:
         self._check_keys(req.keys)
         if len(payload) != len(req.keys):
             raise MalformedError(f"put of {len(req.keys)} keys carries {len(payload)} frames")
+        if req.checksums and len(req.checksums) != len(req.keys):
+            raise MalformedError(f"put of {len(req.keys)} keys carries {len(req.checksums)} "
+                                 f"checksums")
         for i, frame in enumerate(payload):
             if len(frame) != ns.block_bytes:
                 raise MalformedError(f"frame {i} holds {len(frame)} bytes; a block of this "
@@ -688,7 +691,7 @@ class Server:
         except BaseException:
             self.store.abort(session.id, r.id)
             raise
-        result = self.store.commit(session.id, r.id, now)
+        result = self.store.commit(session.id, r.id, now, req.checksums)
         self._committed(result.blocks)
         return p.PutReply(req.rid, result.created, result.duplicates), []
 
@@ -704,7 +707,7 @@ class Server:
         if not frames:
             self.store.release(_GET_OWNER, pin.id)
             return p.GetReply(req.rid, 0), []
-        return p.GetReply(req.rid, len(frames)), PinnedFrames(frames, pin.id)
+        return p.GetReply(req.rid, len(frames), pin.checksums), PinnedFrames(frames, pin.id)
 
     def _evict(self, session: Session, req: p.Evict, payload: list[Any]) -> Outcome:
         ns = self._namespace(session, req.ns)

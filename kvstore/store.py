@@ -49,7 +49,8 @@ class Block:
     """One key's entry: its place in the chain, its copies per tier, its pins."""
 
     __slots__ = ("key", "ns", "parent", "children", "offset", "refs", "ssd_offset",
-                 "ssd_record", "ssd_holds", "demoting", "promoting", "seen", "remote")
+                 "ssd_record", "ssd_holds", "demoting", "promoting", "seen", "remote",
+                 "checksum")
 
     def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
         self.key = key
@@ -65,6 +66,7 @@ class Block:
         self.promoting = False              # DRAM copy being read in from SSD
         self.seen = 0                       # commits and hits, for the SSD admission filter
         self.remote = False                 # known to be in the remote store
+        self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown)
 
     @property
     def present(self) -> bool:
@@ -134,6 +136,10 @@ class Pin:
     def offsets(self) -> list[int]:
         """The pinned blocks' DRAM slots (a pinned block always has one)."""
         return [b.offset for b in self.blocks if b.offset is not None]
+
+    @property
+    def checksums(self) -> list[int]:
+        return [b.checksum for b in self.blocks]
 
 
 @dataclass(eq=False)
@@ -444,9 +450,14 @@ class BlockStore:
             raise LeaseExpiredError(f"reservation {rid} outlived its lease and was rolled back")
         return state, r
 
-    def commit(self, owner: Owner, rid: int, now: float) -> CommitResult:
-        """Publish a reservation's blocks."""
+    def commit(self, owner: Owner, rid: int, now: float,
+               checksums: Sequence[int] = ()) -> CommitResult:
+        """Publish a reservation's blocks (with the writer's checksums, if given)."""
         state, r = self._take_reservation(owner, rid, now)
+        if checksums and len(checksums) != len(r.keys):
+            from kvstore.errors import MalformedError
+
+            raise MalformedError(f"{len(checksums)} checksums for {len(r.keys)} blocks")
         del state.reservations[rid]
         self.reserved_slots -= len(r.offsets)
         ns = r.ns
@@ -454,13 +465,15 @@ class BlockStore:
         parent = r.parent
         duplicates: list[int] = []
         fresh: list[Block] = []
-        for key, offset in zip(r.keys, r.offsets):
+        for i, (key, offset) in enumerate(zip(r.keys, r.offsets)):
             block = ns.blocks.get(key)
             if block is None:
                 block = Block(key, ns, parent)
                 if parent is not None:
                     parent.children += 1
                 ns.blocks[key] = block
+                if checksums:
+                    block.checksum = checksums[i]
             if block.offset is not None or block.promoting:
                 duplicates.append(offset)
             else:
@@ -857,6 +870,7 @@ class BlockStore:
         block = Block(key, ns, parent_block)
         block.ssd_offset = offset
         block.ssd_record = record
+        block.checksum = getattr(record, "checksum", 0)  # the same xxh3_64 as clients use
         block.seen = self.ssd_admit_after
         if parent_block is not None:
             parent_block.children += 1

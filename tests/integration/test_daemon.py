@@ -255,3 +255,32 @@ def test_bad_client_input_is_rejected_cleanly(daemon: DaemonProcess) -> None:
             ns.reserve(keys * 2000)                # more keys than one request may carry
         t = dram(client)
         assert t["reserved_slots"] == 0 and t["committed_slots"] == 0
+
+
+def test_readers_verify_what_they_read_end_to_end(daemon: DaemonProcess) -> None:
+    from kvstore.errors import CorruptError
+
+    with Client(daemon.endpoint, tenant="acme") as writer, \
+            Client(daemon.endpoint, tenant="acme") as reader:
+        ns = writer.namespace(make_identity())
+        keys = ns.keys(range(64))
+        data = blocks_for(4, ns.block_bytes)
+        ns.put(keys[:2], data[:2])                               # frames
+        with ns.reserve(keys[2:]) as r:                          # arena
+            for buf, block in zip(r.buffers, data[2:]):
+                buf[:] = block
+            r.commit()
+        rns = reader.namespace(make_identity())
+        assert rns.get(keys) == data
+        with rns.acquire(keys) as held:
+            held.verify()
+            offset = held.offsets[3]
+        # a buggy colocated writer scribbles over a committed block in the shared arena
+        view = writer._slots([offset], ns.block_bytes, readonly=False)[0]
+        view[:8] = b"\xff" * 8
+        view.release()
+        with pytest.raises(CorruptError):
+            rns.get(keys)
+        with rns.acquire(keys) as held, pytest.raises(CorruptError):
+            held.verify()
+        assert rns.get(keys[:3]) == data[:3]
