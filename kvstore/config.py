@@ -95,6 +95,9 @@ class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     populate: bool = True
     per_tenant_arenas: bool = False
     max_arenas: int = 64
+    pressure: list[str] = msgspec.field(
+        default_factory=lambda: ["evict", "demote", "defer", "reject"])
+    defer_seconds: float = 0.25
 
 
 class SsdConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -202,6 +205,14 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("dram.capacity: must be at least 1MiB")
         if self.dram_slab_bytes < 1 << 16:
             raise ConfigError("dram.slab_size: must be at least 64KiB")
+        steps = self.dram.pressure
+        if (not steps or steps[-1] != "reject" or len(set(steps)) != len(steps)
+                or not set(steps) <= {"evict", "demote", "defer", "reject"}):
+            raise ConfigError(
+                "dram.pressure: an ordered list of distinct steps from evict, demote, defer, "
+                "ending with reject")
+        if self.dram.defer_seconds <= 0:
+            raise ConfigError("dram.defer_seconds: must be a positive number of seconds")
         if self.dram.max_arenas < 1:
             raise ConfigError("dram.max_arenas: must be at least 1")
         if not os.path.isdir(self.dram.directory):

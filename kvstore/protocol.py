@@ -189,7 +189,7 @@ def request_id_of(header: bytes) -> int:
     """The request id of a header that failed to decode, or 0 when it cannot be told."""
     try:
         value = _loose_decoder.decode(header)
-    except (msgspec.DecodeError, RecursionError):
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
         return 0
     if isinstance(value, list) and len(value) > 1 and type(value[1]) is int:
         rid: int = value[1]

@@ -9,6 +9,7 @@ exactly one reply; every failure becomes a typed error reply and leaves nothing 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import os
@@ -100,6 +101,11 @@ class Server:
                                 ssd_capacity=config.ssd_capacity,
                                 ssd_slab_bytes=config.ssd_slab_bytes,
                                 ssd_admit_after=config.ssd.admit_after)
+        self.store.allow_evict = "evict" in config.dram.pressure
+        self.store.allow_demote = "demote" in config.dram.pressure
+        self.defer = "defer" in config.dram.pressure
+        self._deferred: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.scheduling = {"defers": 0, "defer_timeouts": 0, "recomputed_tokens": 0}
         self.arenas: Arenas | None = None
         self.ssd: SsdMover | None = None
         self.remote: RemoteTier | None = None
@@ -312,6 +318,8 @@ class Server:
                 self.store.release(_GET_OWNER, pin_id)
             else:
                 pending.append((tracker, pin_id))
+        if self._deferred and len(pending) < len(self._in_flight_gets):
+            self._wake_deferred()
         self._in_flight_gets = pending
         if pending and not self._reap_timer and self._loop is not None:
             self._reap_timer = True
@@ -340,7 +348,8 @@ class Server:
                                     f"{p.MAX_HEADER_BYTES}")
             try:
                 request = p.request_decoder.decode(header)
-            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError,
+                    UnicodeDecodeError) as exc:
                 rid = p.request_id_of(bytes(header))
                 raise MalformedError(f"bad request header: {exc}") from None
             rid = request.rid
@@ -357,8 +366,15 @@ class Server:
                 self.store.touch_owner(session.id, self.clock())
                 handler = self.handlers[type(request)]
                 try:
-                    reply, payload = handler(session, request, frames[2:])
-                except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup) as plan:
+                    try:
+                        reply, payload = handler(session, request, frames[2:])
+                    except CapacityError:
+                        if not self.defer or verb not in _DEFERRABLE:
+                            raise
+                        self.scheduling["defers"] += 1
+                        raise Deferred(self.clock() + self.config.dram.defer_seconds) from None
+                except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup,
+                        Deferred) as plan:
                     # The bytes must move between tiers first: finish in a task.
                     held = sum(len(f) for f in frames[2:])
                     if session.bytes_in_flight + held > self.max_bytes_in_flight:
@@ -385,6 +401,8 @@ class Server:
         if self.store.dropped_ssd and self.ssd is not None:
             self.ssd.removed(self.store.dropped_ssd)
             self.store.dropped_ssd = []
+        if self._deferred and verb in _FREES_ROOM:
+            self._wake_deferred()
         if self.metrics is not None:
             self.metrics.observe_request(verb, time.perf_counter() - start, code, tenant)
         if self.config.server.debug_invariants:
@@ -405,7 +423,7 @@ class Server:
         reply: p.Message
         out: list[Any]
         try:
-            for _ in range(4):
+            for _ in range(1000):
                 if isinstance(plan, RemoteLookup):
                     reply, out = await self._remote_lookup(plan), []
                     break
@@ -415,6 +433,10 @@ class Server:
                     break
                 except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup) as again:
                     plan = again
+                except CapacityError:
+                    if not isinstance(plan, Deferred):
+                        raise
+                    # still no room: wait again, first in line, until the deadline
             else:
                 raise CapacityError("blocks kept moving between tiers; try again")
         except KVStoreError as exc:
@@ -430,6 +452,37 @@ class Server:
             self.metrics.observe_request(verb, time.perf_counter() - start, code, tenant)
         if self.config.server.debug_invariants:
             self.check_invariants()
+
+    async def _wait_for_room(self, plan: Deferred) -> None:
+        """Wait, in order, until a request frees room or the deadline passes."""
+        remaining = plan.deadline - self.clock()
+        if remaining <= 0:
+            self.scheduling["defer_timeouts"] += 1
+            raise CapacityError(
+                f"no room in the dram tier within {self.config.dram.defer_seconds:g}s "
+                f"(deferred, then rejected)")
+        assert self._loop is not None
+        future: asyncio.Future[None] = self._loop.create_future()
+        if plan.waited:
+            self._deferred.appendleft(future)  # a retry that failed keeps its place
+        else:
+            self._deferred.append(future)
+        plan.waited = True
+        try:
+            await asyncio.wait_for(future, remaining)
+        except TimeoutError:
+            pass
+        finally:
+            if future in self._deferred:
+                self._deferred.remove(future)
+
+    def _wake_deferred(self) -> None:
+        """Room may have freed: let the first deferred request try again."""
+        while self._deferred:
+            future = self._deferred.popleft()
+            if not future.done():
+                future.set_result(None)
+                return
 
     def _admit(self, session: Session) -> None:
         """The session's request rate, as a token bucket (a burst of one second's worth)."""
@@ -459,6 +512,9 @@ class Server:
                 f"release some")
 
     async def _resolve(self, plan: Plan) -> None:
+        if isinstance(plan, Deferred):
+            await self._wait_for_room(plan)
+            return
         if isinstance(plan, RemoteFetch):
             assert self.remote is not None
             await self.remote.fetch(plan.ns, plan.keys)
@@ -738,6 +794,7 @@ class Server:
             "sessions": len(self._by_session_id),
             "namespaces": len(self.store.namespaces),
             "invariant_violations": self.invariant_violations,
+            "scheduling": dict(self.scheduling),
         }
         if self.ssd is not None:
             out["ssd_io"] = self.ssd.stats()
@@ -763,7 +820,21 @@ class Server:
             while len(self._expired) > 4096:
                 del self._expired[next(iter(self._expired))]
             log.info("lease expired for %d session(s); their holdings were rolled back", len(gone))
+            self._wake_deferred()
         self._schedule_reaper()
+
+
+_DEFERRABLE = frozenset({"reserve", "put", "acquire", "get"})
+_FREES_ROOM = frozenset({"release", "abort", "commit", "evict", "drop", "put", "get"})
+
+
+class Deferred(Exception):
+    """Not an error: no room now; wait for some, in order, until the deadline."""
+
+    def __init__(self, deadline: float) -> None:
+        super().__init__("deferred")
+        self.deadline = deadline
+        self.waited = False
 
 
 class RemoteFetch(Exception):
@@ -786,7 +857,7 @@ class RemoteLookup(Exception):
         self.tiers = tiers
 
 
-Plan = DemotionNeeded | PromotionNeeded | RemoteFetch | RemoteLookup
+Plan = DemotionNeeded | PromotionNeeded | RemoteFetch | RemoteLookup | Deferred
 
 
 class PinnedFrames(list[Any]):

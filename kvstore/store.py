@@ -244,6 +244,8 @@ class BlockStore:
                     if ssd_capacity else None)
         self.ssd_admit_after = ssd_admit_after
         self.ssd_writable = True  # off for a while after the SSD tier failed a write
+        self.allow_evict = True   # the pressure policy's steps: drop cold blocks,
+        self.allow_demote = True  # move cold blocks down to SSD
         self._hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
         self._dirty: dict[SlabClass, dict[Block, None]] = {}  # per DRAM class: DRAM-only, oldest first
         self.dropped_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped by sweeps
@@ -393,10 +395,14 @@ class BlockStore:
                 f"{pool.available(cls)} free and {len(policy)} evictable in the dram tier; "
                 f"release pins or raise its capacity")
 
+        evict = self.allow_evict
+
         def allowed(b: Block) -> bool:
             if b.refs or b is protect:
                 return False
-            return b.ssd_offset is not None or b.children == 0 or self._admitted(b)
+            if b.ssd_offset is not None or (b.children == 0 and not self._admitted(b)):
+                return evict          # leaves DRAM without a write
+            return self._admitted(b)  # written back first
 
         # Each request demotes its own victims: the room its writes free is taken right
         # when they finish, with no await in between for another request to slip into.
@@ -429,7 +435,7 @@ class BlockStore:
                 yield from (b for b in t.blocks if b.demoting and b.ns.cls is cls)
 
     def _admitted(self, block: Block) -> bool:
-        return (self.ssd is not None and self.ssd_writable
+        return (self.ssd is not None and self.ssd_writable and self.allow_demote
                 and block.seen >= self.ssd_admit_after)
 
     def _state(self, owner: Owner) -> OwnerState:

@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 from kvstore.config import (
+    AuthConfig,
     Config,
     DramConfig,
     RemoteConfig,
@@ -31,7 +32,7 @@ def test_example_config_shows_every_field() -> None:
     data = tomllib.loads(EXAMPLE.read_text())
     assert set(data) == set(Config.__struct_fields__)
     for section, struct in (("server", ServerConfig), ("dram", DramConfig), ("ssd", SsdConfig),
-                            ("remote", RemoteConfig)):
+                            ("remote", RemoteConfig), ("auth", AuthConfig)):
         missing = set(struct.__struct_fields__) - set(data[section])
         assert not missing, f"[{section}] of the example lacks {sorted(missing)}"
 
