@@ -41,6 +41,36 @@ _PARENT_MEMORY = 1 << 20  # chain links remembered per namespace, for reserve/pu
 
 
 @dataclass(frozen=True)
+class PrefetchResult:
+    """``ready`` leading keys are in DRAM now; ``cached`` are cached in some tier."""
+
+    ready: int
+    cached: int
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """One request of a token plan: tokens it holds, tokens it adds, and the keys of the
+    blocks those complete; ``parent`` is the key before them."""
+
+    reserved_tokens: int
+    new_tokens: int
+    keys: list[bytes]
+    parent: bytes | None = None
+
+
+@dataclass
+class BatchResult:
+    """``admitted``: every request got its blocks (``reservations``, one each); else
+    ``fitting`` names the requests that would fit and nothing was reserved."""
+
+    admitted: bool
+    blocks: list[int]
+    fitting: list[int]
+    reservations: list[Reservation]
+
+
+@dataclass(frozen=True)
 class LookupResult:
     """``blocks`` leading keys are cached; ``tiers[i]`` names the tier of hit block i."""
 
@@ -285,6 +315,10 @@ class Client(_Session):
         """Renew this session's leases (reservations and pins)."""
         self._call(p.Ping(self._next_rid()), p.OkReply)
 
+    def report(self, recomputed_tokens: int) -> None:
+        """Tell the daemon (for its metrics) how many tokens the engine recomputed."""
+        self._call(p.Report(self._next_rid(), recomputed_tokens), p.OkReply)
+
     def close(self) -> None:
         self._unmap()
         if self._sock is not None:
@@ -399,6 +433,36 @@ class Namespace(_NamespaceBase):
     def evict(self, keys: Sequence[bytes]) -> int:
         c = self.client
         return c._call(p.Evict(c._next_rid(), self.id, list(keys)), p.CountReply)[0].count
+
+    def keep_warm(self, keys: Sequence[bytes], seconds: float) -> int:
+        """Soft-pin blocks for ``seconds``: eviction takes them last.  Returns how many."""
+        c = self.client
+        return c._call(p.Warm(c._next_rid(), self.id, list(keys), seconds),
+                       p.CountReply)[0].count
+
+    def prefetch(self, keys: Sequence[bytes], *, wait: bool = False,
+                 timeout: float | None = None) -> PrefetchResult:
+        """Bring blocks up to DRAM ahead of use: best effort (returns at once), or wait
+        (until done, or ``timeout`` seconds); the result is a usable prefix."""
+        c = self.client
+        ms = int(timeout * 1000) if timeout else 0
+        r = c._call(p.Prefetch(c._next_rid(), self.id, list(keys), wait, ms),
+                    p.PrefetchReply)[0]
+        return PrefetchResult(r.ready, r.cached)
+
+    def reserve_batch(self, plan: Sequence[PlanItem]) -> BatchResult:
+        """Reserve the blocks of a token plan, all or none (CapacityError is not raised:
+        the result says which requests would fit)."""
+        c = self.client
+        items = [p.PlanItem(i.reserved_tokens, i.new_tokens, list(i.keys), i.parent)
+                 for i in plan]
+        r = c._call(p.ReserveBatch(c._next_rid(), self.id, items), p.BatchReply)[0]
+        reservations = [
+            Reservation(self, list(item.keys),
+                        p.ReserveReply(0, rid, offsets, r.lease_seconds))
+            for item, rid, offsets in zip([i for i in plan if i.keys], r.reservations,
+                                          r.offsets)]
+        return BatchResult(r.admitted, r.blocks, r.fitting, reservations)
 
     def offload(self, kv_caches: Any, page_ids: Sequence[int], keys: Sequence[bytes], *,
                 layout: str = "per_layer", parent: bytes | None = None) -> int:

@@ -94,13 +94,52 @@ class Stats(Message, tag="stats"):
     pass
 
 
+class Warm(Message, tag="warm"):
+    """Keep blocks warm (eviction takes them last) for ``seconds``."""
+
+    ns: bytes
+    keys: list[Key]
+    seconds: float
+
+
+class Prefetch(Message, tag="prefetch"):
+    """Promote blocks to DRAM ahead of use: best effort (reply now), or wait up to
+    ``timeout_ms`` (0: until done)."""
+
+    ns: bytes
+    keys: list[Key]
+    wait: bool = False
+    timeout_ms: int = 0
+
+
+class PlanItem(msgspec.Struct, array_like=True):
+    """One request of a token plan: tokens it holds, tokens it adds, and the keys of the
+    blocks those complete (``ceil((T+s)/B) - ceil(T/B)`` of them), after ``parent``."""
+
+    reserved_tokens: int
+    new_tokens: int
+    keys: list[Key]
+    parent: Key | None = None
+
+
+class ReserveBatch(Message, tag="reserve_batch"):
+    ns: bytes
+    plan: list[PlanItem]
+
+
+class Report(Message, tag="report"):
+    """What an engine tells the daemon for its metrics."""
+
+    recomputed_tokens: int = 0
+
+
 class Ping(Message, tag="ping"):
     pass
 
 
 Request = Union[
     Hello, OpenNamespace, Lookup, Reserve, Commit, Abort, Acquire, Release, Put, Get,
-    Evict, DropNamespace, Stats, Ping,
+    Evict, DropNamespace, Stats, Ping, Warm, Prefetch, ReserveBatch, Report,
 ]
 
 
@@ -169,6 +208,20 @@ class StatsReply(Message, tag="stats"):
     stats: dict[str, Any]
 
 
+class PrefetchReply(Message, tag="prefetch"):
+    ready: int    # leading keys whose blocks are in DRAM now
+    cached: int   # leading keys cached in any tier
+
+
+class BatchReply(Message, tag="reserve_batch"):
+    admitted: bool
+    blocks: list[int]          # blocks each request needs
+    fitting: list[int]         # when not admitted: the requests that would fit, in order
+    reservations: list[int]    # when admitted: one reservation per request
+    offsets: list[list[int]]
+    lease_seconds: float
+
+
 class ErrorReply(Message, tag="error"):
     code: str
     message: str
@@ -176,7 +229,8 @@ class ErrorReply(Message, tag="error"):
 
 Reply = Union[
     HelloReply, NamespaceReply, LookupReply, ReserveReply, CommitReply, AcquireReply,
-    PutReply, GetReply, CountReply, OkReply, StatsReply, ErrorReply,
+    PutReply, GetReply, CountReply, OkReply, StatsReply, PrefetchReply, BatchReply,
+    ErrorReply,
 ]
 
 request_decoder = msgspec.msgpack.Decoder(Request)

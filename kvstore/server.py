@@ -16,7 +16,7 @@ import os
 import secrets
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,6 +139,10 @@ class Server:
             p.DropNamespace: self._drop,
             p.Stats: self._stats,
             p.Ping: self._ping,
+            p.Warm: self._warm,
+            p.Prefetch: self._prefetch,
+            p.ReserveBatch: self._reserve_batch,
+            p.Report: self._report,
         }
         verb_types: list[type[Any]] = [p.Hello, *self.handlers]
         self._verbs = {t: str(t.__struct_config__.tag) for t in verb_types}
@@ -374,7 +378,7 @@ class Server:
                         self.scheduling["defers"] += 1
                         raise Deferred(self.clock() + self.config.dram.defer_seconds) from None
                 except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup,
-                        Deferred) as plan:
+                        Deferred, Later) as plan:
                     # The bytes must move between tiers first: finish in a task.
                     held = sum(len(f) for f in frames[2:])
                     if session.bytes_in_flight + held > self.max_bytes_in_flight:
@@ -426,6 +430,9 @@ class Server:
             for _ in range(1000):
                 if isinstance(plan, RemoteLookup):
                     reply, out = await self._remote_lookup(plan), []
+                    break
+                if isinstance(plan, Later):
+                    reply, out = await plan.reply, []
                     break
                 await self._resolve(plan)
                 try:
@@ -520,7 +527,7 @@ class Server:
             await self.remote.fetch(plan.ns, plan.keys)
             return
         assert self.ssd is not None, "the store planned a move without an ssd tier"
-        assert not isinstance(plan, RemoteLookup)
+        assert isinstance(plan, (DemotionNeeded, PromotionNeeded)), plan
         try:
             await self.ssd.resolve(plan)
         except CapacityError:
@@ -780,6 +787,95 @@ class Server:
             self.ssd.removed(removed)
         return p.CountReply(req.rid, count), []
 
+    def _warm(self, session: Session, req: p.Warm, payload: list[Any]) -> Outcome:
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        if not 0 < req.seconds <= 86400:
+            raise MalformedError("warm: seconds must be in (0, 86400]")
+        return p.CountReply(req.rid, self.store.keep_warm(ns, req.keys,
+                                                          self.clock() + req.seconds)), []
+
+    def _prefetch(self, session: Session, req: p.Prefetch, payload: list[Any]) -> Outcome:
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        cached = self.store.lookup(ns, req.keys)
+        ready = _leading_in_dram(ns, req.keys)
+        if ready == len(req.keys) or (self.ssd is None and self.remote is None):
+            return p.PrefetchReply(req.rid, ready, len(cached)), []
+        task = self._loop_task(self._bring_up(ns, req.keys, len(cached)))
+        if not req.wait:
+            return p.PrefetchReply(req.rid, ready, len(cached)), []
+        raise Later(self._prefetch_reply(req, ns, task))
+
+    async def _bring_up(self, ns: Namespace, keys: list[bytes], cached: int) -> None:
+        """Promote the cached part of a chain to DRAM, then fetch the rest from the remote
+        tier; a partial result is still a usable prefix."""
+        try:
+            below = [b for k in keys[:cached] if (b := ns.blocks.get(k)) is not None
+                     and b.offset is None and b.ssd_offset is not None]
+            if below and self.ssd is not None:
+                await self.ssd.promote(below)
+            if cached < len(keys) and self.remote is not None and self.remote.healthy:
+                await self.remote.fetch(ns, keys)
+        except KVStoreError as exc:
+            log.debug("prefetch stopped early: %s", exc)
+
+    async def _prefetch_reply(self, req: p.Prefetch, ns: Namespace,
+                              task: asyncio.Task[None]) -> p.Message:
+        timeout = req.timeout_ms / 1000 if req.timeout_ms > 0 else None
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+        except TimeoutError:
+            pass  # what is up by now is the answer; the rest goes on in the background
+        cached = sum(1 for _ in _leading_present(ns, req.keys))
+        return p.PrefetchReply(req.rid, _leading_in_dram(ns, req.keys), cached)
+
+    def _loop_task(self, coro: Any) -> asyncio.Task[None]:
+        assert self._loop is not None
+        task: asyncio.Task[None] = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _reserve_batch(self, session: Session, req: p.ReserveBatch,
+                       payload: list[Any]) -> Outcome:
+        """Reserve the blocks of a whole token plan, all or none."""
+        from kvstore.scheduler.admission import TokenRequest, admit_batch
+
+        ns = self._namespace(session, req.ns)
+        bt = ns.identity.block_tokens
+        requests = [TokenRequest(item.reserved_tokens, item.new_tokens) for item in req.plan]
+        available = self.store.available_slots(ns)
+        decision = admit_batch(requests, bt, available)
+        for i, (item, need) in enumerate(zip(req.plan, decision.blocks)):
+            if len(item.keys) != need:
+                raise MalformedError(f"plan item {i} adds {need} blocks but names "
+                                     f"{len(item.keys)} keys")
+        self._check_keys([k for item in req.plan for k in item.keys])
+        if not decision.admitted:
+            self.store.counters.capacity_rejects += 1
+            return p.BatchReply(req.rid, False, list(decision.blocks), list(decision.fitting),
+                                [], [], self.limits.lease_seconds), []
+        done: list[Reservation] = []
+        try:
+            for item in req.plan:
+                if item.keys:
+                    done.append(self.store.reserve(session.id, ns, item.keys, item.parent,
+                                                   self.clock()))
+        except BaseException:
+            for r in done:
+                self.store.abort(session.id, r.id)
+            raise
+        return p.BatchReply(req.rid, True, list(decision.blocks), [],
+                            [r.id for r in done], [r.offsets for r in done],
+                            self.limits.lease_seconds), []
+
+    def _report(self, session: Session, req: p.Report, payload: list[Any]) -> Outcome:
+        if req.recomputed_tokens < 0:
+            raise MalformedError("recomputed_tokens cannot be negative")
+        self.scheduling["recomputed_tokens"] += req.recomputed_tokens
+        return p.OkReply(req.rid), []
+
     def _stats(self, session: Session, req: p.Stats, payload: list[Any]) -> Outcome:
         self._reap_sends()  # pins of get replies already sent are not holdings
         return p.StatsReply(req.rid, self.stats()), []
@@ -828,6 +924,31 @@ _DEFERRABLE = frozenset({"reserve", "put", "acquire", "get"})
 _FREES_ROOM = frozenset({"release", "abort", "commit", "evict", "drop", "put", "get"})
 
 
+class Later(Exception):
+    """Not an error: the reply comes from a coroutine (a prefetch that waits)."""
+
+    def __init__(self, reply: Coroutine[Any, Any, p.Message]) -> None:
+        super().__init__("later")
+        self.reply = reply
+
+
+def _leading_present(ns: Namespace, keys: list[bytes]) -> Iterator[Block]:
+    for key in keys:
+        block = ns.blocks.get(key)
+        if block is None or not block.present:
+            return
+        yield block
+
+
+def _leading_in_dram(ns: Namespace, keys: list[bytes]) -> int:
+    n = 0
+    for block in _leading_present(ns, keys):
+        if block.offset is None:
+            break
+        n += 1
+    return n
+
+
 class Deferred(Exception):
     """Not an error: no room now; wait for some, in order, until the deadline."""
 
@@ -857,7 +978,7 @@ class RemoteLookup(Exception):
         self.tiers = tiers
 
 
-Plan = DemotionNeeded | PromotionNeeded | RemoteFetch | RemoteLookup | Deferred
+Plan = DemotionNeeded | PromotionNeeded | RemoteFetch | RemoteLookup | Deferred | Later
 
 
 class PinnedFrames(list[Any]):

@@ -26,7 +26,8 @@ again.  A block only on SSD is promoted the same way: ``acquire`` raises
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Iterable, Sequence
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,7 @@ from kvstore.errors import (
 )
 from kvstore.identity import Identity
 from kvstore.pool import SlabClass, SlabPool
-from kvstore.scheduler.eviction import EvictionPolicy, make_policy
+from kvstore.scheduler.eviction import EvictionPolicy, WarmPins, make_policy
 
 Owner = Hashable
 DRAM = "dram"
@@ -203,16 +204,20 @@ class TierSlots:
     """One tier's slab pool and an eviction order per slab class."""
 
     def __init__(self, name: str, capacity: int, slab_bytes: int, alignment: int,
-                 policy: str) -> None:
+                 policy: str, clock: Callable[[], float] | None = None) -> None:
         self.name = name
         self.pool = SlabPool(capacity, slab_bytes, alignment)
         self.policy_name = policy
+        self.clock = clock  # set: orders support soft pins (kept warm until a time)
         self.policies: dict[int, EvictionPolicy[Block]] = {}
 
     def class_for(self, block_bytes: int) -> SlabClass:
         cls = self.pool.class_for(block_bytes)
         if cls.slot_bytes not in self.policies:
-            self.policies[cls.slot_bytes] = make_policy(self.policy_name)  # type: ignore[assignment]
+            policy: EvictionPolicy[Block] = make_policy(self.policy_name)  # type: ignore[assignment]
+            if self.clock is not None:
+                policy = WarmPins(policy, self.clock)
+            self.policies[cls.slot_bytes] = policy
         return cls
 
     def policy(self, cls: SlabClass) -> EvictionPolicy[Block]:
@@ -233,11 +238,13 @@ class BlockStore:
         eviction_policy: str = "lru",
         alignment: int = 4096,
         per_tenant: bool = False,
+        clock: Callable[[], float] = time.monotonic,
         ssd_capacity: int = 0,
         ssd_slab_bytes: int = 256 << 20,
         ssd_admit_after: int = 1,
     ) -> None:
         self._dram_args = (capacity_bytes, slab_bytes, alignment, eviction_policy)
+        self.clock = clock
         self.per_tenant = per_tenant
         self.drams: dict[str, TierSlots] = {}  # one DRAM tier (arena) per tenant, or one for all
         self.ssd = (TierSlots(SSD, ssd_capacity, ssd_slab_bytes, 4096, "lru")
@@ -271,6 +278,22 @@ class BlockStore:
             self.namespaces[identity.namespace_id] = ns
         return ns
 
+    def available_slots(self, ns: Namespace) -> int:
+        """DRAM slots a reservation in ``ns`` could have now: free, or evictable."""
+        return ns.dram.pool.available(ns.cls) + len(ns.dram.policy(ns.cls))
+
+    def keep_warm(self, ns: Namespace, keys: Sequence[bytes], until: float) -> int:
+        """Soft-pin the DRAM copies of ``keys`` until ``until``: eviction takes them last."""
+        policy = ns.dram.policy(ns.cls)
+        count = 0
+        for key in keys:
+            block = ns.blocks.get(key)
+            if block is not None and block.offset is not None and not block.demoting \
+                    and isinstance(policy, WarmPins):
+                policy.pin_soft(block, until)
+                count += 1
+        return count
+
     def arena_of(self, tenant: str) -> str:
         """The name of the DRAM arena a tenant's blocks live in ("" when shared by all)."""
         return tenant if self.per_tenant else ""
@@ -279,7 +302,7 @@ class BlockStore:
         name = self.arena_of(tenant)
         tier = self.drams.get(name)
         if tier is None:
-            tier = self.drams[name] = TierSlots(DRAM, *self._dram_args)
+            tier = self.drams[name] = TierSlots(DRAM, *self._dram_args, clock=self.clock)
         return tier
 
     def touch_owner(self, owner: Owner, now: float) -> OwnerState:

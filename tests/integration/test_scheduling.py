@@ -85,3 +85,99 @@ def test_without_evict_in_the_chain_cached_blocks_stay(daemon_factory: Any,
             ns.put(ns.keys(range(10**6, 10**6 + 16)), [bytes(BIG.block_bytes)])
         assert ns.lookup(keys).blocks == 8             # nothing was evicted
         assert c.stats()["tiers"]["dram"]["evictions"] == 0
+
+
+def test_soft_pins_go_last_and_hard_pins_never(daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes),
+                       extra=["--slab-size", str(8 * BIG.block_bytes)])
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(BIG)
+        prompt = ns.keys(range(16 * 2))                  # a system prompt kept warm
+        ns.put(prompt, [bytes(BIG.block_bytes)] * 2)
+        assert ns.keep_warm(prompt, 60) == 2
+        for i in range(10):                              # colder traffic passes through
+            keys = ns.keys(range(10**6 * (i + 1), 10**6 * (i + 1) + 16 * 2))
+            ns.put(keys, [bytes(BIG.block_bytes)] * 2)
+        assert ns.lookup(prompt).blocks == 2             # still there
+        with ns.acquire(prompt):
+            for i in range(8):                           # only warm + pinned are left to take
+                keys = ns.keys(range(10**8 * (i + 1), 10**8 * (i + 1) + 16 * 3))
+                ns.put(keys, [bytes(BIG.block_bytes)] * 3)
+            assert ns.lookup(prompt).blocks == 2         # the hard pin holds
+
+
+def test_batch_admission_is_all_or_none_and_says_what_fits(daemon_factory: Any) -> None:
+    from kvstore.client import PlanItem
+
+    d, holder, held = full_of_pins(daemon_factory)      # 8 slots, all pinned
+    try:
+        held.release()
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(BIG)
+            bt = BIG.block_tokens
+
+            def item(i: int, reserved: int, new: int) -> PlanItem:
+                need = -(-(reserved + new) // bt) - -(-reserved // bt)
+                return PlanItem(reserved, new, ns.keys(range(10**6 * (i + 1),
+                                                             10**6 * (i + 1) + need * bt)))
+
+            too_big = [item(1, 0, 5 * bt), item(2, 3, 2 * bt), item(3, 0, 2 * bt)]
+            result = ns.reserve_batch(too_big)            # 5 + 2 + 2 = 9 > 8
+            assert not result.admitted and result.blocks == [5, 2, 2]
+            assert result.fitting == [0, 1]
+            assert c.stats()["tiers"]["dram"]["reserved_slots"] == 0
+            fits = ns.reserve_batch([item(4, 0, 3 * bt), item(5, bt, bt + 1)])
+            assert fits.admitted and fits.blocks == [3, 2]
+            assert [len(r.buffers) for r in fits.reservations] == [3, 2]
+            assert sum(r.commit() for r in fits.reservations) == 5
+    finally:
+        holder.close()
+
+
+def test_prefetch_promotes_ahead_of_use(daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes), ssd_capacity="64MiB",
+                       extra=["--slab-size", str(8 * BIG.block_bytes)])
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(BIG)
+        first = ns.keys(range(16 * 4))
+        ns.put(first, [b"\1" * BIG.block_bytes] * 4)
+        for i in range(4):                               # push `first` down to SSD
+            keys = ns.keys(range(10**6 * (i + 1), 10**6 * (i + 1) + 16 * 4))
+            ns.put(keys, [bytes(BIG.block_bytes)] * 4)
+        assert set(ns.lookup(first).tiers) == {"ssd"}
+        result = ns.prefetch(first, wait=True, timeout=10)
+        assert result.ready == 4 and result.cached == 4
+        assert ns.lookup(first).tiers == ["dram"] * 4
+        missing = ns.keys(range(5 * 10**7, 5 * 10**7 + 16 * 2))
+        partial = ns.prefetch(first + missing, wait=True)
+        assert partial.cached == 4 and partial.ready == 4     # a usable prefix
+        c.report(recomputed_tokens=32)
+        assert c.stats()["scheduling"]["recomputed_tokens"] == 32
+
+
+def test_a_scan_does_not_flush_the_hot_set_under_s3fifo(daemon_factory: Any) -> None:
+    small = make_identity(num_layers=2, num_kv_heads=2, head_dim=64)   # 16 KiB blocks
+    hits = {}
+    for policy in ("lru", "s3fifo"):
+        d = daemon_factory(dram_capacity=str(64 * small.block_bytes),
+                           extra=["--slab-size", str(64 * small.block_bytes),
+                                  "--eviction-policy", policy])
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(small)
+            hot = [ns.keys(range(16 * i, 16 * (i + 1))) for i in range(24)]
+            for keys in hot:
+                ns.put(keys, [bytes(small.block_bytes)])
+            found = 0
+            for round_ in range(6):
+                for keys in hot:                                  # the hot set, reused
+                    if ns.lookup(keys).blocks:
+                        found += 1
+                    else:
+                        ns.put(keys, [bytes(small.block_bytes)])
+                for j in range(60):                               # a scan of one-time blocks
+                    scan = ns.keys(range(10**7 * (round_ + 1) + 16 * j,
+                                         10**7 * (round_ + 1) + 16 * (j + 1)))
+                    ns.put(scan, [bytes(small.block_bytes)])
+            hits[policy] = found
+        d.stop()
+    assert hits["s3fifo"] > 1.5 * hits["lru"], hits
