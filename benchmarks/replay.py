@@ -1,12 +1,16 @@
-"""Replay a serving trace with prefix-block ids against the eviction policies, offline.
+"""Replay a serving trace with prefix-block ids against the eviction policies.
 
     python benchmarks/replay.py [--trace PATH] [--capacities 0.02,0.05] [--policies lru,s3fifo]
+    python benchmarks/replay.py --mode daemon [--requests 1000] [--ssd [SHARE]]
 
-Each request looks up the longest cached prefix of its block ids (hit blocks; hit
-tokens, counting the partial last block as ``input_length - 512 * (n - 1)`` tokens),
-then inserts its missing blocks, evicting leaf-first when the cache is full; the
-request's own blocks stay pinned until it is done.  Every registered policy runs side by
-side with these bounds at each capacity (a share of the trace's unique blocks):
+Only a request's full blocks are cacheable, as in the store, where only full blocks get
+keys: ``input_length // 512`` of its ids; the partial last block's tokens always miss
+(``--partial-blocks`` counts it as a block, as this file did before; sim mode only).
+Each request looks up the longest cached prefix of those ids (hit blocks; hit tokens are
+512 per hit block), then inserts its missing blocks, evicting leaf-first when the cache
+is full; the request's own blocks stay pinned until it is done.  Every registered policy
+runs side by side with these bounds at each capacity (a share of the trace's unique
+cacheable blocks):
 
 - ``belady``: the offline optimum, the reference of the ratio column.  On a miss with
   a full cache it evicts the unpinned block whose next use is farthest, or skips
@@ -19,24 +23,57 @@ side with these bounds at each capacity (a share of the trace's unique blocks):
   policies must.
 - ``infinite``: nothing is ever evicted (the share of references that repeat an id).
 
-``--mode sim`` (the only mode for now) drives in-file simulators; ``replay`` drives any
-object with ``lookup`` and ``insert`` (and reports its ``evictions`` if it has them),
-so a client of the real daemon can be measured the same way.
+``--mode sim`` drives in-file simulators; ``replay`` drives any object with ``lookup``
+and ``insert`` (and reports its ``evictions`` if it has them).
+
+``--mode daemon`` also starts one real daemon (``python -m kvstore serve``) per policy
+and capacity and replays the trace through the client library: a request's tokens are
+``range(h * 512, h * 512 + 512)`` for each full-block id ``h``, keyed by ``ns.keys``;
+``ns.lookup`` gives the hit, ``ns.acquire`` pins the hit blocks (as an engine reading
+them back would; ``--no-hold`` skips it) and ``ns.put`` stores the missing ones, then
+the pin is released.  Blocks are 16 KiB of zeros (one layer, one KV head of 8 float16
+values, 512 tokens); the DRAM tier holds exactly the capacity's blocks, in 64 KiB slabs
+(so capacities are rounded to 4 blocks and are at least 64 blocks, the 1 MiB minimum),
+and the simulators run at those same capacities.  A put refused with CapacityError
+(a request with more missing blocks than the cache has room for beside its hits) is
+counted and retried with as many blocks as fit, which is what the simulator stores.
+Each policy's daemon row sits under its simulator row, with the daemon's own counters
+(``client.stats()``): blocks it refused, MiB committed into DRAM (new blocks and
+promotions) and, with ``--ssd``, MiB written to the SSD tier and blocks promoted back.
+``--ssd SHARE`` puts an SSD tier of that share of the unique blocks (1.0 if no share is
+given) under DRAM; its hits count as hits, so those rows are not comparable with the
+simulator's.  ``--requests N`` replays the first N requests only.
+
+LRU's daemon rows match the simulator's exactly.  Where another policy's differ, the
+store calls it differently from ``PolicyCache``: lookup and acquire each count a hit
+(S3-FIFO's frequencies rise by two), a put reserves (evicts) all its slots before it
+commits any block, and the store drops a block's entry when it is evicted, so a key
+cached again is a new item to the policy and never matches its ghost (S3-FIFO's ghost
+queue, ARC's B1/B2).  The last is most of the gap.
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import os
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol, Self
 
 import msgspec
+import numpy as np
 
+from kvstore.client import Client, Held, Namespace
+from kvstore.errors import CapacityError
+from kvstore.identity import Identity
 from kvstore.scheduler.eviction import POLICIES, EvictionPolicy
 
 BLOCK_TOKENS = 512
@@ -65,6 +102,17 @@ def load_trace(path: Path) -> list[TraceRequest]:
         return [decoder.decode(line) for line in f if line.strip()]
 
 
+def cacheable(trace: Iterable[TraceRequest], partial: bool = False) -> list[TraceRequest]:
+    """The trace with each request's ids cut to its full blocks, the only ones with keys
+    (all of them, the partial last block as well, with ``partial``)."""
+    if partial:
+        return list(trace)
+    return [
+        msgspec.structs.replace(r, hash_ids=r.hash_ids[: r.input_length // BLOCK_TOKENS])
+        for r in trace
+    ]
+
+
 class PrefixCache(Protocol):
     """What ``replay`` drives: one lookup and one insert per request, in trace order.
 
@@ -89,6 +137,8 @@ class ReplayStats:
     tokens: int = 0
     hit_tokens: int = 0
     evictions: int = 0
+    rejects: int = 0  # puts refused with CapacityError (daemon only)
+    tiers: dict[str, dict[str, int]] | None = None  # the daemon's per-tier counters
 
     @property
     def block_hit_rate(self) -> float:
@@ -100,7 +150,11 @@ class ReplayStats:
 
 
 def replay(trace: Iterable[TraceRequest], cache: PrefixCache) -> ReplayStats:
-    """Run every request through ``cache``; count hit blocks and tokens."""
+    """Run every request through ``cache``; count hit blocks and tokens.
+
+    A hit block is 512 tokens, except a partial last block (kept by ``cacheable`` with
+    ``partial``), which holds the rest of ``input_length``.
+    """
     stats = ReplayStats()
     for request in trace:
         keys = request.hash_ids
@@ -108,12 +162,10 @@ def replay(trace: Iterable[TraceRequest], cache: PrefixCache) -> ReplayStats:
         stats.blocks += len(keys)
         stats.hit_blocks += hits
         stats.tokens += request.input_length
-        if keys and hits == len(keys):
-            stats.hit_tokens += request.input_length
-        else:
-            stats.hit_tokens += hits * BLOCK_TOKENS
+        stats.hit_tokens += min(hits * BLOCK_TOKENS, request.input_length)
         cache.insert(keys, hits)
     stats.evictions = getattr(cache, "evictions", 0)
+    stats.rejects = getattr(cache, "rejects", 0)
     return stats
 
 
@@ -281,49 +333,335 @@ def unique_blocks(trace: Iterable[TraceRequest]) -> int:
     return len({key for request in trace for key in request.hash_ids})
 
 
+# -- the real daemon ------------------------------------------------------------------------
+
+# Tiny blocks keep the arena small: 2 (K, V) * 1 layer * 1 head * 8 dims * 2 bytes * 512.
+DAEMON_IDENTITY = Identity(
+    model="replay",
+    model_revision="1",
+    tenant="replay",
+    kv_dtype="float16",
+    num_layers=1,
+    num_kv_heads=1,
+    head_dim=8,
+    block_tokens=BLOCK_TOKENS,
+)
+SLOT_BYTES = -(-DAEMON_IDENTITY.block_bytes // 4096) * 4096  # slots are 4 KiB aligned
+SLAB_BYTES = 64 << 10  # the smallest slab the daemon takes
+SLAB_SLOTS = SLAB_BYTES // SLOT_BYTES
+MIN_DRAM_BLOCKS = (1 << 20) // SLOT_BYTES  # the smallest DRAM tier it takes: 1 MiB
+
+
+def sim_capacity(share: float, unique: int) -> int:
+    return max(1, round(share * unique))
+
+
+def daemon_capacity(share: float, unique: int) -> int:
+    """Blocks of a DRAM tier of whole slabs nearest ``share`` of ``unique``."""
+    slabs = max(MIN_DRAM_BLOCKS // SLAB_SLOTS, round(share * unique / SLAB_SLOTS))
+    return slabs * SLAB_SLOTS
+
+
+class Daemon:
+    """``python -m kvstore serve`` in a scratch directory, from its "serving on" line to
+    SIGTERM.  ``ssd_blocks`` 0 runs it without the SSD tier."""
+
+    def __init__(self, workdir: Path, policy: str, dram_blocks: int, ssd_blocks: int = 0) -> None:
+        self.workdir = workdir
+        self.endpoint = f"ipc://{workdir / 'kvstore.sock'}"
+        self.args = [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "serve",
+            "--endpoint",
+            self.endpoint,
+            "--dram-capacity",
+            str(dram_blocks * SLOT_BYTES),
+            "--slab-size",
+            str(SLAB_BYTES),
+            "--eviction-policy",
+            policy,
+            "--ssd-path",
+            str(workdir / "ssd"),
+            "--ssd-capacity",
+            str(ssd_blocks * SLOT_BYTES),
+            "--log-level",
+            "warning",
+        ]
+        self.log_path = workdir / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def __enter__(self) -> Self:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        env["KVSTORE_SSD_SLAB_SIZE"] = str(SLAB_BYTES)  # whole slabs of any SSD capacity
+        self._log = self.log_path.open("ab")
+        self.proc = proc = subprocess.Popen(
+            self.args, stdout=subprocess.PIPE, stderr=self._log, env=env
+        )
+        assert proc.stdout is not None
+        watchdog = threading.Timer(60.0, proc.kill)
+        watchdog.start()
+        try:
+            for line in proc.stdout:
+                if b"serving on" in line:
+                    break
+            else:
+                raise RuntimeError(f"the daemon did not come up: {self.log().strip()}")
+        except BaseException:
+            self.__exit__()
+            raise
+        finally:
+            watchdog.cancel()
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain the rest
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            if proc.returncode not in (0, -signal.SIGTERM):
+                print(
+                    f"daemon exited with {proc.returncode}: {self.log()[-2000:]}", file=sys.stderr
+                )
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class KeyChains:
+    """The daemon's keys of the trace's block ids, computed once through ``ns.keys``.
+
+    An id stands for its whole prefix, so its key (chained over the tokens
+    ``range(h * 512, h * 512 + 512)`` of every id up to it) is the same in every request;
+    namespaces of the same identity share them, so one instance serves every daemon.
+    """
+
+    def __init__(self) -> None:
+        self._keys: dict[int, bytes] = {}
+        self._offsets = np.arange(BLOCK_TOKENS, dtype=np.int64)
+
+    def __call__(self, ns: Namespace, ids: Sequence[int]) -> list[bytes]:
+        known = self._keys
+        n = 0
+        while n < len(ids) and ids[n] in known:
+            n += 1
+        keys = [known[h] for h in ids[:n]]
+        if n < len(ids):
+            rest = np.asarray(ids[n:], dtype=np.int64)
+            tokens = (rest[:, None] * BLOCK_TOKENS + self._offsets).ravel()
+            new = ns.keys(tokens, parent=keys[-1] if keys else None)
+            known.update(zip(ids[n:], new))
+            keys += new
+        return keys
+
+
+@dataclass
+class DaemonCache:
+    """``replay``'s cache interface over a namespace of a real daemon (see the module
+    docstring); ``capacity`` is its DRAM tier in blocks."""
+
+    ns: Namespace
+    chains: KeyChains
+    capacity: int
+    hold: bool = True
+    rejects: int = 0
+    _keys: list[bytes] = field(default_factory=list)
+    _held: Held | None = None
+
+    def __post_init__(self) -> None:
+        self._zeros = bytes(self.ns.block_bytes)
+
+    def lookup(self, ids: Sequence[int]) -> int:
+        self._keys = keys = self.chains(self.ns, ids)
+        hits = self.ns.lookup(keys).blocks
+        if self.hold and hits:
+            self._held = self.ns.acquire(keys[:hits])
+        return hits
+
+    def insert(self, ids: Sequence[int], hits: int) -> None:
+        keys, ns = self._keys, self.ns
+        try:
+            missing = len(keys) - hits
+            if not missing:
+                return
+            parent = keys[hits - 1] if hits else None
+            try:
+                ns.put(keys[hits:], [self._zeros] * missing, parent=parent)
+            except CapacityError:
+                # The rest of the cache cannot make room for them all; the simulator
+                # stores as many as fit beside the request's hits, so do the same.
+                self.rejects += 1
+                room = self.capacity - hits
+                if 0 < room < missing:
+                    try:
+                        ns.put(keys[hits : hits + room], [self._zeros] * room, parent=parent)
+                    except CapacityError:
+                        pass
+        finally:
+            if self._held is not None:
+                self._held.release()
+                self._held = None
+
+
+def replay_daemon(
+    trace: Sequence[TraceRequest],
+    policy: str,
+    capacity: int,
+    chains: KeyChains,
+    *,
+    ssd_blocks: int = 0,
+    hold: bool = True,
+) -> ReplayStats:
+    """Start a daemon, replay the trace through the client library, stop it."""
+    with (
+        tempfile.TemporaryDirectory(prefix="kvstore-replay-") as tmp,
+        Daemon(Path(tmp), policy, capacity, ssd_blocks) as daemon,
+        Client(daemon.endpoint, tenant=DAEMON_IDENTITY.tenant) as client,
+    ):
+        ns = client.namespace(DAEMON_IDENTITY)
+        dram = client.stats()["tiers"]["dram"]
+        assert dram["capacity"] == capacity * SLOT_BYTES, dram
+        stats = replay(trace, DaemonCache(ns, chains, capacity, hold=hold))
+        tiers: dict[str, dict[str, int]] = client.stats()["tiers"]
+    stats.tiers = tiers
+    stats.evictions = tiers["dram"]["evictions"]
+    return stats
+
+
 def run_sim(
-    trace: Sequence[TraceRequest], capacities: Sequence[float], policies: Sequence[str]
+    trace: Sequence[TraceRequest],
+    capacities: Sequence[float],
+    policies: Sequence[str],
+    *,
+    daemon: bool = False,
+    ssd_share: float = 0.0,
+    hold: bool = True,
+    progress: IO[str] | None = None,
 ) -> list[tuple[float, int, str, ReplayStats]]:
-    """Replay every policy and both bounds at every capacity; rows in print order."""
+    """Replay every policy and both bounds at every capacity; rows in print order.
+
+    With ``daemon``, each policy's simulator row is followed by the same replay through
+    a real daemon (``<policy>@daemon``), and every capacity is the daemon's.
+    """
     unique = unique_blocks(trace)
+    capacity_of = daemon_capacity if daemon else sim_capacity
+    ssd_blocks = round(ssd_share * unique) // SLAB_SLOTS * SLAB_SLOTS if ssd_share else 0
+    chains = KeyChains()
     infinite = replay(trace, InfiniteCache())
     rows: list[tuple[float, int, str, ReplayStats]] = []
     for share in capacities:
-        capacity = max(1, round(share * unique))
+        capacity = capacity_of(share, unique)
         rows.append((share, capacity, "belady", replay(trace, BeladyCache(trace, capacity))))
         must_insert = BeladyCache(trace, capacity, bypass=False)
         rows.append((share, capacity, "belady-ins", replay(trace, must_insert)))
         for name in policies:
             cache = PolicyCache(POLICIES[name](), capacity)
             rows.append((share, capacity, name, replay(trace, cache)))
+            if daemon:
+                started = time.perf_counter()
+                stats = replay_daemon(
+                    trace, name, capacity, chains, ssd_blocks=ssd_blocks, hold=hold
+                )
+                rows.append((share, capacity, f"{name}@daemon", stats))
+                if progress is not None:
+                    print(
+                        f"  {name} at {capacity} blocks: daemon replay "
+                        f"{time.perf_counter() - started:.1f} s",
+                        file=progress,
+                        flush=True,
+                    )
         rows.append((share, capacity, "infinite", infinite))
     return rows
 
 
 def format_table(rows: Sequence[tuple[float, int, str, ReplayStats]]) -> str:
-    """The rows as a fixed-width table with each row's ratio to Belady's block hits."""
+    """The rows as a fixed-width table with each row's ratio to Belady's block hits.
+
+    Daemon rows add what the daemon counted: puts refused (``rejects``), MiB committed
+    into DRAM (new blocks and promotions) and, with an SSD tier, MiB written to it and
+    blocks promoted back from it.
+    """
+    daemon = [stats.tiers for _, _, _, stats in rows if stats.tiers is not None]
+    ssd = any("ssd" in tiers for tiers in daemon)
+    width = max([10, *(len(name) for _, _, name, _ in rows)])
     header = (
-        f"{'capacity':>14}  {'policy':<10} {'block hit':>9} {'token hit':>9} "
+        f"{'capacity':>14}  {'policy':<{width}} {'block hit':>9} {'token hit':>9} "
         f"{'evictions':>9} {'/belady':>7}"
     )
+    if daemon:
+        header += f" {'rejects':>7} {'dram MiB':>8}"
+    if ssd:
+        header += f" {'ssd MiB':>8} {'promoted':>8}"
     lines = [header]
     belady: dict[float, ReplayStats] = {}
+    mib = float(1 << 20)
     for share, capacity, name, stats in rows:
         if name == "belady":
             belady[share] = stats
         best = belady.get(share)
         ratio = stats.hit_blocks / best.hit_blocks if best and best.hit_blocks else 0.0
-        lines.append(
-            f"{share:>5.0%} {capacity:>7}b  {name:<10} {stats.block_hit_rate:>9.4f} "
+        line = (
+            f"{share:>5.0%} {capacity:>7}b  {name:<{width}} {stats.block_hit_rate:>9.4f} "
             f"{stats.token_hit_rate:>9.4f} {stats.evictions:>9} {ratio:>7.3f}"
         )
+        tiers = stats.tiers
+        if tiers is not None:
+            dram = tiers["dram"]
+            line += (
+                f" {stats.rejects:>7} "
+                f"{(dram['commits'] + dram['promotions']) * SLOT_BYTES / mib:>8.1f}"
+            )
+            if "ssd" in tiers:
+                line += (
+                    f" {tiers['ssd']['writes'] * SLOT_BYTES / mib:>8.1f} {dram['promotions']:>8}"
+                )
+        lines.append(line)
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="JSON-lines trace")
-    parser.add_argument("--mode", choices=["sim"], default="sim", help="what replays it")
+    parser.add_argument(
+        "--mode",
+        choices=["sim", "daemon"],
+        default="sim",
+        help="simulators only, or real daemons beside them",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=0, metavar="N", help="replay the first N requests only"
+    )
+    parser.add_argument(
+        "--partial-blocks",
+        action="store_true",
+        help="count each request's partial last block as a cacheable block (sim mode only)",
+    )
+    parser.add_argument(
+        "--ssd",
+        type=float,
+        nargs="?",
+        const=1.0,
+        default=0.0,
+        metavar="SHARE",
+        help="daemon mode: an SSD tier of SHARE of the unique blocks (1.0 if no SHARE)",
+    )
+    parser.add_argument(
+        "--no-hold",
+        dest="hold",
+        action="store_false",
+        help="daemon mode: do not acquire a request's hit blocks while its put runs",
+    )
     parser.add_argument(
         "--capacities",
         default=",".join(str(c) for c in DEFAULT_CAPACITIES),
@@ -340,15 +678,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown policies {unknown}; registered: {sorted(POLICIES)}")
     if not args.trace.is_file():
         parser.error(f"no trace at {args.trace}; pass --trace")
+    daemon = args.mode == "daemon"
+    if daemon and args.partial_blocks:
+        parser.error("--partial-blocks is sim mode only: the daemon keys full blocks only")
+    if not daemon and (args.ssd or not args.hold):
+        parser.error("--ssd and --no-hold are daemon mode only")
 
     started = time.perf_counter()
     trace = load_trace(args.trace)
+    if args.requests > 0:
+        trace = trace[: args.requests]
+    trace = cacheable(trace, args.partial_blocks)
     references = sum(len(r.hash_ids) for r in trace)
+    what = "blocks (partial last blocks too)" if args.partial_blocks else "full blocks"
     print(
         f"{len(trace)} requests, {references} block references, "
-        f"{unique_blocks(trace)} unique blocks of {BLOCK_TOKENS} tokens"
+        f"{unique_blocks(trace)} unique {what} of {BLOCK_TOKENS} tokens"
     )
-    print(format_table(run_sim(trace, capacities, policies)))
+    rows = run_sim(
+        trace,
+        capacities,
+        policies,
+        daemon=daemon,
+        ssd_share=args.ssd,
+        hold=args.hold,
+        progress=sys.stderr if daemon else None,
+    )
+    print(format_table(rows))
     print(f"({time.perf_counter() - started:.1f} s)")
     return 0
 

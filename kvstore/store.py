@@ -51,10 +51,13 @@ class Block:
 
     __slots__ = ("key", "ns", "parent", "children", "offset", "refs", "ssd_offset",
                  "ssd_record", "ssd_holds", "demoting", "promoting", "seen", "remote",
-                 "checksum")
+                 "checksum", "_hash")
 
     def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
         self.key = key
+        # Equal by namespace and key, so that a block cached again after eviction is the
+        # same item to the eviction orders: their ghost lists (S3-FIFO, ARC) remember it.
+        self._hash = hash((ns.id, key))
         self.ns = ns
         self.parent = parent
         self.children = 0
@@ -68,6 +71,13 @@ class Block:
         self.seen = 0                       # commits and hits, for the SSD admission filter
         self.remote = False                 # known to be in the remote store
         self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, Block) and self.key == other.key
+                                 and self.ns is other.ns)
 
     @property
     def present(self) -> bool:
