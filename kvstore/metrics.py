@@ -82,6 +82,22 @@ _TIER_COUNTERS = (
      "Reservations and pins rolled back because their lease ran out."),
     ("checksum_failures", "kvstore_checksum_failures",
      "Blocks whose bytes failed their checksum on read (served as misses)."),
+    ("promotions", "kvstore_promotions", "Blocks read up into this tier from the one below."),
+    ("demotions", "kvstore_demotions", "Blocks written back into this tier as DRAM evicted them."),
+    ("writes", "kvstore_tier_writes", "Blocks written into this tier."),
+    ("reads", "kvstore_tier_reads", "Blocks read from this tier."),
+    ("errors", "kvstore_tier_errors", "Failed transfers with this tier."),
+    ("dropped_on_eviction", "kvstore_dropped_on_eviction",
+     "Blocks that left DRAM without a copy below (the tier below declined or was off)."),
+)
+
+# (stats["scheduling"] key, metric name without _total, help)
+_SCHEDULING_COUNTERS = (
+    ("defers", "kvstore_defers", "Requests deferred to wait for room."),
+    ("defer_timeouts", "kvstore_defer_rejects",
+     "Deferred requests rejected at their deadline."),
+    ("recomputed_tokens", "kvstore_recomputed_tokens",
+     "Tokens engines reported recomputing (cache misses that cost compute)."),
 )
 
 
@@ -152,7 +168,15 @@ class _StatsCollector(Collector):
             "kvstore_invariant_violations",
             "Invariant checks that failed (each is logged; see --debug-invariants).")
 
-        tiers: Mapping[str, Mapping[str, Any]] = stats.get("tiers", {})
+        scheduling = {key: CounterMetricFamily(name, text)
+                      for key, name, text in _SCHEDULING_COUNTERS}
+        for key, counter in scheduling.items():
+            if key in stats.get("scheduling", {}):
+                counter.add_metric([], self._monotonic(
+                    ("scheduling", key), float(stats["scheduling"][key])))
+        tiers: Mapping[str, Mapping[str, Any]] = dict(stats.get("tiers", {}))
+        if "remote" in stats:
+            tiers = {**tiers, "remote": stats["remote"]}
         for tier, t in tiers.items():
             for key, gauge in pool.items():
                 if key in t:
@@ -180,7 +204,7 @@ class _StatsCollector(Collector):
                 [], self._monotonic(("invariant_violations",),
                                     float(stats["invariant_violations"])))
         return [*pool.values(), peak, *counters.values(), evictions, hit_ratio, sessions,
-                namespaces, violations, self._error_family()]
+                namespaces, violations, *scheduling.values(), self._error_family()]
 
 
 def stats_on_loop(

@@ -161,6 +161,7 @@ class Server:
             try:
                 self.ssd = SsdMover(self.config, self.store, self.slot)
                 restored = self.ssd.restore()
+                self.ssd.metrics = self.metrics
             except BaseException:
                 self.arenas.close()
                 raise

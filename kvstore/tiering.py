@@ -55,6 +55,7 @@ class SsdMover:
         self._pending_removals: list[tuple[bytes, bytes]] = []
         self._demotions_done = asyncio.Event()
         self.errors = 0
+        self.metrics: Any = None  # the daemon's Metrics, for transfer bytes and latency
 
     # -- start-up --------------------------------------------------------------------------
     def restore(self) -> int:
@@ -118,7 +119,11 @@ class SsdMover:
                        for b, off in zip(t.blocks, t.offsets)]
             assert all(b.offset is not None for b in t.blocks)
             datas = [self.slot(b.ns, b.offset) for b in t.blocks]  # type: ignore[arg-type]
+            started = time.perf_counter()
             written = await self.engine.write_blocks(records, datas)
+            if self.metrics is not None:
+                self.metrics.observe_transfer("demote", "ssd", sum(len(d) for d in datas),
+                                              time.perf_counter() - started)
             for view in datas:
                 view.release()
             self.store.finish_ssd_write(t, written)
@@ -165,7 +170,11 @@ class SsdMover:
         ok = [False] * len(t.blocks)
         try:
             views = [self.slot(b.ns, off) for b, off in zip(t.blocks, t.offsets)]
+            started = time.perf_counter()
             ok = await self.engine.read_many([b.ssd_record for b in t.blocks], views)
+            if self.metrics is not None:
+                self.metrics.observe_transfer("promote", "ssd", sum(len(v) for v in views),
+                                              time.perf_counter() - started)
             for view in views:
                 view.release()
         except KVStoreError as exc:

@@ -59,8 +59,10 @@ def test_metrics_equal_what_the_workload_implies(daemon_factory: Any) -> None:
         assert value(before, "kvstore_requests_total", verb="put", tenant="acme") == 2
         assert value(before, "kvstore_request_errors_total", verb="get", tenant="acme",
                      code="not_found") == 1
+        client.report(recomputed_tokens=48)
         ns.lookup(keys[:4])
         after = scrape(port)
+        assert value(after, "kvstore_recomputed_tokens_total") == 48
         for (name, labels), v in before.items():
             if name.endswith("_total"):
                 assert after[(name, labels)] >= v, name   # counters only go up
@@ -90,3 +92,26 @@ def test_systemd_notifications(daemon_factory: Any, tmp_path: Path) -> None:
         assert d.proc.wait(10) == 0
     finally:
         sock.close()
+
+
+def test_transfer_metrics_count_ssd_traffic(daemon_factory: Any) -> None:
+    ident = make_identity(num_layers=4, num_kv_heads=4, head_dim=128)  # 128 KiB
+    port = free_port()
+    d = daemon_factory(dram_capacity=str(8 * ident.block_bytes), ssd_capacity="32MiB",
+                       extra=["--slab-size", str(8 * ident.block_bytes),
+                              "--metrics-port", str(port)])
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(ident)
+        chains = [ns.keys(range(10**6 * i, 10**6 * i + 16 * 4)) for i in range(4)]
+        for keys in chains:
+            ns.put(keys, [os.urandom(ns.block_bytes) for _ in keys])
+        ns.get(chains[0])                                         # promoted back
+        stats = client.stats()
+        samples = scrape(port)
+        assert value(samples, "kvstore_promotions_total", tier="dram") == \
+            stats["tiers"]["dram"]["promotions"] > 0
+        assert value(samples, "kvstore_tier_writes_total", tier="ssd") == \
+            stats["tiers"]["ssd"]["writes"] > 0
+        moved = value(samples, "kvstore_transfer_size_bytes_sum", direction="promote",
+                      tier="ssd")
+        assert moved == stats["tiers"]["dram"]["promotions"] * ns.block_bytes
