@@ -244,8 +244,35 @@ def request_id_of(header: bytes) -> int:
     try:
         value = _loose_decoder.decode(header)
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
-        return 0
+        return _raw_request_id(header)
     if isinstance(value, list) and len(value) > 1 and type(value[1]) is int:
         rid: int = value[1]
         return rid if 0 <= rid < 1 << 63 else 0
     return 0
+
+
+def _raw_request_id(header: bytes) -> int:
+    """The id of ``[tag, rid, ...]`` read straight off the bytes (the tag may be any
+    bytes, even ones that are not UTF-8); 0 when the shape is not that."""
+    try:
+        if not (0x90 < header[0] <= 0x9f or header[0] in (0xdc, 0xdd)):
+            return 0
+        at = 1 if header[0] <= 0x9f else (3 if header[0] == 0xdc else 5)
+        tag = header[at]
+        if 0xa0 <= tag <= 0xbf:
+            at += 1 + (tag & 0x1f)
+        elif tag in (0xd9, 0xda, 0xdb):
+            width = {0xd9: 1, 0xda: 2, 0xdb: 4}[tag]
+            at += 1 + width + int.from_bytes(header[at + 1:at + 1 + width], "big")
+        else:
+            return 0
+        kind = header[at]
+        if kind < 0x80:
+            return kind
+        size = {0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8}.get(kind)
+        if size is None or at + 1 + size > len(header):
+            return 0
+        rid = int.from_bytes(header[at + 1:at + 1 + size], "big")
+        return rid if rid < 1 << 63 else 0
+    except IndexError:
+        return 0

@@ -737,6 +737,9 @@ class Server:
     def _put(self, session: Session, req: p.Put, payload: list[Any]) -> Outcome:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
+        if len(req.keys) * ns.block_bytes > self.max_request_bytes:
+            raise TooLargeError(f"put of {len(req.keys)} blocks exceeds the request limit of "
+                                f"{self.max_request_bytes} bytes; split it")
         if len(payload) != len(req.keys):
             raise MalformedError(f"put of {len(req.keys)} keys carries {len(payload)} frames")
         if req.checksums and len(req.checksums) != len(req.keys):
