@@ -81,7 +81,8 @@ def main() -> None:
     echo_endpoint = f"ipc://{work}/echo.sock"
     daemon = subprocess.Popen(
         [sys.executable, "-m", "kvstore", "serve", "--endpoint", endpoint,
-         "--dram-capacity", "1GiB", "--log-level", "warning"], stdout=subprocess.PIPE)
+         "--dram-capacity", "1GiB", "--ssd-capacity", "0", "--log-level", "warning"],
+        stdout=subprocess.PIPE)
     peer = subprocess.Popen([sys.executable, "-c", ECHO_PEER, echo_endpoint],
                             stdout=subprocess.PIPE)
     assert daemon.stdout and peer.stdout

@@ -147,7 +147,7 @@ class _Session:
         self._rids = itertools.count(1)
         self.hello: p.HelloReply | None = None
         self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}  # arena path -> mapping
-        self.checksums = True  # send xxh3_64 of what is written, for readers to verify
+        self.checksums = False  # send xxh3_64 of what is written, for readers to verify
         self._map_arenas = True
 
     def _next_rid(self) -> int:
@@ -254,14 +254,17 @@ class Client(_Session):
 
     ``tenant`` (or $KVSTORE_TENANT) names the tenant where the daemon trusts its clients;
     where it checks credentials, ``token`` (or $KVSTORE_TOKEN) or, on ``tcp://``, ``curve``
-    keys (or $KVSTORE_CURVE_SERVER_KEY and $KVSTORE_CURVE_CLIENT_CERT) decide it."""
+    keys (or $KVSTORE_CURVE_SERVER_KEY and $KVSTORE_CURVE_CLIENT_CERT) decide it.
+    With ``checksums``, every block written carries its xxh3_64, which readers verify
+    (``get`` does, ``held.verify()`` on request); it costs a pass over the bytes."""
 
     def __init__(self, endpoint: str | None = None, *, tenant: str | None = None,
                  token: str | None = None, timeout: float = 30.0, map_arena: bool = True,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, checksums: bool = False) -> None:
         super().__init__()
         self.endpoint = endpoint or endpoint_from_env()
         self.timeout = timeout
+        self.checksums = checksums
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock = _make_socket(self._ctx, self.endpoint, curve or _curve_from_env())
         self._early: dict[int, tuple[p.Message, list[zmq.Frame]]] = {}
@@ -599,10 +602,11 @@ class AsyncClient(_Session):
 
     def __init__(self, endpoint: str | None = None, *, tenant: str | None = None,
                  token: str | None = None, timeout: float = 30.0, map_arena: bool = True,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, checksums: bool = False) -> None:
         super().__init__()
         self.endpoint = endpoint or endpoint_from_env()
         self.timeout = timeout
+        self.checksums = checksums
         self._tenant = _tenant(tenant, token)
         self._token = _token(token)
         self._curve = curve or _curve_from_env()

@@ -260,7 +260,7 @@ def test_bad_client_input_is_rejected_cleanly(daemon: DaemonProcess) -> None:
 def test_readers_verify_what_they_read_end_to_end(daemon: DaemonProcess) -> None:
     from kvstore.errors import CorruptError
 
-    with Client(daemon.endpoint, tenant="acme") as writer, \
+    with Client(daemon.endpoint, tenant="acme", checksums=True) as writer, \
             Client(daemon.endpoint, tenant="acme") as reader:
         ns = writer.namespace(make_identity())
         keys = ns.keys(range(64))
