@@ -243,8 +243,10 @@ def request_id_of(header: bytes) -> int:
     """The request id of a header that failed to decode, or 0 when it cannot be told."""
     try:
         value = _loose_decoder.decode(header)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+    except UnicodeDecodeError:  # well-formed MessagePack, a string that is not UTF-8
         return _raw_request_id(header)
+    except (msgspec.DecodeError, RecursionError):
+        return 0
     if isinstance(value, list) and len(value) > 1 and type(value[1]) is int:
         rid: int = value[1]
         return rid if 0 <= rid < 1 << 63 else 0

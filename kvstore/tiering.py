@@ -91,13 +91,12 @@ class SsdMover:
             await self.promote(plan.blocks)
         elif plan.blocks:
             await self.demote(plan.blocks)
-        else:  # room is coming from demotions already under way
+        else:  # room is coming from demotions already under way: wait a little, retry
             self._demotions_done.clear()
             try:
-                await asyncio.wait_for(self._demotions_done.wait(), 30)
+                await asyncio.wait_for(self._demotions_done.wait(), 0.5)
             except TimeoutError:
-                raise CapacityError("the dram tier is full and write-back to ssd is "
-                                    "not finishing") from None
+                pass
 
     async def demote(self, blocks: list[Block]) -> None:
         try:
