@@ -95,6 +95,10 @@ class Server:
         self.max_request_bytes = config.max_request_bytes
         self.max_bytes_in_flight = parse_size(s.max_bytes_in_flight,
                                               "server.max_bytes_in_flight")
+        self.max_tenant_bytes_in_flight = parse_size(s.max_bytes_in_flight_per_tenant,
+                                                     "server.max_bytes_in_flight_per_tenant")
+        self._tenant_buckets: dict[str, list[float]] = {}  # tenant -> [tokens, refilled]
+        self._tenant_bytes: dict[str, int] = {}
         self.store = BlockStore(config.dram_capacity, config.dram_slab_bytes,
                                 limits=self.limits, eviction_policy=config.dram.eviction_policy,
                                 per_tenant=config.dram.per_tenant_arenas,
@@ -387,7 +391,15 @@ class Server:
                             f"the session has {session.bytes_in_flight} bytes in requests "
                             f"still under way (limit {self.max_bytes_in_flight}); wait for "
                             f"their replies") from None
+                    tenant_held = self._tenant_bytes.get(session.tenant, 0)
+                    if (self.max_tenant_bytes_in_flight
+                            and tenant_held + held > self.max_tenant_bytes_in_flight):
+                        raise LimitExceededError(
+                            f"tenant {session.tenant!r} has {tenant_held} bytes in requests "
+                            f"still under way (limit {self.max_tenant_bytes_in_flight})"
+                        ) from None
                     session.bytes_in_flight += held
+                    self._tenant_bytes[session.tenant] = tenant_held + held
                     self._spawn(self._finish_later(routing_id, rid, verb, tenant, start,
                                                    handler, session, request, frames[2:], plan))
                     return
@@ -454,7 +466,9 @@ class Server:
             log.exception("internal error finishing a request")
             code = "internal"
             reply, out = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
-        session.bytes_in_flight -= sum(len(f) for f in payload)
+        held = sum(len(f) for f in payload)
+        session.bytes_in_flight -= held
+        self._tenant_bytes[session.tenant] = self._tenant_bytes.get(session.tenant, 0) - held
         self._send(routing_id, reply, out)
         if self.metrics is not None:
             self.metrics.observe_request(verb, time.perf_counter() - start, code, tenant)
@@ -493,17 +507,29 @@ class Server:
                 return
 
     def _admit(self, session: Session) -> None:
-        """The session's request rate, as a token bucket (a burst of one second's worth)."""
-        rate = self.config.server.max_requests_per_second
-        if not rate:
-            return
+        """Request rates, per session and per tenant, as token buckets (a burst of one
+        second's worth each)."""
+        s = self.config.server
         now = self.clock()
-        session.tokens = min(rate, session.tokens + (now - session.refilled) * rate)
-        session.refilled = now
-        if session.tokens < 1.0:
-            raise LimitExceededError(
-                f"more than {rate:g} requests per second from this session; slow down")
-        session.tokens -= 1.0
+        rate = s.max_requests_per_second
+        if rate:
+            session.tokens = min(rate, session.tokens + (now - session.refilled) * rate)
+            session.refilled = now
+            if session.tokens < 1.0:
+                raise LimitExceededError(
+                    f"more than {rate:g} requests per second from this session; slow down")
+        tenant_rate = s.max_requests_per_second_per_tenant
+        if tenant_rate:
+            bucket = self._tenant_buckets.setdefault(session.tenant, [tenant_rate, now])
+            bucket[0] = min(tenant_rate, bucket[0] + (now - bucket[1]) * tenant_rate)
+            bucket[1] = now
+            if bucket[0] < 1.0:
+                raise LimitExceededError(
+                    f"more than {tenant_rate:g} requests per second from tenant "
+                    f"{session.tenant!r}; slow down")
+            bucket[0] -= 1.0
+        if rate:
+            session.tokens -= 1.0
 
     def _tenant_cap(self, session: Session, what: str) -> None:
         """Per-tenant caps on open reservations and pins, over all its sessions."""
@@ -552,7 +578,8 @@ class Server:
                                         "max_reservations_per_session", "max_pins_per_session",
                                         "log_level", "log_format", "debug_invariants",
                                         "max_requests_per_second", "max_reservations_per_tenant",
-                                        "max_pins_per_tenant")}
+                                        "max_pins_per_tenant",
+                                        "max_requests_per_second_per_tenant")}
         live.add(("ssd", "admit_after"))
         restart = []
         for section in ("server", "dram", "ssd", "remote", "auth"):
@@ -1004,7 +1031,8 @@ def _merge_live(old: Config, new: Config) -> Config:
         debug_invariants=new.server.debug_invariants,
         max_requests_per_second=new.server.max_requests_per_second,
         max_reservations_per_tenant=new.server.max_reservations_per_tenant,
-        max_pins_per_tenant=new.server.max_pins_per_tenant)
+        max_pins_per_tenant=new.server.max_pins_per_tenant,
+        max_requests_per_second_per_tenant=new.server.max_requests_per_second_per_tenant)
     ssd = msgspec.structs.replace(old.ssd, admit_after=new.ssd.admit_after)
     return msgspec.structs.replace(old, server=server, ssd=ssd)
 

@@ -202,3 +202,22 @@ def test_limits_answer_at_once_and_spare_other_clients(daemon_factory: Any,
             pass
         for h in held:
             h.release()
+
+
+def test_a_tenant_rate_cap_spans_its_sessions(daemon_factory: Any, tmp_path: Path) -> None:
+    config = tmp_path / "tenant-rate.toml"
+    config.write_text("[server]\nmax_requests_per_second_per_tenant = 40\n")
+    d = daemon_factory(extra=["--config", str(config)])
+    with Client(d.endpoint, tenant="acme") as a1, Client(d.endpoint, tenant="acme") as a2, \
+            Client(d.endpoint, tenant="globex") as g:
+        limited = 0
+        for _ in range(60):                          # 120 requests from two sessions
+            for client in (a1, a2):
+                try:
+                    client.ping()
+                except LimitExceededError as exc:
+                    assert "tenant 'acme'" in str(exc)
+                    limited += 1
+        assert limited >= 60
+        for _ in range(20):
+            g.ping()                                 # another tenant has its own bucket
