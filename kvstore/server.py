@@ -316,6 +316,12 @@ class Server:
             log.warning("dropping a reply to a gone peer: %s", exc)
             if isinstance(payload, PinnedFrames):
                 self.store.release(_GET_OWNER, payload.pin)
+        # ZeroMQ's descriptor is edge-triggered: a send may take in messages that arrived
+        # meanwhile and clear the edge, and a reply sent from a task (not from the drain)
+        # would then leave them waiting with no wake-up.  Drain again if any are queued.
+        events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
+        if events & zmq.POLLIN and self._loop is not None:
+            self._loop.call_soon(self._drain, peer[0])
 
     def _reap_sends(self) -> None:
         """Drop the pins of get replies that zmq has finished sending."""
