@@ -50,7 +50,8 @@ def main() -> int:
           f"daemon kills, lease {config.lease:g}s, workdir {workdir}", flush=True)
     started = time.monotonic()
     try:
-        report = Chaos(workdir, config, say=lambda line: print(line, flush=True)).run()
+        report = Chaos(workdir, config,
+                       say=lambda line: print(line.replace("chaos:", "soak:", 1), flush=True)).run()
     finally:
         if args.dir is None:
             shutil.rmtree(workdir, ignore_errors=True)

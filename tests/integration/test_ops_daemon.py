@@ -102,9 +102,11 @@ def test_transfer_metrics_count_ssd_traffic(daemon_factory: Any) -> None:
                               "--metrics-port", str(port)])
     with Client(d.endpoint, tenant="acme") as client:
         ns = client.namespace(ident)
-        chains = [ns.keys(range(10**6 * i, 10**6 * i + 16 * 4)) for i in range(4)]
+        chains = [ns.keys(range(10**6 * i, 10**6 * i + 16 * 4)) for i in range(8)]
         for keys in chains:
             ns.put(keys, [os.urandom(ns.block_bytes) for _ in keys])
+        # 32 blocks through 8 DRAM slots: the first chain has long left DRAM for the SSD
+        assert set(ns.lookup(chains[0]).tiers) == {"ssd"}
         ns.get(chains[0])                                         # promoted back
         stats = client.stats()
         samples = scrape(port)

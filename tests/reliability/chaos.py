@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import zmq
+
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent)]  # the tests folder: daemon_proc, kvtest
 
@@ -46,6 +48,7 @@ from daemon_proc import DaemonProcess  # noqa: E402
 from kvtest import make_identity  # noqa: E402
 
 from kvstore import Client  # noqa: E402
+from kvstore import protocol as p  # noqa: E402
 from kvstore.errors import (  # noqa: E402
     CapacityError,
     ForbiddenError,
@@ -142,28 +145,30 @@ class ChaosReport:
 
     def lines(self) -> list[str]:
         all_lat = [x for v in self.latencies.values() for x in v]
+        found = (f"chaos: blocks verified bit-exact: {self.verified_by_clients} by clients "
+                 f"while running, {self.verified_at_end} at the end ({self.present_at_end} "
+                 f"present, {self.durable_blocks} durable before the last kill, all found)")
+        if self.lost_durable:
+            found = f"chaos: LOST {len(self.lost_durable)} durable blocks of {self.durable_blocks}"
         out = [
-            f"chaos: {sum(self.ops.values())} operations in {self.seconds:.1f}s "
-            f"({', '.join(f'{v} {self.ops[v]}' for v in VERBS if self.ops[v])})",
-            f"chaos: faults injected: {self.client_kills} client SIGKILLs, "
-            f"{self.daemon_kills} daemon SIGKILLs; {self.reconnects} client reconnects",
-            f"chaos: blocks verified bit-exact: {self.verified_by_clients} by clients while "
-            f"running, {self.verified_at_end} at the end ({self.present_at_end} present, "
-            f"{self.durable_blocks} durable before the last kill, all found)"
-            if not self.lost_durable else
-            f"chaos: LOST {len(self.lost_durable)} durable blocks of {self.durable_blocks}",
+            (f"chaos: {sum(self.ops.values())} operations in {self.seconds:.1f}s "
+             f"({', '.join(f'{v} {self.ops[v]}' for v in VERBS if self.ops[v])})"),
+            (f"chaos: faults injected: {self.client_kills} client SIGKILLs, "
+             f"{self.daemon_kills} daemon SIGKILLs; {self.reconnects} client reconnects"),
+            found,
             f"chaos: outcomes {dict(self.outcomes)}",
-            f"chaos: held when the clients were killed: {self.held_at_client_kill[0]} reserved "
-            f"slots, {self.held_at_client_kill[1]} pinned blocks; all released after "
-            f"{self.released_after:.2f}s (bound {self.lease_bound:.2f}s)",
-            f"chaos: latency p50 {percentile(all_lat, 50) * 1e3:.2f} ms, "
-            f"p99 {percentile(all_lat, 99) * 1e3:.2f} ms over all operations",
+            (f"chaos: held when the clients were killed: {self.held_at_client_kill[0]} "
+             f"reserved slots, {self.held_at_client_kill[1]} pinned blocks; all released "
+             f"after {self.released_after:.2f}s (bound {self.lease_bound:.2f}s)"),
+            (f"chaos: latency p50 {percentile(all_lat, 50) * 1e3:.2f} ms, "
+             f"p99 {percentile(all_lat, 99) * 1e3:.2f} ms over all operations"),
         ]
         for verb in VERBS:
             lat = self.latencies.get(verb)
             if lat:
-                out.append(f"chaos:   {verb:8s} n={len(lat):7d}  p50 {percentile(lat, 50) * 1e3:8.2f} ms"
-                           f"  p99 {percentile(lat, 99) * 1e3:8.2f} ms")
+                p50, p99 = percentile(lat, 50) * 1e3, percentile(lat, 99) * 1e3
+                out.append(f"chaos:   {verb:8s} n={len(lat):7d}  p50 {p50:8.2f} ms"
+                           f"  p99 {p99:8.2f} ms")
         return out
 
 
@@ -229,12 +234,38 @@ class Chaos:
         return code
 
     def stats(self) -> dict[str, Any]:
+        """The daemon's stats, through a session of its own (raw, so that a request left
+        unanswered can be told apart: stuck, or woken by another peer's traffic)."""
+        ctx: zmq.Context[Any] = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.daemon.endpoint)
         try:
-            with Client(self.daemon.endpoint, tenant="acme", timeout=30, map_arena=False) as c:
-                stats: dict[str, Any] = c.stats()
-        except UnavailableError as exc:
-            raise AssertionError(f"the daemon stopped answering: {self.diagnose()}") from exc
-        return stats
+            self._ask(ctx, sock, p.Hello(1, p.PROTOCOL_VERSION, "acme"))
+            reply = self._ask(ctx, sock, p.Stats(2))
+        finally:
+            sock.close()
+            ctx.term()
+        assert isinstance(reply, p.StatsReply), reply
+        return dict(reply.stats)
+
+    def _ask(self, ctx: zmq.Context[Any], sock: Any, msg: p.Message) -> p.Message:
+        sock.send(p.encoder.encode(msg))
+        if not sock.poll(30_000):
+            kick = ctx.socket(zmq.DEALER)
+            kick.setsockopt(zmq.LINGER, 0)
+            kick.connect(self.daemon.endpoint)
+            kick.send(p.encoder.encode(p.Ping(1)))
+            woken = sock.poll(2_000)
+            kick.close()
+            if woken:
+                raise AssertionError(
+                    f"{type(msg).__name__} sat unanswered for 30 s, the daemon idle, and was "
+                    f"answered as soon as another socket sent a ping: a lost wakeup (see "
+                    f"test_reliability_regressions.py)")
+            raise AssertionError(f"the daemon stopped answering: {self.diagnose()}")
+        reply: p.Message = p.reply_decoder.decode(sock.recv_multipart()[0])
+        return reply
 
     def diagnose(self) -> str:
         """Whether the daemon is alive, and busy or blocked (for a daemon that is stuck)."""

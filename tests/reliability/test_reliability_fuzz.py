@@ -10,7 +10,7 @@ messages, then plain random bytes.  Every message must get exactly one well-form
 error, and afterwards the daemon holds nothing it was not asked to hold, counts no
 invariant violation, and still serves a well-formed client bit-exact.
 
-The three tests share one daemon and run in file order; together they send at least
+The tests share one daemon and run in file order; together they send at least
 100,000 malformed messages (the mutation/random test tops the count up), and each prints
 its count and time (``pytest -s``).
 """
@@ -23,7 +23,6 @@ import random
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,48 +102,24 @@ def loose(header: bytes) -> Any:
 
 
 def expected_rid(header: bytes, req: Any) -> int:
-    """The request id the daemon must answer a header with: the request's, else the
-    second element of a header that is an array with an int there, else 0 (untold)."""
+    """The request id the daemon must answer a header with: the request's; for a header
+    that does not decode, the protocol's ``request_id_of`` (0 when it cannot be told);
+    for a header over the size limit, 0 (it is not read)."""
     if req is not None:
         return int(req.rid)
     if len(header) > p.MAX_HEADER_BYTES:
         return 0
-    try:
-        value = loose(header)
-    except UnicodeDecodeError:
-        # a tag that is not UTF-8: the id is still the second element, read off the bytes
-        return p.request_id_of(header)
-    except (msgspec.MsgspecError, ValueError, RecursionError):
-        return 0
-    if isinstance(value, list) and len(value) > 1 and type(value[1]) is int:
-        return value[1] if 0 <= value[1] < 1 << 63 else 0
-    return 0
+    return p.request_id_of(header)
 
 
-def invalid_utf8(header: bytes) -> bool:
-    """Whether the header holds a MessagePack string that is not UTF-8 (see KNOWN BUG)."""
-    try:
-        loose(header)
-    except UnicodeDecodeError:
-        return True
-    except (msgspec.MsgspecError, ValueError, RecursionError):
-        return False
-    return False
-
-
-# KNOWN BUG (reported with issue 8; reproduction in repro_invalid_utf8.py beside this
-# file): msgspec raises UnicodeDecodeError, not DecodeError, for a string that is not
-# UTF-8, and the daemon does not catch it as malformed, so such a header is answered
-# with code "internal", request id 0, and a traceback in the log.  Until that is fixed
-# the fuzz accepts exactly that answer for exactly those headers and counts them.
-TOLERATE_INVALID_UTF8_AS_INTERNAL = False  # fixed: such headers are malformed now
-
-
-@dataclass(frozen=True)
 class Malformed:
     """What a peer remembers of a request the daemon cannot decode."""
 
-    invalid_utf8: bool
+    def __repr__(self) -> str:
+        return "Malformed()"
+
+
+MALFORMED = Malformed()
 
 
 class Peer:
@@ -180,7 +155,7 @@ class Peer:
     def send(self, frames: list[bytes]) -> None:
         header = frames[0]
         req = strict(header)
-        entry = req if req is not None else Malformed(invalid_utf8(header))
+        entry = req if req is not None else MALFORMED
         self.pending.setdefault(expected_rid(header, req), deque()).append(entry)
         self.outstanding += 1
         self.sent += 1
@@ -210,10 +185,6 @@ class Peer:
         if isinstance(reply, p.ErrorReply):
             assert reply.message
             self.refused += 1
-            if (reply.code == "internal" and isinstance(req, Malformed) and req.invalid_utf8
-                    and TOLERATE_INVALID_UTF8_AS_INTERNAL):
-                self.codes["internal (known bug: invalid UTF-8)"] += 1
-                return
             assert reply.code in ERROR_CODES, f"{self.name}: {reply} answering {req!r}"
             self.codes[reply.code] += 1
         else:
@@ -303,7 +274,7 @@ HUGE = [Big(b"h" * (p.MAX_HEADER_BYTES + 1), "bytes over the header limit"),
         Big([CHAIN[0]] * (MAX_KEYS + 1), "one key too many"),
         Big(list(range(60_000)), "60k ints"),
         Big(eval("[" * 40 + "]" * 40), "40 nested arrays")]
-_ODD = st.sampled_from([
+_ODD: st.SearchStrategy[Any] = st.sampled_from([
     None, True, False, 0, -1, 1 << 63, (1 << 64) - 1, -(1 << 63), 1.5, float("nan"),
     float("inf"), "", "x" * 300, b"", b"\0" * 15, b"\0" * 17, b"\xff" * 16, [], {},
     [[]], {"a": 1}, [None] * 3, msgspec.msgpack.Ext(7, b"ext"), *HUGE,
@@ -371,22 +342,25 @@ BLOCKY = st.builds(lambda n, b: Big(bytes([b]) * n, f"{n} bytes of {b}"),
 
 
 @st.composite
-def payload_frames(draw: st.DrawFn, tag: str, keys: Any) -> list[bytes]:
+def payload_frames(draw: st.DrawFn, tag: str, keys: Any) -> list[bytes | Big]:
+    """Frames after the header: for put, the right count and sizes or not; for the other
+    verbs, mostly none, sometimes some (they must be ignored or refused)."""
     n = len(keys) if isinstance(keys, list) else 0
     if tag != "put":
-        return draw(st.sampled_from([[], [], [], [b""], [Big(b"x" * BLOCK, "a block")]]) | st.lists(
-            st.binary(max_size=32), max_size=3))
+        extra: list[list[bytes | Big]] = [[], [], [], [b""], [Big(b"x" * BLOCK, "a block")]]
+        return draw(st.sampled_from(extra) | st.lists(st.binary(max_size=32), max_size=3))
     mode = draw(st.sampled_from(["exact", "exact", "fewer", "more", "sizes", "none"]))
-    good = [Big(content(k) if isinstance(k, bytes) else b"\0" * BLOCK, "content")
-            for k in keys] if n else []
+    good: list[bytes | Big] = [
+        Big(content(k) if isinstance(k, bytes) else b"\0" * BLOCK, "content")
+        for k in keys] if n else []
     if mode == "exact":
         return good
     if mode == "fewer":
         return good[:max(0, n - draw(st.integers(1, 3)))]
     if mode == "more":
-        return good + draw(st.lists(BLOCKY, min_size=1, max_size=3))
+        return good + list(draw(st.lists(BLOCKY, min_size=1, max_size=3)))
     if mode == "sizes":
-        return draw(st.lists(BLOCKY, min_size=n, max_size=n)) if n else [b"x"]
+        return list(draw(st.lists(BLOCKY, min_size=n, max_size=n))) if n else [b"x"]
     return []
 
 
@@ -449,7 +423,7 @@ def defang_hello(frames: list[bytes]) -> list[bytes]:
 
 
 def unexpected_log_errors(log: str) -> list[str]:
-    """The daemon's ERROR records (tracebacks included), less the known invalid-UTF-8 one."""
+    """The daemon's ERROR records, tracebacks included."""
     records, current = [], ""
     for line in log.splitlines(keepends=True):
         if line[:4].isdigit() and current:
@@ -457,9 +431,7 @@ def unexpected_log_errors(log: str) -> list[str]:
             current = ""
         current += line
     records.append(current)
-    return [r for r in records if (" ERROR " in r or " CRITICAL " in r or "Traceback" in r)
-            and not (TOLERATE_INVALID_UTF8_AS_INTERNAL
-                     and r.rstrip().splitlines()[-1].startswith("UnicodeDecodeError"))]
+    return [r for r in records if " ERROR " in r or " CRITICAL " in r or "Traceback" in r]
 
 
 # -- the daemon and its peers ----------------------------------------------------------------
