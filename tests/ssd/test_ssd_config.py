@@ -34,7 +34,8 @@ def test_read_only_directory_is_refused(open_store: StoreFactory, tmp_path: Path
         ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True
     )
     if mounted.returncode != 0:
-        pytest.skip("running as root without mount rights: no way to make a directory read-only")
+        pytest.fail("running as root without mount rights: no way to make a directory "
+                    "read-only for this test")
     try:
         with pytest.raises(ConfigError, match=f"{path} is not writable"):
             open_store(path)

@@ -27,7 +27,8 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         capture_output=True,
     )
     if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {result.stderr.decode().strip()}")
+        pytest.fail(f"cannot mount a tmpfs for the disk-full test: "
+                    f"{result.stderr.decode().strip()}")
     try:
         yield mount_point
     finally:
