@@ -25,6 +25,7 @@ against the buffered peer ("ratio") and the O_DIRECT one ("vs direct").  Runs ta
 a minute on defaults.
 
     python benchmarks/ssd_daemon.py [--dir DIR] [--mib 512] [--repeats 5] [--chain 32]
+        [--plane arena|frames]
 """
 
 from __future__ import annotations
@@ -116,9 +117,11 @@ class Daemon:
 class Case:
     """One block size, one repeat: a fresh daemon directory and a raw file beside it."""
 
-    def __init__(self, root: Path, block: int, heads: int, total: int, chain: int) -> None:
+    def __init__(self, root: Path, block: int, heads: int, total: int, chain: int,
+                 plane: str = "arena") -> None:
         self.root = root
         self.block, self.chain = block, chain
+        self.plane = plane
         self.identity = Identity(
             model=f"ssd-bench-{block}", model_revision="r", tenant="bench",
             kv_dtype="float16", num_layers=16, num_kv_heads=heads, head_dim=128,
@@ -153,14 +156,14 @@ class Case:
                          for c in range(self.fill_chains + self.put_chains)]
             fill = time.perf_counter()
             for keys in self.keys[:self.fill_chains]:
-                ns.put(keys, self.payload)
+                self._put(ns, keys)
             fill = time.perf_counter() - fill
             before = client.stats()
             assert before["tiers"]["dram"]["free"] < self.chain * self.block, "DRAM not full"
             drop_page_cache()
             started = time.perf_counter()
             for keys in self.keys[self.fill_chains:]:
-                ns.put(keys, self.payload)
+                self._put(ns, keys)
             seconds = time.perf_counter() - started
             after = client.stats()
         self.daemon.stop()
@@ -169,6 +172,17 @@ class Case:
         assert after["invariant_violations"] == 0 and after["ssd_io"]["errors"] == 0
         return {"seconds": seconds, "put_bytes": self.total, **io,
                 "fill_rate": self.fill_chains * self.chain * self.block / fill}
+
+    def _put(self, ns: Any, keys: list[bytes]) -> None:
+        """One chain into the daemon: through the shared arena (reserve, write the slots,
+        commit: what an engine's offload does) or as message frames (put)."""
+        if self.plane == "frames":
+            ns.put(keys, self.payload)
+            return
+        r = ns.reserve(keys)
+        for buffer, data in zip(r.buffers, self.payload):
+            buffer[:] = data
+        r.commit()
 
     def raw_write(self, direct: bool) -> float:
         fd, got = open_raw(self.raw_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, direct)
@@ -247,7 +261,7 @@ def run_size(base: Path, block: int, heads: int, args: argparse.Namespace) -> di
     peers = ["raw", "direct", "daemon"]
     for repeat in range(args.repeats):
         case = Case(Path(tempfile.mkdtemp(prefix=f"r{repeat}-", dir=base)), block, heads,
-                    args.mib * MiB, args.chain)
+                    args.mib * MiB, args.chain, args.plane)
         order = peers[repeat % 3:] + peers[:repeat % 3]
         try:
             for who in order:
@@ -292,6 +306,9 @@ def main() -> None:
                         help="MiB put beyond a full DRAM tier, per block size and repeat")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chain", type=int, default=32, help="blocks per put and per acquire")
+    parser.add_argument("--plane", choices=("arena", "frames"), default="arena",
+                        help="how the client puts: into the shared arena (reserve, write, "
+                             "commit, as an engine's offload does) or as message frames")
     args = parser.parse_args()
     if args.mib + DRAM_BYTES // MiB > 2048 - 64:
         parser.error("--mib must leave the 2 GiB SSD tier room (at most 1728)")
@@ -299,7 +316,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="kvstore-ssd-daemon-bench-", dir=args.dir))
     can_drop = drop_page_cache()
     print(f"SSD tier through the daemon vs raw pwrite/pread: DRAM {DRAM_CAPACITY} full, "
-          f"then {args.mib} MiB put in chains of {args.chain}; medians of {args.repeats} "
+          f"then {args.mib} MiB put ({args.plane} plane) in chains of {args.chain}; medians of {args.repeats} "
           f"repeats; {'page cache dropped before each run' if can_drop else 'warm cache'}")
     header = (f"{'block':>8} {'measure':<24} {'raw GB/s':>9} {'O_DIRECT':>9} "
               f"{'daemon GB/s':>12} {'ratio':>6} {'vs direct':>9}  notes")

@@ -1,7 +1,8 @@
 """The SSD tier's data file: positional reads and writes of block bytes.
 
 One file holds the whole flat offset space (offset ``o`` of the layout is byte ``o`` of the
-file).  Runs of adjacent blocks go down in one ``pwritev``/``preadv``.  With direct I/O,
+file).  Runs of adjacent blocks, up to 1 MiB, go down in one ``pwritev``/``preadv``, and
+the runs of one call go down several at a time (one thread keeps an SSD's queue short).  With direct I/O,
 blocks whose offset and length are 4 KiB aligned bypass the page cache; a caller buffer
 that is not page aligned is staged through a per-thread aligned bounce buffer on writes,
 and read through the page cache on reads.  Everything here blocks: callers run it in a
@@ -14,9 +15,10 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -24,9 +26,12 @@ from kvstore.errors import BackendError, CapacityError
 
 from .ssd_layout import IO_ALIGN, SlabLayout
 
+_T = TypeVar("_T")
+
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
-_MAX_RUN_BYTES = 16 << 20  # bounds one syscall and each thread's bounce buffer
+_MAX_RUN_BYTES = 1 << 20  # bounds one syscall and each thread's bounce buffer
+QUEUE_DEPTH = 4  # runs in flight at once: one thread cannot keep an SSD's queue full
 
 
 class Span(NamedTuple):
@@ -56,16 +61,21 @@ class DataFile:
     """The data file of the SSD tier, open for buffered and (where allowed) direct I/O."""
 
     def __init__(
-        self, path: Path, layout: SlabLayout, *, direct_io: bool, preallocate: bool
+        self, path: Path, layout: SlabLayout, *, direct_io: bool, preallocate: bool,
+        queue_depth: int = QUEUE_DEPTH,
     ) -> None:
         """Open or create the file, sized to the layout's capacity.
 
         ``preallocate`` reserves the whole capacity now; otherwise each slab is reserved
         the first time this process writes into it.  Raises CapacityError when the disk
-        cannot hold the reservation, leaving the file as it was.
+        cannot hold the reservation, leaving the file as it was.  Up to ``queue_depth``
+        runs of one call go down at once, each from its own thread.
         """
         self.path = path
         self.layout = layout
+        self._queue: ThreadPoolExecutor | None = (
+            ThreadPoolExecutor(queue_depth - 1, thread_name_prefix="kvstore-ssd-io")
+            if queue_depth > 1 else None)
         self._allocated: set[int] = set()
         self._local = threading.local()
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -118,8 +128,7 @@ class DataFile:
         not promised: on error some spans may be on disk (the index never points at them)."""
         try:
             self._reserve(spans)
-            for run, direct in self._runs(spans):
-                self._write_run(run, direct)
+            self._each(self._runs(spans), lambda run: self._write_run(*run))
             if sync:
                 os.fdatasync(self._fd)
         except OSError as exc:
@@ -159,6 +168,29 @@ class DataFile:
                 runs.append((run, direct))
             run_end = span.offset + len(span.view)
         return runs
+
+    def _each(self, runs: list[tuple[list[Span], bool]],
+              action: Callable[[tuple[list[Span], bool]], _T]) -> list[_T]:
+        """``action`` on every run, several at a time; the first error is raised once all
+        have finished (none is left writing into a buffer the caller takes back)."""
+        if self._queue is None or len(runs) < 2:
+            return [action(run) for run in runs]
+        futures = [self._queue.submit(action, run) for run in runs[1:]]
+        first: list[_T] = []
+        error: BaseException | None = None
+        try:
+            first.append(action(runs[0]))  # this thread takes a share too
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others
+            error = exc
+        results = first
+        for future in futures:
+            try:
+                results.append(future.result())
+            except BaseException as exc:  # noqa: BLE001
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
 
     def _bounce(self, size: int) -> memoryview:
         buffer: mmap.mmap | None = getattr(self._local, "bounce", None)
@@ -200,19 +232,24 @@ class DataFile:
         """Read each span's bytes from its offset into its view.  Returns, per span, how
         many bytes arrived (fewer than asked past the end of the file, -1 on an I/O error)."""
         got = {id(span): 0 for span in spans}
-        for run, direct in self._runs_for_read(spans):
-            fd = self._direct_fd if direct and self._direct_fd is not None else self._fd
-            try:
-                n = _preadv_run(fd, [span.view for span in run], run[0].offset)
-            except OSError:
-                for span in run:
-                    got[id(span)] = -1
-                continue
+        for run, n in zip(*self._read_runs(spans)):
             for span in run:
-                take = min(n, len(span.view))
+                take = min(n, len(span.view)) if n >= 0 else -1
                 got[id(span)] = take
-                n -= take
+                n -= take if n >= 0 else 0
         return [got[id(span)] for span in spans]
+
+    def _read_runs(self, spans: Sequence[Span]) -> tuple[list[list[Span]], list[int]]:
+        runs = self._runs_for_read(spans)
+        return [run for run, _ in runs], self._each(runs, self._read_run)
+
+    def _read_run(self, run: tuple[list[Span], bool]) -> int:
+        spans, direct = run
+        fd = self._direct_fd if direct and self._direct_fd is not None else self._fd
+        try:
+            return _preadv_run(fd, [span.view for span in spans], spans[0].offset)
+        except OSError:
+            return -1
 
     def _runs_for_read(self, spans: Sequence[Span]) -> list[tuple[list[Span], bool]]:
         runs: list[tuple[list[Span], bool]] = []
@@ -235,6 +272,9 @@ class DataFile:
 
     def close(self) -> None:
         """Close the descriptors (idempotent)."""
+        if self._queue is not None:
+            self._queue.shutdown(wait=True)
+            self._queue = None
         for fd in (self._direct_fd, self._fd):
             if fd is not None and fd >= 0:
                 os.close(fd)
