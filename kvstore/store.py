@@ -420,7 +420,7 @@ class BlockStore:
         pool = dram.pool
         policy = dram.policy(cls)
         if count > pool.available(cls) + len(policy):
-            if any(True for _ in self._demoting_blocks(cls)):
+            if self._room_coming(cls):
                 raise DemotionNeeded([])  # room is on its way: wait for those writes
             self.counters.capacity_rejects += 1
             raise CapacityError(
@@ -446,6 +446,8 @@ class BlockStore:
                 for b in to_demote:  # nothing was written yet: put them back
                     b.demoting = False
                     policy.insert(b)
+                if self._room_coming(cls):
+                    raise DemotionNeeded([])
                 self.counters.capacity_rejects += 1
                 raise CapacityError(
                     f"{count} slots of {cls.slot_bytes} bytes requested; the dram tier "
@@ -462,10 +464,11 @@ class BlockStore:
         if to_demote:
             raise DemotionNeeded(to_demote)
 
-    def _demoting_blocks(self, cls: SlabClass) -> Iterable[Block]:
-        for t in self.transfers.values():
-            if t.tier == SSD:
-                yield from (b for b in t.blocks if b.demoting and b.ns.cls is cls)
+    def _room_coming(self, cls: SlabClass) -> bool:
+        """Whether SSD writes under way will free or unpin DRAM slots of ``cls``: a demoted
+        block leaves DRAM, a written-through one becomes evictable."""
+        return any(b.ns.cls is cls for t in self.transfers.values() if t.tier == SSD
+                   for b in t.blocks)
 
     def _admitted(self, block: Block) -> bool:
         return (self.ssd is not None and self.ssd_writable and self.allow_demote

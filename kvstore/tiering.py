@@ -99,10 +99,7 @@ class SsdMover:
                 pass
 
     async def demote(self, blocks: list[Block]) -> None:
-        try:
-            await self._write(blocks)
-        finally:
-            self._demotions_done.set()
+        await self._write(blocks)
 
     async def _write(self, blocks: list[Block]) -> None:
         """Write DRAM copies to SSD (demotion or write-through) and report to the store."""
@@ -137,6 +134,7 @@ class SsdMover:
         finally:
             if not ok and t.id in self.store.transfers:
                 self.store.finish_ssd_write(t, None)
+            self._demotions_done.set()  # DRAM slots freed or unpinned: waiters may retry
 
     def _pause_writes(self) -> None:
         self.store.ssd_writable = False

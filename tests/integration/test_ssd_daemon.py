@@ -76,6 +76,24 @@ def test_write_through_blocks_survive_a_clean_restart(daemon_factory: Any) -> No
         assert t["promotions"] == 12 and t["reserved_slots"] == 0
 
 
+def test_write_through_puts_back_to_back_wait_for_copies_instead_of_failing(
+        daemon_factory: Any) -> None:
+    """DRAM holds 32 slots; each put of 24 blocks needs room that only the copies of the
+    put before it (pinned while written through) can free: the put waits, not fails."""
+    d = start(daemon_factory, extra=["--slab-size", "1MiB", "--ssd-write-policy",
+                                     "write-through"])
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        chains = [put_chain(ns, 100_000 * i, 24) for i in range(8)]
+        for keys in chains:
+            assert ns.lookup(keys).blocks == 24
+            assert ns.get(keys) == [content(k) for k in keys]
+        stats = client.stats()
+        assert stats["invariant_violations"] == 0
+        assert stats["tiers"]["dram"]["capacity_rejects"] == 0
+        assert stats["tiers"]["ssd"]["committed_slots"] == 8 * 24
+
+
 def test_dram_smaller_than_the_working_set_cycles_through_ssd(daemon_factory: Any) -> None:
     d = start(daemon_factory)                                    # write-back, 32 DRAM slots
     with Client(d.endpoint, tenant="acme") as client:
