@@ -53,7 +53,7 @@ from kvstore.store import (
 from kvstore.auth import Auth
 from kvstore.remote import RemoteTier
 from kvstore.tiering import SsdMover
-from kvstore.tiers.dram import Arenas, DramArena
+from kvstore.tiers.dram import Arenas, DramArena, sweep_stale_arenas
 
 log = logging.getLogger("kvstore.server")
 
@@ -157,6 +157,7 @@ class Server:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         d = self.config.dram
+        sweep_stale_arenas(d.directory)
         self.arenas = Arenas(self.config.dram_capacity, d.directory, populate=d.populate,
                              max_arenas=d.max_arenas)
         if not d.per_tenant_arenas:

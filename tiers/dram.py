@@ -10,14 +10,54 @@ unlink the arena when a client process exits.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import re
 import secrets
 from pathlib import Path
 
 from kvstore.errors import ConfigError
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_ARENA_NAME = re.compile(r"kvstore-(\d+)-(\d+)-[0-9a-f]+\.arena")
+
+log = logging.getLogger("kvstore.dram")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def sweep_stale_arenas(directory: str) -> list[str]:
+    """Unlink this user's arenas whose daemon is gone (killed before it could unlink them),
+    so shared memory does not fill up with dead arenas; returns the paths removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        match = _ARENA_NAME.fullmatch(name)
+        if match is None or int(match[1]) != uid or _alive(int(match[2])):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+    if removed:
+        log.warning("removed %d arenas left by daemons that were killed: %s",
+                    len(removed), ", ".join(removed))
+    return removed
 
 
 class DramArena:

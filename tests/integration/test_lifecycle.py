@@ -221,3 +221,33 @@ def test_a_tenant_rate_cap_spans_its_sessions(daemon_factory: Any, tmp_path: Pat
         assert limited >= 60
         for _ in range(20):
             g.ping()                                 # another tenant has its own bucket
+
+
+def test_a_killed_daemons_arena_is_swept_by_the_next_start(daemon_factory: Any,
+                                                           tmp_path: Path) -> None:
+    """SIGKILL leaves the shared-memory arena behind; the next daemon on that directory
+    removes it, and leaves alone the arena of a daemon that still runs."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {"KVSTORE_DRAM_DIRECTORY": str(shm)}
+    running = daemon_factory(env=env)
+    killed = daemon_factory(env=env)
+    arenas = {p.name for p in shm.iterdir()}
+    assert len(arenas) == 2
+    assert killed.proc is not None
+    killed_pid = killed.proc.pid
+    killed.stop(signal.SIGKILL)
+    leftover = [a for a in arenas if f"-{killed_pid}-" in a]
+    assert leftover and (shm / leftover[0]).exists()
+    unrelated = shm / "kvstore-notes.txt"      # not an arena name: never touched
+    unrelated.write_text("keep")
+    daemon_factory(env=env)
+    names = {p.name for p in shm.iterdir()}
+    assert leftover[0] not in names
+    assert (arenas - set(leftover)) <= names    # the running daemon's arena stays
+    assert unrelated.exists() and len(names) == 3
+    with Client(running.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        keys = ns.keys(range(64))
+        ns.put(keys, [bytes(IDENT.block_bytes)] * len(keys))
+        assert ns.lookup(keys).blocks == len(keys)
