@@ -87,6 +87,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_pins_per_tenant: int = 0
     max_requests_per_second_per_tenant: float = 0.0
     max_bytes_in_flight_per_tenant: str | int = 0
+    max_transfers_in_flight: int = 8
+    tenant_weights: dict[str, float] = {}
 
 
 class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -100,6 +102,7 @@ class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pressure: list[str] = msgspec.field(
         default_factory=lambda: ["evict", "demote", "defer", "reject"])
     defer_seconds: float = 0.25
+    tenant_quota: str | int = 0
 
 
 class SsdConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -201,6 +204,16 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("max_reservations_per_tenant", "max_pins_per_tenant"):
             if getattr(self.server, name) < 0:
                 raise ConfigError(f"server.{name}: 0 (no limit) or a positive integer")
+        if self.server.max_transfers_in_flight < 1:
+            raise ConfigError("server.max_transfers_in_flight: must be at least 1")
+        for tenant, weight in self.server.tenant_weights.items():
+            if not weight > 0:
+                raise ConfigError(
+                    f"server.tenant_weights: {tenant!r} has weight {weight}; must be positive")
+        quota = parse_size(self.dram.tenant_quota, "dram.tenant_quota")
+        if quota and (quota < self.dram_slab_bytes or quota > self.dram_capacity):
+            raise ConfigError("dram.tenant_quota: 0 (none), or from one slab up to the "
+                              "dram capacity")
         if self.server.log_format not in ("text", "json"):
             raise ConfigError("server.log_format: expected 'text' or 'json'")
         if not 0 <= self.server.metrics_port <= 65535:

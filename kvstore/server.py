@@ -53,7 +53,9 @@ from kvstore.store import (
 from kvstore.auth import Auth
 from kvstore.remote import RemoteTier
 from kvstore.tiering import SsdMover
+from kvstore.scheduler.queues import TransferKind
 from kvstore.tiers.dram import Arenas, DramArena, sweep_stale_arenas
+from kvstore.transfers import TransferGate, serving
 
 log = logging.getLogger("kvstore.server")
 
@@ -113,6 +115,8 @@ class Server:
         self.arenas: Arenas | None = None
         self.ssd: SsdMover | None = None
         self.remote: RemoteTier | None = None
+        self.transfers = TransferGate(config.server.max_transfers_in_flight,
+                                      weights=config.server.tenant_weights, metrics=metrics)
         self.sessions: dict[bytes, Session] = {}  # routing id -> session
         self._by_session_id: dict[str, Session] = {}
         self._expired: dict[bytes, None] = {}
@@ -164,7 +168,7 @@ class Server:
             self.arenas.get("")  # the one arena, made (and its pages touched) at start-up
         if self.config.ssd_capacity:
             try:
-                self.ssd = SsdMover(self.config, self.store, self.slot)
+                self.ssd = SsdMover(self.config, self.store, self.slot, self.transfers)
                 restored = self.ssd.restore()
                 self.ssd.metrics = self.metrics
             except BaseException:
@@ -381,35 +385,37 @@ class Server:
                 self._admit(session)
                 self.store.touch_owner(session.id, self.clock())
                 handler = self.handlers[type(request)]
-                try:
+                with serving(_TRANSFER_KIND.get(verb, TransferKind.WRITEBACK), tenant):
                     try:
-                        reply, payload = handler(session, request, frames[2:])
-                    except CapacityError:
-                        if not self.defer or verb not in _DEFERRABLE:
-                            raise
-                        self.scheduling["defers"] += 1
-                        raise Deferred(self.clock() + self.config.dram.defer_seconds) from None
-                except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup,
-                        Deferred, Later) as plan:
-                    # The bytes must move between tiers first: finish in a task.
-                    held = sum(len(f) for f in frames[2:])
-                    if session.bytes_in_flight + held > self.max_bytes_in_flight:
-                        raise LimitExceededError(
-                            f"the session has {session.bytes_in_flight} bytes in requests "
-                            f"still under way (limit {self.max_bytes_in_flight}); wait for "
-                            f"their replies") from None
-                    tenant_held = self._tenant_bytes.get(session.tenant, 0)
-                    if (self.max_tenant_bytes_in_flight
-                            and tenant_held + held > self.max_tenant_bytes_in_flight):
-                        raise LimitExceededError(
-                            f"tenant {session.tenant!r} has {tenant_held} bytes in requests "
-                            f"still under way (limit {self.max_tenant_bytes_in_flight})"
-                        ) from None
-                    session.bytes_in_flight += held
-                    self._tenant_bytes[session.tenant] = tenant_held + held
-                    self._spawn(self._finish_later(routing_id, rid, verb, tenant, start,
-                                                   handler, session, request, frames[2:], plan))
-                    return
+                        try:
+                            reply, payload = handler(session, request, frames[2:])
+                        except CapacityError:
+                            if not self.defer or verb not in _DEFERRABLE:
+                                raise
+                            self.scheduling["defers"] += 1
+                            raise Deferred(self.clock() + self.config.dram.defer_seconds) from None
+                    except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup,
+                            Deferred, Later) as plan:
+                        # The bytes must move between tiers first: finish in a task.
+                        held = sum(len(f) for f in frames[2:])
+                        if session.bytes_in_flight + held > self.max_bytes_in_flight:
+                            raise LimitExceededError(
+                                f"the session has {session.bytes_in_flight} bytes in requests "
+                                f"still under way (limit {self.max_bytes_in_flight}); wait for "
+                                f"their replies") from None
+                        tenant_held = self._tenant_bytes.get(session.tenant, 0)
+                        if (self.max_tenant_bytes_in_flight
+                                and tenant_held + held > self.max_tenant_bytes_in_flight):
+                            raise LimitExceededError(
+                                f"tenant {session.tenant!r} has {tenant_held} bytes in requests "
+                                f"still under way (limit {self.max_tenant_bytes_in_flight})"
+                            ) from None
+                        session.bytes_in_flight += held
+                        self._tenant_bytes[session.tenant] = tenant_held + held
+                        self._spawn(self._finish_later(
+                            routing_id, rid, verb, tenant, start, handler, session, request,
+                            frames[2:], plan))
+                        return
         except KVStoreError as exc:
             code = exc.code
             reply, payload = p.ErrorReply(rid, exc.code, str(exc)), []
@@ -929,6 +935,7 @@ class Server:
             "namespaces": len(self.store.namespaces),
             "invariant_violations": self.invariant_violations,
             "scheduling": dict(self.scheduling),
+            "transfers": self.transfers.stats(),
         }
         if self.ssd is not None:
             out["ssd_io"] = self.ssd.stats()
@@ -959,6 +966,10 @@ class Server:
 
 
 _DEFERRABLE = frozenset({"reserve", "put", "acquire", "get"})
+# The class of the copies a request starts (the rest, such as a put's demotions, are
+# write-back): reloads come first, an engine waits on them.
+_TRANSFER_KIND = {"acquire": TransferKind.RELOAD, "get": TransferKind.RELOAD,
+                  "lookup": TransferKind.RELOAD, "prefetch": TransferKind.PREFETCH}
 _FREES_ROOM = frozenset({"release", "abort", "commit", "evict", "drop", "put", "get"})
 
 

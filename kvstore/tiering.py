@@ -27,7 +27,9 @@ from kvstore.store import (
     PromotionNeeded,
     Transfer,
 )
+from kvstore.scheduler.queues import TransferKind
 from kvstore.tiers.ssd import BlockRecord, SSDStore
+from kvstore.transfers import TransferGate
 
 log = logging.getLogger("kvstore.tiering")
 
@@ -39,9 +41,11 @@ class SsdMover:
     """Owns the SSD engine and runs demotions, promotions and write-through copies."""
 
     def __init__(self, config: Config, store: BlockStore,
-                 slot: Callable[[Namespace, int], memoryview]) -> None:
+                 slot: Callable[[Namespace, int], memoryview],
+                 gate: TransferGate | None = None) -> None:
         self.store = store
         self.slot = slot
+        self.gate = gate or TransferGate(config.server.max_transfers_in_flight)
         self.write_through = config.ssd.write_policy == "write-through"
         self.engine = SSDStore(
             config.ssd_path, config.ssd_capacity, slab_bytes=config.ssd_slab_bytes,
@@ -115,10 +119,12 @@ class SsdMover:
                        for b, off in zip(t.blocks, t.offsets)]
             assert all(b.offset is not None for b in t.blocks)
             datas = [self.slot(b.ns, b.offset) for b in t.blocks]  # type: ignore[arg-type]
-            started = time.perf_counter()
-            written = await self.engine.write_blocks(records, datas)
+            nbytes = sum(len(d) for d in datas)
+            async with self.gate.slot(nbytes, default_tenant=t.blocks[0].ns.tenant):
+                started = time.perf_counter()
+                written = await self.engine.write_blocks(records, datas)
             if self.metrics is not None:
-                self.metrics.observe_transfer("demote", "ssd", sum(len(d) for d in datas),
+                self.metrics.observe_transfer("demote", "ssd", nbytes,
                                               time.perf_counter() - started)
             for view in datas:
                 view.release()
@@ -167,10 +173,13 @@ class SsdMover:
         ok = [False] * len(t.blocks)
         try:
             views = [self.slot(b.ns, off) for b, off in zip(t.blocks, t.offsets)]
-            started = time.perf_counter()
-            ok = await self.engine.read_many([b.ssd_record for b in t.blocks], views)
+            nbytes = sum(len(v) for v in views)
+            async with self.gate.slot(nbytes, default_kind=TransferKind.RELOAD,
+                                      default_tenant=t.blocks[0].ns.tenant):
+                started = time.perf_counter()
+                ok = await self.engine.read_many([b.ssd_record for b in t.blocks], views)
             if self.metrics is not None:
-                self.metrics.observe_transfer("promote", "ssd", sum(len(v) for v in views),
+                self.metrics.observe_transfer("promote", "ssd", nbytes,
                                               time.perf_counter() - started)
             for view in views:
                 view.release()
