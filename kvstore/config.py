@@ -211,9 +211,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(
                     f"server.tenant_weights: {tenant!r} has weight {weight}; must be positive")
         quota = parse_size(self.dram.tenant_quota, "dram.tenant_quota")
-        if quota and (quota < self.dram_slab_bytes or quota > self.dram_capacity):
-            raise ConfigError("dram.tenant_quota: 0 (none), or from one slab up to the "
-                              "dram capacity")
+        if quota > self.dram_capacity:
+            raise ConfigError("dram.tenant_quota: 0 (none), or at most the dram capacity")
         if self.server.log_format not in ("text", "json"):
             raise ConfigError("server.log_format: expected 'text' or 'json'")
         if not 0 <= self.server.metrics_port <= 65535:

@@ -106,7 +106,9 @@ class Server:
                                 per_tenant=config.dram.per_tenant_arenas,
                                 ssd_capacity=config.ssd_capacity,
                                 ssd_slab_bytes=config.ssd_slab_bytes,
-                                ssd_admit_after=config.ssd.admit_after)
+                                ssd_admit_after=config.ssd.admit_after,
+                                tenant_quota=parse_size(config.dram.tenant_quota),
+                                tenant_weights=config.server.tenant_weights)
         self.store.allow_evict = "evict" in config.dram.pressure
         self.store.allow_demote = "demote" in config.dram.pressure
         self.defer = "defer" in config.dram.pressure
@@ -389,11 +391,12 @@ class Server:
                     try:
                         try:
                             reply, payload = handler(session, request, frames[2:])
-                        except CapacityError:
+                        except CapacityError as exc:
                             if not self.defer or verb not in _DEFERRABLE:
                                 raise
                             self.scheduling["defers"] += 1
-                            raise Deferred(self.clock() + self.config.dram.defer_seconds) from None
+                            raise Deferred(self.clock() + self.config.dram.defer_seconds,
+                                           str(exc)) from None
                     except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup,
                             Deferred, Later) as plan:
                         # The bytes must move between tiers first: finish in a task.
@@ -466,9 +469,10 @@ class Server:
                     break
                 except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup) as again:
                     plan = again
-                except CapacityError:
+                except CapacityError as exc:
                     if not isinstance(plan, Deferred):
                         raise
+                    plan.cause = str(exc)
                     # still no room: wait again, first in line, until the deadline
             else:
                 raise CapacityError("blocks kept moving between tiers; try again")
@@ -495,7 +499,7 @@ class Server:
             self.scheduling["defer_timeouts"] += 1
             raise CapacityError(
                 f"no room in the dram tier within {self.config.dram.defer_seconds:g}s "
-                f"(deferred, then rejected)")
+                f"(deferred, then rejected): {plan.cause}")
         assert self._loop is not None
         future: asyncio.Future[None] = self._loop.create_future()
         if plan.waited:
@@ -936,6 +940,8 @@ class Server:
             "invariant_violations": self.invariant_violations,
             "scheduling": dict(self.scheduling),
             "transfers": self.transfers.stats(),
+            "tenant_dram_bytes": {tenant: nbytes for dram in self.store.drams.values()
+                                  for tenant, nbytes in dram.used.items()},
         }
         if self.ssd is not None:
             out["ssd_io"] = self.ssd.stats()
@@ -1001,10 +1007,11 @@ def _leading_in_dram(ns: Namespace, keys: list[bytes]) -> int:
 class Deferred(Exception):
     """Not an error: no room now; wait for some, in order, until the deadline."""
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(self, deadline: float, cause: str = "") -> None:
         super().__init__("deferred")
         self.deadline = deadline
         self.waited = False
+        self.cause = cause  # why there was no room, the last time it was tried
 
 
 class RemoteFetch(Exception):

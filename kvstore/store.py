@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,6 +220,26 @@ class TierSlots:
         self.policy_name = policy
         self.clock = clock  # set: orders support soft pins (kept warm until a time)
         self.policies: dict[int, EvictionPolicy[Block]] = {}
+        self.used: dict[str, int] = {}  # bytes of slots each tenant holds (any state)
+
+    def take(self, ns: Namespace, count: int) -> list[int] | None:
+        """``count`` slots of ``ns``'s class, charged to its tenant; None if too few free."""
+        offsets = self.pool.allocate(ns.cls, count)
+        if offsets is not None and count:
+            self.used[ns.tenant] = self.used.get(ns.tenant, 0) + count * ns.cls.slot_bytes
+        return offsets
+
+    def give(self, ns: Namespace, offsets: list[int]) -> None:
+        """Free slots of ``ns``'s class that its tenant held."""
+        if not offsets:
+            return
+        self.pool.free(ns.cls, offsets)
+        left = self.used[ns.tenant] - len(offsets) * ns.cls.slot_bytes
+        assert left >= 0, f"tenant {ns.tenant!r} gave back more than it held"
+        if left:
+            self.used[ns.tenant] = left
+        else:
+            del self.used[ns.tenant]
 
     def class_for(self, block_bytes: int) -> SlabClass:
         cls = self.pool.class_for(block_bytes)
@@ -252,8 +272,12 @@ class BlockStore:
         ssd_capacity: int = 0,
         ssd_slab_bytes: int = 256 << 20,
         ssd_admit_after: int = 1,
+        tenant_quota: int = 0,
+        tenant_weights: Mapping[str, float] | None = None,
     ) -> None:
         self._dram_args = (capacity_bytes, slab_bytes, alignment, eviction_policy)
+        self.tenant_quota = tenant_quota  # most bytes of a shared DRAM tier one tenant holds
+        self.tenant_weights = dict(tenant_weights or {})  # shares under pressure (default 1)
         self.clock = clock
         self.per_tenant = per_tenant
         self.drams: dict[str, TierSlots] = {}  # one DRAM tier (arena) per tenant, or one for all
@@ -409,49 +433,95 @@ class BlockStore:
     def _allocate(self, ns: Namespace, count: int, protect: Block | None = None) -> list[int]:
         """DRAM slots, evicting (or planning demotions) as needed; all or nothing."""
         pool, cls = ns.dram.pool, ns.cls
+        over = self._over_quota(ns, count)
+        if over > 0:  # the tenant makes room among its own blocks first
+            self._make_room(ns.dram, cls, over, protect, only=ns.tenant)
         if pool.available(cls) < count:
-            self._make_room(ns.dram, cls, count, protect)
-        offsets = pool.allocate(cls, count)
+            self._make_room(ns.dram, cls, count - pool.available(cls), protect,
+                            requester=(ns.tenant, count * cls.slot_bytes))
+        offsets = ns.dram.take(ns, count)
         assert offsets is not None, "allocation failed after making room"
         return offsets
 
-    def _make_room(self, dram: TierSlots, cls: SlabClass, count: int,
-                   protect: Block | None) -> None:
+    def _over_quota(self, ns: Namespace, count: int) -> int:
+        """Slots the tenant of ``ns`` must give up before it may take ``count`` more."""
+        if not self.tenant_quota or self.per_tenant:
+            return 0
+        slot = ns.cls.slot_bytes
+        excess = ns.dram.used.get(ns.tenant, 0) + count * slot - self.tenant_quota
+        return -(-excess // slot) if excess > 0 else 0
+
+    def _over_share(self, dram: TierSlots,
+                    requester: tuple[str, int] | None) -> dict[str, int]:
+        """Tenants of a shared tier that hold more than their weighted share of it (the
+        requester counted with the bytes it asks for): the bytes each holds beyond it."""
+        used = dict(dram.used)
+        if requester is not None:
+            used[requester[0]] = used.get(requester[0], 0) + requester[1]
+        if self.per_tenant or len(used) < 2:
+            return {}
+        weights = {t: self.tenant_weights.get(t, 1.0) for t in used}
+        total = sum(weights.values())
+        capacity = dram.pool.capacity_bytes
+        shares = {t: capacity * weights[t] / total for t in used}
+        return {t: held - int(shares[t]) for t, held in used.items() if held > shares[t]}
+
+    def _make_room(self, dram: TierSlots, cls: SlabClass, need: int,
+                   protect: Block | None, only: str | None = None,
+                   requester: tuple[str, int] | None = None) -> None:
+        """Free ``need`` slots of ``cls``: evict, or plan demotions (DemotionNeeded), taking
+        tenants over their share first; with ``only``, that tenant's blocks alone."""
         pool = dram.pool
         policy = dram.policy(cls)
-        if count > pool.available(cls) + len(policy):
+        if only is None and need > len(policy):
             if self._room_coming(cls):
                 raise DemotionNeeded([])  # room is on its way: wait for those writes
             self.counters.capacity_rejects += 1
             raise CapacityError(
-                f"{count} slots of {cls.slot_bytes} bytes requested, "
+                f"{need + pool.available(cls)} slots of {cls.slot_bytes} bytes requested, "
                 f"{pool.available(cls)} free and {len(policy)} evictable in the dram tier; "
                 f"release pins or raise its capacity")
 
         evict = self.allow_evict
 
         def allowed(b: Block) -> bool:
-            if b.refs or b is protect:
+            if b.refs or b is protect or (only is not None and b.ns.tenant != only):
                 return False
             if b.ssd_offset is not None or (b.children == 0 and not self._admitted(b)):
                 return evict          # leaves DRAM without a write
             return self._admitted(b)  # written back first
 
+        over = self._over_share(dram, requester) if only is None else {}
+
+        def over_share(b: Block) -> bool:
+            return over.get(b.ns.tenant, 0) > 0 and allowed(b)
+
         # Each request demotes its own victims: the room its writes free is taken right
         # when they finish, with no await in between for another request to slip into.
         to_demote: list[Block] = []
-        while pool.available(cls) + len(to_demote) < count:
-            victim = policy.pop_victim(allowed)
+        taken = 0
+        while taken < need:
+            victim = policy.pop_victim(over_share) if over else None
+            if victim is None:
+                victim = policy.pop_victim(allowed)
             if victim is None:
                 for b in to_demote:  # nothing was written yet: put them back
                     b.demoting = False
                     policy.insert(b)
-                if self._room_coming(cls):
+                if self._room_coming(cls, only):
                     raise DemotionNeeded([])
                 self.counters.capacity_rejects += 1
+                if only is not None:
+                    raise CapacityError(
+                        f"tenant {only!r} holds {dram.used.get(only, 0)} bytes of the dram "
+                        f"tier, its quota is {self.tenant_quota}, and not enough of its "
+                        f"blocks can be evicted; release pins")
                 raise CapacityError(
-                    f"{count} slots of {cls.slot_bytes} bytes requested; the dram tier "
-                    f"is full of pinned blocks or their prefixes")
+                    f"{need + pool.available(cls)} slots of {cls.slot_bytes} bytes requested; "
+                    f"the dram tier is full of pinned blocks or their prefixes")
+            taken += 1
+            if victim.ns.tenant in over:
+                over[victim.ns.tenant] -= cls.slot_bytes
             if victim.ssd_offset is not None:
                 self._drop_dram_copy(victim)          # clean: the SSD copy stays
             elif self._admitted(victim):
@@ -464,11 +534,12 @@ class BlockStore:
         if to_demote:
             raise DemotionNeeded(to_demote)
 
-    def _room_coming(self, cls: SlabClass) -> bool:
-        """Whether SSD writes under way will free or unpin DRAM slots of ``cls``: a demoted
-        block leaves DRAM, a written-through one becomes evictable."""
-        return any(b.ns.cls is cls for t in self.transfers.values() if t.tier == SSD
-                   for b in t.blocks)
+    def _room_coming(self, cls: SlabClass, tenant: str | None = None) -> bool:
+        """Whether SSD writes under way will free or unpin DRAM slots of ``cls`` (of
+        ``tenant``'s, if given): a demoted block leaves DRAM, a written-through one
+        becomes evictable."""
+        return any(b.ns.cls is cls and (tenant is None or b.ns.tenant == tenant)
+                   for t in self.transfers.values() if t.tier == SSD for b in t.blocks)
 
     def _admitted(self, block: Block) -> bool:
         return (self.ssd is not None and self.ssd_writable and self.allow_demote
@@ -531,7 +602,7 @@ class BlockStore:
                 if block.ssd_offset is None:
                     dirty[block] = None
         if duplicates:
-            ns.dram.pool.free(ns.cls, duplicates)
+            ns.dram.give(ns, duplicates)
         self.committed_slots += len(fresh)
         self.counters.peak_committed = max(self.counters.peak_committed, self.committed_slots)
         if r.parent is not None:
@@ -551,7 +622,7 @@ class BlockStore:
     def _rollback(self, state: OwnerState, r: Reservation) -> None:
         del state.reservations[r.id]
         self.reserved_slots -= len(r.offsets)
-        r.ns.dram.pool.free(r.ns.cls, r.offsets)
+        r.ns.dram.give(r.ns, r.offsets)
         if r.parent is not None:
             self._unhold(r.parent, r.parent_pinned)
 
@@ -632,7 +703,7 @@ class BlockStore:
         assert block.offset is not None and block.refs == 0
         ns = block.ns
         ns.dram.policy(ns.cls).remove(block)
-        ns.dram.pool.free(ns.cls, [block.offset])
+        ns.dram.give(ns, [block.offset])
         block.offset = None
         block.demoting = False
         self.committed_slots -= 1
@@ -853,7 +924,7 @@ class BlockStore:
                 offsets.extend(got)
         except BaseException:
             for ns, got in taken:
-                ns.dram.pool.free(ns.cls, got)
+                ns.dram.give(ns, got)
             raise
         ordered = [b for group in by_ns.values() for b in group]
         for b in ordered:
@@ -881,7 +952,7 @@ class BlockStore:
                 b.ns.dram.policy(b.ns.cls).insert(b)
                 self.counters.promotions += 1
             else:
-                b.ns.dram.pool.free(b.ns.cls, [off])
+                b.ns.dram.give(b.ns, [off])
                 if good:
                     self._forget_if_gone(b)
                 else:
@@ -1018,7 +1089,28 @@ class BlockStore:
             for b, demote in zip(t.blocks, t.demote):
                 if t.tier == SSD and not demote:
                     pin_counts[b] = pin_counts.get(b, 0) + 1
+        used: dict[tuple[int, str], int] = {}  # (tier, tenant): bytes of DRAM slots held
+        for state in self.owners.values():
+            for r in state.reservations.values():
+                at = (id(r.ns.dram), r.ns.tenant)
+                used[at] = used.get(at, 0) + len(r.offsets) * r.ns.cls.slot_bytes
+        for t in self.transfers.values():
+            if t.tier == DRAM:
+                for b in t.blocks:
+                    at = (id(b.ns.dram), b.ns.tenant)
+                    used[at] = used.get(at, 0) + b.ns.cls.slot_bytes
         committed: dict[SlabClass, list[int]] = {}
+        for ns in self.namespaces.values():
+            held = sum(1 for b in ns.blocks.values() if b.offset is not None)
+            if held:
+                at = (id(ns.dram), ns.tenant)
+                used[at] = used.get(at, 0) + held * ns.cls.slot_bytes
+        for dram in self.drams.values():
+            for tenant, nbytes in dram.used.items():
+                holds = used.pop((id(dram), tenant), 0)
+                assert holds == nbytes, (
+                    f"tenant {tenant!r} is charged {nbytes} bytes of dram, holds {holds}")
+        assert not used, f"dram slots held but not charged: {used}"
         for ns in self.namespaces.values():
             child_counts: dict[Block, int] = {}
             for key, b in ns.blocks.items():

@@ -181,3 +181,64 @@ def test_a_scan_does_not_flush_the_hot_set_under_s3fifo(daemon_factory: Any) -> 
             hits[policy] = found
         d.stop()
     assert hits["s3fifo"] > 1.5 * hits["lru"], hits
+
+
+SMALL = make_identity(num_layers=2, num_kv_heads=2, head_dim=64)   # 16 KiB blocks
+
+
+def _spaces(ca: Client, cb: Client) -> tuple[Any, Any]:
+    return (ca.namespace(make_identity(num_layers=2, num_kv_heads=2, head_dim=64, tenant="a")),
+            cb.namespace(make_identity(num_layers=2, num_kv_heads=2, head_dim=64, tenant="b")))
+
+
+def _put_roots(ns: Any, first: int, count: int) -> list[list[bytes]]:
+    chains = [ns.keys(range(16 * i, 16 * (i + 1))) for i in range(first, first + count)]
+    for keys in chains:
+        ns.put(keys, [bytes(SMALL.block_bytes)])
+    return chains
+
+
+def test_two_tenants_under_pressure_each_keep_their_share(daemon_factory: Any,
+                                                          tmp_path: Any) -> None:
+    """64 slots, tenant b weighted 3: b's 40 cold blocks outlast a flood from tenant a,
+    which recycles its own 24 (a's share is 16; b, within its 48, is never touched)."""
+    config = tmp_path / "weights.toml"
+    config.write_text('[server]\ntenant_weights = { b = 3.0 }\n')
+    d = daemon_factory(dram_capacity=str(64 * SMALL.block_bytes),
+                       extra=["--slab-size", str(64 * SMALL.block_bytes),
+                              "--config", str(config)])
+    with Client(d.endpoint, tenant="a") as ca, Client(d.endpoint, tenant="b") as cb:
+        a, b = _spaces(ca, cb)
+        b_chains = _put_roots(b, 0, 40)
+        a_chains = _put_roots(a, 1000, 200)
+        assert sum(b.lookup(k).blocks for k in b_chains) == 40
+        assert sum(a.lookup(k).blocks for k in a_chains[-24:]) == 24
+        stats = ca.stats()
+        assert stats["tenant_dram_bytes"] == {"a": 24 * SMALL.block_bytes,
+                                              "b": 40 * SMALL.block_bytes}
+        _put_roots(b, 5000, 20)            # b grows past its share of 48: a gives way
+        stats = ca.stats()
+        assert stats["tenant_dram_bytes"]["b"] == 48 * SMALL.block_bytes
+        assert stats["invariant_violations"] == 0
+
+
+def test_a_tenant_quota_caps_its_dram_and_spares_the_others(daemon_factory: Any) -> None:
+    quota = 16 * SMALL.block_bytes
+    d = daemon_factory(dram_capacity=str(64 * SMALL.block_bytes),
+                       extra=["--slab-size", str(64 * SMALL.block_bytes)],
+                       env={"KVSTORE_DRAM_TENANT_QUOTA": str(quota)})
+    with Client(d.endpoint, tenant="a") as ca, Client(d.endpoint, tenant="b") as cb:
+        a, b = _spaces(ca, cb)
+        b_chains = _put_roots(b, 0, 10)
+        a_chains = _put_roots(a, 1000, 50)
+        stats = ca.stats()
+        assert stats["tenant_dram_bytes"]["a"] == quota
+        assert sum(a.lookup(k).blocks for k in a_chains[-16:]) == 16   # its newest stay
+        assert sum(b.lookup(k).blocks for k in b_chains) == 10
+        assert stats["tiers"]["dram"]["free"] >= 38 * SMALL.block_bytes
+        held = a.acquire([k for c in a_chains[-16:] for k in c])     # all of a's, pinned
+        with pytest.raises(CapacityError, match="quota"):
+            _put_roots(a, 9000, 1)
+        held.release()
+        _put_roots(a, 9000, 1)
+        assert ca.stats()["invariant_violations"] == 0

@@ -1,0 +1,115 @@
+"""Tenants sharing one DRAM tier: a tenant over its weighted share is evicted first, and a
+tenant at its quota makes room among its own blocks (or is refused, leaving no trace)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+from kvtest import make_identity
+
+from kvstore.errors import CapacityError
+from kvstore.keys import chain_keys
+from kvstore.store import BlockStore, Namespace
+
+A = make_identity(tenant="a")
+B = make_identity(tenant="b")
+SLOT = A.block_bytes  # 8 KiB, already a multiple of the alignment
+
+
+def store_of(slots: int, **kw: object) -> BlockStore:
+    return BlockStore(slots * SLOT, slots * SLOT, **kw)  # type: ignore[arg-type]
+
+
+def put(store: BlockStore, ns: Namespace, first: int, count: int, now: float) -> list[bytes]:
+    """``count`` one-block chains (each its own root), committed at ``now``."""
+    keys = []
+    for i in range(first, first + count):
+        key = chain_keys(ns.id, list(range(i * 16, (i + 1) * 16)), 16)[0]
+        r = store.reserve(ns.tenant, ns, [key], None, now)
+        store.commit(ns.tenant, r.id, now)
+        keys.append(key)
+    return keys
+
+
+def cached(ns: Namespace, keys: list[bytes]) -> int:
+    return sum(1 for k in keys if (b := ns.blocks.get(k)) is not None and b.offset is not None)
+
+
+def test_a_tenant_over_its_share_is_evicted_first() -> None:
+    store = store_of(16)
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    b_keys = put(store, b, 0, 6, now=0.0)          # b's blocks are the coldest
+    a_keys = put(store, a, 100, 10, now=1.0)       # the tier is full; a holds 10 of 16
+    more = put(store, a, 200, 4, now=2.0)          # a keeps writing: its own blocks go
+    assert cached(b, b_keys) == 6
+    assert cached(a, a_keys) + cached(a, more) == 10
+    put(store, b, 300, 2, now=3.0)                 # b, under its share of 8, takes from a
+    assert cached(b, b_keys) == 6 and store.drams[""].used == {"a": 8 * SLOT, "b": 8 * SLOT}
+    store.check_invariants()
+
+
+def test_weights_set_the_shares() -> None:
+    store = store_of(16, tenant_weights={"a": 3.0})
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    b_keys = put(store, b, 0, 4, now=0.0)          # share of b: 4 of 16
+    put(store, a, 100, 12, now=1.0)
+    put(store, a, 200, 6, now=2.0)                 # a is at its share of 12: its own go
+    assert cached(b, b_keys) == 4
+    put(store, b, 300, 2, now=3.0)                 # b over its share of 4: b's own go
+    assert store.drams[""].used == {"a": 12 * SLOT, "b": 4 * SLOT}
+    store.check_invariants()
+
+
+def test_under_plain_lru_the_cold_tenant_would_lose_its_blocks() -> None:
+    """The contrast: one tenant alone in the tier evicts by recency only."""
+    store = store_of(16)
+    b = store.open_namespace(B)
+    first = put(store, b, 0, 6, now=0.0)
+    put(store, b, 100, 16, now=1.0)
+    assert cached(b, first) == 0
+
+
+def test_a_tenant_at_its_quota_evicts_its_own_blocks() -> None:
+    store = store_of(16, tenant_quota=4 * SLOT)
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    b_keys = put(store, b, 0, 3, now=0.0)
+    a_keys = put(store, a, 100, 10, now=1.0)       # the tier has room, the quota does not
+    assert store.drams[""].used["a"] == 4 * SLOT
+    assert cached(a, a_keys) == 4 and cached(a, a_keys[-4:]) == 4
+    assert cached(b, b_keys) == 3
+    store.check_invariants()
+
+
+def test_a_tenant_at_its_quota_with_everything_pinned_is_refused_cleanly() -> None:
+    store = store_of(16, tenant_quota=2 * SLOT)
+    a = store.open_namespace(A)
+    keys = put(store, a, 0, 2, now=0.0)
+    pin = store.acquire("a", a, keys[:1], 1.0)
+    pin2 = store.acquire("a", a, keys[1:], 1.0)
+    before = dict(store.drams[""].used)
+    key = chain_keys(a.id, list(range(1000, 1016)), 16)[0]
+    with pytest.raises(CapacityError, match="quota"):
+        store.reserve("a", a, [key], None, 2.0)
+    assert store.drams[""].used == before and store.reserved_slots == 0
+    store.release("a", pin.id)
+    store.release("a", pin2.id)
+    store.reserve("a", a, [key], None, 3.0)        # now one of its own blocks can go
+    store.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(1, 5)), min_size=1,
+                max_size=40),
+       st.sampled_from([0, 3, 6]))
+def test_accounting_holds_under_any_mix(ops: list[tuple[str, int]], quota_slots: int) -> None:
+    store = store_of(12, tenant_quota=quota_slots * SLOT)
+    spaces = {t: store.open_namespace(make_identity(tenant=t)) for t in "abc"}
+    for step, (tenant, count) in enumerate(ops):
+        try:
+            put(store, spaces[tenant], step * 10, count, now=float(step))
+        except CapacityError:
+            pass
+        store.check_invariants()
+        if quota_slots:
+            assert all(v <= quota_slots * SLOT for v in store.drams[""].used.values())
+    assert sum(store.drams[""].used.values()) == store.committed_slots * SLOT
