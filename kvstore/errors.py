@@ -33,9 +33,14 @@ class UnknownNamespaceError(KVStoreError):
 
 
 class CapacityError(KVStoreError):
-    """No room for the request under the configured pressure policy."""
+    """No room for the request under the configured pressure policy.  ``cause`` says why,
+    for metrics: full, pinned, quota or deadline (deferred, then out of time)."""
 
     code = "capacity"
+
+    def __init__(self, message: str = "", cause: str = "full") -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class LeaseExpiredError(KVStoreError):

@@ -96,6 +96,8 @@ _SCHEDULING_COUNTERS = (
     ("defers", "kvstore_defers", "Requests deferred to wait for room."),
     ("defer_timeouts", "kvstore_defer_rejects",
      "Deferred requests rejected at their deadline."),
+    ("rejects", "kvstore_capacity_rejects",
+     "Requests refused for want of room, whatever the cause (see kvstore_admission_rejects)."),
     ("recomputed_tokens", "kvstore_recomputed_tokens",
      "Tokens engines reported recomputing (cache misses that cost compute)."),
 )
@@ -158,7 +160,8 @@ class _StatsCollector(Collector):
         counters = {key: CounterMetricFamily(name, text, labels=["tier"])
                     for key, name, text in _TIER_COUNTERS}
         evictions = CounterMetricFamily(
-            "kvstore_evictions", "Blocks evicted, by cause.", labels=["tier", "cause"])
+            "kvstore_evictions", "Blocks evicted, by tier, eviction policy and cause.",
+            labels=["tier", "policy", "cause"])
         hit_ratio = GaugeMetricFamily(
             "kvstore_lookup_hit_ratio",
             "Blocks found over blocks asked for, by lookups since start.", labels=["tier"])
@@ -177,6 +180,7 @@ class _StatsCollector(Collector):
         tiers: Mapping[str, Mapping[str, Any]] = dict(stats.get("tiers", {}))
         if "remote" in stats:
             tiers = {**tiers, "remote": stats["remote"]}
+        policies: Mapping[str, str] = stats.get("eviction_policies", {})
         for tier, t in tiers.items():
             for key, gauge in pool.items():
                 if key in t:
@@ -192,7 +196,8 @@ class _StatsCollector(Collector):
                 {"capacity": t["evictions"]} if "evictions" in t else {})
             for cause, count in by_cause.items():
                 evictions.add_metric(
-                    [tier, cause], self._monotonic(("evictions", tier, cause), float(count)))
+                    [tier, policies.get(tier, "none"), cause],
+                    self._monotonic(("evictions", tier, cause), float(count)))
             if t.get("lookup_keys"):
                 hit_ratio.add_metric([tier], float(t.get("hits", 0)) / float(t["lookup_keys"]))
         if "sessions" in stats:

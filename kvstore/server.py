@@ -113,7 +113,8 @@ class Server:
         self.store.allow_demote = "demote" in config.dram.pressure
         self.defer = "defer" in config.dram.pressure
         self._deferred: collections.deque[asyncio.Future[None]] = collections.deque()
-        self.scheduling = {"defers": 0, "defer_timeouts": 0, "recomputed_tokens": 0}
+        self.scheduling = {"defers": 0, "defer_timeouts": 0, "rejects": 0,
+                           "recomputed_tokens": 0}
         self.arenas: Arenas | None = None
         self.ssd: SsdMover | None = None
         self.remote: RemoteTier | None = None
@@ -395,6 +396,8 @@ class Server:
                             if not self.defer or verb not in _DEFERRABLE:
                                 raise
                             self.scheduling["defers"] += 1
+                            if self.metrics is not None:
+                                self.metrics.observe_defer("dram", tenant)
                             raise Deferred(self.clock() + self.config.dram.defer_seconds,
                                            str(exc)) from None
                     except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup,
@@ -422,6 +425,8 @@ class Server:
         except KVStoreError as exc:
             code = exc.code
             reply, payload = p.ErrorReply(rid, exc.code, str(exc)), []
+            if isinstance(exc, CapacityError):
+                self._rejected(tenant, exc)
         except Exception as exc:  # a bug: report it, keep serving
             log.exception("internal error handling a request",
                           extra={"rid": rid, "verb": verb, "tenant": tenant})
@@ -479,6 +484,8 @@ class Server:
         except KVStoreError as exc:
             code = exc.code
             reply, out = p.ErrorReply(rid, exc.code, str(exc)), []
+            if isinstance(exc, CapacityError):
+                self._rejected(tenant, exc)
         except Exception as exc:
             log.exception("internal error finishing a request")
             code = "internal"
@@ -492,6 +499,11 @@ class Server:
         if self.config.server.debug_invariants:
             self.check_invariants()
 
+    def _rejected(self, tenant: str, exc: CapacityError) -> None:
+        self.scheduling["rejects"] += 1
+        if self.metrics is not None:
+            self.metrics.observe_reject("dram", tenant, exc.cause)
+
     async def _wait_for_room(self, plan: Deferred) -> None:
         """Wait, in order, until a request frees room or the deadline passes."""
         remaining = plan.deadline - self.clock()
@@ -499,7 +511,7 @@ class Server:
             self.scheduling["defer_timeouts"] += 1
             raise CapacityError(
                 f"no room in the dram tier within {self.config.dram.defer_seconds:g}s "
-                f"(deferred, then rejected): {plan.cause}")
+                f"(deferred, then rejected): {plan.cause}", cause="deadline")
         assert self._loop is not None
         future: asyncio.Future[None] = self._loop.create_future()
         if plan.waited:
@@ -940,6 +952,7 @@ class Server:
             "invariant_violations": self.invariant_violations,
             "scheduling": dict(self.scheduling),
             "transfers": self.transfers.stats(),
+            "eviction_policies": {"dram": self.config.dram.eviction_policy, "ssd": "lru"},
             "tenant_dram_bytes": {tenant: nbytes for dram in self.store.drams.values()
                                   for tenant, nbytes in dram.used.items()},
         }

@@ -480,7 +480,7 @@ class BlockStore:
             raise CapacityError(
                 f"{need + pool.available(cls)} slots of {cls.slot_bytes} bytes requested, "
                 f"{pool.available(cls)} free and {len(policy)} evictable in the dram tier; "
-                f"release pins or raise its capacity")
+                f"release pins or raise its capacity", cause="pinned")
 
         evict = self.allow_evict
 
@@ -515,10 +515,10 @@ class BlockStore:
                     raise CapacityError(
                         f"tenant {only!r} holds {dram.used.get(only, 0)} bytes of the dram "
                         f"tier, its quota is {self.tenant_quota}, and not enough of its "
-                        f"blocks can be evicted; release pins")
+                        f"blocks can be evicted; release pins", cause="quota")
                 raise CapacityError(
                     f"{need + pool.available(cls)} slots of {cls.slot_bytes} bytes requested; "
-                    f"the dram tier is full of pinned blocks or their prefixes")
+                    f"the dram tier is full of pinned blocks or their prefixes", cause="pinned")
             taken += 1
             if victim.ns.tenant in over:
                 over[victim.ns.tenant] -= cls.slot_bytes

@@ -20,7 +20,7 @@ from pathlib import Path
 from kvstore.errors import ConfigError
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_ARENA_NAME = re.compile(r"kvstore-(\d+)-(\d+)-[0-9a-f]+\.arena")
+_ARENA_NAME = re.compile(r"kvstore-(\d+)-(\d+)-[0-9a-f]+\.(arena|gpupool)")
 
 log = logging.getLogger("kvstore.dram")
 
@@ -36,9 +36,10 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_stale_arenas(directory: str) -> list[str]:
-    """Unlink this user's arenas whose daemon is gone (killed before it could unlink them),
-    so shared memory does not fill up with dead arenas; returns the paths removed."""
-    removed = []
+    """Unlink this user's arenas (and host-backed device pools) whose daemon is gone
+    (killed before it could unlink them), so shared memory does not fill up with dead
+    ones; returns the paths removed."""
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

@@ -35,7 +35,8 @@ class FakeDaemon:
             "tiers": {"dram": tier_stats(),
                       "ssd": {"checksum_failures": 2, "evictions_by_cause":
                               {"capacity": 5, "expired": 1}}},
-            "sessions": 3, "namespaces": 2, "invariant_violations": 0}
+            "sessions": 3, "namespaces": 2, "invariant_violations": 0,
+            "eviction_policies": {"dram": "s3fifo", "ssd": "lru"}}
         self.calls = 0
 
     def __call__(self) -> Mapping[str, Any]:
@@ -136,9 +137,9 @@ def test_reuse_counters_equal_the_stats(daemon: FakeDaemon, scrape: Scraper) -> 
     assert v(s, "kvstore_duplicate_blocks_total", tier="dram") == 2
     assert v(s, "kvstore_aborts_total", tier="dram") == 1
     assert v(s, "kvstore_lease_expiries_total", tier="dram") == 3
-    assert v(s, "kvstore_evictions_total", tier="dram", cause="capacity") == 7
-    assert v(s, "kvstore_evictions_total", tier="ssd", cause="capacity") == 5
-    assert v(s, "kvstore_evictions_total", tier="ssd", cause="expired") == 1
+    assert v(s, "kvstore_evictions_total", tier="dram", policy="s3fifo", cause="capacity") == 7
+    assert v(s, "kvstore_evictions_total", tier="ssd", policy="lru", cause="capacity") == 5
+    assert v(s, "kvstore_evictions_total", tier="ssd", policy="lru", cause="expired") == 1
     assert v(s, "kvstore_checksum_failures_total", tier="ssd") == 2
 
 
@@ -197,7 +198,7 @@ def test_counters_only_go_up(daemon: FakeDaemon, metrics: Metrics, scrape: Scrap
             assert cur[key] >= value, key
     assert v(middle, "kvstore_lookups_total", tier="dram") == 15
     assert v(after, "kvstore_lookups_total", tier="dram") == 17
-    assert v(after, "kvstore_evictions_total", tier="dram", cause="capacity") == 9
+    assert v(after, "kvstore_evictions_total", tier="dram", policy="s3fifo", cause="capacity") == 9
 
 
 def test_names_follow_prometheus_conventions(metrics: Metrics, scrape: Scraper) -> None:
