@@ -10,11 +10,20 @@
    kernels against one large non-blocking copy of a pinned tensor (target >= 0.80x).
 3. CUDA IPC: process A gathers a block into a CUDA tensor and sends it to process B,
    which maps it, checks it bit-exact and writes an answer into it that A then checks.
+4. The GPU tier's device pool (kvstore.tiers.gpu) over CUDA IPC: process A commits blocks
+   from its paged cache into pool slots (gather); process B opens the pool's handle,
+   reloads them into its own paged cache (scatter), gathers its pages back into other
+   slots, and A checks those bit-exact.  B times the reload against a plain device-to-
+   device copy_ of the same bytes out of the IPC-mapped pool (target >= 0.80x).
+5. The DRAM arena pinned in the background (register_in_background, in chunks): time to
+   pin, then GPU <-> the pinned arena's slots with the kernels against one large
+   cudaMemcpyAsync (a non-blocking copy_ of the whole arena; target >= 0.80x), bit-exact.
 
 Run from the repository root (no install needed):  python benchmarks/gpu_check.py
-It takes about a minute on an H200.  Without a GPU it prints "no GPU" and exits 0; with
-one it exits 1 if a correctness or IPC check failed (a ratio under target only says so).
-Without CuPy it still checks and times the torch-on-CUDA path.
+It takes about a minute and a half on an H200.  Without a GPU it prints "no GPU" and exits
+0; with one it exits 1 if a correctness or IPC check failed (a ratio under target only
+says so).  Without CuPy it still checks and times the torch-on-CUDA path (the device pool
+needs CuPy and reports itself skipped).
 """
 
 from __future__ import annotations
@@ -60,6 +69,40 @@ def _make_kernels_importable() -> None:
     spec.loader.exec_module(module)
 
 
+def _import_gpu_tier() -> Any:
+    """``kvstore.tiers.gpu``, also from a bare checkout.  Where msgspec is missing (the GPU
+    machine may lack kvstore's dependencies) a stand-in makes ``PoolHandle`` a dataclass:
+    this check builds handles and reads their fields, it never encodes them."""
+    try:
+        return importlib.import_module("kvstore.tiers.gpu")
+    except ImportError:
+        pass
+    root = Path(__file__).resolve().parents[1]
+    if "kvstore.tiers" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "kvstore.tiers", root / "tiers" / "__init__.py",
+            submodule_search_locations=[str(root / "tiers")],
+        )
+        assert spec is not None and spec.loader is not None, "tiers/__init__.py not found"
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["kvstore.tiers"] = module
+        spec.loader.exec_module(module)
+    try:
+        importlib.import_module("msgspec")
+    except ImportError:
+        import dataclasses
+
+        class Struct:
+            def __init_subclass__(cls, **options: Any) -> None:
+                dataclasses.dataclass(frozen=bool(options.get("frozen")))(cls)
+
+        stand_in = types.ModuleType("msgspec")
+        stand_in.Struct = Struct  # type: ignore[attr-defined]
+        stand_in.Meta = lambda **constraints: None  # type: ignore[attr-defined]
+        sys.modules["msgspec"] = stand_in
+    return importlib.import_module("kvstore.tiers.gpu")
+
+
 _make_kernels_importable()
 
 from kvstore.kernels import (
@@ -75,6 +118,7 @@ from kvstore.kernels import (
 )
 from kvstore.kernels.cuda import CTAS_PER_MULTIPROCESSOR, plan_launch
 from kvstore.kernels.layout import paged_cache
+from kvstore.kernels.pinned import register_in_background
 
 MiB = 1 << 20
 SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: longer than any call's host-side set-up
@@ -463,6 +507,187 @@ def check_ipc(have_kernel: bool) -> str:
             child.kill()
 
 
+POOL_SHAPE = Shape(32, 16, 8, 128, torch.bfloat16)  # 2 MiB blocks, 64 KiB per layer
+POOL_BLOCKS = 128  # 256 MiB reloaded per call
+
+
+def _as_table(slots: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    return slots if isinstance(slots, torch.Tensor) else torch.stack(slots)
+
+
+def _pool_peer(
+    fields: tuple[Any, ...], offsets: list[int], back: list[int], backend: Backend, outbox: Any
+) -> None:
+    """Process B: open the daemon's pool, reload A's blocks into this engine's own paged
+    cache, time that against a plain D2D copy of the same bytes, and commit the pages
+    back into the ``back`` slots for A to check."""
+    try:
+        gpu = _import_gpu_tier()
+        mapping = gpu.PoolMapping.open(gpu.PoolHandle(*fields))
+        shape, n = POOL_SHAPE, len(offsets)
+        block_bytes = shape.block_bytes
+        cache = paged_cache(
+            map_cache(make_cache("per_layer", shape, 2 * n, "cuda"), poisoned_like), "per_layer"
+        )
+        ids = torch.randperm(2 * n)[:n].tolist()
+        slots = mapping.slots(offsets, block_bytes)
+        reload = functools.partial(scatter, slots, cache, ids, layout="per_layer", backend=backend)
+        reload_ms, reload_host = device_time(reload, repeats=9)
+        start = min(offsets)
+        ipc_bytes = mapping.tensor()[start : start + n * block_bytes]
+        local = torch.empty_like(ipc_bytes)
+        copy_ms, copy_host = device_time(functools.partial(local.copy_, ipc_bytes), repeats=9)
+        returned = mapping.slots(back, block_bytes)
+        gather(cache, ids, returned, layout="per_layer", backend=backend)
+        gpu.CopyFence.record(0).wait()
+        same = torch.equal(_as_table(returned), _as_table(slots))
+        del slots, returned, ipc_bytes, reload
+        mapping.close()
+        status = "ok" if same else "B's reloaded pages differ from the pool's blocks"
+        outbox.put((status, reload_ms, reload_host, copy_ms, copy_host))
+    except Exception as exc:  # noqa: BLE001  the parent reports it
+        outbox.put((f"{type(exc).__name__}: {exc}", 0.0, 0.0, 0.0, 0.0))
+
+
+def check_pool_ipc(have_kernel: bool) -> tuple[str, list[Result]]:
+    """The GPU tier's pool shared over CUDA IPC: A commits, B reloads, A checks."""
+    import multiprocessing
+
+    gpu = _import_gpu_tier()
+    reason = gpu.gpu_unavailable(0)
+    if reason is not None:
+        return f"skipped: {reason}", []
+    shape, n = POOL_SHAPE, POOL_BLOCKS
+    block_bytes, nbytes = shape.block_bytes, POOL_BLOCKS * POOL_SHAPE.block_bytes
+    backend: Backend = "kernel" if have_kernel else "torch"
+    slab = 64 * MiB
+    pool = gpu.DevicePool.create(0, 2 * nbytes + slab, slab_bytes=slab)
+    try:
+        cache = paged_cache(make_cache("per_layer", shape, 2 * n, "cuda"), "per_layer")
+        ids = torch.randperm(2 * n)[:n].tolist()
+        offsets, back = pool.allocate(block_bytes, n), pool.allocate(block_bytes, n)
+        slots = pool.slots(offsets, block_bytes)
+        commit = functools.partial(gather, cache, ids, slots, layout="per_layer", backend=backend)
+        commit_ms, commit_host = device_time(commit, repeats=9)
+        plain = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        start = min(offsets)
+        copy_ms, copy_host = device_time(
+            functools.partial(plain.copy_, pool.tensor()[start : start + nbytes]), repeats=9
+        )
+        reference = torch.empty((n, block_bytes), dtype=torch.uint8, device="cuda")
+        gather(cache, ids, reference, layout="per_layer", backend="torch")
+        gpu.CopyFence.record(0).wait()  # the blocks are in the pool before B is told of them
+        if not torch.equal(_as_table(slots), reference):
+            return "A's commit into the pool is not bit-exact", []
+        handle = pool.export()
+        fields = (handle.kind, handle.device, handle.nbytes, handle.handle, handle.owner_pid,
+                  handle.pci_bus_id)
+        context = multiprocessing.get_context("spawn")
+        outbox = context.Queue()
+        peer = context.Process(target=_pool_peer, args=(fields, offsets, back, backend, outbox))
+        peer.start()
+        try:
+            status, reload_ms, reload_host, peer_copy_ms, peer_copy_host = outbox.get(timeout=180)
+        finally:
+            peer.join(timeout=60)
+            if peer.is_alive():
+                peer.kill()
+        if status != "ok":
+            return f"process B: {status}", []
+        returned = pool.slots(back, block_bytes)
+        if not torch.equal(_as_table(returned), reference):
+            return "the blocks B committed back differ from A's pages", []
+        target = 0.8 if have_kernel else None
+        results = [
+            Result(f"A: D2D copy_ {nbytes // MiB} MiB ({shape})", nbytes, copy_ms, copy_host),
+            Result(f"  A: commit gather -> pool {backend}", nbytes, commit_ms, commit_host,
+                   copy_ms, target),
+            Result(f"B: D2D copy_ {nbytes // MiB} MiB out of the IPC pool", nbytes,
+                   peer_copy_ms, peer_copy_host),
+            Result(f"  B: reload scatter IPC pool -> cache {backend}", nbytes, reload_ms,
+                   reload_host, peer_copy_ms, target),
+        ]
+        del slots, returned, commit
+        return "ok", results
+    finally:
+        pool.close()
+
+
+def check_pinned_arena(have_kernel: bool) -> tuple[str, list[Result]]:
+    """An mmap arena pinned in the background, then GPU <-> its slots against one copy."""
+    shape, n = POOL_SHAPE, 256
+    block_bytes, nbytes = shape.block_bytes, 256 * POOL_SHAPE.block_bytes
+    flags = (
+        mmap.MAP_SHARED | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(mmap, "MAP_POPULATE", 0)
+    )
+    arena = mmap.mmap(-1, nbytes, flags=flags)
+    began = time.perf_counter()
+    registration = register_in_background(arena, chunk_bytes=64 * MiB)
+    call_ms = (time.perf_counter() - began) * 1e3
+    finished = registration.wait(120)
+    pin_s = time.perf_counter() - began
+    print(f"  register_in_background returned in {call_ms:.1f} ms; pinned "
+          f"{registration.pinned_bytes // MiB} MiB in {pin_s:.2f} s ({registration!r})")
+    whole = memoryview(arena)
+    rows = [whole[i * block_bytes : (i + 1) * block_bytes] for i in range(n)]
+    flat = torch.from_numpy(np.frombuffer(arena, dtype=np.uint8))
+    try:
+        if not (finished and registration.pinned):
+            return f"not pinned: {registration.reason or 'still pinning after 120 s'}", []
+        if not (flat.is_pinned() and flat[-1:].is_pinned()):
+            return "the arena is registered but torch does not see it as pinned", []
+        device_flat = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+        d2h_ms, d2h_host = device_time(
+            functools.partial(flat.copy_, device_flat, non_blocking=True), 9
+        )
+        h2d_ms, h2d_host = device_time(
+            functools.partial(device_flat.copy_, flat, non_blocking=True), 9
+        )
+        del device_flat
+        backend: Backend = "kernel" if have_kernel else "torch"
+        cache = paged_cache(make_cache("per_layer", shape, 2 * n, "cuda"), "per_layer")
+        ids = torch.randperm(2 * n)[:n].tolist()
+        offload = functools.partial(gather, cache, ids, rows, layout="per_layer", backend=backend)
+        offload_ms, offload_host = device_time(offload, 9)
+        target_cache = paged_cache(
+            map_cache(make_cache("per_layer", shape, 2 * n, "cuda"), poisoned_like), "per_layer"
+        )
+        reload = functools.partial(
+            scatter, rows, target_cache, ids, layout="per_layer", backend=backend
+        )
+        reload_ms, reload_host = device_time(reload, 9)
+        reference = torch.empty((n, block_bytes), dtype=torch.uint8, device="cuda")
+        gather(cache, ids, reference, layout="per_layer", backend="torch")
+        reloaded = torch.empty_like(reference)
+        gather(target_cache, ids, reloaded, layout="per_layer", backend="torch")
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record()
+        done.synchronize()
+        if not torch.equal(flat.view(n, block_bytes).cuda(), reference):
+            return "GPU -> pinned arena is not bit-exact", []
+        if not torch.equal(reloaded, reference):
+            return "pinned arena -> GPU is not bit-exact", []
+        target = 0.8 if have_kernel else None
+        return "ok", [
+            Result(f"GPU->pinned arena one copy {nbytes // MiB} MiB", nbytes, d2h_ms, d2h_host),
+            Result(f"pinned arena->GPU one copy {nbytes // MiB} MiB", nbytes, h2d_ms, h2d_host),
+            Result(f"  GPU->arena rows gather {backend}", nbytes, offload_ms, offload_host,
+                   d2h_ms, target),
+            Result(f"  arena rows->GPU scatter {backend}", nbytes, reload_ms, reload_host,
+                   h2d_ms, target),
+        ]
+    finally:
+        del flat
+        for row in rows:
+            row.release()
+        whole.release()
+        registration.unregister()
+        try:
+            arena.close()
+        except BufferError:  # a view still alive; the mapping goes with the process
+            pass
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no GPU")
@@ -530,9 +755,31 @@ def main() -> int:
     print(f"ipc: {ipc}")
     failed |= ipc != "ok"
 
+    extra_checks: list[tuple[str, str, Callable[[bool], tuple[str, list[Result]]]]] = [
+        ("GPU tier: device pool shared over CUDA IPC, 2 MiB blocks", "device pool", check_pool_ipc),
+        ("DRAM arena pinned in the background, 2 MiB blocks", "pinned arena", check_pinned_arena),
+    ]
+    statuses: list[str] = []
+    for title, label, check in extra_checks:
+        print(f"\n== {title} ==")
+        try:
+            status, section = check(have_kernel)
+        except Exception as exc:  # noqa: BLE001  report and go on
+            traceback.print_exc()
+            status, section = f"{type(exc).__name__}: {exc}", []
+        for result in section:
+            print(result.line())
+        results.extend(section)
+        statuses.append(f"{label}: {status}")
+        print(statuses[-1])
+        failed |= not (status == "ok" or status.startswith("skipped"))
+        torch.cuda.empty_cache()
+
     print(f"\n== summary ({time.perf_counter() - began:.0f} s) ==")
     print(correctness)
     print(f"ipc: {ipc}")
+    for status in statuses:
+        print(status)
     for result in results:
         if result.target is not None:
             print(result.line().strip())
