@@ -42,6 +42,10 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         over.setdefault("dram", {})["slab_size"] = args.slab_size
     if args.eviction_policy:
         over.setdefault("dram", {})["eviction_policy"] = args.eviction_policy
+    if args.gpu_device is not None:
+        over.setdefault("gpu", {})["device"] = args.gpu_device
+    if args.gpu_capacity:
+        over.setdefault("gpu", {})["capacity"] = args.gpu_capacity
     return over
 
 
@@ -64,6 +68,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if server.ssd is not None:
             print(f"ssd tier: {format_size(config.ssd_capacity)} in {config.ssd_path} "
                   f"({server.store.ssd_committed_slots} blocks restored)", flush=True)
+        if server.gpu is not None:
+            print(f"gpu tier: {server.gpu.describe()}", flush=True)
+        elif config.gpu.device:
+            print(f"gpu tier: off ({server.gpu_reason})", flush=True)
 
     try:
         import uvloop
@@ -229,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--remote", metavar="URL",
                        help="a remote tier shared by many daemons: redis://HOST:PORT/DB, "
                             "redis+cluster://HOST:PORT, fs:///PATH, or a plugin's URL")
+    serve.add_argument("--gpu-device", metavar="INDEX",
+                       help="CUDA device for the GPU tier's pool (cpu: a host-memory pool; "
+                            "default: no GPU tier)")
+    serve.add_argument("--gpu-capacity", metavar="SIZE", help="GPU tier pool size, e.g. 4GiB")
     serve.add_argument("--lease", type=float, metavar="SECONDS",
                        help="lease of reservations and pins, renewed by any request or ping")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

@@ -149,6 +149,9 @@ class _Session:
         self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}  # arena path -> mapping
         self.checksums = False  # send xxh3_64 of what is written, for readers to verify
         self._map_arenas = True
+        self._pinned: dict[str, Any] = {}  # arena path -> its background CUDA registration
+        self._pool: Any = None  # the GPU tier's pool, mapped (kvstore.tiers.gpu.PoolMapping)
+        self.gpu_reason = ""  # why there is no GPU pool, once asked
 
     def _next_rid(self) -> int:
         return next(self._rids)
@@ -180,7 +183,39 @@ class _Session:
             view = view.toreadonly()
         return [view[o:o + size] for o in offsets]
 
+    def _pin_arena(self, arena: tuple[str, int], kv_caches: Any) -> None:
+        """Page-lock the arena for CUDA, in the background and once, when the engine's
+        cache is on a GPU, so that copies to and from it run as DMA without staging."""
+        if not arena[0]:
+            assert self.hello is not None
+            arena = (self.hello.arena_path, self.hello.arena_bytes)
+        if arena[0] in self._pinned or _cache_device(kv_caches).type != "cuda":
+            return
+        from kvstore.kernels.pinned import register_in_background
+
+        self._view_of(*arena)
+        self._pinned[arena[0]] = register_in_background(self._maps[arena[0]][0])
+
+    def _attach_pool(self, reply: p.GpuReply) -> Any:
+        if not reply.pool:
+            self.gpu_reason = reply.reason or "the daemon has no GPU tier"
+            return None
+        from kvstore.tiers.gpu import PoolHandle, PoolMapping
+
+        try:
+            self._pool = PoolMapping.open(msgspec.msgpack.decode(reply.pool, type=PoolHandle))
+        except KVStoreError as exc:
+            self.gpu_reason = f"the GPU tier's pool cannot be mapped here: {exc}"
+            return None
+        return self._pool
+
     def _unmap(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        for registration in self._pinned.values():
+            registration.unregister()
+        self._pinned.clear()
         for arena, view in self._maps.values():
             view.release()
             try:
@@ -223,6 +258,57 @@ class _Chains:
 def checksum(block: Any) -> int:
     """xxh3_64 of a block's bytes: what writers send and readers check."""
     return xxhash.xxh3_64_intdigest(block)
+
+
+def _cache_device(kv_caches: Any) -> Any:
+    """The torch device of an engine's paged cache (a tensor, or a list or tuple of them)."""
+    import torch
+
+    first = kv_caches
+    while isinstance(first, (list, tuple)):
+        first = first[0]
+    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+
+
+def _scatter_held(session: _Session, arena: tuple[str, int], block_bytes: int,
+                  offsets: list[int], gpu_offsets: list[int], kv_caches: Any,
+                  page_ids: list[int], layout: Any) -> None:
+    """Copy pinned blocks into an engine's pages: those with a copy in the GPU tier's pool
+    device to device (when the pool is mapped here and on the cache's device), the rest
+    from the arena.  Returns once the copies are done, so the pin may go."""
+    from kvstore.kernels import scatter
+
+    pool = session._pool
+    on_pool: list[int] = []
+    if pool is not None and gpu_offsets and _same_device(pool.device, _cache_device(kv_caches)):
+        on_pool = [i for i, off in enumerate(gpu_offsets) if off >= 0]
+    if on_pool:
+        from kvstore.tiers.gpu import CopyFence
+
+        sources = pool.slots([gpu_offsets[i] for i in on_pool], block_bytes)
+        scatter(sources, kv_caches, [page_ids[i] for i in on_pool], layout=layout)
+        CopyFence.record(pool.device).wait()
+    taken = set(on_pool)
+    rest = [i for i in range(len(offsets)) if i not in taken]
+    if rest:
+        views = session._slots([offsets[i] for i in rest], block_bytes, readonly=False,
+                               arena=arena)
+        scatter(views, kv_caches, [page_ids[i] for i in rest], layout=layout)
+        for view in views:
+            view.release()
+
+
+def _same_device(a: Any, b: Any) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    import torch
+
+    def index(d: Any) -> int:
+        return d.index if d.index is not None else torch.cuda.current_device()
+
+    return index(a) == index(b)
 
 
 def _verify(blocks: Sequence[Any], sums: Sequence[int]) -> None:
@@ -317,6 +403,14 @@ class Client(_Session):
     def ping(self) -> None:
         """Renew this session's leases (reservations and pins)."""
         self._call(p.Ping(self._next_rid()), p.OkReply)
+
+    def gpu_pool(self) -> Any:
+        """The GPU tier's device pool, mapped into this process (a
+        ``kvstore.tiers.gpu.PoolMapping``), or None (``gpu_reason`` says why).  Reloads
+        use it by themselves once it is mapped."""
+        if self._pool is None and not self.gpu_reason:
+            self._attach_pool(self._call(p.GpuAttach(self._next_rid()), p.GpuReply)[0])
+        return self._pool
 
     def report(self, recomputed_tokens: int) -> None:
         """Tell the daemon (for its metrics) how many tokens the engine recomputed."""
@@ -489,17 +583,13 @@ class Namespace(_NamespaceBase):
                layout: str = "per_layer") -> int:
         """Copy the blocks of ``keys`` into the engine's pages (NotFoundError if any is
         missing, and then no page is written).  Returns blocks loaded."""
-        from kvstore.kernels import scatter
-
         self._check_pages(kv_caches, page_ids, keys, layout)
         if not keys:
             return 0
+        self.client._pin_arena(self.arena, kv_caches)
         with self.acquire(keys) as held:
-            sources = self.client._slots(held.offsets, self.block_bytes, readonly=False,
-                                         arena=self.arena)
-            scatter(sources, kv_caches, list(page_ids), layout=layout)  # type: ignore[arg-type]
-            for view in sources:
-                view.release()
+            _scatter_held(self.client, self.arena, self.block_bytes, held.offsets,
+                          held.gpu_offsets, kv_caches, list(page_ids), layout)
         return len(keys)
 
     def drop(self) -> int:
@@ -568,6 +658,7 @@ class Held:
         self.pin = reply.pin
         self.offsets = reply.offsets
         self.checksums = reply.checksums
+        self.gpu_offsets = reply.gpu_offsets
         self.buffers = ns.client._slots(reply.offsets, ns.block_bytes, readonly=True,
                                         arena=ns.arena)
         self.released = False
@@ -671,6 +762,13 @@ class AsyncClient(_Session):
 
     async def ping(self) -> None:
         await self._call(p.Ping(self._next_rid()), p.OkReply)
+
+    async def gpu_pool(self) -> Any:
+        """See ``Client.gpu_pool``."""
+        if self._pool is None and not self.gpu_reason:
+            self._attach_pool((await self._call(p.GpuAttach(self._next_rid()),
+                                                p.GpuReply))[0])
+        return self._pool
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -785,17 +883,13 @@ class AsyncNamespace(_NamespaceBase):
     async def reload(self, keys: Sequence[bytes], kv_caches: Any, page_ids: Sequence[int], *,
                      layout: str = "per_layer") -> int:
         """See ``Namespace.reload``."""
-        from kvstore.kernels import scatter
-
         self._check_pages(kv_caches, page_ids, keys, layout)
         if not keys:
             return 0
+        self.client._pin_arena(self.arena, kv_caches)
         async with self.acquire(keys) as held:
-            sources = self.client._slots(held.offsets, self.block_bytes, readonly=False,
-                                         arena=self.arena)
-            scatter(sources, kv_caches, list(page_ids), layout=layout)  # type: ignore[arg-type]
-            for view in sources:
-                view.release()
+            _scatter_held(self.client, self.arena, self.block_bytes, held.offsets,
+                          held.gpu_offsets, kv_caches, list(page_ids), layout)
         return len(keys)
 
     async def drop(self) -> int:
@@ -854,6 +948,7 @@ class AsyncHeld:
         self.pin = 0
         self.offsets: list[int] = []
         self.checksums: list[int] = []
+        self.gpu_offsets: list[int] = []
         self.buffers: list[memoryview] = []
         self.released = False
 
@@ -865,6 +960,7 @@ class AsyncHeld:
         reply = (await c._call(p.Acquire(c._next_rid(), self.ns.id, self.keys),
                                p.AcquireReply))[0]
         self.pin, self.offsets, self.checksums = reply.pin, reply.offsets, reply.checksums
+        self.gpu_offsets = reply.gpu_offsets
         self.buffers = c._slots(reply.offsets, self.ns.block_bytes, readonly=True,
                                 arena=self.ns.arena)
         return self

@@ -7,6 +7,7 @@ validated; an error names the field and what is allowed.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -69,6 +70,9 @@ def endpoint_from_env() -> str:
     return os.environ.get("KVSTORE_ENDPOINT") or default_endpoint()
 
 
+SECTIONS = ("server", "dram", "ssd", "remote", "auth", "gpu")
+
+
 class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     endpoint: str = ""
     extra_endpoints: list[str] = []
@@ -125,6 +129,12 @@ class RemoteConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     unhealthy_seconds: float = 5.0
 
 
+class GpuConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    device: str = ""
+    capacity: str | int = "1GiB"
+    slab_size: str | int = "64MiB"
+
+
 class AuthConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     secret_file: str = ""
     curve_secret_key_file: str = ""
@@ -145,6 +155,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ssd: SsdConfig = msgspec.field(default_factory=SsdConfig)
     remote: RemoteConfig = msgspec.field(default_factory=RemoteConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    gpu: GpuConfig = msgspec.field(default_factory=GpuConfig)
 
     # -- derived, validated values ------------------------------------------------
     @property
@@ -250,6 +261,15 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 e.startswith("tcp://") for e in [self.endpoint, *self.server.extra_endpoints]):
             raise ConfigError("auth.curve_secret_key_file: CurveZMQ secures tcp:// endpoints, "
                               "and none is configured")
+        device = self.gpu.device
+        if device not in ("", "cpu") and not device.isdigit():
+            raise ConfigError(f"gpu.device: {device!r}; expected empty (no GPU tier), a CUDA "
+                              f"device index such as 0, or cpu (a host-memory pool)")
+        if device:
+            gpu_bytes = parse_size(self.gpu.capacity, "gpu.capacity")
+            gpu_slab = parse_size(self.gpu.slab_size, "gpu.slab_size")
+            if gpu_bytes < 1 << 20 or gpu_slab < 1 << 16:
+                raise ConfigError("gpu.capacity: at least 1MiB, in slabs of at least 64KiB")
         if self.remote.url and self.remote.backend:
             raise ConfigError("remote: give either url or backend, not both")
         if not self.remote.timeout_s > 0:
@@ -297,11 +317,21 @@ def _coerce(raw: str, struct: Any, field: str, section: str) -> Any:
                 return False
             raise ValueError(raw)
         if isinstance(default, int):
-            return int(raw)
+            try:
+                return int(raw)
+            except ValueError:
+                if "str" in str(struct.__annotations__.get(field, "")):
+                    return raw  # a size such as "16MiB"
+                raise
         if isinstance(default, float):
             return float(raw)
         if isinstance(default, list):
             return [part for part in raw.split(",") if part]
+        if isinstance(default, dict):  # JSON, e.g. {"acme": 2.0}
+            value = json.loads(raw)
+            if not isinstance(value, dict):
+                raise ValueError(raw)
+            return value
     except ValueError:
         raise ConfigError(
             f"{section}.{field}: environment value {raw!r} is not a valid "
@@ -357,7 +387,7 @@ def _field_message(exc: msgspec.ValidationError) -> str:
 def config_to_toml(config: Config) -> str:
     """The effective configuration as TOML text (for `config show`)."""
     lines: list[str] = []
-    for section in ("server", "dram", "ssd", "remote", "auth"):
+    for section in SECTIONS:
         lines.append(f"[{section}]")
         values = msgspec.structs.asdict(getattr(config, section))
         if section == "server" and not values["endpoint"]:

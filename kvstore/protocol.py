@@ -133,13 +133,17 @@ class Report(Message, tag="report"):
     recomputed_tokens: int = 0
 
 
+class GpuAttach(Message, tag="gpu"):
+    """Ask for the GPU tier's device pool, to reload blocks device to device."""
+
+
 class Ping(Message, tag="ping"):
     pass
 
 
 Request = Union[
     Hello, OpenNamespace, Lookup, Reserve, Commit, Abort, Acquire, Release, Put, Get,
-    Evict, DropNamespace, Stats, Ping, Warm, Prefetch, ReserveBatch, Report,
+    Evict, DropNamespace, Stats, Ping, Warm, Prefetch, ReserveBatch, Report, GpuAttach,
 ]
 
 
@@ -184,6 +188,12 @@ class AcquireReply(Message, tag="acquire"):
     pin: int
     offsets: list[int]
     checksums: list[int] = []  # as written (0: not known)
+    gpu_offsets: list[int] = []  # each block's slot in the GPU tier's pool (-1: none)
+
+
+class GpuReply(Message, tag="gpu"):
+    pool: bytes  # a msgpack-encoded kvstore.tiers.gpu.PoolHandle; empty when there is none
+    reason: str = ""  # why there is none
 
 
 class PutReply(Message, tag="put"):
@@ -230,7 +240,7 @@ class ErrorReply(Message, tag="error"):
 Reply = Union[
     HelloReply, NamespaceReply, LookupReply, ReserveReply, CommitReply, AcquireReply,
     PutReply, GetReply, CountReply, OkReply, StatsReply, PrefetchReply, BatchReply,
-    ErrorReply,
+    GpuReply, ErrorReply,
 ]
 
 request_decoder = msgspec.msgpack.Decoder(Request)

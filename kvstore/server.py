@@ -25,7 +25,7 @@ import msgspec
 import zmq
 
 from kvstore import protocol as p
-from kvstore.config import Config, parse_size
+from kvstore.config import SECTIONS, Config, parse_size
 from kvstore.metrics import Metrics, stats_on_loop
 from kvstore.sdnotify import Notifier
 from kvstore.errors import (
@@ -37,6 +37,7 @@ from kvstore.errors import (
     MalformedError,
     NotFoundError,
     TooLargeError,
+    UnavailableError,
     UnknownNamespaceError,
     VersionMismatchError,
 )
@@ -51,6 +52,7 @@ from kvstore.store import (
     Reservation,
 )
 from kvstore.auth import Auth
+from kvstore.gpu_mover import GpuMover
 from kvstore.remote import RemoteTier
 from kvstore.tiering import SsdMover
 from kvstore.scheduler.queues import TransferKind
@@ -118,6 +120,8 @@ class Server:
         self.arenas: Arenas | None = None
         self.ssd: SsdMover | None = None
         self.remote: RemoteTier | None = None
+        self.gpu: GpuMover | None = None
+        self.gpu_reason = ""  # why the configured GPU tier is off
         self.transfers = TransferGate(config.server.max_transfers_in_flight,
                                       weights=config.server.tenant_weights, metrics=metrics)
         self.sessions: dict[bytes, Session] = {}  # routing id -> session
@@ -154,6 +158,7 @@ class Server:
             p.Prefetch: self._prefetch,
             p.ReserveBatch: self._reserve_batch,
             p.Report: self._report,
+            p.GpuAttach: self._gpu_attach,
         }
         verb_types: list[type[Any]] = [p.Hello, *self.handlers]
         self._verbs = {t: str(t.__struct_config__.tag) for t in verb_types}
@@ -187,6 +192,8 @@ class Server:
                     self.ssd.close()
                 self.arenas.close()
                 raise
+        if self.config.gpu.device:
+            self._start_gpu()
         self._ctx = zmq.Context()
         endpoints = [self.config.endpoint, *self.config.server.extra_endpoints]
         curve = self.auth.curve_enabled
@@ -236,6 +243,22 @@ class Server:
         await self.drain()
         self.close()
 
+    def _start_gpu(self) -> None:
+        """The GPU tier, or a logged reason why it is off (no device here)."""
+        assert self.arenas is not None
+        shared = self.arenas.by_name.get("")
+        try:
+            self.gpu = GpuMover(self.config, self.store, self.slot, self.transfers,
+                                arena=shared.buffer if shared is not None else None)
+        except UnavailableError as exc:
+            self.gpu_reason = str(exc)
+            log.warning("gpu tier off: %s", exc)
+        except BaseException:
+            if self.ssd is not None:
+                self.ssd.close()
+            self.arenas.close()
+            raise
+
     async def drain(self, bound: float = 30.0) -> None:
         """Stop taking requests, let those under way finish (within ``bound`` seconds),
         flush writes to SSD and sync its index."""
@@ -250,6 +273,8 @@ class Server:
             except TimeoutError:
                 log.error("remote writes still under way at exit were dropped")
             await self.remote.close()
+        if self.gpu is not None:
+            await asyncio.wait_for(self.gpu.drain(), bound)
         if self.ssd is not None:
             try:
                 await asyncio.wait_for(self.ssd.drain(), bound)
@@ -279,6 +304,9 @@ class Server:
         if self.ssd is not None:
             self.ssd.close()
             self.ssd = None
+        if self.gpu is not None:
+            self.gpu.close()
+            self.gpu = None
         if self.arenas is not None:
             self.arenas.close()
         self._sock = None
@@ -611,7 +639,7 @@ class Server:
                                         "max_requests_per_second_per_tenant")}
         live.add(("ssd", "admit_after"))
         restart = []
-        for section in ("server", "dram", "ssd", "remote", "auth"):
+        for section in SECTIONS:
             before = msgspec.structs.asdict(getattr(old, section))
             after = msgspec.structs.asdict(getattr(new, section))
             for field, value in after.items():
@@ -766,6 +794,8 @@ class Server:
             self.ssd.committed(blocks)
         if self.remote is not None:
             self.remote.committed(blocks)
+        if self.gpu is not None:
+            self.gpu.wanted(blocks)
 
     def _abort(self, session: Session, req: p.Abort, payload: list[Any]) -> Outcome:
         self.store.abort(session.id, req.reservation)
@@ -776,7 +806,12 @@ class Server:
         self._check_keys(req.keys)
         self._tenant_cap(session, "pins")
         pin = self._acquire_or_fetch(session.id, ns, req.keys)
-        return p.AcquireReply(req.rid, pin.id, pin.offsets, pin.checksums), []
+        gpu_offsets: list[int] = []
+        if self.gpu is not None and self.store.gpu is not None:
+            gpu_offsets = self.store.gpu.offsets(pin.blocks)
+            if -1 in gpu_offsets:
+                self.gpu.wanted(pin.blocks)  # used again: worth a copy on the GPU
+        return p.AcquireReply(req.rid, pin.id, pin.offsets, pin.checksums, gpu_offsets), []
 
     def _acquire_or_fetch(self, owner: object, ns: Namespace, keys: list[bytes]) -> Pin:
         try:
@@ -940,6 +975,12 @@ class Server:
         self._reap_sends()  # pins of get replies already sent are not holdings
         return p.StatsReply(req.rid, self.stats()), []
 
+    def _gpu_attach(self, session: Session, req: p.GpuAttach, payload: list[Any]) -> Outcome:
+        if self.gpu is None:
+            return p.GpuReply(req.rid, b"", self.gpu_reason or "no gpu tier is configured "
+                              "(gpu.device, or kvstore serve --gpu-device)"), []
+        return p.GpuReply(req.rid, self.gpu.handle), []
+
     def _ping(self, session: Session, req: p.Ping, payload: list[Any]) -> Outcome:
         return p.OkReply(req.rid), []
 
@@ -958,6 +999,10 @@ class Server:
         }
         if self.ssd is not None:
             out["ssd_io"] = self.ssd.stats()
+        if self.gpu is not None:
+            out["gpu"] = self.gpu.stats()
+        elif self.gpu_reason:
+            out["gpu"] = {"off": self.gpu_reason}
         if self.remote is not None:
             out["remote"] = self.remote.stats()
         return out

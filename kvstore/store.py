@@ -37,6 +37,7 @@ from kvstore.errors import (
     LimitExceededError,
     NotFoundError,
 )
+from kvstore.gpu_copies import GpuCopies
 from kvstore.identity import Identity
 from kvstore.pool import SlabClass, SlabPool
 from kvstore.scheduler.eviction import EvictionPolicy, WarmPins, make_policy
@@ -51,7 +52,7 @@ class Block:
 
     __slots__ = ("key", "ns", "parent", "children", "offset", "refs", "ssd_offset",
                  "ssd_record", "ssd_holds", "demoting", "promoting", "seen", "remote",
-                 "checksum", "_hash")
+                 "checksum", "gpu_offset", "_hash")
 
     def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
         self.key = key
@@ -71,6 +72,7 @@ class Block:
         self.seen = 0                       # commits and hits, for the SSD admission filter
         self.remote = False                 # known to be in the remote store
         self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown)
+        self.gpu_offset: int | None = None  # a copy in the GPU tier's device pool
 
     def __hash__(self) -> int:
         return self._hash
@@ -274,6 +276,8 @@ class BlockStore:
         ssd_admit_after: int = 1,
         tenant_quota: int = 0,
         tenant_weights: Mapping[str, float] | None = None,
+        gpu_capacity: int = 0,
+        gpu_slab_bytes: int = 64 << 20,
     ) -> None:
         self._dram_args = (capacity_bytes, slab_bytes, alignment, eviction_policy)
         self.tenant_quota = tenant_quota  # most bytes of a shared DRAM tier one tenant holds
@@ -284,6 +288,7 @@ class BlockStore:
         self.ssd = (TierSlots(SSD, ssd_capacity, ssd_slab_bytes, 4096, "lru")
                     if ssd_capacity else None)
         self.ssd_admit_after = ssd_admit_after
+        self.gpu = GpuCopies(gpu_capacity, gpu_slab_bytes) if gpu_capacity else None
         self.ssd_writable = True  # off for a while after the SSD tier failed a write
         self.allow_evict = True   # the pressure policy's steps: drop cold blocks,
         self.allow_demote = True  # move cold blocks down to SSD
@@ -648,6 +653,8 @@ class BlockStore:
         self._access(blocks)
         for block in blocks:
             self._pin_block(block)
+        if self.gpu is not None:
+            self.gpu.touch(blocks)
         pin = Pin(next(self._ids), owner, blocks)
         state.pins[pin.id] = pin
         self.counters.acquires += 1
@@ -703,6 +710,8 @@ class BlockStore:
         assert block.offset is not None and block.refs == 0
         ns = block.ns
         ns.dram.policy(ns.cls).remove(block)
+        if block.gpu_offset is not None and self.gpu is not None:
+            self.gpu.drop(block)  # a GPU copy lives no longer than the DRAM copy
         ns.dram.give(ns, [block.offset])
         block.offset = None
         block.demoting = False
@@ -908,6 +917,23 @@ class BlockStore:
         return [b for b in blocks if b.offset is not None and b.ssd_offset is None
                 and not b.demoting and self._admitted(b) and b.ns.blocks.get(b.key) is b]
 
+    def gpu_begin(self, blocks: Iterable[Block]) -> list[tuple[Block, int]]:
+        """GPU slots to copy blocks' DRAM copies into; the DRAM copies stay pinned (and
+        so in place) until :meth:`gpu_end`."""
+        if self.gpu is None:
+            return []
+        plan = self.gpu.plan(b for b in blocks if b.ns.blocks.get(b.key) is b)
+        for b, _ in plan:
+            self._pin_block(b)
+        return plan
+
+    def gpu_end(self, plan: list[tuple[Block, int]], ok: bool) -> None:
+        """The copies of a :meth:`gpu_begin` plan ended (all well, or not)."""
+        assert self.gpu is not None
+        for b, _ in plan:
+            self.gpu.finish(b, ok)
+            self._unpin_block(b)
+
     def begin_promotion(self, blocks: list[Block]) -> Transfer:
         """DRAM slots to read SSD-only blocks into; may raise DemotionNeeded/CapacityError."""
         todo = [b for b in dict.fromkeys(blocks)
@@ -1058,6 +1084,8 @@ class BlockStore:
                 "checksum_failures": c.checksum_failures,
                 "hits": c.ssd_hits,
             }
+        if self.gpu is not None:
+            out["gpu"] = self.gpu.stats()
         return out
 
     def stats(self) -> dict[str, int]:
@@ -1089,6 +1117,10 @@ class BlockStore:
             for b, demote in zip(t.blocks, t.demote):
                 if t.tier == SSD and not demote:
                     pin_counts[b] = pin_counts.get(b, 0) + 1
+        if self.gpu is not None:
+            for b in self.gpu.copying:  # read into the GPU tier: pinned meanwhile
+                pin_counts[b] = pin_counts.get(b, 0) + 1
+            self.gpu.check(b for ns in self.namespaces.values() for b in ns.blocks.values())
         used: dict[tuple[int, str], int] = {}  # (tier, tenant): bytes of DRAM slots held
         for state in self.owners.values():
             for r in state.reservations.values():

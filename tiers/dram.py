@@ -90,6 +90,11 @@ class DramArena:
         os.close(fd)
         self.view = memoryview(self._mmap)
 
+    @property
+    def buffer(self) -> mmap.mmap:
+        """The mapping itself (to page-lock it for CUDA, say)."""
+        return self._mmap
+
     def slot(self, offset: int, length: int) -> memoryview:
         return self.view[offset:offset + length]
 

@@ -1,0 +1,124 @@
+"""The GPU tier in the daemon: the device pool and the copies that fill it.
+
+The daemon owns one pool on a device (``kvstore.tiers.gpu.DevicePool``).  Blocks that
+are committed, and blocks that are acquired without a GPU copy, are copied from their
+DRAM slots into pool slots in the background (as write-back class transfers), with their
+DRAM copies pinned meanwhile; the store's ``GpuCopies`` decides which slots.  Colocated
+clients map the pool through the handle ``GpuAttach`` returns, and an acquire reply
+names each block's pool slot, so they reload device to device.  Where the device is
+missing the tier is off and the daemon serves as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import msgspec
+
+from kvstore.config import Config, parse_size
+from kvstore.gpu_copies import GpuCopies
+from kvstore.store import Block, BlockStore, Namespace
+from kvstore.transfers import TransferGate
+
+log = logging.getLogger("kvstore.gpu")
+
+
+class GpuMover:
+    """Owns the device pool and copies DRAM blocks into it."""
+
+    def __init__(self, config: Config, store: BlockStore,
+                 slot: Callable[[Namespace, int], memoryview], gate: TransferGate,
+                 arena: Any = None) -> None:
+        """Make the pool (UnavailableError where the device is missing) and page-lock
+        ``arena`` (the shared DRAM arena's mmap, if any) for CUDA in the background."""
+        from kvstore.tiers.gpu import DevicePool
+
+        g = config.gpu
+        device: int | Literal["cpu"] = "cpu" if g.device == "cpu" else int(g.device)
+        capacity = parse_size(g.capacity, "gpu.capacity")
+        slab = parse_size(g.slab_size, "gpu.slab_size")
+        self.pool = DevicePool.create(device, capacity, slab_bytes=slab,
+                                      directory=config.dram.directory)
+        self.handle = msgspec.msgpack.encode(self.pool.export())
+        store.gpu = GpuCopies(capacity, min(slab, capacity))
+        self.store = store
+        self.slot = slot
+        self.gate = gate
+        self.errors = 0
+        self._pending: list[Block] = []
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._registration: Any = None
+        if arena is not None and self.pool.device.type == "cuda":
+            from kvstore.kernels.pinned import register_in_background
+
+            self._registration = register_in_background(arena)
+
+    def describe(self) -> str:
+        return f"{self.pool!r}"
+
+    def wanted(self, blocks: Iterable[Block]) -> None:
+        """Blocks that should have a GPU copy (committed, or just used): copy them soon."""
+        self._pending.extend(b for b in blocks if b.gpu_offset is None)
+        if self._pending and not self._scheduled:
+            self._scheduled = True
+            task = asyncio.get_running_loop().create_task(self._drain())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _drain(self) -> None:
+        await asyncio.sleep(0)  # gather this loop turn's blocks into one batch
+        self._scheduled = False
+        batch, self._pending = self._pending, []
+        plan = self.store.gpu_begin(batch)
+        if not plan:
+            return
+        ok = False
+        try:
+            items = [(self.slot(b.ns, b.offset), off)  # type: ignore[arg-type]
+                     for b, off in plan]
+            nbytes = sum(len(view) for view, _ in items)
+            async with self.gate.slot(nbytes, default_tenant=plan[0][0].ns.tenant):
+                await asyncio.to_thread(self._copy, items)
+            ok = True
+            for view, _ in items:
+                try:
+                    view.release()
+                except BufferError:
+                    pass  # a tensor over it is still being collected; the GC releases it
+        except Exception as exc:  # noqa: BLE001 - a failed copy only loses the GPU copies
+            self.errors += 1
+            log.warning("copying %d blocks into the gpu tier failed: %s", len(plan), exc)
+        finally:
+            self.store.gpu_end(plan, ok)
+
+    def _copy(self, items: list[tuple[memoryview, int]]) -> None:
+        """DRAM slots into pool slots; returns when the bytes are there."""
+        import torch
+
+        from kvstore.tiers.gpu import CopyFence
+
+        for view, offset in items:
+            source = torch.frombuffer(view, dtype=torch.uint8)
+            self.pool.slot_tensor(offset, len(view)).copy_(source, non_blocking=True)
+            del source
+        CopyFence.record(self.pool.device).wait()
+
+    async def drain(self) -> None:
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def close(self) -> None:
+        """Unpin the arena and free the pool (clients keep mappings until they close)."""
+        if self._registration is not None:
+            self._registration.unregister()
+            self._registration = None
+        self.pool.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {"device": str(self.pool.device), "errors": self.errors,
+                "arena_pinned_bytes": (self._registration.pinned_bytes
+                                       if self._registration is not None else 0)}

@@ -1,0 +1,133 @@
+"""The GPU tier in the real daemon.  No GPU here: the daemon's pool is host-backed
+(``--gpu-device cpu``), which runs the same protocol, accounting and client path (the
+pool mapped through its handle, reloads taken from pool slots) as a CUDA pool does."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from typing import Any
+
+import pytest
+import torch
+from daemon_proc import DaemonProcess
+from kvtest import make_identity
+
+from kvstore import AsyncClient, Client
+
+LAYERS, TOKENS, HEADS, DIM = 2, 16, 2, 8
+IDENT = make_identity(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, block_tokens=TOKENS)
+
+
+BIG = make_identity(num_layers=4, num_kv_heads=4, head_dim=64, block_tokens=TOKENS)  # 64 KiB
+
+
+def cache(pages: int, seed: int, ident: Any = IDENT) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(pages, 2, TOKENS, ident.num_kv_heads, ident.head_dim,
+                        generator=g).to(torch.float16)
+            for _ in range(ident.num_layers)]
+
+
+def page(c: list[torch.Tensor], i: int) -> bytes:
+    return b"".join(t[i].contiguous().view(torch.uint8).numpy().tobytes() for t in c)
+
+
+def wait_for_copies(client: Client, count: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 10
+    while True:
+        stats = client.stats()
+        gpu: dict[str, Any] = stats["tiers"]["gpu"]
+        if gpu["blocks"] >= count:
+            return stats
+        assert time.monotonic() < deadline, f"gpu copies never came: {gpu}"
+        time.sleep(0.02)
+
+
+def _offload_in_another_process(endpoint: str, seed: int, pages: list[int]) -> None:
+    with Client(endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(range(TOKENS * len(pages)))
+        assert ns.offload(cache(8, seed), pages, keys) == len(pages)
+
+
+def test_a_block_one_engine_commits_another_reloads_from_the_pool(
+        daemon_factory: Any) -> None:
+    d = daemon_factory(extra=["--gpu-device", "cpu", "--gpu-capacity", "4MiB"])
+    pages_a = [5, 1, 6, 2]
+    writer = multiprocessing.get_context("spawn").Process(
+        target=_offload_in_another_process, args=(d.endpoint, 11, pages_a))
+    writer.start()
+    writer.join(60)
+    assert writer.exitcode == 0
+    engine_a = cache(8, 11)
+    with Client(d.endpoint, tenant="acme") as b:
+        stats = wait_for_copies(b, 4)
+        assert stats["tiers"]["gpu"]["copies"] == 4 and stats["invariant_violations"] == 0
+        pool = b.gpu_pool()
+        assert pool is not None and pool.device.type == "cpu"
+        ns = b.namespace(IDENT)
+        keys = ns.keys(range(TOKENS * 4))
+        with ns.acquire(keys) as held:
+            assert all(off >= 0 for off in held.gpu_offsets)
+            for i, off in enumerate(held.gpu_offsets):  # the pool holds the same bytes
+                assert pool.slot_tensor(off, ns.block_bytes).numpy().tobytes() == \
+                    page(engine_a, pages_a[i])
+            # Spoil the DRAM copies under the pin: a reload that still comes back exact
+            # can only have read the pool.
+            for view in b._slots(held.offsets, ns.block_bytes, readonly=False, arena=ns.arena):
+                view[:] = bytes(len(view))
+        engine_b = cache(6, 3)
+        pages_b = [4, 0, 3, 1]
+        assert ns.reload(keys, engine_b, pages_b) == 4
+        for pa, pb in zip(pages_a, pages_b):
+            assert page(engine_b, pb) == page(engine_a, pa)
+        assert b.stats()["invariant_violations"] == 0
+
+
+def test_blocks_without_a_pool_copy_come_from_the_arena(daemon_factory: Any) -> None:
+    """A pool of one slab fits few blocks: a reload takes what the pool holds from it
+    and the rest from the arena, and the async client does the same."""
+    block = BIG.block_bytes
+    d = daemon_factory(extra=["--gpu-device", "cpu", "--gpu-capacity", "1MiB"])
+    engine_a = cache(40, 5, BIG)
+    with Client(d.endpoint, tenant="acme") as a:
+        ns = a.namespace(BIG)
+        keys = ns.keys(range(TOKENS * 40))
+        assert ns.offload(engine_a, list(range(40)), keys) == 40
+        stats = wait_for_copies(a, (1 << 20) // block)
+        assert stats["tiers"]["gpu"]["blocks"] == (1 << 20) // block < 40
+
+    async def reload() -> list[torch.Tensor]:
+        async with AsyncClient(d.endpoint, tenant="acme") as c:
+            assert await c.gpu_pool() is not None
+            ns_b = await c.namespace(BIG)
+            engine_b = cache(40, 9, BIG)
+            assert await ns_b.reload(keys, engine_b, list(reversed(range(40)))) == 40
+            return engine_b
+
+    engine_b = asyncio.run(reload())
+    for i in range(40):
+        assert page(engine_b, 39 - i) == page(engine_a, i)
+
+
+def test_without_a_gpu_the_tier_is_off_and_everything_else_works(
+        daemon_factory: Any) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the tier would be on")
+    d: DaemonProcess = daemon_factory(extra=["--gpu-device", "0"])
+    assert "gpu tier off" in d.log()
+    with Client(d.endpoint, tenant="acme") as c:
+        assert c.gpu_pool() is None
+        assert "CUDA" in c.gpu_reason or "cupy" in c.gpu_reason
+        assert "off" in c.stats()["gpu"]
+        ns = c.namespace(IDENT)
+        engine_a = cache(4, 1)
+        keys = ns.keys(range(TOKENS * 4))
+        assert ns.offload(engine_a, [0, 1, 2, 3], keys) == 4
+        with ns.acquire(keys) as held:
+            assert held.gpu_offsets == []
+        engine_b = cache(4, 2)
+        ns.reload(keys, engine_b, [3, 2, 1, 0])
+        assert page(engine_b, 0) == page(engine_a, 3)
