@@ -105,6 +105,7 @@ def identity(label: str, heads: int) -> Identity:
 
 
 Row = tuple[str, float, float, float, float]  # name, GB/s ours and peer, CPU s/GB ours, peer
+Split = tuple[dict[str, float], dict[str, float]]  # CPU s/GB per process: ours, peer
 
 
 def median_rate(samples: list[float], total: int) -> float:
@@ -112,7 +113,8 @@ def median_rate(samples: list[float], total: int) -> float:
 
 
 def bench_size(label: str, heads: int, args: argparse.Namespace, ca: Client, cb: Client,
-               raw: redis.Redis, pids: dict[str, int], rows: list[Row]) -> None:
+               raw: redis.Redis, pids: dict[str, int], rows: list[Row],
+               splits: list[Split]) -> None:
     ns_a = ca.namespace(identity(label, heads))
     ns_b = cb.namespace(identity(label, heads))
     size = ns_a.block_bytes
@@ -183,6 +185,7 @@ def bench_size(label: str, heads: int, args: argparse.Namespace, ca: Client, cb:
     involved = {"put": ("client", "redis", "a"), "set": ("client", "redis"),
                 "get": ("client", "redis", "b"), "rget": ("client", "redis")}
     cpu: dict[str, list[float]] = {name: [] for name in samples}
+    cpu_of: dict[tuple[str, str], list[float]] = {}  # (measure, process) -> CPU s/GB
     for repeat in range(args.repeats + 1):  # the first is a warm-up, not counted
         dk, rk = fresh_daemon_keys(), fresh_raw_keys()
         puts: list[tuple[str, Callable[[], float]]] = [
@@ -193,12 +196,14 @@ def bench_size(label: str, heads: int, args: argparse.Namespace, ca: Client, cb:
             puts.reverse()
             gets.reverse()
         for name, fn in (*puts, *gets):
-            before = sum(cpu_seconds(pids[who]) for who in involved[name])
+            before = {who: cpu_seconds(pids[who]) for who in involved[name]}
             t = fn()
-            used = sum(cpu_seconds(pids[who]) for who in involved[name]) - before
+            used = {who: cpu_seconds(pids[who]) - before[who] for who in involved[name]}
             if repeat:
                 samples[name].append(t)
-                cpu[name].append(used / (total / 1e9))
+                cpu[name].append(sum(used.values()) / (total / 1e9))
+                for who, seconds in used.items():
+                    cpu_of.setdefault((name, who), []).append(seconds / (total / 1e9))
         reset()
     rb = remote_stats(cb)
     if rb["errors"] or rb["corrupt_values"]:
@@ -207,6 +212,8 @@ def bench_size(label: str, heads: int, args: argparse.Namespace, ca: Client, cb:
         rows.append((f"{ours} {label} x{per_batch}/req", median_rate(samples[ours], total),
                      median_rate(samples[peer], total), statistics.median(cpu[ours]),
                      statistics.median(cpu[peer])))
+        splits.append(({who: statistics.median(cpu_of[ours, who]) for who in involved[ours]},
+                       {who: statistics.median(cpu_of[peer, who]) for who in involved[peer]}))
 
 
 def main() -> None:
@@ -227,6 +234,7 @@ def main() -> None:
     server: RedisServer | None = None
     daemons: list[Daemon] = []
     rows: list[Row] = []
+    splits: list[Split] = []
     started = time.monotonic()
     try:
         server = RedisServer(work / "redis")
@@ -241,7 +249,7 @@ def main() -> None:
         with Client(daemons[0].endpoint, tenant=TENANT, timeout=60) as ca, \
                 Client(daemons[1].endpoint, tenant=TENANT, timeout=60) as cb:
             for label, heads in (("256KiB", 4), ("2MiB", 32)):
-                bench_size(label, heads, args, ca, cb, raw, pids, rows)
+                bench_size(label, heads, args, ca, cb, raw, pids, rows, splits)
         raw.close()
     finally:
         for d in daemons:
@@ -261,6 +269,9 @@ def main() -> None:
     for name, ours, peer, cpu_ours, cpu_peer in rows:
         print(f"{name:20} {ours:9.2f} {peer:9.2f} {ours / peer:7.2f}   "
               f"{cpu_ours:9.2f} {cpu_peer:9.2f} {cpu_peer / cpu_ours:7.2f}")
+    print("CPU s per GB by process (daemon a: put, b: get):")
+    for (name, *_), (ours_by, peer_by) in zip(rows, splits):
+        print(f"  {name:18} kvstore {_by_process(ours_by)}   redis-py {_by_process(peer_by)}")
     print("put: client puts into daemon A until A's remote writes count every block; "
           "redis-py: pipelined SET")
     print("get: daemon B fetches from redis into DRAM and returns the bytes; "
@@ -268,6 +279,10 @@ def main() -> None:
     print("CPU: client + redis-server (+ the daemon at work), all threads; "
           "ratio = redis-py CPU / kvstore CPU")
     print("throughput ratio = kvstore GB/s / redis-py GB/s (target >= 0.80)")
+
+
+def _by_process(seconds: dict[str, float]) -> str:
+    return " ".join(f"{who} {value:.2f}" for who, value in seconds.items())
 
 
 if __name__ == "__main__":

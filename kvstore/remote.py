@@ -17,6 +17,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
+import xxhash
+
 from kvstore.config import Config
 from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
@@ -102,9 +104,14 @@ class RemoteTier:
         parent = keys[first - 1] if first else None
         r = await self._reserve_moving(_OWNER, ns, missing, parent)
         views = [self.slot(ns, off) for off in r.offsets]
+        sums: list[int] = []
         try:
             async with self._gate:
                 found = await self.backend.get_into(ns.id, missing, views)
+            if all(found):
+                # the DRAM copy's checksum, which clients check: the codec's covers the
+                # namespace and key as well, so it cannot stand in for it
+                sums = [xxhash.xxh3_64_intdigest(view) for view in views]
         except KVStoreError as exc:
             self._failed("read", exc)
             found = [False] * len(missing)
@@ -115,17 +122,11 @@ class RemoteTier:
             self.store.abort(_OWNER, r.id)
             self.counters["misses"] += 1
             raise NotFoundError("a block read from the remote store was missing or corrupt")
-        import xxhash
-
-        sums = [xxhash.xxh3_64_intdigest(v) for v in self._checked_views(ns, r.offsets)]
         result = self.store.commit(_OWNER, r.id, time.monotonic(), sums)
         for block in result.blocks:
             block.remote = True
         self.counters["reads"] += len(missing)
         self.counters["read_bytes"] += len(missing) * ns.block_bytes
-
-    def _checked_views(self, ns: Namespace, offsets: list[int]) -> list[memoryview]:
-        return [self.slot(ns, off) for off in offsets]
 
     # -- writes ----------------------------------------------------------------------------
     def committed(self, blocks: Iterable[Block]) -> None:
@@ -155,12 +156,10 @@ class RemoteTier:
             return  # gone meanwhile
         except Exception:  # only on SSD by now (PromotionNeeded): not worth a read
             return
+        views = [self.slot(ns, off) for off in pin.offsets]
         try:
-            views = [self.slot(ns, off) for off in pin.offsets]
             async with self._gate:
                 ok = await self.backend.put(ns.id, [b.key for b in blocks], views)
-            for view in views:
-                view.release()
             for b, good in zip(blocks, ok):
                 b.remote = b.remote or good
             self.counters["writes"] += sum(ok)
@@ -168,6 +167,8 @@ class RemoteTier:
         except KVStoreError as exc:
             self._failed("write", exc)
         finally:
+            for view in views:
+                view.release()
             self.store.release(_OWNER, pin.id)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -5,25 +5,29 @@ URLs: ``redis://[user:password@]host:port/db`` (also ``rediss://``, ``unix://``,
 (also ``rediss+cluster://``, ``valkey+cluster://``) for a cluster, whose other nodes are
 discovered.  A stored key is ``key_prefix + namespace id + block key``, binary.
 
-Blocks are large (MiB), so each value is its own GET or SET, and up to ``connections``
-of them run in parallel on separate connections; pipelining many large values on one
-connection only queues them behind each other.  ``exists`` pipelines, its replies are tiny.
-
-redis.asyncio connections always pack commands with redis-py's pure-Python packer
-(``Connection.pack_command``), which hands a large value to the socket as its own chunk.
-The hiredis packer, the synchronous client's default, was unreliable for 2 MiB SETs; the
-asyncio client has no option to choose it, and a test checks that this stays so.
+Values move on a data path of our own (``resp.py``): per server, up to ``connections``
+connections, each taking a contiguous chunk of the batch's keys as one pipeline (all the
+SETs or GETs written at once, then the replies read in order).  A GET reply is received
+straight into the caller's buffer and checked there, so a value is copied once; a SET
+sends the codec header, then the caller's buffer as it is.  On a cluster, keys are
+routed by slot with redis-py's view of the cluster; a key that meets a redirection
+(MOVED, ASK) or TRYAGAIN is retried through redis-py, which follows it and refreshes that
+view.  Everything else (``exists``, ``delete``, health) goes through redis-py, whose
+replies are small.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Annotated, Any, Self
 from urllib.parse import unquote, urlsplit
 
 import msgspec
 import redis.asyncio
+import redis.asyncio.connection
 import redis.exceptions
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
@@ -39,6 +43,7 @@ from .base import (
     parse_options,
     run_bounded,
 )
+from .resp import ReplyError, RespConnection, pack_command, pack_set
 
 STANDALONE_SCHEMES = {"redis": "redis", "rediss": "rediss", "unix": "unix",
                       "valkey": "redis", "valkeys": "rediss"}
@@ -47,7 +52,9 @@ CLUSTER_SCHEMES = {"redis+cluster": False, "valkey+cluster": False,
 DEFAULT_PORT = 6379
 _EXISTS_CHUNK = 128  # keys per pipelined EXISTS round trip; the run stops at the first miss
 
-_HIT, _MISS, _CORRUPT = range(3)
+_HIT, _MISS, _CORRUPT, _REDIRECTED = range(4)
+# Error replies of a cluster in motion: redis-py retries these keys, following the cluster.
+_REDIRECTIONS = frozenset({"MOVED", "ASK", "TRYAGAIN"})
 # Failures where the server may answer again later (restart, failover, network).
 _UNAVAILABLE = (
     redis.exceptions.ConnectionError,  # includes BusyLoading, MaxConnections, Authentication
@@ -87,9 +94,14 @@ class RedisBackend(StorageBackend):
         self.ttl_s = ttl_s
         self.cluster = _scheme(url) in CLUSTER_SCHEMES
         self._client = _make_client(url, timeout_s=timeout_s, connections=connections)
-        # Data commands share these slots, so the backend never uses more than
-        # ``connections`` connections (per node) for data, however many calls overlap.
-        self._slots = asyncio.Semaphore(connections)
+        # The data path's connections, per server ("" for a standalone one); each pool
+        # bounds its connections, so however many calls overlap, a server sees at most
+        # ``connections`` data connections from this backend.
+        self._pools: dict[str, _Pool] = {}
+        if not self.cluster:
+            assert isinstance(self._client, redis.asyncio.Redis)
+            self._pools[""] = _Pool(_standalone_opener(self._client), connections)
+        self._slots = asyncio.Semaphore(connections)  # for redis-py's commands (exists)
         self._health_lock = asyncio.Lock()  # health uses the one spare connection
 
     def __repr__(self) -> str:
@@ -134,49 +146,161 @@ class RedisBackend(StorageBackend):
     async def get_into(
         self, namespace: bytes, keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> list[bool]:
-        async def fetch(index: int) -> int:
-            key = keys[index]
-            try:
-                async with self._slots:
-                    stored = await self._client.get(self.redis_key(namespace, key))
-            except redis.exceptions.ResponseError as exc:
-                if not str(exc).startswith("WRONGTYPE"):
-                    raise
-                return _CORRUPT  # something else sits under our key
-            if stored is None:
-                return _MISS
-            if not isinstance(stored, bytes):  # only with decode_responses, which we never set
-                return _CORRUPT
-            return _HIT if codec.decode_into(namespace, key, stored, buffers[index]) else _CORRUPT
+        statuses = [_MISS] * len(keys)
+
+        async def fetch(conn: RespConnection, indices: list[int]) -> None:
+            await conn.write([
+                part
+                for index in indices
+                for part in pack_command([b"GET", self.redis_key(namespace, keys[index])])
+            ])
+            # Read every reply, then check the payloads.  Each payload is received straight
+            # into its buffer; around it, the connection receives no more than the framing
+            # that a hit of the expected size has (what a miss has is shorter).
+            prefixes = [_value_prefix_bytes(buffers[index]) for index in indices]
+            heads: list[bytearray | None] = []
+            for at, index in enumerate(indices):
+                then = _CRLF_BYTES + (prefixes[at + 1] if at + 1 < len(indices) else 0)
+                heads.append(await self._read_value(
+                    conn, index, buffers[index], statuses, ahead=prefixes[at], then=then))
+            for index, head in zip(indices, heads):
+                if head is not None:
+                    statuses[index] = self._check(namespace, keys[index], head, buffers[index])
 
         try:
-            statuses = await run_bounded(len(keys), self.connections, fetch)
+            await self._on_connections(namespace, keys, fetch)
+            redirected = [i for i, status in enumerate(statuses) if status == _REDIRECTED]
+            for index in redirected:  # rare: a cluster moving slots; redis-py follows it
+                statuses[index] = await self._get_slowly(namespace, keys[index], buffers[index])
         except _LIBRARY_ERRORS as exc:
             raise self._error("get_into", exc) from exc
         self.counters.corrupt_values += statuses.count(_CORRUPT)
         return [status == _HIT for status in statuses]
 
+    async def _read_value(
+        self, conn: RespConnection, index: int, out: memoryview, statuses: list[int], *,
+        ahead: int, then: int,
+    ) -> bytearray | None:
+        """Read one GET reply: the codec header (returned) and the payload, into ``out``;
+        None, with ``statuses[index]`` set, if there is no payload of ``out``'s size.
+        ``ahead``/``then``: the bytes expected before and after the payload."""
+        reply = await conn.read_bulk_header(ahead=ahead)
+        if reply is None:
+            statuses[index] = _MISS
+            return None
+        if isinstance(reply, ReplyError):
+            statuses[index] = self._reply_status(reply, "GET")
+            return None
+        if reply != codec.HEADER_BYTES + out.nbytes:
+            await conn.skip(reply)
+            await conn.end_bulk()
+            statuses[index] = _CORRUPT
+            return None
+        head = bytearray(codec.HEADER_BYTES)
+        await conn.read_into(memoryview(head), then=0)
+        await conn.read_into(out, then=then)
+        await conn.end_bulk()
+        return head
+
+    @staticmethod
+    def _check(namespace: bytes, key: bytes, head: bytearray, out: memoryview) -> int:
+        header = codec.read_header(head)
+        if header is None or not codec.payload_matches(namespace, key, header, out):
+            return _CORRUPT
+        return _HIT
+
+    def _reply_status(self, reply: ReplyError, command: str) -> int:
+        if reply.kind in _REDIRECTIONS:
+            return _REDIRECTED
+        if reply.kind == "WRONGTYPE":
+            return _CORRUPT  # something else sits under our key
+        if command == "SET" and reply.kind == "OOM":
+            return _MISS  # maxmemory reached with a no-eviction policy: this key only
+        raise BackendError(f"{command} failed: {reply.message}")
+
+    async def _get_slowly(self, namespace: bytes, key: bytes, out: memoryview) -> int:
+        try:
+            stored = await self._client.get(self.redis_key(namespace, key))
+        except redis.exceptions.ResponseError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                raise
+            return _CORRUPT
+        if stored is None:
+            return _MISS
+        if not isinstance(stored, bytes):  # only with decode_responses, which we never set
+            return _CORRUPT
+        return _HIT if codec.decode_into(namespace, key, stored, out) else _CORRUPT
+
     async def put(
         self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike]
     ) -> list[bool]:
-        async def store(index: int) -> bool:
-            key = keys[index]
-            value = codec.encode_value(namespace, key, values[index])
-            try:
-                async with self._slots:
-                    reply = await self._client.set(
-                        self.redis_key(namespace, key), value, ex=self.ttl_s
-                    )
-            except redis.exceptions.ResponseError as exc:
-                if isinstance(exc, redis.exceptions.OutOfMemoryError) or str(exc).startswith("OOM"):
-                    return False  # maxmemory reached with a no-eviction policy: this key only
-                raise
-            return bool(reply)
+        statuses = [_MISS] * len(keys)
+
+        async def store(conn: RespConnection, indices: list[int]) -> None:
+            buffers: list[BytesLike] = []
+            for index in indices:
+                key, value = keys[index], values[index]
+                head = codec.encode_header(namespace, key, value)
+                buffers += pack_set(self.redis_key(namespace, key), head, value, self.ttl_s)
+            await conn.write(buffers)
+            for index in indices:
+                reply = await conn.read_reply()
+                if isinstance(reply, ReplyError):
+                    statuses[index] = self._reply_status(reply, "SET")
+                else:
+                    statuses[index] = _HIT if reply == b"OK" else _MISS
 
         try:
-            return await run_bounded(len(keys), self.connections, store)
+            await self._on_connections(namespace, keys, store)
+            for index, status in enumerate(statuses):
+                if status == _REDIRECTED:
+                    statuses[index] = await self._set_slowly(namespace, keys[index], values[index])
         except _LIBRARY_ERRORS as exc:
             raise self._error("put", exc) from exc
+        return [status == _HIT for status in statuses]
+
+    async def _set_slowly(self, namespace: bytes, key: bytes, value: BytesLike) -> int:
+        stored = codec.encode_value(namespace, key, value)
+        try:
+            reply = await self._client.set(self.redis_key(namespace, key), stored, ex=self.ttl_s)
+        except redis.exceptions.ResponseError as exc:
+            if isinstance(exc, redis.exceptions.OutOfMemoryError) or str(exc).startswith("OOM"):
+                return _MISS
+            raise
+        return _HIT if reply else _MISS
+
+    async def _on_connections(
+        self, namespace: bytes, keys: Sequence[bytes], job: _Job
+    ) -> None:
+        """Run ``job`` over the keys: per server, in up to ``connections`` contiguous
+        chunks, each on a connection of its own, all at once."""
+        by_server: dict[str, list[int]] = {}
+        if self.cluster:
+            client = self._client
+            assert isinstance(client, RedisCluster)
+            await client.initialize()
+            for index, key in enumerate(keys):
+                stored_key: Any = self.redis_key(namespace, key)  # typed str, takes bytes
+                node = client.get_node_from_key(stored_key)
+                if node is None:
+                    raise redis.exceptions.ClusterDownError("a slot has no node")
+                by_server.setdefault(node.name, []).append(index)
+                if node.name not in self._pools:
+                    self._pools[node.name] = _Pool(_cluster_opener(node), self.connections)
+        else:
+            by_server[""] = list(range(len(keys)))
+        chunks: list[tuple[_Pool, list[int]]] = []
+        for name, indices in by_server.items():
+            per = -(-len(indices) // self.connections)
+            chunks += [(self._pools[name], indices[i:i + per])
+                       for i in range(0, len(indices), per)]
+
+        async def run(chunk: int) -> None:
+            pool, indices = chunks[chunk]
+            async with pool.connection() as conn:
+                await job(conn, indices)
+
+        await run_bounded(len(chunks), len(chunks), run)
 
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         try:
@@ -220,6 +344,8 @@ class RedisBackend(StorageBackend):
         )
 
     async def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
         try:
             await self._client.aclose()
         except _LIBRARY_ERRORS as exc:
@@ -230,6 +356,91 @@ class RedisBackend(StorageBackend):
         if isinstance(exc, _UNAVAILABLE):
             return UnavailableError(f"{what}: {exc}")
         return BackendError(f"{what}: {exc}")
+
+
+_Job = Callable[[RespConnection, list[int]], Awaitable[None]]
+_Opener = Callable[[], Awaitable[RespConnection]]
+
+
+class _Pool:
+    """Up to ``size`` data-path connections to one server, opened on demand and kept."""
+
+    def __init__(self, opener: _Opener, size: int) -> None:
+        self._opener = opener
+        self._idle: list[RespConnection] = []
+        self._slots = asyncio.Semaphore(size)
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[RespConnection]:
+        """A connection for one job; kept if the job ends cleanly, else closed."""
+        async with self._slots:
+            conn = None
+            while self._idle and conn is None:
+                conn = self._idle.pop()
+                if not conn.usable:  # the server closed it meanwhile
+                    conn.abort()
+                    conn = None
+            if conn is None:
+                conn = await self._opener()
+            try:
+                yield conn
+            except BaseException:  # an error, a timeout: its state is unknown
+                conn.abort()
+                raise
+            if conn.usable:
+                conn.idle()
+                self._idle.append(conn)
+            else:
+                conn.abort()
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop().abort()
+
+
+def _opener(connection: redis.asyncio.connection.AbstractConnection) -> _Opener:
+    """Opens data-path connections with the address, credentials, TLS settings and
+    database of a (never connected) redis-py connection."""
+    context: ssl.SSLContext | None = None
+    if isinstance(connection, redis.asyncio.SSLConnection):
+        context = connection.ssl_context.get()
+    path = getattr(connection, "path", None)
+    host, port = getattr(connection, "host", None), getattr(connection, "port", DEFAULT_PORT)
+    timeout_s = connection.socket_connect_timeout
+
+    async def open_connection() -> RespConnection:
+        username, password = connection.username, connection.password
+        provider = connection.credential_provider
+        if provider is not None:
+            credentials = await provider.get_credentials_async()  # (password,) or (user, pw)
+            username = credentials[0] if len(credentials) == 2 else None
+            password = credentials[-1]
+        async with asyncio.timeout(timeout_s):
+            return await RespConnection.open(
+                host=host, port=int(port), path=path, ssl_context=context,
+                username=username, password=password, db=int(connection.db or 0),
+            )
+
+    return open_connection
+
+
+def _standalone_opener(client: redis.asyncio.Redis) -> _Opener:
+    pool = client.connection_pool
+    return _opener(pool.connection_class(**pool.connection_kwargs))
+
+
+def _cluster_opener(node: ClusterNode) -> _Opener:
+    # a node's connection_kwargs carry its host and port already
+    return _opener(node.connection_class(**node.connection_kwargs))
+
+
+_CRLF_BYTES = 2
+
+
+def _value_prefix_bytes(out: memoryview) -> int:
+    """What comes before the payload in the GET reply of a value sized for ``out``: the
+    bulk reply's ``$<length>`` line and the codec header."""
+    return len(b"$%d\r\n" % (codec.HEADER_BYTES + out.nbytes)) + codec.HEADER_BYTES
 
 
 def _scheme(url: str) -> str:

@@ -1,4 +1,5 @@
-"""The redis backend beyond the contract: packer, TTL, a full server, outages and restarts."""
+"""The redis backend beyond the contract: packers, TTL, a full server, outages and restarts,
+and the data path's replies."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def redis_inner(backend: GuardedBackend) -> RedisBackend:
 
 
 def test_large_values_go_through_the_python_packer(redis_server: RedisServer) -> None:
-    """The hiredis packer was unreliable for 2 MiB SETs: the client must not use it."""
+    """The hiredis packer was unreliable for 2 MiB SETs: redis-py, which carries values on
+    a cluster's redirections, must not use it."""
 
     async def scenario() -> None:
         async with load_backend("redis", {"url": redis_server.url}) as backend:
@@ -173,3 +175,45 @@ def test_nothing_listening_is_unavailable_at_once() -> None:
             assert not (await backend.health()).ok
 
     asyncio.run(scenario())
+
+
+def test_a_pipeline_of_mixed_replies_stays_in_step(redis_server: RedisServer) -> None:
+    """Hits, misses, wrong sizes and wrong types in one batch, on one connection: each
+    reply is read whole (the data path receives payloads straight into the buffers)."""
+    namespace = os.urandom(16)
+    keys = [os.urandom(16) for _ in range(8)]
+    sizes = [2 * MiB, 300, 2 * MiB, 70_000, 1, 2 * MiB, 4096, 256 * 1024]
+    values = [os.urandom(size) for size in sizes]
+
+    async def scenario() -> None:
+        async with load_backend("redis", {"url": redis_server.url, "connections": 1}) as backend:
+            stored = [i for i in range(8) if i not in (1, 5)]  # 1 and 5 are never stored
+            assert await backend.put(namespace, [keys[i] for i in stored],
+                                     [values[i] for i in stored]) == [True] * len(stored)
+            with redis_server.client() as client:  # 3: a list where a value should be
+                list_key = redis_inner(backend).redis_key(namespace, keys[3])
+                client.delete(list_key)
+                client.rpush(list_key, b"x")
+            buffers = [memoryview(bytearray(size)) for size in sizes]
+            buffers[6] = memoryview(bytearray(4095))  # 6: the stored value is a byte longer
+            found = await backend.get_into(namespace, keys, buffers)
+            assert found == [True, False, True, False, True, False, False, True]
+            for i in (0, 2, 4, 7):
+                assert bytes(buffers[i]) == values[i]
+            assert backend.counters.corrupt_values == 2  # the list, and the wrong size
+            again = [memoryview(bytearray(sizes[0]))]  # the connection is still in step
+            assert await backend.get_into(namespace, keys[:1], again) == [True]
+            assert bytes(again[0]) == values[0]
+
+    asyncio.run(scenario())
+
+
+def test_values_go_out_without_a_joined_copy() -> None:
+    from kvstore.plugins.resp import pack_set
+
+    value = memoryview(bytearray(os.urandom(MiB)))
+    buffers = pack_set(b"key", b"h" * 24, value, ttl_s=60)
+    assert any(buffer is value for buffer in buffers)
+    assert b"".join(bytes(b) for b in buffers) == (
+        b"*5\r\n$3\r\nSET\r\n$3\r\nkey\r\n$%d\r\n" % (24 + MiB) + b"h" * 24 + bytes(value)
+        + b"\r\n$2\r\nEX\r\n$2\r\n60\r\n")
