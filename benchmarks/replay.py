@@ -1,7 +1,12 @@
 """Replay a serving trace with prefix-block ids against the eviction policies.
 
     python benchmarks/replay.py [--trace PATH] [--capacities 0.02,0.05] [--policies lru,s3fifo]
+    python benchmarks/replay.py --workload all [--touches 2]
     python benchmarks/replay.py --mode daemon [--requests 1000] [--ssd [SHARE]]
+
+``--workload`` replays a synthetic workload of benchmarks/workloads.py instead of the
+trace (``conversations``, ``scan``, ``documents``), or ``all``: the trace, then each of
+them, so that a policy tuned to one trace is seen on workloads of other shapes.
 
 Only a request's full blocks are cacheable, as in the store, where only full blocks get
 keys: ``input_length // 512`` of its ids; the partial last block's tokens always miss
@@ -24,7 +29,9 @@ cacheable blocks):
 - ``infinite``: nothing is ever evicted (the share of references that repeat an id).
 
 ``--mode sim`` drives in-file simulators; ``replay`` drives any object with ``lookup``
-and ``insert`` (and reports its ``evictions`` if it has them).
+and ``insert`` (and reports its ``evictions`` if it has them).  ``--touches 2`` makes the
+simulator report each hit twice, as the daemon does (lookup, then acquire); a policy
+that counts hits must give the same rows.
 
 ``--mode daemon`` also starts one real daemon (``python -m kvstore serve``) per policy
 and capacity and replays the trace through the client library: a request's tokens are
@@ -45,8 +52,8 @@ given) under DRAM; its hits count as hits, so those rows are not comparable with
 simulator's.  ``--requests N`` replays the first N requests only.
 
 LRU's daemon rows match the simulator's exactly.  Where another policy's differ, the
-store calls it differently from ``PolicyCache``: lookup and acquire each count a hit
-(S3-FIFO's frequencies rise by two), a put reserves (evicts) all its slots before it
+store calls it differently from ``PolicyCache``: lookup and acquire each report a hit
+(the policies count it once, see ``--touches``), a put reserves (evicts) all its slots before it
 commits any block, and the store drops a block's entry when it is evicted, so a key
 cached again is a new item to the policy and never matches its ghost (S3-FIFO's ghost
 queue, ARC's B1/B2).  The last is most of the gap.
@@ -76,6 +83,10 @@ from kvstore.errors import CapacityError
 from kvstore.identity import Identity
 from kvstore.scheduler.eviction import POLICIES, EvictionPolicy
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import WORKLOADS  # after the path: benchmarks/ is no package
+
 BLOCK_TOKENS = 512
 DEFAULT_TRACE = (
     Path(__file__).resolve().parent.parent.parent
@@ -100,6 +111,13 @@ def load_trace(path: Path) -> list[TraceRequest]:
     decoder = msgspec.json.Decoder(TraceRequest)
     with path.open("rb") as f:
         return [decoder.decode(line) for line in f if line.strip()]
+
+
+def synthetic(name: str, requests: int = 0) -> list[TraceRequest]:
+    """A synthetic workload of benchmarks/workloads.py (its default size, or ``requests``)."""
+    generate = WORKLOADS[name]
+    made = generate(requests) if requests > 0 else generate()
+    return [TraceRequest(*request) for request in made]
 
 
 def cacheable(trace: Iterable[TraceRequest], partial: bool = False) -> list[TraceRequest]:
@@ -172,14 +190,18 @@ def replay(trace: Iterable[TraceRequest], cache: PrefixCache) -> ReplayStats:
 class PolicyCache:
     """A block store in miniature: a fixed number of slots, prefix closure, one policy.
 
-    Calls the policy as the real store does: ``access`` deepest block first on a hit,
-    ``pin``/``unpin`` around the request, ``insert`` on commit, and ``pop_victim`` with
-    a test that passes only blocks without a cached child.
+    Calls the policy as the real store does: ``access`` deepest block first on a hit
+    (``touches`` times: the daemon's lookup and acquire make two), ``pin``/``unpin``
+    around the request, ``insert`` on commit, and ``pop_victim`` with a test that passes
+    only blocks without a cached child.
     """
 
-    def __init__(self, policy: EvictionPolicy[Hashable], capacity: int) -> None:
+    def __init__(
+        self, policy: EvictionPolicy[Hashable], capacity: int, touches: int = 1
+    ) -> None:
         self.policy = policy
         self.capacity = capacity
+        self.touches = touches
         self.evictions = 0
         self._parent: dict[int, int | None] = {}
         self._children: dict[int, int] = {}  # cached children per cached block
@@ -195,8 +217,9 @@ class PolicyCache:
                 break
             hits += 1
         policy = self.policy
-        for key in reversed(keys[:hits]):
-            policy.access(key)
+        for _ in range(self.touches):
+            for key in reversed(keys[:hits]):
+                policy.access(key)
         for key in keys[:hits]:
             policy.pin(key)
         return hits
@@ -547,6 +570,7 @@ def run_sim(
     daemon: bool = False,
     ssd_share: float = 0.0,
     hold: bool = True,
+    touches: int = 1,
     progress: IO[str] | None = None,
 ) -> list[tuple[float, int, str, ReplayStats]]:
     """Replay every policy and both bounds at every capacity; rows in print order.
@@ -566,7 +590,7 @@ def run_sim(
         must_insert = BeladyCache(trace, capacity, bypass=False)
         rows.append((share, capacity, "belady-ins", replay(trace, must_insert)))
         for name in policies:
-            cache = PolicyCache(POLICIES[name](), capacity)
+            cache = PolicyCache(POLICIES[name](), capacity, touches)
             rows.append((share, capacity, name, replay(trace, cache)))
             if daemon:
                 started = time.perf_counter()
@@ -640,7 +664,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="simulators only, or real daemons beside them",
     )
     parser.add_argument(
+        "--workload",
+        choices=["trace", *WORKLOADS, "all"],
+        default="trace",
+        help="the --trace file, a synthetic workload of benchmarks/workloads.py, or all",
+    )
+    parser.add_argument(
         "--requests", type=int, default=0, metavar="N", help="replay the first N requests only"
+    )
+    parser.add_argument(
+        "--touches",
+        type=int,
+        default=1,
+        metavar="K",
+        help="sim mode: report each hit K times to the policy (the daemon reports 2)",
     )
     parser.add_argument(
         "--partial-blocks",
@@ -676,35 +713,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         parser.error(f"unknown policies {unknown}; registered: {sorted(POLICIES)}")
-    if not args.trace.is_file():
+    if args.workload in ("trace", "all") and not args.trace.is_file():
         parser.error(f"no trace at {args.trace}; pass --trace")
+    if args.touches < 1:
+        parser.error("--touches must be at least 1")
     daemon = args.mode == "daemon"
     if daemon and args.partial_blocks:
         parser.error("--partial-blocks is sim mode only: the daemon keys full blocks only")
     if not daemon and (args.ssd or not args.hold):
         parser.error("--ssd and --no-hold are daemon mode only")
+    if daemon and args.touches != 1:
+        parser.error("--touches is sim mode only: the daemon reports hits as it does")
 
     started = time.perf_counter()
-    trace = load_trace(args.trace)
-    if args.requests > 0:
-        trace = trace[: args.requests]
-    trace = cacheable(trace, args.partial_blocks)
-    references = sum(len(r.hash_ids) for r in trace)
-    what = "blocks (partial last blocks too)" if args.partial_blocks else "full blocks"
-    print(
-        f"{len(trace)} requests, {references} block references, "
-        f"{unique_blocks(trace)} unique {what} of {BLOCK_TOKENS} tokens"
-    )
-    rows = run_sim(
-        trace,
-        capacities,
-        policies,
-        daemon=daemon,
-        ssd_share=args.ssd,
-        hold=args.hold,
-        progress=sys.stderr if daemon else None,
-    )
-    print(format_table(rows))
+    names = [args.workload] if args.workload != "all" else ["trace", *WORKLOADS]
+    for name in names:
+        if name == "trace":
+            trace = load_trace(args.trace)
+            if args.requests > 0:
+                trace = trace[: args.requests]
+            title = args.trace.name
+        else:
+            trace = synthetic(name, args.requests)
+            title = f"synthetic workload {name!r}"
+        trace = cacheable(trace, args.partial_blocks)
+        references = sum(len(r.hash_ids) for r in trace)
+        what = "blocks (partial last blocks too)" if args.partial_blocks else "full blocks"
+        print(
+            f"{title}: {len(trace)} requests, {references} block references, "
+            f"{unique_blocks(trace)} unique {what} of {BLOCK_TOKENS} tokens"
+        )
+        rows = run_sim(
+            trace,
+            capacities,
+            policies,
+            daemon=daemon,
+            ssd_share=args.ssd,
+            hold=args.hold,
+            touches=args.touches,
+            progress=sys.stderr if daemon else None,
+        )
+        print(format_table(rows))
+        print()
     print(f"({time.perf_counter() - started:.1f} s)")
     return 0
 

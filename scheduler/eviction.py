@@ -5,9 +5,17 @@ happens to each item (inserted, accessed, pinned, unpinned, removed) and asks it
 victim that passes the store's own test (leaf-first: a block something cached depends
 on is never a victim).  One policy instance serves one slab class of one tier.
 
-Policies: ``lru``; ``s3fifo`` (scan-resistant, the default: in the offline replay of
-benchmarks/replay.py it beat LRU at every size, and ARC on average); ``arc``.
+Policies: ``lru``; ``s3fifo`` (scan-resistant); ``arc`` (adaptive, the default: in the
+offline replay of benchmarks/replay.py it is the one that beat LRU at every capacity on
+the shared Mooncake trace, and on the synthetic scan and document workloads by far).
 ``WarmPins`` wraps any of them with soft pins that keep blocks warm until a deadline.
+
+The store reports one request's hit twice (``lookup`` and ``acquire`` both call
+``access``).  A policy must not read that as two references: ARC's ``access`` is
+idempotent (it only moves the item to the MRU end of ``T2``), and S3-FIFO counts at most
+one hit per item per tick of a logical clock that advances on every ``insert`` and
+``pop_victim``, so hits with no cache churn between them count once (the "correlated
+reference period" of LRU-K, O'Neil et al., SIGMOD 1993, measured in churn).
 """
 
 from __future__ import annotations
@@ -109,12 +117,13 @@ class LRUPolicy(EvictionPolicy[T]):
 class _S3Entry:
     """What S3-FIFO remembers of one tracked item."""
 
-    __slots__ = ("freq", "in_main", "pinned")
+    __slots__ = ("freq", "in_main", "pinned", "tick")
 
     def __init__(self, in_main: bool) -> None:
         self.freq = 0
         self.in_main = in_main
         self.pinned = False
+        self.tick = -1  # the clock at its last counted hit (-1: none yet)
 
 
 class S3FIFOPolicy(EvictionPolicy[T]):
@@ -128,7 +137,8 @@ class S3FIFOPolicy(EvictionPolicy[T]):
     with lazy promotion: a head item that was hit goes back to the tail with its
     frequency (capped at ``max_freq``) decremented; one that was not is evicted.  A hit
     only bumps a counter, so a one-pass scan flows through the small FIFO without
-    flushing the main one.
+    flushing the main one.  Hits count at most once per item per tick (see the module
+    docstring): the clock ticks on ``insert`` and ``pop_victim``.
 
     The store's ``allowed`` test is respected without reordering: an item that fails it
     is skipped and keeps its place.  A pinned item leaves its FIFO (keeping its queue
@@ -160,17 +170,22 @@ class S3FIFOPolicy(EvictionPolicy[T]):
         self._small: OrderedDict[T, None] = OrderedDict()  # oldest first
         self._main: OrderedDict[T, None] = OrderedDict()  # oldest first
         self._ghost: OrderedDict[T, None] = OrderedDict()  # oldest first
+        self._tick = 0  # logical clock: inserts and evictions so far
 
     def insert(self, item: T) -> None:
         if item in self._entries:
             return
+        self._tick += 1
         in_main = self._ghost.pop(item, _MISSING) is not _MISSING
         self._entries[item] = _S3Entry(in_main)
         (self._main if in_main else self._small)[item] = None
 
     def access(self, item: T) -> None:
         entry = self._entries.get(item)
-        if entry is not None and entry.freq < self.max_freq:
+        if entry is None or entry.tick == self._tick:
+            return  # unknown, or already counted in this tick (lookup, then acquire)
+        entry.tick = self._tick
+        if entry.freq < self.max_freq:
             entry.freq += 1
 
     def pin(self, item: T) -> None:
@@ -191,6 +206,7 @@ class S3FIFOPolicy(EvictionPolicy[T]):
             del (self._main if entry.in_main else self._small)[item]
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
+        self._tick += 1
         small_first = len(self._small) >= self.small_ratio * len(self._entries) or not self._main
         if small_first:
             victim = self._evict_small(allowed)
@@ -515,7 +531,7 @@ POLICIES: dict[str, Callable[[], EvictionPolicy[Hashable]]] = {
     "arc": ARCPolicy,
 }
 
-DEFAULT_POLICY = "s3fifo"
+DEFAULT_POLICY = "arc"
 
 
 def make_policy(name: str) -> EvictionPolicy[Hashable]:

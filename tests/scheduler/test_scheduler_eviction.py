@@ -1,5 +1,6 @@
-"""Eviction policies: LRU against a list model, every policy against the interface's
-invariants, and the behaviour that makes S3-FIFO and ARC scan-resistant."""
+"""Eviction policies: LRU and ARC against list models, every policy against the
+interface's invariants and against the store's double report of a hit, and the
+behaviour that makes S3-FIFO and ARC scan-resistant."""
 
 from __future__ import annotations
 
@@ -215,8 +216,9 @@ def test_s3fifo_frequency_is_capped_and_spent_in_main() -> None:
     policy.insert("b")
     policy.pop_victim(lambda _: True)
     policy.insert("b")  # main now holds a, b in that order
-    for _ in range(10):
+    for tick in range(10):
         policy.access("a")  # capped at 3: three passes spend it
+        policy.pop_victim(lambda _: False)  # a tick, so that each hit counts
     assert policy.pop_victim(lambda _: True) == "b"
     assert policy.pop_victim(lambda _: True) == "a"
 
@@ -252,3 +254,126 @@ def test_policies_repr_shows_counts() -> None:
         _fill(policy, range(4))
         policy.pin(1)
         assert "pinned=1" in repr(policy)
+
+
+def test_s3fifo_counts_a_hit_once_per_tick() -> None:
+    # lookup and acquire both report the same hit; only churn between hits makes two.
+    once: S3FIFOPolicy[int] = S3FIFOPolicy(promote_threshold=2)
+    twice: S3FIFOPolicy[int] = S3FIFOPolicy(promote_threshold=2)
+    for policy in (once, twice):
+        _fill(policy, range(3))
+        policy.access(0)
+    once.access(0)  # the same tick: the same reference
+    twice.insert(3)  # churn: a new tick
+    twice.access(0)
+    assert once.pop_victim(lambda _: True) == 0  # one hit is below the threshold
+    assert twice.pop_victim(lambda _: True) == 1  # two hits: 0 went to main
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+@given(history=events)
+@settings(max_examples=100, deadline=None)
+def test_a_hit_reported_twice_counts_once(name: str, history: list[tuple[str, int, int]]) -> None:
+    """The store's lookup and acquire both call access: victims must not change."""
+    single, double = FACTORIES[name](), FACTORIES[name]()
+    single_model, double_model = _Model(), _Model()
+    for verb, item, mask in history:
+        if verb == "pop":
+            allowed = _allowed(mask)
+            assert single.pop_victim(allowed) == double.pop_victim(allowed)
+            continue
+        _drive(single, single_model, verb, item, mask)
+        _drive(double, double_model, verb, item, mask)
+        if verb == "access" and item in double_model.present:
+            double.access(item)
+    assert list(single.evictable()) == list(double.evictable())
+
+
+class _ListARC:
+    """ARC written plainly over lists (Megiddo and Modha's pseudo-code, with the
+    store's pins and ``allowed``), the reference for ARCPolicy."""
+
+    def __init__(self) -> None:
+        self.t1: list[int] = []
+        self.t2: list[int] = []
+        self.b1: list[int] = []
+        self.b2: list[int] = []
+        self.in_t2: dict[int, bool] = {}
+        self.pinned: set[int] = set()
+        self.p = 0.0
+
+    def apply(self, verb: str, item: int, mask: int) -> int | None:
+        if verb == "insert" and item not in self.in_t2:
+            size = max(1, len(self.in_t2))
+            if item in self.b1:
+                self.p = min(float(size), self.p + max(1.0, len(self.b2) / max(1, len(self.b1))))
+                self.b1.remove(item)
+                self.t2.append(item)
+                self.in_t2[item] = True
+            elif item in self.b2:
+                self.p = max(0.0, self.p - max(1.0, len(self.b1) / max(1, len(self.b2))))
+                self.b2.remove(item)
+                self.t2.append(item)
+                self.in_t2[item] = True
+            else:
+                self.t1.append(item)
+                self.in_t2[item] = False
+        elif verb == "access" and item in self.in_t2:
+            if item not in self.pinned:
+                (self.t2 if self.in_t2[item] else self.t1).remove(item)
+                self.t2.append(item)
+            self.in_t2[item] = True
+        elif verb == "pin" and item in self.in_t2 and item not in self.pinned:
+            self.pinned.add(item)
+            (self.t2 if self.in_t2[item] else self.t1).remove(item)
+        elif verb == "unpin" and item in self.pinned:
+            self.pinned.discard(item)
+            (self.t2 if self.in_t2[item] else self.t1).append(item)
+        elif verb == "remove" and item in self.in_t2:
+            in_t2 = self.in_t2.pop(item)
+            if item in self.pinned:
+                self.pinned.discard(item)
+            else:
+                (self.t2 if in_t2 else self.t1).remove(item)
+        elif verb == "pop":
+            t1_first = len(self.t1) > self.p or not self.t2
+            lists = [(self.t1, self.b1), (self.t2, self.b2)]
+            for queue, ghost in lists if t1_first else lists[::-1]:
+                for candidate in queue:
+                    if mask >> candidate & 1:
+                        queue.remove(candidate)
+                        del self.in_t2[candidate]
+                        ghost.append(candidate)
+                        size = len(self.in_t2)
+                        while self.b1 and len(self.t1) + len(self.b1) > size:
+                            self.b1.pop(0)
+                        while self.b2 and len(self.b1) + len(self.b2) > size:
+                            self.b2.pop(0)
+                        return candidate
+        return None
+
+
+@given(history=events)
+@settings(max_examples=300, deadline=None)
+def test_arc_matches_a_list_model(history: list[tuple[str, int, int]]) -> None:
+    policy: ARCPolicy[int] = ARCPolicy()
+    reference = _ListARC()
+    model = _Model()
+    for verb, item, mask in history:
+        expected = reference.apply(verb, item, mask) if verb == "pop" else None
+        if verb == "pop":
+            assert policy.pop_victim(_allowed(mask)) == expected
+            if expected is not None:
+                model.present.discard(expected)
+        else:
+            if (verb == "insert" and item not in model.present) or (
+                verb != "insert" and item in model.present
+            ):
+                reference.apply(verb, item, mask)
+            _drive(policy, model, verb, item, mask)  # type: ignore[arg-type]
+        assert list(policy.evictable()) == reference.t1 + reference.t2
+
+
+def test_default_policy_is_arc() -> None:
+    assert DEFAULT_POLICY == "arc"
+    assert isinstance(make_policy(DEFAULT_POLICY), ARCPolicy)

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from kvstore.scheduler.eviction import LRUPolicy, S3FIFOPolicy
+from kvstore.scheduler.eviction import DEFAULT_POLICY, LRUPolicy, S3FIFOPolicy, make_policy
 
 
 def _load_replay() -> ModuleType:
@@ -97,3 +97,37 @@ def test_format_table_puts_ratios_against_belady() -> None:
     assert [row[2] for row in rows] == ["belady", "belady-ins", "lru", "s3fifo", "infinite"]
     table = replay.format_table(rows)
     assert "belady" in table and "1.000" in table
+
+
+@pytest.mark.parametrize("name", sorted(replay.WORKLOADS))
+def test_synthetic_workloads_are_prefix_chained(name: str) -> None:
+    trace = replay.synthetic(name, 400)
+    assert len(trace) == 400
+    prefix_of: dict[int, tuple[int, ...]] = {}
+    for request in trace:
+        ids = request.hash_ids
+        assert request.input_length // 512 == len(ids) and request.input_length % 512
+        for i, h in enumerate(ids):
+            assert prefix_of.setdefault(h, tuple(ids[:i])) == tuple(ids[:i])
+    assert len(prefix_of) < sum(len(r.hash_ids) for r in trace)  # something repeats
+    assert replay.synthetic(name, 400) == trace  # seeded: the same every run
+
+
+def test_default_policy_beats_lru_on_scans() -> None:
+    trace = replay.synthetic("scan", 1500)
+    capacity = replay.sim_capacity(0.05, replay.unique_blocks(trace))
+    lru = _block_hits(trace, replay.PolicyCache(LRUPolicy(), capacity))
+    default = _block_hits(trace, replay.PolicyCache(make_policy(DEFAULT_POLICY), capacity))
+    assert default > lru
+
+
+def test_main_replays_a_workload_and_reports_hits_twice_alike(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["--workload", "conversations", "--requests", "300", "--capacities", "0.05"]
+    assert replay.main(args) == 0
+    once = capsys.readouterr().out
+    assert replay.main([*args, "--touches", "2"]) == 0
+    twice = capsys.readouterr().out
+    assert "synthetic workload 'conversations'" in once and "arc" in once
+    assert once.splitlines()[:-1] == twice.splitlines()[:-1]  # all but the timing

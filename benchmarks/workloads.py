@@ -1,0 +1,182 @@
+"""Synthetic serving traces with prefix-block ids, in the format of the shared traces.
+
+    python benchmarks/workloads.py conversations [--requests N] [--seed S] > trace.jsonl
+
+Each generator returns requests as ``(timestamp_ms, input_length, output_length,
+hash_ids)``: one id per 512-token block, prefix-chained (two requests share an id at
+position ``i`` only if they share every block up to ``i``), and ``input_length`` ends in
+a partial block, so every id is a full block.  They exist to check that an eviction
+policy tuned on one trace does not lose on workloads of another shape
+(``benchmarks/replay.py --workload NAME``):
+
+- ``conversations``: multi-turn chats.  Each starts with one of a few shared system
+  prompts (Zipf-popular), half of them attach a document drawn from a Zipf-popular
+  library, then a user message; a conversation continues (its whole history plus one
+  more exchange) with decreasing probability, after an exponential think time.
+- ``scan``: a hot set of short chains (Zipf-popular, a shared root) hit over and over,
+  interleaved with long one-time requests (a batch job scanning documents), so a
+  policy that lets a scan flush the hot set loses.
+- ``documents``: question answering over Zipf-popular documents with no history: an
+  independent-reference workload where frequency, not recency, is the signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import itertools
+import json
+import random
+import sys
+from collections.abc import Callable, Hashable, Sequence
+
+BLOCK_TOKENS = 512
+
+Request = tuple[int, int, int, list[int]]  # timestamp ms, input tokens, output tokens, ids
+
+
+class _Chains:
+    """Interns block contents into prefix-chained ids: ``(parent id, content) -> id``."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, Hashable], int] = {}
+
+    def extend(self, prefix: Sequence[int], contents: Sequence[Hashable]) -> list[int]:
+        ids = list(prefix)
+        parent = ids[-1] if ids else -1
+        for content in contents:
+            parent = self._ids.setdefault((parent, content), len(self._ids))
+            ids.append(parent)
+        return ids
+
+
+class _Zipf:
+    """Ranks 0..n-1 drawn with probability proportional to ``1 / (rank + 1) ** s``."""
+
+    def __init__(self, n: int, s: float, rng: random.Random) -> None:
+        self._cdf = list(itertools.accumulate(1.0 / (k + 1) ** s for k in range(n)))
+        self._rng = rng
+
+    def __call__(self) -> int:
+        return bisect.bisect_left(self._cdf, self._rng.random() * self._cdf[-1])
+
+
+def _request(rng: random.Random, now: float, ids: list[int]) -> Request:
+    partial = rng.randint(1, BLOCK_TOKENS - 1)
+    return (int(now), len(ids) * BLOCK_TOKENS + partial, rng.randint(16, 512), ids)
+
+
+def conversations(requests: int = 4000, seed: int = 1) -> list[Request]:
+    """Multi-turn chats over shared system prompts and Zipf-popular documents."""
+    rng = random.Random(seed)
+    chains = _Chains()
+    prompts = [rng.randint(2, 8) for _ in range(8)]
+    prompt_of = _Zipf(len(prompts), 1.2, rng)
+    documents = [rng.randint(4, 40) for _ in range(3000)]
+    document_of = _Zipf(len(documents), 0.9, rng)
+    pending: list[tuple[float, int, list[int], int]] = []  # (due, seq, history, turn)
+    seq = itertools.count()
+    now = 0.0
+    out: list[Request] = []
+    while len(out) < requests:
+        now += rng.expovariate(1 / 250)  # a new chat every 250 ms on average
+        while pending and pending[0][0] <= now and len(out) < requests:
+            due, _, history, turn = pending.pop(0)
+            ids = chains.extend(history, [("turn", turn, j)
+                                          for j in range(rng.randint(1, 3))])
+            out.append(_request(rng, due, ids))
+            _follow_up(rng, pending, seq, due, ids, turn + 1)
+        if len(out) >= requests:
+            break
+        p = prompt_of()
+        contents: list[Hashable] = [("prompt", p, j) for j in range(prompts[p])]
+        if rng.random() < 0.5:
+            d = document_of()
+            contents += [("doc", d, j) for j in range(documents[d])]
+        chat = next(seq)
+        contents += [("chat", chat, j) for j in range(rng.randint(1, 3))]
+        ids = chains.extend([], contents)
+        out.append(_request(rng, now, ids))
+        _follow_up(rng, pending, seq, now, ids, 1)
+    return out
+
+
+def _follow_up(
+    rng: random.Random,
+    pending: list[tuple[float, int, list[int], int]],
+    seq: itertools.count[int],
+    now: float,
+    history: list[int],
+    turn: int,
+) -> None:
+    """Schedule the conversation's next turn, with a chance that falls as it goes on."""
+    if rng.random() < 0.75 / (1 + 0.15 * turn):
+        due = now + rng.expovariate(1 / 30_000)  # think time: 30 s on average
+        bisect.insort(pending, (due, next(seq), history, turn))
+
+
+def scan(requests: int = 4000, seed: int = 2) -> list[Request]:
+    """A Zipf-popular hot set under shared roots, interleaved with bursts of one-time scans."""
+    rng = random.Random(seed)
+    chains = _Chains()
+    hot = [chains.extend([], [*(("root", h % 8, j) for j in range(2)),
+                              *(("hot", h, j) for j in range(rng.randint(2, 12)))])
+           for h in range(1500)]
+    hot_of = _Zipf(len(hot), 0.8, rng)
+    out: list[Request] = []
+    scans = itertools.count()
+    now = 0.0
+    while len(out) < requests:
+        now += rng.expovariate(1 / 100)
+        if rng.random() < 0.03:
+            # A batch job: a burst of long one-time documents.
+            for _ in range(rng.randint(10, 30)):
+                s = next(scans)
+                ids = chains.extend([], [("scan", s, j) for j in range(rng.randint(10, 40))])
+                out.append(_request(rng, now, ids))
+        else:
+            out.append(_request(rng, now, hot[hot_of()]))
+    return out[:requests]
+
+
+def documents(requests: int = 4000, seed: int = 3) -> list[Request]:
+    """Independent questions about Zipf-popular documents (no conversation history)."""
+    rng = random.Random(seed)
+    chains = _Chains()
+    sizes = [rng.randint(2, 30) for _ in range(5000)]
+    document_of = _Zipf(len(sizes), 0.9, rng)
+    out: list[Request] = []
+    now = 0.0
+    for q in range(requests):
+        now += rng.expovariate(1 / 100)
+        d = document_of()
+        contents: list[Hashable] = [("doc", d, j) for j in range(sizes[d])]
+        contents.append(("question", q))
+        out.append(_request(rng, now, chains.extend([], contents)))
+    return out
+
+
+WORKLOADS: dict[str, Callable[..., list[Request]]] = {
+    "conversations": conversations,
+    "scan": scan,
+    "documents": documents,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("workload", choices=sorted(WORKLOADS))
+    parser.add_argument("--requests", type=int, default=4000)
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    generate = WORKLOADS[args.workload]
+    trace = generate(args.requests) if args.seed is None else generate(args.requests, args.seed)
+    for timestamp, input_length, output_length, ids in trace:
+        record = {"timestamp": timestamp, "input_length": input_length,
+                  "output_length": output_length, "hash_ids": ids}
+        sys.stdout.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
