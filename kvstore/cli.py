@@ -32,6 +32,8 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         over.setdefault("ssd", {})["write_policy"] = args.ssd_write_policy
     if args.remote:
         over.setdefault("remote", {})["url"] = args.remote
+    if args.remote_write_policy:
+        over.setdefault("remote", {})["write_policy"] = args.remote_write_policy
     if args.metrics_port is not None:
         over.setdefault("server", {})["metrics_port"] = args.metrics_port
     if args.debug_invariants:
@@ -237,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--remote", metavar="URL",
                        help="a remote tier shared by many daemons: redis://HOST:PORT/DB, "
                             "redis+cluster://HOST:PORT, fs:///PATH, or a plugin's URL")
+    serve.add_argument("--remote-write-policy", choices=["write-back", "write-through"],
+                       help="copy blocks to the remote store as they commit (write-through, "
+                            "the default) or when DRAM evicts them (write-back)")
     serve.add_argument("--gpu-device", metavar="INDEX",
                        help="CUDA device for the GPU tier's pool (cpu: a host-memory pool; "
                             "default: no GPU tier)")

@@ -127,6 +127,7 @@ class RemoteConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     timeout_s: float = 2.0
     concurrency: int = 4
     unhealthy_seconds: float = 5.0
+    write_policy: str = "write-through"
 
 
 class GpuConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -270,6 +271,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             gpu_slab = parse_size(self.gpu.slab_size, "gpu.slab_size")
             if gpu_bytes < 1 << 20 or gpu_slab < 1 << 16:
                 raise ConfigError("gpu.capacity: at least 1MiB, in slabs of at least 64KiB")
+        if self.remote.write_policy not in ("write-back", "write-through"):
+            raise ConfigError("remote.write_policy: expected 'write-back' or 'write-through'")
         if self.remote.url and self.remote.backend:
             raise ConfigError("remote: give either url or backend, not both")
         if not self.remote.timeout_s > 0:

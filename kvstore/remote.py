@@ -23,6 +23,8 @@ from kvstore.config import Config
 from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
 from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
+from kvstore.scheduler.queues import TransferKind
+from kvstore.transfers import TransferGate
 
 log = logging.getLogger("kvstore.remote")
 
@@ -38,7 +40,7 @@ class RemoteTier:
 
     def __init__(self, config: Config, store: BlockStore,
                  slot: Callable[[Namespace, int], memoryview],
-                 reserve_moving: ReserveMoving) -> None:
+                 reserve_moving: ReserveMoving, gate: TransferGate | None = None) -> None:
         r = config.remote
         if r.url:
             name, options = parse_remote_url(r.url)
@@ -53,11 +55,18 @@ class RemoteTier:
         self.cooldown = r.unhealthy_seconds
         self._unhealthy_until = 0.0
         self._gate = asyncio.Semaphore(r.concurrency)
+        self.transfers = gate or TransferGate(config.server.max_transfers_in_flight)
+        self.write_back = r.write_policy == "write-back"
+        if self.write_back:  # DRAM-only blocks come here before they are evicted
+            store.remote_write_back = lambda: self.healthy
+        self._written_back = asyncio.Event()
+        self.on_written: Callable[[], None] | None = None  # DRAM freed by a write-back
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending: list[Block] = []
         self._scheduled = False
         self.counters = {"writes": 0, "write_bytes": 0, "reads": 0, "read_bytes": 0,
-                         "misses": 0, "errors": 0, "lookups": 0, "hit_blocks": 0}
+                         "misses": 0, "errors": 0, "lookups": 0, "hit_blocks": 0,
+                         "write_backs": 0}
         store.touch_owner(_OWNER, float("inf"))
 
     # -- health ---------------------------------------------------------------------------
@@ -106,8 +115,11 @@ class RemoteTier:
         views = [self.slot(ns, off) for off in r.offsets]
         sums: list[int] = []
         try:
-            async with self._gate:
-                found = await self.backend.get_into(ns.id, missing, views)
+            async with self.transfers.slot(len(views) * ns.block_bytes,
+                                           default_kind=TransferKind.RELOAD,
+                                           default_tenant=ns.tenant):
+                async with self._gate:
+                    found = await self.backend.get_into(ns.id, missing, views)
             if all(found):
                 # the DRAM copy's checksum, which clients check: the codec's covers the
                 # namespace and key as well, so it cannot stand in for it
@@ -130,7 +142,10 @@ class RemoteTier:
 
     # -- writes ----------------------------------------------------------------------------
     def committed(self, blocks: Iterable[Block]) -> None:
-        """New blocks were committed: copy them to the remote store in the background."""
+        """New blocks were committed: under write-through, copy them to the remote store
+        in the background; under write-back they go there when DRAM evicts them."""
+        if self.write_back:
+            return
         self._pending.extend(b for b in blocks if not b.remote)
         if self._pending and not self._scheduled:
             self._scheduled = True
@@ -158,10 +173,14 @@ class RemoteTier:
             return
         views = [self.slot(ns, off) for off in pin.offsets]
         try:
-            async with self._gate:
-                ok = await self.backend.put(ns.id, [b.key for b in blocks], views)
+            async with self.transfers.slot(len(views) * ns.block_bytes,
+                                           default_tenant=ns.tenant):
+                async with self._gate:
+                    ok = await self.backend.put(ns.id, [b.key for b in blocks], views)
             for b, good in zip(blocks, ok):
                 b.remote = b.remote or good
+            if self.write_back:
+                self.counters["write_backs"] += sum(ok)
             self.counters["writes"] += sum(ok)
             self.counters["write_bytes"] += sum(ok) * ns.block_bytes
         except KVStoreError as exc:
@@ -170,6 +189,67 @@ class RemoteTier:
             for view in views:
                 view.release()
             self.store.release(_OWNER, pin.id)
+
+    async def demote(self, blocks: list[Block]) -> None:
+        """Write back blocks DRAM is about to evict (the store marked them demoting), then
+        let the store drop the written ones; those that failed stay in DRAM."""
+        ok = [False] * len(blocks)
+        try:
+            by_ns: dict[Namespace, list[int]] = {}
+            for i, b in enumerate(blocks):
+                by_ns.setdefault(b.ns, []).append(i)
+            for ns, indexes in by_ns.items():
+                group = [blocks[i] for i in indexes]
+                views = [self.slot(ns, b.offset) for b in group if b.offset is not None]
+                if len(views) != len(group) or not self.healthy:
+                    continue
+                try:
+                    async with self.transfers.slot(len(group) * ns.block_bytes,
+                                                   default_tenant=ns.tenant):
+                        async with self._gate:
+                            written = await self.backend.put(ns.id, [b.key for b in group],
+                                                             views)
+                except KVStoreError as exc:
+                    self._failed("write-back", exc)
+                    continue
+                finally:
+                    for view in views:
+                        view.release()
+                for i, good in zip(indexes, written):
+                    ok[i] = good
+                self.counters["writes"] += sum(written)
+                self.counters["write_backs"] += sum(written)
+                self.counters["write_bytes"] += sum(written) * ns.block_bytes
+        finally:
+            self.store.finish_remote_write(blocks, ok)
+            self._written_back.set()
+            if self.on_written is not None:
+                self.on_written()
+
+    async def room_coming(self, timeout: float = 0.5) -> None:
+        """Wait (a little) for write-backs under way to free DRAM."""
+        self._written_back.clear()
+        try:
+            await asyncio.wait_for(self._written_back.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def flush(self) -> int:
+        """Write back every DRAM-only block the remote store lacks (on the way out, so
+        that stopping loses nothing); returns how many were written."""
+        if not self.write_back:
+            return 0
+        before = self.counters["write_backs"]
+        by_ns: dict[Namespace, list[Block]] = {}
+        for ns in list(self.store.namespaces.values()):
+            for b in ns.blocks.values():
+                if b.offset is not None and b.ssd_offset is None and not b.remote \
+                        and not b.demoting:
+                    by_ns.setdefault(ns, []).append(b)
+        for ns, blocks in by_ns.items():
+            for start in range(0, len(blocks), 64):
+                await self._put(ns, blocks[start:start + 64])
+        return self.counters["write_backs"] - before
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

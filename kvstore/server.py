@@ -186,7 +186,10 @@ class Server:
         if self.config.remote.url or self.config.remote.backend:
             try:
                 self.remote = RemoteTier(self.config, self.store, self.slot,
-                                         self.reserve_moving)
+                                         self.reserve_moving, self.transfers)
+                if self.ssd is not None and self.remote.write_back:
+                    self.ssd.remote_writer = self.remote.demote
+                    self.remote.on_written = self.ssd.room_freed
             except BaseException:
                 if self.ssd is not None:
                     self.ssd.close()
@@ -270,6 +273,10 @@ class Server:
         if self.remote is not None:
             try:
                 await asyncio.wait_for(self.remote.drain(), bound)
+                flushed = await asyncio.wait_for(self.remote.flush(), bound)
+                if flushed:
+                    log.info("wrote %d blocks back to the remote store on the way out",
+                             flushed)
             except TimeoutError:
                 log.error("remote writes still under way at exit were dropped")
             await self.remote.close()
@@ -609,6 +616,13 @@ class Server:
         if isinstance(plan, RemoteFetch):
             assert self.remote is not None
             await self.remote.fetch(plan.ns, plan.keys)
+            return
+        if isinstance(plan, DemotionNeeded) and self.ssd is None:
+            assert self.remote is not None, "the store planned a write-back without a tier"
+            if plan.remote:
+                await self.remote.demote(plan.remote)
+            else:
+                await self.remote.room_coming()
             return
         assert self.ssd is not None, "the store planned a move without an ssd tier"
         assert isinstance(plan, (DemotionNeeded, PromotionNeeded)), plan

@@ -113,11 +113,14 @@ class Namespace:
 
 
 class DemotionNeeded(Exception):
-    """Not an error: DRAM slots free up only after these blocks are written to SSD."""
+    """Not an error: DRAM slots free up only after these blocks are written to SSD (and
+    those of ``remote`` to the remote store, in its write-back mode).  With neither, room
+    is on its way from writes already under way: wait a little, then retry."""
 
-    def __init__(self, blocks: list[Block]) -> None:
+    def __init__(self, blocks: list[Block], remote: list[Block] | None = None) -> None:
         super().__init__(f"{len(blocks)} blocks to demote first")
         self.blocks = blocks
+        self.remote = remote or []
 
 
 class PromotionNeeded(Exception):
@@ -196,6 +199,7 @@ class Counters:
     ssd_writes: int = 0
     checksum_failures: int = 0
     dropped_on_eviction: int = 0
+    remote_writebacks: int = 0
 
 
 @dataclass(frozen=True)
@@ -290,6 +294,10 @@ class BlockStore:
         self.ssd_admit_after = ssd_admit_after
         self.gpu = GpuCopies(gpu_capacity, gpu_slab_bytes) if gpu_capacity else None
         self.ssd_writable = True  # off for a while after the SSD tier failed a write
+        # Remote write-back: whether the remote store takes blocks now (None: write-through
+        # or no remote tier).  DRAM-only blocks it lacks are written there before eviction.
+        self.remote_write_back: Callable[[], bool] | None = None
+        self.remote_demoting: set[Block] = set()
         self.allow_evict = True   # the pressure policy's steps: drop cold blocks,
         self.allow_demote = True  # move cold blocks down to SSD
         self._hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
@@ -504,14 +512,16 @@ class BlockStore:
         # Each request demotes its own victims: the room its writes free is taken right
         # when they finish, with no await in between for another request to slip into.
         to_demote: list[Block] = []
+        to_remote: list[Block] = []
         taken = 0
         while taken < need:
             victim = policy.pop_victim(over_share) if over else None
             if victim is None:
                 victim = policy.pop_victim(allowed)
             if victim is None:
-                for b in to_demote:  # nothing was written yet: put them back
+                for b in to_demote + to_remote:  # nothing was written yet: put them back
                     b.demoting = False
+                    self.remote_demoting.discard(b)
                     policy.insert(b)
                 if self._room_coming(cls, only):
                     raise DemotionNeeded([])
@@ -532,19 +542,48 @@ class BlockStore:
             elif self._admitted(victim):
                 victim.demoting = True                # dirty: write it back first
                 to_demote.append(victim)
+            elif self._remote_dirty(victim):
+                victim.demoting = True                # to the remote store first
+                self.remote_demoting.add(victim)
+                to_remote.append(victim)
             else:
                 self._drop_dram_copy(victim)          # a cold leaf the SSD tier declines
                 self.counters.dropped_on_eviction += 1
             self.counters.evictions += 1
-        if to_demote:
-            raise DemotionNeeded(to_demote)
+        if to_demote or to_remote:
+            raise DemotionNeeded(to_demote, to_remote)
 
     def _room_coming(self, cls: SlabClass, tenant: str | None = None) -> bool:
         """Whether SSD writes under way will free or unpin DRAM slots of ``cls`` (of
         ``tenant``'s, if given): a demoted block leaves DRAM, a written-through one
         becomes evictable."""
         return any(b.ns.cls is cls and (tenant is None or b.ns.tenant == tenant)
-                   for t in self.transfers.values() if t.tier == SSD for b in t.blocks)
+                   for t in self.transfers.values() if t.tier == SSD for b in t.blocks) or \
+            any(b.ns.cls is cls and (tenant is None or b.ns.tenant == tenant)
+                for b in self.remote_demoting)
+
+    def _remote_dirty(self, block: Block) -> bool:
+        return (self.remote_write_back is not None and not block.remote
+                and self.remote_write_back())
+
+    def finish_remote_write(self, blocks: list[Block], ok: list[bool]) -> None:
+        """The write-back of demoting blocks to the remote store ended: the written ones
+        leave DRAM (unless pinned meanwhile), the others return to its eviction order."""
+        for b, good in zip(blocks, ok):
+            if b not in self.remote_demoting:
+                continue
+            self.remote_demoting.discard(b)
+            b.demoting = False
+            if good:
+                b.remote = True
+                self.counters.remote_writebacks += 1
+            if good and b.refs == 0 and b.offset is not None:
+                self._drop_dram_copy(b)
+            elif b.offset is not None:
+                policy = b.ns.dram.policy(b.ns.cls)
+                policy.insert(b)
+                if b.refs:
+                    policy.pin(b)
 
     def _admitted(self, block: Block) -> bool:
         return (self.ssd is not None and self.ssd_writable and self.allow_demote
@@ -1058,6 +1097,7 @@ class BlockStore:
             "peak_committed": c.peak_committed,
             "promotions": c.promotions,
             "dropped_on_eviction": c.dropped_on_eviction,
+            "remote_writebacks": c.remote_writebacks,
         }}
         if self.ssd is not None:
             spool = self.ssd.pool

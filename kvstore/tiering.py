@@ -58,6 +58,8 @@ class SsdMover:
         self._writing_back = False
         self._pending_removals: list[tuple[bytes, bytes]] = []
         self._demotions_done = asyncio.Event()
+        # the remote tier's write-back, for victims no SSD copy will keep
+        self.remote_writer: Callable[[list[Block]], Coroutine[Any, Any, None]] | None = None
         self.errors = 0
         self.metrics: Any = None  # the daemon's Metrics, for transfer bytes and latency
 
@@ -93,8 +95,12 @@ class SsdMover:
         """Carry out what a store call asked for, so that the call can be retried."""
         if isinstance(plan, PromotionNeeded):
             await self.promote(plan.blocks)
-        elif plan.blocks:
-            await self.demote(plan.blocks)
+        elif plan.blocks or plan.remote:
+            if plan.remote:
+                assert self.remote_writer is not None, "remote write-back without a remote"
+                await self.remote_writer(plan.remote)
+            if plan.blocks:
+                await self.demote(plan.blocks)
         else:  # room is coming from demotions already under way: wait a little, retry
             self._demotions_done.clear()
             try:
@@ -104,6 +110,10 @@ class SsdMover:
 
     async def demote(self, blocks: list[Block]) -> None:
         await self._write(blocks)
+
+    def room_freed(self) -> None:
+        """DRAM slots were freed elsewhere (a remote write-back): waiters may retry."""
+        self._demotions_done.set()
 
     async def _write(self, blocks: list[Block]) -> None:
         """Write DRAM copies to SSD (demotion or write-through) and report to the store."""

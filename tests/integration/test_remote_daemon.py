@@ -126,3 +126,78 @@ def test_a_corrupt_remote_value_is_a_miss(redis_server: RedisServer,
         assert remote_stats(cb)["corrupt_values"] >= 1
         assert ns.get(keys[:1]) == [content(keys[0])]             # the good prefix still comes
         assert cb.stats()["tiers"]["dram"]["reserved_slots"] == 0
+
+
+def test_write_back_writes_only_what_dram_evicts_and_loses_nothing(
+        redis_server: RedisServer, remote_daemon_factory: Any) -> None:
+    """DRAM holds 16 blocks.  Write-back sends a block to Redis only when DRAM evicts it;
+    every block put comes back (from Redis once evicted), and a clean stop writes back
+    what is left, so another daemon finds all of it."""
+    a = remote_daemon_factory(redis_server.url, dram_capacity=str(16 * IDENT.block_bytes),
+                              extra=["--slab-size", str(16 * IDENT.block_bytes),
+                                     "--remote-write-policy", "write-back"])
+    chains = []
+    with Client(a.endpoint, tenant="acme") as ca:
+        ns = ca.namespace(IDENT)
+        for i in range(10):                                       # 40 blocks
+            keys = ns.keys(range(4_000_000 + 1000 * i, 4_000_000 + 1000 * i + 16 * 4))
+            ns.put(keys, [content(k) for k in keys])
+            chains.append(keys)
+        r = remote_stats(ca)
+        assert 24 <= r["write_backs"] == r["writes"] < 40        # the evicted ones only
+        assert ca.stats()["tiers"]["dram"]["dropped_on_eviction"] == 0
+        first = chains[0]
+        assert ns.lookup(first).tiers == ["remote"] * 4
+        assert ns.get(first) == [content(k) for k in first]      # back from Redis
+        # room for them: four more DRAM-only blocks written back, never the fetched ones
+        assert remote_stats(ca)["write_backs"] == r["write_backs"] + 4
+    a.stop()                                                      # SIGTERM: the rest goes
+    b = remote_daemon_factory(redis_server.url)
+    with Client(b.endpoint, tenant="acme") as cb:
+        ns = cb.namespace(IDENT)
+        for keys in chains:
+            assert ns.get(keys) == [content(k) for k in keys]
+
+
+def test_write_back_with_redis_down_evicts_instead_of_hanging(
+        fresh_redis_server: RedisServer, remote_daemon_factory: Any) -> None:
+    d = remote_daemon_factory(fresh_redis_server.url, dram_capacity=str(16 * IDENT.block_bytes),
+                              extra=["--slab-size", str(16 * IDENT.block_bytes), "--log-level",
+                                     "error", "--remote-write-policy", "write-back"])
+    fresh_redis_server.kill()
+    with Client(d.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        started = time.monotonic()
+        for i in range(10):                                       # 40 blocks into 16 slots
+            keys = ns.keys(range(5_000_000 + 1000 * i, 5_000_000 + 1000 * i + 16 * 4))
+            ns.put(keys, [content(k) for k in keys])
+        assert time.monotonic() - started < 15, "puts waited on a dead remote store"
+        stats = client.stats()
+        assert stats["invariant_violations"] == 0
+        assert stats["tiers"]["dram"]["dropped_on_eviction"] >= 24
+        assert ns.get(keys) == [content(k) for k in keys]
+
+
+def test_write_back_takes_what_the_ssd_tier_declines(
+        redis_server: RedisServer, remote_daemon_factory: Any) -> None:
+    """With an SSD tier that admits only blocks seen twice, DRAM's victims seen once go
+    to the remote store instead of being lost."""
+    d = remote_daemon_factory(redis_server.url, dram_capacity=str(16 * IDENT.block_bytes),
+                              ssd_capacity="64MiB",
+                              extra=["--slab-size", str(16 * IDENT.block_bytes),
+                                     "--remote-write-policy", "write-back"],
+                              env={"KVSTORE_SSD_ADMIT_AFTER": "2",
+                                   "KVSTORE_SSD_SLAB_SIZE": "1MiB"})
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        chains = []
+        for i in range(10):
+            keys = ns.keys(range(6_000_000 + 1000 * i, 6_000_000 + 1000 * i + 16 * 4))
+            ns.put(keys, [content(k) for k in keys])
+            chains.append(keys)
+        stats = client.stats()
+        assert stats["remote"]["write_backs"] >= 24
+        assert stats["tiers"]["dram"]["dropped_on_eviction"] == 0
+        for keys in chains:
+            assert ns.get(keys) == [content(k) for k in keys]
+        assert client.stats()["invariant_violations"] == 0

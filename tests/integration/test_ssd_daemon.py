@@ -88,6 +88,10 @@ def test_write_through_puts_back_to_back_wait_for_copies_instead_of_failing(
         for keys in chains:
             assert ns.lookup(keys).blocks == 24
             assert ns.get(keys) == [content(k) for k in keys]
+        deadline = time.monotonic() + 10
+        while tier_stats(client, "ssd")["committed_slots"] < 8 * 24:  # the last copies
+            assert time.monotonic() < deadline, "write-through did not finish"
+            time.sleep(0.05)
         stats = client.stats()
         assert stats["invariant_violations"] == 0
         assert stats["tiers"]["dram"]["capacity_rejects"] == 0
