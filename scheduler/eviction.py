@@ -143,8 +143,10 @@ class S3FIFOPolicy(EvictionPolicy[T]):
     The store's ``allowed`` test is respected without reordering: an item that fails it
     is skipped and keeps its place.  A pinned item leaves its FIFO (keeping its queue
     and frequency) and rejoins that FIFO's tail when unpinned.  The policy does not know
-    the capacity; it takes the number of items it tracks (pinned ones included) as the
-    cache size, which is exact once the slab class is full, the only time it evicts.
+    the capacity; it takes the most items it has tracked at once (pinned ones included)
+    as the cache size, exact once the slab class has been full.  Not the number tracked
+    now: the store evicts a reservation's victims before it inserts the new blocks,
+    and the ghost history must not shrink in between.
     """
 
     name = "s3fifo"
@@ -171,6 +173,7 @@ class S3FIFOPolicy(EvictionPolicy[T]):
         self._main: OrderedDict[T, None] = OrderedDict()  # oldest first
         self._ghost: OrderedDict[T, None] = OrderedDict()  # oldest first
         self._tick = 0  # logical clock: inserts and evictions so far
+        self._size = 0  # the most items ever tracked at once: the cache size, once full
 
     def insert(self, item: T) -> None:
         if item in self._entries:
@@ -179,6 +182,7 @@ class S3FIFOPolicy(EvictionPolicy[T]):
         in_main = self._ghost.pop(item, _MISSING) is not _MISSING
         self._entries[item] = _S3Entry(in_main)
         (self._main if in_main else self._small)[item] = None
+        self._size = max(self._size, len(self._entries))
 
     def access(self, item: T) -> None:
         entry = self._entries.get(item)
@@ -207,7 +211,7 @@ class S3FIFOPolicy(EvictionPolicy[T]):
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         self._tick += 1
-        small_first = len(self._small) >= self.small_ratio * len(self._entries) or not self._main
+        small_first = len(self._small) >= self.small_ratio * self._size or not self._main
         if small_first:
             victim = self._evict_small(allowed)
             if victim is None:
@@ -267,7 +271,7 @@ class S3FIFOPolicy(EvictionPolicy[T]):
 
     def _remember(self, item: T) -> None:
         self._ghost[item] = None
-        limit = self.ghost_ratio * len(self._entries)
+        limit = self.ghost_ratio * self._size
         while len(self._ghost) > limit:
             self._ghost.popitem(last=False)
 
@@ -295,7 +299,7 @@ class ARCPolicy(EvictionPolicy[T]):
     ``T1`` while it is above its target, else from ``T2``; the first item that passes
     ``allowed`` is taken, the others keep their places.  A pinned item leaves its list
     and rejoins its MRU end on unpin (in ``T2`` if it was hit meanwhile).  As with
-    S3-FIFO, the cache size ``c`` is the number of items tracked, pinned ones included.
+    S3-FIFO, the cache size ``c`` is the most items tracked at once, pinned ones included.
     """
 
     name = "arc"
@@ -308,11 +312,12 @@ class ARCPolicy(EvictionPolicy[T]):
         self._in_t2: dict[T, bool] = {}  # every tracked item: which list it belongs to
         self._pinned: set[T] = set()
         self._target_t1 = 0.0
+        self._size = 0  # the most items ever tracked at once: the cache size, once full
 
     def insert(self, item: T) -> None:
         if item in self._in_t2:
             return
-        size = max(1, len(self._in_t2))
+        size = max(1, self._size)
         if item in self._b1:
             grow = max(1.0, len(self._b2) / max(1, len(self._b1)))
             self._target_t1 = min(float(size), self._target_t1 + grow)
@@ -328,6 +333,7 @@ class ARCPolicy(EvictionPolicy[T]):
         else:
             self._t1[item] = None
             self._in_t2[item] = False
+        self._size = max(self._size, len(self._in_t2))
 
     def access(self, item: T) -> None:
         in_t2 = self._in_t2.get(item)
@@ -372,7 +378,7 @@ class ARCPolicy(EvictionPolicy[T]):
         return None
 
     def _trim_ghosts(self) -> None:
-        size = len(self._in_t2)
+        size = self._size
         while self._b1 and len(self._t1) + len(self._b1) > size:
             self._b1.popitem(last=False)
         while self._b2 and len(self._b1) + len(self._b2) > size:

@@ -301,10 +301,11 @@ class _ListARC:
         self.in_t2: dict[int, bool] = {}
         self.pinned: set[int] = set()
         self.p = 0.0
+        self.c = 0  # the cache size: the most items tracked at once
 
     def apply(self, verb: str, item: int, mask: int) -> int | None:
         if verb == "insert" and item not in self.in_t2:
-            size = max(1, len(self.in_t2))
+            size = max(1, self.c)
             if item in self.b1:
                 self.p = min(float(size), self.p + max(1.0, len(self.b2) / max(1, len(self.b1))))
                 self.b1.remove(item)
@@ -318,6 +319,7 @@ class _ListARC:
             else:
                 self.t1.append(item)
                 self.in_t2[item] = False
+            self.c = max(self.c, len(self.in_t2))
         elif verb == "access" and item in self.in_t2:
             if item not in self.pinned:
                 (self.t2 if self.in_t2[item] else self.t1).remove(item)
@@ -344,7 +346,7 @@ class _ListARC:
                         queue.remove(candidate)
                         del self.in_t2[candidate]
                         ghost.append(candidate)
-                        size = len(self.in_t2)
+                        size = self.c
                         while self.b1 and len(self.t1) + len(self.b1) > size:
                             self.b1.pop(0)
                         while self.b2 and len(self.b1) + len(self.b2) > size:
@@ -377,3 +379,21 @@ def test_arc_matches_a_list_model(history: list[tuple[str, int, int]]) -> None:
 def test_default_policy_is_arc() -> None:
     assert DEFAULT_POLICY == "arc"
     assert isinstance(make_policy(DEFAULT_POLICY), ARCPolicy)
+
+
+def test_a_batch_of_evictions_keeps_the_ghosts_of_a_full_cache() -> None:
+    """The store evicts a reservation's victims before it inserts the new blocks, so the
+    policy briefly tracks fewer items than the cache holds; ARC's ghost lists must still
+    be sized by the full cache, or a victim that comes straight back is not recognised
+    (and the next scan flushes it)."""
+    policy = make_policy("arc")
+    for i in range(10):
+        policy.insert(i)
+    victims = [policy.pop_victim(lambda _: True) for _ in range(5)]
+    assert victims == [0, 1, 2, 3, 4]
+    for v in victims:
+        policy.insert(v)                      # back at once: a ghost hit for each
+    for i in range(100, 110):
+        policy.insert(i)                      # a scan of ten new items
+    taken = [policy.pop_victim(lambda _: True) for _ in range(10)]
+    assert set(taken).isdisjoint(victims), taken
