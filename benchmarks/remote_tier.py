@@ -3,19 +3,22 @@
 Starts its own redis-server and two daemons, A and B, both with ``--remote`` on that server
 and no SSD tier, then for 256 KiB and 2 MiB blocks measures, samples interleaved:
 - put through the daemon: a client puts ``--mib`` MiB into daemon A, in requests of
-  ``--batch-mib`` MiB; the clock runs from the first put until A's
+  ``--batch-mib`` MiB (arena plane: reserve, write the slots, commit; frames: put); the clock runs from the first put until A's
   ``stats()["remote"]["writes"]`` counts every block (the write-through has finished);
-- get through the daemon: a client of daemon B gets the same keys, which B does not hold,
-  so B fetches them from Redis into its DRAM and returns them;
+- get through the daemon: a client of daemon B asks for the same keys, which B does not
+  hold, so B fetches them from Redis into its DRAM; the client then takes the bytes,
+  through the shared arena (``--plane arena``, the default: acquire, copy into
+  preallocated pages as an engine's reload does) or as message frames (``get``);
 against redis-py (hiredis parser) on the same server: pipelined SET, then pipelined GET, of
 the same values in batches of the same size.  Fresh keys every repeat; Redis is flushed and
 the daemons' namespaces dropped between repeats, outside the clock.  The daemon's values
-carry a 24-byte header with an xxh3 checksum (plugins/codec.py); that cost is part of
+carry a 32-byte header with an xxh3 checksum (plugins/codec.py); that cost is part of
 what is measured.  Throughput counts block payload bytes on both sides.  On Linux it also
 reports the CPU time that each side's processes (client, daemon, redis-server) spent per GB,
 which is steadier than wall time on a busy machine and says where a gap comes from.
 
     python benchmarks/remote_tier.py [--mib N] [--repeats N] [--batch-mib N]
+        [--plane arena|frames]
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ def bench_size(label: str, heads: int, args: argparse.Namespace, ca: Client, cb:
     total = n * size
     rng = np.random.default_rng(7)
     values = [rng.bytes(size) for _ in range(per_batch)]  # the same values on both sides
+    pages = [memoryview(bytearray(size)) for _ in range(per_batch)]  # an engine's cache
     chains: Iterator[int] = iter(range(10**9))
 
     def fresh_daemon_keys() -> list[list[bytes]]:
@@ -140,7 +144,13 @@ def bench_size(label: str, heads: int, args: argparse.Namespace, ca: Client, cb:
         target = remote_stats(ca)["writes"] + n
         start = time.perf_counter()
         for batch in keys:
-            ns_a.put(batch, values)
+            if args.plane == "frames":
+                ns_a.put(batch, values)
+                continue
+            r = ns_a.reserve(batch)
+            for buffer, value in zip(r.buffers, values):
+                buffer[:] = value
+            r.commit()
         while (stats := remote_stats(ca))["writes"] < target:
             if stats["errors"]:
                 raise RuntimeError(f"remote writes failed: {stats}")
@@ -148,9 +158,19 @@ def bench_size(label: str, heads: int, args: argparse.Namespace, ca: Client, cb:
         return time.perf_counter() - start
 
     def daemon_get(keys: list[list[bytes]]) -> float:
-        start = time.perf_counter()
-        got = [ns_b.get(batch) for batch in keys]
-        elapsed = time.perf_counter() - start
+        if args.plane == "frames":
+            start = time.perf_counter()
+            got = [ns_b.get(batch) for batch in keys]
+            elapsed = time.perf_counter() - start
+        else:  # acquire, and copy the bytes into the engine's (preallocated) pages
+            got, elapsed = [], 0.0
+            for batch in keys:
+                start = time.perf_counter()
+                with ns_b.acquire(batch) as held:
+                    for page, block in zip(pages, held.buffers):
+                        page[:] = block
+                elapsed += time.perf_counter() - start
+                got.append([bytes(page) for page in pages])  # checked, off the clock
         assert all(g == values for g in got), "daemon B returned wrong bytes"
         return elapsed
 
@@ -222,6 +242,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--batch-mib", type=int, default=16,
                         help="MiB per put/get request and per redis-py pipeline")
+    parser.add_argument("--plane", choices=("arena", "frames"), default="arena",
+                        help="how the client moves bytes: through the shared arena "
+                             "(reserve/commit, acquire: what an engine's offload and "
+                             "reload do) or as message frames (put/get)")
     args = parser.parse_args()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -261,7 +285,7 @@ def main() -> None:
     parser_name = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "python"
     print(f"kvstore remote tier (daemon -> redis) vs redis-py {redis.__version__} "
           f"({parser_name} parser), same redis-server: medians of {args.repeats} runs, "
-          f"{args.mib} MiB per sample, {os.cpu_count()} CPUs, "
+          f"{args.mib} MiB per sample, {args.plane} plane, {os.cpu_count()} CPUs, "
           f"{time.monotonic() - started:.0f} s")
     print(f"{'':20} {'--- throughput GB/s ---':>27}   {'--- CPU s per GB ---':>27}")
     print(f"{'measure':20} {'kvstore':>9} {'redis-py':>9} {'ratio':>7}   "
@@ -272,10 +296,10 @@ def main() -> None:
     print("CPU s per GB by process (daemon a: put, b: get):")
     for (name, *_), (ours_by, peer_by) in zip(rows, splits):
         print(f"  {name:18} kvstore {_by_process(ours_by)}   redis-py {_by_process(peer_by)}")
-    print("put: client puts into daemon A until A's remote writes count every block; "
-          "redis-py: pipelined SET")
-    print("get: daemon B fetches from redis into DRAM and returns the bytes; "
-          "redis-py: pipelined GET")
+    print("put: client puts into daemon A (arena: reserve, write, commit; frames: put) "
+          "until A's remote writes count every block; redis-py: pipelined SET")
+    print("get: daemon B fetches from redis into DRAM; the client takes the bytes (arena: "
+          "acquire, copy into preallocated pages; frames: get); redis-py: pipelined GET")
     print("CPU: client + redis-server (+ the daemon at work), all threads; "
           "ratio = redis-py CPU / kvstore CPU")
     print("throughput ratio = kvstore GB/s / redis-py GB/s (target >= 0.80)")

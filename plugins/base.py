@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Self, TypeVar, cast
 
 import msgspec
+import xxhash
 
 from kvstore.errors import (
     BackendError,
@@ -96,6 +97,17 @@ class StorageBackend(ABC):
         every buffer when the call raises, are undefined; but once the call has returned
         or raised, the backend must not write into any of them again.
         """
+
+    async def get_into_checksums(
+        self, namespace: bytes, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        """As :meth:`get_into`, with each found payload's xxh3_64 instead of True (None for
+        a miss).  The daemon keeps that checksum for the block; a backend that verified
+        the payload against it anyway (the built-in codec's checksum is exactly this)
+        returns it, so the payload is hashed once.  By default: ``get_into``, then hash."""
+        found = await self.get_into(namespace, keys, buffers)
+        return [xxhash.xxh3_64_intdigest(buffer) if hit else None
+                for hit, buffer in zip(found, buffers)]
 
     @abstractmethod
     async def put(
@@ -175,6 +187,24 @@ class GuardedBackend(StorageBackend):
             return []
         found = await self._bounded("get_into", self.inner.get_into(namespace, keys, views))
         return self._check_flags("get_into", found, len(keys))
+
+    async def get_into_checksums(
+        self, namespace: bytes, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        self._check_open()
+        self._check_keys(namespace, keys)
+        if len(buffers) != len(keys):
+            raise MalformedError(f"get_into got {len(keys)} keys but {len(buffers)} buffers")
+        views = [_byte_view(buffer, writable=True) for buffer in buffers]
+        if not keys:
+            return []
+        sums = await self._bounded(
+            "get_into", self.inner.get_into_checksums(namespace, keys, views))
+        if not isinstance(sums, list) or len(sums) != len(keys) or not all(
+                s is None or (type(s) is int and 0 <= s < 1 << 64) for s in sums):
+            raise self._bad_result("get_into_checksums",
+                                   f"{type(sums).__name__} instead of {len(keys)} checksums")
+        return sums
 
     async def put(
         self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike]

@@ -1,40 +1,55 @@
 """The stored form of a block value, shared by every backend: a small header, then the payload.
 
-Header, little-endian, 24 bytes::
+Header, little-endian, 32 bytes::
 
-    magic b"KVSB" | format version u8 | flags u8 | reserved u16 | payload length u64 | checksum u64
+    magic b"KVSB" | format version u8 | flags u8 | reserved u16 | payload length u64
+    | name tag u64 | payload checksum u64
 
-The checksum is xxh3_64 over the namespace id, the block key and the payload, so a value
-that is torn, truncated, bit-flipped, from another format, or stored under another name
-reads as a miss instead of wrong KV data.
+The name tag is xxh3_64 over the namespace id and the block key; the checksum is xxh3_64
+of the payload alone.  A value that is torn, truncated, bit-flipped, from another format,
+or stored under another name reads as a miss instead of wrong KV data.  The checksum is
+the one the daemon keeps for a block in DRAM (and clients verify), so a value read from a
+backend is hashed once, not twice (format 1 mixed the name into the payload's hash).
 """
 
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 import xxhash
 
 from .base import BytesLike
 
 MAGIC = b"KVSB"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<4sBBHQQ")
+FORMAT_VERSION = 2
+HEADER = struct.Struct("<4sBBHQQQ")
 HEADER_BYTES = HEADER.size
 
 
-def checksum(namespace: bytes, key: bytes, payload: BytesLike) -> int:
-    """xxh3_64 of namespace id, block key and payload."""
-    digest = xxhash.xxh3_64(namespace)
-    digest.update(key)
-    digest.update(payload)
-    return digest.intdigest()
+class Header(NamedTuple):
+    length: int
+    name_tag: int
+    checksum: int
 
 
-def encode_header(namespace: bytes, key: bytes, payload: BytesLike) -> bytes:
-    """The header that goes in front of ``payload`` when stored under ``(namespace, key)``."""
+def name_tag(namespace: bytes, key: bytes) -> int:
+    """xxh3_64 of namespace id and block key: binds a value to the name it is stored under."""
+    return xxhash.xxh3_64_intdigest(namespace + key)
+
+
+def checksum(payload: BytesLike) -> int:
+    """xxh3_64 of the payload (as the daemon computes it for a block in DRAM)."""
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def encode_header(namespace: bytes, key: bytes, payload: BytesLike,
+                  payload_checksum: int | None = None) -> bytes:
+    """The header that goes in front of ``payload`` when stored under ``(namespace, key)``;
+    ``payload_checksum``, when the caller knows it, spares hashing the payload again."""
     length = memoryview(payload).nbytes
-    return HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, length, checksum(namespace, key, payload))
+    digest = checksum(payload) if payload_checksum is None else payload_checksum
+    return HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, length, name_tag(namespace, key), digest)
 
 
 def encode_value(namespace: bytes, key: bytes, payload: BytesLike) -> bytes:
@@ -42,35 +57,50 @@ def encode_value(namespace: bytes, key: bytes, payload: BytesLike) -> bytes:
     return b"".join((encode_header(namespace, key, payload), payload))
 
 
-def read_header(data: BytesLike) -> tuple[int, int] | None:
-    """``(payload length, checksum)`` from the start of ``data``, or None if it is no header."""
+def read_header(data: BytesLike) -> Header | None:
+    """The header at the start of ``data``, or None if it is no header of this format."""
     if memoryview(data).nbytes < HEADER_BYTES:
         return None
-    magic, version, flags, reserved, length, digest = HEADER.unpack_from(data)
+    magic, version, flags, reserved, length, tag, digest = HEADER.unpack_from(data)
     # Unknown flags could change what the payload means: refuse them, like a new version.
     if magic != MAGIC or version != FORMAT_VERSION or flags or reserved:
         return None
-    return length, digest
+    return Header(length, tag, digest)
+
+
+def verified_checksum(
+    namespace: bytes, key: bytes, header: Header, payload: BytesLike
+) -> int | None:
+    """The payload's checksum if it has the length, name and checksum ``header`` promises;
+    None if not."""
+    if memoryview(payload).nbytes != header.length or name_tag(namespace, key) != header.name_tag:
+        return None
+    digest = checksum(payload)
+    return digest if digest == header.checksum else None
 
 
 def payload_matches(
-    namespace: bytes, key: bytes, header: tuple[int, int], payload: BytesLike
+    namespace: bytes, key: bytes, header: Header, payload: BytesLike
 ) -> bool:
-    """Whether ``payload`` has the length and checksum that ``header`` promises."""
-    length, digest = header
-    return (
-        memoryview(payload).nbytes == length and checksum(namespace, key, payload) == digest
-    )
+    """Whether ``payload`` has the length, name and checksum that ``header`` promises."""
+    return verified_checksum(namespace, key, header, payload) is not None
+
+
+def decode_checked(namespace: bytes, key: bytes, stored: BytesLike, out: memoryview) -> int | None:
+    """Check a stored value and copy its payload into ``out``; the payload's checksum, or
+    None (``out`` untouched) if the header, the length (which must be ``out.nbytes``), the
+    name or the checksum is wrong."""
+    header = read_header(stored)
+    if header is None or header.length != out.nbytes:
+        return None
+    payload = memoryview(stored)[HEADER_BYTES:]
+    digest = verified_checksum(namespace, key, header, payload)
+    if digest is None:
+        return None
+    out[:] = payload
+    return digest
 
 
 def decode_into(namespace: bytes, key: bytes, stored: BytesLike, out: memoryview) -> bool:
-    """Check a stored value and copy its payload into ``out``; False (``out`` untouched) if
-    the header, the length (which must be ``out.nbytes``) or the checksum is wrong."""
-    header = read_header(stored)
-    if header is None or header[0] != out.nbytes:
-        return False
-    payload = memoryview(stored)[HEADER_BYTES:]
-    if not payload_matches(namespace, key, header, payload):
-        return False
-    out[:] = payload
-    return True
+    """As :func:`decode_checked`, whether it succeeded."""
+    return decode_checked(namespace, key, stored, out) is not None

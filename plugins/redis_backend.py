@@ -146,7 +146,14 @@ class RedisBackend(StorageBackend):
     async def get_into(
         self, namespace: bytes, keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> list[bool]:
+        return [digest is not None
+                for digest in await self.get_into_checksums(namespace, keys, buffers)]
+
+    async def get_into_checksums(
+        self, namespace: bytes, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
         statuses = [_MISS] * len(keys)
+        sums: list[int | None] = [None] * len(keys)
 
         async def fetch(conn: RespConnection, indices: list[int]) -> None:
             await conn.write([
@@ -165,17 +172,19 @@ class RedisBackend(StorageBackend):
                     conn, index, buffers[index], statuses, ahead=prefixes[at], then=then))
             for index, head in zip(indices, heads):
                 if head is not None:
-                    statuses[index] = self._check(namespace, keys[index], head, buffers[index])
+                    sums[index] = self._check(namespace, keys[index], head, buffers[index])
+                    statuses[index] = _HIT if sums[index] is not None else _CORRUPT
 
         try:
             await self._on_connections(namespace, keys, fetch)
             redirected = [i for i, status in enumerate(statuses) if status == _REDIRECTED]
             for index in redirected:  # rare: a cluster moving slots; redis-py follows it
-                statuses[index] = await self._get_slowly(namespace, keys[index], buffers[index])
+                statuses[index], sums[index] = await self._get_slowly(
+                    namespace, keys[index], buffers[index])
         except _LIBRARY_ERRORS as exc:
             raise self._error("get_into", exc) from exc
         self.counters.corrupt_values += statuses.count(_CORRUPT)
-        return [status == _HIT for status in statuses]
+        return sums
 
     async def _read_value(
         self, conn: RespConnection, index: int, out: memoryview, statuses: list[int], *,
@@ -203,11 +212,12 @@ class RedisBackend(StorageBackend):
         return head
 
     @staticmethod
-    def _check(namespace: bytes, key: bytes, head: bytearray, out: memoryview) -> int:
+    def _check(namespace: bytes, key: bytes, head: bytearray, out: memoryview) -> int | None:
+        """The payload's checksum if the value is good, else None."""
         header = codec.read_header(head)
-        if header is None or not codec.payload_matches(namespace, key, header, out):
-            return _CORRUPT
-        return _HIT
+        if header is None:
+            return None
+        return codec.verified_checksum(namespace, key, header, out)
 
     def _reply_status(self, reply: ReplyError, command: str) -> int:
         if reply.kind in _REDIRECTIONS:
@@ -218,18 +228,20 @@ class RedisBackend(StorageBackend):
             return _MISS  # maxmemory reached with a no-eviction policy: this key only
         raise BackendError(f"{command} failed: {reply.message}")
 
-    async def _get_slowly(self, namespace: bytes, key: bytes, out: memoryview) -> int:
+    async def _get_slowly(self, namespace: bytes, key: bytes,
+                          out: memoryview) -> tuple[int, int | None]:
         try:
             stored = await self._client.get(self.redis_key(namespace, key))
         except redis.exceptions.ResponseError as exc:
             if not str(exc).startswith("WRONGTYPE"):
                 raise
-            return _CORRUPT
+            return _CORRUPT, None
         if stored is None:
-            return _MISS
+            return _MISS, None
         if not isinstance(stored, bytes):  # only with decode_responses, which we never set
-            return _CORRUPT
-        return _HIT if codec.decode_into(namespace, key, stored, out) else _CORRUPT
+            return _CORRUPT, None
+        digest = codec.decode_checked(namespace, key, stored, out)
+        return (_HIT if digest is not None else _CORRUPT), digest
 
     async def put(
         self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike]

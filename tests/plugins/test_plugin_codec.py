@@ -7,6 +7,8 @@ import struct
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import xxhash
+
 from kvstore.plugins import codec
 
 NS = bytes(range(16))
@@ -15,12 +17,28 @@ KEY = bytes(range(16, 32))
 
 def test_header_layout() -> None:
     stored = codec.encode_value(NS, KEY, b"payload")
-    magic, version, flags, reserved, length, digest = struct.unpack_from("<4sBBHQQ", stored)
-    assert (magic, version, flags, reserved, length) == (b"KVSB", 1, 0, 0, 7)
-    assert digest == codec.checksum(NS, KEY, b"payload")
-    assert codec.HEADER_BYTES == 24
-    assert stored[24:] == b"payload"
-    assert codec.read_header(stored) == (7, digest)
+    magic, version, flags, reserved, length, tag, digest = struct.unpack_from(
+        "<4sBBHQQQ", stored)
+    assert (magic, version, flags, reserved, length) == (b"KVSB", 2, 0, 0, 7)
+    assert tag == xxhash.xxh3_64_intdigest(NS + KEY) == codec.name_tag(NS, KEY)
+    assert digest == xxhash.xxh3_64_intdigest(b"payload") == codec.checksum(b"payload")
+    assert codec.HEADER_BYTES == 32
+    assert stored[32:] == b"payload"
+    assert codec.read_header(stored) == (7, tag, digest)
+
+
+def test_a_good_value_yields_the_checksum_the_daemon_keeps() -> None:
+    out = bytearray(7)
+    stored = codec.encode_value(NS, KEY, b"payload")
+    assert codec.decode_checked(NS, KEY, stored, memoryview(out)) == \
+        xxhash.xxh3_64_intdigest(b"payload")
+    assert codec.decode_checked(NS, bytes(16), stored, memoryview(bytearray(7))) is None
+
+
+def test_a_version_1_value_is_refused() -> None:
+    old = struct.pack("<4sBBHQQ", b"KVSB", 1, 0, 0, 7, 0) + b"payload"
+    assert codec.read_header(old) is None
+    assert not codec.decode_into(NS, KEY, old, memoryview(bytearray(7)))
 
 
 def test_round_trip_into_a_buffer() -> None:
@@ -48,7 +66,7 @@ def test_unknown_versions_and_flags_are_refused() -> None:
         changed = bytearray(stored)
         changed[offset] += 1
         assert codec.read_header(changed) is None
-    assert codec.read_header(stored[:23]) is None
+    assert codec.read_header(stored[:31]) is None
 
 
 @settings(max_examples=300, deadline=None)

@@ -120,6 +120,26 @@ def test_results_are_per_key_with_missing_keys(backend_case: BackendCase) -> Non
     backend_case.run(scenario)
 
 
+def test_checksums_of_what_was_read(backend_case: BackendCase) -> None:
+    """get_into_checksums: each found payload's xxh3_64 (what the daemon keeps for the
+    block), None for a miss or a damaged value."""
+    import xxhash
+
+    namespace, keys = os.urandom(16), new_keys(4)
+    values = {0: os.urandom(4096), 1: os.urandom(4096), 3: os.urandom(4096)}
+
+    async def scenario(backend: GuardedBackend) -> None:
+        await backend.put(namespace, [keys[i] for i in values], list(values.values()))
+        buffers = buffers_for([4096] * 4)
+        sums = await backend.get_into_checksums(namespace, keys, buffers)
+        assert sums == [xxhash.xxh3_64_intdigest(values[0]),
+                        xxhash.xxh3_64_intdigest(values[1]), None,
+                        xxhash.xxh3_64_intdigest(values[3])]
+        assert [bytes(buffers[i]) for i in values] == list(values.values())
+
+    backend_case.run(scenario)
+
+
 def test_put_replaces_a_value(backend_case: BackendCase) -> None:
     namespace, keys = os.urandom(16), new_keys(1)
 
