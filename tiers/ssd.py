@@ -292,11 +292,9 @@ class SSDStore:
     ) -> _WriteResult:
         data, index = self._parts()
         started = time.perf_counter()
-        committed = [
-            msgspec.structs.replace(record, checksum=xxhash.xxh3_64_intdigest(span.view))
-            for record, span in zip(records, spans)
-        ]
-        data.write(spans, sync=self.sync_policy != "none")
+        digests = data.write(spans, sync=self.sync_policy != "none")
+        committed = [msgspec.structs.replace(record, checksum=digest)
+                     for record, digest in zip(records, digests)]
         io_done = time.perf_counter()
         index.commit(committed, touches)
         return _WriteResult(committed, io_done - started, time.perf_counter() - io_done)
@@ -355,12 +353,12 @@ class SSDStore:
 
     def _read_batch(self, records: Sequence[BlockRecord], spans: Sequence[Span]) -> _ReadResult:
         data, index = self._parts()
-        got = data.read(spans)
+        got = data.read_hashed(spans)
         ok: list[bool] = []
         bad: list[BlockRecord] = []
         errors = 0
-        for record, span, n in zip(records, spans, got):
-            good = n == record.length and xxhash.xxh3_64_intdigest(span.view) == record.checksum
+        for record, (n, digest) in zip(records, got):
+            good = n == record.length and digest == record.checksum
             ok.append(good)
             if not good:
                 bad.append(record)
@@ -368,7 +366,7 @@ class SSDStore:
         if bad:
             index.delete_if_current(bad)
         return _ReadResult(
-            ok, sum(n for n in got if n > 0), len(bad) - errors, errors
+            ok, sum(n for n, _ in got if n > 0), len(bad) - errors, errors
         )
 
     # index upkeep

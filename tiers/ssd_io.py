@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NamedTuple, TypeVar
 
 import numpy as np
+import xxhash
 
 from kvstore.errors import BackendError, CapacityError
 
@@ -123,16 +124,26 @@ class DataFile:
 
     # writes
 
-    def write(self, spans: Sequence[Span], *, sync: bool) -> None:
-        """Write every span at its offset, then fdatasync when ``sync``.  All or nothing is
-        not promised: on error some spans may be on disk (the index never points at them)."""
+    def write(self, spans: Sequence[Span], *, sync: bool) -> list[int]:
+        """Write every span at its offset, then fdatasync when ``sync``; returns each span's
+        xxh3_64, hashed by the thread that wrote it (in parallel with the other runs).  All
+        or nothing is not promised: on error some spans may be on disk (the index never
+        points at them)."""
+        digests: dict[int, int] = {}
+
+        def write_run(run: tuple[list[Span], bool]) -> None:
+            self._write_run(*run)
+            for span in run[0]:
+                digests[id(span)] = xxhash.xxh3_64_intdigest(span.view)
+
         try:
             self._reserve(spans)
-            self._each(self._runs(spans), lambda run: self._write_run(*run))
+            self._each(self._runs(spans), write_run)
             if sync:
                 os.fdatasync(self._fd)
         except OSError as exc:
             raise disk_error(self.path, "writing blocks", exc) from exc
+        return [digests[id(span)] for span in spans]
 
     def _reserve(self, spans: Sequence[Span]) -> None:
         slab_bytes = self.layout.slab_bytes
@@ -231,17 +242,24 @@ class DataFile:
     def read(self, spans: Sequence[Span]) -> list[int]:
         """Read each span's bytes from its offset into its view.  Returns, per span, how
         many bytes arrived (fewer than asked past the end of the file, -1 on an I/O error)."""
-        got = {id(span): 0 for span in spans}
-        for run, n in zip(*self._read_runs(spans)):
-            for span in run:
-                take = min(n, len(span.view)) if n >= 0 else -1
-                got[id(span)] = take
-                n -= take if n >= 0 else 0
-        return [got[id(span)] for span in spans]
+        return [n for n, _ in self.read_hashed(spans, hash_them=False)]
 
-    def _read_runs(self, spans: Sequence[Span]) -> tuple[list[list[Span]], list[int]]:
-        runs = self._runs_for_read(spans)
-        return [run for run, _ in runs], self._each(runs, self._read_run)
+    def read_hashed(self, spans: Sequence[Span], *,
+                    hash_them: bool = True) -> list[tuple[int, int | None]]:
+        """As :meth:`read`, with each whole span's xxh3_64 (None if it came short), hashed
+        by the thread that read it, in parallel with the other runs."""
+        got: dict[int, tuple[int, int | None]] = {}
+
+        def read_run(run: tuple[list[Span], bool]) -> None:
+            n = self._read_run(run)
+            for span in run[0]:
+                take = min(n, len(span.view)) if n >= 0 else -1
+                whole = hash_them and take == len(span.view)
+                got[id(span)] = (take, xxhash.xxh3_64_intdigest(span.view) if whole else None)
+                n -= take if n >= 0 else 0
+
+        self._each(self._runs_for_read(spans), read_run)
+        return [got[id(span)] for span in spans]
 
     def _read_run(self, run: tuple[list[Span], bool]) -> int:
         spans, direct = run
