@@ -17,12 +17,11 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
-
 from kvstore.config import Config
 from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
-from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
 from kvstore.scheduler.queues import TransferKind
+from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
 from kvstore.transfers import TransferGate
 
 log = logging.getLogger("kvstore.remote")

@@ -25,9 +25,8 @@ import msgspec
 import zmq
 
 from kvstore import protocol as p
+from kvstore.auth import Auth
 from kvstore.config import SECTIONS, Config, parse_size
-from kvstore.metrics import Metrics, stats_on_loop
-from kvstore.sdnotify import Notifier
 from kvstore.errors import (
     CapacityError,
     ForbiddenError,
@@ -41,6 +40,11 @@ from kvstore.errors import (
     UnknownNamespaceError,
     VersionMismatchError,
 )
+from kvstore.gpu_mover import GpuMover
+from kvstore.metrics import Metrics, stats_on_loop
+from kvstore.remote import RemoteTier
+from kvstore.scheduler.queues import TransferKind
+from kvstore.sdnotify import Notifier
 from kvstore.store import (
     Block,
     BlockStore,
@@ -51,11 +55,7 @@ from kvstore.store import (
     PromotionNeeded,
     Reservation,
 )
-from kvstore.auth import Auth
-from kvstore.gpu_mover import GpuMover
-from kvstore.remote import RemoteTier
 from kvstore.tiering import SsdMover
-from kvstore.scheduler.queues import TransferKind
 from kvstore.tiers.dram import Arenas, DramArena, sweep_stale_arenas
 from kvstore.transfers import TransferGate, serving
 

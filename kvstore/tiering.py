@@ -19,6 +19,7 @@ import msgspec
 from kvstore.config import Config
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.identity import Identity
+from kvstore.scheduler.queues import TransferKind
 from kvstore.store import (
     Block,
     BlockStore,
@@ -27,7 +28,6 @@ from kvstore.store import (
     PromotionNeeded,
     Transfer,
 )
-from kvstore.scheduler.queues import TransferKind
 from kvstore.tiers.ssd import BlockRecord, SSDStore
 from kvstore.transfers import TransferGate
 

@@ -175,14 +175,18 @@ class GuardedBackend(StorageBackend):
             raise self._bad_result("exists", f"{count!r} for {len(keys)} keys")
         return count
 
-    async def get_into(
-        self, namespace: bytes, keys: Sequence[bytes], buffers: Sequence[memoryview]
-    ) -> list[bool]:
+    def _get_views(self, namespace: bytes, keys: Sequence[bytes],
+                   buffers: Sequence[memoryview]) -> list[memoryview]:
         self._check_open()
         self._check_keys(namespace, keys)
         if len(buffers) != len(keys):
             raise MalformedError(f"get_into got {len(keys)} keys but {len(buffers)} buffers")
-        views = [_byte_view(buffer, writable=True) for buffer in buffers]
+        return [_byte_view(buffer, writable=True) for buffer in buffers]
+
+    async def get_into(
+        self, namespace: bytes, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[bool]:
+        views = self._get_views(namespace, keys, buffers)
         if not keys:
             return []
         found = await self._bounded("get_into", self.inner.get_into(namespace, keys, views))
@@ -191,11 +195,7 @@ class GuardedBackend(StorageBackend):
     async def get_into_checksums(
         self, namespace: bytes, keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> list[int | None]:
-        self._check_open()
-        self._check_keys(namespace, keys)
-        if len(buffers) != len(keys):
-            raise MalformedError(f"get_into got {len(keys)} keys but {len(buffers)} buffers")
-        views = [_byte_view(buffer, writable=True) for buffer in buffers]
+        views = self._get_views(namespace, keys, buffers)
         if not keys:
             return []
         sums = await self._bounded(

@@ -19,7 +19,6 @@ its pin.  Nothing here synchronises a whole device.
 from __future__ import annotations
 
 import functools
-import importlib
 import itertools
 import mmap
 import os
@@ -27,7 +26,6 @@ import secrets
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Annotated, Any, Literal, TypeAlias
 
 import msgspec
@@ -36,6 +34,7 @@ import torch
 import torch.utils.dlpack
 
 from kvstore.errors import ConfigError, MalformedError, UnavailableError
+from kvstore.kernels.cuda import _cupy
 from kvstore.pool import SlabClass, SlabPool
 from kvstore.tiers.dram import map_arena
 
@@ -517,14 +516,6 @@ class _Allocation:
 # The CUDA pools this process owns, by IPC handle, so that opening one of them here (which
 # CUDA refuses) uses the memory directly.  Weak: a closed pool drops out by itself.
 _OWN_POOLS: weakref.WeakValueDictionary[bytes, torch.Tensor] = weakref.WeakValueDictionary()
-
-
-@functools.cache
-def _cupy() -> ModuleType | None:
-    try:
-        return importlib.import_module("cupy")
-    except ImportError:
-        return None
 
 
 def _local_device(cp: Any, handle: PoolHandle) -> int:
