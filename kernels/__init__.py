@@ -4,7 +4,8 @@
 a whole batch per call: with the CUDA kernels in ``block_copy.cu`` (compiled at run time
 through CuPy) on a GPU, with vectorised torch ops elsewhere; both give the same bytes.
 ``paged_cache`` validates an engine's cache once, for reuse across calls;
-``register_host_memory`` pins host memory (the DRAM arena) so the GPU can reach it.
+``register_host_memory`` pins host memory (the DRAM arena) so the GPU can reach it;
+``register_in_background`` does it chunk by chunk off the caller's thread.
 """
 
 from .copy import Backend, gather, scatter
@@ -20,10 +21,16 @@ from .layout import (
     describe_layout,
     paged_cache,
 )
-from .pinned import HostRegistration, register_host_memory
+from .pinned import (
+    BackgroundRegistration,
+    HostRegistration,
+    register_host_memory,
+    register_in_background,
+)
 
 __all__ = [
     "LAYOUTS",
+    "BackgroundRegistration",
     "Backend",
     "HostRegistration",
     "KVCaches",
@@ -37,5 +44,6 @@ __all__ = [
     "gather",
     "paged_cache",
     "register_host_memory",
+    "register_in_background",
     "scatter",
 ]
