@@ -26,6 +26,8 @@ cacheable blocks):
   for block hits under these rules (bypass allowed).
 - ``belady-ins``: the same without bypass: it must cache every block it can, as the
   policies must.
+- ``lru+oracle``: LRU told which blocks are never asked for again (they go coldest at
+  once): what a perfect predictor of *whether* a block is reused, but not *when*, buys.
 - ``infinite``: nothing is ever evicted (the share of references that repeat an id).
 
 ``--mode sim`` drives in-file simulators; ``replay`` drives any object with ``lookup``
@@ -81,7 +83,7 @@ import numpy as np
 from kvstore.client import Client, Held, Namespace
 from kvstore.errors import CapacityError
 from kvstore.identity import Identity
-from kvstore.scheduler.eviction import POLICIES, EvictionPolicy
+from kvstore.scheduler.eviction import POLICIES, EvictionPolicy, LRUPolicy
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -257,6 +259,52 @@ class PolicyCache:
             self._children[parent] -= 1
         self.evictions += 1
         return True
+
+
+class OracleAdmitLRU(LRUPolicy[Hashable]):
+    """LRU that is told which blocks the trace never asks for again: those go to the cold
+    end at once.  Not an online policy: a bound on what knowing *whether* a block is
+    reused (but not when) buys an LRU order, for comparison with Belady, who knows when."""
+
+    def __init__(self, last_use: dict[Hashable, int], clock: list[int]) -> None:
+        super().__init__()
+        self._last_use = last_use
+        self._clock = clock  # [index of the request being replayed]
+
+    def _dead(self, item: Hashable) -> bool:
+        return self._last_use.get(item, -1) <= self._clock[0]
+
+    def _settle(self, item: Hashable) -> None:
+        if item in self._order and self._dead(item):
+            self._order.move_to_end(item, last=False)
+
+    def insert(self, item: Hashable) -> None:
+        super().insert(item)
+        self._settle(item)
+
+    def access(self, item: Hashable) -> None:
+        super().access(item)
+        self._settle(item)
+
+    def unpin(self, item: Hashable) -> None:
+        super().unpin(item)
+        self._settle(item)
+
+
+class OracleCache(PolicyCache):
+    """A PolicyCache over :class:`OracleAdmitLRU`, keeping its clock."""
+
+    def __init__(self, trace: Sequence[TraceRequest], capacity: int) -> None:
+        last_use: dict[Hashable, int] = {}
+        for index, request in enumerate(trace):
+            for key in request.hash_ids:
+                last_use[key] = index
+        self._clock = [-1]
+        super().__init__(OracleAdmitLRU(last_use, self._clock), capacity)
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        self._clock[0] += 1
+        return super().lookup(keys)
 
 
 class BeladyCache:
@@ -589,6 +637,7 @@ def run_sim(
         rows.append((share, capacity, "belady", replay(trace, BeladyCache(trace, capacity))))
         must_insert = BeladyCache(trace, capacity, bypass=False)
         rows.append((share, capacity, "belady-ins", replay(trace, must_insert)))
+        rows.append((share, capacity, "lru+oracle", replay(trace, OracleCache(trace, capacity))))
         for name in policies:
             cache = PolicyCache(POLICIES[name](), capacity, touches)
             rows.append((share, capacity, name, replay(trace, cache)))

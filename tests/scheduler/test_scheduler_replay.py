@@ -79,7 +79,9 @@ def test_bounds_order_and_prefix_closure_on_a_random_tree(name: str) -> None:
         best = _block_hits(trace, replay.BeladyCache(trace, capacity))
         must_cache = _block_hits(trace, replay.BeladyCache(trace, capacity, bypass=False))
         infinite = _block_hits(trace, replay.InfiniteCache())
+        oracle = _block_hits(trace, replay.OracleCache(trace, capacity))
         assert policy <= must_cache <= best <= infinite
+        assert oracle <= must_cache   # knowing whether a block returns, not when
 
 
 def test_token_hits_count_the_partial_last_block() -> None:
@@ -94,7 +96,8 @@ def test_token_hits_count_the_partial_last_block() -> None:
 def test_format_table_puts_ratios_against_belady() -> None:
     trace = _scan_plus_hot_set()[:200]
     rows = replay.run_sim(trace, [0.05], ["lru", "s3fifo"])
-    assert [row[2] for row in rows] == ["belady", "belady-ins", "lru", "s3fifo", "infinite"]
+    assert [row[2] for row in rows] == ["belady", "belady-ins", "lru+oracle", "lru", "s3fifo",
+                                        "infinite"]
     table = replay.format_table(rows)
     assert "belady" in table and "1.000" in table
 
@@ -131,3 +134,16 @@ def test_main_replays_a_workload_and_reports_hits_twice_alike(
     twice = capsys.readouterr().out
     assert "synthetic workload 'conversations'" in once and "arc" in once
     assert once.splitlines()[:-1] == twice.splitlines()[:-1]  # all but the timing
+
+
+def test_the_oracle_lru_puts_blocks_never_used_again_first() -> None:
+    trace = [_request([3, 4]), _request([1, 2]), _request([3, 4]), _request([5, 6]),
+             _request([1, 2])]
+    # capacity 4: when [5, 6] comes, 3 and 4 are the most recent but never asked for
+    # again; the oracle evicts them, LRU evicts 1 and 2 (and misses them next)
+    cache = replay.OracleCache(trace, 4)
+    lru = replay.PolicyCache(replay.POLICIES["lru"](), 4)
+    replay.replay(trace[:4], cache)
+    replay.replay(trace[:4], lru)
+    assert set(cache._children) == {1, 2, 5, 6}
+    assert set(lru._children) == {3, 4, 5, 6}
