@@ -266,6 +266,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if device not in ("", "cpu") and not device.isdigit():
             raise ConfigError(f"gpu.device: {device!r}; expected empty (no GPU tier), a CUDA "
                               f"device index such as 0, or cpu (a host-memory pool)")
+        if device and self.dram.per_tenant_arenas:
+            raise ConfigError("gpu.device: the GPU tier's one pool would be shared by every "
+                              "tenant, and dram.per_tenant_arenas keeps tenants apart; use "
+                              "one or the other")
         if device:
             gpu_bytes = parse_size(self.gpu.capacity, "gpu.capacity")
             gpu_slab = parse_size(self.gpu.slab_size, "gpu.slab_size")

@@ -12,6 +12,7 @@ missing the tier is off and the daemon serves as before.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -20,6 +21,7 @@ import msgspec
 
 from kvstore.config import Config, parse_size
 from kvstore.gpu_copies import GpuCopies
+from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace
 from kvstore.transfers import TransferGate
 
@@ -65,7 +67,10 @@ class GpuMover:
         self._pending.extend(b for b in blocks if b.gpu_offset is None)
         if self._pending and not self._scheduled:
             self._scheduled = True
-            task = asyncio.get_running_loop().create_task(self._drain())
+            # a context of its own: background work, not part of the request that asked
+            # (whose transfer class, a reload say, would otherwise be inherited)
+            task = asyncio.get_running_loop().create_task(self._drain(),
+                                                          context=contextvars.Context())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -73,27 +78,31 @@ class GpuMover:
         await asyncio.sleep(0)  # gather this loop turn's blocks into one batch
         self._scheduled = False
         batch, self._pending = self._pending, []
-        plan = self.store.gpu_begin(batch)
-        if not plan:
+        batch = [b for b in dict.fromkeys(batch) if b.offset is not None]
+        if not batch:
             return
-        ok = False
-        try:
-            items = [(self.slot(b.ns, b.offset), off)  # type: ignore[arg-type]
-                     for b, off in plan]
-            nbytes = sum(len(view) for view, _ in items)
-            async with self.gate.slot(nbytes, default_tenant=plan[0][0].ns.tenant):
+        nbytes = sum(b.ns.block_bytes for b in batch)
+        async with self.gate.slot(nbytes, TransferKind.WRITEBACK, batch[0].ns.tenant):
+            # planned once its turn has come: the DRAM copies are pinned only while read
+            plan = self.store.gpu_begin(batch)
+            if not plan:
+                return
+            ok = False
+            try:
+                items = [(self.slot(b.ns, b.offset), off)  # type: ignore[arg-type]
+                         for b, off in plan]
                 await asyncio.to_thread(self._copy, items)
-            ok = True
-            for view, _ in items:
-                try:
-                    view.release()
-                except BufferError:
-                    pass  # a tensor over it is still being collected; the GC releases it
-        except Exception as exc:  # noqa: BLE001 - a failed copy only loses the GPU copies
-            self.errors += 1
-            log.warning("copying %d blocks into the gpu tier failed: %s", len(plan), exc)
-        finally:
-            self.store.gpu_end(plan, ok)
+                ok = True
+                for view, _ in items:
+                    try:
+                        view.release()
+                    except BufferError:
+                        pass  # a tensor over it is still being collected; the GC frees it
+            except Exception as exc:  # noqa: BLE001 - a failed copy only loses GPU copies
+                self.errors += 1
+                log.warning("copying %d blocks into the gpu tier failed: %s", len(plan), exc)
+            finally:
+                self.store.gpu_end(plan, ok)
 
     def _copy(self, items: list[tuple[memoryview, int]]) -> None:
         """DRAM slots into pool slots; returns when the bytes are there."""

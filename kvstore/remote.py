@@ -105,11 +105,10 @@ class RemoteTier:
             return
         missing = [k for k in keys[first:]
                    if (b := ns.blocks.get(k)) is None or not b.present]
-        if not self.healthy:
-            raise NotFoundError(f"{len(missing)} blocks are not cached here, and the remote "
-                                f"store is unavailable")
-        # No EXISTS round trip first: the reads tell a miss too (the client looked up the
-        # chain before asking for it, so misses are rare here)
+        # Ask first: a miss must not cost DRAM room (evictions) for nothing
+        if await self.leading(ns, missing) < len(missing):
+            self.counters["misses"] += 1
+            raise NotFoundError(f"{len(missing)} blocks are cached neither here nor remotely")
         parent = keys[first - 1] if first else None
         r = await self._reserve_moving(_OWNER, ns, missing, parent)
         views = [self.slot(ns, off) for off in r.offsets]
@@ -125,6 +124,9 @@ class RemoteTier:
             sums = [digest for digest in got if digest is not None]
         except KVStoreError as exc:
             self._failed("read", exc)
+        except BaseException:  # cancelled while queued or reading: give the slots back
+            self.store.abort(_OWNER, r.id)
+            raise
         finally:
             for view in views:
                 view.release()

@@ -281,7 +281,10 @@ class Server:
                 log.error("remote writes still under way at exit were dropped")
             await self.remote.close()
         if self.gpu is not None:
-            await asyncio.wait_for(self.gpu.drain(), bound)
+            try:
+                await asyncio.wait_for(self.gpu.drain(), bound)
+            except TimeoutError:
+                log.error("copies into the gpu tier still under way at exit were dropped")
         if self.ssd is not None:
             try:
                 await asyncio.wait_for(self.ssd.drain(), bound)

@@ -29,7 +29,7 @@ import itertools
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from kvstore.errors import (
     CapacityError,
@@ -227,6 +227,7 @@ class TierSlots:
         self.clock = clock  # set: orders support soft pins (kept warm until a time)
         self.policies: dict[int, EvictionPolicy[Block]] = {}
         self.used: dict[str, int] = {}  # bytes of slots each tenant holds (any state)
+        self.pinned: dict[str, int] = {}  # bytes of those pinned (DRAM copies with refs)
 
     def take(self, ns: Namespace, count: int) -> list[int] | None:
         """``count`` slots of ``ns``'s class, charged to its tenant; None if too few free."""
@@ -358,8 +359,8 @@ class BlockStore:
         deadline = now + self.limits.lease_seconds
         if state is None:
             state = self.owners[owner] = OwnerState(deadline)
-        else:
-            state.deadline = deadline
+        else:  # never earlier: the daemon's own owners hold leases that never end
+            state.deadline = max(state.deadline, deadline)
         return state
 
     def drop_owner(self, owner: Owner) -> tuple[int, int]:
@@ -446,9 +447,8 @@ class BlockStore:
     def _allocate(self, ns: Namespace, count: int, protect: Block | None = None) -> list[int]:
         """DRAM slots, evicting (or planning demotions) as needed; all or nothing."""
         pool, cls = ns.dram.pool, ns.cls
-        over = self._over_quota(ns, count)
-        if over > 0:  # the tenant makes room among its own blocks first
-            self._make_room(ns.dram, cls, over, protect, only=ns.tenant)
+        if self.tenant_quota and not self.per_tenant:
+            self._make_quota_room(ns, count, protect)  # among the tenant's own blocks
         if pool.available(cls) < count:
             self._make_room(ns.dram, cls, count - pool.available(cls), protect,
                             requester=(ns.tenant, count * cls.slot_bytes))
@@ -456,13 +456,80 @@ class BlockStore:
         assert offsets is not None, "allocation failed after making room"
         return offsets
 
-    def _over_quota(self, ns: Namespace, count: int) -> int:
-        """Slots the tenant of ``ns`` must give up before it may take ``count`` more."""
-        if not self.tenant_quota or self.per_tenant:
-            return 0
-        slot = ns.cls.slot_bytes
-        excess = ns.dram.used.get(ns.tenant, 0) + count * slot - self.tenant_quota
-        return -(-excess // slot) if excess > 0 else 0
+    def _make_quota_room(self, ns: Namespace, count: int, protect: Block | None) -> None:
+        """Evict (or plan demotions of) the tenant's own coldest blocks, of any size, until
+        ``count`` more slots fit its quota; refused, with nothing evicted, when even every
+        unpinned block of it would not do."""
+        dram, slot, tenant = ns.dram, ns.cls.slot_bytes, ns.tenant
+        held = dram.used.get(tenant, 0)
+        excess = held + count * slot - self.tenant_quota
+        if excess <= 0:
+            return
+
+        def refuse() -> NoReturn:
+            if self._room_coming(None, tenant):
+                raise DemotionNeeded([])
+            self.counters.capacity_rejects += 1
+            raise CapacityError(
+                f"tenant {tenant!r} holds {held} bytes of the dram tier and asks for "
+                f"{count * slot} more; its quota is {self.tenant_quota} bytes, and not enough "
+                f"of its blocks can be evicted (release pins, or ask for less)", cause="quota")
+
+        if count * slot > self.tenant_quota or held - dram.pinned.get(tenant, 0) < excess:
+            refuse()
+        allowed = self._victim_test(protect, tenant)
+        policies = [dram.policy(ns.cls)] + [
+            policy for size, policy in dram.policies.items() if size != slot]
+        to_demote: list[Block] = []
+        to_remote: list[Block] = []
+        freed = 0
+        for policy in policies:
+            while freed < excess and (victim := policy.pop_victim(allowed)) is not None:
+                freed += victim.ns.cls.slot_bytes
+                self._evict(victim, to_demote, to_remote)
+        if freed < excess:
+            self._put_back(to_demote + to_remote)
+            refuse()
+        if to_demote or to_remote:
+            raise DemotionNeeded(to_demote, to_remote)
+
+    def _victim_test(self, protect: Block | None,
+                     tenant: str | None = None) -> Callable[[Block], bool]:
+        """Which blocks eviction may take now (of ``tenant`` only, if given)."""
+        evict = self.allow_evict
+
+        def allowed(b: Block) -> bool:
+            if b.refs or b is protect or (tenant is not None and b.ns.tenant != tenant):
+                return False
+            if b.ssd_offset is not None or (b.children == 0 and not self._admitted(b)):
+                return evict          # leaves DRAM without a write
+            return self._admitted(b)  # written back first
+
+        return allowed
+
+    def _evict(self, victim: Block, to_demote: list[Block], to_remote: list[Block]) -> None:
+        """A victim off its eviction order leaves DRAM now, or is marked to be written back
+        first (to SSD, or to the remote store in its write-back mode)."""
+        if victim.ssd_offset is not None:
+            self._drop_dram_copy(victim)          # clean: the SSD copy stays
+        elif self._admitted(victim):
+            victim.demoting = True                # dirty: write it back first
+            to_demote.append(victim)
+        elif self._remote_dirty(victim):
+            victim.demoting = True                # to the remote store first
+            self.remote_demoting.add(victim)
+            to_remote.append(victim)
+        else:
+            self._drop_dram_copy(victim)          # a cold leaf the SSD tier declines
+            self.counters.dropped_on_eviction += 1
+        self.counters.evictions += 1
+
+    def _put_back(self, blocks: list[Block]) -> None:
+        """Victims marked for a write that will not happen: back on their orders."""
+        for b in blocks:
+            b.demoting = False
+            self.remote_demoting.discard(b)
+            b.ns.dram.policy(b.ns.cls).insert(b)
 
     def _over_share(self, dram: TierSlots,
                     requester: tuple[str, int] | None) -> dict[str, int]:
@@ -480,13 +547,13 @@ class BlockStore:
         return {t: held - int(shares[t]) for t, held in used.items() if held > shares[t]}
 
     def _make_room(self, dram: TierSlots, cls: SlabClass, need: int,
-                   protect: Block | None, only: str | None = None,
+                   protect: Block | None,
                    requester: tuple[str, int] | None = None) -> None:
         """Free ``need`` slots of ``cls``: evict, or plan demotions (DemotionNeeded), taking
         tenants over their share first; with ``only``, that tenant's blocks alone."""
         pool = dram.pool
         policy = dram.policy(cls)
-        if only is None and need > len(policy):
+        if need > len(policy):
             if self._room_coming(cls):
                 raise DemotionNeeded([])  # room is on its way: wait for those writes
             self.counters.capacity_rejects += 1
@@ -495,16 +562,8 @@ class BlockStore:
                 f"{pool.available(cls)} free and {len(policy)} evictable in the dram tier; "
                 f"release pins or raise its capacity", cause="pinned")
 
-        evict = self.allow_evict
-
-        def allowed(b: Block) -> bool:
-            if b.refs or b is protect or (only is not None and b.ns.tenant != only):
-                return False
-            if b.ssd_offset is not None or (b.children == 0 and not self._admitted(b)):
-                return evict          # leaves DRAM without a write
-            return self._admitted(b)  # written back first
-
-        over = self._over_share(dram, requester) if only is None else {}
+        allowed = self._victim_test(protect)
+        over = self._over_share(dram, requester)
 
         def over_share(b: Block) -> bool:
             return over.get(b.ns.tenant, 0) > 0 and allowed(b)
@@ -519,48 +578,29 @@ class BlockStore:
             if victim is None:
                 victim = policy.pop_victim(allowed)
             if victim is None:
-                for b in to_demote + to_remote:  # nothing was written yet: put them back
-                    b.demoting = False
-                    self.remote_demoting.discard(b)
-                    policy.insert(b)
-                if self._room_coming(cls, only):
+                self._put_back(to_demote + to_remote)  # nothing was written yet
+                if self._room_coming(cls):
                     raise DemotionNeeded([])
                 self.counters.capacity_rejects += 1
-                if only is not None:
-                    raise CapacityError(
-                        f"tenant {only!r} holds {dram.used.get(only, 0)} bytes of the dram "
-                        f"tier, its quota is {self.tenant_quota}, and not enough of its "
-                        f"blocks can be evicted; release pins", cause="quota")
                 raise CapacityError(
                     f"{need + pool.available(cls)} slots of {cls.slot_bytes} bytes requested; "
                     f"the dram tier is full of pinned blocks or their prefixes", cause="pinned")
             taken += 1
             if victim.ns.tenant in over:
                 over[victim.ns.tenant] -= cls.slot_bytes
-            if victim.ssd_offset is not None:
-                self._drop_dram_copy(victim)          # clean: the SSD copy stays
-            elif self._admitted(victim):
-                victim.demoting = True                # dirty: write it back first
-                to_demote.append(victim)
-            elif self._remote_dirty(victim):
-                victim.demoting = True                # to the remote store first
-                self.remote_demoting.add(victim)
-                to_remote.append(victim)
-            else:
-                self._drop_dram_copy(victim)          # a cold leaf the SSD tier declines
-                self.counters.dropped_on_eviction += 1
-            self.counters.evictions += 1
+            self._evict(victim, to_demote, to_remote)
         if to_demote or to_remote:
             raise DemotionNeeded(to_demote, to_remote)
 
-    def _room_coming(self, cls: SlabClass, tenant: str | None = None) -> bool:
-        """Whether SSD writes under way will free or unpin DRAM slots of ``cls`` (of
-        ``tenant``'s, if given): a demoted block leaves DRAM, a written-through one
-        becomes evictable."""
-        return any(b.ns.cls is cls and (tenant is None or b.ns.tenant == tenant)
-                   for t in self.transfers.values() if t.tier == SSD for b in t.blocks) or \
-            any(b.ns.cls is cls and (tenant is None or b.ns.tenant == tenant)
-                for b in self.remote_demoting)
+    def _room_coming(self, cls: SlabClass | None, tenant: str | None = None) -> bool:
+        """Whether writes under way will free or unpin DRAM slots of ``cls`` (of any
+        class if None; of ``tenant``'s, if given): a demoted block leaves DRAM, a
+        written-through one becomes evictable."""
+        def mine(b: Block) -> bool:
+            return (cls is None or b.ns.cls is cls) and (tenant is None or b.ns.tenant == tenant)
+
+        return any(mine(b) for t in self.transfers.values() if t.tier == SSD
+                   for b in t.blocks) or any(mine(b) for b in self.remote_demoting)
 
     def _remote_dirty(self, block: Block) -> bool:
         return (self.remote_write_back is not None and not block.remote
@@ -714,12 +754,22 @@ class BlockStore:
     def _pin_block(self, block: Block) -> None:
         assert block.offset is not None, f"pinning {block} without a DRAM copy"
         block.refs += 1
-        if block.refs == 1 and not block.demoting:  # a demoting block is off the order
-            block.ns.dram.policy(block.ns.cls).pin(block)
+        if block.refs == 1:
+            pinned = block.ns.dram.pinned
+            pinned[block.ns.tenant] = pinned.get(block.ns.tenant, 0) + block.ns.cls.slot_bytes
+            if not block.demoting:  # a demoting block is off the order
+                block.ns.dram.policy(block.ns.cls).pin(block)
 
     def _unpin_block(self, block: Block) -> None:
         assert block.refs > 0, f"{block} released more often than pinned"
         block.refs -= 1
+        if block.refs == 0:
+            pinned = block.ns.dram.pinned
+            left = pinned[block.ns.tenant] - block.ns.cls.slot_bytes
+            if left:
+                pinned[block.ns.tenant] = left
+            else:
+                del pinned[block.ns.tenant]
         if block.refs == 0 and not block.demoting:
             block.ns.dram.policy(block.ns.cls).unpin(block)
             if self._hollow:
@@ -1177,6 +1227,17 @@ class BlockStore:
             if held:
                 at = (id(ns.dram), ns.tenant)
                 used[at] = used.get(at, 0) + held * ns.cls.slot_bytes
+        pinned: dict[tuple[int, str], int] = {}
+        for ns in self.namespaces.values():
+            held_pins = sum(1 for b in ns.blocks.values() if b.refs)
+            if held_pins:
+                at = (id(ns.dram), ns.tenant)
+                pinned[at] = pinned.get(at, 0) + held_pins * ns.cls.slot_bytes
+        for dram in self.drams.values():
+            for tenant, nbytes in dram.pinned.items():
+                assert pinned.pop((id(dram), tenant), 0) == nbytes, (
+                    f"tenant {tenant!r}: {nbytes} bytes counted as pinned, not so")
+        assert not pinned, f"pins not counted per tenant: {pinned}"
         for dram in self.drams.values():
             for tenant, nbytes in dram.used.items():
                 holds = used.pop((id(dram), tenant), 0)

@@ -95,12 +95,18 @@ class SsdMover:
         """Carry out what a store call asked for, so that the call can be retried."""
         if isinstance(plan, PromotionNeeded):
             await self.promote(plan.blocks)
-        elif plan.blocks or plan.remote:
-            if plan.remote:
-                assert self.remote_writer is not None, "remote write-back without a remote"
-                await self.remote_writer(plan.remote)
-            if plan.blocks:
-                await self.demote(plan.blocks)
+        elif plan.blocks and plan.remote:  # both at once: the room comes in one go
+            assert self.remote_writer is not None, "remote write-back without a remote"
+            results = await asyncio.gather(self.remote_writer(plan.remote),
+                                           self.demote(plan.blocks), return_exceptions=True)
+            for result in results:  # each write finished its own blocks, either way
+                if isinstance(result, BaseException):
+                    raise result
+        elif plan.remote:
+            assert self.remote_writer is not None, "remote write-back without a remote"
+            await self.remote_writer(plan.remote)
+        elif plan.blocks:
+            await self.demote(plan.blocks)
         else:  # room is coming from demotions already under way: wait a little, retry
             self._demotions_done.clear()
             try:

@@ -76,8 +76,8 @@ class TransferGate:
                 self._done(transfer)  # it had started as the wait was cancelled
             self._depths()
             raise
-        self._waited(transfer)
         try:
+            self._waited(transfer)
             yield
         finally:
             self._done(transfer)

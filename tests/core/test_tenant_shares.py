@@ -113,3 +113,38 @@ def test_accounting_holds_under_any_mix(ops: list[tuple[str, int]], quota_slots:
         if quota_slots:
             assert all(v <= quota_slots * SLOT for v in store.drams[""].used.values())
     assert sum(store.drams[""].used.values()) == store.committed_slots * SLOT
+
+
+def test_a_request_the_quota_can_never_hold_is_refused_without_evicting() -> None:
+    store = store_of(16, tenant_quota=4 * SLOT)
+    a = store.open_namespace(A)
+    keys = put(store, a, 0, 4, now=0.0)
+    chain = chain_keys(a.id, list(range(5000, 5000 + 5 * 16)), 16)
+    with pytest.raises(CapacityError, match="quota"):
+        store.reserve("a", a, chain, None, 1.0)            # five blocks, quota four
+    assert cached(a, keys) == 4
+    store.check_invariants()
+
+
+def test_a_partly_pinned_tenant_short_of_room_is_refused_without_evicting() -> None:
+    store = store_of(16, tenant_quota=4 * SLOT)
+    a = store.open_namespace(A)
+    keys = put(store, a, 0, 4, now=0.0)
+    pin = store.acquire("a", a, keys[:3], 1.0)              # one block left to evict
+    chain = chain_keys(a.id, list(range(5000, 5000 + 2 * 16)), 16)
+    with pytest.raises(CapacityError, match="quota"):
+        store.reserve("a", a, chain, None, 2.0)            # needs two
+    assert cached(a, keys) == 4
+    store.release("a", pin.id)
+    store.check_invariants()
+
+
+def test_the_quota_makes_room_among_the_tenants_blocks_of_any_size() -> None:
+    store = BlockStore(64 * SLOT, 16 * SLOT, tenant_quota=8 * SLOT)
+    a = store.open_namespace(A)
+    a2 = store.open_namespace(make_identity(tenant="a", head_dim=64))  # twice the size
+    put(store, a, 0, 8, now=0.0)                            # the quota, in small blocks
+    put(store, a2, 100, 1, now=1.0)                         # a big one: two small go
+    assert store.drams[""].used["a"] == 8 * SLOT
+    assert sum(1 for b in a.blocks.values() if b.offset is not None) == 6
+    store.check_invariants()

@@ -110,6 +110,12 @@ def test_blocks_without_a_pool_copy_come_from_the_arena(daemon_factory: Any) -> 
     engine_b = asyncio.run(reload())
     for i in range(40):
         assert page(engine_b, 39 - i) == page(engine_a, i)
+    with Client(d.endpoint, tenant="acme") as c:
+        stats = c.stats()
+        # copies into the pool (after commits, and those the reload asked for) are
+        # background work (write-back class), never queued ahead of engines' reloads
+        assert set(stats["transfers"]["waits"]) == {"writeback"}
+        assert stats["invariant_violations"] == 0
 
 
 def test_without_a_gpu_the_tier_is_off_and_everything_else_works(

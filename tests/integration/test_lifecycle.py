@@ -144,6 +144,13 @@ def test_cli_ping_stats_and_drop_namespace(daemon_factory: Any) -> None:
     ("[remote]\ntimeout_s = 0\n", "remote.timeout_s"),
     ("[server]\nmax_keys_per_request = \"many\"\n", "server.max_keys_per_request"),
     ("[dram]\nno_such_field = 1\n", "dram"),
+    ("[remote]\nwrite_policy = \"later\"\n", "remote.write_policy"),
+    ("[gpu]\ndevice = \"gpu0\"\n", "gpu.device"),
+    ("[gpu]\ndevice = \"cpu\"\n[dram]\nper_tenant_arenas = true\n", "gpu.device"),
+    ("[gpu]\ndevice = \"0\"\ncapacity = \"1KiB\"\n", "gpu.capacity"),
+    ("[dram]\ntenant_quota = \"2GiB\"\n", "dram.tenant_quota"),
+    ("[server]\ntenant_weights = { a = 0 }\n", "server.tenant_weights"),
+    ("[server]\nmax_transfers_in_flight = 0\n", "server.max_transfers_in_flight"),
     ("[server\n", "not valid TOML"),
 ])
 def test_every_config_error_names_the_field(tmp_path: Path, text: str, field: str) -> None:
