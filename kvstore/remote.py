@@ -105,8 +105,11 @@ class RemoteTier:
             return
         missing = [k for k in keys[first:]
                    if (b := ns.blocks.get(k)) is None or not b.present]
-        # Ask first: a miss must not cost DRAM room (evictions) for nothing
-        if await self.leading(ns, missing) < len(missing):
+        # Ask first where reading would cost evictions (a miss must not evict for nothing);
+        # with room free, the reads themselves tell a miss, one round trip sooner
+        room = ns.dram.pool.available(ns.cls) >= len(missing) and not (
+            self.store.tenant_quota and not self.store.per_tenant)
+        if not room and await self.leading(ns, missing) < len(missing):
             self.counters["misses"] += 1
             raise NotFoundError(f"{len(missing)} blocks are cached neither here nor remotely")
         parent = keys[first - 1] if first else None
