@@ -116,10 +116,11 @@ class StoreMachine(RuleBasedStateMachine):
             ns = self.ns[0]
             keys = self.chains[0][1]
             try:
-                self.moving(lambda: self.store.acquire("c", ns, keys[:2], self.now))
+                # an owner of its own: dropping it must not release the rules' pins
+                self.moving(lambda: self.store.acquire("reader", ns, keys[:2], self.now))
             except (NotFoundError, CapacityError):
                 pass
-            self.store.drop_owner("c")
+            self.store.drop_owner("reader")
         self.store.finish_ssd_write(t, [object()] * len(t.blocks) if ok else None)
 
     @rule(pattern=st.lists(st.booleans(), max_size=8))
