@@ -506,7 +506,18 @@ class Server:
                 if isinstance(plan, Later):
                     reply, out = await plan.reply, []
                     break
-                await self._resolve(plan)
+                try:
+                    await self._resolve(plan)
+                except CapacityError as exc:
+                    # no room to move the blocks into (DRAM full of pins, say): defer as
+                    # the first attempt would have, if the pressure chain allows it
+                    if isinstance(plan, Deferred) or not self.defer or verb not in _DEFERRABLE:
+                        raise
+                    self.scheduling["defers"] += 1
+                    if self.metrics is not None:
+                        self.metrics.observe_defer("dram", tenant)
+                    plan = Deferred(self.clock() + self.config.dram.defer_seconds, str(exc))
+                    continue
                 try:
                     reply, out = handler(session, request, payload)
                     break

@@ -1243,7 +1243,8 @@ class BlockStore:
                 holds = used.pop((id(dram), tenant), 0)
                 assert holds == nbytes, (
                     f"tenant {tenant!r} is charged {nbytes} bytes of dram, holds {holds}")
-        assert not used, f"dram slots held but not charged: {used}"
+        held_uncharged = {at: nbytes for at, nbytes in used.items() if nbytes}
+        assert not held_uncharged, f"dram slots held but not charged: {held_uncharged}"
         for ns in self.namespaces.values():
             child_counts: dict[Block, int] = {}
             for key, b in ns.blocks.items():

@@ -178,7 +178,11 @@ class SsdMover:
                     await self.resolve(plan)
             else:
                 raise CapacityError("no room in the dram tier to promote blocks from ssd")
-            await self._read(t)
+            if t.blocks:
+                await self._read(t)
+            else:  # others began reading them meanwhile: wait for those reads instead
+                self.store.finish_promotion(t, [])
+                waits += [self._promoting[b] for b in fresh if b in self._promoting]
         if waits:
             await asyncio.gather(*waits)
 

@@ -148,3 +148,13 @@ def test_the_quota_makes_room_among_the_tenants_blocks_of_any_size() -> None:
     assert store.drams[""].used["a"] == 8 * SLOT
     assert sum(1 for b in a.blocks.values() if b.offset is not None) == 6
     store.check_invariants()
+
+
+def test_an_empty_reservation_holds_nothing_and_is_charged_nothing() -> None:
+    store = store_of(16)
+    a = store.open_namespace(A)
+    r = store.reserve("a", a, [], None, 1.0)               # as a fuzzer sends it
+    assert r.offsets == []
+    store.check_invariants()
+    store.abort("a", r.id)
+    store.check_invariants()
