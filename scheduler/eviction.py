@@ -339,8 +339,12 @@ class ARCPolicy(EvictionPolicy[T]):
         in_t2 = self._in_t2.get(item)
         if in_t2 is None:
             return
+        if in_t2:  # the common hit: to T2's MRU end, in one step
+            if item not in self._pinned:
+                self._t2.move_to_end(item)
+            return
         if item not in self._pinned:
-            del (self._t2 if in_t2 else self._t1)[item]
+            del self._t1[item]
             self._t2[item] = None
         self._in_t2[item] = True
 
