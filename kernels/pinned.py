@@ -36,7 +36,25 @@ HostBuffer: TypeAlias = mmap.mmap | memoryview | bytearray | npt.NDArray[np.uint
 """A writable, contiguous buffer, or a contiguous CPU tensor."""
 
 
-class HostRegistration:
+class _Unregistering:
+    """A registration that a ``with`` block undoes on the way out."""
+
+    def unregister(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.unregister()
+
+
+class HostRegistration(_Unregistering):
     """A handle on host memory registered with CUDA; :meth:`unregister` undoes it.
 
     ``pinned`` is False where nothing was registered, and ``reason`` then says why.  While
@@ -71,16 +89,6 @@ class HostRegistration:
         self.pinned = False
         self._keepalive = None
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.unregister()
 
     def __repr__(self) -> str:
         state = (
@@ -125,7 +133,7 @@ def register_host_memory(
     )
 
 
-class BackgroundRegistration:
+class BackgroundRegistration(_Unregistering):
     """Host memory being pinned for CUDA chunk by chunk on a daemon thread.
 
     Ask :attr:`done`, :meth:`wait` for it, read :attr:`pinned_bytes` as it grows, and call
@@ -273,16 +281,6 @@ class BackgroundRegistration:
         finally:
             self._finished.set()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.unregister()
 
     def __repr__(self) -> str:
         if self.pinned:

@@ -38,7 +38,7 @@ class RemoteTier:
 
     def __init__(self, config: Config, store: BlockStore,
                  slot: Callable[[Namespace, int], memoryview],
-                 reserve_moving: ReserveMoving, gate: TransferGate | None = None) -> None:
+                 reserve_moving: ReserveMoving, gate: TransferGate) -> None:
         r = config.remote
         if r.url:
             name, options = parse_remote_url(r.url)
@@ -53,7 +53,7 @@ class RemoteTier:
         self.cooldown = r.unhealthy_seconds
         self._unhealthy_until = 0.0
         self._gate = asyncio.Semaphore(r.concurrency)
-        self.transfers = gate or TransferGate(config.server.max_transfers_in_flight)
+        self.transfers = gate
         self.write_back = r.write_policy == "write-back"
         if self.write_back:  # DRAM-only blocks come here before they are evicted
             store.remote_write_back = lambda: self.healthy

@@ -433,11 +433,7 @@ class Server:
                         except CapacityError as exc:
                             if not self.defer or verb not in _DEFERRABLE:
                                 raise
-                            self.scheduling["defers"] += 1
-                            if self.metrics is not None:
-                                self.metrics.observe_defer("dram", tenant)
-                            raise Deferred(self.clock() + self.config.dram.defer_seconds,
-                                           str(exc)) from None
+                            raise self._defer(tenant, exc) from None
                     except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup,
                             Deferred, Later) as plan:
                         # The bytes must move between tiers first: finish in a task.
@@ -484,11 +480,19 @@ class Server:
         if self.config.server.debug_invariants:
             self.check_invariants()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
         assert self._loop is not None
-        task = self._loop.create_task(coro)
+        task: asyncio.Task[None] = self._loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _defer(self, tenant: str, exc: CapacityError) -> Deferred:
+        """No room now: wait for some, in order, until the deferral's deadline."""
+        self.scheduling["defers"] += 1
+        if self.metrics is not None:
+            self.metrics.observe_defer("dram", tenant)
+        return Deferred(self.clock() + self.config.dram.defer_seconds, str(exc))
 
     async def _finish_later(self, routing_id: bytes, rid: int, verb: str, tenant: str,
                             start: float, handler: Callable[[Session, Any, list[Any]], Outcome],
@@ -513,10 +517,7 @@ class Server:
                     # the first attempt would have, if the pressure chain allows it
                     if isinstance(plan, Deferred) or not self.defer or verb not in _DEFERRABLE:
                         raise
-                    self.scheduling["defers"] += 1
-                    if self.metrics is not None:
-                        self.metrics.observe_defer("dram", tenant)
-                    plan = Deferred(self.clock() + self.config.dram.defer_seconds, str(exc))
+                    plan = self._defer(tenant, exc)
                     continue
                 try:
                     reply, out = handler(session, request, payload)
@@ -925,7 +926,7 @@ class Server:
         ready = _leading_in_dram(ns, req.keys)
         if ready == len(req.keys) or (self.ssd is None and self.remote is None):
             return p.PrefetchReply(req.rid, ready, len(cached)), []
-        task = self._loop_task(self._bring_up(ns, req.keys, len(cached)))
+        task = self._spawn(self._bring_up(ns, req.keys, len(cached)))
         if not req.wait:
             return p.PrefetchReply(req.rid, ready, len(cached)), []
         raise Later(self._prefetch_reply(req, ns, task))
@@ -952,13 +953,6 @@ class Server:
             pass  # what is up by now is the answer; the rest goes on in the background
         cached = sum(1 for _ in _leading_present(ns, req.keys))
         return p.PrefetchReply(req.rid, _leading_in_dram(ns, req.keys), cached)
-
-    def _loop_task(self, coro: Any) -> asyncio.Task[None]:
-        assert self._loop is not None
-        task: asyncio.Task[None] = self._loop.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     def _reserve_batch(self, session: Session, req: p.ReserveBatch,
                        payload: list[Any]) -> Outcome:

@@ -42,10 +42,10 @@ class SsdMover:
 
     def __init__(self, config: Config, store: BlockStore,
                  slot: Callable[[Namespace, int], memoryview],
-                 gate: TransferGate | None = None) -> None:
+                 gate: TransferGate) -> None:
         self.store = store
         self.slot = slot
-        self.gate = gate or TransferGate(config.server.max_transfers_in_flight)
+        self.gate = gate
         self.write_through = config.ssd.write_policy == "write-through"
         self.engine = SSDStore(
             config.ssd_path, config.ssd_capacity, slab_bytes=config.ssd_slab_bytes,
@@ -231,7 +231,6 @@ class SsdMover:
     async def _drain_through(self) -> None:
         await asyncio.sleep(0)  # let the commits of this loop turn gather into one batch
         self._through_scheduled = False
-        self._writing_back = False
         batch = self.store.write_through_candidates(dict.fromkeys(self._pending_through))
         self._pending_through.clear()
         if batch:

@@ -43,13 +43,11 @@ def checksum(payload: BytesLike) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode_header(namespace: bytes, key: bytes, payload: BytesLike,
-                  payload_checksum: int | None = None) -> bytes:
-    """The header that goes in front of ``payload`` when stored under ``(namespace, key)``;
-    ``payload_checksum``, when the caller knows it, spares hashing the payload again."""
+def encode_header(namespace: bytes, key: bytes, payload: BytesLike) -> bytes:
+    """The header that goes in front of ``payload`` when stored under ``(namespace, key)``."""
     length = memoryview(payload).nbytes
-    digest = checksum(payload) if payload_checksum is None else payload_checksum
-    return HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, length, name_tag(namespace, key), digest)
+    return HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, length, name_tag(namespace, key),
+                       checksum(payload))
 
 
 def encode_value(namespace: bytes, key: bytes, payload: BytesLike) -> bytes:

@@ -81,3 +81,16 @@ class DaemonProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def error_records(log: str) -> list[str]:
+    """The ERROR and CRITICAL records of a daemon log, each with its traceback."""
+    records, current = [], ""
+    for line in log.splitlines(keepends=True):
+        if line[:4].isdigit() and current:
+            records.append(current)
+            current = ""
+        current += line
+    records.append(current)
+    return [r for r in records if " ERROR " in r or " CRITICAL " in r or "Traceback" in r
+            or "invariant violated" in r]

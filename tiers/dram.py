@@ -61,33 +61,45 @@ def sweep_stale_arenas(directory: str) -> list[str]:
     return removed
 
 
+def create_shared_file(directory: str, suffix: str, capacity_bytes: int, *,
+                       directory_field: str, size_field: str, noun: str) -> str:
+    """A new file of ``capacity_bytes``, mode 0600, named for this user and process (so a
+    later start can tell a dead daemon's files), allocated now; its path.  ConfigError,
+    naming the field, if it cannot be made; nothing is left behind then."""
+    path = str(Path(directory) / f"kvstore-{os.getuid()}-{os.getpid()}-"
+                                 f"{secrets.token_hex(4)}.{suffix}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"{directory_field}: cannot create {noun} {path}: {exc}") from None
+    try:
+        try:
+            os.posix_fallocate(fd, 0, capacity_bytes)
+        except OSError as exc:
+            raise ConfigError(f"{size_field}: cannot allocate {capacity_bytes} bytes in "
+                              f"{directory}: {exc.strerror}") from None
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return path
+
+
 class DramArena:
     """A shared-memory file of ``capacity_bytes``, mapped read-write."""
 
     def __init__(self, capacity_bytes: int, directory: str = "/dev/shm",
-                 *, populate: bool = True, name: str | None = None) -> None:
+                 *, populate: bool = True) -> None:
         self.capacity_bytes = capacity_bytes
-        name = name or f"kvstore-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}.arena"
-        self.path = str(Path(directory) / name)
+        self.path = create_shared_file(directory, "arena", capacity_bytes,
+                                       directory_field="dram.directory",
+                                       size_field="dram.capacity", noun="the arena")
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            raise ConfigError(f"dram.directory: cannot create the arena {self.path}: {exc}") \
-                from None
-        try:
-            try:
-                os.posix_fallocate(fd, 0, capacity_bytes)
-            except OSError as exc:
-                raise ConfigError(
-                    f"dram.capacity: cannot allocate {capacity_bytes} bytes in "
-                    f"{directory}: {exc.strerror}") from None
-            flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
-            self._mmap = mmap.mmap(fd, capacity_bytes, flags=flags)
+            self._mmap = map_arena(self.path, capacity_bytes, populate=populate)
         except BaseException:
-            os.close(fd)
             os.unlink(self.path)
             raise
-        os.close(fd)
         self.view = memoryview(self._mmap)
 
     @property

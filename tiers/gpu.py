@@ -22,10 +22,8 @@ import functools
 import itertools
 import mmap
 import os
-import secrets
 import weakref
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Annotated, Any, Literal, TypeAlias
 
 import msgspec
@@ -36,14 +34,13 @@ import torch.utils.dlpack
 from kvstore.errors import ConfigError, MalformedError, UnavailableError
 from kvstore.kernels.cuda import _cupy
 from kvstore.pool import SlabClass, SlabPool
-from kvstore.tiers.dram import map_arena
+from kvstore.tiers.dram import create_shared_file, map_arena
 
 PoolKind: TypeAlias = Literal["cuda", "host"]
 DEFAULT_SLAB_BYTES = 64 << 20
 DEFAULT_ALIGNMENT = 256  # cudaMalloc's own alignment; every vector width of the kernels
 IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 _IPC_LAZY_ENABLE_PEER_ACCESS = 0x01  # cudaIpcMemLazyEnablePeerAccess
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class PoolHandle(msgspec.Struct, frozen=True, array_like=True):
@@ -229,20 +226,20 @@ class _PoolMemory:
         the torch path), else one row per slot."""
         if block_bytes <= 0:
             raise MalformedError(f"block_bytes must be positive, got {block_bytes}")
-        rows = [self.slot_tensor(offset, block_bytes) for offset in offsets]
-        if len(offsets) < 2:
-            return rows
-        stride = offsets[1] - offsets[0]
+        stride = offsets[1] - offsets[0] if len(offsets) >= 2 else 0
         if stride >= block_bytes and all(
             later - earlier == stride for earlier, later in itertools.pairwise(offsets)
         ):
+            # increasing: the first and the last slot bound all the others
+            self.slot_tensor(offsets[0], block_bytes)
+            self.slot_tensor(offsets[-1], block_bytes)
             whole = self.tensor()
             return whole.as_strided(
                 (len(offsets), block_bytes),
                 (stride, 1),
                 storage_offset=whole.storage_offset() + offsets[0],
             )
-        return rows
+        return [self.slot_tensor(offset, block_bytes) for offset in offsets]
 
 
 class DevicePool(_PoolMemory):
@@ -306,25 +303,9 @@ class DevicePool(_PoolMemory):
     def _create_host(
         cls, capacity_bytes: int, allocator: SlotAllocator, directory: str, populate: bool
     ) -> DevicePool:
-        name = f"kvstore-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}.gpupool"
-        path = str(Path(directory) / name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            raise ConfigError(f"gpu pool directory: cannot create {path}: {exc}") from None
-        try:
-            try:
-                os.posix_fallocate(fd, 0, capacity_bytes)
-            except OSError as exc:
-                raise ConfigError(
-                    f"gpu pool capacity: cannot allocate {capacity_bytes} bytes in "
-                    f"{directory}: {exc.strerror}"
-                ) from None
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        os.close(fd)
+        path = create_shared_file(directory, "gpupool", capacity_bytes,
+                                  directory_field="gpu pool directory",
+                                  size_field="gpu pool capacity", noun="the pool file")
         try:
             mapping = map_arena(path, capacity_bytes, populate=populate)
         except BaseException:

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import xxhash
 
 from kvstore.errors import BackendError, ConfigError, MalformedError
 
@@ -469,8 +468,8 @@ class SSDStore:
     def _verify_now(self, record: BlockRecord) -> bool:
         buffer = bytearray(record.length)
         span = Span(record.offset, memoryview(buffer))
-        (n,) = self._parts()[0].read([span])
-        return n == record.length and xxhash.xxh3_64_intdigest(buffer) == record.checksum
+        ((n, digest),) = self._parts()[0].read_hashed([span])
+        return n == record.length and digest == record.checksum
 
     # state
 

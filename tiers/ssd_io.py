@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -26,8 +26,6 @@ import xxhash
 from kvstore.errors import BackendError, CapacityError
 
 from .ssd_layout import IO_ALIGN, SlabLayout
-
-_T = TypeVar("_T")
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
@@ -181,27 +179,26 @@ class DataFile:
         return runs
 
     def _each(self, runs: list[tuple[list[Span], bool]],
-              action: Callable[[tuple[list[Span], bool]], _T]) -> list[_T]:
+              action: Callable[[tuple[list[Span], bool]], None]) -> None:
         """``action`` on every run, several at a time; the first error is raised once all
         have finished (none is left writing into a buffer the caller takes back)."""
         if self._queue is None or len(runs) < 2:
-            return [action(run) for run in runs]
+            for run in runs:
+                action(run)
+            return
         futures = [self._queue.submit(action, run) for run in runs[1:]]
-        first: list[_T] = []
         error: BaseException | None = None
         try:
-            first.append(action(runs[0]))  # this thread takes a share too
+            action(runs[0])  # this thread takes a share too
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others
             error = exc
-        results = first
         for future in futures:
             try:
-                results.append(future.result())
+                future.result()
             except BaseException as exc:  # noqa: BLE001
                 error = error or exc
         if error is not None:
             raise error
-        return results
 
     def _bounce(self, size: int) -> memoryview:
         buffer: mmap.mmap | None = getattr(self._local, "bounce", None)

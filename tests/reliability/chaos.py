@@ -44,7 +44,7 @@ import zmq
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent)]  # the tests folder: daemon_proc, kvtest
 
-from daemon_proc import DaemonProcess  # noqa: E402
+from daemon_proc import DaemonProcess, error_records  # noqa: E402
 from kvtest import make_identity  # noqa: E402
 
 from kvstore import Client  # noqa: E402
@@ -479,16 +479,7 @@ def _held(stats: dict[str, Any]) -> dict[str, int]:
 
 
 def _log_errors(log: str) -> list[str]:
-    records, current = [], ""
-    for line in log.splitlines(keepends=True):
-        if line[:4].isdigit() and current:
-            records.append(current)
-            current = ""
-        current += line
-    records.append(current)
-    return [r.strip()[:2000] for r in records
-            if " ERROR " in r or " CRITICAL " in r or "Traceback" in r
-            or "invariant violated" in r]
+    return [r.strip()[:2000] for r in error_records(log)]
 
 
 # ========================================================================================

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, error_records
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 from kvtest import make_identity
@@ -422,17 +422,6 @@ def defang_hello(frames: list[bytes]) -> list[bytes]:
     return frames
 
 
-def unexpected_log_errors(log: str) -> list[str]:
-    """The daemon's ERROR records, tracebacks included."""
-    records, current = [], ""
-    for line in log.splitlines(keepends=True):
-        if line[:4].isdigit() and current:
-            records.append(current)
-            current = ""
-        current += line
-    records.append(current)
-    return [r for r in records if " ERROR " in r or " CRITICAL " in r or "Traceback" in r]
-
 
 # -- the daemon and its peers ----------------------------------------------------------------
 
@@ -502,7 +491,7 @@ def fuzz(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzz]:
         log = daemon.log()
         assert alive, f"the daemon died under fuzzing:\n{log[-5000:]}"
         assert "invariant violated" not in log, log[-5000:]
-        unexpected = unexpected_log_errors(log)
+        unexpected = error_records(log)
         assert not unexpected, "\n".join(unexpected[:5])
 
 
