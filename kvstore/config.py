@@ -301,9 +301,9 @@ def _set_path(data: dict[str, Any], section: str, field: str, value: Any) -> Non
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """``KVSTORE_<SECTION>_<FIELD>=value`` for every known field, plus KVSTORE_ENDPOINT."""
     data: dict[str, Any] = {}
-    sections = {"server": ServerConfig, "dram": DramConfig, "ssd": SsdConfig,
-                "remote": RemoteConfig, "auth": AuthConfig}
-    for section, struct in sections.items():
+    defaults = Config()
+    for section in SECTIONS:
+        struct = type(getattr(defaults, section))
         for field in struct.__struct_fields__:
             raw = env.get(f"KVSTORE_{section.upper()}_{field.upper()}")
             if raw is None:

@@ -12,6 +12,7 @@ from kvstore.config import (
     AuthConfig,
     Config,
     DramConfig,
+    GpuConfig,
     RemoteConfig,
     ServerConfig,
     SsdConfig,
@@ -32,7 +33,8 @@ def test_example_config_shows_every_field() -> None:
     data = tomllib.loads(EXAMPLE.read_text())
     assert set(data) == set(Config.__struct_fields__)
     for section, struct in (("server", ServerConfig), ("dram", DramConfig), ("ssd", SsdConfig),
-                            ("remote", RemoteConfig), ("auth", AuthConfig)):
+                            ("remote", RemoteConfig), ("auth", AuthConfig),
+                            ("gpu", GpuConfig)):
         missing = set(struct.__struct_fields__) - set(data[section])
         assert not missing, f"[{section}] of the example lacks {sorted(missing)}"
 
@@ -49,3 +51,14 @@ def test_unit_and_example_agree_on_the_endpoint() -> None:
     unit = (ROOT / "systemd" / "kvstore.service").read_text()
     endpoint = load_config(EXAMPLE, env={}).endpoint
     assert f"Environment=KVSTORE_ENDPOINT={endpoint}\n" in unit
+
+
+def test_every_section_takes_environment_overrides() -> None:
+    config = load_config(None, env={
+        "KVSTORE_GPU_DEVICE": "cpu", "KVSTORE_GPU_CAPACITY": "64MiB",
+        "KVSTORE_REMOTE_WRITE_POLICY": "write-back", "KVSTORE_DRAM_TENANT_QUOTA": "16MiB",
+        "KVSTORE_SERVER_TENANT_WEIGHTS": '{"a": 2}'})
+    assert (config.gpu.device, config.gpu.capacity) == ("cpu", "64MiB")
+    assert config.remote.write_policy == "write-back"
+    assert config.dram.tenant_quota == "16MiB"
+    assert config.server.tenant_weights == {"a": 2.0}
