@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import mmap
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +39,9 @@ from kvstore.keys import chain_keys
 from kvstore.tiers.dram import map_arena
 
 R = TypeVar("R", bound=p.Message)
+log = logging.getLogger("kvstore.client")
+
+_CLOSE_WAIT_S = 1.0  # how long close() waits for the replies to posted releases
 _PARENT_MEMORY = 1 << 20  # chain links remembered per namespace, for reserve/put parents
 
 
@@ -354,6 +359,7 @@ class Client(_Session):
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock = _make_socket(self._ctx, self.endpoint, curve or _curve_from_env())
         self._early: dict[int, tuple[p.Message, list[zmq.Frame]]] = {}
+        self._unread: set[int] = set()  # requests sent by _post, their replies not yet read
         try:
             hello = self._call(p.Hello(self._next_rid(), p.PROTOCOL_VERSION,
                                        _tenant(tenant, token), _token(token)),
@@ -375,6 +381,18 @@ class Client(_Session):
         reply, frames = self._wait(req.rid)
         return _check_reply(reply, expected), frames
 
+    def _post(self, req: p.Message) -> None:
+        """Send a request whose reply nobody waits for (a release): it is read, and
+        dropped, while waiting for a later reply, or at ``close``.  The daemon serves a
+        connection's requests in order, so the next request sees it done.  A refusal is
+        logged (there is nobody left to raise it to)."""
+        if self._sock is None:
+            raise KVStoreError("the client is closed")
+        while self._unread and self._sock.poll(0, zmq.POLLIN):  # keep the backlog short
+            self._file(*self._receive())
+        self._sock.send(p.encoder.encode(req))
+        self._unread.add(req.rid)
+
     def _wait(self, rid: int) -> tuple[p.Message, list[zmq.Frame]]:
         if rid in self._early:
             return self._early.pop(rid)
@@ -383,14 +401,27 @@ class Client(_Session):
             if not self._sock.poll(timeout_ms, zmq.POLLIN):
                 raise UnavailableError(
                     f"no reply from the daemon at {self.endpoint} within {self.timeout}s")
-            frames = self._sock.recv_multipart(copy=False)
-            try:
-                reply = p.reply_decoder.decode(frames[0].buffer)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise KVStoreError(f"undecodable reply from the daemon: {exc}") from None
+            reply, frames = self._receive()
             if reply.rid == rid or reply.rid == 0:
-                return reply, frames[1:]
-            self._early[reply.rid] = (reply, frames[1:])
+                return reply, frames
+            self._file(reply, frames)
+
+    def _receive(self) -> tuple[p.Message, list[zmq.Frame]]:
+        frames = self._sock.recv_multipart(copy=False)
+        try:
+            reply = p.reply_decoder.decode(frames[0].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise KVStoreError(f"undecodable reply from the daemon: {exc}") from None
+        return reply, frames[1:]
+
+    def _file(self, reply: p.Message, frames: list[zmq.Frame]) -> None:
+        """Keep a reply that came before the one awaited; drop a posted request's."""
+        if reply.rid not in self._unread:
+            self._early[reply.rid] = (reply, frames)
+            return
+        self._unread.discard(reply.rid)
+        if isinstance(reply, p.ErrorReply):
+            log.warning("the daemon refused a release: %s: %s", reply.code, reply.message)
 
     def namespace(self, identity: Identity) -> Namespace:
         """Open (or create) the namespace of an identity."""
@@ -419,6 +450,13 @@ class Client(_Session):
     def close(self) -> None:
         self._unmap()
         if self._sock is not None:
+            # Posted releases must reach the daemon before the socket goes (it drops what
+            # it has not sent), or their pins would stay until the session's lease ends.
+            deadline = time.monotonic() + min(self.timeout, _CLOSE_WAIT_S)
+            while self._unread and (left := deadline - time.monotonic()) > 0:
+                if not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    break
+                self._file(*self._receive())
             self._sock.close(linger=0)
             self._sock = None
         self._ctx.term()
@@ -674,7 +712,7 @@ class Held:
         for buf in self.buffers:
             buf.release()
         c = self.ns.client
-        c._call(p.Release(c._next_rid(), self.pin), p.OkReply)
+        c._post(p.Release(c._next_rid(), self.pin))  # no round trip: see Client._post
 
     def __enter__(self) -> Held:
         return self

@@ -284,3 +284,42 @@ def test_readers_verify_what_they_read_end_to_end(daemon: DaemonProcess) -> None
         with rns.acquire(keys) as held, pytest.raises(CorruptError):
             held.verify()
         assert rns.get(keys[:3]) == data[:3]
+
+
+def test_release_is_sent_without_waiting_and_reaches_the_daemon(
+        daemon: DaemonProcess, caplog: pytest.LogCaptureFixture) -> None:
+    import signal
+
+    assert daemon.proc is not None
+    with Client(daemon.endpoint, tenant="acme", timeout=5) as client:
+        ns = client.namespace(BIG)
+        keys = ns.keys(range(8 * 16))
+        ns.put(keys, blocks_for(8, ns.block_bytes))
+        held = ns.acquire(keys)
+        assert dram(client)["pinned_blocks"] == 8
+        daemon.proc.send_signal(signal.SIGSTOP)  # a daemon that answers nothing for now
+        try:
+            started = time.monotonic()
+            held.release()
+            assert time.monotonic() - started < 1.0  # no round trip (a call would wait 5 s)
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert dram(client)["pinned_blocks"] == 0  # served before the next request
+
+        # Released just before close: close sends it on before the socket goes.
+        ns.acquire(keys).release()
+    with Client(daemon.endpoint, tenant="acme") as other:
+        assert dram(other)["pinned_blocks"] == 0
+
+    # A release the daemon refuses (no such pin) is logged; the next call is unaffected.
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(BIG)
+        held = ns.acquire(keys)
+        real = held.pin
+        held.pin = real + 1000
+        with caplog.at_level("WARNING", logger="kvstore.client"):
+            held.release()
+            assert ns.lookup(keys).blocks == 8
+        assert any("refused a release" in r.getMessage() and "pin" in r.getMessage()
+                   for r in caplog.records)
+        assert dram(client)["pinned_blocks"] == 8  # the real pin is still held
