@@ -60,6 +60,10 @@ class RemoteTier:
         self._written_back = asyncio.Event()
         self.on_written: Callable[[], None] | None = None  # DRAM freed by a write-back
         self._tasks: set[asyncio.Task[None]] = set()
+        # with an SSD tier (write-back mode): reads SSD copies into buffers of ours
+        self.ssd_read: Callable[[list[Block], list[memoryview]],
+                                Awaitable[list[bool]]] | None = None
+        self._copying_ssd = False
         self._pending: list[Block] = []
         self._scheduled = False
         self.counters = {"writes": 0, "write_bytes": 0, "reads": 0, "read_bytes": 0,
@@ -229,6 +233,55 @@ class RemoteTier:
             if self.on_written is not None:
                 self.on_written()
 
+    def ssd_written(self) -> None:
+        """Blocks reached the SSD tier: in write-back mode, where SSD is the last local
+        tier, copy the SSD copies nearest eviction here before eviction drops them."""
+        if self.write_back and self.ssd_read is not None and not self._copying_ssd:
+            self._copying_ssd = True
+            self._spawn(self._write_back_ssd())
+
+    async def _write_back_ssd(self) -> None:
+        try:
+            while self.healthy and (plan := self.store.ssd_write_back_plan()):
+                if not await self._copy_from_ssd(plan):
+                    break  # nothing written (unreadable copies, a full store): not again now
+        finally:
+            self._copying_ssd = False
+
+    async def _copy_from_ssd(self, blocks: list[Block]) -> int:
+        """Read held SSD copies and write them here; the store marks the written ones.
+        How many were written."""
+        assert self.ssd_read is not None
+        ok = [False] * len(blocks)
+        try:
+            by_ns: dict[Namespace, list[int]] = {}
+            for i, b in enumerate(blocks):
+                by_ns.setdefault(b.ns, []).append(i)
+            for ns, indexes in by_ns.items():
+                size = ns.block_bytes
+                scratch = memoryview(bytearray(size * len(indexes)))
+                views = [scratch[j * size:(j + 1) * size] for j in range(len(indexes))]
+                read = await self.ssd_read([blocks[i] for i in indexes], views)
+                good = [(i, v) for i, v, r in zip(indexes, views, read) if r]
+                if not good or not self.healthy:
+                    continue
+                try:
+                    async with self.transfers.slot(len(good) * size, default_tenant=ns.tenant):
+                        async with self._gate:
+                            written = await self.backend.put(
+                                ns.id, [blocks[i].key for i, _ in good], [v for _, v in good])
+                except KVStoreError as exc:
+                    self._failed("write-back", exc)
+                    continue
+                for (i, _), w in zip(good, written):
+                    ok[i] = w
+                self.counters["writes"] += sum(written)
+                self.counters["write_backs"] += sum(written)
+                self.counters["write_bytes"] += sum(written) * size
+        finally:
+            self.store.ssd_write_back_done(blocks, ok)
+        return sum(ok)
+
     async def room_coming(self, timeout: float = 0.5) -> None:
         """Wait (a little) for write-backs under way to free DRAM."""
         self._written_back.clear()
@@ -270,6 +323,7 @@ class RemoteTier:
         out: dict[str, Any] = dict(self.counters)
         out["backend"] = self.name
         out["healthy"] = self.healthy
+        out["copying_from_ssd"] = self._copying_ssd
         out["corrupt_values"] = self.backend.counters.corrupt_values
         out["timeouts"] = self.backend.counters.timeouts
         return out

@@ -190,6 +190,9 @@ class Server:
                 if self.ssd is not None and self.remote.write_back:
                     self.ssd.remote_writer = self.remote.demote
                     self.remote.on_written = self.ssd.room_freed
+                    self.ssd.on_written = self.remote.ssd_written
+                    self.remote.ssd_read = self.ssd.read_copies
+                    self.store.track_unsent_ssd_copies()  # restored ones: sent again
             except BaseException:
                 if self.ssd is not None:
                     self.ssd.close()

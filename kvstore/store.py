@@ -40,11 +40,12 @@ from kvstore.errors import (
 from kvstore.gpu_copies import GpuCopies
 from kvstore.identity import Identity
 from kvstore.pool import SlabClass, SlabPool
-from kvstore.scheduler.eviction import EvictionPolicy, WarmPins, make_policy
+from kvstore.scheduler.eviction import EvictionPolicy, LRUPolicy, WarmPins, make_policy
 
 Owner = Hashable
 DRAM = "dram"
 SSD = "ssd"
+_CLEAN_VICTIM_REACH = 64  # SSD copies looked at for one the remote store also holds
 
 
 class Block:
@@ -200,6 +201,7 @@ class Counters:
     checksum_failures: int = 0
     dropped_on_eviction: int = 0
     remote_writebacks: int = 0
+    ssd_evicted_unwritten: int = 0  # SSD-only copies evicted that the remote store lacked
 
 
 @dataclass(frozen=True)
@@ -299,6 +301,8 @@ class BlockStore:
         # or no remote tier).  DRAM-only blocks it lacks are written there before eviction.
         self.remote_write_back: Callable[[], bool] | None = None
         self.remote_demoting: set[Block] = set()
+        # SSD copies the remote store may lack, per SSD slot size, oldest write first
+        self._ssd_unsent: dict[int, dict[Block, None]] = {}
         self.allow_evict = True   # the pressure policy's steps: drop cold blocks,
         self.allow_demote = True  # move cold blocks down to SSD
         self._hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
@@ -603,8 +607,7 @@ class BlockStore:
                    for b in t.blocks) or any(mine(b) for b in self.remote_demoting)
 
     def _remote_dirty(self, block: Block) -> bool:
-        return (self.remote_write_back is not None and not block.remote
-                and self.remote_write_back())
+        return not block.remote and self._remote_writing_back()
 
     def finish_remote_write(self, blocks: list[Block], ok: list[bool]) -> None:
         """The write-back of demoting blocks to the remote store ended: the written ones
@@ -814,6 +817,7 @@ class BlockStore:
         cls = ns.ssd_cls
         assert block.ssd_offset is not None and self.ssd is not None and cls is not None
         self.ssd.policy(cls).remove(block)
+        self._ssd_unsent.get(cls.slot_bytes, {}).pop(block, None)
         self.ssd.pool.free(cls, [block.ssd_offset])
         block.ssd_offset = None
         block.ssd_record = None
@@ -911,13 +915,17 @@ class BlockStore:
                 return b.offset is not None or b.children == 0
 
             while pool.available(cls) < len(group):
-                victim = policy.pop_victim(allowed)
+                victim = self._clean_ssd_victim(policy, allowed)
+                if victim is None:
+                    victim = policy.pop_victim(allowed)
                 if victim is None:
                     if offsets:
                         self._free_ssd_offsets(blocks[: len(offsets)], offsets)
                     raise CapacityError(
                         f"the ssd tier has no room for {len(group)} blocks of "
                         f"{cls.slot_bytes} bytes")
+                if victim.offset is None and self._remote_dirty(victim):
+                    self.counters.ssd_evicted_unwritten += 1  # its last copy goes
                 removed.append(self._drop_ssd_copy(victim))
                 self.counters.ssd_evictions += 1
             got = pool.allocate(cls, len(group))
@@ -957,6 +965,8 @@ class BlockStore:
                 self.ssd.policy(cls).insert(b)
                 self.ssd_committed_slots += 1
                 self._dirty.get(b.ns.cls, {}).pop(b, None)
+                if not b.remote:
+                    self._ssd_unsent.setdefault(cls.slot_bytes, {})[b] = None
                 self.counters.ssd_writes += 1
                 self.counters.demotions += demote
             if not demote:
@@ -1000,6 +1010,74 @@ class BlockStore:
                 if b.refs == 0 and not b.demoting and self._admitted(b):
                     plan.append(b)
         return plan
+
+    def _clean_ssd_victim(self, policy: EvictionPolicy[Block],
+                          allowed: Callable[[Block], bool]) -> Block | None:
+        """In the remote store's write-back mode, an SSD victim among the coldest few
+        that the remote store holds too, taken off the order; None if there is none (or
+        no such mode): the plain victim then."""
+        if not (isinstance(policy, LRUPolicy) and self._remote_writing_back()):
+            return None
+        for b in itertools.islice(policy.coldest(), _CLEAN_VICTIM_REACH):
+            if b.remote and allowed(b):
+                policy.remove(b)
+                return b
+        return None
+
+    def _remote_writing_back(self) -> bool:
+        return self.remote_write_back is not None and self.remote_write_back()
+
+    def ssd_write_back_plan(self, reach: float = 0.125,
+                            max_bytes: int = 16 << 20) -> list[Block]:
+        """SSD copies near eviction that the remote store lacks (its write-back mode, where
+        the SSD tier is the last local one).  In each SSD class whose free slots are fewer
+        than its window (a ``reach`` share of its slots, at least 64), the oldest-written
+        unsent copies, until the window's worth of the oldest are sent (up to
+        ``max_bytes`` at a time; the copies eviction takes first are those, see
+        :meth:`_clean_ssd_victim`).  Their SSD copies are held until
+        :meth:`ssd_write_back_done`.  O(blocks planned)."""
+        if self.ssd is None or not self._remote_writing_back():
+            return []
+        plan: list[Block] = []
+        size = 0
+        for slot_bytes, unsent in self._ssd_unsent.items():
+            if plan and size >= max_bytes:
+                break
+            held = len(self.ssd.policies[slot_bytes])
+            free = self.ssd.pool.available(self.ssd.pool.classes[slot_bytes])
+            window = max(_CLEAN_VICTIM_REACH, int(reach * (held + free)))
+            excess = len(unsent) - max(0, held - max(0, window - free))
+            for b in list(itertools.islice(unsent, max(0, excess))):
+                if b.remote or b.ssd_offset is None:
+                    del unsent[b]  # sent, or gone, another way
+                elif b.ssd_holds == 0:
+                    if plan and size + b.ns.block_bytes > max_bytes:
+                        break
+                    plan.append(b)
+                    size += b.ns.block_bytes
+        for b in plan:
+            b.ssd_holds += 1
+        return plan
+
+    def track_unsent_ssd_copies(self) -> None:
+        """Every SSD copy counts as unsent (a restart forgot what the remote store holds)."""
+        if self.ssd is None:
+            return
+        for slot_bytes, policy in self.ssd.policies.items():
+            unsent = self._ssd_unsent.setdefault(slot_bytes, {})
+            for b in policy.evictable():
+                if not b.remote:
+                    unsent[b] = None
+
+    def ssd_write_back_done(self, blocks: list[Block], ok: list[bool]) -> None:
+        """The remote write of :meth:`ssd_write_back_plan`'s blocks ended."""
+        for b, good in zip(blocks, ok):
+            if good:
+                b.remote = True
+                self.counters.remote_writebacks += 1
+                if b.ns.ssd_cls is not None:
+                    self._ssd_unsent.get(b.ns.ssd_cls.slot_bytes, {}).pop(b, None)
+            self._unhold(b, False)
 
     def write_through_candidates(self, blocks: Iterable[Block]) -> list[Block]:
         """Newly committed blocks the SSD tier should copy now (write-through)."""
@@ -1169,6 +1247,7 @@ class BlockStore:
                 "tail_waste": spool.tail_waste_bytes(),
                 "empty_slabs": spool.empty_slabs,
                 "evictions": c.ssd_evictions,
+                "evicted_unwritten": c.ssd_evicted_unwritten,
                 "demotions": c.demotions,
                 "writes": c.ssd_writes,
                 "checksum_failures": c.checksum_failures,

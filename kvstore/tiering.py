@@ -60,6 +60,7 @@ class SsdMover:
         self._demotions_done = asyncio.Event()
         # the remote tier's write-back, for victims no SSD copy will keep
         self.remote_writer: Callable[[list[Block]], Coroutine[Any, Any, None]] | None = None
+        self.on_written: Callable[[], None] | None = None  # blocks reached SSD
         self.errors = 0
         self.metrics: Any = None  # the daemon's Metrics, for transfer bytes and latency
 
@@ -146,6 +147,8 @@ class SsdMover:
                 view.release()
             self.store.finish_ssd_write(t, written)
             ok = True
+            if self.on_written is not None:
+                self.on_written()
         except KVStoreError as exc:
             self.errors += 1
             log.warning("writing %d blocks to ssd failed: %s; ssd writes pause for %gs, "
@@ -212,6 +215,19 @@ class SsdMover:
                 future = self._promoting.pop(b)
                 if not future.done():
                     future.set_result(None)
+
+    async def read_copies(self, blocks: list[Block], views: list[memoryview]) -> list[bool]:
+        """Read held SSD copies into ``views`` (buffers of the caller's, not DRAM slots),
+        as a write-back transfer; which reads succeeded (a bad one is a miss)."""
+        nbytes = sum(len(v) for v in views)
+        try:
+            async with self.gate.slot(nbytes, default_kind=TransferKind.WRITEBACK,
+                                      default_tenant=blocks[0].ns.tenant):
+                return await self.engine.read_many([b.ssd_record for b in blocks], views)
+        except KVStoreError as exc:
+            self.errors += 1
+            log.warning("reading %d blocks from ssd failed: %s", len(blocks), exc)
+            return [False] * len(blocks)
 
     # -- background work ------------------------------------------------------------------
     def committed(self, blocks: Iterable[Block]) -> None:

@@ -107,6 +107,11 @@ class LRUPolicy(EvictionPolicy[T]):
     def evictable(self) -> Iterator[T]:
         return iter(list(self._order))
 
+    def coldest(self) -> Iterator[T]:
+        """The evictable items, the next victim first (live: do not change the policy
+        while iterating)."""
+        return iter(self._order)
+
     def __len__(self) -> int:
         return len(self._order)
 

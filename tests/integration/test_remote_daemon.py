@@ -201,3 +201,33 @@ def test_write_back_takes_what_the_ssd_tier_declines(
         for keys in chains:
             assert ns.get(keys) == [content(k) for k in keys]
         assert client.stats()["invariant_violations"] == 0
+
+
+def test_write_back_takes_what_the_ssd_tier_evicts(
+        redis_server: RedisServer, remote_daemon_factory: Any) -> None:
+    """DRAM holds 16 blocks and SSD 32: the SSD tier is the last local one, so its copies
+    nearest eviction are written back to the remote store first, and nothing put is
+    lost when SSD evicts."""
+    d = remote_daemon_factory(redis_server.url, dram_capacity=str(16 * IDENT.block_bytes),
+                              ssd_capacity=str(32 * IDENT.block_bytes),
+                              extra=["--slab-size", str(16 * IDENT.block_bytes),
+                                     "--remote-write-policy", "write-back"],
+                              env={"KVSTORE_SSD_SLAB_SIZE": str(16 * IDENT.block_bytes)})
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        chains = []
+        for i in range(25):                                       # 100 blocks
+            keys = ns.keys(range(7_000_000 + 1000 * i, 7_000_000 + 1000 * i + 16 * 4))
+            ns.put(keys, [content(k) for k in keys])
+            chains.append(keys)
+            wait_for(lambda: not remote_stats(client)["copying_from_ssd"], "the ssd copier")
+        stats = client.stats()
+        ssd = stats["tiers"]["ssd"]
+        assert ssd["evictions"] >= 100 - 16 - 32
+        assert ssd["evicted_unwritten"] == 0
+        assert stats["remote"]["write_backs"] >= ssd["evictions"]
+        first = chains[0]
+        assert ns.lookup(first).tiers == ["remote"] * 4            # gone from both tiers
+        for keys in chains:
+            assert ns.get(keys) == [content(k) for k in keys]
+        assert client.stats()["invariant_violations"] == 0
