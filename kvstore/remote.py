@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any
@@ -259,21 +260,19 @@ class RemoteTier:
                 by_ns.setdefault(b.ns, []).append(i)
             for ns, indexes in by_ns.items():
                 size = ns.block_bytes
-                scratch = memoryview(bytearray(size * len(indexes)))
-                views = [scratch[j * size:(j + 1) * size] for j in range(len(indexes))]
-                read = await self.ssd_read([blocks[i] for i in indexes], views)
-                good = [(i, v) for i, v, r in zip(indexes, views, read) if r]
-                if not good or not self.healthy:
+                # page-aligned, so the SSD tier can read into it directly (O_DIRECT)
+                with mmap.mmap(-1, size * len(indexes)) as scratch:
+                    whole = memoryview(scratch)
+                    views = [whole[j * size:(j + 1) * size] for j in range(len(indexes))]
+                    try:
+                        written = await self._send_copies(ns, [blocks[i] for i in indexes],
+                                                          views)
+                    finally:
+                        for view in (*views, whole):
+                            view.release()
+                if written is None:
                     continue
-                try:
-                    async with self.transfers.slot(len(good) * size, default_tenant=ns.tenant):
-                        async with self._gate:
-                            written = await self.backend.put(
-                                ns.id, [blocks[i].key for i, _ in good], [v for _, v in good])
-                except KVStoreError as exc:
-                    self._failed("write-back", exc)
-                    continue
-                for (i, _), w in zip(good, written):
+                for i, w in zip(indexes, written):
                     ok[i] = w
                 self.counters["writes"] += sum(written)
                 self.counters["write_backs"] += sum(written)
@@ -281,6 +280,28 @@ class RemoteTier:
         finally:
             self.store.ssd_write_back_done(blocks, ok)
         return sum(ok)
+
+    async def _send_copies(self, ns: Namespace, blocks: list[Block],
+                           views: list[memoryview]) -> list[bool] | None:
+        """Read SSD copies into ``views`` and put the good ones here; per block, whether
+        it was written (None if the remote store failed)."""
+        assert self.ssd_read is not None
+        read = await self.ssd_read(blocks, views)
+        good = [i for i, r in enumerate(read) if r]
+        written = [False] * len(blocks)
+        if not good or not self.healthy:
+            return written
+        try:
+            async with self.transfers.slot(len(good) * ns.block_bytes, default_tenant=ns.tenant):
+                async with self._gate:
+                    put = await self.backend.put(ns.id, [blocks[i].key for i in good],
+                                                 [views[i] for i in good])
+        except KVStoreError as exc:
+            self._failed("write-back", exc)
+            return None
+        for i, w in zip(good, put):
+            written[i] = w
+        return written
 
     async def room_coming(self, timeout: float = 0.5) -> None:
         """Wait (a little) for write-backs under way to free DRAM."""

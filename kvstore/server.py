@@ -193,6 +193,7 @@ class Server:
                     self.ssd.on_written = self.remote.ssd_written
                     self.remote.ssd_read = self.ssd.read_copies
                     self.store.track_unsent_ssd_copies()  # restored ones: sent again
+                    self._loop.call_soon(self.remote.ssd_written)  # before SSD fills more
             except BaseException:
                 if self.ssd is not None:
                     self.ssd.close()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -1018,9 +1018,10 @@ class BlockStore:
         no such mode): the plain victim then."""
         if not (isinstance(policy, LRUPolicy) and self._remote_writing_back()):
             return None
-        for b in itertools.islice(policy.coldest(), _CLEAN_VICTIM_REACH):
+        coldest: Iterator[Block] = policy.coldest()
+        for b in itertools.islice(coldest, _CLEAN_VICTIM_REACH):
             if b.remote and allowed(b):
-                policy.remove(b)
+                policy.remove(b)  # the iteration ends here: no change while it runs
                 return b
         return None
 

@@ -204,30 +204,50 @@ def test_write_back_takes_what_the_ssd_tier_declines(
 
 
 def test_write_back_takes_what_the_ssd_tier_evicts(
-        redis_server: RedisServer, remote_daemon_factory: Any) -> None:
+        fresh_redis_server: RedisServer, remote_daemon_factory: Any) -> None:
     """DRAM holds 16 blocks and SSD 32: the SSD tier is the last local one, so its copies
     nearest eviction are written back to the remote store first, and nothing put is
-    lost when SSD evicts."""
-    d = remote_daemon_factory(redis_server.url, dram_capacity=str(16 * IDENT.block_bytes),
+    lost when SSD evicts; after a restart (and a remote store that lost everything) the
+    restored SSD copies count as unsent again."""
+    import redis
+
+    d = remote_daemon_factory(fresh_redis_server.url, dram_capacity=str(16 * IDENT.block_bytes),
                               ssd_capacity=str(32 * IDENT.block_bytes),
                               extra=["--slab-size", str(16 * IDENT.block_bytes),
                                      "--remote-write-policy", "write-back"],
                               env={"KVSTORE_SSD_SLAB_SIZE": str(16 * IDENT.block_bytes)})
-    with Client(d.endpoint, tenant="acme") as client:
+
+    def put_chains(client: Client, base: int, count: int) -> list[list[bytes]]:
         ns = client.namespace(IDENT)
         chains = []
-        for i in range(25):                                       # 100 blocks
-            keys = ns.keys(range(7_000_000 + 1000 * i, 7_000_000 + 1000 * i + 16 * 4))
+        for i in range(count):
+            keys = ns.keys(range(base + 1000 * i, base + 1000 * i + 16 * 4))
             ns.put(keys, [content(k) for k in keys])
             chains.append(keys)
             wait_for(lambda: not remote_stats(client)["copying_from_ssd"], "the ssd copier")
+        return chains
+
+    def check(client: Client, chains: list[list[bytes]], evicted_at_least: int) -> None:
         stats = client.stats()
         ssd = stats["tiers"]["ssd"]
-        assert ssd["evictions"] >= 100 - 16 - 32
+        assert ssd["evictions"] >= evicted_at_least
         assert ssd["evicted_unwritten"] == 0
         assert stats["remote"]["write_backs"] >= ssd["evictions"]
-        first = chains[0]
-        assert ns.lookup(first).tiers == ["remote"] * 4            # gone from both tiers
+        ns = client.namespace(IDENT)
+        assert ns.lookup(chains[0]).tiers == ["remote"] * 4       # gone from both tiers
         for keys in chains:
             assert ns.get(keys) == [content(k) for k in keys]
         assert client.stats()["invariant_violations"] == 0
+
+    with Client(d.endpoint, tenant="acme") as client:
+        chains = put_chains(client, 7_000_000, 25)                # 100 blocks
+        check(client, chains, 100 - 16 - 32)
+    d.stop()
+    redis.Redis(host="127.0.0.1", port=fresh_redis_server.port).flushall()
+    d.start()
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        restored = [keys for keys in chains if ns.lookup(keys).tiers == ["ssd"] * 4]
+        assert len(restored) >= 4
+        more = put_chains(client, 8_000_000, 16)                  # 64 more: SSD turns over
+        check(client, restored + more, 64 - 16)
