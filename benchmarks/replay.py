@@ -26,6 +26,9 @@ cacheable blocks):
   for block hits under these rules (bypass allowed).
 - ``belady-ins``: the same without bypass: it must cache every block it can, as the
   policies must.
+- ``rate+oracle``: evicts the block with the fewest references left per request left
+  (as of its last use): what a perfect predictor of each block's popularity, but not of
+  *when* it returns, buys.
 - ``lru+oracle``: LRU told which blocks are never asked for again (they go coldest at
   once): what a perfect predictor of *whether* a block is reused, but not *when*, buys.
 - ``infinite``: nothing is ever evicted (the share of references that repeat an id).
@@ -64,6 +67,7 @@ queue, ARC's B1/B2).  The last is most of the gap.
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
 import os
 import signal
@@ -72,7 +76,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol, Self
@@ -301,6 +305,94 @@ class OracleCache(PolicyCache):
                 last_use[key] = index
         self._clock = [-1]
         super().__init__(OracleAdmitLRU(last_use, self._clock), capacity)
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        self._clock[0] += 1
+        return super().lookup(keys)
+
+
+class RateOracle(EvictionPolicy[Hashable]):
+    """Evicts the block with the fewest references left per request left in the trace,
+    as of its last use (ties: the least recently used).  Not an online policy: a bound on
+    what a perfect predictor of each block's *popularity* (but not of when it comes back)
+    buys.  Leaf-first as the store asks: blocks it may not take yet are passed over."""
+
+    def __init__(self, uses: dict[Hashable, list[int]], requests: int,
+                 clock: list[int]) -> None:
+        self._uses = uses
+        self._requests = requests
+        self._clock = clock
+        self._priority: dict[Hashable, tuple[float, int]] = {}  # resident blocks
+        self._pinned: set[Hashable] = set()
+        self._heap: list[tuple[float, int, Hashable]] = []
+        self._tick = 0
+
+    def _rank(self, item: Hashable) -> None:
+        now = self._clock[0]
+        uses = self._uses[item]
+        left = len(uses) - bisect.bisect_right(uses, now)
+        self._tick += 1
+        key = (left / max(1, self._requests - now), self._tick)
+        self._priority[item] = key
+        if item not in self._pinned:
+            heapq.heappush(self._heap, (*key, item))
+
+    def insert(self, item: Hashable) -> None:
+        self._rank(item)
+
+    def access(self, item: Hashable) -> None:
+        if item in self._priority:
+            self._rank(item)
+
+    def pin(self, item: Hashable) -> None:
+        self._pinned.add(item)
+
+    def unpin(self, item: Hashable) -> None:
+        self._pinned.discard(item)
+        if item in self._priority:
+            heapq.heappush(self._heap, (*self._priority[item], item))
+
+    def remove(self, item: Hashable) -> None:
+        self._priority.pop(item, None)
+        self._pinned.discard(item)
+
+    def pop_victim(self, allowed: Callable[[Hashable], bool]) -> Hashable | None:
+        passed = []
+        victim = None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            rate, tick, item = entry
+            if self._priority.get(item) != (rate, tick) or item in self._pinned:
+                continue  # stale
+            if allowed(item):
+                victim = item
+                break
+            passed.append(entry)
+        for entry in passed:
+            heapq.heappush(self._heap, entry)
+        if victim is not None:
+            del self._priority[victim]
+        return victim
+
+    def evictable(self) -> Iterator[Hashable]:
+        return iter([i for i in self._priority if i not in self._pinned])
+
+    def __len__(self) -> int:
+        return len(self._priority) - len(self._pinned & self._priority.keys())
+
+
+class RateOracleCache(PolicyCache):
+    """A PolicyCache over :class:`RateOracle`, keeping its clock."""
+
+    def __init__(self, trace: Sequence[TraceRequest], capacity: int) -> None:
+        uses: dict[Hashable, list[int]] = {}
+        for index, request in enumerate(trace):
+            for key in request.hash_ids:
+                times = uses.setdefault(key, [])
+                if not times or times[-1] != index:
+                    times.append(index)
+        self._clock = [-1]
+        super().__init__(RateOracle(uses, len(trace), self._clock), capacity)
 
     def lookup(self, keys: Sequence[int]) -> int:
         self._clock[0] += 1
@@ -637,6 +729,8 @@ def run_sim(
         rows.append((share, capacity, "belady", replay(trace, BeladyCache(trace, capacity))))
         must_insert = BeladyCache(trace, capacity, bypass=False)
         rows.append((share, capacity, "belady-ins", replay(trace, must_insert)))
+        rows.append((share, capacity, "rate+oracle",
+                     replay(trace, RateOracleCache(trace, capacity))))
         rows.append((share, capacity, "lru+oracle", replay(trace, OracleCache(trace, capacity))))
         for name in policies:
             cache = PolicyCache(POLICIES[name](), capacity, touches)

@@ -80,8 +80,25 @@ def test_bounds_order_and_prefix_closure_on_a_random_tree(name: str) -> None:
         must_cache = _block_hits(trace, replay.BeladyCache(trace, capacity, bypass=False))
         infinite = _block_hits(trace, replay.InfiniteCache())
         oracle = _block_hits(trace, replay.OracleCache(trace, capacity))
+        rate = _block_hits(trace, replay.RateOracleCache(trace, capacity))
         assert policy <= must_cache <= best <= infinite
         assert oracle <= must_cache   # knowing whether a block returns, not when
+        assert rate <= must_cache     # knowing how often, not when
+
+
+def test_rate_oracle_keeps_the_popular_chain() -> None:
+    """A chain asked for every other request and a chain asked for twice, with one-time
+    chains between: at a capacity that holds one of them beside the one-time chain, the
+    popularity oracle keeps the popular one and gives up the rare one."""
+    popular, rare = [1, 2, 3], [11, 12, 13]
+    trace = [_request(rare)]
+    fresh = 100
+    for i in range(40):
+        trace.append(_request(popular if i % 2 else list(range(fresh, fresh + 3))))
+        fresh += 3
+    trace.append(_request(rare))
+    rate = replay.replay(trace, replay.RateOracleCache(trace, 6))
+    assert rate.hit_blocks == 3 * 19  # every repeat of the popular chain, not the rare one
 
 
 def test_token_hits_count_the_partial_last_block() -> None:
@@ -96,8 +113,8 @@ def test_token_hits_count_the_partial_last_block() -> None:
 def test_format_table_puts_ratios_against_belady() -> None:
     trace = _scan_plus_hot_set()[:200]
     rows = replay.run_sim(trace, [0.05], ["lru", "s3fifo"])
-    assert [row[2] for row in rows] == ["belady", "belady-ins", "lru+oracle", "lru", "s3fifo",
-                                        "infinite"]
+    assert [row[2] for row in rows] == ["belady", "belady-ins", "rate+oracle", "lru+oracle",
+                                        "lru", "s3fifo", "infinite"]
     table = replay.format_table(rows)
     assert "belady" in table and "1.000" in table
 
