@@ -181,53 +181,52 @@ class RemoteTier:
             return
         views = [self.slot(ns, off) for off in pin.offsets]
         try:
-            async with self.transfers.slot(len(views) * ns.block_bytes,
-                                           default_tenant=ns.tenant):
-                async with self._gate:
-                    ok = await self.backend.put(ns.id, [b.key for b in blocks], views)
-            for b, good in zip(blocks, ok):
+            ok = await self._send(ns, [b.key for b in blocks], views, "write",
+                                  write_back=self.write_back)
+            for b, good in zip(blocks, ok or ()):
                 b.remote = b.remote or good
-            if self.write_back:
-                self.counters["write_backs"] += sum(ok)
-            self.counters["writes"] += sum(ok)
-            self.counters["write_bytes"] += sum(ok) * ns.block_bytes
-        except KVStoreError as exc:
-            self._failed("write", exc)
         finally:
             for view in views:
                 view.release()
             self.store.release(_OWNER, pin.id)
+
+    async def _send(self, ns: Namespace, keys: list[bytes], views: Sequence[memoryview],
+                    what: str, *, write_back: bool) -> list[bool] | None:
+        """Put values here, through the transfer queues and within the concurrency bound;
+        per key whether it was written, or None if the remote store failed (counted, and
+        the tier marked unhealthy)."""
+        try:
+            async with self.transfers.slot(len(views) * ns.block_bytes,
+                                           default_tenant=ns.tenant), self._gate:
+                written = await self.backend.put(ns.id, keys, views)
+        except KVStoreError as exc:
+            self._failed(what, exc)
+            return None
+        n = sum(written)
+        self.counters["writes"] += n
+        self.counters["write_bytes"] += n * ns.block_bytes
+        if write_back:
+            self.counters["write_backs"] += n
+        return written
 
     async def demote(self, blocks: list[Block]) -> None:
         """Write back blocks DRAM is about to evict (the store marked them demoting), then
         let the store drop the written ones; those that failed stay in DRAM."""
         ok = [False] * len(blocks)
         try:
-            by_ns: dict[Namespace, list[int]] = {}
-            for i, b in enumerate(blocks):
-                by_ns.setdefault(b.ns, []).append(i)
-            for ns, indexes in by_ns.items():
+            for ns, indexes in _by_namespace(blocks).items():
                 group = [blocks[i] for i in indexes]
                 views = [self.slot(ns, b.offset) for b in group if b.offset is not None]
-                if len(views) != len(group) or not self.healthy:
-                    continue
                 try:
-                    async with self.transfers.slot(len(group) * ns.block_bytes,
-                                                   default_tenant=ns.tenant):
-                        async with self._gate:
-                            written = await self.backend.put(ns.id, [b.key for b in group],
-                                                             views)
-                except KVStoreError as exc:
-                    self._failed("write-back", exc)
-                    continue
+                    if len(views) != len(group) or not self.healthy:
+                        continue
+                    written = await self._send(ns, [b.key for b in group], views,
+                                               "write-back", write_back=True)
                 finally:
                     for view in views:
                         view.release()
-                for i, good in zip(indexes, written):
+                for i, good in zip(indexes, written or ()):
                     ok[i] = good
-                self.counters["writes"] += sum(written)
-                self.counters["write_backs"] += sum(written)
-                self.counters["write_bytes"] += sum(written) * ns.block_bytes
         finally:
             self.store.finish_remote_write(blocks, ok)
             self._written_back.set()
@@ -255,10 +254,7 @@ class RemoteTier:
         assert self.ssd_read is not None
         ok = [False] * len(blocks)
         try:
-            by_ns: dict[Namespace, list[int]] = {}
-            for i, b in enumerate(blocks):
-                by_ns.setdefault(b.ns, []).append(i)
-            for ns, indexes in by_ns.items():
+            for ns, indexes in _by_namespace(blocks).items():
                 size = ns.block_bytes
                 # page-aligned, so the SSD tier can read into it directly (O_DIRECT)
                 with mmap.mmap(-1, size * len(indexes)) as scratch:
@@ -270,36 +266,25 @@ class RemoteTier:
                     finally:
                         for view in (*views, whole):
                             view.release()
-                if written is None:
-                    continue
                 for i, w in zip(indexes, written):
                     ok[i] = w
-                self.counters["writes"] += sum(written)
-                self.counters["write_backs"] += sum(written)
-                self.counters["write_bytes"] += sum(written) * size
         finally:
             self.store.ssd_write_back_done(blocks, ok)
         return sum(ok)
 
     async def _send_copies(self, ns: Namespace, blocks: list[Block],
-                           views: list[memoryview]) -> list[bool] | None:
+                           views: list[memoryview]) -> list[bool]:
         """Read SSD copies into ``views`` and put the good ones here; per block, whether
-        it was written (None if the remote store failed)."""
+        it was written."""
         assert self.ssd_read is not None
         read = await self.ssd_read(blocks, views)
         good = [i for i, r in enumerate(read) if r]
         written = [False] * len(blocks)
         if not good or not self.healthy:
             return written
-        try:
-            async with self.transfers.slot(len(good) * ns.block_bytes, default_tenant=ns.tenant):
-                async with self._gate:
-                    put = await self.backend.put(ns.id, [blocks[i].key for i in good],
-                                                 [views[i] for i in good])
-        except KVStoreError as exc:
-            self._failed("write-back", exc)
-            return None
-        for i, w in zip(good, put):
+        put = await self._send(ns, [blocks[i].key for i in good], [views[i] for i in good],
+                               "write-back", write_back=True)
+        for i, w in zip(good, put or ()):
             written[i] = w
         return written
 
@@ -348,3 +333,11 @@ class RemoteTier:
         out["corrupt_values"] = self.backend.counters.corrupt_values
         out["timeouts"] = self.backend.counters.timeouts
         return out
+
+
+def _by_namespace(blocks: Sequence[Block]) -> dict[Namespace, list[int]]:
+    """The blocks' indexes, grouped by namespace (a backend call serves one)."""
+    groups: dict[Namespace, list[int]] = {}
+    for i, b in enumerate(blocks):
+        groups.setdefault(b.ns, []).append(i)
+    return groups
