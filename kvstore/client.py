@@ -453,10 +453,13 @@ class Client(_Session):
             # Posted releases must reach the daemon before the socket goes (it drops what
             # it has not sent), or their pins would stay until the session's lease ends.
             deadline = time.monotonic() + min(self.timeout, _CLOSE_WAIT_S)
-            while self._unread and (left := deadline - time.monotonic()) > 0:
-                if not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                    break
-                self._file(*self._receive())
+            try:
+                while self._unread and (left := deadline - time.monotonic()) > 0:
+                    if not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                        break
+                    self._file(*self._receive())
+            except (KVStoreError, zmq.ZMQError) as exc:
+                log.warning("closing without the replies to posted releases: %s", exc)
             self._sock.close(linger=0)
             self._sock = None
         self._ctx.term()

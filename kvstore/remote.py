@@ -64,7 +64,10 @@ class RemoteTier:
         # with an SSD tier (write-back mode): reads SSD copies into buffers of ours
         self.ssd_read: Callable[[list[Block], list[memoryview]],
                                 Awaitable[list[bool]]] | None = None
-        self._copying_ssd = False
+        self.on_ssd_dropped: Callable[[list[tuple[bytes, bytes]]], None] | None = None
+        self._ssd_copier: asyncio.Task[None] | None = None
+        self._ssd_retry_at = 0.0
+        self._stopping = False
         self._pending: list[Block] = []
         self._scheduled = False
         self.counters = {"writes": 0, "write_bytes": 0, "reads": 0, "read_bytes": 0,
@@ -236,57 +239,62 @@ class RemoteTier:
     def ssd_written(self) -> None:
         """Blocks reached the SSD tier: in write-back mode, where SSD is the last local
         tier, copy the SSD copies nearest eviction here before eviction drops them."""
-        if self.write_back and self.ssd_read is not None and not self._copying_ssd:
-            self._copying_ssd = True
-            self._spawn(self._write_back_ssd())
+        if (self.write_back and self.ssd_read is not None and self._ssd_copier is None
+                and not self._stopping and time.monotonic() >= self._ssd_retry_at):
+            self._ssd_copier = asyncio.get_running_loop().create_task(self._write_back_ssd())
+
+    async def stop_copying_ssd(self) -> None:
+        """On the way out: no more copies from SSD (the SSD tier keeps its own); waits
+        for the round under way, whose buffers a reading thread may still fill."""
+        self._stopping = True
+        if self._ssd_copier is not None:
+            await asyncio.wait({self._ssd_copier})
 
     async def _write_back_ssd(self) -> None:
         try:
-            while self.healthy and (plan := self.store.ssd_write_back_plan()):
+            while (not self._stopping and self.healthy
+                   and (plan := self.store.ssd_write_back_plan())):
                 if not await self._copy_from_ssd(plan):
-                    break  # nothing written (unreadable copies, a full store): not again now
+                    # nothing went (a full store, unreadable copies): not again for a while
+                    self._ssd_retry_at = time.monotonic() + self.cooldown
+                    break
         finally:
-            self._copying_ssd = False
+            self._ssd_copier = None
 
     async def _copy_from_ssd(self, blocks: list[Block]) -> int:
-        """Read held SSD copies and write them here; the store marks the written ones.
-        How many were written."""
+        """Read held SSD copies and write them here; the store marks the written ones and
+        drops those that could not be read.  How many were written."""
         assert self.ssd_read is not None
-        ok = [False] * len(blocks)
+        sent = [False] * len(blocks)
+        unreadable = [False] * len(blocks)
         try:
             for ns, indexes in _by_namespace(blocks).items():
                 size = ns.block_bytes
+                group = [blocks[i] for i in indexes]
                 # page-aligned, so the SSD tier can read into it directly (O_DIRECT)
                 with mmap.mmap(-1, size * len(indexes)) as scratch:
                     whole = memoryview(scratch)
                     views = [whole[j * size:(j + 1) * size] for j in range(len(indexes))]
                     try:
-                        written = await self._send_copies(ns, [blocks[i] for i in indexes],
-                                                          views)
+                        read = await self.ssd_read(group, views)
+                        for i, good in zip(indexes, read):
+                            unreadable[i] = not good
+                        good_ones = [j for j, r in enumerate(read) if r]
+                        if not good_ones or not self.healthy:
+                            continue
+                        written = await self._send(
+                            ns, [group[j].key for j in good_ones], [views[j] for j in good_ones],
+                            "write-back", write_back=True)
+                        for j, w in zip(good_ones, written or ()):
+                            sent[indexes[j]] = w
                     finally:
                         for view in (*views, whole):
                             view.release()
-                for i, w in zip(indexes, written):
-                    ok[i] = w
         finally:
-            self.store.ssd_write_back_done(blocks, ok)
-        return sum(ok)
-
-    async def _send_copies(self, ns: Namespace, blocks: list[Block],
-                           views: list[memoryview]) -> list[bool]:
-        """Read SSD copies into ``views`` and put the good ones here; per block, whether
-        it was written."""
-        assert self.ssd_read is not None
-        read = await self.ssd_read(blocks, views)
-        good = [i for i, r in enumerate(read) if r]
-        written = [False] * len(blocks)
-        if not good or not self.healthy:
-            return written
-        put = await self._send(ns, [blocks[i].key for i in good], [views[i] for i in good],
-                               "write-back", write_back=True)
-        for i, w in zip(good, put or ()):
-            written[i] = w
-        return written
+            removed = self.store.ssd_write_back_done(blocks, sent, unreadable)
+            if removed and self.on_ssd_dropped is not None:
+                self.on_ssd_dropped(removed)
+        return sum(sent)
 
     async def room_coming(self, timeout: float = 0.5) -> None:
         """Wait (a little) for write-backs under way to free DRAM."""
@@ -329,7 +337,7 @@ class RemoteTier:
         out: dict[str, Any] = dict(self.counters)
         out["backend"] = self.name
         out["healthy"] = self.healthy
-        out["copying_from_ssd"] = self._copying_ssd
+        out["copying_from_ssd"] = self._ssd_copier is not None
         out["corrupt_values"] = self.backend.counters.corrupt_values
         out["timeouts"] = self.backend.counters.timeouts
         return out

@@ -192,8 +192,8 @@ class Server:
                     self.remote.on_written = self.ssd.room_freed
                     self.ssd.on_written = self.remote.ssd_written
                     self.remote.ssd_read = self.ssd.read_copies
-                    self.store.track_unsent_ssd_copies()  # restored ones: sent again
-                    self._loop.call_soon(self.remote.ssd_written)  # before SSD fills more
+                    self.remote.on_ssd_dropped = self.ssd.removed
+                    self._loop.call_soon(self.remote.ssd_written)  # restored ones, too
             except BaseException:
                 if self.ssd is not None:
                     self.ssd.close()
@@ -276,6 +276,7 @@ class Server:
             await asyncio.wait(list(self._tasks), timeout=bound)
         if self.remote is not None:
             try:
+                await asyncio.wait_for(self.remote.stop_copying_ssd(), bound)
                 await asyncio.wait_for(self.remote.drain(), bound)
                 flushed = await asyncio.wait_for(self.remote.flush(), bound)
                 if flushed:
@@ -427,7 +428,8 @@ class Server:
             else:
                 session = self._session(routing_id)
                 tenant = session.tenant
-                self._admit(session)
+                if not isinstance(request, _NEVER_LIMITED):
+                    self._admit(session)  # a release or abort frees; it is never refused
                 self.store.touch_owner(session.id, self.clock())
                 handler = self.handlers[type(request)]
                 with serving(_TRANSFER_KIND.get(verb, TransferKind.WRITEBACK), tenant):
@@ -1056,6 +1058,7 @@ class Server:
 
 
 _DEFERRABLE = frozenset({"reserve", "put", "acquire", "get"})
+_NEVER_LIMITED = (p.Release, p.Abort)  # requests that give back what others wait for
 # The class of the copies a request starts (the rest, such as a put's demotions, are
 # write-back): reloads come first, an engine waits on them.
 _TRANSFER_KIND = {"acquire": TransferKind.RELOAD, "get": TransferKind.RELOAD,

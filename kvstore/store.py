@@ -46,6 +46,7 @@ Owner = Hashable
 DRAM = "dram"
 SSD = "ssd"
 _CLEAN_VICTIM_REACH = 64  # SSD copies looked at for one the remote store also holds
+_SEND_WINDOW_BYTES = 256 << 20  # the coldest SSD copies kept sent remotely (write-back)
 
 
 class Block:
@@ -301,8 +302,6 @@ class BlockStore:
         # or no remote tier).  DRAM-only blocks it lacks are written there before eviction.
         self.remote_write_back: Callable[[], bool] | None = None
         self.remote_demoting: set[Block] = set()
-        # SSD copies the remote store may lack, per SSD slot size, oldest write first
-        self._ssd_unsent: dict[int, dict[Block, None]] = {}
         self.allow_evict = True   # the pressure policy's steps: drop cold blocks,
         self.allow_demote = True  # move cold blocks down to SSD
         self._hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
@@ -817,7 +816,6 @@ class BlockStore:
         cls = ns.ssd_cls
         assert block.ssd_offset is not None and self.ssd is not None and cls is not None
         self.ssd.policy(cls).remove(block)
-        self._ssd_unsent.get(cls.slot_bytes, {}).pop(block, None)
         self.ssd.pool.free(cls, [block.ssd_offset])
         block.ssd_offset = None
         block.ssd_record = None
@@ -924,7 +922,8 @@ class BlockStore:
                     raise CapacityError(
                         f"the ssd tier has no room for {len(group)} blocks of "
                         f"{cls.slot_bytes} bytes")
-                if victim.offset is None and self._remote_dirty(victim):
+                if (victim.offset is None and not victim.remote
+                        and self.remote_write_back is not None):
                     self.counters.ssd_evicted_unwritten += 1  # its last copy goes
                 removed.append(self._drop_ssd_copy(victim))
                 self.counters.ssd_evictions += 1
@@ -965,8 +964,6 @@ class BlockStore:
                 self.ssd.policy(cls).insert(b)
                 self.ssd_committed_slots += 1
                 self._dirty.get(b.ns.cls, {}).pop(b, None)
-                if not b.remote:
-                    self._ssd_unsent.setdefault(cls.slot_bytes, {})[b] = None
                 self.counters.ssd_writes += 1
                 self.counters.demotions += demote
             if not demote:
@@ -1028,57 +1025,63 @@ class BlockStore:
     def _remote_writing_back(self) -> bool:
         return self.remote_write_back is not None and self.remote_write_back()
 
-    def ssd_write_back_plan(self, reach: float = 0.125,
-                            max_bytes: int = 16 << 20) -> list[Block]:
+    def ssd_write_back_plan(self, max_bytes: int = 16 << 20) -> list[Block]:
         """SSD copies near eviction that the remote store lacks (its write-back mode, where
-        the SSD tier is the last local one).  In each SSD class whose free slots are fewer
-        than its window (a ``reach`` share of its slots, at least 64), the oldest-written
-        unsent copies, until the window's worth of the oldest are sent (up to
-        ``max_bytes`` at a time; the copies eviction takes first are those, see
-        :meth:`_clean_ssd_victim`).  Their SSD copies are held until
-        :meth:`ssd_write_back_done`.  O(blocks planned)."""
+        the SSD tier is the last local one): in each SSD class with fewer free slots than
+        its window (``_SEND_WINDOW_BYTES`` of slots, or an eighth of the class if less,
+        but at least twice what eviction looks through for a sent copy), those among
+        its coldest window of copies, coldest first, up to ``max_bytes`` and never more
+        than half of the class's evictable copies (eviction needs the others).  Their SSD
+        copies are held until :meth:`ssd_write_back_done`.  Costs at most a window's walk
+        along the eviction order."""
         if self.ssd is None or not self._remote_writing_back():
             return []
         plan: list[Block] = []
         size = 0
-        for slot_bytes, unsent in self._ssd_unsent.items():
-            if plan and size >= max_bytes:
-                break
-            held = len(self.ssd.policies[slot_bytes])
+        for slot_bytes, policy in self.ssd.policies.items():
+            if not isinstance(policy, LRUPolicy):
+                continue  # the SSD tier's order is LRU; only an order says what is coldest
+            evictable = len(policy)
             free = self.ssd.pool.available(self.ssd.pool.classes[slot_bytes])
-            window = max(_CLEAN_VICTIM_REACH, int(reach * (held + free)))
-            excess = len(unsent) - max(0, held - max(0, window - free))
-            for b in list(itertools.islice(unsent, max(0, excess))):
-                if b.remote or b.ssd_offset is None:
-                    del unsent[b]  # sent, or gone, another way
-                elif b.ssd_holds == 0:
-                    if plan and size + b.ns.block_bytes > max_bytes:
-                        break
+            window = max(2 * _CLEAN_VICTIM_REACH,
+                         min(_SEND_WINDOW_BYTES // slot_bytes, (evictable + free) // 8))
+            if free >= window:
+                continue
+            coldest: Iterator[Block] = policy.coldest()
+            taken = 0
+            for b in itertools.islice(coldest, window - free):
+                if size >= max_bytes or taken >= evictable // 2:
+                    break
+                if not b.remote and b.ssd_holds == 0:
                     plan.append(b)
                     size += b.ns.block_bytes
+                    taken += 1
         for b in plan:
             b.ssd_holds += 1
         return plan
 
-    def track_unsent_ssd_copies(self) -> None:
-        """Every SSD copy counts as unsent (a restart forgot what the remote store holds)."""
-        if self.ssd is None:
-            return
-        for slot_bytes, policy in self.ssd.policies.items():
-            unsent = self._ssd_unsent.setdefault(slot_bytes, {})
-            for b in policy.evictable():
-                if not b.remote:
-                    unsent[b] = None
-
-    def ssd_write_back_done(self, blocks: list[Block], ok: list[bool]) -> None:
-        """The remote write of :meth:`ssd_write_back_plan`'s blocks ended."""
-        for b, good in zip(blocks, ok):
-            if good:
+    def ssd_write_back_done(self, blocks: list[Block], sent: list[bool],
+                            unreadable: list[bool]) -> list[tuple[bytes, bytes]]:
+        """The blocks of :meth:`ssd_write_back_plan` were sent (``sent``), or not.  A copy
+        whose read failed (``unreadable``) is corrupt on disk and goes, as a failed
+        promotion's does; returns the SSD copies dropped, to withdraw from the index."""
+        removed: list[tuple[bytes, bytes]] = []
+        for b, done, bad in zip(blocks, sent, unreadable):
+            b.ssd_holds -= 1
+            if done:
                 b.remote = True
                 self.counters.remote_writebacks += 1
-                if b.ns.ssd_cls is not None:
-                    self._ssd_unsent.get(b.ns.ssd_cls.slot_bytes, {}).pop(b, None)
-            self._unhold(b, False)
+            elif bad and b.ssd_offset is not None and b.ssd_holds == 0:
+                self.counters.checksum_failures += 1
+                removed.append(self._drop_ssd_copy(b))
+                if not b.present and b.ns.blocks.get(b.key) is b:
+                    self._drop_subtree(b.ns, [b], removed)  # what hangs below is lost
+                if b.ns.blocks.get(b.key) is b and not b.present:
+                    self._hollow.add(b)  # something below is in use: drop it when released
+            self._forget_if_gone(b)
+        if self._hollow:
+            self._sweep_hollow()
+        return removed
 
     def write_through_candidates(self, blocks: Iterable[Block]) -> list[Block]:
         """Newly committed blocks the SSD tier should copy now (write-through)."""
