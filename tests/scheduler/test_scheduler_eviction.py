@@ -1,6 +1,6 @@
-"""Eviction policies: LRU and ARC against list models, every policy against the
+"""Eviction policies: LRU, ARC and SLRU against list models, every policy against the
 interface's invariants and against the store's double report of a hit, and the
-behaviour that makes S3-FIFO and ARC scan-resistant."""
+behaviour that makes S3-FIFO, ARC and SLRU scan-resistant."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from kvstore.scheduler.eviction import (
     EvictionPolicy,
     LRUPolicy,
     S3FIFOPolicy,
+    SLRUPolicy,
     WarmPins,
     make_policy,
 )
@@ -376,9 +377,9 @@ def test_arc_matches_a_list_model(history: list[tuple[str, int, int]]) -> None:
         assert list(policy.evictable()) == reference.t1 + reference.t2
 
 
-def test_default_policy_is_arc() -> None:
-    assert DEFAULT_POLICY == "arc"
-    assert isinstance(make_policy(DEFAULT_POLICY), ARCPolicy)
+def test_default_policy_is_slru() -> None:
+    assert DEFAULT_POLICY == "slru"
+    assert isinstance(make_policy(DEFAULT_POLICY), SLRUPolicy)
 
 
 def test_a_batch_of_evictions_keeps_the_ghosts_of_a_full_cache() -> None:
@@ -397,3 +398,125 @@ def test_a_batch_of_evictions_keeps_the_ghosts_of_a_full_cache() -> None:
         policy.insert(i)                      # a scan of ten new items
     taken = [policy.pop_victim(lambda _: True) for _ in range(10)]
     assert set(taken).isdisjoint(victims), taken
+
+
+class _ListSLRU:
+    """Adaptive segmented LRU written plainly over lists, the reference for SLRUPolicy
+    (ghost of at most 2x the cache size, recent window 0.25x, skip 3 here)."""
+
+    def __init__(self, skip: int) -> None:
+        self.skip = skip
+        self.probation: list[int] = []
+        self.protected: list[int] = []
+        self.segment: dict[int, bool] = {}  # item -> protected?
+        self.pinned: set[int] = set()
+        self.ghost: list[tuple[int, bool, int]] = []  # (item, from protected, count then)
+        self.evicted = {False: 0, True: 0}
+        self.c = 0
+        self.target = 0.0
+
+    def _queue(self, item: int) -> list[int]:
+        return self.protected if self.segment[item] else self.probation
+
+    def apply(self, verb: str, item: int, mask: int) -> int | None:
+        if verb == "insert" and item not in self.segment:
+            hit = next((g for g in self.ghost if g[0] == item), None)
+            self.segment[item] = hit is not None
+            self.c = max(self.c, len(self.segment))
+            if hit is not None:
+                self.ghost.remove(hit)
+                _, from_protected, then = hit
+                if self.evicted[from_protected] - then < 0.25 * self.c:
+                    self.target += -1.0 if from_protected else 1.0
+                    self.target = min(max(self.target, 0.0), float(self.c))
+            self._queue(item).append(item)
+        elif verb == "access" and item in self.segment:
+            if item not in self.pinned:
+                self._queue(item).remove(item)
+                self.protected.append(item)
+            self.segment[item] = True
+        elif verb == "pin" and item in self.segment and item not in self.pinned:
+            self.pinned.add(item)
+            self._queue(item).remove(item)
+        elif verb == "unpin" and item in self.pinned:
+            self.pinned.discard(item)
+            self._queue(item).append(item)
+        elif verb == "remove" and item in self.segment:
+            if item in self.pinned:
+                self.pinned.discard(item)
+            else:
+                self._queue(item).remove(item)
+            del self.segment[item]
+        elif verb == "pop":
+            cold_first = len(self.probation) > self.target or not self.protected
+            first, second = ((self.probation, self.protected) if cold_first
+                             else (self.protected, self.probation))
+            for queue, scan in ((first, first[:self.skip]), (second, second), (first, first)):
+                for candidate in list(scan):
+                    if mask >> candidate & 1:
+                        queue.remove(candidate)
+                        from_protected = self.segment.pop(candidate)
+                        self.evicted[from_protected] += 1
+                        self.ghost.append((candidate, from_protected,
+                                           self.evicted[from_protected]))
+                        while len(self.ghost) > 2 * self.c:
+                            self.ghost.pop(0)
+                        return candidate
+        return None
+
+
+@given(history=events)
+@settings(max_examples=300, deadline=None)
+def test_slru_matches_a_list_model(history: list[tuple[str, int, int]]) -> None:
+    policy: SLRUPolicy[int] = SLRUPolicy(skip=3)
+    reference = _ListSLRU(skip=3)
+    model = _Model()
+    for verb, item, mask in history:
+        expected = reference.apply(verb, item, mask) if verb == "pop" else None
+        if verb == "pop":
+            assert policy.pop_victim(_allowed(mask)) == expected
+            if expected is not None:
+                model.present.discard(expected)
+        else:
+            if (verb == "insert" and item not in model.present) or (
+                verb != "insert" and item in model.present
+            ):
+                reference.apply(verb, item, mask)
+            _drive(policy, model, verb, item, mask)  # type: ignore[arg-type]
+        assert list(policy.evictable()) == reference.probation + reference.protected
+
+
+def test_slru_keeps_items_hit_twice_through_a_scan() -> None:
+    policy: SLRUPolicy[int] = SLRUPolicy()
+    hot = range(5)
+    _fill(policy, hot)
+    for item in hot:
+        policy.access(item)
+    for item in range(100, 200):
+        if len(policy) >= 15:
+            assert policy.pop_victim(lambda _: True) not in hot
+        policy.insert(item)
+    assert set(hot) <= set(policy.evictable())
+
+
+def test_slru_moves_its_target_on_recent_ghost_hits_only() -> None:
+    policy: SLRUPolicy[int] = SLRUPolicy(window=0.25)
+    _fill(policy, range(8))                  # cache size 8: "recent" is within 2 evictions
+    assert policy.pop_victim(lambda _: True) == 0
+    policy.insert(0)                         # back at once: probation was too small
+    assert "target=1.0" in repr(policy)
+    assert policy.pop_victim(lambda _: True) == 1
+    for _ in range(3):                       # three more evictions from probation
+        policy.pop_victim(lambda item: item != 0)
+    policy.insert(1)                         # back, but long after: says nothing
+    assert "target=1.0" in repr(policy)
+
+
+def test_slru_passes_over_a_few_blocked_items_then_tries_the_other_segment() -> None:
+    policy: SLRUPolicy[int] = SLRUPolicy(skip=2)
+    _fill(policy, range(6))
+    policy.access(5)                         # 5 is protected; 0..4 on probation
+    # probation first (above its target of 0); 0 and 1 may not go: after passing two,
+    # the protected segment gives its victim rather than searching probation on
+    assert policy.pop_victim(lambda item: item not in (0, 1)) == 5
+    assert policy.pop_victim(lambda item: item not in (0, 1)) == 2  # then probation again
