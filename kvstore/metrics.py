@@ -89,6 +89,10 @@ _TIER_COUNTERS = (
     ("errors", "kvstore_tier_errors", "Failed transfers with this tier."),
     ("dropped_on_eviction", "kvstore_dropped_on_eviction",
      "Blocks that left DRAM without a copy below (the tier below declined or was off)."),
+    ("evicted_unwritten", "kvstore_evicted_unwritten",
+     "SSD copies evicted before the remote store had them (its write-back mode)."),
+    ("write_backs", "kvstore_write_backs",
+     "Blocks written back into this tier as the tiers above let them go."),
 )
 
 # (stats["scheduling"] key, metric name without _total, help)

@@ -33,8 +33,9 @@ class FakeDaemon:
     def __init__(self) -> None:
         self.stats: dict[str, Any] = {
             "tiers": {"dram": tier_stats(),
-                      "ssd": {"checksum_failures": 2, "evictions_by_cause":
-                              {"capacity": 5, "expired": 1}}},
+                      "ssd": {"checksum_failures": 2, "evicted_unwritten": 3,
+                              "evictions_by_cause": {"capacity": 5, "expired": 1}}},
+            "remote": {"writes": 9, "write_backs": 6, "errors": 1},
             "sessions": 3, "namespaces": 2, "invariant_violations": 0,
             "eviction_policies": {"dram": "s3fifo", "ssd": "lru"}}
         self.calls = 0
@@ -141,6 +142,9 @@ def test_reuse_counters_equal_the_stats(daemon: FakeDaemon, scrape: Scraper) -> 
     assert v(s, "kvstore_evictions_total", tier="ssd", policy="lru", cause="capacity") == 5
     assert v(s, "kvstore_evictions_total", tier="ssd", policy="lru", cause="expired") == 1
     assert v(s, "kvstore_checksum_failures_total", tier="ssd") == 2
+    assert v(s, "kvstore_evicted_unwritten_total", tier="ssd") == 3
+    assert v(s, "kvstore_write_backs_total", tier="remote") == 6
+    assert v(s, "kvstore_tier_writes_total", tier="remote") == 9
 
 
 def test_observations_are_exported(metrics: Metrics, scrape: Scraper) -> None:
