@@ -12,7 +12,6 @@ missing the tier is off and the daemon serves as before.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -23,7 +22,7 @@ from kvstore.config import Config, parse_size
 from kvstore.gpu_copies import GpuCopies
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace
-from kvstore.transfers import TransferGate
+from kvstore.transfers import Background, TransferGate, TurnBatch
 
 log = logging.getLogger("kvstore.gpu")
 
@@ -50,9 +49,11 @@ class GpuMover:
         self.slot = slot
         self.gate = gate
         self.errors = 0
-        self._pending: list[Block] = []
-        self._scheduled = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._background = Background()
+        # own context: background work, not part of the request that asked (whose
+        # transfer class, a reload say, would otherwise be inherited)
+        self._wanted: TurnBatch[Block] = TurnBatch(self._background, self._copy_in,
+                                                   own_context=True)
         self._registration: Any = None
         if arena is not None and self.pool.device.type == "cuda":
             from kvstore.kernels.pinned import register_in_background
@@ -64,21 +65,10 @@ class GpuMover:
 
     def wanted(self, blocks: Iterable[Block]) -> None:
         """Blocks that should have a GPU copy (committed, or just used): copy them soon."""
-        self._pending.extend(b for b in blocks if b.gpu_offset is None)
-        if self._pending and not self._scheduled:
-            self._scheduled = True
-            # a context of its own: background work, not part of the request that asked
-            # (whose transfer class, a reload say, would otherwise be inherited)
-            task = asyncio.get_running_loop().create_task(self._drain(),
-                                                          context=contextvars.Context())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        self._wanted.add(b for b in blocks if b.gpu_offset is None)
 
-    async def _drain(self) -> None:
-        await asyncio.sleep(0)  # gather this loop turn's blocks into one batch
-        self._scheduled = False
-        batch, self._pending = self._pending, []
-        batch = [b for b in dict.fromkeys(batch) if b.offset is not None]
+    async def _copy_in(self, batch: list[Block]) -> None:
+        batch = [b for b in batch if b.offset is not None]
         if not batch:
             return
         nbytes = sum(b.ns.block_bytes for b in batch)
@@ -117,8 +107,7 @@ class GpuMover:
         CopyFence.record(self.pool.device).wait()
 
     async def drain(self) -> None:
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._background.drain()
 
     def close(self) -> None:
         """Unpin the arena and free the pool (clients keep mappings until they close)."""

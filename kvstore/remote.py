@@ -15,7 +15,7 @@ import asyncio
 import logging
 import mmap
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from kvstore.config import Config
@@ -23,7 +23,7 @@ from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
-from kvstore.transfers import TransferGate
+from kvstore.transfers import Background, TransferGate, TurnBatch
 
 log = logging.getLogger("kvstore.remote")
 
@@ -60,7 +60,7 @@ class RemoteTier:
             store.remote_write_back = lambda: self.healthy
         self._written_back = asyncio.Event()
         self.on_written: Callable[[], None] | None = None  # DRAM freed by a write-back
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._background = Background()
         # with an SSD tier (write-back mode): reads SSD copies into buffers of ours
         self.ssd_read: Callable[[list[Block], list[memoryview]],
                                 Awaitable[list[bool]]] | None = None
@@ -68,8 +68,7 @@ class RemoteTier:
         self._ssd_copier: asyncio.Task[None] | None = None
         self._ssd_retry_at = 0.0
         self._stopping = False
-        self._pending: list[Block] = []
-        self._scheduled = False
+        self._through: TurnBatch[Block] = TurnBatch(self._background, self._write_through)
         self.counters = {"writes": 0, "write_bytes": 0, "reads": 0, "read_bytes": 0,
                          "misses": 0, "errors": 0, "lookups": 0, "hit_blocks": 0,
                          "write_backs": 0}
@@ -155,19 +154,12 @@ class RemoteTier:
     def committed(self, blocks: Iterable[Block]) -> None:
         """New blocks were committed: under write-through, copy them to the remote store
         in the background; under write-back they go there when DRAM evicts them."""
-        if self.write_back:
-            return
-        self._pending.extend(b for b in blocks if not b.remote)
-        if self._pending and not self._scheduled:
-            self._scheduled = True
-            self._spawn(self._drain())
+        if not self.write_back:
+            self._through.add(b for b in blocks if not b.remote)
 
-    async def _drain(self) -> None:
-        await asyncio.sleep(0)  # gather this loop turn's commits into one batch
-        self._scheduled = False
-        batch, self._pending = self._pending, []
+    async def _write_through(self, batch: list[Block]) -> None:
         by_ns: dict[Namespace, list[Block]] = {}
-        for b in dict.fromkeys(batch):
+        for b in batch:
             if b.ns.blocks.get(b.key) is b and b.offset is not None and not b.remote:
                 by_ns.setdefault(b.ns, []).append(b)
         for ns, blocks in by_ns.items():
@@ -321,14 +313,8 @@ class RemoteTier:
                 await self._put(ns, blocks[start:start + 64])
         return self.counters["write_backs"] - before
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def drain(self) -> None:
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._background.drain()
 
     async def close(self) -> None:
         await self.backend.close()

@@ -530,9 +530,18 @@ class BlockStore:
     def _put_back(self, blocks: list[Block]) -> None:
         """Victims marked for a write that will not happen: back on their orders."""
         for b in blocks:
-            b.demoting = False
             self.remote_demoting.discard(b)
-            b.ns.dram.policy(b.ns.cls).insert(b)
+            self._back_on_order(b)
+
+    @staticmethod
+    def _back_on_order(b: Block) -> None:
+        """A demoting block stays in DRAM after all: on its eviction order again (pinned
+        there if a reader pinned it meanwhile)."""
+        b.demoting = False
+        policy = b.ns.dram.policy(b.ns.cls)
+        policy.insert(b)
+        if b.refs:
+            policy.pin(b)
 
     def _over_share(self, dram: TierSlots,
                     requester: tuple[str, int] | None) -> dict[str, int]:
@@ -553,7 +562,8 @@ class BlockStore:
                    protect: Block | None,
                    requester: tuple[str, int] | None = None) -> None:
         """Free ``need`` slots of ``cls``: evict, or plan demotions (DemotionNeeded), taking
-        tenants over their share first; with ``only``, that tenant's blocks alone."""
+        tenants over their share first (``requester``: the tenant asking, and the bytes it
+        asks for)."""
         pool = dram.pool
         policy = dram.policy(cls)
         if need > len(policy):
@@ -600,7 +610,8 @@ class BlockStore:
         class if None; of ``tenant``'s, if given): a demoted block leaves DRAM, a
         written-through one becomes evictable."""
         def mine(b: Block) -> bool:
-            return (cls is None or b.ns.cls is cls) and (tenant is None or b.ns.tenant == tenant)
+            return ((cls is None or b.ns.cls is cls)
+                    and (tenant is None or b.ns.tenant == tenant))
 
         return any(mine(b) for t in self.transfers.values() if t.tier == SSD
                    for b in t.blocks) or any(mine(b) for b in self.remote_demoting)
@@ -615,17 +626,15 @@ class BlockStore:
             if b not in self.remote_demoting:
                 continue
             self.remote_demoting.discard(b)
-            b.demoting = False
             if good:
                 b.remote = True
                 self.counters.remote_writebacks += 1
-            if good and b.refs == 0 and b.offset is not None:
+            if b.offset is None:
+                b.demoting = False
+            elif good and b.refs == 0:
                 self._drop_dram_copy(b)
-            elif b.offset is not None:
-                policy = b.ns.dram.policy(b.ns.cls)
-                policy.insert(b)
-                if b.refs:
-                    policy.pin(b)
+            else:
+                self._back_on_order(b)
 
     def _admitted(self, block: Block) -> bool:
         return (self.ssd is not None and self.ssd_writable and self.allow_demote
@@ -969,24 +978,16 @@ class BlockStore:
             if not demote:
                 self._unpin_block(b)
                 continue
-            b.demoting = False
             if b.ssd_offset is not None and b.refs == 0:
                 self._drop_dram_copy(b)
             else:  # the write failed, or a reader pinned it meanwhile: it stays in DRAM
-                policy = b.ns.dram.policy(b.ns.cls)
-                policy.insert(b)
-                if b.refs:
-                    policy.pin(b)
+                self._back_on_order(b)
 
     def abort_demotion(self, blocks: list[Block]) -> None:
         """Demotion victims that could not be written: back on the DRAM eviction order."""
         for b in blocks:
             if b.demoting:
-                b.demoting = False
-                policy = b.ns.dram.policy(b.ns.cls)
-                policy.insert(b)
-                if b.refs:
-                    policy.pin(b)
+                self._back_on_order(b)
 
     def writeback_plan(self, high: float = 0.75, low: float = 0.5,
                        batch: int = 64) -> list[Block]:
@@ -1071,13 +1072,8 @@ class BlockStore:
             if done:
                 b.remote = True
                 self.counters.remote_writebacks += 1
-            elif bad and b.ssd_offset is not None and b.ssd_holds == 0:
-                self.counters.checksum_failures += 1
-                removed.append(self._drop_ssd_copy(b))
-                if not b.present and b.ns.blocks.get(b.key) is b:
-                    self._drop_subtree(b.ns, [b], removed)  # what hangs below is lost
-                if b.ns.blocks.get(b.key) is b and not b.present:
-                    self._hollow.add(b)  # something below is in use: drop it when released
+            elif bad:
+                self._corrupt_on_ssd(b, removed)
             self._forget_if_gone(b)
         if self._hollow:
             self._sweep_hollow()
@@ -1155,17 +1151,23 @@ class BlockStore:
                 else:
                     failed.append(b)
         for b in failed:  # after the good ones, which may hang below a failed one
-            self.counters.checksum_failures += 1
-            if b.ssd_offset is not None and b.ssd_holds == 0:
-                removed.append(self._drop_ssd_copy(b))
-            if not b.present and b.ns.blocks.get(b.key) is b:
-                # a hole in the chain: what hangs below it can no longer be found
-                self._drop_subtree(b.ns, [b], removed)
-            self._forget_if_gone(b)
-            if b.ns.blocks.get(b.key) is b and not b.present:
-                self._hollow.add(b)  # something below is in use: drop it when released
+            self._corrupt_on_ssd(b, removed)
         self.counters.peak_committed = max(self.counters.peak_committed, self.committed_slots)
         return removed
+
+    def _corrupt_on_ssd(self, b: Block, removed: list[tuple[bytes, bytes]]) -> None:
+        """A read of the block's SSD copy failed its checksum: the copy goes (unless
+        another read holds it), and if that was the block's last copy, what hangs below
+        it goes too unless in use; the SSD copies dropped are added to ``removed``."""
+        self.counters.checksum_failures += 1
+        if b.ssd_offset is not None and b.ssd_holds == 0:
+            removed.append(self._drop_ssd_copy(b))
+        if not b.present and b.ns.blocks.get(b.key) is b:
+            # a hole in the chain: what hangs below it can no longer be found
+            self._drop_subtree(b.ns, [b], removed)
+        self._forget_if_gone(b)
+        if b.ns.blocks.get(b.key) is b and not b.present:
+            self._hollow.add(b)  # something below is in use: drop it when released
 
     def restore_ssd_block(self, ns: Namespace, key: bytes, parent: bytes | None,
                           offset: int, record: Any) -> bool:
@@ -1305,22 +1307,19 @@ class BlockStore:
                     at = (id(b.ns.dram), b.ns.tenant)
                     used[at] = used.get(at, 0) + b.ns.cls.slot_bytes
         committed: dict[SlabClass, list[int]] = {}
-        for ns in self.namespaces.values():
-            held = sum(1 for b in ns.blocks.values() if b.offset is not None)
-            if held:
-                at = (id(ns.dram), ns.tenant)
-                used[at] = used.get(at, 0) + held * ns.cls.slot_bytes
         pinned: dict[tuple[int, str], int] = {}
         for ns in self.namespaces.values():
+            at = (id(ns.dram), ns.tenant)
+            held = sum(1 for b in ns.blocks.values() if b.offset is not None)
+            used[at] = used.get(at, 0) + held * ns.cls.slot_bytes
             held_pins = sum(1 for b in ns.blocks.values() if b.refs)
-            if held_pins:
-                at = (id(ns.dram), ns.tenant)
-                pinned[at] = pinned.get(at, 0) + held_pins * ns.cls.slot_bytes
+            pinned[at] = pinned.get(at, 0) + held_pins * ns.cls.slot_bytes
         for dram in self.drams.values():
             for tenant, nbytes in dram.pinned.items():
                 assert pinned.pop((id(dram), tenant), 0) == nbytes, (
                     f"tenant {tenant!r}: {nbytes} bytes counted as pinned, not so")
-        assert not pinned, f"pins not counted per tenant: {pinned}"
+        uncounted = {at: nbytes for at, nbytes in pinned.items() if nbytes}
+        assert not uncounted, f"pins not counted per tenant: {uncounted}"
         for dram in self.drams.values():
             for tenant, nbytes in dram.used.items():
                 holds = used.pop((id(dram), tenant), 0)

@@ -29,7 +29,7 @@ from kvstore.store import (
     Transfer,
 )
 from kvstore.tiers.ssd import BlockRecord, SSDStore
-from kvstore.transfers import TransferGate
+from kvstore.transfers import Background, TransferGate, TurnBatch
 
 log = logging.getLogger("kvstore.tiering")
 
@@ -52,9 +52,8 @@ class SsdMover:
             sync=config.ssd.sync,  # type: ignore[arg-type]
             direct_io=config.ssd.direct_io, preallocate=config.ssd.preallocate)
         self._promoting: dict[Block, asyncio.Future[None]] = {}
-        self._writes: set[asyncio.Task[None]] = set()
-        self._pending_through: list[Block] = []
-        self._through_scheduled = False
+        self._background = Background()
+        self._through: TurnBatch[Block] = TurnBatch(self._background, self._write_through)
         self._writing_back = False
         self._pending_removals: list[tuple[bytes, bytes]] = []
         self._demotions_done = asyncio.Event()
@@ -96,27 +95,23 @@ class SsdMover:
         """Carry out what a store call asked for, so that the call can be retried."""
         if isinstance(plan, PromotionNeeded):
             await self.promote(plan.blocks)
-        elif plan.blocks and plan.remote:  # both at once: the room comes in one go
+            return
+        writes = [self._write(plan.blocks)] if plan.blocks else []
+        if plan.remote:
             assert self.remote_writer is not None, "remote write-back without a remote"
-            results = await asyncio.gather(self.remote_writer(plan.remote),
-                                           self.demote(plan.blocks), return_exceptions=True)
-            for result in results:  # each write finished its own blocks, either way
-                if isinstance(result, BaseException):
-                    raise result
-        elif plan.remote:
-            assert self.remote_writer is not None, "remote write-back without a remote"
-            await self.remote_writer(plan.remote)
-        elif plan.blocks:
-            await self.demote(plan.blocks)
-        else:  # room is coming from demotions already under way: wait a little, retry
+            writes.append(self.remote_writer(plan.remote))
+        if not writes:  # room is coming from demotions already under way: wait, retry
             self._demotions_done.clear()
             try:
                 await asyncio.wait_for(self._demotions_done.wait(), 0.5)
             except TimeoutError:
                 pass
-
-    async def demote(self, blocks: list[Block]) -> None:
-        await self._write(blocks)
+            return
+        # both at once, if both: the room comes in one go; each write finishes its own
+        # blocks, either way, before a failure is raised
+        for result in await asyncio.gather(*writes, return_exceptions=True):
+            if isinstance(result, BaseException):
+                raise result
 
     def room_freed(self) -> None:
         """DRAM slots were freed elsewhere (a remote write-back): waiters may retry."""
@@ -237,18 +232,12 @@ class SsdMover:
             if not self._writing_back and self.store.ssd_writable \
                     and self.store.writeback_plan(batch=1):
                 self._writing_back = True
-                self._spawn(self._write_back())
+                self._background.spawn(self._write_back())
             return
-        self._pending_through.extend(self.store.write_through_candidates(blocks))
-        if self._pending_through and not self._through_scheduled:
-            self._through_scheduled = True
-            self._spawn(self._drain_through())
+        self._through.add(self.store.write_through_candidates(blocks))
 
-    async def _drain_through(self) -> None:
-        await asyncio.sleep(0)  # let the commits of this loop turn gather into one batch
-        self._through_scheduled = False
-        batch = self.store.write_through_candidates(dict.fromkeys(self._pending_through))
-        self._pending_through.clear()
+    async def _write_through(self, batch: list[Block]) -> None:
+        batch = self.store.write_through_candidates(batch)  # as they are now
         if batch:
             try:
                 await self._write(batch)
@@ -271,18 +260,13 @@ class SsdMover:
         """SSD copies the store dropped: withdraw them from the index soon."""
         if ids:
             self._pending_removals.extend(ids)
-            self._spawn(self._flush_removals([]))
+            self._background.spawn(self._flush_removals([]))
 
     async def _flush_removals(self, more: list[tuple[bytes, bytes]]) -> None:
         ids = self._pending_removals + more
         self._pending_removals = []
         if ids:
             await self.engine.remove(ids)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
 
     def touch(self, blocks: Iterable[Block]) -> None:
         ids = [(b.ns.id, b.key) for b in blocks if b.ssd_offset is not None]
@@ -291,8 +275,7 @@ class SsdMover:
 
     async def drain(self) -> None:
         """Finish queued writes and removals, then make everything durable."""
-        while self._writes:
-            await asyncio.gather(*list(self._writes), return_exceptions=True)
+        await self._background.drain()
         await self._flush_removals([])
         await self.engine.sync()
 

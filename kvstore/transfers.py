@@ -14,9 +14,17 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+)
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from kvstore.scheduler.queues import Transfer, TransferKind, TransferQueues
 
@@ -121,3 +129,50 @@ class TransferGate:
 
     def __repr__(self) -> str:
         return f"TransferGate({self.queues!r})"
+
+
+T = TypeVar("T")
+
+
+class Background:
+    """A tier mover's background tasks: kept until they end, and waited for on the way
+    out.  ``own_context``: the task does not inherit the request being served (so its
+    transfers are background work, not of that request's class)."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None], *, own_context: bool = False) -> None:
+        task = asyncio.get_running_loop().create_task(
+            coro, context=contextvars.Context() if own_context else None)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def drain(self) -> None:
+        while self.tasks:
+            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+
+
+class TurnBatch(Generic[T]):
+    """Items added during one turn of the event loop, handed to ``run`` together (once
+    each, in order) by a background task: the commits of one loop turn make one write."""
+
+    def __init__(self, background: Background, run: Callable[[list[T]], Awaitable[None]],
+                 *, own_context: bool = False) -> None:
+        self._background = background
+        self._run = run
+        self._own_context = own_context
+        self._items: list[T] = []
+        self._scheduled = False
+
+    def add(self, items: Iterable[T]) -> None:
+        self._items.extend(items)
+        if self._items and not self._scheduled:
+            self._scheduled = True
+            self._background.spawn(self._flush(), own_context=self._own_context)
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # let the rest of this loop turn add theirs
+        self._scheduled = False
+        batch, self._items = list(dict.fromkeys(self._items)), []
+        await self._run(batch)
