@@ -253,6 +253,19 @@ class SlotSet:
             self._registration.unregister()
 
 
+def release_arena(rows: list[memoryview], whole: memoryview, registration: Any,
+                  arena: mmap.mmap) -> None:
+    """Undo an mmap arena cut into rows and registered for CUDA."""
+    for row in rows:
+        row.release()
+    whole.release()
+    registration.unregister()
+    try:
+        arena.close()
+    except BufferError:  # a view still alive; the mapping goes with the process
+        pass
+
+
 KERNEL_SLOTS = ["device table", "pinned table", "pinned rows +4B"]
 TORCH_SLOTS = ["device table", "pinned table", "pageable table", "pageable rows"]
 
@@ -455,14 +468,7 @@ def bench_host(have_kernel: bool, shape: Shape, n: int, pages: int) -> list[Resu
                     results.append(Result(name, nbytes, ms, host, h2d_ms, target))
             del cache
     finally:
-        for row in rows:
-            row.release()
-        whole.release()
-        registration.unregister()
-        try:
-            arena.close()
-        except BufferError:  # a view still alive; the mapping goes with the process
-            pass
+        release_arena(rows, whole, registration, arena)
     return results
 
 
@@ -678,14 +684,7 @@ def check_pinned_arena(have_kernel: bool) -> tuple[str, list[Result]]:
         ]
     finally:
         del flat
-        for row in rows:
-            row.release()
-        whole.release()
-        registration.unregister()
-        try:
-            arena.close()
-        except BufferError:  # a view still alive; the mapping goes with the process
-            pass
+        release_arena(rows, whole, registration, arena)
 
 
 def main() -> int:

@@ -295,20 +295,37 @@ class OracleAdmitLRU(LRUPolicy[Hashable]):
         self._settle(item)
 
 
-class OracleCache(PolicyCache):
-    """A PolicyCache over :class:`OracleAdmitLRU`, keeping its clock."""
+def use_times(trace: Sequence[TraceRequest]) -> dict[Hashable, list[int]]:
+    """Each block id's requests (their indexes in the trace), in order, once each."""
+    uses: dict[Hashable, list[int]] = {}
+    for index, request in enumerate(trace):
+        for key in request.hash_ids:
+            times = uses.setdefault(key, [])
+            if not times or times[-1] != index:
+                times.append(index)
+    return uses
 
-    def __init__(self, trace: Sequence[TraceRequest], capacity: int) -> None:
-        last_use: dict[Hashable, int] = {}
-        for index, request in enumerate(trace):
-            for key in request.hash_ids:
-                last_use[key] = index
+
+class _OracleCache(PolicyCache):
+    """A PolicyCache over a policy that reads the trace's future: it keeps the index of
+    the request being replayed in ``clock[0]``, which the policy shares."""
+
+    def __init__(self, policy: Callable[[list[int]], EvictionPolicy[Hashable]],
+                 capacity: int) -> None:
         self._clock = [-1]
-        super().__init__(OracleAdmitLRU(last_use, self._clock), capacity)
+        super().__init__(policy(self._clock), capacity)
 
     def lookup(self, keys: Sequence[int]) -> int:
         self._clock[0] += 1
         return super().lookup(keys)
+
+
+class OracleCache(_OracleCache):
+    """A PolicyCache over :class:`OracleAdmitLRU`."""
+
+    def __init__(self, trace: Sequence[TraceRequest], capacity: int) -> None:
+        last_use = {key: times[-1] for key, times in use_times(trace).items()}
+        super().__init__(lambda clock: OracleAdmitLRU(last_use, clock), capacity)
 
 
 class RateOracle(EvictionPolicy[Hashable]):
@@ -381,22 +398,12 @@ class RateOracle(EvictionPolicy[Hashable]):
         return len(self._priority) - len(self._pinned & self._priority.keys())
 
 
-class RateOracleCache(PolicyCache):
-    """A PolicyCache over :class:`RateOracle`, keeping its clock."""
+class RateOracleCache(_OracleCache):
+    """A PolicyCache over :class:`RateOracle`."""
 
     def __init__(self, trace: Sequence[TraceRequest], capacity: int) -> None:
-        uses: dict[Hashable, list[int]] = {}
-        for index, request in enumerate(trace):
-            for key in request.hash_ids:
-                times = uses.setdefault(key, [])
-                if not times or times[-1] != index:
-                    times.append(index)
-        self._clock = [-1]
-        super().__init__(RateOracle(uses, len(trace), self._clock), capacity)
-
-    def lookup(self, keys: Sequence[int]) -> int:
-        self._clock[0] += 1
-        return super().lookup(keys)
+        uses = use_times(trace)
+        super().__init__(lambda clock: RateOracle(uses, len(trace), clock), capacity)
 
 
 class BeladyCache:

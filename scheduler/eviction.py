@@ -14,10 +14,10 @@ the daemon, it is ahead of LRU at every capacity on the shared Mooncake trace, o
 The store reports one request's hit twice (``lookup`` and ``acquire`` both call
 ``access``).  A policy must not read that as two references: ARC's and SLRU's ``access``
 are idempotent (they only move the item to the MRU end of ``T2``, of the protected
-segment), and S3-FIFO counts at most
-one hit per item per tick of a logical clock that advances on every ``insert`` and
-``pop_victim``, so hits with no cache churn between them count once (the "correlated
-reference period" of LRU-K, O'Neil et al., SIGMOD 1993, measured in churn).
+segment), and S3-FIFO counts at most one hit per item per tick of a logical clock that
+advances on every ``insert`` and ``pop_victim``, so hits with no cache churn between them
+count once (the "correlated reference period" of LRU-K, O'Neil et al., SIGMOD 1993,
+measured in churn).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ behaviour that makes S3-FIFO, ARC and SLRU scan-resistant."""
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from typing import Protocol
 
 import pytest
 from hypothesis import given, settings
@@ -236,8 +237,9 @@ def test_s3fifo_pinned_item_is_never_a_victim_and_rejoins_on_unpin() -> None:
     assert policy.pop_victim(lambda _: True) == 0
 
 
-def test_arc_prefers_items_hit_twice_over_a_scan() -> None:
-    policy: ARCPolicy[int] = ARCPolicy()
+@pytest.mark.parametrize("name", ["arc", "slru"])
+def test_items_hit_twice_survive_a_scan(name: str) -> None:
+    policy = make_policy(name)
     hot = range(5)
     _fill(policy, hot)
     for item in hot:
@@ -288,6 +290,30 @@ def test_a_hit_reported_twice_counts_once(name: str, history: list[tuple[str, in
         if verb == "access" and item in double_model.present:
             double.access(item)
     assert list(single.evictable()) == list(double.evictable())
+
+
+class _ListModel(Protocol):
+    def apply(self, verb: str, item: int, mask: int) -> int | None: ...
+
+
+def _check_against(policy: EvictionPolicy[int], reference: _ListModel,
+                   history: list[tuple[str, int, int]], order: Callable[[], list[int]]) -> None:
+    """Drive ``policy`` and its list model through ``history``: the same victims, and the
+    same eviction order (``order()``) after every event."""
+    model = _Model()
+    for verb, item, mask in history:
+        if verb == "pop":
+            expected = reference.apply(verb, item, mask)
+            assert policy.pop_victim(_allowed(mask)) == expected
+            if expected is not None:
+                model.present.discard(expected)
+        else:
+            if (verb == "insert" and item not in model.present) or (
+                verb != "insert" and item in model.present
+            ):
+                reference.apply(verb, item, mask)
+            _drive(policy, model, verb, item, mask)  # type: ignore[arg-type]
+        assert list(policy.evictable()) == order()
 
 
 class _ListARC:
@@ -359,22 +385,8 @@ class _ListARC:
 @given(history=events)
 @settings(max_examples=300, deadline=None)
 def test_arc_matches_a_list_model(history: list[tuple[str, int, int]]) -> None:
-    policy: ARCPolicy[int] = ARCPolicy()
     reference = _ListARC()
-    model = _Model()
-    for verb, item, mask in history:
-        expected = reference.apply(verb, item, mask) if verb == "pop" else None
-        if verb == "pop":
-            assert policy.pop_victim(_allowed(mask)) == expected
-            if expected is not None:
-                model.present.discard(expected)
-        else:
-            if (verb == "insert" and item not in model.present) or (
-                verb != "insert" and item in model.present
-            ):
-                reference.apply(verb, item, mask)
-            _drive(policy, model, verb, item, mask)  # type: ignore[arg-type]
-        assert list(policy.evictable()) == reference.t1 + reference.t2
+    _check_against(ARCPolicy(), reference, history, lambda: reference.t1 + reference.t2)
 
 
 def test_default_policy_is_slru() -> None:
@@ -468,35 +480,9 @@ class _ListSLRU:
 @given(history=events)
 @settings(max_examples=300, deadline=None)
 def test_slru_matches_a_list_model(history: list[tuple[str, int, int]]) -> None:
-    policy: SLRUPolicy[int] = SLRUPolicy(skip=3)
     reference = _ListSLRU(skip=3)
-    model = _Model()
-    for verb, item, mask in history:
-        expected = reference.apply(verb, item, mask) if verb == "pop" else None
-        if verb == "pop":
-            assert policy.pop_victim(_allowed(mask)) == expected
-            if expected is not None:
-                model.present.discard(expected)
-        else:
-            if (verb == "insert" and item not in model.present) or (
-                verb != "insert" and item in model.present
-            ):
-                reference.apply(verb, item, mask)
-            _drive(policy, model, verb, item, mask)  # type: ignore[arg-type]
-        assert list(policy.evictable()) == reference.probation + reference.protected
-
-
-def test_slru_keeps_items_hit_twice_through_a_scan() -> None:
-    policy: SLRUPolicy[int] = SLRUPolicy()
-    hot = range(5)
-    _fill(policy, hot)
-    for item in hot:
-        policy.access(item)
-    for item in range(100, 200):
-        if len(policy) >= 15:
-            assert policy.pop_victim(lambda _: True) not in hot
-        policy.insert(item)
-    assert set(hot) <= set(policy.evictable())
+    _check_against(SLRUPolicy(skip=3), reference, history,
+                   lambda: reference.probation + reference.protected)
 
 
 def test_slru_moves_its_target_on_recent_ghost_hits_only() -> None:
