@@ -189,6 +189,19 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return capacity // self.ssd_slab_bytes * self.ssd_slab_bytes if capacity else 0
 
     @property
+    def tenant_quota(self) -> int:
+        """Most bytes of a shared DRAM tier one tenant may hold (0: no quota)."""
+        return parse_size(self.dram.tenant_quota, "dram.tenant_quota")
+
+    @property
+    def gpu_capacity(self) -> int:
+        return parse_size(self.gpu.capacity, "gpu.capacity")
+
+    @property
+    def gpu_slab_bytes(self) -> int:
+        return parse_size(self.gpu.slab_size, "gpu.slab_size")
+
+    @property
     def max_request_bytes(self) -> int:
         return parse_size(self.server.max_request_bytes, "server.max_request_bytes")
 
@@ -222,8 +235,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if not weight > 0:
                 raise ConfigError(
                     f"server.tenant_weights: {tenant!r} has weight {weight}; must be positive")
-        quota = parse_size(self.dram.tenant_quota, "dram.tenant_quota")
-        if quota > self.dram_capacity:
+        if self.tenant_quota > self.dram_capacity:
             raise ConfigError("dram.tenant_quota: 0 (none), or at most the dram capacity")
         if self.server.log_format not in ("text", "json"):
             raise ConfigError("server.log_format: expected 'text' or 'json'")
@@ -271,9 +283,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                               "tenant, and dram.per_tenant_arenas keeps tenants apart; use "
                               "one or the other")
         if device:
-            gpu_bytes = parse_size(self.gpu.capacity, "gpu.capacity")
-            gpu_slab = parse_size(self.gpu.slab_size, "gpu.slab_size")
-            if gpu_bytes < 1 << 20 or gpu_slab < 1 << 16:
+            if self.gpu_capacity < 1 << 20 or self.gpu_slab_bytes < 1 << 16:
                 raise ConfigError("gpu.capacity: at least 1MiB, in slabs of at least 64KiB")
         if self.remote.write_policy not in ("write-back", "write-through"):
             raise ConfigError("remote.write_policy: expected 'write-back' or 'write-through'")

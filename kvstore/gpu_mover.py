@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvstore.config import Config, parse_size
+from kvstore.config import Config
 from kvstore.gpu_copies import GpuCopies
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace
@@ -37,10 +37,9 @@ class GpuMover:
         ``arena`` (the shared DRAM arena's mmap, if any) for CUDA in the background."""
         from kvstore.tiers.gpu import DevicePool
 
-        g = config.gpu
-        device: int | Literal["cpu"] = "cpu" if g.device == "cpu" else int(g.device)
-        capacity = parse_size(g.capacity, "gpu.capacity")
-        slab = parse_size(g.slab_size, "gpu.slab_size")
+        name = config.gpu.device
+        device: int | Literal["cpu"] = "cpu" if name == "cpu" else int(name)
+        capacity, slab = config.gpu_capacity, config.gpu_slab_bytes
         self.pool = DevicePool.create(device, capacity, slab_bytes=slab,
                                       directory=config.dram.directory)
         self.handle = msgspec.msgpack.encode(self.pool.export())

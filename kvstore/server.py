@@ -109,7 +109,7 @@ class Server:
                                 ssd_capacity=config.ssd_capacity,
                                 ssd_slab_bytes=config.ssd_slab_bytes,
                                 ssd_admit_after=config.ssd.admit_after,
-                                tenant_quota=parse_size(config.dram.tenant_quota),
+                                tenant_quota=config.tenant_quota,
                                 tenant_weights=config.server.tenant_weights)
         self.store.allow_evict = "evict" in config.dram.pressure
         self.store.allow_demote = "demote" in config.dram.pressure
