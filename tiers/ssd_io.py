@@ -2,11 +2,11 @@
 
 One file holds the whole flat offset space (offset ``o`` of the layout is byte ``o`` of the
 file).  Runs of adjacent blocks, up to 1 MiB, go down in one ``pwritev``/``preadv``, and
-the runs of one call go down several at a time (one thread keeps an SSD's queue short).  With direct I/O,
-blocks whose offset and length are 4 KiB aligned bypass the page cache; a caller buffer
-that is not page aligned is staged through a per-thread aligned bounce buffer on writes,
-and read through the page cache on reads.  Everything here blocks: callers run it in a
-worker thread.
+the runs of one call go down several at a time (one thread keeps an SSD's queue short).
+With direct I/O, blocks whose offset and length are 4 KiB aligned bypass the page cache;
+a caller buffer that is not page aligned is staged through a per-thread aligned bounce
+buffer on writes, and read through the page cache on reads.  Everything here blocks:
+callers run it in a worker thread.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class DataFile:
 
     def write(self, spans: Sequence[Span], *, sync: bool) -> list[int]:
         """Write every span at its offset, then fdatasync when ``sync``; returns each span's
-        xxh3_64, hashed by the thread that wrote it (in parallel with the other runs).  All
+        xxh3_64, hashed by the thread that wrote it while other runs are in flight.  All
         or nothing is not promised: on error some spans may be on disk (the index never
         points at them)."""
         digests: dict[int, int] = {}
@@ -244,7 +244,7 @@ class DataFile:
     def read_hashed(self, spans: Sequence[Span], *,
                     hash_them: bool = True) -> list[tuple[int, int | None]]:
         """As :meth:`read`, with each whole span's xxh3_64 (None if it came short), hashed
-        by the thread that read it, in parallel with the other runs."""
+        by the thread that read it while other runs are in flight."""
         got: dict[int, tuple[int, int | None]] = {}
 
         def read_run(run: tuple[list[Span], bool]) -> None:
