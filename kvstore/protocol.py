@@ -253,9 +253,11 @@ def request_id_of(header: bytes) -> int:
     """The request id of a header that failed to decode, or 0 when it cannot be told."""
     try:
         value = _loose_decoder.decode(header)
-    except UnicodeDecodeError:  # well-formed MessagePack, a string that is not UTF-8
+    except (UnicodeDecodeError, msgspec.DecodeError):
+        # a string that is not UTF-8 (msgspec raises either, by version) in otherwise
+        # well-formed MessagePack, or not MessagePack at all: read the id off the bytes
         return _raw_request_id(header)
-    except (msgspec.DecodeError, RecursionError):
+    except RecursionError:
         return 0
     if isinstance(value, list) and len(value) > 1 and type(value[1]) is int:
         rid: int = value[1]
