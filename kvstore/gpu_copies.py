@@ -18,7 +18,7 @@ from kvstore.errors import TooLargeError
 from kvstore.pool import SlabPool
 
 if TYPE_CHECKING:
-    from kvstore.store import Block
+    from kvstore.blocks import Block
 
 
 class GpuCopies:

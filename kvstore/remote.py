@@ -245,7 +245,7 @@ class RemoteTier:
     async def _write_back_ssd(self) -> None:
         try:
             while (not self._stopping and self.healthy
-                   and (plan := self.store.ssd_write_back_plan())):
+                   and (plan := self.store.ssd_copies.ssd_write_back_plan())):
                 if not await self._copy_from_ssd(plan):
                     # nothing went (a full store, unreadable copies): not again for a while
                     self._ssd_retry_at = time.monotonic() + self.cooldown
@@ -283,7 +283,7 @@ class RemoteTier:
                         for view in (*views, whole):
                             view.release()
         finally:
-            removed = self.store.ssd_write_back_done(blocks, sent, unreadable)
+            removed = self.store.ssd_copies.ssd_write_back_done(blocks, sent, unreadable)
             if removed and self.on_ssd_dropped is not None:
                 self.on_ssd_dropped(removed)
         return sum(sent)

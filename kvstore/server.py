@@ -43,6 +43,7 @@ from kvstore.errors import (
 from kvstore.gpu_mover import GpuMover
 from kvstore.metrics import Metrics, stats_on_loop
 from kvstore.remote import RemoteTier
+from kvstore.scheduler.admission import PolicyChain
 from kvstore.scheduler.queues import TransferKind
 from kvstore.sdnotify import Notifier
 from kvstore.store import (
@@ -111,8 +112,7 @@ class Server:
                                 ssd_admit_after=config.ssd.admit_after,
                                 tenant_quota=config.tenant_quota,
                                 tenant_weights=config.server.tenant_weights)
-        self.store.allow_evict = "evict" in config.dram.pressure
-        self.store.allow_demote = "demote" in config.dram.pressure
+        self.store.pressure = PolicyChain(tuple(config.dram.pressure)).steps  # type: ignore[arg-type]
         self.defer = "defer" in config.dram.pressure
         self._deferred: collections.deque[asyncio.Future[None]] = collections.deque()
         self.scheduling = {"defers": 0, "defer_timeouts": 0, "rejects": 0,
@@ -435,7 +435,8 @@ class Server:
                 with serving(_TRANSFER_KIND.get(verb, TransferKind.WRITEBACK), tenant):
                     try:
                         try:
-                            reply, payload = handler(session, request, frames[2:])
+                            reply, payload = self._attempt(handler, session, request,
+                                                           frames[2:], verb, early=True)
                         except CapacityError as exc:
                             if not self.defer or verb not in _DEFERRABLE:
                                 raise
@@ -525,14 +526,24 @@ class Server:
                         raise
                     plan = self._defer(tenant, exc)
                     continue
+                # until its deadline a deferred request runs only the steps before
+                # "defer"; then, once, the steps after it too
+                early = not (isinstance(plan, Deferred) and plan.expired)
                 try:
-                    reply, out = handler(session, request, payload)
+                    reply, out = self._attempt(handler, session, request, payload, verb,
+                                               early=early)
                     break
                 except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup) as again:
                     plan = again
                 except CapacityError as exc:
                     if not isinstance(plan, Deferred):
                         raise
+                    if plan.expired:
+                        self.scheduling["defer_timeouts"] += 1
+                        raise CapacityError(
+                            f"no room in the dram tier within "
+                            f"{self.config.dram.defer_seconds:g}s (deferred, then rejected): "
+                            f"{exc}", cause="deadline") from None
                     plan.cause = str(exc)
                     # still no room: wait again, first in line, until the deadline
             else:
@@ -560,14 +571,24 @@ class Server:
         if self.metrics is not None:
             self.metrics.observe_reject("dram", tenant, exc.cause)
 
+    def _attempt(self, handler: Callable[[Session, Any, list[Any]], Outcome],
+                 session: Session, request: Any, payload: list[Any], verb: str, *,
+                 early: bool) -> Outcome:
+        """Run a handler; ``early``: a request that may still defer makes room only by
+        the pressure steps before "defer"."""
+        self.store.early = early and self.defer and verb in _DEFERRABLE
+        try:
+            return handler(session, request, payload)
+        finally:
+            self.store.early = False
+
     async def _wait_for_room(self, plan: Deferred) -> None:
-        """Wait, in order, until a request frees room or the deadline passes."""
+        """Wait, in order, until a request frees room or the deadline passes (then the
+        plan is marked expired: one last attempt runs every pressure step)."""
         remaining = plan.deadline - self.clock()
         if remaining <= 0:
-            self.scheduling["defer_timeouts"] += 1
-            raise CapacityError(
-                f"no room in the dram tier within {self.config.dram.defer_seconds:g}s "
-                f"(deferred, then rejected): {plan.cause}", cause="deadline")
+            plan.expired = True
+            return
         assert self._loop is not None
         future: asyncio.Future[None] = self._loop.create_future()
         if plan.waited:
@@ -578,7 +599,7 @@ class Server:
         try:
             await asyncio.wait_for(future, remaining)
         except TimeoutError:
-            pass
+            plan.expired = True
         finally:
             if future in self._deferred:
                 self._deferred.remove(future)
@@ -1098,6 +1119,7 @@ class Deferred(Exception):
         super().__init__("deferred")
         self.deadline = deadline
         self.waited = False
+        self.expired = False  # the deadline passed: the last attempt runs every step
         self.cause = cause  # why there was no room, the last time it was tried
 
 

@@ -80,7 +80,7 @@ class SsdMover:
             if ns is not None and ns.ssd_cls is not None and (
                     record.length == ns.block_bytes
                     and record.size_class == ns.ssd_cls.slot_bytes
-                    and self.store.restore_ssd_block(ns, record.key, record.parent,
+                    and self.store.ssd_copies.restore(ns, record.key, record.parent,
                                                      record.offset, record)):
                 restored += 1
             else:
@@ -120,9 +120,9 @@ class SsdMover:
     async def _write(self, blocks: list[Block]) -> None:
         """Write DRAM copies to SSD (demotion or write-through) and report to the store."""
         try:
-            t, removed = self.store.ssd_reserve(blocks)
+            t, removed = self.store.ssd_copies.reserve(blocks)
         except CapacityError:
-            self.store.abort_demotion(blocks)
+            self.store.ssd_copies.abort_demotion(blocks)
             raise
         ok = False
         try:
@@ -140,7 +140,7 @@ class SsdMover:
                                               time.perf_counter() - started)
             for view in datas:
                 view.release()
-            self.store.finish_ssd_write(t, written)
+            self.store.ssd_copies.finish_write(t, written)
             ok = True
             if self.on_written is not None:
                 self.on_written()
@@ -153,7 +153,7 @@ class SsdMover:
             raise CapacityError(f"the ssd tier could not take the blocks: {exc}") from None
         finally:
             if not ok and t.id in self.store.transfers:
-                self.store.finish_ssd_write(t, None)
+                self.store.ssd_copies.finish_write(t, None)
             self._demotions_done.set()  # DRAM slots freed or unpinned: waiters may retry
 
     def _pause_writes(self) -> None:
@@ -170,7 +170,7 @@ class SsdMover:
         if fresh:
             for _ in range(_MAX_ROUNDS):
                 try:
-                    t = self.store.begin_promotion(fresh)
+                    t = self.store.ssd_copies.begin_promotion(fresh)
                     break
                 except DemotionNeeded as plan:
                     await self.resolve(plan)
@@ -179,7 +179,7 @@ class SsdMover:
             if t.blocks:
                 await self._read(t)
             else:  # others began reading them meanwhile: wait for those reads instead
-                self.store.finish_promotion(t, [])
+                self.store.ssd_copies.finish_promotion(t, [])
                 waits += [self._promoting[b] for b in fresh if b in self._promoting]
         if waits:
             await asyncio.gather(*waits)
@@ -205,7 +205,7 @@ class SsdMover:
             self.errors += 1
             log.warning("reading %d blocks from ssd failed: %s", len(t.blocks), exc)
         finally:
-            self.removed(self.store.finish_promotion(t, ok))
+            self.removed(self.store.ssd_copies.finish_promotion(t, ok))
             for b in t.blocks:
                 future = self._promoting.pop(b)
                 if not future.done():
@@ -230,14 +230,14 @@ class SsdMover:
         write-back, copy cold ones ahead of need once DRAM fills up."""
         if not self.write_through:
             if not self._writing_back and self.store.ssd_writable \
-                    and self.store.writeback_plan(batch=1):
+                    and self.store.ssd_copies.writeback_plan(batch=1):
                 self._writing_back = True
                 self._background.spawn(self._write_back())
             return
-        self._through.add(self.store.write_through_candidates(blocks))
+        self._through.add(self.store.ssd_copies.write_through_candidates(blocks))
 
     async def _write_through(self, batch: list[Block]) -> None:
-        batch = self.store.write_through_candidates(batch)  # as they are now
+        batch = self.store.ssd_copies.write_through_candidates(batch)  # as they are now
         if batch:
             try:
                 await self._write(batch)
@@ -248,7 +248,7 @@ class SsdMover:
         try:
             # planned here, not by the caller: by the time a task runs, blocks planned
             # earlier may be demoting or gone
-            while self.store.ssd_writable and (plan := self.store.writeback_plan()):
+            while self.store.ssd_writable and (plan := self.store.ssd_copies.writeback_plan()):
                 try:
                     await self._write(plan)
                 except CapacityError:

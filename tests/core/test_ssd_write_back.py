@@ -28,8 +28,8 @@ def add(store: BlockStore, ns: Namespace, i: int) -> Block:
     r = store.reserve("engine", ns, keys, None, 0.0)
     store.commit("engine", r.id, 0.0)
     block = ns.blocks[keys[0]]
-    t, _ = store.ssd_reserve([block])
-    store.finish_ssd_write(t, [object()])
+    t, _ = store.ssd_copies.reserve([block])
+    store.ssd_copies.finish_write(t, [object()])
     return block
 
 
@@ -38,11 +38,11 @@ def test_the_copies_sent_are_the_coldest_in_ssd_order_not_the_oldest_written() -
     blocks = [add(store, ns, i) for i in range(256)]
     for b in blocks[:100]:
         store.lookup(ns, [b.key])        # the oldest written are now the warmest on SSD
-    plan = store.ssd_write_back_plan()
+    plan = store.ssd_copies.ssd_write_back_plan()
     assert plan and not set(plan) & set(blocks[:100])
     assert plan == blocks[100:100 + len(plan)]  # coldest first
     assert all(b.ssd_holds == 1 for b in plan)
-    store.ssd_write_back_done(plan, [True] * len(plan), [False] * len(plan))
+    store.ssd_copies.ssd_write_back_done(plan, [True] * len(plan), [False] * len(plan))
     assert all(b.remote and b.ssd_holds == 0 for b in plan)
     for i in range(1000, 1000 + len(plan)):
         add(store, ns, i)                # each evicts a sent copy, never an unsent one
@@ -54,10 +54,10 @@ def test_the_copies_sent_are_the_coldest_in_ssd_order_not_the_oldest_written() -
 def test_a_small_class_keeps_half_its_copies_free_for_eviction() -> None:
     store, ns = make_store(16)
     blocks = [add(store, ns, i) for i in range(16)]
-    plan = store.ssd_write_back_plan()
+    plan = store.ssd_copies.ssd_write_back_plan()
     assert 0 < len(plan) <= 8
     add(store, ns, 99)                   # a demotion still finds a victim: no CapacityError
-    store.ssd_write_back_done(plan, [False] * len(plan), [False] * len(plan))
+    store.ssd_copies.ssd_write_back_done(plan, [False] * len(plan), [False] * len(plan))
     assert all(b.ssd_holds == 0 for b in blocks)
     assert store.counters.ssd_evicted_unwritten == 1  # that victim had not been sent
     store.check_invariants()
@@ -67,10 +67,10 @@ def test_a_copy_that_fails_its_read_is_dropped_and_an_unsent_one_stays() -> None
     store, ns = make_store(16)
     for i in range(16):
         add(store, ns, i)
-    plan = store.ssd_write_back_plan()
+    plan = store.ssd_copies.ssd_write_back_plan()
     assert len(plan) >= 2
     bad, unsent = plan[0], plan[1]
-    removed = store.ssd_write_back_done(
+    removed = store.ssd_copies.ssd_write_back_done(
         plan, [False] * len(plan), [b is bad for b in plan])
     assert [key for _, key in removed] == [bad.key]
     assert ns.blocks.get(bad.key) is None  # its only copy is gone
@@ -83,6 +83,6 @@ def test_nothing_is_planned_without_the_write_back_mode() -> None:
     store, ns = make_store(16, write_back=False)
     for i in range(16):
         add(store, ns, i)
-    assert store.ssd_write_back_plan() == []
+    assert store.ssd_copies.ssd_write_back_plan() == []
     add(store, ns, 99)
     assert store.counters.ssd_evicted_unwritten == 0  # nothing to send it to

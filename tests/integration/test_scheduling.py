@@ -244,3 +244,27 @@ def test_a_tenant_quota_caps_its_dram_and_spares_the_others(daemon_factory: Any)
         held.release()
         _put_roots(a, 9000, 1)
         assert ca.stats()["invariant_violations"] == 0
+
+
+@pytest.mark.parametrize("chain,waits", [('["evict", "defer", "reject"]', False),
+                                         ('["defer", "evict", "reject"]', True)])
+def test_the_daemon_runs_the_pressure_chain_in_its_order(daemon_factory: Any, tmp_path: Any,
+                                                         chain: str, waits: bool) -> None:
+    """Evict before defer: a full tier makes room at once.  Defer before evict: the
+    request first waits for room (none comes), and evicts only at its deadline."""
+    config = tmp_path / "chain.toml"
+    config.write_text(f'[dram]\npressure = {chain}\ndefer_seconds = 0.4\n')
+    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes),
+                       extra=["--slab-size", str(8 * BIG.block_bytes), "--config", str(config)])
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(BIG)
+        keys = ns.keys(range(16 * 8))
+        ns.put(keys, [bytes(BIG.block_bytes)] * 8)     # full, nothing pinned
+        started = time.monotonic()
+        ns.put(ns.keys(range(10**6, 10**6 + 16)), [bytes(BIG.block_bytes)])
+        waited = time.monotonic() - started
+        stats = c.stats()
+        assert stats["tiers"]["dram"]["evictions"] == 1
+        assert stats["scheduling"]["defers"] == (1 if waits else 0)
+        assert (waited >= 0.35) is waits, waited
+        assert ns.lookup(keys).blocks == 7             # the chain lost its leaf only

@@ -1,0 +1,211 @@
+"""The store's data model: block entries, namespaces, slots per tier, holdings.
+
+Plain records with no behaviour beyond their own fields: a ``Block`` (one key's entry:
+its place in a chain and its copies per tier), a ``Namespace`` (one identity's
+blocks), ``TierSlots`` (one tier's slab pool, an eviction order per slab class and the
+bytes each tenant holds in it), the reservations, pins and transfers owners hold, and
+the store's counters.  Everything else of the store imports this; it imports none of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.identity import Identity
+from kvstore.pool import SlabClass, SlabPool
+from kvstore.scheduler.eviction import EvictionPolicy, WarmPins, make_policy
+
+Owner = Hashable
+DRAM = "dram"
+
+SSD = "ssd"
+
+
+
+class Block:
+    """One key's entry: its place in the chain, its copies per tier, its pins."""
+
+    __slots__ = ("key", "ns", "parent", "children", "offset", "refs", "ssd_offset",
+                 "ssd_record", "ssd_holds", "demoting", "promoting", "seen", "remote",
+                 "checksum", "gpu_offset", "_hash")
+
+    def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
+        self.key = key
+        # Equal by namespace and key, so that a block cached again after eviction is the
+        # same item to the eviction orders: their ghost lists (S3-FIFO, ARC) remember it.
+        self._hash = hash((ns.id, key))
+        self.ns = ns
+        self.parent = parent
+        self.children = 0
+        self.offset: int | None = None      # DRAM slot
+        self.refs = 0                       # pins on the DRAM copy
+        self.ssd_offset: int | None = None  # SSD slot
+        self.ssd_record: Any = None         # what the SSD tier needs to read it back
+        self.ssd_holds = 0                  # reads of the SSD copy in flight
+        self.demoting = False               # DRAM copy being written back, then dropped
+        self.promoting = False              # DRAM copy being read in from SSD
+        self.seen = 0                       # commits and hits, for the SSD admission filter
+        self.remote = False                 # known to be in the remote store
+        self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown)
+        self.gpu_offset: int | None = None  # a copy in the GPU tier's device pool
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, Block) and self.key == other.key
+                                 and self.ns is other.ns)
+
+    @property
+    def present(self) -> bool:
+        return self.offset is not None or self.ssd_offset is not None
+
+    @property
+    def tier(self) -> str:
+        return DRAM if self.offset is not None else SSD
+
+    def __repr__(self) -> str:
+        return (f"Block({self.key.hex()[:12]}, dram={self.offset}, ssd={self.ssd_offset}, "
+                f"refs={self.refs}, children={self.children})")
+
+class Namespace:
+    """One identity's blocks in the daemon."""
+
+    def __init__(self, identity: Identity, dram: TierSlots, cls: SlabClass,
+                 ssd_cls: SlabClass | None) -> None:
+        self.identity = identity
+        self.dram = dram  # the DRAM tier (arena) this namespace's blocks live in
+        self.id = identity.namespace_id
+        self.tenant = identity.tenant
+        self.block_bytes = identity.block_bytes
+        self.cls = cls
+        self.ssd_cls = ssd_cls
+        self.blocks: dict[bytes, Block] = {}
+
+    def __repr__(self) -> str:
+        return f"Namespace({self.identity.model}, tenant={self.tenant}, blocks={len(self.blocks)})"
+
+@dataclass
+class Counters:
+    lookups: int = 0
+    lookup_keys: int = 0
+    hit_blocks: int = 0
+    committed_blocks: int = 0
+    duplicate_blocks: int = 0
+    evictions: int = 0
+    reservations: int = 0
+    aborts: int = 0
+    lease_expiries: int = 0
+    capacity_rejects: int = 0
+    acquires: int = 0
+    peak_committed: int = 0
+    ssd_hits: int = 0
+    ssd_evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    ssd_writes: int = 0
+    checksum_failures: int = 0
+    dropped_on_eviction: int = 0
+    remote_writebacks: int = 0
+    ssd_evicted_unwritten: int = 0  # SSD-only copies evicted that the remote store lacked
+
+class TierSlots:
+    """One tier's slab pool and an eviction order per slab class."""
+
+    def __init__(self, name: str, capacity: int, slab_bytes: int, alignment: int,
+                 policy: str, clock: Callable[[], float] | None = None) -> None:
+        self.name = name
+        self.pool = SlabPool(capacity, slab_bytes, alignment)
+        self.policy_name = policy
+        self.clock = clock  # set: orders support soft pins (kept warm until a time)
+        self.policies: dict[int, EvictionPolicy[Block]] = {}
+        self.used: dict[str, int] = {}  # bytes of slots each tenant holds (any state)
+        self.pinned: dict[str, int] = {}  # bytes of those pinned (DRAM copies with refs)
+
+    def take(self, ns: Namespace, count: int) -> list[int] | None:
+        """``count`` slots of ``ns``'s class, charged to its tenant; None if too few free."""
+        offsets = self.pool.allocate(ns.cls, count)
+        if offsets is not None and count:
+            self.used[ns.tenant] = self.used.get(ns.tenant, 0) + count * ns.cls.slot_bytes
+        return offsets
+
+    def give(self, ns: Namespace, offsets: list[int]) -> None:
+        """Free slots of ``ns``'s class that its tenant held."""
+        if not offsets:
+            return
+        self.pool.free(ns.cls, offsets)
+        left = self.used[ns.tenant] - len(offsets) * ns.cls.slot_bytes
+        assert left >= 0, f"tenant {ns.tenant!r} gave back more than it held"
+        if left:
+            self.used[ns.tenant] = left
+        else:
+            del self.used[ns.tenant]
+
+    def class_for(self, block_bytes: int) -> SlabClass:
+        cls = self.pool.class_for(block_bytes)
+        if cls.slot_bytes not in self.policies:
+            policy: EvictionPolicy[Block] = make_policy(self.policy_name)  # type: ignore[assignment]
+            if self.clock is not None:
+                policy = WarmPins(policy, self.clock)
+            self.policies[cls.slot_bytes] = policy
+        return cls
+
+    def policy(self, cls: SlabClass) -> EvictionPolicy[Block]:
+        return self.policies[cls.slot_bytes]
+
+@dataclass(eq=False)
+class Reservation:
+    id: int
+    owner: Owner
+    ns: Namespace
+    keys: list[bytes]
+    parent: Block | None
+    offsets: list[int]
+    parent_pinned: bool = False  # the parent's DRAM copy is pinned (else its SSD copy held)
+
+@dataclass(eq=False)
+class Pin:
+    id: int
+    owner: Owner
+    blocks: list[Block]
+
+    @property
+    def offsets(self) -> list[int]:
+        """The pinned blocks' DRAM slots (a pinned block always has one)."""
+        return [b.offset for b in self.blocks if b.offset is not None]
+
+    @property
+    def checksums(self) -> list[int]:
+        return [b.checksum for b in self.blocks]
+
+@dataclass(eq=False)
+class Transfer:
+    """Slots held in one tier while bytes move into them (promotion, write to SSD)."""
+
+    id: int
+    tier: str
+    blocks: list[Block]
+    offsets: list[int]
+    demote: list[bool] = field(default_factory=list)  # SSD writes: demotion, or write-through
+
+@dataclass(eq=False)
+class OwnerState:
+    """What one session holds, for limits and for rollback when it goes."""
+
+    deadline: float
+    reservations: dict[int, Reservation] = field(default_factory=dict)
+    pins: dict[int, Pin] = field(default_factory=dict)
+
+@dataclass(frozen=True)
+class Limits:
+    lease_seconds: float = 30.0
+    max_reservations_per_owner: int = 1024
+    max_pins_per_owner: int = 4096
+
+@dataclass(frozen=True)
+class CommitResult:
+    created: int
+    duplicates: int
+    blocks: list[Block]

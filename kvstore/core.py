@@ -1,0 +1,258 @@
+"""The store's shared state and the few moves every part makes on it.
+
+``StoreCore`` holds the tiers' slots, the namespaces, the owners and the counters, and
+the primitive changes of one block's copies that keep the invariants: pin and unpin a
+DRAM copy, hold a block in place, drop a DRAM or SSD copy, forget an entry once nothing
+holds it, drop a subtree leaf first.  The parts (``index``, ``owners``, ``room``,
+``ssd_copies``) and the facade (``store``) build on it; it imports none of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Mapping
+
+from kvstore.blocks import (
+    DRAM,
+    SSD,
+    Block,
+    Counters,
+    Limits,
+    Namespace,
+    Owner,
+    OwnerState,
+    Pin,
+    Reservation,
+    TierSlots,
+    Transfer,
+)
+from kvstore.gpu_copies import GpuCopies
+from kvstore.pool import SlabClass
+from kvstore.scheduler.admission import DEFAULT_CHAIN, Step
+
+
+class StoreCore:
+    """Namespaces and blocks in a DRAM tier and an optional SSD tier below it."""
+
+    tier = DRAM
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        slab_bytes: int,
+        *,
+        limits: Limits = Limits(),
+        eviction_policy: str = "lru",
+        alignment: int = 4096,
+        per_tenant: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        ssd_capacity: int = 0,
+        ssd_slab_bytes: int = 256 << 20,
+        ssd_admit_after: int = 1,
+        tenant_quota: int = 0,
+        tenant_weights: Mapping[str, float] | None = None,
+        gpu_capacity: int = 0,
+        gpu_slab_bytes: int = 64 << 20,
+    ) -> None:
+        self.dram_args = (capacity_bytes, slab_bytes, alignment, eviction_policy)
+        self.tenant_quota = tenant_quota  # most bytes of a shared DRAM tier one tenant holds
+        self.tenant_weights = dict(tenant_weights or {})  # shares under pressure (default 1)
+        self.clock = clock
+        self.per_tenant = per_tenant
+        self.drams: dict[str, TierSlots] = {}  # one DRAM tier (arena) per tenant, or one for all
+        self.ssd = (TierSlots(SSD, ssd_capacity, ssd_slab_bytes, 4096, "lru")
+                    if ssd_capacity else None)
+        self.ssd_admit_after = ssd_admit_after
+        self.gpu = GpuCopies(gpu_capacity, gpu_slab_bytes) if gpu_capacity else None
+        self.ssd_writable = True  # off for a while after the SSD tier failed a write
+        # Remote write-back: whether the remote store takes blocks now (None: write-through
+        # or no remote tier).  DRAM-only blocks it lacks are written there before eviction.
+        self.remote_write_back: Callable[[], bool] | None = None
+        self.remote_demoting: set[Block] = set()
+        # The configured steps under pressure, in order (evict, demote, defer, reject).
+        # ``early``: the request may still defer, so only the steps before "defer" run
+        # now (the daemon sets it around a deferrable request's first attempts).
+        self.pressure: tuple[Step, ...] = DEFAULT_CHAIN
+        self.early = False
+        self.hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
+        self.dirty: dict[SlabClass, dict[Block, None]] = {}  # per DRAM class: DRAM-only, oldest first
+        self.dropped_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped by sweeps
+        self.limits = limits
+        self.namespaces: dict[bytes, Namespace] = {}
+        self.owners: dict[Owner, OwnerState] = {}
+        self.transfers: dict[int, Transfer] = {}
+        self.counters = Counters()
+        self.ids = itertools.count(1)
+        self.reserved_slots = 0      # DRAM slots held by reservations and promotions
+        self.committed_slots = 0     # DRAM copies
+        self.ssd_reserved_slots = 0
+        self.ssd_committed_slots = 0
+        self._compose()
+
+    def _compose(self) -> None:
+        """Build what sits over the core (the store's parts); nothing here."""
+
+    def arena_of(self, tenant: str) -> str:
+        """The name of the DRAM arena a tenant's blocks live in ("" when shared by all)."""
+        return tenant if self.per_tenant else ""
+
+    def dram_for(self, tenant: str) -> TierSlots:
+        name = self.arena_of(tenant)
+        tier = self.drams.get(name)
+        if tier is None:
+            tier = self.drams[name] = TierSlots(DRAM, *self.dram_args, clock=self.clock)
+        return tier
+
+    @property
+    def allow_evict(self) -> bool:
+        return "evict" in self.pressure
+
+    @property
+    def allow_demote(self) -> bool:
+        return "demote" in self.pressure
+
+    @staticmethod
+    def back_on_order(b: Block) -> None:
+        """A demoting block stays in DRAM after all: on its eviction order again (pinned
+        there if a reader pinned it meanwhile)."""
+        b.demoting = False
+        policy = b.ns.dram.policy(b.ns.cls)
+        policy.insert(b)
+        if b.refs:
+            policy.pin(b)
+
+    def admitted(self, block: Block) -> bool:
+        return (self.ssd is not None and self.ssd_writable and self.allow_demote
+                and block.seen >= self.ssd_admit_after)
+
+    def rollback(self, state: OwnerState, r: Reservation) -> None:
+        del state.reservations[r.id]
+        self.reserved_slots -= len(r.offsets)
+        r.ns.dram.give(r.ns, r.offsets)
+        if r.parent is not None:
+            self.unhold(r.parent, r.parent_pinned)
+
+    def unpin(self, state: OwnerState, pin: Pin) -> None:
+        del state.pins[pin.id]
+        for block in reversed(pin.blocks):  # deepest first: parents end up warmer
+            self.unpin_block(block)
+
+    def pin_block(self, block: Block) -> None:
+        assert block.offset is not None, f"pinning {block} without a DRAM copy"
+        block.refs += 1
+        if block.refs == 1:
+            pinned = block.ns.dram.pinned
+            pinned[block.ns.tenant] = pinned.get(block.ns.tenant, 0) + block.ns.cls.slot_bytes
+            if not block.demoting:  # a demoting block is off the order
+                block.ns.dram.policy(block.ns.cls).pin(block)
+
+    def unpin_block(self, block: Block) -> None:
+        assert block.refs > 0, f"{block} released more often than pinned"
+        block.refs -= 1
+        if block.refs == 0:
+            pinned = block.ns.dram.pinned
+            left = pinned[block.ns.tenant] - block.ns.cls.slot_bytes
+            if left:
+                pinned[block.ns.tenant] = left
+            else:
+                del pinned[block.ns.tenant]
+        if block.refs == 0 and not block.demoting:
+            block.ns.dram.policy(block.ns.cls).unpin(block)
+            if self.hollow:
+                self.sweep_hollow()
+
+    def hold(self, block: Block) -> bool:
+        """Keep a block where it is (a reservation's parent); True if its DRAM copy was
+        pinned, False if its SSD copy is held."""
+        if block.offset is not None:
+            self.pin_block(block)
+            return True
+        block.ssd_holds += 1
+        return False
+
+    def unhold(self, block: Block, pinned: bool) -> None:
+        if pinned:
+            self.unpin_block(block)
+        else:
+            block.ssd_holds -= 1
+            self.forget_if_gone(block)
+            if self.hollow:
+                self.sweep_hollow()
+
+    # -- removing copies --------------------------------------------------------------------
+    def drop_dram_copy(self, block: Block) -> None:
+        """Free the DRAM slot (the block must be off the eviction order or is taken off)."""
+        assert block.offset is not None and block.refs == 0
+        ns = block.ns
+        ns.dram.policy(ns.cls).remove(block)
+        if block.gpu_offset is not None and self.gpu is not None:
+            self.gpu.drop(block)  # a GPU copy lives no longer than the DRAM copy
+        ns.dram.give(ns, [block.offset])
+        block.offset = None
+        block.demoting = False
+        self.committed_slots -= 1
+        if self.dirty:
+            self.dirty.get(ns.cls, {}).pop(block, None)
+        self.forget_if_gone(block)
+
+    def remote_writing_back(self) -> bool:
+        return self.remote_write_back is not None and self.remote_write_back()
+
+    def forget_if_gone(self, block: Block | None) -> None:
+        """Remove entries that hold no copy, nothing depends on and nothing holds."""
+        while (block is not None and not block.present and block.children == 0
+               and block.ssd_holds == 0 and not block.promoting
+               and block.ns.blocks.get(block.key) is block):
+            del block.ns.blocks[block.key]
+            parent = block.parent
+            if parent is not None:
+                parent.children -= 1
+            block = parent
+
+    def drop_subtree(self, ns: Namespace, roots: list[Block], removed_ssd: list[tuple[bytes, bytes]]) -> None:
+        children: dict[Block, list[Block]] = {}
+        for b in ns.blocks.values():
+            if b.parent is not None:
+                children.setdefault(b.parent, []).append(b)
+        order: list[Block] = []
+        stack = list(roots)
+        while stack:
+            b = stack.pop()
+            order.append(b)
+            stack.extend(children.get(b, ()))
+        for b in reversed(order):  # leaves before their parents
+            if b.children or b.refs or b.demoting or b.promoting or b.ssd_holds:
+                continue
+            if b.offset is not None:
+                self.drop_dram_copy_unchecked(b)
+            if b.ssd_offset is not None:
+                removed_ssd.append(self.drop_ssd_copy(b))
+
+    def sweep_hollow(self) -> None:
+        """Drop what hangs below hollow entries once it is no longer in use."""
+        for b in list(self.hollow):
+            if b.ns.blocks.get(b.key) is b and not b.present:
+                self.drop_subtree(b.ns, [b], self.dropped_ssd)
+                self.forget_if_gone(b)
+            if b.ns.blocks.get(b.key) is not b or b.present:
+                self.hollow.discard(b)
+
+    def drop_dram_copy_unchecked(self, block: Block) -> None:
+        # the SSD copy, if any, goes right after: keep the entry alive until then
+        block.ssd_holds += 1
+        self.drop_dram_copy(block)
+        block.ssd_holds -= 1
+        self.forget_if_gone(block)
+
+    def drop_ssd_copy(self, block: Block) -> tuple[bytes, bytes]:
+        ns = block.ns
+        cls = ns.ssd_cls
+        assert block.ssd_offset is not None and self.ssd is not None and cls is not None
+        self.ssd.policy(cls).remove(block)
+        self.ssd.pool.free(cls, [block.ssd_offset])
+        block.ssd_offset = None
+        block.ssd_record = None
+        self.ssd_committed_slots -= 1
+        self.forget_if_gone(block)
+        return ns.id, block.key

@@ -1,0 +1,217 @@
+"""Making room in a DRAM tier: which cold blocks give up their slots, by the pressure
+chain's steps in their configured order, and what happens to each (dropped, written
+to SSD first, or to the remote store first).
+
+Decisions over the store's bookkeeping only; the writes a plan needs are raised as
+``DemotionNeeded`` for the daemon to carry out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NoReturn
+
+from kvstore.blocks import SSD, Block, Namespace, TierSlots
+from kvstore.core import StoreCore
+from kvstore.errors import CapacityError
+from kvstore.plans import DemotionNeeded
+from kvstore.pool import SlabClass
+from kvstore.scheduler.admission import Step
+
+
+class RoomMaker:
+    """Frees DRAM slots for a request: eviction, demotion, tenant shares and quotas."""
+
+    def __init__(self, store: StoreCore) -> None:
+        self.store = store
+
+    def allocate(self, ns: Namespace, count: int, protect: Block | None = None) -> list[int]:
+        """DRAM slots, evicting (or planning demotions) as needed; all or nothing."""
+        pool, cls = ns.dram.pool, ns.cls
+        if self.store.tenant_quota and not self.store.per_tenant:
+            self._make_quota_room(ns, count, protect)  # among the tenant's own blocks
+        if pool.available(cls) < count:
+            self._make_room(ns.dram, cls, count - pool.available(cls), protect,
+                            requester=(ns.tenant, count * cls.slot_bytes))
+        offsets = ns.dram.take(ns, count)
+        assert offsets is not None, "allocation failed after making room"
+        return offsets
+
+    def _make_quota_room(self, ns: Namespace, count: int, protect: Block | None) -> None:
+        """Evict (or plan demotions of) the tenant's own coldest blocks, of any size, until
+        ``count`` more slots fit its quota; refused, with nothing evicted, when even every
+        unpinned block of it would not do."""
+        dram, slot, tenant = ns.dram, ns.cls.slot_bytes, ns.tenant
+        held = dram.used.get(tenant, 0)
+        excess = held + count * slot - self.store.tenant_quota
+        if excess <= 0:
+            return
+
+        def refuse() -> NoReturn:
+            if self.room_coming(None, tenant):
+                raise DemotionNeeded([])
+            self.store.counters.capacity_rejects += 1
+            raise CapacityError(
+                f"tenant {tenant!r} holds {held} bytes of the dram tier and asks for "
+                f"{count * slot} more; its quota is {self.store.tenant_quota} bytes, and not enough "
+                f"of its blocks can be evicted (release pins, or ask for less)", cause="quota")
+
+        if count * slot > self.store.tenant_quota or held - dram.pinned.get(tenant, 0) < excess:
+            refuse()
+        policies = [dram.policy(ns.cls)] + [
+            policy for size, policy in dram.policies.items() if size != slot]
+        to_demote: list[Block] = []
+        to_remote: list[Block] = []
+        freed = 0
+        for step in self._room_steps():
+            allowed = self._victim_test(protect, step, tenant)
+            for policy in policies:
+                while freed < excess and (victim := policy.pop_victim(allowed)) is not None:
+                    freed += victim.ns.cls.slot_bytes
+                    self._evict(victim, to_demote, to_remote)
+        if freed < excess:
+            self._put_back(to_demote + to_remote)
+            refuse()
+        if to_demote or to_remote:
+            raise DemotionNeeded(to_demote, to_remote)
+
+    def _room_steps(self) -> list[Step]:
+        """The pressure steps that may free DRAM now, in their configured order: those
+        before "defer" while the request may still defer, else all of them."""
+        steps = self.store.pressure
+        if self.store.early and "defer" in steps:
+            steps = steps[:steps.index("defer")]
+        return [s for s in steps if s in ("evict", "demote")]
+
+    def _victim_kind(self, b: Block) -> str | None:
+        """How a DRAM copy would leave: "clean" (a copy lives below: it just goes),
+        "dirty" (written to a lower tier first), "lossy" (a cold leaf no lower tier
+        takes: it leaves the cache), or None (it cannot leave now)."""
+        if b.ssd_offset is not None:
+            return "clean"
+        if self.store.admitted(b):
+            return "dirty"
+        if b.children:
+            return None  # without a copy on SSD, only leaves leave DRAM
+        if b.remote:
+            return "clean"
+        return "dirty" if self._remote_dirty(b) else "lossy"
+
+    def _victim_test(self, protect: Block | None, step: str,
+                     tenant: str | None = None) -> Callable[[Block], bool]:
+        """Which blocks the pressure step ``step`` may take now (of ``tenant`` only, if
+        given): ``evict`` drops blocks (clean ones, or cold leaves no tier below takes),
+        ``demote`` moves them down (clean ones, or dirty ones written there first)."""
+        kinds = ("clean", "lossy") if step == "evict" else ("clean", "dirty")
+
+        def allowed(b: Block) -> bool:
+            if b.refs or b is protect or (tenant is not None and b.ns.tenant != tenant):
+                return False
+            return self._victim_kind(b) in kinds
+
+        return allowed
+
+    def _evict(self, victim: Block, to_demote: list[Block], to_remote: list[Block]) -> None:
+        """A victim off its eviction order leaves DRAM now, or is marked to be written back
+        first (to SSD, or to the remote store in its write-back mode)."""
+        if victim.ssd_offset is not None:
+            self.store.drop_dram_copy(victim)          # clean: the SSD copy stays
+        elif self.store.admitted(victim):
+            victim.demoting = True                # dirty: write it back first
+            to_demote.append(victim)
+        elif self._remote_dirty(victim):
+            victim.demoting = True                # to the remote store first
+            self.store.remote_demoting.add(victim)
+            to_remote.append(victim)
+        else:
+            self.store.drop_dram_copy(victim)          # a cold leaf the SSD tier declines
+            self.store.counters.dropped_on_eviction += 1
+        self.store.counters.evictions += 1
+
+    def _put_back(self, blocks: list[Block]) -> None:
+        """Victims marked for a write that will not happen: back on their orders."""
+        for b in blocks:
+            self.store.remote_demoting.discard(b)
+            self.store.back_on_order(b)
+
+    def _over_share(self, dram: TierSlots,
+                    requester: tuple[str, int] | None) -> dict[str, int]:
+        """Tenants of a shared tier that hold more than their weighted share of it (the
+        requester counted with the bytes it asks for): the bytes each holds beyond it."""
+        used = dict(dram.used)
+        if requester is not None:
+            used[requester[0]] = used.get(requester[0], 0) + requester[1]
+        if self.store.per_tenant or len(used) < 2:
+            return {}
+        weights = {t: self.store.tenant_weights.get(t, 1.0) for t in used}
+        total = sum(weights.values())
+        capacity = dram.pool.capacity_bytes
+        shares = {t: capacity * weights[t] / total for t in used}
+        return {t: held - int(shares[t]) for t, held in used.items() if held > shares[t]}
+
+    def _make_room(self, dram: TierSlots, cls: SlabClass, need: int,
+                   protect: Block | None,
+                   requester: tuple[str, int] | None = None) -> None:
+        """Free ``need`` slots of ``cls``: evict, or plan demotions (DemotionNeeded), taking
+        tenants over their share first (``requester``: the tenant asking, and the bytes it
+        asks for)."""
+        pool = dram.pool
+        policy = dram.policy(cls)
+        if need > len(policy):
+            if self.room_coming(cls):
+                raise DemotionNeeded([])  # room is on its way: wait for those writes
+            self.store.counters.capacity_rejects += 1
+            raise CapacityError(
+                f"{need + pool.available(cls)} slots of {cls.slot_bytes} bytes requested, "
+                f"{pool.available(cls)} free and {len(policy)} evictable in the dram tier; "
+                f"release pins or raise its capacity", cause="pinned")
+
+        over = self._over_share(dram, requester)
+        # Each request demotes its own victims: the room its writes free is taken right
+        # when they finish, with no await in between for another request to slip into.
+        to_demote: list[Block] = []
+        to_remote: list[Block] = []
+        taken = 0
+        steps = self._room_steps()
+        for step in steps:  # in the configured order; each takes what it may
+            allowed = self._victim_test(protect, step)
+
+            def over_share(b: Block) -> bool:
+                return over.get(b.ns.tenant, 0) > 0 and allowed(b)
+
+            while taken < need:
+                victim = policy.pop_victim(over_share) if over else None
+                if victim is None:
+                    victim = policy.pop_victim(allowed)
+                if victim is None:
+                    break
+                taken += 1
+                if victim.ns.tenant in over:
+                    over[victim.ns.tenant] -= cls.slot_bytes
+                self._evict(victim, to_demote, to_remote)
+        if taken < need:
+            self._put_back(to_demote + to_remote)  # nothing was written yet
+            if self.room_coming(cls):
+                raise DemotionNeeded([])
+            self.store.counters.capacity_rejects += 1
+            tried = " then ".join(steps) or "no step that frees room before defer"
+            raise CapacityError(
+                f"{need + pool.available(cls)} slots of {cls.slot_bytes} bytes requested; "
+                f"the dram tier is full of pinned blocks or their prefixes, or of blocks "
+                f"the pressure steps ({tried}) may not take", cause="pinned")
+        if to_demote or to_remote:
+            raise DemotionNeeded(to_demote, to_remote)
+
+    def room_coming(self, cls: SlabClass | None, tenant: str | None = None) -> bool:
+        """Whether writes under way will free or unpin DRAM slots of ``cls`` (of any
+        class if None; of ``tenant``'s, if given): a demoted block leaves DRAM, a
+        written-through one becomes evictable."""
+        def mine(b: Block) -> bool:
+            return ((cls is None or b.ns.cls is cls)
+                    and (tenant is None or b.ns.tenant == tenant))
+
+        return any(mine(b) for t in self.store.transfers.values() if t.tier == SSD
+                   for b in t.blocks) or any(mine(b) for b in self.store.remote_demoting)
+
+    def _remote_dirty(self, block: Block) -> bool:
+        return self.store.allow_demote and not block.remote and self.store.remote_writing_back()

@@ -1,0 +1,303 @@
+"""Which blocks have a copy in the SSD tier, and how copies enter and leave it: writes
+(demotion and write-through), promotion back to DRAM, the remote store's write-back
+from SSD, corruption, and the warm restart.  Pure bookkeeping over slot offsets; the
+daemon's SSD mover moves the bytes and reports back.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from kvstore.blocks import DRAM, SSD, Block, Namespace, Transfer
+from kvstore.core import StoreCore
+from kvstore.errors import CapacityError
+from kvstore.room import RoomMaker
+from kvstore.scheduler.eviction import EvictionPolicy, LRUPolicy
+
+_CLEAN_VICTIM_REACH = 64  # SSD copies looked at for one the remote store also holds
+_SEND_WINDOW_BYTES = 256 << 20  # the coldest SSD copies kept sent remotely (write-back)
+
+
+class SsdCopies:
+    """The store's SSD tier: copies, their writes and reads, in the store's terms."""
+
+    def __init__(self, store: StoreCore, room: RoomMaker) -> None:
+        self.store = store
+        self.room = room
+
+    # -- SSD: demotion, write-through, promotion, restart -----------------------------------
+    def reserve(self, blocks: list[Block]) -> tuple[Transfer, list[tuple[bytes, bytes]]]:
+        """SSD slots for blocks about to be written there, evicting cold SSD copies; returns
+        the transfer and the keys whose SSD copies went (to withdraw from the index)."""
+        assert self.store.ssd is not None, "no SSD tier"
+        for b in blocks:
+            assert b.offset is not None and b.ssd_offset is None, (
+                f"{b} cannot be written to ssd now")
+        removed: list[tuple[bytes, bytes]] = []
+        offsets: list[int] = []
+        by_class: dict[int, list[Block]] = {}
+        for b in blocks:
+            assert b.ns.ssd_cls is not None
+            by_class.setdefault(b.ns.ssd_cls.slot_bytes, []).append(b)
+        for group in by_class.values():
+            cls = group[0].ns.ssd_cls
+            assert cls is not None
+            pool, policy = self.store.ssd.pool, self.store.ssd.policy(cls)
+            members = set(group)
+
+            def allowed(b: Block) -> bool:
+                if b.ssd_holds or b in members:
+                    return False
+                return b.offset is not None or b.children == 0
+
+            while pool.available(cls) < len(group):
+                victim = self._clean_victim(policy, allowed)
+                if victim is None:
+                    victim = policy.pop_victim(allowed)
+                if victim is None:
+                    if offsets:
+                        self._free_offsets(blocks[: len(offsets)], offsets)
+                    raise CapacityError(
+                        f"the ssd tier has no room for {len(group)} blocks of "
+                        f"{cls.slot_bytes} bytes")
+                if (victim.offset is None and not victim.remote
+                        and self.store.remote_write_back is not None):
+                    self.store.counters.ssd_evicted_unwritten += 1  # its last copy goes
+                removed.append(self.store.drop_ssd_copy(victim))
+                self.store.counters.ssd_evictions += 1
+            got = pool.allocate(cls, len(group))
+            assert got is not None
+            offsets.extend(got)
+        ordered = [b for group in by_class.values() for b in group]
+        t = Transfer(next(self.store.ids), SSD, ordered, offsets, [b.demoting for b in ordered])
+        self.store.transfers[t.id] = t
+        self.store.ssd_reserved_slots += len(offsets)
+        for b in ordered:
+            if not b.demoting:
+                self.store.pin_block(b)   # write-through: keep the DRAM copy while it is read
+        return t, removed
+
+    def _free_offsets(self, blocks: list[Block], offsets: list[int]) -> None:
+        assert self.store.ssd is not None
+        for b, off in zip(blocks, offsets):
+            assert b.ns.ssd_cls is not None
+            self.store.ssd.pool.free(b.ns.ssd_cls, [off])
+
+    def finish_write(self, t: Transfer, records: list[Any] | None) -> None:
+        """The write of a transfer ended: ``records`` per block on success, None on failure.
+
+        Demoted blocks then leave DRAM (or, on failure, or if pinned meanwhile, return to
+        its eviction order); written-through blocks keep both copies."""
+        assert self.store.ssd is not None
+        del self.store.transfers[t.id]
+        self.store.ssd_reserved_slots -= len(t.offsets)
+        for i, (b, off, demote) in enumerate(zip(t.blocks, t.offsets, t.demote)):
+            cls = b.ns.ssd_cls
+            assert cls is not None
+            if records is None or b.ssd_offset is not None:
+                self.store.ssd.pool.free(cls, [off])
+            else:
+                b.ssd_offset = off
+                b.ssd_record = records[i]
+                self.store.ssd.policy(cls).insert(b)
+                self.store.ssd_committed_slots += 1
+                self.store.dirty.get(b.ns.cls, {}).pop(b, None)
+                self.store.counters.ssd_writes += 1
+                self.store.counters.demotions += demote
+            if not demote:
+                self.store.unpin_block(b)
+                continue
+            if b.ssd_offset is not None and b.refs == 0:
+                self.store.drop_dram_copy(b)
+            else:  # the write failed, or a reader pinned it meanwhile: it stays in DRAM
+                self.store.back_on_order(b)
+
+    def abort_demotion(self, blocks: list[Block]) -> None:
+        """Demotion victims that could not be written: back on the DRAM eviction order."""
+        for b in blocks:
+            if b.demoting:
+                self.store.back_on_order(b)
+
+    def writeback_plan(self, high: float = 0.75, low: float = 0.5,
+                       batch: int = 64) -> list[Block]:
+        """Cold blocks to copy to SSD ahead of need: where blocks only in DRAM fill more
+        than ``high`` of a class's share of the tier, the oldest down towards ``low``, so
+        that eviction finds clean blocks it can drop at once."""
+        plan: list[Block] = []
+        for cls, dirty in self.store.dirty.items():
+            if not dirty:
+                continue
+            total = next(iter(dirty)).ns.dram.pool.capacity_bytes // cls.slot_bytes
+            if len(dirty) <= high * total:
+                continue
+            want = min(batch, len(dirty) - int(low * total))
+            for b in dirty:
+                if len(plan) >= want:
+                    break
+                if b.refs == 0 and not b.demoting and self.store.admitted(b):
+                    plan.append(b)
+        return plan
+
+    def _clean_victim(self, policy: EvictionPolicy[Block],
+                          allowed: Callable[[Block], bool]) -> Block | None:
+        """In the remote store's write-back mode, an SSD victim among the coldest few
+        that the remote store holds too, taken off the order; None if there is none (or
+        no such mode): the plain victim then."""
+        if not (isinstance(policy, LRUPolicy) and self.store.remote_writing_back()):
+            return None
+        coldest: Iterator[Block] = policy.coldest()
+        for b in itertools.islice(coldest, _CLEAN_VICTIM_REACH):
+            if b.remote and allowed(b):
+                policy.remove(b)  # the iteration ends here: no change while it runs
+                return b
+        return None
+
+    def ssd_write_back_plan(self, max_bytes: int = 16 << 20) -> list[Block]:
+        """SSD copies near eviction that the remote store lacks (its write-back mode, where
+        the SSD tier is the last local one): in each SSD class with fewer free slots than
+        its window (``_SEND_WINDOW_BYTES`` of slots, or an eighth of the class if less,
+        but at least twice what eviction looks through for a sent copy), those among
+        its coldest window of copies, coldest first, up to ``max_bytes`` and never more
+        than half of the class's evictable copies (eviction needs the others).  Their SSD
+        copies are held until :meth:`ssd_write_back_done`.  Costs at most a window's walk
+        along the eviction order."""
+        if self.store.ssd is None or not self.store.remote_writing_back():
+            return []
+        plan: list[Block] = []
+        size = 0
+        for slot_bytes, policy in self.store.ssd.policies.items():
+            if not isinstance(policy, LRUPolicy):
+                continue  # the SSD tier's order is LRU; only an order says what is coldest
+            evictable = len(policy)
+            free = self.store.ssd.pool.available(self.store.ssd.pool.classes[slot_bytes])
+            window = max(2 * _CLEAN_VICTIM_REACH,
+                         min(_SEND_WINDOW_BYTES // slot_bytes, (evictable + free) // 8))
+            if free >= window:
+                continue
+            coldest: Iterator[Block] = policy.coldest()
+            taken = 0
+            for b in itertools.islice(coldest, window - free):
+                if size >= max_bytes or taken >= evictable // 2:
+                    break
+                if not b.remote and b.ssd_holds == 0:
+                    plan.append(b)
+                    size += b.ns.block_bytes
+                    taken += 1
+        for b in plan:
+            b.ssd_holds += 1
+        return plan
+
+    def ssd_write_back_done(self, blocks: list[Block], sent: list[bool],
+                            unreadable: list[bool]) -> list[tuple[bytes, bytes]]:
+        """The blocks of :meth:`ssd_write_back_plan` were sent (``sent``), or not.  A copy
+        whose read failed (``unreadable``) is corrupt on disk and goes, as a failed
+        promotion's does; returns the SSD copies dropped, to withdraw from the index."""
+        removed: list[tuple[bytes, bytes]] = []
+        for b, done, bad in zip(blocks, sent, unreadable):
+            b.ssd_holds -= 1
+            if done:
+                b.remote = True
+                self.store.counters.remote_writebacks += 1
+            elif bad:
+                self.corrupt(b, removed)
+            self.store.forget_if_gone(b)
+        if self.store.hollow:
+            self.store.sweep_hollow()
+        return removed
+
+    def write_through_candidates(self, blocks: Iterable[Block]) -> list[Block]:
+        """Newly committed blocks the SSD tier should copy now (write-through)."""
+        return [b for b in blocks if b.offset is not None and b.ssd_offset is None
+                and not b.demoting and self.store.admitted(b) and b.ns.blocks.get(b.key) is b]
+
+    def begin_promotion(self, blocks: list[Block]) -> Transfer:
+        """DRAM slots to read SSD-only blocks into; may raise DemotionNeeded/CapacityError."""
+        todo = [b for b in dict.fromkeys(blocks)
+                if b.offset is None and b.ssd_offset is not None and not b.promoting]
+        offsets: list[int] = []
+        by_ns: dict[Namespace, list[Block]] = {}
+        for b in todo:
+            by_ns.setdefault(b.ns, []).append(b)
+        taken: list[tuple[Namespace, list[int]]] = []
+        try:
+            for ns, group in by_ns.items():
+                got = self.room.allocate(ns, len(group))
+                taken.append((ns, got))
+                offsets.extend(got)
+        except BaseException:
+            for ns, got in taken:
+                ns.dram.give(ns, got)
+            raise
+        ordered = [b for group in by_ns.values() for b in group]
+        for b in ordered:
+            b.promoting = True
+            b.ssd_holds += 1
+        t = Transfer(next(self.store.ids), DRAM, ordered, offsets)
+        self.store.transfers[t.id] = t
+        self.store.reserved_slots += len(offsets)
+        return t
+
+    def finish_promotion(self, t: Transfer, ok: list[bool]) -> list[tuple[bytes, bytes]]:
+        """Reads ended: good ones become DRAM copies.  A failed one (corrupt on disk) loses
+        its SSD copy, and what depends on it goes too unless pinned; returns the SSD
+        copies dropped, to withdraw from the index."""
+        removed: list[tuple[bytes, bytes]] = []
+        del self.store.transfers[t.id]
+        self.store.reserved_slots -= len(t.offsets)
+        failed: list[Block] = []
+        for b, off, good in zip(t.blocks, t.offsets, ok):
+            b.promoting = False
+            b.ssd_holds -= 1
+            if good and b.ssd_offset is not None:
+                b.offset = off
+                self.store.committed_slots += 1
+                b.ns.dram.policy(b.ns.cls).insert(b)
+                self.store.counters.promotions += 1
+            else:
+                b.ns.dram.give(b.ns, [off])
+                if good:
+                    self.store.forget_if_gone(b)
+                else:
+                    failed.append(b)
+        for b in failed:  # after the good ones, which may hang below a failed one
+            self.corrupt(b, removed)
+        self.store.counters.peak_committed = max(self.store.counters.peak_committed, self.store.committed_slots)
+        return removed
+
+    def corrupt(self, b: Block, removed: list[tuple[bytes, bytes]]) -> None:
+        """A read of the block's SSD copy failed its checksum: the copy goes (unless
+        another read holds it), and if that was the block's last copy, what hangs below
+        it goes too unless in use; the SSD copies dropped are added to ``removed``."""
+        self.store.counters.checksum_failures += 1
+        if b.ssd_offset is not None and b.ssd_holds == 0:
+            removed.append(self.store.drop_ssd_copy(b))
+        if not b.present and b.ns.blocks.get(b.key) is b:
+            # a hole in the chain: what hangs below it can no longer be found
+            self.store.drop_subtree(b.ns, [b], removed)
+        self.store.forget_if_gone(b)
+        if b.ns.blocks.get(b.key) is b and not b.present:
+            self.store.hollow.add(b)  # something below is in use: drop it when released
+
+    def restore(self, ns: Namespace, key: bytes, parent: bytes | None,
+                          offset: int, record: Any) -> bool:
+        """Take back a block found on SSD at start-up (parents first); False if it does not
+        fit this configuration."""
+        assert self.store.ssd is not None and ns.ssd_cls is not None
+        parent_block = ns.blocks.get(parent) if parent is not None else None
+        if (parent is not None and parent_block is None) or key in ns.blocks:
+            return False
+        if not self.store.ssd.pool.claim(ns.ssd_cls, offset):
+            return False
+        block = Block(key, ns, parent_block)
+        block.ssd_offset = offset
+        block.ssd_record = record
+        block.checksum = getattr(record, "checksum", 0)  # the same xxh3_64 as clients use
+        block.seen = self.store.ssd_admit_after
+        if parent_block is not None:
+            parent_block.children += 1
+        ns.blocks[key] = block
+        self.store.ssd.policy(ns.ssd_cls).insert(block)
+        self.store.ssd_committed_slots += 1
+        return True

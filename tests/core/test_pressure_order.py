@@ -1,0 +1,135 @@
+"""The pressure chain's order: each step in ``dram.pressure`` runs in the configured
+order, so the same full DRAM tier gives up different blocks under different chains.
+
+The set-up: four DRAM slots holding, coldest first, a *dirty* block (only in DRAM, the
+SSD tier would take it), a *clean* block (its copy is on SSD too) and a *lossy* block
+(a cold leaf the SSD tier declines), plus one warm block; one more slot is asked for.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kvtest import make_identity
+
+from kvstore.errors import CapacityError
+from kvstore.keys import chain_keys
+from kvstore.store import Block, BlockStore, DemotionNeeded, Namespace
+
+IDENT = make_identity()
+SLOT = IDENT.block_bytes
+
+
+def _keys(ns: Namespace, i: int) -> list[bytes]:
+    return chain_keys(ns.id, [i * 1000 + t for t in range(IDENT.block_tokens)],
+                      IDENT.block_tokens)
+
+
+def _full_store(chain: tuple[str, ...]) -> tuple[BlockStore, Namespace, dict[str, Block]]:
+    store = BlockStore(4 * SLOT, 4 * SLOT, ssd_capacity=8 * SLOT, ssd_slab_bytes=4 * SLOT,
+                       ssd_admit_after=2)
+    store.pressure = chain  # type: ignore[assignment]
+    ns = store.open_namespace(IDENT)
+    blocks: dict[str, Block] = {}
+    for i, name in enumerate(("dirty", "clean", "lossy", "warm")):
+        keys = _keys(ns, i)
+        r = store.reserve("engine", ns, keys, None, 0.0)
+        store.commit("engine", r.id, 0.0)
+        blocks[name] = ns.blocks[keys[0]]
+        if name != "lossy":
+            store.lookup(ns, keys)             # seen twice: the SSD tier admits it
+        if name == "clean":
+            t, _ = store.ssd_copies.reserve([blocks["clean"]])
+            store.ssd_copies.finish_write(t, [object()])
+    # coldest first: dirty, clean, lossy, warm
+    assert list(store.drams[""].policy(ns.cls).evictable()) == list(blocks.values())
+    store.check_invariants()
+    return store, ns, blocks
+
+
+_asked = iter(range(100, 10**6))
+
+
+def _ask(store: BlockStore, ns: Namespace, count: int = 1) -> list[Block] | None:
+    """Reserve ``count`` more slots (kept reserved); the blocks a demotion plan names,
+    or None if they fit without one."""
+    keys = [k for _ in range(count) for k in _keys(ns, next(_asked))]
+    try:
+        store.reserve("engine", ns, keys, None, 0.0)
+    except DemotionNeeded as plan:
+        return list(plan.blocks)
+    return None
+
+
+def test_evict_first_drops_without_writing_before_any_demotion() -> None:
+    store, ns, b = _full_store(("evict", "demote", "defer", "reject"))
+    assert _ask(store, ns) is None                 # the clean copy went: no write needed
+    assert b["clean"].offset is None and b["clean"].ssd_offset is not None
+    assert b["dirty"].offset is not None           # colder, but it would need a write
+    assert _ask(store, ns) is None                 # then the lossy leaf, still no write
+    assert b["lossy"].key not in ns.blocks
+    assert _ask(store, ns) == [b["dirty"]]         # only then a demotion
+    store.check_invariants()
+
+
+def test_demote_first_writes_down_before_dropping_anything() -> None:
+    store, ns, b = _full_store(("demote", "evict", "defer", "reject"))
+    assert _ask(store, ns) == [b["dirty"]]         # the coldest, written down first
+    store.ssd_copies.abort_demotion([b["dirty"]])
+    store.check_invariants()
+    store, ns, b = _full_store(("demote", "evict", "defer", "reject"))
+    assert _ask(store, ns, 3) == [b["dirty"], b["warm"]]  # even the warm one moves down
+    assert b["clean"].offset is None               # before the lossy leaf is dropped
+    assert b["lossy"].offset is not None
+    store.ssd_copies.abort_demotion([b["dirty"], b["warm"]])
+    store.check_invariants()
+    assert _ask(store, ns, 4) == [b["dirty"], b["warm"]]  # only then it goes
+    assert b["lossy"].key not in ns.blocks
+    store.ssd_copies.abort_demotion([b["dirty"], b["warm"]])
+
+
+def test_evict_alone_never_writes_down() -> None:
+    store, ns, b = _full_store(("evict", "reject"))
+    assert _ask(store, ns, 3) is None              # dirty, clean and lossy all just go
+    assert b["dirty"].key not in ns.blocks         # lost: nothing was written
+    assert store.counters.demotions == 0
+    store.check_invariants()
+
+
+def test_demote_alone_never_drops_what_no_tier_below_keeps() -> None:
+    store, ns, b = _full_store(("demote", "reject"))
+    with pytest.raises(CapacityError, match="demote"):
+        _ask(store, ns, 4)                         # the lossy leaf may not go
+    assert b["lossy"].offset is not None and b["dirty"].offset is not None
+    assert _ask(store, ns, 2) == [b["dirty"]]      # dirty and clean move down
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("chain", [("defer", "evict", "demote", "reject"),
+                                   ("defer", "reject")])
+def test_a_request_that_may_still_defer_runs_only_the_steps_before_defer(
+        chain: tuple[str, ...]) -> None:
+    store, ns, b = _full_store(chain)
+    store.early = True
+    with pytest.raises(CapacityError):
+        _ask(store, ns)
+    assert all(x.offset is not None for x in b.values())  # nothing was taken
+    store.early = False                            # its deadline passed: every step
+    if "evict" in chain:
+        assert _ask(store, ns) is None
+        assert b["clean"].offset is None
+    else:
+        with pytest.raises(CapacityError):
+            _ask(store, ns)
+    store.check_invariants()
+
+
+def test_steps_after_defer_do_not_run_early_but_steps_before_do() -> None:
+    store, ns, b = _full_store(("evict", "defer", "demote", "reject"))
+    store.early = True
+    assert _ask(store, ns, 2) is None              # clean and lossy go by eviction
+    with pytest.raises(CapacityError):
+        _ask(store, ns)                            # the dirty ones wait for the deadline
+    store.early = False
+    assert _ask(store, ns) == [b["dirty"]]
+    store.ssd_copies.abort_demotion([b["dirty"]])
+    store.check_invariants()
