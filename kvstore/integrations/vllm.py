@@ -269,7 +269,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._is_consumer = self._kv_transfer_config.is_kv_consumer
         self.stats: dict[str, int] = dict.fromkeys(
             ("lookups", "hit_tokens", "loaded_blocks", "load_failed_blocks",
-             "saved_blocks", "save_failures"), 0)
+             "saves", "saved_blocks", "save_failures"), 0)
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[Transfer] = []
@@ -472,6 +472,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # One lookup: the blocks an earlier save or another engine stored are skipped.
             stored = offload_missing(ns, self._layers[t.group], t.block_ids, t.keys,
                                      parent=t.parent)
+            self.stats["saves"] += 1
             self.stats["saved_blocks"] += stored.created
             if stored.error is not None:
                 self.stats["save_failures"] += 1
