@@ -18,8 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-# This checkout's kvstore, as the SGLang and LMCache runs get it from their working
-# directory (this one runs in a temporary directory).
+# This checkout's kvstore (a script's directory, not the working one, starts sys.path).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and worker in-process
 
