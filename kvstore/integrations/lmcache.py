@@ -41,9 +41,16 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from kvstore.client import Client, Held, Namespace
-from kvstore.errors import KVStoreError, NotFoundError
+from kvstore.client import Held, Namespace
+from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
+from kvstore.integrations.engine_side import (
+    DaemonLink,
+    DaemonSettings,
+    acquire_runs,
+    read_blocks,
+    store_missing,
+)
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -138,10 +145,11 @@ class KVStoreL2Adapter(L2AdapterInterface):
         if isinstance(config, dict):
             config = KVStoreL2AdapterConfig.from_dict(config)
         self._config = config
-        # Connect here, so a wrong endpoint fails adapter creation rather than every task.
-        self._client = Client(config.endpoint, tenant=config.tenant, token=config.token,
-                              timeout=config.timeout)
-        self._namespaces: dict[tuple[str, str], Namespace] = {}
+        # The worker thread is the link's only user, but for this first connection: here,
+        # so a wrong endpoint fails adapter creation rather than every task.
+        self._link = DaemonLink(DaemonSettings(config.endpoint, config.tenant, config.token,
+                                               config.timeout))
+        self._link.connect()
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -206,7 +214,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def report_status(self) -> dict[str, Any]:
         return {"is_healthy": self._worker.is_alive() and not self._last_error,
-                "type": "KVStoreL2Adapter", "endpoint": self._client.endpoint,
+                "type": "KVStoreL2Adapter", "endpoint": self._link.endpoint,
                 "pinned_keys": len(self._pins_by_key), "last_error": self._last_error,
                 "queued_tasks": self._tasks.qsize()}
 
@@ -214,12 +222,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
         if self._worker.is_alive():
             self._tasks.put(_Task("stop", -1, []))
             self._worker.join()
-        self._client.close()  # the daemon drops this session's pins with it
+        self._link.close()  # the daemon drops this session's pins with it
         for efd in (self._store_efd, self._lookup_efd, self._load_efd):
             efd.close()
 
     def __repr__(self) -> str:
-        return (f"KVStoreL2Adapter({self._client.endpoint}, pinned_keys="
+        return (f"KVStoreL2Adapter({self._link.endpoint}, pinned_keys="
                 f"{len(self._pins_by_key)}, queued={self._tasks.qsize()})")
 
     # -- the worker thread ----------------------------------------------------------------
@@ -242,11 +250,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 self._fail(task)
 
     def _keep_pins_alive(self) -> None:
-        if self._pin_keys_left:
+        client = self._link.client() if self._pin_keys_left else None
+        if client is not None:
             try:
-                self._client.ping()
+                client.ping()
             except KVStoreError as exc:
                 self._last_error = str(exc)
+                self._link.failed("ping", exc)
 
     def _fail(self, task: _Task) -> None:
         if task.kind == "store":
@@ -263,13 +273,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
             results[task_id] = value
         efd.notify()
 
-    def _namespace(self, key: ObjectKey) -> Namespace:
+    def _namespace(self, key: ObjectKey) -> Namespace | None:
+        """The namespace of a key's model and salt; None while the daemon is failing."""
         where = (key.model_name, key.cache_salt)
-        ns = self._namespaces.get(where)
-        if ns is None:
-            ns = self._client.namespace(object_identity(*where, self._config))
-            self._namespaces[where] = ns
-        return ns
+        return self._link.namespace(where, lambda: object_identity(*where, self._config))
 
     def _by_namespace(self, keys: Sequence[ObjectKey]) -> dict[tuple[str, str], list[int]]:
         """Positions of ``keys`` grouped by namespace, in order."""
@@ -280,27 +287,34 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def _do_store(self, task: _Task) -> None:
         assert task.objects is not None
+        objects = task.objects
         stored = 0
         ok = True
         for positions in self._by_namespace(task.keys).values():
             ns = self._namespace(task.keys[positions[0]])
-            for part in _chunks(positions, self._client.max_keys):
-                sizes = [task.objects[i].get_size() for i in part]
+            if ns is None:
+                ok = False
+                continue
+            for part in _chunks(positions, ns.client.max_keys):
+                sizes = [objects[i].get_size() for i in part]
                 if max(sizes) > self._config.object_bytes:
                     logger.warning("kvstore L2 adapter: an object of %d bytes exceeds "
                                    "object_bytes=%d; not stored", max(sizes),
                                    self._config.object_bytes)
                     ok = False
                     continue
-                keys = [object_key(task.keys[i]) for i in part]
-                try:
-                    with ns.reserve(keys) as r:
-                        for buf, i, size in zip(r.buffers, part, sizes):
-                            _HEADER.pack_into(buf, 0, _MAGIC, size)
-                            buf[_HEADER.size:_HEADER.size + size] = _bytes_of(task.objects[i])
-                        r.commit()
-                except KVStoreError as exc:
-                    logger.warning("kvstore L2 adapter: store failed: %s", exc)
+
+                def fill(slots: Sequence[memoryview], first: int,
+                         part: list[int] = part, sizes: list[int] = sizes) -> None:
+                    for buf, i, size in zip(slots, part, sizes):
+                        _HEADER.pack_into(buf, 0, _MAGIC, size)
+                        buf[_HEADER.size:_HEADER.size + size] = _bytes_of(objects[i])
+
+                # The keys are not a chain: no lookup, every object is written.
+                result = store_missing(ns, [object_key(task.keys[i]) for i in part], fill,
+                                       lookup=False)
+                if result.error is not None:
+                    self._link.failed("L2 store", result.error)
                     ok = False
                     continue
                 stored += sum(sizes)
@@ -308,27 +322,19 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._finish(self._store_results, task.task_id, L2StoreResult(ok, stored),
                      self._store_efd)
 
-    def _present_runs(self, ns: Namespace, keys: list[bytes]) -> list[tuple[int, Held]]:
-        """Pin every run of cached keys: (start, pin) per run.  One lookup per run and
-        per miss; a run evicted between lookup and pin counts as missing."""
-        runs: list[tuple[int, Held]] = []
-        i = 0
-        while i < len(keys):
-            hits = ns.lookup(keys[i:]).blocks
-            if hits:
-                try:
-                    runs.append((i, ns.acquire(keys[i:i + hits])))
-                except NotFoundError:
-                    pass
-            i += hits + 1
-        return runs
-
     def _do_lookup(self, task: _Task) -> None:
         found = Bitmap(len(task.keys))
         for positions in self._by_namespace(task.keys).values():
             ns = self._namespace(task.keys[positions[0]])
+            if ns is None:
+                continue  # misses
             keys = [object_key(task.keys[i]) for i in positions]
-            for start, held in self._present_runs(ns, keys):
+            try:
+                runs = acquire_runs(ns, keys)
+            except KVStoreError as exc:
+                self._link.failed("L2 lookup", exc)
+                continue
+            for start, held in runs:
                 self._pin_keys_left[held.pin] = len(held.keys)
                 for offset, key in enumerate(held.keys):
                     found.set(positions[start + offset])
@@ -353,22 +359,21 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def _do_load(self, task: _Task) -> None:
         assert task.objects is not None
+        objects = task.objects
         loaded = Bitmap(len(task.keys))
         for positions in self._by_namespace(task.keys).values():
             ns = self._namespace(task.keys[positions[0]])
-            keys = [object_key(task.keys[i]) for i in positions]
-            try:
-                runs = [(0, ns.acquire(keys))]
-            except NotFoundError:
-                runs = self._present_runs(ns, keys)
-            for start, held in runs:
-                try:
-                    for offset, buf in enumerate(held.buffers):
-                        i = positions[start + offset]
-                        if self._copy_out(buf, task.objects[i]):
-                            loaded.set(i)
-                finally:
-                    held.release()
+            if ns is None:
+                continue  # not loaded: LMCache recomputes
+
+            def copy(j: int, slot: memoryview, positions: list[int] = positions) -> None:
+                if self._copy_out(slot, objects[positions[j]]):
+                    loaded.set(positions[j])
+
+            result = read_blocks(ns, [object_key(task.keys[i]) for i in positions], copy,
+                                 runs=True)
+            if result.error is not None:
+                self._link.failed("L2 load", result.error)
         self._finish(self._load_results, task.task_id, loaded, self._load_efd)
 
     def _copy_out(self, slot: memoryview, obj: MemoryObj) -> bool:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -40,9 +40,15 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from kvstore.client import Client, Held, Namespace
-from kvstore.errors import KVStoreError, NotFoundError
+from kvstore.client import Namespace
+from kvstore.errors import KVStoreError
 from kvstore.identity import DTYPE_BYTES, Identity
+from kvstore.integrations.engine_side import (
+    DaemonLink,
+    DaemonSettings,
+    read_blocks,
+    store_missing,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,27 +103,29 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                  kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
         self._extra = dict(storage_config.extra_config or {})
-        self._tenant = str(self._extra.get("tenant")
-                           or os.environ.get("KVSTORE_TENANT", "default"))
-        self._client = Client(self._extra.get("endpoint"), tenant=self._tenant,
-                              token=str(self._extra.get("token", "")),
-                              timeout=float(self._extra.get("timeout", 10.0)))
-        self._ns: Namespace | None = None
+        self._link = DaemonLink(DaemonSettings.from_extra(self._extra, timeout=10.0))
+        self._link.connect()  # a wrong endpoint fails here, not at every call
+        self._identity: Identity | None = None
         self._staging: torch.Tensor | None = None  # one page, for v1 loads
 
     # -- set-up ---------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        identity = page_identity(self.storage_config, mem_pool_host, self._tenant,
-                                 self._extra)
-        self._ns = self._client.namespace(identity)
-        logger.info("kvstore HiCache storage: %r at %s", self._ns, self._client.endpoint)
+        self._identity = page_identity(self.storage_config, mem_pool_host,
+                                       self._link.settings.tenant, self._extra)
+        ns = self._link.namespace("pages", self._page_identity)
+        logger.info("kvstore HiCache storage: %r at %s", ns, self._link.endpoint)
 
-    def _namespace(self) -> Namespace:
-        if self._ns is None:
+    def _page_identity(self) -> Identity:
+        if self._identity is None:
             raise RuntimeError("register_mem_pool_host() must run before storage I/O: the "
                                "KV format of the pages comes from the host pool")
-        return self._ns
+        return self._identity
+
+    def _namespace(self) -> Namespace | None:
+        """The pages' namespace; None while the daemon is failing (every call a miss)."""
+        self._page_identity()
+        return self._link.namespace("pages", self._page_identity)
 
     # -- exists -----------------------------------------------------------------------------
     def exists(self, key: str) -> bool:
@@ -125,21 +133,25 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        ns = self._namespace()
+        if ns is None:
+            return 0
         try:
-            return self._namespace().lookup([page_key(k) for k in keys]).blocks
+            return ns.lookup([page_key(k) for k in keys]).blocks
         except KVStoreError as exc:
-            logger.warning("kvstore HiCache storage: lookup failed: %s", exc)
+            self._link.failed("HiCache lookup", exc)
             return 0
 
     # -- reads ------------------------------------------------------------------------------
-    def _acquire_prefix(self, keys: list[bytes]) -> Held | None:
-        """Pin the longest cached prefix of ``keys`` (None when nothing is cached)."""
+    def _read(self, keys: list[str], copy: Any) -> int:
+        """Copy out the longest cached prefix of ``keys`` (``copy(i, slot)``); how many."""
         ns = self._namespace()
-        try:
-            return ns.acquire(keys)
-        except NotFoundError:
-            hits = ns.lookup(keys).blocks
-            return ns.acquire(keys[:hits]) if hits else None
+        if ns is None:
+            return 0
+        loaded = read_blocks(ns, [page_key(k) for k in keys], copy)
+        if loaded.error is not None:
+            self._link.failed("HiCache get", loaded.error)
+        return loaded.blocks
 
     def get(self, key: str, target_location: Any = None,
             target_sizes: Any = None) -> torch.Tensor | None:
@@ -148,72 +160,48 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = [None] * len(keys)
-        try:
-            held = self._acquire_prefix([page_key(k) for k in keys])
-        except KVStoreError as exc:
-            logger.warning("kvstore HiCache storage: get failed: %s", exc)
-            return out
-        if held is None:
-            return out
-        try:
-            for i, slot in enumerate(held.buffers):
-                target = target_locations[i] if target_locations else None
-                if target is None:
-                    target = self.mem_pool_host.get_dummy_flat_data_page()
-                _copy_into(target, slot)
-                out[i] = target
-        finally:
-            held.release()
+
+        def copy(i: int, slot: memoryview) -> None:
+            target = target_locations[i] if target_locations else None
+            if target is None:
+                target = self.mem_pool_host.get_dummy_flat_data_page()
+            _copy_into(target, slot)
+            out[i] = target
+
+        self._read(keys, copy)
         return out
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        done = [False] * len(keys)
-        try:
-            held = self._acquire_prefix([page_key(k) for k in keys])
-        except KVStoreError as exc:
-            logger.warning("kvstore HiCache storage: get failed: %s", exc)
-            return done
-        if held is None:
-            return done
         host = self.mem_pool_host
         if self._staging is None:
             self._staging = host.get_dummy_flat_data_page()
-        try:
-            for i, slot in enumerate(held.buffers):
-                _copy_into(self._staging, slot)
-                host.set_from_flat_data_page(int(host_indices[i * host.page_size]),
-                                             self._staging)
-                done[i] = True
-        finally:
-            held.release()
-        return done
+        staging = self._staging
+
+        def copy(i: int, slot: memoryview) -> None:
+            _copy_into(staging, slot)
+            host.set_from_flat_data_page(int(host_indices[i * host.page_size]), staging)
+
+        loaded = self._read(keys, copy)
+        return [True] * loaded + [False] * (len(keys) - loaded)
 
     # -- writes -----------------------------------------------------------------------------
-    def _store(self, keys: list[str], pages: list[torch.Tensor],
+    def _store(self, keys: list[str], pages: Sequence[torch.Tensor],
                parent_key: str | None = None) -> list[bool]:
         """Store pages under keys, skipping the leading ones already cached."""
         ns = self._namespace()
-        our_keys = [page_key(k) for k in keys]
-        hits = 0
-        try:
-            hits = ns.lookup(our_keys).blocks
-            if hits == len(keys):
-                return [True] * len(keys)
-            parent = our_keys[hits - 1] if hits else (
-                page_key(parent_key) if parent_key else None)
-            try:
-                reservation = ns.reserve(our_keys[hits:], parent=parent)
-            except NotFoundError:  # the parent was evicted: start a chain of our own
-                reservation = ns.reserve(our_keys[hits:], parent=None)
-            with reservation as r:
-                for slot, page in zip(r.buffers, pages[hits:]):
-                    slot[:] = _page_bytes(page)
-                r.commit()
-        except KVStoreError as exc:
-            logger.warning("kvstore HiCache storage: set failed: %s", exc)
-            return [True] * hits + [False] * (len(keys) - hits)
-        return [True] * len(keys)
+        if ns is None:
+            return [False] * len(keys)
+
+        def fill(slots: Sequence[memoryview], first: int) -> None:
+            for slot, page in zip(slots, pages[first:]):
+                slot[:] = _page_bytes(page)
+
+        stored = store_missing(ns, [page_key(k) for k in keys], fill,
+                               parent=page_key(parent_key) if parent_key else None)
+        if stored.error is not None:
+            self._link.failed("HiCache set", stored.error)
+        return [True] * stored.present + [False] * (len(keys) - stored.present)
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:
@@ -233,16 +221,19 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     # -- the rest -------------------------------------------------------------------------
     def clear(self) -> None:
+        ns = self._namespace()
+        if ns is None:
+            return
         try:
-            self._namespace().drop()
+            ns.drop()
         except KVStoreError as exc:
-            logger.warning("kvstore HiCache storage: clear failed: %s", exc)
+            self._link.failed("HiCache clear", exc)
 
     def close(self) -> None:
-        self._client.close()
+        self._link.close()
 
     def __repr__(self) -> str:
-        return f"KVStoreHiCacheStorage({self._ns!r}, {self._client.endpoint})"
+        return f"KVStoreHiCacheStorage({self._identity!r}, {self._link!r})"
 
 
 def _page_bytes(page: torch.Tensor) -> memoryview:

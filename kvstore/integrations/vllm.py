@@ -40,8 +40,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,10 +54,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-from kvstore.client import Client, Namespace
-from kvstore.errors import KVStoreError, NotFoundError, UnavailableError
+from kvstore.client import Namespace
+from kvstore.errors import KVStoreError
 from kvstore.identity import DTYPE_BYTES, Identity
-from kvstore.kernels import paged_cache
+from kvstore.integrations.engine_side import (
+    DaemonLink,
+    DaemonSettings,
+    EnginePages,
+    offload_missing,
+    reload_prefix,
+)
 from kvstore.keys import chain_keys
 
 if TYPE_CHECKING:
@@ -74,8 +78,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MAX_TEXT = 512  # Identity's limit on text fields
-_UNAVAILABLE_BACKOFF_S = 10.0  # no daemon calls for this long after it failed to answer
-_MAX_NAMESPACES = 4096  # opened namespaces remembered (one per adapter and cache salt)
 
 
 # ========================================================================================
@@ -223,59 +225,23 @@ class _RequestState:
 # worker side: vLLM's KV tensors seen as kvstore pages
 # ========================================================================================
 
-class _PagedLayers:
-    """One group's layer tensors, viewed as ``[pages, 2, T, H, D]`` per layer.
-
-    Where each page is contiguous in that order the copies go straight between vLLM's
-    pages and the daemon's slots; otherwise through a contiguous staging copy.
-    """
-
-    def __init__(self, tensors: Sequence[torch.Tensor], group: _Group) -> None:
-        t, h, d = group.block_tokens, group.num_kv_heads, group.head_dim
-        first = tensors[0]
-        shape = tuple(first.shape)
-        self.direct_layout = ""
-        self.direct: Any = None
-        if len(shape) == 5 and shape[1:] == (2, t, h, d):
-            self.views = list(tensors)
-            self.direct_layout, self.direct = "per_layer", paged_cache(self.views, "per_layer")
-        elif len(shape) == 5 and shape[0] == 2 and shape[2:] == (t, h, d):
-            self.views = [x.permute(1, 0, 2, 3, 4) for x in tensors]
-            pairs = [(x[0], x[1]) for x in tensors]
-            self.direct_layout = "per_layer_kv_split"
-            self.direct = paged_cache(pairs, "per_layer_kv_split")
-        elif len(shape) == 4 and shape[1:] == (h, t, 2 * d):
-            # vLLM's CPU backend: per block and head, K as [T, D] then V as [T, D].
-            self.views = [x.view(shape[0], h, 2, t, d).permute(0, 2, 3, 1, 4) for x in tensors]
-        else:
-            raise ValueError(
-                f"KVStoreConnector does not know the KV cache layout of shape {shape} "
-                f"(block {t} tokens, {h} KV heads, head dim {d})")
-
-    def offload(self, ns: Namespace, block_ids: list[int], keys: list[bytes],
-                parent: bytes | None) -> int:
-        if self.direct is not None:
-            return ns.offload(self.direct, block_ids, keys, layout=self.direct_layout,
-                              parent=parent)
-        hit = ns.lookup(keys).blocks
-        if hit == len(keys):
-            return 0
-        index = torch.tensor(block_ids[hit:], dtype=torch.long, device=self.views[0].device)
-        staging = [v.index_select(0, index) for v in self.views]
-        return ns.offload(staging, list(range(len(index))), keys[hit:], layout="per_layer",
-                          parent=keys[hit - 1] if hit else parent)
-
-    def reload(self, ns: Namespace, keys: list[bytes], block_ids: list[int]) -> None:
-        if self.direct is not None:
-            ns.reload(keys, self.direct, block_ids, layout=self.direct_layout)
-            return
-        n = len(keys)
-        staging = [torch.empty((n, *v.shape[1:]), dtype=v.dtype, device=v.device)
-                   for v in self.views]
-        ns.reload(keys, staging, list(range(n)), layout="per_layer")
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.views[0].device)
-        for view, block in zip(self.views, staging):
-            view.index_copy_(0, index, block)
+def engine_pages(tensors: Sequence[torch.Tensor], group: _Group) -> EnginePages:
+    """One group's layer tensors as kvstore pages: straight between vLLM's pages and the
+    daemon's slots where each page is contiguous as ``[2, T, H, D]`` (or K and V each
+    as ``[T, H, D]``), otherwise through a staging copy."""
+    t, h, d = group.block_tokens, group.num_kv_heads, group.head_dim
+    shape = tuple(tensors[0].shape)
+    if len(shape) == 5 and shape[1:] == (2, t, h, d):
+        return EnginePages.direct(list(tensors), "per_layer")
+    if len(shape) == 5 and shape[0] == 2 and shape[2:] == (t, h, d):
+        return EnginePages.direct([(x[0], x[1]) for x in tensors], "per_layer_kv_split")
+    if len(shape) == 4 and shape[1:] == (h, t, 2 * d):
+        # vLLM's CPU backend: per block and head, K as [T, D] then V as [T, D].
+        return EnginePages.staged(
+            [x.view(shape[0], h, 2, t, d).permute(0, 2, 3, 1, 4) for x in tensors])
+    raise ValueError(
+        f"KVStoreConnector does not know the KV cache layout of shape {shape} "
+        f"(block {t} tokens, {h} KV heads, head dim {d})")
 
 
 # ========================================================================================
@@ -293,63 +259,33 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self._endpoint: str | None = extra.get("endpoint")
-        self._token = str(extra.get("token", ""))
-        self._timeout = float(extra.get("timeout", 5.0))
-        tenant = str(extra.get("tenant") or os.environ.get("KVSTORE_TENANT", "default"))
-        self._client: Client | None = None
-        self._groups = _groups(vllm_config, kv_cache_config, tenant, extra)
+        self._link = DaemonLink(DaemonSettings.from_extra(extra, timeout=5.0))
+        self._groups = _groups(vllm_config, kv_cache_config, self._link.settings.tenant,
+                               extra)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("KVStoreConnector does not support pipeline parallelism yet")
         self._is_producer = self._kv_transfer_config.is_kv_producer
         self._is_consumer = self._kv_transfer_config.is_kv_consumer
-        self._namespaces: dict[tuple[int, RequestVariant, int], Namespace] = {}
-        self._unavailable_until = 0.0
         self.stats: dict[str, int] = dict.fromkeys(
             ("lookups", "hit_tokens", "loaded_blocks", "load_failed_blocks",
-             "saved_blocks", "save_failures"), 0)
+             "saves", "saved_blocks", "save_failures"), 0)
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[Transfer] = []
         # worker side
         self._tp_rank = 0
-        self._layers: dict[int, _PagedLayers] = {}
+        self._layers: dict[int, EnginePages] = {}
         self._load_errors: set[int] = set()
 
     # -- daemon access ----------------------------------------------------------------
-    def _connect(self) -> Client:
-        if self._client is None:
-            self._client = Client(self._endpoint, tenant=self._groups[0].identity.tenant,
-                                  token=self._token, timeout=self._timeout)
-        return self._client
-
-    def _namespace(self, group: _Group, variant: RequestVariant, tp_rank: int) -> Namespace:
-        key = (group.index, variant, tp_rank)
-        ns = self._namespaces.pop(key, None)
-        if ns is None:
-            ns = self._connect().namespace(group.identity_for(variant, tp_rank, self._tp_size))
-            if len(self._namespaces) >= _MAX_NAMESPACES:
-                del self._namespaces[next(iter(self._namespaces))]  # the least recent
-        self._namespaces[key] = ns  # most recent last
-        return ns
-
-    def _available(self) -> bool:
-        """False while backing off from a daemon that did not answer."""
-        return time.monotonic() >= self._unavailable_until
-
-    def _daemon_failed(self, what: str, exc: KVStoreError) -> None:
-        logger.warning("kvstore: %s failed: %s", what, exc)
-        if isinstance(exc, UnavailableError):
-            # A client that timed out may get the late reply first; start afresh.
-            self._unavailable_until = time.monotonic() + _UNAVAILABLE_BACKOFF_S
-            self._drop_client()
-
-    def _drop_client(self) -> None:
-        if self._client is not None:
-            self._client.close()
-        self._client = None
-        self._namespaces.clear()
+    def _namespace(self, group: _Group, variant: RequestVariant,
+                   tp_rank: int) -> Namespace | None:
+        """The namespace of a group, request variant and rank; None while the daemon
+        is failing (see ``DaemonLink``)."""
+        return self._link.namespace(
+            (group.index, variant, tp_rank),
+            lambda: group.identity_for(variant, tp_rank, self._tp_size))
 
     # ==================================================================================
     # scheduler side
@@ -377,7 +313,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
         state.offer = None
-        if not self._is_consumer or not state.cacheable or not self._available():
+        if not self._is_consumer or not state.cacheable or not self._link.available():
             return 0, False
         block = self._groups[0].block_tokens
         first = num_computed_tokens // block
@@ -385,17 +321,19 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if usable <= first:
             return 0, False
         hit = usable - first
-        try:
-            for group in self._groups:
-                keys = self._keys(state, group, usable)[first:]
-                for rank in range(self._tp_size):
-                    ns = self._namespace(group, state.variant, rank)
+        for group in self._groups:
+            keys = self._keys(state, group, usable)[first:]
+            for rank in range(self._tp_size):
+                ns = self._namespace(group, state.variant, rank)
+                if ns is None:
+                    return 0, False
+                try:
                     hit = min(hit, ns.lookup(keys[:hit]).blocks)
-                    if hit == 0:
-                        break
-        except KVStoreError as exc:
-            self._daemon_failed("lookup", exc)
-            return 0, False
+                except KVStoreError as exc:
+                    self._link.failed("lookup", exc)
+                    return 0, False
+                if hit == 0:
+                    break
         self.stats["lookups"] += 1
         if hit == 0:
             return 0, False
@@ -486,7 +424,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             missing = [name for name in group.layer_names if name not in kv_caches]
             if missing:
                 raise ValueError(f"KVStoreConnector: no KV cache for layers {missing}")
-            self._layers[group.index] = _PagedLayers(
+            self._layers[group.index] = engine_pages(
                 [kv_caches[name] for name in group.layer_names], group)
 
     def _group(self, index: int) -> _Group:
@@ -499,27 +437,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._load(transfer)
 
     def _load(self, t: Transfer) -> None:
-        layers = self._layers[t.group]
+        ns = self._namespace(self._group(t.group), t.variant, self._tp_rank)
         loaded = 0
-        if not self._available():
-            self._load_errors.update(t.block_ids)
-            self.stats["load_failed_blocks"] += len(t.block_ids)
-            return
-        try:
-            ns = self._namespace(self._group(t.group), t.variant, self._tp_rank)
-            try:
-                layers.reload(ns, t.keys, t.block_ids)
-                loaded = len(t.keys)
-            except NotFoundError:
-                # Evicted since the lookup: load what is still there, recompute the rest.
-                present = ns.lookup(t.keys).blocks
-                if present:
-                    layers.reload(ns, t.keys[:present], t.block_ids[:present])
-                    loaded = present
-        except KVStoreError as exc:
-            self._daemon_failed(f"load for request {t.req_id}", exc)
+        if ns is not None:
+            outcome = reload_prefix(ns, t.keys, self._layers[t.group], t.block_ids)
+            loaded = outcome.blocks
+            if outcome.error is not None:
+                self._link.failed(f"load for request {t.req_id}", outcome.error)
         failed = t.block_ids[loaded:]
-        if failed:
+        if failed:  # vLLM recomputes them (or fails the request), never reads them
             logger.warning("kvstore: %d of %d blocks of request %s could not be loaded",
                            len(failed), len(t.block_ids), t.req_id)
             self._load_errors.update(failed)
@@ -539,23 +465,25 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
         for t in meta.saves:
-            if not self._available():
+            ns = self._namespace(self._group(t.group), t.variant, self._tp_rank)
+            if ns is None:
                 self.stats["save_failures"] += 1
                 continue
-            try:
-                ns = self._namespace(self._group(t.group), t.variant, self._tp_rank)
-                self.stats["saved_blocks"] += self._layers[t.group].offload(
-                    ns, t.block_ids, t.keys, t.parent)
-            except KVStoreError as exc:
+            # One lookup: the blocks an earlier save or another engine stored are skipped.
+            stored = offload_missing(ns, self._layers[t.group], t.block_ids, t.keys,
+                                     parent=t.parent)
+            self.stats["saves"] += 1
+            self.stats["saved_blocks"] += stored.created
+            if stored.error is not None:
                 self.stats["save_failures"] += 1
-                self._daemon_failed(f"save for request {t.req_id}", exc)
+                self._link.failed(f"save for request {t.req_id}", stored.error)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._load_errors = self._load_errors, set()
         return failed
 
     def shutdown(self) -> None:
-        self._drop_client()
+        self._link.close()
 
     def __repr__(self) -> str:
         return (f"KVStoreConnector({self.role.name}, groups={len(self._groups)}, "

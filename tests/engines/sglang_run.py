@@ -19,11 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
-import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-from sglang.srt.mem_cache.utils import get_hash_str
+# This checkout's kvstore (a script's directory, not the working one, starts sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE, PAGES = 2, 2, 32, 16, 16
 

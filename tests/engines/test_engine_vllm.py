@@ -18,6 +18,8 @@ import pytest
 from daemon_proc import DaemonProcess
 from engine_envs import HERE, last_json, run_in_env
 
+from kvstore import Client
+
 BLOCK = 32                                        # tokens per block (vllm_run.BLOCK)
 PROMPT_P = list(range(3, 103))                    # 100 tokens: 3 reusable blocks
 PROMPT_Q = [(7 * i) % 500 + 3 for i in range(150)]  # 150 tokens: 4 reusable blocks
@@ -45,6 +47,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                                                         {"prompt": PROMPT_Q}])
         first = engine_run(tmp, "first", model, [{"prompt": PROMPT_P}, {"prompt": PROMPT_Q}],
                            daemon.endpoint, tenant)
+        with Client(daemon.endpoint, tenant=tenant) as client:
+            first["daemon_lookups"] = client.stats()["tiers"]["dram"]["lookups"]
         second = engine_run(tmp, "second", model, [
             {"prompt": PROMPT_P},
             {"prompt": PROMPT_P, "cache_salt": "another-user"},
@@ -65,6 +69,14 @@ def test_first_engine_computes_and_saves(runs: dict[str, Any]) -> None:
     # P: 100 prompt + 12 generated tokens fill 3 blocks; Q: 150 + 12 fill 5.
     assert first["worker"]["saved_blocks"] == 3 + 5
     assert first["worker"]["save_failures"] == 0
+
+
+def test_each_save_looks_its_chain_up_once(runs: dict[str, Any]) -> None:
+    # The first engine loads nothing: the daemon's lookups are the scheduler's, one per
+    # request it looked up, and one per save (vLLM's CPU pages go through staging).
+    first = runs["first"]
+    assert first["worker"]["saves"] > 0
+    assert first["daemon_lookups"] == first["scheduler"]["lookups"] + first["worker"]["saves"]
 
 
 def test_second_engine_loads_the_prefix_and_matches(runs: dict[str, Any]) -> None:

@@ -16,7 +16,10 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
+# This checkout's kvstore (a script's directory, not the working one, starts sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and worker in-process
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 2, 128, 4, 2, 32, 256, 512

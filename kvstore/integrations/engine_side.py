@@ -1,0 +1,370 @@
+"""What the engine integrations share, with no engine imports (testable without one).
+
+- ``DaemonSettings`` / ``DaemonLink``: the daemon's endpoint, tenant, token and timeout
+  from an engine's extra configuration; a client connected on first use; the namespaces
+  opened through it (bounded, least recent dropped); and a back-off after the daemon
+  failed to answer, during which every step below is a miss at once.
+- Reads of the longest cached prefix: ``acquire_prefix`` / ``acquire_runs`` pin it,
+  ``read_blocks`` pins, copies out and releases, ``reload_prefix`` scatters it into an
+  engine's pages (``EnginePages``).
+- Writes of what the store lacks: ``store_missing`` (the caller fills the slots) and
+  ``offload_missing`` (gathered from an engine's pages), one lookup per call.
+
+The steps never raise a daemon error: they return how far they got (``Loaded``,
+``Stored``) and the error, so a failure turns into a recompute, never into wrong KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from kvstore.client import Client, Held, Namespace
+from kvstore.errors import KVStoreError, NotFoundError, UnavailableError
+from kvstore.identity import Identity
+from kvstore.kernels import KVCaches, Layout, PagedCache, gather, paged_cache
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_S = 10.0        # no daemon calls for this long after it failed to answer
+MAX_NAMESPACES = 4096   # opened namespaces remembered per link
+
+
+# ========================================================================================
+# the daemon link
+# ========================================================================================
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    """Where the daemon is and who this engine is to it."""
+
+    endpoint: str | None = None   # None: $KVSTORE_ENDPOINT or the runtime directory's
+    tenant: str = "default"
+    token: str = ""
+    timeout: float = 10.0         # seconds per request
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any], *, timeout: float) -> DaemonSettings:
+        """Settings from an engine's extra configuration (``endpoint``, ``tenant``,
+        ``token``, ``timeout``); the tenant falls back to ``$KVSTORE_TENANT``."""
+        return cls(endpoint=extra.get("endpoint") or None,
+                   tenant=str(extra.get("tenant") or os.environ.get("KVSTORE_TENANT",
+                                                                    "default")),
+                   token=str(extra.get("token", "")),
+                   timeout=float(extra.get("timeout", timeout)))
+
+
+class DaemonLink:
+    """One engine's connection to the daemon: a client (made on first use, and again
+    after a failure), its opened namespaces, and the back-off.  Not thread-safe: give
+    each thread that talks to the daemon a link of its own."""
+
+    def __init__(self, settings: DaemonSettings, *, backoff_s: float = BACKOFF_S,
+                 max_namespaces: int = MAX_NAMESPACES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self._backoff_s = backoff_s
+        self._max_namespaces = max_namespaces
+        self._clock = clock
+        self._client: Client | None = None
+        self._namespaces: OrderedDict[Hashable, Namespace] = OrderedDict()
+        self._unavailable_until = 0.0
+        self.failures = 0
+
+    @property
+    def endpoint(self) -> str:
+        if self._client is not None:
+            return self._client.endpoint
+        return self.settings.endpoint or "(default endpoint)"
+
+    def available(self) -> bool:
+        """False while backing off from a daemon that did not answer."""
+        return self._clock() >= self._unavailable_until
+
+    def connect(self) -> Client:
+        """The client, connected now if it is not (raises the daemon's error)."""
+        if self._client is None:
+            s = self.settings
+            self._client = Client(s.endpoint, tenant=s.tenant, token=s.token,
+                                  timeout=s.timeout)
+        return self._client
+
+    def client(self) -> Client | None:
+        """The client, or None while backing off or when connecting failed."""
+        if not self.available():
+            return None
+        try:
+            return self.connect()
+        except KVStoreError as exc:
+            self.failed("connect", exc)
+            return None
+
+    def namespace(self, key: Hashable, identity: Callable[[], Identity]) -> Namespace | None:
+        """The namespace opened under ``key`` (opening ``identity()`` the first time), or
+        None while backing off or when the daemon failed."""
+        ns = self._namespaces.get(key)
+        if ns is not None and self.available():
+            self._namespaces.move_to_end(key)
+            return ns
+        client = self.client()
+        if client is None:
+            return None
+        try:
+            ns = client.namespace(identity())
+        except KVStoreError as exc:
+            self.failed("open namespace", exc)
+            return None
+        if len(self._namespaces) >= self._max_namespaces:
+            self._namespaces.popitem(last=False)
+        self._namespaces[key] = ns
+        return ns
+
+    def failed(self, what: str, exc: KVStoreError) -> None:
+        """Log a failed step; a daemon that did not answer is left alone for a while,
+        and its client dropped (a client that timed out may get the late reply first)."""
+        self.failures += 1
+        logger.warning("kvstore: %s failed: %s", what, exc)
+        if isinstance(exc, UnavailableError):
+            self._unavailable_until = self._clock() + self._backoff_s
+            self.close()
+
+    def close(self) -> None:
+        """Drop the client (the daemon drops this session's pins with it)."""
+        client, self._client = self._client, None
+        self._namespaces.clear()
+        if client is not None:
+            client.close()
+
+    def __repr__(self) -> str:
+        state = "connected" if self._client else "idle"
+        if not self.available():
+            state = "backing off"
+        return (f"DaemonLink({self.endpoint}, {state}, namespaces={len(self._namespaces)}, "
+                f"failures={self.failures})")
+
+
+# ========================================================================================
+# outcomes
+# ========================================================================================
+
+class Loaded(NamedTuple):
+    """A read: ``blocks`` copied (the leading ones, for a prefix); ``error`` if the
+    daemon failed (then what is not loaded must be recomputed)."""
+
+    blocks: int
+    error: KVStoreError | None = None
+
+
+class Stored(NamedTuple):
+    """A write: the leading ``present`` keys are in the store afterwards, ``created`` of
+    them by this call; ``error`` if the daemon failed."""
+
+    present: int
+    created: int = 0
+    error: KVStoreError | None = None
+
+
+# ========================================================================================
+# reads: the longest cached prefix
+# ========================================================================================
+
+def _try_acquire(ns: Namespace, keys: Sequence[bytes]) -> Held | None:
+    try:
+        return ns.acquire(keys)
+    except NotFoundError:
+        return None
+
+
+def acquire_prefix(ns: Namespace, keys: Sequence[bytes]) -> Held | None:
+    """Pin the longest cached prefix of ``keys``: one acquire when all are cached, else a
+    lookup and an acquire of its hits.  None when nothing is (or stayed) cached."""
+    if not keys:
+        return None
+    held = _try_acquire(ns, keys)
+    if held is None:
+        hits = ns.lookup(keys).blocks
+        held = _try_acquire(ns, keys[:hits]) if hits else None
+    return held
+
+
+def acquire_runs(ns: Namespace, keys: Sequence[bytes]) -> list[tuple[int, Held]]:
+    """Pin every run of cached keys (for keys that are not one chain): ``(start, pin)``
+    per run, one lookup per run and per miss; a run evicted before its pin is missing."""
+    runs: list[tuple[int, Held]] = []
+    i = 0
+    while i < len(keys):
+        hits = ns.lookup(keys[i:]).blocks
+        if hits:
+            held = _try_acquire(ns, keys[i:i + hits])
+            if held is not None:
+                runs.append((i, held))
+        i += hits + 1
+    return runs
+
+
+def read_blocks(ns: Namespace, keys: Sequence[bytes],
+                copy: Callable[[int, memoryview], object], *, runs: bool = False) -> Loaded:
+    """Copy out the cached blocks of ``keys``: ``copy(i, slot)`` for each, while pinned.
+
+    The longest cached prefix, or with ``runs`` every run of cached keys.  The pins are
+    released whatever ``copy`` does; an error of ``copy`` itself propagates.
+    """
+    copied = 0
+    try:
+        held = _try_acquire(ns, keys) if keys else None
+        if held is not None:
+            pinned = [(0, held)]
+        elif runs:
+            pinned = acquire_runs(ns, keys)
+        else:
+            prefix = acquire_prefix(ns, keys)
+            pinned = [(0, prefix)] if prefix is not None else []
+    except KVStoreError as exc:
+        return Loaded(0, exc)
+    try:
+        for start, held in pinned:
+            for offset, slot in enumerate(held.buffers):
+                copy(start + offset, slot)
+                copied += 1
+    finally:
+        for _, held in pinned:
+            try:
+                held.release()
+            except KVStoreError as exc:  # the pin's lease ends it anyway
+                logger.warning("kvstore: release failed: %s", exc)
+    return Loaded(copied)
+
+
+class EnginePages:
+    """An engine's paged KV cache as kvstore blocks (``[layers, 2, T, H, D]`` bytes).
+
+    ``EnginePages.direct(kv_caches, layout)``: pages the copy kernels read and write in
+    place (a ``kvstore.kernels`` layout).  ``EnginePages.staged(views)``: one
+    ``[pages, 2, T, H, D]`` view per layer whose pages are not contiguous in that
+    order (strided views of the engine's own layout); blocks go through a contiguous
+    staging copy of just the pages moved.
+    """
+
+    def __init__(self, layout: Layout, cache: PagedCache | None,
+                 views: list[torch.Tensor] | None) -> None:
+        self.layout = layout
+        self.cache = cache
+        self.views = views
+
+    @classmethod
+    def direct(cls, kv_caches: KVCaches, layout: Layout) -> EnginePages:
+        return cls(layout, paged_cache(kv_caches, layout), None)
+
+    @classmethod
+    def staged(cls, views: Sequence[torch.Tensor]) -> EnginePages:
+        return cls("per_layer", None, list(views))
+
+    def _index(self, page_ids: Sequence[int]) -> torch.Tensor:
+        assert self.views is not None, "a direct cache has no staging"
+        return torch.tensor(list(page_ids), dtype=torch.long, device=self.views[0].device)
+
+    def gather(self, page_ids: Sequence[int], slots: Sequence[memoryview]) -> None:
+        """Copy the blocks of ``page_ids`` into ``slots`` (one batched copy)."""
+        if self.cache is not None:
+            gather(self.cache, list(page_ids), slots, layout=self.layout)
+        else:
+            assert self.views is not None
+            index = self._index(page_ids)
+            staging = [v.index_select(0, index) for v in self.views]
+            gather(staging, list(range(len(page_ids))), slots, layout="per_layer")
+        device = (self.cache.device if self.cache is not None
+                  else self.views[0].device if self.views else torch.device("cpu"))
+        if device.type == "cuda":  # the copy is queued: the slots are read once committed
+            torch.cuda.current_stream(device).synchronize()
+
+    def reload(self, ns: Namespace, keys: Sequence[bytes], page_ids: Sequence[int]) -> int:
+        """``ns.reload`` into these pages (NotFoundError if a key is missing, and then no
+        page is written)."""
+        if self.cache is not None:
+            return ns.reload(keys, self.cache, page_ids, layout=self.layout)
+        assert self.views is not None
+        n = len(keys)
+        staging = [torch.empty((n, *v.shape[1:]), dtype=v.dtype, device=v.device)
+                   for v in self.views]
+        ns.reload(keys, staging, list(range(n)), layout="per_layer")
+        index = self._index(page_ids)
+        for view, block in zip(self.views, staging):
+            view.index_copy_(0, index, block)
+        return n
+
+    def __repr__(self) -> str:
+        how = repr(self.cache) if self.cache is not None else f"staged x{len(self.views or [])}"
+        return f"EnginePages({self.layout}, {how})"
+
+
+def reload_prefix(ns: Namespace, keys: Sequence[bytes], pages: EnginePages,
+                  page_ids: Sequence[int]) -> Loaded:
+    """Load the longest cached prefix of ``keys`` into ``pages`` (``keys[i]`` into page
+    ``page_ids[i]``): one acquire when all are cached, else a lookup and a reload of the
+    hits; a block evicted in between leaves its pages unwritten and uncounted."""
+    try:
+        try:
+            return Loaded(pages.reload(ns, keys, page_ids))
+        except NotFoundError:  # evicted since the caller's lookup: load what is left
+            present = ns.lookup(keys).blocks
+            if not present:
+                return Loaded(0)
+            try:
+                return Loaded(pages.reload(ns, keys[:present], page_ids[:present]))
+            except NotFoundError:
+                return Loaded(0)
+    except KVStoreError as exc:
+        return Loaded(0, exc)
+
+
+# ========================================================================================
+# writes: what the store lacks
+# ========================================================================================
+
+def store_missing(ns: Namespace, keys: Sequence[bytes],
+                  fill: Callable[[Sequence[memoryview], int], None], *,
+                  parent: bytes | None = None, lookup: bool = True) -> Stored:
+    """Store the blocks of ``keys`` the namespace lacks, in one reservation.
+
+    One lookup finds the cached leading keys (``lookup=False`` skips it, for keys not
+    chained to each other, or known to be missing); ``fill(slots, first)`` writes the
+    blocks of ``keys[first:]`` into the reserved slots; then commit.  ``parent`` is the
+    key before ``keys[0]``; a parent evicted since starts a chain of its own.
+    """
+    hits = 0
+    try:
+        if lookup:
+            hits = ns.lookup(keys).blocks
+        if hits == len(keys):
+            return Stored(hits)
+        todo = keys[hits:]
+        first_parent = keys[hits - 1] if hits else parent
+        try:
+            reservation = ns.reserve(todo, parent=first_parent)
+        except NotFoundError:
+            if first_parent is None:
+                raise
+            reservation = ns.reserve(todo, parent=None)
+        with reservation as r:
+            fill(r.buffers, hits)
+            created = r.commit()
+    except KVStoreError as exc:
+        return Stored(hits, 0, exc)
+    return Stored(len(keys), created)
+
+
+def offload_missing(ns: Namespace, pages: EnginePages, page_ids: Sequence[int],
+                    keys: Sequence[bytes], *, parent: bytes | None = None) -> Stored:
+    """Store the pages (``page_ids[i]`` holds the block of ``keys[i]``) whose blocks the
+    namespace lacks: one lookup, then one batched gather of just those pages."""
+    if len(page_ids) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(page_ids)} page ids")
+    return store_missing(ns, keys, lambda slots, first: pages.gather(page_ids[first:], slots),
+                         parent=parent)

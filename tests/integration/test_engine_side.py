@@ -1,0 +1,192 @@
+"""The engine integrations' shared steps (kvstore.integrations.engine_side) against a real
+daemon, with CPU torch tensors as an engine's paged cache."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from daemon_proc import DaemonProcess
+from kvtest import make_identity
+
+from kvstore import Client, Identity
+from kvstore.client import Namespace
+from kvstore.errors import UnavailableError
+from kvstore.integrations.engine_side import (
+    DaemonLink,
+    DaemonSettings,
+    EnginePages,
+    Loaded,
+    acquire_runs,
+    offload_missing,
+    read_blocks,
+    reload_prefix,
+    store_missing,
+)
+from kvstore.keys import chain_keys
+
+LAYERS, TOKENS, HEADS, DIM = 2, 16, 2, 8
+PAGES = 8
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).half()
+
+
+def make_pages(kind: str, seed: int) -> tuple[EnginePages, Callable[[int], bytes]]:
+    """An engine cache of ``kind`` as EnginePages, and the canonical bytes of a page."""
+    if kind == "per_layer":
+        layers = [rand(PAGES, 2, TOKENS, HEADS, DIM, seed=seed + i) for i in range(LAYERS)]
+        return EnginePages.direct(layers, "per_layer"), lambda page: b"".join(
+            _bytes(t[page]) for t in layers)
+    if kind == "per_layer_kv_split":
+        pairs = [(rand(PAGES, TOKENS, HEADS, DIM, seed=seed + 2 * i),
+                  rand(PAGES, TOKENS, HEADS, DIM, seed=seed + 2 * i + 1))
+                 for i in range(LAYERS)]
+        return EnginePages.direct(pairs, "per_layer_kv_split"), lambda page: b"".join(
+            _bytes(torch.stack([k[page], v[page]])) for k, v in pairs)
+    if kind == "all_layer":
+        cache = rand(PAGES, LAYERS, 2, TOKENS, HEADS, DIM, seed=seed)
+        return EnginePages.direct(cache, "all_layer"), lambda page: _bytes(cache[page])
+    # staged: vLLM's CPU layout, [pages, H, T, 2*D] per layer (K then V per head)
+    raw = [rand(PAGES, HEADS, TOKENS, 2 * DIM, seed=seed + i) for i in range(LAYERS)]
+    views = [x.view(PAGES, HEADS, TOKENS, 2, DIM).permute(0, 3, 2, 1, 4) for x in raw]
+    return EnginePages.staged(views), lambda page: b"".join(_bytes(v[page]) for v in views)
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def identity(layout: str = "paged") -> Identity:
+    return make_identity(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+                         block_tokens=TOKENS, layout=layout)
+
+
+def lookups(client: Client) -> int:
+    return int(client.stats()["tiers"]["dram"]["lookups"])
+
+
+KINDS = ["per_layer", "per_layer_kv_split", "all_layer", "staged"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_offload_then_reload_restores_the_bytes(daemon: DaemonProcess, kind: str) -> None:
+    with Client(daemon.endpoint, tenant="acme") as a, Client(daemon.endpoint, tenant="acme") as b:
+        ns_a, ns_b = a.namespace(identity(kind)), b.namespace(identity(kind))
+        source, source_page = make_pages(kind, seed=1)
+        keys = ns_a.keys(range(TOKENS * 4))
+        stored = offload_missing(ns_a, source, [6, 1, 4, 0], keys)
+        assert stored == (4, 4, None)
+        assert offload_missing(ns_a, source, [6, 1, 4, 0], keys) == (4, 0, None)
+        target, target_page = make_pages(kind, seed=50)
+        assert reload_prefix(ns_b, keys, target, [2, 3, 7, 5]) == Loaded(4)
+        for src, dst in zip([6, 1, 4, 0], [2, 3, 7, 5]):
+            assert target_page(dst) == source_page(src)
+
+
+@pytest.mark.parametrize("kind", ["per_layer", "staged"])
+def test_a_partly_cached_prefix_loads_only_the_cached_part(daemon: DaemonProcess,
+                                                           kind: str) -> None:
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity(kind))
+        source, source_page = make_pages(kind, seed=1)
+        keys = ns.keys(range(TOKENS * 4))
+        assert offload_missing(ns, source, [0, 1], keys[:2]).present == 2
+        target, target_page = make_pages(kind, seed=50)
+        untouched = [target_page(p) for p in range(PAGES)]
+        assert reload_prefix(ns, keys, target, [4, 5, 6, 7]) == Loaded(2)
+        assert [target_page(4), target_page(5)] == [source_page(0), source_page(1)]
+        assert [target_page(p) for p in (0, 1, 2, 3, 6, 7)] == [
+            untouched[p] for p in (0, 1, 2, 3, 6, 7)]
+        # The rest of the chain goes in after its cached head, with one lookup.
+        before = lookups(client)
+        assert offload_missing(ns, source, [0, 1, 2, 3], keys) == (4, 2, None)
+        assert lookups(client) - before == 1
+
+
+def test_one_lookup_per_offload_through_staging(daemon: DaemonProcess) -> None:
+    """vLLM's CPU caches go through staging; the save looks the chain up once."""
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity("staged"))
+        pages, _ = make_pages("staged", seed=1)
+        keys = ns.keys(range(TOKENS * 6))
+        for chunk, parent in ((slice(0, 3), None), (slice(3, 6), keys[2])):
+            before = lookups(client)
+            stored = offload_missing(ns, pages, list(range(6))[chunk], keys[chunk],
+                                     parent=parent)
+            assert stored == (3, 3, None)
+            assert lookups(client) - before == 1
+        before = lookups(client)
+        assert offload_missing(ns, pages, list(range(6)), keys) == (6, 0, None)
+        assert lookups(client) - before == 1
+
+
+def test_read_blocks_copies_the_prefix_or_every_run(daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity())
+        blocks = [bytes([i]) * ns.block_bytes for i in range(5)]
+        keys = [bytes([i]) * 16 for i in range(5)]
+        for i in (0, 1, 3):  # unchained keys, 2 and 4 missing
+            ns.put([keys[i]], [blocks[i]])
+        seen: dict[int, bytes] = {}
+
+        def copy(i: int, slot: memoryview) -> None:
+            seen[i] = bytes(slot)
+
+        assert read_blocks(ns, keys, copy) == Loaded(2)
+        assert seen == {0: blocks[0], 1: blocks[1]}
+        seen.clear()
+        assert read_blocks(ns, keys, copy, runs=True) == Loaded(3)
+        assert seen == {i: blocks[i] for i in (0, 1, 3)}
+        assert [(start, len(held.keys)) for start, held in acquire_runs(ns, keys)] == [
+            (0, 2), (3, 1)]
+        assert client.stats()["tiers"]["dram"]["pinned_blocks"] == 3  # runs still held
+
+
+def test_store_missing_starts_its_own_chain_when_the_parent_is_gone(
+        daemon: DaemonProcess) -> None:
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity())
+        # Chained as engines chain them (ns.keys would make the client remember keys[0]
+        # as the parent, and name it in the reservation itself).
+        keys = chain_keys(ns.id, range(TOKENS * 2), TOKENS)
+        block = b"\x07" * ns.block_bytes
+
+        def fill(slots: Any, first: int) -> None:
+            for slot in slots:
+                slot[:] = block
+
+        assert store_missing(ns, keys[1:], fill, parent=keys[0]) == (1, 1, None)
+        assert ns.get(keys[1:]) == [block]
+
+
+def test_a_daemon_that_is_gone_is_a_miss_and_a_backoff(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    daemon = daemon_factory()
+    now = [0.0]
+    link = DaemonLink(DaemonSettings(daemon.endpoint, "acme", timeout=0.5),
+                      backoff_s=10.0, clock=lambda: now[0])
+    ns = link.namespace("pages", identity)
+    assert isinstance(ns, Namespace)
+    source, _ = make_pages("per_layer", seed=1)
+    keys = ns.keys(range(TOKENS * 3))
+    assert offload_missing(ns, source, [0, 1, 2], keys).present == 3
+    target, target_page = make_pages("per_layer", seed=50)
+    untouched = [target_page(p) for p in range(PAGES)]
+
+    daemon.stop(signal.SIGKILL)
+    loaded = reload_prefix(ns, keys, target, [3, 4, 5])
+    assert loaded.blocks == 0 and isinstance(loaded.error, UnavailableError)
+    assert [target_page(p) for p in range(PAGES)] == untouched  # nothing half-written
+    link.failed("reload", loaded.error)
+    assert not link.available() and "backing off" in repr(link)
+    assert link.namespace("pages", identity) is None  # at once, no daemon call
+    stored = offload_missing(ns, source, [0, 1, 2], keys)
+    assert stored.present == 0 and stored.error is not None
+    now[0] = 11.0  # past the back-off: a new attempt, which fails again cleanly
+    assert link.namespace("pages", identity) is None
+    assert link.failures == 2
