@@ -442,7 +442,7 @@ class NamespaceCore(Generic[S]):
     def _lookup(self, keys: Sequence[bytes]) -> Exchange[LookupResult]:
         c = self.client
         total, tiers = 0, []
-        per = _per(0, c.max_keys, 1 << 62)
+        per = max(1, c.max_keys)
         for start in range(0, len(keys), per):
             part = _listed(keys) if per >= len(keys) else list(keys[start:start + per])
             received = yield p.Lookup(c._next_rid(), self.id, part), _NO_PAYLOAD
