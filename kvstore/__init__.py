@@ -1,14 +1,8 @@
 """kvstore: a tiered, identity-keyed, refcounted store for LLM KV-cache blocks."""
 
-from kvstore.client import (
-    AsyncClient,
-    BatchResult,
-    Client,
-    CurveKeys,
-    LookupResult,
-    PlanItem,
-    PrefetchResult,
-)
+from kvstore.aclient import AsyncClient
+from kvstore.client import Client
+from kvstore.client_core import BatchResult, CurveKeys, LookupResult, PlanItem, PrefetchResult
 from kvstore.identity import Identity
 
 __all__ = ["AsyncClient", "BatchResult", "Client", "CurveKeys", "Identity", "LookupResult",

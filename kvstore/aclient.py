@@ -1,0 +1,320 @@
+"""The asyncio client: the twin of ``kvstore.client.Client``, verb for verb.
+
+A thin shell over ``kvstore.client_core`` like the blocking one: it sends what the core
+builds and hands the core what comes back.  Requests carry ids, so many may be in flight
+at once (``asyncio.gather``); one task reads every reply and hands each to the request
+that waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from kvstore import protocol as p
+from kvstore.client_core import (
+    BatchResult,
+    CurveKeys,
+    Exchange,
+    HeldCore,
+    LookupResult,
+    NamespaceCore,
+    PlanItem,
+    PrefetchResult,
+    Received,
+    ReservationCore,
+    SessionCore,
+    decode_reply,
+    log,
+    make_socket,
+)
+from kvstore.errors import KVStoreError
+from kvstore.identity import Identity
+
+T = TypeVar("T")
+
+
+class AsyncClient(SessionCore):
+    """An asyncio connection to the daemon; many requests may be in flight at once.
+    ``async with AsyncClient(...) as client`` (or ``await client.connect()``); the
+    arguments are those of ``Client``."""
+
+    def __init__(self, endpoint: str | None = None, *, tenant: str | None = None,
+                 token: str | None = None, timeout: float = 30.0, map_arena: bool = True,
+                 curve: CurveKeys | None = None, checksums: bool = False) -> None:
+        super().__init__(endpoint, tenant=tenant, token=token, timeout=timeout,
+                         map_arena=map_arena, curve=curve, checksums=checksums)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: Any = None
+        self._waiting: dict[int, asyncio.Future[Received]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._settled: asyncio.Event | None = None  # set once no posted reply is unread
+
+    async def connect(self) -> AsyncClient:
+        """Open the socket and say hello."""
+        self._ctx = zmq.asyncio.Context()
+        self._sock = make_socket(self._ctx, self.endpoint, self._curve)
+        self._reader = asyncio.get_running_loop().create_task(self._read_replies())
+        try:
+            self._on_hello(await self._call(self._hello_request()))
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    # -- I/O ------------------------------------------------------------------------------
+    async def _read_replies(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                received = decode_reply(frames)
+            except KVStoreError as exc:  # whose it was cannot be told: fail every waiter
+                for future in self._waiting.values():
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            rid = received[0].rid
+            if rid == 0:  # the daemon could not tell whose it is: every waiter gets it
+                for future in self._waiting.values():
+                    if not future.done():
+                        future.set_result(received)
+                continue
+            waiter = self._waiting.pop(rid, None)
+            if waiter is not None:
+                if not waiter.done():
+                    waiter.set_result(received)
+            elif self._settle(received[0]) and not self._unread and self._settled is not None:
+                self._settled.set()
+
+    async def _call(self, req: p.Message, payload: Sequence[Any] = ()) -> Received:
+        """Send a request and wait for its reply (unchecked: the core checks it)."""
+        if self._sock is None:
+            raise KVStoreError("the client is not connected")
+        future: asyncio.Future[Received] = asyncio.get_running_loop().create_future()
+        self._waiting[req.rid] = future
+        try:
+            header = p.encoder.encode(req)
+            if payload:
+                await self._sock.send_multipart([header, *payload], copy=False)
+            else:
+                await self._sock.send(header)
+            try:
+                return await asyncio.wait_for(future, self.timeout)
+            except TimeoutError:
+                raise self._no_reply() from None
+        finally:
+            self._waiting.pop(req.rid, None)
+
+    async def _run(self, exchange: Exchange[T]) -> T:
+        """Carry out a verb of several requests, one after the other."""
+        try:
+            req, payload = next(exchange)
+            while True:
+                req, payload = exchange.send(await self._call(req, payload))
+        except StopIteration as done:
+            result: T = done.value
+            return result
+
+    async def _post(self, req: p.Message) -> None:
+        """Send a request whose reply nobody waits for (a release): the reader settles
+        it with the core when it comes."""
+        if self._sock is None:
+            raise KVStoreError("the client is not connected")
+        await self._sock.send(self._posted(req))
+
+    # -- verbs ----------------------------------------------------------------------------
+    def namespace(self, identity: Identity) -> AsyncNamespaceOpener:
+        """``ns = await client.namespace(identity)``."""
+        return AsyncNamespaceOpener(self, identity)
+
+    async def stats(self) -> dict[str, Any]:
+        return self._on_stats(await self._call(self._stats_request()))
+
+    async def ping(self) -> None:
+        """Renew this session's leases (reservations and pins)."""
+        self._on_ok(await self._call(self._ping_request()))
+
+    async def gpu_pool(self) -> Any:
+        """See ``Client.gpu_pool``."""
+        req = self._gpu_request()
+        return self._pool if req is None else self._on_gpu(await self._call(req))
+
+    async def report(self, recomputed_tokens: int) -> None:
+        """Tell the daemon (for its metrics) how many tokens the engine recomputed."""
+        self._on_ok(await self._call(self._report_request(recomputed_tokens)))
+
+    async def close(self) -> None:
+        self._unmap()
+        if self._unread and self._reader is not None and not self._reader.done():
+            # Posted releases must reach the daemon before the socket goes (it drops what
+            # it has not sent), or their pins would stay until the session's lease ends.
+            settled = self._settled = asyncio.Event()
+            try:
+                await asyncio.wait_for(settled.wait(), self._close_wait())
+            except TimeoutError:
+                log.warning("closing without the replies to %d posted releases",
+                            len(self._unread))
+            self._settled = None
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except asyncio.CancelledError:
+                pass
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncNamespaceOpener:
+    """What ``AsyncClient.namespace`` returns: await it for the namespace."""
+
+    def __init__(self, client: AsyncClient, identity: Identity) -> None:
+        self.client = client
+        self.identity = identity
+
+    def __await__(self) -> Any:
+        return self._open().__await__()
+
+    async def _open(self) -> AsyncNamespace:
+        c = self.client
+        received = await c._call(c._namespace_request(self.identity))
+        return AsyncNamespace(c, self.identity, AsyncNamespace._opened(received))
+
+
+class AsyncNamespace(NamespaceCore[AsyncClient]):
+    """The asyncio twin of ``Namespace``."""
+
+    async def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        return await self.client._run(self._lookup(keys))
+
+    def reserve(self, keys: Sequence[bytes], parent: bytes | None = None) -> AsyncReservation:
+        """``async with ns.reserve(keys) as r`` (or ``r = await ns.reserve(keys)``)."""
+        return AsyncReservation(self, list(keys), self._parent(keys, parent))
+
+    def acquire(self, keys: Sequence[bytes]) -> AsyncHeld:
+        """``async with ns.acquire(keys) as held`` (or ``held = await ns.acquire(keys)``)."""
+        return AsyncHeld(self, list(keys))
+
+    async def put(self, keys: Sequence[bytes], blocks: Sequence[Any],
+                  parent: bytes | None = None) -> int:
+        return await self.client._run(self._put(keys, blocks, parent))
+
+    async def get(self, keys: Sequence[bytes], verify: bool = True) -> list[bytes]:
+        return await self.client._run(self._get(keys, verify))
+
+    async def evict(self, keys: Sequence[bytes]) -> int:
+        return self._on_count(await self.client._call(self._evict_request(keys)))
+
+    async def keep_warm(self, keys: Sequence[bytes], seconds: float) -> int:
+        """See ``Namespace.keep_warm``."""
+        return self._on_count(await self.client._call(self._warm_request(keys, seconds)))
+
+    async def prefetch(self, keys: Sequence[bytes], *, wait: bool = False,
+                       timeout: float | None = None) -> PrefetchResult:
+        """See ``Namespace.prefetch``."""
+        req = self._prefetch_request(keys, wait, timeout)
+        return self._on_prefetch(await self.client._call(req))
+
+    async def reserve_batch(self, plan: Sequence[PlanItem]) -> BatchResult[AsyncReservation]:
+        """See ``Namespace.reserve_batch``; the reservations are made already (commit or
+        abort each, or use it in ``async with``)."""
+        received = await self.client._call(self._reserve_batch_request(plan))
+        return self._on_reserve_batch(plan, received, lambda keys: AsyncReservation(self, keys))
+
+    async def offload(self, kv_caches: Any, page_ids: Sequence[int], keys: Sequence[bytes],
+                      *, layout: str = "per_layer", parent: bytes | None = None) -> int:
+        """See ``Namespace.offload``."""
+        self._check_pages(kv_caches, page_ids, keys, layout)
+        hit = (await self.lookup(keys)).blocks
+        if hit == len(keys):
+            return 0
+        async with self.reserve(keys[hit:], parent=keys[hit - 1] if hit else parent) as r:
+            self._gather(kv_caches, page_ids[hit:], r.buffers, layout)
+            return await r.commit()
+
+    async def reload(self, keys: Sequence[bytes], kv_caches: Any, page_ids: Sequence[int], *,
+                     layout: str = "per_layer") -> int:
+        """See ``Namespace.reload``."""
+        self._check_pages(kv_caches, page_ids, keys, layout)
+        if not keys:
+            return 0
+        self.client._pin_arena(self.arena, kv_caches)
+        async with self.acquire(keys) as held:
+            self._scatter(held, kv_caches, page_ids, layout)
+        return len(keys)
+
+    async def drop(self) -> int:
+        """Drop every unpinned block of this namespace."""
+        return self._on_count(await self.client._call(self._drop_request()))
+
+
+class AsyncReservation(ReservationCore[AsyncNamespace]):
+    """``async with ns.reserve(keys) as r``: write ``r.buffers``, then ``await
+    r.commit()``; leaving the block without a commit aborts."""
+
+    def __await__(self) -> Any:
+        return self._reserve().__await__()
+
+    async def _reserve(self) -> AsyncReservation:
+        if not self.reserved:
+            self._on_reserved(await self.ns.client._call(self._reserve_request()))
+        return self
+
+    async def commit(self) -> int:
+        """See ``Reservation.commit``."""
+        return self._on_commit(await self.ns.client._call(self._commit_request()))
+
+    async def abort(self) -> None:
+        """See ``Reservation.abort``."""
+        req = self._abort_request()
+        if req is not None:
+            self.ns.client._on_ok(await self.ns.client._call(req))
+
+    async def __aenter__(self) -> AsyncReservation:
+        return await self._reserve()
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self.done and self.ns.client._sock is not None:
+            await self.abort()
+
+
+class AsyncHeld(HeldCore[AsyncNamespace]):
+    """``async with ns.acquire(keys) as held``: read-only ``held.buffers`` until
+    release."""
+
+    def __await__(self) -> Any:
+        return self._acquire().__await__()
+
+    async def _acquire(self) -> AsyncHeld:
+        if not self.acquired:
+            self._on_acquired(await self.ns.client._call(self._acquire_request()))
+        return self
+
+    async def release(self) -> None:
+        """Unpin, without waiting for the daemon: done before this client's next
+        request."""
+        req = self._release_request()
+        if req is not None:
+            await self.ns.client._post(req)
+
+    async def __aenter__(self) -> AsyncHeld:
+        return await self._acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.ns.client._sock is not None:
+            await self.release()

@@ -1,0 +1,709 @@
+"""The client's core, without I/O: everything the blocking and the asyncio client share.
+
+It builds each verb's request message, checks and decodes the reply into the result
+types, splits requests that are too big into batches, remembers chain parents, keeps
+the state of a session, its reservations and its pins, verifies checksums and maps the
+arena's views.  It never sends or receives: ``kvstore.client`` (blocking) and
+``kvstore.aclient`` (asyncio) are thin shells that carry what it builds to the daemon
+and hand it what comes back, the way h11 and httpcore split protocol from I/O.
+
+A verb of one request is two calls: ``_<verb>_request(...)`` builds the message, and an
+``_on_<reply>(received)`` turns the reply into the result, raising the typed error of an
+error reply (or a ``KVStoreError`` for a reply of the wrong type), the same on both
+sides.  A verb that may take several requests (lookup, put and get of more keys than
+one request carries) is an ``Exchange``: a generator that yields each request with its
+payload, is sent each reply, and returns the result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import msgspec
+import xxhash
+
+from kvstore import protocol as p
+from kvstore.config import endpoint_from_env
+from kvstore.errors import (
+    CorruptError,
+    KVStoreError,
+    MalformedError,
+    UnavailableError,
+    error_from_code,
+)
+from kvstore.identity import Identity
+from kvstore.keys import chain_keys
+from kvstore.tiers.dram import map_arena
+
+if TYPE_CHECKING:
+    import zmq
+
+R = TypeVar("R", bound=p.Message)
+T = TypeVar("T")
+ResT = TypeVar("ResT")
+S = TypeVar("S", bound="SessionCore")
+N = TypeVar("N", bound="NamespaceCore[Any]")
+RC = TypeVar("RC", bound="ReservationCore[Any]")
+
+Outgoing = tuple[p.Message, Sequence[Any]]  # a request and its payload frames
+Received = tuple[p.Message, list["zmq.Frame"]]  # a reply and its payload frames
+Exchange = Generator[Outgoing, Received, T]  # a verb of one or more requests
+
+log = logging.getLogger("kvstore.client")
+
+CLOSE_WAIT_S = 1.0  # how long close() waits for the replies to posted releases
+_PARENT_MEMORY = 1 << 20  # chain links remembered per namespace, for reserve/put parents
+_NO_PAYLOAD: Sequence[Any] = ()
+
+
+# ----------------------------------------------------------------------------------------
+# results
+# ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """``ready`` leading keys are in DRAM now; ``cached`` are cached in some tier."""
+
+    ready: int
+    cached: int
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """One request of a token plan: tokens it holds, tokens it adds, and the keys of the
+    blocks those complete; ``parent`` is the key before them."""
+
+    reserved_tokens: int
+    new_tokens: int
+    keys: list[bytes]
+    parent: bytes | None = None
+
+
+@dataclass
+class BatchResult(Generic[ResT]):
+    """``admitted``: every request got its blocks (``reservations``, one each); else
+    ``fitting`` names the requests that would fit and nothing was reserved."""
+
+    admitted: bool
+    blocks: list[int]
+    fitting: list[int]
+    reservations: list[ResT]
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """``blocks`` leading keys are cached; ``tiers[i]`` names the tier of hit block i."""
+
+    blocks: int
+    tiers: list[str]
+
+
+# ----------------------------------------------------------------------------------------
+# connection settings
+# ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CurveZMQ for ``tcp://``: the daemon's public key and this client's key pair."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def from_files(cls, server_public_file: str, client_secret_file: str) -> CurveKeys:
+        """From ``kvstore keygen`` files: the server's ``.key`` and the client's
+        ``.key_secret``."""
+        import zmq.auth
+
+        server_public, _ = zmq.auth.load_certificate(server_public_file)
+        public, secret = zmq.auth.load_certificate(client_secret_file)
+        if secret is None:
+            raise MalformedError(f"{client_secret_file} holds no secret key")
+        return cls(server_public, public, secret)
+
+
+def _token(token: str | None) -> str:
+    return token if token is not None else os.environ.get("KVSTORE_TOKEN", "")
+
+
+def _tenant(tenant: str | None, token: str | None) -> str:
+    """The tenant to name in hello: given, from the environment, or (with credentials) left
+    for the daemon to take from them."""
+    if tenant:
+        return tenant
+    if os.environ.get("KVSTORE_TENANT"):
+        return os.environ["KVSTORE_TENANT"]
+    return "" if _token(token) else "default"
+
+
+def _curve_from_env() -> CurveKeys | None:
+    server = os.environ.get("KVSTORE_CURVE_SERVER_KEY")
+    client = os.environ.get("KVSTORE_CURVE_CLIENT_CERT")
+    return CurveKeys.from_files(server, client) if server and client else None
+
+
+def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None) -> Any:
+    """The DEALER socket of a shell (``ctx`` is a ``zmq.Context`` or a
+    ``zmq.asyncio.Context``), set up the same way for both."""
+    import zmq
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if curve is not None and endpoint.startswith("tcp://"):
+        sock.curve_serverkey = curve.server_public
+        sock.curve_publickey = curve.public
+        sock.curve_secretkey = curve.secret
+    sock.connect(endpoint)
+    return sock
+
+
+# ----------------------------------------------------------------------------------------
+# replies and payloads
+# ----------------------------------------------------------------------------------------
+
+def decode_reply(frames: list[zmq.Frame]) -> Received:
+    """A reply's header and its payload frames; KVStoreError if the header is not a reply."""
+    try:
+        reply = p.reply_decoder.decode(frames[0].buffer)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise KVStoreError(f"undecodable reply from the daemon: {exc}") from None
+    return reply, frames[1:]
+
+
+def check_reply(reply: p.Message, expected: type[R]) -> R:
+    """The reply if it is an ``expected``; the typed error of an error reply; else
+    KVStoreError."""
+    if isinstance(reply, expected):
+        return reply
+    if isinstance(reply, p.ErrorReply):
+        raise error_from_code(reply.code, reply.message)
+    raise KVStoreError(f"expected a {expected.__name__}, got {type(reply).__name__}")
+
+
+def checksum(block: Any) -> int:
+    """xxh3_64 of a block's bytes: what writers send and readers check."""
+    return xxhash.xxh3_64_intdigest(block)
+
+
+def verify(blocks: Sequence[Any], sums: Sequence[int]) -> None:
+    """CorruptError unless every block matches its checksum (0: not known)."""
+    for i, (block, want) in enumerate(zip(blocks, sums)):
+        if want and checksum(block) != want:
+            raise CorruptError(f"block {i} does not match the checksum it was written with")
+
+
+def _listed(keys: Sequence[bytes]) -> list[bytes]:
+    return keys if isinstance(keys, list) else list(keys)
+
+
+def _per(size: int, max_keys: int, max_bytes: int) -> int:
+    """Keys of ``size`` bytes each that one request may carry."""
+    return max(1, min(max_keys, max_bytes // max(size, 1)))
+
+
+def _check_blocks(blocks: Sequence[Any], count: int, size: int) -> None:
+    if len(blocks) != count:
+        raise MalformedError(f"{count} keys but {len(blocks)} blocks")
+    for i, block in enumerate(blocks):
+        n = memoryview(block).nbytes
+        if n != size:
+            raise MalformedError(f"block {i} holds {n} bytes; this namespace's blocks are {size}")
+
+
+# ----------------------------------------------------------------------------------------
+# the session
+# ----------------------------------------------------------------------------------------
+
+class SessionCore:
+    """A client's session without its socket: the connection settings, the hello facts,
+    request ids, the arena mappings and the requests posted without waiting."""
+
+    def __init__(self, endpoint: str | None, *, tenant: str | None, token: str | None,
+                 timeout: float, map_arena: bool, curve: CurveKeys | None,
+                 checksums: bool) -> None:
+        self.endpoint = endpoint or endpoint_from_env()
+        self.timeout = timeout
+        self.checksums = checksums  # send xxh3_64 of what is written, for readers to verify
+        self._tenant = _tenant(tenant, token)
+        self._token = _token(token)
+        self._curve = curve or _curve_from_env()
+        self._rids = itertools.count(1)
+        self.hello: p.HelloReply | None = None
+        self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}  # arena path -> mapping
+        self._map_arenas = map_arena
+        self._pinned: dict[str, Any] = {}  # arena path -> its background CUDA registration
+        self._pool: Any = None  # the GPU tier's pool, mapped (kvstore.tiers.gpu.PoolMapping)
+        self.gpu_reason = ""  # why there is no GPU pool, once asked
+        self._unread: set[int] = set()  # ids of posted requests whose replies are not read
+
+    def _next_rid(self) -> int:
+        return next(self._rids)
+
+    # -- requests posted without waiting (releases) -------------------------------------
+    def _posted(self, req: p.Message) -> bytes:
+        """The header of a request whose reply nobody waits for: the shell reads that
+        reply later and hands it to ``_settle``.  The daemon serves a connection's
+        requests in order, so the next request sees it done."""
+        self._unread.add(req.rid)
+        return p.encoder.encode(req)
+
+    def _settle(self, reply: p.Message) -> bool:
+        """Whether ``reply`` answers a posted request; if so it is dropped here, and a
+        refusal logged (there is nobody left to raise it to)."""
+        if reply.rid not in self._unread:
+            return False
+        self._unread.discard(reply.rid)
+        if isinstance(reply, p.ErrorReply):
+            log.warning("the daemon refused a release: %s: %s", reply.code, reply.message)
+        return True
+
+    def _no_reply(self) -> UnavailableError:
+        return UnavailableError(f"no reply from the daemon at {self.endpoint} "
+                                f"within {self.timeout}s")
+
+    def _close_wait(self) -> float:
+        """Seconds close() waits for the replies to posted requests."""
+        return min(self.timeout, CLOSE_WAIT_S)
+
+    # -- the session's verbs --------------------------------------------------------------
+    def _hello_request(self) -> p.Hello:
+        return p.Hello(self._next_rid(), p.PROTOCOL_VERSION, self._tenant, self._token)
+
+    def _on_hello(self, received: Received) -> None:
+        hello = self.hello = check_reply(received[0], p.HelloReply)
+        if self._map_arenas:
+            self._view_of(hello.arena_path, hello.arena_bytes)
+
+    def _namespace_request(self, identity: Identity) -> p.OpenNamespace:
+        return p.OpenNamespace(self._next_rid(), identity)
+
+    def _stats_request(self) -> p.Stats:
+        return p.Stats(self._next_rid())
+
+    def _ping_request(self) -> p.Ping:
+        return p.Ping(self._next_rid())
+
+    def _report_request(self, recomputed_tokens: int) -> p.Report:
+        return p.Report(self._next_rid(), recomputed_tokens)
+
+    def _gpu_request(self) -> p.GpuAttach | None:
+        """None once the pool is mapped or known to be missing."""
+        if self._pool is not None or self.gpu_reason:
+            return None
+        return p.GpuAttach(self._next_rid())
+
+    @staticmethod
+    def _on_stats(received: Received) -> dict[str, Any]:
+        return check_reply(received[0], p.StatsReply).stats
+
+    @staticmethod
+    def _on_ok(received: Received) -> None:
+        check_reply(received[0], p.OkReply)
+
+    def _on_gpu(self, received: Received) -> Any:
+        reply = check_reply(received[0], p.GpuReply)
+        if not reply.pool:
+            self.gpu_reason = reply.reason or "the daemon has no GPU tier"
+            return None
+        from kvstore.tiers.gpu import PoolHandle, PoolMapping
+
+        try:
+            self._pool = PoolMapping.open(msgspec.msgpack.decode(reply.pool, type=PoolHandle))
+        except KVStoreError as exc:
+            self.gpu_reason = f"the GPU tier's pool cannot be mapped here: {exc}"
+            return None
+        return self._pool
+
+    # -- the arena ------------------------------------------------------------------------
+    def _view_of(self, path: str, size: int) -> memoryview:
+        mapped = self._maps.get(path)
+        if mapped is None:
+            if not self._map_arenas:
+                raise KVStoreError("this client did not map the arena (map_arena=False); "
+                                   "use put/get instead")
+            arena = map_arena(path, size)
+            mapped = self._maps[path] = (arena, memoryview(arena))
+        return mapped[1]
+
+    def _slots(self, offsets: Sequence[int], size: int, readonly: bool,
+               arena: tuple[str, int] | None = None) -> list[memoryview]:
+        """Views of slots in an arena (the namespace's; by default the hello's)."""
+        if arena is None or not arena[0]:
+            assert self.hello is not None, "the arena is known after hello"
+            arena = (self.hello.arena_path, self.hello.arena_bytes)
+        view = self._view_of(*arena)
+        if readonly:
+            view = view.toreadonly()
+        return [view[o:o + size] for o in offsets]
+
+    def _pin_arena(self, arena: tuple[str, int], kv_caches: Any) -> None:
+        """Page-lock the arena for CUDA, in the background and once, when the engine's
+        cache is on a GPU, so that copies to and from it run as DMA without staging."""
+        if not arena[0]:
+            assert self.hello is not None, "the arena is known after hello"
+            arena = (self.hello.arena_path, self.hello.arena_bytes)
+        if arena[0] in self._pinned or _cache_device(kv_caches).type != "cuda":
+            return
+        from kvstore.kernels.pinned import register_in_background
+
+        self._view_of(*arena)
+        self._pinned[arena[0]] = register_in_background(self._maps[arena[0]][0])
+
+    def _unmap(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        for registration in self._pinned.values():
+            registration.unregister()
+        self._pinned.clear()
+        for arena, view in self._maps.values():
+            view.release()
+            try:
+                arena.close()
+            except BufferError:
+                pass  # the caller still holds a view; the mapping goes with it
+        self._maps.clear()
+
+    @property
+    def session_id(self) -> str:
+        assert self.hello is not None, "the session id is known after hello"
+        return self.hello.session
+
+    @property
+    def max_keys(self) -> int:
+        return self.hello.max_keys if self.hello else 4096
+
+    @property
+    def max_request_bytes(self) -> int:
+        return self.hello.max_request_bytes if self.hello else 1 << 28
+
+    def __repr__(self) -> str:
+        session = self.hello.session[:8] if self.hello else None
+        return f"{type(self).__name__}({self.endpoint}, session={session})"
+
+
+# ----------------------------------------------------------------------------------------
+# namespaces
+# ----------------------------------------------------------------------------------------
+
+class _Chains:
+    """Parents remembered from ``keys()`` so that reserve/put can name a chain's parent."""
+
+    def __init__(self) -> None:
+        self._parents: OrderedDict[bytes, bytes | None] = OrderedDict()
+
+    def remember(self, keys: list[bytes], parent: bytes | None) -> None:
+        for key in keys:
+            self._parents[key] = parent
+            parent = key
+        while len(self._parents) > _PARENT_MEMORY:
+            self._parents.popitem(last=False)
+
+    def parent_of(self, first_key: bytes) -> bytes | None:
+        return self._parents.get(first_key)
+
+
+class NamespaceCore(Generic[S]):
+    """An opened namespace without I/O: keys, chain memory, and each verb's request and
+    reply."""
+
+    def __init__(self, client: S, identity: Identity, reply: p.NamespaceReply) -> None:
+        self.client = client
+        self.identity = identity
+        self.id = reply.ns
+        self.block_bytes = reply.block_bytes
+        self.arena = (reply.arena_path, reply.arena_bytes)  # where its blocks live
+        self._chains = _Chains()
+
+    @staticmethod
+    def _opened(received: Received) -> p.NamespaceReply:
+        return check_reply(received[0], p.NamespaceReply)
+
+    def keys(self, token_ids: Sequence[int] | Any, parent: bytes | None = None) -> list[bytes]:
+        """One chained key per full block of ``token_ids``."""
+        keys = chain_keys(self.id, token_ids, self.identity.block_tokens, parent)
+        self._chains.remember(keys, parent)
+        return keys
+
+    def _parent(self, keys: Sequence[bytes], parent: bytes | None) -> bytes | None:
+        return parent if parent is not None or not keys else self._chains.parent_of(keys[0])
+
+    # -- verbs of one or more requests ----------------------------------------------------
+    def _lookup(self, keys: Sequence[bytes]) -> Exchange[LookupResult]:
+        c = self.client
+        total, tiers = 0, []
+        per = max(1, c.max_keys)
+        for start in range(0, len(keys), per):
+            part = _listed(keys) if per >= len(keys) else list(keys[start:start + per])
+            received = yield p.Lookup(c._next_rid(), self.id, part), _NO_PAYLOAD
+            r = check_reply(received[0], p.LookupReply)
+            total += r.blocks
+            for tier, count in r.tier_runs:
+                tiers.extend([tier] * count)
+            if r.blocks < len(part):
+                break
+        return LookupResult(total, tiers)
+
+    def _put(self, keys: Sequence[bytes], blocks: Sequence[Any],
+             parent: bytes | None) -> Exchange[int]:
+        _check_blocks(blocks, len(keys), self.block_bytes)
+        c = self.client
+        created = 0
+        previous = self._parent(keys, parent)
+        per = _per(self.block_bytes, c.max_keys, c.max_request_bytes)
+        for start in range(0, len(keys), per):
+            part = list(keys[start:start + per])
+            payload = list(blocks[start:start + per])
+            sums = [checksum(b) for b in payload] if c.checksums else []
+            received = yield p.Put(c._next_rid(), self.id, part, previous, sums), payload
+            created += check_reply(received[0], p.PutReply).created
+            previous = part[-1]
+        return created
+
+    def _get(self, keys: Sequence[bytes], verify_sums: bool) -> Exchange[list[bytes]]:
+        c = self.client
+        out: list[bytes] = []
+        per = _per(self.block_bytes, c.max_keys, c.max_request_bytes)
+        for start in range(0, len(keys), per):
+            received = yield (p.Get(c._next_rid(), self.id, list(keys[start:start + per])),
+                              _NO_PAYLOAD)
+            reply = check_reply(received[0], p.GetReply)
+            blocks = [f.bytes for f in received[1]]
+            if verify_sums:
+                verify(blocks, reply.checksums)
+            out.extend(blocks)
+        return out
+
+    # -- verbs of one request -------------------------------------------------------------
+    def _acquire_request(self, keys: list[bytes]) -> p.Acquire:
+        return p.Acquire(self.client._next_rid(), self.id, keys)
+
+    def _evict_request(self, keys: Sequence[bytes]) -> p.Evict:
+        return p.Evict(self.client._next_rid(), self.id, list(keys))
+
+    def _warm_request(self, keys: Sequence[bytes], seconds: float) -> p.Warm:
+        return p.Warm(self.client._next_rid(), self.id, list(keys), seconds)
+
+    def _prefetch_request(self, keys: Sequence[bytes], wait: bool,
+                          timeout: float | None) -> p.Prefetch:
+        ms = int(timeout * 1000) if timeout else 0
+        return p.Prefetch(self.client._next_rid(), self.id, list(keys), wait, ms)
+
+    def _drop_request(self) -> p.DropNamespace:
+        return p.DropNamespace(self.client._next_rid(), self.id)
+
+    def _reserve_batch_request(self, plan: Sequence[PlanItem]) -> p.ReserveBatch:
+        items = [p.PlanItem(i.reserved_tokens, i.new_tokens, list(i.keys), i.parent)
+                 for i in plan]
+        return p.ReserveBatch(self.client._next_rid(), self.id, items)
+
+    @staticmethod
+    def _on_count(received: Received) -> int:
+        return check_reply(received[0], p.CountReply).count
+
+    @staticmethod
+    def _on_prefetch(received: Received) -> PrefetchResult:
+        r = check_reply(received[0], p.PrefetchReply)
+        return PrefetchResult(r.ready, r.cached)
+
+    def _on_reserve_batch(self, plan: Sequence[PlanItem], received: Received,
+                          make: Callable[[list[bytes]], RC]) -> BatchResult[RC]:
+        """The result, with a reservation (``make(keys)``, filled in here) for each
+        request of the plan that has keys, when the plan was admitted."""
+        r = check_reply(received[0], p.BatchReply)
+        reservations = []
+        for item, rid, offsets in zip([i for i in plan if i.keys], r.reservations, r.offsets):
+            reservation = make(list(item.keys))
+            reservation._take(p.ReserveReply(0, rid, offsets, r.lease_seconds))
+            reservations.append(reservation)
+        return BatchResult(r.admitted, r.blocks, r.fitting, reservations)
+
+    # -- an engine's pages ----------------------------------------------------------------
+    def _check_pages(self, kv_caches: Any, page_ids: Sequence[int], keys: Sequence[bytes],
+                     layout: str) -> None:
+        from kvstore.kernels import describe_layout
+
+        if len(page_ids) != len(keys):
+            raise MalformedError(f"{len(keys)} keys but {len(page_ids)} page ids")
+        info = describe_layout(kv_caches, layout)  # type: ignore[arg-type]
+        if info.block_bytes != self.block_bytes:
+            raise MalformedError(
+                f"a page of this cache holds {info.block_bytes} bytes; a block of this "
+                f"namespace is {self.block_bytes} (check the identity's KV format)")
+
+    @staticmethod
+    def _gather(kv_caches: Any, page_ids: Sequence[int], buffers: list[memoryview],
+                layout: Any) -> None:
+        from kvstore.kernels import gather
+
+        gather(kv_caches, list(page_ids), buffers, layout=layout)
+
+    def _scatter(self, held: HeldCore[Any], kv_caches: Any, page_ids: Sequence[int],
+                 layout: Any) -> None:
+        """Copy pinned blocks into an engine's pages: those with a copy in the GPU tier's
+        pool device to device (when the pool is mapped here and on the cache's device),
+        the rest from the arena.  Returns once the copies are done, so the pin may go."""
+        from kvstore.kernels import scatter
+
+        pool = self.client._pool
+        page_ids = list(page_ids)
+        on_pool: list[int] = []
+        if (pool is not None and held.gpu_offsets
+                and _same_device(pool.device, _cache_device(kv_caches))):
+            on_pool = [i for i, off in enumerate(held.gpu_offsets) if off >= 0]
+        if on_pool:
+            from kvstore.tiers.gpu import CopyFence
+
+            sources = pool.slots([held.gpu_offsets[i] for i in on_pool], self.block_bytes)
+            scatter(sources, kv_caches, [page_ids[i] for i in on_pool], layout=layout)
+            CopyFence.record(pool.device).wait()
+        taken = set(on_pool)
+        rest = [i for i in range(len(held.offsets)) if i not in taken]
+        if rest:
+            views = self.client._slots([held.offsets[i] for i in rest], self.block_bytes,
+                                       readonly=False, arena=self.arena)
+            scatter(views, kv_caches, [page_ids[i] for i in rest], layout=layout)
+            for view in views:
+                view.release()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.identity.model}, {self.id.hex()[:12]})"
+
+
+def _cache_device(kv_caches: Any) -> Any:
+    """The torch device of an engine's paged cache (a tensor, or a list or tuple of them)."""
+    import torch
+
+    first = kv_caches
+    while isinstance(first, (list, tuple)):
+        first = first[0]
+    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+
+
+def _same_device(a: Any, b: Any) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    import torch
+
+    def index(d: Any) -> int:
+        return d.index if d.index is not None else torch.cuda.current_device()
+
+    return index(a) == index(b)
+
+
+# ----------------------------------------------------------------------------------------
+# reservations and pins
+# ----------------------------------------------------------------------------------------
+
+class ReservationCore(Generic[N]):
+    """Slots reserved for ``keys`` (once ``reserved``): writable ``buffers`` in the arena
+    until commit or abort."""
+
+    def __init__(self, ns: N, keys: list[bytes], parent: bytes | None = None) -> None:
+        self.ns = ns
+        self.keys = keys
+        self._parent = parent
+        self.id = 0
+        self.offsets: list[int] = []
+        self.buffers: list[memoryview] = []
+        self.reserved = False
+        self.done = False
+
+    def _reserve_request(self) -> p.Reserve:
+        return p.Reserve(self.ns.client._next_rid(), self.ns.id, self.keys, self._parent)
+
+    def _on_reserved(self, received: Received) -> None:
+        self._take(check_reply(received[0], p.ReserveReply))
+
+    def _take(self, reply: p.ReserveReply) -> None:
+        self.id, self.offsets = reply.reservation, reply.offsets
+        self.buffers = self.ns.client._slots(reply.offsets, self.ns.block_bytes,
+                                             readonly=False, arena=self.ns.arena)
+        self.reserved = True
+
+    def _commit_request(self) -> p.Commit:
+        if not self.reserved:
+            raise KVStoreError("nothing reserved yet: await the reservation first")
+        c = self.ns.client
+        sums = [checksum(b) for b in self.buffers] if c.checksums else []
+        self._finish()
+        return p.Commit(c._next_rid(), self.id, sums)
+
+    @staticmethod
+    def _on_commit(received: Received) -> int:
+        return check_reply(received[0], p.CommitReply).created
+
+    def _abort_request(self) -> p.Abort | None:
+        """None when there is nothing to abort (never reserved, committed or aborted)."""
+        if self.done or not self.reserved:
+            return None
+        self._finish()
+        return p.Abort(self.ns.client._next_rid(), self.id)
+
+    def _finish(self) -> None:
+        if self.done:
+            raise KVStoreError(f"reservation {self.id} was already committed or aborted")
+        self.done = True
+        for buf in self.buffers:
+            buf.release()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done else "reserved" if self.reserved else "asked"
+        return f"{type(self).__name__}({self.id}, {len(self.keys)} keys, {state})"
+
+
+class HeldCore(Generic[N]):
+    """Blocks pinned for ``keys`` (once acquired): read-only ``buffers`` in the arena until
+    release."""
+
+    def __init__(self, ns: N, keys: list[bytes]) -> None:
+        self.ns = ns
+        self.keys = keys
+        self.pin = 0
+        self.offsets: list[int] = []
+        self.checksums: list[int] = []
+        self.gpu_offsets: list[int] = []
+        self.buffers: list[memoryview] = []
+        self.acquired = False
+        self.released = False
+
+    def _acquire_request(self) -> p.Acquire:
+        return self.ns._acquire_request(self.keys)
+
+    def _on_acquired(self, received: Received) -> None:
+        reply = check_reply(received[0], p.AcquireReply)
+        self.pin, self.offsets, self.checksums = reply.pin, reply.offsets, reply.checksums
+        self.gpu_offsets = reply.gpu_offsets
+        self.buffers = self.ns.client._slots(reply.offsets, self.ns.block_bytes,
+                                             readonly=True, arena=self.ns.arena)
+        self.acquired = True
+
+    def verify(self) -> None:
+        """CorruptError unless every buffer matches the checksum it was written with."""
+        verify(self.buffers, self.checksums)
+
+    def _release_request(self) -> p.Release | None:
+        """None when there is nothing to release (never acquired, or released already);
+        the shells post it, without waiting for the reply."""
+        if self.released or not self.acquired:
+            return None
+        self.released = True
+        for buf in self.buffers:
+            buf.release()
+        return p.Release(self.ns.client._next_rid(), self.pin)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"pin {self.pin}"
+        return f"{type(self).__name__}({len(self.keys)} keys, {state})"

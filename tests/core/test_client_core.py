@@ -1,0 +1,130 @@
+"""The client's core without a socket: requests are built and replies read by hand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kvtest import make_identity
+
+from kvstore import protocol as p
+from kvstore.client_core import (
+    Exchange,
+    HeldCore,
+    NamespaceCore,
+    ReservationCore,
+    SessionCore,
+    check_reply,
+    checksum,
+)
+from kvstore.errors import CapacityError, CorruptError, KVStoreError, MalformedError
+
+
+class Frame:
+    """What a shell hands the core for a payload frame."""
+
+    def __init__(self, data: bytes) -> None:
+        self.bytes = data
+
+
+def session(max_keys: int = 2, max_request_bytes: int = 1 << 20) -> SessionCore:
+    s = SessionCore("ipc:///nowhere", tenant="acme", token=None, timeout=1.0,
+                    map_arena=False, curve=None, checksums=False)
+    s._on_hello((p.HelloReply(1, p.PROTOCOL_VERSION, "sess", "acme", "", 0, 60.0,
+                              max_keys, max_request_bytes), []))
+    return s
+
+
+def namespace(s: SessionCore) -> NamespaceCore[SessionCore]:
+    ident = make_identity()
+    return NamespaceCore(s, ident, p.NamespaceReply(2, b"n" * 16, ident.block_bytes,
+                                                    ident.block_bytes))
+
+
+def drive(exchange: Exchange[Any], answer: Any) -> tuple[list[p.Message], Any]:
+    """Run an exchange, answering each request with ``answer(request, payload)``."""
+    sent: list[p.Message] = []
+    try:
+        req, payload = next(exchange)
+        while True:
+            sent.append(req)
+            req, payload = exchange.send(answer(req, payload))
+    except StopIteration as done:
+        return sent, done.value
+
+
+def test_lookup_is_batched_and_stops_at_the_first_miss() -> None:
+    ns = namespace(session(max_keys=2))
+    keys = ns.keys(range(16 * 5))
+
+    def answer(req: p.Lookup, _: Any) -> Any:
+        hits = 2 if req.keys[0] != keys[2] else 1       # the fourth key is missing
+        return p.LookupReply(req.rid, hits, [("dram", hits)]), []
+
+    sent, result = drive(ns._lookup(keys), answer)
+    assert [r.keys for r in sent] == [keys[0:2], keys[2:4]]  # no third request
+    assert (result.blocks, result.tiers) == (3, ["dram"] * 3)
+    assert len({r.rid for r in sent}) == 2
+
+
+def test_put_is_batched_by_bytes_and_chains_each_batch_to_the_last() -> None:
+    s = session(max_keys=100)
+    ns = namespace(s)
+    s.hello = p.HelloReply(1, 1, "s", "acme", "", 0, 60.0, 100, 2 * ns.block_bytes)
+    keys = ns.keys(range(16, 16 * 6), parent=None)
+    blocks = [bytes([i]) * ns.block_bytes for i in range(5)]
+    sent, created = drive(ns._put(keys, blocks, None),
+                          lambda req, payload: (p.PutReply(req.rid, len(payload), 0), []))
+    assert created == 5
+    assert [len(r.keys) for r in sent] == [2, 2, 1]
+    assert [r.parent for r in sent] == [None, keys[1], keys[3]]
+    with pytest.raises(MalformedError, match="holds 1 bytes"):
+        next(ns._put(keys[:1], [b"x"], None))             # refused before any request
+
+
+def test_get_verifies_checksums_when_asked() -> None:
+    ns = namespace(session())
+    keys = ns.keys(range(32))
+    good = [b"\1" * ns.block_bytes, b"\2" * ns.block_bytes]
+
+    def answer(req: p.Get, _: Any) -> Any:
+        return (p.GetReply(req.rid, 2, [checksum(good[0]), 1]),
+                [Frame(b) for b in good])
+
+    with pytest.raises(CorruptError, match="block 1"):
+        drive(ns._get(keys, True), answer)
+    assert drive(ns._get(keys, False), answer)[1] == good
+
+
+def test_replies_of_the_wrong_kind_and_error_replies_raise() -> None:
+    with pytest.raises(KVStoreError, match="expected a CommitReply, got OkReply"):
+        check_reply(p.OkReply(1), p.CommitReply)
+    with pytest.raises(CapacityError, match="full"):
+        check_reply(p.ErrorReply(1, "capacity", "full"), p.CommitReply)
+
+
+def test_reservation_and_pin_state() -> None:
+    s = session()
+    ns = namespace(s)
+    r: ReservationCore[Any] = ReservationCore(ns, ns.keys(range(16)))
+    assert r._abort_request() is None                     # nothing reserved, nothing to abort
+    with pytest.raises(KVStoreError, match="nothing reserved"):
+        r._commit_request()
+    r.reserved, r.id = True, 7                            # (the buffers need a mapped arena)
+    commit = r._commit_request()
+    assert isinstance(commit, p.Commit) and commit.reservation == 7 and r.done
+    assert r._abort_request() is None
+    with pytest.raises(KVStoreError, match="already committed"):
+        r._commit_request()
+
+    held: HeldCore[Any] = HeldCore(ns, ns.keys(range(16)))
+    assert held._release_request() is None                # never acquired
+    held.acquired, held.pin = True, 9
+    release = held._release_request()
+    assert isinstance(release, p.Release) and release.pin == 9
+    assert held._release_request() is None                # once only
+
+    header = s._posted(release)
+    assert p.request_decoder.decode(header) == release
+    assert not s._settle(p.OkReply(release.rid + 1))      # not a posted one: the shell's
+    assert s._settle(p.OkReply(release.rid)) and not s._unread

@@ -1,0 +1,250 @@
+"""The asyncio client against the real daemon: the blocking client's every verb, and
+releases that do not wait."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from daemon_proc import DaemonProcess
+from kvtest import make_identity
+
+from kvstore import AsyncClient, Client, PlanItem
+from kvstore import protocol as p
+from kvstore.aclient import AsyncHeld, AsyncNamespace, AsyncReservation
+from kvstore.client import Held, Namespace, Reservation
+from kvstore.errors import KVStoreError, UnknownNamespaceError
+
+BIG = make_identity(num_layers=4, num_kv_heads=4, head_dim=128)  # 128 KiB blocks
+TWINS = [(Client, AsyncClient), (Namespace, AsyncNamespace), (Reservation, AsyncReservation),
+         (Held, AsyncHeld)]
+ASYNC_ONLY = {"connect"}  # the blocking client connects in its constructor
+
+
+def public(cls: type) -> set[str]:
+    return {name for name in dir(cls) if not name.startswith("_")}
+
+
+@pytest.mark.parametrize(("blocking", "asynchronous"), TWINS, ids=lambda c: c.__name__)
+def test_the_async_classes_have_every_verb_of_the_blocking_ones(
+        blocking: type, asynchronous: type) -> None:
+    assert public(blocking) - public(asynchronous) == set()
+    assert public(asynchronous) - public(blocking) <= ASYNC_ONLY
+    # what the blocking shell does with I/O, the async shell does its own way, with the
+    # same arguments (a verb that only the core had would be inherited, not awaited)
+    for name in public(blocking) & set(vars(blocking)):
+        assert name in vars(asynchronous), f"{asynchronous.__name__}.{name} is inherited"
+        ours = inspect.signature(getattr(blocking, name)).parameters
+        theirs = inspect.signature(getattr(asynchronous, name)).parameters
+        assert list(ours) == list(theirs), name
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_keep_warm_soft_pins_blocks(daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes),
+                       extra=["--slab-size", str(8 * BIG.block_bytes)])
+
+    async def main() -> None:
+        async with AsyncClient(d.endpoint, tenant="acme") as c:
+            ns = await c.namespace(BIG)
+            prompt = ns.keys(range(16 * 2))
+            await ns.put(prompt, [bytes(BIG.block_bytes)] * 2)
+            assert await ns.keep_warm(prompt, 60) == 2
+            assert await ns.keep_warm(ns.keys(range(9 * 10**8, 9 * 10**8 + 16)), 60) == 0
+            for i in range(10):                          # colder traffic passes through
+                keys = ns.keys(range(10**6 * (i + 1), 10**6 * (i + 1) + 16 * 2))
+                await ns.put(keys, [bytes(BIG.block_bytes)] * 2)
+            assert (await ns.lookup(prompt)).blocks == 2  # still there
+            assert (await c.stats())["tiers"]["dram"]["evictions"] > 0
+
+    run(main())
+
+
+def test_prefetch_waits_for_blocks_to_come_up_from_ssd_and_report_is_counted(
+        daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes), ssd_capacity="64MiB",
+                       extra=["--slab-size", str(8 * BIG.block_bytes)])
+
+    async def main() -> None:
+        async with AsyncClient(d.endpoint, tenant="acme") as c:
+            ns = await c.namespace(BIG)
+            first = ns.keys(range(16 * 4))
+            await ns.put(first, [b"\1" * BIG.block_bytes] * 4)
+            for i in range(4):                           # push `first` down to SSD
+                keys = ns.keys(range(10**6 * (i + 1), 10**6 * (i + 1) + 16 * 4))
+                await ns.put(keys, [bytes(BIG.block_bytes)] * 4)
+            assert set((await ns.lookup(first)).tiers) == {"ssd"}
+            result = await ns.prefetch(first, wait=True, timeout=10)
+            assert (result.ready, result.cached) == (4, 4)
+            assert (await ns.lookup(first)).tiers == ["dram"] * 4
+            missing = ns.keys(range(5 * 10**7, 5 * 10**7 + 16 * 2))
+            partial = await ns.prefetch(first + missing, wait=True)
+            assert (partial.ready, partial.cached) == (4, 4)   # a usable prefix
+            assert await ns.get(first) == [b"\1" * BIG.block_bytes] * 4
+
+            await c.report(recomputed_tokens=32)
+            await c.report(recomputed_tokens=16)
+            assert (await c.stats())["scheduling"]["recomputed_tokens"] == 48
+
+    run(main())
+
+
+def test_reserve_batch_is_all_or_none(daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes),
+                       extra=["--slab-size", str(8 * BIG.block_bytes)])
+    bt = BIG.block_tokens
+
+    async def main() -> None:
+        async with AsyncClient(d.endpoint, tenant="acme") as c:
+            ns = await c.namespace(BIG)
+
+            def item(i: int, reserved: int, new: int) -> PlanItem:
+                need = -(-(reserved + new) // bt) - -(-reserved // bt)
+                return PlanItem(reserved, new, ns.keys(range(10**6 * (i + 1),
+                                                             10**6 * (i + 1) + need * bt)))
+
+            too_big = await ns.reserve_batch(
+                [item(1, 0, 5 * bt), item(2, 3, 2 * bt), item(3, 0, 2 * bt)])   # 9 > 8
+            assert not too_big.admitted and too_big.blocks == [5, 2, 2]
+            assert too_big.fitting == [0, 1] and too_big.reservations == []
+            assert (await c.stats())["tiers"]["dram"]["reserved_slots"] == 0
+
+            plan = [item(4, 0, 3 * bt), item(5, bt, bt + 1)]
+            fits = await ns.reserve_batch(plan)
+            assert fits.admitted and fits.blocks == [3, 2]
+            first, second = fits.reservations
+            assert all(isinstance(r, AsyncReservation) for r in fits.reservations)
+            assert [len(r.buffers) for r in fits.reservations] == [3, 2]
+            assert (await c.stats())["tiers"]["dram"]["reserved_slots"] == 5
+            for buf in first.buffers:
+                buf[:] = b"\5" * BIG.block_bytes
+            assert await first.commit() == 3
+            async with second:                    # made already: entering reserves nothing
+                pass                              # and leaving without commit aborts
+            dram = (await c.stats())["tiers"]["dram"]
+            assert dram["reserved_slots"] == 0 and dram["blocks"] == 3
+            assert await ns.get(plan[0].keys) == [b"\5" * BIG.block_bytes] * 3
+            assert (await ns.lookup(plan[1].keys)).blocks == 0
+
+    run(main())
+
+
+def test_release_does_not_wait_for_the_daemon_and_is_served_before_the_next_request(
+        daemon: DaemonProcess, caplog: pytest.LogCaptureFixture) -> None:
+    assert daemon.proc is not None
+    proc = daemon.proc
+
+    def pinned(stats: dict[str, Any]) -> int:
+        assert stats["invariant_violations"] == 0
+        count: int = stats["tiers"]["dram"]["pinned_blocks"]
+        return count
+
+    async def main() -> None:
+        async with AsyncClient(daemon.endpoint, tenant="acme", timeout=5) as c:
+            ns = await c.namespace(BIG)
+            keys = ns.keys(range(8 * 16))
+            await ns.put(keys, [bytes(BIG.block_bytes)] * 8)
+            held = await ns.acquire(keys)
+            assert pinned(await c.stats()) == 8
+            proc.send_signal(signal.SIGSTOP)       # a daemon that answers nothing for now
+            try:
+                started = time.monotonic()
+                await held.release()
+                assert time.monotonic() - started < 1.0  # no round trip (a call waits 5 s)
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            assert pinned(await c.stats()) == 0      # served before the next request
+
+            # released just before close: close waits for it before the socket goes
+            async with ns.acquire(keys):
+                pass
+        async with AsyncClient(daemon.endpoint, tenant="acme") as other:
+            assert pinned(await other.stats()) == 0
+
+        # a release the daemon refuses (no such pin) is logged; the next call goes on
+        async with AsyncClient(daemon.endpoint, tenant="acme") as c:
+            ns = await c.namespace(BIG)
+            held = await ns.acquire(keys)
+            real = held.pin
+            held.pin = real + 1000
+            with caplog.at_level("WARNING", logger="kvstore.client"):
+                await held.release()
+                assert (await ns.lookup(keys)).blocks == 8
+                await c.ping()
+            assert any("refused a release" in r.getMessage() for r in caplog.records)
+            assert pinned(await c.stats()) == 8      # the real pin is still held
+
+    run(main())
+
+
+# -- replies that are not what was asked for: the same on both clients ------------------
+
+@pytest.fixture
+def odd_daemon(tmp_path: Path) -> Iterator[str]:
+    """A ROUTER peer that greets like the daemon, then answers ``stats`` with the wrong
+    reply, ``ping`` with an error and ``evict`` with bytes that are no reply at all."""
+    endpoint = f"ipc://{tmp_path}/odd.sock"
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not sock.poll(50):
+                continue
+            peer, header, *_ = sock.recv_multipart()
+            req = p.request_decoder.decode(header)
+            reply: bytes
+            if isinstance(req, p.Hello):
+                reply = p.encoder.encode(p.HelloReply(req.rid, p.PROTOCOL_VERSION, "s", "t",
+                                                      "", 0, 60.0, 4096, 1 << 28))
+            elif isinstance(req, p.Stats):
+                reply = p.encoder.encode(p.OkReply(req.rid))
+            elif isinstance(req, p.Ping):
+                reply = p.encoder.encode(p.ErrorReply(req.rid, "unknown_namespace", "gone"))
+            else:
+                reply = b"\xc1 not msgpack"
+            sock.send_multipart([peer, reply])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield endpoint
+    stop.set()
+    thread.join()
+    sock.close(linger=0)
+    ctx.term()
+
+
+def test_bad_replies_raise_the_same_errors_on_both_clients(odd_daemon: str) -> None:
+    with Client(odd_daemon, map_arena=False, timeout=5) as c:
+        with pytest.raises(KVStoreError, match="expected a StatsReply, got OkReply"):
+            c.stats()
+        with pytest.raises(UnknownNamespaceError, match="gone"):
+            c.ping()
+        with pytest.raises(KVStoreError, match="undecodable reply"):
+            c.report(1)
+
+    async def main() -> None:
+        async with AsyncClient(odd_daemon, map_arena=False, timeout=5) as c:
+            with pytest.raises(KVStoreError, match="expected a StatsReply, got OkReply"):
+                await c.stats()
+            with pytest.raises(UnknownNamespaceError, match="gone"):
+                await c.ping()
+            started = time.monotonic()
+            with pytest.raises(KVStoreError, match="undecodable reply"):
+                await c.report(1)
+            assert time.monotonic() - started < 2      # raised, not timed out
+
+    run(main())
