@@ -72,6 +72,24 @@ def endpoint_from_env() -> str:
 
 SECTIONS = ("server", "dram", "ssd", "remote", "auth", "gpu")
 
+# The settings a SIGHUP changes in a running daemon (section, field); any other change
+# needs a restart.  The reload's merge and its list of what needs a restart both come
+# from this one table.
+LIVE_SETTINGS: tuple[tuple[str, str], ...] = (
+    ("server", "lease_seconds"),
+    ("server", "max_keys_per_request"),
+    ("server", "max_reservations_per_session"),
+    ("server", "max_pins_per_session"),
+    ("server", "log_level"),
+    ("server", "log_format"),
+    ("server", "debug_invariants"),
+    ("server", "max_requests_per_second"),
+    ("server", "max_reservations_per_tenant"),
+    ("server", "max_pins_per_tenant"),
+    ("server", "max_requests_per_second_per_tenant"),
+    ("ssd", "admit_after"),
+)
+
 
 class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     endpoint: str = ""
@@ -427,3 +445,27 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def merge_live(old: Config, new: Config) -> Config:
+    """The running configuration ``old`` with only its live settings taken from ``new``."""
+    sections: dict[str, Any] = {}
+    for section, field in LIVE_SETTINGS:
+        changes = sections.setdefault(section, {})
+        changes[field] = getattr(getattr(new, section), field)
+    return msgspec.structs.replace(old, **{
+        section: msgspec.structs.replace(getattr(old, section), **changes)
+        for section, changes in sections.items()})
+
+
+def restart_needed(old: Config, new: Config) -> list[str]:
+    """The settings (``section.field``) that differ and are not live: they need a restart."""
+    live = set(LIVE_SETTINGS)
+    restart = []
+    for section in SECTIONS:
+        before = msgspec.structs.asdict(getattr(old, section))
+        after = msgspec.structs.asdict(getattr(new, section))
+        for field, value in after.items():
+            if before[field] != value and (section, field) not in live:
+                restart.append(f"{section}.{field}")
+    return restart

@@ -44,3 +44,10 @@ def configure(level: str, fmt: str) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+
+
+def in_effect() -> tuple[str, str]:
+    """The root logger's level and format (``text`` or ``json``), as ``configure`` set them."""
+    root = logging.getLogger()
+    json_format = any(isinstance(h.formatter, JsonFormatter) for h in root.handlers)
+    return logging.getLevelName(root.level).lower(), "json" if json_format else "text"

@@ -1,0 +1,240 @@
+"""Sessions and the limits on them: request rates, bytes in flight, per-tenant caps.
+
+A session is what a hello opens: a tenant, the namespaces it opened, and a lease in the
+store that its reservations and pins share (the store's owner of the same id).  Several
+connections may attach to one session.
+
+Per-tenant caps on reservations and pins are checked in O(1): each session remembers how
+many it held when last counted, and its tenant keeps the sum.  A session's holdings change
+only through its own requests (counted after each one) and when its lease runs out
+(``forget``), so the sums stay exact; ``check_invariants`` recounts them.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvstore.config import ServerConfig
+from kvstore.errors import ForbiddenError, LeaseExpiredError, LimitExceededError
+from kvstore.store import BlockStore
+
+_EXPIRED_REMEMBERED = 4096  # connections whose session expired, told so (not "no session")
+
+Holding = Literal["reservations", "pins"]
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    tenant: str
+    namespaces: set[bytes] = field(default_factory=set)
+    tokens: float = 0.0          # request-rate bucket
+    refilled: float = 0.0
+    bytes_in_flight: int = 0     # payload held by requests still moving between tiers
+    reservations: int = 0        # open reservations and pins, when last counted
+    pins: int = 0
+
+    def __repr__(self) -> str:
+        return f"Session({self.id[:8]}, tenant={self.tenant}, namespaces={len(self.namespaces)})"
+
+
+@dataclass(eq=False)
+class Tenant:
+    """What a tenant's sessions hold together, for the per-tenant limits."""
+
+    name: str
+    sessions: int = 0
+    tokens: float = 0.0          # request-rate bucket, made at the first limited request
+    refilled: float | None = None
+    bytes_in_flight: int = 0
+    reservations: int = 0
+    pins: int = 0
+
+    def __repr__(self) -> str:
+        return (f"Tenant({self.name!r}, sessions={self.sessions}, "
+                f"reservations={self.reservations}, pins={self.pins}, "
+                f"bytes_in_flight={self.bytes_in_flight})")
+
+
+class Sessions:
+    """The daemon's sessions by connection and by id, their tenants, and their limits."""
+
+    def __init__(self, store: BlockStore, settings: ServerConfig, *,
+                 clock: Callable[[], float], max_bytes_in_flight: int,
+                 max_tenant_bytes_in_flight: int) -> None:
+        self.store = store
+        self.clock = clock
+        self.max_bytes_in_flight = max_bytes_in_flight
+        self.max_tenant_bytes_in_flight = max_tenant_bytes_in_flight
+        self.by_connection: dict[bytes, Session] = {}  # routing id -> session
+        self.by_id: dict[str, Session] = {}
+        self.tenants: dict[str, Tenant] = {}
+        self._expired: dict[bytes, None] = {}
+        self.configure(settings)
+
+    def configure(self, s: ServerConfig) -> None:
+        """Take the (live-changeable) limits from the server settings."""
+        self.max_requests_per_second = s.max_requests_per_second
+        self.max_requests_per_second_per_tenant = s.max_requests_per_second_per_tenant
+        self.max_reservations_per_tenant = s.max_reservations_per_tenant
+        self.max_pins_per_tenant = s.max_pins_per_tenant
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def __repr__(self) -> str:
+        return (f"Sessions(sessions={len(self.by_id)}, connections={len(self.by_connection)}, "
+                f"tenants={len(self.tenants)})")
+
+    # -- hello, attach, lookup ---------------------------------------------------------------
+    def hello(self, routing_id: bytes, tenant: str, attach: str) -> Session:
+        """A new session for a connection, or the connection attached to one of its
+        tenant's sessions (``attach``, a session id)."""
+        if routing_id in self.by_connection:
+            raise ForbiddenError("this connection already has a session; a second hello is "
+                                 "refused (connect again for a new one)")
+        if attach:
+            session = self.by_id.get(attach)
+            if session is None or session.tenant != tenant:
+                raise ForbiddenError("no such session to attach to")
+        else:
+            session = Session(secrets.token_hex(16), tenant)
+            self.by_id[session.id] = session
+            self._tenant(tenant).sessions += 1
+        self.by_connection[routing_id] = session
+        self.store.touch_owner(session.id, self.clock())
+        return session
+
+    def get(self, routing_id: bytes) -> Session:
+        """The session of a connection; an error that says why when there is none."""
+        session = self.by_connection.get(routing_id)
+        if session is None:
+            if routing_id in self._expired:
+                raise LeaseExpiredError(
+                    "this session's lease ran out and its holdings were rolled back; "
+                    "connect again")
+            raise ForbiddenError("no session: the first request must be hello")
+        return session
+
+    def forget(self, gone: set[object]) -> None:
+        """Drop the sessions whose lease ran out (their holdings are rolled back), and
+        remember their connections for a while, to tell them so."""
+        for owner in gone:
+            session = self.by_id.pop(owner, None) if isinstance(owner, str) else None
+            if session is not None:
+                tenant = self._tenant(session.tenant)
+                tenant.sessions -= 1
+                tenant.reservations -= session.reservations
+                tenant.pins -= session.pins
+                session.reservations = session.pins = 0
+        for routing_id, session in list(self.by_connection.items()):
+            if session.id in gone:
+                del self.by_connection[routing_id]
+                self._expired[routing_id] = None
+        while len(self._expired) > _EXPIRED_REMEMBERED:
+            del self._expired[next(iter(self._expired))]
+
+    def _tenant(self, name: str) -> Tenant:
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            tenant = self.tenants[name] = Tenant(name)
+        return tenant
+
+    # -- limits ----------------------------------------------------------------------------
+    def admit(self, session: Session) -> None:
+        """Request rates, per session and per tenant, as token buckets (a burst of one
+        second's worth each)."""
+        now = self.clock()
+        rate = self.max_requests_per_second
+        if rate:
+            session.tokens = min(rate, session.tokens + (now - session.refilled) * rate)
+            session.refilled = now
+            if session.tokens < 1.0:
+                raise LimitExceededError(
+                    f"more than {rate:g} requests per second from this session; slow down")
+        tenant_rate = self.max_requests_per_second_per_tenant
+        if tenant_rate:
+            bucket = self._tenant(session.tenant)
+            if bucket.refilled is None:
+                bucket.tokens, bucket.refilled = tenant_rate, now
+            bucket.tokens = min(tenant_rate,
+                                bucket.tokens + (now - bucket.refilled) * tenant_rate)
+            bucket.refilled = now
+            if bucket.tokens < 1.0:
+                raise LimitExceededError(
+                    f"more than {tenant_rate:g} requests per second from tenant "
+                    f"{session.tenant!r}; slow down")
+            bucket.tokens -= 1.0
+        if rate:
+            session.tokens -= 1.0
+
+    def check_cap(self, session: Session, what: Holding) -> None:
+        """Per-tenant caps on open reservations and pins, over all its sessions."""
+        if what == "reservations":
+            cap = self.max_reservations_per_tenant
+        else:
+            cap = self.max_pins_per_tenant
+        if not cap:
+            return
+        tenant = self.tenants[session.tenant]
+        held = tenant.reservations if what == "reservations" else tenant.pins
+        if held >= cap:
+            raise LimitExceededError(
+                f"tenant {session.tenant!r} holds {held} {what} (limit {cap}); "
+                f"release some")
+
+    def counted(self, session: Session) -> None:
+        """Count a session's holdings again after a request of its own; its tenant's
+        sums take the difference."""
+        state = self.store.owners.get(session.id)
+        reservations, pins = (0, 0) if state is None else (len(state.reservations),
+                                                           len(state.pins))
+        if reservations != session.reservations or pins != session.pins:
+            if session.id in self.by_id:  # one that expired meanwhile gave them back
+                tenant = self.tenants[session.tenant]
+                tenant.reservations += reservations - session.reservations
+                tenant.pins += pins - session.pins
+                session.reservations, session.pins = reservations, pins
+
+    def hold_bytes(self, session: Session, held: int) -> None:
+        """Count the payload of a request that finishes later, within both limits."""
+        if session.bytes_in_flight + held > self.max_bytes_in_flight:
+            raise LimitExceededError(
+                f"the session has {session.bytes_in_flight} bytes in requests "
+                f"still under way (limit {self.max_bytes_in_flight}); wait for "
+                f"their replies")
+        tenant = self._tenant(session.tenant)
+        if (self.max_tenant_bytes_in_flight
+                and tenant.bytes_in_flight + held > self.max_tenant_bytes_in_flight):
+            raise LimitExceededError(
+                f"tenant {session.tenant!r} has {tenant.bytes_in_flight} bytes in requests "
+                f"still under way (limit {self.max_tenant_bytes_in_flight})")
+        session.bytes_in_flight += held
+        tenant.bytes_in_flight += held
+
+    def release_bytes(self, session: Session, held: int) -> None:
+        """The request that held ``held`` bytes has its reply."""
+        session.bytes_in_flight -= held
+        self._tenant(session.tenant).bytes_in_flight -= held
+
+    def check_invariants(self) -> None:
+        """Each session's counts match its holdings in the store, and each tenant's sums
+        match its sessions' counts (AssertionError if not)."""
+        sums: dict[str, list[int]] = {}
+        for session in self.by_id.values():
+            state = self.store.owners.get(session.id)
+            held = (0, 0) if state is None else (len(state.reservations), len(state.pins))
+            assert (session.reservations, session.pins) == held, (
+                f"{session} counted {session.reservations} reservations and {session.pins} "
+                f"pins; it holds {held[0]} and {held[1]}")
+            total = sums.setdefault(session.tenant, [0, 0, 0])
+            total[0] += 1
+            total[1] += session.reservations
+            total[2] += session.pins
+        for name, tenant in self.tenants.items():
+            expected = sums.get(name, [0, 0, 0])
+            assert [tenant.sessions, tenant.reservations, tenant.pins] == expected, (
+                f"{tenant} does not sum its sessions: {expected}")

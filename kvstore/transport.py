@@ -1,0 +1,240 @@
+"""The daemon's sockets: ZeroMQ ROUTERs drained from the loop's reader callback.
+
+A plain non-blocking zmq socket drained from the reader callback on its file descriptor
+is cheaper than zmq.asyncio.  ZeroMQ's descriptor is edge-triggered, so every drain reads
+until the socket says it has nothing more.  The transport hands each message's frames to
+the daemon and sends its replies; it knows nothing of verbs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kvstore import protocol as p
+from kvstore.auth import Auth
+from kvstore.config import Config
+from kvstore.errors import KVStoreError
+
+log = logging.getLogger("kvstore.server")
+
+_DRAIN_BATCH = 256
+
+# (peer, frames, secure): the peer is the socket's index byte, then the routing id;
+# secure says the socket is the CurveZMQ one (its frames carry a User-Id).
+OnMessage = Callable[[bytes, list[zmq.Frame], bool], None]
+
+
+class PinnedFrames(list[Any]):
+    """Zero-copy payload frames of arena slots, pinned until zmq has sent them."""
+
+    def __init__(self, frames: list[memoryview], pin: int) -> None:
+        super().__init__(frames)
+        self.pin = pin
+
+
+class Transport:
+    """The ROUTER sockets of the daemon's endpoints, their drains and their replies.
+
+    ``release_pin`` gives back the pin of a ``PinnedFrames`` reply once zmq has sent it
+    (or could not); ``on_sent`` runs when the pins of sent replies went back, since that
+    may free room for a request that waits.
+    """
+
+    def __init__(self, config: Config, auth: Auth, on_message: OnMessage,
+                 release_pin: Callable[[int], None], on_sent: Callable[[], None]) -> None:
+        self.config = config
+        self.auth = auth
+        self.on_message = on_message
+        self.release_pin = release_pin
+        self.on_sent = on_sent
+        self.endpoints: list[str] = []
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._socks: list[zmq.Socket[bytes]] = []
+        self._secure: list[bool] = []
+        self._fds: list[int] = []
+        self._open = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._in_flight: list[tuple[zmq.MessageTracker, int]] = []  # (tracker, pin)
+        self._reap_timer = False
+
+    def __repr__(self) -> str:
+        return (f"Transport(endpoints={self.endpoints}, open={self._open}, "
+                f"replies_in_flight={len(self._in_flight)})")
+
+    @property
+    def is_open(self) -> bool:
+        """Bound and not yet closed."""
+        return self._open
+
+    def open(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind every endpoint (tcp ones on a CurveZMQ socket when curve is on) and start
+        draining them on ``loop``."""
+        self._loop = loop
+        self._ctx = zmq.Context()
+        config = self.config
+        endpoints = [config.endpoint, *config.server.extra_endpoints]
+        curve = self.auth.curve_enabled
+        groups = [[e for e in endpoints if not (curve and e.startswith("tcp://"))]]
+        if curve:
+            groups.append([e for e in endpoints if e.startswith("tcp://")])
+        for i, group in enumerate(groups):
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes + p.MAX_HEADER_BYTES)
+            if i == 1:
+                self.auth.make_curve_server(self._ctx, sock)
+            for endpoint in group:
+                self.endpoints.append(_bind(sock, endpoint))
+            self._socks.append(sock)
+            self._secure.append(i == 1)
+            fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
+            self._fds.append(fd)
+            loop.add_reader(fd, self._drain, i)
+            loop.call_soon(self._drain, i)
+        self._open = True
+
+    def stop_reading(self) -> None:
+        """Take no more requests (replies still go out)."""
+        if self._open and self._loop is not None:
+            for fd in self._fds:
+                self._loop.remove_reader(fd)
+
+    def close(self) -> None:
+        """Close the sockets, remove ipc socket files, end authentication and the context."""
+        if self._open and self._loop is not None:
+            for fd, sock in zip(self._fds, self._socks):
+                self._loop.remove_reader(fd)
+                sock.close(linger=0)
+            for endpoint in self.endpoints:
+                if endpoint.startswith("ipc://"):
+                    try:
+                        os.unlink(endpoint[len("ipc://"):])
+                    except FileNotFoundError:
+                        pass
+        self.auth.close()
+        if self._ctx is not None:
+            self._ctx.term()
+        self._open = False
+
+    def _drain(self, index: int = 0) -> None:
+        if not self._open:
+            return
+        sock = self._socks[index]
+        secure = self._secure[index]
+        for _ in range(_DRAIN_BATCH):
+            events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
+            if not events & zmq.POLLIN:
+                break
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            # peers of different sockets may share routing ids: key them by socket too
+            self.on_message(bytes((index,)) + frames[0].bytes, frames, secure)
+        else:
+            assert self._loop is not None
+            self._loop.call_soon(self._drain, index)  # more waiting: yield to others first
+        self.reap_sends()
+
+    def send(self, peer: bytes, reply: p.Message, payload: list[Any]) -> None:
+        """Reply to ``peer``: the socket's index byte, then the peer's routing id."""
+        if not self._open:
+            return
+        sock, routing_id = self._socks[peer[0]], peer[1:]
+        header = p.encoder.encode(reply)
+        try:
+            if payload:
+                if isinstance(payload, PinnedFrames):
+                    tracker = sock.send_multipart([routing_id, header, *payload], copy=False,
+                                                  track=True)
+                    assert tracker is not None, "track=True returns a tracker"
+                    self._in_flight.append((tracker, payload.pin))
+                    self.reap_sends()
+                else:
+                    sock.send_multipart([routing_id, header, *payload], copy=False)
+            else:
+                sock.send_multipart([routing_id, header], copy=False)
+        except zmq.ZMQError as exc:
+            log.warning("dropping a reply to a gone peer: %s", exc)
+            if isinstance(payload, PinnedFrames):
+                self.release_pin(payload.pin)
+        # ZeroMQ's descriptor is edge-triggered: a send may take in messages that arrived
+        # meanwhile and clear the edge, and a reply sent from a task (not from the drain)
+        # would then leave them waiting with no wake-up.  Drain again if any are queued.
+        events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
+        if events & zmq.POLLIN and self._loop is not None:
+            self._loop.call_soon(self._drain, peer[0])
+
+    def reap_sends(self) -> None:
+        """Give back the pins of replies that zmq has finished sending."""
+        if not self._in_flight:
+            return
+        pending = []
+        for tracker, pin_id in self._in_flight:
+            if tracker.done:
+                self.release_pin(pin_id)
+            else:
+                pending.append((tracker, pin_id))
+        freed = len(pending) < len(self._in_flight)
+        self._in_flight = pending
+        if freed:
+            self.on_sent()
+        if pending and not self._reap_timer and self._loop is not None:
+            self._reap_timer = True
+            # uvloop rounds delays down to whole milliseconds: less than 1 ms would spin
+            self._loop.call_later(0.001, self._reap_timer_fired)
+
+    def _reap_timer_fired(self) -> None:
+        self._reap_timer = False
+        self.reap_sends()
+
+    def wait_for_sends(self, seconds_each: float) -> bool:
+        """Wait briefly for the pinned replies still being sent, then reap them; False
+        when there were none."""
+        if not self._in_flight:
+            return False
+        for tracker, _ in self._in_flight:
+            try:
+                tracker.wait(seconds_each)
+            except zmq.NotDone:
+                pass
+        self.reap_sends()
+        return True
+
+
+def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
+    if endpoint.startswith("ipc://"):
+        path = Path(endpoint[len("ipc://"):])
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if path.exists():
+            if _socket_alive(endpoint):
+                raise KVStoreError(f"another daemon is serving {endpoint}")
+            path.unlink()
+    sock.bind(endpoint)
+    bound: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    if endpoint.startswith("ipc://"):
+        os.chmod(endpoint[len("ipc://"):], 0o600)
+    return bound
+
+
+def _socket_alive(endpoint: str) -> bool:
+    """Whether something answers on an ipc endpoint (a stale socket file does not)."""
+    path = endpoint[len("ipc://"):]
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True

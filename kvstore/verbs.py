@@ -1,0 +1,429 @@
+"""The verbs: one handler per request type of the protocol, and the table that maps them.
+
+A handler takes the request's session, the decoded request and its payload frames, and
+returns the reply with its payload frames, raises a typed error, or raises a plan
+(``kvstore.plans``) when the request must finish later.  Handlers run on the event loop
+and never wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, Protocol
+
+from kvstore import protocol as p
+from kvstore.auth import Auth
+from kvstore.errors import (
+    CapacityError,
+    ForbiddenError,
+    KVStoreError,
+    MalformedError,
+    NotFoundError,
+    TooLargeError,
+    UnknownNamespaceError,
+    VersionMismatchError,
+)
+from kvstore.gpu_mover import GpuMover
+from kvstore.metrics import Metrics
+from kvstore.pending import Later, RemoteFetch, RemoteLookup
+from kvstore.remote import RemoteTier
+from kvstore.sessions import Session, Sessions
+from kvstore.store import Block, BlockStore, Limits, Namespace, Pin, Reservation
+from kvstore.tiering import SsdMover
+from kvstore.tiers.dram import DramArena
+from kvstore.transport import PinnedFrames, Transport
+
+log = logging.getLogger("kvstore.server")
+
+GET_OWNER = ("daemon", "get")  # pins held while zero-copy get frames are in flight
+
+Outcome = tuple[p.Message, list[Any]]
+Handler = Callable[[Session, Any, list[Any]], Outcome]
+
+
+class Daemon(Protocol):
+    """What the verbs use of the daemon that runs them."""
+
+    @property
+    def store(self) -> BlockStore: ...
+    @property
+    def sessions(self) -> Sessions: ...
+    @property
+    def transport(self) -> Transport: ...
+    @property
+    def auth(self) -> Auth: ...
+    @property
+    def metrics(self) -> Metrics | None: ...
+    @property
+    def ssd(self) -> SsdMover | None: ...
+    @property
+    def remote(self) -> RemoteTier | None: ...
+    @property
+    def gpu(self) -> GpuMover | None: ...
+    @property
+    def gpu_reason(self) -> str: ...
+    @property
+    def limits(self) -> Limits: ...
+    @property
+    def max_keys(self) -> int: ...
+    @property
+    def max_request_bytes(self) -> int: ...
+    @property
+    def scheduling(self) -> dict[str, int]: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    def arena_for(self, tenant: str) -> DramArena: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class Verbs:
+    """The handlers of every request type, and ``table``, the map from type to handler."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        self.table: dict[type[Any], Handler] = {
+            p.Hello: self._hello,
+            p.OpenNamespace: self._open,
+            p.Lookup: self._lookup,
+            p.Reserve: self._reserve,
+            p.Commit: self._commit,
+            p.Abort: self._abort,
+            p.Acquire: self._acquire,
+            p.Release: self._release,
+            p.Put: self._put,
+            p.Get: self._get,
+            p.Evict: self._evict,
+            p.DropNamespace: self._drop,
+            p.Stats: self._stats,
+            p.Ping: self._ping,
+            p.Warm: self._warm,
+            p.Prefetch: self._prefetch,
+            p.ReserveBatch: self._reserve_batch,
+            p.Report: self._report,
+            p.GpuAttach: self._gpu_attach,
+        }
+        self.names = {t: str(t.__struct_config__.tag) for t in self.table}
+
+    def greet(self, routing_id: bytes, req: p.Hello, curve_tenant: str | None) -> Session:
+        """The session a hello opens (or attaches to), once its version and credentials
+        pass; the ``Hello`` handler then replies with its facts."""
+        if req.version != p.PROTOCOL_VERSION:
+            raise VersionMismatchError(
+                f"client speaks protocol {req.version}, daemon speaks {p.PROTOCOL_VERSION}; "
+                f"upgrade the older side")
+        tenant = self.d.auth.tenant_of(req.tenant, req.token, curve_tenant)
+        return self.d.sessions.hello(routing_id, tenant, req.attach)
+
+    # -- checks the verbs share ---------------------------------------------------------------
+    def _namespace(self, session: Session, ns_id: bytes) -> Namespace:
+        if ns_id not in session.namespaces:
+            raise UnknownNamespaceError("namespace not opened in this session; open it first")
+        return self.d.store.namespaces[ns_id]
+
+    def _check_keys(self, keys: list[bytes]) -> None:
+        # Each key's length was checked by the decoder; the count is a setting.
+        max_keys = self.d.max_keys
+        if len(keys) > max_keys:
+            raise TooLargeError(f"{len(keys)} keys in one request; the limit is {max_keys}")
+
+    # -- verbs ---------------------------------------------------------------------------------
+    def _hello(self, session: Session, req: p.Hello, payload: list[Any]) -> Outcome:
+        d = self.d
+        arena = d.arena_for(session.tenant)
+        return p.HelloReply(
+            req.rid, p.PROTOCOL_VERSION, session.id, session.tenant, arena.path,
+            arena.capacity_bytes, d.limits.lease_seconds, d.max_keys,
+            d.max_request_bytes), []
+
+    def _open(self, session: Session, req: p.OpenNamespace, payload: list[Any]) -> Outcome:
+        d = self.d
+        identity = req.identity
+        if not d.auth.may_open(session.tenant, identity.tenant):
+            raise ForbiddenError(
+                f"session of tenant {session.tenant!r} cannot open a namespace of tenant "
+                f"{identity.tenant!r}")
+        if identity.block_bytes > d.max_request_bytes:
+            raise TooLargeError(f"blocks of {identity.block_bytes} bytes exceed the request "
+                                f"limit of {d.max_request_bytes}")
+        known = identity.namespace_id in d.store.namespaces
+        ns = d.store.open_namespace(identity)
+        if not known and d.ssd is not None:
+            d.ssd.remember_namespace(identity)
+        session.namespaces.add(ns.id)
+        arena = d.arena_for(identity.tenant)
+        return p.NamespaceReply(req.rid, ns.id, ns.block_bytes, ns.cls.slot_bytes,
+                                arena.path, arena.capacity_bytes), []
+
+    def _lookup(self, session: Session, req: p.Lookup, payload: list[Any]) -> Outcome:
+        d = self.d
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        tiers = d.store.lookup(ns, req.keys)
+        hits = len(tiers)
+        if d.remote is not None and hits < len(req.keys) and d.remote.healthy:
+            raise RemoteLookup(req.rid, ns, req.keys, tiers)
+        if d.metrics is not None:
+            bt = ns.identity.block_tokens
+            d.metrics.observe_lookup_tokens(d.store.tier, session.tenant, hits * bt,
+                                            (len(req.keys) - hits) * bt)
+        return p.LookupReply(req.rid, hits, tier_runs(tiers)), []
+
+    def _reserve(self, session: Session, req: p.Reserve, payload: list[Any]) -> Outcome:
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        self.d.sessions.check_cap(session, "reservations")
+        r = self._reserve_slots(session, ns, req.keys, req.parent)
+        return p.ReserveReply(req.rid, r.id, r.offsets, self.d.limits.lease_seconds), []
+
+    def _reserve_slots(self, session: Session, ns: Namespace, keys: list[bytes],
+                       parent: bytes | None) -> Reservation:
+        store, clock = self.d.store, self.d.clock
+        try:
+            return store.reserve(session.id, ns, keys, parent, clock())
+        except CapacityError:
+            # Blocks of get replies stay pinned until zmq has sent them, which a client
+            # that already holds the reply can outrun by a few microseconds: wait for
+            # those sends once, briefly, before refusing.
+            if not self.d.transport.wait_for_sends(0.005):
+                raise
+        return store.reserve(session.id, ns, keys, parent, clock())
+
+    def _commit(self, session: Session, req: p.Commit, payload: list[Any]) -> Outcome:
+        result = self.d.store.commit(session.id, req.reservation, self.d.clock(),
+                                     req.checksums)
+        self._committed(result.blocks)
+        return p.CommitReply(req.rid, result.created, result.duplicates), []
+
+    def _committed(self, blocks: list[Block]) -> None:
+        d = self.d
+        if d.ssd is not None:
+            d.ssd.committed(blocks)
+        if d.remote is not None:
+            d.remote.committed(blocks)
+        if d.gpu is not None:
+            d.gpu.wanted(blocks)
+
+    def _abort(self, session: Session, req: p.Abort, payload: list[Any]) -> Outcome:
+        self.d.store.abort(session.id, req.reservation)
+        return p.OkReply(req.rid), []
+
+    def _acquire(self, session: Session, req: p.Acquire, payload: list[Any]) -> Outcome:
+        d = self.d
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        d.sessions.check_cap(session, "pins")
+        pin = self._acquire_or_fetch(session.id, ns, req.keys)
+        gpu_offsets: list[int] = []
+        if d.gpu is not None and d.store.gpu is not None:
+            gpu_offsets = d.store.gpu.offsets(pin.blocks)
+            if -1 in gpu_offsets:
+                d.gpu.wanted(pin.blocks)  # used again: worth a copy on the GPU
+        return p.AcquireReply(req.rid, pin.id, pin.offsets, pin.checksums, gpu_offsets), []
+
+    def _acquire_or_fetch(self, owner: object, ns: Namespace, keys: list[bytes]) -> Pin:
+        d = self.d
+        try:
+            return d.store.acquire(owner, ns, keys, d.clock())
+        except NotFoundError:
+            if d.remote is None or not d.remote.healthy:
+                raise
+            raise RemoteFetch(ns, keys) from None
+
+    def _release(self, session: Session, req: p.Release, payload: list[Any]) -> Outcome:
+        self.d.store.release(session.id, req.pin)
+        return p.OkReply(req.rid), []
+
+    def _put(self, session: Session, req: p.Put, payload: list[Any]) -> Outcome:
+        d = self.d
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        if len(req.keys) * ns.block_bytes > d.max_request_bytes:
+            raise TooLargeError(f"put of {len(req.keys)} blocks exceeds the request limit of "
+                                f"{d.max_request_bytes} bytes; split it")
+        if len(payload) != len(req.keys):
+            raise MalformedError(f"put of {len(req.keys)} keys carries {len(payload)} frames")
+        if req.checksums and len(req.checksums) != len(req.keys):
+            raise MalformedError(f"put of {len(req.keys)} keys carries {len(req.checksums)} "
+                                 f"checksums")
+        for i, frame in enumerate(payload):
+            if len(frame) != ns.block_bytes:
+                raise MalformedError(f"frame {i} holds {len(frame)} bytes; a block of this "
+                                     f"namespace is {ns.block_bytes}")
+        now = d.clock()
+        r = self._reserve_slots(session, ns, req.keys, req.parent)
+        try:
+            view, size = d.arena_for(ns.tenant).view, ns.block_bytes
+            for offset, frame in zip(r.offsets, payload):
+                view[offset:offset + size] = frame.buffer
+        except BaseException:
+            d.store.abort(session.id, r.id)
+            raise
+        result = d.store.commit(session.id, r.id, now, req.checksums)
+        self._committed(result.blocks)
+        return p.PutReply(req.rid, result.created, result.duplicates), []
+
+    def _get(self, session: Session, req: p.Get, payload: list[Any]) -> Outcome:
+        d = self.d
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        if len(req.keys) * ns.block_bytes > d.max_request_bytes:
+            raise TooLargeError(f"get of {len(req.keys)} blocks exceeds the request limit of "
+                                f"{d.max_request_bytes} bytes; split it")
+        pin = self._acquire_or_fetch(GET_OWNER, ns, req.keys)
+        size, arena = ns.block_bytes, d.arena_for(ns.tenant)
+        frames = [arena.slot(offset, size) for offset in pin.offsets]
+        if not frames:
+            d.store.release(GET_OWNER, pin.id)
+            return p.GetReply(req.rid, 0), []
+        return p.GetReply(req.rid, len(frames), pin.checksums), PinnedFrames(frames, pin.id)
+
+    def _evict(self, session: Session, req: p.Evict, payload: list[Any]) -> Outcome:
+        d = self.d
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        count, removed = d.store.evict(ns, req.keys)
+        if d.ssd is not None:
+            d.ssd.removed(removed)
+        return p.CountReply(req.rid, count), []
+
+    def _drop(self, session: Session, req: p.DropNamespace, payload: list[Any]) -> Outcome:
+        d = self.d
+        ns = self._namespace(session, req.ns)
+        count, removed = d.store.drop_namespace(ns)
+        if d.ssd is not None:
+            d.ssd.removed(removed)
+        return p.CountReply(req.rid, count), []
+
+    def _warm(self, session: Session, req: p.Warm, payload: list[Any]) -> Outcome:
+        d = self.d
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        if not 0 < req.seconds <= 86400:
+            raise MalformedError("warm: seconds must be in (0, 86400]")
+        return p.CountReply(req.rid, d.store.keep_warm(ns, req.keys,
+                                                       d.clock() + req.seconds)), []
+
+    def _prefetch(self, session: Session, req: p.Prefetch, payload: list[Any]) -> Outcome:
+        d = self.d
+        ns = self._namespace(session, req.ns)
+        self._check_keys(req.keys)
+        cached = d.store.lookup(ns, req.keys)
+        ready = _leading_in_dram(ns, req.keys)
+        if ready == len(req.keys) or (d.ssd is None and d.remote is None):
+            return p.PrefetchReply(req.rid, ready, len(cached)), []
+        task = d.spawn(self._bring_up(ns, req.keys, len(cached)))
+        if not req.wait:
+            return p.PrefetchReply(req.rid, ready, len(cached)), []
+        raise Later(self._prefetch_reply(req, ns, task))
+
+    async def _bring_up(self, ns: Namespace, keys: list[bytes], cached: int) -> None:
+        """Promote the cached part of a chain to DRAM, then fetch the rest from the remote
+        tier; a partial result is still a usable prefix."""
+        d = self.d
+        try:
+            below = [b for k in keys[:cached] if (b := ns.blocks.get(k)) is not None
+                     and b.offset is None and b.ssd_offset is not None]
+            if below and d.ssd is not None:
+                await d.ssd.promote(below)
+            if cached < len(keys) and d.remote is not None and d.remote.healthy:
+                await d.remote.fetch(ns, keys)
+        except KVStoreError as exc:
+            log.debug("prefetch stopped early: %s", exc)
+
+    async def _prefetch_reply(self, req: p.Prefetch, ns: Namespace,
+                              task: asyncio.Task[None]) -> p.Message:
+        timeout = req.timeout_ms / 1000 if req.timeout_ms > 0 else None
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+        except TimeoutError:
+            pass  # what is up by now is the answer; the rest goes on in the background
+        cached = sum(1 for _ in _leading_present(ns, req.keys))
+        return p.PrefetchReply(req.rid, _leading_in_dram(ns, req.keys), cached)
+
+    def _reserve_batch(self, session: Session, req: p.ReserveBatch,
+                       payload: list[Any]) -> Outcome:
+        """Reserve the blocks of a whole token plan, all or none."""
+        from kvstore.scheduler.admission import TokenRequest, admit_batch
+
+        d = self.d
+        ns = self._namespace(session, req.ns)
+        bt = ns.identity.block_tokens
+        requests = [TokenRequest(item.reserved_tokens, item.new_tokens) for item in req.plan]
+        available = d.store.available_slots(ns)
+        decision = admit_batch(requests, bt, available)
+        for i, (item, need) in enumerate(zip(req.plan, decision.blocks)):
+            if len(item.keys) != need:
+                raise MalformedError(f"plan item {i} adds {need} blocks but names "
+                                     f"{len(item.keys)} keys")
+        self._check_keys([k for item in req.plan for k in item.keys])
+        if not decision.admitted:
+            d.store.counters.capacity_rejects += 1
+            return p.BatchReply(req.rid, False, list(decision.blocks), list(decision.fitting),
+                                [], [], d.limits.lease_seconds), []
+        done: list[Reservation] = []
+        try:
+            for item in req.plan:
+                if item.keys:
+                    done.append(d.store.reserve(session.id, ns, item.keys, item.parent,
+                                                d.clock()))
+        except BaseException:
+            for r in done:
+                d.store.abort(session.id, r.id)
+            raise
+        return p.BatchReply(req.rid, True, list(decision.blocks), [],
+                            [r.id for r in done], [r.offsets for r in done],
+                            d.limits.lease_seconds), []
+
+    def _report(self, session: Session, req: p.Report, payload: list[Any]) -> Outcome:
+        if req.recomputed_tokens < 0:
+            raise MalformedError("recomputed_tokens cannot be negative")
+        self.d.scheduling["recomputed_tokens"] += req.recomputed_tokens
+        return p.OkReply(req.rid), []
+
+    def _stats(self, session: Session, req: p.Stats, payload: list[Any]) -> Outcome:
+        self.d.transport.reap_sends()  # pins of get replies already sent are not holdings
+        return p.StatsReply(req.rid, self.d.stats()), []
+
+    def _gpu_attach(self, session: Session, req: p.GpuAttach, payload: list[Any]) -> Outcome:
+        d = self.d
+        if d.gpu is None:
+            return p.GpuReply(req.rid, b"", d.gpu_reason or "no gpu tier is configured "
+                              "(gpu.device, or kvstore serve --gpu-device)"), []
+        return p.GpuReply(req.rid, d.gpu.handle), []
+
+    def _ping(self, session: Session, req: p.Ping, payload: list[Any]) -> Outcome:
+        return p.OkReply(req.rid), []
+
+
+def tier_runs(tiers: list[str]) -> list[tuple[str, int]]:
+    """Each key's tier, as runs of (tier, count)."""
+    runs: list[tuple[str, int]] = []
+    for tier in tiers:
+        if runs and runs[-1][0] == tier:
+            runs[-1] = (tier, runs[-1][1] + 1)
+        else:
+            runs.append((tier, 1))
+    return runs
+
+
+def _leading_present(ns: Namespace, keys: list[bytes]) -> Iterator[Block]:
+    for key in keys:
+        block = ns.blocks.get(key)
+        if block is None or not block.present:
+            return
+        yield block
+
+
+def _leading_in_dram(ns: Namespace, keys: list[bytes]) -> int:
+    n = 0
+    for block in _leading_present(ns, keys):
+        if block.offset is None:
+            break
+        n += 1
+    return n
