@@ -1,31 +1,48 @@
-"""What the store asks the daemon to do before a call can go on.
+"""What the store asks the daemon to do before a call can succeed: plans, as data.
 
-Raised by the store (for now: they are to become plans returned as data) and carried out
-by the daemon's movers, after which the call runs again.
+A store call that cannot finish with bookkeeping alone returns a ``Plan`` instead of its
+result, having changed nothing it would have to undo but the marks the plan names (its
+victims are marked demoting, its promotion's DRAM slots are reserved).  The daemon's
+mover pipeline carries the plan out, every part of it, and makes the call again.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvstore.blocks import Block
+    from kvstore.blocks import Block, Namespace, Transfer
 
 
-class DemotionNeeded(Exception):
-    """Not an error: DRAM slots free up only after these blocks are written to SSD (and
-    those of ``remote`` to the remote store, in its write-back mode).  With neither, room
-    is on its way from writes already under way: wait a little, then retry."""
+@dataclass(eq=False)
+class Plan:
+    """The moves a call waits on.
 
-    def __init__(self, blocks: list[Block], remote: list[Block] | None = None) -> None:
-        super().__init__(f"{len(blocks)} blocks to demote first")
-        self.blocks = blocks
-        self.remote = remote or []
+    ``demote``: DRAM copies to write to SSD, after which they leave DRAM (unless pinned
+    meanwhile); ``to_remote``: the same, to the remote store (its write-back mode).
+    ``promote``: a transfer of SSD copies into DRAM slots the store reserved for them;
+    ``reads``: blocks that other requests are promoting already, to wait for.
+    ``room_coming``: nothing to do but wait a little: writes under way will free room.
+    ``fetch``: keys of a namespace to bring in from the remote store (the daemon's verbs
+    plan these: the store knows nothing of the remote store's contents).
+    ``defer_until``: wait for room, in order, until then (the daemon's pressure step).
+    """
 
+    demote: list[Block] = field(default_factory=list)
+    to_remote: list[Block] = field(default_factory=list)
+    promote: Transfer | None = None
+    reads: list[Block] = field(default_factory=list)
+    room_coming: bool = False
+    fetch: tuple[Namespace, list[bytes]] | None = None
+    defer_until: float | None = None
+    expired: bool = False  # a deferral whose deadline passed: the last attempt runs
+    ticket: int = 0        # a deferral's place in line, kept while it retries
+    cause: str = ""        # why there was no room, the last time it was tried
 
-class PromotionNeeded(Exception):
-    """Not an error: these blocks are only on SSD and must be read into DRAM first."""
-
-    def __init__(self, blocks: list[Block]) -> None:
-        super().__init__(f"{len(blocks)} blocks to promote first")
-        self.blocks = blocks
+    def __repr__(self) -> str:
+        promote = len(self.promote.blocks) if self.promote is not None else 0
+        return (f"Plan(demote={len(self.demote)}, to_remote={len(self.to_remote)}, "
+                f"promote={promote}, reads={len(self.reads)}, "
+                f"room_coming={self.room_coming}, fetch={self.fetch is not None}, "
+                f"defer_until={self.defer_until})")

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvstore.config import Config
@@ -28,18 +27,14 @@ from kvstore.transfers import Background, TransferGate, TurnBatch
 log = logging.getLogger("kvstore.remote")
 
 REMOTE = "remote"
-_OWNER = ("daemon", "remote")  # holds DRAM copies while they are written to the remote store
-
-ReserveMoving = Callable[[object, Namespace, list[bytes], bytes | None],
-                         Awaitable[Reservation]]
-
+REMOTE_OWNER = ("daemon", "remote")  # holds DRAM copies while they move to or from it
 
 class RemoteTier:
     """Carries out the daemon's traffic with one remote backend."""
 
     def __init__(self, config: Config, store: BlockStore,
                  slot: Callable[[Namespace, int], memoryview],
-                 reserve_moving: ReserveMoving, gate: TransferGate) -> None:
+                 gate: TransferGate) -> None:
         r = config.remote
         if r.url:
             name, options = parse_remote_url(r.url)
@@ -50,7 +45,6 @@ class RemoteTier:
         self.backend: GuardedBackend = load_backend(name, options)
         self.store = store
         self.slot = slot
-        self._reserve_moving = reserve_moving
         self.cooldown = r.unhealthy_seconds
         self._unhealthy_until = 0.0
         self._gate = asyncio.Semaphore(r.concurrency)
@@ -58,21 +52,12 @@ class RemoteTier:
         self.write_back = r.write_policy == "write-back"
         if self.write_back:  # DRAM-only blocks come here before they are evicted
             store.remote_write_back = lambda: self.healthy
-        self._written_back = asyncio.Event()
-        self.on_written: Callable[[], None] | None = None  # DRAM freed by a write-back
         self._background = Background()
-        # with an SSD tier (write-back mode): reads SSD copies into buffers of ours
-        self.ssd_read: Callable[[list[Block], list[memoryview]],
-                                Awaitable[list[bool]]] | None = None
-        self.on_ssd_dropped: Callable[[list[tuple[bytes, bytes]]], None] | None = None
-        self._ssd_copier: asyncio.Task[None] | None = None
-        self._ssd_retry_at = 0.0
-        self._stopping = False
         self._through: TurnBatch[Block] = TurnBatch(self._background, self._write_through)
         self.counters = {"writes": 0, "write_bytes": 0, "reads": 0, "read_bytes": 0,
                          "misses": 0, "errors": 0, "lookups": 0, "hit_blocks": 0,
                          "write_backs": 0}
-        store.touch_owner(_OWNER, float("inf"))
+        store.touch_owner(REMOTE_OWNER, float("inf"))
 
     # -- health ---------------------------------------------------------------------------
     @property
@@ -102,14 +87,15 @@ class RemoteTier:
         return n
 
     # -- reads -----------------------------------------------------------------------------
-    async def fetch(self, ns: Namespace, keys: Sequence[bytes]) -> None:
-        """Bring the blocks of ``keys`` that are not cached locally in from the remote store
-        (a chain: each missing key's parent is the key before it).  NotFoundError if the
-        remote store lacks any of them."""
+    async def to_fetch(self, ns: Namespace,
+                       keys: Sequence[bytes]) -> tuple[list[bytes], bytes | None] | None:
+        """The keys of a chain to read in (those not cached locally: each one's parent is
+        the key before it) and the parent of the first; None if every key is cached.
+        NotFoundError where asking first finds the remote store lacks any of them."""
         first = next((i for i, k in enumerate(keys)
                       if (b := ns.blocks.get(k)) is None or not b.present), None)
         if first is None:
-            return
+            return None
         missing = [k for k in keys[first:]
                    if (b := ns.blocks.get(k)) is None or not b.present]
         # Ask first where reading would cost evictions (a miss must not evict for nothing);
@@ -119,8 +105,11 @@ class RemoteTier:
         if not room and await self.leading(ns, missing) < len(missing):
             self.counters["misses"] += 1
             raise NotFoundError(f"{len(missing)} blocks are cached neither here nor remotely")
-        parent = keys[first - 1] if first else None
-        r = await self._reserve_moving(_OWNER, ns, missing, parent)
+        return missing, keys[first - 1] if first else None
+
+    async def read_into(self, ns: Namespace, missing: list[bytes], r: Reservation) -> None:
+        """Read the values of ``missing`` into a reservation of ours and commit them (or
+        abort it: NotFoundError if any was missing or corrupt)."""
         views = [self.slot(ns, off) for off in r.offsets]
         sums: list[int] = []
         try:
@@ -135,16 +124,16 @@ class RemoteTier:
         except KVStoreError as exc:
             self._failed("read", exc)
         except BaseException:  # cancelled while queued or reading: give the slots back
-            self.store.abort(_OWNER, r.id)
+            self.store.abort(REMOTE_OWNER, r.id)
             raise
         finally:
             for view in views:
                 view.release()
         if len(sums) < len(missing):
-            self.store.abort(_OWNER, r.id)
+            self.store.abort(REMOTE_OWNER, r.id)
             self.counters["misses"] += 1
             raise NotFoundError("a block read from the remote store was missing or corrupt")
-        result = self.store.commit(_OWNER, r.id, time.monotonic(), sums)
+        result = self.store.commit(REMOTE_OWNER, r.id, time.monotonic(), sums)
         for block in result.blocks:
             block.remote = True
         self.counters["reads"] += len(missing)
@@ -169,23 +158,24 @@ class RemoteTier:
         if not self.healthy:
             return
         try:
-            pin: Pin = self.store.acquire(_OWNER, ns, [b.key for b in blocks], time.monotonic())
+            pin = self.store.acquire(REMOTE_OWNER, ns, [b.key for b in blocks],
+                                     time.monotonic(), promote=False)
         except KVStoreError:
             return  # gone meanwhile
-        except Exception:  # only on SSD by now (PromotionNeeded): not worth a read
+        if not isinstance(pin, Pin):  # only on SSD by now: not worth a read
             return
         views = [self.slot(ns, off) for off in pin.offsets]
         try:
-            ok = await self._send(ns, [b.key for b in blocks], views, "write",
+            ok = await self.send(ns, [b.key for b in blocks], views, "write",
                                   write_back=self.write_back)
             for b, good in zip(blocks, ok or ()):
                 b.remote = b.remote or good
         finally:
             for view in views:
                 view.release()
-            self.store.release(_OWNER, pin.id)
+            self.store.release(REMOTE_OWNER, pin.id)
 
-    async def _send(self, ns: Namespace, keys: list[bytes], views: Sequence[memoryview],
+    async def send(self, ns: Namespace, keys: list[bytes], views: Sequence[memoryview],
                     what: str, *, write_back: bool) -> list[bool] | None:
         """Put values here, through the transfer queues and within the concurrency bound;
         per key whether it was written, or None if the remote store failed (counted, and
@@ -209,14 +199,14 @@ class RemoteTier:
         let the store drop the written ones; those that failed stay in DRAM."""
         ok = [False] * len(blocks)
         try:
-            for ns, indexes in _by_namespace(blocks).items():
+            for ns, indexes in by_namespace(blocks).items():
                 group = [blocks[i] for i in indexes]
                 views = [self.slot(ns, b.offset) for b in group if b.offset is not None]
                 try:
                     if len(views) != len(group) or not self.healthy:
                         continue
-                    written = await self._send(ns, [b.key for b in group], views,
-                                               "write-back", write_back=True)
+                    written = await self.send(ns, [b.key for b in group], views,
+                                              "write-back", write_back=True)
                 finally:
                     for view in views:
                         view.release()
@@ -224,77 +214,6 @@ class RemoteTier:
                     ok[i] = good
         finally:
             self.store.finish_remote_write(blocks, ok)
-            self._written_back.set()
-            if self.on_written is not None:
-                self.on_written()
-
-    def ssd_written(self) -> None:
-        """Blocks reached the SSD tier: in write-back mode, where SSD is the last local
-        tier, copy the SSD copies nearest eviction here before eviction drops them."""
-        if (self.write_back and self.ssd_read is not None and self._ssd_copier is None
-                and not self._stopping and time.monotonic() >= self._ssd_retry_at):
-            self._ssd_copier = asyncio.get_running_loop().create_task(self._write_back_ssd())
-
-    async def stop_copying_ssd(self) -> None:
-        """On the way out: no more copies from SSD (the SSD tier keeps its own); waits
-        for the round under way, whose buffers a reading thread may still fill."""
-        self._stopping = True
-        if self._ssd_copier is not None:
-            await asyncio.wait({self._ssd_copier})
-
-    async def _write_back_ssd(self) -> None:
-        try:
-            while (not self._stopping and self.healthy
-                   and (plan := self.store.ssd_copies.ssd_write_back_plan())):
-                if not await self._copy_from_ssd(plan):
-                    # nothing went (a full store, unreadable copies): not again for a while
-                    self._ssd_retry_at = time.monotonic() + self.cooldown
-                    break
-        finally:
-            self._ssd_copier = None
-
-    async def _copy_from_ssd(self, blocks: list[Block]) -> int:
-        """Read held SSD copies and write them here; the store marks the written ones and
-        drops those that could not be read.  How many were written."""
-        assert self.ssd_read is not None
-        sent = [False] * len(blocks)
-        unreadable = [False] * len(blocks)
-        try:
-            for ns, indexes in _by_namespace(blocks).items():
-                size = ns.block_bytes
-                group = [blocks[i] for i in indexes]
-                # page-aligned, so the SSD tier can read into it directly (O_DIRECT)
-                with mmap.mmap(-1, size * len(indexes)) as scratch:
-                    whole = memoryview(scratch)
-                    views = [whole[j * size:(j + 1) * size] for j in range(len(indexes))]
-                    try:
-                        read = await self.ssd_read(group, views)
-                        for i, good in zip(indexes, read):
-                            unreadable[i] = not good
-                        good_ones = [j for j, r in enumerate(read) if r]
-                        if not good_ones or not self.healthy:
-                            continue
-                        written = await self._send(
-                            ns, [group[j].key for j in good_ones], [views[j] for j in good_ones],
-                            "write-back", write_back=True)
-                        for j, w in zip(good_ones, written or ()):
-                            sent[indexes[j]] = w
-                    finally:
-                        for view in (*views, whole):
-                            view.release()
-        finally:
-            removed = self.store.ssd_copies.ssd_write_back_done(blocks, sent, unreadable)
-            if removed and self.on_ssd_dropped is not None:
-                self.on_ssd_dropped(removed)
-        return sum(sent)
-
-    async def room_coming(self, timeout: float = 0.5) -> None:
-        """Wait (a little) for write-backs under way to free DRAM."""
-        self._written_back.clear()
-        try:
-            await asyncio.wait_for(self._written_back.wait(), timeout)
-        except TimeoutError:
-            pass
 
     async def flush(self) -> int:
         """Write back every DRAM-only block the remote store lacks (on the way out, so
@@ -323,13 +242,12 @@ class RemoteTier:
         out: dict[str, Any] = dict(self.counters)
         out["backend"] = self.name
         out["healthy"] = self.healthy
-        out["copying_from_ssd"] = self._ssd_copier is not None
         out["corrupt_values"] = self.backend.counters.corrupt_values
         out["timeouts"] = self.backend.counters.timeouts
         return out
 
 
-def _by_namespace(blocks: Sequence[Block]) -> dict[Namespace, list[int]]:
+def by_namespace(blocks: Sequence[Block]) -> dict[Namespace, list[int]]:
     """The blocks' indexes, grouped by namespace (a backend call serves one)."""
     groups: dict[Namespace, list[int]] = {}
     for i, b in enumerate(blocks):

@@ -2,19 +2,18 @@
 chain's steps in their configured order, and what happens to each (dropped, written
 to SSD first, or to the remote store first).
 
-Decisions over the store's bookkeeping only; the writes a plan needs are raised as
-``DemotionNeeded`` for the daemon to carry out.
+Decisions over the store's bookkeeping only; the writes they need come back as a
+``Plan`` for the daemon to carry out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NoReturn
 
 from kvstore.blocks import SSD, Block, Namespace, TierSlots
 from kvstore.core import StoreCore
 from kvstore.errors import CapacityError
-from kvstore.plans import DemotionNeeded
+from kvstore.plans import Plan
 from kvstore.pool import SlabClass
 from kvstore.scheduler.admission import Step
 
@@ -25,19 +24,26 @@ class RoomMaker:
     def __init__(self, store: StoreCore) -> None:
         self.store = store
 
-    def allocate(self, ns: Namespace, count: int, protect: Block | None = None) -> list[int]:
-        """DRAM slots, evicting (or planning demotions) as needed; all or nothing."""
+    def allocate(self, ns: Namespace, count: int,
+                 protect: Block | None = None) -> list[int] | Plan:
+        """DRAM slots, evicting as needed; all or nothing: the slots, or the plan of the
+        writes that must come first (nothing taken), or CapacityError."""
         pool, cls = ns.dram.pool, ns.cls
         if self.store.tenant_quota and not self.store.per_tenant:
-            self._make_quota_room(ns, count, protect)  # among the tenant's own blocks
+            plan = self._make_quota_room(ns, count, protect)  # among the tenant's own
+            if plan is not None:
+                return plan
         if pool.available(cls) < count:
-            self._make_room(ns.dram, cls, count - pool.available(cls), protect,
-                            requester=(ns.tenant, count * cls.slot_bytes))
+            plan = self._make_room(ns.dram, cls, count - pool.available(cls), protect,
+                                   requester=(ns.tenant, count * cls.slot_bytes))
+            if plan is not None:
+                return plan
         offsets = ns.dram.take(ns, count)
         assert offsets is not None, "allocation failed after making room"
         return offsets
 
-    def _make_quota_room(self, ns: Namespace, count: int, protect: Block | None) -> None:
+    def _make_quota_room(self, ns: Namespace, count: int,
+                         protect: Block | None) -> Plan | None:
         """Evict (or plan demotions of) the tenant's own coldest blocks, of any size, until
         ``count`` more slots fit its quota; refused, with nothing evicted, when even every
         unpinned block of it would not do."""
@@ -45,11 +51,11 @@ class RoomMaker:
         held = dram.used.get(tenant, 0)
         excess = held + count * slot - self.store.tenant_quota
         if excess <= 0:
-            return
+            return None
 
-        def refuse() -> NoReturn:
+        def refuse() -> Plan:
             if self.room_coming(None, tenant):
-                raise DemotionNeeded([])
+                return Plan(room_coming=True)
             self.store.counters.capacity_rejects += 1
             raise CapacityError(
                 f"tenant {tenant!r} holds {held} bytes of the dram tier and asks for "
@@ -57,7 +63,7 @@ class RoomMaker:
                 f"of its blocks can be evicted (release pins, or ask for less)", cause="quota")
 
         if count * slot > self.store.tenant_quota or held - dram.pinned.get(tenant, 0) < excess:
-            refuse()
+            return refuse()
         policies = [dram.policy(ns.cls)] + [
             policy for size, policy in dram.policies.items() if size != slot]
         to_demote: list[Block] = []
@@ -71,9 +77,10 @@ class RoomMaker:
                     self._evict(victim, to_demote, to_remote)
         if freed < excess:
             self._put_back(to_demote + to_remote)
-            refuse()
+            return refuse()
         if to_demote or to_remote:
-            raise DemotionNeeded(to_demote, to_remote)
+            return Plan(demote=to_demote, to_remote=to_remote)
+        return None
 
     def _room_steps(self) -> list[Step]:
         """The pressure steps that may free DRAM now, in their configured order: those
@@ -151,15 +158,15 @@ class RoomMaker:
 
     def _make_room(self, dram: TierSlots, cls: SlabClass, need: int,
                    protect: Block | None,
-                   requester: tuple[str, int] | None = None) -> None:
-        """Free ``need`` slots of ``cls``: evict, or plan demotions (DemotionNeeded), taking
+                   requester: tuple[str, int] | None = None) -> Plan | None:
+        """Free ``need`` slots of ``cls``: evict, or plan demotions (a Plan), taking
         tenants over their share first (``requester``: the tenant asking, and the bytes it
         asks for)."""
         pool = dram.pool
         policy = dram.policy(cls)
         if need > len(policy):
             if self.room_coming(cls):
-                raise DemotionNeeded([])  # room is on its way: wait for those writes
+                return Plan(room_coming=True)  # room is on its way: wait for those writes
             self.store.counters.capacity_rejects += 1
             raise CapacityError(
                 f"{need + pool.available(cls)} slots of {cls.slot_bytes} bytes requested, "
@@ -192,7 +199,7 @@ class RoomMaker:
         if taken < need:
             self._put_back(to_demote + to_remote)  # nothing was written yet
             if self.room_coming(cls):
-                raise DemotionNeeded([])
+                return Plan(room_coming=True)
             self.store.counters.capacity_rejects += 1
             tried = " then ".join(steps) or "no step that frees room before defer"
             raise CapacityError(
@@ -200,7 +207,8 @@ class RoomMaker:
                 f"the dram tier is full of pinned blocks or their prefixes, or of blocks "
                 f"the pressure steps ({tried}) may not take", cause="pinned")
         if to_demote or to_remote:
-            raise DemotionNeeded(to_demote, to_remote)
+            return Plan(demote=to_demote, to_remote=to_remote)
+        return None
 
     def room_coming(self, cls: SlabClass | None, tenant: str | None = None) -> bool:
         """Whether writes under way will free or unpin DRAM slots of ``cls`` (of any

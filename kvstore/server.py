@@ -4,8 +4,8 @@ Three parts serve requests: the transport (``kvstore.transport``: sockets, frame
 tracking), the sessions and their limits (``kvstore.sessions``), and the verbs
 (``kvstore.verbs``: one handler per request type).  The server runs their lifecycle,
 wires the tier movers, dispatches each request to its handler, and finishes in a task
-the requests that must wait for bytes to move or room to free (``kvstore.later``,
-with the plan types in ``kvstore.plans``).
+the requests that must wait for bytes to move or room to free (``kvstore.later``);
+the mover pipeline (``kvstore.moves``) carries out every move between tiers.
 Each request gets exactly one reply; every failure becomes a typed error reply and
 leaves nothing behind.
 """
@@ -13,7 +13,6 @@ leaves nothing behind.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import math
 import signal
@@ -35,22 +34,17 @@ from kvstore.errors import (
     UnavailableError,
 )
 from kvstore.gpu_mover import GpuMover
-from kvstore.later import DEFERRABLE, FinishLater
+from kvstore.later import Finisher
 from kvstore.logs import in_effect
 from kvstore.metrics import Metrics, stats_on_loop
-from kvstore.pending import Deferred, Later, RemoteFetch, RemoteLookup
+from kvstore.moves import Moves
+from kvstore.plans import Plan
 from kvstore.remote import RemoteTier
 from kvstore.scheduler.admission import PolicyChain
 from kvstore.scheduler.queues import TransferKind
 from kvstore.sdnotify import Notifier
 from kvstore.sessions import Sessions
-from kvstore.store import (
-    BlockStore,
-    DemotionNeeded,
-    Limits,
-    Namespace,
-    PromotionNeeded,
-)
+from kvstore.store import BlockStore, Limits, Namespace
 from kvstore.tiering import SsdMover
 from kvstore.tiers.dram import Arenas, DramArena, sweep_stale_arenas
 from kvstore.transfers import TransferGate, serving
@@ -60,7 +54,7 @@ from kvstore.verbs import GET_OWNER, Verbs
 log = logging.getLogger("kvstore.server")
 
 
-class Server(FinishLater):
+class Server:
     """The kvstore daemon.  ``await serve()`` runs it until ``stop()``."""
 
     def __init__(self, config: Config, *, clock: Callable[[], float] = time.monotonic,
@@ -83,7 +77,6 @@ class Server(FinishLater):
                                 tenant_weights=config.server.tenant_weights)
         self.store.pressure = PolicyChain(tuple(config.dram.pressure)).steps  # type: ignore[arg-type]
         self.defer = "defer" in config.dram.pressure
-        self._deferred: collections.deque[asyncio.Future[None]] = collections.deque()
         self.scheduling = {"defers": 0, "defer_timeouts": 0, "rejects": 0,
                            "recomputed_tokens": 0}
         self.arenas: Arenas | None = None
@@ -106,6 +99,8 @@ class Server(FinishLater):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.moves = Moves(self.store, clock)  # its tiers' movers join at start
+        self.finisher = Finisher(self)
         self.verbs = Verbs(self)
 
     @property
@@ -134,15 +129,7 @@ class Server(FinishLater):
             log.info("ssd tier: %d blocks restored from %s", restored, self.config.ssd_path)
         if self.config.remote.url or self.config.remote.backend:
             try:
-                self.remote = RemoteTier(self.config, self.store, self.slot,
-                                         self.reserve_moving, self.transfers)
-                if self.ssd is not None and self.remote.write_back:
-                    self.ssd.remote_writer = self.remote.demote
-                    self.remote.on_written = self.ssd.room_freed
-                    self.ssd.on_written = self.remote.ssd_written
-                    self.remote.ssd_read = self.ssd.read_copies
-                    self.remote.on_ssd_dropped = self.ssd.removed
-                    self._loop.call_soon(self.remote.ssd_written)  # restored ones, too
+                self.remote = RemoteTier(self.config, self.store, self.slot, self.transfers)
             except BaseException:
                 if self.ssd is not None:
                     self.ssd.close()
@@ -150,6 +137,9 @@ class Server(FinishLater):
                 raise
         if self.config.gpu.device:
             self._start_gpu()
+        self.moves = Moves(self.store, self.clock, ssd=self.ssd, remote=self.remote,
+                           gpu=self.gpu)
+        self._loop.call_soon(self.moves.start)  # restored SSD copies to send, say
         self.transport.open(self._loop)
         self._schedule_reaper()
         self.store.touch_owner(GET_OWNER, math.inf)
@@ -187,7 +177,7 @@ class Server(FinishLater):
             await asyncio.wait(list(self._tasks), timeout=bound)
         if self.remote is not None:
             try:
-                await asyncio.wait_for(self.remote.stop_copying_ssd(), bound)
+                await asyncio.wait_for(self.moves.stop_copying_ssd(), bound)
                 await asyncio.wait_for(self.remote.drain(), bound)
                 flushed = await asyncio.wait_for(self.remote.flush(), bound)
                 if flushed:
@@ -201,6 +191,10 @@ class Server(FinishLater):
                 await asyncio.wait_for(self.gpu.drain(), bound)
             except TimeoutError:
                 log.error("copies into the gpu tier still under way at exit were dropped")
+        try:
+            await asyncio.wait_for(self.moves.drain(), bound)
+        except TimeoutError:
+            log.error("writes to the ssd tier still under way at exit were dropped")
         if self.ssd is not None:
             try:
                 await asyncio.wait_for(self.ssd.drain(), bound)
@@ -253,7 +247,9 @@ class Server(FinishLater):
                 tenant = request.tenant
                 curve_tenant = str(frames[1].get("User-Id")) if secure else None
                 session = verbs.greet(routing_id, request, curve_tenant)
-                reply, payload = handler(session, request, frames[2:])
+                hello = handler(session, request, frames[2:])
+                assert isinstance(hello, tuple), "a hello is answered at once"
+                reply, payload = hello
             else:
                 session = self.sessions.get(routing_id)
                 tenant = session.tenant
@@ -261,30 +257,37 @@ class Server(FinishLater):
                     # a release or abort frees; it is never refused
                     self.sessions.admit(session)
                 self.store.touch_owner(session.id, self.clock())
+                finisher = self.finisher
                 with serving(_TRANSFER_KIND.get(verb, TransferKind.WRITEBACK), tenant):
                     try:
+                        answer = finisher.attempt(handler, session, request, frames[2:],
+                                                  verb, early=True)
+                    except CapacityError as exc:
+                        if not finisher.may_defer(verb):
+                            raise
+                        answer = finisher.deferral(tenant, exc)
+                    finally:
+                        self.sessions.counted(session)
+                    if not isinstance(answer, tuple):
+                        # bytes must move between tiers first, or the reply comes later:
+                        # finish in a task
                         try:
-                            reply, payload = self._attempt(handler, session, request,
-                                                           frames[2:], verb, early=True)
-                        except CapacityError as exc:
-                            if not self.defer or verb not in DEFERRABLE:
-                                raise
-                            raise self._defer(tenant, exc) from None
-                        finally:
-                            self.sessions.counted(session)
-                    except (DemotionNeeded, PromotionNeeded, RemoteFetch, RemoteLookup,
-                            Deferred, Later) as plan:
-                        # The bytes must move between tiers first: finish in a task.
-                        self.sessions.hold_bytes(session, sum(len(f) for f in frames[2:]))
-                        self.spawn(self._finish_later(
+                            self.sessions.hold_bytes(session,
+                                                     sum(len(f) for f in frames[2:]))
+                        except BaseException:
+                            if isinstance(answer, Plan):
+                                self.moves.abandon(answer)
+                            raise
+                        self.spawn(finisher.finish(
                             routing_id, rid, verb, tenant, start, handler, session, request,
-                            frames[2:], plan))
+                            frames[2:], answer))
                         return
+                    reply, payload = answer
         except KVStoreError as exc:
             code = exc.code
             reply, payload = p.ErrorReply(rid, exc.code, str(exc)), []
             if isinstance(exc, CapacityError):
-                self._rejected(tenant, exc)
+                self.finisher.rejected(tenant, exc)
         except Exception as exc:  # a bug: report it, keep serving
             log.exception("internal error handling a request",
                           extra={"rid": rid, "verb": verb, "tenant": tenant})
@@ -294,11 +297,11 @@ class Server(FinishLater):
         if code is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("%s failed: %s", verb, code, extra={"rid": rid, "verb": verb,
                                                          "tenant": tenant})
-        if self.store.dropped_ssd and self.ssd is not None:
-            self.ssd.removed(self.store.dropped_ssd)
+        if self.store.dropped_ssd:
+            self.moves.removed(self.store.dropped_ssd)
             self.store.dropped_ssd = []
-        if self._deferred and verb in _FREES_ROOM:
-            self._wake_deferred()
+        if verb in _FREES_ROOM and len(self.moves.room):
+            self.moves.freed()
         if self.metrics is not None:
             self.metrics.observe_request(verb, time.perf_counter() - start, code, tenant)
         if self.debug_invariants:
@@ -356,8 +359,7 @@ class Server(FinishLater):
         self.store.release(GET_OWNER, pin)
 
     def _room_from_sends(self) -> None:
-        if self._deferred:
-            self._wake_deferred()
+        self.moves.freed()
     def arena_for(self, tenant: str) -> DramArena:
         """The arena a tenant's blocks live in (its own, with per-tenant arenas)."""
         assert self.arenas is not None
@@ -400,6 +402,7 @@ class Server(FinishLater):
             out["gpu"] = {"off": self.gpu_reason}
         if self.remote is not None:
             out["remote"] = self.remote.stats()
+            out["remote"]["copying_from_ssd"] = self.moves.copying_from_ssd
         out["settings"] = self.live_settings()
         return out
 
@@ -415,7 +418,7 @@ class Server(FinishLater):
         if gone:
             self.sessions.forget(gone)
             log.info("lease expired for %d session(s); their holdings were rolled back", len(gone))
-            self._wake_deferred()
+            self.moves.freed()
         self._schedule_reaper()
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from kvstore.blocks import DRAM, SSD, Block, Namespace, Transfer
 from kvstore.core import StoreCore
 from kvstore.errors import CapacityError
+from kvstore.plans import Plan
 from kvstore.room import RoomMaker
 from kvstore.scheduler.eviction import EvictionPolicy, LRUPolicy
 
@@ -212,8 +213,22 @@ class SsdCopies:
         return [b for b in blocks if b.offset is not None and b.ssd_offset is None
                 and not b.demoting and self.store.admitted(b) and b.ns.blocks.get(b.key) is b]
 
-    def begin_promotion(self, blocks: list[Block]) -> Transfer:
-        """DRAM slots to read SSD-only blocks into; may raise DemotionNeeded/CapacityError."""
+    def promotion(self, blocks: list[Block]) -> Plan:
+        """The plan that brings SSD-only blocks into DRAM: their reads, into DRAM slots
+        reserved here (``promote``), those others are reading already (``reads``), or
+        the writes that must make room first."""
+        t = self.begin_promotion(blocks)
+        if isinstance(t, Plan):
+            return t
+        reading = [b for b in dict.fromkeys(blocks) if b.promoting and b not in t.blocks]
+        if not t.blocks:
+            self.finish_promotion(t, [])
+            return Plan(reads=reading)
+        return Plan(promote=t, reads=reading)
+
+    def begin_promotion(self, blocks: list[Block]) -> Transfer | Plan:
+        """DRAM slots to read SSD-only blocks into (those not being read already); or the
+        plan of the writes that must make room first, or CapacityError, nothing taken."""
         todo = [b for b in dict.fromkeys(blocks)
                 if b.offset is None and b.ssd_offset is not None and not b.promoting]
         offsets: list[int] = []
@@ -224,6 +239,10 @@ class SsdCopies:
         try:
             for ns, group in by_ns.items():
                 got = self.room.allocate(ns, len(group))
+                if isinstance(got, Plan):
+                    for done_ns, slots in taken:
+                        done_ns.dram.give(done_ns, slots)
+                    return got
                 taken.append((ns, got))
                 offsets.extend(got)
         except BaseException:
@@ -238,6 +257,19 @@ class SsdCopies:
         self.store.transfers[t.id] = t
         self.store.reserved_slots += len(offsets)
         return t
+
+    def abort_promotion(self, t: Transfer) -> None:
+        """A promotion whose reads never began: its DRAM slots go back, its blocks stay
+        on SSD as they were."""
+        del self.store.transfers[t.id]
+        self.store.reserved_slots -= len(t.offsets)
+        for b, off in zip(t.blocks, t.offsets):
+            b.promoting = False
+            b.ssd_holds -= 1
+            b.ns.dram.give(b.ns, [off])
+            self.store.forget_if_gone(b)
+        if self.store.hollow:
+            self.store.sweep_hollow()
 
     def finish_promotion(self, t: Transfer, ok: list[bool]) -> list[tuple[bytes, bytes]]:
         """Reads ended: good ones become DRAM copies.  A failed one (corrupt on disk) loses

@@ -21,12 +21,14 @@ is free, reserved (held by a reservation, a promotion or a write to SSD that has
 finished) or committed (holds a copy).  ``refs`` counts the pins on the DRAM copy; a
 pinned copy is never evicted, moved or reused.
 
-When the DRAM tier is full and an SSD tier exists, a cold block that is only in DRAM is
-demoted (written back) rather than lost: allocation raises ``DemotionNeeded`` with the
-victims, the daemon writes them to SSD and calls ``ssd_copies.finish_write``, then
-allocates again.  A block only on SSD is promoted the same way: ``acquire`` raises
-``PromotionNeeded``, the daemon reads the copies into DRAM slots from
-``ssd_copies.begin_promotion`` and reports with ``ssd_copies.finish_promotion``.
+Decide, then do: a call that needs bytes moved first returns a ``Plan`` (data) instead
+of its result.  When the DRAM tier is full and an SSD tier exists, a cold block that is
+only in DRAM is demoted (written back) rather than lost: ``reserve`` returns a plan
+naming the victims, the daemon writes them to SSD (``ssd_copies.reserve`` …
+``finish_write``) and reserves again.  ``acquire`` of blocks only on SSD returns a plan
+holding their promotion (DRAM slots reserved for the reads, from
+``ssd_copies.begin_promotion``); the daemon reads the copies, reports with
+``ssd_copies.finish_promotion`` and acquires again.
 """
 
 from __future__ import annotations
@@ -53,15 +55,15 @@ from kvstore.errors import LimitExceededError, MalformedError, NotFoundError
 from kvstore.identity import Identity
 from kvstore.index import Index
 from kvstore.owners import Leases
-from kvstore.plans import DemotionNeeded, PromotionNeeded
+from kvstore.plans import Plan
 from kvstore.room import RoomMaker
 from kvstore.scheduler.eviction import WarmPins
 from kvstore.ssd_copies import SsdCopies
 from kvstore.store_view import check_invariants, tier_stats
 
-__all__ = ["DRAM", "SSD", "Block", "BlockStore", "CommitResult", "Counters", "DemotionNeeded",
-           "Limits", "Namespace", "Owner", "OwnerState", "Pin", "PromotionNeeded",
-           "Reservation", "TierSlots", "Transfer"]
+__all__ = ["DRAM", "SSD", "Block", "BlockStore", "CommitResult", "Counters", "Limits",
+           "Namespace", "Owner", "OwnerState", "Pin", "Plan", "Reservation", "TierSlots",
+           "Transfer"]
 
 
 class BlockStore(StoreCore):
@@ -115,8 +117,9 @@ class BlockStore(StoreCore):
         keys: Sequence[bytes],
         parent: bytes | None,
         now: float,
-    ) -> Reservation:
-        """DRAM slots for every key, or an error (or DemotionNeeded) and nothing taken."""
+    ) -> Reservation | Plan:
+        """DRAM slots for every key; or the plan of the writes that must come first, or an
+        error, and nothing taken."""
         state = self.leases.touch(owner, now)
         if len(state.reservations) >= self.limits.max_reservations_per_owner:
             raise LimitExceededError(
@@ -132,6 +135,8 @@ class BlockStore(StoreCore):
                     "look up the chain again and reserve from its longest cached prefix"
                 )
         offsets = self.room.allocate(ns, len(keys), protect=parent_block)
+        if isinstance(offsets, Plan):
+            return offsets
         pinned = parent_block is not None and self.hold(parent_block)  # keep it till commit
         r = Reservation(next(self.ids), owner, ns, list(keys), parent_block, offsets, pinned)
         state.reservations[r.id] = r
@@ -161,8 +166,6 @@ class BlockStore(StoreCore):
         """Publish a reservation's blocks (with the writer's checksums, if given)."""
         state, r = self.leases.take_reservation(owner, rid, now)
         if checksums and len(checksums) != len(r.keys):
-            from kvstore.errors import MalformedError
-
             raise MalformedError(f"{len(checksums)} checksums for {len(r.keys)} blocks")
         del state.reservations[rid]
         self.reserved_slots -= len(r.offsets)
@@ -213,9 +216,11 @@ class BlockStore(StoreCore):
         self.rollback(state, r)
 
     # -- acquire / release ------------------------------------------------------------------
-    def acquire(self, owner: Owner, ns: Namespace, keys: Sequence[bytes], now: float) -> Pin:
-        """Pin every key's DRAM copy; NotFoundError, or PromotionNeeded for blocks only on
-        SSD, and nothing pinned."""
+    def acquire(self, owner: Owner, ns: Namespace, keys: Sequence[bytes], now: float, *,
+                promote: bool = True) -> Pin | Plan:
+        """Pin every key's DRAM copy; or NotFoundError, or, for blocks only on SSD, the plan
+        of their promotion (with ``promote``; without, an empty plan, nothing reserved),
+        and nothing pinned."""
         state = self.leases.touch(owner, now)
         if len(state.pins) >= self.limits.max_pins_per_owner:
             raise LimitExceededError(
@@ -230,7 +235,7 @@ class BlockStore(StoreCore):
             blocks.append(block)
         below = [b for b in blocks if b.offset is None]
         if below:
-            raise PromotionNeeded(below)
+            return self.ssd_copies.promotion(below) if promote else Plan()
         self.index.access(blocks)
         for block in blocks:
             self.pin_block(block)

@@ -1,8 +1,8 @@
-"""Moving blocks between DRAM and SSD: the daemon's side of the store's plans.
+"""The SSD tier's mover: writes, reads and index changes with the SSD engine.
 
 The store decides (which blocks to demote, promote or write through, which SSD copies
-go); this module carries the plans out with the SSD tier's engine and reports back, on
-the daemon's event loop.  A block becomes visible on SSD only once its bytes are durable
+go) and the mover pipeline (``kvstore.moves``) asks; this module does each move with
+the SSD tier's engine and reports to the store, on the daemon's event loop.  A block becomes visible on SSD only once its bytes are durable
 and its index record is committed; a read that fails its checksum is a miss.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -20,20 +20,12 @@ from kvstore.config import Config
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.identity import Identity
 from kvstore.scheduler.queues import TransferKind
-from kvstore.store import (
-    Block,
-    BlockStore,
-    DemotionNeeded,
-    Namespace,
-    PromotionNeeded,
-    Transfer,
-)
+from kvstore.store import Block, BlockStore, Namespace, Transfer
 from kvstore.tiers.ssd import BlockRecord, SSDStore
-from kvstore.transfers import Background, TransferGate, TurnBatch
+from kvstore.transfers import Background, TransferGate
 
 log = logging.getLogger("kvstore.tiering")
 
-_MAX_ROUNDS = 4  # demote/promote rounds one request may need before it is refused
 _WRITE_COOLDOWN = 5.0  # seconds without SSD writes after one failed (disk full, I/O error)
 
 
@@ -53,13 +45,7 @@ class SsdMover:
             direct_io=config.ssd.direct_io, preallocate=config.ssd.preallocate)
         self._promoting: dict[Block, asyncio.Future[None]] = {}
         self._background = Background()
-        self._through: TurnBatch[Block] = TurnBatch(self._background, self._write_through)
-        self._writing_back = False
         self._pending_removals: list[tuple[bytes, bytes]] = []
-        self._demotions_done = asyncio.Event()
-        # the remote tier's write-back, for victims no SSD copy will keep
-        self.remote_writer: Callable[[list[Block]], Coroutine[Any, Any, None]] | None = None
-        self.on_written: Callable[[], None] | None = None  # blocks reached SSD
         self.errors = 0
         self.metrics: Any = None  # the daemon's Metrics, for transfer bytes and latency
 
@@ -90,35 +76,10 @@ class SsdMover:
     def remember_namespace(self, identity: Identity) -> None:
         self.engine.put_namespace(identity.namespace_id, msgspec.msgpack.encode(identity))
 
-    # -- plans the store raised -----------------------------------------------------------
-    async def resolve(self, plan: DemotionNeeded | PromotionNeeded) -> None:
-        """Carry out what a store call asked for, so that the call can be retried."""
-        if isinstance(plan, PromotionNeeded):
-            await self.promote(plan.blocks)
-            return
-        writes = [self._write(plan.blocks)] if plan.blocks else []
-        if plan.remote:
-            assert self.remote_writer is not None, "remote write-back without a remote"
-            writes.append(self.remote_writer(plan.remote))
-        if not writes:  # room is coming from demotions already under way: wait, retry
-            self._demotions_done.clear()
-            try:
-                await asyncio.wait_for(self._demotions_done.wait(), 0.5)
-            except TimeoutError:
-                pass
-            return
-        # both at once, if both: the room comes in one go; each write finishes its own
-        # blocks, either way, before a failure is raised
-        for result in await asyncio.gather(*writes, return_exceptions=True):
-            if isinstance(result, BaseException):
-                raise result
-
-    def room_freed(self) -> None:
-        """DRAM slots were freed elsewhere (a remote write-back): waiters may retry."""
-        self._demotions_done.set()
-
-    async def _write(self, blocks: list[Block]) -> None:
-        """Write DRAM copies to SSD (demotion or write-through) and report to the store."""
+    # -- moves the pipeline asks for --------------------------------------------------
+    async def write(self, blocks: list[Block]) -> None:
+        """Write DRAM copies to SSD (demotion or write-through) and report to the store;
+        CapacityError if the SSD tier could not take them (the store knows)."""
         try:
             t, removed = self.store.ssd_copies.reserve(blocks)
         except CapacityError:
@@ -142,8 +103,6 @@ class SsdMover:
                 view.release()
             self.store.ssd_copies.finish_write(t, written)
             ok = True
-            if self.on_written is not None:
-                self.on_written()
         except KVStoreError as exc:
             self.errors += 1
             log.warning("writing %d blocks to ssd failed: %s; ssd writes pause for %gs, "
@@ -154,7 +113,6 @@ class SsdMover:
         finally:
             if not ok and t.id in self.store.transfers:
                 self.store.ssd_copies.finish_write(t, None)
-            self._demotions_done.set()  # DRAM slots freed or unpinned: waiters may retry
 
     def _pause_writes(self) -> None:
         self.store.ssd_writable = False
@@ -163,28 +121,19 @@ class SsdMover:
     def _resume_writes(self) -> None:
         self.store.ssd_writable = True
 
-    async def promote(self, blocks: list[Block]) -> None:
-        """Read SSD-only blocks into DRAM (waiting for reads already under way)."""
+    def reading(self, t: Transfer) -> bool:
+        """Whether the reads of a promotion began (they then finish it, either way)."""
+        return any(self._promoting.get(b) is not None for b in t.blocks[:1])
+
+    async def wait_reads(self, blocks: list[Block]) -> None:
+        """Wait for the promotions under way of these blocks (other requests' reads)."""
         waits = [self._promoting[b] for b in blocks if b in self._promoting]
-        fresh = [b for b in blocks if b not in self._promoting]
-        if fresh:
-            for _ in range(_MAX_ROUNDS):
-                try:
-                    t = self.store.ssd_copies.begin_promotion(fresh)
-                    break
-                except DemotionNeeded as plan:
-                    await self.resolve(plan)
-            else:
-                raise CapacityError("no room in the dram tier to promote blocks from ssd")
-            if t.blocks:
-                await self._read(t)
-            else:  # others began reading them meanwhile: wait for those reads instead
-                self.store.ssd_copies.finish_promotion(t, [])
-                waits += [self._promoting[b] for b in fresh if b in self._promoting]
         if waits:
             await asyncio.gather(*waits)
 
-    async def _read(self, t: Transfer) -> None:
+    async def read(self, t: Transfer) -> None:
+        """Read a promotion's SSD copies into the DRAM slots the store reserved, and
+        report (a copy that fails its checksum is a miss, and its SSD copy goes)."""
         loop = asyncio.get_running_loop()
         for b in t.blocks:
             self._promoting[b] = loop.create_future()
@@ -224,38 +173,7 @@ class SsdMover:
             log.warning("reading %d blocks from ssd failed: %s", len(blocks), exc)
             return [False] * len(blocks)
 
-    # -- background work ------------------------------------------------------------------
-    def committed(self, blocks: Iterable[Block]) -> None:
-        """New blocks were committed: copy them to SSD now under write-through; under
-        write-back, copy cold ones ahead of need once DRAM fills up."""
-        if not self.write_through:
-            if not self._writing_back and self.store.ssd_writable \
-                    and self.store.ssd_copies.writeback_plan(batch=1):
-                self._writing_back = True
-                self._background.spawn(self._write_back())
-            return
-        self._through.add(self.store.ssd_copies.write_through_candidates(blocks))
-
-    async def _write_through(self, batch: list[Block]) -> None:
-        batch = self.store.ssd_copies.write_through_candidates(batch)  # as they are now
-        if batch:
-            try:
-                await self._write(batch)
-            except CapacityError:
-                pass  # counted; the blocks stay in DRAM
-
-    async def _write_back(self) -> None:
-        try:
-            # planned here, not by the caller: by the time a task runs, blocks planned
-            # earlier may be demoting or gone
-            while self.store.ssd_writable and (plan := self.store.ssd_copies.writeback_plan()):
-                try:
-                    await self._write(plan)
-                except CapacityError:
-                    break
-        finally:
-            self._writing_back = False
-
+    # -- the SSD index -------------------------------------------------------------------
     def removed(self, ids: list[tuple[bytes, bytes]]) -> None:
         """SSD copies the store dropped: withdraw them from the index soon."""
         if ids:

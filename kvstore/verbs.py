@@ -1,9 +1,9 @@
 """The verbs: one handler per request type of the protocol, and the table that maps them.
 
 A handler takes the request's session, the decoded request and its payload frames, and
-returns the reply with its payload frames, raises a typed error, or raises a plan
-(``kvstore.plans``) when the request must finish later.  Handlers run on the event loop
-and never wait.
+returns the reply with its payload frames, raises a typed error, or returns what the
+request waits on (``kvstore.pending``: a plan of moves, or a reply still to come).
+Handlers run on the event loop and never wait.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from kvstore.auth import Auth
 from kvstore.errors import (
     CapacityError,
     ForbiddenError,
-    KVStoreError,
     MalformedError,
     NotFoundError,
     TooLargeError,
@@ -27,10 +26,11 @@ from kvstore.errors import (
 )
 from kvstore.gpu_mover import GpuMover
 from kvstore.metrics import Metrics
-from kvstore.pending import Later, RemoteFetch, RemoteLookup
+from kvstore.moves import Moves
+from kvstore.pending import Later, Pending
 from kvstore.remote import RemoteTier
 from kvstore.sessions import Session, Sessions
-from kvstore.store import Block, BlockStore, Limits, Namespace, Pin, Reservation
+from kvstore.store import Block, BlockStore, Limits, Namespace, Pin, Plan, Reservation
 from kvstore.tiering import SsdMover
 from kvstore.tiers.dram import DramArena
 from kvstore.transport import PinnedFrames, Transport
@@ -40,7 +40,8 @@ log = logging.getLogger("kvstore.server")
 GET_OWNER = ("daemon", "get")  # pins held while zero-copy get frames are in flight
 
 Outcome = tuple[p.Message, list[Any]]
-Handler = Callable[[Session, Any, list[Any]], Outcome]
+Answer = Outcome | Pending
+Handler = Callable[[Session, Any, list[Any]], Answer]
 
 
 class Daemon(Protocol):
@@ -62,6 +63,8 @@ class Daemon(Protocol):
     def remote(self) -> RemoteTier | None: ...
     @property
     def gpu(self) -> GpuMover | None: ...
+    @property
+    def moves(self) -> Moves: ...
     @property
     def gpu_reason(self) -> str: ...
     @property
@@ -160,29 +163,31 @@ class Verbs:
         return p.NamespaceReply(req.rid, ns.id, ns.block_bytes, ns.cls.slot_bytes,
                                 arena.path, arena.capacity_bytes), []
 
-    def _lookup(self, session: Session, req: p.Lookup, payload: list[Any]) -> Outcome:
+    def _lookup(self, session: Session, req: p.Lookup, payload: list[Any]) -> Answer:
         d = self.d
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
         tiers = d.store.lookup(ns, req.keys)
         hits = len(tiers)
         if d.remote is not None and hits < len(req.keys) and d.remote.healthy:
-            raise RemoteLookup(req.rid, ns, req.keys, tiers)
+            return Later(self._remote_lookup(req.rid, ns, req.keys, tiers))
         if d.metrics is not None:
             bt = ns.identity.block_tokens
             d.metrics.observe_lookup_tokens(d.store.tier, session.tenant, hits * bt,
                                             (len(req.keys) - hits) * bt)
         return p.LookupReply(req.rid, hits, tier_runs(tiers)), []
 
-    def _reserve(self, session: Session, req: p.Reserve, payload: list[Any]) -> Outcome:
+    def _reserve(self, session: Session, req: p.Reserve, payload: list[Any]) -> Answer:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
         self.d.sessions.check_cap(session, "reservations")
         r = self._reserve_slots(session, ns, req.keys, req.parent)
+        if isinstance(r, Plan):
+            return r
         return p.ReserveReply(req.rid, r.id, r.offsets, self.d.limits.lease_seconds), []
 
     def _reserve_slots(self, session: Session, ns: Namespace, keys: list[bytes],
-                       parent: bytes | None) -> Reservation:
+                       parent: bytes | None) -> Reservation | Plan:
         store, clock = self.d.store, self.d.clock
         try:
             return store.reserve(session.id, ns, keys, parent, clock())
@@ -201,45 +206,42 @@ class Verbs:
         return p.CommitReply(req.rid, result.created, result.duplicates), []
 
     def _committed(self, blocks: list[Block]) -> None:
-        d = self.d
-        if d.ssd is not None:
-            d.ssd.committed(blocks)
-        if d.remote is not None:
-            d.remote.committed(blocks)
-        if d.gpu is not None:
-            d.gpu.wanted(blocks)
+        self.d.moves.committed(blocks)
 
     def _abort(self, session: Session, req: p.Abort, payload: list[Any]) -> Outcome:
         self.d.store.abort(session.id, req.reservation)
         return p.OkReply(req.rid), []
 
-    def _acquire(self, session: Session, req: p.Acquire, payload: list[Any]) -> Outcome:
+    def _acquire(self, session: Session, req: p.Acquire, payload: list[Any]) -> Answer:
         d = self.d
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
         d.sessions.check_cap(session, "pins")
         pin = self._acquire_or_fetch(session.id, ns, req.keys)
+        if isinstance(pin, Plan):
+            return pin
         gpu_offsets: list[int] = []
         if d.gpu is not None and d.store.gpu is not None:
             gpu_offsets = d.store.gpu.offsets(pin.blocks)
             if -1 in gpu_offsets:
-                d.gpu.wanted(pin.blocks)  # used again: worth a copy on the GPU
+                d.moves.reused(pin.blocks)  # used again: worth a copy on the GPU
         return p.AcquireReply(req.rid, pin.id, pin.offsets, pin.checksums, gpu_offsets), []
 
-    def _acquire_or_fetch(self, owner: object, ns: Namespace, keys: list[bytes]) -> Pin:
+    def _acquire_or_fetch(self, owner: object, ns: Namespace,
+                          keys: list[bytes]) -> Pin | Plan:
         d = self.d
         try:
             return d.store.acquire(owner, ns, keys, d.clock())
         except NotFoundError:
             if d.remote is None or not d.remote.healthy:
                 raise
-            raise RemoteFetch(ns, keys) from None
+            return Plan(fetch=(ns, keys))  # it may be in the remote store
 
     def _release(self, session: Session, req: p.Release, payload: list[Any]) -> Outcome:
         self.d.store.release(session.id, req.pin)
         return p.OkReply(req.rid), []
 
-    def _put(self, session: Session, req: p.Put, payload: list[Any]) -> Outcome:
+    def _put(self, session: Session, req: p.Put, payload: list[Any]) -> Answer:
         d = self.d
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
@@ -257,6 +259,8 @@ class Verbs:
                                      f"namespace is {ns.block_bytes}")
         now = d.clock()
         r = self._reserve_slots(session, ns, req.keys, req.parent)
+        if isinstance(r, Plan):
+            return r
         try:
             view, size = d.arena_for(ns.tenant).view, ns.block_bytes
             for offset, frame in zip(r.offsets, payload):
@@ -268,7 +272,7 @@ class Verbs:
         self._committed(result.blocks)
         return p.PutReply(req.rid, result.created, result.duplicates), []
 
-    def _get(self, session: Session, req: p.Get, payload: list[Any]) -> Outcome:
+    def _get(self, session: Session, req: p.Get, payload: list[Any]) -> Answer:
         d = self.d
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
@@ -276,6 +280,8 @@ class Verbs:
             raise TooLargeError(f"get of {len(req.keys)} blocks exceeds the request limit of "
                                 f"{d.max_request_bytes} bytes; split it")
         pin = self._acquire_or_fetch(GET_OWNER, ns, req.keys)
+        if isinstance(pin, Plan):
+            return pin
         size, arena = ns.block_bytes, d.arena_for(ns.tenant)
         frames = [arena.slot(offset, size) for offset in pin.offsets]
         if not frames:
@@ -288,16 +294,14 @@ class Verbs:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
         count, removed = d.store.evict(ns, req.keys)
-        if d.ssd is not None:
-            d.ssd.removed(removed)
+        d.moves.removed(removed)
         return p.CountReply(req.rid, count), []
 
     def _drop(self, session: Session, req: p.DropNamespace, payload: list[Any]) -> Outcome:
         d = self.d
         ns = self._namespace(session, req.ns)
         count, removed = d.store.drop_namespace(ns)
-        if d.ssd is not None:
-            d.ssd.removed(removed)
+        d.moves.removed(removed)
         return p.CountReply(req.rid, count), []
 
     def _warm(self, session: Session, req: p.Warm, payload: list[Any]) -> Outcome:
@@ -309,7 +313,7 @@ class Verbs:
         return p.CountReply(req.rid, d.store.keep_warm(ns, req.keys,
                                                        d.clock() + req.seconds)), []
 
-    def _prefetch(self, session: Session, req: p.Prefetch, payload: list[Any]) -> Outcome:
+    def _prefetch(self, session: Session, req: p.Prefetch, payload: list[Any]) -> Answer:
         d = self.d
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
@@ -317,24 +321,20 @@ class Verbs:
         ready = _leading_in_dram(ns, req.keys)
         if ready == len(req.keys) or (d.ssd is None and d.remote is None):
             return p.PrefetchReply(req.rid, ready, len(cached)), []
-        task = d.spawn(self._bring_up(ns, req.keys, len(cached)))
+        task = d.spawn(d.moves.bring_up(ns, req.keys, len(cached)))
         if not req.wait:
             return p.PrefetchReply(req.rid, ready, len(cached)), []
-        raise Later(self._prefetch_reply(req, ns, task))
+        return Later(self._prefetch_reply(req, ns, task))
 
-    async def _bring_up(self, ns: Namespace, keys: list[bytes], cached: int) -> None:
-        """Promote the cached part of a chain to DRAM, then fetch the rest from the remote
-        tier; a partial result is still a usable prefix."""
-        d = self.d
-        try:
-            below = [b for k in keys[:cached] if (b := ns.blocks.get(k)) is not None
-                     and b.offset is None and b.ssd_offset is not None]
-            if below and d.ssd is not None:
-                await d.ssd.promote(below)
-            if cached < len(keys) and d.remote is not None and d.remote.healthy:
-                await d.remote.fetch(ns, keys)
-        except KVStoreError as exc:
-            log.debug("prefetch stopped early: %s", exc)
+    async def _remote_lookup(self, rid: int, ns: Namespace, keys: list[bytes],
+                             tiers: list[str]) -> p.Message:
+        """The lookup's reply once the remote store says how much more of the chain it
+        holds."""
+        remote = self.d.remote
+        assert remote is not None
+        more = await remote.leading(ns, keys[len(tiers):])
+        tiers = tiers + ["remote"] * more
+        return p.LookupReply(rid, len(tiers), tier_runs(tiers))
 
     async def _prefetch_reply(self, req: p.Prefetch, ns: Namespace,
                               task: asyncio.Task[None]) -> p.Message:
@@ -347,7 +347,7 @@ class Verbs:
         return p.PrefetchReply(req.rid, _leading_in_dram(ns, req.keys), cached)
 
     def _reserve_batch(self, session: Session, req: p.ReserveBatch,
-                       payload: list[Any]) -> Outcome:
+                       payload: list[Any]) -> Answer:
         """Reserve the blocks of a whole token plan, all or none."""
         from kvstore.scheduler.admission import TokenRequest, admit_batch
 
@@ -370,8 +370,12 @@ class Verbs:
         try:
             for item in req.plan:
                 if item.keys:
-                    done.append(d.store.reserve(session.id, ns, item.keys, item.parent,
-                                                d.clock()))
+                    r = d.store.reserve(session.id, ns, item.keys, item.parent, d.clock())
+                    if isinstance(r, Plan):  # room first: all or none, so none yet
+                        for held in done:
+                            d.store.abort(session.id, held.id)
+                        return r
+                    done.append(r)
         except BaseException:
             for r in done:
                 d.store.abort(session.id, r.id)

@@ -13,7 +13,7 @@ from kvtest import make_identity
 
 from kvstore.errors import CapacityError
 from kvstore.keys import chain_keys
-from kvstore.store import Block, BlockStore, DemotionNeeded, Namespace
+from kvstore.store import Block, BlockStore, Namespace, Plan
 
 IDENT = make_identity()
 SLOT = IDENT.block_bytes
@@ -53,11 +53,8 @@ def _ask(store: BlockStore, ns: Namespace, count: int = 1) -> list[Block] | None
     """Reserve ``count`` more slots (kept reserved); the blocks a demotion plan names,
     or None if they fit without one."""
     keys = [k for _ in range(count) for k in _keys(ns, next(_asked))]
-    try:
-        store.reserve("engine", ns, keys, None, 0.0)
-    except DemotionNeeded as plan:
-        return list(plan.blocks)
-    return None
+    answer = store.reserve("engine", ns, keys, None, 0.0)
+    return list(answer.demote) if isinstance(answer, Plan) else None
 
 
 def test_evict_first_drops_without_writing_before_any_demotion() -> None:

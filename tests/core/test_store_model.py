@@ -18,14 +18,7 @@ from hypothesis.stateful import (
 
 from kvstore.errors import CapacityError, LeaseExpiredError, NotFoundError
 from kvstore.keys import chain_keys
-from kvstore.store import (
-    BlockStore,
-    DemotionNeeded,
-    Limits,
-    Pin,
-    PromotionNeeded,
-    Reservation,
-)
+from kvstore.store import BlockStore, Limits, Pin, Plan, Reservation
 
 IDENTS = [make_identity(), make_identity(head_dim=64)]  # two size classes
 OWNERS = ["a", "b", "c"]
@@ -82,23 +75,25 @@ class StoreMachine(RuleBasedStateMachine):
     def moving(self, call: Any) -> Any:
         """Run a store call, carrying out the moves it plans as the daemon would."""
         for _ in range(6):
-            try:
-                return call()
-            except DemotionNeeded as plan:
-                if not plan.blocks:
-                    raise CapacityError("waiting on others' demotions") from None
+            plan = call()
+            if not isinstance(plan, Plan):
+                return plan
+            assert not (plan.to_remote or plan.fetch or plan.defer_until), plan
+            if plan.demote:
                 try:
-                    t, _removed = self.store.ssd_copies.reserve(plan.blocks)
+                    t, _removed = self.store.ssd_copies.reserve(plan.demote)
                 except CapacityError:
-                    self.store.ssd_copies.abort_demotion(plan.blocks)
+                    self.store.ssd_copies.abort_demotion(plan.demote)
                     raise
                 self.store.check_invariants()                     # mid-transfer states hold
                 ok = next(self.outcomes, True)
                 self.store.ssd_copies.finish_write(t, [object()] * len(t.blocks) if ok else None)
-            except PromotionNeeded as plan:
-                t = self.moving(lambda: self.store.ssd_copies.begin_promotion(plan.blocks))
+            elif plan.promote is not None:
+                t = plan.promote
                 self.store.check_invariants()
                 self.store.ssd_copies.finish_promotion(t, [next(self.outcomes, True) for _ in t.blocks])
+            else:  # room_coming, or others' reads (none here: one transfer at a time)
+                raise CapacityError("waiting on others' moves")
         raise CapacityError("kept moving")
 
     @precondition(lambda self: self.store.ssd is not None)
@@ -264,11 +259,8 @@ def test_the_ssd_admission_filter_spares_blocks_seen_once() -> None:
     store.lookup(ns, once[:1])                        # the root seen twice, its child once
     r = store.reserve("a", ns, twice[4:6], None, 0.0)
     store.commit("a", r.id, 0.0)
-    try:
-        store.reserve("a", ns, twice[:3], None, 0.0)  # needs room: 4 slots, 4 taken
-    except DemotionNeeded as plan:
-        assert [b.key for b in plan.blocks] == [once[0]], "only the block seen twice goes"
-    else:
-        raise AssertionError("the twice-seen root should be demoted, not dropped")
+    plan = store.reserve("a", ns, twice[:3], None, 0.0)  # needs room: 4 slots, 4 taken
+    assert isinstance(plan, Plan), "the twice-seen root should be demoted, not dropped"
+    assert [b.key for b in plan.demote] == [once[0]], "only the block seen twice goes"
     assert once[1] not in ns.blocks                  # the leaf seen once was dropped
     assert store.counters.dropped_on_eviction >= 1

@@ -1,0 +1,366 @@
+"""A block's way between tiers, in one place: the mover pipeline.
+
+The store decides and answers with plans as data (``kvstore.plans.Plan``); this pipeline
+carries them out with the tiers' movers (``tiering.SsdMover``: the SSD engine;
+``remote.RemoteTier``: the remote store; ``gpu_mover.GpuMover``: the GPU pool), each
+copy through the weighted-fair transfer queues, and reports back to the store.  It is
+the one place where
+
+- a plan runs (``carry_out``): writes down to SSD or the remote store for room, a
+  promotion's reads, a fetch from the remote store, a wait for room;
+- a call that answered with a plan is made again once the plan ran (``settle``);
+- freed room wakes what waits for it, in order of arrival (``RoomWaiters``: the one
+  wait for room, for deferred requests and for room on its way alike);
+- blocks go down on their own: to SSD as they commit (write-through) or ahead of need
+  (write-back), and, in the remote store's write-back mode, SSD copies near eviction to
+  the remote store before SSD evicts them.
+
+The movers know nothing of each other: every way from one tier to another starts here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import mmap
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from kvstore.errors import CapacityError, KVStoreError
+from kvstore.gpu_mover import GpuMover
+from kvstore.remote import REMOTE_OWNER, RemoteTier, by_namespace
+from kvstore.store import Block, BlockStore, Namespace, Plan
+from kvstore.tiering import SsdMover
+from kvstore.transfers import Background, TurnBatch
+
+log = logging.getLogger("kvstore.moves")
+
+T = TypeVar("T")
+_ROOM_COMING_WAIT = 0.5  # seconds a request waits for writes under way to free room
+_SETTLE_ROUNDS = 16      # plans one internal call may need before it is refused
+
+
+class RoomWaiters:
+    """The one wait for room.  Each waiter holds a ticket (its arrival), kept while it
+    retries; whatever frees DRAM wakes every waiter, lowest ticket first, so the oldest
+    retries first and takes the room first."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._tickets = itertools.count(1)
+        self._waiting: list[tuple[int, asyncio.Future[None]]] = []
+
+    def ticket(self) -> int:
+        return next(self._tickets)
+
+    async def wait(self, deadline: float, ticket: int | None = None) -> bool:
+        """Until room may have freed (True) or ``deadline`` passes (False)."""
+        remaining = deadline - self.clock()
+        if remaining <= 0:
+            return False
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (ticket if ticket is not None else self.ticket(), future)
+        heapq.heappush(self._waiting, entry)
+        try:
+            await asyncio.wait_for(future, remaining)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            if not future.done():
+                future.cancel()
+            if entry in self._waiting:
+                self._waiting.remove(entry)
+                heapq.heapify(self._waiting)
+
+    def freed(self) -> None:
+        """Room may have freed: wake every waiter, oldest first."""
+        while self._waiting:
+            _, future = heapq.heappop(self._waiting)
+            if not future.done():
+                future.set_result(None)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __repr__(self) -> str:
+        return f"RoomWaiters(waiting={len(self._waiting)})"
+
+
+class Moves:
+    """Carries out the store's plans and every move of a block between tiers."""
+
+    def __init__(self, store: BlockStore, clock: Callable[[], float], *,
+                 ssd: SsdMover | None = None, remote: RemoteTier | None = None,
+                 gpu: GpuMover | None = None) -> None:
+        self.store = store
+        self.clock = clock
+        self.ssd = ssd
+        self.remote = remote
+        self.gpu = gpu
+        self.room = RoomWaiters(clock)
+        self._background = Background()
+        self._through: TurnBatch[Block] = TurnBatch(self._background, self._write_through)
+        self._writing_back = False
+        # with an SSD tier and the remote store's write-back: SSD copies sent up
+        self._send_from_ssd = ssd is not None and remote is not None and remote.write_back
+        self._ssd_copier: asyncio.Task[None] | None = None
+        self._ssd_retry_at = 0.0
+        self._stopping = False
+
+    # -- plans --------------------------------------------------------------------------------
+    async def carry_out(self, plan: Plan) -> None:
+        """Do what ``plan`` says, all of it; every move reports back to the store.  A
+        CapacityError says there was no room to move blocks into; NotFoundError, that a
+        fetch found nothing.  Cancelled or failed, it leaves nothing marked."""
+        try:
+            if plan.defer_until is not None:
+                if not await self.room.wait(plan.defer_until, plan.ticket or None):
+                    plan.expired = True
+                return
+            if plan.fetch is not None:
+                await self.fetch(*plan.fetch)
+                return
+            moves = []
+            if plan.demote:
+                moves.append(self._to_ssd(plan.demote))
+            if plan.to_remote:
+                moves.append(self._to_remote(plan.to_remote))
+            if plan.promote is not None:
+                moves.append(self._promote(plan))
+            if plan.reads:
+                moves.append(self._reads(plan.reads))
+            if not moves:  # room on its way from writes under way: wait for it a little
+                await self.room.wait(self.clock() + _ROOM_COMING_WAIT)
+                return
+            # all at once: the room comes in one go; each move finishes its own blocks
+            # either way before a failure is raised
+            for result in await asyncio.gather(*moves, return_exceptions=True):
+                if isinstance(result, BaseException):
+                    raise result
+        finally:
+            self.abandon(plan)
+
+    def abandon(self, plan: Plan) -> None:
+        """The parts of a plan that never ran (cancelled, or a sibling failed first):
+        their marks go, as if the store had never planned them."""
+        store = self.store
+        idle = [b for b in plan.demote if b.demoting and not _writing(store, b)]
+        if idle:
+            store.ssd_copies.abort_demotion(idle)
+        stuck = [b for b in plan.to_remote if b in store.remote_demoting]
+        if stuck:
+            store.finish_remote_write(stuck, [False] * len(stuck))
+        t = plan.promote
+        if t is not None and t.id in store.transfers and not (
+                self.ssd is not None and self.ssd.reading(t)):
+            store.ssd_copies.abort_promotion(t)
+            self.room.freed()
+        if idle or stuck:
+            self.room.freed()
+
+    async def settle(self, attempt: Callable[[], T | Plan], *,
+                     rounds: int = _SETTLE_ROUNDS) -> T:
+        """Make a store call until it answers with a result rather than a plan, carrying
+        out each plan in between."""
+        for _ in range(rounds):
+            result = attempt()
+            if not isinstance(result, Plan):
+                return result
+            await self.carry_out(result)
+        raise CapacityError("blocks kept moving between tiers; try again")
+
+    async def _to_ssd(self, blocks: list[Block]) -> None:
+        """Write DRAM copies to SSD (demotions, or write-through copies); room frees."""
+        assert self.ssd is not None, "the store planned a write to ssd without an ssd tier"
+        try:
+            await self.ssd.write(blocks)
+        except CapacityError:
+            if any(b.demoting for b in blocks) and self.store.ssd_writable:
+                raise
+            # the ssd tier failed the write: dram evicts without it meanwhile
+        finally:
+            self.room.freed()  # DRAM slots freed or unpinned: waiters may retry
+        self._ssd_written()
+
+    async def _to_remote(self, blocks: list[Block]) -> None:
+        assert self.remote is not None, "the store planned a write-back without a remote"
+        try:
+            await self.remote.demote(blocks)
+        finally:
+            self.room.freed()
+
+    async def _promote(self, plan: Plan) -> None:
+        assert self.ssd is not None and plan.promote is not None
+        await self.ssd.read(plan.promote)
+
+    async def _reads(self, blocks: list[Block]) -> None:
+        assert self.ssd is not None
+        await self.ssd.wait_reads(blocks)
+
+    # -- bringing blocks up -------------------------------------------------------------------
+    async def fetch(self, ns: Namespace, keys: list[bytes]) -> None:
+        """Read the blocks of ``keys`` cached neither in DRAM nor on SSD in from the
+        remote store (NotFoundError if it lacks any)."""
+        assert self.remote is not None, "a fetch without a remote tier"
+        want = await self.remote.to_fetch(ns, keys)
+        if want is None:
+            return
+        missing, parent = want
+        r = await self.settle(lambda: self.store.reserve(
+            REMOTE_OWNER, ns, missing, parent, self.clock()))
+        await self.remote.read_into(ns, missing, r)
+
+    async def bring_up(self, ns: Namespace, keys: list[bytes], cached: int) -> None:
+        """Promote the cached part of a chain to DRAM, then fetch the rest from the remote
+        tier (a prefetch); a partial result is still a usable prefix."""
+        try:
+            if self.ssd is not None:
+                await self.settle(lambda: self._promotion_of(ns, keys[:cached]))
+            if cached < len(keys) and self.remote is not None and self.remote.healthy:
+                await self.fetch(ns, keys)
+        except KVStoreError as exc:
+            log.debug("prefetch stopped early: %s", exc)
+
+    def _promotion_of(self, ns: Namespace, keys: list[bytes]) -> Plan | None:
+        below = [b for k in keys if (b := ns.blocks.get(k)) is not None
+                 and b.offset is None and b.ssd_offset is not None]
+        return self.store.ssd_copies.promotion(below) if below else None
+
+    # -- what the verbs tell -----------------------------------------------------------------
+    def committed(self, blocks: list[Block]) -> None:
+        """New blocks were committed: copies go down and aside as the tiers' modes say."""
+        if self.ssd is not None:
+            if self.ssd.write_through:
+                self._through.add(self.store.ssd_copies.write_through_candidates(blocks))
+            elif (not self._writing_back and self.store.ssd_writable
+                  and self.store.ssd_copies.writeback_plan(batch=1)):
+                self._writing_back = True  # cold blocks copied ahead of need
+                self._background.spawn(self._write_back_ahead())
+        if self.remote is not None:
+            self.remote.committed(blocks)
+        if self.gpu is not None:
+            self.gpu.wanted(blocks)
+
+    def reused(self, blocks: list[Block]) -> None:
+        """Blocks were acquired again: worth a copy on the GPU."""
+        if self.gpu is not None:
+            self.gpu.wanted(blocks)
+
+    def removed(self, ids: list[tuple[bytes, bytes]]) -> None:
+        """SSD copies the store dropped: withdraw them from the SSD index."""
+        if ids and self.ssd is not None:
+            self.ssd.removed(ids)
+
+    def freed(self) -> None:
+        """A request freed DRAM (a release, an abort, a commit, an eviction...)."""
+        self.room.freed()
+
+    async def _write_through(self, batch: list[Block]) -> None:
+        batch = self.store.ssd_copies.write_through_candidates(batch)  # as they are now
+        if batch:
+            try:
+                await self._to_ssd(batch)
+            except CapacityError:
+                pass  # counted; the blocks stay in DRAM
+
+    async def _write_back_ahead(self) -> None:
+        try:
+            # planned here, not by the caller: by the time a task runs, blocks planned
+            # earlier may be demoting or gone
+            while self.store.ssd_writable and (plan := self.store.ssd_copies.writeback_plan()):
+                try:
+                    await self._to_ssd(plan)
+                except CapacityError:
+                    break
+        finally:
+            self._writing_back = False
+
+    # -- SSD copies to the remote store (its write-back mode) --------------------------------
+    def start(self) -> None:
+        """Begin background work that restored state may call for (SSD copies to send)."""
+        self._ssd_written()
+
+    def _ssd_written(self) -> None:
+        """Blocks reached the SSD tier: where SSD is the last local tier before the remote
+        store in write-back mode, send the SSD copies nearest eviction there first."""
+        if (self._send_from_ssd and self._ssd_copier is None and not self._stopping
+                and time.monotonic() >= self._ssd_retry_at):
+            self._ssd_copier = asyncio.get_running_loop().create_task(self._send_ssd_copies())
+
+    async def _send_ssd_copies(self) -> None:
+        assert self.remote is not None
+        try:
+            while (not self._stopping and self.remote.healthy
+                   and (plan := self.store.ssd_copies.ssd_write_back_plan())):
+                if not await self._copy_from_ssd(plan):
+                    # nothing went (a full store, unreadable copies): not again for a while
+                    self._ssd_retry_at = time.monotonic() + self.remote.cooldown
+                    break
+        finally:
+            self._ssd_copier = None
+
+    async def _copy_from_ssd(self, blocks: list[Block]) -> int:
+        """Read held SSD copies and send them to the remote store; the store marks the
+        sent ones and drops those that could not be read.  How many were sent."""
+        assert self.ssd is not None and self.remote is not None
+        sent = [False] * len(blocks)
+        unreadable = [False] * len(blocks)
+        try:
+            for ns, indexes in by_namespace(blocks).items():
+                size = ns.block_bytes
+                group = [blocks[i] for i in indexes]
+                # page-aligned, so the SSD tier can read into it directly (O_DIRECT)
+                with mmap.mmap(-1, size * len(indexes)) as scratch:
+                    whole = memoryview(scratch)
+                    views = [whole[j * size:(j + 1) * size] for j in range(len(indexes))]
+                    try:
+                        read = await self.ssd.read_copies(group, views)
+                        for i, good in zip(indexes, read):
+                            unreadable[i] = not good
+                        good_ones = [j for j, r in enumerate(read) if r]
+                        if not good_ones or not self.remote.healthy:
+                            continue
+                        written = await self.remote.send(
+                            ns, [group[j].key for j in good_ones], [views[j] for j in good_ones],
+                            "write-back", write_back=True)
+                        for j, w in zip(good_ones, written or ()):
+                            sent[indexes[j]] = w
+                    finally:
+                        for view in (*views, whole):
+                            view.release()
+        finally:
+            self.removed(self.store.ssd_copies.ssd_write_back_done(blocks, sent, unreadable))
+        return sum(sent)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def stop_copying_ssd(self) -> None:
+        """On the way out: no more copies from SSD (the SSD tier keeps its own); waits
+        for the round under way, whose buffers a reading thread may still fill."""
+        self._stopping = True
+        if self._ssd_copier is not None:
+            await asyncio.wait({self._ssd_copier})
+
+    async def drain(self) -> None:
+        """Finish the background writes under way."""
+        await self._background.drain()
+
+    @property
+    def copying_from_ssd(self) -> bool:
+        """Whether a round of SSD copies to the remote store is under way."""
+        return self._ssd_copier is not None
+
+    def __repr__(self) -> str:
+        tiers = [n for n, t in (("ssd", self.ssd), ("remote", self.remote),
+                                ("gpu", self.gpu)) if t is not None]
+        return f"Moves(tiers={tiers}, {self.room!r})"
+
+
+def _writing(store: BlockStore, block: Block) -> bool:
+    """Whether a write of the block to SSD is under way (a transfer holds it)."""
+    return any(block in t.blocks for t in store.transfers.values() if t.tier == "ssd")
+
+

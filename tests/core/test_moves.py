@@ -1,0 +1,104 @@
+"""The mover pipeline's own parts, without a daemon: the one wait for room (order,
+deadlines), and a plan that never runs leaving nothing marked."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvtest import make_identity
+
+from kvstore.keys import chain_keys
+from kvstore.moves import Moves, RoomWaiters
+from kvstore.store import BlockStore, Namespace, Plan
+
+IDENT = make_identity()
+SLOT = IDENT.block_bytes
+
+
+def _keys(ns: Namespace, i: int, n: int = 1) -> list[bytes]:
+    return chain_keys(ns.id, [i * 1000 + t for t in range(n * IDENT.block_tokens)],
+                      IDENT.block_tokens)
+
+
+def test_room_wakes_every_waiter_oldest_first_and_a_retry_keeps_its_place() -> None:
+    async def run() -> list[str]:
+        room = RoomWaiters()
+        woke: list[str] = []
+        first, second = room.ticket(), room.ticket()
+
+        async def waiter(name: str, ticket: int) -> None:
+            if await room.wait(asyncio.get_running_loop().time() + 5, ticket):
+                woke.append(name)
+
+        # the later ticket starts waiting first; the older one still goes first
+        tasks = [asyncio.create_task(waiter("second", second))]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(waiter("first", first)))
+        tasks.append(asyncio.create_task(waiter("fresh", room.ticket())))
+        await asyncio.sleep(0)
+        assert len(room) == 3
+        room.freed()
+        await asyncio.gather(*tasks)
+        assert len(room) == 0
+        return woke
+
+    assert asyncio.run(run()) == ["first", "second", "fresh"]
+
+
+def test_room_wait_ends_at_its_deadline() -> None:
+    async def run() -> tuple[bool, bool]:
+        room = RoomWaiters(asyncio.get_running_loop().time)
+        now = asyncio.get_running_loop().time()
+        late = await room.wait(now - 1)            # passed already: at once
+        timed_out = await room.wait(now + 0.05)    # nobody frees room
+        return late, timed_out
+
+    assert asyncio.run(run()) == (False, False)
+
+
+def _ssd_store() -> tuple[BlockStore, Namespace]:
+    store = BlockStore(4 * SLOT, 4 * SLOT, ssd_capacity=8 * SLOT, ssd_slab_bytes=4 * SLOT)
+    ns = store.open_namespace(IDENT)
+    for i in range(4):
+        keys = _keys(ns, i)
+        r = store.reserve("engine", ns, keys, None, 0.0)
+        assert not isinstance(r, Plan)
+        store.commit("engine", r.id, 0.0)
+    return store, ns
+
+
+def test_a_demotion_plan_that_never_runs_leaves_its_victims_as_they_were() -> None:
+    store, ns = _ssd_store()
+    plan = store.reserve("engine", ns, _keys(ns, 9), None, 0.0)  # full: a write first
+    assert isinstance(plan, Plan) and len(plan.demote) == 1
+    victim = plan.demote[0]
+    assert victim.demoting
+    Moves(store, lambda: 0.0).abandon(plan)
+    assert not victim.demoting and victim.offset is not None
+    store.check_invariants()
+    assert victim in set(store.drams[""].policy(ns.cls).evictable())  # back on the order
+    again = store.reserve("engine", ns, _keys(ns, 9), None, 0.0)
+    assert isinstance(again, Plan) and len(again.demote) == 1
+    Moves(store, lambda: 0.0).abandon(again)
+    store.check_invariants()
+
+
+def test_a_promotion_plan_that_never_runs_gives_its_slots_back() -> None:
+    store, ns = _ssd_store()
+    block = ns.blocks[_keys(ns, 0)[0]]
+    t, _ = store.ssd_copies.reserve([block])      # an SSD copy, then DRAM lets it go
+    store.ssd_copies.finish_write(t, [object()])
+    store.drop_dram_copy(block)
+    assert block.offset is None and block.ssd_offset is not None
+    plan = store.acquire("reader", ns, [block.key], 0.0)
+    assert isinstance(plan, Plan) and plan.promote is not None
+    assert block.promoting and store.reserved_slots == 1
+    Moves(store, lambda: 0.0).abandon(plan)
+    assert not block.promoting and store.reserved_slots == 0 and not store.transfers
+    assert block.ssd_offset is not None           # still on SSD, not counted as corrupt
+    assert store.counters.checksum_failures == 0
+    store.check_invariants()
+    # acquired without promoting (the remote tier's write-through does so): nothing moves
+    held = store.acquire("reader", ns, [block.key], 0.0, promote=False)
+    assert isinstance(held, Plan) and held.promote is None and not held.demote
+    assert not block.promoting and store.reserved_slots == 0
