@@ -29,7 +29,7 @@ class Block:
 
     __slots__ = ("key", "ns", "parent", "children", "offset", "refs", "ssd_offset",
                  "ssd_record", "ssd_holds", "demoting", "promoting", "seen", "remote",
-                 "checksum", "gpu_offset", "_hash")
+                 "checksum", "gpu_offset", "extra", "_hash")
 
     def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
         self.key = key
@@ -50,6 +50,7 @@ class Block:
         self.remote = False                 # known to be in the remote store
         self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown)
         self.gpu_offset: int | None = None  # a copy in the GPU tier's device pool
+        self.extra: dict[str, int] | None = None  # copies in added tiers: name -> slot
 
     def __hash__(self) -> int:
         return self._hash
@@ -60,11 +61,16 @@ class Block:
 
     @property
     def present(self) -> bool:
-        return self.offset is not None or self.ssd_offset is not None
+        return self.offset is not None or self.ssd_offset is not None or self.extra is not None
 
     @property
     def tier(self) -> str:
-        return DRAM if self.offset is not None else SSD
+        """The fastest tier with a copy (of a present block)."""
+        if self.offset is not None:
+            return DRAM
+        if self.ssd_offset is not None or self.extra is None:
+            return SSD
+        return next(iter(self.extra))
 
     def __repr__(self) -> str:
         return (f"Block({self.key.hex()[:12]}, dram={self.offset}, ssd={self.ssd_offset}, "

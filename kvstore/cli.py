@@ -127,12 +127,14 @@ def _stats_view(stats: dict[str, Any], previous: dict[str, Any] | None, dt: floa
 
     lines = []
     for tier, t in stats["tiers"].items():
-        used = (t["committed"] + t["reserved"]) / max(t["capacity"], 1)
+        if "capacity" not in t:  # a tier without slots of its own (the remote store's marks)
+            continue
+        used = (t.get("committed", 0) + t.get("reserved", 0)) / max(t["capacity"], 1)
         bar = "#" * int(used * 40)
-        hit = t["hits"] / max(t.get("lookup_keys", 0), 1)
+        hit = t.get("hits", 0) / max(t.get("lookup_keys", 0), 1)
         line = (f"{tier:6} [{bar:<40}] {used:6.1%} of {format_size(t['capacity']):>8}  "
-                f"blocks={t['blocks']} pinned={t['pinned_blocks']} "
-                f"evictions={t['evictions']}")
+                f"blocks={t.get('blocks', 0)} pinned={t.get('pinned_blocks', 0)} "
+                f"evictions={t.get('evictions', 0)}")
         if "lookup_keys" in t:
             line += f" hit rate={hit:.1%}"
         if previous is not None and dt > 0:

@@ -30,6 +30,7 @@ from kvstore.blocks import (
 from kvstore.gpu_copies import GpuCopies
 from kvstore.pool import SlabClass
 from kvstore.scheduler.admission import DEFAULT_CHAIN, Step
+from kvstore.tier import Tier
 
 
 class StoreCore:
@@ -54,6 +55,7 @@ class StoreCore:
         tenant_weights: Mapping[str, float] | None = None,
         gpu_capacity: int = 0,
         gpu_slab_bytes: int = 64 << 20,
+        remote_tier: bool = False,
     ) -> None:
         self.dram_args = (capacity_bytes, slab_bytes, alignment, eviction_policy)
         self.tenant_quota = tenant_quota  # most bytes of a shared DRAM tier one tenant holds
@@ -65,6 +67,7 @@ class StoreCore:
                     if ssd_capacity else None)
         self.ssd_admit_after = ssd_admit_after
         self.gpu = GpuCopies(gpu_capacity, gpu_slab_bytes) if gpu_capacity else None
+        self.remote_tier = remote_tier  # a remote store lies below (the daemon has one)
         self.ssd_writable = True  # off for a while after the SSD tier failed a write
         # Remote write-back: whether the remote store takes blocks now (None: write-through
         # or no remote tier).  DRAM-only blocks it lacks are written there before eviction.
@@ -88,10 +91,26 @@ class StoreCore:
         self.committed_slots = 0     # DRAM copies
         self.ssd_reserved_slots = 0
         self.ssd_committed_slots = 0
+        self.tiers: list[Tier] = []  # every tier's copies, fastest first (the parts add theirs)
+        self.added_tiers: dict[str, Tier] = {}
         self._compose()
 
     def _compose(self) -> None:
         """Build what sits over the core (the store's parts); nothing here."""
+
+    def use_gpu(self, copies: GpuCopies) -> None:
+        """The GPU tier's copies, once the daemon has its device pool."""
+        assert self.gpu is None, "the gpu tier is there already"
+        self.gpu = copies
+        self.tiers.append(copies)
+
+    def add_tier(self, tier: Tier) -> None:
+        """A tier beyond the store's own (see ``kvstore.tier``): listed after them, its
+        copies kept in ``Block.extra`` under its name."""
+        if tier.name in self.added_tiers or any(t.name == tier.name for t in self.tiers):
+            raise ValueError(f"a tier named {tier.name!r} is already there")
+        self.added_tiers[tier.name] = tier
+        self.tiers.append(tier)
 
     def arena_of(self, tenant: str) -> str:
         """The name of the DRAM arena a tenant's blocks live in ("" when shared by all)."""
@@ -228,6 +247,10 @@ class StoreCore:
                 self.drop_dram_copy_unchecked(b)
             if b.ssd_offset is not None:
                 removed_ssd.append(self.drop_ssd_copy(b))
+            if b.extra is not None:
+                for name in list(b.extra):
+                    self.added_tiers[name].drop(b)
+                self.forget_if_gone(b)
 
     def sweep_hollow(self) -> None:
         """Drop what hangs below hollow entries once it is no longer in use."""

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 
 class GpuCopies:
-    """The device pool's slots and the blocks whose bytes sit in them."""
+    """The device pool's slots and the blocks whose bytes sit in them (a ``Tier``)."""
+
+    name = "gpu"
 
     def __init__(self, capacity_bytes: int, slab_bytes: int, alignment: int = 256) -> None:
         self.pool = SlabPool(capacity_bytes, slab_bytes, alignment)
@@ -80,6 +82,9 @@ class GpuCopies:
             self.copies += 1
         else:
             self.pool.free(self.pool.class_for(block.ns.block_bytes), [slot])
+
+    def holds(self, block: Block) -> bool:
+        return block.gpu_offset is not None
 
     def drop(self, block: Block) -> None:
         """Free the block's GPU copy (its DRAM copy is going, or room is needed)."""

@@ -43,7 +43,7 @@ class GpuMover:
         self.pool = DevicePool.create(device, capacity, slab_bytes=slab,
                                       directory=config.dram.directory)
         self.handle = msgspec.msgpack.encode(self.pool.export())
-        store.gpu = GpuCopies(capacity, min(slab, capacity))
+        store.use_gpu(GpuCopies(capacity, min(slab, capacity)))
         self.store = store
         self.slot = slot
         self.gate = gate

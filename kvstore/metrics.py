@@ -182,8 +182,8 @@ class _StatsCollector(Collector):
                 counter.add_metric([], self._monotonic(
                     ("scheduling", key), float(stats["scheduling"][key])))
         tiers: Mapping[str, Mapping[str, Any]] = dict(stats.get("tiers", {}))
-        if "remote" in stats:
-            tiers = {**tiers, "remote": stats["remote"]}
+        if "remote" in stats:  # the store's marks of it, and the remote tier's own figures
+            tiers = {**tiers, "remote": {**tiers.get("remote", {}), **stats["remote"]}}
         policies: Mapping[str, str] = stats.get("eviction_policies", {})
         for tier, t in tiers.items():
             for key, gauge in pool.items():

@@ -94,7 +94,7 @@ class RoomMaker:
         """How a DRAM copy would leave: "clean" (a copy lives below: it just goes),
         "dirty" (written to a lower tier first), "lossy" (a cold leaf no lower tier
         takes: it leaves the cache), or None (it cannot leave now)."""
-        if b.ssd_offset is not None:
+        if b.ssd_offset is not None or b.extra is not None:
             return "clean"
         if self.store.admitted(b):
             return "dirty"
@@ -121,8 +121,8 @@ class RoomMaker:
     def _evict(self, victim: Block, to_demote: list[Block], to_remote: list[Block]) -> None:
         """A victim off its eviction order leaves DRAM now, or is marked to be written back
         first (to SSD, or to the remote store in its write-back mode)."""
-        if victim.ssd_offset is not None:
-            self.store.drop_dram_copy(victim)          # clean: the SSD copy stays
+        if victim.ssd_offset is not None or victim.extra is not None:
+            self.store.drop_dram_copy(victim)     # clean: a copy below stays
         elif self.store.admitted(victim):
             victim.demoting = True                # dirty: write it back first
             to_demote.append(victim)

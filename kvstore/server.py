@@ -74,7 +74,8 @@ class Server:
                                 ssd_slab_bytes=config.ssd_slab_bytes,
                                 ssd_admit_after=config.ssd.admit_after,
                                 tenant_quota=config.tenant_quota,
-                                tenant_weights=config.server.tenant_weights)
+                                tenant_weights=config.server.tenant_weights,
+                                remote_tier=bool(config.remote.url or config.remote.backend))
         self.store.pressure = PolicyChain(tuple(config.dram.pressure)).steps  # type: ignore[arg-type]
         self.defer = "defer" in config.dram.pressure
         self.scheduling = {"defers": 0, "defer_timeouts": 0, "rejects": 0,

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvstore.blocks import DRAM, SSD, Block, Namespace, Transfer
 from kvstore.core import StoreCore
+from kvstore.dram_copies import check_slots
 from kvstore.errors import CapacityError
 from kvstore.plans import Plan
 from kvstore.room import RoomMaker
@@ -22,11 +23,84 @@ _SEND_WINDOW_BYTES = 256 << 20  # the coldest SSD copies kept sent remotely (wri
 
 
 class SsdCopies:
-    """The store's SSD tier: copies, their writes and reads, in the store's terms."""
+    """The store's SSD tier: copies, their writes and reads, in the store's terms (a
+    ``Tier``)."""
+
+    name = SSD
 
     def __init__(self, store: StoreCore, room: RoomMaker) -> None:
         self.store = store
         self.room = room
+
+    # -- the tier interface -------------------------------------------------------------
+    def holds(self, block: Block) -> bool:
+        return block.ssd_offset is not None
+
+    def drop(self, block: Block) -> None:
+        self.store.dropped_ssd.append(self.store.drop_ssd_copy(block))
+
+    def stats(self) -> dict[str, int]:
+        store, c = self.store, self.store.counters
+        assert store.ssd is not None
+        spool = store.ssd.pool
+        committed = sum(b.ns.ssd_cls.slot_bytes for ns in store.namespaces.values()
+                        for b in ns.blocks.values()
+                        if b.ssd_offset is not None and b.ns.ssd_cls is not None)
+        reserved = sum(len(t.offsets) * (t.blocks[0].ns.ssd_cls.slot_bytes
+                                          if t.blocks and t.blocks[0].ns.ssd_cls else 0)
+                       for t in store.transfers.values() if t.tier == SSD)
+        return {
+            "capacity": spool.capacity_bytes,
+            "free": spool.capacity_bytes - reserved - committed,
+            "reserved": reserved,
+            "committed": committed,
+            "reserved_slots": store.ssd_reserved_slots,
+            "committed_slots": store.ssd_committed_slots,
+            "blocks": store.ssd_committed_slots,
+            "pinned_blocks": 0,
+            "tail_waste": spool.tail_waste_bytes(),
+            "empty_slabs": spool.empty_slabs,
+            "evictions": c.ssd_evictions,
+            "evicted_unwritten": c.ssd_evicted_unwritten,
+            "demotions": c.demotions,
+            "writes": c.ssd_writes,
+            "checksum_failures": c.checksum_failures,
+            "hits": c.ssd_hits,
+        }
+
+    def check(self, blocks: Iterable[Block]) -> None:
+        """Per slab class: free + reserved (writes under way) + committed == capacity,
+        one state per slot; the order holds exactly the SSD copies."""
+        store = self.store
+        assert store.ssd is not None
+        reserved: dict[int, list[int]] = {}
+        for t in store.transfers.values():
+            if t.tier == SSD:
+                for b, off in zip(t.blocks, t.offsets):
+                    assert b.ns.ssd_cls is not None
+                    reserved.setdefault(b.ns.ssd_cls.slot_bytes, []).append(off)
+        committed: dict[int, list[int]] = {}
+        for b in blocks:
+            if b.ssd_offset is not None:
+                assert b.ns.ssd_cls is not None
+                committed.setdefault(b.ns.ssd_cls.slot_bytes, []).append(b.ssd_offset)
+        pool = store.ssd.pool
+        pool.check()
+        for slot_bytes, cls in pool.classes.items():
+            mine = committed.get(slot_bytes, [])
+            check_slots(SSD, pool.free_offsets(cls), reserved.get(slot_bytes, []), mine,
+                        cls.capacity_slots, slot_bytes)
+            policy = store.ssd.policies.get(slot_bytes)
+            if policy is None:
+                continue
+            for b in policy.evictable():
+                assert b.ns.blocks.get(b.key) is b, f"{b} on the order but not cached"
+                assert b.ssd_offset is not None, f"{b} on the ssd order without a copy"
+            assert len(policy) == len(mine), (
+                f"ssd class {slot_bytes}: {len(policy)} on the eviction order, "
+                f"{len(mine)} expected")
+        assert sum(map(len, committed.values())) == store.ssd_committed_slots, (
+            "ssd committed counter is off")
 
     # -- SSD: demotion, write-through, promotion, restart -----------------------------------
     def reserve(self, blocks: list[Block]) -> tuple[Transfer, list[tuple[bytes, bytes]]]:

@@ -51,11 +51,13 @@ from kvstore.blocks import (
     Transfer,
 )
 from kvstore.core import StoreCore
+from kvstore.dram_copies import DramCopies
 from kvstore.errors import LimitExceededError, MalformedError, NotFoundError
 from kvstore.identity import Identity
 from kvstore.index import Index
 from kvstore.owners import Leases
 from kvstore.plans import Plan
+from kvstore.remote_copies import RemoteCopies
 from kvstore.room import RoomMaker
 from kvstore.scheduler.eviction import WarmPins
 from kvstore.ssd_copies import SsdCopies
@@ -75,6 +77,13 @@ class BlockStore(StoreCore):
         self.leases = Leases(self)
         self.room = RoomMaker(self)
         self.ssd_copies = SsdCopies(self, self.room)
+        self.tiers.append(DramCopies(self))
+        if self.ssd is not None:
+            self.tiers.append(self.ssd_copies)
+        if self.remote_tier:
+            self.tiers.append(RemoteCopies(self))
+        if self.gpu is not None:
+            self.tiers.append(self.gpu)
         self.lookup = self.index.lookup
         self.evict = self.index.evict
         self.drop_namespace = self.index.drop_namespace

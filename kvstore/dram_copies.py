@@ -1,0 +1,131 @@
+"""The DRAM tier's copies, through the tier interface: figures and invariants.
+
+DRAM is every block's home: its copies' state (slots per arena and slab class, the
+eviction orders, pins, the blocks only DRAM holds) lives in the core, which every part
+changes through its primitive moves; this view reads it for the interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvstore.blocks import DRAM, Block
+from kvstore.core import StoreCore
+from kvstore.pool import SlabClass
+
+
+class DramCopies:
+    """The DRAM tier (one arena per tenant, or one for all) as a ``Tier``."""
+
+    name = DRAM
+
+    def __init__(self, store: StoreCore) -> None:
+        self.store = store
+
+    def holds(self, block: Block) -> bool:
+        return block.offset is not None
+
+    def drop(self, block: Block) -> None:
+        self.store.drop_dram_copy_unchecked(block)
+
+    def stats(self) -> dict[str, int]:
+        store, c = self.store, self.store.counters
+        dram_reserved = sum(len(r.offsets) * r.ns.cls.slot_bytes
+                            for s in store.owners.values() for r in s.reservations.values())
+        dram_reserved += sum(len(t.offsets) * b.ns.cls.slot_bytes
+                             for t in store.transfers.values() if t.tier == DRAM
+                             for b in t.blocks[:1])
+        dram_committed = sum(ns.cls.slot_bytes for ns in store.namespaces.values()
+                             for b in ns.blocks.values() if b.offset is not None)
+        dram_blocks = sum(1 for ns in store.namespaces.values() for b in ns.blocks.values()
+                          if b.offset is not None)
+        pools = [t.pool for t in store.drams.values()]
+        capacity = (sum(p.capacity_bytes for p in pools) if store.per_tenant
+                    else store.dram_args[0])
+        return {
+            "capacity": capacity,
+            "free": capacity - dram_reserved - dram_committed,
+            "reserved": dram_reserved,
+            "committed": dram_committed,
+            "reserved_slots": store.reserved_slots,
+            "committed_slots": store.committed_slots,
+            "blocks": dram_blocks,
+            "pinned_blocks": sum(1 for ns in store.namespaces.values()
+                                 for b in ns.blocks.values() if b.refs),
+            "tail_waste": sum(p.tail_waste_bytes() for p in pools),
+            "empty_slabs": sum(p.empty_slabs for p in pools),
+            "arenas": len(pools),
+            "hits": c.hit_blocks,
+            "lookups": c.lookups,
+            "lookup_keys": c.lookup_keys,
+            "evictions": c.evictions,
+            "commits": c.committed_blocks,
+            "duplicates": c.duplicate_blocks,
+            "aborts": c.aborts,
+            "lease_expiries": c.lease_expiries,
+            "capacity_rejects": c.capacity_rejects,
+            "peak_committed": c.peak_committed,
+            "promotions": c.promotions,
+            "dropped_on_eviction": c.dropped_on_eviction,
+            "remote_writebacks": c.remote_writebacks,
+        }
+
+    def check(self, blocks: Iterable[Block]) -> None:
+        """Per arena and slab class: free + reserved + committed == capacity, one state
+        per slot; the eviction orders hold exactly the unpinned, settled copies; the
+        list of DRAM-only blocks and the slot counters agree with the blocks."""
+        store = self.store
+        reserved: dict[SlabClass, list[int]] = {}
+        for state in store.owners.values():
+            for r in state.reservations.values():
+                reserved.setdefault(r.ns.cls, []).extend(r.offsets)
+        for t in store.transfers.values():
+            if t.tier == DRAM:
+                for b, off in zip(t.blocks, t.offsets):
+                    reserved.setdefault(b.ns.cls, []).append(off)
+        committed: dict[SlabClass, list[int]] = {}
+        for b in blocks:
+            if b.offset is not None:
+                committed.setdefault(b.ns.cls, []).append(b.offset)
+        for dram in store.drams.values():
+            dram.pool.check()
+            for slot_bytes, cls in dram.pool.classes.items():
+                check_slots(DRAM, dram.pool.free_offsets(cls), reserved.get(cls, []),
+                            committed.get(cls, []), cls.capacity_slots, slot_bytes)
+                policy = dram.policies.get(slot_bytes)
+                if policy is None:
+                    continue
+                for b in policy.evictable():
+                    assert b.ns.blocks.get(b.key) is b, f"{b} on the order but not cached"
+                    assert b.refs == 0, f"pinned {b} is on the eviction order"
+                    assert b.offset is not None and not b.demoting, f"{b} on the order"
+                expected = sum(1 for ns in store.namespaces.values() if ns.cls is cls
+                               for b in ns.blocks.values()
+                               if b.offset is not None and b.refs == 0 and not b.demoting)
+                assert len(policy) == expected, (
+                    f"dram class {slot_bytes}: {len(policy)} on the eviction order, "
+                    f"{expected} expected")
+        for dirty_cls, dirty in store.dirty.items():
+            for b in dirty:
+                assert b.ns.blocks.get(b.key) is b and b.offset is not None, f"dirty {b} gone"
+                assert b.ssd_offset is None and b.ns.cls is dirty_cls, (
+                    f"{b} listed dirty but clean")
+        assert sum(map(len, reserved.values())) == store.reserved_slots, (
+            "reserved slot counter is off")
+        assert sum(map(len, committed.values())) == store.committed_slots, (
+            "committed slot counter is off")
+
+    def __repr__(self) -> str:
+        return (f"DramCopies(arenas={len(self.store.drams)}, "
+                f"committed={self.store.committed_slots})")
+
+
+def check_slots(tier: str, free: Iterable[int], reserved: list[int], committed: list[int],
+                capacity: int, slot_bytes: int) -> None:
+    """One slab class of a tier: every slot in exactly one state, none missing."""
+    free = list(free)
+    assert len(free) + len(reserved) + len(committed) == capacity, (
+        f"{tier} class {slot_bytes}: free {len(free)} + reserved {len(reserved)} + "
+        f"committed {len(committed)} != capacity {capacity}")
+    every = free + reserved + committed
+    assert len(set(every)) == len(every), f"{tier} class {slot_bytes}: a slot is in two states"
