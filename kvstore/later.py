@@ -157,6 +157,10 @@ class Finisher:
                 plan.cause = str(exc)
                 continue  # still no room: wait again, in its place, until the deadline
             if isinstance(answer, tuple):
+                if len(self.d.moves.room):
+                    self.d.moves.freed()  # woken for room and served: wake the next one
                 return answer
             pending = answer
+        if isinstance(pending, Plan):
+            self.d.moves.abandon(pending)  # planned, never carried out: its marks go
         raise CapacityError("blocks kept moving between tiers; try again")

@@ -26,7 +26,7 @@ import itertools
 import logging
 import mmap
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from kvstore.errors import CapacityError, KVStoreError
@@ -45,13 +45,16 @@ _SETTLE_ROUNDS = 16      # plans one internal call may need before it is refused
 
 class RoomWaiters:
     """The one wait for room.  Each waiter holds a ticket (its arrival), kept while it
-    retries; whatever frees DRAM wakes every waiter, lowest ticket first, so the oldest
-    retries first and takes the room first."""
+    retries.  Whatever frees DRAM wakes the oldest waiter; a waiter that then gets its
+    room passes the wake on (``freed`` again), one that does not waits again in its
+    place, so the oldest request takes room first and a wake-up costs one retry."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._tickets = itertools.count(1)
-        self._waiting: list[tuple[int, asyncio.Future[None]]] = []
+        self._order = itertools.count()  # ties between equal tickets: first come first
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap
+        self._live = 0  # waiters still waiting (the heap keeps those gone until popped)
 
     def ticket(self) -> int:
         return next(self._tickets)
@@ -62,32 +65,35 @@ class RoomWaiters:
         if remaining <= 0:
             return False
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (ticket if ticket is not None else self.ticket(), future)
-        heapq.heappush(self._waiting, entry)
+        heapq.heappush(self._waiting, (ticket if ticket is not None else self.ticket(),
+                                       next(self._order), future))
+        self._live += 1
         try:
             await asyncio.wait_for(future, remaining)
             return True
         except TimeoutError:
             return False
         finally:
+            self._live -= 1
             if not future.done():
-                future.cancel()
-            if entry in self._waiting:
-                self._waiting.remove(entry)
+                future.cancel()  # its entry stays in the heap until popped
+            if len(self._waiting) > 2 * self._live + 64:
+                self._waiting = [e for e in self._waiting if not e[2].done()]
                 heapq.heapify(self._waiting)
 
     def freed(self) -> None:
-        """Room may have freed: wake every waiter, oldest first."""
+        """Room may have freed: wake the oldest waiter."""
         while self._waiting:
-            _, future = heapq.heappop(self._waiting)
+            _, _, future = heapq.heappop(self._waiting)
             if not future.done():
                 future.set_result(None)
+                return
 
     def __len__(self) -> int:
-        return len(self._waiting)
+        return self._live
 
     def __repr__(self) -> str:
-        return f"RoomWaiters(waiting={len(self._waiting)})"
+        return f"RoomWaiters(waiting={self._live})"
 
 
 class Moves:
@@ -116,60 +122,72 @@ class Moves:
         """Do what ``plan`` says, all of it; every move reports back to the store.  A
         CapacityError says there was no room to move blocks into; NotFoundError, that a
         fetch found nothing.  Cancelled or failed, it leaves nothing marked."""
+        if plan.defer_until is not None:
+            if not await self.room.wait(plan.defer_until, plan.ticket or None):
+                plan.expired = True
+            return
+        if plan.fetch is not None:
+            await self.fetch(*plan.fetch)
+            return
+        started: set[str] = set()
+        parts = []
+
+        def part(name: str, move: Callable[[], Awaitable[None]]) -> Awaitable[None]:
+            async def run() -> None:
+                started.add(name)  # from here the move finishes its own blocks
+                await move()
+            return run()
+
+        if plan.demote:
+            parts.append(part("demote", lambda: self._to_ssd(plan.demote)))
+        if plan.to_remote:
+            parts.append(part("to_remote", lambda: self._to_remote(plan.to_remote)))
+        if plan.promote is not None:
+            parts.append(part("promote", lambda: self._promote(plan)))
+        if plan.reads:
+            parts.append(self._reads(plan.reads))
+        if not parts:  # room on its way from writes under way: wait for it a little
+            await self.room.wait(self.clock() + _ROOM_COMING_WAIT)
+            return
         try:
-            if plan.defer_until is not None:
-                if not await self.room.wait(plan.defer_until, plan.ticket or None):
-                    plan.expired = True
-                return
-            if plan.fetch is not None:
-                await self.fetch(*plan.fetch)
-                return
-            moves = []
-            if plan.demote:
-                moves.append(self._to_ssd(plan.demote))
-            if plan.to_remote:
-                moves.append(self._to_remote(plan.to_remote))
-            if plan.promote is not None:
-                moves.append(self._promote(plan))
-            if plan.reads:
-                moves.append(self._reads(plan.reads))
-            if not moves:  # room on its way from writes under way: wait for it a little
-                await self.room.wait(self.clock() + _ROOM_COMING_WAIT)
-                return
             # all at once: the room comes in one go; each move finishes its own blocks
             # either way before a failure is raised
-            for result in await asyncio.gather(*moves, return_exceptions=True):
+            for result in await asyncio.gather(*parts, return_exceptions=True):
                 if isinstance(result, BaseException):
                     raise result
         finally:
-            self.abandon(plan)
+            self.abandon(plan, started)
 
-    def abandon(self, plan: Plan) -> None:
-        """The parts of a plan that never ran (cancelled, or a sibling failed first):
-        their marks go, as if the store had never planned them."""
+    def abandon(self, plan: Plan, started: set[str] | frozenset[str] = frozenset()) -> None:
+        """The parts of a plan that never began (cancelled first, or the request was
+        refused before its task ran): their marks go, as if never planned.  A part that
+        began finishes its own blocks, whatever happens."""
         store = self.store
-        idle = [b for b in plan.demote if b.demoting and not _writing(store, b)]
-        if idle:
-            store.ssd_copies.abort_demotion(idle)
-        stuck = [b for b in plan.to_remote if b in store.remote_demoting]
-        if stuck:
-            store.finish_remote_write(stuck, [False] * len(stuck))
+        undone = False
+        if plan.demote and "demote" not in started:
+            store.ssd_copies.abort_demotion(plan.demote)
+            undone = True
+        if plan.to_remote and "to_remote" not in started:
+            store.finish_remote_write(plan.to_remote, [False] * len(plan.to_remote))
+            undone = True
         t = plan.promote
-        if t is not None and t.id in store.transfers and not (
-                self.ssd is not None and self.ssd.reading(t)):
+        if t is not None and "promote" not in started and t.id in store.transfers:
             store.ssd_copies.abort_promotion(t)
-            self.room.freed()
-        if idle or stuck:
+            undone = True
+        if undone:
             self.room.freed()
 
     async def settle(self, attempt: Callable[[], T | Plan], *,
                      rounds: int = _SETTLE_ROUNDS) -> T:
         """Make a store call until it answers with a result rather than a plan, carrying
         out each plan in between."""
-        for _ in range(rounds):
+        for round_ in range(rounds):
             result = attempt()
             if not isinstance(result, Plan):
                 return result
+            if round_ == rounds - 1:
+                self.abandon(result)
+                break
             await self.carry_out(result)
         raise CapacityError("blocks kept moving between tiers; try again")
 
@@ -179,9 +197,9 @@ class Moves:
         try:
             await self.ssd.write(blocks)
         except CapacityError:
-            if any(b.demoting for b in blocks) and self.store.ssd_writable:
-                raise
-            # the ssd tier failed the write: dram evicts without it meanwhile
+            if self.store.ssd_writable:
+                raise  # no room for them on SSD: the caller refuses, defers or stops
+            # the ssd tier failed the write and paused: dram evicts without it meanwhile
         finally:
             self.room.freed()  # DRAM slots freed or unpinned: waiters may retry
         self._ssd_written()
@@ -195,7 +213,10 @@ class Moves:
 
     async def _promote(self, plan: Plan) -> None:
         assert self.ssd is not None and plan.promote is not None
-        await self.ssd.read(plan.promote)
+        try:
+            await self.ssd.read(plan.promote)
+        finally:
+            self.room.freed()  # a failed read gives its DRAM slot back
 
     async def _reads(self, blocks: list[Block]) -> None:
         assert self.ssd is not None
@@ -359,8 +380,5 @@ class Moves:
         return f"Moves(tiers={tiers}, {self.room!r})"
 
 
-def _writing(store: BlockStore, block: Block) -> bool:
-    """Whether a write of the block to SSD is under way (a transfer holds it)."""
-    return any(block in t.blocks for t in store.transfers.values() if t.tier == "ssd")
 
 

@@ -15,7 +15,11 @@ from kvstore.core import StoreCore
 from kvstore.errors import CapacityError
 from kvstore.plans import Plan
 from kvstore.pool import SlabClass
-from kvstore.scheduler.admission import Step
+
+# The kinds of victim each pressure step takes (see RoomMaker._victim_kind): evict drops
+# blocks (a copy is below, or no tier below takes them), demote moves them down (a copy is
+# below, or they are written there first).
+_STEP_KINDS = {"evict": frozenset({"clean", "lossy"}), "demote": frozenset({"clean", "dirty"})}
 
 
 class RoomMaker:
@@ -69,8 +73,8 @@ class RoomMaker:
         to_demote: list[Block] = []
         to_remote: list[Block] = []
         freed = 0
-        for step in self._room_steps():
-            allowed = self._victim_test(protect, step, tenant)
+        for _, kinds in self._room_steps():
+            allowed = self._victim_test(protect, kinds, tenant)
             for policy in policies:
                 while freed < excess and (victim := policy.pop_victim(allowed)) is not None:
                     freed += victim.ns.cls.slot_bytes
@@ -82,13 +86,28 @@ class RoomMaker:
             return Plan(demote=to_demote, to_remote=to_remote)
         return None
 
-    def _room_steps(self) -> list[Step]:
-        """The pressure steps that may free DRAM now, in their configured order: those
-        before "defer" while the request may still defer, else all of them."""
+    def _room_steps(self) -> list[tuple[str, frozenset[str]]]:
+        """The passes over the eviction order that may free DRAM now, in the chain's
+        order, each with the kinds of victim it may take: the steps before "defer" while
+        the request may still defer, else all of them.  ``evict`` and ``demote`` next to
+        each other make one pass, coldest first, each victim dropped or written down as
+        it needs: taking all of one kind before the other would pass over colder blocks
+        for hotter ones (and walk the whole order to find none)."""
         steps = self.store.pressure
         if self.store.early and "defer" in steps:
             steps = steps[:steps.index("defer")]
-        return [s for s in steps if s in ("evict", "demote")]
+        passes: list[tuple[str, frozenset[str]]] = []
+        prev: str | None = None
+        for step in steps:
+            kinds = _STEP_KINDS.get(step)
+            if kinds is not None:
+                if passes and prev in _STEP_KINDS:
+                    name, had = passes[-1]
+                    passes[-1] = (f"{name}+{step}", had | kinds)
+                else:
+                    passes.append((step, kinds))
+            prev = step
+        return passes
 
     def _victim_kind(self, b: Block) -> str | None:
         """How a DRAM copy would leave: "clean" (a copy lives below: it just goes),
@@ -104,12 +123,10 @@ class RoomMaker:
             return "clean"
         return "dirty" if self._remote_dirty(b) else "lossy"
 
-    def _victim_test(self, protect: Block | None, step: str,
+    def _victim_test(self, protect: Block | None, kinds: frozenset[str],
                      tenant: str | None = None) -> Callable[[Block], bool]:
-        """Which blocks the pressure step ``step`` may take now (of ``tenant`` only, if
-        given): ``evict`` drops blocks (clean ones, or cold leaves no tier below takes),
-        ``demote`` moves them down (clean ones, or dirty ones written there first)."""
-        kinds = ("clean", "lossy") if step == "evict" else ("clean", "dirty")
+        """Which blocks a pass may take now (of ``tenant`` only, if given): those whose
+        kind of leaving is in ``kinds``."""
 
         def allowed(b: Block) -> bool:
             if b.refs or b is protect or (tenant is not None and b.ns.tenant != tenant):
@@ -180,8 +197,8 @@ class RoomMaker:
         to_remote: list[Block] = []
         taken = 0
         steps = self._room_steps()
-        for step in steps:  # in the configured order; each takes what it may
-            allowed = self._victim_test(protect, step)
+        for _, kinds in steps:  # in the configured order; each takes what it may
+            allowed = self._victim_test(protect, kinds)
 
             def over_share(b: Block) -> bool:
                 return over.get(b.ns.tenant, 0) > 0 and allowed(b)
@@ -201,7 +218,8 @@ class RoomMaker:
             if self.room_coming(cls):
                 return Plan(room_coming=True)
             self.store.counters.capacity_rejects += 1
-            tried = " then ".join(steps) or "no step that frees room before defer"
+            tried = " then ".join(name for name, _ in steps) or (
+                "no step that frees room before defer")
             raise CapacityError(
                 f"{need + pool.available(cls)} slots of {cls.slot_bytes} bytes requested; "
                 f"the dram tier is full of pinned blocks or their prefixes, or of blocks "

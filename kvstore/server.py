@@ -278,6 +278,8 @@ class Server:
                         except BaseException:
                             if isinstance(answer, Plan):
                                 self.moves.abandon(answer)
+                            else:
+                                answer.reply.close()
                             raise
                         self.spawn(finisher.finish(
                             routing_id, rid, verb, tenant, start, handler, session, request,

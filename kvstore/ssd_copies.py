@@ -294,7 +294,8 @@ class SsdCopies:
         t = self.begin_promotion(blocks)
         if isinstance(t, Plan):
             return t
-        reading = [b for b in dict.fromkeys(blocks) if b.promoting and b not in t.blocks]
+        mine = set(t.blocks)
+        reading = [b for b in dict.fromkeys(blocks) if b.promoting and b not in mine]
         if not t.blocks:
             self.finish_promotion(t, [])
             return Plan(reads=reading)

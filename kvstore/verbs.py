@@ -374,6 +374,8 @@ class Verbs:
                     if isinstance(r, Plan):  # room first: all or none, so none yet
                         for held in done:
                             d.store.abort(session.id, held.id)
+                        if done:
+                            d.moves.freed()
                         return r
                     done.append(r)
         except BaseException:

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from kvtest import make_identity
+
+from kvstore.blocks import Block
+from kvstore.errors import CapacityError
 
 from kvstore.keys import chain_keys
 from kvstore.moves import Moves, RoomWaiters
@@ -20,7 +24,7 @@ def _keys(ns: Namespace, i: int, n: int = 1) -> list[bytes]:
                       IDENT.block_tokens)
 
 
-def test_room_wakes_every_waiter_oldest_first_and_a_retry_keeps_its_place() -> None:
+def test_room_wakes_the_oldest_waiter_and_a_retry_keeps_its_place() -> None:
     async def run() -> list[str]:
         room = RoomWaiters()
         woke: list[str] = []
@@ -37,12 +41,30 @@ def test_room_wakes_every_waiter_oldest_first_and_a_retry_keeps_its_place() -> N
         tasks.append(asyncio.create_task(waiter("fresh", room.ticket())))
         await asyncio.sleep(0)
         assert len(room) == 3
-        room.freed()
+        for expected in (["first"], ["first", "second"], ["first", "second", "fresh"]):
+            room.freed()                     # one wake-up, one waiter: the oldest
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            assert woke == expected
         await asyncio.gather(*tasks)
         assert len(room) == 0
+        room.freed()                         # nobody waits: nothing happens
         return woke
 
     assert asyncio.run(run()) == ["first", "second", "fresh"]
+
+
+def test_a_waiter_that_gave_up_is_skipped() -> None:
+    async def run() -> bool:
+        room = RoomWaiters(asyncio.get_running_loop().time)
+        now = asyncio.get_running_loop().time()
+        assert not await room.wait(now + 0.01, room.ticket())   # the oldest times out
+        later = asyncio.create_task(room.wait(now + 5))
+        await asyncio.sleep(0)
+        room.freed()                                           # wakes the live one
+        return await later
+
+    assert asyncio.run(run())
 
 
 def test_room_wait_ends_at_its_deadline() -> None:
@@ -102,3 +124,39 @@ def test_a_promotion_plan_that_never_runs_gives_its_slots_back() -> None:
     held = store.acquire("reader", ns, [block.key], 0.0, promote=False)
     assert isinstance(held, Plan) and held.promote is None and not held.demote
     assert not block.promoting and store.reserved_slots == 0
+
+
+class RefusingSsd:
+    """An SSD mover whose tier has no room (its store refuses every write), as when the
+    SSD tier is full of another size class's copies it may not evict."""
+
+    write_through = False
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self.writes = 0
+
+    async def write(self, blocks: list[Block]) -> None:
+        self.writes += 1
+        self.store.ssd_copies.abort_demotion(blocks)
+        raise CapacityError("the ssd tier has no room for them")
+
+
+def test_an_ssd_tier_without_room_refuses_the_plan_and_stops_writing_ahead() -> None:
+    store, ns = _ssd_store()
+    ssd = RefusingSsd(store)
+    moves = Moves(store, lambda: 0.0, ssd=ssd)  # type: ignore[arg-type]
+    plan = store.reserve("engine", ns, _keys(ns, 9), None, 0.0)
+    assert isinstance(plan, Plan) and plan.demote
+    with pytest.raises(CapacityError, match="no room"):
+        asyncio.run(moves.carry_out(plan))      # told, not swallowed: no endless re-plan
+    assert not any(b.demoting for b in plan.demote)
+    store.check_invariants()
+
+    async def ahead() -> None:
+        moves._writing_back = True
+        await asyncio.wait_for(moves._write_back_ahead(), 2)  # stops at the refusal
+
+    before = ssd.writes
+    asyncio.run(ahead())
+    assert ssd.writes == before + 1 and not moves._writing_back

@@ -1,5 +1,7 @@
-"""The pressure chain's order: each step in ``dram.pressure`` runs in the configured
-order, so the same full DRAM tier gives up different blocks under different chains.
+"""The pressure chain's order: the steps in ``dram.pressure`` run in the configured
+order, so the same full DRAM tier gives up different blocks under different chains
+(evict and demote side by side make one pass, coldest first; apart, or alone, each
+takes only its kind; steps after defer wait for its deadline).
 
 The set-up: four DRAM slots holding, coldest first, a *dirty* block (only in DRAM, the
 SSD tier would take it), a *clean* block (its copy is on SSD too) and a *lossy* block
@@ -57,31 +59,22 @@ def _ask(store: BlockStore, ns: Namespace, count: int = 1) -> list[Block] | None
     return list(answer.demote) if isinstance(answer, Plan) else None
 
 
-def test_evict_first_drops_without_writing_before_any_demotion() -> None:
-    store, ns, b = _full_store(("evict", "demote", "defer", "reject"))
-    assert _ask(store, ns) is None                 # the clean copy went: no write needed
-    assert b["clean"].offset is None and b["clean"].ssd_offset is not None
-    assert b["dirty"].offset is not None           # colder, but it would need a write
-    assert _ask(store, ns) is None                 # then the lossy leaf, still no write
-    assert b["lossy"].key not in ns.blocks
-    assert _ask(store, ns) == [b["dirty"]]         # only then a demotion
-    store.check_invariants()
-
-
-def test_demote_first_writes_down_before_dropping_anything() -> None:
-    store, ns, b = _full_store(("demote", "evict", "defer", "reject"))
+@pytest.mark.parametrize("chain", [("evict", "demote", "defer", "reject"),
+                                   ("demote", "evict", "defer", "reject")])
+def test_evict_and_demote_side_by_side_take_the_coldest_first(chain: tuple[str, ...]) -> None:
+    """Next to each other the two steps are one pass over the eviction order: the
+    coldest block goes first, written down if it must be (taking all of one kind first
+    would give up hotter blocks for colder ones)."""
+    store, ns, b = _full_store(chain)
     assert _ask(store, ns) == [b["dirty"]]         # the coldest, written down first
     store.ssd_copies.abort_demotion([b["dirty"]])
     store.check_invariants()
-    store, ns, b = _full_store(("demote", "evict", "defer", "reject"))
-    assert _ask(store, ns, 3) == [b["dirty"], b["warm"]]  # even the warm one moves down
-    assert b["clean"].offset is None               # before the lossy leaf is dropped
-    assert b["lossy"].offset is not None
-    store.ssd_copies.abort_demotion([b["dirty"], b["warm"]])
+    store, ns, b = _full_store(chain)
+    assert _ask(store, ns, 3) == [b["dirty"]]      # then clean and lossy just go
+    assert b["clean"].offset is None and b["lossy"].key not in ns.blocks
+    assert b["warm"].offset is not None
+    store.ssd_copies.abort_demotion([b["dirty"]])
     store.check_invariants()
-    assert _ask(store, ns, 4) == [b["dirty"], b["warm"]]  # only then it goes
-    assert b["lossy"].key not in ns.blocks
-    store.ssd_copies.abort_demotion([b["dirty"], b["warm"]])
 
 
 def test_evict_alone_never_writes_down() -> None:
@@ -112,8 +105,8 @@ def test_a_request_that_may_still_defer_runs_only_the_steps_before_defer(
     assert all(x.offset is not None for x in b.values())  # nothing was taken
     store.early = False                            # its deadline passed: every step
     if "evict" in chain:
-        assert _ask(store, ns) is None
-        assert b["clean"].offset is None
+        assert _ask(store, ns) == [b["dirty"]]     # the coldest, written down first
+        store.ssd_copies.abort_demotion([b["dirty"]])
     else:
         with pytest.raises(CapacityError):
             _ask(store, ns)
