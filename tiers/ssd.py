@@ -23,24 +23,25 @@ Sync policies:
   with the next commit, so a power loss may forget the last batch (a miss, not a bad read).
 - ``none``: nothing is synced until ``sync()``/``close()``; survives a process crash, not
   a power loss (records that then point at lost bytes fail their checksum).
+
+Claiming the directory, opening these files and the warm-restart scan live in
+``ssd_directory``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import os
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvstore.errors import BackendError, ConfigError, MalformedError
 
+from .ssd_directory import SSDDirectory
 from .ssd_index import SSDIndex, SyncPolicy
 from .ssd_io import DataFile, Span
 from .ssd_layout import (
@@ -48,7 +49,6 @@ from .ssd_layout import (
     IO_ALIGN,
     BlockRecord,
     SlabLayout,
-    plan_load,
 )
 
 if TYPE_CHECKING:
@@ -59,12 +59,8 @@ __all__ = ["BlockId", "BlockRecord", "SSDStore", "SyncPolicy"]
 BlockId = tuple[bytes, bytes]
 """(namespace id, block key), 16 bytes each."""
 
-DATA_FILE = "blocks.dat"
-INDEX_DIR = "index"
-LOCK_FILE = "lock"
 _SYNC_POLICIES = ("always", "batch", "none")
 _TOUCH_FLUSH_AT = 65536
-_PROGRESS_FROM = 100_000
 
 
 class _WriteResult(msgspec.Struct):
@@ -92,6 +88,60 @@ def _check_id(block: BlockId) -> bytes:
     if len(namespace) != ID_BYTES or len(key) != ID_BYTES:
         raise MalformedError("namespace id and block key must be 16 bytes each")
     return namespace + key
+
+
+def _check_write(
+    layout: SlabLayout, records: Sequence[BlockRecord], datas: Sequence[ReadableBuffer]
+) -> list[Span]:
+    """The spans to write, once the batch fits the layout, matches its data and does not
+    overlap itself; MalformedError otherwise."""
+    if len(records) != len(datas):
+        raise MalformedError(f"{len(records)} records but {len(datas)} data buffers")
+    spans: list[Span] = []
+    seen: set[bytes] = set()
+    for record, data in zip(records, datas):
+        problem = layout.problem(record)
+        if problem is not None:
+            raise MalformedError(f"block {record.key.hex()}: {problem}")
+        view = _byte_view(data)
+        if len(view) != record.length:
+            raise MalformedError(
+                f"block {record.key.hex()}: {len(view)} data bytes, record says {record.length}"
+            )
+        if record.index_key in seen:
+            raise MalformedError(f"block {record.key.hex()} appears twice in one batch")
+        seen.add(record.index_key)
+        spans.append(Span(record.offset, view))
+    ordered = sorted(records, key=lambda r: r.offset)
+    for before, after in zip(ordered, ordered[1:]):
+        if after.offset < before.end:
+            raise MalformedError(
+                f"blocks {before.key.hex()} and {after.key.hex()} overlap at {after.offset}"
+            )
+    return spans
+
+
+def _check_read(
+    layout: SlabLayout, records: Sequence[BlockRecord], buffers: Sequence[WriteableBuffer]
+) -> list[Span]:
+    """The spans to read into, once the batch fits the layout and every buffer is
+    writable and large enough; MalformedError otherwise."""
+    if len(records) != len(buffers):
+        raise MalformedError(f"{len(records)} records but {len(buffers)} buffers")
+    spans: list[Span] = []
+    for record, buffer in zip(records, buffers):
+        problem = layout.problem(record)
+        if problem is not None:
+            raise MalformedError(f"block {record.key.hex()}: {problem}")
+        view = _byte_view(buffer)
+        if view.readonly:
+            raise MalformedError("read buffers must be writable")
+        if len(view) < record.length:
+            raise MalformedError(
+                f"block {record.key.hex()} needs {record.length} bytes, buffer has {len(view)}"
+            )
+        spans.append(Span(record.offset, view[: record.length]))
+    return spans
 
 
 class SSDStore:
@@ -140,23 +190,17 @@ class SSDStore:
         self._touches: dict[bytes, float] = {}
         self._background: set[Future[None]] = set()
         self._closed = False
-        self._lock_fd = -1
-        self._index: SSDIndex | None = None
-        self._data: DataFile | None = None
+        self._directory: SSDDirectory | None = None
         self._pool: ThreadPoolExecutor | None = None
         try:
-            self._prepare_directory()
-            self._check_free_space()
-            self._index = SSDIndex(
-                self.path / INDEX_DIR,
+            self._directory = SSDDirectory(
+                self.path,
                 self.layout,
-                map_size=map_size if map_size is not None else max(1 << 30, capacity_bytes // 64),
                 sync=sync,
+                direct_io=direct_io,
+                map_size=map_size if map_size is not None else max(1 << 30, capacity_bytes // 64),
+                preallocate=preallocate,
             )
-            self._data = DataFile(
-                self.path / DATA_FILE, self.layout, direct_io=direct_io, preallocate=preallocate
-            )
-            self._index.write_layout()
             self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-ssd")
         except BaseException:
             self._release()
@@ -178,47 +222,6 @@ class SSDStore:
         if io_threads <= 0:
             raise ConfigError(f"ssd io_threads={io_threads} must be positive")
 
-    def _prepare_directory(self) -> None:
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(
-                f"SSD tier directory {self.path} cannot be created: {exc.strerror}"
-            ) from exc
-        probe = self.path / f".probe-{os.getpid()}"
-        try:
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise ConfigError(
-                f"SSD tier directory {self.path} is not writable: {exc.strerror}"
-            ) from exc
-        try:
-            self._lock_fd = os.open(
-                self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
-            )
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(
-                f"SSD tier directory {self.path} is in use by another kvstore process"
-            ) from None
-        except OSError as exc:
-            raise ConfigError(
-                f"SSD tier directory {self.path} cannot hold a lock file: {exc.strerror}"
-            ) from exc
-
-    def _check_free_space(self) -> None:
-        held = DataFile.allocated_bytes(self.path / DATA_FILE)
-        needed = max(0, self.layout.capacity_bytes - held)
-        fs = os.statvfs(self.path)
-        free = fs.f_bavail * fs.f_frsize
-        if needed > free:
-            raise ConfigError(
-                f"SSD tier directory {self.path} has {free} bytes free, but capacity_bytes="
-                f"{self.layout.capacity_bytes} needs {needed} more; lower capacity_bytes or "
-                f"free up space"
-            )
-
     # writes
 
     async def write_blocks(
@@ -235,7 +238,7 @@ class SSDStore:
         finishes in the background and its records are withdrawn again.  The buffers must
         not change until the call returns.
         """
-        spans = self._check_write(records, datas)
+        spans = _check_write(self.layout, records, datas)
         if not spans:
             return []
         touches, self._touches = self._touches, {}
@@ -257,34 +260,6 @@ class SSDStore:
         self._timers["io_seconds"] += result.io_seconds
         self._timers["index_seconds"] += result.index_seconds
         return result.records
-
-    def _check_write(
-        self, records: Sequence[BlockRecord], datas: Sequence[ReadableBuffer]
-    ) -> list[Span]:
-        if len(records) != len(datas):
-            raise MalformedError(f"{len(records)} records but {len(datas)} data buffers")
-        spans: list[Span] = []
-        seen: set[bytes] = set()
-        for record, data in zip(records, datas):
-            problem = self.layout.problem(record)
-            if problem is not None:
-                raise MalformedError(f"block {record.key.hex()}: {problem}")
-            view = _byte_view(data)
-            if len(view) != record.length:
-                raise MalformedError(
-                    f"block {record.key.hex()}: {len(view)} data bytes, record says {record.length}"
-                )
-            if record.index_key in seen:
-                raise MalformedError(f"block {record.key.hex()} appears twice in one batch")
-            seen.add(record.index_key)
-            spans.append(Span(record.offset, view))
-        ordered = sorted(records, key=lambda r: r.offset)
-        for before, after in zip(ordered, ordered[1:]):
-            if after.offset < before.end:
-                raise MalformedError(
-                    f"blocks {before.key.hex()} and {after.key.hex()} overlap at {after.offset}"
-                )
-        return spans
 
     def _write_batch(
         self, records: Sequence[BlockRecord], spans: Sequence[Span], touches: dict[bytes, float]
@@ -320,7 +295,7 @@ class SSDStore:
         self, records: Sequence[BlockRecord], buffers: Sequence[WriteableBuffer]
     ) -> list[bool]:
         """``read_into`` for a batch, in one hop; one bool per record."""
-        spans = self._check_read(records, buffers)
+        spans = _check_read(self.layout, records, buffers)
         pool = self._open_pool()
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(pool, self._read_batch, records, spans)
@@ -329,26 +304,6 @@ class SSDStore:
         self._counters["checksum_failures"] += result.checksum_failures
         self._counters["read_errors"] += result.read_errors
         return result.ok
-
-    def _check_read(
-        self, records: Sequence[BlockRecord], buffers: Sequence[WriteableBuffer]
-    ) -> list[Span]:
-        if len(records) != len(buffers):
-            raise MalformedError(f"{len(records)} records but {len(buffers)} buffers")
-        spans: list[Span] = []
-        for record, buffer in zip(records, buffers):
-            problem = self.layout.problem(record)
-            if problem is not None:
-                raise MalformedError(f"block {record.key.hex()}: {problem}")
-            view = _byte_view(buffer)
-            if view.readonly:
-                raise MalformedError("read buffers must be writable")
-            if len(view) < record.length:
-                raise MalformedError(
-                    f"block {record.key.hex()} needs {record.length} bytes, buffer has {len(view)}"
-                )
-            spans.append(Span(record.offset, view[: record.length]))
-        return spans
 
     def _read_batch(self, records: Sequence[BlockRecord], spans: Sequence[Span]) -> _ReadResult:
         data, index = self._parts()
@@ -445,31 +400,11 @@ class SSDStore:
         Blocking; call it once at startup, before serving.  Stale bytes under a surviving
         record are caught by the checksum when the block is read.
         """
-        data, index = self._parts()
-        total = index.count()
-        progress: Any = None
-        if total >= _PROGRESS_FROM and sys.stderr.isatty():
-            from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
-
-            progress = tqdm(total=total, desc=f"SSD index {self.path}", unit="rec", file=sys.stderr)
-        try:
-            records, bad = index.scan(progress.update if progress is not None else None)
-        finally:
-            if progress is not None:
-                progress.close()
-        plan = plan_load(records, self.layout, self._verify_now, bad)
-        if plan.dropped_keys:
-            index.delete(plan.dropped_keys)
+        plan = self._open_directory().restore()
         self._counters["dropped_invalid"] += len(plan.invalid)
         self._counters["dropped_overlapping"] += len(plan.overlapping)
         self._counters["dropped_orphans"] += len(plan.orphans)
         return plan.survivors
-
-    def _verify_now(self, record: BlockRecord) -> bool:
-        buffer = bytearray(record.length)
-        span = Span(record.offset, memoryview(buffer))
-        ((n, digest),) = self._parts()[0].read_hashed([span])
-        return n == record.length and digest == record.checksum
 
     # state
 
@@ -485,7 +420,7 @@ class SSDStore:
     @property
     def direct_io(self) -> bool:
         """Whether aligned blocks bypass the page cache (False where the filesystem refuses)."""
-        return self._data is not None and self._data.direct_io
+        return self._directory is not None and self._directory.direct_io
 
     def __repr__(self) -> str:
         if self._closed:
@@ -500,10 +435,13 @@ class SSDStore:
 
     # lifecycle
 
-    def _parts(self) -> tuple[DataFile, SSDIndex]:
-        if self._closed or self._data is None or self._index is None:
+    def _open_directory(self) -> SSDDirectory:
+        if self._closed or self._directory is None:
             raise BackendError(f"SSD store {self.path} is closed")
-        return self._data, self._index
+        return self._directory
+
+    def _parts(self) -> tuple[DataFile, SSDIndex]:
+        return self._open_directory().parts()
 
     def _open_pool(self) -> ThreadPoolExecutor:
         self._parts()
@@ -518,10 +456,11 @@ class SSDStore:
         try:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
-            if self._data is not None and self._index is not None:
-                self._index.apply_touches(self._touches)
+            if self._directory is not None:
+                data, index = self._directory.parts()
+                index.apply_touches(self._touches)
                 self._touches = {}
-                self._data.datasync()
+                data.datasync()
         finally:
             self._release()
 
@@ -529,15 +468,8 @@ class SSDStore:
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        try:
-            if self._index is not None:
-                self._index.close()
-        finally:
-            if self._data is not None:
-                self._data.close()
-            if self._lock_fd >= 0:
-                os.close(self._lock_fd)  # closing the descriptor drops the flock
-                self._lock_fd = -1
+        if self._directory is not None:
+            self._directory.release()
 
     def __enter__(self) -> SSDStore:
         return self

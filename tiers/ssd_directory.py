@@ -1,0 +1,163 @@
+"""An SSD tier's directory, held open: claimed, its data file and index opened, its
+records restored on a warm restart, and released again.
+
+``SSDStore`` (``ssd.py``, which describes the files on disk) holds one for as long as it
+is open and does its block I/O through the directory's data file and index.  Everything
+here blocks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import ConfigError
+
+from .ssd_index import SSDIndex, SyncPolicy
+from .ssd_io import DataFile, Span
+from .ssd_layout import BlockRecord, LoadPlan, SlabLayout, plan_load
+
+__all__ = ["DATA_FILE", "INDEX_DIR", "LOCK_FILE", "SSDDirectory"]
+
+DATA_FILE = "blocks.dat"
+INDEX_DIR = "index"
+LOCK_FILE = "lock"
+_PROGRESS_FROM = 100_000
+
+
+class SSDDirectory:
+    """The lock, data file and index of one SSD tier directory, open together."""
+
+    def __init__(
+        self,
+        path: Path,
+        layout: SlabLayout,
+        *,
+        sync: SyncPolicy,
+        direct_io: bool,
+        map_size: int,
+        preallocate: bool,
+    ) -> None:
+        """Claim directory ``path`` (create it, check it is writable, lock it, check free
+        space), then open its index and data file and record the layout in the index.
+
+        Raises ConfigError or CapacityError as ``SSDStore`` documents; whatever was opened
+        before the failure is released again.
+        """
+        self.path = path
+        self.layout = layout
+        self._lock_fd = -1
+        self._index: SSDIndex | None = None
+        self._data: DataFile | None = None
+        try:
+            self._prepare_directory()
+            self._check_free_space()
+            self._index = SSDIndex(self.path / INDEX_DIR, self.layout, map_size=map_size, sync=sync)
+            self._data = DataFile(
+                self.path / DATA_FILE, self.layout, direct_io=direct_io, preallocate=preallocate
+            )
+            self._index.write_layout()
+        except BaseException:
+            self.release()
+            raise
+
+    # claiming
+
+    def _prepare_directory(self) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"SSD tier directory {self.path} cannot be created: {exc.strerror}"
+            ) from exc
+        probe = self.path / f".probe-{os.getpid()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                f"SSD tier directory {self.path} is not writable: {exc.strerror}"
+            ) from exc
+        try:
+            self._lock_fd = os.open(
+                self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+            )
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"SSD tier directory {self.path} is in use by another kvstore process"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(
+                f"SSD tier directory {self.path} cannot hold a lock file: {exc.strerror}"
+            ) from exc
+
+    def _check_free_space(self) -> None:
+        held = DataFile.allocated_bytes(self.path / DATA_FILE)
+        needed = max(0, self.layout.capacity_bytes - held)
+        fs = os.statvfs(self.path)
+        free = fs.f_bavail * fs.f_frsize
+        if needed > free:
+            raise ConfigError(
+                f"SSD tier directory {self.path} has {free} bytes free, but capacity_bytes="
+                f"{self.layout.capacity_bytes} needs {needed} more; lower capacity_bytes or "
+                f"free up space"
+            )
+
+    # the open files
+
+    def parts(self) -> tuple[DataFile, SSDIndex]:
+        """The data file and the index."""
+        assert self._data is not None and self._index is not None, "an opened directory has both"
+        return self._data, self._index
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether the data file bypasses the page cache for aligned blocks."""
+        return self._data is not None and self._data.direct_io
+
+    # warm restart
+
+    def restore(self) -> LoadPlan:
+        """Scan the index, decide with ``plan_load`` which records survive, and delete the
+        others from the index; returns the plan.  Shows progress on a terminal for a large
+        index."""
+        index = self.parts()[1]
+        total = index.count()
+        progress: Any = None
+        if total >= _PROGRESS_FROM and sys.stderr.isatty():
+            from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+
+            progress = tqdm(total=total, desc=f"SSD index {self.path}", unit="rec", file=sys.stderr)
+        try:
+            records, bad = index.scan(progress.update if progress is not None else None)
+        finally:
+            if progress is not None:
+                progress.close()
+        plan = plan_load(records, self.layout, self._verify_now, bad)
+        if plan.dropped_keys:
+            index.delete(plan.dropped_keys)
+        return plan
+
+    def _verify_now(self, record: BlockRecord) -> bool:
+        buffer = bytearray(record.length)
+        span = Span(record.offset, memoryview(buffer))
+        ((n, digest),) = self.parts()[0].read_hashed([span])
+        return n == record.length and digest == record.checksum
+
+    # releasing
+
+    def release(self) -> None:
+        """Close the index and the data file and drop the lock (no sync of its own)."""
+        try:
+            if self._index is not None:
+                self._index.close()
+        finally:
+            if self._data is not None:
+                self._data.close()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)  # closing the descriptor drops the flock
+                self._lock_fd = -1
