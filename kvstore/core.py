@@ -29,7 +29,7 @@ from kvstore.blocks import (
 )
 from kvstore.gpu_copies import GpuCopies
 from kvstore.pool import SlabClass
-from kvstore.scheduler.admission import DEFAULT_CHAIN, Step
+from kvstore.scheduler.admission import PolicyChain, Step
 from kvstore.tier import Tier
 
 
@@ -76,7 +76,7 @@ class StoreCore:
         # The configured steps under pressure, in order (evict, demote, defer, reject).
         # ``early``: the request may still defer, so only the steps before "defer" run
         # now (the daemon sets it around a deferrable request's first attempts).
-        self.pressure: tuple[Step, ...] = DEFAULT_CHAIN
+        self.chain = PolicyChain()  # ``pressure`` sets it
         self.early = False
         self.hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
         self.dirty: dict[SlabClass, dict[Block, None]] = {}  # per DRAM class: DRAM-only, oldest first
@@ -122,6 +122,15 @@ class StoreCore:
         if tier is None:
             tier = self.drams[name] = TierSlots(DRAM, *self.dram_args, clock=self.clock)
         return tier
+
+    @property
+    def pressure(self) -> tuple[Step, ...]:
+        """The configured steps under pressure, in order (the scheduler's chain)."""
+        return self.chain.steps
+
+    @pressure.setter
+    def pressure(self, steps: tuple[Step, ...]) -> None:
+        self.chain = PolicyChain(tuple(steps))
 
     @property
     def allow_evict(self) -> bool:

@@ -87,27 +87,10 @@ class RoomMaker:
         return None
 
     def _room_steps(self) -> list[tuple[str, frozenset[str]]]:
-        """The passes over the eviction order that may free DRAM now, in the chain's
-        order, each with the kinds of victim it may take: the steps before "defer" while
-        the request may still defer, else all of them.  ``evict`` and ``demote`` next to
-        each other make one pass, coldest first, each victim dropped or written down as
-        it needs: taking all of one kind before the other would pass over colder blocks
-        for hotter ones (and walk the whole order to find none)."""
-        steps = self.store.pressure
-        if self.store.early and "defer" in steps:
-            steps = steps[:steps.index("defer")]
-        passes: list[tuple[str, frozenset[str]]] = []
-        prev: str | None = None
-        for step in steps:
-            kinds = _STEP_KINDS.get(step)
-            if kinds is not None:
-                if passes and prev in _STEP_KINDS:
-                    name, had = passes[-1]
-                    passes[-1] = (f"{name}+{step}", had | kinds)
-                else:
-                    passes.append((step, kinds))
-            prev = step
-        return passes
+        """The passes the scheduler's pressure chain makes now (``room_passes``), each
+        named and with the kinds of victim it may take."""
+        return [("+".join(group), frozenset().union(*(_STEP_KINDS[s] for s in group)))
+                for group in self.store.chain.room_passes(self.store.early)]
 
     def _victim_kind(self, b: Block) -> str | None:
         """How a DRAM copy would leave: "clean" (a copy lives below: it just goes),

@@ -76,7 +76,7 @@ class Server:
                                 tenant_quota=config.tenant_quota,
                                 tenant_weights=config.server.tenant_weights,
                                 remote_tier=bool(config.remote.url or config.remote.backend))
-        self.store.pressure = PolicyChain(tuple(config.dram.pressure)).steps  # type: ignore[arg-type]
+        self.store.chain = PolicyChain(tuple(config.dram.pressure))  # type: ignore[arg-type]
         self.defer = "defer" in config.dram.pressure
         self.scheduling = {"defers": 0, "defer_timeouts": 0, "rejects": 0,
                            "recomputed_tokens": 0}

@@ -7,7 +7,7 @@ the store and the server carry decisions out and report back.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from kvstore.errors import CapacityError, ConfigError, MalformedError
@@ -87,6 +87,7 @@ def admit_batch(
 Step = Literal["evict", "demote", "defer", "reject"]
 STEPS: tuple[Step, ...] = get_args(Step)
 DEFAULT_CHAIN: tuple[Step, ...] = ("evict", "demote", "defer", "reject")
+_ROOM_STEPS = ("evict", "demote")  # the steps that free slots (the others wait or refuse)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +155,8 @@ class PolicyChain:
     """
 
     steps: tuple[Step, ...] = DEFAULT_CHAIN
+    _passes: dict[bool, tuple[tuple[Step, ...], ...]] = field(
+        init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -165,6 +168,32 @@ class PolicyChain:
             raise ConfigError(f"policy chain: a step appears twice in {self.steps}")
         if "reject" in self.steps[:-1]:
             raise ConfigError("policy chain: 'reject' ends the chain; nothing may follow it")
+        for may_defer in (False, True):
+            self._passes[may_defer] = self._room_passes(may_defer)
+
+    def room_passes(self, may_defer: bool) -> tuple[tuple[Step, ...], ...]:
+        """The steps that make room now, in the chain's order, as passes over the
+        eviction order: while a request may still defer, the steps before "defer";
+        after (or for a request that may not defer), all of them.  ``evict`` and
+        ``demote`` side by side are one pass, taking the coldest block first whichever
+        of the two it needs (all of one kind first would give up hot blocks for cold
+        ones); apart, or alone, each is a pass of its own."""
+        return self._passes[may_defer]
+
+    def _room_passes(self, may_defer: bool) -> tuple[tuple[Step, ...], ...]:
+        steps = self.steps
+        if may_defer and "defer" in steps:
+            steps = steps[:steps.index("defer")]
+        passes: list[tuple[Step, ...]] = []
+        prev: Step | None = None
+        for step in steps:
+            if step in _ROOM_STEPS:
+                if passes and prev in _ROOM_STEPS:
+                    passes[-1] = (*passes[-1], step)
+                else:
+                    passes.append((step,))
+            prev = step
+        return tuple(passes)
 
     def plan(self, s: Shortfall) -> Plan:
         """Walk the steps until the request is placed, deferred or rejected."""

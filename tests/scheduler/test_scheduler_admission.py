@@ -151,3 +151,20 @@ def test_every_plan_is_sound(
         assert reachable < need or plan.defer_until is not None
     if plan.defer_until is not None:
         assert "defer" in steps and plan.defer_until > 0.0
+
+
+@pytest.mark.parametrize("steps,early,late", [
+    (("evict", "demote", "defer", "reject"), (("evict", "demote"),), (("evict", "demote"),)),
+    (("demote", "evict", "defer", "reject"), (("demote", "evict"),), (("demote", "evict"),)),
+    (("evict", "defer", "demote", "reject"), (("evict",),), (("evict",), ("demote",))),
+    (("defer", "evict", "demote", "reject"), (), (("evict", "demote"),)),
+    (("defer", "reject"), (), ()),
+    (("demote", "reject"), (("demote",),), (("demote",),)),
+    (("evict", "reject"), (("evict",),), (("evict",),)),
+])
+def test_the_chain_decides_the_room_making_passes_in_its_order(
+        steps: tuple[str, ...], early: tuple[tuple[str, ...], ...],
+        late: tuple[tuple[str, ...], ...]) -> None:
+    chain = PolicyChain(steps)  # type: ignore[arg-type]
+    assert chain.room_passes(may_defer=True) == early   # before its deadline
+    assert chain.room_passes(may_defer=False) == late   # after it, or may not defer
