@@ -146,3 +146,20 @@ def test_no_circle_of_imports() -> None:
         if state.get(name) is None and visit(name, []):
             break
     assert not circle, "a circle of imports: " + " -> ".join(circle)
+
+
+def test_no_module_over_800_lines_and_no_class_over_400() -> None:
+    """Modules small enough to read in one sitting (the package's and the benchmarks')."""
+    paths = list(modules().values()) + sorted((ROOT / "benchmarks").glob("*.py"))
+    too_big: list[str] = []
+    for path in paths:
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > 800:
+            too_big.append(f"{path.relative_to(ROOT)}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                size = node.end_lineno - node.lineno + 1
+                if size > 400:
+                    too_big.append(f"{path.relative_to(ROOT)}: class {node.name}, {size} lines")
+    assert not too_big, "\n".join(too_big)
