@@ -107,7 +107,7 @@ class StoreCore:
     def add_tier(self, tier: Tier) -> None:
         """A tier beyond the store's own (see ``kvstore.tier``): listed after them, its
         copies kept in ``Block.extra`` under its name."""
-        if tier.name in self.added_tiers or any(t.name == tier.name for t in self.tiers):
+        if any(t.name == tier.name for t in self.tiers):
             raise ValueError(f"a tier named {tier.name!r} is already there")
         self.added_tiers[tier.name] = tier
         self.tiers.append(tier)
@@ -131,10 +131,6 @@ class StoreCore:
     @pressure.setter
     def pressure(self, steps: tuple[Step, ...]) -> None:
         self.chain = PolicyChain(tuple(steps))
-
-    @property
-    def allow_evict(self) -> bool:
-        return "evict" in self.pressure
 
     @property
     def allow_demote(self) -> bool:

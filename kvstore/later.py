@@ -11,19 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from kvstore import protocol as p
-from kvstore.config import Config
 from kvstore.errors import CapacityError, KVStoreError
-from kvstore.metrics import Metrics
-from kvstore.moves import Moves
 from kvstore.pending import Later, Pending
-from kvstore.sessions import Session, Sessions
-from kvstore.store import BlockStore, Plan
-from kvstore.transport import Transport
-from kvstore.verbs import Answer, Handler
+from kvstore.sessions import Session
+from kvstore.store import Plan
+from kvstore.verbs import Answer, Daemon, Handler
 
 log = logging.getLogger("kvstore.server")
 
@@ -32,37 +27,10 @@ DEFERRABLE = frozenset({"reserve", "put", "acquire", "get"})
 _MAX_ROUNDS = 1000  # plans one request may go through (each a move, or a wake-up)
 
 
-class Host(Protocol):
-    """What finishing requests uses of the daemon."""
-
-    @property
-    def config(self) -> Config: ...
-    @property
-    def store(self) -> BlockStore: ...
-    @property
-    def moves(self) -> Moves: ...
-    @property
-    def metrics(self) -> Metrics | None: ...
-    @property
-    def sessions(self) -> Sessions: ...
-    @property
-    def transport(self) -> Transport: ...
-    @property
-    def clock(self) -> Callable[[], float]: ...
-    @property
-    def defer(self) -> bool: ...
-    @property
-    def debug_invariants(self) -> bool: ...
-    @property
-    def scheduling(self) -> dict[str, int]: ...
-
-    def check_invariants(self) -> bool: ...
-
-
 class Finisher:
     """Runs requests' attempts, and finishes in a task those that must wait."""
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: Daemon) -> None:
         self.d = host
 
     def attempt(self, handler: Handler, session: Session, request: Any,
@@ -82,7 +50,7 @@ class Finisher:
         d.scheduling["defers"] += 1
         if d.metrics is not None:
             d.metrics.observe_defer("dram", tenant)
-        return Plan(defer_until=d.clock() + d.config.dram.defer_seconds, cause=str(exc),
+        return Plan(defer_until=d.clock() + d.config.dram.defer_seconds,
                     ticket=d.moves.room.ticket())
 
     def may_defer(self, verb: str) -> bool:
@@ -154,7 +122,6 @@ class Finisher:
                         f"no room in the dram tier within "
                         f"{self.d.config.dram.defer_seconds:g}s (deferred, then rejected): "
                         f"{exc}", cause="deadline") from None
-                plan.cause = str(exc)
                 continue  # still no room: wait again, in its place, until the deadline
             if isinstance(answer, tuple):
                 if len(self.d.moves.room):

@@ -104,18 +104,23 @@ class Moves:
                  gpu: GpuMover | None = None) -> None:
         self.store = store
         self.clock = clock
-        self.ssd = ssd
-        self.remote = remote
-        self.gpu = gpu
         self.room = RoomWaiters(clock)
         self._background = Background()
         self._through: TurnBatch[Block] = TurnBatch(self._background, self._write_through)
         self._writing_back = False
-        # with an SSD tier and the remote store's write-back: SSD copies sent up
-        self._send_from_ssd = ssd is not None and remote is not None and remote.write_back
         self._ssd_copier: asyncio.Task[None] | None = None
         self._ssd_retry_at = 0.0
         self._stopping = False
+        self.attach(ssd=ssd, remote=remote, gpu=gpu)
+
+    def attach(self, *, ssd: SsdMover | None = None, remote: RemoteTier | None = None,
+               gpu: GpuMover | None = None) -> None:
+        """The tiers' movers (the daemon makes them as it starts)."""
+        self.ssd = ssd
+        self.remote = remote
+        self.gpu = gpu
+        # with an SSD tier and the remote store's write-back: SSD copies sent up
+        self._send_from_ssd = ssd is not None and remote is not None and remote.write_back
 
     # -- plans --------------------------------------------------------------------------------
     async def carry_out(self, plan: Plan) -> None:
@@ -146,8 +151,9 @@ class Moves:
             parts.append(part("promote", lambda: self._promote(plan)))
         if plan.reads:
             parts.append(self._reads(plan.reads))
-        if not parts:  # room on its way from writes under way: wait for it a little
-            await self.room.wait(self.clock() + _ROOM_COMING_WAIT)
+        if not parts:
+            if plan.room_coming:  # writes under way will free room: wait a little
+                await self.room.wait(self.clock() + _ROOM_COMING_WAIT)
             return
         try:
             # all at once: the room comes in one go; each move finishes its own blocks

@@ -38,7 +38,6 @@ class Plan:
     defer_until: float | None = None
     expired: bool = False  # a deferral whose deadline passed: the last attempt runs
     ticket: int = 0        # a deferral's place in line, kept while it retries
-    cause: str = ""        # why there was no room, the last time it was tried
 
     def __repr__(self) -> str:
         promote = len(self.promote.blocks) if self.promote is not None else 0

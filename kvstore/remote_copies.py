@@ -31,9 +31,7 @@ class RemoteCopies:
         block.remote = False  # forgotten here; the remote store keeps its own
 
     def stats(self) -> dict[str, int]:
-        return {"known_blocks": sum(1 for ns in self.store.namespaces.values()
-                                    for b in ns.blocks.values() if b.remote),
-                "writing_back": len(self.store.remote_demoting),
+        return {"writing_back": len(self.store.remote_demoting),
                 "write_backs": self.store.counters.remote_writebacks}
 
     def check(self, blocks: Iterable[Block]) -> None:

@@ -100,7 +100,7 @@ class Server:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self.moves = Moves(self.store, clock)  # its tiers' movers join at start
+        self.moves = Moves(self.store, clock)  # its tiers' movers join in start()
         self.finisher = Finisher(self)
         self.verbs = Verbs(self)
 
@@ -138,8 +138,7 @@ class Server:
                 raise
         if self.config.gpu.device:
             self._start_gpu()
-        self.moves = Moves(self.store, self.clock, ssd=self.ssd, remote=self.remote,
-                           gpu=self.gpu)
+        self.moves.attach(ssd=self.ssd, remote=self.remote, gpu=self.gpu)
         self._loop.call_soon(self.moves.start)  # restored SSD copies to send, say
         self.transport.open(self._loop)
         self._schedule_reaper()

@@ -18,7 +18,8 @@ def tier_stats(store: StoreCore) -> dict[str, dict[str, int]]:
 
 
 def check_invariants(store: StoreCore) -> None:
-    """Conservation per tier and class, one state per slot, closure, pins off orders."""
+    """Every tier's own invariants (``Tier.check``), and what spans tiers: pins, tenants'
+    charges, prefix closure, child counts."""
     pin_counts: dict[Block, int] = {}
     for state in store.owners.values():
         for r in state.reservations.values():

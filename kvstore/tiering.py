@@ -121,10 +121,6 @@ class SsdMover:
     def _resume_writes(self) -> None:
         self.store.ssd_writable = True
 
-    def reading(self, t: Transfer) -> bool:
-        """Whether the reads of a promotion began (they then finish it, either way)."""
-        return any(self._promoting.get(b) is not None for b in t.blocks[:1])
-
     async def wait_reads(self, blocks: list[Block]) -> None:
         """Wait for the promotions under way of these blocks (other requests' reads)."""
         waits = [self._promoting[b] for b in blocks if b in self._promoting]

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from kvstore import protocol as p
 from kvstore.auth import Auth
+from kvstore.config import Config
 from kvstore.errors import (
     CapacityError,
     ForbiddenError,
@@ -45,7 +46,14 @@ Handler = Callable[[Session, Any, list[Any]], Answer]
 
 
 class Daemon(Protocol):
-    """What the verbs use of the daemon that runs them."""
+    """What the verbs, and finishing requests (``kvstore.later``), use of the daemon."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def defer(self) -> bool: ...
+    @property
+    def debug_invariants(self) -> bool: ...
 
     @property
     def store(self) -> BlockStore: ...
@@ -83,6 +91,8 @@ class Daemon(Protocol):
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def check_invariants(self) -> bool: ...
 
 
 class Verbs:

@@ -71,16 +71,29 @@ def test_a_deferred_reservation_is_rejected_at_its_deadline(daemon_factory: Any)
         holder.close()
 
 
+def _eight_block_daemon(daemon_factory: Any, tmp_path: Any, chain: str,
+                       defer_seconds: float) -> Any:
+    """A daemon whose DRAM holds eight BIG blocks, under the pressure chain ``chain``."""
+    config = tmp_path / "chain.toml"
+    config.write_text(f"[dram]\npressure = {chain}\ndefer_seconds = {defer_seconds}\n")
+    return daemon_factory(dram_capacity=str(8 * BIG.block_bytes),
+                          extra=["--slab-size", str(8 * BIG.block_bytes),
+                                 "--config", str(config)])
+
+
+def _fill(ns: Any) -> list[bytes]:
+    """Eight blocks in one chain: the tier is full, nothing pinned."""
+    keys: list[bytes] = ns.keys(range(16 * 8))
+    ns.put(keys, [bytes(BIG.block_bytes)] * 8)
+    return keys
+
+
 def test_without_evict_in_the_chain_cached_blocks_stay(daemon_factory: Any,
                                                        tmp_path: Any) -> None:
-    config = tmp_path / "chain.toml"
-    config.write_text('[dram]\npressure = ["defer", "reject"]\ndefer_seconds = 0.1\n')
-    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes),
-                       extra=["--slab-size", str(8 * BIG.block_bytes), "--config", str(config)])
+    d = _eight_block_daemon(daemon_factory, tmp_path, '["defer", "reject"]', 0.1)
     with Client(d.endpoint, tenant="acme") as c:
         ns = c.namespace(BIG)
-        keys = ns.keys(range(16 * 8))
-        ns.put(keys, [bytes(BIG.block_bytes)] * 8)     # full, nothing pinned
+        keys = _fill(ns)
         with pytest.raises(CapacityError):
             ns.put(ns.keys(range(10**6, 10**6 + 16)), [bytes(BIG.block_bytes)])
         assert ns.lookup(keys).blocks == 8             # nothing was evicted
@@ -252,14 +265,10 @@ def test_the_daemon_runs_the_pressure_chain_in_its_order(daemon_factory: Any, tm
                                                          chain: str, waits: bool) -> None:
     """Evict before defer: a full tier makes room at once.  Defer before evict: the
     request first waits for room (none comes), and evicts only at its deadline."""
-    config = tmp_path / "chain.toml"
-    config.write_text(f'[dram]\npressure = {chain}\ndefer_seconds = 0.4\n')
-    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes),
-                       extra=["--slab-size", str(8 * BIG.block_bytes), "--config", str(config)])
+    d = _eight_block_daemon(daemon_factory, tmp_path, chain, 0.4)
     with Client(d.endpoint, tenant="acme") as c:
         ns = c.namespace(BIG)
-        keys = ns.keys(range(16 * 8))
-        ns.put(keys, [bytes(BIG.block_bytes)] * 8)     # full, nothing pinned
+        keys = _fill(ns)
         started = time.monotonic()
         ns.put(ns.keys(range(10**6, 10**6 + 16)), [bytes(BIG.block_bytes)])
         waited = time.monotonic() - started
