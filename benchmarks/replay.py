@@ -75,15 +75,19 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Self
 
-import numpy as np
-
-from kvstore.client import Client, Held, Namespace
-from kvstore.errors import CapacityError
-from kvstore.identity import Identity
+from kvstore.bench.replay import (  # the daemon's side of the replay lives in the package
+    DAEMON_IDENTITY,
+    SLAB_BYTES,
+    SLAB_SLOTS,
+    SLOT_BYTES,
+    DaemonCache,
+    KeyChains,
+    daemon_capacity,
+)
+from kvstore.client import Client
 from kvstore.scheduler.eviction import POLICIES
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests)
@@ -117,31 +121,8 @@ DEFAULT_CAPACITIES = (0.02, 0.05, 0.10, 0.25)
 
 # -- the real daemon ------------------------------------------------------------------------
 
-# Tiny blocks keep the arena small: 2 (K, V) * 1 layer * 1 head * 8 dims * 2 bytes * 512.
-DAEMON_IDENTITY = Identity(
-    model="replay",
-    model_revision="1",
-    tenant="replay",
-    kv_dtype="float16",
-    num_layers=1,
-    num_kv_heads=1,
-    head_dim=8,
-    block_tokens=BLOCK_TOKENS,
-)
-SLOT_BYTES = -(-DAEMON_IDENTITY.block_bytes // 4096) * 4096  # slots are 4 KiB aligned
-SLAB_BYTES = 64 << 10  # the smallest slab the daemon takes
-SLAB_SLOTS = SLAB_BYTES // SLOT_BYTES
-MIN_DRAM_BLOCKS = (1 << 20) // SLOT_BYTES  # the smallest DRAM tier it takes: 1 MiB
-
-
 def sim_capacity(share: float, unique: int) -> int:
     return max(1, round(share * unique))
-
-
-def daemon_capacity(share: float, unique: int) -> int:
-    """Blocks of a DRAM tier of whole slabs nearest ``share`` of ``unique``."""
-    slabs = max(MIN_DRAM_BLOCKS // SLAB_SLOTS, round(share * unique / SLAB_SLOTS))
-    return slabs * SLAB_SLOTS
 
 
 class Daemon:
@@ -219,81 +200,6 @@ class Daemon:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-
-class KeyChains:
-    """The daemon's keys of the trace's block ids, computed once through ``ns.keys``.
-
-    An id stands for its whole prefix, so its key (chained over the tokens
-    ``range(h * 512, h * 512 + 512)`` of every id up to it) is the same in every request;
-    namespaces of the same identity share them, so one instance serves every daemon.
-    """
-
-    def __init__(self) -> None:
-        self._keys: dict[int, bytes] = {}
-        self._offsets = np.arange(BLOCK_TOKENS, dtype=np.int64)
-
-    def __call__(self, ns: Namespace, ids: Sequence[int]) -> list[bytes]:
-        known = self._keys
-        n = 0
-        while n < len(ids) and ids[n] in known:
-            n += 1
-        keys = [known[h] for h in ids[:n]]
-        if n < len(ids):
-            rest = np.asarray(ids[n:], dtype=np.int64)
-            tokens = (rest[:, None] * BLOCK_TOKENS + self._offsets).ravel()
-            new = ns.keys(tokens, parent=keys[-1] if keys else None)
-            known.update(zip(ids[n:], new))
-            keys += new
-        return keys
-
-
-@dataclass
-class DaemonCache:
-    """``replay``'s cache interface over a namespace of a real daemon (see the module
-    docstring); ``capacity`` is its DRAM tier in blocks."""
-
-    ns: Namespace
-    chains: KeyChains
-    capacity: int
-    hold: bool = True
-    rejects: int = 0
-    _keys: list[bytes] = field(default_factory=list)
-    _held: Held | None = None
-
-    def __post_init__(self) -> None:
-        self._zeros = bytes(self.ns.block_bytes)
-
-    def lookup(self, ids: Sequence[int]) -> int:
-        self._keys = keys = self.chains(self.ns, ids)
-        hits = self.ns.lookup(keys).blocks
-        if self.hold and hits:
-            self._held = self.ns.acquire(keys[:hits])
-        return hits
-
-    def insert(self, ids: Sequence[int], hits: int) -> None:
-        keys, ns = self._keys, self.ns
-        try:
-            missing = len(keys) - hits
-            if not missing:
-                return
-            parent = keys[hits - 1] if hits else None
-            try:
-                ns.put(keys[hits:], [self._zeros] * missing, parent=parent)
-            except CapacityError:
-                # The rest of the cache cannot make room for them all; the simulator
-                # stores as many as fit beside the request's hits, so do the same.
-                self.rejects += 1
-                room = self.capacity - hits
-                if 0 < room < missing:
-                    try:
-                        ns.put(keys[hits : hits + room], [self._zeros] * room, parent=parent)
-                    except CapacityError:
-                        pass
-        finally:
-            if self._held is not None:
-                self._held.release()
-                self._held = None
 
 
 def replay_daemon(

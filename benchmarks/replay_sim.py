@@ -1,5 +1,6 @@
-"""The offline half of benchmarks/replay.py: the trace, the replay loop, and the caches
-it drives in-process (no daemon, no sockets).
+"""The offline half of benchmarks/replay.py: the caches it drives in-process (no daemon,
+no sockets), beside the trace and the replay loop of ``kvstore.bench.replay`` (imported
+here, and from here by benchmarks/replay.py).
 
 ``PolicyCache`` runs a registered eviction policy the way the store calls it; the
 bounds (``BeladyCache``, ``RateOracleCache``, ``OracleCache``, ``InfiniteCache``) are
@@ -12,182 +13,32 @@ from __future__ import annotations
 import bisect
 import heapq
 import sys
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
 
-import msgspec
-
+from kvstore.bench.replay import (  # noqa: F401 - handed on to benchmarks/replay.py
+    BLOCK_TOKENS,
+    InfiniteCache,
+    PolicyCache,
+    PrefixCache,
+    ReplayStats,
+    TraceRequest,
+    cacheable,
+    load_trace,
+    replay,
+    unique_blocks,
+)
 from kvstore.scheduler.eviction import EvictionPolicy, LRUPolicy
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import WORKLOADS  # after the path: benchmarks/ is no package
 
-BLOCK_TOKENS = 512
-
-
-class TraceRequest(msgspec.Struct):
-    """One line of the trace."""
-
-    timestamp: int
-    input_length: int
-    output_length: int
-    hash_ids: list[int]
-
-
-def load_trace(path: Path) -> list[TraceRequest]:
-    """Every request of a JSON-lines trace, in order."""
-    decoder = msgspec.json.Decoder(TraceRequest)
-    with path.open("rb") as f:
-        return [decoder.decode(line) for line in f if line.strip()]
-
-
 def synthetic(name: str, requests: int = 0) -> list[TraceRequest]:
     """A synthetic workload of benchmarks/workloads.py (its default size, or ``requests``)."""
     generate = WORKLOADS[name]
     made = generate(requests) if requests > 0 else generate()
     return [TraceRequest(*request) for request in made]
-
-
-def cacheable(trace: Iterable[TraceRequest], partial: bool = False) -> list[TraceRequest]:
-    """The trace with each request's ids cut to its full blocks, the only ones with keys
-    (all of them, the partial last block as well, with ``partial``)."""
-    if partial:
-        return list(trace)
-    return [
-        msgspec.structs.replace(r, hash_ids=r.hash_ids[: r.input_length // BLOCK_TOKENS])
-        for r in trace
-    ]
-
-
-class PrefixCache(Protocol):
-    """What ``replay`` drives: one lookup and one insert per request, in trace order.
-
-    An ``evictions`` attribute, where the cache has one, is reported too.
-    """
-
-    def lookup(self, keys: Sequence[int]) -> int:
-        """How many leading keys are cached; they stay pinned until ``insert``."""
-        ...
-
-    def insert(self, keys: Sequence[int], hits: int) -> None:
-        """Cache ``keys[hits:]`` as far as room allows, then release the request's pins."""
-        ...
-
-
-@dataclass
-class ReplayStats:
-    """Totals of one replay."""
-
-    blocks: int = 0
-    hit_blocks: int = 0
-    tokens: int = 0
-    hit_tokens: int = 0
-    evictions: int = 0
-    rejects: int = 0  # puts refused with CapacityError (daemon only)
-    tiers: dict[str, dict[str, int]] | None = None  # the daemon's per-tier counters
-
-    @property
-    def block_hit_rate(self) -> float:
-        return self.hit_blocks / self.blocks if self.blocks else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.tokens if self.tokens else 0.0
-
-
-def replay(trace: Iterable[TraceRequest], cache: PrefixCache) -> ReplayStats:
-    """Run every request through ``cache``; count hit blocks and tokens.
-
-    A hit block is 512 tokens, except a partial last block (kept by ``cacheable`` with
-    ``partial``), which holds the rest of ``input_length``.
-    """
-    stats = ReplayStats()
-    for request in trace:
-        keys = request.hash_ids
-        hits = cache.lookup(keys)
-        stats.blocks += len(keys)
-        stats.hit_blocks += hits
-        stats.tokens += request.input_length
-        stats.hit_tokens += min(hits * BLOCK_TOKENS, request.input_length)
-        cache.insert(keys, hits)
-    stats.evictions = getattr(cache, "evictions", 0)
-    stats.rejects = getattr(cache, "rejects", 0)
-    return stats
-
-
-class PolicyCache:
-    """A block store in miniature: a fixed number of slots, prefix closure, one policy.
-
-    Calls the policy as the real store does: ``access`` deepest block first on a hit
-    (``touches`` times: the daemon's lookup and acquire make two), ``pin``/``unpin``
-    around the request, ``insert`` on commit, and ``pop_victim`` with a test that passes
-    only blocks without a cached child.
-    """
-
-    def __init__(
-        self, policy: EvictionPolicy[Hashable], capacity: int, touches: int = 1
-    ) -> None:
-        self.policy = policy
-        self.capacity = capacity
-        self.touches = touches
-        self.evictions = 0
-        self._parent: dict[int, int | None] = {}
-        self._children: dict[int, int] = {}  # cached children per cached block
-
-    def _is_leaf(self, key: Hashable) -> bool:
-        return self._children[key] == 0  # type: ignore[index]
-
-    def lookup(self, keys: Sequence[int]) -> int:
-        children = self._children
-        hits = 0
-        for key in keys:
-            if key not in children:
-                break
-            hits += 1
-        policy = self.policy
-        for _ in range(self.touches):
-            for key in reversed(keys[:hits]):
-                policy.access(key)
-        for key in keys[:hits]:
-            policy.pin(key)
-        return hits
-
-    def insert(self, keys: Sequence[int], hits: int) -> None:
-        policy = self.policy
-        children = self._children
-        stored = hits
-        for i in range(hits, len(keys)):
-            if len(children) >= self.capacity and not self._evict_one():
-                break  # everything left is pinned or a prefix of something pinned
-            key = keys[i]
-            parent = keys[i - 1] if i else None
-            children[key] = 0
-            self._parent[key] = parent
-            if parent is not None:
-                children[parent] += 1
-            policy.insert(key)
-            policy.pin(key)
-            stored += 1
-        # Deepest first, as for hits: parents end up warmer than their children.
-        for key in reversed(keys[:stored]):
-            policy.unpin(key)
-
-    def _evict_one(self) -> bool:
-        victim = self.policy.pop_victim(self._is_leaf)
-        if victim is None:
-            return False
-        assert isinstance(victim, int) and self._children[victim] == 0, (
-            f"policy returned {victim!r}, which is not a cached leaf"
-        )
-        del self._children[victim]
-        parent = self._parent.pop(victim)
-        if parent is not None:
-            self._children[parent] -= 1
-        self.evictions += 1
-        return True
 
 
 class OracleAdmitLRU(LRUPolicy[Hashable]):
@@ -401,28 +252,3 @@ class BeladyCache:
         for entry in held:
             heapq.heappush(heap, entry)
         return victim
-
-
-class InfiniteCache:
-    """Never evicts: the bound of a cache as large as the trace."""
-
-    evictions = 0
-
-    def __init__(self) -> None:
-        self._cached: set[int] = set()
-
-    def lookup(self, keys: Sequence[int]) -> int:
-        hits = 0
-        for key in keys:
-            if key not in self._cached:
-                break
-            hits += 1
-        return hits
-
-    def insert(self, keys: Sequence[int], hits: int) -> None:
-        self._cached.update(keys[hits:])
-
-
-def unique_blocks(trace: Iterable[TraceRequest]) -> int:
-    """How many distinct block ids the trace references."""
-    return len({key for request in trace for key in request.hash_ids})

@@ -1,4 +1,4 @@
-"""The ``kvstore`` command: serve, ping, stats, config."""
+"""The ``kvstore`` command: serve, ping, stats, config, bench."""
 
 from __future__ import annotations
 
@@ -296,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("action", choices=["check", "show"])
     config.add_argument("file", nargs="?", help="TOML file (show: defaults if omitted)")
     config.set_defaults(func=_cmd_config)
+
+    from kvstore.bench.command import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

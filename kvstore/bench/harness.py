@@ -1,0 +1,271 @@
+"""What every section of ``kvstore bench`` shares: paired timing, rows, progress, and the
+processes it starts (a daemon, the bare pyzmq echo peer)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from kvstore.errors import KVStoreError
+
+
+class BenchError(KVStoreError):
+    """A benchmark could not run: a peer or daemon did not start, or bad arguments."""
+
+
+@dataclass
+class Row:
+    """One measurement side by side with its peer.
+
+    ``ratio`` is kvstore's figure over the peer's in the row's unit; ``share`` turns it
+    so that 1.0 is the peer (the limit) and more is better, whatever the unit: the peer's
+    time over ours for latencies, ours over the peer's for bandwidths.
+    """
+
+    section: str
+    name: str
+    unit: str
+    kvstore: float
+    peer: float
+    peer_name: str
+    better: str  # "lower" (a latency) or "higher" (a bandwidth or a rate)
+    goal: float | None = None  # the ratio the issue aims at (<= for lower, >= for higher)
+
+    @property
+    def ratio(self) -> float:
+        return self.kvstore / self.peer if self.peer else float("nan")
+
+    @property
+    def share(self) -> float:
+        if self.better == "lower":
+            return self.peer / self.kvstore if self.kvstore else float("nan")
+        return self.ratio
+
+    def to_json(self) -> dict[str, Any]:
+        return {"section": self.section, "name": self.name, "unit": self.unit,
+                "kvstore": self.kvstore, "peer": self.peer, "peer_name": self.peer_name,
+                "ratio": self.ratio, "share_of_limit": self.share, "better": self.better,
+                "goal": self.goal}
+
+
+@dataclass
+class Results:
+    """Everything a run measured: rows, sweeps (curves for the plots), sections that did
+    not run and why, and the figures of the LMCache comparison."""
+
+    rows: list[Row] = field(default_factory=list)
+    sweeps: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    against: dict[str, Any] = field(default_factory=dict)
+
+
+def paired(ours: Callable[[], object], peer: Callable[[], object], repeats: int,
+           inner: int = 1) -> tuple[float, float]:
+    """Median seconds per call of each, samples interleaved so that noise hits both."""
+    ours()
+    peer()
+    samples: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for fn, out in ((ours, samples[0]), (peer, samples[1])):
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            out.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples[0]), statistics.median(samples[1])
+
+
+class Progress:
+    """Progress on stderr: a bar redrawn in place on a terminal, plain lines elsewhere
+    (a log, a pipe), and nothing at all when ``quiet``."""
+
+    WIDTH = 28
+
+    def __init__(self, total: int, stream: IO[str] | None = None, quiet: bool = False) -> None:
+        self.total = max(total, 1)
+        self.done = 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.quiet = quiet
+        self.tty = self.stream.isatty()
+
+    def step(self, what: str) -> None:
+        """Say that ``what`` starts now."""
+        if self.quiet:
+            return
+        if self.tty:
+            filled = self.WIDTH * self.done // self.total
+            bar = "#" * filled + "-" * (self.WIDTH - filled)
+            self.stream.write(f"\r\x1b[K[{bar}] {self.done}/{self.total} {what}")
+        else:
+            self.stream.write(f"kvstore bench: [{self.done + 1}/{self.total}] {what}\n")
+        self.stream.flush()
+
+    def advance(self) -> None:
+        self.done = min(self.done + 1, self.total)
+
+    def note(self, text: str) -> None:
+        """A line that stays (a section skipped, a warning)."""
+        if self.quiet:
+            return
+        if self.tty:
+            self.stream.write("\r\x1b[K")
+        self.stream.write(f"kvstore bench: {text}\n")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.tty and not self.quiet:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
+def _clean_env() -> dict[str, str]:
+    """The environment for a started daemon: none of the user's KVSTORE_ settings, which
+    would point it at their endpoint or configuration."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+
+
+class Daemon:
+    """``python -m kvstore serve`` under ``root``, from its "serving on" line to SIGTERM."""
+
+    def __init__(self, root: Path, *, dram: str, ssd: str = "0",
+                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.endpoint = f"ipc://{root / 'kvstore.sock'}"
+        self.args = [sys.executable, "-m", "kvstore", "serve", "--endpoint", self.endpoint,
+                     "--dram-capacity", dram, "--ssd-capacity", ssd,
+                     "--ssd-path", str(root / "ssd"), "--log-level", "warning",
+                     *(extra or [])]
+        self.env = env or {}
+        self.log_path = root / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> Daemon:
+        env = _clean_env()
+        env.update(self.env)
+        with open(self.log_path, "ab") as log:
+            self.proc = proc = subprocess.Popen(self.args, stdout=subprocess.PIPE,
+                                                stderr=log, env=env)
+        assert proc.stdout is not None
+        watchdog = threading.Timer(timeout, proc.kill)
+        watchdog.start()
+        try:
+            for line in proc.stdout:
+                if b"serving on" in line:
+                    break
+            else:
+                raise BenchError("the daemon it started did not come up: "
+                                 + self.log_path.read_text(errors="replace")[-1500:])
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            watchdog.cancel()
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain the rest
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
+
+    def stop(self) -> None:
+        """SIGTERM: the daemon drains its writes and syncs its index on the way out."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> Daemon:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+ECHO_PEER = r"""
+import sys, zmq
+ctx = zmq.Context()
+sock = ctx.socket(zmq.ROUTER)
+sock.setsockopt(zmq.SNDHWM, 0); sock.setsockopt(zmq.RCVHWM, 0)
+sock.bind(sys.argv[1])
+print("ready", flush=True)
+blob = b""
+while True:
+    frames = sock.recv_multipart(copy=False)
+    head = frames[1].bytes
+    if head == b"stop":
+        sock.send_multipart([frames[0], b"bye"])
+        break
+    if head == b"sink":               # bulk put: take the frames, answer small
+        sock.send_multipart([frames[0], b"ok"])
+    elif head.startswith(b"source"):  # bulk get: answer with N frames of SIZE
+        n, size = map(int, head.split()[1:])
+        if len(blob) != size:
+            blob = bytes(size)
+        sock.send_multipart([frames[0], b"ok", *([blob] * n)], copy=False)
+    else:                              # echo
+        sock.send_multipart(frames, copy=False)
+"""
+
+
+class EchoPeer:
+    """A bare pyzmq ROUTER in its own process (as the daemon is): echoes a request, takes
+    bulk frames (``sink``) or sends them (``source N SIZE``).  The limit the control and
+    frame planes are measured against."""
+
+    def __init__(self, root: Path) -> None:
+        self.endpoint = f"ipc://{root / 'echo.sock'}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> EchoPeer:
+        self.proc = subprocess.Popen([sys.executable, "-c", ECHO_PEER, self.endpoint],
+                                     stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != b"ready":
+            self.stop()
+            raise BenchError("the pyzmq echo peer did not start")
+        return self
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@dataclass
+class Settings:
+    """What every section is told: how long to run, where the daemon and the echo peer
+    listen, and where it may put files."""
+
+    endpoint: str
+    echo: str
+    workdir: Path
+    repeat: int
+    quick: bool
+    tenant: str = "bench"
+    token: str | None = None
+    timeout: float = 30.0
+
+    @property
+    def inner(self) -> int:
+        """Round trips per latency sample."""
+        return 20 if self.quick else 200
