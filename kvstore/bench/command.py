@@ -167,7 +167,7 @@ def _run_sections(args: argparse.Namespace, sections: list[str], repeat: int, wo
     on_daemon = [s for s in sections if s in ("control", "arena", "frames", "sweeps")]
     if on_daemon:
         daemon = None
-        echo = EchoPeer(work).start()
+        echo = EchoPeer().start()
         try:
             endpoint = args.endpoint
             if endpoint is None:

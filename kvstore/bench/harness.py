@@ -4,10 +4,12 @@ processes it starts (a daemon, the bare pyzmq echo peer)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -126,6 +128,12 @@ class Progress:
             self.stream.flush()
 
 
+def short_dir() -> Path:
+    """A fresh directory for ipc:// sockets in the system's temporary directory: a
+    socket's path may not be longer than 107 bytes, which a deep ``--dir`` would pass."""
+    return Path(tempfile.mkdtemp(prefix="kvb-"))
+
+
 def _clean_env() -> dict[str, str]:
     """The environment for a started daemon: none of the user's KVSTORE_ settings, which
     would point it at their endpoint or configuration."""
@@ -139,7 +147,8 @@ class Daemon:
                  extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
-        self.endpoint = f"ipc://{root / 'kvstore.sock'}"
+        self.sockets = short_dir()
+        self.endpoint = f"ipc://{self.sockets / 'kvstore.sock'}"
         self.args = [sys.executable, "-m", "kvstore", "serve", "--endpoint", self.endpoint,
                      "--dram-capacity", dram, "--ssd-capacity", ssd,
                      "--ssd-path", str(root / "ssd"), "--log-level", "warning",
@@ -149,6 +158,7 @@ class Daemon:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60.0) -> Daemon:
+        self.sockets.mkdir(exist_ok=True)  # again after a stop: a restart
         env = _clean_env()
         env.update(self.env)
         with open(self.log_path, "ab") as log:
@@ -179,8 +189,14 @@ class Daemon:
     def stop(self) -> None:
         """SIGTERM: the daemon drains its writes and syncs its index on the way out."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
+        try:
+            if proc is not None:
+                self._end(proc)
+        finally:
+            shutil.rmtree(self.sockets, ignore_errors=True)
+
+    @staticmethod
+    def _end(proc: subprocess.Popen[bytes]) -> None:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -227,8 +243,9 @@ class EchoPeer:
     bulk frames (``sink``) or sends them (``source N SIZE``).  The limit the control and
     frame planes are measured against."""
 
-    def __init__(self, root: Path) -> None:
-        self.endpoint = f"ipc://{root / 'echo.sock'}"
+    def __init__(self) -> None:
+        self.sockets = short_dir()
+        self.endpoint = f"ipc://{self.sockets / 'echo.sock'}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> EchoPeer:
@@ -242,13 +259,13 @@ class EchoPeer:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
 
 @dataclass

@@ -10,7 +10,6 @@ optional extra (``pip install 'kvstore[plot]'``), imported only here.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,9 @@ COLOURS = {"control": "#4c72b0", "arena": "#55a868", "frames": "#c44e52", "ssd":
 
 def missing_library() -> str | None:
     """Why plotting cannot run here, or None when it can."""
-    if importlib.util.find_spec("matplotlib") is None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
         return ("matplotlib is not installed; install the plot extra: "
                 "pip install 'kvstore[plot]'")
     return None
