@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -36,6 +37,7 @@ from typing import Any
 
 SECTIONS = ("control", "arena", "frames", "sweeps", "ssd", "remote", "replay")
 DEFAULT_SECTIONS = ("control", "arena", "frames")
+ON_DAEMON = ("control", "arena", "frames", "sweeps")  # on --endpoint or one it starts
 # progress steps per section
 STEPS = {"control": 4, "arena": 2, "frames": 2, "sweeps": 2, "ssd": 2, "remote": 2,
          "replay": 1}
@@ -68,6 +70,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                             "redis-server if one is installed)")
     bench.add_argument("--trace", type=Path, metavar="FILE",
                        help="replay section: a JSON-lines trace of prefix-block ids")
+    bench.add_argument("--against", choices=["lmcache"], action="append", default=[],
+                       help="also measure LMCache's multiprocess server with the same "
+                            "definitions (a 64-key lookup; 16 blocks of 256 KiB and 2 MiB "
+                            "stored and loaded)")
+    bench.add_argument("--lmcache-python", type=Path, metavar="PATH",
+                       help="--against lmcache: the Python of an environment where "
+                            "LMCache is installed (default: this one)")
     bench.add_argument("--timeout", type=float, default=30.0,
                        help="seconds to wait for a reply")
     bench.set_defaults(func=run, bench_parser=bench)
@@ -105,6 +114,10 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser,
         parser.error(f"--trace: no such file: {args.trace}")
     if args.dir is not None and not args.dir.is_dir():
         parser.error(f"--dir: no such directory: {args.dir}")
+    if args.lmcache_python is not None and not os.access(args.lmcache_python, os.X_OK):
+        parser.error(f"--lmcache-python: not an executable: {args.lmcache_python}")
+    if args.lmcache_python is not None and "lmcache" not in args.against:
+        parser.error("--lmcache-python goes with --against lmcache")
     if args.endpoint is not None and not args.endpoint.startswith(("ipc://", "tcp://")):
         parser.error(f"--endpoint must be ipc://PATH or tcp://HOST:PORT, not "
                      f"{args.endpoint!r}")
@@ -130,8 +143,9 @@ def run(args: argparse.Namespace) -> int:
     from kvstore.bench.harness import Progress, Results
 
     results = Results()
-    total = sum(STEPS[s] for s in sections)
-    if args.endpoint is None and set(sections) & {"control", "arena", "frames", "sweeps"}:
+    lmcache = "lmcache" in args.against
+    total = sum(STEPS[s] for s in sections) + lmcache
+    if args.endpoint is None and (lmcache or set(sections) & set(ON_DAEMON)):
         total += 1  # starting the daemon
     progress = Progress(total)
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=args.dir))
@@ -164,8 +178,9 @@ def _run_sections(args: argparse.Namespace, sections: list[str], repeat: int, wo
     from kvstore.bench import planes
     from kvstore.bench.harness import Daemon, EchoPeer, Settings
 
-    on_daemon = [s for s in sections if s in ("control", "arena", "frames", "sweeps")]
-    if on_daemon:
+    on_daemon = [s for s in sections if s in ON_DAEMON]
+    lmcache = "lmcache" in args.against
+    if on_daemon or lmcache:
         daemon = None
         echo = EchoPeer().start()
         try:
@@ -180,6 +195,11 @@ def _run_sections(args: argparse.Namespace, sections: list[str], repeat: int, wo
                          timeout=args.timeout)
             for name in on_daemon:
                 getattr(planes, name)(s, results, progress)
+            if lmcache:
+                from kvstore.bench.lmcache_peer import against_lmcache
+
+                python = str(args.lmcache_python) if args.lmcache_python else None
+                against_lmcache(s, python, results, progress)
         finally:
             echo.stop()
             if daemon is not None:

@@ -157,7 +157,7 @@ async def _pipelined(s: Settings, identity: Identity, chain: list[bytes]) -> flo
         return total / (time.perf_counter() - started)
 
 
-class _Sized:
+class SizedBlocks:
     """One block size's namespace, source blocks and the memcpy peer's rotating region
     (as large as the arena's share, so neither side writes from cache to cache)."""
 
@@ -217,7 +217,7 @@ def arena(s: Settings, results: Results, progress: Progress) -> None:
     with Client(s.endpoint, tenant=s.tenant, token=s.token, timeout=s.timeout) as client:
         for label in SIZES:
             progress.step(f"arena: {label} blocks x{BLOCKS_PER_CALL}")
-            sized = _Sized(client, label, s)
+            sized = SizedBlocks(client, label, s)
             try:
                 put, mem = paired(sized.arena_put, sized.memcpy, s.repeat)
                 get, mem2 = paired(sized.arena_get, sized.memcpy, s.repeat)
@@ -240,7 +240,7 @@ def frames(s: Settings, results: Results, progress: Progress) -> None:
                     timeout=s.timeout) as client:
             for label in SIZES:
                 progress.step(f"frames: {label} blocks x{BLOCKS_PER_CALL}")
-                sized = _Sized(client, label, s)
+                sized = SizedBlocks(client, label, s)
                 try:
                     sink = echo.of([b"sink", *sized.payload])
                     source = echo.of([f"source {BLOCKS_PER_CALL} {sized.size}".encode()])

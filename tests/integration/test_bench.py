@@ -193,3 +193,17 @@ def test_a_trace_that_is_no_trace_is_a_clear_error(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "not a trace of prefix-block ids" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_against_lmcache_where_it_is_not_installed_says_so_and_runs_the_rest() -> None:
+    # this environment has no LMCache (the engines' test environment has it)
+    doc = run_json("--quick", "--repeat", "1", "--against", "lmcache", "control")
+    assert "is not installed for" in doc["skipped"]["lmcache"]
+    assert {row["section"] for row in doc["rows"]} == {"control"}
+    assert doc["against"] == {}
+
+
+def test_lmcache_python_without_against_is_refused() -> None:
+    proc = bench("--lmcache-python", sys.executable, timeout=60)
+    assert proc.returncode == 2
+    assert "--lmcache-python goes with --against lmcache" in proc.stderr
