@@ -17,8 +17,10 @@ The JSON document (``--json``), version 1:
   ``kvstore``, ``policy_sim``, ``infinite``).
 - ``skipped``: section -> why it did not run (no redis-server, no trace, no LMCache).
 - ``against``: ``{"lmcache": {...}}`` with ``--against lmcache``: LMCache's figures
-  (``lookup_64_us``, ``store_<size>_gbs``, ``load_<size>_gbs``, ``version``) beside
-  kvstore's of the same definitions; its rows are in ``rows`` under section ``lmcache``.
+  (``lookup_64_us``, ``store_<size>_gbs`` and ``load_<size>_gbs`` for sizes ``256KiB``
+  and ``2MiB``, ``version``, the ``python`` that ran it) and, under ``kvstore``,
+  kvstore's of the same definitions; the same pairs are in ``rows``, section
+  ``lmcache``.
 - ``plots``: the PNG files written with ``--plot``.
 """
 

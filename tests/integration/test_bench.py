@@ -3,6 +3,7 @@ document has every documented key, bad arguments get clear errors, plots are PNG
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -18,6 +19,7 @@ from daemon_proc import DaemonProcess
 from redis_servers import RedisServer
 
 from kvstore import Client
+from kvstore.bench.harness import Progress
 
 TOP_KEYS = {"version", "kvstore", "daemon", "quick", "repeat", "sections", "rows", "sweeps",
             "skipped", "against", "plots"}
@@ -207,3 +209,22 @@ def test_lmcache_python_without_against_is_refused() -> None:
     proc = bench("--lmcache-python", sys.executable, timeout=60)
     assert proc.returncode == 2
     assert "--lmcache-python goes with --against lmcache" in proc.stderr
+
+
+def test_progress_draws_a_bar_in_place_on_a_terminal() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    progress = Progress(4, out)
+    progress.step("control: lookup")
+    progress.advance()
+    progress.advance()
+    progress.step("arena: 2MiB")
+    progress.finish()
+    text = out.getvalue()
+    assert text.startswith("\r\x1b[K[" + "-" * Progress.WIDTH + "] 0/4 control: lookup")
+    assert "\r\x1b[K[" + "#" * (Progress.WIDTH // 2) + "-" * (Progress.WIDTH // 2) \
+        + "] 2/4 arena: 2MiB" in text
+    assert "\n" not in text and text.endswith("\r\x1b[K")
