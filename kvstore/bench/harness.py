@@ -72,12 +72,14 @@ class Results:
 
 def paired(ours: Callable[[], object], peer: Callable[[], object], repeats: int,
            inner: int = 1) -> tuple[float, float]:
-    """Median seconds per call of each, samples interleaved so that noise hits both."""
+    """Median seconds per call of each, samples interleaved so that noise hits both (and
+    who goes first alternating, so that neither always runs on the other's heels)."""
     ours()
     peer()
     samples: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for fn, out in ((ours, samples[0]), (peer, samples[1])):
+    pairs = [(ours, samples[0]), (peer, samples[1])]
+    for i in range(repeats):
+        for fn, out in pairs if i % 2 == 0 else pairs[::-1]:
             start = time.perf_counter()
             for _ in range(inner):
                 fn()
@@ -223,9 +225,6 @@ blob = b""
 while True:
     frames = sock.recv_multipart(copy=False)
     head = frames[1].bytes
-    if head == b"stop":
-        sock.send_multipart([frames[0], b"bye"])
-        break
     if head == b"sink":               # bulk put: take the frames, answer small
         sock.send_multipart([frames[0], b"ok"])
     elif head.startswith(b"source"):  # bulk get: answer with N frames of SIZE

@@ -3,6 +3,8 @@ optional extra (``pip install 'kvstore[plot]'``), imported only here.
 
 - ``ratio_to_limit.png``: each measurement's share of its limit (1.0: as fast as the
   peer), bars grouped by plane, the goal marked;
+- ``against_lmcache.png``: with ``--against lmcache``, how many times as fast as
+  LMCache kvstore is at each measurement;
 - ``lookup_latency.png``: lookup latency against chain length, beside the echo's;
 - ``throughput.png``: lookups per second against concurrent clients, beside the echo's;
 - ``hit_rate.png``: the replay's hit rate against capacity.
@@ -13,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvstore.bench.harness import Results
+from kvstore.bench.harness import Results, Row
 
 COLOURS = {"control": "#4c72b0", "arena": "#55a868", "frames": "#c44e52", "ssd": "#8172b2",
            "remote": "#ccb974", "replay": "#64b5cd", "lmcache": "#937860"}
@@ -38,41 +40,57 @@ def write_plots(results: Results, folder: Path) -> list[Path]:
 
     folder.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    for name, draw in (("ratio_to_limit", _ratios), ("lookup_latency", _latency),
-                       ("throughput", _throughput), ("hit_rate", _hit_rate)):
+    for name, draw in (("ratio_to_limit", _ratios), ("against_lmcache", _lmcache),
+                       ("lookup_latency", _latency), ("throughput", _throughput),
+                       ("hit_rate", _hit_rate)):
         fig = draw(plt, results)
         if fig is None:
             continue
         path = folder / f"{name}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
+        fig.savefig(path, dpi=90, bbox_inches="tight")
         plt.close(fig)
         written.append(path)
     return written
 
 
-def _ratios(plt: Any, results: Results) -> Any:
-    rows = [r for r in results.rows if r.share == r.share]  # NaN-free
-    if not rows:
-        return None
-    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.2))
-    labels = [f"{r.name} ({r.unit})" for r in rows][::-1]
-    shares = [r.share for r in rows][::-1]
-    colours = [COLOURS.get(r.section, "#777777") for r in rows][::-1]
-    ax.barh(labels, shares, color=colours)
-    for y, r in enumerate(rows[::-1]):
-        if r.goal is not None:
+def _bars(plt: Any, rows: list[Row], title: str, xlabel: str, goals: bool) -> Any:
+    """Horizontal bars of each row's share, top to bottom in the run's order."""
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.3))
+    ys = list(range(len(rows)))[::-1]  # positions, not labels: two rows may share a name
+    for y, r in zip(ys, rows):
+        ax.barh(y, r.share, color=COLOURS.get(r.section, "#777777"))
+        if goals and r.goal is not None:
             goal = 1 / r.goal if r.better == "lower" else r.goal
             ax.plot([goal, goal], [y - 0.4, y + 0.4], color="black", linewidth=1.5)
         ax.text(r.share, y, f" {r.share:.2f}", va="center", fontsize=8)
+    ax.set_yticks(ys)
+    ax.set_yticklabels([f"{r.name} ({r.unit})" for r in rows], fontsize=9)
     ax.axvline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax.set_xlabel("share of the limit (1.0 = the peer; black tick = the goal)")
-    ax.set_title("kvstore against the limits of each plane")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS.get(s, "#777777"))
-               for s in dict.fromkeys(r.section for r in rows)]
-    ax.legend(handles, list(dict.fromkeys(r.section for r in rows)), loc="lower right",
-              fontsize=8)
-    ax.set_xlim(0, max(1.2, max(shares) * 1.15))
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    sections = list(dict.fromkeys(r.section for r in rows))
+    if len(sections) > 1:
+        handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS.get(s, "#777777"))
+                   for s in sections]
+        ax.legend(handles, sections, loc="lower right", fontsize=8)
+    ax.set_xlim(0, max(1.2, max(r.share for r in rows) * 1.15))
     return fig
+
+
+def _ratios(plt: Any, results: Results) -> Any:
+    rows = [r for r in results.rows if r.section != "lmcache" and r.share == r.share]
+    if not rows:
+        return None
+    return _bars(plt, rows, "kvstore against the limits of each plane",
+                 "share of the limit (1.0 = the peer; black tick = the goal)", goals=True)
+
+
+def _lmcache(plt: Any, results: Results) -> Any:
+    rows = [r for r in results.rows if r.section == "lmcache" and r.share == r.share]
+    if not rows:
+        return None
+    return _bars(plt, rows, f"kvstore against {rows[0].peer_name}",
+                 "times as fast as LMCache (1.0 = as fast)", goals=False)
 
 
 def _latency(plt: Any, results: Results) -> Any:

@@ -8,16 +8,18 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from engine_envs import engine_python
 
 
-def test_bench_against_lmcache_measures_both_sides() -> None:
+def test_bench_against_lmcache_measures_both_sides(tmp_path: Path) -> None:
     python = engine_python("lmcache")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     proc = subprocess.run(
         [sys.executable, "-m", "kvstore", "bench", "--quick", "--repeat", "2", "--json",
-         "--against", "lmcache", "--lmcache-python", str(python), "control"],
+         "--against", "lmcache", "--lmcache-python", str(python), "--plot",
+         str(tmp_path), "control"],
         check=False, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
@@ -32,3 +34,5 @@ def test_bench_against_lmcache_measures_both_sides() -> None:
     assert theirs["version"] == "0.5.6" and theirs["python"] == str(python)
     assert theirs["lookup_64_us"] == rows["lookup 64 keys"]["peer"]
     assert theirs["kvstore"]["lookup_64_us"] == rows["lookup 64 keys"]["kvstore"]
+    assert sorted(Path(p).name for p in doc["plots"]) == ["against_lmcache.png",
+                                                          "ratio_to_limit.png"]
