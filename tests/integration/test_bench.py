@@ -228,3 +228,18 @@ def test_progress_draws_a_bar_in_place_on_a_terminal() -> None:
     assert "\r\x1b[K[" + "#" * (Progress.WIDTH // 2) + "-" * (Progress.WIDTH // 2) \
         + "] 2/4 arena: 2MiB" in text
     assert "\n" not in text and text.endswith("\r\x1b[K")
+
+
+def test_remote_without_a_redis_server_or_url_says_so_and_runs_the_rest(
+        tmp_path: Path) -> None:
+    # a PATH with no redis-server on it (this Python is named by its full path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env["PATH"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "kvstore", "bench", "--quick", "--repeat",
+                           "1", "--json", "control", "remote"], check=False,
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["skipped"] == {"remote": "no redis-server installed and no --redis URL"}
+    assert {row["section"] for row in doc["rows"]} == {"control"}
+    assert "remote: skipped, no redis-server installed" in proc.stderr
