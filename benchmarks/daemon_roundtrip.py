@@ -14,11 +14,9 @@ Runs in one go, each measurement next to its peer, and prints medians and ratios
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,46 +25,7 @@ import zmq
 
 from kvstore import Client, Identity
 from kvstore import protocol as p
-
-ECHO_PEER = r"""
-import sys, zmq
-ctx = zmq.Context()
-sock = ctx.socket(zmq.ROUTER)
-sock.setsockopt(zmq.SNDHWM, 0); sock.setsockopt(zmq.RCVHWM, 0)
-sock.bind(sys.argv[1])
-print("ready", flush=True)
-while True:
-    frames = sock.recv_multipart(copy=False)
-    head = frames[1].bytes
-    if head == b"stop":
-        break
-    if head == b"sink":               # bulk put: take the frames, answer small
-        sock.send_multipart([frames[0], b"ok"])
-    elif head.startswith(b"source"):  # bulk get: answer with N frames of SIZE
-        n, size = map(int, head.split()[1:])
-        blob = getattr(sys.modules[__name__], "_blob", None)
-        if blob is None or len(blob) != size:
-            blob = sys.modules[__name__]._blob = bytes(size)
-        sock.send_multipart([frames[0], b"ok", *([blob] * n)], copy=False)
-    else:                              # echo
-        sock.send_multipart(frames, copy=False)
-"""
-
-
-def paired(ours: Callable[[], object], peer: Callable[[], object], repeats: int,
-           inner: int = 1) -> tuple[float, float]:
-    """Median seconds per call of each, samples interleaved so that noise hits both."""
-    ours()
-    peer()
-    samples: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for fn, out in ((ours, samples[0]), (peer, samples[1])):
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            out.append((time.perf_counter() - start) / inner)
-    return statistics.median(samples[0]), statistics.median(samples[1])
-
+from kvstore.bench.harness import EchoPeer, paired  # the echo peer kvstore bench uses
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,23 +37,20 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="kvbench-"))
     endpoint = f"ipc://{work}/kvstore.sock"
-    echo_endpoint = f"ipc://{work}/echo.sock"
     daemon = subprocess.Popen(
         [sys.executable, "-m", "kvstore", "serve", "--endpoint", endpoint,
          "--dram-capacity", "1GiB", "--ssd-capacity", "0", "--log-level", "warning"],
         stdout=subprocess.PIPE)
-    peer = subprocess.Popen([sys.executable, "-c", ECHO_PEER, echo_endpoint],
-                            stdout=subprocess.PIPE)
-    assert daemon.stdout and peer.stdout
+    peer = EchoPeer().start()
+    assert daemon.stdout
     while b"serving on" not in daemon.stdout.readline():
         pass
-    peer.stdout.readline()
 
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.SNDHWM, 0)
     raw.setsockopt(zmq.RCVHWM, 0)
-    raw.connect(echo_endpoint)
+    raw.connect(peer.endpoint)
 
     def echo(frames: list[bytes]) -> Callable[[], object]:
         def go() -> object:
@@ -196,14 +152,12 @@ def main() -> None:
                 bns.drop()
                 client.stats()
     finally:
-        raw.send_multipart([b"stop"])
         raw.close()
         ctx.term()
         daemon.terminate()
         daemon.wait()
-        peer.wait(5)
+        peer.stop()
         daemon.stdout.close()
-        peer.stdout.close()
 
     print(f"kvstore daemon vs peers: medians of {args.repeats} runs, {args.batch_mib} MiB "
           f"per data-plane call")
