@@ -8,6 +8,11 @@ Three modes, by configuration:
   and only client keys found in ``auth.curve_clients_dir`` may connect; the tenant is the
   key file's name (``acme.key`` or ``acme.laptop.key`` are tenant ``acme``).
 
+- ``auth.peer_tenants`` set: a client on the ipc endpoint asks the side socket beside it
+  for a one-time ticket; the daemon reads its uid there (SO_PEERCRED), and the tenant is
+  the one mapped to that uid (by user name or uid); the hello presents the ticket as its
+  token (``peer:<ticket>``).  Tokens work alongside.
+
 ``auth.shared_tenants`` grants namespaces of one tenant to others (a shared system
 prompt, say): ``{"public" = ["acme", "globex"]}``.
 """
@@ -18,6 +23,7 @@ import base64
 import hashlib
 import hmac
 import os
+import pwd
 import secrets
 import time
 from pathlib import Path
@@ -32,6 +38,9 @@ from kvstore.config import Config
 from kvstore.errors import ConfigError, ForbiddenError, MalformedError
 
 _TOKEN_VERSION = 1
+PEER_TICKET_PREFIX = "peer:"  # kvstore.tiers.arena_fds says the same; config may not import it
+PEER_TICKET_SECONDS = 10.0   # a ticket is presented at once, in the hello that follows
+_PEER_TICKETS_HELD = 4096    # tickets not yet presented, the oldest dropped beyond
 
 
 def issue_token(secret: bytes, tenant: str, ttl_seconds: float, now: float | None = None) -> str:
@@ -82,6 +91,24 @@ def write_secret(path: str | Path) -> None:
         f.write(secrets.token_hex(32) + "\n")
 
 
+def peer_uids(peer_tenants: dict[str, str]) -> dict[int, str]:
+    """``auth.peer_tenants`` by uid (user names looked up now); ConfigError naming an
+    unknown user."""
+    uids: dict[int, str] = {}
+    for user, tenant in peer_tenants.items():
+        if not tenant:
+            raise ConfigError(f"auth.peer_tenants: user {user!r} maps to an empty tenant")
+        if user.isdigit():
+            uids[int(user)] = tenant
+            continue
+        try:
+            uids[pwd.getpwnam(user).pw_uid] = tenant
+        except KeyError:
+            raise ConfigError(f"auth.peer_tenants: no user named {user!r} on this host"
+                              ) from None
+    return uids
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
@@ -116,15 +143,22 @@ class Auth:
         self._authenticator: _TenantAuthenticator | None = None
         if self.curve_enabled:
             self._client_keys()  # fail at start-up, not at the first connection
+        self.peer_tenants = peer_uids(a.peer_tenants)
+        self._tickets: dict[str, tuple[str, float]] = {}  # ticket -> (tenant, deadline)
 
     def tenant_of(self, asked: str, token: str, curve_tenant: str | None) -> str:
         """The tenant of a hello, from its credentials."""
         if curve_tenant is not None:
             tenant = curve_tenant
+        elif token.startswith(PEER_TICKET_PREFIX) and self.peer_tenants:
+            tenant = self._redeem(token[len(PEER_TICKET_PREFIX):])
         elif self.secret is not None:
             if not token:
                 raise ForbiddenError("this daemon requires a token in hello (kvstore token)")
             tenant = verify_token(self.secret, token)
+        elif self.peer_tenants:
+            raise ForbiddenError("this daemon takes the tenant from the client's uid: connect "
+                                 "over its ipc endpoint, whose side socket hands out tickets")
         else:
             if not asked:
                 raise MalformedError("hello needs a tenant")
@@ -132,6 +166,29 @@ class Auth:
         if asked and asked != tenant:
             raise ForbiddenError(f"the credentials are for tenant {tenant!r}, not {asked!r}")
         return tenant
+
+    def peer_ticket(self, uid: int) -> str:
+        """A one-time ticket naming the tenant of ``uid`` ("" when peer credentials are
+        off); ForbiddenError when that uid has no tenant."""
+        if not self.peer_tenants:
+            return ""
+        tenant = self.peer_tenants.get(uid)
+        if tenant is None:
+            raise ForbiddenError(f"uid {uid} has no tenant in auth.peer_tenants")
+        now = time.monotonic()
+        while self._tickets and (len(self._tickets) >= _PEER_TICKETS_HELD
+                                 or next(iter(self._tickets.values()))[1] < now):
+            del self._tickets[next(iter(self._tickets))]
+        ticket = secrets.token_hex(16)
+        self._tickets[ticket] = (tenant, now + PEER_TICKET_SECONDS)
+        return ticket
+
+    def _redeem(self, ticket: str) -> str:
+        held = self._tickets.pop(ticket, None)
+        if held is None or held[1] < time.monotonic():
+            raise ForbiddenError("the peer ticket is unknown, used or expired; ask the side "
+                                 "socket for a new one")
+        return held[0]
 
     def may_open(self, session_tenant: str, namespace_tenant: str) -> bool:
         return (namespace_tenant == session_tenant

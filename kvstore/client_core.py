@@ -40,7 +40,14 @@ from kvstore.errors import (
 )
 from kvstore.identity import Identity
 from kvstore.keys import chain_keys
-from kvstore.tiers.dram import map_arena
+from kvstore.tiers.arena_fds import (
+    MEMFD_PREFIX,
+    PEER_TICKET_PREFIX,
+    fetch_arena,
+    peer_ticket,
+    side_path,
+)
+from kvstore.tiers.dram import map_arena, map_fd
 
 if TYPE_CHECKING:
     import zmq
@@ -235,6 +242,7 @@ class SessionCore:
         self.timeout = timeout
         self.checksums = checksums  # send xxh3_64 of what is written, for readers to verify
         self._tenant = _tenant(tenant, token)
+        self._tenant_named = bool(tenant or os.environ.get("KVSTORE_TENANT"))
         self._token = _token(token)
         self._curve = curve or _curve_from_env()
         self._rids = itertools.count(1)
@@ -277,11 +285,20 @@ class SessionCore:
 
     # -- the session's verbs --------------------------------------------------------------
     def _hello_request(self) -> p.Hello:
-        return p.Hello(self._next_rid(), p.PROTOCOL_VERSION, self._tenant, self._token)
+        tenant, token = self._tenant, self._token
+        side = side_path(self.endpoint)
+        if not token and side is not None:
+            # peer-credential mode: the daemon names the tenant from this process's uid
+            ticket = peer_ticket(side)
+            if ticket:
+                token = PEER_TICKET_PREFIX + ticket
+                tenant = self._tenant if self._tenant_named else ""
+        return p.Hello(self._next_rid(), p.PROTOCOL_VERSION, tenant, token)
 
     def _on_hello(self, received: Received) -> None:
         hello = self.hello = check_reply(received[0], p.HelloReply)
-        if self._map_arenas:
+        if self._map_arenas and (not hello.arena_path.startswith(MEMFD_PREFIX)
+                                 or side_path(self.endpoint) is not None):
             self._view_of(hello.arena_path, hello.arena_bytes)
 
     def _namespace_request(self, identity: Identity) -> p.OpenNamespace:
@@ -331,9 +348,27 @@ class SessionCore:
             if not self._map_arenas:
                 raise KVStoreError("this client did not map the arena (map_arena=False); "
                                    "use put/get instead")
-            arena = map_arena(path, size)
+            if path.startswith(MEMFD_PREFIX):
+                arena = self._fetch_arena(path[len(MEMFD_PREFIX):], size)
+            else:
+                arena = map_arena(path, size)
             mapped = self._maps[path] = (arena, memoryview(arena))
         return mapped[1]
+
+    def _fetch_arena(self, label: str, size: int) -> mmap.mmap:
+        """Map an arena the daemon hands out by descriptor, over its side socket."""
+        side = side_path(self.endpoint)
+        if side is None:
+            raise KVStoreError("the daemon hands its arena out only over its ipc endpoint; "
+                               "over tcp, use put/get (map_arena=False)")
+        assert self.hello is not None, "an arena is asked for after hello"
+        fd, handed = fetch_arena(side, self.hello.session, label)
+        try:
+            if handed != size:
+                raise KVStoreError(f"the arena handed out holds {handed} bytes, not {size}")
+            return map_fd(fd, size)
+        finally:
+            os.close(fd)
 
     def _slots(self, offsets: Sequence[int], size: int, readonly: bool,
                arena: tuple[str, int] | None = None) -> list[memoryview]:

@@ -9,9 +9,11 @@ the daemon and sends its replies; it knows nothing of verbs.
 from __future__ import annotations
 
 import asyncio
+import grp
 import logging
 import os
 import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ import zmq
 from kvstore import protocol as p
 from kvstore.auth import Auth
 from kvstore.config import Config
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConfigError, KVStoreError
 
 log = logging.getLogger("kvstore.server")
 
@@ -64,6 +66,7 @@ class Transport:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_flight: list[tuple[zmq.MessageTracker, int]] = []  # (tracker, pin)
         self._reap_timer = False
+        self.group = socket_gid(config.server.socket_group)
 
     def __repr__(self) -> str:
         return (f"Transport(endpoints={self.endpoints}, open={self._open}, "
@@ -94,7 +97,7 @@ class Transport:
             if i == 1:
                 self.auth.make_curve_server(self._ctx, sock)
             for endpoint in group:
-                self.endpoints.append(_bind(sock, endpoint))
+                self.endpoints.append(_bind(sock, endpoint, self.secure_file))
             self._socks.append(sock)
             self._secure.append(i == 1)
             fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
@@ -212,7 +215,40 @@ class Transport:
         return True
 
 
-def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
+    def secure_file(self, path: str, mode: int) -> None:
+        """Give a socket file ``mode`` (0600), or with ``server.socket_group`` the group's
+        read and write too, and its directory 0750 with that group (where the daemon owns
+        it and it is not world-writable, as /tmp is)."""
+        if self.group is None:
+            os.chmod(path, mode)
+            return
+        os.chown(path, -1, self.group)
+        os.chmod(path, mode | 0o060)
+        directory = os.path.dirname(path) or "."
+        info = os.stat(directory)
+        if info.st_uid == os.getuid() and not info.st_mode & stat.S_IWOTH:
+            os.chown(directory, -1, self.group)
+            os.chmod(directory, 0o750)
+        else:
+            log.warning("server.socket_group: %s is not the daemon's own directory; its "
+                        "mode and group are left as they are", directory)
+
+
+def socket_gid(group: str) -> int | None:
+    """``server.socket_group`` as a gid (None when unset); ConfigError if no such group."""
+    if not group:
+        return None
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"server.socket_group: no group named {group!r} on this host"
+                          ) from None
+
+
+def _bind(sock: zmq.Socket[bytes], endpoint: str,
+          secure_file: Callable[[str, int], None]) -> str:
     if endpoint.startswith("ipc://"):
         path = Path(endpoint[len("ipc://"):])
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -223,7 +259,7 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
     sock.bind(endpoint)
     bound: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     if endpoint.startswith("ipc://"):
-        os.chmod(endpoint[len("ipc://"):], 0o600)
+        secure_file(endpoint[len("ipc://"):], 0o600)
     return bound
 
 

@@ -184,10 +184,14 @@ def test_per_tenant_arenas_hold_only_what_their_tenant_may_read(
             r.commit()
         ns_b = b.namespace(IDENT_B)
         ns_b.put(ns_b.keys(range(16)), [b"\7" * ns_b.block_bytes])
-        with open(b.hello.arena_path, "rb") as f:
-            assert b"acme-only" not in f.read()        # B's arena never held A's bytes
-        with open(a.hello.arena_path, "rb") as f:
-            assert b"acme-only" in f.read()
+        # with credentials the arenas are memory files with no path, handed out by
+        # descriptor to the sessions whose tenant may use them
+        assert a.hello.arena_path.startswith("memfd:")
+        size = a.hello.arena_bytes
+        assert b"acme-only" not in bytes(b._view_of(b.hello.arena_path, size))
+        assert b"acme-only" in bytes(a._view_of(a.hello.arena_path, size))
+        with pytest.raises(ForbiddenError, match="no such arena"):
+            b._view_of(a.hello.arena_path, size)      # B may not have A's arena
         shared = b.namespace(SHARED)                   # a third arena, both may map
         assert shared.arena[0] not in (a.hello.arena_path, b.hello.arena_path)
         shared.put(shared.keys(range(16)), [b"\10" * shared.block_bytes])
