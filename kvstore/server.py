@@ -99,6 +99,7 @@ class Server:
         self.auth = Auth(config)
         self.transport = Transport(config, self.auth, self._on_message,
                                    self._release_sent, self._room_from_sends)
+        self.transport.admitted = self.sessions.by_connection.__contains__
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -423,6 +424,9 @@ class Server:
             out["remote"] = self.remote.stats()
             out["remote"]["copying_from_ssd"] = self.moves.copying_from_ssd
         out["settings"] = self.live_settings()
+        out["before_hello"] = {"dropped": self.transport.dropped_before_hello}
+        if self.side is not None:
+            out["side_socket"] = dict(self.side.counts)
         return out
 
     def _schedule_reaper(self) -> None:

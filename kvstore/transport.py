@@ -28,6 +28,14 @@ from kvstore.errors import ConfigError, KVStoreError
 log = logging.getLogger("kvstore.server")
 
 _DRAIN_BATCH = 256
+# Before a peer has a session it may send only a hello: one small header frame, and
+# only a few messages; the rest are dropped unread and unanswered.
+PRE_HELLO_BYTES = 4096
+PRE_HELLO_MESSAGES = 8
+_UNKNOWN_PEERS = 65536   # peers without a session remembered (their message counts)
+# Messages queued per peer inside ZeroMQ (a per-connection limit: past it ZeroMQ stops
+# reading that connection until the daemon drains it), so no peer's backlog is unbounded.
+RCVHWM = 256
 
 # (peer, frames, secure): the peer is the socket's index byte, then the routing id;
 # secure says the socket is the CurveZMQ one (its frames carry a User-Id).
@@ -67,6 +75,10 @@ class Transport:
         self._in_flight: list[tuple[zmq.MessageTracker, int]] = []  # (tracker, pin)
         self._reap_timer = False
         self.group = socket_gid(config.server.socket_group)
+        # whether a peer has a session (set by the daemon); None takes every message
+        self.admitted: Callable[[bytes], bool] | None = None
+        self._unknown: dict[bytes, int] = {}  # peer without a session -> messages seen
+        self.dropped_before_hello = 0
 
     def __repr__(self) -> str:
         return (f"Transport(endpoints={self.endpoints}, open={self._open}, "
@@ -91,7 +103,7 @@ class Transport:
         for i, group in enumerate(groups):
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, RCVHWM)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes + p.MAX_HEADER_BYTES)
             if i == 1:
@@ -143,11 +155,27 @@ class Transport:
             except zmq.Again:
                 break
             # peers of different sockets may share routing ids: key them by socket too
-            self.on_message(bytes((index,)) + frames[0].bytes, frames, secure)
+            peer = bytes((index,)) + frames[0].bytes
+            if (self.admitted is not None and not self.admitted(peer)
+                    and not self._may_say_hello(peer, frames)):
+                self.dropped_before_hello += 1
+                continue
+            self.on_message(peer, frames, secure)
         else:
             assert self._loop is not None
             self._loop.call_soon(self._drain, index)  # more waiting: yield to others first
         self.reap_sends()
+
+    def _may_say_hello(self, peer: bytes, frames: list[zmq.Frame]) -> bool:
+        """Whether a message of a peer without a session is one to read: a small single
+        header (a hello, or a request it is told to say hello first), among its first
+        few.  Anything else is bounded work: dropped before it is decoded or answered."""
+        seen = self._unknown.pop(peer, 0) + 1
+        self._unknown[peer] = seen  # most recent last: the oldest are forgotten first
+        if len(self._unknown) > _UNKNOWN_PEERS:
+            del self._unknown[next(iter(self._unknown))]
+        return (seen <= PRE_HELLO_MESSAGES and len(frames) == 2
+                and len(frames[1]) <= PRE_HELLO_BYTES)
 
     def send(self, peer: bytes, reply: p.Message, payload: list[Any]) -> None:
         """Reply to ``peer``: the socket's index byte, then the peer's routing id."""
