@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -198,3 +199,44 @@ def test_per_tenant_arenas_hold_only_what_their_tenant_may_read(
         with a.namespace(SHARED).acquire(a.namespace(SHARED).keys(range(16))) as held:
             assert bytes(held.buffers[0]) == b"\10" * shared.block_bytes
         assert a.stats()["tiers"]["dram"]["arenas"] == 3
+
+
+def test_peer_credentials_name_the_tenant(daemon_factory: Any, tmp_path: Path) -> None:
+    from kvstore.tiers.arena_fds import peer_ticket, side_path
+
+    config = tmp_path / "peer.toml"
+    config.write_text(f'[auth]\npeer_tenants = {{ "{os.getuid()}" = "acme" }}\n')
+    d = daemon_factory(dram_capacity="8MiB", extra=["--config", str(config)])
+    with Client(d.endpoint) as a:                      # no token, no tenant: the uid's
+        assert a.hello is not None and a.hello.tenant == "acme"
+        assert a.hello.arena_path.startswith("memfd:")
+        ns = a.namespace(IDENT_A)
+        keys = ns.keys(range(32))
+        ns.put(keys, [b"\3" * ns.block_bytes] * 2)
+        with ns.acquire(keys) as held:
+            assert bytes(held.buffers[1]) == b"\3" * ns.block_bytes
+        with pytest.raises(ForbiddenError):
+            a.namespace(IDENT_B)
+    with pytest.raises(ForbiddenError, match="credentials are for tenant 'acme', not 'globex'"):
+        Client(d.endpoint, tenant="globex")
+    side = side_path(d.endpoint)
+    assert side is not None
+    ticket = peer_ticket(side)
+    ctx = zmq.Context()
+    try:
+        for token, expected in (("peer:" + ticket, "hello"), ("peer:" + ticket, "used"),
+                                ("", "tenant from the client's uid")):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(d.endpoint)
+            sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "", token)))
+            assert sock.poll(10_000)
+            reply = p.reply_decoder.decode(sock.recv())
+            sock.close()
+            if expected == "hello":
+                assert isinstance(reply, p.HelloReply) and reply.tenant == "acme"
+            else:
+                assert isinstance(reply, p.ErrorReply) and reply.code == "forbidden"
+                assert expected in reply.message
+    finally:
+        ctx.term()
