@@ -99,7 +99,7 @@ class Server:
         self.auth = Auth(config)
         self.transport = Transport(config, self.auth, self._on_message,
                                    self._release_sent, self._room_from_sends)
-        self.transport.admitted = self.sessions.by_connection.__contains__
+        self.transport.admitted = self.sessions.known
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()

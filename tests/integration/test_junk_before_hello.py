@@ -7,14 +7,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import zmq
 from daemon_proc import DaemonProcess
 from kvtest import make_identity
 
 from kvstore import Client
 from kvstore import protocol as p
+from kvstore.errors import LeaseExpiredError
 from kvstore.transport import PRE_HELLO_MESSAGES
 
 FLOOD = r"""
@@ -91,3 +95,14 @@ def test_hundreds_of_junk_peers_leave_the_daemon_serving_within_bounded_memory(
         assert stats["before_hello"]["dropped"] >= peers * (12 - PRE_HELLO_MESSAGES)
         assert stats["invariant_violations"] == 0
     assert daemon.alive()
+
+
+def test_a_session_that_expired_is_told_so_every_time(daemon_factory: Any) -> None:
+    d = daemon_factory(lease=0.5)
+    with Client(d.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(make_identity())
+        keys = ns.keys(range(32))
+        time.sleep(1.5)
+        for _ in range(2 * PRE_HELLO_MESSAGES):     # more than a stranger gets answered
+            with pytest.raises(LeaseExpiredError):
+                ns.put(keys, [b"\1" * ns.block_bytes] * 2)
