@@ -3,7 +3,10 @@
 It builds each verb's request message, checks and decodes the reply into the result
 types, splits requests that are too big into batches, remembers chain parents, keeps
 the state of a session, its reservations and its pins, verifies checksums and maps the
-arena's views.  It never sends or receives: ``kvstore.client`` (blocking) and
+arena's views.  It never sends or receives on the daemon's ZeroMQ socket (its one
+exchange of its own is with the side socket beside an ipc endpoint: a short local
+round trip for a memfd arena's descriptor or a peer ticket, ``tiers.arena_fds``):
+``kvstore.client`` (blocking) and
 ``kvstore.aclient`` (asyncio) are thin shells that carry what it builds to the daemon
 and hand it what comes back, the way h11 and httpcore split protocol from I/O.
 

@@ -106,7 +106,7 @@ class Server:
         self.moves = Moves(self.store, clock)  # its tiers' movers join in start()
         self.finisher = Finisher(self)
         self.verbs = Verbs(self)
-        self.side: SideSocket | None = None
+        self.sides: list[SideSocket] = []
 
     @property
     def endpoints(self) -> list[str]:
@@ -159,15 +159,18 @@ class Server:
         self.close()
 
     def _open_side_socket(self) -> None:
-        """The unix socket beside the ipc endpoint that hands out memfd arenas and peer
+        """The unix socket beside each ipc endpoint that hands out memfd arenas and peer
         tickets (``kvstore.side_socket``), when either is in use."""
-        path = side_path(self.config.endpoint)
-        if path is None or not (self.config.memfd_arenas or self.auth.peer_tenants):
+        if not (self.config.memfd_arenas or self.auth.peer_tenants):
             return
         assert self._loop is not None
-        self.side = SideSocket(path, self.auth, self.sessions, lambda: self.arenas,
-                               self.transport.secure_file)
-        self.side.open(self._loop)
+        for endpoint in self.transport.endpoints:
+            path = side_path(endpoint)
+            if path is not None:
+                side = SideSocket(path, self.auth, self.sessions, lambda: self.arenas,
+                                  self.transport.secure_file)
+                side.open(self._loop)
+                self.sides.append(side)
 
     def _start_gpu(self) -> None:
         """The GPU tier, or a logged reason why it is off (no device here)."""
@@ -224,8 +227,8 @@ class Server:
     def close(self) -> None:
         for owner in list(self.store.owners):
             self.store.drop_owner(owner)
-        if self.side is not None:
-            self.side.close()
+        for side in self.sides:
+            side.close()
         self.transport.close()
         if self.ssd is not None:
             self.ssd.close()
@@ -425,8 +428,9 @@ class Server:
             out["remote"]["copying_from_ssd"] = self.moves.copying_from_ssd
         out["settings"] = self.live_settings()
         out["before_hello"] = {"dropped": self.transport.dropped_before_hello}
-        if self.side is not None:
-            out["side_socket"] = dict(self.side.counts)
+        if self.sides:
+            out["side_socket"] = {key: sum(side.counts[key] for side in self.sides)
+                                  for key in self.sides[0].counts}
         return out
 
     def _schedule_reaper(self) -> None:

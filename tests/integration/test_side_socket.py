@@ -19,7 +19,7 @@ from kvtest import make_identity
 from kvstore import Client
 from kvstore.auth import Auth
 from kvstore.config import load_config
-from kvstore.errors import ConfigError, ForbiddenError
+from kvstore.errors import ConfigError, ForbiddenError, KVStoreError
 from kvstore.tiers.arena_fds import (
     ArenaAsk,
     create_memfd,
@@ -165,3 +165,18 @@ def test_create_memfd_is_sealed_and_sized() -> None:
                 os.ftruncate(fd, size)
     finally:
         os.close(fd)
+
+
+def test_tcp_clients_of_a_memfd_daemon_use_frames(daemon_factory: Any, tmp_path: Path) -> None:
+    config = tmp_path / "memfd.toml"
+    config.write_text('[dram]\narena_kind = "memfd"\n')
+    d = daemon_factory(dram_capacity="8MiB", tcp=True, extra=["--config", str(config)])
+    assert d.tcp_endpoint is not None
+    with Client(d.tcp_endpoint, tenant="acme") as client:      # maps nothing at hello
+        ns = client.namespace(make_identity())
+        keys = ns.keys(range(32))
+        ns.put(keys, [b"\4" * ns.block_bytes] * 2)
+        assert ns.get(keys) == [b"\4" * ns.block_bytes] * 2
+        with pytest.raises(KVStoreError, match="only over its ipc endpoint"):
+            with ns.acquire(keys) as held:
+                held.buffers
