@@ -6,7 +6,9 @@ endpoint) run bounded loops for ``--seconds``: one in ``--big-every`` sends fram
 ``--big-mib`` MiB, the others small junk of three frames; none ever reads a reply.
 Prints the good client's ping p50 and p99 idle, under the flood and after it, the p99
 ratio (flood / idle), and the daemon's resident memory idle, at its peak under the flood
-and after it.
+and after it.  With ``--credentials`` the daemon has a token secret, so its ipc endpoint
+is gated (a ZeroMQ handshake that needs a ticket from the side socket): the junk never
+gets in, and the good client connects with a token.
 
     python benchmarks/junk_before_hello.py [--peers 1000] [--seconds 10] [--rounds 3]
 """
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 
 from kvstore import Client
+from kvstore.auth import issue_token, read_secret
 
 FLOODER = r"""
 import os, sys, time, zmq
@@ -97,20 +100,29 @@ def main() -> None:
                              "at the daemon's priority measure the CPU scheduler")
     parser.add_argument("--pings", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--credentials", action="store_true",
+                        help="give the daemon a token secret (a gated ipc endpoint)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="kvbench-"))
     endpoint = f"ipc://{work}/kvstore.sock"
+    extra, token = [], None
+    if args.credentials:
+        secret = work / "secret"
+        secret.write_text("ab" * 32)
+        (work / "auth.toml").write_text(f'[auth]\nsecret_file = "{secret}"\n')
+        extra = ["--config", str(work / "auth.toml")]
+        token = issue_token(read_secret(secret), "acme", 3600)
     daemon = subprocess.Popen(
         [sys.executable, "-m", "kvstore", "serve", "--endpoint", endpoint,
-         "--dram-capacity", "64MiB", "--ssd-capacity", "0", "--log-level", "error"],
+         "--dram-capacity", "64MiB", "--ssd-capacity", "0", "--log-level", "error", *extra],
         stdout=subprocess.PIPE)
     assert daemon.stdout is not None
     while b"serving on" not in daemon.stdout.readline():
         pass
     rows = []
     try:
-        with Client(endpoint, tenant="acme", map_arena=False) as client:
+        with Client(endpoint, tenant="acme", token=token, map_arena=False) as client:
             for _ in range(args.rounds):
                 idle = ping_times(client, args.pings)
                 rss_idle = rss_mib(daemon.pid)

@@ -5,7 +5,7 @@ types, splits requests that are too big into batches, remembers chain parents, k
 the state of a session, its reservations and its pins, verifies checksums and maps the
 arena's views.  It never sends or receives on the daemon's ZeroMQ socket (its one
 exchange of its own is with the side socket beside an ipc endpoint: a short local
-round trip for a memfd arena's descriptor or a peer ticket, ``tiers.arena_fds``):
+round trip for a memfd arena's descriptor or a handshake ticket, ``tiers.arena_fds``):
 ``kvstore.client`` (blocking) and
 ``kvstore.aclient`` (asyncio) are thin shells that carry what it builds to the daemon
 and hand it what comes back, the way h11 and httpcore split protocol from I/O.
@@ -45,9 +45,8 @@ from kvstore.identity import Identity
 from kvstore.keys import chain_keys
 from kvstore.tiers.arena_fds import (
     MEMFD_PREFIX,
-    PEER_TICKET_PREFIX,
+    admit,
     fetch_arena,
-    peer_ticket,
     side_path,
 )
 from kvstore.tiers.dram import map_arena, map_fd
@@ -160,9 +159,11 @@ def _curve_from_env() -> CurveKeys | None:
     return CurveKeys.from_files(server, client) if server and client else None
 
 
-def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None) -> Any:
+def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None,
+                admission: tuple[str, str] | None = None) -> Any:
     """The DEALER socket of a shell (``ctx`` is a ``zmq.Context`` or a
-    ``zmq.asyncio.Context``), set up the same way for both."""
+    ``zmq.asyncio.Context``), set up the same way for both; ``admission`` is the tenant
+    and ticket of a gated ipc endpoint (``SessionCore._admission``)."""
     import zmq
 
     sock = ctx.socket(zmq.DEALER)
@@ -173,6 +174,9 @@ def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None) -> Any:
         sock.curve_serverkey = curve.server_public
         sock.curve_publickey = curve.public
         sock.curve_secretkey = curve.secret
+    if admission is not None:
+        sock.plain_username = admission[0].encode()
+        sock.plain_password = admission[1].encode()
     sock.connect(endpoint)
     return sock
 
@@ -287,16 +291,18 @@ class SessionCore:
         return min(self.timeout, CLOSE_WAIT_S)
 
     # -- the session's verbs --------------------------------------------------------------
-    def _hello_request(self) -> p.Hello:
-        tenant, token = self._tenant, self._token
+    def _admission(self) -> tuple[str, str] | None:
+        """Before connecting to a gated ipc endpoint: the tenant and one-time ticket its
+        side socket hands out for this client's token (or, with none, for its uid); None
+        where the endpoint is not gated.  ForbiddenError, saying why, if refused."""
         side = side_path(self.endpoint)
-        if not token and side is not None:
-            # peer-credential mode: the daemon names the tenant from this process's uid
-            ticket = peer_ticket(side)
-            if ticket:
-                token = PEER_TICKET_PREFIX + ticket
-                tenant = self._tenant if self._tenant_named else ""
-        return p.Hello(self._next_rid(), p.PROTOCOL_VERSION, tenant, token)
+        admitted = admit(side, self._token) if side is not None else None
+        if admitted is not None and not self._tenant_named:
+            self._tenant = ""  # the credentials name it
+        return admitted
+
+    def _hello_request(self) -> p.Hello:
+        return p.Hello(self._next_rid(), p.PROTOCOL_VERSION, self._tenant, self._token)
 
     def _on_hello(self, received: Received) -> None:
         hello = self.hello = check_reply(received[0], p.HelloReply)

@@ -161,7 +161,7 @@ class Server:
     def _open_side_socket(self) -> None:
         """The unix socket beside each ipc endpoint that hands out memfd arenas and peer
         tickets (``kvstore.side_socket``), when either is in use."""
-        if not (self.config.memfd_arenas or self.auth.peer_tenants):
+        if not (self.config.memfd_arenas or self.auth.gated):
             return
         assert self._loop is not None
         for endpoint in self.transport.endpoints:

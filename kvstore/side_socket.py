@@ -1,12 +1,13 @@
-"""The daemon's side socket: arena descriptors and peer tickets, over a plain unix socket.
+"""The daemon's side socket: arena descriptors and handshake tickets, over a unix socket.
 
 Beside the ipc endpoint (``<socket path>.fd``), served from the event loop with no
 thread: each connection sends one small request and gets one reply, then is closed.
 An arena's descriptor goes only to a session that hello authenticated (its id is the
-secret it presents) and only for an arena its tenant may use; a peer ticket goes to a
-uid that ``auth.peer_tenants`` names.  Work per connection is bounded: a request over
-``MAX_SIDE_MESSAGE`` bytes, or one that does not come within ``SIDE_TIMEOUT_S``, closes
-it, and at most ``MAX_CONNECTIONS`` are open at once.  The wire format is
+secret it presents) and only for an arena its tenant may use; a handshake ticket goes
+to a client with a valid token, or to a uid that ``auth.peer_tenants`` names.  Work per
+connection is bounded: a request over ``MAX_SIDE_MESSAGE`` bytes, or one that does not
+come within ``SIDE_TIMEOUT_S``, closes it, and at most ``MAX_CONNECTIONS`` are open at
+once.  The wire format is
 ``kvstore.tiers.arena_fds``'s.
 """
 
@@ -27,9 +28,9 @@ from kvstore.sessions import Sessions
 from kvstore.tiers.arena_fds import (
     MAX_SIDE_MESSAGE,
     SIDE_TIMEOUT_S,
+    Admit,
     ArenaAsk,
     SideReply,
-    TicketAsk,
     frame,
     side_request_decoder,
     unframe,
@@ -151,20 +152,20 @@ class SideSocket:
             self.counts["dropped"] += 1
             self._reply(fd, SideReply(False, f"bad request: {exc}"))
             return
-        if isinstance(request, TicketAsk):
-            self._ticket(fd, conn)
+        if isinstance(request, Admit):
+            self._admit(fd, conn, request.token)
         else:
             self._arena(fd, request)
 
-    def _ticket(self, fd: int, conn: socket.socket) -> None:
+    def _admit(self, fd: int, conn: socket.socket, token: str) -> None:
         try:
-            ticket = self.auth.peer_ticket(peer_uid(conn))
+            tenant, ticket = self.auth.admission(peer_uid(conn), token)
         except KVStoreError as exc:
             self.counts["refused"] += 1
             self._reply(fd, SideReply(False, str(exc)))
             return
         self.counts["tickets"] += bool(ticket)
-        self._reply(fd, SideReply(True, ticket=ticket))
+        self._reply(fd, SideReply(True, ticket=ticket, tenant=tenant))
 
     def _arena(self, fd: int, ask: ArenaAsk) -> None:
         session = self.sessions.by_id.get(ask.session)

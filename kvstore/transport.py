@@ -90,28 +90,36 @@ class Transport:
         return self._open
 
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Bind every endpoint (tcp ones on a CurveZMQ socket when curve is on) and start
-        draining them on ``loop``."""
+        """Bind every endpoint (ipc ones on a socket gated by handshake tickets when the
+        daemon has credentials for them, tcp ones on a CurveZMQ socket when curve is on)
+        and start draining them on ``loop``."""
         self._loop = loop
         self._ctx = zmq.Context()
         config = self.config
         endpoints = [config.endpoint, *config.server.extra_endpoints]
-        curve = self.auth.curve_enabled
-        groups = [[e for e in endpoints if not (curve and e.startswith("tcp://"))]]
-        if curve:
-            groups.append([e for e in endpoints if e.startswith("tcp://")])
-        for i, group in enumerate(groups):
+        curve, gated = self.auth.curve_enabled, self.auth.gated
+        groups: list[tuple[str, list[str]]] = [
+            ("gated", [e for e in endpoints if gated and e.startswith("ipc://")]),
+            ("open", [e for e in endpoints if not (gated and e.startswith("ipc://"))
+                      and not (curve and e.startswith("tcp://"))]),
+            ("curve", [e for e in endpoints if curve and e.startswith("tcp://")])]
+        for kind, group in groups:
+            if not group:
+                continue
+            i = len(self._socks)
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, RCVHWM)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes + p.MAX_HEADER_BYTES)
-            if i == 1:
+            if kind == "curve":
                 self.auth.make_curve_server(self._ctx, sock)
+            elif kind == "gated":
+                self.auth.make_gated_server(self._ctx, sock)
             for endpoint in group:
                 self.endpoints.append(_bind(sock, endpoint, self.secure_file))
             self._socks.append(sock)
-            self._secure.append(i == 1)
+            self._secure.append(kind != "open")  # its frames carry the tenant as User-Id
             fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
             self._fds.append(fd)
             loop.add_reader(fd, self._drain, i)

@@ -6,9 +6,12 @@ endpoint (the *side socket*, ``<socket path>.fd``: ZeroMQ cannot carry descripto
 a client whose hello authenticated it, with ``SCM_RIGHTS``.  The arena goes away with its
 last holder, so a daemon killed with SIGKILL leaves nothing in ``/dev/shm``.
 
-The side socket also tells the daemon who a client is: it reads the peer's uid with
-``SO_PEERCRED`` and, when ``auth.peer_tenants`` maps that uid to a tenant, hands back a
-one-time ticket the client presents in its hello.
+The side socket also admits clients to the ZeroMQ socket of a daemon with credentials:
+the client presents its token there (or none: the daemon reads the peer's uid with
+``SO_PEERCRED`` and looks it up in ``auth.peer_tenants``), and gets its tenant and a
+one-time ticket back, or a clear refusal.  It connects to the ipc endpoint with the
+ticket as its ZeroMQ PLAIN password, checked during the handshake: a peer without one
+never gets to send the daemon a single message.
 
 The side socket speaks one request and one reply per connection, each a 4-byte
 big-endian length and a MessagePack array; a reply that grants an arena carries its
@@ -29,7 +32,6 @@ import msgspec
 from kvstore.errors import ConfigError, ForbiddenError, KVStoreError, UnavailableError
 
 MEMFD_PREFIX = "memfd:"        # an arena path naming a descriptor to ask for, not a file
-PEER_TICKET_PREFIX = "peer:"   # a hello token that is a side socket's one-time ticket
 SIDE_SUFFIX = ".fd"
 MAX_SIDE_MESSAGE = 4096        # a side socket request or reply is small, always
 SIDE_TIMEOUT_S = 5.0
@@ -45,18 +47,21 @@ class ArenaAsk(msgspec.Struct, tag="arena", array_like=True):
     label: str
 
 
-class TicketAsk(msgspec.Struct, tag="ticket", array_like=True):
-    """A one-time ticket for this peer's uid (peer-credential mode)."""
+class Admit(msgspec.Struct, tag="admit", array_like=True):
+    """A one-time handshake ticket, for a token ("": for this peer's uid)."""
+
+    token: str
 
 
-SideRequest = Union[ArenaAsk, TicketAsk]
+SideRequest = Union[ArenaAsk, Admit]
 
 
 class SideReply(msgspec.Struct, array_like=True):
     ok: bool
     message: str = ""   # why not, when not ok
-    ticket: str = ""    # a TicketAsk's answer ("": the daemon has no peer-credential mode)
+    ticket: str = ""    # an Admit's ticket ("": the daemon takes no handshake credentials)
     size: int = 0       # an ArenaAsk's arena size; its descriptor rides along
+    tenant: str = ""    # an Admit's tenant, the PLAIN user name the ticket goes with
 
 
 side_request_decoder = msgspec.msgpack.Decoder(SideRequest)
@@ -77,8 +82,8 @@ def frame(message: msgspec.Struct) -> bytes:
 
 
 def unframe(data: bytes) -> bytes | None:
-    """The body of a complete framed message, None while more is to come; MalformedError
-    style ValueError when it claims more than a side message may hold."""
+    """The body of a complete framed message, None while more is to come; ValueError
+    when it claims more than a side message may hold."""
     if len(data) < _LENGTH.size:
         return None
     (length,) = _LENGTH.unpack_from(data)
@@ -150,15 +155,16 @@ def fetch_arena(path: str, session: str, label: str) -> tuple[int, int]:
     return fds[0], reply.size
 
 
-def peer_ticket(path: str) -> str:
-    """A one-time ticket for this process's uid, for hello ("" when the daemon has no
-    peer-credential mode, or no side socket); ForbiddenError when it has one and this
-    uid has no tenant."""
+def admit(path: str, token: str) -> tuple[str, str] | None:
+    """The tenant and one-time ticket (the ZeroMQ PLAIN user name and password) for
+    ``token``, or for this process's uid when it is empty; None when the daemon takes no
+    handshake credentials (or has no side socket); ForbiddenError, saying why, when the
+    credentials are refused."""
     if not os.path.exists(path):
-        return ""
-    reply, fds = _ask(path, TicketAsk())
+        return None
+    reply, fds = _ask(path, Admit(token))
     for fd in fds:
         os.close(fd)
     if not reply.ok:
         raise ForbiddenError(reply.message)
-    return reply.ticket
+    return (reply.tenant, reply.ticket) if reply.ticket else None

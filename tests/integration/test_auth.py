@@ -18,6 +18,7 @@ from kvstore import protocol as p
 from kvstore.auth import issue_token, read_secret, verify_token
 from kvstore.client import CurveKeys
 from kvstore.errors import ForbiddenError, UnavailableError, UnknownNamespaceError
+from kvstore.tiers.arena_fds import admit, side_path
 
 IDENT_A = make_identity(tenant="acme")
 IDENT_B = make_identity(tenant="globex")
@@ -67,12 +68,18 @@ def test_tokens_decide_the_tenant(token_daemon: tuple[Any, bytes, Path]) -> None
 
 def test_a_replayed_hello_gets_no_second_session(token_daemon: tuple[Any, bytes, Path]) -> None:
     d, secret, _ = token_daemon
+    token = issue_token(secret, "acme", 60)
+    side = side_path(d.endpoint)
+    assert side is not None
+    admitted = admit(side, token)           # the ipc endpoint is gated: a ticket first
+    assert admitted is not None and admitted[0] == "acme"
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.plain_username, sock.plain_password = admitted[0].encode(), admitted[1].encode()
     sock.connect(d.endpoint)
     try:
-        hello = p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "", issue_token(secret, "acme", 60)))
+        hello = p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "", token))
         for expected in (p.HelloReply, p.ErrorReply):
             sock.send(hello)
             assert sock.poll(5000)
@@ -202,8 +209,6 @@ def test_per_tenant_arenas_hold_only_what_their_tenant_may_read(
 
 
 def test_peer_credentials_name_the_tenant(daemon_factory: Any, tmp_path: Path) -> None:
-    from kvstore.tiers.arena_fds import peer_ticket, side_path
-
     config = tmp_path / "peer.toml"
     config.write_text(f'[auth]\npeer_tenants = {{ "{os.getuid()}" = "acme" }}\n')
     d = daemon_factory(dram_capacity="8MiB", extra=["--config", str(config)])
@@ -221,22 +226,29 @@ def test_peer_credentials_name_the_tenant(daemon_factory: Any, tmp_path: Path) -
         Client(d.endpoint, tenant="globex")
     side = side_path(d.endpoint)
     assert side is not None
-    ticket = peer_ticket(side)
+    admitted = admit(side, "")
+    assert admitted is not None and admitted[0] == "acme"
+    tenant, ticket = admitted
     ctx = zmq.Context()
     try:
-        for token, expected in (("peer:" + ticket, "hello"), ("peer:" + ticket, "used"),
-                                ("", "tenant from the client's uid")):
+        # a ticket is good for one handshake, for its tenant; without one, nothing gets in
+        for creds, answered in (((tenant, ticket), True), ((tenant, ticket), False),
+                                (("globex", admit(side, "")[1]), False),  # type: ignore[index]
+                                (None, False)):
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if creds is not None:
+                sock.plain_username, sock.plain_password = creds[0].encode(), creds[1].encode()
             sock.connect(d.endpoint)
-            sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "", token)))
-            assert sock.poll(10_000)
-            reply = p.reply_decoder.decode(sock.recv())
-            sock.close()
-            if expected == "hello":
+            sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "")))
+            if answered:
+                assert sock.poll(10_000)
+                reply = p.reply_decoder.decode(sock.recv())
                 assert isinstance(reply, p.HelloReply) and reply.tenant == "acme"
             else:
-                assert isinstance(reply, p.ErrorReply) and reply.code == "forbidden"
-                assert expected in reply.message
+                assert not sock.poll(1500)
+            sock.close()
     finally:
         ctx.term()
+    with Client(d.endpoint) as again:
+        assert again.stats()["side_socket"]["tickets"] >= 4

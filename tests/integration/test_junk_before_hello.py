@@ -18,6 +18,7 @@ from kvtest import make_identity
 
 from kvstore import Client
 from kvstore import protocol as p
+from kvstore.auth import issue_token, read_secret
 from kvstore.errors import LeaseExpiredError
 from kvstore.transport import PRE_HELLO_MESSAGES
 
@@ -106,3 +107,28 @@ def test_a_session_that_expired_is_told_so_every_time(daemon_factory: Any) -> No
         for _ in range(2 * PRE_HELLO_MESSAGES):     # more than a stranger gets answered
             with pytest.raises(LeaseExpiredError):
                 ns.put(keys, [b"\1" * ns.block_bytes] * 2)
+
+
+def test_with_credentials_a_peer_without_a_ticket_gets_nothing_in(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("cd" * 32)
+    config = tmp_path / "auth.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret}"\n')
+    d = daemon_factory(dram_capacity="8MiB", extra=["--config", str(config)])
+    assert d.proc is not None
+    before = rss_mib(d.proc.pid)
+    peers, big_mib = 100, 4
+    flood = subprocess.run([sys.executable, "-c", FLOOD, d.endpoint, str(peers),
+                            str(big_mib)], capture_output=True, text=True, timeout=300)
+    assert flood.stdout.strip() == "sent", flood.stderr
+    after = rss_mib(d.proc.pid)
+    assert after - before < 64, (before, after)   # nothing was read: the handshake failed
+    with Client(d.endpoint, token=issue_token(read_secret(secret), "acme", 60)) as client:
+        ns = client.namespace(make_identity())
+        keys = ns.keys(range(32))
+        ns.put(keys, [b"\2" * ns.block_bytes] * 2)
+        assert ns.get(keys) == [b"\2" * ns.block_bytes] * 2
+        stats = client.stats()
+        assert stats["before_hello"]["dropped"] == 0   # no junk ever reached the daemon
+        assert stats["invariant_violations"] == 0
