@@ -30,6 +30,7 @@ import hmac
 import os
 import pwd
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -161,6 +162,7 @@ class Auth:
         # ipc connections need a ticket in their handshake (see the module's docstring)
         self.gated = self.secret is not None or bool(self.peer_tenants)
         self._tickets: dict[str, tuple[str, float]] = {}  # ticket -> (tenant, deadline)
+        self._tickets_lock = threading.Lock()  # the ZAP thread redeems them
 
     def tenant_of(self, asked: str, token: str, curve_tenant: str | None) -> str:
         """The tenant of a hello, from its credentials."""
@@ -199,17 +201,20 @@ class Auth:
         else:
             raise ForbiddenError("this daemon requires a token in hello (kvstore token)")
         now = time.monotonic()
-        while self._tickets and (len(self._tickets) >= _TICKETS_HELD
-                                 or next(iter(self._tickets.values()))[1] < now):
-            del self._tickets[next(iter(self._tickets))]
         ticket = secrets.token_hex(16)
-        self._tickets[ticket] = (tenant, now + TICKET_SECONDS)
+        with self._tickets_lock:
+            tickets = self._tickets
+            while tickets and (len(tickets) >= _TICKETS_HELD
+                               or next(iter(tickets.values()))[1] < now):
+                del tickets[next(iter(tickets))]
+            tickets[ticket] = (tenant, now + TICKET_SECONDS)
         return tenant, ticket
 
     def redeem(self, tenant: str, ticket: str) -> bool:
         """Whether ``ticket`` was handed out for ``tenant`` and is still good; it is used
-        up either way.  Runs on the ZAP thread: one dict pop, atomic under the GIL."""
-        held = self._tickets.pop(ticket, None)
+        up either way.  Runs on the ZAP thread."""
+        with self._tickets_lock:
+            held = self._tickets.pop(ticket, None)
         return held is not None and held[0] == tenant and held[1] >= time.monotonic()
 
     def may_open(self, session_tenant: str, namespace_tenant: str) -> bool:
