@@ -46,10 +46,10 @@ from kvstore.keys import chain_keys
 from kvstore.tiers.arena_fds import (
     MEMFD_PREFIX,
     admit,
-    fetch_arena,
+    map_handed_arena,
     side_path,
 )
-from kvstore.tiers.dram import map_arena, map_fd
+from kvstore.tiers.dram import map_arena
 
 if TYPE_CHECKING:
     import zmq
@@ -358,26 +358,13 @@ class SessionCore:
                 raise KVStoreError("this client did not map the arena (map_arena=False); "
                                    "use put/get instead")
             if path.startswith(MEMFD_PREFIX):
-                arena = self._fetch_arena(path[len(MEMFD_PREFIX):], size)
+                assert self.hello is not None, "an arena is asked for after hello"
+                arena = map_handed_arena(self.endpoint, self.hello.session,
+                                         path[len(MEMFD_PREFIX):], size)
             else:
                 arena = map_arena(path, size)
             mapped = self._maps[path] = (arena, memoryview(arena))
         return mapped[1]
-
-    def _fetch_arena(self, label: str, size: int) -> mmap.mmap:
-        """Map an arena the daemon hands out by descriptor, over its side socket."""
-        side = side_path(self.endpoint)
-        if side is None:
-            raise KVStoreError("the daemon hands its arena out only over its ipc endpoint; "
-                               "over tcp, use put/get (map_arena=False)")
-        assert self.hello is not None, "an arena is asked for after hello"
-        fd, handed = fetch_arena(side, self.hello.session, label)
-        try:
-            if handed != size:
-                raise KVStoreError(f"the arena handed out holds {handed} bytes, not {size}")
-            return map_fd(fd, size)
-        finally:
-            os.close(fd)
 
     def _slots(self, offsets: Sequence[int], size: int, readonly: bool,
                arena: tuple[str, int] | None = None) -> list[memoryview]:

@@ -22,6 +22,7 @@ side of the exchange; the daemon's side is ``kvstore.side_socket``.
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 import socket
 import struct
@@ -153,6 +154,22 @@ def fetch_arena(path: str, session: str, label: str) -> tuple[int, int]:
             raise KVStoreError(f"the daemon's side socket {path} sent {len(fds)} descriptors")
         raise ForbiddenError(f"the daemon refused the arena: {reply.message}")
     return fds[0], reply.size
+
+
+def map_handed_arena(endpoint: str, session: str, label: str, size: int) -> mmap.mmap:
+    """A client's mapping of the arena ``label`` of its session, whose descriptor the
+    daemon hands over the side socket beside ``endpoint``."""
+    side = side_path(endpoint)
+    if side is None:
+        raise KVStoreError("the daemon hands its arena out only over its ipc endpoint; "
+                           "over tcp, use put/get (map_arena=False)")
+    fd, handed = fetch_arena(side, session, label)
+    try:
+        if handed != size:
+            raise KVStoreError(f"the arena handed out holds {handed} bytes, not {size}")
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
 
 
 def admit(path: str, token: str) -> tuple[str, str] | None:
