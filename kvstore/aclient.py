@@ -56,8 +56,9 @@ class AsyncClient(SessionCore):
 
     async def connect(self) -> AsyncClient:
         """Open the socket and say hello."""
+        admission = self._admission()
         self._ctx = zmq.asyncio.Context()
-        self._sock = make_socket(self._ctx, self.endpoint, self._curve)
+        self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
         self._reader = asyncio.get_running_loop().create_task(self._read_replies())
         try:
             self._on_hello(await self._call(self._hello_request()))

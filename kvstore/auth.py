@@ -8,6 +8,16 @@ Three modes, by configuration:
   and only client keys found in ``auth.curve_clients_dir`` may connect; the tenant is the
   key file's name (``acme.key`` or ``acme.laptop.key`` are tenant ``acme``).
 
+- ``auth.peer_tenants`` set: the tenant of a client on an ipc endpoint is the one mapped
+  to its uid (by user name or uid), which the daemon reads on the side socket beside the
+  endpoint (SO_PEERCRED).  Tokens work alongside.
+
+With a token secret or peer tenants, ipc endpoints are *gated*: a client first asks the
+side socket for admission (with its token, or none for its uid) and gets its tenant and a
+one-time ticket, or a clear refusal; it connects with them as its ZeroMQ PLAIN user name
+and password, checked in the handshake (``redeem``), so a peer without credentials never
+gets a message into the daemon.  The tenant of such a connection is its PLAIN user name.
+
 ``auth.shared_tenants`` grants namespaces of one tenant to others (a shared system
 prompt, say): ``{"public" = ["acme", "globex"]}``.
 """
@@ -18,8 +28,11 @@ import base64
 import hashlib
 import hmac
 import os
+import pwd
 import secrets
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +45,8 @@ from kvstore.config import Config
 from kvstore.errors import ConfigError, ForbiddenError, MalformedError
 
 _TOKEN_VERSION = 1
+TICKET_SECONDS = 10.0        # a ticket is presented at once, in the handshake that follows
+_TICKETS_HELD = 4096         # tickets not yet presented, the oldest dropped beyond
 
 
 def issue_token(secret: bytes, tenant: str, ttl_seconds: float, now: float | None = None) -> str:
@@ -82,6 +97,24 @@ def write_secret(path: str | Path) -> None:
         f.write(secrets.token_hex(32) + "\n")
 
 
+def peer_uids(peer_tenants: dict[str, str]) -> dict[int, str]:
+    """``auth.peer_tenants`` by uid (user names looked up now); ConfigError naming an
+    unknown user."""
+    uids: dict[int, str] = {}
+    for user, tenant in peer_tenants.items():
+        if not tenant:
+            raise ConfigError(f"auth.peer_tenants: user {user!r} maps to an empty tenant")
+        if user.isdigit():
+            uids[int(user)] = tenant
+            continue
+        try:
+            uids[pwd.getpwnam(user).pw_uid] = tenant
+        except KeyError:
+            raise ConfigError(f"auth.peer_tenants: no user named {user!r} on this host"
+                              ) from None
+    return uids
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
@@ -91,14 +124,23 @@ def _unb64(text: str) -> bytes:
 
 
 class _TenantAuthenticator(ThreadAuthenticator):
-    """ZAP handler: known client keys only; the user id it reports is the tenant."""
+    """ZAP handler: known client keys only (CURVE), or a ticket the side socket handed out
+    for the tenant named as the user (PLAIN); the user id it reports is the tenant."""
 
-    def __init__(self, context: zmq.Context[Any], tenants: dict[bytes, str]) -> None:
+    def __init__(self, context: zmq.Context[Any], tenants: dict[bytes, str],
+                 redeem: Callable[[str, str], bool]) -> None:
         super().__init__(context)
         self.tenants = tenants
+        self.redeem = redeem
 
     def callback(self, domain: str, key: bytes) -> bool:
         return key in self.tenants
+
+    def _authenticate_plain(self, domain: str, username: str,
+                            password: str) -> tuple[bool, bytes]:
+        if self.redeem(username, password):
+            return True, b"OK"
+        return False, b"unknown, used or expired ticket"
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         return self.tenants[zmq.utils.z85.encode(client_public_key)]
@@ -116,6 +158,11 @@ class Auth:
         self._authenticator: _TenantAuthenticator | None = None
         if self.curve_enabled:
             self._client_keys()  # fail at start-up, not at the first connection
+        self.peer_tenants = peer_uids(a.peer_tenants)
+        # ipc connections need a ticket in their handshake (see the module's docstring)
+        self.gated = self.secret is not None or bool(self.peer_tenants)
+        self._tickets: dict[str, tuple[str, float]] = {}  # ticket -> (tenant, deadline)
+        self._tickets_lock = threading.Lock()  # the ZAP thread redeems them
 
     def tenant_of(self, asked: str, token: str, curve_tenant: str | None) -> str:
         """The tenant of a hello, from its credentials."""
@@ -125,6 +172,9 @@ class Auth:
             if not token:
                 raise ForbiddenError("this daemon requires a token in hello (kvstore token)")
             tenant = verify_token(self.secret, token)
+        elif self.peer_tenants:
+            raise ForbiddenError("this daemon takes the tenant from the client's uid: connect "
+                                 "over its ipc endpoint, whose side socket hands out tickets")
         else:
             if not asked:
                 raise MalformedError("hello needs a tenant")
@@ -132,6 +182,40 @@ class Auth:
         if asked and asked != tenant:
             raise ForbiddenError(f"the credentials are for tenant {tenant!r}, not {asked!r}")
         return tenant
+
+    def admission(self, uid: int, token: str) -> tuple[str, str]:
+        """The tenant and a one-time handshake ticket for a client of ``uid`` presenting
+        ``token`` ("" for none); ("", "") when ipc endpoints are not gated; ForbiddenError
+        saying why the credentials are refused."""
+        if not self.gated:
+            return "", ""
+        if token and self.secret is not None:
+            tenant = verify_token(self.secret, token)
+        elif self.peer_tenants:
+            found = self.peer_tenants.get(uid)
+            if found is None:
+                raise ForbiddenError(f"uid {uid} has no tenant in auth.peer_tenants"
+                                     + ("" if self.secret is None else
+                                        ", and no token was given (kvstore token)"))
+            tenant = found
+        else:
+            raise ForbiddenError("this daemon requires a token in hello (kvstore token)")
+        now = time.monotonic()
+        ticket = secrets.token_hex(16)
+        with self._tickets_lock:
+            tickets = self._tickets
+            while tickets and (len(tickets) >= _TICKETS_HELD
+                               or next(iter(tickets.values()))[1] < now):
+                del tickets[next(iter(tickets))]
+            tickets[ticket] = (tenant, now + TICKET_SECONDS)
+        return tenant, ticket
+
+    def redeem(self, tenant: str, ticket: str) -> bool:
+        """Whether ``ticket`` was handed out for ``tenant`` and is still good; it is used
+        up either way.  Runs on the ZAP thread."""
+        with self._tickets_lock:
+            held = self._tickets.pop(ticket, None)
+        return held is not None and held[0] == tenant and held[1] >= time.monotonic()
 
     def may_open(self, session_tenant: str, namespace_tenant: str) -> bool:
         return (namespace_tenant == session_tenant
@@ -149,6 +233,16 @@ class Auth:
             keys[public] = path.name.split(".")[0]
         return keys
 
+    def _zap(self, context: zmq.Context[Any]) -> _TenantAuthenticator:
+        """The context's one ZAP handler, started at the first socket that needs it."""
+        if self._authenticator is None:
+            keys = self._client_keys() if self.curve_enabled else {}
+            self._authenticator = _TenantAuthenticator(context, keys, self.redeem)
+            self._authenticator.start()
+            if self.curve_enabled:
+                self._authenticator.configure_curve_callback("*", self._authenticator)
+        return self._authenticator
+
     def make_curve_server(self, context: zmq.Context[Any], sock: zmq.Socket[Any]) -> None:
         """Make ``sock`` a CurveZMQ server that lets in known client keys only."""
         path = self._config.curve_secret_key_file
@@ -158,12 +252,15 @@ class Auth:
             raise ConfigError(f"auth.curve_secret_key_file: cannot load {path}: {exc}") from None
         if secret is None:
             raise ConfigError(f"auth.curve_secret_key_file: {path} holds no secret key")
-        self._authenticator = _TenantAuthenticator(context, self._client_keys())
-        self._authenticator.start()
-        self._authenticator.configure_curve_callback("*", self._authenticator)
+        self._zap(context)
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_server = True
+
+    def make_gated_server(self, context: zmq.Context[Any], sock: zmq.Socket[Any]) -> None:
+        """Make ``sock`` a PLAIN server that lets in only tickets from ``admission``."""
+        self._zap(context)
+        sock.plain_server = True
 
     def close(self) -> None:
         if self._authenticator is not None:

@@ -65,8 +65,9 @@ class Client(SessionCore):
                  curve: CurveKeys | None = None, checksums: bool = False) -> None:
         super().__init__(endpoint, tenant=tenant, token=token, timeout=timeout,
                          map_arena=map_arena, curve=curve, checksums=checksums)
+        admission = self._admission()
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._sock = make_socket(self._ctx, self.endpoint, self._curve)
+        self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
         self._early: dict[int, Received] = {}  # replies that came before the one awaited
         try:
             self._on_hello(self._call(self._hello_request()))

@@ -3,7 +3,10 @@
 It builds each verb's request message, checks and decodes the reply into the result
 types, splits requests that are too big into batches, remembers chain parents, keeps
 the state of a session, its reservations and its pins, verifies checksums and maps the
-arena's views.  It never sends or receives: ``kvstore.client`` (blocking) and
+arena's views.  It never sends or receives on the daemon's ZeroMQ socket (its one
+exchange of its own is with the side socket beside an ipc endpoint: a short local
+round trip for a memfd arena's descriptor or a handshake ticket, ``tiers.arena_fds``):
+``kvstore.client`` (blocking) and
 ``kvstore.aclient`` (asyncio) are thin shells that carry what it builds to the daemon
 and hand it what comes back, the way h11 and httpcore split protocol from I/O.
 
@@ -40,6 +43,12 @@ from kvstore.errors import (
 )
 from kvstore.identity import Identity
 from kvstore.keys import chain_keys
+from kvstore.tiers.arena_fds import (
+    MEMFD_PREFIX,
+    admit,
+    map_handed_arena,
+    side_path,
+)
 from kvstore.tiers.dram import map_arena
 
 if TYPE_CHECKING:
@@ -150,9 +159,11 @@ def _curve_from_env() -> CurveKeys | None:
     return CurveKeys.from_files(server, client) if server and client else None
 
 
-def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None) -> Any:
+def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None,
+                admission: tuple[str, str] | None = None) -> Any:
     """The DEALER socket of a shell (``ctx`` is a ``zmq.Context`` or a
-    ``zmq.asyncio.Context``), set up the same way for both."""
+    ``zmq.asyncio.Context``), set up the same way for both; ``admission`` is the tenant
+    and ticket of a gated ipc endpoint (``SessionCore._admission``)."""
     import zmq
 
     sock = ctx.socket(zmq.DEALER)
@@ -163,6 +174,9 @@ def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None) -> Any:
         sock.curve_serverkey = curve.server_public
         sock.curve_publickey = curve.public
         sock.curve_secretkey = curve.secret
+    if admission is not None:
+        sock.plain_username = admission[0].encode()
+        sock.plain_password = admission[1].encode()
     sock.connect(endpoint)
     return sock
 
@@ -235,6 +249,7 @@ class SessionCore:
         self.timeout = timeout
         self.checksums = checksums  # send xxh3_64 of what is written, for readers to verify
         self._tenant = _tenant(tenant, token)
+        self._tenant_named = bool(tenant or os.environ.get("KVSTORE_TENANT"))
         self._token = _token(token)
         self._curve = curve or _curve_from_env()
         self._rids = itertools.count(1)
@@ -276,12 +291,23 @@ class SessionCore:
         return min(self.timeout, CLOSE_WAIT_S)
 
     # -- the session's verbs --------------------------------------------------------------
+    def _admission(self) -> tuple[str, str] | None:
+        """Before connecting to a gated ipc endpoint: the tenant and one-time ticket its
+        side socket hands out for this client's token (or, with none, for its uid); None
+        where the endpoint is not gated.  ForbiddenError, saying why, if refused."""
+        side = side_path(self.endpoint)
+        admitted = admit(side, self._token) if side is not None else None
+        if admitted is not None and not self._tenant_named:
+            self._tenant = ""  # the credentials name it
+        return admitted
+
     def _hello_request(self) -> p.Hello:
         return p.Hello(self._next_rid(), p.PROTOCOL_VERSION, self._tenant, self._token)
 
     def _on_hello(self, received: Received) -> None:
         hello = self.hello = check_reply(received[0], p.HelloReply)
-        if self._map_arenas:
+        if self._map_arenas and (not hello.arena_path.startswith(MEMFD_PREFIX)
+                                 or side_path(self.endpoint) is not None):
             self._view_of(hello.arena_path, hello.arena_bytes)
 
     def _namespace_request(self, identity: Identity) -> p.OpenNamespace:
@@ -331,7 +357,12 @@ class SessionCore:
             if not self._map_arenas:
                 raise KVStoreError("this client did not map the arena (map_arena=False); "
                                    "use put/get instead")
-            arena = map_arena(path, size)
+            if path.startswith(MEMFD_PREFIX):
+                assert self.hello is not None, "an arena is asked for after hello"
+                arena = map_handed_arena(self.endpoint, self.hello.session,
+                                         path[len(MEMFD_PREFIX):], size)
+            else:
+                arena = map_arena(path, size)
             mapped = self._maps[path] = (arena, memoryview(arena))
         return mapped[1]
 

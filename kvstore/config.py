@@ -111,6 +111,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_bytes_in_flight_per_tenant: str | int = 0
     max_transfers_in_flight: int = 8
     tenant_weights: dict[str, float] = {}
+    socket_group: str = ""  # a group (name or gid) whose members may connect
 
 
 class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -125,6 +126,8 @@ class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         default_factory=lambda: ["evict", "demote", "defer", "reject"])
     defer_seconds: float = 0.25
     tenant_quota: str | int = 0
+    arena_kind: str = "auto"  # memfd, file, or auto: memfd whenever credentials are set
+    shared_arena_with_credentials: bool = False
 
 
 class SsdConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -159,6 +162,7 @@ class AuthConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     curve_secret_key_file: str = ""
     curve_clients_dir: str = ""
     shared_tenants: dict[str, list[str]] = {}
+    peer_tenants: dict[str, str] = {}  # user name or uid -> tenant, by SO_PEERCRED
 
 
 def data_dir() -> Path:
@@ -218,6 +222,25 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def gpu_slab_bytes(self) -> int:
         return parse_size(self.gpu.slab_size, "gpu.slab_size")
+
+    @property
+    def credentials(self) -> bool:
+        """Whether hello must prove a tenant (a token, a CurveZMQ key or the peer's uid)."""
+        a = self.auth
+        return bool(a.secret_file or a.curve_secret_key_file or a.peer_tenants)
+
+    @property
+    def tenant_arenas(self) -> bool:
+        """Whether each tenant's blocks live in an arena of its own: when asked, and
+        whenever credentials are set (unless a shared arena is explicitly allowed)."""
+        return self.dram.per_tenant_arenas or (
+            self.credentials and not self.dram.shared_arena_with_credentials)
+
+    @property
+    def memfd_arenas(self) -> bool:
+        """Whether arenas are anonymous memory files handed out by descriptor."""
+        kind = self.dram.arena_kind
+        return kind == "memfd" or (kind == "auto" and self.credentials)
 
     @property
     def max_request_bytes(self) -> int:
@@ -300,6 +323,15 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("gpu.device: the GPU tier's one pool would be shared by every "
                               "tenant, and dram.per_tenant_arenas keeps tenants apart; use "
                               "one or the other")
+        if device and self.tenant_arenas:
+            raise ConfigError("gpu.device: the GPU tier's one pool and the DRAM arena are "
+                              "shared by every tenant, and credentials are set (auth), which "
+                              "keep each tenant in an arena of its own; set "
+                              "dram.shared_arena_with_credentials = true to allow the shared "
+                              "arena")
+        if self.dram.arena_kind not in ("auto", "memfd", "file"):
+            raise ConfigError(f"dram.arena_kind: {self.dram.arena_kind!r}; expected auto, "
+                              f"memfd or file")
         if device:
             if self.gpu_capacity < 1 << 20 or self.gpu_slab_bytes < 1 << 16:
                 raise ConfigError("gpu.capacity: at least 1MiB, in slabs of at least 64KiB")

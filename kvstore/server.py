@@ -44,8 +44,10 @@ from kvstore.scheduler.admission import PolicyChain
 from kvstore.scheduler.queues import TransferKind
 from kvstore.sdnotify import Notifier
 from kvstore.sessions import Sessions
+from kvstore.side_socket import SideSocket
 from kvstore.store import BlockStore, Limits, Namespace
 from kvstore.tiering import SsdMover
+from kvstore.tiers.arena_fds import side_path
 from kvstore.tiers.dram import Arenas, DramArena, sweep_stale_arenas
 from kvstore.transfers import TransferGate, serving
 from kvstore.transport import Transport
@@ -69,7 +71,7 @@ class Server:
         self.debug_invariants = s.debug_invariants
         self.store = BlockStore(config.dram_capacity, config.dram_slab_bytes,
                                 limits=self.limits, eviction_policy=config.dram.eviction_policy,
-                                per_tenant=config.dram.per_tenant_arenas,
+                                per_tenant=config.tenant_arenas,
                                 ssd_capacity=config.ssd_capacity,
                                 ssd_slab_bytes=config.ssd_slab_bytes,
                                 ssd_admit_after=config.ssd.admit_after,
@@ -97,12 +99,14 @@ class Server:
         self.auth = Auth(config)
         self.transport = Transport(config, self.auth, self._on_message,
                                    self._release_sent, self._room_from_sends)
+        self.transport.admitted = self.sessions.known
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.moves = Moves(self.store, clock)  # its tiers' movers join in start()
         self.finisher = Finisher(self)
         self.verbs = Verbs(self)
+        self.sides: list[SideSocket] = []
 
     @property
     def endpoints(self) -> list[str]:
@@ -116,8 +120,8 @@ class Server:
         d = self.config.dram
         sweep_stale_arenas(d.directory)
         self.arenas = Arenas(self.config.dram_capacity, d.directory, populate=d.populate,
-                             max_arenas=d.max_arenas)
-        if not d.per_tenant_arenas:
+                             max_arenas=d.max_arenas, memfd=self.config.memfd_arenas)
+        if not self.config.tenant_arenas:
             self.arenas.get("")  # the one arena, made (and its pages touched) at start-up
         if self.config.ssd_capacity:
             try:
@@ -141,6 +145,7 @@ class Server:
         self.moves.attach(ssd=self.ssd, remote=self.remote, gpu=self.gpu)
         self._loop.call_soon(self.moves.start)  # restored SSD copies to send, say
         self.transport.open(self._loop)
+        self._open_side_socket()
         self._schedule_reaper()
         self.store.touch_owner(GET_OWNER, math.inf)
 
@@ -152,6 +157,20 @@ class Server:
         await self._stopped.wait()
         await self.drain()
         self.close()
+
+    def _open_side_socket(self) -> None:
+        """The unix socket beside each ipc endpoint that hands out memfd arenas and peer
+        tickets (``kvstore.side_socket``), when either is in use."""
+        if not (self.config.memfd_arenas or self.auth.gated):
+            return
+        assert self._loop is not None
+        for endpoint in self.transport.endpoints:
+            path = side_path(endpoint)
+            if path is not None:
+                side = SideSocket(path, self.auth, self.sessions, lambda: self.arenas,
+                                  self.transport.secure_file)
+                side.open(self._loop)
+                self.sides.append(side)
 
     def _start_gpu(self) -> None:
         """The GPU tier, or a logged reason why it is off (no device here)."""
@@ -208,6 +227,8 @@ class Server:
     def close(self) -> None:
         for owner in list(self.store.owners):
             self.store.drop_owner(owner)
+        for side in self.sides:
+            side.close()
         self.transport.close()
         if self.ssd is not None:
             self.ssd.close()
@@ -406,6 +427,10 @@ class Server:
             out["remote"] = self.remote.stats()
             out["remote"]["copying_from_ssd"] = self.moves.copying_from_ssd
         out["settings"] = self.live_settings()
+        out["before_hello"] = {"dropped": self.transport.dropped_before_hello}
+        if self.sides:
+            out["side_socket"] = {key: sum(side.counts[key] for side in self.sides)
+                                  for key in self.sides[0].counts}
         return out
 
     def _schedule_reaper(self) -> None:

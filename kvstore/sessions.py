@@ -108,6 +108,10 @@ class Sessions:
         self.store.touch_owner(session.id, self.clock())
         return session
 
+    def known(self, routing_id: bytes) -> bool:
+        """Whether a connection has a session, or had one that expired (it is told so)."""
+        return routing_id in self.by_connection or routing_id in self._expired
+
     def get(self, routing_id: bytes) -> Session:
         """The session of a connection; an error that says why when there is none."""
         session = self.by_connection.get(routing_id)

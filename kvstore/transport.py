@@ -9,9 +9,11 @@ the daemon and sends its replies; it knows nothing of verbs.
 from __future__ import annotations
 
 import asyncio
+import grp
 import logging
 import os
 import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,11 +23,19 @@ import zmq
 from kvstore import protocol as p
 from kvstore.auth import Auth
 from kvstore.config import Config
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConfigError, KVStoreError
 
 log = logging.getLogger("kvstore.server")
 
 _DRAIN_BATCH = 256
+# Before a peer has a session it may send only a hello: one small header frame, and
+# only a few messages; the rest are dropped unread and unanswered.
+PRE_HELLO_BYTES = 4096
+PRE_HELLO_MESSAGES = 8
+_UNKNOWN_PEERS = 65536   # peers without a session remembered (their message counts)
+# Messages queued per peer inside ZeroMQ (a per-connection limit: past it ZeroMQ stops
+# reading that connection until the daemon drains it), so no peer's backlog is unbounded.
+RCVHWM = 256
 
 # (peer, frames, secure): the peer is the socket's index byte, then the routing id;
 # secure says the socket is the CurveZMQ one (its frames carry a User-Id).
@@ -64,6 +74,11 @@ class Transport:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_flight: list[tuple[zmq.MessageTracker, int]] = []  # (tracker, pin)
         self._reap_timer = False
+        self.group = socket_gid(config.server.socket_group)
+        # whether a peer has a session (set by the daemon); None takes every message
+        self.admitted: Callable[[bytes], bool] | None = None
+        self._unknown: dict[bytes, int] = {}  # peer without a session -> messages seen
+        self.dropped_before_hello = 0
 
     def __repr__(self) -> str:
         return (f"Transport(endpoints={self.endpoints}, open={self._open}, "
@@ -75,28 +90,36 @@ class Transport:
         return self._open
 
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Bind every endpoint (tcp ones on a CurveZMQ socket when curve is on) and start
-        draining them on ``loop``."""
+        """Bind every endpoint (ipc ones on a socket gated by handshake tickets when the
+        daemon has credentials for them, tcp ones on a CurveZMQ socket when curve is on)
+        and start draining them on ``loop``."""
         self._loop = loop
         self._ctx = zmq.Context()
         config = self.config
         endpoints = [config.endpoint, *config.server.extra_endpoints]
-        curve = self.auth.curve_enabled
-        groups = [[e for e in endpoints if not (curve and e.startswith("tcp://"))]]
-        if curve:
-            groups.append([e for e in endpoints if e.startswith("tcp://")])
-        for i, group in enumerate(groups):
+        curve, gated = self.auth.curve_enabled, self.auth.gated
+        groups: list[tuple[str, list[str]]] = [
+            ("gated", [e for e in endpoints if gated and e.startswith("ipc://")]),
+            ("open", [e for e in endpoints if not (gated and e.startswith("ipc://"))
+                      and not (curve and e.startswith("tcp://"))]),
+            ("curve", [e for e in endpoints if curve and e.startswith("tcp://")])]
+        for kind, group in groups:
+            if not group:
+                continue
+            i = len(self._socks)
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, RCVHWM)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes + p.MAX_HEADER_BYTES)
-            if i == 1:
+            if kind == "curve":
                 self.auth.make_curve_server(self._ctx, sock)
+            elif kind == "gated":
+                self.auth.make_gated_server(self._ctx, sock)
             for endpoint in group:
-                self.endpoints.append(_bind(sock, endpoint))
+                self.endpoints.append(_bind(sock, endpoint, self.secure_file))
             self._socks.append(sock)
-            self._secure.append(i == 1)
+            self._secure.append(kind != "open")  # its frames carry the tenant as User-Id
             fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
             self._fds.append(fd)
             loop.add_reader(fd, self._drain, i)
@@ -140,11 +163,27 @@ class Transport:
             except zmq.Again:
                 break
             # peers of different sockets may share routing ids: key them by socket too
-            self.on_message(bytes((index,)) + frames[0].bytes, frames, secure)
+            peer = bytes((index,)) + frames[0].bytes
+            if (self.admitted is not None and not self.admitted(peer)
+                    and not self._may_say_hello(peer, frames)):
+                self.dropped_before_hello += 1
+                continue
+            self.on_message(peer, frames, secure)
         else:
             assert self._loop is not None
             self._loop.call_soon(self._drain, index)  # more waiting: yield to others first
         self.reap_sends()
+
+    def _may_say_hello(self, peer: bytes, frames: list[zmq.Frame]) -> bool:
+        """Whether a message of a peer without a session is one to read: a small single
+        header (a hello, or a request it is told to say hello first), among its first
+        few.  Anything else is bounded work: dropped before it is decoded or answered."""
+        seen = self._unknown.pop(peer, 0) + 1
+        self._unknown[peer] = seen  # most recent last: the oldest are forgotten first
+        if len(self._unknown) > _UNKNOWN_PEERS:
+            del self._unknown[next(iter(self._unknown))]
+        return (seen <= PRE_HELLO_MESSAGES and len(frames) == 2
+                and len(frames[1]) <= PRE_HELLO_BYTES)
 
     def send(self, peer: bytes, reply: p.Message, payload: list[Any]) -> None:
         """Reply to ``peer``: the socket's index byte, then the peer's routing id."""
@@ -212,7 +251,40 @@ class Transport:
         return True
 
 
-def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
+    def secure_file(self, path: str, mode: int) -> None:
+        """Give a socket file ``mode`` (0600), or with ``server.socket_group`` the group's
+        read and write too, and its directory 0750 with that group (where the daemon owns
+        it and it is not world-writable, as /tmp is)."""
+        if self.group is None:
+            os.chmod(path, mode)
+            return
+        os.chown(path, -1, self.group)
+        os.chmod(path, mode | 0o060)
+        directory = os.path.dirname(path) or "."
+        info = os.stat(directory)
+        if info.st_uid == os.getuid() and not info.st_mode & stat.S_IWOTH:
+            os.chown(directory, -1, self.group)
+            os.chmod(directory, 0o750)
+        else:
+            log.warning("server.socket_group: %s is not the daemon's own directory; its "
+                        "mode and group are left as they are", directory)
+
+
+def socket_gid(group: str) -> int | None:
+    """``server.socket_group`` as a gid (None when unset); ConfigError if no such group."""
+    if not group:
+        return None
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"server.socket_group: no group named {group!r} on this host"
+                          ) from None
+
+
+def _bind(sock: zmq.Socket[bytes], endpoint: str,
+          secure_file: Callable[[str, int], None]) -> str:
     if endpoint.startswith("ipc://"):
         path = Path(endpoint[len("ipc://"):])
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -223,7 +295,7 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
     sock.bind(endpoint)
     bound: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     if endpoint.startswith("ipc://"):
-        os.chmod(endpoint[len("ipc://"):], 0o600)
+        secure_file(endpoint[len("ipc://"):], 0o600)
     return bound
 
 

@@ -2,7 +2,8 @@
 
 The arena is a file on a tmpfs (``/dev/shm`` by default), mode 0600, mapped shared by
 the daemon and by every client, so blocks are written and read in place with no copy
-through the daemon.  Pages are populated when the arena is created: the first touch of
+through the daemon.  Or it is an anonymous memory file with no path, whose descriptor
+the daemon hands to authenticated clients (``kvstore.tiers.arena_fds``).  Pages are populated when the arena is created: the first touch of
 fresh shm pages runs several times slower than a warm write.  Clients map the file with
 ``mmap`` rather than ``multiprocessing.shared_memory``, whose resource tracker would
 unlink the arena when a client process exits.
@@ -18,6 +19,7 @@ import secrets
 from pathlib import Path
 
 from kvstore.errors import ConfigError
+from kvstore.tiers.arena_fds import MEMFD_PREFIX, create_memfd
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _ARENA_NAME = re.compile(r"kvstore-(\d+)-(\d+)-[0-9a-f]+\.(arena|gpupool)")
@@ -90,17 +92,33 @@ class DramArena:
     """A shared-memory file of ``capacity_bytes``, mapped read-write."""
 
     def __init__(self, capacity_bytes: int, directory: str = "/dev/shm",
-                 *, populate: bool = True) -> None:
+                 *, populate: bool = True, memfd: bool = False) -> None:
         self.capacity_bytes = capacity_bytes
-        self.path = create_shared_file(directory, "arena", capacity_bytes,
-                                       directory_field="dram.directory",
-                                       size_field="dram.capacity", noun="the arena")
-        try:
-            self._mmap = map_arena(self.path, capacity_bytes, populate=populate)
-        except BaseException:
-            os.unlink(self.path)
-            raise
+        self.fd: int | None = None  # a memfd arena's descriptor, to hand to clients
+        if memfd:
+            # no path: clients get the descriptor over the side socket (tiers.arena_fds)
+            self.fd = create_memfd(capacity_bytes)
+            self.path = MEMFD_PREFIX + secrets.token_hex(8)
+            try:
+                self._mmap = map_fd(self.fd, capacity_bytes, populate=populate)
+            except BaseException:
+                os.close(self.fd)
+                raise
+        else:
+            self.path = create_shared_file(directory, "arena", capacity_bytes,
+                                           directory_field="dram.directory",
+                                           size_field="dram.capacity", noun="the arena")
+            try:
+                self._mmap = map_arena(self.path, capacity_bytes, populate=populate)
+            except BaseException:
+                os.unlink(self.path)
+                raise
         self.view = memoryview(self._mmap)
+
+    @property
+    def label(self) -> str:
+        """A memfd arena's name in ``memfd:<label>`` ("" for a file arena)."""
+        return self.path[len(MEMFD_PREFIX):] if self.fd is not None else ""
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -117,6 +135,10 @@ class DramArena:
             self._mmap.close()
         except BufferError:
             pass  # a view is still exported (a send in flight); the GC unmaps it later
+        if self.fd is not None:
+            os.close(self.fd)  # the memory goes with its last holder
+            self.fd = None
+            return
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -130,10 +152,15 @@ def map_arena(path: str, size: int, *, populate: bool = True) -> mmap.mmap:
     """A client's mapping of the daemon's arena."""
     fd = os.open(path, os.O_RDWR)
     try:
-        flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
-        return mmap.mmap(fd, size, flags=flags)
+        return map_fd(fd, size, populate=populate)
     finally:
         os.close(fd)
+
+
+def map_fd(fd: int, size: int, *, populate: bool = True) -> mmap.mmap:
+    """A shared mapping of an open arena file (the descriptor stays open)."""
+    flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+    return mmap.mmap(fd, size, flags=flags)
 
 
 class Arenas:
@@ -141,12 +168,14 @@ class Arenas:
     a tenant's blocks live in), created on first use, at most ``max_arenas``."""
 
     def __init__(self, capacity_bytes: int, directory: str, *, populate: bool,
-                 max_arenas: int = 64) -> None:
+                 max_arenas: int = 64, memfd: bool = False) -> None:
         self.capacity_bytes = capacity_bytes
         self.directory = directory
         self.populate = populate
         self.max_arenas = max_arenas
+        self.memfd = memfd
         self.by_name: dict[str, DramArena] = {}
+        self.by_label: dict[str, tuple[str, DramArena]] = {}  # memfd label -> (name, arena)
 
     def get(self, name: str) -> DramArena:
         arena = self.by_name.get(name)
@@ -157,14 +186,18 @@ class Arenas:
                 raise LimitExceededError(
                     f"{len(self.by_name)} arenas exist (limit dram.max_arenas); no room for "
                     f"another tenant's arena")
-            arena = DramArena(self.capacity_bytes, self.directory, populate=self.populate)
+            arena = DramArena(self.capacity_bytes, self.directory, populate=self.populate,
+                              memfd=self.memfd)
             self.by_name[name] = arena
+            if arena.label:
+                self.by_label[arena.label] = (name, arena)
         return arena
 
     def close(self) -> None:
         for arena in self.by_name.values():
             arena.close()
         self.by_name.clear()
+        self.by_label.clear()
 
     def __repr__(self) -> str:
         return f"Arenas({len(self.by_name)} of {self.capacity_bytes} bytes)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from kvstore import protocol as p
 from kvstore.auth import issue_token, read_secret, verify_token
 from kvstore.client import CurveKeys
 from kvstore.errors import ForbiddenError, UnavailableError, UnknownNamespaceError
+from kvstore.tiers.arena_fds import admit, side_path
 
 IDENT_A = make_identity(tenant="acme")
 IDENT_B = make_identity(tenant="globex")
@@ -66,12 +68,18 @@ def test_tokens_decide_the_tenant(token_daemon: tuple[Any, bytes, Path]) -> None
 
 def test_a_replayed_hello_gets_no_second_session(token_daemon: tuple[Any, bytes, Path]) -> None:
     d, secret, _ = token_daemon
+    token = issue_token(secret, "acme", 60)
+    side = side_path(d.endpoint)
+    assert side is not None
+    admitted = admit(side, token)           # the ipc endpoint is gated: a ticket first
+    assert admitted is not None and admitted[0] == "acme"
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.plain_username, sock.plain_password = admitted[0].encode(), admitted[1].encode()
     sock.connect(d.endpoint)
     try:
-        hello = p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "", issue_token(secret, "acme", 60)))
+        hello = p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "", token))
         for expected in (p.HelloReply, p.ErrorReply):
             sock.send(hello)
             assert sock.poll(5000)
@@ -184,13 +192,63 @@ def test_per_tenant_arenas_hold_only_what_their_tenant_may_read(
             r.commit()
         ns_b = b.namespace(IDENT_B)
         ns_b.put(ns_b.keys(range(16)), [b"\7" * ns_b.block_bytes])
-        with open(b.hello.arena_path, "rb") as f:
-            assert b"acme-only" not in f.read()        # B's arena never held A's bytes
-        with open(a.hello.arena_path, "rb") as f:
-            assert b"acme-only" in f.read()
+        # with credentials the arenas are memory files with no path, handed out by
+        # descriptor to the sessions whose tenant may use them
+        assert a.hello.arena_path.startswith("memfd:")
+        size = a.hello.arena_bytes
+        assert b"acme-only" not in bytes(b._view_of(b.hello.arena_path, size))
+        assert b"acme-only" in bytes(a._view_of(a.hello.arena_path, size))
+        with pytest.raises(ForbiddenError, match="no such arena"):
+            b._view_of(a.hello.arena_path, size)      # B may not have A's arena
         shared = b.namespace(SHARED)                   # a third arena, both may map
         assert shared.arena[0] not in (a.hello.arena_path, b.hello.arena_path)
         shared.put(shared.keys(range(16)), [b"\10" * shared.block_bytes])
         with a.namespace(SHARED).acquire(a.namespace(SHARED).keys(range(16))) as held:
             assert bytes(held.buffers[0]) == b"\10" * shared.block_bytes
         assert a.stats()["tiers"]["dram"]["arenas"] == 3
+
+
+def test_peer_credentials_name_the_tenant(daemon_factory: Any, tmp_path: Path) -> None:
+    config = tmp_path / "peer.toml"
+    config.write_text(f'[auth]\npeer_tenants = {{ "{os.getuid()}" = "acme" }}\n')
+    d = daemon_factory(dram_capacity="8MiB", extra=["--config", str(config)])
+    with Client(d.endpoint) as a:                      # no token, no tenant: the uid's
+        assert a.hello is not None and a.hello.tenant == "acme"
+        assert a.hello.arena_path.startswith("memfd:")
+        ns = a.namespace(IDENT_A)
+        keys = ns.keys(range(32))
+        ns.put(keys, [b"\3" * ns.block_bytes] * 2)
+        with ns.acquire(keys) as held:
+            assert bytes(held.buffers[1]) == b"\3" * ns.block_bytes
+        with pytest.raises(ForbiddenError):
+            a.namespace(IDENT_B)
+    with pytest.raises(ForbiddenError, match="credentials are for tenant 'acme', not 'globex'"):
+        Client(d.endpoint, tenant="globex")
+    side = side_path(d.endpoint)
+    assert side is not None
+    admitted = admit(side, "")
+    assert admitted is not None and admitted[0] == "acme"
+    tenant, ticket = admitted
+    ctx = zmq.Context()
+    try:
+        # a ticket is good for one handshake, for its tenant; without one, nothing gets in
+        for creds, answered in (((tenant, ticket), True), ((tenant, ticket), False),
+                                (("globex", admit(side, "")[1]), False),  # type: ignore[index]
+                                (None, False)):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if creds is not None:
+                sock.plain_username, sock.plain_password = creds[0].encode(), creds[1].encode()
+            sock.connect(d.endpoint)
+            sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "")))
+            if answered:
+                assert sock.poll(10_000)
+                reply = p.reply_decoder.decode(sock.recv())
+                assert isinstance(reply, p.HelloReply) and reply.tenant == "acme"
+            else:
+                assert not sock.poll(1500)
+            sock.close()
+    finally:
+        ctx.term()
+    with Client(d.endpoint) as again:
+        assert again.stats()["side_socket"]["tickets"] >= 4

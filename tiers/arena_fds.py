@@ -1,0 +1,187 @@
+"""Arenas as capabilities: anonymous memory files handed out as descriptors.
+
+An arena made with ``memfd_create`` has no path: no other process can open it, only
+receive its descriptor.  The daemon hands it, over a plain unix socket beside its ipc
+endpoint (the *side socket*, ``<socket path>.fd``: ZeroMQ cannot carry descriptors), to
+a client whose hello authenticated it, with ``SCM_RIGHTS``.  The arena goes away with its
+last holder, so a daemon killed with SIGKILL leaves nothing in ``/dev/shm``.
+
+The side socket also admits clients to the ZeroMQ socket of a daemon with credentials:
+the client presents its token there (or none: the daemon reads the peer's uid with
+``SO_PEERCRED`` and looks it up in ``auth.peer_tenants``), and gets its tenant and a
+one-time ticket back, or a clear refusal.  It connects to the ipc endpoint with the
+ticket as its ZeroMQ PLAIN password, checked during the handshake: a peer without one
+never gets to send the daemon a single message.
+
+The side socket speaks one request and one reply per connection, each a 4-byte
+big-endian length and a MessagePack array; a reply that grants an arena carries its
+descriptor.  This module holds the wire format, the arena file itself and the client's
+side of the exchange; the daemon's side is ``kvstore.side_socket``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import socket
+import struct
+from typing import Union
+
+import msgspec
+
+from kvstore.errors import ConfigError, ForbiddenError, KVStoreError, UnavailableError
+
+MEMFD_PREFIX = "memfd:"        # an arena path naming a descriptor to ask for, not a file
+SIDE_SUFFIX = ".fd"
+MAX_SIDE_MESSAGE = 4096        # a side socket request or reply is small, always
+SIDE_TIMEOUT_S = 5.0
+_LENGTH = struct.Struct(">I")
+_SEALS = (getattr(fcntl, "F_SEAL_SHRINK", 0x2) | getattr(fcntl, "F_SEAL_GROW", 0x4)
+          | getattr(fcntl, "F_SEAL_SEAL", 0x1))
+
+
+class ArenaAsk(msgspec.Struct, tag="arena", array_like=True):
+    """An arena's descriptor, for the session (its secret id) that was told its label."""
+
+    session: str
+    label: str
+
+
+class Admit(msgspec.Struct, tag="admit", array_like=True):
+    """A one-time handshake ticket, for a token ("": for this peer's uid)."""
+
+    token: str
+
+
+SideRequest = Union[ArenaAsk, Admit]
+
+
+class SideReply(msgspec.Struct, array_like=True):
+    ok: bool
+    message: str = ""   # why not, when not ok
+    ticket: str = ""    # an Admit's ticket ("": the daemon takes no handshake credentials)
+    size: int = 0       # an ArenaAsk's arena size; its descriptor rides along
+    tenant: str = ""    # an Admit's tenant, the PLAIN user name the ticket goes with
+
+
+side_request_decoder = msgspec.msgpack.Decoder(SideRequest)
+side_reply_decoder = msgspec.msgpack.Decoder(SideReply)
+side_encoder = msgspec.msgpack.Encoder()
+
+
+def side_path(endpoint: str) -> str | None:
+    """The side socket beside an ipc endpoint (None for tcp: no descriptors there)."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    return endpoint[len("ipc://"):] + SIDE_SUFFIX
+
+
+def frame(message: msgspec.Struct) -> bytes:
+    body = side_encoder.encode(message)
+    return _LENGTH.pack(len(body)) + body
+
+
+def unframe(data: bytes) -> bytes | None:
+    """The body of a complete framed message, None while more is to come; ValueError
+    when it claims more than a side message may hold."""
+    if len(data) < _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack_from(data)
+    if length > MAX_SIDE_MESSAGE:
+        raise ValueError(f"a side socket message of {length} bytes (limit {MAX_SIDE_MESSAGE})")
+    if len(data) < _LENGTH.size + length:
+        return None
+    return data[_LENGTH.size:_LENGTH.size + length]
+
+
+# -- the arena file ------------------------------------------------------------------------
+
+def create_memfd(capacity_bytes: int, name: str = "kvstore-arena") -> int:
+    """An anonymous memory file of ``capacity_bytes``, allocated now and sealed against
+    resizing (a holder could otherwise shrink it and crash every mapper); its descriptor."""
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        raise ConfigError(f"dram.arena_kind: cannot create a memory file: {exc.strerror}"
+                          ) from None
+    try:
+        try:
+            os.posix_fallocate(fd, 0, capacity_bytes)
+        except OSError as exc:
+            raise ConfigError(f"dram.capacity: cannot allocate {capacity_bytes} bytes of "
+                              f"shared memory: {exc.strerror}") from None
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# -- the client's side -----------------------------------------------------------------------
+
+def _ask(path: str, request: msgspec.Struct) -> tuple[SideReply, list[int]]:
+    fds: list[int] = []
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(SIDE_TIMEOUT_S)
+            sock.connect(path)
+            sock.sendall(frame(request))
+            data = b""
+            while True:
+                chunk, got, _, _ = socket.recv_fds(sock, MAX_SIDE_MESSAGE, 1)
+                fds += got
+                if not chunk:
+                    raise ValueError("it closed without a reply")
+                data += chunk
+                body = unframe(data)
+                if body is not None:
+                    return side_reply_decoder.decode(body), fds
+    except (OSError, ValueError, msgspec.DecodeError) as exc:
+        for fd in fds:
+            os.close(fd)
+        raise UnavailableError(f"the daemon's side socket {path}: {exc}") from None
+
+
+def fetch_arena(path: str, session: str, label: str) -> tuple[int, int]:
+    """The descriptor and size of the arena ``label`` (a ``memfd:`` arena path's rest),
+    for an authenticated session; ForbiddenError if the daemon refuses."""
+    reply, fds = _ask(path, ArenaAsk(session, label))
+    if not reply.ok or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        if reply.ok:
+            raise KVStoreError(f"the daemon's side socket {path} sent {len(fds)} descriptors")
+        raise ForbiddenError(f"the daemon refused the arena: {reply.message}")
+    return fds[0], reply.size
+
+
+def map_handed_arena(endpoint: str, session: str, label: str, size: int) -> mmap.mmap:
+    """A client's mapping of the arena ``label`` of its session, whose descriptor the
+    daemon hands over the side socket beside ``endpoint``."""
+    side = side_path(endpoint)
+    if side is None:
+        raise KVStoreError("the daemon hands its arena out only over its ipc endpoint; "
+                           "over tcp, use put/get (map_arena=False)")
+    fd, handed = fetch_arena(side, session, label)
+    try:
+        if handed != size:
+            raise KVStoreError(f"the arena handed out holds {handed} bytes, not {size}")
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+
+
+def admit(path: str, token: str) -> tuple[str, str] | None:
+    """The tenant and one-time ticket (the ZeroMQ PLAIN user name and password) for
+    ``token``, or for this process's uid when it is empty; None when the daemon takes no
+    handshake credentials (or has no side socket); ForbiddenError, saying why, when the
+    credentials are refused."""
+    if not os.path.exists(path):
+        return None
+    reply, fds = _ask(path, Admit(token))
+    for fd in fds:
+        os.close(fd)
+    if not reply.ok:
+        raise ForbiddenError(reply.message)
+    return (reply.tenant, reply.ticket) if reply.ticket else None
