@@ -34,6 +34,7 @@ from kvstore.errors import (
     UnavailableError,
 )
 from kvstore.gpu_mover import GpuMover
+from kvstore.heap import settle_every
 from kvstore.later import Finisher
 from kvstore.logs import in_effect
 from kvstore.metrics import Metrics, stats_on_loop
@@ -456,6 +457,7 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
         notifier.ready(f"serving on {', '.join(s.endpoints)}")
 
     stop_watchdog = notifier.start_watchdog(loop, lambda: server.transport.is_open)
+    stop_settling = settle_every(loop)  # full collections never walk the index
 
     def stop() -> None:
         notifier.stopping()
@@ -484,5 +486,6 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
         await server.serve(ready)
     finally:
         stop_watchdog()
+        stop_settling()
         if close_http is not None:
             close_http()

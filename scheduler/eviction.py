@@ -439,60 +439,59 @@ class SLRUPolicy(EvictionPolicy[T]):
         self.skip = skip
         self._probation: OrderedDict[T, None] = OrderedDict()  # LRU first
         self._protected: OrderedDict[T, None] = OrderedDict()
-        self._is_protected: dict[T, bool] = {}  # every tracked item: its segment
-        self._pinned: set[T] = set()
+        # pinned items, off both segments: whether each rejoins the protected one.  An
+        # item's segment is otherwise where it sits: no map of every tracked item (it
+        # would cost a dict entry per block of the index).
+        self._pinned: dict[T, bool] = {}
         # evicted keys: from the protected segment?, that segment's eviction count then
         self._ghost: OrderedDict[T, tuple[bool, int]] = OrderedDict()
         self._evicted = [0, 0]  # evictions from probation, from the protected segment
         self._size = 0  # the most items ever tracked at once: the cache size, once full
         self._target = 0.0  # probation's target size, items
 
-    def _segment(self, item: T) -> OrderedDict[T, None]:
-        return self._protected if self._is_protected[item] else self._probation
+    def _tracked(self, item: T) -> bool:
+        return item in self._probation or item in self._protected or item in self._pinned
 
     def insert(self, item: T) -> None:
-        if item in self._is_protected:
+        if self._tracked(item):
             return
         remembered = self._ghost.pop(item, None)
-        self._is_protected[item] = remembered is not None
-        self._size = max(self._size, len(self._is_protected))
+        (self._protected if remembered is not None else self._probation)[item] = None
+        self._size = max(self._size,
+                         len(self._probation) + len(self._protected) + len(self._pinned))
         if remembered is not None:
             from_protected, then = remembered
             if self._evicted[from_protected] - then < self.window * self._size:
                 self._target += -1.0 if from_protected else 1.0
                 self._target = min(max(self._target, 0.0), float(self._size))
-        self._segment(item)[item] = None
 
     def access(self, item: T) -> None:
-        protected = self._is_protected.get(item)
-        if protected is None:
-            return
-        if item not in self._pinned:
-            if protected:
-                self._protected.move_to_end(item)
-                return
+        if item in self._protected:
+            self._protected.move_to_end(item)
+        elif item in self._probation:
             del self._probation[item]
             self._protected[item] = None
-        self._is_protected[item] = True
+        elif item in self._pinned:
+            self._pinned[item] = True
 
     def pin(self, item: T) -> None:
-        if item in self._is_protected and item not in self._pinned:
-            self._pinned.add(item)
-            del self._segment(item)[item]
+        if item in self._protected:
+            del self._protected[item]
+            self._pinned[item] = True
+        elif item in self._probation:
+            del self._probation[item]
+            self._pinned[item] = False
 
     def unpin(self, item: T) -> None:
-        if item in self._pinned:
-            self._pinned.discard(item)
-            self._segment(item)[item] = None
+        protected = self._pinned.pop(item, None)
+        if protected is not None:
+            (self._protected if protected else self._probation)[item] = None
 
     def remove(self, item: T) -> None:
-        if item not in self._is_protected:
+        if self._pinned.pop(item, None) is not None:
             return
-        if item in self._pinned:
-            self._pinned.discard(item)
-        else:
-            del self._segment(item)[item]
-        del self._is_protected[item]
+        if self._probation.pop(item, _MISSING) is _MISSING:
+            self._protected.pop(item, None)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         if len(self._probation) > self._target or not self._protected:
@@ -509,7 +508,6 @@ class SLRUPolicy(EvictionPolicy[T]):
 
     def _evict(self, queue: OrderedDict[T, None], item: T) -> T:
         del queue[item]
-        del self._is_protected[item]
         from_protected = queue is self._protected
         self._evicted[from_protected] += 1
         self._ghost[item] = (from_protected, self._evicted[from_protected])
