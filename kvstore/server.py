@@ -35,6 +35,7 @@ from kvstore.errors import (
 )
 from kvstore.gpu_mover import GpuMover
 from kvstore.heap import settle_every
+from kvstore.invariant_watch import InvariantWatch
 from kvstore.later import Finisher
 from kvstore.logs import in_effect
 from kvstore.metrics import Metrics, stats_on_loop
@@ -68,6 +69,7 @@ class Server:
         self.max_keys = s.max_keys_per_request
         self.max_request_bytes = config.max_request_bytes
         self.debug_invariants = s.debug_invariants
+        self.invariant_watch: InvariantWatch | None = None  # made on the loop, when needed
         self.store = BlockStore(config.dram_capacity, config.dram_slab_bytes,
                                 limits=self.limits, eviction_policy=config.dram.eviction_policy,
                                 per_tenant=config.dram.per_tenant_arenas,
@@ -207,6 +209,8 @@ class Server:
             self._stopped.set()
 
     def close(self) -> None:
+        if self.invariant_watch is not None:
+            self.invariant_watch.close()
         for owner in list(self.store.owners):
             self.store.drop_owner(owner)
         self.transport.close()
@@ -374,15 +378,29 @@ class Server:
 
     def check_invariants(self) -> bool:
         """Run the store's and the sessions' checkers; a violation is logged and counted,
-        never fatal."""
+        never fatal.  Past a size, in a forked snapshot off the loop (``InvariantWatch``):
+        True then, and a violation is counted when the check ends."""
+        if self.invariant_watch is None and self._loop is not None:
+            self.invariant_watch = InvariantWatch(
+                self._loop, self._check_all,
+                lambda: sum(len(ns.blocks) for ns in self.store.namespaces.values()),
+                self._violated)
+        if self.invariant_watch is not None:
+            return self.invariant_watch.after_request()
         try:
-            self.store.check_invariants()
-            self.sessions.check_invariants()
+            self._check_all()
         except AssertionError as exc:
-            self.invariant_violations += 1
-            log.error("invariant violated: %s", exc)
+            self._violated(str(exc))
             return False
         return True
+
+    def _check_all(self) -> None:
+        self.store.check_invariants()
+        self.sessions.check_invariants()
+
+    def _violated(self, what: str) -> None:
+        self.invariant_violations += 1
+        log.error("invariant violated: %s", what)
 
     # -- housekeeping ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
