@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from kvstore.identity import Identity
@@ -52,16 +53,9 @@ class Block:
         self.gpu_offset: int | None = None  # a copy in the GPU tier's device pool
         self.extra: dict[str, int] | None = None  # copies in added tiers: name -> slot
 
-    # Equal by namespace and key, so that a block cached again after eviction is the same
-    # item to the eviction orders: their ghost lists (S3-FIFO, ARC) remember it.  The key
-    # (a hash of the namespace and the chain) hashes alone: bytes keep their hash, so
-    # this costs no field.
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, Block) and self.key == other.key
-                                 and self.ns is other.ns)
+    # Hashed and compared by identity (in C: the orders, sets and dicts of blocks cost
+    # no Python call per step); the eviction orders' ghost lists name a block by its key
+    # (``block_key``), so that one cached again after it left is the one remembered.
 
     @property
     def children(self) -> int:
@@ -110,6 +104,9 @@ class Block:
     def __repr__(self) -> str:
         return (f"Block({self.key.hex()[:12]}, dram={self.offset}, ssd={self.ssd_offset}, "
                 f"refs={self.refs}, children={self.children})")
+
+block_key = attrgetter("key")  # what the eviction orders remember a block by (its key)
+
 
 class Namespace:
     """One identity's blocks in the daemon."""
@@ -187,7 +184,8 @@ class TierSlots:
     def class_for(self, block_bytes: int) -> SlabClass:
         cls = self.pool.class_for(block_bytes)
         if cls.slot_bytes not in self.policies:
-            policy: EvictionPolicy[Block] = make_policy(self.policy_name)  # type: ignore[assignment]
+            policy: EvictionPolicy[Block] = make_policy(  # type: ignore[assignment]
+                self.policy_name, ghost_key=block_key)
             if self.clock is not None:
                 policy = WarmPins(policy, self.clock)
             self.policies[cls.slot_bytes] = policy

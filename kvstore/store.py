@@ -201,8 +201,7 @@ class BlockStore(StoreCore):
                 fresh.append(block)
             block.seen += 1
             parent = block
-        for block in reversed(fresh):  # deepest first: parents end up warmer
-            policy.insert(block)
+        policy.insert_many(reversed(fresh))  # deepest first: parents end up warmer
         if self.ssd is not None:
             dirty = self.dirty.setdefault(ns.cls, {})
             for block in fresh:
