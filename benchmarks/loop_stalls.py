@@ -183,13 +183,13 @@ class Daemon:
     """``python -m kvstore serve`` over an unpopulated arena of ``capacity`` bytes."""
 
     def __init__(self, work: Path, capacity: int, *, metrics_port: int = 0,
-                 debug_invariants: bool = False) -> None:
+                 debug_invariants: bool = False, lease: float = 600.0) -> None:
         self.endpoint = f"ipc://{work}/kvstore.sock"
         config = work / "kvstore.toml"
         config.write_text(
             f"[server]\nmetrics_port = {metrics_port}\n"
             f"debug_invariants = {str(debug_invariants).lower()}\n"
-            f"max_keys_per_request = {CHAIN}\n"
+            f"max_keys_per_request = {CHAIN}\nlease_seconds = {lease}\n"
             f"[dram]\ncapacity = {capacity}\npopulate = false\neviction_policy = \"slru\"\n"
             f"[ssd]\ncapacity = 0\n")
         self.proc = subprocess.Popen(
@@ -296,9 +296,10 @@ CROWD = r"""
 import random, sys, time, zmq
 from kvstore import Client
 endpoint, count, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-clients = [Client(endpoint, tenant=f"crowd{i % 8}") for i in range(count)]
-for c in clients:
-    c.ping()
+clients = []
+for i in range(count):
+    clients.append(Client(endpoint, tenant=f"crowd{i % 8}"))
+    clients[-1].ping()
 print("ready", flush=True)
 sys.stdin.readline()
 end = time.monotonic() + seconds

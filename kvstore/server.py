@@ -409,6 +409,8 @@ class Server:
             "sessions": len(self.sessions),
             "namespaces": len(self.store.namespaces),
             "invariant_violations": self.invariant_violations,
+            "invariant_checks_forked": (self.invariant_watch.forked
+                                        if self.invariant_watch is not None else 0),
             "scheduling": dict(self.scheduling),
             "transfers": self.transfers.stats(),
             "eviction_policies": {"dram": self.config.dram.eviction_policy, "ssd": "lru"},

@@ -4,8 +4,13 @@ snapshot beyond, one at a time, with the last state always checked."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from collections.abc import Callable
 
+from daemon_proc import DaemonProcess
+
+from kvstore import Client, Identity
 from kvstore.invariant_watch import InvariantWatch
 
 
@@ -84,3 +89,45 @@ def test_requests_during_a_check_ask_for_one_more() -> None:
         watch.close()
 
     asyncio.run(go())
+
+
+def _children(pid: int) -> list[str]:
+    """The states of a process's children (``Z`` for one not reaped)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(fields[0])
+    return out
+
+
+def test_a_daemon_past_the_inline_size_checks_in_snapshots_and_reaps_them(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory(dram_capacity="160MiB", extra=["--lease", "600"])
+    assert d.proc is not None
+    ident = Identity(model="watch", model_revision="r", tenant="t", kv_dtype="float16",
+                     num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=16)
+    with Client(d.endpoint, tenant="t") as client:
+        ns = client.namespace(ident)
+        chains = [[os.urandom(16) for _ in range(1024)] for _ in range(21)]
+        for keys in chains:  # past 20k blocks: the checks after these go to a child
+            ns.reserve(keys).commit()
+        for keys in chains[-3:]:
+            assert ns.lookup(keys).blocks == 1024
+            ns.evict([keys[-1]])
+        # every request ends with a check: once requests stop, the last one ends too
+        # (a check queued meanwhile starts as the one before is reaped: quiet means no
+        # child seen for a while)
+        quiet, deadline = 0, time.monotonic() + 120
+        while quiet < 10 and time.monotonic() < deadline:
+            quiet = 0 if _children(d.proc.pid) else quiet + 1
+            time.sleep(0.05)
+        assert quiet == 10, "a checker's process was left behind"
+        stats = client.stats()
+        assert stats["invariant_checks_forked"] >= 1
+        assert stats["invariant_violations"] == 0
