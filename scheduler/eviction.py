@@ -61,6 +61,12 @@ class EvictionPolicy(ABC, Generic[T]):
     def access(self, item: T) -> None:
         """The item was hit (looked up, acquired or read); it may be pinned."""
 
+    def access_many(self, items: Iterable[T]) -> None:
+        """``access`` each, in order (one call for a chain's hits)."""
+        access = self.access
+        for item in items:
+            access(item)
+
     @abstractmethod
     def pin(self, item: T) -> None:
         """The item is pinned: not evictable until ``unpin``."""
@@ -495,13 +501,19 @@ class SLRUPolicy(EvictionPolicy[T]):
             self._target = min(max(self._target, 0.0), float(self._size))
 
     def access(self, item: T) -> None:
-        if item in self._protected:
-            self._protected.move_to_end(item)
-        elif item in self._probation:
-            del self._probation[item]
-            self._protected[item] = None
-        elif item in self._pinned:
-            self._pinned[item] = True
+        self.access_many((item,))
+
+    def access_many(self, items: Iterable[T]) -> None:
+        probation, protected, pinned = self._probation, self._protected, self._pinned
+        to_end = protected.move_to_end
+        for item in items:
+            if item in protected:
+                to_end(item)
+            elif item in probation:
+                del probation[item]
+                protected[item] = None
+            elif item in pinned:
+                pinned[item] = True
 
     def pin(self, item: T) -> None:
         if item in self._protected:
@@ -642,6 +654,10 @@ class WarmPins(EvictionPolicy[T]):
     def access(self, item: T) -> None:
         if item not in self._warm:
             self.inner.access(item)
+
+    def access_many(self, items: Iterable[T]) -> None:
+        warm = self._warm
+        self.inner.access_many(items if not warm else [i for i in items if i not in warm])
 
     def pin(self, item: T) -> None:
         if item in self._hard:
