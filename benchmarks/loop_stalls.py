@@ -158,22 +158,19 @@ def store_figures(n: int, policy: str, check: bool, settle_every: int) -> dict[s
 
 # -- a real daemon ---------------------------------------------------------------------------
 PROBE = r"""
-import sys, time
+import select, sys, time
 from kvstore import Client
 out, every = sys.argv[2], float(sys.argv[3])
 samples = []
-with Client(sys.argv[1], tenant="probe") as c:
+with Client(sys.argv[1], tenant="probe", timeout=600.0) as c:
     c.ping()
     print("ready", flush=True)
-    try:
-        while True:
-            start = time.monotonic()
-            c.ping()
-            samples.append((start, time.monotonic() - start))
-            if every:
-                time.sleep(every)
-    except KeyboardInterrupt:
-        pass
+    while not select.select([sys.stdin], [], [], 0)[0]:  # until told to stop
+        start = time.monotonic()
+        c.ping()
+        samples.append((start, time.monotonic() - start))
+        if every:
+            time.sleep(every)
 with open(out, "w") as f:
     f.write("\n".join(f"{s} {d}" for s, d in samples))
 """
@@ -215,13 +212,16 @@ class Probe:
     def __init__(self, endpoint: str, work: Path, every: float = 0.0005) -> None:
         self.out = work / f"probe-{time.monotonic_ns()}.txt"
         self.proc = subprocess.Popen([sys.executable, "-c", PROBE, endpoint, str(self.out),
-                                      str(every)], stdout=subprocess.PIPE)
+                                      str(every)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)
         assert self.proc.stdout is not None
         self.proc.stdout.readline()
 
     def samples(self) -> list[tuple[float, float]]:
-        self.proc.send_signal(2)
-        self.proc.wait(30)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"stop\n")
+        self.proc.stdin.flush()
+        self.proc.wait(600)
         rows = [line.split() for line in self.out.read_text().splitlines() if line]
         return [(float(a), float(b)) for a, b in rows]
 
