@@ -114,3 +114,28 @@ def test_pinned_blocks_and_reservations_are_counted_as_they_change(store: BlockS
     assert figures["pinned_blocks"] == 0 and figures["reserved"] == 0
     assert figures["free"] == figures["capacity"] - 6 * ns.cls.slot_bytes
     store.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["slru", "arc", "s3fifo"])
+def test_a_block_cached_again_after_it_left_is_remembered_by_its_key(policy: str) -> None:
+    ident = make_identity()
+    store = BlockStore(8 * ident.block_bytes, 8 * ident.block_bytes, eviction_policy=policy)
+    ns = store.open_namespace(ident)
+    first = [os.urandom(16) for _ in range(4)]
+    _commit(store, ns, first)
+    others = [os.urandom(16) for _ in range(4)]
+    for key in others:
+        _commit(store, ns, [key])
+    gone = ns.blocks[first[-1]]
+    _commit(store, ns, [os.urandom(16)])  # full: the coldest leaf leaves the store
+    assert first[-1] not in ns.blocks and gone.offset is None
+    store.evict(ns, [first[0], others[0]])  # room for the chain again, with no eviction
+    _commit(store, ns, first)
+    again = ns.blocks[first[-1]]
+    assert again is not gone  # a new entry, hashed by identity ...
+    inner: Any = ns.dram.policy(ns.cls).inner  # type: ignore[attr-defined]
+    remembered = {"slru": lambda: again in inner._protected,
+                  "arc": lambda: again in inner._t2,
+                  "s3fifo": lambda: again in inner._main}[policy]
+    assert remembered()  # ... that its order knew from before, by its key
+    store.check_invariants()
