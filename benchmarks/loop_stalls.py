@@ -6,7 +6,8 @@ its memory is its own), printing medians, tails and ratios:
 - ``store``: the pure store alone (no arena, no sockets): index memory per committed
   block (RSS delta, keys included), ingest (reserve+commit of 1024-key chains,
   blocks/s), lookup of 64 keys (p50, p99), evict of one leaf, stats, the invariant
-  check, and the garbage collector's longest pause while the index was built;
+  check, the garbage collector's longest pause while the index was built, and the
+  SSD slots' claims of a warm restart (per block);
 - ``daemon``: a real daemon (an unpopulated arena, so untouched slots cost nothing):
   ingest through a client, then each verb's round trip while a second client pings
   the daemon every half millisecond; the probe's longest ping is the longest stall of
@@ -153,7 +154,23 @@ def store_figures(n: int, policy: str, check: bool, settle_every: int) -> dict[s
     }
     if check:
         out["check_ms"] = statistics.median(timed(store.check_invariants, 1)) * 1e3
+    out["restore_claim_us"] = restore_claims(min(n, 1 << 20)) * 1e6
     return out
+
+
+def restore_claims(n: int, slot: int = 64 << 10, slab: int = 256 << 20) -> float:
+    """Seconds per block to claim the SSD slots of ``n`` blocks found in the durable
+    index in no order of offset (a warm restart): 64 KiB blocks in 256 MiB slabs."""
+    from kvstore.pool import SlabPool
+
+    pool = SlabPool(-(-n * slot // slab) * slab, slab, 4096)
+    cls = pool.class_for(slot)
+    offsets = [i * slot for i in range(n)]
+    __import__("random").Random(4).shuffle(offsets)
+    start = time.perf_counter()
+    for offset in offsets:
+        pool.claim(cls, offset)
+    return (time.perf_counter() - start) / n
 
 
 # -- a real daemon ---------------------------------------------------------------------------
