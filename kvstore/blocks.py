@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from kvstore.identity import Identity
@@ -27,18 +28,18 @@ SSD = "ssd"
 class Block:
     """One key's entry: its place in the chain, its copies per tier, its pins."""
 
-    __slots__ = ("key", "ns", "parent", "children", "offset", "refs", "ssd_offset",
+    __slots__ = ("key", "ns", "parent", "kids", "offset", "refs", "ssd_offset",
                  "ssd_record", "ssd_holds", "demoting", "promoting", "seen", "remote",
-                 "checksum", "gpu_offset", "extra", "_hash")
+                 "checksum", "gpu_offset", "extra")
 
     def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
         self.key = key
-        # Equal by namespace and key, so that a block cached again after eviction is the
-        # same item to the eviction orders: their ghost lists (S3-FIFO, ARC) remember it.
-        self._hash = hash((ns.id, key))
         self.ns = ns
         self.parent = parent
-        self.children = 0
+        # The entries that name this one as parent: None, the one child (a chain's common
+        # case, no container), or a dict of them in insertion order (a branch point), so
+        # that removal walks a subtree, never the namespace.
+        self.kids: Block | dict[Block, None] | None = None
         self.offset: int | None = None      # DRAM slot
         self.refs = 0                       # pins on the DRAM copy
         self.ssd_offset: int | None = None  # SSD slot
@@ -52,12 +53,40 @@ class Block:
         self.gpu_offset: int | None = None  # a copy in the GPU tier's device pool
         self.extra: dict[str, int] | None = None  # copies in added tiers: name -> slot
 
-    def __hash__(self) -> int:
-        return self._hash
+    # Hashed and compared by identity (in C: the orders, sets and dicts of blocks cost
+    # no Python call per step); the eviction orders' ghost lists name a block by its key
+    # (``block_key``), so that one cached again after it left is the one remembered.
 
-    def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, Block) and self.key == other.key
-                                 and self.ns is other.ns)
+    @property
+    def children(self) -> int:
+        """How many entries name this one as parent."""
+        kids = self.kids
+        return 0 if kids is None else len(kids) if isinstance(kids, dict) else 1
+
+    def child_list(self) -> list[Block]:
+        """The entries that name this one as parent."""
+        kids = self.kids
+        return [] if kids is None else list(kids) if isinstance(kids, dict) else [kids]
+
+    def add_child(self, child: Block) -> None:
+        kids = self.kids
+        if kids is None:
+            self.kids = child
+        elif isinstance(kids, dict):
+            kids[child] = None
+        else:
+            self.kids = {kids: None, child: None}
+
+    def remove_child(self, child: Block) -> None:
+        kids = self.kids
+        if kids is child:
+            self.kids = None
+        elif isinstance(kids, dict):
+            del kids[child]
+            if len(kids) == 1:
+                self.kids = next(iter(kids))
+        else:
+            raise AssertionError(f"{child} is no child of {self}")
 
     @property
     def present(self) -> bool:
@@ -75,6 +104,9 @@ class Block:
     def __repr__(self) -> str:
         return (f"Block({self.key.hex()[:12]}, dram={self.offset}, ssd={self.ssd_offset}, "
                 f"refs={self.refs}, children={self.children})")
+
+block_key = attrgetter("key")  # what the eviction orders remember a block by (its key)
+
 
 class Namespace:
     """One identity's blocks in the daemon."""
@@ -152,7 +184,8 @@ class TierSlots:
     def class_for(self, block_bytes: int) -> SlabClass:
         cls = self.pool.class_for(block_bytes)
         if cls.slot_bytes not in self.policies:
-            policy: EvictionPolicy[Block] = make_policy(self.policy_name)  # type: ignore[assignment]
+            policy: EvictionPolicy[Block] = make_policy(  # type: ignore[assignment]
+                self.policy_name, ghost_key=block_key)
             if self.clock is not None:
                 policy = WarmPins(policy, self.clock)
             self.policies[cls.slot_bytes] = policy

@@ -91,6 +91,12 @@ class StoreCore:
         self.committed_slots = 0     # DRAM copies
         self.ssd_reserved_slots = 0
         self.ssd_committed_slots = 0
+        # The same in bytes, and the pinned DRAM copies: kept as they change, so that
+        # figures cost O(tiers), never a walk of the blocks (the checker recounts them).
+        self.reserved_bytes = 0
+        self.committed_bytes = 0
+        self.pinned_blocks = 0
+        self.ssd_committed_bytes = 0
         self.tiers: list[Tier] = []  # every tier's copies, fastest first (the parts add theirs)
         self.added_tiers: dict[str, Tier] = {}
         self._compose()
@@ -153,6 +159,7 @@ class StoreCore:
     def rollback(self, state: OwnerState, r: Reservation) -> None:
         del state.reservations[r.id]
         self.reserved_slots -= len(r.offsets)
+        self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
         r.ns.dram.give(r.ns, r.offsets)
         if r.parent is not None:
             self.unhold(r.parent, r.parent_pinned)
@@ -166,6 +173,7 @@ class StoreCore:
         assert block.offset is not None, f"pinning {block} without a DRAM copy"
         block.refs += 1
         if block.refs == 1:
+            self.pinned_blocks += 1
             pinned = block.ns.dram.pinned
             pinned[block.ns.tenant] = pinned.get(block.ns.tenant, 0) + block.ns.cls.slot_bytes
             if not block.demoting:  # a demoting block is off the order
@@ -175,6 +183,7 @@ class StoreCore:
         assert block.refs > 0, f"{block} released more often than pinned"
         block.refs -= 1
         if block.refs == 0:
+            self.pinned_blocks -= 1
             pinned = block.ns.dram.pinned
             left = pinned[block.ns.tenant] - block.ns.cls.slot_bytes
             if left:
@@ -216,6 +225,7 @@ class StoreCore:
         block.offset = None
         block.demoting = False
         self.committed_slots -= 1
+        self.committed_bytes -= ns.cls.slot_bytes
         if self.dirty:
             self.dirty.get(ns.cls, {}).pop(block, None)
         self.forget_if_gone(block)
@@ -225,28 +235,31 @@ class StoreCore:
 
     def forget_if_gone(self, block: Block | None) -> None:
         """Remove entries that hold no copy, nothing depends on and nothing holds."""
-        while (block is not None and not block.present and block.children == 0
+        while (block is not None and not block.present and block.kids is None
                and block.ssd_holds == 0 and not block.promoting
                and block.ns.blocks.get(block.key) is block):
             del block.ns.blocks[block.key]
             parent = block.parent
             if parent is not None:
-                parent.children -= 1
+                parent.remove_child(block)
             block = parent
 
     def drop_subtree(self, ns: Namespace, roots: list[Block], removed_ssd: list[tuple[bytes, bytes]]) -> None:
-        children: dict[Block, list[Block]] = {}
-        for b in ns.blocks.values():
-            if b.parent is not None:
-                children.setdefault(b.parent, []).append(b)
+        """Drop the roots and what hangs below them, leaves first, except what is pinned,
+        moving or held (and so their prefixes); O(the subtree), along the child links."""
         order: list[Block] = []
         stack = list(roots)
         while stack:
             b = stack.pop()
             order.append(b)
-            stack.extend(children.get(b, ()))
+            kids = b.kids
+            if kids is not None:
+                if isinstance(kids, Block):
+                    stack.append(kids)
+                else:
+                    stack.extend(kids)
         for b in reversed(order):  # leaves before their parents
-            if b.children or b.refs or b.demoting or b.promoting or b.ssd_holds:
+            if b.kids is not None or b.refs or b.demoting or b.promoting or b.ssd_holds:
                 continue
             if b.offset is not None:
                 self.drop_dram_copy_unchecked(b)
@@ -282,5 +295,6 @@ class StoreCore:
         block.ssd_offset = None
         block.ssd_record = None
         self.ssd_committed_slots -= 1
+        self.ssd_committed_bytes -= cls.slot_bytes
         self.forget_if_gone(block)
         return ns.id, block.key

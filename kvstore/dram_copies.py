@@ -30,15 +30,7 @@ class DramCopies:
 
     def stats(self) -> dict[str, int]:
         store, c = self.store, self.store.counters
-        dram_reserved = sum(len(r.offsets) * r.ns.cls.slot_bytes
-                            for s in store.owners.values() for r in s.reservations.values())
-        dram_reserved += sum(len(t.offsets) * b.ns.cls.slot_bytes
-                             for t in store.transfers.values() if t.tier == DRAM
-                             for b in t.blocks[:1])
-        dram_committed = sum(ns.cls.slot_bytes for ns in store.namespaces.values()
-                             for b in ns.blocks.values() if b.offset is not None)
-        dram_blocks = sum(1 for ns in store.namespaces.values() for b in ns.blocks.values()
-                          if b.offset is not None)
+        dram_reserved, dram_committed = store.reserved_bytes, store.committed_bytes
         pools = [t.pool for t in store.drams.values()]
         capacity = (sum(p.capacity_bytes for p in pools) if store.per_tenant
                     else store.dram_args[0])
@@ -49,9 +41,8 @@ class DramCopies:
             "committed": dram_committed,
             "reserved_slots": store.reserved_slots,
             "committed_slots": store.committed_slots,
-            "blocks": dram_blocks,
-            "pinned_blocks": sum(1 for ns in store.namespaces.values()
-                                 for b in ns.blocks.values() if b.refs),
+            "blocks": store.committed_slots,
+            "pinned_blocks": store.pinned_blocks,
             "tail_waste": sum(p.tail_waste_bytes() for p in pools),
             "empty_slabs": sum(p.empty_slabs for p in pools),
             "arenas": len(pools),
@@ -84,7 +75,9 @@ class DramCopies:
                 for b, off in zip(t.blocks, t.offsets):
                     reserved.setdefault(b.ns.cls, []).append(off)
         committed: dict[SlabClass, list[int]] = {}
+        pinned = 0
         for b in blocks:
+            pinned += b.refs > 0
             if b.offset is not None:
                 committed.setdefault(b.ns.cls, []).append(b.offset)
         for dram in store.drams.values():
@@ -114,6 +107,12 @@ class DramCopies:
             "reserved slot counter is off")
         assert sum(map(len, committed.values())) == store.committed_slots, (
             "committed slot counter is off")
+        assert sum(cls.slot_bytes * len(offs) for cls, offs in reserved.items()) \
+            == store.reserved_bytes, "reserved byte counter is off"
+        assert sum(cls.slot_bytes * len(offs) for cls, offs in committed.items()) \
+            == store.committed_bytes, "committed byte counter is off"
+        assert pinned == store.pinned_blocks, (
+            f"{store.pinned_blocks} blocks counted as pinned, {pinned} are")
 
     def __repr__(self) -> str:
         return (f"DramCopies(arenas={len(self.store.drams)}, "

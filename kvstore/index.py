@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvstore.blocks import Block, Namespace
+from kvstore.blocks import DRAM, Block, Namespace
 from kvstore.core import StoreCore
 
 
@@ -28,27 +28,43 @@ class Index:
         chain: list[Block] = []
         for key in keys:
             block = blocks.get(key)
-            if block is None or not block.present:
+            # ``Block.present``, inline: this loop is the lookup's cost
+            if block is None or (block.offset is None and block.ssd_offset is None
+                                 and block.extra is None):
                 break
             chain.append(block)
+        below = [b for b in chain if b.offset is None]
         c = self.store.counters
         c.lookups += 1
         c.lookup_keys += len(keys)
         c.hit_blocks += len(chain)
-        c.ssd_hits += sum(1 for b in chain if b.offset is None)
+        c.ssd_hits += len(below)
         self.access(chain)
+        if not below:
+            return [DRAM] * len(chain)
         return [b.tier for b in chain]
 
     def access(self, chain: list[Block]) -> None:
-        # Deepest first, so that a parent is always warmer than its children and the
-        # cold end of each order holds leaves.
+        """The blocks were hit: each order they are on hears of it, deepest first, so
+        that a parent is always warmer than its children and the cold end of each order
+        holds leaves.  One call per order and namespace, not per block."""
+        ssd = self.store.ssd
+        by_ns: dict[Namespace, tuple[list[Block], list[Block]]] = {}
         for block in reversed(chain):
             block.seen += 1
+            lists = by_ns.get(block.ns)
+            if lists is None:
+                lists = by_ns[block.ns] = ([], [])
             if block.offset is not None:
-                block.ns.dram.policy(block.ns.cls).access(block)
-            if block.ssd_offset is not None and self.store.ssd is not None:
-                assert block.ns.ssd_cls is not None
-                self.store.ssd.policy(block.ns.ssd_cls).access(block)
+                lists[0].append(block)
+            if block.ssd_offset is not None and ssd is not None:
+                lists[1].append(block)
+        for ns, (in_dram, on_ssd) in by_ns.items():
+            if in_dram:
+                ns.dram.policy(ns.cls).access_many(in_dram)
+            if on_ssd:
+                assert ssd is not None and ns.ssd_cls is not None
+                ssd.policy(ns.ssd_cls).access_many(on_ssd)
 
     def evict(self, ns: Namespace, keys: Iterable[bytes]) -> tuple[int, list[tuple[bytes, bytes]]]:
         """Drop the given blocks and what depends on them, from every tier, except what is

@@ -20,7 +20,7 @@ def align_up(value: int, alignment: int) -> int:
 class Slab:
     """One slab: a bump pointer over never-used slots plus a stack of freed ones."""
 
-    __slots__ = ("index", "base", "next_unused", "freed", "used")
+    __slots__ = ("index", "base", "next_unused", "freed", "used", "free_set", "claimed")
 
     def __init__(self, index: int, base: int) -> None:
         self.index = index
@@ -28,6 +28,18 @@ class Slab:
         self.next_unused = 0
         self.freed: list[int] = []
         self.used = 0
+        # While slots are claimed out of order (a warm restart): the free ones of
+        # ``freed`` as a set, and those claimed but still in ``freed``, dropped from it
+        # at the next other use; so that each claim is O(1), not a walk of ``freed``.
+        self.free_set: set[int] | None = None
+        self.claimed: set[int] | None = None
+
+    def settle(self) -> None:
+        """Drop the slots claimed out of order from ``freed``."""
+        if self.claimed:
+            claimed = self.claimed
+            self.freed = [o for o in self.freed if o not in claimed]
+        self.free_set = self.claimed = None
 
 
 class SlabClass:
@@ -46,6 +58,8 @@ class SlabClass:
 
     def _take(self) -> int:
         slab = next(iter(self._with_room.values()))
+        if slab.free_set is not None:
+            slab.settle()
         if slab.freed:
             offset = slab.freed.pop()
         else:
@@ -56,6 +70,31 @@ class SlabClass:
         if slab.used == self.slots_per_slab:
             del self._with_room[slab.index]
         return offset
+
+    def _take_many(self, count: int) -> list[int]:
+        """``count`` free slots, in the order ``_take`` would give them, a slab's run at
+        a time (there must be so many free)."""
+        out: list[int] = []
+        size = self.slot_bytes
+        while len(out) < count:
+            slab = next(iter(self._with_room.values()))
+            if slab.free_set is not None:
+                slab.settle()
+            want = count - len(out)
+            if slab.freed:
+                k = min(want, len(slab.freed))
+                out.extend(reversed(slab.freed[-k:]))  # popped from the end, one by one
+                del slab.freed[-k:]
+            else:
+                k = min(want, self.slots_per_slab - slab.next_unused)
+                start = slab.base + slab.next_unused * size
+                out.extend(range(start, start + k * size, size))
+                slab.next_unused += k
+            slab.used += k
+            self.free_slots -= k
+            if slab.used == self.slots_per_slab:
+                del self._with_room[slab.index]
+        return out
 
     def __repr__(self) -> str:
         return (f"SlabClass(slot_bytes={self.slot_bytes}, slabs={len(self.slabs)}, "
@@ -109,12 +148,14 @@ class SlabPool:
             return None
         while cls.free_slots < count:
             self._grow(cls)
-        return [cls._take() for _ in range(count)]
+        return cls._take_many(count)
 
     def free(self, cls: SlabClass, offsets: list[int]) -> None:
         for offset in offsets:
             index = offset // self.slab_bytes
             slab = cls.slabs[index]
+            if slab.free_set is not None:
+                slab.settle()
             slab.freed.append(offset)
             slab.used -= 1
             cls.free_slots += 1
@@ -137,13 +178,19 @@ class SlabPool:
             return False
         slab = cls.slabs[index]
         if slot >= slab.next_unused:
-            slab.freed.extend(slab.base + i * cls.slot_bytes
-                              for i in range(slab.next_unused, slot))
+            gap = [slab.base + i * cls.slot_bytes for i in range(slab.next_unused, slot)]
+            slab.freed.extend(gap)
+            if slab.free_set is not None:
+                slab.free_set.update(gap)
             slab.next_unused = slot + 1
-        elif offset in slab.freed:
-            slab.freed.remove(offset)
         else:
-            return False
+            if slab.free_set is None:
+                slab.free_set, slab.claimed = set(slab.freed), set()
+            if offset not in slab.free_set:
+                return False
+            assert slab.claimed is not None
+            slab.free_set.remove(offset)
+            slab.claimed.add(offset)
         slab.used += 1
         cls.free_slots -= 1
         if slab.used == cls.slots_per_slab:
@@ -170,7 +217,8 @@ class SlabPool:
     def free_offsets(self, cls: SlabClass) -> Iterator[int]:
         """Every free slot of the class, computed from the slabs themselves."""
         for slab in cls.slabs.values():
-            yield from slab.freed
+            claimed = slab.claimed or ()
+            yield from (o for o in slab.freed if o not in claimed)
             for i in range(slab.next_unused, cls.slots_per_slab):
                 yield slab.base + i * cls.slot_bytes
 

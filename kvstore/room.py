@@ -100,7 +100,7 @@ class RoomMaker:
             return "clean"
         if self.store.admitted(b):
             return "dirty"
-        if b.children:
+        if b.kids is not None:
             return None  # without a copy on SSD, only leaves leave DRAM
         if b.remote:
             return "clean"

@@ -34,6 +34,8 @@ from kvstore.errors import (
     UnavailableError,
 )
 from kvstore.gpu_mover import GpuMover
+from kvstore.heap import settle_every
+from kvstore.invariant_watch import InvariantWatch
 from kvstore.later import Finisher
 from kvstore.logs import in_effect
 from kvstore.metrics import Metrics, stats_on_loop
@@ -69,6 +71,7 @@ class Server:
         self.max_keys = s.max_keys_per_request
         self.max_request_bytes = config.max_request_bytes
         self.debug_invariants = s.debug_invariants
+        self.invariant_watch: InvariantWatch | None = None  # made on the loop, when needed
         self.store = BlockStore(config.dram_capacity, config.dram_slab_bytes,
                                 limits=self.limits, eviction_policy=config.dram.eviction_policy,
                                 per_tenant=config.tenant_arenas,
@@ -225,6 +228,8 @@ class Server:
             self._stopped.set()
 
     def close(self) -> None:
+        if self.invariant_watch is not None:
+            self.invariant_watch.close()
         for owner in list(self.store.owners):
             self.store.drop_owner(owner)
         for side in self.sides:
@@ -394,15 +399,29 @@ class Server:
 
     def check_invariants(self) -> bool:
         """Run the store's and the sessions' checkers; a violation is logged and counted,
-        never fatal."""
+        never fatal.  Past a size, in a forked snapshot off the loop (``InvariantWatch``):
+        True then, and a violation is counted when the check ends."""
+        if self.invariant_watch is None and self._loop is not None:
+            self.invariant_watch = InvariantWatch(
+                self._loop, self._check_all,
+                lambda: sum(len(ns.blocks) for ns in self.store.namespaces.values()),
+                self._violated)
+        if self.invariant_watch is not None:
+            return self.invariant_watch.after_request()
         try:
-            self.store.check_invariants()
-            self.sessions.check_invariants()
+            self._check_all()
         except AssertionError as exc:
-            self.invariant_violations += 1
-            log.error("invariant violated: %s", exc)
+            self._violated(str(exc))
             return False
         return True
+
+    def _check_all(self) -> None:
+        self.store.check_invariants()
+        self.sessions.check_invariants()
+
+    def _violated(self, what: str) -> None:
+        self.invariant_violations += 1
+        log.error("invariant violated: %s", what)
 
     # -- housekeeping ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -411,6 +430,8 @@ class Server:
             "sessions": len(self.sessions),
             "namespaces": len(self.store.namespaces),
             "invariant_violations": self.invariant_violations,
+            "invariant_checks_forked": (self.invariant_watch.forked
+                                        if self.invariant_watch is not None else 0),
             "scheduling": dict(self.scheduling),
             "transfers": self.transfers.stats(),
             "eviction_policies": {"dram": self.config.dram.eviction_policy, "ssd": "lru"},
@@ -481,6 +502,7 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
         notifier.ready(f"serving on {', '.join(s.endpoints)}")
 
     stop_watchdog = notifier.start_watchdog(loop, lambda: server.transport.is_open)
+    stop_settling = settle_every(loop)  # full collections never walk the index
 
     def stop() -> None:
         notifier.stopping()
@@ -509,5 +531,6 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
         await server.serve(ready)
     finally:
         stop_watchdog()
+        stop_settling()
         if close_http is not None:
             close_http()

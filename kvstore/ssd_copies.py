@@ -43,9 +43,7 @@ class SsdCopies:
         store, c = self.store, self.store.counters
         assert store.ssd is not None
         spool = store.ssd.pool
-        committed = sum(b.ns.ssd_cls.slot_bytes for ns in store.namespaces.values()
-                        for b in ns.blocks.values()
-                        if b.ssd_offset is not None and b.ns.ssd_cls is not None)
+        committed = store.ssd_committed_bytes
         reserved = sum(len(t.offsets) * (t.blocks[0].ns.ssd_cls.slot_bytes
                                           if t.blocks and t.blocks[0].ns.ssd_cls else 0)
                        for t in store.transfers.values() if t.tier == SSD)
@@ -101,6 +99,8 @@ class SsdCopies:
                 f"{len(mine)} expected")
         assert sum(map(len, committed.values())) == store.ssd_committed_slots, (
             "ssd committed counter is off")
+        assert sum(size * len(offs) for size, offs in committed.items()) \
+            == store.ssd_committed_bytes, "ssd committed byte counter is off"
 
     # -- SSD: demotion, write-through, promotion, restart -----------------------------------
     def reserve(self, blocks: list[Block]) -> tuple[Transfer, list[tuple[bytes, bytes]]]:
@@ -125,7 +125,7 @@ class SsdCopies:
             def allowed(b: Block) -> bool:
                 if b.ssd_holds or b in members:
                     return False
-                return b.offset is not None or b.children == 0
+                return b.offset is not None or b.kids is None
 
             while pool.available(cls) < len(group):
                 victim = self._clean_victim(policy, allowed)
@@ -178,6 +178,7 @@ class SsdCopies:
                 b.ssd_record = records[i]
                 self.store.ssd.policy(cls).insert(b)
                 self.store.ssd_committed_slots += 1
+                self.store.ssd_committed_bytes += cls.slot_bytes
                 self.store.dirty.get(b.ns.cls, {}).pop(b, None)
                 self.store.counters.ssd_writes += 1
                 self.store.counters.demotions += demote
@@ -331,6 +332,7 @@ class SsdCopies:
         t = Transfer(next(self.store.ids), DRAM, ordered, offsets)
         self.store.transfers[t.id] = t
         self.store.reserved_slots += len(offsets)
+        self.store.reserved_bytes += sum(b.ns.cls.slot_bytes for b in ordered)
         return t
 
     def abort_promotion(self, t: Transfer) -> None:
@@ -338,6 +340,7 @@ class SsdCopies:
         on SSD as they were."""
         del self.store.transfers[t.id]
         self.store.reserved_slots -= len(t.offsets)
+        self.store.reserved_bytes -= sum(b.ns.cls.slot_bytes for b in t.blocks)
         for b, off in zip(t.blocks, t.offsets):
             b.promoting = False
             b.ssd_holds -= 1
@@ -353,6 +356,7 @@ class SsdCopies:
         removed: list[tuple[bytes, bytes]] = []
         del self.store.transfers[t.id]
         self.store.reserved_slots -= len(t.offsets)
+        self.store.reserved_bytes -= sum(b.ns.cls.slot_bytes for b in t.blocks)
         failed: list[Block] = []
         for b, off, good in zip(t.blocks, t.offsets, ok):
             b.promoting = False
@@ -360,6 +364,7 @@ class SsdCopies:
             if good and b.ssd_offset is not None:
                 b.offset = off
                 self.store.committed_slots += 1
+                self.store.committed_bytes += b.ns.cls.slot_bytes
                 b.ns.dram.policy(b.ns.cls).insert(b)
                 self.store.counters.promotions += 1
             else:
@@ -403,8 +408,9 @@ class SsdCopies:
         block.checksum = getattr(record, "checksum", 0)  # the same xxh3_64 as clients use
         block.seen = self.store.ssd_admit_after
         if parent_block is not None:
-            parent_block.children += 1
+            parent_block.add_child(block)
         ns.blocks[key] = block
         self.store.ssd.policy(ns.ssd_cls).insert(block)
         self.store.ssd_committed_slots += 1
+        self.store.ssd_committed_bytes += ns.ssd_cls.slot_bytes
         return True

@@ -150,6 +150,7 @@ class BlockStore(StoreCore):
         r = Reservation(next(self.ids), owner, ns, list(keys), parent_block, offsets, pinned)
         state.reservations[r.id] = r
         self.reserved_slots += len(offsets)
+        self.reserved_bytes += len(offsets) * ns.cls.slot_bytes
         self.counters.reservations += 1
         return r
 
@@ -178,6 +179,7 @@ class BlockStore(StoreCore):
             raise MalformedError(f"{len(checksums)} checksums for {len(r.keys)} blocks")
         del state.reservations[rid]
         self.reserved_slots -= len(r.offsets)
+        self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
         ns = r.ns
         policy = ns.dram.policy(ns.cls)
         parent = r.parent
@@ -188,7 +190,7 @@ class BlockStore(StoreCore):
             if block is None:
                 block = Block(key, ns, parent)
                 if parent is not None:
-                    parent.children += 1
+                    parent.add_child(block)
                 ns.blocks[key] = block
                 if checksums:
                     block.checksum = checksums[i]
@@ -199,8 +201,7 @@ class BlockStore(StoreCore):
                 fresh.append(block)
             block.seen += 1
             parent = block
-        for block in reversed(fresh):  # deepest first: parents end up warmer
-            policy.insert(block)
+        policy.insert_many(reversed(fresh))  # deepest first: parents end up warmer
         if self.ssd is not None:
             dirty = self.dirty.setdefault(ns.cls, {})
             for block in fresh:
@@ -209,6 +210,7 @@ class BlockStore(StoreCore):
         if duplicates:
             ns.dram.give(ns, duplicates)
         self.committed_slots += len(fresh)
+        self.committed_bytes += len(fresh) * ns.cls.slot_bytes
         self.counters.peak_committed = max(self.counters.peak_committed, self.committed_slots)
         if r.parent is not None:
             self.unhold(r.parent, r.parent_pinned)

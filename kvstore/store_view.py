@@ -1,9 +1,11 @@
 """The store seen from outside: figures per tier, and the invariant checker.
 
-Both walk every block (O(blocks)): stats for tests and the stats verb, the checker for
-tests and ``--debug-invariants``.  Each tier answers for its own slots and orders
+Figures cost O(tiers): each tier reads counters the store keeps as blocks change, so
+the stats verb and a metrics scrape never walk the blocks.  The checker walks every
+block (O(blocks)) and recounts what those counters say: for tests and
+``--debug-invariants``.  Each tier answers for its own slots and orders
 (``Tier.stats``, ``Tier.check``); what spans tiers is checked here: pins, tenants'
-charges, prefix closure, child counts.
+charges, prefix closure, child links.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ def tier_stats(store: StoreCore) -> dict[str, dict[str, int]]:
 
 def check_invariants(store: StoreCore) -> None:
     """Every tier's own invariants (``Tier.check``), and what spans tiers: pins, tenants'
-    charges, prefix closure, child counts."""
+    charges, prefix closure, child links."""
     pin_counts: dict[Block, int] = {}
     for state in store.owners.values():
         for r in state.reservations.values():
@@ -66,7 +68,7 @@ def check_invariants(store: StoreCore) -> None:
     held_uncharged = {at: nbytes for at, nbytes in used.items() if nbytes}
     assert not held_uncharged, f"dram slots held but not charged: {held_uncharged}"
     for ns in store.namespaces.values():
-        child_counts: dict[Block, int] = {}
+        links = 0  # child links, each of which must name a block whose parent it is
         for key, b in ns.blocks.items():
             assert b.key == key and b.ns is ns, f"{b} indexed under the wrong key"
             for name in b.extra or ():
@@ -74,13 +76,19 @@ def check_invariants(store: StoreCore) -> None:
             if b.parent is not None:
                 assert ns.blocks.get(b.parent.key) is b.parent, (
                     f"{b} is cached but its parent is not (prefix closure broken)")
-                child_counts[b.parent] = child_counts.get(b.parent, 0) + 1
+                assert any(k is b for k in b.parent.child_list()), (
+                    f"{b} is missing from its parent's children")
+            for kid in b.child_list():
+                links += 1
+                assert kid.parent is b and ns.blocks.get(kid.key) is kid, (
+                    f"{b} lists {kid} as a child, not so")
             if not b.present:
-                assert b.children or b.ssd_holds or b.promoting, f"hollow {b} kept for nothing"
+                assert b.kids is not None or b.ssd_holds or b.promoting, (
+                    f"hollow {b} kept for nothing")
             held = pin_counts.get(b, 0)
             assert b.refs == held, f"{b} has refs={b.refs} but {held} pins hold it"
-        for b in ns.blocks.values():
-            assert b.children == child_counts.get(b, 0), f"{b} child count is off"
+        with_parent = sum(1 for b in ns.blocks.values() if b.parent is not None)
+        assert links == with_parent, f"{links} child links for {with_parent} children"
     every = [b for ns in store.namespaces.values() for b in ns.blocks.values()]
     for tier in store.tiers:  # each tier's slots, orders and marks
         tier.check(every)

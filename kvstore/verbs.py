@@ -419,6 +419,8 @@ class Verbs:
 
 def tier_runs(tiers: list[str]) -> list[tuple[str, int]]:
     """Each key's tier, as runs of (tier, count)."""
+    if tiers and tiers.count(tiers[0]) == len(tiers):
+        return [(tiers[0], len(tiers))]  # the common case: one tier, no walk in Python
     runs: list[tuple[str, int]] = []
     for tier in tiers:
         if runs and runs[-1][0] == tier:

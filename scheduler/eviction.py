@@ -26,24 +26,46 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
 
 
+def _itself(item: Hashable) -> Hashable:
+    return item
+
+
 class EvictionPolicy(ABC, Generic[T]):
-    """Orders the evictable items of one slab class."""
+    """Orders the evictable items of one slab class.
+
+    ``ghost_key`` names an item in the ghost lists of the policies that keep them
+    (S3-FIFO, ARC, SLRU): by default the item itself; the store passes the block's key,
+    so that a block cached again after it left is known as the one remembered, and a
+    ghost keeps only a key alive, not a whole entry."""
 
     name: str = ""
+    ghost_key: Callable[[Hashable], Hashable] = staticmethod(_itself)
 
     @abstractmethod
     def insert(self, item: T) -> None:
         """A newly committed item, evictable now."""
 
+    def insert_many(self, items: Iterable[T]) -> None:
+        """``insert`` each, in order (one call for a commit's blocks)."""
+        insert = self.insert
+        for item in items:
+            insert(item)
+
     @abstractmethod
     def access(self, item: T) -> None:
         """The item was hit (looked up, acquired or read); it may be pinned."""
+
+    def access_many(self, items: Iterable[T]) -> None:
+        """``access`` each, in order (one call for a chain's hits)."""
+        access = self.access
+        for item in items:
+            access(item)
 
     @abstractmethod
     def pin(self, item: T) -> None:
@@ -178,7 +200,7 @@ class S3FIFOPolicy(EvictionPolicy[T]):
         self._entries: dict[T, _S3Entry] = {}
         self._small: OrderedDict[T, None] = OrderedDict()  # oldest first
         self._main: OrderedDict[T, None] = OrderedDict()  # oldest first
-        self._ghost: OrderedDict[T, None] = OrderedDict()  # oldest first
+        self._ghost: OrderedDict[Hashable, None] = OrderedDict()  # oldest first
         self._tick = 0  # logical clock: inserts and evictions so far
         self._size = 0  # the most items ever tracked at once: the cache size, once full
 
@@ -186,7 +208,7 @@ class S3FIFOPolicy(EvictionPolicy[T]):
         if item in self._entries:
             return
         self._tick += 1
-        in_main = self._ghost.pop(item, _MISSING) is not _MISSING
+        in_main = self._ghost.pop(self.ghost_key(item), _MISSING) is not _MISSING
         self._entries[item] = _S3Entry(in_main)
         (self._main if in_main else self._small)[item] = None
         self._size = max(self._size, len(self._entries))
@@ -277,7 +299,7 @@ class S3FIFOPolicy(EvictionPolicy[T]):
         return None
 
     def _remember(self, item: T) -> None:
-        self._ghost[item] = None
+        self._ghost[self.ghost_key(item)] = None
         limit = self.ghost_ratio * self._size
         while len(self._ghost) > limit:
             self._ghost.popitem(last=False)
@@ -314,8 +336,8 @@ class ARCPolicy(EvictionPolicy[T]):
     def __init__(self) -> None:
         self._t1: OrderedDict[T, None] = OrderedDict()  # LRU first
         self._t2: OrderedDict[T, None] = OrderedDict()
-        self._b1: OrderedDict[T, None] = OrderedDict()
-        self._b2: OrderedDict[T, None] = OrderedDict()
+        self._b1: OrderedDict[Hashable, None] = OrderedDict()  # ghosts, by ghost_key
+        self._b2: OrderedDict[Hashable, None] = OrderedDict()
         self._in_t2: dict[T, bool] = {}  # every tracked item: which list it belongs to
         self._pinned: set[T] = set()
         self._target_t1 = 0.0
@@ -325,16 +347,17 @@ class ARCPolicy(EvictionPolicy[T]):
         if item in self._in_t2:
             return
         size = max(1, self._size)
-        if item in self._b1:
+        ghost = self.ghost_key(item)
+        if ghost in self._b1:
             grow = max(1.0, len(self._b2) / max(1, len(self._b1)))
             self._target_t1 = min(float(size), self._target_t1 + grow)
-            del self._b1[item]
+            del self._b1[ghost]
             self._t2[item] = None
             self._in_t2[item] = True
-        elif item in self._b2:
+        elif ghost in self._b2:
             shrink = max(1.0, len(self._b1) / max(1, len(self._b2)))
             self._target_t1 = max(0.0, self._target_t1 - shrink)
-            del self._b2[item]
+            del self._b2[ghost]
             self._t2[item] = None
             self._in_t2[item] = True
         else:
@@ -383,7 +406,7 @@ class ARCPolicy(EvictionPolicy[T]):
             if victim is not None:
                 del queue[victim]
                 del self._in_t2[victim]
-                (self._b1 if queue is self._t1 else self._b2)[victim] = None
+                (self._b1 if queue is self._t1 else self._b2)[self.ghost_key(victim)] = None
                 self._trim_ghosts()
                 return victim
         return None
@@ -439,60 +462,77 @@ class SLRUPolicy(EvictionPolicy[T]):
         self.skip = skip
         self._probation: OrderedDict[T, None] = OrderedDict()  # LRU first
         self._protected: OrderedDict[T, None] = OrderedDict()
-        self._is_protected: dict[T, bool] = {}  # every tracked item: its segment
-        self._pinned: set[T] = set()
+        # pinned items, off both segments: whether each rejoins the protected one.  An
+        # item's segment is otherwise where it sits: no map of every tracked item (it
+        # would cost a dict entry per block of the index).
+        self._pinned: dict[T, bool] = {}
         # evicted keys: from the protected segment?, that segment's eviction count then
-        self._ghost: OrderedDict[T, tuple[bool, int]] = OrderedDict()
+        self._ghost: OrderedDict[Hashable, tuple[bool, int]] = OrderedDict()
         self._evicted = [0, 0]  # evictions from probation, from the protected segment
         self._size = 0  # the most items ever tracked at once: the cache size, once full
         self._target = 0.0  # probation's target size, items
 
-    def _segment(self, item: T) -> OrderedDict[T, None]:
-        return self._protected if self._is_protected[item] else self._probation
-
     def insert(self, item: T) -> None:
-        if item in self._is_protected:
-            return
-        remembered = self._ghost.pop(item, None)
-        self._is_protected[item] = remembered is not None
-        self._size = max(self._size, len(self._is_protected))
-        if remembered is not None:
-            from_protected, then = remembered
-            if self._evicted[from_protected] - then < self.window * self._size:
-                self._target += -1.0 if from_protected else 1.0
-                self._target = min(max(self._target, 0.0), float(self._size))
-        self._segment(item)[item] = None
+        self.insert_many((item,))
+
+    def insert_many(self, items: Iterable[T]) -> None:
+        probation, protected, pinned = self._probation, self._protected, self._pinned
+        ghost, key = self._ghost, self.ghost_key
+        for item in items:
+            if item in probation or item in protected or item in pinned:
+                continue
+            remembered = ghost.pop(key(item), None) if ghost else None
+            if remembered is None:
+                probation[item] = None
+            else:
+                protected[item] = None
+                self._remembered(*remembered)
+        tracked = len(probation) + len(protected) + len(pinned)
+        if tracked > self._size:
+            self._size = tracked
+
+    def _remembered(self, from_protected: bool, then: int) -> None:
+        """A key came back from the ghost list: a recent one moves the target."""
+        tracked = len(self._probation) + len(self._protected) + len(self._pinned)
+        if tracked > self._size:
+            self._size = tracked
+        if self._evicted[from_protected] - then < self.window * self._size:
+            self._target += -1.0 if from_protected else 1.0
+            self._target = min(max(self._target, 0.0), float(self._size))
 
     def access(self, item: T) -> None:
-        protected = self._is_protected.get(item)
-        if protected is None:
-            return
-        if item not in self._pinned:
-            if protected:
-                self._protected.move_to_end(item)
-                return
-            del self._probation[item]
-            self._protected[item] = None
-        self._is_protected[item] = True
+        self.access_many((item,))
+
+    def access_many(self, items: Iterable[T]) -> None:
+        probation, protected, pinned = self._probation, self._protected, self._pinned
+        to_end = protected.move_to_end
+        for item in items:
+            if item in protected:
+                to_end(item)
+            elif item in probation:
+                del probation[item]
+                protected[item] = None
+            elif item in pinned:
+                pinned[item] = True
 
     def pin(self, item: T) -> None:
-        if item in self._is_protected and item not in self._pinned:
-            self._pinned.add(item)
-            del self._segment(item)[item]
+        if item in self._protected:
+            del self._protected[item]
+            self._pinned[item] = True
+        elif item in self._probation:
+            del self._probation[item]
+            self._pinned[item] = False
 
     def unpin(self, item: T) -> None:
-        if item in self._pinned:
-            self._pinned.discard(item)
-            self._segment(item)[item] = None
+        protected = self._pinned.pop(item, None)
+        if protected is not None:
+            (self._protected if protected else self._probation)[item] = None
 
     def remove(self, item: T) -> None:
-        if item not in self._is_protected:
+        if self._pinned.pop(item, None) is not None:
             return
-        if item in self._pinned:
-            self._pinned.discard(item)
-        else:
-            del self._segment(item)[item]
-        del self._is_protected[item]
+        if self._probation.pop(item, _MISSING) is _MISSING:
+            self._protected.pop(item, None)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         if len(self._probation) > self._target or not self._protected:
@@ -509,10 +549,9 @@ class SLRUPolicy(EvictionPolicy[T]):
 
     def _evict(self, queue: OrderedDict[T, None], item: T) -> T:
         del queue[item]
-        del self._is_protected[item]
         from_protected = queue is self._protected
         self._evicted[from_protected] += 1
-        self._ghost[item] = (from_protected, self._evicted[from_protected])
+        self._ghost[self.ghost_key(item)] = (from_protected, self._evicted[from_protected])
         while len(self._ghost) > self.ghost_ratio * self._size:
             self._ghost.popitem(last=False)
         return item
@@ -608,9 +647,17 @@ class WarmPins(EvictionPolicy[T]):
         if item not in self._warm:
             self.inner.insert(item)
 
+    def insert_many(self, items: Iterable[T]) -> None:
+        warm = self._warm
+        self.inner.insert_many(items if not warm else [i for i in items if i not in warm])
+
     def access(self, item: T) -> None:
         if item not in self._warm:
             self.inner.access(item)
+
+    def access_many(self, items: Iterable[T]) -> None:
+        warm = self._warm
+        self.inner.access_many(items if not warm else [i for i in items if i not in warm])
 
     def pin(self, item: T) -> None:
         if item in self._hard:
@@ -675,11 +722,16 @@ POLICIES: dict[str, Callable[[], EvictionPolicy[Hashable]]] = {
 DEFAULT_POLICY = "slru"
 
 
-def make_policy(name: str) -> EvictionPolicy[Hashable]:
-    """A fresh policy by its configured name."""
+def make_policy(name: str, ghost_key: Callable[[Hashable], Hashable] | None = None,
+                ) -> EvictionPolicy[Hashable]:
+    """A fresh policy by its configured name (its ghosts named by ``ghost_key``, if
+    given; see ``EvictionPolicy``)."""
     try:
-        return POLICIES[name]()
+        policy = POLICIES[name]()
     except KeyError:
         raise ValueError(
             f"unknown eviction policy {name!r}; expected one of {sorted(POLICIES)}"
         ) from None
+    if ghost_key is not None:
+        policy.ghost_key = ghost_key
+    return policy

@@ -53,3 +53,28 @@ def test_claim_rebuilds_exactly_the_slots_named() -> None:
     got = pool.allocate(cls, 6)
     assert got is not None and sorted(got + [2 * 4096, 5 * 4096]) == [i * 4096 for i in range(8)]
     pool.check()
+
+
+def test_claims_in_any_order_then_allocations_and_frees_keep_each_slot_once() -> None:
+    import random
+
+    pool = SlabPool(capacity_bytes=2 * 64 * 4096, slab_bytes=64 * 4096, alignment=4096)
+    cls = pool.class_for(4096)
+    every = [i * 4096 for i in range(128)]
+    claimed = random.Random(7).sample(every, 90)  # out of order, as a warm restart finds them
+    for offset in claimed:
+        assert pool.claim(cls, offset)
+    for offset in claimed[::9]:
+        assert not pool.claim(cls, offset)       # taken already
+    pool.check()
+    assert cls.free_slots == 128 - 90
+    got = pool.allocate(cls, 128 - 90)
+    assert got is not None and sorted(got + claimed) == every  # no slot handed out twice
+    assert pool.allocate(cls, 1) is None
+    pool.free(cls, claimed[:10])
+    assert pool.claim(cls, claimed[0])           # freed again: claimable again
+    assert not pool.claim(cls, got[0])
+    pool.check()
+    again = pool.allocate(cls, 9)
+    assert again is not None and sorted(again) == sorted(claimed[1:10])
+    pool.check()

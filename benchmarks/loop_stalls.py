@@ -1,0 +1,429 @@
+"""How long the daemon's event loop is held, and what the index costs, as blocks grow.
+
+Three parts, each run at several index sizes (every size in a fresh process, so that
+its memory is its own), printing medians, tails and ratios:
+
+- ``store``: the pure store alone (no arena, no sockets): index memory per committed
+  block (RSS delta, keys included), ingest (reserve+commit of 1024-key chains,
+  blocks/s), lookup of 64 keys (p50, p99), evict of one leaf, stats, the invariant
+  check, the garbage collector's longest pause while the index was built, and the
+  SSD slots' claims of a warm restart (per block);
+- ``daemon``: a real daemon (an unpopulated arena, so untouched slots cost nothing):
+  ingest through a client, then each verb's round trip while a second client pings
+  the daemon every half millisecond; the probe's longest ping is the longest stall of
+  the loop any client saw;
+- ``sessions``: many client sessions at once, each pinging about once a second, and
+  one more client's ping p50/p99 beside that load and without it.
+
+    python benchmarks/loop_stalls.py store --sizes 10k,100k,400k,1M
+    python benchmarks/loop_stalls.py daemon --sizes 10k,100k,400k
+    python benchmarks/loop_stalls.py sessions --sessions 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+CHAIN = 1024
+KEY = 16
+SLOT = 4096  # the smallest DRAM slot: the arena's alignment
+
+
+def parse_count(text: str) -> int:
+    text = text.strip().lower()
+    scale = {"k": 1_000, "m": 1_000_000}.get(text[-1:], 1)
+    return int(float(text.rstrip("km")) * scale)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def chains(n: int, seed: int = 1) -> Iterator[list[bytes]]:
+    """``n`` blocks' keys in chains of ``CHAIN`` random keys, as clients send them."""
+    rng = __import__("random").Random(seed)
+    left = n
+    while left > 0:
+        size = min(CHAIN, left)
+        blob = rng.randbytes(size * KEY)
+        yield [blob[i * KEY:(i + 1) * KEY] for i in range(size)]
+        left -= size
+
+
+class GcPauses:
+    """The collector's pauses, by generation, while registered."""
+
+    def __init__(self) -> None:
+        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses[info["generation"]].append(time.perf_counter() - self._start)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+def timed(fn: Callable[[], object], repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+# -- the pure store --------------------------------------------------------------------------
+def store_figures(n: int, policy: str, check: bool, settle_every: int) -> dict[str, float]:
+    from kvstore.identity import Identity
+    from kvstore.store import BlockStore, Reservation
+
+    gc.collect()
+    base = rss_bytes()
+    store = BlockStore((n + CHAIN) * SLOT, 64 << 20, eviction_policy=policy)
+    ident = Identity(model="loop", model_revision="r", tenant="t", kv_dtype="float16",
+                     num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=16)
+    ns = store.open_namespace(ident)
+    heads: list[list[bytes]] = []
+    tails: list[bytes] = []
+    ingest = 0.0
+    try:  # the daemon's heap settling, where this version of it has one
+        from kvstore.heap import settle
+    except ImportError:
+        settle_every = 0
+    with GcPauses() as pauses:
+        for i, keys in enumerate(chains(n)):
+            if settle_every and i % settle_every == 0:
+                settle()  # as the daemon does each second
+            start = time.perf_counter()
+            r = store.reserve("w", ns, keys, None, 0.0)
+            assert isinstance(r, Reservation), r
+            store.commit("w", r.id, 0.0)
+            ingest += time.perf_counter() - start
+            heads.append(keys[:64])
+            tails.append(keys[-1])
+    gc.collect()
+    per_block = (rss_bytes() - base) / n
+    if settle_every:
+        settle()
+    rng = __import__("random").Random(2)
+    looks = timed(lambda: store.lookup(ns, rng.choice(heads)), 2000)
+    stats = timed(store.tier_stats, 5)
+    full_gc = timed(gc.collect, 3)
+
+    # one leaf each time: the last block of a chain not evicted from before
+    leaves = iter(tails[::max(1, len(tails) // 20)])
+    evicts = timed(lambda: store.evict(ns, [next(leaves)]), min(20, len(tails)))
+    out = {
+        "blocks": n,
+        "bytes_per_block": per_block,
+        "ingest_blocks_per_s": n / ingest,
+        "lookup64_p50_us": pct(looks, 0.5) * 1e6,
+        "lookup64_p99_us": pct(looks, 0.99) * 1e6,
+        "stats_ms": statistics.median(stats) * 1e3,
+        "evict_one_ms": statistics.median(evicts) * 1e3,
+        "full_gc_ms": statistics.median(full_gc) * 1e3,
+        "gc2_runs_in_ingest": len(pauses.pauses[2]),
+        "gc_longest_pause_ms": max((max(v) for v in pauses.pauses.values() if v),
+                                   default=0.0) * 1e3,
+    }
+    if check:
+        out["check_ms"] = statistics.median(timed(store.check_invariants, 1)) * 1e3
+    out["restore_claim_us"] = restore_claims(min(n, 1 << 20)) * 1e6
+    return out
+
+
+def restore_claims(n: int, slot: int = 64 << 10, slab: int = 256 << 20) -> float:
+    """Seconds per block to claim the SSD slots of ``n`` blocks found in the durable
+    index in no order of offset (a warm restart): 64 KiB blocks in 256 MiB slabs."""
+    from kvstore.pool import SlabPool
+
+    pool = SlabPool(-(-n * slot // slab) * slab, slab, 4096)
+    cls = pool.class_for(slot)
+    offsets = [i * slot for i in range(n)]
+    __import__("random").Random(4).shuffle(offsets)
+    start = time.perf_counter()
+    for offset in offsets:
+        pool.claim(cls, offset)
+    return (time.perf_counter() - start) / n
+
+
+# -- a real daemon ---------------------------------------------------------------------------
+PROBE = r"""
+import select, sys, time
+from kvstore import Client
+out, every = sys.argv[2], float(sys.argv[3])
+samples = []
+with Client(sys.argv[1], tenant="probe", timeout=600.0) as c:
+    c.ping()
+    print("ready", flush=True)
+    while not select.select([sys.stdin], [], [], 0)[0]:  # until told to stop
+        start = time.monotonic()
+        c.ping()
+        samples.append((start, time.monotonic() - start))
+        if every:
+            time.sleep(every)
+with open(out, "w") as f:
+    f.write("\n".join(f"{s} {d}" for s, d in samples))
+"""
+
+
+class Daemon:
+    """``python -m kvstore serve`` over an unpopulated arena of ``capacity`` bytes."""
+
+    def __init__(self, work: Path, capacity: int, *, metrics_port: int = 0,
+                 debug_invariants: bool = False, lease: float = 600.0) -> None:
+        self.endpoint = f"ipc://{work}/kvstore.sock"
+        config = work / "kvstore.toml"
+        config.write_text(
+            f"[server]\nmetrics_port = {metrics_port}\n"
+            f"debug_invariants = {str(debug_invariants).lower()}\n"
+            f"max_keys_per_request = {CHAIN}\nlease_seconds = {lease}\n"
+            f"[dram]\ncapacity = {capacity}\npopulate = false\neviction_policy = \"slru\"\n"
+            f"[ssd]\ncapacity = 0\n")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", "--config", str(config), "--endpoint",
+             self.endpoint, "--log-level", "warning"], stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        while b"serving on" not in self.proc.stdout.readline():
+            if self.proc.poll() is not None:
+                raise RuntimeError("the daemon did not start")
+
+    def rss(self) -> int:
+        with open(f"/proc/{self.proc.pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+class Probe:
+    """A second client pinging the daemon; its samples, by the clock all processes share."""
+
+    def __init__(self, endpoint: str, work: Path, every: float = 0.0005) -> None:
+        self.out = work / f"probe-{time.monotonic_ns()}.txt"
+        self.proc = subprocess.Popen([sys.executable, "-c", PROBE, endpoint, str(self.out),
+                                      str(every)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        self.proc.stdout.readline()
+
+    def samples(self) -> list[tuple[float, float]]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"stop\n")
+        self.proc.stdin.flush()
+        self.proc.wait(600)
+        rows = [line.split() for line in self.out.read_text().splitlines() if line]
+        return [(float(a), float(b)) for a, b in rows]
+
+
+def longest(samples: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    """The longest ping that overlapped ``window`` (seconds)."""
+    return max((d for s, d in samples if s <= window[1] and s + d >= window[0]), default=0.0)
+
+
+def daemon_figures(n: int, debug_invariants: bool) -> dict[str, float]:
+    from kvstore import Client, Identity
+
+    work = Path(tempfile.mkdtemp(prefix="kvloop-"))
+    port = __import__("socket").create_server(("127.0.0.1", 0))
+    metrics_port = port.getsockname()[1]
+    port.close()
+    daemon = Daemon(work, (n + 4 * CHAIN) * SLOT, metrics_port=metrics_port,
+                    debug_invariants=debug_invariants)
+    windows: dict[str, tuple[float, float]] = {}
+    out: dict[str, float] = {"blocks": n}
+    try:
+        base = daemon.rss()
+        probe = Probe(daemon.endpoint, work)
+        with Client(daemon.endpoint, tenant="t", timeout=120.0) as client:
+            ns = client.namespace(Identity(
+                model="loop", model_revision="r", tenant="t", kv_dtype="float16",
+                num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=16))
+            heads: list[list[bytes]] = []
+            tails: list[bytes] = []
+            spent = 0.0
+            start = time.monotonic()
+            for keys in chains(n):
+                t0 = time.perf_counter()
+                ns.reserve(keys).commit()
+                spent += time.perf_counter() - t0
+                heads.append(keys[:64])
+                tails.append(keys[-1])
+            windows["ingest"] = (start, time.monotonic())
+            out["ingest_blocks_per_s"] = n / spent
+            out["bytes_per_block_rss"] = (daemon.rss() - base) / n
+            rng = __import__("random").Random(3)
+
+            def phase(name: str, fn: Callable[[], object], repeats: int) -> list[float]:
+                t = time.monotonic()
+                got = timed(fn, repeats)
+                windows[name] = (t, time.monotonic())
+                return got
+
+            looks = phase("lookup", lambda: ns.lookup(rng.choice(heads)), 500)
+            out["lookup64_p50_us"] = pct(looks, 0.5) * 1e6
+            out["lookup64_p99_us"] = pct(looks, 0.99) * 1e6
+            out["stats_ms"] = statistics.median(phase("stats", client.stats, 10)) * 1e3
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            out["metrics_scrape_ms"] = statistics.median(phase(
+                "metrics", lambda: urllib.request.urlopen(url, timeout=60).read(), 10)) * 1e3
+            leaves = iter(tails[::max(1, len(tails) // 10)])
+            out["evict_one_ms"] = statistics.median(phase(
+                "evict", lambda: ns.evict([next(leaves)]), min(10, len(tails)))) * 1e3
+            out["ping_ms"] = statistics.median(phase("ping", client.ping, 200)) * 1e3
+        samples = probe.samples()
+        for name, window in windows.items():
+            out[f"stall_{name}_ms"] = longest(samples, window) * 1e3
+        verbs = [d for s, d in samples if s >= windows["lookup"][0]]
+        out["probe_p99_ms"] = pct(verbs, 0.99) * 1e3 if verbs else 0.0
+    finally:
+        daemon.stop()
+    return out
+
+
+# -- many sessions ---------------------------------------------------------------------------
+CROWD = r"""
+import random, sys, time, zmq
+from kvstore import protocol as p
+endpoint, count, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+ctx = zmq.Context()
+socks = []
+for i in range(count):  # a session each: its own connection, hello, then pings
+    s = ctx.socket(zmq.DEALER)
+    s.connect(endpoint)
+    s.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, f"crowd{i % 8}")))
+    p.reply_decoder.decode(s.recv())
+    socks.append(s)
+print("ready", flush=True)
+sys.stdin.readline()
+end = time.monotonic() + seconds
+rng, rid = random.Random(), 2
+while time.monotonic() < end:  # each session pings about once a second, spread out
+    start = time.monotonic()
+    batch = rng.sample(socks, max(1, count // 50))
+    for s in batch:
+        s.send(p.encoder.encode(p.Ping(rid)))
+        rid += 1
+    for s in batch:
+        reply = p.reply_decoder.decode(s.recv())
+        assert isinstance(reply, p.OkReply), reply
+    time.sleep(max(0.0, 0.02 - (time.monotonic() - start)))
+"""
+
+
+def sessions_figures(count: int, seconds: float) -> dict[str, float]:
+    work = Path(tempfile.mkdtemp(prefix="kvcrowd-"))
+    daemon = Daemon(work, 64 << 20)
+    out: dict[str, float] = {"sessions": count}
+    try:
+        probe = Probe(daemon.endpoint, work, every=0.001)
+        time.sleep(seconds)
+        alone = [d for _, d in probe.samples()]
+        crowds = [subprocess.Popen([sys.executable, "-c", CROWD, daemon.endpoint,
+                                    str(count // 2), str(seconds)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                  for _ in range(2)]
+        for c in crowds:
+            assert c.stdout is not None
+            c.stdout.readline()
+        probe = Probe(daemon.endpoint, work, every=0.001)
+        for c in crowds:
+            assert c.stdin is not None
+            c.stdin.write(b"go\n")
+            c.stdin.flush()
+        for c in crowds:
+            c.wait(seconds + 120)
+        crowded = [d for _, d in probe.samples()]
+        out.update({"alone_p50_ms": pct(alone, 0.5) * 1e3, "alone_p99_ms": pct(alone, 0.99) * 1e3,
+                    "crowd_p50_ms": pct(crowded, 0.5) * 1e3,
+                    "crowd_p99_ms": pct(crowded, 0.99) * 1e3,
+                    "crowd_max_ms": max(crowded) * 1e3,
+                    "p99_ratio": pct(crowded, 0.99) / pct(alone, 0.99)})
+    finally:
+        daemon.stop()
+    return out
+
+
+# -- driver ----------------------------------------------------------------------------------
+def one(args: argparse.Namespace) -> dict[str, float]:
+    if args.part == "store":
+        return store_figures(args.one, args.policy, args.check, args.settle_every)
+    if args.part == "daemon":
+        return daemon_figures(args.one, args.debug_invariants)
+    return sessions_figures(args.sessions, args.seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=["store", "daemon", "sessions"])
+    parser.add_argument("--sizes", default="10k,100k,400k", help="index sizes, e.g. 10k,1M")
+    parser.add_argument("--policy", default="slru", help="the DRAM eviction policy (store)")
+    parser.add_argument("--check", action="store_true",
+                        help="also time the full invariant check (store)")
+    parser.add_argument("--settle-every", type=int, default=64, metavar="CHAINS",
+                        help="settle the heap as the daemon does, every so many chains "
+                             "(store; 0: never)")
+    parser.add_argument("--debug-invariants", action="store_true",
+                        help="run the daemon with --debug-invariants (daemon)")
+    parser.add_argument("--sessions", type=int, default=1000)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per size (medians)")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one is not None or args.part == "sessions" and args.repeats == 1:
+        print(json.dumps(one(args)))
+        return
+    sizes = [parse_count(s) for s in args.sizes.split(",")] if args.part != "sessions" else [0]
+    rows: list[dict[str, float]] = []
+    for n in sizes:
+        runs = []
+        for _ in range(args.repeats):
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--one", str(n), "--repeats", "1"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"size {n} failed:\n{done.stderr[-4000:]}")
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        rows.append({k: statistics.median(r[k] for r in runs) for k in runs[0]})
+    if args.json:
+        print(json.dumps(rows))
+        return
+    keys = list(rows[0])
+    print(f"{'figure':28}" + "".join(f"{int(r.get('blocks', 0)):>12,}" for r in rows))
+    for k in keys[1:]:
+        print(f"{k:28}" + "".join(f"{r[k]:>12.3f}" for r in rows))
+    if len(rows) > 1:
+        first, last = rows[0], rows[-1]
+        print("\nratio of the largest to the smallest size: " + ", ".join(
+            f"{k} {last[k] / first[k]:.2f}" for k in keys[1:] if first[k]))
+
+
+if __name__ == "__main__":
+    main()

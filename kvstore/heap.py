@@ -1,0 +1,44 @@
+"""The garbage collector kept from walking the index.
+
+CPython runs a full collection whenever what survived the young generations grows by a
+quarter of the old one; with millions of long-lived blocks each such collection walks
+all of them and holds the event loop for as long (a third of a second at 100k blocks,
+seconds at a million, measured by ``benchmarks/loop_stalls.py``).  The index holds no
+reference cycles that die (an entry leaves its parent's child links as it goes, and
+reference counting frees it), so the daemon moves what survived into the collector's
+permanent generation from time to time (``gc.freeze``): full collections then walk only
+what came since.  Young collections go on as before, and one runs just before each
+freeze, so short-lived cycles (a failed request's traceback) are still freed; a cycle
+that outlives a period and dies later is kept until exit, the price of never walking
+the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Callable
+
+
+def settle() -> None:
+    """Collect the young generations, then freeze every object that survived them: the
+    next full collections skip them.  O(the young objects); the freeze itself is O(1)."""
+    gc.collect(1)
+    gc.freeze()
+
+
+def settle_every(loop: asyncio.AbstractEventLoop, seconds: float = 1.0) -> Callable[[], None]:
+    """Settle the heap now and every ``seconds`` on ``loop``; returns what stops it."""
+    handle: asyncio.TimerHandle | None = None
+
+    def tick() -> None:
+        nonlocal handle
+        settle()
+        handle = loop.call_later(seconds, tick)
+
+    def stop() -> None:
+        if handle is not None:
+            handle.cancel()
+
+    tick()
+    return stop

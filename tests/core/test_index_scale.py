@@ -1,0 +1,141 @@
+"""The store's verbs cost what they touch, not the namespace: evict follows child links,
+figures come from counters kept as blocks change; the checker recounts both."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kvtest import make_identity
+
+from kvstore.blocks import Block
+from kvstore.store import BlockStore, Namespace, Reservation
+
+
+class NoWalk(dict[bytes, Block]):
+    """A namespace's index that fails any walk over it (lookups by key still work)."""
+
+    walking = False
+
+    def _walk(self) -> None:
+        if not NoWalk.walking:
+            raise AssertionError("the namespace's blocks were walked")
+
+    def __iter__(self) -> Iterator[bytes]:
+        self._walk()
+        return super().__iter__()
+
+    def values(self) -> Any:
+        self._walk()
+        return super().values()
+
+    def items(self) -> Any:
+        self._walk()
+        return super().items()
+
+
+def _commit(store: BlockStore, ns: Namespace, keys: list[bytes],
+            parent: bytes | None = None) -> None:
+    r = store.reserve("w", ns, keys, parent, 0.0)
+    assert isinstance(r, Reservation)
+    store.commit("w", r.id, 0.0)
+
+
+def _check(store: BlockStore) -> None:
+    NoWalk.walking = True
+    try:
+        store.check_invariants()
+    finally:
+        NoWalk.walking = False
+
+
+@pytest.fixture
+def store() -> BlockStore:
+    ident = make_identity()
+    return BlockStore(512 * ident.block_bytes, 64 * ident.block_bytes)
+
+
+def test_evict_stats_and_lookup_never_walk_the_namespace(store: BlockStore) -> None:
+    ns = store.open_namespace(make_identity())
+    ns.blocks = NoWalk()
+    chains = [[os.urandom(16) for _ in range(8)] for _ in range(20)]
+    for keys in chains:
+        _commit(store, ns, keys)
+    figures = store.stats()
+    assert figures["blocks"] == 160 and figures["committed_slots"] == 160
+    assert figures["committed"] == 160 * ns.cls.slot_bytes
+    assert store.lookup(ns, chains[3]) == ["dram"] * 8
+    # a middle key: it and what hangs below it go, its prefix stays
+    removed, _ = store.evict(ns, [chains[3][5]])
+    assert removed == 3
+    assert store.lookup(ns, chains[3]) == ["dram"] * 5
+    assert store.stats()["blocks"] == 157
+    _check(store)
+
+
+def test_a_branch_point_keeps_its_children_as_they_come_and_go(store: BlockStore) -> None:
+    ns = store.open_namespace(make_identity())
+    root = [os.urandom(16)]
+    _commit(store, ns, root)
+    branches = [[os.urandom(16), os.urandom(16)] for _ in range(5)]
+    for keys in branches:
+        _commit(store, ns, keys, parent=root[0])
+    top = ns.blocks[root[0]]
+    assert top.children == 5
+    assert {b.key for b in top.child_list()} == {k[0] for k in branches}
+    _check(store)
+    for i, keys in enumerate(branches[:4]):
+        store.evict(ns, [keys[0]])
+        assert top.children == 4 - i
+        assert keys[0] not in ns.blocks and keys[1] not in ns.blocks
+        _check(store)
+    assert top.kids is ns.blocks[branches[4][0]]  # one child left: no container
+    assert store.evict(ns, root)[0] == 3
+    assert not ns.blocks
+    _check(store)
+
+
+def test_pinned_blocks_and_reservations_are_counted_as_they_change(store: BlockStore) -> None:
+    ns = store.open_namespace(make_identity())
+    keys = [os.urandom(16) for _ in range(6)]
+    _commit(store, ns, keys)
+    pin = store.acquire("r", ns, keys[:4], 0.0)
+    open_r = store.reserve("w", ns, [os.urandom(16)], keys[-1], 0.0)
+    assert isinstance(open_r, Reservation)
+    figures = store.stats()
+    assert figures["pinned_blocks"] == 5  # four acquired, and the reservation's parent
+    assert figures["reserved"] == ns.cls.slot_bytes
+    store.check_invariants()
+    store.release("r", pin.id)  # type: ignore[union-attr]
+    store.abort("w", open_r.id)
+    figures = store.stats()
+    assert figures["pinned_blocks"] == 0 and figures["reserved"] == 0
+    assert figures["free"] == figures["capacity"] - 6 * ns.cls.slot_bytes
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["slru", "arc", "s3fifo"])
+def test_a_block_cached_again_after_it_left_is_remembered_by_its_key(policy: str) -> None:
+    ident = make_identity()
+    store = BlockStore(8 * ident.block_bytes, 8 * ident.block_bytes, eviction_policy=policy)
+    ns = store.open_namespace(ident)
+    first = [os.urandom(16) for _ in range(4)]
+    _commit(store, ns, first)
+    others = [os.urandom(16) for _ in range(4)]
+    for key in others:
+        _commit(store, ns, [key])
+    gone = ns.blocks[first[-1]]
+    _commit(store, ns, [os.urandom(16)])  # full: the coldest leaf leaves the store
+    assert first[-1] not in ns.blocks and gone.offset is None
+    store.evict(ns, [first[0], others[0]])  # room for the chain again, with no eviction
+    _commit(store, ns, first)
+    again = ns.blocks[first[-1]]
+    assert again is not gone  # a new entry, hashed by identity ...
+    inner: Any = ns.dram.policy(ns.cls).inner  # type: ignore[attr-defined]
+    remembered = {"slru": lambda: again in inner._protected,
+                  "arc": lambda: again in inner._t2,
+                  "s3fifo": lambda: again in inner._main}[policy]
+    assert remembered()  # ... that its order knew from before, by its key
+    store.check_invariants()
