@@ -267,7 +267,8 @@ class Server:
             if isinstance(request, p.Hello):
                 tenant = request.tenant
                 curve_tenant = str(frames[1].get("User-Id")) if secure else None
-                session = verbs.greet(routing_id, request, curve_tenant)
+                session = verbs.greet(routing_id, request, curve_tenant,
+                                      self.transport.peer_uid(routing_id, frames))
                 hello = handler(session, request, frames[2:])
                 assert isinstance(hello, tuple), "a hello is answered at once"
                 reply, payload = hello

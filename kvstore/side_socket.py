@@ -3,7 +3,8 @@
 Beside the ipc endpoint (``<socket path>.fd``), served from the event loop with no
 thread: each connection sends one small request and gets one reply, then is closed.
 An arena's descriptor goes only to a session that hello authenticated (its id is the
-secret it presents) and only for an arena its tenant may use; a handshake ticket goes
+secret it presents), asked by a process of a uid that said hello for it over an ipc
+endpoint (SO_PEERCRED on both sockets), and only for an arena its tenant may use; a handshake ticket goes
 to a client with a valid token, or to a uid that ``auth.peer_tenants`` names.  Work per
 connection is bounded: a request over ``MAX_SIDE_MESSAGE`` bytes, or one that does not
 come within ``SIDE_TIMEOUT_S``, closes it, and at most ``MAX_CONNECTIONS`` are open at
@@ -155,7 +156,7 @@ class SideSocket:
         if isinstance(request, Admit):
             self._admit(fd, conn, request.token)
         else:
-            self._arena(fd, request)
+            self._arena(fd, conn, request)
 
     def _admit(self, fd: int, conn: socket.socket, token: str) -> None:
         try:
@@ -167,12 +168,15 @@ class SideSocket:
         self.counts["tickets"] += bool(ticket)
         self._reply(fd, SideReply(True, ticket=ticket, tenant=tenant))
 
-    def _arena(self, fd: int, ask: ArenaAsk) -> None:
+    def _arena(self, fd: int, conn: socket.socket, ask: ArenaAsk) -> None:
         session = self.sessions.by_id.get(ask.session)
         arenas = self.arenas()
         held = arenas.by_label.get(ask.label) if arenas is not None else None
-        # one answer for every refusal: the asker learns nothing of other sessions' arenas
-        if (session is None or held is None or held[1].fd is None
+        # one answer for every refusal: the asker learns nothing of other sessions' arenas.
+        # The session id is a secret, and the asker must also be of a uid that said hello
+        # for the session over an ipc endpoint: an id that leaked is no use to another user
+        if (session is None or peer_uid(conn) not in session.uids
+                or held is None or held[1].fd is None
                 or (held[0] and not self.auth.may_open(session.tenant, held[0]))):
             self.counts["refused"] += 1
             self._reply(fd, SideReply(False, "no such arena for this session (say hello "

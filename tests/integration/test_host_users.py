@@ -32,7 +32,7 @@ import kvstore.sdnotify  # noqa: F401
 import kvstore.server  # noqa: F401
 from kvstore import Client
 from kvstore.errors import ForbiddenError, UnavailableError
-from kvstore.tiers.arena_fds import side_path
+from kvstore.tiers.arena_fds import fetch_arena, side_path
 
 IDENT_A = make_identity(tenant="acme")
 IDENT_B = make_identity(tenant="globex")
@@ -111,6 +111,7 @@ def _engine_a(conn: Connection, endpoint: str, marker: bytes) -> None:
         with ns.acquire(keys) as held:
             read_back = all(bytes(b) == block for b in held.buffers)
         conn.send({"tenant": client.hello.tenant, "arena": client.hello.arena_path,
+                   "session": client.hello.session,
                    "arena_bytes": client.hello.arena_bytes, "read_back": read_back,
                    "pid": os.getpid()})
         conn.recv()  # B has looked
@@ -150,8 +151,13 @@ def _engine_b(conn: Connection, endpoint: str, a: dict[str, Any], marker: bytes,
         with ns.acquire(keys) as held:
             out["read_back"] = bytes(held.buffers[0]) == b"\7" * ns.block_bytes
         refusals = []
+        side = side_path(endpoint)
+        assert side is not None
+        label = a["arena"].removeprefix("memfd:")
         for attempt in (lambda: client.namespace(IDENT_A),
                         lambda: client._view_of(a["arena"], a["arena_bytes"]),
+                        # A's session id, leaked to B: no use from B's uid
+                        lambda: os.close(fetch_arena(side, a["session"], label)[0]),
                         lambda: Client(endpoint, tenant="acme", timeout=5)):
             try:
                 attempt()
@@ -219,7 +225,8 @@ def test_engines_of_two_users_share_the_host_and_not_their_bytes(users: HostUser
         assert b["tenant"] == "globex" and b["read_back"]
         assert "cannot open a namespace of tenant 'acme'" in b["refusals"][0]
         assert "no such arena" in b["refusals"][1]
-        assert "credentials are for tenant 'globex', not 'acme'" in b["refusals"][2]
+        assert "no such arena" in b["refusals"][2]
+        assert "credentials are for tenant 'globex', not 'acme'" in b["refusals"][3]
         assert b["opened"] > 0            # B's scan did open files (its own, at least)
         assert b["hits"] == []
         assert b["mem"] == {daemon_pid: "PermissionError", a["pid"]: "PermissionError"}
