@@ -68,6 +68,7 @@ def test_an_arena_goes_only_to_a_session_of_its_tenant(daemon_factory: Any,
         try:
             assert size == a.hello.arena_bytes
             assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+            assert not os.get_inheritable(fd)                    # close-on-exec
             with pytest.raises(OSError):
                 os.ftruncate(fd, 4096)                           # sealed against shrinking
         finally:
