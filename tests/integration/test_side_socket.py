@@ -149,6 +149,16 @@ def test_credentials_keep_tenants_in_arenas_of_their_own(tmp_path: Path) -> None
                     '[dram]\nshared_arena_with_credentials = true\n')
     allowed = load_config(path, env={})
     assert not allowed.tenant_arenas
+    # an explicit shared arena with credentials: refused, unless allowed
+    path.write_text(auth + '[dram]\nper_tenant_arenas = false\n')
+    with pytest.raises(ConfigError, match="dram.shared_arena_with_credentials = true"):
+        load_config(path, env={})
+    path.write_text(auth + '[dram]\nper_tenant_arenas = false\n'
+                    'shared_arena_with_credentials = true\n')
+    assert not load_config(path, env={}).tenant_arenas
+    for word, expected in (("false", False), ("true", True), ("auto", False)):
+        env = {"KVSTORE_DRAM_PER_TENANT_ARENAS": word}
+        assert load_config(None, env=env).tenant_arenas is expected
     path.write_text('[auth]\npeer_tenants = { "no-such-user-here" = "acme" }\n')
     with pytest.raises(ConfigError, match="no user named 'no-such-user-here'"):
         Auth(load_config(path, env={}))
