@@ -20,6 +20,7 @@ from kvstore import Client
 from kvstore.auth import Auth
 from kvstore.config import load_config
 from kvstore.errors import ConfigError, ForbiddenError, KVStoreError
+from kvstore.side_socket import MAX_CONNECTIONS
 from kvstore.tiers.arena_fds import (
     ArenaAsk,
     create_memfd,
@@ -191,3 +192,28 @@ def test_tcp_clients_of_a_memfd_daemon_use_frames(daemon_factory: Any, tmp_path:
         with pytest.raises(KVStoreError, match="only over its ipc endpoint"):
             with ns.acquire(keys) as held:
                 held.buffers
+
+
+def test_silent_connections_do_not_lock_others_out(daemon_factory: Any,
+                                                   tmp_path: Path) -> None:
+    """More silent connections than the side socket holds: a new one closes the oldest
+    of the uid holding the most, so a client that asks still gets its arena."""
+    d = memfd_daemon(daemon_factory, tmp_path)
+    side = side_path(d.endpoint)
+    assert side is not None
+    silent = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 40):
+            silent.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            silent[-1].connect(side)  # blocking: waits while the backlog is full
+        time.sleep(0.5)  # the daemon has accepted them all
+        with Client(d.endpoint, tenant="acme", timeout=10) as client:   # maps its arena
+            ns = client.namespace(make_identity())
+            keys = ns.keys(range(32))
+            with ns.reserve(keys) as r:
+                r.buffers[0][:] = b"\3" * ns.block_bytes
+                r.commit()
+            assert client.stats()["side_socket"]["dropped"] >= 40
+    finally:
+        for sock in silent:
+            sock.close()
