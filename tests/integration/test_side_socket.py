@@ -217,3 +217,32 @@ def test_silent_connections_do_not_lock_others_out(daemon_factory: Any,
     finally:
         for sock in silent:
             sock.close()
+
+
+def test_descriptors_sent_to_the_side_socket_are_not_kept(daemon_factory: Any,
+                                                          tmp_path: Path) -> None:
+    """A peer that passes descriptors with its request leaves none open in the daemon."""
+    d = memfd_daemon(daemon_factory, tmp_path)
+    side = side_path(d.endpoint)
+    assert side is not None and d.proc is not None
+    fd_dir = f"/proc/{d.proc.pid}/fd"
+    with Client(d.endpoint, tenant="acme") as client:
+        assert client.hello is not None
+        before = len(os.listdir(fd_dir))
+        ours = [os.open(os.devnull, os.O_RDONLY) for _ in range(16)]
+        try:
+            for i in range(20):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(10)
+                    sock.connect(side)
+                    request = frame(ArenaAsk(client.hello.session, "nonsense"))
+                    socket.send_fds(sock, [request[:3] if i % 2 else request], ours)
+                    if not i % 2:
+                        assert not side_reply_decoder.decode(unframe(sock.recv(4096))
+                                                             or b"").ok
+        finally:
+            for fd in ours:
+                os.close(fd)
+        time.sleep(0.5)
+        assert len(os.listdir(fd_dir)) <= before + 1
+        assert client.stats()["side_socket"]["refused"] >= 10
