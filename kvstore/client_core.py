@@ -5,7 +5,8 @@ types, splits requests that are too big into batches, remembers chain parents, k
 the state of a session, its reservations and its pins, verifies checksums and maps the
 arena's views.  It never sends or receives on the daemon's ZeroMQ socket (its one
 exchange of its own is with the side socket beside an ipc endpoint: a short local
-round trip for a memfd arena's descriptor or a handshake ticket, ``tiers.arena_fds``):
+round trip for a memfd arena's descriptor or a handshake ticket, ``tiers.arena_fds``,
+which ``kvstore.aclient`` runs in an executor, off its loop):
 ``kvstore.client`` (blocking) and
 ``kvstore.aclient`` (asyncio) are thin shells that carry what it builds to the daemon
 and hand it what comes back, the way h11 and httpcore split protocol from I/O.
@@ -365,6 +366,13 @@ class SessionCore:
                 arena = map_arena(path, size)
             mapped = self._maps[path] = (arena, memoryview(arena))
         return mapped[1]
+
+    def _maps_ahead(self, path: str) -> bool:
+        """Whether the arena ``path`` is one to map before its first use (this client
+        maps arenas, has not mapped this one, and could: a ``memfd:`` arena only over
+        an ipc endpoint)."""
+        return (self._map_arenas and path not in self._maps
+                and (not path.startswith(MEMFD_PREFIX) or side_path(self.endpoint) is not None))
 
     def _slots(self, offsets: Sequence[int], size: int, readonly: bool,
                arena: tuple[str, int] | None = None) -> list[memoryview]:
