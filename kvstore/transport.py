@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from kvstore import protocol as p
-from kvstore.auth import Auth
+from kvstore.auth import Auth, address_uid
 from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError
 
@@ -184,9 +184,8 @@ class Transport:
         if not self._ipc[peer[0]]:
             return None
         try:
-            address = str(frames[-1].get("Peer-Address"))
-            return int(address.rsplit(":", 3)[1])
-        except (zmq.ZMQError, ValueError, IndexError):
+            return address_uid(str(frames[-1].get("Peer-Address")))
+        except zmq.ZMQError:
             return None
 
     def _may_say_hello(self, peer: bytes, frames: list[zmq.Frame]) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import uvloop  # noqa: F401  (imported here: the daemon's child cannot read site-packages)
+import zmq
 from host_users import HostUsers, User, as_user
 from kvtest import make_identity
 
@@ -31,8 +32,10 @@ import kvstore.metrics  # noqa: F401
 import kvstore.sdnotify  # noqa: F401
 import kvstore.server  # noqa: F401
 from kvstore import Client
+from kvstore import protocol as p
+from kvstore.client_core import make_socket
 from kvstore.errors import ForbiddenError, UnavailableError
-from kvstore.tiers.arena_fds import fetch_arena, side_path
+from kvstore.tiers.arena_fds import admit, fetch_arena, side_path
 
 IDENT_A = make_identity(tenant="acme")
 IDENT_B = make_identity(tenant="globex")
@@ -99,6 +102,9 @@ def host_daemon(users: HostUsers, daemon: User, peer_tenants: dict[str, str]
 def _engine_a(conn: Connection, endpoint: str, marker: bytes) -> None:
     """Tenant A's engine: offload blocks through its arena, read them back, then stay
     (its memory and descriptors open) until told to go."""
+    side = side_path(endpoint)
+    assert side is not None
+    spare = admit(side, "")                              # a ticket for acme, to leak to B
     with Client(endpoint) as client:                     # no token: the uid decides
         assert client.hello is not None
         ns = client.namespace(IDENT_A)
@@ -111,7 +117,7 @@ def _engine_a(conn: Connection, endpoint: str, marker: bytes) -> None:
         with ns.acquire(keys) as held:
             read_back = all(bytes(b) == block for b in held.buffers)
         conn.send({"tenant": client.hello.tenant, "arena": client.hello.arena_path,
-                   "session": client.hello.session,
+                   "session": client.hello.session, "ticket": spare,
                    "arena_bytes": client.hello.arena_bytes, "read_back": read_back,
                    "pid": os.getpid()})
         conn.recv()  # B has looked
@@ -165,6 +171,7 @@ def _engine_b(conn: Connection, endpoint: str, a: dict[str, Any], marker: bytes,
             except ForbiddenError as exc:
                 refusals.append(str(exc))
         out["refusals"] = refusals
+        out["a_ticket_said_hello"] = _hello_with_ticket(endpoint, *a["ticket"])
         paths = glob.glob("/dev/shm/*") + glob.glob(os.path.join(runtime, "*"))
         paths += glob.glob("/proc/[0-9]*/fd/*")
         out["opened"] = sum(_readable_hits(p, marker) is not None for p in paths)
@@ -185,6 +192,19 @@ def _engine_b(conn: Connection, endpoint: str, a: dict[str, Any], marker: bytes,
                 fds[pid] = type(exc).__name__
         out["fd_dirs"] = fds
     conn.send(out)
+
+
+def _hello_with_ticket(endpoint: str, tenant: str, ticket: str) -> bool:
+    """Whether a connection presenting ``ticket`` (as its ZeroMQ PLAIN credentials)
+    gets an answer to its hello."""
+    ctx = zmq.Context()
+    sock = make_socket(ctx, endpoint, admission=(tenant, ticket))
+    try:
+        sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, tenant, "")))
+        return bool(sock.poll(3000))
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def _stranger(conn: Connection, endpoint: str) -> None:
@@ -227,6 +247,7 @@ def test_engines_of_two_users_share_the_host_and_not_their_bytes(users: HostUser
         assert "no such arena" in b["refusals"][1]
         assert "no such arena" in b["refusals"][2]
         assert "credentials are for tenant 'globex', not 'acme'" in b["refusals"][3]
+        assert b["a_ticket_said_hello"] is False   # a ticket of A's uid is no use to B
         assert b["opened"] > 0            # B's scan did open files (its own, at least)
         assert b["hits"] == []
         assert b["mem"] == {daemon_pid: "PermissionError", a["pid"]: "PermissionError"}
