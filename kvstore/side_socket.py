@@ -147,7 +147,7 @@ class SideSocket:
         conn.close()
 
     def _read(self, fd: int) -> None:
-        conn, data, _, _ = self._conns[fd]
+        conn, data, _, uid = self._conns[fd]
         try:
             chunk = conn.recv(MAX_SIDE_MESSAGE + 4 - len(data))
         except (BlockingIOError, InterruptedError):
@@ -168,13 +168,13 @@ class SideSocket:
             self._reply(fd, SideReply(False, f"bad request: {exc}"))
             return
         if isinstance(request, Admit):
-            self._admit(fd, conn, request.token)
+            self._admit(fd, uid, request.token)
         else:
-            self._arena(fd, conn, request)
+            self._arena(fd, uid, request)
 
-    def _admit(self, fd: int, conn: socket.socket, token: str) -> None:
+    def _admit(self, fd: int, uid: int, token: str) -> None:
         try:
-            tenant, ticket = self.auth.admission(peer_uid(conn), token)
+            tenant, ticket = self.auth.admission(uid, token)
         except KVStoreError as exc:
             self.counts["refused"] += 1
             self._reply(fd, SideReply(False, str(exc)))
@@ -182,19 +182,21 @@ class SideSocket:
         self.counts["tickets"] += bool(ticket)
         self._reply(fd, SideReply(True, ticket=ticket, tenant=tenant))
 
-    def _arena(self, fd: int, conn: socket.socket, ask: ArenaAsk) -> None:
+    def _arena(self, fd: int, uid: int, ask: ArenaAsk) -> None:
         session = self.sessions.by_id.get(ask.session)
         arenas = self.arenas()
         held = arenas.by_label.get(ask.label) if arenas is not None else None
         # one answer for every refusal: the asker learns nothing of other sessions' arenas.
         # The session id is a secret, and the asker must also be of a uid that said hello
         # for the session over an ipc endpoint: an id that leaked is no use to another user
-        if (session is None or peer_uid(conn) not in session.uids
+        if (session is None or uid not in session.uids
                 or held is None or held[1].fd is None
                 or (held[0] and not self.auth.may_open(session.tenant, held[0]))):
             self.counts["refused"] += 1
             self._reply(fd, SideReply(False, "no such arena for this session (say hello "
-                                             "first; a tenant gets only its own arenas)"))
+                                             "first, over the ipc endpoint, from a process "
+                                             "of this uid; a tenant gets only its own "
+                                             "arenas)"))
             return
         arena = held[1]
         self.counts["arenas"] += 1
