@@ -127,7 +127,8 @@ class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         default_factory=lambda: ["evict", "demote", "defer", "reject"])
     defer_seconds: float = 0.25
     tenant_quota: str | int = 0
-    arena_kind: str = "auto"  # memfd, file, or auto: memfd whenever credentials are set
+    # memfd, file, or auto: memfd whenever credentials or server.socket_group are set
+    arena_kind: str = "auto"
     shared_arena_with_credentials: bool = False
 
 
@@ -242,9 +243,12 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def memfd_arenas(self) -> bool:
-        """Whether arenas are anonymous memory files handed out by descriptor."""
+        """Whether arenas are anonymous memory files handed out by descriptor: when
+        asked, and by default whenever credentials are set or engines of other users
+        connect (``server.socket_group``: a file arena, 0600, is the daemon's user's)."""
         kind = self.dram.arena_kind
-        return kind == "memfd" or (kind == "auto" and self.credentials)
+        return kind == "memfd" or (kind == "auto" and (self.credentials
+                                                       or bool(self.server.socket_group)))
 
     @property
     def max_request_bytes(self) -> int:

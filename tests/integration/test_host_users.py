@@ -13,6 +13,7 @@ import glob
 import os
 import signal
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -55,6 +56,9 @@ def _serve(conn: Connection, config: str, endpoint: str, log: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # pytest's capture replaced sys.stdout and sys.stderr in the parent: write to the log
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
     kvstore.cli.main(["serve", "--config", config, "--endpoint", endpoint,
                       "--dram-capacity", "8MiB", "--ssd-capacity", "0",
                       "--log-level", "warning", "--debug-invariants"])
@@ -260,3 +264,32 @@ def test_engines_of_two_users_share_the_host_and_not_their_bytes(users: HostUser
         # a uid with no tenant (root here) gets no ticket, so no session
         with pytest.raises(ForbiddenError, match="uid 0 has no tenant"):
             Client(endpoint, timeout=5)
+
+
+def _engine_without_credentials(conn: Connection, endpoint: str) -> None:
+    with Client(endpoint, tenant="acme") as client:
+        assert client.hello is not None
+        ns = client.namespace(IDENT_A)
+        keys = ns.keys(range(32))
+        with ns.reserve(keys) as r:
+            r.buffers[0][:] = b"\1" * ns.block_bytes
+            r.commit()
+        with ns.acquire(keys) as held:
+            conn.send({"arena": client.hello.arena_path,
+                       "read_back": bytes(held.buffers[0]) == b"\1" * ns.block_bytes})
+
+
+def test_a_socket_group_without_credentials_hands_out_arenas(users: HostUsers) -> None:
+    """Engines of another user than the daemon's reach their arena (a memfd: a file of
+    the daemon's user, 0600, they could not open), and the daemon warns that any user in
+    the group may name any tenant."""
+    daemon, alice = users.add("d"), users.add("a")
+    with host_daemon(users, daemon, {}) as (endpoint, _, run):
+        proc, conn = as_user(alice, _engine_without_credentials, endpoint)
+        assert conn.poll(60), "the engine did not report"
+        out = conn.recv()
+        proc.join(30)
+        assert "error" not in out, out
+        assert out["arena"].startswith("memfd:") and out["read_back"]
+        log = run.parent / "daemon.log"
+        assert "may connect and name any tenant" in log.read_text()
