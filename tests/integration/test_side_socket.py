@@ -246,3 +246,32 @@ def test_descriptors_sent_to_the_side_socket_are_not_kept(daemon_factory: Any,
         time.sleep(0.5)
         assert len(os.listdir(fd_dir)) <= before + 1
         assert client.stats()["side_socket"]["refused"] >= 10
+
+
+def _memfd_fds_and_maps() -> tuple[list[int], int]:
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:kvstore-arena"):
+                fds.append(int(name))
+        except OSError:
+            pass  # the listing's own descriptor, gone
+    maps = Path("/proc/self/maps").read_text().count("/memfd:kvstore-arena")
+    return fds, maps
+
+
+def test_a_client_holds_its_arenas_only_while_open(daemon_factory: Any,
+                                                   tmp_path: Path) -> None:
+    """Each mapping holds a descriptor (Python's mmap keeps a dup of the one it mapped),
+    close-on-exec; the client's close unmaps them and closes them all."""
+    d = memfd_daemon(daemon_factory, tmp_path)
+    before = _memfd_fds_and_maps()
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(make_identity(tenant="acme"))
+        with ns.reserve(ns.keys(range(32))) as r:
+            r.buffers[0][:] = b"\1" * ns.block_bytes
+            r.commit()
+        fds, maps = _memfd_fds_and_maps()
+        assert maps > before[1] and len(fds) > len(before[0])
+        assert not any(os.get_inheritable(fd) for fd in fds)
+    assert _memfd_fds_and_maps() == before
