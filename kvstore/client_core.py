@@ -251,6 +251,7 @@ class SessionCore:
         self.checksums = checksums  # send xxh3_64 of what is written, for readers to verify
         self._tenant = _tenant(tenant, token)
         self._tenant_named = bool(tenant or os.environ.get("KVSTORE_TENANT"))
+        self._ticketed = False  # whether it connected with a handshake ticket
         self._token = _token(token)
         self._curve = curve or _curve_from_env()
         self._rids = itertools.count(1)
@@ -284,8 +285,14 @@ class SessionCore:
         return True
 
     def _no_reply(self) -> UnavailableError:
+        why = ""
+        if self.hello is None and self._ticketed:
+            # a refused ZeroMQ handshake is silent: say what it checks
+            why = ("; if the daemon refused the handshake, its ticket was used, late "
+                   "(good for 10s) or presented by a process of another uid than the "
+                   "one that asked for it: connect again from the same process")
         return UnavailableError(f"no reply from the daemon at {self.endpoint} "
-                                f"within {self.timeout}s")
+                                f"within {self.timeout}s{why}")
 
     def _close_wait(self) -> float:
         """Seconds close() waits for the replies to posted requests."""
@@ -300,6 +307,7 @@ class SessionCore:
         admitted = admit(side, self._token) if side is not None else None
         if admitted is not None and not self._tenant_named:
             self._tenant = ""  # the credentials name it
+        self._ticketed = admitted is not None
         return admitted
 
     def _hello_request(self) -> p.Hello:
