@@ -55,13 +55,17 @@ class AsyncClient(SessionCore):
         self._settled: asyncio.Event | None = None  # set once no posted reply is unread
 
     async def connect(self) -> AsyncClient:
-        """Open the socket and say hello."""
-        admission = self._admission()
+        """Open the socket and say hello.  The side socket's exchanges (a handshake
+        ticket, the arena's descriptor) and the arena's mapping block: they run in the
+        loop's default executor, not on the loop."""
+        loop = asyncio.get_running_loop()
+        admission = await loop.run_in_executor(None, self._admission)
         self._ctx = zmq.asyncio.Context()
         self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
-        self._reader = asyncio.get_running_loop().create_task(self._read_replies())
+        self._reader = loop.create_task(self._read_replies())
         try:
-            self._on_hello(await self._call(self._hello_request()))
+            received = await self._call(self._hello_request())
+            await loop.run_in_executor(None, self._on_hello, received)
         except BaseException:
             await self.close()
             raise
@@ -194,7 +198,11 @@ class AsyncNamespaceOpener:
     async def _open(self) -> AsyncNamespace:
         c = self.client
         received = await c._call(c._namespace_request(self.identity))
-        return AsyncNamespace(c, self.identity, AsyncNamespace._opened(received))
+        ns = AsyncNamespace(c, self.identity, AsyncNamespace._opened(received))
+        path, size = ns.arena
+        if path and c._maps_ahead(path):  # mapped here, off the loop, not at first use
+            await asyncio.get_running_loop().run_in_executor(None, c._view_of, path, size)
+        return ns
 
 
 class AsyncNamespace(NamespaceCore[AsyncClient]):

@@ -14,7 +14,7 @@ Three modes, by configuration:
 
 With a token secret or peer tenants, ipc endpoints are *gated*: a client first asks the
 side socket for admission (with its token, or none for its uid) and gets its tenant and a
-one-time ticket, or a clear refusal; it connects with them as its ZeroMQ PLAIN user name
+one-time ticket, good only for a connection of its uid, or a clear refusal; it connects with them as its ZeroMQ PLAIN user name
 and password, checked in the handshake (``redeem``), so a peer without credentials never
 gets a message into the daemon.  The tenant of such a connection is its PLAIN user name.
 
@@ -115,6 +115,15 @@ def peer_uids(peer_tenants: dict[str, str]) -> dict[int, str]:
     return uids
 
 
+def address_uid(address: str) -> int | None:
+    """The uid in a ZeroMQ peer address of an ipc connection (``...:uid:gid:pid``, read
+    with SO_PEERCRED); None for any other."""
+    try:
+        return int(address.rsplit(":", 3)[1]) if address.count(":") >= 3 else None
+    except ValueError:
+        return None
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
@@ -128,17 +137,24 @@ class _TenantAuthenticator(ThreadAuthenticator):
     for the tenant named as the user (PLAIN); the user id it reports is the tenant."""
 
     def __init__(self, context: zmq.Context[Any], tenants: dict[bytes, str],
-                 redeem: Callable[[str, str], bool]) -> None:
+                 redeem: Callable[[str, str, int | None], bool]) -> None:
         super().__init__(context)
         self.tenants = tenants
         self.redeem = redeem
+        self._address = ""  # of the ZAP request being handled
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        # the peer's address, for _authenticate_plain: the base class passes it no further
+        # (read before the base class awaits anything, so no other request comes between)
+        self._address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else ""
+        await super().handle_zap_message(msg)
 
     def callback(self, domain: str, key: bytes) -> bool:
         return key in self.tenants
 
     def _authenticate_plain(self, domain: str, username: str,
                             password: str) -> tuple[bool, bytes]:
-        if self.redeem(username, password):
+        if self.redeem(username, password, address_uid(self._address)):
             return True, b"OK"
         return False, b"unknown, used or expired ticket"
 
@@ -161,7 +177,8 @@ class Auth:
         self.peer_tenants = peer_uids(a.peer_tenants)
         # ipc connections need a ticket in their handshake (see the module's docstring)
         self.gated = self.secret is not None or bool(self.peer_tenants)
-        self._tickets: dict[str, tuple[str, float]] = {}  # ticket -> (tenant, deadline)
+        # ticket -> (tenant, deadline, the uid it was handed to)
+        self._tickets: dict[str, tuple[str, float, int]] = {}
         self._tickets_lock = threading.Lock()  # the ZAP thread redeems them
 
     def tenant_of(self, asked: str, token: str, curve_tenant: str | None) -> str:
@@ -207,15 +224,17 @@ class Auth:
             while tickets and (len(tickets) >= _TICKETS_HELD
                                or next(iter(tickets.values()))[1] < now):
                 del tickets[next(iter(tickets))]
-            tickets[ticket] = (tenant, now + TICKET_SECONDS)
+            tickets[ticket] = (tenant, now + TICKET_SECONDS, uid)
         return tenant, ticket
 
-    def redeem(self, tenant: str, ticket: str) -> bool:
-        """Whether ``ticket`` was handed out for ``tenant`` and is still good; it is used
-        up either way.  Runs on the ZAP thread."""
+    def redeem(self, tenant: str, ticket: str, uid: int | None) -> bool:
+        """Whether ``ticket`` was handed out for ``tenant``, to a process of ``uid`` (the
+        connecting one's), and is still good; it is used up either way.  Runs on the ZAP
+        thread."""
         with self._tickets_lock:
             held = self._tickets.pop(ticket, None)
-        return held is not None and held[0] == tenant and held[1] >= time.monotonic()
+        return (held is not None and held[0] == tenant and held[2] == uid
+                and held[1] >= time.monotonic())
 
     def may_open(self, session_tenant: str, namespace_tenant: str) -> bool:
         return (namespace_tenant == session_tenant

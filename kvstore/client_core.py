@@ -5,7 +5,8 @@ types, splits requests that are too big into batches, remembers chain parents, k
 the state of a session, its reservations and its pins, verifies checksums and maps the
 arena's views.  It never sends or receives on the daemon's ZeroMQ socket (its one
 exchange of its own is with the side socket beside an ipc endpoint: a short local
-round trip for a memfd arena's descriptor or a handshake ticket, ``tiers.arena_fds``):
+round trip for a memfd arena's descriptor or a handshake ticket, ``tiers.arena_fds``,
+which ``kvstore.aclient`` runs in an executor, off its loop):
 ``kvstore.client`` (blocking) and
 ``kvstore.aclient`` (asyncio) are thin shells that carry what it builds to the daemon
 and hand it what comes back, the way h11 and httpcore split protocol from I/O.
@@ -250,6 +251,7 @@ class SessionCore:
         self.checksums = checksums  # send xxh3_64 of what is written, for readers to verify
         self._tenant = _tenant(tenant, token)
         self._tenant_named = bool(tenant or os.environ.get("KVSTORE_TENANT"))
+        self._ticketed = False  # whether it connected with a handshake ticket
         self._token = _token(token)
         self._curve = curve or _curve_from_env()
         self._rids = itertools.count(1)
@@ -283,8 +285,14 @@ class SessionCore:
         return True
 
     def _no_reply(self) -> UnavailableError:
+        why = ""
+        if self.hello is None and self._ticketed:
+            # a refused ZeroMQ handshake is silent: say what it checks
+            why = ("; if the daemon refused the handshake, its ticket was used, late "
+                   "(good for 10s) or presented by a process of another uid than the "
+                   "one that asked for it: connect again from the same process")
         return UnavailableError(f"no reply from the daemon at {self.endpoint} "
-                                f"within {self.timeout}s")
+                                f"within {self.timeout}s{why}")
 
     def _close_wait(self) -> float:
         """Seconds close() waits for the replies to posted requests."""
@@ -299,6 +307,7 @@ class SessionCore:
         admitted = admit(side, self._token) if side is not None else None
         if admitted is not None and not self._tenant_named:
             self._tenant = ""  # the credentials name it
+        self._ticketed = admitted is not None
         return admitted
 
     def _hello_request(self) -> p.Hello:
@@ -365,6 +374,13 @@ class SessionCore:
                 arena = map_arena(path, size)
             mapped = self._maps[path] = (arena, memoryview(arena))
         return mapped[1]
+
+    def _maps_ahead(self, path: str) -> bool:
+        """Whether the arena ``path`` is one to map before its first use (this client
+        maps arenas, has not mapped this one, and could: a ``memfd:`` arena only over
+        an ipc endpoint)."""
+        return (self._map_arenas and path not in self._maps
+                and (not path.startswith(MEMFD_PREFIX) or side_path(self.endpoint) is not None))
 
     def _slots(self, offsets: Sequence[int], size: int, readonly: bool,
                arena: tuple[str, int] | None = None) -> list[memoryview]:

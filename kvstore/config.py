@@ -120,13 +120,15 @@ class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     directory: str = "/dev/shm"
     eviction_policy: str = "slru"
     populate: bool = True
-    per_tenant_arenas: bool = False
+    # true, false, or auto: an arena per tenant whenever credentials are set ([auth])
+    per_tenant_arenas: bool | str = "auto"
     max_arenas: int = 64
     pressure: list[str] = msgspec.field(
         default_factory=lambda: ["evict", "demote", "defer", "reject"])
     defer_seconds: float = 0.25
     tenant_quota: str | int = 0
-    arena_kind: str = "auto"  # memfd, file, or auto: memfd whenever credentials are set
+    # memfd, file, or auto: memfd whenever credentials or server.socket_group are set
+    arena_kind: str = "auto"
     shared_arena_with_credentials: bool = False
 
 
@@ -231,16 +233,22 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def tenant_arenas(self) -> bool:
-        """Whether each tenant's blocks live in an arena of its own: when asked, and
-        whenever credentials are set (unless a shared arena is explicitly allowed)."""
-        return self.dram.per_tenant_arenas or (
-            self.credentials and not self.dram.shared_arena_with_credentials)
+        """Whether each tenant's blocks live in an arena of its own: when asked (true),
+        and by default (auto) whenever credentials are set, unless a shared arena is
+        explicitly allowed (``validate`` refuses false with credentials otherwise)."""
+        asked = self.dram.per_tenant_arenas
+        if isinstance(asked, bool):
+            return asked
+        return self.credentials and not self.dram.shared_arena_with_credentials
 
     @property
     def memfd_arenas(self) -> bool:
-        """Whether arenas are anonymous memory files handed out by descriptor."""
+        """Whether arenas are anonymous memory files handed out by descriptor: when
+        asked, and by default whenever credentials are set or engines of other users
+        connect (``server.socket_group``: a file arena, 0600, is the daemon's user's)."""
         kind = self.dram.arena_kind
-        return kind == "memfd" or (kind == "auto" and self.credentials)
+        return kind == "memfd" or (kind == "auto" and (self.credentials
+                                                       or bool(self.server.socket_group)))
 
     @property
     def max_request_bytes(self) -> int:
@@ -319,7 +327,17 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if device not in ("", "cpu") and not device.isdigit():
             raise ConfigError(f"gpu.device: {device!r}; expected empty (no GPU tier), a CUDA "
                               f"device index such as 0, or cpu (a host-memory pool)")
-        if device and self.dram.per_tenant_arenas:
+        if self.dram.per_tenant_arenas not in (True, False, "auto"):
+            raise ConfigError(f"dram.per_tenant_arenas: {self.dram.per_tenant_arenas!r}; "
+                              f"expected true, false or \"auto\"")
+        if (self.dram.per_tenant_arenas is False and self.credentials
+                and not self.dram.shared_arena_with_credentials):
+            raise ConfigError("dram.per_tenant_arenas = false would keep every tenant's "
+                              "blocks in one arena that any client may read, and "
+                              "credentials are set (auth); leave it unset (auto: an arena "
+                              "per tenant), or set dram.shared_arena_with_credentials = true "
+                              "to allow the shared arena")
+        if device and self.dram.per_tenant_arenas is True:
             raise ConfigError("gpu.device: the GPU tier's one pool would be shared by every "
                               "tenant, and dram.per_tenant_arenas keeps tenants apart; use "
                               "one or the other")
@@ -377,6 +395,10 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
 def _coerce(raw: str, struct: Any, field: str, section: str) -> Any:
     default = getattr(struct(), field)
     try:
+        if isinstance(default, str) and "bool" in str(struct.__annotations__.get(field)):
+            words = {"1": True, "true": True, "yes": True, "on": True,
+                     "0": False, "false": False, "no": False, "off": False}
+            return words.get(raw.lower(), raw)  # a word such as "auto" as it is
         if isinstance(default, bool):
             if raw.lower() in ("1", "true", "yes", "on"):
                 return True

@@ -100,6 +100,11 @@ class Server:
                                                   "server.max_bytes_in_flight_per_tenant"))
         self.invariant_violations = 0
         self.auth = Auth(config)
+        if config.server.socket_group and not config.credentials:
+            log.warning("server.socket_group: every user in group %r may connect and name "
+                        "any tenant, as no credentials are set; set auth.peer_tenants (or "
+                        "auth.secret_file) to take each engine's tenant from its user",
+                        config.server.socket_group)
         self.transport = Transport(config, self.auth, self._on_message,
                                    self._release_sent, self._room_from_sends)
         self.transport.admitted = self.sessions.known
@@ -272,7 +277,8 @@ class Server:
             if isinstance(request, p.Hello):
                 tenant = request.tenant
                 curve_tenant = str(frames[1].get("User-Id")) if secure else None
-                session = verbs.greet(routing_id, request, curve_tenant)
+                session = verbs.greet(routing_id, request, curve_tenant,
+                                      self.transport.peer_uid(routing_id, frames))
                 hello = handler(session, request, frames[2:])
                 assert isinstance(hello, tuple), "a hello is answered at once"
                 reply, payload = hello

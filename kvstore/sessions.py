@@ -31,6 +31,7 @@ class Session:
     id: str
     tenant: str
     namespaces: set[bytes] = field(default_factory=set)
+    uids: set[int] = field(default_factory=set)  # of its ipc connections' processes
     tokens: float = 0.0          # request-rate bucket
     refilled: float = 0.0
     bytes_in_flight: int = 0     # payload held by requests still moving between tiers
@@ -90,9 +91,11 @@ class Sessions:
                 f"tenants={len(self.tenants)})")
 
     # -- hello, attach, lookup ---------------------------------------------------------------
-    def hello(self, routing_id: bytes, tenant: str, attach: str) -> Session:
+    def hello(self, routing_id: bytes, tenant: str, attach: str,
+              uid: int | None = None) -> Session:
         """A new session for a connection, or the connection attached to one of its
-        tenant's sessions (``attach``, a session id)."""
+        tenant's sessions (``attach``, a session id); ``uid`` is the connecting process's
+        (over ipc), the one its arenas' descriptors may go to (``kvstore.side_socket``)."""
         if routing_id in self.by_connection:
             raise ForbiddenError("this connection already has a session; a second hello is "
                                  "refused (connect again for a new one)")
@@ -104,6 +107,8 @@ class Sessions:
             session = Session(secrets.token_hex(16), tenant)
             self.by_id[session.id] = session
             self._tenant(tenant).sessions += 1
+        if uid is not None:
+            session.uids.add(uid)
         self.by_connection[routing_id] = session
         self.store.touch_owner(session.id, self.clock())
         return session

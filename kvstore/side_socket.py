@@ -3,11 +3,13 @@
 Beside the ipc endpoint (``<socket path>.fd``), served from the event loop with no
 thread: each connection sends one small request and gets one reply, then is closed.
 An arena's descriptor goes only to a session that hello authenticated (its id is the
-secret it presents) and only for an arena its tenant may use; a handshake ticket goes
+secret it presents), asked by a process of a uid that said hello for it over an ipc
+endpoint (SO_PEERCRED on both sockets), and only for an arena its tenant may use; a handshake ticket goes
 to a client with a valid token, or to a uid that ``auth.peer_tenants`` names.  Work per
 connection is bounded: a request over ``MAX_SIDE_MESSAGE`` bytes, or one that does not
 come within ``SIDE_TIMEOUT_S``, closes it, and at most ``MAX_CONNECTIONS`` are open at
-once.  The wire format is
+once: past that, a new connection closes the oldest of the uid holding the most, so a
+peer that opens many and says nothing delays no other user's request.  The wire format is
 ``kvstore.tiers.arena_fds``'s.
 """
 
@@ -18,6 +20,7 @@ import logging
 import os
 import socket
 import struct
+from collections import Counter
 from collections.abc import Callable
 
 import msgspec
@@ -63,7 +66,8 @@ class SideSocket:
         self.counts = {"arenas": 0, "tickets": 0, "refused": 0, "dropped": 0}
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._conns: dict[int, tuple[socket.socket, bytearray, asyncio.TimerHandle]] = {}
+        # descriptor -> (connection, bytes so far, its timer, its peer's uid), oldest first
+        self._conns: dict[int, tuple[socket.socket, bytearray, asyncio.TimerHandle, int]] = {}
 
     def __repr__(self) -> str:
         return f"SideSocket({self.path}, open={len(self._conns)}, {self.counts})"
@@ -107,15 +111,26 @@ class SideSocket:
             except OSError as exc:
                 log.warning("side socket: accept failed: %s", exc)
                 return
-            if len(self._conns) >= MAX_CONNECTIONS:
-                self.counts["dropped"] += 1
+            try:
+                uid = peer_uid(conn)
+            except OSError:
                 conn.close()
                 continue
+            if len(self._conns) >= MAX_CONNECTIONS:
+                self._make_room()
             conn.setblocking(False)
             fd = conn.fileno()
             timer = self._loop.call_later(SIDE_TIMEOUT_S, self._timed_out, fd)
-            self._conns[fd] = (conn, bytearray(), timer)
+            self._conns[fd] = (conn, bytearray(), timer, uid)
             self._loop.add_reader(fd, self._read, fd)
+
+    def _make_room(self) -> None:
+        """Close the oldest connection of the uid that holds the most."""
+        held = Counter(uid for _, _, _, uid in self._conns.values())
+        greediest = held.most_common(1)[0][0]
+        oldest = next(fd for fd, (_, _, _, uid) in self._conns.items() if uid == greediest)
+        self.counts["dropped"] += 1
+        self._drop(oldest)
 
     def _timed_out(self, fd: int) -> None:
         self.counts["dropped"] += 1
@@ -125,14 +140,14 @@ class SideSocket:
         held = self._conns.pop(fd, None)
         if held is None:
             return
-        conn, _, timer = held
+        conn, _, timer, _ = held
         timer.cancel()
         assert self._loop is not None
         self._loop.remove_reader(fd)
         conn.close()
 
     def _read(self, fd: int) -> None:
-        conn, data, _ = self._conns[fd]
+        conn, data, _, uid = self._conns[fd]
         try:
             chunk = conn.recv(MAX_SIDE_MESSAGE + 4 - len(data))
         except (BlockingIOError, InterruptedError):
@@ -153,13 +168,13 @@ class SideSocket:
             self._reply(fd, SideReply(False, f"bad request: {exc}"))
             return
         if isinstance(request, Admit):
-            self._admit(fd, conn, request.token)
+            self._admit(fd, uid, request.token)
         else:
-            self._arena(fd, request)
+            self._arena(fd, uid, request)
 
-    def _admit(self, fd: int, conn: socket.socket, token: str) -> None:
+    def _admit(self, fd: int, uid: int, token: str) -> None:
         try:
-            tenant, ticket = self.auth.admission(peer_uid(conn), token)
+            tenant, ticket = self.auth.admission(uid, token)
         except KVStoreError as exc:
             self.counts["refused"] += 1
             self._reply(fd, SideReply(False, str(exc)))
@@ -167,16 +182,21 @@ class SideSocket:
         self.counts["tickets"] += bool(ticket)
         self._reply(fd, SideReply(True, ticket=ticket, tenant=tenant))
 
-    def _arena(self, fd: int, ask: ArenaAsk) -> None:
+    def _arena(self, fd: int, uid: int, ask: ArenaAsk) -> None:
         session = self.sessions.by_id.get(ask.session)
         arenas = self.arenas()
         held = arenas.by_label.get(ask.label) if arenas is not None else None
-        # one answer for every refusal: the asker learns nothing of other sessions' arenas
-        if (session is None or held is None or held[1].fd is None
+        # one answer for every refusal: the asker learns nothing of other sessions' arenas.
+        # The session id is a secret, and the asker must also be of a uid that said hello
+        # for the session over an ipc endpoint: an id that leaked is no use to another user
+        if (session is None or uid not in session.uids
+                or held is None or held[1].fd is None
                 or (held[0] and not self.auth.may_open(session.tenant, held[0]))):
             self.counts["refused"] += 1
             self._reply(fd, SideReply(False, "no such arena for this session (say hello "
-                                             "first; a tenant gets only its own arenas)"))
+                                             "first, over the ipc endpoint, from a process "
+                                             "of this uid; a tenant gets only its own "
+                                             "arenas)"))
             return
         arena = held[1]
         self.counts["arenas"] += 1

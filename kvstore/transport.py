@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from kvstore import protocol as p
-from kvstore.auth import Auth
+from kvstore.auth import Auth, address_uid
 from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError
 
@@ -69,6 +69,7 @@ class Transport:
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._socks: list[zmq.Socket[bytes]] = []
         self._secure: list[bool] = []
+        self._ipc: list[bool] = []  # per socket: whether its endpoints are ipc ones
         self._fds: list[int] = []
         self._open = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -98,11 +99,13 @@ class Transport:
         config = self.config
         endpoints = [config.endpoint, *config.server.extra_endpoints]
         curve, gated = self.auth.curve_enabled, self.auth.gated
+        ipc = [e for e in endpoints if e.startswith("ipc://")]
+        other = [e for e in endpoints if not e.startswith("ipc://")]
+        # ipc endpoints on sockets of their own: their peers' uids are known (peer_uid)
         groups: list[tuple[str, list[str]]] = [
-            ("gated", [e for e in endpoints if gated and e.startswith("ipc://")]),
-            ("open", [e for e in endpoints if not (gated and e.startswith("ipc://"))
-                      and not (curve and e.startswith("tcp://"))]),
-            ("curve", [e for e in endpoints if curve and e.startswith("tcp://")])]
+            ("gated" if gated else "open", ipc),
+            ("open", [e for e in other if not (curve and e.startswith("tcp://"))]),
+            ("curve", [e for e in other if curve and e.startswith("tcp://")])]
         for kind, group in groups:
             if not group:
                 continue
@@ -120,6 +123,7 @@ class Transport:
                 self.endpoints.append(_bind(sock, endpoint, self.secure_file))
             self._socks.append(sock)
             self._secure.append(kind != "open")  # its frames carry the tenant as User-Id
+            self._ipc.append(group is ipc)
             fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
             self._fds.append(fd)
             loop.add_reader(fd, self._drain, i)
@@ -173,6 +177,16 @@ class Transport:
             assert self._loop is not None
             self._loop.call_soon(self._drain, index)  # more waiting: yield to others first
         self.reap_sends()
+
+    def peer_uid(self, peer: bytes, frames: list[zmq.Frame]) -> int | None:
+        """The uid of the process that sent ``frames`` over an ipc endpoint (ZeroMQ reads
+        it with SO_PEERCRED: its Peer-Address ends ``:uid:gid:pid``); None over tcp."""
+        if not self._ipc[peer[0]]:
+            return None
+        try:
+            return address_uid(str(frames[-1].get("Peer-Address")))
+        except zmq.ZMQError:
+            return None
 
     def _may_say_hello(self, peer: bytes, frames: list[zmq.Frame]) -> bool:
         """Whether a message of a peer without a session is one to read: a small single

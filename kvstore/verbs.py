@@ -123,15 +123,17 @@ class Verbs:
         }
         self.names = {t: str(t.__struct_config__.tag) for t in self.table}
 
-    def greet(self, routing_id: bytes, req: p.Hello, curve_tenant: str | None) -> Session:
+    def greet(self, routing_id: bytes, req: p.Hello, curve_tenant: str | None,
+              uid: int | None = None) -> Session:
         """The session a hello opens (or attaches to), once its version and credentials
-        pass; the ``Hello`` handler then replies with its facts."""
+        pass; the ``Hello`` handler then replies with its facts.  ``uid``: the sender's,
+        over ipc."""
         if req.version != p.PROTOCOL_VERSION:
             raise VersionMismatchError(
                 f"client speaks protocol {req.version}, daemon speaks {p.PROTOCOL_VERSION}; "
                 f"upgrade the older side")
         tenant = self.d.auth.tenant_of(req.tenant, req.token, curve_tenant)
-        return self.d.sessions.hello(routing_id, tenant, req.attach)
+        return self.d.sessions.hello(routing_id, tenant, req.attach, uid)
 
     # -- checks the verbs share ---------------------------------------------------------------
     def _namespace(self, session: Session, ns_id: bytes) -> Namespace:

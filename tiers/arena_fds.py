@@ -37,6 +37,7 @@ SIDE_SUFFIX = ".fd"
 MAX_SIDE_MESSAGE = 4096        # a side socket request or reply is small, always
 SIDE_TIMEOUT_S = 5.0
 _LENGTH = struct.Struct(">I")
+_FD = struct.Struct("i")
 _SEALS = (getattr(fcntl, "F_SEAL_SHRINK", 0x2) | getattr(fcntl, "F_SEAL_GROW", 0x4)
           | getattr(fcntl, "F_SEAL_SEAL", 0x1))
 
@@ -120,6 +121,18 @@ def create_memfd(capacity_bytes: int, name: str = "kvstore-arena") -> int:
 
 # -- the client's side -----------------------------------------------------------------------
 
+def _recv_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """Bytes and at most one descriptor, close-on-exec from the start (a child another
+    thread execs meanwhile must not inherit an arena; ``socket.recv_fds`` drops the
+    flag that says so)."""
+    data, ancillary, _, _ = sock.recvmsg(MAX_SIDE_MESSAGE, socket.CMSG_SPACE(_FD.size),
+                                         socket.MSG_CMSG_CLOEXEC)
+    fds = [fd for level, kind, body in ancillary
+           if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+           for (fd,) in _FD.iter_unpack(body[:len(body) - len(body) % _FD.size])]
+    return data, fds
+
+
 def _ask(path: str, request: msgspec.Struct) -> tuple[SideReply, list[int]]:
     fds: list[int] = []
     try:
@@ -129,7 +142,7 @@ def _ask(path: str, request: msgspec.Struct) -> tuple[SideReply, list[int]]:
             sock.sendall(frame(request))
             data = b""
             while True:
-                chunk, got, _, _ = socket.recv_fds(sock, MAX_SIDE_MESSAGE, 1)
+                chunk, got = _recv_fds(sock)
                 fds += got
                 if not chunk:
                     raise ValueError("it closed without a reply")

@@ -248,3 +248,66 @@ def test_bad_replies_raise_the_same_errors_on_both_clients(odd_daemon: str) -> N
             assert time.monotonic() - started < 2      # raised, not timed out
 
     run(main())
+
+
+def test_connect_keeps_the_loop_running_while_the_side_socket_answers(tmp_path: Path) -> None:
+    """The side socket's exchange at connect (a ticket, an arena) runs off the loop: a
+    side socket that never answers stalls connect, not the loop's other tasks."""
+    import socket
+
+    from kvstore.errors import UnavailableError
+    from kvstore.tiers.arena_fds import SIDE_TIMEOUT_S
+
+    endpoint = f"ipc://{tmp_path / 'kvstore.sock'}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.bind(str(tmp_path / "kvstore.sock.fd"))
+        silent.listen(8)
+
+        async def main() -> float:
+            gaps: list[float] = []
+            stop = asyncio.Event()
+
+            async def tick() -> None:
+                last = time.monotonic()
+                while not stop.is_set():
+                    await asyncio.sleep(0.01)
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+
+            ticker = asyncio.get_running_loop().create_task(tick())
+            with pytest.raises(UnavailableError, match="side socket"):
+                await AsyncClient(endpoint, tenant="acme", timeout=2).connect()
+            stop.set()
+            await ticker
+            return max(gaps, default=float("inf"))  # none: the loop never ran it
+
+        start = time.monotonic()
+        worst = asyncio.run(main())
+        assert time.monotonic() - start >= SIDE_TIMEOUT_S * 0.9   # connect did wait
+        assert worst < 1.0, f"the loop stalled {worst:.2f}s"
+
+
+def test_async_client_maps_handed_out_arenas(daemon_factory: Any, tmp_path: Path) -> None:
+    """Against a daemon of memfd arenas: hello's and a namespace's arenas come over the
+    side socket, mapped off the loop before their first use."""
+    config = tmp_path / "memfd.toml"
+    config.write_text('[dram]\narena_kind = "memfd"\nper_tenant_arenas = true\n')
+    d = daemon_factory(dram_capacity="8MiB", extra=["--config", str(config)])
+
+    async def main() -> None:
+        client = await AsyncClient(d.endpoint, tenant="acme").connect()
+        try:
+            assert client.hello is not None and client.hello.arena_path.startswith("memfd:")
+            ns = await client.namespace(make_identity(tenant="acme"))
+            assert ns.arena[0] in client._maps          # mapped at open, not at first use
+            keys = ns.keys(range(32))
+            async with ns.reserve(keys) as r:
+                r.buffers[0][:] = b"\2" * ns.block_bytes
+                await r.commit()
+            async with ns.acquire(keys) as held:
+                assert bytes(held.buffers[0]) == b"\2" * ns.block_bytes
+        finally:
+            await client.close()
+
+    asyncio.run(main())

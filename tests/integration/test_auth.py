@@ -208,7 +208,21 @@ def test_per_tenant_arenas_hold_only_what_their_tenant_may_read(
         assert a.stats()["tiers"]["dram"]["arenas"] == 3
 
 
-def test_peer_credentials_name_the_tenant(daemon_factory: Any, tmp_path: Path) -> None:
+def _use_ticket_twice(endpoint: str, used: tuple[str, str]) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.plain_username, sock.plain_password = used[0].encode(), used[1].encode()
+    sock.connect(endpoint)
+    sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "")))
+    assert sock.poll(10_000)                              # the first use: good
+    sock.close()
+    ctx.term()
+    Client(endpoint, timeout=1)                           # the second: refused
+
+
+def test_peer_credentials_name_the_tenant(daemon_factory: Any, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "peer.toml"
     config.write_text(f'[auth]\npeer_tenants = {{ "{os.getuid()}" = "acme" }}\n')
     d = daemon_factory(dram_capacity="8MiB", extra=["--config", str(config)])
@@ -252,3 +266,10 @@ def test_peer_credentials_name_the_tenant(daemon_factory: Any, tmp_path: Path) -
         ctx.term()
     with Client(d.endpoint) as again:
         assert again.stats()["side_socket"]["tickets"] >= 4
+    # a client whose handshake is refused (its ticket already used, here) is told what
+    # the handshake checks, not only that no reply came
+    used = admit(side, "")
+    assert used is not None
+    monkeypatch.setattr("kvstore.client_core.admit", lambda path, token: used)
+    with pytest.raises(UnavailableError, match="refused the handshake"):
+        _use_ticket_twice(d.endpoint, used)

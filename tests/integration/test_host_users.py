@@ -13,6 +13,7 @@ import glob
 import os
 import signal
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from typing import Any
 
 import pytest
 import uvloop  # noqa: F401  (imported here: the daemon's child cannot read site-packages)
+import zmq
 from host_users import HostUsers, User, as_user
 from kvtest import make_identity
 
@@ -31,8 +33,10 @@ import kvstore.metrics  # noqa: F401
 import kvstore.sdnotify  # noqa: F401
 import kvstore.server  # noqa: F401
 from kvstore import Client
+from kvstore import protocol as p
+from kvstore.client_core import make_socket
 from kvstore.errors import ForbiddenError, UnavailableError
-from kvstore.tiers.arena_fds import side_path
+from kvstore.tiers.arena_fds import admit, fetch_arena, side_path
 
 IDENT_A = make_identity(tenant="acme")
 IDENT_B = make_identity(tenant="globex")
@@ -52,6 +56,9 @@ def _serve(conn: Connection, config: str, endpoint: str, log: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # pytest's capture replaced sys.stdout and sys.stderr in the parent: write to the log
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
     kvstore.cli.main(["serve", "--config", config, "--endpoint", endpoint,
                       "--dram-capacity", "8MiB", "--ssd-capacity", "0",
                       "--log-level", "warning", "--debug-invariants"])
@@ -99,6 +106,9 @@ def host_daemon(users: HostUsers, daemon: User, peer_tenants: dict[str, str]
 def _engine_a(conn: Connection, endpoint: str, marker: bytes) -> None:
     """Tenant A's engine: offload blocks through its arena, read them back, then stay
     (its memory and descriptors open) until told to go."""
+    side = side_path(endpoint)
+    assert side is not None
+    spare = admit(side, "")                              # a ticket for acme, to leak to B
     with Client(endpoint) as client:                     # no token: the uid decides
         assert client.hello is not None
         ns = client.namespace(IDENT_A)
@@ -111,6 +121,7 @@ def _engine_a(conn: Connection, endpoint: str, marker: bytes) -> None:
         with ns.acquire(keys) as held:
             read_back = all(bytes(b) == block for b in held.buffers)
         conn.send({"tenant": client.hello.tenant, "arena": client.hello.arena_path,
+                   "session": client.hello.session, "ticket": spare,
                    "arena_bytes": client.hello.arena_bytes, "read_back": read_back,
                    "pid": os.getpid()})
         conn.recv()  # B has looked
@@ -150,8 +161,13 @@ def _engine_b(conn: Connection, endpoint: str, a: dict[str, Any], marker: bytes,
         with ns.acquire(keys) as held:
             out["read_back"] = bytes(held.buffers[0]) == b"\7" * ns.block_bytes
         refusals = []
+        side = side_path(endpoint)
+        assert side is not None
+        label = a["arena"].removeprefix("memfd:")
         for attempt in (lambda: client.namespace(IDENT_A),
                         lambda: client._view_of(a["arena"], a["arena_bytes"]),
+                        # A's session id, leaked to B: no use from B's uid
+                        lambda: os.close(fetch_arena(side, a["session"], label)[0]),
                         lambda: Client(endpoint, tenant="acme", timeout=5)):
             try:
                 attempt()
@@ -159,6 +175,7 @@ def _engine_b(conn: Connection, endpoint: str, a: dict[str, Any], marker: bytes,
             except ForbiddenError as exc:
                 refusals.append(str(exc))
         out["refusals"] = refusals
+        out["a_ticket_said_hello"] = _hello_with_ticket(endpoint, *a["ticket"])
         paths = glob.glob("/dev/shm/*") + glob.glob(os.path.join(runtime, "*"))
         paths += glob.glob("/proc/[0-9]*/fd/*")
         out["opened"] = sum(_readable_hits(p, marker) is not None for p in paths)
@@ -179,6 +196,19 @@ def _engine_b(conn: Connection, endpoint: str, a: dict[str, Any], marker: bytes,
                 fds[pid] = type(exc).__name__
         out["fd_dirs"] = fds
     conn.send(out)
+
+
+def _hello_with_ticket(endpoint: str, tenant: str, ticket: str) -> bool:
+    """Whether a connection presenting ``ticket`` (as its ZeroMQ PLAIN credentials)
+    gets an answer to its hello."""
+    ctx = zmq.Context()
+    sock = make_socket(ctx, endpoint, admission=(tenant, ticket))
+    try:
+        sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, tenant, "")))
+        return bool(sock.poll(3000))
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def _stranger(conn: Connection, endpoint: str) -> None:
@@ -219,7 +249,9 @@ def test_engines_of_two_users_share_the_host_and_not_their_bytes(users: HostUser
         assert b["tenant"] == "globex" and b["read_back"]
         assert "cannot open a namespace of tenant 'acme'" in b["refusals"][0]
         assert "no such arena" in b["refusals"][1]
-        assert "credentials are for tenant 'globex', not 'acme'" in b["refusals"][2]
+        assert "no such arena" in b["refusals"][2]
+        assert "credentials are for tenant 'globex', not 'acme'" in b["refusals"][3]
+        assert b["a_ticket_said_hello"] is False   # a ticket of A's uid is no use to B
         assert b["opened"] > 0            # B's scan did open files (its own, at least)
         assert b["hits"] == []
         assert b["mem"] == {daemon_pid: "PermissionError", a["pid"]: "PermissionError"}
@@ -232,3 +264,32 @@ def test_engines_of_two_users_share_the_host_and_not_their_bytes(users: HostUser
         # a uid with no tenant (root here) gets no ticket, so no session
         with pytest.raises(ForbiddenError, match="uid 0 has no tenant"):
             Client(endpoint, timeout=5)
+
+
+def _engine_without_credentials(conn: Connection, endpoint: str) -> None:
+    with Client(endpoint, tenant="acme") as client:
+        assert client.hello is not None
+        ns = client.namespace(IDENT_A)
+        keys = ns.keys(range(32))
+        with ns.reserve(keys) as r:
+            r.buffers[0][:] = b"\1" * ns.block_bytes
+            r.commit()
+        with ns.acquire(keys) as held:
+            conn.send({"arena": client.hello.arena_path,
+                       "read_back": bytes(held.buffers[0]) == b"\1" * ns.block_bytes})
+
+
+def test_a_socket_group_without_credentials_hands_out_arenas(users: HostUsers) -> None:
+    """Engines of another user than the daemon's reach their arena (a memfd: a file of
+    the daemon's user, 0600, they could not open), and the daemon warns that any user in
+    the group may name any tenant."""
+    daemon, alice = users.add("d"), users.add("a")
+    with host_daemon(users, daemon, {}) as (endpoint, _, run):
+        proc, conn = as_user(alice, _engine_without_credentials, endpoint)
+        assert conn.poll(60), "the engine did not report"
+        out = conn.recv()
+        proc.join(30)
+        assert "error" not in out, out
+        assert out["arena"].startswith("memfd:") and out["read_back"]
+        log = run.parent / "daemon.log"
+        assert "may connect and name any tenant" in log.read_text()

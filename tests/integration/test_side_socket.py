@@ -20,6 +20,7 @@ from kvstore import Client
 from kvstore.auth import Auth
 from kvstore.config import load_config
 from kvstore.errors import ConfigError, ForbiddenError, KVStoreError
+from kvstore.side_socket import MAX_CONNECTIONS
 from kvstore.tiers.arena_fds import (
     ArenaAsk,
     create_memfd,
@@ -68,6 +69,7 @@ def test_an_arena_goes_only_to_a_session_of_its_tenant(daemon_factory: Any,
         try:
             assert size == a.hello.arena_bytes
             assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+            assert not os.get_inheritable(fd)                    # close-on-exec
             with pytest.raises(OSError):
                 os.ftruncate(fd, 4096)                           # sealed against shrinking
         finally:
@@ -148,6 +150,16 @@ def test_credentials_keep_tenants_in_arenas_of_their_own(tmp_path: Path) -> None
                     '[dram]\nshared_arena_with_credentials = true\n')
     allowed = load_config(path, env={})
     assert not allowed.tenant_arenas
+    # an explicit shared arena with credentials: refused, unless allowed
+    path.write_text(auth + '[dram]\nper_tenant_arenas = false\n')
+    with pytest.raises(ConfigError, match="dram.shared_arena_with_credentials = true"):
+        load_config(path, env={})
+    path.write_text(auth + '[dram]\nper_tenant_arenas = false\n'
+                    'shared_arena_with_credentials = true\n')
+    assert not load_config(path, env={}).tenant_arenas
+    for word, expected in (("false", False), ("true", True), ("auto", False)):
+        env = {"KVSTORE_DRAM_PER_TENANT_ARENAS": word}
+        assert load_config(None, env=env).tenant_arenas is expected
     path.write_text('[auth]\npeer_tenants = { "no-such-user-here" = "acme" }\n')
     with pytest.raises(ConfigError, match="no user named 'no-such-user-here'"):
         Auth(load_config(path, env={}))
@@ -180,3 +192,86 @@ def test_tcp_clients_of_a_memfd_daemon_use_frames(daemon_factory: Any, tmp_path:
         with pytest.raises(KVStoreError, match="only over its ipc endpoint"):
             with ns.acquire(keys) as held:
                 held.buffers
+
+
+def test_silent_connections_do_not_lock_others_out(daemon_factory: Any,
+                                                   tmp_path: Path) -> None:
+    """More silent connections than the side socket holds: a new one closes the oldest
+    of the uid holding the most, so a client that asks still gets its arena."""
+    d = memfd_daemon(daemon_factory, tmp_path)
+    side = side_path(d.endpoint)
+    assert side is not None
+    silent = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 40):
+            silent.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            silent[-1].connect(side)  # blocking: waits while the backlog is full
+        time.sleep(0.5)  # the daemon has accepted them all
+        with Client(d.endpoint, tenant="acme", timeout=10) as client:   # maps its arena
+            ns = client.namespace(make_identity())
+            keys = ns.keys(range(32))
+            with ns.reserve(keys) as r:
+                r.buffers[0][:] = b"\3" * ns.block_bytes
+                r.commit()
+            assert client.stats()["side_socket"]["dropped"] >= 40
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+def test_descriptors_sent_to_the_side_socket_are_not_kept(daemon_factory: Any,
+                                                          tmp_path: Path) -> None:
+    """A peer that passes descriptors with its request leaves none open in the daemon."""
+    d = memfd_daemon(daemon_factory, tmp_path)
+    side = side_path(d.endpoint)
+    assert side is not None and d.proc is not None
+    fd_dir = f"/proc/{d.proc.pid}/fd"
+    with Client(d.endpoint, tenant="acme") as client:
+        assert client.hello is not None
+        before = len(os.listdir(fd_dir))
+        ours = [os.open(os.devnull, os.O_RDONLY) for _ in range(16)]
+        try:
+            for i in range(20):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(10)
+                    sock.connect(side)
+                    request = frame(ArenaAsk(client.hello.session, "nonsense"))
+                    socket.send_fds(sock, [request[:3] if i % 2 else request], ours)
+                    if not i % 2:
+                        assert not side_reply_decoder.decode(unframe(sock.recv(4096))
+                                                             or b"").ok
+        finally:
+            for fd in ours:
+                os.close(fd)
+        time.sleep(0.5)
+        assert len(os.listdir(fd_dir)) <= before + 1
+        assert client.stats()["side_socket"]["refused"] >= 10
+
+
+def _memfd_fds_and_maps() -> tuple[list[int], int]:
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:kvstore-arena"):
+                fds.append(int(name))
+        except OSError:
+            pass  # the listing's own descriptor, gone
+    maps = Path("/proc/self/maps").read_text().count("/memfd:kvstore-arena")
+    return fds, maps
+
+
+def test_a_client_holds_its_arenas_only_while_open(daemon_factory: Any,
+                                                   tmp_path: Path) -> None:
+    """Each mapping holds a descriptor (Python's mmap keeps a dup of the one it mapped),
+    close-on-exec; the client's close unmaps them and closes them all."""
+    d = memfd_daemon(daemon_factory, tmp_path)
+    before = _memfd_fds_and_maps()
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(make_identity(tenant="acme"))
+        with ns.reserve(ns.keys(range(32))) as r:
+            r.buffers[0][:] = b"\1" * ns.block_bytes
+            r.commit()
+        fds, maps = _memfd_fds_and_maps()
+        assert maps > before[1] and len(fds) > len(before[0])
+        assert not any(os.get_inheritable(fd) for fd in fds)
+    assert _memfd_fds_and_maps() == before
