@@ -29,7 +29,7 @@ class Block:
 
     __slots__ = ("key", "ns", "parent", "children", "offset", "refs", "ssd_offset",
                  "ssd_record", "ssd_holds", "demoting", "promoting", "seen", "remote",
-                 "checksum", "gpu_offset", "extra", "_hash")
+                 "checksum", "gpu_offset", "extra", "_hash", "tokens", "announced")
 
     def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
         self.key = key
@@ -51,6 +51,8 @@ class Block:
         self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown)
         self.gpu_offset: int | None = None  # a copy in the GPU tier's device pool
         self.extra: dict[str, int] | None = None  # copies in added tiers: name -> slot
+        self.tokens: list[int] | None = None  # its token ids, kept while events are on
+        self.announced = 0                  # tiers the event stream announced it in (bits)
 
     def __hash__(self) -> int:
         return self._hash

@@ -1,0 +1,213 @@
+"""The KV event stream, the snapshot and the routing query, against real daemons.
+
+A subscriber rebuilds an index from the events alone (decoded with no schema, as any
+msgpack reader would) and must agree with the daemon's own lookups and its snapshot
+after a random mix of stores, evictions, demotions, promotions and restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from daemon_proc import DaemonProcess, free_port
+from events_sub import Subscriber
+from kvtest import make_identity
+
+from kvstore import Client
+from kvstore.errors import MalformedError
+from kvstore.events import decoder
+
+IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=64, salt="s1")  # 64 KiB blocks
+BT = IDENT.block_tokens
+
+
+def content(key: bytes) -> bytes:
+    seed = hashlib.blake2b(key, digest_size=32).digest()
+    return (seed * (IDENT.block_bytes // 32 + 1))[:IDENT.block_bytes]
+
+
+def events_env(pub: int, replay: int, **more: str) -> dict[str, str]:
+    env = {"KVSTORE_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{pub}",
+           "KVSTORE_EVENTS_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{replay}",
+           "KVSTORE_EVENTS_TOPIC": "kv@pod-a@tiny-llama"}
+    env.update(more)
+    return env
+
+
+def start_daemon(factory: Any, pub: int, replay: int, *, ssd: str = "4MiB",
+                 **more: str) -> DaemonProcess:
+    d: DaemonProcess = factory(dram_capacity="2MiB", ssd_capacity=ssd,
+                               extra=["--slab-size", "1MiB"],
+                               env=events_env(pub, replay, **more))
+    return d
+
+
+def synced(client: Client, sub: Subscriber) -> Any:
+    """The daemon's snapshot, with the subscriber caught up to it."""
+    snap = client.snapshot()
+    sub.until(snap.seq)
+    return snap
+
+
+def check_agrees(client: Client, ns: Any, sub: Subscriber, chains: list[list[bytes]]) -> None:
+    """The index from events equals the snapshot, and answers every chain's lookup as
+    the daemon does.  Background writes to SSD may land between the two looks: look
+    again then (a bounded number of times)."""
+    for _ in range(20):
+        snap = synced(client, sub)
+        assert sub.index.entries() == set(snap.blocks)
+        looked = [ns.lookup(keys).tiers for keys in chains]
+        snap2 = synced(client, sub)
+        if snap2.seq == snap.seq:  # nothing moved while looking
+            assert [sub.index.lookup(keys) for keys in chains] == looked
+            return
+    pytest.fail("the daemon never stood still long enough to compare")
+
+
+def test_events_rebuild_the_daemons_index_through_a_random_mix(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    pub, replay = free_port(), free_port()
+    d = start_daemon(daemon_factory, pub, replay)
+    sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    rng = random.Random(19)
+    chains: list[list[bytes]] = []
+    tokens: dict[bytes, list[int]] = {}
+    client = Client(d.endpoint, tenant="acme")
+    ns = client.namespace(IDENT)
+    try:
+        check_agrees(client, ns, sub, chains)
+        assert sub.index.tiers == {}  # a cold start: all cleared, nothing stored
+        for step in range(60):
+            op = rng.random()
+            if op < 0.55 or not chains:
+                # a new chain, often sharing a prefix with an old one
+                base: list[int] = []
+                if chains and rng.random() < 0.5:
+                    old = rng.choice(chains)
+                    base = [t for k in old[:rng.randint(1, len(old))] for t in tokens[k]]
+                ids = base + [rng.randrange(32000) for _ in range(BT * rng.randint(1, 6))]
+                keys = ns.keys(ids)
+                for i, k in enumerate(keys):
+                    tokens[k] = ids[i * BT:(i + 1) * BT]
+                if rng.random() < 0.5:
+                    ns.put(keys, [content(k) for k in keys])
+                else:
+                    have = ns.lookup(keys).blocks
+                    new = keys[have:]
+                    if new:
+                        with ns.reserve(new, keys[have - 1] if have else None) as r:
+                            for buf, k in zip(r.buffers, new):
+                                buf[:] = content(k)
+                            r.commit()
+                chains.append(keys)
+            elif op < 0.75:
+                keys = rng.choice(chains)  # read back: promotes what is only on SSD
+                n = ns.lookup(keys).blocks
+                if n:
+                    try:
+                        ns.get(keys[:n])
+                    except Exception:  # noqa: BLE001 - evicted between lookup and get
+                        pass
+            elif op < 0.9:
+                keys = rng.choice(chains)
+                ns.evict(keys[rng.randrange(len(keys)):])
+            else:
+                synced(client, sub)  # the old daemon's batches read before its numbers restart
+                client.close()
+                d.stop(rng.choice([signal.SIGTERM, signal.SIGKILL]))
+                sub.restart()
+                d.start()
+                client = Client(d.endpoint, tenant="acme")
+                ns = client.namespace(IDENT)
+            if step % 5 == 4:
+                check_agrees(client, ns, sub, chains)
+        check_agrees(client, ns, sub, chains)
+        stats = client.stats()
+        assert stats["tiers"]["ssd"]["committed"] > 0, "the mix never reached the ssd tier"
+        assert stats["events"]["dropped"] == 0
+        assert sub.generation >= 2, "the mix restarted the daemon too seldom"
+        assert sub.topics == {b"kv@pod-a@tiny-llama"}
+        # every block stored carried the tokens its writer sent (restored ones had none)
+        for key, ids in sub.index.tokens.items():
+            assert tokens[key] == ids
+        assert sub.index.tokens
+        # every batch decodes with the typed decoder too, fields as vLLM names them
+        typed = decoder("map")
+        for seq, payload in sub.payloads:
+            if seq < 0:
+                continue
+            for e in typed.decode(payload).events:
+                if type(e).__name__ == "BlockStored":
+                    assert e.block_size == BT and e.extra_keys is not None
+                    assert e.medium in ("CPU", "STORAGE")
+    finally:
+        client.close()
+        sub.close()
+
+
+def test_array_encoding_and_the_replay_end_marker(daemon_factory: Any) -> None:
+    pub, replay = free_port(), free_port()
+    d = start_daemon(daemon_factory, pub, replay, ssd="0",
+                     KVSTORE_EVENTS_ENCODING="array", KVSTORE_EVENTS_GROUP_IDX="2")
+    sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(IDENT)
+            keys = ns.keys(list(range(BT * 3)))
+            ns.put(keys, [content(k) for k in keys])
+            snap = synced(c, sub)
+            assert snap.seq == 1  # all cleared at start, then one batch for the put
+            raw = [msgspec.msgpack.decode(pl) for _, pl in sub.replay(0)]
+            cleared, stored = raw[0][1][0], raw[1][1][0]
+            assert cleared == ["AllBlocksCleared"]
+            assert stored[0] == "BlockStored" and stored[1] == keys
+            assert stored[2] is None and stored[3] == list(range(BT * 3))
+            assert stored[4] == BT and stored[6] == "CPU" and stored[9] == 2
+            assert stored[8] == [["s1"]] * 3
+            assert sub.replay(5) == []  # past the end: only the end marker
+            typed = decoder("array").decode(sub.replay(1)[0][1])
+            assert typed.events[0].block_hashes == keys
+            assert ns.evict(keys[1:]) == 2
+            snap = synced(c, sub)
+            assert sub.index.lookup(keys) == ["dram"]
+            removed = msgspec.msgpack.decode(sub.payloads[-1][1])[1][0]
+            assert removed[0] == "BlockRemoved" and set(removed[1]) == set(keys[1:])
+    finally:
+        sub.close()
+
+
+def test_bad_token_ids_are_refused_and_leave_nothing(daemon_factory: Any) -> None:
+    from kvstore import protocol as p
+
+    pub, replay = free_port(), free_port()
+    d = start_daemon(daemon_factory, pub, replay, ssd="0")
+    with Client(d.endpoint, tenant="acme") as c:
+        assert c.hello is not None and c.hello.events
+        ns = c.namespace(IDENT)
+        keys = ns.keys(list(range(BT * 2)))
+        before = c.stats()["tiers"]["dram"]
+        bad = p.Put(c._next_rid(), ns.id, keys, None, [], [[1, 2, 3], []])
+        reply = c._call(bad, [content(k) for k in keys])[0]
+        assert isinstance(reply, p.ErrorReply) and reply.code == MalformedError.code
+        assert "token ids" in reply.message
+        after = c.stats()["tiers"]["dram"]
+        assert after["committed"] == before["committed"]
+        assert after["reserved"] == before["reserved"]
+
+
+def test_a_daemon_without_events_asks_for_no_tokens(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    with Client(d.endpoint, tenant="acme") as c:
+        assert c.hello is not None and not c.hello.events
+        ns = c.namespace(IDENT)
+        keys = ns.keys(list(range(BT)))
+        assert ns._chains.tokens_of(keys) == []  # nothing remembered for it
+        ns.put(keys, [content(k) for k in keys])
+        assert "events" not in c.stats()
+        assert c.snapshot().seq == -1
