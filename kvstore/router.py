@@ -91,8 +91,8 @@ class Router:
 
     def _hello(self, peer: _Peer) -> None:
         peer.hello_rid = next(self._rids)
-        peer.sock.send_multipart([b"", p.encoder.encode(
-            p.Hello(peer.hello_rid, p.PROTOCOL_VERSION, self._tenant, self._token))])
+        peer.sock.send(p.encoder.encode(
+            p.Hello(peer.hello_rid, p.PROTOCOL_VERSION, self._tenant, self._token)))
 
     def route(self, keys: Sequence[bytes], *, deadline: float = 0.05,
               tokens: int | None = None, block_tokens: int | None = None,
@@ -115,7 +115,7 @@ class Router:
             peer.waiting = next(self._rids)
             peer.refused = ""
             # the daemon serves a connection's requests in order: no wait for the hello
-            peer.sock.send_multipart([b"", p.encoder.encode(p.Probe(peer.waiting, keys))])
+            peer.sock.send(p.encoder.encode(p.Probe(peer.waiting, keys)))
         end = time.monotonic() + deadline
         pending = len(self._peers)
         while pending:
@@ -135,7 +135,7 @@ class Router:
             except zmq.Again:
                 return done
             try:
-                reply = p.reply_decoder.decode(frames[1])
+                reply = p.reply_decoder.decode(frames[0])
             except Exception:  # noqa: BLE001 - a peer that is not a kvstore daemon
                 continue
             if reply.rid == peer.hello_rid:
@@ -192,6 +192,43 @@ class Router:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def read_tokens(path: str) -> list[int]:
+    """Token ids from a file: a JSON list, or integers split by spaces, commas or lines
+    (``-``: standard input)."""
+    import json
+    import sys
+
+    if path == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as exc:
+            raise MalformedError(f"cannot read token ids from {path!r}: {exc}") from None
+    try:
+        value = json.loads(text) if text.lstrip().startswith("[") else [
+            int(t) for t in text.replace(",", " ").split()]
+    except ValueError as exc:
+        raise MalformedError(f"{path!r} holds no list of token ids: {exc}") from None
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
+        raise MalformedError(f"{path!r} holds no list of integer token ids")
+    return value
+
+
+def format_routes(results: Sequence[RouteResult], blocks: int) -> str:
+    """A table of the answers, cheapest first."""
+    lines = [f"{'endpoint':<40} {'cached':>11}  {'per tier':<24} {'cost ms':>9}"]
+    for r in results:
+        if not r.answered:
+            lines.append(f"{r.endpoint:<40} {'-':>11}  {r.error:<24} {'inf':>9}")
+            continue
+        tiers = " ".join(f"{t}={n}" for t, n in r.tiers.items()) or "-"
+        lines.append(f"{r.endpoint:<40} {r.hits:>5}/{blocks:<5}  {tiers:<24} "
+                     f"{r.cost * 1e3:>9.3f}")
+    return "\n".join(lines)
 
 
 def route(keys: Sequence[bytes], endpoints: Sequence[str], *, deadline: float = 0.05,
