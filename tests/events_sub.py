@@ -92,12 +92,10 @@ class Subscriber:
 
     def __init__(self, endpoint: str, replay: str, topic: bytes = b"") -> None:
         self.ctx = zmq.Context()
-        self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
-        self.sub.connect(endpoint)
+        self.endpoint = endpoint
         self.replay_endpoint = replay
         self.topic = topic
+        self.sub = self._connect()
         self.next_seq = 0           # the batch expected next
         self.payloads: list[tuple[int, bytes]] = []  # every batch applied, in order
         self.index = EventIndex()
@@ -106,16 +104,21 @@ class Subscriber:
         self.generation = 0         # daemon restarts seen (sequence numbers start over)
 
     def restart(self) -> None:
-        """The daemon stopped and starts again: what it sent on its way out (writes
-        flushed to SSD) is applied, then its numbers start at 0 again."""
-        while self.sub.poll(300):
-            _, seq_bytes, payload = self.sub.recv_multipart()
-            seq = int.from_bytes(seq_bytes, "big")
-            assert seq == self.next_seq, "the last batches of a daemon arrive in order"
-            self._apply(seq, payload)
+        """The daemon stopped and starts again: its numbers start at 0 again, and what
+        its last life sent on the way out (its batch's all-cleared makes that moot) must
+        not pass for the new one's: a new socket."""
+        self.sub.close(linger=0)
+        self.sub = self._connect()
         self.next_seq = 0
         self.generation += 1
         self.payloads.append((-1, b""))  # a marker: what follows is a new daemon's stream
+
+    def _connect(self) -> zmq.Socket[bytes]:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        return sub
 
     def replay(self, first: int, timeout: float = 10.0) -> list[tuple[int, bytes]]:
         sock = self.ctx.socket(zmq.DEALER)
@@ -179,3 +182,111 @@ class Subscriber:
     def close(self) -> None:
         self.sub.close(linger=0)
         self.ctx.term()
+
+
+class Mix:
+    """A random mix of stores (put, reserve and commit), reads (promotions), evictions
+    and restarts (SIGTERM or SIGKILL) against a daemon with events on, with a subscriber
+    following; ``check`` compares the subscriber's index with the daemon."""
+
+    def __init__(self, daemon: Any, sub: Subscriber, identity: Any, seed: int,
+                 tenant: str) -> None:
+        import random
+
+        from kvstore import Client
+
+        self.d = daemon
+        self.sub = sub
+        self.identity = identity
+        self.bt = identity.block_tokens
+        self.tenant = tenant
+        self.rng = random.Random(seed)
+        self.chains: list[list[bytes]] = []
+        self.tokens: dict[bytes, list[int]] = {}
+        self.restarts = 0
+        self.client = Client(daemon.endpoint, tenant=tenant)
+        self.ns = self.client.namespace(identity)
+
+    def content(self, key: bytes) -> bytes:
+        import hashlib
+
+        size = self.identity.block_bytes
+        seed = hashlib.blake2b(key, digest_size=32).digest()
+        return (seed * (size // 32 + 1))[:size]
+
+    def synced(self) -> Any:
+        """The daemon's snapshot, with the subscriber caught up to it."""
+        snap = self.client.snapshot()
+        self.sub.until(snap.seq)
+        return snap
+
+    def check(self) -> Any:
+        """The index from events equals the snapshot, and answers every chain's lookup
+        as the daemon does (background writes to SSD may land between the two looks:
+        look again then, a bounded number of times); the last snapshot."""
+        for _ in range(20):
+            snap = self.synced()
+            if self.sub.next_seq != snap.seq + 1:
+                continue  # a batch after the snapshot came in filling a gap: look again
+            assert self.sub.index.entries() == set(snap.blocks)
+            looked = [self.ns.lookup(keys).tiers for keys in self.chains]
+            if self.synced().seq == snap.seq:  # nothing moved while looking
+                assert [self.sub.index.lookup(keys) for keys in self.chains] == looked
+                return snap
+        raise AssertionError("the daemon never stood still long enough to compare")
+
+    def step(self) -> str:
+        rng, ns, bt = self.rng, self.ns, self.bt
+        op = rng.random()
+        if op < 0.55 or not self.chains:
+            # a new chain, often sharing a prefix with an old one
+            base: list[int] = []
+            if self.chains and rng.random() < 0.5:
+                old = rng.choice(self.chains)
+                base = [t for k in old[:rng.randint(1, len(old))] for t in self.tokens[k]]
+            ids = base + [rng.randrange(32000) for _ in range(bt * rng.randint(1, 6))]
+            keys = ns.keys(ids)
+            for i, k in enumerate(keys):
+                self.tokens[k] = ids[i * bt:(i + 1) * bt]
+            self.chains.append(keys)
+            if rng.random() < 0.5:
+                ns.put(keys, [self.content(k) for k in keys])
+                return "put"
+            have = ns.lookup(keys).blocks
+            new = keys[have:]
+            if new:
+                with ns.reserve(new, keys[have - 1] if have else None) as r:
+                    for buf, k in zip(r.buffers, new):
+                        buf[:] = self.content(k)
+                    r.commit()
+            return "commit"
+        if op < 0.75:
+            keys = rng.choice(self.chains)  # read back: promotes what is only on SSD
+            n = ns.lookup(keys).blocks
+            if n:
+                try:
+                    ns.get(keys[:n])
+                except Exception:  # noqa: BLE001 - evicted between lookup and get
+                    pass
+            return "get"
+        if op < 0.9:
+            keys = rng.choice(self.chains)
+            ns.evict(keys[rng.randrange(len(keys)):])
+            return "evict"
+        self.restart(rng.choice([15, 9]))  # SIGTERM, SIGKILL
+        return "restart"
+
+    def restart(self, sig: int) -> None:
+        from kvstore import Client
+
+        self.synced()  # the old daemon's batches read before its numbers start over
+        self.client.close()
+        self.d.stop(sig)
+        self.sub.restart()
+        self.d.start()
+        self.restarts += 1
+        self.client = Client(self.d.endpoint, tenant=self.tenant)
+        self.ns = self.client.namespace(self.identity)
+
+    def close(self) -> None:
+        self.client.close()

@@ -8,15 +8,12 @@ after a random mix of stores, evictions, demotions, promotions and restarts.
 from __future__ import annotations
 
 import hashlib
-import random
-import signal
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 from daemon_proc import DaemonProcess, free_port
-from events_sub import Subscriber
+from events_sub import Mix, Subscriber
 from kvtest import make_identity
 
 from kvstore import Client
@@ -55,87 +52,27 @@ def synced(client: Client, sub: Subscriber) -> Any:
     return snap
 
 
-def check_agrees(client: Client, ns: Any, sub: Subscriber, chains: list[list[bytes]]) -> None:
-    """The index from events equals the snapshot, and answers every chain's lookup as
-    the daemon does.  Background writes to SSD may land between the two looks: look
-    again then (a bounded number of times)."""
-    for _ in range(20):
-        snap = synced(client, sub)
-        assert sub.index.entries() == set(snap.blocks)
-        looked = [ns.lookup(keys).tiers for keys in chains]
-        snap2 = synced(client, sub)
-        if snap2.seq == snap.seq:  # nothing moved while looking
-            assert [sub.index.lookup(keys) for keys in chains] == looked
-            return
-    pytest.fail("the daemon never stood still long enough to compare")
-
-
-def test_events_rebuild_the_daemons_index_through_a_random_mix(
-        daemon_factory: Any, tmp_path: Path) -> None:
+def test_events_rebuild_the_daemons_index_through_a_random_mix(daemon_factory: Any) -> None:
     pub, replay = free_port(), free_port()
     d = start_daemon(daemon_factory, pub, replay)
     sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
-    rng = random.Random(19)
-    chains: list[list[bytes]] = []
-    tokens: dict[bytes, list[int]] = {}
-    client = Client(d.endpoint, tenant="acme")
-    ns = client.namespace(IDENT)
+    mix = Mix(d, sub, IDENT, seed=19, tenant="acme")
     try:
-        check_agrees(client, ns, sub, chains)
+        mix.check()
         assert sub.index.tiers == {}  # a cold start: all cleared, nothing stored
         for step in range(60):
-            op = rng.random()
-            if op < 0.55 or not chains:
-                # a new chain, often sharing a prefix with an old one
-                base: list[int] = []
-                if chains and rng.random() < 0.5:
-                    old = rng.choice(chains)
-                    base = [t for k in old[:rng.randint(1, len(old))] for t in tokens[k]]
-                ids = base + [rng.randrange(32000) for _ in range(BT * rng.randint(1, 6))]
-                keys = ns.keys(ids)
-                for i, k in enumerate(keys):
-                    tokens[k] = ids[i * BT:(i + 1) * BT]
-                if rng.random() < 0.5:
-                    ns.put(keys, [content(k) for k in keys])
-                else:
-                    have = ns.lookup(keys).blocks
-                    new = keys[have:]
-                    if new:
-                        with ns.reserve(new, keys[have - 1] if have else None) as r:
-                            for buf, k in zip(r.buffers, new):
-                                buf[:] = content(k)
-                            r.commit()
-                chains.append(keys)
-            elif op < 0.75:
-                keys = rng.choice(chains)  # read back: promotes what is only on SSD
-                n = ns.lookup(keys).blocks
-                if n:
-                    try:
-                        ns.get(keys[:n])
-                    except Exception:  # noqa: BLE001 - evicted between lookup and get
-                        pass
-            elif op < 0.9:
-                keys = rng.choice(chains)
-                ns.evict(keys[rng.randrange(len(keys)):])
-            else:
-                synced(client, sub)  # the old daemon's batches read before its numbers restart
-                client.close()
-                d.stop(rng.choice([signal.SIGTERM, signal.SIGKILL]))
-                sub.restart()
-                d.start()
-                client = Client(d.endpoint, tenant="acme")
-                ns = client.namespace(IDENT)
+            mix.step()
             if step % 5 == 4:
-                check_agrees(client, ns, sub, chains)
-        check_agrees(client, ns, sub, chains)
-        stats = client.stats()
+                mix.check()
+        mix.check()
+        stats = mix.client.stats()
         assert stats["tiers"]["ssd"]["committed"] > 0, "the mix never reached the ssd tier"
         assert stats["events"]["dropped"] == 0
-        assert sub.generation >= 2, "the mix restarted the daemon too seldom"
+        assert mix.restarts >= 2, "the mix restarted the daemon too seldom"
         assert sub.topics == {b"kv@pod-a@tiny-llama"}
         # every block stored carried the tokens its writer sent (restored ones had none)
         for key, ids in sub.index.tokens.items():
-            assert tokens[key] == ids
+            assert mix.tokens[key] == ids
         assert sub.index.tokens
         # every batch decodes with the typed decoder too, fields as vLLM names them
         typed = decoder("map")
@@ -147,7 +84,7 @@ def test_events_rebuild_the_daemons_index_through_a_random_mix(
                     assert e.block_size == BT and e.extra_keys is not None
                     assert e.medium in ("CPU", "STORAGE")
     finally:
-        client.close()
+        mix.close()
         sub.close()
 
 
