@@ -117,7 +117,3 @@ class TierChanges:
                         s = last[tier] = Stored(tier, block.ns, [block])
                         stored.append(s)
         return [*removed.values(), *stored]
-
-    def announced(self, blocks: Iterable[Block]) -> list[tuple[Block, int]]:
-        """Each block with the tiers announced for it (what a subscriber knows)."""
-        return [(b, b.announced) for b in blocks if b.announced]

@@ -8,6 +8,8 @@ after a random mix of stores, evictions, demotions, promotions and restarts.
 from __future__ import annotations
 
 import hashlib
+import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -148,3 +150,55 @@ def test_a_daemon_without_events_asks_for_no_tokens(daemon_factory: Any) -> None
         ns.put(keys, [content(k) for k in keys])
         assert "events" not in c.stats()
         assert c.snapshot().seq == -1
+
+
+def test_a_slow_subscriber_never_slows_the_daemon(daemon_factory: Any,
+                                                   tmp_path: Path) -> None:
+    """A subscriber that stops reading: the daemon drops batches (counted, in the
+    metrics too) instead of waiting; the subscriber sees the jump and replays it."""
+    import urllib.request
+
+    import zmq
+
+    pub = f"ipc://{tmp_path / 'events.sock'}"
+    replay = f"ipc://{tmp_path / 'replay.sock'}"
+    metrics_port = free_port()
+    d = daemon_factory(dram_capacity="8MiB", ssd_capacity="0",
+                       extra=["--slab-size", "1MiB", "--metrics-port", str(metrics_port)],
+                       env={"KVSTORE_EVENTS_ENDPOINT": pub,
+                            "KVSTORE_EVENTS_REPLAY_ENDPOINT": replay,
+                            "KVSTORE_EVENTS_QUEUE_BATCHES": "1",
+                            "KVSTORE_EVENTS_BUFFER_STEPS": "100000"})
+    sub = Subscriber(pub, replay)
+    sub.sub.close(linger=0)
+    stalled = sub.ctx.socket(zmq.SUB)  # subscribes, then reads nothing for a while
+    stalled.setsockopt(zmq.RCVHWM, 1)
+    stalled.setsockopt(zmq.RCVBUF, 4096)
+    stalled.setsockopt(zmq.SUBSCRIBE, b"")
+    stalled.connect(pub)
+    sub.sub = stalled
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(IDENT)
+            time.sleep(0.3)  # the subscription reaches the daemon
+            puts = 0
+            while c.stats()["events"]["dropped"] == 0 and puts < 4000:
+                for _ in range(50):
+                    keys = ns.keys([puts] * BT * 8)
+                    ns.put(keys, [content(k) for k in keys])
+                    puts += 1
+            stats = c.stats()["events"]
+            assert stats["dropped"] > 0, "a stalled subscriber never filled its queue"
+            snap = c.snapshot()
+            sub.until(snap.seq)  # reads the backlog, meets the jump, replays the gap
+            assert sub.gaps >= 1
+            assert [s for s, _ in sub.payloads] == list(range(snap.seq + 1))
+            assert sub.index.entries() == set(snap.blocks)
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as response:
+                text = response.read().decode()
+            dropped = [line for line in text.splitlines()
+                       if line.startswith("kvstore_events_dropped_total")]
+            assert dropped and float(dropped[0].split()[-1]) >= stats["dropped"]
+    finally:
+        sub.close()
