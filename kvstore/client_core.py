@@ -419,7 +419,7 @@ class _Chains:
                         block_tokens: int) -> None:
         """Each block's token ids, to send with its commit (the daemon publishes events
         that carry them)."""
-        tokens = np.asarray(token_ids, dtype=np.int64)[:len(keys) * block_tokens]
+        tokens = np.asarray(token_ids, dtype="<i8")[:len(keys) * block_tokens]
         for key, ids in zip(keys, tokens.reshape(len(keys), block_tokens).tolist()):
             self._tokens[key] = ids
         while len(self._tokens) > _TOKEN_MEMORY:
@@ -449,9 +449,15 @@ class NamespaceCore(Generic[S]):
 
     def keys(self, token_ids: Sequence[int] | Any, parent: bytes | None = None) -> list[bytes]:
         """One chained key per full block of ``token_ids``."""
+        events = self.events
+        if events:  # one array for the keys and the token ids kept for commits
+            try:
+                token_ids = np.asarray(token_ids, dtype="<i8")
+            except (TypeError, ValueError, OverflowError):
+                pass  # chain_keys says what is wrong with them
         keys = chain_keys(self.id, token_ids, self.identity.block_tokens, parent)
         self._chains.remember(keys, parent)
-        if self.events and keys:
+        if events and keys:
             self._chains.remember_tokens(keys, token_ids, self.identity.block_tokens)
         return keys
 

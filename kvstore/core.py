@@ -245,7 +245,7 @@ class StoreCore:
                and block.ssd_holds == 0 and not block.promoting
                and block.ns.blocks.get(block.key) is block):
             del block.ns.blocks[block.key]
-            if self.changes is not None and block.announced:
+            if self.changes is not None and block.announced & 4:
                 self.changes.touch(block)  # a remote mark goes with the entry
             parent = block.parent
             if parent is not None:

@@ -41,6 +41,7 @@ from kvstore.tier_changes import GPU, REMOTE, Change, Removed, Stored, TierChang
 log = logging.getLogger("kvstore.events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 # tier -> (medium, locality)
 MEDIA: dict[str, tuple[str, str | None]] = {
@@ -192,9 +193,6 @@ class EventPublisher:
         pub.bind(self.config.endpoint)
         self.endpoints.append(pub.getsockopt_string(zmq.LAST_ENDPOINT))
         self._pub = pub
-        fd: int = pub.getsockopt(zmq.FD)  # type: ignore[assignment]
-        self._fds.append(fd)
-        loop.add_reader(fd, self._drain_subscriptions)
         if self.config.replay_endpoint:
             replay = self._ctx.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
@@ -202,7 +200,7 @@ class EventPublisher:
             replay.bind(self.config.replay_endpoint)
             self.endpoints.append(replay.getsockopt_string(zmq.LAST_ENDPOINT))
             self._replay = replay
-            fd = replay.getsockopt(zmq.FD)  # type: ignore[assignment]
+            fd: int = replay.getsockopt(zmq.FD)  # type: ignore[assignment]
             self._fds.append(fd)
             loop.add_reader(fd, self._serve_replays)
             loop.call_soon(self._serve_replays)
@@ -253,10 +251,12 @@ class EventPublisher:
         self.ring.append((seq, payload))
         self.batches += 1
         self.events += len(events)
-        if self._pub is not None:
+        pub = self._pub
+        if pub is not None:
+            if not seq & 0xff:
+                self._drain_subscriptions()
             try:
-                self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload),
-                                         zmq.NOBLOCK)
+                pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), _NOBLOCK)
             except zmq.Again:
                 self.dropped += 1  # a subscriber is behind: it sees the gap, and replays
         return seq
@@ -267,7 +267,8 @@ class EventPublisher:
         return self.seq - 1
 
     def _drain_subscriptions(self) -> None:
-        # subscription messages arrive on an XPUB; nothing is done with them but reading
+        # Subscriptions arrive on an XPUB as messages; nothing is done with them but
+        # reading, every 256 batches (a reader on the socket would wake after each send).
         pub = self._pub
         while pub is not None and _readable(pub):
             try:
@@ -301,8 +302,8 @@ class EventPublisher:
 
 
 def _readable(sock: zmq.Socket[bytes]) -> bool:
-    events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
-    return bool(events & zmq.POLLIN)
+    events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
+    return bool(events & _POLLIN)
 
 
 def snapshot(store: BlockStore, visible: Callable[[Namespace], bool]

@@ -49,6 +49,11 @@ class RoutingVerbs:
 
     def __init__(self, daemon: RoutingDaemon) -> None:
         self.d = daemon
+        e = daemon.config.events
+        self.configured = {  # load bandwidth per tier until measured, bytes a second
+            "dram": float(parse_size(e.dram_bandwidth, "events.dram_bandwidth")),
+            "ssd": float(parse_size(e.ssd_bandwidth, "events.ssd_bandwidth")),
+            "remote": float(parse_size(e.remote_bandwidth, "events.remote_bandwidth"))}
 
     def table(self) -> dict[type[Any], Handler]:
         return {p.Snapshot: self._snapshot, p.Probe: self._probe}
@@ -94,10 +99,7 @@ class RoutingVerbs:
     def bandwidth(self) -> dict[str, float]:
         """Load bandwidth per tier: measured where the daemon has read enough, else the
         configured figure."""
-        e = self.d.config.events
-        out = {"dram": float(parse_size(e.dram_bandwidth, "events.dram_bandwidth")),
-               "ssd": float(parse_size(e.ssd_bandwidth, "events.ssd_bandwidth")),
-               "remote": float(parse_size(e.remote_bandwidth, "events.remote_bandwidth"))}
+        out = dict(self.configured)
         ssd = self.d.ssd
         if ssd is not None and ssd.read_bytes >= _MEASURED_BYTES and ssd.read_seconds > 0:
             out["ssd"] = ssd.read_bytes / ssd.read_seconds

@@ -21,6 +21,10 @@ GPU = "gpu"
 
 # One bit per tier, and the tiers fastest first (a lookup reports the fastest).
 TIER_BITS: tuple[tuple[str, int], ...] = ((GPU, 8), (DRAM, 1), (SSD, 2), (REMOTE, 4))
+# The tiers of each combination of bits, fastest first (drain runs once per loop turn
+# over every block that changed: it looks them up rather than test four bits).
+_TIERS_OF: tuple[tuple[str, ...], ...] = tuple(
+    tuple(tier for tier, bit in TIER_BITS if bits & bit) for bits in range(16))
 
 
 def holdings(block: Block) -> int:
@@ -71,19 +75,23 @@ class TierChanges:
     """
 
     def __init__(self, on_first: Callable[[], None] | None = None) -> None:
-        # keyed by identity: a key dropped and cached again in one turn is two entries
-        self.touched: dict[int, Block] = {}
+        # Marked blocks in order, a block marked twice listed twice: the drain's second
+        # look finds nothing new.  A list, not a set: blocks are equal by key, and a key
+        # dropped and cached again in one turn is two entries.
+        self.touched: list[Block] = []
         self.on_first = on_first
 
     def touch(self, block: Block) -> None:
         touched = self.touched
         if not touched and self.on_first is not None:
             self.on_first()
-        touched[id(block)] = block
+        touched.append(block)
 
     def touch_all(self, blocks: Iterable[Block]) -> None:
-        for block in blocks:
-            self.touch(block)
+        touched = self.touched
+        if not touched and self.on_first is not None:
+            self.on_first()
+        touched.extend(blocks)
 
     def __len__(self) -> int:
         return len(self.touched)
@@ -92,28 +100,41 @@ class TierChanges:
         """What changed since the last drain, removals first (a key dropped and cached
         again in one turn ends up cached), then stores in the order blocks were marked,
         as runs of one chain, one tier and one namespace."""
-        touched, self.touched = self.touched, {}
+        touched, self.touched = self.touched, []
         removed: dict[tuple[str, int], Removed] = {}
         stored: list[Stored] = []
         last: dict[str, Stored] = {}  # per tier, the run the next block may extend
-        for block in touched.values():
-            now = holdings(block)
+        tiers_of = _TIERS_OF
+        for block in touched:
+            ns = block.ns
+            now = 0
+            if ns.blocks.get(block.key) is block:
+                if block.offset is not None:
+                    now = 1
+                if block.ssd_offset is not None:
+                    now |= 2
+                if block.remote:
+                    now |= 4
+                if block.gpu_offset is not None:
+                    now |= 8
             before = block.announced
             if now == before:
                 continue
             block.announced = now
-            gone, new = before & ~now, now & ~before
-            for tier, bit in TIER_BITS:
-                if gone & bit:
-                    run = removed.get((tier, id(block.ns)))
+            gone = before & ~now
+            if gone:
+                for tier in tiers_of[gone]:
+                    run = removed.get((tier, id(ns)))
                     if run is None:
-                        run = removed[(tier, id(block.ns))] = Removed(tier, block.ns, [])
+                        run = removed[(tier, id(ns))] = Removed(tier, ns, [])
                     run.keys.append(block.key)
-                if new & bit:
+            new = now & ~before
+            if new:
+                for tier in tiers_of[new]:
                     s = last.get(tier)
-                    if s is not None and s.ns is block.ns and block.parent is s.blocks[-1]:
+                    if s is not None and s.ns is ns and block.parent is s.blocks[-1]:
                         s.blocks.append(block)
                     else:
-                        s = last[tier] = Stored(tier, block.ns, [block])
+                        s = last[tier] = Stored(tier, ns, [block])
                         stored.append(s)
         return [*removed.values(), *stored]

@@ -35,6 +35,12 @@ def test_vllm_decodes_the_stream_and_rebuilds_the_index(daemon_factory: Any,
             mix.step()
         if not mix.restarts:
             mix.restart(15)
+        # a chain stored and evicted for sure (the mix's own may have gone in a restart)
+        keys = mix.ns.keys(list(range(5000, 5000 + 3 * IDENT.block_tokens)))
+        mix.ns.put(keys, [mix.content(k) for k in keys])
+        mix.synced()
+        assert mix.ns.evict(keys) == 3
+        mix.chains.append(keys)
         snap = mix.check()
         lookups = [mix.ns.lookup(keys).tiers for keys in mix.chains]
         assert mix.synced().seq == snap.seq  # nothing moved since: the lookups match it
