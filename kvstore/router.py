@@ -226,8 +226,8 @@ def format_routes(results: Sequence[RouteResult], blocks: int) -> str:
             lines.append(f"{r.endpoint:<40} {'-':>11}  {r.error:<24} {'inf':>9}")
             continue
         tiers = " ".join(f"{t}={n}" for t, n in r.tiers.items()) or "-"
-        lines.append(f"{r.endpoint:<40} {r.hits:>5}/{blocks:<5}  {tiers:<24} "
-                     f"{r.cost * 1e3:>9.3f}")
+        cached = f"{r.hits}/{blocks}"
+        lines.append(f"{r.endpoint:<40} {cached:>11}  {tiers:<24} {r.cost * 1e3:>9.3f}")
     return "\n".join(lines)
 
 
