@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import zmq
 
 from kvstore import Client, Identity
@@ -88,8 +89,9 @@ def bench_publish(work: Path, repeats: int) -> tuple[float, float]:
             tokens = list(range(i * 1024, (i + 1) * 1024))
             keys = chain_keys(ns.id, tokens, 16)
             r = store.reserve("bench", ns, keys, None, 0.0)
+            raw = np.asarray(tokens, dtype="<i8").tobytes()
             store.commit("bench", r.id, 0.0,  # type: ignore[union-attr]
-                         tokens=[tokens[j * 16:(j + 1) * 16] for j in range(64)])
+                         tokens=[raw[j * 128:(j + 1) * 128] for j in range(64)])
             start = time.perf_counter()
             pub.flush()
             ours.append(time.perf_counter() - start)

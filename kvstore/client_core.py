@@ -61,7 +61,7 @@ log = logging.getLogger("kvstore.client")
 
 CLOSE_WAIT_S = 1.0  # how long close() waits for the replies to posted releases
 _PARENT_MEMORY = 1 << 20  # chain links remembered per namespace, for reserve/put parents
-_TOKEN_MEMORY = 1 << 16   # blocks' token ids remembered per namespace, for the daemon's events
+_TOKEN_MEMORY = 1 << 18   # token ids remembered per namespace, for the daemon's events
 _NO_PAYLOAD: Sequence[Any] = ()
 
 
@@ -403,7 +403,7 @@ class _Chains:
 
     def __init__(self) -> None:
         self._parents: OrderedDict[bytes, bytes | None] = OrderedDict()
-        self._tokens: OrderedDict[bytes, list[int]] = OrderedDict()
+        self._tokens: OrderedDict[bytes, bytes] = OrderedDict()
 
     def remember(self, keys: list[bytes], parent: bytes | None) -> None:
         for key in keys:
@@ -419,16 +419,21 @@ class _Chains:
                         block_tokens: int) -> None:
         """Each block's token ids, to send with its commit (the daemon publishes events
         that carry them)."""
-        tokens = np.asarray(token_ids, dtype="<i8")[:len(keys) * block_tokens]
-        for key, ids in zip(keys, tokens.reshape(len(keys), block_tokens).tolist()):
-            self._tokens[key] = ids
-        while len(self._tokens) > _TOKEN_MEMORY:
+        raw = np.asarray(token_ids, dtype="<i8")[:len(keys) * block_tokens].tobytes()
+        size = 8 * block_tokens
+        for i, key in enumerate(keys):
+            self._tokens[key] = raw[i * size:(i + 1) * size]
+        most = max(1, _TOKEN_MEMORY // block_tokens)
+        while len(self._tokens) > most:
             self._tokens.popitem(last=False)
 
-    def tokens_of(self, keys: Sequence[bytes]) -> list[list[int]]:
-        """Each key's block's token ids ([] where not remembered); [] when none is."""
-        out = [self._tokens.get(key, []) for key in keys]
-        return out if any(out) else []
+    def tokens_of(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Each key's block's token ids (b"" where not remembered); [] when none is, or
+        when they would crowd the request's header."""
+        out = [self._tokens.get(key, b"") for key in keys]
+        if sum(len(t) for t in out) > p.MAX_HEADER_BYTES // 2 or not any(out):
+            return []
+        return out
 
 
 class NamespaceCore(Generic[S]):

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 import msgspec
+import numpy as np
 import zmq
 
 from kvstore.blocks import DRAM, SSD, Block, Namespace
@@ -142,12 +143,10 @@ class EventMaker:
                     locality: str | None) -> BlockStored:
         identity = ns.identity
         parent = blocks[0].parent
+        raw = [b.tokens for b in blocks]
         tokens: list[int] = []
-        for b in blocks:
-            if b.tokens is None:  # not sent by the writer (or restored from SSD)
-                tokens = []
-                break
-            tokens.extend(b.tokens)
+        if all(raw):  # else not sent by a writer (or restored from SSD): none
+            tokens = np.frombuffer(b"".join(raw), dtype="<i8").tolist()  # type: ignore[arg-type]
         extra: list[tuple[Any, ...] | None] | None = (
             [(identity.salt,)] * len(blocks) if identity.salt else None)
         return self.stored(

@@ -54,7 +54,9 @@ class Reserve(Message, tag="reserve"):
 class Commit(Message, tag="commit"):
     reservation: int
     checksums: list[int] = []  # xxh3_64 of each block as written, for readers to verify
-    tokens: list[list[int]] = []  # each block's token ids, when the daemon publishes events
+    # Each block's token ids as little-endian int64 (b"": not known), when the daemon
+    # publishes events; nothing otherwise.
+    tokens: list[bytes] = []
 
 
 class Abort(Message, tag="abort"):
@@ -75,7 +77,7 @@ class Put(Message, tag="put"):
     keys: list[Key]
     parent: Key | None = None
     checksums: list[int] = []
-    tokens: list[list[int]] = []  # each block's token ids, when the daemon publishes events
+    tokens: list[bytes] = []  # as Commit's
 
 
 class Get(Message, tag="get"):

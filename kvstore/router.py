@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+import msgspec
 import zmq
 
 from kvstore import protocol as p
@@ -136,8 +137,8 @@ class Router:
                 return done
             try:
                 reply = p.reply_decoder.decode(frames[0])
-            except Exception:  # noqa: BLE001 - a peer that is not a kvstore daemon
-                continue
+            except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
+                continue  # a peer that is not a kvstore daemon
             if reply.rid == peer.hello_rid:
                 peer.greeted = isinstance(reply, p.HelloReply)
                 if isinstance(reply, p.ErrorReply) and peer.waiting:

@@ -173,17 +173,17 @@ class BlockStore(StoreCore):
 
     def commit(self, owner: Owner, rid: int, now: float,
                checksums: Sequence[int] = (),
-               tokens: Sequence[list[int]] = ()) -> CommitResult:
+               tokens: Sequence[bytes] = ()) -> CommitResult:
         """Publish a reservation's blocks (with the writer's checksums and each block's
-        token ids, if given)."""
+        token ids as little-endian int64, if given)."""
         state, r = self.leases.take_reservation(owner, rid, now)
         if checksums and len(checksums) != len(r.keys):
             raise MalformedError(f"{len(checksums)} checksums for {len(r.keys)} blocks")
         if tokens:
-            bt = r.ns.identity.block_tokens
-            if len(tokens) != len(r.keys) or any(t and len(t) != bt for t in tokens):
-                raise MalformedError(f"token ids must come as one list of {bt} per block "
-                                     f"(or an empty one), for each of the {len(r.keys)} keys")
+            size = 8 * r.ns.identity.block_tokens
+            if len(tokens) != len(r.keys) or any(t and len(t) != size for t in tokens):
+                raise MalformedError(f"token ids must come as {size} bytes per block (or "
+                                     f"none), for each of the {len(r.keys)} keys")
         del state.reservations[rid]
         self.reserved_slots -= len(r.offsets)
         ns = r.ns

@@ -268,12 +268,12 @@ class Verbs:
         if req.checksums and len(req.checksums) != len(req.keys):
             raise MalformedError(f"put of {len(req.keys)} keys carries {len(req.checksums)} "
                                  f"checksums")
-        bt = ns.identity.block_tokens
+        size = 8 * ns.identity.block_tokens
         if req.tokens and (len(req.tokens) != len(req.keys)
-                           or any(t and len(t) != bt for t in req.tokens)):
+                           or any(t and len(t) != size for t in req.tokens)):
             raise MalformedError(f"put of {len(req.keys)} keys carries token ids of "
-                                 f"{len(req.tokens)} blocks; send one list of {bt} per "
-                                 f"block (or an empty one)")
+                                 f"{len(req.tokens)} blocks; send {size} bytes per block "
+                                 f"(or none)")
         for i, frame in enumerate(payload):
             if len(frame) != ns.block_bytes:
                 raise MalformedError(f"frame {i} holds {len(frame)} bytes; a block of this "

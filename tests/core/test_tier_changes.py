@@ -4,6 +4,7 @@ they rebuild exactly what the store holds per tier; and the event encodings in P
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 from hypothesis import settings
 from hypothesis.stateful import invariant
 from kvtest import make_identity
@@ -85,7 +86,8 @@ def test_a_commit_is_one_run_with_its_tokens_and_the_hook_runs_once() -> None:
     tokens = list(range(3 * IDENT.block_tokens))
     keys = chain_keys(ns.id, tokens, IDENT.block_tokens)
     r = store.reserve("o", ns, keys, None, 0.0)
-    per_block = [tokens[i * 16:(i + 1) * 16] for i in range(3)]
+    per_block = [np.asarray(tokens[i * 16:(i + 1) * 16], dtype="<i8").tobytes()
+                 for i in range(3)]
     store.commit("o", r.id, 0.0, tokens=per_block)  # type: ignore[union-attr]
     assert calls == [1]
     [stored] = changes.drain()

@@ -131,7 +131,7 @@ def test_bad_token_ids_are_refused_and_leave_nothing(daemon_factory: Any) -> Non
         ns = c.namespace(IDENT)
         keys = ns.keys(list(range(BT * 2)))
         before = c.stats()["tiers"]["dram"]
-        bad = p.Put(c._next_rid(), ns.id, keys, None, [], [[1, 2, 3], []])
+        bad = p.Put(c._next_rid(), ns.id, keys, None, [], [bytes(8 * 3), b""])
         reply = c._call(bad, [content(k) for k in keys])[0]
         assert isinstance(reply, p.ErrorReply) and reply.code == MalformedError.code
         assert "token ids" in reply.message
