@@ -136,3 +136,31 @@ def test_kvstore_route_command(daemon_factory: Any, tmp_path: Path) -> None:
          "--tokens", str(bad), "--identity", f"@{identity}"],
         check=False, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "token ids" in refused.stderr
+
+
+def test_the_async_client_routes_and_snapshots(daemon_factory: Any) -> None:
+    import asyncio
+
+    from kvstore import AsyncClient
+
+    full = daemon_factory(tcp=True)
+    cold = daemon_factory(tcp=True)
+    fill(full.endpoint, 8)
+
+    async def main() -> None:
+        async with AsyncClient(full.endpoint, tenant="acme") as c:
+            ns = await c.namespace(IDENT)
+            keys = ns.keys(TOKENS)
+            endpoints = [cold.tcp_endpoint, full.tcp_endpoint]
+            both = await asyncio.gather(c.route(keys, endpoints, deadline=2.0),
+                                        c.route(keys[:4], endpoints, deadline=2.0))
+            assert [r.hits for r in both[0]] == [8, 0]
+            assert [r.hits for r in both[1]] == [4, 0]
+            assert both[0][0].endpoint == full.tcp_endpoint
+            snap = await c.snapshot()
+            assert snap.seq == -1  # no event stream here
+            assert {(k, t) for k, _, t in snap.blocks} == {(k, "dram") for k in keys}
+            parents = {k: parent for k, parent, _ in snap.blocks}
+            assert [parents[k] for k in keys] == [None, *keys[:-1]]
+
+    asyncio.run(main())
