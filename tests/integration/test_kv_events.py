@@ -202,3 +202,46 @@ def test_a_slow_subscriber_never_slows_the_daemon(daemon_factory: Any,
             assert dropped and float(dropped[0].split()[-1]) >= stats["dropped"]
     finally:
         sub.close()
+
+
+def test_a_restart_announces_what_the_ssd_index_brought_back(daemon_factory: Any) -> None:
+    pub, replay = free_port(), free_port()
+    d: DaemonProcess = daemon_factory(
+        dram_capacity="2MiB", ssd_capacity="4MiB",
+        extra=["--slab-size", "1MiB", "--ssd-write-policy", "write-through"],
+        env=events_env(pub, replay))
+    sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(IDENT)
+            keys = ns.keys(list(range(BT * 4)))
+            ns.put(keys, [content(k) for k in keys])
+            for _ in range(100):  # written through to SSD in the background
+                if c.stats()["tiers"]["ssd"]["committed"] == 4:
+                    break
+                time.sleep(0.05)
+            synced(c, sub)
+            assert sub.index.lookup(keys) == ["dram"] * 4
+            assert all(sub.index.tiers[k] == {"dram", "ssd"} for k in keys)
+        d.stop()
+        sub.restart()
+        d.start()
+        with Client(d.endpoint, tenant="acme") as c:
+            snap = synced(c, sub)
+            first = [msgspec.msgpack.decode(pl)[1] for _, pl in sub.replay(0)][:2]
+            assert first[0] == [{"type": "AllBlocksCleared"}]
+            [stored] = first[1]
+            assert stored["block_hashes"] == keys and stored["medium"] == "STORAGE"
+            assert stored["locality"] == "LOCAL" and stored["token_ids"] == []
+            assert sub.index.lookup(keys) == ["ssd"] * 4
+            assert sub.index.entries() == set(snap.blocks)
+            # a namespace dropped: every copy of it removed
+            ns = c.namespace(IDENT)
+            assert ns.drop() == 4
+            synced(c, sub)
+            assert sub.index.tiers == {}
+            removed = msgspec.msgpack.decode(sub.payloads[-1][1])[1]
+            assert [(e["type"], e["medium"], sorted(e["block_hashes"])) for e in removed] == [
+                ("BlockRemoved", "STORAGE", sorted(keys))]
+    finally:
+        sub.close()
