@@ -89,9 +89,9 @@ def bench_publish(work: Path, repeats: int) -> tuple[float, float]:
             tokens = list(range(i * 1024, (i + 1) * 1024))
             keys = chain_keys(ns.id, tokens, 16)
             r = store.reserve("bench", ns, keys, None, 0.0)
-            raw = np.asarray(tokens, dtype="<i8").tobytes()
+            packed = np.asarray(tokens, dtype="<i8").tobytes()
             store.commit("bench", r.id, 0.0,  # type: ignore[union-attr]
-                         tokens=[raw[j * 128:(j + 1) * 128] for j in range(64)])
+                         tokens=[packed[j * 128:(j + 1) * 128] for j in range(64)])
             start = time.perf_counter()
             pub.flush()
             ours.append(time.perf_counter() - start)
@@ -134,8 +134,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def workload(client: Client, counter: list[int], n: int = 40) -> Callable[[], int]:
+def workload(client: Client, counter: list[int], n: int = 40,
+             data: bool = False) -> Callable[[], int]:
+    """Stores of 16-block chains and lookups (``data``: the blocks' bytes written into
+    the arena and read back under a pin, as an engine's offload and reload do)."""
     ns = client.namespace(IDENT)
+    blob = np.ones(ns.block_bytes, dtype=np.uint8)
+    sink = np.empty(ns.block_bytes, dtype=np.uint8)
 
     def run() -> int:
         for _ in range(n):
@@ -143,11 +148,18 @@ def workload(client: Client, counter: list[int], n: int = 40) -> Callable[[], in
             counter[0] += 1
             keys = ns.keys(range(i * 256, (i + 1) * 256))
             with ns.reserve(keys) as r:
+                if data:
+                    for buf in r.buffers:
+                        np.copyto(np.frombuffer(buf, dtype=np.uint8), blob)
                 r.commit()
             ns.lookup(keys)
+            if data:
+                with ns.acquire(keys) as held:
+                    for buf in held.buffers:
+                        np.copyto(sink, np.frombuffer(buf, dtype=np.uint8))
             if i % 64 == 63:
                 ns.evict(keys)
-        return 3 * n  # requests: reserve, commit, lookup
+        return (5 if data else 3) * n  # reserve, commit, lookup (acquire, release)
     return run
 
 
@@ -162,16 +174,17 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
-def bench_throughput(work: Path, repeats: int) -> dict[str, float]:
+def bench_throughput(work: Path, repeats: int, data: bool = False) -> dict[str, float]:
     """Requests a second, and daemon CPU time per request, of a daemon publishing events
     to a subscriber, of one publishing to nobody, and of one that does not publish.  On
     a busy machine the CPU time per request is the steadier figure: the rate a daemon
     sustains is the inverse of it."""
-    pub = f"ipc://{work}/events.sock"
-    on, on_ep, _ = start_daemon(work, "on", {"KVSTORE_EVENTS_ENDPOINT": pub})
-    alone, alone_ep, _ = start_daemon(work, "alone", {
-        "KVSTORE_EVENTS_ENDPOINT": f"ipc://{work}/nobody.sock"})
-    off, off_ep, _ = start_daemon(work, "off", {})
+    tag = "d" if data else "c"
+    pub = f"ipc://{work}/events-{tag}.sock"
+    on, on_ep, _ = start_daemon(work, f"on-{tag}", {"KVSTORE_EVENTS_ENDPOINT": pub})
+    alone, alone_ep, _ = start_daemon(work, f"alone-{tag}", {
+        "KVSTORE_EVENTS_ENDPOINT": f"ipc://{work}/nobody-{tag}.sock"})
+    off, off_ep, _ = start_daemon(work, f"off-{tag}", {})
     sub = subscriber(pub)
     rates: tuple[list[float], list[float], list[float]] = ([], [], [])
     cpu = [0, 0, 0]
@@ -181,7 +194,8 @@ def bench_throughput(work: Path, repeats: int) -> dict[str, float]:
         with Client(on_ep, tenant="bench") as c_on, \
                 Client(alone_ep, tenant="bench") as c_alone, \
                 Client(off_ep, tenant="bench") as c_off:
-            runs = (workload(c_on, [0]), workload(c_alone, [0]), workload(c_off, [0]))
+            runs = (workload(c_on, [0], data=data), workload(c_alone, [0], data=data),
+                    workload(c_off, [0], data=data))
             for run in runs:
                 run()
             for _ in range(repeats):
@@ -268,15 +282,16 @@ def main() -> None:
         t_pub, t_raw = bench_publish(work, args.repeats)
         rows.append(("64-block batch, daemon time (us)", t_pub, t_raw, "encode+send", ".2f"))
     if args.only in (None, "throughput"):
-        t = bench_throughput(work, args.repeats)
-        rows.append(("requests/s, events to a subscriber", t["on"], t["off"], "events off",
-                     ".3f"))
-        rows.append(("requests/s, events to nobody", t["alone"], t["off"], "events off",
-                     ".3f"))
-        rows.append(("daemon cpu us/request, to a subscriber", t["on_cpu_us"],
-                     t["off_cpu_us"], "events off", ".3f"))
-        rows.append(("daemon cpu us/request, to nobody", t["alone_cpu_us"], t["off_cpu_us"],
-                     "events off", ".3f"))
+        for data, what in ((False, "control"), (True, "with bytes")):
+            t = bench_throughput(work, args.repeats, data)
+            rows.append((f"{what}: requests/s, to a subscriber", t["on"], t["off"],
+                         "events off", ".3f"))
+            rows.append((f"{what}: requests/s, to nobody", t["alone"], t["off"],
+                         "events off", ".3f"))
+            rows.append((f"{what}: daemon cpu us/request, to a sub", t["on_cpu_us"],
+                         t["off_cpu_us"], "events off", ".3f"))
+            rows.append((f"{what}: daemon cpu us/request, nobody", t["alone_cpu_us"],
+                         t["off_cpu_us"], "events off", ".3f"))
     if args.only in (None, "route"):
         route = bench_route(work, args.repeats, args.daemons)
         n = args.daemons
