@@ -149,3 +149,25 @@ def test_both_encodings_decode_as_vllm_lays_them_out() -> None:
         typed = decoder(encoding).decode(raw)
         assert [type(e).__name__.replace("Array", "") for e in typed.events] == [
             "AllBlocksCleared", "BlockStored"]
+
+
+def test_bad_events_settings_are_refused_by_name() -> None:
+    import pytest
+
+    from kvstore.config import load_config
+    from kvstore.errors import ConfigError
+
+    for env, field in (({"KVSTORE_EVENTS_ENCODING": "json"}, "events.encoding"),
+                       ({"KVSTORE_EVENTS_ENDPOINT": "udp://x"}, "events.endpoint"),
+                       ({"KVSTORE_EVENTS_REPLAY_ENDPOINT": "tcp://*:1"},
+                        "events.replay_endpoint"),
+                       ({"KVSTORE_EVENTS_ENDPOINT": "tcp://*:1",
+                         "KVSTORE_EVENTS_BUFFER_STEPS": "0"}, "events.buffer_steps"),
+                       ({"KVSTORE_EVENTS_GROUP_IDX": "-2"}, "events.group_idx"),
+                       ({"KVSTORE_EVENTS_SSD_BANDWIDTH": "0"}, "events.ssd_bandwidth")):
+        with pytest.raises(ConfigError, match=field):
+            load_config(env=env)
+    config = load_config(env={"KVSTORE_EVENTS_ENDPOINT": "tcp://*:5557",
+                              "KVSTORE_EVENTS_TOPIC": "kv@pod@model"})
+    assert config.events.endpoint == "tcp://*:5557" and config.events.topic == "kv@pod@model"
+    assert load_config(env={}).events.endpoint == ""  # off by default

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import zmq
 from daemon_proc import DaemonProcess, free_port
 from events_sub import Mix, Subscriber
 from kvtest import make_identity
@@ -110,6 +111,11 @@ def test_array_encoding_and_the_replay_end_marker(daemon_factory: Any) -> None:
             assert stored[4] == BT and stored[6] == "CPU" and stored[9] == 2
             assert stored[8] == [["s1"]] * 3
             assert sub.replay(5) == []  # past the end: only the end marker
+            bad = sub.ctx.socket(zmq.DEALER)  # a malformed request is ignored
+            bad.connect(f"tcp://127.0.0.1:{replay}")
+            bad.send_multipart([b"", b"short"])
+            bad.close(linger=1000)
+            assert [s for s, _ in sub.replay(0)] == [0, 1]  # still serving
             typed = decoder("array").decode(sub.replay(1)[0][1])
             assert typed.events[0].block_hashes == keys
             assert ns.evict(keys[1:]) == 2
@@ -157,8 +163,6 @@ def test_a_slow_subscriber_never_slows_the_daemon(daemon_factory: Any,
     """A subscriber that stops reading: the daemon drops batches (counted, in the
     metrics too) instead of waiting; the subscriber sees the jump and replays it."""
     import urllib.request
-
-    import zmq
 
     pub = f"ipc://{tmp_path / 'events.sock'}"
     replay = f"ipc://{tmp_path / 'replay.sock'}"
