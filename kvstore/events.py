@@ -118,6 +118,23 @@ def decoder(encoding: str = "map") -> msgspec.msgpack.Decoder[Any]:
     return msgspec.msgpack.Decoder(KVEventBatch if encoding == "map" else KVEventBatchArray)
 
 
+_U32 = np.dtype([("tag", "u1"), ("value", ">u4")])
+_I64 = np.dtype([("tag", "u1"), ("value", ">i8")])
+
+
+def token_array(packed: bytes) -> list[int]:
+    """Token ids (little-endian int64) as an encoded msgpack array, built by numpy rather
+    than one Python int at a time: each id as a uint32 (tag 0xce), or an int64 (0xd3) if
+    any is out of that range.  A ``msgspec.Raw`` that passes for the list it encodes."""
+    ids = np.frombuffer(packed, dtype="<i8")
+    wide = bool(ids.size) and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 32)
+    out = np.empty(ids.size, dtype=_I64 if wide else _U32)
+    out["tag"] = 0xd3 if wide else 0xce
+    out["value"] = ids
+    head = b"\xdd" + ids.size.to_bytes(4, "big")
+    return msgspec.Raw(head + out.tobytes())  # type: ignore[return-value]
+
+
 class EventMaker:
     """Changes of the store into events, in one encoding."""
 
@@ -141,12 +158,13 @@ class EventMaker:
 
     def store_event(self, ns: Namespace, blocks: list[Block], medium: str,
                     locality: str | None) -> BlockStored:
+        """One run's event, ready to encode (its token ids encoded already)."""
         identity = ns.identity
         parent = blocks[0].parent
         raw = [b.tokens for b in blocks]
         tokens: list[int] = []
         if all(raw):  # else not sent by a writer (or restored from SSD): none
-            tokens = np.frombuffer(b"".join(raw), dtype="<i8").tolist()  # type: ignore[arg-type]
+            tokens = token_array(b"".join(raw))  # type: ignore[arg-type]
         extra: list[tuple[Any, ...] | None] | None = (
             [(identity.salt,)] * len(blocks) if identity.salt else None)
         return self.stored(

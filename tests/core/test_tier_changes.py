@@ -94,7 +94,10 @@ def test_a_commit_is_one_run_with_its_tokens_and_the_hook_runs_once() -> None:
     assert isinstance(stored, Stored) and stored.tier == "dram"
     assert [b.key for b in stored.blocks] == keys
     event = EventMaker(EventsConfig(group_idx=3)).events([stored])[0]
-    assert event.token_ids == tokens and event.block_size == 16  # type: ignore[union-attr]
+    # the token ids go pre-encoded (a msgspec.Raw), and decode to the ids committed
+    encoded = msgspec.msgpack.encode(event.token_ids)  # type: ignore[union-attr]
+    assert msgspec.msgpack.decode(encoded) == tokens
+    assert event.block_size == 16  # type: ignore[union-attr]
     assert event.lora_name == "sql-lora"  # type: ignore[union-attr]
     assert event.extra_keys == [("pepper",)] * 3  # type: ignore[union-attr]
     assert event.medium == "CPU" and event.group_idx == 3
