@@ -33,6 +33,7 @@ from kvstore.errors import (
     TooLargeError,
     UnavailableError,
 )
+from kvstore.events import EventPublisher
 from kvstore.gpu_mover import GpuMover
 from kvstore.heap import settle_every
 from kvstore.invariant_watch import InvariantWatch
@@ -42,6 +43,7 @@ from kvstore.metrics import Metrics, stats_on_loop
 from kvstore.moves import Moves
 from kvstore.plans import Plan
 from kvstore.remote import RemoteTier
+from kvstore.routing import RoutingVerbs
 from kvstore.scheduler.admission import PolicyChain
 from kvstore.scheduler.queues import TransferKind
 from kvstore.sdnotify import Notifier
@@ -110,6 +112,9 @@ class Server:
         self.finisher = Finisher(self)
         self.verbs = Verbs(self)
         self.sides: list[SideSocket] = []
+        self.verbs.add(RoutingVerbs(self).table())
+        self.events = EventPublisher(config.events, self.store) if config.events.endpoint \
+            else None
 
     @property
     def endpoints(self) -> list[str]:
@@ -145,6 +150,8 @@ class Server:
                 raise
         if self.config.gpu.device:
             self._start_gpu()
+        if self.events is not None:
+            self._start_events()
         self.moves.attach(ssd=self.ssd, remote=self.remote, gpu=self.gpu)
         self._loop.call_soon(self.moves.start)  # restored SSD copies to send, say
         self.transport.open(self._loop)
@@ -191,6 +198,22 @@ class Server:
             self.arenas.close()
             raise
 
+    def _start_events(self) -> None:
+        """Bind the event stream's sockets; its first batch clears what subscribers knew
+        of this daemon and announces what the SSD index brought back."""
+        assert self.events is not None and self._loop is not None
+        try:
+            self.events.open(self._loop)
+        except BaseException:
+            self.events.close()
+            if self.ssd is not None:
+                self.ssd.close()
+            assert self.arenas is not None
+            self.arenas.close()
+            raise
+        self.events.start(self.ssd is not None)
+        log.info("kv events on %s", ", ".join(self.events.endpoints))
+
     async def drain(self, bound: float = 30.0) -> None:
         """Stop taking requests, let those under way finish (within ``bound`` seconds),
         flush writes to SSD and sync its index."""
@@ -235,6 +258,8 @@ class Server:
         for side in self.sides:
             side.close()
         self.transport.close()
+        if self.events is not None:
+            self.events.close()
         if self.ssd is not None:
             self.ssd.close()
             self.ssd = None
@@ -447,6 +472,8 @@ class Server:
         if self.remote is not None:
             out["remote"] = self.remote.stats()
             out["remote"]["copying_from_ssd"] = self.moves.copying_from_ssd
+        if self.events is not None:
+            out["events"] = self.events.stats()
         out["settings"] = self.live_settings()
         out["before_hello"] = {"dropped": self.transport.dropped_before_hello}
         if self.sides:
