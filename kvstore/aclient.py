@@ -28,12 +28,14 @@ from kvstore.client_core import (
     Received,
     ReservationCore,
     SessionCore,
+    check_reply,
     decode_reply,
     log,
     make_socket,
 )
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
+from kvstore.router import DEFAULT_PREFILL_RATE, Router, RouteResult
 
 T = TypeVar("T")
 
@@ -53,6 +55,7 @@ class AsyncClient(SessionCore):
         self._waiting: dict[int, asyncio.Future[Received]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._settled: asyncio.Event | None = None  # set once no posted reply is unread
+        self._routers: dict[tuple[str, ...], tuple[Router, asyncio.Lock]] = {}  # of route()
 
     async def connect(self) -> AsyncClient:
         """Open the socket and say hello.  The side socket's exchanges (a handshake
@@ -152,7 +155,34 @@ class AsyncClient(SessionCore):
         """Tell the daemon (for its metrics) how many tokens the engine recomputed."""
         self._on_ok(await self._call(self._report_request(recomputed_tokens)))
 
+    async def snapshot(self) -> p.SnapshotReply:
+        """See ``Client.snapshot``."""
+        return check_reply((await self._call(p.Snapshot(self._next_rid())))[0],
+                           p.SnapshotReply)
+
+    async def route(self, keys: Sequence[bytes], endpoints: Sequence[str], *,
+                    deadline: float = 0.05, prefill_rate: float = DEFAULT_PREFILL_RATE,
+                    tokens: int | None = None, block_tokens: int | None = None
+                    ) -> list[RouteResult]:
+        """See ``Client.route``: the query runs in a worker thread, one at a time per set
+        of endpoints (a router's sockets serve one query at once)."""
+        routers = self._routers
+        entry = routers.get(tuple(endpoints))
+        if entry is None:
+            entry = routers[tuple(endpoints)] = (
+                Router(endpoints, tenant=self._tenant, token=self._token or None,
+                       curve=self._curve), asyncio.Lock())
+        router, lock = entry
+        async with lock:
+            return await asyncio.to_thread(
+                router.route, keys, deadline=deadline, tokens=tokens,
+                block_tokens=block_tokens, prefill_rate=prefill_rate)
+
     async def close(self) -> None:
+        for router, lock in self._routers.values():
+            async with lock:
+                router.close()
+        self._routers.clear()
         self._unmap()
         if self._unread and self._reader is not None and not self._reader.done():
             # Posted releases must reach the daemon before the socket goes (it drops what

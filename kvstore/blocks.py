@@ -30,7 +30,7 @@ class Block:
 
     __slots__ = ("key", "ns", "parent", "kids", "offset", "refs", "ssd_offset",
                  "ssd_record", "ssd_holds", "demoting", "promoting", "seen", "remote",
-                 "checksum", "gpu_offset", "extra")
+                 "checksum", "gpu_offset", "extra", "tokens", "announced")
 
     def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
         self.key = key
@@ -52,6 +52,8 @@ class Block:
         self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown)
         self.gpu_offset: int | None = None  # a copy in the GPU tier's device pool
         self.extra: dict[str, int] | None = None  # copies in added tiers: name -> slot
+        self.tokens: bytes | None = None    # its token ids (int64 LE), kept while events are on
+        self.announced = 0                  # tiers the event stream announced it in (bits)
 
     # Hashed and compared by identity (in C: the orders, sets and dicts of blocks cost
     # no Python call per step); the eviction orders' ghost lists name a block by its key

@@ -174,6 +174,37 @@ def _cmd_drop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_route(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import msgspec
+
+    from kvstore.identity import Identity
+    from kvstore.keys import chain_keys
+    from kvstore.router import format_routes, read_tokens, route
+
+    text = args.identity
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    try:
+        identity = msgspec.json.decode(text, type=Identity)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        print(f"kvstore: --identity is not a valid identity: {exc}", file=sys.stderr)
+        return 2
+    tokens = read_tokens(args.tokens)
+    keys = chain_keys(identity.namespace_id, tokens, identity.block_tokens)
+    endpoints = [e for part in args.endpoints for e in part.split(",") if e]
+    results = route(keys, endpoints, deadline=args.deadline, prefill_rate=args.prefill_rate,
+                    tokens=len(tokens), block_tokens=identity.block_tokens,
+                    tenant=identity.tenant)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in results], default=str, indent=2))
+    else:
+        print(format_routes(results, len(keys)))
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from kvstore.config import config_to_toml, load_config
 
@@ -291,6 +322,22 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--ttl", type=float, default=86400.0, metavar="SECONDS",
                        help="how long the token is valid (default: a day)")
     token.set_defaults(func=_cmd_token)
+
+    rt = sub.add_parser("route", help="ask daemons where a request's prefix is cached, "
+                                      "cheapest first")
+    rt.add_argument("--endpoints", required=True, nargs="+", metavar="ENDPOINT",
+                    help="the daemons (one per worker or host), space or comma separated")
+    rt.add_argument("--tokens", required=True, metavar="FILE",
+                    help="the request's token ids: a JSON list, or integers split by "
+                         "spaces, commas or lines ('-': standard input)")
+    rt.add_argument("--identity", required=True, metavar="JSON",
+                    help="the model's identity as JSON, or @FILE holding it")
+    rt.add_argument("--prefill-rate", type=float, default=10_000.0, metavar="TOKENS",
+                    help="tokens a second a worker prefills (default 10000)")
+    rt.add_argument("--deadline", type=float, default=0.5, metavar="SECONDS",
+                    help="a daemon that has not answered by then ranks last (default 0.5)")
+    rt.add_argument("--json", action="store_true", help="machine-readable output")
+    rt.set_defaults(func=_cmd_route)
 
     config = sub.add_parser("config", help="check or show the configuration")
     config.add_argument("action", choices=["check", "show"])

@@ -36,6 +36,7 @@ from kvstore.client_core import (
     Received,
     ReservationCore,
     SessionCore,
+    check_reply,
     checksum,
     decode_reply,
     log,
@@ -43,10 +44,12 @@ from kvstore.client_core import (
 )
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
+from kvstore.router import DEFAULT_PREFILL_RATE, Router, RouteResult
 
 __all__ = ["AsyncClient", "AsyncHeld", "AsyncNamespace", "AsyncNamespaceOpener",
            "AsyncReservation", "BatchResult", "Client", "CurveKeys", "Held", "LookupResult",
-           "Namespace", "PlanItem", "PrefetchResult", "Reservation", "checksum"]
+           "Namespace", "PlanItem", "PrefetchResult", "Reservation", "RouteResult", "Router",
+           "checksum"]
 
 T = TypeVar("T")
 
@@ -69,6 +72,7 @@ class Client(SessionCore):
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
         self._early: dict[int, Received] = {}  # replies that came before the one awaited
+        self._routers: dict[tuple[str, ...], Router] = {}  # connections of route()
         try:
             self._on_hello(self._call(self._hello_request()))
         except BaseException:
@@ -150,7 +154,30 @@ class Client(SessionCore):
         """Tell the daemon (for its metrics) how many tokens the engine recomputed."""
         self._on_ok(self._call(self._report_request(recomputed_tokens)))
 
+    def snapshot(self) -> p.SnapshotReply:
+        """Every cached block the tenant may see, per tier: ``blocks`` of (key, parent,
+        tier), parents first, as of event batch ``seq`` (apply the batches after it)."""
+        return check_reply(self._call(p.Snapshot(self._next_rid()))[0], p.SnapshotReply)
+
+    def route(self, keys: Sequence[bytes], endpoints: Sequence[str], *,
+              deadline: float = 0.05, prefill_rate: float = DEFAULT_PREFILL_RATE,
+              tokens: int | None = None, block_tokens: int | None = None
+              ) -> list[RouteResult]:
+        """Ask the daemons at ``endpoints`` in parallel where the key chain is cached;
+        their answers cheapest first, those that did not answer within ``deadline``
+        seconds last (see ``kvstore.router``).  The connections stay for the next call."""
+        router = self._routers.get(tuple(endpoints))
+        if router is None:
+            router = self._routers[tuple(endpoints)] = Router(
+                endpoints, tenant=self._tenant, token=self._token or None,
+                curve=self._curve)
+        return router.route(keys, deadline=deadline, tokens=tokens,
+                            block_tokens=block_tokens, prefill_rate=prefill_rate)
+
     def close(self) -> None:
+        for router in self._routers.values():
+            router.close()
+        self._routers.clear()
         self._unmap()
         if self._sock is not None:
             # Posted releases must reach the daemon before the socket goes (it drops what

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
+import numpy as np
 import xxhash
 
 from kvstore import protocol as p
@@ -70,6 +71,7 @@ log = logging.getLogger("kvstore.client")
 
 CLOSE_WAIT_S = 1.0  # how long close() waits for the replies to posted releases
 _PARENT_MEMORY = 1 << 20  # chain links remembered per namespace, for reserve/put parents
+_TOKEN_MEMORY = 1 << 18   # token ids remembered per namespace, for the daemon's events
 _NO_PAYLOAD: Sequence[Any] = ()
 
 
@@ -448,6 +450,7 @@ class _Chains:
 
     def __init__(self) -> None:
         self._parents: OrderedDict[bytes, bytes | None] = OrderedDict()
+        self._tokens: OrderedDict[bytes, bytes] = OrderedDict()
 
     def remember(self, keys: list[bytes], parent: bytes | None) -> None:
         for key in keys:
@@ -458,6 +461,26 @@ class _Chains:
 
     def parent_of(self, first_key: bytes) -> bytes | None:
         return self._parents.get(first_key)
+
+    def remember_tokens(self, keys: list[bytes], token_ids: Sequence[int] | Any,
+                        block_tokens: int) -> None:
+        """Each block's token ids, to send with its commit (the daemon publishes events
+        that carry them)."""
+        raw = np.asarray(token_ids, dtype="<i8")[:len(keys) * block_tokens].tobytes()
+        size = 8 * block_tokens
+        for i, key in enumerate(keys):
+            self._tokens[key] = raw[i * size:(i + 1) * size]
+        most = max(1, _TOKEN_MEMORY // block_tokens)
+        while len(self._tokens) > most:
+            self._tokens.popitem(last=False)
+
+    def tokens_of(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Each key's block's token ids (b"" where not remembered); [] when none is, or
+        when they would crowd the request's header."""
+        out = [self._tokens.get(key, b"") for key in keys]
+        if sum(len(t) for t in out) > p.MAX_HEADER_BYTES // 2 or not any(out):
+            return []
+        return out
 
 
 class NamespaceCore(Generic[S]):
@@ -478,9 +501,23 @@ class NamespaceCore(Generic[S]):
 
     def keys(self, token_ids: Sequence[int] | Any, parent: bytes | None = None) -> list[bytes]:
         """One chained key per full block of ``token_ids``."""
+        events = self.events
+        if events:  # one array for the keys and the token ids kept for commits
+            try:
+                token_ids = np.asarray(token_ids, dtype="<i8")
+            except (TypeError, ValueError, OverflowError):
+                pass  # chain_keys says what is wrong with them
         keys = chain_keys(self.id, token_ids, self.identity.block_tokens, parent)
         self._chains.remember(keys, parent)
+        if events and keys:
+            self._chains.remember_tokens(keys, token_ids, self.identity.block_tokens)
         return keys
+
+    @property
+    def events(self) -> bool:
+        """Whether the daemon publishes KV events (commits then carry token ids)."""
+        hello = self.client.hello
+        return hello is not None and hello.events
 
     def _parent(self, keys: Sequence[bytes], parent: bytes | None) -> bytes | None:
         return parent if parent is not None or not keys else self._chains.parent_of(keys[0])
@@ -512,7 +549,9 @@ class NamespaceCore(Generic[S]):
             part = list(keys[start:start + per])
             payload = list(blocks[start:start + per])
             sums = [checksum(b) for b in payload] if c.checksums else []
-            received = yield p.Put(c._next_rid(), self.id, part, previous, sums), payload
+            tokens = self._chains.tokens_of(part) if self.events else []
+            received = yield (p.Put(c._next_rid(), self.id, part, previous, sums, tokens),
+                              payload)
             created += check_reply(received[0], p.PutReply).created
             previous = part[-1]
         return created
@@ -685,8 +724,9 @@ class ReservationCore(Generic[N]):
             raise KVStoreError("nothing reserved yet: await the reservation first")
         c = self.ns.client
         sums = [checksum(b) for b in self.buffers] if c.checksums else []
+        tokens = self.ns._chains.tokens_of(self.keys) if self.ns.events else []
         self._finish()
-        return p.Commit(c._next_rid(), self.id, sums)
+        return p.Commit(c._next_rid(), self.id, sums, tokens)
 
     @staticmethod
     def _on_commit(received: Received) -> int:

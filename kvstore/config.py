@@ -70,7 +70,7 @@ def endpoint_from_env() -> str:
     return os.environ.get("KVSTORE_ENDPOINT") or default_endpoint()
 
 
-SECTIONS = ("server", "dram", "ssd", "remote", "auth", "gpu")
+SECTIONS = ("server", "dram", "ssd", "remote", "auth", "gpu", "events")
 
 # The settings a SIGHUP changes in a running daemon (section, field); any other change
 # needs a restart.  The reload's merge and its list of what needs a restart both come
@@ -167,6 +167,46 @@ class AuthConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     peer_tenants: dict[str, str] = {}  # user name or uid -> tenant, by SO_PEERCRED
 
 
+class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The KV event stream for routers (vLLM's format; off while ``endpoint`` is empty),
+    and what a routing query reports of this daemon."""
+
+    endpoint: str = ""          # PUB socket, e.g. tcp://*:5557 (bound)
+    replay_endpoint: str = ""   # ROUTER answering "resend from sequence N" ("": none)
+    topic: str = ""             # llm-d expects kv@<pod>@<model>
+    encoding: str = "map"       # "map": events tagged by a "type" key; "array": positional
+    buffer_steps: int = 10000   # batches kept for replay
+    queue_batches: int = 10000  # batches queued per subscriber before drops
+    group_idx: int = -1         # the KV cache group events name (-1: left out)
+    data_parallel_rank: int = -1  # stamped on every batch (-1: left out)
+    # Load bandwidth per tier (bytes a second) a routing query assumes until the daemon
+    # has measured its own.
+    dram_bandwidth: str | int = "20GB"
+    ssd_bandwidth: str | int = "2GB"
+    remote_bandwidth: str | int = "1GB"
+
+    def validate(self) -> None:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value and not value.startswith(("ipc://", "tcp://", "inproc://")):
+                raise ConfigError(f"events.{name}: {value!r} must start with ipc://, tcp:// "
+                                  f"or inproc://")
+        if self.replay_endpoint and not self.endpoint:
+            raise ConfigError("events.replay_endpoint: replays need events.endpoint set")
+        if self.encoding not in ("map", "array"):
+            raise ConfigError("events.encoding: expected 'map' (events tagged by a type "
+                              "key) or 'array' (positional)")
+        for name in ("buffer_steps", "queue_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"events.{name}: must be at least 1")
+        for name in ("group_idx", "data_parallel_rank"):
+            if getattr(self, name) < -1:
+                raise ConfigError(f"events.{name}: -1 (left out) or a non-negative integer")
+        for name in ("dram_bandwidth", "ssd_bandwidth", "remote_bandwidth"):
+            if parse_size(getattr(self, name), f"events.{name}") <= 0:
+                raise ConfigError(f"events.{name}: must be a positive number of bytes")
+
+
 def data_dir() -> Path:
     """$XDG_DATA_HOME/kvstore, else ~/.local/share/kvstore."""
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"),
@@ -181,6 +221,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     remote: RemoteConfig = msgspec.field(default_factory=RemoteConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     gpu: GpuConfig = msgspec.field(default_factory=GpuConfig)
+    events: EventsConfig = msgspec.field(default_factory=EventsConfig)
 
     # -- derived, validated values ------------------------------------------------
     @property
@@ -369,6 +410,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(
                 f"dram.eviction_policy: {self.dram.eviction_policy!r}; expected one of "
                 f"{sorted(POLICIES)}")
+        self.events.validate()
         return self
 
 

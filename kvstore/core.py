@@ -31,6 +31,7 @@ from kvstore.gpu_copies import GpuCopies
 from kvstore.pool import SlabClass
 from kvstore.scheduler.admission import PolicyChain, Step
 from kvstore.tier import Tier
+from kvstore.tier_changes import TierChanges
 
 
 class StoreCore:
@@ -99,6 +100,7 @@ class StoreCore:
         self.ssd_committed_bytes = 0
         self.tiers: list[Tier] = []  # every tier's copies, fastest first (the parts add theirs)
         self.added_tiers: dict[str, Tier] = {}
+        self.changes: TierChanges | None = None  # blocks whose copies changed (events on)
         self._compose()
 
     def _compose(self) -> None:
@@ -109,6 +111,18 @@ class StoreCore:
         assert self.gpu is None, "the gpu tier is there already"
         self.gpu = copies
         self.tiers.append(copies)
+        copies.changes = self.changes
+
+    def record_changes(self, changes: TierChanges) -> None:
+        """Mark every block whose copies change from now on (the event stream is on)."""
+        self.changes = changes
+        if self.gpu is not None:
+            self.gpu.changes = changes
+
+    def changed(self, block: Block) -> None:
+        """The block's copies changed (a mark for the event stream, when it is on)."""
+        if self.changes is not None:
+            self.changes.touch(block)
 
     def add_tier(self, tier: Tier) -> None:
         """A tier beyond the store's own (see ``kvstore.tier``): listed after them, its
@@ -226,6 +240,8 @@ class StoreCore:
         block.demoting = False
         self.committed_slots -= 1
         self.committed_bytes -= ns.cls.slot_bytes
+        if self.changes is not None:
+            self.changes.touch(block)
         if self.dirty:
             self.dirty.get(ns.cls, {}).pop(block, None)
         self.forget_if_gone(block)
@@ -239,6 +255,8 @@ class StoreCore:
                and block.ssd_holds == 0 and not block.promoting
                and block.ns.blocks.get(block.key) is block):
             del block.ns.blocks[block.key]
+            if self.changes is not None and block.announced & 4:
+                self.changes.touch(block)  # a remote mark goes with the entry
             parent = block.parent
             if parent is not None:
                 parent.remove_child(block)
@@ -296,5 +314,7 @@ class StoreCore:
         block.ssd_record = None
         self.ssd_committed_slots -= 1
         self.ssd_committed_bytes -= cls.slot_bytes
+        if self.changes is not None:
+            self.changes.touch(block)
         self.forget_if_gone(block)
         return ns.id, block.key

@@ -19,6 +19,7 @@ from kvstore.pool import SlabPool
 
 if TYPE_CHECKING:
     from kvstore.blocks import Block
+    from kvstore.tier_changes import TierChanges
 
 
 class GpuCopies:
@@ -33,6 +34,7 @@ class GpuCopies:
         self.copies = 0
         self.evictions = 0
         self.refused = 0
+        self.changes: TierChanges | None = None  # marks for the event stream (when on)
 
     def plan(self, blocks: Iterable[Block]) -> list[tuple[Block, int]]:
         """Slots for the blocks (with a DRAM copy) that have no GPU copy yet, giving up
@@ -80,6 +82,8 @@ class GpuCopies:
             block.gpu_offset = slot
             self.order[block] = None
             self.copies += 1
+            if self.changes is not None:
+                self.changes.touch(block)
         else:
             self.pool.free(self.pool.class_for(block.ns.block_bytes), [slot])
 
@@ -94,6 +98,8 @@ class GpuCopies:
         self.pool.free(self.pool.class_for(block.ns.block_bytes), [block.gpu_offset])
         block.gpu_offset = None
         self.order.pop(block, None)
+        if self.changes is not None:
+            self.changes.touch(block)
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """The blocks were used: their copies go to the warm end."""

@@ -213,7 +213,25 @@ class _StatsCollector(Collector):
                 [], self._monotonic(("invariant_violations",),
                                     float(stats["invariant_violations"])))
         return [*pool.values(), peak, *counters.values(), evictions, hit_ratio, sessions,
-                namespaces, violations, *scheduling.values(), self._error_family()]
+                namespaces, violations, *scheduling.values(), self._error_family(),
+                *self._event_families(stats)]
+
+    def _event_families(self, stats: Mapping[str, Any]) -> list[Metric]:
+        """The KV event stream's batches sent and dropped (a subscriber was behind)."""
+        events = stats.get("events")
+        if not events:
+            return []
+        out: list[Metric] = []
+        for key, name, text in (
+                ("batches", "kvstore_events_batches", "KV event batches published."),
+                ("dropped", "kvstore_events_dropped",
+                 "KV event batches dropped because a subscriber's queue was full "
+                 "(subscribers see a sequence jump and replay it)."),
+                ("replays", "kvstore_events_replays", "Replay requests answered.")):
+            family = CounterMetricFamily(name, text)
+            family.add_metric([], self._monotonic(("events", key), float(events[key])))
+            out.append(family)
+        return out
 
 
 def stats_on_loop(

@@ -54,6 +54,9 @@ class Reserve(Message, tag="reserve"):
 class Commit(Message, tag="commit"):
     reservation: int
     checksums: list[int] = []  # xxh3_64 of each block as written, for readers to verify
+    # Each block's token ids as little-endian int64 (b"": not known), when the daemon
+    # publishes events; nothing otherwise.
+    tokens: list[bytes] = []
 
 
 class Abort(Message, tag="abort"):
@@ -74,6 +77,7 @@ class Put(Message, tag="put"):
     keys: list[Key]
     parent: Key | None = None
     checksums: list[int] = []
+    tokens: list[bytes] = []  # as Commit's
 
 
 class Get(Message, tag="get"):
@@ -141,9 +145,21 @@ class Ping(Message, tag="ping"):
     pass
 
 
+class Snapshot(Message, tag="snapshot"):
+    """Every cached block per tier, as of the event stream's last sequence number."""
+
+
+class Probe(Message, tag="probe"):
+    """What a router asks: the longest cached prefix of a key chain, per tier, and the
+    figures to estimate the cost of serving it here.  Nothing is touched."""
+
+    keys: list[Key]
+
+
 Request = Union[
     Hello, OpenNamespace, Lookup, Reserve, Commit, Abort, Acquire, Release, Put, Get,
     Evict, DropNamespace, Stats, Ping, Warm, Prefetch, ReserveBatch, Report, GpuAttach,
+    Snapshot, Probe,
 ]
 
 
@@ -158,6 +174,7 @@ class HelloReply(Message, tag="hello"):
     lease_seconds: float
     max_keys: int
     max_request_bytes: int
+    events: bool = False  # the daemon publishes KV events: send token ids with commits
 
 
 class NamespaceReply(Message, tag="open"):
@@ -237,10 +254,23 @@ class ErrorReply(Message, tag="error"):
     message: str
 
 
+class SnapshotReply(Message, tag="snapshot"):
+    seq: int  # the last batch of events this reflects (-1: none); apply those after it
+    blocks: list[tuple[bytes, bytes | None, str]]  # (key, parent, tier), parents first
+
+
+class ProbeReply(Message, tag="probe"):
+    tier_runs: list[tuple[str, int]]  # (tier, count) runs over the leading cached keys
+    block_bytes: int          # of the chain's namespace (0: no key of it is cached)
+    block_tokens: int
+    queue_seconds: float      # transfers waiting ahead of a new one, estimated
+    bandwidth: dict[str, float]  # load bandwidth per tier, bytes a second
+
+
 Reply = Union[
     HelloReply, NamespaceReply, LookupReply, ReserveReply, CommitReply, AcquireReply,
     PutReply, GetReply, CountReply, OkReply, StatsReply, PrefetchReply, BatchReply,
-    GpuReply, ErrorReply,
+    GpuReply, ErrorReply, SnapshotReply, ProbeReply,
 ]
 
 request_decoder = msgspec.msgpack.Decoder(Request)

@@ -136,6 +136,7 @@ class RemoteTier:
         result = self.store.commit(REMOTE_OWNER, r.id, time.monotonic(), sums)
         for block in result.blocks:
             block.remote = True
+            self.store.changed(block)
         self.counters["reads"] += len(missing)
         self.counters["read_bytes"] += len(missing) * ns.block_bytes
 
@@ -169,7 +170,9 @@ class RemoteTier:
             ok = await self.send(ns, [b.key for b in blocks], views, "write",
                                   write_back=self.write_back)
             for b, good in zip(blocks, ok or ()):
-                b.remote = b.remote or good
+                if good and not b.remote:
+                    b.remote = True
+                    self.store.changed(b)
         finally:
             for view in views:
                 view.release()

@@ -29,6 +29,7 @@ class RemoteCopies:
 
     def drop(self, block: Block) -> None:
         block.remote = False  # forgotten here; the remote store keeps its own
+        self.store.changed(block)
 
     def stats(self) -> dict[str, int]:
         return {"writing_back": len(self.store.remote_demoting),

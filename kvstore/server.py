@@ -33,6 +33,7 @@ from kvstore.errors import (
     TooLargeError,
     UnavailableError,
 )
+from kvstore.events import EventPublisher
 from kvstore.gpu_mover import GpuMover
 from kvstore.heap import settle_every
 from kvstore.invariant_watch import InvariantWatch
@@ -42,6 +43,7 @@ from kvstore.metrics import Metrics, stats_on_loop
 from kvstore.moves import Moves
 from kvstore.plans import Plan
 from kvstore.remote import RemoteTier
+from kvstore.routing import RoutingVerbs
 from kvstore.scheduler.admission import PolicyChain
 from kvstore.scheduler.queues import TransferKind
 from kvstore.sdnotify import Notifier
@@ -115,6 +117,9 @@ class Server:
         self.finisher = Finisher(self)
         self.verbs = Verbs(self)
         self.sides: list[SideSocket] = []
+        self.verbs.add(RoutingVerbs(self).table())
+        self.events = EventPublisher(config.events, self.store) if config.events.endpoint \
+            else None
 
     @property
     def endpoints(self) -> list[str]:
@@ -150,6 +155,8 @@ class Server:
                 raise
         if self.config.gpu.device:
             self._start_gpu()
+        if self.events is not None:
+            self._start_events()
         self.moves.attach(ssd=self.ssd, remote=self.remote, gpu=self.gpu)
         self._loop.call_soon(self.moves.start)  # restored SSD copies to send, say
         self.transport.open(self._loop)
@@ -196,37 +203,26 @@ class Server:
             self.arenas.close()
             raise
 
+    def _start_events(self) -> None:
+        """Bind the event stream's sockets; its first batch clears what subscribers knew
+        of this daemon and announces what the SSD index brought back."""
+        assert self.events is not None and self._loop is not None
+        try:
+            self.events.open(self._loop)
+        except BaseException:
+            self.events.close()
+            if self.ssd is not None:
+                self.ssd.close()
+            assert self.arenas is not None
+            self.arenas.close()
+            raise
+        self.events.start(self.ssd is not None)
+        log.info("kv events on %s", ", ".join(self.events.endpoints))
+
     async def drain(self, bound: float = 30.0) -> None:
         """Stop taking requests, let those under way finish (within ``bound`` seconds),
         flush writes to SSD and sync its index."""
-        self.transport.stop_reading()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=bound)
-        if self.remote is not None:
-            try:
-                await asyncio.wait_for(self.moves.stop_copying_ssd(), bound)
-                await asyncio.wait_for(self.remote.drain(), bound)
-                flushed = await asyncio.wait_for(self.remote.flush(), bound)
-                if flushed:
-                    log.info("wrote %d blocks back to the remote store on the way out",
-                             flushed)
-            except TimeoutError:
-                log.error("remote writes still under way at exit were dropped")
-            await self.remote.close()
-        if self.gpu is not None:
-            try:
-                await asyncio.wait_for(self.gpu.drain(), bound)
-            except TimeoutError:
-                log.error("copies into the gpu tier still under way at exit were dropped")
-        try:
-            await asyncio.wait_for(self.moves.drain(), bound)
-        except TimeoutError:
-            log.error("writes to the ssd tier still under way at exit were dropped")
-        if self.ssd is not None:
-            try:
-                await asyncio.wait_for(self.ssd.drain(), bound)
-            except (TimeoutError, KVStoreError) as exc:
-                log.error("could not flush the ssd tier on the way out: %r", exc)
+        await drain_server(self, bound)
 
     def stop(self) -> None:
         if self._stopped is not None:
@@ -240,6 +236,8 @@ class Server:
         for side in self.sides:
             side.close()
         self.transport.close()
+        if self.events is not None:
+            self.events.close()
         if self.ssd is not None:
             self.ssd.close()
             self.ssd = None
@@ -431,34 +429,8 @@ class Server:
 
     # -- housekeeping ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "tiers": self.store.tier_stats(),
-            "sessions": len(self.sessions),
-            "namespaces": len(self.store.namespaces),
-            "invariant_violations": self.invariant_violations,
-            "invariant_checks_forked": (self.invariant_watch.forked
-                                        if self.invariant_watch is not None else 0),
-            "scheduling": dict(self.scheduling),
-            "transfers": self.transfers.stats(),
-            "eviction_policies": {"dram": self.config.dram.eviction_policy, "ssd": "lru"},
-            "tenant_dram_bytes": {tenant: nbytes for dram in self.store.drams.values()
-                                  for tenant, nbytes in dram.used.items()},
-        }
-        if self.ssd is not None:
-            out["ssd_io"] = self.ssd.stats()
-        if self.gpu is not None:
-            out["gpu"] = self.gpu.stats()
-        elif self.gpu_reason:
-            out["gpu"] = {"off": self.gpu_reason}
-        if self.remote is not None:
-            out["remote"] = self.remote.stats()
-            out["remote"]["copying_from_ssd"] = self.moves.copying_from_ssd
-        out["settings"] = self.live_settings()
-        out["before_hello"] = {"dropped": self.transport.dropped_before_hello}
-        if self.sides:
-            out["side_socket"] = {key: sum(side.counts[key] for side in self.sides)
-                                  for key in self.sides[0].counts}
-        return out
+        """Every part's figures, as ``kvstore stats`` shows them."""
+        return server_stats(self)
 
     def _schedule_reaper(self) -> None:
         assert self._loop is not None
@@ -484,6 +456,72 @@ _TRANSFER_KIND = {"acquire": TransferKind.RELOAD, "get": TransferKind.RELOAD,
                   "lookup": TransferKind.RELOAD, "prefetch": TransferKind.PREFETCH}
 _FREES_ROOM = frozenset({"release", "abort", "commit", "evict", "drop", "put", "get"})
 
+
+def server_stats(server: Server) -> dict[str, Any]:
+    """The figures of every part of ``server``: O(tiers), never a walk of blocks."""
+    out: dict[str, Any] = {
+        "tiers": server.store.tier_stats(),
+        "sessions": len(server.sessions),
+        "namespaces": len(server.store.namespaces),
+        "invariant_violations": server.invariant_violations,
+        "invariant_checks_forked": (server.invariant_watch.forked
+                                    if server.invariant_watch is not None else 0),
+        "scheduling": dict(server.scheduling),
+        "transfers": server.transfers.stats(),
+        "eviction_policies": {"dram": server.config.dram.eviction_policy, "ssd": "lru"},
+        "tenant_dram_bytes": {tenant: nbytes for dram in server.store.drams.values()
+                              for tenant, nbytes in dram.used.items()},
+    }
+    if server.ssd is not None:
+        out["ssd_io"] = server.ssd.stats()
+    if server.gpu is not None:
+        out["gpu"] = server.gpu.stats()
+    elif server.gpu_reason:
+        out["gpu"] = {"off": server.gpu_reason}
+    if server.remote is not None:
+        out["remote"] = server.remote.stats()
+        out["remote"]["copying_from_ssd"] = server.moves.copying_from_ssd
+    if server.events is not None:
+        out["events"] = server.events.stats()
+    out["settings"] = server.live_settings()
+    out["before_hello"] = {"dropped": server.transport.dropped_before_hello}
+    if server.sides:
+        out["side_socket"] = {key: sum(side.counts[key] for side in server.sides)
+                              for key in server.sides[0].counts}
+    return out
+
+
+async def drain_server(server: Server, bound: float) -> None:
+    """Stop taking requests, let those under way finish (within ``bound`` seconds),
+    flush writes to SSD and sync its index."""
+    server.transport.stop_reading()
+    if server._tasks:
+        await asyncio.wait(list(server._tasks), timeout=bound)
+    if server.remote is not None:
+        try:
+            await asyncio.wait_for(server.moves.stop_copying_ssd(), bound)
+            await asyncio.wait_for(server.remote.drain(), bound)
+            flushed = await asyncio.wait_for(server.remote.flush(), bound)
+            if flushed:
+                log.info("wrote %d blocks back to the remote store on the way out",
+                         flushed)
+        except TimeoutError:
+            log.error("remote writes still under way at exit were dropped")
+        await server.remote.close()
+    if server.gpu is not None:
+        try:
+            await asyncio.wait_for(server.gpu.drain(), bound)
+        except TimeoutError:
+            log.error("copies into the gpu tier still under way at exit were dropped")
+    try:
+        await asyncio.wait_for(server.moves.drain(), bound)
+    except TimeoutError:
+        log.error("writes to the ssd tier still under way at exit were dropped")
+    if server.ssd is not None:
+        try:
+            await asyncio.wait_for(server.ssd.drain(), bound)
+        except (TimeoutError, KVStoreError) as exc:
+            log.error("could not flush the ssd tier on the way out: %r", exc)
 
 
 def _limits(s: ServerConfig) -> Limits:

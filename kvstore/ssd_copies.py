@@ -182,6 +182,7 @@ class SsdCopies:
                 self.store.dirty.get(b.ns.cls, {}).pop(b, None)
                 self.store.counters.ssd_writes += 1
                 self.store.counters.demotions += demote
+                self.store.changed(b)
             if not demote:
                 self.store.unpin_block(b)
                 continue
@@ -275,6 +276,7 @@ class SsdCopies:
             b.ssd_holds -= 1
             if done:
                 b.remote = True
+                self.store.changed(b)
                 self.store.counters.remote_writebacks += 1
             elif bad:
                 self.corrupt(b, removed)
@@ -363,6 +365,7 @@ class SsdCopies:
             b.ssd_holds -= 1
             if good and b.ssd_offset is not None:
                 b.offset = off
+                self.store.changed(b)
                 self.store.committed_slots += 1
                 self.store.committed_bytes += b.ns.cls.slot_bytes
                 b.ns.dram.policy(b.ns.cls).insert(b)

@@ -163,6 +163,7 @@ class BlockStore(StoreCore):
             self.remote_demoting.discard(b)
             if good:
                 b.remote = True
+                self.changed(b)
                 self.counters.remote_writebacks += 1
             if b.offset is None:
                 b.demoting = False
@@ -172,11 +173,18 @@ class BlockStore(StoreCore):
                 self.back_on_order(b)
 
     def commit(self, owner: Owner, rid: int, now: float,
-               checksums: Sequence[int] = ()) -> CommitResult:
-        """Publish a reservation's blocks (with the writer's checksums, if given)."""
+               checksums: Sequence[int] = (),
+               tokens: Sequence[bytes] = ()) -> CommitResult:
+        """Publish a reservation's blocks (with the writer's checksums and each block's
+        token ids as little-endian int64, if given)."""
         state, r = self.leases.take_reservation(owner, rid, now)
         if checksums and len(checksums) != len(r.keys):
             raise MalformedError(f"{len(checksums)} checksums for {len(r.keys)} blocks")
+        if tokens:
+            size = 8 * r.ns.identity.block_tokens
+            if len(tokens) != len(r.keys) or any(t and len(t) != size for t in tokens):
+                raise MalformedError(f"token ids must come as {size} bytes per block (or "
+                                     f"none), for each of the {len(r.keys)} keys")
         del state.reservations[rid]
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
@@ -194,6 +202,8 @@ class BlockStore(StoreCore):
                 ns.blocks[key] = block
                 if checksums:
                     block.checksum = checksums[i]
+            if tokens and tokens[i] and block.tokens is None:
+                block.tokens = tokens[i]
             if block.offset is not None or block.promoting:
                 duplicates.append(offset)
             else:
@@ -202,6 +212,8 @@ class BlockStore(StoreCore):
             block.seen += 1
             parent = block
         policy.insert_many(reversed(fresh))  # deepest first: parents end up warmer
+        if self.changes is not None:
+            self.changes.touch_all(fresh)
         if self.ssd is not None:
             dirty = self.dirty.setdefault(ns.cls, {})
             for block in fresh:

@@ -47,6 +47,9 @@ class SsdMover:
         self._background = Background()
         self._pending_removals: list[tuple[bytes, bytes]] = []
         self.errors = 0
+        self.reads = 0            # promotions, their bytes and time: the load bandwidth
+        self.read_bytes = 0
+        self.read_seconds = 0.0
         self.metrics: Any = None  # the daemon's Metrics, for transfer bytes and latency
 
     # -- start-up --------------------------------------------------------------------------
@@ -141,6 +144,9 @@ class SsdMover:
                                       default_tenant=t.blocks[0].ns.tenant):
                 started = time.perf_counter()
                 ok = await self.engine.read_many([b.ssd_record for b in t.blocks], views)
+            self.reads += 1
+            self.read_bytes += nbytes
+            self.read_seconds += time.perf_counter() - started
             if self.metrics is not None:
                 self.metrics.observe_transfer("promote", "ssd", nbytes,
                                               time.perf_counter() - started)

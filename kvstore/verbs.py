@@ -123,6 +123,11 @@ class Verbs:
         }
         self.names = {t: str(t.__struct_config__.tag) for t in self.table}
 
+    def add(self, table: dict[type[Any], Handler]) -> None:
+        """More handlers (the routing verbs, say)."""
+        self.table.update(table)
+        self.names.update({t: str(t.__struct_config__.tag) for t in table})
+
     def greet(self, routing_id: bytes, req: p.Hello, curve_tenant: str | None,
               uid: int | None = None) -> Session:
         """The session a hello opens (or attaches to), once its version and credentials
@@ -154,7 +159,7 @@ class Verbs:
         return p.HelloReply(
             req.rid, p.PROTOCOL_VERSION, session.id, session.tenant, arena.path,
             arena.capacity_bytes, d.limits.lease_seconds, d.max_keys,
-            d.max_request_bytes), []
+            d.max_request_bytes, bool(d.config.events.endpoint)), []
 
     def _open(self, session: Session, req: p.OpenNamespace, payload: list[Any]) -> Outcome:
         d = self.d
@@ -213,7 +218,7 @@ class Verbs:
 
     def _commit(self, session: Session, req: p.Commit, payload: list[Any]) -> Outcome:
         result = self.d.store.commit(session.id, req.reservation, self.d.clock(),
-                                     req.checksums)
+                                     req.checksums, req.tokens)
         self._committed(result.blocks)
         return p.CommitReply(req.rid, result.created, result.duplicates), []
 
@@ -265,6 +270,12 @@ class Verbs:
         if req.checksums and len(req.checksums) != len(req.keys):
             raise MalformedError(f"put of {len(req.keys)} keys carries {len(req.checksums)} "
                                  f"checksums")
+        size = 8 * ns.identity.block_tokens
+        if req.tokens and (len(req.tokens) != len(req.keys)
+                           or any(t and len(t) != size for t in req.tokens)):
+            raise MalformedError(f"put of {len(req.keys)} keys carries token ids of "
+                                 f"{len(req.tokens)} blocks; send {size} bytes per block "
+                                 f"(or none)")
         for i, frame in enumerate(payload):
             if len(frame) != ns.block_bytes:
                 raise MalformedError(f"frame {i} holds {len(frame)} bytes; a block of this "
@@ -280,7 +291,7 @@ class Verbs:
         except BaseException:
             d.store.abort(session.id, r.id)
             raise
-        result = d.store.commit(session.id, r.id, now, req.checksums)
+        result = d.store.commit(session.id, r.id, now, req.checksums, req.tokens)
         self._committed(result.blocks)
         return p.PutReply(req.rid, result.created, result.duplicates), []
 

@@ -12,6 +12,7 @@ from kvstore.config import (
     AuthConfig,
     Config,
     DramConfig,
+    EventsConfig,
     GpuConfig,
     RemoteConfig,
     ServerConfig,
@@ -34,7 +35,7 @@ def test_example_config_shows_every_field() -> None:
     assert set(data) == set(Config.__struct_fields__)
     for section, struct in (("server", ServerConfig), ("dram", DramConfig), ("ssd", SsdConfig),
                             ("remote", RemoteConfig), ("auth", AuthConfig),
-                            ("gpu", GpuConfig)):
+                            ("gpu", GpuConfig), ("events", EventsConfig)):
         missing = set(struct.__struct_fields__) - set(data[section])
         assert not missing, f"[{section}] of the example lacks {sorted(missing)}"
 

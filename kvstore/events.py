@@ -1,0 +1,356 @@
+"""The KV event stream: vLLM's ``KVEventBatch`` of block events, published for routers.
+
+Routers that send requests where their prefix is cached (llm-d's KV-cache-aware
+scheduler, Dynamo's KV router) build their view from vLLM's event stream; this module
+speaks it for kvstore's tiers.  The store marks blocks whose copies changed
+(``kvstore.tier_changes``); once per loop turn the publisher drains the marks, turns them
+into ``BlockStored`` / ``BlockRemoved`` events (one event per run of a chain, per tier)
+and sends one batch in the stream's three frames: the topic, an 8-byte big-endian
+sequence number, the msgpack payload.
+
+Tiers map to vLLM's media: DRAM is ``CPU``, the GPU pool ``GPU``, SSD and the remote
+store ``STORAGE`` (told apart by ``locality``: ``LOCAL`` and ``REMOTE``).  Events are
+maps tagged ``type`` (vLLM's encoding today) or positional arrays tagged first (the
+older one), as configured; the batch itself is always an array.
+
+A slow subscriber never slows the daemon: the PUB socket (an XPUB that refuses rather
+than blocks) queues ``queue_batches`` per subscriber, and a batch it cannot take now is
+dropped and counted, so subscribers see a sequence jump.  The last ``buffer_steps``
+batches stay in a ring; the replay socket (ROUTER) answers a request naming a sequence
+number with every batch from there on, each as ``[seq, payload]``, and ends with
+``[-1, b""]``, as vLLM's publisher does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+import zmq
+
+from kvstore.blocks import DRAM, SSD, Block, Namespace
+from kvstore.config import EventsConfig
+from kvstore.store import BlockStore
+from kvstore.tier_changes import GPU, REMOTE, Change, Removed, Stored, TierChanges
+
+log = logging.getLogger("kvstore.events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+
+# tier -> (medium, locality)
+MEDIA: dict[str, tuple[str, str | None]] = {
+    GPU: ("GPU", None),
+    DRAM: ("CPU", None),
+    SSD: ("STORAGE", "LOCAL"),
+    REMOTE: ("STORAGE", "REMOTE"),
+}
+
+
+# -- the events, field for field as vLLM defines them (vllm/distributed/kv_events.py) -----
+
+class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """An event, encoded as a map with a ``type`` key naming it."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+# The older encoding: the same events as arrays, their tag first.
+class BlockStoredArray(BlockStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class BlockRemovedArray(BlockRemoved, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class AllBlocksClearedArray(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+class KVEventBatchArray(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Union[BlockStoredArray, BlockRemovedArray, AllBlocksClearedArray]]
+    data_parallel_rank: int | None = None
+
+
+def decoder(encoding: str = "map") -> msgspec.msgpack.Decoder[Any]:
+    """A decoder of batches in ``encoding`` (for subscribers written in Python)."""
+    return msgspec.msgpack.Decoder(KVEventBatch if encoding == "map" else KVEventBatchArray)
+
+
+_U32 = np.dtype([("tag", "u1"), ("value", ">u4")])
+_I64 = np.dtype([("tag", "u1"), ("value", ">i8")])
+
+
+def token_array(packed: bytes) -> list[int]:
+    """Token ids (little-endian int64) as an encoded msgpack array, built by numpy rather
+    than one Python int at a time: each id as a uint32 (tag 0xce), or an int64 (0xd3) if
+    any is out of that range.  A ``msgspec.Raw`` that passes for the list it encodes."""
+    ids = np.frombuffer(packed, dtype="<i8")
+    wide = bool(ids.size) and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 32)
+    out = np.empty(ids.size, dtype=_I64 if wide else _U32)
+    out["tag"] = 0xd3 if wide else 0xce
+    out["value"] = ids
+    head = b"\xdd" + ids.size.to_bytes(4, "big")
+    return msgspec.Raw(head + out.tobytes())  # type: ignore[return-value]
+
+
+class EventMaker:
+    """Changes of the store into events, in one encoding."""
+
+    def __init__(self, config: EventsConfig) -> None:
+        array = config.encoding == "array"
+        self.stored: type[BlockStored] = BlockStoredArray if array else BlockStored
+        self.removed: type[BlockRemoved] = BlockRemovedArray if array else BlockRemoved
+        self.cleared: type[AllBlocksCleared] = (AllBlocksClearedArray if array
+                                                else AllBlocksCleared)
+        self.group_idx = config.group_idx if config.group_idx >= 0 else None
+
+    def events(self, changes: Iterable[Change]) -> list[Event]:
+        out: list[Event] = []
+        for change in changes:
+            medium, locality = MEDIA[change.tier]
+            if isinstance(change, Removed):
+                out.append(self.removed(change.keys, medium, self.group_idx, locality))
+            else:
+                out.append(self.store_event(change.ns, change.blocks, medium, locality))
+        return out
+
+    def store_event(self, ns: Namespace, blocks: list[Block], medium: str,
+                    locality: str | None) -> BlockStored:
+        """One run's event, ready to encode (its token ids encoded already)."""
+        identity = ns.identity
+        parent = blocks[0].parent
+        raw = [b.tokens for b in blocks]
+        tokens: list[int] = []
+        if all(raw):  # else not sent by a writer (or restored from SSD): none
+            tokens = token_array(b"".join(raw))  # type: ignore[arg-type]
+        extra: list[tuple[Any, ...] | None] | None = (
+            [(identity.salt,)] * len(blocks) if identity.salt else None)
+        return self.stored(
+            [b.key for b in blocks], parent.key if parent is not None else None, tokens,
+            identity.block_tokens, None, medium, identity.adapter, extra, self.group_idx,
+            None, None, locality)
+
+
+class EventPublisher:
+    """The PUB and replay sockets, the ring of recent batches, and the per-turn flush."""
+
+    def __init__(self, config: EventsConfig, store: BlockStore) -> None:
+        self.config = config
+        self.store = store
+        self.maker = EventMaker(config)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.topic = config.topic.encode()
+        self.rank = config.data_parallel_rank if config.data_parallel_rank >= 0 else None
+        self.ring: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self.seq = 0                # the next batch's sequence number
+        self.batches = 0
+        self.events = 0
+        self.dropped = 0            # batches a subscriber's full queue refused
+        self.replays = 0
+        self.changes = TierChanges(self._soon)
+        self.endpoints: list[str] = []
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._pub: zmq.Socket[bytes] | None = None
+        self._replay: zmq.Socket[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._scheduled = False
+        self._fds: list[int] = []
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def open(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind the sockets and start marking the store's changes."""
+        self._loop = loop
+        self._ctx = zmq.Context()
+        pub = self._ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.SNDHWM, self.config.queue_batches)
+        pub.setsockopt(zmq.XPUB_NODROP, 1)  # refuse (counted) rather than drop unseen
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(self.config.endpoint)
+        self.endpoints.append(pub.getsockopt_string(zmq.LAST_ENDPOINT))
+        self._pub = pub
+        if self.config.replay_endpoint:
+            replay = self._ctx.socket(zmq.ROUTER)
+            replay.setsockopt(zmq.LINGER, 0)
+            replay.setsockopt(zmq.SNDHWM, 0)
+            replay.bind(self.config.replay_endpoint)
+            self.endpoints.append(replay.getsockopt_string(zmq.LAST_ENDPOINT))
+            self._replay = replay
+            fd: int = replay.getsockopt(zmq.FD)  # type: ignore[assignment]
+            self._fds.append(fd)
+            loop.add_reader(fd, self._serve_replays)
+            loop.call_soon(self._serve_replays)
+        self.store.record_changes(self.changes)
+
+    def start(self, restored: bool) -> None:
+        """The first batch: all cleared (what a subscriber knew of this daemon is gone),
+        then, with the SSD index restored, every block it holds."""
+        self.publish([self.maker.cleared()])
+        for ns in self.store.namespaces.values():
+            self.changes.touch_all(ns.blocks.values())  # parents first, as restored
+        if restored:
+            self.flush()
+
+    def close(self) -> None:
+        self.flush()
+        if self._loop is not None:
+            for fd in self._fds:
+                self._loop.remove_reader(fd)
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        self._pub = self._replay = self._ctx = None
+
+    # -- publishing -----------------------------------------------------------------------
+    def _soon(self) -> None:
+        # the first change of a loop turn: publish them all at its end
+        if not self._scheduled and self._loop is not None:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> int:
+        """Publish what changed since the last flush as one batch; its sequence number
+        (-1: nothing changed)."""
+        self._scheduled = False
+        if not self.changes.touched:
+            return -1
+        events = self.maker.events(self.changes.drain())
+        return self.publish(events) if events else -1
+
+    def publish(self, events: list[Event]) -> int:
+        seq = self.seq
+        self.seq += 1
+        batch = KVEventBatch(time.time(), events, self.rank)
+        payload = self.encoder.encode(batch)
+        self.ring.append((seq, payload))
+        self.batches += 1
+        self.events += len(events)
+        pub = self._pub
+        if pub is not None:
+            if not seq & 0xff:
+                self._drain_subscriptions()
+            try:
+                pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), _NOBLOCK)
+            except zmq.Again:
+                self.dropped += 1  # a subscriber is behind: it sees the gap, and replays
+        return seq
+
+    @property
+    def last_seq(self) -> int:
+        """The sequence number of the last batch published (-1: none yet)."""
+        return self.seq - 1
+
+    def _drain_subscriptions(self) -> None:
+        # Subscriptions arrive on an XPUB as messages; nothing is done with them but
+        # reading, every 256 batches (a reader on the socket would wake after each send).
+        pub = self._pub
+        while pub is not None and _readable(pub):
+            try:
+                pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+
+    def _serve_replays(self) -> None:
+        sock = self._replay
+        while sock is not None and _readable(sock):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("replay request of %d frames ignored: expected [identity, "
+                            "empty, 8-byte sequence]", len(frames))
+                continue
+            peer, _, start = frames
+            first = int.from_bytes(start, "big")
+            self.replays += 1
+            for seq, payload in list(self.ring):
+                if seq >= first:
+                    sock.send_multipart((peer, b"", seq.to_bytes(8, "big"), payload))
+            sock.send_multipart((peer, b"", END_SEQ, b""))
+
+    def stats(self) -> dict[str, int]:
+        return {"batches": self.batches, "events": self.events, "dropped": self.dropped,
+                "replays": self.replays, "last_seq": self.last_seq,
+                "buffered": len(self.ring)}
+
+
+def _readable(sock: zmq.Socket[bytes]) -> bool:
+    events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
+    return bool(events & _POLLIN)
+
+
+def snapshot(store: BlockStore, visible: Callable[[Namespace], bool]
+             ) -> list[tuple[bytes, bytes | None, str]]:
+    """Every cached block of the visible namespaces per tier: (key, parent, tier), in
+    chain order (a parent before its children)."""
+    from kvstore.tier_changes import TIER_BITS, holdings
+
+    out: list[tuple[bytes, bytes | None, str]] = []
+    for ns in store.namespaces.values():
+        if not visible(ns):
+            continue
+        for b in _parents_first(ns):
+            bits = holdings(b)
+            parent = b.parent.key if b.parent is not None else None
+            for tier, bit in TIER_BITS:
+                if bits & bit:
+                    out.append((b.key, parent, tier))
+    return out
+
+
+def _parents_first(ns: Namespace) -> list[Block]:
+    done: set[int] = set()
+    order: list[Block] = []
+    for b in ns.blocks.values():
+        path = []
+        while b is not None and id(b) not in done:
+            path.append(b)
+            b = b.parent  # type: ignore[assignment]
+        for x in reversed(path):
+            done.add(id(x))
+            order.append(x)
+    return order

@@ -1,0 +1,242 @@
+"""Cache-aware routing: ask several daemons at once where a request's prefix is cached.
+
+``Router`` holds one connection per daemon (one per worker or host).  ``route(keys)``
+sends each a ``probe`` of the request's key chain in parallel and waits until all have
+answered or the deadline passed: a daemon that has not answered by then is ranked last
+and never waited on (its late answer is dropped).  Each answer gives the longest cached
+prefix per tier, the daemon's wait ahead of a new transfer and its load bandwidth per
+tier, from which the router estimates the cost of serving the request there:
+
+    C = queue + prefill(P - H) + transfer(X)
+
+with ``P`` the request's tokens, ``H`` the cached prefix's tokens, ``prefill(n)`` the
+time to compute ``n`` tokens at the configured prefill rate, and ``transfer(X)`` the
+time to load the cached blocks ``X`` from their tiers.  The cheapest comes first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvstore import protocol as p
+from kvstore.client_core import CurveKeys, _tenant, _token, make_socket
+from kvstore.errors import MalformedError
+
+DEFAULT_PREFILL_RATE = 10_000.0  # tokens a second a worker prefills, unless told
+
+
+@dataclass
+class RouteResult:
+    """One daemon's answer (or silence), and the estimated cost of sending it there."""
+
+    endpoint: str
+    answered: bool
+    hits: int = 0                         # leading keys cached, in any tier
+    tiers: dict[str, int] = field(default_factory=dict)  # of those, how many per tier
+    queue_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    cost: float = math.inf                # seconds; inf when it did not answer
+    error: str = ""                       # why it did not answer, when it refused
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.hits
+
+
+class _Peer:
+    """One daemon's connection: its socket, whether its hello came back, the probe
+    awaited."""
+
+    def __init__(self, endpoint: str, sock: Any) -> None:
+        self.endpoint = endpoint
+        self.sock = sock
+        self.greeted = False
+        self.hello_rid = 0
+        self.waiting = 0  # rid of the probe this route waits for (0: none)
+        self.refused = ""
+
+
+class Router:
+    """Connections to a set of daemons, and routing queries over them."""
+
+    def __init__(self, endpoints: Sequence[str], *, tenant: str | None = None,
+                 token: str | None = None, curve: CurveKeys | None = None,
+                 prefill_rate: float = DEFAULT_PREFILL_RATE) -> None:
+        if not endpoints:
+            raise MalformedError("route: name at least one daemon endpoint")
+        if not prefill_rate > 0:
+            raise MalformedError("route: prefill_rate must be a positive number of tokens "
+                                 "a second")
+        self.prefill_rate = prefill_rate
+        self._tenant = _tenant(tenant, token)
+        self._token = _token(token)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._rids = itertools.count(1)
+        self._peers = [_Peer(e, make_socket(self._ctx, e, curve)) for e in endpoints]
+        self._poller = zmq.Poller()
+        self._by_sock: dict[Any, _Peer] = {}
+        for peer in self._peers:
+            self._poller.register(peer.sock, zmq.POLLIN)
+            self._by_sock[peer.sock] = peer
+            self._hello(peer)
+
+    def _hello(self, peer: _Peer) -> None:
+        peer.hello_rid = next(self._rids)
+        peer.sock.send(p.encoder.encode(
+            p.Hello(peer.hello_rid, p.PROTOCOL_VERSION, self._tenant, self._token)))
+
+    def route(self, keys: Sequence[bytes], *, deadline: float = 0.05,
+              tokens: int | None = None, block_tokens: int | None = None,
+              prefill_rate: float | None = None) -> list[RouteResult]:
+        """Every daemon's answer for the key chain, cheapest first; those that did not
+        answer within ``deadline`` seconds last.  ``tokens`` is the request's length
+        (default: the keys' blocks, full), ``block_tokens`` the tokens of a block
+        (default: as the daemons that cache the chain say)."""
+        rate = self.prefill_rate if prefill_rate is None else prefill_rate
+        if not rate > 0:
+            raise MalformedError("route: prefill_rate must be a positive number of tokens "
+                                 "a second")
+        keys = list(keys)
+        if not keys:
+            raise MalformedError("route: the key chain is empty")
+        if any(len(k) != p.KEY_BYTES for k in keys):
+            raise MalformedError(f"route: keys are {p.KEY_BYTES} bytes each")
+        answers: dict[str, p.ProbeReply] = {}
+        for peer in self._peers:
+            peer.waiting = next(self._rids)
+            peer.refused = ""
+            # the daemon serves a connection's requests in order: no wait for the hello
+            peer.sock.send(p.encoder.encode(p.Probe(peer.waiting, keys)))
+        end = time.monotonic() + deadline
+        pending = len(self._peers)
+        while pending:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            for sock, _ in self._poller.poll(math.ceil(left * 1000)):
+                pending -= self._read(self._by_sock[sock], answers)
+        return self._rank(keys, answers, tokens, block_tokens, rate)
+
+    def _read(self, peer: _Peer, answers: dict[str, p.ProbeReply]) -> int:
+        """Read what the peer sent; 1 when its awaited probe's answer (or refusal) came."""
+        done = 0
+        while True:
+            try:
+                frames = peer.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return done
+            try:
+                reply = p.reply_decoder.decode(frames[0])
+            except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
+                continue  # a peer that is not a kvstore daemon
+            if reply.rid == peer.hello_rid:
+                peer.greeted = isinstance(reply, p.HelloReply)
+                if isinstance(reply, p.ErrorReply) and peer.waiting:
+                    peer.refused = f"{reply.code}: {reply.message}"
+                continue
+            if reply.rid != peer.waiting:
+                continue  # a probe's answer that came after its deadline
+            peer.waiting = 0
+            done = 1
+            if isinstance(reply, p.ProbeReply):
+                answers[peer.endpoint] = reply
+            elif isinstance(reply, p.ErrorReply):
+                peer.refused = peer.refused or f"{reply.code}: {reply.message}"
+                # no session there (the daemon restarted, or the lease ran out): greet
+                # again, for the next query
+                self._hello(peer)
+
+    def _rank(self, keys: list[bytes], answers: dict[str, p.ProbeReply],
+              tokens: int | None, block_tokens: int | None,
+              rate: float) -> list[RouteResult]:
+        bt = block_tokens or next((a.block_tokens for a in answers.values()
+                                   if a.block_tokens), 1)
+        total = tokens if tokens is not None else len(keys) * bt
+        out: list[RouteResult] = []
+        for peer in self._peers:
+            a = answers.get(peer.endpoint)
+            if a is None:
+                out.append(RouteResult(peer.endpoint, False,
+                                       error=peer.refused or "no answer within the deadline"))
+                continue
+            tiers: dict[str, int] = {}
+            for tier, count in a.tier_runs:
+                tiers[tier] = tiers.get(tier, 0) + count
+            hits = sum(tiers.values())
+            slowest = min(a.bandwidth.values(), default=1.0) or 1.0
+            transfer = sum(n * a.block_bytes / (a.bandwidth.get(t) or slowest)
+                           for t, n in tiers.items())
+            prefill = max(0, total - hits * bt) / rate
+            out.append(RouteResult(peer.endpoint, True, hits, tiers, a.queue_seconds,
+                                   prefill, transfer, a.queue_seconds + prefill + transfer))
+        out.sort(key=lambda r: (not r.answered, r.cost))
+        return out
+
+    def close(self) -> None:
+        for peer in self._peers:
+            peer.sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> Router:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def read_tokens(path: str) -> list[int]:
+    """Token ids from a file: a JSON list, or integers split by spaces, commas or lines
+    (``-``: standard input)."""
+    import json
+    import sys
+
+    if path == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as exc:
+            raise MalformedError(f"cannot read token ids from {path!r}: {exc}") from None
+    try:
+        value = json.loads(text) if text.lstrip().startswith("[") else [
+            int(t) for t in text.replace(",", " ").split()]
+    except ValueError as exc:
+        raise MalformedError(f"{path!r} holds no list of token ids: {exc}") from None
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
+        raise MalformedError(f"{path!r} holds no list of integer token ids")
+    return value
+
+
+def format_routes(results: Sequence[RouteResult], blocks: int) -> str:
+    """A table of the answers, cheapest first."""
+    lines = [f"{'endpoint':<40} {'cached':>11}  {'per tier':<24} {'cost ms':>9}"]
+    for r in results:
+        if not r.answered:
+            lines.append(f"{r.endpoint:<40} {'-':>11}  {r.error:<24} {'inf':>9}")
+            continue
+        tiers = " ".join(f"{t}={n}" for t, n in r.tiers.items()) or "-"
+        cached = f"{r.hits}/{blocks}"
+        lines.append(f"{r.endpoint:<40} {cached:>11}  {tiers:<24} {r.cost * 1e3:>9.3f}")
+    return "\n".join(lines)
+
+
+def route(keys: Sequence[bytes], endpoints: Sequence[str], *, deadline: float = 0.05,
+          prefill_rate: float = DEFAULT_PREFILL_RATE, tokens: int | None = None,
+          block_tokens: int | None = None, tenant: str | None = None,
+          token: str | None = None) -> list[RouteResult]:
+    """One routing query over fresh connections (see ``Router`` to keep them)."""
+    with Router(endpoints, tenant=tenant, token=token, prefill_rate=prefill_rate) as r:
+        # a fresh connection's hello comes first: allow it the deadline as well
+        return r.route(keys, deadline=deadline, tokens=tokens, block_tokens=block_tokens)

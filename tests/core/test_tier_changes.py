@@ -1,0 +1,176 @@
+"""The store's tier changes as plain data: drained after every step of random sequences,
+they rebuild exactly what the store holds per tier; and the event encodings in Python."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+from hypothesis import settings
+from hypothesis.stateful import invariant
+from kvtest import make_identity
+from test_store_model import StoreMachine
+
+from kvstore.config import EventsConfig
+from kvstore.events import EventMaker, KVEventBatch, decoder
+from kvstore.keys import chain_keys
+from kvstore.store import BlockStore
+from kvstore.tier_changes import TIER_BITS, Removed, Stored, TierChanges, holdings
+
+
+class ChangesMachine(StoreMachine):
+    """The store machine's random sequences, with a mirror fed only by drained changes."""
+
+    ssd_slots = 8
+    dram_slots = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.firsts = 0
+        self.changes = TierChanges(self._first)
+        self.store.record_changes(self.changes)
+        self.mirror: dict[tuple[bytes, str], bytes | None] = {}  # (key, tier) -> parent
+
+    def _first(self) -> None:
+        self.firsts += 1
+
+    @invariant()
+    def mirror_equals_the_store(self) -> None:
+        marked = len(self.changes)
+        firsts = self.firsts
+        for change in self.changes.drain():
+            if isinstance(change, Removed):
+                for key in change.keys:
+                    assert (key, change.tier) in self.mirror, "removed but never stored"
+                    del self.mirror[(key, change.tier)]
+            else:
+                assert isinstance(change, Stored)
+                parent = change.blocks[0].parent
+                for b in change.blocks:
+                    assert b.parent is parent, "a run of blocks that is not one chain"
+                    assert (b.key, change.tier) not in self.mirror, "stored twice"
+                    self.mirror[(b.key, change.tier)] = parent.key if parent else None
+                    parent = b
+        assert len(self.changes) == 0
+        if marked:
+            assert firsts >= 1  # the daemon's hook ran for the first mark
+        held = {}
+        for ns in self.store.namespaces.values():
+            for b in ns.blocks.values():
+                bits = holdings(b)
+                for tier, bit in TIER_BITS:
+                    if bits & bit:
+                        held[(b.key, tier)] = b.parent.key if b.parent else None
+        assert held == self.mirror
+
+
+TestChangesMachine = ChangesMachine.TestCase
+TestChangesMachine.settings = settings(max_examples=80, stateful_step_count=60,
+                                       deadline=None)
+
+
+IDENT = make_identity(salt="pepper", adapter="sql-lora")
+
+
+def _store() -> tuple[BlockStore, TierChanges, list[int]]:
+    slot = IDENT.block_bytes
+    store = BlockStore(8 * slot, 4 * slot, ssd_capacity=8 * slot, ssd_slab_bytes=4 * slot)
+    calls: list[int] = []
+    changes = TierChanges(lambda: calls.append(1))
+    store.record_changes(changes)
+    return store, changes, calls
+
+
+def test_a_commit_is_one_run_with_its_tokens_and_the_hook_runs_once() -> None:
+    store, changes, calls = _store()
+    ns = store.open_namespace(IDENT)
+    tokens = list(range(3 * IDENT.block_tokens))
+    keys = chain_keys(ns.id, tokens, IDENT.block_tokens)
+    r = store.reserve("o", ns, keys, None, 0.0)
+    per_block = [np.asarray(tokens[i * 16:(i + 1) * 16], dtype="<i8").tobytes()
+                 for i in range(3)]
+    store.commit("o", r.id, 0.0, tokens=per_block)  # type: ignore[union-attr]
+    assert calls == [1]
+    [stored] = changes.drain()
+    assert isinstance(stored, Stored) and stored.tier == "dram"
+    assert [b.key for b in stored.blocks] == keys
+    event = EventMaker(EventsConfig(group_idx=3)).events([stored])[0]
+    # the token ids go pre-encoded (a msgspec.Raw), and decode to the ids committed
+    encoded = msgspec.msgpack.encode(event.token_ids)  # type: ignore[union-attr]
+    assert msgspec.msgpack.decode(encoded) == tokens
+    assert event.block_size == 16  # type: ignore[union-attr]
+    assert event.lora_name == "sql-lora"  # type: ignore[union-attr]
+    assert event.extra_keys == [("pepper",)] * 3  # type: ignore[union-attr]
+    assert event.medium == "CPU" and event.group_idx == 3
+    # evicted: one removal of the three keys, nothing stored
+    store.evict(ns, keys)
+    [removed] = changes.drain()
+    assert isinstance(removed, Removed) and sorted(removed.keys) == sorted(keys)
+    assert changes.drain() == []
+
+
+def test_a_copy_that_comes_and_goes_in_one_turn_is_never_announced() -> None:
+    store, changes, _ = _store()
+    ns = store.open_namespace(IDENT)
+    keys = chain_keys(ns.id, list(range(32)), IDENT.block_tokens)
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0)  # type: ignore[union-attr]
+    store.evict(ns, keys)
+    assert changes.drain() == []
+    # and one evicted then cached again in one turn: removed first, then stored
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0)  # type: ignore[union-attr]
+    changes.drain()
+    store.evict(ns, keys)
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0)  # type: ignore[union-attr]
+    kinds = [type(c).__name__ for c in changes.drain()]
+    assert kinds == ["Removed", "Stored"]
+
+
+def test_both_encodings_decode_as_vllm_lays_them_out() -> None:
+    store, changes, _ = _store()
+    ns = store.open_namespace(IDENT)
+    keys = chain_keys(ns.id, list(range(32)), IDENT.block_tokens)
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0)  # type: ignore[union-attr]
+    drained = changes.drain()
+    for encoding in ("map", "array"):
+        maker = EventMaker(EventsConfig(encoding=encoding))
+        batch = KVEventBatch(1.5, [maker.cleared(), *maker.events(drained)])
+        raw = msgspec.msgpack.encode(batch)
+        plain = msgspec.msgpack.decode(raw)
+        assert plain[0] == 1.5
+        cleared, stored = plain[1]
+        if encoding == "map":
+            assert cleared == {"type": "AllBlocksCleared"}
+            assert stored["type"] == "BlockStored" and stored["block_hashes"] == keys
+            assert stored["parent_block_hash"] is None and stored["token_ids"] == []
+            assert stored["medium"] == "CPU" and stored["lora_name"] == "sql-lora"
+        else:
+            assert cleared == ["AllBlocksCleared"]
+            assert stored[:8] == ["BlockStored", keys, None, [], 16, None, "CPU", "sql-lora"]
+        typed = decoder(encoding).decode(raw)
+        assert [type(e).__name__.replace("Array", "") for e in typed.events] == [
+            "AllBlocksCleared", "BlockStored"]
+
+
+def test_bad_events_settings_are_refused_by_name() -> None:
+    import pytest
+
+    from kvstore.config import load_config
+    from kvstore.errors import ConfigError
+
+    for env, field in (({"KVSTORE_EVENTS_ENCODING": "json"}, "events.encoding"),
+                       ({"KVSTORE_EVENTS_ENDPOINT": "udp://x"}, "events.endpoint"),
+                       ({"KVSTORE_EVENTS_REPLAY_ENDPOINT": "tcp://*:1"},
+                        "events.replay_endpoint"),
+                       ({"KVSTORE_EVENTS_ENDPOINT": "tcp://*:1",
+                         "KVSTORE_EVENTS_BUFFER_STEPS": "0"}, "events.buffer_steps"),
+                       ({"KVSTORE_EVENTS_GROUP_IDX": "-2"}, "events.group_idx"),
+                       ({"KVSTORE_EVENTS_SSD_BANDWIDTH": "0"}, "events.ssd_bandwidth")):
+        with pytest.raises(ConfigError, match=field):
+            load_config(env=env)
+    config = load_config(env={"KVSTORE_EVENTS_ENDPOINT": "tcp://*:5557",
+                              "KVSTORE_EVENTS_TOPIC": "kv@pod@model"})
+    assert config.events.endpoint == "tcp://*:5557" and config.events.topic == "kv@pod@model"
+    assert load_config(env={}).events.endpoint == ""  # off by default

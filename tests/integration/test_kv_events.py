@@ -1,0 +1,251 @@
+"""The KV event stream, the snapshot and the routing query, against real daemons.
+
+A subscriber rebuilds an index from the events alone (decoded with no schema, as any
+msgpack reader would) and must agree with the daemon's own lookups and its snapshot
+after a random mix of stores, evictions, demotions, promotions and restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from daemon_proc import DaemonProcess, free_port
+from events_sub import Mix, Subscriber
+from kvtest import make_identity
+
+from kvstore import Client
+from kvstore.errors import MalformedError
+from kvstore.events import decoder
+
+IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=64, salt="s1")  # 64 KiB blocks
+BT = IDENT.block_tokens
+
+
+def content(key: bytes) -> bytes:
+    seed = hashlib.blake2b(key, digest_size=32).digest()
+    return (seed * (IDENT.block_bytes // 32 + 1))[:IDENT.block_bytes]
+
+
+def events_env(pub: int, replay: int, **more: str) -> dict[str, str]:
+    env = {"KVSTORE_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{pub}",
+           "KVSTORE_EVENTS_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{replay}",
+           "KVSTORE_EVENTS_TOPIC": "kv@pod-a@tiny-llama"}
+    env.update(more)
+    return env
+
+
+def start_daemon(factory: Any, pub: int, replay: int, *, ssd: str = "4MiB",
+                 **more: str) -> DaemonProcess:
+    d: DaemonProcess = factory(dram_capacity="2MiB", ssd_capacity=ssd,
+                               extra=["--slab-size", "1MiB"],
+                               env=events_env(pub, replay, **more))
+    return d
+
+
+def synced(client: Client, sub: Subscriber) -> Any:
+    """The daemon's snapshot, with the subscriber caught up to it."""
+    snap = client.snapshot()
+    sub.until(snap.seq)
+    return snap
+
+
+def test_events_rebuild_the_daemons_index_through_a_random_mix(daemon_factory: Any) -> None:
+    pub, replay = free_port(), free_port()
+    d = start_daemon(daemon_factory, pub, replay)
+    sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    mix = Mix(d, sub, IDENT, seed=19, tenant="acme")
+    try:
+        mix.check()
+        assert sub.index.tiers == {}  # a cold start: all cleared, nothing stored
+        for step in range(60):
+            mix.step()
+            if step % 5 == 4:
+                mix.check()
+        mix.check()
+        stats = mix.client.stats()
+        assert stats["tiers"]["ssd"]["committed"] > 0, "the mix never reached the ssd tier"
+        assert stats["events"]["dropped"] == 0
+        assert mix.restarts >= 2, "the mix restarted the daemon too seldom"
+        assert sub.topics == {b"kv@pod-a@tiny-llama"}
+        # every block stored carried the tokens its writer sent (restored ones had none)
+        for key, ids in sub.index.tokens.items():
+            assert mix.tokens[key] == ids
+        assert sub.index.tokens
+        # every batch decodes with the typed decoder too, fields as vLLM names them
+        typed = decoder("map")
+        for seq, payload in sub.payloads:
+            if seq < 0:
+                continue
+            for e in typed.decode(payload).events:
+                if type(e).__name__ == "BlockStored":
+                    assert e.block_size == BT and e.extra_keys is not None
+                    assert e.medium in ("CPU", "STORAGE")
+    finally:
+        mix.close()
+        sub.close()
+
+
+def test_array_encoding_and_the_replay_end_marker(daemon_factory: Any) -> None:
+    pub, replay = free_port(), free_port()
+    d = start_daemon(daemon_factory, pub, replay, ssd="0",
+                     KVSTORE_EVENTS_ENCODING="array", KVSTORE_EVENTS_GROUP_IDX="2")
+    sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(IDENT)
+            keys = ns.keys(list(range(BT * 3)))
+            ns.put(keys, [content(k) for k in keys])
+            snap = synced(c, sub)
+            assert snap.seq == 1  # all cleared at start, then one batch for the put
+            raw = [msgspec.msgpack.decode(pl) for _, pl in sub.replay(0)]
+            cleared, stored = raw[0][1][0], raw[1][1][0]
+            assert cleared == ["AllBlocksCleared"]
+            assert stored[0] == "BlockStored" and stored[1] == keys
+            assert stored[2] is None and stored[3] == list(range(BT * 3))
+            assert stored[4] == BT and stored[6] == "CPU" and stored[9] == 2
+            assert stored[8] == [["s1"]] * 3
+            assert sub.replay(5) == []  # past the end: only the end marker
+            bad = sub.ctx.socket(zmq.DEALER)  # a malformed request is ignored
+            bad.connect(f"tcp://127.0.0.1:{replay}")
+            bad.send_multipart([b"", b"short"])
+            bad.close(linger=1000)
+            assert [s for s, _ in sub.replay(0)] == [0, 1]  # still serving
+            typed = decoder("array").decode(sub.replay(1)[0][1])
+            assert typed.events[0].block_hashes == keys
+            assert ns.evict(keys[1:]) == 2
+            snap = synced(c, sub)
+            assert sub.index.lookup(keys) == ["dram"]
+            removed = msgspec.msgpack.decode(sub.payloads[-1][1])[1][0]
+            assert removed[0] == "BlockRemoved" and set(removed[1]) == set(keys[1:])
+    finally:
+        sub.close()
+
+
+def test_bad_token_ids_are_refused_and_leave_nothing(daemon_factory: Any) -> None:
+    from kvstore import protocol as p
+
+    pub, replay = free_port(), free_port()
+    d = start_daemon(daemon_factory, pub, replay, ssd="0")
+    with Client(d.endpoint, tenant="acme") as c:
+        assert c.hello is not None and c.hello.events
+        ns = c.namespace(IDENT)
+        keys = ns.keys(list(range(BT * 2)))
+        before = c.stats()["tiers"]["dram"]
+        bad = p.Put(c._next_rid(), ns.id, keys, None, [], [bytes(8 * 3), b""])
+        reply = c._call(bad, [content(k) for k in keys])[0]
+        assert isinstance(reply, p.ErrorReply) and reply.code == MalformedError.code
+        assert "token ids" in reply.message
+        after = c.stats()["tiers"]["dram"]
+        assert after["committed"] == before["committed"]
+        assert after["reserved"] == before["reserved"]
+
+
+def test_a_daemon_without_events_asks_for_no_tokens(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    with Client(d.endpoint, tenant="acme") as c:
+        assert c.hello is not None and not c.hello.events
+        ns = c.namespace(IDENT)
+        keys = ns.keys(list(range(BT)))
+        assert ns._chains.tokens_of(keys) == []  # nothing remembered for it
+        ns.put(keys, [content(k) for k in keys])
+        assert "events" not in c.stats()
+        assert c.snapshot().seq == -1
+
+
+def test_a_slow_subscriber_never_slows_the_daemon(daemon_factory: Any,
+                                                   tmp_path: Path) -> None:
+    """A subscriber that stops reading: the daemon drops batches (counted, in the
+    metrics too) instead of waiting; the subscriber sees the jump and replays it."""
+    import urllib.request
+
+    pub = f"ipc://{tmp_path / 'events.sock'}"
+    replay = f"ipc://{tmp_path / 'replay.sock'}"
+    metrics_port = free_port()
+    d = daemon_factory(dram_capacity="8MiB", ssd_capacity="0",
+                       extra=["--slab-size", "1MiB", "--metrics-port", str(metrics_port)],
+                       env={"KVSTORE_EVENTS_ENDPOINT": pub,
+                            "KVSTORE_EVENTS_REPLAY_ENDPOINT": replay,
+                            "KVSTORE_EVENTS_QUEUE_BATCHES": "1",
+                            "KVSTORE_EVENTS_BUFFER_STEPS": "100000"})
+    sub = Subscriber(pub, replay)
+    sub.sub.close(linger=0)
+    stalled = sub.ctx.socket(zmq.SUB)  # subscribes, then reads nothing for a while
+    stalled.setsockopt(zmq.RCVHWM, 1)
+    stalled.setsockopt(zmq.RCVBUF, 4096)
+    stalled.setsockopt(zmq.SUBSCRIBE, b"")
+    stalled.connect(pub)
+    sub.sub = stalled
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(IDENT)
+            time.sleep(0.3)  # the subscription reaches the daemon
+            puts = 0
+            while c.stats()["events"]["dropped"] == 0 and puts < 4000:
+                for _ in range(50):
+                    keys = ns.keys([puts] * BT * 8)
+                    ns.put(keys, [content(k) for k in keys])
+                    puts += 1
+            stats = c.stats()["events"]
+            assert stats["dropped"] > 0, "a stalled subscriber never filled its queue"
+            snap = c.snapshot()
+            sub.until(snap.seq)  # reads the backlog, meets the jump, replays the gap
+            assert sub.gaps >= 1
+            assert [s for s, _ in sub.payloads] == list(range(snap.seq + 1))
+            assert sub.index.entries() == set(snap.blocks)
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as response:
+                text = response.read().decode()
+            dropped = [line for line in text.splitlines()
+                       if line.startswith("kvstore_events_dropped_total")]
+            assert dropped and float(dropped[0].split()[-1]) >= stats["dropped"]
+    finally:
+        sub.close()
+
+
+def test_a_restart_announces_what_the_ssd_index_brought_back(daemon_factory: Any) -> None:
+    pub, replay = free_port(), free_port()
+    d: DaemonProcess = daemon_factory(
+        dram_capacity="2MiB", ssd_capacity="4MiB",
+        extra=["--slab-size", "1MiB", "--ssd-write-policy", "write-through"],
+        env=events_env(pub, replay))
+    sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(IDENT)
+            keys = ns.keys(list(range(BT * 4)))
+            ns.put(keys, [content(k) for k in keys])
+            for _ in range(100):  # written through to SSD in the background
+                if c.stats()["tiers"]["ssd"]["committed"] == 4:
+                    break
+                time.sleep(0.05)
+            synced(c, sub)
+            assert sub.index.lookup(keys) == ["dram"] * 4
+            assert all(sub.index.tiers[k] == {"dram", "ssd"} for k in keys)
+        d.stop()
+        sub.restart()
+        d.start()
+        with Client(d.endpoint, tenant="acme") as c:
+            snap = synced(c, sub)
+            first = [msgspec.msgpack.decode(pl)[1] for _, pl in sub.replay(0)][:2]
+            assert first[0] == [{"type": "AllBlocksCleared"}]
+            [stored] = first[1]
+            assert stored["block_hashes"] == keys and stored["medium"] == "STORAGE"
+            assert stored["locality"] == "LOCAL" and stored["token_ids"] == []
+            assert sub.index.lookup(keys) == ["ssd"] * 4
+            assert sub.index.entries() == set(snap.blocks)
+            # a namespace dropped: every copy of it removed
+            ns = c.namespace(IDENT)
+            assert ns.drop() == 4
+            synced(c, sub)
+            assert sub.index.tiers == {}
+            removed = msgspec.msgpack.decode(sub.payloads[-1][1])[1]
+            assert [(e["type"], e["medium"], sorted(e["block_hashes"])) for e in removed] == [
+                ("BlockRemoved", "STORAGE", sorted(keys))]
+    finally:
+        sub.close()

@@ -1,0 +1,166 @@
+"""The routing query across real daemons: cheapest first, the silent ranked last."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from daemon_proc import free_port
+from kvtest import make_identity
+
+from kvstore import Client
+from kvstore.errors import MalformedError
+from kvstore.keys import chain_keys
+from kvstore.router import Router, route
+
+IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=64)  # 64 KiB blocks
+BT = IDENT.block_tokens
+TOKENS = list(range(1000, 1000 + BT * 8))
+
+
+def fill(endpoint: str, blocks: int, evict_to_ssd: bool = False) -> None:
+    """Cache the first ``blocks`` blocks of TOKENS in the daemon."""
+    with Client(endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(TOKENS)[:blocks]
+        if keys:
+            ns.put(keys, [bytes([i]) * IDENT.block_bytes for i in range(len(keys))])
+
+
+def test_route_ranks_daemons_by_estimated_cost(daemon_factory: Any, tmp_path: Path) -> None:
+    full = daemon_factory(tcp=True)
+    half = daemon_factory(tcp=True)
+    cold = daemon_factory(tcp=True)
+    fill(full.endpoint, 8)
+    fill(half.endpoint, 4)
+    dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    endpoints = [dead, cold.tcp_endpoint, half.tcp_endpoint, full.tcp_endpoint]
+    with Client(full.endpoint, tenant="acme") as c:
+        keys = c.namespace(IDENT).keys(TOKENS)
+        started = time.monotonic()
+        results = c.route(keys, endpoints, deadline=0.5, prefill_rate=1000.0)
+        took = time.monotonic() - started
+        assert [r.endpoint for r in results] == [full.tcp_endpoint, half.tcp_endpoint,
+                                                 cold.tcp_endpoint, dead]
+        assert took < 3.0  # the dead one was not waited on past the deadline
+        best, mid, none, silent = results
+        assert (best.hits, best.tiers) == (8, {"dram": 8})
+        assert (mid.hits, mid.tiers) == (4, {"dram": 4})
+        assert (none.hits, none.tiers) == (0, {})
+        assert not silent.answered and math.isinf(silent.cost) and silent.error
+        # the estimate: prefill of what is not cached, plus loading what is
+        assert none.prefill_seconds == pytest.approx(len(TOKENS) / 1000.0)
+        assert mid.prefill_seconds == pytest.approx(4 * BT / 1000.0)
+        assert best.prefill_seconds == 0.0
+        assert best.transfer_seconds == pytest.approx(8 * IDENT.block_bytes / 20e9)
+        assert best.cost == pytest.approx(best.queue_seconds + best.transfer_seconds)
+        # the connections stay: a second query answers from all three again
+        again = c.route(keys, endpoints, deadline=0.5, prefill_rate=1000.0)
+        assert [r.hits for r in again] == [8, 4, 0, 0]
+        # a probe touches nothing: the blocks' use counts stand as they were
+        assert c.stats()["tiers"]["dram"]["lookups"] == 0
+
+
+def test_a_stopped_daemon_ranks_last_and_is_not_waited_on(daemon_factory: Any) -> None:
+    a = daemon_factory(tcp=True)
+    b = daemon_factory(tcp=True)
+    fill(a.endpoint, 8)
+    fill(b.endpoint, 8)
+    keys = chain_keys(IDENT.namespace_id, TOKENS, BT)
+    with Router([a.tcp_endpoint, b.tcp_endpoint], tenant="acme") as r:
+        assert all(x.answered for x in r.route(keys, deadline=2.0))
+        assert a.proc is not None
+        a.proc.send_signal(signal.SIGSTOP)  # alive, but it answers nobody
+        try:
+            started = time.monotonic()
+            results = r.route(keys, deadline=0.2)
+            took = time.monotonic() - started
+            assert took < 1.5
+            assert [x.endpoint for x in results] == [b.tcp_endpoint, a.tcp_endpoint]
+            assert results[0].answered and not results[1].answered
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        # its late answer to the old query is dropped; the next query gets a fresh one
+        deadline = time.monotonic() + 10
+        while True:
+            results = r.route(keys, deadline=1.0)
+            if all(x.answered for x in results) or time.monotonic() > deadline:
+                break
+        assert all(x.answered and x.hits == 8 for x in results)
+
+
+def test_route_refuses_bad_input() -> None:
+    with pytest.raises(MalformedError):
+        route([], ["tcp://127.0.0.1:1"])
+    with pytest.raises(MalformedError):
+        route([b"short"], ["tcp://127.0.0.1:1"])
+    with pytest.raises(MalformedError):
+        Router([])
+    with pytest.raises(MalformedError):
+        Router(["tcp://127.0.0.1:1"], prefill_rate=0)
+
+
+def test_kvstore_route_command(daemon_factory: Any, tmp_path: Path) -> None:
+    full = daemon_factory(tcp=True)
+    cold = daemon_factory(tcp=True)
+    fill(full.endpoint, 8)
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(" ".join(map(str, TOKENS)))
+    identity = tmp_path / "identity.json"
+    identity.write_bytes(msgspec.json.encode(IDENT))
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore", "route", "--endpoints",
+         f"{cold.tcp_endpoint},{full.tcp_endpoint}", "--tokens", str(tokens),
+         "--identity", f"@{identity}", "--json"],
+        check=True, capture_output=True, text=True, timeout=60)
+    results = json.loads(out.stdout)
+    assert [r["endpoint"] for r in results] == [full.tcp_endpoint, cold.tcp_endpoint]
+    assert results[0]["hits"] == 8 and results[0]["tiers"] == {"dram": 8}
+    table = subprocess.run(
+        [sys.executable, "-m", "kvstore", "route", "--endpoints", full.tcp_endpoint,
+         "--tokens", str(tokens), "--identity", f"@{identity}"],
+        check=True, capture_output=True, text=True, timeout=60).stdout
+    assert "8/8" in table and "dram=8" in table
+    bad = tmp_path / "bad.txt"
+    bad.write_text("1 2 x")
+    refused = subprocess.run(
+        [sys.executable, "-m", "kvstore", "route", "--endpoints", full.tcp_endpoint,
+         "--tokens", str(bad), "--identity", f"@{identity}"],
+        check=False, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "token ids" in refused.stderr
+
+
+def test_the_async_client_routes_and_snapshots(daemon_factory: Any) -> None:
+    import asyncio
+
+    from kvstore import AsyncClient
+
+    full = daemon_factory(tcp=True)
+    cold = daemon_factory(tcp=True)
+    fill(full.endpoint, 8)
+
+    async def main() -> None:
+        async with AsyncClient(full.endpoint, tenant="acme") as c:
+            ns = await c.namespace(IDENT)
+            keys = ns.keys(TOKENS)
+            endpoints = [cold.tcp_endpoint, full.tcp_endpoint]
+            both = await asyncio.gather(c.route(keys, endpoints, deadline=2.0),
+                                        c.route(keys[:4], endpoints, deadline=2.0))
+            assert [r.hits for r in both[0]] == [8, 0]
+            assert [r.hits for r in both[1]] == [4, 0]
+            assert both[0][0].endpoint == full.tcp_endpoint
+            snap = await c.snapshot()
+            assert snap.seq == -1  # no event stream here
+            assert {(k, t) for k, _, t in snap.blocks} == {(k, "dram") for k in keys}
+            parents = {k: parent for k, parent, _ in snap.blocks}
+            assert [parents[k] for k in keys] == [None, *keys[:-1]]
+
+    asyncio.run(main())
