@@ -416,9 +416,94 @@ def format_table(rows: Sequence[tuple[float, int, str, ReplayStats]]) -> str:
     return "\n".join(lines)
 
 
+SUMMARY_BOUNDS = ("belady",)
+
+
+def format_summary(
+    workloads: Sequence[tuple[str, Sequence[tuple[float, int, str, ReplayStats]]]],
+) -> str:
+    """One table of every workload: per capacity and policy, block and token hit rates,
+    the ratio to the simulated LRU's block hits and to Belady's (the offline optimum).
+
+    A daemon row (``<policy>@daemon``) also gives its block hits minus its simulator
+    row's, in points (``-sim``): what the daemon does differently from the simulation.
+    """
+    width = max([10, *(len(w) for w, _ in workloads)])
+    pwidth = max([10, *(len(n) for _, rows in workloads for _, _, n, _ in rows)])
+    lines = [
+        f"{'workload':<{width}} {'capacity':>14}  {'policy':<{pwidth}} {'block hit':>9} "
+        f"{'token hit':>9} {'/lru':>6} {'/belady':>7} {'-sim':>7}"
+    ]
+    for title, rows in workloads:
+        by_name = {(share, name): stats for share, _, name, stats in rows}
+        for share, capacity, name, stats in rows:
+            if name in ("belady-ins", "rate+oracle", "lru+oracle", "infinite"):
+                continue
+            lru = by_name.get((share, "lru"))
+            best = by_name[(share, "belady")]
+            to_lru = stats.hit_blocks / lru.hit_blocks if lru and lru.hit_blocks else 0.0
+            to_best = stats.hit_blocks / best.hit_blocks if best.hit_blocks else 0.0
+            sim = by_name.get((share, name.removesuffix("@daemon")))
+            gap = ""
+            if name.endswith("@daemon") and sim is not None:
+                gap = f"{100 * (stats.block_hit_rate - sim.block_hit_rate):+7.2f}"
+            lines.append(
+                f"{title:<{width}} {share:>5.0%} {capacity:>7}b  {name:<{pwidth}} "
+                f"{stats.block_hit_rate:>9.4f} {stats.token_hit_rate:>9.4f} "
+                f"{to_lru:>6.3f} {to_best:>7.3f} {gap:>7}"
+            )
+    return "\n".join(lines)
+
+
+def plot_summary(
+    workloads: Sequence[tuple[str, Sequence[tuple[float, int, str, ReplayStats]]]],
+    path: Path,
+) -> None:
+    """The summary as a PNG: one panel per workload, block hit rate by capacity, one
+    line per policy and for Belady."""
+    import matplotlib  # only when plotting: an optional extra
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    count = len(workloads)
+    columns = min(3, count)
+    rows_n = -(-count // columns)
+    fig, axes = plt.subplots(rows_n, columns, figsize=(5 * columns, 3.6 * rows_n),
+                             squeeze=False)
+    for ax, (title, rows) in zip(axes.flat, workloads):
+        lines: dict[str, tuple[list[float], list[float]]] = {}
+        for share, _, name, stats in rows:
+            if name in ("belady-ins", "rate+oracle", "lru+oracle", "infinite"):
+                continue
+            xs, ys = lines.setdefault(name, ([], []))
+            xs.append(share * 100)
+            ys.append(stats.block_hit_rate)
+        for name, (xs, ys) in lines.items():
+            ax.plot(xs, ys, marker="o", linestyle="--" if name == "belady" else "-",
+                    label=name)
+        ax.set_title(title)
+        ax.set_xscale("log")
+        ax.set_xticks([2, 5, 10, 25], ["2%", "5%", "10%", "25%"])
+        ax.set_xlabel("capacity (share of unique blocks)")
+        ax.set_ylabel("block hit rate")
+    for ax in list(axes.flat)[count:]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="JSON-lines trace")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        action="append",
+        default=None,
+        help="JSON-lines trace (repeatable; the shared Mooncake trace if none)",
+    )
     parser.add_argument(
         "--mode",
         choices=["sim", "daemon"],
@@ -429,7 +514,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--workload",
         choices=["trace", *WORKLOADS, "all"],
         default="trace",
-        help="the --trace file, a synthetic workload of benchmarks/workloads.py, or all",
+        help="the --trace files, a synthetic workload of benchmarks/workloads.py, or all",
+    )
+    parser.add_argument(
+        "--detail",
+        action="store_true",
+        help="print each workload's full table (bounds, evictions) before the summary",
+    )
+    parser.add_argument(
+        "--plot", type=Path, default=None, metavar="FILE.png",
+        help="also draw the summary as a PNG (needs matplotlib: the 'plot' extra)",
     )
     parser.add_argument(
         "--requests", type=int, default=0, metavar="N", help="replay the first N requests only"
@@ -475,8 +569,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         parser.error(f"unknown policies {unknown}; registered: {sorted(POLICIES)}")
-    if args.workload in ("trace", "all") and not args.trace.is_file():
-        parser.error(f"no trace at {args.trace}; pass --trace")
+    traces: list[Path] = args.trace or [DEFAULT_TRACE]
+    missing = [str(t) for t in traces if not t.is_file()]
+    if args.workload in ("trace", "all") and missing:
+        parser.error(f"no trace at {', '.join(missing)}; pass --trace")
     if args.touches < 1:
         parser.error("--touches must be at least 1")
     daemon = args.mode == "daemon"
@@ -488,22 +584,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--touches is sim mode only: the daemon reports hits as it does")
 
     started = time.perf_counter()
-    names = [args.workload] if args.workload != "all" else ["trace", *WORKLOADS]
-    for name in names:
-        if name == "trace":
-            trace = load_trace(args.trace)
-            if args.requests > 0:
-                trace = trace[: args.requests]
-            title = args.trace.name
-        else:
-            trace = synthetic(name, args.requests)
-            title = f"synthetic workload {name!r}"
+    workloads: list[tuple[str, str, list[TraceRequest]]] = []  # label, title, requests
+    if args.workload in ("trace", "all"):
+        for path in traces:
+            loaded = load_trace(path)
+            loaded = loaded[: args.requests] if args.requests > 0 else loaded
+            workloads.append((path.stem, path.name, loaded))
+    if args.workload != "trace":
+        names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+        workloads += [(name, f"synthetic workload {name!r}", synthetic(name, args.requests))
+                      for name in names]
+    summary: list[tuple[str, list[tuple[float, int, str, ReplayStats]]]] = []
+    for label, title, trace in workloads:
         trace = cacheable(trace, args.partial_blocks)
         references = sum(len(r.hash_ids) for r in trace)
         what = "blocks (partial last blocks too)" if args.partial_blocks else "full blocks"
         print(
             f"{title}: {len(trace)} requests, {references} block references, "
-            f"{unique_blocks(trace)} unique {what} of {BLOCK_TOKENS} tokens"
+            f"{unique_blocks(trace)} unique {what} of {BLOCK_TOKENS} tokens",
+            flush=True,
         )
         rows = run_sim(
             trace,
@@ -515,8 +614,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             touches=args.touches,
             progress=sys.stderr if daemon else None,
         )
-        print(format_table(rows))
-        print()
+        if args.detail:
+            print(format_table(rows))
+            print()
+        summary.append((label, rows))
+    print()
+    print(format_summary(summary))
+    if args.plot is not None:
+        plot_summary(summary, args.plot)
+        print(f"plot written to {args.plot}")
     print(f"({time.perf_counter() - started:.1f} s)")
     return 0
 

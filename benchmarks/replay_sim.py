@@ -136,6 +136,8 @@ class PolicyCache:
         self.evictions = 0
         self._parent: dict[int, int | None] = {}
         self._children: dict[int, int] = {}  # cached children per cached block
+        if hasattr(policy, "parent_of"):  # a policy that reads the chains (auto)
+            policy.parent_of = self._parent.get
 
     def _is_leaf(self, key: Hashable) -> bool:
         return self._children[key] == 0  # type: ignore[index]
@@ -156,23 +158,26 @@ class PolicyCache:
         return hits
 
     def insert(self, keys: Sequence[int], hits: int) -> None:
+        # As the store does: reserve (evict) room for every new block first, then
+        # commit them deepest first, then release the request's pins deepest first, so
+        # that parents end up warmer than their children.
         policy = self.policy
         children = self._children
-        stored = hits
-        for i in range(hits, len(keys)):
-            if len(children) >= self.capacity and not self._evict_one():
-                break  # everything left is pinned or a prefix of something pinned
+        room = self.capacity - len(children)
+        want = len(keys) - hits
+        while room < want and self._evict_one():
+            room += 1
+        stored = hits + max(0, min(want, room))
+        for i in range(hits, stored):
             key = keys[i]
             parent = keys[i - 1] if i else None
             children[key] = 0
             self._parent[key] = parent
             if parent is not None:
                 children[parent] += 1
+        for key in reversed(keys[hits:stored]):
             policy.insert(key)
-            policy.pin(key)
-            stored += 1
-        # Deepest first, as for hits: parents end up warmer than their children.
-        for key in reversed(keys[:stored]):
+        for key in reversed(keys[:hits]):
             policy.unpin(key)
 
     def _evict_one(self) -> bool:

@@ -117,7 +117,7 @@ class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     capacity: str | int = "1GiB"
     slab_size: str | int = "64MiB"
     directory: str = "/dev/shm"
-    eviction_policy: str = "slru"
+    eviction_policy: str = "auto"
     populate: bool = True
     per_tenant_arenas: bool = False
     max_arenas: int = 64

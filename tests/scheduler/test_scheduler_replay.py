@@ -60,7 +60,7 @@ def test_s3fifo_beats_lru_on_scans_through_a_hot_set() -> None:
     assert best >= s3fifo
 
 
-@pytest.mark.parametrize("name", ["lru", "s3fifo", "arc", "slru"])
+@pytest.mark.parametrize("name", ["lru", "s3fifo", "arc", "slru", "auto"])
 def test_bounds_order_and_prefix_closure_on_a_random_tree(name: str) -> None:
     rng = random.Random(3)
     chains: list[list[int]] = [[]]
