@@ -88,6 +88,7 @@ LIVE_SETTINGS: tuple[tuple[str, str], ...] = (
     ("server", "max_pins_per_tenant"),
     ("server", "max_requests_per_second_per_tenant"),
     ("ssd", "admit_after"),
+    ("dram", "eviction_policy"),
 )
 
 

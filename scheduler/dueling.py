@@ -9,10 +9,12 @@ candidate also runs a miniature cache (Waldspurger et al., "Cache Modeling and
 Optimization using Miniature Simulations", USENIX ATC 2017): the references to a hashed
 sample of the keys (one in ``2 ** sample_shift``) replayed against a cache of that share
 of the real one's size.  Every ``epoch`` sampled references the candidate whose
-miniature hit most (its counts halved each epoch, so old traffic fades) becomes the one
-that picks victims; the one in charge keeps it unless another beats it by ``margin``,
-and ties go to the first candidate, so with LRU first the duel falls back to LRU
-wherever nothing else pays.
+miniature hit most (its counts multiplied by ``keep`` each epoch, so old traffic fades)
+becomes the one that picks victims; the one in charge keeps it unless another beats it
+by ``margin`` and by half a percent of an epoch's references, and ties go to the first
+candidate, so with LRU first the duel falls back to LRU wherever nothing else pays.
+The others forget each victim as one of their own (``evicted``), so their ghost
+history is ready the moment one takes over.
 
 Every reference a prefix cache sees reaches its policy: a hit as ``access``, a miss as
 ``insert`` of the new block.  The store reports one hit twice (lookup, then acquire);
@@ -47,6 +49,7 @@ class Order(Protocol[T]):
     def unpin(self, item: T) -> None: ...
     def remove(self, item: T) -> None: ...
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None: ...
+    def evicted(self, item: T) -> None: ...
     def evictable(self) -> Iterator[T]: ...
     def __len__(self) -> int: ...
 
@@ -170,7 +173,11 @@ class Duel(Generic[T]):
             mini.score = mini.score * self.keep + mini.hits
             mini.hits = 0
         best = max(range(len(self._minis)), key=lambda i: (self._minis[i].score, -i))
-        if self._minis[best].score > (1 + self.margin) * self._minis[self._leader].score:
+        lead = self._minis[best].score - self._minis[self._leader].score
+        # Ahead by the margin, and by more hits than noise: half a percent of an epoch's
+        # references (a few lucky hits must not hand over the order).
+        if (lead > self.margin * self._minis[self._leader].score
+                and lead > 0.005 * self.epoch):
             self._leader = best
             self.switches += 1
 
@@ -210,9 +217,11 @@ class Duel(Generic[T]):
         victim = self._orders[self._leader].pop_victim(allowed)
         if victim is not None:
             self._items.discard(victim)
+            # The others forget it as a victim of their own, so that their ghost
+            # history (and the adaptation it drives) is ready when one takes over.
             for i, order in enumerate(self._orders):
                 if i != self._leader:
-                    order.remove(victim)
+                    order.evicted(victim)
         return victim
 
     def evictable(self) -> Iterator[T]:
