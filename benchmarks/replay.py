@@ -174,6 +174,7 @@ class Daemon:
         self.log_path = workdir / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._drain: threading.Thread | None = None
 
     def __enter__(self) -> Self:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
@@ -196,7 +197,8 @@ class Daemon:
             raise
         finally:
             watchdog.cancel()
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain the rest
+        self._drain = threading.Thread(target=proc.stdout.read, daemon=True)  # the rest
+        self._drain.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -209,6 +211,11 @@ class Daemon:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+            if self._drain is not None:
+                self._drain.join(10)  # its read ends with the process's output
+                self._drain = None
+            if proc.stdout is not None:
+                proc.stdout.close()
             if proc.returncode not in (0, -signal.SIGTERM):
                 print(
                     f"daemon exited with {proc.returncode}: {self.log()[-2000:]}", file=sys.stderr
@@ -258,6 +265,7 @@ class DaemonCache:
     capacity: int
     hold: bool = True
     rejects: int = 0
+    tier_hits: dict[str, int] = field(default_factory=dict)
     _keys: list[bytes] = field(default_factory=list)
     _held: Held | None = None
 
@@ -266,7 +274,10 @@ class DaemonCache:
 
     def lookup(self, ids: Sequence[int]) -> int:
         self._keys = keys = self.chains(self.ns, ids)
-        hits = self.ns.lookup(keys).blocks
+        found = self.ns.lookup(keys)
+        hits = found.blocks
+        for tier in found.tiers[:hits]:
+            self.tier_hits[tier] = self.tier_hits.get(tier, 0) + 1
         if self.hold and hits:
             self._held = self.ns.acquire(keys[:hits])
         return hits
@@ -314,9 +325,15 @@ def replay_daemon(
         ns = client.namespace(DAEMON_IDENTITY)
         dram = client.stats()["tiers"]["dram"]
         assert dram["capacity"] == capacity * SLOT_BYTES, dram
-        stats = replay(trace, DaemonCache(ns, chains, capacity, hold=hold))
+        for request in trace:  # every key made before the clock starts
+            chains(ns, request.hash_ids)
+        cache = DaemonCache(ns, chains, capacity, hold=hold)
+        started = time.perf_counter()
+        stats = replay(trace, cache)
+        stats.seconds = time.perf_counter() - started
         tiers: dict[str, dict[str, int]] = client.stats()["tiers"]
     stats.tiers = tiers
+    stats.tier_hits = cache.tier_hits
     stats.evictions = tiers["dram"]["evictions"]
     return stats
 
@@ -430,10 +447,18 @@ def format_summary(
     """
     width = max([10, *(len(w) for w, _ in workloads)])
     pwidth = max([10, *(len(n) for _, rows in workloads for _, _, n, _ in rows)])
-    lines = [
+    daemon = any(s.tiers is not None for _, rows in workloads for _, _, _, s in rows)
+    ssd = any(s.tiers is not None and "ssd" in s.tiers
+              for _, rows in workloads for _, _, _, s in rows)
+    header = (
         f"{'workload':<{width}} {'capacity':>14}  {'policy':<{pwidth}} {'block hit':>9} "
-        f"{'token hit':>9} {'/lru':>6} {'/belady':>7} {'-sim':>7}"
-    ]
+        f"{'token hit':>9} {'/lru':>6} {'/belady':>7}"
+    )
+    if daemon:
+        header += f" {'-sim':>7} {'req/s':>7}"
+    if ssd:
+        header += f" {'dram hit':>8} {'ssd hit':>8}"
+    lines = [header]
     for title, rows in workloads:
         by_name = {(share, name): stats for share, _, name, stats in rows}
         for share, capacity, name, stats in rows:
@@ -443,16 +468,26 @@ def format_summary(
             best = by_name[(share, "belady")]
             to_lru = stats.hit_blocks / lru.hit_blocks if lru and lru.hit_blocks else 0.0
             to_best = stats.hit_blocks / best.hit_blocks if best.hit_blocks else 0.0
-            sim = by_name.get((share, name.removesuffix("@daemon")))
-            gap = ""
-            if name.endswith("@daemon") and sim is not None:
-                gap = f"{100 * (stats.block_hit_rate - sim.block_hit_rate):+7.2f}"
-            lines.append(
+            line = (
                 f"{title:<{width}} {share:>5.0%} {capacity:>7}b  {name:<{pwidth}} "
                 f"{stats.block_hit_rate:>9.4f} {stats.token_hit_rate:>9.4f} "
-                f"{to_lru:>6.3f} {to_best:>7.3f} {gap:>7}"
+                f"{to_lru:>6.3f} {to_best:>7.3f}"
             )
+            sim = by_name.get((share, name.removesuffix("@daemon")))
+            if daemon and name.endswith("@daemon") and sim is not None:
+                rate = len_requests(rows) / stats.seconds if stats.seconds else 0.0
+                line += (f" {100 * (stats.block_hit_rate - sim.block_hit_rate):+7.2f}"
+                         f" {rate:>7.0f}")
+                if ssd and stats.tier_hits is not None and stats.blocks:
+                    line += "".join(f" {stats.tier_hits.get(t, 0) / stats.blocks:>8.4f}"
+                                    for t in ("dram", "ssd"))
+            lines.append(line)
     return "\n".join(lines)
+
+
+def len_requests(rows: Sequence[tuple[float, int, str, ReplayStats]]) -> int:
+    """How many requests the rows' replays ran (each row ran the whole workload)."""
+    return next((s.requests for _, _, _, s in rows if s.requests), 0)
 
 
 def plot_summary(

@@ -81,6 +81,7 @@ class PrefixCache(Protocol):
 class ReplayStats:
     """Totals of one replay."""
 
+    requests: int = 0
     blocks: int = 0
     hit_blocks: int = 0
     tokens: int = 0
@@ -88,6 +89,8 @@ class ReplayStats:
     evictions: int = 0
     rejects: int = 0  # puts refused with CapacityError (daemon only)
     tiers: dict[str, dict[str, int]] | None = None  # the daemon's per-tier counters
+    tier_hits: dict[str, int] | None = None  # the daemon's hit blocks by the tier they hit
+    seconds: float = 0.0  # wall time of a daemon replay
 
     @property
     def block_hit_rate(self) -> float:
@@ -108,6 +111,7 @@ def replay(trace: Iterable[TraceRequest], cache: PrefixCache) -> ReplayStats:
     for request in trace:
         keys = request.hash_ids
         hits = cache.lookup(keys)
+        stats.requests += 1
         stats.blocks += len(keys)
         stats.hit_blocks += hits
         stats.tokens += request.input_length
