@@ -91,6 +91,7 @@ class ReplayStats:
     tiers: dict[str, dict[str, int]] | None = None  # the daemon's per-tier counters
     tier_hits: dict[str, int] | None = None  # the daemon's hit blocks by the tier they hit
     seconds: float = 0.0  # wall time of a daemon replay
+    daemon_cpu: float = 0.0  # CPU seconds the daemon spent in it
 
     @property
     def block_hit_rate(self) -> float:

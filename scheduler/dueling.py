@@ -3,26 +3,25 @@ one that would have hit most lately.
 
 A cache's best order depends on its traffic and its size (on a multi-turn chat trace
 plain LRU is best at a quarter of the blocks and a segmented LRU at a fiftieth; on a
-scan a scan-resistant order wins everywhere), so rather than guess, ``Duel`` keeps
-every candidate's order of the cached items side by side and measures them.  Each
-candidate also runs a miniature cache (Waldspurger et al., "Cache Modeling and
-Optimization using Miniature Simulations", USENIX ATC 2017): the references to a hashed
-sample of the keys (one in ``2 ** sample_shift``) replayed against a cache of that share
+scan a scan-resistant order wins everywhere), so rather than guess, ``Duel`` measures
+them.  One candidate orders the cached items; each runs a miniature cache (Waldspurger
+et al., "Cache Modeling and Optimization using Miniature Simulations", USENIX ATC
+2017): the references to a hashed sample of the keys (one in ``2 ** sample_shift``) replayed against a cache of that share
 of the real one's size.  Every ``epoch`` sampled references the candidate whose
 miniature hit most (its counts multiplied by ``keep`` each epoch, so old traffic fades)
 becomes the one that picks victims; the one in charge keeps it unless another beats it
 by ``margin`` and by half a percent of an epoch's references, and ties go to the first
 candidate, so with LRU first the duel falls back to LRU wherever nothing else pays.
-The others forget each victim as one of their own (``evicted``), so their ghost
-history is ready the moment one takes over.
+A hand-over passes the items to the new candidate in the order the old one lists
+them (its own history, ghosts included, starts then).
 
 Every reference a prefix cache sees reaches its policy: a hit as ``access``, a miss as
 ``insert`` of the new block.  The store reports one hit twice (lookup, then acquire);
 a miniature counts a key at most once per tick of a clock that advances on ``insert``
 and ``pop_victim`` (as S3-FIFO does).  The candidates do the same on their own.
 
-Pure and O(candidates) per call (plus what each candidate's own call costs).  The
-module knows the candidates only through ``Order``, the interface of
+Pure.  A call costs the one candidate's own call plus, for a sampled key, each
+miniature's.  The module knows the candidates only through ``Order``, the interface of
 ``kvstore.scheduler.eviction.EvictionPolicy``, which it cannot import (that module
 registers the duel among its policies).
 """
@@ -49,7 +48,6 @@ class Order(Protocol[T]):
     def unpin(self, item: T) -> None: ...
     def remove(self, item: T) -> None: ...
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None: ...
-    def evicted(self, item: T) -> None: ...
     def evictable(self) -> Iterator[T]: ...
     def __len__(self) -> int: ...
 
@@ -100,15 +98,15 @@ class _Miniature(Generic[T]):
 
 
 class Duel(Generic[T]):
-    """Candidates' orders of the same items; victims come from the one in charge."""
+    """Victims from the candidate in charge; the others judged by their miniatures."""
 
     def __init__(
         self,
-        factories: Sequence[Callable[[], Order[T]]],
+        factories: Sequence[Callable[[], Order[Any]]],
         *,
         parent_of: Callable[[T], T | None] | None = None,
-        sample_shift: int = 0,
-        epoch: int = 4096,
+        sample_shift: int = 2,
+        epoch: int = 1024,
         margin: float = 0.01,
         keep: float = 0.9,
     ) -> None:
@@ -118,17 +116,20 @@ class Duel(Generic[T]):
             raise ValueError(f"sample_shift must be in [0, 16], got {sample_shift}")
         if epoch < 1 or margin < 0.0 or not 0.0 <= keep < 1.0:
             raise ValueError("epoch must be >= 1, margin >= 0 and keep in [0, 1)")
-        self._orders = [make() for make in factories]
-        self._minis = [_Miniature(make()) for make in factories]
+        self._factories = list(factories)
+        self._order: Order[T] = self._factories[0]()
+        # Miniatures hold the keys' hashes: ints, cheap to hash, where the store's blocks
+        # hash in Python.
+        self._minis: list[_Miniature[int]] = [_Miniature(make()) for make in self._factories]
         self.sample_shift = sample_shift
         self.epoch = epoch
         self.margin = margin
         self.keep = keep
         self._leader = 0
-        self._items: set[T] = set()  # every tracked item, pinned ones too
+        self._items: dict[int, T] = {}  # every tracked item by its hash, pinned ones too
         self._size = 0  # the most items tracked at once: the cache size, once full
         self._tick = 0  # inserts and evictions so far
-        self._last: dict[T, int] = {}  # sampled key -> the tick of its last reference
+        self._last: dict[int, int] = {}  # sampled key -> the tick of its last reference
         self._sampled = 0  # sampled references in the current epoch
         self.switches = 0
         # The store's blocks know their parent; other items (the replay's ids) have it
@@ -138,31 +139,32 @@ class Duel(Generic[T]):
     @property
     def leader(self) -> str:
         """The name of the candidate that picks victims now."""
-        return self._orders[self._leader].name
+        return self._order.name
 
     def scores(self) -> dict[str, float]:
         """Each candidate's miniature hits, recent epochs weighing most."""
-        return {o.name: m.score + m.hits for o, m in zip(self._orders, self._minis)}
+        return {m.order.name: m.score + m.hits for m in self._minis}
 
-    def _sample(self, item: T) -> None:
-        mixed = (hash(item) * _GOLDEN) & _MASK64
+    def _sample(self, key: int, item: T) -> None:
+        mixed = (key * _GOLDEN) & _MASK64
         if self.sample_shift and mixed >> (64 - self.sample_shift):
             return  # not in the sample: its top bits are not all zero
-        if self._last.get(item) == self._tick:
+        if self._last.get(key) == self._tick:
             return  # the same hit reported again (lookup, then acquire)
-        self._last[item] = self._tick
+        self._last[key] = self._tick
         # The miniatures hold a 2**-shift sample of a cache of _size items.
         capacity = max(1, self._size >> self.sample_shift)
         parent = self.parent_of(item)
+        parent_key = None if parent is None else hash(parent)
         for mini in self._minis:
-            mini.reference(item, parent, capacity)
+            mini.reference(key, parent_key, capacity)
         if len(self._last) > 4 * capacity:
-            self._forget(capacity)
+            self._forget()
         self._sampled += 1
         if self._sampled >= self.epoch:
             self._elect()
 
-    def _forget(self, capacity: int) -> None:
+    def _forget(self) -> None:
         # Keys no miniature holds need no dedup stamp once their tick has passed.
         held = set().union(*(m.children.keys() for m in self._minis))
         self._last = {k: t for k, t in self._last.items() if k in held or t == self._tick}
@@ -178,57 +180,65 @@ class Duel(Generic[T]):
         # references (a few lucky hits must not hand over the order).
         if (lead > self.margin * self._minis[self._leader].score
                 and lead > 0.005 * self.epoch):
-            self._leader = best
-            self.switches += 1
+            self._take_over(best)
+
+    def _take_over(self, best: int) -> None:
+        """The candidate ``best`` orders the items from now on: they pass to it in the
+        order the one in charge lists them, pinned ones pinned (O(items), once per
+        hand-over; keeping every candidate's order all along costs more per call than
+        the hand-overs save)."""
+        listed = list(self._order.evictable())
+        on_order = {hash(item) for item in listed}
+        order: Order[T] = self._factories[best]()
+        for item in listed:
+            order.insert(item)
+        for key, item in self._items.items():
+            if key not in on_order:
+                order.insert(item)
+                order.pin(item)
+        self._order = order
+        self._leader = best
+        self.switches += 1
 
     def insert(self, item: T) -> None:
-        if item in self._items:
+        key = hash(item)
+        if key in self._items:
             return
         self._tick += 1
-        self._items.add(item)
-        self._size = max(self._size, len(self._items))
-        for order in self._orders:
-            order.insert(item)
-        self._sample(item)
+        self._items[key] = item
+        if len(self._items) > self._size:
+            self._size = len(self._items)
+        self._order.insert(item)
+        self._sample(key, item)
 
     def access(self, item: T) -> None:
-        if item not in self._items:
-            return
-        for order in self._orders:
-            order.access(item)
-        self._sample(item)
+        key = hash(item)
+        if key in self._items:
+            self._order.access(item)
+            self._sample(key, item)
 
     def pin(self, item: T) -> None:
-        for order in self._orders:
-            order.pin(item)
+        self._order.pin(item)
 
     def unpin(self, item: T) -> None:
-        for order in self._orders:
-            order.unpin(item)
+        self._order.unpin(item)
 
     def remove(self, item: T) -> None:
-        if item in self._items:
-            self._items.discard(item)
-            for order in self._orders:
-                order.remove(item)
+        if self._items.pop(hash(item), None) is not None:
+            self._order.remove(item)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         self._tick += 1
-        victim = self._orders[self._leader].pop_victim(allowed)
+        victim = self._order.pop_victim(allowed)
         if victim is not None:
-            self._items.discard(victim)
-            # The others forget it as a victim of their own, so that their ghost
-            # history (and the adaptation it drives) is ready when one takes over.
-            for i, order in enumerate(self._orders):
-                if i != self._leader:
-                    order.evicted(victim)
+            del self._items[hash(victim)]
         return victim
 
     def evictable(self) -> Iterator[T]:
-        return self._orders[self._leader].evictable()
+        return self._order.evictable()
 
     def __len__(self) -> int:
-        return len(self._orders[self._leader])
+        return len(self._order)
 
     def __repr__(self) -> str:
         scores = ", ".join(f"{name}={score:.0f}" for name, score in self.scores().items())

@@ -65,11 +65,6 @@ class EvictionPolicy(ABC, Generic[T]):
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         """Take the coldest evictable item for which ``allowed`` holds, or None."""
 
-    def evicted(self, item: T) -> None:
-        """Another order chose the evictable item as a victim (``auto``): forget it as
-        this policy forgets a victim of its own, ghost history included."""
-        self.remove(item)
-
     @abstractmethod
     def evictable(self) -> Iterator[T]:
         """Every item the policy would give up, in no promised order (for checkers)."""
@@ -240,16 +235,6 @@ class S3FIFOPolicy(EvictionPolicy[T]):
             del self._entries[victim]
         return victim
 
-    def evicted(self, item: T) -> None:
-        entry = self._entries.get(item)
-        if entry is None or entry.pinned:
-            self.remove(item)
-            return
-        del self._entries[item]
-        del (self._main if entry.in_main else self._small)[item]
-        if not entry.in_main:
-            self._remember(item)
-
     def _evict_small(self, allowed: Callable[[T], bool]) -> T | None:
         promoted: list[T] = []
         victim: T | None = None
@@ -407,16 +392,6 @@ class ARCPolicy(EvictionPolicy[T]):
                 return victim
         return None
 
-    def evicted(self, item: T) -> None:
-        in_t2 = self._in_t2.get(item)
-        if in_t2 is None or item in self._pinned:
-            self.remove(item)
-            return
-        del self._in_t2[item]
-        del (self._t2 if in_t2 else self._t1)[item]
-        (self._b2 if in_t2 else self._b1)[item] = None
-        self._trim_ghosts()
-
     def _trim_ghosts(self) -> None:
         size = self._size
         while self._b1 and len(self._t1) + len(self._b1) > size:
@@ -535,12 +510,6 @@ class SLRUPolicy(EvictionPolicy[T]):
                 if limit is not None and passed + 1 >= limit:
                     break
         return None
-
-    def evicted(self, item: T) -> None:
-        if item not in self._is_protected or item in self._pinned:
-            self.remove(item)
-            return
-        self._evict(self._segment(item), item)
 
     def _evict(self, queue: OrderedDict[T, None], item: T) -> T:
         del queue[item]
@@ -706,8 +675,7 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
 
     The miniatures see one key in four; an election every 1024 of their references
     (4096 of the cache's), each past epoch's hits weighing 0.9 times the next one's.  In
-    the replay these do as well as miniatures of every key and elections every 4096 of
-    them, at a quarter of the cost.
+    the replay these do as well as miniatures of every key, at a quarter of the cost.
     """
 
     name = "auto"

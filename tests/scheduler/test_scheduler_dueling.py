@@ -60,30 +60,6 @@ def _drift(seed: int, requests: int) -> list[replay_sim.TraceRequest]:
     return [_request([i // 4 + rng.randrange(80)]) for i in range(requests)]
 
 
-@pytest.mark.parametrize("name", sorted(ORDERS))
-def test_evicted_leaves_a_policy_as_its_own_victim_would(name: str) -> None:
-    rng = random.Random(7)
-    chose, told = ORDERS[name](), ORDERS[name]()
-    for policy in (chose, told):
-        for item in range(8):
-            policy.insert(item)
-        for item in (2, 5, 5, 7):
-            policy.access(item)
-    victim = chose.pop_victim(lambda _: True)
-    assert victim is not None
-    told.evicted(victim)
-    assert repr(told) == repr(chose)
-    assert sorted(told.evictable()) == sorted(chose.evictable())  # type: ignore[type-var]
-    # Both remember the victim alike: it comes back, and the same victims follow.
-    for policy in (chose, told):
-        policy.insert(victim)
-    for _ in range(5):
-        item = rng.randrange(20, 30)
-        chose.insert(item)
-        told.insert(item)
-        assert chose.pop_victim(lambda _: True) == told.pop_victim(lambda _: True)
-
-
 def test_the_duel_follows_a_scan_resistant_order_on_scans() -> None:
     trace = _hot_and_scans(seed=1, requests=30_000)
     auto = AutoPolicy(epoch=512)
@@ -103,18 +79,21 @@ def test_the_duel_keeps_lru_where_nothing_beats_it() -> None:
     assert got == lru
 
 
-def test_the_duel_evicts_only_what_its_leader_chooses_and_keeps_the_orders_in_step() -> None:
+def test_a_hand_over_keeps_every_item_in_its_order_and_pins() -> None:
     duel = Duel([LRUPolicy, SLRUPolicy])
     for item in range(6):
         duel.insert(item)
     duel.access(0)
     duel.pin(1)
     assert duel.pop_victim(lambda _: True) == 2  # LRU's coldest, 0 was hit and 1 pinned
-    orders = duel._orders
-    assert [sorted(o.evictable()) for o in orders] == [[0, 3, 4, 5]] * 2
-    duel.unpin(1)
-    duel.remove(3)
-    assert [len(o) for o in orders] == [4, 4]
+    duel._take_over(1)
+    assert duel.leader == "slru" and duel.switches == 1
+    assert sorted(duel.evictable()) == [0, 3, 4, 5] and len(duel) == 4
+    assert duel.pop_victim(lambda _: True) == 3  # the old order's coldest goes first
+    duel.unpin(1)  # still pinned in the new order until now
+    assert sorted(duel.evictable()) == [0, 1, 4, 5]
+    duel.remove(4)
+    assert len(duel) == 3 and "pinned=0" in repr(duel)
 
 
 def test_the_duel_refuses_bad_settings() -> None:
