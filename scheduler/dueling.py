@@ -105,8 +105,8 @@ class Duel(Generic[T]):
         factories: Sequence[Callable[[], Order[Any]]],
         *,
         parent_of: Callable[[T], T | None] | None = None,
-        sample_shift: int = 2,
-        epoch: int = 1024,
+        sample_shift: int = 3,
+        epoch: int = 512,
         margin: float = 0.01,
         keep: float = 0.9,
     ) -> None:
@@ -122,6 +122,7 @@ class Duel(Generic[T]):
         # hash in Python.
         self._minis: list[_Miniature[int]] = [_Miniature(make()) for make in self._factories]
         self.sample_shift = sample_shift
+        self._unsampled = 64 - sample_shift  # a key is sampled if its top bits are zero
         self.epoch = epoch
         self.margin = margin
         self.keep = keep
@@ -146,9 +147,8 @@ class Duel(Generic[T]):
         return {m.order.name: m.score + m.hits for m in self._minis}
 
     def _sample(self, key: int, item: T) -> None:
-        mixed = (key * _GOLDEN) & _MASK64
-        if self.sample_shift and mixed >> (64 - self.sample_shift):
-            return  # not in the sample: its top bits are not all zero
+        """A reference to a sampled key (its mixed hash's top ``sample_shift`` bits
+        zero; the callers test that inline, most keys being out of the sample)."""
         if self._last.get(key) == self._tick:
             return  # the same hit reported again (lookup, then acquire)
         self._last[key] = self._tick
@@ -209,13 +209,15 @@ class Duel(Generic[T]):
         if len(self._items) > self._size:
             self._size = len(self._items)
         self._order.insert(item)
-        self._sample(key, item)
+        if not ((key * _GOLDEN) & _MASK64) >> self._unsampled:
+            self._sample(key, item)
 
     def access(self, item: T) -> None:
         key = hash(item)
         if key in self._items:
             self._order.access(item)
-            self._sample(key, item)
+            if not ((key * _GOLDEN) & _MASK64) >> self._unsampled:
+                self._sample(key, item)
 
     def pin(self, item: T) -> None:
         self._order.pin(item)

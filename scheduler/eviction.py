@@ -673,14 +673,14 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
     """The duel of LRU, SLRU and ARC (``kvstore.scheduler.dueling``): victims by the
     order whose miniature cache hit most lately, LRU's unless another does better.
 
-    The miniatures see one key in four; an election every 1024 of their references
+    The miniatures see one key in eight; an election every 512 of their references
     (4096 of the cache's), each past epoch's hits weighing 0.9 times the next one's.  In
-    the replay these do as well as miniatures of every key, at a quarter of the cost.
+    the replay these do as well as miniatures of every key, at an eighth of the cost.
     """
 
     name = "auto"
 
-    def __init__(self, *, sample_shift: int = 2, epoch: int = 1024, keep: float = 0.9) -> None:
+    def __init__(self, *, sample_shift: int = 3, epoch: int = 512, keep: float = 0.9) -> None:
         super().__init__([LRUPolicy, SLRUPolicy, ARCPolicy],
                          sample_shift=sample_shift, epoch=epoch, keep=keep)
 
