@@ -4,9 +4,14 @@
     python benchmarks/replay.py --workload all [--touches 2]
     python benchmarks/replay.py --mode daemon [--requests 1000] [--ssd [SHARE]]
 
-``--workload`` replays a synthetic workload of benchmarks/workloads.py instead of the
-trace (``conversations``, ``scan``, ``documents``), or ``all``: the trace, then each of
-them, so that a policy tuned to one trace is seen on workloads of other shapes.
+``--trace`` may be given more than once (any JSON-lines trace of the shared format);
+``--workload`` replays a synthetic workload of benchmarks/workloads.py instead
+(``conversations``, ``agents``, ``tenants``, ``scan``, ``documents``), or ``all``: the
+traces, then each of them, so that a policy tuned to one trace is seen on workloads of
+other shapes.  The run ends with one summary table of every workload, capacity and
+policy (block and token hit rates, ratios to LRU and to Belady); ``--detail`` prints
+each workload's full table (bounds, evictions, the daemon's counters) before it, and
+``--plot FILE.png`` draws the summary (matplotlib: the ``plot`` extra).
 
 Only a request's full blocks are cacheable, as in the store, where only full blocks get
 keys: ``input_length // 512`` of its ids; the partial last block's tokens always miss
@@ -56,12 +61,14 @@ promotions) and, with ``--ssd``, MiB written to the SSD tier and blocks promoted
 given) under DRAM; its hits count as hits, so those rows are not comparable with the
 simulator's.  ``--requests N`` replays the first N requests only.
 
-LRU's daemon rows match the simulator's exactly.  Where another policy's differ, the
-store calls it differently from ``PolicyCache``: lookup and acquire each report a hit
-(the policies count it once, see ``--touches``), a put reserves (evicts) all its slots before it
-commits any block, and the store drops a block's entry when it is evicted, so a key
-cached again is a new item to the policy and never matches its ghost (S3-FIFO's ghost
-queue, ARC's B1/B2).  The last is most of the gap.
+The simulator calls a policy as the store does: a put reserves (evicts) room for all
+its blocks before it commits any, deepest first, and a block cached again after its
+eviction is the same item to the policy (its ghost history knows it).  So the daemon's
+rows give the simulator's hits for every policy (``-sim`` in the summary: the daemon's
+block hits minus the simulator's, in points), but ``auto``'s, whose miniatures sample
+keys by hash: the store's keys and the simulator's ids hash apart, so its elections
+may fall a little differently.  Lookup and acquire each report a hit; the policies
+count it once (see ``--touches``).
 """
 
 from __future__ import annotations
