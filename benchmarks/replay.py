@@ -462,7 +462,8 @@ def format_summary(
     the ratio to the simulated LRU's block hits and to Belady's (the offline optimum).
 
     A daemon row (``<policy>@daemon``) also gives its block hits minus its simulator
-    row's, in points (``-sim``): what the daemon does differently from the simulation;
+    row's, in points (``-sim``; its DRAM hits, with an SSD tier beneath, whose
+    promotions then change what DRAM holds): what the daemon does differently;
     the requests it served per second, and the CPU time the daemon spent per request
     (steadier than the rate on a busy machine); with an SSD tier, the share of block
     references hit in DRAM and in SSD.
@@ -500,7 +501,10 @@ def format_summary(
             if daemon and name.endswith("@daemon") and sim is not None:
                 rate = len_requests(rows) / stats.seconds if stats.seconds else 0.0
                 cpu = 1e6 * stats.daemon_cpu / max(1, len_requests(rows))
-                line += (f" {100 * (stats.block_hit_rate - sim.block_hit_rate):+7.2f}"
+                hit = stats.block_hit_rate
+                if stats.tier_hits is not None and "ssd" in (stats.tiers or {}):
+                    hit = stats.tier_hits.get("dram", 0) / max(1, stats.blocks)  # DRAM's own
+                line += (f" {100 * (hit - sim.block_hit_rate):+7.2f}"
                          f" {rate:>7.0f} {cpu:>10.0f}")
                 if ssd and stats.tier_hits is not None and stats.blocks:
                     line += "".join(f" {stats.tier_hits.get(t, 0) / stats.blocks:>8.4f}"

@@ -40,3 +40,17 @@ def test_the_daemon_hits_what_its_simulator_hits(policy: str) -> None:
     else:
         assert daemon.hit_blocks == sim.hit_blocks
     assert daemon.tier_hits == {"dram": daemon.hit_blocks}
+
+
+def test_with_an_ssd_tier_beneath_the_replay_counts_hits_by_tier() -> None:
+    trace = replay.cacheable(replay.synthetic("conversations", 250))
+    unique = replay.unique_blocks(trace)
+    capacity = replay.daemon_capacity(0.05, unique)
+    sim = replay.replay(trace, replay.PolicyCache(replay.POLICIES["auto"](), capacity))
+    ssd_blocks = unique // replay.SLAB_SLOTS * replay.SLAB_SLOTS  # room for every block
+    daemon = replay.replay_daemon(trace, "auto", capacity, replay.KeyChains(),
+                                  ssd_blocks=ssd_blocks)
+    assert daemon.tier_hits is not None and daemon.tier_hits.get("ssd", 0) > 0
+    assert sum(daemon.tier_hits.values()) == daemon.hit_blocks
+    assert daemon.hit_blocks > sim.hit_blocks  # what DRAM dropped, SSD still had
+    assert daemon.tiers is not None and daemon.tiers["ssd"]["writes"] > 0
