@@ -547,6 +547,7 @@ def plot_summary(
                     label=name)
         ax.set_title(title)
         ax.set_xscale("log")
+        ax.minorticks_off()  # the log axis's own minor labels crowd the shares out
         ax.set_xticks([2, 5, 10, 25], ["2%", "5%", "10%", "25%"])
         ax.set_xlabel("capacity (share of unique blocks)")
         ax.set_ylabel("block hit rate")
