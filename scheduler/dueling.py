@@ -1,13 +1,13 @@
-"""Policy duelling: run several eviction orders over the same items and evict by the
-one that would have hit most lately.
+"""Policy duelling: judge several eviction orders on a sample of the keys and evict by
+the one that would have hit most lately.
 
 A cache's best order depends on its traffic and its size (on a multi-turn chat trace
 plain LRU is best at a quarter of the blocks and a segmented LRU at a fiftieth; on a
 scan a scan-resistant order wins everywhere), so rather than guess, ``Duel`` measures
 them.  One candidate orders the cached items; each runs a miniature cache (Waldspurger
 et al., "Cache Modeling and Optimization using Miniature Simulations", USENIX ATC
-2017): the references to a hashed sample of the keys (one in ``2 ** sample_shift``) replayed against a cache of that share
-of the real one's size.  Every ``epoch`` sampled references the candidate whose
+2017): the references to a hashed sample of the keys (one in ``2 ** sample_shift``)
+replayed against a cache of that share of the real one's size.  Every ``epoch`` sampled references the candidate whose
 miniature hit most (its counts multiplied by ``keep`` each epoch, so old traffic fades)
 becomes the one that picks victims; the one in charge keeps it unless another beats it
 by ``margin`` and by half a percent of an epoch's references, and ties go to the first
@@ -68,7 +68,7 @@ class _Miniature(Generic[T]):
         self.parent: dict[T, T | None] = {}  # every key held -> its parent, if held then
         self.children: dict[T, int] = {}  # every key held -> its children held
         self.hits = 0  # in the current epoch
-        self.score = 0.0  # hits, halved each epoch
+        self.score = 0.0  # hits of past epochs, each weighing ``keep`` times the next
 
     def _leaf(self, item: T) -> bool:
         return self.children[item] == 0
