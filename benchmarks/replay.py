@@ -4,9 +4,14 @@
     python benchmarks/replay.py --workload all [--touches 2]
     python benchmarks/replay.py --mode daemon [--requests 1000] [--ssd [SHARE]]
 
-``--workload`` replays a synthetic workload of benchmarks/workloads.py instead of the
-trace (``conversations``, ``scan``, ``documents``), or ``all``: the trace, then each of
-them, so that a policy tuned to one trace is seen on workloads of other shapes.
+``--trace`` may be given more than once (any JSON-lines trace of the shared format);
+``--workload`` replays a synthetic workload of benchmarks/workloads.py instead
+(``conversations``, ``agents``, ``tenants``, ``scan``, ``documents``), or ``all``: the
+traces, then each of them, so that a policy tuned to one trace is seen on workloads of
+other shapes.  The run ends with one summary table of every workload, capacity and
+policy (block and token hit rates, ratios to LRU and to Belady); ``--detail`` prints
+each workload's full table (bounds, evictions, the daemon's counters) before it, and
+``--plot FILE.png`` draws the summary (matplotlib: the ``plot`` extra).
 
 Only a request's full blocks are cacheable, as in the store, where only full blocks get
 keys: ``input_length // 512`` of its ids; the partial last block's tokens always miss
@@ -56,12 +61,14 @@ promotions) and, with ``--ssd``, MiB written to the SSD tier and blocks promoted
 given) under DRAM; its hits count as hits, so those rows are not comparable with the
 simulator's.  ``--requests N`` replays the first N requests only.
 
-LRU's daemon rows match the simulator's exactly.  Where another policy's differ, the
-store calls it differently from ``PolicyCache``: lookup and acquire each report a hit
-(the policies count it once, see ``--touches``), a put reserves (evicts) all its slots before it
-commits any block, and the store drops a block's entry when it is evicted, so a key
-cached again is a new item to the policy and never matches its ghost (S3-FIFO's ghost
-queue, ARC's B1/B2).  The last is most of the gap.
+The simulator calls a policy as the store does: a put reserves (evicts) room for all
+its blocks before it commits any, deepest first, and a block cached again after its
+eviction is the same item to the policy (its ghost history knows it).  So the daemon's
+rows give the simulator's hits for every policy (``-sim`` in the summary: the daemon's
+block hits minus the simulator's, in points), but ``auto``'s, whose miniatures sample
+keys by hash: the store's keys and the simulator's ids hash apart, so its elections
+may fall a little differently.  Lookup and acquire each report a hit; the policies
+count it once (see ``--touches``).
 """
 
 from __future__ import annotations
@@ -155,6 +162,7 @@ class Daemon:
         self.log_path = workdir / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._drain: threading.Thread | None = None
 
     def __enter__(self) -> Self:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
@@ -177,7 +185,8 @@ class Daemon:
             raise
         finally:
             watchdog.cancel()
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain the rest
+        self._drain = threading.Thread(target=proc.stdout.read, daemon=True)  # the rest
+        self._drain.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -190,6 +199,11 @@ class Daemon:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+            if self._drain is not None:
+                self._drain.join(10)  # its read ends with the process's output
+                self._drain = None
+            if proc.stdout is not None:
+                proc.stdout.close()
             if proc.returncode not in (0, -signal.SIGTERM):
                 print(
                     f"daemon exited with {proc.returncode}: {self.log()[-2000:]}", file=sys.stderr
@@ -200,6 +214,17 @@ class Daemon:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def cpu_seconds(self) -> float:
+        """CPU time the daemon has used (user and system; Linux's /proc, else 0): steadier
+        than wall time on a busy machine."""
+        if self.proc is None:
+            return 0.0
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def replay_daemon(
@@ -220,9 +245,16 @@ def replay_daemon(
         ns = client.namespace(DAEMON_IDENTITY)
         dram = client.stats()["tiers"]["dram"]
         assert dram["capacity"] == capacity * SLOT_BYTES, dram
-        stats = replay(trace, DaemonCache(ns, chains, capacity, hold=hold))
+        for request in trace:  # every key made before the clock starts
+            chains(ns, request.hash_ids)
+        cache = DaemonCache(ns, chains, capacity, hold=hold)
+        started, cpu = time.perf_counter(), daemon.cpu_seconds()
+        stats = replay(trace, cache)
+        stats.seconds = time.perf_counter() - started
+        stats.daemon_cpu = daemon.cpu_seconds() - cpu
         tiers: dict[str, dict[str, int]] = client.stats()["tiers"]
     stats.tiers = tiers
+    stats.tier_hits = cache.tier_hits
     stats.evictions = tiers["dram"]["evictions"]
     return stats
 
@@ -322,9 +354,122 @@ def format_table(rows: Sequence[tuple[float, int, str, ReplayStats]]) -> str:
     return "\n".join(lines)
 
 
+SUMMARY_BOUNDS = ("belady",)
+
+
+def format_summary(
+    workloads: Sequence[tuple[str, Sequence[tuple[float, int, str, ReplayStats]]]],
+) -> str:
+    """One table of every workload: per capacity and policy, block and token hit rates,
+    the ratio to the simulated LRU's block hits and to Belady's (the offline optimum).
+
+    A daemon row (``<policy>@daemon``) also gives its block hits minus its simulator
+    row's, in points (``-sim``; its DRAM hits, with an SSD tier beneath, whose
+    promotions then change what DRAM holds): what the daemon does differently;
+    the requests it served per second, and the CPU time the daemon spent per request
+    (steadier than the rate on a busy machine); with an SSD tier, the share of block
+    references hit in DRAM and in SSD.
+    """
+    width = max([10, *(len(w) for w, _ in workloads)])
+    pwidth = max([10, *(len(n) for _, rows in workloads for _, _, n, _ in rows)])
+    daemon = any(s.tiers is not None for _, rows in workloads for _, _, _, s in rows)
+    ssd = any(s.tiers is not None and "ssd" in s.tiers
+              for _, rows in workloads for _, _, _, s in rows)
+    header = (
+        f"{'workload':<{width}} {'capacity':>14}  {'policy':<{pwidth}} {'block hit':>9} "
+        f"{'token hit':>9} {'/lru':>6} {'/belady':>7}"
+    )
+    if daemon:
+        header += f" {'-sim':>7} {'req/s':>7} {'cpu us/req':>10}"
+    if ssd:
+        header += f" {'dram hit':>8} {'ssd hit':>8}"
+    lines = [header]
+    for title, rows in workloads:
+        by_name = {(share, name): stats for share, _, name, stats in rows}
+        for share, capacity, name, stats in rows:
+            if name in ("belady-ins", "rate+oracle", "lru+oracle", "infinite"):
+                continue
+            lru = by_name.get((share, "lru"))
+            best = by_name[(share, "belady")]
+            to_lru = (f"{stats.hit_blocks / lru.hit_blocks:>6.3f}" if lru and lru.hit_blocks
+                      else "")
+            to_best = stats.hit_blocks / best.hit_blocks if best.hit_blocks else 0.0
+            line = (
+                f"{title:<{width}} {share:>5.0%} {capacity:>7}b  {name:<{pwidth}} "
+                f"{stats.block_hit_rate:>9.4f} {stats.token_hit_rate:>9.4f} "
+                f"{to_lru:>6} {to_best:>7.3f}"
+            )
+            sim = by_name.get((share, name.removesuffix("@daemon")))
+            if daemon and name.endswith("@daemon") and sim is not None:
+                rate = len_requests(rows) / stats.seconds if stats.seconds else 0.0
+                cpu = 1e6 * stats.daemon_cpu / max(1, len_requests(rows))
+                hit = stats.block_hit_rate
+                if stats.tier_hits is not None and "ssd" in (stats.tiers or {}):
+                    hit = stats.tier_hits.get("dram", 0) / max(1, stats.blocks)  # DRAM's own
+                line += (f" {100 * (hit - sim.block_hit_rate):+7.2f}"
+                         f" {rate:>7.0f} {cpu:>10.0f}")
+                if ssd and stats.tier_hits is not None and stats.blocks:
+                    line += "".join(f" {stats.tier_hits.get(t, 0) / stats.blocks:>8.4f}"
+                                    for t in ("dram", "ssd"))
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def len_requests(rows: Sequence[tuple[float, int, str, ReplayStats]]) -> int:
+    """How many requests the rows' replays ran (each row ran the whole workload)."""
+    return next((s.requests for _, _, _, s in rows if s.requests), 0)
+
+
+def plot_summary(
+    workloads: Sequence[tuple[str, Sequence[tuple[float, int, str, ReplayStats]]]],
+    path: Path,
+) -> None:
+    """The summary as a PNG: one panel per workload, block hit rate by capacity, one
+    line per policy and for Belady."""
+    import matplotlib  # only when plotting: an optional extra
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    count = len(workloads)
+    columns = min(3, count)
+    rows_n = -(-count // columns)
+    fig, axes = plt.subplots(rows_n, columns, figsize=(5 * columns, 3.6 * rows_n),
+                             squeeze=False)
+    for ax, (title, rows) in zip(axes.flat, workloads):
+        lines: dict[str, tuple[list[float], list[float]]] = {}
+        for share, _, name, stats in rows:
+            if name in ("belady-ins", "rate+oracle", "lru+oracle", "infinite"):
+                continue
+            xs, ys = lines.setdefault(name, ([], []))
+            xs.append(share * 100)
+            ys.append(stats.block_hit_rate)
+        for name, (xs, ys) in lines.items():
+            ax.plot(xs, ys, marker="o", linestyle="--" if name == "belady" else "-",
+                    label=name)
+        ax.set_title(title)
+        ax.set_xscale("log")
+        ax.minorticks_off()  # the log axis's own minor labels crowd the shares out
+        ax.set_xticks([2, 5, 10, 25], ["2%", "5%", "10%", "25%"])
+        ax.set_xlabel("capacity (share of unique blocks)")
+        ax.set_ylabel("block hit rate")
+    for ax in list(axes.flat)[count:]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="JSON-lines trace")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        action="append",
+        default=None,
+        help="JSON-lines trace (repeatable; the shared Mooncake trace if none)",
+    )
     parser.add_argument(
         "--mode",
         choices=["sim", "daemon"],
@@ -335,7 +480,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--workload",
         choices=["trace", *WORKLOADS, "all"],
         default="trace",
-        help="the --trace file, a synthetic workload of benchmarks/workloads.py, or all",
+        help="the --trace files, a synthetic workload of benchmarks/workloads.py, or all",
+    )
+    parser.add_argument(
+        "--detail",
+        action="store_true",
+        help="print each workload's full table (bounds, evictions) before the summary",
+    )
+    parser.add_argument(
+        "--plot", type=Path, default=None, metavar="FILE.png",
+        help="also draw the summary as a PNG (needs matplotlib: the 'plot' extra)",
     )
     parser.add_argument(
         "--requests", type=int, default=0, metavar="N", help="replay the first N requests only"
@@ -381,8 +535,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         parser.error(f"unknown policies {unknown}; registered: {sorted(POLICIES)}")
-    if args.workload in ("trace", "all") and not args.trace.is_file():
-        parser.error(f"no trace at {args.trace}; pass --trace")
+    traces: list[Path] = args.trace or [DEFAULT_TRACE]
+    missing = [str(t) for t in traces if not t.is_file()]
+    if args.workload in ("trace", "all") and missing:
+        parser.error(f"no trace at {', '.join(missing)}; pass --trace")
     if args.touches < 1:
         parser.error("--touches must be at least 1")
     daemon = args.mode == "daemon"
@@ -394,22 +550,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--touches is sim mode only: the daemon reports hits as it does")
 
     started = time.perf_counter()
-    names = [args.workload] if args.workload != "all" else ["trace", *WORKLOADS]
-    for name in names:
-        if name == "trace":
-            trace = load_trace(args.trace)
-            if args.requests > 0:
-                trace = trace[: args.requests]
-            title = args.trace.name
-        else:
-            trace = synthetic(name, args.requests)
-            title = f"synthetic workload {name!r}"
+    workloads: list[tuple[str, str, list[TraceRequest]]] = []  # label, title, requests
+    if args.workload in ("trace", "all"):
+        for path in traces:
+            loaded = load_trace(path)
+            loaded = loaded[: args.requests] if args.requests > 0 else loaded
+            workloads.append((path.stem, path.name, loaded))
+    if args.workload != "trace":
+        names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+        workloads += [(name, f"synthetic workload {name!r}", synthetic(name, args.requests))
+                      for name in names]
+    summary: list[tuple[str, list[tuple[float, int, str, ReplayStats]]]] = []
+    for label, title, trace in workloads:
         trace = cacheable(trace, args.partial_blocks)
         references = sum(len(r.hash_ids) for r in trace)
         what = "blocks (partial last blocks too)" if args.partial_blocks else "full blocks"
         print(
             f"{title}: {len(trace)} requests, {references} block references, "
-            f"{unique_blocks(trace)} unique {what} of {BLOCK_TOKENS} tokens"
+            f"{unique_blocks(trace)} unique {what} of {BLOCK_TOKENS} tokens",
+            flush=True,
         )
         rows = run_sim(
             trace,
@@ -421,8 +580,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             touches=args.touches,
             progress=sys.stderr if daemon else None,
         )
-        print(format_table(rows))
-        print()
+        if args.detail:
+            print(format_table(rows))
+            print()
+        summary.append((label, rows))
+    print()
+    print(format_summary(summary))
+    if args.plot is not None:
+        plot_summary(summary, args.plot)
+        print(f"plot written to {args.plot}")
     print(f"({time.perf_counter() - started:.1f} s)")
     return 0
 

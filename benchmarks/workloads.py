@@ -12,7 +12,16 @@ policy tuned on one trace does not lose on workloads of another shape
 - ``conversations``: multi-turn chats.  Each starts with one of a few shared system
   prompts (Zipf-popular), half of them attach a document drawn from a Zipf-popular
   library, then a user message; a conversation continues (its whole history plus one
-  more exchange) with decreasing probability, after an exponential think time.
+  more exchange) with decreasing probability, after a heavy-tailed think time
+  (log-normal: median 20 s, one in ten over about 2.5 min), so sessions end, most
+  after a turn or two and a few after many.
+- ``agents``: tool-calling loops.  Every loop starts from one long shared prefix (a
+  system prompt with tool definitions, 24 blocks) and a short task, then extends its
+  own context by a tool result and a step every second or so (log-normal), for a
+  Pareto-distributed number of steps (most loops short, a few very long).
+- ``tenants``: single-shot requests of many tenants, each with its own system prompt
+  (4 to 16 blocks, tenants Zipf-popular), a short user message and no history: the
+  shared heads are worth keeping, the one-off tails are not.
 - ``scan``: a hot set of short chains (Zipf-popular, a shared root) hit over and over,
   interleaved with long one-time requests (a batch job scanning documents), so a
   policy that lets a scan flush the hot set loses.
@@ -24,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import heapq
 import itertools
 import json
+import math
 import random
 import sys
 from collections.abc import Callable, Hashable, Sequence
@@ -111,7 +122,7 @@ def _follow_up(
 ) -> None:
     """Schedule the conversation's next turn, with a chance that falls as it goes on."""
     if rng.random() < 0.75 / (1 + 0.15 * turn):
-        due = now + rng.expovariate(1 / 30_000)  # think time: 30 s on average
+        due = now + rng.lognormvariate(math.log(20_000), 1.5)  # think time: median 20 s
         bisect.insort(pending, (due, next(seq), history, turn))
 
 
@@ -156,8 +167,66 @@ def documents(requests: int = 4000, seed: int = 3) -> list[Request]:
     return out
 
 
+def agents(requests: int = 4000, seed: int = 4) -> list[Request]:
+    """Tool-calling loops over one long shared prefix, each step a short continuation.
+
+    Parameters: a new loop every 2 s on average (exponential); a loop runs a Pareto
+    (shape 1.2) number of steps, at least one; a step follows the previous one after a
+    log-normal delay (median 1.5 s) and adds 1 or 2 blocks (a tool result, a thought).
+    """
+    rng = random.Random(seed)
+    chains = _Chains()
+    prefix = [("tools", j) for j in range(24)]
+    pending: list[tuple[float, int, list[int], int]] = []  # (due, seq, context, steps left)
+    seq = itertools.count()
+    now = 0.0
+    out: list[Request] = []
+    while len(out) < requests:
+        now += rng.expovariate(1 / 2_000)
+        while pending and pending[0][0] <= now and len(out) < requests:
+            due, _, context, left = heapq.heappop(pending)
+            ids = chains.extend(context, [("step", due, j) for j in range(rng.randint(1, 2))])
+            out.append(_request(rng, due, ids))
+            if left > 1:
+                later = due + rng.lognormvariate(math.log(1_500), 0.8)
+                heapq.heappush(pending, (later, next(seq), ids, left - 1))
+        if len(out) >= requests:
+            break
+        loop = next(seq)
+        ids = chains.extend([], [*prefix, *(("task", loop, j) for j in range(rng.randint(1, 3)))])
+        out.append(_request(rng, now, ids))
+        steps = int(rng.paretovariate(1.2))
+        if steps > 1:
+            later = now + rng.lognormvariate(math.log(1_500), 0.8)
+            heapq.heappush(pending, (later, next(seq), ids, steps - 1))
+    return out
+
+
+def tenants(requests: int = 4000, seed: int = 5) -> list[Request]:
+    """Single-shot requests over per-tenant system prompts (Zipf-popular tenants).
+
+    Parameters: 400 tenants, prompt lengths uniform in 4..16 blocks, Zipf exponent 1.0;
+    a request every 100 ms on average, with a 1 to 4 block user message of its own.
+    """
+    rng = random.Random(seed)
+    chains = _Chains()
+    prompts = [rng.randint(4, 16) for _ in range(400)]
+    tenant_of = _Zipf(len(prompts), 1.0, rng)
+    out: list[Request] = []
+    now = 0.0
+    for q in range(requests):
+        now += rng.expovariate(1 / 100)
+        t = tenant_of()
+        contents: list[Hashable] = [("system", t, j) for j in range(prompts[t])]
+        contents += [("user", q, j) for j in range(rng.randint(1, 4))]
+        out.append(_request(rng, now, chains.extend([], contents)))
+    return out
+
+
 WORKLOADS: dict[str, Callable[..., list[Request]]] = {
     "conversations": conversations,
+    "agents": agents,
+    "tenants": tenants,
     "scan": scan,
     "documents": documents,
 }

@@ -88,6 +88,7 @@ LIVE_SETTINGS: tuple[tuple[str, str], ...] = (
     ("server", "max_pins_per_tenant"),
     ("server", "max_requests_per_second_per_tenant"),
     ("ssd", "admit_after"),
+    ("dram", "eviction_policy"),
 )
 
 
@@ -118,7 +119,7 @@ class DramConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     capacity: str | int = "1GiB"
     slab_size: str | int = "64MiB"
     directory: str = "/dev/shm"
-    eviction_policy: str = "slru"
+    eviction_policy: str = "auto"
     populate: bool = True
     # true, false, or auto: an arena per tenant whenever credentials are set ([auth])
     per_tenant_arenas: bool | str = "auto"

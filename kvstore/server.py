@@ -365,6 +365,8 @@ class Server:
         self.debug_invariants = s.debug_invariants
         self.sessions.configure(s)
         self.store.ssd_admit_after = self.config.ssd.admit_after
+        if self.store.dram_args[3] != self.config.dram.eviction_policy:
+            self.store.set_eviction_policy(self.config.dram.eviction_policy)
 
     def live_settings(self) -> dict[str, Any]:
         """The live settings in effect, read back from the parts that use them."""
@@ -384,6 +386,7 @@ class Server:
             "server.max_requests_per_second_per_tenant":
                 sessions.max_requests_per_second_per_tenant,
             "ssd.admit_after": self.store.ssd_admit_after,
+            "dram.eviction_policy": self.store.dram_args[3],
         }
 
     def _release_sent(self, pin: int) -> None:
@@ -469,6 +472,9 @@ def server_stats(server: Server) -> dict[str, Any]:
         "scheduling": dict(server.scheduling),
         "transfers": server.transfers.stats(),
         "eviction_policies": {"dram": server.config.dram.eviction_policy, "ssd": "lru"},
+        # each DRAM class's order as it stands (auto: which candidate leads, scores)
+        "eviction_orders": [repr(policy) for dram in server.store.drams.values()
+                            for policy in dram.policies.values()],
         "tenant_dram_bytes": {tenant: nbytes for dram in server.store.drams.values()
                               for tenant, nbytes in dram.used.items()},
     }

@@ -59,7 +59,7 @@ from kvstore.owners import Leases
 from kvstore.plans import Plan
 from kvstore.remote_copies import RemoteCopies
 from kvstore.room import RoomMaker
-from kvstore.scheduler.eviction import WarmPins
+from kvstore.scheduler.eviction import EvictionPolicy, WarmPins, make_policy
 from kvstore.ssd_copies import SsdCopies
 from kvstore.store_view import check_invariants, tier_stats
 
@@ -292,6 +292,38 @@ class BlockStore(StoreCore):
         for b, _ in plan:
             self.gpu.finish(b, ok)
             self.unpin_block(b)
+
+    # -- the eviction order -------------------------------------------------------------------
+    def set_eviction_policy(self, name: str) -> None:
+        """Order every DRAM class by the policy ``name`` from now on (and new tiers too),
+        keeping every cached block: each class's blocks pass to a fresh order in the
+        order the old one lists them, pinned ones stay pinned and warm ones warm."""
+        fresh = make_policy(name)  # an unknown name fails here, before any change
+        del fresh
+        self.dram_args = (*self.dram_args[:3], name)
+        for dram in self.drams.values():
+            dram.policy_name = name
+            for slot_bytes, old in list(dram.policies.items()):
+                on_order = list(old.evictable())
+                listed = set(on_order)
+                pinned = [b for ns in self.namespaces.values()
+                          if ns.dram is dram and ns.cls.slot_bytes == slot_bytes
+                          for b in ns.blocks.values()
+                          if b.offset is not None and b.refs > 0 and not b.demoting
+                          and b not in listed]
+                new: EvictionPolicy[Block] = make_policy(name)  # type: ignore[assignment]
+                if dram.clock is not None:
+                    new = WarmPins(new, dram.clock)
+                for b in on_order + pinned:
+                    new.insert(b)
+                for b in pinned:
+                    new.pin(b)
+                if isinstance(old, WarmPins) and isinstance(new, WarmPins):
+                    for b in on_order + pinned:
+                        until = old.warm_until(b)
+                        if until is not None:
+                            new.pin_soft(b, until)
+                dram.policies[slot_bytes] = new
 
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """Figures per tier: bytes and slots free, reserved, committed; counters."""

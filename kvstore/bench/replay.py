@@ -72,6 +72,7 @@ class PrefixCache(Protocol):
 class ReplayStats:
     """Totals of one replay."""
 
+    requests: int = 0
     blocks: int = 0
     hit_blocks: int = 0
     tokens: int = 0
@@ -79,6 +80,9 @@ class ReplayStats:
     evictions: int = 0
     rejects: int = 0  # puts refused with CapacityError (daemon only)
     tiers: dict[str, dict[str, int]] | None = None  # the daemon's per-tier counters
+    tier_hits: dict[str, int] | None = None  # the daemon's hit blocks by the tier they hit
+    seconds: float = 0.0  # wall time of a daemon replay
+    daemon_cpu: float = 0.0  # CPU seconds the daemon spent in it
 
     @property
     def block_hit_rate(self) -> float:
@@ -99,6 +103,7 @@ def replay(trace: Iterable[TraceRequest], cache: PrefixCache) -> ReplayStats:
     for request in trace:
         keys = request.hash_ids
         hits = cache.lookup(keys)
+        stats.requests += 1
         stats.blocks += len(keys)
         stats.hit_blocks += hits
         stats.tokens += request.input_length
@@ -127,6 +132,8 @@ class PolicyCache:
         self.evictions = 0
         self._parent: dict[int, int | None] = {}
         self._children: dict[int, int] = {}  # cached children per cached block
+        if hasattr(policy, "parent_of"):  # a policy that reads the chains (auto)
+            policy.parent_of = self._parent.get
 
     def _is_leaf(self, key: Hashable) -> bool:
         return self._children[key] == 0  # type: ignore[index]
@@ -147,23 +154,26 @@ class PolicyCache:
         return hits
 
     def insert(self, keys: Sequence[int], hits: int) -> None:
+        # As the store does: reserve (evict) room for every new block first, then
+        # commit them deepest first, then release the request's pins deepest first, so
+        # that parents end up warmer than their children.
         policy = self.policy
         children = self._children
-        stored = hits
-        for i in range(hits, len(keys)):
-            if len(children) >= self.capacity and not self._evict_one():
-                break  # everything left is pinned or a prefix of something pinned
+        room = self.capacity - len(children)
+        want = len(keys) - hits
+        while room < want and self._evict_one():
+            room += 1
+        stored = hits + max(0, min(want, room))
+        for i in range(hits, stored):
             key = keys[i]
             parent = keys[i - 1] if i else None
             children[key] = 0
             self._parent[key] = parent
             if parent is not None:
                 children[parent] += 1
+        for key in reversed(keys[hits:stored]):
             policy.insert(key)
-            policy.pin(key)
-            stored += 1
-        # Deepest first, as for hits: parents end up warmer than their children.
-        for key in reversed(keys[:stored]):
+        for key in reversed(keys[:hits]):
             policy.unpin(key)
 
     def _evict_one(self) -> bool:
@@ -268,6 +278,7 @@ class DaemonCache:
     capacity: int
     hold: bool = True
     rejects: int = 0
+    tier_hits: dict[str, int] = field(default_factory=dict)
     _keys: list[bytes] = field(default_factory=list)
     _held: Held | None = None
 
@@ -276,7 +287,10 @@ class DaemonCache:
 
     def lookup(self, ids: Sequence[int]) -> int:
         self._keys = keys = self.chains(self.ns, ids)
-        hits = self.ns.lookup(keys).blocks
+        found = self.ns.lookup(keys)
+        hits = found.blocks
+        for tier in found.tiers[:hits]:
+            self.tier_hits[tier] = self.tier_hits.get(tier, 0) + 1
         if self.hold and hits:
             self._held = self.ns.acquire(keys[:hits])
         return hits

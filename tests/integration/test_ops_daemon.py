@@ -52,7 +52,7 @@ def test_metrics_equal_what_the_workload_implies(daemon_factory: Any) -> None:
         assert value(before, "kvstore_pool_committed_bytes", tier="dram") == \
             8 * ns.block_bytes
         assert value(before, "kvstore_pool_reserved_bytes", tier="dram") == 0
-        assert value(before, "kvstore_evictions_total", tier="dram", policy="slru",
+        assert value(before, "kvstore_evictions_total", tier="dram", policy="auto",
                      cause="capacity") == 2
         assert value(before, "kvstore_lookup_hit_tokens_total", tier="dram", tenant="acme") \
             == 8 * 16

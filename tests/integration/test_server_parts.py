@@ -133,6 +133,7 @@ RELOADED = {
     ("server", "max_pins_per_tenant"): 600,
     ("server", "max_requests_per_second_per_tenant"): 9000.0,
     ("ssd", "admit_after"): 3,
+    ("dram", "eviction_policy"): "arc",
 }
 
 

@@ -15,6 +15,7 @@ from kvstore.scheduler.eviction import (
     DEFAULT_POLICY,
     POLICIES,
     ARCPolicy,
+    AutoPolicy,
     EvictionPolicy,
     LRUPolicy,
     S3FIFOPolicy,
@@ -389,9 +390,9 @@ def test_arc_matches_a_list_model(history: list[tuple[str, int, int]]) -> None:
     _check_against(ARCPolicy(), reference, history, lambda: reference.t1 + reference.t2)
 
 
-def test_default_policy_is_slru() -> None:
-    assert DEFAULT_POLICY == "slru"
-    assert isinstance(make_policy(DEFAULT_POLICY), SLRUPolicy)
+def test_default_policy_is_the_duel() -> None:
+    assert DEFAULT_POLICY == "auto"
+    assert isinstance(make_policy(DEFAULT_POLICY), AutoPolicy)
 
 
 def test_a_batch_of_evictions_keeps_the_ghosts_of_a_full_cache() -> None:

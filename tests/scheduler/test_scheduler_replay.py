@@ -60,7 +60,7 @@ def test_s3fifo_beats_lru_on_scans_through_a_hot_set() -> None:
     assert best >= s3fifo
 
 
-@pytest.mark.parametrize("name", ["lru", "s3fifo", "arc", "slru"])
+@pytest.mark.parametrize("name", ["lru", "s3fifo", "arc", "slru", "auto"])
 def test_bounds_order_and_prefix_closure_on_a_random_tree(name: str) -> None:
     rng = random.Random(3)
     chains: list[list[int]] = [[]]
@@ -164,3 +164,60 @@ def test_the_oracle_lru_puts_blocks_never_used_again_first() -> None:
     replay.replay(trace[:4], lru)
     assert set(cache._children) == {1, 2, 5, 6}
     assert set(lru._children) == {3, 4, 5, 6}
+
+
+def _write_trace(path: Path, requests: list[object]) -> None:
+    import msgspec
+
+    path.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in requests))
+
+
+def test_main_prints_one_summary_of_every_trace_and_workload(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    _write_trace(tmp_path / "first.jsonl", replay.synthetic("tenants", 200))
+    _write_trace(tmp_path / "second.jsonl", replay.synthetic("agents", 200))
+    args = ["--trace", str(tmp_path / "first.jsonl"), "--trace", str(tmp_path / "second.jsonl"),
+            "--workload", "all", "--requests", "200", "--capacities", "0.05,0.25",
+            "--policies", "lru,auto"]
+    assert replay.main(args) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("workload "))
+    rows = [line.split() for line in lines[start + 1:] if line and not line.startswith("(")]
+    workloads = ["first", "second", *replay.WORKLOADS]
+    assert sorted({row[0] for row in rows}) == sorted(workloads)
+    for workload in workloads:
+        for share in ("5%", "25%"):
+            names = [row[3] for row in rows if row[0] == workload and row[1] == share]
+            assert names == ["belady", "lru", "auto"], (workload, share, names)
+    lru_rows = [row for row in rows if row[3] == "lru"]
+    assert all(row[6] == "1.000" for row in lru_rows)  # the /lru column of LRU itself
+
+
+def test_main_refuses_a_missing_trace(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        replay.main(["--trace", str(tmp_path / "absent.jsonl")])
+
+
+def test_plot_writes_a_png_of_the_summary(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")  # the 'plot' extra (in the 'test' extra too)
+    png = tmp_path / "hits.png"
+    args = ["--workload", "tenants", "--requests", "200", "--capacities", "0.05,0.1",
+            "--policies", "lru,auto", "--plot", str(png)]
+    assert replay.main(args) == 0
+    assert f"plot written to {png}" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+@pytest.mark.parametrize("name", sorted(replay.WORKLOADS))
+def test_every_workload_has_the_same_requests_for_a_seed_and_others_for_another(
+        name: str) -> None:
+    generate = replay.WORKLOADS[name]
+    assert generate(300) == generate(300)
+    first = generate(300)
+    import inspect
+
+    seed = inspect.signature(generate).parameters["seed"].default
+    assert generate(300, seed + 1) != first

@@ -1,0 +1,251 @@
+"""Policy duelling: judge several eviction orders on a sample of the keys and evict by
+the one that would have hit most lately.
+
+A cache's best order depends on its traffic and its size (on a multi-turn chat trace
+plain LRU is best at a quarter of the blocks and a segmented LRU at a fiftieth; on a
+scan a scan-resistant order wins everywhere), so rather than guess, ``Duel`` measures
+them.  One candidate orders the cached items; each runs a miniature cache (Waldspurger
+et al., "Cache Modeling and Optimization using Miniature Simulations", USENIX ATC
+2017): the references to a hashed sample of the keys (one in ``2 ** sample_shift``)
+replayed against a cache of that share of the real one's size.  Every ``epoch`` sampled references the candidate whose
+miniature hit most (its counts multiplied by ``keep`` each epoch, so old traffic fades)
+becomes the one that picks victims; the one in charge keeps it unless another beats it
+by ``margin`` and by half a percent of an epoch's references, and ties go to the first
+candidate, so with LRU first the duel falls back to LRU wherever nothing else pays.
+A hand-over passes the items to the new candidate in the order the old one lists
+them (its own history, ghosts included, starts then).
+
+Every reference a prefix cache sees reaches its policy: a hit as ``access``, a miss as
+``insert`` of the new block.  The store reports one hit twice (lookup, then acquire);
+a miniature counts a key at most once per tick of a clock that advances on ``insert``
+and ``pop_victim`` (as S3-FIFO does).  The candidates do the same on their own.
+
+Pure.  A call costs the one candidate's own call plus, for a sampled key, each
+miniature's.  The module knows the candidates only through ``Order``, the interface of
+``kvstore.scheduler.eviction.EvictionPolicy``, which it cannot import (that module
+registers the duel among its policies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+T = TypeVar("T", bound=Hashable)
+
+_GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the sample
+_MASK64 = (1 << 64) - 1
+
+
+class Order(Protocol[T]):
+    """What the duel needs of a candidate (``EvictionPolicy``'s methods)."""
+
+    name: str
+
+    def insert(self, item: T) -> None: ...
+    def access(self, item: T) -> None: ...
+    def pin(self, item: T) -> None: ...
+    def unpin(self, item: T) -> None: ...
+    def remove(self, item: T) -> None: ...
+    def pop_victim(self, allowed: Callable[[T], bool]) -> T | None: ...
+    def evictable(self) -> Iterator[T]: ...
+    def __len__(self) -> int: ...
+
+
+def _parent_attribute(item: Any) -> Any:
+    return getattr(item, "parent", None)
+
+
+class _Miniature(Generic[T]):
+    """One candidate's miniature cache of the sampled keys, leaf first as the store is:
+    a key whose parent it holds counts as that parent's child, and only keys with no
+    child held are victims (with every key sampled, it is the whole cache replayed)."""
+
+    __slots__ = ("order", "parent", "children", "hits", "score")
+
+    def __init__(self, order: Order[T]) -> None:
+        self.order = order
+        self.parent: dict[T, T | None] = {}  # every key held -> its parent, if held then
+        self.children: dict[T, int] = {}  # every key held -> its children held
+        self.hits = 0  # in the current epoch
+        self.score = 0.0  # hits of past epochs, each weighing ``keep`` times the next
+
+    def _leaf(self, item: T) -> bool:
+        return self.children[item] == 0
+
+    def reference(self, item: T, parent: T | None, capacity: int) -> None:
+        if item in self.children:
+            self.hits += 1
+            self.order.access(item)
+            return
+        # Room first, then the insert, as the store does: a candidate sizes its ghost
+        # history by the most items it has tracked at once.
+        while len(self.children) >= capacity:
+            victim = self.order.pop_victim(self._leaf)
+            if victim is None:
+                break
+            del self.children[victim]
+            held = self.parent.pop(victim)
+            if held is not None and held in self.children:
+                self.children[held] -= 1
+        if parent is not None and parent in self.children:
+            self.children[parent] += 1
+        else:
+            parent = None
+        self.children[item] = 0
+        self.parent[item] = parent
+        self.order.insert(item)
+
+
+class Duel(Generic[T]):
+    """Victims from the candidate in charge; the others judged by their miniatures."""
+
+    def __init__(
+        self,
+        factories: Sequence[Callable[[], Order[Any]]],
+        *,
+        parent_of: Callable[[T], T | None] | None = None,
+        sample_shift: int = 3,
+        epoch: int = 512,
+        margin: float = 0.01,
+        keep: float = 0.9,
+    ) -> None:
+        if not factories:
+            raise ValueError("a duel needs at least one candidate")
+        if not 0 <= sample_shift <= 16:
+            raise ValueError(f"sample_shift must be in [0, 16], got {sample_shift}")
+        if epoch < 1 or margin < 0.0 or not 0.0 <= keep < 1.0:
+            raise ValueError("epoch must be >= 1, margin >= 0 and keep in [0, 1)")
+        self._factories = list(factories)
+        self._order: Order[T] = self._factories[0]()
+        # Miniatures hold the keys' hashes: ints, cheap to hash, where the store's blocks
+        # hash in Python.
+        self._minis: list[_Miniature[int]] = [_Miniature(make()) for make in self._factories]
+        self.sample_shift = sample_shift
+        self._unsampled = 64 - sample_shift  # a key is sampled if its top bits are zero
+        self.epoch = epoch
+        self.margin = margin
+        self.keep = keep
+        self._leader = 0
+        self._items: dict[int, T] = {}  # every tracked item by its hash, pinned ones too
+        self._size = 0  # the most items tracked at once: the cache size, once full
+        self._tick = 0  # inserts and evictions so far
+        self._last: dict[int, int] = {}  # sampled key -> the tick of its last reference
+        self._sampled = 0  # sampled references in the current epoch
+        self.switches = 0
+        # The store's blocks know their parent; other items (the replay's ids) have it
+        # set here by their cache.
+        self.parent_of: Callable[[T], T | None] = parent_of or _parent_attribute
+
+    @property
+    def leader(self) -> str:
+        """The name of the candidate that picks victims now."""
+        return self._order.name
+
+    def scores(self) -> dict[str, float]:
+        """Each candidate's miniature hits, recent epochs weighing most."""
+        return {m.order.name: m.score + m.hits for m in self._minis}
+
+    def _sample(self, key: int, item: T) -> None:
+        """A reference to a sampled key (its mixed hash's top ``sample_shift`` bits
+        zero; the callers test that inline, most keys being out of the sample)."""
+        if self._last.get(key) == self._tick:
+            return  # the same hit reported again (lookup, then acquire)
+        self._last[key] = self._tick
+        # The miniatures hold a 2**-shift sample of a cache of _size items.
+        capacity = max(1, self._size >> self.sample_shift)
+        parent = self.parent_of(item)
+        parent_key = None if parent is None else hash(parent)
+        for mini in self._minis:
+            mini.reference(key, parent_key, capacity)
+        if len(self._last) > 4 * capacity:
+            self._forget()
+        self._sampled += 1
+        if self._sampled >= self.epoch:
+            self._elect()
+
+    def _forget(self) -> None:
+        # Keys no miniature holds need no dedup stamp once their tick has passed.
+        held = set().union(*(m.children.keys() for m in self._minis))
+        self._last = {k: t for k, t in self._last.items() if k in held or t == self._tick}
+
+    def _elect(self) -> None:
+        self._sampled = 0
+        for mini in self._minis:
+            mini.score = mini.score * self.keep + mini.hits
+            mini.hits = 0
+        best = max(range(len(self._minis)), key=lambda i: (self._minis[i].score, -i))
+        lead = self._minis[best].score - self._minis[self._leader].score
+        # Ahead by the margin, and by more hits than noise: half a percent of an epoch's
+        # references (a few lucky hits must not hand over the order).
+        if (lead > self.margin * self._minis[self._leader].score
+                and lead > 0.005 * self.epoch):
+            self._take_over(best)
+
+    def _take_over(self, best: int) -> None:
+        """The candidate ``best`` orders the items from now on: they pass to it in the
+        order the one in charge lists them, pinned ones pinned (O(items), once per
+        hand-over; keeping every candidate's order all along costs more per call than
+        the hand-overs save)."""
+        listed = list(self._order.evictable())
+        on_order = {hash(item) for item in listed}
+        order: Order[T] = self._factories[best]()
+        for item in listed:
+            order.insert(item)
+        for key, item in self._items.items():
+            if key not in on_order:
+                order.insert(item)
+                order.pin(item)
+        self._order = order
+        self._leader = best
+        self.switches += 1
+
+    def insert(self, item: T) -> None:
+        key = hash(item)
+        if key in self._items:
+            return
+        self._tick += 1
+        self._items[key] = item
+        if len(self._items) > self._size:
+            self._size = len(self._items)
+        self._order.insert(item)
+        if not ((key * _GOLDEN) & _MASK64) >> self._unsampled:
+            self._sample(key, item)
+
+    def access(self, item: T) -> None:
+        key = hash(item)
+        if key in self._items:
+            self._order.access(item)
+            if not ((key * _GOLDEN) & _MASK64) >> self._unsampled:
+                self._sample(key, item)
+
+    def pin(self, item: T) -> None:
+        self._order.pin(item)
+
+    def unpin(self, item: T) -> None:
+        self._order.unpin(item)
+
+    def remove(self, item: T) -> None:
+        if self._items.pop(hash(item), None) is not None:
+            self._order.remove(item)
+
+    def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
+        self._tick += 1
+        victim = self._order.pop_victim(allowed)
+        if victim is not None:
+            del self._items[hash(victim)]
+        return victim
+
+    def evictable(self) -> Iterator[T]:
+        return self._order.evictable()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __repr__(self) -> str:
+        scores = ", ".join(f"{name}={score:.0f}" for name, score in self.scores().items())
+        pinned = len(self._items) - len(self)
+        return (
+            f"{type(self).__name__}(leader={self.leader}, evictable={len(self)}, "
+            f"pinned={pinned}, switches={self.switches}, scores: {scores})"
+        )

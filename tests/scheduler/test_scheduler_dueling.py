@@ -1,0 +1,105 @@
+"""The duel of eviction orders (``auto``): it follows the candidate whose miniature cache
+hits most, falls back to LRU where nothing else pays, and a candidate that forgets
+another's victim is left as if it had chosen it."""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable, Hashable
+from pathlib import Path
+
+import pytest
+
+from kvstore.scheduler.dueling import Duel
+from kvstore.scheduler.eviction import (
+    ARCPolicy,
+    AutoPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+    SLRUPolicy,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import replay_sim  # noqa: E402  (benchmarks/ is no package)
+
+ORDERS: dict[str, Callable[[], EvictionPolicy[Hashable]]] = {
+    "lru": LRUPolicy, "s3fifo": S3FIFOPolicy, "arc": ARCPolicy, "slru": SLRUPolicy,
+}
+
+
+def _request(ids: list[int]) -> replay_sim.TraceRequest:
+    return replay_sim.TraceRequest(0, len(ids) * 512, 1, ids)
+
+
+def _hits(trace: list[replay_sim.TraceRequest], policy: EvictionPolicy[Hashable],
+          capacity: int) -> int:
+    return replay_sim.replay(trace, replay_sim.PolicyCache(policy, capacity)).hit_blocks
+
+
+def _hot_and_scans(seed: int, requests: int) -> list[replay_sim.TraceRequest]:
+    """Single-block requests: a hot set of 60 asked for over and over, between runs of
+    one-time blocks (a scan LRU lets flush the hot set, SLRU and ARC do not)."""
+    rng = random.Random(seed)
+    trace = []
+    fresh = 10_000
+    for _ in range(requests):
+        if rng.random() < 0.5:
+            trace.append(_request([rng.randrange(60)]))
+        else:
+            trace.append(_request([fresh]))
+            fresh += 1
+    return trace
+
+
+def _drift(seed: int, requests: int) -> list[replay_sim.TraceRequest]:
+    """Single blocks drawn from a window of 80 that slides on: what was asked for lately
+    is asked for again, what fell out of the window never is (recency is everything)."""
+    rng = random.Random(seed)
+    return [_request([i // 4 + rng.randrange(80)]) for i in range(requests)]
+
+
+def test_the_duel_follows_a_scan_resistant_order_on_scans() -> None:
+    trace = _hot_and_scans(seed=1, requests=30_000)
+    auto = AutoPolicy(epoch=512)
+    hits = {name: _hits(trace, make(), 100) for name, make in ORDERS.items()}
+    got = _hits(trace, auto, 100)
+    assert auto.leader in ("slru", "arc"), auto
+    assert got > 1.1 * hits["lru"], (got, hits)
+    assert got >= 0.95 * max(hits["slru"], hits["arc"]), (got, hits)
+
+
+def test_the_duel_keeps_lru_where_nothing_beats_it() -> None:
+    trace = _drift(seed=2, requests=20_000)
+    auto = AutoPolicy(epoch=512)
+    got = _hits(trace, auto, 100)
+    lru = _hits(trace, LRUPolicy(), 100)
+    assert auto.leader == "lru" and auto.switches == 0, auto
+    assert got == lru
+
+
+def test_a_hand_over_keeps_every_item_in_its_order_and_pins() -> None:
+    duel = Duel([LRUPolicy, SLRUPolicy])
+    for item in range(6):
+        duel.insert(item)
+    duel.access(0)
+    duel.pin(1)
+    assert duel.pop_victim(lambda _: True) == 2  # LRU's coldest, 0 was hit and 1 pinned
+    duel._take_over(1)
+    assert duel.leader == "slru" and duel.switches == 1
+    assert sorted(duel.evictable()) == [0, 3, 4, 5] and len(duel) == 4
+    assert duel.pop_victim(lambda _: True) == 3  # the old order's coldest goes first
+    duel.unpin(1)  # still pinned in the new order until now
+    assert sorted(duel.evictable()) == [0, 1, 4, 5]
+    duel.remove(4)
+    assert len(duel) == 3 and "pinned=0" in repr(duel)
+
+
+def test_the_duel_refuses_bad_settings() -> None:
+    with pytest.raises(ValueError):
+        Duel([])
+    with pytest.raises(ValueError):
+        Duel([LRUPolicy], sample_shift=17)
+    with pytest.raises(ValueError):
+        Duel([LRUPolicy], keep=1.0)
