@@ -242,6 +242,14 @@ def read_blocks(ns: Namespace, keys: Sequence[bytes],
     return Loaded(copied)
 
 
+class Staged(NamedTuple):
+    """Blocks copied out of an engine's pages: ``rows[i]`` is block i's bytes in host
+    memory once ``ready()`` returned (None: they are already)."""
+
+    rows: torch.Tensor
+    ready: Callable[[], object] | None = None
+
+
 class EnginePages:
     """An engine's paged KV cache as kvstore blocks (``[layers, 2, T, H, D]`` bytes).
 
@@ -298,6 +306,86 @@ class EnginePages:
         for view, block in zip(self.views, staging):
             view.index_copy_(0, index, block)
         return n
+
+    # -- copies for the pipeline (kvstore.integrations.pipeline) ---------------------------
+    @property
+    def device(self) -> torch.device:
+        if self.cache is not None:
+            return self.cache.device
+        assert self.views
+        return self.views[0].device
+
+    @property
+    def block_bytes(self) -> int:
+        if self.cache is not None:
+            return self.cache.info.block_bytes
+        assert self.views
+        return sum(v[0].numel() * v.element_size() for v in self.views)
+
+    def layer_targets(self) -> list[list[torch.Tensor]]:
+        """Per layer (or per run of layers that cannot be told apart), the page tensors
+        its bytes go to, in block order, each indexed by page on dim 0: the group's
+        share of a block splits evenly among them."""
+        if self.views is not None:
+            return [[v] for v in self.views]
+        assert self.cache is not None
+        segments, layers = list(self.cache.segments), self.cache.info.layers
+        if len(segments) % layers:  # an all-layer page in one segment: one group
+            return [segments]
+        per = len(segments) // layers
+        return [segments[i * per:(i + 1) * per] for i in range(layers)]
+
+    def stage(self, page_ids: Sequence[int]) -> Staged:
+        """Copy the blocks of ``page_ids`` out of the engine's pages into host memory
+        (``[n, block_bytes]`` uint8, one row per page): done on the CPU when this
+        returns; on a GPU queued on the current stream (so before any later write to
+        those pages), with ``ready`` waiting for it."""
+        n, device = len(page_ids), self.device
+        index = torch.tensor(list(page_ids), dtype=torch.long, device=device)
+        rows = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=device)
+        at = 0
+        with torch.no_grad():
+            for targets in self.layer_targets():
+                for t in targets:
+                    part = t.index_select(0, index).reshape(n, -1)
+                    size = part.shape[1] * part.element_size()
+                    rows[:, at:at + size].copy_(part.view(torch.uint8).reshape(n, size)
+                                                if part.dtype != torch.uint8 else part)
+                    at += size
+        if device.type != "cuda":
+            return Staged(rows)
+        host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return Staged(host, event.synchronize)
+
+    def scatter_rows(self, rows: Sequence[torch.Tensor], page_ids: Sequence[int],
+                     groups: Sequence[int] | None = None) -> None:
+        """Copy block rows (1-D uint8, ``[layers, 2, T, H, D]`` bytes each) into the pages
+        of ``page_ids``: every layer, or just the layer groups ``groups`` (indices into
+        ``layer_targets``).  Queued on the current stream on a GPU."""
+        if not rows:
+            return
+        n, device = len(rows), self.device
+        index = torch.tensor(list(page_ids), dtype=torch.long, device=device)
+        all_targets = self.layer_targets()
+        offsets, at = [], 0
+        for targets in all_targets:
+            offsets.append(at)
+            at += sum(t[0].numel() * t.element_size() for t in targets)
+        with torch.no_grad():
+            for g in (range(len(all_targets)) if groups is None else groups):
+                at = offsets[g]
+                for t in all_targets[g]:
+                    size = t[0].numel() * t.element_size()
+                    part = torch.stack([r[at:at + size] for r in rows])
+                    if part.device != device:
+                        part = part.to(device, non_blocking=True)
+                    if t.dtype != torch.uint8:
+                        part = part.view(t.dtype).view(n, *t.shape[1:])
+                    t.index_copy_(0, index, part)
+                    at += size
 
     def __repr__(self) -> str:
         how = repr(self.cache) if self.cache is not None else f"staged x{len(self.views or [])}"
