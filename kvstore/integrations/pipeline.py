@@ -14,6 +14,7 @@ one daemon call for a step's loads.
   all layers at once (``copy_all``) or layer by layer (``start_layers`` / ``wait_layer``:
   on the CPU a thread copies the layers in order while the model computes the first
   ones).  ``finish`` releases the pins once every copy is done.
+- ``LoadWorth``: which cached blocks are worth loading rather than recomputing.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import logging
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,6 +45,52 @@ from kvstore.integrations.engine_side import (
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_BYTES = 1 << 30   # staged bytes a sender holds before it drops new jobs
+
+
+# ========================================================================================
+# what is worth loading
+# ========================================================================================
+
+LOAD_GBPS = {"gpu": 50.0, "dram": 10.0, "ssd": 1.5, "remote": 1.0}
+
+
+@dataclass(frozen=True)
+class LoadWorth:
+    """Whether a cached block is worth loading rather than recomputing: its bytes' time
+    to load from its tier (``load_gbps``, GB/s per tier) against its tokens' time to
+    prefill (``prefill_tokens_per_s``; 0 offers every cached block)."""
+
+    block_bytes: int
+    block_tokens: int
+    prefill_tokens_per_s: float = 0.0
+    load_gbps: tuple[tuple[str, float], ...] = tuple(LOAD_GBPS.items())
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any], block_bytes: int,
+                   block_tokens: int) -> LoadWorth:
+        gbps = dict(LOAD_GBPS)
+        configured = extra.get("load_gbps", {})
+        if not isinstance(configured, dict):
+            raise ValueError(f"load_gbps must map tiers to GB/s, not {configured!r}")
+        for tier, value in configured.items():
+            if float(value) <= 0:
+                raise ValueError(f"load_gbps[{tier!r}] must be positive, not {value!r}")
+            gbps[str(tier)] = float(value)
+        rate = float(extra.get("prefill_tokens_per_s", 0) or 0)
+        if rate < 0:
+            raise ValueError(f"prefill_tokens_per_s must be >= 0, not {rate}")
+        return cls(block_bytes, block_tokens, rate, tuple(gbps.items()))
+
+    def blocks(self, tiers: Sequence[str]) -> int:
+        """How many leading blocks of a cached prefix, in ``tiers``, are worth loading."""
+        if not self.prefill_tokens_per_s:
+            return len(tiers)
+        recompute_s = self.block_tokens / self.prefill_tokens_per_s
+        gbps = dict(self.load_gbps)
+        for i, tier in enumerate(tiers):
+            if self.block_bytes / (gbps.get(tier, 1.0) * 1e9) >= recompute_s:
+                return i
+        return len(tiers)
 
 
 # ========================================================================================

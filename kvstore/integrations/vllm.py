@@ -76,7 +76,13 @@ from kvstore.integrations.engine_side import (
     EnginePages,
     store_missing,
 )
-from kvstore.integrations.pipeline import LoadItem, SaveJob, SaveSender, StepLoads
+from kvstore.integrations.pipeline import (
+    LoadItem,
+    LoadWorth,
+    SaveJob,
+    SaveSender,
+    StepLoads,
+)
 from kvstore.keys import chain_keys
 
 if TYPE_CHECKING:
@@ -270,7 +276,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ``timeout`` (seconds per request, default 5), ``model_name``, ``model_revision``,
     ``async_saves`` (default true), ``layerwise`` (default false), ``prefetch``
     (default true), ``max_pending_save_mib`` (staged save bytes before saves are
-    dropped, default 1024).
+    dropped, default 1024), ``prefill_tokens_per_s`` and ``load_gbps`` (see
+    ``LoadWorth``: blocks slower to load than to recompute are not offered).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -289,8 +296,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layerwise = bool(extra.get("layerwise", False))
         self._prefetch = bool(extra.get("prefetch", True))
         self._max_pending = int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20))
+        self._worth = LoadWorth.from_extra(extra, sum(g.identity.block_bytes
+                                                      for g in self._groups),
+                                           self._groups[0].block_tokens)
         self.stats: dict[str, int] = dict.fromkeys(
-            ("lookups", "hit_tokens", "prefetches", "loaded_blocks", "load_failed_blocks",
+            ("lookups", "hit_tokens", "prefetches", "offers_declined", "declined_tokens",
+             "loaded_blocks", "load_failed_blocks",
              "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
              "skipped_save_blocks"), 0)
         # scheduler side
@@ -356,6 +367,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         hit = min(cached, usable) - first
         if not self._is_consumer or hit <= 0:
             return 0, False
+        worth = self._worth.blocks(tiers[first:first + hit])
+        if worth < hit:
+            self.stats["offers_declined"] += 1
+            self.stats["declined_tokens"] += (hit - worth) * block
+            hit = worth
+            if hit == 0:
+                return 0, False
         if self._prefetch and any(t != "dram" for t in tiers[first:first + hit]):
             self._prefetch_blocks(state, first, first + hit)
         state.offer = (first, hit)

@@ -15,7 +15,7 @@ from test_engine_side import KINDS, PAGES, TOKENS, identity, make_pages
 
 from kvstore import Client
 from kvstore.integrations.engine_side import DaemonSettings, Loaded
-from kvstore.integrations.pipeline import LoadItem, SaveJob, SaveSender, StepLoads
+from kvstore.integrations.pipeline import LoadItem, LoadWorth, SaveJob, SaveSender, StepLoads
 
 
 def job(tag: str, kind: str, keys: list[bytes], staged: object,
@@ -222,3 +222,17 @@ def test_a_daemon_killed_before_the_load_loads_nothing(
     loads.finish()
     assert [target_page(p) for p in range(PAGES)] == before
     client.close()
+
+
+def test_only_blocks_faster_to_load_than_to_recompute_are_worth_it() -> None:
+    # 1 MB blocks of 32 tokens at 3200 prefill tokens/s: 10 ms to recompute a block;
+    # 0.1 ms to load from DRAM (10 GB/s), 20 ms from a 0.05 GB/s remote store.
+    worth = LoadWorth.from_extra({"prefill_tokens_per_s": 3200,
+                                  "load_gbps": {"remote": 0.05}}, 1_000_000, 32)
+    assert worth.blocks(["dram", "dram", "ssd"]) == 3
+    assert worth.blocks(["dram", "remote", "dram"]) == 1  # a prefix: stops at the first
+    assert worth.blocks([]) == 0
+    assert LoadWorth.from_extra({}, 1_000_000, 32).blocks(["remote"] * 4) == 4  # no rate
+    for bad in ({"load_gbps": {"ssd": 0}}, {"load_gbps": 3}, {"prefill_tokens_per_s": -1}):
+        with pytest.raises(ValueError):
+            LoadWorth.from_extra(bad, 1_000_000, 32)
