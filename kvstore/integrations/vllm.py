@@ -53,6 +53,7 @@ import functools
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -303,7 +304,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             ("lookups", "hit_tokens", "prefetches", "offers_declined", "declined_tokens",
              "loaded_blocks", "load_failed_blocks",
              "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
-             "skipped_save_blocks"), 0)
+             "lookup_us", "load_us", "save_us"), 0)  # time spent in the engine's steps
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[Transfer] = []
@@ -360,7 +361,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if state.cached is None:
             if not self._link.available():
                 return 0, False
+            started = time.perf_counter()
             state.cached = self._lookup(state, usable)
+            self.stats["lookup_us"] += int((time.perf_counter() - started) * 1e6)
         cached, tiers = state.cached
         # Blocks the store holds are never saved again, loaded or not.
         state.saved_blocks = max(state.saved_blocks, min(cached, usable))
@@ -514,6 +517,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return next(g for g in self._groups if g.index == index)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        try:
+            self._start_load_kv()
+        finally:
+            self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
+
+    def _start_load_kv(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
         self._finish_loads()  # a step that never reached wait_for_save
@@ -573,9 +583,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return  # wait_for_save saves all layers of a block in one batched copy
 
     def wait_for_save(self) -> None:
-        self._finish_loads()
-        if not self.has_connector_metadata():
-            return
+        started = time.perf_counter()
+        try:
+            self._finish_loads()
+            if self.has_connector_metadata():
+                self._send_saves()
+        finally:
+            self.stats["save_us"] += int((time.perf_counter() - started) * 1e6)
+
+    def _send_saves(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
         for t in meta.saves:
