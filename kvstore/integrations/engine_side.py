@@ -374,13 +374,18 @@ class EnginePages:
         for targets in all_targets:
             offsets.append(at)
             at += sum(t[0].numel() * t.element_size() for t in targets)
+        # All layers: one copy of the rows side by side, cut up by layer; some layers:
+        # just their bytes of each row.
+        whole = torch.stack(list(rows)).to(device, non_blocking=True) if groups is None else None
         with torch.no_grad():
             for g in (range(len(all_targets)) if groups is None else groups):
                 at = offsets[g]
                 for t in all_targets[g]:
                     size = t[0].numel() * t.element_size()
-                    part = torch.stack([r[at:at + size] for r in rows])
-                    if part.device != device:
+                    if whole is not None:
+                        part = whole[:, at:at + size]
+                    else:
+                        part = torch.stack([r[at:at + size] for r in rows])
                         part = part.to(device, non_blocking=True)
                     if t.dtype != torch.uint8:
                         part = part.view(t.dtype).view(n, *t.shape[1:])
