@@ -335,25 +335,45 @@ class EnginePages:
         per = len(segments) // layers
         return [segments[i * per:(i + 1) * per] for i in range(layers)]
 
+    def _cuts(self) -> list[list[tuple[torch.Tensor, int, int]]]:
+        """Per layer group, ``(page tensor, first byte, bytes)`` of each of its targets
+        within a block's row."""
+        cuts, at = [], 0
+        for targets in self.layer_targets():
+            group = []
+            for t in targets:
+                size = t[0].numel() * t.element_size()
+                group.append((t, at, size))
+                at += size
+            cuts.append(group)
+        return cuts
+
+    @staticmethod
+    def _as(row: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """A byte range of a row seen as one page of ``t``."""
+        return (row if t.dtype == torch.uint8 else row.view(t.dtype)).view(t.shape[1:])
+
     def stage(self, page_ids: Sequence[int]) -> Staged:
         """Copy the blocks of ``page_ids`` out of the engine's pages into host memory
         (``[n, block_bytes]`` uint8, one row per page): done on the CPU when this
         returns; on a GPU queued on the current stream (so before any later write to
         those pages), with ``ready`` waiting for it."""
         n, device = len(page_ids), self.device
-        index = torch.tensor(list(page_ids), dtype=torch.long, device=device)
         rows = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=device)
-        at = 0
+        cuts = [c for group in self._cuts() for c in group]
         with torch.no_grad():
-            for targets in self.layer_targets():
-                for t in targets:
-                    part = t.index_select(0, index).reshape(n, -1)
-                    size = part.shape[1] * part.element_size()
-                    rows[:, at:at + size].copy_(part.view(torch.uint8).reshape(n, size)
-                                                if part.dtype != torch.uint8 else part)
-                    at += size
-        if device.type != "cuda":
-            return Staged(rows)
+            if device.type != "cuda":
+                # One copy per page and layer: a page's strided view copies at memory
+                # speed, where a batched index_select over strided views does not.
+                for row, page in zip(rows, page_ids):
+                    for t, at, size in cuts:
+                        self._as(row[at:at + size], t).copy_(t[page])
+                return Staged(rows)
+            index = torch.tensor(list(page_ids), dtype=torch.long, device=device)
+            for t, at, size in cuts:
+                part = t.index_select(0, index).reshape(n, -1)
+                rows[:, at:at + size].copy_(part.view(torch.uint8).reshape(n, size)
+                                            if part.dtype != torch.uint8 else part)
         host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
         host.copy_(rows, non_blocking=True)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -368,29 +388,22 @@ class EnginePages:
         if not rows:
             return
         n, device = len(rows), self.device
-        index = torch.tensor(list(page_ids), dtype=torch.long, device=device)
-        all_targets = self.layer_targets()
-        offsets, at = [], 0
-        for targets in all_targets:
-            offsets.append(at)
-            at += sum(t[0].numel() * t.element_size() for t in targets)
-        # All layers: one copy of the rows side by side, cut up by layer; some layers:
-        # just their bytes of each row.
-        whole = torch.stack(list(rows)).to(device, non_blocking=True) if groups is None else None
+        cuts = self._cuts()
+        chosen = [c for g in (range(len(cuts)) if groups is None else groups)
+                  for c in cuts[g]]
         with torch.no_grad():
-            for g in (range(len(all_targets)) if groups is None else groups):
-                at = offsets[g]
-                for t in all_targets[g]:
-                    size = t[0].numel() * t.element_size()
-                    if whole is not None:
-                        part = whole[:, at:at + size]
-                    else:
-                        part = torch.stack([r[at:at + size] for r in rows])
-                        part = part.to(device, non_blocking=True)
-                    if t.dtype != torch.uint8:
-                        part = part.view(t.dtype).view(n, *t.shape[1:])
-                    t.index_copy_(0, index, part)
-                    at += size
+            if device.type != "cuda":  # per page and layer, as in ``stage``
+                for row, page in zip(rows, page_ids):
+                    for t, at, size in chosen:
+                        t[page].copy_(self._as(row[at:at + size], t))
+                return
+            index = torch.tensor(list(page_ids), dtype=torch.long, device=device)
+            whole = torch.stack(list(rows)).to(device, non_blocking=True)
+            for t, at, size in chosen:
+                part = whole[:, at:at + size]
+                if t.dtype != torch.uint8:
+                    part = part.view(t.dtype).view(n, *t.shape[1:])
+                t.index_copy_(0, index, part)
 
     def __repr__(self) -> str:
         how = repr(self.cache) if self.cache is not None else f"staged x{len(self.views or [])}"
