@@ -16,6 +16,7 @@ on) on the same workload, in a process of its own, one after the other:
   reuse, which no store can beat;
 - ``kvstore``: + kvstore's connector and a daemon with DRAM for everything;
 - ``kvstore-ssd``: + kvstore with a DRAM tier too small, so hits come from SSD;
+- ``kvstore-layerwise`` (not run unless named): ``kvstore`` loading layer by layer;
 - ``vllm-offload``: + vLLM's own CPU offloading connector (``kv_offloading_size``);
 - ``lmcache``: + LMCache's vLLM connector (``LMCacheConnectorV1``).
 
@@ -166,7 +167,7 @@ def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"endpoint": endpoint, "tenant": "bench",
-                                       "layerwise": a.layerwise})
+                                       "layerwise": a.layerwise or arm.endswith("layerwise")})
     elif arm == "vllm-offload":
         kwargs["kv_offloading_size"] = a.store_mib / 1024
     elif arm == "lmcache":
@@ -258,9 +259,15 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict[str, Any]:
     llm = engine(arm, a, a.endpoint)
     warm = Driver(llm, 2)
     warm.one_at_a_time([Conversation("warm", tokens(random.Random(99), 300), [[3]])])
+    import torch
+
+    config = llm.llm_engine.vllm_config
+    print(f"{arm}: async scheduling {config.scheduler_config.async_scheduling}, "
+          f"{torch.get_num_threads()} torch threads, KV cache blocks "
+          f"{config.cache_config.num_gpu_blocks}", file=sys.stderr)
     out: dict[str, Any] = {}
     for workload in a.workloads:
-        for mode in (["seq", "batch"] if workload == "mrqa" else ["seq"]):
+        for mode in (a.modes if workload == "mrqa" else ["seq"]):
             stats_before = connector_stats(llm)
             rng = random.Random(f"{workload}/{mode}")  # every arm gets the same prompts
             driver = Driver(llm, a.answer_tokens)
@@ -280,7 +287,8 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict[str, Any]:
             else:
                 driver.one_at_a_time(zero(a, rng))
             elapsed = time.perf_counter() - started
-            moved = {k: v - stats_before.get(k, 0) for k, v in connector_stats(llm).items()}
+            moved = {k: v - stats_before.get(k, 0) if k != "block_bytes" else v
+                     for k, v in connector_stats(llm).items()}
             out[f"{workload}/{mode}"] = {"records": driver.records, "elapsed": elapsed,
                                          "connector": moved}
     return out
@@ -309,8 +317,9 @@ def connector_stats(llm: Any) -> dict[str, int]:
 
 def start_daemon(arm: str, a: argparse.Namespace, work: Path) -> tuple[subprocess.Popen[bytes], str]:
     endpoint = f"ipc://{work / (arm + '.sock')}"
-    dram = f"{a.store_mib}MiB" if arm == "kvstore" else f"{a.ssd_dram_mib}MiB"
-    ssd = "0" if arm == "kvstore" else f"{a.store_mib * 2}MiB"
+    from_ssd = arm == "kvstore-ssd"
+    dram = f"{a.ssd_dram_mib}MiB" if from_ssd else f"{a.store_mib}MiB"
+    ssd = f"{a.store_mib * 2}MiB" if from_ssd else "0"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstore", "serve", "--endpoint", endpoint,
          "--dram-capacity", dram, "--ssd-capacity", ssd, "--ssd-path", str(work / arm),
@@ -346,6 +355,21 @@ def child(arm: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
         return {"error": (err[-1] if err else proc.stderr[-400:]).strip()[:400]}
     result: dict[str, Any] = json.loads(lines[-1])
     return result
+
+
+def merge(into: dict[str, Any], result: dict[str, Any]) -> None:
+    """Add one run of an arm to its earlier runs: records pooled, times and counters
+    summed."""
+    if "error" in result:
+        into.clear()
+        into.update(result)
+        return
+    for key, r in result.items():
+        have = into.setdefault(key, {"records": [], "elapsed": 0.0, "connector": {}})
+        have["records"] += r["records"]
+        have["elapsed"] += r["elapsed"]
+        for k, v in r["connector"].items():
+            have["connector"][k] = v if k == "block_bytes" else have["connector"].get(k, 0) + v
 
 
 def pct(values: list[float], q: float) -> float:
@@ -419,6 +443,9 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--workloads", default="mrqa,zero")
+    p.add_argument("--modes", default="seq,batch",
+                   help="mrqa: one request at a time (seq), each round's at once (batch)")
+    p.add_argument("--repeat", type=int, default=1, help="runs of every arm, in turn")
     p.add_argument("--gpu", action="store_true", help="the GPU variant: a bigger model, "
                    "bf16, every workload (for a lent GPU)")
     p.add_argument("--layers", type=int, default=4)
@@ -455,6 +482,7 @@ def parse() -> argparse.Namespace:
         a.layers, a.hidden, a.dtype = 24, 2048, "bfloat16"
         a.workloads = ",".join(WORKLOADS)
     a.workloads = a.workloads.split(",")
+    a.modes = a.modes.split(",")
     if not a.engine_cache_mib:
         kv_heads = max(1, a.hidden // 256)
         per_token = 2 * a.layers * kv_heads * 64 * (4 if a.dtype == "float32" else 2)
@@ -477,13 +505,17 @@ def main() -> None:
         print(f"model: {a.layers} layers, hidden {a.hidden}, {a.dtype}; engine cache "
               f"{a.engine_cache_mib} MiB, ideal {a.ideal_cache_mib} MiB; workloads "
               f"{','.join(a.workloads)}", flush=True)
-        results = {}
-        for arm in a.arms.split(","):
-            started = time.monotonic()
-            results[arm] = child(arm, a, work)
-            print(f"  {arm}: {time.monotonic() - started:.0f} s"
-                  + (f" (error: {results[arm]['error'][:200]})" if "error" in results[arm]
-                     else ""), flush=True)
+        results: dict[str, dict[str, Any]] = {}
+        arms = a.arms.split(",")
+        for rep in range(a.repeat):  # the arms in turn, so the machine's drift hits all
+            for arm in arms:
+                if "error" in results.get(arm, {}):
+                    continue
+                started = time.monotonic()
+                merge(results.setdefault(arm, {}), child(arm, a, work))
+                print(f"  {rep + 1}/{a.repeat} {arm}: {time.monotonic() - started:.0f} s"
+                      + (f" (error: {results[arm]['error'][:200]})" if "error" in results[arm]
+                         else ""), flush=True)
         report(results, a)
     finally:
         if not a.keep:
