@@ -4,7 +4,11 @@
         [--arms alone,ideal,kvstore,kvstore-ssd,vllm-offload,lmcache] [--users 8]
         [--rounds 3] [--repeat 1] [--png ttft.png]
 
-    .engine-envs/vllm/bin/python benchmarks/engine_e2e.py --gpu    # on a lent GPU
+    python benchmarks/engine_e2e.py --gpu --modes seq    # on a lent GPU
+
+The GPU variant wants an environment with vLLM's CUDA build (and LMCache, for its arm)
+and this checkout installed; it runs a 24-layer, 2048-wide bf16 model on every
+workload, where vLLM's CPU offloading can run too.
 
 Every arm runs the same engine (vLLM's CPU build of the engine tests' environment, a
 Llama of the ``--layers``/``--hidden`` shape with dummy weights, greedy, prefix caching
