@@ -321,7 +321,8 @@ def connector_stats(llm: Any) -> dict[str, int]:
 
 def start_daemon(arm: str, a: argparse.Namespace, work: Path) -> tuple[subprocess.Popen[bytes], str]:
     endpoint = f"ipc://{work / (arm + '.sock')}"
-    from_ssd = arm == "kvstore-ssd"
+    shutil.rmtree(work / arm, ignore_errors=True)  # SSD contents outlive a daemon: a
+    from_ssd = arm == "kvstore-ssd"                # run starts from an empty store
     dram = f"{a.ssd_dram_mib}MiB" if from_ssd else f"{a.store_mib}MiB"
     ssd = f"{a.store_mib * 2}MiB" if from_ssd else "0"
     proc = subprocess.Popen(
