@@ -242,6 +242,14 @@ def read_blocks(ns: Namespace, keys: Sequence[bytes],
     return Loaded(copied)
 
 
+class Staged(NamedTuple):
+    """Blocks copied out of an engine's pages: ``rows[i]`` is block i's bytes in host
+    memory once ``ready()`` returned (None: they are already)."""
+
+    rows: torch.Tensor
+    ready: Callable[[], object] | None = None
+
+
 class EnginePages:
     """An engine's paged KV cache as kvstore blocks (``[layers, 2, T, H, D]`` bytes).
 
@@ -298,6 +306,104 @@ class EnginePages:
         for view, block in zip(self.views, staging):
             view.index_copy_(0, index, block)
         return n
+
+    # -- copies for the pipeline (kvstore.integrations.pipeline) ---------------------------
+    @property
+    def device(self) -> torch.device:
+        if self.cache is not None:
+            return self.cache.device
+        assert self.views
+        return self.views[0].device
+
+    @property
+    def block_bytes(self) -> int:
+        if self.cache is not None:
+            return self.cache.info.block_bytes
+        assert self.views
+        return sum(v[0].numel() * v.element_size() for v in self.views)
+
+    def layer_targets(self) -> list[list[torch.Tensor]]:
+        """Per layer (or per run of layers that cannot be told apart), the page tensors
+        its bytes go to, in block order, each indexed by page on dim 0: the group's
+        share of a block splits evenly among them."""
+        if self.views is not None:
+            return [[v] for v in self.views]
+        assert self.cache is not None
+        segments, layers = list(self.cache.segments), self.cache.info.layers
+        if len(segments) % layers:  # an all-layer page in one segment: one group
+            return [segments]
+        per = len(segments) // layers
+        return [segments[i * per:(i + 1) * per] for i in range(layers)]
+
+    def _cuts(self) -> list[list[tuple[torch.Tensor, int, int]]]:
+        """Per layer group, ``(page tensor, first byte, bytes)`` of each of its targets
+        within a block's row."""
+        cuts, at = [], 0
+        for targets in self.layer_targets():
+            group = []
+            for t in targets:
+                size = t[0].numel() * t.element_size()
+                group.append((t, at, size))
+                at += size
+            cuts.append(group)
+        return cuts
+
+    @staticmethod
+    def _as(row: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """A byte range of a row seen as one page of ``t``."""
+        return (row if t.dtype == torch.uint8 else row.view(t.dtype)).view(t.shape[1:])
+
+    def stage(self, page_ids: Sequence[int]) -> Staged:
+        """Copy the blocks of ``page_ids`` out of the engine's pages into host memory
+        (``[n, block_bytes]`` uint8, one row per page): done on the CPU when this
+        returns; on a GPU queued on the current stream (so before any later write to
+        those pages), with ``ready`` waiting for it."""
+        n, device = len(page_ids), self.device
+        rows = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=device)
+        cuts = [c for group in self._cuts() for c in group]
+        with torch.no_grad():
+            if device.type != "cuda":
+                # One copy per page and layer: a page's strided view copies at memory
+                # speed, where a batched index_select over strided views does not.
+                for row, page in zip(rows, page_ids):
+                    for t, at, size in cuts:
+                        self._as(row[at:at + size], t).copy_(t[page])
+                return Staged(rows)
+            index = torch.tensor(list(page_ids), dtype=torch.long, device=device)
+            for t, at, size in cuts:
+                part = t.index_select(0, index).reshape(n, -1)
+                rows[:, at:at + size].copy_(part.view(torch.uint8).reshape(n, size)
+                                            if part.dtype != torch.uint8 else part)
+        host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return Staged(host, event.synchronize)
+
+    def scatter_rows(self, rows: Sequence[torch.Tensor], page_ids: Sequence[int],
+                     groups: Sequence[int] | None = None) -> None:
+        """Copy block rows (1-D uint8, ``[layers, 2, T, H, D]`` bytes each) into the pages
+        of ``page_ids``: every layer, or just the layer groups ``groups`` (indices into
+        ``layer_targets``).  Queued on the current stream on a GPU."""
+        if not rows:
+            return
+        n, device = len(rows), self.device
+        cuts = self._cuts()
+        chosen = [c for g in (range(len(cuts)) if groups is None else groups)
+                  for c in cuts[g]]
+        with torch.no_grad():
+            if device.type != "cuda":  # per page and layer, as in ``stage``
+                for row, page in zip(rows, page_ids):
+                    for t, at, size in chosen:
+                        t[page].copy_(self._as(row[at:at + size], t))
+                return
+            index = torch.tensor(list(page_ids), dtype=torch.long, device=device)
+            whole = torch.stack(list(rows)).to(device, non_blocking=True)
+            for t, at, size in chosen:
+                part = whole[:, at:at + size]
+                if t.dtype != torch.uint8:
+                    part = part.view(t.dtype).view(n, *t.shape[1:])
+                t.index_copy_(0, index, part)
 
     def __repr__(self) -> str:
         how = repr(self.cache) if self.cache is not None else f"staged x{len(self.views or [])}"

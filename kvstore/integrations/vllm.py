@@ -10,16 +10,28 @@ Load it with::
         kv_connector_extra_config={"endpoint": "ipc:///run/kvstore.sock", "tenant": "acme"}))
 
 Scheduler side: for a new request, ``get_num_new_matched_tokens`` looks the prompt's
-full blocks up in the daemon and offers the cached prefix as external tokens;
-``update_state_after_alloc`` records where they load; ``build_connector_meta`` hands
-the worker this step's loads and the blocks that become complete (to save).
+full blocks up in the daemon once (from the first block, so blocks the store already
+holds are never saved again; the result is kept for the request's later scheduling
+steps), has the daemon bring blocks found on SSD or remote up to DRAM (``prefetch``),
+and offers the cached prefix as external tokens; ``update_state_after_alloc`` records
+where they load; ``build_connector_meta`` hands the worker this step's loads and the
+blocks that become complete (to save).
 
-Worker side: ``start_load_kv`` reloads the offered blocks into vLLM's pages before the
-forward pass; ``wait_for_save`` offloads the completed blocks after it (one batched
-copy per request and group).  A block that cannot be loaded — evicted since the
-lookup, daemon gone — is reported by ``get_block_ids_with_load_errors``, so vLLM
-recomputes it (policy ``recompute``) or fails the request (``fail``) instead of serving
-wrong KV.  Saves are best-effort: one that fails is a later cache miss.
+Worker side: ``start_load_kv`` pins every request's blocks of the step in one acquire
+per namespace and copies them into vLLM's pages before the forward pass, or layer by
+layer (``layerwise``: ``wait_for_layer_load`` waits for just its layer, a thread
+copying the rest meanwhile).  ``wait_for_save`` copies the completed blocks out of the
+pages (so the engine may reuse them at once) and hands them to a background sender
+(``async_saves``, the default): the step never waits for the daemon.  A request with
+saves in flight stays held (``request_finished`` returns True) until ``get_finished``
+reports them done.  A block that cannot be loaded — evicted since the lookup, daemon
+gone — is reported by ``get_block_ids_with_load_errors``, so vLLM recomputes it
+(policy ``recompute``) or fails the request (``fail``) instead of serving wrong KV.
+Saves are best-effort: one that fails, or finds the sender's queue full, is a later
+cache miss.
+
+Roles: ``kv_producer`` engines look up (to skip what the store holds) and save, never
+load; ``kv_consumer`` engines load, never save; ``kv_both`` do both.
 
 Identity: model (``model_name`` extra config, else the served model name), revision
 (``model_revision``, else the model config's, marked ``+dummy`` under dummy weights),
@@ -37,9 +49,11 @@ looked up nor saved: their token ids do not identify their KV.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -61,8 +75,14 @@ from kvstore.integrations.engine_side import (
     DaemonLink,
     DaemonSettings,
     EnginePages,
-    offload_missing,
-    reload_prefix,
+    store_missing,
+)
+from kvstore.integrations.pipeline import (
+    LoadItem,
+    LoadWorth,
+    SaveJob,
+    SaveSender,
+    StepLoads,
 )
 from kvstore.keys import chain_keys
 
@@ -219,6 +239,8 @@ class _RequestState:
     block_ids: list[list[int]] = field(default_factory=list)   # per group index
     saved_blocks: int = 0       # leading blocks known to be in the daemon
     offer: tuple[int, int] | None = None  # (first block, blocks) offered as external
+    cached: tuple[int, list[str]] | None = None  # the lookup: leading blocks, their tiers
+    saving: bool = False        # saves were planned: the worker reports when they end
 
 
 # ========================================================================================
@@ -252,7 +274,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector backed by a kvstore daemon.
 
     ``kv_connector_extra_config`` keys: ``endpoint``, ``tenant``, ``token``,
-    ``timeout`` (seconds per request, default 5), ``model_name``, ``model_revision``.
+    ``timeout`` (seconds per request, default 5), ``model_name``, ``model_revision``,
+    ``async_saves`` (default true), ``layerwise`` (default false), ``prefetch``
+    (default true), ``max_pending_save_mib`` (staged save bytes before saves are
+    dropped, default 1024), ``prefill_tokens_per_s`` and ``load_gbps`` (see
+    ``LoadWorth``: blocks slower to load than to recompute are not offered).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -267,16 +293,30 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("KVStoreConnector does not support pipeline parallelism yet")
         self._is_producer = self._kv_transfer_config.is_kv_producer
         self._is_consumer = self._kv_transfer_config.is_kv_consumer
+        self._async_saves = bool(extra.get("async_saves", True))
+        self._layerwise = bool(extra.get("layerwise", False))
+        self._prefetch = bool(extra.get("prefetch", True))
+        self._max_pending = int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20))
+        self._worth = LoadWorth.from_extra(extra, sum(g.identity.block_bytes
+                                                      for g in self._groups),
+                                           self._groups[0].block_tokens)
         self.stats: dict[str, int] = dict.fromkeys(
-            ("lookups", "hit_tokens", "loaded_blocks", "load_failed_blocks",
-             "saves", "saved_blocks", "save_failures"), 0)
+            ("lookups", "hit_tokens", "prefetches", "offers_declined", "declined_tokens",
+             "loaded_blocks", "load_failed_blocks",
+             "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
+             "lookup_us", "load_us", "save_us"), 0)  # time spent in the engine's steps
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[Transfer] = []
         # worker side
         self._tp_rank = 0
         self._layers: dict[int, EnginePages] = {}
+        self._layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
+        self._step_loads: StepLoads | None = None
+        self._sender: SaveSender | None = None
+        self._saving: set[str] = set()          # requests with saves sent
+        self._finished_saving: set[str] = set()  # ... that vLLM says are finished
 
     # -- daemon access ----------------------------------------------------------------
     def _namespace(self, group: _Group, variant: RequestVariant,
@@ -313,35 +353,75 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
         state.offer = None
-        if not self._is_consumer or not state.cacheable or not self._link.available():
+        if not state.cacheable:
             return 0, False
         block = self._groups[0].block_tokens
         first = num_computed_tokens // block
         usable = (request.num_tokens - 1) // block  # vLLM computes at least one token
-        if usable <= first:
+        if state.cached is None:
+            if not self._link.available():
+                return 0, False
+            started = time.perf_counter()
+            state.cached = self._lookup(state, usable)
+            self.stats["lookup_us"] += int((time.perf_counter() - started) * 1e6)
+        cached, tiers = state.cached
+        # Blocks the store holds are never saved again, loaded or not.
+        state.saved_blocks = max(state.saved_blocks, min(cached, usable))
+        hit = min(cached, usable) - first
+        if not self._is_consumer or hit <= 0:
             return 0, False
-        hit = usable - first
-        for group in self._groups:
-            keys = self._keys(state, group, usable)[first:]
-            for rank in range(self._tp_size):
-                ns = self._namespace(group, state.variant, rank)
-                if ns is None:
-                    return 0, False
-                try:
-                    hit = min(hit, ns.lookup(keys[:hit]).blocks)
-                except KVStoreError as exc:
-                    self._link.failed("lookup", exc)
-                    return 0, False
-                if hit == 0:
-                    break
-        self.stats["lookups"] += 1
-        if hit == 0:
-            return 0, False
+        worth = self._worth.blocks(tiers[first:first + hit])
+        if worth < hit:
+            self.stats["offers_declined"] += 1
+            self.stats["declined_tokens"] += (hit - worth) * block
+            hit = worth
+            if hit == 0:
+                return 0, False
+        if self._prefetch and any(t != "dram" for t in tiers[first:first + hit]):
+            self._prefetch_blocks(state, first, first + hit)
         state.offer = (first, hit)
         tokens = (first + hit) * block - num_computed_tokens
         logger.debug("kvstore: request %s: %d tokens cached in the daemon",
                      request.request_id, tokens)
         return tokens, False
+
+    def _lookup(self, state: _RequestState, blocks: int) -> tuple[int, list[str]]:
+        """The request's leading blocks cached in every group and rank (one lookup each,
+        from the first block: what the engine holds itself need not be saved again),
+        with the tier of each (the first group's and rank's)."""
+        hit, tiers = blocks, list[str]()
+        for group in self._groups:
+            keys = self._keys(state, group, blocks)
+            for rank in range(self._tp_size):
+                if hit == 0:
+                    break
+                ns = self._namespace(group, state.variant, rank)
+                if ns is None:
+                    return 0, []
+                try:
+                    found = ns.lookup(keys[:hit])
+                except KVStoreError as exc:
+                    self._link.failed("lookup", exc)
+                    return 0, []
+                hit = min(hit, found.blocks)
+                tiers = tiers or found.tiers
+        self.stats["lookups"] += 1
+        return hit, tiers[:hit]
+
+    def _prefetch_blocks(self, state: _RequestState, start: int, end: int) -> None:
+        """Have the daemon bring blocks below DRAM up now, so the load finds them there."""
+        for group in self._groups:
+            keys = self._keys(state, group, end)[start:end]
+            for rank in range(self._tp_size):
+                ns = self._namespace(group, state.variant, rank)
+                if ns is None:
+                    return
+                try:
+                    ns.prefetch(keys)
+                except KVStoreError as exc:
+                    self._link.failed("prefetch", exc)
+                    return
+        self.stats["prefetches"] += 1
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -401,6 +481,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             meta.saves.append(Transfer(state.request.request_id, group.index, state.variant,
                                        keys[start:], ids, keys[start - 1] if start else None))
         state.saved_blocks = full
+        state.saving = True
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -409,9 +490,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
             self, request: Request,
             block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        # Saves run synchronously in wait_for_save, so no block outlives its request.
-        self._requests.pop(request.request_id, None)
-        return False, None
+        # With saves in flight, the blocks stay held until the worker's get_finished
+        # reports the request: its bytes are in the store (or the save failed) by then.
+        state = self._requests.pop(request.request_id, None)
+        return bool(state is not None and state.saving and self._async_saves), None
 
     # ==================================================================================
     # worker side
@@ -424,65 +506,153 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             missing = [name for name in group.layer_names if name not in kv_caches]
             if missing:
                 raise ValueError(f"KVStoreConnector: no KV cache for layers {missing}")
-            self._layers[group.index] = engine_pages(
-                [kv_caches[name] for name in group.layer_names], group)
+            pages = engine_pages([kv_caches[name] for name in group.layer_names], group)
+            self._layers[group.index] = pages
+            if len(pages.layer_targets()) == len(group.layer_names):
+                self._layer_index.update((name, i) for i, name in enumerate(group.layer_names))
+        if self._async_saves and self._is_producer:
+            self._sender = SaveSender(self._link.settings, max_pending_bytes=self._max_pending)
 
     def _group(self, index: int) -> _Group:
         return next(g for g in self._groups if g.index == index)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        try:
+            self._start_load_kv()
+        finally:
+            self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
+
+    def _start_load_kv(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
-        for transfer in meta.loads:
-            self._load(transfer)
-
-    def _load(self, t: Transfer) -> None:
-        ns = self._namespace(self._group(t.group), t.variant, self._tp_rank)
-        loaded = 0
-        if ns is not None:
-            outcome = reload_prefix(ns, t.keys, self._layers[t.group], t.block_ids)
-            loaded = outcome.blocks
-            if outcome.error is not None:
-                self._link.failed(f"load for request {t.req_id}", outcome.error)
-        failed = t.block_ids[loaded:]
-        if failed:  # vLLM recomputes them (or fails the request), never reads them
-            logger.warning("kvstore: %d of %d blocks of request %s could not be loaded",
-                           len(failed), len(t.block_ids), t.req_id)
-            self._load_errors.update(failed)
-        self.stats["loaded_blocks"] += loaded
-        self.stats["load_failed_blocks"] += len(failed)
+        self._finish_loads()  # a step that never reached wait_for_save
+        if not meta.loads:
+            return
+        loads = StepLoads()
+        by_ns: dict[tuple[int, RequestVariant], list[Transfer]] = {}
+        for t in meta.loads:
+            by_ns.setdefault((t.group, t.variant), []).append(t)
+        unreachable: list[Transfer] = []
+        for (index, variant), transfers in by_ns.items():
+            ns = self._namespace(self._group(index), variant, self._tp_rank)
+            if ns is None:
+                unreachable.extend(transfers)
+                continue
+            loads.add(ns, self._layers[index],
+                      [LoadItem(f"{t.req_id}/{t.group}", t.keys, t.block_ids)
+                       for t in transfers])
+        outcome = loads.pin()
+        self.stats["load_calls"] += loads.calls
+        for t in meta.loads:
+            loaded = outcome.get(f"{t.req_id}/{t.group}")
+            blocks = loaded.blocks if loaded is not None else 0
+            if loaded is not None and loaded.error is not None:
+                self._link.failed(f"load for request {t.req_id}", loaded.error)
+            failed = t.block_ids[blocks:]
+            if failed:  # vLLM recomputes them (or fails the request), never reads them
+                logger.warning("kvstore: %d of %d blocks of request %s could not be loaded",
+                               len(failed), len(t.block_ids), t.req_id)
+                self._load_errors.update(failed)
+            self.stats["loaded_blocks"] += blocks
+            self.stats["load_failed_blocks"] += len(failed)
+        if self._layerwise and self._layer_index:
+            loads.start_layers()
+            self._step_loads = loads
+        else:
+            try:
+                loads.copy_all()
+            finally:
+                loads.finish()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads every layer before the forward pass
+        loads = self._step_loads
+        if loads is None:
+            return
+        layer = self._layer_index.get(layer_name)
+        for i in range(loads.layers()) if layer is None else (layer,):
+            loads.wait_layer(i)
+
+    def _finish_loads(self) -> None:
+        loads, self._step_loads = self._step_loads, None
+        if loads is not None:
+            loads.finish()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         return  # wait_for_save saves all layers of a block in one batched copy
 
     def wait_for_save(self) -> None:
-        if not self.has_connector_metadata():
-            return
+        started = time.perf_counter()
+        try:
+            self._finish_loads()
+            if self.has_connector_metadata():
+                self._send_saves()
+        finally:
+            self.stats["save_us"] += int((time.perf_counter() - started) * 1e6)
+
+    def _send_saves(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
         for t in meta.saves:
-            ns = self._namespace(self._group(t.group), t.variant, self._tp_rank)
-            if ns is None:
-                self.stats["save_failures"] += 1
+            group = self._group(t.group)
+            # The copy out of the pages happens now (so nothing that runs later can
+            # change them first); the daemon's round trips happen on the sender's thread.
+            staged = self._layers[t.group].stage(t.block_ids)
+            if self._sender is None:
+                self._save_now(group, t, staged.rows)
                 continue
-            # One lookup: the blocks an earlier save or another engine stored are skipped.
-            stored = offload_missing(ns, self._layers[t.group], t.block_ids, t.keys,
-                                     parent=t.parent)
-            self.stats["saves"] += 1
-            self.stats["saved_blocks"] += stored.created
-            if stored.error is not None:
-                self.stats["save_failures"] += 1
-                self._link.failed(f"save for request {t.req_id}", stored.error)
+            identity = functools.partial(group.identity_for, t.variant, self._tp_rank,
+                                         self._tp_size)
+            job = SaveJob(t.req_id, (t.group, t.variant, self._tp_rank), identity,
+                          t.keys, t.parent, staged)
+            self._saving.add(t.req_id)
+            self._sender.submit(job)
+
+    def _save_now(self, group: _Group, t: Transfer, rows: torch.Tensor) -> None:
+        ns = self._namespace(group, t.variant, self._tp_rank)
+        if ns is None:
+            self.stats["save_failures"] += 1
+            return
+
+        def fill(slots: Sequence[memoryview], first: int) -> None:
+            for row, slot in zip(rows[first:], slots):
+                torch.frombuffer(slot, dtype=torch.uint8).copy_(row)
+
+        stored = store_missing(ns, t.keys, fill, parent=t.parent, lookup=False)
+        self.stats["saves"] += 1
+        self.stats["saved_blocks"] += stored.created
+        if stored.error is not None:
+            self.stats["save_failures"] += 1
+            self._link.failed(f"save for request {t.req_id}", stored.error)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                 set[str] | None]:
+        if self._sender is None:
+            return None, None
+        self._finished_saving |= finished_req_ids & self._saving
+        done = self._sender.take_finished(self._finished_saving)
+        self._finished_saving -= done
+        self._saving -= done
+        self.stats.update(self._sender.stats)
+        return done or None, None
+
+    def drain_saves(self, timeout: float) -> bool:
+        """Wait until every save sent is done (False: ``timeout`` seconds passed), and
+        bring ``stats`` up to date."""
+        done = self._sender is None or self._sender.drain(timeout)
+        if self._sender is not None:
+            self.stats.update(self._sender.stats)
+        return done
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._load_errors = self._load_errors, set()
         return failed
 
     def shutdown(self) -> None:
+        self._finish_loads()
+        if self._sender is not None:
+            self._sender.close()
         self._link.close()
 
     def __repr__(self) -> str:

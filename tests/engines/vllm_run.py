@@ -4,10 +4,15 @@ Runs inside the vLLM test environment (.engine-envs/vllm), started by
 test_engine_vllm.py.  ``--model DIR`` is a tiny Llama, written first if DIR does not
 exist (config and seeded random weights, no tokenizer, and a LoRA adapter in DIR-lora).
 ``--requests`` names a JSON list of requests run in order, one ``generate`` call each:
-``{"prompt": [token ids], "cache_salt": str, "lora": bool, "evict_before_load": bool}``;
-the last makes the daemon drop the request's blocks between the scheduler's lookup and
-the worker's load, as a concurrent eviction would.  The result is one JSON object on
-the last line of stdout.
+``{"prompt": [token ids] (or "prompts": a list of them, run in one call), "cache_salt":
+str, "lora": bool, "evict_before_load": bool, "kill_daemon": "load" | "save"}``;
+``evict_before_load`` makes the daemon drop the request's blocks between the scheduler's
+lookup and the worker's load, as a concurrent eviction would; ``kill_daemon`` kills the
+daemon (``--daemon-pid``) right before the worker's next load or background save.
+``--save-delay`` makes every background save wait first (a slow daemon).  After each
+call the run notes how many finished requests vLLM still held (their saves in flight),
+waits for the saves, and steps the engine until it freed them.  The result is one JSON
+object on the last line of stdout.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 # This checkout's kvstore (a script's directory, not the working one, starts sys.path).
@@ -87,73 +94,120 @@ def make_lora(path: str) -> None:
 
 
 EVICT_NEXT_LOAD = False
+KILL_DAEMON_AT = ""     # "load": before the next load's daemon call; "save": the next save's
+DAEMON_PID = 0
 
 
-def inject_eviction() -> None:
-    """Make the connector's next load find its blocks gone (see the module doc)."""
+def kill_daemon() -> None:
+    global KILL_DAEMON_AT
+    KILL_DAEMON_AT = ""
+    os.kill(DAEMON_PID, signal.SIGKILL)
+    for _ in range(200):  # until it is gone, so the next call cannot reach it
+        try:
+            os.kill(DAEMON_PID, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+
+
+def inject_faults(save_delay: float) -> None:
+    """Hooks in the connector: evict a load's blocks between the lookup and the load,
+    kill the daemon before a load or a save, delay every save (see the module doc)."""
+    from kvstore.integrations.pipeline import SaveSender
     from kvstore.integrations.vllm import KVStoreConnector
 
-    load = KVStoreConnector._load
+    start_load = KVStoreConnector.start_load_kv
 
-    def evicting_load(self, transfer):  # type: ignore[no-untyped-def]
+    def faulty_load(self, forward_context, **kwargs):  # type: ignore[no-untyped-def]
         global EVICT_NEXT_LOAD
-        if EVICT_NEXT_LOAD:
+        meta = self._get_connector_metadata()
+        if meta.loads and EVICT_NEXT_LOAD:
             EVICT_NEXT_LOAD = False
-            group = next(g for g in self._groups if g.index == transfer.group)
-            self._namespace(group, transfer.variant, self._tp_rank).evict(transfer.keys)
-        return load(self, transfer)
+            for t in meta.loads:
+                group = next(g for g in self._groups if g.index == t.group)
+                self._namespace(group, t.variant, self._tp_rank).evict(t.keys)
+        if meta.loads and KILL_DAEMON_AT == "load":
+            kill_daemon()
+        return start_load(self, forward_context, **kwargs)
 
-    KVStoreConnector._load = evicting_load
+    store = SaveSender._store
+
+    def faulty_store(self, job):  # type: ignore[no-untyped-def]
+        if KILL_DAEMON_AT == "save":
+            kill_daemon()
+        time.sleep(save_delay)
+        return store(self, job)
+
+    KVStoreConnector.start_load_kv = faulty_load
+    SaveSender._store = faulty_store
 
 
 def run(args: argparse.Namespace) -> dict:
-    global EVICT_NEXT_LOAD
+    global EVICT_NEXT_LOAD, KILL_DAEMON_AT, DAEMON_PID
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.lora.request import LoRARequest
 
     kv_transfer_config = None
     if args.endpoint:
+        extra = {"endpoint": args.endpoint, "tenant": args.tenant,
+                 "model_name": "tiny-llama", "model_revision": "seed1234",
+                 **json.loads(args.extra)}
         kv_transfer_config = KVTransferConfig(
             kv_connector="KVStoreConnector",
             kv_connector_module_path="kvstore.integrations.vllm",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"endpoint": args.endpoint, "tenant": args.tenant,
-                                       "model_name": "tiny-llama", "model_revision": "seed1234"})
+            kv_role=args.role, kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra)
     with open(args.requests) as f:
         requests = json.load(f)
     lora = any(req.get("lora") for req in requests)
-    if any(req.get("evict_before_load") for req in requests):
-        inject_eviction()
+    DAEMON_PID = args.daemon_pid
+    if args.endpoint:
+        inject_faults(args.save_delay)
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK,
               max_model_len=512, enforce_eager=True, seed=0, gpu_memory_utilization=0.05,
-              kv_cache_memory_bytes=32 << 20, kv_transfer_config=kv_transfer_config,
+              kv_cache_memory_bytes=args.kv_cache_mib << 20,
+              kv_transfer_config=kv_transfer_config,
               enable_lora=lora, max_loras=1, max_lora_rank=8)
-    scheduler_connector = None
-    if args.endpoint:
-        scheduler_connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler_connector = scheduler.connector if args.endpoint else None
     sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False,
                               ignore_eos=True)
     adapter = LoRARequest("tiny-lora", 1, args.model + "-lora") if lora else None
-    results = []
-    for req in requests:
-        prompt = {"prompt_token_ids": req["prompt"]}
-        if req.get("cache_salt"):
-            prompt["cache_salt"] = req["cache_salt"]
-        EVICT_NEXT_LOAD = bool(req.get("evict_before_load"))
-        before = dict(scheduler_connector.stats) if scheduler_connector else {}
-        (out,) = llm.generate([prompt], sampling, use_tqdm=False,
-                              lora_request=adapter if req.get("lora") else None)
-        after = dict(scheduler_connector.stats) if scheduler_connector else {}
-        results.append({
-            "output": list(out.outputs[0].token_ids),
-            "num_cached_tokens": out.num_cached_tokens,
-            "external_tokens": after.get("hit_tokens", 0) - before.get("hit_tokens", 0),
-        })
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    worker_stats = dict(get_kv_transfer_group().stats) if has_kv_transfer_group() else {}
-    return {"results": results, "worker": worker_stats,
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    results = []
+    for req in requests:
+        prompts = [{"prompt_token_ids": p} for p in req.get("prompts", [req.get("prompt")])]
+        for prompt in prompts:
+            if req.get("cache_salt"):
+                prompt["cache_salt"] = req["cache_salt"]
+        EVICT_NEXT_LOAD = bool(req.get("evict_before_load"))
+        KILL_DAEMON_AT = req.get("kill_daemon", "")
+        before = dict(scheduler_connector.stats) if scheduler_connector else {}
+        worker_before = dict(worker.stats) if worker else {}
+        outs = llm.generate(prompts, sampling, use_tqdm=False,
+                            lora_request=adapter if req.get("lora") else None)
+        after = dict(scheduler_connector.stats) if scheduler_connector else {}
+        held = len(scheduler.requests)  # finished, their blocks kept for saves in flight
+        steps = 0
+        if worker is not None:
+            worker.drain_saves(30)
+            while scheduler.requests and steps < 100:  # the engine frees them as it steps
+                llm.llm_engine.step()
+                steps += 1
+        result = {
+            "external_tokens": after.get("hit_tokens", 0) - before.get("hit_tokens", 0),
+            "held_after_generate": held, "steps_until_freed": steps,
+            "load_calls": (worker.stats["load_calls"] - worker_before["load_calls"]
+                           if worker else 0),
+        }
+        outputs = [{"output": list(out.outputs[0].token_ids),
+                    "num_cached_tokens": out.num_cached_tokens} for out in outs]
+        result |= outputs[0] if len(outputs) == 1 else {"outputs": outputs}
+        results.append(result)
+    return {"results": results, "worker": dict(worker.stats) if worker else {},
             "scheduler": dict(scheduler_connector.stats) if scheduler_connector else {}}
 
 
@@ -164,6 +218,12 @@ def main() -> None:
     parser.add_argument("--endpoint", default="")
     parser.add_argument("--tenant", default="acme")
     parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--role", default="kv_both")
+    parser.add_argument("--extra", default="{}", help="more connector extra config (JSON)")
+    parser.add_argument("--kv-cache-mib", type=int, default=32)
+    parser.add_argument("--save-delay", type=float, default=0.0,
+                        help="seconds each background save waits before it starts")
+    parser.add_argument("--daemon-pid", type=int, default=0)
     args = parser.parse_args()
     if not os.path.exists(args.model):
         make_model(args.model)

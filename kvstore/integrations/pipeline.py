@@ -1,0 +1,385 @@
+"""The connector pipeline, with no engine imports: saves that never block a step, and
+one daemon call for a step's loads.
+
+- ``SaveSender``: a thread of its own, with a daemon link of its own, that stores the
+  blocks an engine step copied out of its pages (``EnginePages.stage``): one reserve and
+  one commit per job, no lookup (the caller knows what the store lacks).  ``submit``
+  never waits for the daemon: a job that does not fit the bounded queue, or meets a
+  daemon that is gone, is dropped and counted (a later cache miss).  Jobs carry a tag
+  (the engine's request id); ``take_finished`` names the tags whose jobs are all done,
+  which is when an engine may let their pages go.
+- ``StepLoads``: the loads of one engine step, all namespaces and requests together:
+  one acquire per namespace for every request's keys (a lookup and acquire per request
+  only when a block went missing in between), then the copies into the engine's pages,
+  all layers at once (``copy_all``) or layer by layer (``start_layers`` / ``wait_layer``:
+  on the CPU a thread copies the layers in order while the model computes the first
+  ones).  ``finish`` releases the pins once every copy is done.
+- ``LoadWorth``: which cached blocks are worth loading rather than recomputing.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from kvstore.client import Held, Namespace
+from kvstore.errors import KVStoreError, NotFoundError
+from kvstore.identity import Identity
+from kvstore.integrations.engine_side import (
+    DaemonLink,
+    DaemonSettings,
+    EnginePages,
+    Loaded,
+    Staged,
+    acquire_prefix,
+    store_missing,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING_BYTES = 1 << 30   # staged bytes a sender holds before it drops new jobs
+
+
+# ========================================================================================
+# what is worth loading
+# ========================================================================================
+
+LOAD_GBPS = {"gpu": 50.0, "dram": 10.0, "ssd": 1.5, "remote": 1.0}
+
+
+@dataclass(frozen=True)
+class LoadWorth:
+    """Whether a cached block is worth loading rather than recomputing: its bytes' time
+    to load from its tier (``load_gbps``, GB/s per tier) against its tokens' time to
+    prefill (``prefill_tokens_per_s``; 0 offers every cached block)."""
+
+    block_bytes: int
+    block_tokens: int
+    prefill_tokens_per_s: float = 0.0
+    load_gbps: tuple[tuple[str, float], ...] = tuple(LOAD_GBPS.items())
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any], block_bytes: int,
+                   block_tokens: int) -> LoadWorth:
+        gbps = dict(LOAD_GBPS)
+        configured = extra.get("load_gbps", {})
+        if not isinstance(configured, dict):
+            raise ValueError(f"load_gbps must map tiers to GB/s, not {configured!r}")
+        for tier, value in configured.items():
+            if float(value) <= 0:
+                raise ValueError(f"load_gbps[{tier!r}] must be positive, not {value!r}")
+            gbps[str(tier)] = float(value)
+        rate = float(extra.get("prefill_tokens_per_s", 0) or 0)
+        if rate < 0:
+            raise ValueError(f"prefill_tokens_per_s must be >= 0, not {rate}")
+        return cls(block_bytes, block_tokens, rate, tuple(gbps.items()))
+
+    def blocks(self, tiers: Sequence[str]) -> int:
+        """How many leading blocks of a cached prefix, in ``tiers``, are worth loading."""
+        if not self.prefill_tokens_per_s:
+            return len(tiers)
+        recompute_s = self.block_tokens / self.prefill_tokens_per_s
+        gbps = dict(self.load_gbps)
+        for i, tier in enumerate(tiers):
+            if self.block_bytes / (gbps.get(tier, 1.0) * 1e9) >= recompute_s:
+                return i
+        return len(tiers)
+
+
+# ========================================================================================
+# saves
+# ========================================================================================
+
+class SaveJob(NamedTuple):
+    """Blocks to store: ``keys[i]`` is ``staged.rows[i]``; ``parent`` the key before
+    ``keys[0]`` (None: the chain's root); the namespace opened under ``ns_key`` from
+    ``identity()``; ``tag`` the request they belong to."""
+
+    tag: str
+    ns_key: Hashable
+    identity: Callable[[], Identity]
+    keys: list[bytes]
+    parent: bytes | None
+    staged: Staged
+
+
+class SaveSender:
+    """Stores ``SaveJob``s on a thread of its own (see the module doc).  ``stats`` counts
+    ``saves``, ``saved_blocks`` (new in the store), ``save_failures`` and
+    ``save_dropped`` (jobs not sent: queue full or daemon backing off)."""
+
+    def __init__(self, settings: DaemonSettings, *,
+                 max_pending_bytes: int = MAX_PENDING_BYTES,
+                 link: DaemonLink | None = None) -> None:
+        self._link = link or DaemonLink(settings)
+        self._max_pending = max_pending_bytes
+        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending_bytes = 0
+        self._pending: dict[str, int] = defaultdict(int)  # tag -> jobs not done
+        self._finished: set[str] = set()                   # tags with every job done
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("saves", "saved_blocks", "save_failures", "save_dropped"), 0)
+        self._thread = threading.Thread(target=self._run, name="kvstore-saves", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: SaveJob) -> bool:
+        """Queue a job (False: dropped, and its tag counts it done)."""
+        size = job.staged.rows.numel()
+        with self._lock:
+            self._finished.discard(job.tag)
+            self._pending[job.tag] += 1
+            if self._pending_bytes + size > self._max_pending or not self._link.available():
+                self.stats["save_dropped"] += 1
+                self._done(job.tag)
+                return False
+            self._pending_bytes += size
+        self._queue.put(job)
+        return True
+
+    def pending(self, tag: str) -> int:
+        with self._lock:
+            return self._pending.get(tag, 0)
+
+    def take_finished(self, tags: set[str] | None = None) -> set[str]:
+        """The tags (of ``tags``, or any) whose jobs are all done, forgotten hereafter."""
+        with self._lock:
+            done = set(self._finished) if tags is None else self._finished & tags
+            self._finished -= done
+            return done
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queued job is done (False: ``timeout`` seconds passed)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Finish the queued jobs (for at most ``timeout`` seconds), then stop."""
+        self.drain(timeout)
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._link.close()
+
+    def _done(self, tag: str) -> None:  # under the lock
+        self._pending[tag] -= 1
+        if self._pending[tag] <= 0:
+            del self._pending[tag]
+            self._finished.add(tag)
+        if not self._pending:
+            self._idle.notify_all()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            created, failed = 0, False
+            try:
+                created, failed = self._store(job)
+            except Exception:  # a bug must not stop the thread: the save is a miss
+                logger.exception("kvstore: a background save failed")
+                failed = True
+            with self._lock:
+                self._pending_bytes -= job.staged.rows.numel()
+                self.stats["saves"] += 1
+                self.stats["saved_blocks"] += created
+                self.stats["save_failures"] += failed
+                self._done(job.tag)
+
+    def _store(self, job: SaveJob) -> tuple[int, bool]:
+        ns = self._link.namespace(job.ns_key, job.identity)
+        if ns is None:
+            return 0, True
+        if job.staged.ready is not None:
+            job.staged.ready()
+        rows = job.staged.rows
+
+        def fill(slots: Sequence[memoryview], first: int) -> None:
+            for row, slot in zip(rows[first:], slots):
+                torch.frombuffer(slot, dtype=torch.uint8).copy_(row)
+
+        stored = store_missing(ns, job.keys, fill, parent=job.parent, lookup=False)
+        if stored.error is not None:
+            self._link.failed(f"save for {job.tag}", stored.error)
+            return stored.created, True
+        return stored.created, False
+
+    def __repr__(self) -> str:
+        return f"SaveSender({self._link!r}, pending={dict(self._pending)}, stats={self.stats})"
+
+
+# ========================================================================================
+# loads
+# ========================================================================================
+
+class LoadItem(NamedTuple):
+    """One request's blocks to load: ``keys[i]`` into page ``page_ids[i]``."""
+
+    tag: str
+    keys: list[bytes]
+    page_ids: list[int]
+
+
+@dataclass
+class _Pinned:
+    """One namespace's share of a step's loads, once pinned."""
+
+    pages: EnginePages
+    pins: list[Held] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)   # block bytes, by copy
+    page_ids: list[int] = field(default_factory=list)
+
+
+def _rows(held: Held) -> list[torch.Tensor]:
+    """The pinned blocks' bytes as uint8 tensors over the arena.  Writable views of the
+    slots, because torch cannot alias read-only memory; nothing writes to them."""
+    ns = held.ns
+    views = ns.client._slots(held.offsets, ns.block_bytes, readonly=False, arena=ns.arena)
+    return [torch.frombuffer(v, dtype=torch.uint8) for v in views]
+
+
+class StepLoads:
+    """The loads of one engine step (see the module doc).  ``add`` the items of each
+    namespace, ``pin`` them (the daemon calls), copy, ``finish``."""
+
+    def __init__(self) -> None:
+        self._todo: list[tuple[Namespace, EnginePages, list[LoadItem]]] = []
+        self._pinned: list[_Pinned] = []
+        self._thread: threading.Thread | None = None
+        self._layer_done: list[threading.Event] = []
+        self._layer_error: BaseException | None = None
+        self.calls = 0   # acquires and lookups sent to the daemon
+
+    def add(self, ns: Namespace, pages: EnginePages, items: list[LoadItem]) -> None:
+        self._todo.append((ns, pages, items))
+
+    def pin(self) -> dict[str, Loaded]:
+        """Pin every item's blocks: per tag, the leading blocks pinned (the rest must be
+        recomputed) and the daemon's error, if any."""
+        outcome: dict[str, Loaded] = {}
+        for ns, pages, items in self._todo:
+            pinned = _Pinned(pages)
+            self._pinned.append(pinned)
+            keys = list(dict.fromkeys(k for item in items for k in item.keys))
+            try:
+                held = self._acquire(ns, keys)
+            except NotFoundError:  # evicted since the lookup: each request on its own
+                self._pin_each(ns, items, pinned, outcome)
+                continue
+            except KVStoreError as exc:
+                outcome.update((item.tag, Loaded(0, exc)) for item in items)
+                continue
+            pinned.pins.extend(held)
+            rows = dict(zip(keys, (row for h in held for row in _rows(h))))
+            for item in items:
+                pinned.rows.extend(rows[k] for k in item.keys)
+                pinned.page_ids.extend(item.page_ids)
+                outcome[item.tag] = Loaded(len(item.keys))
+        return outcome
+
+    def _acquire(self, ns: Namespace, keys: list[bytes]) -> list[Held]:
+        """Pin ``keys`` in as few acquires as the daemon's key limit allows (all or
+        nothing: a failure releases what was pinned and raises)."""
+        per = max(1, ns.client.max_keys)
+        held: list[Held] = []
+        try:
+            for start in range(0, len(keys), per):
+                self.calls += 1
+                held.append(ns.acquire(keys[start:start + per]))
+        except BaseException:
+            for h in held:
+                h.release()
+            raise
+        return held
+
+    def _pin_each(self, ns: Namespace, items: list[LoadItem], pinned: _Pinned,
+                  outcome: dict[str, Loaded]) -> None:
+        for item in items:
+            try:
+                self.calls += 2
+                held = acquire_prefix(ns, item.keys)
+            except KVStoreError as exc:
+                outcome[item.tag] = Loaded(0, exc)
+                continue
+            if held is None:
+                outcome[item.tag] = Loaded(0)
+                continue
+            pinned.pins.append(held)
+            rows = _rows(held)
+            pinned.rows.extend(rows)
+            pinned.page_ids.extend(item.page_ids[:len(rows)])
+            outcome[item.tag] = Loaded(len(rows))
+
+    def copy_all(self) -> None:
+        """Copy every pinned block into its page, all layers."""
+        for p in self._pinned:
+            p.pages.scatter_rows(p.rows, p.page_ids)
+
+    def layers(self) -> int:
+        return max((len(p.pages.layer_targets()) for p in self._pinned), default=0)
+
+    def start_layers(self) -> None:
+        """Start copying layer by layer (on a thread where the pages are on the CPU;
+        queued in ``wait_layer`` on a GPU, ahead of the layer's attention)."""
+        count = self.layers()
+        self._layer_done = [threading.Event() for _ in range(count)]
+        if any(p.pages.device.type == "cuda" for p in self._pinned):
+            return
+        self._thread = threading.Thread(target=self._copy_layers, name="kvstore-loads",
+                                        daemon=True)
+        self._thread.start()
+
+    def _copy_layers(self) -> None:
+        try:
+            for layer, done in enumerate(self._layer_done):
+                self._copy_layer(layer)
+                done.set()
+        except BaseException as exc:  # handed to the waiter, who raises it
+            self._layer_error = exc
+            for done in self._layer_done:
+                done.set()
+
+    def _copy_layer(self, layer: int) -> None:
+        for p in self._pinned:
+            if layer < len(p.pages.layer_targets()):
+                p.pages.scatter_rows(p.rows, p.page_ids, [layer])
+
+    def wait_layer(self, layer: int) -> None:
+        """Return once layer ``layer`` is in the pages (or queued before its use)."""
+        if layer >= len(self._layer_done):
+            return
+        done = self._layer_done[layer]
+        if self._thread is None:
+            if not done.is_set():
+                self._copy_layer(layer)
+                done.set()
+            return
+        done.wait()
+        if self._layer_error is not None:
+            raise self._layer_error
+
+    def finish(self) -> None:
+        """Make sure every copy is done, then release the pins."""
+        try:
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            else:
+                for layer in range(len(self._layer_done)):
+                    self.wait_layer(layer)
+            if any(p.pages.device.type == "cuda" for p in self._pinned):
+                torch.cuda.current_stream().synchronize()
+        finally:
+            for p in self._pinned:
+                for held in p.pins:
+                    try:
+                        held.release()
+                    except KVStoreError as exc:  # the pin's lease ends it anyway
+                        logger.warning("kvstore: release failed: %s", exc)
+            self._pinned = []
+            self._todo = []

@@ -1,0 +1,238 @@
+"""The connector pipeline (kvstore.integrations.pipeline) against a real daemon process:
+saves on a thread of their own, and one daemon call for a step's loads; CPU torch
+tensors stand for an engine's paged cache (the layouts of test_engine_side)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from daemon_proc import DaemonProcess
+from test_engine_side import KINDS, PAGES, TOKENS, identity, make_pages
+
+from kvstore import Client
+from kvstore.integrations.engine_side import DaemonSettings, Loaded
+from kvstore.integrations.pipeline import LoadItem, LoadWorth, SaveJob, SaveSender, StepLoads
+
+
+def job(tag: str, kind: str, keys: list[bytes], staged: object,
+        parent: bytes | None = None) -> SaveJob:
+    return SaveJob(tag, kind, lambda: identity(kind), keys, parent, staged)  # type: ignore[arg-type]
+
+
+def until(check: Callable[[], object], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_staged_rows_are_the_canonical_blocks_and_scatter_back(kind: str) -> None:
+    source, source_page = make_pages(kind, seed=1)
+    staged = source.stage([5, 0, 3])
+    assert staged.ready is None  # on the CPU the copy is done on return
+    assert [bytes(r.numpy()) for r in staged.rows] == [source_page(p) for p in (5, 0, 3)]
+    target, target_page = make_pages(kind, seed=50)
+    target.scatter_rows(list(staged.rows), [1, 2, 7])
+    assert [target_page(p) for p in (1, 2, 7)] == [source_page(p) for p in (5, 0, 3)]
+
+
+@pytest.mark.parametrize("kind", ["per_layer", "staged"])
+def test_a_save_copies_the_pages_before_submit_returns(daemon: DaemonProcess,
+                                                       kind: str) -> None:
+    """The pages may be reused as soon as the step ends: what is stored is what they
+    held then, even when the daemon answers late (stopped here)."""
+    source, source_page = make_pages(kind, seed=1)
+    before = [source_page(p) for p in range(3)]
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme", timeout=10.0))
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity(kind))
+        keys = ns.keys(range(TOKENS * 3))
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert sender.submit(job("req-1", kind, keys[:2], source.stage([0, 1])))
+            assert sender.submit(job("req-1", kind, keys[2:], source.stage([2]), keys[1]))
+            assert time.monotonic() - started < 0.5  # never waits for the daemon
+            other, _ = make_pages(kind, seed=99)  # the engine reuses the pages at once
+            source.scatter_rows(list(other.stage(range(PAGES)).rows), list(range(PAGES)))
+            assert source_page(0) != before[0]
+            time.sleep(0.3)
+            assert sender.pending("req-1") == 2 and sender.take_finished() == set()
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert sender.drain(10)
+        assert sender.take_finished({"req-1"}) == {"req-1"}
+        assert sender.stats == {"saves": 2, "saved_blocks": 3, "save_failures": 0,
+                                "save_dropped": 0}
+        assert ns.get(keys) == before
+        assert ns.lookup(keys).blocks == 3  # one chain
+    sender.close()
+
+
+def test_a_tag_is_finished_only_when_all_its_jobs_are(daemon: DaemonProcess) -> None:
+    source, _ = make_pages("per_layer", seed=1)
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme"))
+    with Client(daemon.endpoint, tenant="acme") as client:
+        keys = client.namespace(identity("per_layer")).keys(range(TOKENS * 4))
+    assert sender.submit(job("a", "per_layer", keys[:2], source.stage([0, 1])))
+    assert sender.drain(10)  # "a" has no job left now...
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:  # ...until the engine sends another one
+        assert sender.submit(job("a", "per_layer", keys[2:], source.stage([2, 3]), keys[1]))
+        assert sender.take_finished() == set() and sender.pending("a") == 1
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert sender.drain(10)
+    assert sender.take_finished({"b"}) == set()
+    assert sender.take_finished({"a", "b"}) == {"a"}
+    assert sender.take_finished() == set()  # reported once
+    sender.close()
+
+
+def test_a_full_queue_drops_a_save_and_finishes_its_tag(daemon: DaemonProcess) -> None:
+    source, _ = make_pages("per_layer", seed=1)
+    staged = source.stage([0, 1])
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme"),
+                        max_pending_bytes=staged.rows.numel())
+    with Client(daemon.endpoint, tenant="acme") as client:
+        keys = client.namespace(identity("per_layer")).keys(range(TOKENS * 4))
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert sender.submit(job("a", "per_layer", keys[:2], staged))
+        assert not sender.submit(job("b", "per_layer", keys[2:], source.stage([2, 3])))
+        assert sender.take_finished() == {"b"} and sender.stats["save_dropped"] == 1
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert sender.drain(10) and sender.take_finished() == {"a"}
+    sender.close()
+
+
+def test_a_daemon_killed_mid_save_is_a_failed_save_not_a_stall(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    daemon = daemon_factory()
+    source, _ = make_pages("per_layer", seed=1)
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme", timeout=0.5))
+    with Client(daemon.endpoint, tenant="acme") as client:
+        keys = client.namespace(identity("per_layer")).keys(range(TOKENS * 4))
+    assert sender.submit(job("a", "per_layer", keys[:2], source.stage([0, 1])))
+    assert sender.drain(10) and sender.stats["saved_blocks"] == 2
+    daemon.stop(signal.SIGKILL)
+    started = time.monotonic()
+    sender.submit(job("b", "per_layer", keys[2:], source.stage([2, 3]), keys[1]))
+    assert time.monotonic() - started < 0.2
+    assert sender.drain(10)
+    assert sender.take_finished() == {"a", "b"}
+    assert sender.stats["save_failures"] == 1
+    # backing off now: the next save is dropped at once
+    assert not sender.submit(job("c", "per_layer", keys[2:], source.stage([2, 3])))
+    sender.close(timeout=1)
+
+
+def _stored_requests(daemon: DaemonProcess, kind: str, count: int,
+                     ) -> tuple[list[list[bytes]], Callable[[int], bytes]]:
+    """``count`` requests sharing a 2-block prefix, each with 2 blocks of its own, stored
+    from pages ``[0, 1, 2 + 2i, 3 + 2i]``... of a source cache."""
+    source, source_page = make_pages(kind, seed=1)
+    requests = []
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity(kind))
+        for i in range(count):
+            tokens = list(range(TOKENS * 2)) + [1000 * (i + 1) + t for t in range(TOKENS * 2)]
+            keys = ns.keys(tokens)
+            rows = source.stage([0, 1, 2 + i % 3, 3 + i % 3]).rows
+            with ns.reserve(keys) as r:
+                for row, slot in zip(rows, r.buffers):
+                    torch.frombuffer(slot, dtype=torch.uint8).copy_(row)
+                r.commit()
+            requests.append(keys)
+    return requests, source_page
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("kind", ["per_layer", "staged"])
+def test_a_steps_loads_are_one_acquire_whatever_the_requests(
+        daemon: DaemonProcess, kind: str, layerwise: bool) -> None:
+    requests, source_page = _stored_requests(daemon, kind, 4)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity(kind))
+        target, target_page = make_pages(kind, seed=50)
+        # 4 requests x 2 blocks each (their own), into pages 0..7
+        items = [LoadItem(f"r{i}", keys[2:], [2 * i, 2 * i + 1])
+                 for i, keys in enumerate(requests)]
+        loads = StepLoads()
+        loads.add(ns, target, items)
+        assert loads.pin() == {f"r{i}": Loaded(2) for i in range(4)}
+        assert loads.calls == 1
+        if layerwise:
+            loads.start_layers()
+            for layer in range(loads.layers()):
+                loads.wait_layer(layer)
+        else:
+            loads.copy_all()
+        assert client.stats()["tiers"]["dram"]["pinned_blocks"] == 8
+        loads.finish()
+        until(lambda: client.stats()["tiers"]["dram"]["pinned_blocks"] == 0)
+        for i in range(4):
+            assert [target_page(2 * i), target_page(2 * i + 1)] == [
+                source_page(2 + i % 3), source_page(3 + i % 3)]
+
+
+def test_a_block_gone_since_the_lookup_fails_only_its_request(daemon: DaemonProcess) -> None:
+    requests, source_page = _stored_requests(daemon, "per_layer", 3)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity("per_layer"))
+        ns.evict([requests[1][3]])  # request 1's last block
+        target, target_page = make_pages("per_layer", seed=50)
+        untouched = target_page(7)
+        loads = StepLoads()
+        loads.add(ns, target, [LoadItem(f"r{i}", keys, [4 * i + j for j in range(4)])
+                               for i, keys in enumerate(requests[:2])])
+        assert loads.pin() == {"r0": Loaded(4), "r1": Loaded(3)}
+        loads.copy_all()
+        loads.finish()
+        assert [target_page(p) for p in range(4)] == [source_page(p) for p in (0, 1, 2, 3)]
+        assert [target_page(p) for p in range(4, 7)] == [source_page(p) for p in (0, 1, 3)]
+        assert target_page(7) == untouched  # recomputed by the engine, never written
+
+
+def test_a_daemon_killed_before_the_load_loads_nothing(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    daemon = daemon_factory()
+    requests, _ = _stored_requests(daemon, "per_layer", 2)
+    client = Client(daemon.endpoint, tenant="acme", timeout=0.5)
+    ns = client.namespace(identity("per_layer"))
+    target, target_page = make_pages("per_layer", seed=50)
+    before = [target_page(p) for p in range(PAGES)]
+    daemon.stop(signal.SIGKILL)
+    loads = StepLoads()
+    loads.add(ns, target, [LoadItem(f"r{i}", keys, [4 * i + j for j in range(4)])
+                           for i, keys in enumerate(requests)])
+    outcome = loads.pin()
+    assert [o.blocks for o in outcome.values()] == [0, 0]
+    assert all(o.error is not None for o in outcome.values())
+    loads.copy_all()
+    loads.finish()
+    assert [target_page(p) for p in range(PAGES)] == before
+    client.close()
+
+
+def test_only_blocks_faster_to_load_than_to_recompute_are_worth_it() -> None:
+    # 1 MB blocks of 32 tokens at 3200 prefill tokens/s: 10 ms to recompute a block;
+    # 0.1 ms to load from DRAM (10 GB/s), 20 ms from a 0.05 GB/s remote store.
+    worth = LoadWorth.from_extra({"prefill_tokens_per_s": 3200,
+                                  "load_gbps": {"remote": 0.05}}, 1_000_000, 32)
+    assert worth.blocks(["dram", "dram", "ssd"]) == 3
+    assert worth.blocks(["dram", "remote", "dram"]) == 1  # a prefix: stops at the first
+    assert worth.blocks([]) == 0
+    assert LoadWorth.from_extra({}, 1_000_000, 32).blocks(["remote"] * 4) == 4  # no rate
+    for bad in ({"load_gbps": {"ssd": 0}}, {"load_gbps": 3}, {"prefill_tokens_per_s": -1}):
+        with pytest.raises(ValueError):
+            LoadWorth.from_extra(bad, 1_000_000, 32)
