@@ -8,7 +8,9 @@ Prints the good client's ping p50 and p99 idle, under the flood and after it, th
 ratio (flood / idle), and the daemon's resident memory idle, at its peak under the flood
 and after it.  With ``--credentials`` the daemon has a token secret, so its ipc endpoint
 is gated (a ZeroMQ handshake that needs a ticket from the side socket): the junk never
-gets in, and the good client connects with a token.
+gets in, and the good client connects with a token.  With ``--tcp`` the flood and the
+good client use a ``tcp://`` endpoint of the daemon instead (with ``--credentials``, one
+gated by the token in the ZeroMQ handshake: no side socket over tcp).
 
     python benchmarks/junk_before_hello.py [--peers 1000] [--seconds 10] [--rounds 3]
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -102,19 +105,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--credentials", action="store_true",
                         help="give the daemon a token secret (a gated ipc endpoint)")
+    parser.add_argument("--tcp", action="store_true",
+                        help="flood and ping over a tcp endpoint (gated by the token with "
+                             "--credentials)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="kvbench-"))
-    endpoint = f"ipc://{work}/kvstore.sock"
+    ipc = f"ipc://{work}/kvstore.sock"
     extra, token = [], None
+    endpoint = ipc
+    if args.tcp:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            endpoint = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        extra = ["--extra-endpoint", endpoint]
     if args.credentials:
         secret = work / "secret"
         secret.write_text("ab" * 32)
         (work / "auth.toml").write_text(f'[auth]\nsecret_file = "{secret}"\n')
-        extra = ["--config", str(work / "auth.toml")]
+        extra += ["--config", str(work / "auth.toml")]
         token = issue_token(read_secret(secret), "acme", 3600)
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "serve", "--endpoint", endpoint,
+        [sys.executable, "-m", "kvstore", "serve", "--endpoint", ipc,
          "--dram-capacity", "64MiB", "--ssd-capacity", "0", "--log-level", "error", *extra],
         stdout=subprocess.PIPE)
     assert daemon.stdout is not None

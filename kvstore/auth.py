@@ -18,6 +18,12 @@ one-time ticket, good only for a connection of its uid, or a clear refusal; it c
 and password, checked in the handshake (``redeem``), so a peer without credentials never
 gets a message into the daemon.  The tenant of such a connection is its PLAIN user name.
 
+With a token secret, ``tcp://`` endpoints without CurveZMQ are gated the same way: the
+client's PLAIN user name is its tenant and its password its token, checked in the
+handshake (``token_fits``), so a peer without a good token sends the daemon nothing.
+With ``auth.peer_tenants`` alone, tcp endpoints have no credentials to check: they are
+open (the daemon warns at start-up) and refuse every hello.
+
 ``auth.shared_tenants`` grants namespaces of one tenant to others (a shared system
 prompt, say): ``{"public" = ["acme", "globex"]}``.
 """
@@ -47,6 +53,7 @@ from kvstore.errors import ConfigError, ForbiddenError, MalformedError
 _TOKEN_VERSION = 1
 TICKET_SECONDS = 10.0        # a ticket is presented at once, in the handshake that follows
 _TICKETS_HELD = 4096         # tickets not yet presented, the oldest dropped beyond
+TOKEN_DOMAIN = "token"       # the ZAP domain of the tcp socket gated by tokens
 
 
 def issue_token(secret: bytes, tenant: str, ttl_seconds: float, now: float | None = None) -> str:
@@ -75,6 +82,15 @@ def verify_token(secret: bytes, token: str, now: float | None = None) -> str:
     if (time.time() if now is None else now) >= expires:
         raise ForbiddenError("the token has expired; ask for a new one")
     return tenant
+
+
+def token_tenant(token: str) -> str:
+    """The tenant a token names, unchecked (a client's PLAIN user name); "" if malformed."""
+    try:
+        body = _unb64(token.split(".")[0])
+        return msgspec.msgpack.decode(body, type=tuple[int, str, int])[1]
+    except (ValueError, msgspec.DecodeError, msgspec.ValidationError):
+        return ""
 
 
 def read_secret(path: str | Path) -> bytes:
@@ -134,13 +150,16 @@ def _unb64(text: str) -> bytes:
 
 class _TenantAuthenticator(ThreadAuthenticator):
     """ZAP handler: known client keys only (CURVE), or a ticket the side socket handed out
-    for the tenant named as the user (PLAIN); the user id it reports is the tenant."""
+    for the tenant named as the user (PLAIN), or on the tcp socket of ``TOKEN_DOMAIN`` a
+    good token of that tenant; the user id it reports is the tenant."""
 
     def __init__(self, context: zmq.Context[Any], tenants: dict[bytes, str],
-                 redeem: Callable[[str, str, int | None], bool]) -> None:
+                 redeem: Callable[[str, str, int | None], bool],
+                 token_fits: Callable[[str, str], bool]) -> None:
         super().__init__(context)
         self.tenants = tenants
         self.redeem = redeem
+        self.token_fits = token_fits
         self._address = ""  # of the ZAP request being handled
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
@@ -154,6 +173,10 @@ class _TenantAuthenticator(ThreadAuthenticator):
 
     def _authenticate_plain(self, domain: str, username: str,
                             password: str) -> tuple[bool, bytes]:
+        if domain == TOKEN_DOMAIN:
+            if self.token_fits(username, password):
+                return True, b"OK"
+            return False, b"forged, expired or another tenant's token"
         if self.redeem(username, password, address_uid(self._address)):
             return True, b"OK"
         return False, b"unknown, used or expired ticket"
@@ -236,6 +259,15 @@ class Auth:
         return (held is not None and held[0] == tenant and held[2] == uid
                 and held[1] >= time.monotonic())
 
+    def token_fits(self, tenant: str, token: str) -> bool:
+        """Whether ``token`` is good and names ``tenant``.  Runs on the ZAP thread."""
+        if self.secret is None:
+            return False
+        try:
+            return verify_token(self.secret, token) == tenant
+        except ForbiddenError:
+            return False
+
     def may_open(self, session_tenant: str, namespace_tenant: str) -> bool:
         return (namespace_tenant == session_tenant
                 or session_tenant in self.shared.get(namespace_tenant, ()))
@@ -256,7 +288,8 @@ class Auth:
         """The context's one ZAP handler, started at the first socket that needs it."""
         if self._authenticator is None:
             keys = self._client_keys() if self.curve_enabled else {}
-            self._authenticator = _TenantAuthenticator(context, keys, self.redeem)
+            self._authenticator = _TenantAuthenticator(context, keys, self.redeem,
+                                                      self.token_fits)
             self._authenticator.start()
             if self.curve_enabled:
                 self._authenticator.configure_curve_callback("*", self._authenticator)
@@ -279,6 +312,13 @@ class Auth:
     def make_gated_server(self, context: zmq.Context[Any], sock: zmq.Socket[Any]) -> None:
         """Make ``sock`` a PLAIN server that lets in only tickets from ``admission``."""
         self._zap(context)
+        sock.plain_server = True
+
+    def make_token_server(self, context: zmq.Context[Any], sock: zmq.Socket[Any]) -> None:
+        """Make ``sock`` (tcp, no CurveZMQ) a PLAIN server that lets in only a good token
+        (the password) of the tenant named as the user."""
+        self._zap(context)
+        sock.zap_domain = TOKEN_DOMAIN.encode()
         sock.plain_server = True
 
     def close(self) -> None:

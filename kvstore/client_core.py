@@ -49,7 +49,9 @@ from kvstore.tiers.arena_fds import (
     MEMFD_PREFIX,
     admit,
     map_handed_arena,
+    refused_hint,
     side_path,
+    tcp_credentials,
 )
 from kvstore.tiers.dram import map_arena
 
@@ -166,7 +168,7 @@ def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None,
                 admission: tuple[str, str] | None = None) -> Any:
     """The DEALER socket of a shell (``ctx`` is a ``zmq.Context`` or a
     ``zmq.asyncio.Context``), set up the same way for both; ``admission`` is the tenant
-    and ticket of a gated ipc endpoint (``SessionCore._admission``)."""
+    and ticket of a gated ipc endpoint, or tenant and token on tcp (``_admission``)."""
     import zmq
 
     sock = ctx.socket(zmq.DEALER)
@@ -253,7 +255,7 @@ class SessionCore:
         self.checksums = checksums  # send xxh3_64 of what is written, for readers to verify
         self._tenant = _tenant(tenant, token)
         self._tenant_named = bool(tenant or os.environ.get("KVSTORE_TENANT"))
-        self._ticketed = False  # whether it connected with a handshake ticket
+        self._handshake = ""  # its credentials in the handshake: "ticket", "token" or none
         self._token = _token(token)
         self._curve = curve or _curve_from_env()
         self._rids = itertools.count(1)
@@ -287,12 +289,8 @@ class SessionCore:
         return True
 
     def _no_reply(self) -> UnavailableError:
-        why = ""
-        if self.hello is None and self._ticketed:
-            # a refused ZeroMQ handshake is silent: say what it checks
-            why = ("; if the daemon refused the handshake, its ticket was used, late "
-                   "(good for 10s) or presented by a process of another uid than the "
-                   "one that asked for it: connect again from the same process")
+        # a refused ZeroMQ handshake is silent: say what it checks
+        why = refused_hint(self._handshake) if self.hello is None else ""
         return UnavailableError(f"no reply from the daemon at {self.endpoint} "
                                 f"within {self.timeout}s{why}")
 
@@ -302,14 +300,19 @@ class SessionCore:
 
     # -- the session's verbs --------------------------------------------------------------
     def _admission(self) -> tuple[str, str] | None:
-        """Before connecting to a gated ipc endpoint: the tenant and one-time ticket its
-        side socket hands out for this client's token (or, with none, for its uid); None
-        where the endpoint is not gated.  ForbiddenError, saying why, if refused."""
+        """Before connecting, the ZeroMQ PLAIN user name and password: on a gated ipc
+        endpoint the tenant and one-time ticket its side socket hands out for this
+        client's token (or, with none, for its uid), ForbiddenError saying why if refused;
+        on tcp without CurveZMQ the tenant and token (``tcp_credentials``); else None."""
         side = side_path(self.endpoint)
-        admitted = admit(side, self._token) if side is not None else None
+        if side is None:
+            tcp = tcp_credentials(self.endpoint, self._token, self._tenant, bool(self._curve))
+            self._handshake = "token" if tcp is not None else ""
+            return tcp
+        admitted = admit(side, self._token)
         if admitted is not None and not self._tenant_named:
             self._tenant = ""  # the credentials name it
-        self._ticketed = admitted is not None
+        self._handshake = "ticket" if admitted is not None else ""
         return admitted
 
     def _hello_request(self) -> p.Hello:

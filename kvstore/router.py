@@ -30,6 +30,7 @@ import zmq
 from kvstore import protocol as p
 from kvstore.client_core import CurveKeys, _tenant, _token, make_socket
 from kvstore.errors import MalformedError
+from kvstore.tiers.arena_fds import tcp_credentials
 
 DEFAULT_PREFILL_RATE = 10_000.0  # tokens a second a worker prefills, unless told
 
@@ -82,7 +83,9 @@ class Router:
         self._token = _token(token)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._rids = itertools.count(1)
-        self._peers = [_Peer(e, make_socket(self._ctx, e, curve)) for e in endpoints]
+        # tcp daemons with a token secret check the token in the handshake
+        self._peers = [_Peer(e, make_socket(self._ctx, e, curve, tcp_credentials(
+            e, self._token, self._tenant, curve is not None))) for e in endpoints]
         self._poller = zmq.Poller()
         self._by_sock: dict[Any, _Peer] = {}
         for peer in self._peers:

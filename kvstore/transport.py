@@ -38,7 +38,8 @@ _UNKNOWN_PEERS = 65536   # peers without a session remembered (their message cou
 RCVHWM = 256
 
 # (peer, frames, secure): the peer is the socket's index byte, then the routing id;
-# secure says the socket is the CurveZMQ one (its frames carry a User-Id).
+# secure says the socket checks credentials in its handshake (CurveZMQ, tickets or
+# tokens): its frames carry the tenant as User-Id.
 OnMessage = Callable[[bytes, list[zmq.Frame], bool], None]
 
 
@@ -92,20 +93,28 @@ class Transport:
 
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind every endpoint (ipc ones on a socket gated by handshake tickets when the
-        daemon has credentials for them, tcp ones on a CurveZMQ socket when curve is on)
-        and start draining them on ``loop``."""
+        daemon has credentials for them; tcp ones on a CurveZMQ socket when curve is on,
+        else on one gated by tokens in the handshake when there is a token secret) and
+        start draining them on ``loop``."""
         self._loop = loop
         self._ctx = zmq.Context()
         config = self.config
         endpoints = [config.endpoint, *config.server.extra_endpoints]
-        curve, gated = self.auth.curve_enabled, self.auth.gated
+        auth = self.auth
         ipc = [e for e in endpoints if e.startswith("ipc://")]
-        other = [e for e in endpoints if not e.startswith("ipc://")]
+        tcp = [e for e in endpoints if e.startswith("tcp://")]
+        tcp_kind = ("curve" if auth.curve_enabled
+                    else "token" if auth.secret is not None else "open")
+        if tcp and tcp_kind == "open" and auth.gated:
+            log.warning("%s: tcp endpoints take no credentials under auth.peer_tenants "
+                        "alone (any peer may connect and send; every hello is refused): "
+                        "set auth.secret_file (tokens) or auth.curve_secret_key_file "
+                        "(CurveZMQ) to gate them in the handshake", ", ".join(tcp))
         # ipc endpoints on sockets of their own: their peers' uids are known (peer_uid)
         groups: list[tuple[str, list[str]]] = [
-            ("gated" if gated else "open", ipc),
-            ("open", [e for e in other if not (curve and e.startswith("tcp://"))]),
-            ("curve", [e for e in other if curve and e.startswith("tcp://")])]
+            ("gated" if auth.gated else "open", ipc),
+            ("open", [e for e in endpoints if e not in ipc and e not in tcp]),
+            (tcp_kind, tcp)]
         for kind, group in groups:
             if not group:
                 continue
@@ -119,6 +128,8 @@ class Transport:
                 self.auth.make_curve_server(self._ctx, sock)
             elif kind == "gated":
                 self.auth.make_gated_server(self._ctx, sock)
+            elif kind == "token":
+                self.auth.make_token_server(self._ctx, sock)
             for endpoint in group:
                 self.endpoints.append(_bind(sock, endpoint, self.secure_file))
             self._socks.append(sock)

@@ -30,6 +30,7 @@ from typing import Union
 
 import msgspec
 
+from kvstore.auth import token_tenant
 from kvstore.errors import ConfigError, ForbiddenError, KVStoreError, UnavailableError
 
 MEMFD_PREFIX = "memfd:"        # an arena path naming a descriptor to ask for, not a file
@@ -198,3 +199,34 @@ def admit(path: str, token: str) -> tuple[str, str] | None:
     if not reply.ok:
         raise ForbiddenError(reply.message)
     return (reply.tenant, reply.ticket) if reply.ticket else None
+
+
+def tcp_credentials(endpoint: str, token: str, tenant: str,
+                    curve: bool) -> tuple[str, str] | None:
+    """The ZeroMQ PLAIN user name and password of a client with a token on a tcp endpoint
+    without CurveZMQ (the daemon checks them in the handshake): its tenant, named or the
+    one its token names, and the token; None otherwise.  ForbiddenError for what cannot
+    go in a handshake (ZeroMQ takes 1 to 255 bytes of each)."""
+    if not token or curve or not endpoint.startswith("tcp://"):
+        return None
+    user = tenant or token_tenant(token)
+    if not user:
+        raise ForbiddenError("the token is not a kvstore token")
+    if len(user.encode()) > 255 or len(token.encode()) > 255:
+        raise ForbiddenError("the tenant or token is too long for the tcp handshake "
+                             "(255 bytes each at most)")
+    return user, token
+
+
+def refused_hint(credentials: str) -> str:
+    """What a handshake with ``credentials`` ("ticket", "token" or "": none) checks, for a
+    client that got no reply: ZeroMQ refuses a handshake silently."""
+    if credentials == "ticket":
+        return ("; if the daemon refused the handshake, its ticket was used, late (good "
+                "for 10s) or presented by a process of another uid than the one that "
+                "asked for it: connect again from the same process")
+    if credentials == "token":
+        return ("; if the daemon refused the handshake, the token is forged, expired or "
+                "not the named tenant's, or the daemon takes no tokens on this endpoint "
+                "(a token secret gates tcp endpoints; CurveZMQ needs keys instead)")
+    return ""

@@ -128,3 +128,21 @@ def test_reservation_and_pin_state() -> None:
     assert p.request_decoder.decode(header) == release
     assert not s._settle(p.OkReply(release.rid + 1))      # not a posted one: the shell's
     assert s._settle(p.OkReply(release.rid)) and not s._unread
+
+
+def test_tcp_credentials_carry_the_token_in_the_handshake() -> None:
+    from kvstore.auth import issue_token
+    from kvstore.errors import ForbiddenError
+    from kvstore.tiers.arena_fds import refused_hint, tcp_credentials
+
+    token = issue_token(b"k" * 32, "acme", 60)
+    assert tcp_credentials("tcp://h:1", token, "", False) == ("acme", token)
+    assert tcp_credentials("tcp://h:1", token, "globex", False) == ("globex", token)
+    assert tcp_credentials("tcp://h:1", token, "", True) is None     # CurveZMQ instead
+    assert tcp_credentials("tcp://h:1", "", "acme", False) is None   # no token
+    assert tcp_credentials("ipc:///s", token, "", False) is None     # tickets there
+    with pytest.raises(ForbiddenError, match="not a kvstore token"):
+        tcp_credentials("tcp://h:1", "garbage", "", False)
+    assert "token is forged, expired" in refused_hint("token")
+    assert "ticket was used" in refused_hint("ticket")
+    assert refused_hint("") == ""

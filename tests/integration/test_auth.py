@@ -18,6 +18,7 @@ from kvstore import protocol as p
 from kvstore.auth import issue_token, read_secret, verify_token
 from kvstore.client import CurveKeys
 from kvstore.errors import ForbiddenError, UnavailableError, UnknownNamespaceError
+from kvstore.router import Router
 from kvstore.tiers.arena_fds import admit, side_path
 
 IDENT_A = make_identity(tenant="acme")
@@ -168,6 +169,72 @@ def test_curve_on_tcp(daemon_factory: Any, tmp_path: Path) -> None:
     with Client(d.endpoint, tenant="acme") as local:             # ipc: trusted local users
         assert local.namespace(IDENT_A).lookup(
             local.namespace(IDENT_A).keys(range(16))).blocks == 1
+
+
+def test_tokens_over_tcp_are_checked_in_the_handshake(daemon_factory: Any,
+                                                      tmp_path: Path) -> None:
+    secret_file = tmp_path / "secret"
+    cli("keygen", "--secret", str(secret_file))
+    config = tmp_path / "auth.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n')
+    d = daemon_factory(tcp=True, extra=["--config", str(config)])
+    assert d.tcp_endpoint is not None
+    secret = read_secret(secret_file)
+    token_a = cli("token", "--secret-file", str(secret_file), "--tenant", "acme").strip()
+    with Client(d.tcp_endpoint, token=token_a) as a:         # no side socket over tcp
+        assert a.hello is not None and a.hello.tenant == "acme"
+        ns = a.namespace(IDENT_A)
+        keys = ns.keys(range(32))
+        ns.put(keys, [b"\7" * ns.block_bytes] * 2)
+        assert ns.get(keys) == [b"\7" * ns.block_bytes] * 2
+        with pytest.raises(ForbiddenError):
+            a.namespace(IDENT_B)
+    with Router([d.tcp_endpoint], token=token_a) as router:  # routing queries, too
+        assert router.route(keys, deadline=5.0)[0].answered
+    # refused in the handshake, so silent; the client says what the handshake checks
+    for token, tenant in ((issue_token(b"x" * 32, "acme", 60), None),   # forged
+                          (issue_token(secret, "acme", -1), None),       # expired
+                          (token_a, "globex"),                           # another tenant's
+                          ("garbage.x", "acme")):
+        with pytest.raises(UnavailableError, match="refused the handshake, the token"):
+            Client(d.tcp_endpoint, token=token, tenant=tenant, timeout=1)
+    with pytest.raises(ForbiddenError, match="not a kvstore token"):
+        Client(d.tcp_endpoint, token="garbage", timeout=1)
+    ctx = zmq.Context()
+    try:
+        # what the client would send, by hand: only a good token of the named tenant
+        for creds, answered in ((("acme", token_a), True), (("globex", token_a), False),
+                                (None, False)):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if creds is not None:
+                sock.plain_username, sock.plain_password = creds[0].encode(), creds[1].encode()
+            sock.connect(d.tcp_endpoint)
+            sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "")))
+            if answered:
+                assert sock.poll(10_000)
+                reply = p.reply_decoder.decode(sock.recv())
+                assert isinstance(reply, p.HelloReply) and reply.tenant == "acme"
+            else:
+                assert not sock.poll(1500)
+            sock.close()
+    finally:
+        ctx.term()
+    with Client(d.endpoint, token=token_a) as local:         # ipc: tickets, as before
+        again = local.namespace(IDENT_A)
+        assert again.get(keys) == [b"\7" * again.block_bytes] * 2
+        assert local.stats()["before_hello"]["dropped"] == 0   # nothing got in unchecked
+
+
+def test_peer_tenants_alone_leave_tcp_open_and_say_so(daemon_factory: Any,
+                                                      tmp_path: Path) -> None:
+    config = tmp_path / "peer.toml"
+    config.write_text(f'[auth]\npeer_tenants = {{ "{os.getuid()}" = "acme" }}\n')
+    d = daemon_factory(tcp=True, extra=["--config", str(config)])
+    assert "take no credentials under auth.peer_tenants" in d.log()
+    assert "auth.secret_file" in d.log()
+    with pytest.raises(ForbiddenError, match="takes the tenant from the client's uid"):
+        Client(d.tcp_endpoint, tenant="acme")
 
 
 def test_per_tenant_arenas_hold_only_what_their_tenant_may_read(

@@ -46,11 +46,12 @@ print("sent", flush=True)
 """
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """The process's resident memory (or with VmHWM, its peak so far), MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 def test_a_peer_without_a_session_is_answered_a_few_times_then_dropped(
@@ -138,3 +139,70 @@ def test_with_credentials_a_peer_without_a_ticket_gets_nothing_in(
         stats = client.stats()
         assert stats["before_hello"]["dropped"] == 0   # no junk ever reached the daemon
         assert stats["invariant_violations"] == 0
+
+
+BIG_TCP = r"""
+import os, socket, sys, time, zmq
+endpoint, peers, big_mib, forged = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+ctx = zmq.Context()
+socks = []
+for i in range(peers):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 3000)
+    if i % 2:  # half of them present a token, forged: refused in the handshake
+        s.plain_username, s.plain_password = b"acme", forged.encode()
+    s.connect(endpoint)
+    socks.append(s)
+big = os.urandom(1 << 20) * big_mib
+for s in socks:
+    try:
+        s.send_multipart([b"\x92\xa4junk", big], zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        pass
+# and one that speaks no ZeroMQ at all: a length that claims a huge frame, then bytes
+host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+raw = socket.create_connection((host, int(port)))
+try:
+    raw.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + big[: 8 << 20])
+except OSError:
+    pass
+raw.close()
+time.sleep(2)
+for s in socks:
+    s.close()
+ctx.term()
+print("sent", flush=True)
+"""
+
+
+def test_over_tcp_with_a_token_secret_a_peer_without_a_token_gets_nothing_in(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("ef" * 32)
+    config = tmp_path / "auth.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret}"\n')
+    d = daemon_factory(dram_capacity="8MiB", tcp=True, extra=["--config", str(config)])
+    assert d.proc is not None and d.tcp_endpoint is not None
+    token = issue_token(read_secret(secret), "acme", 60)
+    with Client(d.tcp_endpoint, token=token) as client:
+        ns = client.namespace(make_identity())
+        keys = ns.keys(range(32))
+        ns.put(keys, [b"\5" * ns.block_bytes] * 2)
+        before, peak_before = rss_mib(d.proc.pid), rss_mib(d.proc.pid, "VmHWM")
+        peers, big_mib = 8, 64          # 512 MiB of large frames, none with a good token
+        forged = issue_token(b"y" * 32, "acme", 60)
+        flood = subprocess.run([sys.executable, "-c", BIG_TCP, d.tcp_endpoint, str(peers),
+                                str(big_mib), forged], capture_output=True, text=True,
+                               timeout=300)
+        assert flood.stdout.strip() == "sent", flood.stderr
+        after, peak = rss_mib(d.proc.pid), rss_mib(d.proc.pid, "VmHWM")
+        # refused in the handshake: not one frame was read, not even for a moment (an
+        # open tcp endpoint reads each whole before dropping it: its peak grows by them)
+        assert after - before < 32, (before, after)
+        assert peak - peak_before < 32, (peak_before, peak)
+        client.ping()
+        assert ns.get(keys) == [b"\5" * ns.block_bytes] * 2
+        stats = client.stats()
+        assert stats["before_hello"]["dropped"] == 0   # no junk ever reached the daemon
+        assert stats["invariant_violations"] == 0
+    assert d.alive()
