@@ -262,6 +262,19 @@ class Transport:
         self._reap_timer = False
         self.reap_sends()
 
+    def sending(self) -> list[zmq.MessageTracker]:
+        """The pinned replies ZeroMQ is still sending (reaped first)."""
+        self.reap_sends()
+        return [tracker for tracker, _ in self._in_flight]
+
+    async def sent(self, trackers: list[zmq.MessageTracker], timeout: float = 1.0) -> None:
+        """Wait (up to ``timeout``) until ``trackers`` are sent, then give back their pins."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not all(t.done for t in trackers) and loop.time() < deadline:
+            await asyncio.sleep(0.001)
+        self.reap_sends()
+
     def wait_for_sends(self, seconds_each: float) -> bool:
         """Wait briefly for the pinned replies still being sent, then reap them; False
         when there were none."""

@@ -312,20 +312,34 @@ class Verbs:
             return p.GetReply(req.rid, 0), []
         return p.GetReply(req.rid, len(frames), pin.checksums), PinnedFrames(frames, pin.id)
 
-    def _evict(self, session: Session, req: p.Evict, payload: list[Any]) -> Outcome:
-        d = self.d
+    def _evict(self, session: Session, req: p.Evict, payload: list[Any]) -> Answer:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
-        count, removed = d.store.evict(ns, req.keys)
-        d.moves.removed(removed)
-        return p.CountReply(req.rid, count), []
+        return self._after_sends(req.rid, lambda: self.d.store.evict(ns, req.keys))
 
-    def _drop(self, session: Session, req: p.DropNamespace, payload: list[Any]) -> Outcome:
-        d = self.d
+    def _drop(self, session: Session, req: p.DropNamespace, payload: list[Any]) -> Answer:
         ns = self._namespace(session, req.ns)
-        count, removed = d.store.drop_namespace(ns)
-        d.moves.removed(removed)
-        return p.CountReply(req.rid, count), []
+        return self._after_sends(req.rid, lambda: self.d.store.drop_namespace(ns))
+
+    def _after_sends(self, rid: int,
+                     remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Answer:
+        """Remove blocks once the replies ZeroMQ is still sending have gone: a reply
+        pins its blocks until sent, so a get the client already holds would otherwise
+        keep them from an evict or a drop that follows it."""
+        sending = self.d.transport.sending()
+        if not sending:
+            return self._removed(rid, remove)
+
+        async def later() -> p.Message:
+            await self.d.transport.sent(sending)
+            return self._removed(rid, remove)[0]
+        return Later(later())
+
+    def _removed(self, rid: int,
+                 remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Outcome:
+        count, removed = remove()
+        self.d.moves.removed(removed)
+        return p.CountReply(rid, count), []
 
     def _warm(self, session: Session, req: p.Warm, payload: list[Any]) -> Outcome:
         d = self.d
