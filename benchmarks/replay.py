@@ -74,16 +74,12 @@ count it once (see ``--touches``).
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Self
+from typing import IO
 
 from kvstore.bench.replay import (  # the daemon's side of the replay lives in the package
     DAEMON_IDENTITY,
@@ -94,6 +90,7 @@ from kvstore.bench.replay import (  # the daemon's side of the replay lives in t
     KeyChains,
     daemon_capacity,
 )
+from kvstore.bench.harness import Daemon
 from kvstore.client import Client
 from kvstore.scheduler.eviction import POLICIES
 
@@ -132,99 +129,13 @@ def sim_capacity(share: float, unique: int) -> int:
     return max(1, round(share * unique))
 
 
-class Daemon:
-    """``python -m kvstore serve`` in a scratch directory, from its "serving on" line to
-    SIGTERM.  ``ssd_blocks`` 0 runs it without the SSD tier."""
-
-    def __init__(self, workdir: Path, policy: str, dram_blocks: int, ssd_blocks: int = 0) -> None:
-        self.workdir = workdir
-        self.endpoint = f"ipc://{workdir / 'kvstore.sock'}"
-        self.args = [
-            sys.executable,
-            "-m",
-            "kvstore",
-            "serve",
-            "--endpoint",
-            self.endpoint,
-            "--dram-capacity",
-            str(dram_blocks * SLOT_BYTES),
-            "--slab-size",
-            str(SLAB_BYTES),
-            "--eviction-policy",
-            policy,
-            "--ssd-path",
-            str(workdir / "ssd"),
-            "--ssd-capacity",
-            str(ssd_blocks * SLOT_BYTES),
-            "--log-level",
-            "warning",
-        ]
-        self.log_path = workdir / "daemon.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
-        self._drain: threading.Thread | None = None
-
-    def __enter__(self) -> Self:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        env["KVSTORE_SSD_SLAB_SIZE"] = str(SLAB_BYTES)  # whole slabs of any SSD capacity
-        self._log = self.log_path.open("ab")
-        self.proc = proc = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=self._log, env=env
-        )
-        assert proc.stdout is not None
-        watchdog = threading.Timer(60.0, proc.kill)
-        watchdog.start()
-        try:
-            for line in proc.stdout:
-                if b"serving on" in line:
-                    break
-            else:
-                raise RuntimeError(f"the daemon did not come up: {self.log().strip()}")
-        except BaseException:
-            self.__exit__()
-            raise
-        finally:
-            watchdog.cancel()
-        self._drain = threading.Thread(target=proc.stdout.read, daemon=True)  # the rest
-        self._drain.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            if self._drain is not None:
-                self._drain.join(10)  # its read ends with the process's output
-                self._drain = None
-            if proc.stdout is not None:
-                proc.stdout.close()
-            if proc.returncode not in (0, -signal.SIGTERM):
-                print(
-                    f"daemon exited with {proc.returncode}: {self.log()[-2000:]}", file=sys.stderr
-                )
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def cpu_seconds(self) -> float:
-        """CPU time the daemon has used (user and system; Linux's /proc, else 0): steadier
-        than wall time on a busy machine."""
-        if self.proc is None:
-            return 0.0
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def replay_daemon_process(workdir: Path, policy: str, dram_blocks: int,
+                          ssd_blocks: int = 0) -> Daemon:
+    """A daemon for the replay: DRAM (and SSD, 0 for none) of whole slots of the
+    replay's block size, in whole slabs, evicting by ``policy``."""
+    return Daemon(workdir, dram=str(dram_blocks * SLOT_BYTES), ssd=str(ssd_blocks * SLOT_BYTES),
+                  extra=["--slab-size", str(SLAB_BYTES), "--eviction-policy", policy],
+                  env={"KVSTORE_SSD_SLAB_SIZE": str(SLAB_BYTES)})  # whole slabs of any SSD capacity
 
 
 def replay_daemon(
@@ -239,7 +150,7 @@ def replay_daemon(
     """Start a daemon, replay the trace through the client library, stop it."""
     with (
         tempfile.TemporaryDirectory(prefix="kvstore-replay-") as tmp,
-        Daemon(Path(tmp), policy, capacity, ssd_blocks) as daemon,
+        replay_daemon_process(Path(tmp), policy, capacity, ssd_blocks) as daemon,
         Client(daemon.endpoint, tenant=DAEMON_IDENTITY.tenant) as client,
     ):
         ns = client.namespace(DAEMON_IDENTITY)

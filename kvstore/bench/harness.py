@@ -158,6 +158,7 @@ class Daemon:
         self.env = env or {}
         self.log_path = root / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._drain: threading.Thread | None = None
 
     def start(self, timeout: float = 60.0) -> Daemon:
         self.sockets.mkdir(exist_ok=True)  # again after a stop: a restart
@@ -181,12 +182,24 @@ class Daemon:
             raise
         finally:
             watchdog.cancel()
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain the rest
+        self._drain = threading.Thread(target=proc.stdout.read, daemon=True)  # the rest
+        self._drain.start()
         return self
 
     @property
     def pid(self) -> int:
         return self.proc.pid if self.proc is not None else 0
+
+    def cpu_seconds(self) -> float:
+        """CPU time the daemon has used (user and system; Linux's /proc, else 0): steadier
+        than wall time on a busy machine."""
+        if self.proc is None:
+            return 0.0
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         """SIGTERM: the daemon drains its writes and syncs its index on the way out."""
@@ -194,6 +207,11 @@ class Daemon:
         try:
             if proc is not None:
                 self._end(proc)
+                if self._drain is not None:
+                    self._drain.join(10)  # its read ends with the process's output
+                    self._drain = None
+                if proc.stdout is not None:
+                    proc.stdout.close()
         finally:
             shutil.rmtree(self.sockets, ignore_errors=True)
 
@@ -246,6 +264,7 @@ class EchoPeer:
         self.sockets = short_dir()
         self.endpoint = f"ipc://{self.sockets / 'echo.sock'}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._drain: threading.Thread | None = None
 
     def start(self) -> EchoPeer:
         self.proc = subprocess.Popen([sys.executable, "-c", ECHO_PEER, self.endpoint],
