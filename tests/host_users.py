@@ -10,8 +10,10 @@ the child needs no read access to where Python is installed (often under /root).
 from __future__ import annotations
 
 import grp
+import importlib
 import multiprocessing
 import os
+import pkgutil
 import pwd
 import secrets
 import subprocess
@@ -70,10 +72,28 @@ def _drop_and_run(user: User, conn: Connection, fn: Callable[..., Any],
         raise
 
 
+def _import_kvstore() -> None:
+    """Import every module of kvstore (and so what they import) in this process, so a
+    forked child as another user needs no read access to the checkout either (CI's may
+    sit in a directory only root can enter); the engines' integrations are left out."""
+    for package in ("kvstore", "kvstore.tiers", "kvstore.scheduler", "kvstore.kernels",
+                    "kvstore.plugins"):  # the folders beside kvstore/ install under it
+        path = importlib.import_module(package).__path__
+        for module in pkgutil.walk_packages(path, package + "."):
+            if module.name.startswith("kvstore.integrations") or module.name.endswith(
+                    "__main__"):
+                continue
+            try:
+                importlib.import_module(module.name)
+            except Exception:
+                pass  # an optional extra (cupy, matplotlib) that is not installed
+
+
 def as_user(user: User, fn: Callable[..., Any], *args: Any
             ) -> tuple[multiprocessing.process.BaseProcess, Connection]:
     """Start ``fn(conn, *args)`` in a forked child running as ``user``; the other end of
     ``conn`` is returned for talking to it."""
+    _import_kvstore()
     ours, theirs = multiprocessing.get_context("fork").Pipe()
     proc = multiprocessing.get_context("fork").Process(
         target=_drop_and_run, args=(user, theirs, fn, args), daemon=True)
