@@ -31,7 +31,6 @@ a minute on defaults.
 from __future__ import annotations
 
 import argparse
-import errno
 import mmap
 import os
 import shutil
@@ -47,6 +46,7 @@ from typing import Any
 from ssd_tier import drop_page_cache  # the engine benchmark beside this one
 
 from kvstore import Client, Identity
+from kvstore.bench.disk import open_raw
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -57,18 +57,6 @@ BLOCK_TOKENS = 8
 SIZES = ((256 * KiB, 4), (2 * MiB, 32))  # block bytes, KV heads that give them
 
 
-
-
-def open_raw(path: Path, flags: int, direct: bool) -> tuple[int, bool]:
-    """Open the raw peer's file, with O_DIRECT when asked and the filesystem allows it;
-    returns the descriptor and whether it is direct."""
-    if direct:
-        try:
-            return os.open(path, flags | os.O_DIRECT, 0o600), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:  # tmpfs and some FUSE filesystems refuse it
-                raise
-    return os.open(path, flags, 0o600), False
 
 
 class Daemon:

@@ -6,9 +6,12 @@ import argparse
 import asyncio
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import ConfigError, KVStoreError
+
+if TYPE_CHECKING:
+    from kvstore.identity import Identity
 
 
 def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -152,20 +155,27 @@ def _stats_view(stats: dict[str, Any], previous: dict[str, Any] | None, dt: floa
     return "\n".join(lines)
 
 
-def _cmd_drop(args: argparse.Namespace) -> int:
+def _read_identity(text: str) -> Identity | None:
+    """``--identity``: JSON, or ``@FILE`` holding it; None (said on stderr) if invalid."""
     import msgspec
 
-    from kvstore.client import Client
     from kvstore.identity import Identity
 
-    text = args.identity
     if text.startswith("@"):
         with open(text[1:]) as f:
             text = f.read()
     try:
-        identity = msgspec.json.decode(text, type=Identity)
+        return msgspec.json.decode(text, type=Identity)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         print(f"kvstore: --identity is not a valid identity: {exc}", file=sys.stderr)
+        return None
+
+
+def _cmd_drop(args: argparse.Namespace) -> int:
+    from kvstore.client import Client
+
+    identity = _read_identity(args.identity)
+    if identity is None:
         return 2
     with Client(args.endpoint, timeout=args.timeout, tenant=identity.tenant,
                 map_arena=False) as client:
@@ -177,20 +187,11 @@ def _cmd_drop(args: argparse.Namespace) -> int:
 def _cmd_route(args: argparse.Namespace) -> int:
     import dataclasses
 
-    import msgspec
-
-    from kvstore.identity import Identity
     from kvstore.keys import chain_keys
     from kvstore.router import format_routes, read_tokens, route
 
-    text = args.identity
-    if text.startswith("@"):
-        with open(text[1:]) as f:
-            text = f.read()
-    try:
-        identity = msgspec.json.decode(text, type=Identity)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        print(f"kvstore: --identity is not a valid identity: {exc}", file=sys.stderr)
+    identity = _read_identity(args.identity)
+    if identity is None:
         return 2
     tokens = read_tokens(args.tokens)
     keys = chain_keys(identity.namespace_id, tokens, identity.block_tokens)
