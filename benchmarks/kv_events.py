@@ -37,6 +37,7 @@ from kvstore.events import EventPublisher, KVEventBatch
 from kvstore.keys import chain_keys
 from kvstore.router import Router
 from kvstore.store import BlockStore
+from kvstore.token_ids import encode_blocks
 
 IDENT = Identity(model="bench", model_revision="r", tenant="bench", kv_dtype="float16",
                  num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16)
@@ -89,9 +90,8 @@ def bench_publish(work: Path, repeats: int) -> tuple[float, float]:
             tokens = list(range(i * 1024, (i + 1) * 1024))
             keys = chain_keys(ns.id, tokens, 16)
             r = store.reserve("bench", ns, keys, None, 0.0)
-            packed = np.asarray(tokens, dtype="<i8").tobytes()
             store.commit("bench", r.id, 0.0,  # type: ignore[union-attr]
-                         tokens=[packed[j * 128:(j + 1) * 128] for j in range(64)])
+                         tokens=encode_blocks(tokens, 64, 16))
             start = time.perf_counter()
             pub.flush()
             ours.append(time.perf_counter() - start)

@@ -52,7 +52,7 @@ class Block:
         self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown)
         self.gpu_offset: int | None = None  # a copy in the GPU tier's device pool
         self.extra: dict[str, int] | None = None  # copies in added tiers: name -> slot
-        self.tokens: bytes | None = None    # its token ids (int64 LE), kept while events are on
+        self.tokens: bytes | None = None    # its token ids (msgpack ints), while events are on
         self.announced = 0                  # tiers the event stream announced it in (bits)
 
     # Hashed and compared by identity (in C: the orders, sets and dicts of blocks cost

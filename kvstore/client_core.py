@@ -45,6 +45,7 @@ from kvstore.errors import (
 )
 from kvstore.identity import Identity
 from kvstore.keys import chain_keys
+from kvstore.token_ids import encode_blocks
 from kvstore.tiers.arena_fds import (
     MEMFD_PREFIX,
     admit,
@@ -469,10 +470,8 @@ class _Chains:
                         block_tokens: int) -> None:
         """Each block's token ids, to send with its commit (the daemon publishes events
         that carry them)."""
-        raw = np.asarray(token_ids, dtype="<i8")[:len(keys) * block_tokens].tobytes()
-        size = 8 * block_tokens
-        for i, key in enumerate(keys):
-            self._tokens[key] = raw[i * size:(i + 1) * size]
+        for key, ids in zip(keys, encode_blocks(token_ids, len(keys), block_tokens)):
+            self._tokens[key] = ids
         most = max(1, _TOKEN_MEMORY // block_tokens)
         while len(self._tokens) > most:
             self._tokens.popitem(last=False)

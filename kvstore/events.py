@@ -31,13 +31,13 @@ from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 import msgspec
-import numpy as np
 import zmq
 
 from kvstore.blocks import DRAM, SSD, Block, Namespace
 from kvstore.config import EventsConfig
 from kvstore.store import BlockStore
 from kvstore.tier_changes import GPU, REMOTE, Change, Removed, Stored, TierChanges
+from kvstore.token_ids import array_header
 
 log = logging.getLogger("kvstore.events")
 
@@ -113,30 +113,21 @@ class KVEventBatchArray(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     data_parallel_rank: int | None = None
 
 
+_EMPTY: Any = msgspec.Raw(b"\x90")  # an empty array
+
+
 def decoder(encoding: str = "map") -> msgspec.msgpack.Decoder[Any]:
     """A decoder of batches in ``encoding`` (for subscribers written in Python)."""
     return msgspec.msgpack.Decoder(KVEventBatch if encoding == "map" else KVEventBatchArray)
 
 
-_U32 = np.dtype([("tag", "u1"), ("value", ">u4")])
-_I64 = np.dtype([("tag", "u1"), ("value", ">i8")])
-
-
-def token_array(packed: bytes) -> list[int]:
-    """Token ids (little-endian int64) as an encoded msgpack array, built by numpy rather
-    than one Python int at a time: each id as a uint32 (tag 0xce), or an int64 (0xd3) if
-    any is out of that range.  A ``msgspec.Raw`` that passes for the list it encodes."""
-    ids = np.frombuffer(packed, dtype="<i8")
-    wide = bool(ids.size) and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 32)
-    out = np.empty(ids.size, dtype=_I64 if wide else _U32)
-    out["tag"] = 0xd3 if wide else 0xce
-    out["value"] = ids
-    head = b"\xdd" + ids.size.to_bytes(4, "big")
-    return msgspec.Raw(head + out.tobytes())  # type: ignore[return-value]
-
-
 class EventMaker:
-    """Changes of the store into events, in one encoding."""
+    """Changes of the store into events, in one encoding.
+
+    A run's per-block fields go out pre-encoded (``msgspec.Raw`` in place of the lists
+    they encode): the token ids as the client laid them out (``kvstore.token_ids``),
+    joined, and the extra keys as one encoded item repeated.  No Python object is made
+    per block but the list of its keys."""
 
     def __init__(self, config: EventsConfig) -> None:
         array = config.encoding == "array"
@@ -145,6 +136,7 @@ class EventMaker:
         self.cleared: type[AllBlocksCleared] = (AllBlocksClearedArray if array
                                                 else AllBlocksCleared)
         self.group_idx = config.group_idx if config.group_idx >= 0 else None
+        self._extra: dict[str, bytes] = {}  # salt -> its extra keys' item, encoded
 
     def events(self, changes: Iterable[Change]) -> list[Event]:
         out: list[Event] = []
@@ -158,15 +150,23 @@ class EventMaker:
 
     def store_event(self, ns: Namespace, blocks: list[Block], medium: str,
                     locality: str | None) -> BlockStored:
-        """One run's event, ready to encode (its token ids encoded already)."""
+        """One run's event, ready to encode (its per-block fields encoded already: a
+        ``msgspec.Raw`` encodes as the list it holds, so it stands in for one)."""
         identity = ns.identity
         parent = blocks[0].parent
+        count = len(blocks)
         raw = [b.tokens for b in blocks]
-        tokens: list[int] = []
-        if all(raw):  # else not sent by a writer (or restored from SSD): none
-            tokens = token_array(b"".join(raw))  # type: ignore[arg-type]
-        extra: list[tuple[Any, ...] | None] | None = (
-            [(identity.salt,)] * len(blocks) if identity.salt else None)
+        tokens: Any = _EMPTY  # not sent by a writer (or restored from SSD): none
+        if None not in raw:
+            tokens = msgspec.Raw(array_header(count * identity.block_tokens)
+                                 + b"".join(raw))  # type: ignore[arg-type]
+        extra: Any = None
+        salt = identity.salt
+        if salt:
+            item = self._extra.get(salt)
+            if item is None:
+                item = self._extra[salt] = msgspec.msgpack.encode((salt,))
+            extra = msgspec.Raw(array_header(count) + item * count)
         return self.stored(
             [b.key for b in blocks], parent.key if parent is not None else None, tokens,
             identity.block_tokens, None, medium, identity.adapter, extra, self.group_idx,

@@ -54,8 +54,8 @@ class Reserve(Message, tag="reserve"):
 class Commit(Message, tag="commit"):
     reservation: int
     checksums: list[int] = []  # xxh3_64 of each block as written, for readers to verify
-    # Each block's token ids as little-endian int64 (b"": not known), when the daemon
-    # publishes events; nothing otherwise.
+    # Each block's token ids as msgpack integers (kvstore.token_ids: uint32 or int64
+    # each, laid out; b"": not known), when the daemon publishes events; else nothing.
     tokens: list[bytes] = []
 
 

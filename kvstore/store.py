@@ -62,6 +62,7 @@ from kvstore.room import RoomMaker
 from kvstore.scheduler.eviction import EvictionPolicy, WarmPins, make_policy
 from kvstore.ssd_copies import SsdCopies
 from kvstore.store_view import check_invariants, tier_stats
+from kvstore.token_ids import check_blocks
 
 __all__ = ["DRAM", "SSD", "Block", "BlockStore", "CommitResult", "Counters", "Limits",
            "Namespace", "Owner", "OwnerState", "Pin", "Plan", "Reservation", "TierSlots",
@@ -176,15 +177,12 @@ class BlockStore(StoreCore):
                checksums: Sequence[int] = (),
                tokens: Sequence[bytes] = ()) -> CommitResult:
         """Publish a reservation's blocks (with the writer's checksums and each block's
-        token ids as little-endian int64, if given)."""
+        token ids laid out as ``kvstore.token_ids`` says, if given)."""
         state, r = self.leases.take_reservation(owner, rid, now)
         if checksums and len(checksums) != len(r.keys):
             raise MalformedError(f"{len(checksums)} checksums for {len(r.keys)} blocks")
         if tokens:
-            size = 8 * r.ns.identity.block_tokens
-            if len(tokens) != len(r.keys) or any(t and len(t) != size for t in tokens):
-                raise MalformedError(f"token ids must come as {size} bytes per block (or "
-                                     f"none), for each of the {len(r.keys)} keys")
+            check_blocks(tokens, len(r.keys), r.ns.identity.block_tokens)
         del state.reservations[rid]
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes

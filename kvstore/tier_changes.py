@@ -99,42 +99,63 @@ class TierChanges:
     def drain(self) -> list[Change]:
         """What changed since the last drain, removals first (a key dropped and cached
         again in one turn ends up cached), then stores in the order blocks were marked,
-        as runs of one chain, one tier and one namespace."""
+        as runs of one chain, one tier and one namespace.  Once per loop turn over every
+        block marked: a DRAM copy gained (a commit's) takes the shortest path."""
         touched, self.touched = self.touched, []
         removed: dict[tuple[str, int], Removed] = {}
         stored: list[Stored] = []
-        last: dict[str, Stored] = {}  # per tier, the run the next block may extend
+        last: dict[str, Stored] = {}  # per tier but DRAM, the run the next may extend
+        dram: list[Block] = []        # the DRAM run the next block may extend
+        dram_last: Block | None = None
         tiers_of = _TIERS_OF
         for block in touched:
-            ns = block.ns
-            now = 0
-            if ns.blocks.get(block.key) is block:
-                if block.offset is not None:
-                    now = 1
+            before = block.announced
+            if block.ns.blocks.get(block.key) is block:
+                now = 0 if block.offset is None else 1
                 if block.ssd_offset is not None:
                     now |= 2
                 if block.remote:
                     now |= 4
                 if block.gpu_offset is not None:
                     now |= 8
-            before = block.announced
-            if now == before:
+                if now == before:
+                    continue
+            elif before:
+                now = 0
+            else:
                 continue
             block.announced = now
+            new = now & ~before
+            if new == 1:  # the common case, a DRAM copy gained (a block's parent is of
+                # its namespace: one chain is one namespace)
+                if block.parent is dram_last and dram_last is not None:
+                    dram.append(block)
+                else:
+                    dram = [block]
+                    stored.append(Stored(DRAM, block.ns, dram))
+                dram_last = block
+            elif new:
+                for tier in tiers_of[new]:
+                    if tier == DRAM:
+                        if block.parent is dram_last and dram_last is not None:
+                            dram.append(block)
+                        else:
+                            dram = [block]
+                            stored.append(Stored(DRAM, block.ns, dram))
+                        dram_last = block
+                        continue
+                    s = last.get(tier)
+                    if s is not None and block.parent is s.blocks[-1]:
+                        s.blocks.append(block)
+                    else:
+                        s = last[tier] = Stored(tier, block.ns, [block])
+                        stored.append(s)
             gone = before & ~now
             if gone:
+                ns = block.ns
                 for tier in tiers_of[gone]:
                     run = removed.get((tier, id(ns)))
                     if run is None:
                         run = removed[(tier, id(ns))] = Removed(tier, ns, [])
                     run.keys.append(block.key)
-            new = now & ~before
-            if new:
-                for tier in tiers_of[new]:
-                    s = last.get(tier)
-                    if s is not None and s.ns is ns and block.parent is s.blocks[-1]:
-                        s.blocks.append(block)
-                    else:
-                        s = last[tier] = Stored(tier, ns, [block])
-                        stored.append(s)
         return [*removed.values(), *stored]

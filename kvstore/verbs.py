@@ -33,6 +33,7 @@ from kvstore.remote import RemoteTier
 from kvstore.sessions import Session, Sessions
 from kvstore.store import Block, BlockStore, Limits, Namespace, Pin, Plan, Reservation
 from kvstore.tiering import SsdMover
+from kvstore.token_ids import check_blocks
 from kvstore.tiers.dram import DramArena
 from kvstore.transport import PinnedFrames, Transport
 
@@ -270,12 +271,8 @@ class Verbs:
         if req.checksums and len(req.checksums) != len(req.keys):
             raise MalformedError(f"put of {len(req.keys)} keys carries {len(req.checksums)} "
                                  f"checksums")
-        size = 8 * ns.identity.block_tokens
-        if req.tokens and (len(req.tokens) != len(req.keys)
-                           or any(t and len(t) != size for t in req.tokens)):
-            raise MalformedError(f"put of {len(req.keys)} keys carries token ids of "
-                                 f"{len(req.tokens)} blocks; send {size} bytes per block "
-                                 f"(or none)")
+        if req.tokens:
+            check_blocks(req.tokens, len(req.keys), ns.identity.block_tokens)
         for i, frame in enumerate(payload):
             if len(frame) != ns.block_bytes:
                 raise MalformedError(f"frame {i} holds {len(frame)} bytes; a block of this "

@@ -11,10 +11,11 @@ from kvtest import make_identity
 from test_store_model import StoreMachine
 
 from kvstore.config import EventsConfig
-from kvstore.events import EventMaker, KVEventBatch, decoder
+from kvstore.events import BlockStored, EventMaker, KVEventBatch, decoder
 from kvstore.keys import chain_keys
 from kvstore.store import BlockStore
 from kvstore.tier_changes import TIER_BITS, Removed, Stored, TierChanges, holdings
+from kvstore.token_ids import encode_blocks
 
 
 class ChangesMachine(StoreMachine):
@@ -86,20 +87,20 @@ def test_a_commit_is_one_run_with_its_tokens_and_the_hook_runs_once() -> None:
     tokens = list(range(3 * IDENT.block_tokens))
     keys = chain_keys(ns.id, tokens, IDENT.block_tokens)
     r = store.reserve("o", ns, keys, None, 0.0)
-    per_block = [np.asarray(tokens[i * 16:(i + 1) * 16], dtype="<i8").tobytes()
-                 for i in range(3)]
-    store.commit("o", r.id, 0.0, tokens=per_block)  # type: ignore[union-attr]
+    store.commit("o", r.id, 0.0,  # type: ignore[union-attr]
+                 tokens=encode_blocks(tokens, 3, IDENT.block_tokens))
     assert calls == [1]
     [stored] = changes.drain()
     assert isinstance(stored, Stored) and stored.tier == "dram"
     assert [b.key for b in stored.blocks] == keys
-    event = EventMaker(EventsConfig(group_idx=3)).events([stored])[0]
-    # the token ids go pre-encoded (a msgspec.Raw), and decode to the ids committed
-    encoded = msgspec.msgpack.encode(event.token_ids)  # type: ignore[union-attr]
-    assert msgspec.msgpack.decode(encoded) == tokens
-    assert event.block_size == 16  # type: ignore[union-attr]
-    assert event.lora_name == "sql-lora"  # type: ignore[union-attr]
-    assert event.extra_keys == [("pepper",)] * 3  # type: ignore[union-attr]
+    made = EventMaker(EventsConfig(group_idx=3)).events([stored])[0]
+    # the per-block fields go pre-encoded (msgspec.Raw), and decode to what was committed
+    event = msgspec.msgpack.decode(msgspec.msgpack.encode(made), type=BlockStored)
+    assert event.token_ids == tokens
+    assert event.block_hashes == keys and event.parent_block_hash is None
+    assert event.block_size == 16
+    assert event.lora_name == "sql-lora"
+    assert event.extra_keys == [("pepper",)] * 3
     assert event.medium == "CPU" and event.group_idx == 3
     # evicted: one removal of the three keys, nothing stored
     store.evict(ns, keys)
@@ -174,3 +175,30 @@ def test_bad_events_settings_are_refused_by_name() -> None:
                               "KVSTORE_EVENTS_TOPIC": "kv@pod@model"})
     assert config.events.endpoint == "tcp://*:5557" and config.events.topic == "kv@pod@model"
     assert load_config(env={}).events.endpoint == ""  # off by default
+
+
+def test_token_ids_are_laid_out_once_and_checked_by_layout() -> None:
+    import pytest
+
+    from kvstore.errors import MalformedError
+    from kvstore.token_ids import array_header, check_blocks
+
+    bt = 4
+    narrow = encode_blocks(list(range(8)), 2, bt)
+    assert [len(b) for b in narrow] == [5 * bt] * 2
+    wide = encode_blocks([1, 2, 3, -1, 1 << 40, 6, 7, 8, 9], 2, bt)  # the 9th: not a block
+    assert [len(b) for b in wide] == [9 * bt] * 2
+    for blocks, ids in ((narrow, list(range(8))), (wide, [1, 2, 3, -1, 1 << 40, 6, 7, 8])):
+        check_blocks(blocks, 2, bt)
+        raw = array_header(len(ids)) + b"".join(blocks)
+        assert msgspec.msgpack.decode(raw) == ids
+    check_blocks([narrow[0], b""], 2, bt)  # one not known
+    check_blocks([narrow[0], wide[1]], 2, bt)  # widths may differ by block
+    bad = [narrow[:1],                                   # too few blocks
+           [narrow[0], narrow[1][:-1]],                  # a block cut short
+           [narrow[0], b"\xcc" * (5 * bt)],              # not uint32 tags
+           [narrow[0], np.arange(bt, dtype="<i8").tobytes()],  # raw int64: the old form
+           [narrow[0], b"\xd3" + narrow[1] + b"\x00" * (4 * bt - 1)]]  # tags misplaced
+    for tokens in bad:
+        with pytest.raises(MalformedError, match="msgpack integers"):
+            check_blocks(tokens, 2, bt)
