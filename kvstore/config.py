@@ -180,6 +180,9 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     queue_batches: int = 10000  # batches queued per subscriber before drops
     group_idx: int = -1         # the KV cache group events name (-1: left out)
     data_parallel_rank: int = -1  # stamped on every batch (-1: left out)
+    # Least time between two batches (milliseconds): changes within it go out together,
+    # so a busy daemon sends fewer, larger batches (0: one batch every loop turn).
+    interval_ms: float = 2.0
     # Load bandwidth per tier (bytes a second) a routing query assumes until the daemon
     # has measured its own.
     dram_bandwidth: str | int = "20GB"
@@ -203,6 +206,8 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("group_idx", "data_parallel_rank"):
             if getattr(self, name) < -1:
                 raise ConfigError(f"events.{name}: -1 (left out) or a non-negative integer")
+        if not 0 <= self.interval_ms <= 1000:
+            raise ConfigError("events.interval_ms: from 0 (a batch every loop turn) to 1000")
         for name in ("dram_bandwidth", "ssd_bandwidth", "remote_bandwidth"):
             if parse_size(getattr(self, name), f"events.{name}") <= 0:
                 raise ConfigError(f"events.{name}: must be a positive number of bytes")

@@ -189,13 +189,17 @@ class EventPublisher:
         self.events = 0
         self.dropped = 0            # batches a subscriber's full queue refused
         self.replays = 0
+        self.unheard = 0            # batches numbered but not built: nobody would get them
+        self.subscriptions: set[bytes] = set()  # topics someone subscribes to
         self.changes = TierChanges(self._soon)
         self.endpoints: list[str] = []
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._pub: zmq.Socket[bytes] | None = None
         self._replay: zmq.Socket[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._scheduled = False
+        self.interval = config.interval_ms / 1e3
+        self._timer: asyncio.Handle | None = None  # the flush to come, once scheduled
+        self._next = 0.0  # loop time before which a batch waits (the interval since the last)
         self._fds: list[int] = []
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -246,19 +250,35 @@ class EventPublisher:
 
     # -- publishing -----------------------------------------------------------------------
     def _soon(self) -> None:
-        # the first change of a loop turn: publish them all at its end
-        if not self._scheduled and self._loop is not None:
-            self._scheduled = True
-            self._loop.call_soon(self.flush)
+        # The first change since the last batch: publish at the end of this loop turn,
+        # or, within ``interval`` of the last batch, when it has passed (the changes
+        # meanwhile go in one batch: a busy daemon sends fewer, larger ones).
+        loop = self._loop
+        if self._timer is None and loop is not None:
+            wait = self._next - loop.time()
+            self._timer = (loop.call_later(wait, self.flush) if wait > 0
+                           else loop.call_soon(self.flush))
 
     def flush(self) -> int:
         """Publish what changed since the last flush as one batch; its sequence number
         (-1: nothing changed)."""
-        self._scheduled = False
+        if self._timer is not None:
+            self._timer.cancel()  # called before its time (a snapshot, closing)
+            self._timer = None
         if not self.changes.touched:
             return -1
-        events = self.maker.events(self.changes.drain())
-        return self.publish(events) if events else -1
+        changes = self.changes.drain()
+        if not changes:
+            return -1
+        if self._loop is not None and self.interval:
+            self._next = self._loop.time() + self.interval
+        if self._replay is None and not self.listened():
+            # Nobody subscribes and nothing is replayed: the batch is numbered (a
+            # snapshot names the last one) but not built.
+            self.unheard += 1
+            self.seq += 1
+            return self.seq - 1
+        return self.publish(self.maker.events(changes))
 
     def publish(self, events: list[Event]) -> int:
         seq = self.seq
@@ -270,12 +290,12 @@ class EventPublisher:
         self.events += len(events)
         pub = self._pub
         if pub is not None:
-            if not seq & 0xff:
-                self._drain_subscriptions()
-            try:
-                pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), _NOBLOCK)
-            except zmq.Again:
-                self.dropped += 1  # a subscriber is behind: it sees the gap, and replays
+            if self.listened():  # else nobody would get it: the ring keeps it
+                try:
+                    pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload),
+                                       _NOBLOCK)
+                except zmq.Again:
+                    self.dropped += 1  # a subscriber is behind: it sees the gap, replays
         return seq
 
     @property
@@ -283,15 +303,28 @@ class EventPublisher:
         """The sequence number of the last batch published (-1: none yet)."""
         return self.seq - 1
 
-    def _drain_subscriptions(self) -> None:
-        # Subscriptions arrive on an XPUB as messages; nothing is done with them but
-        # reading, every 256 batches (a reader on the socket would wake after each send).
+    def listened(self) -> bool:
+        """Whether someone subscribes to the stream now."""
+        pub = self._pub
+        if pub is not None and _readable(pub):
+            self.read_subscriptions()
+        return bool(self.subscriptions)
+
+    def read_subscriptions(self) -> None:
+        """Take in the subscriptions the XPUB passed up: a topic's first subscriber
+        (``\\x01topic``) and its last one gone (``\\x00topic``).  Read before each send
+        (ZeroMQ registers a subscription as it passes it up), so a batch is sent only
+        while someone subscribes."""
         pub = self._pub
         while pub is not None and _readable(pub):
             try:
-                pub.recv(zmq.NOBLOCK)
+                message = pub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            if message[:1] == b"\x01":
+                self.subscriptions.add(message[1:])
+            elif message[:1] == b"\x00":
+                self.subscriptions.discard(message[1:])
 
     def _serve_replays(self) -> None:
         sock = self._replay
@@ -314,6 +347,7 @@ class EventPublisher:
 
     def stats(self) -> dict[str, int]:
         return {"batches": self.batches, "events": self.events, "dropped": self.dropped,
+                "unheard": self.unheard,
                 "replays": self.replays, "last_seq": self.last_seq,
                 "buffered": len(self.ring)}
 

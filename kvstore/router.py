@@ -112,14 +112,18 @@ class Router:
         keys = list(keys)
         if not keys:
             raise MalformedError("route: the key chain is empty")
-        if any(len(k) != p.KEY_BYTES for k in keys):
+        if set(map(len, keys)) != {p.KEY_BYTES}:
             raise MalformedError(f"route: keys are {p.KEY_BYTES} bytes each")
         answers: dict[str, p.ProbeReply] = {}
+        # One probe, encoded once, to every daemon (each on its own connection: one
+        # request id serves them all), all sent before any answer is awaited.
+        rid = next(self._rids)
+        probe = p.encoder.encode(p.Probe(rid, keys))
         for peer in self._peers:
-            peer.waiting = next(self._rids)
+            peer.waiting = rid
             peer.refused = ""
             # the daemon serves a connection's requests in order: no wait for the hello
-            peer.sock.send(p.encoder.encode(p.Probe(peer.waiting, keys)))
+            peer.sock.send(probe)
         end = time.monotonic() + deadline
         pending = len(self._peers)
         while pending:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from kvstore import protocol as p
 from kvstore.auth import Auth
-from kvstore.blocks import Block, Namespace
+from kvstore.blocks import DRAM, Block, Namespace
 from kvstore.config import Config, parse_size
 from kvstore.events import EventPublisher, snapshot
 from kvstore.sessions import Session
@@ -75,15 +75,20 @@ class RoutingVerbs:
         chain: list[Block] = []
         ns = self._namespace_of(session, req.keys)
         if ns is not None:
+            blocks = ns.blocks
             for key in req.keys:
-                block = ns.blocks.get(key)
-                if block is None or not block.present:
+                block = blocks.get(key)
+                # ``Block.present``, inline: this loop is the probe's cost
+                if block is None or (block.offset is None and block.ssd_offset is None
+                                     and block.extra is None):
                     break
                 chain.append(block)
         block_bytes = ns.block_bytes if ns is not None else 0
         block_tokens = ns.identity.block_tokens if ns is not None else 0
-        return p.ProbeReply(req.rid, tier_runs([b.tier for b in chain]), block_bytes,
-                            block_tokens, self.queue_seconds(), self.bandwidth()), []
+        in_dram = all(b.offset is not None for b in chain)
+        tiers = [DRAM] * len(chain) if in_dram else [b.tier for b in chain]
+        return p.ProbeReply(req.rid, tier_runs(tiers), block_bytes, block_tokens,
+                            self.queue_seconds(), self.bandwidth()), []
 
     def _namespace_of(self, session: Session, keys: list[bytes]) -> Namespace | None:
         """The visible namespace that caches the chain's first key (keys are hashed with

@@ -21,7 +21,7 @@ from kvtest import make_identity
 
 from kvstore import Client
 from kvstore.errors import MalformedError
-from kvstore.events import decoder
+from kvstore.events import EventPublisher, decoder
 
 IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=64, salt="s1")  # 64 KiB blocks
 BT = IDENT.block_tokens
@@ -249,3 +249,62 @@ def test_a_restart_announces_what_the_ssd_index_brought_back(daemon_factory: Any
                 ("BlockRemoved", "STORAGE", sorted(keys))]
     finally:
         sub.close()
+
+
+def test_batches_go_out_only_while_someone_subscribes(tmp_path: Path) -> None:
+    """Without a replay socket, a batch nobody subscribes to is numbered but not built;
+    a subscriber gets every batch from its subscription on, and within the interval
+    changes wait for one batch."""
+    import asyncio
+
+    from kvstore.config import EventsConfig
+    from kvstore.keys import chain_keys
+    from kvstore.store import BlockStore
+    from kvstore.token_ids import encode_blocks
+
+    endpoint = f"ipc://{tmp_path}/pub.sock"
+    store = BlockStore(64 * IDENT.block_bytes, 16 * IDENT.block_bytes)
+    pub = EventPublisher(EventsConfig(endpoint=endpoint, interval_ms=50.0), store)
+    loop = asyncio.new_event_loop()
+    pub.open(loop)
+    ns = store.open_namespace(IDENT)
+
+    def commit(first: int) -> list[bytes]:
+        tokens = list(range(first, first + 2 * BT))
+        keys = chain_keys(ns.id, tokens, BT)
+        r = store.reserve("o", ns, keys, None, 0.0)
+        store.commit("o", r.id, 0.0,  # type: ignore[union-attr]
+                     tokens=encode_blocks(tokens, 2, BT))
+        return keys
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        commit(0)
+        assert pub.flush() == 0 and pub.unheard == 1 and not pub.ring  # nobody: not built
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint)
+        deadline = time.monotonic() + 5
+        while not pub.listened():
+            assert time.monotonic() < deadline, "the subscription never arrived"
+            time.sleep(0.01)
+        keys = commit(100)
+        assert pub.flush() == 1 and pub.batches == 1
+        assert sub.poll(5000), "the subscriber got nothing"
+        topic, seq, payload = sub.recv_multipart()
+        assert int.from_bytes(seq, "big") == 1
+        [stored] = decoder().decode(payload).events
+        assert stored.block_hashes == keys
+        assert stored.token_ids == list(range(100, 100 + 2 * BT))
+        # within the interval of that batch, two commits' changes go out as one batch
+        commit(200)
+        commit(300)
+        loop.run_until_complete(asyncio.sleep(0.2))
+        assert pub.batches == 2 and pub.seq == 3
+        assert sub.poll(5000)
+        assert len(decoder().decode(sub.recv_multipart()[2]).events) == 2
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        pub.close()
+        loop.close()
