@@ -180,8 +180,8 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     queue_batches: int = 10000  # batches queued per subscriber before drops
     group_idx: int = -1         # the KV cache group events name (-1: left out)
     data_parallel_rank: int = -1  # stamped on every batch (-1: left out)
-    # Least time between two batches (milliseconds): changes within it go out together,
-    # so a busy daemon sends fewer, larger batches (0: one batch every loop turn).
+    # How long a change waits for others to go out in the same batch (milliseconds), so
+    # a busy daemon sends fewer, larger batches (0: a batch at the end of the loop turn).
     interval_ms: float = 2.0
     # Load bandwidth per tier (bytes a second) a routing query assumes until the daemon
     # has measured its own.

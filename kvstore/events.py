@@ -199,7 +199,6 @@ class EventPublisher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.interval = config.interval_ms / 1e3
         self._timer: asyncio.Handle | None = None  # the flush to come, once scheduled
-        self._next = 0.0  # loop time before which a batch waits (the interval since the last)
         self._fds: list[int] = []
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -250,13 +249,12 @@ class EventPublisher:
 
     # -- publishing -----------------------------------------------------------------------
     def _soon(self) -> None:
-        # The first change since the last batch: publish at the end of this loop turn,
-        # or, within ``interval`` of the last batch, when it has passed (the changes
-        # meanwhile go in one batch: a busy daemon sends fewer, larger ones).
+        # The first change since the last batch: publish ``interval`` later (at the end
+        # of this loop turn when 0), with every change meanwhile in the same batch, so
+        # a busy daemon sends fewer, larger batches.
         loop = self._loop
         if self._timer is None and loop is not None:
-            wait = self._next - loop.time()
-            self._timer = (loop.call_later(wait, self.flush) if wait > 0
+            self._timer = (loop.call_later(self.interval, self.flush) if self.interval
                            else loop.call_soon(self.flush))
 
     def flush(self) -> int:
@@ -270,8 +268,6 @@ class EventPublisher:
         changes = self.changes.drain()
         if not changes:
             return -1
-        if self._loop is not None and self.interval:
-            self._next = self._loop.time() + self.interval
         if self._replay is None and not self.listened():
             # Nobody subscribes and nothing is replayed: the batch is numbered (a
             # snapshot names the last one) but not built.

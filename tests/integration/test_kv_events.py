@@ -253,8 +253,8 @@ def test_a_restart_announces_what_the_ssd_index_brought_back(daemon_factory: Any
 
 def test_batches_go_out_only_while_someone_subscribes(tmp_path: Path) -> None:
     """Without a replay socket, a batch nobody subscribes to is numbered but not built;
-    a subscriber gets every batch from its subscription on, and within the interval
-    changes wait for one batch."""
+    a subscriber gets every batch from its subscription on, and changes within the
+    interval go out as one batch."""
     import asyncio
 
     from kvstore.config import EventsConfig
@@ -296,7 +296,7 @@ def test_batches_go_out_only_while_someone_subscribes(tmp_path: Path) -> None:
         [stored] = decoder().decode(payload).events
         assert stored.block_hashes == keys
         assert stored.token_ids == list(range(100, 100 + 2 * BT))
-        # within the interval of that batch, two commits' changes go out as one batch
+        # two commits within the interval: one batch, once it has passed
         commit(200)
         commit(300)
         loop.run_until_complete(asyncio.sleep(0.2))
