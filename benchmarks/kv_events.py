@@ -6,7 +6,7 @@ Three measurements, each next to its peer, medians of interleaved runs, and rati
   msgspec encode and zmq send of the same batch built ahead (target: <= 50 us);
 - throughput: reserve+commit of 16-block chains and lookups against daemons side by
   side, publishing events (to a subscriber, to nobody, a batch every loop turn) and
-  not; the daemon's CPU time per request, each run's ratio to the run of the daemon
+  not; the daemon's CPU time per request, each run's ratio to the runs of the daemons
   without events next to it (target: <= 1.05).  The client and the daemons run on one
   CPU, so that all daemons share the same conditions (the subscriber, a router
   elsewhere, on the others), and a second daemon without events shows what the
@@ -209,7 +209,8 @@ def bench_throughput(work: Path, repeats: int, data: bool = False) -> dict[str, 
     same conditions (the CPU time of a daemon woken on the other CPU, or beside another
     user's work there, varies by tens of percent).  Rounds of a few requests per daemon,
     in a shuffled order, ``20 * repeats`` of them; each round's CPU time per request
-    over the ``off`` daemon's in the same round, and the median of those."""
+    over the mean of the two daemons without events in the same round, and the median
+    of those."""
     tag = "d" if data else "c"
     cpus = os.sched_getaffinity(0)
     cpu = max(cpus)
@@ -255,12 +256,17 @@ def bench_throughput(work: Path, repeats: int, data: bool = False) -> dict[str, 
             proc.terminate()
             proc.wait()
         os.sched_setaffinity(0, cpus)
-    base = samples["off"]
+    # Each round's reference: the mean of the two daemons without events (a process of
+    # its own runs a few percent faster or slower than another for as long as it lives).
+    base = [(a + b) / 2 for (a, _), (b, _) in zip(samples["off"], samples["off2"])]
     out: dict[str, float] = {}
     for name, s in samples.items():
         out[f"{name}_cpu_us"] = statistics.median(c for c, _ in s)
         out[f"{name}_rate"] = statistics.median(r for _, r in s)
-        out[f"{name}_cpu_ratio"] = statistics.median(c / b for (c, _), (b, _) in zip(s, base))
+        out[f"{name}_cpu_ratio"] = statistics.median(c / b for (c, _), b in zip(s, base))
+    # the noise: one daemon without events against the other
+    out["off2_cpu_ratio"] = statistics.median(
+        b / a for (a, _), (b, _) in zip(samples["off"], samples["off2"]))
     return out
 
 
@@ -413,8 +419,8 @@ def main() -> None:
         print(f"{name:56} {ours:10.1f} {peer:10.1f} {peer_name:>16} "
               f"{format(ratio, fmt):>7} {target:>14}")
     if args.only in (None, "throughput"):
-        print("cpu us/request ratios: the median of each round's ratio to the daemon "
-              "without events run beside it")
+        print("cpu us/request ratios: the median of each round's ratio to the daemons "
+              "without events run beside it (the noise row: one of them to the other)")
     if args.json:
         print(json.dumps(figures, indent=1, sort_keys=True))
 
