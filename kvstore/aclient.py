@@ -18,19 +18,21 @@ import zmq.asyncio
 from kvstore import protocol as p
 from kvstore.client_core import (
     BatchResult,
-    CurveKeys,
-    Exchange,
     HeldCore,
     LookupResult,
     NamespaceCore,
     PlanItem,
     PrefetchResult,
-    Received,
     ReservationCore,
     SessionCore,
+    log,
+)
+from kvstore.client_wire import (
+    CurveKeys,
+    Exchange,
+    Received,
     check_reply,
     decode_reply,
-    log,
     make_socket,
 )
 from kvstore.errors import KVStoreError

@@ -26,20 +26,22 @@ from kvstore.aclient import (
 )
 from kvstore.client_core import (
     BatchResult,
-    CurveKeys,
-    Exchange,
     HeldCore,
     LookupResult,
     NamespaceCore,
     PlanItem,
     PrefetchResult,
-    Received,
     ReservationCore,
     SessionCore,
+    log,
+)
+from kvstore.client_wire import (
+    CurveKeys,
+    Exchange,
+    Received,
     check_reply,
     checksum,
     decode_reply,
-    log,
     make_socket,
 )
 from kvstore.errors import KVStoreError
