@@ -54,6 +54,7 @@ __all__ = ["AsyncClient", "AsyncHeld", "AsyncNamespace", "AsyncNamespaceOpener",
            "checksum"]
 
 T = TypeVar("T")
+_MAX_MS = (1 << 31) - 1  # the longest ZeroMQ timeout (an int in milliseconds)
 
 
 class Client(SessionCore):
@@ -73,6 +74,9 @@ class Client(SessionCore):
         admission = self._admission()
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
+        # a receive waits at most the timeout: one call per reply rather than a poll and
+        # a receive (a poll builds a Poller each time)
+        self._sock.setsockopt(zmq.RCVTIMEO, min(int(timeout * 1000), _MAX_MS))
         self._early: dict[int, Received] = {}  # replies that came before the one awaited
         self._routers: dict[tuple[str, ...], Router] = {}  # connections of route()
         try:
@@ -115,11 +119,11 @@ class Client(SessionCore):
     def _wait(self, rid: int) -> Received:
         if rid in self._early:
             return self._early.pop(rid)
-        timeout_ms = int(self.timeout * 1000)
         while True:
-            if not self._sock.poll(timeout_ms, zmq.POLLIN):
-                raise self._no_reply()
-            received = self._receive()
+            try:
+                received = self._receive()
+            except zmq.Again:  # RCVTIMEO passed
+                raise self._no_reply() from None
             if received[0].rid == rid or received[0].rid == 0:  # 0: the daemon could not
                 return received                                  # tell whose it is
             self._file(received)
