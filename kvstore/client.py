@@ -112,9 +112,10 @@ class Client(SessionCore):
         settled by the core, while waiting for a later reply, or at ``close``."""
         if self._sock is None:
             raise KVStoreError("the client is closed")
-        while self._unread and self._sock.poll(0, zmq.POLLIN):  # keep the backlog short
+        sock = self._sock
+        while self._unread and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # keep the backlog short
             self._file(self._receive())
-        self._sock.send(self._posted(req))
+        sock.send(self._posted(req))
 
     def _wait(self, rid: int) -> Received:
         if rid in self._early:
