@@ -74,9 +74,7 @@ class Client(SessionCore):
         admission = self._admission()
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
-        # a receive waits at most the timeout: one call per reply rather than a poll and
-        # a receive (a poll builds a Poller each time)
-        self._sock.setsockopt(zmq.RCVTIMEO, min(int(timeout * 1000), _MAX_MS))
+        self._receive_timeout = -1.0  # the timeout RCVTIMEO is set to (_wait sets it)
         self._early: dict[int, Received] = {}  # replies that came before the one awaited
         self._routers: dict[tuple[str, ...], Router] = {}  # connections of route()
         try:
@@ -120,6 +118,12 @@ class Client(SessionCore):
     def _wait(self, rid: int) -> Received:
         if rid in self._early:
             return self._early.pop(rid)
+        if self._receive_timeout != self.timeout:
+            # a receive waits at most the timeout: one call per reply rather than a poll
+            # and a receive (a poll builds a Poller each time)
+            ms = int(self.timeout * 1000)
+            self._sock.setsockopt(zmq.RCVTIMEO, -1 if ms < 0 else min(ms, _MAX_MS))
+            self._receive_timeout = self.timeout
         while True:
             try:
                 received = self._receive()

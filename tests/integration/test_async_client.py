@@ -317,7 +317,8 @@ def test_async_client_maps_handed_out_arenas(daemon_factory: Any, tmp_path: Path
 
 def test_an_unanswered_request_times_out_on_both_clients_and_the_next_is_served(
         odd_daemon: str) -> None:
-    with Client(odd_daemon, map_arena=False, timeout=0.5) as c:
+    with Client(odd_daemon, map_arena=False, timeout=30) as c:
+        c.timeout = 0.5  # a timeout changed after connecting holds from the next request
         started = time.monotonic()
         with pytest.raises(UnavailableError, match="no reply from the daemon"):
             c.snapshot()
