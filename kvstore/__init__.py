@@ -2,7 +2,8 @@
 
 from kvstore.aclient import AsyncClient
 from kvstore.client import Client
-from kvstore.client_core import BatchResult, CurveKeys, LookupResult, PlanItem, PrefetchResult
+from kvstore.client_core import BatchResult, LookupResult, PlanItem, PrefetchResult
+from kvstore.client_wire import CurveKeys
 from kvstore.identity import Identity
 
 __all__ = ["AsyncClient", "BatchResult", "Client", "CurveKeys", "Identity", "LookupResult",

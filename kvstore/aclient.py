@@ -2,8 +2,12 @@
 
 A thin shell over ``kvstore.client_core`` like the blocking one: it sends what the core
 builds and hands the core what comes back.  Requests carry ids, so many may be in flight
-at once (``asyncio.gather``); one task reads every reply and hands each to the request
-that waits for it.
+at once (``asyncio.gather``); a reader on the loop takes every reply and hands each to
+the request that waits for it.
+
+The socket is a plain ZeroMQ socket whose descriptor the loop watches, as the daemon's
+transport does, rather than a ``zmq.asyncio`` one: a send goes out at once, and one
+wake-up reads every reply that has come, without a future per send and per receive.
 """
 
 from __future__ import annotations
@@ -13,24 +17,25 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import zmq
-import zmq.asyncio
 
 from kvstore import protocol as p
 from kvstore.client_core import (
     BatchResult,
-    CurveKeys,
-    Exchange,
     HeldCore,
     LookupResult,
     NamespaceCore,
     PlanItem,
     PrefetchResult,
-    Received,
     ReservationCore,
     SessionCore,
+    log,
+)
+from kvstore.client_wire import (
+    CurveKeys,
+    Exchange,
+    Received,
     check_reply,
     decode_reply,
-    log,
     make_socket,
 )
 from kvstore.errors import KVStoreError
@@ -50,10 +55,11 @@ class AsyncClient(SessionCore):
                  curve: CurveKeys | None = None, checksums: bool = False) -> None:
         super().__init__(endpoint, tenant=tenant, token=token, timeout=timeout,
                          map_arena=map_arena, curve=curve, checksums=checksums)
-        self._ctx: zmq.asyncio.Context | None = None
+        self._ctx: zmq.Context[Any] | None = None
         self._sock: Any = None
         self._waiting: dict[int, asyncio.Future[Received]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = -1  # the socket's descriptor, watched by the loop while connected
         self._settled: asyncio.Event | None = None  # set once no posted reply is unread
         self._routers: dict[tuple[str, ...], tuple[Router, asyncio.Lock]] = {}  # of route()
 
@@ -63,9 +69,11 @@ class AsyncClient(SessionCore):
         loop's default executor, not on the loop."""
         loop = asyncio.get_running_loop()
         admission = await loop.run_in_executor(None, self._admission)
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
-        self._reader = loop.create_task(self._read_replies())
+        self._loop = loop
+        self._fd = self._sock.getsockopt(zmq.FD)
+        loop.add_reader(self._fd, self._drain)
         try:
             received = await self._call(self._hello_request())
             await loop.run_in_executor(None, self._on_hello, received)
@@ -75,45 +83,74 @@ class AsyncClient(SessionCore):
         return self
 
     # -- I/O ------------------------------------------------------------------------------
-    async def _read_replies(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
+    def _drain(self) -> None:
+        """Hand every reply that has come to its waiter.  ZeroMQ's descriptor is
+        edge-triggered: read until none is left."""
+        sock = self._sock  # (waiters wake after this returns: none can close it meanwhile)
+        while sock is not None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
-                received = decode_reply(frames)
-            except KVStoreError as exc:  # whose it was cannot be told: fail every waiter
-                for future in self._waiting.values():
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            rid = received[0].rid
-            if rid == 0:  # the daemon could not tell whose it is: every waiter gets it
-                for future in self._waiting.values():
-                    if not future.done():
-                        future.set_result(received)
-                continue
-            waiter = self._waiting.pop(rid, None)
-            if waiter is not None:
-                if not waiter.done():
-                    waiter.set_result(received)
-            elif self._settle(received[0]) and not self._unread and self._settled is not None:
-                self._settled.set()
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._deliver(frames)
+
+    def _deliver(self, frames: list[zmq.Frame]) -> None:
+        try:
+            received = decode_reply(frames)
+        except KVStoreError as exc:  # whose it was cannot be told: fail every waiter
+            for future in self._waiting.values():
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        rid = received[0].rid
+        if rid == 0:  # the daemon could not tell whose it is: every waiter gets it
+            for future in self._waiting.values():
+                if not future.done():
+                    future.set_result(received)
+            return
+        waiter = self._waiting.pop(rid, None)
+        if waiter is not None:
+            if not waiter.done():
+                waiter.set_result(received)
+        elif self._settle(received[0]) and not self._unread and self._settled is not None:
+            self._settled.set()
+
+    async def _send(self, frames: list[Any]) -> None:
+        """Send at once (with no high-water mark a DEALER queues what its peer has not
+        taken yet); then read what the send let in: it may have taken the descriptor's
+        edge for replies already queued."""
+        sock = self._sock
+        while True:
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:  # not with the sockets make_socket sets up; wait for room
+                await asyncio.sleep(0.001)
+                if self._sock is None:
+                    raise KVStoreError("the client was closed") from None
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN and self._loop is not None:
+            self._loop.call_soon(self._drain)
+
+    def _expire(self, future: asyncio.Future[Received]) -> None:
+        if not future.done():
+            future.set_exception(self._no_reply())
 
     async def _call(self, req: p.Message, payload: Sequence[Any] = ()) -> Received:
         """Send a request and wait for its reply (unchecked: the core checks it)."""
-        if self._sock is None:
+        if self._sock is None or self._loop is None:
             raise KVStoreError("the client is not connected")
-        future: asyncio.Future[Received] = asyncio.get_running_loop().create_future()
+        loop = self._loop
+        future: asyncio.Future[Received] = loop.create_future()
         self._waiting[req.rid] = future
         try:
             header = p.encoder.encode(req)
-            if payload:
-                await self._sock.send_multipart([header, *payload], copy=False)
-            else:
-                await self._sock.send(header)
+            await self._send([header, *payload] if payload else [header])
+            # a timer rather than asyncio.wait_for, which costs a task's worth per call
+            timer = loop.call_later(self.timeout, self._expire, future)
             try:
-                return await asyncio.wait_for(future, self.timeout)
-            except TimeoutError:
-                raise self._no_reply() from None
+                return await future
+            finally:
+                timer.cancel()
         finally:
             self._waiting.pop(req.rid, None)
 
@@ -132,7 +169,7 @@ class AsyncClient(SessionCore):
         it with the core when it comes."""
         if self._sock is None:
             raise KVStoreError("the client is not connected")
-        await self._sock.send(self._posted(req))
+        await self._send([self._posted(req)])
 
     # -- verbs ----------------------------------------------------------------------------
     def namespace(self, identity: Identity) -> AsyncNamespaceOpener:
@@ -184,7 +221,7 @@ class AsyncClient(SessionCore):
                 router.close()
         self._routers.clear()
         self._unmap()
-        if self._unread and self._reader is not None and not self._reader.done():
+        if self._unread and self._sock is not None:
             # Posted releases must reach the daemon before the socket goes (it drops what
             # it has not sent), or their pins would stay until the session's lease ends.
             settled = self._settled = asyncio.Event()
@@ -194,13 +231,9 @@ class AsyncClient(SessionCore):
                 log.warning("closing without the replies to %d posted releases",
                             len(self._unread))
             self._settled = None
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except asyncio.CancelledError:
-                pass
-            self._reader = None
+        if self._fd >= 0 and self._loop is not None:
+            self._loop.remove_reader(self._fd)
+            self._fd = -1
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

@@ -26,20 +26,22 @@ from kvstore.aclient import (
 )
 from kvstore.client_core import (
     BatchResult,
-    CurveKeys,
-    Exchange,
     HeldCore,
     LookupResult,
     NamespaceCore,
     PlanItem,
     PrefetchResult,
-    Received,
     ReservationCore,
     SessionCore,
+    log,
+)
+from kvstore.client_wire import (
+    CurveKeys,
+    Exchange,
+    Received,
     check_reply,
     checksum,
     decode_reply,
-    log,
     make_socket,
 )
 from kvstore.errors import KVStoreError
@@ -52,6 +54,7 @@ __all__ = ["AsyncClient", "AsyncHeld", "AsyncNamespace", "AsyncNamespaceOpener",
            "checksum"]
 
 T = TypeVar("T")
+_MAX_MS = (1 << 31) - 1  # the longest ZeroMQ timeout (an int in milliseconds)
 
 
 class Client(SessionCore):
@@ -71,6 +74,7 @@ class Client(SessionCore):
         admission = self._admission()
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
+        self._receive_timeout = -1.0  # the timeout RCVTIMEO is set to (_wait sets it)
         self._early: dict[int, Received] = {}  # replies that came before the one awaited
         self._routers: dict[tuple[str, ...], Router] = {}  # connections of route()
         try:
@@ -106,18 +110,25 @@ class Client(SessionCore):
         settled by the core, while waiting for a later reply, or at ``close``."""
         if self._sock is None:
             raise KVStoreError("the client is closed")
-        while self._unread and self._sock.poll(0, zmq.POLLIN):  # keep the backlog short
+        sock = self._sock
+        while self._unread and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # keep the backlog short
             self._file(self._receive())
-        self._sock.send(self._posted(req))
+        sock.send(self._posted(req))
 
     def _wait(self, rid: int) -> Received:
         if rid in self._early:
             return self._early.pop(rid)
-        timeout_ms = int(self.timeout * 1000)
+        if self._receive_timeout != self.timeout:
+            # a receive waits at most the timeout: one call per reply rather than a poll
+            # and a receive (a poll builds a Poller each time)
+            ms = int(self.timeout * 1000)
+            self._sock.setsockopt(zmq.RCVTIMEO, -1 if ms < 0 else min(ms, _MAX_MS))
+            self._receive_timeout = self.timeout
         while True:
-            if not self._sock.poll(timeout_ms, zmq.POLLIN):
-                raise self._no_reply()
-            received = self._receive()
+            try:
+                received = self._receive()
+            except zmq.Again:  # RCVTIMEO passed
+                raise self._no_reply() from None
             if received[0].rid == rid or received[0].rid == 0:  # 0: the daemon could not
                 return received                                  # tell whose it is
             self._file(received)

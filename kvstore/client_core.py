@@ -26,23 +26,30 @@ import logging
 import mmap
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import numpy as np
-import xxhash
 
 from kvstore import protocol as p
-from kvstore.config import endpoint_from_env
-from kvstore.errors import (
-    CorruptError,
-    KVStoreError,
-    MalformedError,
-    UnavailableError,
-    error_from_code,
+from kvstore.client_wire import (
+    CurveKeys,
+    Exchange,
+    Received,
+    _check_blocks,
+    _curve_from_env,
+    _listed,
+    _per,
+    _tenant,
+    _token,
+    check_reply,
+    checksum,
+    verify,
 )
+from kvstore.config import endpoint_from_env
+from kvstore.errors import KVStoreError, MalformedError, UnavailableError
 from kvstore.identity import Identity
 from kvstore.keys import chain_keys
 from kvstore.token_ids import encode_blocks
@@ -56,19 +63,11 @@ from kvstore.tiers.arena_fds import (
 )
 from kvstore.tiers.dram import map_arena
 
-if TYPE_CHECKING:
-    import zmq
-
-R = TypeVar("R", bound=p.Message)
 T = TypeVar("T")
 ResT = TypeVar("ResT")
 S = TypeVar("S", bound="SessionCore")
 N = TypeVar("N", bound="NamespaceCore[Any]")
 RC = TypeVar("RC", bound="ReservationCore[Any]")
-
-Outgoing = tuple[p.Message, Sequence[Any]]  # a request and its payload frames
-Received = tuple[p.Message, list["zmq.Frame"]]  # a reply and its payload frames
-Exchange = Generator[Outgoing, Received, T]  # a verb of one or more requests
 
 log = logging.getLogger("kvstore.client")
 
@@ -119,125 +118,6 @@ class LookupResult:
     blocks: int
     tiers: list[str]
 
-
-# ----------------------------------------------------------------------------------------
-# connection settings
-# ----------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class CurveKeys:
-    """CurveZMQ for ``tcp://``: the daemon's public key and this client's key pair."""
-
-    server_public: bytes
-    public: bytes
-    secret: bytes
-
-    @classmethod
-    def from_files(cls, server_public_file: str, client_secret_file: str) -> CurveKeys:
-        """From ``kvstore keygen`` files: the server's ``.key`` and the client's
-        ``.key_secret``."""
-        import zmq.auth
-
-        server_public, _ = zmq.auth.load_certificate(server_public_file)
-        public, secret = zmq.auth.load_certificate(client_secret_file)
-        if secret is None:
-            raise MalformedError(f"{client_secret_file} holds no secret key")
-        return cls(server_public, public, secret)
-
-
-def _token(token: str | None) -> str:
-    return token if token is not None else os.environ.get("KVSTORE_TOKEN", "")
-
-
-def _tenant(tenant: str | None, token: str | None) -> str:
-    """The tenant to name in hello: given, from the environment, or (with credentials) left
-    for the daemon to take from them."""
-    if tenant:
-        return tenant
-    if os.environ.get("KVSTORE_TENANT"):
-        return os.environ["KVSTORE_TENANT"]
-    return "" if _token(token) else "default"
-
-
-def _curve_from_env() -> CurveKeys | None:
-    server = os.environ.get("KVSTORE_CURVE_SERVER_KEY")
-    client = os.environ.get("KVSTORE_CURVE_CLIENT_CERT")
-    return CurveKeys.from_files(server, client) if server and client else None
-
-
-def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None,
-                admission: tuple[str, str] | None = None) -> Any:
-    """The DEALER socket of a shell (``ctx`` is a ``zmq.Context`` or a
-    ``zmq.asyncio.Context``), set up the same way for both; ``admission`` is the tenant
-    and ticket of a gated ipc endpoint, or tenant and token on tcp (``_admission``)."""
-    import zmq
-
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    if curve is not None and endpoint.startswith("tcp://"):
-        sock.curve_serverkey = curve.server_public
-        sock.curve_publickey = curve.public
-        sock.curve_secretkey = curve.secret
-    if admission is not None:
-        sock.plain_username = admission[0].encode()
-        sock.plain_password = admission[1].encode()
-    sock.connect(endpoint)
-    return sock
-
-
-# ----------------------------------------------------------------------------------------
-# replies and payloads
-# ----------------------------------------------------------------------------------------
-
-def decode_reply(frames: list[zmq.Frame]) -> Received:
-    """A reply's header and its payload frames; KVStoreError if the header is not a reply."""
-    try:
-        reply = p.reply_decoder.decode(frames[0].buffer)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise KVStoreError(f"undecodable reply from the daemon: {exc}") from None
-    return reply, frames[1:]
-
-
-def check_reply(reply: p.Message, expected: type[R]) -> R:
-    """The reply if it is an ``expected``; the typed error of an error reply; else
-    KVStoreError."""
-    if isinstance(reply, expected):
-        return reply
-    if isinstance(reply, p.ErrorReply):
-        raise error_from_code(reply.code, reply.message)
-    raise KVStoreError(f"expected a {expected.__name__}, got {type(reply).__name__}")
-
-
-def checksum(block: Any) -> int:
-    """xxh3_64 of a block's bytes: what writers send and readers check."""
-    return xxhash.xxh3_64_intdigest(block)
-
-
-def verify(blocks: Sequence[Any], sums: Sequence[int]) -> None:
-    """CorruptError unless every block matches its checksum (0: not known)."""
-    for i, (block, want) in enumerate(zip(blocks, sums)):
-        if want and checksum(block) != want:
-            raise CorruptError(f"block {i} does not match the checksum it was written with")
-
-
-def _listed(keys: Sequence[bytes]) -> list[bytes]:
-    return keys if isinstance(keys, list) else list(keys)
-
-
-def _per(size: int, max_keys: int, max_bytes: int) -> int:
-    """Keys of ``size`` bytes each that one request may carry."""
-    return max(1, min(max_keys, max_bytes // max(size, 1)))
-
-
-def _check_blocks(blocks: Sequence[Any], count: int, size: int) -> None:
-    if len(blocks) != count:
-        raise MalformedError(f"{count} keys but {len(blocks)} blocks")
-    for i, block in enumerate(blocks):
-        n = memoryview(block).nbytes
-        if n != size:
-            raise MalformedError(f"block {i} holds {n} bytes; this namespace's blocks are {size}")
 
 
 # ----------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import msgspec
 import zmq
 
 from kvstore import protocol as p
-from kvstore.client_core import CurveKeys, _tenant, _token, make_socket
+from kvstore.client_wire import CurveKeys, _tenant, _token, make_socket
 from kvstore.errors import MalformedError
 from kvstore.tiers.arena_fds import tcp_credentials
 

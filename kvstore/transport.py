@@ -81,6 +81,7 @@ class Transport:
         self.admitted: Callable[[bytes], bool] | None = None
         self._unknown: dict[bytes, int] = {}  # peer without a session -> messages seen
         self.dropped_before_hello = 0
+        self._draining = -1  # the socket whose drain is running, if one is
 
     def __repr__(self) -> str:
         return (f"Transport(endpoints={self.endpoints}, open={self._open}, "
@@ -169,24 +170,28 @@ class Transport:
             return
         sock = self._socks[index]
         secure = self._secure[index]
-        for _ in range(_DRAIN_BATCH):
-            events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
-            if not events & zmq.POLLIN:
-                break
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            # peers of different sockets may share routing ids: key them by socket too
-            peer = bytes((index,)) + frames[0].bytes
-            if (self.admitted is not None and not self.admitted(peer)
-                    and not self._may_say_hello(peer, frames)):
-                self.dropped_before_hello += 1
-                continue
-            self.on_message(peer, frames, secure)
-        else:
-            assert self._loop is not None
-            self._loop.call_soon(self._drain, index)  # more waiting: yield to others first
+        # Receive until there is nothing (a failed receive reads ZeroMQ's commands as a
+        # look at EVENTS would: one call a message, not two); replies sent meanwhile
+        # leave EVENTS to this loop (see send).
+        self._draining = index
+        try:
+            for _ in range(_DRAIN_BATCH):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                # peers of different sockets may share routing ids: key them by socket too
+                peer = bytes((index,)) + frames[0].bytes
+                if (self.admitted is not None and not self.admitted(peer)
+                        and not self._may_say_hello(peer, frames)):
+                    self.dropped_before_hello += 1
+                    continue
+                self.on_message(peer, frames, secure)
+            else:
+                assert self._loop is not None
+                self._loop.call_soon(self._drain, index)  # more waiting: others first
+        finally:
+            self._draining = -1
         self.reap_sends()
 
     def peer_uid(self, peer: bytes, frames: list[zmq.Frame]) -> int | None:
@@ -234,7 +239,10 @@ class Transport:
                 self.release_pin(payload.pin)
         # ZeroMQ's descriptor is edge-triggered: a send may take in messages that arrived
         # meanwhile and clear the edge, and a reply sent from a task (not from the drain)
-        # would then leave them waiting with no wake-up.  Drain again if any are queued.
+        # would then leave them waiting with no wake-up.  Drain again if any are queued
+        # (the drain of this socket, when the reply is sent from it, receives next anyway).
+        if peer[0] == self._draining:
+            return
         events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
         if events & zmq.POLLIN and self._loop is not None:
             self._loop.call_soon(self._drain, peer[0])

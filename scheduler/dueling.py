@@ -28,7 +28,7 @@ registers the duel among its policies).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T", bound=Hashable)
@@ -44,6 +44,7 @@ class Order(Protocol[T]):
 
     def insert(self, item: T) -> None: ...
     def access(self, item: T) -> None: ...
+    def access_many(self, items: Iterable[T]) -> None: ...
     def pin(self, item: T) -> None: ...
     def unpin(self, item: T) -> None: ...
     def remove(self, item: T) -> None: ...
@@ -128,6 +129,7 @@ class Duel(Generic[T]):
         self.keep = keep
         self._leader = 0
         self._items: dict[int, T] = {}  # every tracked item by its hash, pinned ones too
+        self._in_sample: set[int] = set()  # the tracked items' hashes in the sample
         self._size = 0  # the most items tracked at once: the cache size, once full
         self._tick = 0  # inserts and evictions so far
         self._last: dict[int, int] = {}  # sampled key -> the tick of its last reference
@@ -210,14 +212,32 @@ class Duel(Generic[T]):
             self._size = len(self._items)
         self._order.insert(item)
         if not ((key * _GOLDEN) & _MASK64) >> self._unsampled:
+            self._in_sample.add(key)  # decided once: a set is cheaper than the sum per hit
             self._sample(key, item)
 
     def access(self, item: T) -> None:
         key = hash(item)
         if key in self._items:
             self._order.access(item)
-            if not ((key * _GOLDEN) & _MASK64) >> self._unsampled:
+            if key in self._in_sample:
                 self._sample(key, item)
+
+    def access_many(self, items: Iterable[T]) -> None:
+        """``access`` each, in order, as one call per run of unsampled items to the
+        candidate in charge (a lookup's hits are one call, not one per block)."""
+        tracked, in_sample, order = self._items, self._in_sample, self._order
+        run: list[T] = []
+        for item in items:
+            key = hash(item)
+            if key in tracked:
+                run.append(item)
+                if key in in_sample:
+                    order.access_many(run)
+                    run = []
+                    self._sample(key, item)
+                    order = self._order  # an election may have handed the order over
+        if run:
+            order.access_many(run)
 
     def pin(self, item: T) -> None:
         self._order.pin(item)
@@ -226,14 +246,18 @@ class Duel(Generic[T]):
         self._order.unpin(item)
 
     def remove(self, item: T) -> None:
-        if self._items.pop(hash(item), None) is not None:
+        key = hash(item)
+        if self._items.pop(key, None) is not None:
+            self._in_sample.discard(key)
             self._order.remove(item)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         self._tick += 1
         victim = self._order.pop_victim(allowed)
         if victim is not None:
-            del self._items[hash(victim)]
+            key = hash(victim)
+            del self._items[key]
+            self._in_sample.discard(key)
         return victim
 
     def evictable(self) -> Iterator[T]:

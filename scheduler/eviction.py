@@ -112,6 +112,13 @@ class LRUPolicy(EvictionPolicy[T]):
         if item in self._order:
             self._order.move_to_end(item)
 
+    def access_many(self, items: Iterable[T]) -> None:
+        order = self._order
+        to_end = order.move_to_end
+        for item in items:
+            if item in order:
+                to_end(item)
+
     def pin(self, item: T) -> None:
         if self._order.pop(item, _MISSING) is not _MISSING:
             self._pinned.add(item)

@@ -8,15 +8,8 @@ import pytest
 from kvtest import make_identity
 
 from kvstore import protocol as p
-from kvstore.client_core import (
-    Exchange,
-    HeldCore,
-    NamespaceCore,
-    ReservationCore,
-    SessionCore,
-    check_reply,
-    checksum,
-)
+from kvstore.client_core import HeldCore, NamespaceCore, ReservationCore, SessionCore
+from kvstore.client_wire import Exchange, check_reply, checksum
 from kvstore.errors import CapacityError, CorruptError, KVStoreError, MalformedError
 
 

@@ -21,7 +21,7 @@ from kvstore import AsyncClient, Client, PlanItem
 from kvstore import protocol as p
 from kvstore.aclient import AsyncHeld, AsyncNamespace, AsyncReservation
 from kvstore.client import Held, Namespace, Reservation
-from kvstore.errors import KVStoreError, UnknownNamespaceError
+from kvstore.errors import KVStoreError, UnavailableError, UnknownNamespaceError
 
 BIG = make_identity(num_layers=4, num_kv_heads=4, head_dim=128)  # 128 KiB blocks
 TWINS = [(Client, AsyncClient), (Namespace, AsyncNamespace), (Reservation, AsyncReservation),
@@ -193,7 +193,8 @@ def test_release_does_not_wait_for_the_daemon_and_is_served_before_the_next_requ
 @pytest.fixture
 def odd_daemon(tmp_path: Path) -> Iterator[str]:
     """A ROUTER peer that greets like the daemon, then answers ``stats`` with the wrong
-    reply, ``ping`` with an error and ``evict`` with bytes that are no reply at all."""
+    reply, ``ping`` with an error and ``evict`` with bytes that are no reply at all, and
+    never answers ``snapshot``."""
     endpoint = f"ipc://{tmp_path}/odd.sock"
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -214,6 +215,8 @@ def odd_daemon(tmp_path: Path) -> Iterator[str]:
                 reply = p.encoder.encode(p.OkReply(req.rid))
             elif isinstance(req, p.Ping):
                 reply = p.encoder.encode(p.ErrorReply(req.rid, "unknown_namespace", "gone"))
+            elif isinstance(req, p.Snapshot):
+                continue
             else:
                 reply = b"\xc1 not msgpack"
             sock.send_multipart([peer, reply])
@@ -255,7 +258,6 @@ def test_connect_keeps_the_loop_running_while_the_side_socket_answers(tmp_path: 
     side socket that never answers stalls connect, not the loop's other tasks."""
     import socket
 
-    from kvstore.errors import UnavailableError
     from kvstore.tiers.arena_fds import SIDE_TIMEOUT_S
 
     endpoint = f"ipc://{tmp_path / 'kvstore.sock'}"
@@ -311,3 +313,30 @@ def test_async_client_maps_handed_out_arenas(daemon_factory: Any, tmp_path: Path
             await client.close()
 
     asyncio.run(main())
+
+
+def test_an_unanswered_request_times_out_on_both_clients_and_the_next_is_served(
+        odd_daemon: str) -> None:
+    with Client(odd_daemon, map_arena=False, timeout=30) as c:
+        c.timeout = 0.5  # a timeout changed after connecting holds from the next request
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match="no reply from the daemon"):
+            c.snapshot()
+        assert 0.4 < time.monotonic() - started < 3
+        with pytest.raises(UnknownNamespaceError, match="gone"):
+            c.ping()
+
+    async def main() -> None:
+        async with AsyncClient(odd_daemon, map_arena=False, timeout=0.5) as c:
+            started = time.monotonic()
+            silent, answered = await asyncio.gather(c.snapshot(), c.ping(),
+                                                    return_exceptions=True)
+            assert isinstance(silent, UnavailableError), silent
+            assert "no reply from the daemon" in str(silent)
+            assert isinstance(answered, UnknownNamespaceError), answered
+            assert 0.4 < time.monotonic() - started < 3
+            assert not c._waiting  # nothing left waiting for a reply
+            with pytest.raises(UnknownNamespaceError, match="gone"):
+                await c.ping()
+
+    run(main())

@@ -34,7 +34,7 @@ import kvstore.sdnotify  # noqa: F401
 import kvstore.server  # noqa: F401
 from kvstore import Client
 from kvstore import protocol as p
-from kvstore.client_core import make_socket
+from kvstore.client_wire import make_socket
 from kvstore.errors import ForbiddenError, UnavailableError
 from kvstore.tiers.arena_fds import admit, fetch_arena, side_path
 

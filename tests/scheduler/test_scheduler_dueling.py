@@ -103,3 +103,54 @@ def test_the_duel_refuses_bad_settings() -> None:
         Duel([LRUPolicy], sample_shift=17)
     with pytest.raises(ValueError):
         Duel([LRUPolicy], keep=1.0)
+
+
+def _phases(seed: int, requests: int) -> list[list[int]]:
+    """Requests of several blocks, in phases that alternate between a hot set between
+    scans (SLRU and ARC win) and a sliding window (LRU wins), so the duel hands over
+    again and again, now and then in the middle of a request."""
+    rng = random.Random(seed)
+    fresh, out = 1000, []
+    for n in range(requests):
+        if (n // 400) % 2:
+            out.append([100_000 + n // 2 + rng.randrange(80) for _ in range(rng.randrange(1, 12))])
+        elif rng.random() < 0.5:
+            out.append([rng.randrange(60) for _ in range(rng.randrange(1, 12))])
+        else:
+            out.append(list(range(fresh, fresh + rng.randrange(1, 9))))
+            fresh += len(out[-1])
+    return out
+
+
+def test_batched_hits_match_one_call_per_item() -> None:
+    """``access_many`` (one call per lookup's hits, in runs to the candidate in charge)
+    leaves the duel as ``access`` item by item would, hand-overs mid-batch included."""
+    one, batched = AutoPolicy(sample_shift=1, epoch=16), AutoPolicy(sample_shift=1, epoch=16)
+    cached: set[int] = set()
+    victims: tuple[list[int | None], list[int | None]] = ([], [])
+    for ids in _phases(seed=3, requests=6000):
+        hits = [i for i in ids if i in cached]
+        misses = list(dict.fromkeys(i for i in ids if i not in cached))
+        for i in hits:
+            one.access(i)
+        batched.access_many(hits)
+        one.insert_many(misses)
+        batched.insert_many(misses)
+        cached.update(misses)
+        while len(cached) > 100:
+            victims[0].append(one.pop_victim(lambda _: True))
+            victims[1].append(batched.pop_victim(lambda _: True))
+            cached.discard(victims[0][-1])  # type: ignore[arg-type]
+        if len(cached) % 7 == 0 and cached:  # a removal now and then
+            gone = min(cached)
+            one.remove(gone)
+            batched.remove(gone)
+            cached.discard(gone)
+    assert one.switches > 10, "the phases should make the duel hand over again and again"
+    assert victims[0] == victims[1]
+    assert (one.leader, one.switches, one.scores()) == \
+        (batched.leader, batched.switches, batched.scores())
+    assert list(one.evictable()) == list(batched.evictable())
+    # the sample is decided once per item, and forgotten with it
+    sampled = {k for k in batched._items if not ((k * 0x9E3779B97F4A7C15) & (2**64 - 1)) >> 63}
+    assert batched._in_sample == sampled
