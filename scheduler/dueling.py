@@ -56,6 +56,10 @@ def _parent_attribute(item: Any) -> Any:
     return getattr(item, "parent", None)
 
 
+def _itself(item: Hashable) -> Hashable:
+    return item
+
+
 class _Miniature(Generic[T]):
     """One candidate's miniature cache of the sampled keys, leaf first as the store is:
     a key whose parent it holds counts as that parent's child, and only keys with no
@@ -98,7 +102,15 @@ class _Miniature(Generic[T]):
 
 
 class Duel(Generic[T]):
-    """Victims from the candidate in charge; the others judged by their miniatures."""
+    """Victims from the candidate in charge; the others judged by their miniatures.
+
+    ``ghost_key`` names an item across its evictions (``EvictionPolicy``'s: the store
+    sets the block's key, a block cached again being a new entry): the miniatures sample
+    and hold these names, so a key asked for again after the real cache dropped it is
+    the same key to them, and each candidate's ghosts use it too.
+    """
+
+    ghost_key: Callable[[Hashable], Hashable] = staticmethod(_itself)
 
     def __init__(
         self,
@@ -117,9 +129,9 @@ class Duel(Generic[T]):
         if epoch < 1 or margin < 0.0 or not 0.0 <= keep < 1.0:
             raise ValueError("epoch must be >= 1, margin >= 0 and keep in [0, 1)")
         self._factories = list(factories)
-        self._order: Order[T] = self._factories[0]()
-        # Miniatures hold the keys' hashes: ints, cheap to hash, where the store's blocks
-        # hash in Python.
+        self._order: Order[T] = self._keyed(self._factories[0]())
+        # Miniatures hold the hashes of the items' names (``ghost_key``): ints, cheap to
+        # hash, and the same for a block cached again as a new entry.
         self._minis: list[_Miniature[int]] = [_Miniature(make()) for make in self._factories]
         self.sample_shift = sample_shift
         self._unsampled = 64 - sample_shift  # a key is sampled if its top bits are zero
@@ -136,6 +148,16 @@ class Duel(Generic[T]):
         # The store's blocks know their parent; other items (the replay's ids) have it
         # set here by their cache.
         self.parent_of: Callable[[T], T | None] = parent_of or _parent_attribute
+
+    def _keyed(self, order: Order[T]) -> Order[T]:
+        """The order, its ghosts named by this duel's ``ghost_key`` (read at each call:
+        the store sets it after the duel is made)."""
+        if hasattr(order, "ghost_key"):
+            order.ghost_key = self._name_of
+        return order
+
+    def _name_of(self, item: Hashable) -> Hashable:
+        return self.ghost_key(item)
 
     @property
     def leader(self) -> str:
@@ -155,7 +177,7 @@ class Duel(Generic[T]):
         # The miniatures hold a 2**-shift sample of a cache of _size items.
         capacity = max(1, self._size >> self.sample_shift)
         parent = self.parent_of(item)
-        parent_key = None if parent is None else hash(parent)
+        parent_key = None if parent is None else hash(self.ghost_key(parent))
         for mini in self._minis:
             mini.reference(key, parent_key, capacity)
         if len(self._last) > 4 * capacity:
@@ -189,7 +211,7 @@ class Duel(Generic[T]):
         the hand-overs save)."""
         listed = list(self._order.evictable())
         on_order = {hash(item) for item in listed}
-        order: Order[T] = self._factories[best]()
+        order: Order[T] = self._keyed(self._factories[best]())
         for item in listed:
             order.insert(item)
         for key, item in self._items.items():
@@ -209,15 +231,17 @@ class Duel(Generic[T]):
         if len(self._items) > self._size:
             self._size = len(self._items)
         self._order.insert(item)
-        if not ((key * _GOLDEN) & _MASK64) >> self._unsampled:
-            self._sample(key, item)
+        name = hash(self.ghost_key(item))
+        if not ((name * _GOLDEN) & _MASK64) >> self._unsampled:
+            self._sample(name, item)
 
     def access(self, item: T) -> None:
         key = hash(item)
         if key in self._items:
             self._order.access(item)
-            if not ((key * _GOLDEN) & _MASK64) >> self._unsampled:
-                self._sample(key, item)
+            name = hash(self.ghost_key(item))
+            if not ((name * _GOLDEN) & _MASK64) >> self._unsampled:
+                self._sample(name, item)
 
     def pin(self, item: T) -> None:
         self._order.pin(item)
