@@ -82,7 +82,7 @@ def _class(hits: int) -> int:
 class _Entry:
     """What the policy remembers of one tracked item."""
 
-    __slots__ = ("hits", "klass", "stamp", "tick", "pinned")
+    __slots__ = ("hits", "klass", "stamp", "tick", "pinned", "kids", "parent", "up")
 
     def __init__(self, hits: int, klass: int, stamp: int) -> None:
         self.hits = hits
@@ -90,6 +90,13 @@ class _Entry:
         self.stamp = stamp  # the clock at its last reference
         self.tick = -1  # the eviction tick of its last counted hit
         self.pinned = False
+        self.kids = 0  # tracked items that name it as parent: while any, not a candidate
+        self.parent: object = None  # its parent item, tracked when it was inserted
+        self.up: _Entry | None = None  # that parent's entry
+
+
+def _parent_attribute(item: object) -> object:
+    return getattr(item, "parent", None)
 
 
 class HitDensityPolicy(EvictionPolicy[T]):
@@ -99,12 +106,18 @@ class HitDensityPolicy(EvictionPolicy[T]):
 
     ``ghost`` bounds the ghost history: at most that many times the cache size keys,
     none older than that many times the cache size references (its horizon: a block
-    not back by then counts as one that would have gone unused)."""
+    not back by then counts as one that would have gone unused).
+
+    Only leaves are candidates: the policy counts each item's tracked children
+    (``parent_of``: a block's ``parent`` by default) and passes over a parent without
+    asking the store, whose ``allowed`` has the last word on the others.  A class whose
+    oldest ``skip`` items are all refused (the old shared heads of the most-hit classes)
+    yields to the next best."""
 
     name = "density"
 
     def __init__(self, *, refresh: int = 4096, keep: float = 0.9, ghost: float = 4.0,
-                 skip: int = 8) -> None:
+                 skip: int = 2) -> None:
         if refresh < 1 or skip < 1 or not 0.0 <= keep < 1.0 or ghost <= 0.0:
             raise ValueError("refresh and skip must be >= 1, keep in [0, 1), ghost > 0; "
                              f"got {refresh}, {skip}, {keep}, {ghost}")
@@ -112,7 +125,9 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self.keep = keep
         self.ghost_ratio = ghost
         self.skip = skip
+        self.parent_of: Callable[[T], object] = _parent_attribute
         self._entries: dict[T, _Entry] = {}
+        self._pinned = 0
         self._queues: list[OrderedDict[T, None]] = [OrderedDict() for _ in range(_CLASSES)]
         # evicted keys -> (hits, class, clock at the last reference)
         self._ghost: OrderedDict[Hashable, tuple[int, int, int]] = OrderedDict()
@@ -130,6 +145,7 @@ class HitDensityPolicy(EvictionPolicy[T]):
 
     def insert_many(self, items: Iterable[T]) -> None:
         entries, ghost, key, queues = self._entries, self._ghost, self.ghost_key, self._queues
+        fresh: list[tuple[T, _Entry]] = []
         for item in items:
             if item in entries:
                 continue
@@ -144,8 +160,16 @@ class HitDensityPolicy(EvictionPolicy[T]):
                 self._hits[klass][age_bucket(self._now - stamp)] += 1.0
                 hits += 1
             klass = _class(hits)
-            entries[item] = _Entry(hits, klass, self._now)
+            entries[item] = entry = _Entry(hits, klass, self._now)
             queues[klass][item] = None
+            fresh.append((item, entry))
+        parent_of = self.parent_of
+        for item, entry in fresh:  # linked once all are in: a put's deepest comes first
+            parent = parent_of(item)
+            up = entries.get(parent) if parent is not None else None  # type: ignore[arg-type]
+            if up is not None:
+                entry.parent, entry.up = parent, up
+                up.kids += 1
         if len(entries) > self._size:
             self._size = len(entries)
         if self._now >= self._next_refresh:
@@ -177,42 +201,73 @@ class HitDensityPolicy(EvictionPolicy[T]):
         entry = self._entries.get(item)
         if entry is not None and not entry.pinned:
             entry.pinned = True
+            self._pinned += 1
             del self._queues[entry.klass][item]
 
     def unpin(self, item: T) -> None:
         entry = self._entries.get(item)
         if entry is not None and entry.pinned:
             entry.pinned = False
+            self._pinned -= 1
             self._queues[entry.klass][item] = None
 
     def remove(self, item: T) -> None:
         entry = self._entries.pop(item, None)
-        if entry is not None and not entry.pinned:
-            del self._queues[entry.klass][item]
+        if entry is not None:
+            if entry.pinned:
+                self._pinned -= 1
+            else:
+                del self._queues[entry.klass][item]
+            self._unlink(entry)
+
+    @staticmethod
+    def _unlink(entry: _Entry) -> None:
+        """An item left: its parent has one child fewer."""
+        if entry.up is not None:
+            entry.up.kids -= 1
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         self._tick += 1
         density, entries, now = self._density, self._entries, self._now
-        best: T | None = None
-        best_rank = (float("inf"), 0)
+        # Each class is ranked by its oldest block (lowest density first; the oldest on
+        # a tie, so LRU before anything is learned); the victim is the first block the
+        # store allows in the best class, or the next one.  Ranking before asking spares
+        # the walk past the old shared heads (never leaves) of the most-hit classes.
+        ranked: list[tuple[float, int, int]] = []
         for klass, queue in enumerate(self._queues):
-            for passed, item in enumerate(queue):
-                if allowed(item):
-                    age = now - entries[item].stamp
-                    # lowest density first; the oldest on a tie (LRU before learning)
-                    rank = (0.0 if density is None else density[klass][age_bucket(age)],
-                            -age)
-                    if rank < best_rank:
-                        best, best_rank = item, rank
+            if queue:
+                age = now - entries[next(iter(queue))].stamp
+                if density is None:
+                    ranked.append((0.0, -age, klass))
+                    continue
+                if age < 8:  # age_bucket, inline: this loop is the policy's hot path
+                    bucket = age
+                else:
+                    bits = age.bit_length()
+                    bucket = 4 * (bits - 2) + ((age >> (bits - 3)) & 3)
+                    if bucket >= _BUCKETS:
+                        bucket = _BUCKETS - 1
+                ranked.append((density[klass][bucket], -age, klass))
+        ranked.sort()
+        best: T | None = None
+        skip = self.skip
+        for _, _, klass in ranked:
+            for passed, item in enumerate(self._queues[klass]):
+                # a parent of a tracked item is no leaf: no need to ask the store
+                if not entries[item].kids and allowed(item):
+                    best = item
                     break
-                if passed + 1 >= self.skip:
+                if passed + 1 >= skip:
                     break
+            if best is not None:
+                break
         if best is None:  # every class's oldest few refused: the first allowed item
             best = next((i for q in self._queues for i in q if allowed(i)), None)
             if best is None:
                 return None
         entry = entries.pop(best)
         del self._queues[entry.klass][best]
+        self._unlink(entry)
         # Its fate is learned when its ghost comes back (a hit at that age) or is
         # forgotten (an eviction at that age): what keeping it would have earned.
         ghost = self._ghost
@@ -247,10 +302,10 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self._density = tables
 
     def evictable(self) -> Iterator[T]:
-        return iter([item for queue in self._queues for item in queue])
+        return iter([item for item, entry in self._entries.items() if not entry.pinned])
 
     def __len__(self) -> int:
-        return sum(len(queue) for queue in self._queues)
+        return len(self._entries) - self._pinned
 
     def __repr__(self) -> str:
         classes = "/".join(str(len(queue)) for queue in self._queues)

@@ -136,3 +136,29 @@ def test_it_beats_lru_on_a_scan_workload_in_the_prefix_cache_simulator() -> None
     lru = sim.replay(trace, sim.PolicyCache(POLICIES["lru"](), capacity))
     density = sim.replay(trace, sim.PolicyCache(POLICIES["density"](), capacity, touches=2))
     assert density.hit_blocks > 1.1 * lru.hit_blocks
+
+
+class _Node:
+    __slots__ = ("name", "parent")
+
+    def __init__(self, name: str, parent: _Node | None = None) -> None:
+        self.name = name
+        self.parent = parent
+
+
+def test_a_chain_goes_tail_first_and_a_parent_is_not_even_offered_to_the_store() -> None:
+    policy: HitDensityPolicy[_Node] = HitDensityPolicy()
+    head = _Node("head")
+    policy.insert(head)
+    tail = _Node("tail", head)
+    policy.insert(tail)  # younger than its head
+    asked: list[str] = []
+
+    def allowed(node: _Node) -> bool:
+        asked.append(node.name)
+        return True
+
+    assert policy.pop_victim(allowed) is tail
+    assert asked == ["tail"]
+    assert policy.pop_victim(allowed) is head  # its last child gone: a leaf again
+    assert len(policy) == 0
