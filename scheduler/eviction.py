@@ -7,8 +7,8 @@ on is never a victim).  One policy instance serves one slab class of one tier.
 
 Policies: ``lru``; ``s3fifo`` and ``arc`` (scan-resistant); ``slru`` (an adaptive
 segmented LRU); ``density`` (a learned hit density per class of blocks, after LHD, in
-``kvstore.scheduler.density``); ``auto`` (the default: LRU, SLRU, ARC and density
-duelling, victims by the one whose miniature cache hit most lately, see
+``kvstore.scheduler.density``); ``auto`` (the default: LRU, SLRU and ARC duelling,
+victims by the one whose miniature cache hit most lately, see
 ``kvstore.scheduler.dueling``).  No single
 order wins everywhere: on a real multi-turn chat trace SLRU is far ahead of LRU at 2% of
 its blocks and 6% behind it at 25%; the duel follows whichever pays on the traffic at
@@ -660,9 +660,8 @@ class WarmPins(EvictionPolicy[T]):
 
 
 class AutoPolicy(Duel[T], EvictionPolicy[T]):
-    """The duel of LRU, SLRU, ARC and hit density (``kvstore.scheduler.dueling``,
-    ``kvstore.scheduler.density``): victims by the order whose miniature cache hit most
-    lately, LRU's unless another does better.
+    """The duel of LRU, SLRU and ARC (``kvstore.scheduler.dueling``): victims by the
+    order whose miniature cache hit most lately, LRU's unless another does better.
 
     The miniatures see one key in eight; an election every 512 of their references
     (4096 of the cache's), each past epoch's hits weighing 0.9 times the next one's.  In
@@ -672,7 +671,7 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
     name = "auto"
 
     def __init__(self, *, sample_shift: int = 3, epoch: int = 512, keep: float = 0.9) -> None:
-        super().__init__([LRUPolicy, SLRUPolicy, ARCPolicy, HitDensityPolicy],
+        super().__init__([LRUPolicy, SLRUPolicy, ARCPolicy],
                          sample_shift=sample_shift, epoch=epoch, keep=keep)
 
 
