@@ -1,7 +1,8 @@
 """What each eviction policy costs per request, side by side, in-process.
 
     python benchmarks/eviction_cost.py [--trace PATH | --workload NAME] [--capacity 0.1]
-                                       [--policies lru,slru,arc,s3fifo,auto] [--repeat 5]
+                                       [--policies lru,slru,arc,s3fifo,density,auto]
+                                       [--repeat 5]
 
 Replays the trace through the simulator of benchmarks/replay_sim.py (the policy called
 as the store calls it, each hit reported twice as the daemon's lookup and acquire do)
@@ -37,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workload", default="", help="a synthetic workload instead")
     parser.add_argument("--capacity", type=float, default=0.1,
                         help="a share of the unique blocks")
-    parser.add_argument("--policies", default="lru,slru,arc,s3fifo,auto")
+    parser.add_argument("--policies", default="lru,slru,arc,s3fifo,density,auto")
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]

@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dram-capacity", metavar="SIZE", help="DRAM arena size, e.g. 256MiB")
     serve.add_argument("--slab-size", metavar="SIZE", help="slab size, e.g. 64MiB")
     serve.add_argument("--eviction-policy", metavar="NAME",
-                       help="eviction policy: auto (the default), slru, arc, s3fifo or lru")
+                       help="eviction policy: auto (the default), slru, arc, s3fifo, lru or density")
     serve.add_argument("--ssd-path", metavar="DIR",
                        help="SSD tier directory (default: the user's data directory)")
     serve.add_argument("--ssd-capacity", metavar="SIZE",

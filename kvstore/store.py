@@ -49,6 +49,7 @@ from kvstore.blocks import (
     Reservation,
     TierSlots,
     Transfer,
+    block_key,
 )
 from kvstore.core import StoreCore
 from kvstore.dram_copies import DramCopies
@@ -309,7 +310,8 @@ class BlockStore(StoreCore):
                           for b in ns.blocks.values()
                           if b.offset is not None and b.refs > 0 and not b.demoting
                           and b not in listed]
-                new: EvictionPolicy[Block] = make_policy(name)  # type: ignore[assignment]
+                new: EvictionPolicy[Block] = make_policy(  # type: ignore[assignment]
+                    name, ghost_key=block_key)  # as the first one: ghosts by key
                 if dram.clock is not None:
                     new = WarmPins(new, dram.clock)
                 for b in on_order + pinned:

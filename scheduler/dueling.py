@@ -57,6 +57,10 @@ def _parent_attribute(item: Any) -> Any:
     return getattr(item, "parent", None)
 
 
+def _itself(item: Hashable) -> Hashable:
+    return item
+
+
 class _Miniature(Generic[T]):
     """One candidate's miniature cache of the sampled keys, leaf first as the store is:
     a key whose parent it holds counts as that parent's child, and only keys with no
@@ -99,7 +103,15 @@ class _Miniature(Generic[T]):
 
 
 class Duel(Generic[T]):
-    """Victims from the candidate in charge; the others judged by their miniatures."""
+    """Victims from the candidate in charge; the others judged by their miniatures.
+
+    ``ghost_key`` names an item across its evictions (``EvictionPolicy``'s: the store
+    sets the block's key, a block cached again being a new entry): the miniatures sample
+    and hold these names, so a key asked for again after the real cache dropped it is
+    the same key to them, and each candidate's ghosts use it too.
+    """
+
+    ghost_key: Callable[[Hashable], Hashable] = staticmethod(_itself)
 
     def __init__(
         self,
@@ -118,9 +130,9 @@ class Duel(Generic[T]):
         if epoch < 1 or margin < 0.0 or not 0.0 <= keep < 1.0:
             raise ValueError("epoch must be >= 1, margin >= 0 and keep in [0, 1)")
         self._factories = list(factories)
-        self._order: Order[T] = self._factories[0]()
-        # Miniatures hold the keys' hashes: ints, cheap to hash, where the store's blocks
-        # hash in Python.
+        self._order: Order[T] = self._keyed(self._factories[0]())
+        # Miniatures hold the hashes of the items' names (``ghost_key``): ints, cheap to
+        # hash, and the same for a block cached again as a new entry.
         self._minis: list[_Miniature[int]] = [_Miniature(make()) for make in self._factories]
         self.sample_shift = sample_shift
         self._unsampled = 64 - sample_shift  # a key is sampled if its top bits are zero
@@ -129,7 +141,8 @@ class Duel(Generic[T]):
         self.keep = keep
         self._leader = 0
         self._items: dict[int, T] = {}  # every tracked item by its hash, pinned ones too
-        self._in_sample: set[int] = set()  # the tracked items' hashes in the sample
+        # the tracked items in the sample: an item's hash -> its name's (``ghost_key``)
+        self._in_sample: dict[int, int] = {}
         self._size = 0  # the most items tracked at once: the cache size, once full
         self._tick = 0  # inserts and evictions so far
         self._last: dict[int, int] = {}  # sampled key -> the tick of its last reference
@@ -138,6 +151,16 @@ class Duel(Generic[T]):
         # The store's blocks know their parent; other items (the replay's ids) have it
         # set here by their cache.
         self.parent_of: Callable[[T], T | None] = parent_of or _parent_attribute
+
+    def _keyed(self, order: Order[T]) -> Order[T]:
+        """The order, its ghosts named by this duel's ``ghost_key`` (read at each call:
+        the store sets it after the duel is made)."""
+        if hasattr(order, "ghost_key"):
+            order.ghost_key = self._name_of
+        return order
+
+    def _name_of(self, item: Hashable) -> Hashable:
+        return self.ghost_key(item)
 
     @property
     def leader(self) -> str:
@@ -157,7 +180,7 @@ class Duel(Generic[T]):
         # The miniatures hold a 2**-shift sample of a cache of _size items.
         capacity = max(1, self._size >> self.sample_shift)
         parent = self.parent_of(item)
-        parent_key = None if parent is None else hash(parent)
+        parent_key = None if parent is None else hash(self.ghost_key(parent))
         for mini in self._minis:
             mini.reference(key, parent_key, capacity)
         if len(self._last) > 4 * capacity:
@@ -191,7 +214,7 @@ class Duel(Generic[T]):
         the hand-overs save)."""
         listed = list(self._order.evictable())
         on_order = {hash(item) for item in listed}
-        order: Order[T] = self._factories[best]()
+        order: Order[T] = self._keyed(self._factories[best]())
         for item in listed:
             order.insert(item)
         for key, item in self._items.items():
@@ -211,16 +234,18 @@ class Duel(Generic[T]):
         if len(self._items) > self._size:
             self._size = len(self._items)
         self._order.insert(item)
-        if not ((key * _GOLDEN) & _MASK64) >> self._unsampled:
-            self._in_sample.add(key)  # decided once: a set is cheaper than the sum per hit
-            self._sample(key, item)
+        name = hash(self.ghost_key(item))
+        if not ((name * _GOLDEN) & _MASK64) >> self._unsampled:
+            self._in_sample[key] = name  # decided once: a lookup is cheaper than the sum per hit
+            self._sample(name, item)
 
     def access(self, item: T) -> None:
         key = hash(item)
         if key in self._items:
             self._order.access(item)
-            if key in self._in_sample:
-                self._sample(key, item)
+            name = self._in_sample.get(key)
+            if name is not None:
+                self._sample(name, item)
 
     def access_many(self, items: Iterable[T]) -> None:
         """``access`` each, in order, as one call per run of unsampled items to the
@@ -231,10 +256,11 @@ class Duel(Generic[T]):
             key = hash(item)
             if key in tracked:
                 run.append(item)
-                if key in in_sample:
+                name = in_sample.get(key)
+                if name is not None:
                     order.access_many(run)
                     run = []
-                    self._sample(key, item)
+                    self._sample(name, item)
                     order = self._order  # an election may have handed the order over
         if run:
             order.access_many(run)
@@ -248,7 +274,7 @@ class Duel(Generic[T]):
     def remove(self, item: T) -> None:
         key = hash(item)
         if self._items.pop(key, None) is not None:
-            self._in_sample.discard(key)
+            self._in_sample.pop(key, None)
             self._order.remove(item)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
@@ -257,7 +283,7 @@ class Duel(Generic[T]):
         if victim is not None:
             key = hash(victim)
             del self._items[key]
-            self._in_sample.discard(key)
+            self._in_sample.pop(key, None)
         return victim
 
     def evictable(self) -> Iterator[T]:

@@ -6,8 +6,10 @@ victim that passes the store's own test (leaf-first: a block something cached de
 on is never a victim).  One policy instance serves one slab class of one tier.
 
 Policies: ``lru``; ``s3fifo`` and ``arc`` (scan-resistant); ``slru`` (an adaptive
-segmented LRU); ``auto`` (the default: LRU, SLRU and ARC duelling, victims by the one
-whose miniature cache hit most lately, see ``kvstore.scheduler.dueling``).  No single
+segmented LRU); ``density`` (a learned hit density per class of blocks, after LHD, in
+``kvstore.scheduler.density``); ``auto`` (the default: LRU, SLRU and ARC duelling,
+victims by the one whose miniature cache hit most lately, see
+``kvstore.scheduler.dueling``).  No single
 order wins everywhere: on a real multi-turn chat trace SLRU is far ahead of LRU at 2% of
 its blocks and 6% behind it at 25%; the duel follows whichever pays on the traffic at
 hand and falls back to LRU where nothing else does.
@@ -26,74 +28,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
+from kvstore.scheduler.density import HitDensityPolicy
 from kvstore.scheduler.dueling import Duel
+from kvstore.scheduler.policy import EvictionPolicy as EvictionPolicy  # re-exported
 
 T = TypeVar("T", bound=Hashable)
-
-
-def _itself(item: Hashable) -> Hashable:
-    return item
-
-
-class EvictionPolicy(ABC, Generic[T]):
-    """Orders the evictable items of one slab class.
-
-    ``ghost_key`` names an item in the ghost lists of the policies that keep them
-    (S3-FIFO, ARC, SLRU): by default the item itself; the store passes the block's key,
-    so that a block cached again after it left is known as the one remembered, and a
-    ghost keeps only a key alive, not a whole entry."""
-
-    name: str = ""
-    ghost_key: Callable[[Hashable], Hashable] = staticmethod(_itself)
-
-    @abstractmethod
-    def insert(self, item: T) -> None:
-        """A newly committed item, evictable now."""
-
-    def insert_many(self, items: Iterable[T]) -> None:
-        """``insert`` each, in order (one call for a commit's blocks)."""
-        insert = self.insert
-        for item in items:
-            insert(item)
-
-    @abstractmethod
-    def access(self, item: T) -> None:
-        """The item was hit (looked up, acquired or read); it may be pinned."""
-
-    def access_many(self, items: Iterable[T]) -> None:
-        """``access`` each, in order (one call for a chain's hits)."""
-        access = self.access
-        for item in items:
-            access(item)
-
-    @abstractmethod
-    def pin(self, item: T) -> None:
-        """The item is pinned: not evictable until ``unpin``."""
-
-    @abstractmethod
-    def unpin(self, item: T) -> None:
-        """The last pin went: evictable again."""
-
-    @abstractmethod
-    def remove(self, item: T) -> None:
-        """The item is gone (evicted, dropped, moved); forget it."""
-
-    @abstractmethod
-    def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
-        """Take the coldest evictable item for which ``allowed`` holds, or None."""
-
-    @abstractmethod
-    def evictable(self) -> Iterator[T]:
-        """Every item the policy would give up, in no promised order (for checkers)."""
-
-    @abstractmethod
-    def __len__(self) -> int:
-        """How many evictable items it holds."""
 
 
 class LRUPolicy(EvictionPolicy[T]):
@@ -749,6 +692,7 @@ POLICIES: dict[str, Callable[[], EvictionPolicy[Hashable]]] = {
     "arc": ARCPolicy,
     "slru": SLRUPolicy,
     "auto": AutoPolicy,
+    "density": HitDensityPolicy,
 }
 
 DEFAULT_POLICY = "auto"

@@ -171,8 +171,7 @@ class PolicyCache:
             self._parent[key] = parent
             if parent is not None:
                 children[parent] += 1
-        for key in reversed(keys[hits:stored]):
-            policy.insert(key)
+        policy.insert_many(reversed(keys[hits:stored]))  # one call, as the store makes
         for key in reversed(keys[:hits]):
             policy.unpin(key)
 

@@ -14,7 +14,8 @@ from kvtest import make_identity
 from kvstore import Client
 from kvstore.errors import CapacityError
 
-ORDERS = {"lru": "LRUPolicy(", "auto": "AutoPolicy(", "s3fifo": "S3FIFOPolicy("}
+ORDERS = {"lru": "LRUPolicy(", "auto": "AutoPolicy(", "s3fifo": "S3FIFOPolicy(",
+          "density": "HitDensityPolicy("}
 SMALL = make_identity(num_layers=2, num_kv_heads=2, head_dim=64)  # 16 KiB blocks
 
 
@@ -29,7 +30,8 @@ def _wait_for_policy(client: Client, name: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize(("before", "after"), [("lru", "auto"), ("auto", "s3fifo")])
+@pytest.mark.parametrize(("before", "after"), [("lru", "auto"), ("auto", "s3fifo"),
+                                               ("auto", "density"), ("density", "lru")])
 def test_sighup_switches_the_eviction_policy_and_keeps_every_block(
         daemon_factory: Any, tmp_path: Path, before: str, after: str) -> None:
     config = tmp_path / "kvstore.toml"

@@ -25,7 +25,7 @@ def _load_replay() -> ModuleType:
 replay = _load_replay()
 
 
-@pytest.mark.parametrize("policy", ["lru", "slru", "arc", "s3fifo", "auto"])
+@pytest.mark.parametrize("policy", ["lru", "slru", "arc", "s3fifo", "density", "auto"])
 def test_the_daemon_hits_what_its_simulator_hits(policy: str) -> None:
     trace = replay.cacheable(replay.synthetic("conversations", 250))
     capacity = replay.daemon_capacity(0.05, replay.unique_blocks(trace))

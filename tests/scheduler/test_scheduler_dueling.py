@@ -153,4 +153,42 @@ def test_batched_hits_match_one_call_per_item() -> None:
     assert list(one.evictable()) == list(batched.evictable())
     # the sample is decided once per item, and forgotten with it
     sampled = {k for k in batched._items if not ((k * 0x9E3779B97F4A7C15) & (2**64 - 1)) >> 63}
-    assert batched._in_sample == sampled
+    assert set(batched._in_sample) == sampled
+
+
+class _Block:
+    """A store entry in miniature: a block cached again is a new object, same key."""
+
+    __slots__ = ("key", "parent")
+
+    def __init__(self, key: bytes, parent: _Block | None = None) -> None:
+        self.key = key
+        self.parent = parent
+
+
+def test_a_block_cached_again_is_the_same_key_to_the_miniatures_and_the_ghosts() -> None:
+    duel = AutoPolicy(sample_shift=0)  # every key sampled
+    duel.ghost_key = lambda block: block.key  # type: ignore[attr-defined]
+    blocks = [_Block(bytes([i])) for i in range(4)]
+    duel.insert_many(blocks)
+    duel.remove(blocks[2])  # dropped from the cache; the miniatures still hold its key
+    again = _Block(bytes([2]))
+    duel.insert(again)
+    # Each candidate's miniature counts the key's return as a hit (by object identity
+    # it would be a new key and a miss, and a duel in the daemon would never learn
+    # what the order in charge dropped).
+    assert sum(duel.scores().values()) == len(duel.scores())
+    order = duel._order
+    assert order.ghost_key(again) == bytes([2])  # type: ignore[attr-defined]
+    assert duel.pop_victim(lambda block: block is blocks[0]) is blocks[0]
+
+
+def test_after_a_hand_over_the_new_order_names_its_ghosts_by_key() -> None:
+    duel = AutoPolicy()
+    duel.ghost_key = lambda block: block.key  # type: ignore[attr-defined]
+    duel.insert_many([_Block(bytes([i])) for i in range(4)])
+    duel._take_over(1)  # SLRU takes the order
+    victim = duel.pop_victim(lambda block: True)
+    assert isinstance(victim, _Block) and victim.key == bytes([0])
+    duel.insert(_Block(bytes([0])))  # back from SLRU's ghost list: its protected segment
+    assert "protected=1" in repr(duel._order), duel._order

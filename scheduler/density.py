@@ -1,0 +1,314 @@
+"""Hit density: evict the block expected to earn the fewest hits for the room it holds.
+
+After LHD (Beckmann, Chen and Cidon, "LHD: Improving Cache Hit Rate by Maximizing Hit
+Density", NSDI 2018).  Every tracked block belongs to a class and has an age: the
+references (inserts and counted hits) since its last one.  For each class the policy
+learns online two histograms over age: at which ages its blocks were hit, and at which
+they were evicted.  From them, a block of class ``c`` at age ``a`` has a *hit density*
+
+    D(c, a) = P(hit again | c, age a) / E[references it still occupies | c, age a]
+            = sum_{x >= a} hits_c(x) / sum_{x >= a} (x - a) * (hits_c(x) + evictions_c(x))
+
+the hits it is expected to earn per unit of space-time; the victim is the candidate of
+lowest density.  Whatever makes blocks alike in their reuse can be a class; this policy
+uses what a prefix cache knows of a block:
+
+- **how often it was hit** (0, 1, 2, 3-5, 6+): a chain's head shared by many
+  conversations is hit by each of them (its fan-out shows as hits), a one-off tail never;
+- **whether it came back** from the ghost history (a key evicted, then asked for again:
+  the cache was too small for its reuse), which puts it in the classes of hit blocks;
+- its **age** is the conversation's idle time: a chain no turn has extended for a while
+  is less likely to continue, at whatever rate this traffic's think times say.
+
+Histograms are in geometric age buckets (four per octave, so the learning is free of
+any scale), decay by ``keep`` at each refresh (every ``refresh`` references), so the
+densities follow the traffic.  Candidates are the least recently referenced blocks of
+each class (at most ``skip`` passed over per class when the store's ``allowed`` test
+refuses them): within a class density falls with age, so its oldest block stands for
+it, and a victim costs O(classes), not a random sample.  No randomness: the daemon and
+its simulator make the same choices from the same calls.  Until the first refresh (and
+wherever no class has learned anything) the oldest candidate goes: LRU.
+
+A hit reported twice (the store's lookup, then acquire) counts once: a hit counts at
+most once per item per tick of a clock that advances on ``insert`` and ``pop_victim``,
+as for S3-FIFO (``kvstore.scheduler.eviction``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import TypeVar
+
+from kvstore.scheduler.policy import EvictionPolicy
+
+T = TypeVar("T", bound=Hashable)
+
+_BUCKETS = 112  # geometric age buckets: ages up to 2**29 references
+_CLASS_OF_HITS = (0, 1, 2, 3, 3, 3)  # hit count -> class (6 and more: the last)
+_CLASSES = 5
+
+
+def age_bucket(age: int) -> int:
+    """The histogram bucket of ``age``: exact below 8, then four per octave."""
+    if age < 8:
+        return age
+    bits = age.bit_length()
+    return min(_BUCKETS - 1, 4 * (bits - 2) + ((age >> (bits - 3)) & 3))
+
+
+def _bucket_ages() -> list[float]:
+    """The middle age of each bucket (the age its events are counted at)."""
+    ages = [float(a) for a in range(8)]
+    for bucket in range(8, _BUCKETS):
+        bits, quarter = bucket // 4 + 2, bucket % 4
+        low = (4 + quarter) << (bits - 3)
+        ages.append(low + ((1 << (bits - 3)) - 1) / 2)
+    return ages
+
+
+_AGES = _bucket_ages()
+# where each bucket starts (less half a reference): a block in bucket b is expected to
+# stay from there to each later event, the events of its own bucket included
+_STARTS = [a - 0.5 for a in range(8)] + [
+    float((4 + b % 4) << (b // 4 - 1)) - 0.5 for b in range(8, _BUCKETS)]
+
+
+def _class(hits: int) -> int:
+    """The class of a block hit ``hits`` times."""
+    return _CLASS_OF_HITS[hits] if hits < len(_CLASS_OF_HITS) else _CLASSES - 1
+
+
+class _Entry:
+    """What the policy remembers of one tracked item."""
+
+    __slots__ = ("hits", "klass", "stamp", "tick", "pinned", "kids", "parent", "up")
+
+    def __init__(self, hits: int, klass: int, stamp: int) -> None:
+        self.hits = hits
+        self.klass = klass
+        self.stamp = stamp  # the clock at its last reference
+        self.tick = -1  # the eviction tick of its last counted hit
+        self.pinned = False
+        self.kids = 0  # tracked items that name it as parent: while any, not a candidate
+        self.parent: object = None  # its parent item, tracked when it was inserted
+        self.up: _Entry | None = None  # that parent's entry
+
+
+def _parent_attribute(item: object) -> object:
+    return getattr(item, "parent", None)
+
+
+class HitDensityPolicy(EvictionPolicy[T]):
+    """Victims by lowest learned hit density among each class's oldest blocks (see the
+    module docstring).  O(1) per insert, hit, pin and removal; O(classes + skipped) per
+    victim; O(classes * buckets) per refresh, every ``refresh`` references.
+
+    ``ghost`` bounds the ghost history: at most that many times the cache size keys,
+    none older than that many times the cache size references (its horizon: a block
+    not back by then counts as one that would have gone unused).
+
+    Only leaves are candidates: the policy counts each item's tracked children
+    (``parent_of``: a block's ``parent`` by default) and passes over a parent without
+    asking the store, whose ``allowed`` has the last word on the others.  A class whose
+    oldest ``skip`` items are all refused (the old shared heads of the most-hit classes)
+    yields to the next best."""
+
+    name = "density"
+
+    def __init__(self, *, refresh: int = 4096, keep: float = 0.9, ghost: float = 4.0,
+                 skip: int = 2) -> None:
+        if refresh < 1 or skip < 1 or not 0.0 <= keep < 1.0 or ghost <= 0.0:
+            raise ValueError("refresh and skip must be >= 1, keep in [0, 1), ghost > 0; "
+                             f"got {refresh}, {skip}, {keep}, {ghost}")
+        self.refresh = refresh
+        self.keep = keep
+        self.ghost_ratio = ghost
+        self.skip = skip
+        self.parent_of: Callable[[T], object] = _parent_attribute
+        self._entries: dict[T, _Entry] = {}
+        self._pinned = 0
+        self._queues: list[OrderedDict[T, None]] = [OrderedDict() for _ in range(_CLASSES)]
+        # evicted keys -> (hits, class, clock at the last reference)
+        self._ghost: OrderedDict[Hashable, tuple[int, int, int]] = OrderedDict()
+        self._hits = [[0.0] * _BUCKETS for _ in range(_CLASSES)]  # per class, per age
+        self._evictions = [[0.0] * _BUCKETS for _ in range(_CLASSES)]
+        self._density: list[list[float]] | None = None  # none learned yet: LRU
+        self._now = 0  # references so far: the clock ages are counted in
+        self._tick = 0  # inserts and evictions so far (a hit counts once per tick)
+        self._next_refresh = refresh
+        self._size = 0  # the most items tracked at once: the cache size, once full
+        self.refreshes = 0
+
+    def insert(self, item: T) -> None:
+        self.insert_many((item,))
+
+    def insert_many(self, items: Iterable[T]) -> None:
+        entries, ghost, key, queues = self._entries, self._ghost, self.ghost_key, self._queues
+        fresh: list[tuple[T, _Entry]] = []
+        for item in items:
+            if item in entries:
+                continue
+            self._tick += 1
+            self._now += 1
+            remembered = ghost.pop(key(item), None) if ghost else None
+            hits = 0
+            if remembered is not None:
+                # Back after its eviction: a hit it would have had, had it stayed; it
+                # starts again as a block hit that often.
+                hits, klass, stamp = remembered
+                self._hits[klass][age_bucket(self._now - stamp)] += 1.0
+                hits += 1
+            klass = _class(hits)
+            entries[item] = entry = _Entry(hits, klass, self._now)
+            queues[klass][item] = None
+            fresh.append((item, entry))
+        parent_of = self.parent_of
+        for item, entry in fresh:  # linked once all are in: a put's deepest comes first
+            parent = parent_of(item)
+            up = entries.get(parent) if parent is not None else None  # type: ignore[arg-type]
+            if up is not None:
+                entry.parent, entry.up = parent, up
+                up.kids += 1
+        if len(entries) > self._size:
+            self._size = len(entries)
+        if self._now >= self._next_refresh:
+            self._learn()
+
+    def access(self, item: T) -> None:
+        self.access_many((item,))
+
+    def access_many(self, items: Iterable[T]) -> None:
+        entries, queues, tick = self._entries, self._queues, self._tick
+        for item in items:
+            entry = entries.get(item)
+            if entry is None or entry.tick == tick:
+                continue  # unknown, or already counted in this tick (lookup, then acquire)
+            entry.tick = tick
+            self._now += 1
+            old = entry.klass
+            self._hits[old][age_bucket(self._now - entry.stamp)] += 1.0
+            entry.hits += 1
+            entry.klass = new = _class(entry.hits)
+            entry.stamp = self._now
+            if not entry.pinned:
+                del queues[old][item]
+                queues[new][item] = None
+        if self._now >= self._next_refresh:
+            self._learn()
+
+    def pin(self, item: T) -> None:
+        entry = self._entries.get(item)
+        if entry is not None and not entry.pinned:
+            entry.pinned = True
+            self._pinned += 1
+            del self._queues[entry.klass][item]
+
+    def unpin(self, item: T) -> None:
+        entry = self._entries.get(item)
+        if entry is not None and entry.pinned:
+            entry.pinned = False
+            self._pinned -= 1
+            self._queues[entry.klass][item] = None
+
+    def remove(self, item: T) -> None:
+        entry = self._entries.pop(item, None)
+        if entry is not None:
+            if entry.pinned:
+                self._pinned -= 1
+            else:
+                del self._queues[entry.klass][item]
+            self._unlink(entry)
+
+    @staticmethod
+    def _unlink(entry: _Entry) -> None:
+        """An item left: its parent has one child fewer."""
+        if entry.up is not None:
+            entry.up.kids -= 1
+
+    def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
+        self._tick += 1
+        density, entries, now = self._density, self._entries, self._now
+        # Each class is ranked by its oldest block (lowest density first; the oldest on
+        # a tie, so LRU before anything is learned); the victim is the first block the
+        # store allows in the best class, or the next one.  Ranking before asking spares
+        # the walk past the old shared heads (never leaves) of the most-hit classes.
+        ranked: list[tuple[float, int, int]] = []
+        for klass, queue in enumerate(self._queues):
+            if queue:
+                age = now - entries[next(iter(queue))].stamp
+                if density is None:
+                    ranked.append((0.0, -age, klass))
+                    continue
+                if age < 8:  # age_bucket, inline: this loop is the policy's hot path
+                    bucket = age
+                else:
+                    bits = age.bit_length()
+                    bucket = 4 * (bits - 2) + ((age >> (bits - 3)) & 3)
+                    if bucket >= _BUCKETS:
+                        bucket = _BUCKETS - 1
+                ranked.append((density[klass][bucket], -age, klass))
+        ranked.sort()
+        best: T | None = None
+        skip = self.skip
+        for _, _, klass in ranked:
+            for passed, item in enumerate(self._queues[klass]):
+                # a parent of a tracked item is no leaf: no need to ask the store
+                if not entries[item].kids and allowed(item):
+                    best = item
+                    break
+                if passed + 1 >= skip:
+                    break
+            if best is not None:
+                break
+        if best is None:  # every class's oldest few refused: the first allowed item
+            best = next((i for q in self._queues for i in q if allowed(i)), None)
+            if best is None:
+                return None
+        entry = entries.pop(best)
+        del self._queues[entry.klass][best]
+        self._unlink(entry)
+        # Its fate is learned when its ghost comes back (a hit at that age) or is
+        # forgotten (an eviction at that age): what keeping it would have earned.
+        ghost = self._ghost
+        ghost[self.ghost_key(best)] = (entry.hits, entry.klass, entry.stamp)
+        horizon = self.ghost_ratio * self._size
+        while ghost:
+            _, klass, stamp = next(iter(ghost.values()))
+            if len(ghost) <= horizon and now - stamp <= horizon:
+                break
+            ghost.popitem(last=False)
+            self._evictions[klass][age_bucket(now - stamp)] += 1.0
+        return best
+
+    def _learn(self) -> None:
+        """Densities from the histograms, then the histograms decay."""
+        self._next_refresh = self._now + self.refresh
+        self.refreshes += 1
+        tables = []
+        for hits, evictions in zip(self._hits, self._evictions):
+            table = [0.0] * _BUCKETS
+            hits_above = events_above = age_sum_above = 0.0
+            for bucket in range(_BUCKETS - 1, -1, -1):
+                events = hits[bucket] + evictions[bucket]
+                hits_above += hits[bucket]
+                events_above += events
+                age_sum_above += events * _AGES[bucket]
+                lifetime = age_sum_above - _STARTS[bucket] * events_above
+                table[bucket] = hits_above / lifetime if events_above else 0.0
+                hits[bucket] *= self.keep
+                evictions[bucket] *= self.keep
+            tables.append(table)
+        self._density = tables
+
+    def evictable(self) -> Iterator[T]:
+        return iter([item for item, entry in self._entries.items() if not entry.pinned])
+
+    def __len__(self) -> int:
+        return len(self._entries) - self._pinned
+
+    def __repr__(self) -> str:
+        classes = "/".join(str(len(queue)) for queue in self._queues)
+        pinned = len(self._entries) - len(self)
+        return (f"HitDensityPolicy(classes={classes}, pinned={pinned}, "
+                f"ghost={len(self._ghost)}, refreshes={self.refreshes})")
