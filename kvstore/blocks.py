@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
+from kvstore.block_map import BlockMap
 from kvstore.identity import Identity
 from kvstore.pool import SlabClass, SlabPool
 from kvstore.scheduler.eviction import EvictionPolicy, WarmPins, make_policy
@@ -122,7 +123,7 @@ class Namespace:
         self.block_bytes = identity.block_bytes
         self.cls = cls
         self.ssd_cls = ssd_cls
-        self.blocks: dict[bytes, Block] = {}
+        self.blocks: BlockMap[Block] = BlockMap()  # key -> entry, grown a shard at a time
 
     def __repr__(self) -> str:
         return f"Namespace({self.identity.model}, tenant={self.tenant}, blocks={len(self.blocks)})"

@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 from kvtest import make_identity
 
+from kvstore.block_map import BlockMap
 from kvstore.blocks import Block
 from kvstore.store import BlockStore, Namespace, Reservation
 
 
-class NoWalk(dict[bytes, Block]):
+class NoWalk(BlockMap[Block]):
     """A namespace's index that fails any walk over it (lookups by key still work)."""
 
     walking = False
@@ -138,4 +139,43 @@ def test_a_block_cached_again_after_it_left_is_remembered_by_its_key(policy: str
                   "arc": lambda: again in inner._t2,
                   "s3fifo": lambda: again in inner._main}[policy]
     assert remembered()  # ... that its order knew from before, by its key
+    store.check_invariants()
+
+
+def test_the_block_map_reads_as_a_dict_and_spreads_its_keys() -> None:
+    from kvstore.block_map import SPLIT_AT
+
+    blocks: BlockMap[int] = BlockMap()
+    keys = [os.urandom(16) for _ in range(2 * SPLIT_AT)]
+    for i, key in enumerate(keys):
+        blocks[key] = i
+    assert len(blocks) == len(keys) and blocks and keys[7] in blocks
+    assert blocks[keys[7]] == 7 and blocks.get(keys[9]) == 9 and blocks.get(b"x" * 16) is None
+    assert sorted(blocks.values()) == list(range(len(keys)))
+    assert dict(blocks.items()) == {k: i for i, k in enumerate(keys)}
+    assert blocks.mask and max(map(len, blocks.shards)) < len(keys) // 64  # split, evenly
+    for key in keys:
+        del blocks[key]
+    assert not blocks and len(blocks) == 0 and keys[0] not in blocks
+    small: BlockMap[int] = BlockMap()
+    small[keys[0]] = 0
+    assert len(small.shards) == 1  # a small map is one dict
+    with pytest.raises(KeyError):
+        del blocks[keys[0]]
+
+
+def test_a_namespace_whose_map_splits_keeps_every_chain() -> None:
+    from kvstore.block_map import SPLIT_AT
+
+    ident = make_identity(head_dim=8, num_layers=1, num_kv_heads=1)
+    chains = [[os.urandom(16) for _ in range(1024)] for _ in range(SPLIT_AT // 1024 + 2)]
+    store = BlockStore((len(chains) + 16) * 1024 * 4096, 64 << 20)
+    ns = store.open_namespace(ident)
+    for keys in chains:
+        _commit(store, ns, keys)
+    assert len(ns.blocks.shards) > 1 and len(ns.blocks) == len(chains) * 1024
+    for keys in chains:
+        assert store.lookup(ns, keys) == ["dram"] * 1024
+    assert store.evict(ns, [chains[0][512]])[0] == 512
+    assert store.lookup(ns, chains[0]) == ["dram"] * 512
     store.check_invariants()
