@@ -18,6 +18,7 @@ import msgspec
 
 from kvstore.config import Config
 from kvstore.errors import CapacityError, KVStoreError
+from kvstore.heap import paused
 from kvstore.identity import Identity
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace, Transfer
@@ -55,6 +56,10 @@ class SsdMover:
     # -- start-up --------------------------------------------------------------------------
     def restore(self) -> int:
         """Rebuild the SSD tier's blocks from the durable index (warm restart)."""
+        with paused():  # all it builds lives on: nothing for the collector to find
+            return self._restore()
+
+    def _restore(self) -> int:
         namespaces = {}
         for ns_id, blob in self.engine.namespaces().items():
             try:
@@ -63,17 +68,25 @@ class SsdMover:
                 continue
             if identity.namespace_id == ns_id:
                 namespaces[ns_id] = self.store.open_namespace(identity)
-        restored = 0
+        # Each namespace's records in the order loaded (parents first), restored in one go.
+        found: dict[bytes, list[tuple[bytes, bytes | None, int, BlockRecord]]] = {}
         for record in self.engine.load():
             ns = namespaces.get(record.namespace)
             if ns is not None and ns.ssd_cls is not None and (
                     record.length == ns.block_bytes
-                    and record.size_class == ns.ssd_cls.slot_bytes
-                    and self.store.ssd_copies.restore(ns, record.key, record.parent,
-                                                     record.offset, record)):
-                restored += 1
+                    and record.size_class == ns.ssd_cls.slot_bytes):
+                group = found.get(ns.id)
+                if group is None:
+                    group = found[ns.id] = []
+                group.append((record.key, record.parent, record.offset, record))
             else:
                 self._pending_removals.append((record.namespace, record.key))
+        restored = 0
+        for ns_id, group in found.items():
+            ok = self.store.ssd_copies.restore_many(namespaces[ns_id], group)
+            restored += sum(ok)
+            self._pending_removals.extend(
+                (ns_id, g[0]) for g, good in zip(group, ok) if not good)
         return restored
 
     def remember_namespace(self, identity: Identity) -> None:
