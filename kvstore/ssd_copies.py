@@ -176,7 +176,8 @@ class SsdCopies:
                 self.store.ssd.pool.free(cls, [off])
             else:
                 b.ssd_offset = off
-                b.ssd_record = records[i]
+                if not b.checksum:  # the SSD tier's own digest of the bytes it wrote
+                    b.checksum = getattr(records[i], "checksum", 0)
                 self.store.ssd.policy(cls).insert(b)
                 self.store.ssd_committed_slots += 1
                 self.store.ssd_committed_bytes += cls.slot_bytes
@@ -437,7 +438,6 @@ def restore_blocks(store: StoreCore, ns: Namespace,
             continue
         block = Block(key, ns, parent_block)
         block.ssd_offset = offset
-        block.ssd_record = record
         block.checksum = getattr(record, "checksum", 0)  # the same xxh3_64 as clients use
         block.seen = seen
         if parent_block is not None:

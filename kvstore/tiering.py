@@ -156,7 +156,7 @@ class SsdMover:
             async with self.gate.slot(nbytes, default_kind=TransferKind.RELOAD,
                                       default_tenant=t.blocks[0].ns.tenant):
                 started = time.perf_counter()
-                ok = await self.engine.read_many([b.ssd_record for b in t.blocks], views)
+                ok = await self.engine.read_many([_stored(b) for b in t.blocks], views)
             self.reads += 1
             self.read_bytes += nbytes
             self.read_seconds += time.perf_counter() - started
@@ -182,7 +182,7 @@ class SsdMover:
         try:
             async with self.gate.slot(nbytes, default_kind=TransferKind.WRITEBACK,
                                       default_tenant=blocks[0].ns.tenant):
-                return await self.engine.read_many([b.ssd_record for b in blocks], views)
+                return await self.engine.read_many([_stored(b) for b in blocks], views)
         except KVStoreError as exc:
             self.errors += 1
             log.warning("reading %d blocks from ssd failed: %s", len(blocks), exc)
@@ -219,6 +219,17 @@ class SsdMover:
         out = dict(self.engine.stats())
         out["errors"] = self.errors
         return out
+
+
+def _stored(block: Block) -> BlockRecord:
+    """The SSD tier's record of a block's copy there, as written (what a read checks the
+    bytes against): made again from the block when read, not kept on every block."""
+    assert block.ssd_offset is not None and block.ns.ssd_cls is not None
+    return BlockRecord(
+        namespace=block.ns.id, key=block.key,
+        parent=block.parent.key if block.parent is not None else None,
+        offset=block.ssd_offset, length=block.ns.block_bytes, checksum=block.checksum,
+        size_class=block.ns.ssd_cls.slot_bytes)
 
 
 def _record(block: Block, offset: int, slot_bytes: int) -> BlockRecord:
