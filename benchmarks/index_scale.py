@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import heapq
 import json
 import os
 import random
@@ -163,6 +164,7 @@ def index_figures(n: int, policy: str) -> dict[str, Any]:
     tails: list[bytes] = []
     ingest = 0.0
     longest_op, longest_at = 0.0, 0
+    top: list[tuple[float, int]] = []  # the longest commits: (seconds, blocks before it)
     settles: list[float] = []
     lookups: dict[str, dict[str, float]] = {}
     marks = sorted({c for c in CHECKPOINTS if c <= n} | {n})
@@ -181,6 +183,10 @@ def index_figures(n: int, policy: str) -> dict[str, Any]:
             ingest += spent
             if spent > longest_op:
                 longest_op, longest_at = spent, done
+            if len(top) < 5 or spent > top[0][0]:
+                heapq.heappush(top, (spent, done))
+                if len(top) > 5:
+                    heapq.heappop(top)
             done += len(keys)
             heads.append(keys[:64])
             tails.append(keys[-1])
@@ -227,6 +233,8 @@ def index_figures(n: int, policy: str) -> dict[str, Any]:
         "lookup64": lookups,
         "stall_longest_commit_ms": longest_op * 1e3,
         "stall_longest_commit_at_blocks": longest_at,
+        "stall_top5_commits_ms_at_blocks": {
+            f"{at:,}": ms * 1e3 for ms, at in sorted(top, reverse=True)},
         "stall_longest_settle_ms": max(settles, default=0.0) * 1e3,
         "stall_longest_gc_pause_ms": pauses.longest * 1e3,
         "full_gc_runs_in_ingest": pauses.full_runs,
