@@ -406,8 +406,7 @@ class SsdCopies:
     def restore_many(self, ns: Namespace,
                      found: Sequence[tuple[bytes, bytes | None, int, Any]]) -> list[bool]:
         """``restore`` each of (key, parent key, SSD offset, record) in turn, parents
-        first, their slots claimed in one go (they must not overlap, as the SSD tier's
-        load leaves them); one bool each."""
+        first, their slots claimed in one go; one bool each, as one by one."""
         return restore_blocks(self.store, ns, found)
 
 
@@ -424,15 +423,19 @@ def restore_blocks(store: StoreCore, ns: Namespace,
     seen = store.ssd_admit_after
     ok: list[bool] = []
     fresh: list[Block] = []
-    unused: list[int] = []
+    given_back: set[int] = set()  # claimed for an entry that could not be restored
     for (key, parent, offset, record), got in zip(found, claimed):
         parent_block = shards[hash(parent) & mask].get(parent) if parent is not None else None
         shard = shards[hash(key) & mask]
         if (parent is not None and parent_block is None) or key in shard:
-            if got:
-                unused.append(offset)
+            if got:  # one by one it would not have been claimed: free for those after it
+                ssd.pool.free(cls, [offset])
+                given_back.add(offset)
             ok.append(False)
             continue
+        if not got and offset in given_back:
+            got = ssd.pool.claim(cls, offset)
+            given_back.discard(offset)
         ok.append(got)
         if not got:
             continue
@@ -447,8 +450,6 @@ def restore_blocks(store: StoreCore, ns: Namespace,
         if not mask and len(shard) > SPLIT_AT:
             blocks.grown()
             shards, mask = blocks.shards, blocks.mask
-    if unused:
-        ssd.pool.free(cls, unused)
     ssd.policy(cls).insert_many(fresh)
     store.ssd_committed_slots += len(fresh)
     store.ssd_committed_bytes += len(fresh) * cls.slot_bytes

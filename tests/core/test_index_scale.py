@@ -179,3 +179,36 @@ def test_a_namespace_whose_map_splits_keeps_every_chain() -> None:
     assert store.evict(ns, [chains[0][512]])[0] == 512
     assert store.lookup(ns, chains[0]) == ["dram"] * 512
     store.check_invariants()
+
+
+def test_restoring_in_bulk_keeps_what_one_by_one_would_and_frees_the_rest() -> None:
+    ident = make_identity()
+    slot = ident.block_bytes
+
+    def fresh() -> tuple[BlockStore, Namespace]:
+        store = BlockStore(8 * slot, 8 * slot, ssd_capacity=64 * slot, ssd_slab_bytes=16 * slot)
+        return store, store.open_namespace(ident)
+
+    keys = [os.urandom(16) for _ in range(8)]
+    lost = os.urandom(16)  # a parent the index no longer has
+    found: list[tuple[bytes, bytes | None, int, Any]] = [
+        (keys[0], None, 40 * slot, None),
+        (keys[1], keys[0], 3 * slot, None),
+        (keys[2], lost, 5 * slot, None),          # orphan: not restored, its slot free
+        (keys[3], keys[2], 6 * slot, None),       # below the orphan
+        (keys[4], keys[1], 3 * slot, None),       # a slot taken already
+        (keys[5], keys[1], 7 * slot + 1, None),   # not a slot boundary
+        (keys[1], keys[0], 9 * slot, None),       # the key again
+        (keys[6], keys[1], 5 * slot, None),       # the orphan's slot, free again
+    ]
+    bulk, ns = fresh()
+    ok = bulk.ssd_copies.restore_many(ns, found)
+    one, ns1 = fresh()
+    assert ok == [one.ssd_copies.restore(ns1, *f) for f in found]
+    assert ok == [True, True, False, False, False, False, False, True]
+    assert bulk.lookup(ns, [keys[0], keys[1], keys[6]]) == ["ssd"] * 3
+    committed = [s.tier_stats()["ssd"]["committed"] for s in (bulk, one)]
+    assert committed == [3 * slot, 3 * slot]
+    assert sorted(bulk.ssd.pool.free_offsets(ns.ssd_cls)) == sorted(  # type: ignore[union-attr]
+        one.ssd.pool.free_offsets(ns1.ssd_cls))  # type: ignore[union-attr]
+    bulk.check_invariants()
