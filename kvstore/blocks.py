@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any
 
+from kvstore.block_map import BlockMap
 from kvstore.identity import Identity
 from kvstore.pool import SlabClass, SlabPool
 from kvstore.scheduler.eviction import EvictionPolicy, WarmPins, make_policy
@@ -28,9 +28,9 @@ SSD = "ssd"
 class Block:
     """One key's entry: its place in the chain, its copies per tier, its pins."""
 
-    __slots__ = ("key", "ns", "parent", "kids", "offset", "refs", "ssd_offset",
-                 "ssd_record", "ssd_holds", "demoting", "promoting", "seen", "remote",
-                 "checksum", "gpu_offset", "extra", "tokens", "announced")
+    __slots__ = ("key", "ns", "parent", "kids", "offset", "refs", "ssd_offset", "ssd_holds",
+                 "demoting", "promoting", "seen", "remote", "checksum", "gpu_offset", "extra",
+                 "tokens", "announced")
 
     def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
         self.key = key
@@ -43,13 +43,13 @@ class Block:
         self.offset: int | None = None      # DRAM slot
         self.refs = 0                       # pins on the DRAM copy
         self.ssd_offset: int | None = None  # SSD slot
-        self.ssd_record: Any = None         # what the SSD tier needs to read it back
         self.ssd_holds = 0                  # reads of the SSD copy in flight
         self.demoting = False               # DRAM copy being written back, then dropped
         self.promoting = False              # DRAM copy being read in from SSD
         self.seen = 0                       # commits and hits, for the SSD admission filter
         self.remote = False                 # known to be in the remote store
-        self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown)
+        self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown);
+        # an SSD copy is read back by it (and its offset, key and namespace's sizes)
         self.gpu_offset: int | None = None  # a copy in the GPU tier's device pool
         self.extra: dict[str, int] | None = None  # copies in added tiers: name -> slot
         self.tokens: bytes | None = None    # its token ids (msgpack ints), while events are on
@@ -122,7 +122,7 @@ class Namespace:
         self.block_bytes = identity.block_bytes
         self.cls = cls
         self.ssd_cls = ssd_cls
-        self.blocks: dict[bytes, Block] = {}
+        self.blocks: BlockMap[Block] = BlockMap()  # key -> entry, grown a shard at a time
 
     def __repr__(self) -> str:
         return f"Namespace({self.identity.model}, tenant={self.tenant}, blocks={len(self.blocks)})"

@@ -311,7 +311,6 @@ class StoreCore:
         self.ssd.policy(cls).remove(block)
         self.ssd.pool.free(cls, [block.ssd_offset])
         block.ssd_offset = None
-        block.ssd_record = None
         self.ssd_committed_slots -= 1
         self.ssd_committed_bytes -= cls.slot_bytes
         if self.changes is not None:

@@ -24,10 +24,10 @@ class Index:
     # -- lookup -------------------------------------------------------------------------------
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> list[str]:
         """The tier of each leading cached key (its length is the hit count)."""
-        blocks = ns.blocks
+        shards, mask = ns.blocks.shards, ns.blocks.mask  # ``ns.blocks.get``, inline
         chain: list[Block] = []
         for key in keys:
-            block = blocks.get(key)
+            block = shards[hash(key) & mask].get(key)
             # ``Block.present``, inline: this loop is the lookup's cost
             if block is None or (block.offset is None and block.ssd_offset is None
                                  and block.extra is None):

@@ -8,7 +8,7 @@ what a slot holds is the block store's business.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from kvstore.errors import TooLargeError
 
@@ -196,6 +196,54 @@ class SlabPool:
         if slab.used == cls.slots_per_slab:
             del cls._with_room[index]
         return True
+
+    def claim_many(self, cls: SlabClass, offsets: Sequence[int]) -> list[bool]:
+        """``claim`` each offset in turn (a warm restart's slots, in any order); one bool
+        each.  A slab no slot of which was in use is rebuilt in one pass over its
+        claims, not a claim at a time."""
+        ok = [False] * len(offsets)
+        size, per = cls.slot_bytes, cls.slots_per_slab
+        by_slab: dict[int, list[tuple[int, int]]] = {}  # slab -> (slot, position)
+        for pos, offset in enumerate(offsets):
+            index, within = divmod(offset, self.slab_bytes)
+            slot, rest = divmod(within, size)
+            if offset >= 0 and index < self.num_slabs and not rest and slot < per:
+                claims = by_slab.get(index)
+                if claims is None:
+                    claims = by_slab[index] = []
+                claims.append((slot, pos))
+        fresh = [i for i in by_slab if i not in self._owner]
+        if fresh:
+            gone = set(fresh)
+            self._empty = [i for i in self._empty if i not in gone]
+        for index, claims in by_slab.items():
+            owner = self._owner.get(index)
+            if owner is None:
+                self._grow(cls, index)
+                self._fill(cls, cls.slabs[index], claims, ok)
+            elif owner is cls:
+                base = index * self.slab_bytes
+                for slot, pos in claims:
+                    ok[pos] = self.claim(cls, base + slot * size)
+        return ok
+
+    def _fill(self, cls: SlabClass, slab: Slab, claims: list[tuple[int, int]],
+              ok: list[bool]) -> None:
+        """Mark the claimed slots of a new slab used, the others below the highest free."""
+        taken = bytearray(cls.slots_per_slab)
+        for slot, pos in claims:
+            if not taken[slot]:
+                taken[slot] = 1
+                ok[pos] = True
+        top = taken.rindex(1) + 1
+        size = cls.slot_bytes
+        slab.freed = [slab.base + i * size for i in range(top) if not taken[i]]
+        slab.next_unused = top
+        used = top - len(slab.freed)
+        slab.used = used
+        cls.free_slots -= used
+        if used == cls.slots_per_slab:
+            del cls._with_room[slab.index]
 
     def _grow(self, cls: SlabClass, index: int | None = None) -> None:
         if index is None:

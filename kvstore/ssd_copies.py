@@ -7,9 +7,10 @@ daemon's SSD mover moves the bytes and reports back.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from kvstore.block_map import SPLIT_AT
 from kvstore.blocks import DRAM, SSD, Block, Namespace, Transfer
 from kvstore.core import StoreCore
 from kvstore.dram_copies import check_slots
@@ -175,7 +176,8 @@ class SsdCopies:
                 self.store.ssd.pool.free(cls, [off])
             else:
                 b.ssd_offset = off
-                b.ssd_record = records[i]
+                if not b.checksum:  # the SSD tier's own digest of the bytes it wrote
+                    b.checksum = getattr(records[i], "checksum", 0)
                 self.store.ssd.policy(cls).insert(b)
                 self.store.ssd_committed_slots += 1
                 self.store.ssd_committed_bytes += cls.slot_bytes
@@ -396,24 +398,59 @@ class SsdCopies:
             self.store.hollow.add(b)  # something below is in use: drop it when released
 
     def restore(self, ns: Namespace, key: bytes, parent: bytes | None,
-                          offset: int, record: Any) -> bool:
+                offset: int, record: Any) -> bool:
         """Take back a block found on SSD at start-up (parents first); False if it does not
         fit this configuration."""
-        assert self.store.ssd is not None and ns.ssd_cls is not None
-        parent_block = ns.blocks.get(parent) if parent is not None else None
-        if (parent is not None and parent_block is None) or key in ns.blocks:
-            return False
-        if not self.store.ssd.pool.claim(ns.ssd_cls, offset):
-            return False
+        return self.restore_many(ns, [(key, parent, offset, record)])[0]
+
+    def restore_many(self, ns: Namespace,
+                     found: Sequence[tuple[bytes, bytes | None, int, Any]]) -> list[bool]:
+        """``restore`` each of (key, parent key, SSD offset, record) in turn, parents
+        first, their slots claimed in one go; one bool each, as one by one."""
+        return restore_blocks(self.store, ns, found)
+
+
+def restore_blocks(store: StoreCore, ns: Namespace,
+                   found: Sequence[tuple[bytes, bytes | None, int, Any]]) -> list[bool]:
+    """``SsdCopies.restore_many``: one loop over a warm restart's blocks, which may be
+    millions, so the map's get and set are inline."""
+    ssd = store.ssd
+    cls = ns.ssd_cls
+    assert ssd is not None and cls is not None
+    claimed = ssd.pool.claim_many(cls, [f[2] for f in found])
+    blocks = ns.blocks
+    shards, mask = blocks.shards, blocks.mask
+    seen = store.ssd_admit_after
+    ok: list[bool] = []
+    fresh: list[Block] = []
+    given_back: set[int] = set()  # claimed for an entry that could not be restored
+    for (key, parent, offset, record), got in zip(found, claimed):
+        parent_block = shards[hash(parent) & mask].get(parent) if parent is not None else None
+        shard = shards[hash(key) & mask]
+        if (parent is not None and parent_block is None) or key in shard:
+            if got:  # one by one it would not have been claimed: free for those after it
+                ssd.pool.free(cls, [offset])
+                given_back.add(offset)
+            ok.append(False)
+            continue
+        if not got and offset in given_back:
+            got = ssd.pool.claim(cls, offset)
+            given_back.discard(offset)
+        ok.append(got)
+        if not got:
+            continue
         block = Block(key, ns, parent_block)
         block.ssd_offset = offset
-        block.ssd_record = record
         block.checksum = getattr(record, "checksum", 0)  # the same xxh3_64 as clients use
-        block.seen = self.store.ssd_admit_after
+        block.seen = seen
         if parent_block is not None:
             parent_block.add_child(block)
-        ns.blocks[key] = block
-        self.store.ssd.policy(ns.ssd_cls).insert(block)
-        self.store.ssd_committed_slots += 1
-        self.store.ssd_committed_bytes += ns.ssd_cls.slot_bytes
-        return True
+        shard[key] = block
+        fresh.append(block)
+        if not mask and len(shard) > SPLIT_AT:
+            blocks.grown()
+            shards, mask = blocks.shards, blocks.mask
+    ssd.policy(cls).insert_many(fresh)
+    store.ssd_committed_slots += len(fresh)
+    store.ssd_committed_bytes += len(fresh) * cls.slot_bytes
+    return ok

@@ -192,13 +192,15 @@ class BlockStore(StoreCore):
         parent = r.parent
         duplicates: list[int] = []
         fresh: list[Block] = []
+        shards, mask = ns.blocks.shards, ns.blocks.mask  # ``ns.blocks``' get and set, inline
         for i, (key, offset) in enumerate(zip(r.keys, r.offsets)):
-            block = ns.blocks.get(key)
+            shard = shards[hash(key) & mask]
+            block = shard.get(key)
             if block is None:
                 block = Block(key, ns, parent)
                 if parent is not None:
                     parent.add_child(block)
-                ns.blocks[key] = block
+                shard[key] = block
                 if checksums:
                     block.checksum = checksums[i]
             if tokens and tokens[i] and block.tokens is None:
@@ -210,6 +212,7 @@ class BlockStore(StoreCore):
                 fresh.append(block)
             block.seen += 1
             parent = block
+        ns.blocks.grown()
         policy.insert_many(reversed(fresh))  # deepest first: parents end up warmer
         if self.changes is not None:
             self.changes.touch_all(fresh)

@@ -18,6 +18,7 @@ import msgspec
 
 from kvstore.config import Config
 from kvstore.errors import CapacityError, KVStoreError
+from kvstore.heap import paused
 from kvstore.identity import Identity
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace, Transfer
@@ -55,6 +56,10 @@ class SsdMover:
     # -- start-up --------------------------------------------------------------------------
     def restore(self) -> int:
         """Rebuild the SSD tier's blocks from the durable index (warm restart)."""
+        with paused():  # all it builds lives on: nothing for the collector to find
+            return self._restore()
+
+    def _restore(self) -> int:
         namespaces = {}
         for ns_id, blob in self.engine.namespaces().items():
             try:
@@ -63,17 +68,25 @@ class SsdMover:
                 continue
             if identity.namespace_id == ns_id:
                 namespaces[ns_id] = self.store.open_namespace(identity)
-        restored = 0
+        # Each namespace's records in the order loaded (parents first), restored in one go.
+        found: dict[bytes, list[tuple[bytes, bytes | None, int, BlockRecord]]] = {}
         for record in self.engine.load():
             ns = namespaces.get(record.namespace)
             if ns is not None and ns.ssd_cls is not None and (
                     record.length == ns.block_bytes
-                    and record.size_class == ns.ssd_cls.slot_bytes
-                    and self.store.ssd_copies.restore(ns, record.key, record.parent,
-                                                     record.offset, record)):
-                restored += 1
+                    and record.size_class == ns.ssd_cls.slot_bytes):
+                group = found.get(ns.id)
+                if group is None:
+                    group = found[ns.id] = []
+                group.append((record.key, record.parent, record.offset, record))
             else:
                 self._pending_removals.append((record.namespace, record.key))
+        restored = 0
+        for ns_id, group in found.items():
+            ok = self.store.ssd_copies.restore_many(namespaces[ns_id], group)
+            restored += sum(ok)
+            self._pending_removals.extend(
+                (ns_id, g[0]) for g, good in zip(group, ok) if not good)
         return restored
 
     def remember_namespace(self, identity: Identity) -> None:
@@ -143,7 +156,7 @@ class SsdMover:
             async with self.gate.slot(nbytes, default_kind=TransferKind.RELOAD,
                                       default_tenant=t.blocks[0].ns.tenant):
                 started = time.perf_counter()
-                ok = await self.engine.read_many([b.ssd_record for b in t.blocks], views)
+                ok = await self.engine.read_many([_stored(b) for b in t.blocks], views)
             self.reads += 1
             self.read_bytes += nbytes
             self.read_seconds += time.perf_counter() - started
@@ -169,7 +182,7 @@ class SsdMover:
         try:
             async with self.gate.slot(nbytes, default_kind=TransferKind.WRITEBACK,
                                       default_tenant=blocks[0].ns.tenant):
-                return await self.engine.read_many([b.ssd_record for b in blocks], views)
+                return await self.engine.read_many([_stored(b) for b in blocks], views)
         except KVStoreError as exc:
             self.errors += 1
             log.warning("reading %d blocks from ssd failed: %s", len(blocks), exc)
@@ -206,6 +219,17 @@ class SsdMover:
         out = dict(self.engine.stats())
         out["errors"] = self.errors
         return out
+
+
+def _stored(block: Block) -> BlockRecord:
+    """The SSD tier's record of a block's copy there, as written (what a read checks the
+    bytes against): made again from the block when read, not kept on every block."""
+    assert block.ssd_offset is not None and block.ns.ssd_cls is not None
+    return BlockRecord(
+        namespace=block.ns.id, key=block.key,
+        parent=block.parent.key if block.parent is not None else None,
+        offset=block.ssd_offset, length=block.ns.block_bytes, checksum=block.checksum,
+        size_class=block.ns.ssd_cls.slot_bytes)
 
 
 def _record(block: Block, offset: int, slot_bytes: int) -> BlockRecord:

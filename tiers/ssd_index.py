@@ -235,7 +235,7 @@ class SSDIndex:
                 except msgspec.DecodeError:
                     bad.append(key)
                 else:
-                    if record.index_key == key:
+                    if record.namespace + record.key == key:  # ``index_key``, inline
                         records.append(record)
                     else:
                         bad.append(key)

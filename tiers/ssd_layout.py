@@ -8,9 +8,9 @@ lies inside one slab.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import msgspec
 
@@ -83,6 +83,19 @@ class SlabLayout:
         """Slab numbers the record's slot touches (one, for a record that fits)."""
         return range(record.offset // self.slab_bytes, (record.end - 1) // self.slab_bytes + 1)
 
+    def fits(self, record: BlockRecord) -> bool:
+        """True for a record that ``problem`` passes, in one expression (a warm restart
+        asks it of every record; False may also mean ``problem`` should say why)."""
+        offset, length, size_class = record.offset, record.length, record.size_class
+        end = offset + (length if length > size_class else size_class)
+        parent = record.parent
+        return (len(record.namespace) == ID_BYTES and len(record.key) == ID_BYTES
+                and (parent is None or len(parent) == ID_BYTES)
+                and 0 < length and (size_class == 0 or 0 < length <= size_class)
+                and 0 <= record.checksum <= _U64_MAX and 0 <= offset
+                and end <= self.capacity_bytes
+                and offset // self.slab_bytes == (end - 1) // self.slab_bytes)
+
     def problem(self, record: BlockRecord) -> str | None:
         """Why the record cannot be in this layout, or None when it fits."""
         if len(record.namespace) != ID_BYTES or len(record.key) != ID_BYTES:
@@ -109,17 +122,24 @@ def overlapping_groups(records: Iterable[BlockRecord]) -> list[list[BlockRecord]
     groups: list[list[BlockRecord]] = []
     current: list[BlockRecord] = []
     current_end = -1
-    for record in sorted(records, key=lambda r: r.offset):
-        if record.offset < current_end:
+    for record in sorted(records, key=_offset):
+        # ``record.end``, inline: a warm restart runs this for every record
+        offset, length, size_class = record.offset, record.length, record.size_class
+        end = offset + (length if length > size_class else size_class)
+        if offset < current_end:
             current.append(record)
-            current_end = max(current_end, record.end)
+            if end > current_end:
+                current_end = end
             continue
         if len(current) > 1:
             groups.append(current)
-        current, current_end = [record], record.end
+        current, current_end = [record], end
     if len(current) > 1:
         groups.append(current)
     return groups
+
+
+_offset = attrgetter("offset")
 
 
 def settle_overlap(
@@ -143,24 +163,48 @@ def prefix_closed(records: Iterable[BlockRecord]) -> tuple[list[BlockRecord], li
 
     ``closed`` holds every record whose chain of parents, in its namespace, reaches a root
     (parent None), parents before children; ``orphans`` the rest, cycles included.
+    One walk up from each record to the first ancestor already decided: O(records).
     """
-    roots: list[BlockRecord] = []
-    children: defaultdict[bytes, list[BlockRecord]] = defaultdict(list)
-    everything: list[BlockRecord] = []
-    for record in records:
-        everything.append(record)
-        if record.parent is None:
-            roots.append(record)
-        else:
-            children[record.namespace + record.parent].append(record)
+    everything = list(records)
+    by_ns: dict[bytes, dict[bytes, BlockRecord]] = {}
+    for record in everything:
+        keyed = by_ns.get(record.namespace)
+        if keyed is None:
+            keyed = by_ns[record.namespace] = {}
+        keyed[record.key] = record
     closed: list[BlockRecord] = []
-    queue = deque(roots)
-    while queue:
-        record = queue.popleft()
-        closed.append(record)
-        queue.extend(children.pop(record.index_key, ()))
-    reached = {r.index_key for r in closed}
-    orphans = [r for r in everything if r.index_key not in reached]
+    rooted: dict[bytes, dict[bytes, bool]] = {}
+    for ns, keyed in by_ns.items():
+        state = rooted[ns] = {}  # key -> whether its chain reaches a root
+        for record in keyed.values():
+            if record.key in state:
+                continue
+            path = [record]
+            state[record.key] = False  # until decided: a walk that comes back is a cycle
+            parent = record.parent
+            while True:
+                if parent is None:
+                    good = True
+                    break
+                known = state.get(parent)
+                if known is not None:
+                    good = known
+                    break
+                above = keyed.get(parent)
+                if above is None:
+                    good = False
+                    break
+                path.append(above)
+                state[parent] = False
+                parent = above.parent
+            if good:
+                for r in path:
+                    state[r.key] = True
+                path.reverse()
+                closed.extend(path)  # parents before children
+    if len(closed) == len(everything):  # every record reached: none is an orphan
+        return closed, []
+    orphans = [r for r in everything if not rooted[r.namespace][r.key]]
     return closed, orphans
 
 
@@ -196,8 +240,9 @@ def plan_load(
     """
     plan = LoadPlan(invalid=list(invalid_keys))
     fitting: list[BlockRecord] = []
+    fits = layout.fits
     for record in records:
-        if layout.problem(record) is None:
+        if fits(record) or layout.problem(record) is None:
             fitting.append(record)
         else:
             plan.invalid.append(record.index_key)
@@ -206,5 +251,7 @@ def plan_load(
         _, dropped = settle_overlap(group, verify)
         plan.overlapping.extend(dropped)
         losers.update(r.index_key for r in dropped)
-    plan.survivors, plan.orphans = prefix_closed(r for r in fitting if r.index_key not in losers)
+    if losers:
+        fitting = [r for r in fitting if r.index_key not in losers]
+    plan.survivors, plan.orphans = prefix_closed(fitting)
     return plan

@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 from kvtest import make_identity
 
+from kvstore.block_map import BlockMap
 from kvstore.blocks import Block
 from kvstore.store import BlockStore, Namespace, Reservation
 
 
-class NoWalk(dict[bytes, Block]):
+class NoWalk(BlockMap[Block]):
     """A namespace's index that fails any walk over it (lookups by key still work)."""
 
     walking = False
@@ -139,3 +140,75 @@ def test_a_block_cached_again_after_it_left_is_remembered_by_its_key(policy: str
                   "s3fifo": lambda: again in inner._main}[policy]
     assert remembered()  # ... that its order knew from before, by its key
     store.check_invariants()
+
+
+def test_the_block_map_reads_as_a_dict_and_spreads_its_keys() -> None:
+    from kvstore.block_map import SPLIT_AT
+
+    blocks: BlockMap[int] = BlockMap()
+    keys = [os.urandom(16) for _ in range(2 * SPLIT_AT)]
+    for i, key in enumerate(keys):
+        blocks[key] = i
+    assert len(blocks) == len(keys) and blocks and keys[7] in blocks
+    assert blocks[keys[7]] == 7 and blocks.get(keys[9]) == 9 and blocks.get(b"x" * 16) is None
+    assert sorted(blocks.values()) == list(range(len(keys)))
+    assert dict(blocks.items()) == {k: i for i, k in enumerate(keys)}
+    assert blocks.mask and max(map(len, blocks.shards)) < len(keys) // 64  # split, evenly
+    for key in keys:
+        del blocks[key]
+    assert not blocks and len(blocks) == 0 and keys[0] not in blocks
+    small: BlockMap[int] = BlockMap()
+    small[keys[0]] = 0
+    assert len(small.shards) == 1  # a small map is one dict
+    with pytest.raises(KeyError):
+        del blocks[keys[0]]
+
+
+def test_a_namespace_whose_map_splits_keeps_every_chain() -> None:
+    from kvstore.block_map import SPLIT_AT
+
+    ident = make_identity(head_dim=8, num_layers=1, num_kv_heads=1)
+    chains = [[os.urandom(16) for _ in range(1024)] for _ in range(SPLIT_AT // 1024 + 2)]
+    store = BlockStore((len(chains) + 16) * 1024 * 4096, 64 << 20)
+    ns = store.open_namespace(ident)
+    for keys in chains:
+        _commit(store, ns, keys)
+    assert len(ns.blocks.shards) > 1 and len(ns.blocks) == len(chains) * 1024
+    for keys in chains:
+        assert store.lookup(ns, keys) == ["dram"] * 1024
+    assert store.evict(ns, [chains[0][512]])[0] == 512
+    assert store.lookup(ns, chains[0]) == ["dram"] * 512
+    store.check_invariants()
+
+
+def test_restoring_in_bulk_keeps_what_one_by_one_would_and_frees_the_rest() -> None:
+    ident = make_identity()
+    slot = ident.block_bytes
+
+    def fresh() -> tuple[BlockStore, Namespace]:
+        store = BlockStore(8 * slot, 8 * slot, ssd_capacity=64 * slot, ssd_slab_bytes=16 * slot)
+        return store, store.open_namespace(ident)
+
+    keys = [os.urandom(16) for _ in range(8)]
+    lost = os.urandom(16)  # a parent the index no longer has
+    found: list[tuple[bytes, bytes | None, int, Any]] = [
+        (keys[0], None, 40 * slot, None),
+        (keys[1], keys[0], 3 * slot, None),
+        (keys[2], lost, 5 * slot, None),          # orphan: not restored, its slot free
+        (keys[3], keys[2], 6 * slot, None),       # below the orphan
+        (keys[4], keys[1], 3 * slot, None),       # a slot taken already
+        (keys[5], keys[1], 7 * slot + 1, None),   # not a slot boundary
+        (keys[1], keys[0], 9 * slot, None),       # the key again
+        (keys[6], keys[1], 5 * slot, None),       # the orphan's slot, free again
+    ]
+    bulk, ns = fresh()
+    ok = bulk.ssd_copies.restore_many(ns, found)
+    one, ns1 = fresh()
+    assert ok == [one.ssd_copies.restore(ns1, *f) for f in found]
+    assert ok == [True, True, False, False, False, False, False, True]
+    assert bulk.lookup(ns, [keys[0], keys[1], keys[6]]) == ["ssd"] * 3
+    committed = [s.tier_stats()["ssd"]["committed"] for s in (bulk, one)]
+    assert committed == [3 * slot, 3 * slot]
+    assert sorted(bulk.ssd.pool.free_offsets(ns.ssd_cls)) == sorted(  # type: ignore[union-attr]
+        one.ssd.pool.free_offsets(ns1.ssd_cls))  # type: ignore[union-attr]
+    bulk.check_invariants()

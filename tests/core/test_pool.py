@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvstore.errors import TooLargeError
@@ -78,3 +80,23 @@ def test_claims_in_any_order_then_allocations_and_frees_keep_each_slot_once() ->
     again = pool.allocate(cls, 9)
     assert again is not None and sorted(again) == sorted(claimed[1:10])
     pool.check()
+
+
+def test_claiming_in_bulk_ends_as_claiming_one_by_one() -> None:
+    rng = random.Random(11)
+    one, bulk = SlabPool(64 * 4096, 16 * 4096, 4096), SlabPool(64 * 4096, 16 * 4096, 4096)
+    c1, c2 = one.class_for(4096), bulk.class_for(4096)
+    assert one.claim(c1, 3 * 4096) and bulk.claim(c2, 3 * 4096)  # a slab in use before
+    offsets = rng.sample(range(0, 64 * 4096, 4096), 40) + [3 * 4096, 100, 64 * 4096, -4096]
+    offsets += offsets[:5]  # claimed twice: the second fails
+    rng.shuffle(offsets)
+    one_by_one = [one.claim(c1, o) for o in offsets]
+    assert bulk.claim_many(c2, offsets) == one_by_one
+    assert sorted(bulk.free_offsets(c2)) == sorted(one.free_offsets(c1))
+    assert c2.free_slots == c1.free_slots and bulk.empty_slabs == one.empty_slabs
+    bulk.check()
+    claimed = {3 * 4096} | {o for o, ok in zip(offsets, one_by_one) if ok}
+    got = bulk.allocate(c2, bulk.available(c2))
+    assert got is not None and len(got) == len(set(got)) == 64 - len(claimed)
+    assert set(got) | claimed == set(range(0, 64 * 4096, 4096))  # each slot once
+    bulk.check()

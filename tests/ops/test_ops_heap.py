@@ -35,3 +35,14 @@ def test_settle_frees_young_cycles_and_freezes_survivors(thawed: None) -> None:
     assert gc.get_freeze_count() > before
     assert not gc.get_objects(generation=2)  # a full collection would walk nothing old
     assert kept.other is not None and kept.other.other is kept
+
+
+def test_paused_keeps_the_collector_off_then_settles(thawed: None) -> None:
+    from kvstore.heap import paused
+
+    assert gc.isenabled()
+    before = gc.get_freeze_count()
+    with paused():
+        assert not gc.isenabled()
+        made = [[i] for i in range(1000)]
+    assert gc.isenabled() and gc.get_freeze_count() >= before + len(made)

@@ -1,0 +1,402 @@
+"""What the key index costs from 10k to 10M committed blocks, and how long the loop is held.
+
+Builds the pure store's index (no arena, no sockets: a slab pool's capacity is only a
+number, so 10M blocks need no 40 GB of memory) by reserve+commit of 1024-key chains, as
+clients send them, settling the heap once a second as the daemon does, and prints:
+
+- bytes per committed block (RSS delta over the build, keys included) and where they go
+  (``sys.getsizeof`` of the big per-block structures, per block);
+- ingest, blocks/s (time spent in reserve+commit only);
+- lookup of a 64-key chain, p50 and p99, as the index passes 10k, 100k, 1M, 10M blocks;
+- the longest stall of the loop: the longest single reserve+commit (one request's hold
+  of the event loop), the longest heap settle, the longest collector pause during the
+  build, a full collection afterwards, and the longest ``stats``/``evict`` of one leaf;
+- warm restart of an SSD index of as many blocks: the LMDB index is written (in a
+  process of its own, not timed), then another process opens the SSD tier and restores
+  every block into a fresh store as the daemon does at start-up (timed: seconds, and
+  records/s), and the memory that took.
+
+Every part runs in a fresh process, so that its memory is its own.
+
+    python benchmarks/index_scale.py --blocks 1M
+    python benchmarks/index_scale.py --blocks 10M --restart-blocks 10M
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import heapq
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+CHAIN = 1024
+KEY = 16
+SLOT = 4096  # the smallest DRAM slot today: the arena's alignment
+CHECKPOINTS = (10_000, 100_000, 1_000_000, 10_000_000)
+SSD_BLOCK = 4096  # the smallest SSD slot: 10M of them fit a 64 GB disk
+SSD_SLAB = 64 << 20
+
+
+def parse_count(text: str) -> int:
+    text = text.strip().lower()
+    scale = {"k": 1_000, "m": 1_000_000}.get(text[-1:], 1)
+    return int(float(text.rstrip("km")) * scale)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def chains(n: int, seed: int = 1) -> Iterator[list[bytes]]:
+    """``n`` blocks' keys in chains of ``CHAIN`` random 16-byte keys."""
+    rng = random.Random(seed)
+    left = n
+    while left > 0:
+        size = min(CHAIN, left)
+        blob = rng.randbytes(size * KEY)
+        yield [blob[i * KEY:(i + 1) * KEY] for i in range(size)]
+        left -= size
+
+
+class GcPauses:
+    """The collector's longest pause while registered."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self.full_runs = 0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.longest = max(self.longest, time.perf_counter() - self._start)
+            self.full_runs += info["generation"] == 2
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+def identity(block_bytes_layers: int = 1) -> Any:
+    from kvstore.identity import Identity
+
+    return Identity(model="scale", model_revision="r", tenant="t", kv_dtype="float16",
+                    num_layers=block_bytes_layers, num_kv_heads=1, head_dim=8,
+                    block_tokens=16)
+
+
+def breakdown(store: Any, ns: Any, n: int) -> dict[str, float]:
+    """Bytes per block of the big structures (containers with at least n/4 entries
+    reachable from the store in a few steps, and one block entry with its key)."""
+    out: dict[str, float] = {}
+    seen: set[int] = set()
+
+    def walk(name: str, obj: Any, depth: int) -> None:
+        if id(obj) in seen or depth > 10:
+            return
+        seen.add(id(obj))
+        shards = getattr(obj, "shards", None)  # a map split into sub-dicts
+        if isinstance(shards, list) and sum(map(len, shards)) >= n // 4:
+            out[name] = sum(map(sys.getsizeof, shards)) / n
+            return
+        if isinstance(obj, (dict, set, list)) and len(obj) >= n // 4:
+            out[name] = out.get(name, 0.0) + sys.getsizeof(obj) / n
+            return
+        if isinstance(obj, dict):
+            for k, v in list(obj.items())[:64]:
+                walk(f"{name}[{type(k).__name__}]", v, depth + 1)
+            return
+        if isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj[:8]):
+                walk(f"{name}[{i}]", v, depth + 1)
+            return
+        attrs = getattr(obj, "__dict__", None)
+        if attrs is not None:
+            for k, v in attrs.items():
+                walk(f"{name}.{k}", v, depth + 1)
+        for k in getattr(type(obj), "__slots__", ()):
+            if hasattr(obj, k):
+                walk(f"{name}.{k}", getattr(obj, k), depth + 1)
+
+    walk("store", store, 0)
+    block = next(iter(ns.blocks.values()))
+    out["Block entry (object)"] = sys.getsizeof(block)
+    out["key (bytes object)"] = sys.getsizeof(block.key)
+    return out
+
+
+# -- the index --------------------------------------------------------------------------
+def index_figures(n: int, policy: str) -> dict[str, Any]:
+    from kvstore.heap import settle
+    from kvstore.store import BlockStore, Reservation
+
+    gc.collect()
+    base = rss_bytes()
+    store = BlockStore((n + CHAIN) * SLOT, 64 << 20, eviction_policy=policy,
+                       clock=time.monotonic)
+    ns = store.open_namespace(identity())
+    heads: list[list[bytes]] = []
+    tails: list[bytes] = []
+    ingest = 0.0
+    longest_op, longest_at = 0.0, 0
+    top: list[tuple[float, int]] = []  # the longest commits: (seconds, blocks before it)
+    settles: list[float] = []
+    lookups: dict[str, dict[str, float]] = {}
+    marks = sorted({c for c in CHECKPOINTS if c <= n} | {n})
+    rng = random.Random(2)
+    done = 0
+    settle()
+    last_settle = time.monotonic()
+    last_note = last_settle
+    with GcPauses() as pauses:
+        for keys in chains(n):
+            start = time.perf_counter()
+            r = store.reserve("w", ns, keys, None, 0.0)
+            assert isinstance(r, Reservation), r
+            store.commit("w", r.id, 0.0)
+            spent = time.perf_counter() - start
+            ingest += spent
+            if spent > longest_op:
+                longest_op, longest_at = spent, done
+            if len(top) < 5 or spent > top[0][0]:
+                heapq.heappush(top, (spent, done))
+                if len(top) > 5:
+                    heapq.heappop(top)
+            done += len(keys)
+            heads.append(keys[:64])
+            tails.append(keys[-1])
+            now = time.monotonic()
+            if now - last_settle >= 1.0:  # as the daemon does, once a second
+                t0 = time.perf_counter()
+                settle()
+                settles.append(time.perf_counter() - t0)
+                last_settle = now
+            if now - last_note >= 5.0:
+                say(f"  index: {done:,}/{n:,} blocks, {done / ingest:,.0f} blocks/s")
+                last_note = now
+            while marks and done >= marks[0]:
+                mark = marks.pop(0)
+                looks = []
+                for _ in range(2000):
+                    chain = rng.choice(heads)
+                    t0 = time.perf_counter()
+                    store.lookup(ns, chain)
+                    looks.append(time.perf_counter() - t0)
+                lookups[f"{mark:,}"] = {"p50_us": pct(looks, 0.5) * 1e6,
+                                        "p99_us": pct(looks, 0.99) * 1e6}
+    gc.collect()
+    rss = rss_bytes() - base
+    settle()
+    t0 = time.perf_counter()
+    gc.collect()
+    full_gc = time.perf_counter() - t0
+    stats = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        store.stats()
+        stats.append(time.perf_counter() - t0)
+    evicts = []
+    for key in tails[::max(1, len(tails) // 20)][:20]:
+        t0 = time.perf_counter()
+        store.evict(ns, [key])
+        evicts.append(time.perf_counter() - t0)
+    return {
+        "blocks": n,
+        "policy": policy,
+        "bytes_per_block": rss / n,
+        "ingest_blocks_per_s": n / ingest,
+        "lookup64": lookups,
+        "stall_longest_commit_ms": longest_op * 1e3,
+        "stall_longest_commit_at_blocks": longest_at,
+        "stall_top5_commits_ms_at_blocks": {
+            f"{at:,}": ms * 1e3 for ms, at in sorted(top, reverse=True)},
+        "stall_longest_settle_ms": max(settles, default=0.0) * 1e3,
+        "stall_longest_gc_pause_ms": pauses.longest * 1e3,
+        "full_gc_runs_in_ingest": pauses.full_runs,
+        "full_gc_after_settle_ms": full_gc * 1e3,
+        "stats_ms": max(stats) * 1e3,
+        "evict_one_ms": max(evicts) * 1e3,
+        "breakdown_bytes_per_block": breakdown(store, ns, n),
+    }
+
+
+# -- warm restart of the SSD index ------------------------------------------------------
+def ssd_capacity(n: int) -> int:
+    return -(-(n + CHAIN) * SSD_BLOCK // SSD_SLAB) * SSD_SLAB
+
+
+def write_ssd_index(path: Path, n: int) -> dict[str, Any]:
+    """An SSD tier directory whose index holds ``n`` blocks in chains (no data written:
+    the restart reads only the index)."""
+    import msgspec
+
+    from kvstore.tiers.ssd import BlockRecord, SSDStore
+
+    ident = identity(SSD_BLOCK // identity().block_bytes)
+    assert ident.block_bytes == SSD_BLOCK
+    ns_id = ident.namespace_id
+    start = time.monotonic()
+    engine = SSDStore(path, ssd_capacity(n), slab_bytes=SSD_SLAB, sync="none",
+                      direct_io=False, preallocate=False)
+    try:
+        engine.put_namespace(ns_id, msgspec.msgpack.encode(ident))
+        index = engine._directory.parts()[1]  # type: ignore[union-attr]
+        offset = 0
+        batch: list[BlockRecord] = []
+        last_note = time.monotonic()
+        for keys in chains(n, seed=5):
+            parent = None
+            for key in keys:
+                batch.append(BlockRecord(ns_id, key, parent, offset, SSD_BLOCK,
+                                         checksum=offset + 1, size_class=SSD_BLOCK))
+                parent = key
+                offset += SSD_BLOCK
+            if len(batch) >= 64 * CHAIN:
+                index.commit(batch)
+                batch = []
+                if time.monotonic() - last_note >= 5.0:
+                    say(f"  ssd index: {offset // SSD_BLOCK:,}/{n:,} records written")
+                    last_note = time.monotonic()
+        if batch:
+            index.commit(batch)
+    finally:
+        engine.close()
+    return {"write_s": time.monotonic() - start}
+
+
+def restart_figures(path: Path, n: int) -> dict[str, Any]:
+    """Open the SSD tier and restore its blocks into a fresh store, as the daemon does
+    at start-up (``SsdMover.restore``)."""
+    from kvstore.config import load_config
+    from kvstore.store import BlockStore
+    from kvstore.tiering import SsdMover
+    from kvstore.transfers import TransferGate
+
+    config = load_config(overrides={
+        "dram": {"capacity": 64 << 20, "eviction_policy": "lru"},
+        "ssd": {"path": str(path), "capacity": ssd_capacity(n), "slab_size": SSD_SLAB,
+                "direct_io": False, "preallocate": False}})
+    store = BlockStore(config.dram_capacity, config.dram_slab_bytes,
+                       ssd_capacity=config.ssd_capacity, ssd_slab_bytes=config.ssd_slab_bytes)
+    gc.collect()
+    base = rss_bytes()
+    start, cpu = time.perf_counter(), time.process_time()
+    mover = SsdMover(config, store, lambda ns, offset: memoryview(b""), TransferGate(4))
+    restored = mover.restore()
+    seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu
+    rss = rss_bytes() - base
+    mover.engine.close()
+    return {"restored": restored, "restart_s": seconds, "restart_cpu_s": cpu, "restart_records_per_s": n / seconds,
+            "restart_bytes_per_block": rss / n}
+
+
+# -- driver -----------------------------------------------------------------------------
+def child(args: list[str]) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, *args]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if done.returncode:
+        sys.exit(f"{' '.join(args)} failed (exit {done.returncode})")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def report(figures: dict[str, Any]) -> None:
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            print(f"{key}:")
+            for k, v in value.items():
+                shown = (", ".join(f"{a} {b:,.1f}" for a, b in v.items())
+                         if isinstance(v, dict) else f"{v:,.1f}")
+                print(f"  {k:44} {shown}")
+        elif isinstance(value, float):
+            print(f"{key:46} {value:,.2f}")
+        else:
+            print(f"{key:46} {value}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", default="1M", help="blocks in the index (e.g. 1M, 10M)")
+    parser.add_argument("--restart-blocks", default=None,
+                        help="blocks in the SSD index restored (default: --blocks; 0: skip)")
+    parser.add_argument("--policy", default="auto", help="the DRAM eviction policy")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="index builds (medians of the scalar figures)")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--part", choices=["index", "ssd-write", "restart"],
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    n = parse_count(args.blocks)
+    if args.part == "index":
+        print(json.dumps(index_figures(n, args.policy)))
+        return
+    if args.part == "ssd-write":
+        print(json.dumps(write_ssd_index(Path(args.dir), n)))
+        return
+    if args.part == "restart":
+        print(json.dumps(restart_figures(Path(args.dir), n)))
+        return
+
+    say(f"index of {n:,} blocks ({args.repeats} build(s), policy {args.policy})")
+    runs = [child(["--part", "index", "--blocks", str(n), "--policy", args.policy])
+            for _ in range(args.repeats)]
+    figures = runs[0]
+    for key, value in figures.items():
+        if isinstance(value, float):
+            figures[key] = statistics.median(r[key] for r in runs)
+    if args.repeats > 1:
+        figures["ingest_blocks_per_s_runs"] = [round(r["ingest_blocks_per_s"]) for r in runs]
+    if not args.json:
+        report(figures)
+        figures = {}
+    m = n if args.restart_blocks is None else parse_count(args.restart_blocks)
+    if m:
+        work = Path(tempfile.mkdtemp(prefix="kvscale-"))
+        try:
+            say(f"ssd index of {m:,} blocks: writing")
+            written = child(["--part", "ssd-write", "--blocks", str(m), "--dir", str(work)])
+            say("ssd index: warm restart")
+            figures.update(restart_figures_of(child(
+                ["--part", "restart", "--blocks", str(m), "--dir", str(work)]), m, written))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        print(json.dumps(figures))
+    else:
+        report(figures)
+        sys.stdout.flush()
+
+
+def restart_figures_of(result: dict[str, Any], m: int, written: dict[str, Any]) -> dict[str, Any]:
+    return {"restart_blocks": m, "ssd_index_write_s": written["write_s"], **result}
+
+
+if __name__ == "__main__":
+    main()
