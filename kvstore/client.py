@@ -159,6 +159,14 @@ class Client(SessionCore):
         tier), parents first, as of event batch ``seq`` (apply the batches after it)."""
         return check_reply(self._call(p.Snapshot(self._next_rid()))[0], p.SnapshotReply)
 
+    def probe(self, keys: Sequence[bytes] = ()) -> p.ProbeReply:
+        """What a router asks, of this daemon: the longest cached prefix of a key chain
+        per tier (nothing touched), the wait ahead of a new transfer and the load
+        bandwidth per tier (bytes a second, measured where the daemon has read enough).
+        No keys: just the figures."""
+        return check_reply(self._call(p.Probe(self._next_rid(), list(keys)))[0],
+                           p.ProbeReply)
+
     def route(self, keys: Sequence[bytes], endpoints: Sequence[str], *,
               deadline: float = 0.05, prefill_rate: float = DEFAULT_PREFILL_RATE,
               tokens: int | None = None, block_tokens: int | None = None

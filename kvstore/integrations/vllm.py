@@ -78,7 +78,9 @@ from kvstore.integrations.engine_side import (
     store_missing,
 )
 from kvstore.integrations.pipeline import (
+    REFRESH_RATES_S,
     LoadItem,
+    LoadRates,
     LoadWorth,
     SaveJob,
     SaveSender,
@@ -278,7 +280,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ``async_saves`` (default true), ``layerwise`` (default false), ``prefetch``
     (default true), ``max_pending_save_mib`` (staged save bytes before saves are
     dropped, default 1024), ``prefill_tokens_per_s`` and ``load_gbps`` (see
-    ``LoadWorth``: blocks slower to load than to recompute are not offered).
+    ``LoadWorth``: blocks slower to load than to recompute are not offered; the daemon's
+    measured rates replace ``load_gbps``, asked every ``rates_refresh_s`` seconds,
+    default 10, 0: never).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -297,11 +301,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layerwise = bool(extra.get("layerwise", False))
         self._prefetch = bool(extra.get("prefetch", True))
         self._max_pending = int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20))
-        self._worth = LoadWorth.from_extra(extra, sum(g.identity.block_bytes
-                                                      for g in self._groups),
-                                           self._groups[0].block_tokens)
+        self._rates = LoadRates(
+            LoadWorth.from_extra(extra, sum(g.identity.block_bytes for g in self._groups),
+                                 self._groups[0].block_tokens),
+            refresh_s=float(extra.get("rates_refresh_s", REFRESH_RATES_S)))
         self.stats: dict[str, int] = dict.fromkeys(
-            ("lookups", "hit_tokens", "prefetches", "offers_declined", "declined_tokens",
+            ("lookups", "hit_tokens", "prefetches", "offers", "offers_declined",
+             "declined_tokens", "rate_refreshes",
              "loaded_blocks", "load_failed_blocks",
              "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
              "lookup_us", "load_us", "save_us"), 0)  # time spent in the engine's steps
@@ -370,7 +376,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         hit = min(cached, usable) - first
         if not self._is_consumer or hit <= 0:
             return 0, False
-        worth = self._worth.blocks(tiers[first:first + hit])
+        worth = self._rates.current(self._daemon_rates).blocks(tiers[first:first + hit])
+        self.stats["rate_refreshes"] = self._rates.refreshes
         if worth < hit:
             self.stats["offers_declined"] += 1
             self.stats["declined_tokens"] += (hit - worth) * block
@@ -380,6 +387,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._prefetch and any(t != "dram" for t in tiers[first:first + hit]):
             self._prefetch_blocks(state, first, first + hit)
         state.offer = (first, hit)
+        self.stats["offers"] += 1
         tokens = (first + hit) * block - num_computed_tokens
         logger.debug("kvstore: request %s: %d tokens cached in the daemon",
                      request.request_id, tokens)
@@ -407,6 +415,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 tiers = tiers or found.tiers
         self.stats["lookups"] += 1
         return hit, tiers[:hit]
+
+    def _daemon_rates(self) -> dict[str, float] | None:
+        """The daemon's load bandwidth per tier (bytes a second), or None."""
+        client = self._link.client()
+        if client is None:
+            return None
+        try:
+            return client.probe().bandwidth
+        except KVStoreError as exc:
+            self._link.failed("probe", exc)
+            return None
 
     def _prefetch_blocks(self, state: _RequestState, start: int, end: int) -> None:
         """Have the daemon bring blocks below DRAM up now, so the load finds them there."""
