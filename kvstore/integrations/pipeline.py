@@ -141,6 +141,18 @@ class LoadRates:
         return f"LoadRates({dict(self._worth.load_gbps)} GB/s, refreshes={self.refreshes})"
 
 
+def daemon_rates(link: DaemonLink) -> dict[str, float] | None:
+    """The daemon's load bandwidth per tier (bytes a second), or None (no answer)."""
+    client = link.client()
+    if client is None:
+        return None
+    try:
+        return client.probe().bandwidth
+    except KVStoreError as exc:
+        link.failed("probe", exc)
+        return None
+
+
 # ========================================================================================
 # saves
 # ========================================================================================

@@ -85,6 +85,7 @@ from kvstore.integrations.pipeline import (
     SaveJob,
     SaveSender,
     StepLoads,
+    daemon_rates,
 )
 from kvstore.keys import chain_keys
 
@@ -376,7 +377,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         hit = min(cached, usable) - first
         if not self._is_consumer or hit <= 0:
             return 0, False
-        worth = self._rates.current(self._daemon_rates).blocks(tiers[first:first + hit])
+        rates = self._rates.current(functools.partial(daemon_rates, self._link))
+        worth = rates.blocks(tiers[first:first + hit])
         self.stats["rate_refreshes"] = self._rates.refreshes
         if worth < hit:
             self.stats["offers_declined"] += 1
@@ -415,17 +417,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 tiers = tiers or found.tiers
         self.stats["lookups"] += 1
         return hit, tiers[:hit]
-
-    def _daemon_rates(self) -> dict[str, float] | None:
-        """The daemon's load bandwidth per tier (bytes a second), or None."""
-        client = self._link.client()
-        if client is None:
-            return None
-        try:
-            return client.probe().bandwidth
-        except KVStoreError as exc:
-            self._link.failed("probe", exc)
-            return None
 
     def _prefetch_blocks(self, state: _RequestState, start: int, end: int) -> None:
         """Have the daemon bring blocks below DRAM up now, so the load finds them there."""

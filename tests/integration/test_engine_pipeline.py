@@ -14,7 +14,7 @@ from daemon_proc import DaemonProcess
 from test_engine_side import KINDS, PAGES, TOKENS, identity, make_pages
 
 from kvstore import Client
-from kvstore.integrations.engine_side import DaemonSettings, Loaded
+from kvstore.integrations.engine_side import DaemonLink, DaemonSettings, Loaded
 from kvstore.integrations.pipeline import (
     LoadItem,
     LoadRates,
@@ -22,6 +22,7 @@ from kvstore.integrations.pipeline import (
     SaveJob,
     SaveSender,
     StepLoads,
+    daemon_rates,
 )
 
 
@@ -285,5 +286,7 @@ def test_a_probe_without_keys_gives_the_daemons_load_rates(
         assert reply.tier_runs == [] and reply.bandwidth["ssd"] == 50e6
         worth = LoadWorth.from_extra({"prefill_tokens_per_s": 3200}, 1_000_000, 32)
         rates = LoadRates(worth)
-        assert rates.current(lambda: client.probe().bandwidth).blocks(["dram", "ssd"]) == 1
+        link = DaemonLink(DaemonSettings(slow.endpoint))
+        assert rates.current(lambda: daemon_rates(link)).blocks(["dram", "ssd"]) == 1
+        link.close()
         assert rates.measured["ssd"] == 50e6
