@@ -273,6 +273,19 @@ def engine_pages(tensors: Sequence[torch.Tensor], group: _Group) -> EnginePages:
 # the connector
 # ========================================================================================
 
+STATS = ("lookups", "hit_tokens", "prefetches", "offers", "offers_declined",
+         "declined_tokens", "rate_refreshes", "loaded_blocks", "load_failed_blocks",
+         "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
+         "lookup_us", "load_us", "save_us")  # the last three: time in the engine's steps
+
+
+def count_tiers(stats: dict[str, int], tiers: Sequence[str], block_tokens: int) -> None:
+    """Count the tokens of blocks offered from each tier (``hit_tokens_<tier>``), as
+    the lookup found them (a prefetch may have moved them up since)."""
+    for tier in tiers:
+        stats[f"hit_tokens_{tier}"] = stats.get(f"hit_tokens_{tier}", 0) + block_tokens
+
+
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector backed by a kvstore daemon.
 
@@ -306,12 +319,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             LoadWorth.from_extra(extra, sum(g.identity.block_bytes for g in self._groups),
                                  self._groups[0].block_tokens),
             refresh_s=float(extra.get("rates_refresh_s", REFRESH_RATES_S)))
-        self.stats: dict[str, int] = dict.fromkeys(
-            ("lookups", "hit_tokens", "prefetches", "offers", "offers_declined",
-             "declined_tokens", "rate_refreshes",
-             "loaded_blocks", "load_failed_blocks",
-             "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
-             "lookup_us", "load_us", "save_us"), 0)  # time spent in the engine's steps
+        self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[Transfer] = []
@@ -440,7 +448,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens <= 0 or offer is None:
             return
         first, _ = offer
-        count = num_external_tokens // self._groups[0].block_tokens
+        block = self._groups[0].block_tokens
+        count = num_external_tokens // block
         block_ids = blocks.get_block_ids()
         for group in self._groups:
             keys = self._keys(state, group, first + count)
@@ -449,6 +458,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 list(block_ids[group.index][first:first + count])))
         state.saved_blocks = max(state.saved_blocks, first + count)
         self.stats["hit_tokens"] += num_external_tokens
+        count_tiers(self.stats, (state.cached or (0, []))[1][first:first + count], block)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(loads=self._pending_loads)
