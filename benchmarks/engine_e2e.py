@@ -467,11 +467,30 @@ def report(results: dict[str, dict[str, Any]], a: argparse.Namespace) -> None:
             if a.repeat > 1:
                 print(f"{'':13}     p50 per repeat: "
                       + " ".join(f"{r['p50'] * 1000:.1f}" for r in runs[arm]))
+        token_costs(rows)
     if a.png:
         ttfts = {key: {arm: [x["ttft"] * 1000 for x in r[key]["records"]]
                        for arm, r in results.items() if "error" not in r and key in r}
                  for key in keys}
         draw(ttfts, a.png)
+
+
+def token_costs(rows: dict[str, dict[str, Any]]) -> None:
+    """What a loaded token costs against a recomputed one, from the p50s: the TTFT an
+    arm adds over the ideal per token it loaded, over what the engine alone adds per
+    token it recomputed that the ideal found cached (p50s of every request, so a
+    rough figure: the requests that miss everywhere weigh on both sides)."""
+    ideal, alone = rows.get("ideal"), rows.get("alone")
+    if not ideal or not alone or alone["computed"] <= ideal["computed"]:
+        return
+    per_recomputed = ((alone["p50"] - ideal["p50"])
+                      / ((alone["computed"] - ideal["computed"]) / alone["n"]))
+    for arm, s in rows.items():
+        if s["loaded"] and per_recomputed > 0:
+            per_loaded = (s["p50"] - ideal["p50"]) / (s["loaded"] / s["n"])
+            print(f"{arm:13} a loaded token costs {per_loaded * 1000:.2f} us over the "
+                  f"ideal's p50, a recomputed one {per_recomputed * 1000:.2f} us: "
+                  f"{per_loaded / per_recomputed:.2f}x")
 
 
 def draw(ttfts: dict[str, dict[str, list[float]]], path: str) -> None:
