@@ -250,6 +250,11 @@ class Namespace(NamespaceCore[Client]):
         (until done, or ``timeout`` seconds); the result is a usable prefix."""
         return self._on_prefetch(self.client._call(self._prefetch_request(keys, wait, timeout)))
 
+    def post_prefetch(self, keys: Sequence[bytes]) -> None:
+        """A best-effort ``prefetch`` without waiting for its reply (a refusal is only
+        logged): for a caller on a path where a round trip counts."""
+        self.client._post(self._prefetch_request(keys, False, None))
+
     def reserve_batch(self, plan: Sequence[PlanItem]) -> BatchResult[Reservation]:
         """Reserve the blocks of a token plan, all or none (CapacityError is not raised:
         the result says which requests would fit)."""

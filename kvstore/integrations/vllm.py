@@ -435,7 +435,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 if ns is None:
                     return
                 try:
-                    ns.prefetch(keys)
+                    ns.post_prefetch(keys)  # the step does not wait for its reply
                 except KVStoreError as exc:
                     self._link.failed("prefetch", exc)
                     return
