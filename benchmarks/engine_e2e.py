@@ -364,9 +364,11 @@ def child(arm: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     args = [sys.executable, __file__, "--child", arm, "--endpoint", endpoint,
             *sys.argv[1:]]
     try:
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if a.threads:
+            env["OMP_NUM_THREADS"] = str(a.threads)
         proc = subprocess.run(args, capture_output=True, text=True, cwd=work,
-                              timeout=a.arm_timeout, env={**os.environ,
-                                                          "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                              timeout=a.arm_timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"ran past {a.arm_timeout} s"}
     finally:
@@ -551,6 +553,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--store-mib", type=int, default=2048)
     p.add_argument("--ssd-dram-mib", type=int, default=32)
     p.add_argument("--layerwise", action="store_true")
+    p.add_argument("--threads", type=int, default=-1,
+                   help="OMP_NUM_THREADS of every arm's engine (default: 1 on the CPU "
+                   "build, where two OpenMP threads on a shared 2-core machine made the "
+                   "same prefill 2x slower in some arms than in others; 0: inherit)")
     p.add_argument("--arm-timeout", type=float, default=3600)
     p.add_argument("--png", default="")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -563,6 +569,8 @@ def parse() -> argparse.Namespace:
     if a.gpu:  # a model where the GPU's prefill dominates, every workload
         a.layers, a.hidden, a.dtype = 24, 2048, "bfloat16"
         a.workloads = ",".join(WORKLOADS)
+    if a.threads < 0:
+        a.threads = 0 if a.gpu else 1
     a.workloads = a.workloads.split(",")
     a.modes = a.modes.split(",")
     if not a.engine_cache_mib:
