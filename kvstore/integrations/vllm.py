@@ -530,6 +530,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._layers[group.index] = pages
             if len(pages.layer_targets()) == len(group.layer_names):
                 self._layer_index.update((name, i) for i, name in enumerate(group.layer_names))
+        self._link.client()  # connect and map the arena now, not in a request's step
         if self._async_saves and self._is_producer:
             self._sender = SaveSender(self._link.settings, max_pending_bytes=self._max_pending)
 
