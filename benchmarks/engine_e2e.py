@@ -44,7 +44,12 @@ throughput (prompt + generated tokens per second of the run), prompt tokens comp
 vs found cached (local + loaded), tokens loaded from kvstore and bytes moved (kvstore's
 arms), the connector's own time in the engine's steps per request (lookup, load,
 save hand-off), and ratios against ``alone`` and ``ideal``; ``--png`` draws the TTFT
-distributions (matplotlib, if installed).
+distributions (matplotlib; where the engine's environment lacks it, the TTFTs go to a
+JSON file that ``--draw`` turns into the PNG with a Python that has it).
+
+On a small, shared machine one run of an arm says little: ``--repeat N`` runs every
+arm N times, the order rotated each repeat, and the ratios are the median over repeats
+of the ratio within a repeat (arms run minutes apart, not a whole run apart).
 """
 
 from __future__ import annotations
@@ -160,9 +165,23 @@ def make_model(path: Path, a: argparse.Namespace) -> None:
     save_file(weights, str(path / "model.safetensors"))
 
 
+def cannot_run(arm: str) -> str:
+    """Why an arm cannot run in this environment, known before its engine starts ("" if
+    it may; vLLM itself says why its CPU offloading cannot run on its CPU build)."""
+    import importlib.util
+
+    if arm == "lmcache" and importlib.util.find_spec("lmcache") is None:
+        return ("ModuleNotFoundError: No module named 'lmcache': LMCacheConnectorV1 "
+                "imports it, and this vLLM environment lacks it (LMCache pins a torch and "
+                "vLLM build of its own: the engine tests keep it in an environment "
+                "without vLLM)")
+    return ""
+
+
 def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
+
 
     kwargs: dict[str, Any] = {}
     cache_mib = a.ideal_cache_mib if arm == "ideal" else a.engine_cache_mib
@@ -345,9 +364,11 @@ def child(arm: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     args = [sys.executable, __file__, "--child", arm, "--endpoint", endpoint,
             *sys.argv[1:]]
     try:
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if a.threads:
+            env["OMP_NUM_THREADS"] = str(a.threads)
         proc = subprocess.run(args, capture_output=True, text=True, cwd=work,
-                              timeout=a.arm_timeout, env={**os.environ,
-                                                          "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                              timeout=a.arm_timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"ran past {a.arm_timeout} s"}
     finally:
@@ -356,7 +377,8 @@ def child(arm: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
             daemon.wait()
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        err = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
+        err = [line for line in proc.stderr.splitlines()
+               if "Error" in line or "error" in line or "Exception:" in line]
         return {"error": (err[-1] if err else proc.stderr[-400:]).strip()[:400]}
     result: dict[str, Any] = json.loads(lines[-1])
     return result
@@ -370,9 +392,13 @@ def merge(into: dict[str, Any], result: dict[str, Any]) -> None:
         into.update(result)
         return
     for key, r in result.items():
-        have = into.setdefault(key, {"records": [], "elapsed": 0.0, "connector": {}})
+        have = into.setdefault(key, {"records": [], "elapsed": 0.0, "connector": {},
+                                     "runs": []})
         have["records"] += r["records"]
         have["elapsed"] += r["elapsed"]
+        have["runs"].append({"p50": statistics.median(x["ttft"] for x in r["records"]),
+                             "tput": sum(x["prompt"] + x["generated"] for x in r["records"])
+                             / r["elapsed"]})
         for k, v in r["connector"].items():
             have["connector"][k] = v if k == "block_bytes" else have["connector"].get(k, 0) + v
 
@@ -382,7 +408,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summarise(name: str, result: dict[str, Any]) -> dict[str, float]:
+def summarise(name: str, result: dict[str, Any]) -> dict[str, Any]:
     records, elapsed = result["records"], result["elapsed"]
     ttft = [r["ttft"] * 1000 for r in records]
     prompt = sum(r["prompt"] for r in records)
@@ -394,10 +420,24 @@ def summarise(name: str, result: dict[str, Any]) -> dict[str, float]:
             "tput": (prompt + generated) / elapsed, "prompt": prompt,
             "computed": prompt - cached, "cached": cached,
             "loaded": c.get("s_hit_tokens", 0),
+            "by_tier": " ".join(f"{k.removeprefix('s_hit_tokens_')}:{v}" for k, v in
+                                sorted(c.items()) if k.startswith("s_hit_tokens_") and v),
             "moved_mib": (c.get("w_loaded_blocks", 0) + c.get("w_saved_blocks", 0))
             * block_bytes / (1 << 20), "n": len(records),
             "conn_ms": (c.get("s_lookup_us", 0) + c.get("w_load_us", 0)
-                        + c.get("w_save_us", 0)) / 1000 / max(1, len(records))}
+                        + c.get("w_save_us", 0)) / 1000 / max(1, len(records)),
+            "lookup_ms": c.get("s_lookup_us", 0) / 1000 / max(1, len(records)),
+            "load_ms": c.get("w_load_us", 0) / 1000 / max(1, len(records)),
+            "save_ms": c.get("w_save_us", 0) / 1000 / max(1, len(records))}
+
+
+def paired(runs: list[dict[str, float]], base: list[dict[str, float]] | None,
+           what: str) -> float:
+    """The median over repeats of one arm's figure over the base arm's in the same
+    repeat (the arms ran one after the other in each: the machine's drift cancels)."""
+    if not base:
+        return float("nan")
+    return statistics.median(r[what] / b[what] for r, b in zip(runs, base))
 
 
 def report(results: dict[str, dict[str, Any]], a: argparse.Namespace) -> None:
@@ -406,38 +446,75 @@ def report(results: dict[str, dict[str, Any]], a: argparse.Namespace) -> None:
         if "error" in r:
             print(f"{arm:13} cannot run here: {r['error']}")
     for key in keys:
-        print(f"\n== {key}  (TTFT ms; ratios of p50 to alone and to ideal)")
+        print(f"\n== {key}  (TTFT ms over every run; /alone, /ideal: the median over "
+              f"the {a.repeat} repeat(s) of the p50 ratio within a repeat; tput/alone "
+              f"likewise)")
         print(f"{'arm':13} {'n':>3} {'p50':>8} {'p90':>8} {'p99':>8} {'tok/s':>8} "
               f"{'computed':>9} {'cached':>8} {'loaded':>8} {'MiB':>7} {'/alone':>7} "
-              f"{'/ideal':>7} {'conn ms':>8}")
+              f"{'/ideal':>7} {'tput/alone':>10} {'conn ms':>8}  lookup/load/save ms  "
+              f"loaded by tier")
         rows = {arm: summarise(key, r[key]) for arm, r in results.items()
                 if "error" not in r and key in r}
+        runs = {arm: r[key].get("runs", []) for arm, r in results.items()
+                if "error" not in r and key in r}
         for arm, s in rows.items():
-            alone = rows.get("alone", s)["p50"]
-            ideal = rows.get("ideal", s)["p50"]
+            alone = paired(runs[arm], runs.get("alone"), "p50")
+            ideal = paired(runs[arm], runs.get("ideal"), "p50")
+            tput = paired(runs[arm], runs.get("alone"), "tput")
             print(f"{arm:13} {s['n']:3d} {s['p50']:8.1f} {s['p90']:8.1f} {s['p99']:8.1f} "
                   f"{s['tput']:8.0f} {s['computed']:9d} {s['cached']:8d} {s['loaded']:8d} "
-                  f"{s['moved_mib']:7.1f} {s['p50'] / alone:7.2f} {s['p50'] / ideal:7.2f} "
-                  f"{s['conn_ms']:8.2f}")
+                  f"{s['moved_mib']:7.1f} {alone:7.2f} {ideal:7.2f} {tput:10.2f} "
+                  f"{s['conn_ms']:8.2f}  {s['lookup_ms']:.2f}/{s['load_ms']:.2f}/"
+                  f"{s['save_ms']:.2f}  {s['by_tier']}")
+            if a.repeat > 1:
+                print(f"{'':13}     p50 per repeat: "
+                      + " ".join(f"{r['p50'] * 1000:.1f}" for r in runs[arm]))
+        token_costs(rows)
     if a.png:
-        draw(results, keys, a.png)
+        ttfts = {key: {arm: [x["ttft"] * 1000 for x in r[key]["records"]]
+                       for arm, r in results.items() if "error" not in r and key in r}
+                 for key in keys}
+        draw(ttfts, a.png)
 
 
-def draw(results: dict[str, dict[str, Any]], keys: list[str], path: str) -> None:
+def token_costs(rows: dict[str, dict[str, Any]]) -> None:
+    """What a loaded token costs against a recomputed one, from the p50s: the TTFT an
+    arm adds over the ideal per token it loaded, over what the engine alone adds per
+    token it recomputed that the ideal found cached (p50s of every request, so a
+    rough figure: the requests that miss everywhere weigh on both sides)."""
+    ideal, alone = rows.get("ideal"), rows.get("alone")
+    if not ideal or not alone or alone["computed"] <= ideal["computed"]:
+        return
+    per_recomputed = ((alone["p50"] - ideal["p50"])
+                      / ((alone["computed"] - ideal["computed"]) / alone["n"]))
+    for arm, s in rows.items():
+        if s["loaded"] and per_recomputed > 0:
+            per_loaded = (s["p50"] - ideal["p50"]) / (s["loaded"] / s["n"])
+            print(f"{arm:13} a loaded token costs {per_loaded * 1000:.2f} us over the "
+                  f"ideal's p50, a recomputed one {per_recomputed * 1000:.2f} us: "
+                  f"{per_loaded / per_recomputed:.2f}x")
+
+
+def draw(ttfts: dict[str, dict[str, list[float]]], path: str) -> None:
+    """TTFT distributions (ms) per workload and arm, as a PNG; without matplotlib (the
+    engine's environment may lack it), the figures as JSON beside it and the command
+    that draws them with a Python that has it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("(no matplotlib: no PNG)")
+        Path(path + ".json").write_text(json.dumps(ttfts))
+        print(f"(no matplotlib here) draw with: python {Path(__file__).relative_to(ROOT)} "
+              f"--draw {path}.json --png {path}")
         return
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        arms = [arm for arm, r in results.items() if "error" not in r and key in r]
-        ax.boxplot([[x["ttft"] * 1000 for x in results[arm][key]["records"]] for arm in arms],
-                   labels=arms)
+    fig, axes = plt.subplots(1, len(ttfts), figsize=(5 * len(ttfts), 4.5), squeeze=False)
+    for ax, (key, arms) in zip(axes[0], ttfts.items()):
+        ax.boxplot(list(arms.values()), whis=(1, 99))
+        ax.set_xticks(range(1, len(arms) + 1), list(arms))
+        ax.set_yscale("log")
         ax.set_title(key)
-        ax.set_ylabel("TTFT (ms)")
+        ax.set_ylabel("TTFT (ms, log; whiskers p1-p99)")
         ax.tick_params(axis="x", rotation=45)
     fig.tight_layout()
     fig.savefig(path)
@@ -476,9 +553,15 @@ def parse() -> argparse.Namespace:
     p.add_argument("--store-mib", type=int, default=2048)
     p.add_argument("--ssd-dram-mib", type=int, default=32)
     p.add_argument("--layerwise", action="store_true")
+    p.add_argument("--threads", type=int, default=-1,
+                   help="OMP_NUM_THREADS of every arm's engine (default: 1 on the CPU "
+                   "build, where two OpenMP threads on a shared 2-core machine made the "
+                   "same prefill 2x slower in some arms than in others; 0: inherit)")
     p.add_argument("--arm-timeout", type=float, default=3600)
     p.add_argument("--png", default="")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--draw", default="", help="draw --png from the TTFTs a run saved "
+                   "as JSON (where its environment had no matplotlib), and exit")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
     p.add_argument("--model", default="", help=argparse.SUPPRESS)
@@ -486,6 +569,8 @@ def parse() -> argparse.Namespace:
     if a.gpu:  # a model where the GPU's prefill dominates, every workload
         a.layers, a.hidden, a.dtype = 24, 2048, "bfloat16"
         a.workloads = ",".join(WORKLOADS)
+    if a.threads < 0:
+        a.threads = 0 if a.gpu else 1
     a.workloads = a.workloads.split(",")
     a.modes = a.modes.split(",")
     if not a.engine_cache_mib:
@@ -498,6 +583,9 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     a = parse()
+    if a.draw:
+        draw(json.loads(Path(a.draw).read_text()), a.png or a.draw.removesuffix(".json"))
+        return
     if a.child:
         a.model = a.model or str(Path.cwd() / "model")
         result = run_arm(a.child, a)
@@ -512,8 +600,11 @@ def main() -> None:
               f"{','.join(a.workloads)}", flush=True)
         results: dict[str, dict[str, Any]] = {}
         arms = a.arms.split(",")
-        for rep in range(a.repeat):  # the arms in turn, so the machine's drift hits all
-            for arm in arms:
+        for arm in arms:
+            if reason := cannot_run(arm):
+                results[arm] = {"error": reason}
+        for rep in range(a.repeat):  # the arms in turn, so the machine's drift hits all,
+            for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:  # none always first
                 if "error" in results.get(arm, {}):
                     continue
                 started = time.monotonic()

@@ -170,6 +170,14 @@ class Client(SessionCore):
         tier), parents first, as of event batch ``seq`` (apply the batches after it)."""
         return check_reply(self._call(p.Snapshot(self._next_rid()))[0], p.SnapshotReply)
 
+    def probe(self, keys: Sequence[bytes] = ()) -> p.ProbeReply:
+        """What a router asks, of this daemon: the longest cached prefix of a key chain
+        per tier (nothing touched), the wait ahead of a new transfer and the load
+        bandwidth per tier (bytes a second, measured where the daemon has read enough).
+        No keys: just the figures."""
+        return check_reply(self._call(p.Probe(self._next_rid(), list(keys)))[0],
+                           p.ProbeReply)
+
     def route(self, keys: Sequence[bytes], endpoints: Sequence[str], *,
               deadline: float = 0.05, prefill_rate: float = DEFAULT_PREFILL_RATE,
               tokens: int | None = None, block_tokens: int | None = None
@@ -252,6 +260,11 @@ class Namespace(NamespaceCore[Client]):
         """Bring blocks up to DRAM ahead of use: best effort (returns at once), or wait
         (until done, or ``timeout`` seconds); the result is a usable prefix."""
         return self._on_prefetch(self.client._call(self._prefetch_request(keys, wait, timeout)))
+
+    def post_prefetch(self, keys: Sequence[bytes]) -> None:
+        """A best-effort ``prefetch`` without waiting for its reply (a refusal is only
+        logged): for a caller on a path where a round trip counts."""
+        self.client._post(self._prefetch_request(keys, False, None))
 
     def reserve_batch(self, plan: Sequence[PlanItem]) -> BatchResult[Reservation]:
         """Reserve the blocks of a token plan, all or none (CapacityError is not raised:

@@ -12,12 +12,14 @@ size in bytes), so they live in namespaces of their own (layout ``lmcache-object
 one per LMCache model name and ``cache_salt``; a slot holds a 16-byte header (magic,
 length) and the object.  The chunk hash, ``kv_rank`` and object group make the key.
 
-The adapter keeps LMCache's contract: every call only queues a task; one worker
-thread, the only user of its daemon connection, runs the tasks in order and signals
-three distinct event fds (store, lookup-and-lock, load).  Lookup-and-lock pins the
+The adapter keeps LMCache's contract: every call only queues a task; a worker thread,
+the only user of its daemon connection, runs the lookups, loads and unlocks in order,
+and a store thread with a connection of its own runs the stores (so a slow store never
+holds up a lookup or a load queued after it); they signal three distinct event fds
+(store, lookup-and-lock, load).  Lookup-and-lock pins the
 blocks it finds (a daemon pin, renewed by the worker's pings) until ``submit_unlock``;
-a load pins, copies and unpins.  ``close()`` stops the worker thread, then closes the
-connection (which drops any pin left), then the event fds.
+a load pins, copies and unpins.  ``close()`` stops the threads, then closes the
+connections (which drops any pin left), then the event fds.
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._link = DaemonLink(DaemonSettings(config.endpoint, config.tenant, config.token,
                                                config.timeout))
         self._link.connect()
+        self._store_link = DaemonLink(self._link.settings)  # the store thread's own
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -163,8 +166,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._pin_keys_left: dict[int, int] = {}
         self._last_error = ""
         self._tasks: queue.Queue[_Task] = queue.Queue()
+        self._store_tasks: queue.Queue[_Task] = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="kvstore-l2", daemon=True)
         self._worker.start()
+        self._storer = threading.Thread(target=self._run_stores, name="kvstore-l2-stores",
+                                        daemon=True)
+        self._storer.start()
 
     # -- event fds ------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
@@ -183,7 +190,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         with self._lock:
             task_id = next(self._ids)
-        self._tasks.put(_Task(kind, task_id, list(keys), objects))
+        tasks = self._store_tasks if kind == "store" else self._tasks
+        tasks.put(_Task(kind, task_id, list(keys), objects))
         return task_id
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
@@ -213,16 +221,20 @@ class KVStoreL2Adapter(L2AdapterInterface):
             return self._load_results.pop(task_id, None)
 
     def report_status(self) -> dict[str, Any]:
-        return {"is_healthy": self._worker.is_alive() and not self._last_error,
+        return {"is_healthy": (self._worker.is_alive() and self._storer.is_alive()
+                               and not self._last_error),
                 "type": "KVStoreL2Adapter", "endpoint": self._link.endpoint,
                 "pinned_keys": len(self._pins_by_key), "last_error": self._last_error,
-                "queued_tasks": self._tasks.qsize()}
+                "queued_tasks": self._tasks.qsize() + self._store_tasks.qsize()}
 
     def close(self) -> None:
-        if self._worker.is_alive():
-            self._tasks.put(_Task("stop", -1, []))
-            self._worker.join()
+        for thread, tasks in ((self._worker, self._tasks),
+                              (self._storer, self._store_tasks)):
+            if thread.is_alive():
+                tasks.put(_Task("stop", -1, []))
+                thread.join()
         self._link.close()  # the daemon drops this session's pins with it
+        self._store_link.close()
         for efd in (self._store_efd, self._lookup_efd, self._load_efd):
             efd.close()
 
@@ -232,12 +244,18 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     # -- the worker thread ----------------------------------------------------------------
     def _run(self) -> None:
+        self._serve(self._tasks, self._keep_pins_alive)
+
+    def _run_stores(self) -> None:
+        self._serve(self._store_tasks, lambda: None)
+
+    def _serve(self, tasks: queue.Queue[_Task], idle: Callable[[], None]) -> None:
         ping_every = max(self._config.timeout, 1.0)
         while True:
             try:
-                task = self._tasks.get(timeout=ping_every)
+                task = tasks.get(timeout=ping_every)
             except queue.Empty:
-                self._keep_pins_alive()
+                idle()
                 continue
             if task.kind == "stop":
                 return
@@ -273,10 +291,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
             results[task_id] = value
         efd.notify()
 
-    def _namespace(self, key: ObjectKey) -> Namespace | None:
-        """The namespace of a key's model and salt; None while the daemon is failing."""
+    def _namespace(self, key: ObjectKey, link: DaemonLink | None = None) -> Namespace | None:
+        """The namespace of a key's model and salt on ``link`` (the worker's by
+        default); None while the daemon is failing."""
         where = (key.model_name, key.cache_salt)
-        return self._link.namespace(where, lambda: object_identity(*where, self._config))
+        return (link or self._link).namespace(
+            where, lambda: object_identity(*where, self._config))
 
     def _by_namespace(self, keys: Sequence[ObjectKey]) -> dict[tuple[str, str], list[int]]:
         """Positions of ``keys`` grouped by namespace, in order."""
@@ -291,7 +311,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         stored = 0
         ok = True
         for positions in self._by_namespace(task.keys).values():
-            ns = self._namespace(task.keys[positions[0]])
+            ns = self._namespace(task.keys[positions[0]], self._store_link)
             if ns is None:
                 ok = False
                 continue
@@ -314,7 +334,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 result = store_missing(ns, [object_key(task.keys[i]) for i in part], fill,
                                        lookup=False)
                 if result.error is not None:
-                    self._link.failed("L2 store", result.error)
+                    self._store_link.failed("L2 store", result.error)
                     ok = False
                     continue
                 stored += sum(sizes)

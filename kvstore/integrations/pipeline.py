@@ -14,7 +14,8 @@ one daemon call for a step's loads.
   all layers at once (``copy_all``) or layer by layer (``start_layers`` / ``wait_layer``:
   on the CPU a thread copies the layers in order while the model computes the first
   ones).  ``finish`` releases the pins once every copy is done.
-- ``LoadWorth``: which cached blocks are worth loading rather than recomputing.
+- ``LoadWorth``: which cached blocks are worth loading rather than recomputing;
+  ``LoadRates`` keeps its per-tier rates to the daemon's measured ones.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -52,6 +54,7 @@ MAX_PENDING_BYTES = 1 << 30   # staged bytes a sender holds before it drops new 
 # ========================================================================================
 
 LOAD_GBPS = {"gpu": 50.0, "dram": 10.0, "ssd": 1.5, "remote": 1.0}
+REFRESH_RATES_S = 10.0   # how often the connector asks the daemon for its load rates
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,13 @@ class LoadWorth:
             raise ValueError(f"prefill_tokens_per_s must be >= 0, not {rate}")
         return cls(block_bytes, block_tokens, rate, tuple(gbps.items()))
 
+    def with_rates(self, bytes_per_s: Mapping[str, float]) -> LoadWorth:
+        """These figures with the tiers' rates in ``bytes_per_s`` (the daemon's, bytes
+        a second) taking the place of the configured ones; other tiers keep theirs."""
+        gbps = dict(self.load_gbps)
+        gbps.update((tier, rate / 1e9) for tier, rate in bytes_per_s.items() if rate > 0)
+        return replace(self, load_gbps=tuple(gbps.items()))
+
     def blocks(self, tiers: Sequence[str]) -> int:
         """How many leading blocks of a cached prefix, in ``tiers``, are worth loading."""
         if not self.prefill_tokens_per_s:
@@ -91,6 +101,56 @@ class LoadWorth:
             if self.block_bytes / (gbps.get(tier, 1.0) * 1e9) >= recompute_s:
                 return i
         return len(tiers)
+
+
+class LoadRates:
+    """The load rates an offer is judged by: the daemon's per tier (measured where it
+    has read enough, else its own configured figure), asked for at most every
+    ``refresh_s`` seconds by ``current``'s ``ask`` (a probe; None when the daemon did
+    not answer), over the configured ``LoadWorth`` they start from and fall back to.
+    Nothing is asked while every block is offered anyway (no prefill rate), nor with
+    ``refresh_s`` 0 (the configured rates only)."""
+
+    def __init__(self, configured: LoadWorth, *, refresh_s: float = REFRESH_RATES_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if refresh_s < 0:
+            raise ValueError(f"the rates' refresh must be >= 0 seconds, not {refresh_s}")
+        self.configured = configured
+        self._worth = configured
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._next = 0.0
+        self.refreshes = 0   # answers taken
+        self.measured: dict[str, float] = {}  # the daemon's last answer, bytes a second
+
+    def current(self, ask: Callable[[], Mapping[str, float] | None]) -> LoadWorth:
+        if (not self.configured.prefill_tokens_per_s or not self._refresh_s
+                or self._clock() < self._next):
+            return self._worth
+        self._next = self._clock() + self._refresh_s
+        rates = ask()
+        if rates is None:  # the configured rates until the daemon answers again
+            self._worth = self.configured
+        else:
+            self.measured = dict(rates)
+            self._worth = self.configured.with_rates(rates)
+            self.refreshes += 1
+        return self._worth
+
+    def __repr__(self) -> str:
+        return f"LoadRates({dict(self._worth.load_gbps)} GB/s, refreshes={self.refreshes})"
+
+
+def daemon_rates(link: DaemonLink) -> dict[str, float] | None:
+    """The daemon's load bandwidth per tier (bytes a second), or None (no answer)."""
+    client = link.client()
+    if client is None:
+        return None
+    try:
+        return client.probe().bandwidth
+    except KVStoreError as exc:
+        link.failed("probe", exc)
+        return None
 
 
 # ========================================================================================

@@ -23,6 +23,14 @@ SGLang's host pool and the daemon's shared-memory slots, no intermediate buffers
 besides one page).  The v2 pool-transfer interface (hybrid Mamba/SWA/DSA pools) is
 not implemented.  The namespace's KV format comes from the host pool, so it is opened
 in ``register_mem_pool_host``, which SGLang calls right after creating the backend.
+
+The calls wait for the daemon, and need not do otherwise: HiCache makes them from its
+own threads, never from a forward step (``batch_set_v1`` from its backup thread, which
+keeps the host pages locked until the call returns and acks it; the gets from its
+prefetch threads, which the scheduler waits for at most its prefetch timeout, policy
+``timeout``, the default, or not at all, ``best_effort``).  Returning from a set before
+the bytes are in would free pages still to be read.  A daemon that stops answering
+costs one ``timeout`` on those threads, then nothing while ``DaemonLink`` backs off.
 """
 
 from __future__ import annotations

@@ -78,11 +78,14 @@ from kvstore.integrations.engine_side import (
     store_missing,
 )
 from kvstore.integrations.pipeline import (
+    REFRESH_RATES_S,
     LoadItem,
+    LoadRates,
     LoadWorth,
     SaveJob,
     SaveSender,
     StepLoads,
+    daemon_rates,
 )
 from kvstore.keys import chain_keys
 
@@ -270,6 +273,19 @@ def engine_pages(tensors: Sequence[torch.Tensor], group: _Group) -> EnginePages:
 # the connector
 # ========================================================================================
 
+STATS = ("lookups", "hit_tokens", "prefetches", "offers", "offers_declined",
+         "declined_tokens", "rate_refreshes", "loaded_blocks", "load_failed_blocks",
+         "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
+         "lookup_us", "load_us", "save_us")  # the last three: time in the engine's steps
+
+
+def count_tiers(stats: dict[str, int], tiers: Sequence[str], block_tokens: int) -> None:
+    """Count the tokens of blocks offered from each tier (``hit_tokens_<tier>``), as
+    the lookup found them (a prefetch may have moved them up since)."""
+    for tier in tiers:
+        stats[f"hit_tokens_{tier}"] = stats.get(f"hit_tokens_{tier}", 0) + block_tokens
+
+
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector backed by a kvstore daemon.
 
@@ -278,7 +294,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ``async_saves`` (default true), ``layerwise`` (default false), ``prefetch``
     (default true), ``max_pending_save_mib`` (staged save bytes before saves are
     dropped, default 1024), ``prefill_tokens_per_s`` and ``load_gbps`` (see
-    ``LoadWorth``: blocks slower to load than to recompute are not offered).
+    ``LoadWorth``: blocks slower to load than to recompute are not offered; the daemon's
+    measured rates replace ``load_gbps``, asked every ``rates_refresh_s`` seconds,
+    default 10, 0: never).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -297,14 +315,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layerwise = bool(extra.get("layerwise", False))
         self._prefetch = bool(extra.get("prefetch", True))
         self._max_pending = int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20))
-        self._worth = LoadWorth.from_extra(extra, sum(g.identity.block_bytes
-                                                      for g in self._groups),
-                                           self._groups[0].block_tokens)
-        self.stats: dict[str, int] = dict.fromkeys(
-            ("lookups", "hit_tokens", "prefetches", "offers_declined", "declined_tokens",
-             "loaded_blocks", "load_failed_blocks",
-             "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
-             "lookup_us", "load_us", "save_us"), 0)  # time spent in the engine's steps
+        self._rates = LoadRates(
+            LoadWorth.from_extra(extra, sum(g.identity.block_bytes for g in self._groups),
+                                 self._groups[0].block_tokens),
+            refresh_s=float(extra.get("rates_refresh_s", REFRESH_RATES_S)))
+        self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[Transfer] = []
@@ -370,7 +385,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         hit = min(cached, usable) - first
         if not self._is_consumer or hit <= 0:
             return 0, False
-        worth = self._worth.blocks(tiers[first:first + hit])
+        rates = self._rates.current(functools.partial(daemon_rates, self._link))
+        worth = rates.blocks(tiers[first:first + hit])
+        self.stats["rate_refreshes"] = self._rates.refreshes
         if worth < hit:
             self.stats["offers_declined"] += 1
             self.stats["declined_tokens"] += (hit - worth) * block
@@ -380,6 +397,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._prefetch and any(t != "dram" for t in tiers[first:first + hit]):
             self._prefetch_blocks(state, first, first + hit)
         state.offer = (first, hit)
+        self.stats["offers"] += 1
         tokens = (first + hit) * block - num_computed_tokens
         logger.debug("kvstore: request %s: %d tokens cached in the daemon",
                      request.request_id, tokens)
@@ -417,7 +435,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 if ns is None:
                     return
                 try:
-                    ns.prefetch(keys)
+                    ns.post_prefetch(keys)  # the step does not wait for its reply
                 except KVStoreError as exc:
                     self._link.failed("prefetch", exc)
                     return
@@ -430,7 +448,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens <= 0 or offer is None:
             return
         first, _ = offer
-        count = num_external_tokens // self._groups[0].block_tokens
+        block = self._groups[0].block_tokens
+        count = num_external_tokens // block
         block_ids = blocks.get_block_ids()
         for group in self._groups:
             keys = self._keys(state, group, first + count)
@@ -439,6 +458,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 list(block_ids[group.index][first:first + count])))
         state.saved_blocks = max(state.saved_blocks, first + count)
         self.stats["hit_tokens"] += num_external_tokens
+        count_tiers(self.stats, (state.cached or (0, []))[1][first:first + count], block)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(loads=self._pending_loads)
@@ -510,6 +530,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._layers[group.index] = pages
             if len(pages.layer_targets()) == len(group.layer_names):
                 self._layer_index.update((name, i) for i, name in enumerate(group.layer_names))
+        self._link.client()  # connect and map the arena now, not in a request's step
         if self._async_saves and self._is_producer:
             self._sender = SaveSender(self._link.settings, max_pending_bytes=self._max_pending)
 

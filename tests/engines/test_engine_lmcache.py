@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon_proc import DaemonProcess
-from engine_envs import run_in_env
+from engine_envs import HERE, last_json, run_in_env
 
 NUM_KEYS, IN_FLIGHT, ROUNDS, OBJECT_KB = 16, 2, 2, 256
 MEASURED_KEYS = NUM_KEYS * IN_FLIGHT * ROUNDS
@@ -55,3 +55,18 @@ def test_bench_l2_stores_looks_up_and_loads_verified(
     assert ops["Lookup"]["total_success"] == MEASURED_KEYS // 2
     ops, _ = bench(tmp_path, "load", adapter, "--only", "load")
     assert ops["Load"]["total_success"] == MEASURED_KEYS
+
+
+def test_a_held_up_store_holds_up_no_lookup_or_load(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    # Stores run on a thread (and a daemon connection) of their own: one whose objects'
+    # bytes are not ready yet must not keep a lookup and a load queued after it waiting.
+    daemon = daemon_factory(dram_capacity="64MiB")
+    proc = run_in_env("lmcache", [str(HERE / "lmcache_store_thread.py"), daemon.endpoint,
+                                  f"lmcache-{uuid.uuid4().hex[:8]}"], timeout=120)
+    out = last_json(proc.stdout)
+    assert out["first_store"] and out["first_result"] == [True], out
+    assert out["lookup_while_held"] and out["found"] == 8, out
+    assert out["load_while_held"] and out["loaded"] == 8 and out["same_bytes"], out
+    assert not out["held_store_done_early"], out
+    assert out["late_store"] and out["late_result"] == [True], out

@@ -9,6 +9,8 @@ Engine processes (vllm_run.py, each ~10-30 s) in one module fixture:
   four prompts loads in one daemon call.
 - ``remote_producer`` and ``remote_consumer`` (layer-wise loads) against two daemons
   sharing a Redis tier: the consumer's daemon finds the blocks in Redis.
+- ``remote_declined``: a consumer with a prefill rate, against a daemon whose Redis
+  tier it is told loads at 1 KB/s: the cached prefix is not offered.
 - ``save_killed`` (a daemon killed before a background save) and ``load_killed``
   (killed between the lookup and the load, the producer's daemon, last): the outputs
   are recomputed, equal to the baseline's.
@@ -72,6 +74,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         "--slab-size", "16MiB", *(["--remote", redis.url] if name.startswith("remote")
                                    else [])]) for name in ("one", "remote_a", "remote_b",
                                                            "doomed")}
+    # A daemon whose remote tier loads at 1 KB/s (its configured figure, as a probe
+    # tells it): no block from there is worth loading at 1000 prefill tokens/s.
+    daemons["remote_slow"] = DaemonProcess(
+        tmp / "remote_slow", dram_capacity="128MiB",
+        extra=["--slab-size", "16MiB", "--remote", redis.url],
+        env={"KVSTORE_EVENTS_REMOTE_BANDWIDTH": "1KB"})
     tenant = f"vllm-{uuid.uuid4().hex[:8]}"  # nothing from an earlier run can match
     out: dict[str, Any] = {}
     try:
@@ -96,6 +104,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             tmp, "remote_consumer", model, [{"prompt": PROMPT_P}, {"prompts": BATCH}],
             daemons["remote_b"], tenant, "--role", "kv_consumer",
             "--extra", json.dumps({"layerwise": True}))
+        out["remote_declined"] = engine_run(
+            tmp, "remote_declined", model, [{"prompt": PROMPT_P}],
+            daemons["remote_slow"], tenant, "--role", "kv_consumer",
+            "--extra", json.dumps({"prefill_tokens_per_s": 1000}))
         out["save_killed"] = engine_run(
             tmp, "save_killed", model, [{"prompt": PROMPT_R, "kill_daemon": "save"},
                                         {"prompt": PROMPT_P}],
@@ -151,6 +163,9 @@ def test_the_consumer_loads_the_prefix_and_computes_only_the_tail(
     assert single["num_cached_tokens"] == 3 * BLOCK  # vLLM computed 100 - 96 tokens
     assert consumer["worker"]["saved_blocks"] == 0 and consumer["worker"]["saves"] == 0
     assert consumer["scheduler"]["lookups"] == 5
+    # every loaded token was found in DRAM; no prefill rate: no rates asked for
+    assert consumer["scheduler"]["hit_tokens_dram"] == consumer["scheduler"]["hit_tokens"]
+    assert consumer["scheduler"]["rate_refreshes"] == 0
 
 
 def test_a_batch_of_requests_loads_in_one_daemon_call(runs: dict[str, Any]) -> None:
@@ -172,6 +187,21 @@ def test_disaggregated_through_two_daemons_sharing_redis_layer_wise(
     assert [r["external_tokens"] for r in consumer["results"]] == [3 * BLOCK, 7 * BLOCK]
     assert consumer["worker"]["load_failed_blocks"] == 0
     assert consumer["scheduler"]["prefetches"] >= 1  # the blocks were in Redis only
+    tiers = {k: v for k, v in consumer["scheduler"].items() if k.startswith("hit_tokens_")}
+    assert tiers["hit_tokens_remote"] >= 3 * BLOCK, tiers  # tokens offered, by tier
+    assert sum(tiers.values()) == consumer["scheduler"]["hit_tokens"], tiers
+
+
+def test_an_offer_is_judged_by_the_daemons_rates_not_the_configured_ones(
+        runs: dict[str, Any]) -> None:
+    # Configured, Redis loads at 1 GB/s (worth it); the daemon says 1 KB/s: declined.
+    run = runs["remote_declined"]
+    assert outputs(run) == outputs(runs["baseline"])[:1]
+    assert run["scheduler"]["rate_refreshes"] == 1
+    assert run["scheduler"]["offers_declined"] == 1
+    assert run["scheduler"]["declined_tokens"] == 3 * BLOCK
+    assert run["results"][0]["external_tokens"] == 0
+    assert run["worker"]["loaded_blocks"] == 0
 
 
 def test_a_daemon_killed_mid_save_costs_the_save_not_the_output(

@@ -14,8 +14,16 @@ from daemon_proc import DaemonProcess
 from test_engine_side import KINDS, PAGES, TOKENS, identity, make_pages
 
 from kvstore import Client
-from kvstore.integrations.engine_side import DaemonSettings, Loaded
-from kvstore.integrations.pipeline import LoadItem, LoadWorth, SaveJob, SaveSender, StepLoads
+from kvstore.integrations.engine_side import DaemonLink, DaemonSettings, Loaded
+from kvstore.integrations.pipeline import (
+    LoadItem,
+    LoadRates,
+    LoadWorth,
+    SaveJob,
+    SaveSender,
+    StepLoads,
+    daemon_rates,
+)
 
 
 def job(tag: str, kind: str, keys: list[bytes], staged: object,
@@ -236,3 +244,49 @@ def test_only_blocks_faster_to_load_than_to_recompute_are_worth_it() -> None:
     for bad in ({"load_gbps": {"ssd": 0}}, {"load_gbps": 3}, {"prefill_tokens_per_s": -1}):
         with pytest.raises(ValueError):
             LoadWorth.from_extra(bad, 1_000_000, 32)
+
+
+def test_the_daemons_rates_replace_the_configured_ones_at_most_every_refresh() -> None:
+    # 1 MB blocks of 32 tokens at 3200 tokens/s: 10 ms to recompute; SSD configured at
+    # 1.5 GB/s (0.7 ms a block) until the daemon says 50 MB/s (20 ms: not worth it).
+    configured = LoadWorth.from_extra({"prefill_tokens_per_s": 3200}, 1_000_000, 32)
+    now = [0.0]
+    answers: list[dict[str, float] | None] = [{"ssd": 50e6}, None, {"ssd": 3e9}]
+    asked: list[float] = []
+
+    def ask() -> dict[str, float] | None:
+        asked.append(now[0])
+        return answers.pop(0)
+
+    rates = LoadRates(configured, refresh_s=10, clock=lambda: now[0])
+    assert configured.blocks(["dram", "ssd"]) == 2
+    assert rates.current(ask).blocks(["dram", "ssd"]) == 1   # the daemon's rate
+    now[0] = 9.0
+    assert rates.current(ask).blocks(["dram", "ssd"]) == 1   # not asked again yet
+    assert asked == [0.0]
+    now[0] = 10.0
+    assert rates.current(ask).blocks(["dram", "ssd"]) == 2   # no answer: configured
+    now[0] = 20.0
+    assert rates.current(ask).blocks(["dram", "ssd"]) == 2   # a faster SSD measured
+    assert asked == [0.0, 10.0, 20.0] and rates.refreshes == 2
+    never = LoadRates(configured, refresh_s=0, clock=lambda: now[0])
+    assert never.current(ask).blocks(["ssd"]) == 1 and asked == [0.0, 10.0, 20.0]
+    no_rate = LoadRates(LoadWorth.from_extra({}, 1_000_000, 32), clock=lambda: now[0])
+    assert no_rate.current(ask).blocks(["ssd"]) == 1 and asked == [0.0, 10.0, 20.0]
+    with pytest.raises(ValueError):
+        LoadRates(configured, refresh_s=-1)
+
+
+def test_a_probe_without_keys_gives_the_daemons_load_rates(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    slow = daemon_factory(ssd_capacity="64MiB",
+                          env={"KVSTORE_EVENTS_SSD_BANDWIDTH": "50MB"})
+    with Client(slow.endpoint) as client:
+        reply = client.probe()
+        assert reply.tier_runs == [] and reply.bandwidth["ssd"] == 50e6
+        worth = LoadWorth.from_extra({"prefill_tokens_per_s": 3200}, 1_000_000, 32)
+        rates = LoadRates(worth)
+        link = DaemonLink(DaemonSettings(slow.endpoint))
+        assert rates.current(lambda: daemon_rates(link)).blocks(["dram", "ssd"]) == 1
+        link.close()
+        assert rates.measured["ssd"] == 50e6

@@ -168,6 +168,27 @@ def test_prefetch_promotes_ahead_of_use(daemon_factory: Any) -> None:
         assert c.stats()["scheduling"]["recomputed_tokens"] == 32
 
 
+def test_a_posted_prefetch_promotes_without_a_round_trip(daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes), ssd_capacity="64MiB",
+                       extra=["--slab-size", str(8 * BIG.block_bytes)])
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(BIG)
+        first = ns.keys(range(16 * 4))
+        ns.put(first, [b"\1" * BIG.block_bytes] * 4)
+        for i in range(4):                               # push `first` down to SSD
+            keys = ns.keys(range(10**6 * (i + 1), 10**6 * (i + 1) + 16 * 4))
+            ns.put(keys, [bytes(BIG.block_bytes)] * 4)
+        assert set(ns.lookup(first).tiers) == {"ssd"}
+        ns.post_prefetch(first)                          # returns before any reply
+        assert c._unread                                  # its reply is read later
+        deadline = time.monotonic() + 10
+        while ns.lookup(first).tiers != ["dram"] * 4:
+            assert time.monotonic() < deadline, ns.lookup(first)
+            time.sleep(0.01)
+        assert not c._unread                              # settled by a later reply
+        assert ns.get(first) == [b"\1" * BIG.block_bytes] * 4
+
+
 def test_a_scan_does_not_flush_the_hot_set_under_the_scan_resistant_policies(
         daemon_factory: Any) -> None:
     small = make_identity(num_layers=2, num_kv_heads=2, head_dim=64)   # 16 KiB blocks
