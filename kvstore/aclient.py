@@ -197,6 +197,11 @@ class AsyncClient(SessionCore):
         return check_reply((await self._call(p.Snapshot(self._next_rid())))[0],
                            p.SnapshotReply)
 
+    async def probe(self, keys: Sequence[bytes] = ()) -> p.ProbeReply:
+        """See ``Client.probe``."""
+        return check_reply((await self._call(p.Probe(self._next_rid(), list(keys))))[0],
+                           p.ProbeReply)
+
     async def route(self, keys: Sequence[bytes], endpoints: Sequence[str], *,
                     deadline: float = 0.05, prefill_rate: float = DEFAULT_PREFILL_RATE,
                     tokens: int | None = None, block_tokens: int | None = None
@@ -301,6 +306,10 @@ class AsyncNamespace(NamespaceCore[AsyncClient]):
         """See ``Namespace.prefetch``."""
         req = self._prefetch_request(keys, wait, timeout)
         return self._on_prefetch(await self.client._call(req))
+
+    async def post_prefetch(self, keys: Sequence[bytes]) -> None:
+        """See ``Namespace.post_prefetch``."""
+        await self.client._post(self._prefetch_request(keys, False, None))
 
     async def reserve_batch(self, plan: Sequence[PlanItem]) -> BatchResult[AsyncReservation]:
         """See ``Namespace.reserve_batch``; the reservations are made already (commit or

@@ -146,7 +146,8 @@ class SessionCore:
         self._pinned: dict[str, Any] = {}  # arena path -> its background CUDA registration
         self._pool: Any = None  # the GPU tier's pool, mapped (kvstore.tiers.gpu.PoolMapping)
         self.gpu_reason = ""  # why there is no GPU pool, once asked
-        self._unread: set[int] = set()  # ids of posted requests whose replies are not read
+        # posted requests whose replies are not read: id -> what was asked (for the log)
+        self._unread: dict[int, str] = {}
 
     def _next_rid(self) -> int:
         return next(self._rids)
@@ -156,17 +157,18 @@ class SessionCore:
         """The header of a request whose reply nobody waits for: the shell reads that
         reply later and hands it to ``_settle``.  The daemon serves a connection's
         requests in order, so the next request sees it done."""
-        self._unread.add(req.rid)
+        self._unread[req.rid] = type(req).__name__.lower()
         return p.encoder.encode(req)
 
     def _settle(self, reply: p.Message) -> bool:
         """Whether ``reply`` answers a posted request; if so it is dropped here, and a
         refusal logged (there is nobody left to raise it to)."""
-        if reply.rid not in self._unread:
+        asked = self._unread.pop(reply.rid, None)
+        if asked is None:
             return False
-        self._unread.discard(reply.rid)
         if isinstance(reply, p.ErrorReply):
-            log.warning("the daemon refused a release: %s: %s", reply.code, reply.message)
+            log.warning("the daemon refused a posted %s: %s: %s", asked, reply.code,
+                        reply.message)
         return True
 
     def _no_reply(self) -> UnavailableError:

@@ -96,7 +96,7 @@ def test_replies_of_the_wrong_kind_and_error_replies_raise() -> None:
         check_reply(p.ErrorReply(1, "capacity", "full"), p.CommitReply)
 
 
-def test_reservation_and_pin_state() -> None:
+def test_reservation_and_pin_state(caplog: pytest.LogCaptureFixture) -> None:
     s = session()
     ns = namespace(s)
     r: ReservationCore[Any] = ReservationCore(ns, ns.keys(range(16)))
@@ -121,6 +121,10 @@ def test_reservation_and_pin_state() -> None:
     assert p.request_decoder.decode(header) == release
     assert not s._settle(p.OkReply(release.rid + 1))      # not a posted one: the shell's
     assert s._settle(p.OkReply(release.rid)) and not s._unread
+    s._posted(release)                                    # a refused posted request is logged
+    with caplog.at_level("WARNING", logger="kvstore"):
+        assert s._settle(p.ErrorReply(release.rid, "not_found", "no such pin"))
+    assert "refused a posted release: not_found" in caplog.text and not s._unread
 
 
 def test_tcp_credentials_carry_the_token_in_the_handshake() -> None:

@@ -4,6 +4,7 @@ tensors stand for an engine's paged cache (the layouts of test_engine_side)."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections.abc import Callable
@@ -13,7 +14,8 @@ import torch
 from daemon_proc import DaemonProcess
 from test_engine_side import KINDS, PAGES, TOKENS, identity, make_pages
 
-from kvstore import Client
+from kvstore import AsyncClient, Client
+from kvstore.protocol import ProbeReply
 from kvstore.integrations.engine_side import DaemonLink, DaemonSettings, Loaded
 from kvstore.integrations.pipeline import (
     LoadItem,
@@ -290,3 +292,9 @@ def test_a_probe_without_keys_gives_the_daemons_load_rates(
         assert rates.current(lambda: daemon_rates(link)).blocks(["dram", "ssd"]) == 1
         link.close()
         assert rates.measured["ssd"] == 50e6
+
+    async def probe_async() -> ProbeReply:
+        async with AsyncClient(slow.endpoint) as aclient:
+            return await aclient.probe()
+
+    assert asyncio.run(probe_async()).bandwidth["ssd"] == 50e6

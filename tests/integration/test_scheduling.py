@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 from kvtest import make_identity
 
-from kvstore import Client
+from kvstore import AsyncClient, Client
 from kvstore.errors import CapacityError
 
 BIG = make_identity(num_layers=4, num_kv_heads=4, head_dim=128)  # 128 KiB blocks
@@ -187,6 +188,22 @@ def test_a_posted_prefetch_promotes_without_a_round_trip(daemon_factory: Any) ->
             time.sleep(0.01)
         assert not c._unread                              # settled by a later reply
         assert ns.get(first) == [b"\1" * BIG.block_bytes] * 4
+        for i in range(4, 8):                            # down to SSD again
+            keys = ns.keys(range(10**6 * (i + 1), 10**6 * (i + 1) + 16 * 4))
+            ns.put(keys, [bytes(BIG.block_bytes)] * 4)
+        assert set(ns.lookup(first).tiers) == {"ssd"}
+
+    async def posted_by_the_async_client() -> list[str]:
+        async with AsyncClient(d.endpoint, tenant="acme") as ac:
+            ans = await ac.namespace(BIG)
+            await ans.post_prefetch(first)
+            deadline = time.monotonic() + 10
+            while (tiers := (await ans.lookup(first)).tiers) != ["dram"] * 4:
+                assert time.monotonic() < deadline, tiers
+                await asyncio.sleep(0.01)
+            return tiers
+
+    assert asyncio.run(posted_by_the_async_client()) == ["dram"] * 4
 
 
 def test_a_scan_does_not_flush_the_hot_set_under_the_scan_resistant_policies(
