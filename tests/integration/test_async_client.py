@@ -182,7 +182,7 @@ def test_release_does_not_wait_for_the_daemon_and_is_served_before_the_next_requ
                 await held.release()
                 assert (await ns.lookup(keys)).blocks == 8
                 await c.ping()
-            assert any("refused a release" in r.getMessage() for r in caplog.records)
+            assert any("refused a posted release" in r.getMessage() for r in caplog.records)
             assert pinned(await c.stats()) == 8      # the real pin is still held
 
     run(main())

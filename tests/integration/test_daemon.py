@@ -320,6 +320,6 @@ def test_release_is_sent_without_waiting_and_reaches_the_daemon(
         with caplog.at_level("WARNING", logger="kvstore.client"):
             held.release()
             assert ns.lookup(keys).blocks == 8
-        assert any("refused a release" in r.getMessage() and "pin" in r.getMessage()
+        assert any("refused a posted release" in r.getMessage() and "pin" in r.getMessage()
                    for r in caplog.records)
         assert dram(client)["pinned_blocks"] == 8  # the real pin is still held
