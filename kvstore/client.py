@@ -10,7 +10,7 @@ and raise the typed errors of ``kvstore.errors``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -86,6 +86,12 @@ class Client(SessionCore):
     # -- I/O ------------------------------------------------------------------------------
     def _call(self, req: p.Message, payload: Sequence[Any] = ()) -> Received:
         """Send a request and wait for its reply (unchecked: the core checks it)."""
+        self._send(req, payload)
+        return self._wait(req.rid)
+
+    def _send(self, req: p.Message, payload: Sequence[Any] = ()) -> None:
+        """Send a request whose reply ``_wait(req.rid)`` will read: replies to other
+        requests read meanwhile are kept for their own ``_wait``."""
         if self._sock is None:
             raise KVStoreError("the client is closed")
         header = p.encoder.encode(req)
@@ -93,7 +99,6 @@ class Client(SessionCore):
             self._sock.send_multipart([header, *payload], copy=False)
         else:
             self._sock.send(header)
-        return self._wait(req.rid)
 
     def _run(self, exchange: Exchange[T]) -> T:
         """Carry out a verb of several requests, one after the other."""
@@ -237,6 +242,20 @@ class Namespace(NamespaceCore[Client]):
         held = Held(self, list(keys))
         held._on_acquired(self.client._call(held._acquire_request()))
         return held
+
+    def _send_acquire(self, keys: Sequence[bytes]) -> Callable[[], Held]:
+        """``acquire`` in two halves, for a caller that has work to do during the round
+        trip: the request goes now; the call returned waits for the reply and gives the
+        pins (or raises what ``acquire`` raises).  Call it exactly once: until then its
+        reply is kept, and its pins held, by the client."""
+        held = Held(self, list(keys))
+        req = held._acquire_request()
+        self.client._send(req)
+
+        def reply() -> Held:
+            held._on_acquired(self.client._wait(req.rid))
+            return held
+        return reply
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any],
             parent: bytes | None = None) -> int:

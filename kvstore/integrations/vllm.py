@@ -9,7 +9,10 @@ Load it with::
         kv_load_failure_policy="recompute",
         kv_connector_extra_config={"endpoint": "ipc:///run/kvstore.sock", "tenant": "acme"}))
 
-Scheduler side: for a new request, ``get_num_new_matched_tokens`` looks the prompt's
+Scheduler side: connects to the daemon (and opens the namespaces of requests with no
+adapter or salt) on a thread from its construction, so no request waits for a connect;
+until it is done, or while a daemon that is down is tried again, lookups are misses.
+For a new request, ``get_num_new_matched_tokens`` looks the prompt's
 full blocks up in the daemon once (from the first block, so blocks the store already
 holds are never saved again; the result is kept for the request's later scheduling
 steps), has the daemon bring blocks found on SSD or remote up to DRAM (``prefetch``),
@@ -17,8 +20,10 @@ and offers the cached prefix as external tokens; ``update_state_after_alloc`` re
 where they load; ``build_connector_meta`` hands the worker this step's loads and the
 blocks that become complete (to save).
 
-Worker side: ``start_load_kv`` pins every request's blocks of the step in one acquire
-per namespace and copies them into vLLM's pages before the forward pass, or layer by
+Worker side: ``handle_preemptions``, the step's first call, sends one acquire per
+namespace for every request's blocks of the step, without waiting; ``start_load_kv``
+waits for the pins (the round trip overlapped with vLLM preparing the step's inputs)
+and copies the blocks into vLLM's pages before the forward pass, or layer by
 layer (``layerwise``: ``wait_for_layer_load`` waits for just its layer, a thread
 copying the rest meanwhile).  ``wait_for_save`` copies the completed blocks out of the
 pages (so the engine may reuse them at once) and hands them to a background sender
@@ -54,7 +59,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +80,7 @@ from kvstore.integrations.engine_side import (
     DaemonLink,
     DaemonSettings,
     EnginePages,
+    Loaded,
     store_missing,
 )
 from kvstore.integrations.pipeline import (
@@ -86,6 +92,7 @@ from kvstore.integrations.pipeline import (
     SaveSender,
     StepLoads,
     daemon_rates,
+    fill_rows,
 )
 from kvstore.keys import chain_keys
 
@@ -286,6 +293,35 @@ def count_tiers(stats: dict[str, int], tiers: Sequence[str], block_tokens: int) 
         stats[f"hit_tokens_{tier}"] = stats.get(f"hit_tokens_{tier}", 0) + block_tokens
 
 
+def plain_namespaces(groups: Sequence[_Group],
+                     tp_size: int) -> dict[Hashable, Callable[[], Identity]]:
+    """The namespaces of requests with no adapter and no salt, keyed as the connector's
+    ``_namespace`` keys them: every group's, for every rank."""
+    plain = RequestVariant()
+    return {(g.index, plain, rank): functools.partial(g.identity_for, plain, rank, tp_size)
+            for g in groups for rank in range(tp_size)}
+
+
+def count_loads(transfers: Sequence[Transfer], outcome: dict[str, Loaded],
+                stats: dict[str, int], link: DaemonLink) -> set[int]:
+    """Count a step's loads as ``StepLoads.pin`` left them (a daemon error goes to
+    ``link``); the pages of the blocks that could not be loaded."""
+    not_loaded: set[int] = set()
+    for t in transfers:
+        loaded = outcome.get(f"{t.req_id}/{t.group}")
+        blocks = loaded.blocks if loaded is not None else 0
+        if loaded is not None and loaded.error is not None:
+            link.failed(f"load for request {t.req_id}", loaded.error)
+        failed = t.block_ids[blocks:]
+        if failed:
+            logger.warning("kvstore: %d of %d blocks of request %s could not be loaded",
+                           len(failed), len(t.block_ids), t.req_id)
+            not_loaded.update(failed)
+        stats["loaded_blocks"] += blocks
+        stats["load_failed_blocks"] += len(failed)
+    return not_loaded
+
+
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector backed by a kvstore daemon.
 
@@ -303,10 +339,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self._link = DaemonLink(DaemonSettings.from_extra(extra, timeout=5.0))
+        scheduler = role == KVConnectorRole.SCHEDULER  # its link reads no block
+        self._link = DaemonLink(DaemonSettings.from_extra(extra, timeout=5.0),
+                                map_arena=not scheduler)
         self._groups = _groups(vllm_config, kv_cache_config, self._link.settings.tenant,
                                extra)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        if scheduler:  # connected (hello, namespaces) now, never in a request's path
+            self._link.connect_in_background(plain_namespaces(self._groups, self._tp_size))
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("KVStoreConnector does not support pipeline parallelism yet")
         self._is_producer = self._kv_transfer_config.is_kv_producer
@@ -329,6 +369,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
         self._step_loads: StepLoads | None = None
+        self._posted_loads: tuple[KVConnectorMetadata, StepLoads] | None = None
         self._sender: SaveSender | None = None
         self._saving: set[str] = set()          # requests with saves sent
         self._finished_saving: set[str] = set()  # ... that vLLM says are finished
@@ -544,39 +585,43 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         finally:
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # The first call of a step, before vLLM prepares its inputs: the loads' acquires
+        # go out now; start_load_kv waits for their replies (and only then copies).
+        meta, started = kv_connector_metadata, time.perf_counter()
+        if isinstance(meta, KVStoreConnectorMetadata) and meta.loads:
+            self._posted_loads = (meta, self._plan_loads(meta.loads))
+            self._posted_loads[1].post()
+            self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
+
+    def _plan_loads(self, transfers: list[Transfer]) -> StepLoads:
+        """A step's loads, by namespace (a namespace that cannot be opened: no item)."""
+        loads, by_ns = StepLoads(), dict[tuple[int, RequestVariant], list[Transfer]]()
+        for t in transfers:
+            by_ns.setdefault((t.group, t.variant), []).append(t)
+        for (index, variant), items in by_ns.items():
+            ns = self._namespace(self._group(index), variant, self._tp_rank)
+            if ns is not None:
+                loads.add(ns, self._layers[index],
+                          [LoadItem(f"{t.req_id}/{t.group}", t.keys, t.block_ids)
+                           for t in items])
+        return loads
+
     def _start_load_kv(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
         self._finish_loads()  # a step that never reached wait_for_save
+        posted, self._posted_loads = self._posted_loads, None
+        if posted is not None and posted[0] is not meta:
+            posted[1].finish()  # another step's (cannot happen in vLLM): let its pins go
+            posted = None
         if not meta.loads:
             return
-        loads = StepLoads()
-        by_ns: dict[tuple[int, RequestVariant], list[Transfer]] = {}
-        for t in meta.loads:
-            by_ns.setdefault((t.group, t.variant), []).append(t)
-        unreachable: list[Transfer] = []
-        for (index, variant), transfers in by_ns.items():
-            ns = self._namespace(self._group(index), variant, self._tp_rank)
-            if ns is None:
-                unreachable.extend(transfers)
-                continue
-            loads.add(ns, self._layers[index],
-                      [LoadItem(f"{t.req_id}/{t.group}", t.keys, t.block_ids)
-                       for t in transfers])
+        loads = posted[1] if posted is not None else self._plan_loads(meta.loads)
         outcome = loads.pin()
         self.stats["load_calls"] += loads.calls
-        for t in meta.loads:
-            loaded = outcome.get(f"{t.req_id}/{t.group}")
-            blocks = loaded.blocks if loaded is not None else 0
-            if loaded is not None and loaded.error is not None:
-                self._link.failed(f"load for request {t.req_id}", loaded.error)
-            failed = t.block_ids[blocks:]
-            if failed:  # vLLM recomputes them (or fails the request), never reads them
-                logger.warning("kvstore: %d of %d blocks of request %s could not be loaded",
-                               len(failed), len(t.block_ids), t.req_id)
-                self._load_errors.update(failed)
-            self.stats["loaded_blocks"] += blocks
-            self.stats["load_failed_blocks"] += len(failed)
+        # vLLM recomputes the blocks not loaded (or fails their requests), never reads them
+        self._load_errors |= count_loads(meta.loads, outcome, self.stats, self._link)
         if self._layerwise and self._layer_index:
             loads.start_layers()
             self._step_loads = loads
@@ -635,12 +680,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if ns is None:
             self.stats["save_failures"] += 1
             return
-
-        def fill(slots: Sequence[memoryview], first: int) -> None:
-            for row, slot in zip(rows[first:], slots):
-                torch.frombuffer(slot, dtype=torch.uint8).copy_(row)
-
-        stored = store_missing(ns, t.keys, fill, parent=t.parent, lookup=False)
+        stored = store_missing(ns, t.keys, fill_rows(rows), parent=t.parent, lookup=False)
         self.stats["saves"] += 1
         self.stats["saved_blocks"] += stored.created
         if stored.error is not None:
@@ -672,6 +712,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         self._finish_loads()
+        if self._posted_loads is not None:
+            self._posted_loads[1].finish()
         if self._sender is not None:
             self._sender.close()
         self._link.close()

@@ -298,3 +298,32 @@ def test_a_probe_without_keys_gives_the_daemons_load_rates(
             return await aclient.probe()
 
     assert asyncio.run(probe_async()).bandwidth["ssd"] == 50e6
+
+
+def test_posted_acquires_are_waited_for_only_in_pin_and_never_leak(
+        daemon: DaemonProcess) -> None:
+    requests, source_page = _stored_requests(daemon, "per_layer", 2)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity("per_layer"))
+        target, target_page = make_pages("per_layer", seed=50)
+        before = [target_page(p) for p in range(PAGES)]
+        loads = StepLoads()
+        loads.add(ns, target, [LoadItem(f"r{i}", keys, [4 * i + j for j in range(4)])
+                               for i, keys in enumerate(requests)])
+        loads.post()  # the acquire is out; the caller goes on meanwhile
+        assert ns.lookup(requests[0]).blocks == 4  # its reply is kept for pin
+        assert [target_page(p) for p in range(PAGES)] == before  # nothing read yet
+        assert loads.pin() == {"r0": Loaded(4), "r1": Loaded(4)}
+        assert loads.calls == 1
+        loads.copy_all()
+        loads.finish()
+        assert [target_page(p) for p in range(8)] == [source_page(p)
+                                                      for p in (0, 1, 2, 3, 0, 1, 3, 4)]
+        until(lambda: client.stats()["tiers"]["dram"]["pinned_blocks"] == 0)
+
+        abandoned = StepLoads()  # posted, and the step never came to load
+        abandoned.add(ns, target, [LoadItem("r0", requests[0], [0, 1, 2, 3])])
+        abandoned.post()
+        abandoned.finish()
+        until(lambda: client.stats()["tiers"]["dram"]["pinned_blocks"] == 0)
+        assert not client._early  # its reply was read, not left behind
