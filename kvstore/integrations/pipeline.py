@@ -343,6 +343,7 @@ class StepLoads:
         self._layer_error: BaseException | None = None
         self._sent: list[tuple[list[bytes], list[Callable[[], Held]]]] | None = None
         self.calls = 0   # acquires and lookups sent to the daemon
+        self.waited_s = 0.0  # time ``pin`` waited for the daemon's replies
 
     def add(self, ns: Namespace, pages: EnginePages, items: list[LoadItem]) -> None:
         self._todo.append((ns, pages, items))
@@ -377,6 +378,7 @@ class StepLoads:
         for (ns, pages, items), (keys, waits) in zip(self._todo, sent):
             pinned = _Pinned(pages)
             self._pinned.append(pinned)
+            started = time.perf_counter()
             try:
                 held = _collect(waits)
             except NotFoundError:  # evicted since the lookup: each request on its own
@@ -385,6 +387,8 @@ class StepLoads:
             except KVStoreError as exc:
                 outcome.update((item.tag, Loaded(0, exc)) for item in items)
                 continue
+            finally:
+                self.waited_s += time.perf_counter() - started
             pinned.pins.extend(held)
             rows = dict(zip(keys, (row for h in held for row in _rows(h))))
             for item in items:

@@ -283,7 +283,8 @@ def engine_pages(tensors: Sequence[torch.Tensor], group: _Group) -> EnginePages:
 STATS = ("lookups", "hit_tokens", "prefetches", "offers", "offers_declined",
          "declined_tokens", "rate_refreshes", "loaded_blocks", "load_failed_blocks",
          "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
-         "lookup_us", "load_us", "save_us")  # the last three: time in the engine's steps
+         "lookup_us", "load_us", "save_us",  # time in the engine's steps, and of load_us
+         "acquire_wait_us")                  # the time spent waiting for pins
 
 
 def count_tiers(stats: dict[str, int], tiers: Sequence[str], block_tokens: int) -> None:
@@ -300,6 +301,21 @@ def plain_namespaces(groups: Sequence[_Group],
     plain = RequestVariant()
     return {(g.index, plain, rank): functools.partial(g.identity_for, plain, rank, tp_size)
             for g in groups for rank in range(tp_size)}
+
+
+def plan_loads(transfers: Sequence[Transfer], layers: dict[int, EnginePages],
+               namespace: Callable[[int, RequestVariant], Namespace | None]) -> StepLoads:
+    """A step's loads, by group and request variant, each from ``namespace(group,
+    variant)`` (None: it cannot be opened, and its transfers get no item)."""
+    loads, by_ns = StepLoads(), dict[tuple[int, RequestVariant], list[Transfer]]()
+    for t in transfers:
+        by_ns.setdefault((t.group, t.variant), []).append(t)
+    for (index, variant), items in by_ns.items():
+        ns = namespace(index, variant)
+        if ns is not None:
+            loads.add(ns, layers[index], [LoadItem(f"{t.req_id}/{t.group}", t.keys,
+                                                   t.block_ids) for t in items])
+    return loads
 
 
 def count_loads(transfers: Sequence[Transfer], outcome: dict[str, Loaded],
@@ -328,7 +344,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ``kv_connector_extra_config`` keys: ``endpoint``, ``tenant``, ``token``,
     ``timeout`` (seconds per request, default 5), ``model_name``, ``model_revision``,
     ``async_saves`` (default true), ``layerwise`` (default false), ``prefetch``
-    (default true), ``max_pending_save_mib`` (staged save bytes before saves are
+    (default true), ``post_loads`` (default true: acquires sent in handle_preemptions), ``max_pending_save_mib`` (staged save bytes before saves are
     dropped, default 1024), ``prefill_tokens_per_s`` and ``load_gbps`` (see
     ``LoadWorth``: blocks slower to load than to recompute are not offered; the daemon's
     measured rates replace ``load_gbps``, asked every ``rates_refresh_s`` seconds,
@@ -354,6 +370,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._async_saves = bool(extra.get("async_saves", True))
         self._layerwise = bool(extra.get("layerwise", False))
         self._prefetch = bool(extra.get("prefetch", True))
+        self._post_loads = bool(extra.get("post_loads", True))
         self._max_pending = int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20))
         self._rates = LoadRates(
             LoadWorth.from_extra(extra, sum(g.identity.block_bytes for g in self._groups),
@@ -589,23 +606,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # The first call of a step, before vLLM prepares its inputs: the loads' acquires
         # go out now; start_load_kv waits for their replies (and only then copies).
         meta, started = kv_connector_metadata, time.perf_counter()
-        if isinstance(meta, KVStoreConnectorMetadata) and meta.loads:
+        if isinstance(meta, KVStoreConnectorMetadata) and meta.loads and self._post_loads:
             self._posted_loads = (meta, self._plan_loads(meta.loads))
             self._posted_loads[1].post()
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
 
     def _plan_loads(self, transfers: list[Transfer]) -> StepLoads:
-        """A step's loads, by namespace (a namespace that cannot be opened: no item)."""
-        loads, by_ns = StepLoads(), dict[tuple[int, RequestVariant], list[Transfer]]()
-        for t in transfers:
-            by_ns.setdefault((t.group, t.variant), []).append(t)
-        for (index, variant), items in by_ns.items():
-            ns = self._namespace(self._group(index), variant, self._tp_rank)
-            if ns is not None:
-                loads.add(ns, self._layers[index],
-                          [LoadItem(f"{t.req_id}/{t.group}", t.keys, t.block_ids)
-                           for t in items])
-        return loads
+        return plan_loads(transfers, self._layers, lambda index, variant: self._namespace(
+            self._group(index), variant, self._tp_rank))
 
     def _start_load_kv(self) -> None:
         meta = self._get_connector_metadata()
@@ -620,6 +628,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         loads = posted[1] if posted is not None else self._plan_loads(meta.loads)
         outcome = loads.pin()
         self.stats["load_calls"] += loads.calls
+        self.stats["acquire_wait_us"] += int(loads.waited_s * 1e6)
         # vLLM recomputes the blocks not loaded (or fails their requests), never reads them
         self._load_errors |= count_loads(meta.loads, outcome, self.stats, self._link)
         if self._layerwise and self._layer_index:

@@ -171,8 +171,9 @@ def run(args: argparse.Namespace) -> dict:
               enable_lora=lora, max_loras=1, max_lora_rank=8)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     scheduler_connector = scheduler.connector if args.endpoint else None
-    if scheduler_connector is not None:  # it connects on a thread from its construction
-        assert scheduler_connector._link.wait_connected(30), "the scheduler did not connect"
+    # The scheduler side connects on a thread from its construction: the requests wait
+    # for it here, so that the first one's lookup is not a miss for want of a connection.
+    connected = bool(scheduler_connector and scheduler_connector._link.wait_connected(30))
     sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False,
                               ignore_eos=True)
     adapter = LoRARequest("tiny-lora", 1, args.model + "-lora") if lora else None
@@ -210,6 +211,7 @@ def run(args: argparse.Namespace) -> dict:
         result |= outputs[0] if len(outputs) == 1 else {"outputs": outputs}
         results.append(result)
     return {"results": results, "worker": dict(worker.stats) if worker else {},
+            "scheduler_connected": connected,
             "scheduler": dict(scheduler_connector.stats) if scheduler_connector else {}}
 
 
