@@ -110,6 +110,26 @@ class Client(SessionCore):
             result: T = done.value
             return result
 
+    def _begin(self, exchange: Exchange[T]) -> Callable[[], T]:
+        """``_run`` in two halves: the first request goes now; the call returned waits
+        for its reply and carries out the rest.  Call it exactly once."""
+        try:
+            req, payload = next(exchange)
+        except StopIteration as done:
+            value: T = done.value
+            return lambda: value
+        self._send(req, payload)
+
+        def finish() -> T:
+            try:
+                nxt, more = exchange.send(self._wait(req.rid))
+                while True:
+                    nxt, more = exchange.send(self._call(nxt, more))
+            except StopIteration as done:
+                result: T = done.value
+                return result
+        return finish
+
     def _post(self, req: p.Message) -> None:
         """Send a request whose reply nobody waits for (a release): it is read, and
         settled by the core, while waiting for a later reply, or at ``close``."""
@@ -123,6 +143,8 @@ class Client(SessionCore):
     def _wait(self, rid: int) -> Received:
         if rid in self._early:
             return self._early.pop(rid)
+        if self._sock is None:  # closed since the request went (its reply is lost)
+            raise KVStoreError("the client is closed")
         if self._receive_timeout != self.timeout:
             # a receive waits at most the timeout: one call per reply rather than a poll
             # and a receive (a poll builds a Poller each time)
@@ -230,6 +252,10 @@ class Namespace(NamespaceCore[Client]):
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         return self.client._run(self._lookup(keys))
+
+    def _send_lookup(self, keys: Sequence[bytes]) -> Callable[[], LookupResult]:
+        """``lookup`` in two halves (see ``_send_acquire``)."""
+        return self.client._begin(self._lookup(keys))
 
     def reserve(self, keys: Sequence[bytes], parent: bytes | None = None) -> Reservation:
         """Slots for every key (all or CapacityError); commit() publishes them."""

@@ -13,7 +13,8 @@ Scheduler side: connects to the daemon (and opens the namespaces of requests wit
 adapter or salt) on a thread from its construction, so no request waits for a connect;
 until it is done, or while a daemon that is down is tried again, lookups are misses.
 For a new request, ``get_num_new_matched_tokens`` looks the prompt's
-full blocks up in the daemon once (from the first block, so blocks the store already
+full blocks up in the daemon once (sent by ``on_new_request`` as it arrives, the reply
+read here; from the first block, so blocks the store already
 holds are never saved again; the result is kept for the request's later scheduling
 steps), has the daemon bring blocks found on SSD or remote up to DRAM (``prefetch``),
 and offers the cached prefix as external tokens; ``update_state_after_alloc`` records
@@ -61,7 +62,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import torch
@@ -73,8 +74,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-from kvstore.client import Namespace
-from kvstore.errors import KVStoreError
+from kvstore.client import LookupResult, Namespace
+from kvstore.errors import KVStoreError, UnavailableError
 from kvstore.identity import DTYPE_BYTES, Identity
 from kvstore.integrations.engine_side import (
     DaemonLink,
@@ -108,6 +109,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MAX_TEXT = 512  # Identity's limit on text fields
+T = TypeVar("T")
 
 
 # ========================================================================================
@@ -251,6 +253,7 @@ class _RequestState:
     offer: tuple[int, int] | None = None  # (first block, blocks) offered as external
     cached: tuple[int, list[str]] | None = None  # the lookup: leading blocks, their tiers
     saving: bool = False        # saves were planned: the worker reports when they end
+    lookups: list[Callable[[], LookupResult]] | None = None  # sent on arrival, not read
 
 
 # ========================================================================================
@@ -301,6 +304,54 @@ def plain_namespaces(groups: Sequence[_Group],
     plain = RequestVariant()
     return {(g.index, plain, rank): functools.partial(g.identity_for, plain, rank, tp_size)
             for g in groups for rank in range(tp_size)}
+
+
+LookupTarget = tuple[Callable[[], "Namespace | None"], list[bytes]]
+
+
+def send_lookups(targets: Sequence[LookupTarget],
+                 link: DaemonLink) -> list[Callable[[], LookupResult]] | None:
+    """One lookup per (namespace, keys) sent, none waited for: the calls that wait for
+    each; None when a namespace cannot be opened or the daemon failed (the lookups
+    already sent are read then, so that no reply is left behind)."""
+    waits: list[Callable[[], LookupResult]] = []
+    try:
+        for namespace, keys in targets:
+            ns = namespace()
+            if ns is None:
+                break
+            waits.append(ns._send_lookup(keys))
+        else:
+            return waits
+    except KVStoreError as exc:
+        link.failed("lookup", exc)
+    settle(waits)
+    return None
+
+
+def wait_all(waits: Sequence[Callable[[], T]]) -> list[T]:
+    """Every reply waited for (a daemon that is gone ends it), then the first error."""
+    results: list[T] = []
+    error: KVStoreError | None = None
+    for wait in waits:
+        try:
+            results.append(wait())
+        except UnavailableError as exc:
+            error = error or exc
+            break
+        except KVStoreError as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
+
+
+def settle(waits: Sequence[Callable[[], object]]) -> None:
+    """Read and drop the replies of requests sent (their errors too)."""
+    try:
+        wait_all(waits)
+    except KVStoreError as exc:
+        logger.debug("kvstore: a lookup nobody waits for failed: %s", exc)
 
 
 def plan_loads(transfers: Sequence[Transfer], layers: dict[int, EnginePages],
@@ -461,28 +512,34 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                      request.request_id, tokens)
         return tokens, False
 
+    def on_new_request(self, request: Request) -> None:
+        state = self._state(request)  # its lookups go out now; its scheduling waits for them
+        blocks = (request.num_tokens - 1) // self._groups[0].block_tokens
+        if state.cacheable and blocks > 0 and self._link.available():
+            state.lookups = send_lookups(self._lookup_targets(state, blocks), self._link)
+
+    def _lookup_targets(self, state: _RequestState, blocks: int) -> list[LookupTarget]:
+        return [(functools.partial(self._namespace, group, state.variant, rank),
+                 self._keys(state, group, blocks))
+                for group in self._groups for rank in range(self._tp_size)]
+
     def _lookup(self, state: _RequestState, blocks: int) -> tuple[int, list[str]]:
         """The request's leading blocks cached in every group and rank (one lookup each,
         from the first block: what the engine holds itself need not be saved again),
-        with the tier of each (the first group's and rank's)."""
-        hit, tiers = blocks, list[str]()
-        for group in self._groups:
-            keys = self._keys(state, group, blocks)
-            for rank in range(self._tp_size):
-                if hit == 0:
-                    break
-                ns = self._namespace(group, state.variant, rank)
-                if ns is None:
-                    return 0, []
-                try:
-                    found = ns.lookup(keys[:hit])
-                except KVStoreError as exc:
-                    self._link.failed("lookup", exc)
-                    return 0, []
-                hit = min(hit, found.blocks)
-                tiers = tiers or found.tiers
+        with the tier of each (the first group's and rank's); the lookups sent when the
+        request came, if they were."""
+        waits, state.lookups = state.lookups, None
+        waits = waits or send_lookups(self._lookup_targets(state, blocks), self._link)
+        try:
+            found = wait_all(waits or [])
+        except KVStoreError as exc:
+            self._link.failed("lookup", exc)
+            return 0, []
+        if not found:
+            return 0, []
         self.stats["lookups"] += 1
-        return hit, tiers[:hit]
+        hit = min([blocks, *(f.blocks for f in found)])
+        return hit, found[0].tiers[:hit]
 
     def _prefetch_blocks(self, state: _RequestState, start: int, end: int) -> None:
         """Have the daemon bring blocks below DRAM up now, so the load finds them there."""
@@ -571,6 +628,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # With saves in flight, the blocks stay held until the worker's get_finished
         # reports the request: its bytes are in the store (or the save failed) by then.
         state = self._requests.pop(request.request_id, None)
+        if state is not None and state.lookups:  # never scheduled: read their replies
+            settle(state.lookups)
         return bool(state is not None and state.saving and self._async_saves), None
 
     # ==================================================================================

@@ -15,6 +15,7 @@ from daemon_proc import DaemonProcess
 from test_engine_side import KINDS, PAGES, TOKENS, identity, make_pages
 
 from kvstore import AsyncClient, Client
+from kvstore.errors import KVStoreError
 from kvstore.protocol import ProbeReply
 from kvstore.integrations.engine_side import DaemonLink, DaemonSettings, Loaded
 from kvstore.integrations.pipeline import (
@@ -327,3 +328,19 @@ def test_posted_acquires_are_waited_for_only_in_pin_and_never_leak(
         abandoned.finish()
         until(lambda: client.stats()["tiers"]["dram"]["pinned_blocks"] == 0)
         assert not client._early  # its reply was read, not left behind
+
+
+def test_a_lookup_sent_ahead_is_read_when_waited_for_and_a_closed_client_says_so(
+        daemon: DaemonProcess) -> None:
+    requests, _ = _stored_requests(daemon, "per_layer", 2)
+    client = Client(daemon.endpoint, tenant="acme")
+    ns = client.namespace(identity("per_layer"))
+    first = ns._send_lookup(requests[0])
+    second = ns._send_lookup(requests[1][:2] + [b"\0" * 16])
+    assert ns.lookup(requests[1]).blocks == 4  # replies to the sent ones are kept meanwhile
+    assert second().blocks == 2 and first().blocks == 4
+    assert not client._early
+    late = ns._send_lookup(requests[0])
+    client.close()
+    with pytest.raises(KVStoreError, match="closed"):
+        late()
