@@ -21,6 +21,8 @@ on) on the same workload, in a process of its own, one after the other:
 - ``kvstore``: + kvstore's connector and a daemon with DRAM for everything;
 - ``kvstore-ssd``: + kvstore with a DRAM tier too small, so hits come from SSD;
 - ``kvstore-layerwise`` (not run unless named): ``kvstore`` loading layer by layer;
+- ``kvstore-unposted`` (not run unless named): ``kvstore`` with each step's acquires sent
+  in ``start_load_kv`` and waited for at once, not sent ahead in ``handle_preemptions``;
 - ``vllm-offload``: + vLLM's own CPU offloading connector (``kv_offloading_size``);
 - ``lmcache``: + LMCache's vLLM connector (``LMCacheConnectorV1``).
 
@@ -190,7 +192,8 @@ def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"endpoint": endpoint, "tenant": "bench",
-                                       "layerwise": a.layerwise or arm.endswith("layerwise")})
+                                       "layerwise": a.layerwise or arm.endswith("layerwise"),
+                                       "post_loads": not arm.endswith("unposted")})
     elif arm == "vllm-offload":
         kwargs["kv_offloading_size"] = a.store_mib / 1024
     elif arm == "lmcache":
@@ -428,7 +431,8 @@ def summarise(name: str, result: dict[str, Any]) -> dict[str, Any]:
                         + c.get("w_save_us", 0)) / 1000 / max(1, len(records)),
             "lookup_ms": c.get("s_lookup_us", 0) / 1000 / max(1, len(records)),
             "load_ms": c.get("w_load_us", 0) / 1000 / max(1, len(records)),
-            "save_ms": c.get("w_save_us", 0) / 1000 / max(1, len(records))}
+            "save_ms": c.get("w_save_us", 0) / 1000 / max(1, len(records)),
+            "pin_wait_ms": c.get("w_acquire_wait_us", 0) / 1000 / max(1, len(records))}
 
 
 def paired(runs: list[dict[str, float]], base: list[dict[str, float]] | None,
@@ -451,8 +455,8 @@ def report(results: dict[str, dict[str, Any]], a: argparse.Namespace) -> None:
               f"likewise)")
         print(f"{'arm':13} {'n':>3} {'p50':>8} {'p90':>8} {'p99':>8} {'tok/s':>8} "
               f"{'computed':>9} {'cached':>8} {'loaded':>8} {'MiB':>7} {'/alone':>7} "
-              f"{'/ideal':>7} {'tput/alone':>10} {'conn ms':>8}  lookup/load/save ms  "
-              f"loaded by tier")
+              f"{'/ideal':>7} {'tput/alone':>10} {'conn ms':>8}  "
+              f"lookup/load(pin wait)/save ms  loaded by tier")
         rows = {arm: summarise(key, r[key]) for arm, r in results.items()
                 if "error" not in r and key in r}
         runs = {arm: r[key].get("runs", []) for arm, r in results.items()
@@ -464,7 +468,8 @@ def report(results: dict[str, dict[str, Any]], a: argparse.Namespace) -> None:
             print(f"{arm:13} {s['n']:3d} {s['p50']:8.1f} {s['p90']:8.1f} {s['p99']:8.1f} "
                   f"{s['tput']:8.0f} {s['computed']:9d} {s['cached']:8d} {s['loaded']:8d} "
                   f"{s['moved_mib']:7.1f} {alone:7.2f} {ideal:7.2f} {tput:10.2f} "
-                  f"{s['conn_ms']:8.2f}  {s['lookup_ms']:.2f}/{s['load_ms']:.2f}/"
+                  f"{s['conn_ms']:8.2f}  {s['lookup_ms']:.2f}/{s['load_ms']:.2f}"
+                  f"({s['pin_wait_ms']:.2f})/"
                   f"{s['save_ms']:.2f}  {s['by_tier']}")
             if a.repeat > 1:
                 print(f"{'':13}     p50 per repeat: "

@@ -10,7 +10,7 @@ and raise the typed errors of ``kvstore.errors``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -86,6 +86,12 @@ class Client(SessionCore):
     # -- I/O ------------------------------------------------------------------------------
     def _call(self, req: p.Message, payload: Sequence[Any] = ()) -> Received:
         """Send a request and wait for its reply (unchecked: the core checks it)."""
+        self._send(req, payload)
+        return self._wait(req.rid)
+
+    def _send(self, req: p.Message, payload: Sequence[Any] = ()) -> None:
+        """Send a request whose reply ``_wait(req.rid)`` will read: replies to other
+        requests read meanwhile are kept for their own ``_wait``."""
         if self._sock is None:
             raise KVStoreError("the client is closed")
         header = p.encoder.encode(req)
@@ -93,7 +99,6 @@ class Client(SessionCore):
             self._sock.send_multipart([header, *payload], copy=False)
         else:
             self._sock.send(header)
-        return self._wait(req.rid)
 
     def _run(self, exchange: Exchange[T]) -> T:
         """Carry out a verb of several requests, one after the other."""
@@ -104,6 +109,26 @@ class Client(SessionCore):
         except StopIteration as done:
             result: T = done.value
             return result
+
+    def _begin(self, exchange: Exchange[T]) -> Callable[[], T]:
+        """``_run`` in two halves: the first request goes now; the call returned waits
+        for its reply and carries out the rest.  Call it exactly once."""
+        try:
+            req, payload = next(exchange)
+        except StopIteration as done:
+            value: T = done.value
+            return lambda: value
+        self._send(req, payload)
+
+        def finish() -> T:
+            try:
+                nxt, more = exchange.send(self._wait(req.rid))
+                while True:
+                    nxt, more = exchange.send(self._call(nxt, more))
+            except StopIteration as done:
+                result: T = done.value
+                return result
+        return finish
 
     def _post(self, req: p.Message) -> None:
         """Send a request whose reply nobody waits for (a release): it is read, and
@@ -118,6 +143,8 @@ class Client(SessionCore):
     def _wait(self, rid: int) -> Received:
         if rid in self._early:
             return self._early.pop(rid)
+        if self._sock is None:  # closed since the request went (its reply is lost)
+            raise KVStoreError("the client is closed")
         if self._receive_timeout != self.timeout:
             # a receive waits at most the timeout: one call per reply rather than a poll
             # and a receive (a poll builds a Poller each time)
@@ -226,6 +253,10 @@ class Namespace(NamespaceCore[Client]):
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         return self.client._run(self._lookup(keys))
 
+    def _send_lookup(self, keys: Sequence[bytes]) -> Callable[[], LookupResult]:
+        """``lookup`` in two halves (see ``_send_acquire``)."""
+        return self.client._begin(self._lookup(keys))
+
     def reserve(self, keys: Sequence[bytes], parent: bytes | None = None) -> Reservation:
         """Slots for every key (all or CapacityError); commit() publishes them."""
         r = Reservation(self, list(keys), self._parent(keys, parent))
@@ -237,6 +268,20 @@ class Namespace(NamespaceCore[Client]):
         held = Held(self, list(keys))
         held._on_acquired(self.client._call(held._acquire_request()))
         return held
+
+    def _send_acquire(self, keys: Sequence[bytes]) -> Callable[[], Held]:
+        """``acquire`` in two halves, for a caller that has work to do during the round
+        trip: the request goes now; the call returned waits for the reply and gives the
+        pins (or raises what ``acquire`` raises).  Call it exactly once: until then its
+        reply is kept, and its pins held, by the client."""
+        held = Held(self, list(keys))
+        req = held._acquire_request()
+        self.client._send(req)
+
+        def reply() -> Held:
+            held._on_acquired(self.client._wait(req.rid))
+            return held
+        return reply
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[Any],
             parent: bytes | None = None) -> int:

@@ -1,9 +1,10 @@
 """What the engine integrations share, with no engine imports (testable without one).
 
 - ``DaemonSettings`` / ``DaemonLink``: the daemon's endpoint, tenant, token and timeout
-  from an engine's extra configuration; a client connected on first use; the namespaces
-  opened through it (bounded, least recent dropped); and a back-off after the daemon
-  failed to answer, during which every step below is a miss at once.
+  from an engine's extra configuration; a client connected on first use, or on a thread
+  of its own (``connect_in_background``: no step ever waits for a connect); the
+  namespaces opened through it (bounded, least recent dropped); and a back-off after the
+  daemon failed to answer, during which every step below is a miss at once.
 - Reads of the longest cached prefix: ``acquire_prefix`` / ``acquire_runs`` pin it,
   ``read_blocks`` pins, copies out and releases, ``reload_prefix`` scatters it into an
   engine's pages (``EnginePages``).
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -61,21 +64,36 @@ class DaemonSettings:
                    timeout=float(extra.get("timeout", timeout)))
 
 
+@dataclass
+class _Connected:
+    """What a connect on a thread of its own came to."""
+
+    client: Client | None = None
+    namespaces: dict[Hashable, Namespace] = field(default_factory=dict)
+    error: KVStoreError | None = None
+
+
 class DaemonLink:
     """One engine's connection to the daemon: a client (made on first use, and again
     after a failure), its opened namespaces, and the back-off.  Not thread-safe: give
-    each thread that talks to the daemon a link of its own."""
+    each thread that talks to the daemon a link of its own (a background connect builds
+    its client apart, and the link takes it over once the thread ended).
+
+    ``map_arena=False`` for a link that never reads or writes blocks (lookups only)."""
 
     def __init__(self, settings: DaemonSettings, *, backoff_s: float = BACKOFF_S,
                  max_namespaces: int = MAX_NAMESPACES,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, map_arena: bool = True) -> None:
         self.settings = settings
         self._backoff_s = backoff_s
         self._max_namespaces = max_namespaces
         self._clock = clock
+        self._map_arena = map_arena
         self._client: Client | None = None
         self._namespaces: OrderedDict[Hashable, Namespace] = OrderedDict()
         self._unavailable_until = 0.0
+        self._background: dict[Hashable, Callable[[], Identity]] | None = None
+        self._connecting: tuple[threading.Thread, _Connected] | None = None
         self.failures = 0
 
     @property
@@ -93,12 +111,77 @@ class DaemonLink:
         if self._client is None:
             s = self.settings
             self._client = Client(s.endpoint, tenant=s.tenant, token=s.token,
-                                  timeout=s.timeout)
+                                  timeout=s.timeout, map_arena=self._map_arena)
         return self._client
 
+    def connect_in_background(self, namespaces: Mapping[Hashable, Callable[[], Identity]]
+                              = MappingProxyType({})) -> None:
+        """Connect, and open ``namespaces`` (key: identity), on a thread of its own, now
+        and whenever the link has lost its client (after the back-off): until the thread
+        is done, ``client`` and ``namespace`` return None at once, never waiting for the
+        daemon; a daemon that is not up is a failed connect, tried again later."""
+        self._background = dict(namespaces)
+        if self._client is None and self._connecting is None:
+            self._spawn()
+
+    def connecting(self) -> bool:
+        """Whether a background connect is under way (its outcome taken once it ended)."""
+        if self._connecting is None:
+            return False
+        thread, pending = self._connecting
+        if thread.is_alive():
+            return True
+        self._connecting = None
+        if pending.error is not None:
+            self.failed("connect", pending.error)
+        elif pending.client is not None:
+            self._client = pending.client
+            self._namespaces.update(pending.namespaces)
+        return False
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) for a background connect to end; whether
+        the link has a client then."""
+        deadline = time.monotonic() + timeout
+        while self.connecting() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self._client is not None
+
+    def _spawn(self) -> None:
+        pending = _Connected()
+        thread = threading.Thread(target=self._connect_apart, args=(pending,),
+                                  name="kvstore-connect", daemon=True)
+        self._connecting = thread, pending
+        thread.start()
+
+    def _connect_apart(self, pending: _Connected) -> None:
+        """On the connect thread: touches only ``pending``."""
+        s = self.settings
+        try:
+            client = Client(s.endpoint, tenant=s.tenant, token=s.token, timeout=s.timeout,
+                            map_arena=self._map_arena)
+        except KVStoreError as exc:
+            pending.error = exc
+            return
+        try:
+            for key, identity in (self._background or {}).items():
+                pending.namespaces[key] = client.namespace(identity())
+        except KVStoreError as exc:
+            client.close()
+            pending.error = exc
+            return
+        except BaseException:
+            client.close()
+            raise
+        pending.client = client
+
     def client(self) -> Client | None:
-        """The client, or None while backing off or when connecting failed."""
-        if not self.available():
+        """The client, or None while backing off, connecting in the background, or when
+        connecting failed."""
+        if self.connecting() or not self.available():
+            return None
+        if self._client is None and self._background is not None:
+            self._spawn()
             return None
         try:
             return self.connect()
@@ -116,6 +199,9 @@ class DaemonLink:
         client = self.client()
         if client is None:
             return None
+        ns = self._namespaces.get(key)  # opened by a background connect just taken over
+        if ns is not None:
+            return ns
         try:
             ns = client.namespace(identity())
         except KVStoreError as exc:
@@ -137,13 +223,20 @@ class DaemonLink:
 
     def close(self) -> None:
         """Drop the client (the daemon drops this session's pins with it)."""
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None:  # ends within the settings' timeout
+            thread, pending = connecting
+            thread.join(self.settings.timeout + 1.0)
+            if pending.client is not None:
+                pending.client.close()
         client, self._client = self._client, None
         self._namespaces.clear()
         if client is not None:
             client.close()
 
     def __repr__(self) -> str:
-        state = "connected" if self._client else "idle"
+        state = ("connected" if self._client else
+                 "connecting" if self._connecting is not None else "idle")
         if not self.available():
             state = "backing off"
         return (f"DaemonLink({self.endpoint}, {state}, namespaces={len(self._namespaces)}, "

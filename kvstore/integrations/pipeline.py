@@ -20,6 +20,7 @@ one daemon call for a step's loads.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -32,7 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvstore.client import Held, Namespace
-from kvstore.errors import KVStoreError, NotFoundError
+from kvstore.errors import KVStoreError, NotFoundError, UnavailableError
 from kvstore.identity import Identity
 from kvstore.integrations.engine_side import (
     DaemonLink,
@@ -157,6 +158,14 @@ def daemon_rates(link: DaemonLink) -> dict[str, float] | None:
 # saves
 # ========================================================================================
 
+def fill_rows(rows: torch.Tensor) -> Callable[[Sequence[memoryview], int], None]:
+    """``store_missing``'s ``fill`` for blocks staged as rows (``rows[i]``: key i)."""
+    def fill(slots: Sequence[memoryview], first: int) -> None:
+        for row, slot in zip(rows[first:], slots):
+            torch.frombuffer(slot, dtype=torch.uint8).copy_(row)
+    return fill
+
+
 class SaveJob(NamedTuple):
     """Blocks to store: ``keys[i]`` is ``staged.rows[i]``; ``parent`` the key before
     ``keys[0]`` (None: the chain's root); the namespace opened under ``ns_key`` from
@@ -257,13 +266,8 @@ class SaveSender:
             return 0, True
         if job.staged.ready is not None:
             job.staged.ready()
-        rows = job.staged.rows
-
-        def fill(slots: Sequence[memoryview], first: int) -> None:
-            for row, slot in zip(rows[first:], slots):
-                torch.frombuffer(slot, dtype=torch.uint8).copy_(row)
-
-        stored = store_missing(ns, job.keys, fill, parent=job.parent, lookup=False)
+        stored = store_missing(ns, job.keys, fill_rows(job.staged.rows), parent=job.parent,
+                               lookup=False)
         if stored.error is not None:
             self._link.failed(f"save for {job.tag}", stored.error)
             return stored.created, True
@@ -303,6 +307,30 @@ def _rows(held: Held) -> list[torch.Tensor]:
     return [torch.frombuffer(v, dtype=torch.uint8) for v in views]
 
 
+def _raise(exc: KVStoreError) -> Held:
+    raise exc
+
+
+def _collect(waits: Sequence[Callable[[], Held]]) -> list[Held]:
+    """The pins of sent acquires, all or none: every reply is read (the pins of a batch
+    that failed in part released) before the first error is raised."""
+    held: list[Held] = []
+    error: KVStoreError | None = None
+    for wait in waits:
+        try:
+            held.append(wait())
+        except UnavailableError as exc:  # the daemon is gone: no other reply comes
+            error = error or exc
+            break
+        except KVStoreError as exc:
+            error = error or exc
+    if error is not None:
+        for h in held:
+            h.release()
+        raise error
+    return held
+
+
 class StepLoads:
     """The loads of one engine step (see the module doc).  ``add`` the items of each
     namespace, ``pin`` them (the daemon calls), copy, ``finish``."""
@@ -313,27 +341,54 @@ class StepLoads:
         self._thread: threading.Thread | None = None
         self._layer_done: list[threading.Event] = []
         self._layer_error: BaseException | None = None
+        self._sent: list[tuple[list[bytes], list[Callable[[], Held]]]] | None = None
         self.calls = 0   # acquires and lookups sent to the daemon
+        self.waited_s = 0.0  # time ``pin`` waited for the daemon's replies
 
     def add(self, ns: Namespace, pages: EnginePages, items: list[LoadItem]) -> None:
         self._todo.append((ns, pages, items))
 
+    def post(self) -> None:
+        """Send every namespace's acquires now, without waiting: ``pin`` waits for the
+        replies, so the round trip overlaps whatever the caller does in between.  No
+        page is read before ``pin`` returned the pins."""
+        if self._sent is not None:
+            return
+        self._sent = []
+        for ns, _, items in self._todo:
+            keys = list(dict.fromkeys(k for item in items for k in item.keys))
+            per = max(1, ns.client.max_keys)
+            waits: list[Callable[[], Held]] = []
+            for start in range(0, len(keys), per):
+                try:
+                    waits.append(ns._send_acquire(keys[start:start + per]))
+                except KVStoreError as exc:
+                    waits.append(functools.partial(_raise, exc))
+                    break
+                self.calls += 1
+            self._sent.append((keys, waits))
+
     def pin(self) -> dict[str, Loaded]:
-        """Pin every item's blocks: per tag, the leading blocks pinned (the rest must be
-        recomputed) and the daemon's error, if any."""
+        """Pin every item's blocks (sending the acquires unless ``post`` did): per tag,
+        the leading blocks pinned (the rest must be recomputed) and the daemon's error,
+        if any."""
+        self.post()
+        sent, self._sent = self._sent or [], []
         outcome: dict[str, Loaded] = {}
-        for ns, pages, items in self._todo:
+        for (ns, pages, items), (keys, waits) in zip(self._todo, sent):
             pinned = _Pinned(pages)
             self._pinned.append(pinned)
-            keys = list(dict.fromkeys(k for item in items for k in item.keys))
+            started = time.perf_counter()
             try:
-                held = self._acquire(ns, keys)
+                held = _collect(waits)
             except NotFoundError:  # evicted since the lookup: each request on its own
                 self._pin_each(ns, items, pinned, outcome)
                 continue
             except KVStoreError as exc:
                 outcome.update((item.tag, Loaded(0, exc)) for item in items)
                 continue
+            finally:
+                self.waited_s += time.perf_counter() - started
             pinned.pins.extend(held)
             rows = dict(zip(keys, (row for h in held for row in _rows(h))))
             for item in items:
@@ -341,21 +396,6 @@ class StepLoads:
                 pinned.page_ids.extend(item.page_ids)
                 outcome[item.tag] = Loaded(len(item.keys))
         return outcome
-
-    def _acquire(self, ns: Namespace, keys: list[bytes]) -> list[Held]:
-        """Pin ``keys`` in as few acquires as the daemon's key limit allows (all or
-        nothing: a failure releases what was pinned and raises)."""
-        per = max(1, ns.client.max_keys)
-        held: list[Held] = []
-        try:
-            for start in range(0, len(keys), per):
-                self.calls += 1
-                held.append(ns.acquire(keys[start:start + per]))
-        except BaseException:
-            for h in held:
-                h.release()
-            raise
-        return held
 
     def _pin_each(self, ns: Namespace, items: list[LoadItem], pinned: _Pinned,
                   outcome: dict[str, Loaded]) -> None:
@@ -424,8 +464,11 @@ class StepLoads:
             raise self._layer_error
 
     def finish(self) -> None:
-        """Make sure every copy is done, then release the pins."""
+        """Make sure every copy is done, then release the pins (those of acquires
+        posted and never waited for too)."""
         try:
+            if self._sent:
+                self.pin()
             if self._thread is not None:
                 self._thread.join()
                 self._thread = None

@@ -9,16 +9,22 @@ Load it with::
         kv_load_failure_policy="recompute",
         kv_connector_extra_config={"endpoint": "ipc:///run/kvstore.sock", "tenant": "acme"}))
 
-Scheduler side: for a new request, ``get_num_new_matched_tokens`` looks the prompt's
-full blocks up in the daemon once (from the first block, so blocks the store already
+Scheduler side: connects to the daemon (and opens the namespaces of requests with no
+adapter or salt) on a thread from its construction, so no request waits for a connect;
+until it is done, or while a daemon that is down is tried again, lookups are misses.
+For a new request, ``get_num_new_matched_tokens`` looks the prompt's
+full blocks up in the daemon once (sent by ``on_new_request`` as it arrives, the reply
+read here; from the first block, so blocks the store already
 holds are never saved again; the result is kept for the request's later scheduling
 steps), has the daemon bring blocks found on SSD or remote up to DRAM (``prefetch``),
 and offers the cached prefix as external tokens; ``update_state_after_alloc`` records
 where they load; ``build_connector_meta`` hands the worker this step's loads and the
 blocks that become complete (to save).
 
-Worker side: ``start_load_kv`` pins every request's blocks of the step in one acquire
-per namespace and copies them into vLLM's pages before the forward pass, or layer by
+Worker side: ``handle_preemptions``, the step's first call, sends one acquire per
+namespace for every request's blocks of the step, without waiting; ``start_load_kv``
+waits for the pins (the round trip overlapped with vLLM preparing the step's inputs)
+and copies the blocks into vLLM's pages before the forward pass, or layer by
 layer (``layerwise``: ``wait_for_layer_load`` waits for just its layer, a thread
 copying the rest meanwhile).  ``wait_for_save`` copies the completed blocks out of the
 pages (so the engine may reuse them at once) and hands them to a background sender
@@ -54,9 +60,9 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import torch
@@ -68,13 +74,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-from kvstore.client import Namespace
-from kvstore.errors import KVStoreError
+from kvstore.client import LookupResult, Namespace
+from kvstore.errors import KVStoreError, UnavailableError
 from kvstore.identity import DTYPE_BYTES, Identity
 from kvstore.integrations.engine_side import (
     DaemonLink,
     DaemonSettings,
     EnginePages,
+    Loaded,
     store_missing,
 )
 from kvstore.integrations.pipeline import (
@@ -86,6 +93,7 @@ from kvstore.integrations.pipeline import (
     SaveSender,
     StepLoads,
     daemon_rates,
+    fill_rows,
 )
 from kvstore.keys import chain_keys
 
@@ -101,6 +109,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MAX_TEXT = 512  # Identity's limit on text fields
+T = TypeVar("T")
 
 
 # ========================================================================================
@@ -244,6 +253,7 @@ class _RequestState:
     offer: tuple[int, int] | None = None  # (first block, blocks) offered as external
     cached: tuple[int, list[str]] | None = None  # the lookup: leading blocks, their tiers
     saving: bool = False        # saves were planned: the worker reports when they end
+    lookups: list[Callable[[], LookupResult]] | None = None  # sent on arrival, not read
 
 
 # ========================================================================================
@@ -276,7 +286,8 @@ def engine_pages(tensors: Sequence[torch.Tensor], group: _Group) -> EnginePages:
 STATS = ("lookups", "hit_tokens", "prefetches", "offers", "offers_declined",
          "declined_tokens", "rate_refreshes", "loaded_blocks", "load_failed_blocks",
          "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
-         "lookup_us", "load_us", "save_us")  # the last three: time in the engine's steps
+         "lookup_us", "load_us", "save_us",  # time in the engine's steps, and of load_us
+         "acquire_wait_us")                  # the time spent waiting for pins
 
 
 def count_tiers(stats: dict[str, int], tiers: Sequence[str], block_tokens: int) -> None:
@@ -286,13 +297,105 @@ def count_tiers(stats: dict[str, int], tiers: Sequence[str], block_tokens: int) 
         stats[f"hit_tokens_{tier}"] = stats.get(f"hit_tokens_{tier}", 0) + block_tokens
 
 
+def plain_namespaces(groups: Sequence[_Group],
+                     tp_size: int) -> dict[Hashable, Callable[[], Identity]]:
+    """The namespaces of requests with no adapter and no salt, keyed as the connector's
+    ``_namespace`` keys them: every group's, for every rank."""
+    plain = RequestVariant()
+    return {(g.index, plain, rank): functools.partial(g.identity_for, plain, rank, tp_size)
+            for g in groups for rank in range(tp_size)}
+
+
+LookupTarget = tuple[Callable[[], "Namespace | None"], list[bytes]]
+
+
+def send_lookups(targets: Sequence[LookupTarget],
+                 link: DaemonLink) -> list[Callable[[], LookupResult]] | None:
+    """One lookup per (namespace, keys) sent, none waited for: the calls that wait for
+    each; None when a namespace cannot be opened or the daemon failed (the lookups
+    already sent are read then, so that no reply is left behind)."""
+    waits: list[Callable[[], LookupResult]] = []
+    try:
+        for namespace, keys in targets:
+            ns = namespace()
+            if ns is None:
+                break
+            waits.append(ns._send_lookup(keys))
+        else:
+            return waits
+    except KVStoreError as exc:
+        link.failed("lookup", exc)
+    settle(waits)
+    return None
+
+
+def wait_all(waits: Sequence[Callable[[], T]]) -> list[T]:
+    """Every reply waited for (a daemon that is gone ends it), then the first error."""
+    results: list[T] = []
+    error: KVStoreError | None = None
+    for wait in waits:
+        try:
+            results.append(wait())
+        except UnavailableError as exc:
+            error = error or exc
+            break
+        except KVStoreError as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
+
+
+def settle(waits: Sequence[Callable[[], object]]) -> None:
+    """Read and drop the replies of requests sent (their errors too)."""
+    try:
+        wait_all(waits)
+    except KVStoreError as exc:
+        logger.debug("kvstore: a lookup nobody waits for failed: %s", exc)
+
+
+def plan_loads(transfers: Sequence[Transfer], layers: dict[int, EnginePages],
+               namespace: Callable[[int, RequestVariant], Namespace | None]) -> StepLoads:
+    """A step's loads, by group and request variant, each from ``namespace(group,
+    variant)`` (None: it cannot be opened, and its transfers get no item)."""
+    loads, by_ns = StepLoads(), dict[tuple[int, RequestVariant], list[Transfer]]()
+    for t in transfers:
+        by_ns.setdefault((t.group, t.variant), []).append(t)
+    for (index, variant), items in by_ns.items():
+        ns = namespace(index, variant)
+        if ns is not None:
+            loads.add(ns, layers[index], [LoadItem(f"{t.req_id}/{t.group}", t.keys,
+                                                   t.block_ids) for t in items])
+    return loads
+
+
+def count_loads(transfers: Sequence[Transfer], outcome: dict[str, Loaded],
+                stats: dict[str, int], link: DaemonLink) -> set[int]:
+    """Count a step's loads as ``StepLoads.pin`` left them (a daemon error goes to
+    ``link``); the pages of the blocks that could not be loaded."""
+    not_loaded: set[int] = set()
+    for t in transfers:
+        loaded = outcome.get(f"{t.req_id}/{t.group}")
+        blocks = loaded.blocks if loaded is not None else 0
+        if loaded is not None and loaded.error is not None:
+            link.failed(f"load for request {t.req_id}", loaded.error)
+        failed = t.block_ids[blocks:]
+        if failed:
+            logger.warning("kvstore: %d of %d blocks of request %s could not be loaded",
+                           len(failed), len(t.block_ids), t.req_id)
+            not_loaded.update(failed)
+        stats["loaded_blocks"] += blocks
+        stats["load_failed_blocks"] += len(failed)
+    return not_loaded
+
+
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector backed by a kvstore daemon.
 
     ``kv_connector_extra_config`` keys: ``endpoint``, ``tenant``, ``token``,
     ``timeout`` (seconds per request, default 5), ``model_name``, ``model_revision``,
     ``async_saves`` (default true), ``layerwise`` (default false), ``prefetch``
-    (default true), ``max_pending_save_mib`` (staged save bytes before saves are
+    (default true), ``post_loads`` (default true: acquires sent in handle_preemptions), ``max_pending_save_mib`` (staged save bytes before saves are
     dropped, default 1024), ``prefill_tokens_per_s`` and ``load_gbps`` (see
     ``LoadWorth``: blocks slower to load than to recompute are not offered; the daemon's
     measured rates replace ``load_gbps``, asked every ``rates_refresh_s`` seconds,
@@ -303,10 +406,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self._link = DaemonLink(DaemonSettings.from_extra(extra, timeout=5.0))
+        scheduler = role == KVConnectorRole.SCHEDULER  # its link reads no block
+        self._link = DaemonLink(DaemonSettings.from_extra(extra, timeout=5.0),
+                                map_arena=not scheduler)
         self._groups = _groups(vllm_config, kv_cache_config, self._link.settings.tenant,
                                extra)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        if scheduler:  # connected (hello, namespaces) now, never in a request's path
+            self._link.connect_in_background(plain_namespaces(self._groups, self._tp_size))
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("KVStoreConnector does not support pipeline parallelism yet")
         self._is_producer = self._kv_transfer_config.is_kv_producer
@@ -314,6 +421,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._async_saves = bool(extra.get("async_saves", True))
         self._layerwise = bool(extra.get("layerwise", False))
         self._prefetch = bool(extra.get("prefetch", True))
+        self._post_loads = bool(extra.get("post_loads", True))
         self._max_pending = int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20))
         self._rates = LoadRates(
             LoadWorth.from_extra(extra, sum(g.identity.block_bytes for g in self._groups),
@@ -329,6 +437,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
         self._step_loads: StepLoads | None = None
+        self._posted_loads: tuple[KVConnectorMetadata, StepLoads] | None = None
         self._sender: SaveSender | None = None
         self._saving: set[str] = set()          # requests with saves sent
         self._finished_saving: set[str] = set()  # ... that vLLM says are finished
@@ -403,28 +512,34 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                      request.request_id, tokens)
         return tokens, False
 
+    def on_new_request(self, request: Request) -> None:
+        state = self._state(request)  # its lookups go out now; its scheduling waits for them
+        blocks = (request.num_tokens - 1) // self._groups[0].block_tokens
+        if state.cacheable and blocks > 0 and self._link.available():
+            state.lookups = send_lookups(self._lookup_targets(state, blocks), self._link)
+
+    def _lookup_targets(self, state: _RequestState, blocks: int) -> list[LookupTarget]:
+        return [(functools.partial(self._namespace, group, state.variant, rank),
+                 self._keys(state, group, blocks))
+                for group in self._groups for rank in range(self._tp_size)]
+
     def _lookup(self, state: _RequestState, blocks: int) -> tuple[int, list[str]]:
         """The request's leading blocks cached in every group and rank (one lookup each,
         from the first block: what the engine holds itself need not be saved again),
-        with the tier of each (the first group's and rank's)."""
-        hit, tiers = blocks, list[str]()
-        for group in self._groups:
-            keys = self._keys(state, group, blocks)
-            for rank in range(self._tp_size):
-                if hit == 0:
-                    break
-                ns = self._namespace(group, state.variant, rank)
-                if ns is None:
-                    return 0, []
-                try:
-                    found = ns.lookup(keys[:hit])
-                except KVStoreError as exc:
-                    self._link.failed("lookup", exc)
-                    return 0, []
-                hit = min(hit, found.blocks)
-                tiers = tiers or found.tiers
+        with the tier of each (the first group's and rank's); the lookups sent when the
+        request came, if they were."""
+        waits, state.lookups = state.lookups, None
+        waits = waits or send_lookups(self._lookup_targets(state, blocks), self._link)
+        try:
+            found = wait_all(waits or [])
+        except KVStoreError as exc:
+            self._link.failed("lookup", exc)
+            return 0, []
+        if not found:
+            return 0, []
         self.stats["lookups"] += 1
-        return hit, tiers[:hit]
+        hit = min([blocks, *(f.blocks for f in found)])
+        return hit, found[0].tiers[:hit]
 
     def _prefetch_blocks(self, state: _RequestState, start: int, end: int) -> None:
         """Have the daemon bring blocks below DRAM up now, so the load finds them there."""
@@ -513,6 +628,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # With saves in flight, the blocks stay held until the worker's get_finished
         # reports the request: its bytes are in the store (or the save failed) by then.
         state = self._requests.pop(request.request_id, None)
+        if state is not None and state.lookups:  # never scheduled: read their replies
+            settle(state.lookups)
         return bool(state is not None and state.saving and self._async_saves), None
 
     # ==================================================================================
@@ -544,39 +661,35 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         finally:
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # The first call of a step, before vLLM prepares its inputs: the loads' acquires
+        # go out now; start_load_kv waits for their replies (and only then copies).
+        meta, started = kv_connector_metadata, time.perf_counter()
+        if isinstance(meta, KVStoreConnectorMetadata) and meta.loads and self._post_loads:
+            self._posted_loads = (meta, self._plan_loads(meta.loads))
+            self._posted_loads[1].post()
+            self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
+
+    def _plan_loads(self, transfers: list[Transfer]) -> StepLoads:
+        return plan_loads(transfers, self._layers, lambda index, variant: self._namespace(
+            self._group(index), variant, self._tp_rank))
+
     def _start_load_kv(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
         self._finish_loads()  # a step that never reached wait_for_save
+        posted, self._posted_loads = self._posted_loads, None
+        if posted is not None and posted[0] is not meta:
+            posted[1].finish()  # another step's (cannot happen in vLLM): let its pins go
+            posted = None
         if not meta.loads:
             return
-        loads = StepLoads()
-        by_ns: dict[tuple[int, RequestVariant], list[Transfer]] = {}
-        for t in meta.loads:
-            by_ns.setdefault((t.group, t.variant), []).append(t)
-        unreachable: list[Transfer] = []
-        for (index, variant), transfers in by_ns.items():
-            ns = self._namespace(self._group(index), variant, self._tp_rank)
-            if ns is None:
-                unreachable.extend(transfers)
-                continue
-            loads.add(ns, self._layers[index],
-                      [LoadItem(f"{t.req_id}/{t.group}", t.keys, t.block_ids)
-                       for t in transfers])
+        loads = posted[1] if posted is not None else self._plan_loads(meta.loads)
         outcome = loads.pin()
         self.stats["load_calls"] += loads.calls
-        for t in meta.loads:
-            loaded = outcome.get(f"{t.req_id}/{t.group}")
-            blocks = loaded.blocks if loaded is not None else 0
-            if loaded is not None and loaded.error is not None:
-                self._link.failed(f"load for request {t.req_id}", loaded.error)
-            failed = t.block_ids[blocks:]
-            if failed:  # vLLM recomputes them (or fails the request), never reads them
-                logger.warning("kvstore: %d of %d blocks of request %s could not be loaded",
-                               len(failed), len(t.block_ids), t.req_id)
-                self._load_errors.update(failed)
-            self.stats["loaded_blocks"] += blocks
-            self.stats["load_failed_blocks"] += len(failed)
+        self.stats["acquire_wait_us"] += int(loads.waited_s * 1e6)
+        # vLLM recomputes the blocks not loaded (or fails their requests), never reads them
+        self._load_errors |= count_loads(meta.loads, outcome, self.stats, self._link)
         if self._layerwise and self._layer_index:
             loads.start_layers()
             self._step_loads = loads
@@ -635,12 +748,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if ns is None:
             self.stats["save_failures"] += 1
             return
-
-        def fill(slots: Sequence[memoryview], first: int) -> None:
-            for row, slot in zip(rows[first:], slots):
-                torch.frombuffer(slot, dtype=torch.uint8).copy_(row)
-
-        stored = store_missing(ns, t.keys, fill, parent=t.parent, lookup=False)
+        stored = store_missing(ns, t.keys, fill_rows(rows), parent=t.parent, lookup=False)
         self.stats["saves"] += 1
         self.stats["saved_blocks"] += stored.created
         if stored.error is not None:
@@ -672,6 +780,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         self._finish_loads()
+        if self._posted_loads is not None:
+            self._posted_loads[1].finish()
         if self._sender is not None:
             self._sender.close()
         self._link.close()

@@ -26,13 +26,13 @@ PROMPT_Q = [(7 * i) % 500 + 3 for i in range(150)]  # 150 tokens: 4 reusable blo
 
 
 def engine_run(tmp: Path, name: str, model: Path, requests: list[dict[str, Any]],
-               endpoint: str = "", tenant: str = "") -> dict[str, Any]:
+               endpoint: str = "", tenant: str = "", *args: str) -> dict[str, Any]:
     spec = tmp / f"{name}.json"
     spec.write_text(json.dumps(requests))
-    args = [str(HERE / "vllm_run.py"), "--model", str(model), "--requests", str(spec)]
+    argv = [str(HERE / "vllm_run.py"), "--model", str(model), "--requests", str(spec), *args]
     if endpoint:
-        args += ["--endpoint", endpoint, "--tenant", tenant]
-    return last_json(run_in_env("vllm", args, timeout=240, cwd=tmp).stdout)
+        argv += ["--endpoint", endpoint, "--tenant", tenant]
+    return last_json(run_in_env("vllm", argv, timeout=240, cwd=tmp).stdout)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             {"prompt": PROMPT_P, "lora": True},
             {"prompt": PROMPT_Q, "evict_before_load": True},
         ], daemon.endpoint, tenant)
-        yield {"baseline": baseline, "first": first, "second": second}
+        # A daemon that is not up when the engine starts: the engine starts, serves (no
+        # hit) and gives the same outputs.
+        late = DaemonProcess(tmp / "late")
+        no_daemon = engine_run(tmp, "no_daemon", model, [{"prompt": PROMPT_P}],
+                               late.endpoint, tenant, "--extra", json.dumps({"timeout": 1}))
+        yield {"baseline": baseline, "first": first, "second": second,
+               "no_daemon": no_daemon}
     finally:
         daemon.stop()
         log = daemon.log()
@@ -102,3 +108,13 @@ def test_blocks_lost_before_the_load_are_reported_and_recomputed(
     assert lost["external_tokens"] == 4 * BLOCK  # offered by the lookup...
     assert runs["second"]["worker"]["load_failed_blocks"] == 4  # ...gone by the load
     assert lost["output"] == runs["baseline"]["results"][1]["output"]  # vLLM recomputed
+
+
+def test_the_scheduler_connects_at_start_and_a_daemon_not_up_fails_no_start(
+        runs: dict[str, Any]) -> None:
+    assert runs["first"]["scheduler_connected"]  # before the first request came
+    run = runs["no_daemon"]
+    assert not run["scheduler_connected"]
+    assert run["results"][0]["output"] == runs["baseline"]["results"][0]["output"]
+    assert run["results"][0]["external_tokens"] == 0
+    assert run["scheduler"]["lookups"] == 0  # misses at once, no daemon call

@@ -116,11 +116,11 @@ def inject_faults(save_delay: float) -> None:
     from kvstore.integrations.pipeline import SaveSender
     from kvstore.integrations.vllm import KVStoreConnector
 
-    start_load = KVStoreConnector.start_load_kv
+    # The first step of a load is the acquire handle_preemptions posts.
+    start_load = KVStoreConnector.handle_preemptions
 
-    def faulty_load(self, forward_context, **kwargs):  # type: ignore[no-untyped-def]
+    def faulty_load(self, meta):  # type: ignore[no-untyped-def]
         global EVICT_NEXT_LOAD
-        meta = self._get_connector_metadata()
         if meta.loads and EVICT_NEXT_LOAD:
             EVICT_NEXT_LOAD = False
             for t in meta.loads:
@@ -128,7 +128,7 @@ def inject_faults(save_delay: float) -> None:
                 self._namespace(group, t.variant, self._tp_rank).evict(t.keys)
         if meta.loads and KILL_DAEMON_AT == "load":
             kill_daemon()
-        return start_load(self, forward_context, **kwargs)
+        return start_load(self, meta)
 
     store = SaveSender._store
 
@@ -138,7 +138,7 @@ def inject_faults(save_delay: float) -> None:
         time.sleep(save_delay)
         return store(self, job)
 
-    KVStoreConnector.start_load_kv = faulty_load
+    KVStoreConnector.handle_preemptions = faulty_load
     SaveSender._store = faulty_store
 
 
@@ -171,6 +171,9 @@ def run(args: argparse.Namespace) -> dict:
               enable_lora=lora, max_loras=1, max_lora_rank=8)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     scheduler_connector = scheduler.connector if args.endpoint else None
+    # The scheduler side connects on a thread from its construction: the requests wait
+    # for it here, so that the first one's lookup is not a miss for want of a connection.
+    connected = bool(scheduler_connector and scheduler_connector._link.wait_connected(30))
     sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False,
                               ignore_eos=True)
     adapter = LoRARequest("tiny-lora", 1, args.model + "-lora") if lora else None
@@ -208,6 +211,7 @@ def run(args: argparse.Namespace) -> dict:
         result |= outputs[0] if len(outputs) == 1 else {"outputs": outputs}
         results.append(result)
     return {"results": results, "worker": dict(worker.stats) if worker else {},
+            "scheduler_connected": connected,
             "scheduler": dict(scheduler_connector.stats) if scheduler_connector else {}}
 
 

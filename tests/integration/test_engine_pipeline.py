@@ -15,6 +15,7 @@ from daemon_proc import DaemonProcess
 from test_engine_side import KINDS, PAGES, TOKENS, identity, make_pages
 
 from kvstore import AsyncClient, Client
+from kvstore.errors import KVStoreError
 from kvstore.protocol import ProbeReply
 from kvstore.integrations.engine_side import DaemonLink, DaemonSettings, Loaded
 from kvstore.integrations.pipeline import (
@@ -298,3 +299,48 @@ def test_a_probe_without_keys_gives_the_daemons_load_rates(
             return await aclient.probe()
 
     assert asyncio.run(probe_async()).bandwidth["ssd"] == 50e6
+
+
+def test_posted_acquires_are_waited_for_only_in_pin_and_never_leak(
+        daemon: DaemonProcess) -> None:
+    requests, source_page = _stored_requests(daemon, "per_layer", 2)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity("per_layer"))
+        target, target_page = make_pages("per_layer", seed=50)
+        before = [target_page(p) for p in range(PAGES)]
+        loads = StepLoads()
+        loads.add(ns, target, [LoadItem(f"r{i}", keys, [4 * i + j for j in range(4)])
+                               for i, keys in enumerate(requests)])
+        loads.post()  # the acquire is out; the caller goes on meanwhile
+        assert ns.lookup(requests[0]).blocks == 4  # its reply is kept for pin
+        assert [target_page(p) for p in range(PAGES)] == before  # nothing read yet
+        assert loads.pin() == {"r0": Loaded(4), "r1": Loaded(4)}
+        assert loads.calls == 1
+        loads.copy_all()
+        loads.finish()
+        assert [target_page(p) for p in range(8)] == [source_page(p)
+                                                      for p in (0, 1, 2, 3, 0, 1, 3, 4)]
+        until(lambda: client.stats()["tiers"]["dram"]["pinned_blocks"] == 0)
+
+        abandoned = StepLoads()  # posted, and the step never came to load
+        abandoned.add(ns, target, [LoadItem("r0", requests[0], [0, 1, 2, 3])])
+        abandoned.post()
+        abandoned.finish()
+        until(lambda: client.stats()["tiers"]["dram"]["pinned_blocks"] == 0)
+        assert not client._early  # its reply was read, not left behind
+
+
+def test_a_lookup_sent_ahead_is_read_when_waited_for_and_a_closed_client_says_so(
+        daemon: DaemonProcess) -> None:
+    requests, _ = _stored_requests(daemon, "per_layer", 2)
+    client = Client(daemon.endpoint, tenant="acme")
+    ns = client.namespace(identity("per_layer"))
+    first = ns._send_lookup(requests[0])
+    second = ns._send_lookup(requests[1][:2] + [b"\0" * 16])
+    assert ns.lookup(requests[1]).blocks == 4  # replies to the sent ones are kept meanwhile
+    assert second().blocks == 2 and first().blocks == 4
+    assert not client._early
+    late = ns._send_lookup(requests[0])
+    client.close()
+    with pytest.raises(KVStoreError, match="closed"):
+        late()

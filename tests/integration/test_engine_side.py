@@ -4,7 +4,9 @@ daemon, with CPU torch tensors as an engine's paged cache."""
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -190,3 +192,30 @@ def test_a_daemon_that_is_gone_is_a_miss_and_a_backoff(
     now[0] = 11.0  # past the back-off: a new attempt, which fails again cleanly
     assert link.namespace("pages", identity) is None
     assert link.failures == 2
+
+
+def test_a_background_connect_never_waits_and_is_tried_again_once_the_daemon_is_up(
+        tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path / "late")  # not started yet
+    now = [0.0]
+    link = DaemonLink(DaemonSettings(daemon.endpoint, "acme", timeout=0.5),
+                      backoff_s=10.0, clock=lambda: now[0], map_arena=False)
+    link.connect_in_background({"pages": identity})
+    started = time.perf_counter()
+    assert link.client() is None and link.namespace("pages", identity) is None
+    assert time.perf_counter() - started < 0.2  # a miss at once, not a connect
+    assert "connecting" in repr(link)
+    assert not link.wait_connected(10)  # the hello timed out: a failed connect, a back-off
+    assert link.failures == 1 and not link.available()
+    try:
+        daemon.start()
+        now[0] = 11.0
+        assert link.client() is None  # past the back-off: connecting again, apart
+        assert link.wait_connected(10)
+        assert "connected" in repr(link) and "namespaces=1" in repr(link)
+        ns = link.namespace("pages", identity)  # opened by the connect thread
+        assert isinstance(ns, Namespace) and ns.lookup(ns.keys(range(TOKENS))).blocks == 0
+        assert link.failures == 1
+    finally:
+        link.close()
+        daemon.stop()
