@@ -28,7 +28,6 @@ import argparse
 import gc
 import heapq
 import json
-import os
 import random
 import shutil
 import statistics
@@ -36,47 +35,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-CHAIN = 1024
-KEY = 16
-SLOT = 4096  # the smallest DRAM slot today: the arena's alignment
+if str(Path(__file__).resolve().parent) not in sys.path:  # run by path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loop_stalls import CHAIN, SLOT, chains, parse_count, pct, rss_bytes  # noqa: E402
+
 CHECKPOINTS = (10_000, 100_000, 1_000_000, 10_000_000)
 SSD_BLOCK = 4096  # the smallest SSD slot: 10M of them fit a 64 GB disk
 SSD_SLAB = 64 << 20
 
 
-def parse_count(text: str) -> int:
-    text = text.strip().lower()
-    scale = {"k": 1_000, "m": 1_000_000}.get(text[-1:], 1)
-    return int(float(text.rstrip("km")) * scale)
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-def chains(n: int, seed: int = 1) -> Iterator[list[bytes]]:
-    """``n`` blocks' keys in chains of ``CHAIN`` random 16-byte keys."""
-    rng = random.Random(seed)
-    left = n
-    while left > 0:
-        size = min(CHAIN, left)
-        blob = rng.randbytes(size * KEY)
-        yield [blob[i * KEY:(i + 1) * KEY] for i in range(size)]
-        left -= size
 
 
 class GcPauses:
