@@ -110,7 +110,9 @@ class TierChanges:
         tiers_of = _TIERS_OF
         for block in touched:
             before = block.announced
-            if block.ns.blocks.get(block.key) is block:
+            key = block.key
+            entries = block.ns.blocks  # ``BlockMap.get``, inline: once per block marked
+            if entries.shards[hash(key) & entries.mask].get(key) is block:
                 now = 0 if block.offset is None else 1
                 if block.ssd_offset is not None:
                     now |= 2
