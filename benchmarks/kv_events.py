@@ -73,12 +73,16 @@ def p10_us(samples: list[float]) -> float:
     return sorted(samples)[len(samples) // 10] * 1e6
 
 
-def subscriber(endpoint: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, endpoint],
-                            stdout=subprocess.PIPE)
+def peer(script: str, endpoint: str) -> subprocess.Popen[bytes]:
+    """``script`` in a process of its own at ``endpoint``, once it says it is ready."""
+    proc = subprocess.Popen([sys.executable, "-c", script, endpoint], stdout=subprocess.PIPE)
     assert proc.stdout is not None
     proc.stdout.readline()
     return proc
+
+
+def subscriber(endpoint: str) -> subprocess.Popen[bytes]:
+    return peer(SUBSCRIBER, endpoint)
 
 
 def bench_publish(work: Path, repeats: int) -> tuple[float, float, float, float]:
@@ -272,11 +276,7 @@ def bench_throughput(work: Path, repeats: int, data: bool = False) -> dict[str, 
 
 def echo_peer(endpoint: str) -> subprocess.Popen[bytes]:
     """A bare pyzmq ROUTER in its own process that echoes each request."""
-    proc = subprocess.Popen([sys.executable, "-c", ECHO_PEER, endpoint],
-                            stdout=subprocess.PIPE)
-    assert proc.stdout is not None
-    proc.stdout.readline()
-    return proc
+    return peer(ECHO_PEER, endpoint)
 
 
 def bench_route(work: Path, repeats: int, daemons: int) -> dict[str, float]:
