@@ -148,17 +148,27 @@ def test_batch_admission_is_all_or_none_and_says_what_fits(daemon_factory: Any) 
         holder.close()
 
 
+def ssd_daemon(daemon_factory: Any) -> Any:
+    """A daemon whose DRAM holds 8 BIG blocks, with an SSD tier under it."""
+    return daemon_factory(dram_capacity=str(8 * BIG.block_bytes), ssd_capacity="64MiB",
+                          extra=["--slab-size", str(8 * BIG.block_bytes)])
+
+
+def push_down(ns: Any, chain: list[bytes], rounds: range) -> None:
+    """Put other 4-block chains (one per round) until ``chain`` is on SSD only."""
+    for i in rounds:
+        keys = ns.keys(range(10**6 * (i + 1), 10**6 * (i + 1) + 16 * 4))
+        ns.put(keys, [bytes(BIG.block_bytes)] * 4)
+    assert set(ns.lookup(chain).tiers) == {"ssd"}
+
+
 def test_prefetch_promotes_ahead_of_use(daemon_factory: Any) -> None:
-    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes), ssd_capacity="64MiB",
-                       extra=["--slab-size", str(8 * BIG.block_bytes)])
+    d = ssd_daemon(daemon_factory)
     with Client(d.endpoint, tenant="acme") as c:
         ns = c.namespace(BIG)
         first = ns.keys(range(16 * 4))
         ns.put(first, [b"\1" * BIG.block_bytes] * 4)
-        for i in range(4):                               # push `first` down to SSD
-            keys = ns.keys(range(10**6 * (i + 1), 10**6 * (i + 1) + 16 * 4))
-            ns.put(keys, [bytes(BIG.block_bytes)] * 4)
-        assert set(ns.lookup(first).tiers) == {"ssd"}
+        push_down(ns, first, rounds=range(4))
         result = ns.prefetch(first, wait=True, timeout=10)
         assert result.ready == 4 and result.cached == 4
         assert ns.lookup(first).tiers == ["dram"] * 4
@@ -170,16 +180,12 @@ def test_prefetch_promotes_ahead_of_use(daemon_factory: Any) -> None:
 
 
 def test_a_posted_prefetch_promotes_without_a_round_trip(daemon_factory: Any) -> None:
-    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes), ssd_capacity="64MiB",
-                       extra=["--slab-size", str(8 * BIG.block_bytes)])
+    d = ssd_daemon(daemon_factory)
     with Client(d.endpoint, tenant="acme") as c:
         ns = c.namespace(BIG)
         first = ns.keys(range(16 * 4))
         ns.put(first, [b"\1" * BIG.block_bytes] * 4)
-        for i in range(4):                               # push `first` down to SSD
-            keys = ns.keys(range(10**6 * (i + 1), 10**6 * (i + 1) + 16 * 4))
-            ns.put(keys, [bytes(BIG.block_bytes)] * 4)
-        assert set(ns.lookup(first).tiers) == {"ssd"}
+        push_down(ns, first, rounds=range(4))
         ns.post_prefetch(first)                          # returns before any reply
         assert c._unread                                  # its reply is read later
         deadline = time.monotonic() + 10
@@ -188,10 +194,7 @@ def test_a_posted_prefetch_promotes_without_a_round_trip(daemon_factory: Any) ->
             time.sleep(0.01)
         assert not c._unread                              # settled by a later reply
         assert ns.get(first) == [b"\1" * BIG.block_bytes] * 4
-        for i in range(4, 8):                            # down to SSD again
-            keys = ns.keys(range(10**6 * (i + 1), 10**6 * (i + 1) + 16 * 4))
-            ns.put(keys, [bytes(BIG.block_bytes)] * 4)
-        assert set(ns.lookup(first).tiers) == {"ssd"}
+        push_down(ns, first, rounds=range(4, 8))         # down to SSD again
 
     async def posted_by_the_async_client() -> list[str]:
         async with AsyncClient(d.endpoint, tenant="acme") as ac:
