@@ -42,6 +42,29 @@ def token_daemon(daemon_factory: Any, tmp_path: Path) -> tuple[Any, bytes, Path]
     return d, read_secret(secret_file), secret_file
 
 
+def hello_by_hand(endpoint: str, cases: list[tuple[tuple[str, str] | None, bool]]) -> None:
+    """For each case, a bare DEALER says hello with those PLAIN credentials (None: none)
+    and is answered as tenant acme, or never answered."""
+    ctx = zmq.Context()
+    try:
+        for creds, answered in cases:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if creds is not None:
+                sock.plain_username, sock.plain_password = creds[0].encode(), creds[1].encode()
+            sock.connect(endpoint)
+            sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "")))
+            if answered:
+                assert sock.poll(10_000)
+                reply = p.reply_decoder.decode(sock.recv())
+                assert isinstance(reply, p.HelloReply) and reply.tenant == "acme"
+            else:
+                assert not sock.poll(1500)
+            sock.close()
+    finally:
+        ctx.term()
+
+
 def test_tokens_decide_the_tenant(token_daemon: tuple[Any, bytes, Path]) -> None:
     d, secret, secret_file = token_daemon
     token_a = cli("token", "--secret-file", str(secret_file), "--tenant", "acme").strip()
@@ -200,26 +223,9 @@ def test_tokens_over_tcp_are_checked_in_the_handshake(daemon_factory: Any,
             Client(d.tcp_endpoint, token=token, tenant=tenant, timeout=1)
     with pytest.raises(ForbiddenError, match="not a kvstore token"):
         Client(d.tcp_endpoint, token="garbage", timeout=1)
-    ctx = zmq.Context()
-    try:
-        # what the client would send, by hand: only a good token of the named tenant
-        for creds, answered in ((("acme", token_a), True), (("globex", token_a), False),
-                                (None, False)):
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            if creds is not None:
-                sock.plain_username, sock.plain_password = creds[0].encode(), creds[1].encode()
-            sock.connect(d.tcp_endpoint)
-            sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "")))
-            if answered:
-                assert sock.poll(10_000)
-                reply = p.reply_decoder.decode(sock.recv())
-                assert isinstance(reply, p.HelloReply) and reply.tenant == "acme"
-            else:
-                assert not sock.poll(1500)
-            sock.close()
-    finally:
-        ctx.term()
+    # what the client would send, by hand: only a good token of the named tenant
+    hello_by_hand(d.tcp_endpoint, [(("acme", token_a), True), (("globex", token_a), False),
+                                   (None, False)])
     with Client(d.endpoint, token=token_a) as local:         # ipc: tickets, as before
         again = local.namespace(IDENT_A)
         assert again.get(keys) == [b"\7" * again.block_bytes] * 2
@@ -310,27 +316,10 @@ def test_peer_credentials_name_the_tenant(daemon_factory: Any, tmp_path: Path,
     admitted = admit(side, "")
     assert admitted is not None and admitted[0] == "acme"
     tenant, ticket = admitted
-    ctx = zmq.Context()
-    try:
-        # a ticket is good for one handshake, for its tenant; without one, nothing gets in
-        for creds, answered in (((tenant, ticket), True), ((tenant, ticket), False),
-                                (("globex", admit(side, "")[1]), False),  # type: ignore[index]
-                                (None, False)):
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            if creds is not None:
-                sock.plain_username, sock.plain_password = creds[0].encode(), creds[1].encode()
-            sock.connect(d.endpoint)
-            sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "")))
-            if answered:
-                assert sock.poll(10_000)
-                reply = p.reply_decoder.decode(sock.recv())
-                assert isinstance(reply, p.HelloReply) and reply.tenant == "acme"
-            else:
-                assert not sock.poll(1500)
-            sock.close()
-    finally:
-        ctx.term()
+    # a ticket is good for one handshake, for its tenant; without one, nothing gets in
+    hello_by_hand(d.endpoint, [((tenant, ticket), True), ((tenant, ticket), False),
+                               (("globex", admit(side, "")[1]), False),  # type: ignore[index]
+                               (None, False)])
     with Client(d.endpoint) as again:
         assert again.stats()["side_socket"]["tickets"] >= 4
     # a client whose handshake is refused (its ticket already used, here) is told what
