@@ -231,7 +231,7 @@ class EventPublisher:
         then, with the SSD index restored, every block it holds."""
         self.publish([self.maker.cleared()])
         for ns in self.store.namespaces.values():
-            self.changes.touch_all(ns.blocks.values())  # parents first, as restored
+            self.changes.touch_all(_parents_first(ns))  # the key map is not in chain order
         if restored:
             self.flush()
 
@@ -268,15 +268,18 @@ class EventPublisher:
         changes = self.changes.drain()
         if not changes:
             return -1
-        if self._replay is None and not self.listened():
+        listened = self.listened()
+        if self._replay is None and not listened:
             # Nobody subscribes and nothing is replayed: the batch is numbered (a
             # snapshot names the last one) but not built.
             self.unheard += 1
             self.seq += 1
             return self.seq - 1
-        return self.publish(self.maker.events(changes))
+        return self.publish(self.maker.events(changes), listened)
 
-    def publish(self, events: list[Event]) -> int:
+    def publish(self, events: list[Event], listened: bool | None = None) -> int:
+        """Number, keep and send one batch (``listened``: whether someone subscribes,
+        if the caller has just asked)."""
         seq = self.seq
         self.seq += 1
         batch = KVEventBatch(time.time(), events, self.rank)
@@ -286,7 +289,7 @@ class EventPublisher:
         self.events += len(events)
         pub = self._pub
         if pub is not None:
-            if self.listened():  # else nobody would get it: the ring keeps it
+            if self.listened() if listened is None else listened:  # else the ring keeps it
                 try:
                     pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload),
                                        _NOBLOCK)

@@ -33,7 +33,6 @@ from kvstore.remote import RemoteTier
 from kvstore.sessions import Session, Sessions
 from kvstore.store import Block, BlockStore, Limits, Namespace, Pin, Plan, Reservation
 from kvstore.tiering import SsdMover
-from kvstore.token_ids import check_blocks
 from kvstore.tiers.dram import DramArena
 from kvstore.transport import PinnedFrames, Transport
 
@@ -271,8 +270,6 @@ class Verbs:
         if req.checksums and len(req.checksums) != len(req.keys):
             raise MalformedError(f"put of {len(req.keys)} keys carries {len(req.checksums)} "
                                  f"checksums")
-        if req.tokens:
-            check_blocks(req.tokens, len(req.keys), ns.identity.block_tokens)
         for i, frame in enumerate(payload):
             if len(frame) != ns.block_bytes:
                 raise MalformedError(f"frame {i} holds {len(frame)} bytes; a block of this "
@@ -288,7 +285,11 @@ class Verbs:
         except BaseException:
             d.store.abort(session.id, r.id)
             raise
-        result = d.store.commit(session.id, r.id, now, req.checksums, req.tokens)
+        try:  # the store checks the token ids (refused: before anything is published)
+            result = d.store.commit(session.id, r.id, now, req.checksums, req.tokens)
+        except MalformedError:
+            d.store.abort(session.id, r.id)
+            raise
         self._committed(result.blocks)
         return p.PutReply(req.rid, result.created, result.duplicates), []
 

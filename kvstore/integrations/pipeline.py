@@ -185,9 +185,8 @@ class SaveSender:
     ``save_dropped`` (jobs not sent: queue full or daemon backing off)."""
 
     def __init__(self, settings: DaemonSettings, *,
-                 max_pending_bytes: int = MAX_PENDING_BYTES,
-                 link: DaemonLink | None = None) -> None:
-        self._link = link or DaemonLink(settings)
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+        self._link = DaemonLink(settings)
         self._max_pending = max_pending_bytes
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._lock = threading.Lock()
