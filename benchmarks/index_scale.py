@@ -40,7 +40,8 @@ from typing import Any
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # run by path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_stalls import CHAIN, SLOT, chains, parse_count, pct, rss_bytes  # noqa: E402
+from loop_stalls import (  # noqa: E402
+    CHAIN, SLOT, GcPauses, chains, parse_count, pct, rss_bytes)
 
 CHECKPOINTS = (10_000, 100_000, 1_000_000, 10_000_000)
 SSD_BLOCK = 4096  # the smallest SSD slot: 10M of them fit a 64 GB disk
@@ -49,29 +50,6 @@ SSD_SLAB = 64 << 20
 
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-class GcPauses:
-    """The collector's longest pause while registered."""
-
-    def __init__(self) -> None:
-        self.longest = 0.0
-        self.full_runs = 0
-        self._start = 0.0
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.longest = max(self.longest, time.perf_counter() - self._start)
-            self.full_runs += info["generation"] == 2
-
-    def __enter__(self) -> GcPauses:
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self)
 
 
 def identity(block_bytes_layers: int = 1) -> Any:
@@ -208,8 +186,9 @@ def index_figures(n: int, policy: str) -> dict[str, Any]:
         "stall_top5_commits_ms_at_blocks": {
             f"{at:,}": ms * 1e3 for ms, at in sorted(top, reverse=True)},
         "stall_longest_settle_ms": max(settles, default=0.0) * 1e3,
-        "stall_longest_gc_pause_ms": pauses.longest * 1e3,
-        "full_gc_runs_in_ingest": pauses.full_runs,
+        "stall_longest_gc_pause_ms": max(
+            (max(v) for v in pauses.pauses.values() if v), default=0.0) * 1e3,
+        "full_gc_runs_in_ingest": len(pauses.pauses[2]),
         "full_gc_after_settle_ms": full_gc * 1e3,
         "stats_ms": max(stats) * 1e3,
         "evict_one_ms": max(evicts) * 1e3,

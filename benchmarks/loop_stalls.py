@@ -34,7 +34,6 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 CHAIN = 1024
 KEY = 16

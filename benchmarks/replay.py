@@ -312,8 +312,8 @@ def format_summary(
             )
             sim = by_name.get((share, name.removesuffix("@daemon")))
             if daemon and name.endswith("@daemon") and sim is not None:
-                rate = len_requests(rows) / stats.seconds if stats.seconds else 0.0
-                cpu = 1e6 * stats.daemon_cpu / max(1, len_requests(rows))
+                rate = stats.requests / stats.seconds if stats.seconds else 0.0
+                cpu = 1e6 * stats.daemon_cpu / max(1, stats.requests)
                 hit = stats.block_hit_rate
                 if stats.tier_hits is not None and "ssd" in (stats.tiers or {}):
                     hit = stats.tier_hits.get("dram", 0) / max(1, stats.blocks)  # DRAM's own
@@ -324,11 +324,6 @@ def format_summary(
                                     for t in ("dram", "ssd"))
             lines.append(line)
     return "\n".join(lines)
-
-
-def len_requests(rows: Sequence[tuple[float, int, str, ReplayStats]]) -> int:
-    """How many requests the rows' replays ran (each row ran the whole workload)."""
-    return next((s.requests for _, _, _, s in rows if s.requests), 0)
 
 
 def plot_summary(

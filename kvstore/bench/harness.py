@@ -264,7 +264,6 @@ class EchoPeer:
         self.sockets = short_dir()
         self.endpoint = f"ipc://{self.sockets / 'echo.sock'}"
         self.proc: subprocess.Popen[bytes] | None = None
-        self._drain: threading.Thread | None = None
 
     def start(self) -> EchoPeer:
         self.proc = subprocess.Popen([sys.executable, "-c", ECHO_PEER, self.endpoint],
