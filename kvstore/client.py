@@ -102,13 +102,7 @@ class Client(SessionCore):
 
     def _run(self, exchange: Exchange[T]) -> T:
         """Carry out a verb of several requests, one after the other."""
-        try:
-            req, payload = next(exchange)
-            while True:
-                req, payload = exchange.send(self._call(req, payload))
-        except StopIteration as done:
-            result: T = done.value
-            return result
+        return self._begin(exchange)()
 
     def _begin(self, exchange: Exchange[T]) -> Callable[[], T]:
         """``_run`` in two halves: the first request goes now; the call returned waits

@@ -142,9 +142,9 @@ class DaemonLink:
     def wait_connected(self, timeout: float) -> bool:
         """Wait (at most ``timeout`` seconds) for a background connect to end; whether
         the link has a client then."""
-        deadline = time.monotonic() + timeout
-        while self.connecting() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        if self._connecting is not None:
+            self._connecting[0].join(timeout)
+        self.connecting()  # takes the outcome, if it ended
         return self._client is not None
 
     def _spawn(self) -> None:
