@@ -28,7 +28,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -56,6 +56,7 @@ MAX_PENDING_BYTES = 1 << 30   # staged bytes a sender holds before it drops new 
 
 LOAD_GBPS = {"gpu": 50.0, "dram": 10.0, "ssd": 1.5, "remote": 1.0}
 REFRESH_RATES_S = 10.0   # how often the connector asks the daemon for its load rates
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -310,24 +311,27 @@ def _raise(exc: KVStoreError) -> Held:
     raise exc
 
 
-def _collect(waits: Sequence[Callable[[], Held]]) -> list[Held]:
-    """The pins of sent acquires, all or none: every reply is read (the pins of a batch
-    that failed in part released) before the first error is raised."""
-    held: list[Held] = []
+def wait_all(waits: Sequence[Callable[[], T]],
+             undo: Callable[[T], object] | None = None) -> list[T]:
+    """Every reply waited for (a daemon that is gone ends it), then the first error,
+    after ``undo`` of each result already had (the pins of a batch that failed in part
+    released: all or none)."""
+    results: list[T] = []
     error: KVStoreError | None = None
     for wait in waits:
         try:
-            held.append(wait())
+            results.append(wait())
         except UnavailableError as exc:  # the daemon is gone: no other reply comes
             error = error or exc
             break
         except KVStoreError as exc:
             error = error or exc
     if error is not None:
-        for h in held:
-            h.release()
+        if undo is not None:
+            for result in results:
+                undo(result)
         raise error
-    return held
+    return results
 
 
 class StepLoads:
@@ -379,7 +383,7 @@ class StepLoads:
             self._pinned.append(pinned)
             started = time.perf_counter()
             try:
-                held = _collect(waits)
+                held = wait_all(waits, Held.release)
             except NotFoundError:  # evicted since the lookup: each request on its own
                 self._pin_each(ns, items, pinned, outcome)
                 continue

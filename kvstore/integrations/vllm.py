@@ -62,7 +62,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -75,7 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from kvstore.client import LookupResult, Namespace
-from kvstore.errors import KVStoreError, UnavailableError
+from kvstore.errors import KVStoreError
 from kvstore.identity import DTYPE_BYTES, Identity
 from kvstore.integrations.engine_side import (
     DaemonLink,
@@ -94,6 +94,7 @@ from kvstore.integrations.pipeline import (
     StepLoads,
     daemon_rates,
     fill_rows,
+    wait_all,
 )
 from kvstore.keys import chain_keys
 
@@ -109,7 +110,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MAX_TEXT = 512  # Identity's limit on text fields
-T = TypeVar("T")
 
 
 # ========================================================================================
@@ -327,23 +327,6 @@ def send_lookups(targets: Sequence[LookupTarget],
         link.failed("lookup", exc)
     settle(waits)
     return None
-
-
-def wait_all(waits: Sequence[Callable[[], T]]) -> list[T]:
-    """Every reply waited for (a daemon that is gone ends it), then the first error."""
-    results: list[T] = []
-    error: KVStoreError | None = None
-    for wait in waits:
-        try:
-            results.append(wait())
-        except UnavailableError as exc:
-            error = error or exc
-            break
-        except KVStoreError as exc:
-            error = error or exc
-    if error is not None:
-        raise error
-    return results
 
 
 def settle(waits: Sequence[Callable[[], object]]) -> None:
