@@ -186,12 +186,17 @@ class TierSlots:
     def class_for(self, block_bytes: int) -> SlabClass:
         cls = self.pool.class_for(block_bytes)
         if cls.slot_bytes not in self.policies:
-            policy: EvictionPolicy[Block] = make_policy(  # type: ignore[assignment]
-                self.policy_name, ghost_key=block_key)
-            if self.clock is not None:
-                policy = WarmPins(policy, self.clock)
-            self.policies[cls.slot_bytes] = policy
+            self.policies[cls.slot_bytes] = self.new_policy()
         return cls
+
+    def new_policy(self) -> EvictionPolicy[Block]:
+        """An empty order of this tier's policy (ghosts named by key; warm pins kept
+        where the tier has a clock)."""
+        policy: EvictionPolicy[Block] = make_policy(  # type: ignore[assignment]
+            self.policy_name, ghost_key=block_key)
+        if self.clock is not None:
+            policy = WarmPins(policy, self.clock)
+        return policy
 
     def policy(self, cls: SlabClass) -> EvictionPolicy[Block]:
         return self.policies[cls.slot_bytes]

@@ -49,7 +49,6 @@ from kvstore.blocks import (
     Reservation,
     TierSlots,
     Transfer,
-    block_key,
 )
 from kvstore.core import StoreCore
 from kvstore.dram_copies import DramCopies
@@ -60,7 +59,7 @@ from kvstore.owners import Leases
 from kvstore.plans import Plan
 from kvstore.remote_copies import RemoteCopies
 from kvstore.room import RoomMaker
-from kvstore.scheduler.eviction import EvictionPolicy, WarmPins, make_policy
+from kvstore.scheduler.eviction import WarmPins, make_policy
 from kvstore.ssd_copies import SsdCopies
 from kvstore.store_view import check_invariants, tier_stats
 from kvstore.token_ids import check_blocks
@@ -300,8 +299,7 @@ class BlockStore(StoreCore):
         """Order every DRAM class by the policy ``name`` from now on (and new tiers too),
         keeping every cached block: each class's blocks pass to a fresh order in the
         order the old one lists them, pinned ones stay pinned and warm ones warm."""
-        fresh = make_policy(name)  # an unknown name fails here, before any change
-        del fresh
+        make_policy(name)  # an unknown name fails here, before any change
         self.dram_args = (*self.dram_args[:3], name)
         for dram in self.drams.values():
             dram.policy_name = name
@@ -313,10 +311,7 @@ class BlockStore(StoreCore):
                           for b in ns.blocks.values()
                           if b.offset is not None and b.refs > 0 and not b.demoting
                           and b not in listed]
-                new: EvictionPolicy[Block] = make_policy(  # type: ignore[assignment]
-                    name, ghost_key=block_key)  # as the first one: ghosts by key
-                if dram.clock is not None:
-                    new = WarmPins(new, dram.clock)
+                new = dram.new_policy()
                 for b in on_order + pinned:
                     new.insert(b)
                 for b in pinned:
