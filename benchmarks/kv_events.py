@@ -6,8 +6,9 @@ Three measurements, each next to its peer, medians of interleaved runs, and rati
   msgspec encode and zmq send of the same batch built ahead (target: <= 50 us);
 - throughput: reserve+commit of 16-block chains and lookups against daemons side by
   side, publishing events (to a subscriber, to nobody, a batch every loop turn) and
-  not; the daemon's CPU time per request, each run's ratio to the runs of the daemons
-  without events next to it (target: <= 1.05).  The client and the daemons run on one
+  not; the daemon's CPU time per request (its batches' included: a round is read once
+  its batch has gone out), each run's ratio to the runs of the daemons without events
+  next to it (target: <= 1.05).  The client and the daemons run on one
   CPU, so that all daemons share the same conditions (the subscriber, a router
   elsewhere, on the others), and a second daemon without events shows what the
   machine's noise alone makes of the ratio;
@@ -214,8 +215,12 @@ def bench_throughput(work: Path, repeats: int, data: bool = False) -> dict[str, 
     user's work there, varies by tens of percent).  Rounds of a few requests per daemon,
     in a shuffled order, ``20 * repeats`` of them; each round's CPU time per request
     over the mean of the two daemons without events in the same round, and the median
-    of those."""
+    of those.  A round's CPU time is read once its batch has gone out (events wait
+    ``interval_ms`` for others to join them): read at once, a daemon's flush would run
+    while the next daemon is measured, counted in no round.  Every daemon waits the
+    same."""
     tag = "d" if data else "c"
+    settle = EventsConfig().interval_ms / 1e3 + 0.001
     cpus = os.sched_getaffinity(0)
     cpu = max(cpus)
     os.sched_setaffinity(0, {cpu})  # the daemons started now inherit it
@@ -248,6 +253,7 @@ def bench_throughput(work: Path, repeats: int, data: bool = False) -> dict[str, 
                 start = time.perf_counter()
                 n = runs[name]()
                 wall = time.perf_counter() - start
+                time.sleep(settle)  # the round's batch goes out (and is counted) now
                 samples[name].append(((cpu_ns(pid) - before) / n / 1e3, n / wall))
         for c, (name, _, subscribed) in zip(clients, ARMS):
             if name in ("on", "turn"):
