@@ -214,7 +214,10 @@ class BlockStore(StoreCore):
         ns.blocks.grown()
         policy.insert_many(reversed(fresh))  # deepest first: parents end up warmer
         if self.changes is not None:
-            self.changes.touch_all(fresh)
+            if duplicates:  # fresh blocks with gaps between them: marked one by one
+                self.changes.touch_all(fresh)
+            else:  # one chain: one mark
+                self.changes.touch_run(fresh)
         if self.ssd is not None:
             dirty = self.dirty.setdefault(ns.cls, {})
             for block in fresh:

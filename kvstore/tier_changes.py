@@ -70,16 +70,21 @@ class TierChanges:
     """The blocks whose copies changed since the last drain.
 
     ``on_first`` runs when the first block is marked after a drain: the daemon uses it
-    to drain once at the end of the loop turn (a plain callable, so the store stays
-    free of the loop).
+    to schedule the drain (a plain callable, so the store stays free of the loop);
+    ``on_more`` when a commit's run joins marks already there (the daemon drains then if
+    the batch is due: no wake of its own while commits keep coming).
     """
 
-    def __init__(self, on_first: Callable[[], None] | None = None) -> None:
-        # Marked blocks in order, a block marked twice listed twice: the drain's second
-        # look finds nothing new.  A list, not a set: blocks are equal by key, and a key
-        # dropped and cached again in one turn is two entries.
-        self.touched: list[Block] = []
+    def __init__(self, on_first: Callable[[], None] | None = None,
+                 on_more: Callable[[], None] | None = None) -> None:
+        # Marks in order: a block, or a commit's run of blocks (a list, one mark for them
+        # all), a block marked twice listed twice: the drain's second look finds nothing
+        # new.  A list, not a set: blocks are equal by key, and a key dropped and cached
+        # again in one turn is two entries.
+        self.touched: list[Block | list[Block]] = []
+        self.runs = 0  # of the marks, commits' runs
         self.on_first = on_first
+        self.on_more = on_more
 
     def touch(self, block: Block) -> None:
         touched = self.touched
@@ -93,38 +98,72 @@ class TierChanges:
             self.on_first()
         touched.extend(blocks)
 
+    def touch_run(self, blocks: list[Block]) -> None:
+        """Blocks of one chain, each the parent of the next, that have just gained their
+        DRAM copy (a commit's): one mark for all of them, kept by reference (the caller
+        leaves the list as it is)."""
+        if not blocks:
+            return
+        touched = self.touched
+        if not touched:
+            if self.on_first is not None:
+                self.on_first()
+        elif self.on_more is not None:
+            self.on_more()
+        touched.append(blocks)
+        self.runs += 1
+
     def __len__(self) -> int:
+        """How many marks (a commit's run is one)."""
         return len(self.touched)
 
     def drain(self) -> list[Change]:
         """What changed since the last drain, removals first (a key dropped and cached
         again in one turn ends up cached), then stores in the order blocks were marked,
-        as runs of one chain, one tier and one namespace.  Once per loop turn over every
-        block marked: a DRAM copy gained (a commit's) takes the shortest path."""
+        as runs of one chain, one tier and one namespace.
+
+        Once per batch over every block marked, so the common marks take short paths: a
+        commit's run that nothing else marked since gained exactly its DRAM copies (any
+        later change of one of its blocks marks that block), announced with a bit set
+        per block; a block marked alone is compared with what was announced."""
         touched, self.touched = self.touched, []
+        runs, self.runs = self.runs, 0
+        if runs and runs != len(touched):
+            touched = _unfold_overlaps(touched)
         removed: dict[tuple[str, int], Removed] = {}
         stored: list[Stored] = []
         last: dict[str, Stored] = {}  # per tier but DRAM, the run the next may extend
         dram: list[Block] = []        # the DRAM run the next block may extend
         dram_last: Block | None = None
+        dram_gone: list[bytes] = []   # the keys of the last namespace's DRAM removals
+        gone_ns: Namespace | None = None
         tiers_of = _TIERS_OF
         for block in touched:
+            if isinstance(block, list):  # a commit's run, untouched since: its DRAM copies
+                first = block[0]
+                for b in block:
+                    b.announced |= 1
+                if first.parent is dram_last and dram_last is not None:
+                    dram.extend(block)
+                else:
+                    dram = block.copy()
+                    stored.append(Stored(DRAM, first.ns, dram))
+                dram_last = block[-1]
+                continue
             before = block.announced
-            key = block.key
-            entries = block.ns.blocks  # ``BlockMap.get``, inline: once per block marked
-            if entries.shards[hash(key) & entries.mask].get(key) is block:
-                now = 0 if block.offset is None else 1
-                if block.ssd_offset is not None:
-                    now |= 2
-                if block.remote:
+            # What the block holds now.  An entry out of the map holds no copy but may
+            # keep its remote mark: looked up only then.
+            now = 0 if block.offset is None else 1
+            if block.ssd_offset is not None:
+                now |= 2
+            if block.gpu_offset is not None:
+                now |= 8
+            if block.remote:
+                key = block.key
+                entries = block.ns.blocks  # ``BlockMap.get``, inline
+                if entries.shards[hash(key) & entries.mask].get(key) is block:
                     now |= 4
-                if block.gpu_offset is not None:
-                    now |= 8
-                if now == before:
-                    continue
-            elif before:
-                now = 0
-            else:
+            if now == before:
                 continue
             block.announced = now
             new = now & ~before
@@ -153,11 +192,28 @@ class TierChanges:
                         s = last[tier] = Stored(tier, block.ns, [block])
                         stored.append(s)
             gone = before & ~now
-            if gone:
+            if gone == 1 and block.ns is gone_ns:  # the common case: evicted from DRAM
+                dram_gone.append(block.key)
+            elif gone:
                 ns = block.ns
                 for tier in tiers_of[gone]:
                     run = removed.get((tier, id(ns)))
                     if run is None:
                         run = removed[(tier, id(ns))] = Removed(tier, ns, [])
                     run.keys.append(block.key)
+                    if tier == DRAM:
+                        dram_gone, gone_ns = run.keys, ns
         return [*removed.values(), *stored]
+
+
+def _unfold_overlaps(touched: list[Block | list[Block]]) -> list[Block | list[Block]]:
+    """The marks with each commit's run that a block marked alone overlaps (a copy it
+    gained or lost since) as its blocks, marked one by one."""
+    single = {b for b in touched if not isinstance(b, list)}
+    out: list[Block | list[Block]] = []
+    for mark in touched:
+        if isinstance(mark, list) and not single.isdisjoint(mark):
+            out.extend(mark)
+        else:
+            out.append(mark)
+    return out
