@@ -183,6 +183,10 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # How long a change waits for others to go out in the same batch (milliseconds), so
     # a busy daemon sends fewer, larger batches (0: a batch at the end of the loop turn).
     interval_ms: float = 2.0
+    # A batch goes out with the first commit at least ``interval_ms`` after its first
+    # change (a busy daemon: no wake of its own for it); a daemon that commits nothing
+    # more sends it this long after its first change (milliseconds, at least interval_ms).
+    quiet_ms: float = 50.0
     # Load bandwidth per tier (bytes a second) a routing query assumes until the daemon
     # has measured its own.
     dram_bandwidth: str | int = "20GB"
@@ -208,6 +212,8 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"events.{name}: -1 (left out) or a non-negative integer")
         if not 0 <= self.interval_ms <= 1000:
             raise ConfigError("events.interval_ms: from 0 (a batch every loop turn) to 1000")
+        if not 0 <= self.quiet_ms <= 1000:
+            raise ConfigError("events.quiet_ms: from 0 (interval_ms) to 1000")
         for name in ("dram_bandwidth", "ssd_bandwidth", "remote_bandwidth"):
             if parse_size(getattr(self, name), f"events.{name}") <= 0:
                 raise ConfigError(f"events.{name}: must be a positive number of bytes")

@@ -191,14 +191,16 @@ class EventPublisher:
         self.replays = 0
         self.unheard = 0            # batches numbered but not built: nobody would get them
         self.subscriptions: set[bytes] = set()  # topics someone subscribes to
-        self.changes = TierChanges(self._soon)
+        self.changes = TierChanges(self._soon, self._more)
         self.endpoints: list[str] = []
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._pub: zmq.Socket[bytes] | None = None
         self._replay: zmq.Socket[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.interval = config.interval_ms / 1e3
+        self.quiet = max(config.quiet_ms, config.interval_ms) / 1e3
         self._timer: asyncio.Handle | None = None  # the flush to come, once scheduled
+        self._due = 0.0  # when a commit sends the batch (loop time; 0: at the timer)
         self._fds: list[int] = []
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -249,13 +251,27 @@ class EventPublisher:
 
     # -- publishing -----------------------------------------------------------------------
     def _soon(self) -> None:
-        # The first change since the last batch: publish ``interval`` later (at the end
-        # of this loop turn when 0), with every change meanwhile in the same batch, so
-        # a busy daemon sends fewer, larger batches.
+        # The first change since the last batch (at the end of this loop turn when the
+        # interval is 0): every change until the batch goes out joins it, so a busy
+        # daemon sends fewer, larger batches.  The first commit ``interval`` on sends it
+        # at the end of its turn; a timer ``quiet`` on, only if none came (a wake costs
+        # a quiet daemon nothing, but a busy one tens of microseconds a batch).
         loop = self._loop
         if self._timer is None and loop is not None:
-            self._timer = (loop.call_later(self.interval, self.flush) if self.interval
-                           else loop.call_soon(self.flush))
+            if self.interval:
+                self._due = loop.time() + self.interval
+                self._timer = loop.call_later(self.quiet, self.flush)
+            else:
+                self._timer = loop.call_soon(self.flush)
+
+    def _more(self) -> None:
+        # A commit's changes joined the batch: it goes out at the end of this turn if due.
+        due = self._due
+        if due and self._loop is not None and self._loop.time() >= due:
+            self._due = 0.0
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._loop.call_soon(self.flush)
 
     def flush(self) -> int:
         """Publish what changed since the last flush as one batch; its sequence number
@@ -263,6 +279,7 @@ class EventPublisher:
         if self._timer is not None:
             self._timer.cancel()  # called before its time (a snapshot, closing)
             self._timer = None
+        self._due = 0.0
         if not self.changes.touched:
             return -1
         changes = self.changes.drain()
