@@ -42,6 +42,9 @@ from kvstore.token_ids import array_header
 log = logging.getLogger("kvstore.events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# How often batches read the subscriptions (seconds): a new subscriber's first batch may
+# come that much later, a batch may go to no one for as long after the last one left.
+SUBSCRIPTIONS_EVERY = 0.05
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 # tier -> (medium, locality)
@@ -201,6 +204,7 @@ class EventPublisher:
         self.quiet = max(config.quiet_ms, config.interval_ms) / 1e3
         self._timer: asyncio.Handle | None = None  # the flush to come, once scheduled
         self._due = 0.0  # when a commit sends the batch (loop time; 0: at the timer)
+        self._read_at = -SUBSCRIPTIONS_EVERY  # when a batch last read the subscriptions
         self._fds: list[int] = []
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -285,7 +289,14 @@ class EventPublisher:
         changes = self.changes.drain()
         if not changes:
             return -1
-        listened = self.listened()
+        # Whether anyone subscribes, as last read unless that was a while ago (a read
+        # asks ZeroMQ, a syscall's worth a batch).
+        now = time.monotonic()
+        if now - self._read_at >= SUBSCRIPTIONS_EVERY:
+            self._read_at = now
+            listened = self.listened()
+        else:
+            listened = bool(self.subscriptions)
         if self._replay is None and not listened:
             # Nobody subscribes and nothing is replayed: the batch is numbered (a
             # snapshot names the last one) but not built.
