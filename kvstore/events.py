@@ -160,7 +160,7 @@ class EventMaker:
         count = len(blocks)
         raw = [b.tokens for b in blocks]
         tokens: Any = _EMPTY  # not sent by a writer (or restored from SSD): none
-        if None not in raw:
+        if all(raw):  # (a block's token ids are None or not empty)
             tokens = msgspec.Raw(array_header(count * identity.block_tokens)
                                  + b"".join(raw))  # type: ignore[arg-type]
         extra: Any = None
