@@ -308,3 +308,45 @@ def test_batches_go_out_only_while_someone_subscribes(tmp_path: Path) -> None:
         ctx.term()
         pub.close()
         loop.close()
+
+
+def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -> None:
+    """A batch waits for changes until ``interval_ms`` has passed; then the next commit
+    sends it at the end of its loop turn, and the timer kept for a quiet daemon
+    (``quiet_ms``) is dropped.  No timer sends it at ``interval_ms``."""
+    import asyncio
+
+    from kvstore.config import EventsConfig
+    from kvstore.keys import chain_keys
+    from kvstore.store import BlockStore
+
+    store = BlockStore(64 * IDENT.block_bytes, 16 * IDENT.block_bytes)
+    loop = asyncio.new_event_loop()
+    pub = EventPublisher(EventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock",
+                                      interval_ms=1.0, quiet_ms=1000.0), store)
+    pub.open(loop)
+    ns = store.open_namespace(IDENT)
+
+    def commit(first: int) -> None:
+        keys = chain_keys(ns.id, list(range(first, first + 2 * BT)), BT)
+        r = store.reserve("o", ns, keys, None, 0.0)
+        store.commit("o", r.id, 0.0)  # type: ignore[union-attr]
+
+    def turn() -> None:
+        loop.run_until_complete(asyncio.sleep(0))  # one turn: timers due and calls soon
+
+    try:
+        commit(0)
+        time.sleep(0.01)  # past the interval
+        turn()
+        assert pub.last_seq == -1 and pub._timer is not None  # waits for a commit
+        commit(100)
+        turn()
+        assert pub.last_seq == 0 and pub._timer is None  # due: out with the commit
+        assert not pub.changes.touched
+        commit(200)  # a new batch, its timer the quiet one
+        turn()
+        assert pub.last_seq == 0 and pub._timer is not None
+    finally:
+        pub.close()
+        loop.close()
