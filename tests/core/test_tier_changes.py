@@ -69,6 +69,27 @@ TestChangesMachine.settings = settings(max_examples=80, stateful_step_count=60,
                                        deadline=None)
 
 
+class BatchedChangesMachine(ChangesMachine):
+    """The same, drained after every sixth step only: a batch then holds what several
+    steps did (a chain committed, evicted and committed again; a commit's run and a
+    later change of one of its blocks), as a busy daemon's batches do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+
+    @invariant()
+    def mirror_equals_the_store(self) -> None:
+        self.steps += 1
+        if self.steps % 6 == 0:
+            super().mirror_equals_the_store()
+
+
+TestBatchedChangesMachine = BatchedChangesMachine.TestCase
+TestBatchedChangesMachine.settings = settings(max_examples=80, stateful_step_count=60,
+                                              deadline=None)
+
+
 IDENT = make_identity(salt="pepper", adapter="sql-lora")
 
 
