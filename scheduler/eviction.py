@@ -33,7 +33,8 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 from kvstore.scheduler.density import HitDensityPolicy
-from kvstore.scheduler.dueling import Duel
+from kvstore.scheduler.dueling import Duel, Order
+from kvstore.scheduler.linked import LinkedOrder
 from kvstore.scheduler.policy import EvictionPolicy as EvictionPolicy  # re-exported
 
 T = TypeVar("T", bound=Hashable)
@@ -45,8 +46,20 @@ class LRUPolicy(EvictionPolicy[T]):
     name = "lru"
 
     def __init__(self) -> None:
-        self._order: OrderedDict[T, None] = OrderedDict()  # coldest first
+        # coldest first: in a table, or in the items' own links (``links``)
+        self._order: OrderedDict[T, None] | LinkedOrder[T] = OrderedDict()
         self._pinned: set[T] = set()
+
+    @property
+    def links(self) -> str | None:
+        """The attributes the order lives in (``LinkedOrder``), None for a table."""
+        return self._order.links if isinstance(self._order, LinkedOrder) else None
+
+    @links.setter
+    def links(self, links: str | None) -> None:
+        if self._order or self._pinned:
+            raise ValueError("an order's links are chosen while it is empty")
+        self._order = OrderedDict() if links is None else LinkedOrder(links)
 
     def insert(self, item: T) -> None:
         self._order[item] = None
@@ -681,6 +694,26 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
         super().__init__([LRUPolicy, SLRUPolicy, ARCPolicy],
                          sample_shift=sample_shift, epoch=epoch, keep=keep)
 
+    _links: str | None = None
+
+    @property
+    def links(self) -> str | None:
+        """The attributes an LRU order in charge lives in (``LRUPolicy.links``); the
+        miniatures' orders hold ints, in tables."""
+        return self._links
+
+    @links.setter
+    def links(self, links: str | None) -> None:
+        self._links = links
+        if isinstance(self._order, LRUPolicy):
+            self._order.links = links
+
+    def _keyed(self, order: Order[T]) -> Order[T]:
+        order = super()._keyed(order)
+        if self._links is not None and isinstance(order, LRUPolicy):
+            order.links = self._links
+        return order
+
 
 _MISSING = object()
 
@@ -699,9 +732,10 @@ DEFAULT_POLICY = "auto"
 
 
 def make_policy(name: str, ghost_key: Callable[[Hashable], Hashable] | None = None,
-                ) -> EvictionPolicy[Hashable]:
+                links: str | None = None) -> EvictionPolicy[Hashable]:
     """A fresh policy by its configured name (its ghosts named by ``ghost_key``, if
-    given; see ``EvictionPolicy``)."""
+    given; see ``EvictionPolicy``; an LRU order kept in the items' ``<links>_*``
+    attributes if given and the policy can, see ``LinkedOrder``)."""
     try:
         policy = POLICIES[name]()
     except KeyError:
@@ -710,4 +744,6 @@ def make_policy(name: str, ghost_key: Callable[[Hashable], Hashable] | None = No
         ) from None
     if ghost_key is not None:
         policy.ghost_key = ghost_key
+    if links is not None and isinstance(policy, (LRUPolicy, AutoPolicy)):
+        policy.links = links
     return policy
