@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
+from kvstore.scheduler.sharded import ShardedDict
+
 T = TypeVar("T", bound=Hashable)
 
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the sample
@@ -140,9 +142,10 @@ class Duel(Generic[T]):
         self.margin = margin
         self.keep = keep
         self._leader = 0
-        self._items: dict[int, T] = {}  # every tracked item by its hash, pinned ones too
+        # every tracked item by its hash, pinned ones too (split as it grows: no stall)
+        self._items: ShardedDict[int, T] = ShardedDict()
         # the tracked items in the sample: an item's hash -> its name's (``ghost_key``)
-        self._in_sample: dict[int, int] = {}
+        self._in_sample: ShardedDict[int, int] = ShardedDict()
         self._size = 0  # the most items tracked at once: the cache size, once full
         self._tick = 0  # inserts and evictions so far
         self._last: dict[int, int] = {}  # sampled key -> the tick of its last reference
