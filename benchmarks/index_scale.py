@@ -61,20 +61,22 @@ def identity(block_bytes_layers: int = 1) -> Any:
 
 
 def breakdown(store: Any, ns: Any, n: int) -> dict[str, float]:
-    """Bytes per block of the big structures (containers with at least n/4 entries
+    """Bytes per block of the big structures (containers with at least n/16 entries
     reachable from the store in a few steps, and one block entry with its key)."""
+    from kvstore.blocks import Block
+
     out: dict[str, float] = {}
     seen: set[int] = set()
 
     def walk(name: str, obj: Any, depth: int) -> None:
-        if id(obj) in seen or depth > 10:
+        if id(obj) in seen or depth > 10 or isinstance(obj, Block):
             return
         seen.add(id(obj))
-        shards = getattr(obj, "shards", None)  # a map split into sub-dicts
-        if isinstance(shards, list) and sum(map(len, shards)) >= n // 4:
+        shards = getattr(obj, "shards", getattr(obj, "_shards", None))  # split maps
+        if isinstance(shards, list) and sum(map(len, shards)) >= n // 16:
             out[name] = sum(map(sys.getsizeof, shards)) / n
             return
-        if isinstance(obj, (dict, set, list)) and len(obj) >= n // 4:
+        if isinstance(obj, (dict, set, list)) and len(obj) >= n // 16:
             out[name] = out.get(name, 0.0) + sys.getsizeof(obj) / n
             return
         if isinstance(obj, dict):
