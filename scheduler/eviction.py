@@ -64,6 +64,13 @@ class LRUPolicy(EvictionPolicy[T]):
     def insert(self, item: T) -> None:
         self._order[item] = None
 
+    def insert_many(self, items: Iterable[T]) -> None:
+        order = self._order
+        if isinstance(order, LinkedOrder):
+            order.extend(items)
+        else:
+            order.update(dict.fromkeys(items))  # new ones at the end, as one by one
+
     def access(self, item: T) -> None:
         if item in self._order:
             self._order.move_to_end(item)
