@@ -45,6 +45,7 @@ class Order(Protocol[T]):
     name: str
 
     def insert(self, item: T) -> None: ...
+    def insert_many(self, items: Iterable[T]) -> None: ...
     def access(self, item: T) -> None: ...
     def access_many(self, items: Iterable[T]) -> None: ...
     def pin(self, item: T) -> None: ...
@@ -241,6 +242,33 @@ class Duel(Generic[T]):
         if not ((name * _GOLDEN) & _MASK64) >> self._unsampled:
             self._in_sample[key] = name  # decided once: a lookup is cheaper than the sum per hit
             self._sample(name, item)
+
+    def insert_many(self, items: Iterable[T]) -> None:
+        """``insert`` each, in order, as one call per run of unsampled items to the
+        candidate in charge (a commit's blocks are one call, not one per block)."""
+        tracked, in_sample, order = self._items, self._in_sample, self._order
+        ghost_key, unsampled = self.ghost_key, self._unsampled
+        run: list[T] = []
+        for item in items:
+            key = hash(item)
+            if key in tracked:
+                continue
+            self._tick += 1
+            tracked[key] = item
+            run.append(item)
+            name = hash(ghost_key(item))
+            if not ((name * _GOLDEN) & _MASK64) >> unsampled:
+                order.insert_many(run)
+                run = []
+                if len(tracked) > self._size:
+                    self._size = len(tracked)
+                in_sample[key] = name
+                self._sample(name, item)
+                order = self._order  # an election may have handed the order over
+        if run:
+            order.insert_many(run)
+        if len(tracked) > self._size:
+            self._size = len(tracked)
 
     def access(self, item: T) -> None:
         key = hash(item)
