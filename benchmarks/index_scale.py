@@ -72,7 +72,7 @@ def breakdown(store: Any, ns: Any, n: int) -> dict[str, float]:
         if id(obj) in seen or depth > 10 or isinstance(obj, Block):
             return
         seen.add(id(obj))
-        shards = getattr(obj, "shards", getattr(obj, "_shards", None))  # split maps
+        shards = getattr(obj, "shards", None)  # a map split into sub-dicts
         if isinstance(shards, list) and sum(map(len, shards)) >= n // 16:
             out[name] = sum(map(sys.getsizeof, shards)) / n
             return

@@ -7,7 +7,8 @@ dict and, past ``SPLIT_AT`` entries, spreads them over ``SHARDS`` dicts by hash 
 pass, a few milliseconds, once), so that each later rebuild is a ``SHARDS``-th of the
 size.  The store's key map does the same for bytes keys (``kvstore.block_map``); this
 one serves any hashable key and counts its entries, for the duel asks its size on
-every insert.  The price is a Python call per operation instead of the dict's C one.
+every insert.  The price is a Python call per operation instead of the dict's C one;
+the hot loops index ``shards`` themselves (``shards[hash(key) & mask]``), reading only.
 """
 
 from __future__ import annotations
@@ -28,41 +29,48 @@ _MISSING: Any = object()
 class ShardedDict(Generic[K, V]):
     """A dict's basic operations over ``SHARDS`` sub-dicts (iteration: shard by shard)."""
 
-    __slots__ = ("_shards", "_mask", "_len")
+    __slots__ = ("shards", "mask", "_len")
 
     def __init__(self) -> None:
-        self._shards: list[dict[K, V]] = [{}]
-        self._mask = 0  # a key's shard: ``hash(key) & mask``
+        self.shards: list[dict[K, V]] = [{}]
+        self.mask = 0  # a key's shard: ``hash(key) & mask``
         self._len = 0
 
     def __contains__(self, key: object) -> bool:
-        return key in self._shards[hash(key) & self._mask]
+        return key in self.shards[hash(key) & self.mask]
 
     def __getitem__(self, key: K) -> V:
-        return self._shards[hash(key) & self._mask][key]
+        return self.shards[hash(key) & self.mask][key]
 
     def get(self, key: K, default: V | None = None) -> V | None:
-        return self._shards[hash(key) & self._mask].get(key, default)
+        return self.shards[hash(key) & self.mask].get(key, default)
 
     def __setitem__(self, key: K, value: V) -> None:
-        shard = self._shards[hash(key) & self._mask]
+        shard = self.shards[hash(key) & self.mask]
         if key not in shard:
             self._len += 1
-            if self._len > SPLIT_AT and not self._mask:
+            if self._len > SPLIT_AT and not self.mask:
                 shard[key] = value
                 self._split()
                 return
         shard[key] = value
 
+    def grown(self, added: int) -> None:
+        """Count ``added`` new entries set in ``shards`` directly, and split if the map
+        is now big (the hot loops' inline insert; read ``shards`` again after)."""
+        self._len += added
+        if self._len > SPLIT_AT and not self.mask:
+            self._split()
+
     def _split(self) -> None:
         shards: list[dict[K, V]] = [{} for _ in range(SHARDS)]
         mask = SHARDS - 1
-        for key, value in self._shards[0].items():
+        for key, value in self.shards[0].items():
             shards[hash(key) & mask][key] = value
-        self._shards, self._mask = shards, mask
+        self.shards, self.mask = shards, mask
 
     def pop(self, key: K, default: Any = _MISSING) -> Any:
-        value = self._shards[hash(key) & self._mask].pop(key, _MISSING)
+        value = self.shards[hash(key) & self.mask].pop(key, _MISSING)
         if value is _MISSING:
             if default is _MISSING:
                 raise KeyError(key)
@@ -71,20 +79,23 @@ class ShardedDict(Generic[K, V]):
         return value
 
     def __delitem__(self, key: K) -> None:
-        del self._shards[hash(key) & self._mask][key]
+        del self.shards[hash(key) & self.mask][key]
         self._len -= 1
 
     def __len__(self) -> int:
         return self._len
 
     def __iter__(self) -> Iterator[K]:
-        return chain.from_iterable(self._shards)
+        return chain.from_iterable(self.shards)
+
+    def keys(self) -> Iterator[K]:
+        return iter(self)
 
     def values(self) -> Iterator[V]:
-        return chain.from_iterable(s.values() for s in self._shards)
+        return chain.from_iterable(s.values() for s in self.shards)
 
     def items(self) -> Iterator[tuple[K, V]]:
-        return chain.from_iterable(s.items() for s in self._shards)
+        return chain.from_iterable(s.items() for s in self.shards)
 
     def __repr__(self) -> str:
-        return f"ShardedDict(entries={self._len}, shards={len(self._shards)})"
+        return f"ShardedDict(entries={self._len}, shards={len(self.shards)})"
