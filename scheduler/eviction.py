@@ -77,6 +77,9 @@ class LRUPolicy(EvictionPolicy[T]):
 
     def access_many(self, items: Iterable[T]) -> None:
         order = self._order
+        if isinstance(order, LinkedOrder):
+            order.touch_many(items)
+            return
         to_end = order.move_to_end
         for item in items:
             if item in order:

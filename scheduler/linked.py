@@ -116,6 +116,24 @@ class LinkedOrder(Generic[T]):
         setattr(last, newer, item)
         setattr(end, older, item)
 
+    def touch_many(self, items: Iterable[T]) -> None:
+        """Make each held item the newest, in turn; skip the others (``move_to_end`` of
+        those held, in one loop: a lookup's hits)."""
+        end, owner, older, newer = self._end, self._owner, self._older, self._newer
+        for item in items:
+            if getattr(item, owner) is not self:
+                continue
+            last = getattr(end, older)
+            if last is item:
+                continue
+            before, after = getattr(item, older), getattr(item, newer)
+            setattr(before, newer, after)
+            setattr(after, older, before)
+            setattr(item, older, last)
+            setattr(item, newer, end)
+            setattr(last, newer, item)
+            setattr(end, older, item)
+
     def pop(self, item: T, default: Any = _NONE) -> Any:
         """Take ``item`` out: None if it was held, else ``default`` (KeyError if none)."""
         if getattr(item, self._owner) is self:

@@ -33,8 +33,8 @@ ITEMS = [Item(i) for i in range(10)]
 
 events = st.lists(
     st.tuples(
-        st.sampled_from(["insert", "insert_many", "access", "pin", "unpin", "remove", "pop",
-                         "switch"]),
+        st.sampled_from(["insert", "insert_many", "access", "access_many", "pin", "unpin",
+                         "remove", "pop", "switch"]),
         st.integers(0, len(ITEMS) - 1),
         st.integers(0, 2 ** len(ITEMS) - 1),
     ),
@@ -45,9 +45,9 @@ events = st.lists(
 def apply(policy: EvictionPolicy[Item], verb: str, item: Item, mask: int) -> object:
     if verb == "pop":
         return policy.pop_victim(lambda i: bool(mask >> i.name & 1))
-    if verb == "insert_many":  # a run, one item twice, some held already
+    if verb in ("insert_many", "access_many"):  # a run, one item twice, some not held
         run = [ITEMS[(item.name + step) % len(ITEMS)] for step in (0, 3, 0, 5)]
-        policy.insert_many(run)
+        getattr(policy, verb)(run)
         return None
     getattr(policy, verb)(item)
     return None
