@@ -34,7 +34,7 @@ from typing import Generic, TypeVar
 
 from kvstore.scheduler.density import HitDensityPolicy
 from kvstore.scheduler.dueling import Duel, Order
-from kvstore.scheduler.linked import LinkedOrder
+from kvstore.scheduler.linked import LinkedOrder, linked_order
 from kvstore.scheduler.policy import EvictionPolicy as EvictionPolicy  # re-exported
 
 T = TypeVar("T", bound=Hashable)
@@ -59,7 +59,7 @@ class LRUPolicy(EvictionPolicy[T]):
     def links(self, links: str | None) -> None:
         if self._order or self._pinned:
             raise ValueError("an order's links are chosen while it is empty")
-        self._order = OrderedDict() if links is None else LinkedOrder(links)
+        self._order = OrderedDict() if links is None else linked_order(links)
 
     def insert(self, item: T) -> None:
         self._order[item] = None

@@ -165,3 +165,73 @@ class LinkedOrder(Generic[T]):
 
     def __repr__(self) -> str:
         return f"LinkedOrder({self.links}, items={self._len})"
+
+
+# The hot loops again, naming the attributes in the code: ``item.dram_older = x`` is a
+# slot store, five times faster than ``setattr(item, "dram_older", x)`` (18 ns against 87
+# for a store and a load, ``python -m timeit``), and a lookup's hits and a commit's blocks
+# pass here one by one.  Compiled once per set of links, as ``dataclasses`` compiles its
+# methods; ``LinkedOrder``'s own are the reference (the tests hold the two to it).
+_HOT_LOOPS = '''
+def __contains__(self, item):
+    return item.{o} is self
+
+def __setitem__(self, item, value):
+    if item.{o} is not self:
+        end = self._end
+        last = end.{p}
+        item.{o} = self
+        item.{p} = last
+        item.{n} = end
+        last.{n} = item
+        end.{p} = item
+        self._len += 1
+
+def extend(self, items):
+    end = self._end
+    last = end.{p}
+    added = 0
+    for item in items:
+        if item.{o} is self:
+            continue
+        item.{o} = self
+        item.{p} = last
+        last.{n} = item
+        last = item
+        added += 1
+    last.{n} = end
+    end.{p} = last
+    self._len += added
+
+def touch_many(self, items):
+    end = self._end
+    last = end.{p}
+    for item in items:
+        if item.{o} is not self or item is last:
+            continue
+        before = item.{p}
+        after = item.{n}
+        before.{n} = after
+        after.{p} = before
+        item.{p} = last
+        item.{n} = end
+        last.{n} = item
+        last = item
+    end.{p} = last
+'''
+
+_SPECIALISED: dict[str, type[LinkedOrder[Any]]] = {}
+
+
+def linked_order(links: str) -> LinkedOrder[Any]:
+    """An empty ``LinkedOrder`` on ``links`` whose hot loops name its attributes."""
+    cls = _SPECIALISED.get(links)
+    if cls is None:
+        if not links.isidentifier():
+            raise ValueError(f"links must name attributes, got {links!r}")
+        methods: dict[str, Any] = {}
+        source = _HOT_LOOPS.format(o=f"{links}_order", p=f"{links}_older", n=f"{links}_newer")
+        exec(compile(source, f"<LinkedOrder {links}>", "exec"), {}, methods)
+        cls = _SPECIALISED[links] = type(f"LinkedOrder_{links}", (LinkedOrder,),
+                                         {"__slots__": (), **methods})
+    return cls(links)

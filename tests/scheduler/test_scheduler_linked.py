@@ -53,21 +53,31 @@ def apply(policy: EvictionPolicy[Item], verb: str, item: Item, mask: int) -> obj
     return None
 
 
+def linked_lru(specialised: bool) -> LRUPolicy[Item]:
+    """An LRU order on links "a": the compiled one the policies use, or the reference."""
+    policy: LRUPolicy[Item] = LRUPolicy()
+    policy.links = "a"
+    if not specialised:
+        policy._order = LinkedOrder("a")
+    assert (type(policy._order) is LinkedOrder) is not specialised
+    return policy
+
+
+@pytest.mark.parametrize("specialised", [True, False])
 @settings(max_examples=300, deadline=None)
-@given(events)
-def test_linked_lru_evicts_as_the_table_does(history: list[tuple[str, int, int]]) -> None:
+@given(history=events)
+def test_linked_lru_evicts_as_the_table_does(
+        specialised: bool, history: list[tuple[str, int, int]]) -> None:
     for item in ITEMS:
         item.a_order = item.b_order = None
     table: LRUPolicy[Item] = LRUPolicy()
-    linked: LRUPolicy[Item] = LRUPolicy()
-    linked.links = "a"
+    linked = linked_lru(specialised)
     other: LRUPolicy[Item] = LRUPolicy()  # the same items in a second order, links "b"
     other.links = "b"
     for verb, index, mask in history:
         item = ITEMS[index]
         if verb == "switch":  # a fresh order on the same links takes the items over
-            fresh: LRUPolicy[Item] = LRUPolicy()
-            fresh.links = "a"
+            fresh = linked_lru(specialised)
             for kept in linked.evictable():
                 fresh.insert(kept)
             for kept in linked._pinned:
