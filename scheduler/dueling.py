@@ -255,12 +255,12 @@ class Duel(Generic[T]):
         candidate in charge (a commit's blocks are one call, not one per block)."""
         tracked, in_sample, order = self._items, self._in_sample, self._order
         ghost_key, unsampled = self.ghost_key, self._unsampled
-        shards, mask = tracked.shards, tracked.mask  # set inline, counted by ``grown``
+        shards, modulus = tracked.shards, tracked.modulus  # set inline, counted by ``grown``
         added, tick = 0, self._tick
         run: list[T] = []
         for item in items:
             key = hash(item)
-            shard = shards[hash(key) & mask]
+            shard = shards[hash(key) % modulus]
             if key in shard:
                 continue
             tick += 1
@@ -273,7 +273,7 @@ class Duel(Generic[T]):
                 run = []
                 tracked.grown(added)
                 added, self._tick = 0, tick
-                shards, mask = tracked.shards, tracked.mask
+                shards, modulus = tracked.shards, tracked.modulus
                 if len(tracked) > self._size:
                     self._size = len(tracked)
                 in_sample[key] = name
@@ -300,15 +300,15 @@ class Duel(Generic[T]):
         order = self._order
         # the maps' shards read inline (a lookup's every hit passes here); nothing below
         # adds to or takes from them
-        tracked, tracked_mask = self._items.shards, self._items.mask
-        in_sample, sample_mask = self._in_sample.shards, self._in_sample.mask
+        tracked, tracked_modulus = self._items.shards, self._items.modulus
+        in_sample, sample_modulus = self._in_sample.shards, self._in_sample.modulus
         run: list[T] = []
         for item in items:
             key = hash(item)
             spread = hash(key)
-            if key in tracked[spread & tracked_mask]:
+            if key in tracked[spread % tracked_modulus]:
                 run.append(item)
-                name = in_sample[spread & sample_mask].get(key)
+                name = in_sample[spread % sample_modulus].get(key)
                 if name is not None:
                     order.access_many(run)
                     run = []
