@@ -113,6 +113,10 @@ class LRUPolicy(EvictionPolicy[T]):
         while iterating)."""
         return iter(self._order)
 
+    def release(self) -> None:
+        if isinstance(self._order, LinkedOrder):
+            self._order.clear()
+
     def __len__(self) -> int:
         return len(self._order)
 
@@ -685,6 +689,9 @@ class WarmPins(EvictionPolicy[T]):
     def __len__(self) -> int:
         return len(self.inner) + self._warm_evictable
 
+    def release(self) -> None:
+        self.inner.release()
+
     def __repr__(self) -> str:
         return f"WarmPins({self.inner!r}, warm={len(self._warm)}, hard={len(self._hard)})"
 
@@ -723,6 +730,16 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
         if self._links is not None and isinstance(order, LRUPolicy):
             order.links = self._links
         return order
+
+    def _take_over(self, best: int) -> None:
+        old = self._order
+        super()._take_over(best)
+        if old is not self._order and isinstance(old, LRUPolicy):
+            old.release()  # its items now ordered elsewhere: their links unset
+
+    def release(self) -> None:
+        if isinstance(self._order, LRUPolicy):
+            self._order.release()
 
 
 _MISSING = object()

@@ -148,6 +148,21 @@ class LinkedOrder(Generic[T]):
             raise KeyError(item)
         self._unlink(item)
 
+    def clear(self) -> None:
+        """Take every item out (their links unset: an order dropped with items still
+        linked would leave them pointing at each other, gone ones kept alive)."""
+        end, owner, older, newer = self._end, self._owner, self._older, self._newer
+        item = getattr(end, newer)
+        while item is not end:
+            following = getattr(item, newer)
+            setattr(item, owner, None)
+            setattr(item, older, None)
+            setattr(item, newer, None)
+            item = following
+        setattr(end, older, end)
+        setattr(end, newer, end)
+        self._len = 0
+
     def __iter__(self) -> Iterator[T]:
         """Oldest first.  The item just yielded may be taken out before the next."""
         end, newer = self._end, self._newer

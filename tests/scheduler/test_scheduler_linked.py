@@ -11,7 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.scheduler.eviction import AutoPolicy, EvictionPolicy, LRUPolicy, make_policy
+from kvstore.scheduler.eviction import (
+    AutoPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    WarmPins,
+    make_policy,
+)
 from kvstore.scheduler.linked import LinkedOrder
 
 
@@ -141,3 +147,23 @@ def test_auto_keeps_its_lru_order_in_the_links_and_its_miniatures_in_tables() ->
         policy.insert(item)
     assert ITEMS[0].a_order is policy._order._order
     assert policy.pop_victim(lambda i: True) is ITEMS[0]
+
+
+def test_an_order_handed_over_or_replaced_lets_go_of_the_items_links() -> None:
+    for item in ITEMS:
+        item.a_order = item.a_older = item.a_newer = None
+    policy = make_policy("auto", links="a")
+    assert isinstance(policy, AutoPolicy)
+    for item in ITEMS:
+        policy.insert(item)
+    policy.pin(ITEMS[3])
+    policy._take_over(1)  # to SLRU: the items leave the LRU order's links
+    assert policy.leader == "slru"
+    assert all(i.a_order is None and i.a_older is None and i.a_newer is None
+               for i in ITEMS)
+    policy._take_over(0)  # back to LRU: a fresh order links them again
+    assert policy.leader == "lru" and ITEMS[0].a_order is policy._order._order
+    assert list(policy.evictable()) == [i for i in ITEMS if i is not ITEMS[3]]
+    warm = WarmPins(policy, clock=lambda: 0.0)
+    warm.release()  # a policy switch drops the whole order
+    assert all(i.a_order is None for i in ITEMS)
