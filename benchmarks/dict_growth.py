@@ -4,7 +4,9 @@ A dict (and an OrderedDict) rebuilds its whole table when it passes two thirds f
 one insert, on the event loop.  This times the inserts around that point for the
 containers the index keeps one entry per block in: the key map as a plain dict and as
 ``kvstore.block_map.BlockMap``, and the eviction order's containers (an OrderedDict of
-entries, a dict keyed by int hashes).  Each kind is built in a fresh process, in turn,
+entries, a dict keyed by int hashes) beside what replaced them (the order in the
+entries' own links, ``kvstore.scheduler.linked.LinkedOrder``; the int-keyed dict split
+as it grows, ``kvstore.scheduler.sharded.ShardedDict``).  Each kind is built in a fresh process, in turn,
 ``--repeats`` times; medians are printed side by side.
 
     python benchmarks/dict_growth.py --entries 5.6M --repeats 3
@@ -22,11 +24,14 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-KINDS = ("dict", "blockmap", "ordereddict", "intdict")
+KINDS = ("dict", "blockmap", "ordereddict", "linkedorder", "intdict", "shardeddict")
 
 
 class Entry:
-    __slots__ = ("key",)
+    __slots__ = ("key", "o_order", "o_older", "o_newer")
+
+    def __init__(self) -> None:
+        self.o_order = self.o_older = self.o_newer = None
 
 
 def growth_point(entries: int) -> int:
@@ -39,16 +44,18 @@ def growth_point(entries: int) -> int:
 
 def longest_insert(kind: str, n: int) -> float:
     from kvstore.block_map import BlockMap
+    from kvstore.scheduler.linked import LinkedOrder
+    from kvstore.scheduler.sharded import ShardedDict
 
     gc.disable()
     keys = [os.urandom(16) for _ in range(n + 64)]
     made: list[Any]
-    if kind == "ordereddict":
+    if kind in ("ordereddict", "linkedorder"):
         made = [Entry() for _ in keys]
-        container: Any = OrderedDict()
-    elif kind == "intdict":
+        container: Any = OrderedDict() if kind == "ordereddict" else LinkedOrder("o")
+    elif kind in ("intdict", "shardeddict"):
         made = [hash(k) for k in keys]
-        container = {}
+        container = {} if kind == "intdict" else ShardedDict()
     else:
         made = keys
         container = BlockMap() if kind == "blockmap" else {}

@@ -18,6 +18,21 @@ clients send them, settling the heap once a second as the daemon does, and print
 
 Every part runs in a fresh process, so that its memory is its own.
 
+Where the bytes go, and what 150 B a block would take.  At 10M blocks (auto, one
+namespace) the index costs 472 B a block by RSS: the entry (``Block``, 23 slots, 184 B),
+its key (a 16-byte ``bytes``, 49 B), its DRAM offset (an int object, 32 B), the key map
+(34 B), the duel's map of tracked items (33 B, and an int object per key, 32 B), the
+duel's miniatures (an eighth of the keys in three orders with parent and child maps,
+about 65 B a block), the rest allocator slack.  The LRU order itself now costs nothing
+apart (its links are 24 B of the entry's slots per tier).  Objects cannot get to 150 B:
+the entry and its key alone are 233 B.  A struct-of-arrays index could: blocks as int
+ids into numpy columns (key 16 B, parent id 4, DRAM slot 4, SSD slot 4, refs 4, seen
+and flags 2, checksum 8, LRU links 2 x 4 per tier = 16), an open-addressing table of
+ids keyed by the first 8 bytes of the key at half load (8 B), the duel's tracked set
+a bit per id and its sample kept as it is (an eighth of the keys, about 10 B a block in
+arrays): about 75 B a block, grown by doubling columns in slices between loop turns.
+The cost is that every part of the store that holds a ``Block`` would hold an id.
+
     python benchmarks/index_scale.py --blocks 1M
     python benchmarks/index_scale.py --blocks 10M --restart-blocks 10M
 """
@@ -61,20 +76,22 @@ def identity(block_bytes_layers: int = 1) -> Any:
 
 
 def breakdown(store: Any, ns: Any, n: int) -> dict[str, float]:
-    """Bytes per block of the big structures (containers with at least n/4 entries
+    """Bytes per block of the big structures (containers with at least n/16 entries
     reachable from the store in a few steps, and one block entry with its key)."""
+    from kvstore.blocks import Block
+
     out: dict[str, float] = {}
     seen: set[int] = set()
 
     def walk(name: str, obj: Any, depth: int) -> None:
-        if id(obj) in seen or depth > 10:
+        if id(obj) in seen or depth > 10 or isinstance(obj, Block):
             return
         seen.add(id(obj))
         shards = getattr(obj, "shards", None)  # a map split into sub-dicts
-        if isinstance(shards, list) and sum(map(len, shards)) >= n // 4:
+        if isinstance(shards, list) and sum(map(len, shards)) >= n // 16:
             out[name] = sum(map(sys.getsizeof, shards)) / n
             return
-        if isinstance(obj, (dict, set, list)) and len(obj) >= n // 4:
+        if isinstance(obj, (dict, set, list)) and len(obj) >= n // 16:
             out[name] = out.get(name, 0.0) + sys.getsizeof(obj) / n
             return
         if isinstance(obj, dict):

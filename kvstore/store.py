@@ -314,6 +314,7 @@ class BlockStore(StoreCore):
                           for b in ns.blocks.values()
                           if b.offset is not None and b.refs > 0 and not b.demoting
                           and b not in listed]
+                old.release()  # before the new order may link the same blocks
                 new = dram.new_policy()
                 for b in on_order + pinned:
                     new.insert(b)

@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
+from kvstore.scheduler.sharded import ShardedDict
+
 T = TypeVar("T", bound=Hashable)
 
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the sample
@@ -43,6 +45,7 @@ class Order(Protocol[T]):
     name: str
 
     def insert(self, item: T) -> None: ...
+    def insert_many(self, items: Iterable[T]) -> None: ...
     def access(self, item: T) -> None: ...
     def access_many(self, items: Iterable[T]) -> None: ...
     def pin(self, item: T) -> None: ...
@@ -70,8 +73,10 @@ class _Miniature(Generic[T]):
 
     def __init__(self, order: Order[T]) -> None:
         self.order = order
-        self.parent: dict[T, T | None] = {}  # every key held -> its parent, if held then
-        self.children: dict[T, int] = {}  # every key held -> its children held
+        # every key held -> its parent, if held then; -> its children held (both split
+        # as they grow: a miniature holds an eighth of a cache of millions)
+        self.parent: ShardedDict[T, T | None] = ShardedDict()
+        self.children: ShardedDict[T, int] = ShardedDict()
         self.hits = 0  # in the current epoch
         self.score = 0.0  # hits of past epochs, each weighing ``keep`` times the next
 
@@ -140,12 +145,14 @@ class Duel(Generic[T]):
         self.margin = margin
         self.keep = keep
         self._leader = 0
-        self._items: dict[int, T] = {}  # every tracked item by its hash, pinned ones too
+        # every tracked item by its hash, pinned ones too (split as it grows: no stall)
+        self._items: ShardedDict[int, T] = ShardedDict()
         # the tracked items in the sample: an item's hash -> its name's (``ghost_key``)
-        self._in_sample: dict[int, int] = {}
+        self._in_sample: ShardedDict[int, int] = ShardedDict()
         self._size = 0  # the most items tracked at once: the cache size, once full
         self._tick = 0  # inserts and evictions so far
-        self._last: dict[int, int] = {}  # sampled key -> the tick of its last reference
+        # sampled key -> the tick of its last reference
+        self._last: ShardedDict[int, int] = ShardedDict()
         self._sampled = 0  # sampled references in the current epoch
         self.switches = 0
         # The store's blocks know their parent; other items (the replay's ids) have it
@@ -192,7 +199,11 @@ class Duel(Generic[T]):
     def _forget(self) -> None:
         # Keys no miniature holds need no dedup stamp once their tick has passed.
         held = set().union(*(m.children.keys() for m in self._minis))
-        self._last = {k: t for k, t in self._last.items() if k in held or t == self._tick}
+        last: ShardedDict[int, int] = ShardedDict()
+        for k, t in self._last.items():
+            if k in held or t == self._tick:
+                last[k] = t
+        self._last = last
 
     def _elect(self) -> None:
         self._sampled = 0
@@ -239,6 +250,42 @@ class Duel(Generic[T]):
             self._in_sample[key] = name  # decided once: a lookup is cheaper than the sum per hit
             self._sample(name, item)
 
+    def insert_many(self, items: Iterable[T]) -> None:
+        """``insert`` each, in order, as one call per run of unsampled items to the
+        candidate in charge (a commit's blocks are one call, not one per block)."""
+        tracked, in_sample, order = self._items, self._in_sample, self._order
+        ghost_key, unsampled = self.ghost_key, self._unsampled
+        shards, modulus = tracked.shards, tracked.modulus  # set inline, counted by ``grown``
+        added, tick = 0, self._tick
+        run: list[T] = []
+        for item in items:
+            key = hash(item)
+            shard = shards[hash(key) % modulus]
+            if key in shard:
+                continue
+            tick += 1
+            shard[key] = item
+            added += 1
+            run.append(item)
+            name = hash(ghost_key(item))
+            if not ((name * _GOLDEN) & _MASK64) >> unsampled:
+                order.insert_many(run)
+                run = []
+                tracked.grown(added)
+                added, self._tick = 0, tick
+                shards, modulus = tracked.shards, tracked.modulus
+                if len(tracked) > self._size:
+                    self._size = len(tracked)
+                in_sample[key] = name
+                self._sample(name, item)
+                order = self._order  # an election may have handed the order over
+        if run:
+            order.insert_many(run)
+        tracked.grown(added)
+        self._tick = tick
+        if len(tracked) > self._size:
+            self._size = len(tracked)
+
     def access(self, item: T) -> None:
         key = hash(item)
         if key in self._items:
@@ -250,13 +297,18 @@ class Duel(Generic[T]):
     def access_many(self, items: Iterable[T]) -> None:
         """``access`` each, in order, as one call per run of unsampled items to the
         candidate in charge (a lookup's hits are one call, not one per block)."""
-        tracked, in_sample, order = self._items, self._in_sample, self._order
+        order = self._order
+        # the maps' shards read inline (a lookup's every hit passes here); nothing below
+        # adds to or takes from them
+        tracked, tracked_modulus = self._items.shards, self._items.modulus
+        in_sample, sample_modulus = self._in_sample.shards, self._in_sample.modulus
         run: list[T] = []
         for item in items:
             key = hash(item)
-            if key in tracked:
+            spread = hash(key)
+            if key in tracked[spread % tracked_modulus]:
                 run.append(item)
-                name = in_sample.get(key)
+                name = in_sample[spread % sample_modulus].get(key)
                 if name is not None:
                     order.access_many(run)
                     run = []

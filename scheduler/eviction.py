@@ -33,7 +33,8 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 from kvstore.scheduler.density import HitDensityPolicy
-from kvstore.scheduler.dueling import Duel
+from kvstore.scheduler.dueling import Duel, Order
+from kvstore.scheduler.linked import LinkedOrder, linked_order
 from kvstore.scheduler.policy import EvictionPolicy as EvictionPolicy  # re-exported
 
 T = TypeVar("T", bound=Hashable)
@@ -45,11 +46,30 @@ class LRUPolicy(EvictionPolicy[T]):
     name = "lru"
 
     def __init__(self) -> None:
-        self._order: OrderedDict[T, None] = OrderedDict()  # coldest first
+        # coldest first: in a table, or in the items' own links (``links``)
+        self._order: OrderedDict[T, None] | LinkedOrder[T] = OrderedDict()
         self._pinned: set[T] = set()
+
+    @property
+    def links(self) -> str | None:
+        """The attributes the order lives in (``LinkedOrder``), None for a table."""
+        return self._order.links if isinstance(self._order, LinkedOrder) else None
+
+    @links.setter
+    def links(self, links: str | None) -> None:
+        if self._order or self._pinned:
+            raise ValueError("an order's links are chosen while it is empty")
+        self._order = OrderedDict() if links is None else linked_order(links)
 
     def insert(self, item: T) -> None:
         self._order[item] = None
+
+    def insert_many(self, items: Iterable[T]) -> None:
+        order = self._order
+        if isinstance(order, LinkedOrder):
+            order.extend(items)
+        else:
+            order.update(dict.fromkeys(items))  # new ones at the end, as one by one
 
     def access(self, item: T) -> None:
         if item in self._order:
@@ -57,6 +77,9 @@ class LRUPolicy(EvictionPolicy[T]):
 
     def access_many(self, items: Iterable[T]) -> None:
         order = self._order
+        if isinstance(order, LinkedOrder):
+            order.touch_many(items)
+            return
         to_end = order.move_to_end
         for item in items:
             if item in order:
@@ -89,6 +112,10 @@ class LRUPolicy(EvictionPolicy[T]):
         """The evictable items, the next victim first (live: do not change the policy
         while iterating)."""
         return iter(self._order)
+
+    def release(self) -> None:
+        if isinstance(self._order, LinkedOrder):
+            self._order.clear()
 
     def __len__(self) -> int:
         return len(self._order)
@@ -662,6 +689,9 @@ class WarmPins(EvictionPolicy[T]):
     def __len__(self) -> int:
         return len(self.inner) + self._warm_evictable
 
+    def release(self) -> None:
+        self.inner.release()
+
     def __repr__(self) -> str:
         return f"WarmPins({self.inner!r}, warm={len(self._warm)}, hard={len(self._hard)})"
 
@@ -681,6 +711,36 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
         super().__init__([LRUPolicy, SLRUPolicy, ARCPolicy],
                          sample_shift=sample_shift, epoch=epoch, keep=keep)
 
+    _links: str | None = None
+
+    @property
+    def links(self) -> str | None:
+        """The attributes an LRU order in charge lives in (``LRUPolicy.links``); the
+        miniatures' orders hold ints, in tables."""
+        return self._links
+
+    @links.setter
+    def links(self, links: str | None) -> None:
+        self._links = links
+        if isinstance(self._order, LRUPolicy):
+            self._order.links = links
+
+    def _keyed(self, order: Order[T]) -> Order[T]:
+        order = super()._keyed(order)
+        if self._links is not None and isinstance(order, LRUPolicy):
+            order.links = self._links
+        return order
+
+    def _take_over(self, best: int) -> None:
+        old = self._order
+        super()._take_over(best)
+        if old is not self._order and isinstance(old, LRUPolicy):
+            old.release()  # its items now ordered elsewhere: their links unset
+
+    def release(self) -> None:
+        if isinstance(self._order, LRUPolicy):
+            self._order.release()
+
 
 _MISSING = object()
 
@@ -699,9 +759,10 @@ DEFAULT_POLICY = "auto"
 
 
 def make_policy(name: str, ghost_key: Callable[[Hashable], Hashable] | None = None,
-                ) -> EvictionPolicy[Hashable]:
+                links: str | None = None) -> EvictionPolicy[Hashable]:
     """A fresh policy by its configured name (its ghosts named by ``ghost_key``, if
-    given; see ``EvictionPolicy``)."""
+    given; see ``EvictionPolicy``; an LRU order kept in the items' ``<links>_*``
+    attributes if given and the policy can, see ``LinkedOrder``)."""
     try:
         policy = POLICIES[name]()
     except KeyError:
@@ -710,4 +771,6 @@ def make_policy(name: str, ghost_key: Callable[[Hashable], Hashable] | None = No
         ) from None
     if ghost_key is not None:
         policy.ghost_key = ghost_key
+    if links is not None and isinstance(policy, (LRUPolicy, AutoPolicy)):
+        policy.links = links
     return policy

@@ -69,3 +69,7 @@ class EvictionPolicy(ABC, Generic[T]):
     @abstractmethod
     def __len__(self) -> int:
         """How many evictable items it holds."""
+
+    def release(self) -> None:
+        """The policy is being replaced: let go of anything it keeps in the items
+        themselves (an order in their links), so that no item keeps another alive."""

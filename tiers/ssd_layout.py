@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 import msgspec
+import numpy as np
 
 FORMAT_VERSION = 1
 ID_BYTES = 16
@@ -119,6 +120,9 @@ class SlabLayout:
 
 def overlapping_groups(records: Iterable[BlockRecord]) -> list[list[BlockRecord]]:
     """Groups of two or more records whose slots overlap (transitively)."""
+    records = records if isinstance(records, list) else list(records)
+    if not _any_overlap(records):  # the common case, in arrays: a fifth of the walk's time
+        return []
     groups: list[list[BlockRecord]] = []
     current: list[BlockRecord] = []
     current_end = -1
@@ -140,6 +144,24 @@ def overlapping_groups(records: Iterable[BlockRecord]) -> list[list[BlockRecord]
 
 
 _offset = attrgetter("offset")
+_key = attrgetter("key")
+_length = attrgetter("length")
+_size_class = attrgetter("size_class")
+
+
+def _any_overlap(records: list[BlockRecord]) -> bool:
+    """Whether any two records' slots overlap (sorted by offset, each starts before the
+    furthest end of those before it)."""
+    n = len(records)
+    if n < 2:
+        return False
+    offsets = np.fromiter(map(_offset, records), dtype=np.int64, count=n)
+    spans = np.maximum(np.fromiter(map(_length, records), dtype=np.int64, count=n),
+                       np.fromiter(map(_size_class, records), dtype=np.int64, count=n))
+    order = np.argsort(offsets, kind="stable")
+    starts = offsets[order]
+    furthest = np.maximum.accumulate(starts + spans[order])
+    return bool(np.any(starts[1:] < furthest[:-1]))
 
 
 def settle_overlap(
@@ -174,23 +196,25 @@ def prefix_closed(records: Iterable[BlockRecord]) -> tuple[list[BlockRecord], li
         keyed[record.key] = record
     closed: list[BlockRecord] = []
     rooted: dict[bytes, dict[bytes, bool]] = {}
+    extend = closed.extend
     for ns, keyed in by_ns.items():
         state = rooted[ns] = {}  # key -> whether its chain reaches a root
-        for record in keyed.values():
-            if record.key in state:
+        known_of, above_of = state.get, keyed.get  # bound once: this runs per record
+        for key, record in keyed.items():
+            if key in state:
                 continue
             path = [record]
-            state[record.key] = False  # until decided: a walk that comes back is a cycle
+            state[key] = False  # until decided: a walk that comes back is a cycle
             parent = record.parent
             while True:
                 if parent is None:
                     good = True
                     break
-                known = state.get(parent)
+                known = known_of(parent)
                 if known is not None:
                     good = known
                     break
-                above = keyed.get(parent)
+                above = above_of(parent)
                 if above is None:
                     good = False
                     break
@@ -198,10 +222,9 @@ def prefix_closed(records: Iterable[BlockRecord]) -> tuple[list[BlockRecord], li
                 state[parent] = False
                 parent = above.parent
             if good:
-                for r in path:
-                    state[r.key] = True
+                state.update(dict.fromkeys(map(_key, path), True))
                 path.reverse()
-                closed.extend(path)  # parents before children
+                extend(path)  # parents before children
     if len(closed) == len(everything):  # every record reached: none is an orphan
         return closed, []
     orphans = [r for r in everything if not rooted[r.namespace][r.key]]

@@ -212,3 +212,25 @@ def test_restoring_in_bulk_keeps_what_one_by_one_would_and_frees_the_rest() -> N
     assert sorted(bulk.ssd.pool.free_offsets(ns.ssd_cls)) == sorted(  # type: ignore[union-attr]
         one.ssd.pool.free_offsets(ns1.ssd_cls))  # type: ignore[union-attr]
     bulk.check_invariants()
+
+
+def test_a_blocks_rare_fields_live_in_a_side_record_only_while_set(store: BlockStore) -> None:
+    ns = store.open_namespace(make_identity())
+    block = Block(b"k" * 16, ns, None)
+    assert (block.ssd_holds, block.demoting, block.promoting) == (0, False, False)
+    assert block.gpu_offset is None and block.extra is None and block.rare is None
+    block.demoting = False  # a default set on a block without the record adds none
+    assert block.rare is None
+    block.ssd_holds += 1
+    block.gpu_offset = 0
+    block.extra = {"archive": 3}
+    block.promoting = True
+    assert (block.ssd_holds, block.gpu_offset, block.extra, block.promoting) == (
+        1, 0, {"archive": 3}, True)
+    assert block.present and block.tier == "archive"
+    block.ssd_holds -= 1
+    block.gpu_offset = None
+    block.extra = None
+    assert block.rare is not None  # still promoting
+    block.promoting = False
+    assert block.rare is None and not block.present

@@ -37,7 +37,7 @@ def test_settle_frees_young_cycles_and_freezes_survivors(thawed: None) -> None:
     assert kept.other is not None and kept.other.other is kept
 
 
-def test_paused_keeps_the_collector_off_then_settles(thawed: None) -> None:
+def test_paused_keeps_the_collector_off_then_freezes_what_it_made(thawed: None) -> None:
     from kvstore.heap import paused
 
     assert gc.isenabled()

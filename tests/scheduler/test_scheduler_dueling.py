@@ -123,8 +123,9 @@ def _phases(seed: int, requests: int) -> list[list[int]]:
 
 
 def test_batched_hits_match_one_call_per_item() -> None:
-    """``access_many`` (one call per lookup's hits, in runs to the candidate in charge)
-    leaves the duel as ``access`` item by item would, hand-overs mid-batch included."""
+    """``access_many`` and ``insert_many`` (one call per lookup's hits, per commit's
+    blocks, in runs to the candidate in charge) leave the duel as ``access`` and
+    ``insert`` item by item would, hand-overs mid-batch included."""
     one, batched = AutoPolicy(sample_shift=1, epoch=16), AutoPolicy(sample_shift=1, epoch=16)
     cached: set[int] = set()
     victims: tuple[list[int | None], list[int | None]] = ([], [])
@@ -134,7 +135,8 @@ def test_batched_hits_match_one_call_per_item() -> None:
         for i in hits:
             one.access(i)
         batched.access_many(hits)
-        one.insert_many(misses)
+        for i in misses:
+            one.insert(i)
         batched.insert_many(misses)
         cached.update(misses)
         while len(cached) > 100:

@@ -1,0 +1,57 @@
+"""The split map the duel keeps its tracked items in: a dict's answers before and after
+it splits, and keys made from object addresses spread over every shard."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.scheduler import sharded
+from kvstore.scheduler.sharded import SHARDS, ShardedDict
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["set", "pop", "del", "get"]),
+                          st.integers(-50, 50), st.integers()), max_size=200))
+def test_it_answers_as_a_dict_across_its_split(ops: list[tuple[str, int, int]]) -> None:
+    split_at, sharded.SPLIT_AT = sharded.SPLIT_AT, 8  # split after a few keys
+    try:
+        check_against_a_dict(ops)
+    finally:
+        sharded.SPLIT_AT = split_at
+
+
+def check_against_a_dict(ops: list[tuple[str, int, int]]) -> None:
+    mine: ShardedDict[int, int] = ShardedDict()
+    model: dict[int, int] = {}
+    grew = False  # past the split size once: split for good
+    for verb, key, value in ops:
+        if verb == "set":
+            mine[key] = value
+            model[key] = value
+        elif verb == "pop":
+            assert mine.pop(key, None) == model.pop(key, None)
+        elif verb == "del" and key in model:
+            del mine[key]
+            del model[key]
+        assert (key in mine) == (key in model) and mine.get(key) == model.get(key)
+        assert len(mine) == len(model)
+        grew = grew or len(model) > 8
+    assert dict(mine.items()) == model and sorted(mine) == sorted(model)
+    assert (mine.modulus == SHARDS) == grew
+    with pytest.raises(KeyError):
+        mine.pop(1000)
+
+
+def test_keys_from_object_addresses_fill_every_shard() -> None:
+    class Entry:  # the size of a block entry, whose hash the duel keys by
+        __slots__ = tuple(f"s{i}" for i in range(21))
+
+    entries = [Entry() for _ in range(60_000)]
+    tracked: ShardedDict[int, Entry] = ShardedDict()
+    for entry in entries:
+        tracked[hash(entry)] = entry
+    sizes = [len(shard) for shard in tracked.shards]
+    assert len(sizes) == SHARDS and min(sizes) > 0
+    assert max(sizes) < 2 * len(entries) / SHARDS
