@@ -13,7 +13,14 @@ becomes the one that picks victims; the one in charge keeps it unless another be
 by ``margin`` and by half a percent of an epoch's references, and ties go to the first
 candidate, so with LRU first the duel falls back to LRU wherever nothing else pays.
 A hand-over passes the items to the new candidate in the order the old one lists
-them (its own history, ghosts included, starts then).
+them, then hits again those hit since they entered (so a segmented order starts with
+its protected segment, not as LRU), and the new candidate takes the settings its
+miniature adapted to, at the real cache's scale (``adopt_tuning``: a segment's target);
+its own ghost history starts then.  Started cold, a segmented order stayed behind for
+the rest of a replay: its protected segment grows only as items are hit again (SLRU,
+handed the order a quarter into the scan workload, ended 7% behind SLRU alone), and
+with its protected segment but not its target, ARC handed the chat trace's order at
+10% of its blocks ended below LRU.
 
 Every reference a prefix cache sees reaches its policy: a hit as ``access``, a miss as
 ``insert`` of the new block.  The store reports one hit twice (lookup, then acquire);
@@ -52,6 +59,7 @@ class Order(Protocol[T]):
     def unpin(self, item: T) -> None: ...
     def remove(self, item: T) -> None: ...
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None: ...
+    def adopt_tuning(self, learned: Any, scale: float) -> None: ...
     def evictable(self) -> Iterator[T]: ...
     def __len__(self) -> int: ...
 
@@ -147,6 +155,7 @@ class Duel(Generic[T]):
         self._leader = 0
         # every tracked item by its hash, pinned ones too (split as it grows: no stall)
         self._items: ShardedDict[int, T] = ShardedDict()
+        self._hit: set[int] = set()  # the tracked items hit since they entered, by hash
         # the tracked items in the sample: an item's hash -> its name's (``ghost_key``)
         self._in_sample: ShardedDict[int, int] = ShardedDict()
         self._size = 0  # the most items tracked at once: the cache size, once full
@@ -220,18 +229,26 @@ class Duel(Generic[T]):
 
     def _take_over(self, best: int) -> None:
         """The candidate ``best`` orders the items from now on: they pass to it in the
-        order the one in charge lists them, pinned ones pinned (O(items), once per
-        hand-over; keeping every candidate's order all along costs more per call than
-        the hand-overs save)."""
+        order the one in charge lists them, those hit since they entered hit again,
+        pinned ones pinned, and it takes the settings its miniature adapted to
+        (O(items), once per hand-over; keeping every candidate's order all along costs
+        more per call than the hand-overs save, and did no better in the replay)."""
         listed = list(self._order.evictable())
         on_order = {hash(item) for item in listed}
+        pinned = [item for key, item in self._items.items() if key not in on_order]
         order: Order[T] = self._keyed(self._factories[best]())
         for item in listed:
             order.insert(item)
-        for key, item in self._items.items():
-            if key not in on_order:
-                order.insert(item)
-                order.pin(item)
+        for item in pinned:
+            order.insert(item)
+        hit = self._hit
+        order.access_many([item for item in listed if hash(item) in hit])
+        order.access_many([item for item in pinned if hash(item) in hit])
+        for item in pinned:
+            order.pin(item)
+        # Its miniature is a cache of _size >> sample_shift items.
+        scale = self._size / max(1, self._size >> self.sample_shift)
+        order.adopt_tuning(self._minis[best].order, scale)
         self._order = order
         self._leader = best
         self.switches += 1
@@ -290,6 +307,7 @@ class Duel(Generic[T]):
         key = hash(item)
         if key in self._items:
             self._order.access(item)
+            self._hit.add(key)
             name = self._in_sample.get(key)
             if name is not None:
                 self._sample(name, item)
@@ -297,7 +315,7 @@ class Duel(Generic[T]):
     def access_many(self, items: Iterable[T]) -> None:
         """``access`` each, in order, as one call per run of unsampled items to the
         candidate in charge (a lookup's hits are one call, not one per block)."""
-        order = self._order
+        order, hit = self._order, self._hit
         # the maps' shards read inline (a lookup's every hit passes here); nothing below
         # adds to or takes from them
         tracked, tracked_modulus = self._items.shards, self._items.modulus
@@ -308,6 +326,7 @@ class Duel(Generic[T]):
             spread = hash(key)
             if key in tracked[spread % tracked_modulus]:
                 run.append(item)
+                hit.add(key)
                 name = in_sample[spread % sample_modulus].get(key)
                 if name is not None:
                     order.access_many(run)
@@ -327,6 +346,7 @@ class Duel(Generic[T]):
         key = hash(item)
         if self._items.pop(key, None) is not None:
             self._in_sample.pop(key, None)
+            self._hit.discard(key)
             self._order.remove(item)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
@@ -336,6 +356,7 @@ class Duel(Generic[T]):
             key = hash(victim)
             del self._items[key]
             self._in_sample.pop(key, None)
+            self._hit.discard(key)
         return victim
 
     def evictable(self) -> Iterator[T]:

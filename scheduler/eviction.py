@@ -392,6 +392,11 @@ class ARCPolicy(EvictionPolicy[T]):
                 return victim
         return None
 
+    def adopt_tuning(self, learned: EvictionPolicy[T], scale: float) -> None:
+        """``T1``'s target size as ``learned`` has it, at this cache's scale."""
+        if isinstance(learned, ARCPolicy):
+            self._target_t1 = min(learned._target_t1 * scale, float(max(1, self._size)))
+
     def _trim_ghosts(self) -> None:
         size = self._size
         while self._b1 and len(self._t1) + len(self._b1) > size:
@@ -527,6 +532,11 @@ class SLRUPolicy(EvictionPolicy[T]):
                 if limit is not None and passed + 1 >= limit:
                     break
         return None
+
+    def adopt_tuning(self, learned: EvictionPolicy[T], scale: float) -> None:
+        """The probation segment's target as ``learned`` has it, at this cache's scale."""
+        if isinstance(learned, SLRUPolicy):
+            self._target = min(learned._target * scale, float(self._size))
 
     def _evict(self, queue: OrderedDict[T, None], item: T) -> T:
         del queue[item]

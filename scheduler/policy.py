@@ -62,6 +62,11 @@ class EvictionPolicy(ABC, Generic[T]):
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         """Take the coldest evictable item for which ``allowed`` holds, or None."""
 
+    def adopt_tuning(self, learned: EvictionPolicy[T], scale: float) -> None:
+        """Take the settings ``learned``, another instance of this policy, adapted to
+        on a sample of this traffic, in a cache ``scale`` times smaller (an adaptive
+        order's segment target; none for an order that adapts nothing)."""
+
     @abstractmethod
     def evictable(self) -> Iterator[T]:
         """Every item the policy would give up, in no promised order (for checkers)."""

@@ -194,3 +194,50 @@ def test_after_a_hand_over_the_new_order_names_its_ghosts_by_key() -> None:
     assert isinstance(victim, _Block) and victim.key == bytes([0])
     duel.insert(_Block(bytes([0])))  # back from SLRU's ghost list: its protected segment
     assert "protected=1" in repr(duel._order), duel._order
+
+
+def test_a_hand_over_hits_again_what_was_hit_since_it_entered() -> None:
+    """A segmented order handed the items starts with its protected segment: an old
+    item that was hit outlives newer ones that were not (cold, it went as LRU has it)."""
+    duel = Duel([LRUPolicy, SLRUPolicy])
+    for item in range(8):
+        duel.insert(item)
+        if item == 5:
+            duel.access(0)
+    duel.access(6)
+    duel.remove(6)
+    duel.insert(6)  # a removal forgets the item's hits: 6 is new again
+    duel._take_over(1)
+    victims = [duel.pop_victim(lambda _: True) for _ in range(7)]
+    assert victims == [1, 2, 3, 4, 5, 7, 6], victims
+    assert list(duel.evictable()) == [0]
+
+
+def test_a_hand_over_takes_the_target_the_miniature_learned_at_scale() -> None:
+    duel = Duel([LRUPolicy, SLRUPolicy, ARCPolicy], sample_shift=2)
+    for item in range(40):  # the miniatures: caches of 40 >> 2 = 10 items
+        duel.insert(item)
+    slru, arc = duel._minis[1].order, duel._minis[2].order
+    slru._target = 2.0  # type: ignore[attr-defined]
+    arc._target_t1 = 1.5  # type: ignore[attr-defined]
+    duel._take_over(1)
+    assert "target=8.0" in repr(duel._order), duel._order
+    duel._take_over(2)
+    assert "target_t1=6.0" in repr(duel._order), duel._order
+
+
+@pytest.mark.parametrize("make", [SLRUPolicy, ARCPolicy])
+def test_an_adopted_target_changes_which_segment_gives_up_a_victim(
+        make: Callable[[], EvictionPolicy[Hashable]]) -> None:
+    learned, order = make(), make()
+    order.insert_many(range(10))
+    order.access_many([6, 7, 8, 9])  # the protected segment (T2), the rest on probation
+    order.adopt_tuning(learned, 4.0)  # nothing learned yet: target 0, probation first
+    assert order.pop_victim(lambda _: True) == 0
+    for name in ("_target", "_target_t1"):
+        if hasattr(learned, name):
+            setattr(learned, name, 2.0)
+    order.adopt_tuning(learned, 4.0)  # probation's target 8 > its 5 items: protected first
+    assert order.pop_victim(lambda _: True) == 6
+    order.adopt_tuning(LRUPolicy(), 4.0)  # another policy's settings are not its own
+    assert order.pop_victim(lambda _: True) == 7
