@@ -2,8 +2,10 @@
 one daemon call for a step's loads.
 
 - ``SaveSender``: a thread of its own, with a daemon link of its own, that stores the
-  blocks an engine step copied out of its pages (``EnginePages.stage``): one reserve and
-  one commit per job, no lookup (the caller knows what the store lacks).  ``submit``
+  blocks an engine step copied out of its pages (``EnginePages.stage``), or copies them
+  out itself, straight into the daemon's slots (``InPages``: pages in host memory that
+  the engine keeps unwritten until the job is done): one reserve and one commit per
+  job, no lookup (the caller knows what the store lacks).  ``submit``
   never waits for the daemon: a job that does not fit the bounded queue, or meets a
   daemon that is gone, is dropped and counted (a later cache miss).  Jobs carry a tag
   (the engine's request id); ``take_finished`` names the tags whose jobs are all done,
@@ -42,6 +44,7 @@ from kvstore.integrations.engine_side import (
     Loaded,
     Staged,
     acquire_prefix,
+    slot_rows,
     store_missing,
 )
 
@@ -167,8 +170,29 @@ def fill_rows(rows: torch.Tensor) -> Callable[[Sequence[memoryview], int], None]
     return fill
 
 
+class InPages(NamedTuple):
+    """Blocks still in an engine's pages (in host memory), ``page_ids[i]`` holding block
+    i: the sender copies them straight into the daemon's slots, so the engine must not
+    write those pages until the job is done (vLLM: the request's blocks stay held until
+    ``take_finished`` names it; a preempted request's are waited for, ``wait_for``)."""
+
+    pages: EnginePages
+    page_ids: list[int]
+
+
+def job_bytes(source: Staged | InPages) -> int:
+    if isinstance(source, InPages):
+        return len(source.page_ids) * source.pages.block_bytes
+    return source.rows.numel()
+
+
+def _fill_from_pages(source: InPages, slots: Sequence[memoryview], first: int) -> None:
+    source.pages.copy_into(source.page_ids[first:], slot_rows(slots))
+
+
 class SaveJob(NamedTuple):
-    """Blocks to store: ``keys[i]`` is ``staged.rows[i]``; ``parent`` the key before
+    """Blocks to store: ``keys[i]`` is block i of ``source`` (copied out of the engine's
+    pages, ``Staged``, or still in them, ``InPages``); ``parent`` the key before
     ``keys[0]`` (None: the chain's root); the namespace opened under ``ns_key`` from
     ``identity()``; ``tag`` the request they belong to."""
 
@@ -177,7 +201,7 @@ class SaveJob(NamedTuple):
     identity: Callable[[], Identity]
     keys: list[bytes]
     parent: bytes | None
-    staged: Staged
+    source: Staged | InPages
 
 
 class SaveSender:
@@ -202,7 +226,7 @@ class SaveSender:
 
     def submit(self, job: SaveJob) -> bool:
         """Queue a job (False: dropped, and its tag counts it done)."""
-        size = job.staged.rows.numel()
+        size = job_bytes(job.source)
         with self._lock:
             self._finished.discard(job.tag)
             self._pending[job.tag] += 1
@@ -230,6 +254,12 @@ class SaveSender:
         with self._idle:
             return self._idle.wait_for(lambda: not self._pending, timeout)
 
+    def wait_for(self, tags: set[str], timeout: float | None) -> bool:
+        """Wait until every job of ``tags`` is done (False: ``timeout`` seconds passed;
+        None: no limit)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not tags & self._pending.keys(), timeout)
+
     def close(self, timeout: float = 5.0) -> None:
         """Finish the queued jobs (for at most ``timeout`` seconds), then stop."""
         self.drain(timeout)
@@ -242,8 +272,7 @@ class SaveSender:
         if self._pending[tag] <= 0:
             del self._pending[tag]
             self._finished.add(tag)
-        if not self._pending:
-            self._idle.notify_all()
+            self._idle.notify_all()  # drain and wait_for
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -254,7 +283,7 @@ class SaveSender:
                 logger.exception("kvstore: a background save failed")
                 failed = True
             with self._lock:
-                self._pending_bytes -= job.staged.rows.numel()
+                self._pending_bytes -= job_bytes(job.source)
                 self.stats["saves"] += 1
                 self.stats["saved_blocks"] += created
                 self.stats["save_failures"] += failed
@@ -264,10 +293,15 @@ class SaveSender:
         ns = self._link.namespace(job.ns_key, job.identity)
         if ns is None:
             return 0, True
-        if job.staged.ready is not None:
-            job.staged.ready()
-        stored = store_missing(ns, job.keys, fill_rows(job.staged.rows), parent=job.parent,
-                               lookup=False)
+        source = job.source
+        fill: Callable[[Sequence[memoryview], int], None]
+        if isinstance(source, InPages):
+            fill = functools.partial(_fill_from_pages, source)
+        else:
+            if source.ready is not None:
+                source.ready()
+            fill = fill_rows(source.rows)
+        stored = store_missing(ns, job.keys, fill, parent=job.parent, lookup=False)
         if stored.error is not None:
             self._link.failed(f"save for {job.tag}", stored.error)
             return stored.created, True
@@ -300,11 +334,14 @@ class _Pinned:
 
 
 def _rows(held: Held) -> list[torch.Tensor]:
-    """The pinned blocks' bytes as uint8 tensors over the arena.  Writable views of the
-    slots, because torch cannot alias read-only memory; nothing writes to them."""
+    """The pinned blocks' bytes as uint8 tensors over the arena, all views of one tensor
+    over the whole arena (so that blocks side by side in it copy as one run).  Writable,
+    because torch cannot alias read-only memory; nothing writes to them."""
     ns = held.ns
-    views = ns.client._slots(held.offsets, ns.block_bytes, readonly=False, arena=ns.arena)
-    return [torch.frombuffer(v, dtype=torch.uint8) for v in views]
+    if not held.offsets:
+        return []
+    arena = torch.frombuffer(ns.client._arena_view(ns.arena), dtype=torch.uint8)
+    return [arena.narrow(0, offset, ns.block_bytes) for offset in held.offsets]
 
 
 def _raise(exc: KVStoreError) -> Held:
