@@ -352,14 +352,22 @@ def page_runs(rows: Sequence[torch.Tensor], page_ids: Sequence[int],
     i, n = 0, len(rows)
     while i < n:
         first = rows[i]
-        base = first.untyped_storage().data_ptr()
         j = i + 1
         while (j < n and page_ids[j] == page_ids[j - 1] + 1
                and rows[j].data_ptr() == rows[j - 1].data_ptr() + row_bytes
-               and rows[j].untyped_storage().data_ptr() == base):
+               and rows[j].untyped_storage().data_ptr()
+               == first.untyped_storage().data_ptr()):
             j += 1
         yield first.as_strided((j - i, row_bytes), (row_bytes, 1)), page_ids[i], j - i
         i = j
+
+
+def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for each ``(dst, src)``, in one call that runs without the GIL
+    (a thread copying a step's pages lets the engine's own Python run meanwhile)."""
+    if pairs:
+        with torch.no_grad():
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
 def slot_rows(slots: Sequence[memoryview]) -> list[torch.Tensor]:
@@ -471,6 +479,30 @@ class EnginePages:
             cuts.append(group)
         return cuts
 
+    def _pairs(self, rows: Sequence[torch.Tensor], page_ids: Sequence[int],
+               groups: Sequence[int] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(pages, rows' bytes)`` views of each run of rows (``page_runs``) and target
+        of the layer groups ``groups`` (None: all), for one batched copy either way."""
+        cuts = self._cuts()
+        flat = [c for group in cuts for c in group]
+        starts = [0]
+        for group in cuts:
+            starts.append(starts[-1] + len(group))
+        chosen = [i for g in (range(len(cuts)) if groups is None else groups)
+                  for i in range(starts[g], starts[g + 1])]
+        first = flat[0][0]
+        uniform = all(t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
+                      for t, _, _ in flat)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for run, page, k in page_runs(rows, page_ids, self.block_bytes):
+            if uniform:  # every target's share at once: [k, targets, *page] split
+                part = run if first.dtype == torch.uint8 else run.view(first.dtype)
+                parts = part.view(k, len(flat), *first.shape[1:]).unbind(1)
+            else:
+                parts = tuple(self._as_run(run[:, at:at + size], t) for t, at, size in flat)
+            pairs.extend((flat[c][0][page:page + k], parts[c]) for c in chosen)
+        return pairs
+
     @staticmethod
     def _as_run(rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """A byte range of ``k`` rows (``[k, bytes]``) seen as ``k`` pages of ``t``."""
@@ -506,11 +538,7 @@ class EnginePages:
         through ``slot_rows``), a run of pages at a time where the rows follow each
         other in memory."""
         assert self.device.type != "cuda", "a GPU cache is staged by stage()"
-        cuts = [c for group in self._cuts() for c in group]
-        with torch.no_grad():
-            for run, page, k in page_runs(rows, page_ids, self.block_bytes):
-                for t, at, size in cuts:
-                    self._as_run(run[:, at:at + size], t).copy_(t[page:page + k])
+        copy_pairs([(row, page) for page, row in self._pairs(rows, page_ids, None)])
 
     def scatter_rows(self, rows: Sequence[torch.Tensor], page_ids: Sequence[int],
                      groups: Sequence[int] | None = None) -> None:
@@ -524,10 +552,8 @@ class EnginePages:
         chosen = [c for g in (range(len(cuts)) if groups is None else groups)
                   for c in cuts[g]]
         with torch.no_grad():
-            if device.type != "cuda":  # per run of pages and layer, as in ``stage``
-                for run, page, k in page_runs(rows, page_ids, self.block_bytes):
-                    for t, at, size in chosen:
-                        t[page:page + k].copy_(self._as_run(run[:, at:at + size], t))
+            if device.type != "cuda":  # per run of pages and layer, as in ``copy_into``
+                copy_pairs(self._pairs(rows, page_ids, groups))
                 return
             index = torch.tensor(list(page_ids), dtype=torch.long, device=device)
             whole = torch.stack(list(rows)).to(device, non_blocking=True)
