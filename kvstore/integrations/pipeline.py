@@ -15,7 +15,9 @@ one daemon call for a step's loads.
   only when a block went missing in between), then the copies into the engine's pages,
   all layers at once (``copy_all``) or layer by layer (``start_layers`` / ``wait_layer``:
   on the CPU a thread copies the layers in order while the model computes the first
-  ones).  ``finish`` releases the pins once every copy is done.
+  ones); on the CPU ``start`` pins and copies on a thread from when the acquires go
+  out, so that the copies overlap whatever the engine does before its forward pass.
+  ``finish`` releases the pins once every copy is done.
 - ``LoadWorth``: which cached blocks are worth loading rather than recomputing;
   ``LoadRates`` keeps its per-tier rates to the daemon's measured ones.
 """
@@ -382,6 +384,8 @@ class StepLoads:
         self._layer_done: list[threading.Event] = []
         self._layer_error: BaseException | None = None
         self._sent: list[tuple[list[bytes], list[Callable[[], Held]]]] | None = None
+        self._pinned_early: threading.Event | None = None  # ``start``: pin() returned
+        self._outcome: dict[str, Loaded] = {}
         self.calls = 0   # acquires and lookups sent to the daemon
         self.waited_s = 0.0  # time ``pin`` waited for the daemon's replies
 
@@ -407,6 +411,49 @@ class StepLoads:
                     break
                 self.calls += 1
             self._sent.append((keys, waits))
+
+    def start(self) -> bool:
+        """Pin and copy every layer on a thread of its own, from now (False: the pages
+        are on a GPU, nothing started): ``pinned`` waits for the pins, ``wait_layer``
+        for a layer, ``finish`` for all.  The caller leaves the namespaces' clients
+        alone until ``pinned`` returned."""
+        if self._thread is not None or any(p.device.type == "cuda" for _, p, _ in self._todo):
+            return False
+        self.post()
+        count = max((len(p.layer_targets()) for _, p, _ in self._todo), default=0)
+        self._layer_done = [threading.Event() for _ in range(count)]
+        self._pinned_early = threading.Event()
+        self._thread = threading.Thread(target=self._pin_and_copy, name="kvstore-loads",
+                                        daemon=True)
+        self._thread.start()
+        return True
+
+    def _pin_and_copy(self) -> None:
+        assert self._pinned_early is not None, "started by start()"
+        try:
+            self._outcome = self.pin()
+        except BaseException as exc:  # handed to the waiter, who raises it
+            self._layer_error = exc
+            for done in self._layer_done:
+                done.set()
+            return
+        finally:
+            self._pinned_early.set()
+        self._copy_layers()
+
+    @property
+    def started(self) -> bool:
+        """Whether ``start`` pins and copies every layer on its thread."""
+        return self._pinned_early is not None
+
+    def pinned(self) -> dict[str, Loaded]:
+        """``pin``'s outcome: waited for where ``start`` pins on its thread."""
+        if self._pinned_early is None:
+            return self.pin()
+        self._pinned_early.wait()
+        if self._layer_error is not None:
+            raise self._layer_error
+        return self._outcome
 
     def pin(self) -> dict[str, Loaded]:
         """Pin every item's blocks (sending the acquires unless ``post`` did): per tag,
@@ -466,6 +513,8 @@ class StepLoads:
     def start_layers(self) -> None:
         """Start copying layer by layer (on a thread where the pages are on the CPU;
         queued in ``wait_layer`` on a GPU, ahead of the layer's attention)."""
+        if self._thread is not None:  # ``start``ed: copying already
+            return
         count = self.layers()
         self._layer_done = [threading.Event() for _ in range(count)]
         if any(p.pages.device.type == "cuda" for p in self._pinned):
@@ -507,14 +556,15 @@ class StepLoads:
         """Make sure every copy is done, then release the pins (those of acquires
         posted and never waited for too)."""
         try:
-            if self._sent:
-                self.pin()
             if self._thread is not None:
                 self._thread.join()
                 self._thread = None
-            else:
-                for layer in range(len(self._layer_done)):
-                    self.wait_layer(layer)
+                if self._layer_error is not None:  # no page may be read as loaded
+                    raise self._layer_error
+            elif self._sent:
+                self.pin()
+            for layer in range(len(self._layer_done)):  # a thread's are done by now
+                self.wait_layer(layer)
             if any(p.pages.device.type == "cuda" for p in self._pinned):
                 torch.cuda.current_stream().synchronize()
         finally:

@@ -24,7 +24,8 @@ blocks that become complete (to save).
 Worker side: ``handle_preemptions``, the step's first call, sends one acquire per
 namespace for every request's blocks of the step, without waiting; ``start_load_kv``
 waits for the pins (the round trip overlapped with vLLM preparing the step's inputs)
-and copies the blocks into vLLM's pages before the forward pass, or layer by
+and copies the blocks into vLLM's pages before the forward pass (in host memory, a
+thread started in ``handle_preemptions`` pins and copies them meanwhile), or layer by
 layer (``layerwise``: ``wait_for_layer_load`` waits for just its layer, a thread
 copying the rest meanwhile).  ``wait_for_save`` hands the completed blocks to a
 background sender (``async_saves``, the default): the step never waits for the daemon,
@@ -278,7 +279,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ``kv_connector_extra_config`` keys: ``endpoint``, ``tenant``, ``token``,
     ``timeout`` (seconds per request, default 5), ``model_name``, ``model_revision``,
     ``async_saves`` (default true), ``layerwise`` (default false), ``prefetch``
-    (default true), ``post_loads`` (default true: acquires sent in handle_preemptions), ``max_pending_save_mib`` (staged save bytes before saves are
+    (default true), ``post_loads`` (default true: acquires sent in handle_preemptions),
+    ``copy_ahead`` (default true: with ``post_loads``, pages in host memory are pinned
+    and copied on a thread from then on, while vLLM prepares the step's inputs),
+    ``max_pending_save_mib`` (staged save bytes before saves are
     dropped, default 1024), ``prefill_tokens_per_s`` and ``load_gbps`` (see
     ``LoadWorth``: blocks slower to load than to recompute are not offered; the daemon's
     measured rates replace ``load_gbps``, asked every ``rates_refresh_s`` seconds,
@@ -305,6 +309,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layerwise = bool(extra.get("layerwise", False))
         self._prefetch = bool(extra.get("prefetch", True))
         self._post_loads = bool(extra.get("post_loads", True))
+        self._copy_ahead = bool(extra.get("copy_ahead", True))
         self._max_pending = int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20))
         self._rates = LoadRates(
             LoadWorth.from_extra(extra, sum(g.identity.block_bytes for g in self._groups),
@@ -560,8 +565,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats["save_us"] += int((time.perf_counter() - started) * 1e6)
             started = time.perf_counter()
         if isinstance(meta, KVStoreConnectorMetadata) and meta.loads and self._post_loads:
+            self._finish_loads()  # a step that never reached wait_for_save: its client use
             self._posted_loads = (meta, self._plan_loads(meta.loads))
-            self._posted_loads[1].post()
+            if not (self._copy_ahead and self._posted_loads[1].start()):
+                self._posted_loads[1].post()
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
 
     def _plan_loads(self, transfers: list[Transfer]) -> StepLoads:
@@ -579,7 +586,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not meta.loads:
             return
         loads = posted[1] if posted is not None else self._plan_loads(meta.loads)
-        outcome = loads.pin()
+        outcome = loads.pinned()
         self.stats["load_calls"] += loads.calls
         self.stats["acquire_wait_us"] += int(loads.waited_s * 1e6)
         # vLLM recomputes the blocks not loaded (or fails their requests), never reads them
@@ -589,7 +596,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._step_loads = loads
         else:
             try:
-                loads.copy_all()
+                if not loads.started:
+                    loads.copy_all()
             finally:
                 loads.finish()
 

@@ -245,6 +245,39 @@ def test_a_steps_loads_are_one_acquire_whatever_the_requests(
                 source_page(2 + i % 3), source_page(3 + i % 3)]
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("kind", ["per_layer", "staged"])
+def test_loads_started_ahead_pin_and_copy_on_their_thread(
+        daemon: DaemonProcess, kind: str, layerwise: bool) -> None:
+    """``start`` pins and copies on a thread while the caller goes on; ``pinned`` gives
+    the outcome (a block evicted since the lookup included), and ``finish`` returns
+    with every page written and every pin released."""
+    requests, source_page = _stored_requests(daemon, kind, 4)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity(kind))
+        target, target_page = make_pages(kind, seed=50)
+        items = [LoadItem(f"r{i}", keys[2:], [2 * i, 2 * i + 1])
+                 for i, keys in enumerate(requests[:3])]
+        items.append(LoadItem("gone", [b"\x01" * 16], [7]))  # never stored
+        untouched = target_page(7)
+        loads = StepLoads()
+        loads.add(ns, target, items)
+        assert loads.start() and loads.started
+        assert not loads.start()  # once
+        assert loads.pinned() == {**{f"r{i}": Loaded(2) for i in range(3)},
+                                  "gone": Loaded(0)}
+        if layerwise:
+            loads.start_layers()  # already copying: nothing more
+            for layer in range(loads.layers()):
+                loads.wait_layer(layer)
+        loads.finish()
+        until(lambda: client.stats()["tiers"]["dram"]["pinned_blocks"] == 0)
+        for i in range(3):
+            assert [target_page(2 * i), target_page(2 * i + 1)] == [
+                source_page(2 + i % 3), source_page(3 + i % 3)]
+        assert target_page(7) == untouched
+
+
 def test_a_block_gone_since_the_lookup_fails_only_its_request(daemon: DaemonProcess) -> None:
     requests, source_page = _stored_requests(daemon, "per_layer", 3)
     with Client(daemon.endpoint, tenant="acme") as client:
