@@ -23,6 +23,9 @@ on) on the same workload, in a process of its own, one after the other:
 - ``kvstore-layerwise`` (not run unless named): ``kvstore`` loading layer by layer;
 - ``kvstore-unposted`` (not run unless named): ``kvstore`` with each step's acquires sent
   in ``start_load_kv`` and waited for at once, not sent ahead in ``handle_preemptions``;
+- ``kvstore-ahead`` (not run unless named): ``kvstore`` with each step's loads pinned
+  and copied on a thread from ``handle_preemptions`` (``copy_ahead``), not in
+  ``start_load_kv``;
 - ``vllm-offload``: + vLLM's own CPU offloading connector (``kv_offloading_size``);
 - ``lmcache``: + LMCache's vLLM connector (``LMCacheConnectorV1``).
 
@@ -193,7 +196,8 @@ def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"endpoint": endpoint, "tenant": "bench",
                                        "layerwise": a.layerwise or arm.endswith("layerwise"),
-                                       "post_loads": not arm.endswith("unposted")})
+                                       "post_loads": not arm.endswith("unposted"),
+                                       "copy_ahead": arm.endswith("ahead")})
     elif arm == "vllm-offload":
         kwargs["kv_offloading_size"] = a.store_mib / 1024
     elif arm == "lmcache":

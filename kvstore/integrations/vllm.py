@@ -24,9 +24,9 @@ blocks that become complete (to save).
 Worker side: ``handle_preemptions``, the step's first call, sends one acquire per
 namespace for every request's blocks of the step, without waiting; ``start_load_kv``
 waits for the pins (the round trip overlapped with vLLM preparing the step's inputs)
-and copies the blocks into vLLM's pages before the forward pass (in host memory, a
-thread started in ``handle_preemptions`` pins and copies them meanwhile), or layer by
-layer (``layerwise``: ``wait_for_layer_load`` waits for just its layer, a thread
+and copies the blocks into vLLM's pages before the forward pass (or, with
+``copy_ahead`` and pages in host memory, a thread started in ``handle_preemptions``
+pins and copies them meanwhile), or layer by layer (``layerwise``: ``wait_for_layer_load`` waits for just its layer, a thread
 copying the rest meanwhile).  ``wait_for_save`` hands the completed blocks to a
 background sender (``async_saves``, the default): the step never waits for the daemon,
 nor, for pages in host memory, for their copy (the sender copies them straight into the
@@ -280,8 +280,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ``timeout`` (seconds per request, default 5), ``model_name``, ``model_revision``,
     ``async_saves`` (default true), ``layerwise`` (default false), ``prefetch``
     (default true), ``post_loads`` (default true: acquires sent in handle_preemptions),
-    ``copy_ahead`` (default true: with ``post_loads``, pages in host memory are pinned
-    and copied on a thread from then on, while vLLM prepares the step's inputs),
+    ``copy_ahead`` (default false; with ``post_loads``, pages in host memory are pinned
+    and copied on a thread from then on, while vLLM prepares the step's inputs: for
+    hosts with a core to spare),
     ``max_pending_save_mib`` (staged save bytes before saves are
     dropped, default 1024), ``prefill_tokens_per_s`` and ``load_gbps`` (see
     ``LoadWorth``: blocks slower to load than to recompute are not offered; the daemon's
@@ -309,7 +310,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layerwise = bool(extra.get("layerwise", False))
         self._prefetch = bool(extra.get("prefetch", True))
         self._post_loads = bool(extra.get("post_loads", True))
-        self._copy_ahead = bool(extra.get("copy_ahead", True))
+        # Off by default: on a loaded 2-core host the thread found no core free and made
+        # the step's loads slower (benchmarks/engine_e2e.py, arm kvstore-ahead).
+        self._copy_ahead = bool(extra.get("copy_ahead", False))
         self._max_pending = int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20))
         self._rates = LoadRates(
             LoadWorth.from_extra(extra, sum(g.identity.block_bytes for g in self._groups),
