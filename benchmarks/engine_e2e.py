@@ -48,7 +48,9 @@ step that returns its first token.  Reported per arm and workload: TTFT p50/p90/
 throughput (prompt + generated tokens per second of the run), prompt tokens computed
 vs found cached (local + loaded), tokens loaded from kvstore and bytes moved (kvstore's
 arms), the connector's own time in the engine's steps per request (lookup, load,
-save hand-off), and ratios against ``alone`` and ``ideal``; ``--png`` draws the TTFT
+save hand-off; and, for the requests of rounds 2 and later of ``mrqa``'s one at a time,
+the median of each part up to the first token), and ratios against ``alone`` and
+``ideal``; ``--png`` draws the TTFT
 distributions (matplotlib; where the engine's environment lacks it, the TTFTs go to a
 JSON file that ``--draw`` turns into the PNG with a Python that has it).
 
@@ -516,7 +518,8 @@ def later_rounds(results: dict[str, dict[str, Any]], key: str, a: argparse.Names
             continue
         parts = {k: statistics.median(x.get("conn", {}).get(k, 0) for x in later) / 1000
                  for k in PER_REQUEST[:-1]}
-        print(f"{arm:13} n {len(later):3d}  p50 {statistics.median(x['ttft'] for x in later) * 1000:6.1f}"
+        p50 = statistics.median(x["ttft"] for x in later) * 1000
+        print(f"{arm:13} n {len(later):3d}  p50 {p50:6.1f}"
               f"  lookup {parts['s_lookup_us']:.2f}  load {parts['w_load_us']:.2f}"
               f" (pin wait {parts['w_acquire_wait_us']:.2f})  save {parts['w_save_us']:.2f}")
 

@@ -23,21 +23,21 @@ blocks that become complete (to save).
 
 Worker side: ``handle_preemptions``, the step's first call, sends one acquire per
 namespace for every request's blocks of the step, without waiting; ``start_load_kv``
-waits for the pins (the round trip overlapped with vLLM preparing the step's inputs)
-and copies the blocks into vLLM's pages before the forward pass (or, with
-``copy_ahead`` and pages in host memory, a thread started in ``handle_preemptions``
-pins and copies them meanwhile), or layer by layer (``layerwise``: ``wait_for_layer_load`` waits for just its layer, a thread
-copying the rest meanwhile).  ``wait_for_save`` hands the completed blocks to a
-background sender (``async_saves``, the default): the step never waits for the daemon,
-nor, for pages in host memory, for their copy (the sender copies them straight into the
-daemon's slots; on a GPU the copy out is queued on the stream in the step).  A request
-with saves in flight stays held (``request_finished`` returns True) until
-``get_finished`` reports them done; one preempted meanwhile has ``handle_preemptions``
-wait for them before vLLM may write its pages.  A block that cannot be loaded — evicted since the lookup, daemon
-gone — is reported by ``get_block_ids_with_load_errors``, so vLLM recomputes it
-(policy ``recompute``) or fails the request (``fail``) instead of serving wrong KV.
-Saves are best-effort: one that fails, or finds the sender's queue full, is a later
-cache miss.
+waits for the pins (the round trip overlapped with vLLM preparing the step's inputs) and
+copies the blocks into vLLM's pages before the forward pass (or, with ``copy_ahead`` and
+pages in host memory, a thread started in ``handle_preemptions`` pins and copies them
+meanwhile), or layer by layer (``layerwise``: ``wait_for_layer_load`` waits for just its
+layer, a thread copying the rest meanwhile).  ``wait_for_save`` hands the completed
+blocks to a background sender (``async_saves``, the default): the step never waits for
+the daemon, nor, for pages in host memory, for their copy (the sender copies them
+straight into the daemon's slots; on a GPU the copy out is queued on the stream in the
+step).  A request with saves in flight stays held (``request_finished`` returns True)
+until ``get_finished`` reports them done; one preempted meanwhile has
+``handle_preemptions`` wait for them before vLLM may write its pages.  A block that
+cannot be loaded — evicted since the lookup, daemon gone — is reported by
+``get_block_ids_with_load_errors``, so vLLM recomputes it (policy ``recompute``) or
+fails the request (``fail``) instead of serving wrong KV.  Saves are best-effort: one
+that fails, or finds the sender's queue full, is a later cache miss.
 
 Roles: ``kv_producer`` engines look up (to skip what the store holds) and save, never
 load; ``kv_consumer`` engines load, never save; ``kv_both`` do both.
@@ -273,6 +273,33 @@ def count_loads(transfers: Sequence[Transfer], outcome: dict[str, Loaded],
     return not_loaded
 
 
+def save_job(t: Transfer, group: Group, pages: EnginePages, tp_rank: int,
+             tp_size: int) -> SaveJob:
+    """The background sender's job for a save.  Pages in host memory are copied by the
+    sender, straight into the daemon's slots, while vLLM holds them (request_finished,
+    handle_preemptions); a GPU's copy is queued on the stream now, before any later
+    write to them."""
+    source = (pages.stage(t.block_ids) if pages.device.type == "cuda"
+              else InPages(pages, list(t.block_ids)))
+    identity = functools.partial(group.identity_for, t.variant, tp_rank, tp_size)
+    return SaveJob(t.req_id, (t.group, t.variant, tp_rank), identity, t.keys, t.parent,
+                   source)
+
+
+def save_now(ns: Namespace | None, t: Transfer, rows: torch.Tensor, stats: dict[str, int],
+             link: DaemonLink) -> None:
+    """Store a save's staged rows on the caller's thread (no background sender)."""
+    if ns is None:
+        stats["save_failures"] += 1
+        return
+    stored = store_missing(ns, t.keys, fill_rows(rows), parent=t.parent, lookup=False)
+    stats["saves"] += 1
+    stats["saved_blocks"] += stored.created
+    if stored.error is not None:
+        stats["save_failures"] += 1
+        link.failed(f"save for request {t.req_id}", stored.error)
+
+
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector backed by a kvstore daemon.
 
@@ -280,11 +307,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ``timeout`` (seconds per request, default 5), ``model_name``, ``model_revision``,
     ``async_saves`` (default true), ``layerwise`` (default false), ``prefetch``
     (default true), ``post_loads`` (default true: acquires sent in handle_preemptions),
-    ``copy_ahead`` (default false; with ``post_loads``, pages in host memory are pinned
-    and copied on a thread from then on, while vLLM prepares the step's inputs: for
-    hosts with a core to spare),
-    ``max_pending_save_mib`` (staged save bytes before saves are
-    dropped, default 1024), ``prefill_tokens_per_s`` and ``load_gbps`` (see
+    ``copy_ahead`` (default false; with ``post_loads``, host pages pinned and copied on
+    a thread from then on: for hosts with a core to spare), ``max_pending_save_mib``
+    (staged save bytes before saves are dropped, default 1024), ``prefill_tokens_per_s``
+    and ``load_gbps`` (see
     ``LoadWorth``: blocks slower to load than to recompute are not offered; the daemon's
     measured rates replace ``load_gbps``, asked every ``rates_refresh_s`` seconds,
     default 10, 0: never).
@@ -310,8 +336,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layerwise = bool(extra.get("layerwise", False))
         self._prefetch = bool(extra.get("prefetch", True))
         self._post_loads = bool(extra.get("post_loads", True))
-        # Off by default: on a loaded 2-core host the thread found no core free and made
-        # the step's loads slower (benchmarks/engine_e2e.py, arm kvstore-ahead).
+        # Off by default: on a loaded 2-core host it slowed loads (engine_e2e kvstore-ahead)
         self._copy_ahead = bool(extra.get("copy_ahead", False))
         self._max_pending = int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20))
         self._rates = LoadRates(
@@ -556,18 +581,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # The first call of a step, before vLLM prepares its inputs: the loads' acquires
-        # go out now; start_load_kv waits for their replies (and only then copies).
+        # The first call of a step, before vLLM prepares its inputs.  Preempted requests'
+        # pages may be written this step: the saves still to copy out of them end first
+        # (each within its daemon timeouts).  The loads' acquires go out now;
+        # start_load_kv waits for their replies (and only then copies).
         meta, started = kv_connector_metadata, time.perf_counter()
-        preempted = (meta.preempted if isinstance(meta, KVStoreConnectorMetadata)
-                     else set()) & self._saving
-        if preempted and self._sender is not None:
-            # Their pages go back to vLLM now and may be written this step: the saves
-            # still to copy out of them end first (each within its daemon timeouts).
-            self._sender.wait_for(preempted, None)
+        assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
+        if meta.preempted & self._saving and self._sender is not None:
+            self._sender.wait_for(meta.preempted & self._saving, None)
             self.stats["save_us"] += int((time.perf_counter() - started) * 1e6)
             started = time.perf_counter()
-        if isinstance(meta, KVStoreConnectorMetadata) and meta.loads and self._post_loads:
+        if meta.loads and self._post_loads:
             self._finish_loads()  # a step that never reached wait_for_save: its client use
             self._posted_loads = (meta, self._plan_loads(meta.loads))
             if not (self._copy_ahead and self._posted_loads[1].start()):
@@ -634,36 +658,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
         for t in meta.saves:
-            group = self._group(t.group)
-            # The copy out of the pages happens now (so nothing that runs later can
-            # change them first); the daemon's round trips happen on the sender's thread.
-            pages = self._layers[t.group]
-            if self._sender is None:
-                self._save_now(group, t, pages.stage(t.block_ids).rows)
+            group, pages = self._group(t.group), self._layers[t.group]
+            if self._sender is None:  # copied and stored now, in the step
+                save_now(self._namespace(group, t.variant, self._tp_rank), t,
+                         pages.stage(t.block_ids).rows, self.stats, self._link)
                 continue
-            # Pages in host memory are copied by the sender, straight into the daemon's
-            # slots, while vLLM holds them (request_finished, handle_preemptions); a
-            # GPU's copy is queued on the stream now, before any later write to them.
-            source = (pages.stage(t.block_ids) if pages.device.type == "cuda"
-                      else InPages(pages, list(t.block_ids)))
-            identity = functools.partial(group.identity_for, t.variant, self._tp_rank,
-                                         self._tp_size)
-            job = SaveJob(t.req_id, (t.group, t.variant, self._tp_rank), identity,
-                          t.keys, t.parent, source)
             self._saving.add(t.req_id)
-            self._sender.submit(job)
-
-    def _save_now(self, group: Group, t: Transfer, rows: torch.Tensor) -> None:
-        ns = self._namespace(group, t.variant, self._tp_rank)
-        if ns is None:
-            self.stats["save_failures"] += 1
-            return
-        stored = store_missing(ns, t.keys, fill_rows(rows), parent=t.parent, lookup=False)
-        self.stats["saves"] += 1
-        self.stats["saved_blocks"] += stored.created
-        if stored.error is not None:
-            self.stats["save_failures"] += 1
-            self._link.failed(f"save for request {t.req_id}", stored.error)
+            self._sender.submit(save_job(t, group, pages, self._tp_rank, self._tp_size))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
