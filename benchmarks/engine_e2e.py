@@ -23,6 +23,9 @@ on) on the same workload, in a process of its own, one after the other:
 - ``kvstore-layerwise`` (not run unless named): ``kvstore`` loading layer by layer;
 - ``kvstore-unposted`` (not run unless named): ``kvstore`` with each step's acquires sent
   in ``start_load_kv`` and waited for at once, not sent ahead in ``handle_preemptions``;
+- ``kvstore-ahead`` (not run unless named): ``kvstore`` with each step's loads pinned
+  and copied on a thread from ``handle_preemptions`` (``copy_ahead``), not in
+  ``start_load_kv``;
 - ``vllm-offload``: + vLLM's own CPU offloading connector (``kv_offloading_size``);
 - ``lmcache``: + LMCache's vLLM connector (``LMCacheConnectorV1``).
 
@@ -45,7 +48,9 @@ step that returns its first token.  Reported per arm and workload: TTFT p50/p90/
 throughput (prompt + generated tokens per second of the run), prompt tokens computed
 vs found cached (local + loaded), tokens loaded from kvstore and bytes moved (kvstore's
 arms), the connector's own time in the engine's steps per request (lookup, load,
-save hand-off), and ratios against ``alone`` and ``ideal``; ``--png`` draws the TTFT
+save hand-off; and, for the requests of rounds 2 and later of ``mrqa``'s one at a time,
+the median of each part up to the first token), and ratios against ``alone`` and
+``ideal``; ``--png`` draws the TTFT
 distributions (matplotlib; where the engine's environment lacks it, the TTFTs go to a
 JSON file that ``--draw`` turns into the PNG with a Python that has it).
 
@@ -193,7 +198,8 @@ def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"endpoint": endpoint, "tenant": "bench",
                                        "layerwise": a.layerwise or arm.endswith("layerwise"),
-                                       "post_loads": not arm.endswith("unposted")})
+                                       "post_loads": not arm.endswith("unposted"),
+                                       "copy_ahead": arm.endswith("ahead")})
     elif arm == "vllm-offload":
         kwargs["kv_offloading_size"] = a.store_mib / 1024
     elif arm == "lmcache":
@@ -213,14 +219,17 @@ class Driver:
         from vllm import SamplingParams
 
         self.llm = llm
+        self.conn_before: dict[str, dict[str, int]] = {}  # request -> counters at submit
         self.sampling = SamplingParams(temperature=0.0, max_tokens=answer_tokens,
                                        detokenize=False, ignore_eos=True)
         self.records: list[dict[str, Any]] = []
         self._live: dict[str, tuple[Conversation, float, float | None, int]] = {}
+        self._conn: dict[str, dict[str, int]] = {}
 
     def submit(self, conv: Conversation) -> None:
         rid = uuid.uuid4().hex
         prompt = conv.prompt()
+        self.conn_before[rid] = connector_stats(self.llm, drain=False)
         self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, self.sampling)
         self._live[rid] = (conv, time.perf_counter(), None, len(prompt))
 
@@ -232,12 +241,18 @@ class Driver:
             if first is None and out.outputs and out.outputs[0].token_ids:
                 first = time.perf_counter()
                 self._live[out.request_id] = (conv, start, first, prompt_len)
+                # The connector's time up to the first token (one request at a time)
+                before = self.conn_before.pop(out.request_id, {})
+                after = connector_stats(self.llm, drain=False)
+                self._conn[out.request_id] = {k: after[k] - before.get(k, 0)
+                                              for k in PER_REQUEST if k in after}
             if out.finished:
                 del self._live[out.request_id]
                 answer = list(out.outputs[0].token_ids)
                 self.records.append({"ttft": (first or time.perf_counter()) - start,
                                      "prompt": prompt_len, "cached": out.num_cached_tokens,
-                                     "generated": len(answer), "name": conv.name})
+                                     "generated": len(answer), "name": conv.name,
+                                     "conn": self._conn.pop(out.request_id, {})})
                 conv.answered(answer)
                 finished.append(conv)
         return finished
@@ -320,8 +335,12 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def connector_stats(llm: Any) -> dict[str, int]:
-    """kvstore's counters (scheduler and worker side) in this process; {} elsewhere."""
+PER_REQUEST = ("s_lookup_us", "w_load_us", "w_acquire_wait_us", "w_save_us", "s_hit_tokens")
+
+
+def connector_stats(llm: Any, *, drain: bool = True) -> dict[str, int]:
+    """kvstore's counters (scheduler and worker side) in this process; {} elsewhere.
+    ``drain``: once the background saves are done."""
     core = llm.llm_engine.engine_core.engine_core
     connector = getattr(core.scheduler, "connector", None)
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -329,7 +348,7 @@ def connector_stats(llm: Any) -> dict[str, int]:
     worker = get_kv_transfer_group() if has_kv_transfer_group() else None
     stats: dict[str, int] = {}
     if worker is not None and hasattr(worker, "drain_saves"):
-        worker.drain_saves(30)
+        worker.drain_saves(30 if drain else 0)
         stats |= {f"w_{k}": v for k, v in worker.stats.items()}
         stats["block_bytes"] = worker._layers[0].block_bytes
     if connector is not None and hasattr(connector, "stats"):
@@ -475,11 +494,34 @@ def report(results: dict[str, dict[str, Any]], a: argparse.Namespace) -> None:
                 print(f"{'':13}     p50 per repeat: "
                       + " ".join(f"{r['p50'] * 1000:.1f}" for r in runs[arm]))
         token_costs(rows)
+        if key == "mrqa/seq":
+            later_rounds(results, key, a)
     if a.png:
         ttfts = {key: {arm: [x["ttft"] * 1000 for x in r[key]["records"]]
                        for arm, r in results.items() if "error" not in r and key in r}
                  for key in keys}
         draw(ttfts, a.png)
+
+
+def later_rounds(results: dict[str, dict[str, Any]], key: str, a: argparse.Namespace) -> None:
+    """The requests of rounds 2 and later (the ones that reuse a history), one at a
+    time: TTFT p50 and the connector's time up to each first token, per part (medians
+    over those requests)."""
+    per_run = a.users * a.rounds
+    print(f"rounds 2+: TTFT p50 ms, and the connector's ms up to the first token "
+          f"(median per request)")
+    for arm, r in results.items():
+        if "error" in r or key not in r:
+            continue
+        later = [x for i, x in enumerate(r[key]["records"]) if i % per_run >= a.users]
+        if not later:
+            continue
+        parts = {k: statistics.median(x.get("conn", {}).get(k, 0) for x in later) / 1000
+                 for k in PER_REQUEST[:-1]}
+        p50 = statistics.median(x["ttft"] for x in later) * 1000
+        print(f"{arm:13} n {len(later):3d}  p50 {p50:6.1f}"
+              f"  lookup {parts['s_lookup_us']:.2f}  load {parts['w_load_us']:.2f}"
+              f" (pin wait {parts['w_acquire_wait_us']:.2f})  save {parts['w_save_us']:.2f}")
 
 
 def token_costs(rows: dict[str, dict[str, Any]]) -> None:

@@ -273,13 +273,17 @@ class SessionCore:
     def _slots(self, offsets: Sequence[int], size: int, readonly: bool,
                arena: tuple[str, int] | None = None) -> list[memoryview]:
         """Views of slots in an arena (the namespace's; by default the hello's)."""
-        if arena is None or not arena[0]:
-            assert self.hello is not None, "the arena is known after hello"
-            arena = (self.hello.arena_path, self.hello.arena_bytes)
-        view = self._view_of(*arena)
+        view = self._arena_view(arena)
         if readonly:
             view = view.toreadonly()
         return [view[o:o + size] for o in offsets]
+
+    def _arena_view(self, arena: tuple[str, int] | None = None) -> memoryview:
+        """The whole of an arena (the namespace's; by default the hello's), mapped."""
+        if arena is None or not arena[0]:
+            assert self.hello is not None, "the arena is known after hello"
+            arena = (self.hello.arena_path, self.hello.arena_bytes)
+        return self._view_of(*arena)
 
     def _pin_arena(self, arena: tuple[str, int], kv_caches: Any) -> None:
         """Page-lock the arena for CUDA, in the background and once, when the engine's

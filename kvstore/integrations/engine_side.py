@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -343,6 +343,44 @@ class Staged(NamedTuple):
     ready: Callable[[], object] | None = None
 
 
+def page_runs(rows: Sequence[torch.Tensor], page_ids: Sequence[int],
+              row_bytes: int) -> Iterator[tuple[torch.Tensor, int, int]]:
+    """``(rows [k, row_bytes], first page, k)`` for each run of rows that follow each
+    other in memory (one storage) going to pages that follow each other: on the CPU a
+    strided copy of a whole run moves at memory speed, where one copy per page pays
+    the call's overhead each time and a batched index_copy over strided pages is slow."""
+    i, n = 0, len(rows)
+    while i < n:
+        first = rows[i]
+        j = i + 1
+        while (j < n and page_ids[j] == page_ids[j - 1] + 1
+               and rows[j].data_ptr() == rows[j - 1].data_ptr() + row_bytes
+               and rows[j].untyped_storage().data_ptr()
+               == first.untyped_storage().data_ptr()):
+            j += 1
+        yield first.as_strided((j - i, row_bytes), (row_bytes, 1)), page_ids[i], j - i
+        i = j
+
+
+def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for each ``(dst, src)``, in one call that runs without the GIL
+    (a thread copying a step's pages lets the engine's own Python run meanwhile)."""
+    if pairs:
+        with torch.no_grad():
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
+def slot_rows(slots: Sequence[memoryview]) -> list[torch.Tensor]:
+    """Writable slots of one arena (a reservation's) as 1-D uint8 tensors, all views of
+    one tensor over the arena, so that ``page_runs`` finds the slots side by side."""
+    if not slots:
+        return []
+    arena = torch.frombuffer(slots[0].obj, dtype=torch.uint8)
+    base = arena.data_ptr()
+    return [arena.narrow(0, torch.frombuffer(slot, dtype=torch.uint8).data_ptr() - base,
+                         len(slot)) for slot in slots]
+
+
 class EnginePages:
     """An engine's paged KV cache as kvstore blocks (``[layers, 2, T, H, D]`` bytes).
 
@@ -441,10 +479,35 @@ class EnginePages:
             cuts.append(group)
         return cuts
 
+    def _pairs(self, rows: Sequence[torch.Tensor], page_ids: Sequence[int],
+               groups: Sequence[int] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(pages, rows' bytes)`` views of each run of rows (``page_runs``) and target
+        of the layer groups ``groups`` (None: all), for one batched copy either way."""
+        cuts = self._cuts()
+        flat = [c for group in cuts for c in group]
+        starts = [0]
+        for group in cuts:
+            starts.append(starts[-1] + len(group))
+        chosen = [i for g in (range(len(cuts)) if groups is None else groups)
+                  for i in range(starts[g], starts[g + 1])]
+        first = flat[0][0]
+        uniform = all(t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
+                      for t, _, _ in flat)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for run, page, k in page_runs(rows, page_ids, self.block_bytes):
+            if uniform:  # every target's share at once: [k, targets, *page] split
+                part = run if first.dtype == torch.uint8 else run.view(first.dtype)
+                parts = part.view(k, len(flat), *first.shape[1:]).unbind(1)
+            else:
+                parts = tuple(self._as_run(run[:, at:at + size], t) for t, at, size in flat)
+            pairs.extend((flat[c][0][page:page + k], parts[c]) for c in chosen)
+        return pairs
+
     @staticmethod
-    def _as(row: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """A byte range of a row seen as one page of ``t``."""
-        return (row if t.dtype == torch.uint8 else row.view(t.dtype)).view(t.shape[1:])
+    def _as_run(rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """A byte range of ``k`` rows (``[k, bytes]``) seen as ``k`` pages of ``t``."""
+        part = rows if t.dtype == torch.uint8 else rows.view(t.dtype)
+        return part.view(rows.shape[0], *t.shape[1:])
 
     def stage(self, page_ids: Sequence[int]) -> Staged:
         """Copy the blocks of ``page_ids`` out of the engine's pages into host memory
@@ -453,15 +516,11 @@ class EnginePages:
         those pages), with ``ready`` waiting for it."""
         n, device = len(page_ids), self.device
         rows = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=device)
+        if device.type != "cuda":
+            self.copy_into(page_ids, list(rows))
+            return Staged(rows)
         cuts = [c for group in self._cuts() for c in group]
         with torch.no_grad():
-            if device.type != "cuda":
-                # One copy per page and layer: a page's strided view copies at memory
-                # speed, where a batched index_select over strided views does not.
-                for row, page in zip(rows, page_ids):
-                    for t, at, size in cuts:
-                        self._as(row[at:at + size], t).copy_(t[page])
-                return Staged(rows)
             index = torch.tensor(list(page_ids), dtype=torch.long, device=device)
             for t, at, size in cuts:
                 part = t.index_select(0, index).reshape(n, -1)
@@ -472,6 +531,14 @@ class EnginePages:
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record()
         return Staged(host, event.synchronize)
+
+    def copy_into(self, page_ids: Sequence[int], rows: Sequence[torch.Tensor]) -> None:
+        """Copy the blocks of ``page_ids`` (pages in host memory) into ``rows`` (1-D
+        uint8, ``block_bytes`` each: rows of a staging tensor, or daemon slots seen
+        through ``slot_rows``), a run of pages at a time where the rows follow each
+        other in memory."""
+        assert self.device.type != "cuda", "a GPU cache is staged by stage()"
+        copy_pairs([(row, page) for page, row in self._pairs(rows, page_ids, None)])
 
     def scatter_rows(self, rows: Sequence[torch.Tensor], page_ids: Sequence[int],
                      groups: Sequence[int] | None = None) -> None:
@@ -485,10 +552,8 @@ class EnginePages:
         chosen = [c for g in (range(len(cuts)) if groups is None else groups)
                   for c in cuts[g]]
         with torch.no_grad():
-            if device.type != "cuda":  # per page and layer, as in ``stage``
-                for row, page in zip(rows, page_ids):
-                    for t, at, size in chosen:
-                        t[page].copy_(self._as(row[at:at + size], t))
+            if device.type != "cuda":  # per run of pages and layer, as in ``copy_into``
+                copy_pairs(self._pairs(rows, page_ids, groups))
                 return
             index = torch.tensor(list(page_ids), dtype=torch.long, device=device)
             whole = torch.stack(list(rows)).to(device, non_blocking=True)

@@ -2,8 +2,10 @@
 one daemon call for a step's loads.
 
 - ``SaveSender``: a thread of its own, with a daemon link of its own, that stores the
-  blocks an engine step copied out of its pages (``EnginePages.stage``): one reserve and
-  one commit per job, no lookup (the caller knows what the store lacks).  ``submit``
+  blocks an engine step copied out of its pages (``EnginePages.stage``), or copies them
+  out itself, straight into the daemon's slots (``InPages``: pages in host memory that
+  the engine keeps unwritten until the job is done): one reserve and one commit per
+  job, no lookup (the caller knows what the store lacks).  ``submit``
   never waits for the daemon: a job that does not fit the bounded queue, or meets a
   daemon that is gone, is dropped and counted (a later cache miss).  Jobs carry a tag
   (the engine's request id); ``take_finished`` names the tags whose jobs are all done,
@@ -13,7 +15,9 @@ one daemon call for a step's loads.
   only when a block went missing in between), then the copies into the engine's pages,
   all layers at once (``copy_all``) or layer by layer (``start_layers`` / ``wait_layer``:
   on the CPU a thread copies the layers in order while the model computes the first
-  ones).  ``finish`` releases the pins once every copy is done.
+  ones); on the CPU ``start`` pins and copies on a thread from when the acquires go
+  out, so that the copies overlap whatever the engine does before its forward pass.
+  ``finish`` releases the pins once every copy is done.
 - ``LoadWorth``: which cached blocks are worth loading rather than recomputing;
   ``LoadRates`` keeps its per-tier rates to the daemon's measured ones.
 """
@@ -42,6 +46,7 @@ from kvstore.integrations.engine_side import (
     Loaded,
     Staged,
     acquire_prefix,
+    slot_rows,
     store_missing,
 )
 
@@ -167,8 +172,29 @@ def fill_rows(rows: torch.Tensor) -> Callable[[Sequence[memoryview], int], None]
     return fill
 
 
+class InPages(NamedTuple):
+    """Blocks still in an engine's pages (in host memory), ``page_ids[i]`` holding block
+    i: the sender copies them straight into the daemon's slots, so the engine must not
+    write those pages until the job is done (vLLM: the request's blocks stay held until
+    ``take_finished`` names it; a preempted request's are waited for, ``wait_for``)."""
+
+    pages: EnginePages
+    page_ids: list[int]
+
+
+def job_bytes(source: Staged | InPages) -> int:
+    if isinstance(source, InPages):
+        return len(source.page_ids) * source.pages.block_bytes
+    return source.rows.numel()
+
+
+def _fill_from_pages(source: InPages, slots: Sequence[memoryview], first: int) -> None:
+    source.pages.copy_into(source.page_ids[first:], slot_rows(slots))
+
+
 class SaveJob(NamedTuple):
-    """Blocks to store: ``keys[i]`` is ``staged.rows[i]``; ``parent`` the key before
+    """Blocks to store: ``keys[i]`` is block i of ``source`` (copied out of the engine's
+    pages, ``Staged``, or still in them, ``InPages``); ``parent`` the key before
     ``keys[0]`` (None: the chain's root); the namespace opened under ``ns_key`` from
     ``identity()``; ``tag`` the request they belong to."""
 
@@ -177,7 +203,7 @@ class SaveJob(NamedTuple):
     identity: Callable[[], Identity]
     keys: list[bytes]
     parent: bytes | None
-    staged: Staged
+    source: Staged | InPages
 
 
 class SaveSender:
@@ -202,7 +228,7 @@ class SaveSender:
 
     def submit(self, job: SaveJob) -> bool:
         """Queue a job (False: dropped, and its tag counts it done)."""
-        size = job.staged.rows.numel()
+        size = job_bytes(job.source)
         with self._lock:
             self._finished.discard(job.tag)
             self._pending[job.tag] += 1
@@ -230,6 +256,12 @@ class SaveSender:
         with self._idle:
             return self._idle.wait_for(lambda: not self._pending, timeout)
 
+    def wait_for(self, tags: set[str], timeout: float | None) -> bool:
+        """Wait until every job of ``tags`` is done (False: ``timeout`` seconds passed;
+        None: no limit)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not tags & self._pending.keys(), timeout)
+
     def close(self, timeout: float = 5.0) -> None:
         """Finish the queued jobs (for at most ``timeout`` seconds), then stop."""
         self.drain(timeout)
@@ -242,8 +274,7 @@ class SaveSender:
         if self._pending[tag] <= 0:
             del self._pending[tag]
             self._finished.add(tag)
-        if not self._pending:
-            self._idle.notify_all()
+            self._idle.notify_all()  # drain and wait_for
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -254,7 +285,7 @@ class SaveSender:
                 logger.exception("kvstore: a background save failed")
                 failed = True
             with self._lock:
-                self._pending_bytes -= job.staged.rows.numel()
+                self._pending_bytes -= job_bytes(job.source)
                 self.stats["saves"] += 1
                 self.stats["saved_blocks"] += created
                 self.stats["save_failures"] += failed
@@ -264,10 +295,15 @@ class SaveSender:
         ns = self._link.namespace(job.ns_key, job.identity)
         if ns is None:
             return 0, True
-        if job.staged.ready is not None:
-            job.staged.ready()
-        stored = store_missing(ns, job.keys, fill_rows(job.staged.rows), parent=job.parent,
-                               lookup=False)
+        source = job.source
+        fill: Callable[[Sequence[memoryview], int], None]
+        if isinstance(source, InPages):
+            fill = functools.partial(_fill_from_pages, source)
+        else:
+            if source.ready is not None:
+                source.ready()
+            fill = fill_rows(source.rows)
+        stored = store_missing(ns, job.keys, fill, parent=job.parent, lookup=False)
         if stored.error is not None:
             self._link.failed(f"save for {job.tag}", stored.error)
             return stored.created, True
@@ -300,11 +336,14 @@ class _Pinned:
 
 
 def _rows(held: Held) -> list[torch.Tensor]:
-    """The pinned blocks' bytes as uint8 tensors over the arena.  Writable views of the
-    slots, because torch cannot alias read-only memory; nothing writes to them."""
+    """The pinned blocks' bytes as uint8 tensors over the arena, all views of one tensor
+    over the whole arena (so that blocks side by side in it copy as one run).  Writable,
+    because torch cannot alias read-only memory; nothing writes to them."""
     ns = held.ns
-    views = ns.client._slots(held.offsets, ns.block_bytes, readonly=False, arena=ns.arena)
-    return [torch.frombuffer(v, dtype=torch.uint8) for v in views]
+    if not held.offsets:
+        return []
+    arena = torch.frombuffer(ns.client._arena_view(ns.arena), dtype=torch.uint8)
+    return [arena.narrow(0, offset, ns.block_bytes) for offset in held.offsets]
 
 
 def _raise(exc: KVStoreError) -> Held:
@@ -345,6 +384,8 @@ class StepLoads:
         self._layer_done: list[threading.Event] = []
         self._layer_error: BaseException | None = None
         self._sent: list[tuple[list[bytes], list[Callable[[], Held]]]] | None = None
+        self._pinned_early: threading.Event | None = None  # ``start``: pin() returned
+        self._outcome: dict[str, Loaded] = {}
         self.calls = 0   # acquires and lookups sent to the daemon
         self.waited_s = 0.0  # time ``pin`` waited for the daemon's replies
 
@@ -370,6 +411,49 @@ class StepLoads:
                     break
                 self.calls += 1
             self._sent.append((keys, waits))
+
+    def start(self) -> bool:
+        """Pin and copy every layer on a thread of its own, from now (False: the pages
+        are on a GPU, nothing started): ``pinned`` waits for the pins, ``wait_layer``
+        for a layer, ``finish`` for all.  The caller leaves the namespaces' clients
+        alone until ``pinned`` returned."""
+        if self._thread is not None or any(p.device.type == "cuda" for _, p, _ in self._todo):
+            return False
+        self.post()
+        count = max((len(p.layer_targets()) for _, p, _ in self._todo), default=0)
+        self._layer_done = [threading.Event() for _ in range(count)]
+        self._pinned_early = threading.Event()
+        self._thread = threading.Thread(target=self._pin_and_copy, name="kvstore-loads",
+                                        daemon=True)
+        self._thread.start()
+        return True
+
+    def _pin_and_copy(self) -> None:
+        assert self._pinned_early is not None, "started by start()"
+        try:
+            self._outcome = self.pin()
+        except BaseException as exc:  # handed to the waiter, who raises it
+            self._layer_error = exc
+            for done in self._layer_done:
+                done.set()
+            return
+        finally:
+            self._pinned_early.set()
+        self._copy_layers()
+
+    @property
+    def started(self) -> bool:
+        """Whether ``start`` pins and copies every layer on its thread."""
+        return self._pinned_early is not None
+
+    def pinned(self) -> dict[str, Loaded]:
+        """``pin``'s outcome: waited for where ``start`` pins on its thread."""
+        if self._pinned_early is None:
+            return self.pin()
+        self._pinned_early.wait()
+        if self._layer_error is not None:
+            raise self._layer_error
+        return self._outcome
 
     def pin(self) -> dict[str, Loaded]:
         """Pin every item's blocks (sending the acquires unless ``post`` did): per tag,
@@ -429,6 +513,8 @@ class StepLoads:
     def start_layers(self) -> None:
         """Start copying layer by layer (on a thread where the pages are on the CPU;
         queued in ``wait_layer`` on a GPU, ahead of the layer's attention)."""
+        if self._thread is not None:  # ``start``ed: copying already
+            return
         count = self.layers()
         self._layer_done = [threading.Event() for _ in range(count)]
         if any(p.pages.device.type == "cuda" for p in self._pinned):
@@ -470,14 +556,15 @@ class StepLoads:
         """Make sure every copy is done, then release the pins (those of acquires
         posted and never waited for too)."""
         try:
-            if self._sent:
-                self.pin()
             if self._thread is not None:
                 self._thread.join()
                 self._thread = None
-            else:
-                for layer in range(len(self._layer_done)):
-                    self.wait_layer(layer)
+                if self._layer_error is not None:  # no page may be read as loaded
+                    raise self._layer_error
+            elif self._sent:
+                self.pin()
+            for layer in range(len(self._layer_done)):  # a thread's are done by now
+                self.wait_layer(layer)
             if any(p.pages.device.type == "cuda" for p in self._pinned):
                 torch.cuda.current_stream().synchronize()
         finally:

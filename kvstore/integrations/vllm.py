@@ -23,18 +23,21 @@ blocks that become complete (to save).
 
 Worker side: ``handle_preemptions``, the step's first call, sends one acquire per
 namespace for every request's blocks of the step, without waiting; ``start_load_kv``
-waits for the pins (the round trip overlapped with vLLM preparing the step's inputs)
-and copies the blocks into vLLM's pages before the forward pass, or layer by
-layer (``layerwise``: ``wait_for_layer_load`` waits for just its layer, a thread
-copying the rest meanwhile).  ``wait_for_save`` copies the completed blocks out of the
-pages (so the engine may reuse them at once) and hands them to a background sender
-(``async_saves``, the default): the step never waits for the daemon.  A request with
-saves in flight stays held (``request_finished`` returns True) until ``get_finished``
-reports them done.  A block that cannot be loaded — evicted since the lookup, daemon
-gone — is reported by ``get_block_ids_with_load_errors``, so vLLM recomputes it
-(policy ``recompute``) or fails the request (``fail``) instead of serving wrong KV.
-Saves are best-effort: one that fails, or finds the sender's queue full, is a later
-cache miss.
+waits for the pins (the round trip overlapped with vLLM preparing the step's inputs) and
+copies the blocks into vLLM's pages before the forward pass (or, with ``copy_ahead`` and
+pages in host memory, a thread started in ``handle_preemptions`` pins and copies them
+meanwhile), or layer by layer (``layerwise``: ``wait_for_layer_load`` waits for just its
+layer, a thread copying the rest meanwhile).  ``wait_for_save`` hands the completed
+blocks to a background sender (``async_saves``, the default): the step never waits for
+the daemon, nor, for pages in host memory, for their copy (the sender copies them
+straight into the daemon's slots; on a GPU the copy out is queued on the stream in the
+step).  A request with saves in flight stays held (``request_finished`` returns True)
+until ``get_finished`` reports them done; one preempted meanwhile has
+``handle_preemptions`` wait for them before vLLM may write its pages.  A block that
+cannot be loaded — evicted since the lookup, daemon gone — is reported by
+``get_block_ids_with_load_errors``, so vLLM recomputes it (policy ``recompute``) or
+fails the request (``fail``) instead of serving wrong KV.  Saves are best-effort: one
+that fails, or finds the sender's queue full, is a later cache miss.
 
 Roles: ``kv_producer`` engines look up (to skip what the store holds) and save, never
 load; ``kv_consumer`` engines load, never save; ``kv_both`` do both.
@@ -56,8 +59,6 @@ looked up nor saved: their token ids do not identify their KV.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -72,11 +73,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from kvstore.client import LookupResult, Namespace
 from kvstore.errors import KVStoreError
-from kvstore.identity import DTYPE_BYTES, Identity
+from kvstore.identity import Identity
 from kvstore.integrations.engine_side import (
     DaemonLink,
     DaemonSettings,
@@ -86,6 +86,7 @@ from kvstore.integrations.engine_side import (
 )
 from kvstore.integrations.pipeline import (
     REFRESH_RATES_S,
+    InPages,
     LoadItem,
     LoadRates,
     LoadWorth,
@@ -95,6 +96,12 @@ from kvstore.integrations.pipeline import (
     daemon_rates,
     fill_rows,
     wait_all,
+)
+from kvstore.integrations.vllm_identity import (
+    Group,
+    RequestVariant,
+    kv_groups,
+    request_variant,
 )
 from kvstore.keys import chain_keys
 
@@ -108,113 +115,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-_MAX_TEXT = 512  # Identity's limit on text fields
-
-
-# ========================================================================================
-# identity
-# ========================================================================================
-
-class RequestVariant(msgspec.Struct, frozen=True, array_like=True):
-    """What a request adds to the engine's identity: adapter and cache salt."""
-
-    adapter: str | None = None
-    adapter_revision: str | None = None
-    salt: str = ""
-
-
-def _bounded(text: str) -> str:
-    """``text`` if it fits an identity field, else a stable digest of it."""
-    if len(text) <= _MAX_TEXT:
-        return text
-    return "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-
-def request_variant(request: Request) -> RequestVariant:
-    lora = request.lora_request
-    adapter = revision = None
-    if lora is not None:
-        adapter = _bounded(lora.lora_name)
-        revision = _bounded(lora.lora_path or f"id:{lora.lora_int_id}")
-    return RequestVariant(adapter, revision, _bounded(request.cache_salt or ""))
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"kvstore cannot store a KV cache of dtype {dtype}")
-    return name
-
-
-def _rope(hf_config: Any) -> tuple[str, str]:
-    text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
-    params = (getattr(text_config, "rope_parameters", None)
-              or getattr(text_config, "rope_scaling", None))
-    if not params:
-        return "default", ""
-    params = dict(params)
-    rope_type = str(params.get("rope_type") or params.get("type") or "default")
-    return rope_type, _bounded(json.dumps(params, sort_keys=True, default=str))
-
-
-@dataclass(frozen=True)
-class _Group:
-    """A KV cache group the connector moves: its layers and its base identity."""
-
-    index: int
-    layer_names: tuple[str, ...]
-    block_tokens: int
-    num_kv_heads: int
-    head_dim: int
-    identity: Identity  # tensor-parallel rank 0, no adapter, no salt
-
-    def identity_for(self, variant: RequestVariant, tp_rank: int, tp_size: int) -> Identity:
-        layout = self.identity.layout if tp_size == 1 else (
-            f"{self.identity.layout};tp={tp_rank}/{tp_size}")
-        return msgspec.structs.replace(
-            self.identity, adapter=variant.adapter, adapter_revision=variant.adapter_revision,
-            salt=variant.salt, layout=layout)
-
-
-def _groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tenant: str,
-            extra: dict[str, Any]) -> list[_Group]:
-    model_config = vllm_config.model_config
-    model = str(extra.get("model_name") or model_config.served_model_name or model_config.model)
-    if isinstance(model_config.served_model_name, list) and not extra.get("model_name"):
-        model = str(model_config.served_model_name[0])
-    revision = str(extra.get("model_revision") or model_config.revision or "unversioned")
-    if str(vllm_config.load_config.load_format) == "dummy":
-        revision += "+dummy"  # random weights are not the model's weights
-    rope_type, rope_scaling = _rope(model_config.hf_config)
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    layout = "paged" if cache_dtype == "auto" else f"paged;cache_dtype={cache_dtype}"
-
-    groups = []
-    for index in kv_cache_config.prefix_cacheable_group_ids:
-        group = kv_cache_config.kv_cache_groups[index]
-        spec = group.kv_cache_spec
-        if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
-            raise ValueError(  # noqa: TRY004 - an unsupported configuration, not a bad call
-                f"KVStoreConnector stores full-attention KV caches only; KV cache group "
-                f"{index} is a {type(spec).__name__}")
-        if (spec.head_size_v != spec.head_size or spec.page_size_padded is not None
-                or spec.num_head_slots is not None or int(spec.kv_quant_mode) != 0):
-            raise ValueError(
-                f"KVStoreConnector cannot store KV cache group {index}: its pages are "
-                f"packed or quantized ({spec})")
-        identity = Identity(
-            model=_bounded(model), model_revision=_bounded(revision), tenant=tenant,
-            kv_dtype=_dtype_name(spec.dtype), num_layers=len(group.layer_names),
-            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-            block_tokens=spec.block_size, layout=layout, rope_type=rope_type,
-            rope_scaling=rope_scaling)
-        groups.append(_Group(index, tuple(group.layer_names), spec.block_size,
-                             spec.num_kv_heads, spec.head_size, identity))
-    if not groups:
-        raise ValueError("KVStoreConnector found no prefix-cacheable KV cache group")
-    return groups
-
 
 # ========================================================================================
 # metadata: scheduler -> worker
@@ -236,6 +136,7 @@ class Transfer(msgspec.Struct, frozen=True):
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # requests whose pages went back
 
 
 # ========================================================================================
@@ -260,7 +161,7 @@ class _RequestState:
 # worker side: vLLM's KV tensors seen as kvstore pages
 # ========================================================================================
 
-def engine_pages(tensors: Sequence[torch.Tensor], group: _Group) -> EnginePages:
+def engine_pages(tensors: Sequence[torch.Tensor], group: Group) -> EnginePages:
     """One group's layer tensors as kvstore pages: straight between vLLM's pages and the
     daemon's slots where each page is contiguous as ``[2, T, H, D]`` (or K and V each
     as ``[T, H, D]``), otherwise through a staging copy."""
@@ -297,7 +198,7 @@ def count_tiers(stats: dict[str, int], tiers: Sequence[str], block_tokens: int) 
         stats[f"hit_tokens_{tier}"] = stats.get(f"hit_tokens_{tier}", 0) + block_tokens
 
 
-def plain_namespaces(groups: Sequence[_Group],
+def plain_namespaces(groups: Sequence[Group],
                      tp_size: int) -> dict[Hashable, Callable[[], Identity]]:
     """The namespaces of requests with no adapter and no salt, keyed as the connector's
     ``_namespace`` keys them: every group's, for every rank."""
@@ -372,14 +273,44 @@ def count_loads(transfers: Sequence[Transfer], outcome: dict[str, Loaded],
     return not_loaded
 
 
+def save_job(t: Transfer, group: Group, pages: EnginePages, tp_rank: int,
+             tp_size: int) -> SaveJob:
+    """The background sender's job for a save.  Pages in host memory are copied by the
+    sender, straight into the daemon's slots, while vLLM holds them (request_finished,
+    handle_preemptions); a GPU's copy is queued on the stream now, before any later
+    write to them."""
+    source = (pages.stage(t.block_ids) if pages.device.type == "cuda"
+              else InPages(pages, list(t.block_ids)))
+    identity = functools.partial(group.identity_for, t.variant, tp_rank, tp_size)
+    return SaveJob(t.req_id, (t.group, t.variant, tp_rank), identity, t.keys, t.parent,
+                   source)
+
+
+def save_now(ns: Namespace | None, t: Transfer, rows: torch.Tensor, stats: dict[str, int],
+             link: DaemonLink) -> None:
+    """Store a save's staged rows on the caller's thread (no background sender)."""
+    if ns is None:
+        stats["save_failures"] += 1
+        return
+    stored = store_missing(ns, t.keys, fill_rows(rows), parent=t.parent, lookup=False)
+    stats["saves"] += 1
+    stats["saved_blocks"] += stored.created
+    if stored.error is not None:
+        stats["save_failures"] += 1
+        link.failed(f"save for request {t.req_id}", stored.error)
+
+
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector backed by a kvstore daemon.
 
     ``kv_connector_extra_config`` keys: ``endpoint``, ``tenant``, ``token``,
     ``timeout`` (seconds per request, default 5), ``model_name``, ``model_revision``,
     ``async_saves`` (default true), ``layerwise`` (default false), ``prefetch``
-    (default true), ``post_loads`` (default true: acquires sent in handle_preemptions), ``max_pending_save_mib`` (staged save bytes before saves are
-    dropped, default 1024), ``prefill_tokens_per_s`` and ``load_gbps`` (see
+    (default true), ``post_loads`` (default true: acquires sent in handle_preemptions),
+    ``copy_ahead`` (default false; with ``post_loads``, host pages pinned and copied on
+    a thread from then on: for hosts with a core to spare), ``max_pending_save_mib``
+    (staged save bytes before saves are dropped, default 1024), ``prefill_tokens_per_s``
+    and ``load_gbps`` (see
     ``LoadWorth``: blocks slower to load than to recompute are not offered; the daemon's
     measured rates replace ``load_gbps``, asked every ``rates_refresh_s`` seconds,
     default 10, 0: never).
@@ -392,7 +323,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         scheduler = role == KVConnectorRole.SCHEDULER  # its link reads no block
         self._link = DaemonLink(DaemonSettings.from_extra(extra, timeout=5.0),
                                 map_arena=not scheduler)
-        self._groups = _groups(vllm_config, kv_cache_config, self._link.settings.tenant,
+        self._groups = kv_groups(vllm_config, kv_cache_config, self._link.settings.tenant,
                                extra)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         if scheduler:  # connected (hello, namespaces) now, never in a request's path
@@ -405,6 +336,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layerwise = bool(extra.get("layerwise", False))
         self._prefetch = bool(extra.get("prefetch", True))
         self._post_loads = bool(extra.get("post_loads", True))
+        # Off by default: on a loaded 2-core host it slowed loads (engine_e2e kvstore-ahead)
+        self._copy_ahead = bool(extra.get("copy_ahead", False))
         self._max_pending = int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20))
         self._rates = LoadRates(
             LoadWorth.from_extra(extra, sum(g.identity.block_bytes for g in self._groups),
@@ -426,7 +359,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._finished_saving: set[str] = set()  # ... that vLLM says are finished
 
     # -- daemon access ----------------------------------------------------------------
-    def _namespace(self, group: _Group, variant: RequestVariant,
+    def _namespace(self, group: Group, variant: RequestVariant,
                    tp_rank: int) -> Namespace | None:
         """The namespace of a group, request variant and rank; None while the daemon
         is failing (see ``DaemonLink``)."""
@@ -445,7 +378,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._requests[request.request_id] = state
         return state
 
-    def _keys(self, state: _RequestState, group: _Group, blocks: int) -> list[bytes]:
+    def _keys(self, state: _RequestState, group: Group, blocks: int) -> list[bytes]:
         """The first ``blocks`` keys of the request's token chain in ``group``."""
         keys = state.keys.setdefault(group.index, [])
         if len(keys) < blocks:
@@ -499,7 +432,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         state = self._state(request)  # its lookups go out now; its scheduling waits for them
         blocks = (request.num_tokens - 1) // self._groups[0].block_tokens
         if state.cacheable and blocks > 0 and self._link.available():
+            started = time.perf_counter()  # the keys' hashes and the sends
             state.lookups = send_lookups(self._lookup_targets(state, blocks), self._link)
+            self.stats["lookup_us"] += int((time.perf_counter() - started) * 1e6)
 
     def _lookup_targets(self, state: _RequestState, blocks: int) -> list[LookupTarget]:
         return [(functools.partial(self._namespace, group, state.variant, rank),
@@ -559,7 +494,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         count_tiers(self.stats, (state.cached or (0, []))[1][first:first + count], block)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVStoreConnectorMetadata(loads=self._pending_loads)
+        meta = KVStoreConnectorMetadata(
+            loads=self._pending_loads, preempted=set(scheduler_output.preempted_req_ids or ()))
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -634,7 +570,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._async_saves and self._is_producer:
             self._sender = SaveSender(self._link.settings, max_pending_bytes=self._max_pending)
 
-    def _group(self, index: int) -> _Group:
+    def _group(self, index: int) -> Group:
         return next(g for g in self._groups if g.index == index)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -645,12 +581,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # The first call of a step, before vLLM prepares its inputs: the loads' acquires
-        # go out now; start_load_kv waits for their replies (and only then copies).
+        # The first call of a step, before vLLM prepares its inputs.  Preempted requests'
+        # pages may be written this step: the saves still to copy out of them end first
+        # (each within its daemon timeouts).  The loads' acquires go out now;
+        # start_load_kv waits for their replies (and only then copies).
         meta, started = kv_connector_metadata, time.perf_counter()
-        if isinstance(meta, KVStoreConnectorMetadata) and meta.loads and self._post_loads:
+        assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
+        if meta.preempted & self._saving and self._sender is not None:
+            self._sender.wait_for(meta.preempted & self._saving, None)
+            self.stats["save_us"] += int((time.perf_counter() - started) * 1e6)
+            started = time.perf_counter()
+        if meta.loads and self._post_loads:
+            self._finish_loads()  # a step that never reached wait_for_save: its client use
             self._posted_loads = (meta, self._plan_loads(meta.loads))
-            self._posted_loads[1].post()
+            if not (self._copy_ahead and self._posted_loads[1].start()):
+                self._posted_loads[1].post()
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
 
     def _plan_loads(self, transfers: list[Transfer]) -> StepLoads:
@@ -668,7 +613,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not meta.loads:
             return
         loads = posted[1] if posted is not None else self._plan_loads(meta.loads)
-        outcome = loads.pin()
+        outcome = loads.pinned()
         self.stats["load_calls"] += loads.calls
         self.stats["acquire_wait_us"] += int(loads.waited_s * 1e6)
         # vLLM recomputes the blocks not loaded (or fails their requests), never reads them
@@ -678,7 +623,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._step_loads = loads
         else:
             try:
-                loads.copy_all()
+                if not loads.started:
+                    loads.copy_all()
             finally:
                 loads.finish()
 
@@ -712,31 +658,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
         for t in meta.saves:
-            group = self._group(t.group)
-            # The copy out of the pages happens now (so nothing that runs later can
-            # change them first); the daemon's round trips happen on the sender's thread.
-            staged = self._layers[t.group].stage(t.block_ids)
-            if self._sender is None:
-                self._save_now(group, t, staged.rows)
+            group, pages = self._group(t.group), self._layers[t.group]
+            if self._sender is None:  # copied and stored now, in the step
+                save_now(self._namespace(group, t.variant, self._tp_rank), t,
+                         pages.stage(t.block_ids).rows, self.stats, self._link)
                 continue
-            identity = functools.partial(group.identity_for, t.variant, self._tp_rank,
-                                         self._tp_size)
-            job = SaveJob(t.req_id, (t.group, t.variant, self._tp_rank), identity,
-                          t.keys, t.parent, staged)
             self._saving.add(t.req_id)
-            self._sender.submit(job)
-
-    def _save_now(self, group: _Group, t: Transfer, rows: torch.Tensor) -> None:
-        ns = self._namespace(group, t.variant, self._tp_rank)
-        if ns is None:
-            self.stats["save_failures"] += 1
-            return
-        stored = store_missing(ns, t.keys, fill_rows(rows), parent=t.parent, lookup=False)
-        self.stats["saves"] += 1
-        self.stats["saved_blocks"] += stored.created
-        if stored.error is not None:
-            self.stats["save_failures"] += 1
-            self._link.failed(f"save for request {t.req_id}", stored.error)
+            self._sender.submit(save_job(t, group, pages, self._tp_rank, self._tp_size))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:

@@ -19,6 +19,7 @@ from kvstore.errors import KVStoreError
 from kvstore.protocol import ProbeReply
 from kvstore.integrations.engine_side import DaemonLink, DaemonSettings, Loaded
 from kvstore.integrations.pipeline import (
+    InPages,
     LoadItem,
     LoadRates,
     LoadWorth,
@@ -83,6 +84,54 @@ def test_a_save_copies_the_pages_before_submit_returns(daemon: DaemonProcess,
                                 "save_dropped": 0}
         assert ns.get(keys) == before
         assert ns.lookup(keys).blocks == 3  # one chain
+    sender.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_runs_of_pages_copy_as_page_by_page(kind: str) -> None:
+    """Rows side by side going to pages side by side move as one run; the result is
+    the same bytes as one page at a time (runs broken by a gap in either)."""
+    source, source_page = make_pages(kind, seed=1)
+    order = [2, 3, 4, 0, 1, 6]
+    staged = source.stage(order)
+    assert [bytes(r.numpy()) for r in staged.rows] == [source_page(p) for p in order]
+    rows = list(staged.rows)
+    rows[4] = rows[4].clone()  # not beside its neighbours in memory any more
+    target, target_page = make_pages(kind, seed=50)
+    untouched = target_page(0)
+    target.scatter_rows(rows, [1, 2, 3, 5, 6, 7])
+    assert [target_page(p) for p in (1, 2, 3, 5, 6, 7)] == [source_page(p) for p in order]
+    assert target_page(0) == untouched
+
+
+@pytest.mark.parametrize("kind", ["per_layer", "staged"])
+def test_a_save_in_pages_is_copied_by_the_sender_and_holds_them_until_done(
+        daemon: DaemonProcess, kind: str) -> None:
+    """A save of pages still in the engine's cache returns at once; its request is not
+    finished (its pages stay held) until the sender copied them into the daemon and
+    committed: what is stored is what the pages hold."""
+    source, source_page = make_pages(kind, seed=1)
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme", timeout=10.0))
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity(kind))
+        keys = ns.keys(range(TOKENS * 4))
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert sender.submit(job("req-1", kind, keys[:3], InPages(source, [5, 6, 7])))
+            assert sender.submit(job("req-1", kind, keys[3:], InPages(source, [0]), keys[2]))
+            assert time.monotonic() - started < 0.5  # never waits for the daemon
+            assert not sender.wait_for({"req-1"}, 0.3)
+            assert sender.pending("req-1") == 2 and sender.take_finished() == set()
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert sender.wait_for({"req-1", "other"}, 10)
+        assert sender.take_finished({"req-1"}) == {"req-1"}
+        assert sender.stats == {"saves": 2, "saved_blocks": 4, "save_failures": 0,
+                                "save_dropped": 0}
+        assert ns.get(keys) == [source_page(p) for p in (5, 6, 7, 0)]
+        assert ns.lookup(keys).blocks == 4  # one chain
     sender.close()
 
 
@@ -194,6 +243,39 @@ def test_a_steps_loads_are_one_acquire_whatever_the_requests(
         for i in range(4):
             assert [target_page(2 * i), target_page(2 * i + 1)] == [
                 source_page(2 + i % 3), source_page(3 + i % 3)]
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("kind", ["per_layer", "staged"])
+def test_loads_started_ahead_pin_and_copy_on_their_thread(
+        daemon: DaemonProcess, kind: str, layerwise: bool) -> None:
+    """``start`` pins and copies on a thread while the caller goes on; ``pinned`` gives
+    the outcome (a block evicted since the lookup included), and ``finish`` returns
+    with every page written and every pin released."""
+    requests, source_page = _stored_requests(daemon, kind, 4)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity(kind))
+        target, target_page = make_pages(kind, seed=50)
+        items = [LoadItem(f"r{i}", keys[2:], [2 * i, 2 * i + 1])
+                 for i, keys in enumerate(requests[:3])]
+        items.append(LoadItem("gone", [b"\x01" * 16], [7]))  # never stored
+        untouched = target_page(7)
+        loads = StepLoads()
+        loads.add(ns, target, items)
+        assert loads.start() and loads.started
+        assert not loads.start()  # once
+        assert loads.pinned() == {**{f"r{i}": Loaded(2) for i in range(3)},
+                                  "gone": Loaded(0)}
+        if layerwise:
+            loads.start_layers()  # already copying: nothing more
+            for layer in range(loads.layers()):
+                loads.wait_layer(layer)
+        loads.finish()
+        until(lambda: client.stats()["tiers"]["dram"]["pinned_blocks"] == 0)
+        for i in range(3):
+            assert [target_page(2 * i), target_page(2 * i + 1)] == [
+                source_page(2 + i % 3), source_page(3 + i % 3)]
+        assert target_page(7) == untouched
 
 
 def test_a_block_gone_since_the_lookup_fails_only_its_request(daemon: DaemonProcess) -> None:

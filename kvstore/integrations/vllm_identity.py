@@ -1,0 +1,123 @@
+"""Who a vLLM engine's KV is to kvstore: the identity of each KV cache group it stores
+(model, revision, KV format, RoPE) and what a request adds to it (LoRA adapter, cache
+salt).  See ``kvstore.integrations.vllm``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+from kvstore.identity import DTYPE_BYTES, Identity
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+_MAX_TEXT = 512  # Identity's limit on text fields
+
+
+class RequestVariant(msgspec.Struct, frozen=True, array_like=True):
+    """What a request adds to the engine's identity: adapter and cache salt."""
+
+    adapter: str | None = None
+    adapter_revision: str | None = None
+    salt: str = ""
+
+
+def bounded(text: str) -> str:
+    """``text`` if it fits an identity field, else a stable digest of it."""
+    if len(text) <= _MAX_TEXT:
+        return text
+    return "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def request_variant(request: Request) -> RequestVariant:
+    lora = request.lora_request
+    adapter = revision = None
+    if lora is not None:
+        adapter = bounded(lora.lora_name)
+        revision = bounded(lora.lora_path or f"id:{lora.lora_int_id}")
+    return RequestVariant(adapter, revision, bounded(request.cache_salt or ""))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"kvstore cannot store a KV cache of dtype {dtype}")
+    return name
+
+
+def _rope(hf_config: Any) -> tuple[str, str]:
+    text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    params = (getattr(text_config, "rope_parameters", None)
+              or getattr(text_config, "rope_scaling", None))
+    if not params:
+        return "default", ""
+    params = dict(params)
+    rope_type = str(params.get("rope_type") or params.get("type") or "default")
+    return rope_type, bounded(json.dumps(params, sort_keys=True, default=str))
+
+
+@dataclass(frozen=True)
+class Group:
+    """A KV cache group the connector moves: its layers and its base identity."""
+
+    index: int
+    layer_names: tuple[str, ...]
+    block_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    identity: Identity  # tensor-parallel rank 0, no adapter, no salt
+
+    def identity_for(self, variant: RequestVariant, tp_rank: int, tp_size: int) -> Identity:
+        layout = self.identity.layout if tp_size == 1 else (
+            f"{self.identity.layout};tp={tp_rank}/{tp_size}")
+        return msgspec.structs.replace(
+            self.identity, adapter=variant.adapter, adapter_revision=variant.adapter_revision,
+            salt=variant.salt, layout=layout)
+
+
+def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tenant: str,
+            extra: dict[str, Any]) -> list[Group]:
+    model_config = vllm_config.model_config
+    model = str(extra.get("model_name") or model_config.served_model_name or model_config.model)
+    if isinstance(model_config.served_model_name, list) and not extra.get("model_name"):
+        model = str(model_config.served_model_name[0])
+    revision = str(extra.get("model_revision") or model_config.revision or "unversioned")
+    if str(vllm_config.load_config.load_format) == "dummy":
+        revision += "+dummy"  # random weights are not the model's weights
+    rope_type, rope_scaling = _rope(model_config.hf_config)
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    layout = "paged" if cache_dtype == "auto" else f"paged;cache_dtype={cache_dtype}"
+
+    groups = []
+    for index in kv_cache_config.prefix_cacheable_group_ids:
+        group = kv_cache_config.kv_cache_groups[index]
+        spec = group.kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
+            raise ValueError(  # noqa: TRY004 - an unsupported configuration, not a bad call
+                f"KVStoreConnector stores full-attention KV caches only; KV cache group "
+                f"{index} is a {type(spec).__name__}")
+        if (spec.head_size_v != spec.head_size or spec.page_size_padded is not None
+                or spec.num_head_slots is not None or int(spec.kv_quant_mode) != 0):
+            raise ValueError(
+                f"KVStoreConnector cannot store KV cache group {index}: its pages are "
+                f"packed or quantized ({spec})")
+        identity = Identity(
+            model=bounded(model), model_revision=bounded(revision), tenant=tenant,
+            kv_dtype=_dtype_name(spec.dtype), num_layers=len(group.layer_names),
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+            block_tokens=spec.block_size, layout=layout, rope_type=rope_type,
+            rope_scaling=rope_scaling)
+        groups.append(Group(index, tuple(group.layer_names), spec.block_size,
+                             spec.num_kv_heads, spec.head_size, identity))
+    if not groups:
+        raise ValueError("KVStoreConnector found no prefix-cacheable KV cache group")
+    return groups
