@@ -15,7 +15,8 @@ Three measurements, each next to its peer, medians of interleaved runs, and rati
   daemon (target: <= 2x); and the machine's limit beside it: a bare pyzmq request sent
   to 8 echo processes at once and gathered, against one echo's round trip.
 
-    python benchmarks/kv_events.py [--repeats N] [--only publish|throughput|route] [--json]
+    python benchmarks/kv_events.py [--repeats N] [--only publish|throughput|route]
+        [--round N] [--json]
 """
 
 from __future__ import annotations
@@ -214,12 +215,14 @@ ARMS: tuple[tuple[str, dict[str, str], bool], ...] = (
 )
 
 
-def bench_throughput(work: Path, repeats: int, data: bool = False) -> dict[str, float]:
+def bench_throughput(work: Path, repeats: int, data: bool = False,
+                     round_n: int = 3) -> dict[str, float]:
     """Daemon CPU time per request, and requests a second, of daemons publishing events
     (to a subscriber; to nobody; a batch every loop turn) and of two that do not.  Every
     process here runs on one CPU: all daemons then run as the client's peer under the
     same conditions (the CPU time of a daemon woken on the other CPU, or beside another
-    user's work there, varies by tens of percent).  Rounds of a few requests per daemon,
+    user's work there, varies by tens of percent).  Rounds of ``round_n`` iterations per
+    daemon (a store, a lookup: 3 by default; more for a sustained load),
     in a shuffled order, ``20 * repeats`` of them; each round's CPU time per request
     over the mean of the two daemons without events in the same round, and the median
     of those.  A round's CPU time is read ``interval_ms`` and a millisecond after its
@@ -250,7 +253,7 @@ def bench_throughput(work: Path, repeats: int, data: bool = False) -> dict[str, 
                 subs.append(subscriber(env["KVSTORE_EVENTS_ENDPOINT"]))
                 os.sched_setaffinity(subs[-1].pid, (cpus - {cpu}) or cpus)
             clients.append(Client(endpoint, tenant="bench"))
-            runs[name] = workload(clients[-1], [0], n=3, data=data)
+            runs[name] = workload(clients[-1], [0], n=round_n, data=data)
         for run in runs.values():
             for _ in range(10):
                 run()
@@ -394,6 +397,9 @@ def main() -> None:
     parser.add_argument("--daemons", type=int, default=8)
     parser.add_argument("--only", choices=["publish", "throughput", "route"],
                         help="run one of the three")
+    parser.add_argument("--round", type=int, default=3, metavar="N",
+                        help="throughput: iterations (a store and a lookup) per daemon in "
+                             "a round (more: a sustained load)")
     parser.add_argument("--json", action="store_true",
                         help="print every figure as JSON after the table")
     args = parser.parse_args()
@@ -409,7 +415,7 @@ def main() -> None:
         rows.append(row("  the same, tenth percentile (us)", p_pub, p_raw, "encode+send"))
     if args.only in (None, "throughput"):
         for data, what in ((False, "control"), (True, "with bytes")):
-            t = bench_throughput(work, args.repeats, data)
+            t = bench_throughput(work, args.repeats, data, args.round)
             figures.update({f"{what.replace(' ', '_')}_{k}": v for k, v in t.items()})
             for arm, label, target in (("on", "events to a subscriber", "<= 1.05"),
                                        ("alone", "events to nobody", "<= 1.05"),

@@ -286,9 +286,6 @@ class EventPublisher:
         self._due = 0.0
         if not self.changes.touched:
             return -1
-        changes = self.changes.drain()
-        if not changes:
-            return -1
         # Whether anyone subscribes, as last read unless that was a while ago (a read
         # asks ZeroMQ, a syscall's worth a batch).
         now = time.monotonic()
@@ -299,10 +296,15 @@ class EventPublisher:
             listened = bool(self.subscriptions)
         if self._replay is None and not listened:
             # Nobody subscribes and nothing is replayed: the batch is numbered (a
-            # snapshot names the last one) but not built.
+            # snapshot names the last one) but not built, its changes not even listed.
+            if not self.changes.settle():
+                return -1
             self.unheard += 1
             self.seq += 1
             return self.seq - 1
+        changes = self.changes.drain()
+        if not changes:
+            return -1
         return self.publish(self.maker.events(changes), listened)
 
     def publish(self, events: list[Event], listened: bool | None = None) -> int:

@@ -202,8 +202,6 @@ class BlockStore(StoreCore):
                 shard[key] = block
                 if checksums:
                     block.checksum = checksums[i]
-            if tokens and tokens[i] and block.tokens is None:
-                block.tokens = tokens[i]
             if block.offset is not None or block.promoting:
                 duplicates.append(offset)
             else:
@@ -212,6 +210,12 @@ class BlockStore(StoreCore):
             block.seen += 1
             parent = block
         ns.blocks.grown()
+        if tokens:  # events on: each block keeps the first token ids it came with (with
+            # no duplicate, the fresh blocks are the keys' blocks, in order)
+            chain = fresh if not duplicates else [ns.blocks[key] for key in r.keys]
+            for block, ids in zip(chain, tokens):
+                if ids and block.tokens is None:
+                    block.tokens = ids
         policy.insert_many(reversed(fresh))  # deepest first: parents end up warmer
         if self.changes is not None:
             if duplicates:  # fresh blocks with gaps between them: marked one by one

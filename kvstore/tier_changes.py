@@ -206,6 +206,30 @@ class TierChanges:
         return [*removed.values(), *stored]
 
 
+    def settle(self) -> bool:
+        """Take what changed since the last drain as announced without building it (a
+        batch nobody hears: numbered, never built); whether anything changed.  The bits
+        end as ``drain`` leaves them, so the next batch compares with the same."""
+        touched, self.touched = self.touched, []
+        runs, self.runs = self.runs, 0
+        if runs and runs != len(touched):
+            touched = _unfold_overlaps(touched)
+        changed = False
+        for block in touched:
+            if isinstance(block, list):  # a commit's run: its DRAM copies, new
+                for b in block:
+                    b.announced |= 1
+                changed = True
+                continue
+            now = holdings(block) if block.remote else (
+                (block.offset is not None) | (block.ssd_offset is not None) << 1
+                | (block.gpu_offset is not None) << 3)
+            if now != block.announced:
+                block.announced = now
+                changed = True
+        return changed
+
+
 def _unfold_overlaps(touched: list[Block | list[Block]]) -> list[Block | list[Block]]:
     """The marks with each commit's run that a block marked alone overlaps (a copy it
     gained or lost since) as its blocks, marked one by one."""
