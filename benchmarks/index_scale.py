@@ -19,7 +19,7 @@ clients send them, settling the heap once a second as the daemon does, and print
 Every part runs in a fresh process, so that its memory is its own.
 
 Where the bytes go, and what 150 B a block would take.  At 10M blocks (auto, one
-namespace) the index costs 472 B a block by RSS: the entry (``Block``, 23 slots, 184 B),
+namespace) the index costs 472 B a block by RSS: the entry (``Block``, 19 slots, 184 B),
 its key (a 16-byte ``bytes``, 49 B), its DRAM offset (an int object, 32 B), the key map
 (34 B), the duel's map of tracked items (33 B, and an int object per key, 32 B), the
 duel's miniatures (an eighth of the keys in three orders with parent and child maps,

@@ -341,9 +341,11 @@ class EventPublisher:
 
     def read_subscriptions(self) -> None:
         """Take in the subscriptions the XPUB passed up: a topic's first subscriber
-        (``\\x01topic``) and its last one gone (``\\x00topic``).  Read before each send
-        (ZeroMQ registers a subscription as it passes it up), so a batch is sent only
-        while someone subscribes."""
+        (``\\x01topic``) and its last one gone (``\\x00topic``).  Read at most every
+        ``SUBSCRIPTIONS_EVERY`` seconds when a batch is due (ZeroMQ registers a
+        subscription as it passes it up), so a batch is sent only while someone
+        subscribes: a subscriber's first batches within that time may go unsent, as a
+        PUB socket's do before a subscription reaches it (replay them by sequence)."""
         pub = self._pub
         while pub is not None and _readable(pub):
             try:

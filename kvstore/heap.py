@@ -4,11 +4,13 @@ CPython runs a full collection whenever what survived the young generations grow
 quarter of the old one; with millions of long-lived blocks each such collection walks
 all of them and holds the event loop for as long (a third of a second at 100k blocks,
 seconds at a million, measured by ``benchmarks/loop_stalls.py``).  The index holds no
-reference cycles that die (an entry leaves its parent's child links as it goes, and
+reference cycles that die (an entry leaves its parent's child links and its eviction
+order's links as it goes, and an order replaced unlinks its entries, ``release``; so
 reference counting frees it), so the daemon moves what survived into the collector's
 permanent generation from time to time (``gc.freeze``): full collections then walk only
 what came since.  Young collections go on as before, and one runs just before each
-freeze, so short-lived cycles (a failed request's traceback) are still freed; a cycle
+freeze (but not before the freeze that ends a warm restart, which built only entries),
+so short-lived cycles (a failed request's traceback) are still freed; a cycle
 that outlives a period and dies later is kept until exit, the price of never walking
 the index.
 """

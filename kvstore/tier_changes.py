@@ -79,7 +79,7 @@ class TierChanges:
                  on_more: Callable[[], None] | None = None) -> None:
         # Marks in order: a block, or a commit's run of blocks (a list, one mark for them
         # all), a block marked twice listed twice: the drain's second look finds nothing
-        # new.  A list, not a set: blocks are equal by key, and a key dropped and cached
+        # new.  A list, not a set: blocks are distinct by identity, and a key dropped and cached
         # again in one turn is two entries.
         self.touched: list[Block | list[Block]] = []
         self.runs = 0  # of the marks, commits' runs
@@ -94,8 +94,11 @@ class TierChanges:
 
     def touch_all(self, blocks: Iterable[Block]) -> None:
         touched = self.touched
-        if not touched and self.on_first is not None:
-            self.on_first()
+        if not touched:
+            if self.on_first is not None:
+                self.on_first()
+        elif self.on_more is not None:  # a commit's blocks marked one by one
+            self.on_more()
         touched.extend(blocks)
 
     def touch_run(self, blocks: list[Block]) -> None:
@@ -204,7 +207,6 @@ class TierChanges:
                     if tier == DRAM:
                         dram_gone, gone_ns = run.keys, ns
         return [*removed.values(), *stored]
-
 
     def settle(self) -> bool:
         """Take what changed since the last drain as announced without building it (a

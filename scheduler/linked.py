@@ -59,7 +59,10 @@ class LinkedOrder(Generic[T]):
     def __setitem__(self, item: T, value: None) -> None:
         """Append ``item`` as the newest, unless it is held already (where it stays,
         as an ``OrderedDict``'s key does)."""
-        if getattr(item, self._owner) is not self:
+        owner = getattr(item, self._owner)
+        if owner is not self:
+            if owner is not None:
+                raise ValueError(f"{item!r} is held by another order on these links")
             self._append(item)
 
     def _append(self, item: T) -> None:
@@ -79,8 +82,14 @@ class LinkedOrder(Generic[T]):
         last = getattr(end, older)
         added = 0
         for item in items:
-            if getattr(item, owner) is self:
+            held = getattr(item, owner)
+            if held is self:
                 continue
+            if held is not None:  # the links appended so far stay consistent
+                setattr(last, newer, end)
+                setattr(end, older, last)
+                self._len += added
+                raise ValueError(f"{item!r} is held by another order on these links")
             setattr(item, owner, self)
             setattr(item, older, last)
             setattr(last, newer, item)
@@ -192,7 +201,10 @@ def __contains__(self, item):
     return item.{o} is self
 
 def __setitem__(self, item, value):
-    if item.{o} is not self:
+    held = item.{o}
+    if held is not self:
+        if held is not None:
+            raise ValueError(f"{{item!r}} is held by another order on these links")
         end = self._end
         last = end.{p}
         item.{o} = self
@@ -207,8 +219,14 @@ def extend(self, items):
     last = end.{p}
     added = 0
     for item in items:
-        if item.{o} is self:
+        held = item.{o}
+        if held is self:
             continue
+        if held is not None:
+            last.{n} = end
+            end.{p} = last
+            self._len += added
+            raise ValueError(f"{{item!r}} is held by another order on these links")
         item.{o} = self
         item.{p} = last
         last.{n} = item

@@ -349,6 +349,9 @@ def page_runs(rows: Sequence[torch.Tensor], page_ids: Sequence[int],
     other in memory (one storage) going to pages that follow each other: on the CPU a
     strided copy of a whole run moves at memory speed, where one copy per page pays
     the call's overhead each time and a batched index_copy over strided pages is slow."""
+    for row in rows:  # as_strided reads past a short row into its neighbour's bytes
+        if row.nbytes < row_bytes:
+            raise ValueError(f"a row of {row.nbytes} bytes for pages of {row_bytes}")
     i, n = 0, len(rows)
     while i < n:
         first = rows[i]

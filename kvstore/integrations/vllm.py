@@ -309,8 +309,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     (default true), ``post_loads`` (default true: acquires sent in handle_preemptions),
     ``copy_ahead`` (default false; with ``post_loads``, host pages pinned and copied on
     a thread from then on: for hosts with a core to spare), ``max_pending_save_mib``
-    (staged save bytes before saves are dropped, default 1024), ``prefill_tokens_per_s``
-    and ``load_gbps`` (see
+    (bytes of pending saves, staged or still in vLLM's pages, before saves are
+    dropped, default 1024), ``prefill_tokens_per_s`` and ``load_gbps`` (see
     ``LoadWorth``: blocks slower to load than to recompute are not offered; the daemon's
     measured rates replace ``load_gbps``, asked every ``rates_refresh_s`` seconds,
     default 10, 0: never).
@@ -337,7 +337,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._prefetch = bool(extra.get("prefetch", True))
         self._post_loads = bool(extra.get("post_loads", True))
         # Off by default: on a loaded 2-core host it slowed loads (engine_e2e kvstore-ahead)
-        self._copy_ahead = bool(extra.get("copy_ahead", False))
+        # Loads copied ahead land before vLLM zeroes new blocks in _update_states: where
+        # its cache needs that zeroing, they would be zeroed (and wrong KV served)
+        self._copy_ahead = (bool(extra.get("copy_ahead", False))
+                            and not getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
         self._max_pending = int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20))
         self._rates = LoadRates(
             LoadWorth.from_extra(extra, sum(g.identity.block_bytes for g in self._groups),
@@ -527,13 +530,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         start = state.saved_blocks
         if full <= start:
             return
+        # Every group's blocks checked before any save is planned: a save planned whose
+        # request is not marked ``saving`` would have its pages freed under the copy.
+        if any(len(state.block_ids[g.index][start:full]) < full - start for g in self._groups):
+            return  # blocks not allocated yet (cannot happen in vLLM's scheduler)
         for group in self._groups:
             keys = self._keys(state, group, full)
-            ids = state.block_ids[group.index][start:full]
-            if len(ids) < full - start:
-                return  # blocks not allocated yet (cannot happen in vLLM's scheduler)
             meta.saves.append(Transfer(state.request.request_id, group.index, state.variant,
-                                       keys[start:], ids, keys[start - 1] if start else None))
+                                       keys[start:], state.block_ids[group.index][start:full],
+                                       keys[start - 1] if start else None))
         state.saved_blocks = full
         state.saving = True
 
@@ -593,6 +598,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             started = time.perf_counter()
         if meta.loads and self._post_loads:
             self._finish_loads()  # a step that never reached wait_for_save: its client use
+            if self._posted_loads is not None:  # a step vLLM never loaded: its pins go
+                self._posted_loads[1].finish()
             self._posted_loads = (meta, self._plan_loads(meta.loads))
             if not (self._copy_ahead and self._posted_loads[1].start()):
                 self._posted_loads[1].post()
@@ -613,7 +620,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not meta.loads:
             return
         loads = posted[1] if posted is not None else self._plan_loads(meta.loads)
-        outcome = loads.pinned()
+        try:
+            outcome = loads.pinned()
+        except BaseException:
+            loads.finish()  # a pin or copy-ahead error: the pins taken go now, not at lease end
+            raise
         self.stats["load_calls"] += loads.calls
         self.stats["acquire_wait_us"] += int(loads.waited_s * 1e6)
         # vLLM recomputes the blocks not loaded (or fails their requests), never reads them

@@ -18,7 +18,7 @@ from kvstore.scheduler.eviction import (
     WarmPins,
     make_policy,
 )
-from kvstore.scheduler.linked import LinkedOrder
+from kvstore.scheduler.linked import LinkedOrder, linked_order
 
 
 class Item:
@@ -82,11 +82,14 @@ def test_linked_lru_evicts_as_the_table_does(
     other.links = "b"
     for verb, index, mask in history:
         item = ITEMS[index]
-        if verb == "switch":  # a fresh order on the same links takes the items over
+        if verb == "switch":  # a fresh order on the same links takes the items over,
+            # the old one released first, as the store does
+            listed, pinned = list(linked.evictable()), list(linked._pinned)
+            linked.release()
             fresh = linked_lru(specialised)
-            for kept in linked.evictable():
+            for kept in listed:
                 fresh.insert(kept)
-            for kept in linked._pinned:
+            for kept in pinned:
                 fresh.insert(kept)
                 fresh.pin(kept)
             linked = fresh
@@ -142,6 +145,8 @@ def test_auto_keeps_its_lru_order_in_the_links_and_its_miniatures_in_tables() ->
     assert isinstance(policy._order, LRUPolicy) and policy._order.links == "a"
     assert all(isinstance(m.order, LRUPolicy) is False or m.order.links is None
                for m in policy._minis)
+    for item in ITEMS:  # other tests' orders leave them linked
+        item.a_order = item.b_order = None
     items: list[Hashable] = list(ITEMS)
     for item in items:
         policy.insert(item)
@@ -167,3 +172,20 @@ def test_an_order_handed_over_or_replaced_lets_go_of_the_items_links() -> None:
     warm = WarmPins(policy, clock=lambda: 0.0)
     warm.release()  # a policy switch drops the whole order
     assert all(i.a_order is None for i in ITEMS)
+
+
+def test_an_item_held_by_another_order_on_the_same_links_is_refused() -> None:
+    class Item:
+        def __init__(self) -> None:
+            self.x_order = self.x_older = self.x_newer = None
+
+    for make in (LinkedOrder, linked_order):
+        first, second = make("x"), make("x")
+        a, b, c = Item(), Item(), Item()
+        first[a] = None
+        first.extend([b])
+        with pytest.raises(ValueError, match="another order"):
+            second[a] = None
+        with pytest.raises(ValueError, match="another order"):
+            second.extend([c, b])
+        assert list(first) == [a, b] and list(second) == [c] and len(second) == 1
