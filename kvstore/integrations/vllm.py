@@ -300,21 +300,46 @@ def save_now(ns: Namespace | None, t: Transfer, rows: torch.Tensor, stats: dict[
         link.failed(f"save for request {t.req_id}", stored.error)
 
 
-class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
-    """A vLLM KV connector backed by a kvstore daemon.
 
-    ``kv_connector_extra_config`` keys: ``endpoint``, ``tenant``, ``token``,
-    ``timeout`` (seconds per request, default 5), ``model_name``, ``model_revision``,
-    ``async_saves`` (default true), ``layerwise`` (default false), ``prefetch``
-    (default true), ``post_loads`` (default true: acquires sent in handle_preemptions),
-    ``copy_ahead`` (default false; with ``post_loads``, host pages pinned and copied on
-    a thread from then on: for hosts with a core to spare), ``max_pending_save_mib``
-    (bytes of pending saves, staged or still in vLLM's pages, before saves are
-    dropped, default 1024), ``prefill_tokens_per_s`` and ``load_gbps`` (see
-    ``LoadWorth``: blocks slower to load than to recompute are not offered; the daemon's
-    measured rates replace ``load_gbps``, asked every ``rates_refresh_s`` seconds,
-    default 10, 0: never).
-    """
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """The connector's ``kv_connector_extra_config`` keys beside ``endpoint``,
+    ``tenant``, ``token``, ``timeout`` (seconds per request, default 5), ``model_name``
+    and ``model_revision`` (``DaemonSettings``, ``kv_groups``), ``prefill_tokens_per_s``
+    and ``load_gbps`` (``LoadWorth``: blocks slower to load than to recompute are not
+    offered; the daemon's measured rates replace ``load_gbps``, asked every
+    ``rates_refresh_s`` seconds, default 10, 0: never):
+
+    ``async_saves`` (default true), ``layerwise`` (default false), ``prefetch`` (default
+    true), ``post_loads`` (default true: acquires sent in handle_preemptions),
+    ``copy_ahead`` (default false; with ``post_loads``, host pages pinned and copied on a
+    thread from then on: for hosts with a core to spare; on a loaded 2-core host it
+    slowed loads, engine_e2e's kvstore-ahead arm), ``max_pending_save_mib`` (bytes of
+    pending saves, staged or still in vLLM's pages, before saves are dropped, default
+    1024)."""
+
+    async_saves: bool
+    layerwise: bool
+    prefetch: bool
+    post_loads: bool
+    copy_ahead: bool
+    max_pending: int
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any], kv_cache_config: Any) -> ConnectorOptions:
+        # Loads copied ahead land before vLLM zeroes new blocks in _update_states: where
+        # its cache needs that zeroing, they would be zeroed (and wrong KV served).
+        zeroed = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+        return cls(async_saves=bool(extra.get("async_saves", True)),
+                   layerwise=bool(extra.get("layerwise", False)),
+                   prefetch=bool(extra.get("prefetch", True)),
+                   post_loads=bool(extra.get("post_loads", True)),
+                   copy_ahead=bool(extra.get("copy_ahead", False)) and not zeroed,
+                   max_pending=int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20)))
+
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """A vLLM KV connector backed by a kvstore daemon (its ``kv_connector_extra_config``
+    keys: ``ConnectorOptions``)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -332,16 +357,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("KVStoreConnector does not support pipeline parallelism yet")
         self._is_producer = self._kv_transfer_config.is_kv_producer
         self._is_consumer = self._kv_transfer_config.is_kv_consumer
-        self._async_saves = bool(extra.get("async_saves", True))
-        self._layerwise = bool(extra.get("layerwise", False))
-        self._prefetch = bool(extra.get("prefetch", True))
-        self._post_loads = bool(extra.get("post_loads", True))
-        # Off by default: on a loaded 2-core host it slowed loads (engine_e2e kvstore-ahead)
-        # Loads copied ahead land before vLLM zeroes new blocks in _update_states: where
-        # its cache needs that zeroing, they would be zeroed (and wrong KV served)
-        self._copy_ahead = (bool(extra.get("copy_ahead", False))
-                            and not getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
-        self._max_pending = int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20))
+        self._opts = ConnectorOptions.from_extra(extra, kv_cache_config)
         self._rates = LoadRates(
             LoadWorth.from_extra(extra, sum(g.identity.block_bytes for g in self._groups),
                                  self._groups[0].block_tokens),
@@ -422,7 +438,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             hit = worth
             if hit == 0:
                 return 0, False
-        if self._prefetch and any(t != "dram" for t in tiers[first:first + hit]):
+        if self._opts.prefetch and any(t != "dram" for t in tiers[first:first + hit]):
             self._prefetch_blocks(state, first, first + hit)
         state.offer = (first, hit)
         self.stats["offers"] += 1
@@ -554,7 +570,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         state = self._requests.pop(request.request_id, None)
         if state is not None and state.lookups:  # never scheduled: read their replies
             settle(state.lookups)
-        return bool(state is not None and state.saving and self._async_saves), None
+        return bool(state is not None and state.saving and self._opts.async_saves), None
 
     # ==================================================================================
     # worker side
@@ -572,8 +588,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if len(pages.layer_targets()) == len(group.layer_names):
                 self._layer_index.update((name, i) for i, name in enumerate(group.layer_names))
         self._link.client()  # connect and map the arena now, not in a request's step
-        if self._async_saves and self._is_producer:
-            self._sender = SaveSender(self._link.settings, max_pending_bytes=self._max_pending)
+        if self._opts.async_saves and self._is_producer:
+            self._sender = SaveSender(self._link.settings,
+                                      max_pending_bytes=self._opts.max_pending)
 
     def _group(self, index: int) -> Group:
         return next(g for g in self._groups if g.index == index)
@@ -596,12 +613,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._sender.wait_for(meta.preempted & self._saving, None)
             self.stats["save_us"] += int((time.perf_counter() - started) * 1e6)
             started = time.perf_counter()
-        if meta.loads and self._post_loads:
+        if meta.loads and self._opts.post_loads:
             self._finish_loads()  # a step that never reached wait_for_save: its client use
             if self._posted_loads is not None:  # a step vLLM never loaded: its pins go
                 self._posted_loads[1].finish()
             self._posted_loads = (meta, self._plan_loads(meta.loads))
-            if not (self._copy_ahead and self._posted_loads[1].start()):
+            if not (self._opts.copy_ahead and self._posted_loads[1].start()):
                 self._posted_loads[1].post()
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
 
@@ -629,7 +646,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.stats["acquire_wait_us"] += int(loads.waited_s * 1e6)
         # vLLM recomputes the blocks not loaded (or fails their requests), never reads them
         self._load_errors |= count_loads(meta.loads, outcome, self.stats, self._link)
-        if self._layerwise and self._layer_index:
+        if self._opts.layerwise and self._layer_index:
             loads.start_layers()
             self._step_loads = loads
         else:
