@@ -113,17 +113,7 @@ class LinkedOrder(Generic[T]):
         """Make a held ``item`` the newest (KeyError if not held)."""
         if getattr(item, self._owner) is not self:
             raise KeyError(item)
-        end, older, newer = self._end, self._older, self._newer
-        last = getattr(end, older)
-        if last is item:
-            return
-        before, after = getattr(item, older), getattr(item, newer)
-        setattr(before, newer, after)
-        setattr(after, older, before)
-        setattr(item, older, last)
-        setattr(item, newer, end)
-        setattr(last, newer, item)
-        setattr(end, older, item)
+        self.touch_many((item,))
 
     def touch_many(self, items: Iterable[T]) -> None:
         """Make each held item the newest, in turn; skip the others (``move_to_end`` of
