@@ -72,47 +72,101 @@ def _itself(item: Hashable) -> Hashable:
     return item
 
 
-class _Miniature(Generic[T]):
+class _Sampled:
+    """A sampled key as the miniatures hold it (their items): the key, the tick of its
+    last reference, how many miniatures hold it, and per miniature ``m<i>_*`` slots (see
+    ``sampled_class``).  Small objects with links rather than a table per order: nothing
+    grows by one big rebuild, and an eighth of a cache of millions costs no table."""
+
+    __slots__ = ("key", "last", "held")
+
+    def __init__(self, key: int, last: int) -> None:
+        self.key = key
+        self.last = last
+        self.held = 0
+
+
+def _sampled_key(node: _Sampled) -> int:
+    return node.key
+
+
+_SAMPLED: dict[int, type[_Sampled]] = {}
+
+
+def sampled_class(miniatures: int) -> type[_Sampled]:
+    """``_Sampled`` with, for each miniature ``i``, the links of its order
+    (``m<i>_order``, ``_older``, ``_newer``: see ``LinkedOrder``), its parent's key if the
+    miniature held the parent then (``m<i>_up``) and its children held (``m<i>_kids``;
+    None while that miniature does not hold it)."""
+    cls = _SAMPLED.get(miniatures)
+    if cls is None:
+        slots = tuple(f"m{i}_{part}" for i in range(miniatures)
+                      for part in ("order", "older", "newer", "up", "kids"))
+        source = "def __init__(self, key, last):\n    self.key = key\n    self.last = last\n" \
+                 "    self.held = 0\n" + "".join(f"    self.{slot} = None\n" for slot in slots)
+        methods: dict[str, Any] = {}
+        exec(compile(source, f"<_Sampled{miniatures}>", "exec"), {}, methods)
+        cls = _SAMPLED[miniatures] = type(f"_Sampled{miniatures}", (_Sampled,),
+                                          {"__slots__": slots, **methods})
+    return cls
+
+
+class _Miniature:
     """One candidate's miniature cache of the sampled keys, leaf first as the store is:
     a key whose parent it holds counts as that parent's child, and only keys with no
-    child held are victims (with every key sampled, it is the whole cache replayed)."""
+    child held are victims (with every key sampled, it is the whole cache replayed).
+    Its order holds ``_Sampled`` items, in their ``m<index>_*`` links where it can."""
 
-    __slots__ = ("order", "parent", "children", "hits", "score")
+    __slots__ = ("order", "up", "kids", "held", "hits", "score")
 
-    def __init__(self, order: Order[T]) -> None:
+    def __init__(self, order: Order[Any], index: int) -> None:
         self.order = order
-        # every key held -> its parent, if held then; -> its children held (both split
-        # as they grow: a miniature holds an eighth of a cache of millions)
-        self.parent: ShardedDict[T, T | None] = ShardedDict()
-        self.children: ShardedDict[T, int] = ShardedDict()
+        if isinstance(getattr(type(order), "links", None), property):
+            order.links = f"m{index}"  # type: ignore[attr-defined]
+        if hasattr(order, "ghost_key"):
+            order.ghost_key = _sampled_key  # ghosts by key: a key sampled again is known
+        self.up, self.kids = f"m{index}_up", f"m{index}_kids"
+        self.held = 0  # keys held
         self.hits = 0  # in the current epoch
         self.score = 0.0  # hits of past epochs, each weighing ``keep`` times the next
 
-    def _leaf(self, item: T) -> bool:
-        return self.children[item] == 0
+    def _leaf(self, node: _Sampled) -> bool:
+        return getattr(node, self.kids) == 0  # type: ignore[no-any-return]
 
-    def reference(self, item: T, parent: T | None, capacity: int) -> None:
-        if item in self.children:
+    def reference(self, node: _Sampled, parent: _Sampled | None, capacity: int,
+                  nodes: ShardedDict[int, _Sampled], dropped: list[_Sampled]) -> None:
+        """``node`` referenced (``parent``: its parent's, if sampled); the keys that no
+        miniature holds any more are added to ``dropped``."""
+        up, kids = self.up, self.kids
+        if getattr(node, kids) is not None:
             self.hits += 1
-            self.order.access(item)
+            self.order.access(node)
             return
         # Room first, then the insert, as the store does: a candidate sizes its ghost
         # history by the most items it has tracked at once.
-        while len(self.children) >= capacity:
+        while self.held >= capacity:
             victim = self.order.pop_victim(self._leaf)
             if victim is None:
                 break
-            del self.children[victim]
-            held = self.parent.pop(victim)
-            if held is not None and held in self.children:
-                self.children[held] -= 1
-        if parent is not None and parent in self.children:
-            self.children[parent] += 1
-        else:
-            parent = None
-        self.children[item] = 0
-        self.parent[item] = parent
-        self.order.insert(item)
+            setattr(victim, kids, None)
+            self.held -= 1
+            victim.held -= 1
+            if not victim.held:
+                dropped.append(victim)
+            held = getattr(victim, up)
+            if held is not None:
+                setattr(victim, up, None)
+                # by key: the parent may have left every miniature and come back since
+                was = nodes.get(held)
+                if was is not None and getattr(was, kids) is not None:
+                    setattr(was, kids, getattr(was, kids) - 1)
+        if parent is not None and getattr(parent, kids) is not None:
+            setattr(parent, kids, getattr(parent, kids) + 1)
+            setattr(node, up, parent.key)
+        setattr(node, kids, 0)
+        self.held += 1
+        node.held += 1
+        self.order.insert(node)
 
 
 class Duel(Generic[T]):
@@ -144,24 +198,26 @@ class Duel(Generic[T]):
             raise ValueError("epoch must be >= 1, margin >= 0 and keep in [0, 1)")
         self._factories = list(factories)
         self._order: Order[T] = self._keyed(self._factories[0]())
-        # Miniatures hold the hashes of the items' names (``ghost_key``): ints, cheap to
-        # hash, and the same for a block cached again as a new entry.
-        self._minis: list[_Miniature[int]] = [_Miniature(make()) for make in self._factories]
+        # Miniatures hold the sampled keys, the hashes of the items' names (``ghost_key``):
+        # the same for a block cached again as a new entry; each key one ``_Sampled``
+        # while a miniature holds it or it was referenced this tick.
+        self._minis = [_Miniature(make(), i) for i, make in enumerate(self._factories)]
+        self._node = sampled_class(len(self._minis))
+        self._nodes: ShardedDict[int, _Sampled] = ShardedDict()
+        self._lingering: list[_Sampled] = []  # held by none, but referenced this tick
         self.sample_shift = sample_shift
         self._unsampled = 64 - sample_shift  # a key is sampled if its top bits are zero
         self.epoch = epoch
         self.margin = margin
         self.keep = keep
         self._leader = 0
-        # every tracked item by its hash, pinned ones too (split as it grows: no stall)
-        self._items: ShardedDict[int, T] = ShardedDict()
-        self._hit: set[int] = set()  # the tracked items hit since they entered, by hash
-        # the tracked items in the sample: an item's hash -> its name's (``ghost_key``)
-        self._in_sample: ShardedDict[int, int] = ShardedDict()
+        # every tracked item, pinned ones too -> whether it was hit since it entered
+        # (split as it grows: no stall)
+        self._items: ShardedDict[T, bool] = ShardedDict()
+        # the tracked items in the sample -> the hash of their name (``ghost_key``)
+        self._in_sample: ShardedDict[T, int] = ShardedDict()
         self._size = 0  # the most items tracked at once: the cache size, once full
         self._tick = 0  # inserts and evictions so far
-        # sampled key -> the tick of its last reference
-        self._last: ShardedDict[int, int] = ShardedDict()
         self._sampled = 0  # sampled references in the current epoch
         self.switches = 0
         # The store's blocks know their parent; other items (the replay's ids) have it
@@ -190,29 +246,41 @@ class Duel(Generic[T]):
     def _sample(self, key: int, item: T) -> None:
         """A reference to a sampled key (its mixed hash's top ``sample_shift`` bits
         zero; the callers test that inline, most keys being out of the sample)."""
-        if self._last.get(key) == self._tick:
+        nodes, tick = self._nodes, self._tick
+        node = nodes.get(key)
+        if node is None:
+            node = nodes[key] = self._node(key, tick)
+        elif node.last == tick:
             return  # the same hit reported again (lookup, then acquire)
-        self._last[key] = self._tick
+        else:
+            node.last = tick
+        if self._lingering:
+            self._forget()
         # The miniatures hold a 2**-shift sample of a cache of _size items.
         capacity = max(1, self._size >> self.sample_shift)
         parent = self.parent_of(item)
-        parent_key = None if parent is None else hash(self.ghost_key(parent))
+        parent_node = None if parent is None else nodes.get(hash(self.ghost_key(parent)))
+        dropped: list[_Sampled] = []
         for mini in self._minis:
-            mini.reference(key, parent_key, capacity)
-        if len(self._last) > 4 * capacity:
-            self._forget()
+            mini.reference(node, parent_node, capacity, nodes, dropped)
+        for gone in dropped:
+            if not gone.held:  # no miniature holds it: no node, unless stamped this tick
+                if gone.last == tick:
+                    self._lingering.append(gone)
+                else:
+                    del nodes[gone.key]
         self._sampled += 1
         if self._sampled >= self.epoch:
             self._elect()
 
     def _forget(self) -> None:
-        # Keys no miniature holds need no dedup stamp once their tick has passed.
-        held = set().union(*(m.children.keys() for m in self._minis))
-        last: ShardedDict[int, int] = ShardedDict()
-        for k, t in self._last.items():
-            if k in held or t == self._tick:
-                last[k] = t
-        self._last = last
+        """Drop the keys no miniature holds whose dedup stamp has passed."""
+        lingering, tick = self._lingering, self._tick
+        self._lingering = [node for node in lingering if node.last == tick and not node.held]
+        nodes = self._nodes
+        for node in lingering:
+            if not node.held and node.last != tick and nodes.get(node.key) is node:
+                del nodes[node.key]
 
     def _elect(self) -> None:
         self._sampled = 0
@@ -234,16 +302,16 @@ class Duel(Generic[T]):
         (O(items), once per hand-over; keeping every candidate's order all along costs
         more per call than the hand-overs save, and did no better in the replay)."""
         listed = list(self._order.evictable())
-        on_order = {hash(item) for item in listed}
-        pinned = [item for key, item in self._items.items() if key not in on_order]
+        on_order = set(listed)
+        pinned = [item for item in self._items if item not in on_order]
         order: Order[T] = self._keyed(self._factories[best]())
         for item in listed:
             order.insert(item)
         for item in pinned:
             order.insert(item)
-        hit = self._hit
-        order.access_many([item for item in listed if hash(item) in hit])
-        order.access_many([item for item in pinned if hash(item) in hit])
+        hit = self._items
+        order.access_many([item for item in listed if hit[item]])
+        order.access_many([item for item in pinned if hit[item]])
         for item in pinned:
             order.pin(item)
         # Its miniature is a cache of _size >> sample_shift items.
@@ -254,17 +322,16 @@ class Duel(Generic[T]):
         self.switches += 1
 
     def insert(self, item: T) -> None:
-        key = hash(item)
-        if key in self._items:
+        if item in self._items:
             return
         self._tick += 1
-        self._items[key] = item
+        self._items[item] = False
         if len(self._items) > self._size:
             self._size = len(self._items)
         self._order.insert(item)
         name = hash(self.ghost_key(item))
         if not ((name * _GOLDEN) & _MASK64) >> self._unsampled:
-            self._in_sample[key] = name  # decided once: a lookup is cheaper than the sum per hit
+            self._in_sample[item] = name  # decided once: a lookup is cheaper than the sum per hit
             self._sample(name, item)
 
     def insert_many(self, items: Iterable[T]) -> None:
@@ -276,12 +343,11 @@ class Duel(Generic[T]):
         added, tick = 0, self._tick
         run: list[T] = []
         for item in items:
-            key = hash(item)
-            shard = shards[hash(key) % modulus]
-            if key in shard:
+            shard = shards[hash(item) % modulus]
+            if item in shard:
                 continue
             tick += 1
-            shard[key] = item
+            shard[item] = False
             added += 1
             run.append(item)
             name = hash(ghost_key(item))
@@ -293,7 +359,7 @@ class Duel(Generic[T]):
                 shards, modulus = tracked.shards, tracked.modulus
                 if len(tracked) > self._size:
                     self._size = len(tracked)
-                in_sample[key] = name
+                in_sample[item] = name
                 self._sample(name, item)
                 order = self._order  # an election may have handed the order over
         if run:
@@ -304,30 +370,30 @@ class Duel(Generic[T]):
             self._size = len(tracked)
 
     def access(self, item: T) -> None:
-        key = hash(item)
-        if key in self._items:
+        shard = self._items.shards[hash(item) % self._items.modulus]
+        if item in shard:
             self._order.access(item)
-            self._hit.add(key)
-            name = self._in_sample.get(key)
+            shard[item] = True  # hit since it entered
+            name = self._in_sample.get(item)
             if name is not None:
                 self._sample(name, item)
 
     def access_many(self, items: Iterable[T]) -> None:
         """``access`` each, in order, as one call per run of unsampled items to the
         candidate in charge (a lookup's hits are one call, not one per block)."""
-        order, hit = self._order, self._hit
+        order = self._order
         # the maps' shards read inline (a lookup's every hit passes here); nothing below
         # adds to or takes from them
         tracked, tracked_modulus = self._items.shards, self._items.modulus
         in_sample, sample_modulus = self._in_sample.shards, self._in_sample.modulus
         run: list[T] = []
         for item in items:
-            key = hash(item)
-            spread = hash(key)
-            if key in tracked[spread % tracked_modulus]:
+            spread = hash(item)
+            shard = tracked[spread % tracked_modulus]
+            if item in shard:
                 run.append(item)
-                hit.add(key)
-                name = in_sample[spread % sample_modulus].get(key)
+                shard[item] = True  # hit since it entered
+                name = in_sample[spread % sample_modulus].get(item)
                 if name is not None:
                     order.access_many(run)
                     run = []
@@ -343,20 +409,16 @@ class Duel(Generic[T]):
         self._order.unpin(item)
 
     def remove(self, item: T) -> None:
-        key = hash(item)
-        if self._items.pop(key, None) is not None:
-            self._in_sample.pop(key, None)
-            self._hit.discard(key)
+        if self._items.pop(item, None) is not None:
+            self._in_sample.pop(item, None)
             self._order.remove(item)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         self._tick += 1
         victim = self._order.pop_victim(allowed)
         if victim is not None:
-            key = hash(victim)
-            del self._items[key]
-            self._in_sample.pop(key, None)
-            self._hit.discard(key)
+            del self._items[victim]
+            self._in_sample.pop(victim, None)
         return victim
 
     def evictable(self) -> Iterator[T]:

@@ -34,11 +34,10 @@ from typing import Generic, TypeVar
 
 from kvstore.scheduler.density import HitDensityPolicy
 from kvstore.scheduler.dueling import Duel, Order
-from kvstore.scheduler.linked import LinkedOrder, linked_order
+from kvstore.scheduler.linked import LinkedOrder, Queue, links_of, queue
 from kvstore.scheduler.policy import EvictionPolicy as EvictionPolicy  # re-exported
 
 T = TypeVar("T", bound=Hashable)
-
 
 class LRUPolicy(EvictionPolicy[T]):
     """Least recently used first, O(1) per event; pinned items leave the order."""
@@ -47,19 +46,19 @@ class LRUPolicy(EvictionPolicy[T]):
 
     def __init__(self) -> None:
         # coldest first: in a table, or in the items' own links (``links``)
-        self._order: OrderedDict[T, None] | LinkedOrder[T] = OrderedDict()
+        self._order: Queue[T] = OrderedDict()
         self._pinned: set[T] = set()
 
     @property
     def links(self) -> str | None:
         """The attributes the order lives in (``LinkedOrder``), None for a table."""
-        return self._order.links if isinstance(self._order, LinkedOrder) else None
+        return links_of(self._order)
 
     @links.setter
     def links(self, links: str | None) -> None:
         if self._order or self._pinned:
             raise ValueError("an order's links are chosen while it is empty")
-        self._order = OrderedDict() if links is None else linked_order(links)
+        self._order = queue(links)
 
     def insert(self, item: T) -> None:
         self._order[item] = None
@@ -315,17 +314,29 @@ class ARCPolicy(EvictionPolicy[T]):
     name = "arc"
 
     def __init__(self) -> None:
-        self._t1: OrderedDict[T, None] = OrderedDict()  # LRU first
-        self._t2: OrderedDict[T, None] = OrderedDict()
+        # LRU first, each in a table or both in the items' links (``links``); an item's
+        # list is where it sits (no map of every tracked item)
+        self._t1: Queue[T] = OrderedDict()
+        self._t2: Queue[T] = OrderedDict()
         self._b1: OrderedDict[Hashable, None] = OrderedDict()  # ghosts, by ghost_key
         self._b2: OrderedDict[Hashable, None] = OrderedDict()
-        self._in_t2: dict[T, bool] = {}  # every tracked item: which list it belongs to
-        self._pinned: set[T] = set()
+        self._pinned: dict[T, bool] = {}  # pinned items, off both lists: in T2?
         self._target_t1 = 0.0
         self._size = 0  # the most items ever tracked at once: the cache size, once full
 
+    @property
+    def links(self) -> str | None:
+        """The attributes both lists live in (``LinkedOrder``), None for tables."""
+        return links_of(self._t1)
+
+    @links.setter
+    def links(self, links: str | None) -> None:
+        if self._t1 or self._t2 or self._pinned:
+            raise ValueError("an order's links are chosen while it is empty")
+        self._t1, self._t2 = queue(links), queue(links)
+
     def insert(self, item: T) -> None:
-        if item in self._in_t2:
+        if item in self._t1 or item in self._t2 or item in self._pinned:
             return
         size = max(1, self._size)
         ghost = self.ghost_key(item)
@@ -334,50 +345,42 @@ class ARCPolicy(EvictionPolicy[T]):
             self._target_t1 = min(float(size), self._target_t1 + grow)
             del self._b1[ghost]
             self._t2[item] = None
-            self._in_t2[item] = True
         elif ghost in self._b2:
             shrink = max(1.0, len(self._b1) / max(1, len(self._b2)))
             self._target_t1 = max(0.0, self._target_t1 - shrink)
             del self._b2[ghost]
             self._t2[item] = None
-            self._in_t2[item] = True
         else:
             self._t1[item] = None
-            self._in_t2[item] = False
-        self._size = max(self._size, len(self._in_t2))
+        self._size = max(self._size, len(self._t1) + len(self._t2) + len(self._pinned))
 
     def access(self, item: T) -> None:
-        in_t2 = self._in_t2.get(item)
-        if in_t2 is None:
-            return
-        if in_t2:  # the common hit: to T2's MRU end, in one step
-            if item not in self._pinned:
-                self._t2.move_to_end(item)
-            return
-        if item not in self._pinned:
+        if item in self._t2:  # the common hit: to T2's MRU end, in one step
+            self._t2.move_to_end(item)
+        elif item in self._t1:
             del self._t1[item]
             self._t2[item] = None
-        self._in_t2[item] = True
+        elif item in self._pinned:
+            self._pinned[item] = True
 
     def pin(self, item: T) -> None:
-        in_t2 = self._in_t2.get(item)
-        if in_t2 is not None and item not in self._pinned:
-            self._pinned.add(item)
-            del (self._t2 if in_t2 else self._t1)[item]
+        if item in self._t2:
+            del self._t2[item]
+            self._pinned[item] = True
+        elif item in self._t1:
+            del self._t1[item]
+            self._pinned[item] = False
 
     def unpin(self, item: T) -> None:
-        if item in self._pinned:
-            self._pinned.discard(item)
-            (self._t2 if self._in_t2[item] else self._t1)[item] = None
+        in_t2 = self._pinned.pop(item, None)
+        if in_t2 is not None:
+            (self._t2 if in_t2 else self._t1)[item] = None
 
     def remove(self, item: T) -> None:
-        in_t2 = self._in_t2.pop(item, None)
-        if in_t2 is None:
+        if self._pinned.pop(item, None) is not None:
             return
-        if item in self._pinned:
-            self._pinned.discard(item)
-        else:
-            del (self._t2 if in_t2 else self._t1)[item]
+        if self._t1.pop(item, _MISSING) is _MISSING:
+            self._t2.pop(item, None)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         t1_first = len(self._t1) > self._target_t1 or not self._t2
@@ -386,7 +389,6 @@ class ARCPolicy(EvictionPolicy[T]):
             victim = _first_allowed(queue, allowed)
             if victim is not None:
                 del queue[victim]
-                del self._in_t2[victim]
                 (self._b1 if queue is self._t1 else self._b2)[self.ghost_key(victim)] = None
                 self._trim_ghosts()
                 return victim
@@ -446,8 +448,9 @@ class SLRUPolicy(EvictionPolicy[T]):
         self.ghost_ratio = ghost
         self.window = window
         self.skip = skip
-        self._probation: OrderedDict[T, None] = OrderedDict()  # LRU first
-        self._protected: OrderedDict[T, None] = OrderedDict()
+        # LRU first, each in a table or both in the items' links (``links``)
+        self._probation: Queue[T] = OrderedDict()
+        self._protected: Queue[T] = OrderedDict()
         # pinned items, off both segments: whether each rejoins the protected one.  An
         # item's segment is otherwise where it sits: no map of every tracked item (it
         # would cost a dict entry per block of the index).
@@ -457,6 +460,17 @@ class SLRUPolicy(EvictionPolicy[T]):
         self._evicted = [0, 0]  # evictions from probation, from the protected segment
         self._size = 0  # the most items ever tracked at once: the cache size, once full
         self._target = 0.0  # probation's target size, items
+
+    @property
+    def links(self) -> str | None:
+        """The attributes both segments live in (``LinkedOrder``), None for tables."""
+        return links_of(self._probation)
+
+    @links.setter
+    def links(self, links: str | None) -> None:
+        if self._probation or self._protected or self._pinned:
+            raise ValueError("an order's links are chosen while it is empty")
+        self._probation, self._protected = queue(links), queue(links)
 
     def insert(self, item: T) -> None:
         self.insert_many((item,))
@@ -538,7 +552,7 @@ class SLRUPolicy(EvictionPolicy[T]):
         if isinstance(learned, SLRUPolicy):
             self._target = min(learned._target * scale, float(self._size))
 
-    def _evict(self, queue: OrderedDict[T, None], item: T) -> T:
+    def _evict(self, queue: Queue[T], item: T) -> T:
         del queue[item]
         from_protected = queue is self._protected
         self._evicted[from_protected] += 1
@@ -561,7 +575,7 @@ class SLRUPolicy(EvictionPolicy[T]):
         )
 
 
-def _first_allowed(queue: OrderedDict[T, None], allowed: Callable[[T], bool]) -> T | None:
+def _first_allowed(queue: Queue[T], allowed: Callable[[T], bool]) -> T | None:
     for item in queue:
         if allowed(item):
             return item

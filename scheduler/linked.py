@@ -20,6 +20,7 @@ with those attributes; ints and other plain items stay in an ``OrderedDict``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -258,3 +259,16 @@ def linked_order(links: str) -> LinkedOrder[Any]:
         cls = _SPECIALISED[links] = type(f"LinkedOrder_{links}", (LinkedOrder,),
                                          {"__slots__": (), **methods})
     return cls(links)
+
+
+Queue = OrderedDict[T, None] | LinkedOrder[T]  # an order of items: a table, or their links
+
+
+def queue(links: str | None) -> Queue[T]:
+    """An empty order: a table, or in the items' ``<links>_*`` attributes."""
+    return OrderedDict() if links is None else linked_order(links)
+
+
+def links_of(order: Queue[T]) -> str | None:
+    """The attributes ``order`` lives in, None for a table."""
+    return order.links if isinstance(order, LinkedOrder) else None
