@@ -241,3 +241,33 @@ def test_an_adopted_target_changes_which_segment_gives_up_a_victim(
     assert order.pop_victim(lambda _: True) == 6
     order.adopt_tuning(LRUPolicy(), 4.0)  # another policy's settings are not its own
     assert order.pop_victim(lambda _: True) == 7
+
+
+def test_the_miniatures_keep_a_sampled_key_only_while_one_holds_it() -> None:
+    """A sampled key the miniatures all dropped is forgotten (its node goes, so their
+    memory follows their size, not the traffic's), but not within the tick it was last
+    referenced: a hit reported twice then still counts once."""
+    duel = AutoPolicy(sample_shift=0, epoch=10**9)  # every key sampled; no hand-over
+    cached: list[int] = []
+    rng = random.Random(7)
+    for fresh in range(2000):
+        duel.insert(fresh)
+        cached.append(fresh)
+        if len(cached) > 40:
+            cached.remove(duel.pop_victim(lambda _: True))  # type: ignore[arg-type]
+        hit = rng.choice(cached)
+        duel.access(hit)
+        duel.access(hit)  # lookup, then acquire: one reference
+    nodes = list(duel._nodes.values())
+    assert all(node.held or node in duel._lingering for node in nodes)
+    assert len(nodes) <= 3 * 40 + len(duel._lingering)  # at most each miniature's own
+    # the same count as a duel told each hit once
+    once = AutoPolicy(sample_shift=0, epoch=10**9)
+    cached, rng = [], random.Random(7)
+    for fresh in range(2000):
+        once.insert(fresh)
+        cached.append(fresh)
+        if len(cached) > 40:
+            cached.remove(once.pop_victim(lambda _: True))  # type: ignore[arg-type]
+        once.access(rng.choice(cached))
+    assert once.scores() == duel.scores() and sum(duel.scores().values()) > 0

@@ -12,9 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.scheduler.eviction import (
+    ARCPolicy,
     AutoPolicy,
     EvictionPolicy,
     LRUPolicy,
+    SLRUPolicy,
     WarmPins,
     make_policy,
 )
@@ -108,6 +110,31 @@ def test_linked_lru_evicts_as_the_table_does(
         assert len(linked) == len(table)
     assert all(i.a_order is None or i.a_order is linked._order
                for i in ITEMS)
+
+
+@pytest.mark.parametrize("make", [SLRUPolicy, ARCPolicy])
+@settings(max_examples=300, deadline=None)
+@given(history=events)
+def test_segmented_orders_in_links_evict_as_in_tables(
+        make: type[EvictionPolicy[Item]], history: list[tuple[str, int, int]]) -> None:
+    """SLRU's two segments and ARC's two lists, both on one set of links (an item sits
+    in one at a time), against the same order in tables: the miniatures' case."""
+    for item in ITEMS:
+        item.a_order = item.a_older = item.a_newer = None
+    table, linked = make(), make()
+    linked.links = "a"  # type: ignore[attr-defined]
+    for policy in (table, linked):  # ghosts by name: both remember the same keys
+        policy.ghost_key = lambda item: item.name  # type: ignore[assignment,attr-defined]
+    for verb, index, mask in history:
+        if verb == "switch":
+            continue
+        item = ITEMS[index]
+        assert apply(linked, verb, item, mask) == apply(table, verb, item, mask)
+        assert list(linked.evictable()) == list(table.evictable())
+        assert repr(linked) == repr(table) and len(linked) == len(table)
+    linked.insert(ITEMS[0])
+    with pytest.raises(ValueError):  # links are chosen while the order is empty
+        linked.links = None  # type: ignore[attr-defined]
 
 
 def test_linked_order_behaves_as_an_ordered_dict() -> None:
