@@ -198,14 +198,19 @@ class BlockStore(StoreCore):
             if block is None:
                 block = Block(key, ns, parent)
                 if parent is not None:
-                    parent.add_child(block)
+                    if parent.kids is None:  # a chain's common case, inline
+                        parent.kids = block
+                    else:
+                        parent.add_child(block)
                 shard[key] = block
                 if checksums:
                     block.checksum = checksums[i]
-            if block.offset is not None or block.promoting:
+                block.offset = offset
+                fresh.append(block)
+            elif block.offset is not None or block.promoting:
                 duplicates.append(offset)
             else:
-                block.offset = offset       # new, or only on SSD: this is its DRAM copy
+                block.offset = offset       # only on SSD: this is its DRAM copy
                 fresh.append(block)
             block.seen += 1
             parent = block
