@@ -9,7 +9,9 @@ clients send them, settling the heap once a second as the daemon does, and print
 - ingest, blocks/s (time spent in reserve+commit only);
 - lookup of a 64-key chain, p50 and p99, as the index passes 10k, 100k, 1M, 10M blocks;
 - the longest stall of the loop: the longest single reserve+commit (one request's hold
-  of the event loop), the longest heap settle, the longest collector pause during the
+  of the event loop; the five longest with their CPU time and the collector's pauses in
+  them, for on a shared machine a commit's wall time also counts the time the process
+  was not running), the longest heap settle, the longest collector pause during the
   build, a full collection afterwards, and the longest ``stats``/``evict`` of one leaf;
 - warm restart of an SSD index of as many blocks: the LMDB index is written (in a
   process of its own, not timed), then another process opens the SSD tier and restores
@@ -19,18 +21,20 @@ clients send them, settling the heap once a second as the daemon does, and print
 Every part runs in a fresh process, so that its memory is its own.
 
 Where the bytes go, and what 150 B a block would take.  At 10M blocks (auto, one
-namespace) the index costs 472 B a block by RSS: the entry (``Block``, 19 slots, 184 B),
-its key (a 16-byte ``bytes``, 49 B), its DRAM offset (an int object, 32 B), the key map
-(34 B), the duel's map of tracked items (33 B, and an int object per key, 32 B), the
-duel's miniatures (an eighth of the keys in three orders with parent and child maps,
-about 65 B a block), the rest allocator slack.  The LRU order itself now costs nothing
-apart (its links are 24 B of the entry's slots per tier).  Objects cannot get to 150 B:
-the entry and its key alone are 233 B.  A struct-of-arrays index could: blocks as int
-ids into numpy columns (key 16 B, parent id 4, DRAM slot 4, SSD slot 4, refs 4, seen
-and flags 2, checksum 8, LRU links 2 x 4 per tier = 16), an open-addressing table of
-ids keyed by the first 8 bytes of the key at half load (8 B), the duel's tracked set
-a bit per id and its sample kept as it is (an eighth of the keys, about 10 B a block in
-arrays): about 75 B a block, grown by doubling columns in slices between loop turns.
+namespace) the index costs 406 B a block by RSS (474 for the code before, the same hour):
+the entry (``Block``, 19 slots, 184 B), its key (a 16-byte ``bytes``, 49 B), its DRAM
+offset (an int object, 32 B), the key map (34 B), the duel's map of tracked items (33 B;
+keyed by the items themselves, no int per key), the duel's miniatures (an eighth of the
+keys, each one object of 176 B holding its three orders' links and its parent and child
+counts, and two maps: about 29 B a block), the rest allocator slack.  The LRU order
+itself costs nothing apart (its links are 24 B of the entry's slots per tier).  Objects
+cannot get to 150 B: the entry and its key alone are 233 B.  A struct-of-arrays index
+could: blocks as int ids into numpy columns (key 16 B, parent id 4, DRAM slot 4, SSD
+slot 4, refs 4, seen and flags 2, checksum 8, LRU links 2 x 4 per tier = 16), an
+open-addressing table of ids keyed by the first 8 bytes of the key at half load (8 B),
+the duel's tracked set a bit per id and its sample kept as it is (an eighth of the keys,
+about 10 B a block in arrays): about 75 B a block, grown by doubling columns in slices
+between loop turns.
 The cost is that every part of the store that holds a ``Block`` would hold an id.
 
     python benchmarks/index_scale.py --blocks 1M
@@ -131,7 +135,9 @@ def index_figures(n: int, policy: str) -> dict[str, Any]:
     tails: list[bytes] = []
     ingest = 0.0
     longest_op, longest_at = 0.0, 0
-    top: list[tuple[float, int]] = []  # the longest commits: (seconds, blocks before it)
+    # the longest commits: (seconds, blocks before it, of which collector pauses, CPU
+    # seconds: on a shared machine the rest is time the process was not running)
+    top: list[tuple[float, int, float, float]] = []
     settles: list[float] = []
     lookups: dict[str, dict[str, float]] = {}
     marks = sorted({c for c in CHECKPOINTS if c <= n} | {n})
@@ -142,6 +148,7 @@ def index_figures(n: int, policy: str) -> dict[str, Any]:
     last_note = last_settle
     with GcPauses() as pauses:
         for keys in chains(n):
+            paused, cpu = pauses.total, time.thread_time()
             start = time.perf_counter()
             r = store.reserve("w", ns, keys, None, 0.0)
             assert isinstance(r, Reservation), r
@@ -151,7 +158,8 @@ def index_figures(n: int, policy: str) -> dict[str, Any]:
             if spent > longest_op:
                 longest_op, longest_at = spent, done
             if len(top) < 5 or spent > top[0][0]:
-                heapq.heappush(top, (spent, done))
+                heapq.heappush(top, (spent, done, pauses.total - paused,
+                                     time.thread_time() - cpu))
                 if len(top) > 5:
                     heapq.heappop(top)
             done += len(keys)
@@ -201,7 +209,8 @@ def index_figures(n: int, policy: str) -> dict[str, Any]:
         "stall_longest_commit_ms": longest_op * 1e3,
         "stall_longest_commit_at_blocks": longest_at,
         "stall_top5_commits_ms_at_blocks": {
-            f"{at:,}": ms * 1e3 for ms, at in sorted(top, reverse=True)},
+            f"{at:,}": {"wall": ms * 1e3, "cpu": cpu_s * 1e3, "gc": gc_s * 1e3}
+            for ms, at, gc_s, cpu_s in sorted(top, reverse=True)},
         "stall_longest_settle_ms": max(settles, default=0.0) * 1e3,
         "stall_longest_gc_pause_ms": max(
             (max(v) for v in pauses.pauses.values() if v), default=0.0) * 1e3,

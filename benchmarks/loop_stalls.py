@@ -72,13 +72,16 @@ class GcPauses:
 
     def __init__(self) -> None:
         self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self.total = 0.0  # seconds paused so far, all generations
         self._start = 0.0
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._start = time.perf_counter()
         else:
-            self.pauses[info["generation"]].append(time.perf_counter() - self._start)
+            paused = time.perf_counter() - self._start
+            self.pauses[info["generation"]].append(paused)
+            self.total += paused
 
     def __enter__(self) -> GcPauses:
         gc.callbacks.append(self)
