@@ -261,6 +261,10 @@ class Duel(Generic[T]):
             order.ghost_key = self._name_of
         return order
 
+    def _let_go(self, order: Order[T]) -> None:
+        """``order`` is being replaced, its items listed: let go of anything it keeps in
+        them (an order in their links) before the next one takes them."""
+
     def _name_of(self, item: Hashable) -> Hashable:
         return self.ghost_key(item)
 
@@ -334,6 +338,7 @@ class Duel(Generic[T]):
         listed = list(self._order.evictable())
         on_order = set(listed)
         pinned = [item for item in self._items if item not in on_order]
+        self._let_go(self._order)
         order: Order[T] = self._keyed(self._factories[best]())
         for item in listed:
             order.insert(item)

@@ -272,3 +272,10 @@ def queue(links: str | None) -> Queue[T]:
 def links_of(order: Queue[T]) -> str | None:
     """The attributes ``order`` lives in, None for a table."""
     return order.links if isinstance(order, LinkedOrder) else None
+
+
+def release_links(*orders: Queue[T]) -> None:
+    """Unlink every item of the orders kept in links (``LinkedOrder.clear``)."""
+    for order in orders:
+        if isinstance(order, LinkedOrder):
+            order.clear()

@@ -189,10 +189,14 @@ def test_an_order_handed_over_or_replaced_lets_go_of_the_items_links() -> None:
     for item in ITEMS:
         policy.insert(item)
     policy.pin(ITEMS[3])
-    policy._take_over(1)  # to SLRU: the items leave the LRU order's links
-    assert policy.leader == "slru"
-    assert all(i.a_order is None and i.a_older is None and i.a_newer is None
-               for i in ITEMS)
+    lru = policy._order
+    policy._take_over(1)  # to SLRU: the items pass from the LRU order's links to its own
+    assert policy.leader == "slru" and isinstance(policy._order, SLRUPolicy)
+    assert policy._order.links == "a"
+    assert all(i.a_order is not lru._order for i in ITEMS)  # type: ignore[attr-defined]
+    assert ITEMS[0].a_order is policy._order._probation and ITEMS[3].a_order is None
+    policy._take_over(2)  # to ARC, the same
+    assert isinstance(policy._order, ARCPolicy) and ITEMS[0].a_order is policy._order._t1
     policy._take_over(0)  # back to LRU: a fresh order links them again
     assert policy.leader == "lru" and ITEMS[0].a_order is policy._order._order
     assert list(policy.evictable()) == [i for i in ITEMS if i is not ITEMS[3]]
