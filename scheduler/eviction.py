@@ -34,6 +34,7 @@ from kvstore.scheduler.density import HitDensityPolicy
 from kvstore.scheduler.dueling import Duel, Order
 from kvstore.scheduler.linked import LinkedOrder, Queue, links_of, queue, release_links
 from kvstore.scheduler.policy import EvictionPolicy as EvictionPolicy  # re-exported
+from kvstore.scheduler.sharded import FifoMap
 from kvstore.scheduler.warm import WarmPins as WarmPins  # re-exported
 
 T = TypeVar("T", bound=Hashable)
@@ -178,7 +179,7 @@ class S3FIFOPolicy(EvictionPolicy[T]):
         self._entries: dict[T, _S3Entry] = {}
         self._small: OrderedDict[T, None] = OrderedDict()  # oldest first
         self._main: OrderedDict[T, None] = OrderedDict()  # oldest first
-        self._ghost: OrderedDict[Hashable, None] = OrderedDict()  # oldest first
+        self._ghost: FifoMap[Hashable, None] = FifoMap()  # oldest first
         self._tick = 0  # logical clock: inserts and evictions so far
         self._size = 0  # the most items ever tracked at once: the cache size, once full
 
@@ -316,8 +317,8 @@ class ARCPolicy(EvictionPolicy[T]):
         # list is where it sits (no map of every tracked item)
         self._t1: Queue[T] = OrderedDict()
         self._t2: Queue[T] = OrderedDict()
-        self._b1: OrderedDict[Hashable, None] = OrderedDict()  # ghosts, by ghost_key
-        self._b2: OrderedDict[Hashable, None] = OrderedDict()
+        self._b1: FifoMap[Hashable, None] = FifoMap()  # ghosts, by ghost_key
+        self._b2: FifoMap[Hashable, None] = FifoMap()
         self._pinned: dict[T, bool] = {}  # pinned items, off both lists: in T2?
         self._target_t1 = 0.0
         self._size = 0  # the most items ever tracked at once: the cache size, once full
@@ -457,7 +458,7 @@ class SLRUPolicy(EvictionPolicy[T]):
         # would cost a dict entry per block of the index).
         self._pinned: dict[T, bool] = {}
         # evicted keys: from the protected segment?, that segment's eviction count then
-        self._ghost: OrderedDict[Hashable, tuple[bool, int]] = OrderedDict()
+        self._ghost: FifoMap[Hashable, tuple[bool, int]] = FifoMap()
         self._evicted = [0, 0]  # evictions from probation, from the protected segment
         self._size = 0  # the most items ever tracked at once: the cache size, once full
         self._target = 0.0  # probation's target size, items

@@ -3,12 +3,14 @@ it splits, and keys made from object addresses spread over every shard."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.scheduler import sharded
-from kvstore.scheduler.sharded import SHARDS, ShardedDict
+from kvstore.scheduler.sharded import SHARDS, FifoMap, ShardedDict
 
 
 @settings(max_examples=100, deadline=None)
@@ -55,3 +57,34 @@ def test_keys_from_object_addresses_fill_every_shard() -> None:
     sizes = [len(shard) for shard in tracked.shards]
     assert len(sizes) == SHARDS and min(sizes) > 0
     assert max(sizes) < 2 * len(entries) / SHARDS
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["set", "pop", "del", "oldest"]),
+                          st.integers(0, 12), st.integers()), max_size=300))
+def test_a_fifo_map_answers_as_an_ordered_dict(ops: list[tuple[str, int, int]]) -> None:
+    """The ghost lists' map: keys taken from the middle and set again, a key set while
+    held (it keeps its place), the oldest given up, as an ``OrderedDict`` does."""
+    mine: FifoMap[int, int] = FifoMap()
+    model: OrderedDict[int, int] = OrderedDict()
+    for verb, key, value in ops:
+        if verb == "set":
+            mine[key] = value
+            model[key] = value
+        elif verb == "pop":
+            assert mine.pop(key, None) == model.pop(key, None)
+        elif verb == "del" and key in model:
+            del mine[key]
+            del model[key]
+        elif verb == "oldest":
+            if model:
+                assert mine.popitem(last=False) == model.popitem(last=False)
+            else:
+                with pytest.raises(KeyError):
+                    mine.popitem(last=False)
+        assert len(mine) == len(model) and bool(mine) == bool(model)
+        assert (key in mine) == (key in model)
+    while model:  # the rest, oldest first
+        assert mine.popitem(last=False) == model.popitem(last=False)
+    with pytest.raises(KeyError):
+        mine.pop(0)
