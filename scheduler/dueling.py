@@ -281,9 +281,11 @@ class Duel(Generic[T]):
         """A reference to a sampled key (its mixed hash's top ``sample_shift`` bits
         zero; the callers test that inline, most keys being out of the sample)."""
         nodes, tick = self._nodes, self._tick
-        node = nodes.get(key)
+        shard = nodes.shards[hash(key) % nodes.modulus]  # ``nodes``' get and set, inline
+        node = shard.get(key)
         if node is None:
-            node = nodes[key] = self._node(key, tick)
+            node = shard[key] = self._node(key, tick)
+            nodes.grown(1)
         elif node.last == tick:
             return  # the same hit reported again (lookup, then acquire)
         else:

@@ -475,7 +475,17 @@ class SLRUPolicy(EvictionPolicy[T]):
         self._probation, self._protected = queue(links), queue(links)
 
     def insert(self, item: T) -> None:
-        self.insert_many((item,))
+        if item in self._probation or item in self._protected or item in self._pinned:
+            return
+        remembered = self._ghost.pop(self.ghost_key(item), None) if self._ghost else None
+        if remembered is None:
+            self._probation[item] = None
+        else:
+            self._protected[item] = None
+            self._remembered(*remembered)
+        tracked = len(self._probation) + len(self._protected) + len(self._pinned)
+        if tracked > self._size:
+            self._size = tracked
 
     def insert_many(self, items: Iterable[T]) -> None:
         probation, protected, pinned = self._probation, self._protected, self._pinned
