@@ -18,9 +18,11 @@ class Node:
 
 @pytest.fixture
 def thawed() -> Iterator[None]:
+    thresholds = gc.get_threshold()
     gc.unfreeze()
     yield
     gc.unfreeze()
+    gc.set_threshold(*thresholds)
 
 
 def test_settle_frees_young_cycles_and_freezes_survivors(thawed: None) -> None:
@@ -46,3 +48,30 @@ def test_paused_keeps_the_collector_off_then_freezes_what_it_made(thawed: None) 
         assert not gc.isenabled()
         made = [[i] for i in range(1000)]
     assert gc.isenabled() and gc.get_freeze_count() >= before + len(made)
+
+
+def test_no_full_collection_between_settles(thawed: None) -> None:
+    """Objects that survive the young generations between two settles never start a
+    full collection (which would walk all of them: the loop's longest pause)."""
+    full: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    def build() -> list[list[int]]:
+        return [[i] for i in range(300_000)]  # survivors: containers the collector tracks
+
+    gc.callbacks.append(count)
+    try:
+        gc.set_threshold(700, 10, 10)
+        kept = build()  # the collector's own thresholds: full collections run
+        assert full, "the default thresholds should have run a full collection"
+        full.clear()
+        settle()
+        kept += build()
+        assert not full
+        settle()
+        assert not gc.get_objects(generation=2)  # and the settle froze what they left
+    finally:
+        gc.callbacks.remove(count)
