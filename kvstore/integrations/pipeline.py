@@ -44,8 +44,10 @@ from kvstore.integrations.engine_side import (
     DaemonSettings,
     EnginePages,
     Loaded,
+    SplitRows,
     Staged,
     acquire_prefix,
+    arena_runs,
     slot_rows,
     store_missing,
 )
@@ -327,23 +329,55 @@ class LoadItem(NamedTuple):
 
 @dataclass
 class _Pinned:
-    """One namespace's share of a step's loads, once pinned."""
+    """One namespace's share of a step's loads, once pinned: the blocks at byte
+    ``offsets`` of the namespace's arena go to pages ``page_ids``."""
 
     pages: EnginePages
+    arena: torch.Tensor | None = None   # the arena, as a 1-D uint8 tensor
     pins: list[Held] = field(default_factory=list)
-    rows: list[torch.Tensor] = field(default_factory=list)   # block bytes, by copy
+    offsets: list[int] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
+    _split: list[SplitRows] | None = None
+
+    def take(self, held: Held, page_ids: Sequence[int]) -> int:
+        """Hold a pin whose blocks go to ``page_ids`` (the leading ones: as many as it
+        pinned); how many."""
+        self.pins.append(held)
+        self.add(held, held.offsets, page_ids)
+        return len(held.offsets)
+
+    def add(self, held: Held, offsets: Sequence[int], page_ids: Sequence[int]) -> None:
+        if self.arena is None and offsets:
+            self.arena = _arena(held)
+        self.offsets.extend(offsets)
+        self.page_ids.extend(page_ids[:len(offsets)])
+
+    def split(self) -> list[SplitRows]:
+        """The blocks' runs in the arena split per target: worked out once, whatever
+        the layers copied."""
+        if self._split is None:
+            self._split = ([] if self.arena is None else self.pages.split(arena_runs(
+                self.arena, self.offsets, self.page_ids, self.pages.block_bytes)))
+        return self._split
+
+    def copy(self, groups: Sequence[int] | None) -> None:
+        """Copy the blocks into their pages: every layer group, or just ``groups``."""
+        if self.arena is None:
+            return
+        if self.pages.device.type != "cuda":
+            self.pages.scatter_split(self.split(), groups)
+            return
+        size = self.pages.block_bytes
+        rows = [self.arena.narrow(0, offset, size) for offset in self.offsets]
+        self.pages.scatter_rows(rows, self.page_ids, groups)
 
 
-def _rows(held: Held) -> list[torch.Tensor]:
-    """The pinned blocks' bytes as uint8 tensors over the arena, all views of one tensor
-    over the whole arena (so that blocks side by side in it copy as one run).  Writable,
-    because torch cannot alias read-only memory; nothing writes to them."""
+def _arena(held: Held) -> torch.Tensor:
+    """The pinned blocks' arena as one uint8 tensor (so that blocks side by side in it
+    copy as one run).  Writable, because torch cannot alias read-only memory; nothing
+    writes to it."""
     ns = held.ns
-    if not held.offsets:
-        return []
-    arena = torch.frombuffer(ns.client._arena_view(ns.arena), dtype=torch.uint8)
-    return [arena.narrow(0, offset, ns.block_bytes) for offset in held.offsets]
+    return torch.frombuffer(ns.client._arena_view(ns.arena), dtype=torch.uint8)
 
 
 def _raise(exc: KVStoreError) -> Held:
@@ -477,10 +511,10 @@ class StepLoads:
             finally:
                 self.waited_s += time.perf_counter() - started
             pinned.pins.extend(held)
-            rows = dict(zip(keys, (row for h in held for row in _rows(h))))
+            offsets = dict(zip(keys, (o for h in held for o in h.offsets)))
             for item in items:
-                pinned.rows.extend(rows[k] for k in item.keys)
-                pinned.page_ids.extend(item.page_ids)
+                if held:
+                    pinned.add(held[0], [offsets[k] for k in item.keys], item.page_ids)
                 outcome[item.tag] = Loaded(len(item.keys))
         return outcome
 
@@ -496,16 +530,12 @@ class StepLoads:
             if held is None:
                 outcome[item.tag] = Loaded(0)
                 continue
-            pinned.pins.append(held)
-            rows = _rows(held)
-            pinned.rows.extend(rows)
-            pinned.page_ids.extend(item.page_ids[:len(rows)])
-            outcome[item.tag] = Loaded(len(rows))
+            outcome[item.tag] = Loaded(pinned.take(held, item.page_ids))
 
     def copy_all(self) -> None:
         """Copy every pinned block into its page, all layers."""
         for p in self._pinned:
-            p.pages.scatter_rows(p.rows, p.page_ids)
+            p.copy(None)
 
     def layers(self) -> int:
         return max((len(p.pages.layer_targets()) for p in self._pinned), default=0)
@@ -536,7 +566,7 @@ class StepLoads:
     def _copy_layer(self, layer: int) -> None:
         for p in self._pinned:
             if layer < len(p.pages.layer_targets()):
-                p.pages.scatter_rows(p.rows, p.page_ids, [layer])
+                p.copy([layer])
 
     def wait_layer(self, layer: int) -> None:
         """Return once layer ``layer`` is in the pages (or queued before its use)."""

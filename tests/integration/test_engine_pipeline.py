@@ -8,6 +8,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,14 @@ from test_engine_side import KINDS, PAGES, TOKENS, identity, make_pages
 from kvstore import AsyncClient, Client
 from kvstore.errors import KVStoreError
 from kvstore.protocol import ProbeReply
-from kvstore.integrations.engine_side import DaemonLink, DaemonSettings, Loaded
+from kvstore.integrations import pipeline
+from kvstore.integrations.engine_side import (
+    DaemonLink,
+    DaemonSettings,
+    Loaded,
+    Rows,
+    arena_runs,
+)
 from kvstore.integrations.pipeline import (
     InPages,
     LoadItem,
@@ -276,6 +284,59 @@ def test_loads_started_ahead_pin_and_copy_on_their_thread(
             assert [target_page(2 * i), target_page(2 * i + 1)] == [
                 source_page(2 + i % 3), source_page(3 + i % 3)]
         assert target_page(7) == untouched
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_pages_in_falling_or_scattered_order_load_their_blocks(
+        daemon: DaemonProcess, kind: str, layerwise: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM hands pages out in falling runs and scattered: each block still lands in its
+    own page, and the blocks' runs in the arena are worked out once for the step, not
+    once per layer."""
+    requests, source_page = _stored_requests(daemon, kind, 2)
+    found: list[int] = []
+
+    def counted(*args: Any) -> list[Rows]:
+        runs = arena_runs(*args)
+        found.append(len(runs))
+        return runs
+    monkeypatch.setattr(pipeline, "arena_runs", counted)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity(kind))
+        target, target_page = make_pages(kind, seed=50)
+        untouched = target_page(1)
+        pages = {"falling": [7, 6, 5, 4], "scattered": [3, 0, 2]}
+        loads = StepLoads()
+        loads.add(ns, target, [LoadItem(name, keys[:len(pages[name])], pages[name])
+                               for name, keys in zip(pages, requests)])
+        assert loads.pin() == {"falling": Loaded(4), "scattered": Loaded(3)}
+        if layerwise:
+            loads.start_layers()
+            for layer in range(loads.layers()):
+                loads.wait_layer(layer)
+        else:
+            loads.copy_all()
+        loads.finish()
+        assert [target_page(p) for p in pages["falling"]] == [
+            source_page(p) for p in (0, 1, 2, 3)]
+        assert [target_page(p) for p in pages["scattered"]] == [
+            source_page(p) for p in (0, 1, 3)]
+        assert target_page(1) == untouched
+    assert len(found) == 1  # one namespace: its runs found once, whatever the layers
+
+
+def test_arena_runs_follow_the_offsets_and_refuse_rows_past_the_arena() -> None:
+    arena = torch.arange(64, dtype=torch.uint8)
+    runs = arena_runs(arena, [8, 16, 24, 0, 40], [5, 4, 9, 1, 2], 8)
+    assert [(r.rows.shape[0], list(r.page_ids)) for r in runs] == [
+        (3, [5, 4, 9]), (1, [1]), (1, [2])]
+    assert runs[0].rows.data_ptr() == arena.data_ptr() + 8  # a view, not a copy
+    assert bytes(runs[2].rows.numpy()) == bytes(range(40, 48))
+    with pytest.raises(ValueError, match="arena of 64"):
+        arena_runs(arena, [60], [0], 8)
+    with pytest.raises(ValueError, match="page ids"):
+        arena_runs(arena, [0, 8], [0], 8)
 
 
 def test_a_block_gone_since_the_lookup_fails_only_its_request(daemon: DaemonProcess) -> None:
