@@ -208,21 +208,29 @@ class SaveJob(NamedTuple):
     source: Staged | InPages
 
 
+class _GivenUp(Exception):
+    """A job given up (``SaveSender.give_up``) while it copied: its slots are aborted."""
+
+
 class SaveSender:
     """Stores ``SaveJob``s on a thread of its own (see the module doc).  ``stats`` counts
     ``saves``, ``saved_blocks`` (new in the store), ``save_failures`` and
-    ``save_dropped`` (jobs not sent: queue full or daemon backing off)."""
+    ``save_dropped`` (jobs not sent: queue full, daemon backing off, given up, or the
+    thread gone)."""
 
     def __init__(self, settings: DaemonSettings, *,
                  max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self._link = DaemonLink(settings)
         self._max_pending = max_pending_bytes
-        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, SaveJob] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending_bytes = 0
         self._pending: dict[str, int] = defaultdict(int)  # tag -> jobs not done
         self._finished: set[str] = set()                   # tags with every job done
+        self._submitted = 0                    # jobs submitted: the next one's number
+        self._given_up: dict[str, int] = {}    # tag -> its jobs numbered below are given up
+        self._stopped = False                  # the thread ended: every job is dropped
         self.stats: dict[str, int] = dict.fromkeys(
             ("saves", "saved_blocks", "save_failures", "save_dropped"), 0)
         self._thread = threading.Thread(target=self._run, name="kvstore-saves", daemon=True)
@@ -234,12 +242,14 @@ class SaveSender:
         with self._lock:
             self._finished.discard(job.tag)
             self._pending[job.tag] += 1
-            if self._pending_bytes + size > self._max_pending or not self._link.available():
+            if (self._stopped or self._pending_bytes + size > self._max_pending
+                    or not self._link.available()):
                 self.stats["save_dropped"] += 1
                 self._done(job.tag)
                 return False
             self._pending_bytes += size
-        self._queue.put(job)
+            self._queue.put((self._submitted, job))
+            self._submitted += 1
         return True
 
     def pending(self, tag: str) -> int:
@@ -264,6 +274,19 @@ class SaveSender:
         with self._idle:
             return self._idle.wait_for(lambda: not tags & self._pending.keys(), timeout)
 
+    def give_up(self, tags: set[str]) -> None:
+        """Give up the jobs of ``tags`` submitted so far: once this returns, none of them
+        reads its pages any more (one copying now has its copy thrown away, its slots
+        aborted, never committed), so the engine may write them; each is a dropped save,
+        its tag finished as it ends.  Jobs submitted later go as usual."""
+        with self._lock:
+            for tag in tags & self._pending.keys():
+                self._given_up[tag] = self._submitted
+
+    def _is_given_up(self, number: int, tag: str) -> bool:
+        with self._lock:
+            return number < self._given_up.get(tag, 0)
+
     def close(self, timeout: float = 5.0) -> None:
         """Finish the queued jobs (for at most ``timeout`` seconds), then stop."""
         self.drain(timeout)
@@ -275,41 +298,79 @@ class SaveSender:
         self._pending[tag] -= 1
         if self._pending[tag] <= 0:
             del self._pending[tag]
+            self._given_up.pop(tag, None)
             self._finished.add(tag)
             self._idle.notify_all()  # drain and wait_for
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            created, failed = 0, False
-            try:
-                created, failed = self._store(job)
-            except Exception:  # a bug must not stop the thread: the save is a miss
-                logger.exception("kvstore: a background save failed")
-                failed = True
-            with self._lock:
-                self._pending_bytes -= job_bytes(job.source)
-                self.stats["saves"] += 1
-                self.stats["saved_blocks"] += created
-                self.stats["save_failures"] += failed
-                self._done(job.tag)
+        try:
+            while (item := self._queue.get()) is not None:
+                number, job = item
+                created, outcome = 0, "save_failures"
+                try:
+                    created, outcome = self._store(number, job)
+                except Exception:  # a bug must not stop the thread: the save is a miss
+                    logger.exception("kvstore: a background save failed")
+                finally:  # what ends the thread too (below) ends its job first
+                    self._end(job, created, outcome)
+        except BaseException:
+            logger.exception("kvstore: the background saves stopped; saves are dropped")
+            self._stop()
+            raise
 
-    def _store(self, job: SaveJob) -> tuple[int, bool]:
-        ns = self._link.namespace(job.ns_key, job.identity)
-        if ns is None:
-            return 0, True
+    def _end(self, job: SaveJob, created: int, outcome: str) -> None:
+        with self._lock:
+            self._pending_bytes -= job_bytes(job.source)
+            self.stats["saves"] += outcome != "save_dropped"
+            self.stats["saved_blocks"] += created
+            if outcome:
+                self.stats[outcome] += 1
+            self._done(job.tag)
+
+    def _stop(self) -> None:
+        """The thread is ending: every job still queued is dropped (its tag finished,
+        so that no engine waits for it), and so is every job submitted from now on."""
+        with self._lock:
+            self._stopped = True
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    self._pending_bytes -= job_bytes(item[1].source)
+                    self.stats["save_dropped"] += 1
+                    self._done(item[1].tag)
+
+    def _store(self, number: int, job: SaveJob) -> tuple[int, str]:
+        """Store a job: blocks created, and the stat it counts in ("" for a save)."""
         source = job.source
         fill: Callable[[Sequence[memoryview], int], None]
         if isinstance(source, InPages):
-            fill = functools.partial(_fill_from_pages, source)
+            if self._is_given_up(number, job.tag):
+                return 0, "save_dropped"
+            fill = functools.partial(self._fill_from_pages, number, job.tag, source)
         else:
             if source.ready is not None:
                 source.ready()
             fill = fill_rows(source.rows)
-        stored = store_missing(ns, job.keys, fill, parent=job.parent, lookup=False)
+        ns = self._link.namespace(job.ns_key, job.identity)
+        if ns is None:
+            return 0, "save_failures"
+        try:
+            stored = store_missing(ns, job.keys, fill, parent=job.parent, lookup=False)
+        except _GivenUp:  # the reservation aborted: the copy may have met new writes
+            return 0, "save_dropped"
         if stored.error is not None:
             self._link.failed(f"save for {job.tag}", stored.error)
-            return stored.created, True
-        return stored.created, False
+            return stored.created, "save_failures"
+        return stored.created, ""
+
+    def _fill_from_pages(self, number: int, tag: str, source: InPages,
+                         slots: Sequence[memoryview], first: int) -> None:
+        _fill_from_pages(source, slots, first)
+        if self._is_given_up(number, tag):  # checked once the copy is over
+            raise _GivenUp(tag)
 
     def __repr__(self) -> str:
         return f"SaveSender({self._link!r}, pending={dict(self._pending)}, stats={self.stats})"

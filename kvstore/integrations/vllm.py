@@ -33,7 +33,8 @@ the daemon, nor, for pages in host memory, for their copy (the sender copies the
 straight into the daemon's slots; on a GPU the copy out is queued on the stream in the
 step).  A request with saves in flight stays held (``request_finished`` returns True)
 until ``get_finished`` reports them done; one preempted meanwhile has
-``handle_preemptions`` wait for them before vLLM may write its pages.  A block that
+``handle_preemptions`` wait for them before vLLM may write its pages (for at most the
+daemon's ``timeout``: then they are given up, later misses).  A block that
 cannot be loaded — evicted since the lookup, daemon gone — is reported by
 ``get_block_ids_with_load_errors``, so vLLM recomputes it (policy ``recompute``) or
 fails the request (``fail``) instead of serving wrong KV.  Saves are best-effort: one
@@ -604,13 +605,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # The first call of a step, before vLLM prepares its inputs.  Preempted requests'
-        # pages may be written this step: the saves still to copy out of them end first
-        # (each within its daemon timeouts).  The loads' acquires go out now;
-        # start_load_kv waits for their replies (and only then copies).
+        # pages may be written this step: the saves still to copy out of them end first,
+        # or are given up after one daemon timeout (a slow daemon, a long queue): then
+        # none reads the pages any more, and their blocks are later misses.  The loads'
+        # acquires go out now; start_load_kv waits for their replies (and only then copies).
         meta, started = kv_connector_metadata, time.perf_counter()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
         if meta.preempted & self._saving and self._sender is not None:
-            self._sender.wait_for(meta.preempted & self._saving, None)
+            preempted = meta.preempted & self._saving
+            if not self._sender.wait_for(preempted, self._link.settings.timeout):
+                logger.warning("kvstore: saves of preempted requests %s not done in %.1f s: "
+                               "given up", sorted(preempted), self._link.settings.timeout)
+                self._sender.give_up(preempted)
             self.stats["save_us"] += int((time.perf_counter() - started) * 1e6)
             started = time.perf_counter()
         if meta.loads and self._opts.post_loads:

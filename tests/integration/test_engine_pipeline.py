@@ -143,6 +143,81 @@ def test_a_save_in_pages_is_copied_by_the_sender_and_holds_them_until_done(
     sender.close()
 
 
+def test_saves_given_up_never_commit_what_their_pages_hold_afterwards(
+        daemon: DaemonProcess) -> None:
+    """An engine that cannot wait longer (a preempted request's pages to be written)
+    gives its saves up: the one copying when it does is aborted, the queued one never
+    copies; each is a dropped save, its tag finished; another tag's and a later job of
+    the same tag go as usual."""
+    source, source_page = make_pages("per_layer", seed=1)
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme", timeout=10.0))
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity("per_layer"))
+        keys = ns.keys(range(TOKENS * 6))
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert sender.submit(job("req-1", "per_layer", keys[:2], InPages(source, [0, 1])))
+            assert sender.submit(job("req-1", "per_layer", keys[2:3], InPages(source, [2]),
+                                     keys[1]))
+            assert sender.submit(job("req-2", "per_layer", keys[4:], InPages(source, [4, 5])))
+            assert not sender.wait_for({"req-1"}, 0.3)
+            sender.give_up({"req-1"})
+            other, _ = make_pages("per_layer", seed=99)  # the engine writes the pages now
+            source.scatter_rows(list(other.stage(range(3)).rows), [0, 1, 2])
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert sender.wait_for({"req-1", "req-2"}, 10)
+        assert sender.take_finished() == {"req-1", "req-2"}
+        assert ns.lookup(keys[:3]).blocks == 0  # nothing of req-1 committed
+        assert ns.get(keys[4:]) == [source_page(4), source_page(5)]
+        assert sender.stats == {"saves": 1, "saved_blocks": 2, "save_failures": 0,
+                                "save_dropped": 2}
+        assert sender.submit(job("req-1", "per_layer", keys[:1], InPages(source, [0])))
+        assert sender.drain(10) and ns.get(keys[:1]) == [source_page(0)]
+    sender.close()
+
+
+class _Stop(BaseException):
+    """What ends a thread (not an Exception)."""
+
+
+class _StoppingPages:
+    """Pages whose copy ends the thread that makes it."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+
+    def copy_into(self, page_ids: list[int], rows: list[torch.Tensor]) -> None:
+        raise _Stop("the copy ends its thread")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_sender_thread_ended_by_a_base_exception_finishes_every_tag(
+        daemon: DaemonProcess) -> None:
+    """The job under way and the jobs queued behind it are finished (no engine waits
+    for their pages for ever), and every later job is dropped at once."""
+    source, _ = make_pages("per_layer", seed=1)
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme", timeout=10.0))
+    with Client(daemon.endpoint, tenant="acme") as client:
+        keys = client.namespace(identity("per_layer")).keys(range(TOKENS * 4))
+    stopping = InPages(_StoppingPages(source.block_bytes), [0, 1])  # type: ignore[arg-type]
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert sender.submit(job("a", "per_layer", keys[:2], stopping))
+        assert sender.submit(job("b", "per_layer", keys[2:], source.stage([2, 3])))
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert sender.drain(10)
+    assert sender.take_finished() == {"a", "b"}
+    assert sender.stats == {"saves": 1, "saved_blocks": 0, "save_failures": 1,
+                            "save_dropped": 1}
+    assert not sender.submit(job("c", "per_layer", keys[2:], source.stage([2, 3])))
+    assert sender.take_finished() == {"c"}
+    sender.close()
+
+
 def test_a_tag_is_finished_only_when_all_its_jobs_are(daemon: DaemonProcess) -> None:
     source, _ = make_pages("per_layer", seed=1)
     sender = SaveSender(DaemonSettings(daemon.endpoint, "acme"))
