@@ -647,23 +647,61 @@ class StepLoads:
         """Make sure every copy is done, then release the pins (those of acquires
         posted and never waited for too)."""
         try:
-            if self._thread is not None:
-                self._thread.join()
-                self._thread = None
-                if self._layer_error is not None:  # no page may be read as loaded
-                    raise self._layer_error
-            elif self._sent:
-                self.pin()
-            for layer in range(len(self._layer_done)):  # a thread's are done by now
-                self.wait_layer(layer)
-            if any(p.pages.device.type == "cuda" for p in self._pinned):
-                torch.cuda.current_stream().synchronize()
+            self.settle()
         finally:
-            for p in self._pinned:
-                for held in p.pins:
-                    try:
-                        held.release()
-                    except KVStoreError as exc:  # the pin's lease ends it anyway
-                        logger.warning("kvstore: release failed: %s", exc)
-            self._pinned = []
-            self._todo = []
+            self.release()
+
+    def settle(self) -> None:
+        """Return once every copy is done (the pages hold the blocks): the pins may go
+        from then on, ``release``, at a time the caller finds cheaper."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self._layer_error is not None:  # no page may be read as loaded
+                raise self._layer_error
+        elif self._sent:
+            self.pin()
+        for layer in range(len(self._layer_done)):  # a thread's are done by now
+            self.wait_layer(layer)
+        if any(p.pages.device.type == "cuda" for p in self._pinned):
+            torch.cuda.current_stream().synchronize()
+
+    def release(self) -> None:
+        """Release the pins (posted: no round trip); only once the copies are done
+        (``settle``), or will never be made."""
+        for p in self._pinned:
+            for held in p.pins:
+                try:
+                    held.release()
+                except KVStoreError as exc:  # the pin's lease ends it anyway
+                    logger.warning("kvstore: release failed: %s", exc)
+        self._pinned = []
+        self._todo = []
+
+
+class SettledLoads:
+    """A step's loads whose copies are done, their pins kept to be released later (at
+    the next step's start: not in the step whose output, a first token, they would
+    delay).  Posted releases cost no round trip, but their Python does."""
+
+    def __init__(self) -> None:
+        self._loads: StepLoads | None = None
+
+    def settle(self, loads: StepLoads) -> None:
+        """Wait for ``loads``'s copies (an error releases its pins at once and is
+        raised); the pins of the loads settled before go now."""
+        try:
+            loads.settle()
+        except BaseException:
+            loads.release()
+            raise
+        self.release()
+        self._loads = loads
+
+    def release(self) -> bool:
+        """Release the pins kept, if any (whether there were)."""
+        loads, self._loads = self._loads, None
+        if loads is None:
+            return False
+        loads.release()
+        return True

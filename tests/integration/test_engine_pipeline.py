@@ -33,6 +33,7 @@ from kvstore.integrations.pipeline import (
     LoadWorth,
     SaveJob,
     SaveSender,
+    SettledLoads,
     StepLoads,
     daemon_rates,
 )
@@ -399,6 +400,31 @@ def test_pages_in_falling_or_scattered_order_load_their_blocks(
             source_page(p) for p in (0, 1, 3)]
         assert target_page(1) == untouched
     assert len(found) == 1  # one namespace: its runs found once, whatever the layers
+
+
+def test_settled_loads_keep_their_pins_until_the_next_steps_settle_or_release(
+        daemon: DaemonProcess) -> None:
+    """A step's copies are done when ``settle`` returns; its pins go at the next step's
+    (or ``release``), not in the step whose output they would delay."""
+    requests, source_page = _stored_requests(daemon, "staged", 2)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity("staged"))
+
+        def pinned() -> int:
+            return int(client.stats()["tiers"]["dram"]["pinned_blocks"])
+        target, target_page = make_pages("staged", seed=50)
+        settled = SettledLoads()
+        for keys, pages in zip(requests, ([0, 1, 2, 3], [4, 5, 6, 7])):
+            loads = StepLoads()
+            loads.add(ns, target, [LoadItem("r", keys, pages)])
+            loads.pin()
+            loads.copy_all()
+            settled.settle(loads)
+            until(lambda: pinned() == 4)  # this step's; the step before's went
+        assert [target_page(p) for p in range(8)] == [
+            source_page(p) for p in (0, 1, 2, 3, 0, 1, 3, 4)]
+        assert settled.release() and not settled.release()
+        until(lambda: pinned() == 0)
 
 
 def test_arena_runs_follow_the_offsets_and_refuse_rows_past_the_arena() -> None:
