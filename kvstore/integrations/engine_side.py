@@ -22,11 +22,12 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from kvstore.client import Client, Held, Namespace
@@ -348,7 +349,7 @@ def page_runs(rows: Sequence[torch.Tensor], page_ids: Sequence[int],
     """``(rows [k, row_bytes], first page, k)`` for each run of rows that follow each
     other in memory (one storage) going to pages that follow each other: on the CPU a
     strided copy of a whole run moves at memory speed, where one copy per page pays
-    the call's overhead each time and a batched index_copy over strided pages is slow."""
+    the call's overhead each time (saves; loads go by ``arena_runs``)."""
     for row in rows:  # as_strided reads past a short row into its neighbour's bytes
         if row.nbytes < row_bytes:
             raise ValueError(f"a row of {row.nbytes} bytes for pages of {row_bytes}")
@@ -363,6 +364,59 @@ def page_runs(rows: Sequence[torch.Tensor], page_ids: Sequence[int],
             j += 1
         yield first.as_strided((j - i, row_bytes), (row_bytes, 1)), page_ids[i], j - i
         i = j
+
+
+class Rows(NamedTuple):
+    """Rows side by side in memory (``rows``: ``[k, row bytes]``) going to pages
+    ``page_ids`` (``k`` of them, anywhere)."""
+
+    rows: torch.Tensor
+    page_ids: Sequence[int]
+
+
+def arena_runs(arena: torch.Tensor, offsets: Sequence[int], page_ids: Sequence[int],
+               row_bytes: int) -> list[Rows]:
+    """The rows at byte ``offsets`` of ``arena`` (1-D uint8) going to ``page_ids``, as
+    runs of rows side by side in the arena (found from the numbers alone: one view of
+    the arena per run, no tensor per row), whatever their pages."""
+    if len(offsets) != len(page_ids):
+        raise ValueError(f"{len(offsets)} offsets but {len(page_ids)} page ids")
+    size, runs, i, n = arena.numel(), [], 0, len(offsets)
+    while i < n:
+        j = i + 1
+        while j < n and offsets[j] == offsets[j - 1] + row_bytes:
+            j += 1
+        start, end = offsets[i], offsets[i] + (j - i) * row_bytes
+        if start < 0 or end > size:
+            raise ValueError(f"rows at bytes {start}..{end} of an arena of {size}")
+        runs.append(Rows(arena[start:end].view(j - i, row_bytes), page_ids[i:j]))
+        i = j
+    return runs
+
+
+class SplitRows(NamedTuple):
+    """``Rows`` split among a cache's page tensors (``EnginePages.split``), as numpy
+    arrays of integers as wide as their elements: ``parts[c]`` goes to target ``c``'s
+    pages ``page_ids`` (an index array, or a slice where they follow each other)."""
+
+    page_ids: np.ndarray | slice
+    parts: tuple[np.ndarray, ...]
+
+
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's elements as numpy integers of their width, sharing its memory
+    (whatever its dtype, bfloat16 too: the bytes are copied, never converted)."""
+    return t.view(_SAME_WIDTH[t.element_size()]).numpy()
+
+
+def _index(page_ids: Sequence[int]) -> np.ndarray | slice:
+    ids = np.asarray(page_ids, dtype=np.int64)
+    if len(ids) and ids[-1] - ids[0] == len(ids) - 1 and bool((np.diff(ids) == 1).all()):
+        return slice(int(ids[0]), int(ids[-1]) + 1)
+    return ids
 
 
 def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -399,6 +453,8 @@ class EnginePages:
         self.layout = layout
         self.cache = cache
         self.views = views
+        self._cut_cache: list[list[tuple[torch.Tensor, int, int]]] | None = None
+        self._np_cache: list[np.ndarray] | None = None
 
     @classmethod
     def direct(cls, kv_caches: KVCaches, layout: Layout) -> EnginePages:
@@ -471,28 +527,71 @@ class EnginePages:
 
     def _cuts(self) -> list[list[tuple[torch.Tensor, int, int]]]:
         """Per layer group, ``(page tensor, first byte, bytes)`` of each of its targets
-        within a block's row."""
-        cuts, at = [], 0
-        for targets in self.layer_targets():
-            group = []
-            for t in targets:
-                size = t[0].numel() * t.element_size()
-                group.append((t, at, size))
-                at += size
-            cuts.append(group)
-        return cuts
+        within a block's row (worked out once: the cache's tensors never change)."""
+        if self._cut_cache is None:
+            cuts, at = [], 0
+            for targets in self.layer_targets():
+                group = []
+                for t in targets:
+                    size = t[0].numel() * t.element_size()
+                    group.append((t, at, size))
+                    at += size
+                cuts.append(group)
+            self._cut_cache = cuts
+        return self._cut_cache
+
+    def _chosen(self, groups: Sequence[int] | None) -> list[int]:
+        """The indices, among every layer group's targets in order, of ``groups``'s."""
+        cuts = self._cuts()
+        starts = [0]
+        for group in cuts:
+            starts.append(starts[-1] + len(group))
+        return [i for g in (range(len(cuts)) if groups is None else groups)
+                for i in range(starts[g], starts[g + 1])]
+
+    def _numpy_targets(self) -> list[np.ndarray]:
+        if self._np_cache is None:
+            self._np_cache = [as_numpy(t) for group in self._cuts() for t, _, _ in group]
+        return self._np_cache
+
+    def split(self, runs: Iterable[Rows]) -> list[SplitRows]:
+        """Each run's bytes as numpy views per target (``_cuts``, all layer groups in
+        order), worked out once for every layer group copied (``scatter_split``)."""
+        flat = [c for group in self._cuts() for c in group]
+        first = flat[0][0]
+        uniform = all(t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
+                      for t, _, _ in flat)
+        out = []
+        for rows, page_ids in runs:
+            k = rows.shape[0]
+            if uniform:  # every target's share at once: [k, targets, *page]
+                whole = as_numpy(rows.view(first.dtype).view(k, len(flat), *first.shape[1:]))
+                parts = tuple(whole[:, c] for c in range(len(flat)))
+            else:
+                parts = tuple(as_numpy(self._as_run(rows[:, at:at + size], t))
+                              for t, at, size in flat)
+            out.append(SplitRows(_index(page_ids), parts))
+        return out
+
+    def scatter_split(self, split: Sequence[SplitRows],
+                      groups: Sequence[int] | None = None) -> None:
+        """Copy split rows into their pages (in host memory): every layer group, or just
+        ``groups`` (indices into ``layer_targets``); one numpy assignment per run and
+        target, pages in any order (a strided copy per run of pages that follow each
+        other paid each call's overhead, and vLLM hands out pages in falling runs)."""
+        assert self.device.type != "cuda", "a GPU cache is loaded by scatter_rows()"
+        targets = self._numpy_targets()
+        for c in self._chosen(groups):
+            target = targets[c]
+            for s in split:
+                target[s.page_ids] = s.parts[c]
 
     def _pairs(self, rows: Sequence[torch.Tensor], page_ids: Sequence[int],
                groups: Sequence[int] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(pages, rows' bytes)`` views of each run of rows (``page_runs``) and target
         of the layer groups ``groups`` (None: all), for one batched copy either way."""
-        cuts = self._cuts()
-        flat = [c for group in cuts for c in group]
-        starts = [0]
-        for group in cuts:
-            starts.append(starts[-1] + len(group))
-        chosen = [i for g in (range(len(cuts)) if groups is None else groups)
-                  for i in range(starts[g], starts[g + 1])]
+        flat = [c for group in self._cuts() for c in group]
+        chosen = self._chosen(groups)
         first = flat[0][0]
         uniform = all(t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
                       for t, _, _ in flat)
@@ -551,13 +650,15 @@ class EnginePages:
         if not rows:
             return
         n, device = len(rows), self.device
+        if device.type != "cuda":  # per run of pages and layer, as in ``copy_into``
+            self.scatter_split(self.split(
+                Rows(run, range(page, page + k))
+                for run, page, k in page_runs(rows, page_ids, self.block_bytes)), groups)
+            return
         cuts = self._cuts()
         chosen = [c for g in (range(len(cuts)) if groups is None else groups)
                   for c in cuts[g]]
         with torch.no_grad():
-            if device.type != "cuda":  # per run of pages and layer, as in ``copy_into``
-                copy_pairs(self._pairs(rows, page_ids, groups))
-                return
             index = torch.tensor(list(page_ids), dtype=torch.long, device=device)
             whole = torch.stack(list(rows)).to(device, non_blocking=True)
             for t, at, size in chosen:

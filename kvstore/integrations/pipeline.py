@@ -44,8 +44,10 @@ from kvstore.integrations.engine_side import (
     DaemonSettings,
     EnginePages,
     Loaded,
+    SplitRows,
     Staged,
     acquire_prefix,
+    arena_runs,
     slot_rows,
     store_missing,
 )
@@ -206,21 +208,29 @@ class SaveJob(NamedTuple):
     source: Staged | InPages
 
 
+class _GivenUp(Exception):
+    """A job given up (``SaveSender.give_up``) while it copied: its slots are aborted."""
+
+
 class SaveSender:
     """Stores ``SaveJob``s on a thread of its own (see the module doc).  ``stats`` counts
     ``saves``, ``saved_blocks`` (new in the store), ``save_failures`` and
-    ``save_dropped`` (jobs not sent: queue full or daemon backing off)."""
+    ``save_dropped`` (jobs not sent: queue full, daemon backing off, given up, or the
+    thread gone)."""
 
     def __init__(self, settings: DaemonSettings, *,
                  max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self._link = DaemonLink(settings)
         self._max_pending = max_pending_bytes
-        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, SaveJob] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending_bytes = 0
         self._pending: dict[str, int] = defaultdict(int)  # tag -> jobs not done
         self._finished: set[str] = set()                   # tags with every job done
+        self._submitted = 0                    # jobs submitted: the next one's number
+        self._given_up: dict[str, int] = {}    # tag -> its jobs numbered below are given up
+        self._stopped = False                  # the thread ended: every job is dropped
         self.stats: dict[str, int] = dict.fromkeys(
             ("saves", "saved_blocks", "save_failures", "save_dropped"), 0)
         self._thread = threading.Thread(target=self._run, name="kvstore-saves", daemon=True)
@@ -232,12 +242,14 @@ class SaveSender:
         with self._lock:
             self._finished.discard(job.tag)
             self._pending[job.tag] += 1
-            if self._pending_bytes + size > self._max_pending or not self._link.available():
+            if (self._stopped or self._pending_bytes + size > self._max_pending
+                    or not self._link.available()):
                 self.stats["save_dropped"] += 1
                 self._done(job.tag)
                 return False
             self._pending_bytes += size
-        self._queue.put(job)
+            self._queue.put((self._submitted, job))
+            self._submitted += 1
         return True
 
     def pending(self, tag: str) -> int:
@@ -262,6 +274,19 @@ class SaveSender:
         with self._idle:
             return self._idle.wait_for(lambda: not tags & self._pending.keys(), timeout)
 
+    def give_up(self, tags: set[str]) -> None:
+        """Give up the jobs of ``tags`` submitted so far: once this returns, none of them
+        reads its pages any more (one copying now has its copy thrown away, its slots
+        aborted, never committed), so the engine may write them; each is a dropped save,
+        its tag finished as it ends.  Jobs submitted later go as usual."""
+        with self._lock:
+            for tag in tags & self._pending.keys():
+                self._given_up[tag] = self._submitted
+
+    def _is_given_up(self, number: int, tag: str) -> bool:
+        with self._lock:
+            return number < self._given_up.get(tag, 0)
+
     def close(self, timeout: float = 5.0) -> None:
         """Finish the queued jobs (for at most ``timeout`` seconds), then stop."""
         self.drain(timeout)
@@ -273,41 +298,79 @@ class SaveSender:
         self._pending[tag] -= 1
         if self._pending[tag] <= 0:
             del self._pending[tag]
+            self._given_up.pop(tag, None)
             self._finished.add(tag)
             self._idle.notify_all()  # drain and wait_for
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            created, failed = 0, False
-            try:
-                created, failed = self._store(job)
-            except Exception:  # a bug must not stop the thread: the save is a miss
-                logger.exception("kvstore: a background save failed")
-                failed = True
-            with self._lock:
-                self._pending_bytes -= job_bytes(job.source)
-                self.stats["saves"] += 1
-                self.stats["saved_blocks"] += created
-                self.stats["save_failures"] += failed
-                self._done(job.tag)
+        try:
+            while (item := self._queue.get()) is not None:
+                number, job = item
+                created, outcome = 0, "save_failures"
+                try:
+                    created, outcome = self._store(number, job)
+                except Exception:  # a bug must not stop the thread: the save is a miss
+                    logger.exception("kvstore: a background save failed")
+                finally:  # what ends the thread too (below) ends its job first
+                    self._end(job, created, outcome)
+        except BaseException:
+            logger.exception("kvstore: the background saves stopped; saves are dropped")
+            self._stop()
+            raise
 
-    def _store(self, job: SaveJob) -> tuple[int, bool]:
-        ns = self._link.namespace(job.ns_key, job.identity)
-        if ns is None:
-            return 0, True
+    def _end(self, job: SaveJob, created: int, outcome: str) -> None:
+        with self._lock:
+            self._pending_bytes -= job_bytes(job.source)
+            self.stats["saves"] += outcome != "save_dropped"
+            self.stats["saved_blocks"] += created
+            if outcome:
+                self.stats[outcome] += 1
+            self._done(job.tag)
+
+    def _stop(self) -> None:
+        """The thread is ending: every job still queued is dropped (its tag finished,
+        so that no engine waits for it), and so is every job submitted from now on."""
+        with self._lock:
+            self._stopped = True
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    self._pending_bytes -= job_bytes(item[1].source)
+                    self.stats["save_dropped"] += 1
+                    self._done(item[1].tag)
+
+    def _store(self, number: int, job: SaveJob) -> tuple[int, str]:
+        """Store a job: blocks created, and the stat it counts in ("" for a save)."""
         source = job.source
         fill: Callable[[Sequence[memoryview], int], None]
         if isinstance(source, InPages):
-            fill = functools.partial(_fill_from_pages, source)
+            if self._is_given_up(number, job.tag):
+                return 0, "save_dropped"
+            fill = functools.partial(self._fill_from_pages, number, job.tag, source)
         else:
             if source.ready is not None:
                 source.ready()
             fill = fill_rows(source.rows)
-        stored = store_missing(ns, job.keys, fill, parent=job.parent, lookup=False)
+        ns = self._link.namespace(job.ns_key, job.identity)
+        if ns is None:
+            return 0, "save_failures"
+        try:
+            stored = store_missing(ns, job.keys, fill, parent=job.parent, lookup=False)
+        except _GivenUp:  # the reservation aborted: the copy may have met new writes
+            return 0, "save_dropped"
         if stored.error is not None:
             self._link.failed(f"save for {job.tag}", stored.error)
-            return stored.created, True
-        return stored.created, False
+            return stored.created, "save_failures"
+        return stored.created, ""
+
+    def _fill_from_pages(self, number: int, tag: str, source: InPages,
+                         slots: Sequence[memoryview], first: int) -> None:
+        _fill_from_pages(source, slots, first)
+        if self._is_given_up(number, tag):  # checked once the copy is over
+            raise _GivenUp(tag)
 
     def __repr__(self) -> str:
         return f"SaveSender({self._link!r}, pending={dict(self._pending)}, stats={self.stats})"
@@ -327,23 +390,55 @@ class LoadItem(NamedTuple):
 
 @dataclass
 class _Pinned:
-    """One namespace's share of a step's loads, once pinned."""
+    """One namespace's share of a step's loads, once pinned: the blocks at byte
+    ``offsets`` of the namespace's arena go to pages ``page_ids``."""
 
     pages: EnginePages
+    arena: torch.Tensor | None = None   # the arena, as a 1-D uint8 tensor
     pins: list[Held] = field(default_factory=list)
-    rows: list[torch.Tensor] = field(default_factory=list)   # block bytes, by copy
+    offsets: list[int] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
+    _split: list[SplitRows] | None = None
+
+    def take(self, held: Held, page_ids: Sequence[int]) -> int:
+        """Hold a pin whose blocks go to ``page_ids`` (the leading ones: as many as it
+        pinned); how many."""
+        self.pins.append(held)
+        self.add(held, held.offsets, page_ids)
+        return len(held.offsets)
+
+    def add(self, held: Held, offsets: Sequence[int], page_ids: Sequence[int]) -> None:
+        if self.arena is None and offsets:
+            self.arena = _arena(held)
+        self.offsets.extend(offsets)
+        self.page_ids.extend(page_ids[:len(offsets)])
+
+    def split(self) -> list[SplitRows]:
+        """The blocks' runs in the arena split per target: worked out once, whatever
+        the layers copied."""
+        if self._split is None:
+            self._split = ([] if self.arena is None else self.pages.split(arena_runs(
+                self.arena, self.offsets, self.page_ids, self.pages.block_bytes)))
+        return self._split
+
+    def copy(self, groups: Sequence[int] | None) -> None:
+        """Copy the blocks into their pages: every layer group, or just ``groups``."""
+        if self.arena is None:
+            return
+        if self.pages.device.type != "cuda":
+            self.pages.scatter_split(self.split(), groups)
+            return
+        size = self.pages.block_bytes
+        rows = [self.arena.narrow(0, offset, size) for offset in self.offsets]
+        self.pages.scatter_rows(rows, self.page_ids, groups)
 
 
-def _rows(held: Held) -> list[torch.Tensor]:
-    """The pinned blocks' bytes as uint8 tensors over the arena, all views of one tensor
-    over the whole arena (so that blocks side by side in it copy as one run).  Writable,
-    because torch cannot alias read-only memory; nothing writes to them."""
+def _arena(held: Held) -> torch.Tensor:
+    """The pinned blocks' arena as one uint8 tensor (so that blocks side by side in it
+    copy as one run).  Writable, because torch cannot alias read-only memory; nothing
+    writes to it."""
     ns = held.ns
-    if not held.offsets:
-        return []
-    arena = torch.frombuffer(ns.client._arena_view(ns.arena), dtype=torch.uint8)
-    return [arena.narrow(0, offset, ns.block_bytes) for offset in held.offsets]
+    return torch.frombuffer(ns.client._arena_view(ns.arena), dtype=torch.uint8)
 
 
 def _raise(exc: KVStoreError) -> Held:
@@ -477,10 +572,10 @@ class StepLoads:
             finally:
                 self.waited_s += time.perf_counter() - started
             pinned.pins.extend(held)
-            rows = dict(zip(keys, (row for h in held for row in _rows(h))))
+            offsets = dict(zip(keys, (o for h in held for o in h.offsets)))
             for item in items:
-                pinned.rows.extend(rows[k] for k in item.keys)
-                pinned.page_ids.extend(item.page_ids)
+                if held:
+                    pinned.add(held[0], [offsets[k] for k in item.keys], item.page_ids)
                 outcome[item.tag] = Loaded(len(item.keys))
         return outcome
 
@@ -496,16 +591,12 @@ class StepLoads:
             if held is None:
                 outcome[item.tag] = Loaded(0)
                 continue
-            pinned.pins.append(held)
-            rows = _rows(held)
-            pinned.rows.extend(rows)
-            pinned.page_ids.extend(item.page_ids[:len(rows)])
-            outcome[item.tag] = Loaded(len(rows))
+            outcome[item.tag] = Loaded(pinned.take(held, item.page_ids))
 
     def copy_all(self) -> None:
         """Copy every pinned block into its page, all layers."""
         for p in self._pinned:
-            p.pages.scatter_rows(p.rows, p.page_ids)
+            p.copy(None)
 
     def layers(self) -> int:
         return max((len(p.pages.layer_targets()) for p in self._pinned), default=0)
@@ -536,7 +627,7 @@ class StepLoads:
     def _copy_layer(self, layer: int) -> None:
         for p in self._pinned:
             if layer < len(p.pages.layer_targets()):
-                p.pages.scatter_rows(p.rows, p.page_ids, [layer])
+                p.copy([layer])
 
     def wait_layer(self, layer: int) -> None:
         """Return once layer ``layer`` is in the pages (or queued before its use)."""
@@ -556,23 +647,61 @@ class StepLoads:
         """Make sure every copy is done, then release the pins (those of acquires
         posted and never waited for too)."""
         try:
-            if self._thread is not None:
-                self._thread.join()
-                self._thread = None
-                if self._layer_error is not None:  # no page may be read as loaded
-                    raise self._layer_error
-            elif self._sent:
-                self.pin()
-            for layer in range(len(self._layer_done)):  # a thread's are done by now
-                self.wait_layer(layer)
-            if any(p.pages.device.type == "cuda" for p in self._pinned):
-                torch.cuda.current_stream().synchronize()
+            self.settle()
         finally:
-            for p in self._pinned:
-                for held in p.pins:
-                    try:
-                        held.release()
-                    except KVStoreError as exc:  # the pin's lease ends it anyway
-                        logger.warning("kvstore: release failed: %s", exc)
-            self._pinned = []
-            self._todo = []
+            self.release()
+
+    def settle(self) -> None:
+        """Return once every copy is done (the pages hold the blocks): the pins may go
+        from then on, ``release``, at a time the caller finds cheaper."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self._layer_error is not None:  # no page may be read as loaded
+                raise self._layer_error
+        elif self._sent:
+            self.pin()
+        for layer in range(len(self._layer_done)):  # a thread's are done by now
+            self.wait_layer(layer)
+        if any(p.pages.device.type == "cuda" for p in self._pinned):
+            torch.cuda.current_stream().synchronize()
+
+    def release(self) -> None:
+        """Release the pins (posted: no round trip); only once the copies are done
+        (``settle``), or will never be made."""
+        for p in self._pinned:
+            for held in p.pins:
+                try:
+                    held.release()
+                except KVStoreError as exc:  # the pin's lease ends it anyway
+                    logger.warning("kvstore: release failed: %s", exc)
+        self._pinned = []
+        self._todo = []
+
+
+class SettledLoads:
+    """A step's loads whose copies are done, their pins kept to be released later (at
+    the next step's start: not in the step whose output, a first token, they would
+    delay).  Posted releases cost no round trip, but their Python does."""
+
+    def __init__(self) -> None:
+        self._loads: StepLoads | None = None
+
+    def settle(self, loads: StepLoads) -> None:
+        """Wait for ``loads``'s copies (an error releases its pins at once and is
+        raised); the pins of the loads settled before go now."""
+        try:
+            loads.settle()
+        except BaseException:
+            loads.release()
+            raise
+        self.release()
+        self._loads = loads
+
+    def release(self) -> bool:
+        """Release the pins kept, if any (whether there were)."""
+        loads, self._loads = self._loads, None
+        if loads is None:
+            return False
+        loads.release()
+        return True

@@ -33,7 +33,8 @@ the daemon, nor, for pages in host memory, for their copy (the sender copies the
 straight into the daemon's slots; on a GPU the copy out is queued on the stream in the
 step).  A request with saves in flight stays held (``request_finished`` returns True)
 until ``get_finished`` reports them done; one preempted meanwhile has
-``handle_preemptions`` wait for them before vLLM may write its pages.  A block that
+``handle_preemptions`` wait for them before vLLM may write its pages (for at most the
+daemon's ``timeout``: then they are given up, later misses).  A block that
 cannot be loaded — evicted since the lookup, daemon gone — is reported by
 ``get_block_ids_with_load_errors``, so vLLM recomputes it (policy ``recompute``) or
 fails the request (``fail``) instead of serving wrong KV.  Saves are best-effort: one
@@ -92,6 +93,7 @@ from kvstore.integrations.pipeline import (
     LoadWorth,
     SaveJob,
     SaveSender,
+    SettledLoads,
     StepLoads,
     daemon_rates,
     fill_rows,
@@ -300,6 +302,14 @@ def save_now(ns: Namespace | None, t: Transfer, rows: torch.Tensor, stats: dict[
         link.failed(f"save for request {t.req_id}", stored.error)
 
 
+def wait_or_give_up(sender: SaveSender, tags: set[str], timeout: float) -> None:
+    """Wait for the saves of ``tags`` (requests preempted, whose pages vLLM may write
+    now) for ``timeout`` seconds at most, then give them up: they are later misses."""
+    if not sender.wait_for(tags, timeout):
+        logger.warning("kvstore: saves of preempted requests %s not done in %.1f s: "
+                       "given up", sorted(tags), timeout)
+        sender.give_up(tags)
+
 
 @dataclass(frozen=True)
 class ConnectorOptions:
@@ -372,6 +382,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
         self._step_loads: StepLoads | None = None
+        self._settled = SettledLoads()   # copies done, pins to release at the next step
         self._posted_loads: tuple[KVConnectorMetadata, StepLoads] | None = None
         self._sender: SaveSender | None = None
         self._saving: set[str] = set()          # requests with saves sent
@@ -603,14 +614,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # The first call of a step, before vLLM prepares its inputs.  Preempted requests'
-        # pages may be written this step: the saves still to copy out of them end first
-        # (each within its daemon timeouts).  The loads' acquires go out now;
-        # start_load_kv waits for their replies (and only then copies).
+        # The first call of a step, before vLLM prepares its inputs: the last loads' pins
+        # go.  Preempted requests' pages may be written this step: the saves still to copy
+        # out of them end first (or are given up, wait_or_give_up).  The loads' acquires
+        # go out now; start_load_kv waits for their replies (and only then copies).
         meta, started = kv_connector_metadata, time.perf_counter()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
+        if self._settled.release():
+            self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
+            started = time.perf_counter()
         if meta.preempted & self._saving and self._sender is not None:
-            self._sender.wait_for(meta.preempted & self._saving, None)
+            wait_or_give_up(self._sender, meta.preempted & self._saving,
+                            self._link.settings.timeout)
             self.stats["save_us"] += int((time.perf_counter() - started) * 1e6)
             started = time.perf_counter()
         if meta.loads and self._opts.post_loads:
@@ -630,6 +645,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
         self._finish_loads()  # a step that never reached wait_for_save
+        self._settled.release()
         posted, self._posted_loads = self._posted_loads, None
         if posted is not None and posted[0] is not meta:
             posted[1].finish()  # another step's (cannot happen in vLLM): let its pins go
@@ -653,8 +669,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 if not loads.started:
                     loads.copy_all()
-            finally:
+            except BaseException:
                 loads.finish()
+                raise
+            self._settled.settle(loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         loads = self._step_loads
@@ -667,7 +685,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _finish_loads(self) -> None:
         loads, self._step_loads = self._step_loads, None
         if loads is not None:
-            loads.finish()
+            self._settled.settle(loads)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
@@ -719,6 +737,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         self._finish_loads()
+        self._settled.release()
         if self._posted_loads is not None:
             self._posted_loads[1].finish()
         if self._sender is not None:

@@ -132,11 +132,11 @@ def inject_faults(save_delay: float) -> None:
 
     store = SaveSender._store
 
-    def faulty_store(self, job):  # type: ignore[no-untyped-def]
+    def faulty_store(self, *job):  # type: ignore[no-untyped-def]
         if KILL_DAEMON_AT == "save":
             kill_daemon()
         time.sleep(save_delay)
-        return store(self, job)
+        return store(self, *job)
 
     KVStoreConnector.handle_preemptions = faulty_load
     SaveSender._store = faulty_store

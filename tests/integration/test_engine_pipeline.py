@@ -8,6 +8,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,14 @@ from test_engine_side import KINDS, PAGES, TOKENS, identity, make_pages
 from kvstore import AsyncClient, Client
 from kvstore.errors import KVStoreError
 from kvstore.protocol import ProbeReply
-from kvstore.integrations.engine_side import DaemonLink, DaemonSettings, Loaded
+from kvstore.integrations import pipeline
+from kvstore.integrations.engine_side import (
+    DaemonLink,
+    DaemonSettings,
+    Loaded,
+    Rows,
+    arena_runs,
+)
 from kvstore.integrations.pipeline import (
     InPages,
     LoadItem,
@@ -25,6 +33,7 @@ from kvstore.integrations.pipeline import (
     LoadWorth,
     SaveJob,
     SaveSender,
+    SettledLoads,
     StepLoads,
     daemon_rates,
 )
@@ -132,6 +141,81 @@ def test_a_save_in_pages_is_copied_by_the_sender_and_holds_them_until_done(
                                 "save_dropped": 0}
         assert ns.get(keys) == [source_page(p) for p in (5, 6, 7, 0)]
         assert ns.lookup(keys).blocks == 4  # one chain
+    sender.close()
+
+
+def test_saves_given_up_never_commit_what_their_pages_hold_afterwards(
+        daemon: DaemonProcess) -> None:
+    """An engine that cannot wait longer (a preempted request's pages to be written)
+    gives its saves up: the one copying when it does is aborted, the queued one never
+    copies; each is a dropped save, its tag finished; another tag's and a later job of
+    the same tag go as usual."""
+    source, source_page = make_pages("per_layer", seed=1)
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme", timeout=10.0))
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity("per_layer"))
+        keys = ns.keys(range(TOKENS * 6))
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert sender.submit(job("req-1", "per_layer", keys[:2], InPages(source, [0, 1])))
+            assert sender.submit(job("req-1", "per_layer", keys[2:3], InPages(source, [2]),
+                                     keys[1]))
+            assert sender.submit(job("req-2", "per_layer", keys[4:], InPages(source, [4, 5])))
+            assert not sender.wait_for({"req-1"}, 0.3)
+            sender.give_up({"req-1"})
+            other, _ = make_pages("per_layer", seed=99)  # the engine writes the pages now
+            source.scatter_rows(list(other.stage(range(3)).rows), [0, 1, 2])
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert sender.wait_for({"req-1", "req-2"}, 10)
+        assert sender.take_finished() == {"req-1", "req-2"}
+        assert ns.lookup(keys[:3]).blocks == 0  # nothing of req-1 committed
+        assert ns.get(keys[4:]) == [source_page(4), source_page(5)]
+        assert sender.stats == {"saves": 1, "saved_blocks": 2, "save_failures": 0,
+                                "save_dropped": 2}
+        assert sender.submit(job("req-1", "per_layer", keys[:1], InPages(source, [0])))
+        assert sender.drain(10) and ns.get(keys[:1]) == [source_page(0)]
+    sender.close()
+
+
+class _Stop(BaseException):
+    """What ends a thread (not an Exception)."""
+
+
+class _StoppingPages:
+    """Pages whose copy ends the thread that makes it."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+
+    def copy_into(self, page_ids: list[int], rows: list[torch.Tensor]) -> None:
+        raise _Stop("the copy ends its thread")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_sender_thread_ended_by_a_base_exception_finishes_every_tag(
+        daemon: DaemonProcess) -> None:
+    """The job under way and the jobs queued behind it are finished (no engine waits
+    for their pages for ever), and every later job is dropped at once."""
+    source, _ = make_pages("per_layer", seed=1)
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme", timeout=10.0))
+    with Client(daemon.endpoint, tenant="acme") as client:
+        keys = client.namespace(identity("per_layer")).keys(range(TOKENS * 4))
+    stopping = InPages(_StoppingPages(source.block_bytes), [0, 1])  # type: ignore[arg-type]
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert sender.submit(job("a", "per_layer", keys[:2], stopping))
+        assert sender.submit(job("b", "per_layer", keys[2:], source.stage([2, 3])))
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert sender.drain(10)
+    assert sender.take_finished() == {"a", "b"}
+    assert sender.stats == {"saves": 1, "saved_blocks": 0, "save_failures": 1,
+                            "save_dropped": 1}
+    assert not sender.submit(job("c", "per_layer", keys[2:], source.stage([2, 3])))
+    assert sender.take_finished() == {"c"}
     sender.close()
 
 
@@ -276,6 +360,84 @@ def test_loads_started_ahead_pin_and_copy_on_their_thread(
             assert [target_page(2 * i), target_page(2 * i + 1)] == [
                 source_page(2 + i % 3), source_page(3 + i % 3)]
         assert target_page(7) == untouched
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_pages_in_falling_or_scattered_order_load_their_blocks(
+        daemon: DaemonProcess, kind: str, layerwise: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM hands pages out in falling runs and scattered: each block still lands in its
+    own page, and the blocks' runs in the arena are worked out once for the step, not
+    once per layer."""
+    requests, source_page = _stored_requests(daemon, kind, 2)
+    found: list[int] = []
+
+    def counted(*args: Any) -> list[Rows]:
+        runs = arena_runs(*args)
+        found.append(len(runs))
+        return runs
+    monkeypatch.setattr(pipeline, "arena_runs", counted)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity(kind))
+        target, target_page = make_pages(kind, seed=50)
+        untouched = target_page(1)
+        pages = {"falling": [7, 6, 5, 4], "scattered": [3, 0, 2]}
+        loads = StepLoads()
+        loads.add(ns, target, [LoadItem(name, keys[:len(pages[name])], pages[name])
+                               for name, keys in zip(pages, requests)])
+        assert loads.pin() == {"falling": Loaded(4), "scattered": Loaded(3)}
+        if layerwise:
+            loads.start_layers()
+            for layer in range(loads.layers()):
+                loads.wait_layer(layer)
+        else:
+            loads.copy_all()
+        loads.finish()
+        assert [target_page(p) for p in pages["falling"]] == [
+            source_page(p) for p in (0, 1, 2, 3)]
+        assert [target_page(p) for p in pages["scattered"]] == [
+            source_page(p) for p in (0, 1, 3)]
+        assert target_page(1) == untouched
+    assert len(found) == 1  # one namespace: its runs found once, whatever the layers
+
+
+def test_settled_loads_keep_their_pins_until_the_next_steps_settle_or_release(
+        daemon: DaemonProcess) -> None:
+    """A step's copies are done when ``settle`` returns; its pins go at the next step's
+    (or ``release``), not in the step whose output they would delay."""
+    requests, source_page = _stored_requests(daemon, "staged", 2)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity("staged"))
+
+        def pinned() -> int:
+            return int(client.stats()["tiers"]["dram"]["pinned_blocks"])
+        target, target_page = make_pages("staged", seed=50)
+        settled = SettledLoads()
+        for keys, pages in zip(requests, ([0, 1, 2, 3], [4, 5, 6, 7])):
+            loads = StepLoads()
+            loads.add(ns, target, [LoadItem("r", keys, pages)])
+            loads.pin()
+            loads.copy_all()
+            settled.settle(loads)
+            until(lambda: pinned() == 4)  # this step's; the step before's went
+        assert [target_page(p) for p in range(8)] == [
+            source_page(p) for p in (0, 1, 2, 3, 0, 1, 3, 4)]
+        assert settled.release() and not settled.release()
+        until(lambda: pinned() == 0)
+
+
+def test_arena_runs_follow_the_offsets_and_refuse_rows_past_the_arena() -> None:
+    arena = torch.arange(64, dtype=torch.uint8)
+    runs = arena_runs(arena, [8, 16, 24, 0, 40], [5, 4, 9, 1, 2], 8)
+    assert [(r.rows.shape[0], list(r.page_ids)) for r in runs] == [
+        (3, [5, 4, 9]), (1, [1]), (1, [2])]
+    assert runs[0].rows.data_ptr() == arena.data_ptr() + 8  # a view, not a copy
+    assert bytes(runs[2].rows.numpy()) == bytes(range(40, 48))
+    with pytest.raises(ValueError, match="arena of 64"):
+        arena_runs(arena, [60], [0], 8)
+    with pytest.raises(ValueError, match="page ids"):
+        arena_runs(arena, [0, 8], [0], 8)
 
 
 def test_a_block_gone_since_the_lookup_fails_only_its_request(daemon: DaemonProcess) -> None:
