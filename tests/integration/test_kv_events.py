@@ -312,8 +312,9 @@ def test_batches_go_out_only_while_someone_subscribes(tmp_path: Path) -> None:
 
 def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -> None:
     """A batch waits for changes until ``interval_ms`` has passed; then the next commit
-    sends it at the end of its loop turn, and the timer kept for a quiet daemon
-    (``quiet_ms``) is dropped.  No timer sends it at ``interval_ms``."""
+    sends it at the end of its loop turn.  No timer sends it at ``interval_ms``; the one
+    timer for a quiet daemon (``quiet_ms``), set at the first batch's first change, stays
+    for the batches begun before it fires rather than one set and cancelled a batch."""
     import asyncio
 
     from kvstore.config import EventsConfig
@@ -339,14 +340,20 @@ def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -
         commit(0)
         time.sleep(0.01)  # past the interval
         turn()
-        assert pub.last_seq == -1 and pub._timer is not None  # waits for a commit
+        quiet = pub._quiet
+        assert pub.last_seq == -1 and quiet is not None  # waits for a commit
         commit(100)
         turn()
-        assert pub.last_seq == 0 and pub._timer is None  # due: out with the commit
+        assert pub.last_seq == 0 and pub._turn is None  # due: out with the commit
         assert not pub.changes.touched
-        commit(200)  # a new batch, its timer the quiet one
+        commit(200)  # a new batch: the quiet timer already set serves it
         turn()
-        assert pub.last_seq == 0 and pub._timer is not None
+        assert pub.last_seq == 0 and pub._quiet is quiet and not quiet.cancelled()
+        pub._went_quiet()  # (what the timer runs)
+        assert pub.last_seq == 1 and not pub.changes.touched and pub._quiet is None
+        commit(300)  # the next batch's first change sets a timer again
+        assert pub._quiet is not None and pub._quiet is not quiet
     finally:
         pub.close()
         loop.close()
+
