@@ -199,6 +199,9 @@ class EventPublisher:
         self.replays = 0
         self.unheard = 0            # batches numbered but not built: nobody would get them
         self.subscriptions: set[bytes] = set()  # topics someone subscribes to
+        # Whether writers should send token ids (replies tell them): someone subscribes,
+        # as last read, or batches are kept for replay.
+        self.tokens_wanted = bool(config.replay_endpoint)
         self.changes = TierChanges(self._soon, self._more)
         self.endpoints: list[str] = []
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -377,6 +380,7 @@ class EventPublisher:
                 self.subscriptions.add(message[1:])
             elif message[:1] == b"\x00":
                 self.subscriptions.discard(message[1:])
+        self.tokens_wanted = bool(self.subscriptions) or self._replay is not None
 
     def _serve_replays(self) -> None:
         sock = self._replay

@@ -357,3 +357,82 @@ def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -
         pub.close()
         loop.close()
 
+
+def test_token_ids_travel_only_while_someone_hears_and_a_stale_reply_loses_no_event(
+        daemon_factory: Any) -> None:
+    """Without a replay socket, the daemon's replies tell writers whether to send token
+    ids: not while nobody subscribes (commits are then as small as with events off), and
+    again once it has read a subscription.  A write told "not wanted" before that read
+    is still announced, with empty ``token_ids`` (as vLLM's own offloading connectors
+    send blocks whose token ids they lack); the writes told after it carry them."""
+    pub = free_port()
+    d = daemon_factory(dram_capacity="2MiB", ssd_capacity="0", extra=["--slab-size", "1MiB"],
+                       env={"KVSTORE_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{pub}"})
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    typed = decoder()
+
+    def stored_event(keys: list[bytes], wait: float = 5.0) -> Any:
+        """The BlockStored event of ``keys`` (one run), read off the stream (None if it
+        did not come within ``wait`` seconds)."""
+        while sub.poll(int(wait * 1000)):
+            for e in typed.decode(sub.recv_multipart()[2]).events:
+                if type(e).__name__ == "BlockStored" and e.block_hashes == keys:
+                    return e
+        return None
+
+    def chain(first: int, blocks: int = 1) -> tuple[list[bytes], list[int]]:
+        tokens = list(range(first, first + BT * blocks))
+        return ns.keys(tokens), tokens
+
+    def until(condition: Any, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    with Client(d.endpoint, tenant="acme") as c:
+        assert c.hello is not None and c.hello.events
+        ns = c.namespace(IDENT)
+        keys, _ = chain(0, 2)
+        with ns.reserve(keys) as r:
+            assert not c.tokens_wanted  # nobody subscribes
+            assert r._commit_request().tokens == []  # (aborted: committed by the put)
+        ns.put(keys, [content(k) for k in keys])
+        assert not c.tokens_wanted
+        until(lambda: c.stats()["events"]["unheard"] >= 1, "the batch never went")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{pub}")
+        stale, _ = chain(1000, 2)
+        r = ns.reserve(stale)
+        assert not c.tokens_wanted  # no batch since: the subscription is not read yet
+        # writes until one is heard: its batch read the subscription
+        for i in range(100):
+            other, _ = chain(2000 + i * BT)
+            ns.put(other, [content(k) for k in other])
+            heard = stored_event(other, wait=0.2)
+            if heard is not None:
+                break
+        assert heard is not None, "the subscription never reached the daemon"
+        assert heard.token_ids == []  # told "not wanted" before the read
+        r.commit()  # told "not wanted" before the read, committed after it
+        late = stored_event(stale)
+        assert late is not None and late.token_ids == []  # announced all the same
+        fresh, fresh_tokens = chain(5000, 2)
+        with ns.reserve(fresh) as r2:
+            assert c.tokens_wanted  # someone hears: token ids wanted
+            r2.commit()
+        told = stored_event(fresh)
+        assert told is not None and told.token_ids == fresh_tokens
+        # the subscriber goes: once the daemon has read that, token ids are not wanted
+        sub.close(linger=0)
+        gone = iter(range(6000, 10**6, BT))
+
+        def unwanted() -> bool:
+            keys, _ = chain(next(gone))
+            ns.put(keys, [content(k) for k in keys])
+            time.sleep(0.06)  # its batch reads the subscriptions
+            return not c.tokens_wanted  # as the put's reply said: read by the next
+        until(unwanted, "token ids still wanted with nobody subscribed")
+        assert c.stats()["events"]["dropped"] == 0
+    ctx.term()
