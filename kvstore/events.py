@@ -19,6 +19,10 @@ dropped and counted, so subscribers see a sequence jump.  The last ``buffer_step
 batches stay in a ring; the replay socket (ROUTER) answers a request naming a sequence
 number with every batch from there on, each as ``[seq, payload]``, and ends with
 ``[-1, b""]``, as vLLM's publisher does.
+
+Writers send their blocks' token ids only while someone hears the batches
+(``tokens_wanted``: a subscriber, as last read, or a replay socket), as the daemon's
+replies tell them; a block stored without them is announced with empty ``token_ids``.
 """
 
 from __future__ import annotations
