@@ -213,7 +213,9 @@ class EventPublisher:
         self._replay: zmq.Socket[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.interval = config.interval_ms / 1e3
-        self.quiet = max(config.quiet_ms, config.interval_ms) / 1e3
+        self.busy_interval = max(config.busy_interval_ms, config.interval_ms) / 1e3
+        self.wait = self.interval  # how long the next batch waits for changes
+        self.quiet = max(config.quiet_ms, config.busy_interval_ms, config.interval_ms) / 1e3
         self._turn: asyncio.Handle | None = None  # the flush at this turn's end, if set
         self._quiet: asyncio.Handle | None = None  # the timer for a daemon gone quiet
         self._due = 0.0  # when a commit sends the batch (loop time; 0: at the timer)
@@ -273,11 +275,11 @@ class EventPublisher:
     def _soon(self) -> None:
         # The first change since the last batch (at the end of this loop turn when the
         # interval is 0): every change until the batch goes out joins it, so a busy
-        # daemon sends fewer, larger batches.  The first commit ``interval`` on sends it
-        # at the end of its turn; the quiet timer, within ``quiet``, only if none came (a
-        # wake costs a quiet daemon nothing, but a busy one tens of microseconds a
-        # batch).  One quiet timer serves every batch begun while it runs: a busy daemon
-        # sets one every ``quiet``, not one a batch.
+        # daemon sends fewer, larger batches.  The first commit ``wait`` on (``interval``,
+        # longer under load) sends it at the end of its turn; the quiet timer, ``quiet``
+        # on, only if none came (a wake costs a quiet daemon nothing, but a busy one tens
+        # of microseconds a batch).  One quiet timer serves every batch begun while it
+        # runs: a busy daemon sets one every ``quiet``, not one a batch.
         loop = self._loop
         if loop is None:
             return
@@ -285,22 +287,34 @@ class EventPublisher:
             if self._turn is None:
                 self._turn = loop.call_soon(self.flush)
             return
-        self._due = loop.time() + self.interval
+        self._due = loop.time() + self.wait
         if self._quiet is None:
             self._quiet = loop.call_later(self.quiet, self._went_quiet)
 
     def _more(self) -> None:
-        # A commit's changes joined the batch: it goes out at the end of this turn if due.
+        # A commit's changes joined the batch: it goes out at the end of this turn if due,
+        # and commits keep coming: the next batch waits twice as long (up to
+        # ``busy_interval``), so a loaded daemon sends fewer, larger batches.
         due = self._due
         if due and self._loop is not None and self._loop.time() >= due:
             self._due = 0.0
+            self.wait = min(2 * self.wait, self.busy_interval)
             if self._turn is None:
                 self._turn = self._loop.call_soon(self.flush)
 
     def _went_quiet(self) -> None:
-        # Set at a batch's first change (or earlier, at an earlier batch's): whatever
-        # waits now has waited less than ``quiet``.
+        # Set at a batch's first change, or at an earlier batch's: then it is set again
+        # for this one's.  A batch that waited ``quiet`` with no commit to send it: the
+        # load has gone, batches wait ``interval`` again.
         self._quiet = None
+        loop = self._loop
+        if not self.changes.touched or not self._due or loop is None:
+            return  # nothing waits, or a commit's turn sends it
+        first = self._due - self.wait  # (the wait changes only once the batch is sent)
+        if loop.time() < first + self.quiet:
+            self._quiet = loop.call_at(first + self.quiet, self._went_quiet)
+            return
+        self.wait = self.interval
         self.flush()
 
     def flush(self) -> int:

@@ -312,9 +312,12 @@ def test_batches_go_out_only_while_someone_subscribes(tmp_path: Path) -> None:
 
 def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -> None:
     """A batch waits for changes until ``interval_ms`` has passed; then the next commit
-    sends it at the end of its loop turn.  No timer sends it at ``interval_ms``; the one
-    timer for a quiet daemon (``quiet_ms``), set at the first batch's first change, stays
-    for the batches begun before it fires rather than one set and cancelled a batch."""
+    sends it at the end of its loop turn, and the next batch waits twice as long (commits
+    keep coming: a loaded daemon sends fewer batches), up to ``busy_interval_ms``.  No
+    timer sends it at ``interval_ms``; the one timer for a quiet daemon (``quiet_ms``),
+    set at the first batch's first change, stays for the batches begun before it fires
+    rather than one set and cancelled a batch, and once it sends a batch no commit sent,
+    batches wait ``interval_ms`` again."""
     import asyncio
 
     from kvstore.config import EventsConfig
@@ -324,7 +327,8 @@ def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -
     store = BlockStore(64 * IDENT.block_bytes, 16 * IDENT.block_bytes)
     loop = asyncio.new_event_loop()
     pub = EventPublisher(EventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock",
-                                      interval_ms=1.0, quiet_ms=1000.0), store)
+                                      interval_ms=1.0, quiet_ms=1000.0,
+                                      busy_interval_ms=3.0), store)
     pub.open(loop)
     ns = store.open_namespace(IDENT)
 
@@ -346,13 +350,27 @@ def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -
         turn()
         assert pub.last_seq == 0 and pub._turn is None  # due: out with the commit
         assert not pub.changes.touched
+        assert pub.wait == 0.002  # sent by a commit: the next batch waits twice as long
+        before = loop.time()
         commit(200)  # a new batch: the quiet timer already set serves it
+        assert before + 0.002 <= pub._due <= loop.time() + 0.002
         turn()
         assert pub.last_seq == 0 and pub._quiet is quiet and not quiet.cancelled()
-        pub._went_quiet()  # (what the timer runs)
-        assert pub.last_seq == 1 and not pub.changes.touched and pub._quiet is None
-        commit(300)  # the next batch's first change sets a timer again
-        assert pub._quiet is not None and pub._quiet is not quiet
+        pub._went_quiet()  # (what the timer runs; early for this batch: set for it again)
+        again = pub._quiet
+        assert pub.last_seq == 0 and again is not None and again is not quiet
+        time.sleep(0.01)
+        commit(300)  # due: out with this commit, and the next waits up to 3 ms
+        turn()
+        assert pub.last_seq == 1 and pub.wait == 0.003
+        commit(400)
+        again.cancel()
+        pub._due -= 2.0  # (as if this batch had waited ``quiet_ms`` with no commit)
+        pub._went_quiet()
+        assert pub.last_seq == 2 and not pub.changes.touched and pub._quiet is None
+        assert pub.wait == 0.001  # quiet: batches wait ``interval_ms`` again
+        commit(500)  # the next batch's first change sets a timer again
+        assert pub._quiet is not None
     finally:
         pub.close()
         loop.close()
