@@ -83,8 +83,10 @@ class TierChanges:
         # again in one turn is two entries.
         self.touched: list[Block | list[Block]] = []
         self.runs: list[list[Block]] = []  # of the marks, commits' runs
-        # the blocks marked alone (a drain unfolds the runs they overlap, if any)
+        # the blocks marked alone (a drain unfolds the runs they overlap, if any), but for
+        # those marked together (a restored index's, at start: no set of them all)
         self.singles: set[Block] = set()
+        self.unlisted = False  # blocks were marked together since the last drain
         self.on_first = on_first
         self.on_more = on_more
 
@@ -102,9 +104,8 @@ class TierChanges:
                 self.on_first()
         elif self.on_more is not None:  # a commit's blocks marked one by one
             self.on_more()
-        blocks = list(blocks)
         touched.extend(blocks)
-        self.singles.update(blocks)
+        self.unlisted = True
 
     def touch_run(self, blocks: list[Block]) -> None:
         """Blocks of one chain, each the parent of the next, that have just gained their
@@ -137,8 +138,9 @@ class TierChanges:
         touched, self.touched = self.touched, []
         runs, self.runs = self.runs, []
         singles, self.singles = self.singles, set()
-        if singles and not all(singles.isdisjoint(run) for run in runs):
-            touched = _unfold_overlaps(touched, singles)
+        unlisted, self.unlisted = self.unlisted, False
+        if runs and (unlisted or not all(singles.isdisjoint(run) for run in runs)):
+            touched = _unfold_overlaps(touched, None if unlisted else singles)
         removed: dict[tuple[str, int], Removed] = {}
         stored: list[Stored] = []
         last: dict[str, Stored] = {}  # per tier but DRAM, the run the next may extend
@@ -222,8 +224,9 @@ class TierChanges:
         touched, self.touched = self.touched, []
         runs, self.runs = self.runs, []
         singles, self.singles = self.singles, set()
-        if singles and not all(singles.isdisjoint(run) for run in runs):
-            touched = _unfold_overlaps(touched, singles)
+        unlisted, self.unlisted = self.unlisted, False
+        if runs and (unlisted or not all(singles.isdisjoint(run) for run in runs)):
+            touched = _unfold_overlaps(touched, None if unlisted else singles)
         changed = False
         for block in touched:
             if isinstance(block, list):  # a commit's run: its DRAM copies, new
@@ -242,9 +245,12 @@ class TierChanges:
 
 
 def _unfold_overlaps(touched: list[Block | list[Block]],
-                     singles: set[Block]) -> list[Block | list[Block]]:
-    """The marks with each commit's run that a block marked alone (of ``singles``)
-    overlaps (a copy it gained or lost since) as its blocks, marked one by one."""
+                     singles: set[Block] | None) -> list[Block | list[Block]]:
+    """The marks with each commit's run that a block marked alone (of ``singles``; None:
+    found here) overlaps (a copy it gained or lost since) as its blocks, marked one by
+    one."""
+    if singles is None:
+        singles = {b for b in touched if not isinstance(b, list)}
     out: list[Block | list[Block]] = []
     for mark in touched:
         if isinstance(mark, list) and not singles.isdisjoint(mark):
