@@ -16,7 +16,11 @@ Three measurements, each next to its peer, medians of interleaved runs, and rati
   to 8 echo processes at once and gathered, against one echo's round trip.
 
     python benchmarks/kv_events.py [--repeats N] [--only publish|throughput|route]
-        [--round N] [--json]
+        [--round N] [--beside DIR] [--json]
+
+``--beside DIR`` adds to the throughput measurement daemons that run the ``kvstore``
+package found in DIR (another version of it, e.g. ``git archive <commit> kvstore | tar
+-x -C DIR``), events to a subscriber and to nobody, in the same rounds as this version's.
 """
 
 from __future__ import annotations
@@ -131,14 +135,16 @@ def bench_publish(work: Path, repeats: int) -> tuple[float, float, float, float]
     return median_us(ours), median_us(peer), p10_us(ours), p10_us(peer)
 
 
-def start_daemon(work: Path, name: str, env: dict[str, str]) -> tuple[subprocess.Popen[bytes],
-                                                                      str, str]:
+def start_daemon(work: Path, name: str, env: dict[str, str], code: str | None = None
+                 ) -> tuple[subprocess.Popen[bytes], str, str]:
+    """A daemon serving at an ipc endpoint (and a tcp one); ``code``: a directory whose
+    ``kvstore`` package it runs (``python -m`` looks in its working directory first)."""
     endpoint = f"ipc://{work}/{name}.sock"
     tcp = f"tcp://127.0.0.1:{_free_port()}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstore", "serve", "--endpoint", endpoint, "--extra-endpoint",
          tcp, "--dram-capacity", "256MiB", "--ssd-capacity", "0", "--log-level", "warning"],
-        stdout=subprocess.PIPE, env={**os.environ, **env})
+        stdout=subprocess.PIPE, env={**os.environ, **env}, cwd=code)
     assert proc.stdout is not None
     while True:
         line = proc.stdout.readline()
@@ -216,7 +222,7 @@ ARMS: tuple[tuple[str, dict[str, str], bool], ...] = (
 
 
 def bench_throughput(work: Path, repeats: int, data: bool = False,
-                     round_n: int = 3) -> dict[str, float]:
+                     round_n: int = 3, beside: str | None = None) -> dict[str, float]:
     """Daemon CPU time per request, and requests a second, of daemons publishing events
     (to a subscriber; to nobody; a batch every loop turn) and of two that do not.  Every
     process here runs on one CPU: all daemons then run as the client's peer under the
@@ -238,16 +244,22 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
     os.sched_setaffinity(0, {cpu})  # the daemons started now inherit it
     procs: dict[str, subprocess.Popen[bytes]] = {}
     subs: list[subprocess.Popen[bytes]] = []
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in ARMS}
-    served = {name: 0 for name, _, _ in ARMS}
+    arms = list(ARMS)
+    if beside is not None:  # another version's daemons, in the same rounds
+        arms += [(f"{name}_beside", {k: v.replace("{tag}", "beside-{tag}")
+                                     for k, v in env.items()}, subscribed)
+                 for name, env, subscribed in ARMS if name in ("on", "alone")]
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in arms}
+    served = {name: 0 for name, _, _ in arms}
     total: dict[str, float] = {}
     clients: list[Client] = []
     try:
         runs: dict[str, Callable[[], int]] = {}
-        for name, env, subscribed in ARMS:
+        for name, env, subscribed in arms:
             env = {k: v.format(work=work, tag=tag) for k, v in env.items()}
             proc, endpoint, _ = start_daemon(work, f"{name}-{tag}",
-                                             {**env, "PYTHONHASHSEED": "0"})
+                                             {**env, "PYTHONHASHSEED": "0"},
+                                             beside if name.endswith("_beside") else None)
             procs[name] = proc
             if subscribed:  # a router, elsewhere: on the other CPUs, where there are any
                 subs.append(subscriber(env["KVSTORE_EVENTS_ENDPOINT"]))
@@ -274,8 +286,8 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
         # the cross-check: all CPU time over all requests, the gaps between rounds too
         total = {name: (cpu_ns(proc.pid) - first[name]) / served[name] / 1e3
                  for name, proc in procs.items()}
-        for c, (name, _, subscribed) in zip(clients, ARMS):
-            if name in ("on", "turn"):
+        for c, (name, _, subscribed) in zip(clients, arms):
+            if name in ("on", "turn", "on_beside"):
                 events = c.stats()["events"]
                 assert events["batches"] > 0 and events["dropped"] == 0, events
     finally:
@@ -400,6 +412,9 @@ def main() -> None:
     parser.add_argument("--round", type=int, default=3, metavar="N",
                         help="throughput: iterations (a store and a lookup) per daemon in "
                              "a round (more: a sustained load)")
+    parser.add_argument("--beside", metavar="DIR",
+                        help="throughput: also daemons running the kvstore package in DIR "
+                             "(another version), in the same rounds")
     parser.add_argument("--json", action="store_true",
                         help="print every figure as JSON after the table")
     args = parser.parse_args()
@@ -415,12 +430,16 @@ def main() -> None:
         rows.append(row("  the same, tenth percentile (us)", p_pub, p_raw, "encode+send"))
     if args.only in (None, "throughput"):
         for data, what in ((False, "control"), (True, "with bytes")):
-            t = bench_throughput(work, args.repeats, data, args.round)
+            t = bench_throughput(work, args.repeats, data, args.round, args.beside)
             figures.update({f"{what.replace(' ', '_')}_{k}": v for k, v in t.items()})
-            for arm, label, target in (("on", "events to a subscriber", "<= 1.05"),
-                                       ("alone", "events to nobody", "<= 1.05"),
-                                       ("turn", "a batch every loop turn", ""),
-                                       ("off2", "noise: 2nd daemon, no events", "")):
+            arms = [("on", "events to a subscriber", "<= 1.05"),
+                    ("alone", "events to nobody", "<= 1.05"),
+                    ("turn", "a batch every loop turn", ""),
+                    ("off2", "noise: 2nd daemon, no events", "")]
+            if args.beside:
+                arms[2:2] = [("on_beside", "the same, --beside's code", ""),
+                             ("alone_beside", "to nobody, --beside's code", "")]
+            for arm, label, target in arms:
                 rows.append(row(f"{what}: cpu us/request, {label}", t[f"{arm}_cpu_us"],
                                 t["off_cpu_us"], "events off", ".3f", target,
                                 ratio=t[f"{arm}_cpu_ratio"]))

@@ -141,6 +141,9 @@ class SessionCore:
         self._curve = curve or _curve_from_env()
         self._rids = itertools.count(1)
         self.hello: p.HelloReply | None = None
+        # Whether commits and puts carry token ids, as the daemon's last reserve, put or
+        # batch reply said (it wants them while someone hears its events)
+        self.tokens_wanted = True
         self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}  # arena path -> mapping
         self._map_arenas = map_arena
         self._pinned: dict[str, Any] = {}  # arena path -> its background CUDA registration
@@ -437,10 +440,12 @@ class NamespaceCore(Generic[S]):
             part = list(keys[start:start + per])
             payload = list(blocks[start:start + per])
             sums = [checksum(b) for b in payload] if c.checksums else []
-            tokens = self._chains.tokens_of(part) if self.events else []
+            tokens = self._chains.tokens_of(part) if self.events and c.tokens_wanted else []
             received = yield (p.Put(c._next_rid(), self.id, part, previous, sums, tokens),
                               payload)
-            created += check_reply(received[0], p.PutReply).created
+            reply = check_reply(received[0], p.PutReply)
+            created += reply.created
+            c.tokens_wanted = reply.tokens
             previous = part[-1]
         return created
 
@@ -498,7 +503,7 @@ class NamespaceCore(Generic[S]):
         reservations = []
         for item, rid, offsets in zip([i for i in plan if i.keys], r.reservations, r.offsets):
             reservation = make(list(item.keys))
-            reservation._take(p.ReserveReply(0, rid, offsets, r.lease_seconds))
+            reservation._take(p.ReserveReply(0, rid, offsets, r.lease_seconds, r.tokens))
             reservations.append(reservation)
         return BatchResult(r.admitted, r.blocks, r.fitting, reservations)
 
@@ -603,6 +608,7 @@ class ReservationCore(Generic[N]):
 
     def _take(self, reply: p.ReserveReply) -> None:
         self.id, self.offsets = reply.reservation, reply.offsets
+        self.ns.client.tokens_wanted = reply.tokens
         self.buffers = self.ns.client._slots(reply.offsets, self.ns.block_bytes,
                                              readonly=False, arena=self.ns.arena)
         self.reserved = True
@@ -612,7 +618,8 @@ class ReservationCore(Generic[N]):
             raise KVStoreError("nothing reserved yet: await the reservation first")
         c = self.ns.client
         sums = [checksum(b) for b in self.buffers] if c.checksums else []
-        tokens = self.ns._chains.tokens_of(self.keys) if self.ns.events else []
+        tokens = (self.ns._chains.tokens_of(self.keys)
+                  if self.ns.events and c.tokens_wanted else [])
         self._finish()
         return p.Commit(c._next_rid(), self.id, sums, tokens)
 

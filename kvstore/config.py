@@ -187,6 +187,10 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # change (a busy daemon: no wake of its own for it); a daemon that commits nothing
     # more sends it this long after its first change (milliseconds, at least interval_ms).
     quiet_ms: float = 50.0
+    # Under load, fewer and larger batches still: each batch that goes out with a commit
+    # (commits keep coming) doubles the next one's wait, up to this (milliseconds, at least
+    # interval_ms); a batch the quiet timer sends brings it back to interval_ms.
+    busy_interval_ms: float = 10.0
     # Load bandwidth per tier (bytes a second) a routing query assumes until the daemon
     # has measured its own.
     dram_bandwidth: str | int = "20GB"
@@ -214,6 +218,8 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("events.interval_ms: from 0 (a batch every loop turn) to 1000")
         if not 0 <= self.quiet_ms <= 1000:
             raise ConfigError("events.quiet_ms: from 0 (interval_ms) to 1000")
+        if not 0 <= self.busy_interval_ms <= 1000:
+            raise ConfigError("events.busy_interval_ms: from 0 (interval_ms) to 1000")
         for name in ("dram_bandwidth", "ssd_bandwidth", "remote_bandwidth"):
             if parse_size(getattr(self, name), f"events.{name}") <= 0:
                 raise ConfigError(f"events.{name}: must be a positive number of bytes")

@@ -19,6 +19,10 @@ dropped and counted, so subscribers see a sequence jump.  The last ``buffer_step
 batches stay in a ring; the replay socket (ROUTER) answers a request naming a sequence
 number with every batch from there on, each as ``[seq, payload]``, and ends with
 ``[-1, b""]``, as vLLM's publisher does.
+
+Writers send their blocks' token ids only while someone hears the batches
+(``tokens_wanted``: a subscriber, as last read, or a replay socket), as the daemon's
+replies tell them; a block stored without them is announced with empty ``token_ids``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # come that much later, a batch may go to no one for as long after the last one left.
 SUBSCRIPTIONS_EVERY = 0.05
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
+# A frame's send without pyzmq's Python layer: ``send_multipart`` combines each frame's
+# flags as ``IntFlag``s and checks for options a PUB socket never uses (routing ids,
+# groups), which costs several times the three frames' sends themselves.
+_send = zmq.backend.Socket.send
 
 # tier -> (medium, locality)
 MEDIA: dict[str, tuple[str, str | None]] = {
@@ -194,6 +203,9 @@ class EventPublisher:
         self.replays = 0
         self.unheard = 0            # batches numbered but not built: nobody would get them
         self.subscriptions: set[bytes] = set()  # topics someone subscribes to
+        # Whether writers should send token ids (replies tell them): someone subscribes,
+        # as last read, or batches are kept for replay.
+        self.tokens_wanted = bool(config.replay_endpoint)
         self.changes = TierChanges(self._soon, self._more)
         self.endpoints: list[str] = []
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -201,8 +213,11 @@ class EventPublisher:
         self._replay: zmq.Socket[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.interval = config.interval_ms / 1e3
-        self.quiet = max(config.quiet_ms, config.interval_ms) / 1e3
-        self._timer: asyncio.Handle | None = None  # the flush to come, once scheduled
+        self.busy_interval = max(config.busy_interval_ms, config.interval_ms) / 1e3
+        self.wait = self.interval  # how long the next batch waits for changes
+        self.quiet = max(config.quiet_ms, config.busy_interval_ms, config.interval_ms) / 1e3
+        self._turn: asyncio.Handle | None = None  # the flush at this turn's end, if set
+        self._quiet: asyncio.Handle | None = None  # the timer for a daemon gone quiet
         self._due = 0.0  # when a commit sends the batch (loop time; 0: at the timer)
         self._read_at = -SUBSCRIPTIONS_EVERY  # when a batch last read the subscriptions
         self._fds: list[int] = []
@@ -243,6 +258,9 @@ class EventPublisher:
 
     def close(self) -> None:
         self.flush()
+        if self._quiet is not None:
+            self._quiet.cancel()
+            self._quiet = None
         if self._loop is not None:
             for fd in self._fds:
                 self._loop.remove_reader(fd)
@@ -257,32 +275,54 @@ class EventPublisher:
     def _soon(self) -> None:
         # The first change since the last batch (at the end of this loop turn when the
         # interval is 0): every change until the batch goes out joins it, so a busy
-        # daemon sends fewer, larger batches.  The first commit ``interval`` on sends it
-        # at the end of its turn; a timer ``quiet`` on, only if none came (a wake costs
-        # a quiet daemon nothing, but a busy one tens of microseconds a batch).
+        # daemon sends fewer, larger batches.  The first commit ``wait`` on (``interval``,
+        # longer under load) sends it at the end of its turn; the quiet timer, ``quiet``
+        # on, only if none came (a wake costs a quiet daemon nothing, but a busy one tens
+        # of microseconds a batch).  One quiet timer serves every batch begun while it
+        # runs: a busy daemon sets one every ``quiet``, not one a batch.
         loop = self._loop
-        if self._timer is None and loop is not None:
-            if self.interval:
-                self._due = loop.time() + self.interval
-                self._timer = loop.call_later(self.quiet, self.flush)
-            else:
-                self._timer = loop.call_soon(self.flush)
+        if loop is None:
+            return
+        if not self.interval:
+            if self._turn is None:
+                self._turn = loop.call_soon(self.flush)
+            return
+        self._due = loop.time() + self.wait
+        if self._quiet is None:
+            self._quiet = loop.call_later(self.quiet, self._went_quiet)
 
     def _more(self) -> None:
-        # A commit's changes joined the batch: it goes out at the end of this turn if due.
+        # A commit's changes joined the batch: it goes out at the end of this turn if due,
+        # and commits keep coming: the next batch waits twice as long (up to
+        # ``busy_interval``), so a loaded daemon sends fewer, larger batches.
         due = self._due
         if due and self._loop is not None and self._loop.time() >= due:
             self._due = 0.0
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self._loop.call_soon(self.flush)
+            self.wait = min(2 * self.wait, self.busy_interval)
+            if self._turn is None:
+                self._turn = self._loop.call_soon(self.flush)
+
+    def _went_quiet(self) -> None:
+        # Set at a batch's first change, or at an earlier batch's: then it is set again
+        # for this one's.  A batch that waited ``quiet`` with no commit to send it: the
+        # load has gone, batches wait ``interval`` again.
+        self._quiet = None
+        loop = self._loop
+        if not self.changes.touched or not self._due or loop is None:
+            return  # nothing waits, or a commit's turn sends it
+        first = self._due - self.wait  # (the wait changes only once the batch is sent)
+        if loop.time() < first + self.quiet:
+            self._quiet = loop.call_at(first + self.quiet, self._went_quiet)
+            return
+        self.wait = self.interval
+        self.flush()
 
     def flush(self) -> int:
         """Publish what changed since the last flush as one batch; its sequence number
         (-1: nothing changed)."""
-        if self._timer is not None:
-            self._timer.cancel()  # called before its time (a snapshot, closing)
-            self._timer = None
+        if self._turn is not None:
+            self._turn.cancel()  # called before the turn's end (a snapshot, closing)
+            self._turn = None
         self._due = 0.0
         if not self.changes.touched:
             return -1
@@ -320,11 +360,13 @@ class EventPublisher:
         pub = self._pub
         if pub is not None:
             if self.listened() if listened is None else listened:  # else the ring keeps it
-                try:
-                    pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload),
-                                       _NOBLOCK)
+                try:  # (once its first frame is taken, ZeroMQ takes the whole message)
+                    _send(pub, self.topic, _MORE)
                 except zmq.Again:
                     self.dropped += 1  # a subscriber is behind: it sees the gap, replays
+                else:
+                    _send(pub, seq.to_bytes(8, "big"), _MORE)
+                    _send(pub, payload, _NOBLOCK)
         return seq
 
     @property
@@ -356,6 +398,7 @@ class EventPublisher:
                 self.subscriptions.add(message[1:])
             elif message[:1] == b"\x00":
                 self.subscriptions.discard(message[1:])
+        self.tokens_wanted = bool(self.subscriptions) or self._replay is not None
 
     def _serve_replays(self) -> None:
         sock = self._replay

@@ -55,7 +55,8 @@ class Commit(Message, tag="commit"):
     reservation: int
     checksums: list[int] = []  # xxh3_64 of each block as written, for readers to verify
     # Each block's token ids as msgpack integers (kvstore.token_ids: uint32 or int64
-    # each, laid out; b"": not known), when the daemon publishes events; else nothing.
+    # each, laid out; b"": not known), when the daemon publishes events and its reply
+    # said it wants them (someone hears them); else nothing.
     tokens: list[bytes] = []
 
 
@@ -194,6 +195,9 @@ class ReserveReply(Message, tag="reserve"):
     reservation: int
     offsets: list[int]
     lease_seconds: float
+    # Whether to send token ids with the commit: the daemon publishes events someone
+    # hears (or keeps for replay).  Told in each reserve, put and batch reply.
+    tokens: bool = True
 
 
 class CommitReply(Message, tag="commit"):
@@ -216,6 +220,7 @@ class GpuReply(Message, tag="gpu"):
 class PutReply(Message, tag="put"):
     created: int
     duplicates: int
+    tokens: bool = True  # as ReserveReply's, for the next put
 
 
 class GetReply(Message, tag="get"):
@@ -247,6 +252,7 @@ class BatchReply(Message, tag="reserve_batch"):
     reservations: list[int]    # when admitted: one reservation per request
     offsets: list[list[int]]
     lease_seconds: float
+    tokens: bool = True  # as ReserveReply's
 
 
 class ErrorReply(Message, tag="error"):

@@ -82,7 +82,11 @@ class TierChanges:
         # new.  A list, not a set: blocks are distinct by identity, and a key dropped and cached
         # again in one turn is two entries.
         self.touched: list[Block | list[Block]] = []
-        self.runs = 0  # of the marks, commits' runs
+        self.runs: list[list[Block]] = []  # of the marks, commits' runs
+        # the blocks marked alone (a drain unfolds the runs they overlap, if any), but for
+        # those marked together (a restored index's, at start: no set of them all)
+        self.singles: set[Block] = set()
+        self.unlisted = False  # blocks were marked together since the last drain
         self.on_first = on_first
         self.on_more = on_more
 
@@ -91,6 +95,7 @@ class TierChanges:
         if not touched and self.on_first is not None:
             self.on_first()
         touched.append(block)
+        self.singles.add(block)
 
     def touch_all(self, blocks: Iterable[Block]) -> None:
         touched = self.touched
@@ -100,6 +105,7 @@ class TierChanges:
         elif self.on_more is not None:  # a commit's blocks marked one by one
             self.on_more()
         touched.extend(blocks)
+        self.unlisted = True
 
     def touch_run(self, blocks: list[Block]) -> None:
         """Blocks of one chain, each the parent of the next, that have just gained their
@@ -114,7 +120,7 @@ class TierChanges:
         elif self.on_more is not None:
             self.on_more()
         touched.append(blocks)
-        self.runs += 1
+        self.runs.append(blocks)
 
     def __len__(self) -> int:
         """How many marks (a commit's run is one)."""
@@ -130,9 +136,11 @@ class TierChanges:
         later change of one of its blocks marks that block), announced with a bit set
         per block; a block marked alone is compared with what was announced."""
         touched, self.touched = self.touched, []
-        runs, self.runs = self.runs, 0
-        if runs and runs != len(touched):
-            touched = _unfold_overlaps(touched)
+        runs, self.runs = self.runs, []
+        singles, self.singles = self.singles, set()
+        unlisted, self.unlisted = self.unlisted, False
+        if runs and (unlisted or not all(singles.isdisjoint(run) for run in runs)):
+            touched = _unfold_overlaps(touched, None if unlisted else singles)
         removed: dict[tuple[str, int], Removed] = {}
         stored: list[Stored] = []
         last: dict[str, Stored] = {}  # per tier but DRAM, the run the next may extend
@@ -159,7 +167,8 @@ class TierChanges:
             now = 0 if block.offset is None else 1
             if block.ssd_offset is not None:
                 now |= 2
-            if block.gpu_offset is not None:
+            rare = block.rare  # ``Block.gpu_offset``, inline: most blocks have no record
+            if rare is not None and rare.gpu_offset is not None:
                 now |= 8
             if block.remote:
                 key = block.key
@@ -213,9 +222,11 @@ class TierChanges:
         batch nobody hears: numbered, never built); whether anything changed.  The bits
         end as ``drain`` leaves them, so the next batch compares with the same."""
         touched, self.touched = self.touched, []
-        runs, self.runs = self.runs, 0
-        if runs and runs != len(touched):
-            touched = _unfold_overlaps(touched)
+        runs, self.runs = self.runs, []
+        singles, self.singles = self.singles, set()
+        unlisted, self.unlisted = self.unlisted, False
+        if runs and (unlisted or not all(singles.isdisjoint(run) for run in runs)):
+            touched = _unfold_overlaps(touched, None if unlisted else singles)
         changed = False
         for block in touched:
             if isinstance(block, list):  # a commit's run: its DRAM copies, new
@@ -223,22 +234,26 @@ class TierChanges:
                     b.announced |= 1
                 changed = True
                 continue
+            rare = block.rare
             now = holdings(block) if block.remote else (
                 (block.offset is not None) | (block.ssd_offset is not None) << 1
-                | (block.gpu_offset is not None) << 3)
+                | (rare is not None and rare.gpu_offset is not None) << 3)
             if now != block.announced:
                 block.announced = now
                 changed = True
         return changed
 
 
-def _unfold_overlaps(touched: list[Block | list[Block]]) -> list[Block | list[Block]]:
-    """The marks with each commit's run that a block marked alone overlaps (a copy it
-    gained or lost since) as its blocks, marked one by one."""
-    single = {b for b in touched if not isinstance(b, list)}
+def _unfold_overlaps(touched: list[Block | list[Block]],
+                     singles: set[Block] | None) -> list[Block | list[Block]]:
+    """The marks with each commit's run that a block marked alone (of ``singles``; None:
+    found here) overlaps (a copy it gained or lost since) as its blocks, marked one by
+    one."""
+    if singles is None:
+        singles = {b for b in touched if not isinstance(b, list)}
     out: list[Block | list[Block]] = []
     for mark in touched:
-        if isinstance(mark, list) and not single.isdisjoint(mark):
+        if isinstance(mark, list) and not singles.isdisjoint(mark):
             out.extend(mark)
         else:
             out.append(mark)

@@ -25,6 +25,7 @@ from kvstore.errors import (
     UnknownNamespaceError,
     VersionMismatchError,
 )
+from kvstore.events import EventPublisher
 from kvstore.gpu_mover import GpuMover
 from kvstore.metrics import Metrics
 from kvstore.moves import Moves
@@ -73,6 +74,8 @@ class Daemon(Protocol):
     def gpu(self) -> GpuMover | None: ...
     @property
     def moves(self) -> Moves: ...
+    @property
+    def events(self) -> EventPublisher | None: ...
     @property
     def gpu_reason(self) -> str: ...
     @property
@@ -201,7 +204,13 @@ class Verbs:
         r = self._reserve_slots(session, ns, req.keys, req.parent)
         if isinstance(r, Plan):
             return r
-        return p.ReserveReply(req.rid, r.id, r.offsets, self.d.limits.lease_seconds), []
+        return p.ReserveReply(req.rid, r.id, r.offsets, self.d.limits.lease_seconds,
+                              self._tokens_wanted()), []
+
+    def _tokens_wanted(self) -> bool:
+        """Whether commits should carry token ids: someone hears the events."""
+        events = self.d.events
+        return events is not None and events.tokens_wanted
 
     def _reserve_slots(self, session: Session, ns: Namespace, keys: list[bytes],
                        parent: bytes | None) -> Reservation | Plan:
@@ -291,7 +300,8 @@ class Verbs:
             d.store.abort(session.id, r.id)
             raise
         self._committed(result.blocks)
-        return p.PutReply(req.rid, result.created, result.duplicates), []
+        return p.PutReply(req.rid, result.created, result.duplicates,
+                          self._tokens_wanted()), []
 
     def _get(self, session: Session, req: p.Get, payload: list[Any]) -> Answer:
         d = self.d
@@ -419,7 +429,7 @@ class Verbs:
             raise
         return p.BatchReply(req.rid, True, list(decision.blocks), [],
                             [r.id for r in done], [r.offsets for r in done],
-                            d.limits.lease_seconds), []
+                            d.limits.lease_seconds, self._tokens_wanted()), []
 
     def _report(self, session: Session, req: p.Report, payload: list[Any]) -> Outcome:
         if req.recomputed_tokens < 0:

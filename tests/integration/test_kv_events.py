@@ -312,8 +312,12 @@ def test_batches_go_out_only_while_someone_subscribes(tmp_path: Path) -> None:
 
 def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -> None:
     """A batch waits for changes until ``interval_ms`` has passed; then the next commit
-    sends it at the end of its loop turn, and the timer kept for a quiet daemon
-    (``quiet_ms``) is dropped.  No timer sends it at ``interval_ms``."""
+    sends it at the end of its loop turn, and the next batch waits twice as long (commits
+    keep coming: a loaded daemon sends fewer batches), up to ``busy_interval_ms``.  No
+    timer sends it at ``interval_ms``; the one timer for a quiet daemon (``quiet_ms``),
+    set at the first batch's first change, stays for the batches begun before it fires
+    rather than one set and cancelled a batch, and once it sends a batch no commit sent,
+    batches wait ``interval_ms`` again."""
     import asyncio
 
     from kvstore.config import EventsConfig
@@ -323,7 +327,8 @@ def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -
     store = BlockStore(64 * IDENT.block_bytes, 16 * IDENT.block_bytes)
     loop = asyncio.new_event_loop()
     pub = EventPublisher(EventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock",
-                                      interval_ms=1.0, quiet_ms=1000.0), store)
+                                      interval_ms=1.0, quiet_ms=1000.0,
+                                      busy_interval_ms=3.0), store)
     pub.open(loop)
     ns = store.open_namespace(IDENT)
 
@@ -339,14 +344,113 @@ def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -
         commit(0)
         time.sleep(0.01)  # past the interval
         turn()
-        assert pub.last_seq == -1 and pub._timer is not None  # waits for a commit
+        quiet = pub._quiet
+        assert pub.last_seq == -1 and quiet is not None  # waits for a commit
         commit(100)
         turn()
-        assert pub.last_seq == 0 and pub._timer is None  # due: out with the commit
+        assert pub.last_seq == 0 and pub._turn is None  # due: out with the commit
         assert not pub.changes.touched
-        commit(200)  # a new batch, its timer the quiet one
+        assert pub.wait == 0.002  # sent by a commit: the next batch waits twice as long
+        before = loop.time()
+        commit(200)  # a new batch: the quiet timer already set serves it
+        assert before + 0.002 <= pub._due <= loop.time() + 0.002
         turn()
-        assert pub.last_seq == 0 and pub._timer is not None
+        assert pub.last_seq == 0 and pub._quiet is quiet and not quiet.cancelled()
+        pub._went_quiet()  # (what the timer runs; early for this batch: set for it again)
+        again = pub._quiet
+        assert pub.last_seq == 0 and again is not None and again is not quiet
+        time.sleep(0.01)
+        commit(300)  # due: out with this commit, and the next waits up to 3 ms
+        turn()
+        assert pub.last_seq == 1 and pub.wait == 0.003
+        commit(400)
+        again.cancel()
+        pub._due -= 2.0  # (as if this batch had waited ``quiet_ms`` with no commit)
+        pub._went_quiet()
+        assert pub.last_seq == 2 and not pub.changes.touched and pub._quiet is None
+        assert pub.wait == 0.001  # quiet: batches wait ``interval_ms`` again
+        commit(500)  # the next batch's first change sets a timer again
+        assert pub._quiet is not None
     finally:
         pub.close()
         loop.close()
+
+
+def test_token_ids_travel_only_while_someone_hears_and_a_stale_reply_loses_no_event(
+        daemon_factory: Any) -> None:
+    """Without a replay socket, the daemon's replies tell writers whether to send token
+    ids: not while nobody subscribes (commits are then as small as with events off), and
+    again once it has read a subscription.  A write told "not wanted" before that read
+    is still announced, with empty ``token_ids`` (as vLLM's own offloading connectors
+    send blocks whose token ids they lack); the writes told after it carry them."""
+    pub = free_port()
+    d = daemon_factory(dram_capacity="2MiB", ssd_capacity="0", extra=["--slab-size", "1MiB"],
+                       env={"KVSTORE_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{pub}"})
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    typed = decoder()
+
+    def stored_event(keys: list[bytes], wait: float = 5.0) -> Any:
+        """The BlockStored event of ``keys`` (one run), read off the stream (None if it
+        did not come within ``wait`` seconds)."""
+        while sub.poll(int(wait * 1000)):
+            for e in typed.decode(sub.recv_multipart()[2]).events:
+                if type(e).__name__ == "BlockStored" and e.block_hashes == keys:
+                    return e
+        return None
+
+    def chain(first: int, blocks: int = 1) -> tuple[list[bytes], list[int]]:
+        tokens = list(range(first, first + BT * blocks))
+        return ns.keys(tokens), tokens
+
+    def until(condition: Any, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    with Client(d.endpoint, tenant="acme") as c:
+        assert c.hello is not None and c.hello.events
+        ns = c.namespace(IDENT)
+        keys, _ = chain(0, 2)
+        with ns.reserve(keys) as r:
+            assert not c.tokens_wanted  # nobody subscribes
+            assert r._commit_request().tokens == []  # (aborted: committed by the put)
+        ns.put(keys, [content(k) for k in keys])
+        assert not c.tokens_wanted
+        until(lambda: c.stats()["events"]["unheard"] >= 1, "the batch never went")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{pub}")
+        stale, _ = chain(1000, 2)
+        r = ns.reserve(stale)
+        assert not c.tokens_wanted  # no batch since: the subscription is not read yet
+        # writes until one is heard: its batch read the subscription
+        for i in range(100):
+            other, _ = chain(2000 + i * BT)
+            ns.put(other, [content(k) for k in other])
+            heard = stored_event(other, wait=0.2)
+            if heard is not None:
+                break
+        assert heard is not None, "the subscription never reached the daemon"
+        assert heard.token_ids == []  # told "not wanted" before the read
+        r.commit()  # told "not wanted" before the read, committed after it
+        late = stored_event(stale)
+        assert late is not None and late.token_ids == []  # announced all the same
+        fresh, fresh_tokens = chain(5000, 2)
+        with ns.reserve(fresh) as r2:
+            assert c.tokens_wanted  # someone hears: token ids wanted
+            r2.commit()
+        told = stored_event(fresh)
+        assert told is not None and told.token_ids == fresh_tokens
+        # the subscriber goes: once the daemon has read that, token ids are not wanted
+        sub.close(linger=0)
+        gone = iter(range(6000, 10**6, BT))
+
+        def unwanted() -> bool:
+            keys, _ = chain(next(gone))
+            ns.put(keys, [content(k) for k in keys])
+            time.sleep(0.06)  # its batch reads the subscriptions
+            return not c.tokens_wanted  # as the put's reply said: read by the next
+        until(unwanted, "token ids still wanted with nobody subscribed")
+        assert c.stats()["events"]["dropped"] == 0
+    ctx.term()
