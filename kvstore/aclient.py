@@ -125,7 +125,11 @@ class AsyncClient(SessionCore):
         sock = self._sock
         while True:
             try:
-                sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                # a header alone: one send (send_multipart checks every part first)
+                if len(frames) == 1:
+                    sock.send(frames[0], zmq.NOBLOCK)
+                else:
+                    sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 break
             except zmq.Again:  # not with the sockets make_socket sets up; wait for room
                 await asyncio.sleep(0.001)
