@@ -70,19 +70,26 @@ def answer(frames):
         sock.send_multipart([frames[0], b"ok"])
     elif head == b"sink":
         sock.send_multipart([frames[0], b"ok"])
+    elif len(frames) == 2:  # an echo, sent as the daemon's transport sends a reply
+        sock.send(frames[0], zmq.SNDMORE)
+        sock.send(frames[1])
     else:
         sock.send_multipart(frames, copy=False)
 
+EVENTS, POLLIN, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+
 def drain():
     for _ in range(64):
-        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not sock.getsockopt(EVENTS) & POLLIN:
             break
         try:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = [sock.recv(NOBLOCK, copy=False)]
         except zmq.Again:
             break
+        while frames[-1].more:
+            frames.append(sock.recv(NOBLOCK, copy=False))
         answer(frames)
-    if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    if sock.getsockopt(EVENTS) & POLLIN:
         asyncio.get_running_loop().call_soon(drain)
 
 async def main():
