@@ -9,7 +9,8 @@ but what any daemon built as kvstore is must pay; this program measures those pa
 - round trips: the blocking echo, beside an echo that reads its socket from a uvloop
   loop as the daemon's transport does (descriptor, EVENTS, non-blocking receives; a
   daemon serving many clients and tasks cannot block in a receive), beside kvstore's
-  ping (a verb with no work) and lookup of a 64-key chain;
+  ping (a verb with no work) and lookup of a 64-key chain; and the same requests' CPU
+  time in the serving process (steadier than wall time where cores are shared);
 - copies: memcpy of 16 blocks into the bench's peer region, beside the same copy into
   a shared mapping of a /dev/shm file (the arena's kind of memory: 4 KiB pages unless
   the kernel gives shared memory huge pages), with the kernel's huge page settings;
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,19 +70,26 @@ def answer(frames):
         sock.send_multipart([frames[0], b"ok"])
     elif head == b"sink":
         sock.send_multipart([frames[0], b"ok"])
+    elif len(frames) == 2:  # an echo, sent as the daemon's transport sends a reply
+        sock.send(frames[0], zmq.SNDMORE)
+        sock.send(frames[1])
     else:
         sock.send_multipart(frames, copy=False)
 
+EVENTS, POLLIN, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+
 def drain():
     for _ in range(64):
-        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not sock.getsockopt(EVENTS) & POLLIN:
             break
         try:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = [sock.recv(NOBLOCK, copy=False)]
         except zmq.Again:
             break
+        while frames[-1].more:
+            frames.append(sock.recv(NOBLOCK, copy=False))
         answer(frames)
-    if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    if sock.getsockopt(EVENTS) & POLLIN:
         asyncio.get_running_loop().call_soon(drain)
 
 async def main():
@@ -136,6 +145,54 @@ def round_trips(repeat: int, inner: int, echo: Echo, loop: Echo, endpoint: str) 
             for name, ours, peer, peer_name in pairs:
                 a, b = paired(ours, peer, repeat, inner)
                 _row(name, a * 1e6, b * 1e6, "us", peer_name)
+        finally:
+            ns.drop()
+
+
+def _cpu_us(pid: int, fn: Callable[[], object], calls: int) -> float:
+    """CPU time (user and system, all its threads: ZeroMQ's I/O thread too) that process
+    ``pid`` spends per call of ``fn``, in us: on a busy machine a steadier figure than
+    the wall time, which waits for a core as often as for the server."""
+    def used() -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    fn()
+    before = used()
+    for _ in range(calls):
+        fn()
+    return (used() - before) / calls * 1e6
+
+
+def server_cpu(repeat: int, inner: int, echo: Echo, loop: Echo, pids: dict[str, int],
+               endpoint: str) -> None:
+    """The serving process's CPU per request: what each round trip costs the daemon
+    beside what an echo costs its peer (medians of interleaved runs)."""
+    print("server CPU per request (us; median of runs interleaved with the echo's):")
+    calls = max(inner * 20, 2000)  # the clock ticks in 10 ms: enough calls to read it
+    with Client(endpoint, tenant="limits") as client:
+        ns = client.namespace(small_identity("limits-cpu", "limits"))
+        try:
+            chain = ns.keys(range(16 * 64))
+            ns.put(chain, [bytes(ns.block_bytes)] * 64)
+            look = [p.encoder.encode(p.Lookup(1, ns.id, chain))]
+            fresh = iter(ns.keys(range(1 << 30, (1 << 30) + 16 * calls * (repeat + 1))))
+
+            def reserve_commit() -> None:  # per request: two of them
+                ns.reserve([next(fresh)]).commit()
+            rows: list[tuple[str, Callable[[], object], int, int]] = [
+                ("uvloop echo (the daemon's way of reading)", loop.of(look), pids["loop"], 1),
+                ("kvstore ping (a verb with no work)", client.ping, pids["daemon"], 1),
+                ("kvstore lookup of 64 keys", lambda: ns.lookup(chain), pids["daemon"], 1),
+                ("kvstore reserve+commit of 1, per request", reserve_commit,
+                 pids["daemon"], 2),
+            ]
+            for name, fn, pid, requests in rows:
+                ours, peer = [], []
+                for _ in range(max(3, repeat // 5)):
+                    ours.append(_cpu_us(pid, fn, calls // requests) / requests)
+                    peer.append(_cpu_us(pids["echo"], echo.of(look), calls))
+                _row(name, statistics.median(ours), statistics.median(peer), "us",
+                     "blocking echo")
         finally:
             ns.drop()
 
@@ -218,6 +275,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             echo, loop = Echo(echo_peer.endpoint), Echo(loop_peer.endpoint)
             try:
                 round_trips(args.repeat, args.inner, echo, loop, daemon.endpoint)
+                assert echo_peer.proc is not None
+                server_cpu(args.repeat, args.inner, echo, loop,
+                           {"echo": echo_peer.proc.pid, "loop": loop_peer.proc.pid,
+                            "daemon": daemon.pid}, daemon.endpoint)
                 copies(args.repeat, region)
                 frames(args.repeat, echo, loop)
             finally:

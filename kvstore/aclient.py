@@ -37,12 +37,15 @@ from kvstore.client_wire import (
     check_reply,
     decode_reply,
     make_socket,
+    receive,
 )
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
 from kvstore.router import DEFAULT_PREFILL_RATE, Router, RouteResult
 
 T = TypeVar("T")
+# ints: ``&`` on zmq's PollEvent flag goes through the enum machinery (a few us a call)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class AsyncClient(SessionCore):
@@ -87,9 +90,9 @@ class AsyncClient(SessionCore):
         """Hand every reply that has come to its waiter.  ZeroMQ's descriptor is
         edge-triggered: read until none is left."""
         sock = self._sock  # (waiters wake after this returns: none can close it meanwhile)
-        while sock is not None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while sock is not None and sock.getsockopt(_EVENTS) & _POLLIN:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = receive(sock, zmq.NOBLOCK)
             except zmq.Again:
                 break
             self._deliver(frames)
@@ -122,13 +125,17 @@ class AsyncClient(SessionCore):
         sock = self._sock
         while True:
             try:
-                sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                # a header alone: one send (send_multipart checks every part first)
+                if len(frames) == 1:
+                    sock.send(frames[0], zmq.NOBLOCK)
+                else:
+                    sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 break
             except zmq.Again:  # not with the sockets make_socket sets up; wait for room
                 await asyncio.sleep(0.001)
                 if self._sock is None:
                     raise KVStoreError("the client was closed") from None
-        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN and self._loop is not None:
+        if sock.getsockopt(_EVENTS) & _POLLIN and self._loop is not None:
             self._loop.call_soon(self._drain)
 
     def _expire(self, future: asyncio.Future[Received]) -> None:

@@ -43,6 +43,7 @@ from kvstore.client_wire import (
     checksum,
     decode_reply,
     make_socket,
+    receive,
 )
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
@@ -55,6 +56,8 @@ __all__ = ["AsyncClient", "AsyncHeld", "AsyncNamespace", "AsyncNamespaceOpener",
 
 T = TypeVar("T")
 _MAX_MS = (1 << 31) - 1  # the longest ZeroMQ timeout (an int in milliseconds)
+# ints: ``&`` on zmq's PollEvent flag goes through the enum machinery (a few us a call)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class Client(SessionCore):
@@ -130,7 +133,7 @@ class Client(SessionCore):
         if self._sock is None:
             raise KVStoreError("the client is closed")
         sock = self._sock
-        while self._unread and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # keep the backlog short
+        while self._unread and sock.getsockopt(_EVENTS) & _POLLIN:  # keep the backlog short
             self._file(self._receive())
         sock.send(self._posted(req))
 
@@ -155,7 +158,7 @@ class Client(SessionCore):
             self._file(received)
 
     def _receive(self) -> Received:
-        return decode_reply(self._sock.recv_multipart(copy=False))
+        return decode_reply(receive(self._sock))
 
     def _file(self, received: Received) -> None:
         """Keep a reply that came before the one awaited; drop a posted request's."""

@@ -318,6 +318,7 @@ class Metrics:
             "cause.", ["tier", "tenant", "cause"], registry=r)
         self._request_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         self._error_children: dict[tuple[str, str, str], Counter] = {}
+        self._token_children: dict[tuple[str, str], tuple[Counter, Counter]] = {}
         self._transfer_children: dict[tuple[str, str], tuple[Histogram, Histogram]] = {}
 
     def __repr__(self) -> str:
@@ -361,9 +362,15 @@ class Metrics:
         self, tier: str, tenant: str, hit_tokens: int, missed_tokens: int
     ) -> None:
         """Tokens a lookup found cached and tokens it asked for in vain."""
-        label = self._tenant(tenant)
-        self._hit_tokens.labels(tier, label).inc(hit_tokens)
-        self._missed_tokens.labels(tier, label).inc(missed_tokens)
+        children = self._token_children.get((tier, tenant))  # every lookup comes here
+        if children is None:
+            label = self._tenant(tenant)
+            children = (self._hit_tokens.labels(tier, label),
+                        self._missed_tokens.labels(tier, label))
+            if label == tenant:
+                self._token_children[(tier, tenant)] = children
+        children[0].inc(hit_tokens)
+        children[1].inc(missed_tokens)
 
     def observe_transfer(self, direction: str, tier: str, nbytes: int, seconds: float) -> None:
         """One transfer of ``nbytes`` taking ``seconds``.

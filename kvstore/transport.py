@@ -36,6 +36,8 @@ _UNKNOWN_PEERS = 65536   # peers without a session remembered (their message cou
 # Messages queued per peer inside ZeroMQ (a per-connection limit: past it ZeroMQ stops
 # reading that connection until the daemon drains it), so no peer's backlog is unbounded.
 RCVHWM = 256
+# ints: ``&`` on zmq's PollEvent flag goes through the enum machinery (a few us a reply)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 # (peer, frames, secure): the peer is the socket's index byte, then the routing id;
 # secure says the socket checks credentials in its handshake (CurveZMQ, tickets or
@@ -177,7 +179,7 @@ class Transport:
         try:
             for _ in range(_DRAIN_BATCH):
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = receive(sock)
                 except zmq.Again:
                     break
                 # peers of different sockets may share routing ids: key them by socket too
@@ -232,7 +234,10 @@ class Transport:
                 else:
                     sock.send_multipart([routing_id, header, *payload], copy=False)
             else:
-                sock.send_multipart([routing_id, header], copy=False)
+                # two sends, not send_multipart: half its cost for the one-frame replies
+                # of the control verbs (both copy: the frames are small)
+                sock.send(routing_id, zmq.SNDMORE)
+                sock.send(header)
         except zmq.ZMQError as exc:
             log.warning("dropping a reply to a gone peer: %s", exc)
             if isinstance(payload, PinnedFrames):
@@ -243,8 +248,8 @@ class Transport:
         # (the drain of this socket, when the reply is sent from it, receives next anyway).
         if peer[0] == self._draining:
             return
-        events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
-        if events & zmq.POLLIN and self._loop is not None:
+        events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
+        if events & _POLLIN and self._loop is not None:
             self._loop.call_soon(self._drain, peer[0])
 
     def reap_sends(self) -> None:
@@ -314,6 +319,17 @@ class Transport:
         else:
             log.warning("server.socket_group: %s is not the daemon's own directory; its "
                         "mode and group are left as they are", directory)
+
+
+def receive(sock: zmq.Socket[bytes]) -> list[zmq.Frame]:
+    """A whole message's frames without blocking (zmq.Again when there is none):
+    ``recv_multipart(zmq.NOBLOCK, copy=False)`` at half its cost, reading each frame's
+    ``more`` flag where it asks the socket for RCVMORE (a getsockopt) frame by frame.
+    The frames of a message arrive together, so the rest never waits."""
+    frames = [sock.recv(zmq.NOBLOCK, copy=False)]
+    while frames[-1].more:
+        frames.append(sock.recv(zmq.NOBLOCK, copy=False))
+    return frames
 
 
 def socket_gid(group: str) -> int | None:

@@ -241,7 +241,11 @@ sock.bind(sys.argv[1])
 print("ready", flush=True)
 blob = b""
 while True:
-    frames = sock.recv_multipart(copy=False)
+    # read and answer as the daemon's transport does (each frame's more flag; a small
+    # answer in two sends): a bare peer that spent more per message would flatter it
+    frames = [sock.recv(copy=False)]
+    while frames[-1].more:
+        frames.append(sock.recv(copy=False))
     head = frames[1].bytes
     if head == b"sink":               # bulk put: take the frames, answer small
         sock.send_multipart([frames[0], b"ok"])
@@ -250,7 +254,10 @@ while True:
         if len(blob) != size:
             blob = bytes(size)
         sock.send_multipart([frames[0], b"ok", *([blob] * n)], copy=False)
-    else:                              # echo
+    elif len(frames) == 2:             # echo
+        sock.send(frames[0], zmq.SNDMORE)
+        sock.send(frames[1])
+    else:
         sock.send_multipart(frames, copy=False)
 """
 

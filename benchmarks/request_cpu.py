@@ -1,0 +1,160 @@
+"""The daemon's Python CPU per request, verb by verb, without sockets' waits.
+
+    python benchmarks/request_cpu.py [--policy auto lru ...] [--requests 4000] [--profile VERB]
+
+A round trip's wall time on a shared machine is mostly waiting: for a core, for ZeroMQ's
+I/O threads.  This program hands requests straight to a started daemon's dispatch
+(``Server._on_message``, replies encoded and sent to a peer that is not there, which
+ZeroMQ drops) and reads the loop thread's CPU clock around them: what each verb costs
+the daemon itself, steady enough to compare eviction policies or two versions of the
+code.  Ping (no work), lookup of a 64-key chain, reserve+commit of 1 and of 16 blocks.
+``--profile VERB`` prints cProfile's top functions for that verb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import os
+import pstats
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import uvloop
+import zmq
+
+from kvstore import protocol as p
+from kvstore.bench.planes import small_identity
+from kvstore.config import Config, DramConfig, ServerConfig, SsdConfig
+from kvstore.metrics import Metrics, stats_on_loop
+from kvstore.server import Server
+
+PEER = b"\x00gone"  # socket 0, a routing id no peer has
+
+
+class Requests:
+    """A started daemon, a session and a namespace, and requests handed to it."""
+
+    def __init__(self, policy: str) -> None:
+        workdir = tempfile.mkdtemp(prefix="kvcpu-")
+        config = Config(server=ServerConfig(endpoint=f"ipc://{workdir}/kvstore.sock",
+                                            log_level="warning"),
+                        dram=DramConfig(capacity="2GiB", eviction_policy=policy),
+                        ssd=SsdConfig(capacity="0"))
+        self.server = Server(config)
+        # counted as the daemon counts them (run_server injects the same collector)
+        self.server.metrics = Metrics(stats_on_loop(asyncio.get_running_loop(),
+                                                    self.server.stats))
+        self.server.start()
+        self.replies: list[p.Message] = []
+        send = self.server.transport.send
+
+        def keep(peer: bytes, reply: p.Message, payload: list[Any]) -> None:
+            self.replies.append(reply)
+            send(peer, reply, payload)
+        self.server.transport.send = keep  # type: ignore[method-assign]
+        self.rid = 0
+        self.answer(p.Hello(self.next(), p.PROTOCOL_VERSION, "cpu", ""), p.HelloReply)
+        identity = small_identity("cpu", "cpu")
+        self.ns = self.answer(p.OpenNamespace(self.next(), identity), p.NamespaceReply).ns
+        self.chain = self.fresh(64)
+        reserved = self.answer(p.Reserve(self.next(), self.ns, self.chain), p.ReserveReply)
+        self.answer(p.Commit(self.next(), reserved.reservation), p.CommitReply)
+
+    def next(self) -> int:
+        self.rid += 1
+        return self.rid
+
+    @staticmethod
+    def fresh(count: int) -> list[bytes]:
+        return [os.urandom(16) for _ in range(count)]
+
+    def handle(self, request: p.Message) -> None:
+        frames = [zmq.Frame(PEER[1:]), zmq.Frame(p.encoder.encode(request))]
+        self.server._on_message(PEER, frames, False)
+
+    def answer(self, request: p.Message, expected: type[Any]) -> Any:
+        self.handle(request)
+        reply = self.replies[-1]
+        if not isinstance(reply, expected):
+            raise SystemExit(f"{type(request).__name__}: {reply!r}")
+        return reply
+
+    def ping(self) -> None:
+        self.handle(p.Ping(self.next()))
+
+    def lookup(self) -> None:
+        self.handle(p.Lookup(self.next(), self.ns, self.chain))
+
+    def reserve_commit(self, keys: list[bytes]) -> None:
+        reserved = self.answer(p.Reserve(self.next(), self.ns, keys), p.ReserveReply)
+        self.answer(p.Commit(self.next(), reserved.reservation), p.CommitReply)
+
+    def verbs(self, requests: int) -> dict[str, tuple[Callable[[], None], int, int]]:
+        """name -> (one call, calls, requests a call makes)"""
+        ones = iter([self.fresh(1) for _ in range(requests + 1)])
+        sixteens = iter([self.fresh(16) for _ in range(requests // 4 + 1)])
+        return {"ping": (self.ping, requests, 1),
+                "lookup": (self.lookup, requests, 1),
+                "reserve+commit-1": (lambda: self.reserve_commit(next(ones)), requests // 2, 2),
+                "reserve+commit-16": (lambda: self.reserve_commit(next(sixteens)),
+                                      requests // 8, 2)}
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def cpu_per_request(fn: Callable[[], None], calls: int, requests: int) -> float:
+    fn()
+    started = time.thread_time()
+    for _ in range(calls):
+        fn()
+    return (time.thread_time() - started) / calls / requests * 1e6
+
+
+async def measure(policies: Sequence[str], requests: int, repeat: int,
+                  profile: str | None) -> None:
+    print(f"daemon CPU per request (us; median of {repeat} runs of {requests} requests a "
+          "verb; the loop thread's clock):")
+    print(f"  {'verb':<20}" + "".join(f"{policy:>10}" for policy in policies))
+    figures: dict[str, list[float]] = {}
+    for policy in policies:
+        daemon = Requests(policy)
+        try:
+            runs: dict[str, list[float]] = {}
+            for _ in range(repeat):
+                for name, (fn, calls, each) in daemon.verbs(requests).items():
+                    runs.setdefault(name, []).append(cpu_per_request(fn, calls, each))
+            for name, values in runs.items():
+                figures.setdefault(name, []).append(statistics.median(values))
+            if profile is not None:
+                fn, calls, _ = daemon.verbs(requests)[profile]
+                profiler = cProfile.Profile()
+                profiler.runcall(lambda: [fn() for _ in range(calls)])
+                print(f"-- {profile} under {policy}:")
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+        finally:
+            daemon.close()
+    for name, row in figures.items():
+        print(f"  {name:<20}" + "".join(f"{value:10.1f}" for value in row))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--policy", nargs="+", default=["auto", "lru"],
+                        help="the DRAM eviction policies to run under")
+    parser.add_argument("--requests", type=int, default=4000, help="requests a verb a run")
+    parser.add_argument("--repeat", type=int, default=5, help="runs (medians are shown)")
+    parser.add_argument("--profile", choices=["ping", "lookup", "reserve+commit-1",
+                                              "reserve+commit-16"])
+    args = parser.parse_args()
+    uvloop.run(measure(args.policy, args.requests, args.repeat, args.profile))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
