@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import weakref
 from collections.abc import Iterator
 
 import pytest
 
-from kvstore.heap import settle
+from kvstore.heap import FULL_COLLECTIONS_OFF, settle, settle_every
 
 
 class Node:
@@ -75,3 +76,25 @@ def test_no_full_collection_between_settles(thawed: None) -> None:
         assert not gc.get_objects(generation=2)  # and the settle froze what they left
     finally:
         gc.callbacks.remove(count)
+
+
+def test_a_quiet_settle_frees_old_cycles_and_stopping_gives_the_thresholds_back(
+        thawed: None) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        before = gc.get_threshold()
+        dead = Node()
+        dead.other = Node()
+        dead.other.other = dead
+        gone = weakref.ref(dead)
+        gc.collect(1)  # the cycle, alive, passes on to the old generation
+        del dead
+        gc.collect(1)
+        assert gone() is not None  # young collections do not reach it
+        stop = settle_every(loop, seconds=3600.0)  # settles at once: a quiet spell, full
+        assert gone() is None
+        assert gc.get_threshold()[2] == FULL_COLLECTIONS_OFF
+        stop()
+        assert gc.get_threshold() == before
+    finally:
+        loop.close()
