@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvstore.client import Client, Held, Namespace
-from kvstore.errors import KVStoreError, NotFoundError, UnavailableError
+from kvstore.errors import KVStoreError, LeaseExpiredError, NotFoundError, UnavailableError
 from kvstore.identity import Identity
 from kvstore.kernels import KVCaches, Layout, PagedCache, gather, paged_cache
 
@@ -95,6 +95,7 @@ class DaemonLink:
         self._unavailable_until = 0.0
         self._background: dict[Hashable, Callable[[], Identity]] | None = None
         self._connecting: tuple[threading.Thread, _Connected] | None = None
+        self._used: float | None = None  # when the client last served a call (``_alive``)
         self.failures = 0
 
     @property
@@ -113,6 +114,7 @@ class DaemonLink:
             s = self.settings
             self._client = Client(s.endpoint, tenant=s.tenant, token=s.token,
                                   timeout=s.timeout, map_arena=self._map_arena)
+            self._used = self._clock()
         return self._client
 
     def connect_in_background(self, namespaces: Mapping[Hashable, Callable[[], Identity]]
@@ -138,6 +140,7 @@ class DaemonLink:
         elif pending.client is not None:
             self._client = pending.client
             self._namespaces.update(pending.namespaces)
+            self._used = self._clock()
         return False
 
     def wait_connected(self, timeout: float) -> bool:
@@ -176,11 +179,32 @@ class DaemonLink:
             raise
         pending.client = client
 
+    def _alive(self) -> None:
+        """After an idle spell of half the daemon's lease, ask whether the session still
+        lives: the daemon ends a session idle for a whole lease (its holdings rolled
+        back), and a link that kept its client would fail every call from then on.  An
+        ended session is dropped here, and the next call connects again."""
+        client, now = self._client, self._clock()
+        if client is None:
+            return
+        hello = client.hello
+        used = self._used
+        if hello is not None and used is not None and now - used > hello.lease_seconds / 2:
+            try:
+                client.ping()
+            except LeaseExpiredError:
+                logger.info("kvstore: the session idled past its lease; connecting again")
+                self.close()
+            except KVStoreError as exc:
+                self.failed("ping", exc)
+        self._used = now
+
     def client(self) -> Client | None:
         """The client, or None while backing off, connecting in the background, or when
         connecting failed."""
         if self.connecting() or not self.available():
             return None
+        self._alive()
         if self._client is None and self._background is not None:
             self._spawn()
             return None
@@ -195,8 +219,10 @@ class DaemonLink:
         None while backing off or when the daemon failed."""
         ns = self._namespaces.get(key)
         if ns is not None and self.available():
-            self._namespaces.move_to_end(key)
-            return ns
+            self._alive()
+            if self._client is not None:
+                self._namespaces.move_to_end(key)
+                return ns
         client = self.client()
         if client is None:
             return None
@@ -215,11 +241,15 @@ class DaemonLink:
 
     def failed(self, what: str, exc: KVStoreError) -> None:
         """Log a failed step; a daemon that did not answer is left alone for a while,
-        and its client dropped (a client that timed out may get the late reply first)."""
+        and its client dropped (a client that timed out may get the late reply first);
+        a session the daemon ended (its lease ran out) is dropped, to connect again at
+        the next call."""
         self.failures += 1
         logger.warning("kvstore: %s failed: %s", what, exc)
         if isinstance(exc, UnavailableError):
             self._unavailable_until = self._clock() + self._backoff_s
+            self.close()
+        elif isinstance(exc, LeaseExpiredError):
             self.close()
 
     def close(self) -> None:
@@ -232,6 +262,7 @@ class DaemonLink:
                 pending.client.close()
         client, self._client = self._client, None
         self._namespaces.clear()
+        self._used = None
         if client is not None:
             client.close()
 

@@ -16,7 +16,7 @@ from kvtest import make_identity
 
 from kvstore import Client, Identity
 from kvstore.client import Namespace
-from kvstore.errors import UnavailableError
+from kvstore.errors import LeaseExpiredError, UnavailableError
 from kvstore.integrations.engine_side import (
     DaemonLink,
     DaemonSettings,
@@ -192,6 +192,36 @@ def test_a_daemon_that_is_gone_is_a_miss_and_a_backoff(
     now[0] = 11.0  # past the back-off: a new attempt, which fails again cleanly
     assert link.namespace("pages", identity) is None
     assert link.failures == 2
+
+
+def test_a_link_idle_past_its_lease_connects_again(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """The daemon ends a session idle for a whole lease; the link finds out with a ping
+    after half a lease idle and connects again, rather than failing every call after."""
+    daemon = daemon_factory(lease=1.0)
+    link = DaemonLink(DaemonSettings(daemon.endpoint, "acme", timeout=2.0))
+    try:
+        ns = link.namespace("pages", identity)
+        assert isinstance(ns, Namespace)
+        keys = ns.keys(range(TOKENS * 2))
+        assert ns.lookup(keys).blocks == 0
+        time.sleep(3.0)  # the daemon sweeps leases once a second
+        with pytest.raises(LeaseExpiredError):
+            ns.lookup(keys)  # the old session is gone: what the link would have kept
+        again = link.namespace("pages", identity)
+        assert isinstance(again, Namespace) and again is not ns
+        assert again.lookup(keys).blocks == 0
+        assert link.failures == 0
+        # A call that meets the ended session (no idle check between) drops it too.
+        time.sleep(3.0)
+        with pytest.raises(LeaseExpiredError) as err:
+            again.lookup(keys)
+        link.failed("lookup", err.value)
+        third = link.namespace("pages", identity)
+        assert isinstance(third, Namespace) and third is not again
+        assert third.lookup(keys).blocks == 0
+    finally:
+        link.close()
 
 
 def test_a_background_connect_never_waits_and_is_tried_again_once_the_daemon_is_up(
