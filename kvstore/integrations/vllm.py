@@ -614,10 +614,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # The first call of a step, before vLLM prepares its inputs: the last loads' pins
-        # go.  Preempted requests' pages may be written this step: the saves still to copy
-        # out of them end first (or are given up, wait_or_give_up).  The loads' acquires
-        # go out now; start_load_kv waits for their replies (and only then copies).
+        # A step's first call, before vLLM prepares its inputs: the last loads' pins go.
+        # Saves still to copy out of preempted requests' pages end first (or are given
+        # up).  The loads' acquires go out; start_load_kv waits for them, then copies.
         meta, started = kv_connector_metadata, time.perf_counter()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
         if self._settled.release():
@@ -630,6 +629,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             started = time.perf_counter()
         if meta.loads and self._opts.post_loads:
             self._finish_loads()  # a step that never reached wait_for_save: its client use
+            self._settled.release()  # ends, its pins go (before a copy-ahead thread starts)
             if self._posted_loads is not None:  # a step vLLM never loaded: its pins go
                 self._posted_loads[1].finish()
             self._posted_loads = (meta, self._plan_loads(meta.loads))
