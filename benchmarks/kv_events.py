@@ -18,9 +18,11 @@ Three measurements, each next to its peer, medians of interleaved runs, and rati
     python benchmarks/kv_events.py [--repeats N] [--only publish|throughput|route]
         [--round N] [--beside DIR] [--json]
 
-``--beside DIR`` adds to the throughput measurement daemons that run the ``kvstore``
-package found in DIR (another version of it, e.g. ``git archive <commit> kvstore | tar
--x -C DIR``), events to a subscriber and to nobody, in the same rounds as this version's.
+``--beside DIR`` adds to the throughput measurement daemons that run another version of
+kvstore, a source tree in DIR (``git archive <commit> | tar -x -C DIR``; its subpackages
+``scheduler``, ``tiers``, ``kernels``, ``plugins`` are taken from DIR too, never from
+this checkout): events off, to a subscriber and to nobody, in the same rounds as this
+version's, each of its ratios over its own daemon without events.
 """
 
 from __future__ import annotations
@@ -133,6 +135,25 @@ def bench_publish(work: Path, repeats: int) -> tuple[float, float, float, float]
         sub.kill()
         sub.wait()
     return median_us(ours), median_us(peer), p10_us(ours), p10_us(peer)
+
+
+SUBPACKAGES = ("scheduler", "tiers", "kernels", "plugins")  # kvstore.* from the tree's top
+
+
+def stage_tree(tree: Path, work: Path) -> str:
+    """A directory whose ``kvstore`` package is ``tree``'s, with its subpackages laid in
+    by links (as installed), so a daemon started there imports nothing of this checkout."""
+    staged = work / "beside-code"
+    package = staged / "kvstore"
+    if not (tree / "kvstore" / "__init__.py").is_file():
+        raise SystemExit(f"--beside {tree}: no kvstore package there (a source tree?)")
+    package.mkdir(parents=True)
+    for entry in (tree / "kvstore").iterdir():
+        (package / entry.name).symlink_to(entry.resolve())
+    for sub in SUBPACKAGES:
+        if (tree / sub).is_dir() and not (package / sub).exists():
+            (package / sub).symlink_to((tree / sub).resolve())
+    return str(staged)
 
 
 def start_daemon(work: Path, name: str, env: dict[str, str], code: str | None = None
@@ -248,7 +269,7 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
     if beside is not None:  # another version's daemons, in the same rounds
         arms += [(f"{name}_beside", {k: v.replace("{tag}", "beside-{tag}")
                                      for k, v in env.items()}, subscribed)
-                 for name, env, subscribed in ARMS if name in ("on", "alone")]
+                 for name, env, subscribed in ARMS if name in ("off", "on", "alone")]
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in arms}
     served = {name: 0 for name, _, _ in arms}
     total: dict[str, float] = {}
@@ -290,6 +311,13 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
             if name in ("on", "turn", "on_beside"):
                 events = c.stats()["events"]
                 assert events["batches"] > 0 and events["dropped"] == 0, events
+        if beside is not None:  # the daemons of the other version ran its own code
+            check = ("import kvstore.scheduler as s, kvstore.tiers as t; "
+                     "print(s.__path__[0]); print(t.__path__[0])")
+            paths = subprocess.run([sys.executable, "-c", check], cwd=beside, check=True,
+                                   capture_output=True, text=True).stdout.split()
+            here = str(Path(__file__).resolve().parent.parent)
+            assert not any(x.startswith(here) for x in paths), paths
     finally:
         for c in clients:
             c.close()
@@ -302,10 +330,14 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
     base = [(a + b) / 2 for (a, _), (b, _) in zip(samples["off"], samples["off2"])]
     out: dict[str, float] = {}
     for name, s in samples.items():
+        # --beside's arms over its own daemon without events (its other costs differ)
+        own = [c for c, _ in samples["off_beside"]] if name.endswith("_beside") else base
+        off_total = (total["off_beside"] if name.endswith("_beside")
+                     else (total["off"] + total["off2"]) / 2)
         out[f"{name}_cpu_us"] = statistics.median(c for c, _ in s)
         out[f"{name}_rate"] = statistics.median(r for _, r in s)
-        out[f"{name}_cpu_ratio"] = statistics.median(c / b for (c, _), b in zip(s, base))
-        out[f"{name}_cpu_total_ratio"] = total[name] / ((total["off"] + total["off2"]) / 2)
+        out[f"{name}_cpu_ratio"] = statistics.median(c / b for (c, _), b in zip(s, own))
+        out[f"{name}_cpu_total_ratio"] = total[name] / off_total
     # the noise: one daemon without events against the other
     out["off2_cpu_ratio"] = statistics.median(
         b / a for (a, _), (b, _) in zip(samples["off"], samples["off2"]))
@@ -419,6 +451,7 @@ def main() -> None:
                         help="print every figure as JSON after the table")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvevents-"))
+    beside = None if args.beside is None else stage_tree(Path(args.beside), work)
     figures: dict[str, float] = {}
     rows: list[Row] = []
     if args.only in (None, "publish"):
@@ -430,18 +463,19 @@ def main() -> None:
         rows.append(row("  the same, tenth percentile (us)", p_pub, p_raw, "encode+send"))
     if args.only in (None, "throughput"):
         for data, what in ((False, "control"), (True, "with bytes")):
-            t = bench_throughput(work, args.repeats, data, args.round, args.beside)
+            t = bench_throughput(work, args.repeats, data, args.round, beside)
             figures.update({f"{what.replace(' ', '_')}_{k}": v for k, v in t.items()})
             arms = [("on", "events to a subscriber", "<= 1.05"),
                     ("alone", "events to nobody", "<= 1.05"),
                     ("turn", "a batch every loop turn", ""),
                     ("off2", "noise: 2nd daemon, no events", "")]
             if args.beside:
-                arms[2:2] = [("on_beside", "the same, --beside's code", ""),
+                arms[2:2] = [("on_beside", "to a subscriber, --beside's code", ""),
                              ("alone_beside", "to nobody, --beside's code", "")]
             for arm, label, target in arms:
+                off = "off_beside" if arm.endswith("_beside") else "off"
                 rows.append(row(f"{what}: cpu us/request, {label}", t[f"{arm}_cpu_us"],
-                                t["off_cpu_us"], "events off", ".3f", target,
+                                t[f"{off}_cpu_us"], "events off", ".3f", target,
                                 ratio=t[f"{arm}_cpu_ratio"]))
             rows.append(row(f"{what}: the same, all CPU time / all requests", t["on_cpu_us"],
                             t["off_cpu_us"], "events off", ".3f",
