@@ -276,9 +276,10 @@ class SaveSender:
 
     def give_up(self, tags: set[str]) -> None:
         """Give up the jobs of ``tags`` submitted so far: once this returns, none of them
-        reads its pages any more (one copying now has its copy thrown away, its slots
-        aborted, never committed), so the engine may write them; each is a dropped save,
-        its tag finished as it ends.  Jobs submitted later go as usual."""
+        stores what it reads of its pages (none starts a copy; one copying now has its
+        copy thrown away, its slots aborted, never committed), so the engine may write
+        them; each is a dropped save, its tag finished as it ends.  Jobs submitted later
+        go as usual."""
         with self._lock:
             for tag in tags & self._pending.keys():
                 self._given_up[tag] = self._submitted
@@ -368,8 +369,10 @@ class SaveSender:
 
     def _fill_from_pages(self, number: int, tag: str, source: InPages,
                          slots: Sequence[memoryview], first: int) -> None:
+        if self._is_given_up(number, tag):  # given up while the slots were reserved
+            raise _GivenUp(tag)
         _fill_from_pages(source, slots, first)
-        if self._is_given_up(number, tag):  # checked once the copy is over
+        if self._is_given_up(number, tag):  # or while copying: the copy is thrown away
             raise _GivenUp(tag)
 
     def __repr__(self) -> str:
