@@ -415,8 +415,13 @@ def test_token_ids_travel_only_while_someone_hears_and_a_stale_reply_loses_no_ev
         keys, _ = chain(0, 2)
         with ns.reserve(keys) as r:
             assert not c.tokens_wanted  # nobody subscribes
-            assert r._commit_request().tokens == []  # (aborted: committed by the put)
-        ns.put(keys, [content(k) for k in keys])
+            for buffer, k in zip(r.buffers, keys):
+                buffer[:] = content(k)
+            request = r._commit_request()
+            assert request.tokens == []
+            c._call(request)  # the commit, as sent
+        assert ns.lookup(keys).blocks == 2
+        ns.put(keys, [content(k) for k in keys])  # present: nothing new
         assert not c.tokens_wanted
         until(lambda: c.stats()["events"]["unheard"] >= 1, "the batch never went")
         sub.setsockopt(zmq.SUBSCRIBE, b"")
