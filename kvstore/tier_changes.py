@@ -139,7 +139,7 @@ class TierChanges:
         runs, self.runs = self.runs, []
         singles, self.singles = self.singles, set()
         unlisted, self.unlisted = self.unlisted, False
-        if runs and (unlisted or not all(singles.isdisjoint(run) for run in runs)):
+        if runs and (unlisted or singles and not all(map(singles.isdisjoint, runs))):
             touched = _unfold_overlaps(touched, None if unlisted else singles)
         removed: dict[tuple[str, int], Removed] = {}
         stored: list[Stored] = []
@@ -225,7 +225,7 @@ class TierChanges:
         runs, self.runs = self.runs, []
         singles, self.singles = self.singles, set()
         unlisted, self.unlisted = self.unlisted, False
-        if runs and (unlisted or not all(singles.isdisjoint(run) for run in runs)):
+        if runs and (unlisted or singles and not all(map(singles.isdisjoint, runs))):
             touched = _unfold_overlaps(touched, None if unlisted else singles)
         changed = False
         for block in touched:

@@ -410,7 +410,7 @@ class Verbs:
         if not decision.admitted:
             d.store.counters.capacity_rejects += 1
             return p.BatchReply(req.rid, False, list(decision.blocks), list(decision.fitting),
-                                [], [], d.limits.lease_seconds), []
+                                [], [], d.limits.lease_seconds, self._tokens_wanted()), []
         done: list[Reservation] = []
         try:
             for item in req.plan:
