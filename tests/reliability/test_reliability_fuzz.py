@@ -188,7 +188,14 @@ class Peer:
         reply = p.reply_decoder.decode(frames[0])   # the daemon's replies are well formed
         queue = self.pending.get(reply.rid)
         assert queue, f"{self.name}: a reply to request id {reply.rid} that is not pending"
-        req = queue.popleft()
+        # Requests that share an id (a mutated copy keeps it) need not be answered in the
+        # order sent: a put deferred for room is answered after a later stats.  A reply
+        # of a request's kind goes to the first such request; an error to the first.
+        req = queue[0]
+        if not isinstance(reply, p.ErrorReply):
+            req = next((r for r in queue if not isinstance(r, Malformed)
+                        and isinstance(reply, REPLY_FOR[type(r)])), req)
+        queue.remove(req)
         if not queue:
             del self.pending[reply.rid]
         self.outstanding -= 1
