@@ -380,7 +380,8 @@ def page_runs(rows: Sequence[torch.Tensor], page_ids: Sequence[int],
     """``(rows [k, row_bytes], first page, k)`` for each run of rows that follow each
     other in memory (one storage) going to pages that follow each other: on the CPU a
     strided copy of a whole run moves at memory speed, where one copy per page pays
-    the call's overhead each time (saves; loads go by ``arena_runs``)."""
+    the call's overhead each time (saves, and loads whose slots are not one tensor over
+    the arena; the others go by ``arena_runs``)."""
     for row in rows:  # as_strided reads past a short row into its neighbour's bytes
         if row.nbytes < row_bytes:
             raise ValueError(f"a row of {row.nbytes} bytes for pages of {row_bytes}")

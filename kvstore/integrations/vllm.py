@@ -304,8 +304,9 @@ def save_now(ns: Namespace | None, t: Transfer, rows: torch.Tensor, stats: dict[
 
 def wait_or_give_up(sender: SaveSender, tags: set[str], timeout: float) -> None:
     """Wait for the saves of ``tags`` (requests preempted, whose pages vLLM may write
-    now) for ``timeout`` seconds at most, then give them up: they are later misses."""
-    if not sender.wait_for(tags, timeout):
+    now) for ``timeout`` seconds at most (negative: the daemon timeout's "no limit"),
+    then give them up: they are later misses."""
+    if not sender.wait_for(tags, None if timeout < 0 else timeout):
         logger.warning("kvstore: saves of preempted requests %s not done in %.1f s: "
                        "given up", sorted(tags), timeout)
         sender.give_up(tags)
