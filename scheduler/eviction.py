@@ -514,6 +514,15 @@ class SLRUPolicy(EvictionPolicy[T]):
     def insert_many(self, items: Iterable[T]) -> None:
         probation, protected, pinned = self._probation, self._protected, self._pinned
         ghost, key = self._ghost, self.ghost_key
+        if not ghost:  # none remembered (a fresh order, a cache still filling): one call
+            fresh = [item for item in items
+                     if item not in probation and item not in protected and item not in pinned]
+            if isinstance(probation, LinkedOrder):
+                probation.extend(fresh)
+            else:
+                probation.update(dict.fromkeys(fresh))
+            self._size = max(self._size, len(probation) + len(protected) + len(pinned))
+            return
         for item in items:
             if item in probation or item in protected or item in pinned:
                 continue
