@@ -298,7 +298,18 @@ class Duel(Generic[T]):
         # The miniatures hold a 2**-shift sample of a cache of _size items.
         capacity = max(1, self._size >> self.sample_shift)
         parent = self.parent_of(item)
-        parent_node = None if parent is None else nodes.get(hash(self.ghost_key(parent)))
+        if parent is None:
+            parent_node = None
+        else:
+            # a tracked parent's state names it: out of the sample (most), it has no node
+            tracked = self._items
+            state = tracked.shards[hash(parent) % tracked.modulus].get(parent, _UNTRACKED)
+            if state is _UNTRACKED:
+                parent_node = nodes.get(hash(self.ghost_key(parent)))
+            elif state is True or state is False:
+                parent_node = None
+            else:
+                parent_node = nodes.get(state >> 1)
         dropped: list[_Sampled] = []
         for mini in self._minis:
             mini.reference(node, parent_node, capacity, nodes, dropped)
