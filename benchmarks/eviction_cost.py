@@ -2,7 +2,7 @@
 
     python benchmarks/eviction_cost.py [--trace PATH | --workload NAME] [--capacity 0.1]
                                        [--policies lru,slru,arc,s3fifo,density,auto]
-                                       [--repeat 5]
+                                       [--repeat 5] [--handover 200k]
 
 Replays the trace through the simulator of benchmarks/replay_sim.py (the policy called
 as the store calls it, each hit reported twice as the daemon's lookup and acquire do)
@@ -11,18 +11,27 @@ them alike, and prints the median microseconds per request and its ratio to the 
 policy's.  The daemon's own work per request (sockets, framing, the store's
 bookkeeping) comes on top: compare the difference with the replay's requests per
 second through the daemon (benchmarks/replay.py --mode daemon).
+
+``--handover N`` times instead ``auto``'s hand-over of its order (``Duel._take_over``)
+to each candidate in turn, on N store-like items (a key, a parent, links) inserted 16
+at a time, every other 64-item chain hit once and one item in 97 pinned: the median
+CPU seconds per million items.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import random
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvstore.scheduler.eviction import POLICIES
+from operator import attrgetter
+
+from kvstore.scheduler.eviction import POLICIES, AutoPolicy, make_policy
 
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,7 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="a share of the unique blocks")
     parser.add_argument("--policies", default="lru,slru,arc,s3fifo,density,auto")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--handover", default="",
+                        help="time auto's hand-over on this many items (e.g. 200k)")
     args = parser.parse_args(argv)
+    if args.handover:
+        count = int(float(args.handover.lower().rstrip("km")) *
+                    {"k": 1e3, "m": 1e6}.get(args.handover.lower()[-1], 1))
+        return handover(count, max(1, args.repeat))
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -65,6 +80,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         median = statistics.median(seconds[name])
         print(f"{name:<8} {1e6 * median / len(trace):>10.1f} {median / first:>6.2f} "
               f"{hits[name]:>9.4f}")
+    return 0
+
+
+class _Item:
+    """A store block in miniature: its key, its parent, one set of links."""
+
+    __slots__ = ("key", "parent", "dram_order", "dram_older", "dram_newer")
+
+    def __init__(self, key: bytes, parent: _Item | None) -> None:
+        self.key = key
+        self.parent = parent
+        self.dram_order = self.dram_older = self.dram_newer = None
+
+
+def handover(count: int, repeat: int) -> int:
+    rng = random.Random(5)
+    seconds: dict[str, list[float]] = {}
+    for _ in range(repeat):
+        policy = make_policy("auto", ghost_key=attrgetter("key"), links="dram")
+        assert isinstance(policy, AutoPolicy)
+        policy.epoch = 1 << 62  # no election of its own
+        items: list[_Item] = []
+        parent: _Item | None = None
+        for i in range(count):
+            parent = _Item(rng.randbytes(24), None if i % 64 == 0 else parent)
+            items.append(parent)
+        for i in range(0, count, 16):
+            policy.insert_many(items[i:i + 16])
+        for i in range(0, count, 128):
+            policy.access_many(items[i:i + 64])
+        for item in items[::97]:
+            policy.pin(item)
+        gc.collect()
+        gc.disable()
+        for best in (1, 2, 0):  # to SLRU, to ARC, back to LRU
+            started = time.process_time()
+            policy._take_over(best)
+            seconds.setdefault(policy.leader, []).append(time.process_time() - started)
+        gc.enable()
+    print(f"hand-over of {count} items, CPU s per million items (median of {repeat}):")
+    for name, runs in seconds.items():
+        print(f"  to {name:<6} {1e6 * statistics.median(runs) / count:6.2f}")
     return 0
 
 

@@ -36,6 +36,7 @@ registers the duel among its policies).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from operator import attrgetter
 from typing import Any, Generic, Protocol, TypeVar
 
 from kvstore.scheduler.sharded import ShardedDict
@@ -44,6 +45,7 @@ T = TypeVar("T", bound=Hashable)
 
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the sample
 _MASK64 = (1 << 64) - 1
+_UNTRACKED: Any = object()
 
 
 class Order(Protocol[T]):
@@ -86,8 +88,7 @@ class _Sampled:
         self.held = 0
 
 
-def _sampled_key(node: _Sampled) -> int:
-    return node.key
+_sampled_key: Callable[[_Sampled], int] = attrgetter("key")  # in C: no Python frame
 
 
 _SAMPLED: dict[int, type[_Sampled]] = {}
@@ -237,15 +238,17 @@ class Duel(Generic[T]):
         self._lingering: list[_Sampled] = []  # held by none, but referenced this tick
         self.sample_shift = sample_shift
         self._unsampled = 64 - sample_shift  # a key is sampled if its top bits are zero
+        # those bits as a mask: ``not (name * _GOLDEN) & mask`` is the same test
+        self._sample_mask = _MASK64 ^ ((1 << self._unsampled) - 1)
         self.epoch = epoch
         self.margin = margin
         self.keep = keep
         self._leader = 0
-        # every tracked item, pinned ones too -> whether it was hit since it entered
-        # (split as it grows: no stall)
-        self._items: ShardedDict[T, bool] = ShardedDict()
-        # the tracked items in the sample -> the hash of their name (``ghost_key``)
-        self._in_sample: ShardedDict[T, int] = ShardedDict()
+        # every tracked item, pinned ones too -> its state: out of the sample, whether
+        # it was hit since it entered (False, True); in it, the hash of its name
+        # (``ghost_key``) shifted left by one, or'd with 1 once hit.  One map, one lookup
+        # per hit; the sample decided once, at insert.  (Split as it grows: no stall.)
+        self._items: ShardedDict[T, bool | int] = ShardedDict()
         self._size = 0  # the most items tracked at once: the cache size, once full
         self._tick = 0  # inserts and evictions so far
         self._sampled = 0  # sampled references in the current epoch
@@ -295,7 +298,18 @@ class Duel(Generic[T]):
         # The miniatures hold a 2**-shift sample of a cache of _size items.
         capacity = max(1, self._size >> self.sample_shift)
         parent = self.parent_of(item)
-        parent_node = None if parent is None else nodes.get(hash(self.ghost_key(parent)))
+        if parent is None:
+            parent_node = None
+        else:
+            # a tracked parent's state names it: out of the sample (most), it has no node
+            tracked = self._items
+            state = tracked.shards[hash(parent) % tracked.modulus].get(parent, _UNTRACKED)
+            if state is _UNTRACKED:
+                parent_node = nodes.get(hash(self.ghost_key(parent)))
+            elif state is True or state is False:
+                parent_node = None
+            else:
+                parent_node = nodes.get(state >> 1)
         dropped: list[_Sampled] = []
         for mini in self._minis:
             mini.reference(node, parent_node, capacity, nodes, dropped)
@@ -338,17 +352,21 @@ class Duel(Generic[T]):
         (O(items), once per hand-over; keeping every candidate's order all along costs
         more per call than the hand-overs save, and did no better in the replay)."""
         listed = list(self._order.evictable())
+        states: dict[T, bool | int] = {}  # the shards in one table: one lookup per item
+        for shard in self._items.shards:
+            states.update(shard)
         on_order = set(listed)
-        pinned = [item for item in self._items if item not in on_order]
+        pinned = [item for item in states if item not in on_order]
         self._let_go(self._order)
         order: Order[T] = self._keyed(self._factories[best]())
-        for item in listed:
-            order.insert(item)
-        for item in pinned:
-            order.insert(item)
-        hit = self._items
-        order.access_many([item for item in listed if hit[item]])
-        order.access_many([item for item in pinned if hit[item]])
+        # a fresh order knows no ghost: inserting them all at once is inserting each
+        order.insert_many(listed)
+        order.insert_many(pinned)
+        # hit since they entered (``_items``' states: True, or an odd int)
+        order.access_many([item for item in listed
+                           if (s := states[item]) is True or (s is not False and s & 1)])
+        order.access_many([item for item in pinned
+                           if (s := states[item]) is True or (s is not False and s & 1)])
         for item in pinned:
             order.pin(item)
         # Its miniature is a cache of _size >> sample_shift items.
@@ -362,20 +380,20 @@ class Duel(Generic[T]):
         if item in self._items:
             return
         self._tick += 1
-        self._items[item] = False
+        name = hash(self.ghost_key(item))
+        sampled = not (name * _GOLDEN) & self._sample_mask
+        self._items[item] = name << 1 if sampled else False
         if len(self._items) > self._size:
             self._size = len(self._items)
         self._order.insert(item)
-        name = hash(self.ghost_key(item))
-        if not ((name * _GOLDEN) & _MASK64) >> self._unsampled:
-            self._in_sample[item] = name  # decided once: a lookup is cheaper than the sum per hit
+        if sampled:
             self._sample(name, item)
 
     def insert_many(self, items: Iterable[T]) -> None:
         """``insert`` each, in order, as one call per run of unsampled items to the
         candidate in charge (a commit's blocks are one call, not one per block)."""
-        tracked, in_sample, order = self._items, self._in_sample, self._order
-        ghost_key, unsampled = self.ghost_key, self._unsampled
+        tracked, order = self._items, self._order
+        ghost_key, mask = self.ghost_key, self._sample_mask
         shards, modulus = tracked.shards, tracked.modulus  # set inline, counted by ``grown``
         added, tick = 0, self._tick
         run: list[T] = []
@@ -384,15 +402,16 @@ class Duel(Generic[T]):
             if item in shard:
                 continue
             tick += 1
-            shard[item] = False
             added += 1
             run.append(item)
             name = hash(ghost_key(item))
-            if not ((name * _GOLDEN) & _MASK64) >> unsampled:
+            if (name * _GOLDEN) & mask:
+                shard[item] = False
+            else:
+                shard[item] = name << 1
                 self._tick = tick
                 if len(tracked) + added > self._size:
                     self._size = len(tracked) + added
-                in_sample[item] = name
                 if self._sampled + 1 < self.epoch:
                     self._sample(name, item)  # no election: the run goes on
                     continue
@@ -413,12 +432,15 @@ class Duel(Generic[T]):
 
     def access(self, item: T) -> None:
         shard = self._items.shards[hash(item) % self._items.modulus]
-        if item in shard:
-            self._order.access(item)
+        state = shard.get(item, _UNTRACKED)
+        if state is _UNTRACKED:
+            return
+        self._order.access(item)
+        if state is False:
             shard[item] = True  # hit since it entered
-            name = self._in_sample.get(item)
-            if name is not None:
-                self._sample(name, item)
+        elif state is not True:  # in the sample
+            shard[item] = state | 1
+            self._sample(state >> 1, item)
 
     def access_many(self, items: Iterable[T]) -> None:
         """``access`` each, in order, as one call per run of unsampled items to the
@@ -426,26 +448,32 @@ class Duel(Generic[T]):
         order = self._order
         # the maps' shards read inline (a lookup's every hit passes here); nothing below
         # adds to or takes from them
-        tracked, tracked_modulus = self._items.shards, self._items.modulus
-        in_sample, sample_modulus = self._in_sample.shards, self._in_sample.modulus
+        tracked, modulus = self._items.shards, self._items.modulus
         run: list[T] = []
+        add = run.append
         for item in items:
-            spread = hash(item)
-            shard = tracked[spread % tracked_modulus]
-            if item in shard:
-                run.append(item)
+            shard = tracked[hash(item) % modulus]
+            state = shard.get(item, _UNTRACKED)
+            if state is True:  # out of the sample, hit before: nothing to note
+                add(item)
+                continue
+            if state is False:
+                add(item)
                 shard[item] = True  # hit since it entered
-                name = in_sample[spread % sample_modulus].get(item)
-                if name is None:
-                    continue
-                if self._sampled + 1 < self.epoch:
-                    self._sample(name, item)  # no election: the run goes on
-                    continue
-                # An election may hand the order over: the one in charge has all so far.
-                order.access_many(run)
-                run = []
-                self._sample(name, item)
-                order = self._order
+                continue
+            if state is _UNTRACKED:
+                continue
+            add(item)  # in the sample: ``state`` is its name's hash, shifted
+            shard[item] = state | 1
+            if self._sampled + 1 < self.epoch:
+                self._sample(state >> 1, item)  # no election: the run goes on
+                continue
+            # An election may hand the order over: the one in charge has all so far.
+            order.access_many(run)
+            run = []
+            add = run.append
+            self._sample(state >> 1, item)
+            order = self._order
         if run:
             order.access_many(run)
 
@@ -457,7 +485,6 @@ class Duel(Generic[T]):
 
     def remove(self, item: T) -> None:
         if self._items.pop(item, None) is not None:
-            self._in_sample.pop(item, None)
             self._order.remove(item)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
@@ -465,7 +492,6 @@ class Duel(Generic[T]):
         victim = self._order.pop_victim(allowed)
         if victim is not None:
             del self._items[victim]
-            self._in_sample.pop(victim, None)
         return victim
 
     def evictable(self) -> Iterator[T]:

@@ -353,6 +353,18 @@ class ARCPolicy(EvictionPolicy[T]):
             self._t1[item] = None
         self._size = max(self._size, len(self._t1) + len(self._t2) + len(self._pinned))
 
+    def insert_many(self, items: Iterable[T]) -> None:
+        if self._b1 or self._b2:  # a ghost hit moves the target by the size so far
+            super().insert_many(items)
+            return
+        # No ghost yet (a fresh order, one taking over, a cache still filling): each new
+        # item joins T1, and the size is the count at the end.
+        t1, t2, pinned = self._t1, self._t2, self._pinned
+        for item in items:
+            if item not in t1 and item not in t2 and item not in pinned:
+                t1[item] = None
+        self._size = max(self._size, len(t1) + len(t2) + len(pinned))
+
     def access(self, item: T) -> None:
         if item in self._t2:  # the common hit: to T2's MRU end, in one step
             self._t2.move_to_end(item)
@@ -361,6 +373,18 @@ class ARCPolicy(EvictionPolicy[T]):
             self._t2[item] = None
         elif item in self._pinned:
             self._pinned[item] = True
+
+    def access_many(self, items: Iterable[T]) -> None:
+        t1, t2, pinned = self._t1, self._t2, self._pinned
+        to_end = t2.move_to_end
+        for item in items:
+            if item in t2:
+                to_end(item)
+            elif item in t1:
+                del t1[item]
+                t2[item] = None
+            elif item in pinned:
+                pinned[item] = True
 
     def pin(self, item: T) -> None:
         if item in self._t2:
@@ -490,6 +514,15 @@ class SLRUPolicy(EvictionPolicy[T]):
     def insert_many(self, items: Iterable[T]) -> None:
         probation, protected, pinned = self._probation, self._protected, self._pinned
         ghost, key = self._ghost, self.ghost_key
+        if not ghost:  # none remembered (a fresh order, a cache still filling): one call
+            fresh = [item for item in items
+                     if item not in probation and item not in protected and item not in pinned]
+            if isinstance(probation, LinkedOrder):
+                probation.extend(fresh)
+            else:
+                probation.update(dict.fromkeys(fresh))
+            self._size = max(self._size, len(probation) + len(protected) + len(pinned))
+            return
         for item in items:
             if item in probation or item in protected or item in pinned:
                 continue

@@ -242,6 +242,53 @@ def touch_many(self, items):
         last.{n} = item
         last = item
     end.{p} = last
+
+def move_to_end(self, item):
+    if item.{o} is not self:
+        raise KeyError(item)
+    end = self._end
+    last = end.{p}
+    if item is last:
+        return
+    before = item.{p}
+    after = item.{n}
+    before.{n} = after
+    after.{p} = before
+    item.{p} = last
+    item.{n} = end
+    last.{n} = item
+    end.{p} = item
+
+def _unlink(self, item):
+    before = item.{p}
+    after = item.{n}
+    before.{n} = after
+    after.{p} = before
+    item.{o} = None
+    item.{p} = None
+    item.{n} = None
+    self._len -= 1
+
+def clear(self):
+    end = self._end
+    item = end.{n}
+    while item is not end:
+        following = item.{n}
+        item.{o} = None
+        item.{p} = None
+        item.{n} = None
+        item = following
+    end.{p} = end
+    end.{n} = end
+    self._len = 0
+
+def __iter__(self):
+    end = self._end
+    item = end.{n}
+    while item is not end:
+        following = item.{n}
+        yield item
+        item = following
 '''
 
 _SPECIALISED: dict[str, type[LinkedOrder[Any]]] = {}

@@ -155,7 +155,9 @@ def test_batched_hits_match_one_call_per_item() -> None:
     assert list(one.evictable()) == list(batched.evictable())
     # the sample is decided once per item, and forgotten with it
     sampled = {k for k in batched._items if not ((k * 0x9E3779B97F4A7C15) & (2**64 - 1)) >> 63}
-    assert set(batched._in_sample) == sampled
+    assert {k for k, state in batched._items.items() if type(state) is int} == sampled
+    assert all(state >> 1 == hash(k) for k, state in batched._items.items()
+               if type(state) is int)
 
 
 class _Block:

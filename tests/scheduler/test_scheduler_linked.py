@@ -5,7 +5,7 @@ another with the same links (a policy switch)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import pytest
 from hypothesis import given, settings
@@ -137,8 +137,9 @@ def test_segmented_orders_in_links_evict_as_in_tables(
         linked.links = None  # type: ignore[attr-defined]
 
 
-def test_linked_order_behaves_as_an_ordered_dict() -> None:
-    order: LinkedOrder[Item] = LinkedOrder("a")
+@pytest.mark.parametrize("make", [LinkedOrder, linked_order])
+def test_linked_order_behaves_as_an_ordered_dict(make: Callable[[str], LinkedOrder[Item]]) -> None:
+    order = make("a")
     a, b, c = Item(0), Item(1), Item(2)
     for item in (a, b, c, a):
         order[item] = None
@@ -152,9 +153,18 @@ def test_linked_order_behaves_as_an_ordered_dict() -> None:
         del order[c]
     with pytest.raises(KeyError):
         order.move_to_end(c)
+    order.move_to_end(a)  # the newest already
+    assert list(order) == [b, a]
     for item in order:  # the item just yielded may go
         del order[item]
     assert not order and list(order) == [] and c.a_order is None
+    for item in (c, a, b):
+        order[item] = None
+    order.clear()  # every item's links unset
+    assert not order and list(order) == [] and len(order) == 0
+    assert all(i.a_order is None and i.a_older is None and i.a_newer is None for i in (a, b, c))
+    order[b] = None
+    assert list(order) == [b] and b.a_order is order
 
 
 def test_links_are_chosen_while_the_order_is_empty() -> None:
