@@ -116,21 +116,33 @@ class FifoMap(Generic[K, V]):
     ``deque`` of keys (no table: blocks of keys); a key taken out of the middle stays in
     the deque, counted stale, and is skipped when it comes to the front.  Setting a key
     held keeps its place, as in an ``OrderedDict``.
+
+    A list whose keys are mostly taken out by ``pop`` (ghosts hit again) rarely gives
+    up its oldest, so stale keys would pile up in the deque: once they outnumber the
+    live ones (plus ``SLACK``), each call also moves ``STEP`` keys from the deque's front
+    to its back, dropping the stale ones, until the deque has turned once; keys set
+    meanwhile wait apart (``_later``) and join behind it, so the order stays.
     """
 
-    __slots__ = ("_map", "_order", "_stale")
+    __slots__ = ("_map", "_order", "_stale", "_later", "_turning")
+
+    SLACK = 1024
+    STEP = 2
 
     def __init__(self) -> None:
         self._map: ShardedDict[K, V] = ShardedDict()
         self._order: deque[K] = deque()  # oldest first, live and stale occurrences
         self._stale: ShardedDict[K, int] = ShardedDict()  # key -> its stale occurrences
+        self._later: deque[K] = deque()  # keys set while the deque turns, in order
+        self._turning = 0  # keys at the deque's front still to move to its back
 
     def __contains__(self, key: object) -> bool:
         return key in self._map
 
     def __setitem__(self, key: K, value: V) -> None:
         if key not in self._map:
-            self._order.append(key)
+            (self._later if self._turning else self._order).append(key)
+            self._tidy()
         self._map[key] = value
 
     def pop(self, key: K, default: Any = _MISSING) -> Any:
@@ -140,10 +152,40 @@ class FifoMap(Generic[K, V]):
                 raise KeyError(key)
             return default
         self._stale[key] = self._stale.get(key, 0) + 1  # type: ignore[operator]
+        self._tidy()
         return value
 
     def __delitem__(self, key: K) -> None:
         self.pop(key)
+
+    def _drop_stale(self, key: K) -> bool:
+        """Whether this occurrence of ``key`` is a stale one (then counted off)."""
+        stale = self._stale
+        left = stale.get(key)
+        if left is None:
+            return False
+        if left > 1:
+            stale[key] = left - 1
+        else:
+            del stale[key]
+        return True
+
+    def _tidy(self) -> None:
+        """A few steps of a turn of the deque that drops its stale keys, begun when they
+        outnumber the live ones; O(1) a call."""
+        order = self._order
+        if not self._turning:
+            if len(order) <= 2 * len(self._map) + self.SLACK:
+                return
+            self._turning = len(order)
+        for _ in range(min(self.STEP, self._turning)):
+            key = order.popleft()
+            self._turning -= 1
+            if not self._drop_stale(key):
+                order.append(key)
+        if not self._turning:
+            order.extend(self._later)
+            self._later.clear()
 
     def popitem(self, last: bool = True) -> tuple[K, V]:
         """The oldest entry, taken out (only ``last=False``: a ghost list's use)."""
@@ -151,16 +193,24 @@ class FifoMap(Generic[K, V]):
             raise NotImplementedError("FifoMap only gives up its oldest entry")
         if not self._map:
             raise KeyError("popitem(): the map is empty")
-        order, stale = self._order, self._stale
+        order = self._order
         while True:
+            if not order:  # only keys set during a turn are left
+                order.extend(self._later)
+                self._later.clear()
+                self._turning = 0
             key = order.popleft()
-            left = stale.get(key)
-            if left is None:
+            if self._turning:
+                self._turning -= 1
+                if not self._turning:
+                    order.extend(self._later)
+                    self._later.clear()
+            if not self._drop_stale(key):
                 return key, self._map.pop(key)
-            if left > 1:
-                stale[key] = left - 1
-            else:
-                del stale[key]
+
+    def held(self) -> int:
+        """Keys in the deque and waiting to join it, stale ones included."""
+        return len(self._order) + len(self._later)
 
     def __len__(self) -> int:
         return len(self._map)

@@ -64,7 +64,16 @@ def test_keys_from_object_addresses_fill_every_shard() -> None:
                           st.integers(0, 12), st.integers()), max_size=300))
 def test_a_fifo_map_answers_as_an_ordered_dict(ops: list[tuple[str, int, int]]) -> None:
     """The ghost lists' map: keys taken from the middle and set again, a key set while
-    held (it keeps its place), the oldest given up, as an ``OrderedDict`` does."""
+    held (it keeps its place), the oldest given up, as an ``OrderedDict`` does; its
+    deque turning (to drop stale keys) after a few of them, so that turns run often."""
+    slack, FifoMap.SLACK = FifoMap.SLACK, 2
+    try:
+        check_against_an_ordered_dict(ops)
+    finally:
+        FifoMap.SLACK = slack
+
+
+def check_against_an_ordered_dict(ops: list[tuple[str, int, int]]) -> None:
     mine: FifoMap[int, int] = FifoMap()
     model: OrderedDict[int, int] = OrderedDict()
     for verb, key, value in ops:
@@ -88,3 +97,19 @@ def test_a_fifo_map_answers_as_an_ordered_dict(ops: list[tuple[str, int, int]]) 
         assert mine.popitem(last=False) == model.popitem(last=False)
     with pytest.raises(KeyError):
         mine.pop(0)
+
+
+def test_a_fifo_map_whose_keys_are_taken_from_the_middle_stays_small() -> None:
+    """Ghosts hit again leave by ``pop``, and the oldest may never be given up: the
+    stale keys they leave behind are dropped as the map goes, not kept for ever."""
+    ghosts: FifoMap[int, int] = FifoMap()
+    for key in range(500):
+        ghosts[key] = key  # old keys that stay
+    most = 0
+    for key in range(500, 300_000):
+        ghosts[key] = key
+        ghosts.pop(key)  # hit again: out of the middle, the oldest staying
+        most = max(most, ghosts.held())
+    assert len(ghosts) == 500
+    assert most <= 3 * len(ghosts) + 2 * FifoMap.SLACK, most
+    assert [ghosts.popitem(last=False)[0] for _ in range(500)] == list(range(500))
