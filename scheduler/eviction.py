@@ -34,7 +34,7 @@ from kvstore.scheduler.density import HitDensityPolicy
 from kvstore.scheduler.dueling import Duel, Order
 from kvstore.scheduler.linked import LinkedOrder, Queue, links_of, queue, release_links
 from kvstore.scheduler.policy import EvictionPolicy as EvictionPolicy  # re-exported
-from kvstore.scheduler.sharded import FifoMap
+from kvstore.scheduler.sharded import FifoMap, ShardedDict
 from kvstore.scheduler.warm import WarmPins as WarmPins  # re-exported
 
 T = TypeVar("T", bound=Hashable)
@@ -671,7 +671,16 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
             order.release()  # its items' links unset, for the next order to link them
 
     def release(self) -> None:
+        """Let go of everything (the policy is done with): the orders' links unset,
+        the miniatures' among them (they link the sampled keys' nodes), and the order in
+        charge, which names its ghosts through this duel (a cycle), dropped, so that
+        reference counting frees it all (the daemon's collector never walks it)."""
         self._let_go(self._order)
+        for mini in self._minis:
+            self._let_go(mini.order)
+        self._order = self._factories[0]()
+        self._minis, self._nodes, self._items = [], ShardedDict(), ShardedDict()
+        self._lingering = []
 
 
 _MISSING = object()

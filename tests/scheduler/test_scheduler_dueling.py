@@ -273,3 +273,35 @@ def test_the_miniatures_keep_a_sampled_key_only_while_one_holds_it() -> None:
             cached.remove(once.pop_victim(lambda _: True))  # type: ignore[arg-type]
         once.access(rng.choice(cached))
     assert once.scores() == duel.scores() and sum(duel.scores().values()) > 0
+
+
+def test_a_released_duel_leaves_no_cycles_behind() -> None:
+    """The miniatures' orders link their sampled keys' nodes (reference cycles, which
+    the daemon's collector never walks once frozen): ``release`` unlinks them too, so a
+    policy replaced by SIGHUP is freed by reference counting alone."""
+    import gc
+
+    from kvstore.scheduler.dueling import _Sampled
+
+    def nodes() -> int:
+        return sum(isinstance(o, _Sampled) for o in gc.get_objects())
+
+    gc.collect()
+    before = nodes()
+    duel = AutoPolicy(sample_shift=0, epoch=10**9)
+    cached: list[int] = []
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for fresh in range(3000):
+            duel.insert(fresh)
+            cached.append(fresh)
+            if len(cached) > 200:
+                cached.remove(duel.pop_victim(lambda _: True))  # type: ignore[arg-type]
+        assert nodes() - before >= 200
+        duel.release()
+        del duel
+        assert nodes() == before  # gone with the last reference, no collection run
+    finally:
+        if was:
+            gc.enable()
