@@ -119,12 +119,13 @@ class FifoMap(Generic[K, V]):
 
     A list whose keys are mostly taken out by ``pop`` (ghosts hit again) rarely gives
     up its oldest, so stale keys would pile up in the deque: once they outnumber the
-    live ones (plus ``SLACK``), each call also moves ``STEP`` keys from the deque's front
-    to its back, dropping the stale ones, until the deque has turned once; keys set
-    meanwhile wait apart (``_later``) and join behind it, so the order stays.
+    live ones (plus ``SLACK``), a turn begins, and each call moves ``STEP`` keys from the
+    deque's front to a second deque (``_done``), dropping the stale ones, until the first
+    is empty; keys set meanwhile wait in a third (``_later``).  The order is always
+    ``_done``, then the deque, then ``_later``; at the turn's end they are one again.
     """
 
-    __slots__ = ("_map", "_order", "_stale", "_later", "_turning")
+    __slots__ = ("_map", "_order", "_stale", "_done", "_later", "_turning")
 
     SLACK = 1024
     STEP = 2
@@ -133,8 +134,9 @@ class FifoMap(Generic[K, V]):
         self._map: ShardedDict[K, V] = ShardedDict()
         self._order: deque[K] = deque()  # oldest first, live and stale occurrences
         self._stale: ShardedDict[K, int] = ShardedDict()  # key -> its stale occurrences
-        self._later: deque[K] = deque()  # keys set while the deque turns, in order
-        self._turning = 0  # keys at the deque's front still to move to its back
+        self._done: deque[K] = deque()   # in a turn: the keys moved so far, oldest first
+        self._later: deque[K] = deque()  # in a turn: the keys set since it began
+        self._turning = False
 
     def __contains__(self, key: object) -> bool:
         return key in self._map
@@ -171,21 +173,33 @@ class FifoMap(Generic[K, V]):
         return True
 
     def _tidy(self) -> None:
-        """A few steps of a turn of the deque that drops its stale keys, begun when they
-        outnumber the live ones; O(1) a call."""
+        """A few steps of a turn that drops the stale keys, begun when they outnumber
+        the live ones; O(1) a call (but the turn's end, a deque extended)."""
         order = self._order
         if not self._turning:
             if len(order) <= 2 * len(self._map) + self.SLACK:
                 return
-            self._turning = len(order)
-        for _ in range(min(self.STEP, self._turning)):
+            self._turning = True
+        done = self._done
+        for _ in range(self.STEP):
+            if not order:
+                break
             key = order.popleft()
-            self._turning -= 1
             if not self._drop_stale(key):
-                order.append(key)
-        if not self._turning:
-            order.extend(self._later)
-            self._later.clear()
+                done.append(key)
+        if not order:
+            self._end_turn()
+
+    def _end_turn(self) -> None:
+        """The deque is empty: the moved keys, then those set meanwhile, are the order."""
+        done, later = self._done, self._later
+        if len(done) >= len(later):
+            done.extend(later)
+            self._order = done
+        else:
+            later.extendleft(reversed(done))
+            self._order = later
+        self._done, self._later, self._turning = deque(), deque(), False
 
     def popitem(self, last: bool = True) -> tuple[K, V]:
         """The oldest entry, taken out (only ``last=False``: a ghost list's use)."""
@@ -193,24 +207,23 @@ class FifoMap(Generic[K, V]):
             raise NotImplementedError("FifoMap only gives up its oldest entry")
         if not self._map:
             raise KeyError("popitem(): the map is empty")
-        order = self._order
         while True:
-            if not order:  # only keys set during a turn are left
-                order.extend(self._later)
-                self._later.clear()
-                self._turning = 0
-            key = order.popleft()
             if self._turning:
-                self._turning -= 1
-                if not self._turning:
-                    order.extend(self._later)
-                    self._later.clear()
+                if self._done:
+                    key = self._done.popleft()
+                elif self._order:
+                    key = self._order.popleft()
+                else:
+                    self._end_turn()
+                    continue
+            else:
+                key = self._order.popleft()
             if not self._drop_stale(key):
                 return key, self._map.pop(key)
 
     def held(self) -> int:
         """Keys in the deque and waiting to join it, stale ones included."""
-        return len(self._order) + len(self._later)
+        return len(self._order) + len(self._done) + len(self._later)
 
     def __len__(self) -> int:
         return len(self._map)

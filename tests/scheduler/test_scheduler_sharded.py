@@ -3,6 +3,7 @@ it splits, and keys made from object addresses spread over every shard."""
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 
 import pytest
@@ -59,7 +60,7 @@ def test_keys_from_object_addresses_fill_every_shard() -> None:
     assert max(sizes) < 2 * len(entries) / SHARDS
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["set", "pop", "del", "oldest"]),
                           st.integers(0, 12), st.integers()), max_size=300))
 def test_a_fifo_map_answers_as_an_ordered_dict(ops: list[tuple[str, int, int]]) -> None:
@@ -113,3 +114,24 @@ def test_a_fifo_map_whose_keys_are_taken_from_the_middle_stays_small() -> None:
     assert len(ghosts) == 500
     assert most <= 3 * len(ghosts) + 2 * FifoMap.SLACK, most
     assert [ghosts.popitem(last=False)[0] for _ in range(500)] == list(range(500))
+
+
+def test_a_fifo_map_gives_up_its_oldest_in_the_middle_of_a_turn() -> None:
+    """The keys a turn has moved are the oldest: given up before those still to move
+    (a turn that moved them behind the others gave up a younger key)."""
+    slack, FifoMap.SLACK = FifoMap.SLACK, 2
+    try:
+        mine: FifoMap[int, int] = FifoMap()
+        model: OrderedDict[int, int] = OrderedDict()
+        for key in range(8):
+            mine[key] = model[key] = key
+        for key in range(1, 7):
+            assert mine.pop(key) == model.pop(key)  # the last pop begins a turn
+        assert mine.popitem(last=False) == model.popitem(last=False) == (0, 0)
+        rng = random.Random(5)  # and many short histories, turning all the time
+        for _ in range(3000):
+            check_against_an_ordered_dict(
+                [(rng.choice(["set", "set", "pop", "oldest"]), rng.randrange(12), 0)
+                 for _ in range(60)])
+    finally:
+        FifoMap.SLACK = slack
