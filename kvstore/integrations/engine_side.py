@@ -72,6 +72,7 @@ class _Connected:
     client: Client | None = None
     namespaces: dict[Hashable, Namespace] = field(default_factory=dict)
     error: KVStoreError | None = None
+    at: float = 0.0  # when the client last called the daemon (the link's clock)
 
 
 class DaemonLink:
@@ -95,7 +96,7 @@ class DaemonLink:
         self._unavailable_until = 0.0
         self._background: dict[Hashable, Callable[[], Identity]] | None = None
         self._connecting: tuple[threading.Thread, _Connected] | None = None
-        self._used: float | None = None  # when the client last served a call (``_alive``)
+        self._used: float | None = None  # when the link last handed out its client (``_alive``)
         self.failures = 0
 
     @property
@@ -140,7 +141,7 @@ class DaemonLink:
         elif pending.client is not None:
             self._client = pending.client
             self._namespaces.update(pending.namespaces)
-            self._used = self._clock()
+            self._used = pending.at  # the session idles from its connect, not from now
         return False
 
     def wait_connected(self, timeout: float) -> bool:
@@ -177,6 +178,7 @@ class DaemonLink:
         except BaseException:
             client.close()
             raise
+        pending.at = self._clock()  # its last call to the daemon
         pending.client = client
 
     def _alive(self) -> None:

@@ -222,6 +222,18 @@ def test_a_link_idle_past_its_lease_connects_again(
         assert third.lookup(keys).blocks == 0
     finally:
         link.close()
+    # Connected in the background: idle from its connect, not from when it is taken over.
+    apart = DaemonLink(DaemonSettings(daemon.endpoint, "acme", timeout=2.0), map_arena=False)
+    try:
+        apart.connect_in_background({"pages": identity})
+        time.sleep(3.0)  # connected, then idle past the lease before anyone takes it over
+        assert apart.namespace("pages", identity) is None  # ended: connecting again, apart
+        assert apart.wait_connected(10)
+        ns = apart.namespace("pages", identity)
+        assert isinstance(ns, Namespace) and ns.lookup(keys).blocks == 0
+        assert apart.failures == 0
+    finally:
+        apart.close()
 
 
 def test_a_background_connect_never_waits_and_is_tried_again_once_the_daemon_is_up(
