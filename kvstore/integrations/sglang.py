@@ -31,12 +31,14 @@ prefetch threads, which the scheduler waits for at most its prefetch timeout, po
 ``timeout``, the default, or not at all, ``best_effort``).  Returning from a set before
 the bytes are in would free pages still to be read.  A daemon that stops answering
 costs one ``timeout`` on those threads, then nothing while ``DaemonLink`` backs off.
+Those threads take turns on the one connection (a lock: a client is not thread-safe).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,6 +115,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._extra = dict(storage_config.extra_config or {})
         self._link = DaemonLink(DaemonSettings.from_extra(self._extra, timeout=10.0))
         self._link.connect()  # a wrong endpoint fails here, not at every call
+        # HiCache calls from its backup and prefetch threads; the link (one client, one
+        # socket) is not thread-safe, so one thread at a time uses it
+        self._lock = threading.RLock()
         self._identity: Identity | None = None
         self._staging: torch.Tensor | None = None  # one page, for v1 loads
 
@@ -141,25 +146,27 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        ns = self._namespace()
-        if ns is None:
-            return 0
-        try:
-            return ns.lookup([page_key(k) for k in keys]).blocks
-        except KVStoreError as exc:
-            self._link.failed("HiCache lookup", exc)
-            return 0
+        with self._lock:
+            ns = self._namespace()
+            if ns is None:
+                return 0
+            try:
+                return ns.lookup([page_key(k) for k in keys]).blocks
+            except KVStoreError as exc:
+                self._link.failed("HiCache lookup", exc)
+                return 0
 
     # -- reads ------------------------------------------------------------------------------
     def _read(self, keys: list[str], copy: Any) -> int:
         """Copy out the longest cached prefix of ``keys`` (``copy(i, slot)``); how many."""
-        ns = self._namespace()
-        if ns is None:
-            return 0
-        loaded = read_blocks(ns, [page_key(k) for k in keys], copy)
-        if loaded.error is not None:
-            self._link.failed("HiCache get", loaded.error)
-        return loaded.blocks
+        with self._lock:
+            ns = self._namespace()
+            if ns is None:
+                return 0
+            loaded = read_blocks(ns, [page_key(k) for k in keys], copy)
+            if loaded.error is not None:
+                self._link.failed("HiCache get", loaded.error)
+            return loaded.blocks
 
     def get(self, key: str, target_location: Any = None,
             target_sizes: Any = None) -> torch.Tensor | None:
@@ -197,18 +204,19 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def _store(self, keys: list[str], pages: Sequence[torch.Tensor],
                parent_key: str | None = None) -> list[bool]:
         """Store pages under keys, skipping the leading ones already cached."""
-        ns = self._namespace()
-        if ns is None:
-            return [False] * len(keys)
 
         def fill(slots: Sequence[memoryview], first: int) -> None:
             for slot, page in zip(slots, pages[first:]):
                 slot[:] = _page_bytes(page)
 
-        stored = store_missing(ns, [page_key(k) for k in keys], fill,
-                               parent=page_key(parent_key) if parent_key else None)
-        if stored.error is not None:
-            self._link.failed("HiCache set", stored.error)
+        with self._lock:
+            ns = self._namespace()
+            if ns is None:
+                return [False] * len(keys)
+            stored = store_missing(ns, [page_key(k) for k in keys], fill,
+                                   parent=page_key(parent_key) if parent_key else None)
+            if stored.error is not None:
+                self._link.failed("HiCache set", stored.error)
         return [True] * stored.present + [False] * (len(keys) - stored.present)
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
@@ -229,16 +237,18 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     # -- the rest -------------------------------------------------------------------------
     def clear(self) -> None:
-        ns = self._namespace()
-        if ns is None:
-            return
-        try:
-            ns.drop()
-        except KVStoreError as exc:
-            self._link.failed("HiCache clear", exc)
+        with self._lock:
+            ns = self._namespace()
+            if ns is None:
+                return
+            try:
+                ns.drop()
+            except KVStoreError as exc:
+                self._link.failed("HiCache clear", exc)
 
     def close(self) -> None:
-        self._link.close()
+        with self._lock:
+            self._link.close()
 
     def __repr__(self) -> str:
         return f"KVStoreHiCacheStorage({self._identity!r}, {self._link!r})"
