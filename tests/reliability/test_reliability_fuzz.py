@@ -190,9 +190,12 @@ class Peer:
         assert queue, f"{self.name}: a reply to request id {reply.rid} that is not pending"
         # Requests that share an id (a mutated copy keeps it) need not be answered in the
         # order sent: a put deferred for room is answered after a later stats.  A reply
-        # of a request's kind goes to the first such request; an error to the first.
+        # of a request's kind goes to the first such request; an error to the first
+        # request that cannot decode (answered as it comes), else to the first.
         req = queue[0]
-        if not isinstance(reply, p.ErrorReply):
+        if isinstance(reply, p.ErrorReply):
+            req = next((r for r in queue if isinstance(r, Malformed)), req)
+        else:
             req = next((r for r in queue if not isinstance(r, Malformed)
                         and isinstance(reply, REPLY_FOR[type(r)])), req)
         queue.remove(req)
