@@ -153,14 +153,10 @@ def _cpu_us(pid: int, fn: Callable[[], object], calls: int) -> float:
     """CPU time (user and system, all its threads: ZeroMQ's I/O thread too) that process
     ``pid`` spends per call of ``fn``, in us: on a busy machine a steadier figure than
     the wall time, which waits for a core as often as for the server."""
-    def used() -> float:  # nanoseconds on a CPU, per thread (/proc/PID/stat counts ticks)
-        total = 0
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                total += int((task / "schedstat").read_text().split()[0])
-            except (FileNotFoundError, ProcessLookupError):
-                pass  # a thread that ended
-        return total / 1e9
+    from kv_events import cpu_ns  # a sibling script: ns per thread (/proc stat has ticks)
+
+    def used() -> float:
+        return cpu_ns(pid) / 1e9
     fn()
     before = used()
     for _ in range(calls):
