@@ -366,13 +366,7 @@ class ARCPolicy(EvictionPolicy[T]):
         self._size = max(self._size, len(t1) + len(t2) + len(pinned))
 
     def access(self, item: T) -> None:
-        if item in self._t2:  # the common hit: to T2's MRU end, in one step
-            self._t2.move_to_end(item)
-        elif item in self._t1:
-            del self._t1[item]
-            self._t2[item] = None
-        elif item in self._pinned:
-            self._pinned[item] = True
+        self.access_many((item,))
 
     def access_many(self, items: Iterable[T]) -> None:
         t1, t2, pinned = self._t1, self._t2, self._pinned

@@ -246,18 +246,7 @@ def touch_many(self, items):
 def move_to_end(self, item):
     if item.{o} is not self:
         raise KeyError(item)
-    end = self._end
-    last = end.{p}
-    if item is last:
-        return
-    before = item.{p}
-    after = item.{n}
-    before.{n} = after
-    after.{p} = before
-    item.{p} = last
-    item.{n} = end
-    last.{n} = item
-    end.{p} = item
+    self.touch_many((item,))
 
 def _unlink(self, item):
     before = item.{p}

@@ -280,6 +280,16 @@ def test_a_daemon_killed_mid_save_is_a_failed_save_not_a_stall(
     sender.close(timeout=1)
 
 
+def copy(loads: StepLoads, layerwise: bool) -> None:
+    """A step's pinned loads copied into the pages, layer by layer or whole."""
+    if layerwise:
+        loads.start_layers()
+        for layer in range(loads.layers()):
+            loads.wait_layer(layer)
+    else:
+        loads.copy_all()
+
+
 def _stored_requests(daemon: DaemonProcess, kind: str, count: int,
                      ) -> tuple[list[list[bytes]], Callable[[int], bytes]]:
     """``count`` requests sharing a 2-block prefix, each with 2 blocks of its own, stored
@@ -315,12 +325,7 @@ def test_a_steps_loads_are_one_acquire_whatever_the_requests(
         loads.add(ns, target, items)
         assert loads.pin() == {f"r{i}": Loaded(2) for i in range(4)}
         assert loads.calls == 1
-        if layerwise:
-            loads.start_layers()
-            for layer in range(loads.layers()):
-                loads.wait_layer(layer)
-        else:
-            loads.copy_all()
+        copy(loads, layerwise)
         assert client.stats()["tiers"]["dram"]["pinned_blocks"] == 8
         loads.finish()
         until(lambda: client.stats()["tiers"]["dram"]["pinned_blocks"] == 0)
@@ -387,12 +392,7 @@ def test_pages_in_falling_or_scattered_order_load_their_blocks(
         loads.add(ns, target, [LoadItem(name, keys[:len(pages[name])], pages[name])
                                for name, keys in zip(pages, requests)])
         assert loads.pin() == {"falling": Loaded(4), "scattered": Loaded(3)}
-        if layerwise:
-            loads.start_layers()
-            for layer in range(loads.layers()):
-                loads.wait_layer(layer)
-        else:
-            loads.copy_all()
+        copy(loads, layerwise)
         loads.finish()
         assert [target_page(p) for p in pages["falling"]] == [
             source_page(p) for p in (0, 1, 2, 3)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -25,19 +26,24 @@ def test_it_answers_as_a_dict_across_its_split(ops: list[tuple[str, int, int]]) 
         sharded.SPLIT_AT = split_at
 
 
+def apply(mine: Any, model: dict[int, int], verb: str, key: int, value: int) -> None:
+    """``verb`` (set, pop, del) done to both maps, their answers compared."""
+    if verb == "set":
+        mine[key] = value
+        model[key] = value
+    elif verb == "pop":
+        assert mine.pop(key, None) == model.pop(key, None)
+    elif verb == "del" and key in model:
+        del mine[key]
+        del model[key]
+
+
 def check_against_a_dict(ops: list[tuple[str, int, int]]) -> None:
     mine: ShardedDict[int, int] = ShardedDict()
     model: dict[int, int] = {}
     grew = False  # past the split size once: split for good
     for verb, key, value in ops:
-        if verb == "set":
-            mine[key] = value
-            model[key] = value
-        elif verb == "pop":
-            assert mine.pop(key, None) == model.pop(key, None)
-        elif verb == "del" and key in model:
-            del mine[key]
-            del model[key]
+        apply(mine, model, verb, key, value)
         assert (key in mine) == (key in model) and mine.get(key) == model.get(key)
         assert len(mine) == len(model)
         grew = grew or len(model) > 8
@@ -78,15 +84,8 @@ def check_against_an_ordered_dict(ops: list[tuple[str, int, int]]) -> None:
     mine: FifoMap[int, int] = FifoMap()
     model: OrderedDict[int, int] = OrderedDict()
     for verb, key, value in ops:
-        if verb == "set":
-            mine[key] = value
-            model[key] = value
-        elif verb == "pop":
-            assert mine.pop(key, None) == model.pop(key, None)
-        elif verb == "del" and key in model:
-            del mine[key]
-            del model[key]
-        elif verb == "oldest":
+        apply(mine, model, verb, key, value)
+        if verb == "oldest":
             if model:
                 assert mine.popitem(last=False) == model.popitem(last=False)
             else:
