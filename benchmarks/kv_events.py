@@ -52,7 +52,7 @@ from kvstore.events import EventPublisher, KVEventBatch
 from kvstore.keys import chain_keys
 from kvstore.router import Router
 from kvstore.store import BlockStore
-from kvstore.token_ids import encode_blocks
+from kvstore.token_ids import encode_chain
 
 IDENT = Identity(model="bench", model_revision="r", tenant="bench", kv_dtype="float16",
                  num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16)
@@ -116,7 +116,7 @@ def bench_publish(work: Path, repeats: int) -> tuple[float, float, float, float]
             keys = chain_keys(ns.id, tokens, 16)
             r = store.reserve("bench", ns, keys, None, 0.0)
             store.commit("bench", r.id, 0.0,  # type: ignore[union-attr]
-                         tokens=encode_blocks(tokens, 64, 16))
+                         tokens=encode_chain(tokens, 64, 16))
             start = time.perf_counter()
             pub.flush()
             ours.append(time.perf_counter() - start)
@@ -203,7 +203,7 @@ def workload(client: Client, counter: list[int], n: int = 40,
             counter[0] += 1
             keys = ns.keys(range(i * 256, (i + 1) * 256))
             if mirror:
-                encode_blocks(np.arange(i * 256, (i + 1) * 256, dtype="<i8"), 16, 16)
+                encode_chain(np.arange(i * 256, (i + 1) * 256, dtype="<i8"), 16, 16)
             with ns.reserve(keys) as r:
                 if data:
                     for buf in r.buffers:

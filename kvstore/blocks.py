@@ -17,6 +17,7 @@ from kvstore.block_map import BlockMap
 from kvstore.identity import Identity
 from kvstore.pool import SlabClass, SlabPool
 from kvstore.scheduler.eviction import EvictionPolicy, WarmPins, make_policy
+from kvstore.token_ids import TokenRun
 
 Owner = Hashable
 DRAM = "dram"
@@ -65,7 +66,7 @@ class Block:
         self.remote = False                 # known to be in the remote store
         self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown);
         # an SSD copy is read back by it (and its offset, key and namespace's sizes)
-        self.tokens: bytes | None = None    # its token ids (msgpack ints), while events are on
+        self.tokens: TokenRun | None = None  # its commit's token ids, while events are on
         self.announced = 0                  # tiers the event stream announced it in (bits)
         # Its place in its DRAM and its SSD class's LRU order, which lives in the blocks
         # (``LinkedOrder``: no table to grow, 24 bytes a block rather than 91).

@@ -52,7 +52,7 @@ from kvstore.config import endpoint_from_env
 from kvstore.errors import KVStoreError, MalformedError, UnavailableError
 from kvstore.identity import Identity
 from kvstore.keys import chain_keys
-from kvstore.token_ids import encode_blocks
+from kvstore.token_ids import encode_chain
 from kvstore.tiers.arena_fds import (
     MEMFD_PREFIX,
     admit,
@@ -343,7 +343,8 @@ class _Chains:
 
     def __init__(self) -> None:
         self._parents: OrderedDict[bytes, bytes | None] = OrderedDict()
-        self._tokens: OrderedDict[bytes, bytes] = OrderedDict()
+        # each key's block's token ids: its chain's ids laid out, and where its are
+        self._tokens: OrderedDict[bytes, tuple[bytes, int, int]] = OrderedDict()
 
     def remember(self, keys: list[bytes], parent: bytes | None) -> None:
         for key in keys:
@@ -358,19 +359,39 @@ class _Chains:
     def remember_tokens(self, keys: list[bytes], token_ids: Sequence[int] | Any,
                         block_tokens: int) -> None:
         """Each block's token ids, to send with its commit (the daemon publishes events
-        that carry them)."""
-        for key, ids in zip(keys, encode_blocks(token_ids, len(keys), block_tokens)):
-            self._tokens[key] = ids
+        that carry them): laid out once for the chain, each key's place in it kept."""
+        if not keys:
+            return
+        raw = encode_chain(token_ids, len(keys), block_tokens)
+        size = len(raw) // len(keys)
+        tokens = self._tokens
+        for i, key in enumerate(keys):
+            tokens[key] = (raw, i * size, (i + 1) * size)
         most = max(1, _TOKEN_MEMORY // block_tokens)
-        while len(self._tokens) > most:
-            self._tokens.popitem(last=False)
+        while len(tokens) > most:
+            tokens.popitem(last=False)
 
-    def tokens_of(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Each key's block's token ids (b"" where not remembered); [] when none is, or
-        when they would crowd the request's header."""
-        out = [self._tokens.get(key, b"") for key in keys]
-        if sum(len(t) for t in out) > p.MAX_HEADER_BYTES // 2 or not any(out):
-            return []
+    def tokens_of(self, keys: Sequence[bytes]) -> bytes:
+        """The keys' blocks' token ids, one after another in one buffer (a slice of
+        their chain's when they were laid out together); b"" when one is not remembered,
+        or when they would crowd the request's header."""
+        if not keys:
+            return b""
+        tokens = self._tokens
+        first, last = tokens.get(keys[0]), tokens.get(keys[-1])
+        if first is None or last is None:
+            return b""
+        raw, start, end = first
+        size = end - start
+        if last[0] is raw and last[1] - start == (len(keys) - 1) * size:
+            out = raw[start:last[2]]  # one chain's, as laid out
+        else:  # of several chains: each block's, joined if they are all of one width
+            found = [tokens.get(key) for key in keys]
+            if any(f is None or f[2] - f[1] != size for f in found):
+                return b""
+            out = b"".join(f[0][f[1]:f[2]] for f in found)  # type: ignore[index]
+        if len(out) > p.MAX_HEADER_BYTES // 2:
+            return b""
         return out
 
 
@@ -440,8 +461,8 @@ class NamespaceCore(Generic[S]):
             part = list(keys[start:start + per])
             payload = list(blocks[start:start + per])
             sums = [checksum(b) for b in payload] if c.checksums else []
-            tokens = self._chains.tokens_of(part) if self.events and c.tokens_wanted else []
-            received = yield (p.Put(c._next_rid(), self.id, part, previous, sums, tokens),
+            tokens = self._chains.tokens_of(part) if self.events and c.tokens_wanted else b""
+            received = yield (p.Put(c._next_rid(), self.id, part, previous, sums, [], tokens),
                               payload)
             reply = check_reply(received[0], p.PutReply)
             created += reply.created
@@ -619,9 +640,9 @@ class ReservationCore(Generic[N]):
         c = self.ns.client
         sums = [checksum(b) for b in self.buffers] if c.checksums else []
         tokens = (self.ns._chains.tokens_of(self.keys)
-                  if self.ns.events and c.tokens_wanted else [])
+                  if self.ns.events and c.tokens_wanted else b"")
         self._finish()
-        return p.Commit(c._next_rid(), self.id, sums, tokens)
+        return p.Commit(c._next_rid(), self.id, sums, [], tokens)
 
     @staticmethod
     def _on_commit(received: Received) -> int:

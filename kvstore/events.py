@@ -41,7 +41,7 @@ from kvstore.blocks import DRAM, SSD, Block, Namespace
 from kvstore.config import EventsConfig
 from kvstore.store import BlockStore
 from kvstore.tier_changes import GPU, REMOTE, Change, Removed, Stored, TierChanges
-from kvstore.token_ids import array_header
+from kvstore.token_ids import array_header, run_bytes
 
 log = logging.getLogger("kvstore.events")
 
@@ -137,8 +137,9 @@ class EventMaker:
     """Changes of the store into events, in one encoding.
 
     A run's per-block fields go out pre-encoded (``msgspec.Raw`` in place of the lists
-    they encode): the token ids as the client laid them out (``kvstore.token_ids``),
-    joined, and the extra keys as one encoded item repeated.  No Python object is made
+    they encode): the token ids as the client laid them out (``kvstore.token_ids``: a
+    commit's run announced whole is its buffer as it came), and the extra keys as one
+    encoded item repeated.  No Python object is made
     per block but the list of its keys."""
 
     def __init__(self, config: EventsConfig) -> None:
@@ -167,11 +168,10 @@ class EventMaker:
         identity = ns.identity
         parent = blocks[0].parent
         count = len(blocks)
-        raw = [b.tokens for b in blocks]
         tokens: Any = _EMPTY  # not sent by a writer (or restored from SSD): none
-        if all(raw):  # (a block's token ids are None or not empty)
-            tokens = msgspec.Raw(array_header(count * identity.block_tokens)
-                                 + b"".join(raw))  # type: ignore[arg-type]
+        raw = run_bytes(blocks)
+        if raw is not None:
+            tokens = msgspec.Raw(array_header(count * identity.block_tokens) + raw)
         extra: Any = None
         salt = identity.salt
         if salt:

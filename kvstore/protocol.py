@@ -55,9 +55,11 @@ class Commit(Message, tag="commit"):
     reservation: int
     checksums: list[int] = []  # xxh3_64 of each block as written, for readers to verify
     # Each block's token ids as msgpack integers (kvstore.token_ids: uint32 or int64
-    # each, laid out; b"": not known), when the daemon publishes events and its reply
-    # said it wants them (someone hears them); else nothing.
+    # each, laid out; b"": not known), as older clients send them; else nothing.
     tokens: list[bytes] = []
+    # Every block's token ids in one buffer, laid out so, when the daemon publishes
+    # events and its reply said it wants them (someone hears them); else b"".
+    token_ids: bytes = b""
 
 
 class Abort(Message, tag="abort"):
@@ -79,6 +81,7 @@ class Put(Message, tag="put"):
     parent: Key | None = None
     checksums: list[int] = []
     tokens: list[bytes] = []  # as Commit's
+    token_ids: bytes = b""    # as Commit's
 
 
 class Get(Message, tag="get"):

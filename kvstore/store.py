@@ -62,7 +62,7 @@ from kvstore.room import RoomMaker
 from kvstore.scheduler.eviction import WarmPins, make_policy
 from kvstore.ssd_copies import SsdCopies
 from kvstore.store_view import check_invariants, tier_stats
-from kvstore.token_ids import check_blocks
+from kvstore.token_ids import run_of
 
 __all__ = ["DRAM", "SSD", "Block", "BlockStore", "CommitResult", "Counters", "Limits",
            "Namespace", "Owner", "OwnerState", "Pin", "Plan", "Reservation", "TierSlots",
@@ -175,14 +175,14 @@ class BlockStore(StoreCore):
 
     def commit(self, owner: Owner, rid: int, now: float,
                checksums: Sequence[int] = (),
-               tokens: Sequence[bytes] = ()) -> CommitResult:
-        """Publish a reservation's blocks (with the writer's checksums and each block's
-        token ids laid out as ``kvstore.token_ids`` says, if given)."""
+               tokens: bytes | Sequence[bytes] = ()) -> CommitResult:
+        """Publish a reservation's blocks (with the writer's checksums and the blocks'
+        token ids laid out as ``kvstore.token_ids`` says, if given: one buffer for all,
+        or each block's bytes)."""
         state, r = self.leases.take_reservation(owner, rid, now)
         if checksums and len(checksums) != len(r.keys):
             raise MalformedError(f"{len(checksums)} checksums for {len(r.keys)} blocks")
-        if tokens:
-            check_blocks(tokens, len(r.keys), r.ns.identity.block_tokens)
+        runs = run_of(tokens, r.keys, r.ns.identity.block_tokens) if tokens else []
         del state.reservations[rid]
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
@@ -215,12 +215,16 @@ class BlockStore(StoreCore):
             block.seen += 1
             parent = block
         ns.blocks.grown()
-        if tokens:  # events on: each block keeps the first token ids it came with (with
-            # no duplicate, the fresh blocks are the keys' blocks, in order)
-            chain = fresh if not duplicates else [ns.blocks[key] for key in r.keys]
-            for block, ids in zip(chain, tokens):
-                if ids and block.tokens is None:
-                    block.tokens = ids
+        if runs and isinstance(tokens, bytes):  # events on, one buffer: each new copy
+            # names it (a block already in DRAM keeps the ids it came with)
+            run = runs[0]
+            for block in fresh:
+                block.tokens = run
+        elif runs:  # each block's bytes apart (an older client's): kept where none were
+            for key, one in zip(r.keys, runs):
+                block = ns.blocks[key]
+                if one is not None and block.tokens is None:
+                    block.tokens = one
         policy.insert_many(reversed(fresh))  # deepest first: parents end up warmer
         if self.changes is not None:
             if duplicates:  # fresh blocks with gaps between them: marked one by one

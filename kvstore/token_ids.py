@@ -1,11 +1,14 @@
 """Token ids as commits carry them and events send them: msgpack integers, laid out.
 
-A block's token ids travel from the client already encoded as the body of a msgpack
-array: each id a uint32 (``0xce`` then 4 bytes big-endian) or, when an id of the chain is
-out of that range, each an int64 (``0xd3`` then 8 bytes).  The client lays them out
-(numpy, once per chain); the daemon checks the layout, keeps the bytes, and an event's
-``token_ids`` is an array header and its blocks' bytes joined: no id is decoded into a
-Python int or encoded again on the daemon's side.
+A commit's token ids travel from the client already encoded as the body of a msgpack
+array, every block's after the one before in one buffer: each id a uint32 (``0xce``
+then 4 bytes big-endian) or, when an id of the chain is out of that range, each an int64
+(``0xd3`` then 8 bytes).  The client lays them out (numpy, once per chain); the daemon
+checks the layout and keeps the buffer whole (``TokenRun``, which each of the commit's
+blocks names), and an event's ``token_ids`` is an array header and a slice of it (or
+of a few, joined): no id is decoded into a Python int, no block's ids are cut out on a
+commit, nothing is encoded again on the daemon's side.  Older clients send a list of
+each block's bytes instead (``encode_blocks``), which the daemon still takes.
 """
 
 from __future__ import annotations
@@ -22,17 +25,93 @@ _NARROW = np.dtype([("tag", "u1"), ("value", ">u4")])  # 5 bytes an id
 _WIDE = np.dtype([("tag", "u1"), ("value", ">i8")])    # 9 bytes an id
 
 
-def encode_blocks(token_ids: Any, blocks: int, block_tokens: int) -> list[bytes]:
-    """The first ``blocks`` full blocks of ``token_ids``, each block's ids laid out as
-    msgpack integers (uint32 each, or int64 each if any id is out of that range)."""
+def encode_chain(token_ids: Any, blocks: int, block_tokens: int) -> bytes:
+    """The first ``blocks`` full blocks of ``token_ids`` laid out as msgpack integers
+    (uint32 each, or int64 each if any id is out of that range), in one buffer."""
     ids = np.asarray(token_ids, dtype=np.int64)[:blocks * block_tokens]
     wide = bool(ids.size) and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 32)
     out = np.empty(ids.size, dtype=_WIDE if wide else _NARROW)
     out["tag"] = 0xd3 if wide else 0xce
     out["value"] = ids
-    raw = out.tobytes()
-    size = out.itemsize * block_tokens
+    return out.tobytes()
+
+
+def encode_blocks(token_ids: Any, blocks: int, block_tokens: int) -> list[bytes]:
+    """As ``encode_chain``, each block's bytes apart (the form older clients send)."""
+    raw = encode_chain(token_ids, blocks, block_tokens)
+    size = len(raw) // blocks if blocks else 0
     return [raw[i * size:(i + 1) * size] for i in range(blocks)]
+
+
+class TokenRun:
+    """One commit's token ids, kept whole as the client laid them out: ``keys[i]``'s
+    block's ids are ``ids[i * size:(i + 1) * size]``.  Each block of the commit names
+    the run; an event takes the slice of the blocks it announces."""
+
+    __slots__ = ("ids", "keys", "size")
+
+    def __init__(self, ids: bytes, keys: list[bytes], size: int) -> None:
+        self.ids = ids
+        self.keys = keys  # (the reservation's list, kept as it is)
+        self.size = size
+
+    def __repr__(self) -> str:
+        return f"TokenRun({len(self.keys)} blocks, {self.size} bytes each)"
+
+
+def run_of(tokens: bytes | Sequence[bytes], keys: list[bytes],
+           block_tokens: int) -> list[TokenRun | None]:
+    """Token ids as a commit of ``keys`` carried them, checked: one run for all the keys
+    (one buffer: ``[run]``), or one per key (a list of each block's bytes, as older
+    clients send them: None where b"", not known); [] for none.  Refused
+    (``MalformedError``) unless laid out as ``encode_chain`` lays them out."""
+    count = len(keys)
+    if isinstance(tokens, bytes):
+        if not tokens:
+            return []
+        narrow, wide = _tags(block_tokens)
+        n5, n9 = 5 * block_tokens, 9 * block_tokens
+        size = len(tokens)
+        if (size == n5 * count and tokens[::5] == narrow * count
+                or size == n9 * count and tokens[::9] == wide * count):
+            return [TokenRun(tokens, keys, size // count)]
+        raise MalformedError(
+            f"token ids must come as msgpack integers, {block_tokens} per block for each "
+            f"of the {count} keys, in one buffer (each id 0xce and 4 bytes, or each 0xd3 "
+            f"and 8 bytes: {n5 * count} or {n9 * count} bytes; got {size}); "
+            f"kvstore.token_ids.encode_chain lays them out")
+    if not tokens:
+        return []
+    check_blocks(tokens, count, block_tokens)
+    return [TokenRun(t, [key], len(t)) if t else None for key, t in zip(keys, tokens)]
+
+
+def run_bytes(blocks: Sequence[Any]) -> bytes | None:
+    """The token ids of ``blocks`` (``Block``s of one chain, each the parent of the next,
+    each naming its ``TokenRun`` in ``tokens``) laid out one after another; None if a
+    block's are not known.  A run of consecutive blocks is one slice."""
+    parts: list[bytes] = []
+    i, count = 0, len(blocks)
+    while i < count:
+        block = blocks[i]
+        run: TokenRun | None = block.tokens
+        if run is None:
+            return None
+        keys = run.keys
+        at = 0 if keys[0] is block.key else keys.index(block.key)
+        # as far as the run and the blocks go together: the blocks are a chain, so if
+        # the last of them is the run's block there, every one between is too
+        n = min(len(keys) - at, count - i)
+        last = blocks[i + n - 1]
+        if n > 1 and not (last.tokens is run and keys[at + n - 1] == last.key):
+            n = 1
+        size = run.size
+        if n == len(keys):
+            parts.append(run.ids)
+        else:
+            parts.append(run.ids[at * size:(at + n) * size])
+        i += n
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 @cache

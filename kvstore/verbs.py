@@ -227,7 +227,7 @@ class Verbs:
 
     def _commit(self, session: Session, req: p.Commit, payload: list[Any]) -> Outcome:
         result = self.d.store.commit(session.id, req.reservation, self.d.clock(),
-                                     req.checksums, req.tokens)
+                                     req.checksums, req.token_ids or req.tokens)
         self._committed(result.blocks)
         return p.CommitReply(req.rid, result.created, result.duplicates), []
 
@@ -295,7 +295,8 @@ class Verbs:
             d.store.abort(session.id, r.id)
             raise
         try:  # the store checks the token ids (refused: before anything is published)
-            result = d.store.commit(session.id, r.id, now, req.checksums, req.tokens)
+            result = d.store.commit(session.id, r.id, now, req.checksums,
+                                    req.token_ids or req.tokens)
         except MalformedError:
             d.store.abort(session.id, r.id)
             raise

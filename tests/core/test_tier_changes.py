@@ -15,7 +15,7 @@ from kvstore.events import BlockStored, EventMaker, KVEventBatch, decoder
 from kvstore.keys import chain_keys
 from kvstore.store import BlockStore
 from kvstore.tier_changes import TIER_BITS, Removed, Stored, TierChanges, holdings
-from kvstore.token_ids import encode_blocks
+from kvstore.token_ids import encode_blocks, encode_chain
 
 
 class ChangesMachine(StoreMachine):
@@ -160,6 +160,40 @@ def test_a_commit_is_one_run_with_its_tokens_and_the_hook_runs_once() -> None:
     assert changes.drain() == []
 
 
+def test_events_slice_each_commits_buffer_of_token_ids() -> None:
+    store, changes, _ = _store()
+    ns = store.open_namespace(IDENT)
+    bt = IDENT.block_tokens
+    tokens = [*range(3 * bt), *range(1 << 40, (1 << 40) + 2 * bt)]  # the 2nd commit's: wide
+    keys = chain_keys(ns.id, tokens, bt)
+    maker = EventMaker(EventsConfig())
+
+    def token_ids(stored: Stored) -> list[int]:
+        made = maker.events([stored])[0]
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(made), type=BlockStored).token_ids
+
+    for part, parent in ((slice(0, 3), None), (slice(3, 5), keys[2])):
+        r = store.reserve("o", ns, keys[part], parent, 0.0)
+        ids = encode_chain(tokens[part.start * bt:part.stop * bt], part.stop - part.start, bt)
+        store.commit("o", r.id, 0.0, tokens=ids)  # type: ignore[union-attr]
+    [stored] = changes.drain()  # the two commits' runs, one chain: one run of five
+    assert [b.key for b in stored.blocks] == keys
+    assert token_ids(stored) == tokens
+    # a run across the two commits' middle (as a tier's copies are announced)
+    blocks = stored.blocks
+    assert token_ids(Stored("ssd", ns, blocks[1:4])) == tokens[bt:4 * bt]
+    assert token_ids(Stored("ssd", ns, blocks[4:])) == tokens[4 * bt:]
+    # a block of an older client's commit with no ids for it: the run has none
+    more = [*range(5 * bt, 7 * bt)]
+    keys2 = chain_keys(ns.id, more, bt, parent=keys[-1])
+    r = store.reserve("o", ns, keys2, keys[-1], 0.0)
+    store.commit("o", r.id, 0.0,  # type: ignore[union-attr]
+                 tokens=[encode_blocks(more, 2, bt)[0], b""])
+    [stored] = changes.drain()
+    assert token_ids(stored) == []
+    assert token_ids(Stored("ssd", ns, [*blocks, stored.blocks[0]])) == tokens + more[:bt]
+
+
 def test_a_copy_that_comes_and_goes_in_one_turn_is_never_announced() -> None:
     store, changes, _ = _store()
     ns = store.open_namespace(IDENT)
@@ -232,7 +266,7 @@ def test_token_ids_are_laid_out_once_and_checked_by_layout() -> None:
     import pytest
 
     from kvstore.errors import MalformedError
-    from kvstore.token_ids import array_header, check_blocks
+    from kvstore.token_ids import array_header, check_blocks, run_of
 
     bt = 4
     narrow = encode_blocks(list(range(8)), 2, bt)
@@ -253,3 +287,14 @@ def test_token_ids_are_laid_out_once_and_checked_by_layout() -> None:
     for tokens in bad:
         with pytest.raises(MalformedError, match="msgpack integers"):
             check_blocks(tokens, 2, bt)
+    # one buffer for a commit's blocks: each block's bytes as encode_blocks lays them out
+    assert encode_chain(range(8), 2, bt) == b"".join(narrow)
+    keys = [b"a", b"b"]
+    [run] = run_of(encode_chain(range(8), 2, bt), keys, bt)
+    assert run.ids == b"".join(narrow) and run.size == 5 * bt and run.keys is keys
+    assert run_of(b"", keys, bt) == []
+    one = b"".join(narrow)
+    for ids in (one[:-1], one + b"\xce", one[:5 * bt], b"\xd3" + one[1:],
+                b"".join(wide) + one[:1], np.arange(2 * bt, dtype="<i8").tobytes()):
+        with pytest.raises(MalformedError, match="one buffer"):
+            run_of(ids, keys, bt)

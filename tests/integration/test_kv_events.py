@@ -144,6 +144,25 @@ def test_bad_token_ids_are_refused_and_leave_nothing(daemon_factory: Any) -> Non
         after = c.stats()["tiers"]["dram"]
         assert after["committed"] == before["committed"]
         assert after["reserved"] == before["reserved"]
+        # the one buffer of every block's ids: cut short, or of the wrong tag
+        good = ns._chains.tokens_of(keys)
+        assert len(good) == 2 * 5 * BT
+        for ids in (good[:-1], good[:5 * BT], b"\xcc" + good[1:]):
+            bad = p.Put(c._next_rid(), ns.id, keys, None, [], [], ids)
+            reply = c._call(bad, [content(k) for k in keys])[0]
+            assert isinstance(reply, p.ErrorReply) and reply.code == MalformedError.code
+            assert "one buffer" in reply.message
+            reserved = c._call(p.Reserve(c._next_rid(), ns.id, keys))[0]
+            assert isinstance(reserved, p.ReserveReply)
+            reply = c._call(p.Commit(c._next_rid(), reserved.reservation, [], [], ids))[0]
+            assert isinstance(reply, p.ErrorReply) and reply.code == MalformedError.code
+            after = c.stats()["tiers"]["dram"]
+            assert after["committed"] == before["committed"]  # nothing published
+            c._call(p.Abort(c._next_rid(), reserved.reservation))
+            after = c.stats()["tiers"]["dram"]
+            assert after["reserved"] == before["reserved"]  # a refused commit: still
+            # the writer's to abort (or commit right)
+        assert ns.lookup(keys).blocks == 0
 
 
 def test_a_daemon_without_events_asks_for_no_tokens(daemon_factory: Any) -> None:
@@ -152,7 +171,7 @@ def test_a_daemon_without_events_asks_for_no_tokens(daemon_factory: Any) -> None
         assert c.hello is not None and not c.hello.events
         ns = c.namespace(IDENT)
         keys = ns.keys(list(range(BT)))
-        assert ns._chains.tokens_of(keys) == []  # nothing remembered for it
+        assert ns._chains.tokens_of(keys) == b""  # nothing remembered for it
         ns.put(keys, [content(k) for k in keys])
         assert "events" not in c.stats()
         assert c.snapshot().seq == -1
@@ -418,7 +437,7 @@ def test_token_ids_travel_only_while_someone_hears_and_a_stale_reply_loses_no_ev
             for buffer, k in zip(r.buffers, keys):
                 buffer[:] = content(k)
             request = r._commit_request()
-            assert request.tokens == []
+            assert request.tokens == [] and request.token_ids == b""
             c._call(request)  # the commit, as sent
         assert ns.lookup(keys).blocks == 2
         ns.put(keys, [content(k) for k in keys])  # present: nothing new
