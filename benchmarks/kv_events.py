@@ -21,8 +21,10 @@ Three measurements, each next to its peer, medians of interleaved runs, and rati
 ``--beside DIR`` adds to the throughput measurement daemons that run another version of
 kvstore, a source tree in DIR (``git archive <commit> | tar -x -C DIR``; its subpackages
 ``scheduler``, ``tiers``, ``kernels``, ``plugins`` are taken from DIR too, never from
-this checkout): events off, to a subscriber and to nobody, in the same rounds as this
-version's, each of its ratios over its own daemon without events.
+this checkout), each driven by a client of that version in a process of its own (how
+a client sends token ids is part of the version): events off, to a subscriber and to
+nobody, in the same rounds as this version's, each of its ratios over its own daemon
+without events.
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ from kvstore.events import EventPublisher, KVEventBatch
 from kvstore.keys import chain_keys
 from kvstore.router import Router
 from kvstore.store import BlockStore
-from kvstore.token_ids import encode_chain
+try:
+    from kvstore.token_ids import encode_chain
+except ImportError:  # an older version's (run by --beside's clients): each block apart
+    from kvstore.token_ids import encode_blocks as encode_chain  # type: ignore[assignment]
 
 IDENT = Identity(model="bench", model_revision="r", tenant="bench", kv_dtype="float16",
                  num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16)
@@ -68,6 +73,22 @@ n = 0
 while True:
     frames = sub.recv_multipart()
     n += 1
+"""
+
+
+# --beside's client: the workload in a process that imports the other version's kvstore
+# (its working directory's), so its requests are that version's (how it sends token ids
+# is part of the version); each line read runs one round and answers its request count.
+BESIDE_CLIENT = r"""
+import sys
+sys.path.append(sys.argv[1])  # this benchmark, after the version's code (the cwd)
+from kv_events import workload
+from kvstore import Client
+client = Client(sys.argv[2], tenant="bench")
+run = workload(client, [0], n=int(sys.argv[3]), data=sys.argv[4] == "1")
+print("ready", flush=True)
+for _ in sys.stdin:
+    print(run(), flush=True)
 """
 
 
@@ -265,6 +286,7 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
     os.sched_setaffinity(0, {cpu})  # the daemons started now inherit it
     procs: dict[str, subprocess.Popen[bytes]] = {}
     subs: list[subprocess.Popen[bytes]] = []
+    workers: list[subprocess.Popen[bytes]] = []  # --beside's clients
     arms = list(ARMS)
     if beside is not None:  # another version's daemons, in the same rounds
         arms += [(f"{name}_beside", {k: v.replace("{tag}", "beside-{tag}")
@@ -285,8 +307,11 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
             if subscribed:  # a router, elsewhere: on the other CPUs, where there are any
                 subs.append(subscriber(env["KVSTORE_EVENTS_ENDPOINT"]))
                 os.sched_setaffinity(subs[-1].pid, (cpus - {cpu}) or cpus)
-            clients.append(Client(endpoint, tenant="bench"))
-            runs[name] = workload(clients[-1], [0], n=round_n, data=data)
+            clients.append(Client(endpoint, tenant="bench"))  # (--beside's: its stats)
+            if name.endswith("_beside"):
+                runs[name] = beside_client(beside, endpoint, round_n, data, workers)
+            else:
+                runs[name] = workload(clients[-1], [0], n=round_n, data=data)
         for run in runs.values():
             for _ in range(10):
                 run()
@@ -321,7 +346,7 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
     finally:
         for c in clients:
             c.close()
-        for proc in (*procs.values(), *subs):
+        for proc in (*procs.values(), *subs, *workers):
             proc.terminate()
             proc.wait()
         os.sched_setaffinity(0, cpus)
@@ -342,6 +367,27 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
     out["off2_cpu_ratio"] = statistics.median(
         b / a for (a, _), (b, _) in zip(samples["off"], samples["off2"]))
     return out
+
+
+def beside_client(code: str | None, endpoint: str, round_n: int, data: bool,
+                  procs: list[subprocess.Popen[bytes]]) -> Callable[[], int]:
+    """A round of ``workload`` run by a client of the version in ``code``, in a process
+    of its own (added to ``procs``, to end with them)."""
+    here = str(Path(__file__).resolve().parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BESIDE_CLIENT, here, endpoint, str(round_n), str(int(data))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=code)
+    procs.append(proc)
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout = proc.stdin, proc.stdout
+    if stdout.readline() != b"ready\n":
+        raise RuntimeError(f"--beside's client exited ({proc.wait()}) before its rounds")
+
+    def run() -> int:
+        stdin.write(b"\n")
+        stdin.flush()
+        return int(stdout.readline())
+    return run
 
 
 def echo_peer(endpoint: str) -> subprocess.Popen[bytes]:
