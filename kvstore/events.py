@@ -166,10 +166,21 @@ class EventMaker:
         """One run's event, ready to encode (its per-block fields encoded already: a
         ``msgspec.Raw`` encodes as the list it holds, so it stands in for one)."""
         identity = ns.identity
-        parent = blocks[0].parent
+        first = blocks[0]
+        parent = first.parent
         count = len(blocks)
+        run = first.tokens
+        keys: list[bytes]
+        raw: bytes | None
+        if (run is not None and len(run.keys) == count and run.keys[0] is first.key
+                and run.keys[-1] is blocks[-1].key):
+            # a commit's blocks, all of them (its first and last key objects are the
+            # blocks' own: each block between is the one the commit made, in order): its
+            # keys' list and its token ids as they came
+            keys, raw = run.keys, run.ids
+        else:
+            keys, raw = [b.key for b in blocks], run_bytes(blocks)
         tokens: Any = _EMPTY  # not sent by a writer (or restored from SSD): none
-        raw = run_bytes(blocks)
         if raw is not None:
             tokens = msgspec.Raw(array_header(count * identity.block_tokens) + raw)
         extra: Any = None
@@ -180,7 +191,7 @@ class EventMaker:
                 item = self._extra[salt] = msgspec.msgpack.encode((salt,))
             extra = msgspec.Raw(array_header(count) + item * count)
         return self.stored(
-            [b.key for b in blocks], parent.key if parent is not None else None, tokens,
+            keys, parent.key if parent is not None else None, tokens,
             identity.block_tokens, None, medium, identity.adapter, extra, self.group_idx,
             None, None, locality)
 
