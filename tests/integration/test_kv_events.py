@@ -270,6 +270,40 @@ def test_a_restart_announces_what_the_ssd_index_brought_back(daemon_factory: Any
         sub.close()
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_BATCH"), reason="Linux only")
+def test_the_streams_io_thread_never_preempts_the_loop(tmp_path: Path) -> None:
+    """ZeroMQ's I/O thread of the stream runs as a batch thread: woken by a batch's send,
+    it waits for the daemon's loop to yield rather than take the CPU from it."""
+    import asyncio
+    import os
+
+    from kvstore.config import EventsConfig
+    from kvstore.store import BlockStore
+
+    def io_threads() -> set[int]:
+        # (ZeroMQ's thread names itself once it has set its scheduling)
+        tasks = Path("/proc/self/task").iterdir()
+        return {int(t.name) for t in tasks
+                if (t / "comm").read_text().startswith("ZMQbg/IO")}
+
+    before = io_threads()
+    store = BlockStore(16 * IDENT.block_bytes, 16 * IDENT.block_bytes)
+    pub = EventPublisher(EventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock"), store)
+    loop = asyncio.new_event_loop()
+    pub.open(loop)
+    try:
+        deadline = time.monotonic() + 10
+        while not io_threads() - before:
+            assert time.monotonic() < deadline, "no I/O thread of the stream's context"
+            time.sleep(0.01)
+        started = io_threads() - before
+        assert {os.sched_getscheduler(tid) for tid in started} == {os.SCHED_BATCH}
+        assert os.sched_getscheduler(0) != os.SCHED_BATCH  # the loop's thread: as it was
+    finally:
+        pub.close()
+        loop.close()
+
+
 def test_batches_go_out_only_while_someone_subscribes(tmp_path: Path) -> None:
     """Without a replay socket, a batch nobody subscribes to is numbered but not built;
     a subscriber gets every batch from its subscription on, and changes within the
