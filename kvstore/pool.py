@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import numpy as np
+
 from kvstore.errors import TooLargeError
 
 
@@ -200,46 +202,53 @@ class SlabPool:
     def claim_many(self, cls: SlabClass, offsets: Sequence[int]) -> list[bool]:
         """``claim`` each offset in turn (a warm restart's slots, in any order); one bool
         each.  A slab no slot of which was in use is rebuilt in one pass over its
-        claims, not a claim at a time."""
-        ok = [False] * len(offsets)
+        claims, in arrays, not a claim at a time."""
+        n = len(offsets)
+        try:
+            at = np.fromiter(offsets, dtype=np.int64, count=n)
+        except OverflowError:  # past any slot: marked so
+            at = np.array([o if 0 <= o < self.capacity_bytes else -1 for o in offsets],
+                          dtype=np.int64)
         size, per = cls.slot_bytes, cls.slots_per_slab
-        by_slab: dict[int, list[tuple[int, int]]] = {}  # slab -> (slot, position)
-        for pos, offset in enumerate(offsets):
-            index, within = divmod(offset, self.slab_bytes)
-            slot, rest = divmod(within, size)
-            if offset >= 0 and index < self.num_slabs and not rest and slot < per:
-                claims = by_slab.get(index)
-                if claims is None:
-                    claims = by_slab[index] = []
-                claims.append((slot, pos))
-        fresh = [i for i in by_slab if i not in self._owner]
+        index, within = np.divmod(at, self.slab_bytes)
+        slot, rest = np.divmod(within, size)
+        valid = (at >= 0) & (index < self.num_slabs) & (rest == 0) & (slot < per)
+        ok = np.zeros(n, dtype=bool)
+        positions = np.flatnonzero(valid)
+        # the slabs claimed, in the order of their first claim
+        slabs, first = np.unique(index[positions], return_index=True)
+        slabs = slabs[np.argsort(first, kind="stable")].tolist()
+        fresh = [i for i in slabs if i not in self._owner]
+        gone = set(fresh)
         if fresh:
-            gone = set(fresh)
             self._empty = [i for i in self._empty if i not in gone]
-        for index, claims in by_slab.items():
-            owner = self._owner.get(index)
-            if owner is None:
-                self._grow(cls, index)
-                self._fill(cls, cls.slabs[index], claims, ok)
-            elif owner is cls:
-                base = index * self.slab_bytes
-                for slot, pos in claims:
-                    ok[pos] = self.claim(cls, base + slot * size)
-        return ok
+            news = positions[np.isin(index[positions], fresh)]
+            # the first claim of each slot wins (``claim`` refuses the later ones)
+            slots, won = np.unique(index[news] * per + slot[news], return_index=True)
+            ok[news[won]] = True
+            slab_of = slots // per
+            cuts = np.flatnonzero(np.diff(slab_of)) + 1
+            taken = dict(zip(slab_of[np.r_[0, cuts]].tolist(), np.split(slots % per, cuts)))
+            for i in fresh:
+                self._grow(cls, i)
+                self._fill(cls, cls.slabs[i], taken[i])
+        # slabs of this class in use before: a claim at a time (slabs apart do not meet)
+        used = [i for i in slabs if i not in gone and self._owner[i] is cls]
+        if used:
+            mine = positions[np.isin(index[positions], used)]
+            for pos, offset in zip(mine.tolist(), at[mine].tolist()):
+                ok[pos] = self.claim(cls, offset)
+        return ok.tolist()
 
-    def _fill(self, cls: SlabClass, slab: Slab, claims: list[tuple[int, int]],
-              ok: list[bool]) -> None:
-        """Mark the claimed slots of a new slab used, the others below the highest free."""
-        taken = bytearray(cls.slots_per_slab)
-        for slot, pos in claims:
-            if not taken[slot]:
-                taken[slot] = 1
-                ok[pos] = True
-        top = taken.rindex(1) + 1
+    def _fill(self, cls: SlabClass, slab: Slab, taken: np.ndarray) -> None:
+        """Mark the claimed slots (ascending, each once) of a new slab used, the others
+        below the highest free."""
+        top = int(taken[-1]) + 1
         size = cls.slot_bytes
-        slab.freed = [slab.base + i * size for i in range(top) if not taken[i]]
+        slab.freed = (np.setdiff1d(np.arange(top), taken, assume_unique=True) * size
+                      + slab.base).tolist()
         slab.next_unused = top
-        used = top - len(slab.freed)
+        used = len(taken)
         slab.used = used
         cls.free_slots -= used
         if used == cls.slots_per_slab:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from operator import attrgetter
+from typing import Any, NamedTuple, Protocol
 
 from kvstore.block_map import SPLIT_AT
 from kvstore.blocks import DRAM, SSD, Block, Namespace, Transfer
@@ -401,47 +402,72 @@ class SsdCopies:
                 offset: int, record: Any) -> bool:
         """Take back a block found on SSD at start-up (parents first); False if it does not
         fit this configuration."""
-        return self.restore_many(ns, [(key, parent, offset, record)])[0]
+        checksum = getattr(record, "checksum", 0)  # the same xxh3_64 as clients use
+        return self.restore_many(ns, [FoundBlock(key, parent, offset, checksum)])[0]
 
-    def restore_many(self, ns: Namespace,
-                     found: Sequence[tuple[bytes, bytes | None, int, Any]]) -> list[bool]:
-        """``restore`` each of (key, parent key, SSD offset, record) in turn, parents
-        first, their slots claimed in one go; one bool each, as one by one."""
+    def restore_many(self, ns: Namespace, found: Sequence[Found]) -> list[bool]:
+        """``restore`` each block found (the SSD index's records) in turn, parents first,
+        their slots claimed in one go; one bool each, as one by one."""
         return restore_blocks(self.store, ns, found)
 
 
-def restore_blocks(store: StoreCore, ns: Namespace,
-                   found: Sequence[tuple[bytes, bytes | None, int, Any]]) -> list[bool]:
+class Found(Protocol):
+    """A block found on SSD at start-up: what the SSD tier's index record says of it."""
+
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def parent(self) -> bytes | None: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def checksum(self) -> int: ...
+
+
+class FoundBlock(NamedTuple):
+    """A ``Found`` of its own (the tier's records are one too)."""
+
+    key: bytes
+    parent: bytes | None
+    offset: int
+    checksum: int = 0
+
+
+_offset = attrgetter("offset")
+
+
+def restore_blocks(store: StoreCore, ns: Namespace, found: Sequence[Found]) -> list[bool]:
     """``SsdCopies.restore_many``: one loop over a warm restart's blocks, which may be
     millions, so the map's get and set are inline."""
     ssd = store.ssd
     cls = ns.ssd_cls
     assert ssd is not None and cls is not None
-    claimed = ssd.pool.claim_many(cls, [f[2] for f in found])
+    claimed = ssd.pool.claim_many(cls, list(map(_offset, found)))
     blocks = ns.blocks
     shards, mask = blocks.shards, blocks.mask
     seen = store.ssd_admit_after
     ok: list[bool] = []
     fresh: list[Block] = []
     given_back: set[int] = set()  # claimed for an entry that could not be restored
-    for (key, parent, offset, record), got in zip(found, claimed):
+    for record, got in zip(found, claimed):
+        key, parent = record.key, record.parent
         parent_block = shards[hash(parent) & mask].get(parent) if parent is not None else None
         shard = shards[hash(key) & mask]
         if (parent is not None and parent_block is None) or key in shard:
             if got:  # one by one it would not have been claimed: free for those after it
-                ssd.pool.free(cls, [offset])
-                given_back.add(offset)
+                ssd.pool.free(cls, [record.offset])
+                given_back.add(record.offset)
             ok.append(False)
             continue
-        if not got and offset in given_back:
-            got = ssd.pool.claim(cls, offset)
-            given_back.discard(offset)
+        if not got and record.offset in given_back:
+            got = ssd.pool.claim(cls, record.offset)
+            given_back.discard(record.offset)
         ok.append(got)
         if not got:
             continue
         block = Block(key, ns, parent_block)
-        block.ssd_offset = offset
-        block.checksum = getattr(record, "checksum", 0)  # the same xxh3_64 as clients use
+        block.ssd_offset = record.offset
+        block.checksum = record.checksum
         block.seen = seen
         if parent_block is not None:
             parent_block.add_child(block)

@@ -9,7 +9,9 @@ and its index record is committed; a read that fails its checksum is a miss.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -69,7 +71,7 @@ class SsdMover:
             if identity.namespace_id == ns_id:
                 namespaces[ns_id] = self.store.open_namespace(identity)
         # Each namespace's records in the order loaded (parents first), restored in one go.
-        found: dict[bytes, list[tuple[bytes, bytes | None, int, BlockRecord]]] = {}
+        found: dict[bytes, list[BlockRecord]] = {}
         for record in self.engine.load():
             ns = namespaces.get(record.namespace)
             if ns is not None and ns.ssd_cls is not None and (
@@ -78,15 +80,15 @@ class SsdMover:
                 group = found.get(ns.id)
                 if group is None:
                     group = found[ns.id] = []
-                group.append((record.key, record.parent, record.offset, record))
+                group.append(record)
             else:
                 self._pending_removals.append((record.namespace, record.key))
         restored = 0
         for ns_id, group in found.items():
             ok = self.store.ssd_copies.restore_many(namespaces[ns_id], group)
             restored += sum(ok)
-            self._pending_removals.extend(
-                (ns_id, g[0]) for g, good in zip(group, ok) if not good)
+            failed = itertools.compress(itertools.count(), map(operator.not_, ok))
+            self._pending_removals.extend((ns_id, group[i].key) for i in failed)
         return restored
 
     def remember_namespace(self, identity: Identity) -> None:

@@ -54,6 +54,14 @@ class LinkedOrder(Generic[T]):
         setattr(end, self._newer, end)
         self._len = 0
 
+    def __del__(self) -> None:
+        # The end of an empty order points at itself: let go of that here, so that an
+        # order dropped (its items released: ``clear``) leaves no cycle behind, which in
+        # a frozen heap the collector would never take.
+        end = getattr(self, "_end", None)
+        if end is not None:
+            end.__dict__.clear()
+
     def __contains__(self, item: object) -> bool:
         return getattr(item, self._owner) is self
 

@@ -8,6 +8,8 @@ the layout the data file was written with).
 from __future__ import annotations
 
 import errno
+import itertools
+import operator
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -226,25 +228,22 @@ class SSDIndex:
         their key.  ``progress`` is called with counts of entries read as the scan goes."""
         records: list[BlockRecord] = []
         bad: list[bytes] = []
-        step = 0
-        with self._env.begin(buffers=True) as txn:
-            for key_view, value in txn.cursor(db=self._blocks):
-                key = bytes(key_view)
-                try:
-                    record = decode_record(value)
+        with self._env.begin() as txn:
+            entries = txn.cursor(db=self._blocks).iternext()
+            while chunk := list(itertools.islice(entries, _SCAN_CHUNK)):
+                keys, values = zip(*chunk)
+                try:  # a chunk at a time in C; record by record where one is bad
+                    decoded = list(map(_decode, values))
                 except msgspec.DecodeError:
-                    bad.append(key)
+                    _take_one_by_one(keys, values, records, bad)
                 else:
-                    if record.namespace + record.key == key:  # ``index_key``, inline
-                        records.append(record)
+                    if list(map(operator.add, map(_namespace, decoded),
+                                map(_key, decoded))) == list(keys):
+                        records.extend(decoded)
                     else:
-                        bad.append(key)
-                step += 1
-                if progress is not None and step == 4096:
-                    progress(step)
-                    step = 0
-        if progress is not None and step:
-            progress(step)
+                        _take_one_by_one(keys, values, records, bad)
+                if progress is not None:
+                    progress(len(chunk))
         return records, bad
 
     # namespaces
@@ -272,3 +271,25 @@ class SSDIndex:
             self.flush()
         finally:
             self._env.close()
+
+
+_SCAN_CHUNK = 4096
+_decode = msgspec.msgpack.Decoder(BlockRecord).decode
+_namespace = operator.attrgetter("namespace")
+_key = operator.attrgetter("key")
+
+
+def _take_one_by_one(keys: Sequence[bytes], values: Sequence[bytes],
+                     records: list[BlockRecord], bad: list[bytes]) -> None:
+    """``SSDIndex.scan`` of entries one at a time: each that decodes and matches its key
+    to ``records``, the others' keys to ``bad``."""
+    for key, value in zip(keys, values):
+        try:
+            record = decode_record(value)
+        except msgspec.DecodeError:
+            bad.append(key)
+        else:
+            if record.namespace + record.key == key:  # ``index_key``, inline
+                records.append(record)
+            else:
+                bad.append(key)

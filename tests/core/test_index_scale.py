@@ -12,6 +12,7 @@ from kvtest import make_identity
 
 from kvstore.block_map import BlockMap
 from kvstore.blocks import Block
+from kvstore.ssd_copies import FoundBlock
 from kvstore.store import BlockStore, Namespace, Reservation
 
 
@@ -191,22 +192,23 @@ def test_restoring_in_bulk_keeps_what_one_by_one_would_and_frees_the_rest() -> N
 
     keys = [os.urandom(16) for _ in range(8)]
     lost = os.urandom(16)  # a parent the index no longer has
-    found: list[tuple[bytes, bytes | None, int, Any]] = [
-        (keys[0], None, 40 * slot, None),
-        (keys[1], keys[0], 3 * slot, None),
-        (keys[2], lost, 5 * slot, None),          # orphan: not restored, its slot free
-        (keys[3], keys[2], 6 * slot, None),       # below the orphan
-        (keys[4], keys[1], 3 * slot, None),       # a slot taken already
-        (keys[5], keys[1], 7 * slot + 1, None),   # not a slot boundary
-        (keys[1], keys[0], 9 * slot, None),       # the key again
-        (keys[6], keys[1], 5 * slot, None),       # the orphan's slot, free again
+    found = [
+        FoundBlock(keys[0], None, 40 * slot, 1),
+        FoundBlock(keys[1], keys[0], 3 * slot, 2),
+        FoundBlock(keys[2], lost, 5 * slot),          # orphan: not restored, its slot free
+        FoundBlock(keys[3], keys[2], 6 * slot),       # below the orphan
+        FoundBlock(keys[4], keys[1], 3 * slot),       # a slot taken already
+        FoundBlock(keys[5], keys[1], 7 * slot + 1),   # not a slot boundary
+        FoundBlock(keys[1], keys[0], 9 * slot),       # the key again
+        FoundBlock(keys[6], keys[1], 5 * slot, 3),    # the orphan's slot, free again
     ]
     bulk, ns = fresh()
     ok = bulk.ssd_copies.restore_many(ns, found)
     one, ns1 = fresh()
-    assert ok == [one.ssd_copies.restore(ns1, *f) for f in found]
+    assert ok == [one.ssd_copies.restore(ns1, f.key, f.parent, f.offset, f) for f in found]
     assert ok == [True, True, False, False, False, False, False, True]
     assert bulk.lookup(ns, [keys[0], keys[1], keys[6]]) == ["ssd"] * 3
+    assert [ns.blocks[k].checksum for k in (keys[0], keys[1], keys[6])] == [1, 2, 3]
     committed = [s.tier_stats()["ssd"]["committed"] for s in (bulk, one)]
     assert committed == [3 * slot, 3 * slot]
     assert sorted(bulk.ssd.pool.free_offsets(ns.ssd_cls)) == sorted(  # type: ignore[union-attr]

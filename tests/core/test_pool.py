@@ -87,7 +87,8 @@ def test_claiming_in_bulk_ends_as_claiming_one_by_one() -> None:
     one, bulk = SlabPool(64 * 4096, 16 * 4096, 4096), SlabPool(64 * 4096, 16 * 4096, 4096)
     c1, c2 = one.class_for(4096), bulk.class_for(4096)
     assert one.claim(c1, 3 * 4096) and bulk.claim(c2, 3 * 4096)  # a slab in use before
-    offsets = rng.sample(range(0, 64 * 4096, 4096), 40) + [3 * 4096, 100, 64 * 4096, -4096]
+    offsets = rng.sample(range(0, 64 * 4096, 4096), 40) + [3 * 4096, 100, 64 * 4096, -4096,
+                                                           2**70, -(2**70)]
     offsets += offsets[:5]  # claimed twice: the second fails
     rng.shuffle(offsets)
     one_by_one = [one.claim(c1, o) for o in offsets]
@@ -97,6 +98,7 @@ def test_claiming_in_bulk_ends_as_claiming_one_by_one() -> None:
     bulk.check()
     claimed = {3 * 4096} | {o for o, ok in zip(offsets, one_by_one) if ok}
     got = bulk.allocate(c2, bulk.available(c2))
+    assert got == one.allocate(c1, one.available(c1))  # the same slots in the same order
     assert got is not None and len(got) == len(set(got)) == 64 - len(claimed)
     assert set(got) | claimed == set(range(0, 64 * 4096, 4096))  # each slot once
     bulk.check()

@@ -5,6 +5,8 @@ another with the same links (a policy switch)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable, Hashable
 
 import pytest
@@ -230,3 +232,26 @@ def test_an_item_held_by_another_order_on_the_same_links_is_refused() -> None:
         with pytest.raises(ValueError, match="another order"):
             second.extend([c, b])
         assert list(first) == [a, b] and list(second) == [c] and len(second) == 1
+
+
+@pytest.mark.parametrize("make", [LinkedOrder, linked_order])
+def test_a_released_order_is_freed_without_the_collector(
+    make: Callable[[str], LinkedOrder[Item]],
+) -> None:
+    # a daemon's heap is frozen after start-up: a cycle left by a dropped order (its end
+    # pointing at itself) would stay for good
+    items = [Item(i) for i in range(3)]
+    order = make("a")
+    for item in items:
+        order[item] = None
+    order.clear()
+    end = weakref.ref(order._end)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del order
+        assert end() is None
+    finally:
+        if was:
+            gc.enable()
+    assert all(i.a_order is None and i.a_older is None and i.a_newer is None for i in items)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ssd_helpers import KiB, MiB, StoreFactory, chain, read_ok, run, write
 from kvstore.tiers.ssd import BlockRecord
+from kvstore.tiers.ssd_layout import encode_record
 from kvstore.tiers.ssd_index import SSDIndex
 
 
@@ -134,3 +135,25 @@ def test_records_that_do_not_fit_the_layout_are_dropped(
     assert [r.key for r in reopened.load()] == [good.key]
     assert reopened.stats()["dropped_invalid"] == 3
     assert reopened.stats()["records"] == 1
+
+
+def test_scan_sets_apart_values_that_do_not_decode_or_match_their_key(
+    open_store: StoreFactory, tmp_path: Path
+) -> None:
+    store = open_store()
+    layout = store.layout
+    store.close()
+    namespace = os.urandom(16)
+    good = [BlockRecord(namespace, os.urandom(16), None, 4096 * i, 4096) for i in range(5000)]
+    index = SSDIndex(tmp_path / "ssd" / "index", layout, map_size=1 << 30, sync="none")
+    try:
+        index.commit(good)
+        with index._env.begin(write=True) as txn:  # among them (the scan reads in chunks)
+            garbage, moved = namespace + b"\x00" * 16, namespace + b"\xff" * 16
+            txn.put(garbage, b"\xc1 not msgpack", db=index._blocks)
+            txn.put(moved, encode_record(good[0]), db=index._blocks)  # under another key
+        records, bad = index.scan()
+    finally:
+        index.close()
+    assert records == sorted(good, key=lambda r: r.index_key)
+    assert bad == [garbage, moved]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
+from kvstore.tiers import ssd_layout
 from kvstore.tiers.ssd_layout import (
     BlockRecord,
     SlabLayout,
@@ -100,3 +101,26 @@ def test_plan_load_verifies_only_overlaps() -> None:
     assert [r.key for r in plan.overlapping] == [key(1)]
     assert [r.key for r in plan.orphans] == [key(3)]
     assert plan.invalid == [b"junk"]
+
+
+@given(
+    parents=st.lists(st.integers(-1, 60), min_size=2, max_size=60),
+    spaces=st.lists(st.integers(0, 2), min_size=60, max_size=60),
+    twice=st.booleans(),
+)
+def test_prefix_closure_in_arrays_is_the_walk_in_its_order(
+    parents: list[int], spaces: list[int], twice: bool
+) -> None:
+    # a warm restart's closure in arrays: the same records and order as the walk gives
+    # (the walk's order is the order of the SSD eviction order's restored blocks)
+    records = [
+        BlockRecord(bytes([spaces[i]]) * 16, key(i), None if p < 0 else key(p), i * 16, 16)
+        for i, p in enumerate(parents)
+    ]
+    if twice:  # a key twice in a namespace: the walk decides
+        records.append(records[0])
+    arrays = ssd_layout._closed_in_arrays(records)
+    walk = ssd_layout._closed_by_walk(records)
+    assert (arrays is None) == twice
+    assert arrays is None or arrays == walk
+    assert prefix_closed(records) == walk
