@@ -352,21 +352,27 @@ class Duel(Generic[T]):
         (O(items), once per hand-over; keeping every candidate's order all along costs
         more per call than the hand-overs save, and did no better in the replay)."""
         listed = list(self._order.evictable())
-        states: dict[T, bool | int] = {}  # the shards in one table: one lookup per item
-        for shard in self._items.shards:
-            states.update(shard)
-        on_order = set(listed)
-        pinned = [item for item in states if item not in on_order]
+        tracked = self._items
+        shards, modulus = tracked.shards, tracked.modulus
+        # Pinned: tracked, not listed.  Read shard by shard, in the map's own order (no
+        # copy of it in one table: at millions of items that was a spike of its size).
+        if len(tracked) > len(listed):
+            on_order = set(listed)
+            pinned = [item for shard in shards for item in shard if item not in on_order]
+            del on_order
+        else:
+            pinned = []
         self._let_go(self._order)
         order: Order[T] = self._keyed(self._factories[best]())
         # a fresh order knows no ghost: inserting them all at once is inserting each
         order.insert_many(listed)
         order.insert_many(pinned)
         # hit since they entered (``_items``' states: True, or an odd int)
-        order.access_many([item for item in listed
-                           if (s := states[item]) is True or (s is not False and s & 1)])
-        order.access_many([item for item in pinned
-                           if (s := states[item]) is True or (s is not False and s & 1)])
+        for group in (listed, pinned):
+            order.access_many([
+                item for item in group
+                if (s := shards[hash(item) % modulus][item]) is True
+                or (s is not False and s & 1)])
         for item in pinned:
             order.pin(item)
         # Its miniature is a cache of _size >> sample_shift items.
