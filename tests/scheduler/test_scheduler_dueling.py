@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.scheduler.density import HitDensityPolicy, age_bucket
 from kvstore.scheduler.dueling import Duel
 from kvstore.scheduler.eviction import (
     ARCPolicy,
@@ -249,7 +250,8 @@ def test_the_miniatures_keep_a_sampled_key_only_while_one_holds_it() -> None:
     """A sampled key the miniatures all dropped is forgotten (its node goes, so their
     memory follows their size, not the traffic's), but not within the tick it was last
     referenced: a hit reported twice then still counts once."""
-    duel = AutoPolicy(sample_shift=0, epoch=10**9)  # every key sampled; no hand-over
+    # every key sampled; no hand-over
+    duel = AutoPolicy(sample_shift=0, epoch=10**9, shortest=10**9)
     cached: list[int] = []
     rng = random.Random(7)
     for fresh in range(2000):
@@ -264,7 +266,7 @@ def test_the_miniatures_keep_a_sampled_key_only_while_one_holds_it() -> None:
     assert all(node.held or node in duel._lingering for node in nodes)
     assert len(nodes) <= 3 * 40 + len(duel._lingering)  # at most each miniature's own
     # the same count as a duel told each hit once
-    once = AutoPolicy(sample_shift=0, epoch=10**9)
+    once = AutoPolicy(sample_shift=0, epoch=10**9, shortest=10**9)
     cached, rng = [], random.Random(7)
     for fresh in range(2000):
         once.insert(fresh)
@@ -288,7 +290,7 @@ def test_a_released_duel_leaves_no_cycles_behind() -> None:
 
     gc.collect()
     before = nodes()
-    duel = AutoPolicy(sample_shift=0, epoch=10**9)
+    duel = AutoPolicy(sample_shift=0, epoch=10**9, shortest=10**9)
     cached: list[int] = []
     was = gc.isenabled()
     gc.disable()
@@ -305,3 +307,51 @@ def test_a_released_duel_leaves_no_cycles_behind() -> None:
     finally:
         if was:
             gc.enable()
+
+
+def test_a_small_cache_elects_as_often_as_its_miniatures_turn_over() -> None:
+    """Elections every 512 sampled references left a small cache under LRU for a long
+    time on a scan (its miniatures of a few dozen keys had turned over many times); now
+    one comes every time they hold as many references as keys, at least ``shortest``."""
+    trace = _hot_and_scans(seed=3, requests=4_000)
+    auto = AutoPolicy(sample_shift=1)  # miniatures of 50 keys: elections every 64
+    cache = replay_sim.PolicyCache(auto, 100)
+    switched_at = None
+    for index, request in enumerate(trace):
+        hits = cache.lookup(request.hash_ids)
+        cache.insert(request.hash_ids, hits)
+        if switched_at is None and auto.switches:
+            switched_at = index
+    assert switched_at is not None and switched_at < 512, (switched_at, auto)
+    assert auto.epoch == 64 and auto.leader in ("slru", "arc", "density"), auto
+    big = AutoPolicy()
+    big.insert_many(range(16_000))  # miniatures of 2000 keys: the longest epoch, 512
+    big._elect()
+    assert big.epoch == 512
+
+
+def test_a_shorter_epoch_forgets_as_much_per_reference() -> None:
+    duel = Duel([LRUPolicy, SLRUPolicy], epoch=512, shortest=64)
+    duel._minis[0].score = 100.0
+    duel._sampled = 64  # one short epoch
+    duel._elect()
+    assert duel._minis[0].score == pytest.approx(100.0 * 0.9 ** (64 / 512))
+
+
+def test_a_hand_over_to_hit_density_takes_its_miniatures_histograms_at_scale() -> None:
+    duel = AutoPolicy(sample_shift=2)
+    duel.parent_of = lambda item: item - 1 if item % 4 else None  # type: ignore[assignment]
+    for item in range(40):
+        duel.insert(item)
+    mini = duel._minis[3].order
+    assert isinstance(mini, HitDensityPolicy) and mini.refresh == 4096 >> 2
+    mini._hits[0][age_bucket(10)] = 5.0  # never-hit blocks: hit again at age 10 ...
+    mini._learn()  # (each refresh decays the histograms by 0.9: here, then at the hand-over)
+    duel._take_over(3)
+    order = duel._order
+    assert isinstance(order, HitDensityPolicy) and order._density is not None
+    # ... which is age 40 in a cache four times the size; the hand-over's own inserts
+    # and hits are not learned
+    assert order._hits[0][age_bucket(40)] == pytest.approx(5.0 * 0.9 * 0.9)
+    assert sum(map(sum, order._hits)) == pytest.approx(5.0 * 0.9 * 0.9)
+    assert order.parent_of(6) == 5 and order.parent_of(4) is None
