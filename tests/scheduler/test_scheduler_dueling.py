@@ -4,9 +4,12 @@ another's victim is left as if it had chosen it."""
 
 from __future__ import annotations
 
+import gc
 import random
 import sys
+import tracemalloc
 from collections.abc import Callable, Hashable
+from operator import attrgetter
 from pathlib import Path
 
 import pytest
@@ -355,3 +358,35 @@ def test_a_hand_over_to_hit_density_takes_its_miniatures_histograms_at_scale() -
     assert order._hits[0][age_bucket(40)] == pytest.approx(5.0 * 0.9 * 0.9)
     assert sum(map(sum, order._hits)) == pytest.approx(5.0 * 0.9 * 0.9)
     assert order.parent_of(6) == 5 and order.parent_of(4) is None
+
+
+class _Linked:
+    """A store block in miniature: a key, no parent, one set of links."""
+
+    __slots__ = ("key", "parent", "a_order", "a_older", "a_newer")
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+        self.parent = None
+        self.a_order = self.a_older = self.a_newer = None
+
+
+def test_a_hand_over_allocates_no_table_of_every_item() -> None:
+    """The item states were copied shard by shard into one dict for the hand-over: at
+    millions of blocks, a spike of that size.  Now the states are read where they are."""
+    items = [_Linked(key) for key in range(50_000)]  # past a ShardedDict's split
+    duel = AutoPolicy()
+    duel.links = "a"
+    duel.ghost_key = attrgetter("key")  # type: ignore[assignment]
+    for start in range(0, len(items), 16):
+        duel.insert_many(items[start:start + 16])
+    duel.access_many(items[::3])
+    gc.collect()
+    tracemalloc.start()
+    try:
+        duel._take_over(1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert duel.leader == "slru" and len(duel) == len(items)
+    assert peak < sys.getsizeof(dict.fromkeys(items)), peak
