@@ -263,6 +263,7 @@ class Duel(Generic[T]):
         self._tick = 0  # inserts and evictions so far
         self._sampled = 0  # sampled references in the current epoch
         self.switches = 0
+        self._evicted = False  # whether the order in charge gave up an item yet
         # The store's blocks know their parent; other items (the replay's ids) have it
         # set here by their cache.
         self.parent_of: Callable[[T], T | None] = parent_of or _parent_attribute
@@ -353,8 +354,11 @@ class Duel(Generic[T]):
         best = max(range(len(self._minis)), key=lambda i: (self._minis[i].score, -i))
         lead = self._minis[best].score - self._minis[self._leader].score
         # Ahead by the margin, and by more hits than noise: half a percent of the longest
-        # epoch's references (a few lucky hits must not hand over the order).
-        if (lead > self.margin * self._minis[self._leader].score
+        # epoch's references (a few lucky hits must not hand over the order).  Not while
+        # the cache fills: until its first victim the order picks nothing, and the
+        # miniatures' few hits are noise (the first short epochs handed the agents
+        # workload's order to SLRU at 51 references, for good, 0.01 points below LRU).
+        if (self._evicted and lead > self.margin * self._minis[self._leader].score
                 and lead > 0.005 * self.longest):
             self._take_over(best)
         self.epoch = min(self.longest, max(self.shortest, self._size >> self.sample_shift))
@@ -512,6 +516,7 @@ class Duel(Generic[T]):
         victim = self._order.pop_victim(allowed)
         if victim is not None:
             del self._items[victim]
+            self._evicted = True
         return victim
 
     def evictable(self) -> Iterator[T]:

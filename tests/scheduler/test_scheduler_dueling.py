@@ -390,3 +390,14 @@ def test_a_hand_over_allocates_no_table_of_every_item() -> None:
         tracemalloc.stop()
     assert duel.leader == "slru" and len(duel) == len(items)
     assert peak < sys.getsizeof(dict.fromkeys(items)), peak
+
+
+def test_no_hand_over_while_the_cache_fills() -> None:
+    duel = Duel([LRUPolicy, SLRUPolicy], sample_shift=0)
+    duel.insert_many(range(10))
+    duel._minis[1].hits = 100  # far ahead, but no victim was picked by anyone yet
+    duel._elect()
+    assert duel.leader == "lru" and duel.switches == 0
+    assert duel.pop_victim(lambda _: True) == 0
+    duel._elect()  # its score carried over: the first election since an eviction
+    assert duel.leader == "slru" and duel.switches == 1
