@@ -221,6 +221,7 @@ class Duel(Generic[T]):
         factories: Sequence[Callable[[], Order[Any]]],
         *,
         parent_of: Callable[[T], T | None] | None = None,
+        most: Sequence[int | None] = (),
         sample_shift: int = 3,
         epoch: int = 512,
         shortest: int = 64,
@@ -234,6 +235,9 @@ class Duel(Generic[T]):
         if epoch < 1 or shortest < 1 or margin < 0.0 or not 0.0 <= keep < 1.0:
             raise ValueError("epoch and shortest must be >= 1, margin >= 0 and keep in [0, 1)")
         self._factories = list(factories)
+        # per candidate, the most items a hand-over to it may carry (None: no bound): an
+        # order that keeps tables rather than links takes long to build at millions
+        self._most = [*most, *[None] * (len(self._factories) - len(most))]
         self._order: Order[T] = self._keyed(self._factories[0]())
         # Miniatures hold the sampled keys, the hashes of the items' names (``ghost_key``):
         # the same for a block cached again as a new entry; each key one ``_Sampled``
@@ -351,7 +355,10 @@ class Duel(Generic[T]):
         for mini in self._minis:
             mini.score = mini.score * keep + mini.hits
             mini.hits = 0
-        best = max(range(len(self._minis)), key=lambda i: (self._minis[i].score, -i))
+        size = self._size
+        best = max((i for i, bound in enumerate(self._most)
+                    if i == self._leader or bound is None or size <= bound),
+                   key=lambda i: (self._minis[i].score, -i))
         lead = self._minis[best].score - self._minis[self._leader].score
         # Ahead by the margin, and by more hits than noise: half a percent of the longest
         # epoch's references (a few lucky hits must not hand over the order).  Not while

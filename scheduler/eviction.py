@@ -624,6 +624,13 @@ def _first_allowed(queue: Queue[T], allowed: Callable[[T], bool]) -> T | None:
     return None
 
 
+# Hit density keeps a table entry per item (no links): a hand-over to it costs about
+# 2.2 s of CPU per million items on the loop (``benchmarks/eviction_cost.py
+# --handover``), twice SLRU's, and its tables grow by rebuilds.  Past this many items
+# it is not elected.
+DENSITY_MOST = 1 << 20
+
+
 class AutoPolicy(Duel[T], EvictionPolicy[T]):
     """The duel of LRU, SLRU, ARC and hit density (``kvstore.scheduler.dueling``):
     victims by the order whose miniature cache hit most lately, LRU's unless another
@@ -635,7 +642,8 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
     replay these do as well as miniatures of every key, at an eighth of the cost.  The
     density miniature refreshes its densities as often in the cache's references as the
     order would (every ``refresh`` >> ``sample_shift`` of its own), and hands its
-    histograms over with the order (``HitDensityPolicy.adopt_tuning``).
+    histograms over with the order (``HitDensityPolicy.adopt_tuning``); past
+    ``DENSITY_MOST`` items it is not elected.
     """
 
     name = "auto"
@@ -643,7 +651,8 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
     def __init__(self, *, sample_shift: int = 3, epoch: int = 512, shortest: int = 64,
                  keep: float = 0.9) -> None:
         super().__init__([LRUPolicy, SLRUPolicy, ARCPolicy, HitDensityPolicy],
-                         sample_shift=sample_shift, epoch=epoch, shortest=shortest, keep=keep)
+                         sample_shift=sample_shift, epoch=epoch, shortest=shortest, keep=keep,
+                         most=(None, None, None, DENSITY_MOST))
         for mini in self._minis:
             if isinstance(mini.order, HitDensityPolicy):
                 mini.order.refresh = max(1, mini.order.refresh >> sample_shift)

@@ -401,3 +401,14 @@ def test_no_hand_over_while_the_cache_fills() -> None:
     assert duel.pop_victim(lambda _: True) == 0
     duel._elect()  # its score carried over: the first election since an eviction
     assert duel.leader == "slru" and duel.switches == 1
+
+
+@pytest.mark.parametrize("most, leader", [(5, "lru"), (10, "slru")])
+def test_a_candidate_is_not_elected_past_the_most_items_it_may_take(
+        most: int, leader: str) -> None:
+    duel = Duel([LRUPolicy, SLRUPolicy], sample_shift=0, most=(None, most))
+    duel.insert_many(range(10))
+    assert duel.pop_victim(lambda _: True) == 0
+    duel._minis[1].hits = 100
+    duel._elect()
+    assert duel.leader == leader
