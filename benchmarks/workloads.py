@@ -77,26 +77,36 @@ def _request(rng: random.Random, now: float, ids: list[int]) -> Request:
     return (int(now), len(ids) * BLOCK_TOKENS + partial, rng.randint(16, 512), ids)
 
 
-def conversations(requests: int = 4000, seed: int = 1) -> list[Request]:
-    """Multi-turn chats over shared system prompts and Zipf-popular documents."""
+def conversations(requests: int = 4000, seed: int = 1, *, every_ms: float = 250,
+                  think_ms: float = 20_000, think_sigma: float = 1.5, follow: float = 0.75,
+                  prompt_skew: float = 1.2, document_skew: float = 0.9) -> list[Request]:
+    """Multi-turn chats over shared system prompts and Zipf-popular documents.
+
+    Parameters (the defaults are the workload's): a new chat every ``every_ms`` on
+    average; think times log-normal with median ``think_ms`` and shape ``think_sigma``
+    (the tail); a chat's next turn comes with probability ``follow / (1 + 0.15 * turn)``
+    (session length); Zipf exponents of the prompts and the documents (skew).  Variants
+    check that a policy tuned on one shape holds on its neighbours.
+    """
     rng = random.Random(seed)
     chains = _Chains()
     prompts = [rng.randint(2, 8) for _ in range(8)]
-    prompt_of = _Zipf(len(prompts), 1.2, rng)
+    prompt_of = _Zipf(len(prompts), prompt_skew, rng)
     documents = [rng.randint(4, 40) for _ in range(3000)]
-    document_of = _Zipf(len(documents), 0.9, rng)
+    document_of = _Zipf(len(documents), document_skew, rng)
+    shape = (think_ms, think_sigma, follow)
     pending: list[tuple[float, int, list[int], int]] = []  # (due, seq, history, turn)
     seq = itertools.count()
     now = 0.0
     out: list[Request] = []
     while len(out) < requests:
-        now += rng.expovariate(1 / 250)  # a new chat every 250 ms on average
+        now += rng.expovariate(1 / every_ms)  # a new chat every 250 ms by default
         while pending and pending[0][0] <= now and len(out) < requests:
             due, _, history, turn = pending.pop(0)
             ids = chains.extend(history, [("turn", turn, j)
                                           for j in range(rng.randint(1, 3))])
             out.append(_request(rng, due, ids))
-            _follow_up(rng, pending, seq, due, ids, turn + 1)
+            _follow_up(rng, pending, seq, due, ids, turn + 1, *shape)
         if len(out) >= requests:
             break
         p = prompt_of()
@@ -108,7 +118,7 @@ def conversations(requests: int = 4000, seed: int = 1) -> list[Request]:
         contents += [("chat", chat, j) for j in range(rng.randint(1, 3))]
         ids = chains.extend([], contents)
         out.append(_request(rng, now, ids))
-        _follow_up(rng, pending, seq, now, ids, 1)
+        _follow_up(rng, pending, seq, now, ids, 1, *shape)
     return out
 
 
@@ -119,10 +129,13 @@ def _follow_up(
     now: float,
     history: list[int],
     turn: int,
+    think_ms: float = 20_000,
+    think_sigma: float = 1.5,
+    follow: float = 0.75,
 ) -> None:
     """Schedule the conversation's next turn, with a chance that falls as it goes on."""
-    if rng.random() < 0.75 / (1 + 0.15 * turn):
-        due = now + rng.lognormvariate(math.log(20_000), 1.5)  # think time: median 20 s
+    if rng.random() < follow / (1 + 0.15 * turn):
+        due = now + rng.lognormvariate(math.log(think_ms), think_sigma)  # median 20 s
         bisect.insort(pending, (due, next(seq), history, turn))
 
 

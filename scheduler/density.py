@@ -281,6 +281,23 @@ class HitDensityPolicy(EvictionPolicy[T]):
             self._evictions[klass][age_bucket(now - stamp)] += 1.0
         return best
 
+    def adopt_tuning(self, learned: EvictionPolicy[T], scale: float) -> None:
+        """The histograms ``learned`` has (a miniature's, on a sample of this traffic),
+        its ages ``scale`` times longer here, in place of those of the hand-over's own
+        inserts and hits; densities from them at once (a cold order would be LRU until
+        its first refresh, and learn from ages the hand-over made up)."""
+        if not isinstance(learned, HitDensityPolicy):
+            return
+        moved = [age_bucket(int(age * scale + 0.5)) for age in _AGES]
+        for mine, theirs in ((self._hits, learned._hits),
+                             (self._evictions, learned._evictions)):
+            for klass in range(_CLASSES):
+                table = mine[klass] = [0.0] * _BUCKETS
+                for bucket, count in enumerate(theirs[klass]):
+                    table[moved[bucket]] += count
+        if learned._density is not None:
+            self._learn()
+
     def _learn(self) -> None:
         """Densities from the histograms, then the histograms decay."""
         self._next_refresh = self._now + self.refresh

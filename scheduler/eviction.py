@@ -7,7 +7,7 @@ on is never a victim).  One policy instance serves one slab class of one tier.
 
 Policies: ``lru``; ``s3fifo`` and ``arc`` (scan-resistant); ``slru`` (an adaptive
 segmented LRU); ``density`` (a learned hit density per class of blocks, after LHD, in
-``kvstore.scheduler.density``); ``auto`` (the default: LRU, SLRU and ARC duelling,
+``kvstore.scheduler.density``); ``auto`` (the default: LRU, SLRU, ARC and density duelling,
 victims by the one whose miniature cache hit most lately, see
 ``kvstore.scheduler.dueling``).  No single
 order wins everywhere: on a real multi-turn chat trace SLRU is far ahead of LRU at 2% of
@@ -624,20 +624,39 @@ def _first_allowed(queue: Queue[T], allowed: Callable[[T], bool]) -> T | None:
     return None
 
 
+# Hit density keeps a table entry per item (no links): a hand-over to it costs about
+# 2.2 s of CPU per million items on the loop (``benchmarks/eviction_cost.py
+# --handover``), twice SLRU's, and its tables grow by rebuilds.  Past this many items
+# it is not elected.
+DENSITY_MOST = 1 << 20
+
+
 class AutoPolicy(Duel[T], EvictionPolicy[T]):
-    """The duel of LRU, SLRU and ARC (``kvstore.scheduler.dueling``): victims by the
-    order whose miniature cache hit most lately, LRU's unless another does better.
+    """The duel of LRU, SLRU, ARC and hit density (``kvstore.scheduler.dueling``):
+    victims by the order whose miniature cache hit most lately, LRU's unless another
+    does better.
 
     The miniatures see one key in eight; an election every 512 of their references
-    (4096 of the cache's), each past epoch's hits weighing 0.9 times the next one's.  In
-    the replay these do as well as miniatures of every key, at an eighth of the cost.
+    (4096 of the cache's), or as many as they hold if fewer (at least 64: a small
+    cache's turn over faster), past hits weighing 0.9 times per 512 references.  In the
+    replay these do as well as miniatures of every key, at an eighth of the cost.  The
+    density miniature refreshes its densities as often in the cache's references as the
+    order would (every ``refresh`` >> ``sample_shift`` of its own), and hands its
+    histograms over with the order (``HitDensityPolicy.adopt_tuning``); past
+    ``DENSITY_MOST`` items it is not elected.
     """
 
     name = "auto"
 
-    def __init__(self, *, sample_shift: int = 3, epoch: int = 512, keep: float = 0.9) -> None:
-        super().__init__([LRUPolicy, SLRUPolicy, ARCPolicy],
-                         sample_shift=sample_shift, epoch=epoch, keep=keep)
+    def __init__(self, *, sample_shift: int = 3, epoch: int = 512, shortest: int = 64,
+                 keep: float = 0.9) -> None:
+        super().__init__([LRUPolicy, SLRUPolicy, ARCPolicy, HitDensityPolicy],
+                         sample_shift=sample_shift, epoch=epoch, shortest=shortest, keep=keep,
+                         most=(None, None, None, DENSITY_MOST))
+        for mini in self._minis:
+            if isinstance(mini.order, HitDensityPolicy):
+                mini.order.refresh = max(1, mini.order.refresh >> sample_shift)
+                mini.order._next_refresh = mini.order.refresh
 
     _links: str | None = None
 
@@ -658,7 +677,12 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
         order = super()._keyed(order)
         if self._links is not None and isinstance(order, (LRUPolicy, SLRUPolicy, ARCPolicy)):
             order.links = self._links
+        if isinstance(order, HitDensityPolicy):
+            order.parent_of = self._parent  # read at each call, as ``ghost_key``
         return order
+
+    def _parent(self, item: T) -> T | None:
+        return self.parent_of(item)
 
     def _let_go(self, order: Order[T]) -> None:
         if isinstance(order, EvictionPolicy):

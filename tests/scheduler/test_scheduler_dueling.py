@@ -4,13 +4,17 @@ another's victim is left as if it had chosen it."""
 
 from __future__ import annotations
 
+import gc
 import random
 import sys
+import tracemalloc
 from collections.abc import Callable, Hashable
+from operator import attrgetter
 from pathlib import Path
 
 import pytest
 
+from kvstore.scheduler.density import HitDensityPolicy, age_bucket
 from kvstore.scheduler.dueling import Duel
 from kvstore.scheduler.eviction import (
     ARCPolicy,
@@ -249,7 +253,8 @@ def test_the_miniatures_keep_a_sampled_key_only_while_one_holds_it() -> None:
     """A sampled key the miniatures all dropped is forgotten (its node goes, so their
     memory follows their size, not the traffic's), but not within the tick it was last
     referenced: a hit reported twice then still counts once."""
-    duel = AutoPolicy(sample_shift=0, epoch=10**9)  # every key sampled; no hand-over
+    # every key sampled; no hand-over
+    duel = AutoPolicy(sample_shift=0, epoch=10**9, shortest=10**9)
     cached: list[int] = []
     rng = random.Random(7)
     for fresh in range(2000):
@@ -264,7 +269,7 @@ def test_the_miniatures_keep_a_sampled_key_only_while_one_holds_it() -> None:
     assert all(node.held or node in duel._lingering for node in nodes)
     assert len(nodes) <= 3 * 40 + len(duel._lingering)  # at most each miniature's own
     # the same count as a duel told each hit once
-    once = AutoPolicy(sample_shift=0, epoch=10**9)
+    once = AutoPolicy(sample_shift=0, epoch=10**9, shortest=10**9)
     cached, rng = [], random.Random(7)
     for fresh in range(2000):
         once.insert(fresh)
@@ -288,7 +293,7 @@ def test_a_released_duel_leaves_no_cycles_behind() -> None:
 
     gc.collect()
     before = nodes()
-    duel = AutoPolicy(sample_shift=0, epoch=10**9)
+    duel = AutoPolicy(sample_shift=0, epoch=10**9, shortest=10**9)
     cached: list[int] = []
     was = gc.isenabled()
     gc.disable()
@@ -305,3 +310,105 @@ def test_a_released_duel_leaves_no_cycles_behind() -> None:
     finally:
         if was:
             gc.enable()
+
+
+def test_a_small_cache_elects_as_often_as_its_miniatures_turn_over() -> None:
+    """Elections every 512 sampled references left a small cache under LRU for a long
+    time on a scan (its miniatures of a few dozen keys had turned over many times); now
+    one comes every time they hold as many references as keys, at least ``shortest``."""
+    trace = _hot_and_scans(seed=3, requests=4_000)
+    auto = AutoPolicy(sample_shift=1)  # miniatures of 50 keys: elections every 64
+    cache = replay_sim.PolicyCache(auto, 100)
+    switched_at = None
+    for index, request in enumerate(trace):
+        hits = cache.lookup(request.hash_ids)
+        cache.insert(request.hash_ids, hits)
+        if switched_at is None and auto.switches:
+            switched_at = index
+    assert switched_at is not None and switched_at < 512, (switched_at, auto)
+    assert auto.epoch == 64 and auto.leader in ("slru", "arc", "density"), auto
+    big = AutoPolicy()
+    big.insert_many(range(16_000))  # miniatures of 2000 keys: the longest epoch, 512
+    big._elect()
+    assert big.epoch == 512
+
+
+def test_a_shorter_epoch_forgets_as_much_per_reference() -> None:
+    duel = Duel([LRUPolicy, SLRUPolicy], epoch=512, shortest=64)
+    duel._minis[0].score = 100.0
+    duel._sampled = 64  # one short epoch
+    duel._elect()
+    assert duel._minis[0].score == pytest.approx(100.0 * 0.9 ** (64 / 512))
+
+
+def test_a_hand_over_to_hit_density_takes_its_miniatures_histograms_at_scale() -> None:
+    duel = AutoPolicy(sample_shift=2)
+    duel.parent_of = lambda item: item - 1 if item % 4 else None  # type: ignore[assignment]
+    for item in range(40):
+        duel.insert(item)
+    mini = duel._minis[3].order
+    assert isinstance(mini, HitDensityPolicy) and mini.refresh == 4096 >> 2
+    mini._hits[0][age_bucket(10)] = 5.0  # never-hit blocks: hit again at age 10 ...
+    mini._learn()  # (each refresh decays the histograms by 0.9: here, then at the hand-over)
+    duel._take_over(3)
+    order = duel._order
+    assert isinstance(order, HitDensityPolicy) and order._density is not None
+    # ... which is age 40 in a cache four times the size; the hand-over's own inserts
+    # and hits are not learned
+    assert order._hits[0][age_bucket(40)] == pytest.approx(5.0 * 0.9 * 0.9)
+    assert sum(map(sum, order._hits)) == pytest.approx(5.0 * 0.9 * 0.9)
+    assert order.parent_of(6) == 5 and order.parent_of(4) is None
+
+
+class _Linked:
+    """A store block in miniature: a key, no parent, one set of links."""
+
+    __slots__ = ("key", "parent", "a_order", "a_older", "a_newer")
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+        self.parent = None
+        self.a_order = self.a_older = self.a_newer = None
+
+
+def test_a_hand_over_allocates_no_table_of_every_item() -> None:
+    """The item states were copied shard by shard into one dict for the hand-over: at
+    millions of blocks, a spike of that size.  Now the states are read where they are."""
+    items = [_Linked(key) for key in range(50_000)]  # past a ShardedDict's split
+    duel = AutoPolicy()
+    duel.links = "a"
+    duel.ghost_key = attrgetter("key")  # type: ignore[assignment]
+    for start in range(0, len(items), 16):
+        duel.insert_many(items[start:start + 16])
+    duel.access_many(items[::3])
+    gc.collect()
+    tracemalloc.start()
+    try:
+        duel._take_over(1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert duel.leader == "slru" and len(duel) == len(items)
+    assert peak < sys.getsizeof(dict.fromkeys(items)), peak
+
+
+def test_no_hand_over_while_the_cache_fills() -> None:
+    duel = Duel([LRUPolicy, SLRUPolicy], sample_shift=0)
+    duel.insert_many(range(10))
+    duel._minis[1].hits = 100  # far ahead, but no victim was picked by anyone yet
+    duel._elect()
+    assert duel.leader == "lru" and duel.switches == 0
+    assert duel.pop_victim(lambda _: True) == 0
+    duel._elect()  # its score carried over: the first election since an eviction
+    assert duel.leader == "slru" and duel.switches == 1
+
+
+@pytest.mark.parametrize("most, leader", [(5, "lru"), (10, "slru")])
+def test_a_candidate_is_not_elected_past_the_most_items_it_may_take(
+        most: int, leader: str) -> None:
+    duel = Duel([LRUPolicy, SLRUPolicy], sample_shift=0, most=(None, most))
+    duel.insert_many(range(10))
+    assert duel.pop_victim(lambda _: True) == 0
+    duel._minis[1].hits = 100
+    duel._elect()
+    assert duel.leader == leader

@@ -221,3 +221,12 @@ def test_every_workload_has_the_same_requests_for_a_seed_and_others_for_another(
 
     seed = inspect.signature(generate).parameters["seed"].default
     assert generate(300, seed + 1) != first
+
+
+def test_conversation_variants_change_the_shape_they_name() -> None:
+    generate = replay.WORKLOADS["conversations"]
+    plain = generate(2000)
+    assert generate(2000, think_sigma=1.5, follow=0.75, every_ms=250) == plain  # defaults
+    longer = generate(2000, follow=0.95)  # longer sessions: longer histories resent
+    assert sum(len(r[3]) for r in longer) > sum(len(r[3]) for r in plain)
+    assert generate(2000, document_skew=1.4) != plain
