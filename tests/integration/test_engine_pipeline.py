@@ -280,6 +280,28 @@ def test_a_daemon_killed_mid_save_is_a_failed_save_not_a_stall(
     sender.close(timeout=1)
 
 
+def test_saves_go_on_after_the_daemon_restarts(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    daemon = daemon_factory()
+    source, source_page = make_pages("per_layer", seed=1)
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme", timeout=2.0))
+    with Client(daemon.endpoint, tenant="acme") as client:
+        keys = client.namespace(identity("per_layer")).keys(range(TOKENS * 4))
+    assert sender.submit(job("a", "per_layer", keys[:2], source.stage([0, 1])))
+    assert sender.drain(10) and sender.stats["saved_blocks"] == 2
+    daemon.stop(signal.SIGKILL)
+    daemon.start()  # on the same endpoint, empty
+    assert sender.submit(job("b", "per_layer", keys[:2], source.stage([0, 1])))
+    assert sender.drain(10) and sender.stats["save_failures"] == 1  # the old session's
+    assert sender.submit(job("c", "per_layer", keys[:2], source.stage([0, 1])))
+    assert sender.drain(10) and sender.take_finished() == {"a", "b", "c"}
+    assert sender.stats["saved_blocks"] == 4 and sender.stats["save_failures"] == 1
+    sender.close()
+    with Client(daemon.endpoint, tenant="acme") as client:
+        got = client.namespace(identity("per_layer")).get(keys[:2])
+    assert got == [source_page(0), source_page(1)]
+
+
 def copy(loads: StepLoads, layerwise: bool) -> None:
     """A step's pinned loads copied into the pages, layer by layer or whole."""
     if layerwise:
