@@ -144,6 +144,34 @@ def test_a_save_in_pages_is_copied_by_the_sender_and_holds_them_until_done(
     sender.close()
 
 
+def test_a_save_submitted_after_the_step_starts_at_go_or_once_held_long_enough(
+        daemon: DaemonProcess) -> None:
+    """Saves handed over at the end of a step wait for the engine's next step (``go``),
+    or for the hold at most; waiting for them lets them go."""
+    source, source_page = make_pages("per_layer", seed=1)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity("per_layer"))
+        keys = ns.keys(range(TOKENS * 4))
+        sender = SaveSender(DaemonSettings(daemon.endpoint, "acme"), hold_s=60.0)
+        assert sender.submit(job("a", "per_layer", keys[:2], InPages(source, [0, 1])),
+                             after_step=True)
+        until(lambda: sender._queue.empty())  # taken by the thread, which holds it
+        assert sender.pending("a") == 1 and ns.lookup(keys).blocks == 0
+        sender.go()
+        until(lambda: sender.take_finished() == {"a"})
+        assert ns.get(keys[:2]) == [source_page(0), source_page(1)]
+        assert sender.submit(job("b", "per_layer", keys[2:3], InPages(source, [2]),
+                                 keys[1]), after_step=True)
+        assert sender.wait_for({"b"}, 10)  # waiting lets it go
+        sender.close()
+        held = SaveSender(DaemonSettings(daemon.endpoint, "acme"), hold_s=0.1)
+        assert held.submit(job("c", "per_layer", keys[3:], InPages(source, [3]), keys[2]),
+                           after_step=True)
+        until(lambda: held.take_finished() == {"c"})  # no go: the hold ran out
+        assert ns.get(keys) == [source_page(p) for p in range(4)]
+        held.close()
+
+
 def test_saves_given_up_never_commit_what_their_pages_hold_afterwards(
         daemon: DaemonProcess) -> None:
     """An engine that cannot wait longer (a preempted request's pages to be written)
