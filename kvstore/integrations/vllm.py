@@ -28,10 +28,12 @@ copies the blocks into vLLM's pages before the forward pass (or, with ``copy_ahe
 pages in host memory, a thread started in ``handle_preemptions`` pins and copies them
 meanwhile), or layer by layer (``layerwise``: ``wait_for_layer_load`` waits for just its
 layer, a thread copying the rest meanwhile).  ``wait_for_save`` hands the completed
-blocks to a background sender (``async_saves``, the default): the step never waits for
-the daemon, nor, for pages in host memory, for their copy (the sender copies them
-straight into the daemon's slots; on a GPU the copy out is queued on the stream in the
-step).  A request with saves in flight stays held (``request_finished`` returns True)
+blocks to a background sender (``async_saves``, the default), which starts them at the
+next step's ``handle_preemptions``: the step never waits for the daemon, nor, for pages
+in host memory, for their copy (the sender copies them straight into the daemon's
+slots; on a GPU the copy out is queued on the stream in the step), and the sender's
+Python does not contend with the end of the step for the interpreter.  The scheduler
+hashes only the blocks no earlier request in the engine hashed (``KnownChains``).  A request with saves in flight stays held (``request_finished`` returns True)
 until ``get_finished`` reports them done; one preempted meanwhile has
 ``handle_preemptions`` wait for them before vLLM may write its pages (for at most the
 daemon's ``timeout``: then they are given up, later misses).  A block that
