@@ -23,6 +23,10 @@ on) on the same workload, in a process of its own, one after the other:
 - ``kvstore-layerwise`` (not run unless named): ``kvstore`` loading layer by layer;
 - ``kvstore-unposted`` (not run unless named): ``kvstore`` with each step's acquires sent
   in ``start_load_kv`` and waited for at once, not sent ahead in ``handle_preemptions``;
+- ``kvstore-eager`` (not run unless named): ``kvstore`` with each step's saves started
+  as the step hands them over, not at the next step (``saves_after_step``);
+- ``kvstore-before`` (not run unless named): ``kvstore-eager`` hashing every request's
+  keys itself (``known_chains`` off): the connector as it was before either;
 - ``kvstore-ahead`` (not run unless named): ``kvstore`` with each step's loads pinned
   and copied on a thread from ``handle_preemptions`` (``copy_ahead``), not in
   ``start_load_kv``;
@@ -199,7 +203,10 @@ def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
             kv_connector_extra_config={"endpoint": endpoint, "tenant": "bench",
                                        "layerwise": a.layerwise or arm.endswith("layerwise"),
                                        "post_loads": not arm.endswith("unposted"),
-                                       "copy_ahead": arm.endswith("ahead")})
+                                       "copy_ahead": arm.endswith("ahead"),
+                                       "saves_after_step": not arm.endswith(("eager",
+                                                                             "before")),
+                                       "known_chains": not arm.endswith("before")})
     elif arm == "vllm-offload":
         kwargs["kv_offloading_size"] = a.store_mib / 1024
     elif arm == "lmcache":

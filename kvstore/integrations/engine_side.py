@@ -31,7 +31,13 @@ import numpy as np
 import torch
 
 from kvstore.client import Client, Held, Namespace
-from kvstore.errors import KVStoreError, LeaseExpiredError, NotFoundError, UnavailableError
+from kvstore.errors import (
+    ForbiddenError,
+    KVStoreError,
+    LeaseExpiredError,
+    NotFoundError,
+    UnavailableError,
+)
 from kvstore.identity import Identity
 from kvstore.kernels import KVCaches, Layout, PagedCache, gather, paged_cache
 
@@ -194,7 +200,7 @@ class DaemonLink:
         if hello is not None and used is not None and now - used > hello.lease_seconds / 2:
             try:
                 client.ping()
-            except LeaseExpiredError:
+            except (LeaseExpiredError, ForbiddenError):  # ended, or the daemon restarted
                 logger.info("kvstore: the session idled past its lease; connecting again")
                 self.close()
             except KVStoreError as exc:
@@ -245,7 +251,8 @@ class DaemonLink:
         """Log a failed step; a daemon that did not answer is left alone for a while,
         and its client dropped (a client that timed out may get the late reply first);
         a session the daemon ended (its lease ran out) is dropped, to connect again at
-        the next call."""
+        the next call, and so is one the daemon does not know (it restarted on the same
+        endpoint: the client's socket connected again, with no session behind it)."""
         self.failures += 1
         logger.warning("kvstore: %s failed: %s", what, exc)
         if isinstance(exc, UnavailableError):
@@ -253,6 +260,24 @@ class DaemonLink:
             self.close()
         elif isinstance(exc, LeaseExpiredError):
             self.close()
+        elif isinstance(exc, ForbiddenError) and self._session_gone():
+            logger.info("kvstore: the daemon knows no session of this link (restarted); "
+                        "connecting again")
+            self.close()
+
+    def _session_gone(self) -> bool:
+        """Whether the daemon has no session for the client (a ping, which any session
+        may send, is refused too); a refusal of one request alone keeps the client."""
+        client = self._client
+        if client is None:
+            return False
+        try:
+            client.ping()
+        except (ForbiddenError, LeaseExpiredError):
+            return True
+        except KVStoreError as exc:
+            self.failed("ping", exc)
+        return False
 
     def close(self) -> None:
         """Drop the client (the daemon drops this session's pins with it)."""

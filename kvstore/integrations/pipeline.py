@@ -5,7 +5,10 @@ one daemon call for a step's loads.
   blocks an engine step copied out of its pages (``EnginePages.stage``), or copies them
   out itself, straight into the daemon's slots (``InPages``: pages in host memory that
   the engine keeps unwritten until the job is done): one reserve and one commit per
-  job, no lookup (the caller knows what the store lacks).  ``submit``
+  job, no lookup (the caller knows what the store lacks).  A job submitted
+  ``after_step`` waits for ``go`` (the engine's next step), or ``HOLD_S`` at most, so that
+  its Python does not contend for the interpreter with the rest of the step that
+  produced it (on an engine's host cores, its first token).  ``submit``
   never waits for the daemon: a job that does not fit the bounded queue, or meets a
   daemon that is gone, is dropped and counted (a later cache miss).  Jobs carry a tag
   (the engine's request id); ``take_finished`` names the tags whose jobs are all done,
@@ -55,6 +58,7 @@ from kvstore.integrations.engine_side import (
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_BYTES = 1 << 30   # staged bytes a sender holds before it drops new jobs
+HOLD_S = 0.05                 # the longest a job submitted ``after_step`` waits for ``go``
 
 
 # ========================================================================================
@@ -219,8 +223,11 @@ class SaveSender:
     thread gone)."""
 
     def __init__(self, settings: DaemonSettings, *,
-                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+                 max_pending_bytes: int = MAX_PENDING_BYTES, hold_s: float = HOLD_S) -> None:
         self._link = DaemonLink(settings)
+        self._hold_s = hold_s
+        self._go = threading.Event()  # clear: jobs submitted ``after_step`` wait
+        self._go.set()
         self._max_pending = max_pending_bytes
         self._queue: queue.Queue[tuple[int, SaveJob] | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -236,10 +243,13 @@ class SaveSender:
         self._thread = threading.Thread(target=self._run, name="kvstore-saves", daemon=True)
         self._thread.start()
 
-    def submit(self, job: SaveJob) -> bool:
-        """Queue a job (False: dropped, and its tag counts it done)."""
+    def submit(self, job: SaveJob, *, after_step: bool = False) -> bool:
+        """Queue a job (False: dropped, and its tag counts it done); ``after_step``: the
+        thread starts it at ``go``, or ``HOLD_S`` from now at the latest."""
         size = job_bytes(job.source)
         with self._lock:
+            if after_step:
+                self._go.clear()
             self._finished.discard(job.tag)
             self._pending[job.tag] += 1
             if (self._stopped or self._pending_bytes + size > self._max_pending
@@ -251,6 +261,10 @@ class SaveSender:
             self._queue.put((self._submitted, job))
             self._submitted += 1
         return True
+
+    def go(self) -> None:
+        """Let the jobs submitted ``after_step`` start."""
+        self._go.set()
 
     def pending(self, tag: str) -> int:
         with self._lock:
@@ -265,12 +279,14 @@ class SaveSender:
 
     def drain(self, timeout: float) -> bool:
         """Wait until every queued job is done (False: ``timeout`` seconds passed)."""
+        self.go()
         with self._idle:
             return self._idle.wait_for(lambda: not self._pending, timeout)
 
     def wait_for(self, tags: set[str], timeout: float | None) -> bool:
         """Wait until every job of ``tags`` is done (False: ``timeout`` seconds passed;
         None: no limit)."""
+        self.go()
         with self._idle:
             return self._idle.wait_for(lambda: not tags & self._pending.keys(), timeout)
 
@@ -307,6 +323,7 @@ class SaveSender:
         try:
             while (item := self._queue.get()) is not None:
                 number, job = item
+                self._go.wait(self._hold_s)
                 created, outcome = 0, "save_failures"
                 try:
                     created, outcome = self._store(number, job)

@@ -28,10 +28,12 @@ copies the blocks into vLLM's pages before the forward pass (or, with ``copy_ahe
 pages in host memory, a thread started in ``handle_preemptions`` pins and copies them
 meanwhile), or layer by layer (``layerwise``: ``wait_for_layer_load`` waits for just its
 layer, a thread copying the rest meanwhile).  ``wait_for_save`` hands the completed
-blocks to a background sender (``async_saves``, the default): the step never waits for
-the daemon, nor, for pages in host memory, for their copy (the sender copies them
-straight into the daemon's slots; on a GPU the copy out is queued on the stream in the
-step).  A request with saves in flight stays held (``request_finished`` returns True)
+blocks to a background sender (``async_saves``, the default), which starts them at the
+next step's ``handle_preemptions``: the step never waits for the daemon, nor, for pages
+in host memory, for their copy (the sender copies them straight into the daemon's
+slots; on a GPU the copy out is queued on the stream in the step), and the sender's
+Python does not contend with the end of the step for the interpreter.  The scheduler
+hashes only the blocks no earlier request in the engine hashed (``KnownChains``).  A request with saves in flight stays held (``request_finished`` returns True)
 until ``get_finished`` reports them done; one preempted meanwhile has
 ``handle_preemptions`` wait for them before vLLM may write its pages (for at most the
 daemon's ``timeout``: then they are given up, later misses).  A block that
@@ -99,13 +101,13 @@ from kvstore.integrations.pipeline import (
     fill_rows,
     wait_all,
 )
+from kvstore.integrations.vllm_chains import KnownChains
 from kvstore.integrations.vllm_identity import (
     Group,
     RequestVariant,
     kv_groups,
     request_variant,
 )
-from kvstore.keys import chain_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -325,7 +327,11 @@ class ConnectorOptions:
     true), ``post_loads`` (default true: acquires sent in handle_preemptions),
     ``copy_ahead`` (default false; with ``post_loads``, host pages pinned and copied on a
     thread from then on: for hosts with a core to spare; on a loaded 2-core host it
-    slowed loads, engine_e2e's kvstore-ahead arm), ``max_pending_save_mib`` (bytes of
+    slowed loads, engine_e2e's kvstore-ahead arm), ``saves_after_step`` (default true:
+    a step's saves start at the next step, not beside the end of the step that computed
+    them, whose output they would delay; ``SaveSender``), ``known_chains`` (default true:
+    the keys of a prefix an earlier request hashed are taken over, found by vLLM's own
+    sha256 block hashes; ``KnownChains``), ``max_pending_save_mib`` (bytes of
     pending saves, staged or still in vLLM's pages, before saves are dropped, default
     1024)."""
 
@@ -334,6 +340,8 @@ class ConnectorOptions:
     prefetch: bool
     post_loads: bool
     copy_ahead: bool
+    saves_after_step: bool
+    known_chains: bool
     max_pending: int
 
     @classmethod
@@ -346,6 +354,8 @@ class ConnectorOptions:
                    prefetch=bool(extra.get("prefetch", True)),
                    post_loads=bool(extra.get("post_loads", True)),
                    copy_ahead=bool(extra.get("copy_ahead", False)) and not zeroed,
+                   saves_after_step=bool(extra.get("saves_after_step", True)),
+                   known_chains=bool(extra.get("known_chains", True)),
                    max_pending=int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20)))
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -376,6 +386,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
+        self._known = KnownChains.of(vllm_config.cache_config, self._opts.known_chains)
         self._pending_loads: list[Transfer] = []
         # worker side
         self._tp_rank = 0
@@ -392,8 +403,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     # -- daemon access ----------------------------------------------------------------
     def _namespace(self, group: Group, variant: RequestVariant,
                    tp_rank: int) -> Namespace | None:
-        """The namespace of a group, request variant and rank; None while the daemon
-        is failing (see ``DaemonLink``)."""
+        """A group's, request variant's and rank's namespace (None: ``DaemonLink``)."""
         return self._link.namespace(
             (group.index, variant, tp_rank),
             lambda: group.identity_for(variant, tp_rank, self._tp_size))
@@ -411,13 +421,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _keys(self, state: _RequestState, group: Group, blocks: int) -> list[bytes]:
         """The first ``blocks`` keys of the request's token chain in ``group``."""
-        keys = state.keys.setdefault(group.index, [])
-        if len(keys) < blocks:
-            tokens = state.request.all_token_ids
-            b = group.block_tokens
-            ns_id = group.identity_for(state.variant, 0, self._tp_size).namespace_id
-            keys.extend(chain_keys(ns_id, tokens[len(keys) * b:blocks * b], b,
-                                   keys[-1] if keys else None))
+        keys = state.keys.setdefault(group.index, [])  # in rank 0's namespace, every rank's
+        self._known.extend((group.index, state.variant), state.request, keys, blocks,
+                           group.block_tokens, lambda: group.identity_for(
+                               state.variant, 0, self._tp_size).namespace_id)
         return keys[:blocks]
 
     def get_num_new_matched_tokens(self, request: Request,
@@ -623,6 +630,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._settled.release():
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
             started = time.perf_counter()
+        if self._sender is not None:  # the last step's saves start
+            self._sender.go()
         if meta.preempted & self._saving and self._sender is not None:
             wait_or_give_up(self._sender, meta.preempted & self._saving,
                             self._link.settings.timeout)
@@ -711,7 +720,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                          pages.stage(t.block_ids).rows, self.stats, self._link)
                 continue
             self._saving.add(t.req_id)
-            self._sender.submit(save_job(t, group, pages, self._tp_rank, self._tp_size))
+            self._sender.submit(save_job(t, group, pages, self._tp_rank, self._tp_size),
+                                after_step=self._opts.saves_after_step)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:

@@ -144,6 +144,34 @@ def test_a_save_in_pages_is_copied_by_the_sender_and_holds_them_until_done(
     sender.close()
 
 
+def test_a_save_submitted_after_the_step_starts_at_go_or_once_held_long_enough(
+        daemon: DaemonProcess) -> None:
+    """Saves handed over at the end of a step wait for the engine's next step (``go``),
+    or for the hold at most; waiting for them lets them go."""
+    source, source_page = make_pages("per_layer", seed=1)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity("per_layer"))
+        keys = ns.keys(range(TOKENS * 4))
+        sender = SaveSender(DaemonSettings(daemon.endpoint, "acme"), hold_s=60.0)
+        assert sender.submit(job("a", "per_layer", keys[:2], InPages(source, [0, 1])),
+                             after_step=True)
+        until(lambda: sender._queue.empty())  # taken by the thread, which holds it
+        assert sender.pending("a") == 1 and ns.lookup(keys).blocks == 0
+        sender.go()
+        until(lambda: sender.take_finished() == {"a"})
+        assert ns.get(keys[:2]) == [source_page(0), source_page(1)]
+        assert sender.submit(job("b", "per_layer", keys[2:3], InPages(source, [2]),
+                                 keys[1]), after_step=True)
+        assert sender.wait_for({"b"}, 10)  # waiting lets it go
+        sender.close()
+        held = SaveSender(DaemonSettings(daemon.endpoint, "acme"), hold_s=0.1)
+        assert held.submit(job("c", "per_layer", keys[3:], InPages(source, [3]), keys[2]),
+                           after_step=True)
+        until(lambda: held.take_finished() == {"c"})  # no go: the hold ran out
+        assert ns.get(keys) == [source_page(p) for p in range(4)]
+        held.close()
+
+
 def test_saves_given_up_never_commit_what_their_pages_hold_afterwards(
         daemon: DaemonProcess) -> None:
     """An engine that cannot wait longer (a preempted request's pages to be written)
@@ -278,6 +306,28 @@ def test_a_daemon_killed_mid_save_is_a_failed_save_not_a_stall(
     # backing off now: the next save is dropped at once
     assert not sender.submit(job("c", "per_layer", keys[2:], source.stage([2, 3])))
     sender.close(timeout=1)
+
+
+def test_saves_go_on_after_the_daemon_restarts(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    daemon = daemon_factory()
+    source, source_page = make_pages("per_layer", seed=1)
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme", timeout=2.0))
+    with Client(daemon.endpoint, tenant="acme") as client:
+        keys = client.namespace(identity("per_layer")).keys(range(TOKENS * 4))
+    assert sender.submit(job("a", "per_layer", keys[:2], source.stage([0, 1])))
+    assert sender.drain(10) and sender.stats["saved_blocks"] == 2
+    daemon.stop(signal.SIGKILL)
+    daemon.start()  # on the same endpoint, empty
+    assert sender.submit(job("b", "per_layer", keys[:2], source.stage([0, 1])))
+    assert sender.drain(10) and sender.stats["save_failures"] == 1  # the old session's
+    assert sender.submit(job("c", "per_layer", keys[:2], source.stage([0, 1])))
+    assert sender.drain(10) and sender.take_finished() == {"a", "b", "c"}
+    assert sender.stats["saved_blocks"] == 4 and sender.stats["save_failures"] == 1
+    sender.close()
+    with Client(daemon.endpoint, tenant="acme") as client:
+        got = client.namespace(identity("per_layer")).get(keys[:2])
+    assert got == [source_page(0), source_page(1)]
 
 
 def copy(loads: StepLoads, layerwise: bool) -> None:

@@ -16,7 +16,7 @@ from kvtest import make_identity
 
 from kvstore import Client, Identity
 from kvstore.client import Namespace
-from kvstore.errors import LeaseExpiredError, UnavailableError
+from kvstore.errors import ForbiddenError, LeaseExpiredError, UnavailableError
 from kvstore.integrations.engine_side import (
     DaemonLink,
     DaemonSettings,
@@ -192,6 +192,47 @@ def test_a_daemon_that_is_gone_is_a_miss_and_a_backoff(
     now[0] = 11.0  # past the back-off: a new attempt, which fails again cleanly
     assert link.namespace("pages", identity) is None
     assert link.failures == 2
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_link_connects_again_after_the_daemon_restarts(
+        daemon_factory: Callable[..., DaemonProcess], sig: signal.Signals) -> None:
+    """A daemon restarted on the same endpoint knows no session of the link's client
+    (its socket connects again by itself): the call that finds out is a miss, the link
+    connects again, and loads and saves go on, with the right bytes."""
+    daemon = daemon_factory()
+    link = DaemonLink(DaemonSettings(daemon.endpoint, "acme", timeout=2.0))
+    try:
+        ns = link.namespace("pages", identity)
+        assert isinstance(ns, Namespace)
+        source, source_page = make_pages("per_layer", seed=1)
+        keys = ns.keys(range(TOKENS * 3))
+        assert offload_missing(ns, source, [0, 1, 2], keys).present == 3
+        daemon.stop(sig)
+        daemon.start()
+        target, target_page = make_pages("per_layer", seed=50)
+        untouched = [target_page(p) for p in range(PAGES)]
+        loaded = reload_prefix(ns, keys, target, [3, 4, 5])
+        assert loaded.blocks == 0 and isinstance(loaded.error, ForbiddenError)
+        assert [target_page(p) for p in range(PAGES)] == untouched
+        link.failed("reload", loaded.error)
+        assert link.available()  # not a daemon that failed to answer: no back-off
+        again = link.namespace("pages", identity)
+        assert isinstance(again, Namespace) and again is not ns
+        assert reload_prefix(again, keys, target, [3, 4, 5]) == Loaded(0)  # a miss
+        assert offload_missing(again, source, [0, 1, 2], keys).present == 3
+        assert reload_prefix(again, keys, target, [3, 4, 5]) == Loaded(3)
+        assert [target_page(p) for p in (3, 4, 5)] == [source_page(p) for p in (0, 1, 2)]
+        assert link.failures == 1
+        # A request the daemon refuses for itself keeps the session and its client.
+        client = link.client()
+        other = make_identity(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+                              block_tokens=TOKENS, tenant="other")
+        assert link.namespace("other", lambda: other) is None  # another tenant's: refused
+        assert link.failures == 2 and link.client() is client
+        assert link.namespace("pages", identity) is again
+    finally:
+        link.close()
 
 
 def test_a_link_idle_past_its_lease_connects_again(
