@@ -271,7 +271,7 @@ def test_a_restart_announces_what_the_ssd_index_brought_back(daemon_factory: Any
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_BATCH"), reason="Linux only")
-def test_the_streams_io_thread_never_preempts_the_loop(tmp_path: Path) -> None:
+def test_the_streams_io_thread_runs_as_a_batch_thread(tmp_path: Path) -> None:
     """ZeroMQ's I/O thread of the stream runs as a batch thread: woken by a batch's send,
     it waits for the daemon's loop to yield rather than take the CPU from it."""
     import asyncio
@@ -302,6 +302,41 @@ def test_the_streams_io_thread_never_preempts_the_loop(tmp_path: Path) -> None:
     finally:
         pub.close()
         loop.close()
+
+
+_IDLE_PUBLISHER = """
+import asyncio, os, sys
+from kvstore.config import EventsConfig
+from kvstore.events import EventPublisher
+from kvstore.store import BlockStore
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # as under `chrt -i 0`
+store = BlockStore(1 << 20, 1 << 20)
+pub = EventPublisher(EventsConfig(endpoint=sys.argv[1]), store)
+loop = asyncio.new_event_loop()
+pub.open(loop)
+pub.close()
+loop.close()
+print("open and closed")
+"""
+
+
+def test_a_process_started_idle_opens_its_event_stream(tmp_path: Path) -> None:
+    """Leaving SCHED_IDLE needs CAP_SYS_NICE, and ZeroMQ aborts the process when its I/O
+    thread cannot take the policy it was given: the stream then keeps the process's."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", _IDLE_PUBLISHER, f"ipc://{tmp_path}/pub.sock"]
+    if os.geteuid() == 0:  # root may leave SCHED_IDLE unless it gives up the capability
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root, and no setpriv to give up CAP_SYS_NICE")
+        command = [setpriv, "--bounding-set=-sys_nice", "--inh-caps=-sys_nice", *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "open and closed" in done.stdout
 
 
 def test_batches_go_out_only_while_someone_subscribes(tmp_path: Path) -> None:
