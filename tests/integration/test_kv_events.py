@@ -145,7 +145,7 @@ def test_bad_token_ids_are_refused_and_leave_nothing(daemon_factory: Any) -> Non
         assert after["committed"] == before["committed"]
         assert after["reserved"] == before["reserved"]
         # the one buffer of every block's ids: cut short, or of the wrong tag
-        good = ns._chains.tokens_of(keys)
+        good = ns._chains.tokens_of(keys, True)[1]
         assert len(good) == 2 * 5 * BT
         for ids in (good[:-1], good[:5 * BT], b"\xcc" + good[1:]):
             bad = p.Put(c._next_rid(), ns.id, keys, None, [], [], ids)
@@ -171,7 +171,7 @@ def test_a_daemon_without_events_asks_for_no_tokens(daemon_factory: Any) -> None
         assert c.hello is not None and not c.hello.events
         ns = c.namespace(IDENT)
         keys = ns.keys(list(range(BT)))
-        assert ns._chains.tokens_of(keys) == b""  # nothing remembered for it
+        assert ns._chains.tokens_of(keys, True) == ([], b"")  # nothing remembered for it
         ns.put(keys, [content(k) for k in keys])
         assert "events" not in c.stats()
         assert c.snapshot().seq == -1
