@@ -3,6 +3,8 @@ they rebuild exactly what the store holds per tier; and the event encodings in P
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 from hypothesis import settings
@@ -15,7 +17,7 @@ from kvstore.events import BlockStored, EventMaker, KVEventBatch, decoder
 from kvstore.keys import chain_keys
 from kvstore.store import BlockStore
 from kvstore.tier_changes import TIER_BITS, Removed, Stored, TierChanges, holdings
-from kvstore.token_ids import encode_blocks, encode_chain
+from kvstore.token_ids import SPLIT_BELOW, TokenRun, encode_blocks, encode_chain
 
 
 class ChangesMachine(StoreMachine):
@@ -30,9 +32,35 @@ class ChangesMachine(StoreMachine):
         self.changes = TierChanges(self._first)
         self.store.record_changes(self.changes)
         self.mirror: dict[tuple[bytes, str], bytes | None] = {}  # (key, tier) -> parent
+        # every other commit carries its blocks' token ids in one buffer (as a client
+        # does while someone listens): runs to count
+        commit, reservations = self.store.commit, self.store.leases
+        self.commits = 0
+
+        def commit_with_ids(owner: str, rid: int, now: float, checksums: Any = (),
+                            tokens: Any = ()) -> Any:
+            self.commits += 1
+            r = reservations.state(owner).reservations.get(rid)
+            if r is not None and self.commits % 2:
+                bt = r.ns.identity.block_tokens
+                tokens = encode_chain(range(len(r.keys) * bt), len(r.keys), bt)
+            return commit(owner, rid, now, checksums, tokens)
+
+        self.store.commit = commit_with_ids  # type: ignore[method-assign]
 
     def _first(self) -> None:
         self.firsts += 1
+
+    @invariant()
+    def each_run_counts_the_blocks_that_name_it(self) -> None:
+        named: dict[TokenRun, int] = {}
+        for ns in self.store.namespaces.values():
+            for b in ns.blocks.values():
+                if b.tokens is not None:
+                    named[b.tokens] = named.get(b.tokens, 0) + 1
+        for run, count in named.items():
+            assert run.live == count, f"{run} named by {count} blocks"
+            assert count * SPLIT_BELOW >= len(run.keys), f"{run} kept for {count} blocks"
 
     @invariant()
     def mirror_equals_the_store(self) -> None:
