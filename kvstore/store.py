@@ -194,6 +194,7 @@ class BlockStore(StoreCore):
         duplicates: list[int] = []
         fresh: list[Block] = []
         bare: list[Block] = []  # blocks already in DRAM with no token ids
+        revived: list[Block] = []  # blocks only on SSD given a DRAM copy, with token ids
         shards, mask = ns.blocks.shards, ns.blocks.mask  # ``ns.blocks``' get and set, inline
         for i, (key, offset) in enumerate(zip(r.keys, r.offsets)):
             shard = shards[hash(key) & mask]
@@ -217,17 +218,20 @@ class BlockStore(StoreCore):
             else:
                 block.offset = offset       # only on SSD: this is its DRAM copy
                 fresh.append(block)
-                if block.tokens is not None:  # this commit's run names it from now on
-                    run = block.tokens
-                    block.tokens = None
-                    let_go(run, ns.blocks)
+                if block.tokens is not None:
+                    revived.append(block)
             block.seen += 1
             parent = block
         ns.blocks.grown()
         if runs and isinstance(tokens, bytes):  # events on, one buffer: each new copy
             # names it, and so does a block already in DRAM that came without ids (a
             # block with ids keeps those)
+            for block in revived:  # named by this commit's run from now on
+                old_run, block.tokens = block.tokens, None
+                assert old_run is not None, "a revived block had token ids"
+                let_go(old_run, ns.blocks)
             run = runs[0]
+            assert run is not None, "one buffer: one run"
             for block in fresh:
                 block.tokens = run
             for block in bare:
