@@ -428,3 +428,37 @@ def test_run_bytes_searches_each_runs_keys_once_however_runs_alternate() -> None
     tail[-1].tokens = last
     assert run_bytes(tail[1:]) == ids[61 * size:]
     assert Keys.searched <= 2
+
+
+def test_a_block_back_from_ssd_keeps_its_ids_unless_its_commit_brings_some() -> None:
+    store, changes, _ = _store()
+    ns = store.open_namespace(IDENT)
+    bt = IDENT.block_tokens
+    tokens = list(range(2 * bt))
+    keys = chain_keys(ns.id, tokens, bt)
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0, tokens=encode_chain(tokens, 2, bt))  # type: ignore[union-attr]
+    blocks = [ns.blocks[k] for k in keys]
+    first = blocks[0].tokens
+
+    def only_on_ssd() -> None:
+        plan = store.ssd_copies.writeback_plan(high=0.0, low=0.0, batch=4)
+        if plan:
+            t, _ = store.ssd_copies.reserve(plan)
+            store.ssd_copies.finish_write(t, [object()] * len(t.blocks))
+        for b in blocks:
+            store.drop_dram_copy(b)
+        assert all(b.offset is None and b.ssd_offset is not None for b in blocks)
+
+    only_on_ssd()
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0)  # type: ignore[union-attr]  # its DRAM copies, no ids
+    assert all(b.tokens is first for b in blocks) and first is not None and first.live == 2
+    only_on_ssd()
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0, tokens=encode_chain(tokens, 2, bt))  # type: ignore[union-attr]
+    second = blocks[0].tokens
+    assert second is not first and second is not None
+    assert all(b.tokens is second for b in blocks) and second.live == 2
+    changes.drain()
+    assert _token_ids(Stored("ssd", ns, blocks)) == tokens
