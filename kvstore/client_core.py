@@ -371,28 +371,31 @@ class _Chains:
         while len(tokens) > most:
             tokens.popitem(last=False)
 
-    def tokens_of(self, keys: Sequence[bytes]) -> bytes:
-        """The keys' blocks' token ids, one after another in one buffer (a slice of
-        their chain's when they were laid out together); b"" when one is not remembered,
-        or when they would crowd the request's header."""
+    def tokens_of(self, keys: Sequence[bytes], one_buffer: bool) -> tuple[list[bytes], bytes]:
+        """The keys' blocks' token ids as a commit or put carries them: ``([], buffer)``,
+        one after another in one buffer (a slice of their chain's when they were laid out
+        together), where the daemon takes that (``one_buffer``) and all are remembered;
+        else ``(each block's, b"")``, b"" where one is not; ``([], b"")`` when none is, or
+        when they would crowd the request's header."""
         if not keys:
-            return b""
+            return [], b""
         tokens = self._tokens
         first, last = tokens.get(keys[0]), tokens.get(keys[-1])
-        if first is None or last is None:
-            return b""
-        raw, start, end = first
-        size = end - start
-        if last[0] is raw and last[1] - start == (len(keys) - 1) * size:
-            out = raw[start:last[2]]  # one chain's, as laid out
-        else:  # of several chains: each block's, joined if they are all of one width
-            found = [tokens.get(key) for key in keys]
-            if any(f is None or f[2] - f[1] != size for f in found):
-                return b""
-            out = b"".join(f[0][f[1]:f[2]] for f in found)  # type: ignore[index]
-        if len(out) > p.MAX_HEADER_BYTES // 2:
-            return b""
-        return out
+        if one_buffer and first is not None and last is not None:
+            raw, start, end = first
+            if last[0] is raw and last[1] - start == (len(keys) - 1) * (end - start):
+                out = raw[start:last[2]]  # one chain's, as laid out
+                return ([], out) if len(out) <= p.MAX_HEADER_BYTES // 2 else ([], b"")
+        found = [tokens.get(key) for key in keys]
+        each = [f[0][f[1]:f[2]] if f is not None else b"" for f in found]
+        if not any(each):
+            return [], b""
+        if one_buffer and all(each) and len(set(map(len, each))) == 1:
+            out = b"".join(each)  # of several chains, all of one width
+            return ([], out) if len(out) <= p.MAX_HEADER_BYTES // 2 else ([], b"")
+        if sum(map(len, each)) > p.MAX_HEADER_BYTES // 2:
+            return [], b""
+        return each, b""
 
 
 class NamespaceCore(Generic[S]):
@@ -431,6 +434,13 @@ class NamespaceCore(Generic[S]):
         hello = self.client.hello
         return hello is not None and hello.events
 
+    @property
+    def token_buffer(self) -> bool:
+        """Whether the daemon takes a commit's token ids in one buffer (``token_ids``);
+        an older one takes only each block's (``tokens``)."""
+        hello = self.client.hello
+        return hello is not None and hello.token_buffer
+
     def _parent(self, keys: Sequence[bytes], parent: bytes | None) -> bytes | None:
         return parent if parent is not None or not keys else self._chains.parent_of(keys[0])
 
@@ -461,9 +471,10 @@ class NamespaceCore(Generic[S]):
             part = list(keys[start:start + per])
             payload = list(blocks[start:start + per])
             sums = [checksum(b) for b in payload] if c.checksums else []
-            tokens = self._chains.tokens_of(part) if self.events and c.tokens_wanted else b""
-            received = yield (p.Put(c._next_rid(), self.id, part, previous, sums, [], tokens),
-                              payload)
+            each, tokens = (self._chains.tokens_of(part, self.token_buffer)
+                            if self.events and c.tokens_wanted else ([], b""))
+            received = yield (p.Put(c._next_rid(), self.id, part, previous, sums, each,
+                                    tokens), payload)
             reply = check_reply(received[0], p.PutReply)
             created += reply.created
             c.tokens_wanted = reply.tokens
@@ -639,10 +650,10 @@ class ReservationCore(Generic[N]):
             raise KVStoreError("nothing reserved yet: await the reservation first")
         c = self.ns.client
         sums = [checksum(b) for b in self.buffers] if c.checksums else []
-        tokens = (self.ns._chains.tokens_of(self.keys)
-                  if self.ns.events and c.tokens_wanted else b"")
+        each, tokens = (self.ns._chains.tokens_of(self.keys, self.ns.token_buffer)
+                        if self.ns.events and c.tokens_wanted else ([], b""))
         self._finish()
-        return p.Commit(c._next_rid(), self.id, sums, [], tokens)
+        return p.Commit(c._next_rid(), self.id, sums, each, tokens)
 
     @staticmethod
     def _on_commit(received: Received) -> int:

@@ -32,6 +32,7 @@ from kvstore.pool import SlabClass
 from kvstore.scheduler.admission import PolicyChain, Step
 from kvstore.tier import Tier
 from kvstore.tier_changes import TierChanges
+from kvstore.token_ids import let_go
 
 
 class StoreCore:
@@ -255,6 +256,8 @@ class StoreCore:
                and block.ssd_holds == 0 and not block.promoting
                and block.ns.blocks.get(block.key) is block):
             del block.ns.blocks[block.key]
+            if block.tokens is not None:  # (it keeps its ids for an event still to come)
+                let_go(block.tokens, block.ns.blocks)
             if self.changes is not None and block.announced & 4:
                 self.changes.touch(block)  # a remote mark goes with the entry
             parent = block.parent

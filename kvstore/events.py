@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -197,6 +198,29 @@ class EventMaker:
             None, None, locality)
 
 
+def _may_run_as_batch() -> bool:
+    """Whether a thread of this process may set itself SCHED_BATCH.  ZeroMQ aborts the
+    process when its I/O thread cannot set the policy it is given (as one started under
+    SCHED_IDLE cannot, without CAP_SYS_NICE), so a throwaway thread tries first."""
+    if not hasattr(os, "SCHED_BATCH"):
+        return False
+    refused: list[OSError] = []
+
+    def attempt() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError as e:
+            refused.append(e)
+
+    thread = threading.Thread(target=attempt, name="kvstore-sched-probe")
+    thread.start()
+    thread.join()
+    if refused:
+        log.debug("event stream's I/O thread keeps the process's scheduling: %s",
+                  refused[0])
+    return not refused
+
+
 class EventPublisher:
     """The PUB and replay sockets, the ring of recent batches, and the per-turn flush."""
 
@@ -239,7 +263,7 @@ class EventPublisher:
         """Bind the sockets and start marking the store's changes."""
         self._loop = loop
         self._ctx = zmq.Context()
-        if hasattr(os, "SCHED_BATCH"):
+        if _may_run_as_batch():
             # Its I/O thread, woken by each batch, waits for the loop to yield rather
             # than preempt it: a batch's send costs the loop an enqueue, not a switch.
             self._ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)

@@ -179,6 +179,9 @@ class HelloReply(Message, tag="hello"):
     max_keys: int
     max_request_bytes: int
     events: bool = False  # the daemon publishes KV events: send token ids with commits
+    # the daemon takes a commit's or put's token ids in one buffer (token_ids); an older
+    # one ignores that field: send each block's (tokens) instead
+    token_buffer: bool = False
 
 
 class NamespaceReply(Message, tag="open"):

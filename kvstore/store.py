@@ -62,7 +62,7 @@ from kvstore.room import RoomMaker
 from kvstore.scheduler.eviction import WarmPins, make_policy
 from kvstore.ssd_copies import SsdCopies
 from kvstore.store_view import check_invariants, tier_stats
-from kvstore.token_ids import run_of
+from kvstore.token_ids import let_go, run_of
 
 __all__ = ["DRAM", "SSD", "Block", "BlockStore", "CommitResult", "Counters", "Limits",
            "Namespace", "Owner", "OwnerState", "Pin", "Plan", "Reservation", "TierSlots",
@@ -182,7 +182,9 @@ class BlockStore(StoreCore):
         state, r = self.leases.take_reservation(owner, rid, now)
         if checksums and len(checksums) != len(r.keys):
             raise MalformedError(f"{len(checksums)} checksums for {len(r.keys)} blocks")
-        runs = run_of(tokens, r.keys, r.ns.identity.block_tokens) if tokens else []
+        # token ids are kept only for events (none: a writer sending them costs nothing)
+        runs = (run_of(tokens, r.keys, r.ns.identity.block_tokens)
+                if tokens and self.changes is not None else [])
         del state.reservations[rid]
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
@@ -191,6 +193,8 @@ class BlockStore(StoreCore):
         parent = r.parent
         duplicates: list[int] = []
         fresh: list[Block] = []
+        bare: list[Block] = []  # blocks already in DRAM with no token ids
+        revived: list[Block] = []  # blocks only on SSD given a DRAM copy, with token ids
         shards, mask = ns.blocks.shards, ns.blocks.mask  # ``ns.blocks``' get and set, inline
         for i, (key, offset) in enumerate(zip(r.keys, r.offsets)):
             shard = shards[hash(key) & mask]
@@ -209,17 +213,30 @@ class BlockStore(StoreCore):
                 fresh.append(block)
             elif block.offset is not None or block.promoting:
                 duplicates.append(offset)
+                if block.tokens is None:
+                    bare.append(block)
             else:
                 block.offset = offset       # only on SSD: this is its DRAM copy
                 fresh.append(block)
+                if block.tokens is not None:
+                    revived.append(block)
             block.seen += 1
             parent = block
         ns.blocks.grown()
         if runs and isinstance(tokens, bytes):  # events on, one buffer: each new copy
-            # names it (a block already in DRAM keeps the ids it came with)
+            # names it, and so does a block already in DRAM that came without ids (a
+            # block with ids keeps those)
+            for block in revived:  # named by this commit's run from now on
+                old_run, block.tokens = block.tokens, None
+                assert old_run is not None, "a revived block had token ids"
+                let_go(old_run, ns.blocks)
             run = runs[0]
+            assert run is not None, "one buffer: one run"
             for block in fresh:
                 block.tokens = run
+            for block in bare:
+                block.tokens = run
+            run.live = len(fresh) + len(bare)
         elif runs:  # each block's bytes apart (an older client's): kept where none were
             for key, one in zip(r.keys, runs):
                 block = ns.blocks[key]

@@ -46,19 +46,52 @@ def encode_blocks(token_ids: Any, blocks: int, block_tokens: int) -> list[bytes]
 class TokenRun:
     """One commit's token ids, kept whole as the client laid them out: ``keys[i]``'s
     block's ids are ``ids[i * size:(i + 1) * size]``.  Each block of the commit names
-    the run; an event takes the slice of the blocks it announces.  A block left of the
-    commit keeps all of it (5 or 9 bytes a token of the commit: little beside one
-    block's own bytes, which are kilobytes a token)."""
+    the run; an event takes the slice of the blocks it announces.  ``live`` counts the
+    blocks of the store's index that name it: when it falls below a quarter of the keys
+    (``SPLIT_BELOW``), those blocks get runs of their own stretches
+    (``let_go``), so what a block left of a big commit keeps is about its own ids, not
+    the whole commit's buffer and key list."""
 
-    __slots__ = ("ids", "keys", "size")
+    __slots__ = ("ids", "keys", "size", "live")
 
-    def __init__(self, ids: bytes, keys: list[bytes], size: int) -> None:
+    def __init__(self, ids: bytes, keys: list[bytes], size: int, live: int = 0) -> None:
         self.ids = ids
         self.keys = keys  # (the reservation's list, kept as it is)
         self.size = size
+        self.live = live
 
     def __repr__(self) -> str:
-        return f"TokenRun({len(self.keys)} blocks, {self.size} bytes each)"
+        return (f"TokenRun({len(self.keys)} blocks, {self.size} bytes each, "
+                f"{self.live} live)")
+
+
+SPLIT_BELOW = 4  # a run is split when fewer than 1 in SPLIT_BELOW of its keys name it
+
+
+def let_go(run: TokenRun, index: Any) -> None:
+    """A block of ``index`` (a namespace's blocks, by key) that named ``run`` left it.
+    When fewer than a quarter of the run's keys are still named, each stretch of
+    consecutive blocks that still name it gets a run of its own (a slice of the ids and
+    of the keys), so the commit's buffer and key list can go; O(the run's keys), once
+    in the run's life."""
+    run.live -= 1
+    keys = run.keys
+    if run.live * SPLIT_BELOW >= len(keys):
+        return
+    size, ids, count = run.size, run.ids, len(keys)
+    get = index.get
+    start = -1
+    for i in range(count + 1):
+        block = get(keys[i]) if i < count else None
+        if block is not None and block.tokens is run:
+            if start < 0:
+                start = i
+        elif start >= 0:
+            own = TokenRun(ids[start * size:i * size], keys[start:i], size, i - start)
+            for key in own.keys:
+                index[key].tokens = own
+            start = -1
+    run.live = 0
 
 
 def run_of(tokens: bytes | Sequence[bytes], keys: list[bytes],
@@ -85,14 +118,18 @@ def run_of(tokens: bytes | Sequence[bytes], keys: list[bytes],
     if not tokens:
         return []
     check_blocks(tokens, count, block_tokens)
-    return [TokenRun(t, [key], len(t)) if t else None for key, t in zip(keys, tokens)]
+    return [TokenRun(t, [key], len(t), 1) if t else None for key, t in zip(keys, tokens)]
 
 
 def run_bytes(blocks: Sequence[Any]) -> bytes | None:
     """The token ids of ``blocks`` (``Block``s of one chain, each the parent of the next,
     each naming its ``TokenRun`` in ``tokens``) laid out one after another; None if a
-    block's are not known.  A run of consecutive blocks is one slice."""
+    block's are not known.  A stretch of consecutive blocks of one run is one slice;
+    each run's keys are searched once (a run's keys are a stretch of the chain, so a
+    block's place in them is the first found's plus how far along the chain it is):
+    O(the blocks) however the runs alternate."""
     parts: list[bytes] = []
+    shift: dict[TokenRun, int] = {}  # a run's first key found: its place less the block's
     i, count = 0, len(blocks)
     while i < count:
         block = blocks[i]
@@ -100,13 +137,20 @@ def run_bytes(blocks: Sequence[Any]) -> bytes | None:
         if run is None:
             return None
         keys = run.keys
-        at = 0 if keys[0] is block.key else keys.index(block.key)
+        at = i + shift.get(run, -i)
+        if not (0 <= at < len(keys) and keys[at] == block.key):
+            at = keys.index(block.key)
+            shift[run] = at - i
         # as far as the run and the blocks go together: the blocks are a chain, so if
         # the last of them is the run's block there, every one between is too
-        n = min(len(keys) - at, count - i)
-        last = blocks[i + n - 1]
-        if n > 1 and not (last.tokens is run and keys[at + n - 1] == last.key):
+        end = min(len(keys) - at, count - i)
+        last = blocks[i + end - 1]
+        if last.tokens is run and keys[at + end - 1] == last.key:
+            n = end
+        else:
             n = 1
+            while n < end and blocks[i + n].tokens is run and keys[at + n] == blocks[i + n].key:
+                n += 1
         size = run.size
         if n == len(keys):
             parts.append(run.ids)

@@ -162,7 +162,7 @@ class Verbs:
         return p.HelloReply(
             req.rid, p.PROTOCOL_VERSION, session.id, session.tenant, arena.path,
             arena.capacity_bytes, d.limits.lease_seconds, d.max_keys,
-            d.max_request_bytes, bool(d.config.events.endpoint)), []
+            d.max_request_bytes, bool(d.config.events.endpoint), True), []
 
     def _open(self, session: Session, req: p.OpenNamespace, payload: list[Any]) -> Outcome:
         d = self.d

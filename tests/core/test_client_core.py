@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from kvtest import make_identity
 
@@ -143,3 +144,79 @@ def test_tcp_credentials_carry_the_token_in_the_handshake() -> None:
     assert "token is forged, expired" in refused_hint("token")
     assert "ticket was used" in refused_hint("ticket")
     assert refused_hint("") == ""
+
+
+class _OldHelloReply(msgspec.Struct, tag_field="op", tag="hello", array_like=True):
+    """HelloReply as daemons before the one-buffer token ids define it."""
+
+    rid: int
+    version: int
+    session: str
+    tenant: str
+    arena_path: str
+    arena_bytes: int
+    lease_seconds: float
+    max_keys: int
+    max_request_bytes: int
+    events: bool = False
+
+
+class _OldPut(msgspec.Struct, tag_field="op", tag="put", array_like=True):
+    """Put as daemons before the one-buffer token ids define it."""
+
+    rid: int
+    ns: bytes
+    keys: list[bytes]
+    parent: bytes | None = None
+    checksums: list[int] = []
+    tokens: list[bytes] = []
+
+
+def _put_with_events(hello: bytes, forget: int = 0) -> tuple[p.Put, list[int], int]:
+    """The Put a client sends after ``hello`` (as it came on the wire), for three blocks
+    whose token ids it remembers, less the first ``forget``'s."""
+    s = SessionCore("ipc:///nowhere", tenant="acme", token=None, timeout=1.0,
+                    map_arena=False, curve=None, checksums=False)
+    s._on_hello((p.reply_decoder.decode(hello), []))
+    ns = namespace(s)
+    bt = ns.identity.block_tokens
+    tokens = list(range(3 * bt))
+    keys = ns.keys(tokens)
+    for key in keys[:forget]:
+        del ns._chains._tokens[key]
+    blocks = [bytes(ns.block_bytes)] * 3
+    sent, _ = drive(ns._put(keys, blocks, None),
+                    lambda req, payload: (p.PutReply(req.rid, len(payload), 0), []))
+    [put] = sent
+    return put, tokens, bt
+
+
+def test_token_ids_go_as_the_daemon_takes_them_old_or_new() -> None:
+    from kvstore.token_ids import encode_blocks, encode_chain
+
+    facts = (1, p.PROTOCOL_VERSION, "s", "acme", "", 0, 60.0, 100, 1 << 30, True)
+    # a daemon that takes one buffer says so: the client sends one
+    put, tokens, bt = _put_with_events(p.encoder.encode(p.HelloReply(*facts, True)))
+    assert put.token_ids == encode_chain(tokens, 3, bt) and put.tokens == []
+    # an older daemon (no such field, which would ignore token_ids): each block's
+    put, tokens, bt = _put_with_events(msgspec.msgpack.encode(_OldHelloReply(*facts)))
+    assert put.token_ids == b"" and put.tokens == encode_blocks(tokens, 3, bt)
+    old = msgspec.msgpack.decode(p.encoder.encode(put), type=_OldPut)
+    assert old.tokens == encode_blocks(tokens, 3, bt)  # as the old daemon reads it
+    # an older client reads the new hello, and its Put is read by the new daemon
+    hello = msgspec.msgpack.decode(p.encoder.encode(p.HelloReply(*facts, True)),
+                                   type=_OldHelloReply)
+    assert hello.events
+    new = p.request_decoder.decode(msgspec.msgpack.encode(_OldPut(**{
+        f: getattr(old, f) for f in _OldPut.__struct_fields__})))
+    assert isinstance(new, p.Put) and new.tokens == old.tokens and new.token_ids == b""
+
+
+def test_token_ids_the_client_knows_go_when_it_does_not_know_all() -> None:
+    from kvstore.token_ids import check_blocks, encode_blocks
+
+    facts = (1, p.PROTOCOL_VERSION, "s", "acme", "", 0, 60.0, 100, 1 << 30, True, True)
+    put, tokens, bt = _put_with_events(p.encoder.encode(p.HelloReply(*facts)), forget=1)
+    assert put.token_ids == b""
+    assert put.tokens == [b"", *encode_blocks(tokens, 3, bt)[1:]]
+    check_blocks(put.tokens, 3, bt)  # as the daemon takes them

@@ -3,6 +3,8 @@ they rebuild exactly what the store holds per tier; and the event encodings in P
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 from hypothesis import settings
@@ -15,7 +17,7 @@ from kvstore.events import BlockStored, EventMaker, KVEventBatch, decoder
 from kvstore.keys import chain_keys
 from kvstore.store import BlockStore
 from kvstore.tier_changes import TIER_BITS, Removed, Stored, TierChanges, holdings
-from kvstore.token_ids import encode_blocks, encode_chain
+from kvstore.token_ids import SPLIT_BELOW, TokenRun, encode_blocks, encode_chain
 
 
 class ChangesMachine(StoreMachine):
@@ -30,9 +32,35 @@ class ChangesMachine(StoreMachine):
         self.changes = TierChanges(self._first)
         self.store.record_changes(self.changes)
         self.mirror: dict[tuple[bytes, str], bytes | None] = {}  # (key, tier) -> parent
+        # every other commit carries its blocks' token ids in one buffer (as a client
+        # does while someone listens): runs to count
+        commit, reservations = self.store.commit, self.store.leases
+        self.commits = 0
+
+        def commit_with_ids(owner: str, rid: int, now: float, checksums: Any = (),
+                            tokens: Any = ()) -> Any:
+            self.commits += 1
+            r = reservations.state(owner).reservations.get(rid)
+            if r is not None and self.commits % 2:
+                bt = r.ns.identity.block_tokens
+                tokens = encode_chain(range(len(r.keys) * bt), len(r.keys), bt)
+            return commit(owner, rid, now, checksums, tokens)
+
+        self.store.commit = commit_with_ids  # type: ignore[method-assign]
 
     def _first(self) -> None:
         self.firsts += 1
+
+    @invariant()
+    def each_run_counts_the_blocks_that_name_it(self) -> None:
+        named: dict[TokenRun, int] = {}
+        for ns in self.store.namespaces.values():
+            for b in ns.blocks.values():
+                if b.tokens is not None:
+                    named[b.tokens] = named.get(b.tokens, 0) + 1
+        for run, count in named.items():
+            assert run.live == count, f"{run} named by {count} blocks"
+            assert count * SPLIT_BELOW >= len(run.keys), f"{run} kept for {count} blocks"
 
     @invariant()
     def mirror_equals_the_store(self) -> None:
@@ -298,3 +326,139 @@ def test_token_ids_are_laid_out_once_and_checked_by_layout() -> None:
                 b"".join(wide) + one[:1], np.arange(2 * bt, dtype="<i8").tobytes()):
         with pytest.raises(MalformedError, match="one buffer"):
             run_of(ids, keys, bt)
+
+
+def _token_ids(ns_stored: Stored) -> list[int]:
+    made = EventMaker(EventsConfig()).events([ns_stored])[0]
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(made), type=BlockStored).token_ids
+
+
+def test_a_block_left_of_a_big_commit_keeps_about_its_own_token_ids() -> None:
+    count = 64
+    slot = IDENT.block_bytes
+    store = BlockStore(2 * count * slot, 2 * count * slot)
+    changes = TierChanges(lambda: None)
+    store.record_changes(changes)
+    ns = store.open_namespace(IDENT)
+    bt = IDENT.block_tokens
+    tokens = list(range(count * bt))
+    keys = chain_keys(ns.id, tokens, bt)
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0, tokens=encode_chain(tokens, count, bt))  # type: ignore[union-attr]
+    run = ns.blocks[keys[0]].tokens
+    assert run is not None and run.live == count
+    store.index.evict(ns, keys[20:])  # still a quarter and more of it: the run stays whole
+    assert all(ns.blocks[k].tokens is run for k in keys[:20]) and run.live == 20
+    store.index.evict(ns, keys[3:20])  # fewer than a quarter: the three get their own
+    kept = [ns.blocks[k] for k in keys[:3]]
+    own = kept[0].tokens
+    assert own is not run and own is not None
+    assert all(b.tokens is own for b in kept) and own.live == 3
+    assert own.keys == keys[:3] and len(own.ids) == 3 * own.size
+    changes.drain()
+    assert _token_ids(Stored("ssd", ns, kept)) == tokens[:3 * bt]
+    store.index.evict(ns, keys[1:3])  # a run of under four blocks stays whole
+    assert kept[0].tokens is own and own.live == 1
+
+
+def test_token_ids_are_not_kept_with_no_event_stream() -> None:
+    slot = IDENT.block_bytes
+    store = BlockStore(8 * slot, 8 * slot)
+    ns = store.open_namespace(IDENT)
+    bt = IDENT.block_tokens
+    tokens = list(range(2 * bt))
+    keys = chain_keys(ns.id, tokens, bt)
+    for ids in (encode_chain(tokens, 2, bt), encode_blocks(tokens, 2, bt)):
+        r = store.reserve("o", ns, keys, None, 0.0)
+        store.commit("o", r.id, 0.0, tokens=ids)  # type: ignore[union-attr]
+        assert [ns.blocks[k].tokens for k in keys] == [None, None]
+
+
+def test_a_block_stored_with_no_ids_takes_them_from_a_later_commit() -> None:
+    store, changes, _ = _store()
+    ns = store.open_namespace(IDENT)
+    bt = IDENT.block_tokens
+    tokens = list(range(3 * bt))
+    keys = chain_keys(ns.id, tokens, bt)
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0)  # type: ignore[union-attr]  # nobody heard: no ids
+    changes.drain()
+    r = store.reserve("o", ns, keys, None, 0.0)
+    result = store.commit("o", r.id, 0.0,  # type: ignore[union-attr]
+                          tokens=encode_chain(tokens, 3, bt))
+    assert result.created == 0
+    blocks = [ns.blocks[k] for k in keys]
+    assert _token_ids(Stored("ssd", ns, blocks)) == tokens
+    run = blocks[0].tokens
+    assert run is not None and run.live == 3
+
+
+def test_run_bytes_searches_each_runs_keys_once_however_runs_alternate() -> None:
+    from types import SimpleNamespace
+
+    from kvstore.token_ids import TokenRun, run_bytes
+
+    class Keys(list[bytes]):
+        searched = 0
+
+        def index(self, *args: object) -> int:  # type: ignore[override]
+            Keys.searched += 1
+            return super().index(*args)  # type: ignore[arg-type]
+
+    bt, count = 4, 400
+    tokens = list(range(count * bt))
+    keys = [i.to_bytes(4, "big") for i in range(count)]
+    ids = encode_chain(tokens, count, bt)
+    size = len(ids) // count
+    # the chain's blocks 100.. named alternately by two runs of the same ids (two
+    # commits), and the last block by a run of its own
+    a = TokenRun(ids[100 * size:], Keys(keys[100:]), size)
+    b = TokenRun(ids[50 * size:], Keys(keys[50:]), size)
+    last = TokenRun(ids[-size:], Keys(keys[-1:]), size)
+    blocks = [SimpleNamespace(key=keys[i], tokens=(a, b)[i % 2]) for i in range(100, count)]
+    blocks[-1].tokens = last
+    for part in (blocks, blocks[1:], blocks[7:-3], blocks[-2:]):
+        Keys.searched = 0
+        first = keys.index(part[0].key)
+        assert run_bytes(part) == ids[first * size:(first + len(part)) * size]
+        assert Keys.searched <= 3
+    # a stretch of one run, its last block named by another: one slice, one search
+    Keys.searched = 0
+    tail = [SimpleNamespace(key=keys[i], tokens=b) for i in range(60, count)]
+    tail[-1].tokens = last
+    assert run_bytes(tail[1:]) == ids[61 * size:]
+    assert Keys.searched <= 2
+
+
+def test_a_block_back_from_ssd_keeps_its_ids_unless_its_commit_brings_some() -> None:
+    store, changes, _ = _store()
+    ns = store.open_namespace(IDENT)
+    bt = IDENT.block_tokens
+    tokens = list(range(2 * bt))
+    keys = chain_keys(ns.id, tokens, bt)
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0, tokens=encode_chain(tokens, 2, bt))  # type: ignore[union-attr]
+    blocks = [ns.blocks[k] for k in keys]
+    first = blocks[0].tokens
+
+    def only_on_ssd() -> None:
+        plan = store.ssd_copies.writeback_plan(high=0.0, low=0.0, batch=4)
+        if plan:
+            t, _ = store.ssd_copies.reserve(plan)
+            store.ssd_copies.finish_write(t, [object()] * len(t.blocks))
+        for b in blocks:
+            store.drop_dram_copy(b)
+        assert all(b.offset is None and b.ssd_offset is not None for b in blocks)
+
+    only_on_ssd()
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0)  # type: ignore[union-attr]  # its DRAM copies, no ids
+    assert all(b.tokens is first for b in blocks) and first is not None and first.live == 2
+    only_on_ssd()
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0, tokens=encode_chain(tokens, 2, bt))  # type: ignore[union-attr]
+    second = blocks[0].tokens
+    assert second is not first and second is not None
+    assert all(b.tokens is second for b in blocks) and second.live == 2
+    changes.drain()
+    assert _token_ids(Stored("ssd", ns, blocks)) == tokens

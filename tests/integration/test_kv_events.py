@@ -145,7 +145,7 @@ def test_bad_token_ids_are_refused_and_leave_nothing(daemon_factory: Any) -> Non
         assert after["committed"] == before["committed"]
         assert after["reserved"] == before["reserved"]
         # the one buffer of every block's ids: cut short, or of the wrong tag
-        good = ns._chains.tokens_of(keys)
+        good = ns._chains.tokens_of(keys, True)[1]
         assert len(good) == 2 * 5 * BT
         for ids in (good[:-1], good[:5 * BT], b"\xcc" + good[1:]):
             bad = p.Put(c._next_rid(), ns.id, keys, None, [], [], ids)
@@ -171,7 +171,7 @@ def test_a_daemon_without_events_asks_for_no_tokens(daemon_factory: Any) -> None
         assert c.hello is not None and not c.hello.events
         ns = c.namespace(IDENT)
         keys = ns.keys(list(range(BT)))
-        assert ns._chains.tokens_of(keys) == b""  # nothing remembered for it
+        assert ns._chains.tokens_of(keys, True) == ([], b"")  # nothing remembered for it
         ns.put(keys, [content(k) for k in keys])
         assert "events" not in c.stats()
         assert c.snapshot().seq == -1
@@ -271,7 +271,7 @@ def test_a_restart_announces_what_the_ssd_index_brought_back(daemon_factory: Any
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_BATCH"), reason="Linux only")
-def test_the_streams_io_thread_never_preempts_the_loop(tmp_path: Path) -> None:
+def test_the_streams_io_thread_runs_as_a_batch_thread(tmp_path: Path) -> None:
     """ZeroMQ's I/O thread of the stream runs as a batch thread: woken by a batch's send,
     it waits for the daemon's loop to yield rather than take the CPU from it."""
     import asyncio
@@ -302,6 +302,41 @@ def test_the_streams_io_thread_never_preempts_the_loop(tmp_path: Path) -> None:
     finally:
         pub.close()
         loop.close()
+
+
+_IDLE_PUBLISHER = """
+import asyncio, os, sys
+from kvstore.config import EventsConfig
+from kvstore.events import EventPublisher
+from kvstore.store import BlockStore
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # as under `chrt -i 0`
+store = BlockStore(1 << 20, 1 << 20)
+pub = EventPublisher(EventsConfig(endpoint=sys.argv[1]), store)
+loop = asyncio.new_event_loop()
+pub.open(loop)
+pub.close()
+loop.close()
+print("open and closed")
+"""
+
+
+def test_a_process_started_idle_opens_its_event_stream(tmp_path: Path) -> None:
+    """Leaving SCHED_IDLE needs CAP_SYS_NICE, and ZeroMQ aborts the process when its I/O
+    thread cannot take the policy it was given: the stream then keeps the process's."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", _IDLE_PUBLISHER, f"ipc://{tmp_path}/pub.sock"]
+    if os.geteuid() == 0:  # root may leave SCHED_IDLE unless it gives up the capability
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root, and no setpriv to give up CAP_SYS_NICE")
+        command = [setpriv, "--bounding-set=-sys_nice", "--inh-caps=-sys_nice", *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "open and closed" in done.stdout
 
 
 def test_batches_go_out_only_while_someone_subscribes(tmp_path: Path) -> None:
