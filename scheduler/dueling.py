@@ -41,6 +41,7 @@ registers the duel among its policies).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from itertools import chain
 from operator import attrgetter
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -263,6 +264,9 @@ class Duel(Generic[T]):
         # (``ghost_key``) shifted left by one, or'd with 1 once hit.  One map, one lookup
         # per hit; the sample decided once, at insert.  (Split as it grows: no stall.)
         self._items: ShardedDict[T, bool | int] = ShardedDict()
+        # the tracked items pinned (by ``pin``): a hand-over finds them here, not by
+        # comparing every tracked item with the order's list
+        self._pinned: set[T] = set()
         self._size = 0  # the most items tracked at once: the cache size, once full
         self._tick = 0  # inserts and evictions so far
         self._sampled = 0  # sampled references in the current epoch
@@ -375,23 +379,22 @@ class Duel(Generic[T]):
         order the one in charge lists them, those hit since they entered hit again,
         pinned ones pinned, and it takes the settings its miniature adapted to
         (O(items), once per hand-over; keeping every candidate's order all along costs
-        more per call than the hand-overs save, and did no better in the replay)."""
+        more per call than the hand-overs save, and did no better in the replay).
+
+        Hit density is handed only part of its warmth: its histograms are its
+        miniature's, but an item hit since it entered comes as hit once (its class of
+        one hit), whatever its hits (the item states keep one bit of them); it learns
+        the rest as they are hit again."""
         listed = list(self._order.evictable())
         tracked = self._items
         shards, modulus = tracked.shards, tracked.modulus
-        # Pinned: tracked, not listed.  Read shard by shard, in the map's own order (no
-        # copy of it in one table: at millions of items that was a spike of its size).
-        if len(tracked) > len(listed):
-            on_order = set(listed)
-            pinned = [item for shard in shards for item in shard if item not in on_order]
-            del on_order
-        else:
-            pinned = []
+        pinned = list(self._pinned)  # no table of every item: at millions, a spike of its size
         self._let_go(self._order)
         order: Order[T] = self._keyed(self._factories[best]())
-        # a fresh order knows no ghost: inserting them all at once is inserting each
-        order.insert_many(listed)
-        order.insert_many(pinned)
+        # A fresh order knows no ghost: inserting them all at once is inserting each.
+        # One call, pinned ones too: an order that counts an item's children (hit
+        # density) links those of one call, whatever their order in it.
+        order.insert_many(chain(listed, pinned))
         # hit since they entered (``_items``' states: True, or an odd int)
         for group in (listed, pinned):
             order.access_many([
@@ -509,13 +512,17 @@ class Duel(Generic[T]):
             order.access_many(run)
 
     def pin(self, item: T) -> None:
-        self._order.pin(item)
+        if item in self._items:
+            self._pinned.add(item)
+            self._order.pin(item)
 
     def unpin(self, item: T) -> None:
+        self._pinned.discard(item)
         self._order.unpin(item)
 
     def remove(self, item: T) -> None:
         if self._items.pop(item, None) is not None:
+            self._pinned.discard(item)
             self._order.remove(item)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
@@ -534,7 +541,7 @@ class Duel(Generic[T]):
 
     def __repr__(self) -> str:
         scores = ", ".join(f"{name}={score:.0f}" for name, score in self.scores().items())
-        pinned = len(self._items) - len(self)
+        pinned = len(self._pinned)
         return (
             f"{type(self).__name__}(leader={self.leader}, evictable={len(self)}, "
             f"pinned={pinned}, switches={self.switches}, scores: {scores})"

@@ -698,6 +698,7 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
             self._let_go(mini.order)
         self._order = self._factories[0]()
         self._minis, self._nodes, self._items = [], ShardedDict(), ShardedDict()
+        self._pinned = set()
         self._lingering = []
 
 
