@@ -236,8 +236,12 @@ class Duel(Generic[T]):
         if epoch < 1 or shortest < 1 or margin < 0.0 or not 0.0 <= keep < 1.0:
             raise ValueError("epoch and shortest must be >= 1, margin >= 0 and keep in [0, 1)")
         self._factories = list(factories)
-        # per candidate, the most items a hand-over to it may carry (None: no bound): an
-        # order that keeps tables rather than links takes long to build at millions
+        if len(most) > len(self._factories):
+            raise ValueError(f"most bounds {len(most)} candidates; there are "
+                             f"{len(self._factories)}")
+        # per candidate, the most items it may order (None: no bound): an order that
+        # keeps tables rather than links takes long to build, and grows by rebuilds, at
+        # millions; over its bound it is not elected, and hands over if in charge
         self._most = [*most, *[None] * (len(self._factories) - len(most))]
         self._order: Order[T] = self._keyed(self._factories[0]())
         # Miniatures hold the sampled keys, the hashes of the items' names (``ghost_key``):
@@ -359,18 +363,22 @@ class Duel(Generic[T]):
         for mini in self._minis:
             mini.score = mini.score * keep + mini.hits
             mini.hits = 0
-        size = self._size
-        best = max((i for i, bound in enumerate(self._most)
-                    if i == self._leader or bound is None or size <= bound),
-                   key=lambda i: (self._minis[i].score, -i))
+        # the items held now, not the most ever: a cache that shrank may elect again
+        count = len(self._items)
+        eligible = [i for i, bound in enumerate(self._most) if bound is None or count <= bound]
+        outgrown = bool(eligible) and self._leader not in eligible
+        if not eligible:  # every candidate over its bound: the one in charge stays
+            eligible = [self._leader]
+        best = max(eligible, key=lambda i: (self._minis[i].score, -i))
         lead = self._minis[best].score - self._minis[self._leader].score
         # Ahead by the margin, and by more hits than noise: half a percent of the longest
         # epoch's references (a few lucky hits must not hand over the order).  Not while
         # the cache fills: until its first victim the order picks nothing, and the
         # miniatures' few hits are noise (the first short epochs handed the agents
         # workload's order to SLRU at 51 references, for good, 0.01 points below LRU).
-        if (self._evicted and lead > self.margin * self._minis[self._leader].score
-                and lead > 0.005 * self.longest):
+        # A leader over its bound hands over to the best of the others, however they did.
+        if outgrown or (self._evicted and lead > self.margin * self._minis[self._leader].score
+                        and lead > 0.005 * self.longest):
             self._take_over(best)
         self.epoch = min(self.longest, max(self.shortest, self._size >> self.sample_shift))
 

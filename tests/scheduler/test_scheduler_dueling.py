@@ -107,6 +107,8 @@ def test_the_duel_refuses_bad_settings() -> None:
         Duel([LRUPolicy], sample_shift=17)
     with pytest.raises(ValueError):
         Duel([LRUPolicy], keep=1.0)
+    with pytest.raises(ValueError, match="most bounds 2 candidates"):
+        Duel([LRUPolicy], most=(None, 10))  # an IndexError at the first election
 
 
 def _phases(seed: int, requests: int) -> list[list[int]]:
@@ -464,3 +466,24 @@ def test_a_hand_over_to_hit_density_counts_the_children_of_pinned_parents() -> N
     assert duel.pop_victim(leaf) == 1
     assert asked == [1]  # the heads passed over without asking
 
+
+def test_a_leader_over_its_bound_hands_over_and_a_smaller_cache_elects_it_again() -> None:
+    """The bound was checked against the most items ever tracked, and only for another
+    candidate: one in charge kept the order however far the cache grew, and a cache
+    that once passed the bound never elected it again."""
+    duel = Duel([LRUPolicy, ARCPolicy, SLRUPolicy], sample_shift=0, most=(None, None, 10))
+    duel.insert_many(range(10))
+    assert duel.pop_victim(lambda _: True) == 0
+    duel._minis[2].hits = 1000
+    duel._elect()
+    assert duel.leader == "slru"
+    duel.insert_many(range(100, 120))  # 29 items
+    duel._minis[1].hits = 50  # ARC ahead of LRU, far behind SLRU's score
+    duel._elect()
+    assert duel.leader == "arc" and duel.switches == 2
+    assert sorted(duel.evictable()) == [*range(1, 10), *range(100, 120)]
+    for item in range(100, 120):
+        duel.remove(item)  # 9 items again
+    duel._minis[2].hits = 10_000
+    duel._elect()
+    assert duel.leader == "slru" and duel.switches == 3
