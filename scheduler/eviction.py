@@ -628,8 +628,9 @@ def _first_allowed(queue: Queue[T], allowed: Callable[[T], bool]) -> T | None:
 # 2.2 s of CPU per million items on the loop (``benchmarks/eviction_cost.py
 # --handover``), twice SLRU's, and its tables grow by rebuilds.  Past this many items
 # held it is not elected, and one in charge hands over to the best other candidate.  In
-# charge it holds about 2.5 times SLRU's memory per block (an entry each, and ghosts of
-# up to four times the cache: 868 against 349 bytes at 100k blocks after churn).
+# charge it holds about 2.3 times SLRU's memory per block (an entry each, and ghosts of
+# up to four times the cache: 920 against 399 bytes at 100k blocks after 300k misses,
+# ``benchmarks/eviction_cost.py --memory``).
 DENSITY_MOST = 1 << 20
 
 
