@@ -2,7 +2,7 @@
 
     python benchmarks/eviction_cost.py [--trace PATH | --workload NAME] [--capacity 0.1]
                                        [--policies lru,slru,arc,s3fifo,density,auto]
-                                       [--repeat 5] [--handover 200k]
+                                       [--repeat 5] [--handover 200k] [--memory 100k]
 
 Replays the trace through the simulator of benchmarks/replay_sim.py (the policy called
 as the store calls it, each hit reported twice as the daemon's lookup and acquire do)
@@ -16,6 +16,10 @@ second through the daemon (benchmarks/replay.py --mode daemon).
 to each candidate in turn, on N store-like items (a key, a parent, links) inserted 16
 at a time, every other 64-item chain hit once and one item in 97 pinned: the median
 CPU seconds per million items.
+
+``--memory N`` measures instead what the order in charge of ``auto`` keeps of its own
+per cached block (entries, queues, ghosts: what it frees when let go), with each
+candidate in charge of N items through 3N misses, three in ten hit once after.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import tracemalloc
 import statistics
 import sys
 import time
@@ -51,11 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--handover", default="",
                         help="time auto's hand-over on this many items (e.g. 200k)")
+    parser.add_argument("--memory", default="",
+                        help="measure the order in charge's memory on this many items")
     args = parser.parse_args(argv)
+    if args.memory:
+        return memory(_count(args.memory))
     if args.handover:
-        count = int(float(args.handover.lower().rstrip("km")) *
-                    {"k": 1e3, "m": 1e6}.get(args.handover.lower()[-1], 1))
-        return handover(count, max(1, args.repeat))
+        return handover(_count(args.handover), max(1, args.repeat))
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -81,6 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name:<8} {1e6 * median / len(trace):>10.1f} {median / first:>6.2f} "
               f"{hits[name]:>9.4f}")
     return 0
+
+
+def _count(text: str) -> int:
+    """``200k`` -> 200000."""
+    return int(float(text.lower().rstrip("km")) * {"k": 1e3, "m": 1e6}.get(text.lower()[-1], 1))
 
 
 class _Item:
@@ -122,6 +134,36 @@ def handover(count: int, repeat: int) -> int:
     print(f"hand-over of {count} items, CPU s per million items (median of {repeat}):")
     for name, runs in seconds.items():
         print(f"  to {name:<7} {1e6 * statistics.median(runs) / count:6.2f}")
+    return 0
+
+
+def memory(count: int) -> int:
+    print(f"auto's order in charge of {count} items after {3 * count} misses: "
+          "its own bytes per cached block")
+    for best in (0, 1, 2, 3):
+        rng = random.Random(1)
+        tracemalloc.start()
+        policy = make_policy("auto", ghost_key=attrgetter("key"), links="dram")
+        assert isinstance(policy, AutoPolicy)
+        policy.epoch = 1 << 62  # no election of its own
+        policy.insert_many([_Item(rng.randbytes(24), None) for _ in range(count)])
+        policy.pop_victim(lambda _: True)
+        policy._take_over(best)
+        for _ in range(3 * count):
+            policy.pop_victim(lambda _: True)
+            item = _Item(rng.randbytes(24), None)
+            policy.insert(item)
+            if rng.random() < 0.3:
+                policy.access(item)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        name = policy.leader
+        policy._let_go(policy._order)
+        policy._order = policy._factories[0]()
+        gc.collect()
+        freed = held - tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        print(f"  {name:<8} {freed / count:7.1f}")
     return 0
 
 

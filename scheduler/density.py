@@ -319,7 +319,13 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self._density = tables
 
     def evictable(self) -> Iterator[T]:
-        return iter([item for item, entry in self._entries.items() if not entry.pinned])
+        """The unpinned items, least recently referenced first, as the other orders list
+        theirs: a hand-over to one of them (``Duel``, the store's policy switch) keeps
+        their recency (by each item's last reference: O(n log n), once per hand-over)."""
+        entries = self._entries
+        listed = [item for item, entry in entries.items() if not entry.pinned]
+        listed.sort(key=lambda item: entries[item].stamp)
+        return iter(listed)
 
     def __len__(self) -> int:
         return len(self._entries) - self._pinned

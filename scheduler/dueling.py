@@ -41,6 +41,7 @@ registers the duel among its policies).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from itertools import chain
 from operator import attrgetter
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -235,8 +236,12 @@ class Duel(Generic[T]):
         if epoch < 1 or shortest < 1 or margin < 0.0 or not 0.0 <= keep < 1.0:
             raise ValueError("epoch and shortest must be >= 1, margin >= 0 and keep in [0, 1)")
         self._factories = list(factories)
-        # per candidate, the most items a hand-over to it may carry (None: no bound): an
-        # order that keeps tables rather than links takes long to build at millions
+        if len(most) > len(self._factories):
+            raise ValueError(f"most bounds {len(most)} candidates; there are "
+                             f"{len(self._factories)}")
+        # per candidate, the most items it may order (None: no bound): an order that
+        # keeps tables rather than links takes long to build, and grows by rebuilds, at
+        # millions; over its bound it is not elected, and hands over if in charge
         self._most = [*most, *[None] * (len(self._factories) - len(most))]
         self._order: Order[T] = self._keyed(self._factories[0]())
         # Miniatures hold the sampled keys, the hashes of the items' names (``ghost_key``):
@@ -263,6 +268,9 @@ class Duel(Generic[T]):
         # (``ghost_key``) shifted left by one, or'd with 1 once hit.  One map, one lookup
         # per hit; the sample decided once, at insert.  (Split as it grows: no stall.)
         self._items: ShardedDict[T, bool | int] = ShardedDict()
+        # the tracked items pinned (by ``pin``): a hand-over finds them here, not by
+        # comparing every tracked item with the order's list
+        self._pinned: set[T] = set()
         self._size = 0  # the most items tracked at once: the cache size, once full
         self._tick = 0  # inserts and evictions so far
         self._sampled = 0  # sampled references in the current epoch
@@ -355,18 +363,22 @@ class Duel(Generic[T]):
         for mini in self._minis:
             mini.score = mini.score * keep + mini.hits
             mini.hits = 0
-        size = self._size
-        best = max((i for i, bound in enumerate(self._most)
-                    if i == self._leader or bound is None or size <= bound),
-                   key=lambda i: (self._minis[i].score, -i))
+        # the items held now, not the most ever: a cache that shrank may elect again
+        count = len(self._items)
+        eligible = [i for i, bound in enumerate(self._most) if bound is None or count <= bound]
+        outgrown = bool(eligible) and self._leader not in eligible
+        if not eligible:  # every candidate over its bound: the one in charge stays
+            eligible = [self._leader]
+        best = max(eligible, key=lambda i: (self._minis[i].score, -i))
         lead = self._minis[best].score - self._minis[self._leader].score
         # Ahead by the margin, and by more hits than noise: half a percent of the longest
         # epoch's references (a few lucky hits must not hand over the order).  Not while
         # the cache fills: until its first victim the order picks nothing, and the
         # miniatures' few hits are noise (the first short epochs handed the agents
         # workload's order to SLRU at 51 references, for good, 0.01 points below LRU).
-        if (self._evicted and lead > self.margin * self._minis[self._leader].score
-                and lead > 0.005 * self.longest):
+        # A leader over its bound hands over to the best of the others, however they did.
+        if outgrown or (self._evicted and lead > self.margin * self._minis[self._leader].score
+                        and lead > 0.005 * self.longest):
             self._take_over(best)
         self.epoch = min(self.longest, max(self.shortest, self._size >> self.sample_shift))
 
@@ -375,23 +387,22 @@ class Duel(Generic[T]):
         order the one in charge lists them, those hit since they entered hit again,
         pinned ones pinned, and it takes the settings its miniature adapted to
         (O(items), once per hand-over; keeping every candidate's order all along costs
-        more per call than the hand-overs save, and did no better in the replay)."""
+        more per call than the hand-overs save, and did no better in the replay).
+
+        Hit density is handed only part of its warmth: its histograms are its
+        miniature's, but an item hit since it entered comes as hit once (its class of
+        one hit), whatever its hits (the item states keep one bit of them); it learns
+        the rest as they are hit again."""
         listed = list(self._order.evictable())
         tracked = self._items
         shards, modulus = tracked.shards, tracked.modulus
-        # Pinned: tracked, not listed.  Read shard by shard, in the map's own order (no
-        # copy of it in one table: at millions of items that was a spike of its size).
-        if len(tracked) > len(listed):
-            on_order = set(listed)
-            pinned = [item for shard in shards for item in shard if item not in on_order]
-            del on_order
-        else:
-            pinned = []
+        pinned = list(self._pinned)  # no table of every item: at millions, a spike of its size
         self._let_go(self._order)
         order: Order[T] = self._keyed(self._factories[best]())
-        # a fresh order knows no ghost: inserting them all at once is inserting each
-        order.insert_many(listed)
-        order.insert_many(pinned)
+        # A fresh order knows no ghost: inserting them all at once is inserting each.
+        # One call, pinned ones too: an order that counts an item's children (hit
+        # density) links those of one call, whatever their order in it.
+        order.insert_many(chain(listed, pinned))
         # hit since they entered (``_items``' states: True, or an odd int)
         for group in (listed, pinned):
             order.access_many([
@@ -509,13 +520,17 @@ class Duel(Generic[T]):
             order.access_many(run)
 
     def pin(self, item: T) -> None:
-        self._order.pin(item)
+        if item in self._items:
+            self._pinned.add(item)
+            self._order.pin(item)
 
     def unpin(self, item: T) -> None:
+        self._pinned.discard(item)
         self._order.unpin(item)
 
     def remove(self, item: T) -> None:
         if self._items.pop(item, None) is not None:
+            self._pinned.discard(item)
             self._order.remove(item)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
@@ -534,7 +549,7 @@ class Duel(Generic[T]):
 
     def __repr__(self) -> str:
         scores = ", ".join(f"{name}={score:.0f}" for name, score in self.scores().items())
-        pinned = len(self._items) - len(self)
+        pinned = len(self._pinned)
         return (
             f"{type(self).__name__}(leader={self.leader}, evictable={len(self)}, "
             f"pinned={pinned}, switches={self.switches}, scores: {scores})"

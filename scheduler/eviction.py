@@ -627,7 +627,10 @@ def _first_allowed(queue: Queue[T], allowed: Callable[[T], bool]) -> T | None:
 # Hit density keeps a table entry per item (no links): a hand-over to it costs about
 # 2.2 s of CPU per million items on the loop (``benchmarks/eviction_cost.py
 # --handover``), twice SLRU's, and its tables grow by rebuilds.  Past this many items
-# it is not elected.
+# held it is not elected, and one in charge hands over to the best other candidate.  In
+# charge it holds about 2.3 times SLRU's memory per block (an entry each, and ghosts of
+# up to four times the cache: 920 against 399 bytes at 100k blocks after 300k misses,
+# ``benchmarks/eviction_cost.py --memory``).
 DENSITY_MOST = 1 << 20
 
 
@@ -643,7 +646,7 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
     density miniature refreshes its densities as often in the cache's references as the
     order would (every ``refresh`` >> ``sample_shift`` of its own), and hands its
     histograms over with the order (``HitDensityPolicy.adopt_tuning``); past
-    ``DENSITY_MOST`` items it is not elected.
+    ``DENSITY_MOST`` items held it is not elected, and hands over if in charge.
     """
 
     name = "auto"
@@ -698,6 +701,7 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
             self._let_go(mini.order)
         self._order = self._factories[0]()
         self._minis, self._nodes, self._items = [], ShardedDict(), ShardedDict()
+        self._pinned = set()
         self._lingering = []
 
 

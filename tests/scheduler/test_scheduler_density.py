@@ -162,3 +162,16 @@ def test_a_chain_goes_tail_first_and_a_parent_is_not_even_offered_to_the_store()
     assert asked == ["tail"]
     assert policy.pop_victim(allowed) is head  # its last child gone: a leaf again
     assert len(policy) == 0
+
+
+def test_it_lists_its_items_least_recently_referenced_first() -> None:
+    """It listed them in the order they first came, whatever their hits since: a
+    hand-over to LRU then evicted the most recently hit first."""
+    policy: HitDensityPolicy[int] = HitDensityPolicy()
+    policy.parent_of = lambda item: None
+    policy.insert_many(range(6))
+    policy.access_many([4, 0, 2])
+    policy.pin(5)
+    policy.unpin(5)  # back in its queue, its last reference as it was
+    policy.pin(3)
+    assert list(policy.evictable()) == [1, 5, 4, 0, 2]

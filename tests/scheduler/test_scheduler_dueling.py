@@ -107,6 +107,8 @@ def test_the_duel_refuses_bad_settings() -> None:
         Duel([LRUPolicy], sample_shift=17)
     with pytest.raises(ValueError):
         Duel([LRUPolicy], keep=1.0)
+    with pytest.raises(ValueError, match="most bounds 2 candidates"):
+        Duel([LRUPolicy], most=(None, 10))  # an IndexError at the first election
 
 
 def _phases(seed: int, requests: int) -> list[list[int]]:
@@ -371,9 +373,12 @@ class _Linked:
         self.a_order = self.a_older = self.a_newer = None
 
 
-def test_a_hand_over_allocates_no_table_of_every_item() -> None:
+@pytest.mark.parametrize("pinned", [0, 1, 100])
+def test_a_hand_over_allocates_no_table_of_every_item(pinned: int) -> None:
     """The item states were copied shard by shard into one dict for the hand-over: at
-    millions of blocks, a spike of that size.  Now the states are read where they are."""
+    millions of blocks, a spike of that size.  Now the states are read where they are;
+    and the pinned items were found by a set of every listed one, once any was pinned
+    (as some nearly always are): the duel keeps its pinned ones."""
     items = [_Linked(key) for key in range(50_000)]  # past a ShardedDict's split
     duel = AutoPolicy()
     duel.links = "a"
@@ -381,6 +386,8 @@ def test_a_hand_over_allocates_no_table_of_every_item() -> None:
     for start in range(0, len(items), 16):
         duel.insert_many(items[start:start + 16])
     duel.access_many(items[::3])
+    for item in items[:pinned]:
+        duel.pin(item)
     gc.collect()
     tracemalloc.start()
     try:
@@ -388,7 +395,8 @@ def test_a_hand_over_allocates_no_table_of_every_item() -> None:
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert duel.leader == "slru" and len(duel) == len(items)
+    assert duel.leader == "slru" and len(duel) == len(items) - pinned
+    assert f"pinned={pinned}," in repr(duel)
     assert peak < sys.getsizeof(dict.fromkeys(items)), peak
 
 
@@ -412,3 +420,70 @@ def test_a_candidate_is_not_elected_past_the_most_items_it_may_take(
     duel._minis[1].hits = 100
     duel._elect()
     assert duel.leader == leader
+
+
+def test_a_hand_over_from_hit_density_keeps_the_items_recency() -> None:
+    """Hit density listed its items in the order they first came: LRU, handed them,
+    evicted the most recently hit first."""
+    duel = AutoPolicy()
+    duel.parent_of = lambda item: None  # type: ignore[assignment]
+    duel.insert_many(range(10))
+    duel._take_over(3)
+    assert duel.leader == "density"
+    duel.access_many(range(9, -1, -1))  # 0 hit last
+    duel.pin(5)
+    duel._take_over(0)
+    victims = []
+    while (victim := duel.pop_victim(lambda _: True)) is not None:
+        victims.append(victim)
+    assert victims == [9, 8, 7, 6, 4, 3, 2, 1, 0]
+
+
+def test_a_hand_over_to_hit_density_counts_the_children_of_pinned_parents() -> None:
+    """The pinned items were inserted in a call of their own, after the rest: hit
+    density links a child to its parent within one call, and counted none for them, so
+    it offered the store parents it must refuse."""
+    parents = {item: item - 1 if item % 2 else None for item in range(8)}  # chains of 2
+    duel = AutoPolicy()
+    duel.parent_of = parents.get  # type: ignore[assignment]
+    duel.insert_many(range(8))
+    heads = [0, 2, 4, 6]
+    for head in heads:
+        duel.pin(head)  # a reader holds each chain's first block
+    duel._take_over(3)
+    order = duel._order
+    assert isinstance(order, HitDensityPolicy)
+    assert [order._entries[head].kids for head in heads] == [1, 1, 1, 1]
+    duel.access_many([1, 3, 5, 7])  # the tails hit: a class of their own
+    for head in heads:
+        duel.unpin(head)  # the oldest of theirs
+    asked: list[int] = []
+
+    def leaf(item: int) -> bool:
+        asked.append(item)
+        return all(parents[child] != item for child in duel._items.keys())
+
+    assert duel.pop_victim(leaf) == 1
+    assert asked == [1]  # the heads passed over without asking
+
+
+def test_a_leader_over_its_bound_hands_over_and_a_smaller_cache_elects_it_again() -> None:
+    """The bound was checked against the most items ever tracked, and only for another
+    candidate: one in charge kept the order however far the cache grew, and a cache
+    that once passed the bound never elected it again."""
+    duel = Duel([LRUPolicy, ARCPolicy, SLRUPolicy], sample_shift=0, most=(None, None, 10))
+    duel.insert_many(range(10))
+    assert duel.pop_victim(lambda _: True) == 0
+    duel._minis[2].hits = 1000
+    duel._elect()
+    assert duel.leader == "slru"
+    duel.insert_many(range(100, 120))  # 29 items
+    duel._minis[1].hits = 50  # ARC ahead of LRU, far behind SLRU's score
+    duel._elect()
+    assert duel.leader == "arc" and duel.switches == 2
+    assert sorted(duel.evictable()) == [*range(1, 10), *range(100, 120)]
+    for item in range(100, 120):
+        duel.remove(item)  # 9 items again
+    duel._minis[2].hits = 10_000
+    duel._elect()
+    assert duel.leader == "slru" and duel.switches == 3

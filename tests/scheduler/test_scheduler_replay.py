@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import random
 import sys
 from pathlib import Path
@@ -226,7 +228,10 @@ def test_every_workload_has_the_same_requests_for_a_seed_and_others_for_another(
 def test_conversation_variants_change_the_shape_they_name() -> None:
     generate = replay.WORKLOADS["conversations"]
     plain = generate(2000)
-    assert generate(2000, think_sigma=1.5, follow=0.75, every_ms=250) == plain  # defaults
+    # the defaults give the requests the generator gave before it took these parameters
+    assert plain[0] == (35, 12912, 115, list(range(25)))
+    digest = hashlib.sha256(json.dumps(plain).encode()).hexdigest()
+    assert digest == "b6938f512c88d334a18a013ad76d17b30b03219df22f11e63dccc9d48b0388c9"
     longer = generate(2000, follow=0.95)  # longer sessions: longer histories resent
     assert sum(len(r[3]) for r in longer) > sum(len(r[3]) for r in plain)
     assert generate(2000, document_skew=1.4) != plain
