@@ -265,9 +265,9 @@ class DaemonLink:
             self.close()
 
     def _session_gone(self) -> bool:
-        """Whether an older daemon (its refusals do not say "no session") has no session
-        for the client: a ping is refused too, or unanswered within a short wait (it drops
-        a sessionless peer's messages past the first few).  A lone refusal keeps it."""
+        """After a refusal that does not say "no session", whether the daemon has none for
+        the client: a ping is refused too, or unanswered within a short wait (a daemon
+        drops a sessionless peer's messages past the first few).  A lone refusal keeps it."""
         client = self._client
         if client is None:
             return False
