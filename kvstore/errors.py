@@ -64,6 +64,15 @@ class ForbiddenError(KVStoreError):
     code = "forbidden"
 
 
+class NoSessionError(ForbiddenError):
+    """The daemon has no session for this connection (it restarted on the same endpoint,
+    or the first request was not hello): connect again.  It travels as a ``forbidden``
+    error whose message starts with ``PREFIX`` (an older client sees a plain
+    ForbiddenError; an older daemon sends the same message)."""
+
+    PREFIX = "no session"
+
+
 class TooLargeError(KVStoreError):
     """A request exceeds a configured limit on sizes or counts."""
 
@@ -123,4 +132,6 @@ ERRORS_BY_CODE: dict[str, type[KVStoreError]] = {
 
 def error_from_code(code: str, message: str) -> KVStoreError:
     """Build the exception a daemon's error reply stands for."""
+    if code == ForbiddenError.code and message.startswith(NoSessionError.PREFIX):
+        return NoSessionError(message)
     return ERRORS_BY_CODE.get(code, KVStoreError)(message)

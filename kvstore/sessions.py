@@ -18,7 +18,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvstore.config import ServerConfig
-from kvstore.errors import ForbiddenError, LeaseExpiredError, LimitExceededError
+from kvstore.errors import (
+    ForbiddenError,
+    LeaseExpiredError,
+    LimitExceededError,
+    NoSessionError,
+)
 from kvstore.store import BlockStore
 
 _EXPIRED_REMEMBERED = 4096  # connections whose session expired, told so (not "no session")
@@ -125,7 +130,7 @@ class Sessions:
                 raise LeaseExpiredError(
                     "this session's lease ran out and its holdings were rolled back; "
                     "connect again")
-            raise ForbiddenError("no session: the first request must be hello")
+            raise NoSessionError(f"{NoSessionError.PREFIX}: the first request must be hello")
         return session
 
     def forget(self, gone: set[object]) -> None:

@@ -35,6 +35,7 @@ from kvstore.errors import (
     ForbiddenError,
     KVStoreError,
     LeaseExpiredError,
+    NoSessionError,
     NotFoundError,
     UnavailableError,
 )
@@ -44,6 +45,7 @@ from kvstore.kernels import KVCaches, Layout, PagedCache, gather, paged_cache
 logger = logging.getLogger(__name__)
 
 BACKOFF_S = 10.0        # no daemon calls for this long after it failed to answer
+SESSION_PING_S = 0.5    # the most a ping asking an older daemon for the session waits
 MAX_NAMESPACES = 4096   # opened namespaces remembered per link
 
 
@@ -189,9 +191,8 @@ class DaemonLink:
 
     def _alive(self) -> None:
         """After an idle spell of half the daemon's lease, ask whether the session still
-        lives: the daemon ends a session idle for a whole lease (its holdings rolled
-        back), and a link that kept its client would fail every call from then on.  An
-        ended session is dropped here, and the next call connects again."""
+        lives (the daemon ends one idle for a whole lease, and a link keeping its client
+        would fail every call from then on); an ended one is dropped, to connect again."""
         client, now = self._client, self._clock()
         if client is None:
             return
@@ -200,8 +201,8 @@ class DaemonLink:
         if hello is not None and used is not None and now - used > hello.lease_seconds / 2:
             try:
                 client.ping()
-            except (LeaseExpiredError, ForbiddenError):  # ended, or the daemon restarted
-                logger.info("kvstore: the session idled past its lease; connecting again")
+            except (LeaseExpiredError, ForbiddenError) as exc:  # ended, or restarted
+                logger.info("kvstore: the daemon refused a ping (%s); connecting again", exc)
                 self.close()
             except KVStoreError as exc:
                 self.failed("ping", exc)
@@ -248,11 +249,9 @@ class DaemonLink:
         return ns
 
     def failed(self, what: str, exc: KVStoreError) -> None:
-        """Log a failed step; a daemon that did not answer is left alone for a while,
-        and its client dropped (a client that timed out may get the late reply first);
-        a session the daemon ended (its lease ran out) is dropped, to connect again at
-        the next call, and so is one the daemon does not know (it restarted on the same
-        endpoint: the client's socket connected again, with no session behind it)."""
+        """Log a failed step; a daemon that did not answer is left alone for a while, and
+        its client dropped (a late reply may come first); so is, to connect again at the
+        next call, a session it ended or does not know (it restarted on the endpoint)."""
         self.failures += 1
         logger.warning("kvstore: %s failed: %s", what, exc)
         if isinstance(exc, UnavailableError):
@@ -260,23 +259,27 @@ class DaemonLink:
             self.close()
         elif isinstance(exc, LeaseExpiredError):
             self.close()
-        elif isinstance(exc, ForbiddenError) and self._session_gone():
-            logger.info("kvstore: the daemon knows no session of this link (restarted); "
-                        "connecting again")
+        elif isinstance(exc, NoSessionError) or (isinstance(exc, ForbiddenError)
+                                                  and self._session_gone()):
+            logger.info("kvstore: the daemon knows no session of this link; connecting again")
             self.close()
 
     def _session_gone(self) -> bool:
-        """Whether the daemon has no session for the client (a ping, which any session
-        may send, is refused too); a refusal of one request alone keeps the client."""
+        """After a refusal that does not say "no session", whether the daemon has none for
+        the client: a ping is refused too, or unanswered within a short wait (a daemon
+        drops a sessionless peer's messages past the first few).  A lone refusal keeps it."""
         client = self._client
         if client is None:
             return False
+        timeout, client.timeout = client.timeout, min(client.timeout, SESSION_PING_S)
         try:
             client.ping()
-        except (ForbiddenError, LeaseExpiredError):
+        except (ForbiddenError, LeaseExpiredError, UnavailableError):
             return True
         except KVStoreError as exc:
             self.failed("ping", exc)
+        finally:
+            client.timeout = timeout
         return False
 
     def close(self) -> None:

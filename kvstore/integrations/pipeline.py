@@ -6,9 +6,10 @@ one daemon call for a step's loads.
   out itself, straight into the daemon's slots (``InPages``: pages in host memory that
   the engine keeps unwritten until the job is done): one reserve and one commit per
   job, no lookup (the caller knows what the store lacks).  A job submitted
-  ``after_step`` waits for ``go`` (the engine's next step), or ``HOLD_S`` at most, so that
-  its Python does not contend for the interpreter with the rest of the step that
-  produced it (on an engine's host cores, its first token).  ``submit``
+  ``after_step`` waits for ``go`` (the engine's next step), or ``HOLD_S`` from its submit
+  at most (each job its own deadline), so that its Python does not contend for the
+  interpreter with the rest of the step that produced it (on an engine's host cores,
+  its first token).  ``submit``
   never waits for the daemon: a job that does not fit the bounded queue, or meets a
   daemon that is gone, is dropped and counted (a later cache miss).  Jobs carry a tag
   (the engine's request id); ``take_finished`` names the tags whose jobs are all done,
@@ -212,6 +213,20 @@ class SaveJob(NamedTuple):
     source: Staged | InPages
 
 
+class _Held(NamedTuple):
+    """A job submitted ``after_step``: held until ``go`` is called more than ``step``
+    times, or until ``deadline`` (``time.monotonic``)."""
+
+    step: int
+    deadline: float
+
+
+class _Queued(NamedTuple):
+    number: int
+    job: SaveJob
+    held: _Held | None
+
+
 class _GivenUp(Exception):
     """A job given up (``SaveSender.give_up``) while it copied: its slots are aborted."""
 
@@ -226,10 +241,10 @@ class SaveSender:
                  max_pending_bytes: int = MAX_PENDING_BYTES, hold_s: float = HOLD_S) -> None:
         self._link = DaemonLink(settings)
         self._hold_s = hold_s
-        self._go = threading.Event()  # clear: jobs submitted ``after_step`` wait
-        self._go.set()
+        self._steps = 0  # ``go`` calls so far: a job held for the step after its own
+        self._stepped = threading.Condition(threading.Lock())
         self._max_pending = max_pending_bytes
-        self._queue: queue.Queue[tuple[int, SaveJob] | None] = queue.Queue()
+        self._queue: queue.Queue[_Queued | None] = queue.Queue()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending_bytes = 0
@@ -245,11 +260,13 @@ class SaveSender:
 
     def submit(self, job: SaveJob, *, after_step: bool = False) -> bool:
         """Queue a job (False: dropped, and its tag counts it done); ``after_step``: the
-        thread starts it at ``go``, or ``HOLD_S`` from now at the latest."""
+        thread starts it at the next ``go``, or ``hold_s`` from now at the latest (each
+        job its own deadline, however many are held)."""
         size = job_bytes(job.source)
+        with self._stepped:
+            step = self._steps
+        held = _Held(step, time.monotonic() + self._hold_s) if after_step else None
         with self._lock:
-            if after_step:
-                self._go.clear()
             self._finished.discard(job.tag)
             self._pending[job.tag] += 1
             if (self._stopped or self._pending_bytes + size > self._max_pending
@@ -258,13 +275,15 @@ class SaveSender:
                 self._done(job.tag)
                 return False
             self._pending_bytes += size
-            self._queue.put((self._submitted, job))
+            self._queue.put(_Queued(self._submitted, job, held))
             self._submitted += 1
         return True
 
     def go(self) -> None:
-        """Let the jobs submitted ``after_step`` start."""
-        self._go.set()
+        """Let the jobs submitted ``after_step`` so far start."""
+        with self._stepped:
+            self._steps += 1
+            self._stepped.notify_all()
 
     def pending(self, tag: str) -> int:
         with self._lock:
@@ -322,8 +341,9 @@ class SaveSender:
     def _run(self) -> None:
         try:
             while (item := self._queue.get()) is not None:
-                number, job = item
-                self._go.wait(self._hold_s)
+                number, job, held = item
+                if held is not None:
+                    self._hold(held)
                 created, outcome = 0, "save_failures"
                 try:
                     created, outcome = self._store(number, job)
@@ -335,6 +355,15 @@ class SaveSender:
             logger.exception("kvstore: the background saves stopped; saves are dropped")
             self._stop()
             raise
+
+    def _hold(self, held: _Held) -> None:
+        """Wait for the step after the job's (a ``go``), or for its deadline."""
+        with self._stepped:
+            while self._steps == held.step:
+                left = held.deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._stepped.wait(left)
 
     def _end(self, job: SaveJob, created: int, outcome: str) -> None:
         with self._lock:
@@ -356,9 +385,9 @@ class SaveSender:
                 except queue.Empty:
                     break
                 if item is not None:
-                    self._pending_bytes -= job_bytes(item[1].source)
+                    self._pending_bytes -= job_bytes(item.job.source)
                     self.stats["save_dropped"] += 1
-                    self._done(item[1].tag)
+                    self._done(item.job.tag)
 
     def _store(self, number: int, job: SaveJob) -> tuple[int, str]:
         """Store a job: blocks created, and the stat it counts in ("" for a save)."""

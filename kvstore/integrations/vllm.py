@@ -33,10 +33,11 @@ next step's ``handle_preemptions``: the step never waits for the daemon, nor, fo
 in host memory, for their copy (the sender copies them straight into the daemon's
 slots; on a GPU the copy out is queued on the stream in the step), and the sender's
 Python does not contend with the end of the step for the interpreter.  The scheduler
-hashes only the blocks no earlier request in the engine hashed (``KnownChains``).  A request with saves in flight stays held (``request_finished`` returns True)
-until ``get_finished`` reports them done; one preempted meanwhile has
-``handle_preemptions`` wait for them before vLLM may write its pages (for at most the
-daemon's ``timeout``: then they are given up, later misses).  A block that
+hashes only the blocks no earlier request in the engine hashed (``KnownChains``).  A
+request with saves in flight stays held (``request_finished`` returns True) until
+``get_finished`` reports them done; one preempted meanwhile has ``handle_preemptions``
+wait for them before vLLM may write its pages (for at most the daemon's ``timeout``:
+then they are given up, later misses).  A block that
 cannot be loaded — evicted since the lookup, daemon gone — is reported by
 ``get_block_ids_with_load_errors``, so vLLM recomputes it (policy ``recompute``) or
 fails the request (``fail``) instead of serving wrong KV.  Saves are best-effort: one

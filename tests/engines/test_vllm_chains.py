@@ -49,8 +49,9 @@ def test_a_conversations_next_request_takes_the_keys_of_the_one_before() -> None
     hashes = known.hashes(second, BLOCK)
     assert len(known.prefix("g0", hashes, 7)) == 5  # the first request's 5 blocks
     assert keys_of(known, second) == chain_keys(NS, second.all_token_ids, BLOCK)
-    # Another space (group, variant) shares nothing; an edit anywhere in the prefix
-    # changes every hash from there, so only the blocks before it are taken over.
+    # Another space (group, variant) shares nothing; an edit within the prefix changes
+    # every hash from there, and the blocks before it end no remembered chain: nothing
+    # is taken over, and every key is hashed again (to the same keys).
     assert known.prefix("g1", hashes, 7) == []
     edited = FakeRequest(first.all_token_ids[:2 * BLOCK] + [9] + second.all_token_ids[
         2 * BLOCK + 1:])
@@ -61,13 +62,35 @@ def test_a_conversations_next_request_takes_the_keys_of_the_one_before() -> None
 def test_nothing_is_taken_over_when_disabled_unhashed_or_forgotten() -> None:
     off = KnownChains(False)
     request = FakeRequest(list(range(3, 3 + 3 * BLOCK)))
-    keys_of(off, request)
-    assert off.hashes(request, BLOCK) == ()
-    on = KnownChains(True, limit=2)
+    assert keys_of(off, request) == chain_keys(NS, request.all_token_ids, BLOCK)
+    assert off.hashes(request, BLOCK) == () and len(off) == 0
+    on = KnownChains(True, max_keys=5)
     request.block_hashes.pop()  # hashed by blocks of another size: not one a block
     assert on.hashes(request, BLOCK) == ()
+    assert keys_of(on, request) == chain_keys(NS, request.all_token_ids, BLOCK)
     chains = [FakeRequest([100 * i + t for t in range(2 * BLOCK)]) for i in range(3)]
     for c in chains:
-        keys_of(on, c)
+        assert keys_of(on, c) == chain_keys(NS, c.all_token_ids, BLOCK)
     assert on.prefix("g0", on.hashes(chains[0], BLOCK), 2) == []  # the least recent
-    assert len(on.prefix("g0", on.hashes(chains[2], BLOCK), 2)) == 2
+    assert on.prefix("g0", on.hashes(chains[2], BLOCK), 2) == keys_of(on, chains[2])
+    assert on.keys == 4 and len(on) == 2  # 6 keys do not fit in 5: a chain forgotten
+
+
+def test_a_chain_grown_step_by_step_is_remembered_once_and_counted_by_its_keys() -> None:
+    """The connector extends a request's chain as its blocks fill: the chain moves to
+    where it ends now, rather than each end keeping it remembered."""
+    known = KnownChains(True, max_keys=12)
+    grown = FakeRequest(list(range(3, 3 + 8 * BLOCK)))
+    keys: list[bytes] = []
+    for blocks in range(1, 9):
+        known.extend("g0", grown, keys, blocks, BLOCK, lambda: NS)
+        assert len(known) == 1 and known.keys == blocks
+    assert keys == chain_keys(NS, grown.all_token_ids, BLOCK)
+    assert known.prefix("g0", known.hashes(grown, BLOCK), 8) == keys
+    other = FakeRequest([7] * (6 * BLOCK))  # 8 + 6 keys do not fit in 12
+    assert keys_of(known, other) == chain_keys(NS, other.all_token_ids, BLOCK)
+    assert len(known) == 1 and known.keys == 6
+    assert known.prefix("g0", known.hashes(grown, BLOCK), 8) == []
+    # A chain longer than the bound is not remembered at all.
+    assert keys_of(known, FakeRequest([5] * (13 * BLOCK)))
+    assert len(known) == 0 and known.keys == 0

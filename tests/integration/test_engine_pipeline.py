@@ -156,7 +156,8 @@ def test_a_save_submitted_after_the_step_starts_at_go_or_once_held_long_enough(
         assert sender.submit(job("a", "per_layer", keys[:2], InPages(source, [0, 1])),
                              after_step=True)
         until(lambda: sender._queue.empty())  # taken by the thread, which holds it
-        assert sender.pending("a") == 1 and ns.lookup(keys).blocks == 0
+        time.sleep(0.5)  # far longer than a save of two blocks takes
+        assert sender.pending("a") == 1 and ns.lookup(keys).blocks == 0  # held
         sender.go()
         until(lambda: sender.take_finished() == {"a"})
         assert ns.get(keys[:2]) == [source_page(0), source_page(1)]
@@ -170,6 +171,46 @@ def test_a_save_submitted_after_the_step_starts_at_go_or_once_held_long_enough(
         until(lambda: held.take_finished() == {"c"})  # no go: the hold ran out
         assert ns.get(keys) == [source_page(p) for p in range(4)]
         held.close()
+
+
+def test_each_held_save_has_its_own_deadline_and_go_lets_a_whole_step_go(
+        daemon: DaemonProcess) -> None:
+    """The hold bounds each job from its own submit, not one after the other; ``go``
+    lets go every job submitted before it, even those the next step's jobs queue behind,
+    and holds the next step's."""
+    source, _ = make_pages("per_layer", seed=1)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        keys = client.namespace(identity("per_layer")).keys(range(TOKENS * PAGES))
+    hold_s, n = 1.0, PAGES
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme"), hold_s=hold_s)
+    try:
+        started = time.monotonic()
+        for i in range(n):  # one step's saves, and no next step
+            assert sender.submit(job(f"r{i}", "per_layer", keys[i:i + 1],
+                                     InPages(source, [i]), keys[i - 1] if i else None),
+                                 after_step=True)
+        done: set[str] = set()
+        until(lambda: done.update(sender.take_finished()) or len(done) == n)
+        assert time.monotonic() - started < n * hold_s / 2  # not one hold after another
+    finally:
+        sender.close()
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme"), hold_s=60.0)
+    try:
+        step = [f"s{i}" for i in range(n)]
+        for i, tag in enumerate(step):
+            assert sender.submit(job(tag, "per_layer", keys[i:i + 1], InPages(source, [i]),
+                                     keys[i - 1] if i else None), after_step=True)
+        sender.go()  # the next step begins, and ends with a save of its own
+        assert sender.submit(job("next", "per_layer", keys[:1], InPages(source, [0])),
+                             after_step=True)
+        done = set()
+        until(lambda: done.update(sender.take_finished()) or done >= set(step))
+        time.sleep(0.5)  # far longer than a save of one block takes
+        assert sender.pending("next") == 1 and not sender.take_finished()  # held
+        sender.go()
+        until(lambda: sender.take_finished() == {"next"})
+    finally:
+        sender.close()
 
 
 def test_saves_given_up_never_commit_what_their_pages_hold_afterwards(

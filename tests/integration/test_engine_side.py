@@ -16,7 +16,13 @@ from kvtest import make_identity
 
 from kvstore import Client, Identity
 from kvstore.client import Namespace
-from kvstore.errors import ForbiddenError, LeaseExpiredError, UnavailableError
+from kvstore.errors import (
+    ForbiddenError,
+    LeaseExpiredError,
+    NoSessionError,
+    UnavailableError,
+    error_from_code,
+)
 from kvstore.integrations.engine_side import (
     DaemonLink,
     DaemonSettings,
@@ -233,6 +239,48 @@ def test_a_link_connects_again_after_the_daemon_restarts(
         assert link.namespace("pages", identity) is again
     finally:
         link.close()
+
+
+def test_a_restart_under_many_requests_in_flight_is_no_back_off(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """The scheduler of a tensor-parallel engine sends one lookup per rank's namespace at
+    once; after a restart the daemon answers only the first few messages of a peer with
+    no session, and drops the rest.  Its refusal says "no session", so the link connects
+    again without asking more; a bare ForbiddenError (an older daemon's) is confirmed
+    with a short ping, whose silence means no session as well: no back-off either way."""
+    daemon = daemon_factory()
+    link = DaemonLink(DaemonSettings(daemon.endpoint, "acme", timeout=5.0))
+    ranks = [lambda r=r: make_identity(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+                                       block_tokens=TOKENS, layout=f"paged;tp={r}/8")
+             for r in range(8)]
+    try:
+        for older in (False, True):
+            spaces = [link.namespace(r, ranks[r]) for r in range(8)]
+            assert all(isinstance(ns, Namespace) for ns in spaces)
+            keys = spaces[0].keys(range(TOKENS * 3))
+            daemon.stop(signal.SIGTERM)
+            daemon.start()
+            waits = [ns._send_lookup(keys) for ns in spaces if ns is not None]
+            waits.append(spaces[-1]._send_lookup(keys))  # a 9th: dropped by the daemon
+            with pytest.raises(NoSessionError) as refused:
+                waits[0]()
+            assert refused.value.code == ForbiddenError.code
+            link.failed("lookup", ForbiddenError(str(refused.value)) if older
+                        else refused.value)
+            assert link.available() and "idle" in repr(link)
+            again = link.namespace(0, ranks[0])
+            assert isinstance(again, Namespace) and again.lookup(keys).blocks == 0
+        assert link.failures == 2
+    finally:
+        link.close()
+
+
+def test_no_session_travels_as_a_forbidden_error() -> None:
+    """Older clients see a plain ForbiddenError; this one sees what it means."""
+    gone = error_from_code("forbidden", "no session: the first request must be hello")
+    assert isinstance(gone, NoSessionError) and isinstance(gone, ForbiddenError)
+    other = error_from_code("forbidden", "namespace of another tenant")
+    assert type(other) is ForbiddenError
 
 
 def test_a_link_idle_past_its_lease_connects_again(
