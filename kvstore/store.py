@@ -33,6 +33,7 @@ holding their promotion (DRAM slots reserved for the reads, from
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 from kvstore.blocks import (
@@ -62,7 +63,7 @@ from kvstore.room import RoomMaker
 from kvstore.scheduler.eviction import WarmPins, make_policy
 from kvstore.ssd_copies import SsdCopies
 from kvstore.store_view import check_invariants, tier_stats
-from kvstore.token_ids import let_go, run_of
+from kvstore.token_ids import let_go, run_of, split_sparse
 
 __all__ = ["DRAM", "SSD", "Block", "BlockStore", "CommitResult", "Counters", "Limits",
            "Namespace", "Owner", "OwnerState", "Pin", "Plan", "Reservation", "TierSlots",
@@ -232,11 +233,13 @@ class BlockStore(StoreCore):
                 let_go(old_run, ns.blocks)
             run = runs[0]
             assert run is not None, "one buffer: one run"
-            for block in fresh:
-                block.tokens = run
-            for block in bare:
-                block.tokens = run
-            run.live = len(fresh) + len(bare)
+            live = 0
+            for block in itertools.chain(fresh, bare):
+                if block.tokens is not run:  # (a key twice in a commit: counted once)
+                    block.tokens = run
+                    live += 1
+            run.live = live
+            split_sparse(run, ns.blocks)  # mostly blocks held already: not the buffer
         elif runs:  # each block's bytes apart (an older client's): kept where none were
             for key, one in zip(r.keys, runs):
                 block = ns.blocks[key]

@@ -75,6 +75,12 @@ def let_go(run: TokenRun, index: Any) -> None:
     of the keys), so the commit's buffer and key list can go; O(the run's keys), once
     in the run's life."""
     run.live -= 1
+    split_sparse(run, index)
+
+
+def split_sparse(run: TokenRun, index: Any) -> None:
+    """``let_go``'s split, where fewer than a quarter of ``run``'s keys name it: also
+    at the commit of a run born sparse (a commit mostly of blocks held already)."""
     keys = run.keys
     if run.live * SPLIT_BELOW >= len(keys):
         return

@@ -361,6 +361,40 @@ def test_a_block_left_of_a_big_commit_keeps_about_its_own_token_ids() -> None:
     assert kept[0].tokens is own and own.live == 1
 
 
+def test_a_commit_mostly_of_blocks_held_already_keeps_no_more_than_its_new_ids() -> None:
+    count = 64
+    slot = IDENT.block_bytes
+    store = BlockStore(4 * count * slot, 4 * count * slot)
+    changes = TierChanges(lambda: None)
+    store.record_changes(changes)
+    ns = store.open_namespace(IDENT)
+    bt = IDENT.block_tokens
+    tokens = list(range((count + 2) * bt))
+    keys = chain_keys(ns.id, tokens, bt)
+    r = store.reserve("o", ns, keys[:count], None, 0.0)
+    store.commit("o", r.id, 0.0, tokens=encode_chain(tokens, count, bt))  # type: ignore[union-attr]
+    # another writer's commit of the same prefix and two more blocks: a run born sparse
+    r = store.reserve("o", ns, keys, None, 0.0)
+    result = store.commit("o", r.id, 0.0,  # type: ignore[union-attr]
+                          tokens=encode_chain(tokens, count + 2, bt))
+    assert result.created == 2
+    new = [ns.blocks[k] for k in keys[count:]]
+    own = new[0].tokens
+    assert own is not None and new[1].tokens is own
+    assert own.keys == keys[count:] and len(own.ids) == 2 * own.size and own.live == 2
+    changes.drain()
+    assert _token_ids(Stored("ssd", ns, new)) == tokens[count * bt:]
+    # a key named twice in one commit is one block: counted once
+    store.index.evict(ns, keys)
+    tokens2 = list(range(1000, 1000 + 2 * bt))
+    keys2 = chain_keys(ns.id, tokens2, bt)
+    sent = tokens2 + tokens2[bt:] * 4
+    r = store.reserve("o", ns, keys2 + [keys2[1]] * 4, None, 0.0)
+    store.commit("o", r.id, 0.0, tokens=encode_chain(sent, 6, bt))  # type: ignore[union-attr]
+    run = ns.blocks[keys2[0]].tokens
+    assert run is not None and ns.blocks[keys2[1]].tokens is run and run.live == 2
+
+
 def test_token_ids_are_not_kept_with_no_event_stream() -> None:
     slot = IDENT.block_bytes
     store = BlockStore(8 * slot, 8 * slot)
