@@ -341,16 +341,19 @@ class BlockStore(StoreCore):
             dram.policy_name = name
             for slot_bytes, old in list(dram.policies.items()):
                 on_order = list(old.evictable())
-                listed = set(on_order)
-                pinned = [b for ns in self.namespaces.values()
-                          if ns.dram is dram and ns.cls.slot_bytes == slot_bytes
-                          for b in ns.blocks.values()
-                          if b.offset is not None and b.refs > 0 and not b.demoting
-                          and b not in listed]
+                held = [b for ns in self.namespaces.values()
+                        if ns.dram is dram and ns.cls.slot_bytes == slot_bytes
+                        for b in ns.blocks.values()
+                        if b.offset is not None and b.refs > 0 and not b.demoting]
+                if held:  # the pinned: held and not listed (no set of every listed block)
+                    held_set = set(held)
+                    listed_held = {b for b in on_order if b in held_set}
+                    pinned = [b for b in held if b not in listed_held]
+                else:
+                    pinned = []
                 old.release()  # before the new order may link the same blocks
                 new = dram.new_policy()
-                for b in on_order + pinned:
-                    new.insert(b)
+                new.insert_many(on_order + pinned)  # one call: parents and children meet
                 for b in pinned:
                     new.pin(b)
                 if isinstance(old, WarmPins) and isinstance(new, WarmPins):

@@ -1,0 +1,31 @@
+"""The store's switch of eviction policy (SIGHUP) in process: what the new order is
+handed (the daemon-level switch is in tests/integration/test_policy_switch.py)."""
+
+from __future__ import annotations
+
+from kvtest import make_identity
+
+from kvstore.keys import chain_keys
+from kvstore.store import BlockStore
+
+IDENT = make_identity()
+
+
+def test_a_switch_hands_the_new_order_every_block_in_one_call() -> None:
+    """A chain's head hit after its tails is listed after them by LRU: handed over one
+    block a call, hit density linked no tail to it (its head counted no children)."""
+    slot = IDENT.block_bytes
+    store = BlockStore(8 * slot, 8 * slot)
+    ns = store.open_namespace(IDENT)
+    bt = IDENT.block_tokens
+    keys = chain_keys(ns.id, list(range(3 * bt)), bt)
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0)  # type: ignore[union-attr]
+    pin = store.acquire("o", ns, keys[:1], 0.0)  # the head: hit last, and held
+    store.set_eviction_policy("density")
+    order = ns.dram.policy(ns.cls)
+    entries = order.inner._entries  # type: ignore[attr-defined]
+    assert [entries[ns.blocks[k]].kids for k in keys] == [1, 1, 0]
+    store.release("o", pin.id)  # type: ignore[union-attr]
+    assert len(order) == 3
+    store.check_invariants()
