@@ -207,6 +207,12 @@ class Peer:
             self.refused += 1
             assert reply.code in ERROR_CODES, f"{self.name}: {reply} answering {req!r}"
             self.codes[reply.code] += 1
+            if reply.code == "not_found" and isinstance(req, p.Release):
+                # released already, by a mutated copy whose ok went to another request
+                # of its id (an ok answers many kinds): the daemon's stats say the rest
+                self.pins.discard(req.pin)
+            elif reply.code == "not_found" and isinstance(req, p.Abort):
+                self.reservations.discard(req.reservation)
         else:
             assert not self.must_fail, f"{self.name}: {reply} answering {req!r} before hello"
             assert not isinstance(req, Malformed), f"{self.name}: {reply} answering {req!r}"
