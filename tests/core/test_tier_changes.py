@@ -333,18 +333,28 @@ def _token_ids(ns_stored: Stored) -> list[int]:
     return msgspec.msgpack.decode(msgspec.msgpack.encode(made), type=BlockStored).token_ids
 
 
-def test_a_block_left_of_a_big_commit_keeps_about_its_own_token_ids() -> None:
-    count = 64
-    slot = IDENT.block_bytes
-    store = BlockStore(2 * count * slot, 2 * count * slot)
+def _chain_committed(count: int, more: int = 0) -> tuple[BlockStore, TierChanges, Any,
+                                                           list[int], list[bytes]]:
+    """A store recording changes (room for twice ``count + more`` blocks), and a chain of
+    ``count + more`` blocks' tokens and keys whose first ``count`` are committed with
+    their ids in one buffer."""
+    slot, bt = IDENT.block_bytes, IDENT.block_tokens
+    room = 2 * (count + more) * slot
+    store = BlockStore(room, room)
     changes = TierChanges(lambda: None)
     store.record_changes(changes)
     ns = store.open_namespace(IDENT)
-    bt = IDENT.block_tokens
-    tokens = list(range(count * bt))
+    tokens = list(range((count + more) * bt))
     keys = chain_keys(ns.id, tokens, bt)
-    r = store.reserve("o", ns, keys, None, 0.0)
+    r = store.reserve("o", ns, keys[:count], None, 0.0)
     store.commit("o", r.id, 0.0, tokens=encode_chain(tokens, count, bt))  # type: ignore[union-attr]
+    return store, changes, ns, tokens, keys
+
+
+def test_a_block_left_of_a_big_commit_keeps_about_its_own_token_ids() -> None:
+    count = 64
+    store, changes, ns, tokens, keys = _chain_committed(count)
+    bt = IDENT.block_tokens
     run = ns.blocks[keys[0]].tokens
     assert run is not None and run.live == count
     store.index.evict(ns, keys[20:])  # still a quarter and more of it: the run stays whole
@@ -363,16 +373,8 @@ def test_a_block_left_of_a_big_commit_keeps_about_its_own_token_ids() -> None:
 
 def test_a_commit_mostly_of_blocks_held_already_keeps_no_more_than_its_new_ids() -> None:
     count = 64
-    slot = IDENT.block_bytes
-    store = BlockStore(4 * count * slot, 4 * count * slot)
-    changes = TierChanges(lambda: None)
-    store.record_changes(changes)
-    ns = store.open_namespace(IDENT)
+    store, changes, ns, tokens, keys = _chain_committed(count, 2)
     bt = IDENT.block_tokens
-    tokens = list(range((count + 2) * bt))
-    keys = chain_keys(ns.id, tokens, bt)
-    r = store.reserve("o", ns, keys[:count], None, 0.0)
-    store.commit("o", r.id, 0.0, tokens=encode_chain(tokens, count, bt))  # type: ignore[union-attr]
     # another writer's commit of the same prefix and two more blocks: a run born sparse
     r = store.reserve("o", ns, keys, None, 0.0)
     result = store.commit("o", r.id, 0.0,  # type: ignore[union-attr]
