@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from kvstore.block_map import SPLIT_AT
 from kvstore.blocks import DRAM, SSD, Block, Namespace, Transfer
@@ -398,16 +398,10 @@ class SsdCopies:
         if b.ns.blocks.get(b.key) is b and not b.present:
             self.store.hollow.add(b)  # something below is in use: drop it when released
 
-    def restore(self, ns: Namespace, key: bytes, parent: bytes | None,
-                offset: int, record: Any) -> bool:
-        """Take back a block found on SSD at start-up (parents first); False if it does not
-        fit this configuration."""
-        checksum = getattr(record, "checksum", 0)  # the same xxh3_64 as clients use
-        return self.restore_many(ns, [FoundBlock(key, parent, offset, checksum)])[0]
-
     def restore_many(self, ns: Namespace, found: Sequence[Found]) -> list[bool]:
-        """``restore`` each block found (the SSD index's records) in turn, parents first,
-        their slots claimed in one go; one bool each, as one by one."""
+        """Take back the blocks found on SSD at start-up (the SSD index's records), parents
+        first, their slots claimed in one go; one bool each, False where one does not fit
+        this configuration (as one by one)."""
         return restore_blocks(self.store, ns, found)
 
 
@@ -422,15 +416,6 @@ class Found(Protocol):
     def offset(self) -> int: ...
     @property
     def checksum(self) -> int: ...
-
-
-class FoundBlock(NamedTuple):
-    """A ``Found`` of its own (the tier's records are one too)."""
-
-    key: bytes
-    parent: bytes | None
-    offset: int
-    checksum: int = 0
 
 
 _offset = attrgetter("offset")

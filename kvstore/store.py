@@ -345,12 +345,9 @@ class BlockStore(StoreCore):
                         if ns.dram is dram and ns.cls.slot_bytes == slot_bytes
                         for b in ns.blocks.values()
                         if b.offset is not None and b.refs > 0 and not b.demoting]
-                if held:  # the pinned: held and not listed (no set of every listed block)
-                    held_set = set(held)
-                    listed_held = {b for b in on_order if b in held_set}
-                    pinned = [b for b in held if b not in listed_held]
-                else:
-                    pinned = []
+                # the pinned: held and not listed (no set of every listed block)
+                listed_held = set(held).intersection(on_order)
+                pinned = [b for b in held if b not in listed_held]
                 old.release()  # before the new order may link the same blocks
                 new = dram.new_policy()
                 new.insert_many(on_order + pinned)  # one call: parents and children meet

@@ -9,9 +9,7 @@ and its index record is committed; a read that fails its checksum is a miss.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import operator
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -87,8 +85,8 @@ class SsdMover:
         for ns_id, group in found.items():
             ok = self.store.ssd_copies.restore_many(namespaces[ns_id], group)
             restored += sum(ok)
-            failed = itertools.compress(itertools.count(), map(operator.not_, ok))
-            self._pending_removals.extend((ns_id, group[i].key) for i in failed)
+            self._pending_removals.extend((ns_id, r.key) for r, good in zip(group, ok)
+                                          if not good)
         return restored
 
     def remember_namespace(self, identity: Identity) -> None:

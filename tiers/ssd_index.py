@@ -233,7 +233,7 @@ class SSDIndex:
             while chunk := list(itertools.islice(entries, _SCAN_CHUNK)):
                 keys, values = zip(*chunk)
                 try:  # a chunk at a time in C; record by record where one is bad
-                    decoded = list(map(_decode, values))
+                    decoded = list(map(decode_record, values))
                 except msgspec.DecodeError:
                     _take_one_by_one(keys, values, records, bad)
                 else:
@@ -274,7 +274,6 @@ class SSDIndex:
 
 
 _SCAN_CHUNK = 4096
-_decode = msgspec.msgpack.Decoder(BlockRecord).decode
 _namespace = operator.attrgetter("namespace")
 _key = operator.attrgetter("key")
 

@@ -64,9 +64,8 @@ def encode_record(record: BlockRecord) -> bytes:
     return _record_encoder.encode(record)
 
 
-def decode_record(value: bytes | memoryview) -> BlockRecord:
-    """A record from its index value; raises ``msgspec.ValidationError``/``DecodeError``."""
-    return _record_decoder.decode(value)
+# A record from its index value; raises ``msgspec.ValidationError``/``DecodeError``.
+decode_record: Callable[[bytes | memoryview], BlockRecord] = _record_decoder.decode
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from kvtest import make_identity
 
 from kvstore.block_map import BlockMap
 from kvstore.blocks import Block
-from kvstore.ssd_copies import FoundBlock
 from kvstore.store import BlockStore, Namespace, Reservation
 
 
@@ -182,6 +181,15 @@ def test_a_namespace_whose_map_splits_keeps_every_chain() -> None:
     store.check_invariants()
 
 
+class FoundBlock(NamedTuple):
+    """A block found on SSD (``kvstore.ssd_copies.Found``), as the tier's records say."""
+
+    key: bytes
+    parent: bytes | None
+    offset: int
+    checksum: int = 0
+
+
 def test_restoring_in_bulk_keeps_what_one_by_one_would_and_frees_the_rest() -> None:
     ident = make_identity()
     slot = ident.block_bytes
@@ -205,7 +213,7 @@ def test_restoring_in_bulk_keeps_what_one_by_one_would_and_frees_the_rest() -> N
     bulk, ns = fresh()
     ok = bulk.ssd_copies.restore_many(ns, found)
     one, ns1 = fresh()
-    assert ok == [one.ssd_copies.restore(ns1, f.key, f.parent, f.offset, f) for f in found]
+    assert ok == [one.ssd_copies.restore_many(ns1, [f])[0] for f in found]
     assert ok == [True, True, False, False, False, False, False, True]
     assert bulk.lookup(ns, [keys[0], keys[1], keys[6]]) == ["ssd"] * 3
     assert [ns.blocks[k].checksum for k in (keys[0], keys[1], keys[6])] == [1, 2, 3]
