@@ -410,14 +410,24 @@ def test_token_ids_are_not_kept_with_no_event_stream() -> None:
         assert [ns.blocks[k].tokens for k in keys] == [None, None]
 
 
-def test_a_block_stored_with_no_ids_takes_them_from_a_later_commit() -> None:
+def _small_chain(blocks: int, ids: bool) -> tuple[BlockStore, TierChanges, Any,
+                                                  list[int], list[bytes]]:
+    """``_store``'s store and a chain of ``blocks`` blocks committed to it, with their
+    token ids in one buffer or (``ids`` False: nobody heard) without."""
     store, changes, _ = _store()
     ns = store.open_namespace(IDENT)
     bt = IDENT.block_tokens
-    tokens = list(range(3 * bt))
+    tokens = list(range(blocks * bt))
     keys = chain_keys(ns.id, tokens, bt)
     r = store.reserve("o", ns, keys, None, 0.0)
-    store.commit("o", r.id, 0.0)  # type: ignore[union-attr]  # nobody heard: no ids
+    store.commit("o", r.id, 0.0,  # type: ignore[union-attr]
+                 tokens=encode_chain(tokens, blocks, bt) if ids else b"")
+    return store, changes, ns, tokens, keys
+
+
+def test_a_block_stored_with_no_ids_takes_them_from_a_later_commit() -> None:
+    store, changes, ns, tokens, keys = _small_chain(3, ids=False)
+    bt = IDENT.block_tokens
     changes.drain()
     r = store.reserve("o", ns, keys, None, 0.0)
     result = store.commit("o", r.id, 0.0,  # type: ignore[union-attr]
@@ -467,13 +477,8 @@ def test_run_bytes_searches_each_runs_keys_once_however_runs_alternate() -> None
 
 
 def test_a_block_back_from_ssd_keeps_its_ids_unless_its_commit_brings_some() -> None:
-    store, changes, _ = _store()
-    ns = store.open_namespace(IDENT)
+    store, changes, ns, tokens, keys = _small_chain(2, ids=True)
     bt = IDENT.block_tokens
-    tokens = list(range(2 * bt))
-    keys = chain_keys(ns.id, tokens, bt)
-    r = store.reserve("o", ns, keys, None, 0.0)
-    store.commit("o", r.id, 0.0, tokens=encode_chain(tokens, 2, bt))  # type: ignore[union-attr]
     blocks = [ns.blocks[k] for k in keys]
     first = blocks[0].tokens
 

@@ -328,15 +328,23 @@ def test_a_full_queue_drops_a_save_and_finishes_its_tag(daemon: DaemonProcess) -
     sender.close()
 
 
-def test_a_daemon_killed_mid_save_is_a_failed_save_not_a_stall(
-        daemon_factory: Callable[..., DaemonProcess]) -> None:
+def _one_save(daemon_factory: Callable[..., DaemonProcess], timeout: float
+              ) -> tuple[DaemonProcess, Any, Any, SaveSender, list[bytes]]:
+    """A daemon, pages (and their reader), and a sender that saved the first two pages'
+    blocks to it ("a")."""
     daemon = daemon_factory()
-    source, _ = make_pages("per_layer", seed=1)
-    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme", timeout=0.5))
+    source, source_page = make_pages("per_layer", seed=1)
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme", timeout=timeout))
     with Client(daemon.endpoint, tenant="acme") as client:
         keys = client.namespace(identity("per_layer")).keys(range(TOKENS * 4))
     assert sender.submit(job("a", "per_layer", keys[:2], source.stage([0, 1])))
     assert sender.drain(10) and sender.stats["saved_blocks"] == 2
+    return daemon, source, source_page, sender, keys
+
+
+def test_a_daemon_killed_mid_save_is_a_failed_save_not_a_stall(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    daemon, source, _, sender, keys = _one_save(daemon_factory, 0.5)
     daemon.stop(signal.SIGKILL)
     started = time.monotonic()
     sender.submit(job("b", "per_layer", keys[2:], source.stage([2, 3]), keys[1]))
@@ -351,13 +359,7 @@ def test_a_daemon_killed_mid_save_is_a_failed_save_not_a_stall(
 
 def test_saves_go_on_after_the_daemon_restarts(
         daemon_factory: Callable[..., DaemonProcess]) -> None:
-    daemon = daemon_factory()
-    source, source_page = make_pages("per_layer", seed=1)
-    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme", timeout=2.0))
-    with Client(daemon.endpoint, tenant="acme") as client:
-        keys = client.namespace(identity("per_layer")).keys(range(TOKENS * 4))
-    assert sender.submit(job("a", "per_layer", keys[:2], source.stage([0, 1])))
-    assert sender.drain(10) and sender.stats["saved_blocks"] == 2
+    daemon, source, source_page, sender, keys = _one_save(daemon_factory, 2.0)
     daemon.stop(signal.SIGKILL)
     daemon.start()  # on the same endpoint, empty
     assert sender.submit(job("b", "per_layer", keys[:2], source.stage([0, 1])))
