@@ -21,10 +21,12 @@ Three measurements, each next to its peer, medians of interleaved runs, and rati
 ``--beside DIR`` adds to the throughput measurement daemons that run another version of
 kvstore, a source tree in DIR (``git archive <commit> | tar -x -C DIR``; its subpackages
 ``scheduler``, ``tiers``, ``kernels``, ``plugins`` are taken from DIR too, never from
-this checkout), each driven by a client of that version in a process of its own (how
-a client sends token ids is part of the version): events off, to a subscriber and to
-nobody, in the same rounds as this version's, each of its ratios over its own daemon
-without events.
+this checkout), each driven by a client of that version (how a client sends token ids
+is part of the version): two without events, to a subscriber and to nobody, in the
+same rounds as this version's, each of its ratios over its own two daemons without
+events.  Every daemon, of either version, is driven by a client in a process of its
+own, so the two versions' arms are measured alike (run against a copy of itself, the
+two read the same within the noise).
 """
 
 from __future__ import annotations
@@ -76,10 +78,11 @@ while True:
 """
 
 
-# --beside's client: the workload in a process that imports the other version's kvstore
-# (its working directory's), so its requests are that version's (how it sends token ids
-# is part of the version); each line read runs one round and answers its request count.
-BESIDE_CLIENT = r"""
+# A daemon's client: the workload in a process of its own that imports its version's
+# kvstore (its working directory's, for --beside's daemons), so its requests are that
+# version's (how it sends token ids is part of the version); each line read runs one
+# round and answers its request count.
+CLIENT = r"""
 import sys
 sys.path.append(sys.argv[1])  # this benchmark, after the version's code (the cwd)
 from kv_events import workload
@@ -286,12 +289,12 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
     os.sched_setaffinity(0, {cpu})  # the daemons started now inherit it
     procs: dict[str, subprocess.Popen[bytes]] = {}
     subs: list[subprocess.Popen[bytes]] = []
-    workers: list[subprocess.Popen[bytes]] = []  # --beside's clients
+    workers: list[subprocess.Popen[bytes]] = []  # the daemons' clients
     arms = list(ARMS)
     if beside is not None:  # another version's daemons, in the same rounds
         arms += [(f"{name}_beside", {k: v.replace("{tag}", "beside-{tag}")
                                      for k, v in env.items()}, subscribed)
-                 for name, env, subscribed in ARMS if name in ("off", "on", "alone")]
+                 for name, env, subscribed in ARMS if name != "turn"]
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in arms}
     served = {name: 0 for name, _, _ in arms}
     total: dict[str, float] = {}
@@ -307,11 +310,9 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
             if subscribed:  # a router, elsewhere: on the other CPUs, where there are any
                 subs.append(subscriber(env["KVSTORE_EVENTS_ENDPOINT"]))
                 os.sched_setaffinity(subs[-1].pid, (cpus - {cpu}) or cpus)
-            clients.append(Client(endpoint, tenant="bench"))  # (--beside's: its stats)
-            if name.endswith("_beside"):
-                runs[name] = beside_client(beside, endpoint, round_n, data, workers)
-            else:
-                runs[name] = workload(clients[-1], [0], n=round_n, data=data)
+            clients.append(Client(endpoint, tenant="bench"))  # (its stats)
+            runs[name] = client_process(beside if name.endswith("_beside") else None,
+                                        endpoint, round_n, data, workers)
         for run in runs.values():
             for _ in range(10):
                 run()
@@ -350,38 +351,40 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
             proc.terminate()
             proc.wait()
         os.sched_setaffinity(0, cpus)
-    # Each round's reference: the mean of the two daemons without events (a process of
-    # its own runs a few percent faster or slower than another for as long as it lives).
-    base = [(a + b) / 2 for (a, _), (b, _) in zip(samples["off"], samples["off2"])]
+    # Each round's reference: the mean of the version's two daemons without events (a
+    # process of its own runs a few percent faster or slower than another for as long
+    # as it lives; --beside's arms over its own, as its other costs differ).
     out: dict[str, float] = {}
     for name, s in samples.items():
-        # --beside's arms over its own daemon without events (its other costs differ)
-        own = [c for c, _ in samples["off_beside"]] if name.endswith("_beside") else base
-        off_total = (total["off_beside"] if name.endswith("_beside")
-                     else (total["off"] + total["off2"]) / 2)
+        suffix = "_beside" if name.endswith("_beside") else ""
+        off, off2 = samples[f"off{suffix}"], samples[f"off2{suffix}"]
+        own = [(a + b) / 2 for (a, _), (b, _) in zip(off, off2)]
+        off_total = (total[f"off{suffix}"] + total[f"off2{suffix}"]) / 2
         out[f"{name}_cpu_us"] = statistics.median(c for c, _ in s)
         out[f"{name}_rate"] = statistics.median(r for _, r in s)
         out[f"{name}_cpu_ratio"] = statistics.median(c / b for (c, _), b in zip(s, own))
         out[f"{name}_cpu_total_ratio"] = total[name] / off_total
     # the noise: one daemon without events against the other
-    out["off2_cpu_ratio"] = statistics.median(
-        b / a for (a, _), (b, _) in zip(samples["off"], samples["off2"]))
+    for suffix in ("", "_beside") if beside is not None else ("",):
+        out[f"off2{suffix}_cpu_ratio"] = statistics.median(
+            b / a for (a, _), (b, _) in zip(samples[f"off{suffix}"],
+                                            samples[f"off2{suffix}"]))
     return out
 
 
-def beside_client(code: str | None, endpoint: str, round_n: int, data: bool,
-                  procs: list[subprocess.Popen[bytes]]) -> Callable[[], int]:
-    """A round of ``workload`` run by a client of the version in ``code``, in a process
-    of its own (added to ``procs``, to end with them)."""
+def client_process(code: str | None, endpoint: str, round_n: int, data: bool,
+                   procs: list[subprocess.Popen[bytes]]) -> Callable[[], int]:
+    """A round of ``workload`` run by a client of the version in ``code`` (None: this
+    checkout's), in a process of its own (added to ``procs``, to end with them)."""
     here = str(Path(__file__).resolve().parent)
     proc = subprocess.Popen(
-        [sys.executable, "-c", BESIDE_CLIENT, here, endpoint, str(round_n), str(int(data))],
+        [sys.executable, "-c", CLIENT, here, endpoint, str(round_n), str(int(data))],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=code)
     procs.append(proc)
     assert proc.stdin is not None and proc.stdout is not None
     stdin, stdout = proc.stdin, proc.stdout
     if stdout.readline() != b"ready\n":
-        raise RuntimeError(f"--beside's client exited ({proc.wait()}) before its rounds")
+        raise RuntimeError(f"a daemon's client exited ({proc.wait()}) before its rounds")
 
     def run() -> int:
         stdin.write(b"\n")
@@ -518,6 +521,7 @@ def main() -> None:
             if args.beside:
                 arms[2:2] = [("on_beside", "to a subscriber, --beside's code", ""),
                              ("alone_beside", "to nobody, --beside's code", "")]
+                arms.append(("off2_beside", "noise, --beside's code", ""))
             for arm, label, target in arms:
                 off = "off_beside" if arm.endswith("_beside") else "off"
                 rows.append(row(f"{what}: cpu us/request, {label}", t[f"{arm}_cpu_us"],
