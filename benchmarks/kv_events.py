@@ -298,7 +298,7 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in arms}
     served = {name: 0 for name, _, _ in arms}
     total: dict[str, float] = {}
-    clients: list[Client] = []
+    endpoints: dict[str, str] = {}
     try:
         runs: dict[str, Callable[[], int]] = {}
         for name, env, subscribed in arms:
@@ -310,7 +310,7 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
             if subscribed:  # a router, elsewhere: on the other CPUs, where there are any
                 subs.append(subscriber(env["KVSTORE_EVENTS_ENDPOINT"]))
                 os.sched_setaffinity(subs[-1].pid, (cpus - {cpu}) or cpus)
-            clients.append(Client(endpoint, tenant="bench"))  # (its stats)
+            endpoints[name] = endpoint
             runs[name] = client_process(beside if name.endswith("_beside") else None,
                                         endpoint, round_n, data, workers)
         for run in runs.values():
@@ -333,9 +333,10 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
         # the cross-check: all CPU time over all requests, the gaps between rounds too
         total = {name: (cpu_ns(proc.pid) - first[name]) / served[name] / 1e3
                  for name, proc in procs.items()}
-        for c, (name, _, subscribed) in zip(clients, arms):
-            if name in ("on", "turn", "on_beside"):
-                events = c.stats()["events"]
+        for name in ("on", "turn", "on_beside"):
+            if name in endpoints:
+                with Client(endpoints[name], tenant="bench") as c:
+                    events = c.stats()["events"]
                 assert events["batches"] > 0 and events["dropped"] == 0, events
         if beside is not None:  # the daemons of the other version ran its own code
             check = ("import kvstore.scheduler as s, kvstore.tiers as t; "
@@ -345,8 +346,6 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
             here = str(Path(__file__).resolve().parent.parent)
             assert not any(x.startswith(here) for x in paths), paths
     finally:
-        for c in clients:
-            c.close()
         for proc in (*procs.values(), *subs, *workers):
             proc.terminate()
             proc.wait()
