@@ -185,12 +185,14 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     interval_ms: float = 2.0
     # A batch goes out with the first commit at least ``interval_ms`` after its first
     # change (a busy daemon: no wake of its own for it); a daemon that commits nothing
-    # more sends it this long after its first change (milliseconds, at least interval_ms).
+    # more sends it this long after its first change (milliseconds, at least interval_ms;
+    # under load, at least twice the batch's wait).
     quiet_ms: float = 50.0
     # Under load, fewer and larger batches still: each batch that goes out with a commit
     # (commits keep coming) doubles the next one's wait, up to this (milliseconds, at least
-    # interval_ms); a batch the quiet timer sends brings it back to interval_ms.
-    busy_interval_ms: float = 10.0
+    # interval_ms); a batch the quiet timer sends brings it back to interval_ms.  (A
+    # batch costs the daemon about what a request does, however few its events.)
+    busy_interval_ms: float = 50.0
     # Load bandwidth per tier (bytes a second) a routing query assumes until the daemon
     # has measured its own.
     dram_bandwidth: str | int = "20GB"

@@ -251,7 +251,7 @@ class EventPublisher:
         self.interval = config.interval_ms / 1e3
         self.busy_interval = max(config.busy_interval_ms, config.interval_ms) / 1e3
         self.wait = self.interval  # how long the next batch waits for changes
-        self.quiet = max(config.quiet_ms, config.busy_interval_ms, config.interval_ms) / 1e3
+        self.quiet = max(config.quiet_ms, config.interval_ms) / 1e3
         self._turn: asyncio.Handle | None = None  # the flush at this turn's end, if set
         self._quiet: asyncio.Handle | None = None  # the timer for a daemon gone quiet
         self._due = 0.0  # when a commit sends the batch (loop time; 0: at the timer)
@@ -317,9 +317,10 @@ class EventPublisher:
         # interval is 0): every change until the batch goes out joins it, so a busy
         # daemon sends fewer, larger batches.  The first commit ``wait`` on (``interval``,
         # longer under load) sends it at the end of its turn; the quiet timer, ``quiet``
-        # on, only if none came (a wake costs a quiet daemon nothing, but a busy one tens
-        # of microseconds a batch).  One quiet timer serves every batch begun while it
-        # runs: a busy daemon sets one every ``quiet``, not one a batch.
+        # on (or twice the wait, if longer: a busy daemon's next commit comes first),
+        # only if none came (a wake costs a quiet daemon nothing, but a busy one tens of
+        # microseconds a batch).  One quiet timer serves every batch begun while it runs:
+        # a busy daemon sets one every ``quiet``, not one a batch.
         loop = self._loop
         if loop is None:
             return
@@ -329,7 +330,7 @@ class EventPublisher:
             return
         self._due = loop.time() + self.wait
         if self._quiet is None:
-            self._quiet = loop.call_later(self.quiet, self._went_quiet)
+            self._quiet = loop.call_later(max(self.quiet, 2 * self.wait), self._went_quiet)
 
     def _more(self) -> None:
         # A commit's changes joined the batch: it goes out at the end of this turn if due,
@@ -345,16 +346,18 @@ class EventPublisher:
     def _went_quiet(self) -> None:
         # Set at a batch's first change, or at an earlier batch's: then it is set again
         # for this one's.  A batch that waited ``quiet`` with no commit to send it: the
-        # load has gone, batches wait ``interval`` again.
+        # load has eased, the next batch waits half as long (down to ``interval``; a
+        # pause between bursts does not bring back a burst's many small batches).
         self._quiet = None
         loop = self._loop
         if not self.changes.touched or not self._due or loop is None:
             return  # nothing waits, or a commit's turn sends it
-        first = self._due - self.wait  # (the wait changes only once the batch is sent)
-        if loop.time() < first + self.quiet:
-            self._quiet = loop.call_at(first + self.quiet, self._went_quiet)
+        # (the wait changes only once the batch is sent)
+        end = self._due - self.wait + max(self.quiet, 2 * self.wait)
+        if loop.time() < end:
+            self._quiet = loop.call_at(end, self._went_quiet)
             return
-        self.wait = self.interval
+        self.wait = max(self.wait / 2, self.interval)
         self.flush()
 
     def flush(self) -> int:

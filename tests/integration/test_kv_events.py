@@ -405,7 +405,9 @@ def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -
     timer sends it at ``interval_ms``; the one timer for a quiet daemon (``quiet_ms``),
     set at the first batch's first change, stays for the batches begun before it fires
     rather than one set and cancelled a batch, and once it sends a batch no commit sent,
-    batches wait ``interval_ms`` again."""
+    the next batch waits half as long, down to ``interval_ms``.  Under load the timer
+    waits at least twice the batch's wait, so that the next commit, not the timer,
+    sends a due batch."""
     import asyncio
 
     from kvstore.config import EventsConfig
@@ -456,9 +458,17 @@ def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -
         pub._due -= 2.0  # (as if this batch had waited ``quiet_ms`` with no commit)
         pub._went_quiet()
         assert pub.last_seq == 2 and not pub.changes.touched and pub._quiet is None
-        assert pub.wait == 0.001  # quiet: batches wait ``interval_ms`` again
+        assert pub.wait == 0.0015  # quiet: the next batch waits half as long
         commit(500)  # the next batch's first change sets a timer again
         assert pub._quiet is not None
+        pub._due -= 2.0
+        pub._went_quiet()
+        assert pub.last_seq == 3 and pub.wait == 0.001  # not below ``interval_ms``
+        pub.quiet, pub.wait = 0.001, 0.003  # (a quiet_ms below twice a busy wait)
+        before = loop.time()
+        commit(600)
+        timer = pub._quiet
+        assert timer is not None and timer.when() >= before + 0.006
     finally:
         pub.close()
         loop.close()
