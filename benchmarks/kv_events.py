@@ -281,7 +281,11 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
     loop turn, or by a timer) is counted in its round, not in no round while the next
     daemon is measured.  A batch still waiting then goes out with the daemon's first
     commit of its next round, counted there; only a gap between two rounds longer than
-    ``quiet_ms`` (50 ms; they come about 25 ms apart) leaves one to a timer, uncounted."""
+    the quiet timer's wait (``quiet_ms``, 50 ms, or twice a busy batch's wait; they come
+    30 to 45 ms apart) leaves one to a timer, uncounted in the rounds.  The median of
+    rounds also leaves out the batches' cost where they are fewer than the rounds (the
+    median round has none): the cross-check, all CPU time over all requests, counts
+    both."""
     tag = "d" if data else "c"
     settle = EventsConfig().interval_ms / 1e3 + 0.001
     cpus = os.sched_getaffinity(0)
