@@ -295,10 +295,17 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
     subs: list[subprocess.Popen[bytes]] = []
     workers: list[subprocess.Popen[bytes]] = []  # the daemons' clients
     arms = list(ARMS)
-    if beside is not None:  # another version's daemons, in the same rounds
-        arms += [(f"{name}_beside", {k: v.replace("{tag}", "beside-{tag}")
-                                     for k, v in env.items()}, subscribed)
-                 for name, env, subscribed in ARMS if name != "turn"]
+    if beside is not None:  # another version's daemons, in the same rounds, each started
+        # next to its peer of this version, either first by turns: a daemon runs a few
+        # percent faster or slower by where it comes in the start order (started after
+        # all of this version's, the copy's read 3 to 4 points under them)
+        arms = []
+        for i, (name, env, subscribed) in enumerate(ARMS):
+            pair = [(name, env, subscribed)]
+            if name != "turn":
+                pair.append((f"{name}_beside", {k: v.replace("{tag}", "beside-{tag}")
+                                                for k, v in env.items()}, subscribed))
+            arms += pair if i % 2 else pair[::-1]
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in arms}
     served = {name: 0 for name, _, _ in arms}
     total: dict[str, float] = {}
