@@ -271,7 +271,7 @@ class _Requests(Collector):
     """Requests, their errors and latency, and lookups' tokens: counted in plain numbers
     on the loop and read into families at each scrape.  A prometheus_client child takes
     a lock per increment and a histogram walks its buckets in Python: 1.8 us a request,
-    against 0.4 here.  The scrape's thread only reads (a dict copied in one C call, each
+    against 0.3-0.7 here.  The scrape's thread only reads (a dict copied in one C call, each
     number whole), so a scrape may see one request's count before its latency, never a
     count that goes down."""
 
