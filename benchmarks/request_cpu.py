@@ -1,6 +1,7 @@
 """The daemon's Python CPU per request, verb by verb, without sockets' waits.
 
     python benchmarks/request_cpu.py [--policy auto lru ...] [--requests 4000] [--profile VERB]
+    python benchmarks/request_cpu.py --wire [--against OTHER_CHECKOUT] [--policy lru]
 
 A round trip's wall time on a shared machine is mostly waiting: for a core, for ZeroMQ's
 I/O threads.  This program hands requests straight to a started daemon's dispatch
@@ -9,6 +10,14 @@ ZeroMQ drops) and reads the loop thread's CPU clock around them: what each verb 
 the daemon itself, steady enough to compare eviction policies or two versions of the
 code.  Ping (no work), lookup of a 64-key chain, reserve+commit of 1 and of 16 blocks.
 ``--profile VERB`` prints cProfile's top functions for that verb.
+
+``--wire`` measures over real sockets instead: a daemon process (``kvstore serve``), a
+client's blocking round trips, and per request the wall time and the CPU of the daemon's
+loop thread (read from /proc: transport, dispatch and all, with the cold caches of a
+round trip that a loop of direct calls does not have).  ``--against`` starts a second
+daemon from another checkout of kvstore (its root directory) and alternates the two in
+short slices, restarted each epoch, so that a noisy machine's load and placement fall on
+both alike: before and after, side by side.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ import cProfile
 import os
 import pstats
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +40,7 @@ import zmq
 
 from kvstore import protocol as p
 from kvstore.bench.planes import small_identity
+from kvstore.client import Client
 from kvstore.config import Config, DramConfig, ServerConfig, SsdConfig
 from kvstore.metrics import Metrics, stats_on_loop
 from kvstore.server import Server
@@ -143,6 +155,85 @@ async def measure(policies: Sequence[str], requests: int, repeat: int,
         print(f"  {name:<20}" + "".join(f"{value:10.1f}" for value in row))
 
 
+def _thread_cpu(pid: int) -> float:
+    """Seconds of CPU (user and system) of a process's main thread, its event loop."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class WireDaemon:
+    """``kvstore serve`` from a checkout's root, a client of it, and its chains."""
+
+    def __init__(self, root: str, policy: str) -> None:
+        endpoint = f"ipc://{tempfile.mkdtemp(prefix='kvwire-')}/kvstore.sock"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", "--endpoint", endpoint,
+             "--dram-capacity", "1GiB", "--ssd-capacity", "0", "--eviction-policy", policy,
+             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": root}, cwd=root)
+        assert self.proc.stdout is not None
+        while b"serving on" not in self.proc.stdout.readline():
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the daemon of {root} did not start")
+        self.client = Client(endpoint, tenant="cpu")
+        self.ns = self.client.namespace(small_identity("cpu", "cpu"))
+        self.chain = self.ns.keys(range(16 * 64))
+        self.ns.put(self.chain, [bytes(self.ns.block_bytes)] * 64)
+        self.at = 1 << 30
+
+    def fresh(self, count: int) -> list[bytes]:
+        self.at += 16 * count
+        return self.ns.keys(range(self.at, self.at + 16 * count))
+
+    def verbs(self) -> dict[str, tuple[Callable[[], object], int, int]]:
+        """name -> (one call, calls a slice, requests a call makes)"""
+        return {"ping": (self.client.ping, 200, 1),
+                "lookup": (lambda: self.ns.lookup(self.chain), 100, 1),
+                "reserve+commit-1": (lambda: self.ns.reserve(self.fresh(1)).commit(), 50, 2),
+                "reserve+commit-16": (lambda: self.ns.reserve(self.fresh(16)).commit(), 25,
+                                      2)}
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def measure_wire(roots: dict[str, str], policy: str, epochs: int, slices: int) -> None:
+    walls: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], list[float]] = {}  # [seconds, requests]
+    for epoch in range(epochs):
+        order = list(roots) if epoch % 2 == 0 else list(roots)[::-1]
+        daemons = {name: WireDaemon(roots[name], policy) for name in order}
+        try:
+            for turn in range(slices):
+                for verb in daemons[order[0]].verbs():
+                    for name in order if turn % 2 == 0 else order[::-1]:
+                        fn, calls, each = daemons[name].verbs()[verb]
+                        pid = daemons[name].proc.pid
+                        used, started = _thread_cpu(pid), time.perf_counter()
+                        for _ in range(calls):
+                            fn()
+                        walls.setdefault((verb, name), []).append(
+                            (time.perf_counter() - started) / (calls * each) * 1e6)
+                        spent = cpu.setdefault((verb, name), [0.0, 0])
+                        spent[0] += _thread_cpu(pid) - used
+                        spent[1] += calls * each
+        finally:
+            for daemon in daemons.values():
+                daemon.close()
+    print(f"over the wire under {policy}, us a request ({epochs} epochs of {slices} "
+          "alternated slices): wall (median of slices), daemon loop thread CPU (total)")
+    print(f"  {'verb':<20}" + "".join(f"{name + ' wall':>16}{name + ' cpu':>14}"
+                                      for name in roots))
+    for verb in dict.fromkeys(v for v, _ in walls):
+        row = "".join(f"{statistics.median(walls[(verb, name)]):16.1f}"
+                      f"{cpu[(verb, name)][0] / cpu[(verb, name)][1] * 1e6:14.1f}"
+                      for name in roots)
+        print(f"  {verb:<20}{row}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--policy", nargs="+", default=["auto", "lru"],
@@ -151,7 +242,19 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5, help="runs (medians are shown)")
     parser.add_argument("--profile", choices=["ping", "lookup", "reserve+commit-1",
                                               "reserve+commit-16"])
+    parser.add_argument("--wire", action="store_true",
+                        help="over real sockets: a daemon process and a client's round trips")
+    parser.add_argument("--against", metavar="ROOT",
+                        help="--wire: also a daemon from this checkout's root, alternated")
+    parser.add_argument("--epochs", type=int, default=4,
+                        help="--wire: daemons started afresh this many times")
     args = parser.parse_args()
+    if args.wire:
+        roots = {"this": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+        if args.against:
+            roots["other"] = os.path.abspath(args.against)
+        measure_wire(roots, args.policy[0], args.epochs, args.repeat * 2)
+        return 0
     uvloop.run(measure(args.policy, args.requests, args.repeat, args.profile))
     return 0
 

@@ -26,23 +26,43 @@ class Index:
         """The tier of each leading cached key (its length is the hit count)."""
         shards, mask = ns.blocks.shards, ns.blocks.mask  # ``ns.blocks.get``, inline
         chain: list[Block] = []
+        below = 0  # hits with no DRAM copy
         for key in keys:
             block = shards[hash(key) & mask].get(key)
-            # ``Block.present``, inline: this loop is the lookup's cost
-            if block is None or (block.offset is None and block.ssd_offset is None
-                                 and block.extra is None):
+            if block is None:
                 break
+            if block.offset is None:
+                # ``Block.present``, inline: this loop is the lookup's cost
+                if block.ssd_offset is None and block.extra is None:
+                    break
+                below += 1
+            block.seen += 1  # ``access``'s count, here: one walk of the chain, not two
             chain.append(block)
-        below = [b for b in chain if b.offset is None]
         c = self.store.counters
         c.lookups += 1
         c.lookup_keys += len(keys)
         c.hit_blocks += len(chain)
-        c.ssd_hits += len(below)
-        self.access(chain)
+        c.ssd_hits += below
+        if chain:
+            self._ordered(ns, chain, below)
         if not below:
             return [DRAM] * len(chain)
         return [b.tier for b in chain]
+
+    def _ordered(self, ns: Namespace, chain: list[Block], below: int) -> None:
+        """``access``'s orders told of a chain of one namespace (every block of
+        ``ns.blocks`` is of ``ns``), whose ``seen`` counts are already up."""
+        deepest_first = chain[::-1]
+        in_dram = ([b for b in deepest_first if b.offset is not None] if below
+                   else deepest_first)
+        if in_dram:
+            ns.dram.policy(ns.cls).access_many(in_dram)
+        ssd = self.store.ssd
+        if ssd is not None:
+            on_ssd = [b for b in deepest_first if b.ssd_offset is not None]
+            if on_ssd:
+                assert ns.ssd_cls is not None, "a namespace with SSD copies has an SSD class"
+                ssd.policy(ns.ssd_cls).access_many(on_ssd)
 
     def access(self, chain: list[Block]) -> None:
         """The blocks were hit: each order they are on hears of it, deepest first, so

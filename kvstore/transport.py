@@ -172,12 +172,19 @@ class Transport:
             return
         sock = self._socks[index]
         secure = self._secure[index]
-        # Receive until there is nothing (a failed receive reads ZeroMQ's commands as a
-        # look at EVENTS would: one call a message, not two); replies sent meanwhile
-        # leave EVENTS to this loop (see send).
+        # Receive until there is nothing; replies sent meanwhile leave EVENTS to this
+        # loop (see send).  After the first message a look at EVENTS says whether more
+        # wait: most often none do (a blocking client's round trip), and the look costs
+        # less than a failed receive (1.5 us against 3.7: pyzmq raises zmq.Again).  With
+        # more waiting, the rest are received until one fails (one call a message, not
+        # two); either reads ZeroMQ's commands, which re-arms its edge-triggered descriptor.
         self._draining = index
         try:
-            for _ in range(_DRAIN_BATCH):
+            for taken in range(_DRAIN_BATCH):
+                if taken == 1:
+                    events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
+                    if not events & _POLLIN:
+                        break
                 try:
                     frames = receive(sock)
                 except zmq.Again:

@@ -323,3 +323,33 @@ def test_release_is_sent_without_waiting_and_reaches_the_daemon(
         assert any("refused a posted release" in r.getMessage() and "pin" in r.getMessage()
                    for r in caplog.records)
         assert dram(client)["pinned_blocks"] == 8  # the real pin is still held
+
+
+def test_every_burst_is_answered_whatever_its_size(daemon: DaemonProcess) -> None:
+    """The drain stops after one message when nothing else waits, and reads on when more
+    do: bursts of 1, 2, 3 and past a drain's batch (and past the receive high-water
+    mark) are each answered in full, with no wake-up lost between them."""
+    import zmq
+
+    from kvstore import protocol as p
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(daemon.endpoint)
+    try:
+        sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "acme", "")))
+        assert isinstance(p.reply_decoder.decode(sock.recv()), p.HelloReply)
+        rid = 1
+        for burst in (1, 2, 1, 3, 1, 600, 1, 2):
+            rids = list(range(rid + 1, rid + 1 + burst))
+            rid += burst
+            for r in rids:
+                sock.send(p.encoder.encode(p.Ping(r)))
+            got = [p.reply_decoder.decode(sock.recv()) for _ in rids]
+            assert [(type(reply), reply.rid) for reply in got] == [(p.OkReply, r)
+                                                                   for r in rids]
+    finally:
+        sock.close()
+        ctx.term()

@@ -184,6 +184,28 @@ def test_observations_are_exported(metrics: Metrics, scrape: Scraper) -> None:
              cause="pinned") == 1
 
 
+def test_request_series_read_as_prometheus_client_writes_them(
+        metrics: Metrics, scrape: Scraper) -> None:
+    """Bucket edges (a value on a bound falls in that bucket), cumulative buckets up to
+    +Inf, and each series' ``_created``."""
+    for seconds in (50e-6, 50.000001e-6, 2.5, 7.0):
+        metrics.observe_request("ping", seconds, None, "acme")
+    metrics.observe_lookup_tokens("dram", "acme", 16, 0)
+    s = scrape()
+    assert v(s, "kvstore_request_duration_seconds_bucket", verb="ping", le="5e-05") == 1
+    assert v(s, "kvstore_request_duration_seconds_bucket", verb="ping", le="0.0001") == 2
+    assert v(s, "kvstore_request_duration_seconds_bucket", verb="ping", le="2.5") == 3
+    assert v(s, "kvstore_request_duration_seconds_bucket", verb="ping", le="+Inf") == 4
+    assert v(s, "kvstore_request_duration_seconds_count", verb="ping") == 4
+    for name, labels in (("kvstore_requests_created", {"verb": "ping", "tenant": "acme"}),
+                         ("kvstore_request_duration_seconds_created", {"verb": "ping"}),
+                         ("kvstore_lookup_hit_tokens_created",
+                          {"tier": "dram", "tenant": "acme"})):
+        assert v(s, name, **labels) > 0, name
+    assert ("kvstore_request_errors_total",
+            frozenset({("verb", "ping"), ("code", "internal"), ("tenant", "acme")})) not in s
+
+
 def _counters(s: Samples) -> Samples:
     return {k: val for k, val in s.items() if k[0].endswith("_total")}
 
