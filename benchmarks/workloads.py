@@ -139,36 +139,50 @@ def _follow_up(
         bisect.insort(pending, (due, next(seq), history, turn))
 
 
-def scan(requests: int = 4000, seed: int = 2) -> list[Request]:
-    """A Zipf-popular hot set under shared roots, interleaved with bursts of one-time scans."""
+def scan(requests: int = 4000, seed: int = 2, *, hot_chains: int = 1500,
+         hot_skew: float = 0.8, hot_blocks: int = 12, scan_share: float = 0.03,
+         scan_blocks: int = 40) -> list[Request]:
+    """A Zipf-popular hot set under shared roots, interleaved with bursts of one-time scans.
+
+    Parameters: ``hot_chains`` hot chains of 2 shared root blocks and 2 to
+    ``hot_blocks`` of their own, Zipf exponent ``hot_skew``; a request every 100 ms on
+    average, which with probability ``scan_share`` is a burst of 10 to 30 one-time
+    documents of 10 to ``scan_blocks`` blocks each.
+    """
     rng = random.Random(seed)
     chains = _Chains()
     hot = [chains.extend([], [*(("root", h % 8, j) for j in range(2)),
-                              *(("hot", h, j) for j in range(rng.randint(2, 12)))])
-           for h in range(1500)]
-    hot_of = _Zipf(len(hot), 0.8, rng)
+                              *(("hot", h, j) for j in range(rng.randint(2, hot_blocks)))])
+           for h in range(hot_chains)]
+    hot_of = _Zipf(len(hot), hot_skew, rng)
     out: list[Request] = []
     scans = itertools.count()
     now = 0.0
     while len(out) < requests:
         now += rng.expovariate(1 / 100)
-        if rng.random() < 0.03:
+        if rng.random() < scan_share:
             # A batch job: a burst of long one-time documents.
             for _ in range(rng.randint(10, 30)):
                 s = next(scans)
-                ids = chains.extend([], [("scan", s, j) for j in range(rng.randint(10, 40))])
+                ids = chains.extend([], [("scan", s, j)
+                                         for j in range(rng.randint(10, scan_blocks))])
                 out.append(_request(rng, now, ids))
         else:
             out.append(_request(rng, now, hot[hot_of()]))
     return out[:requests]
 
 
-def documents(requests: int = 4000, seed: int = 3) -> list[Request]:
-    """Independent questions about Zipf-popular documents (no conversation history)."""
+def documents(requests: int = 4000, seed: int = 3, *, library: int = 5000,
+              skew: float = 0.9, longest: int = 30) -> list[Request]:
+    """Independent questions about Zipf-popular documents (no conversation history).
+
+    Parameters: ``library`` documents of 2 to ``longest`` blocks, Zipf exponent
+    ``skew``; a question (one block of its own) every 100 ms on average.
+    """
     rng = random.Random(seed)
     chains = _Chains()
-    sizes = [rng.randint(2, 30) for _ in range(5000)]
-    document_of = _Zipf(len(sizes), 0.9, rng)
+    sizes = [rng.randint(2, longest) for _ in range(library)]
+    document_of = _Zipf(len(sizes), skew, rng)
     out: list[Request] = []
     now = 0.0
     for q in range(requests):
@@ -180,51 +194,57 @@ def documents(requests: int = 4000, seed: int = 3) -> list[Request]:
     return out
 
 
-def agents(requests: int = 4000, seed: int = 4) -> list[Request]:
+def agents(requests: int = 4000, seed: int = 4, *, every_ms: float = 2_000,
+           step_ms: float = 1_500, steps_shape: float = 1.2,
+           prefix_blocks: int = 24) -> list[Request]:
     """Tool-calling loops over one long shared prefix, each step a short continuation.
 
-    Parameters: a new loop every 2 s on average (exponential); a loop runs a Pareto
-    (shape 1.2) number of steps, at least one; a step follows the previous one after a
-    log-normal delay (median 1.5 s) and adds 1 or 2 blocks (a tool result, a thought).
+    Parameters: a new loop every ``every_ms`` on average (exponential); a loop runs a
+    Pareto (shape ``steps_shape``: smaller, longer loops) number of steps, at least one;
+    a step follows the previous one after a log-normal delay (median ``step_ms``) and
+    adds 1 or 2 blocks (a tool result, a thought); the shared prefix is
+    ``prefix_blocks`` long.
     """
     rng = random.Random(seed)
     chains = _Chains()
-    prefix = [("tools", j) for j in range(24)]
+    prefix = [("tools", j) for j in range(prefix_blocks)]
     pending: list[tuple[float, int, list[int], int]] = []  # (due, seq, context, steps left)
     seq = itertools.count()
     now = 0.0
     out: list[Request] = []
     while len(out) < requests:
-        now += rng.expovariate(1 / 2_000)
+        now += rng.expovariate(1 / every_ms)
         while pending and pending[0][0] <= now and len(out) < requests:
             due, _, context, left = heapq.heappop(pending)
             ids = chains.extend(context, [("step", due, j) for j in range(rng.randint(1, 2))])
             out.append(_request(rng, due, ids))
             if left > 1:
-                later = due + rng.lognormvariate(math.log(1_500), 0.8)
+                later = due + rng.lognormvariate(math.log(step_ms), 0.8)
                 heapq.heappush(pending, (later, next(seq), ids, left - 1))
         if len(out) >= requests:
             break
         loop = next(seq)
         ids = chains.extend([], [*prefix, *(("task", loop, j) for j in range(rng.randint(1, 3)))])
         out.append(_request(rng, now, ids))
-        steps = int(rng.paretovariate(1.2))
+        steps = int(rng.paretovariate(steps_shape))
         if steps > 1:
-            later = now + rng.lognormvariate(math.log(1_500), 0.8)
+            later = now + rng.lognormvariate(math.log(step_ms), 0.8)
             heapq.heappush(pending, (later, next(seq), ids, steps - 1))
     return out
 
 
-def tenants(requests: int = 4000, seed: int = 5) -> list[Request]:
+def tenants(requests: int = 4000, seed: int = 5, *, count: int = 400, skew: float = 1.0,
+            longest: int = 16) -> list[Request]:
     """Single-shot requests over per-tenant system prompts (Zipf-popular tenants).
 
-    Parameters: 400 tenants, prompt lengths uniform in 4..16 blocks, Zipf exponent 1.0;
-    a request every 100 ms on average, with a 1 to 4 block user message of its own.
+    Parameters: ``count`` tenants, prompt lengths uniform in 4..``longest`` blocks,
+    Zipf exponent ``skew``; a request every 100 ms on average, with a 1 to 4 block user
+    message of its own.
     """
     rng = random.Random(seed)
     chains = _Chains()
-    prompts = [rng.randint(4, 16) for _ in range(400)]
-    tenant_of = _Zipf(len(prompts), 1.0, rng)
+    prompts = [rng.randint(4, longest) for _ in range(count)]
+    tenant_of = _Zipf(len(prompts), skew, rng)
     out: list[Request] = []
     now = 0.0
     for q in range(requests):

@@ -591,6 +591,13 @@ class SLRUPolicy(EvictionPolicy[T]):
         if isinstance(learned, SLRUPolicy):
             self._target = min(learned._target * scale, float(self._size))
 
+    def recall(self, names: Iterable[Hashable]) -> None:
+        # Not trimmed here: handed over mid-eviction, this order may hold fewer items
+        # than the cache does; its next evictions trim the list to its size then.
+        ghost, old = self._ghost, (False, -(1 << 62))  # older than any window: no target move
+        for name in names:
+            ghost[name] = old
+
     def _evict(self, queue: Queue[T], item: T) -> T:
         del queue[item]
         from_protected = queue is self._protected
@@ -702,6 +709,7 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
         self._order = self._factories[0]()
         self._minis, self._nodes, self._items = [], ShardedDict(), ShardedDict()
         self._pinned = set()
+        self._gone.clear()
         self._lingering = []
 
 

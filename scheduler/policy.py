@@ -67,6 +67,12 @@ class EvictionPolicy(ABC, Generic[T]):
         on a sample of this traffic, in a cache ``scale`` times smaller (an adaptive
         order's segment target; none for an order that adapts nothing)."""
 
+    def recall(self, names: Iterable[Hashable]) -> None:
+        """The names (``ghost_key``) of the latest victims of an order this one
+        replaces, oldest first: remembered as its own ghosts would be, if it keeps any
+        (a key that comes back was worth keeping), but as old ones, which say nothing
+        of its segments' sizes."""
+
     @abstractmethod
     def evictable(self) -> Iterator[T]:
         """Every item the policy would give up, in no promised order (for checkers)."""

@@ -100,6 +100,24 @@ def test_a_hand_over_keeps_every_item_in_its_order_and_pins() -> None:
     assert len(duel) == 3 and "pinned=0" in repr(duel)
 
 
+def test_a_hand_over_passes_the_latest_victims_as_ghosts() -> None:
+    """An SLRU handed a cache that LRU let a scan flush knows the hot keys coming back
+    as its own ghosts (protected at once), but as old ones: its target stays."""
+    duel = Duel([LRUPolicy, SLRUPolicy])
+    duel.insert_many(range(4))
+    assert [duel.pop_victim(lambda _: True) for _ in range(2)] == [0, 1]
+    duel.insert_many(range(10, 14))  # the cache grew: the victims' memory with it
+    assert [duel.pop_victim(lambda _: True) for _ in range(5)] == [2, 3, 10, 11, 12]
+    duel._take_over(1)
+    order = duel._order
+    assert isinstance(order, SLRUPolicy)
+    target = order._target
+    duel.insert_many([1, 11, 99])  # two victims back, one key never seen
+    assert sorted(order._protected) == [1, 11] and list(order._probation) == [13, 99]
+    assert order._target == target
+    assert duel._gone.maxlen == 6
+
+
 def test_the_duel_refuses_bad_settings() -> None:
     with pytest.raises(ValueError):
         Duel([])
