@@ -58,6 +58,9 @@ T = TypeVar("T", bound=Hashable)
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the sample
 _MASK64 = (1 << 64) - 1
 _UNTRACKED: Any = object()
+# The most victims' names a hand-over passes on as ghosts: at a million-block cache and
+# past it, the latest 256k (about 15 MiB of names), not one name per cached block.
+RECALL_MOST = 1 << 18
 
 
 class Order(Protocol[T]):
@@ -283,9 +286,10 @@ class Duel(Generic[T]):
         self._sampled = 0  # sampled references in the current epoch
         self.switches = 0
         self._evicted = False  # whether the order in charge gave up an item yet
-        # the names of the latest victims, as many as the cache holds, oldest first: a
-        # new order in charge takes them as its ghosts (``recall``); made at the first
-        # eviction, when the cache's size is known
+        # the names of the latest victims, about as many as the cache holds (a power of
+        # two at least its size, at most RECALL_MOST), oldest first: a new order in charge
+        # takes them as its ghosts (``recall``); made at the first eviction, when the
+        # cache's size is known, and remade only as it doubles
         self._gone: deque[Hashable] = deque(maxlen=1)
         # The store's blocks know their parent; other items (the replay's ids) have it
         # set here by their cache.
@@ -551,8 +555,11 @@ class Duel(Generic[T]):
         if victim is not None:
             del self._items[victim]
             gone = self._gone
-            if gone.maxlen != self._size:  # the first eviction, or a cache that grew
-                gone = self._gone = deque(gone, maxlen=self._size)
+            if gone.maxlen is not None and gone.maxlen < min(self._size, RECALL_MOST):
+                # the first eviction, or a cache that doubled: a copy of at most
+                # RECALL_MOST names, made once per doubling, never per eviction
+                most = min(1 << (self._size - 1).bit_length(), RECALL_MOST)
+                gone = self._gone = deque(gone, maxlen=most)
             gone.append(self.ghost_key(victim))
             self._evicted = True
         return victim

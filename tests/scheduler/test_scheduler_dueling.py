@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.scheduler.density import HitDensityPolicy, age_bucket
+from kvstore.scheduler import dueling
 from kvstore.scheduler.dueling import Duel
 from kvstore.scheduler.eviction import (
     ARCPolicy,
@@ -115,7 +116,26 @@ def test_a_hand_over_passes_the_latest_victims_as_ghosts() -> None:
     duel.insert_many([1, 11, 99])  # two victims back, one key never seen
     assert sorted(order._protected) == [1, 11] and list(order._probation) == [13, 99]
     assert order._target == target
-    assert duel._gone.maxlen == 6
+    assert duel._gone.maxlen == 8  # a power of two at least the cache's 6
+
+
+def test_the_victims_names_are_bounded_and_copied_once_per_doubling(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The names kept for a hand-over stay at most RECALL_MOST however large the
+    cache, and growing by one item at a time does not copy them at every eviction."""
+    monkeypatch.setattr(dueling, "RECALL_MOST", 16)
+    duel = Duel([LRUPolicy, SLRUPolicy])
+    duel.insert_many(range(5))
+    duel.pop_victim(lambda _: True)
+    first = duel._gone
+    assert first.maxlen == 8
+    duel.insert_many([100, 101])  # the cache grows to 6, still under 8: no copy
+    duel.pop_victim(lambda _: True)
+    assert duel._gone is first
+    duel.insert_many(range(200, 300))  # far past RECALL_MOST
+    for _ in range(50):
+        duel.pop_victim(lambda _: True)
+    assert duel._gone.maxlen == 16 and len(duel._gone) == 16
 
 
 def test_the_duel_refuses_bad_settings() -> None:
