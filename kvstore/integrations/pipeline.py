@@ -43,9 +43,8 @@ import torch
 from kvstore.client import Held, Namespace
 from kvstore.errors import KVStoreError, NotFoundError, UnavailableError
 from kvstore.identity import Identity
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
-    DaemonLink,
-    DaemonSettings,
     EnginePages,
     Loaded,
     SplitRows,

@@ -23,9 +23,8 @@ from kvstore.errors import (
     UnavailableError,
     error_from_code,
 )
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
-    DaemonLink,
-    DaemonSettings,
     EnginePages,
     Loaded,
     acquire_runs,
