@@ -5,7 +5,11 @@ from an engine's extra configuration; a client connected on first use, or on a t
 of its own (``connect_in_background``: no step ever waits for a connect); the
 namespaces opened through it (bounded, least recent dropped); and a back-off after the
 daemon failed to answer, during which every step of ``kvstore.integrations.engine_side``
-is a miss at once.
+is a miss at once.  A connect the daemon refused (a forged, expired or missing token, a
+tenant its credentials do not name) is not tried again with the same settings until a
+back-off that doubles with each refusal in a row has passed (``connect`` raises the
+refusal again meanwhile, at once, with no handshake); new settings (a new token) are
+tried at once.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -35,6 +39,9 @@ logger = logging.getLogger(__name__)
 BACKOFF_S = 10.0        # no daemon calls for this long after it failed to answer
 SESSION_PING_S = 0.5    # the most a ping asking an older daemon for the session waits
 MAX_NAMESPACES = 4096   # opened namespaces remembered per link
+REFUSED_S = 1.0         # no connect with the same settings for this long after a refusal,
+REFUSED_MAX_S = 60.0    # doubled with each refusal in a row, up to this
+
 
 @dataclass(frozen=True)
 class DaemonSettings:
@@ -58,12 +65,32 @@ class DaemonSettings:
 
 @dataclass
 class _Connected:
-    """What a connect on a thread of its own came to."""
+    """What a connect on a thread of its own, with ``settings``, came to."""
 
+    settings: DaemonSettings
     client: Client | None = None
     namespaces: dict[Hashable, Namespace] = field(default_factory=dict)
     error: KVStoreError | None = None
     at: float = 0.0  # when the client last called the daemon (the link's clock)
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """The daemon refused a connect with ``settings``: ``error`` is raised again, with no
+    handshake, until ``until``; ``wait_s`` is that back-off (the next one doubles it)."""
+
+    settings: DaemonSettings
+    error: KVStoreError
+    until: float
+    wait_s: float
+    count: int  # refusals in a row
+
+
+def _is_refusal(exc: KVStoreError) -> bool:
+    """Whether a failed connect was the daemon saying no (to the hello, its credentials
+    or a namespace of the connect), which the same settings would meet again; not its
+    silence or a session ended meanwhile."""
+    return not isinstance(exc, (UnavailableError, LeaseExpiredError, NoSessionError))
 
 
 class DaemonLink:
@@ -72,13 +99,17 @@ class DaemonLink:
     each thread that talks to the daemon a link of its own (a background connect builds
     its client apart, and the link takes it over once the thread ended).
 
-    ``map_arena=False`` for a link that never reads or writes blocks (lookups only)."""
+    ``map_arena=False`` for a link that never reads or writes blocks (lookups only).
+    ``settings`` may be replaced (``use_token``): the next connect takes them."""
 
     def __init__(self, settings: DaemonSettings, *, backoff_s: float = BACKOFF_S,
+                 refused_s: tuple[float, float] = (REFUSED_S, REFUSED_MAX_S),
                  max_namespaces: int = MAX_NAMESPACES,
                  clock: Callable[[], float] = time.monotonic, map_arena: bool = True) -> None:
         self.settings = settings
         self._backoff_s = backoff_s
+        self._refused_s = refused_s  # the first back-off after a refusal, and the longest
+        self._refused: _Refused | None = None  # the last connect's refusal, if it was one
         self._max_namespaces = max_namespaces
         self._clock = clock
         self._map_arena = map_arena
@@ -97,15 +128,54 @@ class DaemonLink:
         return self.settings.endpoint or "(default endpoint)"
 
     def available(self) -> bool:
-        """False while backing off from a daemon that did not answer."""
-        return self._clock() >= self._unavailable_until
+        """False while backing off from a daemon that did not answer, or that refused a
+        connect with the link's settings."""
+        now = self._clock()
+        return now >= self._unavailable_until and self._refusal(now) is None
+
+    def use_token(self, token: str) -> None:
+        """Connect with ``token`` from now on: the next connect tries it at once, even
+        while backing off from the refusal of the one before (a connected client is
+        kept until it fails)."""
+        self.settings = replace(self.settings, token=token)
+
+    def _refusal(self, now: float) -> _Refused | None:
+        """The refusal the link is backing off from, if any: one of its present
+        settings, within the back-off."""
+        refused = self._refused
+        if refused is None or refused.settings != self.settings or now >= refused.until:
+            return None
+        return refused
+
+    def _refuse(self, settings: DaemonSettings, exc: KVStoreError) -> None:
+        """Back off from a connect with ``settings`` that the daemon refused: twice the
+        last back-off after a refusal of the same settings, the first one else."""
+        first, longest = self._refused_s
+        last = self._refused
+        wait_s, count = first, 1
+        if last is not None and last.settings == settings:
+            wait_s, count = min(longest, last.wait_s * 2), last.count + 1
+        self._refused = _Refused(settings, exc, self._clock() + wait_s, wait_s, count)
 
     def connect(self) -> Client:
-        """The client, connected now if it is not (raises the daemon's error)."""
+        """The client, connected now if it is not (raises the daemon's error: at once,
+        with no handshake, the refusal of the link's settings it is backing off from)."""
         if self._client is None:
+            now = self._clock()
+            refused = self._refusal(now)
+            if refused is not None:
+                raise type(refused.error)(
+                    f"{refused.error} (refused {refused.count} time(s) in a row; not tried "
+                    f"again for {refused.until - now:.1f}s unless the settings change)")
             s = self.settings
-            self._client = Client(s.endpoint, tenant=s.tenant, token=s.token,
-                                  timeout=s.timeout, map_arena=self._map_arena)
+            try:
+                self._client = Client(s.endpoint, tenant=s.tenant, token=s.token,
+                                      timeout=s.timeout, map_arena=self._map_arena)
+            except KVStoreError as exc:
+                if _is_refusal(exc):
+                    self._refuse(s, exc)
+                raise
+            self._refused = None
             self._used = self._clock()
         return self._client
 
@@ -128,8 +198,11 @@ class DaemonLink:
             return True
         self._connecting = None
         if pending.error is not None:
+            if _is_refusal(pending.error):
+                self._refuse(pending.settings, pending.error)
             self.failed("connect", pending.error)
         elif pending.client is not None:
+            self._refused = None
             self._client = pending.client
             self._namespaces.update(pending.namespaces)
             self._used = pending.at  # the session idles from its connect, not from now
@@ -144,7 +217,7 @@ class DaemonLink:
         return self._client is not None
 
     def _spawn(self) -> None:
-        pending = _Connected()
+        pending = _Connected(self.settings)
         thread = threading.Thread(target=self._connect_apart, args=(pending,),
                                   name="kvstore-connect", daemon=True)
         self._connecting = thread, pending
@@ -152,7 +225,7 @@ class DaemonLink:
 
     def _connect_apart(self, pending: _Connected) -> None:
         """On the connect thread: touches only ``pending``."""
-        s = self.settings
+        s = pending.settings
         try:
             client = Client(s.endpoint, tenant=s.tenant, token=s.token, timeout=s.timeout,
                             map_arena=self._map_arena)
@@ -285,6 +358,8 @@ class DaemonLink:
         state = ("connected" if self._client else
                  "connecting" if self._connecting is not None else "idle")
         if not self.available():
-            state = "backing off"
+            refused = self._refusal(self._clock())
+            state = ("backing off" if refused is None else
+                     f"backing off from {refused.count} refusal(s)")
         return (f"DaemonLink({self.endpoint}, {state}, namespaces={len(self._namespaces)}, "
                 f"failures={self.failures})")
