@@ -74,17 +74,31 @@ def acquire_prefix(ns: Namespace, keys: Sequence[bytes]) -> Held | None:
 
 def acquire_runs(ns: Namespace, keys: Sequence[bytes]) -> list[tuple[int, Held]]:
     """Pin every run of cached keys (for keys that are not one chain): ``(start, pin)``
-    per run, one lookup per run and per miss; a run evicted before its pin is missing."""
+    per run, one lookup per run and per miss; a run evicted before its pin is missing.
+    A daemon error releases the runs pinned before it (no caller gets them)."""
     runs: list[tuple[int, Held]] = []
-    i = 0
-    while i < len(keys):
-        hits = ns.lookup(keys[i:]).blocks
-        if hits:
-            held = _try_acquire(ns, keys[i:i + hits])
-            if held is not None:
-                runs.append((i, held))
-        i += hits + 1
+    try:
+        i = 0
+        while i < len(keys):
+            hits = ns.lookup(keys[i:]).blocks
+            if hits:
+                held = _try_acquire(ns, keys[i:i + hits])
+                if held is not None:
+                    runs.append((i, held))
+            i += hits + 1
+    except BaseException:
+        _release_all(held for _, held in runs)
+        raise
     return runs
+
+
+def _release_all(pins: Iterable[Held]) -> None:
+    """Release every pin; one that fails is logged (its lease ends it anyway)."""
+    for held in pins:
+        try:
+            held.release()
+        except KVStoreError as exc:
+            logger.warning("kvstore: release failed: %s", exc)
 
 
 def read_blocks(ns: Namespace, keys: Sequence[bytes],
@@ -112,11 +126,7 @@ def read_blocks(ns: Namespace, keys: Sequence[bytes],
                 copy(start + offset, slot)
                 copied += 1
     finally:
-        for _, held in pinned:
-            try:
-                held.release()
-            except KVStoreError as exc:  # the pin's lease ends it anyway
-                logger.warning("kvstore: release failed: %s", exc)
+        _release_all(held for _, held in pinned)
     return Loaded(copied)
 
 
