@@ -73,11 +73,11 @@ class AsyncClient(SessionCore):
         loop = asyncio.get_running_loop()
         admission = await loop.run_in_executor(None, self._admission)
         self._ctx = zmq.Context()
-        self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
-        self._loop = loop
-        self._fd = self._sock.getsockopt(zmq.FD)
-        loop.add_reader(self._fd, self._drain)
-        try:
+        try:  # whatever fails, the context goes too (its I/O thread and descriptors)
+            self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
+            self._loop = loop
+            self._fd = self._sock.getsockopt(zmq.FD)
+            loop.add_reader(self._fd, self._drain)
             received = await self._call(self._hello_request())
             await loop.run_in_executor(None, self._on_hello, received)
         except BaseException:

@@ -76,11 +76,12 @@ class Client(SessionCore):
                          map_arena=map_arena, curve=curve, checksums=checksums)
         admission = self._admission()
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
+        self._sock: Any = None
         self._receive_timeout = -1.0  # the timeout RCVTIMEO is set to (_wait sets it)
         self._early: dict[int, Received] = {}  # replies that came before the one awaited
         self._routers: dict[tuple[str, ...], Router] = {}  # connections of route()
-        try:
+        try:  # whatever fails, the context goes too (its I/O thread and descriptors)
+            self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
             self._on_hello(self._call(self._hello_request()))
         except BaseException:
             self.close()

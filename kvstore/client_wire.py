@@ -76,7 +76,8 @@ def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None,
                 admission: tuple[str, str] | None = None) -> Any:
     """The DEALER socket of a shell (``ctx`` is a ``zmq.Context`` or a
     ``zmq.asyncio.Context``), set up the same way for both; ``admission`` is the tenant
-    and ticket of a gated ipc endpoint, or tenant and token on tcp (``_admission``)."""
+    and ticket of a gated ipc endpoint, or tenant and token on tcp (``_admission``).
+    MalformedError for an endpoint ZeroMQ cannot connect to."""
     import zmq
 
     sock = ctx.socket(zmq.DEALER)
@@ -90,7 +91,13 @@ def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None,
     if admission is not None:
         sock.plain_username = admission[0].encode()
         sock.plain_password = admission[1].encode()
-    sock.connect(endpoint)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        why = zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
+        raise MalformedError(f"cannot connect to the endpoint {endpoint!r}: {why} (an "
+                             f"endpoint is ipc://PATH or tcp://HOST:PORT)") from None
     return sock
 
 

@@ -21,7 +21,12 @@ from kvstore import AsyncClient, Client, PlanItem
 from kvstore import protocol as p
 from kvstore.aclient import AsyncHeld, AsyncNamespace, AsyncReservation
 from kvstore.client import Held, Namespace, Reservation
-from kvstore.errors import KVStoreError, UnavailableError, UnknownNamespaceError
+from kvstore.errors import (
+    KVStoreError,
+    MalformedError,
+    UnavailableError,
+    UnknownNamespaceError,
+)
 
 BIG = make_identity(num_layers=4, num_kv_heads=4, head_dim=128)  # 128 KiB blocks
 TWINS = [(Client, AsyncClient), (Namespace, AsyncNamespace), (Reservation, AsyncReservation),
@@ -251,6 +256,28 @@ def test_bad_replies_raise_the_same_errors_on_both_clients(odd_daemon: str) -> N
             assert time.monotonic() - started < 2      # raised, not timed out
 
     run(main())
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://no-host:no-port", "udp://127.0.0.1:1"])
+def test_an_endpoint_zeromq_cannot_connect_to_is_a_typed_error_that_leaks_nothing(
+        endpoint: str) -> None:
+    """Both clients raise MalformedError (not ZeroMQ's own error) and close the socket
+    and context they made: no descriptor or I/O thread stays behind, however often."""
+    def open_fds() -> int:
+        return len(list(Path("/proc/self/fd").iterdir()))
+
+    fds, threads = open_fds(), threading.active_count()
+    for _ in range(5):
+        with pytest.raises(MalformedError, match="cannot connect to the endpoint"):
+            Client(endpoint, tenant="acme", map_arena=False)
+
+    async def main() -> None:
+        for _ in range(5):
+            with pytest.raises(MalformedError, match="ipc://PATH or tcp://HOST:PORT"):
+                await AsyncClient(endpoint, tenant="acme", map_arena=False).connect()
+
+    run(main())
+    assert (open_fds(), threading.active_count()) == (fds, threads)
 
 
 def test_connect_keeps_the_loop_running_while_the_side_socket_answers(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from test_engine_side import TOKENS, identity
 
 from kvstore.auth import issue_token, read_secret, write_secret
 from kvstore.client import Client, Namespace
-from kvstore.errors import ForbiddenError, LimitExceededError
+from kvstore.errors import ForbiddenError, LimitExceededError, MalformedError
 from kvstore.integrations import daemon_link
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 
@@ -129,3 +129,16 @@ def test_a_refusal_whose_confirming_ping_is_refused_counts_once(
         assert link.client() is client and "connected" in repr(link)
     finally:
         link.close()
+
+
+def test_an_endpoint_zeromq_cannot_connect_to_is_a_refusal(handshakes: list[str]) -> None:
+    """Not an error of ZeroMQ's escaping into the engine's step: a typed one, counted once,
+    and backed off from like any refusal."""
+    now = [0.0]
+    link = DaemonLink(DaemonSettings("tcp://no-host:no-port", "acme"), clock=lambda: now[0],
+                      map_arena=False)
+    assert link.client() is None and link.namespace("pages", identity) is None
+    with pytest.raises(MalformedError, match="cannot connect to the endpoint"):
+        link.connect()
+    assert len(handshakes) == 1 and link.failures == 1 and not link.available()
+    link.close()
