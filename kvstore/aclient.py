@@ -36,8 +36,10 @@ from kvstore.client_wire import (
     Received,
     check_reply,
     decode_reply,
+    handshake_refusal,
     make_socket,
     receive,
+    stop_watching,
 )
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
@@ -74,11 +76,12 @@ class AsyncClient(SessionCore):
         admission = await loop.run_in_executor(None, self._admission)
         self._ctx = zmq.Context()
         try:  # whatever fails, the context goes too (its I/O thread and descriptors)
-            self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
+            self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission,
+                                     watch=self._checks_handshake())
             self._loop = loop
             self._fd = self._sock.getsockopt(zmq.FD)
             loop.add_reader(self._fd, self._drain)
-            received = await self._call(self._hello_request())
+            received = await self._greet(loop)
             await loop.run_in_executor(None, self._on_hello, received)
         except BaseException:
             await self.close()
@@ -86,6 +89,36 @@ class AsyncClient(SessionCore):
         return self
 
     # -- I/O ------------------------------------------------------------------------------
+    async def _greet(self, loop: asyncio.AbstractEventLoop) -> Received:
+        """Say hello and wait for the reply; where the daemon checks the handshake (the
+        socket is watched), its refusal is ForbiddenError at once, not a silence as long
+        as the timeout."""
+        req = self._hello_request()
+        if not self._checks_handshake():
+            return await self._call(req)
+        sock = self._sock
+        monitor = sock.get_monitor_socket()
+        fd = monitor.getsockopt(zmq.FD)
+        refused: asyncio.Future[int] = loop.create_future()
+
+        def heard() -> None:  # the descriptor is edge-triggered: read every event
+            status = handshake_refusal(monitor)
+            if status is not None and not refused.done():
+                refused.set_result(status)
+
+        loop.add_reader(fd, heard)
+        heard()  # events that came before the reader was added
+        call = asyncio.ensure_future(self._call(req))
+        try:
+            await asyncio.wait((call, refused), return_when=asyncio.FIRST_COMPLETED)
+            if call.done():
+                return call.result()
+            raise self._handshake_refused(refused.result())
+        finally:
+            call.cancel()
+            loop.remove_reader(fd)
+            stop_watching(sock)
+
     def _drain(self) -> None:
         """Hand every reply that has come to its waiter.  ZeroMQ's descriptor is
         edge-triggered: read until none is left."""

@@ -9,6 +9,7 @@ and raise the typed errors of ``kvstore.errors``.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -42,8 +43,10 @@ from kvstore.client_wire import (
     check_reply,
     checksum,
     decode_reply,
+    handshake_refusal,
     make_socket,
     receive,
+    stop_watching,
 )
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
@@ -81,13 +84,39 @@ class Client(SessionCore):
         self._early: dict[int, Received] = {}  # replies that came before the one awaited
         self._routers: dict[tuple[str, ...], Router] = {}  # connections of route()
         try:  # whatever fails, the context goes too (its I/O thread and descriptors)
-            self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
-            self._on_hello(self._call(self._hello_request()))
+            self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission,
+                                     watch=self._checks_handshake())
+            self._on_hello(self._greet())
         except BaseException:
             self.close()
             raise
 
     # -- I/O ------------------------------------------------------------------------------
+    def _greet(self) -> Received:
+        """Say hello and wait for the reply; where the daemon checks the handshake (the
+        socket is watched), its refusal is ForbiddenError at once, not a silence as long
+        as the timeout."""
+        req = self._hello_request()
+        if not self._checks_handshake():
+            return self._call(req)
+        sock = self._sock
+        monitor = sock.get_monitor_socket()
+        try:
+            self._send(req)
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            deadline = time.monotonic() + self.timeout
+            while self.timeout < 0 or (left := deadline - time.monotonic()) > 0:
+                ready = dict(poller.poll(None if self.timeout < 0 else math.ceil(left * 1000)))
+                if monitor in ready and (status := handshake_refusal(monitor)) is not None:
+                    raise self._handshake_refused(status)
+                if sock in ready:
+                    return self._wait(req.rid)
+            raise self._no_reply()
+        finally:
+            stop_watching(sock)
+
     def _call(self, req: p.Message, payload: Sequence[Any] = ()) -> Received:
         """Send a request and wait for its reply (unchecked: the core checks it)."""
         self._send(req, payload)

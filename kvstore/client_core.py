@@ -49,7 +49,7 @@ from kvstore.client_wire import (
     verify,
 )
 from kvstore.config import endpoint_from_env
-from kvstore.errors import KVStoreError, MalformedError, UnavailableError
+from kvstore.errors import ForbiddenError, KVStoreError, MalformedError, UnavailableError
 from kvstore.identity import Identity
 from kvstore.keys import chain_keys
 from kvstore.token_ids import encode_chain
@@ -179,6 +179,18 @@ class SessionCore:
         why = refused_hint(self._handshake) if self.hello is None else ""
         return UnavailableError(f"no reply from the daemon at {self.endpoint} "
                                 f"within {self.timeout}s{why}")
+
+    def _checks_handshake(self) -> bool:
+        """Whether the daemon checks this client's ZeroMQ handshake (a ticket or token as
+        PLAIN credentials, or CurveZMQ keys over tcp), so that it may refuse it."""
+        return bool(self._handshake) or (self._curve is not None
+                                         and self.endpoint.startswith("tcp://"))
+
+    def _handshake_refused(self, status: int) -> ForbiddenError:
+        why = refused_hint(self._handshake) or (
+            "; its CurveZMQ key may not be among the daemon's clients" if self._curve else "")
+        return ForbiddenError(f"the daemon at {self.endpoint} refused the handshake "
+                              f"(ZeroMQ status {status}){why}")
 
     def _close_wait(self) -> float:
         """Seconds close() waits for the replies to posted requests."""
