@@ -148,6 +148,8 @@ class AsyncClient(SessionCore):
         if waiter is not None:
             if not waiter.done():
                 waiter.set_result(received)
+        elif rid in self._abandoned:
+            self._post_now(self._give_back(received[0]))
         elif self._settle(received[0]) and not self._unread and self._settled is not None:
             self._settled.set()
 
@@ -189,10 +191,23 @@ class AsyncClient(SessionCore):
             timer = loop.call_later(self.timeout, self._expire, future)
             try:
                 return await future
+            except BaseException:  # timed out or cancelled: what the reply holds goes back
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    self._post_now(self._give_back(future.result()[0]))  # come already
+                else:
+                    self._abandon(req.rid)
+                raise
             finally:
                 timer.cancel()
         finally:
             self._waiting.pop(req.rid, None)
+
+    def _post_now(self, headers: list[bytes]) -> None:
+        """Post requests from where no send may wait (never with the sockets
+        ``make_socket`` sets up: they queue without limit)."""
+        for header in headers:
+            if self._sock is not None:
+                self._sock.send(header, zmq.NOBLOCK)
 
     async def _run(self, exchange: Exchange[T]) -> T:
         """Carry out a verb of several requests, one after the other."""

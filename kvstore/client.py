@@ -181,7 +181,8 @@ class Client(SessionCore):
         while True:
             try:
                 received = self._receive()
-            except zmq.Again:  # RCVTIMEO passed
+            except zmq.Again:  # RCVTIMEO passed: what a late reply holds goes back
+                self._abandon(rid)
                 raise self._no_reply() from None
             if received[0].rid == rid or received[0].rid == 0:  # 0: the daemon could not
                 return received                                  # tell whose it is
@@ -191,9 +192,14 @@ class Client(SessionCore):
         return decode_reply(receive(self._sock))
 
     def _file(self, received: Received) -> None:
-        """Keep a reply that came before the one awaited; drop a posted request's."""
-        if not self._settle(received[0]):
-            self._early[received[0].rid] = received
+        """Keep a reply that came before the one awaited; drop a posted request's, and
+        give back what a reply to one given up on holds."""
+        reply = received[0]
+        if reply.rid in self._abandoned:
+            for header in self._give_back(reply):
+                self._sock.send(header)
+        elif not self._settle(reply):
+            self._early[reply.rid] = received
 
     # -- verbs ----------------------------------------------------------------------------
     def namespace(self, identity: Identity) -> Namespace:
