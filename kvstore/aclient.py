@@ -36,8 +36,10 @@ from kvstore.client_wire import (
     Received,
     check_reply,
     decode_reply,
+    handshake_refusal,
     make_socket,
     receive,
+    stop_watching,
 )
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
@@ -73,12 +75,13 @@ class AsyncClient(SessionCore):
         loop = asyncio.get_running_loop()
         admission = await loop.run_in_executor(None, self._admission)
         self._ctx = zmq.Context()
-        self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
-        self._loop = loop
-        self._fd = self._sock.getsockopt(zmq.FD)
-        loop.add_reader(self._fd, self._drain)
-        try:
-            received = await self._call(self._hello_request())
+        try:  # whatever fails, the context goes too (its I/O thread and descriptors)
+            self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission,
+                                     watch=self._checks_handshake())
+            self._loop = loop
+            self._fd = self._sock.getsockopt(zmq.FD)
+            loop.add_reader(self._fd, self._drain)
+            received = await self._greet(loop)
             await loop.run_in_executor(None, self._on_hello, received)
         except BaseException:
             await self.close()
@@ -86,6 +89,36 @@ class AsyncClient(SessionCore):
         return self
 
     # -- I/O ------------------------------------------------------------------------------
+    async def _greet(self, loop: asyncio.AbstractEventLoop) -> Received:
+        """Say hello and wait for the reply; where the daemon checks the handshake (the
+        socket is watched), its refusal is ForbiddenError at once, not a silence as long
+        as the timeout."""
+        req = self._hello_request()
+        if not self._checks_handshake():
+            return await self._call(req)
+        sock = self._sock
+        monitor = sock.get_monitor_socket()
+        fd = monitor.getsockopt(zmq.FD)
+        refused: asyncio.Future[int] = loop.create_future()
+
+        def heard() -> None:  # the descriptor is edge-triggered: read every event
+            status = handshake_refusal(monitor)
+            if status is not None and not refused.done():
+                refused.set_result(status)
+
+        loop.add_reader(fd, heard)
+        heard()  # events that came before the reader was added
+        call = asyncio.ensure_future(self._call(req))
+        try:
+            await asyncio.wait((call, refused), return_when=asyncio.FIRST_COMPLETED)
+            if call.done():
+                return call.result()
+            raise self._handshake_refused(refused.result())
+        finally:
+            call.cancel()
+            loop.remove_reader(fd)
+            stop_watching(sock)
+
     def _drain(self) -> None:
         """Hand every reply that has come to its waiter.  ZeroMQ's descriptor is
         edge-triggered: read until none is left."""
@@ -115,6 +148,8 @@ class AsyncClient(SessionCore):
         if waiter is not None:
             if not waiter.done():
                 waiter.set_result(received)
+        elif rid in self._abandoned:
+            self._post_now(self._give_back(received[0]))
         elif self._settle(received[0]) and not self._unread and self._settled is not None:
             self._settled.set()
 
@@ -156,10 +191,23 @@ class AsyncClient(SessionCore):
             timer = loop.call_later(self.timeout, self._expire, future)
             try:
                 return await future
+            except BaseException:  # timed out or cancelled: what the reply holds goes back
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    self._post_now(self._give_back(future.result()[0]))  # come already
+                else:
+                    self._abandon(req.rid)
+                raise
             finally:
                 timer.cancel()
         finally:
             self._waiting.pop(req.rid, None)
+
+    def _post_now(self, headers: list[bytes]) -> None:
+        """Post requests from where no send may wait (never with the sockets
+        ``make_socket`` sets up: they queue without limit)."""
+        for header in headers:
+            if self._sock is not None:
+                self._sock.send(header, zmq.NOBLOCK)
 
     async def _run(self, exchange: Exchange[T]) -> T:
         """Carry out a verb of several requests, one after the other."""

@@ -9,6 +9,7 @@ and raise the typed errors of ``kvstore.errors``.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -42,8 +43,10 @@ from kvstore.client_wire import (
     check_reply,
     checksum,
     decode_reply,
+    handshake_refusal,
     make_socket,
     receive,
+    stop_watching,
 )
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
@@ -76,17 +79,44 @@ class Client(SessionCore):
                          map_arena=map_arena, curve=curve, checksums=checksums)
         admission = self._admission()
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission)
+        self._sock: Any = None
         self._receive_timeout = -1.0  # the timeout RCVTIMEO is set to (_wait sets it)
         self._early: dict[int, Received] = {}  # replies that came before the one awaited
         self._routers: dict[tuple[str, ...], Router] = {}  # connections of route()
-        try:
-            self._on_hello(self._call(self._hello_request()))
+        try:  # whatever fails, the context goes too (its I/O thread and descriptors)
+            self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission,
+                                     watch=self._checks_handshake())
+            self._on_hello(self._greet())
         except BaseException:
             self.close()
             raise
 
     # -- I/O ------------------------------------------------------------------------------
+    def _greet(self) -> Received:
+        """Say hello and wait for the reply; where the daemon checks the handshake (the
+        socket is watched), its refusal is ForbiddenError at once, not a silence as long
+        as the timeout."""
+        req = self._hello_request()
+        if not self._checks_handshake():
+            return self._call(req)
+        sock = self._sock
+        monitor = sock.get_monitor_socket()
+        try:
+            self._send(req)
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            deadline = time.monotonic() + self.timeout
+            while self.timeout < 0 or (left := deadline - time.monotonic()) > 0:
+                ready = dict(poller.poll(None if self.timeout < 0 else math.ceil(left * 1000)))
+                if monitor in ready and (status := handshake_refusal(monitor)) is not None:
+                    raise self._handshake_refused(status)
+                if sock in ready:
+                    return self._wait(req.rid)
+            raise self._no_reply()
+        finally:
+            stop_watching(sock)
+
     def _call(self, req: p.Message, payload: Sequence[Any] = ()) -> Received:
         """Send a request and wait for its reply (unchecked: the core checks it)."""
         self._send(req, payload)
@@ -151,7 +181,8 @@ class Client(SessionCore):
         while True:
             try:
                 received = self._receive()
-            except zmq.Again:  # RCVTIMEO passed
+            except zmq.Again:  # RCVTIMEO passed: what a late reply holds goes back
+                self._abandon(rid)
                 raise self._no_reply() from None
             if received[0].rid == rid or received[0].rid == 0:  # 0: the daemon could not
                 return received                                  # tell whose it is
@@ -161,9 +192,14 @@ class Client(SessionCore):
         return decode_reply(receive(self._sock))
 
     def _file(self, received: Received) -> None:
-        """Keep a reply that came before the one awaited; drop a posted request's."""
-        if not self._settle(received[0]):
-            self._early[received[0].rid] = received
+        """Keep a reply that came before the one awaited; drop a posted request's, and
+        give back what a reply to one given up on holds."""
+        reply = received[0]
+        if reply.rid in self._abandoned:
+            for header in self._give_back(reply):
+                self._sock.send(header)
+        elif not self._settle(reply):
+            self._early[reply.rid] = received
 
     # -- verbs ----------------------------------------------------------------------------
     def namespace(self, identity: Identity) -> Namespace:

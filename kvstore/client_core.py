@@ -49,7 +49,7 @@ from kvstore.client_wire import (
     verify,
 )
 from kvstore.config import endpoint_from_env
-from kvstore.errors import KVStoreError, MalformedError, UnavailableError
+from kvstore.errors import ForbiddenError, KVStoreError, MalformedError, UnavailableError
 from kvstore.identity import Identity
 from kvstore.keys import chain_keys
 from kvstore.token_ids import encode_chain
@@ -75,6 +75,7 @@ CLOSE_WAIT_S = 1.0  # how long close() waits for the replies to posted releases
 _PARENT_MEMORY = 1 << 20  # chain links remembered per namespace, for reserve/put parents
 _TOKEN_MEMORY = 1 << 18   # token ids remembered per namespace, for the daemon's events
 _NO_PAYLOAD: Sequence[Any] = ()
+_ABANDONED_MEMORY = 1 << 12  # requests given up on, remembered for their late replies
 
 
 # ----------------------------------------------------------------------------------------
@@ -151,6 +152,9 @@ class SessionCore:
         self.gpu_reason = ""  # why there is no GPU pool, once asked
         # posted requests whose replies are not read: id -> what was asked (for the log)
         self._unread: dict[int, str] = {}
+        # requests whose callers gave up on the reply (a timeout, a cancellation), the
+        # oldest forgotten past _ABANDONED_MEMORY
+        self._abandoned: dict[int, None] = {}
 
     def _next_rid(self) -> int:
         return next(self._rids)
@@ -174,11 +178,47 @@ class SessionCore:
                         reply.message)
         return True
 
+    # -- requests given up on -------------------------------------------------------------
+    def _abandon(self, rid: int) -> None:
+        """The caller of request ``rid`` gave up waiting for its reply: what the reply
+        holds, if it comes, is to be given back (``_give_back``)."""
+        self._abandoned[rid] = None
+        if len(self._abandoned) > _ABANDONED_MEMORY:
+            del self._abandoned[next(iter(self._abandoned))]
+
+    def _give_back(self, reply: p.Message) -> list[bytes]:
+        """The headers of the requests to post that give back what a reply nobody takes
+        holds: a pin's release, a reservation's abort (else, none: it is dropped)."""
+        self._abandoned.pop(reply.rid, None)
+        undo: list[p.Message]
+        if isinstance(reply, p.AcquireReply):
+            undo = [p.Release(self._next_rid(), reply.pin)]
+        elif isinstance(reply, p.ReserveReply):
+            undo = [p.Abort(self._next_rid(), reply.reservation)]
+        elif isinstance(reply, p.BatchReply):
+            undo = [p.Abort(self._next_rid(), r) for r in reply.reservations]
+        else:
+            return []
+        log.info("giving back what a reply nobody waited for holds (%s)", type(reply).__name__)
+        return [self._posted(req) for req in undo]
+
     def _no_reply(self) -> UnavailableError:
         # a refused ZeroMQ handshake is silent: say what it checks
         why = refused_hint(self._handshake) if self.hello is None else ""
         return UnavailableError(f"no reply from the daemon at {self.endpoint} "
                                 f"within {self.timeout}s{why}")
+
+    def _checks_handshake(self) -> bool:
+        """Whether the daemon checks this client's ZeroMQ handshake (a ticket or token as
+        PLAIN credentials, or CurveZMQ keys over tcp), so that it may refuse it."""
+        return bool(self._handshake) or (self._curve is not None
+                                         and self.endpoint.startswith("tcp://"))
+
+    def _handshake_refused(self, status: int) -> ForbiddenError:
+        why = refused_hint(self._handshake) or (
+            "; its CurveZMQ key may not be among the daemon's clients" if self._curve else "")
+        return ForbiddenError(f"the daemon at {self.endpoint} refused the handshake "
+                              f"(ZeroMQ status {status}){why}")
 
     def _close_wait(self) -> float:
         """Seconds close() waits for the replies to posted requests."""

@@ -73,10 +73,13 @@ def _curve_from_env() -> CurveKeys | None:
 
 
 def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None,
-                admission: tuple[str, str] | None = None) -> Any:
+                admission: tuple[str, str] | None = None, *, watch: bool = False) -> Any:
     """The DEALER socket of a shell (``ctx`` is a ``zmq.Context`` or a
     ``zmq.asyncio.Context``), set up the same way for both; ``admission`` is the tenant
-    and ticket of a gated ipc endpoint, or tenant and token on tcp (``_admission``)."""
+    and ticket of a gated ipc endpoint, or tenant and token on tcp (``_admission``).
+    With ``watch``, a monitor hears of a handshake the daemon refuses, from the first
+    one on: ``sock.get_monitor_socket()`` returns it (``handshake_refusal`` reads it).
+    MalformedError for an endpoint ZeroMQ cannot connect to."""
     import zmq
 
     sock = ctx.socket(zmq.DEALER)
@@ -90,8 +93,41 @@ def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None,
     if admission is not None:
         sock.plain_username = admission[0].encode()
         sock.plain_password = admission[1].encode()
-    sock.connect(endpoint)
+    if watch:
+        sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        if watch:
+            stop_watching(sock)
+        sock.close(linger=0)
+        why = zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
+        raise MalformedError(f"cannot connect to the endpoint {endpoint!r}: {why} (an "
+                             f"endpoint is ipc://PATH or tcp://HOST:PORT)") from None
     return sock
+
+
+def handshake_refusal(monitor: Any) -> int | None:
+    """The ZeroMQ status of a handshake refused, if the monitor of a socket made with
+    ``watch`` heard of one (its events read without waiting).  ZeroMQ tells it only
+    there: the socket itself stays silent, and connects again and again."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    while True:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return int(event["value"])
+
+
+def stop_watching(sock: Any) -> None:
+    """Close the monitor of a socket made with ``watch`` (once its hello is answered)."""
+    monitor = sock.get_monitor_socket()
+    sock.disable_monitor()
+    monitor.close(linger=0)
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,308 +1,31 @@
 """What the engine integrations share, with no engine imports (testable without one).
 
-- ``DaemonSettings`` / ``DaemonLink``: the daemon's endpoint, tenant, token and timeout
-  from an engine's extra configuration; a client connected on first use, or on a thread
-  of its own (``connect_in_background``: no step ever waits for a connect); the
-  namespaces opened through it (bounded, least recent dropped); and a back-off after the
-  daemon failed to answer, during which every step below is a miss at once.
 - Reads of the longest cached prefix: ``acquire_prefix`` / ``acquire_runs`` pin it,
   ``read_blocks`` pins, copies out and releases, ``reload_prefix`` scatters it into an
   engine's pages (``EnginePages``).
 - Writes of what the store lacks: ``store_missing`` (the caller fills the slots) and
   ``offload_missing`` (gathered from an engine's pages), one lookup per call.
 
-The steps never raise a daemon error: they return how far they got (``Loaded``,
-``Stored``) and the error, so a failure turns into a recompute, never into wrong KV.
+The engine's connection to the daemon, whose namespaces these steps take, is a
+``kvstore.integrations.daemon_link.DaemonLink``.  The steps never raise a daemon error:
+they return how far they got (``Loaded``, ``Stored``) and the error, so a failure turns
+into a recompute, never into wrong KV.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from kvstore.client import Client, Held, Namespace
-from kvstore.errors import (
-    ForbiddenError,
-    KVStoreError,
-    LeaseExpiredError,
-    NoSessionError,
-    NotFoundError,
-    UnavailableError,
-)
-from kvstore.identity import Identity
+from kvstore.client import Held, Namespace
+from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.kernels import KVCaches, Layout, PagedCache, gather, paged_cache
 
 logger = logging.getLogger(__name__)
-
-BACKOFF_S = 10.0        # no daemon calls for this long after it failed to answer
-SESSION_PING_S = 0.5    # the most a ping asking an older daemon for the session waits
-MAX_NAMESPACES = 4096   # opened namespaces remembered per link
-
-
-# ========================================================================================
-# the daemon link
-# ========================================================================================
-
-@dataclass(frozen=True)
-class DaemonSettings:
-    """Where the daemon is and who this engine is to it."""
-
-    endpoint: str | None = None   # None: $KVSTORE_ENDPOINT or the runtime directory's
-    tenant: str = "default"
-    token: str = ""
-    timeout: float = 10.0         # seconds per request
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any], *, timeout: float) -> DaemonSettings:
-        """Settings from an engine's extra configuration (``endpoint``, ``tenant``,
-        ``token``, ``timeout``); the tenant falls back to ``$KVSTORE_TENANT``."""
-        return cls(endpoint=extra.get("endpoint") or None,
-                   tenant=str(extra.get("tenant") or os.environ.get("KVSTORE_TENANT",
-                                                                    "default")),
-                   token=str(extra.get("token", "")),
-                   timeout=float(extra.get("timeout", timeout)))
-
-
-@dataclass
-class _Connected:
-    """What a connect on a thread of its own came to."""
-
-    client: Client | None = None
-    namespaces: dict[Hashable, Namespace] = field(default_factory=dict)
-    error: KVStoreError | None = None
-    at: float = 0.0  # when the client last called the daemon (the link's clock)
-
-
-class DaemonLink:
-    """One engine's connection to the daemon: a client (made on first use, and again
-    after a failure), its opened namespaces, and the back-off.  Not thread-safe: give
-    each thread that talks to the daemon a link of its own (a background connect builds
-    its client apart, and the link takes it over once the thread ended).
-
-    ``map_arena=False`` for a link that never reads or writes blocks (lookups only)."""
-
-    def __init__(self, settings: DaemonSettings, *, backoff_s: float = BACKOFF_S,
-                 max_namespaces: int = MAX_NAMESPACES,
-                 clock: Callable[[], float] = time.monotonic, map_arena: bool = True) -> None:
-        self.settings = settings
-        self._backoff_s = backoff_s
-        self._max_namespaces = max_namespaces
-        self._clock = clock
-        self._map_arena = map_arena
-        self._client: Client | None = None
-        self._namespaces: OrderedDict[Hashable, Namespace] = OrderedDict()
-        self._unavailable_until = 0.0
-        self._background: dict[Hashable, Callable[[], Identity]] | None = None
-        self._connecting: tuple[threading.Thread, _Connected] | None = None
-        self._used: float | None = None  # when the link last handed out its client (``_alive``)
-        self.failures = 0
-
-    @property
-    def endpoint(self) -> str:
-        if self._client is not None:
-            return self._client.endpoint
-        return self.settings.endpoint or "(default endpoint)"
-
-    def available(self) -> bool:
-        """False while backing off from a daemon that did not answer."""
-        return self._clock() >= self._unavailable_until
-
-    def connect(self) -> Client:
-        """The client, connected now if it is not (raises the daemon's error)."""
-        if self._client is None:
-            s = self.settings
-            self._client = Client(s.endpoint, tenant=s.tenant, token=s.token,
-                                  timeout=s.timeout, map_arena=self._map_arena)
-            self._used = self._clock()
-        return self._client
-
-    def connect_in_background(self, namespaces: Mapping[Hashable, Callable[[], Identity]]
-                              = MappingProxyType({})) -> None:
-        """Connect, and open ``namespaces`` (key: identity), on a thread of its own, now
-        and whenever the link has lost its client (after the back-off): until the thread
-        is done, ``client`` and ``namespace`` return None at once, never waiting for the
-        daemon; a daemon that is not up is a failed connect, tried again later."""
-        self._background = dict(namespaces)
-        if self._client is None and self._connecting is None:
-            self._spawn()
-
-    def connecting(self) -> bool:
-        """Whether a background connect is under way (its outcome taken once it ended)."""
-        if self._connecting is None:
-            return False
-        thread, pending = self._connecting
-        if thread.is_alive():
-            return True
-        self._connecting = None
-        if pending.error is not None:
-            self.failed("connect", pending.error)
-        elif pending.client is not None:
-            self._client = pending.client
-            self._namespaces.update(pending.namespaces)
-            self._used = pending.at  # the session idles from its connect, not from now
-        return False
-
-    def wait_connected(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` seconds) for a background connect to end; whether
-        the link has a client then."""
-        if self._connecting is not None:
-            self._connecting[0].join(timeout)
-        self.connecting()  # takes the outcome, if it ended
-        return self._client is not None
-
-    def _spawn(self) -> None:
-        pending = _Connected()
-        thread = threading.Thread(target=self._connect_apart, args=(pending,),
-                                  name="kvstore-connect", daemon=True)
-        self._connecting = thread, pending
-        thread.start()
-
-    def _connect_apart(self, pending: _Connected) -> None:
-        """On the connect thread: touches only ``pending``."""
-        s = self.settings
-        try:
-            client = Client(s.endpoint, tenant=s.tenant, token=s.token, timeout=s.timeout,
-                            map_arena=self._map_arena)
-        except KVStoreError as exc:
-            pending.error = exc
-            return
-        try:
-            for key, identity in (self._background or {}).items():
-                pending.namespaces[key] = client.namespace(identity())
-        except KVStoreError as exc:
-            client.close()
-            pending.error = exc
-            return
-        except BaseException:
-            client.close()
-            raise
-        pending.at = self._clock()  # its last call to the daemon
-        pending.client = client
-
-    def _alive(self) -> None:
-        """After an idle spell of half the daemon's lease, ask whether the session still
-        lives (the daemon ends one idle for a whole lease, and a link keeping its client
-        would fail every call from then on); an ended one is dropped, to connect again."""
-        client, now = self._client, self._clock()
-        if client is None:
-            return
-        hello = client.hello
-        used = self._used
-        if hello is not None and used is not None and now - used > hello.lease_seconds / 2:
-            try:
-                client.ping()
-            except (LeaseExpiredError, ForbiddenError) as exc:  # ended, or restarted
-                logger.info("kvstore: the daemon refused a ping (%s); connecting again", exc)
-                self.close()
-            except KVStoreError as exc:
-                self.failed("ping", exc)
-        self._used = now
-
-    def client(self) -> Client | None:
-        """The client, or None while backing off, connecting in the background, or when
-        connecting failed."""
-        if self.connecting() or not self.available():
-            return None
-        self._alive()
-        if self._client is None and self._background is not None:
-            self._spawn()
-            return None
-        try:
-            return self.connect()
-        except KVStoreError as exc:
-            self.failed("connect", exc)
-            return None
-
-    def namespace(self, key: Hashable, identity: Callable[[], Identity]) -> Namespace | None:
-        """The namespace opened under ``key`` (opening ``identity()`` the first time), or
-        None while backing off or when the daemon failed."""
-        ns = self._namespaces.get(key)
-        if ns is not None and self.available():
-            self._alive()
-            if self._client is not None:
-                self._namespaces.move_to_end(key)
-                return ns
-        client = self.client()
-        if client is None:
-            return None
-        ns = self._namespaces.get(key)  # opened by a background connect just taken over
-        if ns is not None:
-            return ns
-        try:
-            ns = client.namespace(identity())
-        except KVStoreError as exc:
-            self.failed("open namespace", exc)
-            return None
-        if len(self._namespaces) >= self._max_namespaces:
-            self._namespaces.popitem(last=False)
-        self._namespaces[key] = ns
-        return ns
-
-    def failed(self, what: str, exc: KVStoreError) -> None:
-        """Log a failed step; a daemon that did not answer is left alone for a while, and
-        its client dropped (a late reply may come first); so is, to connect again at the
-        next call, a session it ended or does not know (it restarted on the endpoint)."""
-        self.failures += 1
-        logger.warning("kvstore: %s failed: %s", what, exc)
-        if isinstance(exc, UnavailableError):
-            self._unavailable_until = self._clock() + self._backoff_s
-            self.close()
-        elif isinstance(exc, LeaseExpiredError):
-            self.close()
-        elif isinstance(exc, NoSessionError) or (isinstance(exc, ForbiddenError)
-                                                  and self._session_gone()):
-            logger.info("kvstore: the daemon knows no session of this link; connecting again")
-            self.close()
-
-    def _session_gone(self) -> bool:
-        """After a refusal that does not say "no session", whether the daemon has none for
-        the client: a ping is refused too, or unanswered within a short wait (a daemon
-        drops a sessionless peer's messages past the first few).  A lone refusal keeps it."""
-        client = self._client
-        if client is None:
-            return False
-        timeout, client.timeout = client.timeout, min(client.timeout, SESSION_PING_S)
-        try:
-            client.ping()
-        except (ForbiddenError, LeaseExpiredError, UnavailableError):
-            return True
-        except KVStoreError as exc:
-            self.failed("ping", exc)
-        finally:
-            client.timeout = timeout
-        return False
-
-    def close(self) -> None:
-        """Drop the client (the daemon drops this session's pins with it)."""
-        connecting, self._connecting = self._connecting, None
-        if connecting is not None:  # ends within the settings' timeout
-            thread, pending = connecting
-            thread.join(self.settings.timeout + 1.0)
-            if pending.client is not None:
-                pending.client.close()
-        client, self._client = self._client, None
-        self._namespaces.clear()
-        self._used = None
-        if client is not None:
-            client.close()
-
-    def __repr__(self) -> str:
-        state = ("connected" if self._client else
-                 "connecting" if self._connecting is not None else "idle")
-        if not self.available():
-            state = "backing off"
-        return (f"DaemonLink({self.endpoint}, {state}, namespaces={len(self._namespaces)}, "
-                f"failures={self.failures})")
 
 
 # ========================================================================================
@@ -351,17 +74,31 @@ def acquire_prefix(ns: Namespace, keys: Sequence[bytes]) -> Held | None:
 
 def acquire_runs(ns: Namespace, keys: Sequence[bytes]) -> list[tuple[int, Held]]:
     """Pin every run of cached keys (for keys that are not one chain): ``(start, pin)``
-    per run, one lookup per run and per miss; a run evicted before its pin is missing."""
+    per run, one lookup per run and per miss; a run evicted before its pin is missing.
+    A daemon error releases the runs pinned before it (no caller gets them)."""
     runs: list[tuple[int, Held]] = []
-    i = 0
-    while i < len(keys):
-        hits = ns.lookup(keys[i:]).blocks
-        if hits:
-            held = _try_acquire(ns, keys[i:i + hits])
-            if held is not None:
-                runs.append((i, held))
-        i += hits + 1
+    try:
+        i = 0
+        while i < len(keys):
+            hits = ns.lookup(keys[i:]).blocks
+            if hits:
+                held = _try_acquire(ns, keys[i:i + hits])
+                if held is not None:
+                    runs.append((i, held))
+            i += hits + 1
+    except BaseException:
+        _release_all(held for _, held in runs)
+        raise
     return runs
+
+
+def _release_all(pins: Iterable[Held]) -> None:
+    """Release every pin; one that fails is logged (its lease ends it anyway)."""
+    for held in pins:
+        try:
+            held.release()
+        except KVStoreError as exc:
+            logger.warning("kvstore: release failed: %s", exc)
 
 
 def read_blocks(ns: Namespace, keys: Sequence[bytes],
@@ -389,11 +126,7 @@ def read_blocks(ns: Namespace, keys: Sequence[bytes],
                 copy(start + offset, slot)
                 copied += 1
     finally:
-        for _, held in pinned:
-            try:
-                held.release()
-            except KVStoreError as exc:  # the pin's lease ends it anyway
-                logger.warning("kvstore: release failed: %s", exc)
+        _release_all(held for _, held in pinned)
     return Loaded(copied)
 
 

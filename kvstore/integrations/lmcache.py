@@ -46,9 +46,8 @@ from lmcache.v1.platform import create_event_notifier
 from kvstore.client import Held, Namespace
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
-    DaemonLink,
-    DaemonSettings,
     acquire_runs,
     read_blocks,
     store_missing,

@@ -43,9 +43,8 @@ import torch
 from kvstore.client import Held, Namespace
 from kvstore.errors import KVStoreError, NotFoundError, UnavailableError
 from kvstore.identity import Identity
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
-    DaemonLink,
-    DaemonSettings,
     EnginePages,
     Loaded,
     SplitRows,
@@ -263,9 +262,10 @@ class SaveSender:
         thread starts it at the next ``go``, or ``hold_s`` from now at the latest (each
         job its own deadline, however many are held)."""
         size = job_bytes(job.source)
-        with self._stepped:
-            step = self._steps
-        held = _Held(step, time.monotonic() + self._hold_s) if after_step else None
+        held = None
+        if after_step:  # the step it waits to follow; a job that goes at once has none
+            with self._stepped:
+                held = _Held(self._steps, time.monotonic() + self._hold_s)
         with self._lock:
             self._finished.discard(job.tag)
             self._pending[job.tag] += 1

@@ -53,9 +53,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvstore.client import Namespace
 from kvstore.errors import KVStoreError
 from kvstore.identity import DTYPE_BYTES, Identity
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
-    DaemonLink,
-    DaemonSettings,
     read_blocks,
     store_missing,
 )

@@ -81,9 +81,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore.client import LookupResult, Namespace
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
-    DaemonLink,
-    DaemonSettings,
     EnginePages,
     Loaded,
     store_missing,

@@ -21,7 +21,12 @@ from kvstore import AsyncClient, Client, PlanItem
 from kvstore import protocol as p
 from kvstore.aclient import AsyncHeld, AsyncNamespace, AsyncReservation
 from kvstore.client import Held, Namespace, Reservation
-from kvstore.errors import KVStoreError, UnavailableError, UnknownNamespaceError
+from kvstore.errors import (
+    KVStoreError,
+    MalformedError,
+    UnavailableError,
+    UnknownNamespaceError,
+)
 
 BIG = make_identity(num_layers=4, num_kv_heads=4, head_dim=128)  # 128 KiB blocks
 TWINS = [(Client, AsyncClient), (Namespace, AsyncNamespace), (Reservation, AsyncReservation),
@@ -251,6 +256,80 @@ def test_bad_replies_raise_the_same_errors_on_both_clients(odd_daemon: str) -> N
             assert time.monotonic() - started < 2      # raised, not timed out
 
     run(main())
+
+
+def test_pins_and_slots_of_a_reply_given_up_on_go_back(daemon: DaemonProcess) -> None:
+    """An acquire or reserve whose caller stopped waiting (cancelled, or past the
+    timeout) is answered all the same: the pin or slots go back to the daemon when the
+    reply comes, rather than staying until the session ends."""
+    ident = make_identity()
+
+    def pinned(stats: dict[str, Any]) -> tuple[int, int]:
+        dram = stats["tiers"]["dram"]
+        return dram["pinned_blocks"], dram["reserved_slots"]
+
+    async def main() -> None:
+        async with AsyncClient(daemon.endpoint, tenant="acme") as c:
+            ns = await c.namespace(ident)
+            keys = ns.keys(range(ident.block_tokens * 2))
+            await ns.put(keys, [b"\1" * ns.block_bytes] * 2)
+            other = ns.keys(range(10_000, 10_000 + ident.block_tokens))
+
+            async def acquire() -> None:
+                await ns.acquire(keys)
+
+            async def reserve() -> None:
+                await ns.reserve(other)
+
+            for ask in (acquire, reserve):
+                for turns in range(4):  # cancelled at several points, sent or not
+                    task = asyncio.ensure_future(ask())
+                    for _ in range(turns):
+                        await asyncio.sleep(0)
+                    task.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+            c.timeout = 1e-6  # the reply comes after the caller gave up
+            with pytest.raises(UnavailableError):
+                await ns.acquire(keys)
+            c.timeout = 5.0
+            await c.stats()  # the late replies are in, their give-backs sent
+            assert pinned(await c.stats()) == (0, 0)
+
+    run(main())
+    with Client(daemon.endpoint, tenant="acme") as c:
+        ns = c.namespace(ident)
+        keys = ns.keys(range(ident.block_tokens * 2))
+        c.timeout = 1e-6
+        with pytest.raises(UnavailableError):
+            ns.acquire(keys)
+        with pytest.raises(UnavailableError):
+            ns.reserve(ns.keys(range(20_000, 20_000 + ident.block_tokens)))
+        c.timeout = 5.0
+        c.stats()
+        assert pinned(c.stats()) == (0, 0) and not c._early
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://no-host:no-port", "udp://127.0.0.1:1"])
+def test_an_endpoint_zeromq_cannot_connect_to_is_a_typed_error_that_leaks_nothing(
+        endpoint: str) -> None:
+    """Both clients raise MalformedError (not ZeroMQ's own error) and close the socket
+    and context they made: no descriptor or I/O thread stays behind, however often."""
+    def open_fds() -> int:
+        return len(list(Path("/proc/self/fd").iterdir()))
+
+    fds, threads = open_fds(), threading.active_count()
+    for _ in range(5):
+        with pytest.raises(MalformedError, match="cannot connect to the endpoint"):
+            Client(endpoint, tenant="acme", map_arena=False)
+
+    async def main() -> None:
+        for _ in range(5):
+            with pytest.raises(MalformedError, match="ipc://PATH or tcp://HOST:PORT"):
+                await AsyncClient(endpoint, tenant="acme", map_arena=False).connect()
+
+    run(main())
+    assert (open_fds(), threading.active_count()) == (fds, threads)
 
 
 def test_connect_keeps_the_loop_running_while_the_side_socket_answers(tmp_path: Path) -> None:

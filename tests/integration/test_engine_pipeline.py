@@ -19,9 +19,8 @@ from kvstore import AsyncClient, Client
 from kvstore.errors import KVStoreError
 from kvstore.protocol import ProbeReply
 from kvstore.integrations import pipeline
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
-    DaemonLink,
-    DaemonSettings,
     Loaded,
     Rows,
     arena_runs,

@@ -19,13 +19,13 @@ from kvstore.client import Namespace
 from kvstore.errors import (
     ForbiddenError,
     LeaseExpiredError,
+    LimitExceededError,
     NoSessionError,
     UnavailableError,
     error_from_code,
 )
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
-    DaemonLink,
-    DaemonSettings,
     EnginePages,
     Loaded,
     acquire_runs,
@@ -153,6 +153,28 @@ def test_read_blocks_copies_the_prefix_or_every_run(daemon: DaemonProcess) -> No
         assert [(start, len(held.keys)) for start, held in acquire_runs(ns, keys)] == [
             (0, 2), (3, 1)]
         assert client.stats()["tiers"]["dram"]["pinned_blocks"] == 3  # runs still held
+
+
+def test_runs_pinned_before_a_daemon_error_are_released(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    """The daemon refuses the second run's pin (one pin a session): the first run's
+    pin goes with the error, rather than staying until the session's lease ends."""
+    config = tmp_path / "pins.toml"
+    config.write_text("[server]\nmax_pins_per_session = 1\n")
+    daemon = daemon_factory(extra=["--config", str(config)])
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity())
+        keys = [bytes([i]) * 16 for i in range(4)]
+        for i in (0, 1, 3):  # unchained keys, runs (0, 1) and (3)
+            ns.put([keys[i]], [bytes([i]) * ns.block_bytes])
+        with pytest.raises(LimitExceededError):
+            acquire_runs(ns, keys)
+        assert client.stats()["tiers"]["dram"]["pinned_blocks"] == 0
+        loaded = read_blocks(ns, keys, lambda i, slot: None, runs=True)
+        assert loaded.blocks == 0 and isinstance(loaded.error, LimitExceededError)
+        assert client.stats()["tiers"]["dram"]["pinned_blocks"] == 0
+        with ns.acquire(keys[:2]) as held:  # the session's one pin is free
+            assert held.acquired
 
 
 def test_store_missing_starts_its_own_chain_when_the_parent_is_gone(

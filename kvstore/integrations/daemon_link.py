@@ -1,0 +1,365 @@
+"""An engine's link to the daemon, with no engine imports (testable without one).
+
+``DaemonSettings`` / ``DaemonLink``: the daemon's endpoint, tenant, token and timeout
+from an engine's extra configuration; a client connected on first use, or on a thread
+of its own (``connect_in_background``: no step ever waits for a connect); the
+namespaces opened through it (bounded, least recent dropped); and a back-off after the
+daemon failed to answer, during which every step of ``kvstore.integrations.engine_side``
+is a miss at once.  A connect the daemon refused (a forged, expired or missing token, a
+tenant its credentials do not name) is not tried again with the same settings until a
+back-off that doubles with each refusal in a row has passed (``connect`` raises the
+refusal again meanwhile, at once, with no handshake); new settings (a new token) are
+tried at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from kvstore.client import Client, Namespace
+from kvstore.errors import (
+    ForbiddenError,
+    KVStoreError,
+    LeaseExpiredError,
+    NoSessionError,
+    UnavailableError,
+)
+from kvstore.identity import Identity
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_S = 10.0        # no daemon calls for this long after it failed to answer
+SESSION_PING_S = 0.5    # the most a ping asking an older daemon for the session waits
+MAX_NAMESPACES = 4096   # opened namespaces remembered per link
+REFUSED_S = 1.0         # no connect with the same settings for this long after a refusal,
+REFUSED_MAX_S = 60.0    # doubled with each refusal in a row, up to this
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    """Where the daemon is and who this engine is to it."""
+
+    endpoint: str | None = None   # None: $KVSTORE_ENDPOINT or the runtime directory's
+    tenant: str = "default"
+    token: str = ""
+    timeout: float = 10.0         # seconds per request
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any], *, timeout: float) -> DaemonSettings:
+        """Settings from an engine's extra configuration (``endpoint``, ``tenant``,
+        ``token``, ``timeout``); the tenant falls back to ``$KVSTORE_TENANT``."""
+        return cls(endpoint=extra.get("endpoint") or None,
+                   tenant=str(extra.get("tenant") or os.environ.get("KVSTORE_TENANT",
+                                                                    "default")),
+                   token=str(extra.get("token", "")),
+                   timeout=float(extra.get("timeout", timeout)))
+
+
+@dataclass
+class _Connected:
+    """What a connect on a thread of its own, with ``settings``, came to."""
+
+    settings: DaemonSettings
+    client: Client | None = None
+    namespaces: dict[Hashable, Namespace] = field(default_factory=dict)
+    error: KVStoreError | None = None
+    at: float = 0.0  # when the client last called the daemon (the link's clock)
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """The daemon refused a connect with ``settings``: ``error`` is raised again, with no
+    handshake, until ``until``; ``wait_s`` is that back-off (the next one doubles it)."""
+
+    settings: DaemonSettings
+    error: KVStoreError
+    until: float
+    wait_s: float
+    count: int  # refusals in a row
+
+
+def _is_refusal(exc: KVStoreError) -> bool:
+    """Whether a failed connect was the daemon saying no (to the hello, its credentials
+    or a namespace of the connect), which the same settings would meet again; not its
+    silence or a session ended meanwhile."""
+    return not isinstance(exc, (UnavailableError, LeaseExpiredError, NoSessionError))
+
+
+class DaemonLink:
+    """One engine's connection to the daemon: a client (made on first use, and again
+    after a failure), its opened namespaces, and the back-off.  Not thread-safe: give
+    each thread that talks to the daemon a link of its own (a background connect builds
+    its client apart, and the link takes it over once the thread ended).
+
+    ``map_arena=False`` for a link that never reads or writes blocks (lookups only).
+    ``settings`` may be replaced (``use_token``): the next connect takes them."""
+
+    def __init__(self, settings: DaemonSettings, *, backoff_s: float = BACKOFF_S,
+                 refused_s: tuple[float, float] = (REFUSED_S, REFUSED_MAX_S),
+                 max_namespaces: int = MAX_NAMESPACES,
+                 clock: Callable[[], float] = time.monotonic, map_arena: bool = True) -> None:
+        self.settings = settings
+        self._backoff_s = backoff_s
+        self._refused_s = refused_s  # the first back-off after a refusal, and the longest
+        self._refused: _Refused | None = None  # the last connect's refusal, if it was one
+        self._max_namespaces = max_namespaces
+        self._clock = clock
+        self._map_arena = map_arena
+        self._client: Client | None = None
+        self._namespaces: OrderedDict[Hashable, Namespace] = OrderedDict()
+        self._unavailable_until = 0.0
+        self._background: dict[Hashable, Callable[[], Identity]] | None = None
+        self._connecting: tuple[threading.Thread, _Connected] | None = None
+        self._used: float | None = None  # when the link last handed out its client (``_alive``)
+        self.failures = 0
+
+    @property
+    def endpoint(self) -> str:
+        if self._client is not None:
+            return self._client.endpoint
+        return self.settings.endpoint or "(default endpoint)"
+
+    def available(self) -> bool:
+        """False while backing off from a daemon that did not answer, or that refused a
+        connect with the link's settings."""
+        now = self._clock()
+        return now >= self._unavailable_until and self._refusal(now) is None
+
+    def use_token(self, token: str) -> None:
+        """Connect with ``token`` from now on: the next connect tries it at once, even
+        while backing off from the refusal of the one before (a connected client is
+        kept until it fails)."""
+        self.settings = replace(self.settings, token=token)
+
+    def _refusal(self, now: float) -> _Refused | None:
+        """The refusal the link is backing off from, if any: one of its present
+        settings, within the back-off."""
+        refused = self._refused
+        if refused is None or refused.settings != self.settings or now >= refused.until:
+            return None
+        return refused
+
+    def _refuse(self, settings: DaemonSettings, exc: KVStoreError) -> None:
+        """Back off from a connect with ``settings`` that the daemon refused: twice the
+        last back-off after a refusal of the same settings, the first one else."""
+        first, longest = self._refused_s
+        last = self._refused
+        wait_s, count = first, 1
+        if last is not None and last.settings == settings:
+            wait_s, count = min(longest, last.wait_s * 2), last.count + 1
+        self._refused = _Refused(settings, exc, self._clock() + wait_s, wait_s, count)
+
+    def connect(self) -> Client:
+        """The client, connected now if it is not (raises the daemon's error: at once,
+        with no handshake, the refusal of the link's settings it is backing off from)."""
+        if self._client is None:
+            now = self._clock()
+            refused = self._refusal(now)
+            if refused is not None:
+                raise type(refused.error)(
+                    f"{refused.error} (refused {refused.count} time(s) in a row; not tried "
+                    f"again for {refused.until - now:.1f}s unless the settings change)")
+            s = self.settings
+            try:
+                self._client = Client(s.endpoint, tenant=s.tenant, token=s.token,
+                                      timeout=s.timeout, map_arena=self._map_arena)
+            except KVStoreError as exc:
+                if _is_refusal(exc):
+                    self._refuse(s, exc)
+                raise
+            self._refused = None
+            self._used = self._clock()
+        return self._client
+
+    def connect_in_background(self, namespaces: Mapping[Hashable, Callable[[], Identity]]
+                              = MappingProxyType({})) -> None:
+        """Connect, and open ``namespaces`` (key: identity), on a thread of its own, now
+        and whenever the link has lost its client (after the back-off): until the thread
+        is done, ``client`` and ``namespace`` return None at once, never waiting for the
+        daemon; a daemon that is not up is a failed connect, tried again later."""
+        self._background = dict(namespaces)
+        if self._client is None and self._connecting is None:
+            self._spawn()
+
+    def connecting(self) -> bool:
+        """Whether a background connect is under way (its outcome taken once it ended)."""
+        if self._connecting is None:
+            return False
+        thread, pending = self._connecting
+        if thread.is_alive():
+            return True
+        self._connecting = None
+        if pending.error is not None:
+            if _is_refusal(pending.error):
+                self._refuse(pending.settings, pending.error)
+            self.failed("connect", pending.error)
+        elif pending.client is not None:
+            self._refused = None
+            self._client = pending.client
+            self._namespaces.update(pending.namespaces)
+            self._used = pending.at  # the session idles from its connect, not from now
+        return False
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) for a background connect to end; whether
+        the link has a client then."""
+        if self._connecting is not None:
+            self._connecting[0].join(timeout)
+        self.connecting()  # takes the outcome, if it ended
+        return self._client is not None
+
+    def _spawn(self) -> None:
+        pending = _Connected(self.settings)
+        thread = threading.Thread(target=self._connect_apart, args=(pending,),
+                                  name="kvstore-connect", daemon=True)
+        self._connecting = thread, pending
+        thread.start()
+
+    def _connect_apart(self, pending: _Connected) -> None:
+        """On the connect thread: touches only ``pending``."""
+        s = pending.settings
+        try:
+            client = Client(s.endpoint, tenant=s.tenant, token=s.token, timeout=s.timeout,
+                            map_arena=self._map_arena)
+        except KVStoreError as exc:
+            pending.error = exc
+            return
+        try:
+            for key, identity in (self._background or {}).items():
+                pending.namespaces[key] = client.namespace(identity())
+        except KVStoreError as exc:
+            client.close()
+            pending.error = exc
+            return
+        except BaseException:
+            client.close()
+            raise
+        pending.at = self._clock()  # its last call to the daemon
+        pending.client = client
+
+    def _alive(self) -> None:
+        """After an idle spell of half the daemon's lease, ask whether the session still
+        lives (the daemon ends one idle for a whole lease, and a link keeping its client
+        would fail every call from then on); an ended one is dropped, to connect again."""
+        client, now = self._client, self._clock()
+        if client is None:
+            return
+        hello = client.hello
+        used = self._used
+        if hello is not None and used is not None and now - used > hello.lease_seconds / 2:
+            try:
+                client.ping()
+            except (LeaseExpiredError, ForbiddenError) as exc:  # ended, or restarted
+                logger.info("kvstore: the daemon refused a ping (%s); connecting again", exc)
+                self.close()
+            except KVStoreError as exc:
+                self.failed("ping", exc)
+        self._used = now
+
+    def client(self) -> Client | None:
+        """The client, or None while backing off, connecting in the background, or when
+        connecting failed."""
+        if self.connecting() or not self.available():
+            return None
+        self._alive()
+        if self._client is None and self._background is not None:
+            self._spawn()
+            return None
+        try:
+            return self.connect()
+        except KVStoreError as exc:
+            self.failed("connect", exc)
+            return None
+
+    def namespace(self, key: Hashable, identity: Callable[[], Identity]) -> Namespace | None:
+        """The namespace opened under ``key`` (opening ``identity()`` the first time), or
+        None while backing off or when the daemon failed."""
+        ns = self._namespaces.get(key)
+        if ns is not None and self.available():
+            self._alive()
+            if self._client is not None:
+                self._namespaces.move_to_end(key)
+                return ns
+        client = self.client()
+        if client is None:
+            return None
+        ns = self._namespaces.get(key)  # opened by a background connect just taken over
+        if ns is not None:
+            return ns
+        try:
+            ns = client.namespace(identity())
+        except KVStoreError as exc:
+            self.failed("open namespace", exc)
+            return None
+        if len(self._namespaces) >= self._max_namespaces:
+            self._namespaces.popitem(last=False)
+        self._namespaces[key] = ns
+        return ns
+
+    def failed(self, what: str, exc: KVStoreError) -> None:
+        """Log a failed step; a daemon that did not answer is left alone for a while, and
+        its client dropped (a late reply may come first); so is, to connect again at the
+        next call, a session it ended or does not know (it restarted on the endpoint)."""
+        self.failures += 1
+        logger.warning("kvstore: %s failed: %s", what, exc)
+        if isinstance(exc, UnavailableError):
+            self._unavailable_until = self._clock() + self._backoff_s
+            self.close()
+        elif isinstance(exc, LeaseExpiredError):
+            self.close()
+        elif isinstance(exc, NoSessionError) or (isinstance(exc, ForbiddenError)
+                                                  and self._session_gone()):
+            logger.info("kvstore: the daemon knows no session of this link; connecting again")
+            self.close()
+
+    def _session_gone(self) -> bool:
+        """After a refusal that does not say "no session", whether the daemon has none for
+        the client: a ping is refused too, or unanswered within a short wait (a daemon
+        drops a sessionless peer's messages past the first few).  A lone refusal keeps it,
+        and so does a ping refused for a reason of its own (a rate limit: the session is
+        there), which is no failure of a step: the caller counted the one it had."""
+        client = self._client
+        if client is None:
+            return False
+        timeout, client.timeout = client.timeout, min(client.timeout, SESSION_PING_S)
+        try:
+            client.ping()
+        except (ForbiddenError, LeaseExpiredError, UnavailableError):
+            return True
+        except KVStoreError as exc:
+            logger.info("kvstore: the daemon refused a ping, with a session: %s", exc)
+        finally:
+            client.timeout = timeout
+        return False
+
+    def close(self) -> None:
+        """Drop the client (the daemon drops this session's pins with it)."""
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None:  # ends within the settings' timeout
+            thread, pending = connecting
+            thread.join(self.settings.timeout + 1.0)
+            if pending.client is not None:
+                pending.client.close()
+        client, self._client = self._client, None
+        self._namespaces.clear()
+        self._used = None
+        if client is not None:
+            client.close()
+
+    def __repr__(self) -> str:
+        state = ("connected" if self._client else
+                 "connecting" if self._connecting is not None else "idle")
+        if not self.available():
+            refused = self._refusal(self._clock())
+            state = ("backing off" if refused is None else
+                     f"backing off from {refused.count} refusal(s)")
+        return (f"DaemonLink({self.endpoint}, {state}, namespaces={len(self._namespaces)}, "
+                f"failures={self.failures})")

@@ -1,0 +1,148 @@
+"""An engine's link to the daemon (kvstore.integrations.daemon_link) against a real daemon:
+how it backs off from a daemon that refused it, and what it counts as a failure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_proc import DaemonProcess
+from test_engine_side import TOKENS, identity
+
+from kvstore.auth import issue_token, read_secret, write_secret
+from kvstore.client import Client, Namespace
+from kvstore.errors import ForbiddenError, LimitExceededError, MalformedError
+from kvstore.integrations import daemon_link
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
+
+
+@pytest.fixture
+def gated(daemon_factory: Callable[..., DaemonProcess],
+          tmp_path: Path) -> tuple[DaemonProcess, bytes]:
+    """A daemon that takes tokens (its ipc and tcp endpoints gated), and its secret."""
+    secret_file = tmp_path / "secret"
+    write_secret(secret_file)
+    config = tmp_path / "auth.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n')
+    return (daemon_factory(tcp=True, extra=["--config", str(config)]),
+            read_secret(secret_file))
+
+
+@pytest.fixture
+def handshakes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The token of every client the links make (each one a handshake with the daemon)."""
+    made: list[str] = []
+
+    class Counted(Client):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append(kwargs["token"])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(daemon_link, "Client", Counted)
+    return made
+
+
+@pytest.mark.parametrize("over", ["ipc", "tcp"])
+def test_a_refused_hello_backs_off_and_a_new_token_goes_at_once(
+        gated: tuple[DaemonProcess, bytes], handshakes: list[str], over: str) -> None:
+    """An expired token is refused (by the side socket on ipc, in the ZeroMQ handshake
+    on tcp: both a ForbiddenError at once); the link does not say hello again with it
+    until a back-off that doubles with each refusal in a row (1, 2, 4, then 4 s: the
+    cap), and meanwhile ``connect`` raises the refusal at once and every step is a miss,
+    with no handshake; a new token is tried at once."""
+    d, secret = gated
+    endpoint = d.endpoint if over == "ipc" else d.tcp_endpoint
+    now = [0.0]
+    expired, good = issue_token(secret, "acme", -1), issue_token(secret, "acme", 600)
+    link = DaemonLink(DaemonSettings(endpoint, "", expired, timeout=60.0),
+                      refused_s=(1.0, 4.0), clock=lambda: now[0], map_arena=False)
+    try:
+        with pytest.raises(ForbiddenError, match="expired"):
+            link.connect()
+        assert handshakes == [expired]
+        for _ in range(3):  # each call: the refusal again, at once, not another hello
+            with pytest.raises(ForbiddenError, match="refused 1 time"):
+                link.connect()
+            assert link.client() is None and link.namespace("pages", identity) is None
+        assert not link.available() and "backing off from 1 refusal" in repr(link)
+        assert handshakes == [expired] and link.failures == 0
+        tries = []
+        for t in (0.9, 1.0, 2.9, 3.0, 6.9, 7.0, 10.9, 11.0):
+            now[0] = t
+            assert link.client() is None
+            tries.append(len(handshakes))
+        assert tries == [1, 2, 2, 3, 3, 4, 4, 5]  # at 1, 3 (+2), 7 (+4), 11 (+4, capped)
+        assert link.failures == 4  # each refused hello once
+        link.use_token(good)  # still within the back-off: a new token goes at once
+        assert link.available()
+        ns = link.namespace("pages", identity)
+        assert isinstance(ns, Namespace) and ns.lookup(ns.keys(range(TOKENS))).blocks == 0
+        assert handshakes[-1] == good and len(handshakes) == 6
+        assert "connected" in repr(link) and link.failures == 4
+    finally:
+        link.close()
+
+
+def test_a_refused_background_connect_is_not_spawned_again_until_its_back_off_ends(
+        gated: tuple[DaemonProcess, bytes], handshakes: list[str]) -> None:
+    d, secret = gated
+    now = [0.0]
+    expired, good = issue_token(secret, "acme", -1), issue_token(secret, "acme", 600)
+    link = DaemonLink(DaemonSettings(d.endpoint, "", expired, timeout=5.0),
+                      refused_s=(1.0, 60.0), clock=lambda: now[0], map_arena=False)
+    try:
+        link.connect_in_background({"pages": identity})
+        assert not link.wait_connected(10)
+        assert link.failures == 1 and not link.available()
+        for _ in range(3):  # no new connect thread, no handshake
+            assert link.namespace("pages", identity) is None
+            assert "connecting" not in repr(link)
+        assert handshakes == [expired]
+        now[0] = 1.0  # past the back-off: connecting again, apart, and refused again
+        assert link.client() is None and not link.wait_connected(10)
+        assert handshakes == [expired, expired] and link.failures == 2
+        now[0] = 2.9  # the second back-off is 2 s
+        assert link.client() is None and "connecting" not in repr(link)
+        link.use_token(good)
+        assert link.client() is None  # at once, on the connect thread
+        assert link.wait_connected(10) and handshakes[-1] == good
+        ns = link.namespace("pages", identity)
+        assert isinstance(ns, Namespace) and link.failures == 2
+    finally:
+        link.close()
+
+
+def test_a_refusal_whose_confirming_ping_is_refused_counts_once(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    """A bare ForbiddenError makes the link ask, with a ping, whether its session lives;
+    a ping refused for a reason of its own (here the session's request rate) says it
+    does: the client is kept, and the one failed step counts once."""
+    config = tmp_path / "rate.toml"
+    config.write_text("[server]\nmax_requests_per_second = 1\n")
+    daemon = daemon_factory(extra=["--config", str(config)])
+    link = DaemonLink(DaemonSettings(daemon.endpoint, "acme", timeout=5.0), map_arena=False)
+    try:
+        client = link.connect()
+        assert isinstance(link.namespace("pages", identity), Namespace)  # the second's
+        with pytest.raises(LimitExceededError):  # a request less than a second later
+            client.ping()
+        link.failed("lookup", ForbiddenError("namespace of another tenant"))
+        assert link.failures == 1
+        assert link.client() is client and "connected" in repr(link)
+    finally:
+        link.close()
+
+
+def test_an_endpoint_zeromq_cannot_connect_to_is_a_refusal(handshakes: list[str]) -> None:
+    """Not an error of ZeroMQ's escaping into the engine's step: a typed one, counted once,
+    and backed off from like any refusal."""
+    now = [0.0]
+    link = DaemonLink(DaemonSettings("tcp://no-host:no-port", "acme"), clock=lambda: now[0],
+                      map_arena=False)
+    assert link.client() is None and link.namespace("pages", identity) is None
+    with pytest.raises(MalformedError, match="cannot connect to the endpoint"):
+        link.connect()
+    assert len(handshakes) == 1 and link.failures == 1 and not link.available()
+    link.close()
