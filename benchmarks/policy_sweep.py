@@ -2,7 +2,7 @@
 
     python benchmarks/policy_sweep.py [--seeds 3] [--requests 3000] [--trace PATH ...]
         [--workloads conversations,scan] [--policies lru,slru,arc,s3fifo,density,auto]
-        [--capacities 0.02,0.05,0.1,0.25] [--subject auto] [--worst 20] [--jobs 2]
+        [--capacities 0.02,0.05,0.1,0.25] [--subject auto] [--worst 20] [--jobs 1]
         [--trace-requests N]
 
 A policy chosen on one trace, or one seed of one generator, may lose on its neighbours.
@@ -17,6 +17,9 @@ Per cell (workload variant, seed, capacity) it prints the subject policy's block
 over LRU's (``/lru``) and over the best of the others' (``/best``, and which was best),
 then per variant the worst and mean of both, the cells where the subject is behind LRU
 and those more than 2% behind the best, and the ``--worst`` worst cells over all.
+The k-th seed of a generator is its default seed in ``benchmarks/workloads.py``
+(``DEFAULT_SEEDS``) plus 1000 k: the first seed's default variant is the workload
+``benchmarks/replay.py --workload`` replays, and every run replays the same requests.
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ def _trace_job(job: tuple[Path, int, Sequence[float], Sequence[str]]) -> list[Ce
 def ratios(cell: Cell, subject: str) -> tuple[float, float, str]:
     """The subject's hits over LRU's and over the best other policy's, and that one."""
     mine = cell.hits[subject]
-    lru = cell.hits.get("lru", 0)
+    lru = cell.hits["lru"]
     others = {n: h for n, h in cell.hits.items() if n != subject}
     best = max(others, key=lambda n: others[n]) if others else subject
     top = others.get(best, mine)
@@ -209,6 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown or args.subject not in policies:
         parser.error(f"policies must be registered ({sorted(POLICIES)}) and include "
                      f"--subject {args.subject!r}")
+    if "lru" not in policies:
+        parser.error("--policies must include lru: every cell is judged against it")
+    if not workloads and not args.trace:
+        parser.error("nothing to sweep: give --workloads or a --trace")
     if [w for w in workloads if w not in VARIANTS]:
         parser.error(f"workloads are {sorted(VARIANTS)}")
     missing = [str(t) for t in args.trace if not t.is_file()]

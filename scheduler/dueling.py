@@ -429,10 +429,23 @@ class Duel(Generic[T]):
         # Its miniature is a cache of _size >> sample_shift items.
         scale = self._size / max(1, self._size >> self.sample_shift)
         order.adopt_tuning(self._minis[best].order, scale)
-        order.recall(self._gone)
+        order.recall(self._victims_gone(chain(listed, pinned)))
         self._order = order
         self._leader = best
         self.switches += 1
+
+    def _victims_gone(self, resident: Iterable[T]) -> list[Hashable]:
+        """The latest victims' names, oldest first, each once at its latest eviction,
+        less those cached again since (a miss that brought one back): the ghosts a new
+        order is handed.  O(items), as the hand-over is; a table of the names only."""
+        names: dict[Hashable, None] = {}
+        for name in self._gone:
+            names.pop(name, None)
+            names[name] = None
+        ghost_key = self.ghost_key
+        for item in resident:
+            names.pop(ghost_key(item), None)
+        return list(names)
 
     def insert(self, item: T) -> None:
         if item in self._items:

@@ -119,6 +119,26 @@ def test_a_hand_over_passes_the_latest_victims_as_ghosts() -> None:
     assert duel._gone.maxlen == 8  # a power of two at least the cache's 6
 
 
+def test_a_hand_over_passes_no_cached_block_as_a_ghost_and_each_victim_once() -> None:
+    """A victim cached again since is no ghost of the new order, and one evicted twice
+    is handed over once, at its latest eviction (the newest ghost, trimmed last)."""
+    duel = Duel([LRUPolicy, SLRUPolicy])
+    duel.insert_many(range(4))
+    assert duel.pop_victim(lambda _: True) == 0
+    duel.insert(0)  # back: resident again
+    assert duel.pop_victim(lambda _: True) == 1
+    assert duel.pop_victim(lambda _: True) == 2
+    duel.insert(2)
+    assert duel.pop_victim(lambda _: True) == 3
+    duel.insert(3)
+    assert duel.pop_victim(lambda _: True) == 0  # evicted again: its latest place
+    duel._take_over(1)
+    order = duel._order
+    assert isinstance(order, SLRUPolicy)
+    assert 2 not in order._ghost and 3 not in order._ghost  # cached again
+    assert list(order._ghost._order) == [1, 0]  # 0 once, the newest
+
+
 def test_the_victims_names_are_bounded_and_copied_once_per_doubling(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The names kept for a hand-over stay at most RECALL_MOST however large the
