@@ -1,7 +1,7 @@
 """The daemon's Python CPU per request, verb by verb, without sockets' waits.
 
     python benchmarks/request_cpu.py [--policy auto lru ...] [--requests 4000] [--profile VERB]
-    python benchmarks/request_cpu.py --wire [--against OTHER_CHECKOUT] [--policy lru]
+    python benchmarks/request_cpu.py --wire [--against OTHER_CHECKOUT] [--policy lru ...]
 
 A round trip's wall time on a shared machine is mostly waiting: for a core, for ZeroMQ's
 I/O threads.  This program hands requests straight to a started daemon's dispatch
@@ -13,11 +13,11 @@ code.  Ping (no work), lookup of a 64-key chain, reserve+commit of 1 and of 16 b
 
 ``--wire`` measures over real sockets instead: a daemon process (``kvstore serve``), a
 client's blocking round trips, and per request the wall time and the CPU of the daemon's
-loop thread (read from /proc: transport, dispatch and all, with the cold caches of a
-round trip that a loop of direct calls does not have).  ``--against`` starts a second
-daemon from another checkout of kvstore (its root directory) and alternates the two in
-short slices, restarted each epoch, so that a noisy machine's load and placement fall on
-both alike: before and after, side by side.
+loop thread (its scheduler's nanoseconds from /proc: transport, dispatch and all, with the
+cold caches of a round trip that a loop of direct calls does not have).  ``--against``
+starts a second daemon from another checkout of kvstore (its root directory) and
+alternates the two in short slices, restarted each epoch, so that a noisy machine's load
+and placement fall on both alike: before and after, side by side, and their ratio.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import asyncio
 import cProfile
 import os
 import pstats
+import shutil
 import statistics
 import subprocess
 import sys
@@ -156,17 +157,18 @@ async def measure(policies: Sequence[str], requests: int, repeat: int,
 
 
 def _thread_cpu(pid: int) -> float:
-    """Seconds of CPU (user and system) of a process's main thread, its event loop."""
-    with open(f"/proc/{pid}/task/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """Seconds a process's main thread, its event loop, ran on a CPU (the scheduler's
+    count in nanoseconds: a slice's few milliseconds are below /proc's stat ticks)."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
 
 
 class WireDaemon:
     """``kvstore serve`` from a checkout's root, a client of it, and its chains."""
 
-    def __init__(self, root: str, policy: str) -> None:
-        endpoint = f"ipc://{tempfile.mkdtemp(prefix='kvwire-')}/kvstore.sock"
+    def __init__(self, root: str, policy: str, requests: int) -> None:
+        self.workdir = tempfile.mkdtemp(prefix="kvwire-")
+        endpoint = f"ipc://{self.workdir}/kvstore.sock"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore", "serve", "--endpoint", endpoint,
              "--dram-capacity", "1GiB", "--ssd-capacity", "0", "--eviction-policy", policy,
@@ -175,12 +177,14 @@ class WireDaemon:
         assert self.proc.stdout is not None
         while b"serving on" not in self.proc.stdout.readline():
             if self.proc.poll() is not None:
+                shutil.rmtree(self.workdir, ignore_errors=True)
                 raise SystemExit(f"the daemon of {root} did not start")
         self.client = Client(endpoint, tenant="cpu")
         self.ns = self.client.namespace(small_identity("cpu", "cpu"))
         self.chain = self.ns.keys(range(16 * 64))
         self.ns.put(self.chain, [bytes(self.ns.block_bytes)] * 64)
         self.at = 1 << 30
+        self.requests = requests
 
     def fresh(self, count: int) -> list[bytes]:
         self.at += 16 * count
@@ -188,25 +192,31 @@ class WireDaemon:
 
     def verbs(self) -> dict[str, tuple[Callable[[], object], int, int]]:
         """name -> (one call, calls a slice, requests a call makes)"""
-        return {"ping": (self.client.ping, 200, 1),
-                "lookup": (lambda: self.ns.lookup(self.chain), 100, 1),
-                "reserve+commit-1": (lambda: self.ns.reserve(self.fresh(1)).commit(), 50, 2),
-                "reserve+commit-16": (lambda: self.ns.reserve(self.fresh(16)).commit(), 25,
-                                      2)}
+        n = self.requests
+        return {"ping": (self.client.ping, n, 1),
+                "lookup": (lambda: self.ns.lookup(self.chain), max(1, n // 2), 1),
+                "reserve+commit-1": (lambda: self.ns.reserve(self.fresh(1)).commit(),
+                                     max(1, n // 4), 2),
+                "reserve+commit-16": (lambda: self.ns.reserve(self.fresh(16)).commit(),
+                                      max(1, n // 8), 2)}
 
     def close(self) -> None:
         self.client.close()
         self.proc.terminate()
         self.proc.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def measure_wire(roots: dict[str, str], policy: str, epochs: int, slices: int) -> None:
+def measure_wire(roots: dict[str, str], policy: str, epochs: int, slices: int,
+                 requests: int) -> None:
     walls: dict[tuple[str, str], list[float]] = {}
     cpu: dict[tuple[str, str], list[float]] = {}  # [seconds, requests]
     for epoch in range(epochs):
         order = list(roots) if epoch % 2 == 0 else list(roots)[::-1]
-        daemons = {name: WireDaemon(roots[name], policy) for name in order}
+        daemons: dict[str, WireDaemon] = {}
         try:
+            for name in order:
+                daemons[name] = WireDaemon(roots[name], policy, requests)
             for turn in range(slices):
                 for verb in daemons[order[0]].verbs():
                     for name in order if turn % 2 == 0 else order[::-1]:
@@ -224,13 +234,17 @@ def measure_wire(roots: dict[str, str], policy: str, epochs: int, slices: int) -
             for daemon in daemons.values():
                 daemon.close()
     print(f"over the wire under {policy}, us a request ({epochs} epochs of {slices} "
-          "alternated slices): wall (median of slices), daemon loop thread CPU (total)")
+          "alternated slices): wall (median of slices), daemon loop thread CPU (total)"
+          + (", and this version's over the other's" if len(roots) > 1 else ""))
     print(f"  {'verb':<20}" + "".join(f"{name + ' wall':>16}{name + ' cpu':>14}"
-                                      for name in roots))
+                                      for name in roots)
+          + (f"{'wall ratio':>12}{'cpu ratio':>12}" if len(roots) > 1 else ""))
     for verb in dict.fromkeys(v for v, _ in walls):
-        row = "".join(f"{statistics.median(walls[(verb, name)]):16.1f}"
-                      f"{cpu[(verb, name)][0] / cpu[(verb, name)][1] * 1e6:14.1f}"
-                      for name in roots)
+        wall = {name: statistics.median(walls[(verb, name)]) for name in roots}
+        used = {name: cpu[(verb, name)][0] / cpu[(verb, name)][1] * 1e6 for name in roots}
+        row = "".join(f"{wall[name]:16.1f}{used[name]:14.1f}" for name in roots)
+        if len(roots) > 1:
+            row += f"{wall['this'] / wall['other']:12.3f}{used['this'] / used['other']:12.3f}"
         print(f"  {verb:<20}{row}")
 
 
@@ -238,7 +252,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--policy", nargs="+", default=["auto", "lru"],
                         help="the DRAM eviction policies to run under")
-    parser.add_argument("--requests", type=int, default=4000, help="requests a verb a run")
+    parser.add_argument("--requests", type=int,
+                        help="requests a verb a run (4000); --wire: pings a slice (200), "
+                        "the other verbs a half, a quarter, an eighth as many calls")
     parser.add_argument("--repeat", type=int, default=5, help="runs (medians are shown)")
     parser.add_argument("--profile", choices=["ping", "lookup", "reserve+commit-1",
                                               "reserve+commit-16"])
@@ -249,13 +265,20 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=4,
                         help="--wire: daemons started afresh this many times")
     args = parser.parse_args()
+    if args.requests is not None and args.requests < 1:
+        parser.error("--requests must be at least 1")
+    if args.against and not args.wire:
+        parser.error("--against compares daemons over the wire: add --wire")
     if args.wire:
+        if args.profile:
+            parser.error("--profile profiles the in-process run, not --wire")
         roots = {"this": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
         if args.against:
             roots["other"] = os.path.abspath(args.against)
-        measure_wire(roots, args.policy[0], args.epochs, args.repeat * 2)
+        for policy in args.policy:
+            measure_wire(roots, policy, args.epochs, args.repeat * 2, args.requests or 200)
         return 0
-    uvloop.run(measure(args.policy, args.requests, args.repeat, args.profile))
+    uvloop.run(measure(args.policy, args.requests or 4000, args.repeat, args.profile))
     return 0
 
 

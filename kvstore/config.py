@@ -183,14 +183,16 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # How long a change waits for others to go out in the same batch (milliseconds), so
     # a busy daemon sends fewer, larger batches (0: a batch at the end of the loop turn).
     interval_ms: float = 2.0
-    # A batch goes out with the first commit at least ``interval_ms`` after its first
-    # change (a busy daemon: no wake of its own for it); a daemon that commits nothing
-    # more sends it this long after its first change (milliseconds, at least interval_ms;
-    # under load, at least twice the batch's wait).
+    # A batch goes out with the first commit at least its wait (``interval_ms``, longer
+    # under load) after its first change (a busy daemon: no wake of its own for it); a
+    # daemon that commits nothing more sends it this long after its first change, or
+    # twice the batch's wait if longer (milliseconds, at least interval_ms).  No batch
+    # waits longer than max(quiet_ms, 2 * busy_interval_ms) after its first change.
     quiet_ms: float = 50.0
     # Under load, fewer and larger batches still: each batch that goes out with a commit
     # (commits keep coming) doubles the next one's wait, up to this (milliseconds, at least
-    # interval_ms); a batch the quiet timer sends brings it back to interval_ms.  (A
+    # interval_ms); a batch the quiet timer sends halves it, down to interval_ms, and a
+    # batch begun after more than quiet_ms without one waits interval_ms again.  (A
     # batch costs the daemon about what a request does, however few its events.)
     busy_interval_ms: float = 50.0
     # Load bandwidth per tier (bytes a second) a routing query assumes until the daemon

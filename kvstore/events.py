@@ -255,6 +255,7 @@ class EventPublisher:
         self._turn: asyncio.Handle | None = None  # the flush at this turn's end, if set
         self._quiet: asyncio.Handle | None = None  # the timer for a daemon gone quiet
         self._due = 0.0  # when a commit sends the batch (loop time; 0: at the timer)
+        self._flushed_at = 0.0  # when the last batch went out (time.monotonic())
         self._read_at = -SUBSCRIPTIONS_EVERY  # when a batch last read the subscriptions
         self._fds: list[int] = []
 
@@ -320,7 +321,9 @@ class EventPublisher:
         # on (or twice the wait, if longer: a busy daemon's next commit comes first),
         # only if none came (a wake costs a quiet daemon nothing, but a busy one tens of
         # microseconds a batch).  One quiet timer serves every batch begun while it runs:
-        # a busy daemon sets one every ``quiet``, not one a batch.
+        # a busy daemon sets one every ``quiet`` (or twice the wait), not one a batch.
+        # A daemon idle for longer than ``quiet`` since its last batch is not under load:
+        # this batch waits ``interval`` again, not a past burst's wait.
         loop = self._loop
         if loop is None:
             return
@@ -328,6 +331,8 @@ class EventPublisher:
             if self._turn is None:
                 self._turn = loop.call_soon(self.flush)
             return
+        if time.monotonic() - self._flushed_at > self.quiet:
+            self.wait = self.interval
         self._due = loop.time() + self.wait
         if self._quiet is None:
             self._quiet = loop.call_later(max(self.quiet, 2 * self.wait), self._went_quiet)
@@ -345,9 +350,10 @@ class EventPublisher:
 
     def _went_quiet(self) -> None:
         # Set at a batch's first change, or at an earlier batch's: then it is set again
-        # for this one's.  A batch that waited ``quiet`` with no commit to send it: the
-        # load has eased, the next batch waits half as long (down to ``interval``; a
-        # pause between bursts does not bring back a burst's many small batches).
+        # for this one's.  A batch that waited ``quiet`` (or twice its wait, if longer)
+        # with no commit to send it: the load has eased, the next batch waits half as
+        # long (down to ``interval``; a pause between bursts does not bring back a
+        # burst's many small batches, a longer idle does: see ``_soon``).
         self._quiet = None
         loop = self._loop
         if not self.changes.touched or not self._due or loop is None:
@@ -371,7 +377,7 @@ class EventPublisher:
             return -1
         # Whether anyone subscribes, as last read unless that was a while ago (a read
         # asks ZeroMQ, a syscall's worth a batch).
-        now = time.monotonic()
+        now = self._flushed_at = time.monotonic()
         if now - self._read_at >= SUBSCRIPTIONS_EVERY:
             self._read_at = now
             listened = self.listened()

@@ -307,6 +307,11 @@ class _Requests(Collector):
                   latency: Mapping[str, _Latency],
                   hit_tokens: Mapping[tuple[str, ...], _Count],
                   missed_tokens: Mapping[tuple[str, ...], _Count]) -> list[Metric]:
+        # prometheus_client's own Counter and Histogram leave out ``_created`` when
+        # PROMETHEUS_DISABLE_CREATED_SERIES or disable_created_metrics() says so; the
+        # families built here honour the same switch, which the library keeps only in this
+        # private module global (read at each scrape, as its own metrics do).
+        with_created = prometheus_client.metrics._use_created
         counters = [
             (requests, CounterMetricFamily(
                 "kvstore_requests", "Requests handled, by verb and tenant.",
@@ -322,7 +327,8 @@ class _Requests(Collector):
                 "cached (the engine recomputes them).", labels=["tier", "tenant"]))]
         for series, family in counters:
             for labels, count in series.items():
-                family.add_metric(labels, count.value, created=count.created)
+                family.add_metric(labels, count.value,
+                                  created=count.created if with_created else None)
         seconds = HistogramMetricFamily(
             "kvstore_request_duration_seconds", "Time from receiving a request to sending "
             "its reply, by verb.", labels=["verb"])
@@ -334,8 +340,9 @@ class _Requests(Collector):
                 cumulative += n
                 points.append((le, cumulative))
             seconds.add_metric([verb], points, total)
-            seconds.samples.append(Sample(f"{seconds.name}_created", {"verb": verb},
-                                          one.created))
+            if with_created:
+                seconds.samples.append(Sample(f"{seconds.name}_created", {"verb": verb},
+                                              one.created))
         return [counters[0][1], counters[1][1], seconds, counters[2][1], counters[3][1]]
 
 
@@ -371,7 +378,11 @@ def stats_on_loop(
 
 
 class Metrics:
-    """The daemon's metrics in a private registry; ``observe_*`` on the hot paths."""
+    """The daemon's metrics in a private registry; ``observe_*`` on the hot paths.
+
+    ``observe_request`` and ``observe_lookup_tokens`` count in plain numbers with no lock
+    (``_Requests``): call them from the event loop's thread only.
+    """
 
     def __init__(self, stats: StatsSource | None = None, *, max_tenants: int = 256) -> None:
         if max_tenants < 1:

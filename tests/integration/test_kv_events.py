@@ -464,11 +464,62 @@ def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -
         pub._due -= 2.0
         pub._went_quiet()
         assert pub.last_seq == 3 and pub.wait == 0.001  # not below ``interval_ms``
-        pub.quiet, pub.wait = 0.001, 0.003  # (a quiet_ms below twice a busy wait)
+        pub.quiet, pub.wait = 1.0, 3.0  # (a quiet_ms below twice a busy wait)
         before = loop.time()
         commit(600)
         timer = pub._quiet
-        assert timer is not None and timer.when() >= before + 0.006
+        assert timer is not None and timer.when() >= before + 6.0
+        pub._went_quiet()  # (early: set again for twice the wait, not for ``quiet``)
+        again = pub._quiet
+        assert pub.last_seq == 3 and pub.changes.touched
+        assert again is not None and again is not timer
+        assert again.when() == pytest.approx(pub._due + pub.wait)  # first change + 6 s
+    finally:
+        pub.close()
+        loop.close()
+
+
+def test_a_batch_after_an_idle_spell_waits_the_interval_again(tmp_path: Path) -> None:
+    """A burst doubles the batches' wait up to ``busy_interval_ms``; once the daemon has
+    sent nothing for longer than ``quiet_ms``, the next batch waits ``interval_ms``
+    again, and its quiet timer is set for ``quiet_ms``, not twice the burst's wait."""
+    import asyncio
+
+    from kvstore.config import EventsConfig
+    from kvstore.keys import chain_keys
+    from kvstore.store import BlockStore
+
+    store = BlockStore(64 * IDENT.block_bytes, 16 * IDENT.block_bytes)
+    loop = asyncio.new_event_loop()
+    pub = EventPublisher(EventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock",
+                                      interval_ms=1.0, quiet_ms=50.0,
+                                      busy_interval_ms=50.0), store)
+    pub.open(loop)
+    ns = store.open_namespace(IDENT)
+
+    def commit(first: int) -> None:
+        keys = chain_keys(ns.id, list(range(first, first + 2 * BT)), BT)
+        r = store.reserve("o", ns, keys, None, 0.0)
+        store.commit("o", r.id, 0.0)  # type: ignore[union-attr]
+
+    try:
+        first = 0
+        while pub.wait < pub.busy_interval:  # a burst: each due batch out with a commit
+            commit(first)
+            time.sleep(pub.wait + 0.001)
+            commit(first + 100)
+            loop.run_until_complete(asyncio.sleep(0))
+            first += 200
+        assert pub.wait == 0.05 and pub.last_seq >= 5 and not pub.changes.touched
+        loop.run_until_complete(asyncio.sleep(0.2))  # idle (the quiet timer runs, idle)
+        assert pub._quiet is None
+        before = loop.time()
+        commit(first)
+        after = loop.time()
+        timer = pub._quiet
+        assert pub.wait == 0.001
+        assert before + 0.001 <= pub._due <= after + 0.001
+        assert timer is not None and timer.when() <= after + 0.05
     finally:
         pub.close()
         loop.close()

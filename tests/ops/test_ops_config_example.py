@@ -40,6 +40,15 @@ def test_example_config_shows_every_field() -> None:
         assert not missing, f"[{section}] of the example lacks {sorted(missing)}"
 
 
+def test_example_events_timing_is_the_default() -> None:
+    """The batching timers are tuned together: a daemon installed from the example gets
+    what one with no config file does."""
+    events = load_config(EXAMPLE, env={}).events
+    default = EventsConfig()
+    for name in ("interval_ms", "quiet_ms", "busy_interval_ms"):
+        assert getattr(events, name) == getattr(default, name), name
+
+
 def test_config_check_command_accepts_the_example() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     result = subprocess.run(

@@ -11,6 +11,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -204,6 +205,25 @@ def test_request_series_read_as_prometheus_client_writes_them(
         assert v(s, name, **labels) > 0, name
     assert ("kvstore_request_errors_total",
             frozenset({("verb", "ping"), ("code", "internal"), ("tenant", "acme")})) not in s
+
+
+def test_disabling_created_series_hides_every_created(
+        metrics: Metrics, scrape: Scraper) -> None:
+    """prometheus_client's switch (PROMETHEUS_DISABLE_CREATED_SERIES sets it too) holds for
+    the request families counted in plain numbers as for the library's own metrics."""
+    prometheus_client.disable_created_metrics()
+    try:
+        metrics.observe_request("reserve", 0.001, None, "acme")
+        metrics.observe_request("reserve", 0.001, "capacity", "acme")
+        metrics.observe_lookup_tokens("dram", "acme", 16, 16)
+        metrics.observe_defer("dram", "acme")
+        s = scrape()
+    finally:
+        prometheus_client.enable_created_metrics()
+    assert v(s, "kvstore_requests_total", verb="reserve", tenant="acme") == 2
+    assert v(s, "kvstore_admission_defers_total", tier="dram", tenant="acme") == 1
+    assert [name for name, _ in s if name.endswith("_created")] == []
+    assert v(scrape(), "kvstore_requests_created", verb="reserve", tenant="acme") > 0
 
 
 def _counters(s: Samples) -> Samples:
