@@ -185,8 +185,9 @@ class Sessions:
         if rate:
             session.tokens -= 1.0
 
-    def check_cap(self, session: Session, what: Holding) -> None:
-        """Per-tenant caps on open reservations and pins, over all its sessions."""
+    def check_cap(self, session: Session, what: Holding, adding: int = 1) -> None:
+        """Per-tenant caps on open reservations and pins, over all its sessions: refused
+        unless ``adding`` more fit under it."""
         if what == "reservations":
             cap = self.max_reservations_per_tenant
         else:
@@ -195,10 +196,10 @@ class Sessions:
             return
         tenant = self.tenants[session.tenant]
         held = tenant.reservations if what == "reservations" else tenant.pins
-        if held >= cap:
+        if held + adding > cap:
             raise LimitExceededError(
                 f"tenant {session.tenant!r} holds {held} {what} (limit {cap}); "
-                f"release some")
+                f"{adding} more would pass it; release some")
 
     def counted(self, session: Session) -> None:
         """Count a session's holdings again after a request of its own; its tenant's

@@ -408,6 +408,8 @@ class Verbs:
                 raise MalformedError(f"plan item {i} adds {need} blocks but names "
                                      f"{len(item.keys)} keys")
         self._check_keys([k for item in req.plan for k in item.keys])
+        # one reservation per item with keys: all under the tenant's cap, or none
+        d.sessions.check_cap(session, "reservations", sum(1 for item in req.plan if item.keys))
         if not decision.admitted:
             d.store.counters.capacity_rejects += 1
             return p.BatchReply(req.rid, False, list(decision.blocks), list(decision.fitting),
