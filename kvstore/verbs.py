@@ -141,6 +141,9 @@ class Verbs:
                 f"client speaks protocol {req.version}, daemon speaks {p.PROTOCOL_VERSION}; "
                 f"upgrade the older side")
         tenant = self.d.auth.tenant_of(req.tenant, req.token, curve_tenant)
+        # its arena first: a hello refused for want of one (``dram.max_arenas``) opens
+        # no session
+        self.d.arena_for(tenant)
         return self.d.sessions.hello(routing_id, tenant, req.attach, uid)
 
     # -- checks the verbs share ---------------------------------------------------------------

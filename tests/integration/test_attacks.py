@@ -98,3 +98,25 @@ def test_a_batch_of_reservations_stays_under_the_tenants_cap(daemon_factory: Any
         first.close()
         second.close()
     assert daemon.alive()
+
+
+def test_a_hello_refused_for_want_of_an_arena_opens_no_session(daemon_factory: Any,
+                                                                tmp_path: Path) -> None:
+    config = tmp_path / "arenas.toml"
+    config.write_text('[dram]\nper_tenant_arenas = true\narena_kind = "memfd"\nmax_arenas = 1\n')
+    daemon = daemon_factory(extra=["--config", str(config)])
+    with Client(daemon.endpoint, tenant="acme") as client:  # the first tenant's arena
+        sessions = client.stats()["sessions"]
+        for i in range(2):  # past the limit: one more tenant's arena does not fit
+            raw = Raw(daemon.endpoint)
+            try:
+                reply = ask(raw, p.Hello(1, p.PROTOCOL_VERSION, f"intruder{i}"))
+                assert error_code(reply) == "limit_exceeded", reply
+                # the connection has no session: told so, not served
+                assert error_code(ask(raw, p.Ping(2))) == "forbidden"
+            finally:
+                raw.close()
+        stats = client.stats()
+        assert stats["sessions"] == sessions
+        assert stats["invariant_violations"] == 0
+    assert daemon.alive()
