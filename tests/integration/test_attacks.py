@@ -120,3 +120,29 @@ def test_a_hello_refused_for_want_of_an_arena_opens_no_session(daemon_factory: A
         assert stats["sessions"] == sessions
         assert stats["invariant_violations"] == 0
     assert daemon.alive()
+
+
+def test_hellos_count_against_the_tenants_request_rate(daemon_factory: Any,
+                                                       tmp_path: Path) -> None:
+    # connect, hello, go, again: each hello left a session held till its lease, at any rate
+    config = tmp_path / "rate.toml"
+    config.write_text("[server]\nmax_requests_per_second_per_tenant = 2\n")
+    daemon = daemon_factory(extra=["--config", str(config)])
+    opened = refused = 0
+    for _ in range(30):  # far more than two a second's worth
+        raw = Raw(daemon.endpoint)
+        try:
+            reply = ask(raw, p.Hello(1, p.PROTOCOL_VERSION, "acme"))
+            if isinstance(reply, p.HelloReply):
+                opened += 1
+            else:
+                assert error_code(reply) == "limit_exceeded", reply
+                assert error_code(ask(raw, p.Ping(2))) == "forbidden"  # no session
+                refused += 1
+        finally:
+            raw.close()
+    assert refused > 0
+    with Client(daemon.endpoint, tenant="audit") as client:  # a bucket of its own
+        stats = client.stats()
+    assert stats["sessions"] == opened + 1
+    assert stats["invariant_violations"] == 0
