@@ -125,6 +125,9 @@ class Verbs:
             p.GpuAttach: self._gpu_attach,
         }
         self.names = {t: str(t.__struct_config__.tag) for t in self.table}
+        # zero-copy get replies zmq still sends: pin id -> (session, bytes), the bytes
+        # counted in flight for the session (a peer that never reads holds them)
+        self.sending: dict[int, tuple[Session, int]] = {}
 
     def add(self, table: dict[type[Any], Handler]) -> None:
         """More handlers (the routing verbs, say)."""
@@ -322,7 +325,20 @@ class Verbs:
         if not frames:
             d.store.release(GET_OWNER, pin.id)
             return p.GetReply(req.rid, 0), []
+        try:  # pinned until sent, outside any lease: within the bytes-in-flight limits
+            d.sessions.hold_bytes(session, len(frames) * size)
+        except BaseException:
+            d.store.release(GET_OWNER, pin.id)
+            raise
+        self.sending[pin.id] = (session, len(frames) * size)
         return p.GetReply(req.rid, len(frames), pin.checksums), PinnedFrames(frames, pin.id)
+
+    def get_sent(self, pin_id: int) -> None:
+        """A zero-copy get reply went out (or could not): its pin and bytes go back."""
+        session, held = self.sending.pop(pin_id)
+        self.d.sessions.release_bytes(session, held)
+        if GET_OWNER in self.d.store.owners:  # (gone: the daemon closes, all went back)
+            self.d.store.release(GET_OWNER, pin_id)
 
     def _evict(self, session: Session, req: p.Evict, payload: list[Any]) -> Answer:
         ns = self._namespace(session, req.ns)

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from daemon_proc import DaemonProcess
 from kvtest import make_identity
 from test_protocol_abuse import Raw, error_code, hello
@@ -146,3 +148,40 @@ def test_hellos_count_against_the_tenants_request_rate(daemon_factory: Any,
         stats = client.stats()
     assert stats["sessions"] == opened + 1
     assert stats["invariant_violations"] == 0
+
+
+def test_get_replies_a_peer_never_reads_stay_within_its_bytes_in_flight(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    # a get's blocks stay pinned until zmq has sent the reply, outside any lease: a peer
+    # that asks and never reads held them for as long as it stayed connected, any amount
+    config = tmp_path / "flight.toml"
+    config.write_text('[server]\nmax_bytes_in_flight = "8MiB"\n')
+    daemon = daemon_factory(tcp=True, extra=["--config", str(config)])
+    ident = make_identity(num_layers=16, num_kv_heads=8, head_dim=128)  # 1 MiB blocks
+    raw = Raw(daemon.tcp_endpoint)
+    raw.sock.setsockopt(zmq.RCVHWM, 1)
+    try:
+        hello(raw)
+        ns = ask(raw, p.OpenNamespace(1, ident))
+        assert isinstance(ns, p.NamespaceReply)
+        keys = [os.urandom(16) for _ in range(4)]
+        assert isinstance(ask(raw, p.Put(2, ns.ns, keys), *[b"\1" * ident.block_bytes] * 4),
+                          p.PutReply)
+        asks = 64  # 256 MiB of replies, far more than socket buffers take unread
+        for i in range(asks):
+            raw.sock.send(p.encoder.encode(p.Get(10 + i, ns.ns, keys)))
+        with Client(daemon.endpoint, tenant="audit") as client:
+            assert client.stats()["invariant_violations"] == 0  # served while it waits
+        codes = []
+        for _ in range(asks):
+            assert raw.sock.poll(10_000)
+            frames = raw.sock.recv_multipart()
+            reply = p.reply_decoder.decode(frames[0])
+            codes.append(type(reply).__name__ if isinstance(reply, p.GetReply)
+                         else error_code(reply))
+        assert "GetReply" in codes and "limit_exceeded" in codes, codes
+        again = ask(raw, p.Get(99, ns.ns, keys))  # read: the bytes went back
+        assert isinstance(again, p.GetReply)
+    finally:
+        raw.close()
+    assert held(daemon) == (0, 0, 0)
