@@ -390,8 +390,7 @@ class Server:
         }
 
     def _release_sent(self, pin: int) -> None:
-        """A zero-copy get reply went out (or could not): its pin goes back."""
-        self.store.release(GET_OWNER, pin)
+        self.verbs.get_sent(pin)
 
     def _room_from_sends(self) -> None:
         self.moves.freed()

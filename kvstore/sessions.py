@@ -104,6 +104,9 @@ class Sessions:
         if routing_id in self.by_connection:
             raise ForbiddenError("this connection already has a session; a second hello is "
                                  "refused (connect again for a new one)")
+        # a hello is a request of its tenant's too: else a peer that connects, says hello
+        # and goes, again and again, makes sessions past any rate (each held till its lease)
+        self._admit_tenant(tenant)
         if attach:
             session = self.by_id.get(attach)
             if session is None or session.tenant != tenant:
@@ -169,24 +172,30 @@ class Sessions:
             if session.tokens < 1.0:
                 raise LimitExceededError(
                     f"more than {rate:g} requests per second from this session; slow down")
-        tenant_rate = self.max_requests_per_second_per_tenant
-        if tenant_rate:
-            bucket = self._tenant(session.tenant)
-            if bucket.refilled is None:
-                bucket.tokens, bucket.refilled = tenant_rate, now
-            bucket.tokens = min(tenant_rate,
-                                bucket.tokens + (now - bucket.refilled) * tenant_rate)
-            bucket.refilled = now
-            if bucket.tokens < 1.0:
-                raise LimitExceededError(
-                    f"more than {tenant_rate:g} requests per second from tenant "
-                    f"{session.tenant!r}; slow down")
-            bucket.tokens -= 1.0
+        self._admit_tenant(session.tenant, now)
         if rate:
             session.tokens -= 1.0
 
-    def check_cap(self, session: Session, what: Holding) -> None:
-        """Per-tenant caps on open reservations and pins, over all its sessions."""
+    def _admit_tenant(self, name: str, now: float | None = None) -> None:
+        """The tenant's request rate: a token from its bucket, or LimitExceededError."""
+        tenant_rate = self.max_requests_per_second_per_tenant
+        if not tenant_rate:
+            return
+        now = self.clock() if now is None else now
+        bucket = self._tenant(name)
+        if bucket.refilled is None:
+            bucket.tokens, bucket.refilled = tenant_rate, now
+        bucket.tokens = min(tenant_rate, bucket.tokens + (now - bucket.refilled) * tenant_rate)
+        bucket.refilled = now
+        if bucket.tokens < 1.0:
+            raise LimitExceededError(
+                f"more than {tenant_rate:g} requests per second from tenant {name!r}; "
+                f"slow down")
+        bucket.tokens -= 1.0
+
+    def check_cap(self, session: Session, what: Holding, adding: int = 1) -> None:
+        """Per-tenant caps on open reservations and pins, over all its sessions: refused
+        unless ``adding`` more fit under it."""
         if what == "reservations":
             cap = self.max_reservations_per_tenant
         else:
@@ -195,10 +204,10 @@ class Sessions:
             return
         tenant = self.tenants[session.tenant]
         held = tenant.reservations if what == "reservations" else tenant.pins
-        if held >= cap:
+        if held + adding > cap:
             raise LimitExceededError(
                 f"tenant {session.tenant!r} holds {held} {what} (limit {cap}); "
-                f"release some")
+                f"{adding} more would pass it; release some")
 
     def counted(self, session: Session) -> None:
         """Count a session's holdings again after a request of its own; its tenant's

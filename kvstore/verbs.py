@@ -125,6 +125,9 @@ class Verbs:
             p.GpuAttach: self._gpu_attach,
         }
         self.names = {t: str(t.__struct_config__.tag) for t in self.table}
+        # zero-copy get replies zmq still sends: pin id -> (session, bytes), the bytes
+        # counted in flight for the session (a peer that never reads holds them)
+        self.sending: dict[int, tuple[Session, int]] = {}
 
     def add(self, table: dict[type[Any], Handler]) -> None:
         """More handlers (the routing verbs, say)."""
@@ -141,6 +144,9 @@ class Verbs:
                 f"client speaks protocol {req.version}, daemon speaks {p.PROTOCOL_VERSION}; "
                 f"upgrade the older side")
         tenant = self.d.auth.tenant_of(req.tenant, req.token, curve_tenant)
+        # its arena first: a hello refused for want of one (``dram.max_arenas``) opens
+        # no session
+        self.d.arena_for(tenant)
         return self.d.sessions.hello(routing_id, tenant, req.attach, uid)
 
     # -- checks the verbs share ---------------------------------------------------------------
@@ -319,7 +325,20 @@ class Verbs:
         if not frames:
             d.store.release(GET_OWNER, pin.id)
             return p.GetReply(req.rid, 0), []
+        try:  # pinned until sent, outside any lease: within the bytes-in-flight limits
+            d.sessions.hold_bytes(session, len(frames) * size)
+        except BaseException:
+            d.store.release(GET_OWNER, pin.id)
+            raise
+        self.sending[pin.id] = (session, len(frames) * size)
         return p.GetReply(req.rid, len(frames), pin.checksums), PinnedFrames(frames, pin.id)
+
+    def get_sent(self, pin_id: int) -> None:
+        """A zero-copy get reply went out (or could not): its pin and bytes go back."""
+        session, held = self.sending.pop(pin_id)
+        self.d.sessions.release_bytes(session, held)
+        if GET_OWNER in self.d.store.owners:  # (gone: the daemon closes, all went back)
+            self.d.store.release(GET_OWNER, pin_id)
 
     def _evict(self, session: Session, req: p.Evict, payload: list[Any]) -> Answer:
         ns = self._namespace(session, req.ns)
@@ -408,6 +427,8 @@ class Verbs:
                 raise MalformedError(f"plan item {i} adds {need} blocks but names "
                                      f"{len(item.keys)} keys")
         self._check_keys([k for item in req.plan for k in item.keys])
+        # one reservation per item with keys: all under the tenant's cap, or none
+        d.sessions.check_cap(session, "reservations", sum(1 for item in req.plan if item.keys))
         if not decision.admitted:
             d.store.counters.capacity_rejects += 1
             return p.BatchReply(req.rid, False, list(decision.blocks), list(decision.fitting),

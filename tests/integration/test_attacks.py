@@ -1,0 +1,187 @@
+"""An attacker's requests against a real daemon: another session's ids, replays, requests
+that would pass a tenant's caps.  Each gets a typed error; nothing is left held."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from daemon_proc import DaemonProcess
+from kvtest import make_identity
+from test_protocol_abuse import Raw, error_code, hello
+
+from kvstore import Client
+from kvstore import protocol as p
+
+
+def ask(raw: Raw, msg: p.Message, *payload: bytes) -> p.Message:
+    return raw.ask(p.encoder.encode(msg), *payload)
+
+
+def held(daemon: DaemonProcess) -> tuple[int, int, int]:
+    """Reserved slots, pinned blocks and invariant violations, as stats tell them."""
+    with Client(daemon.endpoint, tenant="audit") as client:
+        stats = client.stats()
+    tier = stats["tiers"]["dram"]
+    return tier["reserved_slots"], tier["pinned_blocks"], stats["invariant_violations"]
+
+
+def test_ids_of_another_session_and_replays_are_refused(daemon: DaemonProcess) -> None:
+    owner, thief = Raw(daemon.endpoint), Raw(daemon.endpoint)
+    try:
+        hello(owner)
+        hello(thief)  # the same tenant: ids alone must not reach across sessions
+        ident = make_identity()
+        ns = ask(owner, p.OpenNamespace(1, ident))
+        assert isinstance(ns, p.NamespaceReply)
+        assert isinstance(ask(thief, p.OpenNamespace(1, ident)), p.NamespaceReply)
+        keys = [os.urandom(16) for _ in range(2)]
+        put = ask(owner, p.Put(2, ns.ns, keys), *[b"\1" * ident.block_bytes] * 2)
+        assert isinstance(put, p.PutReply)
+        pin = ask(owner, p.Acquire(3, ns.ns, keys))
+        r = ask(owner, p.Reserve(4, ns.ns, [os.urandom(16)]))
+        assert isinstance(pin, p.AcquireReply) and isinstance(r, p.ReserveReply)
+        for msg in (p.Commit(5, r.reservation), p.Abort(6, r.reservation),
+                    p.Release(7, pin.pin)):
+            assert error_code(ask(thief, msg)) == "not_found"
+        assert held(daemon)[:2] == (1, 2)  # the owner's, untouched
+        assert isinstance(ask(owner, p.Abort(8, r.reservation)), p.OkReply)
+        assert error_code(ask(owner, p.Commit(9, r.reservation))) == "not_found"
+        assert error_code(ask(owner, p.Abort(10, r.reservation))) == "not_found"
+        r = ask(owner, p.Reserve(11, ns.ns, [os.urandom(16)]))
+        assert isinstance(r, p.ReserveReply)
+        assert isinstance(ask(owner, p.Commit(12, r.reservation)), p.CommitReply)
+        assert error_code(ask(owner, p.Commit(13, r.reservation))) == "not_found"
+        assert isinstance(ask(owner, p.Release(14, pin.pin)), p.OkReply)
+        assert error_code(ask(owner, p.Release(15, pin.pin))) == "not_found"
+        assert held(daemon) == (0, 0, 0)
+    finally:
+        owner.close()
+        thief.close()
+    assert daemon.alive()
+
+
+def test_a_batch_of_reservations_stays_under_the_tenants_cap(daemon_factory: Any,
+                                                              tmp_path: Path) -> None:
+    config = tmp_path / "caps.toml"
+    config.write_text("[server]\nmax_reservations_per_tenant = 4\n")
+    daemon = daemon_factory(extra=["--config", str(config)])
+    first, second = Raw(daemon.endpoint), Raw(daemon.endpoint)
+    try:
+        hello(first)
+        hello(second)
+        ident = make_identity()
+        ns = ask(first, p.OpenNamespace(1, ident))
+        assert isinstance(ns, p.NamespaceReply)
+        assert isinstance(ask(second, p.OpenNamespace(1, ident)), p.NamespaceReply)
+
+        def plan(n: int) -> list[p.PlanItem]:
+            return [p.PlanItem(0, ident.block_tokens, [os.urandom(16)]) for _ in range(n)]
+
+        reply = ask(first, p.ReserveBatch(2, ns.ns, plan(8)))  # twice the cap in one go
+        assert error_code(reply) == "limit_exceeded", reply
+        assert held(daemon) == (0, 0, 0)
+        one = ask(first, p.Reserve(3, ns.ns, [os.urandom(16)]))
+        assert isinstance(one, p.ReserveReply)
+        assert error_code(ask(second, p.ReserveBatch(4, ns.ns, plan(4)))) == "limit_exceeded"
+        batch = ask(second, p.ReserveBatch(5, ns.ns, plan(3)))  # 1 + 3: the cap, not over
+        assert isinstance(batch, p.BatchReply) and batch.admitted
+        assert error_code(ask(first, p.Reserve(6, ns.ns, [os.urandom(16)]))) == \
+            "limit_exceeded"
+        assert held(daemon) == (4, 0, 0)
+        for rid in batch.reservations:
+            assert isinstance(ask(second, p.Abort(7, rid)), p.OkReply)
+        assert isinstance(ask(first, p.Abort(8, one.reservation)), p.OkReply)
+        assert held(daemon) == (0, 0, 0)
+    finally:
+        first.close()
+        second.close()
+    assert daemon.alive()
+
+
+def test_a_hello_refused_for_want_of_an_arena_opens_no_session(daemon_factory: Any,
+                                                                tmp_path: Path) -> None:
+    config = tmp_path / "arenas.toml"
+    config.write_text('[dram]\nper_tenant_arenas = true\narena_kind = "memfd"\nmax_arenas = 1\n')
+    daemon = daemon_factory(extra=["--config", str(config)])
+    with Client(daemon.endpoint, tenant="acme") as client:  # the first tenant's arena
+        sessions = client.stats()["sessions"]
+        for i in range(2):  # past the limit: one more tenant's arena does not fit
+            raw = Raw(daemon.endpoint)
+            try:
+                reply = ask(raw, p.Hello(1, p.PROTOCOL_VERSION, f"intruder{i}"))
+                assert error_code(reply) == "limit_exceeded", reply
+                # the connection has no session: told so, not served
+                assert error_code(ask(raw, p.Ping(2))) == "forbidden"
+            finally:
+                raw.close()
+        stats = client.stats()
+        assert stats["sessions"] == sessions
+        assert stats["invariant_violations"] == 0
+    assert daemon.alive()
+
+
+def test_hellos_count_against_the_tenants_request_rate(daemon_factory: Any,
+                                                       tmp_path: Path) -> None:
+    # connect, hello, go, again: each hello left a session held till its lease, at any rate
+    config = tmp_path / "rate.toml"
+    config.write_text("[server]\nmax_requests_per_second_per_tenant = 2\n")
+    daemon = daemon_factory(extra=["--config", str(config)])
+    opened = refused = 0
+    for _ in range(30):  # far more than two a second's worth
+        raw = Raw(daemon.endpoint)
+        try:
+            reply = ask(raw, p.Hello(1, p.PROTOCOL_VERSION, "acme"))
+            if isinstance(reply, p.HelloReply):
+                opened += 1
+            else:
+                assert error_code(reply) == "limit_exceeded", reply
+                assert error_code(ask(raw, p.Ping(2))) == "forbidden"  # no session
+                refused += 1
+        finally:
+            raw.close()
+    assert refused > 0
+    with Client(daemon.endpoint, tenant="audit") as client:  # a bucket of its own
+        stats = client.stats()
+    assert stats["sessions"] == opened + 1
+    assert stats["invariant_violations"] == 0
+
+
+def test_get_replies_a_peer_never_reads_stay_within_its_bytes_in_flight(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    # a get's blocks stay pinned until zmq has sent the reply, outside any lease: a peer
+    # that asks and never reads held them for as long as it stayed connected, any amount
+    config = tmp_path / "flight.toml"
+    config.write_text('[server]\nmax_bytes_in_flight = "8MiB"\n')
+    daemon = daemon_factory(tcp=True, extra=["--config", str(config)])
+    ident = make_identity(num_layers=16, num_kv_heads=8, head_dim=128)  # 1 MiB blocks
+    raw = Raw(daemon.tcp_endpoint)
+    raw.sock.setsockopt(zmq.RCVHWM, 1)
+    try:
+        hello(raw)
+        ns = ask(raw, p.OpenNamespace(1, ident))
+        assert isinstance(ns, p.NamespaceReply)
+        keys = [os.urandom(16) for _ in range(4)]
+        assert isinstance(ask(raw, p.Put(2, ns.ns, keys), *[b"\1" * ident.block_bytes] * 4),
+                          p.PutReply)
+        asks = 64  # 256 MiB of replies, far more than socket buffers take unread
+        for i in range(asks):
+            raw.sock.send(p.encoder.encode(p.Get(10 + i, ns.ns, keys)))
+        with Client(daemon.endpoint, tenant="audit") as client:
+            assert client.stats()["invariant_violations"] == 0  # served while it waits
+        codes = []
+        for _ in range(asks):
+            assert raw.sock.poll(10_000)
+            frames = raw.sock.recv_multipart()
+            reply = p.reply_decoder.decode(frames[0])
+            codes.append(type(reply).__name__ if isinstance(reply, p.GetReply)
+                         else error_code(reply))
+        assert "GetReply" in codes and "limit_exceeded" in codes, codes
+        again = ask(raw, p.Get(99, ns.ns, keys))  # read: the bytes went back
+        assert isinstance(again, p.GetReply)
+    finally:
+        raw.close()
+    assert held(daemon) == (0, 0, 0)
