@@ -120,13 +120,14 @@ def test_a_refusal_whose_confirming_ping_is_refused_counts_once(
     a ping refused for a reason of its own (here the session's request rate) says it
     does: the client is kept, and the one failed step counts once."""
     config = tmp_path / "rate.toml"
-    config.write_text("[server]\nmax_requests_per_second = 1\n")
+    # below one request a second the session's bucket never holds a whole request: every
+    # request past the hello (never limited) is refused, however slow the machine
+    config.write_text("[server]\nmax_requests_per_second = 0.5\n")
     daemon = daemon_factory(extra=["--config", str(config)])
     link = DaemonLink(DaemonSettings(daemon.endpoint, "acme", timeout=5.0), map_arena=False)
     try:
         client = link.connect()
-        assert isinstance(link.namespace("pages", identity), Namespace)  # the second's
-        with pytest.raises(LimitExceededError):  # a request less than a second later
+        with pytest.raises(LimitExceededError):
             client.ping()
         link.failed("lookup", ForbiddenError("namespace of another tenant"))
         assert link.failures == 1
