@@ -18,6 +18,7 @@ from daemon_proc import free_port
 from kvtest import make_identity
 
 from kvstore import Client
+from kvstore.auth import write_secret
 from kvstore.errors import MalformedError
 from kvstore.keys import chain_keys
 from kvstore.router import Router, route
@@ -206,3 +207,27 @@ def test_a_daemon_that_refuses_the_hello_is_not_greeted_again_until_its_back_off
         assert sent == [1, 1, 2, 2, 3, 3, 4]
         assert backing_off == [True, True, False, True, False, True, False]
         assert hellos.count(open_.tcp_endpoint) == 1
+
+
+def test_a_daemon_whose_handshake_refuses_the_router_is_not_waited_on(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """A gated ipc endpoint lets in no peer without a ticket: once ZeroMQ dropped the
+    refused connection a query neither blocks on sending to it nor waits for it."""
+    secret_file = tmp_path / "secret"
+    write_secret(secret_file)
+    config = tmp_path / "auth.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n')
+    gated = daemon_factory(extra=["--config", str(config)])
+    open_ = daemon_factory(tcp=True)
+    fill(open_.endpoint, 8)
+    keys = chain_keys(IDENT.namespace_id, TOKENS, BT)
+    with Router([gated.endpoint, open_.tcp_endpoint], tenant="acme") as r:
+        for _ in range(100):  # until the refused connection is gone (the first query)
+            results = r.route(keys, deadline=0.1)
+            assert [x.endpoint for x in results] == [open_.tcp_endpoint, gated.endpoint]
+            assert not results[1].answered
+            if "takes no message" in results[1].error:
+                break
+        assert "takes no message" in results[1].error
+        results = r.route(keys, deadline=300.0)  # answered by the open one: no wait
+        assert results[0].hits == 8 and "takes no message" in results[1].error
