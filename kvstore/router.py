@@ -6,9 +6,11 @@ answered or the deadline passed: a daemon that has not answered by then is ranke
 and never waited on (its late answer is dropped); so is one that refused the router's
 hello, which is not greeted again until a back-off that doubles with each refusal in a
 row has passed (its refusal reported at once meanwhile, with no hello and no probe), and
-one that takes no message from the router (its handshake refused).  Each answer gives the longest cached
-prefix per tier, the daemon's wait ahead of a new transfer and its load bandwidth per
-tier, from which the router estimates the cost of serving the request there:
+one that takes no message from the router (its handshake refused).  A router's
+credentials are its own: new ones are a new ``Router``, which greets every daemon at once.
+Each answer gives the longest cached prefix per tier, the daemon's wait ahead of a new
+transfer and its load bandwidth per tier, from which the router estimates the cost of
+serving the request there:
 
     C = queue + prefill(P - H) + transfer(X)
 
