@@ -153,10 +153,12 @@ class AsyncClient(SessionCore):
         elif self._settle(received[0]) and not self._unread and self._settled is not None:
             self._settled.set()
 
-    async def _send(self, frames: list[Any]) -> None:
+    async def _send(self, frames: list[Any], deadline: float) -> None:
         """Send at once (with no high-water mark a DEALER queues what its peer has not
         taken yet); then read what the send let in: it may have taken the descriptor's
-        edge for replies already queued."""
+        edge for replies already queued.  A socket with no connection to queue on (one
+        ZeroMQ dropped, its handshake refused) is waited on until ``deadline`` (the
+        loop's clock), then UnavailableError."""
         sock = self._sock
         while True:
             try:
@@ -166,7 +168,9 @@ class AsyncClient(SessionCore):
                 else:
                     sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 break
-            except zmq.Again:  # not with the sockets make_socket sets up; wait for room
+            except zmq.Again:  # no connection to queue on: wait for one, till the deadline
+                if self._loop is None or self._loop.time() >= deadline:
+                    raise self._no_reply() from None
                 await asyncio.sleep(0.001)
                 if self._sock is None:
                     raise KVStoreError("the client was closed") from None
@@ -186,9 +190,10 @@ class AsyncClient(SessionCore):
         self._waiting[req.rid] = future
         try:
             header = p.encoder.encode(req)
-            await self._send([header, *payload] if payload else [header])
+            deadline = loop.time() + self.timeout  # the request's, sending included
+            await self._send([header, *payload] if payload else [header], deadline)
             # a timer rather than asyncio.wait_for, which costs a task's worth per call
-            timer = loop.call_later(self.timeout, self._expire, future)
+            timer = loop.call_at(deadline, self._expire, future)
             try:
                 return await future
             except BaseException:  # timed out or cancelled: what the reply holds goes back
@@ -222,9 +227,9 @@ class AsyncClient(SessionCore):
     async def _post(self, req: p.Message) -> None:
         """Send a request whose reply nobody waits for (a release): the reader settles
         it with the core when it comes."""
-        if self._sock is None:
+        if self._sock is None or self._loop is None:
             raise KVStoreError("the client is not connected")
-        await self._send([self._posted(req)])
+        await self._send([self._posted(req)], self._loop.time() + self.timeout)
 
     # -- verbs ----------------------------------------------------------------------------
     def namespace(self, identity: Identity) -> AsyncNamespaceOpener:

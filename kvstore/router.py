@@ -3,9 +3,14 @@
 ``Router`` holds one connection per daemon (one per worker or host).  ``route(keys)``
 sends each a ``probe`` of the request's key chain in parallel and waits until all have
 answered or the deadline passed: a daemon that has not answered by then is ranked last
-and never waited on (its late answer is dropped).  Each answer gives the longest cached
-prefix per tier, the daemon's wait ahead of a new transfer and its load bandwidth per
-tier, from which the router estimates the cost of serving the request there:
+and never waited on (its late answer is dropped); so is one that refused the router's
+hello, which is not greeted again until a back-off that doubles with each refusal in a
+row has passed (its refusal reported at once meanwhile, with no hello and no probe), and
+one that takes no message from the router (its handshake refused).  A router's
+credentials are its own: new ones are a new ``Router``, which greets every daemon at once.
+Each answer gives the longest cached prefix per tier, the daemon's wait ahead of a new
+transfer and its load bandwidth per tier, from which the router estimates the cost of
+serving the request there:
 
     C = queue + prefill(P - H) + transfer(X)
 
@@ -19,7 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -33,6 +38,8 @@ from kvstore.errors import MalformedError
 from kvstore.tiers.arena_fds import tcp_credentials
 
 DEFAULT_PREFILL_RATE = 10_000.0  # tokens a second a worker prefills, unless told
+REFUSED_S = 1.0       # no hello to a daemon for this long after it refused one,
+REFUSED_MAX_S = 60.0  # doubled with each refusal in a row, up to this
 
 
 @dataclass
@@ -56,15 +63,19 @@ class RouteResult:
 
 class _Peer:
     """One daemon's connection: its socket, whether its hello came back, the probe
-    awaited."""
+    awaited, and the back-off from its refusals of the hello."""
 
     def __init__(self, endpoint: str, sock: Any) -> None:
         self.endpoint = endpoint
         self.sock = sock
         self.greeted = False
-        self.hello_rid = 0
+        self.hello_rid = 0  # of the hello sent last (0: none awaited)
         self.waiting = 0  # rid of the probe this route waits for (0: none)
-        self.refused = ""
+        self.refused = ""  # why it gave this route no answer
+        self.refusal = ""  # the daemon's refusal of the last hello
+        self.refusals = 0  # in a row
+        self.backoff_s = 0.0
+        self.backoff_until = 0.0  # no hello before (the router's clock)
 
 
 class Router:
@@ -72,13 +83,17 @@ class Router:
 
     def __init__(self, endpoints: Sequence[str], *, tenant: str | None = None,
                  token: str | None = None, curve: CurveKeys | None = None,
-                 prefill_rate: float = DEFAULT_PREFILL_RATE) -> None:
+                 prefill_rate: float = DEFAULT_PREFILL_RATE,
+                 refused_s: tuple[float, float] = (REFUSED_S, REFUSED_MAX_S),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not endpoints:
             raise MalformedError("route: name at least one daemon endpoint")
         if not prefill_rate > 0:
             raise MalformedError("route: prefill_rate must be a positive number of tokens "
                                  "a second")
         self.prefill_rate = prefill_rate
+        self._refused_s = refused_s  # the first back-off after a refused hello, the longest
+        self._clock = clock
         self._tenant = _tenant(tenant, token)
         self._token = _token(token)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -94,9 +109,26 @@ class Router:
             self._hello(peer)
 
     def _hello(self, peer: _Peer) -> None:
-        peer.hello_rid = next(self._rids)
-        peer.sock.send(p.encoder.encode(
-            p.Hello(peer.hello_rid, p.PROTOCOL_VERSION, self._tenant, self._token)))
+        rid = next(self._rids)
+        if _send(peer.sock, p.encoder.encode(
+                p.Hello(rid, p.PROTOCOL_VERSION, self._tenant, self._token))):
+            peer.hello_rid = rid
+
+    def _refuse(self, peer: _Peer, refusal: str) -> None:
+        """Back off from a daemon that refused the hello: twice the last back-off after
+        a refusal in a row, the first one else."""
+        first, longest = self._refused_s
+        peer.backoff_s = min(longest, peer.backoff_s * 2) if peer.refusals else first
+        peer.refusals += 1
+        peer.refusal = refusal
+        peer.backoff_until = self._clock() + peer.backoff_s
+
+    def _backing_off(self, peer: _Peer, now: float) -> str:
+        """Why the peer is not asked now (a refusal it is backing off from), or ""."""
+        if not peer.refusals or now >= peer.backoff_until:
+            return ""
+        return (f"{peer.refusal} (refused {peer.refusals} time(s) in a row; not greeted "
+                f"again for {peer.backoff_until - now:.1f}s)")
 
     def route(self, keys: Sequence[bytes], *, deadline: float = 0.05,
               tokens: int | None = None, block_tokens: int | None = None,
@@ -119,13 +151,22 @@ class Router:
         # request id serves them all), all sent before any answer is awaited.
         rid = next(self._rids)
         probe = p.encoder.encode(p.Probe(rid, keys))
+        now = self._clock()
+        pending = 0
         for peer in self._peers:
-            peer.waiting = rid
-            peer.refused = ""
+            peer.waiting = 0
+            peer.refused = self._backing_off(peer, now)
+            if peer.refused:
+                continue  # no hello, no probe: ranked last, not waited on
+            if not peer.greeted and not peer.hello_rid:
+                self._hello(peer)
             # the daemon serves a connection's requests in order: no wait for the hello
-            peer.sock.send(probe)
+            if not _send(peer.sock, probe):
+                peer.refused = "takes no message (its handshake refused this router?)"
+                continue
+            peer.waiting = rid
+            pending += 1
         end = time.monotonic() + deadline
-        pending = len(self._peers)
         while pending:
             left = end - time.monotonic()
             if left <= 0:
@@ -147,9 +188,14 @@ class Router:
             except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
                 continue  # a peer that is not a kvstore daemon
             if reply.rid == peer.hello_rid:
+                peer.hello_rid = 0
                 peer.greeted = isinstance(reply, p.HelloReply)
-                if isinstance(reply, p.ErrorReply) and peer.waiting:
-                    peer.refused = f"{reply.code}: {reply.message}"
+                if peer.greeted:
+                    peer.refusals = 0
+                elif isinstance(reply, p.ErrorReply):
+                    self._refuse(peer, f"{reply.code}: {reply.message}")
+                    if peer.waiting:
+                        peer.refused = peer.refusal
                 continue
             if reply.rid != peer.waiting:
                 continue  # a probe's answer that came after its deadline
@@ -160,8 +206,9 @@ class Router:
             elif isinstance(reply, p.ErrorReply):
                 peer.refused = peer.refused or f"{reply.code}: {reply.message}"
                 # no session there (the daemon restarted, or the lease ran out): greet
-                # again, for the next query
-                self._hello(peer)
+                # again, at the next query (unless backing off from a refused hello); a
+                # hello of ours would have been answered before this
+                peer.greeted, peer.hello_rid = False, 0
 
     def _rank(self, keys: list[bytes], answers: dict[str, p.ProbeReply],
               tokens: int | None, block_tokens: int | None,
@@ -200,6 +247,16 @@ class Router:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def _send(sock: Any, message: bytes) -> bool:
+    """Send without waiting; False when the socket has no connection to queue it on (a
+    handshake the daemon refused: a route never waits on it)."""
+    try:
+        sock.send(message, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
 
 
 def read_tokens(path: str) -> list[int]:

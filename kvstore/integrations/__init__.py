@@ -14,6 +14,7 @@ is installed; nothing in the rest of kvstore imports them.
   ``{"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
   "class_name": "KVStoreHiCacheStorage"}`` in the backend's extra config).
 
-All three take the daemon's ``endpoint`` and the ``tenant`` from their engine's
-configuration, falling back to ``KVSTORE_ENDPOINT`` and ``KVSTORE_TENANT``.
+All three take the daemon's ``endpoint``, the ``tenant`` and the ``token`` from their
+engine's configuration, falling back to ``KVSTORE_ENDPOINT``, ``KVSTORE_TENANT`` and
+``KVSTORE_TOKEN``.
 """

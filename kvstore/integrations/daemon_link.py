@@ -49,17 +49,19 @@ class DaemonSettings:
 
     endpoint: str | None = None   # None: $KVSTORE_ENDPOINT or the runtime directory's
     tenant: str = "default"
-    token: str = ""
+    token: str | None = None      # None: $KVSTORE_TOKEN, as the client reads it
     timeout: float = 10.0         # seconds per request
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], *, timeout: float) -> DaemonSettings:
         """Settings from an engine's extra configuration (``endpoint``, ``tenant``,
-        ``token``, ``timeout``); the tenant falls back to ``$KVSTORE_TENANT``."""
+        ``token``, ``timeout``); the tenant falls back to ``$KVSTORE_TENANT``, the token
+        to ``$KVSTORE_TOKEN``."""
+        token = extra.get("token")
         return cls(endpoint=extra.get("endpoint") or None,
                    tenant=str(extra.get("tenant") or os.environ.get("KVSTORE_TENANT",
                                                                     "default")),
-                   token=str(extra.get("token", "")),
+                   token=None if token is None else str(token),
                    timeout=float(extra.get("timeout", timeout)))
 
 

@@ -69,7 +69,7 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
     """``adapter_params`` of the plugin: where the daemon is and how big objects are."""
 
     def __init__(self, *, object_bytes: int, endpoint: str | None = None,
-                 tenant: str | None = None, token: str = "",
+                 tenant: str | None = None, token: str | None = None,
                  model_revision: str = "unversioned", timeout: float = 10.0) -> None:
         self.object_bytes = object_bytes
         self.endpoint = endpoint
@@ -92,7 +92,8 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError("timeout must be a positive number of seconds")
         return cls(object_bytes=object_bytes, endpoint=d.get("endpoint"),
-                   tenant=d.get("tenant"), token=str(d.get("token", "")),
+                   tenant=d.get("tenant"),
+                   token=None if d.get("token") is None else str(d["token"]),
                    model_revision=str(d.get("model_revision", "unversioned")),
                    timeout=float(timeout))
 
@@ -104,7 +105,8 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
                 "- endpoint (str): the daemon's endpoint (default: KVSTORE_ENDPOINT or "
                 "the runtime directory's socket)\n"
                 "- tenant (str): the daemon tenant (default: KVSTORE_TENANT or 'default')\n"
-                "- token (str), model_revision (str), timeout (float seconds)")
+                "- token (str): the daemon token (default: KVSTORE_TOKEN)\n"
+                "- model_revision (str), timeout (float seconds)")
 
 
 def object_identity(model_name: str, cache_salt: str,

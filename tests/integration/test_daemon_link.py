@@ -31,9 +31,9 @@ def gated(daemon_factory: Callable[..., DaemonProcess],
 
 
 @pytest.fixture
-def handshakes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def handshakes(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
     """The token of every client the links make (each one a handshake with the daemon)."""
-    made: list[str] = []
+    made: list[str | None] = []
 
     class Counted(Client):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -46,7 +46,7 @@ def handshakes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.mark.parametrize("over", ["ipc", "tcp"])
 def test_a_refused_hello_backs_off_and_a_new_token_goes_at_once(
-        gated: tuple[DaemonProcess, bytes], handshakes: list[str], over: str) -> None:
+        gated: tuple[DaemonProcess, bytes], handshakes: list[str | None], over: str) -> None:
     """An expired token is refused (by the side socket on ipc, in the ZeroMQ handshake
     on tcp: both a ForbiddenError at once); the link does not say hello again with it
     until a back-off that doubles with each refusal in a row (1, 2, 4, then 4 s: the
@@ -86,7 +86,7 @@ def test_a_refused_hello_backs_off_and_a_new_token_goes_at_once(
 
 
 def test_a_refused_background_connect_is_not_spawned_again_until_its_back_off_ends(
-        gated: tuple[DaemonProcess, bytes], handshakes: list[str]) -> None:
+        gated: tuple[DaemonProcess, bytes], handshakes: list[str | None]) -> None:
     d, secret = gated
     now = [0.0]
     expired, good = issue_token(secret, "acme", -1), issue_token(secret, "acme", 600)
@@ -114,19 +114,46 @@ def test_a_refused_background_connect_is_not_spawned_again_until_its_back_off_en
         link.close()
 
 
+def test_a_link_without_a_token_setting_takes_kvstore_token(
+        gated: tuple[DaemonProcess, bytes], handshakes: list[str | None],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the client does: an engine's link whose configuration names no token connects
+    with ``$KVSTORE_TOKEN``; a token in the configuration wins over it."""
+    d, secret = gated
+    expired, good = issue_token(secret, "acme", -1), issue_token(secret, "acme", 600)
+    monkeypatch.setenv("KVSTORE_TOKEN", good)
+    link = DaemonLink(DaemonSettings.from_extra({"endpoint": d.endpoint, "tenant": "acme"},
+                                                timeout=5.0), map_arena=False)
+    try:
+        ns = link.namespace("pages", identity)
+        assert isinstance(ns, Namespace) and link.failures == 0
+    finally:
+        link.close()
+    link = DaemonLink(DaemonSettings.from_extra(
+        {"endpoint": d.endpoint, "tenant": "acme", "token": expired}, timeout=5.0),
+        map_arena=False)
+    try:
+        with pytest.raises(ForbiddenError, match="expired"):
+            link.connect()
+    finally:
+        link.close()
+    assert handshakes == [None, expired]  # None: the client reads $KVSTORE_TOKEN
+
+
 def test_a_refusal_whose_confirming_ping_is_refused_counts_once(
         daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
     """A bare ForbiddenError makes the link ask, with a ping, whether its session lives;
     a ping refused for a reason of its own (here the session's request rate) says it
     does: the client is kept, and the one failed step counts once."""
     config = tmp_path / "rate.toml"
-    config.write_text("[server]\nmax_requests_per_second = 1\n")
+    # below one request a second the session's bucket never holds a whole request: every
+    # request past the hello (never limited) is refused, however slow the machine
+    config.write_text("[server]\nmax_requests_per_second = 0.5\n")
     daemon = daemon_factory(extra=["--config", str(config)])
     link = DaemonLink(DaemonSettings(daemon.endpoint, "acme", timeout=5.0), map_arena=False)
     try:
         client = link.connect()
-        assert isinstance(link.namespace("pages", identity), Namespace)  # the second's
-        with pytest.raises(LimitExceededError):  # a request less than a second later
+        with pytest.raises(LimitExceededError):
             client.ping()
         link.failed("lookup", ForbiddenError("namespace of another tenant"))
         assert link.failures == 1
@@ -135,7 +162,7 @@ def test_a_refusal_whose_confirming_ping_is_refused_counts_once(
         link.close()
 
 
-def test_an_endpoint_zeromq_cannot_connect_to_is_a_refusal(handshakes: list[str]) -> None:
+def test_an_endpoint_zeromq_cannot_connect_to_is_a_refusal(handshakes: list[str | None]) -> None:
     """Not an error of ZeroMQ's escaping into the engine's step: a typed one, counted once,
     and backed off from like any refusal."""
     now = [0.0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from daemon_proc import free_port
 from kvtest import make_identity
 
 from kvstore import Client
+from kvstore.auth import write_secret
 from kvstore.errors import MalformedError
 from kvstore.keys import chain_keys
 from kvstore.router import Router, route
@@ -164,3 +166,68 @@ def test_the_async_client_routes_and_snapshots(daemon_factory: Any) -> None:
             assert [parents[k] for k in keys] == [None, *keys[:-1]]
 
     asyncio.run(main())
+
+
+def test_a_daemon_that_refuses_the_hello_is_not_greeted_again_until_its_back_off_ends(
+        daemon_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon whose tcp endpoint refuses every hello (``peer_tenants`` alone) ranks
+    last with its refusal; the router greets it again only once a back-off that doubles
+    with each refusal in a row has passed (1, 2, then 2 s: the cap), reporting the
+    refusal at once meanwhile with no hello and no probe, while the others answer."""
+    config = tmp_path / "peer.toml"
+    config.write_text(f'[auth]\npeer_tenants = {{ "{os.getuid()}" = "acme" }}\n')
+    refusing = daemon_factory(tcp=True, extra=["--config", str(config)])
+    open_ = daemon_factory(tcp=True)
+    fill(open_.endpoint, 8)
+    hellos: list[str] = []
+    greet = Router._hello
+
+    def counted(self: Router, peer: Any) -> None:
+        hellos.append(peer.endpoint)
+        greet(self, peer)
+
+    monkeypatch.setattr(Router, "_hello", counted)
+    keys = chain_keys(IDENT.namespace_id, TOKENS, BT)
+    now = [0.0]
+    with Router([refusing.tcp_endpoint, open_.tcp_endpoint], tenant="acme",
+                refused_s=(1.0, 2.0), clock=lambda: now[0]) as r:
+        first = r.route(keys, deadline=10.0)
+        assert [x.endpoint for x in first] == [open_.tcp_endpoint, refusing.tcp_endpoint]
+        assert first[0].hits == 8 and not first[1].answered
+        assert first[1].error.startswith("forbidden: ")
+        sent, backing_off = [], []
+        for t in (0.5, 0.9, 1.0, 2.9, 3.0, 4.9, 5.0):
+            now[0] = t
+            results = r.route(keys, deadline=10.0)
+            assert results[0].hits == 8 and not results[1].answered
+            assert results[1].error.startswith("forbidden: ")
+            sent.append(hellos.count(refusing.tcp_endpoint))
+            backing_off.append("not greeted again" in results[1].error)
+        # at 0 (the first), 1, 3 (+2), 5 (+2, capped); the refusal told at once between
+        assert sent == [1, 1, 2, 2, 3, 3, 4]
+        assert backing_off == [True, True, False, True, False, True, False]
+        assert hellos.count(open_.tcp_endpoint) == 1
+
+
+def test_a_daemon_whose_handshake_refuses_the_router_is_not_waited_on(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """A gated ipc endpoint lets in no peer without a ticket: once ZeroMQ dropped the
+    refused connection a query neither blocks on sending to it nor waits for it."""
+    secret_file = tmp_path / "secret"
+    write_secret(secret_file)
+    config = tmp_path / "auth.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n')
+    gated = daemon_factory(extra=["--config", str(config)])
+    open_ = daemon_factory(tcp=True)
+    fill(open_.endpoint, 8)
+    keys = chain_keys(IDENT.namespace_id, TOKENS, BT)
+    with Router([gated.endpoint, open_.tcp_endpoint], tenant="acme") as r:
+        for _ in range(100):  # until the refused connection is gone (the first query)
+            results = r.route(keys, deadline=0.1)
+            assert [x.endpoint for x in results] == [open_.tcp_endpoint, gated.endpoint]
+            assert not results[1].answered
+            if "takes no message" in results[1].error:
+                break
+        assert "takes no message" in results[1].error
+        results = r.route(keys, deadline=300.0)  # answered by the open one: no wait
+        assert results[0].hits == 8 and "takes no message" in results[1].error
