@@ -102,6 +102,7 @@ class BlockStore(StoreCore):
             ssd_cls = self.ssd.class_for(identity.block_bytes) if self.ssd else None
             ns = Namespace(identity, dram, cls, ssd_cls)
             self.namespaces[identity.namespace_id] = ns
+            self.tenant_namespaces.setdefault(identity.tenant, {})[ns.id] = ns
         return ns
 
     def available_slots(self, ns: Namespace) -> int:
