@@ -85,6 +85,8 @@ class StoreCore:
         self.dropped_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped by sweeps
         self.limits = limits
         self.namespaces: dict[bytes, Namespace] = {}
+        # the same namespaces by tenant: what a probe searches, what a tenant's cap counts
+        self.tenant_namespaces: dict[str, dict[bytes, Namespace]] = {}
         self.owners: dict[Owner, OwnerState] = {}
         self.transfers: dict[int, Transfer] = {}
         self.counters = Counters()

@@ -92,14 +92,24 @@ class RoutingVerbs:
 
     def _namespace_of(self, session: Session, keys: list[bytes]) -> Namespace | None:
         """The visible namespace that caches the chain's first key (keys are hashed with
-        their namespace, so at most one does)."""
+        their namespace, so at most one does).  Only the namespaces of the tenants the
+        session may see are searched: another tenant's count costs a probe nothing."""
         if not keys:
             return None
-        visible = self._visible(session)
-        for ns in self.d.store.namespaces.values():
-            if keys[0] in ns.blocks and visible(ns):
-                return ns
+        first = keys[0]
+        groups = self.d.store.tenant_namespaces
+        for tenant in self._visible_tenants(session):
+            for ns in groups.get(tenant, {}).values():
+                if first in ns.blocks:
+                    return ns
         return None
+
+    def _visible_tenants(self, session: Session) -> list[str]:
+        """The session's tenant, and those that share their namespaces with it
+        (``auth.shared_tenants``): whose namespaces ``_visible`` lets it see."""
+        tenant = session.tenant
+        return [tenant, *(owner for owner, grantees in self.d.auth.shared.items()
+                          if owner != tenant and tenant in grantees)]
 
     def bandwidth(self) -> dict[str, float]:
         """Load bandwidth per tier: measured where the daemon has read enough, else the
