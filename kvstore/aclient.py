@@ -148,6 +148,8 @@ class AsyncClient(SessionCore):
         if waiter is not None:
             if not waiter.done():
                 waiter.set_result(received)
+            else:  # its caller gave up (cancelled, timed out) and has not woken yet
+                self._post_now(self._give_back(received[0]))
         elif rid in self._abandoned:
             self._post_now(self._give_back(received[0]))
         elif self._settle(received[0]) and not self._unread and self._settled is not None:
@@ -199,7 +201,7 @@ class AsyncClient(SessionCore):
             except BaseException:  # timed out or cancelled: what the reply holds goes back
                 if future.done() and not future.cancelled() and future.exception() is None:
                     self._post_now(self._give_back(future.result()[0]))  # come already
-                else:
+                elif self._waiting.get(req.rid) is future:  # else its reply came, given back
                     self._abandon(req.rid)
                 raise
             finally:

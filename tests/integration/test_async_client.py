@@ -310,6 +310,37 @@ def test_pins_and_slots_of_a_reply_given_up_on_go_back(daemon: DaemonProcess) ->
         assert pinned(c.stats()) == (0, 0) and not c._early
 
 
+def test_a_reply_read_after_its_caller_gave_up_but_before_it_woke_goes_back(
+        daemon: DaemonProcess) -> None:
+    """A reply read in the same loop batch as its caller's cancellation (the reader's
+    callback after the cancel, before the caller's task runs): the reader finds the
+    waiter done, and gives back the pin then, not the caller (it has no reply to give
+    back): nothing stays pinned, and nothing waits for a reply that will not come."""
+    ident = make_identity()
+
+    async def main() -> None:
+        async with AsyncClient(daemon.endpoint, tenant="acme") as c:
+            ns = await c.namespace(ident)
+            keys = ns.keys(range(ident.block_tokens * 2))
+            await ns.put(keys, [b"\1" * ns.block_bytes] * 2)
+            loop = asyncio.get_running_loop()
+            loop.remove_reader(c._fd)  # the acquire's reply queues, unread
+            task = asyncio.ensure_future(ns.acquire(keys))
+            while not c._waiting:
+                await asyncio.sleep(0)
+            assert c._sock.poll(10_000, zmq.POLLIN)  # its reply has come
+            task.cancel()  # in one batch: a callback cancels the caller ...
+            c._drain()     # ... and the reader's callback reads the reply
+            loop.add_reader(c._fd, c._drain)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await c.stats()  # the give-back's reply is in
+            assert (await c.stats())["tiers"]["dram"]["pinned_blocks"] == 0
+            assert not c._abandoned and not c._unread
+
+    run(main())
+
+
 @pytest.mark.parametrize("endpoint", ["tcp://no-host:no-port", "udp://127.0.0.1:1"])
 def test_an_endpoint_zeromq_cannot_connect_to_is_a_typed_error_that_leaks_nothing(
         endpoint: str) -> None:
