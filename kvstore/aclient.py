@@ -211,10 +211,15 @@ class AsyncClient(SessionCore):
 
     def _post_now(self, headers: list[bytes]) -> None:
         """Post requests from where no send may wait (never with the sockets
-        ``make_socket`` sets up: they queue without limit)."""
+        ``make_socket`` sets up: they queue without limit); then read what the sends let
+        in, as ``_send`` does."""
+        sock = self._sock
+        if sock is None or not headers:
+            return
         for header in headers:
-            if self._sock is not None:
-                self._sock.send(header, zmq.NOBLOCK)
+            sock.send(header, zmq.NOBLOCK)
+        if sock.getsockopt(_EVENTS) & _POLLIN and self._loop is not None:
+            self._loop.call_soon(self._drain)
 
     async def _run(self, exchange: Exchange[T]) -> T:
         """Carry out a verb of several requests, one after the other."""
