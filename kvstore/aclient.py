@@ -62,6 +62,7 @@ class AsyncClient(SessionCore):
                          map_arena=map_arena, curve=curve, checksums=checksums)
         self._ctx: zmq.Context[Any] | None = None
         self._sock: Any = None
+        self._watched = False  # whether the socket's refusal monitor is open
         self._waiting: dict[int, asyncio.Future[Received]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = -1  # the socket's descriptor, watched by the loop while connected
@@ -76,8 +77,10 @@ class AsyncClient(SessionCore):
         admission = await loop.run_in_executor(None, self._admission)
         self._ctx = zmq.Context()
         try:  # whatever fails, the context goes too (its I/O thread and descriptors)
+            watch = self._checks_handshake()
             self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission,
-                                     watch=self._checks_handshake())
+                                     watch=watch)
+            self._watched = watch  # its refusal monitor is open until _greet closes it
             self._loop = loop
             self._fd = self._sock.getsockopt(zmq.FD)
             loop.add_reader(self._fd, self._drain)
@@ -118,6 +121,7 @@ class AsyncClient(SessionCore):
             call.cancel()
             loop.remove_reader(fd)
             stop_watching(sock)
+            self._watched = False
 
     def _drain(self) -> None:
         """Hand every reply that has come to its waiter.  ZeroMQ's descriptor is
@@ -307,6 +311,9 @@ class AsyncClient(SessionCore):
             self._loop.remove_reader(self._fd)
             self._fd = -1
         if self._sock is not None:
+            if self._watched:  # a connect failed before its hello: term would wait on it
+                stop_watching(self._sock)
+                self._watched = False
             self._sock.close(linger=0)
             self._sock = None
         if self._ctx is not None:
