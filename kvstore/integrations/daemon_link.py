@@ -14,6 +14,7 @@ tried at once.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -165,10 +166,12 @@ class DaemonLink:
         if self._client is None:
             now = self._clock()
             refused = self._refusal(now)
-            if refused is not None:
-                raise type(refused.error)(
-                    f"{refused.error} (refused {refused.count} time(s) in a row; not tried "
-                    f"again for {refused.until - now:.1f}s unless the settings change)")
+            if refused is not None:  # a copy: the type and its fields (a cause), chained
+                again = copy.copy(refused.error)
+                again.args = (f"{refused.error} (refused {refused.count} time(s) in a row; "
+                              f"not tried again for {refused.until - now:.1f}s unless the "
+                              "settings change)",)
+                raise again from refused.error
             s = self.settings
             try:
                 self._client = Client(s.endpoint, tenant=s.tenant, token=s.token,

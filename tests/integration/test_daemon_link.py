@@ -13,7 +13,14 @@ from test_engine_side import TOKENS, identity
 
 from kvstore.auth import issue_token, read_secret, write_secret
 from kvstore.client import Client, Namespace
-from kvstore.errors import ForbiddenError, LimitExceededError, MalformedError
+from kvstore.errors import (
+    CapacityError,
+    ForbiddenError,
+    KVStoreError,
+    LimitExceededError,
+    MalformedError,
+    NotFoundError,
+)
 from kvstore.integrations import daemon_link
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 
@@ -173,3 +180,30 @@ def test_an_endpoint_zeromq_cannot_connect_to_is_a_refusal(handshakes: list[str 
         link.connect()
     assert len(handshakes) == 1 and link.failures == 1 and not link.available()
     link.close()
+
+
+@pytest.mark.parametrize("refusal", [CapacityError("no room for a session", cause="quota"),
+                                     NotFoundError("no tenant acme")],
+                         ids=lambda e: type(e).__name__)
+def test_a_refusal_raised_again_keeps_its_type_fields_and_origin(
+        monkeypatch: pytest.MonkeyPatch, refusal: KVStoreError) -> None:
+    """During the back-off ``connect`` raises the refusal again: the same type with the
+    same fields (a CapacityError's cause), the back-off said after its message (a
+    NotFoundError's unquoted), and chained to the refusal itself."""
+    class Refusing:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise refusal
+
+    monkeypatch.setattr(daemon_link, "Client", Refusing)
+    link = DaemonLink(DaemonSettings("tcp://127.0.0.1:1", "acme"), clock=lambda: 0.0,
+                      map_arena=False)
+    with pytest.raises(type(refusal)):
+        link.connect()
+    with pytest.raises(type(refusal)) as again:
+        link.connect()
+    assert again.value is not refusal and again.value.__cause__ is refusal
+    assert vars(again.value) == vars(refusal)
+    assert str(again.value) == (f"{refusal.args[0]} (refused 1 time(s) in a row; not tried "
+                                "again for 1.0s unless the settings change)")
+    link.close()
+
