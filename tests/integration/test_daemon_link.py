@@ -3,6 +3,7 @@ how it backs off from a daemon that refused it, and what it counts as a failure.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -207,3 +208,34 @@ def test_a_refusal_raised_again_keeps_its_type_fields_and_origin(
                                 "again for 1.0s unless the settings change)")
     link.close()
 
+
+def test_a_background_connect_that_ends_after_the_link_closed_closes_its_client(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``close`` waits for a connect thread only so long: a thread that ends later (here
+    its namespace's identity comes late) closes the client it made (its context, I/O
+    thread and session), which nobody takes any more."""
+    made: list[Client] = []
+
+    class Kept(Client):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(daemon_link, "Client", Kept)
+    late = threading.Event()
+
+    def late_identity() -> Any:
+        late.wait(60)
+        return identity()
+
+    link = DaemonLink(DaemonSettings(daemon.endpoint, "acme", timeout=0.2), map_arena=False)
+    link.connect_in_background({"pages": late_identity})
+    assert link._connecting is not None
+    thread = link._connecting[0]
+    link.close()  # waits for the thread 1.2 s, in vain
+    assert thread.is_alive() and link._client is None
+    late.set()
+    thread.join(60)
+    assert not thread.is_alive() and len(made) == 1
+    assert made[0]._sock is None  # closed by the thread
+    assert link._client is None and not link.connecting()
