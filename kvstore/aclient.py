@@ -62,6 +62,7 @@ class AsyncClient(SessionCore):
                          map_arena=map_arena, curve=curve, checksums=checksums)
         self._ctx: zmq.Context[Any] | None = None
         self._sock: Any = None
+        self._watched = False  # whether the socket's refusal monitor is open
         self._waiting: dict[int, asyncio.Future[Received]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = -1  # the socket's descriptor, watched by the loop while connected
@@ -76,8 +77,10 @@ class AsyncClient(SessionCore):
         admission = await loop.run_in_executor(None, self._admission)
         self._ctx = zmq.Context()
         try:  # whatever fails, the context goes too (its I/O thread and descriptors)
+            watch = self._checks_handshake()
             self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission,
-                                     watch=self._checks_handshake())
+                                     watch=watch)
+            self._watched = watch  # its refusal monitor is open until _greet closes it
             self._loop = loop
             self._fd = self._sock.getsockopt(zmq.FD)
             loop.add_reader(self._fd, self._drain)
@@ -118,6 +121,7 @@ class AsyncClient(SessionCore):
             call.cancel()
             loop.remove_reader(fd)
             stop_watching(sock)
+            self._watched = False
 
     def _drain(self) -> None:
         """Hand every reply that has come to its waiter.  ZeroMQ's descriptor is
@@ -148,6 +152,8 @@ class AsyncClient(SessionCore):
         if waiter is not None:
             if not waiter.done():
                 waiter.set_result(received)
+            else:  # its caller gave up (cancelled, timed out) and has not woken yet
+                self._post_now(self._give_back(received[0]))
         elif rid in self._abandoned:
             self._post_now(self._give_back(received[0]))
         elif self._settle(received[0]) and not self._unread and self._settled is not None:
@@ -199,7 +205,7 @@ class AsyncClient(SessionCore):
             except BaseException:  # timed out or cancelled: what the reply holds goes back
                 if future.done() and not future.cancelled() and future.exception() is None:
                     self._post_now(self._give_back(future.result()[0]))  # come already
-                else:
+                elif self._waiting.get(req.rid) is future:  # else its reply came, given back
                     self._abandon(req.rid)
                 raise
             finally:
@@ -209,10 +215,15 @@ class AsyncClient(SessionCore):
 
     def _post_now(self, headers: list[bytes]) -> None:
         """Post requests from where no send may wait (never with the sockets
-        ``make_socket`` sets up: they queue without limit)."""
+        ``make_socket`` sets up: they queue without limit); then read what the sends let
+        in, as ``_send`` does."""
+        sock = self._sock
+        if sock is None or not headers:
+            return
         for header in headers:
-            if self._sock is not None:
-                self._sock.send(header, zmq.NOBLOCK)
+            sock.send(header, zmq.NOBLOCK)
+        if sock.getsockopt(_EVENTS) & _POLLIN and self._loop is not None:
+            self._loop.call_soon(self._drain)
 
     async def _run(self, exchange: Exchange[T]) -> T:
         """Carry out a verb of several requests, one after the other."""
@@ -300,6 +311,9 @@ class AsyncClient(SessionCore):
             self._loop.remove_reader(self._fd)
             self._fd = -1
         if self._sock is not None:
+            if self._watched:  # a connect failed before its hello: term would wait on it
+                stop_watching(self._sock)
+                self._watched = False
             self._sock.close(linger=0)
             self._sock = None
         if self._ctx is not None:

@@ -80,12 +80,15 @@ class Client(SessionCore):
         admission = self._admission()
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock: Any = None
+        self._watched = False  # whether the socket's refusal monitor is open
         self._receive_timeout = -1.0  # the timeout RCVTIMEO is set to (_wait sets it)
         self._early: dict[int, Received] = {}  # replies that came before the one awaited
         self._routers: dict[tuple[str, ...], Router] = {}  # connections of route()
         try:  # whatever fails, the context goes too (its I/O thread and descriptors)
+            watch = self._checks_handshake()
             self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission,
-                                     watch=self._checks_handshake())
+                                     watch=watch)
+            self._watched = watch  # its refusal monitor is open until _greet closes it
             self._on_hello(self._greet())
         except BaseException:
             self.close()
@@ -116,6 +119,7 @@ class Client(SessionCore):
             raise self._no_reply()
         finally:
             stop_watching(sock)
+            self._watched = False
 
     def _call(self, req: p.Message, payload: Sequence[Any] = ()) -> Received:
         """Send a request and wait for its reply (unchecked: the core checks it)."""
@@ -269,6 +273,9 @@ class Client(SessionCore):
                     self._file(self._receive())
             except (KVStoreError, zmq.ZMQError) as exc:
                 log.warning("closing without the replies to posted releases: %s", exc)
+            if self._watched:  # a connect failed before its hello: term would wait on it
+                stop_watching(self._sock)
+                self._watched = False
             self._sock.close(linger=0)
             self._sock = None
         self._ctx.term()

@@ -14,6 +14,7 @@ tried at once.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -74,6 +75,8 @@ class _Connected:
     namespaces: dict[Hashable, Namespace] = field(default_factory=dict)
     error: KVStoreError | None = None
     at: float = 0.0  # when the client last called the daemon (the link's clock)
+    dropped: bool = False  # the link was closed meanwhile: the thread closes its client
+    lock: threading.Lock = field(default_factory=threading.Lock)  # for client and dropped
 
 
 @dataclass(frozen=True)
@@ -165,10 +168,12 @@ class DaemonLink:
         if self._client is None:
             now = self._clock()
             refused = self._refusal(now)
-            if refused is not None:
-                raise type(refused.error)(
-                    f"{refused.error} (refused {refused.count} time(s) in a row; not tried "
-                    f"again for {refused.until - now:.1f}s unless the settings change)")
+            if refused is not None:  # a copy: the type and its fields (a cause), chained
+                again = copy.copy(refused.error)
+                again.args = (f"{refused.error} (refused {refused.count} time(s) in a row; "
+                              f"not tried again for {refused.until - now:.1f}s unless the "
+                              "settings change)",)
+                raise again from refused.error
             s = self.settings
             try:
                 self._client = Client(s.endpoint, tenant=s.tenant, token=s.token,
@@ -244,8 +249,12 @@ class DaemonLink:
         except BaseException:
             client.close()
             raise
-        pending.at = self._clock()  # its last call to the daemon
-        pending.client = client
+        with pending.lock:
+            pending.at = self._clock()  # its last call to the daemon
+            pending.client = client
+            dropped = pending.dropped
+        if dropped:  # the link was closed before this connect ended: nobody takes it
+            client.close()
 
     def _alive(self) -> None:
         """After an idle spell of half the daemon's lease, ask whether the session still
@@ -345,11 +354,14 @@ class DaemonLink:
     def close(self) -> None:
         """Drop the client (the daemon drops this session's pins with it)."""
         connecting, self._connecting = self._connecting, None
-        if connecting is not None:  # ends within the settings' timeout
+        if connecting is not None:  # ends within the settings' timeout, as a rule
             thread, pending = connecting
             thread.join(self.settings.timeout + 1.0)
-            if pending.client is not None:
-                pending.client.close()
+            with pending.lock:  # one that ends later closes what it made itself
+                pending.dropped = True
+                made = pending.client
+            if made is not None:
+                made.close()
         client, self._client = self._client, None
         self._namespaces.clear()
         self._used = None

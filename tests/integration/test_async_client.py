@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 import zmq
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, free_port
 from kvtest import make_identity
 
 from kvstore import AsyncClient, Client, PlanItem
 from kvstore import protocol as p
 from kvstore.aclient import AsyncHeld, AsyncNamespace, AsyncReservation
 from kvstore.client import Held, Namespace, Reservation
+from kvstore.client_core import SessionCore
 from kvstore.errors import (
     KVStoreError,
     MalformedError,
@@ -308,6 +309,68 @@ def test_pins_and_slots_of_a_reply_given_up_on_go_back(daemon: DaemonProcess) ->
         c.timeout = 5.0
         c.stats()
         assert pinned(c.stats()) == (0, 0) and not c._early
+
+
+def test_a_reply_read_after_its_caller_gave_up_but_before_it_woke_goes_back(
+        daemon: DaemonProcess) -> None:
+    """A reply read in the same loop batch as its caller's cancellation (the reader's
+    callback after the cancel, before the caller's task runs): the reader finds the
+    waiter done, and gives back the pin then, not the caller (it has no reply to give
+    back): nothing stays pinned, and nothing waits for a reply that will not come."""
+    ident = make_identity()
+
+    async def main() -> None:
+        async with AsyncClient(daemon.endpoint, tenant="acme") as c:
+            ns = await c.namespace(ident)
+            keys = ns.keys(range(ident.block_tokens * 2))
+            await ns.put(keys, [b"\1" * ns.block_bytes] * 2)
+            loop = asyncio.get_running_loop()
+            loop.remove_reader(c._fd)  # the acquire's reply queues, unread
+            task = asyncio.ensure_future(ns.acquire(keys))
+            while not c._waiting:
+                await asyncio.sleep(0)
+            assert c._sock.poll(10_000, zmq.POLLIN)  # its reply has come
+            task.cancel()  # in one batch: a callback cancels the caller ...
+            c._drain()     # ... and the reader's callback reads the reply
+            loop.add_reader(c._fd, c._drain)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await c.stats()  # the give-back's reply is in
+            assert (await c.stats())["tiers"]["dram"]["pinned_blocks"] == 0
+            assert not c._abandoned and not c._unread
+
+    run(main())
+
+
+def test_a_connect_that_fails_with_the_refusal_monitor_open_closes_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both clients, failing between making the socket (and the monitor that hears a
+    refused handshake: a token on tcp) and the hello: the error comes, and the context
+    goes (its term would wait for ever on the open monitor)."""
+    def broken(self: object) -> p.Hello:
+        raise KVStoreError("no hello")
+
+    monkeypatch.setattr(SessionCore, "_hello_request", broken)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    outcome: list[str] = []
+
+    def connect_both() -> None:
+        with pytest.raises(KVStoreError, match="no hello"):
+            Client(endpoint, tenant="acme", token="t", map_arena=False)
+        outcome.append("blocking")
+
+        async def main() -> None:
+            with pytest.raises(KVStoreError, match="no hello"):
+                await AsyncClient(endpoint, tenant="acme", token="t", map_arena=False).connect()
+        run(main())
+        outcome.append("async")
+
+    threads = threading.active_count()
+    thread = threading.Thread(target=connect_both, daemon=True)
+    thread.start()
+    thread.join(60)  # not a timing: a close that hangs would hang the test run
+    assert outcome == ["blocking", "async"]
+    assert threading.active_count() == threads  # the contexts' I/O threads ended
 
 
 @pytest.mark.parametrize("endpoint", ["tcp://no-host:no-port", "udp://127.0.0.1:1"])

@@ -3,6 +3,7 @@ how it backs off from a daemon that refused it, and what it counts as a failure.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,14 @@ from test_engine_side import TOKENS, identity
 
 from kvstore.auth import issue_token, read_secret, write_secret
 from kvstore.client import Client, Namespace
-from kvstore.errors import ForbiddenError, LimitExceededError, MalformedError
+from kvstore.errors import (
+    CapacityError,
+    ForbiddenError,
+    KVStoreError,
+    LimitExceededError,
+    MalformedError,
+    NotFoundError,
+)
 from kvstore.integrations import daemon_link
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 
@@ -173,3 +181,61 @@ def test_an_endpoint_zeromq_cannot_connect_to_is_a_refusal(handshakes: list[str 
         link.connect()
     assert len(handshakes) == 1 and link.failures == 1 and not link.available()
     link.close()
+
+
+@pytest.mark.parametrize("refusal", [CapacityError("no room for a session", cause="quota"),
+                                     NotFoundError("no tenant acme")],
+                         ids=lambda e: type(e).__name__)
+def test_a_refusal_raised_again_keeps_its_type_fields_and_origin(
+        monkeypatch: pytest.MonkeyPatch, refusal: KVStoreError) -> None:
+    """During the back-off ``connect`` raises the refusal again: the same type with the
+    same fields (a CapacityError's cause), the back-off said after its message (a
+    NotFoundError's unquoted), and chained to the refusal itself."""
+    class Refusing:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise refusal
+
+    monkeypatch.setattr(daemon_link, "Client", Refusing)
+    link = DaemonLink(DaemonSettings("tcp://127.0.0.1:1", "acme"), clock=lambda: 0.0,
+                      map_arena=False)
+    with pytest.raises(type(refusal)):
+        link.connect()
+    with pytest.raises(type(refusal)) as again:
+        link.connect()
+    assert again.value is not refusal and again.value.__cause__ is refusal
+    assert vars(again.value) == vars(refusal)
+    assert str(again.value) == (f"{refusal.args[0]} (refused 1 time(s) in a row; not tried "
+                                "again for 1.0s unless the settings change)")
+    link.close()
+
+
+def test_a_background_connect_that_ends_after_the_link_closed_closes_its_client(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``close`` waits for a connect thread only so long: a thread that ends later (here
+    its namespace's identity comes late) closes the client it made (its context, I/O
+    thread and session), which nobody takes any more."""
+    made: list[Client] = []
+
+    class Kept(Client):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(daemon_link, "Client", Kept)
+    late = threading.Event()
+
+    def late_identity() -> Any:
+        late.wait(60)
+        return identity()
+
+    link = DaemonLink(DaemonSettings(daemon.endpoint, "acme", timeout=0.2), map_arena=False)
+    link.connect_in_background({"pages": late_identity})
+    assert link._connecting is not None
+    thread = link._connecting[0]
+    link.close()  # waits for the thread 1.2 s, in vain
+    assert thread.is_alive() and link._client is None
+    late.set()
+    thread.join(60)
+    assert not thread.is_alive() and len(made) == 1
+    assert made[0]._sock is None  # closed by the thread
+    assert link._client is None and not link.connecting()
