@@ -108,7 +108,6 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_bytes_in_flight: str | int = "1GiB"
     max_reservations_per_tenant: int = 0
     max_pins_per_tenant: int = 0
-    max_namespaces_per_tenant: int = 4096
     max_requests_per_second_per_tenant: float = 0.0
     max_bytes_in_flight_per_tenant: str | int = 0
     max_transfers_in_flight: int = 8
@@ -339,8 +338,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                    "server.max_bytes_in_flight_per_tenant")
         if self.server.max_requests_per_second_per_tenant < 0:
             raise ConfigError("server.max_requests_per_second_per_tenant: 0 (no limit) or more")
-        for name in ("max_reservations_per_tenant", "max_pins_per_tenant",
-                     "max_namespaces_per_tenant"):
+        for name in ("max_reservations_per_tenant", "max_pins_per_tenant"):
             if getattr(self.server, name) < 0:
                 raise ConfigError(f"server.{name}: 0 (no limit) or a positive integer")
         if self.server.max_transfers_in_flight < 1:

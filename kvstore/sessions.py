@@ -24,7 +24,6 @@ from kvstore.errors import (
     LimitExceededError,
     NoSessionError,
 )
-from kvstore.identity import Identity
 from kvstore.store import BlockStore
 
 _EXPIRED_REMEMBERED = 4096  # connections whose session expired, told so (not "no session")
@@ -36,7 +35,7 @@ Holding = Literal["reservations", "pins"]
 class Session:
     id: str
     tenant: str
-    namespaces: dict[bytes, Identity] = field(default_factory=dict)  # opened, by id
+    namespaces: set[bytes] = field(default_factory=set)
     uids: set[int] = field(default_factory=set)  # of its ipc connections' processes
     tokens: float = 0.0          # request-rate bucket
     refilled: float = 0.0

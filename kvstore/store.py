@@ -88,6 +88,7 @@ class BlockStore(StoreCore):
             self.tiers.append(self.gpu)
         self.lookup = self.index.lookup
         self.evict = self.index.evict
+        self.drop_namespace = self.index.drop_namespace
         self.touch_owner = self.leases.touch
         self.drop_owner = self.leases.drop
         self.expire = self.leases.expire
@@ -103,27 +104,6 @@ class BlockStore(StoreCore):
             self.namespaces[identity.namespace_id] = ns
             self.tenant_namespaces.setdefault(identity.tenant, {})[ns.id] = ns
         return ns
-
-    def drop_namespace(self, ns: Namespace) -> tuple[int, list[tuple[bytes, bytes]]]:
-        """Drop every block of ``ns`` that is not pinned or moving (the count, and the SSD
-        copies removed); emptied, it leaves the registry, its place under the tenant's cap
-        free again (a session that opened it gets it back on its next use)."""
-        dropped = self.index.drop_namespace(ns)
-        self._forget(ns)
-        return dropped
-
-    def _forget(self, ns: Namespace) -> None:
-        """Take ``ns`` out of the registry if nothing is left of it: no block, no open
-        reservation (a commit would add blocks to it)."""
-        if self.namespaces.get(ns.id) is not ns or ns.blocks or any(
-                r.ns is ns for state in self.owners.values()
-                for r in state.reservations.values()):
-            return
-        del self.namespaces[ns.id]
-        group = self.tenant_namespaces[ns.identity.tenant]
-        del group[ns.id]
-        if not group:
-            del self.tenant_namespaces[ns.identity.tenant]
 
     def available_slots(self, ns: Namespace) -> int:
         """DRAM slots a reservation in ``ns`` could have now: free, or evictable."""
@@ -152,8 +132,6 @@ class BlockStore(StoreCore):
     ) -> Reservation | Plan:
         """DRAM slots for every key; or the plan of the writes that must come first, or an
         error, and nothing taken."""
-        if self.namespaces.get(ns.id) is not ns:  # dropped while a move was under way
-            raise NotFoundError("the namespace was dropped meanwhile; open it again")
         state = self.leases.touch(owner, now)
         if len(state.reservations) >= self.limits.max_reservations_per_owner:
             raise LimitExceededError(

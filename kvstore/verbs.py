@@ -19,7 +19,6 @@ from kvstore.config import Config
 from kvstore.errors import (
     CapacityError,
     ForbiddenError,
-    LimitExceededError,
     MalformedError,
     NotFoundError,
     TooLargeError,
@@ -28,7 +27,6 @@ from kvstore.errors import (
 )
 from kvstore.events import EventPublisher
 from kvstore.gpu_mover import GpuMover
-from kvstore.identity import Identity
 from kvstore.metrics import Metrics
 from kvstore.moves import Moves
 from kvstore.pending import Later, Pending
@@ -153,32 +151,9 @@ class Verbs:
 
     # -- checks the verbs share ---------------------------------------------------------------
     def _namespace(self, session: Session, ns_id: bytes) -> Namespace:
-        identity = session.namespaces.get(ns_id)
-        if identity is None:
+        if ns_id not in session.namespaces:
             raise UnknownNamespaceError("namespace not opened in this session; open it first")
-        ns = self.d.store.namespaces.get(ns_id)
-        # a drop that emptied it took it out of the registry: the session opened it, so
-        # it comes back as it was opened (within the tenant's cap)
-        return ns if ns is not None else self._registered(identity)
-
-    def _registered(self, identity: Identity) -> Namespace:
-        """The store's namespace of ``identity``, made (and remembered on SSD) if new;
-        LimitExceededError, and nothing made, if its tenant has its cap of namespaces."""
-        d = self.d
-        store = d.store
-        ns = store.namespaces.get(identity.namespace_id)
-        if ns is not None:
-            return ns
-        cap = d.config.server.max_namespaces_per_tenant
-        held = len(store.tenant_namespaces.get(identity.tenant, ()))
-        if cap and held >= cap:
-            raise LimitExceededError(
-                f"tenant {identity.tenant!r} has {held} namespaces (limit {cap}, "
-                f"server.max_namespaces_per_tenant); drop some")
-        ns = store.open_namespace(identity)
-        if d.ssd is not None:
-            d.ssd.remember_namespace(identity)
-        return ns
+        return self.d.store.namespaces[ns_id]
 
     def _check_keys(self, keys: list[bytes]) -> None:
         # Each key's length was checked by the decoder; the count is a setting.
@@ -205,8 +180,11 @@ class Verbs:
         if identity.block_bytes > d.max_request_bytes:
             raise TooLargeError(f"blocks of {identity.block_bytes} bytes exceed the request "
                                 f"limit of {d.max_request_bytes}")
-        ns = self._registered(identity)
-        session.namespaces[ns.id] = identity
+        known = identity.namespace_id in d.store.namespaces
+        ns = d.store.open_namespace(identity)
+        if not known and d.ssd is not None:
+            d.ssd.remember_namespace(identity)
+        session.namespaces.add(ns.id)
         arena = d.arena_for(identity.tenant)
         return p.NamespaceReply(req.rid, ns.id, ns.block_bytes, ns.cls.slot_bytes,
                                 arena.path, arena.capacity_bytes), []
