@@ -47,6 +47,10 @@ def check_invariants(store: StoreCore) -> None:
             for b in t.blocks:
                 at = (id(b.ns.dram), b.ns.tenant)
                 used[at] = used.get(at, 0) + b.ns.cls.slot_bytes
+    grouped = {(tenant, ns_id) for tenant, group in store.tenant_namespaces.items()
+               for ns_id in group}
+    listed = {(ns.identity.tenant, ns_id) for ns_id, ns in store.namespaces.items()}
+    assert grouped == listed, "namespaces by tenant: the store's, each in its tenant's"
     pinned: dict[tuple[int, str], int] = {}
     for ns in store.namespaces.values():
         at = (id(ns.dram), ns.tenant)

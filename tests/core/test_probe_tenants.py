@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
+
 from kvtest import make_identity
 
 from kvstore import protocol as p
@@ -91,3 +93,16 @@ def test_a_probe_still_finds_what_a_tenant_shares_with_the_session() -> None:
     daemon.store.open_namespace(make_identity(tenant="acme"))
     assert probe(verbs, "acme", keys[17:18]).tier_runs == [("dram", 1)]
     assert probe(verbs, "other", keys[17:18]).tier_runs == []  # not shared with it
+
+
+def test_the_invariant_check_holds_the_namespaces_grouped_by_tenant() -> None:
+    """Every namespace is in its tenant's group and no group holds another: the check
+    finds a namespace filed under the wrong tenant, or missing from its group."""
+    ident = make_identity(tenant="acme")
+    store = BlockStore(64 * ident.block_bytes, 8 * ident.block_bytes)
+    ns = store.open_namespace(ident)
+    store.check_invariants()
+    store.tenant_namespaces["acme"].pop(ns.id)
+    store.tenant_namespaces.setdefault("globex", {})[ns.id] = ns
+    with pytest.raises(AssertionError, match="by tenant"):
+        store.check_invariants()
