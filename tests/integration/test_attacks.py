@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
 
 from daemon_proc import DaemonProcess
@@ -15,6 +16,8 @@ from test_protocol_abuse import Raw, error_code, hello
 
 from kvstore import Client
 from kvstore import protocol as p
+from kvstore.config import load_config
+from kvstore.errors import ConfigError
 
 
 def ask(raw: Raw, msg: p.Message, *payload: bytes) -> p.Message:
@@ -148,6 +151,19 @@ def test_hellos_count_against_the_tenants_request_rate(daemon_factory: Any,
         stats = client.stats()
     assert stats["sessions"] == opened + 1
     assert stats["invariant_violations"] == 0
+
+
+def test_a_tenant_rate_below_one_request_a_second_is_refused() -> None:
+    # its bucket, a second's worth, never held a whole hello: the tenant was shut out
+    def rate(value: float) -> float:
+        server = load_config(env={}, overrides={
+            "server": {"max_requests_per_second_per_tenant": value}}).server
+        return server.max_requests_per_second_per_tenant
+
+    assert (rate(0), rate(1), rate(2.5)) == (0, 1, 2.5)
+    for value in (0.5, -1):
+        with pytest.raises(ConfigError, match="0 \\(no limit\\) or at least 1"):
+            rate(value)
 
 
 def test_get_replies_a_peer_never_reads_stay_within_its_bytes_in_flight(
