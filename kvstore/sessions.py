@@ -97,20 +97,27 @@ class Sessions:
 
     # -- hello, attach, lookup ---------------------------------------------------------------
     def hello(self, routing_id: bytes, tenant: str, attach: str,
-              uid: int | None = None) -> Session:
+              uid: int | None = None, *,
+              prepare: Callable[[str], object] | None = None) -> Session:
         """A new session for a connection, or the connection attached to one of its
         tenant's sessions (``attach``, a session id); ``uid`` is the connecting process's
-        (over ipc), the one its arenas' descriptors may go to (``kvstore.side_socket``)."""
+        (over ipc), the one its arenas' descriptors may go to (``kvstore.side_socket``).
+        ``prepare(tenant)`` runs once the cheap checks pass, before the session opens
+        (the daemon makes the tenant's arena there, which may be refused): a hello
+        refused by those checks makes nothing."""
         if routing_id in self.by_connection:
             raise ForbiddenError("this connection already has a session; a second hello is "
                                  "refused (connect again for a new one)")
         # a hello is a request of its tenant's too: else a peer that connects, says hello
         # and goes, again and again, makes sessions past any rate (each held till its lease)
         self._admit_tenant(tenant)
-        if attach:
-            session = self.by_id.get(attach)
-            if session is None or session.tenant != tenant:
-                raise ForbiddenError("no such session to attach to")
+        attached = self.by_id.get(attach) if attach else None
+        if attach and (attached is None or attached.tenant != tenant):
+            raise ForbiddenError("no such session to attach to")
+        if prepare is not None:
+            prepare(tenant)
+        if attached is not None:
+            session = attached
         else:
             session = Session(secrets.token_hex(16), tenant)
             self.by_id[session.id] = session

@@ -144,10 +144,11 @@ class Verbs:
                 f"client speaks protocol {req.version}, daemon speaks {p.PROTOCOL_VERSION}; "
                 f"upgrade the older side")
         tenant = self.d.auth.tenant_of(req.tenant, req.token, curve_tenant)
-        # its arena first: a hello refused for want of one (``dram.max_arenas``) opens
-        # no session
-        self.d.arena_for(tenant)
-        return self.d.sessions.hello(routing_id, tenant, req.attach, uid)
+        # its arena after the cheap checks, before the session: a hello refused for want
+        # of one (``dram.max_arenas``) opens no session, one refused for another reason
+        # makes no arena
+        return self.d.sessions.hello(routing_id, tenant, req.attach, uid,
+                                     prepare=self.d.arena_for)
 
     # -- checks the verbs share ---------------------------------------------------------------
     def _namespace(self, session: Session, ns_id: bytes) -> Namespace:

@@ -127,6 +127,26 @@ def test_a_hello_refused_for_want_of_an_arena_opens_no_session(daemon_factory: A
     assert daemon.alive()
 
 
+def test_a_hello_refused_for_another_reason_makes_no_arena(daemon_factory: Any,
+                                                            tmp_path: Path) -> None:
+    # the tenant's arena was made before the checks: each refused hello of a new tenant
+    # took one of max_arenas for good, and a later tenant found none left
+    config = tmp_path / "arenas.toml"
+    config.write_text('[dram]\nper_tenant_arenas = true\narena_kind = "memfd"\nmax_arenas = 2\n')
+    daemon = daemon_factory(extra=["--config", str(config)])
+    first, second = Raw(daemon.endpoint), Raw(daemon.endpoint)
+    try:
+        hello(first, "a")
+        again = ask(first, p.Hello(2, p.PROTOCOL_VERSION, "b"))  # a second hello
+        assert error_code(again) == "forbidden", again
+        stray = ask(second, p.Hello(1, p.PROTOCOL_VERSION, "d", attach="0" * 32))
+        assert error_code(stray) == "forbidden", stray  # no such session to attach to
+        hello(second, "c")  # the second arena is still free
+    finally:
+        first.close()
+        second.close()
+
+
 def test_hellos_count_against_the_tenants_request_rate(daemon_factory: Any,
                                                        tmp_path: Path) -> None:
     # connect, hello, go, again: each hello left a session held till its lease, at any rate
