@@ -39,7 +39,7 @@ class Session:
     uids: set[int] = field(default_factory=set)  # of its ipc connections' processes
     tokens: float = 0.0          # request-rate bucket
     refilled: float = 0.0
-    bytes_in_flight: int = 0     # payload held by requests still moving between tiers
+    bytes_in_flight: int = 0     # payload of deferred puts and of get replies not yet sent
     reservations: int = 0        # open reservations and pins, when last counted
     pins: int = 0
 
@@ -230,18 +230,22 @@ class Sessions:
                 session.reservations, session.pins = reservations, pins
 
     def hold_bytes(self, session: Session, held: int) -> None:
-        """Count the payload of a request that finishes later, within both limits."""
-        if session.bytes_in_flight + held > self.max_bytes_in_flight:
+        """Count the payload of a request that finishes later, within both limits (0: no
+        limit).  One request is always admitted when none is under way, however large:
+        a limit below a request's size slows its sender down, it never shuts it out."""
+        limit = self.max_bytes_in_flight
+        if limit and session.bytes_in_flight and session.bytes_in_flight + held > limit:
             raise LimitExceededError(
-                f"the session has {session.bytes_in_flight} bytes in requests "
-                f"still under way (limit {self.max_bytes_in_flight}); wait for "
-                f"their replies")
+                f"the session has {session.bytes_in_flight} bytes in requests still under "
+                f"way (limit {limit}); wait for their replies"
+                + (f" (this request's {held} bytes alone pass the limit: it is admitted "
+                   f"only when none is under way)" if held > limit else ""))
         tenant = self._tenant(session.tenant)
-        if (self.max_tenant_bytes_in_flight
-                and tenant.bytes_in_flight + held > self.max_tenant_bytes_in_flight):
+        limit = self.max_tenant_bytes_in_flight
+        if limit and tenant.bytes_in_flight and tenant.bytes_in_flight + held > limit:
             raise LimitExceededError(
                 f"tenant {session.tenant!r} has {tenant.bytes_in_flight} bytes in requests "
-                f"still under way (limit {self.max_tenant_bytes_in_flight})")
+                f"still under way (limit {limit})")
         session.bytes_in_flight += held
         tenant.bytes_in_flight += held
 

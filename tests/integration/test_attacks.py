@@ -221,3 +221,22 @@ def test_get_replies_a_peer_never_reads_stay_within_its_bytes_in_flight(
     finally:
         raw.close()
     assert held(daemon) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("limit", ['"8MiB"', "0"])
+def test_one_get_at_a_time_is_never_refused_for_bytes_in_flight(
+        daemon_factory: Any, tmp_path: Path, limit: str) -> None:
+    # a reply already read still counted till it was reaped, so the next get was refused;
+    # a limit of 0, or below one get's size, refused those gets every time
+    config = tmp_path / "flight.toml"
+    config.write_text(f"[server]\nmax_bytes_in_flight = {limit}\n")
+    daemon = daemon_factory(extra=["--config", str(config)])
+    ident = make_identity(num_layers=16, num_kv_heads=8, head_dim=128)  # 1 MiB blocks
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(ident)
+        keys = [os.urandom(16) for _ in range(12)]
+        ns.put(keys, [b"\1" * ident.block_bytes] * 12)
+        for _ in range(20):
+            for n in (1, 8, 12):  # 12 MiB: over the limit, alone
+                assert len(ns.get(keys[:n])) == n
+    assert held(daemon) == (0, 0, 0)
