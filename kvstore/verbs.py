@@ -43,7 +43,7 @@ log = logging.getLogger("kvstore.server")
 GET_OWNER = ("daemon", "get")  # pins held while zero-copy get frames are in flight
 # how long a get over the bytes-in-flight limit waits for its session's replies already
 # read to count as sent (a peer that never reads costs the daemon this per refusal)
-_SENT_WAIT = 0.002
+_SENT_WAIT = 0.005
 
 Outcome = tuple[p.Message, list[Any]]
 Answer = Outcome | Pending
