@@ -238,7 +238,6 @@ class Transport:
                                                   track=True)
                     assert tracker is not None, "track=True returns a tracker"
                     self._in_flight.append((tracker, payload.pin))
-                    self.reap_sends()
                 else:
                     sock.send_multipart([routing_id, header, *payload], copy=False)
             else:
@@ -250,6 +249,8 @@ class Transport:
             log.warning("dropping a reply to a gone peer: %s", exc)
             if isinstance(payload, PinnedFrames):
                 self.release_pin(payload.pin)
+        if isinstance(payload, PinnedFrames):
+            self.reap_sends()  # outside the try: a pin it released is never released twice
         # ZeroMQ's descriptor is edge-triggered: a send may take in messages that arrived
         # meanwhile and clear the edge, and a reply sent from a task (not from the drain)
         # would then leave them waiting with no wake-up.  Drain again if any are queued
