@@ -154,17 +154,21 @@ def test_hellos_count_against_the_tenants_request_rate(daemon_factory: Any,
     config.write_text("[server]\nmax_requests_per_second_per_tenant = 2\n")
     daemon = daemon_factory(extra=["--config", str(config)])
     opened = refused = 0
-    for _ in range(30):  # far more than two a second's worth
-        raw = Raw(daemon.endpoint)
-        try:
-            reply = ask(raw, p.Hello(1, p.PROTOCOL_VERSION, "acme"))
+    raws = [Raw(daemon.endpoint) for _ in range(30)]  # far more than two a second's worth
+    try:
+        for raw in raws:  # all sent before any reply is read: one burst, however slow
+            raw.sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "acme")))
+        for raw in raws:
+            assert raw.sock.poll(10_000), "the daemon did not answer"
+            reply = p.reply_decoder.decode(raw.sock.recv_multipart()[0])
             if isinstance(reply, p.HelloReply):
                 opened += 1
             else:
                 assert error_code(reply) == "limit_exceeded", reply
                 assert error_code(ask(raw, p.Ping(2))) == "forbidden"  # no session
                 refused += 1
-        finally:
+    finally:
+        for raw in raws:
             raw.close()
     assert refused > 0
     with Client(daemon.endpoint, tenant="audit") as client:  # a bucket of its own
