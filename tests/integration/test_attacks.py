@@ -244,3 +244,46 @@ def test_one_get_at_a_time_is_never_refused_for_bytes_in_flight(
             for n in (1, 8, 12):  # 12 MiB: over the limit, alone
                 assert len(ns.get(keys[:n])) == n
     assert held(daemon) == (0, 0, 0)
+
+
+def test_get_replies_a_peer_never_reads_stay_within_its_tenants_bytes_in_flight(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    # the per-tenant limit: a peer that never reads holds at most that much of its
+    # tenant's, and the tenant's other sessions wait, told why, until it reads
+    config = tmp_path / "flight.toml"
+    config.write_text('[server]\nmax_bytes_in_flight_per_tenant = "8MiB"\n')
+    daemon = daemon_factory(tcp=True, extra=["--config", str(config)])
+    ident = make_identity(num_layers=16, num_kv_heads=8, head_dim=128)  # 1 MiB blocks
+    raw, other = Raw(daemon.tcp_endpoint), Raw(daemon.endpoint)
+    raw.sock.setsockopt(zmq.RCVHWM, 1)
+    try:
+        hello(raw)
+        hello(other)
+        ns = ask(raw, p.OpenNamespace(1, ident))
+        assert isinstance(ns, p.NamespaceReply)
+        assert isinstance(ask(other, p.OpenNamespace(1, ident)), p.NamespaceReply)
+        keys = [os.urandom(16) for _ in range(4)]
+        assert isinstance(ask(raw, p.Put(2, ns.ns, keys), *[b"\1" * ident.block_bytes] * 4),
+                          p.PutReply)
+        asks = 64  # 256 MiB of replies, far more than socket buffers take unread
+        for i in range(asks):
+            raw.sock.send(p.encoder.encode(p.Get(10 + i, ns.ns, keys)))
+        for rid in range(2, 1000):  # served until the unread replies hold the tenant's
+            refused = ask(other, p.Get(rid, ns.ns, keys[:1]))
+            if not isinstance(refused, p.GetReply):
+                break
+        assert error_code(refused) == "limit_exceeded", refused
+        assert isinstance(refused, p.ErrorReply) and "tenant 'acme'" in refused.message
+        codes = []
+        for _ in range(asks):
+            assert raw.sock.poll(10_000)
+            frames = raw.sock.recv_multipart()
+            reply = p.reply_decoder.decode(frames[0])
+            codes.append(type(reply).__name__ if isinstance(reply, p.GetReply)
+                         else error_code(reply))
+        assert "GetReply" in codes and "limit_exceeded" in codes, codes
+        assert isinstance(ask(other, p.Get(3, ns.ns, keys)), p.GetReply)  # read: back
+    finally:
+        raw.close()
+        other.close()
+    assert held(daemon) == (0, 0, 0)
