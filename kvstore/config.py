@@ -336,8 +336,12 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         parse_size(self.server.max_bytes_in_flight, "server.max_bytes_in_flight")
         parse_size(self.server.max_bytes_in_flight_per_tenant,
                    "server.max_bytes_in_flight_per_tenant")
-        if self.server.max_requests_per_second_per_tenant < 0:
-            raise ConfigError("server.max_requests_per_second_per_tenant: 0 (no limit) or more")
+        tenant_rate = self.server.max_requests_per_second_per_tenant
+        if tenant_rate != 0 and not tenant_rate >= 1:
+            # its bucket holds one second's worth: below one request it never admits a
+            # hello, shutting the tenant out
+            raise ConfigError("server.max_requests_per_second_per_tenant: 0 (no limit) "
+                              "or at least 1")
         for name in ("max_reservations_per_tenant", "max_pins_per_tenant"):
             if getattr(self.server, name) < 0:
                 raise ConfigError(f"server.{name}: 0 (no limit) or a positive integer")

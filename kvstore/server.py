@@ -390,10 +390,12 @@ class Server:
         }
 
     def _release_sent(self, pin: int) -> None:
+        """A zero-copy get reply went out (or could not): its pin and bytes go back."""
         self.verbs.get_sent(pin)
 
     def _room_from_sends(self) -> None:
         self.moves.freed()
+
     def arena_for(self, tenant: str) -> DramArena:
         """The arena a tenant's blocks live in (its own, with per-tenant arenas)."""
         assert self.arenas is not None

@@ -39,7 +39,7 @@ class Session:
     uids: set[int] = field(default_factory=set)  # of its ipc connections' processes
     tokens: float = 0.0          # request-rate bucket
     refilled: float = 0.0
-    bytes_in_flight: int = 0     # payload held by requests still moving between tiers
+    bytes_in_flight: int = 0     # payload of deferred puts and of get replies not yet sent
     reservations: int = 0        # open reservations and pins, when last counted
     pins: int = 0
 
@@ -97,20 +97,27 @@ class Sessions:
 
     # -- hello, attach, lookup ---------------------------------------------------------------
     def hello(self, routing_id: bytes, tenant: str, attach: str,
-              uid: int | None = None) -> Session:
+              uid: int | None = None, *,
+              prepare: Callable[[str], object] | None = None) -> Session:
         """A new session for a connection, or the connection attached to one of its
         tenant's sessions (``attach``, a session id); ``uid`` is the connecting process's
-        (over ipc), the one its arenas' descriptors may go to (``kvstore.side_socket``)."""
+        (over ipc), the one its arenas' descriptors may go to (``kvstore.side_socket``).
+        ``prepare(tenant)`` runs once the cheap checks pass, before the session opens
+        (the daemon makes the tenant's arena there, which may be refused): a hello
+        refused by those checks makes nothing."""
         if routing_id in self.by_connection:
             raise ForbiddenError("this connection already has a session; a second hello is "
                                  "refused (connect again for a new one)")
         # a hello is a request of its tenant's too: else a peer that connects, says hello
         # and goes, again and again, makes sessions past any rate (each held till its lease)
         self._admit_tenant(tenant)
-        if attach:
-            session = self.by_id.get(attach)
-            if session is None or session.tenant != tenant:
-                raise ForbiddenError("no such session to attach to")
+        attached = self.by_id.get(attach) if attach else None
+        if attach and (attached is None or attached.tenant != tenant):
+            raise ForbiddenError("no such session to attach to")
+        if prepare is not None:
+            prepare(tenant)
+        if attached is not None:
+            session = attached
         else:
             session = Session(secrets.token_hex(16), tenant)
             self.by_id[session.id] = session
@@ -223,18 +230,22 @@ class Sessions:
                 session.reservations, session.pins = reservations, pins
 
     def hold_bytes(self, session: Session, held: int) -> None:
-        """Count the payload of a request that finishes later, within both limits."""
-        if session.bytes_in_flight + held > self.max_bytes_in_flight:
+        """Count the payload of a request that finishes later, within both limits (0: no
+        limit).  One request is always admitted when none is under way, however large:
+        a limit below a request's size slows its sender down, it never shuts it out."""
+        limit = self.max_bytes_in_flight
+        if limit and session.bytes_in_flight and session.bytes_in_flight + held > limit:
             raise LimitExceededError(
-                f"the session has {session.bytes_in_flight} bytes in requests "
-                f"still under way (limit {self.max_bytes_in_flight}); wait for "
-                f"their replies")
+                f"the session has {session.bytes_in_flight} bytes in requests still under "
+                f"way (limit {limit}); wait for their replies"
+                + (f" (this request's {held} bytes alone pass the limit: it is admitted "
+                   f"only when none is under way)" if held > limit else ""))
         tenant = self._tenant(session.tenant)
-        if (self.max_tenant_bytes_in_flight
-                and tenant.bytes_in_flight + held > self.max_tenant_bytes_in_flight):
+        limit = self.max_tenant_bytes_in_flight
+        if limit and tenant.bytes_in_flight and tenant.bytes_in_flight + held > limit:
             raise LimitExceededError(
                 f"tenant {session.tenant!r} has {tenant.bytes_in_flight} bytes in requests "
-                f"still under way (limit {self.max_tenant_bytes_in_flight})")
+                f"still under way (limit {limit})")
         session.bytes_in_flight += held
         tenant.bytes_in_flight += held
 

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -237,7 +238,6 @@ class Transport:
                                                   track=True)
                     assert tracker is not None, "track=True returns a tracker"
                     self._in_flight.append((tracker, payload.pin))
-                    self.reap_sends()
                 else:
                     sock.send_multipart([routing_id, header, *payload], copy=False)
             else:
@@ -249,6 +249,8 @@ class Transport:
             log.warning("dropping a reply to a gone peer: %s", exc)
             if isinstance(payload, PinnedFrames):
                 self.release_pin(payload.pin)
+        if isinstance(payload, PinnedFrames):
+            self.reap_sends()  # outside the try: a pin it released is never released twice
         # ZeroMQ's descriptor is edge-triggered: a send may take in messages that arrived
         # meanwhile and clear the edge, and a reply sent from a task (not from the drain)
         # would then leave them waiting with no wake-up.  Drain again if any are queued
@@ -294,6 +296,21 @@ class Transport:
         while not all(t.done for t in trackers) and loop.time() < deadline:
             await asyncio.sleep(0.001)
         self.reap_sends()
+
+    def wait_for_pins(self, pins: set[int], seconds: float) -> bool:
+        """Wait, ``seconds`` at most in all, for the replies pinning ``pins`` to be sent,
+        then reap; False when none of them is still being sent."""
+        trackers = [tracker for tracker, pin in self._in_flight if pin in pins]
+        if not trackers:
+            return False
+        deadline = time.monotonic() + seconds
+        try:
+            for tracker in trackers:
+                tracker.wait(max(0.0, deadline - time.monotonic()))
+        except zmq.NotDone:
+            pass
+        self.reap_sends()
+        return True
 
     def wait_for_sends(self, seconds_each: float) -> bool:
         """Wait briefly for the pinned replies still being sent, then reap them; False

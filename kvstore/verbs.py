@@ -19,6 +19,7 @@ from kvstore.config import Config
 from kvstore.errors import (
     CapacityError,
     ForbiddenError,
+    LimitExceededError,
     MalformedError,
     NotFoundError,
     TooLargeError,
@@ -40,6 +41,9 @@ from kvstore.transport import PinnedFrames, Transport
 log = logging.getLogger("kvstore.server")
 
 GET_OWNER = ("daemon", "get")  # pins held while zero-copy get frames are in flight
+# how long a get over the bytes-in-flight limit waits for its session's replies already
+# read to count as sent (a peer that never reads costs the daemon this per refusal)
+_SENT_WAIT = 0.005
 
 Outcome = tuple[p.Message, list[Any]]
 Answer = Outcome | Pending
@@ -144,10 +148,11 @@ class Verbs:
                 f"client speaks protocol {req.version}, daemon speaks {p.PROTOCOL_VERSION}; "
                 f"upgrade the older side")
         tenant = self.d.auth.tenant_of(req.tenant, req.token, curve_tenant)
-        # its arena first: a hello refused for want of one (``dram.max_arenas``) opens
-        # no session
-        self.d.arena_for(tenant)
-        return self.d.sessions.hello(routing_id, tenant, req.attach, uid)
+        # its arena after the cheap checks, before the session: a hello refused for want
+        # of one (``dram.max_arenas``) opens no session, one refused for another reason
+        # makes no arena
+        return self.d.sessions.hello(routing_id, tenant, req.attach, uid,
+                                     prepare=self.d.arena_for)
 
     # -- checks the verbs share ---------------------------------------------------------------
     def _namespace(self, session: Session, ns_id: bytes) -> Namespace:
@@ -326,7 +331,15 @@ class Verbs:
             d.store.release(GET_OWNER, pin.id)
             return p.GetReply(req.rid, 0), []
         try:  # pinned until sent, outside any lease: within the bytes-in-flight limits
-            d.sessions.hold_bytes(session, len(frames) * size)
+            try:
+                d.sessions.hold_bytes(session, len(frames) * size)
+            except LimitExceededError:
+                # the session's replies its peer has read may not count as sent yet (zmq
+                # says so a little after): wait for them once, briefly, before refusing
+                own = {pin_id for pin_id, (s, _) in self.sending.items() if s is session}
+                if not d.transport.wait_for_pins(own, _SENT_WAIT):
+                    raise
+                d.sessions.hold_bytes(session, len(frames) * size)
         except BaseException:
             d.store.release(GET_OWNER, pin.id)
             raise

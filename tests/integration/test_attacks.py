@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
 
 from daemon_proc import DaemonProcess
@@ -15,6 +16,8 @@ from test_protocol_abuse import Raw, error_code, hello
 
 from kvstore import Client
 from kvstore import protocol as p
+from kvstore.config import load_config
+from kvstore.errors import ConfigError
 
 
 def ask(raw: Raw, msg: p.Message, *payload: bytes) -> p.Message:
@@ -124,6 +127,26 @@ def test_a_hello_refused_for_want_of_an_arena_opens_no_session(daemon_factory: A
     assert daemon.alive()
 
 
+def test_a_hello_refused_for_another_reason_makes_no_arena(daemon_factory: Any,
+                                                            tmp_path: Path) -> None:
+    # the tenant's arena was made before the checks: each refused hello of a new tenant
+    # took one of max_arenas for good, and a later tenant found none left
+    config = tmp_path / "arenas.toml"
+    config.write_text('[dram]\nper_tenant_arenas = true\narena_kind = "memfd"\nmax_arenas = 2\n')
+    daemon = daemon_factory(extra=["--config", str(config)])
+    first, second = Raw(daemon.endpoint), Raw(daemon.endpoint)
+    try:
+        hello(first, "a")
+        again = ask(first, p.Hello(2, p.PROTOCOL_VERSION, "b"))  # a second hello
+        assert error_code(again) == "forbidden", again
+        stray = ask(second, p.Hello(1, p.PROTOCOL_VERSION, "d", attach="0" * 32))
+        assert error_code(stray) == "forbidden", stray  # no such session to attach to
+        hello(second, "c")  # the second arena is still free
+    finally:
+        first.close()
+        second.close()
+
+
 def test_hellos_count_against_the_tenants_request_rate(daemon_factory: Any,
                                                        tmp_path: Path) -> None:
     # connect, hello, go, again: each hello left a session held till its lease, at any rate
@@ -131,23 +154,40 @@ def test_hellos_count_against_the_tenants_request_rate(daemon_factory: Any,
     config.write_text("[server]\nmax_requests_per_second_per_tenant = 2\n")
     daemon = daemon_factory(extra=["--config", str(config)])
     opened = refused = 0
-    for _ in range(30):  # far more than two a second's worth
-        raw = Raw(daemon.endpoint)
-        try:
-            reply = ask(raw, p.Hello(1, p.PROTOCOL_VERSION, "acme"))
+    raws = [Raw(daemon.endpoint) for _ in range(30)]  # far more than two a second's worth
+    try:
+        for raw in raws:  # all sent before any reply is read: one burst, however slow
+            raw.sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "acme")))
+        for raw in raws:
+            assert raw.sock.poll(10_000), "the daemon did not answer"
+            reply = p.reply_decoder.decode(raw.sock.recv_multipart()[0])
             if isinstance(reply, p.HelloReply):
                 opened += 1
             else:
                 assert error_code(reply) == "limit_exceeded", reply
                 assert error_code(ask(raw, p.Ping(2))) == "forbidden"  # no session
                 refused += 1
-        finally:
+    finally:
+        for raw in raws:
             raw.close()
     assert refused > 0
     with Client(daemon.endpoint, tenant="audit") as client:  # a bucket of its own
         stats = client.stats()
     assert stats["sessions"] == opened + 1
     assert stats["invariant_violations"] == 0
+
+
+def test_a_tenant_rate_below_one_request_a_second_is_refused() -> None:
+    # its bucket, a second's worth, never held a whole hello: the tenant was shut out
+    def rate(value: float) -> float:
+        server = load_config(env={}, overrides={
+            "server": {"max_requests_per_second_per_tenant": value}}).server
+        return server.max_requests_per_second_per_tenant
+
+    assert (rate(0), rate(1), rate(2.5)) == (0, 1, 2.5)
+    for value in (0.5, -1):
+        with pytest.raises(ConfigError, match="0 \\(no limit\\) or at least 1"):
+            rate(value)
 
 
 def test_get_replies_a_peer_never_reads_stay_within_its_bytes_in_flight(
@@ -184,4 +224,66 @@ def test_get_replies_a_peer_never_reads_stay_within_its_bytes_in_flight(
         assert isinstance(again, p.GetReply)
     finally:
         raw.close()
+    assert held(daemon) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("limit", ['"8MiB"', "0"])
+def test_one_get_at_a_time_is_never_refused_for_bytes_in_flight(
+        daemon_factory: Any, tmp_path: Path, limit: str) -> None:
+    # a reply already read still counted till it was reaped, so the next get was refused;
+    # a limit of 0, or below one get's size, refused those gets every time
+    config = tmp_path / "flight.toml"
+    config.write_text(f"[server]\nmax_bytes_in_flight = {limit}\n")
+    daemon = daemon_factory(extra=["--config", str(config)])
+    ident = make_identity(num_layers=16, num_kv_heads=8, head_dim=128)  # 1 MiB blocks
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(ident)
+        keys = [os.urandom(16) for _ in range(12)]
+        ns.put(keys, [b"\1" * ident.block_bytes] * 12)
+        for _ in range(20):
+            for n in (1, 8, 12):  # 12 MiB: over the limit, alone
+                assert len(ns.get(keys[:n])) == n
+    assert held(daemon) == (0, 0, 0)
+
+
+def test_get_replies_a_peer_never_reads_stay_within_its_tenants_bytes_in_flight(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    # the per-tenant limit: a peer that never reads holds at most that much of its
+    # tenant's, and the tenant's other sessions wait, told why, until it reads
+    config = tmp_path / "flight.toml"
+    config.write_text('[server]\nmax_bytes_in_flight_per_tenant = "8MiB"\n')
+    daemon = daemon_factory(tcp=True, extra=["--config", str(config)])
+    ident = make_identity(num_layers=16, num_kv_heads=8, head_dim=128)  # 1 MiB blocks
+    raw, other = Raw(daemon.tcp_endpoint), Raw(daemon.endpoint)
+    raw.sock.setsockopt(zmq.RCVHWM, 1)
+    try:
+        hello(raw)
+        hello(other)
+        ns = ask(raw, p.OpenNamespace(1, ident))
+        assert isinstance(ns, p.NamespaceReply)
+        assert isinstance(ask(other, p.OpenNamespace(1, ident)), p.NamespaceReply)
+        keys = [os.urandom(16) for _ in range(4)]
+        assert isinstance(ask(raw, p.Put(2, ns.ns, keys), *[b"\1" * ident.block_bytes] * 4),
+                          p.PutReply)
+        asks = 64  # 256 MiB of replies, far more than socket buffers take unread
+        for i in range(asks):
+            raw.sock.send(p.encoder.encode(p.Get(10 + i, ns.ns, keys)))
+        for rid in range(2, 1000):  # served until the unread replies hold the tenant's
+            refused = ask(other, p.Get(rid, ns.ns, keys[:1]))
+            if not isinstance(refused, p.GetReply):
+                break
+        assert error_code(refused) == "limit_exceeded", refused
+        assert isinstance(refused, p.ErrorReply) and "tenant 'acme'" in refused.message
+        codes = []
+        for _ in range(asks):
+            assert raw.sock.poll(10_000)
+            frames = raw.sock.recv_multipart()
+            reply = p.reply_decoder.decode(frames[0])
+            codes.append(type(reply).__name__ if isinstance(reply, p.GetReply)
+                         else error_code(reply))
+        assert "GetReply" in codes and "limit_exceeded" in codes, codes
+        assert isinstance(ask(other, p.Get(3, ns.ns, keys)), p.GetReply)  # read: back
+    finally:
+        raw.close()
+        other.close()
     assert held(daemon) == (0, 0, 0)
