@@ -231,18 +231,18 @@ class Sessions:
 
     def hold_bytes(self, session: Session, held: int) -> None:
         """Count the payload of a request that finishes later, within both limits (0: no
-        limit).  One request is always admitted when none is under way, however large:
-        a limit below a request's size slows its sender down, it never shuts it out."""
+        limit): a request is admitted while what is under way is below the limit, so a
+        peer that never reads holds at most the limit and one request, and one whose
+        replies zmq has not yet counted as sent (a little after the peer has them) is
+        not shut out, nor one larger than the limit.  Nothing waits on the loop."""
         limit = self.max_bytes_in_flight
-        if limit and session.bytes_in_flight and session.bytes_in_flight + held > limit:
+        if limit and session.bytes_in_flight >= limit:
             raise LimitExceededError(
                 f"the session has {session.bytes_in_flight} bytes in requests still under "
-                f"way (limit {limit}); wait for their replies"
-                + (f" (this request's {held} bytes alone pass the limit: it is admitted "
-                   f"only when none is under way)" if held > limit else ""))
+                f"way (limit {limit}); wait for their replies")
         tenant = self._tenant(session.tenant)
         limit = self.max_tenant_bytes_in_flight
-        if limit and tenant.bytes_in_flight and tenant.bytes_in_flight + held > limit:
+        if limit and tenant.bytes_in_flight >= limit:
             raise LimitExceededError(
                 f"tenant {session.tenant!r} has {tenant.bytes_in_flight} bytes in requests "
                 f"still under way (limit {limit})")

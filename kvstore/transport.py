@@ -14,7 +14,6 @@ import logging
 import os
 import socket
 import stat
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -296,21 +295,6 @@ class Transport:
         while not all(t.done for t in trackers) and loop.time() < deadline:
             await asyncio.sleep(0.001)
         self.reap_sends()
-
-    def wait_for_pins(self, pins: set[int], seconds: float) -> bool:
-        """Wait, ``seconds`` at most in all, for the replies pinning ``pins`` to be sent,
-        then reap; False when none of them is still being sent."""
-        trackers = [tracker for tracker, pin in self._in_flight if pin in pins]
-        if not trackers:
-            return False
-        deadline = time.monotonic() + seconds
-        try:
-            for tracker in trackers:
-                tracker.wait(max(0.0, deadline - time.monotonic()))
-        except zmq.NotDone:
-            pass
-        self.reap_sends()
-        return True
 
     def wait_for_sends(self, seconds_each: float) -> bool:
         """Wait briefly for the pinned replies still being sent, then reap them; False

@@ -19,7 +19,6 @@ from kvstore.config import Config
 from kvstore.errors import (
     CapacityError,
     ForbiddenError,
-    LimitExceededError,
     MalformedError,
     NotFoundError,
     TooLargeError,
@@ -41,9 +40,6 @@ from kvstore.transport import PinnedFrames, Transport
 log = logging.getLogger("kvstore.server")
 
 GET_OWNER = ("daemon", "get")  # pins held while zero-copy get frames are in flight
-# how long a get over the bytes-in-flight limit waits for its session's replies already
-# read to count as sent (a peer that never reads costs the daemon this per refusal)
-_SENT_WAIT = 0.005
 
 Outcome = tuple[p.Message, list[Any]]
 Answer = Outcome | Pending
@@ -331,15 +327,7 @@ class Verbs:
             d.store.release(GET_OWNER, pin.id)
             return p.GetReply(req.rid, 0), []
         try:  # pinned until sent, outside any lease: within the bytes-in-flight limits
-            try:
-                d.sessions.hold_bytes(session, len(frames) * size)
-            except LimitExceededError:
-                # the session's replies its peer has read may not count as sent yet (zmq
-                # says so a little after): wait for them once, briefly, before refusing
-                own = {pin_id for pin_id, (s, _) in self.sending.items() if s is session}
-                if not d.transport.wait_for_pins(own, _SENT_WAIT):
-                    raise
-                d.sessions.hold_bytes(session, len(frames) * size)
+            d.sessions.hold_bytes(session, len(frames) * size)
         except BaseException:
             d.store.release(GET_OWNER, pin.id)
             raise
