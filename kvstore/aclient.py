@@ -220,8 +220,12 @@ class AsyncClient(SessionCore):
         sock = self._sock
         if sock is None or not headers:
             return
-        for header in headers:
-            sock.send(header, zmq.NOBLOCK)
+        try:
+            for header in headers:
+                sock.send(header, zmq.NOBLOCK)
+        except zmq.Again:  # no connection to queue on: the daemon's lease takes them back
+            log.warning("could not give %d request(s) back to the daemon: no connection",
+                        len(headers))
         if sock.getsockopt(_EVENTS) & _POLLIN and self._loop is not None:
             self._loop.call_soon(self._drain)
 

@@ -235,6 +235,8 @@ class Sessions:
         peer that never reads holds at most the limit and one request, and one whose
         replies zmq has not yet counted as sent (a little after the peer has them) is
         not shut out, nor one larger than the limit.  Nothing waits on the loop."""
+        if not held:  # (a request that waits and holds nothing: a drop after sends)
+            return
         limit = self.max_bytes_in_flight
         if limit and session.bytes_in_flight >= limit:
             raise LimitExceededError(

@@ -43,6 +43,24 @@ def _sessions(now: list[float], **caps: int) -> tuple[BlockStore, Sessions]:
     return store, sessions
 
 
+def test_bytes_in_flight_admit_below_the_limit_and_what_holds_nothing() -> None:
+    """A request is admitted while what is under way is below the limit (one larger than
+    the limit alone too), refused at it, except one that holds nothing (a drop that
+    waits for sends); what goes back makes room again."""
+    now = [0.0]
+    _, sessions = _sessions(now)
+    sessions.max_bytes_in_flight = 8
+    s = sessions.hello(b"\0a", "acme", "")
+    sessions.hold_bytes(s, 12)  # larger than the limit: alone, admitted
+    with pytest.raises(LimitExceededError):
+        sessions.hold_bytes(s, 1)
+    sessions.hold_bytes(s, 0)  # holds nothing: never refused
+    sessions.release_bytes(s, 12)
+    sessions.hold_bytes(s, 7)
+    sessions.hold_bytes(s, 5)  # 7 under way, below 8: admitted (at most limit + one)
+    assert s.bytes_in_flight == 12
+
+
 def test_tenant_caps_span_sessions_and_come_back_when_a_session_expires() -> None:
     now = [0.0]
     store, sessions = _sessions(now, max_reservations_per_tenant=2, max_pins_per_tenant=2)
