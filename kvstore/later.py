@@ -96,7 +96,8 @@ class Finisher:
                       pending: Pending) -> tuple[p.Message, list[Any]]:
         for _ in range(_MAX_ROUNDS):
             if isinstance(pending, Later):
-                return await pending.reply, []
+                made = await pending.reply
+                return made if isinstance(made, tuple) else (made, [])
             plan = pending
             try:
                 await self.d.moves.carry_out(plan)

@@ -21,7 +21,8 @@ from kvstore.plans import Plan
 class Later:
     """The reply comes from a coroutine."""
 
-    reply: Coroutine[Any, Any, p.Message]
+    # the reply, or the reply and its payload frames (a get's, pinned until sent)
+    reply: Coroutine[Any, Any, p.Message | tuple[p.Message, list[Any]]]
 
 
 Pending = Plan | Later

@@ -288,6 +288,10 @@ class Transport:
         self.reap_sends()
         return [tracker for tracker, _ in self._in_flight]
 
+    def trackers_of(self, pins: set[int]) -> list[zmq.MessageTracker]:
+        """The replies pinning ``pins`` that ZeroMQ is still sending."""
+        return [tracker for tracker, pin in self._in_flight if pin in pins]
+
     async def sent(self, trackers: list[zmq.MessageTracker], timeout: float = 1.0) -> None:
         """Wait (up to ``timeout``) until ``trackers`` are sent, then give back their pins."""
         loop = asyncio.get_running_loop()

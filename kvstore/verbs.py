@@ -19,6 +19,7 @@ from kvstore.config import Config
 from kvstore.errors import (
     CapacityError,
     ForbiddenError,
+    LimitExceededError,
     MalformedError,
     NotFoundError,
     TooLargeError,
@@ -40,6 +41,9 @@ from kvstore.transport import PinnedFrames, Transport
 log = logging.getLogger("kvstore.server")
 
 GET_OWNER = ("daemon", "get")  # pins held while zero-copy get frames are in flight
+# how long a get over the bytes-in-flight limit waits, in a task, for its session's replies
+# still being sent (a reply its peer has read counts as sent a little later)
+_SENT_WAIT = 0.005
 
 Outcome = tuple[p.Message, list[Any]]
 Answer = Outcome | Pending
@@ -326,13 +330,41 @@ class Verbs:
         if not frames:
             d.store.release(GET_OWNER, pin.id)
             return p.GetReply(req.rid, 0), []
+        held = len(frames) * size
         try:  # pinned until sent, outside any lease: within the bytes-in-flight limits
-            d.sessions.hold_bytes(session, len(frames) * size)
+            d.sessions.hold_bytes(session, held)
+        except LimitExceededError:
+            # replies its peer has read count as sent only when zmq gives their buffers
+            # back, a little later: a get sent right after one may wait for them, off
+            # the loop, briefly, before it is refused
+            own = {pin_id for pin_id, (s, _) in self.sending.items() if s is session}
+            trackers = d.transport.trackers_of(own)
+            if not trackers:
+                d.store.release(GET_OWNER, pin.id)
+                raise
+            return Later(self._get_after_sends(req.rid, session, pin, frames, held,
+                                               trackers))
         except BaseException:
             d.store.release(GET_OWNER, pin.id)
             raise
-        self.sending[pin.id] = (session, len(frames) * size)
+        self.sending[pin.id] = (session, held)
         return p.GetReply(req.rid, len(frames), pin.checksums), PinnedFrames(frames, pin.id)
+
+    async def _get_after_sends(self, rid: int, session: Session, pin: Pin,
+                               frames: list[memoryview], held: int,
+                               trackers: list[Any]) -> tuple[p.Message, list[Any]]:
+        """A get over the bytes-in-flight limit, once its session's replies still being
+        sent are (``_SENT_WAIT`` at most): admitted if that made room, else refused."""
+        d = self.d
+        try:
+            await d.transport.sent(trackers, _SENT_WAIT)
+            d.sessions.hold_bytes(session, held)
+        except BaseException:
+            if GET_OWNER in d.store.owners:  # (gone: the daemon closes, all went back)
+                d.store.release(GET_OWNER, pin.id)
+            raise
+        self.sending[pin.id] = (session, held)
+        return p.GetReply(rid, len(frames), pin.checksums), PinnedFrames(frames, pin.id)
 
     def get_sent(self, pin_id: int) -> None:
         """A zero-copy get reply went out (or could not): its pin and bytes go back."""
