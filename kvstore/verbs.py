@@ -129,8 +129,7 @@ class Verbs:
             p.GpuAttach: self._gpu_attach,
         }
         self.names = {t: str(t.__struct_config__.tag) for t in self.table}
-        # zero-copy get replies zmq still sends: pin id -> (session, bytes), the bytes
-        # counted in flight for the session (a peer that never reads holds them)
+        # get replies zmq still sends: pin id -> (session, its bytes counted in flight)
         self.sending: dict[int, tuple[Session, int]] = {}
 
     def add(self, table: dict[type[Any], Handler]) -> None:
@@ -148,9 +147,8 @@ class Verbs:
                 f"client speaks protocol {req.version}, daemon speaks {p.PROTOCOL_VERSION}; "
                 f"upgrade the older side")
         tenant = self.d.auth.tenant_of(req.tenant, req.token, curve_tenant)
-        # its arena after the cheap checks, before the session: a hello refused for want
-        # of one (``dram.max_arenas``) opens no session, one refused for another reason
-        # makes no arena
+        # its arena after the cheap checks, before the session: refused for want of one
+        # (``dram.max_arenas``), no session; refused for another reason, no arena
         return self.d.sessions.hello(routing_id, tenant, req.attach, uid,
                                      prepare=self.d.arena_for)
 
@@ -333,10 +331,7 @@ class Verbs:
         held = len(frames) * size
         try:  # pinned until sent, outside any lease: within the bytes-in-flight limits
             d.sessions.hold_bytes(session, held)
-        except LimitExceededError:
-            # replies its peer has read count as sent only when zmq gives their buffers
-            # back, a little later: a get sent right after one may wait for them, off
-            # the loop, briefly, before it is refused
+        except LimitExceededError:  # unless its session's replies are still being sent
             own = {pin_id for pin_id, (s, _) in self.sending.items() if s is session}
             trackers = d.transport.trackers_of(own)
             if not trackers:
@@ -354,7 +349,8 @@ class Verbs:
                                frames: list[memoryview], held: int,
                                trackers: list[Any]) -> tuple[p.Message, list[Any]]:
         """A get over the bytes-in-flight limit, once its session's replies still being
-        sent are (``_SENT_WAIT`` at most): admitted if that made room, else refused."""
+        sent are (``_SENT_WAIT`` at most: a reply its peer has read counts as sent only
+        when zmq gives its buffer back, a little later), admitted if that made room."""
         d = self.d
         try:
             await d.transport.sent(trackers, _SENT_WAIT)
