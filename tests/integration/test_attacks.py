@@ -32,6 +32,14 @@ def held(daemon: DaemonProcess) -> tuple[int, int, int]:
     return tier["reserved_slots"], tier["pinned_blocks"], stats["invariant_violations"]
 
 
+def configured(daemon_factory: Any, tmp_path: Path, toml: str,
+               tcp: bool = False) -> DaemonProcess:
+    """A daemon started with ``toml`` as its configuration file."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text(toml)
+    return daemon_factory(tcp=tcp, extra=["--config", str(config)])
+
+
 def test_ids_of_another_session_and_replays_are_refused(daemon: DaemonProcess) -> None:
     owner, thief = Raw(daemon.endpoint), Raw(daemon.endpoint)
     try:
@@ -69,9 +77,7 @@ def test_ids_of_another_session_and_replays_are_refused(daemon: DaemonProcess) -
 
 def test_a_batch_of_reservations_stays_under_the_tenants_cap(daemon_factory: Any,
                                                               tmp_path: Path) -> None:
-    config = tmp_path / "caps.toml"
-    config.write_text("[server]\nmax_reservations_per_tenant = 4\n")
-    daemon = daemon_factory(extra=["--config", str(config)])
+    daemon = configured(daemon_factory, tmp_path, "[server]\nmax_reservations_per_tenant = 4\n")
     first, second = Raw(daemon.endpoint), Raw(daemon.endpoint)
     try:
         hello(first)
@@ -107,9 +113,8 @@ def test_a_batch_of_reservations_stays_under_the_tenants_cap(daemon_factory: Any
 
 def test_a_hello_refused_for_want_of_an_arena_opens_no_session(daemon_factory: Any,
                                                                 tmp_path: Path) -> None:
-    config = tmp_path / "arenas.toml"
-    config.write_text('[dram]\nper_tenant_arenas = true\narena_kind = "memfd"\nmax_arenas = 1\n')
-    daemon = daemon_factory(extra=["--config", str(config)])
+    daemon = configured(daemon_factory, tmp_path,
+                        '[dram]\nper_tenant_arenas = true\narena_kind = "memfd"\nmax_arenas = 1\n')
     with Client(daemon.endpoint, tenant="acme") as client:  # the first tenant's arena
         sessions = client.stats()["sessions"]
         for i in range(2):  # past the limit: one more tenant's arena does not fit
@@ -131,9 +136,8 @@ def test_a_hello_refused_for_another_reason_makes_no_arena(daemon_factory: Any,
                                                             tmp_path: Path) -> None:
     # the tenant's arena was made before the checks: each refused hello of a new tenant
     # took one of max_arenas for good, and a later tenant found none left
-    config = tmp_path / "arenas.toml"
-    config.write_text('[dram]\nper_tenant_arenas = true\narena_kind = "memfd"\nmax_arenas = 2\n')
-    daemon = daemon_factory(extra=["--config", str(config)])
+    daemon = configured(daemon_factory, tmp_path,
+                        '[dram]\nper_tenant_arenas = true\narena_kind = "memfd"\nmax_arenas = 2\n')
     first, second = Raw(daemon.endpoint), Raw(daemon.endpoint)
     try:
         hello(first, "a")
@@ -150,9 +154,8 @@ def test_a_hello_refused_for_another_reason_makes_no_arena(daemon_factory: Any,
 def test_hellos_count_against_the_tenants_request_rate(daemon_factory: Any,
                                                        tmp_path: Path) -> None:
     # connect, hello, go, again: each hello left a session held till its lease, at any rate
-    config = tmp_path / "rate.toml"
-    config.write_text("[server]\nmax_requests_per_second_per_tenant = 2\n")
-    daemon = daemon_factory(extra=["--config", str(config)])
+    daemon = configured(daemon_factory, tmp_path,
+                        "[server]\nmax_requests_per_second_per_tenant = 2\n")
     opened = refused = 0
     raws = [Raw(daemon.endpoint) for _ in range(30)]  # far more than two a second's worth
     try:
@@ -194,11 +197,10 @@ def test_get_replies_a_peer_never_reads_stay_within_its_bytes_in_flight(
         daemon_factory: Any, tmp_path: Path) -> None:
     # a get's blocks stay pinned until zmq has sent the reply, outside any lease: a peer
     # that asks and never reads held them for as long as it stayed connected, any amount
-    config = tmp_path / "flight.toml"
     # (gets of 16 MiB against 64: what the kernel's socket buffers take unread, a few
     # MiB, is less than one get, so the limit is reached whatever they hold)
-    config.write_text('[server]\nmax_bytes_in_flight = "64MiB"\n')
-    daemon = daemon_factory(tcp=True, extra=["--config", str(config)])
+    daemon = configured(daemon_factory, tmp_path, '[server]\nmax_bytes_in_flight = "64MiB"\n',
+                        tcp=True)
     ident = make_identity(num_layers=16, num_kv_heads=8, head_dim=128)  # 1 MiB blocks
     raw = Raw(daemon.tcp_endpoint)
     raw.sock.setsockopt(zmq.RCVHWM, 1)
@@ -234,9 +236,7 @@ def test_one_get_at_a_time_is_never_refused_for_bytes_in_flight(
         daemon_factory: Any, tmp_path: Path, limit: str) -> None:
     # a reply already read still counted till it was reaped, so the next get was refused;
     # a limit of 0 refused those gets every time
-    config = tmp_path / "flight.toml"
-    config.write_text(f"[server]\nmax_bytes_in_flight = {limit}\n")
-    daemon = daemon_factory(extra=["--config", str(config)])
+    daemon = configured(daemon_factory, tmp_path, f"[server]\nmax_bytes_in_flight = {limit}\n")
     ident = make_identity(num_layers=16, num_kv_heads=8, head_dim=128)  # 1 MiB blocks
     with Client(daemon.endpoint, tenant="acme") as client:
         ns = client.namespace(ident)
@@ -251,9 +251,7 @@ def test_one_get_at_a_time_is_never_refused_for_bytes_in_flight(
 def test_a_get_larger_than_the_bytes_in_flight_limit_is_admitted_alone(
         daemon_factory: Any, tmp_path: Path) -> None:
     # a limit below one get's size refused that get every time
-    config = tmp_path / "flight.toml"
-    config.write_text('[server]\nmax_bytes_in_flight = "8MiB"\n')
-    daemon = daemon_factory(extra=["--config", str(config)])
+    daemon = configured(daemon_factory, tmp_path, '[server]\nmax_bytes_in_flight = "8MiB"\n')
     ident = make_identity(num_layers=16, num_kv_heads=8, head_dim=128)  # 1 MiB blocks
     with Client(daemon.endpoint, tenant="acme") as client:
         ns = client.namespace(ident)
@@ -267,9 +265,8 @@ def test_get_replies_a_peer_never_reads_stay_within_its_tenants_bytes_in_flight(
         daemon_factory: Any, tmp_path: Path) -> None:
     # the per-tenant limit: a peer that never reads holds at most that much of its
     # tenant's, and the tenant's other sessions wait, told why, until it reads
-    config = tmp_path / "flight.toml"
-    config.write_text('[server]\nmax_bytes_in_flight_per_tenant = "64MiB"\n')
-    daemon = daemon_factory(tcp=True, extra=["--config", str(config)])
+    daemon = configured(daemon_factory, tmp_path,
+                        '[server]\nmax_bytes_in_flight_per_tenant = "64MiB"\n', tcp=True)
     ident = make_identity(num_layers=16, num_kv_heads=8, head_dim=128)  # 1 MiB blocks
     raw, other = Raw(daemon.tcp_endpoint), Raw(daemon.endpoint)
     raw.sock.setsockopt(zmq.RCVHWM, 1)
