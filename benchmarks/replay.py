@@ -65,10 +65,11 @@ The simulator calls a policy as the store does: a put reserves (evicts) room for
 its blocks before it commits any, deepest first, and a block cached again after its
 eviction is the same item to the policy (its ghost history knows it).  So the daemon's
 rows give the simulator's hits for every policy (``-sim`` in the summary: the daemon's
-block hits minus the simulator's, in points), but ``auto``'s, whose miniatures sample
-keys by hash: the store's keys and the simulator's ids hash apart, so its elections
-may fall a little differently.  Lookup and acquire each report a hit; the policies
-count it once (see ``--touches``).
+block hits minus the simulator's, in points).  ``auto``'s miniatures sample names by
+their hash: in daemon mode the simulator replays the trace under the daemon's keys,
+hashed as the store hashes them (their digest's bytes, the same in every process), so
+both sample the same blocks.  Lookup and acquire each report a hit; the policies count
+it once (see ``--touches``).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ from kvstore.bench.replay import (  # the daemon's side of the replay lives in t
 )
 from kvstore.bench.harness import Daemon
 from kvstore.client import Client
-from kvstore.scheduler.eviction import POLICIES
+from kvstore.blocks import key_hash
+from kvstore.scheduler.eviction import POLICIES, make_policy
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -201,21 +203,26 @@ def run_sim(
                      replay(trace, RateOracleCache(trace, capacity))))
         rows.append((share, capacity, "lru+oracle", replay(trace, OracleCache(trace, capacity))))
         for name in policies:
-            cache = PolicyCache(POLICIES[name](), capacity, touches)
-            rows.append((share, capacity, name, replay(trace, cache)))
-            if daemon:
-                started = time.perf_counter()
-                stats = replay_daemon(
-                    trace, name, capacity, chains, ssd_blocks=ssd_blocks, hold=hold
+            if not daemon:
+                cache = PolicyCache(POLICIES[name](), capacity, touches)
+                rows.append((share, capacity, name, replay(trace, cache)))
+                continue
+            started = time.perf_counter()
+            stats = replay_daemon(
+                trace, name, capacity, chains, ssd_blocks=ssd_blocks, hold=hold
+            )
+            # the simulator names blocks by the daemon's keys, hashed as the store does:
+            # a duel's sample is the daemon's (see the module docstring)
+            cache = PolicyCache(make_policy(name, name_hash=key_hash), capacity, touches)
+            rows.append((share, capacity, name, replay(chains.keyed(trace), cache)))
+            rows.append((share, capacity, f"{name}@daemon", stats))
+            if progress is not None:
+                print(
+                    f"  {name} at {capacity} blocks: daemon replay "
+                    f"{time.perf_counter() - started:.1f} s",
+                    file=progress,
+                    flush=True,
                 )
-                rows.append((share, capacity, f"{name}@daemon", stats))
-                if progress is not None:
-                    print(
-                        f"  {name} at {capacity} blocks: daemon replay "
-                        f"{time.perf_counter() - started:.1f} s",
-                        file=progress,
-                        flush=True,
-                    )
         rows.append((share, capacity, "infinite", infinite))
     return rows
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from functools import partial
 from operator import attrgetter
 
 from kvstore.block_map import BlockMap
@@ -207,6 +208,9 @@ class Block:
                 f"refs={self.refs}, children={self.children})")
 
 block_key = attrgetter("key")  # what the eviction orders remember a block by (its key)
+# a key's hash for the duel's sample: its digest's bytes, the same in every process (a
+# replay samples the blocks it sampled before; ``hash`` of bytes is seeded per process)
+key_hash: Callable[[bytes], int] = partial(int.from_bytes, byteorder="little")
 
 
 class Namespace:
@@ -292,7 +296,7 @@ class TierSlots:
         """An empty order of this tier's policy (ghosts named by key; warm pins kept
         where the tier has a clock)."""
         policy: EvictionPolicy[Block] = make_policy(  # type: ignore[assignment]
-            self.policy_name, ghost_key=block_key,
+            self.policy_name, ghost_key=block_key, name_hash=key_hash,
             links=self.name if self.name in LINKED_TIERS else None)
         if self.clock is not None:
             policy = WarmPins(policy, self.clock)

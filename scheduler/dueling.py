@@ -226,6 +226,10 @@ class Duel(Generic[T]):
     """
 
     ghost_key: Callable[[Hashable], Hashable] = staticmethod(_itself)
+    # a name's hash, which decides its sample: the same in every process for a run to be
+    # replayed (the store's names are keys, digests already: their bytes are the hash;
+    # ``hash`` of bytes is seeded per process)
+    name_hash: Callable[[Any], int] = staticmethod(hash)
 
     def __init__(
         self,
@@ -343,7 +347,7 @@ class Duel(Generic[T]):
             tracked = self._items
             state = tracked.shards[hash(parent) % tracked.modulus].get(parent, _UNTRACKED)
             if state is _UNTRACKED:
-                parent_node = nodes.get(hash(self.ghost_key(parent)))
+                parent_node = nodes.get(self.name_hash(self.ghost_key(parent)))
             elif state is True or state is False:
                 parent_node = None
             else:
@@ -451,7 +455,7 @@ class Duel(Generic[T]):
         if item in self._items:
             return
         self._tick += 1
-        name = hash(self.ghost_key(item))
+        name = self.name_hash(self.ghost_key(item))
         sampled = not (name * _GOLDEN) & self._sample_mask
         self._items[item] = name << 1 if sampled else False
         if len(self._items) > self._size:
@@ -464,7 +468,7 @@ class Duel(Generic[T]):
         """``insert`` each, in order, as one call per run of unsampled items to the
         candidate in charge (a commit's blocks are one call, not one per block)."""
         tracked, order = self._items, self._order
-        ghost_key, mask = self.ghost_key, self._sample_mask
+        ghost_key, name_hash, mask = self.ghost_key, self.name_hash, self._sample_mask
         shards, modulus = tracked.shards, tracked.modulus  # set inline, counted by ``grown``
         added, tick = 0, self._tick
         run: list[T] = []
@@ -475,7 +479,7 @@ class Duel(Generic[T]):
             tick += 1
             added += 1
             run.append(item)
-            name = hash(ghost_key(item))
+            name = name_hash(ghost_key(item))
             if (name * _GOLDEN) & mask:
                 shard[item] = False
             else:

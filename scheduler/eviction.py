@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kvstore.scheduler.density import HitDensityPolicy
 from kvstore.scheduler.dueling import Duel, Order
@@ -730,10 +730,12 @@ DEFAULT_POLICY = "auto"
 
 
 def make_policy(name: str, ghost_key: Callable[[Hashable], Hashable] | None = None,
-                links: str | None = None) -> EvictionPolicy[Hashable]:
+                links: str | None = None,
+                name_hash: Callable[[Any], int] | None = None) -> EvictionPolicy[Hashable]:
     """A fresh policy by its configured name (its ghosts named by ``ghost_key``, if
     given; see ``EvictionPolicy``; its lists kept in the items' ``<links>_*``
-    attributes if given and the policy can, see ``LinkedOrder``)."""
+    attributes if given and the policy can, see ``LinkedOrder``; a duel's sample
+    decided by ``name_hash`` of the names, if given, see ``Duel``)."""
     try:
         policy = POLICIES[name]()
     except KeyError:
@@ -742,6 +744,8 @@ def make_policy(name: str, ghost_key: Callable[[Hashable], Hashable] | None = No
         ) from None
     if ghost_key is not None:
         policy.ghost_key = ghost_key
+    if name_hash is not None and isinstance(policy, Duel):
+        policy.name_hash = name_hash
     if links is not None and isinstance(policy, (LRUPolicy, SLRUPolicy, ARCPolicy, AutoPolicy)):
         policy.links = links
     return policy

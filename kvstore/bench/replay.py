@@ -130,13 +130,14 @@ class PolicyCache:
         self.capacity = capacity
         self.touches = touches
         self.evictions = 0
-        self._parent: dict[int, int | None] = {}
-        self._children: dict[int, int] = {}  # cached children per cached block
+        # ids, or keys (``KeyChains.keyed``)
+        self._parent: dict[Hashable, Hashable | None] = {}
+        self._children: dict[Hashable, int] = {}  # cached children per cached block
         if hasattr(policy, "parent_of"):  # a policy that reads the chains (auto)
             policy.parent_of = self._parent.get
 
     def _is_leaf(self, key: Hashable) -> bool:
-        return self._children[key] == 0  # type: ignore[index]
+        return self._children[key] == 0
 
     def lookup(self, keys: Sequence[int]) -> int:
         children = self._children
@@ -179,7 +180,7 @@ class PolicyCache:
         victim = self.policy.pop_victim(self._is_leaf)
         if victim is None:
             return False
-        assert isinstance(victim, int) and self._children[victim] == 0, (
+        assert self._children.get(victim) == 0, (
             f"policy returned {victim!r}, which is not a cached leaf"
         )
         del self._children[victim]
@@ -265,6 +266,14 @@ class KeyChains:
             known.update(zip(ids[n:], new))
             keys += new
         return keys
+
+    def keyed(self, trace: Sequence[TraceRequest]) -> list[TraceRequest]:
+        """``trace`` with each block id replaced by its key (ids already seen): the
+        names the store's policies see, so that a simulator sampling names by their hash
+        (``auto``, with ``key_hash``) samples the blocks the daemon's sampled."""
+        known = self._keys
+        return [msgspec.structs.replace(r, hash_ids=[known[h] for h in r.hash_ids])
+                for r in trace]
 
 
 @dataclass
