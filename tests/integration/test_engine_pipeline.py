@@ -554,8 +554,9 @@ def test_a_daemon_killed_before_the_load_loads_nothing(
         daemon_factory: Callable[..., DaemonProcess]) -> None:
     daemon = daemon_factory()
     requests, _ = _stored_requests(daemon, "per_layer", 2)
-    client = Client(daemon.endpoint, tenant="acme", timeout=0.5)
+    client = Client(daemon.endpoint, tenant="acme")
     ns = client.namespace(identity("per_layer"))
+    client.timeout = 0.5  # (after the hello and open: a loaded machine may take longer)
     target, target_page = make_pages("per_layer", seed=50)
     before = [target_page(p) for p in range(PAGES)]
     daemon.stop(signal.SIGKILL)
