@@ -293,11 +293,15 @@ class Transport:
         return [tracker for tracker, pin in self._in_flight if pin in pins]
 
     async def sent(self, trackers: list[zmq.MessageTracker], timeout: float = 1.0) -> None:
-        """Wait (up to ``timeout``) until ``trackers`` are sent, then give back their pins."""
+        """Wait (up to ``timeout``) until ``trackers`` are sent, then give back their pins.
+        Looks after 1 ms, then twice as long each time: a few wake-ups a wait, however
+        long (many waits at once must not keep the loop busy)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not all(t.done for t in trackers) and loop.time() < deadline:
-            await asyncio.sleep(0.001)
+        pause = 0.001
+        while not all(t.done for t in trackers) and (left := deadline - loop.time()) > 0:
+            await asyncio.sleep(min(pause, left))
+            pause *= 2
         self.reap_sends()
 
     def wait_for_sends(self, seconds_each: float) -> bool:
