@@ -130,11 +130,21 @@ def run_of(tokens: bytes | Sequence[bytes], keys: list[bytes],
 def run_bytes(blocks: Sequence[Any]) -> bytes | None:
     """The token ids of ``blocks`` (``Block``s of one chain, each the parent of the next,
     each naming its ``TokenRun`` in ``tokens``) laid out one after another; None if a
-    block's are not known.  A stretch of consecutive blocks of one run is one slice;
-    each run's keys are searched once (a run's keys are a stretch of the chain, so a
-    block's place in them is the first found's plus how far along the chain it is):
-    O(the blocks) however the runs alternate."""
-    parts: list[bytes] = []
+    block's are not known."""
+    parts = run_parts(blocks)
+    if parts is None:
+        return None
+    return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+
+
+def run_parts(blocks: Sequence[Any]) -> list[bytes | memoryview] | None:
+    """``run_bytes``' ids as the pieces that lie one after another: a run's whole buffer,
+    or a view of a slice of it (nothing copied: the event's encoding joins them once).
+    A stretch of consecutive blocks of one run is one piece; each run's keys are
+    searched once (a run's keys are a stretch of the chain, so a block's place in them
+    is the first found's plus how far along the chain it is): O(the blocks) however the
+    runs alternate."""
+    parts: list[bytes | memoryview] = []
     shift: dict[TokenRun, int] = {}  # a run's first key found: its place less the block's
     i, count = 0, len(blocks)
     while i < count:
@@ -161,9 +171,9 @@ def run_bytes(blocks: Sequence[Any]) -> bytes | None:
         if n == len(keys):
             parts.append(run.ids)
         else:
-            parts.append(run.ids[at * size:(at + n) * size])
+            parts.append(memoryview(run.ids)[at * size:(at + n) * size])
         i += n
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return parts
 
 
 @cache
