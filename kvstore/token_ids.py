@@ -14,7 +14,7 @@ each block's bytes instead (``encode_blocks``), which the daemon still takes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -110,11 +110,11 @@ def run_of(tokens: bytes | Sequence[bytes], keys: list[bytes],
     if isinstance(tokens, bytes):
         if not tokens:
             return []
-        narrow, wide = _tags(block_tokens)
+        narrow, wide = _tags(block_tokens * count)  # (a commit's size repeats: cached)
         n5, n9 = 5 * block_tokens, 9 * block_tokens
         size = len(tokens)
-        if (size == n5 * count and tokens[::5] == narrow * count
-                or size == n9 * count and tokens[::9] == wide * count):
+        if (size == n5 * count and tokens[::5] == narrow
+                or size == n9 * count and tokens[::9] == wide):
             return [TokenRun(tokens, keys, size // count)]
         raise MalformedError(
             f"token ids must come as msgpack integers, {block_tokens} per block for each "
@@ -176,9 +176,10 @@ def run_parts(blocks: Sequence[Any]) -> list[bytes | memoryview] | None:
     return parts
 
 
-@cache
-def _tags(block_tokens: int) -> tuple[bytes, bytes]:
-    return b"\xce" * block_tokens, b"\xd3" * block_tokens
+@lru_cache(maxsize=16)
+def _tags(ids: int) -> tuple[bytes, bytes]:
+    """The tags of ``ids`` token ids, narrow and wide."""
+    return b"\xce" * ids, b"\xd3" * ids
 
 
 def check_blocks(tokens: Sequence[bytes], blocks: int, block_tokens: int) -> None:
