@@ -376,6 +376,8 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
         out[f"{name}_rate"] = statistics.median(r for _, r in s)
         out[f"{name}_cpu_ratio"] = statistics.median(c / b for (c, _), b in zip(s, own))
         out[f"{name}_cpu_total_ratio"] = total[name] / off_total
+        # CPU outside the rounds (timers, a batch a timer sent), per request
+        out[f"{name}_outside_us"] = total[name] - statistics.fmean(c for c, _ in s)
     # the noise: one daemon without events against the other
     for suffix in ("", "_beside") if beside is not None else ("",):
         out[f"off2{suffix}_cpu_ratio"] = statistics.median(
@@ -547,6 +549,8 @@ def main() -> None:
             rows.append(row(f"{what}: the same, all CPU time / all requests", t["on_cpu_us"],
                             t["off_cpu_us"], "events off", ".3f",
                             ratio=t["on_cpu_total_ratio"]))
+            rows.append(row(f"{what}: cpu us/request outside the rounds, to a subscriber",
+                            t["on_outside_us"], t["off_outside_us"], "events off", ".3f"))
             rows.append(row(f"{what}: requests/s, events to a subscriber", t["on_rate"],
                             t["off_rate"], "events off", ".3f"))
     if args.only in (None, "route"):
