@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import struct
 import threading
 import time
 from collections import deque
@@ -43,7 +44,7 @@ from kvstore.blocks import DRAM, SSD, Block, Namespace
 from kvstore.config import EventsConfig
 from kvstore.store import BlockStore
 from kvstore.tier_changes import GPU, REMOTE, Change, Removed, Stored, TierChanges
-from kvstore.token_ids import array_header, run_bytes
+from kvstore.token_ids import array_header, run_bytes, run_parts
 
 log = logging.getLogger("kvstore.events")
 
@@ -128,6 +129,10 @@ class KVEventBatchArray(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 _EMPTY: Any = msgspec.Raw(b"\x90")  # an empty array
+# Stand-ins for an event's per-event fields in its layout's encoding (``EventMaker``),
+# found again by their bytes: 0xc1 is no msgpack type and never in UTF-8.
+_MARKS = tuple(b"\xc1kvstore event field %d\xc1" % i for i in range(4))
+_FLOAT = struct.Struct(">Bd")  # a float as msgspec encodes it: float 64
 
 
 def decoder(encoding: str = "map") -> msgspec.msgpack.Decoder[Any]:
@@ -142,7 +147,12 @@ class EventMaker:
     they encode): the token ids as the client laid them out (``kvstore.token_ids``: a
     commit's run announced whole is its buffer as it came), and the extra keys as one
     encoded item repeated.  No Python object is made
-    per block but the list of its keys."""
+    per block but the list of its keys.
+
+    ``payload`` encodes a batch without the event objects: each event is its layout's
+    bytes (the encoding of an event of its namespace and tier, cut where the per-event
+    fields go, made once) around its keys, parent and token ids, joined once for the
+    whole batch; byte for byte what ``events`` encoded in a ``KVEventBatch`` gives."""
 
     def __init__(self, config: EventsConfig) -> None:
         array = config.encoding == "array"
@@ -152,6 +162,12 @@ class EventMaker:
                                                 else AllBlocksCleared)
         self.group_idx = config.group_idx if config.group_idx >= 0 else None
         self._extra: dict[str, bytes] = {}  # salt -> its extra keys' item, encoded
+        # (block_tokens, adapter, salt, tier) -> a BlockStored's layout; tier -> a
+        # BlockRemoved's
+        self._stored: dict[tuple[int, str | None, str, str], tuple[bytes, ...]] = {}
+        self._removed: dict[str, tuple[bytes, ...]] = {}
+        self._batch: dict[int | None, tuple[bytes, ...]] = {}  # rank -> a batch's layout
+        self._encode = msgspec.msgpack.Encoder().encode
 
     def events(self, changes: Iterable[Change]) -> list[Event]:
         out: list[Event] = []
@@ -196,6 +212,96 @@ class EventMaker:
             keys, parent.key if parent is not None else None, tokens,
             identity.block_tokens, None, medium, identity.adapter, extra, self.group_idx,
             None, None, locality)
+
+
+    def payload(self, changes: Iterable[Change], ts: float, rank: int | None
+                ) -> tuple[bytes, int]:
+        """A batch of ``changes``' events at ``ts``, encoded; and how many events."""
+        encode = self._encode
+        parts: list[bytes | memoryview] = []
+        add = parts.append
+        count = 0
+        for change in changes:
+            count += 1
+            if isinstance(change, Removed):
+                head, tail = self._removed.get(change.tier) or self._removed_layout(
+                    change.tier)
+                parts += (head, encode(change.keys), tail)
+                continue
+            blocks = change.blocks
+            identity = change.ns.identity
+            layout = self._stored.get(
+                (identity.block_tokens, identity.adapter, identity.salt, change.tier))
+            if layout is None:
+                layout = self._stored_layout(identity.block_tokens, identity.adapter,
+                                             identity.salt, change.tier)
+            first = blocks[0]
+            n = len(blocks)
+            run = first.tokens
+            if (run is not None and len(run.keys) == n and run.keys[0] is first.key
+                    and run.keys[-1] is blocks[-1].key):  # a commit's blocks, all of them
+                keys = run.keys                          # (as in store_event)
+                ids: list[bytes | memoryview] | None = [run.ids]
+            else:
+                keys = [b.key for b in blocks]
+                ids = run_parts(blocks)
+            parent = first.parent
+            add(layout[0])
+            add(encode(keys))
+            add(layout[1])
+            add(b"\xc0" if parent is None else encode(parent.key))
+            add(layout[2])
+            if ids is None:
+                add(b"\x90")
+            else:
+                add(array_header(n * identity.block_tokens))
+                parts += ids
+            add(layout[3])
+            if len(layout) > 4:  # the salt's extra keys, one item a block
+                add(array_header(n))
+                add(self._extra[identity.salt] * n)
+                add(layout[4])
+        batch = self._batch.get(rank) or self._batch_layout(rank)
+        return b"".join((batch[0], _FLOAT.pack(0xcb, ts), batch[1], array_header(count),
+                         *parts, batch[2])), count
+
+    def _batch_layout(self, rank: int | None) -> tuple[bytes, ...]:
+        marks: list[Any] = [msgspec.Raw(m) for m in _MARKS]
+        layout = self._batch[rank] = _cut(
+            msgspec.msgpack.encode(KVEventBatch(marks[0], marks[1], rank)), 2)
+        return layout
+
+    def _stored_layout(self, block_tokens: int, adapter: str | None, salt: str,
+                       tier: str) -> tuple[bytes, ...]:
+        medium, locality = MEDIA[tier]
+        marks: list[Any] = [msgspec.Raw(m) for m in _MARKS]  # (each encodes as is)
+        if salt and salt not in self._extra:
+            self._extra[salt] = msgspec.msgpack.encode((salt,))
+        event = self.stored(marks[0], marks[1], marks[2], block_tokens, None, medium,
+                            adapter, marks[3] if salt else None, self.group_idx, None,
+                            None, locality)
+        layout = self._stored[(block_tokens, adapter, salt, tier)] = _cut(
+            msgspec.msgpack.encode(event), 4 if salt else 3)
+        return layout
+
+    def _removed_layout(self, tier: str) -> tuple[bytes, ...]:
+        medium, locality = MEDIA[tier]
+        mark: Any = msgspec.Raw(_MARKS[0])
+        event = self.removed(mark, medium, self.group_idx, locality)
+        layout = self._removed[tier] = _cut(msgspec.msgpack.encode(event), 1)
+        return layout
+
+
+def _cut(encoded: bytes, fields: int) -> tuple[bytes, ...]:
+    """``encoded`` cut at the first ``fields`` marks (each found once, in order)."""
+    parts: list[bytes] = []
+    rest = encoded
+    for mark in _MARKS[:fields]:
+        head, found, rest = rest.partition(mark)
+        assert found and encoded.count(mark) == 1, f"an event's layout lost field {mark!r}"
+        parts.append(head)
+    parts.append(rest)
+    return tuple(parts)
 
 
 def _may_run_as_batch() -> bool:
@@ -320,9 +426,13 @@ class EventPublisher:
         # longer under load) sends it at the end of its turn; the quiet timer, ``quiet``
         # on (or twice the wait, if longer: a busy daemon's next commit comes first),
         # only if none came (a wake costs a quiet daemon nothing, but a busy one tens of
-        # microseconds a batch).  One quiet timer serves every batch begun while it runs:
-        # a busy daemon sets one every ``quiet`` (or twice the wait), not one a batch.
-        # A daemon idle for longer than ``quiet`` since its last batch is not under load:
+        # microseconds a batch).  A batch a commit sends cancels its timer, and the next
+        # batch's first change sets one: a busy daemon sets a timer a batch (a couple of
+        # microseconds) and is never woken by one, where a timer kept for the batches
+        # begun while it ran woke it every ``quiet`` or twice the wait (tens of
+        # microseconds a wake, its caches cold: 3 us a request in the benchmark's
+        # rounds).  A cancelled timer wakes nobody: the loop drops it from the head of
+        # its heap before it waits.  A daemon idle for longer than ``quiet`` since its last batch is not under load:
         # this batch waits ``interval`` again, not a past burst's wait.
         loop = self._loop
         if loop is None:
@@ -349,8 +459,8 @@ class EventPublisher:
                 self._turn = self._loop.call_soon(self.flush)
 
     def _went_quiet(self) -> None:
-        # Set at a batch's first change, or at an earlier batch's: then it is set again
-        # for this one's.  A batch that waited ``quiet`` (or twice its wait, if longer)
+        # Set at a batch's first change (or by this timer, early for the batch: the wait
+        # grew since).  A batch that waited ``quiet`` (or twice its wait, if longer)
         # with no commit to send it: the load has eased, the next batch waits half as
         # long (down to ``interval``; a pause between bursts does not bring back a
         # burst's many small batches, a longer idle does: see ``_soon``).
@@ -372,6 +482,9 @@ class EventPublisher:
         if self._turn is not None:
             self._turn.cancel()  # called before the turn's end (a snapshot, closing)
             self._turn = None
+        if self._quiet is not None:  # sent before its timer: it need not wake the loop
+            self._quiet.cancel()
+            self._quiet = None
         self._due = 0.0
         if not self.changes.touched:
             return -1
@@ -394,18 +507,22 @@ class EventPublisher:
         changes = self.changes.drain()
         if not changes:
             return -1
-        return self.publish(self.maker.events(changes), listened)
+        payload, count = self.maker.payload(changes, time.time(), self.rank)
+        return self.send(payload, count, listened)
 
     def publish(self, events: list[Event], listened: bool | None = None) -> int:
-        """Number, keep and send one batch (``listened``: whether someone subscribes,
-        if the caller has just asked)."""
+        """Number, keep and send one batch of ``events`` (``listened``: whether someone
+        subscribes, if the caller has just asked)."""
+        batch = KVEventBatch(time.time(), events, self.rank)
+        return self.send(self.encoder.encode(batch), len(events), listened)
+
+    def send(self, payload: bytes, count: int, listened: bool | None = None) -> int:
+        """Number, keep and send one encoded batch of ``count`` events."""
         seq = self.seq
         self.seq += 1
-        batch = KVEventBatch(time.time(), events, self.rank)
-        payload = self.encoder.encode(batch)
         self.ring.append((seq, payload))
         self.batches += 1
-        self.events += len(events)
+        self.events += count
         pub = self._pub
         if pub is not None:
             if self.listened() if listened is None else listened:  # else the ring keeps it

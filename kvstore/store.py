@@ -234,12 +234,17 @@ class BlockStore(StoreCore):
                 let_go(old_run, ns.blocks)
             run = runs[0]
             assert run is not None, "one buffer: one run"
-            live = 0
-            for block in itertools.chain(fresh, bare):
-                if block.tokens is not run:  # (a key twice in a commit: counted once)
+            if bare:
+                live = 0
+                for block in itertools.chain(fresh, bare):
+                    if block.tokens is not run:  # (a key twice in a commit: counted once)
+                        block.tokens = run
+                        live += 1
+                run.live = live
+            else:  # the common case: the fresh blocks are distinct (a key's second
+                for block in fresh:  # time in a commit finds it in DRAM: a duplicate)
                     block.tokens = run
-                    live += 1
-            run.live = live
+                run.live = len(fresh)
             split_sparse(run, ns.blocks)  # mostly blocks held already: not the buffer
         elif runs:  # each block's bytes apart (an older client's): kept where none were
             for key, one in zip(r.keys, runs):

@@ -83,6 +83,10 @@ class TierChanges:
         # again in one turn is two entries.
         self.touched: list[Block | list[Block]] = []
         self.runs: list[list[Block]] = []  # of the marks, commits' runs
+        # Of the runs, by id, the blocks that were announced in DRAM already when the run
+        # was marked (each lost its DRAM copy since the last drain, and the commit gave it
+        # back): rare, and their DRAM bit was not set by the mark.
+        self.kept: dict[int, list[Block]] = {}
         # the blocks marked alone (a drain unfolds the runs they overlap, if any), but for
         # those marked together (a restored index's, at start: no set of them all)
         self.singles: set[Block] = set()
@@ -110,7 +114,15 @@ class TierChanges:
     def touch_run(self, blocks: list[Block]) -> None:
         """Blocks of one chain, each the parent of the next, that have just gained their
         DRAM copy (a commit's): one mark for all of them, kept by reference (the caller
-        leaves the list as it is)."""
+        leaves the list as it is).
+
+        Their DRAM bit of ``announced`` is set now, while the commit has them in the
+        CPU's caches, not by the drain, which would read each block again a loop turn
+        or more later (a batch's drain walked every block of every commit in it: the
+        most of its cost in a daemon whose caches other work filled meanwhile).  Until
+        the drain the bit is provisional: a run unfolded (a block of it marked alone
+        since) has it cleared again (``_unfold_overlaps``), so its blocks compare with
+        what was announced."""
         if not blocks:
             return
         touched = self.touched
@@ -119,6 +131,15 @@ class TierChanges:
                 self.on_first()
         elif self.on_more is not None:
             self.on_more()
+        kept: list[Block] | None = None
+        for b in blocks:
+            bits = b.announced
+            if bits & 1:
+                if kept is None:
+                    kept = self.kept[id(blocks)] = []
+                kept.append(b)
+            else:
+                b.announced = bits | 1
         touched.append(blocks)
         self.runs.append(blocks)
 
@@ -139,8 +160,9 @@ class TierChanges:
         runs, self.runs = self.runs, []
         singles, self.singles = self.singles, set()
         unlisted, self.unlisted = self.unlisted, False
+        kept, self.kept = self.kept, {}
         if runs and (unlisted or singles and not all(map(singles.isdisjoint, runs))):
-            touched = _unfold_overlaps(touched, None if unlisted else singles)
+            touched = _unfold_overlaps(touched, None if unlisted else singles, kept)
         removed: dict[tuple[str, int], Removed] = {}
         stored: list[Stored] = []
         last: dict[str, Stored] = {}  # per tier but DRAM, the run the next may extend
@@ -151,9 +173,8 @@ class TierChanges:
         tiers_of = _TIERS_OF
         for block in touched:
             if isinstance(block, list):  # a commit's run, untouched since: its DRAM copies
+                # (their bits set as the run was marked)
                 first = block[0]
-                for b in block:
-                    b.announced |= 1
                 if first.parent is dram_last and dram_last is not None:
                     dram.extend(block)
                 else:
@@ -225,14 +246,13 @@ class TierChanges:
         runs, self.runs = self.runs, []
         singles, self.singles = self.singles, set()
         unlisted, self.unlisted = self.unlisted, False
+        kept, self.kept = self.kept, {}
         if runs and (unlisted or singles and not all(map(singles.isdisjoint, runs))):
-            touched = _unfold_overlaps(touched, None if unlisted else singles)
+            touched = _unfold_overlaps(touched, None if unlisted else singles, kept)
         changed = False
         for block in touched:
-            if isinstance(block, list):  # a commit's run: its DRAM copies, new
-                for b in block:
-                    b.announced |= 1
-                changed = True
+            if isinstance(block, list):  # a commit's run: its DRAM copies, new (their
+                changed = True               # bits set as the run was marked)
                 continue
             rare = block.rare
             now = holdings(block) if block.remote else (
@@ -244,16 +264,21 @@ class TierChanges:
         return changed
 
 
-def _unfold_overlaps(touched: list[Block | list[Block]],
-                     singles: set[Block] | None) -> list[Block | list[Block]]:
+def _unfold_overlaps(touched: list[Block | list[Block]], singles: set[Block] | None,
+                     kept: dict[int, list[Block]]) -> list[Block | list[Block]]:
     """The marks with each commit's run that a block marked alone (of ``singles``; None:
     found here) overlaps (a copy it gained or lost since) as its blocks, marked one by
-    one."""
+    one, their provisional DRAM bits cleared (but for the run's ``kept``: announced in
+    DRAM before the run was marked)."""
     if singles is None:
         singles = {b for b in touched if not isinstance(b, list)}
     out: list[Block | list[Block]] = []
     for mark in touched:
         if isinstance(mark, list) and not singles.isdisjoint(mark):
+            before = kept.get(id(mark), ())
+            for b in mark:
+                if b not in before:
+                    b.announced &= ~1
             out.extend(mark)
         else:
             out.append(mark)

@@ -14,7 +14,7 @@ each block's bytes instead (``encode_blocks``), which the daemon still takes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -110,11 +110,11 @@ def run_of(tokens: bytes | Sequence[bytes], keys: list[bytes],
     if isinstance(tokens, bytes):
         if not tokens:
             return []
-        narrow, wide = _tags(block_tokens)
+        narrow, wide = _tags(block_tokens * count)  # (a commit's size repeats: cached)
         n5, n9 = 5 * block_tokens, 9 * block_tokens
         size = len(tokens)
-        if (size == n5 * count and tokens[::5] == narrow * count
-                or size == n9 * count and tokens[::9] == wide * count):
+        if (size == n5 * count and tokens[::5] == narrow
+                or size == n9 * count and tokens[::9] == wide):
             return [TokenRun(tokens, keys, size // count)]
         raise MalformedError(
             f"token ids must come as msgpack integers, {block_tokens} per block for each "
@@ -130,11 +130,21 @@ def run_of(tokens: bytes | Sequence[bytes], keys: list[bytes],
 def run_bytes(blocks: Sequence[Any]) -> bytes | None:
     """The token ids of ``blocks`` (``Block``s of one chain, each the parent of the next,
     each naming its ``TokenRun`` in ``tokens``) laid out one after another; None if a
-    block's are not known.  A stretch of consecutive blocks of one run is one slice;
-    each run's keys are searched once (a run's keys are a stretch of the chain, so a
-    block's place in them is the first found's plus how far along the chain it is):
-    O(the blocks) however the runs alternate."""
-    parts: list[bytes] = []
+    block's are not known."""
+    parts = run_parts(blocks)
+    if parts is None:
+        return None
+    return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+
+
+def run_parts(blocks: Sequence[Any]) -> list[bytes | memoryview] | None:
+    """``run_bytes``' ids as the pieces that lie one after another: a run's whole buffer,
+    or a view of a slice of it (nothing copied: the event's encoding joins them once).
+    A stretch of consecutive blocks of one run is one piece; each run's keys are
+    searched once (a run's keys are a stretch of the chain, so a block's place in them
+    is the first found's plus how far along the chain it is): O(the blocks) however the
+    runs alternate."""
+    parts: list[bytes | memoryview] = []
     shift: dict[TokenRun, int] = {}  # a run's first key found: its place less the block's
     i, count = 0, len(blocks)
     while i < count:
@@ -161,14 +171,15 @@ def run_bytes(blocks: Sequence[Any]) -> bytes | None:
         if n == len(keys):
             parts.append(run.ids)
         else:
-            parts.append(run.ids[at * size:(at + n) * size])
+            parts.append(memoryview(run.ids)[at * size:(at + n) * size])
         i += n
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return parts
 
 
-@cache
-def _tags(block_tokens: int) -> tuple[bytes, bytes]:
-    return b"\xce" * block_tokens, b"\xd3" * block_tokens
+@lru_cache(maxsize=16)
+def _tags(ids: int) -> tuple[bytes, bytes]:
+    """The tags of ``ids`` token ids, narrow and wide."""
+    return b"\xce" * ids, b"\xd3" * ids
 
 
 def check_blocks(tokens: Sequence[bytes], blocks: int, block_tokens: int) -> None:

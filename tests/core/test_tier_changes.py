@@ -268,6 +268,50 @@ def test_both_encodings_decode_as_vllm_lays_them_out() -> None:
             "AllBlocksCleared", "BlockStored"]
 
 
+def test_a_batch_encoded_from_its_layouts_is_the_events_encoded_byte_for_byte() -> None:
+    # the publisher encodes batches from each event's layout (no event objects); the
+    # events as objects, encoded in a KVEventBatch, are the oracle: every kind of run
+    # (a whole commit, a stretch of one, across two commits, without ids, wide ids),
+    # removals, each tier, with a salt and an adapter and without, both encodings, a
+    # group index and a rank or none
+    plain = make_identity(model="other")
+    slot = IDENT.block_bytes
+    store = BlockStore(64 * slot, 4 * slot, ssd_capacity=8 * slot, ssd_slab_bytes=4 * slot)
+    changes = TierChanges()
+    store.record_changes(changes)
+    bt = IDENT.block_tokens
+    drained: list[Any] = []
+    for ident in (IDENT, plain):
+        ns = store.open_namespace(ident)
+        tokens = [*range(3 * bt), *range(1 << 40, (1 << 40) + 2 * bt)]
+        keys = chain_keys(ns.id, tokens, bt)
+        for part, parent in ((slice(0, 3), None), (slice(3, 5), keys[2])):
+            r = store.reserve("o", ns, keys[part], parent, 0.0)
+            ids = encode_chain(tokens[part.start * bt:part.stop * bt],
+                               part.stop - part.start, bt)
+            store.commit("o", r.id, 0.0, tokens=ids)  # type: ignore[union-attr]
+        more = chain_keys(ns.id, list(range(7, 7 + 2 * bt)), bt)
+        r = store.reserve("o", ns, more, None, 0.0)
+        store.commit("o", r.id, 0.0)  # type: ignore[union-attr]
+        drained += changes.drain()
+        blocks = [ns.blocks[k] for k in keys]
+        drained += [Stored("ssd", ns, blocks[1:4]), Stored("remote", ns, blocks[4:]),
+                    Stored("gpu", ns, blocks[:1])]
+        store.evict(ns, more)
+        drained += changes.drain()
+    assert {type(c).__name__ for c in drained} == {"Stored", "Removed"}
+    for encoding in ("map", "array"):
+        for group_idx, rank in ((-1, None), (2, 0), (0, 7)):
+            maker = EventMaker(EventsConfig(encoding=encoding, group_idx=group_idx))
+            for changes_ in ([], drained[:1], drained):
+                payload, count = maker.payload(changes_, 1234.5, rank)
+                expected = msgspec.msgpack.encode(
+                    KVEventBatch(1234.5, maker.events(changes_), rank))
+                assert payload == expected and count == len(changes_)
+            batch = decoder(encoding).decode(payload)
+            assert len(batch.events) == len(drained) and batch.data_parallel_rank == rank
+
+
 def test_bad_events_settings_are_refused_by_name() -> None:
     import pytest
 

@@ -402,10 +402,10 @@ def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -
     """A batch waits for changes until ``interval_ms`` has passed; then the next commit
     sends it at the end of its loop turn, and the next batch waits twice as long (commits
     keep coming: a loaded daemon sends fewer batches), up to ``busy_interval_ms``.  No
-    timer sends it at ``interval_ms``; the one timer for a quiet daemon (``quiet_ms``),
-    set at the first batch's first change, stays for the batches begun before it fires
-    rather than one set and cancelled a batch, and once it sends a batch no commit sent,
-    the next batch waits half as long, down to ``interval_ms``.  Under load the timer
+    timer sends it at ``interval_ms``; the timer for a quiet daemon (``quiet_ms``), set
+    at a batch's first change, is cancelled when a commit sends the batch (a busy daemon
+    is never woken by it), and once it sends a batch no commit sent, the next batch
+    waits half as long, down to ``interval_ms``.  Under load the timer
     waits at least twice the batch's wait, so that the next commit, not the timer,
     sends a due batch."""
     import asyncio
@@ -441,11 +441,13 @@ def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -
         assert pub.last_seq == 0 and pub._turn is None  # due: out with the commit
         assert not pub.changes.touched
         assert pub.wait == 0.002  # sent by a commit: the next batch waits twice as long
+        assert quiet.cancelled() and pub._quiet is None  # and its timer is gone
         before = loop.time()
-        commit(200)  # a new batch: the quiet timer already set serves it
+        commit(200)  # a new batch: its first change sets a timer
         assert before + 0.002 <= pub._due <= loop.time() + 0.002
         turn()
-        assert pub.last_seq == 0 and pub._quiet is quiet and not quiet.cancelled()
+        quiet = pub._quiet
+        assert pub.last_seq == 0 and quiet is not None and not quiet.cancelled()
         pub._went_quiet()  # (what the timer runs; early for this batch: set for it again)
         again = pub._quiet
         assert pub.last_seq == 0 and again is not None and again is not quiet
