@@ -53,7 +53,9 @@ throughput (prompt + generated tokens per second of the run), prompt tokens comp
 vs found cached (local + loaded), tokens loaded from kvstore and bytes moved (kvstore's
 arms), the connector's own time in the engine's steps per request (lookup, load,
 save hand-off; and, for the requests of rounds 2 and later of ``mrqa``'s one at a time,
-the median of each part up to the first token), and ratios against ``alone`` and
+the median of each part up to the first token, beside the engine's own schedule,
+execute and forward pass, and TTFT less the forward: the part a connector adds to, with
+the forward's run-to-run noise taken out), and ratios against ``alone`` and
 ``ideal``; ``--png`` draws the TTFT
 distributions (matplotlib; where the engine's environment lacks it, the TTFTs go to a
 JSON file that ``--draw`` turns into the PNG with a Python that has it).
@@ -219,13 +221,47 @@ def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
                **kwargs)
 
 
+class PhaseClock:
+    """Nanoseconds the engine spends in its scheduler's ``schedule``, its executor's
+    ``execute_model`` and, within it, the model's forward pass (patched onto this
+    process's engine; a phase whose object this vLLM lacks is not timed).  TTFT less
+    the forward is what a connector adds to, without the forward's noise: on a shared
+    2-core machine the forward of the same prompt moves by milliseconds between runs."""
+
+    PHASES = ("schedule", "execute", "forward")
+
+    def __init__(self, llm: Any) -> None:
+        self.total: dict[str, int] = dict.fromkeys(self.PHASES, 0)
+        core = llm.llm_engine.engine_core.engine_core
+        runner = getattr(getattr(getattr(core.model_executor, "driver_worker", None),
+                                 "worker", None), "model_runner", None)
+        for owner, name, phase in ((core.scheduler, "schedule", "schedule"),
+                                   (core.model_executor, "execute_model", "execute"),
+                                   (getattr(runner, "model", None), "forward", "forward")):
+            if owner is not None and callable(getattr(owner, name, None)):
+                setattr(owner, name, self._timed(getattr(owner, name), phase))
+
+    def _timed(self, call: Any, phase: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter_ns()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.total[phase] += time.perf_counter_ns() - started
+        return timed
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.total)
+
+
 class Driver:
     """Adds requests to the in-process engine and steps it, timing first tokens."""
 
-    def __init__(self, llm: Any, answer_tokens: int) -> None:
+    def __init__(self, llm: Any, answer_tokens: int, clock: PhaseClock | None = None) -> None:
         from vllm import SamplingParams
 
         self.llm = llm
+        self.clock = clock
         self.conn_before: dict[str, dict[str, int]] = {}  # request -> counters at submit
         self.sampling = SamplingParams(temperature=0.0, max_tokens=answer_tokens,
                                        detokenize=False, ignore_eos=True)
@@ -237,6 +273,8 @@ class Driver:
         rid = uuid.uuid4().hex
         prompt = conv.prompt()
         self.conn_before[rid] = connector_stats(self.llm, drain=False)
+        if self.clock is not None:
+            self.conn_before[rid] |= {f"phase_{k}": v for k, v in self.clock.snapshot().items()}
         self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, self.sampling)
         self._live[rid] = (conv, time.perf_counter(), None, len(prompt))
 
@@ -251,8 +289,10 @@ class Driver:
                 # The connector's time up to the first token (one request at a time)
                 before = self.conn_before.pop(out.request_id, {})
                 after = connector_stats(self.llm, drain=False)
+                if self.clock is not None:
+                    after |= {f"phase_{k}": v for k, v in self.clock.snapshot().items()}
                 self._conn[out.request_id] = {k: after[k] - before.get(k, 0)
-                                              for k in PER_REQUEST if k in after}
+                                              for k in PER_REQUEST + PHASES if k in after}
             if out.finished:
                 del self._live[out.request_id]
                 answer = list(out.outputs[0].token_ids)
@@ -305,6 +345,7 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     sys.path.insert(0, str(ROOT))
     llm = engine(arm, a, a.endpoint)
+    clock = PhaseClock(llm)
     warm = Driver(llm, 2)
     warm.one_at_a_time([Conversation("warm", tokens(random.Random(99), 300), [[3]])])
     import torch
@@ -318,7 +359,7 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict[str, Any]:
         for mode in (a.modes if workload == "mrqa" else ["seq"]):
             stats_before = connector_stats(llm)
             rng = random.Random(f"{workload}/{mode}")  # every arm gets the same prompts
-            driver = Driver(llm, a.answer_tokens)
+            driver = Driver(llm, a.answer_tokens, clock)
             started = time.perf_counter()
             if workload == "mrqa":
                 convs = mrqa(a, rng)
@@ -343,6 +384,7 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict[str, Any]:
 
 
 PER_REQUEST = ("s_lookup_us", "w_load_us", "w_acquire_wait_us", "w_save_us", "s_hit_tokens")
+PHASES = tuple(f"phase_{k}" for k in PhaseClock.PHASES)  # nanoseconds
 
 
 def connector_stats(llm: Any, *, drain: bool = True) -> dict[str, int]:
@@ -515,8 +557,9 @@ def later_rounds(results: dict[str, dict[str, Any]], key: str, a: argparse.Names
     time: TTFT p50 and the connector's time up to each first token, per part (medians
     over those requests)."""
     per_run = a.users * a.rounds
-    print(f"rounds 2+: TTFT p50 ms, and the connector's ms up to the first token "
-          f"(median per request)")
+    print(f"rounds 2+: TTFT p50 ms, and the connector's ms up to the first token; the "
+          f"engine's schedule and execute (the model's forward within it), and TTFT less "
+          f"the forward (medians per request)")
     for arm, r in results.items():
         if "error" in r or key not in r:
             continue
@@ -526,9 +569,16 @@ def later_rounds(results: dict[str, dict[str, Any]], key: str, a: argparse.Names
         parts = {k: statistics.median(x.get("conn", {}).get(k, 0) for x in later) / 1000
                  for k in PER_REQUEST[:-1]}
         p50 = statistics.median(x["ttft"] for x in later) * 1000
+        phases = {k: statistics.median(x.get("conn", {}).get(k, 0) for x in later) / 1e6
+                  for k in PHASES}
+        rest = statistics.median(x["ttft"] * 1000 - x.get("conn", {}).get("phase_forward", 0)
+                                 / 1e6 for x in later)
         print(f"{arm:13} n {len(later):3d}  p50 {p50:6.1f}"
               f"  lookup {parts['s_lookup_us']:.2f}  load {parts['w_load_us']:.2f}"
-              f" (pin wait {parts['w_acquire_wait_us']:.2f})  save {parts['w_save_us']:.2f}")
+              f" (pin wait {parts['w_acquire_wait_us']:.2f})  save {parts['w_save_us']:.2f}"
+              f"  | schedule {phases['phase_schedule']:.2f}  execute "
+              f"{phases['phase_execute']:.2f} (forward {phases['phase_forward']:.2f})"
+              f"  TTFT less forward {rest:.2f}")
 
 
 def token_costs(rows: dict[str, dict[str, Any]]) -> None:
