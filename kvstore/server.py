@@ -141,6 +141,7 @@ class Server:
                 self.ssd = SsdMover(self.config, self.store, self.slot, self.transfers)
                 restored = self.ssd.restore()
                 self.ssd.metrics = self.metrics
+                self.store.on_forget = self.ssd.forget_namespace
             except BaseException:
                 self.arenas.close()
                 raise
@@ -239,6 +240,7 @@ class Server:
         if self.events is not None:
             self.events.close()
         if self.ssd is not None:
+            self.store.on_forget = None
             self.ssd.close()
             self.ssd = None
         if self.gpu is not None:
@@ -383,6 +385,8 @@ class Server:
             "server.max_requests_per_second": sessions.max_requests_per_second,
             "server.max_reservations_per_tenant": sessions.max_reservations_per_tenant,
             "server.max_pins_per_tenant": sessions.max_pins_per_tenant,
+            "server.max_namespaces_per_session": sessions.max_namespaces_per_session,
+            "server.max_namespaces_per_tenant": sessions.max_namespaces_per_tenant,
             "server.max_requests_per_second_per_tenant":
                 sessions.max_requests_per_second_per_tenant,
             "ssd.admit_after": self.store.ssd_admit_after,

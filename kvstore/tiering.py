@@ -87,10 +87,23 @@ class SsdMover:
             restored += sum(ok)
             self._pending_removals.extend((ns_id, r.key) for r, good in zip(group, ok)
                                           if not good)
+        for ns in namespaces.values():  # opened here; with no block back, forgotten
+            if self.store.close_namespace(ns):
+                self.forget_namespace(ns)
         return restored
 
     def remember_namespace(self, identity: Identity) -> None:
         self.engine.put_namespace(identity.namespace_id, msgspec.msgpack.encode(identity))
+
+    def forget_namespace(self, ns: Namespace) -> None:
+        """The store forgot ``ns`` (nothing of it is cached, nothing uses it): its record
+        goes now, on the loop as the record came, so that one opened again after this
+        keeps the record it writes (its blocks' records, if any are still to be removed,
+        are dropped at a restart with no namespace of theirs)."""
+        try:
+            self.engine.delete_namespace(ns.id)
+        except KVStoreError as exc:  # it comes back, empty, at a restart: no harm
+            log.warning("forgetting a namespace in the ssd index failed: %s", exc)
 
     # -- moves the pipeline asks for --------------------------------------------------
     async def write(self, blocks: list[Block]) -> None:

@@ -183,11 +183,15 @@ class Verbs:
         if identity.block_bytes > d.max_request_bytes:
             raise TooLargeError(f"blocks of {identity.block_bytes} bytes exceed the request "
                                 f"limit of {d.max_request_bytes}")
-        known = identity.namespace_id in d.store.namespaces
-        ns = d.store.open_namespace(identity)
-        if not known and d.ssd is not None:
-            d.ssd.remember_namespace(identity)
-        session.namespaces.add(ns.id)
+        if identity.namespace_id in session.namespaces:  # (its one use of it, already)
+            ns = d.store.namespaces[identity.namespace_id]
+        else:
+            d.sessions.check_namespaces(session, identity.tenant, identity.namespace_id)
+            known = identity.namespace_id in d.store.namespaces
+            ns = d.store.open_namespace(identity)
+            if not known and d.ssd is not None:
+                d.ssd.remember_namespace(identity)
+            session.namespaces.add(ns.id)
         arena = d.arena_for(identity.tenant)
         return p.NamespaceReply(req.rid, ns.id, ns.block_bytes, ns.cls.slot_bytes,
                                 arena.path, arena.capacity_bytes), []

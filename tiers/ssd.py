@@ -384,6 +384,13 @@ class SSDStore:
             raise MalformedError("namespace id must be 16 bytes")
         self._parts()[1].put_namespace(namespace, identity)
 
+    def delete_namespace(self, namespace: bytes) -> bool:
+        """Forget a namespace's identity bytes (True if there were any): at a restart,
+        records of its blocks still in the index are dropped as of no namespace."""
+        if len(namespace) != ID_BYTES:
+            raise MalformedError("namespace id must be 16 bytes")
+        return self._parts()[1].delete_namespace(namespace)
+
     def namespaces(self) -> dict[bytes, bytes]:
         """Every stored namespace id with its identity bytes."""
         return self._parts()[1].namespaces()

@@ -253,6 +253,12 @@ class SSDIndex:
         with self._mapped_errors("storing a namespace"), self._env.begin(write=True) as txn:
             txn.put(namespace, identity, db=self._namespaces)
 
+    def delete_namespace(self, namespace: bytes) -> bool:
+        """Forget a namespace's identity bytes (True if there were any)."""
+        with self._mapped_errors("forgetting a namespace"), \
+                self._env.begin(write=True) as txn:
+            return bool(txn.delete(namespace, db=self._namespaces))
+
     def namespaces(self) -> dict[bytes, bytes]:
         """Every namespace id with its identity bytes."""
         with self._env.begin() as txn:
