@@ -259,7 +259,7 @@ class StoreCore:
     def forget_if_gone(self, block: Block | None) -> None:
         """Remove entries that hold no copy, nothing depends on and nothing holds (and
         their namespace, once it has none and nothing uses it)."""
-        ns = None if block is None else block.ns
+        first = block
         while (block is not None and not block.present and block.kids is None
                and block.ssd_holds == 0 and not block.promoting
                and block.ns.blocks.get(block.key) is block):
@@ -272,8 +272,8 @@ class StoreCore:
             if parent is not None:
                 parent.remove_child(block)
             block = parent
-        if ns is not None and not ns.blocks:
-            self.forget_if_unused(ns)
+        if block is not first and first is not None and not first.ns.users:
+            self.forget_if_unused(first.ns)  # (an entry went: the namespace may be empty)
 
     def forget_if_unused(self, ns: Namespace) -> bool:
         """Forget a namespace with no entry that no session has open and no reservation

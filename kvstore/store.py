@@ -161,13 +161,19 @@ class BlockStore(StoreCore):
                     "the parent of the first key is not cached (evicted since lookup?); "
                     "look up the chain again and reserve from its longest cached prefix"
                 )
-        offsets = self.room.allocate(ns, len(keys), protect=parent_block)
+        # a user while room is made: evicting its last blocks must not forget it
+        ns.users += 1
+        try:
+            offsets = self.room.allocate(ns, len(keys), protect=parent_block)
+        except BaseException:
+            self.close_namespace(ns)
+            raise
         if isinstance(offsets, Plan):
+            self.close_namespace(ns)
             return offsets
         pinned = parent_block is not None and self.hold(parent_block)  # keep it till commit
         r = Reservation(next(self.ids), owner, ns, list(keys), parent_block, offsets, pinned)
         state.reservations[r.id] = r
-        ns.users += 1
         self.reserved_slots += len(offsets)
         self.reserved_bytes += len(offsets) * ns.cls.slot_bytes
         self.counters.reservations += 1

@@ -47,6 +47,8 @@ class SsdMover:
         self._promoting: dict[Block, asyncio.Future[None]] = {}
         self._background = Background()
         self._pending_removals: list[tuple[bytes, bytes]] = []
+        self._forgotten: set[bytes] = set()  # namespaces whose records are to go
+        self._forgetting = False  # a task is taking them out
         self.errors = 0
         self.reads = 0            # promotions, their bytes and time: the load bandwidth
         self.read_bytes = 0
@@ -87,23 +89,43 @@ class SsdMover:
             restored += sum(ok)
             self._pending_removals.extend((ns_id, r.key) for r, good in zip(group, ok)
                                           if not good)
-        for ns in namespaces.values():  # opened here; with no block back, forgotten
-            if self.store.close_namespace(ns):
-                self.forget_namespace(ns)
+        # opened here; with no block back, forgotten (before serving: at once)
+        empty = [ns.id for ns in namespaces.values() if self.store.close_namespace(ns)]
+        if empty:
+            self.engine.delete_namespaces_now(empty)
         return restored
 
     def remember_namespace(self, identity: Identity) -> None:
+        self._forgotten.discard(identity.namespace_id)  # (its delete, if queued, is void)
         self.engine.put_namespace(identity.namespace_id, msgspec.msgpack.encode(identity))
 
     def forget_namespace(self, ns: Namespace) -> None:
         """The store forgot ``ns`` (nothing of it is cached, nothing uses it): its record
-        goes now, on the loop as the record came, so that one opened again after this
-        keeps the record it writes (its blocks' records, if any are still to be removed,
-        are dropped at a restart with no namespace of theirs)."""
+        goes soon, with the others forgotten meanwhile, in one transaction off the loop
+        (one each on the loop stalled every client for seconds when a session of a
+        thousand namespaces ended).  A record whose namespace is opened again before or
+        while it goes is kept or written again (``_flush_forgotten``); its blocks'
+        records still to be removed, if any, are dropped at a restart with no namespace."""
+        self._forgotten.add(ns.id)
+        if not self._forgetting:
+            self._forgetting = True
+            self._background.spawn(self._flush_forgotten())
+
+    async def _flush_forgotten(self) -> None:
         try:
-            self.engine.delete_namespace(ns.id)
-        except KVStoreError as exc:  # it comes back, empty, at a restart: no harm
-            log.warning("forgetting a namespace in the ssd index failed: %s", exc)
+            while self._forgotten:
+                ids, self._forgotten = self._forgotten, set()
+                try:
+                    await self.engine.delete_namespaces(list(ids))
+                except KVStoreError as exc:  # they come back, empty, at a restart
+                    log.warning("forgetting %d namespaces in the ssd index failed: %s",
+                                len(ids), exc)
+                for ns_id in ids:  # opened again while the delete ran: written again
+                    ns = self.store.namespaces.get(ns_id)
+                    if ns is not None:
+                        self.remember_namespace(ns.identity)
+        finally:
+            self._forgetting = False
 
     # -- moves the pipeline asks for --------------------------------------------------
     async def write(self, blocks: list[Block]) -> None:
@@ -223,6 +245,8 @@ class SsdMover:
         """Finish queued writes and removals, then make everything durable."""
         await self._background.drain()
         await self._flush_removals([])
+        if self._forgotten and not self._forgetting:
+            await self._flush_forgotten()
         await self.engine.sync()
 
     def close(self) -> None:

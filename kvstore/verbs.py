@@ -187,10 +187,9 @@ class Verbs:
             ns = d.store.namespaces[identity.namespace_id]
         else:
             d.sessions.check_namespaces(session, identity.tenant, identity.namespace_id)
-            known = identity.namespace_id in d.store.namespaces
+            if identity.namespace_id not in d.store.namespaces and d.ssd is not None:
+                d.ssd.remember_namespace(identity)  # first: if refused, nothing is made
             ns = d.store.open_namespace(identity)
-            if not known and d.ssd is not None:
-                d.ssd.remember_namespace(identity)
             session.namespaces.add(ns.id)
         arena = d.arena_for(identity.tenant)
         return p.NamespaceReply(req.rid, ns.id, ns.block_bytes, ns.cls.slot_bytes,

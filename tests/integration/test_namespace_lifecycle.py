@@ -35,6 +35,14 @@ def settled(d: DaemonProcess, want: int, timeout: float = 10 * LEASE) -> int:
     return seen
 
 
+def ssd_has(client: Client, blocks: int) -> None:
+    """Wait until the SSD tier holds ``blocks`` (written through)."""
+    deadline = time.monotonic() + 10
+    while client.stats()["tiers"]["ssd"]["committed_slots"] < blocks:
+        assert time.monotonic() < deadline, "write-through did not reach the ssd"
+        time.sleep(0.05)
+
+
 def started(daemon_factory: Any, tmp_path: Path, toml: str = "", **kw: Any) -> DaemonProcess:
     config = tmp_path / "kvstore.toml"
     config.write_text(toml)
@@ -54,10 +62,7 @@ def test_namespaces_a_session_left_empty_are_forgotten_when_it_ends(
         keys = ns.keys(range(64))
         ns.put(keys, [bytes(kept.block_bytes)] * len(keys))
         assert namespaces(d) == 201
-        deadline = time.monotonic() + 10
-        while client.stats()["tiers"]["ssd"]["committed_slots"] < len(keys):
-            assert time.monotonic() < deadline, "write-through did not reach the ssd"
-            time.sleep(0.05)
+        ssd_has(client, len(keys))
     # the session ends with its lease: only the namespace with blocks stays
     assert settled(d, 1) == 1
     # and a restart does not bring the others back from the SSD tier's records
@@ -77,7 +82,9 @@ def test_a_namespace_emptied_after_its_session_ended_is_forgotten_and_can_come_b
     with Client(d.endpoint, tenant="acme") as client:
         ns = client.namespace(ident)
         ns.put(ns.keys(range(32)), [payload] * 2)
-    assert settled(d, 1) == 1  # its session ended; its blocks keep it
+        ssd_has(client, 2)  # (a block being written is pinned: a drop would keep it)
+    time.sleep(2 * LEASE)  # its session ends; its blocks keep the namespace
+    assert namespaces(d) == 1
     with Client(d.endpoint, tenant="acme") as client:
         ns = client.namespace(ident)
         assert ns.drop() == 2
@@ -87,10 +94,7 @@ def test_a_namespace_emptied_after_its_session_ended_is_forgotten_and_can_come_b
         ns = client.namespace(ident)
         keys = ns.keys(range(48))
         ns.put(keys, [payload] * 3)
-        deadline = time.monotonic() + 10
-        while client.stats()["tiers"]["ssd"]["committed_slots"] < 3:
-            assert time.monotonic() < deadline, "write-through did not reach the ssd"
-            time.sleep(0.05)
+        ssd_has(client, 3)
     d.stop()
     d.start()
     with Client(d.endpoint, tenant="acme") as client:
