@@ -24,7 +24,8 @@ from kvstore.errors import (
     LimitExceededError,
     NoSessionError,
 )
-from kvstore.store import BlockStore
+from kvstore.identity import Identity
+from kvstore.store import BlockStore, Namespace
 
 _EXPIRED_REMEMBERED = 4096  # connections whose session expired, told so (not "no session")
 
@@ -173,6 +174,21 @@ class Sessions:
             if ns is not None:
                 self.store.close_namespace(ns)
         session.namespaces.clear()
+
+    def open_namespace(self, session: Session, identity: Identity,
+                       remember: Callable[[Identity], None] | None = None) -> Namespace:
+        """The namespace of ``identity``, open in the session (its one use of it), within
+        the caps; ``remember`` writes a new one's record first (if refused, nothing is
+        made)."""
+        ns_id = identity.namespace_id
+        if ns_id in session.namespaces:
+            return self.store.namespaces[ns_id]
+        self.check_namespaces(session, identity.tenant, ns_id)
+        if ns_id not in self.store.namespaces and remember is not None:
+            remember(identity)
+        ns = self.store.open_namespace(identity)
+        session.namespaces.add(ns_id)
+        return ns
 
     def check_namespaces(self, session: Session, tenant: str, ns_id: bytes) -> None:
         """The caps on namespaces, for one the session has not open: the session's open
