@@ -232,6 +232,8 @@ class Server:
     def close(self) -> None:
         if self.invariant_watch is not None:
             self.invariant_watch.close()
+        # what is forgotten from here on keeps its SSD record (gone at the next start)
+        self.store.on_forget = None
         for owner in list(self.store.owners):
             self.store.drop_owner(owner)
         for side in self.sides:
@@ -240,7 +242,6 @@ class Server:
         if self.events is not None:
             self.events.close()
         if self.ssd is not None:
-            self.store.on_forget = None
             self.ssd.close()
             self.ssd = None
         if self.gpu is not None:

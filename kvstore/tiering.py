@@ -92,7 +92,11 @@ class SsdMover:
         # opened here; with no block back, forgotten (before serving: at once)
         empty = [ns.id for ns in namespaces.values() if self.store.close_namespace(ns)]
         if empty:
-            self.engine.delete_namespaces_now(empty)
+            try:
+                self.engine.delete_namespaces_now(empty)
+            except KVStoreError as exc:  # (a full index): they come back, empty, next time
+                log.warning("forgetting %d empty namespaces in the ssd index failed: %s",
+                            len(empty), exc)
         return restored
 
     def remember_namespace(self, identity: Identity) -> None:
@@ -123,7 +127,11 @@ class SsdMover:
                 for ns_id in ids:  # opened again while the delete ran: written again
                     ns = self.store.namespaces.get(ns_id)
                     if ns is not None:
-                        self.remember_namespace(ns.identity)
+                        try:
+                            self.remember_namespace(ns.identity)
+                        except KVStoreError as exc:  # its SSD blocks go at a restart
+                            log.warning("writing a namespace's ssd record again failed: "
+                                        "%s", exc)
         finally:
             self._forgetting = False
 
