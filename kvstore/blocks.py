@@ -226,6 +226,10 @@ class Namespace:
         self.cls = cls
         self.ssd_cls = ssd_cls
         self.blocks: BlockMap[Block] = BlockMap()  # key -> entry, grown a shard at a time
+        # sessions that have it open and reservations in it: with no entry either, the
+        # store forgets it (``forget_if_unused``): what a tenant cannot use costs nothing
+        self.users = 0
+        self.forgotten = False  # forgotten by the store: no reservation is made in it
 
     def __repr__(self) -> str:
         return f"Namespace({self.identity.model}, tenant={self.tenant}, blocks={len(self.blocks)})"

@@ -86,6 +86,8 @@ LIVE_SETTINGS: tuple[tuple[str, str], ...] = (
     ("server", "max_requests_per_second"),
     ("server", "max_reservations_per_tenant"),
     ("server", "max_pins_per_tenant"),
+    ("server", "max_namespaces_per_session"),
+    ("server", "max_namespaces_per_tenant"),
     ("server", "max_requests_per_second_per_tenant"),
     ("ssd", "admit_after"),
     ("dram", "eviction_policy"),
@@ -100,6 +102,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_request_bytes: str | int = "256MiB"
     max_reservations_per_session: int = 1024
     max_pins_per_session: int = 4096
+    max_namespaces_per_session: int = 1024
     log_level: str = "info"
     debug_invariants: bool = False
     metrics_port: int = 0
@@ -108,6 +111,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_bytes_in_flight: str | int = "1GiB"
     max_reservations_per_tenant: int = 0
     max_pins_per_tenant: int = 0
+    max_namespaces_per_tenant: int = 0
     max_requests_per_second_per_tenant: float = 0.0
     max_bytes_in_flight_per_tenant: str | int = 0
     max_transfers_in_flight: int = 8
@@ -325,7 +329,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not self.server.lease_seconds > 0:
             raise ConfigError("server.lease_seconds: must be a positive number of seconds")
         for name in ("max_keys_per_request", "max_reservations_per_session",
-                     "max_pins_per_session"):
+                     "max_pins_per_session", "max_namespaces_per_session"):
             if getattr(self.server, name) <= 0:
                 raise ConfigError(f"server.{name}: must be a positive integer")
         if self.server.log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -342,7 +346,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             # hello, shutting the tenant out
             raise ConfigError("server.max_requests_per_second_per_tenant: 0 (no limit) "
                               "or at least 1")
-        for name in ("max_reservations_per_tenant", "max_pins_per_tenant"):
+        for name in ("max_reservations_per_tenant", "max_pins_per_tenant",
+                     "max_namespaces_per_tenant"):
             if getattr(self.server, name) < 0:
                 raise ConfigError(f"server.{name}: 0 (no limit) or a positive integer")
         if self.server.max_transfers_in_flight < 1:

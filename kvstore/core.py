@@ -87,6 +87,8 @@ class StoreCore:
         self.namespaces: dict[bytes, Namespace] = {}
         # the same namespaces by tenant: what a probe searches, what a tenant's cap counts
         self.tenant_namespaces: dict[str, dict[bytes, Namespace]] = {}
+        # told of each namespace forgotten (the daemon: its SSD record goes too)
+        self.on_forget: Callable[[Namespace], None] | None = None
         self.owners: dict[Owner, OwnerState] = {}
         self.transfers: dict[int, Transfer] = {}
         self.counters = Counters()
@@ -178,8 +180,10 @@ class StoreCore:
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
         r.ns.dram.give(r.ns, r.offsets)
+        r.ns.users -= 1
         if r.parent is not None:
             self.unhold(r.parent, r.parent_pinned)
+        self.forget_if_unused(r.ns)
 
     def unpin(self, state: OwnerState, pin: Pin) -> None:
         del state.pins[pin.id]
@@ -253,7 +257,9 @@ class StoreCore:
         return self.remote_write_back is not None and self.remote_write_back()
 
     def forget_if_gone(self, block: Block | None) -> None:
-        """Remove entries that hold no copy, nothing depends on and nothing holds."""
+        """Remove entries that hold no copy, nothing depends on and nothing holds (and
+        their namespace, once it has none and nothing uses it)."""
+        first = block
         while (block is not None and not block.present and block.kids is None
                and block.ssd_holds == 0 and not block.promoting
                and block.ns.blocks.get(block.key) is block):
@@ -266,6 +272,25 @@ class StoreCore:
             if parent is not None:
                 parent.remove_child(block)
             block = parent
+        if block is not first and first is not None and not first.ns.users:
+            self.forget_if_unused(first.ns)  # (an entry went: the namespace may be empty)
+
+    def forget_if_unused(self, ns: Namespace) -> bool:
+        """Forget a namespace with no entry that no session has open and no reservation
+        is in (True if it was): its identity leaves the store, and the SSD tier's record
+        of it (``on_forget``); opening it again makes it anew.  So what a tenant opens
+        and leaves empty costs nothing once its sessions end."""
+        if ns.users or ns.blocks or self.namespaces.get(ns.id) is not ns:
+            return False
+        del self.namespaces[ns.id]
+        group = self.tenant_namespaces[ns.tenant]
+        del group[ns.id]
+        if not group:
+            del self.tenant_namespaces[ns.tenant]
+        ns.forgotten = True
+        if self.on_forget is not None:
+            self.on_forget(ns)
+        return True
 
     def drop_subtree(self, ns: Namespace, roots: list[Block], removed_ssd: list[tuple[bytes, bytes]]) -> None:
         """Drop the roots and what hangs below them, leaves first, except what is pinned,

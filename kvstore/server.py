@@ -141,6 +141,7 @@ class Server:
                 self.ssd = SsdMover(self.config, self.store, self.slot, self.transfers)
                 restored = self.ssd.restore()
                 self.ssd.metrics = self.metrics
+                self.store.on_forget = self.ssd.forget_namespace
             except BaseException:
                 self.arenas.close()
                 raise
@@ -231,6 +232,8 @@ class Server:
     def close(self) -> None:
         if self.invariant_watch is not None:
             self.invariant_watch.close()
+        # what is forgotten from here on keeps its SSD record (gone at the next start)
+        self.store.on_forget = None
         for owner in list(self.store.owners):
             self.store.drop_owner(owner)
         for side in self.sides:
@@ -383,6 +386,8 @@ class Server:
             "server.max_requests_per_second": sessions.max_requests_per_second,
             "server.max_reservations_per_tenant": sessions.max_reservations_per_tenant,
             "server.max_pins_per_tenant": sessions.max_pins_per_tenant,
+            "server.max_namespaces_per_session": sessions.max_namespaces_per_session,
+            "server.max_namespaces_per_tenant": sessions.max_namespaces_per_tenant,
             "server.max_requests_per_second_per_tenant":
                 sessions.max_requests_per_second_per_tenant,
             "ssd.admit_after": self.store.ssd_admit_after,

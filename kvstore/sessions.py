@@ -24,7 +24,8 @@ from kvstore.errors import (
     LimitExceededError,
     NoSessionError,
 )
-from kvstore.store import BlockStore
+from kvstore.identity import Identity
+from kvstore.store import BlockStore, Namespace
 
 _EXPIRED_REMEMBERED = 4096  # connections whose session expired, told so (not "no session")
 
@@ -87,6 +88,8 @@ class Sessions:
         self.max_requests_per_second_per_tenant = s.max_requests_per_second_per_tenant
         self.max_reservations_per_tenant = s.max_reservations_per_tenant
         self.max_pins_per_tenant = s.max_pins_per_tenant
+        self.max_namespaces_per_session = s.max_namespaces_per_session
+        self.max_namespaces_per_tenant = s.max_namespaces_per_tenant
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -154,12 +157,54 @@ class Sessions:
                 tenant.reservations -= session.reservations
                 tenant.pins -= session.pins
                 session.reservations = session.pins = 0
+                self._close_namespaces(session)
         for routing_id, session in list(self.by_connection.items()):
             if session.id in gone:
                 del self.by_connection[routing_id]
                 self._expired[routing_id] = None
         while len(self._expired) > _EXPIRED_REMEMBERED:
             del self._expired[next(iter(self._expired))]
+
+    def _close_namespaces(self, session: Session) -> None:
+        """A session that ended no longer uses its namespaces: those nothing else uses
+        are forgotten (``BlockStore.forget_if_unused``)."""
+        namespaces = self.store.namespaces
+        for ns_id in session.namespaces:
+            ns = namespaces.get(ns_id)
+            if ns is not None:
+                self.store.close_namespace(ns)
+        session.namespaces.clear()
+
+    def open_namespace(self, session: Session, identity: Identity,
+                       remember: Callable[[Identity], None] | None = None) -> Namespace:
+        """The namespace of ``identity``, open in the session (its one use of it), within
+        the caps; ``remember`` writes a new one's record first (if refused, nothing is
+        made)."""
+        ns_id = identity.namespace_id
+        if ns_id in session.namespaces:
+            return self.store.namespaces[ns_id]
+        self.check_namespaces(session, identity.tenant, ns_id)
+        if ns_id not in self.store.namespaces and remember is not None:
+            remember(identity)
+        ns = self.store.open_namespace(identity)
+        session.namespaces.add(ns_id)
+        return ns
+
+    def check_namespaces(self, session: Session, tenant: str, ns_id: bytes) -> None:
+        """The caps on namespaces, for one the session has not open: the session's open
+        ones, and a tenant's (those some session has open or that hold blocks: the store
+        forgets the others); one the store has already passes the tenant's."""
+        cap = self.max_namespaces_per_session
+        if len(session.namespaces) >= cap:
+            raise LimitExceededError(
+                f"the session has {len(session.namespaces)} namespaces open (limit {cap})")
+        cap = self.max_namespaces_per_tenant
+        if cap and ns_id not in self.store.namespaces:
+            held = len(self.store.tenant_namespaces.get(tenant, ()))
+            if held >= cap:
+                raise LimitExceededError(
+                    f"tenant {tenant!r} has {held} namespaces in use (limit {cap}); a "
+                    f"namespace no session has open and that holds no block is forgotten")
 
     def _tenant(self, name: str) -> Tenant:
         tenant = self.tenants.get(name)
@@ -274,3 +319,23 @@ class Sessions:
             expected = sums.get(name, [0, 0, 0])
             assert [tenant.sessions, tenant.reservations, tenant.pins] == expected, (
                 f"{tenant} does not sum its sessions: {expected}")
+        self._check_namespace_users()
+
+    def _check_namespace_users(self) -> None:
+        """Each namespace counts as users at least the sessions that have it open and the
+        reservations in it (fewer, and it could be forgotten in use; more is a caller of
+        the store's own, as a test or a restore), and the store keeps none that nothing
+        uses and that holds no entry."""
+        users: dict[bytes, int] = {}
+        for session in self.by_id.values():
+            for ns_id in session.namespaces:
+                assert ns_id in self.store.namespaces, f"{session} has a forgotten namespace"
+                users[ns_id] = users.get(ns_id, 0) + 1
+        for state in self.store.owners.values():
+            for r in state.reservations.values():
+                assert self.store.namespaces.get(r.ns.id) is r.ns, f"{r} in a forgotten namespace"
+                users[r.ns.id] = users.get(r.ns.id, 0) + 1
+        for ns_id, ns in self.store.namespaces.items():
+            assert ns.users >= users.get(ns_id, 0), (
+                f"{ns} counts {ns.users} users; {users.get(ns_id, 0)} use it")
+            assert ns.users or ns.blocks, f"{ns} is unused and empty, yet kept"

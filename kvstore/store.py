@@ -53,7 +53,12 @@ from kvstore.blocks import (
 )
 from kvstore.core import StoreCore
 from kvstore.dram_copies import DramCopies
-from kvstore.errors import LimitExceededError, MalformedError, NotFoundError
+from kvstore.errors import (
+    LimitExceededError,
+    MalformedError,
+    NotFoundError,
+    UnknownNamespaceError,
+)
 from kvstore.identity import Identity
 from kvstore.index import Index
 from kvstore.owners import Leases
@@ -95,6 +100,8 @@ class BlockStore(StoreCore):
 
     # -- namespaces and owners ----------------------------------------------------------
     def open_namespace(self, identity: Identity) -> Namespace:
+        """The namespace of ``identity``, made if new, with one more user (a session of
+        the daemon; ``close_namespace`` when done with it)."""
         ns = self.namespaces.get(identity.namespace_id)
         if ns is None:
             dram = self.dram_for(identity.tenant)
@@ -103,7 +110,13 @@ class BlockStore(StoreCore):
             ns = Namespace(identity, dram, cls, ssd_cls)
             self.namespaces[identity.namespace_id] = ns
             self.tenant_namespaces.setdefault(identity.tenant, {})[ns.id] = ns
+        ns.users += 1
         return ns
+
+    def close_namespace(self, ns: Namespace) -> bool:
+        """One user fewer; True if that left the namespace forgotten (``forget_if_unused``)."""
+        ns.users -= 1
+        return self.forget_if_unused(ns)
 
     def available_slots(self, ns: Namespace) -> int:
         """DRAM slots a reservation in ``ns`` could have now: free, or evictable."""
@@ -132,6 +145,8 @@ class BlockStore(StoreCore):
     ) -> Reservation | Plan:
         """DRAM slots for every key; or the plan of the writes that must come first, or an
         error, and nothing taken."""
+        if ns.forgotten:  # (a fetch for a session that ended, its namespace unused)
+            raise UnknownNamespaceError("the namespace is no longer open; open it again")
         state = self.leases.touch(owner, now)
         if len(state.reservations) >= self.limits.max_reservations_per_owner:
             raise LimitExceededError(
@@ -146,8 +161,15 @@ class BlockStore(StoreCore):
                     "the parent of the first key is not cached (evicted since lookup?); "
                     "look up the chain again and reserve from its longest cached prefix"
                 )
-        offsets = self.room.allocate(ns, len(keys), protect=parent_block)
+        # a user while room is made: evicting its last blocks must not forget it
+        ns.users += 1
+        try:
+            offsets = self.room.allocate(ns, len(keys), protect=parent_block)
+        except BaseException:
+            self.close_namespace(ns)
+            raise
         if isinstance(offsets, Plan):
+            self.close_namespace(ns)
             return offsets
         pinned = parent_block is not None and self.hold(parent_block)  # keep it till commit
         r = Reservation(next(self.ids), owner, ns, list(keys), parent_block, offsets, pinned)
@@ -191,6 +213,7 @@ class BlockStore(StoreCore):
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
         ns = r.ns
+        ns.users -= 1  # (its keys' entries keep it)
         policy = ns.dram.policy(ns.cls)
         parent = r.parent
         duplicates: list[int] = []

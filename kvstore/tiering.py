@@ -47,6 +47,8 @@ class SsdMover:
         self._promoting: dict[Block, asyncio.Future[None]] = {}
         self._background = Background()
         self._pending_removals: list[tuple[bytes, bytes]] = []
+        self._forgotten: set[bytes] = set()  # namespaces whose records are to go
+        self._forgetting = False  # a task is taking them out
         self.errors = 0
         self.reads = 0            # promotions, their bytes and time: the load bandwidth
         self.read_bytes = 0
@@ -87,10 +89,51 @@ class SsdMover:
             restored += sum(ok)
             self._pending_removals.extend((ns_id, r.key) for r, good in zip(group, ok)
                                           if not good)
+        # opened here; with no block back, forgotten (before serving: at once)
+        empty = [ns.id for ns in namespaces.values() if self.store.close_namespace(ns)]
+        if empty:
+            try:
+                self.engine.delete_namespaces_now(empty)
+            except KVStoreError as exc:  # (a full index): they come back, empty, next time
+                log.warning("forgetting %d empty namespaces in the ssd index failed: %s",
+                            len(empty), exc)
         return restored
 
     def remember_namespace(self, identity: Identity) -> None:
+        self._forgotten.discard(identity.namespace_id)  # (its delete, if queued, is void)
         self.engine.put_namespace(identity.namespace_id, msgspec.msgpack.encode(identity))
+
+    def forget_namespace(self, ns: Namespace) -> None:
+        """The store forgot ``ns`` (nothing of it is cached, nothing uses it): its record
+        goes soon, with the others forgotten meanwhile, in one transaction off the loop
+        (one each on the loop stalled every client for seconds when a session of a
+        thousand namespaces ended).  A record whose namespace is opened again before or
+        while it goes is kept or written again (``_flush_forgotten``); its blocks'
+        records still to be removed, if any, are dropped at a restart with no namespace."""
+        self._forgotten.add(ns.id)
+        if not self._forgetting:
+            self._forgetting = True
+            self._background.spawn(self._flush_forgotten())
+
+    async def _flush_forgotten(self) -> None:
+        try:
+            while self._forgotten:
+                ids, self._forgotten = self._forgotten, set()
+                try:
+                    await self.engine.delete_namespaces(list(ids))
+                except KVStoreError as exc:  # they come back, empty, at a restart
+                    log.warning("forgetting %d namespaces in the ssd index failed: %s",
+                                len(ids), exc)
+                for ns_id in ids:  # opened again while the delete ran: written again
+                    ns = self.store.namespaces.get(ns_id)
+                    if ns is not None:
+                        try:
+                            self.remember_namespace(ns.identity)
+                        except KVStoreError as exc:  # its SSD blocks go at a restart
+                            log.warning("writing a namespace's ssd record again failed: "
+                                        "%s", exc)
+        finally:
+            self._forgetting = False
 
     # -- moves the pipeline asks for --------------------------------------------------
     async def write(self, blocks: list[Block]) -> None:
@@ -210,6 +253,8 @@ class SsdMover:
         """Finish queued writes and removals, then make everything durable."""
         await self._background.drain()
         await self._flush_removals([])
+        if self._forgotten and not self._forgetting:
+            await self._flush_forgotten()
         await self.engine.sync()
 
     def close(self) -> None:

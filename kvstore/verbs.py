@@ -184,11 +184,8 @@ class Verbs:
         if identity.block_bytes > d.max_request_bytes:
             raise TooLargeError(f"blocks of {identity.block_bytes} bytes exceed the request "
                                 f"limit of {d.max_request_bytes}")
-        known = identity.namespace_id in d.store.namespaces
-        ns = d.store.open_namespace(identity)
-        if not known and d.ssd is not None:
-            d.ssd.remember_namespace(identity)
-        session.namespaces.add(ns.id)
+        ns = d.sessions.open_namespace(
+            session, identity, d.ssd.remember_namespace if d.ssd is not None else None)
         arena = d.arena_for(identity.tenant)
         return p.NamespaceReply(req.rid, ns.id, ns.block_bytes, ns.cls.slot_bytes,
                                 arena.path, arena.capacity_bytes), []

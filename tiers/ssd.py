@@ -90,6 +90,12 @@ def _check_id(block: BlockId) -> bytes:
     return namespace + key
 
 
+def _check_namespace(namespace: bytes) -> bytes:
+    if len(namespace) != ID_BYTES:
+        raise MalformedError("namespace id must be 16 bytes")
+    return namespace
+
+
 def _check_write(
     layout: SlabLayout, records: Sequence[BlockRecord], datas: Sequence[ReadableBuffer]
 ) -> list[Span]:
@@ -383,6 +389,19 @@ class SSDStore:
         if len(namespace) != ID_BYTES:
             raise MalformedError("namespace id must be 16 bytes")
         self._parts()[1].put_namespace(namespace, identity)
+
+    async def delete_namespaces(self, namespaces: list[bytes]) -> int:
+        """Forget namespaces' identity bytes, in one transaction off the caller's thread
+        (how many were there): at a restart, records of their blocks still in the index
+        are dropped as of no namespace."""
+        ids = [_check_namespace(ns) for ns in namespaces]
+        pool = self._open_pool()
+        return await asyncio.get_running_loop().run_in_executor(
+            pool, self._parts()[1].delete_namespaces, ids)
+
+    def delete_namespaces_now(self, namespaces: list[bytes]) -> int:
+        """``delete_namespaces`` on this thread (at start-up, before serving)."""
+        return self._parts()[1].delete_namespaces([_check_namespace(ns) for ns in namespaces])
 
     def namespaces(self) -> dict[bytes, bytes]:
         """Every stored namespace id with its identity bytes."""

@@ -253,6 +253,12 @@ class SSDIndex:
         with self._mapped_errors("storing a namespace"), self._env.begin(write=True) as txn:
             txn.put(namespace, identity, db=self._namespaces)
 
+    def delete_namespaces(self, namespaces: list[bytes]) -> int:
+        """Forget namespaces' identity bytes, in one transaction (how many were there)."""
+        with self._mapped_errors("forgetting namespaces"), \
+                self._env.begin(write=True) as txn:
+            return sum(bool(txn.delete(ns, db=self._namespaces)) for ns in namespaces)
+
     def namespaces(self) -> dict[bytes, bytes]:
         """Every namespace id with its identity bytes."""
         with self._env.begin() as txn:

@@ -149,6 +149,8 @@ RELOADED = {
     ("server", "max_requests_per_second"): 5000.0,
     ("server", "max_reservations_per_tenant"): 500,
     ("server", "max_pins_per_tenant"): 600,
+    ("server", "max_namespaces_per_session"): 99,
+    ("server", "max_namespaces_per_tenant"): 700,
     ("server", "max_requests_per_second_per_tenant"): 9000.0,
     ("ssd", "admit_after"): 3,
     ("dram", "eviction_policy"): "arc",
