@@ -229,10 +229,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace_jobs = [(path, args.trace_requests, shares, policies) for path in args.trace]
     cells: list[Cell] = []
     with ProcessPoolExecutor(args.jobs) as pool:
-        for done in pool.map(_trace_job, trace_jobs):
-            cells += done
-        for done in pool.map(_job, jobs):
-            cells += done
+        # every job submitted at once: a long trace replays beside the generated ones,
+        # not alone before them (the cells still come in this order)
+        pending = [pool.submit(_trace_job, job) for job in trace_jobs]
+        pending += [pool.submit(_job, job) for job in jobs]
+        for future in pending:
+            cells += future.result()
     print(format_report(cells, args.subject, args.worst))
     print(f"({len(cells)} cells, {time.perf_counter() - started:.0f} s)")
     return 0
