@@ -275,6 +275,9 @@ class EventMaker:
                        tier: str) -> tuple[bytes, ...]:
         medium, locality = MEDIA[tier]
         marks: list[Any] = [msgspec.Raw(m) for m in _MARKS]  # (each encodes as is)
+        if len(self._stored) >= _LAYOUTS_KEPT:  # salts per user or request: made again
+            self._stored.clear()
+            self._extra.clear()
         if salt and salt not in self._extra:
             self._extra[salt] = msgspec.msgpack.encode((salt,))
         event = self.stored(marks[0], marks[1], marks[2], block_tokens, None, medium,
@@ -290,6 +293,9 @@ class EventMaker:
         event = self.removed(mark, medium, self.group_idx, locality)
         layout = self._removed[tier] = _cut(msgspec.msgpack.encode(event), 1)
         return layout
+
+
+_LAYOUTS_KEPT = 4096  # BlockStored layouts (and salts' items) kept at most
 
 
 def _cut(encoded: bytes, fields: int) -> tuple[bytes, ...]:
@@ -432,8 +438,9 @@ class EventPublisher:
         # begun while it ran woke it every ``quiet`` or twice the wait (tens of
         # microseconds a wake, its caches cold: 3 us a request in the benchmark's
         # rounds).  A cancelled timer wakes nobody: the loop drops it from the head of
-        # its heap before it waits.  A daemon idle for longer than ``quiet`` since its last batch is not under load:
-        # this batch waits ``interval`` again, not a past burst's wait.
+        # its heap before it waits.  A daemon idle for longer than ``quiet`` since its
+        # last batch is not under load: this batch waits ``interval`` again, not a past
+        # burst's wait.
         loop = self._loop
         if loop is None:
             return

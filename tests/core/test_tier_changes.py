@@ -547,3 +547,51 @@ def test_a_block_back_from_ssd_keeps_its_ids_unless_its_commit_brings_some() -> 
     assert all(b.tokens is second for b in blocks) and second.live == 2
     changes.drain()
     assert _token_ids(Stored("ssd", ns, blocks)) == tokens
+
+
+def test_a_commits_claimed_size_makes_nothing_that_large() -> None:
+    # a commit's token ids checked against what it claims (its blocks' tokens) made
+    # tags of that size, and kept them, before looking at the size it sent
+    import tracemalloc
+
+    import pytest
+
+    from kvstore.errors import MalformedError
+    from kvstore.token_ids import run_of
+
+    keys = [bytes([i]) * 16 for i in range(32)]
+    tracemalloc.start()
+    try:
+        for _ in range(3):
+            with pytest.raises(MalformedError, match="one buffer"):
+                run_of(b"\x01", keys, 1 << 20)  # claims 32 Mi token ids; sends one byte
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_the_layouts_of_many_salts_are_kept_within_a_bound() -> None:
+    # salts per user or per request: a layout (and an item) each, made again once the
+    # bound is passed, the batches the same bytes as the events encoded
+    from kvstore.events import _LAYOUTS_KEPT
+
+    slot = IDENT.block_bytes
+    store = BlockStore(8 * slot, 4 * slot)
+    changes = TierChanges()
+    store.record_changes(changes)
+    maker = EventMaker(EventsConfig())
+    for i in range(_LAYOUTS_KEPT + 100):
+        ns = store.open_namespace(make_identity(salt=f"user-{i}"))
+        keys = chain_keys(ns.id, list(range(IDENT.block_tokens)), IDENT.block_tokens)
+        r = store.reserve("o", ns, keys, None, 0.0)
+        store.commit("o", r.id, 0.0)  # type: ignore[union-attr]
+        drained = changes.drain()
+        payload, count = maker.payload(drained, 1.0, None)
+        if i % 512 == 0 or i >= _LAYOUTS_KEPT - 2:
+            assert payload == msgspec.msgpack.encode(
+                KVEventBatch(1.0, maker.events(drained), None))
+        store.evict(ns, keys)
+        store.close_namespace(ns)
+        changes.drain()
+    assert len(maker._stored) <= _LAYOUTS_KEPT and len(maker._extra) <= _LAYOUTS_KEPT
