@@ -181,6 +181,7 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     topic: str = ""             # llm-d expects kv@<pod>@<model>
     encoding: str = "map"       # "map": events tagged by a "type" key; "array": positional
     buffer_steps: int = 10000   # batches kept for replay
+    buffer_bytes: str | int = "256MiB"  # ... and at most this many bytes of them
     queue_batches: int = 10000  # batches queued per subscriber before drops
     group_idx: int = -1         # the KV cache group events name (-1: left out)
     data_parallel_rank: int = -1  # stamped on every batch (-1: left out)
@@ -228,7 +229,7 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("events.quiet_ms: from 0 (interval_ms) to 1000")
         if not 0 <= self.busy_interval_ms <= 1000:
             raise ConfigError("events.busy_interval_ms: from 0 (interval_ms) to 1000")
-        for name in ("dram_bandwidth", "ssd_bandwidth", "remote_bandwidth"):
+        for name in ("dram_bandwidth", "ssd_bandwidth", "remote_bandwidth", "buffer_bytes"):
             if parse_size(getattr(self, name), f"events.{name}") <= 0:
                 raise ConfigError(f"events.{name}: must be a positive number of bytes")
 

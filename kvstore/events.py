@@ -41,7 +41,7 @@ import msgspec
 import zmq
 
 from kvstore.blocks import DRAM, SSD, Block, Namespace
-from kvstore.config import EventsConfig
+from kvstore.config import EventsConfig, parse_size
 from kvstore.store import BlockStore
 from kvstore.tier_changes import GPU, REMOTE, Change, Removed, Stored, TierChanges
 from kvstore.token_ids import array_header, run_bytes, run_parts
@@ -52,6 +52,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # How often batches read the subscriptions (seconds): a new subscriber's first batch may
 # come that much later, a batch may go to no one for as long after the last one left.
 SUBSCRIPTIONS_EVERY = 0.05
+_REPLAYS_A_TURN = 16  # replay requests answered in one call (the rest: the next turn)
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 # A frame's send without pyzmq's Python layer: ``send_multipart`` combines each frame's
@@ -343,12 +344,16 @@ class EventPublisher:
         self.encoder = msgspec.msgpack.Encoder()
         self.topic = config.topic.encode()
         self.rank = config.data_parallel_rank if config.data_parallel_rank >= 0 else None
-        self.ring: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self.ring: deque[tuple[int, bytes]] = deque()
+        self.ring_bytes = 0  # of the batches in it, within ``buffer_bytes``
+        self.ring_most = parse_size(config.buffer_bytes, "events.buffer_bytes")
         self.seq = 0                # the next batch's sequence number
         self.batches = 0
         self.events = 0
         self.dropped = 0            # batches a subscriber's full queue refused
         self.replays = 0
+        self.cut_replays = 0        # answers cut: the peer's queue was full, or it left
+        self.bad_replays = 0        # requests not laid out as a replay request
         self.unheard = 0            # batches numbered but not built: nobody would get them
         self.subscriptions: set[bytes] = set()  # topics someone subscribes to
         # Whether writers should send token ids (replies tell them): someone subscribes,
@@ -390,7 +395,10 @@ class EventPublisher:
         if self.config.replay_endpoint:
             replay = self._ctx.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
-            replay.setsockopt(zmq.SNDHWM, 0)
+            # one whole answer queued per peer at most (a peer that asks again and again
+            # and never reads gets the rest of its answers cut: ``_serve_replays``)
+            replay.setsockopt(zmq.SNDHWM, self.config.buffer_steps + 2)
+            replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
             replay.bind(self.config.replay_endpoint)
             self.endpoints.append(replay.getsockopt_string(zmq.LAST_ENDPOINT))
             self._replay = replay
@@ -527,7 +535,12 @@ class EventPublisher:
         """Number, keep and send one encoded batch of ``count`` events."""
         seq = self.seq
         self.seq += 1
-        self.ring.append((seq, payload))
+        ring = self.ring
+        ring.append((seq, payload))
+        self.ring_bytes += len(payload)
+        while len(ring) > 1 and (len(ring) > self.config.buffer_steps
+                                 or self.ring_bytes > self.ring_most):
+            self.ring_bytes -= len(ring.popleft()[1])
         self.batches += 1
         self.events += count
         pub = self._pub
@@ -574,29 +587,49 @@ class EventPublisher:
         self.tokens_wanted = bool(self.subscriptions) or self._replay is not None
 
     def _serve_replays(self) -> None:
+        """Answer replay requests, a few a call (more: the next loop turn).  The batches
+        go out by reference (no copy each), without waiting: a peer whose queue is full
+        (it asks and does not read) has the rest of that answer cut, end included."""
         sock = self._replay
-        while sock is not None and _readable(sock):
+        for _ in range(_REPLAYS_A_TURN):
+            if sock is None or not _readable(sock):
+                return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                break
+                return
             if len(frames) != 3 or len(frames[2]) != 8:
-                log.warning("replay request of %d frames ignored: expected [identity, "
-                            "empty, 8-byte sequence]", len(frames))
+                self.bad_replays += 1
+                if self.bad_replays & (self.bad_replays - 1) == 0:  # 1, 2, 4, 8...: a flood
+                    log.warning("replay request of %d frames ignored: expected "  # logs little
+                                "[identity, empty, 8-byte sequence] (%d so far)",
+                                len(frames), self.bad_replays)
                 continue
             peer, _, start = frames
             first = int.from_bytes(start, "big")
             self.replays += 1
-            for seq, payload in list(self.ring):
-                if seq >= first:
-                    sock.send_multipart((peer, b"", seq.to_bytes(8, "big"), payload))
-            sock.send_multipart((peer, b"", END_SEQ, b""))
+            try:  # (once its first frame is taken, ZeroMQ takes the whole message)
+                for seq, payload in list(self.ring):
+                    if seq >= first:
+                        _send(sock, peer, _MORE)
+                        _send(sock, b"", _MORE)
+                        _send(sock, seq.to_bytes(8, "big"), _MORE)
+                        _send(sock, payload, _NOBLOCK, False)  # by reference
+                _send(sock, peer, _MORE)
+                _send(sock, b"", _MORE)
+                _send(sock, END_SEQ, _MORE)
+                _send(sock, b"", _NOBLOCK)
+            except zmq.ZMQError:  # full (Again), or gone: the rest of it is cut
+                self.cut_replays += 1
+        if self._loop is not None:
+            self._loop.call_soon(self._serve_replays)  # (more may wait: read next turn)
 
     def stats(self) -> dict[str, int]:
         return {"batches": self.batches, "events": self.events, "dropped": self.dropped,
                 "unheard": self.unheard,
-                "replays": self.replays, "last_seq": self.last_seq,
-                "buffered": len(self.ring)}
+                "replays": self.replays, "cut_replays": self.cut_replays,
+                "bad_replays": self.bad_replays, "last_seq": self.last_seq,
+                "buffered": len(self.ring), "buffered_bytes": self.ring_bytes}
 
 
 def _readable(sock: zmq.Socket[bytes]) -> bool:

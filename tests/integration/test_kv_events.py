@@ -610,3 +610,45 @@ def test_token_ids_travel_only_while_someone_hears_and_a_stale_reply_loses_no_ev
         until(unwanted, "token ids still wanted with nobody subscribed")
         assert c.stats()["events"]["dropped"] == 0
     ctx.term()
+
+
+def test_the_replay_ring_is_bounded_by_bytes_and_a_peer_that_never_reads_is_cut_off(
+        daemon_factory: Any) -> None:
+    # batches of token ids fill a ring of 10000 by count alone to gigabytes; a replay
+    # request of 8 bytes resent it all, copied, into an unbounded queue per request
+    pub, replay = free_port(), free_port()
+    d: DaemonProcess = daemon_factory(env=events_env(
+        pub, replay, KVSTORE_EVENTS_BUFFER_BYTES="4KiB", KVSTORE_EVENTS_BUFFER_STEPS="8"))
+    sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    ctx = zmq.Context()
+    hog = ctx.socket(zmq.DEALER)  # asks again and again, reads nothing
+    hog.setsockopt(zmq.RCVHWM, 1)
+    hog.setsockopt(zmq.RCVBUF, 4096)
+    hog.connect(f"tcp://127.0.0.1:{replay}")
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(IDENT)
+            time.sleep(0.3)  # the subscription reaches the daemon
+            for i in range(40):  # a batch of 8 blocks each: about 1 KiB
+                keys = ns.keys(list(range(i * 1000, i * 1000 + 8 * BT)))
+                ns.put(keys, [content(k) for k in keys])
+                time.sleep(0.06)  # (its own batch)
+            events = c.stats()["events"]
+            assert events["buffered_bytes"] <= 4 << 10 and events["buffered"] < 8
+            last = events["last_seq"]
+            kept = sub.replay(0)  # from the first: only what the ring keeps
+            assert [s for s, _ in kept] == list(range(last - len(kept) + 1, last + 1))
+            for _ in range(200):
+                for _ in range(50):
+                    hog.send_multipart([b"", (0).to_bytes(8, "big")])
+                if c.stats()["events"]["cut_replays"]:
+                    break
+            assert c.stats()["events"]["cut_replays"] > 0
+            started = time.perf_counter()
+            c.ping()  # (the daemon answers others meanwhile)
+            assert time.perf_counter() - started < 5
+            assert [s for s, _ in sub.replay(last)] == [last]  # another peer is answered
+    finally:
+        hog.close(linger=0)
+        ctx.term()
+        sub.close()
