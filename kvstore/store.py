@@ -206,9 +206,13 @@ class BlockStore(StoreCore):
         state, r = self.leases.take_reservation(owner, rid, now)
         if checksums and len(checksums) != len(r.keys):
             raise MalformedError(f"{len(checksums)} checksums for {len(r.keys)} blocks")
-        # token ids are kept only for events (none: a writer sending them costs nothing)
+        # token ids are kept only for events (none: a writer sending them costs nothing),
+        # and only while no larger than the blocks (they live outside every tier's
+        # capacity: an identity of huge blocks_tokens and tiny blocks made them most of
+        # the daemon's memory; no model's KV is smaller than its ids)
         runs = (run_of(tokens, r.keys, r.ns.identity.block_tokens)
-                if tokens and self.changes is not None else [])
+                if tokens and self.changes is not None
+                and _ids_bytes(tokens) <= len(r.keys) * r.ns.block_bytes else [])
         del state.reservations[rid]
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
@@ -406,3 +410,7 @@ class BlockStore(StoreCore):
                 f"dram committed={self.committed_slots} reserved={self.reserved_slots}, "
                 f"ssd committed={self.ssd_committed_slots} reserved={self.ssd_reserved_slots}, "
                 f"owners={len(self.owners)}, transfers={len(self.transfers)})")
+
+
+def _ids_bytes(tokens: bytes | Sequence[bytes]) -> int:
+    return len(tokens) if isinstance(tokens, bytes) else sum(map(len, tokens))

@@ -595,3 +595,21 @@ def test_the_layouts_of_many_salts_are_kept_within_a_bound() -> None:
         store.close_namespace(ns)
         changes.drain()
     assert len(maker._stored) <= _LAYOUTS_KEPT and len(maker._extra) <= _LAYOUTS_KEPT
+
+
+def test_token_ids_larger_than_their_blocks_are_not_kept() -> None:
+    # they live outside every tier's capacity: an identity of tiny blocks and many
+    # tokens a block made them most of the daemon's memory
+    tiny = make_identity(model="tiny", num_layers=1, num_kv_heads=1, head_dim=1)
+    assert 5 * tiny.block_tokens > tiny.block_bytes  # its ids outweigh its blocks
+    for ident, kept in ((IDENT, True), (tiny, False)):
+        store = BlockStore(64 * IDENT.block_bytes, 16 * IDENT.block_bytes)
+        changes = TierChanges()
+        store.record_changes(changes)
+        ns = store.open_namespace(ident)
+        bt = ident.block_tokens
+        keys = chain_keys(ns.id, list(range(2 * bt)), bt)
+        r = store.reserve("o", ns, keys, None, 0.0)
+        ids = encode_chain(range(2 * bt), 2, bt)
+        store.commit("o", r.id, 0.0, tokens=ids)  # type: ignore[union-attr]
+        assert all((ns.blocks[k].tokens is not None) == kept for k in keys)
