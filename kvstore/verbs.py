@@ -481,9 +481,11 @@ class Verbs:
                             d.limits.lease_seconds, self._tokens_wanted()), []
 
     def _report(self, session: Session, req: p.Report, payload: list[Any]) -> Outcome:
-        if req.recomputed_tokens < 0:
-            raise MalformedError("recomputed_tokens cannot be negative")
-        self.d.scheduling["recomputed_tokens"] += req.recomputed_tokens
+        if not 0 <= req.recomputed_tokens <= p.MAX_REPORTED_TOKENS:
+            raise MalformedError(f"recomputed_tokens must be 0 to {p.MAX_REPORTED_TOKENS}")
+        counts = self.d.scheduling  # saturates: stats (msgpack) always carry it
+        counts["recomputed_tokens"] = min(counts["recomputed_tokens"] + req.recomputed_tokens,
+                                          MAX_COUNTER)
         return p.OkReply(req.rid), []
 
     def _stats(self, session: Session, req: p.Stats, payload: list[Any]) -> Outcome:
@@ -499,6 +501,9 @@ class Verbs:
 
     def _ping(self, session: Session, req: p.Ping, payload: list[Any]) -> Outcome:
         return p.OkReply(req.rid), []
+
+
+MAX_COUNTER = (1 << 63) - 1  # where a summed counter stops (msgpack's int64)
 
 
 def tier_runs(tiers: list[str]) -> list[tuple[str, int]]:
