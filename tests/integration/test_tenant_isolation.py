@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import zmq
 from daemon_proc import DaemonProcess, error_records, free_port
+from kvtest import make_identity
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore import Client
@@ -110,6 +111,41 @@ def test_an_oversized_report_is_refused_and_stats_keep_answering(
     with Client(d.endpoint, token=token(secret, "globex")) as other:
         assert other.stats()["scheduling"]["recomputed_tokens"] == p.MAX_REPORTED_TOKENS
     assert not error_records(d.log())
+
+
+def test_with_credentials_a_tenant_sees_only_its_own_tenants_figures(
+        token_daemon: tuple[DaemonProcess, Path, int]) -> None:
+    d, secret, port = token_daemon
+    victim_id = make_identity(tenant="globex-secret-customer")
+    with Client(d.endpoint, token=token(secret, "globex-secret-customer")) as victim, \
+            Client(d.endpoint, token=token(secret, "acme")) as spy:
+        ns = victim.namespace(victim_id)
+        put_blocks(ns, 8)
+        mine = spy.namespace(make_identity(tenant="acme"))
+        put_blocks(mine, 3)
+        public = spy.namespace(make_identity(tenant="public", model="system-prompt"))
+        put_blocks(public, 2)
+        seen = spy.stats()
+        assert seen["tenant_dram_bytes"] == {"acme": 3 * mine.block_bytes,
+                                             "public": 2 * public.block_bytes}
+        assert "globex-secret-customer" not in repr(seen)
+        assert victim.stats()["tenant_dram_bytes"] == {
+            "globex-secret-customer": 8 * ns.block_bytes}
+    # the operator's surfaces still show every tenant
+    out = subprocess.run([sys.executable, "-m", "kvstore", "stats", "--json", "--endpoint",
+                          d.endpoint], capture_output=True, text=True, check=True, timeout=60,
+                         env=dict(os.environ, KVSTORE_TOKEN=token(secret, "acme"))).stdout
+    assert "globex-secret-customer" not in out and "acme" in out
+    assert "globex-secret-customer" in urllib.request.urlopen(
+        f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
+def test_without_credentials_stats_show_every_tenant(daemon: DaemonProcess) -> None:
+    with Client(d_endpoint := daemon.endpoint, tenant="globex") as b, \
+            Client(d_endpoint, tenant="acme") as a:
+        ns = b.namespace(make_identity(tenant="globex"))
+        put_blocks(ns, 4)
+        assert a.stats()["tenant_dram_bytes"] == {"globex": 4 * ns.block_bytes}
 
 
 @pytest.fixture
