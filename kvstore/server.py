@@ -39,7 +39,7 @@ from kvstore.heap import settle_every
 from kvstore.invariant_watch import InvariantWatch
 from kvstore.later import Finisher
 from kvstore.logs import in_effect
-from kvstore.metrics import Metrics, stats_on_loop
+from kvstore.metrics import UNAUTHENTICATED, Metrics, stats_on_loop
 from kvstore.moves import Moves
 from kvstore.plans import Plan
 from kvstore.remote import RemoteTier
@@ -254,7 +254,9 @@ class Server:
     def _on_message(self, routing_id: bytes, frames: list[zmq.Frame], secure: bool) -> None:
         """Handle one request from the transport: exactly one reply, now or from a task."""
         start = time.perf_counter()
-        verb, tenant, code = "invalid", "", None
+        # a request is labelled with its session's tenant, once there is one: a refused
+        # hello's self-named tenant never takes one of the metrics' tenant labels
+        verb, tenant, code = "invalid", UNAUTHENTICATED, None
         if len(frames) < 2:
             self.transport.send(routing_id, p.ErrorReply(0, MalformedError.code,
                                                          "a request needs a header frame"), [])
@@ -276,10 +278,10 @@ class Server:
             verb = verbs.names[type(request)]
             handler = verbs.table[type(request)]
             if isinstance(request, p.Hello):
-                tenant = request.tenant
                 curve_tenant = str(frames[1].get("User-Id")) if secure else None
                 session = verbs.greet(routing_id, request, curve_tenant,
                                       self.transport.peer_uid(routing_id, frames))
+                tenant = session.tenant
                 hello = handler(session, request, frames[2:])
                 assert isinstance(hello, tuple), "a hello is answered at once"
                 reply, payload = hello

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore import Client
 from kvstore import protocol as p
 from kvstore.config import load_config
+from kvstore.metrics import UNAUTHENTICATED
 from kvstore.server import Server
 
 
@@ -146,6 +147,35 @@ def test_without_credentials_stats_show_every_tenant(daemon: DaemonProcess) -> N
         ns = b.namespace(make_identity(tenant="globex"))
         put_blocks(ns, 4)
         assert a.stats()["tenant_dram_bytes"] == {"globex": 4 * ns.block_bytes}
+
+
+def test_refused_hellos_never_take_a_tenant_label(
+        token_daemon: tuple[DaemonProcess, Path, int]) -> None:
+    d, secret, port = token_daemon
+    assert d.tcp_endpoint is not None
+    acme = token(secret, "acme")
+    refused = 0
+    for c in range(33):  # past the metrics' 256 tenant labels
+        raw = Raw(d.tcp_endpoint, "acme", acme)
+        try:
+            for i in range(8):
+                reply = raw.ask(p.Hello(1, p.PROTOCOL_VERSION, f"junk-{c}-{i}-" + "A" * 300,
+                                        acme))
+                refused += isinstance(reply, p.ErrorReply) and reply.code == "forbidden"
+        finally:
+            raw.close()
+    assert refused == 264
+    with Client(d.endpoint, token=token(secret, "newco")) as real:
+        ns = real.namespace(make_identity(tenant="newco"))
+        for i in range(5):
+            ns.lookup([os.urandom(16)])
+    samples = scrape(port)
+    requests = {labels: v for (name, labels), v in samples.items()
+                if name == "kvstore_requests_total"}
+    assert requests[(("tenant", "newco"), ("verb", "lookup"))] == 5
+    assert requests[(("tenant", UNAUTHENTICATED), ("verb", "hello"))] == 264
+    assert not [labels for labels in requests if "junk" in repr(labels)]
+    assert not [labels for labels in requests if ("tenant", "_other") in labels]
 
 
 @pytest.fixture
