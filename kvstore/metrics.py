@@ -49,6 +49,8 @@ StatsSource = Callable[[], Mapping[str, Any]]
 
 OTHER_TENANT = "_other"
 """The label of every tenant past ``max_tenants``."""
+UNAUTHENTICATED = "_unauthenticated"
+"""The label of requests made without a session (a refused hello, one before hello)."""
 
 REQUEST_SECONDS_BUCKETS = (
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
@@ -432,7 +434,7 @@ class Metrics:
     def _tenant(self, tenant: str) -> str:
         # Tenants are named by clients; capping them keeps a misbehaving client from
         # growing the exposition (and this process) without bound.
-        if tenant in self._tenants:
+        if tenant in self._tenants or tenant == UNAUTHENTICATED:
             return tenant
         if len(self._tenants) < self.max_tenants:
             self._tenants.add(tenant)

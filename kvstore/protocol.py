@@ -19,6 +19,9 @@ MAX_HEADER_BYTES = 1 << 20
 
 
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+# The most tokens one Report may count (a trillion, far past any engine's interval): the
+# daemon sums reports, and the sum must stay an int that msgpack can encode in stats.
+MAX_REPORTED_TOKENS = 1 << 40
 KEY_BYTES = 16
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 
@@ -138,7 +141,7 @@ class ReserveBatch(Message, tag="reserve_batch"):
 class Report(Message, tag="report"):
     """What an engine tells the daemon for its metrics."""
 
-    recomputed_tokens: int = 0
+    recomputed_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_REPORTED_TOKENS)] = 0
 
 
 class GpuAttach(Message, tag="gpu"):

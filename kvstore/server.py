@@ -39,7 +39,7 @@ from kvstore.heap import settle_every
 from kvstore.invariant_watch import InvariantWatch
 from kvstore.later import Finisher
 from kvstore.logs import in_effect
-from kvstore.metrics import Metrics, stats_on_loop
+from kvstore.metrics import UNAUTHENTICATED, Metrics, stats_on_loop
 from kvstore.moves import Moves
 from kvstore.plans import Plan
 from kvstore.remote import RemoteTier
@@ -54,7 +54,7 @@ from kvstore.tiering import SsdMover
 from kvstore.tiers.arena_fds import side_path
 from kvstore.tiers.dram import Arenas, DramArena, sweep_stale_arenas
 from kvstore.transfers import TransferGate, serving
-from kvstore.transport import Transport
+from kvstore.transport import PinnedFrames, Transport
 from kvstore.verbs import GET_OWNER, Verbs
 
 log = logging.getLogger("kvstore.server")
@@ -254,7 +254,9 @@ class Server:
     def _on_message(self, routing_id: bytes, frames: list[zmq.Frame], secure: bool) -> None:
         """Handle one request from the transport: exactly one reply, now or from a task."""
         start = time.perf_counter()
-        verb, tenant, code = "invalid", "", None
+        # a request is labelled with its session's tenant, once there is one: a refused
+        # hello's self-named tenant never takes one of the metrics' tenant labels
+        verb, tenant, code = "invalid", UNAUTHENTICATED, None
         if len(frames) < 2:
             self.transport.send(routing_id, p.ErrorReply(0, MalformedError.code,
                                                          "a request needs a header frame"), [])
@@ -276,10 +278,10 @@ class Server:
             verb = verbs.names[type(request)]
             handler = verbs.table[type(request)]
             if isinstance(request, p.Hello):
-                tenant = request.tenant
                 curve_tenant = str(frames[1].get("User-Id")) if secure else None
                 session = verbs.greet(routing_id, request, curve_tenant,
                                       self.transport.peer_uid(routing_id, frames))
+                tenant = session.tenant
                 hello = handler(session, request, frames[2:])
                 assert isinstance(hello, tuple), "a hello is answered at once"
                 reply, payload = hello
@@ -328,7 +330,8 @@ class Server:
                           extra={"rid": rid, "verb": verb, "tenant": tenant})
             code = "internal"
             reply, payload = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
-        self.transport.send(routing_id, reply, payload)
+        if not send_reply(self, routing_id, reply, payload):
+            code = "internal"
         if code is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("%s failed: %s", verb, code, extra={"rid": rid, "verb": verb,
                                                          "tenant": tenant})
@@ -464,6 +467,25 @@ _NEVER_LIMITED = (p.Release, p.Abort)  # requests that give back what others wai
 _TRANSFER_KIND = {"acquire": TransferKind.RELOAD, "get": TransferKind.RELOAD,
                   "lookup": TransferKind.RELOAD, "prefetch": TransferKind.PREFETCH}
 _FREES_ROOM = frozenset({"release", "abort", "commit", "evict", "drop", "put", "get"})
+
+
+def send_reply(server: Server, routing_id: bytes, reply: p.Message,
+               payload: list[Any]) -> bool:
+    """Send a request's reply; one that cannot be encoded (a bug) is logged and answered
+    with an internal error instead, never raised into the socket's drain (the requests
+    queued behind it would wait for the next wake-up): False then."""
+    transport = server.transport
+    try:
+        transport.send(routing_id, reply, payload)
+        return True
+    except Exception as exc:
+        log.exception("could not send a %s reply", type(reply).__name__)
+        if isinstance(payload, PinnedFrames):
+            transport.release_pin(payload.pin)
+        error = p.ErrorReply(getattr(reply, "rid", 0), "internal",
+                             f"internal error: the reply could not be sent: {exc!r}")
+    transport.send(routing_id, error, [])
+    return False
 
 
 def server_stats(server: Server) -> dict[str, Any]:

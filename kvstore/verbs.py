@@ -481,14 +481,16 @@ class Verbs:
                             d.limits.lease_seconds, self._tokens_wanted()), []
 
     def _report(self, session: Session, req: p.Report, payload: list[Any]) -> Outcome:
-        if req.recomputed_tokens < 0:
-            raise MalformedError("recomputed_tokens cannot be negative")
-        self.d.scheduling["recomputed_tokens"] += req.recomputed_tokens
+        if not 0 <= req.recomputed_tokens <= p.MAX_REPORTED_TOKENS:
+            raise MalformedError(f"recomputed_tokens must be 0 to {p.MAX_REPORTED_TOKENS}")
+        counts = self.d.scheduling  # saturates: stats (msgpack) always carry it
+        counts["recomputed_tokens"] = min(counts["recomputed_tokens"] + req.recomputed_tokens,
+                                          MAX_COUNTER)
         return p.OkReply(req.rid), []
 
     def _stats(self, session: Session, req: p.Stats, payload: list[Any]) -> Outcome:
         self.d.transport.reap_sends()  # pins of get replies already sent are not holdings
-        return p.StatsReply(req.rid, self.d.stats()), []
+        return p.StatsReply(req.rid, stats_for(self.d, session.tenant)), []
 
     def _gpu_attach(self, session: Session, req: p.GpuAttach, payload: list[Any]) -> Outcome:
         d = self.d
@@ -499,6 +501,33 @@ class Verbs:
 
     def _ping(self, session: Session, req: p.Ping, payload: list[Any]) -> Outcome:
         return p.OkReply(req.rid), []
+
+
+MAX_COUNTER = (1 << 63) - 1  # where a summed counter stops (msgpack's int64)
+
+
+def stats_for(d: Daemon, tenant: str) -> dict[str, Any]:
+    """The daemon's stats as a session of ``tenant`` sees them.  With credentials, tenants
+    are kept apart: only the figures of the tenants whose namespaces it may open, never
+    the others' names or use; without them (one user's host), every tenant's."""
+    stats = d.stats()
+    if not d.config.credentials:
+        return stats
+
+    def visible(other: str) -> bool:
+        return d.auth.may_open(tenant, other)
+
+    stats["tenant_dram_bytes"] = {other: nbytes for other, nbytes
+                                  in stats["tenant_dram_bytes"].items() if visible(other)}
+    transfers = stats["transfers"]
+    transfers["waits"] = {name: {other: waited for other, waited in by_tenant.items()
+                                 if visible(other)}
+                          for name, by_tenant in transfers["waits"].items()}
+    # with an arena per tenant, each arena's order is one tenant's figures
+    stats["eviction_orders"] = [repr(policy) for name, dram in d.store.drams.items()
+                                if name == "" or visible(name)
+                                for policy in dram.policies.values()]
+    return stats
 
 
 def tier_runs(tiers: list[str]) -> list[tuple[str, int]]:
