@@ -291,8 +291,12 @@ def test_pins_and_slots_of_a_reply_given_up_on_go_back(daemon: DaemonProcess) ->
                     with pytest.raises(asyncio.CancelledError):
                         await task
             c.timeout = 1e-6  # the reply comes after the caller gave up
-            with pytest.raises(UnavailableError):
-                await ns.acquire(keys)
+            try:
+                held = await ns.acquire(keys)
+            except UnavailableError:
+                pass
+            else:  # (a loaded machine: the reply was in before the timer)
+                await held.release()
             c.timeout = 5.0
             await c.stats()  # the late replies are in, their give-backs sent
             assert pinned(await c.stats()) == (0, 0)
@@ -302,10 +306,14 @@ def test_pins_and_slots_of_a_reply_given_up_on_go_back(daemon: DaemonProcess) ->
         ns = c.namespace(ident)
         keys = ns.keys(range(ident.block_tokens * 2))
         c.timeout = 1e-6
-        with pytest.raises(UnavailableError):
-            ns.acquire(keys)
-        with pytest.raises(UnavailableError):
-            ns.reserve(ns.keys(range(20_000, 20_000 + ident.block_tokens)))
+        for ask in (lambda: ns.acquire(keys),
+                    lambda: ns.reserve(ns.keys(range(20_000, 20_000 + ident.block_tokens)))):
+            try:
+                got = ask()
+            except UnavailableError:
+                continue  # given up on: the late reply's pin or slots go back
+            with got:  # (a loaded machine: the reply was in before the receive began)
+                pass
         c.timeout = 5.0
         c.stats()
         assert pinned(c.stats()) == (0, 0) and not c._early
