@@ -229,7 +229,16 @@ class Transport:
         if not self._open:
             return
         sock, routing_id = self._socks[peer[0]], peer[1:]
-        header = p.encoder.encode(reply)
+        try:
+            header = p.encoder.encode(reply)
+        except Exception as exc:  # a reply that cannot be encoded (a bug): an error goes
+            log.exception("could not encode a %s reply", type(reply).__name__)
+            if isinstance(payload, PinnedFrames):  # (from a task too, not only the drain)
+                self.release_pin(payload.pin)
+            payload = []
+            header = p.encoder.encode(p.ErrorReply(
+                getattr(reply, "rid", 0), "internal",
+                f"internal error: the reply could not be encoded: {exc!r}"))
         try:
             if payload:
                 if isinstance(payload, PinnedFrames):

@@ -221,3 +221,24 @@ def test_a_reply_that_cannot_be_encoded_becomes_an_internal_error(
         assert isinstance(raw.ask(p.Stats(4)), p.StatsReply)
     finally:
         raw.close()
+
+
+def test_a_reply_from_a_task_that_cannot_be_encoded_becomes_an_internal_error(
+        in_process: tuple[Server, str]) -> None:
+    # replies a request's task finishes (not the drain) go out through the same send:
+    # one that cannot be encoded raised inside that task, and its client heard nothing
+    server, endpoint = in_process
+    raw = Raw(endpoint)
+    try:
+        assert isinstance(raw.ask(p.Hello(1, p.PROTOCOL_VERSION, "acme")), p.HelloReply)
+        [peer] = list(server.sessions.by_connection)
+        assert server._loop is not None
+        server._loop.call_soon_threadsafe(  # as a task's reply is sent
+            server.transport.send, peer, p.StatsReply(7, {"defers": 1 << 64}), [])
+        assert raw.sock.poll(5000), "no reply came"
+        reply = p.reply_decoder.decode(raw.sock.recv_multipart()[0])
+        assert isinstance(reply, p.ErrorReply) and reply.code == "internal", reply
+        assert reply.rid == 7
+        assert isinstance(raw.ask(p.Ping(8)), p.OkReply)
+    finally:
+        raw.close()
