@@ -54,7 +54,7 @@ from kvstore.tiering import SsdMover
 from kvstore.tiers.arena_fds import side_path
 from kvstore.tiers.dram import Arenas, DramArena, sweep_stale_arenas
 from kvstore.transfers import TransferGate, serving
-from kvstore.transport import PinnedFrames, Transport
+from kvstore.transport import Transport
 from kvstore.verbs import GET_OWNER, Verbs
 
 log = logging.getLogger("kvstore.server")
@@ -330,8 +330,8 @@ class Server:
                           extra={"rid": rid, "verb": verb, "tenant": tenant})
             code = "internal"
             reply, payload = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
-        if not send_reply(self, routing_id, reply, payload):
-            code = "internal"
+        if not self.transport.send(routing_id, reply, payload):
+            code = "internal"  # (it could not be encoded: an internal error went instead)
         if code is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("%s failed: %s", verb, code, extra={"rid": rid, "verb": verb,
                                                          "tenant": tenant})
@@ -467,25 +467,6 @@ _NEVER_LIMITED = (p.Release, p.Abort)  # requests that give back what others wai
 _TRANSFER_KIND = {"acquire": TransferKind.RELOAD, "get": TransferKind.RELOAD,
                   "lookup": TransferKind.RELOAD, "prefetch": TransferKind.PREFETCH}
 _FREES_ROOM = frozenset({"release", "abort", "commit", "evict", "drop", "put", "get"})
-
-
-def send_reply(server: Server, routing_id: bytes, reply: p.Message,
-               payload: list[Any]) -> bool:
-    """Send a request's reply; one that cannot be encoded (a bug) is logged and answered
-    with an internal error instead, never raised into the socket's drain (the requests
-    queued behind it would wait for the next wake-up): False then."""
-    transport = server.transport
-    try:
-        transport.send(routing_id, reply, payload)
-        return True
-    except Exception as exc:
-        log.exception("could not send a %s reply", type(reply).__name__)
-        if isinstance(payload, PinnedFrames):
-            transport.release_pin(payload.pin)
-        error = p.ErrorReply(getattr(reply, "rid", 0), "internal",
-                             f"internal error: the reply could not be sent: {exc!r}")
-    transport.send(routing_id, error, [])
-    return False
 
 
 def server_stats(server: Server) -> dict[str, Any]:

@@ -224,18 +224,21 @@ class Transport:
         return (seen <= PRE_HELLO_MESSAGES and len(frames) == 2
                 and len(frames[1]) <= PRE_HELLO_BYTES)
 
-    def send(self, peer: bytes, reply: p.Message, payload: list[Any]) -> None:
-        """Reply to ``peer``: the socket's index byte, then the peer's routing id."""
+    def send(self, peer: bytes, reply: p.Message, payload: list[Any]) -> bool:
+        """Reply to ``peer``: the socket's index byte, then the peer's routing id.  A reply
+        that cannot be encoded (a bug) is logged and answered with an internal error
+        instead, never raised (into the drain, or a request's task): False then."""
         if not self._open:
-            return
+            return True
         sock, routing_id = self._socks[peer[0]], peer[1:]
+        encoded = True
         try:
             header = p.encoder.encode(reply)
         except Exception as exc:  # a reply that cannot be encoded (a bug): an error goes
             log.exception("could not encode a %s reply", type(reply).__name__)
             if isinstance(payload, PinnedFrames):  # (from a task too, not only the drain)
                 self.release_pin(payload.pin)
-            payload = []
+            payload, encoded = [], False
             header = p.encoder.encode(p.ErrorReply(
                 getattr(reply, "rid", 0), "internal",
                 f"internal error: the reply could not be encoded: {exc!r}"))
@@ -264,10 +267,11 @@ class Transport:
         # would then leave them waiting with no wake-up.  Drain again if any are queued
         # (the drain of this socket, when the reply is sent from it, receives next anyway).
         if peer[0] == self._draining:
-            return
+            return encoded
         events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
         if events & _POLLIN and self._loop is not None:
             self._loop.call_soon(self._drain, peer[0])
+        return encoded
 
     def reap_sends(self) -> None:
         """Give back the pins of replies that zmq has finished sending."""
