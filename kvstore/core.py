@@ -180,10 +180,9 @@ class StoreCore:
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
         r.ns.dram.give(r.ns, r.offsets)
-        r.ns.users -= 1
         if r.parent is not None:
             self.unhold(r.parent, r.parent_pinned)
-        self.forget_if_unused(r.ns)
+        self.close_namespace(r.ns)  # the reservation's use of it
 
     def unpin(self, state: OwnerState, pin: Pin) -> None:
         del state.pins[pin.id]
@@ -274,6 +273,11 @@ class StoreCore:
             block = parent
         if block is not first and first is not None and not first.ns.users:
             self.forget_if_unused(first.ns)  # (an entry went: the namespace may be empty)
+
+    def close_namespace(self, ns: Namespace) -> bool:
+        """One user fewer; True if that left the namespace forgotten (``forget_if_unused``)."""
+        ns.users -= 1
+        return self.forget_if_unused(ns)
 
     def forget_if_unused(self, ns: Namespace) -> bool:
         """Forget a namespace with no entry that no session has open and no reservation

@@ -183,14 +183,14 @@ class Sessions:
         ns_id = identity.namespace_id
         if ns_id in session.namespaces:
             return self.store.namespaces[ns_id]
-        self.check_namespaces(session, identity.tenant, ns_id)
+        self._check_namespaces(session, identity.tenant, ns_id)
         if ns_id not in self.store.namespaces and remember is not None:
             remember(identity)
         ns = self.store.open_namespace(identity)
         session.namespaces.add(ns_id)
         return ns
 
-    def check_namespaces(self, session: Session, tenant: str, ns_id: bytes) -> None:
+    def _check_namespaces(self, session: Session, tenant: str, ns_id: bytes) -> None:
         """The caps on namespaces, for one the session has not open: the session's open
         ones, and a tenant's (those some session has open or that hold blocks: the store
         forgets the others); one the store has already passes the tenant's."""

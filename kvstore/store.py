@@ -113,11 +113,6 @@ class BlockStore(StoreCore):
         ns.users += 1
         return ns
 
-    def close_namespace(self, ns: Namespace) -> bool:
-        """One user fewer; True if that left the namespace forgotten (``forget_if_unused``)."""
-        ns.users -= 1
-        return self.forget_if_unused(ns)
-
     def available_slots(self, ns: Namespace) -> int:
         """DRAM slots a reservation in ``ns`` could have now: free, or evictable."""
         return ns.dram.pool.available(ns.cls) + len(ns.dram.policy(ns.cls))
