@@ -18,7 +18,8 @@ than blocks) queues ``queue_batches`` per subscriber, and a batch it cannot take
 dropped and counted, so subscribers see a sequence jump.  The last ``buffer_steps``
 batches stay in a ring; the replay socket (ROUTER) answers a request naming a sequence
 number with every batch from there on, each as ``[seq, payload]``, and ends with
-``[-1, b""]``, as vLLM's publisher does.
+``[-1, b""]``, as vLLM's publisher does.  Without a replay socket the ring keeps only
+the last batch: nobody could ask for the others.
 
 Writers send their blocks' token ids only while someone hears the batches
 (``tokens_wanted``: a subscriber, as last read, or a replay socket), as the daemon's
@@ -347,6 +348,11 @@ class EventPublisher:
         self.ring: deque[tuple[int, bytes]] = deque()
         self.ring_bytes = 0  # of the batches in it, within ``buffer_bytes``
         self.ring_most = parse_size(config.buffer_bytes, "events.buffer_bytes")
+        # Batches the ring keeps: ``buffer_steps`` for the replay socket; without one
+        # nobody can ask for them, so only the last (a daemon that kept every batch
+        # grew by each batch's bytes, new memory a page fault every few kB, up to
+        # ``buffer_bytes``; one that keeps the last reuses the same memory)
+        self.ring_steps = 1
         self.seq = 0                # the next batch's sequence number
         self.batches = 0
         self.events = 0
@@ -402,6 +408,7 @@ class EventPublisher:
             replay.bind(self.config.replay_endpoint)
             self.endpoints.append(replay.getsockopt_string(zmq.LAST_ENDPOINT))
             self._replay = replay
+            self.ring_steps = self.config.buffer_steps
             fd: int = replay.getsockopt(zmq.FD)  # type: ignore[assignment]
             self._fds.append(fd)
             loop.add_reader(fd, self._serve_replays)
@@ -538,7 +545,7 @@ class EventPublisher:
         ring = self.ring
         ring.append((seq, payload))
         self.ring_bytes += len(payload)
-        while len(ring) > 1 and (len(ring) > self.config.buffer_steps
+        while len(ring) > 1 and (len(ring) > self.ring_steps
                                  or self.ring_bytes > self.ring_most):
             self.ring_bytes -= len(ring.popleft()[1])
         self.batches += 1

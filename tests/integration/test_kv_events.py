@@ -390,12 +390,69 @@ def test_batches_go_out_only_while_someone_subscribes(tmp_path: Path) -> None:
         loop.run_until_complete(asyncio.sleep(0.2))
         assert pub.batches == 2 and pub.seq == 3
         assert sub.poll(5000)
-        assert len(decoder().decode(sub.recv_multipart()[2]).events) == 2
+        last = sub.recv_multipart()[2]
+        assert len(decoder().decode(last).events) == 2
+        # no replay socket: nobody can ask for an older batch, the ring keeps the last
+        assert list(pub.ring) == [(2, last)] and pub.ring_bytes == len(last)
     finally:
         sub.close(linger=0)
         ctx.term()
         pub.close()
         loop.close()
+
+
+def test_the_ring_keeps_buffer_steps_batches_only_for_a_replay_socket(
+        tmp_path: Path) -> None:
+    """With a replay socket the ring keeps the last ``buffer_steps`` batches; without
+    one, only the last (the memory of the one before is reused)."""
+    import asyncio
+
+    from kvstore.config import EventsConfig
+    from kvstore.keys import chain_keys
+    from kvstore.store import BlockStore
+    from kvstore.token_ids import encode_chain
+
+    kept = {}
+    for replay in (True, False):
+        store = BlockStore(64 * IDENT.block_bytes, 16 * IDENT.block_bytes)
+        config = EventsConfig(
+            endpoint=f"ipc://{tmp_path}/pub-{replay}.sock", buffer_steps=3,
+            replay_endpoint=f"ipc://{tmp_path}/replay-{replay}.sock" if replay else "")
+        pub = EventPublisher(config, store)
+        loop = asyncio.new_event_loop()
+        pub.open(loop)
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(config.endpoint)
+            deadline = time.monotonic() + 5
+            while not pub.listened():  # (without one, no batch would be built)
+                assert time.monotonic() < deadline, "the subscription never arrived"
+                time.sleep(0.01)
+            ns = store.open_namespace(IDENT)
+            payloads = []
+            for i in range(5):
+                tokens = list(range(i * 100, i * 100 + 2 * BT))
+                keys = chain_keys(ns.id, tokens, BT)
+                r = store.reserve("o", ns, keys, None, 0.0)
+                store.commit("o", r.id, 0.0,  # type: ignore[union-attr]
+                             tokens=encode_chain(tokens, 2, BT))
+                assert pub.flush() == i
+                payloads.append(pub.ring[-1][1])
+                assert decoder().decode(payloads[-1]).events[0].block_hashes == keys
+            kept[replay] = list(pub.ring)
+            assert pub.ring_bytes == sum(len(p) for _, p in pub.ring)
+            assert pub.stats()["buffered"] == len(pub.ring)
+            for payload in payloads:  # every batch went out all the same
+                assert sub.poll(5000) and sub.recv_multipart()[2] == payload
+        finally:
+            sub.close(linger=0)
+            ctx.term()
+            pub.close()
+            loop.close()
+        expect = [(seq, payloads[seq]) for seq in range(5 - (3 if replay else 1), 5)]
+        assert kept[replay] == expect
 
 
 def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -> None:
