@@ -10,7 +10,8 @@ Three measurements, each next to its peer, medians of interleaved runs, and rati
   the runs of the daemons without events next to it (target: <= 1.05).  The client and the daemons run on one
   CPU, so that all daemons share the same conditions (the subscriber, a router
   elsewhere, on the others), and a second daemon without events shows what the
-  machine's noise alone makes of the ratio;
+  machine's noise alone makes of the ratio; and each daemon's minor page faults (new
+  memory touched, about 5 us each on a VM) per 100 requests;
 - route: one routing query over 8 daemons, against one lookup's round trip to one
   daemon (target: <= 2x); and the machine's limit beside it: a bare pyzmq request sent
   to 8 echo processes at once and gathered, against one echo's round trip.
@@ -255,6 +256,12 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
+def minor_faults(pid: int) -> int:
+    """Minor page faults a process took so far (new memory touched: its heap growing)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[7])
+
+
 # The daemons measured side by side: (name, events environment, a subscriber reads it).
 ARMS: tuple[tuple[str, dict[str, str], bool], ...] = (
     ("off", {}, False),
@@ -332,6 +339,7 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
         order = list(runs)
         rng = random.Random(7)
         first = {name: cpu_ns(proc.pid) for name, proc in procs.items()}
+        faults_at = {name: minor_faults(proc.pid) for name, proc in procs.items()}
         for _ in range(20 * repeats):
             rng.shuffle(order)
             for name in order:
@@ -344,6 +352,8 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
                 samples[name].append(((cpu_ns(pid) - before) / n / 1e3, n / wall))
                 served[name] += n
         # the cross-check: all CPU time over all requests, the gaps between rounds too
+        faults = {name: (minor_faults(proc.pid) - faults_at[name]) / served[name]
+                  for name, proc in procs.items()}
         total = {name: (cpu_ns(proc.pid) - first[name]) / served[name] / 1e3
                  for name, proc in procs.items()}
         for name in ("on", "turn", "on_beside"):
@@ -378,6 +388,7 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
         out[f"{name}_cpu_total_ratio"] = total[name] / off_total
         # CPU outside the rounds (timers, a batch a timer sent), per request
         out[f"{name}_outside_us"] = total[name] - statistics.fmean(c for c, _ in s)
+        out[f"{name}_faults"] = faults[name]  # minor page faults a request, all rounds
     # the noise: one daemon without events against the other
     for suffix in ("", "_beside") if beside is not None else ("",):
         out[f"off2{suffix}_cpu_ratio"] = statistics.median(
@@ -551,6 +562,12 @@ def main() -> None:
                             ratio=t["on_cpu_total_ratio"]))
             rows.append(row(f"{what}: cpu us/request outside the rounds, to a subscriber",
                             t["on_outside_us"], t["off_outside_us"], "events off", ".3f"))
+            for arm, label in (("on", "to a subscriber"), ("on_beside", "the same, --beside's")):
+                if f"{arm}_faults" in t:  # new memory a request (a filling daemon's heap)
+                    off = "off_beside" if arm.endswith("_beside") else "off"
+                    rows.append(row(f"{what}: page faults/100 requests, {label}",
+                                    100 * t[f"{arm}_faults"], 100 * t[f"{off}_faults"],
+                                    "events off"))
             rows.append(row(f"{what}: requests/s, events to a subscriber", t["on_rate"],
                             t["off_rate"], "events off", ".3f"))
     if args.only in (None, "route"):
