@@ -311,16 +311,22 @@ class StoreCore:
                 else:
                     stack.extend(kids)
         for b in reversed(order):  # leaves before their parents
-            if b.kids is not None or b.refs or b.demoting or b.promoting or b.ssd_holds:
-                continue
-            if b.offset is not None:
-                self.drop_dram_copy_unchecked(b)
-            if b.ssd_offset is not None:
-                removed_ssd.append(self.drop_ssd_copy(b))
-            if b.extra is not None:
-                for name in list(b.extra):
-                    self.added_tiers[name].drop(b)
-                self.forget_if_gone(b)
+            self.drop_leaf(b, removed_ssd)
+
+    def drop_leaf(self, b: Block, removed_ssd: list[tuple[bytes, bytes]]) -> bool:
+        """Drop every copy of a block nothing depends on, unless it is pinned, moving or
+        held; True if it was dropped (its entry goes with its last copy)."""
+        if b.kids is not None or b.refs or b.demoting or b.promoting or b.ssd_holds:
+            return False
+        if b.offset is not None:
+            self.drop_dram_copy_unchecked(b)
+        if b.ssd_offset is not None:
+            removed_ssd.append(self.drop_ssd_copy(b))
+        if b.extra is not None:
+            for name in list(b.extra):
+                self.added_tiers[name].drop(b)
+            self.forget_if_gone(b)
+        return True
 
     def sweep_hollow(self) -> None:
         """Drop what hangs below hollow entries once it is no longer in use."""
