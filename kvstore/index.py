@@ -139,39 +139,43 @@ class NamespaceDrop:
         self._next = 0  # the next shard to copy
         self._batch: list[Block] = []  # the entries of the shard under way
         self._at = 0
+        self._climb: Block | None = None  # where a walk up stopped at a slice's end
 
     @property
     def done(self) -> bool:
-        return self._at == len(self._batch) and self._next == len(self._shards)
+        return (self._climb is None and self._at == len(self._batch)
+                and self._next == len(self._shards))
 
     def step(self, budget: int, seconds: float = float("inf")) -> bool:
-        """Drop up to ``budget`` entries' worth (visits), stopping early once ``seconds``
-        have passed; True once the whole namespace has been gone through."""
+        """Go through up to ``budget`` entries, stopping early once ``seconds`` have
+        passed (looked at every 32 entries); True once the whole namespace has been."""
         blocks, spare, removed = self.ns.blocks, self.spare, self.removed_ssd
         drop_leaf = self.store.drop_leaf
         before = len(blocks)
         until = time.perf_counter() + seconds
         visits = 0
+        b = self._climb  # a walk up that the last slice stopped in
         while visits < budget:
-            if self._at == len(self._batch):
-                if self._next == len(self._shards):
-                    break
-                self._batch = list(self._shards[self._next].values())
-                self._next += 1
-                self._at = 0
-                continue
-            b: Block | None = self._batch[self._at]
-            self._at += 1
-            visits += 1
-            while b is not None:
-                if blocks.get(b.key) is b:
-                    if b in spare or not drop_leaf(b, removed):
+            if b is None:
+                if self._at == len(self._batch):
+                    if self._next == len(self._shards):
                         break
-                # (an entry gone already, its parent perhaps forgotten with it: look above)
-                b = b.parent  # its last child may have gone: it may be a leaf now
-                visits += 1
-            if not self._at & 63 and time.perf_counter() > until:
+                    self._batch = list(self._shards[self._next].values())
+                    self._next += 1
+                    self._at = 0
+                    continue
+                b = self._batch[self._at]
+                self._at += 1
+            visits += 1
+            if blocks.get(b.key) is b and (b in spare or not drop_leaf(b, removed)):
+                b = None  # not a leaf (or kept): nor is what is above it, for now
+            else:
+                # dropped, or gone already (its parent perhaps forgotten with it): the
+                # parent may be a leaf now
+                b = b.parent
+            if not visits & 31 and time.perf_counter() > until:
                 break
+        self._climb = b
         self.count += before - len(blocks)
         return self.done
 

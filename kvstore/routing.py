@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -54,6 +55,7 @@ from kvstore.verbs import Answer, Handler, Outcome, tier_runs
 
 _MEASURED_BYTES = 1 << 20  # promotions read before the measured bandwidth counts
 SNAPSHOT_PAGE = 4096  # entries a page of a snapshot goes through, when the client says not
+PAGE_SECONDS = 0.002  # ...or as many as it goes through in this long (its encoding aside)
 SNAPSHOTS_OPEN = 2  # snapshots a session may have under way (a third ends the oldest)
 
 Entry = tuple[bytes, bytes | None, str]
@@ -81,11 +83,15 @@ class SnapshotWalk:
         self._at = 0
         self._stack: list[Block] = []  # of the walk down from a root
 
-    def page(self, budget: int, out: list[Entry]) -> bool:
-        """Append the next entries to ``out``; True once the walk is over."""
+    def page(self, budget: int, out: list[Entry], seconds: float = float("inf")) -> bool:
+        """Append the next entries to ``out``, going through at most ``budget`` and
+        stopping early once ``seconds`` have passed; True once the walk is over."""
         stack = self._stack
+        until = time.perf_counter() + seconds
         visits = 0
         while visits < budget:
+            if not visits & 63 and visits and time.perf_counter() > until:
+                break
             if stack:
                 b = stack.pop()
                 visits += 1
@@ -182,7 +188,7 @@ class RoutingVerbs:
         blocks: list[Entry] = []
         if req.cursor:
             self._published()  # what changed since the last page, announced before it
-        if walk.page(req.limit or SNAPSHOT_PAGE, blocks):
+        if walk.page(req.limit or SNAPSHOT_PAGE, blocks, PAGE_SECONDS):
             cursor = 0
         else:
             walks[cursor] = walk
@@ -200,7 +206,7 @@ class RoutingVerbs:
         """The whole snapshot in one reply, as older clients ask it: built a page a loop
         turn (its encoding, at the end, is the one cost that grows with the store)."""
         blocks: list[Entry] = []
-        while not walk.page(SNAPSHOT_PAGE, blocks):
+        while not walk.page(SNAPSHOT_PAGE, blocks, PAGE_SECONDS):
             await asyncio.sleep(0)
             self._published()
         return p.SnapshotReply(rid, walk.seq, blocks)
