@@ -486,7 +486,7 @@ class Verbs:
 
 # A namespace of more blocks than this is dropped in slices of at most ``DROP_SLICE``
 # entries or ``DROP_SLICE_SECONDS``, whichever comes first, a loop turn each.
-DROP_AT_ONCE = 1024
+DROP_AT_ONCE = 256
 DROP_SLICE = 4096
 DROP_SLICE_SECONDS = 0.002
 MAX_COUNTER = (1 << 63) - 1  # where a summed counter stops (msgpack's int64)
