@@ -300,6 +300,8 @@ def daemon_figures(n: int, debug_invariants: bool) -> dict[str, float]:
             out["evict_one_ms"] = statistics.median(phase(
                 "evict", lambda: ns.evict([next(leaves)]), min(10, len(tails)))) * 1e3
             out["ping_ms"] = statistics.median(phase("ping", client.ping, 200)) * 1e3
+            # the machine's own noise: the longest ping of 3 s with nothing else to do
+            phase("idle", lambda: time.sleep(3.0), 1)
             # the whole namespace: listed (paged where the daemon pages), then dropped
             out["snapshot_ms"] = statistics.median(phase("snapshot", client.snapshot, 3)) * 1e3
             out["drop_ms"] = statistics.median(phase("drop", ns.drop, 1)) * 1e3

@@ -81,6 +81,9 @@ class StoreCore:
         self.chain = PolicyChain()  # ``pressure`` sets it
         self.early = False
         self.hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
+        # namespaces being dropped in slices (``index.NamespaceDrop``), each with the
+        # entries that lost their last child since: leaves now, to be looked at again
+        self.dropping: dict[Namespace, list[Block]] = {}
         self.dirty: dict[SlabClass, dict[Block, None]] = {}  # per DRAM class: DRAM-only, oldest first
         self.dropped_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped by sweeps
         self.limits = limits
@@ -271,8 +274,14 @@ class StoreCore:
             if parent is not None:
                 parent.remove_child(block)
             block = parent
-        if block is not first and first is not None and not first.ns.users:
-            self.forget_if_unused(first.ns)  # (an entry went: the namespace may be empty)
+        if block is not first and first is not None:
+            if self.dropping and block is not None and block.kids is None:
+                # a namespace being dropped in slices looks again at what is a leaf now
+                waiting = self.dropping.get(block.ns)
+                if waiting is not None:
+                    waiting.append(block)
+            if not first.ns.users:
+                self.forget_if_unused(first.ns)  # (an entry went: the namespace may be empty)
 
     def close_namespace(self, ns: Namespace) -> bool:
         """One user fewer; True if that left the namespace forgotten (``forget_if_unused``)."""

@@ -43,13 +43,13 @@ from kvstore import protocol as p
 from kvstore.auth import Auth
 from kvstore.blocks import DRAM, Block, Namespace
 from kvstore.config import Config, parse_size
-from kvstore.pending import Later
 from kvstore.errors import NotFoundError
 from kvstore.events import EventPublisher
+from kvstore.pending import Later
 from kvstore.sessions import Session
 from kvstore.store import BlockStore
-from kvstore.tiering import SsdMover
 from kvstore.tier_changes import TIER_BITS, holdings
+from kvstore.tiering import SsdMover
 from kvstore.transfers import TransferGate
 from kvstore.verbs import Answer, Handler, Outcome, tier_runs
 
@@ -154,7 +154,6 @@ class RoutingVerbs:
             "dram": float(parse_size(e.dram_bandwidth, "events.dram_bandwidth")),
             "ssd": float(parse_size(e.ssd_bandwidth, "events.ssd_bandwidth")),
             "remote": float(parse_size(e.remote_bandwidth, "events.remote_bandwidth"))}
-
         # snapshots under way, by session (gone with it) and cursor, oldest first
         self.walks: weakref.WeakKeyDictionary[Session, dict[int, SnapshotWalk]] = (
             weakref.WeakKeyDictionary())

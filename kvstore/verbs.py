@@ -567,6 +567,7 @@ class Removals:
                     return p.CountReply(rid, drop.count)
                 await asyncio.sleep(0)  # a loop turn for everyone else
         finally:
+            drop.close()
             del self.under_way[ns]
             finished.set()
 

@@ -149,3 +149,36 @@ def test_the_ssd_copies_it_drops_are_handed_on_and_moving_blocks_are_spared() ->
     assert drop.count == 38
     store.ssd_copies.finish_write(moving, None)
     store.check_invariants()
+
+
+def test_what_becomes_a_leaf_after_the_drop_passed_it_goes_too() -> None:
+    """A big namespace (its key map split into shards: no order of parents first), its
+    chains cut short between slices by evictions: the parents that became leaves after
+    the drop passed them are dropped too, and nothing is left but what is pinned."""
+    store = BlockStore(256 << 20, 1 << 20)
+    ns = store.open_namespace(IDENT)
+    rng = random.Random(6)
+    chains = []
+    for _ in range(36):
+        keys = [rng.randbytes(16) for _ in range(1000)]
+        r = store.reserve("w", ns, keys, None, 0.0)
+        assert isinstance(r, Reservation)
+        store.commit("w", r.id, 0.0)
+        chains.append(keys)
+    assert len(ns.blocks.shards) > 1
+    pin = store.acquire("reader", ns, chains[0][:5], 0.0)
+    assert isinstance(pin, Pin)
+    drop = NamespaceDrop(store, ns)
+    evicted = 0
+    while not drop.step(300):
+        chain = rng.choice(chains)
+        key = chain[rng.randrange(5, len(chain))]
+        before = len(ns.blocks)
+        store.evict(ns, [key])
+        evicted += before - len(ns.blocks)
+    assert evicted > 1000, "the evictions cut too little"
+    assert set(ns.blocks) == set(chains[0][:5])
+    assert drop.count + evicted == 36 * 1000 - 5
+    assert ns not in store.dropping  # closed with its last step
+    store.release("reader", pin.id)
+    store.check_invariants()
