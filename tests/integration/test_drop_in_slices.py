@@ -85,7 +85,7 @@ def test_a_drop_goes_on_when_its_session_closes_and_a_shutdown_waits(
         await a.connect()
         ans = await a.namespace(IDENT)
         asyncio.ensure_future(ans.drop())
-        await asyncio.sleep(0.01)  # sent: its session ends before the reply
+        await asyncio.sleep(0.05)  # sent: its session ends before the reply
         await a.close()
 
     asyncio.run(drop_and_leave())
