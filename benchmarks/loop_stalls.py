@@ -11,7 +11,7 @@ its memory is its own), printing medians, tails and ratios:
 - ``daemon``: a real daemon (an unpopulated arena, so untouched slots cost nothing):
   ingest through a client, then each verb's round trip while a second client pings
   the daemon every half millisecond; the probe's longest ping is the longest stall of
-  the loop any client saw;
+  the loop any client saw (last, a snapshot of all the blocks and the namespace's drop);
 - ``sessions``: many client sessions at once, each pinging about once a second, and
   one more client's ping p50/p99 beside that load and without it.
 
@@ -300,6 +300,11 @@ def daemon_figures(n: int, debug_invariants: bool) -> dict[str, float]:
             out["evict_one_ms"] = statistics.median(phase(
                 "evict", lambda: ns.evict([next(leaves)]), min(10, len(tails)))) * 1e3
             out["ping_ms"] = statistics.median(phase("ping", client.ping, 200)) * 1e3
+            # the machine's own noise: the longest ping of 3 s with nothing else to do
+            phase("idle", lambda: time.sleep(3.0), 1)
+            # the whole namespace: listed (paged where the daemon pages), then dropped
+            out["snapshot_ms"] = statistics.median(phase("snapshot", client.snapshot, 3)) * 1e3
+            out["drop_ms"] = statistics.median(phase("drop", ns.drop, 1)) * 1e3
         samples = probe.samples()
         for name, window in windows.items():
             out[f"stall_{name}_ms"] = longest(samples, window) * 1e3

@@ -26,6 +26,7 @@ from kvstore.client_core import (
     NamespaceCore,
     PlanItem,
     PrefetchResult,
+    SNAPSHOT_PAGE,
     ReservationCore,
     SessionCore,
     log,
@@ -267,10 +268,18 @@ class AsyncClient(SessionCore):
         """Tell the daemon (for its metrics) how many tokens the engine recomputed."""
         self._on_ok(await self._call(self._report_request(recomputed_tokens)))
 
-    async def snapshot(self) -> p.SnapshotReply:
+    async def snapshot(self, page: int = SNAPSHOT_PAGE) -> p.SnapshotReply:
         """See ``Client.snapshot``."""
-        return check_reply((await self._call(p.Snapshot(self._next_rid())))[0],
-                           p.SnapshotReply)
+        reply = check_reply((await self._call(p.Snapshot(self._next_rid(), 0, page)))[0],
+                            p.SnapshotReply)
+        blocks, cursor = reply.blocks, reply.cursor
+        while cursor:
+            more = check_reply(
+                (await self._call(p.Snapshot(self._next_rid(), cursor, page)))[0],
+                p.SnapshotReply)
+            blocks += more.blocks
+            cursor = more.cursor
+        return p.SnapshotReply(reply.rid, reply.seq, blocks)
 
     async def probe(self, keys: Sequence[bytes] = ()) -> p.ProbeReply:
         """See ``Client.probe``."""

@@ -32,6 +32,7 @@ from kvstore.client_core import (
     NamespaceCore,
     PlanItem,
     PrefetchResult,
+    SNAPSHOT_PAGE,
     ReservationCore,
     SessionCore,
     log,
@@ -229,10 +230,21 @@ class Client(SessionCore):
         """Tell the daemon (for its metrics) how many tokens the engine recomputed."""
         self._on_ok(self._call(self._report_request(recomputed_tokens)))
 
-    def snapshot(self) -> p.SnapshotReply:
+    def snapshot(self, page: int = SNAPSHOT_PAGE) -> p.SnapshotReply:
         """Every cached block the tenant may see, per tier: ``blocks`` of (key, parent,
-        tier), parents first, as of event batch ``seq`` (apply the batches after it)."""
-        return check_reply(self._call(p.Snapshot(self._next_rid()))[0], p.SnapshotReply)
+        tier), parents first; start from it and apply the event batches after ``seq``.
+        It comes in pages of at most ``page`` entries' worth (the daemon serves others
+        between them), read here one after another; the store may change meanwhile,
+        which those batches make good (``kvstore.routing`` says why)."""
+        reply = check_reply(self._call(p.Snapshot(self._next_rid(), 0, page))[0],
+                            p.SnapshotReply)
+        blocks, cursor = reply.blocks, reply.cursor
+        while cursor:
+            more = check_reply(self._call(p.Snapshot(self._next_rid(), cursor, page))[0],
+                               p.SnapshotReply)
+            blocks += more.blocks
+            cursor = more.cursor
+        return p.SnapshotReply(reply.rid, reply.seq, blocks)
 
     def probe(self, keys: Sequence[bytes] = ()) -> p.ProbeReply:
         """What a router asks, of this daemon: the longest cached prefix of a key chain

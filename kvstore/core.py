@@ -81,6 +81,9 @@ class StoreCore:
         self.chain = PolicyChain()  # ``pressure`` sets it
         self.early = False
         self.hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
+        # namespaces being dropped in slices (``index.NamespaceDrop``), each with the
+        # entries that lost their last child since: leaves now, to be looked at again
+        self.dropping: dict[Namespace, list[Block]] = {}
         self.dirty: dict[SlabClass, dict[Block, None]] = {}  # per DRAM class: DRAM-only, oldest first
         self.dropped_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped by sweeps
         self.limits = limits
@@ -271,8 +274,14 @@ class StoreCore:
             if parent is not None:
                 parent.remove_child(block)
             block = parent
-        if block is not first and first is not None and not first.ns.users:
-            self.forget_if_unused(first.ns)  # (an entry went: the namespace may be empty)
+        if block is not first and first is not None:
+            if self.dropping and block is not None and block.kids is None:
+                # a namespace being dropped in slices looks again at what is a leaf now
+                waiting = self.dropping.get(block.ns)
+                if waiting is not None:
+                    waiting.append(block)
+            if not first.ns.users:
+                self.forget_if_unused(first.ns)  # (an entry went: the namespace may be empty)
 
     def close_namespace(self, ns: Namespace) -> bool:
         """One user fewer; True if that left the namespace forgotten (``forget_if_unused``)."""
@@ -311,16 +320,22 @@ class StoreCore:
                 else:
                     stack.extend(kids)
         for b in reversed(order):  # leaves before their parents
-            if b.kids is not None or b.refs or b.demoting or b.promoting or b.ssd_holds:
-                continue
-            if b.offset is not None:
-                self.drop_dram_copy_unchecked(b)
-            if b.ssd_offset is not None:
-                removed_ssd.append(self.drop_ssd_copy(b))
-            if b.extra is not None:
-                for name in list(b.extra):
-                    self.added_tiers[name].drop(b)
-                self.forget_if_gone(b)
+            self.drop_leaf(b, removed_ssd)
+
+    def drop_leaf(self, b: Block, removed_ssd: list[tuple[bytes, bytes]]) -> bool:
+        """Drop every copy of a block nothing depends on, unless it is pinned, moving or
+        held; True if it was dropped (its entry goes with its last copy)."""
+        if b.kids is not None or b.refs or b.demoting or b.promoting or b.ssd_holds:
+            return False
+        if b.offset is not None:
+            self.drop_dram_copy_unchecked(b)
+        if b.ssd_offset is not None:
+            removed_ssd.append(self.drop_ssd_copy(b))
+        if b.extra is not None:
+            for name in list(b.extra):
+                self.added_tiers[name].drop(b)
+            self.forget_if_gone(b)
+        return True
 
     def sweep_hollow(self) -> None:
         """Drop what hangs below hollow entries once it is no longer in use."""

@@ -5,10 +5,14 @@ a namespace) goes leaf first and spares what is pinned or moving, so a cached ke
 always implies its whole prefix is cached.  An entry that lost its last copy to
 corruption stays as a hollow parent of what depends on it (lookup stops there) until
 its children are gone.
+
+A namespace of many blocks is dropped in slices (``NamespaceDrop``), a loop turn each,
+so that dropping 400k blocks never holds the daemon's loop for more than a slice.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 from kvstore.blocks import DRAM, Block, Namespace
@@ -103,3 +107,98 @@ class Index:
         before = len(ns.blocks)
         self.store.drop_subtree(ns, [b for b in ns.blocks.values() if b.parent is None], removed_ssd)
         return before - len(ns.blocks), removed_ssd
+
+
+class NamespaceDrop:
+    """``Index.drop_namespace`` in slices: each ``step`` drops a bounded number of blocks,
+    so the daemon's loop serves other clients between them.
+
+    What it drops is well defined though the store changes between slices: every block
+    the namespace held when the drop began, leaves first, except what is pinned, moving
+    or held when the drop reaches it (and so their prefixes), as ``drop_namespace``
+    does; blocks committed while it runs are kept (the daemon adds each commit's new
+    blocks to ``spare``), and so are their prefixes.  A lookup meanwhile sees the chains
+    shortened from their ends, never a hole: a slice removes a block only once nothing
+    depends on it.
+
+    How, without a walk of the whole namespace: the key map's shards one at a time (a
+    copy of one shard's entries: at most ``block_map.SPLIT_AT``, a few thousand in a big
+    namespace), each entry still there dropped if it is a leaf, then its parent if that
+    left it one, and so on up.  An entry seen while a child still hangs below it is
+    looked at again once its last child goes, whoever removes it (this drop, an evict,
+    an eviction under pressure): the store lists such entries for a namespace being
+    dropped (``StoreCore.dropping``).  So no entry is dropped before its children, and
+    none that became a leaf after the drop passed it is left behind.  Entries the map
+    gained since the drop began are found only in shards not yet copied; ``spare``
+    keeps them.  ``close`` (or the last step) ends it.
+    """
+
+    def __init__(self, store: StoreCore, ns: Namespace) -> None:
+        assert ns not in store.dropping, f"{ns} is being dropped already"
+        self.store = store
+        self.ns = ns
+        self.spare: set[Block] = set()  # committed since the drop began: kept
+        self.count = 0  # entries removed so far
+        self.removed_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped, to hand on
+        self._shards = list(ns.blocks.shards)
+        self._next = 0  # the next shard to copy
+        self._batch: list[Block] = []  # the entries of the shard under way
+        self._at = 0
+        self._climb: Block | None = None  # where a walk up stopped at a slice's end
+        self._waiting = store.dropping[ns] = []  # entries that became leaves
+
+    @property
+    def done(self) -> bool:
+        return (self._climb is None and not self._waiting and self._at == len(self._batch)
+                and self._next == len(self._shards))
+
+    def step(self, budget: int, seconds: float = float("inf")) -> bool:
+        """Go through up to ``budget`` entries, stopping early once ``seconds`` have
+        passed (looked at every 32 entries); True once the whole namespace has been
+        (and the drop is closed)."""
+        blocks, spare, removed = self.ns.blocks, self.spare, self.removed_ssd
+        waiting = self._waiting
+        drop_leaf = self.store.drop_leaf
+        before = len(blocks)
+        until = time.perf_counter() + seconds
+        visits = 0
+        b = self._climb  # a walk up that the last slice stopped in
+        while visits < budget:
+            if b is None:
+                if waiting:
+                    b = waiting.pop()
+                elif self._at < len(self._batch):
+                    b = self._batch[self._at]
+                    self._at += 1
+                elif self._next < len(self._shards):
+                    self._batch = list(self._shards[self._next].values())
+                    self._next += 1
+                    self._at = 0
+                    continue
+                else:
+                    break
+            visits += 1
+            if blocks.get(b.key) is not b or b in spare or not drop_leaf(b, removed):
+                # gone (its parent, if that is a leaf now, was listed), kept, or not a
+                # leaf (it is listed when it becomes one)
+                b = None
+            else:
+                b = b.parent  # dropped: the parent may be a leaf now
+            if not visits & 31 and time.perf_counter() > until:
+                break
+        self._climb = b
+        self.count += before - len(blocks)
+        if self.done:
+            self.close()
+            return True
+        return False
+
+    def close(self) -> None:
+        """The drop is over (or given up): the store stops listing leaves for it."""
+        if self.store.dropping.get(self.ns) is self._waiting:
+            del self.store.dropping[self.ns]
+
+    def take_removed(self) -> list[tuple[bytes, bytes]]:
+        """The SSD copies dropped since the last call (the daemon's mover frees them)."""
+        removed, self.removed_ssd = self.removed_ssd, []
+        return removed

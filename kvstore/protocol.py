@@ -23,6 +23,7 @@ RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 # daemon sums reports, and the sum must stay an int that msgpack can encode in stats.
 MAX_REPORTED_TOKENS = 1 << 40
 KEY_BYTES = 16
+MAX_SNAPSHOT_PAGE = 1 << 16  # the most entries one page of a snapshot may go through
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 
 
@@ -153,7 +154,13 @@ class Ping(Message, tag="ping"):
 
 
 class Snapshot(Message, tag="snapshot"):
-    """Every cached block per tier, as of the event stream's last sequence number."""
+    """Every cached block per tier, as of an event sequence number, in pages: ``cursor``
+    0 begins a snapshot, a reply's nonzero ``cursor`` asks for its next page.  ``limit``:
+    the most entries the daemon goes through for one page (0: the whole snapshot in one
+    reply, as older clients ask it; the daemon still builds it a page a loop turn)."""
+
+    cursor: int = 0
+    limit: Annotated[int, msgspec.Meta(ge=0, le=MAX_SNAPSHOT_PAGE)] = 0
 
 
 class Probe(Message, tag="probe"):
@@ -270,8 +277,9 @@ class ErrorReply(Message, tag="error"):
 
 
 class SnapshotReply(Message, tag="snapshot"):
-    seq: int  # the last batch of events this reflects (-1: none); apply those after it
+    seq: int  # the batch of events it began after (-1: none); apply those after it
     blocks: list[tuple[bytes, bytes | None, str]]  # (key, parent, tier), parents first
+    cursor: int = 0  # nonzero: more pages, ask with it; 0: this was the last
 
 
 class ProbeReply(Message, tag="probe"):

@@ -1,15 +1,41 @@
 """The daemon's side of cache-aware routing: the ``snapshot`` and ``probe`` verbs.
 
-``snapshot`` lists every cached block per tier as of the event stream's last sequence
-number (pending changes are published first), so a router starts from it and applies
-the batches after it.  ``probe`` answers a router's question for one key chain: the
-longest cached prefix per tier, and what the router needs to estimate the cost of
-serving the request here (the wait ahead of a new transfer, the load bandwidth per
-tier).  Neither touches a block: a router's question is not a use.
+``snapshot`` lists every cached block per tier, so that a router starts from it and
+applies the event batches after its sequence number.  It never holds the loop for the
+whole store: it is answered in pages (``SnapshotWalk``: a client asks for the next
+with the cursor of the last), or, for a client that asks for it whole, built a page a
+loop turn and sent at the end.  Such a snapshot is "fuzzy": the store changes between
+its pages.  It is still exact once the events after its sequence number are applied,
+because
+
+- it is stamped with the sequence number of the batch published when it began (the
+  changes of that loop turn are published first), and every page publishes what
+  changed before it reads: so every copy it reads is one the stream has announced, and
+  any later change of it is announced in a batch after that number;
+- events are set operations on (block hash, tier), applied in order, the last one for
+  a pair deciding it (BlockStored sets, BlockRemoved clears, AllBlocksCleared clears
+  all): a pair the stream changed after the stamp ends as its last event says,
+  whatever the snapshot read of it; a pair it did not change held its value from the
+  stamp to now, so a page reads it right whenever it read it;
+- and the snapshot reads every block that stayed in the store from its start to its end:
+  such a block's parent stayed too (a parent outlives its children), so the walk down
+  from its root, found in its namespace's key map, reaches it (a node's children are
+  taken when it is visited; one added later is a change, announced).
+
+So: snapshot, then every event after ``seq`` in order, equals the daemon's state.
+
+``probe`` answers a router's question for one key chain: the longest cached prefix per
+tier, and what the router needs to estimate the cost of serving the request here (the
+wait ahead of a new transfer, the load bandwidth per tier).  Neither touches a block: a
+router's question is not a use.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -17,14 +43,88 @@ from kvstore import protocol as p
 from kvstore.auth import Auth
 from kvstore.blocks import DRAM, Block, Namespace
 from kvstore.config import Config, parse_size
-from kvstore.events import EventPublisher, snapshot
+from kvstore.errors import NotFoundError
+from kvstore.events import EventPublisher
+from kvstore.pending import Later
 from kvstore.sessions import Session
 from kvstore.store import BlockStore
+from kvstore.tier_changes import TIER_BITS, holdings
 from kvstore.tiering import SsdMover
 from kvstore.transfers import TransferGate
-from kvstore.verbs import Handler, Outcome, tier_runs
+from kvstore.verbs import Answer, Handler, Outcome, tier_runs
 
 _MEASURED_BYTES = 1 << 20  # promotions read before the measured bandwidth counts
+SNAPSHOT_PAGE = 4096  # entries a page of a snapshot goes through, when the client says not
+PAGE_SECONDS = 0.002  # ...or as many as it goes through in this long (its encoding aside)
+SNAPSHOTS_OPEN = 2  # snapshots a session may have under way (a third ends the oldest)
+
+Entry = tuple[bytes, bytes | None, str]
+
+
+class SnapshotWalk:
+    """One snapshot under way: the visible namespaces as it began, each walked from its
+    roots down (parents first), the roots found a shard of its key map at a time.
+
+    Each ``page`` goes through at most ``budget`` entries (a root search's or the walk's),
+    so no page costs more than a few milliseconds however big the store; between pages
+    the store changes, and the walk takes it as it finds it: an entry gone is skipped
+    (its children went before it), a child added after its parent was visited is not
+    reached (its commit is announced after the snapshot's number).  See the module's
+    docstring for why that is exact with the events after ``seq``.
+    """
+
+    def __init__(self, namespaces: list[Namespace], seq: int) -> None:
+        self.seq = seq
+        self._namespaces = namespaces
+        self._ns = 0
+        self._shards: list[dict[bytes, Block]] = []
+        self._shard = 0
+        self._batch: list[Block] = []  # the shard under way, copied
+        self._at = 0
+        self._stack: list[Block] = []  # of the walk down from a root
+
+    def page(self, budget: int, out: list[Entry], seconds: float = float("inf")) -> bool:
+        """Append the next entries to ``out``, going through at most ``budget`` and
+        stopping early once ``seconds`` have passed; True once the walk is over."""
+        stack = self._stack
+        until = time.perf_counter() + seconds
+        visits = 0
+        while visits < budget:
+            if not visits & 63 and visits and time.perf_counter() > until:
+                break
+            if stack:
+                b = stack.pop()
+                visits += 1
+                bits = holdings(b)  # 0: gone from its namespace (and so its children)
+                if not bits and b.ns.blocks.get(b.key) is not b:
+                    continue
+                parent = b.parent.key if b.parent is not None else None
+                for tier, bit in TIER_BITS:
+                    if bits & bit:
+                        out.append((b.key, parent, tier))
+                kids = b.kids
+                if kids is not None:
+                    if isinstance(kids, Block):
+                        stack.append(kids)
+                    else:
+                        stack.extend(kids)
+            elif self._at < len(self._batch):
+                b = self._batch[self._at]
+                self._at += 1
+                visits += 1
+                if b.parent is None:
+                    stack.append(b)
+            elif self._shard < len(self._shards):
+                self._batch = list(self._shards[self._shard].values())
+                self._shard += 1
+                self._at = 0
+            elif self._ns < len(self._namespaces):
+                self._shards = list(self._namespaces[self._ns].blocks.shards)
+                self._ns += 1
+                self._shard = 0
+            else:
+                return True
+        return False
 
 
 class RoutingDaemon(Protocol):
@@ -54,6 +154,10 @@ class RoutingVerbs:
             "dram": float(parse_size(e.dram_bandwidth, "events.dram_bandwidth")),
             "ssd": float(parse_size(e.ssd_bandwidth, "events.ssd_bandwidth")),
             "remote": float(parse_size(e.remote_bandwidth, "events.remote_bandwidth"))}
+        # snapshots under way, by session (gone with it) and cursor, oldest first
+        self.walks: weakref.WeakKeyDictionary[Session, dict[int, SnapshotWalk]] = (
+            weakref.WeakKeyDictionary())
+        self.cursors = itertools.count(1)
 
     def table(self) -> dict[type[Any], Handler]:
         return {p.Snapshot: self._snapshot, p.Probe: self._probe}
@@ -62,13 +166,49 @@ class RoutingVerbs:
         auth, tenant = self.d.auth, session.tenant
         return lambda ns: auth.may_open(tenant, ns.tenant)
 
-    def _snapshot(self, session: Session, req: p.Snapshot, payload: list[Any]) -> Outcome:
+    def _snapshot(self, session: Session, req: p.Snapshot, payload: list[Any]) -> Answer:
+        walks = self.walks.setdefault(session, {})
+        if req.cursor:
+            walk = walks.pop(req.cursor, None)
+            if walk is None:
+                raise NotFoundError(f"no snapshot under way with cursor {req.cursor} (it "
+                                    f"ended, or {SNAPSHOTS_OPEN} newer ones began): begin "
+                                    f"again with cursor 0")
+            cursor = req.cursor
+        else:
+            visible = self._visible(session)
+            walk = SnapshotWalk([ns for ns in self.d.store.namespaces.values()
+                                 if visible(ns)], self._published())
+            if not req.limit:
+                return Later(self._whole(req.rid, walk))
+            cursor = next(self.cursors)
+            while len(walks) >= SNAPSHOTS_OPEN:
+                del walks[next(iter(walks))]  # the oldest
+        blocks: list[Entry] = []
+        if req.cursor:
+            self._published()  # what changed since the last page, announced before it
+        if walk.page(req.limit or SNAPSHOT_PAGE, blocks, PAGE_SECONDS):
+            cursor = 0
+        else:
+            walks[cursor] = walk
+        return p.SnapshotReply(req.rid, walk.seq, blocks, cursor), []
+
+    def _published(self) -> int:
+        """Publish what changed this loop turn; the sequence number of the last batch."""
         events = self.d.events
-        seq = -1
-        if events is not None:
-            events.flush()  # what changed this turn goes out first: the snapshot follows it
-            seq = events.last_seq
-        return p.SnapshotReply(req.rid, seq, snapshot(self.d.store, self._visible(session))), []
+        if events is None:
+            return -1
+        events.flush()
+        return events.last_seq
+
+    async def _whole(self, rid: int, walk: SnapshotWalk) -> p.Message:
+        """The whole snapshot in one reply, as older clients ask it: built a page a loop
+        turn (its encoding, at the end, is the one cost that grows with the store)."""
+        blocks: list[Entry] = []
+        while not walk.page(SNAPSHOT_PAGE, blocks, PAGE_SECONDS):
+            await asyncio.sleep(0)
+            self._published()
+        return p.SnapshotReply(rid, walk.seq, blocks)
 
     def _probe(self, session: Session, req: p.Probe, payload: list[Any]) -> Outcome:
         d = self.d

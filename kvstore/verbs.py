@@ -28,6 +28,7 @@ from kvstore.errors import (
 )
 from kvstore.events import EventPublisher
 from kvstore.gpu_mover import GpuMover
+from kvstore.index import NamespaceDrop
 from kvstore.metrics import Metrics
 from kvstore.moves import Moves
 from kvstore.pending import Later, Pending
@@ -132,6 +133,7 @@ class Verbs:
         self.names = {t: str(t.__struct_config__.tag) for t in self.table}
         # get replies zmq still sends: pin id -> (session, its bytes counted in flight)
         self.sending: dict[int, tuple[Session, int]] = {}
+        self.removals = Removals(daemon)
 
     def add(self, table: dict[type[Any], Handler]) -> None:
         """More handlers (the routing verbs, say)."""
@@ -239,7 +241,7 @@ class Verbs:
         return p.CommitReply(req.rid, result.created, result.duplicates), []
 
     def _committed(self, blocks: list[Block]) -> None:
-        self.d.moves.committed(blocks)
+        self.removals.committed(blocks)
 
     def _abort(self, session: Session, req: p.Abort, payload: list[Any]) -> Outcome:
         self.d.store.abort(session.id, req.reservation)
@@ -370,31 +372,10 @@ class Verbs:
     def _evict(self, session: Session, req: p.Evict, payload: list[Any]) -> Answer:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
-        return self._after_sends(req.rid, lambda: self.d.store.evict(ns, req.keys))
+        return self.removals.after_sends(req.rid, lambda: self.d.store.evict(ns, req.keys))
 
     def _drop(self, session: Session, req: p.DropNamespace, payload: list[Any]) -> Answer:
-        ns = self._namespace(session, req.ns)
-        return self._after_sends(req.rid, lambda: self.d.store.drop_namespace(ns))
-
-    def _after_sends(self, rid: int,
-                     remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Answer:
-        """Remove blocks once the replies ZeroMQ is still sending have gone: a reply
-        pins its blocks until sent, so a get the client already holds would otherwise
-        keep them from an evict or a drop that follows it."""
-        sending = self.d.transport.sending()
-        if not sending:
-            return self._removed(rid, remove)
-
-        async def later() -> p.Message:
-            await self.d.transport.sent(sending)
-            return self._removed(rid, remove)[0]
-        return Later(later())
-
-    def _removed(self, rid: int,
-                 remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Outcome:
-        count, removed = remove()
-        self.d.moves.removed(removed)
-        return p.CountReply(rid, count), []
+        return self.removals.drop(req.rid, self._namespace(session, req.ns))
 
     def _warm(self, session: Session, req: p.Warm, payload: list[Any]) -> Outcome:
         d = self.d
@@ -503,7 +484,92 @@ class Verbs:
         return p.OkReply(req.rid), []
 
 
+# A namespace of more blocks than this is dropped in slices of at most ``DROP_SLICE``
+# entries or ``DROP_SLICE_SECONDS``, whichever comes first, a loop turn each.
+DROP_AT_ONCE = 256
+DROP_SLICE = 4096
+DROP_SLICE_SECONDS = 0.002
 MAX_COUNTER = (1 << 63) - 1  # where a summed counter stops (msgpack's int64)
+
+
+class Removals:
+    """What evict and drop share: waiting for the get replies still being sent; and the
+    drops of namespaces of more than ``DROP_AT_ONCE`` blocks, in slices.
+
+    Each slice drops at most ``DROP_SLICE`` entries or runs ``DROP_SLICE_SECONDS``, then
+    the loop turns for everyone else; the reply goes when the last slice is done.
+    ``NamespaceDrop`` says what a drop takes while the store changes around it: what the
+    namespace held when it began, leaves first, but what is pinned, moving or held and
+    their prefixes, and what is committed meanwhile (``committed``).  Lookups meanwhile
+    see chains shortened from their ends.  Drops of one namespace run one after another:
+    a second one waits for the first, then drops what is left (what was committed
+    meanwhile), and counts only what it removed itself.  The session may close
+    meanwhile: the drop goes on to its end (the reply finds no one).  A daemon shutting
+    down waits for it as for any request under way; cut short, it leaves what it has not
+    reached, each slice having left the store whole.
+    """
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        # namespaces being dropped: the drop, and an event set once it is over
+        self.under_way: dict[Namespace, tuple[NamespaceDrop, asyncio.Event]] = {}
+
+    def committed(self, blocks: list[Block]) -> None:
+        """New blocks of one namespace (a commit's): a drop under way there keeps them."""
+        if self.under_way and blocks:
+            drop = self.under_way.get(blocks[0].ns)
+            if drop is not None:
+                drop[0].spare.update(blocks)
+        self.d.moves.committed(blocks)
+
+    def drop(self, rid: int, ns: Namespace) -> Answer:
+        if len(ns.blocks) > DROP_AT_ONCE or ns in self.under_way:
+            return Later(self._in_slices(rid, ns))
+        return self.after_sends(rid, lambda: self.d.store.drop_namespace(ns))
+
+    def after_sends(self, rid: int,
+                    remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Answer:
+        """Remove blocks once the replies ZeroMQ is still sending have gone: a reply
+        pins its blocks until sent, so a get the client already holds would otherwise
+        keep them from an evict or a drop that follows it."""
+        sending = self.d.transport.sending()
+        if not sending:
+            return self._removed(rid, remove)
+
+        async def later() -> p.Message:
+            await self.d.transport.sent(sending)
+            return self._removed(rid, remove)[0]
+        return Later(later())
+
+    def _removed(self, rid: int,
+                 remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Outcome:
+        count, removed = remove()
+        self.d.moves.removed(removed)
+        return p.CountReply(rid, count), []
+
+    async def _in_slices(self, rid: int, ns: Namespace) -> p.Message:
+        d = self.d
+        sending = d.transport.sending()  # (as ``after_sends``)
+        if sending:
+            await d.transport.sent(sending)
+        while (ahead := self.under_way.get(ns)) is not None:
+            await ahead[1].wait()
+        drop = NamespaceDrop(d.store, ns)
+        finished = asyncio.Event()
+        self.under_way[ns] = (drop, finished)
+        try:
+            while True:
+                done = drop.step(DROP_SLICE, DROP_SLICE_SECONDS)
+                removed = drop.take_removed()
+                if removed:
+                    d.moves.removed(removed)
+                if done:
+                    return p.CountReply(rid, drop.count)
+                await asyncio.sleep(0)  # a loop turn for everyone else
+        finally:
+            drop.close()
+            del self.under_way[ns]
+            finished.set()
 
 
 def stats_for(d: Daemon, tenant: str) -> dict[str, Any]:
