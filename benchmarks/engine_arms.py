@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 ARMS = ["vllm-offload", "vllm-simple-offload", "lmcache", "lmcache-mp"]
-CHUNK = 256   # LMCache's chunk, tokens
 SERVER_LOG = "KVSTORE_E2E_LMCACHE_LOG"   # the lmcache server's log, for the arm's counts
 
 
@@ -54,7 +53,7 @@ def engine_kwargs(arm: str, a: argparse.Namespace, endpoint: str) -> dict[str, A
             kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": a.store_mib << 20})}
     if arm == "lmcache":   # LMCache's engine in this process, configured by environment
-        os.environ.update(LMCACHE_CHUNK_SIZE=str(CHUNK), LMCACHE_LOCAL_CPU="True",
+        os.environ.update(LMCACHE_CHUNK_SIZE=str(a.lmcache_chunk), LMCACHE_LOCAL_CPU="True",
                           LMCACHE_MAX_LOCAL_CPU_SIZE=str(a.store_mib / 1024))
         return {"kv_transfer_config": KVTransferConfig(kv_connector="LMCacheConnectorV1",
                                                        kv_role="kv_both")}
@@ -119,7 +118,7 @@ def start_server(a: argparse.Namespace, work: Path) -> tuple[subprocess.Popen[by
             [sys.executable, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1",
              "--port", str(ports[0]), "--http-host", "127.0.0.1", "--http-port",
              str(ports[1]), "--l1-size-gb", str(a.store_mib / 1024), "--eviction-policy",
-             "LRU", "--chunk-size", str(CHUNK), "--disable-observability",
+             "LRU", "--chunk-size", str(a.lmcache_chunk), "--disable-observability",
              "--supported-transfer-mode", "engine_driven",
              "--shm-name", f"kvstore-e2e-{uuid.uuid4().hex[:8]}"],
             stdout=log, stderr=log, env=env, cwd=work)

@@ -670,6 +670,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ideal-cache-mib", type=int, default=2048)
     p.add_argument("--store-mib", type=int, default=2048)
     p.add_argument("--ssd-dram-mib", type=int, default=32)
+    p.add_argument("--lmcache-chunk", type=int, default=256,
+                   help="LMCache's chunk in tokens (its default): it stores and loads "
+                   "whole chunks only")
     p.add_argument("--layerwise", action="store_true")
     p.add_argument("--threads", type=int, default=-1,
                    help="OMP_NUM_THREADS of every arm's engine (default: 1 on the CPU "
