@@ -1,7 +1,7 @@
 """End to end: a real vLLM engine serving with kvstore, against the alternatives.
 
     .engine-envs/vllm/bin/python benchmarks/engine_e2e.py [--workloads mrqa,zero]
-        [--arms alone,ideal,kvstore,kvstore-ssd,vllm-offload,lmcache] [--users 8]
+        [--arms alone,ideal,kvstore,kvstore-ssd,vllm-offload,...] [--users 8]
         [--rounds 3] [--repeat 1] [--png ttft.png]
 
     python benchmarks/engine_e2e.py --gpu --modes seq    # on a lent GPU
@@ -30,10 +30,23 @@ on) on the same workload, in a process of its own, one after the other:
 - ``kvstore-ahead`` (not run unless named): ``kvstore`` with each step's loads pinned
   and copied on a thread from ``handle_preemptions`` (``copy_ahead``), not in
   ``start_load_kv``;
-- ``vllm-offload``: + vLLM's own CPU offloading connector (``kv_offloading_size``);
-- ``lmcache``: + LMCache's vLLM connector (``LMCacheConnectorV1``).
+- ``vllm-offload``: + vLLM's own CPU offloading connector (``kv_offloading_size``:
+  ``OffloadingConnector`` with its CPU backend);
+- ``vllm-simple-offload``: + vLLM's ``SimpleCPUOffloadConnector``;
+- ``lmcache``: + LMCache's in-process vLLM connector (``LMCacheConnectorV1``, LMCache's
+  engine in the engine's process; ``LMCACHE_*`` settings: a DRAM cache of
+  ``--store-mib``);
+- ``lmcache-mp``: + LMCache's multiprocess connector (``LMCacheMPConnector``, what
+  vLLM's ``kv_offloading_backend="lmcache"`` picks) and an ``lmcache server`` with
+  ``--store-mib`` of DRAM, started per run like kvstore's daemon.
 
-An arm that cannot run here prints the error why and the others go on.
+An arm that cannot run here prints the error why and the others go on: on the CPU
+build, vLLM's two offloading connectors and LMCache's in-process one stop at their
+CUDA-only parts (LMCache's would carry on recomputing everything, so the benchmark
+stops it with the error LMCache logged).  LMCache's arms need an environment with
+both vLLM and LMCache, which the engine tests keep apart: ``bash
+tests/engines/setup_envs.sh vllm-lmcache`` (opt-in) makes ``.engine-envs/vllm-lmcache``,
+to run this benchmark with.
 
 Workloads, our own generators of the shapes the anchors publish:
 - ``mrqa``: multi-round QA as in LMCache's benchmark: users x rounds, a shared system
@@ -82,8 +95,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # run by path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_arms  # after the path: benchmarks/ is no package
+
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ["alone", "ideal", "kvstore", "kvstore-ssd", "vllm-offload", "lmcache"]
+ARMS = ["alone", "ideal", "kvstore", "kvstore-ssd", *engine_arms.ARMS]
 WORKLOADS = ["mrqa", "longdoc", "multiturn", "zero"]
 BLOCK = 32   # the CPU attention backend wants a multiple of 32
 VOCAB = 4096
@@ -178,19 +195,6 @@ def make_model(path: Path, a: argparse.Namespace) -> None:
     save_file(weights, str(path / "model.safetensors"))
 
 
-def cannot_run(arm: str) -> str:
-    """Why an arm cannot run in this environment, known before its engine starts ("" if
-    it may; vLLM itself says why its CPU offloading cannot run on its CPU build)."""
-    import importlib.util
-
-    if arm == "lmcache" and importlib.util.find_spec("lmcache") is None:
-        return ("ModuleNotFoundError: No module named 'lmcache': LMCacheConnectorV1 "
-                "imports it, and this vLLM environment lacks it (LMCache pins a torch and "
-                "vLLM build of its own: the engine tests keep it in an environment "
-                "without vLLM)")
-    return ""
-
-
 def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -209,11 +213,8 @@ def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
                                        "saves_after_step": not arm.endswith(("eager",
                                                                              "before")),
                                        "known_chains": not arm.endswith("before")})
-    elif arm == "vllm-offload":
-        kwargs["kv_offloading_size"] = a.store_mib / 1024
-    elif arm == "lmcache":
-        kwargs["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheConnectorV1",
-                                                        kv_role="kv_both")
+    elif arm != "alone" and arm != "ideal":
+        kwargs |= engine_arms.engine_kwargs(arm, a, endpoint)
     return LLM(model=a.model, skip_tokenizer_init=True, dtype=a.dtype, block_size=BLOCK,
                max_model_len=a.max_model_len, enforce_eager=True, seed=0,
                gpu_memory_utilization=0.5, kv_cache_memory_bytes=cache_mib << 20,
@@ -345,6 +346,8 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     sys.path.insert(0, str(ROOT))
     llm = engine(arm, a, a.endpoint)
+    if reason := engine_arms.failure(llm):
+        return {"error": reason}
     clock = PhaseClock(llm)
     warm = Driver(llm, 2)
     warm.one_at_a_time([Conversation("warm", tokens(random.Random(99), 300), [[3]])])
@@ -388,7 +391,8 @@ PHASES = tuple(f"phase_{k}" for k in PhaseClock.PHASES)  # nanoseconds
 
 
 def connector_stats(llm: Any, *, drain: bool = True) -> dict[str, int]:
-    """kvstore's counters (scheduler and worker side) in this process; {} elsewhere.
+    """kvstore's counters (scheduler and worker side) in this process, or the tokens
+    the ``lmcache-mp`` arm's server logged it retrieved and stored; {} elsewhere.
     ``drain``: once the background saves are done."""
     core = llm.llm_engine.engine_core.engine_core
     connector = getattr(core.scheduler, "connector", None)
@@ -402,6 +406,8 @@ def connector_stats(llm: Any, *, drain: bool = True) -> dict[str, int]:
         stats["block_bytes"] = worker._layers[0].block_bytes
     if connector is not None and hasattr(connector, "stats"):
         stats |= {f"s_{k}": v for k, v in connector.stats.items()}
+    if drain:  # not per request: it reads a log
+        stats |= engine_arms.server_tokens()
     return stats
 
 
@@ -428,14 +434,21 @@ def start_daemon(arm: str, a: argparse.Namespace, work: Path) -> tuple[subproces
 
 
 def child(arm: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    daemon = None
+    daemon: subprocess.Popen[bytes] | None = None
     endpoint = ""
     if arm.startswith("kvstore"):
         daemon, endpoint = start_daemon(arm, a, work)
+    elif arm == "lmcache-mp":
+        try:
+            daemon, endpoint = engine_arms.start_server(a, work)
+        except RuntimeError as e:
+            return {"error": str(e)}
     args = [sys.executable, __file__, "--child", arm, "--endpoint", endpoint,
             *sys.argv[1:]]
     try:
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if arm == "lmcache-mp":
+            env[engine_arms.SERVER_LOG] = str(work / "lmcache-server.log")
         if a.threads:
             env["OMP_NUM_THREADS"] = str(a.threads)
         proc = subprocess.run(args, capture_output=True, text=True, cwd=work,
@@ -450,7 +463,8 @@ def child(arm: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     if proc.returncode != 0 or not lines:
         err = [line for line in proc.stderr.splitlines()
                if "Error" in line or "error" in line or "Exception:" in line]
-        return {"error": (err[-1] if err else proc.stderr[-400:]).strip()[:400]}
+        why = (err[-1] if err else proc.stderr[-400:]).strip()
+        return {"error": why.removeprefix("[rank0]:").strip()[:400]}
     result: dict[str, Any] = json.loads(lines[-1])
     return result
 
@@ -656,6 +670,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ideal-cache-mib", type=int, default=2048)
     p.add_argument("--store-mib", type=int, default=2048)
     p.add_argument("--ssd-dram-mib", type=int, default=32)
+    p.add_argument("--lmcache-chunk", type=int, default=256,
+                   help="LMCache's chunk in tokens (its default): it stores and loads "
+                   "whole chunks only")
     p.add_argument("--layerwise", action="store_true")
     p.add_argument("--threads", type=int, default=-1,
                    help="OMP_NUM_THREADS of every arm's engine (default: 1 on the CPU "
@@ -705,7 +722,7 @@ def main() -> None:
         results: dict[str, dict[str, Any]] = {}
         arms = a.arms.split(",")
         for arm in arms:
-            if reason := cannot_run(arm):
+            if reason := engine_arms.cannot_run(arm):
                 results[arm] = {"error": reason}
         for rep in range(a.repeat):  # the arms in turn, so the machine's drift hits all,
             for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:  # none always first

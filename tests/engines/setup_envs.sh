@@ -10,6 +10,7 @@
 #
 #   bash tests/engines/setup_envs.sh            # all three
 #   bash tests/engines/setup_envs.sh vllm       # some of them
+#   bash tests/engines/setup_envs.sh vllm-lmcache   # opt-in, never built by default
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -41,19 +42,31 @@ sglang_engine="sglang==0.5.23"
 sglang_extra="triton==3.8.0 orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 packaging==26.4 pillow==13.0.0 starlette==1.10.0 pydantic==2.14.4 tqdm==4.70.1 ipython==9.18.1 aiohttp==3.14.5"
 sglang_smoke="import kvstore.integrations.sglang; from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory"
 
+# Opt-in, for benchmarks/engine_e2e.py's LMCache arms only (no test uses it): vLLM's
+# environment as above plus LMCache, without LMCache's CUDA/cloud dependencies, and the
+# pure-Python ones its vLLM connectors import that vLLM's environment lacks.
+vllm_lmcache_engine="$vllm_engine"
+vllm_lmcache_extra="$vllm_extra"
+vllm_lmcache_nodeps="$lmcache_engine"
+vllm_lmcache_deps="sortedcontainers==2.4.0 aiofile==3.12.3 caio==0.12.10"
+vllm_lmcache_smoke="$vllm_smoke; import lmcache.integration.vllm.vllm_v1_adapter, lmcache.integration.vllm.lmcache_mp_connector, lmcache.v1.multiprocess.server, lmcache.v1.multiprocess.http_server"
+
 # Every environment must still hold the CPU torch it started with.
 torch_check="import torch; assert torch.__version__.startswith('2.13.0+cpu'), torch.__version__"
 
 recipe() {  # everything that decides an environment's contents
-    local name=$1 engine extra
-    engine=${name}_engine extra=${name}_extra
+    local name=$1 engine extra nodeps deps
+    engine=${name//-/_}_engine extra=${name//-/_}_extra
+    nodeps=${name//-/_}_nodeps deps=${name//-/_}_deps
     printf '%s\n' "$name" "$torch_pin" "${!engine}" "${!extra}" "$core_deps" "$root" \
         "$("$python" -c 'import sys; print(sys.version)')" "recipe-v1"
+    if [ -n "${!nodeps:-}" ]; then printf '%s\n' "${!nodeps}" "${!deps}"; fi
 }
 
 build() {
-    local name=$1 dir="$envs/$1" engine extra smoke constraints
-    engine=${name}_engine extra=${name}_extra smoke=${name}_smoke
+    local name=$1 dir="$envs/$1" engine extra smoke constraints nodeps deps
+    engine=${name//-/_}_engine extra=${name//-/_}_extra smoke=${name//-/_}_smoke
+    nodeps=${name//-/_}_nodeps deps=${name//-/_}_deps
     local stamp="$dir/.kvstore-recipe" started=$SECONDS
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(recipe "$name")" ] \
         && "$dir/bin/python" -c "$torch_check; ${!smoke}" >/dev/null 2>&1; then
@@ -68,9 +81,13 @@ build() {
     echo "$torch_pin" > "$constraints"   # nothing may replace the CPU torch
     "${pip[@]}" "$torch_pin"
     case $name in
-        vllm)
+        vllm|vllm-lmcache)
             "${pip[@]}" -c "$constraints" "${!engine}" ${!extra}
-            "$dir/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec ;;
+            "$dir/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+            if [ -n "${!nodeps:-}" ]; then
+                "${pip[@]}" --no-deps ${!nodeps}
+                "${pip[@]}" -c "$constraints" ${!deps}
+            fi ;;
         *)
             "${pip[@]}" --no-deps "${!engine}"
             "${pip[@]}" -c "$constraints" ${!extra} ;;
@@ -92,7 +109,8 @@ mkdir -p "$envs"
 start=$SECONDS
 pids=()
 for name in "${names[@]}"; do
-    case $name in vllm|lmcache|sglang) ;; *) echo "unknown engine: $name" >&2; exit 2 ;; esac
+    case $name in vllm|lmcache|sglang|vllm-lmcache) ;;
+        *) echo "unknown engine: $name" >&2; exit 2 ;; esac
     build "$name" > "$envs/$name.log" 2>&1 &
     pids+=($!)
 done
