@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Union
 
 import msgspec
@@ -642,25 +642,6 @@ class EventPublisher:
 def _readable(sock: zmq.Socket[bytes]) -> bool:
     events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
     return bool(events & _POLLIN)
-
-
-def snapshot(store: BlockStore, visible: Callable[[Namespace], bool]
-             ) -> list[tuple[bytes, bytes | None, str]]:
-    """Every cached block of the visible namespaces per tier: (key, parent, tier), in
-    chain order (a parent before its children)."""
-    from kvstore.tier_changes import TIER_BITS, holdings
-
-    out: list[tuple[bytes, bytes | None, str]] = []
-    for ns in store.namespaces.values():
-        if not visible(ns):
-            continue
-        for b in _parents_first(ns):
-            bits = holdings(b)
-            parent = b.parent.key if b.parent is not None else None
-            for tier, bit in TIER_BITS:
-                if bits & bit:
-                    out.append((b.key, parent, tier))
-    return out
 
 
 def _parents_first(ns: Namespace) -> list[Block]:
