@@ -69,6 +69,9 @@ class AsyncClient(SessionCore):
         self._fd = -1  # the socket's descriptor, watched by the loop while connected
         self._settled: asyncio.Event | None = None  # set once no posted reply is unread
         self._routers: dict[tuple[str, ...], tuple[Router, asyncio.Lock]] = {}  # of route()
+        # one snapshot at a time: the daemon keeps a few walks a session, so many at once
+        # would end each other's
+        self._snapshots: asyncio.Lock | None = None
 
     async def connect(self) -> AsyncClient:
         """Open the socket and say hello.  The side socket's exchanges (a handshake
@@ -269,7 +272,13 @@ class AsyncClient(SessionCore):
         self._on_ok(await self._call(self._report_request(recomputed_tokens)))
 
     async def snapshot(self, page: int = SNAPSHOT_PAGE) -> p.SnapshotReply:
-        """See ``Client.snapshot``."""
+        """See ``Client.snapshot``; one at a time on this client (the others wait)."""
+        if self._snapshots is None:
+            self._snapshots = asyncio.Lock()
+        async with self._snapshots:
+            return await self._snapshot(page)
+
+    async def _snapshot(self, page: int) -> p.SnapshotReply:
         reply = check_reply((await self._call(p.Snapshot(self._next_rid(), 0, page)))[0],
                             p.SnapshotReply)
         blocks, cursor = reply.blocks, reply.cursor

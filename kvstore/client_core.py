@@ -71,7 +71,7 @@ RC = TypeVar("RC", bound="ReservationCore[Any]")
 
 log = logging.getLogger("kvstore.client")
 
-SNAPSHOT_PAGE = 4096  # entries' worth of a snapshot's page (the daemon's loop turn, a few ms)
+SNAPSHOT_PAGE = p.SNAPSHOT_PAGE  # entries' worth of a snapshot's page (the daemon's loop turn)
 CLOSE_WAIT_S = 1.0  # how long close() waits for the replies to posted releases
 _PARENT_MEMORY = 1 << 20  # chain links remembered per namespace, for reserve/put parents
 _TOKEN_MEMORY = 1 << 18   # token ids remembered per namespace, for the daemon's events

@@ -24,6 +24,7 @@ RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 MAX_REPORTED_TOKENS = 1 << 40
 KEY_BYTES = 16
 MAX_SNAPSHOT_PAGE = 1 << 16  # the most entries one page of a snapshot may go through
+SNAPSHOT_PAGE = 4096  # a page's entries when the client says not (a few ms of the loop)
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 
 

@@ -43,7 +43,7 @@ from kvstore import protocol as p
 from kvstore.auth import Auth
 from kvstore.blocks import DRAM, Block, Namespace
 from kvstore.config import Config, parse_size
-from kvstore.errors import NotFoundError
+from kvstore.errors import LimitExceededError, NotFoundError
 from kvstore.events import EventPublisher
 from kvstore.pending import Later
 from kvstore.sessions import Session
@@ -54,9 +54,10 @@ from kvstore.transfers import TransferGate
 from kvstore.verbs import Answer, Handler, Outcome, tier_runs
 
 _MEASURED_BYTES = 1 << 20  # promotions read before the measured bandwidth counts
-SNAPSHOT_PAGE = 4096  # entries a page of a snapshot goes through, when the client says not
+SNAPSHOT_PAGE = p.SNAPSHOT_PAGE  # entries a page goes through, when the client says not
 PAGE_SECONDS = 0.002  # ...or as many as it goes through in this long (its encoding aside)
-SNAPSHOTS_OPEN = 2  # snapshots a session may have under way (a third ends the oldest)
+SNAPSHOTS_OPEN = 4  # paged snapshots a session may have under way (one more ends the oldest)
+WHOLE_OPEN = 2  # snapshots in one reply (limit 0) a session may have under way
 
 Entry = tuple[bytes, bytes | None, str]
 
@@ -157,6 +158,7 @@ class RoutingVerbs:
         # snapshots under way, by session (gone with it) and cursor, oldest first
         self.walks: weakref.WeakKeyDictionary[Session, dict[int, SnapshotWalk]] = (
             weakref.WeakKeyDictionary())
+        self.whole: dict[Session, int] = {}  # snapshots in one reply under way, by session
         self.cursors = itertools.count(1)
 
     def table(self) -> dict[type[Any], Handler]:
@@ -180,7 +182,7 @@ class RoutingVerbs:
             walk = SnapshotWalk([ns for ns in self.d.store.namespaces.values()
                                  if visible(ns)], self._published())
             if not req.limit:
-                return Later(self._whole(req.rid, walk))
+                return self._whole_later(session, req.rid, walk)
             cursor = next(self.cursors)
             while len(walks) >= SNAPSHOTS_OPEN:
                 del walks[next(iter(walks))]  # the oldest
@@ -201,10 +203,32 @@ class RoutingVerbs:
         events.flush()
         return events.last_seq
 
+    def _whole_later(self, session: Session, rid: int, walk: SnapshotWalk) -> Answer:
+        """The whole snapshot in one reply, as older clients ask it: at most
+        ``WHOLE_OPEN`` a session at once (each holds its list until it is sent)."""
+        if self.whole.get(session, 0) >= WHOLE_OPEN:
+            raise LimitExceededError(f"{WHOLE_OPEN} snapshots in one reply are under way "
+                                     f"for this session: wait for them, or ask in pages")
+        self.whole[session] = self.whole.get(session, 0) + 1
+
+        async def whole() -> p.Message:
+            try:
+                return await self._whole(rid, walk)
+            finally:
+                left = self.whole.get(session, 1) - 1
+                if left:
+                    self.whole[session] = left
+                else:
+                    self.whole.pop(session, None)
+        return Later(whole())
+
     async def _whole(self, rid: int, walk: SnapshotWalk) -> p.Message:
-        """The whole snapshot in one reply, as older clients ask it: built a page a loop
-        turn (its encoding, at the end, is the one cost that grows with the store)."""
+        """Built a page a loop turn (its encoding, at the end, is the one cost that grows
+        with the store).  Each page, the first too, reads the store only after what
+        changed before it is published: a change seen but not yet announced could come
+        and go before the next batch, and no event would ever correct the snapshot."""
         blocks: list[Entry] = []
+        self._published()
         while not walk.page(SNAPSHOT_PAGE, blocks, PAGE_SECONDS):
             await asyncio.sleep(0)
             self._published()

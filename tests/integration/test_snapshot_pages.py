@@ -8,6 +8,7 @@ snapshot taken once nothing changes, and the daemon's own lookups.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
@@ -20,7 +21,9 @@ from kvtest import make_identity
 from kvstore import Client
 from kvstore import protocol as p
 from kvstore.client_wire import check_reply
+from kvstore.aclient import AsyncClient
 from kvstore.errors import MalformedError, NotFoundError
+from kvstore.routing import SNAPSHOTS_OPEN
 
 IDENT = make_identity(num_layers=1, num_kv_heads=1, head_dim=8)  # 512-byte blocks
 
@@ -128,10 +131,71 @@ def test_pages_cursors_and_the_whole_snapshot_of_older_clients(daemon_factory: A
         first = page(c, 0, 10)
         with pytest.raises(NotFoundError):
             page(other, first.cursor, 10)
-        # a third snapshot under way ends the oldest of its session
-        second, third = page(c, 0, 10), page(c, 0, 10)
+        # one more snapshot under way than a session may have ends its oldest
+        more = [page(c, 0, 10) for _ in range(SNAPSHOTS_OPEN)]
         with pytest.raises(NotFoundError):
             page(c, first.cursor, 10)
-        assert page(c, second.cursor, 10).blocks and page(c, third.cursor, 10).blocks
+        assert all(page(c, m.cursor, 10).blocks for m in more)
         with pytest.raises(MalformedError):
             page(c, 0, p.MAX_SNAPSHOT_PAGE + 1)
+
+
+def test_many_snapshots_at_once_on_one_async_client(daemon_factory: Any) -> None:
+    """An async client's snapshots wait for each other: the daemon keeps a few walks a
+    session, and more at once than that would end each other's."""
+    d = daemon_factory(dram_capacity="64MiB")
+    rng = random.Random(3)
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENT)
+        for _ in range(10):
+            ns.reserve([rng.randbytes(16) for _ in range(200)]).commit()
+
+    async def main() -> list[p.SnapshotReply]:
+        async with AsyncClient(d.endpoint, tenant="acme") as ac:
+            return await asyncio.gather(*(ac.snapshot(page=100)
+                                          for _ in range(SNAPSHOTS_OPEN + 2)))
+    assert [len(r.blocks) for r in asyncio.run(main())] == [2000] * (SNAPSHOTS_OPEN + 2)
+
+
+@pytest.mark.parametrize("limit", [0, 4096])
+def test_a_change_the_first_page_reads_is_announced(daemon_factory: Any, limit: int) -> None:
+    """A commit read by a snapshot's first page (sent in the same drain, after the
+    snapshot) and evicted before the next batch: the snapshot with the events after its
+    number still equals the daemon's state, for the whole snapshot of older clients (its
+    first page built in a later task step) as for pages."""
+    pub, replay = free_port(), free_port()
+    d = daemon_factory(dram_capacity="64MiB", env={
+        "KVSTORE_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{pub}",
+        "KVSTORE_EVENTS_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{replay}"})
+    sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(IDENT)
+            ns.reserve([b"A" * 16]).commit()
+            seen = 0
+            for attempt in range(20):
+                x = attempt.to_bytes(2, "big") * 8
+                r = ns.reserve([x])
+                snap = p.Snapshot(c._next_rid(), 0, limit)
+                c._send(snap)
+                commit = r._commit_request()
+                c._send(commit)  # the same drain, after the snapshot
+                first = check_reply(c._wait(snap.rid)[0], p.SnapshotReply)
+                c._wait(commit.rid)
+                read = {(k, t) for k, _, t in first.blocks}
+                ns.evict([x])  # before its batch's quiet interval ends
+                final = c.snapshot()
+                sub.until(final.seq)
+                state = set(read)
+                for seq, payload in sub.payloads:
+                    if first.seq < seq <= final.seq:
+                        apply(state, payload)
+                assert state == {(k, t) for k, _, t in final.blocks}, attempt
+                seen += (x, "dram") in read
+                if seen >= 3:
+                    break
+            # the whole snapshot's first page reads the commit (a later task step); a
+            # page is read where it is asked, before the commit behind it
+            assert bool(seen) == (limit == 0)
+    finally:
+        sub.close()
