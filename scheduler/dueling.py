@@ -49,7 +49,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from functools import partial
 from itertools import chain, compress, count, repeat
-from operator import and_, attrgetter, mod, mul, not_
+from operator import and_, attrgetter, contains, mod, mul, not_, setitem
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 import numpy as np
@@ -61,8 +61,6 @@ T = TypeVar("T", bound=Hashable)
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the sample
 _MASK64 = (1 << 64) - 1
 _UNTRACKED: Any = object()
-_holds: Callable[[dict[Any, Any], Any], bool] = dict.__contains__  # as ``map``'s function
-_set: Callable[[dict[Any, Any], Any, Any], None] = dict.__setitem__
 _drain = deque[Any](maxlen=0).extend  # runs an iterator (of ``map``) to its end, in C
 
 
@@ -424,7 +422,8 @@ class Duel(Generic[T]):
             self._forget()
         # The miniatures hold a 2**-shift sample of a cache of _size items.
         capacity = max(1, self._size >> self.sample_shift)
-        parent = self.parent_of(item)
+        get = self.parent_of  # the default inline: a frame less a key
+        parent = getattr(item, "parent", None) if get is _parent_attribute else get(item)
         if parent is None:
             parent_node = None
         else:
@@ -538,18 +537,17 @@ class Duel(Generic[T]):
 
     def insert_many(self, items: Iterable[T]) -> None:
         """``insert`` each, in order, as one call per run of unsampled items to the
-        candidate in charge (a commit's blocks are one call, not one per block).
-        A batch of new items (none tracked, none twice: a commit's) is taken at once,
-        with loops in C over it, the same calls in the same order as ``_insert_each``
-        (see ``_homes``)."""
+        candidate in charge (a commit's blocks are one call, not one per block); a batch
+        of new items (a commit's) at once, in loops in C, with ``_insert_each``'s calls
+        in its order (see ``_homes``)."""
         batch = items if type(items) is list else list(items)
         tracked = self._items
         homes = _homes(batch, tracked.shards, tracked.modulus)
-        if any(map(_holds, homes, batch)) or len(set(batch)) != len(batch):
+        if any(map(contains, homes, batch)) or len(set(batch)) != len(batch):
             self._insert_each(batch)
             return
         spots, names = _sampled_in(batch, self.name_hash, self.ghost_key, self._sample_mask)
-        _drain(map(_set, homes, batch, _states(len(batch), spots, names)))
+        _drain(map(setitem, homes, batch, _states(len(batch), spots, names)))
         tick, before, order = self._tick, len(tracked), self._order
         sent = counted = 0  # items given to the order in charge, counted by the map
         for at, name in zip(spots, names):

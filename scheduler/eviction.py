@@ -335,7 +335,8 @@ class ARCPolicy(EvictionPolicy[T]):
         self._t1, self._t2 = queue(links), queue(links)
 
     def insert(self, item: T) -> None:
-        if item in self._t1 or item in self._t2 or item in self._pinned:
+        t1, t2 = self._t1, self._t2
+        if item in t1 or item in t2 or item in self._pinned:
             return
         size = max(1, self._size)
         ghost = self.ghost_key(item)
@@ -343,15 +344,17 @@ class ARCPolicy(EvictionPolicy[T]):
             grow = max(1.0, len(self._b2) / max(1, len(self._b1)))
             self._target_t1 = min(float(size), self._target_t1 + grow)
             del self._b1[ghost]
-            self._t2[item] = None
+            t2[item] = None
         elif ghost in self._b2:
             shrink = max(1.0, len(self._b1) / max(1, len(self._b2)))
             self._target_t1 = max(0.0, self._target_t1 - shrink)
             del self._b2[ghost]
-            self._t2[item] = None
+            t2[item] = None
         else:
-            self._t1[item] = None
-        self._size = max(self._size, len(self._t1) + len(self._t2) + len(self._pinned))
+            t1[item] = None
+        tracked = len(t1) + len(t2) + len(self._pinned)
+        if tracked > self._size:
+            self._size = tracked
 
     def insert_many(self, items: Iterable[T]) -> None:
         if self._b1 or self._b2:  # a ghost hit moves the target by the size so far
