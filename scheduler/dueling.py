@@ -222,10 +222,13 @@ class _Miniature:
     store by name is five times faster than ``setattr`` (see ``kvstore.scheduler.linked``).
     """
 
-    __slots__ = ("order", "held", "hits", "score")
+    __slots__ = ("order", "add", "held", "hits", "score")
 
     def __init__(self, order: Order[Any], index: int) -> None:
         self.order = order
+        # a key it inserts is one it does not hold: the order's insert that skips the
+        # lookups, where it has one (``insert_new``)
+        self.add: Callable[[Any], None] = getattr(order, "insert_new", order.insert)
         if isinstance(getattr(type(order), "links", None), property):
             order.links = f"m{index}"  # type: ignore[attr-defined]
         if hasattr(order, "ghost_key"):
@@ -281,7 +284,7 @@ def reference(self, node, parent, capacity, nodes, dropped):
     node.{k} = 0
     self.held += 1
     node.held += 1
-    order.insert(node)
+    self.add(node)
 """
 
 _MINIATURES: dict[int, type[_Miniature]] = {}

@@ -335,9 +335,14 @@ class ARCPolicy(EvictionPolicy[T]):
         self._t1, self._t2 = queue(links), queue(links)
 
     def insert(self, item: T) -> None:
-        t1, t2 = self._t1, self._t2
-        if item in t1 or item in t2 or item in self._pinned:
+        if item in self._t1 or item in self._t2 or item in self._pinned:
             return
+        self.insert_new(item)
+
+    def insert_new(self, item: T) -> None:
+        """``insert`` of an item it does not hold (a duel's miniature knows it does not:
+        the three lookups spared, a sampled key's every reference passing here)."""
+        t1, t2 = self._t1, self._t2
         size = max(1, self._size)
         ghost = self.ghost_key(item)
         if ghost in self._b1:
@@ -357,12 +362,14 @@ class ARCPolicy(EvictionPolicy[T]):
             self._size = tracked
 
     def insert_many(self, items: Iterable[T]) -> None:
+        t1, t2, pinned = self._t1, self._t2, self._pinned
         if self._b1 or self._b2:  # a ghost hit moves the target by the size so far
-            super().insert_many(items)
+            for item in items:  # ``insert`` each
+                if item not in t1 and item not in t2 and item not in pinned:
+                    self.insert_new(item)
             return
         # No ghost yet (a fresh order, one taking over, a cache still filling): each new
         # item joins T1, and the size is the count at the end.
-        t1, t2, pinned = self._t1, self._t2, self._pinned
         for item in items:
             if item not in t1 and item not in t2 and item not in pinned:
                 t1[item] = None
@@ -498,6 +505,10 @@ class SLRUPolicy(EvictionPolicy[T]):
     def insert(self, item: T) -> None:
         if item in self._probation or item in self._protected or item in self._pinned:
             return
+        self.insert_new(item)
+
+    def insert_new(self, item: T) -> None:
+        """``insert`` of an item it does not hold (as ``ARCPolicy.insert_new``)."""
         remembered = self._ghost.pop(self.ghost_key(item), None) if self._ghost else None
         if remembered is None:
             self._probation[item] = None
