@@ -3,6 +3,7 @@
     python benchmarks/eviction_cost.py [--trace PATH | --workload NAME] [--capacity 0.1]
                                        [--policies lru,slru,arc,s3fifo,density,auto]
                                        [--repeat 5] [--handover 200k] [--memory 100k]
+                                       [--ingest 500k]
 
 Replays the trace through the simulator of benchmarks/replay_sim.py (the policy called
 as the store calls it, each hit reported twice as the daemon's lookup and acquire do)
@@ -16,6 +17,12 @@ second through the daemon (benchmarks/replay.py --mode daemon).
 to each candidate in turn, on N store-like items (a key, a parent, links) inserted 16
 at a time, every other 64-item chain hit once and one item in 97 pinned: the median
 CPU seconds per million items.
+
+``--ingest N`` times instead what each policy costs the store's ingest: N store-like
+items (a 16-byte key, a parent, links; named and sampled as the store's blocks are)
+inserted as 1024-item chains, deepest first, one ``insert_many`` a chain as a commit
+makes, no eviction: the median CPU microseconds per item over ``--repeat`` runs (the
+policies taking turns), and its ratio to the first policy's.
 
 ``--memory N`` measures instead what the order in charge of ``auto`` keeps of its own
 per cached block (entries, queues, ghosts: what it frees when let go), with each
@@ -34,6 +41,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from functools import partial
 from operator import attrgetter
 
 from kvstore.scheduler.eviction import POLICIES, AutoPolicy, make_policy
@@ -58,7 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="time auto's hand-over on this many items (e.g. 200k)")
     parser.add_argument("--memory", default="",
                         help="measure the order in charge's memory on this many items")
+    parser.add_argument("--ingest", default="",
+                        help="time each policy's insert of this many items in chains")
     args = parser.parse_args(argv)
+    if args.ingest:
+        return ingest(_count(args.ingest), [p for p in args.policies.split(",") if p],
+                      max(1, args.repeat))
     if args.memory:
         return memory(_count(args.memory))
     if args.handover:
@@ -135,6 +148,43 @@ def handover(count: int, repeat: int) -> int:
     for name, runs in seconds.items():
         print(f"  to {name:<7} {1e6 * statistics.median(runs) / count:6.2f}")
     return 0
+
+
+def ingest(count: int, policies: list[str], repeat: int) -> int:
+    key_hash = partial(int.from_bytes, byteorder="little")  # the store's name hash
+    seconds: dict[str, list[float]] = {name: [] for name in policies}
+    for _ in range(repeat):
+        for name in policies:
+            rng = random.Random(3)
+            policy = make_policy(name, ghost_key=attrgetter("key"), links="dram",
+                                 name_hash=key_hash)
+            kept: list[list[_Item]] = []
+            spent = 0.0
+            gc.collect()
+            for _ in range(0, count, 1024):
+                chain: list[_Item] = []
+                parent: _Item | None = None
+                for key in _keys(rng, 1024):
+                    parent = _Item(key, parent)
+                    chain.append(parent)
+                kept.append(chain)
+                started = time.thread_time()
+                policy.insert_many(reversed(chain))
+                spent += time.thread_time() - started
+            seconds[name].append(spent)
+            policy.release()
+    print(f"insert of {count} items in 1024-item chains, CPU us per item "
+          f"(median of {repeat}):")
+    first = statistics.median(seconds[policies[0]])
+    for name in policies:
+        median = statistics.median(seconds[name])
+        print(f"  {name:<8} {1e6 * median / count:6.2f} {median / first:6.2f}")
+    return 0
+
+
+def _keys(rng: random.Random, n: int) -> list[bytes]:
+    blob = rng.randbytes(16 * n)
+    return [blob[i:i + 16] for i in range(0, 16 * n, 16)]
 
 
 def memory(count: int) -> int:

@@ -141,7 +141,34 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self.refreshes = 0
 
     def insert(self, item: T) -> None:
-        self.insert_many((item,))
+        """``insert_many`` of one item, without its loops (a duel's miniature inserts
+        every sampled key it has not got one by one)."""
+        entries = self._entries
+        if item in entries:
+            return
+        self._tick += 1
+        now = self._now = self._now + 1
+        ghost = self._ghost
+        remembered = ghost.pop(self.ghost_key(item), None) if ghost else None
+        hits = 0
+        if remembered is not None:
+            hits, klass, stamp = remembered
+            self._hits[klass][age_bucket(now - stamp)] += 1.0
+            hits += 1
+        klass = _CLASS_OF_HITS[hits] if hits < len(_CLASS_OF_HITS) else _CLASSES - 1
+        entries[item] = entry = _Entry(hits, klass, now)
+        self._queues[klass][item] = None
+        parent_of = self.parent_of
+        parent = (getattr(item, "parent", None) if parent_of is _parent_attribute
+                  else parent_of(item))
+        up = entries.get(parent) if parent is not None else None  # type: ignore[arg-type]
+        if up is not None:
+            entry.parent, entry.up = parent, up
+            up.kids += 1
+        if len(entries) > self._size:
+            self._size = len(entries)
+        if now >= self._next_refresh:
+            self._learn()
 
     def insert_many(self, items: Iterable[T]) -> None:
         entries, ghost, key, queues = self._entries, self._ghost, self.ghost_key, self._queues

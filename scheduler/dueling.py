@@ -47,9 +47,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from itertools import chain
-from operator import attrgetter
-from typing import Any, Generic, Protocol, TypeVar
+from functools import partial
+from itertools import chain, compress, count, repeat
+from operator import and_, attrgetter, contains, mod, mul, not_, setitem
+from typing import Any, Generic, Protocol, TypeVar, cast
+
+import numpy as np
 
 from kvstore.scheduler.sharded import ShardedDict
 
@@ -58,9 +61,89 @@ T = TypeVar("T", bound=Hashable)
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the sample
 _MASK64 = (1 << 64) - 1
 _UNTRACKED: Any = object()
+_drain = deque[Any](maxlen=0).extend  # runs an iterator (of ``map``) to its end, in C
+
+
+def _little_endian(name_hash: Callable[[Any], int]) -> bool:
+    """Whether ``name_hash`` reads a name's bytes as a little-endian int (the store's
+    ``partial(int.from_bytes, byteorder="little")``)."""
+    return (isinstance(name_hash, partial) and name_hash.func == int.from_bytes
+            and not name_hash.args and name_hash.keywords == {"byteorder": "little"})
+
+
 # The most victims' names a hand-over passes on as ghosts: at a million-block cache and
 # past it, the latest 256k (about 15 MiB of names), not one name per cached block.
 RECALL_MOST = 1 << 18
+
+
+def _victims_gone(gone: Iterable[Hashable], ghost_key: Callable[[Any], Hashable],
+                  resident: Iterable[Any]) -> list[Hashable]:
+    """The latest victims' names (``gone``, oldest first), each once at its latest
+    eviction, less those of the ``resident`` items (cached again since: a miss that
+    brought one back): the ghosts a new order is handed.  O(items), as the hand-over
+    is; a table of the names only."""
+    names: dict[Hashable, None] = {}
+    for name in gone:
+        names.pop(name, None)
+        names[name] = None
+    for item in resident:
+        names.pop(ghost_key(item), None)
+    return list(names)
+
+
+def _homes(batch: list[T], shards: list[dict[T, bool | int]],
+           modulus: int) -> list[dict[T, bool | int]]:
+    """Each item's shard of the tracked items' map (``ShardedDict``'s choice).
+
+    ``Duel.insert_many`` takes a batch of new items at once: their shards, which are
+    sampled (``_sampled_in``) and their states come from loops in C over the whole
+    batch, and only a sampled item costs Python of its own.  It makes the calls
+    ``_insert_each`` makes item by item, in the same order (the tests hold the two to
+    each other), with one difference no decision sees: every item's state is set
+    before the first sampled key's reference, where the loop sets each as it comes.
+    That reference reads only its parent's state, and only to find the parent's
+    sampled node: a state not set yet sends it to the parent's name, which finds the
+    same node (an unsampled name has none)."""
+    if modulus == 1:
+        return [shards[0]] * len(batch)
+    return list(map(shards.__getitem__, map(mod, map(hash, batch), repeat(modulus))))
+
+
+def _states(size: int, spots: list[int], names: list[int]) -> list[bool | int]:
+    """The states of a batch of new items, those at ``spots`` sampled (``Duel._items``)."""
+    states: list[bool | int] = [False] * size
+    for at, name in zip(spots, names):
+        states[at] = name << 1
+    return states
+
+
+def _sampled_in(batch: list[T], name_hash: Callable[[Any], int],
+                ghost_key: Callable[[Any], Hashable],
+                mask: int) -> tuple[list[int], list[int]]:
+    """The places in ``batch`` of the items sampled by ``mask``, and their names' hashes.
+
+    As ``insert`` decides, ``not (name * _GOLDEN) & mask``, in loops in C; where the
+    names are keys of one length, a multiple of 8 bytes, and their hash their bytes
+    read little-endian (the store's), on their first eight bytes with numpy (the
+    product's low 64 bits are those of the name's), and only the sampled ones hashed
+    (``int.from_bytes`` through a ``partial`` costs about 0.15 us a call)."""
+    if _little_endian(name_hash) and len(batch) >= 16:
+        keys = cast(list[bytes], list(map(ghost_key, batch)))
+        try:
+            lengths = set(map(len, keys))
+            width = lengths.pop() if len(lengths) == 1 else 0
+            joined = b"".join(keys) if width >= 8 and not width % 8 else b""
+        except TypeError:  # names of another kind
+            joined = b""
+        if joined:
+            low = np.frombuffer(joined, dtype="<u8")[::width // 8]
+            mixed = (low * np.uint64(_GOLDEN)) & np.uint64(mask)
+            spots: list[int] = np.flatnonzero(mixed == 0).tolist()
+            return spots, [name_hash(keys[at]) for at in spots]
+    names = list(map(name_hash, map(ghost_key, batch)))
+    spots = list(compress(count(), map(not_, map(and_, map(mul, names, repeat(_GOLDEN)),
+                                               repeat(mask)))))
+    return spots, [names[at] for at in spots]
 
 
 class Order(Protocol[T]):
@@ -139,10 +222,13 @@ class _Miniature:
     store by name is five times faster than ``setattr`` (see ``kvstore.scheduler.linked``).
     """
 
-    __slots__ = ("order", "held", "hits", "score")
+    __slots__ = ("order", "add", "held", "hits", "score")
 
     def __init__(self, order: Order[Any], index: int) -> None:
         self.order = order
+        # a key it inserts is one it does not hold: the order's insert that skips the
+        # lookups, where it has one (``insert_new``)
+        self.add: Callable[[Any], None] = getattr(order, "insert_new", order.insert)
         if isinstance(getattr(type(order), "links", None), property):
             order.links = f"m{index}"  # type: ignore[attr-defined]
         if hasattr(order, "ghost_key"):
@@ -198,7 +284,7 @@ def reference(self, node, parent, capacity, nodes, dropped):
     node.{k} = 0
     self.held += 1
     node.held += 1
-    order.insert(node)
+    self.add(node)
 """
 
 _MINIATURES: dict[int, type[_Miniature]] = {}
@@ -339,7 +425,8 @@ class Duel(Generic[T]):
             self._forget()
         # The miniatures hold a 2**-shift sample of a cache of _size items.
         capacity = max(1, self._size >> self.sample_shift)
-        parent = self.parent_of(item)
+        get = self.parent_of  # the default inline: a frame less a key
+        parent = getattr(item, "parent", None) if get is _parent_attribute else get(item)
         if parent is None:
             parent_node = None
         else:
@@ -433,23 +520,10 @@ class Duel(Generic[T]):
         # Its miniature is a cache of _size >> sample_shift items.
         scale = self._size / max(1, self._size >> self.sample_shift)
         order.adopt_tuning(self._minis[best].order, scale)
-        order.recall(self._victims_gone(chain(listed, pinned)))
+        order.recall(_victims_gone(self._gone, self.ghost_key, chain(listed, pinned)))
         self._order = order
         self._leader = best
         self.switches += 1
-
-    def _victims_gone(self, resident: Iterable[T]) -> list[Hashable]:
-        """The latest victims' names, oldest first, each once at its latest eviction,
-        less those cached again since (a miss that brought one back): the ghosts a new
-        order is handed.  O(items), as the hand-over is; a table of the names only."""
-        names: dict[Hashable, None] = {}
-        for name in self._gone:
-            names.pop(name, None)
-            names[name] = None
-        ghost_key = self.ghost_key
-        for item in resident:
-            names.pop(ghost_key(item), None)
-        return list(names)
 
     def insert(self, item: T) -> None:
         if item in self._items:
@@ -466,7 +540,41 @@ class Duel(Generic[T]):
 
     def insert_many(self, items: Iterable[T]) -> None:
         """``insert`` each, in order, as one call per run of unsampled items to the
-        candidate in charge (a commit's blocks are one call, not one per block)."""
+        candidate in charge (a commit's blocks are one call, not one per block); a batch
+        of new items (a commit's) at once, in loops in C, with ``_insert_each``'s calls
+        in its order (see ``_homes``)."""
+        batch = items if type(items) is list else list(items)
+        tracked = self._items
+        homes = _homes(batch, tracked.shards, tracked.modulus)
+        if any(map(contains, homes, batch)) or len(set(batch)) != len(batch):
+            self._insert_each(batch)
+            return
+        spots, names = _sampled_in(batch, self.name_hash, self.ghost_key, self._sample_mask)
+        _drain(map(setitem, homes, batch, _states(len(batch), spots, names)))
+        tick, before, order = self._tick, len(tracked), self._order
+        sent = counted = 0  # items given to the order in charge, counted by the map
+        for at, name in zip(spots, names):
+            done = at + 1
+            self._tick = tick + done
+            if before + done > self._size:
+                self._size = before + done
+            if self._sampled + 1 < self.epoch:
+                self._sample(name, batch[at])  # no election: the run goes on
+                continue
+            # An election may hand the order over: the one in charge holds all so far.
+            order.insert_many(batch[sent:done])
+            tracked.grown(done - counted)
+            sent = counted = done
+            self._sample(name, batch[at])
+            order = self._order
+        if sent < len(batch):
+            order.insert_many(batch[sent:] if sent else batch)
+        tracked.grown(len(batch) - counted)
+        self._tick = tick + len(batch)
+        self._size = max(self._size, len(tracked))
+
+    def _insert_each(self, items: Iterable[T]) -> None:
+        """``insert_many`` item by item (the reference; a batch with items tracked, or twice)."""
         tracked, order = self._items, self._order
         ghost_key, name_hash, mask = self.ghost_key, self.name_hash, self._sample_mask
         shards, modulus = tracked.shards, tracked.modulus  # set inline, counted by ``grown``

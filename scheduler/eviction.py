@@ -337,29 +337,39 @@ class ARCPolicy(EvictionPolicy[T]):
     def insert(self, item: T) -> None:
         if item in self._t1 or item in self._t2 or item in self._pinned:
             return
+        self.insert_new(item)
+
+    def insert_new(self, item: T) -> None:
+        """``insert`` of an item it does not hold (a duel's miniature knows it does not:
+        the three lookups spared, a sampled key's every reference passing here)."""
+        t1, t2 = self._t1, self._t2
         size = max(1, self._size)
         ghost = self.ghost_key(item)
         if ghost in self._b1:
             grow = max(1.0, len(self._b2) / max(1, len(self._b1)))
             self._target_t1 = min(float(size), self._target_t1 + grow)
             del self._b1[ghost]
-            self._t2[item] = None
+            t2[item] = None
         elif ghost in self._b2:
             shrink = max(1.0, len(self._b1) / max(1, len(self._b2)))
             self._target_t1 = max(0.0, self._target_t1 - shrink)
             del self._b2[ghost]
-            self._t2[item] = None
+            t2[item] = None
         else:
-            self._t1[item] = None
-        self._size = max(self._size, len(self._t1) + len(self._t2) + len(self._pinned))
+            t1[item] = None
+        tracked = len(t1) + len(t2) + len(self._pinned)
+        if tracked > self._size:
+            self._size = tracked
 
     def insert_many(self, items: Iterable[T]) -> None:
+        t1, t2, pinned = self._t1, self._t2, self._pinned
         if self._b1 or self._b2:  # a ghost hit moves the target by the size so far
-            super().insert_many(items)
+            for item in items:  # ``insert`` each
+                if item not in t1 and item not in t2 and item not in pinned:
+                    self.insert_new(item)
             return
         # No ghost yet (a fresh order, one taking over, a cache still filling): each new
         # item joins T1, and the size is the count at the end.
-        t1, t2, pinned = self._t1, self._t2, self._pinned
         for item in items:
             if item not in t1 and item not in t2 and item not in pinned:
                 t1[item] = None
@@ -495,6 +505,10 @@ class SLRUPolicy(EvictionPolicy[T]):
     def insert(self, item: T) -> None:
         if item in self._probation or item in self._protected or item in self._pinned:
             return
+        self.insert_new(item)
+
+    def insert_new(self, item: T) -> None:
+        """``insert`` of an item it does not hold (as ``ARCPolicy.insert_new``)."""
         remembered = self._ghost.pop(self.ghost_key(item), None) if self._ghost else None
         if remembered is None:
             self._probation[item] = None
