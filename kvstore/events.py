@@ -13,9 +13,15 @@ store ``STORAGE`` (told apart by ``locality``: ``LOCAL`` and ``REMOTE``).  Event
 maps tagged ``type`` (vLLM's encoding today) or positional arrays tagged first (the
 older one), as configured; the batch itself is always an array.
 
-A slow subscriber never slows the daemon: the PUB socket (an XPUB that refuses rather
-than blocks) queues ``queue_batches`` per subscriber, and a batch it cannot take now is
-dropped and counted, so subscribers see a sequence jump.  The last ``buffer_steps``
+A slow subscriber never slows the daemon, nor starves the others: the PUB socket (an
+XPUB that refuses rather than blocks) queues ``queue_batches`` per subscriber.  A batch
+that a full subscriber's queue refuses is sent again at once with drops allowed
+(``XPUB_NODROP`` off for that one batch): every subscriber with room gets it, the full
+ones miss it (counted, ``lossy_batches``) and see a sequence jump.  ZeroMQ then passes a
+full subscriber over, without telling, until it has read half its queue, so the count
+is of the batches known to be missed, not all of them; the jump shows each subscriber
+the rest.  Refusing the batch to everyone instead (as before) let one subscriber that
+never reads stop the stream for all the others, for good.  The last ``buffer_steps``
 batches stay in a ring; the replay socket (ROUTER) answers a request naming a sequence
 number with every batch from there on, each as ``[seq, payload]``, and ends with
 ``[-1, b""]``, as vLLM's publisher does.  Without a replay socket the ring keeps only
@@ -356,7 +362,8 @@ class EventPublisher:
         self.seq = 0                # the next batch's sequence number
         self.batches = 0
         self.events = 0
-        self.dropped = 0            # batches a subscriber's full queue refused
+        self.lossy_batches = 0      # refused by a full subscriber, sent to the others
+        self.dropped = 0            # batches no subscriber got (the lossy send failed)
         self.replays = 0
         self.cut_replays = 0        # answers cut: the peer's queue was full, or it left
         self.bad_replays = 0        # requests not laid out as a replay request
@@ -393,7 +400,7 @@ class EventPublisher:
             self._ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
         pub = self._ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.SNDHWM, self.config.queue_batches)
-        pub.setsockopt(zmq.XPUB_NODROP, 1)  # refuse (counted) rather than drop unseen
+        pub.setsockopt(zmq.XPUB_NODROP, 1)  # refuse (counted: ``send``), not drop unseen
         pub.setsockopt(zmq.LINGER, 0)
         pub.bind(self.config.endpoint)
         self.endpoints.append(pub.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -555,12 +562,42 @@ class EventPublisher:
             if self.listened() if listened is None else listened:  # else the ring keeps it
                 try:  # (once its first frame is taken, ZeroMQ takes the whole message)
                     _send(pub, self.topic, _MORE)
-                except zmq.Again:
-                    self.dropped += 1  # a subscriber is behind: it sees the gap, replays
+                except zmq.Again:  # a subscriber is full: the others get it all the same
+                    self._send_refused(pub, seq, payload)
                 else:
                     _send(pub, seq.to_bytes(8, "big"), _MORE)
                     _send(pub, payload, _NOBLOCK)
         return seq
+
+    def _send_refused(self, pub: zmq.Socket[bytes], seq: int, payload: bytes) -> None:
+        """Send a batch a full subscriber refused to every subscriber with room: the
+        full ones drop it (they see the jump and replay it).
+
+        First the reads ZeroMQ has not counted yet are taken in (it takes them at most
+        once a millisecond on a send; reading ``EVENTS`` takes them now): a queue with
+        room again takes the batch.  If one is still full, drops are allowed for this
+        batch only (ZeroMQ reads the option at each message's first frame), so the next
+        batch finds out again whether anyone is full.  ZeroMQ passes a subscriber it
+        could not give a batch over, uncounted, until it has read half its queue."""
+        pub.getsockopt(_EVENTS)
+        try:
+            _send(pub, self.topic, _MORE)
+        except zmq.Again:
+            pass
+        else:
+            _send(pub, seq.to_bytes(8, "big"), _MORE)
+            _send(pub, payload, _NOBLOCK)
+            return
+        self.lossy_batches += 1
+        pub.setsockopt(zmq.XPUB_NODROP, 0)
+        try:
+            _send(pub, self.topic, _MORE)
+            _send(pub, seq.to_bytes(8, "big"), _MORE)
+            _send(pub, payload, _NOBLOCK)
+        except zmq.ZMQError:  # (a lossy XPUB never refuses: not expected)
+            self.dropped += 1
+        finally:
+            pub.setsockopt(zmq.XPUB_NODROP, 1)
 
     @property
     def last_seq(self) -> int:
@@ -633,7 +670,7 @@ class EventPublisher:
 
     def stats(self) -> dict[str, int]:
         return {"batches": self.batches, "events": self.events, "dropped": self.dropped,
-                "unheard": self.unheard,
+                "lossy_batches": self.lossy_batches, "unheard": self.unheard,
                 "replays": self.replays, "cut_replays": self.cut_replays,
                 "bad_replays": self.bad_replays, "last_seq": self.last_seq,
                 "buffered": len(self.ring), "buffered_bytes": self.ring_bytes}

@@ -231,7 +231,8 @@ class _StatsCollector(Collector):
                 *self._event_families(stats)]
 
     def _event_families(self, stats: Mapping[str, Any]) -> list[Metric]:
-        """The KV event stream's batches sent and dropped (a subscriber was behind)."""
+        """The KV event stream's batches sent, and those some subscriber missed (it was
+        behind)."""
         events = stats.get("events")
         if not events:
             return []
@@ -239,11 +240,16 @@ class _StatsCollector(Collector):
         for key, name, text in (
                 ("batches", "kvstore_events_batches", "KV event batches published."),
                 ("dropped", "kvstore_events_dropped",
-                 "KV event batches dropped because a subscriber's queue was full "
-                 "(subscribers see a sequence jump and replay it)."),
+                 "KV event batches no subscriber got (a lossy send failed: not "
+                 "expected; subscribers see a sequence jump and replay it)."),
+                ("lossy_batches", "kvstore_events_lossy_batches",
+                 "KV event batches a full subscriber's queue refused, sent to every "
+                 "subscriber with room (the full ones see a sequence jump and replay "
+                 "it)."),
                 ("replays", "kvstore_events_replays", "Replay requests answered.")):
             family = CounterMetricFamily(name, text)
-            family.add_metric([], self._monotonic(("events", key), float(events[key])))
+            family.add_metric([], self._monotonic(("events", key),
+                                                  float(events.get(key, 0))))
             out.append(family)
         return out
 
