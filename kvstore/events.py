@@ -15,17 +15,19 @@ older one), as configured; the batch itself is always an array.
 
 A slow subscriber never slows the daemon, nor starves the others: the PUB socket (an
 XPUB that refuses rather than blocks) queues ``queue_batches`` per subscriber.  A batch
-that a full subscriber's queue refuses is sent again at once with drops allowed
-(``XPUB_NODROP`` off for that one batch): every subscriber with room gets it, the full
-ones miss it (counted, ``lossy_batches``) and see a sequence jump.  ZeroMQ then passes a
-full subscriber over, without telling, until it has read half its queue, so the count
-is of the batches known to be missed, not all of them; the jump shows each subscriber
-the rest.  Refusing the batch to everyone instead (as before) let one subscriber that
-never reads stop the stream for all the others, for good.  The last ``buffer_steps``
-batches stay in a ring; the replay socket (ROUTER) answers a request naming a sequence
-number with every batch from there on, each as ``[seq, payload]``, and ends with
-``[-1, b""]``, as vLLM's publisher does.  Without a replay socket the ring keeps only
-the last batch: nobody could ask for the others.
+that a full subscriber's queue refuses is sent again at once, with drops allowed
+(``XPUB_NODROP`` off for that one batch) if a queue is still full once ZeroMQ has
+counted the latest reads: every subscriber with room gets it, the full ones miss it
+(counted, ``lossy_batches``) and see a sequence jump.  ZeroMQ then passes a full
+subscriber over, without telling, until it has read half its queue (ZeroMQ's low-water
+mark), so the count is of the batches known to be missed, not all of them; the jump
+shows each subscriber the rest.  Refusing the batch to everyone instead (as before) let
+one subscriber that never reads stop the stream for all the others, for good.
+
+The last ``buffer_steps`` batches stay in a ring; the replay socket (ROUTER) answers a
+request naming a sequence number with every batch from there on, each as
+``[seq, payload]``, and ends with ``[-1, b""]``, as vLLM's publisher does.  Without a
+replay socket the ring keeps only the last batch: nobody could ask for the others.
 
 Writers send their blocks' token ids only while someone hears the batches
 (``tokens_wanted``: a subscriber, as last read, or a replay socket), as the daemon's
@@ -576,9 +578,10 @@ class EventPublisher:
         First the reads ZeroMQ has not counted yet are taken in (it takes them at most
         once a millisecond on a send; reading ``EVENTS`` takes them now): a queue with
         room again takes the batch.  If one is still full, drops are allowed for this
-        batch only (ZeroMQ reads the option at each message's first frame), so the next
-        batch finds out again whether anyone is full.  ZeroMQ passes a subscriber it
-        could not give a batch over, uncounted, until it has read half its queue."""
+        batch only (the option changes between messages, never within one), so the
+        next batch finds out again whether anyone is full.  ZeroMQ passes a subscriber
+        it could not give a batch over, uncounted, until it has read half its queue (the
+        pipe's low-water mark: libzmq's ``pipe_t::compute_lwm``)."""
         pub.getsockopt(_EVENTS)
         try:
             _send(pub, self.topic, _MORE)
