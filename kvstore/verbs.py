@@ -583,6 +583,11 @@ def stats_for(d: Daemon, tenant: str) -> dict[str, Any]:
     def visible(other: str) -> bool:
         return d.auth.may_open(tenant, other)
 
+    # how many sessions and namespaces the daemon holds is others' business too
+    stats["sessions"] = sum(t.sessions for name, t in d.sessions.tenants.items()
+                            if visible(name))
+    stats["namespaces"] = sum(len(group) for name, group
+                              in d.store.tenant_namespaces.items() if visible(name))
     stats["tenant_dram_bytes"] = {other: nbytes for other, nbytes
                                   in stats["tenant_dram_bytes"].items() if visible(other)}
     transfers = stats["transfers"]

@@ -130,6 +130,9 @@ def test_with_credentials_a_tenant_sees_only_its_own_tenants_figures(
         assert seen["tenant_dram_bytes"] == {"acme": 3 * mine.block_bytes,
                                              "public": 2 * public.block_bytes}
         assert "globex-secret-customer" not in repr(seen)
+        # the counts too are of the tenants it may open: its own session's namespaces
+        assert (seen["sessions"], seen["namespaces"]) == (1, 2)
+        assert victim.stats()["namespaces"] == 1
         assert victim.stats()["tenant_dram_bytes"] == {
             "globex-secret-customer": 8 * ns.block_bytes}
     # the operator's surfaces still show every tenant
