@@ -22,8 +22,8 @@ from kvstore import Client
 from kvstore import protocol as p
 from kvstore.client_wire import check_reply
 from kvstore.aclient import AsyncClient
-from kvstore.errors import MalformedError, NotFoundError
-from kvstore.routing import SNAPSHOTS_OPEN
+from kvstore.errors import LimitExceededError, MalformedError, NotFoundError
+from kvstore.routing import SNAPSHOTS_OPEN, WHOLE_OPEN
 
 IDENT = make_identity(num_layers=1, num_kv_heads=1, head_dim=8)  # 512-byte blocks
 
@@ -199,3 +199,22 @@ def test_a_change_the_first_page_reads_is_announced(daemon_factory: Any, limit: 
             assert bool(seen) == (limit == 0)
     finally:
         sub.close()
+
+
+def test_whole_snapshots_under_way_are_capped_per_session(daemon_factory: Any) -> None:
+    """Each whole snapshot (limit 0) keeps its list until its reply goes: a session may
+    have ``WHOLE_OPEN`` under way, one more is refused (typed) and the others answered."""
+    d = daemon_factory(dram_capacity="256MiB")
+    rng = random.Random(5)
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENT)
+        for _ in range(80):  # many pages: each whole snapshot takes many loop turns
+            ns.reserve([rng.randbytes(16) for _ in range(500)]).commit()
+        asks = [p.Snapshot(c._next_rid()) for _ in range(WHOLE_OPEN + 1)]
+        for ask in asks:
+            c._send(ask)
+        replies = [c._wait(ask.rid)[0] for ask in asks]
+        assert [len(r.blocks) for r in replies[:WHOLE_OPEN]] == [40000] * WHOLE_OPEN
+        with pytest.raises(LimitExceededError):
+            check_reply(replies[-1], p.SnapshotReply)
+        assert len(c.snapshot().blocks) == 40000  # and nothing is left counted
