@@ -67,7 +67,7 @@ _drain = deque[Any](maxlen=0).extend  # runs an iterator (of ``map``) to its end
 def _little_endian(name_hash: Callable[[Any], int]) -> bool:
     """Whether ``name_hash`` reads a name's bytes as a little-endian int (the store's
     ``partial(int.from_bytes, byteorder="little")``)."""
-    return (isinstance(name_hash, partial) and name_hash.func == int.from_bytes
+    return (type(name_hash) is partial and name_hash.func == int.from_bytes
             and not name_hash.args and name_hash.keywords == {"byteorder": "little"})
 
 

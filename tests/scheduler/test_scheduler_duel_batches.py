@@ -31,21 +31,36 @@ class _Item:
         return f"_Item({self.key.hex()})"
 
 
-def _duel(keyed: bool) -> AutoPolicy[Any]:
+class _Salted(partial):  # type: ignore[type-arg]
+    """A name hash shaped like the store's that is not it (its own call)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **kwargs) ^ 0x5A5A
+
+
+LITTLE = partial(int.from_bytes, byteorder="little")  # the store's: the numpy test
+# hashes the numpy test must not take for the store's (they sample other items)
+OTHER_HASHES = {"big": partial(int.from_bytes, byteorder="big"),
+                "signed": partial(int.from_bytes, byteorder="little", signed=True),
+                "salted": _Salted(int.from_bytes, byteorder="little")}
+
+
+def _duel(keyed: bool, name_hash: Callable[[Any], int] = LITTLE) -> AutoPolicy[Any]:
     duel: AutoPolicy[Any] = AutoPolicy(sample_shift=1, epoch=24, shortest=4)
     if keyed:
         duel.ghost_key = attrgetter("key")
-        duel.name_hash = partial(int.from_bytes, byteorder="little")
+        duel.name_hash = name_hash
         duel.links = "dram"
     return duel
 
 
-def _run(keyed: bool, batched: bool, seed: int) -> list[Any]:
+def _run(keyed: bool, batched: bool, seed: int,
+         name_hash: Callable[[Any], int] = LITTLE) -> list[Any]:
     """A random life of a cache of 300 items: chains committed deepest first (some
     holding items tracked already, or one twice), hits, pins, evictions; every
     decision and the duel's state recorded."""
     rng = random.Random(seed)
-    duel = _duel(keyed)
+    duel = _duel(keyed, name_hash)
     insert: Callable[[list[Any]], None] = (
         duel.insert_many if batched else duel._insert_each)  # type: ignore[assignment]
     made: list[Any] = []
@@ -112,3 +127,11 @@ def test_batched_insert_across_a_split(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sharded, "SPLIT_AT", 50)
     for keyed in (True, False):
         assert _run(keyed, True, 7) == _run(keyed, False, 7)
+
+
+@pytest.mark.parametrize("kind", sorted(OTHER_HASHES))
+def test_other_name_hashes_are_not_taken_for_the_stores(kind: str) -> None:
+    """A name hash of another byte order, signed, or a look-alike with its own call
+    samples by what it returns, in a batch as item by item."""
+    name_hash = OTHER_HASHES[kind]
+    assert _run(True, True, 4, name_hash) == _run(True, False, 4, name_hash)
