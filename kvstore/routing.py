@@ -103,12 +103,8 @@ class SnapshotWalk:
                 for tier, bit in TIER_BITS:
                     if bits & bit:
                         out.append((b.key, parent, tier))
-                kids = b.kids
-                if kids is not None:
-                    if isinstance(kids, Block):
-                        stack.append(kids)
-                    else:
-                        stack.extend(kids)
+                if b.kids is not None:
+                    stack.extend(b.child_list())
             elif self._at < len(self._batch):
                 b = self._batch[self._at]
                 self._at += 1
