@@ -35,6 +35,18 @@ from kvstore.tier_changes import TierChanges
 from kvstore.token_ids import let_go
 
 
+class Dropping:
+    """A namespace being dropped in slices (``index.NamespaceDrop``), as the store keeps
+    it up to date between slices: the entries that lost their last child since (leaves
+    now, to be looked at again) and the blocks committed since it began (kept)."""
+
+    __slots__ = ("leaves", "spare")
+
+    def __init__(self) -> None:
+        self.leaves: list[Block] = []
+        self.spare: set[Block] = set()
+
+
 class StoreCore:
     """Namespaces and blocks in a DRAM tier and an optional SSD tier below it."""
 
@@ -81,9 +93,7 @@ class StoreCore:
         self.chain = PolicyChain()  # ``pressure`` sets it
         self.early = False
         self.hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
-        # namespaces being dropped in slices (``index.NamespaceDrop``), each with the
-        # entries that lost their last child since: leaves now, to be looked at again
-        self.dropping: dict[Namespace, list[Block]] = {}
+        self.dropping: dict[Namespace, Dropping] = {}  # namespaces dropped in slices
         self.dirty: dict[SlabClass, dict[Block, None]] = {}  # per DRAM class: DRAM-only, oldest first
         self.dropped_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped by sweeps
         self.limits = limits
@@ -277,9 +287,9 @@ class StoreCore:
         if block is not first and first is not None:
             if self.dropping and block is not None and block.kids is None:
                 # a namespace being dropped in slices looks again at what is a leaf now
-                waiting = self.dropping.get(block.ns)
-                if waiting is not None:
-                    waiting.append(block)
+                dropping = self.dropping.get(block.ns)
+                if dropping is not None:
+                    dropping.leaves.append(block)
             if not first.ns.users:
                 self.forget_if_unused(first.ns)  # (an entry went: the namespace may be empty)
 

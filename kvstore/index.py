@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from kvstore.blocks import DRAM, Block, Namespace
-from kvstore.core import StoreCore
+from kvstore.core import Dropping, StoreCore
 
 
 class Index:
@@ -116,8 +116,8 @@ class NamespaceDrop:
     What it drops is well defined though the store changes between slices: every block
     the namespace held when the drop began, leaves first, except what is pinned, moving
     or held when the drop reaches it (and so their prefixes), as ``drop_namespace``
-    does; blocks committed while it runs are kept (the daemon adds each commit's new
-    blocks to ``spare``), and so are their prefixes.  A lookup meanwhile sees the chains
+    does; blocks committed while it runs are kept (the store's commit adds them to
+    ``spare``, whoever commits), and so are their prefixes.  A lookup meanwhile sees the chains
     shortened from their ends, never a hole: a slice removes a block only once nothing
     depends on it.
 
@@ -137,7 +137,6 @@ class NamespaceDrop:
         assert ns not in store.dropping, f"{ns} is being dropped already"
         self.store = store
         self.ns = ns
-        self.spare: set[Block] = set()  # committed since the drop began: kept
         self.count = 0  # entries removed so far
         self.removed_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped, to hand on
         self._shards = list(ns.blocks.shards)
@@ -145,11 +144,16 @@ class NamespaceDrop:
         self._batch: list[Block] = []  # the entries of the shard under way
         self._at = 0
         self._climb: Block | None = None  # where a walk up stopped at a slice's end
-        self._waiting = store.dropping[ns] = []  # entries that became leaves
+        self._state = store.dropping[ns] = Dropping()
+
+    @property
+    def spare(self) -> set[Block]:
+        """The blocks committed since the drop began: kept."""
+        return self._state.spare
 
     @property
     def done(self) -> bool:
-        return (self._climb is None and not self._waiting and self._at == len(self._batch)
+        return (self._climb is None and not self._state.leaves and self._at == len(self._batch)
                 and self._next == len(self._shards))
 
     def step(self, budget: int, seconds: float = float("inf")) -> bool:
@@ -157,7 +161,7 @@ class NamespaceDrop:
         passed (looked at every 32 entries); True once the whole namespace has been
         (and the drop is closed)."""
         blocks, spare, removed = self.ns.blocks, self.spare, self.removed_ssd
-        waiting = self._waiting
+        waiting = self._state.leaves
         drop_leaf = self.store.drop_leaf
         before = len(blocks)
         until = time.perf_counter() + seconds
@@ -195,7 +199,7 @@ class NamespaceDrop:
 
     def close(self) -> None:
         """The drop is over (or given up): the store stops listing leaves for it."""
-        if self.store.dropping.get(self.ns) is self._waiting:
+        if self.store.dropping.get(self.ns) is self._state:
             del self.store.dropping[self.ns]
 
     def take_removed(self) -> list[tuple[bytes, bytes]]:

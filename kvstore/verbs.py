@@ -241,7 +241,7 @@ class Verbs:
         return p.CommitReply(req.rid, result.created, result.duplicates), []
 
     def _committed(self, blocks: list[Block]) -> None:
-        self.removals.committed(blocks)
+        self.d.moves.committed(blocks)
 
     def _abort(self, session: Session, req: p.Abort, payload: list[Any]) -> Outcome:
         self.d.store.abort(session.id, req.reservation)
@@ -500,7 +500,7 @@ class Removals:
     the loop turns for everyone else; the reply goes when the last slice is done.
     ``NamespaceDrop`` says what a drop takes while the store changes around it: what the
     namespace held when it began, leaves first, but what is pinned, moving or held and
-    their prefixes, and what is committed meanwhile (``committed``).  Lookups meanwhile
+    their prefixes, and what is committed meanwhile (the store's commit keeps it).  Lookups meanwhile
     see chains shortened from their ends.  Drops of one namespace run one after another:
     a second one waits for the first, then drops what is left (what was committed
     meanwhile), and counts only what it removed itself.  The session may close
@@ -511,16 +511,8 @@ class Removals:
 
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
-        # namespaces being dropped: the drop, and an event set once it is over
-        self.under_way: dict[Namespace, tuple[NamespaceDrop, asyncio.Event]] = {}
-
-    def committed(self, blocks: list[Block]) -> None:
-        """New blocks of one namespace (a commit's): a drop under way there keeps them."""
-        if self.under_way and blocks:
-            drop = self.under_way.get(blocks[0].ns)
-            if drop is not None:
-                drop[0].spare.update(blocks)
-        self.d.moves.committed(blocks)
+        # namespaces being dropped: an event set once the drop is over
+        self.under_way: dict[Namespace, asyncio.Event] = {}
 
     def drop(self, rid: int, ns: Namespace) -> Answer:
         if len(ns.blocks) > DROP_AT_ONCE or ns in self.under_way:
@@ -553,10 +545,10 @@ class Removals:
         if sending:
             await d.transport.sent(sending)
         while (ahead := self.under_way.get(ns)) is not None:
-            await ahead[1].wait()
+            await ahead.wait()
         drop = NamespaceDrop(d.store, ns)
         finished = asyncio.Event()
-        self.under_way[ns] = (drop, finished)
+        self.under_way[ns] = finished
         try:
             while True:
                 done = drop.step(DROP_SLICE, DROP_SLICE_SECONDS)

@@ -552,7 +552,7 @@ class Duel(Generic[T]):
         spots, names = _sampled_in(batch, self.name_hash, self.ghost_key, self._sample_mask)
         _drain(map(setitem, homes, batch, _states(len(batch), spots, names)))
         tick, before, order = self._tick, len(tracked), self._order
-        sent = counted = 0  # items given to the order in charge, counted by the map
+        sent = 0  # items given to the order in charge (and counted by the map)
         for at, name in zip(spots, names):
             done = at + 1
             self._tick = tick + done
@@ -563,13 +563,13 @@ class Duel(Generic[T]):
                 continue
             # An election may hand the order over: the one in charge holds all so far.
             order.insert_many(batch[sent:done])
-            tracked.grown(done - counted)
-            sent = counted = done
+            tracked.grown(done - sent)
+            sent = done
             self._sample(name, batch[at])
             order = self._order
         if sent < len(batch):
             order.insert_many(batch[sent:] if sent else batch)
-        tracked.grown(len(batch) - counted)
+        tracked.grown(len(batch) - sent)
         self._tick = tick + len(batch)
         self._size = max(self._size, len(tracked))
 

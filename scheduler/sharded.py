@@ -138,8 +138,8 @@ class FifoMap(Generic[K, V]):
         self._later: deque[K] = deque()  # in a turn: the keys set since it began
         self._turning = False
 
-    # ``_map``'s operations inline below (its shards read: a frame less a call, and an
-    # eviction order asks its ghosts about every key it takes)
+    # ``_map``'s reads inline below (a frame less a call: an eviction order asks its
+    # ghosts about every key it takes)
     def __contains__(self, key: object) -> bool:
         held = self._map
         return key in held.shards[hash(key) % held.modulus]
@@ -151,13 +151,11 @@ class FifoMap(Generic[K, V]):
         self._map[key] = value
 
     def pop(self, key: K, default: Any = _MISSING) -> Any:
-        held = self._map
-        value = held.shards[hash(key) % held.modulus].pop(key, _ABSENT)
+        value = self._map.pop(key, _ABSENT)
         if value is _ABSENT:
             if default is _MISSING:
                 raise KeyError(key)
             return default
-        held._len -= 1
         self._stale[key] = self._stale.get(key, 0) + 1  # type: ignore[operator]
         self._tidy()
         return value
