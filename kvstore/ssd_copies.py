@@ -402,7 +402,16 @@ class SsdCopies:
         """Take back the blocks found on SSD at start-up (the SSD index's records), parents
         first, their slots claimed in one go; one bool each, False where one does not fit
         this configuration (as one by one)."""
-        return restore_blocks(self.store, ns, found)
+        return restore_blocks(self.store, ns, list(map(_key, found)),
+                              list(map(_parent, found)), list(map(_offset, found)),
+                              list(map(_checksum, found)))
+
+    def restore_columns(self, ns: Namespace, keys: list[bytes],
+                        parents: list[bytes | None], offsets: list[int],
+                        checksums: list[int]) -> list[bool]:
+        """``restore_many`` of records given as columns (the SSD index's warm restart
+        reads them so: no object per record)."""
+        return restore_blocks(self.store, ns, keys, parents, offsets, checksums)
 
 
 class Found(Protocol):
@@ -418,46 +427,59 @@ class Found(Protocol):
     def checksum(self) -> int: ...
 
 
+_key = attrgetter("key")
+_parent = attrgetter("parent")
 _offset = attrgetter("offset")
+_checksum = attrgetter("checksum")
 
 
-def restore_blocks(store: StoreCore, ns: Namespace, found: Sequence[Found]) -> list[bool]:
-    """``SsdCopies.restore_many``: one loop over a warm restart's blocks, which may be
-    millions, so the map's get and set are inline."""
+def restore_blocks(store: StoreCore, ns: Namespace, keys: list[bytes],
+                   parents: list[bytes | None], offsets: list[int],
+                   checksums: list[int]) -> list[bool]:
+    """``SsdCopies.restore_many`` over its records' columns: one loop over a warm
+    restart's blocks, which may be millions, so the map's get and set and the child
+    link are inline, and only what fails is written into the answer."""
     ssd = store.ssd
     cls = ns.ssd_cls
     assert ssd is not None and cls is not None
-    claimed = ssd.pool.claim_many(cls, list(map(_offset, found)))
+    ok = ssd.pool.claim_many(cls, offsets)
     blocks = ns.blocks
     shards, mask = blocks.shards, blocks.mask
     seen = store.ssd_admit_after
-    ok: list[bool] = []
     fresh: list[Block] = []
+    add = fresh.append
     given_back: set[int] = set()  # claimed for an entry that could not be restored
-    for record, got in zip(found, claimed):
-        key, parent = record.key, record.parent
-        parent_block = shards[hash(parent) & mask].get(parent) if parent is not None else None
+    for i, key in enumerate(keys):
+        parent = parents[i]
+        if parent is None:
+            parent_block = None
+        else:
+            parent_block = shards[hash(parent) & mask].get(parent)
         shard = shards[hash(key) & mask]
         if (parent is not None and parent_block is None) or key in shard:
-            if got:  # one by one it would not have been claimed: free for those after it
-                ssd.pool.free(cls, [record.offset])
-                given_back.add(record.offset)
-            ok.append(False)
+            if ok[i]:  # one by one it would not have been claimed: free for those after it
+                ssd.pool.free(cls, [offsets[i]])
+                given_back.add(offsets[i])
+                ok[i] = False
             continue
-        if not got and record.offset in given_back:
-            got = ssd.pool.claim(cls, record.offset)
-            given_back.discard(record.offset)
-        ok.append(got)
-        if not got:
-            continue
+        if not ok[i]:  # a slot given back above is claimed again, as one by one
+            if offsets[i] not in given_back:
+                continue
+            given_back.discard(offsets[i])
+            if not ssd.pool.claim(cls, offsets[i]):
+                continue
+            ok[i] = True
         block = Block(key, ns, parent_block)
-        block.ssd_offset = record.offset
-        block.checksum = record.checksum
+        block.ssd_offset = offsets[i]
+        block.checksum = checksums[i]
         block.seen = seen
         if parent_block is not None:
-            parent_block.add_child(block)
+            if parent_block.kids is None:
+                parent_block.kids = block
+            else:
+                parent_block.add_child(block)
         shard[key] = block
-        fresh.append(block)
+        add(block)
         if not mask and len(shard) > SPLIT_AT:
             blocks.grown()
             shards, mask = blocks.shards, blocks.mask

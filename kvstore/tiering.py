@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from kvstore.config import Config
 from kvstore.errors import CapacityError, KVStoreError
@@ -70,24 +71,40 @@ class SsdMover:
                 continue
             if identity.namespace_id == ns_id:
                 namespaces[ns_id] = self.store.open_namespace(identity)
-        # Each namespace's records in the order loaded (parents first), restored in one go.
-        found: dict[bytes, list[BlockRecord]] = {}
-        for record in self.engine.load():
-            ns = namespaces.get(record.namespace)
-            if ns is not None and ns.ssd_cls is not None and (
-                    record.length == ns.block_bytes
-                    and record.size_class == ns.ssd_cls.slot_bytes):
-                group = found.get(ns.id)
-                if group is None:
-                    group = found[ns.id] = []
-                group.append(record)
-            else:
-                self._pending_removals.append((record.namespace, record.key))
+        # Each namespace's records in the order loaded (parents first), restored in one
+        # go; records whose namespace is gone, or sized for another configuration, go.
+        plan = self.engine.load_rows()
+        rows, order = plan.rows, plan.order
+        opened = [namespaces.get(ns_id) for ns_id in rows.spaces]
+        length = np.full(len(opened), -1, dtype=np.int64)  # what each namespace's have
+        size = np.full(len(opened), -1, dtype=np.int64)
+        for i, ns in enumerate(opened):
+            if ns is not None and ns.ssd_cls is not None:
+                length[i], size[i] = ns.block_bytes, ns.ssd_cls.slot_bytes
+        space = rows.space[order]
+        fit = (rows.length[order] == length[space]) & (rows.size_class[order] == size[space])
+        if not fit.all():
+            lost = order[~fit].tolist()
+            self._pending_removals.extend(
+                zip(map(rows.spaces.__getitem__, rows.space[lost].tolist()),
+                    map(rows.keys.__getitem__, lost)))
+            order, space = order[fit], space[fit]
         restored = 0
-        for ns_id, group in found.items():
-            ok = self.store.ssd_copies.restore_many(namespaces[ns_id], group)
+        keys = rows.keys
+        # the namespaces' runs of rows, in the order each first comes, each run in order
+        by_space = np.argsort(space, kind="stable")
+        spaces, starts = np.unique(space[by_space], return_index=True)
+        ends = np.append(starts[1:], len(by_space))
+        for k in np.argsort(by_space[starts], kind="stable").tolist():
+            ns_id = rows.spaces[int(spaces[k])]
+            group = order[by_space[starts[k]:ends[k]]]
+            mine = list(map(keys.__getitem__, group.tolist()))
+            parents = [None if p < 0 else keys[p] for p in plan.parent[group].tolist()]
+            ok = self.store.ssd_copies.restore_columns(
+                namespaces[ns_id], mine, parents, rows.offset[group].tolist(),
+                rows.checksum[group].tolist())
             restored += sum(ok)
-            self._pending_removals.extend((ns_id, r.key) for r, good in zip(group, ok)
+            self._pending_removals.extend((ns_id, key) for key, good in zip(mine, ok)
                                           if not good)
         # opened here; with no block back, forgotten (before serving: at once)
         empty = [ns.id for ns in namespaces.values() if self.store.close_namespace(ns)]

@@ -50,6 +50,7 @@ from .ssd_layout import (
     BlockRecord,
     SlabLayout,
 )
+from .ssd_rows import RowsPlan
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
@@ -426,6 +427,19 @@ class SSDStore:
         self._counters["dropped_overlapping"] += len(plan.overlapping)
         self._counters["dropped_orphans"] += len(plan.orphans)
         return plan.survivors
+
+    def load_rows(self) -> RowsPlan:
+        """``load`` in columns (``ssd_rows.RowsPlan``): the same records kept, in the
+        same order, and the same dropped, with no object per record but its key."""
+        plan, slow = self._open_directory().restore_rows()
+        if slow is not None:
+            self._counters["dropped_invalid"] += len(slow.invalid)
+            self._counters["dropped_overlapping"] += len(slow.overlapping)
+            self._counters["dropped_orphans"] += len(slow.orphans)
+        else:
+            self._counters["dropped_invalid"] += len(plan.invalid)
+            self._counters["dropped_orphans"] += len(plan.orphans)
+        return plan
 
     # state
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import fcntl
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from kvstore.errors import ConfigError
 from .ssd_index import SSDIndex, SyncPolicy
 from .ssd_io import DataFile, Span
 from .ssd_layout import BlockRecord, LoadPlan, SlabLayout, plan_load
+from .ssd_rows import RowsBuilder, RowsPlan, plan_rows, rows_of
 
 __all__ = ["DATA_FILE", "INDEX_DIR", "LOCK_FILE", "SSDDirectory"]
 
@@ -26,6 +29,7 @@ DATA_FILE = "blocks.dat"
 INDEX_DIR = "index"
 LOCK_FILE = "lock"
 _PROGRESS_FROM = 100_000
+_ROWS_CHUNK = 1 << 16  # entries decoded in arrays at a time: each array op's overhead shared
 
 
 class SSDDirectory:
@@ -126,21 +130,44 @@ class SSDDirectory:
         others from the index; returns the plan.  Shows progress on a terminal for a large
         index."""
         index = self.parts()[1]
-        total = index.count()
-        progress: Any = None
-        if total >= _PROGRESS_FROM and sys.stderr.isatty():
-            from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
-
-            progress = tqdm(total=total, desc=f"SSD index {self.path}", unit="rec", file=sys.stderr)
-        try:
-            records, bad = index.scan(progress.update if progress is not None else None)
-        finally:
-            if progress is not None:
-                progress.close()
+        with self._progress(index.count()) as progress:
+            records, bad = index.scan(progress)
         plan = plan_load(records, self.layout, self._verify_now, bad)
         if plan.dropped_keys:
             index.delete(plan.dropped_keys)
         return plan
+
+    def restore_rows(self) -> tuple[RowsPlan, LoadPlan | None]:
+        """``restore`` in columns (``ssd_rows``): the same survivors in the same order,
+        and the same records deleted, with no object per record but its key.  Where the
+        columns cannot decide (overlapping slots, a key twice) it is ``restore``, its
+        survivors then made rows; the ``LoadPlan`` is returned too in that case."""
+        index = self.parts()[1]
+        builder = RowsBuilder(self.layout)
+        with self._progress(index.count()) as progress:
+            bad = index.scan_into(builder.add, progress, _ROWS_CHUNK)
+        plan = plan_rows(builder.rows())
+        if plan is None:
+            slow = self.restore()
+            return rows_of(slow.survivors, self.layout), slow
+        plan.invalid = bad + builder.invalid
+        if plan.dropped_keys:
+            index.delete(plan.dropped_keys)
+        return plan, None
+
+    @contextmanager
+    def _progress(self, total: int) -> Iterator[Callable[[int], None] | None]:
+        """A progress bar's update on a terminal for a large index, else None."""
+        if total < _PROGRESS_FROM or not sys.stderr.isatty():
+            yield None
+            return
+        from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+
+        bar: Any = tqdm(total=total, desc=f"SSD index {self.path}", unit="rec", file=sys.stderr)
+        try:
+            yield bar.update
+        finally:
+            bar.close()
 
     def _verify_now(self, record: BlockRecord) -> bool:
         buffer = bytearray(record.length)

@@ -227,24 +227,33 @@ class SSDIndex:
         """Every record, and the index keys of values that do not decode or do not match
         their key.  ``progress`` is called with counts of entries read as the scan goes."""
         records: list[BlockRecord] = []
+
+        def take(keys: Sequence[bytes], values: Sequence[bytes], bad: list[bytes]) -> None:
+            records.extend(decode_chunk(keys, values, bad))
+
+        bad = self.scan_into(take, progress)
+        return records, bad
+
+    def scan_into(
+        self, take: Callable[[Sequence[bytes], Sequence[bytes], list[bytes]], None],
+        progress: Callable[[int], None] | None = None, chunk_entries: int = 0,
+    ) -> list[bytes]:
+        """``scan``, a chunk of entries at a time into ``take`` (index keys, values and
+        the list of bad keys to add to), which decodes them (``decode_chunk``) and keeps
+        what it needs: a warm restart of millions of records never holds them all as
+        objects.  Returns the index keys of values that do not decode or do not match
+        their key.  ``chunk_entries``: entries a chunk (0: the plain scan's)."""
         bad: list[bytes] = []
+        size = chunk_entries or _SCAN_CHUNK
         with self._env.begin() as txn:
             entries = txn.cursor(db=self._blocks).iternext()
-            while chunk := list(itertools.islice(entries, _SCAN_CHUNK)):
+            while chunk := list(itertools.islice(entries, size)):
                 keys, values = zip(*chunk)
-                try:  # a chunk at a time in C; record by record where one is bad
-                    decoded = list(map(decode_record, values))
-                except msgspec.DecodeError:
-                    _take_one_by_one(keys, values, records, bad)
-                else:
-                    if list(map(operator.add, map(_namespace, decoded),
-                                map(_key, decoded))) == list(keys):
-                        records.extend(decoded)
-                    else:
-                        _take_one_by_one(keys, values, records, bad)
+                del chunk
+                take(keys, values, bad)
                 if progress is not None:
-                    progress(len(chunk))
-        return records, bad
+                    progress(len(keys))
+        return bad
 
     # namespaces
 
@@ -282,6 +291,23 @@ class SSDIndex:
 _SCAN_CHUNK = 4096
 _namespace = operator.attrgetter("namespace")
 _key = operator.attrgetter("key")
+
+
+def decode_chunk(keys: Sequence[bytes], values: Sequence[bytes],
+                 bad: list[bytes]) -> list[BlockRecord]:
+    """A chunk of index entries' records: those that decode and match their key (a
+    chunk at a time in C; record by record where one does not), the others' keys added
+    to ``bad``."""
+    records: list[BlockRecord] | None
+    try:
+        records = list(map(decode_record, values))
+    except msgspec.DecodeError:
+        records = None
+    if records is None or list(map(operator.add, map(_namespace, records),
+                                   map(_key, records))) != list(keys):
+        records = []
+        _take_one_by_one(keys, values, records, bad)
+    return records
 
 
 def _take_one_by_one(keys: Sequence[bytes], values: Sequence[bytes],

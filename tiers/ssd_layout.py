@@ -271,6 +271,33 @@ def _closed_in_arrays(
         return None
     ns_words, key_words, parent_words = (
         np.frombuffer(j, dtype=np.uint64).reshape(n, 2) for j in joined)
+    roots = np.fromiter(map(is_, parents, itertools.repeat(None)), dtype=bool, count=n)
+    ranks = dict.fromkeys(spaces)
+    rank = None
+    if len(ranks) > 1:
+        rank_of = {ns: i for i, ns in enumerate(ranks)}
+        rank = np.fromiter(map(rank_of.__getitem__, spaces), dtype=np.int64, count=n)
+    split = closed_rows(ns_words, key_words, parent_words, roots, rank)
+    if split is None:
+        return None
+    order, closed, _ = split
+    survivors = list(map(everything.__getitem__, order.tolist()))
+    if len(survivors) == n:
+        return survivors, []
+    return survivors, list(itertools.compress(everything, (~closed).tolist()))
+
+
+def closed_rows(
+    ns_words: np.ndarray, key_words: np.ndarray, parent_words: np.ndarray,
+    roots: np.ndarray, rank: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``_closed_in_arrays`` over columns: rows of (namespace, key, parent) as pairs of
+    64-bit words, which rows are roots, and each row's namespace rank (None: one
+    namespace).  Returns the closed rows in the walk's order, the mask of closed rows
+    and each row's parent row (-1 for a root or a missing parent); None where a
+    (namespace, key) is there twice, or two fingerprints are alike (the walk decides).
+    """
+    n = len(roots)
     mine = _fingerprint(ns_words, key_words)
     by_print = np.argsort(mine, kind="stable")
     prints = mine[by_print]
@@ -284,36 +311,38 @@ def _closed_in_arrays(
     spot[by_wanted] = np.searchsorted(prints, wanted[by_wanted])
     at = by_print[np.minimum(spot, n - 1)]
     same = ((ns_words[at] == ns_words) & (key_words[at] == parent_words)).all(axis=1)
+    same &= ~roots
+    parent_row = np.where(same, at, -1)
     root, dead = n, n + 1
     up = np.full(n + 2, dead, dtype=np.int64)
     up[:n][same] = at[same]
-    up[:n][np.fromiter(map(is_, parents, itertools.repeat(None)), dtype=bool, count=n)] = root
+    up[:n][roots] = root
     up[root] = root
     depth = np.ones(n + 2, dtype=np.int64)
     depth[root:] = 0
     first = np.arange(n + 2, dtype=np.int64)  # the first position in each one's subtree
+    # the rows still climbing, and where each has got to: a row leaves once it reaches
+    # the root or a dead end, so each round looks only at those still on their way
+    rows = np.flatnonzero(up[:n] < root)
+    above = up[rows]
     for _ in range(n.bit_length() + 1):
-        inside = np.flatnonzero(up[:n] < root)
-        if not len(inside):
+        if not len(rows):
             break
         # ``first`` covers descendants less than 2**k below; those 2**k to 2**(k+1)
         # below are covered by the one 2**k below that is their ancestor
-        np.minimum.at(first, up[inside], first[inside])
-        depth[inside] += depth[up[inside]]
-        up[inside] = up[up[inside]]
+        np.minimum.at(first, above, first[rows])
+        depth[rows] += depth[above]
+        above = up[above]
+        up[rows] = above
+        climbing = above < root
+        rows, above = rows[climbing], above[climbing]
     closed = up[:n] == root
     kept = np.flatnonzero(closed)
-    ranks = dict.fromkeys(spaces)
-    if len(ranks) == 1:  # one sort key: first position, then depth (both below n + 2)
+    if rank is None:  # one sort key: first position, then depth (both below n + 2)
         order = kept[np.argsort(first[kept] * (n + 2) + depth[kept])]
     else:
-        rank_of = {ns: i for i, ns in enumerate(ranks)}
-        rank = np.fromiter(map(rank_of.__getitem__, spaces), dtype=np.int64, count=n)
         order = kept[np.lexsort((depth[kept], first[kept], rank[kept]))]
-    survivors = list(map(everything.__getitem__, order.tolist()))
-    if len(survivors) == n:
-        return survivors, []
-    return survivors, list(itertools.compress(everything, (~closed).tolist()))
+    return order, closed, parent_row
 
 
 _NO_ID = bytes(ID_BYTES)

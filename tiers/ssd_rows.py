@@ -1,0 +1,285 @@
+"""A warm restart's index records as columns, and the plan that keeps or drops them.
+
+``plan_load`` (``ssd_layout``) decides over ``BlockRecord`` objects: at ten million
+records those cost about 350 bytes each while the restart runs (the struct, three ids
+as ``bytes``, four ints and a float) and a Python call each to check.  Here the index is
+read a chunk at a time into numpy columns (ids as pairs of 64-bit words, offsets,
+lengths, checksums), each chunk's records let go as soon as its columns are taken, and
+the same rules run over the columns: records that do not fit the layout are dropped,
+and those whose prefix does not reach a root.  Only the block keys stay objects (a
+restored block keeps its key).
+
+The columns cover the common case, an index as the daemon writes it.  Where slots
+overlap (a crash between a write and the index's removal of the copy it replaced), or
+a key is there twice, the plan is None and the caller takes ``plan_load``'s path,
+which settles those record by record: the two give the same survivors in the same
+order (tests hold them to it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from operator import attrgetter, is_
+
+import numpy as np
+
+from .ssd_index import decode_chunk
+from .ssd_layout import ID_BYTES, BlockRecord, SlabLayout, closed_rows
+
+_NO_ID = bytes(ID_BYTES)
+_namespace = attrgetter("namespace")
+_key = attrgetter("key")
+_parent = attrgetter("parent")
+_offset = attrgetter("offset")
+_length = attrgetter("length")
+_checksum = attrgetter("checksum")
+_size_class = attrgetter("size_class")
+
+
+@dataclass
+class Rows:
+    """Index records as columns, one row each; ``spaces`` are the namespace ids, in the
+    order first seen, and ``space`` each row's place among them."""
+
+    spaces: list[bytes] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    space: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    key_words: np.ndarray = field(default_factory=lambda: np.empty((0, 2), np.uint64))
+    parent_words: np.ndarray = field(default_factory=lambda: np.empty((0, 2), np.uint64))
+    roots: np.ndarray = field(default_factory=lambda: np.empty(0, bool))
+    offset: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    length: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    checksum: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
+    size_class: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class RowsPlan:
+    """What a warm restart keeps, in columns: ``order`` the surviving rows, parents
+    before children (``plan_load``'s order), ``parent`` each row's parent row (-1: a
+    root); ``invalid`` and ``orphans`` the index keys dropped, by reason."""
+
+    rows: Rows
+    order: np.ndarray
+    parent: np.ndarray
+    invalid: list[bytes]
+    orphans: list[bytes]
+
+    @property
+    def dropped_keys(self) -> list[bytes]:
+        return self.invalid + self.orphans
+
+
+class RowsBuilder:
+    """Takes an index scan's entries a chunk at a time into columns, with the index
+    keys of records that do not fit ``layout`` set apart (as ``plan_load`` would)."""
+
+    def __init__(self, layout: SlabLayout) -> None:
+        self.layout = layout
+        self.invalid: list[bytes] = []
+        self._spaces: dict[bytes, int] = {}
+        self._chunks: list[tuple[np.ndarray, ...]] = []
+
+    def add(self, index_keys: Sequence[bytes], values: Sequence[bytes],
+            bad: list[bytes]) -> None:
+        """One chunk of the scan, in index order (``SSDIndex.scan_into``'s ``take``):
+        in arrays where the values allow, else record by record."""
+        columns = decode_values(index_keys, values)
+        if columns is not None:
+            fits = self._fits(columns)
+            if not fits.all():
+                self.invalid.extend(itertools.compress(index_keys, (~fits).tolist()))
+                columns = tuple(c[fits] for c in columns)
+        else:
+            columns = self._records(decode_chunk(index_keys, values, bad))
+        ns_words, *rest = columns
+        self._chunks.append((self._space(ns_words), *rest))
+
+    def _records(self, records: list[BlockRecord]) -> tuple[np.ndarray, ...]:
+        """The columns of the records that fit the layout, the others' keys set apart."""
+        layout, kept = self.layout, []
+        for record in records:
+            if layout.fits(record) or layout.problem(record) is None:
+                kept.append(record)
+            else:
+                self.invalid.append(record.index_key)
+        m = len(kept)
+        parents = list(map(_parent, kept))
+        return (
+            _words(map(_namespace, kept), m), _words(map(_key, kept), m),
+            _words((_NO_ID if p is None else p for p in parents), m),
+            np.fromiter(map(is_, parents, itertools.repeat(None)), dtype=bool, count=m),
+            np.fromiter(map(_offset, kept), dtype=np.int64, count=m),
+            np.fromiter(map(_length, kept), dtype=np.int64, count=m),
+            np.fromiter(map(_checksum, kept), dtype=np.uint64, count=m),
+            np.fromiter(map(_size_class, kept), dtype=np.int64, count=m))
+
+    def _fits(self, columns: tuple[np.ndarray, ...]) -> np.ndarray:
+        """``SlabLayout.fits`` of each row (ids are 16 bytes and numbers in range
+        already: ``decode_values``)."""
+        offset, length, size = columns[4], columns[5], columns[7]
+        cap, slab = self.layout.capacity_bytes, self.layout.slab_bytes
+        # bounded first, so that the end below cannot wrap
+        fits = (length > 0) & (length <= cap) & (size >= 0) & (size <= cap)
+        fits &= (size == 0) | (length <= size)
+        fits &= (offset >= 0) & (offset <= cap)
+        end = offset + np.maximum(length, size)
+        fits &= (end <= cap) & (offset // slab == (end - 1) // slab)
+        return fits
+
+    def _space(self, ns_words: np.ndarray) -> np.ndarray:
+        """Each row's namespace as its place among those seen, first seen first."""
+        m = len(ns_words)
+        if m == 0:
+            return np.empty(0, dtype=np.int64)
+        raw = np.ascontiguousarray(ns_words).view(f"V{ID_BYTES}").ravel()
+        seen, first, inverse = np.unique(raw, return_index=True, return_inverse=True)
+        spaces = self._spaces
+        place = np.empty(len(seen), dtype=np.int64)
+        for i in np.argsort(first, kind="stable").tolist():
+            place[i] = spaces.setdefault(seen[i].tobytes(), len(spaces))
+        return place[inverse.ravel()]
+
+    def rows(self) -> Rows:
+        """Every chunk's columns, joined (the builder is spent); the keys as ``bytes``."""
+        chunks, self._chunks = self._chunks, []
+        rows = Rows(spaces=list(self._spaces))
+        if chunks:
+            (rows.space, rows.key_words, rows.parent_words, rows.roots, rows.offset,
+             rows.length, rows.checksum, rows.size_class) = (
+                np.concatenate(c) for c in zip(*chunks))
+            flat = rows.key_words.tobytes()
+            rows.keys = [flat[i:i + ID_BYTES] for i in range(0, len(flat), ID_BYTES)]
+        return rows
+
+
+def _words(ids: Iterator[bytes], m: int) -> np.ndarray:
+    """16-byte ids as rows of two 64-bit words."""
+    return np.frombuffer(b"".join(ids), dtype=np.uint64).reshape(m, 2)
+
+
+# -- the index values, decoded in arrays ---------------------------------------------------
+# ``encode_record`` writes a record as a msgpack array of its 8 fields: ids as bin 8 of
+# 16 bytes, the parent nil or such an id, ints in the shortest unsigned form, the time
+# a float 64.  Values in that shape are read here in arrays; any other (an older field
+# count, a signed int, a value past 2**62 where a signed 64-bit column is wanted) is
+# left to msgspec, which accepts all that this does, with the same values.
+_UINT_WIDTH = np.zeros(256, dtype=np.int64)  # bytes an unsigned int takes, by its tag
+_UINT_WIDTH[:0x80] = 1
+_UINT_WIDTH[[0xCC, 0xCD, 0xCE, 0xCF]] = [2, 3, 5, 9]
+_BIG = np.uint64(1 << 62)
+_STEP = np.arange(ID_BYTES, dtype=np.int64)
+_FIELD_BYTES = np.arange(8, dtype=np.int64)
+
+
+def decode_values(index_keys: Sequence[bytes], values: Sequence[bytes],
+                  ) -> tuple[np.ndarray, ...] | None:
+    """The columns of a chunk of index entries: (namespace words, key words, parent
+    words, roots, offset, length, checksum, size class); None unless every value is in
+    ``encode_record``'s shape and sits under its own key (namespace + key)."""
+    m = len(values)
+    if m == 0 or any(len(k) != 2 * ID_BYTES for k in index_keys):
+        return None
+    lens = np.fromiter(map(len, values), dtype=np.int64, count=m)
+    buf = np.frombuffer(b"".join(values) + bytes(128), dtype=np.uint8)
+    at = np.cumsum(lens) - lens
+    ok = (lens >= 51) & (buf[at] == 0x98) & (buf[at + 1] == 0xC4) & (buf[at + 2] == 16)
+    ok &= (buf[at + 19] == 0xC4) & (buf[at + 20] == 16)
+    at = np.where(ok, at, 0)  # a short value's reads stay inside the buffer
+    tag = buf[at + 37]
+    roots = tag == 0xC0
+    ok &= roots | ((tag == 0xC4) & (buf[at + 38] == 16))
+    ids = buf[(at + 3)[:, None] + _STEP]
+    keys = buf[(at + 21)[:, None] + _STEP]
+    parents = buf[(at + 39)[:, None] + _STEP]
+    parents[roots] = 0
+    if not ok.all():
+        return None
+    pos = at + np.where(roots, 38, 55)
+    numbers = []
+    for _ in range(3):
+        value, pos, good = _uint(buf, pos)
+        ok &= good
+        numbers.append(value)
+    ok &= buf[pos] == 0xCB  # last_access: a float 64, not kept
+    size, pos, good = _uint(buf, pos + 9)
+    ok &= good & (pos == at + lens)
+    offset, length, checksum = numbers
+    ok &= (offset < _BIG) & (length < _BIG) & (size < _BIG)
+    if not ok.all():
+        return None
+    index = np.frombuffer(b"".join(index_keys), dtype=np.uint8).reshape(m, 2 * ID_BYTES)
+    if not ((index[:, :ID_BYTES] == ids).all() and (index[:, ID_BYTES:] == keys).all()):
+        return None
+    return (ids.view(np.uint64), keys.view(np.uint64), parents.view(np.uint64), roots,
+            offset.astype(np.int64), length.astype(np.int64), checksum,
+            size.astype(np.int64))
+
+
+def _uint(buf: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The unsigned msgpack ints at ``pos``: values, the positions after them, and
+    which were unsigned ints at all."""
+    tag = buf[pos]
+    width = _UINT_WIDTH[tag]
+    good = width > 0
+    tail = buf[(pos + 1)[:, None] + _FIELD_BYTES].astype(np.uint64)  # big-endian bytes
+    shift = 8 * (width - 2)[:, None] - 8 * _FIELD_BYTES  # of byte j, < 0: not the int's
+    inside = shift >= 0
+    value = (tail << np.where(inside, shift, 0).astype(np.uint64)) * inside
+    value = np.where(width == 1, tag.astype(np.uint64), value.sum(axis=1, dtype=np.uint64))
+    return value, pos + np.maximum(width, 1), good
+
+
+def plan_rows(rows: Rows) -> RowsPlan | None:
+    """``plan_load`` over the columns of records that fit the layout: None where slots
+    overlap or a key is there twice (``plan_load`` settles those)."""
+    n = len(rows)
+    if _any_overlap(rows):
+        return None
+    if n == 0:
+        empty = np.empty(0, np.int64)
+        return RowsPlan(rows, empty, empty, [], [])
+    spaces = np.frombuffer(b"".join(rows.spaces), dtype=np.uint64).reshape(-1, 2)
+    rank = rows.space if len(rows.spaces) > 1 else None
+    split = closed_rows(spaces[rows.space], rows.key_words, rows.parent_words, rows.roots,
+                        rank)
+    if split is None:
+        return None
+    order, closed, parent = split
+    orphans: list[bytes] = []
+    if len(order) < n:
+        lost = np.flatnonzero(~closed).tolist()
+        orphans = [rows.spaces[s] + rows.keys[i]
+                   for s, i in zip(rows.space[lost].tolist(), lost)]
+    return RowsPlan(rows, order, parent, [], orphans)
+
+
+def _any_overlap(rows: Rows) -> bool:
+    """``ssd_layout._any_overlap`` over the columns."""
+    if len(rows) < 2:
+        return False
+    order = np.argsort(rows.offset, kind="stable")
+    starts = rows.offset[order]
+    furthest = np.maximum.accumulate(starts + np.maximum(rows.length, rows.size_class)[order])
+    return bool(np.any(starts[1:] < furthest[:-1]))
+
+
+def rows_of(records: Sequence[BlockRecord], layout: SlabLayout) -> RowsPlan:
+    """The survivors ``plan_load`` decided, as a plan of rows in their order (each
+    parent there before its children, in the same namespace)."""
+    builder = RowsBuilder(layout)
+    ns_words, *rest = builder._records(list(records))
+    builder._chunks.append((builder._space(ns_words), *rest))
+    rows = builder.rows()
+    where: dict[tuple[int, bytes], int] = {}
+    parent = np.full(len(rows), -1, dtype=np.int64)
+    for i, (s, record) in enumerate(zip(rows.space.tolist(), records)):
+        if record.parent is not None:
+            parent[i] = where[s, record.parent]
+        where[s, record.key] = i
+    return RowsPlan(rows, np.arange(len(rows), dtype=np.int64), parent, [], [])
