@@ -286,16 +286,35 @@ def restart_figures(path: Path, n: int) -> dict[str, Any]:
     store = BlockStore(config.dram_capacity, config.dram_slab_bytes,
                        ssd_capacity=config.ssd_capacity, ssd_slab_bytes=config.ssd_slab_bytes)
     gc.collect()
-    base = rss_bytes()
+    base, before = rss_bytes(), memory_status()
     start, cpu = time.perf_counter(), time.process_time()
     mover = SsdMover(config, store, lambda ns, offset: memoryview(b""), TransferGate(4))
     restored = mover.restore()
     seconds = time.perf_counter() - start
     cpu = time.process_time() - cpu
     rss = rss_bytes() - base
+    after = memory_status()
     mover.engine.close()
+    # RSS counts the index's pages LMDB mapped as it read them (file pages, which the
+    # kernel may drop: "file"), and the process's own memory ("anon"); the peak is the
+    # high-water mark of both while restoring (above the RSS before it)
     return {"restored": restored, "restart_s": seconds, "restart_cpu_s": cpu, "restart_records_per_s": n / seconds,
-            "restart_bytes_per_block": rss / n}
+            "restart_us_per_block": seconds / n * 1e6, "restart_cpu_us_per_block": cpu / n * 1e6,
+            "restart_bytes_per_block": rss / n,
+            "restart_anon_bytes_per_block": (after["RssAnon"] - before["RssAnon"]) / n,
+            "restart_file_bytes_per_block": (after["RssFile"] - before["RssFile"]) / n,
+            "restart_peak_bytes_per_block": (after["VmHWM"] - base) / n}
+
+
+def memory_status() -> dict[str, int]:
+    """The kernel's memory figures of this process, in bytes (RssAnon, RssFile, VmHWM)."""
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("RssAnon", "RssFile", "VmHWM"):
+                out[name] = int(rest.split()[0]) * 1024
+    return out
 
 
 # -- driver -----------------------------------------------------------------------------

@@ -449,28 +449,27 @@ def restore_blocks(store: StoreCore, ns: Namespace, keys: list[bytes],
     fresh: list[Block] = []
     add = fresh.append
     given_back: set[int] = set()  # claimed for an entry that could not be restored
-    for i, key in enumerate(keys):
-        parent = parents[i]
+    for i, (key, parent, offset, got) in enumerate(zip(keys, parents, offsets, ok)):
         if parent is None:
             parent_block = None
         else:
             parent_block = shards[hash(parent) & mask].get(parent)
         shard = shards[hash(key) & mask]
         if (parent is not None and parent_block is None) or key in shard:
-            if ok[i]:  # one by one it would not have been claimed: free for those after it
-                ssd.pool.free(cls, [offsets[i]])
-                given_back.add(offsets[i])
+            if got:  # one by one it would not have been claimed: free for those after it
+                ssd.pool.free(cls, [offset])
+                given_back.add(offset)
                 ok[i] = False
             continue
-        if not ok[i]:  # a slot given back above is claimed again, as one by one
-            if offsets[i] not in given_back:
+        if not got:  # a slot given back above is claimed again, as one by one
+            if offset not in given_back:
                 continue
-            given_back.discard(offsets[i])
-            if not ssd.pool.claim(cls, offsets[i]):
+            given_back.discard(offset)
+            if not ssd.pool.claim(cls, offset):
                 continue
             ok[i] = True
         block = Block(key, ns, parent_block)
-        block.ssd_offset = offsets[i]
+        block.ssd_offset = offset
         block.checksum = checksums[i]
         block.seen = seen
         if parent_block is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import msgspec
@@ -90,22 +90,21 @@ class SsdMover:
                     map(rows.keys.__getitem__, lost)))
             order, space = order[fit], space[fit]
         restored = 0
-        keys = rows.keys
-        # the namespaces' runs of rows, in the order each first comes, each run in order
-        by_space = np.argsort(space, kind="stable")
-        spaces, starts = np.unique(space[by_space], return_index=True)
-        ends = np.append(starts[1:], len(by_space))
-        for k in np.argsort(by_space[starts], kind="stable").tolist():
-            ns_id = rows.spaces[int(spaces[k])]
-            group = order[by_space[starts[k]:ends[k]]]
+        keys: list[bytes | None] = rows.keys  # type: ignore[assignment]
+        keys.append(None)  # a root's parent row, -1, is this: the map below needs no test
+        for ns_id, group in _runs(rows.spaces, space, order):
             mine = list(map(keys.__getitem__, group.tolist()))
-            parents = [None if p < 0 else keys[p] for p in plan.parent[group].tolist()]
+            parents = list(map(keys.__getitem__, plan.parent[group].tolist()))
             ok = self.store.ssd_copies.restore_columns(
-                namespaces[ns_id], mine, parents, rows.offset[group].tolist(),
-                rows.checksum[group].tolist())
-            restored += sum(ok)
-            self._pending_removals.extend((ns_id, key) for key, good in zip(mine, ok)
-                                          if not good)
+                namespaces[ns_id], mine, parents,  # type: ignore[arg-type]
+                rows.offset[group].tolist(), rows.checksum[group].tolist())
+            back = sum(ok)
+            restored += back
+            if back < len(ok):
+                self._pending_removals.extend(
+                    (ns_id, key) for key, good in zip(mine, ok)  # type: ignore[misc]
+                    if not good)
+        del keys[-1]
         # opened here; with no block back, forgotten (before serving: at once)
         empty = [ns.id for ns in namespaces.values() if self.store.close_namespace(ns)]
         if empty:
@@ -281,6 +280,21 @@ class SsdMover:
         out = dict(self.engine.stats())
         out["errors"] = self.errors
         return out
+
+
+def _runs(spaces: list[bytes], space: np.ndarray,
+          order: np.ndarray) -> Iterator[tuple[bytes, np.ndarray]]:
+    """Each namespace's rows of ``order`` (``space`` is each one's namespace), in that
+    order, the namespaces in the order each first comes."""
+    if len(spaces) == 1:
+        if len(order):
+            yield spaces[0], order
+        return
+    by_space = np.argsort(space, kind="stable")
+    found, starts = np.unique(space[by_space], return_index=True)
+    ends = np.append(starts[1:], len(by_space))
+    for k in np.argsort(by_space[starts], kind="stable").tolist():
+        yield spaces[int(found[k])], order[by_space[starts[k]:ends[k]]]
 
 
 def _stored(block: Block) -> BlockRecord:

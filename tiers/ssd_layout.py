@@ -310,7 +310,9 @@ def closed_rows(
     spot = np.empty(n, dtype=np.int64)
     spot[by_wanted] = np.searchsorted(prints, wanted[by_wanted])
     at = by_print[np.minimum(spot, n - 1)]
-    same = ((ns_words[at] == ns_words) & (key_words[at] == parent_words)).all(axis=1)
+    same = (key_words[at] == parent_words).all(axis=1)
+    if rank is not None:  # (one namespace: every row's is the same)
+        same &= (ns_words[at] == ns_words).all(axis=1)
     same &= ~roots
     parent_row = np.where(same, at, -1)
     root, dead = n, n + 1

@@ -173,7 +173,7 @@ _UINT_WIDTH = np.zeros(256, dtype=np.int64)  # bytes an unsigned int takes, by i
 _UINT_WIDTH[:0x80] = 1
 _UINT_WIDTH[[0xCC, 0xCD, 0xCE, 0xCF]] = [2, 3, 5, 9]
 _BIG = np.uint64(1 << 62)
-_STEP = np.arange(ID_BYTES, dtype=np.int64)
+_HEAD = np.arange(55, dtype=np.int64)  # array tag, ids with their bin tags, parent
 _FIELD_BYTES = np.arange(8, dtype=np.int64)
 
 
@@ -183,7 +183,7 @@ def decode_values(index_keys: Sequence[bytes], values: Sequence[bytes],
     words, roots, offset, length, checksum, size class); None unless every value is in
     ``encode_record``'s shape and sits under its own key (namespace + key)."""
     m = len(values)
-    if m == 0 or any(len(k) != 2 * ID_BYTES for k in index_keys):
+    if m == 0 or set(map(len, index_keys)) != {2 * ID_BYTES}:
         return None
     lens = np.fromiter(map(len, values), dtype=np.int64, count=m)
     buf = np.frombuffer(b"".join(values) + bytes(128), dtype=np.uint8)
@@ -191,12 +191,12 @@ def decode_values(index_keys: Sequence[bytes], values: Sequence[bytes],
     ok = (lens >= 51) & (buf[at] == 0x98) & (buf[at + 1] == 0xC4) & (buf[at + 2] == 16)
     ok &= (buf[at + 19] == 0xC4) & (buf[at + 20] == 16)
     at = np.where(ok, at, 0)  # a short value's reads stay inside the buffer
-    tag = buf[at + 37]
-    roots = tag == 0xC0
-    ok &= roots | ((tag == 0xC4) & (buf[at + 38] == 16))
-    ids = buf[(at + 3)[:, None] + _STEP]
-    keys = buf[(at + 21)[:, None] + _STEP]
-    parents = buf[(at + 39)[:, None] + _STEP]
+    head = buf[at[:, None] + _HEAD]  # the three ids and the tags around them, in one read
+    roots = head[:, 37] == 0xC0
+    ok &= roots | ((head[:, 37] == 0xC4) & (head[:, 38] == 16))
+    ids = np.ascontiguousarray(head[:, 3:19])
+    keys = np.ascontiguousarray(head[:, 21:37])
+    parents = np.ascontiguousarray(head[:, 39:55])
     parents[roots] = 0
     if not ok.all():
         return None
@@ -226,13 +226,11 @@ def _uint(buf: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     which were unsigned ints at all."""
     tag = buf[pos]
     width = _UINT_WIDTH[tag]
-    good = width > 0
-    tail = buf[(pos + 1)[:, None] + _FIELD_BYTES].astype(np.uint64)  # big-endian bytes
-    shift = 8 * (width - 2)[:, None] - 8 * _FIELD_BYTES  # of byte j, < 0: not the int's
-    inside = shift >= 0
-    value = (tail << np.where(inside, shift, 0).astype(np.uint64)) * inside
-    value = np.where(width == 1, tag.astype(np.uint64), value.sum(axis=1, dtype=np.uint64))
-    return value, pos + np.maximum(width, 1), good
+    # the 8 bytes after the tag, big-endian: an int of fewer is their top bytes
+    tail = buf[(pos + 1)[:, None] + _FIELD_BYTES].view(">u8").ravel()
+    value = tail >> (8 * (9 - np.maximum(width, 2))).astype(np.uint64)
+    value = np.where(width == 1, tag.astype(np.uint64), value)
+    return value, pos + np.maximum(width, 1), width > 0
 
 
 def plan_rows(rows: Rows) -> RowsPlan | None:
