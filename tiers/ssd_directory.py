@@ -143,8 +143,9 @@ class SSDDirectory:
         columns cannot decide (overlapping slots, a key twice) it is ``restore``, its
         survivors then made rows; the ``LoadPlan`` is returned too in that case."""
         index = self.parts()[1]
-        builder = RowsBuilder(self.layout)
-        with self._progress(index.count()) as progress:
+        total = index.count()
+        builder = RowsBuilder(self.layout, total)
+        with self._progress(total) as progress:
             bad = index.scan_into(builder.add, progress, _ROWS_CHUNK)
         plan = plan_rows(builder.rows())
         if plan is None:

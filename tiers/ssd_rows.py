@@ -41,7 +41,9 @@ _size_class = attrgetter("size_class")
 @dataclass
 class Rows:
     """Index records as columns, one row each; ``spaces`` are the namespace ids, in the
-    order first seen, and ``space`` each row's place among them."""
+    order first seen, and ``space`` each row's place among them.  The ids' words
+    (``key_words``, ``parent_words``, ``roots``) are emptied once a plan is made of them:
+    ``keys`` and the plan's parent rows say the same."""
 
     spaces: list[bytes] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
@@ -75,15 +77,25 @@ class RowsPlan:
         return self.invalid + self.orphans
 
 
+# The builder's columns: namespace place, key words, parent words, roots, offset,
+# length, checksum, size class (``decode_values``'s, the namespace ids made places).
+_COLUMNS = ((np.int64, ()), (np.uint64, (2,)), (np.uint64, (2,)), (bool, ()),
+            (np.int64, ()), (np.int64, ()), (np.uint64, ()), (np.int64, ()))
+
+
 class RowsBuilder:
     """Takes an index scan's entries a chunk at a time into columns, with the index
     keys of records that do not fit ``layout`` set apart (as ``plan_load`` would)."""
 
-    def __init__(self, layout: SlabLayout) -> None:
+    def __init__(self, layout: SlabLayout, expected: int = 0) -> None:
+        """``expected``: entries the scan will likely give (the columns are made that
+        long at once, and filled in place: no chunk's arrays kept to be joined)."""
         self.layout = layout
         self.invalid: list[bytes] = []
         self._spaces: dict[bytes, int] = {}
-        self._chunks: list[tuple[np.ndarray, ...]] = []
+        self._n = 0
+        self._columns = tuple(np.empty((expected, *shape), dtype=dtype)
+                              for dtype, shape in _COLUMNS)
 
     def add(self, index_keys: Sequence[bytes], values: Sequence[bytes],
             bad: list[bytes]) -> None:
@@ -97,8 +109,18 @@ class RowsBuilder:
                 columns = tuple(c[fits] for c in columns)
         else:
             columns = self._records(decode_chunk(index_keys, values, bad))
-        ns_words, *rest = columns
-        self._chunks.append((self._space(ns_words), *rest))
+        self._put((self._space(columns[0]), *columns[1:]))
+
+    def _put(self, columns: tuple[np.ndarray, ...]) -> None:
+        start, end = self._n, self._n + len(columns[0])
+        if end > len(self._columns[0]):  # more than expected: room for as many again
+            self._columns = tuple(
+                np.concatenate([c[:start], np.empty((max(end, 2 * start), *c.shape[1:]),
+                                                    dtype=c.dtype)])
+                for c in self._columns)
+        for mine, chunk in zip(self._columns, columns):
+            mine[start:end] = chunk
+        self._n = end
 
     def _records(self, records: list[BlockRecord]) -> tuple[np.ndarray, ...]:
         """The columns of the records that fit the layout, the others' keys set apart."""
@@ -146,15 +168,14 @@ class RowsBuilder:
         return place[inverse.ravel()]
 
     def rows(self) -> Rows:
-        """Every chunk's columns, joined (the builder is spent); the keys as ``bytes``."""
-        chunks, self._chunks = self._chunks, []
+        """The columns taken (the builder is spent); the keys as ``bytes``."""
+        n, columns = self._n, self._columns
+        self._columns = ()
         rows = Rows(spaces=list(self._spaces))
-        if chunks:
-            (rows.space, rows.key_words, rows.parent_words, rows.roots, rows.offset,
-             rows.length, rows.checksum, rows.size_class) = (
-                np.concatenate(c) for c in zip(*chunks))
-            flat = rows.key_words.tobytes()
-            rows.keys = [flat[i:i + ID_BYTES] for i in range(0, len(flat), ID_BYTES)]
+        (rows.space, rows.key_words, rows.parent_words, rows.roots, rows.offset,
+         rows.length, rows.checksum, rows.size_class) = (c[:n] for c in columns)
+        flat = rows.key_words.tobytes()
+        rows.keys = [flat[i:i + ID_BYTES] for i in range(0, len(flat), ID_BYTES)]
         return rows
 
 
@@ -243,11 +264,17 @@ def plan_rows(rows: Rows) -> RowsPlan | None:
         empty = np.empty(0, np.int64)
         return RowsPlan(rows, empty, empty, [], [])
     spaces = np.frombuffer(b"".join(rows.spaces), dtype=np.uint64).reshape(-1, 2)
-    rank = rows.space if len(rows.spaces) > 1 else None
-    split = closed_rows(spaces[rows.space], rows.key_words, rows.parent_words, rows.roots,
-                        rank)
+    if len(rows.spaces) > 1:
+        rank, ns_words = rows.space, spaces[rows.space]
+    else:  # the one namespace's words, not a copy a row
+        rank, ns_words = None, np.broadcast_to(spaces[0], (n, 2))
+    split = closed_rows(ns_words, rows.key_words, rows.parent_words, rows.roots, rank)
+    del ns_words
     if split is None:
         return None
+    # the ids' words are done with: let them go before the restore makes its blocks
+    rows.key_words = rows.parent_words = np.empty((0, 2), dtype=np.uint64)
+    rows.roots = np.empty(0, dtype=bool)
     order, closed, parent = split
     orphans: list[bytes] = []
     if len(order) < n:
@@ -270,9 +297,9 @@ def _any_overlap(rows: Rows) -> bool:
 def rows_of(records: Sequence[BlockRecord], layout: SlabLayout) -> RowsPlan:
     """The survivors ``plan_load`` decided, as a plan of rows in their order (each
     parent there before its children, in the same namespace)."""
-    builder = RowsBuilder(layout)
-    ns_words, *rest = builder._records(list(records))
-    builder._chunks.append((builder._space(ns_words), *rest))
+    builder = RowsBuilder(layout, len(records))
+    columns = builder._records(list(records))
+    builder._put((builder._space(columns[0]), *columns[1:]))
     rows = builder.rows()
     where: dict[tuple[int, bytes], int] = {}
     parent = np.full(len(rows), -1, dtype=np.int64)
