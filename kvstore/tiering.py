@@ -92,19 +92,21 @@ class SsdMover:
         restored = 0
         keys: list[bytes | None] = rows.keys  # type: ignore[assignment]
         keys.append(None)  # a root's parent row, -1, is this: the map below needs no test
-        for ns_id, group in _runs(rows.spaces, space, order):
-            mine = list(map(keys.__getitem__, group.tolist()))
-            parents = list(map(keys.__getitem__, plan.parent[group].tolist()))
-            ok = self.store.ssd_copies.restore_columns(
-                namespaces[ns_id], mine, parents,  # type: ignore[arg-type]
-                rows.offset[group].tolist(), rows.checksum[group].tolist())
-            back = sum(ok)
-            restored += back
-            if back < len(ok):
-                self._pending_removals.extend(
-                    (ns_id, key) for key, good in zip(mine, ok)  # type: ignore[misc]
-                    if not good)
-        del keys[-1]
+        try:
+            for ns_id, group in _runs(rows.spaces, space, order):
+                mine: list[bytes] = list(
+                    map(keys.__getitem__, group.tolist()))  # type: ignore[arg-type]
+                parents = list(map(keys.__getitem__, plan.parent[group].tolist()))
+                ok = self.store.ssd_copies.restore_columns(
+                    namespaces[ns_id], mine, parents, rows.offset[group].tolist(),
+                    rows.checksum[group].tolist())
+                back = sum(ok)
+                restored += back
+                if back < len(ok):
+                    self._pending_removals.extend(
+                        (ns_id, key) for key, good in zip(mine, ok) if not good)
+        finally:
+            del keys[-1]
         # opened here; with no block back, forgotten (before serving: at once)
         empty = [ns.id for ns in namespaces.values() if self.store.close_namespace(ns)]
         if empty:
