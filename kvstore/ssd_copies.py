@@ -406,12 +406,21 @@ class SsdCopies:
                               list(map(_parent, found)), list(map(_offset, found)),
                               list(map(_checksum, found)))
 
-    def restore_columns(self, ns: Namespace, keys: list[bytes],
-                        parents: list[bytes | None], offsets: list[int],
-                        checksums: list[int]) -> list[bool]:
-        """``restore_many`` of records given as columns (the SSD index's warm restart
-        reads them so: no object per record)."""
+    def restore_columns(self, ns: Namespace, keys: list[bytes], parent_back: list[int],
+                        offsets: list[int], checksums: list[int]) -> list[bool]:
+        """``restore_many`` of records given as columns, distinct keys each parent
+        before its children (the SSD index's warm restart reads them so: no object per
+        record): ``parent_back`` says how many places back each one's parent is, 0 for a
+        root, -1 for a parent not among them (so not restored).  A chain's are all 1,
+        an int Python keeps made once, so the list costs a pointer a record."""
+        if not ns.blocks:  # nothing there before: parents are found by position alone
+            return restore_fresh(self.store, ns, keys, parent_back, offsets, checksums)
+        parents = [None if back == 0 else keys[i - back] if back > 0 else _ABSENT
+                   for i, back in enumerate(parent_back)]
         return restore_blocks(self.store, ns, keys, parents, offsets, checksums)
+
+
+_ABSENT = b"absent"  # a parent key no block has (keys are 16 bytes)
 
 
 class Found(Protocol):
@@ -482,6 +491,62 @@ def restore_blocks(store: StoreCore, ns: Namespace, keys: list[bytes],
         if not mask and len(shard) > SPLIT_AT:
             blocks.grown()
             shards, mask = blocks.shards, blocks.mask
+    ssd.policy(cls).insert_many(fresh)
+    store.ssd_committed_slots += len(fresh)
+    store.ssd_committed_bytes += len(fresh) * cls.slot_bytes
+    return ok
+
+
+def restore_fresh(store: StoreCore, ns: Namespace, keys: list[bytes],
+                  parent_back: list[int], offsets: list[int],
+                  checksums: list[int]) -> list[bool]:
+    """``restore_blocks`` into a namespace with no blocks yet, of distinct keys whose
+    parents are given by position (``SsdCopies.restore_columns``): each one's parent is
+    the block made for that position or none, so no key is looked up (the same answer,
+    a third less of a warm restart's loop)."""
+    ssd = store.ssd
+    cls = ns.ssd_cls
+    assert ssd is not None and cls is not None and not ns.blocks
+    ok = ssd.pool.claim_many(cls, offsets)
+    blocks = ns.blocks
+    shards, mask = blocks.shards, blocks.mask
+    seen = store.ssd_admit_after
+    made: list[Block | None] = []  # by position: its block, or None where none was made
+    keep = made.append
+    given_back: set[int] = set()  # claimed for an entry that could not be restored
+    for i, (key, back, offset, got) in enumerate(zip(keys, parent_back, offsets, ok)):
+        parent_block = made[i - back] if back > 0 else None
+        if back and parent_block is None:
+            if got:  # one by one it would not have been claimed: free for those after it
+                ssd.pool.free(cls, [offset])
+                given_back.add(offset)
+                ok[i] = False
+            keep(None)
+            continue
+        if not got:  # a slot given back above is claimed again, as one by one
+            if offset not in given_back:
+                keep(None)
+                continue
+            given_back.discard(offset)
+            if not ssd.pool.claim(cls, offset):
+                keep(None)
+                continue
+            ok[i] = True
+        block = Block(key, ns, parent_block)
+        block.ssd_offset = offset
+        block.checksum = checksums[i]
+        block.seen = seen
+        if parent_block is not None:
+            if parent_block.kids is None:
+                parent_block.kids = block
+            else:
+                parent_block.add_child(block)
+        shards[hash(key) & mask][key] = block
+        keep(block)
+        if not mask and len(shards[0]) > SPLIT_AT:
+            blocks.grown()
+            shards, mask = blocks.shards, blocks.mask
+    fresh = [b for b in made if b is not None]
     ssd.policy(cls).insert_many(fresh)
     store.ssd_committed_slots += len(fresh)
     store.ssd_committed_bytes += len(fresh) * cls.slot_bytes

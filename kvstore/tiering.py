@@ -90,23 +90,25 @@ class SsdMover:
                     map(rows.keys.__getitem__, lost)))
             order, space = order[fit], space[fit]
         restored = 0
-        keys: list[bytes | None] = rows.keys  # type: ignore[assignment]
-        keys.append(None)  # a root's parent row, -1, is this: the map below needs no test
-        try:
-            for ns_id, group in _runs(rows.spaces, space, order):
-                mine: list[bytes] = list(
-                    map(keys.__getitem__, group.tolist()))  # type: ignore[arg-type]
-                parents = list(map(keys.__getitem__, plan.parent[group].tolist()))
-                ok = self.store.ssd_copies.restore_columns(
-                    namespaces[ns_id], mine, parents, rows.offset[group].tolist(),
-                    rows.checksum[group].tolist())
-                back = sum(ok)
-                restored += back
-                if back < len(ok):
-                    self._pending_removals.extend(
-                        (ns_id, key) for key, good in zip(mine, ok) if not good)
-        finally:
-            del keys[-1]
+        keys = rows.keys
+        place = np.full(len(keys), -1, dtype=np.int64)  # a row's position in its group
+        for ns_id, group in _runs(rows.spaces, space, order):
+            at = np.arange(len(group))
+            place[group] = at
+            parent = plan.parent[group]
+            # how far back each one's parent is: 0 for a root, -1 for one not in the group
+            above = place[parent]
+            back = np.where(parent < 0, 0, np.where(above < 0, -1, at - above)).tolist()
+            del at, above, parent
+            mine = list(map(keys.__getitem__, group.tolist()))
+            ok = self.store.ssd_copies.restore_columns(
+                namespaces[ns_id], mine, back, rows.offset[group].tolist(),
+                rows.checksum[group].tolist())
+            back = sum(ok)
+            restored += back
+            if back < len(ok):
+                self._pending_removals.extend(
+                    (ns_id, key) for key, good in zip(mine, ok) if not good)
         # opened here; with no block back, forgotten (before serving: at once)
         empty = [ns.id for ns in namespaces.values() if self.store.close_namespace(ns)]
         if empty:

@@ -276,3 +276,41 @@ def test_one_namespaces_closure_in_arrays_is_the_walk_in_its_order(parents: list
     records = [BlockRecord(b"n" * 16, key[i], None if p < 0 else key[p], i * 16, 16)
                for i, p in enumerate(parents)]
     assert ssd_layout._closed_in_arrays(records) == ssd_layout._closed_by_walk(records)
+
+
+class _Found(msgspec.Struct):
+    key: bytes
+    parent: bytes | None
+    offset: int
+    checksum: int
+
+
+@given(st.lists(st.tuples(st.integers(-2, 20), st.integers(0, 6)), min_size=1, max_size=20),
+       st.booleans())
+def test_restoring_columns_by_position_is_restore_many(
+        entries: list[tuple[int, int]], before: bool) -> None:
+    # parents by position (-1 a root, -2 or a later one: not there), slots that clash
+    keys = [bytes([i]) * 16 for i in range(len(entries))]
+    at = [p if p < i else -2 for i, (p, _) in enumerate(entries)]
+    stores = []
+    for way in ("columns", "records"):
+        store = BlockStore(4 * MiB, MiB, ssd_capacity=CAPACITY, ssd_slab_bytes=SLAB)
+        ns = store.open_namespace(IDENTS[0])
+        assert ns.ssd_cls is not None
+        size = ns.ssd_cls.slot_bytes
+        offsets = [s * size for _, s in entries]
+        if before:  # a block there already (not fresh: looked up by key)
+            store.ssd_copies.restore_many(ns, [_Found(b"\xff" * 16, None, 9 * size, 0)])
+        if way == "columns":
+            back = [0 if a == -1 else -1 if a < 0 else i - a for i, a in enumerate(at)]
+            ok = store.ssd_copies.restore_columns(ns, keys, back, offsets,
+                                                  list(range(len(keys))))
+        else:
+            found = [_Found(k, None if a == -1 else keys[a] if a >= 0 else b"\xee" * 16,
+                            o, i) for i, (k, a, o) in enumerate(zip(keys, at, offsets))]
+            ok = store.ssd_copies.restore_many(ns, found)
+        store.check_invariants()
+        stores.append((ok, {k: (b.parent.key if b.parent else None, b.ssd_offset, b.checksum,
+                                sorted(c.key for c in b.child_list()))
+                            for k, b in ns.blocks.items()}))
+    assert stores[0] == stores[1]
