@@ -18,7 +18,8 @@ clients send them, settling the heap once a second as the daemon does, and print
 - warm restart of an SSD index of as many blocks: the LMDB index is written (in a
   process of its own, not timed), then another process opens the SSD tier and restores
   every block into a fresh store as the daemon does at start-up (timed: seconds, and
-  records/s), and the memory that took.
+  records/s), and the memory that took (RSS, split into the process's own and the
+  index pages LMDB mapped, and the peak).
 
 Every part runs in a fresh process, so that its memory is its own.
 
