@@ -25,7 +25,11 @@ With ``auth.peer_tenants`` alone, tcp endpoints have no credentials to check: th
 open (the daemon warns at start-up) and refuse every hello.
 
 ``auth.shared_tenants`` grants namespaces of one tenant to others (a shared system
-prompt, say): ``{"public" = ["acme", "globex"]}``.
+prompt, say): ``{"public" = ["acme", "globex"]}``.  A grant is to read: a grantee looks
+up, acquires and gets the owner's blocks and maps its arena read-only, but cannot write
+there, evict or drop (else any grantee could plant bytes under a key the others will
+load: a shared prompt's keys are known to all).  ``auth.shared_writers`` names the
+grantees that may write too (``{"public" = ["acme"]}``).
 """
 
 from __future__ import annotations
@@ -193,6 +197,7 @@ class Auth:
         self.secret = read_secret(a.secret_file) if a.secret_file else None
         self.curve_enabled = bool(a.curve_secret_key_file)
         self.shared = {k: set(v) for k, v in a.shared_tenants.items()}
+        self.writers = {k: set(v) for k, v in a.shared_writers.items()}
         self._config = a
         self._authenticator: _TenantAuthenticator | None = None
         if self.curve_enabled:
@@ -269,8 +274,15 @@ class Auth:
             return False
 
     def may_open(self, session_tenant: str, namespace_tenant: str) -> bool:
+        """Whether a session may open (and read) a namespace of ``namespace_tenant``."""
         return (namespace_tenant == session_tenant
-                or session_tenant in self.shared.get(namespace_tenant, ()))
+                or session_tenant in self.shared.get(namespace_tenant, ())
+                or session_tenant in self.writers.get(namespace_tenant, ()))
+
+    def may_write(self, session_tenant: str, namespace_tenant: str) -> bool:
+        """Whether it may also add blocks there, evict them and drop the namespace."""
+        return (namespace_tenant == session_tenant
+                or session_tenant in self.writers.get(namespace_tenant, ()))
 
     def _client_keys(self) -> dict[bytes, str]:
         directory = self._config.curve_clients_dir

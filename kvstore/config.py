@@ -169,6 +169,9 @@ class AuthConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     curve_secret_key_file: str = ""
     curve_clients_dir: str = ""
     shared_tenants: dict[str, list[str]] = {}
+    # grants to write as well (reserve, put, evict, drop): a shared_tenants grant alone
+    # is to read (lookup, acquire, get, prefetch); a writer may read too
+    shared_writers: dict[str, list[str]] = {}
     peer_tenants: dict[str, str] = {}  # user name or uid -> tenant, by SO_PEERCRED
 
 

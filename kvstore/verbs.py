@@ -161,6 +161,16 @@ class Verbs:
             raise UnknownNamespaceError("namespace not opened in this session; open it first")
         return self.d.store.namespaces[ns_id]
 
+    def _writable(self, session: Session, ns_id: bytes) -> Namespace:
+        """A namespace the session opened and may write in: its tenant's own, or one
+        ``auth.shared_writers`` lets it write in (a ``shared_tenants`` grant is to read)."""
+        ns = self._namespace(session, ns_id)
+        if not self.d.auth.may_write(session.tenant, ns.tenant):
+            raise ForbiddenError(
+                f"tenant {session.tenant!r} may read the namespaces of tenant {ns.tenant!r}, "
+                f"not write in them, evict or drop them (auth.shared_writers grants that)")
+        return ns
+
     def _check_keys(self, keys: list[bytes]) -> None:
         # Each key's length was checked by the decoder; the count is a setting.
         max_keys = self.d.max_keys
@@ -207,7 +217,7 @@ class Verbs:
         return p.LookupReply(req.rid, hits, tier_runs(tiers)), []
 
     def _reserve(self, session: Session, req: p.Reserve, payload: list[Any]) -> Answer:
-        ns = self._namespace(session, req.ns)
+        ns = self._writable(session, req.ns)
         self._check_keys(req.keys)
         self.d.sessions.check_cap(session, "reservations")
         r = self._reserve_slots(session, ns, req.keys, req.parent)
@@ -278,7 +288,7 @@ class Verbs:
 
     def _put(self, session: Session, req: p.Put, payload: list[Any]) -> Answer:
         d = self.d
-        ns = self._namespace(session, req.ns)
+        ns = self._writable(session, req.ns)
         self._check_keys(req.keys)
         if len(req.keys) * ns.block_bytes > d.max_request_bytes:
             raise TooLargeError(f"put of {len(req.keys)} blocks exceeds the request limit of "
@@ -370,12 +380,12 @@ class Verbs:
             self.d.store.release(GET_OWNER, pin_id)
 
     def _evict(self, session: Session, req: p.Evict, payload: list[Any]) -> Answer:
-        ns = self._namespace(session, req.ns)
+        ns = self._writable(session, req.ns)
         self._check_keys(req.keys)
         return self.removals.after_sends(req.rid, lambda: self.d.store.evict(ns, req.keys))
 
     def _drop(self, session: Session, req: p.DropNamespace, payload: list[Any]) -> Answer:
-        return self.removals.drop(req.rid, self._namespace(session, req.ns))
+        return self.removals.drop(req.rid, self._writable(session, req.ns))
 
     def _warm(self, session: Session, req: p.Warm, payload: list[Any]) -> Outcome:
         d = self.d
@@ -425,7 +435,7 @@ class Verbs:
         from kvstore.scheduler.admission import TokenRequest, admit_batch
 
         d = self.d
-        ns = self._namespace(session, req.ns)
+        ns = self._writable(session, req.ns)
         bt = ns.identity.block_tokens
         requests = [TokenRequest(item.reserved_tokens, item.new_tokens) for item in req.plan]
         available = d.store.available_slots(ns)

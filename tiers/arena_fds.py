@@ -181,7 +181,10 @@ def map_handed_arena(endpoint: str, session: str, label: str, size: int) -> mmap
     try:
         if handed != size:
             raise KVStoreError(f"the arena handed out holds {handed} bytes, not {size}")
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        # a namespace granted to read comes as a read-only descriptor: map it so
+        read_only = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                         prot=mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
 

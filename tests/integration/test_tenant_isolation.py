@@ -59,7 +59,8 @@ def token_daemon(daemon_factory: Any, tmp_path: Path) -> tuple[DaemonProcess, Pa
     cli("keygen", "--secret", str(secret))
     config = tmp_path / "auth.toml"
     config.write_text(f'[auth]\nsecret_file = "{secret}"\n'
-                      '[auth.shared_tenants]\npublic = ["acme"]\n')
+                      '[auth.shared_tenants]\npublic = ["acme"]\n'
+                      '[auth.shared_writers]\npublic = ["acme"]\n')
     port = free_port()
     d = daemon_factory(tcp=True, extra=["--config", str(config), "--slab-size", "1MiB",
                                         "--metrics-port", str(port)])
