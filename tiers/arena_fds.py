@@ -101,13 +101,18 @@ def unframe(data: bytes) -> bytes | None:
 
 def create_memfd(capacity_bytes: int, name: str = "kvstore-arena") -> int:
     """An anonymous memory file of ``capacity_bytes``, allocated now and sealed against
-    resizing (a holder could otherwise shrink it and crash every mapper); its descriptor."""
+    resizing (a holder could otherwise shrink it and crash every mapper); its descriptor.
+
+    Its mode is 0600 (a memory file is made 0777): a client of another user handed a
+    read-only descriptor of it (a namespace granted to read) could otherwise open it
+    again read-write through ``/proc/self/fd``."""
     try:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
         raise ConfigError(f"dram.arena_kind: cannot create a memory file: {exc.strerror}"
                           ) from None
     try:
+        os.fchmod(fd, 0o600)
         try:
             os.posix_fallocate(fd, 0, capacity_bytes)
         except OSError as exc:
