@@ -193,6 +193,14 @@ class Verbs:
             raise ForbiddenError(
                 f"session of tenant {session.tenant!r} cannot open a namespace of tenant "
                 f"{identity.tenant!r}")
+        if (identity.namespace_id not in d.store.namespaces
+                and not d.auth.may_write(session.tenant, identity.tenant)):
+            # a grantee to read makes no namespace: it would count against its owner's
+            # cap (and be recorded in the owner's name), however many it made up
+            raise ForbiddenError(
+                f"tenant {session.tenant!r} may read the namespaces of tenant "
+                f"{identity.tenant!r} and this one does not exist: a grantee opens only "
+                f"namespaces their owner has made")
         if identity.block_bytes > d.max_request_bytes:
             raise TooLargeError(f"blocks of {identity.block_bytes} bytes exceed the request "
                                 f"limit of {d.max_request_bytes}")
@@ -436,6 +444,9 @@ class Verbs:
 
         d = self.d
         ns = self._writable(session, req.ns)
+        if len(req.plan) > d.max_keys:  # before any work that grows with it
+            raise TooLargeError(f"{len(req.plan)} plan items in one request; the limit is "
+                                f"{d.max_keys}")
         bt = ns.identity.block_tokens
         requests = [TokenRequest(item.reserved_tokens, item.new_tokens) for item in req.plan]
         available = d.store.available_slots(ns)

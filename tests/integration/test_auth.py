@@ -154,6 +154,13 @@ def test_isolation_for_every_verb_with_a_shared_namespace(
         assert after["reserved_slots"] == before["reserved_slots"] == 0
         assert shared_b.lookup(shared_b.keys(range(32))).blocks == 2
         assert shared_b.lookup(other).blocks == 0
+        # nor may it make namespaces of the owner's: each would count against the
+        # owner's cap, and be recorded in its name
+        namespaces = a.stats()["namespaces"]
+        for n in range(3):
+            with pytest.raises(ForbiddenError, match="a grantee opens only namespaces"):
+                b.namespace(make_identity(tenant="public", model=f"made-up-{n}"))
+        assert a.stats()["namespaces"] == namespaces
         assert shared_a.get(sys_keys) == [b"\4" * shared_a.block_bytes] * 2
         assert ns_a.get(keys) == [b"\2" * ns_a.block_bytes] * 4
 
