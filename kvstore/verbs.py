@@ -397,7 +397,7 @@ class Verbs:
 
     def _warm(self, session: Session, req: p.Warm, payload: list[Any]) -> Outcome:
         d = self.d
-        ns = self._namespace(session, req.ns)
+        ns = self._writable(session, req.ns)  # the owner's eviction order: not a read
         self._check_keys(req.keys)
         if not 0 < req.seconds <= 86400:
             raise MalformedError("warm: seconds must be in (0, 86400]")

@@ -146,7 +146,8 @@ def test_isolation_for_every_verb_with_a_shared_namespace(
         for call in (lambda: shared_b.reserve(other),
                      lambda: shared_b.put(other, [b"\6" * shared_b.block_bytes] * 2),
                      lambda: shared_b.put(sys_keys, [b"\6" * shared_b.block_bytes] * 2),
-                     lambda: shared_b.evict(sys_keys), shared_b.drop):
+                     lambda: shared_b.evict(sys_keys), shared_b.drop,
+                     lambda: shared_b.keep_warm(sys_keys, 60)):
             with pytest.raises(ForbiddenError, match="may read the namespaces of tenant 'public'"):
                 call()
         after = a.stats()["tiers"]["dram"]  # refused before anything: nothing reserved,
