@@ -21,7 +21,7 @@ from kvtest import make_identity
 
 from kvstore import Client
 from kvstore.auth import issue_token, read_secret
-from kvstore.client_wire import event_socket
+from kvstore.client_wire import CurveKeys, event_socket
 from kvstore.config import AuthConfig, Config, EventsConfig
 from kvstore.errors import ConfigError
 from kvstore.events import decoder
@@ -126,6 +126,43 @@ def test_only_readers_hear_the_stream_on_ipc(daemon_factory: Any, tmp_path: Path
         router = event_socket(ctx, zmq.DEALER, replay, daemon=d.endpoint,
                               token=issue_token(secret, "router", 60))
         assert replay_answered(router)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_only_readers_keys_hear_the_stream_with_curve(daemon_factory: Any,
+                                                       tmp_path: Path) -> None:
+    keys_dir, clients_dir = tmp_path / "server", tmp_path / "clients"
+    cli("keygen", str(keys_dir), "--name", "server")
+    clients_dir.mkdir()
+    for name in ("router", "acme"):
+        cli("keygen", str(tmp_path / name), "--name", name)
+        (clients_dir / f"{name}.key").write_bytes((tmp_path / name / f"{name}.key").read_bytes())
+    cli("keygen", str(tmp_path / "stranger"), "--name", "stranger")
+    pub = f"tcp://127.0.0.1:{free_port()}"
+    config = tmp_path / "curve.toml"
+    config.write_text(f'[auth]\ncurve_secret_key_file = "{keys_dir / "server.key_secret"}"\n'
+                      f'curve_clients_dir = "{clients_dir}"\n'
+                      f'[events]\nendpoint = "{pub}"\ntopic = "{TOPIC.decode()}"\n'
+                      f'readers = ["router"]\n')
+    d = daemon_factory(tcp=True, extra=["--config", str(config)])
+    server_key = str(keys_dir / "server.key")
+
+    def keys(name: str) -> CurveKeys:
+        return CurveKeys.from_files(server_key, str(tmp_path / name / f"{name}.key_secret"))
+
+    ctx = zmq.Context()
+    try:
+        subs = {name: event_socket(ctx, zmq.SUB, pub, curve=keys(name))
+                for name in ("router", "acme", "stranger")}
+        subs["nobody"] = event_socket(ctx, zmq.SUB, pub)
+        for sock in subs.values():
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        assert d.tcp_endpoint is not None
+        with Client(d.tcp_endpoint, curve=keys("acme"), tenant="acme") as acme:
+            heard = batches_heard(subs, acme)
+        assert heard["router"] > 0, heard
+        assert heard["acme"] == heard["stranger"] == heard["nobody"] == 0, heard
     finally:
         ctx.destroy(linger=0)
 
