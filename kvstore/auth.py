@@ -25,7 +25,11 @@ With ``auth.peer_tenants`` alone, tcp endpoints have no credentials to check: th
 open (the daemon warns at start-up) and refuse every hello.
 
 ``auth.shared_tenants`` grants namespaces of one tenant to others (a shared system
-prompt, say): ``{"public" = ["acme", "globex"]}``.
+prompt, say): ``{"public" = ["acme", "globex"]}``.  A grant is to read: a grantee looks
+up, acquires and gets the owner's blocks and maps its arena read-only, but cannot write
+there, evict or drop (else any grantee could plant bytes under a key the others will
+load: a shared prompt's keys are known to all).  ``auth.shared_writers`` names the
+grantees that may write too (``{"public" = ["acme"]}``).
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ _TOKEN_VERSION = 1
 TICKET_SECONDS = 10.0        # a ticket is presented at once, in the handshake that follows
 _TICKETS_HELD = 4096         # tickets not yet presented, the oldest dropped beyond
 TOKEN_DOMAIN = "token"       # the ZAP domain of the tcp socket gated by tokens
+# the event stream's sockets, whose readers are ``events.readers`` only: on tcp by a
+# CurveZMQ key or a token, on ipc by a ticket of the side socket beside the daemon's
+EVENTS_DOMAIN = "events"
+EVENTS_TOKEN_DOMAIN = "events-token"
+EVENTS_TICKET_DOMAIN = "events-ticket"
 
 
 def issue_token(secret: bytes, tenant: str, ttl_seconds: float, now: float | None = None) -> str:
@@ -155,11 +164,12 @@ class _TenantAuthenticator(ThreadAuthenticator):
 
     def __init__(self, context: zmq.Context[Any], tenants: dict[bytes, str],
                  redeem: Callable[[str, str, int | None], bool],
-                 token_fits: Callable[[str, str], bool]) -> None:
+                 token_fits: Callable[[str, str], bool], readers: frozenset[str]) -> None:
         super().__init__(context)
         self.tenants = tenants
         self.redeem = redeem
         self.token_fits = token_fits
+        self.readers = readers  # the tenants that may read the event stream
         self._address = ""  # of the ZAP request being handled
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
@@ -169,10 +179,18 @@ class _TenantAuthenticator(ThreadAuthenticator):
         await super().handle_zap_message(msg)
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.tenants
+        tenant = self.tenants.get(key)
+        return tenant is not None and (domain != EVENTS_DOMAIN or tenant in self.readers)
 
     def _authenticate_plain(self, domain: str, username: str,
                             password: str) -> tuple[bool, bytes]:
+        if domain in (EVENTS_TOKEN_DOMAIN, EVENTS_TICKET_DOMAIN):
+            if username not in self.readers:
+                return False, b"not a reader of the event stream (events.readers)"
+            if (self.token_fits(username, password) if domain == EVENTS_TOKEN_DOMAIN
+                    else self.redeem(username, password, address_uid(self._address))):
+                return True, b"OK"
+            return False, b"forged, expired or another tenant's credentials"
         if domain == TOKEN_DOMAIN:
             if self.token_fits(username, password):
                 return True, b"OK"
@@ -193,8 +211,11 @@ class Auth:
         self.secret = read_secret(a.secret_file) if a.secret_file else None
         self.curve_enabled = bool(a.curve_secret_key_file)
         self.shared = {k: set(v) for k, v in a.shared_tenants.items()}
+        self.writers = {k: set(v) for k, v in a.shared_writers.items()}
         self._config = a
-        self._authenticator: _TenantAuthenticator | None = None
+        self.readers = frozenset(config.events.readers)
+        # one ZAP handler a context (the event stream's sockets have one of their own)
+        self._authenticators: dict[int, _TenantAuthenticator] = {}
         if self.curve_enabled:
             self._client_keys()  # fail at start-up, not at the first connection
         self.peer_tenants = peer_uids(a.peer_tenants)
@@ -269,8 +290,15 @@ class Auth:
             return False
 
     def may_open(self, session_tenant: str, namespace_tenant: str) -> bool:
+        """Whether a session may open (and read) a namespace of ``namespace_tenant``."""
         return (namespace_tenant == session_tenant
-                or session_tenant in self.shared.get(namespace_tenant, ()))
+                or session_tenant in self.shared.get(namespace_tenant, ())
+                or session_tenant in self.writers.get(namespace_tenant, ()))
+
+    def may_write(self, session_tenant: str, namespace_tenant: str) -> bool:
+        """Whether it may also add blocks there, evict them and drop the namespace."""
+        return (namespace_tenant == session_tenant
+                or session_tenant in self.writers.get(namespace_tenant, ()))
 
     def _client_keys(self) -> dict[bytes, str]:
         directory = self._config.curve_clients_dir
@@ -286,14 +314,35 @@ class Auth:
 
     def _zap(self, context: zmq.Context[Any]) -> _TenantAuthenticator:
         """The context's one ZAP handler, started at the first socket that needs it."""
-        if self._authenticator is None:
+        authenticator = self._authenticators.get(id(context))
+        if authenticator is None:
             keys = self._client_keys() if self.curve_enabled else {}
-            self._authenticator = _TenantAuthenticator(context, keys, self.redeem,
-                                                      self.token_fits)
-            self._authenticator.start()
+            authenticator = _TenantAuthenticator(context, keys, self.redeem,
+                                                 self.token_fits, self.readers)
+            authenticator.start()
             if self.curve_enabled:
-                self._authenticator.configure_curve_callback("*", self._authenticator)
-        return self._authenticator
+                authenticator.configure_curve_callback("*", authenticator)
+                authenticator.configure_curve_callback(EVENTS_DOMAIN, authenticator)
+            self._authenticators[id(context)] = authenticator
+        return authenticator
+
+    def secure_events(self, context: zmq.Context[Any], sock: zmq.Socket[Any],
+                      endpoint: str) -> None:
+        """Let only ``events.readers`` into an event stream socket about to bind
+        ``endpoint``, with the credentials the daemon has for it (``Config.validate``
+        refused the combinations with none): on tcp a CurveZMQ key, else a token; on
+        ipc a ticket of the side socket beside the daemon's ipc endpoint.  Nothing when
+        the daemon takes no credentials (a single-user host)."""
+        if not (self.curve_enabled or self.secret is not None or self.peer_tenants):
+            return
+        if endpoint.startswith("tcp://") and self.curve_enabled:
+            self.make_curve_server(context, sock)
+            sock.zap_domain = EVENTS_DOMAIN.encode()
+            return
+        self._zap(context)
+        sock.zap_domain = (EVENTS_TOKEN_DOMAIN if endpoint.startswith("tcp://")
+                           else EVENTS_TICKET_DOMAIN).encode()
+        sock.plain_server = True
 
     def make_curve_server(self, context: zmq.Context[Any], sock: zmq.Socket[Any]) -> None:
         """Make ``sock`` a CurveZMQ server that lets in known client keys only."""
@@ -321,7 +370,14 @@ class Auth:
         sock.zap_domain = TOKEN_DOMAIN.encode()
         sock.plain_server = True
 
+    def release(self, context: zmq.Context[Any]) -> None:
+        """Stop the ZAP handler of ``context`` (before it is terminated: its socket
+        would hold the termination up)."""
+        authenticator = self._authenticators.pop(id(context), None)
+        if authenticator is not None:
+            authenticator.stop()
+
     def close(self) -> None:
-        if self._authenticator is not None:
-            self._authenticator.stop()
-            self._authenticator = None
+        for authenticator in self._authenticators.values():
+            authenticator.stop()
+        self._authenticators.clear()

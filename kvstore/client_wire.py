@@ -107,6 +107,39 @@ def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None,
     return sock
 
 
+def event_socket(ctx: Any, kind: int, endpoint: str, *, token: str = "", tenant: str = "",
+                 curve: CurveKeys | None = None, daemon: str = "") -> Any:
+    """A socket of ``kind`` (``zmq.SUB`` for the stream, ``zmq.DEALER`` for replays)
+    connected to a daemon's event stream ``endpoint`` with the credentials it asks of
+    ``events.readers`` when it takes credentials: on tcp a CurveZMQ key pair (``curve``)
+    or a token (``token``, of ``tenant`` or the tenant it names); on ipc a ticket, asked
+    with ``token`` (or for this process's uid) of the side socket beside ``daemon``, the
+    daemon's ipc endpoint.  A daemon without credentials takes none."""
+    import zmq
+
+    from kvstore.tiers.arena_fds import admit, side_path, tcp_credentials
+
+    admission: tuple[str, str] | None = None
+    if endpoint.startswith("tcp://"):
+        admission = tcp_credentials(endpoint, token, tenant, curve is not None)
+    elif daemon:
+        side = side_path(daemon)
+        if side is None:
+            raise MalformedError(f"daemon {daemon!r}: tickets come from an ipc endpoint")
+        admission = admit(side, token)
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None and endpoint.startswith("tcp://"):
+        sock.curve_serverkey = curve.server_public
+        sock.curve_publickey = curve.public
+        sock.curve_secretkey = curve.secret
+    if admission is not None:
+        sock.plain_username = admission[0].encode()
+        sock.plain_password = admission[1].encode()
+    sock.connect(endpoint)
+    return sock
+
+
 def handshake_refusal(monitor: Any) -> int | None:
     """The ZeroMQ status of a handshake refused, if the monitor of a socket made with
     ``watch`` heard of one (its events read without waiting).  ZeroMQ tells it only

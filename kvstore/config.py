@@ -169,6 +169,9 @@ class AuthConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     curve_secret_key_file: str = ""
     curve_clients_dir: str = ""
     shared_tenants: dict[str, list[str]] = {}
+    # grants to write as well (reserve, put, evict, drop): a shared_tenants grant alone
+    # is to read (lookup, acquire, get, prefetch); a writer may read too
+    shared_writers: dict[str, list[str]] = {}
     peer_tenants: dict[str, str] = {}  # user name or uid -> tenant, by SO_PEERCRED
 
 
@@ -179,6 +182,11 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     endpoint: str = ""          # PUB socket, e.g. tcp://*:5557 (bound)
     replay_endpoint: str = ""   # ROUTER answering "resend from sequence N" ("": none)
     topic: str = ""             # llm-d expects kv@<pod>@<model>
+    # The tenants whose credentials may read the stream and ask replays (routers), when
+    # the daemon takes credentials ([auth]): the stream carries every tenant's keys and
+    # token ids.  On tcp they present a CurveZMQ key or a token; on ipc a ticket of the
+    # side socket beside the daemon's ipc endpoint (``kvstore.client_wire.event_socket``)
+    readers: list[str] = []
     encoding: str = "map"       # "map": events tagged by a "type" key; "array": positional
     buffer_steps: int = 10000   # batches kept for replay
     buffer_bytes: str | int = "256MiB"  # ... and at most this many bytes of them
@@ -293,6 +301,32 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def gpu_slab_bytes(self) -> int:
         return parse_size(self.gpu.slab_size, "gpu.slab_size")
 
+    def _validate_event_readers(self) -> None:
+        """With credentials, the event stream is read by ``events.readers`` only, with
+        credentials its endpoints can check."""
+        ev, a = self.events, self.auth
+        if not (ev.endpoint and self.credentials):
+            return
+        if not ev.readers:
+            raise ConfigError(
+                "events.readers: the event stream carries every tenant's keys and token "
+                "ids, and credentials are set (auth); name the tenants whose credentials "
+                "may read it (its routers'), e.g. readers = [\"router\"]")
+        for name in ("endpoint", "replay_endpoint"):
+            endpoint = getattr(ev, name)
+            if endpoint.startswith("tcp://") and not (a.curve_secret_key_file
+                                                      or a.secret_file):
+                raise ConfigError(
+                    f"events.{name}: a tcp stream needs credentials it can check "
+                    f"(auth.secret_file or auth.curve_secret_key_file); with "
+                    f"auth.peer_tenants alone, bind it on ipc://")
+            if endpoint.startswith("ipc://") and not (a.secret_file or a.peer_tenants):
+                raise ConfigError(
+                    f"events.{name}: with CurveZMQ alone, bind the stream on tcp:// "
+                    f"(served with CurveZMQ there)")
+            if endpoint and not endpoint.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"events.{name}: with credentials set, tcp:// or ipc://")
+
     @property
     def credentials(self) -> bool:
         """Whether hello must prove a tenant (a token, a CurveZMQ key or the peer's uid)."""
@@ -392,6 +426,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("ssd.admit_after: must be at least 1")
         if self.ssd.sync not in ("always", "batch", "none"):
             raise ConfigError("ssd.sync: expected one of always, batch, none")
+        self._validate_event_readers()
         if self.auth.curve_secret_key_file and not any(
                 e.startswith("tcp://") for e in [self.endpoint, *self.server.extra_endpoints]):
             raise ConfigError("auth.curve_secret_key_file: CurveZMQ secures tcp:// endpoints, "

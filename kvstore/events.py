@@ -49,6 +49,7 @@ from typing import Any, Union
 import msgspec
 import zmq
 
+from kvstore.auth import Auth
 from kvstore.blocks import DRAM, SSD, Block, Namespace
 from kvstore.config import EventsConfig, parse_size
 from kvstore.store import BlockStore
@@ -346,9 +347,13 @@ def _may_run_as_batch() -> bool:
 class EventPublisher:
     """The PUB and replay sockets, the ring of recent batches, and the per-turn flush."""
 
-    def __init__(self, config: EventsConfig, store: BlockStore) -> None:
+    def __init__(self, config: EventsConfig, store: BlockStore,
+                 auth: Auth | None = None) -> None:
         self.config = config
         self.store = store
+        # who may read the stream, when the daemon takes credentials: it carries every
+        # tenant's keys and token ids (``Auth.secure_events``)
+        self.auth = auth
         self.maker = EventMaker(config)
         self.encoder = msgspec.msgpack.Encoder()
         self.topic = config.topic.encode()
@@ -404,6 +409,8 @@ class EventPublisher:
         pub.setsockopt(zmq.SNDHWM, self.config.queue_batches)
         pub.setsockopt(zmq.XPUB_NODROP, 1)  # refuse (counted: ``send``), not drop unseen
         pub.setsockopt(zmq.LINGER, 0)
+        if self.auth is not None:
+            self.auth.secure_events(self._ctx, pub, self.config.endpoint)
         pub.bind(self.config.endpoint)
         self.endpoints.append(pub.getsockopt_string(zmq.LAST_ENDPOINT))
         self._pub = pub
@@ -414,6 +421,8 @@ class EventPublisher:
             # and never reads gets the rest of its answers cut: ``_serve_replays``)
             replay.setsockopt(zmq.SNDHWM, self.config.buffer_steps + 2)
             replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if self.auth is not None:
+                self.auth.secure_events(self._ctx, replay, self.config.replay_endpoint)
             replay.bind(self.config.replay_endpoint)
             self.endpoints.append(replay.getsockopt_string(zmq.LAST_ENDPOINT))
             self._replay = replay
@@ -445,6 +454,8 @@ class EventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         if self._ctx is not None:
+            if self.auth is not None:
+                self.auth.release(self._ctx)
             self._ctx.term()
         self._pub = self._replay = self._ctx = None
 

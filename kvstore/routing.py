@@ -266,10 +266,11 @@ class RoutingVerbs:
 
     def _visible_tenants(self, session: Session) -> list[str]:
         """The session's tenant, and those that share their namespaces with it
-        (``auth.shared_tenants``): whose namespaces ``_visible`` lets it see."""
-        tenant = session.tenant
-        return [tenant, *(owner for owner, grantees in self.d.auth.shared.items()
-                          if owner != tenant and tenant in grantees)]
+        (``auth.shared_tenants``, ``auth.shared_writers``): whose namespaces ``_visible``
+        lets it see."""
+        tenant, auth = session.tenant, self.d.auth
+        owners = {*auth.shared, *auth.writers} - {tenant}
+        return [tenant, *(owner for owner in sorted(owners) if auth.may_open(tenant, owner))]
 
     def bandwidth(self) -> dict[str, float]:
         """Load bandwidth per tier: measured where the daemon has read enough, else the

@@ -118,8 +118,8 @@ class Server:
         self.verbs = Verbs(self)
         self.sides: list[SideSocket] = []
         self.verbs.add(RoutingVerbs(self).table())
-        self.events = EventPublisher(config.events, self.store) if config.events.endpoint \
-            else None
+        self.events = EventPublisher(config.events, self.store, self.auth) \
+            if config.events.endpoint else None
 
     @property
     def endpoints(self) -> list[str]:

@@ -199,9 +199,18 @@ class SideSocket:
                                              "arenas)"))
             return
         arena = held[1]
-        self.counts["arenas"] += 1
         assert arena.fd is not None
-        self._reply(fd, SideReply(True, size=arena.capacity_bytes), arena.fd)
+        handed = arena.fd
+        if held[0] and not self.auth.may_write(session.tenant, held[0]):
+            try:  # granted to read: a descriptor that maps only for reading
+                handed = arena.read_only_fd()
+            except OSError as exc:
+                self.counts["refused"] += 1
+                self._reply(fd, SideReply(False, f"the arena cannot be handed read-only "
+                                                 f"here ({exc}); use get instead"))
+                return
+        self.counts["arenas"] += 1
+        self._reply(fd, SideReply(True, size=arena.capacity_bytes), handed)
 
     def _reply(self, fd: int, reply: SideReply, pass_fd: int | None = None) -> None:
         conn = self._conns[fd][0]

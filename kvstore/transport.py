@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -317,16 +318,22 @@ class Transport:
             pause *= 2
         self.reap_sends()
 
-    def wait_for_sends(self, seconds_each: float) -> bool:
-        """Wait briefly for the pinned replies still being sent, then reap them; False
-        when there were none."""
+    def wait_for_sends(self, seconds: float) -> bool:
+        """Wait briefly (``seconds`` in all, on the loop) for the pinned replies still
+        being sent, then reap them; False when there were none.  The bound is for all of
+        them: a peer that asks for many gets and never reads them leaves as many replies
+        unsent, and a wait for each held the loop for seconds."""
         if not self._in_flight:
             return False
+        deadline = time.monotonic() + seconds
         for tracker, _ in self._in_flight:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             try:
-                tracker.wait(seconds_each)
+                tracker.wait(left)
             except zmq.NotDone:
-                pass
+                break  # still unsent when the time is up: the rest would wait no better
         self.reap_sends()
         return True
 

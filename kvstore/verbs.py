@@ -161,6 +161,16 @@ class Verbs:
             raise UnknownNamespaceError("namespace not opened in this session; open it first")
         return self.d.store.namespaces[ns_id]
 
+    def _writable(self, session: Session, ns_id: bytes) -> Namespace:
+        """A namespace the session opened and may write in: its tenant's own, or one
+        ``auth.shared_writers`` lets it write in (a ``shared_tenants`` grant is to read)."""
+        ns = self._namespace(session, ns_id)
+        if not self.d.auth.may_write(session.tenant, ns.tenant):
+            raise ForbiddenError(
+                f"tenant {session.tenant!r} may read the namespaces of tenant {ns.tenant!r}, "
+                f"not write in them, evict or drop them (auth.shared_writers grants that)")
+        return ns
+
     def _check_keys(self, keys: list[bytes]) -> None:
         # Each key's length was checked by the decoder; the count is a setting.
         max_keys = self.d.max_keys
@@ -183,6 +193,14 @@ class Verbs:
             raise ForbiddenError(
                 f"session of tenant {session.tenant!r} cannot open a namespace of tenant "
                 f"{identity.tenant!r}")
+        if (identity.namespace_id not in d.store.namespaces
+                and not d.auth.may_write(session.tenant, identity.tenant)):
+            # a grantee to read makes no namespace: it would count against its owner's
+            # cap (and be recorded in the owner's name), however many it made up
+            raise ForbiddenError(
+                f"tenant {session.tenant!r} may read the namespaces of tenant "
+                f"{identity.tenant!r} and this one does not exist: a grantee opens only "
+                f"namespaces their owner has made")
         if identity.block_bytes > d.max_request_bytes:
             raise TooLargeError(f"blocks of {identity.block_bytes} bytes exceed the request "
                                 f"limit of {d.max_request_bytes}")
@@ -207,7 +225,7 @@ class Verbs:
         return p.LookupReply(req.rid, hits, tier_runs(tiers)), []
 
     def _reserve(self, session: Session, req: p.Reserve, payload: list[Any]) -> Answer:
-        ns = self._namespace(session, req.ns)
+        ns = self._writable(session, req.ns)
         self._check_keys(req.keys)
         self.d.sessions.check_cap(session, "reservations")
         r = self._reserve_slots(session, ns, req.keys, req.parent)
@@ -278,7 +296,7 @@ class Verbs:
 
     def _put(self, session: Session, req: p.Put, payload: list[Any]) -> Answer:
         d = self.d
-        ns = self._namespace(session, req.ns)
+        ns = self._writable(session, req.ns)
         self._check_keys(req.keys)
         if len(req.keys) * ns.block_bytes > d.max_request_bytes:
             raise TooLargeError(f"put of {len(req.keys)} blocks exceeds the request limit of "
@@ -370,16 +388,16 @@ class Verbs:
             self.d.store.release(GET_OWNER, pin_id)
 
     def _evict(self, session: Session, req: p.Evict, payload: list[Any]) -> Answer:
-        ns = self._namespace(session, req.ns)
+        ns = self._writable(session, req.ns)
         self._check_keys(req.keys)
         return self.removals.after_sends(req.rid, lambda: self.d.store.evict(ns, req.keys))
 
     def _drop(self, session: Session, req: p.DropNamespace, payload: list[Any]) -> Answer:
-        return self.removals.drop(req.rid, self._namespace(session, req.ns))
+        return self.removals.drop(req.rid, self._writable(session, req.ns))
 
     def _warm(self, session: Session, req: p.Warm, payload: list[Any]) -> Outcome:
         d = self.d
-        ns = self._namespace(session, req.ns)
+        ns = self._writable(session, req.ns)  # the owner's eviction order: not a read
         self._check_keys(req.keys)
         if not 0 < req.seconds <= 86400:
             raise MalformedError("warm: seconds must be in (0, 86400]")
@@ -425,7 +443,10 @@ class Verbs:
         from kvstore.scheduler.admission import TokenRequest, admit_batch
 
         d = self.d
-        ns = self._namespace(session, req.ns)
+        ns = self._writable(session, req.ns)
+        if len(req.plan) > d.max_keys:  # before any work that grows with it
+            raise TooLargeError(f"{len(req.plan)} plan items in one request; the limit is "
+                                f"{d.max_keys}")
         bt = ns.identity.block_tokens
         requests = [TokenRequest(item.reserved_tokens, item.new_tokens) for item in req.plan]
         available = d.store.available_slots(ns)

@@ -30,8 +30,12 @@ class WarmPins(EvictionPolicy[T]):
 
     Deadlines are checked lazily, on ``pop_victim`` and ``expire``; the clock is passed
     in (the daemon gives ``time.monotonic``, tests a counter), so the order stays pure.
-    Choosing among warm items sorts them; that is the rare path of a class full of
-    warm blocks, and the warm set is small by configuration.
+    The deadlines are a heap: a warm victim is the first at its top that may go, read
+    in deadline order without sorting the warm set (which a client can make as large as
+    what it holds: a sort for every victim held the loop for seconds), and the heap is
+    rebuilt from the warm items once stale entries (deadlines moved, items gone)
+    outnumber them (a client warming the same blocks again and again grew it without
+    bound).
     """
 
     def __init__(self, inner: EvictionPolicy[T], clock: Callable[[], float]) -> None:
@@ -55,6 +59,14 @@ class WarmPins(EvictionPolicy[T]):
                 self._warm_evictable += 1
         self._warm[item] = until
         heapq.heappush(self._deadlines, (until, next(self._seq), item))
+        if len(self._deadlines) > 2 * len(self._warm) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """The heap of the warm items' deadlines alone (in their first-pinned order for
+        equal deadlines, as their own entries had)."""
+        self._deadlines = [(until, next(self._seq), item) for item, until in self._warm.items()]
+        heapq.heapify(self._deadlines)
 
     def unpin_soft(self, item: T) -> None:
         """End the item's warmth now; it rejoins the ordinary order."""
@@ -129,14 +141,31 @@ class WarmPins(EvictionPolicy[T]):
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         self.expire()
         victim = self.inner.pop_victim(allowed)
-        if victim is not None:
+        if victim is not None or not self._warm_evictable:
             return victim
-        for item, _ in sorted(self._warm.items(), key=lambda pair: pair[1]):
+        for until, item in self._by_deadline():
             if item not in self._hard and allowed(item):
                 del self._warm[item]
                 self._warm_evictable -= 1
                 return item
         return None
+
+    def _by_deadline(self) -> Iterator[tuple[float, T]]:
+        """The warm items and their deadlines, earliest first, read off the heap (its
+        entries still current) without sorting it: a frontier of heap positions, each
+        one's children joining it as it is passed; stale entries at the top are dropped
+        on the way."""
+        heap, warm = self._deadlines, self._warm
+        while heap and warm.get(heap[0][2]) != heap[0][0]:
+            heapq.heappop(heap)
+        frontier = [(heap[0], 0)] if heap else []
+        while frontier:
+            (until, _, item), at = heapq.heappop(frontier)
+            if warm.get(item) == until:
+                yield until, item
+            for child in (2 * at + 1, 2 * at + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child], child))
 
     def evictable(self) -> Iterator[T]:
         warm = [item for item in self._warm if item not in self._hard]

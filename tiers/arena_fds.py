@@ -101,13 +101,18 @@ def unframe(data: bytes) -> bytes | None:
 
 def create_memfd(capacity_bytes: int, name: str = "kvstore-arena") -> int:
     """An anonymous memory file of ``capacity_bytes``, allocated now and sealed against
-    resizing (a holder could otherwise shrink it and crash every mapper); its descriptor."""
+    resizing (a holder could otherwise shrink it and crash every mapper); its descriptor.
+
+    Its mode is 0600 (a memory file is made 0777): a client of another user handed a
+    read-only descriptor of it (a namespace granted to read) could otherwise open it
+    again read-write through ``/proc/self/fd``."""
     try:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
         raise ConfigError(f"dram.arena_kind: cannot create a memory file: {exc.strerror}"
                           ) from None
     try:
+        os.fchmod(fd, 0o600)
         try:
             os.posix_fallocate(fd, 0, capacity_bytes)
         except OSError as exc:
@@ -181,7 +186,10 @@ def map_handed_arena(endpoint: str, session: str, label: str, size: int) -> mmap
     try:
         if handed != size:
             raise KVStoreError(f"the arena handed out holds {handed} bytes, not {size}")
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        # a namespace granted to read comes as a read-only descriptor: map it so
+        read_only = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                         prot=mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
 

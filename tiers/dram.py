@@ -95,6 +95,7 @@ class DramArena:
                  *, populate: bool = True, memfd: bool = False) -> None:
         self.capacity_bytes = capacity_bytes
         self.fd: int | None = None  # a memfd arena's descriptor, to hand to clients
+        self._read_fd: int | None = None  # the same memory opened read-only, for grantees
         if memfd:
             # no path: clients get the descriptor over the side socket (tiers.arena_fds)
             self.fd = create_memfd(capacity_bytes)
@@ -120,6 +121,16 @@ class DramArena:
         """A memfd arena's name in ``memfd:<label>`` ("" for a file arena)."""
         return self.path[len(MEMFD_PREFIX):] if self.fd is not None else ""
 
+    def read_only_fd(self) -> int:
+        """A descriptor of a memfd arena that maps only for reading: what a session
+        granted a tenant's namespaces to read is handed (its writes would land in blocks
+        the owner's clients load).  The memory opened again through ``/proc``, read-only:
+        a new open file, whose mode the mapping cannot exceed."""
+        assert self.fd is not None, "only a memfd arena is handed out"
+        if self._read_fd is None:
+            self._read_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        return self._read_fd
+
     @property
     def buffer(self) -> mmap.mmap:
         """The mapping itself (to page-lock it for CUDA, say)."""
@@ -135,6 +146,9 @@ class DramArena:
             self._mmap.close()
         except BufferError:
             pass  # a view is still exported (a send in flight); the GC unmaps it later
+        if self._read_fd is not None:
+            os.close(self._read_fd)
+            self._read_fd = None
         if self.fd is not None:
             os.close(self.fd)  # the memory goes with its last holder
             self.fd = None

@@ -95,6 +95,18 @@ def test_a_probe_still_finds_what_a_tenant_shares_with_the_session() -> None:
     assert probe(verbs, "other", keys[17:18]).tier_runs == []  # not shared with it
 
 
+def test_a_probe_finds_what_a_tenant_lets_the_session_write_too() -> None:
+    """A grantee named only in ``shared_writers`` may open (and so probe) the owner's
+    namespaces as one in ``shared_tenants`` does."""
+    config = Config(auth=AuthConfig(shared_writers={"crowd": ["acme"]}))
+    daemon = Daemon(config)
+    verbs = RoutingVerbs(daemon)  # type: ignore[arg-type]
+    keys = crowd(daemon, "crowd", 50)
+    daemon.store.open_namespace(make_identity(tenant="acme"))
+    assert probe(verbs, "acme", keys[17:18]).tier_runs == [("dram", 1)]
+    assert probe(verbs, "other", keys[17:18]).tier_runs == []
+
+
 def test_the_invariant_check_holds_the_namespaces_grouped_by_tenant() -> None:
     """Every namespace is in its tenant's group and no group holds another: the check
     finds a namespace filed under the wrong tenant, or missing from its group."""

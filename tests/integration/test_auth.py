@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import mmap
 import os
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from kvstore.auth import issue_token, read_secret, verify_token
 from kvstore.client import CurveKeys
 from kvstore.errors import ForbiddenError, UnavailableError, UnknownNamespaceError
 from kvstore.router import Router
-from kvstore.tiers.arena_fds import admit, side_path
+from kvstore.tiers.arena_fds import admit, fetch_arena, side_path
 
 IDENT_A = make_identity(tenant="acme")
 IDENT_B = make_identity(tenant="globex")
@@ -38,7 +40,8 @@ def token_daemon(daemon_factory: Any, tmp_path: Path) -> tuple[Any, bytes, Path]
     cli("keygen", "--secret", str(secret_file))
     config = tmp_path / "auth.toml"
     config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n'
-                      '[auth.shared_tenants]\npublic = ["acme", "globex"]\n')
+                      '[auth.shared_tenants]\npublic = ["acme", "globex"]\n'
+                      '[auth.shared_writers]\npublic = ["acme"]\n')
     d = daemon_factory(extra=["--config", str(config)])
     return d, read_secret(secret_file), secret_file
 
@@ -133,11 +136,33 @@ def test_isolation_for_every_verb_with_a_shared_namespace(
                      lambda: ns_b.evict(keys), ns_b.drop):
             with pytest.raises(UnknownNamespaceError):
                 call()
-        # both tenants share the "public" namespace
+        # both tenants share the "public" namespace: A may write there, B only read
         shared_a, shared_b = a.namespace(SHARED), b.namespace(SHARED)
         sys_keys = shared_a.keys(range(32))
         shared_a.put(sys_keys, [b"\4" * shared_a.block_bytes] * 2)
         assert shared_b.get(shared_b.keys(range(32))) == [b"\4" * shared_b.block_bytes] * 2
+        before = a.stats()["tiers"]["dram"]
+        other = shared_b.keys(range(1000, 1032))
+        for call in (lambda: shared_b.reserve(other),
+                     lambda: shared_b.put(other, [b"\6" * shared_b.block_bytes] * 2),
+                     lambda: shared_b.put(sys_keys, [b"\6" * shared_b.block_bytes] * 2),
+                     lambda: shared_b.evict(sys_keys), shared_b.drop,
+                     lambda: shared_b.keep_warm(sys_keys, 60)):
+            with pytest.raises(ForbiddenError, match="may read the namespaces of tenant 'public'"):
+                call()
+        after = a.stats()["tiers"]["dram"]  # refused before anything: nothing reserved,
+        assert after["blocks"] == before["blocks"]  # nothing gone
+        assert after["reserved_slots"] == before["reserved_slots"] == 0
+        assert shared_b.lookup(shared_b.keys(range(32))).blocks == 2
+        assert shared_b.lookup(other).blocks == 0
+        # nor may it make namespaces of the owner's: each would count against the
+        # owner's cap, and be recorded in its name
+        namespaces = a.stats()["namespaces"]
+        for n in range(3):
+            with pytest.raises(ForbiddenError, match="a grantee opens only namespaces"):
+                b.namespace(make_identity(tenant="public", model=f"made-up-{n}"))
+        assert a.stats()["namespaces"] == namespaces
+        assert shared_a.get(sys_keys) == [b"\4" * shared_a.block_bytes] * 2
         assert ns_a.get(keys) == [b"\2" * ns_a.block_bytes] * 4
 
 
@@ -280,11 +305,33 @@ def test_per_tenant_arenas_hold_only_what_their_tenant_may_read(
         assert b"acme-only" in bytes(a._view_of(a.hello.arena_path, size))
         with pytest.raises(ForbiddenError, match="no such arena"):
             b._view_of(a.hello.arena_path, size)      # B may not have A's arena
-        shared = b.namespace(SHARED)                   # a third arena, both may map
-        assert shared.arena[0] not in (a.hello.arena_path, b.hello.arena_path)
-        shared.put(shared.keys(range(16)), [b"\10" * shared.block_bytes])
-        with a.namespace(SHARED).acquire(a.namespace(SHARED).keys(range(16))) as held:
-            assert bytes(held.buffers[0]) == b"\10" * shared.block_bytes
+        with Client(d.endpoint, token=issue_token(secret, "public", 60)) as owner:
+            shared = owner.namespace(SHARED)           # a third arena, all three may map
+            assert shared.arena[0] not in (a.hello.arena_path, b.hello.arena_path)
+            with shared.reserve(shared.keys(range(16))) as r:
+                r.buffers[0][:] = b"\10" * shared.block_bytes
+                r.commit()
+        for grantee in (a, b):  # granted to read: the arena maps read-only
+            ns = grantee.namespace(SHARED)
+            with ns.acquire(ns.keys(range(16))) as held:
+                assert bytes(held.buffers[0]) == b"\10" * ns.block_bytes
+                assert held.buffers[0].readonly
+            label = ns.arena[0][len("memfd:"):]
+            fd, size = fetch_arena(side_path(d.endpoint), grantee.hello.session, label)
+            try:
+                assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+                with pytest.raises(PermissionError):  # no writable mapping of it at all
+                    mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+            view = grantee._view_of(*ns.arena)
+            with pytest.raises(TypeError):
+                view[0:1] = b"\0"
+        fd, _ = fetch_arena(side_path(d.endpoint), a.hello.session, a.hello.arena_path[6:])
+        try:  # its own arena still read-write
+            assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+        finally:
+            os.close(fd)
         assert a.stats()["tiers"]["dram"]["arenas"] == 3
 
 

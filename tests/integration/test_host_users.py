@@ -9,7 +9,9 @@ daemon's and A's ``/proc/PID/mem``), and the protocol refuses A's namespace to i
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
+import mmap
 import os
 import signal
 import stat
@@ -65,8 +67,8 @@ def _serve(conn: Connection, config: str, endpoint: str, log: str) -> None:
 
 
 @contextlib.contextmanager
-def host_daemon(users: HostUsers, daemon: User, peer_tenants: dict[str, str]
-                ) -> Iterator[tuple[str, int, Path]]:
+def host_daemon(users: HostUsers, daemon: User, peer_tenants: dict[str, str],
+                auth: str = "") -> Iterator[tuple[str, int, Path]]:
     """The daemon running as ``daemon``, sockets in a runtime directory of the users'
     group; yields its endpoint, pid and runtime directory."""
     top = Path(tempfile.mkdtemp(prefix="kvstore-host-"))
@@ -76,7 +78,7 @@ def host_daemon(users: HostUsers, daemon: User, peer_tenants: dict[str, str]
     config = top / "kvstore.toml"
     tenants = ", ".join(f'{user} = "{tenant}"' for user, tenant in peer_tenants.items())
     config.write_text(f'[server]\nsocket_group = "{users.group}"\n'
-                      f'[auth]\npeer_tenants = {{ {tenants} }}\n')
+                      f'[auth]\npeer_tenants = {{ {tenants} }}\n{auth}')
     log = top / "daemon.log"
     log.touch()
     os.chown(log, daemon.uid, daemon.gid)
@@ -176,10 +178,16 @@ def _engine_b(conn: Connection, endpoint: str, a: dict[str, Any], marker: bytes,
                 refusals.append(str(exc))
         out["refusals"] = refusals
         out["a_ticket_said_hello"] = _hello_with_ticket(endpoint, *a["ticket"])
+        # a file of B's own, open: the scan below must open it (its own arena, a memory
+        # file of the daemon's user, 0600, it holds but cannot open again)
+        own = tempfile.TemporaryFile()
+        own.write(b"B's own")
+        own.flush()
         paths = glob.glob("/dev/shm/*") + glob.glob(os.path.join(runtime, "*"))
         paths += glob.glob("/proc/[0-9]*/fd/*")
         out["opened"] = sum(_readable_hits(p, marker) is not None for p in paths)
         out["hits"] = [p for p in paths if _readable_hits(p, marker)]
+        own.close()
         mem = {}
         for pid in (daemon_pid, a["pid"]):
             try:
@@ -293,3 +301,63 @@ def test_a_socket_group_without_credentials_hands_out_arenas(users: HostUsers) -
         assert out["arena"].startswith("memfd:") and out["read_back"]
         log = run.parent / "daemon.log"
         assert "may connect and name any tenant" in log.read_text()
+
+
+def _grantee(conn: Connection, endpoint: str, a: dict[str, Any], marker: bytes) -> None:
+    """Tenant B, granted A's namespaces to read: it reads A's blocks, through a mapping
+    that cannot write, and can get no writable one."""
+    out: dict[str, Any] = {}
+    with Client(endpoint) as client:
+        ns = client.namespace(IDENT_A)
+        keys = ns.keys(range(64))
+        with ns.acquire(keys) as held:
+            out["read"] = all(marker in bytes(b) for b in held.buffers)
+            out["view_readonly"] = all(b.readonly for b in held.buffers)
+        side = side_path(endpoint)
+        assert side is not None and client.hello is not None
+        fd, size = fetch_arena(side, client.hello.session, a["arena"].removeprefix("memfd:"))
+        try:
+            out["handed_read_only"] = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+            attempts = {}
+            for name, attempt in (
+                    ("mmap", lambda: mmap.mmap(fd, size, flags=mmap.MAP_SHARED)),
+                    ("reopen", lambda: os.open(f"/proc/self/fd/{fd}", os.O_RDWR))):
+                try:
+                    attempt()
+                    attempts[name] = "allowed"
+                except OSError as exc:
+                    attempts[name] = type(exc).__name__
+            out["attempts"] = attempts
+        finally:
+            os.close(fd)
+        try:
+            with ns.reserve(ns.keys(range(64, 96))) as r:
+                r.commit()
+            out["reserve"] = "allowed"
+        except ForbiddenError as exc:
+            out["reserve"] = str(exc)
+        with ns.acquire(keys) as held:  # A's bytes as A wrote them
+            out["still_read"] = all(marker in bytes(b) for b in held.buffers)
+    conn.send(out)
+
+
+def test_a_tenant_granted_to_read_maps_the_owners_arena_read_only(users: HostUsers) -> None:
+    daemon, alice, bob = users.add("d"), users.add("a"), users.add("b")
+    marker = os.urandom(8).hex().encode() + b"-acme-shared-"
+    with host_daemon(users, daemon, {alice.name: "acme", bob.name: "globex"},
+                     '[auth.shared_tenants]\nacme = ["globex"]\n') as (endpoint, _, run):
+        proc_a, conn_a = as_user(alice, _engine_a, endpoint, marker)
+        assert conn_a.poll(60), "engine A did not report"
+        a = conn_a.recv()
+        assert "error" not in a and a["read_back"], a
+        proc_b, conn_b = as_user(bob, _grantee, endpoint, a, marker)
+        assert conn_b.poll(120), "engine B did not report"
+        b = conn_b.recv()
+        conn_a.send("done")
+        proc_a.join(30)
+        proc_b.join(30)
+        assert "error" not in b, b
+        assert b["read"] and b["view_readonly"] and b["handed_read_only"]
+        assert b["attempts"] == {"mmap": "PermissionError", "reopen": "PermissionError"}
+        assert "may read the namespaces of tenant 'acme'" in b["reserve"]
+        assert b["still_read"]
