@@ -172,6 +172,10 @@ class AuthConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # grants to write as well (reserve, put, evict, drop): a shared_tenants grant alone
     # is to read (lookup, acquire, get, prefetch); a writer may read too
     shared_writers: dict[str, list[str]] = {}
+    # tenants that see the whole daemon's figures in stats (its tiers' counters, queues,
+    # I/O): with credentials set, any other sees only its own tenants' (the daemon-wide
+    # counters move with every tenant's requests)
+    operators: list[str] = []
     peer_tenants: dict[str, str] = {}  # user name or uid -> tenant, by SO_PEERCRED
 
 

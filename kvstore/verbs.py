@@ -631,13 +631,22 @@ class Removals:
             finished.set()
 
 
+# what a tenant's stats leave out with credentials set, unless it is an operator
+# (``auth.operators``): figures of the whole daemon, which others' requests move
+DAEMON_WIDE = ("tiers", "scheduling", "ssd_io", "gpu", "remote", "events", "before_hello",
+               "side_socket", "invariant_violations", "invariant_checks_forked")
+
+
 def stats_for(d: Daemon, tenant: str) -> dict[str, Any]:
     """The daemon's stats as a session of ``tenant`` sees them.  With credentials, tenants
     are kept apart: only the figures of the tenants whose namespaces it may open, never
-    the others' names or use; without them (one user's host), every tenant's."""
+    the others' names or use, and none of the whole daemon's (``DAEMON_WIDE``) unless it
+    is one of ``auth.operators``; without them (one user's host), every tenant's."""
     stats = d.stats()
-    if not d.config.credentials:
+    if not d.config.credentials or tenant in d.config.auth.operators:
         return stats
+    for name in DAEMON_WIDE:  # they move with every tenant's requests
+        stats.pop(name, None)
 
     def visible(other: str) -> bool:
         return d.auth.may_open(tenant, other)
@@ -649,10 +658,10 @@ def stats_for(d: Daemon, tenant: str) -> dict[str, Any]:
                               in d.store.tenant_namespaces.items() if visible(name))
     stats["tenant_dram_bytes"] = {other: nbytes for other, nbytes
                                   in stats["tenant_dram_bytes"].items() if visible(other)}
-    transfers = stats["transfers"]
-    transfers["waits"] = {name: {other: waited for other, waited in by_tenant.items()
-                                 if visible(other)}
-                          for name, by_tenant in transfers["waits"].items()}
+    transfers = stats["transfers"]  # its queues are the daemon's: only the waits
+    stats["transfers"] = {"waits": {
+        name: {other: waited for other, waited in by_tenant.items() if visible(other)}
+        for name, by_tenant in transfers["waits"].items()}}
     # with an arena per tenant, each arena's order is one tenant's figures
     stats["eviction_orders"] = [repr(policy) for name, dram in d.store.drams.items()
                                 if name == "" or visible(name)

@@ -39,7 +39,7 @@ def token_daemon(daemon_factory: Any, tmp_path: Path) -> tuple[Any, bytes, Path]
     secret_file = tmp_path / "secret"
     cli("keygen", "--secret", str(secret_file))
     config = tmp_path / "auth.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n'
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\noperators = ["acme"]\n'
                       '[auth.shared_tenants]\npublic = ["acme", "globex"]\n'
                       '[auth.shared_writers]\npublic = ["acme"]\n')
     d = daemon_factory(extra=["--config", str(config)])
@@ -225,7 +225,7 @@ def test_tokens_over_tcp_are_checked_in_the_handshake(daemon_factory: Any,
     secret_file = tmp_path / "secret"
     cli("keygen", "--secret", str(secret_file))
     config = tmp_path / "auth.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n')
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\noperators = ["acme"]\n')
     d = daemon_factory(tcp=True, extra=["--config", str(config)])
     assert d.tcp_endpoint is not None
     secret = read_secret(secret_file)
@@ -281,7 +281,7 @@ def test_per_tenant_arenas_hold_only_what_their_tenant_may_read(
     cli("keygen", "--secret", str(secret_file))
     secret = read_secret(secret_file)
     config = tmp_path / "arenas.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n'
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\noperators = ["acme"]\n'
                       '[auth.shared_tenants]\npublic = ["acme", "globex"]\n'
                       '[dram]\nper_tenant_arenas = true\n')
     d = daemon_factory(dram_capacity="8MiB", extra=["--config", str(config)])
@@ -351,7 +351,8 @@ def _use_ticket_twice(endpoint: str, used: tuple[str, str]) -> None:
 def test_peer_credentials_name_the_tenant(daemon_factory: Any, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "peer.toml"
-    config.write_text(f'[auth]\npeer_tenants = {{ "{os.getuid()}" = "acme" }}\n')
+    config.write_text(f'[auth]\npeer_tenants = {{ "{os.getuid()}" = "acme" }}\n'
+                      'operators = ["acme"]\n')
     d = daemon_factory(dram_capacity="8MiB", extra=["--config", str(config)])
     with Client(d.endpoint) as a:                      # no token, no tenant: the uid's
         assert a.hello is not None and a.hello.tenant == "acme"

@@ -121,7 +121,7 @@ def test_with_credentials_a_peer_without_a_ticket_gets_nothing_in(
     secret = tmp_path / "secret"
     secret.write_text("cd" * 32)
     config = tmp_path / "auth.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret}"\n')
+    config.write_text(f'[auth]\nsecret_file = "{secret}"\noperators = ["acme"]\n')
     d = daemon_factory(dram_capacity="8MiB", extra=["--config", str(config)])
     assert d.proc is not None
     before = rss_mib(d.proc.pid)
@@ -180,7 +180,7 @@ def test_over_tcp_with_a_token_secret_a_peer_without_a_token_gets_nothing_in(
     secret = tmp_path / "secret"
     secret.write_text("ef" * 32)
     config = tmp_path / "auth.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret}"\n')
+    config.write_text(f'[auth]\nsecret_file = "{secret}"\noperators = ["acme"]\n')
     d = daemon_factory(dram_capacity="8MiB", tcp=True, extra=["--config", str(config)])
     assert d.proc is not None and d.tcp_endpoint is not None
     token = issue_token(read_secret(secret), "acme", 60)

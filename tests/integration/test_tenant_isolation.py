@@ -58,7 +58,7 @@ def token_daemon(daemon_factory: Any, tmp_path: Path) -> tuple[DaemonProcess, Pa
     secret = tmp_path / "secret"
     cli("keygen", "--secret", str(secret))
     config = tmp_path / "auth.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret}"\n'
+    config.write_text(f'[auth]\nsecret_file = "{secret}"\noperators = ["ops"]\n'
                       '[auth.shared_tenants]\npublic = ["acme"]\n'
                       '[auth.shared_writers]\npublic = ["acme"]\n')
     port = free_port()
@@ -100,7 +100,7 @@ def test_an_oversized_report_is_refused_and_stats_keep_answering(
         assert isinstance(raw.ask(p.Report(4, p.MAX_REPORTED_TOKENS)), p.OkReply)
         stats = raw.ask(p.Stats(5))
         assert isinstance(stats, p.StatsReply)
-        assert stats.stats["scheduling"]["recomputed_tokens"] == p.MAX_REPORTED_TOKENS
+        assert "scheduling" not in stats.stats  # the daemon's figures: operators' only
         # a request sent right behind another is answered without a later wake-up
         raw.sock.send(p.encoder.encode(p.Stats(6)))
         raw.sock.send(p.encoder.encode(p.Ping(7)))
@@ -111,7 +111,10 @@ def test_an_oversized_report_is_refused_and_stats_keep_answering(
         raw.close()
     assert scrape(port)[("kvstore_recomputed_tokens_total", ())] == p.MAX_REPORTED_TOKENS
     with Client(d.endpoint, token=token(secret, "globex")) as other:
-        assert other.stats()["scheduling"]["recomputed_tokens"] == p.MAX_REPORTED_TOKENS
+        seen = other.stats()  # not an operator: none of the whole daemon's figures
+        assert "scheduling" not in seen and "tiers" not in seen, sorted(seen)
+    with Client(d.endpoint, token=token(secret, "ops")) as ops:  # auth.operators
+        assert ops.stats()["scheduling"]["recomputed_tokens"] == p.MAX_REPORTED_TOKENS
     assert not error_records(d.log())
 
 
@@ -136,6 +139,9 @@ def test_with_credentials_a_tenant_sees_only_its_own_tenants_figures(
         assert victim.stats()["namespaces"] == 1
         assert victim.stats()["tenant_dram_bytes"] == {
             "globex-secret-customer": 8 * ns.block_bytes}
+        # nor the whole daemon's counters, which the victim's puts moved
+        assert not set(seen) & {"tiers", "scheduling", "ssd_io", "remote", "events"}
+        assert set(seen["transfers"]) == {"waits"}
     # the operator's surfaces still show every tenant
     out = subprocess.run([sys.executable, "-m", "kvstore", "stats", "--json", "--endpoint",
                           d.endpoint], capture_output=True, text=True, check=True, timeout=60,
@@ -270,4 +276,5 @@ def test_a_reserve_batch_of_too_many_plan_items_is_refused_before_any_work(
             assert isinstance(ok, p.BatchReply) and ok.admitted
         finally:
             raw.close()
-        assert c.stats()["tiers"]["dram"]["reserved_slots"] == 0
+    with Client(d.endpoint, token=token(secret, "ops")) as ops:
+        assert ops.stats()["tiers"]["dram"]["reserved_slots"] == 0
