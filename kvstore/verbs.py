@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from kvstore import protocol as p
 from kvstore.auth import Auth
 from kvstore.config import Config
+from kvstore.core import SubtreeDrop
 from kvstore.errors import (
     CapacityError,
     ForbiddenError,
@@ -35,7 +36,6 @@ from kvstore.pending import Later, Pending
 from kvstore.remote import RemoteTier
 from kvstore.sessions import Session, Sessions
 from kvstore.store import Block, BlockStore, Limits, Namespace, Pin, Plan, Reservation
-from kvstore.core import SubtreeDrop
 from kvstore.tiering import SsdMover
 from kvstore.tiers.dram import DramArena
 from kvstore.transport import PinnedFrames, Transport
