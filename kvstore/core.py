@@ -332,7 +332,9 @@ class StoreCore:
     def unpin(self, state: OwnerState, pin: Pin) -> None:
         del state.pins[pin.id]
         for block in reversed(pin.blocks):  # deepest first: parents end up warmer
-            self.unpin_block(block)
+            self.unpin_block(block, sweep=False)
+        if self.hollow:  # once for the whole pin, not once a block (a sweep a block
+            self.sweep_hollow()  # walked what stayed below a hollow entry each time)
 
     def pin_block(self, block: Block) -> None:
         assert block.offset is not None, f"pinning {block} without a DRAM copy"
@@ -344,7 +346,7 @@ class StoreCore:
             if not block.demoting:  # a demoting block is off the order
                 block.ns.dram.policy(block.ns.cls).pin(block)
 
-    def unpin_block(self, block: Block) -> None:
+    def unpin_block(self, block: Block, sweep: bool = True) -> None:
         assert block.refs > 0, f"{block} released more often than pinned"
         block.refs -= 1
         if block.refs == 0:
@@ -357,7 +359,7 @@ class StoreCore:
                 del pinned[block.ns.tenant]
         if block.refs == 0 and not block.demoting:
             block.ns.dram.policy(block.ns.cls).unpin(block)
-            if self.hollow:
+            if sweep and self.hollow:
                 self.sweep_hollow()
 
     def hold(self, block: Block) -> bool:

@@ -160,3 +160,28 @@ def test_the_sweep_below_a_hollow_entry_goes_in_bounded_calls() -> None:
         store.sweep_hollow()
     assert not ns.blocks and not store.hollow
     store.check_invariants()
+
+
+def test_a_release_sweeps_once_for_the_whole_pin() -> None:
+    store, ns = new_store()
+    rng = random.Random(7)
+    chain = [rng.randbytes(16) for _ in range(600)]
+    commit(store, ns, chain, None)
+    pin = store.acquire("reader", ns, chain[100:600], 0.0)
+    assert isinstance(pin, Pin)
+    root = ns.blocks[chain[0]]
+    store.drop_dram_copy(root)
+    store.hollow.add(root)
+    store.sweep_hollow()  # what is not in use goes: nothing here (all below is pinned)
+    assert len(ns.blocks) == 600
+    sweeps: list[int] = []
+    sweep = store.sweep_hollow
+
+    def counted() -> bool:
+        sweeps.append(len(ns.blocks))
+        return sweep()
+    store.sweep_hollow = counted  # type: ignore[method-assign]
+    store.release("reader", pin.id)
+    # one sweep after the whole pin went (a sweep a block walked the chain 500 times)
+    assert sweeps == [600] and not ns.blocks and not store.hollow
+    store.check_invariants()
