@@ -6,12 +6,15 @@ its memory is its own), printing medians, tails and ratios:
 - ``store``: the pure store alone (no arena, no sockets): index memory per committed
   block (RSS delta, keys included), ingest (reserve+commit of 1024-key chains,
   blocks/s), lookup of 64 keys (p50, p99), evict of one leaf, stats, the invariant
-  check, the garbage collector's longest pause while the index was built, and the
-  SSD slots' claims of a warm restart (per block);
+  check (whole, and the fork that takes it off the daemon's loop), the garbage
+  collector's longest pause while the index was built, and the SSD slots' claims of a
+  warm restart (per block);
 - ``daemon``: a real daemon (an unpopulated arena, so untouched slots cost nothing):
   ingest through a client, then each verb's round trip while a second client pings
   the daemon every half millisecond; the probe's longest ping is the longest stall of
-  the loop any client saw (last, a snapshot of all the blocks and the namespace's drop);
+  the loop any client saw (last, a snapshot of all the blocks in pages and in one
+  reply, an evict of the key that heads half the blocks, and the namespace's drop;
+  with ``--debug-invariants``, the invariant check after each request as well);
 - ``sessions``: many client sessions at once, each pinging about once a second, and
   one more client's ping p50/p99 beside that load and without it.
 
@@ -156,8 +159,22 @@ def store_figures(n: int, policy: str, check: bool, settle_every: int) -> dict[s
     }
     if check:
         out["check_ms"] = statistics.median(timed(store.check_invariants, 1)) * 1e3
+    # what the periodic invariant check (``InvariantWatch``, past its inline size) holds
+    # the loop for: the fork of the daemon's heap, parent side (the check runs in the child)
+    out["invariant_fork_ms"] = statistics.median(fork_parent() for _ in range(5)) * 1e3
     out["restore_claim_us"] = restore_claims(min(n, 1 << 20)) * 1e6
     return out
+
+
+def fork_parent() -> float:
+    """Seconds ``os.fork`` takes in the parent (the child leaves at once)."""
+    start = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    took = time.perf_counter() - start
+    os.waitpid(pid, 0)
+    return took
 
 
 def restore_claims(n: int, slot: int = 64 << 10, slab: int = 256 << 20) -> float:
@@ -250,6 +267,16 @@ def longest(samples: list[tuple[float, float]], window: tuple[float, float]) -> 
     return max((d for s, d in samples if s <= window[1] and s + d >= window[0]), default=0.0)
 
 
+def whole_snapshot(client: object) -> int:
+    """A snapshot in one reply (``limit`` 0), as older clients ask it: its entries."""
+    from kvstore import protocol as p
+    from kvstore.client_wire import check_reply
+
+    call, rid = getattr(client, "_call"), getattr(client, "_next_rid")
+    reply = check_reply(call(p.Snapshot(rid(), 0, 0))[0], p.SnapshotReply)
+    return len(reply.blocks)
+
+
 def daemon_figures(n: int, debug_invariants: bool) -> dict[str, float]:
     from kvstore import Client, Identity
 
@@ -272,10 +299,16 @@ def daemon_figures(n: int, debug_invariants: bool) -> dict[str, float]:
             tails: list[bytes] = []
             spent = 0.0
             start = time.monotonic()
-            for keys in chains(n):
+            roots: list[bytes] = []  # two subtrees of half the blocks each (below)
+            for i, keys in enumerate(chains(n)):
+                # the first two chains are roots; every other one hangs off a block of
+                # one of them, so that each of their first keys heads half the blocks
+                parent = roots[i % 2] if i >= 2 else None
                 t0 = time.perf_counter()
-                ns.reserve(keys).commit()
+                ns.reserve(keys, parent=parent).commit()
                 spent += time.perf_counter() - t0
+                if i < 2:
+                    roots.append(keys[0])
                 heads.append(keys[:64])
                 tails.append(keys[-1])
             windows["ingest"] = (start, time.monotonic())
@@ -302,8 +335,19 @@ def daemon_figures(n: int, debug_invariants: bool) -> dict[str, float]:
             out["ping_ms"] = statistics.median(phase("ping", client.ping, 200)) * 1e3
             # the machine's own noise: the longest ping of 3 s with nothing else to do
             phase("idle", lambda: time.sleep(3.0), 1)
-            # the whole namespace: listed (paged where the daemon pages), then dropped
+            # the whole namespace: listed (paged where the daemon pages), then listed in
+            # one reply (limit 0, as older clients ask); half of it evicted by the one key
+            # that heads it, then the rest dropped
             out["snapshot_ms"] = statistics.median(phase("snapshot", client.snapshot, 3)) * 1e3
+            whole = phase("snapshot_whole", lambda: whole_snapshot(client), 3)
+            out["snapshot_whole_ms"] = statistics.median(whole) * 1e3
+            half = [0]
+
+            def evict_half() -> None:
+                half[0] = ns.evict(roots[:1])
+            out["evict_subtree_ms"] = statistics.median(phase("evict_subtree", evict_half,
+                                                              1)) * 1e3
+            out["evict_subtree_blocks"] = half[0]
             out["drop_ms"] = statistics.median(phase("drop", ns.drop, 1)) * 1e3
         samples = probe.samples()
         for name, window in windows.items():

@@ -3,7 +3,8 @@
 ``StoreCore`` holds the tiers' slots, the namespaces, the owners and the counters, and
 the primitive changes of one block's copies that keep the invariants: pin and unpin a
 DRAM copy, hold a block in place, drop a DRAM or SSD copy, forget an entry once nothing
-holds it, drop a subtree leaf first.  The parts (``index``, ``owners``, ``room``,
+holds it, drop a subtree leaf first (at once, or in steps of bounded work:
+``SubtreeDrop``).  The parts (``index``, ``owners``, ``room``,
 ``ssd_copies``) and the facade (``store``) build on it; it imports none of them.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from kvstore.blocks import (
     DRAM,
@@ -35,6 +36,11 @@ from kvstore.tier_changes import TierChanges
 from kvstore.token_ids import let_go
 
 
+# Entries a call of ``sweep_hollow`` goes through when the rest can wait for a later one
+# (about a millisecond's work).
+SWEEP_SLICE = 1024
+
+
 class Dropping:
     """A namespace being dropped in slices (``index.NamespaceDrop``), as the store keeps
     it up to date between slices: the entries that lost their last child since (leaves
@@ -45,6 +51,127 @@ class Dropping:
     def __init__(self) -> None:
         self.leaves: list[Block] = []
         self.spare: set[Block] = set()
+
+
+_NOTHING: frozenset[Block] = frozenset()
+
+
+class SubtreeDrop:
+    """Drop the blocks the ``keys`` name when the walk reaches them, and what hangs
+    below them, leaves first, except what is pinned, moving or held (and so their
+    prefixes): what ``drop_subtree`` does for each key in turn, in steps of bounded work
+    (an evict whose key heads a huge subtree, the sweep below hollow entries).
+
+    ``drop_subtree`` lists a whole subtree before it drops a block of it: O(the
+    subtree) in one go, which a key heading 400k blocks makes tens of milliseconds on
+    the daemon's loop.  This walk keeps no list of the subtree: it stands at one block,
+    goes down to a child it has not refused yet, drops a block once no child is left (a
+    leaf), and climbs back to its parent.  So no block is dropped before its children,
+    and a lookup between steps sees chains shortened from their ends, never a hole.
+
+    The store changes between steps, and the walk takes it as it finds it: a block gone
+    meanwhile (evicted, dropped by someone else) is stepped over, its parent looked at
+    again; a block it refused (pinned, moving, held, or with a child it refused) is
+    never entered again, so each block is visited a bounded number of times; and with
+    ``keep_commits`` (the daemon's evict in slices), blocks committed into the
+    namespace after that are kept, with their prefixes, as a namespace drop keeps them.
+    """
+
+    def __init__(self, store: StoreCore, ns: Namespace, keys: Sequence[bytes]) -> None:
+        self.store = store
+        self.ns = ns
+        self.keys = keys
+        self.count = 0  # entries removed so far (climbs through hollow parents included)
+        self.visits = 0  # entries the last step went through
+        self.removed_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped, to hand on
+        self._next = 0  # the next key to take a root from
+        self._root: Block | None = None  # the subtree under way
+        self._at: Block | None = None  # where the walk stands in it
+        self._kept: set[Block] = set()  # refused: never entered again
+        self._state: Dropping | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._root is None and self._next == len(self.keys)
+
+    def keep_commits(self) -> None:
+        """From now on, blocks committed into the namespace are kept (the store's commit
+        lists them in ``StoreCore.dropping``): for a drop that spans loop turns.  One
+        such drop at a time per namespace (the daemon runs them one after another)."""
+        assert self.ns not in self.store.dropping, f"{self.ns} is being dropped already"
+        self._state = self.store.dropping[self.ns] = Dropping()
+
+    def step(self, budget: int, seconds: float = float("inf")) -> bool:
+        """Go through up to ``budget`` entries, stopping early once ``seconds`` have
+        passed (looked at every 32 entries); True once every key's subtree has been
+        (and the drop is closed)."""
+        blocks, kept, removed = self.ns.blocks, self._kept, self.removed_ssd
+        spare = self._state.spare if self._state is not None else _NOTHING
+        drop_leaf, forget = self.store.drop_leaf, self.store.forget_if_gone
+        before = len(blocks)
+        until = time.perf_counter() + seconds
+        visits = 0
+        root, b = self._root, self._at
+        while visits < budget:
+            if b is None:  # the next key's subtree
+                if self._next == len(self.keys):
+                    root = None
+                    break
+                key = self.keys[self._next]
+                self._next += 1
+                root = b = blocks.get(key)
+                if b is None or b in spare:
+                    root = b = None
+                continue
+            visits += 1
+            if not visits & 31 and time.perf_counter() > until:
+                visits -= 1  # (not gone through: the next step starts here)
+                break
+            if blocks.get(b.key) is not b:  # gone meanwhile: its parent may be a leaf now
+                b = None if b is root else b.parent
+                continue
+            kid = _open_child(b.kids, kept, spare)
+            if kid is not None:
+                b = kid
+                continue
+            if b.kids is None and drop_leaf(b, removed):
+                forget(b)  # (a hollow entry, with no copy to drop, goes here)
+            else:
+                kept.add(b)  # pinned, moving or held, or a child of it is: kept
+            b = None if b is root else b.parent
+        self._root, self._at = (root, b) if b is not None else (None, None)
+        self.visits = visits
+        self.count += before - len(blocks)
+        if self._state is not None:
+            self._state.leaves.clear()  # (the walk climbs to each parent itself)
+        if self.done:
+            self.close()
+            return True
+        return False
+
+    def close(self) -> None:
+        """The drop is over (or given up): commits are no longer kept for it."""
+        if self._state is not None and self.store.dropping.get(self.ns) is self._state:
+            del self.store.dropping[self.ns]
+        self._state = None
+
+    def take_removed(self) -> list[tuple[bytes, bytes]]:
+        """The SSD copies dropped since the last call (the daemon's mover frees them)."""
+        removed, self.removed_ssd = self.removed_ssd, []
+        return removed
+
+
+def _open_child(kids: Block | dict[Block, None] | None, kept: set[Block],
+                spare: set[Block] | frozenset[Block]) -> Block | None:
+    """A child not refused yet and not kept as committed meanwhile, if any."""
+    if kids is None:
+        return None
+    if isinstance(kids, Block):
+        return kids if kids not in kept and kids not in spare else None
+    for kid in kids:
+        if kid not in kept and kid not in spare:
+            return kid
+    return None
 
 
 class StoreCore:
@@ -93,6 +220,11 @@ class StoreCore:
         self.chain = PolicyChain()  # ``pressure`` sets it
         self.early = False
         self.hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
+        # The sweep below them, when it is left to go on in later calls (``sweep_hollow``):
+        # the daemon's way to be called again, the round's entries left, the one under way.
+        self.sweep_later: Callable[[], None] | None = None
+        self._sweeps: list[Block] = []
+        self._sweeping: tuple[Block, SubtreeDrop] | None = None
         self.dropping: dict[Namespace, Dropping] = {}  # namespaces dropped in slices
         self.dirty: dict[SlabClass, dict[Block, None]] = {}  # per DRAM class: DRAM-only, oldest first
         self.dropped_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped by sweeps
@@ -200,7 +332,9 @@ class StoreCore:
     def unpin(self, state: OwnerState, pin: Pin) -> None:
         del state.pins[pin.id]
         for block in reversed(pin.blocks):  # deepest first: parents end up warmer
-            self.unpin_block(block)
+            self.unpin_block(block, sweep=False)
+        if self.hollow:  # once for the whole pin, not once a block (a sweep a block
+            self.sweep_hollow()  # walked what stayed below a hollow entry each time)
 
     def pin_block(self, block: Block) -> None:
         assert block.offset is not None, f"pinning {block} without a DRAM copy"
@@ -212,7 +346,7 @@ class StoreCore:
             if not block.demoting:  # a demoting block is off the order
                 block.ns.dram.policy(block.ns.cls).pin(block)
 
-    def unpin_block(self, block: Block) -> None:
+    def unpin_block(self, block: Block, sweep: bool = True) -> None:
         assert block.refs > 0, f"{block} released more often than pinned"
         block.refs -= 1
         if block.refs == 0:
@@ -225,7 +359,7 @@ class StoreCore:
                 del pinned[block.ns.tenant]
         if block.refs == 0 and not block.demoting:
             block.ns.dram.policy(block.ns.cls).unpin(block)
-            if self.hollow:
+            if sweep and self.hollow:
                 self.sweep_hollow()
 
     def hold(self, block: Block) -> bool:
@@ -347,14 +481,42 @@ class StoreCore:
             self.forget_if_gone(b)
         return True
 
-    def sweep_hollow(self) -> None:
-        """Drop what hangs below hollow entries once it is no longer in use."""
-        for b in list(self.hollow):
-            if b.ns.blocks.get(b.key) is b and not b.present:
-                self.drop_subtree(b.ns, [b], self.dropped_ssd)
+    def sweep_hollow(self) -> bool:
+        """Drop what hangs below hollow entries once it is no longer in use; True once
+        every hollow entry has been looked at.
+
+        Without ``sweep_later`` (the pure store), in one go.  With it (the daemon), each
+        call goes through at most ``SWEEP_SLICE`` entries, asks ``sweep_later`` for
+        another call, and the next call (the daemon's, a loop turn later, or any
+        release's meanwhile) goes on where this one stopped: a big subtree below a
+        hollow entry never holds the loop for long.  Each call leaves the store whole
+        (``SubtreeDrop``: leaves first, what is in use kept)."""
+        budget = SWEEP_SLICE if self.sweep_later is not None else 1 << 62
+        if self._sweeping is None and not self._sweeps:
+            self._sweeps = list(self.hollow)  # a round: the hollow entries as it begins
+        while budget > 0:
+            if self._sweeping is None:
+                if not self._sweeps:
+                    return True
+                b = self._sweeps.pop()
+                if b.ns.blocks.get(b.key) is not b or b.present:
+                    self.hollow.discard(b)
+                    continue
+                self._sweeping = (b, SubtreeDrop(self, b.ns, [b.key]))
+            b, walk = self._sweeping
+            done = walk.step(budget)
+            budget -= walk.visits
+            self.dropped_ssd += walk.take_removed()
+            if done:
+                self._sweeping = None
                 self.forget_if_gone(b)
-            if b.ns.blocks.get(b.key) is not b or b.present:
-                self.hollow.discard(b)
+                if b.ns.blocks.get(b.key) is not b or b.present:
+                    self.hollow.discard(b)
+        if self._sweeping is None and not self._sweeps:
+            return True
+        if self.sweep_later is not None:
+            self.sweep_later()
+        return False
 
     def drop_dram_copy_unchecked(self, block: Block) -> None:
         # the SSD copy, if any, goes right after: keep the entry alive until then

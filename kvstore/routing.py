@@ -4,9 +4,9 @@
 applies the event batches after its sequence number.  It never holds the loop for the
 whole store: it is answered in pages (``SnapshotWalk``: a client asks for the next
 with the cursor of the last), or, for a client that asks for it whole, built a page a
-loop turn and sent at the end.  Such a snapshot is "fuzzy": the store changes between
-its pages.  It is still exact once the events after its sequence number are applied,
-because
+loop turn, each page encoded as it is read (``WholeEntries``), and sent at the end.
+Such a snapshot is "fuzzy": the store changes between its pages.  It is still exact
+once the events after its sequence number are applied, because
 
 - it is stamped with the sequence number of the batch published when it began (the
   changes of that loop turn are published first), and every page publishes what
@@ -39,6 +39,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import msgspec
+
 from kvstore import protocol as p
 from kvstore.auth import Auth
 from kvstore.blocks import DRAM, Block, Namespace
@@ -51,6 +53,7 @@ from kvstore.store import BlockStore
 from kvstore.tier_changes import TIER_BITS, holdings
 from kvstore.tiering import SsdMover
 from kvstore.transfers import TransferGate
+from kvstore.transport import EncodedHeader
 from kvstore.verbs import Answer, Handler, Outcome, tier_runs
 
 _MEASURED_BYTES = 1 << 20  # promotions read before the measured bandwidth counts
@@ -122,6 +125,45 @@ class SnapshotWalk:
             else:
                 return True
         return False
+
+
+class WholeEntries:
+    """A whole snapshot's reply, encoded a page of entries at a time into one buffer
+    (``add``), sent as it is at the end (``header``).  Encoding 400k entries in one go
+    held the loop for about 35 ms, and copying its 17 MB into a fresh reply 10 more; a
+    page's take a fraction of a millisecond, and the reply reads the same."""
+
+    def __init__(self, rid: int, seq: int) -> None:
+        self.rid = rid
+        self.seq = seq
+        # the reply with no entries ends in an empty array and the cursor (0): the array
+        # goes in its place with an array32 header (0xdd and a 4-byte count, set at the
+        # end), valid MessagePack for any count, so its size is known before the count
+        empty = _ENCODER.encode(p.SnapshotReply(rid, seq, [], 0))
+        assert empty.endswith(b"\x90\x00"), "an empty array, then the cursor"
+        self._buf = bytearray(empty[:-2] + b"\xdd\0\0\0\0")
+        self._count_at = len(self._buf) - 4
+        self.count = 0
+
+    def add(self, page: list[Entry]) -> None:
+        """Append a page's entries (encoded as an array, whose own header is cut)."""
+        if not page:
+            return
+        start = len(self._buf)
+        _ENCODER.encode_into(page, self._buf, -1)
+        n = len(page)
+        del self._buf[start:start + (1 if n < 16 else 3 if n < 1 << 16 else 5)]
+        self.count += n
+
+    def reply(self) -> tuple[p.Message, EncodedHeader]:
+        """The reply: its header frame is the buffer (the reply stands beside it)."""
+        at = self._count_at
+        self._buf[at:at + 4] = self.count.to_bytes(4, "big")
+        self._buf += b"\x00"  # the cursor: no more pages
+        return p.SnapshotReply(self.rid, self.seq, []), EncodedHeader(self._buf)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 class RoutingDaemon(Protocol):
@@ -207,7 +249,7 @@ class RoutingVerbs:
                                      f"for this session: wait for them, or ask in pages")
         self.whole[session] = self.whole.get(session, 0) + 1
 
-        async def whole() -> p.Message:
+        async def whole() -> tuple[p.Message, list[Any]]:
             try:
                 return await self._whole(rid, walk)
             finally:
@@ -218,17 +260,23 @@ class RoutingVerbs:
                     self.whole.pop(session, None)
         return Later(whole())
 
-    async def _whole(self, rid: int, walk: SnapshotWalk) -> p.Message:
-        """Built a page a loop turn (its encoding, at the end, is the one cost that grows
-        with the store).  Each page, the first too, reads the store only after what
-        changed before it is published: a change seen but not yet announced could come
-        and go before the next batch, and no event would ever correct the snapshot."""
-        blocks: list[Entry] = []
+    async def _whole(self, rid: int, walk: SnapshotWalk) -> tuple[p.Message, list[Any]]:
+        """Built a page a loop turn, each page encoded as it is read (``WholeEntries``),
+        so no turn encodes more than a page.  Each page, the first too, reads the store
+        only after what changed before it is published: a change seen but not yet
+        announced could come and go before the next batch, and no event would ever
+        correct the snapshot."""
+        entries = WholeEntries(rid, walk.seq)
+        page: list[Entry] = []
         self._published()
-        while not walk.page(SNAPSHOT_PAGE, blocks, PAGE_SECONDS):
+        while True:
+            done = walk.page(SNAPSHOT_PAGE, page, PAGE_SECONDS)
+            entries.add(page)
+            page.clear()
+            if done:
+                return entries.reply()
             await asyncio.sleep(0)
             self._published()
-        return p.SnapshotReply(rid, walk.seq, blocks)
 
     def _probe(self, session: Session, req: p.Probe, payload: list[Any]) -> Outcome:
         d = self.d

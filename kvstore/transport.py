@@ -54,6 +54,17 @@ class PinnedFrames(list[Any]):
         self.pin = pin
 
 
+class EncodedHeader(list[Any]):
+    """No payload frames, and the reply's header encoded already: sent as it is, without
+    a copy, in place of the reply's encoding (the reply stands beside it for its rid).
+    For a big header built a piece at a time across loop turns (``routing``'s whole
+    snapshot): encoding and copying 17 MB at the end held the loop for 20 ms."""
+
+    def __init__(self, header: bytes | bytearray) -> None:
+        super().__init__()
+        self.header = header
+
+
 class Transport:
     """The ROUTER sockets of the daemon's endpoints, their drains and their replies.
 
@@ -234,7 +245,8 @@ class Transport:
         sock, routing_id = self._socks[peer[0]], peer[1:]
         encoded = True
         try:
-            header = p.encoder.encode(reply)
+            header = (payload.header if isinstance(payload, EncodedHeader)
+                      else p.encoder.encode(reply))
         except Exception as exc:  # a reply that cannot be encoded (a bug): an error goes
             log.exception("could not encode a %s reply", type(reply).__name__)
             if isinstance(payload, PinnedFrames):  # (from a task too, not only the drain)
@@ -254,9 +266,10 @@ class Transport:
                     sock.send_multipart([routing_id, header, *payload], copy=False)
             else:
                 # two sends, not send_multipart: half its cost for the one-frame replies
-                # of the control verbs (both copy: the frames are small)
+                # of the control verbs (both copy: the frames are small, but for a big
+                # header encoded already, which goes as it is)
                 sock.send(routing_id, zmq.SNDMORE)
-                sock.send(header)
+                sock.send(header, 0, copy=not isinstance(payload, EncodedHeader))
         except zmq.ZMQError as exc:
             log.warning("dropping a reply to a gone peer: %s", exc)
             if isinstance(payload, PinnedFrames):
