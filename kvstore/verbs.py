@@ -605,13 +605,13 @@ class Removals:
     def drop(self, rid: int, ns: Namespace) -> Answer:
         if len(ns.blocks) > DROP_AT_ONCE or ns in self.under_way:
             return Later(self._in_slices(rid, ns, lambda: NamespaceDrop(self.d.store, ns)))
-        return self.after_sends(rid, lambda: self.d.store.drop_namespace(ns))
+        return self.after_sends(rid, ns, lambda: self.d.store.drop_namespace(ns))
 
     def evict(self, rid: int, ns: Namespace, keys: list[bytes]) -> Answer:
         """Drop what the keys head: a slice at once (unless replies are still being
         sent), the rest, if any, in slices."""
         drop = SubtreeDrop(self.d.store, ns, keys)
-        if not self.d.transport.sending():
+        if not self._sending_in(ns):
             done = drop.step(DROP_SLICE, DROP_SLICE_SECONDS)
             self._hand_on(drop)
             if done:
@@ -622,12 +622,25 @@ class Removals:
             return drop
         return Later(self._in_slices(rid, ns, go_on))
 
-    def after_sends(self, rid: int,
+    def _sending_in(self, ns: Namespace) -> list[Any]:
+        """The get replies ZeroMQ is still sending of ``ns``'s blocks (a get's blocks
+        are of one namespace): another namespace's, however many a peer that never
+        reads leaves, are no reason to wait."""
+        if not self.d.transport.sending():  # (reaps those sent)
+            return []
+        held = self.d.store.owners.get(GET_OWNER)
+        if held is None:
+            return []
+        pins = {pin_id for pin_id, pin in held.pins.items()
+                if pin.blocks and pin.blocks[0].ns is ns}
+        return self.d.transport.trackers_of(pins) if pins else []
+
+    def after_sends(self, rid: int, ns: Namespace,
                     remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Answer:
-        """Remove blocks once the replies ZeroMQ is still sending have gone: a reply
-        pins its blocks until sent, so a get the client already holds would otherwise
-        keep them from an evict or a drop that follows it."""
-        sending = self.d.transport.sending()
+        """Remove blocks of ``ns`` once the replies ZeroMQ is still sending of them
+        have gone: a reply pins its blocks until sent, so a get the client already holds
+        would otherwise keep them from an evict or a drop that follows it."""
+        sending = self._sending_in(ns)
         if not sending:
             return self._removed(rid, remove)
 
@@ -650,7 +663,7 @@ class Removals:
     async def _in_slices(self, rid: int, ns: Namespace,
                          begin: Callable[[], Slices]) -> p.Message:
         d = self.d
-        sending = d.transport.sending()  # (as ``after_sends``)
+        sending = self._sending_in(ns)  # (as ``after_sends``)
         if sending:
             await d.transport.sent(sending)
         while (ahead := self.under_way.get(ns)) is not None:
