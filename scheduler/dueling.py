@@ -38,10 +38,11 @@ could cost more than it won.  So the duel also checks reality: on the sampled
 references since the order in charge took over, it counts those the real cache hit
 and the first candidate's (LRU's) miniature missed, and the other way round; where the
 real cache is behind by more than ``check`` standard deviations of chance (a sign test
-on those discordant references), LRU takes over again and holds the order until a
-candidate wins ``hold`` elections in a row (``policy_sweep.py --seeds 2`` with the chat
-trace, 236 cells: 70 -> 68 cells more than 2% behind the best, worst 0.980 -> 0.989 of
-LRU, 11 cells gain up to 1.1%, none lose more than 0.03%).
+on those discordant references), LRU takes over again (``policy_sweep.py --seeds 2``
+with the chat trace, 236 cells: 70 -> 68 cells more than 2% behind the best, worst
+0.980 -> 0.989 of LRU, 11 cells gain up to 1.1%, none lose more than 0.03%; holding
+LRU after such a hand-over until a candidate won two elections in a row changed no
+cell).
 
 Every reference a prefix cache sees reaches its policy: a hit as ``access``, a miss as
 ``insert`` of the new block.  The store reports one hit twice (lookup, then acquire);
@@ -56,14 +57,13 @@ registers the duel among its policies).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from functools import partial
 from itertools import chain, compress, count, repeat
 from operator import and_, attrgetter, contains, mod, mul, not_, setitem
 from typing import Any, Generic, Protocol, TypeVar, cast
-
-import math
 
 import numpy as np
 
@@ -315,6 +315,25 @@ def _miniature(order: Order[Any], index: int) -> _Miniature:
     return cls(order, index)
 
 
+class _Reality:
+    """The reality check's counts: the miniatures are judged against each other, never
+    against what the real cache got, hand-overs and all.  On the sampled references
+    since the order in charge took over, those the real cache hit and the first
+    candidate's miniature missed (``ahead``) and the other way round (``behind``); past
+    ``z`` standard deviations behind (a sign test on those discordant references, half
+    each way by chance), the first candidate takes over again (``checks`` counts it)."""
+
+    __slots__ = ("z", "ahead", "behind", "checks")
+
+    def __init__(self, z: float | None) -> None:
+        self.z = z
+        self.ahead = self.behind = self.checks = 0
+
+    def lags(self) -> bool:
+        ahead, behind = self.ahead, self.behind
+        return self.z is not None and behind - ahead > self.z * math.sqrt(ahead + behind)
+
+
 class Duel(Generic[T]):
     """Victims from the candidate in charge; the others judged by their miniatures.
 
@@ -342,7 +361,6 @@ class Duel(Generic[T]):
         margin: float = 0.01,
         keep: float = 0.9,
         check: float | None = 2.0,
-        hold: int = 2,
     ) -> None:
         if not factories:
             raise ValueError("a duel needs at least one candidate")
@@ -378,21 +396,7 @@ class Duel(Generic[T]):
         self.margin = margin
         self.keep = keep
         self._leader = 0
-        # The reality check: the miniatures are judged against each other, never against
-        # what the real cache got, hand-overs and all.  On the sampled references since
-        # the order in charge took over, those the real cache hit and the first
-        # candidate's miniature missed (``_ahead``) and the other way round
-        # (``_behind``); past ``check`` standard deviations behind (a sign test on those
-        # discordant references), the first candidate takes over again and holds the
-        # order until another wins ``hold`` elections in a row.
-        self.check = check
-        self.hold = hold
-        self._ahead = 0
-        self._behind = 0
-        self._held = False
-        self._challenger = -1  # the one that won the last election while held
-        self._wins = 0  # how many in a row
-        self.checks = 0  # hand-overs the reality check made
+        self.reality = _Reality(check)
         # every tracked item, pinned ones too -> its state: out of the sample, whether
         # it was hit since it entered (False, True); in it, the hash of its name
         # (``ghost_key``) shifted left by one, or'd with 1 once hit.  One map, one lookup
@@ -449,16 +453,16 @@ class Duel(Generic[T]):
             node = shard[key] = self._node(key, tick)
             nodes.grown(1)
             if hit:
-                self._ahead += 1  # the first miniature holds no key without a node
+                self.reality.ahead += 1  # the first miniature holds no key without a node
         elif node.last == tick:
             return  # the same hit reported again (lookup, then acquire)
         else:
             node.last = tick
             if hit != (node.m0_kids is not None):  # type: ignore[attr-defined]
                 if hit:
-                    self._ahead += 1
+                    self.reality.ahead += 1
                 else:
-                    self._behind += 1
+                    self.reality.behind += 1
         if self._lingering:
             self._forget()
         # The miniatures hold a 2**-shift sample of a cache of _size items.
@@ -523,26 +527,11 @@ class Duel(Generic[T]):
         # A leader over its bound hands over to the best of the others, however they did.
         if outgrown or (self._evicted and lead > self.margin * self._minis[self._leader].score
                         and lead > 0.005 * self.longest):
-            if self._held and not outgrown and best != self._challenger:
-                self._challenger, self._wins = best, 1
-            elif self._held and not outgrown and self._wins + 1 < self.hold:
-                self._wins += 1
-            else:
-                self._take_over(best)
-        elif self._held:
-            self._challenger, self._wins = -1, 0
-        if self._leader != 0 and self._lags(self._ahead, self._behind):
+            self._take_over(best)
+        if self._leader != 0 and self._evicted and self.reality.lags():
             self._take_over(0)
-            self._held = True
-            self.checks += 1
+            self.reality.checks += 1
         self.epoch = min(self.longest, max(self.shortest, self._size >> self.sample_shift))
-
-    def _lags(self, ahead: int, behind: int) -> bool:
-        """Whether the real cache, missing ``behind`` sampled references the first
-        candidate's miniature hit and hitting ``ahead`` it missed, lags that miniature
-        by more than ``check`` standard deviations of chance (half each way)."""
-        return (self.check is not None and self._evicted
-                and behind - ahead > self.check * math.sqrt(ahead + behind))
 
     def _take_over(self, best: int) -> None:
         """The candidate ``best`` orders the items from now on: they pass to it in the
@@ -580,9 +569,7 @@ class Duel(Generic[T]):
         self._order = order
         self._leader = best
         self.switches += 1
-        self._ahead = self._behind = 0
-        self._held = False
-        self._challenger, self._wins = -1, 0
+        self.reality.ahead = self.reality.behind = 0
 
     def insert(self, item: T) -> None:
         if item in self._items:
