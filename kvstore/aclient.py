@@ -375,6 +375,15 @@ class AsyncNamespace(NamespaceCore[AsyncClient]):
     async def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         return await self.client._run(self._lookup(keys))
 
+    async def lookup_pin(self, keys: Sequence[bytes]) -> tuple[LookupResult, AsyncHeld | None]:
+        """See ``Namespace.lookup_pin``."""
+        found = await self.client._run(self._lookup_pin(keys))
+        if not found.pin:
+            return found.found, None
+        held = AsyncHeld(self, list(keys))
+        held._on_pinned(found)
+        return found.found, held
+
     def reserve(self, keys: Sequence[bytes], parent: bytes | None = None) -> AsyncReservation:
         """``async with ns.reserve(keys) as r`` (or ``r = await ns.reserve(keys)``)."""
         return AsyncReservation(self, list(keys), self._parent(keys, parent))

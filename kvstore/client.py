@@ -309,6 +309,27 @@ class Namespace(NamespaceCore[Client]):
         """``lookup`` in two halves (see ``_send_acquire``)."""
         return self.client._begin(self._lookup(keys))
 
+    def lookup_pin(self, keys: Sequence[bytes]) -> tuple[LookupResult, Held | None]:
+        """``lookup``, and the leading hits in DRAM pinned in the same round trip (None:
+        nothing pinned); ``release()`` the pin as an acquire's.  A daemon that predates
+        it refuses it as malformed (MalformedError): lookup and acquire instead."""
+        return self._send_lookup_pin(keys)()
+
+    def _send_lookup_pin(self, keys: Sequence[bytes]
+                         ) -> Callable[[], tuple[LookupResult, Held | None]]:
+        """``lookup_pin`` in two halves (see ``_send_acquire``)."""
+        wait = self.client._begin(self._lookup_pin(keys))
+        listed = list(keys)
+
+        def reply() -> tuple[LookupResult, Held | None]:
+            found = wait()
+            if not found.pin:
+                return found.found, None
+            held = Held(self, listed)
+            held._on_pinned(found)
+            return found.found, held
+        return reply
+
     def reserve(self, keys: Sequence[bytes], parent: bytes | None = None) -> Reservation:
         """Slots for every key (all or CapacityError); commit() publishes them."""
         r = Reservation(self, list(keys), self._parent(keys, parent))

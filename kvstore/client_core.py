@@ -121,6 +121,16 @@ class LookupResult:
     tiers: list[str]
 
 
+@dataclass(frozen=True)
+class PinnedLookup:
+    """``lookup_pin``'s answer: the lookup's, and the pin of the leading ``len(offsets)``
+    hits, in DRAM at those arena offsets (``pin`` 0: none)."""
+
+    found: LookupResult
+    pin: int = 0
+    offsets: tuple[int, ...] = ()
+    checksums: tuple[int, ...] = ()
+
 
 # ----------------------------------------------------------------------------------------
 # the session
@@ -192,7 +202,8 @@ class SessionCore:
         holds: a pin's release, a reservation's abort (else, none: it is dropped)."""
         self._abandoned.pop(reply.rid, None)
         undo: list[p.Message]
-        if isinstance(reply, p.AcquireReply):
+        if isinstance(reply, p.AcquireReply) or (isinstance(reply, p.LookupPinReply)
+                                                  and reply.pin):
             undo = [p.Release(self._next_rid(), reply.pin)]
         elif isinstance(reply, p.ReserveReply):
             undo = [p.Abort(self._next_rid(), reply.reservation)]
@@ -501,6 +512,20 @@ class NamespaceCore(Generic[S]):
                 break
         return LookupResult(total, tiers)
 
+    def _lookup_pin(self, keys: Sequence[bytes]) -> Exchange[PinnedLookup]:
+        """``_lookup`` that pins the leading hits in DRAM in the same round trip; keys
+        over one request's limit are looked up as ``_lookup`` does, nothing pinned."""
+        c = self.client
+        if len(keys) > max(1, c.max_keys):
+            return PinnedLookup((yield from self._lookup(keys)))
+        received = yield p.LookupPin(c._next_rid(), self.id, _listed(keys)), _NO_PAYLOAD
+        r = check_reply(received[0], p.LookupPinReply)
+        tiers: list[str] = []
+        for tier, count in r.tier_runs:
+            tiers.extend([tier] * count)
+        return PinnedLookup(LookupResult(r.blocks, tiers), r.pin, tuple(r.offsets),
+                            tuple(r.checksums))
+
     def _put(self, keys: Sequence[bytes], blocks: Sequence[Any],
              parent: bytes | None) -> Exchange[int]:
         _check_blocks(blocks, len(keys), self.block_bytes)
@@ -743,6 +768,17 @@ class HeldCore(Generic[N]):
         self.gpu_offsets = reply.gpu_offsets
         self.buffers = self.ns.client._slots(reply.offsets, self.ns.block_bytes,
                                              readonly=True, arena=self.ns.arena)
+        self.acquired = True
+
+    def _on_pinned(self, found: PinnedLookup) -> None:
+        """Hold a ``lookup_pin``'s pin (buffers where the client maps the arena)."""
+        self.keys = self.keys[:len(found.offsets)]
+        self.pin, self.offsets = found.pin, list(found.offsets)
+        self.checksums = list(found.checksums)
+        client = self.ns.client
+        if client._map_arenas:
+            self.buffers = client._slots(self.offsets, self.ns.block_bytes, readonly=True,
+                                         arena=self.ns.arena)
         self.acquired = True
 
     def verify(self) -> None:

@@ -80,6 +80,15 @@ class Release(Message, tag="release"):
     pin: int
 
 
+class LookupPin(Message, tag="lookup_pin"):
+    """A lookup that also pins the leading hits in DRAM, for a client that will read
+    them (one round trip, not a lookup then an acquire).  A daemon that predates it
+    refuses it as malformed: ask again with ``Lookup`` then ``Acquire``."""
+
+    ns: bytes
+    keys: list[Key]
+
+
 class Put(Message, tag="put"):
     ns: bytes
     keys: list[Key]
@@ -174,7 +183,7 @@ class Probe(Message, tag="probe"):
 Request = Union[
     Hello, OpenNamespace, Lookup, Reserve, Commit, Abort, Acquire, Release, Put, Get,
     Evict, DropNamespace, Stats, Ping, Warm, Prefetch, ReserveBatch, Report, GpuAttach,
-    Snapshot, Probe,
+    Snapshot, Probe, LookupPin,
 ]
 
 
@@ -227,6 +236,19 @@ class AcquireReply(Message, tag="acquire"):
     offsets: list[int]
     checksums: list[int] = []  # as written (0: not known)
     gpu_offsets: list[int] = []  # each block's slot in the GPU tier's pool (-1: none)
+
+
+class LookupPinReply(Message, tag="lookup_pin"):
+    """``LookupReply``'s answer, and the pin of the leading ``len(offsets)`` hits, which
+    are in DRAM at those arena offsets (``pin`` 0 and no offsets: nothing pinned, as
+    when the session holds all the pins it may, or the first hit is below DRAM).
+    Released with ``Release`` as an acquire's pin."""
+
+    blocks: int
+    tier_runs: list[tuple[str, int]]
+    pin: int = 0
+    offsets: list[int] = []
+    checksums: list[int] = []
 
 
 class GpuReply(Message, tag="gpu"):
@@ -294,7 +316,7 @@ class ProbeReply(Message, tag="probe"):
 Reply = Union[
     HelloReply, NamespaceReply, LookupReply, ReserveReply, CommitReply, AcquireReply,
     PutReply, GetReply, CountReply, OkReply, StatsReply, PrefetchReply, BatchReply,
-    GpuReply, ErrorReply, SnapshotReply, ProbeReply,
+    GpuReply, ErrorReply, SnapshotReply, ProbeReply, LookupPinReply,
 ]
 
 request_decoder = msgspec.msgpack.Decoder(Request)

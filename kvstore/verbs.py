@@ -9,6 +9,7 @@ Handlers run on the event loop and never wait.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Protocol
@@ -134,6 +135,7 @@ class Verbs:
             p.ReserveBatch: self._reserve_batch,
             p.Report: self._report,
             p.GpuAttach: self._gpu_attach,
+            p.LookupPin: functools.partial(lookup_pin, self),
         }
         self.names = {t: str(t.__struct_config__.tag) for t in self.table}
         # get replies zmq still sends: pin id -> (session, its bytes counted in flight)
@@ -765,6 +767,55 @@ def tier_runs(tiers: list[str]) -> list[tuple[str, int]]:
         else:
             runs.append((tier, 1))
     return runs
+
+
+def lookup_pin(v: Verbs, session: Session, req: p.LookupPin, payload: list[Any]) -> Answer:
+    """A lookup that pins its leading hits in DRAM for the session: a client that reads
+    what it finds saves the acquire's round trip.  Every check runs before the pin; a
+    session or tenant at its pin limit gets the lookup, nothing pinned (the client
+    acquires later, as after a plain lookup)."""
+    d = v.d
+    ns = v._namespace(session, req.ns)
+    v._check_keys(req.keys)
+    tiers = d.store.lookup(ns, req.keys)
+    ready = _leading_in_dram(ns, req.keys[:len(tiers)])
+    pin: Pin | None = None
+    if ready:
+        try:
+            d.sessions.check_cap(session, "pins")
+            got = d.store.acquire(session.id, ns, req.keys[:ready], d.clock(), promote=False)
+            pin = got if isinstance(got, Pin) else None
+        except LimitExceededError:
+            pin = None
+    if d.remote is not None and len(tiers) < len(req.keys) and d.remote.healthy:
+        return Later(_remote_lookup_pin(v, req.rid, session, ns, req.keys, tiers, pin))
+    if d.metrics is not None:
+        bt = ns.identity.block_tokens
+        d.metrics.observe_lookup_tokens(d.store.tier, session.tenant, len(tiers) * bt,
+                                        (len(req.keys) - len(tiers)) * bt)
+    return _lookup_pin_reply(req.rid, len(tiers), tier_runs(tiers), pin), []
+
+
+async def _remote_lookup_pin(v: Verbs, rid: int, session: Session, ns: Namespace,
+                             keys: list[bytes], tiers: list[str],
+                             pin: Pin | None) -> p.Message:
+    """The remote lookup's reply (``Verbs._remote_lookup``) with the pin taken; the pin
+    goes back if no reply does."""
+    try:
+        found = await v._remote_lookup(rid, ns, keys, tiers)
+    except BaseException:
+        if pin is not None and session.id in v.d.store.owners:
+            v.d.store.release(session.id, pin.id)
+        raise
+    assert isinstance(found, p.LookupReply), type(found)
+    return _lookup_pin_reply(rid, found.blocks, found.tier_runs, pin)
+
+
+def _lookup_pin_reply(rid: int, blocks: int, runs: list[tuple[str, int]],
+                      pin: Pin | None) -> p.LookupPinReply:
+    if pin is None:
+        return p.LookupPinReply(rid, blocks, runs)
+    return p.LookupPinReply(rid, blocks, runs, pin.id, pin.offsets, pin.checksums)
 
 
 def _leading_present(ns: Namespace, keys: list[bytes]) -> Iterator[Block]:
