@@ -55,7 +55,8 @@ from kvstore.tiers.arena_fds import side_path
 from kvstore.tiers.dram import Arenas, DramArena, sweep_stale_arenas
 from kvstore.transfers import TransferGate, serving
 from kvstore.transport import Transport
-from kvstore.verbs import GET_OWNER, Verbs
+from kvstore.removals import GET_OWNER
+from kvstore.verbs import Verbs
 
 log = logging.getLogger("kvstore.server")
 

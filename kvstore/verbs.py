@@ -17,7 +17,6 @@ from typing import Any, Protocol
 from kvstore import protocol as p
 from kvstore.auth import Auth
 from kvstore.config import Config
-from kvstore.core import SubtreeDrop
 from kvstore.errors import (
     CapacityError,
     ForbiddenError,
@@ -31,10 +30,10 @@ from kvstore.errors import (
 )
 from kvstore.events import EventPublisher
 from kvstore.gpu_mover import GpuMover
-from kvstore.index import NamespaceDrop
 from kvstore.metrics import Metrics
 from kvstore.moves import Moves
 from kvstore.pending import Later, Pending
+from kvstore.removals import GET_OWNER, Removals
 from kvstore.remote import RemoteTier
 from kvstore.sessions import Session, Sessions
 from kvstore.store import Block, BlockStore, Limits, Namespace, Pin, Plan, Reservation
@@ -44,7 +43,6 @@ from kvstore.transport import PinnedFrames, Transport
 
 log = logging.getLogger("kvstore.server")
 
-GET_OWNER = ("daemon", "get")  # pins held while zero-copy get frames are in flight
 # how long a get over the bytes-in-flight limit waits, in a task, for its session's replies
 # still being sent (a reply its peer has read counts as sent a little later; 5 ms refused
 # one get in about a thousand on a loaded machine)
@@ -132,7 +130,7 @@ class Verbs:
             p.Ping: self._ping,
             p.Warm: self._warm,
             p.Prefetch: self._prefetch,
-            p.ReserveBatch: self._reserve_batch,
+            p.ReserveBatch: functools.partial(reserve_batch, self),
             p.Report: self._report,
             p.GpuAttach: self._gpu_attach,
             p.LookupPin: functools.partial(lookup_pin, self),
@@ -322,7 +320,7 @@ class Verbs:
         if isinstance(r, Plan):
             return r
         if len(payload) * ns.block_bytes > PUT_SLICE_BYTES:
-            return Later(self._put_in_slices(session, req, ns, r, payload))
+            return Later(_put_in_slices(self, session, req, ns, r, payload))
         try:
             view, size = d.arena_for(ns.tenant).view, ns.block_bytes
             for offset, frame in zip(r.offsets, payload):
@@ -331,40 +329,6 @@ class Verbs:
             d.store.abort(session.id, r.id)
             raise
         return self._put_done(session, req, r, now)
-
-    async def _put_in_slices(self, session: Session, req: p.Put, ns: Namespace,
-                             r: Reservation, payload: list[Any]) -> p.Message:
-        """A put of more than ``PUT_SLICE_BYTES`` copies into the arena a slice a loop
-        turn (a 256 MiB put held every client's requests 80-150 ms), then commits as
-        ``_put`` does.  Between slices its reservation may go (the session closed or its
-        lease ran out, and the slots went back): then nothing more is written there."""
-        d = self.d
-        view, size = d.arena_for(ns.tenant).view, ns.block_bytes
-        budget = PUT_SLICE_BYTES
-        try:
-            for offset, frame in zip(r.offsets, payload):
-                buf = frame.buffer
-                for start in range(0, size, PUT_SLICE_BYTES):
-                    end = min(size, start + PUT_SLICE_BYTES)
-                    view[offset + start:offset + end] = buf[start:end]
-                    budget -= end - start
-                    if budget <= 0:
-                        await asyncio.sleep(0)  # a loop turn for everyone else
-                        budget = PUT_SLICE_BYTES
-                        if not self._holds(session, r):
-                            raise LeaseExpiredError(
-                                "the put's reservation was rolled back while its bytes "
-                                "were copied (its session closed or its lease ran out)")
-        except BaseException:
-            if self._holds(session, r):
-                d.store.abort(session.id, r.id)
-            raise
-        reply, _ = self._put_done(session, req, r, d.clock())
-        return reply
-
-    def _holds(self, session: Session, r: Reservation) -> bool:
-        state = self.d.store.owners.get(session.id)
-        return state is not None and state.reservations.get(r.id) is r
 
     def _put_done(self, session: Session, req: p.Put, r: Reservation,
                   now: float) -> tuple[p.Message, list[Any]]:
@@ -486,51 +450,6 @@ class Verbs:
         cached = sum(1 for _ in _leading_present(ns, req.keys))
         return p.PrefetchReply(req.rid, _leading_in_dram(ns, req.keys), cached)
 
-    def _reserve_batch(self, session: Session, req: p.ReserveBatch,
-                       payload: list[Any]) -> Answer:
-        """Reserve the blocks of a whole token plan, all or none."""
-        from kvstore.scheduler.admission import TokenRequest, admit_batch
-
-        d = self.d
-        ns = self._writable(session, req.ns)
-        if len(req.plan) > d.max_keys:  # before any work that grows with it
-            raise TooLargeError(f"{len(req.plan)} plan items in one request; the limit is "
-                                f"{d.max_keys}")
-        bt = ns.identity.block_tokens
-        requests = [TokenRequest(item.reserved_tokens, item.new_tokens) for item in req.plan]
-        available = d.store.available_slots(ns)
-        decision = admit_batch(requests, bt, available)
-        for i, (item, need) in enumerate(zip(req.plan, decision.blocks)):
-            if len(item.keys) != need:
-                raise MalformedError(f"plan item {i} adds {need} blocks but names "
-                                     f"{len(item.keys)} keys")
-        self._check_keys([k for item in req.plan for k in item.keys])
-        # one reservation per item with keys: all under the tenant's cap, or none
-        d.sessions.check_cap(session, "reservations", sum(1 for item in req.plan if item.keys))
-        if not decision.admitted:
-            d.store.counters.capacity_rejects += 1
-            return p.BatchReply(req.rid, False, list(decision.blocks), list(decision.fitting),
-                                [], [], d.limits.lease_seconds, self._tokens_wanted()), []
-        done: list[Reservation] = []
-        try:
-            for item in req.plan:
-                if item.keys:
-                    r = d.store.reserve(session.id, ns, item.keys, item.parent, d.clock())
-                    if isinstance(r, Plan):  # room first: all or none, so none yet
-                        for held in done:
-                            d.store.abort(session.id, held.id)
-                        if done:
-                            d.moves.freed()
-                        return r
-                    done.append(r)
-        except BaseException:
-            for r in done:
-                d.store.abort(session.id, r.id)
-            raise
-        return p.BatchReply(req.rid, True, list(decision.blocks), [],
-                            [r.id for r in done], [r.offsets for r in done],
-                            d.limits.lease_seconds, self._tokens_wanted()), []
-
     def _report(self, session: Session, req: p.Report, payload: list[Any]) -> Outcome:
         if not 0 <= req.recomputed_tokens <= p.MAX_REPORTED_TOKENS:
             raise MalformedError(f"recomputed_tokens must be 0 to {p.MAX_REPORTED_TOKENS}")
@@ -554,168 +473,7 @@ class Verbs:
         return p.OkReply(req.rid), []
 
 
-# A namespace of more blocks than this is dropped in slices of at most ``DROP_SLICE``
-# entries or ``DROP_SLICE_SECONDS``, whichever comes first, a loop turn each; an evict
-# whose first such slice does not reach the end goes on in slices too.
-DROP_AT_ONCE = 256
-DROP_SLICE = 4096
-DROP_SLICE_SECONDS = 0.002
 MAX_COUNTER = (1 << 63) - 1  # where a summed counter stops (msgpack's int64)
-
-
-class Slices(Protocol):
-    """A removal done a slice a loop turn (``NamespaceDrop``, ``SubtreeDrop``)."""
-
-    @property
-    def count(self) -> int: ...
-
-    def step(self, budget: int, seconds: float = ...) -> bool: ...
-
-    def take_removed(self) -> list[tuple[bytes, bytes]]: ...
-
-    def close(self) -> None: ...
-
-
-class Removals:
-    """What evict and drop share: waiting for the get replies still being sent; the
-    drops of namespaces of more than ``DROP_AT_ONCE`` blocks, and the evicts of
-    subtrees too big for one slice, in slices; and the sweep below hollow entries
-    (``StoreCore.sweep_hollow``), a slice a loop turn.
-
-    Each slice drops at most ``DROP_SLICE`` entries or runs ``DROP_SLICE_SECONDS``, then
-    the loop turns for everyone else; the reply goes when the last slice is done.
-    ``NamespaceDrop`` says what a drop takes while the store changes around it: what the
-    namespace held when it began, leaves first, but what is pinned, moving or held and
-    their prefixes, and what is committed meanwhile (the store's commit keeps it).  An
-    evict in slices (``SubtreeDrop``) takes what its keys head, on the same terms.
-    Lookups meanwhile see chains shortened from their ends.  Removals in slices of one
-    namespace run one after another: a second one waits for the first, then drops what
-    is left (what was committed meanwhile), and counts only what it removed itself.  An
-    evict's first slice runs at once (a small subtree is answered there and then).  The
-    session may close meanwhile: the removal goes on to its end (the reply finds no
-    one).  A daemon shutting down waits for it as for any request under way; cut short,
-    it leaves what it has not reached, each slice having left the store whole.
-    """
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
-        # namespaces being removed from in slices: an event set once that is over
-        self.under_way: dict[Namespace, asyncio.Event] = {}
-        self._sweep: asyncio.Task[None] | None = None
-        daemon.store.sweep_later = self._sweep_later
-
-    def drop(self, rid: int, ns: Namespace) -> Answer:
-        if len(ns.blocks) > DROP_AT_ONCE or ns in self.under_way:
-            return Later(self._in_slices(rid, ns, lambda: NamespaceDrop(self.d.store, ns)))
-        return self.after_sends(rid, ns, lambda: self.d.store.drop_namespace(ns))
-
-    def evict(self, rid: int, ns: Namespace, keys: list[bytes]) -> Answer:
-        """Drop what the keys head: a slice at once (unless replies are still being
-        sent), the rest, if any, in slices."""
-        drop = SubtreeDrop(self.d.store, ns, keys)
-        if not self._sending_in(ns):
-            done = drop.step(DROP_SLICE, DROP_SLICE_SECONDS)
-            self._hand_on(drop)
-            if done:
-                return p.CountReply(rid, drop.count), []
-
-        def go_on() -> SubtreeDrop:
-            drop.keep_commits()
-            return drop
-        return Later(self._in_slices(rid, ns, go_on))
-
-    def _sending_in(self, ns: Namespace) -> list[Any]:
-        """The get replies ZeroMQ is still sending of ``ns``'s blocks (a get's blocks
-        are of one namespace): another namespace's, however many a peer that never
-        reads leaves, are no reason to wait."""
-        if not self.d.transport.sending():  # (reaps those sent)
-            return []
-        held = self.d.store.owners.get(GET_OWNER)
-        if held is None:
-            return []
-        pins = {pin_id for pin_id, pin in held.pins.items()
-                if pin.blocks and pin.blocks[0].ns is ns}
-        return self.d.transport.trackers_of(pins) if pins else []
-
-    def after_sends(self, rid: int, ns: Namespace,
-                    remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Answer:
-        """Remove blocks of ``ns`` once the replies ZeroMQ is still sending of them
-        have gone: a reply pins its blocks until sent, so a get the client already holds
-        would otherwise keep them from an evict or a drop that follows it."""
-        sending = self._sending_in(ns)
-        if not sending:
-            return self._removed(rid, remove)
-
-        async def later() -> p.Message:
-            await self.d.transport.sent(sending)
-            return self._removed(rid, remove)[0]
-        return Later(later())
-
-    def _removed(self, rid: int,
-                 remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Outcome:
-        count, removed = remove()
-        self.d.moves.removed(removed)
-        return p.CountReply(rid, count), []
-
-    def _hand_on(self, drop: Slices) -> None:
-        removed = drop.take_removed()
-        if removed:
-            self.d.moves.removed(removed)
-
-    async def _in_slices(self, rid: int, ns: Namespace,
-                         begin: Callable[[], Slices]) -> p.Message:
-        d = self.d
-        sending = self._sending_in(ns)  # (as ``after_sends``)
-        if sending:
-            await d.transport.sent(sending)
-        while (ahead := self.under_way.get(ns)) is not None:
-            await ahead.wait()
-        finished = asyncio.Event()
-        self.under_way[ns] = finished
-        drop: Slices | None = None
-        try:
-            drop = begin()
-            while True:
-                done = drop.step(DROP_SLICE, DROP_SLICE_SECONDS)
-                self._hand_on(drop)
-                if done:
-                    return p.CountReply(rid, drop.count)
-                await asyncio.sleep(0)  # a loop turn for everyone else
-        finally:
-            if drop is not None:
-                drop.close()
-            del self.under_way[ns]
-            finished.set()
-
-    def _sweep_later(self) -> None:
-        """The store's sweep below hollow entries stopped short: go on a loop turn later
-        (one task at a time), until a call finishes the round."""
-        if self._sweep is not None:
-            return
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # no loop (the daemon is gone): nothing to hold, finish now
-            store = self.d.store
-            store.sweep_later = None
-            try:
-                store.sweep_hollow()
-            finally:
-                store.sweep_later = self._sweep_later
-            return
-        self._sweep = self.d.spawn(self._sweeping())
-
-    async def _sweeping(self) -> None:
-        store = self.d.store
-        try:
-            done = False
-            while not done:
-                await asyncio.sleep(0)  # a loop turn for everyone else
-                done = store.sweep_hollow()
-                if store.dropped_ssd:
-                    self.d.moves.removed(store.dropped_ssd)
-                    store.dropped_ssd = []
-        finally:
-            self._sweep = None
 
 
 # what a tenant's stats leave out with credentials set, unless it is an operator
@@ -767,6 +525,88 @@ def tier_runs(tiers: list[str]) -> list[tuple[str, int]]:
         else:
             runs.append((tier, 1))
     return runs
+
+
+async def _put_in_slices(v: Verbs, session: Session, req: p.Put, ns: Namespace,
+                         r: Reservation, payload: list[Any]) -> p.Message:
+    """A put of more than ``PUT_SLICE_BYTES`` copies into the arena a slice a loop
+    turn (a 256 MiB put held every client's requests 80-150 ms), then commits as
+    ``_put`` does.  Between slices its reservation may go (the session closed or its
+    lease ran out, and the slots went back): then nothing more is written there."""
+    d = v.d
+    view, size = d.arena_for(ns.tenant).view, ns.block_bytes
+    budget = PUT_SLICE_BYTES
+    try:
+        for offset, frame in zip(r.offsets, payload):
+            buf = frame.buffer
+            for start in range(0, size, PUT_SLICE_BYTES):
+                end = min(size, start + PUT_SLICE_BYTES)
+                view[offset + start:offset + end] = buf[start:end]
+                budget -= end - start
+                if budget <= 0:
+                    await asyncio.sleep(0)  # a loop turn for everyone else
+                    budget = PUT_SLICE_BYTES
+                    if not _holds(d, session, r):
+                        raise LeaseExpiredError(
+                            "the put's reservation was rolled back while its bytes "
+                            "were copied (its session closed or its lease ran out)")
+    except BaseException:
+        if _holds(d, session, r):
+            d.store.abort(session.id, r.id)
+        raise
+    reply, _ = v._put_done(session, req, r, d.clock())
+    return reply
+
+def _holds(d: Daemon, session: Session, r: Reservation) -> bool:
+    """Whether the session still holds reservation ``r``."""
+    state = d.store.owners.get(session.id)
+    return state is not None and state.reservations.get(r.id) is r
+
+
+def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
+                  payload: list[Any]) -> Answer:
+    """Reserve the blocks of a whole token plan, all or none."""
+    from kvstore.scheduler.admission import TokenRequest, admit_batch
+
+    d = v.d
+    ns = v._writable(session, req.ns)
+    if len(req.plan) > d.max_keys:  # before any work that grows with it
+        raise TooLargeError(f"{len(req.plan)} plan items in one request; the limit is "
+                            f"{d.max_keys}")
+    bt = ns.identity.block_tokens
+    requests = [TokenRequest(item.reserved_tokens, item.new_tokens) for item in req.plan]
+    available = d.store.available_slots(ns)
+    decision = admit_batch(requests, bt, available)
+    for i, (item, need) in enumerate(zip(req.plan, decision.blocks)):
+        if len(item.keys) != need:
+            raise MalformedError(f"plan item {i} adds {need} blocks but names "
+                                 f"{len(item.keys)} keys")
+    v._check_keys([k for item in req.plan for k in item.keys])
+    # one reservation per item with keys: all under the tenant's cap, or none
+    d.sessions.check_cap(session, "reservations", sum(1 for item in req.plan if item.keys))
+    if not decision.admitted:
+        d.store.counters.capacity_rejects += 1
+        return p.BatchReply(req.rid, False, list(decision.blocks), list(decision.fitting),
+                            [], [], d.limits.lease_seconds, v._tokens_wanted()), []
+    done: list[Reservation] = []
+    try:
+        for item in req.plan:
+            if item.keys:
+                r = d.store.reserve(session.id, ns, item.keys, item.parent, d.clock())
+                if isinstance(r, Plan):  # room first: all or none, so none yet
+                    for held in done:
+                        d.store.abort(session.id, held.id)
+                    if done:
+                        d.moves.freed()
+                    return r
+                done.append(r)
+    except BaseException:
+        for r in done:
+            d.store.abort(session.id, r.id)
+        raise
+    return p.BatchReply(req.rid, True, list(decision.blocks), [],
+                        [r.id for r in done], [r.offsets for r in done],
+                        d.limits.lease_seconds, v._tokens_wanted()), []
 
 
 def lookup_pin(v: Verbs, session: Session, req: p.LookupPin, payload: list[Any]) -> Answer:

@@ -593,7 +593,7 @@ class Duel(Generic[T]):
         tracked = self._items
         homes = _homes(batch, tracked.shards, tracked.modulus)
         if any(map(contains, homes, batch)) or len(set(batch)) != len(batch):
-            self._insert_each(batch)
+            _insert_each(self, batch)
             return
         spots, names = _sampled_in(batch, self.name_hash, self.ghost_key, self._sample_mask)
         _drain(map(setitem, homes, batch, _states(len(batch), spots, names)))
@@ -618,46 +618,6 @@ class Duel(Generic[T]):
         tracked.grown(len(batch) - sent)
         self._tick = tick + len(batch)
         self._size = max(self._size, len(tracked))
-
-    def _insert_each(self, items: Iterable[T]) -> None:
-        """``insert_many`` item by item (the reference; a batch with items tracked, or twice)."""
-        tracked, order = self._items, self._order
-        ghost_key, name_hash, mask = self.ghost_key, self.name_hash, self._sample_mask
-        shards, modulus = tracked.shards, tracked.modulus  # set inline, counted by ``grown``
-        added, tick = 0, self._tick
-        run: list[T] = []
-        for item in items:
-            shard = shards[hash(item) % modulus]
-            if item in shard:
-                continue
-            tick += 1
-            added += 1
-            run.append(item)
-            name = name_hash(ghost_key(item))
-            if (name * _GOLDEN) & mask:
-                shard[item] = False
-            else:
-                shard[item] = name << 1
-                self._tick = tick
-                if len(tracked) + added > self._size:
-                    self._size = len(tracked) + added
-                if self._sampled + 1 < self.epoch:
-                    self._sample(name, item)  # no election: the run goes on
-                    continue
-                # An election may hand the order over: the one in charge holds all so far.
-                order.insert_many(run)
-                run = []
-                tracked.grown(added)
-                added = 0
-                self._sample(name, item)
-                shards, modulus = tracked.shards, tracked.modulus
-                order = self._order
-        if run:
-            order.insert_many(run)
-        tracked.grown(added)
-        self._tick = tick
-        if len(tracked) > self._size:
-            self._size = len(tracked)
 
     def access(self, item: T) -> None:
         shard = self._items.shards[hash(item) % self._items.modulus]
@@ -748,3 +708,45 @@ class Duel(Generic[T]):
             f"{type(self).__name__}(leader={self.leader}, evictable={len(self)}, "
             f"pinned={pinned}, switches={self.switches}, scores: {scores})"
         )
+
+
+def _insert_each(duel: Duel[T], items: Iterable[T]) -> None:
+    """``Duel.insert_many`` item by item (the reference; a batch with items tracked,
+    or twice)."""
+    tracked, order = duel._items, duel._order
+    ghost_key, name_hash, mask = duel.ghost_key, duel.name_hash, duel._sample_mask
+    shards, modulus = tracked.shards, tracked.modulus  # set inline, counted by ``grown``
+    added, tick = 0, duel._tick
+    run: list[T] = []
+    for item in items:
+        shard = shards[hash(item) % modulus]
+        if item in shard:
+            continue
+        tick += 1
+        added += 1
+        run.append(item)
+        name = name_hash(ghost_key(item))
+        if (name * _GOLDEN) & mask:
+            shard[item] = False
+        else:
+            shard[item] = name << 1
+            duel._tick = tick
+            if len(tracked) + added > duel._size:
+                duel._size = len(tracked) + added
+            if duel._sampled + 1 < duel.epoch:
+                duel._sample(name, item)  # no election: the run goes on
+                continue
+            # An election may hand the order over: the one in charge holds all so far.
+            order.insert_many(run)
+            run = []
+            tracked.grown(added)
+            added = 0
+            duel._sample(name, item)
+            shards, modulus = tracked.shards, tracked.modulus
+            order = duel._order
+    if run:
+        order.insert_many(run)
+    tracked.grown(added)
+    duel._tick = tick
+    if len(tracked) > duel._size:
+        duel._size = len(tracked)

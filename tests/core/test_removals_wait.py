@@ -10,7 +10,7 @@ from typing import Any
 from kvtest import make_identity
 
 from kvstore.store import BlockStore
-from kvstore.verbs import GET_OWNER, Removals
+from kvstore.removals import GET_OWNER, Removals
 
 
 class Transport:

@@ -1,4 +1,4 @@
-"""The daemon's side of the sweep below hollow entries (``verbs.Removals``): a sweep
+"""The daemon's side of the sweep below hollow entries (``removals.Removals``): a sweep
 that stops short goes on a bounded call a loop turn, in one task, until it is over."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from kvtest import make_identity
 
 from kvstore.core import SWEEP_SLICE
 from kvstore.store import BlockStore, Pin, Reservation
-from kvstore.verbs import Removals
+from kvstore.removals import Removals
 
 IDENT = make_identity(num_layers=1, num_kv_heads=1, head_dim=8)  # 512-byte blocks
 

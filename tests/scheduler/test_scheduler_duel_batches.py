@@ -1,5 +1,5 @@
 """The duel's batched insert (``Duel.insert_many``) against the same calls made item by
-item (``Duel._insert_each``): every victim, election and state the same, for the
+item (``dueling._insert_each``): every victim, election and state the same, for the
 store's items (byte keys, a little-endian hash: the numpy sample test) and for plain
 ints (the generic one), through elections, hand-overs, map splits and evictions."""
 
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvstore.scheduler import sharded
+from kvstore.scheduler.dueling import _insert_each
 from kvstore.scheduler.eviction import AutoPolicy
 
 
@@ -62,7 +63,7 @@ def _run(keyed: bool, batched: bool, seed: int,
     rng = random.Random(seed)
     duel = _duel(keyed, name_hash)
     insert: Callable[[list[Any]], None] = (
-        duel.insert_many if batched else duel._insert_each)  # type: ignore[assignment]
+        duel.insert_many if batched else partial(_insert_each, duel))  # type: ignore[assignment]
     made: list[Any] = []
     held: list[Any] = []
     parent_of: dict[Hashable, Hashable | None] = {}

@@ -1,0 +1,196 @@
+"""Evict and drop: waiting for the get replies still being sent of the namespace's
+blocks, removals too big for one loop turn done a slice a turn, and the sweep below
+hollow entries a slice a turn (``Removals``, which the verbs hand those requests to).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+from kvstore import protocol as p
+from kvstore.core import SubtreeDrop
+from kvstore.index import NamespaceDrop
+from kvstore.moves import Moves
+from kvstore.pending import Later, Pending
+from kvstore.store import BlockStore, Namespace
+from kvstore.transport import Transport
+
+Outcome = tuple[p.Message, list[Any]]
+Answer = Outcome | Pending
+
+
+class Daemon(Protocol):
+    """What removals use of the daemon."""
+
+    @property
+    def store(self) -> BlockStore: ...
+    @property
+    def transport(self) -> Transport: ...
+    @property
+    def moves(self) -> Moves: ...
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]: ...
+
+GET_OWNER = ("daemon", "get")  # pins held while zero-copy get frames are in flight
+# A namespace of more blocks than this is dropped in slices of at most ``DROP_SLICE``
+# entries or ``DROP_SLICE_SECONDS``, whichever comes first, a loop turn each; an evict
+# whose first such slice does not reach the end goes on in slices too.
+DROP_AT_ONCE = 256
+DROP_SLICE = 4096
+DROP_SLICE_SECONDS = 0.002
+
+
+class Slices(Protocol):
+    """A removal done a slice a loop turn (``NamespaceDrop``, ``SubtreeDrop``)."""
+
+    @property
+    def count(self) -> int: ...
+
+    def step(self, budget: int, seconds: float = ...) -> bool: ...
+
+    def take_removed(self) -> list[tuple[bytes, bytes]]: ...
+
+    def close(self) -> None: ...
+
+
+class Removals:
+    """What evict and drop share: waiting for the get replies still being sent; the
+    drops of namespaces of more than ``DROP_AT_ONCE`` blocks, and the evicts of
+    subtrees too big for one slice, in slices; and the sweep below hollow entries
+    (``StoreCore.sweep_hollow``), a slice a loop turn.
+
+    Each slice drops at most ``DROP_SLICE`` entries or runs ``DROP_SLICE_SECONDS``, then
+    the loop turns for everyone else; the reply goes when the last slice is done.
+    ``NamespaceDrop`` says what a drop takes while the store changes around it: what the
+    namespace held when it began, leaves first, but what is pinned, moving or held and
+    their prefixes, and what is committed meanwhile (the store's commit keeps it).  An
+    evict in slices (``SubtreeDrop``) takes what its keys head, on the same terms.
+    Lookups meanwhile see chains shortened from their ends.  Removals in slices of one
+    namespace run one after another: a second one waits for the first, then drops what
+    is left (what was committed meanwhile), and counts only what it removed itself.  An
+    evict's first slice runs at once (a small subtree is answered there and then).  The
+    session may close meanwhile: the removal goes on to its end (the reply finds no
+    one).  A daemon shutting down waits for it as for any request under way; cut short,
+    it leaves what it has not reached, each slice having left the store whole.
+    """
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        # namespaces being removed from in slices: an event set once that is over
+        self.under_way: dict[Namespace, asyncio.Event] = {}
+        self._sweep: asyncio.Task[None] | None = None
+        daemon.store.sweep_later = self._sweep_later
+
+    def drop(self, rid: int, ns: Namespace) -> Answer:
+        if len(ns.blocks) > DROP_AT_ONCE or ns in self.under_way:
+            return Later(self._in_slices(rid, ns, lambda: NamespaceDrop(self.d.store, ns)))
+        return self.after_sends(rid, ns, lambda: self.d.store.drop_namespace(ns))
+
+    def evict(self, rid: int, ns: Namespace, keys: list[bytes]) -> Answer:
+        """Drop what the keys head: a slice at once (unless replies are still being
+        sent), the rest, if any, in slices."""
+        drop = SubtreeDrop(self.d.store, ns, keys)
+        if not self._sending_in(ns):
+            done = drop.step(DROP_SLICE, DROP_SLICE_SECONDS)
+            self._hand_on(drop)
+            if done:
+                return p.CountReply(rid, drop.count), []
+
+        def go_on() -> SubtreeDrop:
+            drop.keep_commits()
+            return drop
+        return Later(self._in_slices(rid, ns, go_on))
+
+    def _sending_in(self, ns: Namespace) -> list[Any]:
+        """The get replies ZeroMQ is still sending of ``ns``'s blocks (a get's blocks
+        are of one namespace): another namespace's, however many a peer that never
+        reads leaves, are no reason to wait."""
+        if not self.d.transport.sending():  # (reaps those sent)
+            return []
+        held = self.d.store.owners.get(GET_OWNER)
+        if held is None:
+            return []
+        pins = {pin_id for pin_id, pin in held.pins.items()
+                if pin.blocks and pin.blocks[0].ns is ns}
+        return self.d.transport.trackers_of(pins) if pins else []
+
+    def after_sends(self, rid: int, ns: Namespace,
+                    remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Answer:
+        """Remove blocks of ``ns`` once the replies ZeroMQ is still sending of them
+        have gone: a reply pins its blocks until sent, so a get the client already holds
+        would otherwise keep them from an evict or a drop that follows it."""
+        sending = self._sending_in(ns)
+        if not sending:
+            return self._removed(rid, remove)
+
+        async def later() -> p.Message:
+            await self.d.transport.sent(sending)
+            return self._removed(rid, remove)[0]
+        return Later(later())
+
+    def _removed(self, rid: int,
+                 remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Outcome:
+        count, removed = remove()
+        self.d.moves.removed(removed)
+        return p.CountReply(rid, count), []
+
+    def _hand_on(self, drop: Slices) -> None:
+        removed = drop.take_removed()
+        if removed:
+            self.d.moves.removed(removed)
+
+    async def _in_slices(self, rid: int, ns: Namespace,
+                         begin: Callable[[], Slices]) -> p.Message:
+        d = self.d
+        sending = self._sending_in(ns)  # (as ``after_sends``)
+        if sending:
+            await d.transport.sent(sending)
+        while (ahead := self.under_way.get(ns)) is not None:
+            await ahead.wait()
+        finished = asyncio.Event()
+        self.under_way[ns] = finished
+        drop: Slices | None = None
+        try:
+            drop = begin()
+            while True:
+                done = drop.step(DROP_SLICE, DROP_SLICE_SECONDS)
+                self._hand_on(drop)
+                if done:
+                    return p.CountReply(rid, drop.count)
+                await asyncio.sleep(0)  # a loop turn for everyone else
+        finally:
+            if drop is not None:
+                drop.close()
+            del self.under_way[ns]
+            finished.set()
+
+    def _sweep_later(self) -> None:
+        """The store's sweep below hollow entries stopped short: go on a loop turn later
+        (one task at a time), until a call finishes the round."""
+        if self._sweep is not None:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop (the daemon is gone): nothing to hold, finish now
+            store = self.d.store
+            store.sweep_later = None
+            try:
+                store.sweep_hollow()
+            finally:
+                store.sweep_later = self._sweep_later
+            return
+        self._sweep = self.d.spawn(self._sweeping())
+
+    async def _sweeping(self) -> None:
+        store = self.d.store
+        try:
+            done = False
+            while not done:
+                await asyncio.sleep(0)  # a loop turn for everyone else
+                done = store.sweep_hollow()
+                if store.dropped_ssd:
+                    self.d.moves.removed(store.dropped_ssd)
+                    store.dropped_ssd = []
+        finally:
+            self._sweep = None
