@@ -120,8 +120,6 @@ class SubtreeDrop:
                 key = self.keys[self._next]
                 self._next += 1
                 root = b = blocks.get(key)
-                if b is None or b in spare:
-                    root = b = None
                 continue
             visits += 1
             if not visits & 31 and time.perf_counter() > until:
@@ -130,11 +128,13 @@ class SubtreeDrop:
             if blocks.get(b.key) is not b:  # gone meanwhile: its parent may be a leaf now
                 b = None if b is root else b.parent
                 continue
-            kid = _open_child(b.kids, kept, spare)
+            # (into what is kept as committed meanwhile too: a block given a copy again
+            # is, and what hung below it before the drop goes as a namespace drop's does)
+            kid = _open_child(b.kids, kept)
             if kid is not None:
                 b = kid
                 continue
-            if b.kids is None and drop_leaf(b, removed):
+            if b.kids is None and b not in spare and drop_leaf(b, removed):
                 forget(b)  # (a hollow entry, with no copy to drop, goes here)
             else:
                 kept.add(b)  # pinned, moving or held, or a child of it is: kept
@@ -161,15 +161,14 @@ class SubtreeDrop:
         return removed
 
 
-def _open_child(kids: Block | dict[Block, None] | None, kept: set[Block],
-                spare: set[Block] | frozenset[Block]) -> Block | None:
-    """A child not refused yet and not kept as committed meanwhile, if any."""
+def _open_child(kids: Block | dict[Block, None] | None, kept: set[Block]) -> Block | None:
+    """A child not refused yet, if any."""
     if kids is None:
         return None
     if isinstance(kids, Block):
-        return kids if kids not in kept and kids not in spare else None
+        return kids if kids not in kept else None
     for kid in kids:
-        if kid not in kept and kid not in spare:
+        if kid not in kept:
             return kid
     return None
 

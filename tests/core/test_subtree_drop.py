@@ -185,3 +185,44 @@ def test_a_release_sweeps_once_for_the_whole_pin() -> None:
     # one sweep after the whole pin went (a sweep a block walked the chain 500 times)
     assert sweeps == [600] and not ns.blocks and not store.hollow
     store.check_invariants()
+
+
+def _revivable_store() -> tuple[BlockStore, Namespace, list[bytes], list[bytes]]:
+    """A root with two chains below it; the first block of the second is on SSD only."""
+    ident = make_identity(num_layers=1, num_kv_heads=1, head_dim=8)
+    store = BlockStore(64 << 20, 1 << 20, ssd_capacity=4096 * 4096, ssd_slab_bytes=1 << 20)
+    ns = store.open_namespace(ident)
+    rng = random.Random(1)
+    root = [rng.randbytes(16)]
+    a = [rng.randbytes(16) for _ in range(200)]
+    b = [rng.randbytes(16) for _ in range(100)]
+    for keys, parent in ((root, None), (a, root[0]), (b, root[0])):
+        r = store.reserve("w", ns, keys, parent, 0.0)
+        assert isinstance(r, Reservation)
+        store.commit("w", r.id, 0.0)
+    x = ns.blocks[b[0]]
+    t, _ = store.ssd_copies.reserve([x])
+    store.ssd_copies.finish_write(t, [object()])
+    store.drop_dram_copy(x)
+    return store, ns, root + a, b
+
+
+def test_a_block_given_a_copy_again_mid_evict_is_kept_and_what_hung_below_it_goes() -> None:
+    """A commit that gives an SSD-only block a DRAM copy again keeps it (the store lists
+    it as committed meanwhile), wherever the walk stands; the blocks that hung below it
+    before the evict go, as a namespace drop takes them (a second reader found both
+    left wrong: the block dropped on the climb, or the walk never entering it)."""
+    for steps_before in (1, 50, 250):
+        store, ns, trunk, b = _revivable_store()
+        drop = SubtreeDrop(store, ns, [trunk[0]])
+        drop.keep_commits()
+        assert not drop.step(steps_before)
+        r = store.reserve("w", ns, [b[0]], trunk[0], 0.0)  # revives b[0]
+        assert isinstance(r, Reservation)
+        store.commit("w", r.id, 0.0)
+        while not drop.step(7):
+            store.check_invariants()
+        store.check_invariants()
+        assert b[0] in ns.blocks and trunk[0] in ns.blocks, steps_before
+        assert sum(k in ns.blocks for k in b[1:] + trunk[1:]) == 0, steps_before
+        assert len(ns.blocks) == 2
