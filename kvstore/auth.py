@@ -216,6 +216,9 @@ class Auth:
         self.readers = frozenset(config.events.readers)
         # one ZAP handler a context (the event stream's sockets have one of their own)
         self._authenticators: dict[int, _TenantAuthenticator] = {}
+        # the event stream's contexts: their handlers stop when the stream closes, never
+        # before (a CurveZMQ socket without its handler lets any key in)
+        self._events_contexts: set[int] = set()
         if self.curve_enabled:
             self._client_keys()  # fail at start-up, not at the first connection
         self.peer_tenants = peer_uids(a.peer_tenants)
@@ -335,6 +338,7 @@ class Auth:
         the daemon takes no credentials (a single-user host)."""
         if not (self.curve_enabled or self.secret is not None or self.peer_tenants):
             return
+        self._events_contexts.add(id(context))  # its own to release (``release``)
         if endpoint.startswith("tcp://") and self.curve_enabled:
             self.make_curve_server(context, sock)
             sock.zap_domain = EVENTS_DOMAIN.encode()
@@ -373,11 +377,13 @@ class Auth:
     def release(self, context: zmq.Context[Any]) -> None:
         """Stop the ZAP handler of ``context`` (before it is terminated: its socket
         would hold the termination up)."""
+        self._events_contexts.discard(id(context))
         authenticator = self._authenticators.pop(id(context), None)
         if authenticator is not None:
             authenticator.stop()
 
     def close(self) -> None:
-        for authenticator in self._authenticators.values():
-            authenticator.stop()
-        self._authenticators.clear()
+        """Stop the ZAP handlers, but those of event stream contexts still open (their
+        stream releases them as it closes its sockets)."""
+        for key in [k for k in self._authenticators if k not in self._events_contexts]:
+            self._authenticators.pop(key).stop()

@@ -331,24 +331,13 @@ class Transport:
             pause *= 2
         self.reap_sends()
 
-    def wait_for_sends(self, seconds: float) -> bool:
-        """Wait briefly (``seconds`` in all, on the loop) for the pinned replies still
-        being sent, then reap them; False when there were none.  The bound is for all of
-        them: a peer that asks for many gets and never reads them leaves as many replies
-        unsent, and a wait for each held the loop for seconds."""
-        if not self._in_flight:
-            return False
-        deadline = time.monotonic() + seconds
-        for tracker, _ in self._in_flight:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                tracker.wait(left)
-            except zmq.NotDone:
-                break  # still unsent when the time is up: the rest would wait no better
+    def reap_some(self) -> bool:
+        """Reap the pinned replies ZeroMQ has sent since the last look, without
+        waiting (a wait on the loop, even a short one, was a stall any peer could ask
+        for again and again by leaving replies unread); whether any went."""
+        before = len(self._in_flight)
         self.reap_sends()
-        return True
+        return len(self._in_flight) < before
 
 
     def secure_file(self, path: str, mode: int) -> None:

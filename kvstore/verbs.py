@@ -251,9 +251,9 @@ class Verbs:
             return store.reserve(session.id, ns, keys, parent, clock())
         except CapacityError:
             # Blocks of get replies stay pinned until zmq has sent them, which a client
-            # that already holds the reply can outrun by a few microseconds: wait for
-            # those sends once, briefly, before refusing.
-            if not self.d.transport.wait_for_sends(0.005):
+            # that already holds the reply can outrun by a few microseconds: reap those
+            # sent since the last look (never a wait on the loop), then try once more.
+            if not self.d.transport.reap_some():
                 raise
         return store.reserve(session.id, ns, keys, parent, clock())
 
@@ -509,7 +509,7 @@ def stats_for(d: Daemon, tenant: str) -> dict[str, Any]:
         for name, by_tenant in transfers["waits"].items()}}
     # with an arena per tenant, each arena's order is one tenant's figures
     stats["eviction_orders"] = [repr(policy) for name, dram in d.store.drams.items()
-                                if name == "" or visible(name)
+                                if name and visible(name)
                                 for policy in dram.policies.values()]
     return stats
 
