@@ -75,23 +75,29 @@ class Removals:
     it leaves what it has not reached, each slice having left the store whole.
     """
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon,
+                 sending: dict[int, tuple[Any, int]] | None = None) -> None:
         self.d = daemon
+        # zero-copy get replies being sent: pin id -> (the session asking, bytes); an
+        # evict or drop waits for its own session's only (None: every session's)
+        self.sending = sending
         # namespaces being removed from in slices: an event set once that is over
         self.under_way: dict[Namespace, asyncio.Event] = {}
         self._sweep: asyncio.Task[None] | None = None
         daemon.store.sweep_later = self._sweep_later
 
-    def drop(self, rid: int, ns: Namespace) -> Answer:
+    def drop(self, rid: int, ns: Namespace, session: object = None) -> Answer:
         if len(ns.blocks) > DROP_AT_ONCE or ns in self.under_way:
-            return Later(self._in_slices(rid, ns, lambda: NamespaceDrop(self.d.store, ns)))
-        return self.after_sends(rid, ns, lambda: self.d.store.drop_namespace(ns))
+            return Later(self._in_slices(rid, ns, lambda: NamespaceDrop(self.d.store, ns),
+                                         session))
+        return self.after_sends(rid, ns, lambda: self.d.store.drop_namespace(ns), session)
 
-    def evict(self, rid: int, ns: Namespace, keys: list[bytes]) -> Answer:
+    def evict(self, rid: int, ns: Namespace, keys: list[bytes],
+              session: object = None) -> Answer:
         """Drop what the keys head: a slice at once (unless replies are still being
         sent), the rest, if any, in slices."""
         drop = SubtreeDrop(self.d.store, ns, keys)
-        if not self._sending_in(ns):
+        if not self._sending_in(ns, session):
             done = drop.step(DROP_SLICE, DROP_SLICE_SECONDS)
             self._hand_on(drop)
             if done:
@@ -100,27 +106,32 @@ class Removals:
         def go_on() -> SubtreeDrop:
             drop.keep_commits()
             return drop
-        return Later(self._in_slices(rid, ns, go_on))
+        return Later(self._in_slices(rid, ns, go_on, session))
 
-    def _sending_in(self, ns: Namespace) -> list[Any]:
+    def _sending_in(self, ns: Namespace, session: object = None) -> list[Any]:
         """The get replies ZeroMQ is still sending of ``ns``'s blocks (a get's blocks
-        are of one namespace): another namespace's, however many a peer that never
-        reads leaves, are no reason to wait."""
+        are of one namespace) to ``session``: another namespace's, or another
+        session's (a grantee's that never reads), however many, are no reason to wait:
+        it is the asker's own get, read already, that must not keep its blocks."""
         if not self.d.transport.sending():  # (reaps those sent)
             return []
         held = self.d.store.owners.get(GET_OWNER)
         if held is None:
             return []
+        sending = self.sending
         pins = {pin_id for pin_id, pin in held.pins.items()
-                if pin.blocks and pin.blocks[0].ns is ns}
+                if pin.blocks and pin.blocks[0].ns is ns
+                and (sending is None or session is None
+                     or sending.get(pin_id, (None, 0))[0] is session)}
         return self.d.transport.trackers_of(pins) if pins else []
 
     def after_sends(self, rid: int, ns: Namespace,
-                    remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Answer:
+                    remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]],
+                    session: object = None) -> Answer:
         """Remove blocks of ``ns`` once the replies ZeroMQ is still sending of them
         have gone: a reply pins its blocks until sent, so a get the client already holds
         would otherwise keep them from an evict or a drop that follows it."""
-        sending = self._sending_in(ns)
+        sending = self._sending_in(ns, session)
         if not sending:
             return self._removed(rid, remove)
 
@@ -140,10 +151,10 @@ class Removals:
         if removed:
             self.d.moves.removed(removed)
 
-    async def _in_slices(self, rid: int, ns: Namespace,
-                         begin: Callable[[], Slices]) -> p.Message:
+    async def _in_slices(self, rid: int, ns: Namespace, begin: Callable[[], Slices],
+                         session: object = None) -> p.Message:
         d = self.d
-        sending = self._sending_in(ns)  # (as ``after_sends``)
+        sending = self._sending_in(ns, session)  # (as ``after_sends``)
         if sending:
             await d.transport.sent(sending)
         while (ahead := self.under_way.get(ns)) is not None:

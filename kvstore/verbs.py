@@ -138,7 +138,7 @@ class Verbs:
         self.names = {t: str(t.__struct_config__.tag) for t in self.table}
         # get replies zmq still sends: pin id -> (session, its bytes counted in flight)
         self.sending: dict[int, tuple[Session, int]] = {}
-        self.removals = Removals(daemon)
+        self.removals = Removals(daemon, self.sending)
 
     def add(self, table: dict[type[Any], Handler]) -> None:
         """More handlers (the routing verbs, say)."""
@@ -403,10 +403,10 @@ class Verbs:
     def _evict(self, session: Session, req: p.Evict, payload: list[Any]) -> Answer:
         ns = self._writable(session, req.ns)
         self._check_keys(req.keys)
-        return self.removals.evict(req.rid, ns, req.keys)
+        return self.removals.evict(req.rid, ns, req.keys, session)
 
     def _drop(self, session: Session, req: p.DropNamespace, payload: list[Any]) -> Answer:
-        return self.removals.drop(req.rid, self._writable(session, req.ns))
+        return self.removals.drop(req.rid, self._writable(session, req.ns), session)
 
     def _warm(self, session: Session, req: p.Warm, payload: list[Any]) -> Outcome:
         d = self.d

@@ -41,3 +41,23 @@ def test_only_the_namespaces_own_unsent_replies_are_waited_for() -> None:
     assert len(removals._sending_in(ns_a)) == 1000
     daemon.transport = Transport([])
     assert removals._sending_in(ns_a) == []
+
+
+def test_only_the_asking_sessions_unsent_replies_are_waited_for() -> None:
+    """A grantee reading the owner's namespace and never taking its replies does not
+    hold the owner's evicts and drops (they waited a second each)."""
+    ident = make_identity(tenant="public")
+    store = BlockStore(64 * ident.block_bytes, 16 * ident.block_bytes)
+    ns = store.open_namespace(ident)
+    keys = [bytes([9]) * 15 + bytes([i]) for i in range(4)]
+    r = store.reserve("w", ns, keys, None, 0.0)
+    store.commit("w", r.id, 0.0)
+    owner, grantee = object(), object()
+    mine = store.acquire(GET_OWNER, ns, keys[:1], 0.0)
+    theirs = store.acquire(GET_OWNER, ns, keys[1:3], 0.0)
+    sending = {mine.id: (owner, 1), theirs.id: (grantee, 1)}
+    in_flight = [("owner-reply", mine.id)] + [(f"grantee-{i}", theirs.id) for i in range(400)]
+    daemon: Any = SimpleNamespace(store=store, transport=Transport(in_flight))
+    removals = Removals(daemon, sending)
+    assert removals._sending_in(ns, owner) == ["owner-reply"]
+    assert len(removals._sending_in(ns, grantee)) == 400
