@@ -43,7 +43,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 import msgspec
@@ -347,10 +347,12 @@ def _may_run_as_batch() -> bool:
 class EventPublisher:
     """The PUB and replay sockets, the ring of recent batches, and the per-turn flush."""
 
-    def __init__(self, config: EventsConfig, store: BlockStore,
-                 auth: Auth | None = None) -> None:
+    def __init__(self, config: EventsConfig, store: BlockStore, auth: Auth | None = None,
+                 secure_file: Callable[[str, int], None] | None = None) -> None:
         self.config = config
         self.store = store
+        # an ipc socket file's mode and group, as the daemon's own (``Transport``)
+        self.secure_file = secure_file
         # who may read the stream, when the daemon takes credentials: it carries every
         # tenant's keys and token ids (``Auth.secure_events``)
         self.auth = auth
@@ -412,6 +414,7 @@ class EventPublisher:
         if self.auth is not None:
             self.auth.secure_events(self._ctx, pub, self.config.endpoint)
         pub.bind(self.config.endpoint)
+        self._secure(self.config.endpoint)
         self.endpoints.append(pub.getsockopt_string(zmq.LAST_ENDPOINT))
         self._pub = pub
         if self.config.replay_endpoint:
@@ -424,6 +427,7 @@ class EventPublisher:
             if self.auth is not None:
                 self.auth.secure_events(self._ctx, replay, self.config.replay_endpoint)
             replay.bind(self.config.replay_endpoint)
+            self._secure(self.config.replay_endpoint)
             self.endpoints.append(replay.getsockopt_string(zmq.LAST_ENDPOINT))
             self._replay = replay
             self.ring_steps = self.config.buffer_steps
@@ -432,6 +436,11 @@ class EventPublisher:
             loop.add_reader(fd, self._serve_replays)
             loop.call_soon(self._serve_replays)
         self.store.record_changes(self.changes)
+
+    def _secure(self, endpoint: str) -> None:
+        """An ipc socket file 0600 (or the socket group's too), as the daemon's."""
+        if self.secure_file is not None and endpoint.startswith("ipc://"):
+            self.secure_file(endpoint[len("ipc://"):], 0o600)
 
     def start(self, restored: bool) -> None:
         """The first batch: all cleared (what a subscriber knew of this daemon is gone),

@@ -119,7 +119,8 @@ class Server:
         self.verbs = Verbs(self)
         self.sides: list[SideSocket] = []
         self.verbs.add(RoutingVerbs(self).table())
-        self.events = EventPublisher(config.events, self.store, self.auth) \
+        self.events = EventPublisher(config.events, self.store, self.auth,
+                                     self.transport.secure_file) \
             if config.events.endpoint else None
 
     @property

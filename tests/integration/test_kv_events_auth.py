@@ -184,3 +184,18 @@ def test_credentials_without_readers_or_checkable_endpoints_are_refused(
                     replay_endpoint="tcp://127.0.0.1:5558").validate()
     # without credentials (a single-user host) the stream stays open, as it was
     config_with(AuthConfig(), endpoint="tcp://127.0.0.1:5557").validate()
+
+
+def test_the_streams_ipc_socket_files_are_the_daemons_mode(daemon_factory: Any,
+                                                          tmp_path: Path) -> None:
+    """0600 as the daemon's own ipc socket (or its socket group's): a file left to the
+    umask could be out of reach of a reader the daemon admits, or open to anyone."""
+    import os
+    import stat
+
+    pub, replay = tmp_path / "events.sock", tmp_path / "replay.sock"
+    d, _ = secured_daemon(daemon_factory, tmp_path, f"ipc://{pub}", f"ipc://{replay}")
+    main = d.endpoint[len("ipc://"):]
+    for path in (pub, replay):
+        assert stat.S_IMODE(os.stat(path).st_mode) == stat.S_IMODE(os.stat(main).st_mode) \
+            == 0o600, path
