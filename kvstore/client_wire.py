@@ -72,6 +72,18 @@ def _curve_from_env() -> CurveKeys | None:
     return CurveKeys.from_files(server, client) if server and client else None
 
 
+def _credentials(sock: Any, endpoint: str, curve: CurveKeys | None,
+                 admission: tuple[str, str] | None) -> None:
+    """A socket's CurveZMQ keys (tcp only) or PLAIN user name and password."""
+    if curve is not None and endpoint.startswith("tcp://"):
+        sock.curve_serverkey = curve.server_public
+        sock.curve_publickey = curve.public
+        sock.curve_secretkey = curve.secret
+    if admission is not None:
+        sock.plain_username = admission[0].encode()
+        sock.plain_password = admission[1].encode()
+
+
 def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None,
                 admission: tuple[str, str] | None = None, *, watch: bool = False) -> Any:
     """The DEALER socket of a shell (``ctx`` is a ``zmq.Context`` or a
@@ -86,13 +98,7 @@ def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None,
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
-    if curve is not None and endpoint.startswith("tcp://"):
-        sock.curve_serverkey = curve.server_public
-        sock.curve_publickey = curve.public
-        sock.curve_secretkey = curve.secret
-    if admission is not None:
-        sock.plain_username = admission[0].encode()
-        sock.plain_password = admission[1].encode()
+    _credentials(sock, endpoint, curve, admission)
     if watch:
         sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     try:
@@ -129,13 +135,7 @@ def event_socket(ctx: Any, kind: int, endpoint: str, *, token: str = "", tenant:
         admission = admit(side, token)
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    if curve is not None and endpoint.startswith("tcp://"):
-        sock.curve_serverkey = curve.server_public
-        sock.curve_publickey = curve.public
-        sock.curve_secretkey = curve.secret
-    if admission is not None:
-        sock.plain_username = admission[0].encode()
-        sock.plain_password = admission[1].encode()
+    _credentials(sock, endpoint, curve, admission)
     sock.connect(endpoint)
     return sock
 
