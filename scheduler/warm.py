@@ -143,15 +143,15 @@ class WarmPins(EvictionPolicy[T]):
         victim = self.inner.pop_victim(allowed)
         if victim is not None or not self._warm_evictable:
             return victim
-        for until, item in self._by_deadline():
+        for item in self._by_deadline():
             if item not in self._hard and allowed(item):
                 del self._warm[item]
                 self._warm_evictable -= 1
                 return item
         return None
 
-    def _by_deadline(self) -> Iterator[tuple[float, T]]:
-        """The warm items and their deadlines, earliest first, read off the heap (its
+    def _by_deadline(self) -> Iterator[T]:
+        """The warm items, earliest deadline first, read off the heap (its
         entries still current) without sorting it: a frontier of heap positions, each
         one's children joining it as it is passed; stale entries at the top are dropped
         on the way."""
@@ -162,7 +162,7 @@ class WarmPins(EvictionPolicy[T]):
         while frontier:
             (until, _, item), at = heapq.heappop(frontier)
             if warm.get(item) == until:
-                yield until, item
+                yield item
             for child in (2 * at + 1, 2 * at + 2):
                 if child < len(heap):
                     heapq.heappush(frontier, (heap[child], child))
