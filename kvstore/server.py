@@ -96,7 +96,7 @@ class Server:
         self.transfers = TransferGate(config.server.max_transfers_in_flight,
                                       weights=config.server.tenant_weights, metrics=metrics)
         self.sessions = Sessions(
-            self.store, s, clock=clock,
+            self.store, s, clock=clock, grantee_pin_share=config.auth.grantee_pin_share,
             max_bytes_in_flight=parse_size(s.max_bytes_in_flight,
                                            "server.max_bytes_in_flight"),
             max_tenant_bytes_in_flight=parse_size(s.max_bytes_in_flight_per_tenant,
@@ -371,7 +371,7 @@ class Server:
         self.store.limits = self.limits
         self.max_keys = s.max_keys_per_request
         self.debug_invariants = s.debug_invariants
-        self.sessions.configure(s)
+        self.sessions.configure(s, self.config.auth.grantee_pin_share)
         self.store.ssd_admit_after = self.config.ssd.admit_after
         if self.store.dram_args[3] != self.config.dram.eviction_policy:
             self.store.set_eviction_policy(self.config.dram.eviction_policy)
@@ -395,6 +395,7 @@ class Server:
             "server.max_namespaces_per_tenant": sessions.max_namespaces_per_tenant,
             "server.max_requests_per_second_per_tenant":
                 sessions.max_requests_per_second_per_tenant,
+            "auth.grantee_pin_share": sessions.grant_pins.share,
             "ssd.admit_after": self.store.ssd_admit_after,
             "dram.eviction_policy": self.store.dram_args[3],
         }
@@ -488,6 +489,8 @@ def server_stats(server: Server) -> dict[str, Any]:
                             for policy in dram.policies.values()],
         "tenant_dram_bytes": {tenant: nbytes for dram in server.store.drams.values()
                               for tenant, nbytes in dram.used.items()},
+        # bytes of other tenants' DRAM each grantee keeps pinned (auth.grantee_pin_share)
+        "grantee_pinned_bytes": server.sessions.grant_pins.stats(),
     }
     if server.ssd is not None:
         out["ssd_io"] = server.ssd.stats()

@@ -8,6 +8,11 @@ Per-tenant caps on reservations and pins are checked in O(1): each session remem
 many it held when last counted, and its tenant keeps the sum.  A session's holdings change
 only through its own requests (counted after each one) and when its lease runs out
 (``forget``), so the sums stay exact; ``check_invariants`` recounts them.
+
+What a session pins in namespaces of other tenants (granted by ``auth.shared_tenants``)
+is counted in bytes too, per grantee tenant and owner (``kvstore.grant_pins``): the
+session keeps the pins it was charged for, and gives them back as they are released or
+its lease runs out.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvstore.config import ServerConfig
+from kvstore.blocks import Pin
 from kvstore.errors import (
     ForbiddenError,
     LeaseExpiredError,
     LimitExceededError,
     NoSessionError,
 )
+from kvstore.grant_pins import GrantPins
 from kvstore.identity import Identity
 from kvstore.store import BlockStore, Namespace
 
@@ -43,6 +50,8 @@ class Session:
     bytes_in_flight: int = 0     # payload of deferred puts and of get replies not yet sent
     reservations: int = 0        # open reservations and pins, when last counted
     pins: int = 0
+    # its pins in other tenants' namespaces, by id, counted in ``Sessions.grant_pins``
+    grant_pins: dict[int, Pin] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return f"Session({self.id[:8]}, tenant={self.tenant}, namespaces={len(self.namespaces)})"
@@ -71,7 +80,7 @@ class Sessions:
 
     def __init__(self, store: BlockStore, settings: ServerConfig, *,
                  clock: Callable[[], float], max_bytes_in_flight: int,
-                 max_tenant_bytes_in_flight: int) -> None:
+                 max_tenant_bytes_in_flight: int, grantee_pin_share: float = 1.0) -> None:
         self.store = store
         self.clock = clock
         self.max_bytes_in_flight = max_bytes_in_flight
@@ -80,10 +89,14 @@ class Sessions:
         self.by_id: dict[str, Session] = {}
         self.tenants: dict[str, Tenant] = {}
         self._expired: dict[bytes, None] = {}
-        self.configure(settings)
+        self.grant_pins = GrantPins(grantee_pin_share, self._owner_dram)
+        self.configure(settings, grantee_pin_share)
 
-    def configure(self, s: ServerConfig) -> None:
-        """Take the (live-changeable) limits from the server settings."""
+    def configure(self, s: ServerConfig, grantee_pin_share: float | None = None) -> None:
+        """Take the (live-changeable) limits from the server settings (and
+        ``auth.grantee_pin_share``: a lower share refuses new pins, takes none back)."""
+        if grantee_pin_share is not None:
+            self.grant_pins.share = grantee_pin_share
         self.max_requests_per_second = s.max_requests_per_second
         self.max_requests_per_second_per_tenant = s.max_requests_per_second_per_tenant
         self.max_reservations_per_tenant = s.max_reservations_per_tenant
@@ -157,6 +170,9 @@ class Sessions:
                 tenant.reservations -= session.reservations
                 tenant.pins -= session.pins
                 session.reservations = session.pins = 0
+                for pin in session.grant_pins.values():  # the store dropped them
+                    self.grant_pins.discharge(session.tenant, pin)
+                session.grant_pins.clear()
                 self._close_namespaces(session)
         for routing_id, session in list(self.by_connection.items()):
             if session.id in gone:
@@ -274,6 +290,38 @@ class Sessions:
                 tenant.pins += pins - session.pins
                 session.reservations, session.pins = reservations, pins
 
+    # -- pins in other tenants' namespaces --------------------------------------------------
+    def check_grant(self, session: Session, ns: Namespace, keys: list[bytes]) -> None:
+        """Refuse (LimitExceededError), before anything is pinned, a pin of ``keys`` in
+        another tenant's namespace past the session's tenant's share of that tenant's
+        DRAM (``auth.grantee_pin_share``); nothing for its own namespaces."""
+        if ns.tenant == session.tenant:
+            return
+        blocks = ns.blocks
+        self.grant_pins.check(session.tenant, ns, (blocks.get(key) for key in keys))
+
+    def pinned(self, session: Session, pin: Pin) -> None:
+        """Count a pin the session took (``acquire``, ``lookup_pin``) if it is in
+        another tenant's namespace."""
+        if pin.blocks and pin.blocks[0].ns.tenant != session.tenant:
+            self.grant_pins.charge(session.tenant, pin)
+            session.grant_pins[pin.id] = pin
+
+    def unpinned(self, session: Session, pin_id: int) -> None:
+        """A pin of the session went back (``release``, or a reply that never went)."""
+        pin = session.grant_pins.pop(pin_id, None)
+        if pin is not None:
+            self.grant_pins.discharge(session.tenant, pin)
+
+    def _owner_dram(self, ns: Namespace) -> int:
+        """The DRAM a grantee's share is of: the arena of ``ns``'s owner, or what its
+        owner may hold of a shared one (``dram.tenant_quota``)."""
+        capacity = ns.dram.pool.capacity_bytes
+        quota = self.store.tenant_quota
+        if quota and not self.store.per_tenant:
+            return min(capacity, quota)
+        return capacity
+
     def hold_bytes(self, session: Session, held: int) -> None:
         """Count the payload of a request that finishes later, within both limits (0: no
         limit): a request is admitted while what is under way is below the limit, so a
@@ -319,7 +367,23 @@ class Sessions:
             expected = sums.get(name, [0, 0, 0])
             assert [tenant.sessions, tenant.reservations, tenant.pins] == expected, (
                 f"{tenant} does not sum its sessions: {expected}")
+        self._check_grant_pins()
         self._check_namespace_users()
+
+    def _check_grant_pins(self) -> None:
+        """Each session counts exactly its pins in other tenants' namespaces, and the
+        grantees' bytes sum those pins' blocks."""
+        counted: dict[str, list[Pin]] = {}
+        for session in self.by_id.values():
+            state = self.store.owners.get(session.id)
+            held = {} if state is None else state.pins
+            foreign = {pin_id: pin for pin_id, pin in held.items()
+                       if pin.blocks and pin.blocks[0].ns.tenant != session.tenant}
+            assert foreign == session.grant_pins, (
+                f"{session} counts pins {sorted(session.grant_pins)} in other tenants' "
+                f"namespaces; it holds {sorted(foreign)}")
+            counted.setdefault(session.tenant, []).extend(foreign.values())
+        self.grant_pins.check_invariants(counted)
 
     def _check_namespace_users(self) -> None:
         """Each namespace counts as users at least the sessions that have it open and the

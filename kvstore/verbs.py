@@ -275,9 +275,11 @@ class Verbs:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
         d.sessions.check_cap(session, "pins")
+        d.sessions.check_grant(session, ns, req.keys)  # another tenant's: in bytes too
         pin = self._acquire_or_fetch(session.id, ns, req.keys)
         if isinstance(pin, Plan):
             return pin
+        d.sessions.pinned(session, pin)
         gpu_offsets: list[int] = []
         if d.gpu is not None and d.store.gpu is not None:
             gpu_offsets = d.store.gpu.offsets(pin.blocks)
@@ -297,6 +299,7 @@ class Verbs:
 
     def _release(self, session: Session, req: p.Release, payload: list[Any]) -> Outcome:
         self.d.store.release(session.id, req.pin)
+        self.d.sessions.unpinned(session, req.pin)
         return p.OkReply(req.rid), []
 
     def _put(self, session: Session, req: p.Put, payload: list[Any]) -> Answer:
@@ -507,10 +510,13 @@ def stats_for(d: Daemon, tenant: str) -> dict[str, Any]:
     stats["transfers"] = {"waits": {
         name: {other: waited for other, waited in by_tenant.items() if visible(other)}
         for name, by_tenant in transfers["waits"].items()}}
-    # with an arena per tenant, each arena's order is one tenant's figures
+    # with an arena per tenant, each arena's order is one tenant's figures; its own
+    # only: an owner's order counts its grantees' pins and moves with their reads, which
+    # a co-grantee must not learn
     stats["eviction_orders"] = [repr(policy) for name, dram in d.store.drams.items()
-                                if name and visible(name)
-                                for policy in dram.policies.values()]
+                                if name == tenant for policy in dram.policies.values()]
+    # what it keeps pinned of other tenants' DRAM (auth.grantee_pin_share): its own
+    stats["grantee_pinned_bytes"] = {tenant: d.sessions.grant_pins.of(tenant)}
     return stats
 
 
@@ -612,8 +618,9 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
 def lookup_pin(v: Verbs, session: Session, req: p.LookupPin, payload: list[Any]) -> Answer:
     """A lookup that pins its leading hits in DRAM for the session: a client that reads
     what it finds saves the acquire's round trip.  Every check runs before the pin; a
-    session or tenant at its pin limit gets the lookup, nothing pinned (the client
-    acquires later, as after a plain lookup)."""
+    session or tenant at its pin limit, or a grantee at its share of the owner's DRAM
+    (``auth.grantee_pin_share``), gets the lookup, nothing pinned (the client acquires
+    later, as after a plain lookup)."""
     d = v.d
     ns = v._namespace(session, req.ns)
     v._check_keys(req.keys)
@@ -623,8 +630,11 @@ def lookup_pin(v: Verbs, session: Session, req: p.LookupPin, payload: list[Any])
     if ready:
         try:
             d.sessions.check_cap(session, "pins")
+            d.sessions.check_grant(session, ns, req.keys[:ready])
             got = d.store.acquire(session.id, ns, req.keys[:ready], d.clock(), promote=False)
             pin = got if isinstance(got, Pin) else None
+            if pin is not None:
+                d.sessions.pinned(session, pin)
         except LimitExceededError:
             pin = None
     if d.remote is not None and len(tiers) < len(req.keys) and d.remote.healthy:
@@ -646,6 +656,7 @@ async def _remote_lookup_pin(v: Verbs, rid: int, session: Session, ns: Namespace
     except BaseException:
         if pin is not None and session.id in v.d.store.owners:
             v.d.store.release(session.id, pin.id)
+            v.d.sessions.unpinned(session, pin.id)
         raise
     assert isinstance(found, p.LookupReply), type(found)
     return _lookup_pin_reply(rid, found.blocks, found.tier_runs, pin)

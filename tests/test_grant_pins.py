@@ -1,0 +1,136 @@
+"""What a grantee may keep pinned of its owner's DRAM (``auth.grantee_pin_share``): in
+bytes of distinct blocks, per grantee tenant and owner, over all the grantee's sessions,
+given back on release and when a lease runs out.  The sessions and the store, no
+sockets; ``check_invariants`` recounts after every step."""
+
+from __future__ import annotations
+
+import pytest
+from kvtest import make_identity
+
+from kvstore.blocks import Pin
+from kvstore.config import ServerConfig
+from kvstore.errors import LimitExceededError
+from kvstore.keys import chain_keys
+from kvstore.sessions import Session, Sessions
+from kvstore.store import BlockStore, Limits, Namespace, Reservation
+
+OWNED = make_identity(tenant="public", model="system-prompt", num_layers=4,
+                      num_kv_heads=4, head_dim=64)  # 64 KiB blocks
+SLOTS = 64  # in the DRAM tier
+
+
+class World:
+    """A store of ``SLOTS`` slots shared by all tenants, the sessions over it, and a
+    chain of 32 of the owner's blocks, committed."""
+
+    def __init__(self, share: float = 0.25) -> None:
+        self.now = 0.0
+        slot = OWNED.block_bytes
+        self.store = BlockStore(SLOTS * slot, 16 * slot, limits=Limits(lease_seconds=5.0))
+        self.sessions = Sessions(self.store, ServerConfig(), clock=lambda: self.now,
+                                 max_bytes_in_flight=0, max_tenant_bytes_in_flight=0,
+                                 grantee_pin_share=share)
+        self.ns = self.store.open_namespace(OWNED)
+        self.keys = chain_keys(self.ns.id, list(range(32 * 16)), 16)
+        r = self.store.reserve("owner", self.ns, self.keys, None, 0.0)
+        assert isinstance(r, Reservation)
+        self.store.commit("owner", r.id, 0.0)
+        self.slot = self.ns.cls.slot_bytes
+
+    def acquire(self, session: Session, keys: list[bytes], ns: Namespace | None = None) -> Pin:
+        """As the acquire verb does: the check, the pin, the count."""
+        ns = self.ns if ns is None else ns
+        self.sessions.check_grant(session, ns, keys)
+        pin = self.store.acquire(session.id, ns, keys, self.now)
+        assert isinstance(pin, Pin)
+        self.sessions.pinned(session, pin)
+        self.sessions.counted(session)
+        self.sessions.check_invariants()
+        return pin
+
+    def release(self, session: Session, pin: Pin) -> None:
+        self.store.release(session.id, pin.id)
+        self.sessions.unpinned(session, pin.id)
+        self.sessions.counted(session)
+        self.sessions.check_invariants()
+
+    def held(self, grantee: str) -> int:
+        return self.sessions.grant_pins.of(grantee).get("public", 0)
+
+
+def test_a_grantee_pins_up_to_its_share_of_distinct_blocks_over_its_sessions() -> None:
+    w = World()
+    limit = SLOTS * w.slot // 4
+    assert w.sessions.grant_pins.limit(w.ns) == limit
+    a1 = w.sessions.hello(b"a1", "acme", "")
+    a2 = w.sessions.hello(b"a2", "acme", "")
+    first = w.acquire(a1, w.keys[:10])
+    assert w.held("acme") == 10 * w.slot
+    again = w.acquire(a2, w.keys[:10])  # the same blocks: no more room taken
+    assert w.held("acme") == 10 * w.slot
+    with pytest.raises(LimitExceededError, match="grantee_pin_share"):
+        w.acquire(a1, w.keys[10:20])  # 20 blocks > 16
+    assert sum(b.refs for b in w.ns.blocks.values()) == 20  # the refused one pinned nothing
+    w.sessions.check_invariants()
+    tail = w.acquire(a1, w.keys[10:16])  # exactly at the share
+    assert w.held("acme") == limit
+    with pytest.raises(LimitExceededError):
+        w.acquire(a2, w.keys[16:17])
+    # a co-grantee has a share of its own: another grantee's pins do not shut it out
+    g = w.sessions.hello(b"g", "globex", "")
+    other = w.acquire(g, w.keys[:16])
+    assert w.held("globex") == limit and w.held("acme") == limit
+    assert w.sessions.grant_pins.of("globex") == {"public": limit}  # its own figures only
+    # the owner's own pins are its business, never counted
+    owner = w.sessions.hello(b"o", "public", "")
+    mine = w.acquire(owner, w.keys)
+    assert owner.grant_pins == {} and w.sessions.grant_pins.of("public") == {}
+    w.release(a1, first)  # a2 still holds those ten
+    assert w.held("acme") == limit
+    w.release(a2, again)
+    assert w.held("acme") == 6 * w.slot
+    w.release(a1, tail)
+    w.release(g, other)
+    w.release(owner, mine)
+    assert w.sessions.grant_pins.held == {} and w.sessions.grant_pins.stats() == {}
+
+
+def test_pins_come_back_when_a_lease_runs_out() -> None:
+    w = World()
+    a = w.sessions.hello(b"a", "acme", "")
+    w.acquire(a, w.keys[:8])
+    w.acquire(a, w.keys[:4])
+    assert w.held("acme") == 8 * w.slot
+    w.now = 10.0  # past the lease
+    w.sessions.forget(set(w.store.expire(w.now)))
+    assert w.sessions.grant_pins.held == {} and a.grant_pins == {}
+    w.sessions.check_invariants()
+    b = w.sessions.hello(b"b", "acme", "")
+    w.acquire(b, w.keys[:16])  # the whole share again
+
+
+def test_a_share_of_zero_pins_nothing_and_one_the_whole_tier() -> None:
+    none = World(share=0.0)
+    a = none.sessions.hello(b"a", "acme", "")
+    with pytest.raises(LimitExceededError):
+        none.acquire(a, none.keys[:1])
+    whole = World(share=1.0)
+    a = whole.sessions.hello(b"a", "acme", "")
+    whole.acquire(a, whole.keys)
+    assert whole.held("acme") == 32 * whole.slot
+    whole.sessions.configure(ServerConfig(), 0.0)  # lowered live: takes nothing back
+    assert whole.held("acme") == 32 * whole.slot
+    whole.acquire(a, whole.keys[:1])  # pinned by it already: no more room taken
+    with pytest.raises(LimitExceededError):
+        whole.acquire(whole.sessions.hello(b"b", "globex", ""), whole.keys[:1])
+
+
+def test_the_share_of_a_shared_tier_is_of_the_owner_s_quota() -> None:
+    w = World()
+    w.store.tenant_quota = 8 * w.slot  # the owner may hold 8 slots of the shared tier
+    assert w.sessions.grant_pins.limit(w.ns) == 2 * w.slot
+    a = w.sessions.hello(b"a", "acme", "")
+    w.acquire(a, w.keys[:2])
+    with pytest.raises(LimitExceededError):
+        w.acquire(a, w.keys[2:3])
