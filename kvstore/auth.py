@@ -29,7 +29,13 @@ prompt, say): ``{"public" = ["acme", "globex"]}``.  A grant is to read: a grante
 up, acquires and gets the owner's blocks and maps its arena read-only, but cannot write
 there, evict or drop (else any grantee could plant bytes under a key the others will
 load: a shared prompt's keys are known to all).  ``auth.shared_writers`` names the
-grantees that may write too (``{"public" = ["acme"]}``).
+grantees that may write too (``{"public" = ["acme"]}``).  What a grantee keeps pinned
+there is bounded in bytes, a share of the owner's DRAM (``auth.grantee_pin_share``,
+``kvstore.grant_pins``): pinned blocks cannot be evicted.
+
+The metrics port names every tenant: with credentials set it answers only scrapes that
+carry the bearer token of ``server.metrics_token_file`` (``read_metrics_token``,
+``bearer_matches``).
 """
 
 from __future__ import annotations
@@ -113,6 +119,36 @@ def read_secret(path: str | Path) -> bytes:
     if len(secret) < 16:
         raise ConfigError(f"auth.secret_file: {path} holds fewer than 16 bytes")
     return secret
+
+
+def read_metrics_token(path: str | Path) -> bytes:
+    """The bearer token scrapes of the metrics port must carry (``server.metrics_token_file``),
+    surrounding whitespace stripped as Prometheus strips its ``credentials_file``;
+    ConfigError if unreadable or shorter than 16 characters (guessable)."""
+    try:
+        token = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"server.metrics_token_file: cannot read {path}: "
+                          f"{exc.strerror}") from None
+    if len(token) < 16:
+        raise ConfigError(f"server.metrics_token_file: {path} holds fewer than 16 "
+                          f"characters (kvstore keygen --secret FILE writes a good one)")
+    if any(c < 0x21 or c > 0x7e for c in token):
+        raise ConfigError(f"server.metrics_token_file: {path} holds other than printable "
+                          f"ASCII (an HTTP header carries the token)")
+    return token
+
+
+def bearer_matches(header: str | None, token: bytes) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <token>`` (the scheme in any
+    case), compared in constant time."""
+    if not header:
+        return False
+    scheme, _, given = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    # WSGI hands header values as latin-1 strings: back to the bytes that were sent
+    return hmac.compare_digest(given.strip().encode("latin-1", "replace"), token)
 
 
 def write_secret(path: str | Path) -> None:

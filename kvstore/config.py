@@ -107,6 +107,12 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "info"
     debug_invariants: bool = False
     metrics_port: int = 0
+    # the address the metrics port binds (an IPv6 one works too)
+    metrics_addr: str = "127.0.0.1"
+    # A file holding the bearer token every scrape must carry (Prometheus'
+    # ``authorization: credentials_file``); others get 401.  Required with credentials
+    # set (auth) and a metrics port: the metrics name every tenant and count its use.
+    metrics_token_file: str = ""
     log_format: str = "text"
     max_requests_per_second: float = 0.0
     max_bytes_in_flight: str | int = "1GiB"
@@ -340,6 +346,22 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if endpoint and not endpoint.startswith(("tcp://", "ipc://")):
                 raise ConfigError(f"events.{name}: with credentials set, tcp:// or ipc://")
 
+    def _validate_metrics_access(self) -> None:
+        """With credentials, the metrics port (which names every tenant and counts its
+        use) answers only scrapes with the bearer token, as the event stream answers
+        only its readers: refused at start-up without one, never served open."""
+        s = self.server
+        if not s.metrics_addr.strip():
+            raise ConfigError("server.metrics_addr: an address to bind the metrics port "
+                              "on, e.g. \"127.0.0.1\" (the default) or \"::1\"")
+        if s.metrics_port and self.credentials and not s.metrics_token_file:
+            raise ConfigError(
+                "server.metrics_token_file: the metrics port names every tenant and counts "
+                "its use, and credentials are set (auth); give a file holding a token "
+                "that scrapes must send as a bearer token (kvstore keygen --secret FILE "
+                "writes one; Prometheus: authorization: credentials_file), or turn the "
+                "port off (server.metrics_port = 0)")
+
     @property
     def credentials(self) -> bool:
         """Whether hello must prove a tenant (a token, a CurveZMQ key or the peer's uid)."""
@@ -410,6 +432,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("server.log_format: expected 'text' or 'json'")
         if not 0 <= self.server.metrics_port <= 65535:
             raise ConfigError("server.metrics_port: expected 0 (off) to 65535")
+        self._validate_metrics_access()
         if self.max_request_bytes < 1 << 20:
             raise ConfigError("server.max_request_bytes: must be at least 1MiB")
         if self.dram_capacity < 1 << 20:

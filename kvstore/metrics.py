@@ -29,9 +29,16 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+from wsgiref.simple_server import make_server
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import (
+    ThreadingWSGIServer,
+    _get_best_family,
+    _SilentHandler,
+    make_wsgi_app,
+)
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -41,6 +48,8 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
+
+from kvstore.auth import bearer_matches
 
 log = logging.getLogger("kvstore.metrics")
 
@@ -527,17 +536,32 @@ class Metrics:
         return prometheus_client.generate_latest(self.registry)
 
     def start_http_server(
-        self, port: int, addr: str = "127.0.0.1"
+        self, port: int, addr: str = "127.0.0.1", token: bytes = b""
     ) -> Callable[[], None] | None:
-        """Serve ``/metrics`` on ``addr:port`` from a background thread.
+        """Serve ``/metrics`` on ``addr:port`` from a background thread; with ``token``,
+        only to scrapes that carry ``Authorization: Bearer <token>`` (others get 401).
 
         Port 0 means disabled and returns None; otherwise returns a function that stops
         the server and closes its socket.
         """
         if port == 0:
             return None
-        httpd, thread = prometheus_client.start_http_server(
-            port, addr=addr, registry=self.registry)
+        # prometheus_client.start_http_server's own pieces (its app, its threading
+        # server, its quiet handler, its choice of address family), with the app
+        # behind the token check: that function takes no check of its own
+        app = make_wsgi_app(self.registry)
+        if token:
+            app = _bearer_only(app, token)
+
+        class Server(ThreadingWSGIServer):
+            """Its address family set for ``addr`` (as prometheus_client does)."""
+
+        # (untyped in prometheus_client: an address family and the host to bind)
+        Server.address_family, host = _get_best_family(addr, port)  # type: ignore[no-untyped-call]
+        httpd = make_server(host, port, app, Server, handler_class=_SilentHandler)
+        thread = threading.Thread(target=httpd.serve_forever, name="kvstore-metrics",
+                                  daemon=True)
+        thread.start()
 
         def close() -> None:
             httpd.shutdown()
@@ -545,3 +569,20 @@ class Metrics:
             thread.join()
 
         return close
+
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def _bearer_only(app: WsgiApp, token: bytes) -> WsgiApp:
+    """``app`` for requests that carry the bearer ``token``; 401 for any other (what
+    Prometheus' ``authorization: credentials_file`` sends passes)."""
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if bearer_matches(environ.get("HTTP_AUTHORIZATION"), token):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [
+            ("WWW-Authenticate", 'Bearer realm="kvstore metrics"'),
+            ("Content-Type", "text/plain; charset=utf-8")])
+        return [b"this daemon's metrics need a bearer token (server.metrics_token_file)\n"]
+    return guarded

@@ -24,10 +24,11 @@ import msgspec
 import zmq
 
 from kvstore import protocol as p
-from kvstore.auth import Auth
+from kvstore.auth import Auth, read_metrics_token
 from kvstore.config import Config, ServerConfig, merge_live, parse_size, restart_needed
 from kvstore.errors import (
     CapacityError,
+    ConfigError,
     KVStoreError,
     MalformedError,
     TooLargeError,
@@ -555,9 +556,15 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
     """Serve until SIGINT or SIGTERM, with metrics and systemd notifications; SIGHUP
     re-reads the configuration through ``reload`` and applies what can change live."""
     loop = asyncio.get_running_loop()
+    s = config.server
+    token = read_metrics_token(s.metrics_token_file) if s.metrics_token_file else b""
     server = Server(config)
     server.metrics = Metrics(stats_on_loop(loop, server.stats))
-    close_http = server.metrics.start_http_server(config.server.metrics_port)
+    try:
+        close_http = server.metrics.start_http_server(s.metrics_port, s.metrics_addr, token)
+    except OSError as exc:  # (nothing is bound or started yet: nothing to close)
+        raise ConfigError(f"server.metrics_addr: cannot serve metrics on "
+                          f"{s.metrics_addr} port {s.metrics_port}: {exc}") from None
     notifier = Notifier()
 
     def ready(s: Server) -> None:

@@ -54,11 +54,15 @@ class Raw:
 
 @pytest.fixture
 def token_daemon(daemon_factory: Any, tmp_path: Path) -> tuple[DaemonProcess, Path, int]:
-    """A daemon with a token secret, a tcp endpoint and metrics."""
+    """A daemon with a token secret, a tcp endpoint and metrics (behind a bearer token,
+    as credentials require)."""
     secret = tmp_path / "secret"
     cli("keygen", "--secret", str(secret))
+    metrics_token = tmp_path / "metrics.token"
+    metrics_token.write_text(METRICS_TOKEN + "\n")
     config = tmp_path / "auth.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret}"\noperators = ["ops"]\n'
+    config.write_text(f'[server]\nmetrics_token_file = "{metrics_token}"\n'
+                      f'[auth]\nsecret_file = "{secret}"\noperators = ["ops"]\n'
                       '[auth.shared_tenants]\npublic = ["acme"]\n'
                       '[auth.shared_writers]\npublic = ["acme"]\n')
     port = free_port()
@@ -71,10 +75,18 @@ def token(secret: Path, tenant: str) -> str:
     return cli("token", "--secret-file", str(secret), "--tenant", tenant)
 
 
+METRICS_TOKEN = "metrics-scraper-token-0123456789"
+
+
+def scrape_text(port: int) -> str:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    return urllib.request.urlopen(request, timeout=10).read().decode()
+
+
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text.decode())
+            for family in text_string_to_metric_families(scrape_text(port))
             for s in family.samples}
 
 
@@ -147,8 +159,7 @@ def test_with_credentials_a_tenant_sees_only_its_own_tenants_figures(
                           d.endpoint], capture_output=True, text=True, check=True, timeout=60,
                          env=dict(os.environ, KVSTORE_TOKEN=token(secret, "acme"))).stdout
     assert "globex-secret-customer" not in out and "acme" in out
-    assert "globex-secret-customer" in urllib.request.urlopen(
-        f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "globex-secret-customer" in scrape_text(port)
 
 
 def test_without_credentials_stats_show_every_tenant(daemon: DaemonProcess) -> None:

@@ -1,0 +1,136 @@
+"""Who may read the metrics port (``server.metrics_addr``, ``server.metrics_token_file``):
+with credentials set, only scrapes that carry the bearer token, as Prometheus'
+``authorization: credentials_file`` sends it; a daemon with credentials and a metrics
+port but no token refuses to start.  Real daemons, real HTTP."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_proc import free_port
+from kvtest import make_identity
+
+from kvstore import Client
+from kvstore.auth import bearer_matches, read_metrics_token
+from kvstore.config import load_config
+from kvstore.errors import ConfigError
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def scrape(url: str, authorization: str | None = None) -> tuple[int, str, str]:
+    """(status, WWW-Authenticate, body) of one GET."""
+    request = urllib.request.Request(url)
+    if authorization is not None:
+        request.add_header("Authorization", authorization)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, "", response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("WWW-Authenticate", ""), exc.read().decode()
+
+
+def secured(tmp_path: Path, addr: str = "") -> tuple[Path, Path, str, int]:
+    """A config with a token secret, a metrics port and its token file (keygen's, with
+    its trailing newline): (config, secret, token, port)."""
+    secret, token_file = tmp_path / "secret", tmp_path / "metrics.token"
+    assert cli("keygen", "--secret", str(secret)).returncode == 0
+    assert cli("keygen", "--secret", str(token_file)).returncode == 0
+    port = free_port()
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f'[server]\nmetrics_port = {port}\n'
+                      f'metrics_token_file = "{token_file}"\n'
+                      + (f'metrics_addr = "{addr}"\n' if addr else "")
+                      + f'[auth]\nsecret_file = "{secret}"\n')
+    return config, secret, token_file.read_text().strip(), port
+
+
+def test_scrapes_need_the_bearer_token(daemon_factory: Any, tmp_path: Path) -> None:
+    config, secret, token, port = secured(tmp_path)
+    d = daemon_factory(extra=["--config", str(config)])
+    tenant_token = cli("token", "--secret-file", str(secret), "--tenant",
+                       "secret-customer").stdout.strip()
+    with Client(d.endpoint, token=tenant_token) as c:
+        c.namespace(make_identity(tenant="secret-customer")).lookup([b"\1" * 16])
+    url = f"http://127.0.0.1:{port}/metrics"
+    for refused in (None, "", "Bearer", f"Bearer {token[:-1]}", f"Bearer {token}x",
+                    f"Basic {token}", token, f"Bearer {token[::-1]}"):
+        status, challenge, body = scrape(url, refused)
+        assert status == 401, refused
+        assert challenge.startswith("Bearer") and "secret-customer" not in body
+    for path in ("/", "/metrics?name[]=kvstore_sessions"):  # every path is behind it
+        assert scrape(f"http://127.0.0.1:{port}{path}")[0] == 401
+    status, _, body = scrape(url, f"Bearer {token}")
+    assert status == 200 and 'tenant="secret-customer"' in body
+    assert scrape(url, f"bearer  {token} ")[0] == 200  # the scheme in any case
+
+
+def test_the_metrics_port_binds_the_address_given(daemon_factory: Any,
+                                                  tmp_path: Path) -> None:
+    config, _, token, port = secured(tmp_path, addr="127.0.0.2")  # loopback, not .1
+    daemon_factory(extra=["--config", str(config)])
+    assert scrape(f"http://127.0.0.2:{port}/metrics", f"Bearer {token}")[0] == 200
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def test_credentials_and_a_metrics_port_without_a_token_are_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    assert cli("keygen", "--secret", str(secret)).returncode == 0
+    auth = {"auth": {"secret_file": str(secret)}}
+    with pytest.raises(ConfigError, match="server.metrics_token_file"):
+        load_config(env={}, overrides={**auth, "server": {"metrics_port": 9464}})
+    load_config(env={}, overrides={**auth, "server": {"metrics_port": 0}})  # port off
+    load_config(env={}, overrides={"server": {"metrics_port": 9464}})  # one user's host
+    with pytest.raises(ConfigError, match="server.metrics_addr"):
+        load_config(env={}, overrides={"server": {"metrics_addr": " "}})
+    config = tmp_path / "open.toml"
+    config.write_text(f'[server]\nmetrics_port = 9464\n[auth]\nsecret_file = "{secret}"\n')
+    checked = cli("config", "check", str(config))
+    assert checked.returncode == 2 and "server.metrics_token_file" in checked.stderr
+
+
+@pytest.mark.parametrize("content, why", [
+    (None, "cannot read"), ("short\n", "fewer than 16"), ("a token with spaces in it", "ASCII")])
+def test_a_bad_token_file_stops_the_daemon_at_start(tmp_path: Path, content: str | None,
+                                                   why: str) -> None:
+    config, _, _, port = secured(tmp_path)
+    token_file = tmp_path / "metrics.token"
+    if content is None:
+        token_file.unlink()
+    else:
+        token_file.write_text(content)
+    with pytest.raises(ConfigError, match=why):
+        read_metrics_token(token_file)
+    served = cli("serve", "--config", str(config), "--endpoint",
+                 f"ipc://{tmp_path / 'kv.sock'}", "--ssd-capacity", "0",
+                 "--dram-capacity", "4MiB")
+    assert served.returncode == 2, served.stderr
+    assert "server.metrics_token_file" in served.stderr and why in served.stderr
+
+
+def test_an_address_it_cannot_bind_stops_the_daemon_at_start(tmp_path: Path) -> None:
+    config, _, _, _ = secured(tmp_path, addr="192.0.2.1")  # TEST-NET-1: no such address here
+    served = cli("serve", "--config", str(config), "--endpoint",
+                 f"ipc://{tmp_path / 'kv.sock'}", "--ssd-capacity", "0",
+                 "--dram-capacity", "4MiB")
+    assert served.returncode == 2 and "server.metrics_addr" in served.stderr, served.stderr
+
+
+def test_bearer_matches_only_the_token() -> None:
+    token = b"0123456789abcdef0123"
+    assert bearer_matches("Bearer 0123456789abcdef0123", token)
+    assert bearer_matches("BEARER 0123456789abcdef0123", token)
+    for header in (None, "", "Bearer", "Bearer ", "Bearer 0123456789abcdef012",
+                   "Basic 0123456789abcdef0123", "0123456789abcdef0123",
+                   "Bearer 0123456789abcdef0123 extra", "Bearer é"):
+        assert not bearer_matches(header, token), header
