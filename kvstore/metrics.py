@@ -237,7 +237,7 @@ class _StatsCollector(Collector):
                                     float(stats["invariant_violations"])))
         return [*pool.values(), peak, *counters.values(), evictions, hit_ratio, sessions,
                 namespaces, violations, *scheduling.values(), self._error_family(),
-                *self._event_families(stats)]
+                *self._event_families(stats), _grantee_pins_family(stats)]
 
     def _event_families(self, stats: Mapping[str, Any]) -> list[Metric]:
         """The KV event stream's batches sent, and those some subscriber missed (it was
@@ -569,6 +569,20 @@ class Metrics:
             thread.join()
 
         return close
+
+
+def _grantee_pins_family(stats: Mapping[str, Any]) -> Metric:
+    """Bytes of each owner's DRAM each grantee keeps pinned (its labels are the grants
+    configured, a bounded set)."""
+    family = GaugeMetricFamily(
+        "kvstore_grantee_pinned_bytes", "Bytes of an owner tenant's DRAM a tenant it "
+        "granted its namespaces to keeps pinned (within auth.grantee_pin_share).",
+        labels=["grantee", "owner"])
+    held: Mapping[str, Mapping[str, int]] = stats.get("grantee_pinned_bytes") or {}
+    for grantee, by_owner in held.items():
+        for owner, nbytes in by_owner.items():
+            family.add_metric([grantee, owner], float(nbytes))
+    return family
 
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]

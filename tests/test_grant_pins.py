@@ -134,3 +134,19 @@ def test_the_share_of_a_shared_tier_is_of_the_owner_s_quota() -> None:
     w.acquire(a, w.keys[:2])
     with pytest.raises(LimitExceededError):
         w.acquire(a, w.keys[2:3])
+
+
+def test_the_metrics_show_each_grantee_s_bytes_by_owner() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvstore.metrics import Metrics
+
+    w = World()
+    a = w.sessions.hello(b"a", "acme", "")
+    w.acquire(a, w.keys[:3])
+    stats = {"grantee_pinned_bytes": w.sessions.grant_pins.stats()}
+    text = Metrics(lambda: stats).exposition().decode()
+    samples = {tuple(sorted(s.labels.items())): s.value
+               for family in text_string_to_metric_families(text)
+               if family.name == "kvstore_grantee_pinned_bytes" for s in family.samples}
+    assert samples == {(("grantee", "acme"), ("owner", "public")): 3 * w.slot}
