@@ -556,15 +556,16 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
     """Serve until SIGINT or SIGTERM, with metrics and systemd notifications; SIGHUP
     re-reads the configuration through ``reload`` and applies what can change live."""
     loop = asyncio.get_running_loop()
-    s = config.server
-    token = read_metrics_token(s.metrics_token_file) if s.metrics_token_file else b""
+    web = config.server  # the metrics port's settings
+    token = read_metrics_token(web.metrics_token_file) if web.metrics_token_file else b""
     server = Server(config)
     server.metrics = Metrics(stats_on_loop(loop, server.stats))
     try:
-        close_http = server.metrics.start_http_server(s.metrics_port, s.metrics_addr, token)
+        close_http = server.metrics.start_http_server(web.metrics_port, web.metrics_addr,
+                                                      token)
     except OSError as exc:  # (nothing is bound or started yet: nothing to close)
-        raise ConfigError(f"server.metrics_addr: cannot serve metrics on "
-                          f"{s.metrics_addr} port {s.metrics_port}: {exc}") from None
+        raise ConfigError(f"server.metrics_addr, metrics_port: cannot serve metrics on "
+                          f"{web.metrics_addr} port {web.metrics_port}: {exc}") from None
     notifier = Notifier()
 
     def ready(s: Server) -> None:
