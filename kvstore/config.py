@@ -185,10 +185,12 @@ class AuthConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     operators: list[str] = []
     peer_tenants: dict[str, str] = {}  # user name or uid -> tenant, by SO_PEERCRED
     # The most a grantee tenant (shared_tenants, shared_writers) may keep pinned of an
-    # owner's namespaces, as a fraction of the owner's DRAM (its arena, or its
-    # dram.tenant_quota of a shared one), counted over all the grantee's sessions: a
-    # pinned block cannot be evicted, so without it one grantee could pin the owner's
-    # arena full.  0: grantees pin nothing (they read with get, which copies); 1: no
+    # owner's namespaces (acquire and lookup_pin pins, get replies not yet sent), with
+    # the prefixes those pins keep in place (eviction is leaf first), as a fraction of
+    # the owner's DRAM (its arena, or its dram.tenant_quota of a shared one), over all
+    # the grantee's sessions: pinned blocks cannot be evicted, so without it one
+    # grantee could pin the owner's arena full.  0: grantees pin nothing, so they may
+    # look up but not read (every read pins, a get until its reply is sent); 1: no
     # bound beyond the arena.  A quarter leaves the owner three quarters against any
     # one grantee, and still holds a shared system prompt many times over.
     grantee_pin_share: float = 0.25
@@ -465,7 +467,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self._validate_event_readers()
         if not 0.0 <= self.auth.grantee_pin_share <= 1.0:
             raise ConfigError("auth.grantee_pin_share: a fraction of the owner's DRAM from "
-                              "0 (grantees pin nothing) to 1 (no bound beyond the arena)")
+                              "0 (grantees pin nothing: lookups only) to 1 (no bound beyond the arena)")
         if self.auth.curve_secret_key_file and not any(
                 e.startswith("tcp://") for e in [self.endpoint, *self.server.extra_endpoints]):
             raise ConfigError("auth.curve_secret_key_file: CurveZMQ secures tcp:// endpoints, "

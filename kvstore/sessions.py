@@ -12,7 +12,8 @@ only through its own requests (counted after each one) and when its lease runs o
 What a session pins in namespaces of other tenants (granted by ``auth.shared_tenants``)
 is counted in bytes too, per grantee tenant and owner (``kvstore.grant_pins``): the
 session keeps the pins it was charged for, and gives them back as they are released or
-its lease runs out.
+its lease runs out; the pins of its get replies there count to its tenant until the
+replies are sent (``get_pins``: they outlive the lease).
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ class Sessions:
         self.tenants: dict[str, Tenant] = {}
         self._expired: dict[bytes, None] = {}
         self.grant_pins = GrantPins(grantee_pin_share, self._owner_dram)
+        # pins of get replies not yet sent in other tenants' namespaces, by id: counted
+        # to the asking tenant (they outlive its session's lease, till zmq sends them)
+        self.get_pins: dict[int, tuple[str, Pin]] = {}
         self.configure(settings, grantee_pin_share)
 
     def configure(self, s: ServerConfig, grantee_pin_share: float | None = None) -> None:
@@ -313,6 +317,19 @@ class Sessions:
         if pin is not None:
             self.grant_pins.discharge(session.tenant, pin)
 
+    def pinned_for_get(self, session: Session, pin: Pin) -> None:
+        """Count the pin of a get reply (until sent) if it is in another tenant's
+        namespace: a peer that never reads holds it as long as an acquire."""
+        if pin.blocks and pin.blocks[0].ns.tenant != session.tenant:
+            self.grant_pins.charge(session.tenant, pin)
+            self.get_pins[pin.id] = (session.tenant, pin)
+
+    def unpinned_get(self, pin_id: int) -> None:
+        """A get reply's pin went back (sent, or never to be)."""
+        held = self.get_pins.pop(pin_id, None)
+        if held is not None:
+            self.grant_pins.discharge(*held)
+
     def _owner_dram(self, ns: Namespace) -> int:
         """The DRAM a grantee's share is of: the arena of ``ns``'s owner, or what its
         owner may hold of a shared one (``dram.tenant_quota``)."""
@@ -383,6 +400,9 @@ class Sessions:
                 f"{session} counts pins {sorted(session.grant_pins)} in other tenants' "
                 f"namespaces; it holds {sorted(foreign)}")
             counted.setdefault(session.tenant, []).extend(foreign.values())
+        for tenant, pin in self.get_pins.values():
+            assert all(b.refs for b in pin.blocks), f"a get's pin {pin.id} is counted, gone"
+            counted.setdefault(tenant, []).append(pin)
         self.grant_pins.check_invariants(counted)
 
     def _check_namespace_users(self) -> None:

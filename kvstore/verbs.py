@@ -354,13 +354,17 @@ class Verbs:
         if len(req.keys) * ns.block_bytes > d.max_request_bytes:
             raise TooLargeError(f"get of {len(req.keys)} blocks exceeds the request limit of "
                                 f"{d.max_request_bytes} bytes; split it")
+        # its blocks stay pinned until the reply is sent, as long as a peer does not
+        # read: another tenant's count against the grantee's share, as its acquires do
+        d.sessions.check_grant(session, ns, req.keys)
         pin = self._acquire_or_fetch(GET_OWNER, ns, req.keys)
         if isinstance(pin, Plan):
             return pin
+        d.sessions.pinned_for_get(session, pin)
         size, arena = ns.block_bytes, d.arena_for(ns.tenant)
         frames = [arena.slot(offset, size) for offset in pin.offsets]
         if not frames:
-            d.store.release(GET_OWNER, pin.id)
+            self._unpin_get(pin.id)
             return p.GetReply(req.rid, 0), []
         held = len(frames) * size
         try:  # pinned until sent, outside any lease: within the bytes-in-flight limits
@@ -369,12 +373,12 @@ class Verbs:
             own = {pin_id for pin_id, (s, _) in self.sending.items() if s is session}
             trackers = d.transport.trackers_of(own)
             if not trackers:
-                d.store.release(GET_OWNER, pin.id)
+                self._unpin_get(pin.id)
                 raise
             return Later(self._get_after_sends(req.rid, session, pin, frames, held,
                                                trackers))
         except BaseException:
-            d.store.release(GET_OWNER, pin.id)
+            self._unpin_get(pin.id)
             raise
         self.sending[pin.id] = (session, held)
         return p.GetReply(req.rid, len(frames), pin.checksums), PinnedFrames(frames, pin.id)
@@ -390,8 +394,7 @@ class Verbs:
             await d.transport.sent(trackers, _SENT_WAIT)
             d.sessions.hold_bytes(session, held)
         except BaseException:
-            if GET_OWNER in d.store.owners:  # (gone: the daemon closes, all went back)
-                d.store.release(GET_OWNER, pin.id)
+            self._unpin_get(pin.id)
             raise
         self.sending[pin.id] = (session, held)
         return p.GetReply(rid, len(frames), pin.checksums), PinnedFrames(frames, pin.id)
@@ -400,8 +403,13 @@ class Verbs:
         """A zero-copy get reply went out (or could not): its pin and bytes go back."""
         session, held = self.sending.pop(pin_id)
         self.d.sessions.release_bytes(session, held)
+        self._unpin_get(pin_id)
+
+    def _unpin_get(self, pin_id: int) -> None:
+        """A get's pin goes back, and its count against a grantee's share."""
         if GET_OWNER in self.d.store.owners:  # (gone: the daemon closes, all went back)
             self.d.store.release(GET_OWNER, pin_id)
+        self.d.sessions.unpinned_get(pin_id)
 
     def _evict(self, session: Session, req: p.Evict, payload: list[Any]) -> Answer:
         ns = self._writable(session, req.ns)

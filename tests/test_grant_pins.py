@@ -88,12 +88,30 @@ def test_a_grantee_pins_up_to_its_share_of_distinct_blocks_over_its_sessions() -
     assert owner.grant_pins == {} and w.sessions.grant_pins.of("public") == {}
     w.release(a1, first)  # a2 still holds those ten
     assert w.held("acme") == limit
-    w.release(a2, again)
-    assert w.held("acme") == 6 * w.slot
+    w.release(a2, again)  # the tail still keeps its prefix in place: still counted
+    assert w.held("acme") == limit
     w.release(a1, tail)
     w.release(g, other)
     w.release(owner, mine)
     assert w.sessions.grant_pins.held == {} and w.sessions.grant_pins.stats() == {}
+
+
+def test_a_pinned_leaf_counts_the_prefix_it_keeps_in_place() -> None:
+    """Eviction is leaf first: a pinned leaf keeps its whole chain in DRAM, so it
+    counts it; pinning the last block of a chain is no way around the share."""
+    w = World()
+    a = w.sessions.hello(b"a", "acme", "")
+    with pytest.raises(LimitExceededError, match="prefixes"):
+        w.acquire(a, w.keys[31:32])  # a chain of 32 blocks > 16
+    assert sum(b.refs for b in w.ns.blocks.values()) == 0
+    leaf = w.acquire(a, w.keys[15:16])  # a chain of 16: exactly the share
+    assert w.held("acme") == 16 * w.slot
+    inner = w.acquire(a, w.keys[3:4])  # within what it keeps already: nothing more
+    assert w.held("acme") == 16 * w.slot
+    w.release(a, leaf)  # the inner pin keeps its own prefix only
+    assert w.held("acme") == 4 * w.slot
+    w.release(a, inner)
+    assert w.sessions.grant_pins.held == {}
 
 
 def test_pins_come_back_when_a_lease_runs_out() -> None:

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from daemon_proc import DaemonProcess
 from kvtest import make_identity
 
 from kvstore import Client
+from kvstore import protocol as p
 from kvstore.errors import CapacityError, LimitExceededError
 
 SHARED = make_identity(tenant="public", model="system-prompt", num_layers=4,
@@ -31,14 +33,14 @@ def cli(*args: str) -> str:
 
 
 def start(daemon_factory: Any, tmp_path: Path, share: float | None = None,
-          lease: float = 30.0) -> tuple[DaemonProcess, Path]:
+          lease: float = 30.0, tcp: bool = False) -> tuple[DaemonProcess, Path]:
     secret = tmp_path / "secret"
     cli("keygen", "--secret", str(secret))
     config = tmp_path / "grants.toml"
     config.write_text(f'[auth]\nsecret_file = "{secret}"\noperators = ["ops"]\n'
                       + ("" if share is None else f"grantee_pin_share = {share}\n")
                       + '[auth.shared_tenants]\npublic = ["acme", "globex"]\n')
-    d = daemon_factory(dram_capacity="2MiB", lease=lease,
+    d = daemon_factory(dram_capacity="2MiB", lease=lease, tcp=tcp,
                        extra=["--config", str(config), "--slab-size", "1MiB"])
     return d, secret
 
@@ -147,8 +149,8 @@ def test_without_the_bound_one_grantee_starves_the_owner(daemon_factory: Any,
         fill(mine, chain(mine, 4, start=10**6))
 
 
-def test_a_share_of_zero_lets_grantees_read_by_copy_only(daemon_factory: Any,
-                                                         tmp_path: Path) -> None:
+def test_a_share_of_zero_leaves_grantees_lookups_only(daemon_factory: Any,
+                                                     tmp_path: Path) -> None:
     d, secret = start(daemon_factory, tmp_path, share=0)
     with connect(d, secret, "public") as owner, connect(d, secret, "acme") as acme:
         keys = chain(owner.namespace(SHARED), 2)
@@ -157,7 +159,55 @@ def test_a_share_of_zero_lets_grantees_read_by_copy_only(daemon_factory: Any,
         ns = acme.namespace(SHARED)
         with pytest.raises(LimitExceededError):
             ns.acquire(keys)
+        with pytest.raises(LimitExceededError):  # a get pins until its reply is sent
+            ns.get(keys)
         found, none = ns.lookup_pin(keys)
         assert found.blocks == 2 and none is None
-        assert [bytes(b) for b in ns.get(keys)] == data
-        owner.namespace(SHARED).acquire(keys).release()  # the owner's own: no bound
+        assert ns.lookup(keys).blocks == 2
+        assert [bytes(b) for b in owner.namespace(SHARED).get(keys)] == data  # its own
+        owner.namespace(SHARED).acquire(keys).release()
+
+
+def test_gets_a_grantee_never_reads_pin_no_more_than_its_share(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """A get's blocks stay pinned until zmq has sent the reply: a grantee that sends
+    gets and never reads them held the owner's whole arena (its put refused) before
+    its gets counted against its share."""
+    d, secret = start(daemon_factory, tmp_path, tcp=True)
+    acme_token = cli("token", "--secret-file", str(secret), "--tenant", "acme")
+    assert d.tcp_endpoint is not None
+    with connect(d, secret, "public") as owner, connect(d, secret, "ops") as ops:
+        mine = owner.namespace(SHARED)
+        keys = chain(mine, SLOTS)
+        fill(mine, keys)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)  # a grantee that stops reading after its hello
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.RCVBUF, 4096)
+        sock.plain_username, sock.plain_password = b"acme", acme_token.encode()
+        sock.connect(d.tcp_endpoint)
+        try:
+            for msg in (p.Hello(1, p.PROTOCOL_VERSION, "acme", acme_token),
+                        p.OpenNamespace(2, SHARED)):
+                sock.send(p.encoder.encode(msg))
+                assert sock.poll(10_000)
+                assert not isinstance(p.reply_decoder.decode(sock.recv_multipart()[0]),
+                                      p.ErrorReply)
+            for rid in range(3, 40):  # every block, again and again; never read
+                sock.send(p.encoder.encode(p.Get(rid, mine.id, keys[(rid % 4) * SHARE:
+                                                                   (rid % 4 + 1) * SHARE])))
+            time.sleep(1.0)
+            stats = ops.stats()
+            assert stats["grantee_pinned_bytes"] == {"acme": {"public": SHARE *
+                                                              SHARED.block_bytes}}
+            assert stats["tiers"]["dram"]["pinned_blocks"] == SHARE
+            fill(mine, chain(mine, SLOTS - SHARE, start=10**6))  # the owner's room
+        finally:
+            sock.close()
+            ctx.term()
+        deadline = time.monotonic() + 20  # gone unread: the pins go back
+        while ops.stats()["grantee_pinned_bytes"] != {}:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert pinned_blocks(ops) == 0
