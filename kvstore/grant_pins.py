@@ -38,7 +38,9 @@ class GrantPins:
         self.share = share
         self.capacity = capacity
         self.held: dict[tuple[str, str], int] = {}  # (grantee, owner) -> bytes pinned
-        # grantee -> block -> its pins on the block (the block counts once in ``held``)
+        # grantee -> each block it protects (pinned, or an ancestor of a pinned one) ->
+        # its pins by the grantee and its protected children (its slot counts once in
+        # ``held`` while this is above zero)
         self._refs: dict[str, dict[Block, int]] = {}
 
     def __repr__(self) -> str:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvstore.config import ServerConfig
 from kvstore.blocks import Pin
+from kvstore.config import ServerConfig
 from kvstore.errors import (
     ForbiddenError,
     LeaseExpiredError,
