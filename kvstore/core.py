@@ -64,9 +64,7 @@ class Dropping:
 
     def kept(self, fresh: Sequence[Block]) -> None:
         """Blocks just committed: kept by every removal asked so far."""
-        spare, asked = self.spare, self.asked
-        for block in fresh:
-            spare[block] = asked
+        self.spare.update(dict.fromkeys(fresh, self.asked))
 
 
 class Keeping:
@@ -560,6 +558,13 @@ class StoreCore:
                     continue
                 self._sweeping = (b, SubtreeDrop(self, b.ns, [b.key]))
             b, walk = self._sweeping
+            if b.ns.blocks.get(b.key) is not b or b.present:
+                # given a copy again (committed) since the last call: what hangs below
+                # it is reachable again, and what is committed below it new (the walk
+                # would have taken both, and the entry itself last)
+                self._sweeping = None
+                self.hollow.discard(b)
+                continue
             done = walk.step(budget)
             budget -= walk.visits
             self.dropped_ssd += walk.take_removed()

@@ -279,3 +279,33 @@ def test_a_removal_given_up_before_it_ran_stops_keeping() -> None:
     answer.reply.close()
     del answer
     assert not store.dropping
+
+
+# -- the sweep below a hollow entry -------------------------------------------------------------
+
+def test_a_hollow_entry_committed_again_mid_sweep_keeps_itself_and_what_is_below() -> None:
+    """The sweep below a hollow entry goes on over later calls (the daemon's loop
+    turns); a commit that gives the entry a copy again ends its reason: the entry, what
+    is committed below it after, and what still hangs below it stay (the walk went on
+    and dropped them all, the revived entry last)."""
+    store, ns = new_store()
+    rng = random.Random(9)
+    trunk = comb(store, ns, rng, 12, 300)  # 3612 blocks: more than a sweep's call
+    pin = store.acquire("reader", ns, trunk[5:9], 0.0)  # in use below: kept the entry
+    assert isinstance(pin, Pin)
+    root = ns.blocks[trunk[0]]
+    store.drop_dram_copy(root)  # lost its last copy, as to a corrupt read: hollow
+    store.hollow.add(root)
+    store.sweep_later = lambda: None  # (the daemon's: another call a loop turn later)
+    assert not store.sweep_hollow()  # a first bounded call
+    commit(store, ns, [trunk[0]], None)  # the entry committed again: a copy
+    later = chain(rng, 4)
+    commit(store, ns, later, trunk[0])
+    left = set(ns.blocks)
+    while not store.sweep_hollow():
+        store.check_invariants()
+    store.release("reader", pin.id)
+    assert root.present and root not in store.hollow
+    assert len(store.lookup(ns, [trunk[0]] + later)) == 1 + len(later)
+    assert set(ns.blocks) == left
+    store.check_invariants()
