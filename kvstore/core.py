@@ -455,6 +455,10 @@ class StoreCore:
                and block.ssd_holds == 0 and not block.promoting
                and block.ns.blocks.get(block.key) is block):
             del block.ns.blocks[block.key]
+            if self.dropping:  # no removal keeps a mark of it now (nor it from memory:
+                dropping = self.dropping.get(block.ns)  # removals queued one behind
+                if dropping is not None:  # another keep the record for long)
+                    dropping.spare.pop(block, None)
             if block.tokens is not None:  # (it keeps its ids for an event still to come)
                 let_go(block.tokens, block.ns.blocks)
             if self.changes is not None and block.announced & 4:

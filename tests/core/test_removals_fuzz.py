@@ -194,6 +194,10 @@ class Fuzz:
         ns = self.ns
         for b in ns.blocks.values():
             assert b.parent is None or ns.blocks.get(b.parent.key) is b.parent
+        record = self.store.dropping.get(ns)
+        if record is not None:  # open removals, and marks of live entries only
+            assert record.open == len(self.open_removals())
+            assert all(ns.blocks.get(b.key) is b for b in record.spare)
         there = self.present()
         for k, when in self.last_commit.items():
             if k in there:

@@ -309,3 +309,19 @@ def test_a_hollow_entry_committed_again_mid_sweep_keeps_itself_and_what_is_below
     assert len(store.lookup(ns, [trunk[0]] + later)) == 1 + len(later)
     assert set(ns.blocks) == left
     store.check_invariants()
+
+
+def test_the_marks_of_entries_gone_go_with_them() -> None:
+    """Removals queued one behind another keep the namespace's record open for long:
+    what it marks of entries removed since goes, so it holds no more than the live."""
+    store, ns = new_store()
+    rng = random.Random(10)
+    keeping = store.keep_commits(ns)
+    for _ in range(50):
+        keys = chain(rng, 8)
+        commit(store, ns, keys, None)
+        store.evict(ns, keys[:1])
+    kept = chain(rng, 3)
+    commit(store, ns, kept, None)
+    assert set(store.dropping[ns].spare) == {ns.blocks[k] for k in kept}
+    keeping.close()
