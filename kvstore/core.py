@@ -152,10 +152,11 @@ class SubtreeDrop:
         passed (looked at every 32 entries); True once every key's subtree has been
         (and the drop is closed)."""
         blocks, kept, removed = self.ns.blocks, self._kept, self.removed_ssd
+        # kept: committed since the mark (a block committed while no removal of the
+        # namespace was open is not in ``spare``: -1)
         keeping = self._keeping
-        # kept: committed since the mark (a block committed before any removal that is
-        # still open is not in ``spare``: -1)
-        spare, mark = (keeping.state.spare, keeping.mark) if keeping is not None else (_NONE_KEPT, 0)
+        spare, mark = ((keeping.state.spare, keeping.mark) if keeping is not None
+                       else (_NONE_KEPT, 0))
         drop_leaf, forget = self.store.drop_leaf, self.store.forget_if_gone
         before = len(blocks)
         until = time.perf_counter() + seconds
@@ -455,9 +456,11 @@ class StoreCore:
                and block.ssd_holds == 0 and not block.promoting
                and block.ns.blocks.get(block.key) is block):
             del block.ns.blocks[block.key]
-            if self.dropping:  # no removal keeps a mark of it now (nor it from memory:
-                dropping = self.dropping.get(block.ns)  # removals queued one behind
-                if dropping is not None:  # another keep the record for long)
+            if self.dropping:
+                # its mark goes with it (removals queued one behind another keep their
+                # namespace's record open for long: it holds live entries only)
+                dropping = self.dropping.get(block.ns)
+                if dropping is not None:
                     dropping.spare.pop(block, None)
             if block.tokens is not None:  # (it keeps its ids for an event still to come)
                 let_go(block.tokens, block.ns.blocks)

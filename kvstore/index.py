@@ -114,13 +114,13 @@ class NamespaceDrop:
     so the daemon's loop serves other clients between them.
 
     What it drops is well defined though the store changes between slices: every block
-    the namespace held when the drop began, leaves first, except what is pinned, moving
-    or held when the drop reaches it (and so their prefixes), as ``drop_namespace``
-    does; blocks committed since it was asked for are kept (the store's commit marks
-    them, whoever commits: ``keeping``, taken when the daemon got the request, or here),
-    and so are their prefixes, though it waited before it began.  A lookup meanwhile sees the chains
-    shortened from their ends, never a hole: a slice removes a block only once nothing
-    depends on it.
+    the namespace held when the drop was asked for, leaves first, except what is
+    pinned, moving or held when the drop reaches it (and so their prefixes), as
+    ``drop_namespace`` does; blocks committed since it was asked for are kept (the
+    store's commit marks them, whoever commits: ``keeping``, taken when the daemon got
+    the request, or here), though it waited before it began, and so are their prefixes.
+    A lookup meanwhile sees the chains shortened from their ends, never a hole: a slice
+    removes a block only once nothing depends on it.
 
     How, without a walk of the whole namespace: the key map's shards one at a time (a
     copy of one shard's entries: at most ``block_map.SPLIT_AT``, a few thousand in a big
