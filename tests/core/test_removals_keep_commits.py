@@ -267,6 +267,34 @@ def test_a_small_drop_that_waits_for_get_replies_keeps_what_is_committed_meanwhi
     assert not store.dropping
 
 
+def test_an_evict_that_waits_for_get_replies_keeps_what_is_committed_meanwhile() -> None:
+    """No first slice while its session's get replies are unsent: it all waits."""
+    store, ns = new_store()
+    rng = random.Random(11)
+    keys = chain(rng, 50)
+    commit(store, ns, keys, None)
+
+    async def run() -> int:
+        removals, transport, _ = daemon_of(store)
+        pin = store.acquire(GET_OWNER, ns, keys[:2], 0.0)
+        assert isinstance(pin, Pin)
+        transport.trackers = [("reply", pin.id)]
+        transport.go = asyncio.Event()
+        answer = removals.evict(1, ns, keys[:1])
+        assert isinstance(answer, Later) and len(ns.blocks) == 50
+        task = asyncio.ensure_future(answer.reply)
+        await asyncio.sleep(0)
+        commit(store, ns, later, keys[19])  # while it waits
+        store.release(GET_OWNER, pin.id)
+        transport.go.set()
+        return count_of(await task)
+
+    later = chain(rng, 3)
+    assert asyncio.run(run()) == 50 - 20
+    assert set(ns.blocks) == set(keys[:20] + later)
+    assert not store.dropping
+
+
 def test_a_removal_given_up_before_it_ran_stops_keeping() -> None:
     """A request's reply coroutine closed before its task ever ran (the daemon gave it
     up): the store stops keeping commits for it."""
