@@ -42,18 +42,61 @@ SWEEP_SLICE = 1024
 
 
 class Dropping:
-    """A namespace being dropped in slices (``index.NamespaceDrop``), as the store keeps
-    it up to date between slices: the entries that lost their last child since (leaves
-    now, to be looked at again) and the blocks committed since it began (kept)."""
+    """The removals of one namespace that span loop turns (evicts in slices,
+    ``index.NamespaceDrop``), as the store keeps them up to date between their slices.
 
-    __slots__ = ("leaves", "spare")
+    Each removal takes a mark when it is asked for (``StoreCore.keep_commits``), and
+    keeps what is committed after that, however long it then waits (for get replies
+    still being sent, behind another removal of the namespace) before its walk starts.
+    ``spare`` maps each block committed while any is open to the count of removals
+    asked by then: a block is kept by exactly the removals asked before its commit
+    (``Keeping.keeps``), and a commit costs O(1) a block however many wait.  ``walks``:
+    the leaf lists of the namespace drops walking now (entries that lost their last
+    child, to be looked at again), one each, since what one keeps another may drop."""
+
+    __slots__ = ("spare", "asked", "open", "walks")
 
     def __init__(self) -> None:
-        self.leaves: list[Block] = []
-        self.spare: set[Block] = set()
+        self.spare: dict[Block, int] = {}
+        self.asked = 0  # removals asked for since this record began
+        self.open = 0  # of them, those not over
+        self.walks: list[list[Block]] = []
+
+    def kept(self, fresh: Sequence[Block]) -> None:
+        """Blocks just committed: kept by every removal asked so far."""
+        self.spare.update(dict.fromkeys(fresh, self.asked))
 
 
-_NOTHING: frozenset[Block] = frozenset()
+class Keeping:
+    """One removal's claim on the commits into its namespace made after it was asked
+    for (``StoreCore.keep_commits``); ``close`` ends it (twice is harmless)."""
+
+    __slots__ = ("store", "ns", "state", "mark", "closed")
+
+    def __init__(self, store: StoreCore, ns: Namespace, state: Dropping) -> None:
+        self.store = store
+        self.ns = ns
+        self.state = state
+        state.asked += 1
+        state.open += 1
+        self.mark = state.asked  # commits from now on are stamped with this or more
+        self.closed = False
+
+    def keeps(self, block: Block) -> bool:
+        """Whether the block was committed after this removal was asked for."""
+        return self.state.spare.get(block, -1) >= self.mark
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        state = self.state
+        state.open -= 1
+        if not state.open and self.store.dropping.get(self.ns) is state:
+            del self.store.dropping[self.ns]
+
+
+_NONE_KEPT: dict[Block, int] = {}
 
 
 class SubtreeDrop:
@@ -73,11 +116,13 @@ class SubtreeDrop:
     meanwhile (evicted, dropped by someone else) is stepped over, its parent looked at
     again; a block it refused (pinned, moving, held, or with a child it refused) is
     never entered again, so each block is visited a bounded number of times; and with
-    ``keep_commits`` (the daemon's evict in slices), blocks committed into the
-    namespace after that are kept, with their prefixes, as a namespace drop keeps them.
+    a ``keeping`` (``StoreCore.keep_commits``, taken when the daemon's evict in slices
+    was asked for) or after ``keep_commits``, blocks committed into the namespace since
+    are kept, with their prefixes, as a namespace drop keeps them.
     """
 
-    def __init__(self, store: StoreCore, ns: Namespace, keys: Sequence[bytes]) -> None:
+    def __init__(self, store: StoreCore, ns: Namespace, keys: Sequence[bytes],
+                 keeping: Keeping | None = None) -> None:
         self.store = store
         self.ns = ns
         self.keys = keys
@@ -88,25 +133,30 @@ class SubtreeDrop:
         self._root: Block | None = None  # the subtree under way
         self._at: Block | None = None  # where the walk stands in it
         self._kept: set[Block] = set()  # refused: never entered again
-        self._state: Dropping | None = None
+        self._keeping = keeping
 
     @property
     def done(self) -> bool:
         return self._root is None and self._next == len(self.keys)
 
-    def keep_commits(self) -> None:
-        """From now on, blocks committed into the namespace are kept (the store's commit
-        lists them in ``StoreCore.dropping``): for a drop that spans loop turns.  One
-        such drop at a time per namespace (the daemon runs them one after another)."""
-        assert self.ns not in self.store.dropping, f"{self.ns} is being dropped already"
-        self._state = self.store.dropping[self.ns] = Dropping()
+    def keep_commits(self) -> Keeping:
+        """From now on (unless it was given a ``keeping`` already), blocks committed into
+        the namespace are kept: for a drop that spans loop turns.  Other removals of
+        the namespace may keep theirs meanwhile, each from when it was asked for."""
+        if self._keeping is None:
+            self._keeping = self.store.keep_commits(self.ns)
+        return self._keeping
 
     def step(self, budget: int, seconds: float = float("inf")) -> bool:
         """Go through up to ``budget`` entries, stopping early once ``seconds`` have
         passed (looked at every 32 entries); True once every key's subtree has been
         (and the drop is closed)."""
         blocks, kept, removed = self.ns.blocks, self._kept, self.removed_ssd
-        spare = self._state.spare if self._state is not None else _NOTHING
+        # kept: committed since the mark (a block committed while no removal of the
+        # namespace was open is not in ``spare``: -1)
+        keeping = self._keeping
+        spare, mark = ((keeping.state.spare, keeping.mark) if keeping is not None
+                       else (_NONE_KEPT, 0))
         drop_leaf, forget = self.store.drop_leaf, self.store.forget_if_gone
         before = len(blocks)
         until = time.perf_counter() + seconds
@@ -134,7 +184,7 @@ class SubtreeDrop:
             if kid is not None:
                 b = kid
                 continue
-            if b.kids is None and b not in spare and drop_leaf(b, removed):
+            if b.kids is None and spare.get(b, -1) < mark and drop_leaf(b, removed):
                 forget(b)  # (a hollow entry, with no copy to drop, goes here)
             else:
                 kept.add(b)  # pinned, moving or held, or a child of it is: kept
@@ -142,8 +192,6 @@ class SubtreeDrop:
         self._root, self._at = (root, b) if b is not None else (None, None)
         self.visits = visits
         self.count += before - len(blocks)
-        if self._state is not None:
-            self._state.leaves.clear()  # (the walk climbs to each parent itself)
         if self.done:
             self.close()
             return True
@@ -151,9 +199,8 @@ class SubtreeDrop:
 
     def close(self) -> None:
         """The drop is over (or given up): commits are no longer kept for it."""
-        if self._state is not None and self.store.dropping.get(self.ns) is self._state:
-            del self.store.dropping[self.ns]
-        self._state = None
+        if self._keeping is not None:
+            self._keeping.close()
 
     def take_removed(self) -> list[tuple[bytes, bytes]]:
         """The SSD copies dropped since the last call (the daemon's mover frees them)."""
@@ -224,7 +271,7 @@ class StoreCore:
         self.sweep_later: Callable[[], None] | None = None
         self._sweeps: list[Block] = []
         self._sweeping: tuple[Block, SubtreeDrop] | None = None
-        self.dropping: dict[Namespace, Dropping] = {}  # namespaces dropped in slices
+        self.dropping: dict[Namespace, Dropping] = {}  # namespaces removed from in slices
         self.dirty: dict[SlabClass, dict[Block, None]] = {}  # per DRAM class: DRAM-only, oldest first
         self.dropped_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped by sweeps
         self.limits = limits
@@ -409,6 +456,12 @@ class StoreCore:
                and block.ssd_holds == 0 and not block.promoting
                and block.ns.blocks.get(block.key) is block):
             del block.ns.blocks[block.key]
+            if self.dropping:
+                # its mark goes with it (removals queued one behind another keep their
+                # namespace's record open for long: it holds live entries only)
+                dropping = self.dropping.get(block.ns)
+                if dropping is not None:
+                    dropping.spare.pop(block, None)
             if block.tokens is not None:  # (it keeps its ids for an event still to come)
                 let_go(block.tokens, block.ns.blocks)
             if self.changes is not None and block.announced & 4:
@@ -422,9 +475,18 @@ class StoreCore:
                 # a namespace being dropped in slices looks again at what is a leaf now
                 dropping = self.dropping.get(block.ns)
                 if dropping is not None:
-                    dropping.leaves.append(block)
+                    for leaves in dropping.walks:
+                        leaves.append(block)
             if not first.ns.users:
                 self.forget_if_unused(first.ns)  # (an entry went: the namespace may be empty)
+
+    def keep_commits(self, ns: Namespace) -> Keeping:
+        """A removal of ``ns`` is asked for that will span loop turns: what is committed
+        into it from now on is kept by it (``Keeping.keeps``) until its ``close``."""
+        state = self.dropping.get(ns)
+        if state is None:
+            state = self.dropping[ns] = Dropping()
+        return Keeping(self, ns, state)
 
     def close_namespace(self, ns: Namespace) -> bool:
         """One user fewer; True if that left the namespace forgotten (``forget_if_unused``)."""
@@ -503,6 +565,13 @@ class StoreCore:
                     continue
                 self._sweeping = (b, SubtreeDrop(self, b.ns, [b.key]))
             b, walk = self._sweeping
+            if b.ns.blocks.get(b.key) is not b or b.present:
+                # given a copy again (committed) since the last call: what hangs below
+                # it is reachable again, and what is committed below it new (the walk
+                # would have taken both, and the entry itself last)
+                self._sweeping = None
+                self.hollow.discard(b)
+                continue
             done = walk.step(budget)
             budget -= walk.visits
             self.dropped_ssd += walk.take_removed()

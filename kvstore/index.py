@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from kvstore.blocks import DRAM, Block, Namespace
-from kvstore.core import Dropping, StoreCore
+from kvstore.core import Keeping, StoreCore
 
 
 class Index:
@@ -114,12 +114,13 @@ class NamespaceDrop:
     so the daemon's loop serves other clients between them.
 
     What it drops is well defined though the store changes between slices: every block
-    the namespace held when the drop began, leaves first, except what is pinned, moving
-    or held when the drop reaches it (and so their prefixes), as ``drop_namespace``
-    does; blocks committed while it runs are kept (the store's commit adds them to
-    ``spare``, whoever commits), and so are their prefixes.  A lookup meanwhile sees the chains
-    shortened from their ends, never a hole: a slice removes a block only once nothing
-    depends on it.
+    the namespace held when the drop was asked for, leaves first, except what is
+    pinned, moving or held when the drop reaches it (and so their prefixes), as
+    ``drop_namespace`` does; blocks committed since it was asked for are kept (the
+    store's commit marks them, whoever commits: ``keeping``, taken when the daemon got
+    the request, or here), though it waited before it began, and so are their prefixes.
+    A lookup meanwhile sees the chains shortened from their ends, never a hole: a slice
+    removes a block only once nothing depends on it.
 
     How, without a walk of the whole namespace: the key map's shards one at a time (a
     copy of one shard's entries: at most ``block_map.SPLIT_AT``, a few thousand in a big
@@ -133,8 +134,7 @@ class NamespaceDrop:
     keeps them.  ``close`` (or the last step) ends it.
     """
 
-    def __init__(self, store: StoreCore, ns: Namespace) -> None:
-        assert ns not in store.dropping, f"{ns} is being dropped already"
+    def __init__(self, store: StoreCore, ns: Namespace, keeping: Keeping | None = None) -> None:
         self.store = store
         self.ns = ns
         self.count = 0  # entries removed so far
@@ -144,24 +144,29 @@ class NamespaceDrop:
         self._batch: list[Block] = []  # the entries of the shard under way
         self._at = 0
         self._climb: Block | None = None  # where a walk up stopped at a slice's end
-        self._state = store.dropping[ns] = Dropping()
+        self._keeping = keeping if keeping is not None else store.keep_commits(ns)
+        self._leaves: list[Block] = []  # entries that lost their last child: leaves now
+        self._keeping.state.walks.append(self._leaves)
 
     @property
     def spare(self) -> set[Block]:
-        """The blocks committed since the drop began: kept."""
-        return self._state.spare
+        """The blocks committed since the drop was asked for: kept (O(those committed
+        while any removal of the namespace was open): for tests)."""
+        state, mark = self._keeping.state, self._keeping.mark
+        return {b for b, asked in state.spare.items() if asked >= mark}
 
     @property
     def done(self) -> bool:
-        return (self._climb is None and not self._state.leaves and self._at == len(self._batch)
+        return (self._climb is None and not self._leaves and self._at == len(self._batch)
                 and self._next == len(self._shards))
 
     def step(self, budget: int, seconds: float = float("inf")) -> bool:
         """Go through up to ``budget`` entries, stopping early once ``seconds`` have
         passed (looked at every 32 entries); True once the whole namespace has been
         (and the drop is closed)."""
-        blocks, spare, removed = self.ns.blocks, self.spare, self.removed_ssd
-        waiting = self._state.leaves
+        blocks, removed = self.ns.blocks, self.removed_ssd
+        spare, mark = self._keeping.state.spare, self._keeping.mark
+        waiting = self._leaves
         drop_leaf = self.store.drop_leaf
         before = len(blocks)
         until = time.perf_counter() + seconds
@@ -182,7 +187,8 @@ class NamespaceDrop:
                 else:
                     break
             visits += 1
-            if blocks.get(b.key) is not b or b in spare or not drop_leaf(b, removed):
+            if (blocks.get(b.key) is not b or spare.get(b, -1) >= mark
+                    or not drop_leaf(b, removed)):
                 # gone (its parent, if that is a leaf now, was listed), kept, or not a
                 # leaf (it is listed when it becomes one)
                 b = None
@@ -198,9 +204,12 @@ class NamespaceDrop:
         return False
 
     def close(self) -> None:
-        """The drop is over (or given up): the store stops listing leaves for it."""
-        if self.store.dropping.get(self.ns) is self._state:
-            del self.store.dropping[self.ns]
+        """The drop is over (or given up): the store stops listing leaves for it, and
+        commits are no longer kept for it."""
+        walks = self._keeping.state.walks
+        if any(leaves is self._leaves for leaves in walks):
+            walks[:] = [leaves for leaves in walks if leaves is not self._leaves]
+        self._keeping.close()
 
     def take_removed(self) -> list[tuple[bytes, bytes]]:
         """The SSD copies dropped since the last call (the daemon's mover frees them)."""

@@ -6,11 +6,12 @@ hollow entries a slice a turn (``Removals``, which the verbs hand those requests
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from kvstore import protocol as p
-from kvstore.core import SubtreeDrop
+from kvstore.core import Keeping, SubtreeDrop
 from kvstore.index import NamespaceDrop
 from kvstore.moves import Moves
 from kvstore.pending import Later, Pending
@@ -64,12 +65,16 @@ class Removals:
     the loop turns for everyone else; the reply goes when the last slice is done.
     ``NamespaceDrop`` says what a drop takes while the store changes around it: what the
     namespace held when it began, leaves first, but what is pinned, moving or held and
-    their prefixes, and what is committed meanwhile (the store's commit keeps it).  An
+    their prefixes, and what is committed after it was asked for (the store's commit
+    keeps it: ``StoreCore.keep_commits``, taken with the request, before any wait).  An
     evict in slices (``SubtreeDrop``) takes what its keys head, on the same terms.
     Lookups meanwhile see chains shortened from their ends.  Removals in slices of one
     namespace run one after another: a second one waits for the first, then drops what
-    is left (what was committed meanwhile), and counts only what it removed itself.  An
-    evict's first slice runs at once (a small subtree is answered there and then).  The
+    is left of what was there when it was asked for (what was committed between the
+    two requests, the first kept, the second takes), and counts only what it removed
+    itself.  An evict's first slice runs at once (a small subtree is answered there and
+    then).  A small drop that must wait (for get replies, or another removal) waits as
+    one in slices, and keeps what is committed meanwhile in the same way.  The
     session may close meanwhile: the removal goes on to its end (the reply finds no
     one).  A daemon shutting down waits for it as for any request under way; cut short,
     it leaves what it has not reached, each slice having left the store whole.
@@ -87,10 +92,12 @@ class Removals:
         daemon.store.sweep_later = self._sweep_later
 
     def drop(self, rid: int, ns: Namespace, session: object = None) -> Answer:
-        if len(ns.blocks) > DROP_AT_ONCE or ns in self.under_way:
-            return Later(self._in_slices(rid, ns, lambda: NamespaceDrop(self.d.store, ns),
-                                         session))
-        return self.after_sends(rid, ns, lambda: self.d.store.drop_namespace(ns), session)
+        store = self.d.store
+        if len(ns.blocks) > DROP_AT_ONCE or ns in self.under_way or self._sending_in(ns, session):
+            keeping = store.keep_commits(ns)  # (now: what it waits for, it keeps)
+            return self._later(self._in_slices(
+                rid, ns, lambda: NamespaceDrop(store, ns, keeping), keeping, session), keeping)
+        return self._removed(rid, lambda: store.drop_namespace(ns))
 
     def evict(self, rid: int, ns: Namespace, keys: list[bytes],
               session: object = None) -> Answer:
@@ -102,11 +109,18 @@ class Removals:
             self._hand_on(drop)
             if done:
                 return p.CountReply(rid, drop.count), []
+        # before the reply returns to the loop: what is committed from now on, while it
+        # waits (for replies, another removal of the namespace) and goes on, is kept
+        keeping = drop.keep_commits()
+        return self._later(self._in_slices(rid, ns, lambda: drop, keeping, session), keeping)
 
-        def go_on() -> SubtreeDrop:
-            drop.keep_commits()
-            return drop
-        return Later(self._in_slices(rid, ns, go_on, session))
+    @staticmethod
+    def _later(reply: Coroutine[Any, Any, p.Message], keeping: Keeping) -> Later:
+        """The reply of a removal that keeps commits (``keeping``): it ends with the
+        coroutine, or, if that is closed before it ever ran (a request given up before
+        its task started), once the coroutine is gone."""
+        weakref.finalize(reply, keeping.close)
+        return Later(reply)
 
     def _sending_in(self, ns: Namespace, session: object = None) -> list[Any]:
         """The get replies ZeroMQ is still sending of ``ns``'s blocks (a get's blocks
@@ -125,21 +139,6 @@ class Removals:
                      or sending.get(pin_id, (None, 0))[0] is session)}
         return self.d.transport.trackers_of(pins) if pins else []
 
-    def after_sends(self, rid: int, ns: Namespace,
-                    remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]],
-                    session: object = None) -> Answer:
-        """Remove blocks of ``ns`` once the replies ZeroMQ is still sending of them
-        have gone: a reply pins its blocks until sent, so a get the client already holds
-        would otherwise keep them from an evict or a drop that follows it."""
-        sending = self._sending_in(ns, session)
-        if not sending:
-            return self._removed(rid, remove)
-
-        async def later() -> p.Message:
-            await self.d.transport.sent(sending)
-            return self._removed(rid, remove)[0]
-        return Later(later())
-
     def _removed(self, rid: int,
                  remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Outcome:
         count, removed = remove()
@@ -152,13 +151,17 @@ class Removals:
             self.d.moves.removed(removed)
 
     async def _in_slices(self, rid: int, ns: Namespace, begin: Callable[[], Slices],
-                         session: object = None) -> p.Message:
+                         keeping: Keeping, session: object = None) -> p.Message:
         d = self.d
-        sending = self._sending_in(ns, session)  # (as ``after_sends``)
-        if sending:
-            await d.transport.sent(sending)
-        while (ahead := self.under_way.get(ns)) is not None:
-            await ahead.wait()
+        try:
+            sending = self._sending_in(ns, session)  # (they would keep their blocks)
+            if sending:
+                await d.transport.sent(sending)
+            while (ahead := self.under_way.get(ns)) is not None:
+                await ahead.wait()
+        except BaseException:
+            keeping.close()  # (given up before it began)
+            raise
         finished = asyncio.Event()
         self.under_way[ns] = finished
         drop: Slices | None = None
@@ -173,6 +176,7 @@ class Removals:
         finally:
             if drop is not None:
                 drop.close()
+            keeping.close()
             del self.under_way[ns]
             finished.set()
 

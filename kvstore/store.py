@@ -274,8 +274,8 @@ class BlockStore(StoreCore):
                 if one is not None and block.tokens is None:
                     block.tokens = one
         policy.insert_many(reversed(fresh))  # deepest first: parents end up warmer
-        if self.dropping and ns in self.dropping:  # a drop under way keeps them
-            self.dropping[ns].spare.update(fresh)
+        if self.dropping and ns in self.dropping:  # the removals asked so far keep them
+            self.dropping[ns].kept(fresh)
         if self.changes is not None:
             if duplicates:  # fresh blocks with gaps between them: marked one by one
                 self.changes.touch_all(fresh)
