@@ -27,14 +27,14 @@ clients send them, settling the heap once a second as the daemon does, and print
 Every part runs in a fresh process, so that its memory is its own.
 
 Where the bytes go, and what 150 B a block would take.  At 10M blocks (auto, one
-namespace) the index costs 406 B a block by RSS (474 for the code before, the same hour):
-the entry (``Block``, 19 slots, 184 B), its key (a 16-byte ``bytes``, 49 B), its DRAM
+namespace) the index costs 430 B a block by RSS (445 with 19 slots, the same hour):
+the entry (``Block``, 18 slots, 176 B), its key (a 16-byte ``bytes``, 49 B), its DRAM
 offset (an int object, 32 B), the key map (34 B), the duel's map of tracked items (33 B;
 keyed by the items themselves, no int per key), the duel's miniatures (an eighth of the
 keys, each one object of 176 B holding its three orders' links and its parent and child
 counts, and two maps: about 29 B a block), the rest allocator slack.  The LRU order
 itself costs nothing apart (its links are 24 B of the entry's slots per tier).  Objects
-cannot get to 150 B: the entry and its key alone are 233 B.  A struct-of-arrays index
+cannot get to 150 B: the entry and its key alone are 225 B.  A struct-of-arrays index
 could: blocks as int ids into numpy columns (key 16 B, parent id 4, DRAM slot 4, SSD
 slot 4, refs 4, seen and flags 2, checksum 8, LRU links 2 x 4 per tier = 16), an
 open-addressing table of ids keyed by the first 8 bytes of the key at half load (8 B),
@@ -42,6 +42,15 @@ the duel's tracked set a bit per id and its sample kept as it is (an eighth of t
 about 10 B a block in arrays): about 75 B a block, grown by doubling columns in slices
 between loop turns.
 The cost is that every part of the store that holds a ``Block`` would hold an id.
+
+Why lookup grows with the index.  A lookup walks its chain by child links (one key-map
+probe at the head), and that walk is nearly flat: 6-13 us for 64 keys from 10k to 3M
+blocks (a probe per key, before: 9-48 us, the map's tables' cache and TLB misses).
+With the LRU order the whole lookup is 10 us at 10k and 15 us at 3M; with ``auto`` (the
+duel) it is 20 us at 10k and about 140 us (CPU) at 10M: the duel's per-hit probe of its
+tracked-items map and its sampled keys' miniature updates, random reads over maps as
+big as the index, are what grows.  Measured in one process, lookups alone, with the
+order's ``access_many`` replaced by nothing.
 
     python benchmarks/index_scale.py --blocks 1M
     python benchmarks/index_scale.py --blocks 10M --restart-blocks 10M
