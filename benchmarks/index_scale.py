@@ -9,12 +9,15 @@ clients send them, settling the heap once a second as the daemon does, and print
 - ingest, blocks/s (time spent in reserve+commit only), and blocks per CPU-second
   (the same calls' thread time: on a shared machine the wall figure also counts the
   time the process was not running);
-- lookup of a 64-key chain, p50 and p99, as the index passes 10k, 100k, 1M, 10M blocks;
+- lookup of a 64-key chain, p50 and p99, as the index passes 10k, 100k, 1M, 10M blocks,
+  in wall time and in the thread's CPU time (on a shared machine a wall p99 of 4 ms is
+  a scheduler tick the process waited out, not the lookup);
 - the longest stall of the loop: the longest single reserve+commit (one request's hold
   of the event loop; the five longest with their CPU time and the collector's pauses in
   them, for on a shared machine a commit's wall time also counts the time the process
   was not running), the longest heap settle, the longest collector pause during the
-  build, a full collection afterwards, and the longest ``stats``/``evict`` of one leaf;
+  build (wall, and CPU), a full collection afterwards, and the longest
+  ``stats``/``evict`` of one leaf;
 - warm restart of an SSD index of as many blocks: the LMDB index is written (in a
   process of its own, not timed), then another process opens the SSD tier and restores
   every block into a fresh store as the daemon does at start-up (timed: seconds, and
@@ -24,14 +27,14 @@ clients send them, settling the heap once a second as the daemon does, and print
 Every part runs in a fresh process, so that its memory is its own.
 
 Where the bytes go, and what 150 B a block would take.  At 10M blocks (auto, one
-namespace) the index costs 406 B a block by RSS (474 for the code before, the same hour):
-the entry (``Block``, 19 slots, 184 B), its key (a 16-byte ``bytes``, 49 B), its DRAM
+namespace) the index costs 430 B a block by RSS (445 with 19 slots, the same hour):
+the entry (``Block``, 18 slots, 176 B), its key (a 16-byte ``bytes``, 49 B), its DRAM
 offset (an int object, 32 B), the key map (34 B), the duel's map of tracked items (33 B;
 keyed by the items themselves, no int per key), the duel's miniatures (an eighth of the
 keys, each one object of 176 B holding its three orders' links and its parent and child
 counts, and two maps: about 29 B a block), the rest allocator slack.  The LRU order
 itself costs nothing apart (its links are 24 B of the entry's slots per tier).  Objects
-cannot get to 150 B: the entry and its key alone are 233 B.  A struct-of-arrays index
+cannot get to 150 B: the entry and its key alone are 225 B.  A struct-of-arrays index
 could: blocks as int ids into numpy columns (key 16 B, parent id 4, DRAM slot 4, SSD
 slot 4, refs 4, seen and flags 2, checksum 8, LRU links 2 x 4 per tier = 16), an
 open-addressing table of ids keyed by the first 8 bytes of the key at half load (8 B),
@@ -39,6 +42,15 @@ the duel's tracked set a bit per id and its sample kept as it is (an eighth of t
 about 10 B a block in arrays): about 75 B a block, grown by doubling columns in slices
 between loop turns.
 The cost is that every part of the store that holds a ``Block`` would hold an id.
+
+Why lookup grows with the index.  A lookup walks its chain by child links (one key-map
+probe at the head), and that walk is nearly flat: 6-13 us for 64 keys from 10k to 3M
+blocks (a probe per key, before: 9-48 us, the map's tables' cache and TLB misses).
+With the LRU order the whole lookup is 10 us at 10k and 15 us at 3M; with ``auto`` (the
+duel) it is 20 us at 10k and about 140 us (CPU) at 10M: the duel's per-hit probe of its
+tracked-items map and its sampled keys' miniature updates, random reads over maps as
+big as the index, are what grows.  Measured in one process, lookups alone, with the
+order's ``access_many`` replaced by nothing.
 
     python benchmarks/index_scale.py --blocks 1M
     python benchmarks/index_scale.py --blocks 10M --restart-blocks 10M
@@ -124,6 +136,29 @@ def breakdown(store: Any, ns: Any, n: int) -> dict[str, float]:
     return out
 
 
+class GcCpu:
+    """The longest collector pause in CPU time (the thread's: on a shared machine a
+    pause's wall time also counts the turns other processes took meanwhile, a
+    scheduler tick of 4 ms at a time)."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.thread_time()
+        else:
+            self.longest = max(self.longest, time.thread_time() - self._start)
+
+    def __enter__(self) -> GcCpu:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
 # -- the index --------------------------------------------------------------------------
 def index_figures(n: int, policy: str) -> dict[str, Any]:
     from kvstore.heap import settle
@@ -150,7 +185,8 @@ def index_figures(n: int, policy: str) -> dict[str, Any]:
     settle()
     last_settle = time.monotonic()
     last_note = last_settle
-    with GcPauses() as pauses:
+    gc_cpu = GcCpu()
+    with GcPauses() as pauses, gc_cpu:
         for keys in chains(n):
             paused, cpu = pauses.total, time.thread_time()
             start = time.perf_counter()
@@ -181,14 +217,17 @@ def index_figures(n: int, policy: str) -> dict[str, Any]:
                 last_note = now
             while marks and done >= marks[0]:
                 mark = marks.pop(0)
-                looks = []
+                looks, looks_cpu = [], []
                 for _ in range(2000):
                     chain = rng.choice(heads)
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     store.lookup(ns, chain)
                     looks.append(time.perf_counter() - t0)
+                    looks_cpu.append(time.thread_time() - c0)
                 lookups[f"{mark:,}"] = {"p50_us": pct(looks, 0.5) * 1e6,
-                                        "p99_us": pct(looks, 0.99) * 1e6}
+                                        "p99_us": pct(looks, 0.99) * 1e6,
+                                        "cpu_p50_us": pct(looks_cpu, 0.5) * 1e6,
+                                        "cpu_p99_us": pct(looks_cpu, 0.99) * 1e6}
     gc.collect()
     rss = rss_bytes() - base
     settle()
@@ -220,6 +259,7 @@ def index_figures(n: int, policy: str) -> dict[str, Any]:
         "stall_longest_settle_ms": max(settles, default=0.0) * 1e3,
         "stall_longest_gc_pause_ms": max(
             (max(v) for v in pauses.pauses.values() if v), default=0.0) * 1e3,
+        "stall_longest_gc_pause_cpu_ms": gc_cpu.longest * 1e3,
         "full_gc_runs_in_ingest": len(pauses.pauses[2]),
         "full_gc_after_settle_ms": full_gc * 1e3,
         "stats_ms": max(stats) * 1e3,

@@ -27,6 +27,10 @@ SSD = "ssd"
 LINKED_TIERS = (DRAM, SSD)  # tiers whose LRU orders live in the blocks' own slots
 
 
+ANNOUNCED = 0xF  # ``Block.marks``: the bits of ``announced``
+REMOTE_MARK = 0x10  # and of ``remote``
+
+
 class _Rare:
     """A block's fields that few blocks set, and those for a while: kept apart so that
     each block pays one slot for them (8 bytes) rather than five (40)."""
@@ -45,8 +49,7 @@ class Block:
     """One key's entry: its place in the chain, its copies per tier, its pins."""
 
     __slots__ = ("key", "ns", "parent", "kids", "offset", "refs", "ssd_offset", "rare",
-                 "seen", "remote", "checksum",
-                 "tokens", "announced",
+                 "seen", "marks", "checksum", "tokens",
                  "dram_order", "dram_older", "dram_newer", "ssd_order", "ssd_older", "ssd_newer")
 
     def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
@@ -64,11 +67,13 @@ class Block:
         # in the GPU or an added tier): the properties below, None while all are unset
         self.rare: _Rare | None = None
         self.seen = 0                       # commits and hits, for the SSD admission filter
-        self.remote = False                 # known to be in the remote store
+        # ``announced`` (bits 0-3) and ``remote`` (bit 4) in one slot: 18 slots make an
+        # entry of 176 bytes, 19 one of 192 (the allocator rounds to 16), and a value
+        # below 32 is a cached small int, no object of its own
+        self.marks = 0
         self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown);
         # an SSD copy is read back by it (and its offset, key and namespace's sizes)
         self.tokens: TokenRun | None = None  # its commit's token ids, while events are on
-        self.announced = 0                  # tiers the event stream announced it in (bits)
         # Its place in its DRAM and its SSD class's LRU order, which lives in the blocks
         # (``LinkedOrder``: no table to grow, 24 bytes a block rather than 91).
         self.dram_order: object = None
@@ -154,6 +159,25 @@ class Block:
             rare = self._rare()
             rare.extra = value
             self._settle(rare)
+
+    @property
+    def announced(self) -> int:
+        """The tiers the event stream announced it in (``tier_changes.TIER_BITS``)."""
+        return self.marks & ANNOUNCED
+
+    @announced.setter
+    def announced(self, bits: int) -> None:
+        assert not bits & ~ANNOUNCED, f"announced bits {bits:#x} out of range"
+        self.marks = self.marks & ~ANNOUNCED | bits
+
+    @property
+    def remote(self) -> bool:
+        """Known to be in the remote store."""
+        return bool(self.marks & REMOTE_MARK)
+
+    @remote.setter
+    def remote(self, value: bool) -> None:
+        self.marks = self.marks | REMOTE_MARK if value else self.marks & ~REMOTE_MARK
 
     # Hashed and compared by identity (in C: the orders, sets and dicts of blocks cost
     # no Python call per step); the eviction orders' ghost lists name a block by its key

@@ -31,10 +31,21 @@ class Index:
         shards, mask = ns.blocks.shards, ns.blocks.mask  # ``ns.blocks.get``, inline
         chain: list[Block] = []
         below = 0  # hits with no DRAM copy
+        block: Block | None = None
         for key in keys:
-            block = shards[hash(key) & mask].get(key)
-            if block is None:
-                break
+            # The previous key's one child, if it is this key, is this key's entry (a
+            # child is in the key map under its key while it hangs there): a chain is
+            # walked by its links, one probe of the map at its head (and at each branch
+            # point), not one per key.  The map's tables are spread over the heap, the
+            # chain's entries lie together, as committed: at 10M blocks a probe costs
+            # cache and TLB misses a link does not (``benchmarks/index_scale.py``).
+            kids = None if block is None else block.kids
+            if kids is not None and kids.__class__ is Block and kids.key == key:
+                block = kids
+            else:
+                block = shards[hash(key) & mask].get(key)
+                if block is None:
+                    break
             if block.offset is None:
                 # ``Block.present``, inline: this loop is the lookup's cost
                 if block.ssd_offset is None and block.extra is None:
