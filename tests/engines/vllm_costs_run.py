@@ -21,9 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvstore.identity import Identity
-from kvstore.integrations.engine_side import EnginePages
+from kvstore.integrations.engine_side import EnginePages, Loaded
 from kvstore.integrations.pipeline import SettledLoads
 from kvstore.integrations.vllm import (
+    STATS,
     KVStoreConnector,
     KVStoreConnectorMetadata,
     NamespaceIds,
@@ -95,13 +96,13 @@ def check_a_staged_cache_block_size_is_its_pages_bytes() -> None:
 
 @dataclass
 class SenderStub:
-    """What handle_preemptions asks of the background sender."""
+    """What the worker asks of the background sender; ``order`` the calls seen."""
 
-    gos: int = 0
+    order: list[str]
     waited: list[set[str]] = field(default_factory=list)
 
     def go(self) -> None:
-        self.gos += 1
+        self.order.append("go")
 
     def wait_for(self, tags: set[str], timeout: float | None) -> bool:
         self.waited.append(tags)
@@ -110,47 +111,83 @@ class SenderStub:
 
 
 @dataclass
+class LoadsStub:
+    """A step's loads (``StepLoads``) that copy nothing but say when they would."""
+
+    order: list[str]
+    calls: int = 0
+    waited_s: float = 0.0
+    started: bool = False
+
+    def pinned(self) -> dict[str, Loaded]:
+        self.order.append("pinned")
+        return {}
+
+    def copy_all(self) -> None:
+        self.order.append("copied")
+
+    def settle(self) -> None:
+        pass
+
+    def release(self) -> None:
+        self.order.append("released")
+
+
+@dataclass
 class OptionsStub:
     post_loads: bool = False
     copy_ahead: bool = False
+    layerwise: bool = False
 
 
-def worker(sender: SenderStub) -> KVStoreConnector:
-    """A worker-side connector with just what handle_preemptions reads."""
+def worker(order: list[str]) -> tuple[KVStoreConnector, SenderStub]:
+    """A worker-side connector with just what a step's calls read, its sender a stub
+    and its loads ``LoadsStub``s."""
     connector = KVStoreConnector.__new__(KVStoreConnector)
-    connector.stats = {"load_us": 0, "save_us": 0}
+    connector.stats = dict.fromkeys(STATS, 0)
     connector._settled = SettledLoads()
+    connector._step_loads = None
+    connector._posted_loads = None
+    connector._load_errors = set()
+    connector._layer_index = {}
+    sender = SenderStub(order)
     connector._sender = sender  # type: ignore[assignment]
     connector._saving = set()
     connector._opts = OptionsStub()  # type: ignore[assignment]
-    return connector
+    link = type("Link", (), {"settings": type("Settings", (), {"timeout": 1.0})})()
+    connector._link = link
+    connector._plan_loads = lambda transfers: LoadsStub(order)  # type: ignore
+    return connector, sender
 
 
 def load(req_id: str) -> Transfer:
     return Transfer(req_id, 0, RequestVariant(), [b"k" * 16], [7])
 
 
-def check_a_step_that_loads_starts_no_held_save() -> None:
-    sender = SenderStub()
-    connector = worker(sender)
-    connector.handle_preemptions(KVStoreConnectorMetadata(loads=[load("r1")]))
-    assert sender.gos == 0            # the first token of r1 waits on this step
-    connector.handle_preemptions(KVStoreConnectorMetadata())
-    assert sender.gos == 1            # the next step lets them go
-    connector.handle_preemptions(KVStoreConnectorMetadata(saves=[load("r2")]))
-    assert sender.gos == 2
+def step(connector: KVStoreConnector, meta: KVStoreConnectorMetadata) -> None:
+    """A step's calls, as vLLM's model runner makes them, up to the forward."""
+    connector.handle_preemptions(meta)
+    connector.bind_connector_metadata(meta)
+    connector.start_load_kv(None)  # type: ignore[arg-type]
+
+
+def check_a_step_that_loads_starts_held_saves_once_its_blocks_are_copied() -> None:
+    order: list[str] = []
+    connector, _ = worker(order)
+    step(connector, KVStoreConnectorMetadata(loads=[load("r1")]))
+    assert order == ["pinned", "copied", "go"], order  # not beside the copy
+    order.clear()
+    step(connector, KVStoreConnectorMetadata())
+    assert order == ["released", "go"], order  # the last step's pins; held saves at once
 
 
 def check_a_preempted_request_saves_are_still_waited_for_in_a_step_that_loads() -> None:
-    sender = SenderStub()
-    connector = worker(sender)
+    order: list[str] = []
+    connector, sender = worker(order)
     connector._saving = {"old"}
-    connector._link = type("Link", (), {"settings": type("S", (), {"timeout": 1.0})})()  # type: ignore[assignment]
-    connector.handle_preemptions(KVStoreConnectorMetadata(loads=[load("r1")],
-                                                          preempted={"old"}))
+    step(connector, KVStoreConnectorMetadata(loads=[load("r1")], preempted={"old"}))
     assert sender.waited == [{"old"}]  # its pages are vLLM's again: its saves end first
-    assert sender.gos == 1             # (wait_for lets every held save go)
-
+    assert order == ["go", "pinned", "copied", "go"], order  # wait_for lets them go
 
 CHECKS: dict[str, Callable[[], None]] = {
     name.removeprefix("check_"): fn for name, fn in globals().items()
