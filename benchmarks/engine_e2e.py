@@ -68,8 +68,10 @@ arms), the connector's own time in the engine's steps per request (lookup, load,
 save hand-off; and, for the requests of rounds 2 and later of ``mrqa``'s one at a time,
 the median of each part up to the first token, beside the engine's own schedule,
 execute and forward pass, and TTFT less the forward: the part a connector adds to, with
-the forward's run-to-run noise taken out), and ratios against ``alone`` and
-``ideal``; ``--png`` draws the TTFT
+the forward's run-to-run noise taken out; with ``--spans``, the median time in each of
+vLLM's and the connector's calls and the engine steps to the first token,
+``engine_spans.py``), whether each arm's greedy answers are the ideal's, request by
+request, and ratios against ``alone`` and ``ideal``; ``--png`` draws the TTFT
 distributions (matplotlib; where the engine's environment lacks it, the TTFTs go to a
 JSON file that ``--draw`` turns into the PNG with a Python that has it).
 
@@ -98,6 +100,7 @@ from typing import Any
 if str(Path(__file__).resolve().parent) not in sys.path:  # run by path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine_arms  # after the path: benchmarks/ is no package
+import engine_spans
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ["alone", "ideal", "kvstore", "kvstore-ssd", *engine_arms.ARMS]
@@ -222,43 +225,11 @@ def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
                **kwargs)
 
 
-class PhaseClock:
-    """Nanoseconds the engine spends in its scheduler's ``schedule``, its executor's
-    ``execute_model`` and, within it, the model's forward pass (patched onto this
-    process's engine; a phase whose object this vLLM lacks is not timed).  TTFT less
-    the forward is what a connector adds to, without the forward's noise: on a shared
-    2-core machine the forward of the same prompt moves by milliseconds between runs."""
-
-    PHASES = ("schedule", "execute", "forward")
-
-    def __init__(self, llm: Any) -> None:
-        self.total: dict[str, int] = dict.fromkeys(self.PHASES, 0)
-        core = llm.llm_engine.engine_core.engine_core
-        runner = getattr(getattr(getattr(core.model_executor, "driver_worker", None),
-                                 "worker", None), "model_runner", None)
-        for owner, name, phase in ((core.scheduler, "schedule", "schedule"),
-                                   (core.model_executor, "execute_model", "execute"),
-                                   (getattr(runner, "model", None), "forward", "forward")):
-            if owner is not None and callable(getattr(owner, name, None)):
-                setattr(owner, name, self._timed(getattr(owner, name), phase))
-
-    def _timed(self, call: Any, phase: str) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter_ns()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                self.total[phase] += time.perf_counter_ns() - started
-        return timed
-
-    def snapshot(self) -> dict[str, int]:
-        return dict(self.total)
-
-
 class Driver:
     """Adds requests to the in-process engine and steps it, timing first tokens."""
 
-    def __init__(self, llm: Any, answer_tokens: int, clock: PhaseClock | None = None) -> None:
+    def __init__(self, llm: Any, answer_tokens: int,
+                 clock: engine_spans.SpanClock | None = None) -> None:
         from vllm import SamplingParams
 
         self.llm = llm
@@ -269,6 +240,7 @@ class Driver:
         self.records: list[dict[str, Any]] = []
         self._live: dict[str, tuple[Conversation, float, float | None, int]] = {}
         self._conn: dict[str, dict[str, int]] = {}
+        self._steps: dict[str, int] = {}  # request -> engine steps until its first token
 
     def submit(self, conv: Conversation) -> None:
         rid = uuid.uuid4().hex
@@ -278,10 +250,14 @@ class Driver:
             self.conn_before[rid] |= {f"phase_{k}": v for k, v in self.clock.snapshot().items()}
         self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, self.sampling)
         self._live[rid] = (conv, time.perf_counter(), None, len(prompt))
+        self._steps[rid] = 0
 
     def step(self) -> list[Conversation]:
         """One engine step; the conversations whose turn finished in it."""
         finished = []
+        for rid, steps in self._steps.items():
+            if self._live[rid][2] is None:
+                self._steps[rid] = steps + 1
         for out in self.llm.llm_engine.step():
             conv, start, first, prompt_len = self._live[out.request_id]
             if first is None and out.outputs and out.outputs[0].token_ids:
@@ -293,13 +269,16 @@ class Driver:
                 if self.clock is not None:
                     after |= {f"phase_{k}": v for k, v in self.clock.snapshot().items()}
                 self._conn[out.request_id] = {k: after[k] - before.get(k, 0)
-                                              for k in PER_REQUEST + PHASES if k in after}
+                                              for k in after if k in before}
+                self._conn[out.request_id]["steps"] = self._steps[out.request_id]
             if out.finished:
                 del self._live[out.request_id]
+                del self._steps[out.request_id]
                 answer = list(out.outputs[0].token_ids)
                 self.records.append({"ttft": (first or time.perf_counter()) - start,
                                      "prompt": prompt_len, "cached": out.num_cached_tokens,
                                      "generated": len(answer), "name": conv.name,
+                                     "answer": answer,
                                      "conn": self._conn.pop(out.request_id, {})})
                 conv.answered(answer)
                 finished.append(conv)
@@ -348,7 +327,7 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict[str, Any]:
     llm = engine(arm, a, a.endpoint)
     if reason := engine_arms.failure(llm):
         return {"error": reason}
-    clock = PhaseClock(llm)
+    clock = engine_spans.SpanClock(llm, detailed=a.spans)
     warm = Driver(llm, 2)
     warm.one_at_a_time([Conversation("warm", tokens(random.Random(99), 300), [[3]])])
     import torch
@@ -387,7 +366,7 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict[str, Any]:
 
 
 PER_REQUEST = ("s_lookup_us", "w_load_us", "w_acquire_wait_us", "w_save_us", "s_hit_tokens")
-PHASES = tuple(f"phase_{k}" for k in PhaseClock.PHASES)  # nanoseconds
+PHASES = tuple(f"phase_{k}" for k in engine_spans.PHASES)  # nanoseconds
 
 
 def connector_stats(llm: Any, *, drain: bool = True) -> dict[str, int]:
@@ -557,6 +536,7 @@ def report(results: dict[str, dict[str, Any]], a: argparse.Namespace) -> None:
                 print(f"{'':13}     p50 per repeat: "
                       + " ".join(f"{r['p50'] * 1000:.1f}" for r in runs[arm]))
         token_costs(rows)
+        same_answers(results, key)
         if key == "mrqa/seq":
             later_rounds(results, key, a)
     if a.png:
@@ -593,6 +573,29 @@ def later_rounds(results: dict[str, dict[str, Any]], key: str, a: argparse.Names
               f"  | schedule {phases['phase_schedule']:.2f}  execute "
               f"{phases['phase_execute']:.2f} (forward {phases['phase_forward']:.2f})"
               f"  TTFT less forward {rest:.2f}")
+        spans = sorted({k for x in later for k in x.get("conn", {})
+                        if k.startswith("phase_") and k not in PHASES})
+        if spans:  # --spans: every timed call's median ms, then the steps to a first token
+            ms = {k.removeprefix("phase_"): statistics.median(
+                x["conn"].get(k, 0) for x in later) / 1e6 for k in spans}
+            steps = statistics.median(x["conn"].get("steps", 0) for x in later)
+            print(f"{'':13}   " + "  ".join(f"{k} {v:.3f}" for k, v in ms.items())
+                  + f"  steps {steps:.0f}")
+
+
+def same_answers(results: dict[str, dict[str, Any]], key: str) -> None:
+    """Whether each arm's greedy answers are the ideal arm's, request by request (the
+    same prompts in the same order in every run: a wrong KV block shows as another
+    answer)."""
+    ideal = results.get("ideal", {}).get(key)
+    if ideal is None:
+        return
+    for arm, r in results.items():
+        if arm == "ideal" or "error" in r or key not in r:
+            continue
+        pairs = list(zip(r[key]["records"], ideal["records"]))
+        differ = sum(x.get("answer") != y.get("answer") for x, y in pairs)
+        print(f"{arm:13} answers: {differ} of {len(pairs)} differ from the ideal's")
 
 
 def token_costs(rows: dict[str, dict[str, Any]]) -> None:
@@ -674,6 +677,9 @@ def parse() -> argparse.Namespace:
                    help="LMCache's chunk in tokens (its default): it stores and loads "
                    "whole chunks only")
     p.add_argument("--layerwise", action="store_true")
+    p.add_argument("--spans", action="store_true", help="time vLLM's and the connector's "
+                   "calls in each step (engine_spans.py) and print, for the requests of "
+                   "rounds 2+ of mrqa one at a time, the median ms of each per request")
     p.add_argument("--threads", type=int, default=-1,
                    help="OMP_NUM_THREADS of every arm's engine (default: 1 on the CPU "
                    "build, where two OpenMP threads on a shared 2-core machine made the "

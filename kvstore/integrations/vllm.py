@@ -314,6 +314,29 @@ def wait_or_give_up(sender: SaveSender, tags: set[str], timeout: float) -> None:
         sender.give_up(tags)
 
 
+def _group_of(groups: Sequence[Group], index: int) -> Group:
+    return next(g for g in groups if g.index == index)
+
+
+class NamespaceIds:
+    """Rank 0's namespace id of each group and request variant, hashed once (it took
+    ~20 us each time a request's new blocks were hashed); ``limit`` kept at most (salts
+    may be many: past it, ids are hashed each time)."""
+
+    def __init__(self, tp_size: int, limit: int = 4096) -> None:
+        self._tp_size = tp_size
+        self._limit = limit
+        self._ids: dict[tuple[int, RequestVariant], bytes] = {}
+
+    def of(self, group: Group, variant: RequestVariant) -> bytes:
+        found = self._ids.get((group.index, variant))
+        if found is None:
+            found = group.identity_for(variant, 0, self._tp_size).namespace_id
+            if len(self._ids) < self._limit:
+                self._ids[(group.index, variant)] = found
+        return found
+
+
 @dataclass(frozen=True)
 class ConnectorOptions:
     """The connector's ``kv_connector_extra_config`` keys beside ``endpoint``,
@@ -329,11 +352,12 @@ class ConnectorOptions:
     thread from then on: for hosts with a core to spare; on a loaded 2-core host it
     slowed loads, engine_e2e's kvstore-ahead arm), ``saves_after_step`` (default true:
     a step's saves start at the next step, not beside the end of the step that computed
-    them, whose output they would delay; ``SaveSender``), ``known_chains`` (default true:
-    the keys of a prefix an earlier request hashed are taken over, found by vLLM's own
-    sha256 block hashes; ``KnownChains``), ``max_pending_save_mib`` (bytes of
-    pending saves, staged or still in vLLM's pages, before saves are dropped, default
-    1024)."""
+    them, whose output they would delay; in a step that loads, once its blocks are
+    copied: beside its forward, not its copy; ``SaveSender``),
+    ``known_chains`` (default true: the keys of a prefix an earlier request hashed are
+    taken over, found by vLLM's own sha256 block hashes; ``KnownChains``),
+    ``max_pending_save_mib`` (bytes of pending saves, staged or still in vLLM's pages,
+    before saves are dropped, default 1024)."""
 
     async_saves: bool
     layerwise: bool
@@ -387,6 +411,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         self._known = KnownChains.of(vllm_config.cache_config, self._opts.known_chains)
+        self._ns_ids = NamespaceIds(self._tp_size)
         self._pending_loads: list[Transfer] = []
         # worker side
         self._tp_rank = 0
@@ -423,8 +448,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """The first ``blocks`` keys of the request's token chain in ``group``."""
         keys = state.keys.setdefault(group.index, [])  # in rank 0's namespace, every rank's
         self._known.extend((group.index, state.variant), state.request, keys, blocks,
-                           group.block_tokens, lambda: group.identity_for(
-                               state.variant, 0, self._tp_size).namespace_id)
+                           group.block_tokens, lambda: self._ns_ids.of(group, state.variant))
         return keys[:blocks]
 
     def get_num_new_matched_tokens(self, request: Request,
@@ -611,9 +635,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._sender = SaveSender(self._link.settings,
                                       max_pending_bytes=self._opts.max_pending)
 
-    def _group(self, index: int) -> Group:
-        return next(g for g in self._groups if g.index == index)
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         started = time.perf_counter()
         try:
@@ -630,8 +651,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._settled.release():
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
             started = time.perf_counter()
-        if self._sender is not None:  # the last step's saves start
-            self._sender.go()
+        if self._sender is not None and not meta.loads:  # the last step's saves start (in
+            self._sender.go()  # a step that loads, once its blocks are in: start_load_kv)
         if meta.preempted & self._saving and self._sender is not None:
             wait_or_give_up(self._sender, meta.preempted & self._saving,
                             self._link.settings.timeout)
@@ -649,7 +670,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _plan_loads(self, transfers: list[Transfer]) -> StepLoads:
         return plan_loads(transfers, self._layers, lambda index, variant: self._namespace(
-            self._group(index), variant, self._tp_rank))
+            _group_of(self._groups, index), variant, self._tp_rank))
 
     def _start_load_kv(self) -> None:
         meta = self._get_connector_metadata()
@@ -683,6 +704,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 loads.finish()
                 raise
             self._settled.settle(loads)
+        if self._sender is not None:  # held saves go beside the forward, not the copy
+            self._sender.go()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         loads = self._step_loads
@@ -714,7 +737,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
         for t in meta.saves:
-            group, pages = self._group(t.group), self._layers[t.group]
+            group, pages = _group_of(self._groups, t.group), self._layers[t.group]
             if self._sender is None:  # copied and stored now, in the step
                 save_now(self._namespace(group, t.variant, self._tp_rank), t,
                          pages.stage(t.block_ids).rows, self.stats, self._link)
@@ -735,8 +758,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return done or None, None
 
     def drain_saves(self, timeout: float) -> bool:
-        """Wait until every save sent is done (False: ``timeout`` seconds passed), and
-        bring ``stats`` up to date."""
+        """Wait for every save sent (False: ``timeout`` seconds passed); stats updated."""
         done = self._sender is None or self._sender.drain(timeout)
         if self._sender is not None:
             self.stats.update(self._sender.stats)
