@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -196,6 +196,8 @@ class SSDStore:
         self._timers = {"io_seconds": 0.0, "index_seconds": 0.0}
         self._touches: dict[bytes, float] = {}
         self._background: set[Future[None]] = set()
+        # index deletes submitted and not yet seen done: a write commits after them
+        self._deleting: set[Future[int]] = set()
         self._closed = False
         self._directory: SSDDirectory | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -253,7 +255,9 @@ class SSDStore:
         touches, self._touches = self._touches, {}
         pool = self._open_pool()
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(pool, self._write_batch, records, spans, touches)
+        deletes = list(self._deleting)
+        future = loop.run_in_executor(
+            pool, self._write_batch, records, spans, touches, deletes)
         try:
             result = await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -271,7 +275,8 @@ class SSDStore:
         return result.records
 
     def _write_batch(
-        self, records: Sequence[BlockRecord], spans: Sequence[Span], touches: dict[bytes, float]
+        self, records: Sequence[BlockRecord], spans: Sequence[Span],
+        touches: dict[bytes, float], deletes: Sequence[Future[int]],
     ) -> _WriteResult:
         data, index = self._parts()
         started = time.perf_counter()
@@ -279,8 +284,22 @@ class SSDStore:
         committed = [msgspec.structs.replace(record, checksum=digest)
                      for record, digest in zip(records, digests)]
         io_done = time.perf_counter()
+        self._after_deletes(deletes)
         index.commit(committed, touches)
         return _WriteResult(committed, io_done - started, time.perf_counter() - io_done)
+
+    @staticmethod
+    def _after_deletes(deletes: Sequence[Future[int]]) -> None:
+        """Wait (on a pool thread) for the index deletes asked for before this write.
+
+        Without it a delete of key K (an evicted copy) still running on another pool
+        thread could land after the commit of K written again, and take the new record
+        with it: K's SSD copy would then be missing after a restart.  The same order
+        keeps an old record naming a slot from outliving the commit of the block written
+        into that slot again.  It cannot deadlock: the pool takes jobs first in, first
+        out, so every delete submitted before this write has a thread or is done."""
+        if deletes:
+            wait(deletes)
 
     def _withdraw_cancelled_write(self, future: asyncio.Future[_WriteResult]) -> None:
         if future.cancelled() or future.exception() is not None or self._closed:
@@ -336,16 +355,27 @@ class SSDStore:
 
     async def remove(self, blocks: Iterable[BlockId]) -> int:
         """Withdraw blocks from the index (their bytes stay until overwritten); returns how
-        many were there.  Await it before writing other blocks into their slots."""
+        many were there.
+
+        Index changes keep the order they were asked in: a ``write_blocks`` called after
+        this (of the same keys, or into the slots they held) commits after the delete,
+        whether or not this call was awaited first.  If the caller is cancelled, the
+        delete still runs."""
         index_keys = [_check_id(block) for block in blocks]
         for index_key in index_keys:
             self._touches.pop(index_key, None)
-        pool = self._open_pool()
-        removed = await asyncio.get_running_loop().run_in_executor(
-            pool, self._parts()[1].delete, index_keys
-        )
+        job = self._open_pool().submit(self._parts()[1].delete, index_keys)
+        self._deleting.add(job)
+        done = asyncio.wrap_future(job)
+        done.add_done_callback(lambda f: self._delete_done(job, f))
+        removed = await asyncio.shield(done)
         self._counters["removed"] += removed
         return removed
+
+    def _delete_done(self, job: Future[int], done: asyncio.Future[int]) -> None:
+        self._deleting.discard(job)
+        if not done.cancelled():
+            done.exception()  # retrieved: a cancelled caller's failure is not logged twice
 
     def touch(self, blocks: Iterable[BlockId], when: float) -> None:
         """Note that blocks were used at ``when``; buffered in memory and written with the
