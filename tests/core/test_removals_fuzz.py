@@ -24,7 +24,7 @@ from kvstore.index import NamespaceDrop
 from kvstore.store import BlockStore, Namespace, Pin, Reservation
 
 IDENT = make_identity(num_layers=1, num_kv_heads=1, head_dim=8)  # 512-byte blocks
-SEEDS = 600
+SEEDS = 300
 OPS = 120
 
 
