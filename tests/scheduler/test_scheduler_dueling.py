@@ -139,6 +139,24 @@ def test_a_hand_over_passes_no_cached_block_as_a_ghost_and_each_victim_once() ->
     assert list(order._ghost._order) == [1, 0]  # 0 once, the newest
 
 
+def test_a_hand_over_protects_what_came_back_since_its_eviction() -> None:
+    """A block that LRU evicted and a miss brought back is a ghost hit to the new order:
+    SLRU takes it into its protected segment, where it outlives blocks seen once since
+    (taken as new, it went before them, as LRU has it); a block never evicted is not."""
+    duel = Duel([LRUPolicy, SLRUPolicy])
+    duel.insert_many(range(4))
+    assert duel.pop_victim(lambda _: True) == 0
+    duel.insert(0)  # back after its eviction
+    duel.insert_many([4, 5])
+    assert list(duel.evictable()) == [1, 2, 3, 0, 4, 5]
+    duel._take_over(1)
+    order = duel._order
+    assert isinstance(order, SLRUPolicy)
+    assert list(order._protected) == [0] and list(order._probation) == [1, 2, 3, 4, 5]
+    victims = [duel.pop_victim(lambda _: True) for _ in range(6)]
+    assert victims == [1, 2, 3, 4, 5, 0], victims
+
+
 def test_the_victims_names_are_bounded_and_copied_once_per_doubling(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The names kept for a hand-over stay at most RECALL_MOST however large the
