@@ -517,7 +517,7 @@ class StoreCore:
                     dropping.spare.pop(block, None)
             if block.tokens is not None:  # (it keeps its ids for an event still to come)
                 let_go(block.tokens, block.ns.blocks)
-            if self.changes is not None and block.announced & 4:
+            if self.changes is not None and block.marks & 4:  # (``announced``: remote)
                 self.changes.touch(block)  # a remote mark goes with the entry
             parent = block.parent
             if parent is not None:
