@@ -418,7 +418,11 @@ class Namespace(NamespaceCore[Client]):
         return len(keys)
 
     def drop(self) -> int:
-        """Drop every unpinned block of this namespace."""
+        """Drop every unpinned block of this namespace that was there when the drop
+        was asked for; returns how many entries it removed.  What is committed into the
+        namespace after that (while the daemon waits for this session's get replies
+        still being sent, behind another removal of it, or between its slices) is kept,
+        with its prefixes, and not counted."""
         return self._on_count(self.client._call(self._drop_request()))
 
 

@@ -9,7 +9,7 @@ The server finishes both in a task and sends the one reply at the end.
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,15 @@ class Later:
 
     # the reply, or the reply and its payload frames (a get's, pinned until sent)
     reply: Coroutine[Any, Any, p.Message | tuple[p.Message, list[Any]]]
+    # what the reply holds from the moment it is made (a removal's claim on commits:
+    # ``Removals``), let go of at once if it is given up before it ran: closing a
+    # coroutine that never started runs none of its ``finally``
+    give_up: Callable[[], None] | None = None
+
+    def gave_up(self) -> None:
+        """The reply was closed before it ever ran (the server gave the request up)."""
+        if self.give_up is not None:
+            self.give_up()
 
 
 Pending = Plan | Later

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from kvstore.blocks import REMOTE_MARK
 from kvstore.config import Config
 from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
@@ -145,12 +146,13 @@ class RemoteTier:
         """New blocks were committed: under write-through, copy them to the remote store
         in the background; under write-back they go there when DRAM evicts them."""
         if not self.write_back:
-            self._through.add(b for b in blocks if not b.remote)
+            self._through.add(b for b in blocks if not b.marks & REMOTE_MARK)
 
     async def _write_through(self, batch: list[Block]) -> None:
         by_ns: dict[Namespace, list[Block]] = {}
         for b in batch:
-            if b.ns.blocks.get(b.key) is b and b.offset is not None and not b.remote:
+            if (b.ns.blocks.get(b.key) is b and b.offset is not None
+                    and not b.marks & REMOTE_MARK):
                 by_ns.setdefault(b.ns, []).append(b)
         for ns, blocks in by_ns.items():
             await self._put(ns, blocks)
@@ -170,7 +172,7 @@ class RemoteTier:
             ok = await self.send(ns, [b.key for b in blocks], views, "write",
                                   write_back=self.write_back)
             for b, good in zip(blocks, ok or ()):
-                if good and not b.remote:
+                if good and not b.marks & REMOTE_MARK:
                     b.remote = True
                     self.store.changed(b)
         finally:
@@ -227,7 +229,7 @@ class RemoteTier:
         by_ns: dict[Namespace, list[Block]] = {}
         for ns in list(self.store.namespaces.values()):
             for b in ns.blocks.values():
-                if b.offset is not None and b.ssd_offset is None and not b.remote \
+                if b.offset is not None and b.ssd_offset is None and not b.marks & REMOTE_MARK \
                         and not b.demoting:
                     by_ns.setdefault(ns, []).append(b)
         for ns, blocks in by_ns.items():

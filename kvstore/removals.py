@@ -118,9 +118,11 @@ class Removals:
     def _later(reply: Coroutine[Any, Any, p.Message], keeping: Keeping) -> Later:
         """The reply of a removal that keeps commits (``keeping``): it ends with the
         coroutine, or, if that is closed before it ever ran (a request given up before
-        its task started), once the coroutine is gone."""
+        its task started), when the server says so (``Later.gave_up``), or else once
+        the coroutine is gone (the finalizer: the backstop for any other way it is
+        dropped unrun, such as a task cancelled before it started)."""
         weakref.finalize(reply, keeping.close)
-        return Later(reply)
+        return Later(reply, keeping.close)
 
     def _sending_in(self, ns: Namespace, session: object = None) -> list[Any]:
         """The get replies ZeroMQ is still sending of ``ns``'s blocks (a get's blocks

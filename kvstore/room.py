@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvstore.blocks import SSD, Block, Namespace, TierSlots
+from kvstore.blocks import REMOTE_MARK, SSD, Block, Namespace, TierSlots
 from kvstore.core import StoreCore
 from kvstore.errors import CapacityError
 from kvstore.plans import Plan
@@ -102,7 +102,7 @@ class RoomMaker:
             return "dirty"
         if b.kids is not None:
             return None  # without a copy on SSD, only leaves leave DRAM
-        if b.remote:
+        if b.marks & REMOTE_MARK:  # (``remote``: read for each candidate, without a call)
             return "clean"
         return "dirty" if self._remote_dirty(b) else "lossy"
 
@@ -223,4 +223,5 @@ class RoomMaker:
                    for b in t.blocks) or any(mine(b) for b in self.store.remote_demoting)
 
     def _remote_dirty(self, block: Block) -> bool:
-        return self.store.allow_demote and not block.remote and self.store.remote_writing_back()
+        return (self.store.allow_demote and not block.marks & REMOTE_MARK
+                and self.store.remote_writing_back())

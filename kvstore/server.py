@@ -317,6 +317,7 @@ class Server:
                                 self.moves.abandon(answer)
                             else:
                                 answer.reply.close()
+                                answer.gave_up()  # (what it held goes now, not at gc)
                             raise
                         self.spawn(finisher.finish(
                             routing_id, rid, verb, tenant, start, handler, session, request,

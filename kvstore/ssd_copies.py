@@ -12,7 +12,7 @@ from operator import attrgetter
 from typing import Any, Protocol
 
 from kvstore.block_map import SPLIT_AT
-from kvstore.blocks import DRAM, SSD, Block, Namespace, Transfer
+from kvstore.blocks import DRAM, REMOTE_MARK, SSD, Block, Namespace, Transfer
 from kvstore.core import StoreCore
 from kvstore.dram_copies import check_slots
 from kvstore.errors import CapacityError
@@ -139,7 +139,7 @@ class SsdCopies:
                     raise CapacityError(
                         f"the ssd tier has no room for {len(group)} blocks of "
                         f"{cls.slot_bytes} bytes")
-                if (victim.offset is None and not victim.remote
+                if (victim.offset is None and not victim.marks & REMOTE_MARK
                         and self.store.remote_write_back is not None):
                     self.store.counters.ssd_evicted_unwritten += 1  # its last copy goes
                 removed.append(self.store.drop_ssd_copy(victim))
@@ -229,7 +229,7 @@ class SsdCopies:
             return None
         coldest: Iterator[Block] = policy.coldest()
         for b in itertools.islice(coldest, _CLEAN_VICTIM_REACH):
-            if b.remote and allowed(b):
+            if b.marks & REMOTE_MARK and allowed(b):  # (``remote``, without a call)
                 policy.remove(b)  # the iteration ends here: no change while it runs
                 return b
         return None
@@ -261,7 +261,7 @@ class SsdCopies:
             for b in itertools.islice(coldest, window - free):
                 if size >= max_bytes or taken >= evictable // 2:
                     break
-                if not b.remote and b.ssd_holds == 0:
+                if not b.marks & REMOTE_MARK and b.ssd_holds == 0:
                     plan.append(b)
                     size += b.ns.block_bytes
                     taken += 1

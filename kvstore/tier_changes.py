@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvstore.blocks import DRAM, SSD, Block, Namespace
+from kvstore.blocks import ANNOUNCED, DRAM, REMOTE_MARK, SSD, Block, Namespace
 
 REMOTE = "remote"
 GPU = "gpu"
@@ -37,7 +37,7 @@ def holdings(block: Block) -> int:
         bits |= 1
     if block.ssd_offset is not None:
         bits |= 2
-    if block.remote:
+    if block.marks & REMOTE_MARK:
         bits |= 4
     if block.gpu_offset is not None:
         bits |= 8
@@ -132,14 +132,14 @@ class TierChanges:
         elif self.on_more is not None:
             self.on_more()
         kept: list[Block] | None = None
-        for b in blocks:
-            bits = b.announced
-            if bits & 1:
+        for b in blocks:  # (``marks``, not the properties: a call a block less)
+            marks = b.marks
+            if marks & 1:  # announced in DRAM (the low bits are ``announced``'s)
                 if kept is None:
                     kept = self.kept[id(blocks)] = []
                 kept.append(b)
             else:
-                b.announced = bits | 1
+                b.marks = marks | 1
         touched.append(blocks)
         self.runs.append(blocks)
 
@@ -182,7 +182,8 @@ class TierChanges:
                     stored.append(Stored(DRAM, first.ns, dram))
                 dram_last = block[-1]
                 continue
-            before = block.announced
+            marks = block.marks  # (``announced`` and ``remote``, read without a call)
+            before = marks & ANNOUNCED
             # What the block holds now.  An entry out of the map holds no copy but may
             # keep its remote mark: looked up only then.
             now = 0 if block.offset is None else 1
@@ -191,14 +192,14 @@ class TierChanges:
             rare = block.rare  # ``Block.gpu_offset``, inline: most blocks have no record
             if rare is not None and rare.gpu_offset is not None:
                 now |= 8
-            if block.remote:
+            if marks & REMOTE_MARK:
                 key = block.key
                 entries = block.ns.blocks  # ``BlockMap.get``, inline
                 if entries.shards[hash(key) & entries.mask].get(key) is block:
                     now |= 4
             if now == before:
                 continue
-            block.announced = now
+            block.marks = marks ^ before | now  # (``announced = now``)
             new = now & ~before
             if new == 1:  # the common case, a DRAM copy gained (a block's parent is of
                 # its namespace: one chain is one namespace)
@@ -254,12 +255,12 @@ class TierChanges:
             if isinstance(block, list):  # a commit's run: its DRAM copies, new (their
                 changed = True               # bits set as the run was marked)
                 continue
-            rare = block.rare
-            now = holdings(block) if block.remote else (
+            rare, marks = block.rare, block.marks
+            now = holdings(block) if marks & REMOTE_MARK else (
                 (block.offset is not None) | (block.ssd_offset is not None) << 1
                 | (rare is not None and rare.gpu_offset is not None) << 3)
-            if now != block.announced:
-                block.announced = now
+            if now != marks & ANNOUNCED:
+                block.marks = marks & ~ANNOUNCED | now  # (``announced = now``)
                 changed = True
         return changed
 
@@ -278,7 +279,7 @@ def _unfold_overlaps(touched: list[Block | list[Block]], singles: set[Block] | N
             before = kept.get(id(mark), ())
             for b in mark:
                 if b not in before:
-                    b.announced &= ~1
+                    b.marks &= ~1  # (``announced``'s DRAM bit)
             out.extend(mark)
         else:
             out.append(mark)

@@ -309,6 +309,27 @@ def test_a_removal_given_up_before_it_ran_stops_keeping() -> None:
     assert not store.dropping
 
 
+def test_a_removal_given_up_stops_keeping_at_once() -> None:
+    """The server gives a request up before its task ran (``Later.gave_up`` beside
+    ``reply.close()``): the claim ends then, while the coroutine is still held (not
+    only when it is freed), and a commit made after is no longer kept for it."""
+    store, ns = new_store()
+    rng = random.Random(12)
+    trunk = comb(store, ns, rng, 20, DROP_SLICE // 10)
+    removals, _, _ = daemon_of(store)
+    answer = removals.drop(1, ns)
+    assert isinstance(answer, Later) and ns in store.dropping
+    keeping = store.dropping[ns]
+    answer.reply.close()
+    assert ns in store.dropping  # (the coroutine still held: the finalizer waits)
+    answer.gave_up()
+    assert not store.dropping
+    commit(store, ns, chain(rng, 3), trunk[0])
+    assert not keeping.spare and not keeping.buckets
+    answer.gave_up()  # twice is harmless
+    assert not store.dropping
+
+
 # -- the sweep below a hollow entry -------------------------------------------------------------
 
 def test_a_hollow_entry_committed_again_mid_sweep_keeps_itself_and_what_is_below() -> None:
