@@ -5,6 +5,7 @@ port but no token refuses to start.  Real daemons, real HTTP."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -134,3 +135,59 @@ def test_bearer_matches_only_the_token() -> None:
                    "Basic 0123456789abcdef0123", "0123456789abcdef0123",
                    "Bearer 0123456789abcdef0123 extra", "Bearer é"):
         assert not bearer_matches(header, token), header
+
+
+def test_half_sent_requests_hold_a_bounded_number_of_threads(daemon_factory: Any,
+                                                             tmp_path: Path) -> None:
+    """Each connection to the metrics port has a thread before any token check: a peer
+    that sends half a request on many connections gets at most ``METRICS_MAX_CONNECTIONS``
+    served (the others closed at once), and a scrape gets in once they go."""
+    from kvstore.metrics import METRICS_MAX_CONNECTIONS
+
+    config, _, token, port = secured(tmp_path)
+    d = daemon_factory(extra=["--config", str(config)])
+    assert d.proc is not None
+    tasks = Path(f"/proc/{d.proc.pid}/task")
+    before = len(list(tasks.iterdir()))
+    held = []
+    for _ in range(METRICS_MAX_CONNECTIONS + 40):
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+        held.append(s)
+    closed = 0
+    for s in held[METRICS_MAX_CONNECTIONS:]:  # past the cap: closed, nothing answered
+        try:
+            closed += s.recv(1) == b""
+        except ConnectionResetError:
+            closed += 1
+    assert closed == 40
+    assert len(list(tasks.iterdir())) <= before + METRICS_MAX_CONNECTIONS
+    for s in held:
+        s.close()
+    for _ in range(100):  # the handlers see their peers go, and give the slots back
+        try:
+            assert scrape(f"http://127.0.0.1:{port}/metrics", f"Bearer {token}")[0] == 200
+            break
+        except (urllib.error.URLError, ConnectionError):
+            continue
+    else:
+        raise AssertionError("no scrape served after the half-sent requests went")
+
+
+def test_a_half_sent_request_is_dropped_after_the_read_timeout() -> None:
+    """A peer that never finishes its request holds its thread no longer than the read
+    timeout (in-process, with a short one)."""
+    from kvstore.metrics import Metrics
+
+    port = free_port()
+    close = Metrics(lambda: {}).start_http_server(port, max_connections=1, read_timeout=0.3)
+    assert close is not None
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        assert s.recv(1) == b""  # the server gave up on it (else: the recv times out)
+        s.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            assert r.status == 200  # its one slot is free again
+    finally:
+        close()
