@@ -5,6 +5,8 @@ port but no token refuses to start.  Real daemons, real HTTP."""
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from daemon_proc import free_port
 from kvtest import make_identity
 
 from kvstore import Client
-from kvstore.auth import bearer_matches, read_metrics_token
+from kvstore.auth import bearer_matches, read_metrics_token, read_secret
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
 
@@ -191,3 +193,32 @@ def test_a_half_sent_request_is_dropped_after_the_read_timeout() -> None:
             assert r.status == 200  # its one slot is free again
     finally:
         close()
+
+
+@pytest.mark.parametrize("read, setting", [
+    (read_metrics_token, "server.metrics_token_file"), (read_secret, "auth.secret_file")])
+def test_secret_files_are_small_regular_files(tmp_path: Path, read: Any, setting: str,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A device (/dev/zero read to the end never ends), a FIFO (opening it waits for a
+    writer) or a big file is refused at once; a file its group or others may read is
+    used, with a warning."""
+    with pytest.raises(ConfigError, match=f"{setting}.*not a regular file"):
+        read("/dev/zero")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        read(fifo)
+    big = tmp_path / "big"
+    big.write_text("ab" * 4096)
+    big.chmod(0o600)
+    with pytest.raises(ConfigError, match="more than 4096 bytes"):
+        read(big)
+    good = tmp_path / "good"
+    assert cli("keygen", "--secret", str(good)).returncode == 0  # mode 600
+    with caplog.at_level(logging.WARNING, logger="kvstore.auth"):
+        assert read(good)
+        assert not caplog.records
+        good.chmod(0o644)
+        assert read(good)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert setting in caplog.text and "group or others" in caplog.text
