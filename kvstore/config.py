@@ -7,7 +7,9 @@ validated; an error names the field and what is allowed.
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import logging
 import os
 import re
 import tomllib
@@ -18,6 +20,8 @@ from typing import Any
 import msgspec
 
 from kvstore.errors import ConfigError
+
+log = logging.getLogger("kvstore.config")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -363,6 +367,11 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 "that scrapes must send as a bearer token (kvstore keygen --secret FILE "
                 "writes one; Prometheus: authorization: credentials_file), or turn the "
                 "port off (server.metrics_port = 0)")
+        if s.metrics_port and not s.metrics_token_file and not _loopback(s.metrics_addr):
+            # no credentials (one user's host): allowed, but the port is open to others
+            log.warning("server.metrics_addr = %r is not a loopback address and there is "
+                        "no server.metrics_token_file: anyone who can reach port %d reads "
+                        "every tenant's metrics", s.metrics_addr, s.metrics_port)
 
     @property
     def credentials(self) -> bool:
@@ -673,3 +682,15 @@ def restart_needed(old: Config, new: Config) -> list[str]:
             if before[field] != value and (section, field) not in live:
                 restart.append(f"{section}.{field}")
     return restart
+
+
+def _loopback(addr: str) -> bool:
+    """Whether ``addr`` (the metrics port's bind address) is reachable from this host
+    only: a loopback address or ``localhost``."""
+    addr = addr.strip().strip("[]")
+    if addr.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False

@@ -222,3 +222,26 @@ def test_secret_files_are_small_regular_files(tmp_path: Path, read: Any, setting
         assert read(good)
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert setting in caplog.text and "group or others" in caplog.text
+
+
+def test_an_open_metrics_port_off_loopback_is_warned_of(
+        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """Without credentials a metrics port without a token is allowed (one user's host),
+    but bound off loopback anyone who reaches it reads every tenant's figures: warned."""
+    token = tmp_path / "metrics.token"
+    assert cli("keygen", "--secret", str(token)).returncode == 0
+    quiet = [{"metrics_port": 9464}, {"metrics_port": 9464, "metrics_addr": "::1"},
+             {"metrics_port": 9464, "metrics_addr": "localhost"},
+             {"metrics_port": 9464, "metrics_addr": "127.0.0.2"},
+             {"metrics_port": 0, "metrics_addr": "0.0.0.0"},
+             {"metrics_port": 9464, "metrics_addr": "0.0.0.0",
+              "metrics_token_file": str(token)}]
+    with caplog.at_level(logging.WARNING, logger="kvstore.config"):
+        for server in quiet:
+            load_config(env={}, overrides={"server": server})
+        assert not caplog.records
+        for addr in ("0.0.0.0", "::", "10.1.2.3", "metrics.example"):
+            load_config(env={}, overrides={"server": {"metrics_port": 9464,
+                                                      "metrics_addr": addr}})
+    assert len(caplog.records) == 4
+    assert "not a loopback address" in caplog.text and "metrics_token_file" in caplog.text
