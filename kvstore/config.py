@@ -94,6 +94,7 @@ LIVE_SETTINGS: tuple[tuple[str, str], ...] = (
     ("server", "max_namespaces_per_tenant"),
     ("server", "max_requests_per_second_per_tenant"),
     ("auth", "grantee_pin_share"),
+    ("auth", "grantee_pin_total"),
     ("ssd", "admit_after"),
     ("dram", "eviction_policy"),
 )
@@ -198,6 +199,10 @@ class AuthConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # bound beyond the arena.  A quarter leaves the owner three quarters against any
     # one grantee, and still holds a shared system prompt many times over.
     grantee_pin_share: float = 0.25
+    # The same over all of an owner's grantees together, their distinct blocks (a
+    # prompt eight grantees pin counts once): else four grantees at a quarter each pin
+    # the owner's arena full.  Half leaves the owner half against all of them.
+    grantee_pin_total: float = 0.5
 
 
 class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -474,6 +479,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.ssd.sync not in ("always", "batch", "none"):
             raise ConfigError("ssd.sync: expected one of always, batch, none")
         self._validate_event_readers()
+        if not 0.0 <= self.auth.grantee_pin_total <= 1.0:
+            raise ConfigError("auth.grantee_pin_total: a fraction of the owner's DRAM from "
+                              "0 to 1")
         if not 0.0 <= self.auth.grantee_pin_share <= 1.0:
             raise ConfigError("auth.grantee_pin_share: a fraction of the owner's DRAM from "
                               "0 (grantees pin nothing: lookups only) to 1 (no bound beyond the arena)")

@@ -48,8 +48,13 @@ MAX_PREFIX_STEPS = 4096
 class GrantPins:
     """Bytes of owners' DRAM each grantee tenant keeps pinned, per owner."""
 
-    def __init__(self, share: float, capacity: Capacity) -> None:
+    def __init__(self, share: float, capacity: Capacity, total: float = 1.0) -> None:
         self.share = share
+        self.total = total  # of the owner's DRAM, over all its grantees' distinct blocks
+        # each block some grantee protects -> how many grantees do; the owner's slots
+        # so protected (a block many grantees pin counts once)
+        self._grantees: dict[Block, int] = {}
+        self.total_held: dict[str, int] = {}
         self.capacity = capacity
         self.held: dict[tuple[str, str], int] = {}  # (grantee, owner) -> bytes pinned
         # grantee -> each block it protects (pinned, or an ancestor of a pinned one) ->
@@ -72,7 +77,7 @@ class GrantPins:
     def counting(self) -> bool:
         """Whether pins are counted: not with a share of 1, which refuses none (pins
         taken then stay uncounted if the share is lowered later)."""
-        return self.share < 1.0
+        return min(self.share, self.total) < 1.0
 
     def check(self, grantee: str, ns: Namespace, blocks: Iterable[Block | None]) -> None:
         """Refuse (LimitExceededError) a pin of ``blocks`` by ``grantee`` in ``ns`` (of
@@ -85,6 +90,10 @@ class GrantPins:
         slot = ns.cls.slot_bytes
         held = self.held.get((grantee, ns.tenant), 0)
         limit = self.limit(ns)
+        everyone = self.total_held.get(ns.tenant, 0)
+        total_limit = int(self.total * self.capacity(ns))
+        grantees = self._grantees
+        fresh = 0  # new blocks no grantee protects yet
         named = [b for b in blocks if b is not None]
         names = set(named)
         new: set[Block] = set()
@@ -93,6 +102,13 @@ class GrantPins:
             b: Block | None = block
             while b is not None and b not in refs and b not in new:
                 new.add(b)
+                if b not in grantees:
+                    fresh += 1
+                    if everyone + fresh * slot > total_limit:
+                        raise LimitExceededError(
+                            f"tenant {ns.tenant!r}'s grantees together keep {everyone} "
+                            f"bytes of its DRAM pinned (limit {total_limit}, "
+                            f"auth.grantee_pin_total = {self.total:g}); this would pass it")
                 if b not in names:
                     beyond += 1
                     if beyond > self.max_steps:
@@ -123,6 +139,11 @@ class GrantPins:
                 if count:
                     break
                 added += 1
+                others = self._grantees.get(b, 0)
+                self._grantees[b] = others + 1
+                if not others:
+                    self.total_held[b.ns.tenant] = (self.total_held.get(b.ns.tenant, 0)
+                                                    + b.ns.cls.slot_bytes)
                 b = b.parent
         if added:
             ns = pin.blocks[0].ns
@@ -192,6 +213,16 @@ class GrantPins:
             self.held[key] = left
         else:
             del self.held[key]
+        others = self._grantees[block] - 1
+        if others:
+            self._grantees[block] = others
+            return
+        del self._grantees[block]
+        total = self.total_held[ns.tenant] - ns.cls.slot_bytes
+        if total:
+            self.total_held[ns.tenant] = total
+        else:
+            del self.total_held[ns.tenant]
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Every grantee's bytes pinned, by grantee and owner (the operator's view)."""
@@ -235,3 +266,12 @@ class GrantPins:
                 key = (grantee, block.ns.tenant)
                 sums[key] = sums.get(key, 0) + block.ns.cls.slot_bytes
         assert sums == self.held, f"{self} does not sum its pins' blocks: {sums}"
+        grantees: dict[Block, int] = {}
+        for blocks in refs.values():
+            for block in blocks:
+                grantees[block] = grantees.get(block, 0) + 1
+        assert grantees == self._grantees, f"{self} counts other grantees per block"
+        totals: dict[str, int] = {}
+        for block in grantees:
+            totals[block.ns.tenant] = totals.get(block.ns.tenant, 0) + block.ns.cls.slot_bytes
+        assert totals == self.total_held, f"{self} does not sum its owners' blocks: {totals}"

@@ -83,7 +83,8 @@ class Sessions:
 
     def __init__(self, store: BlockStore, settings: ServerConfig, *,
                  clock: Callable[[], float], max_bytes_in_flight: int,
-                 max_tenant_bytes_in_flight: int, grantee_pin_share: float = 1.0) -> None:
+                 max_tenant_bytes_in_flight: int, grantee_pin_share: float = 1.0,
+                 grantee_pin_total: float = 1.0) -> None:
         self.store = store
         self.clock = clock
         self.max_bytes_in_flight = max_bytes_in_flight
@@ -92,17 +93,20 @@ class Sessions:
         self.by_id: dict[str, Session] = {}
         self.tenants: dict[str, Tenant] = {}
         self._expired: dict[bytes, None] = {}
-        self.grant_pins = GrantPins(grantee_pin_share, self._owner_dram)
+        self.grant_pins = GrantPins(grantee_pin_share, self._owner_dram, grantee_pin_total)
         # pins of get replies not yet sent in other tenants' namespaces, by id: counted
         # to the asking tenant (they outlive its session's lease, till zmq sends them)
         self.get_pins: dict[int, tuple[str, Pin]] = {}
-        self.configure(settings, grantee_pin_share)
+        self.configure(settings, grantee_pin_share, grantee_pin_total)
 
-    def configure(self, s: ServerConfig, grantee_pin_share: float | None = None) -> None:
+    def configure(self, s: ServerConfig, grantee_pin_share: float | None = None,
+                  grantee_pin_total: float | None = None) -> None:
         """Take the (live-changeable) limits from the server settings (and
         ``auth.grantee_pin_share``: a lower share refuses new pins, takes none back)."""
         if grantee_pin_share is not None:
             self.grant_pins.share = grantee_pin_share
+        if grantee_pin_total is not None:
+            self.grant_pins.total = grantee_pin_total
         self.max_requests_per_second = s.max_requests_per_second
         self.max_requests_per_second_per_tenant = s.max_requests_per_second_per_tenant
         self.max_reservations_per_tenant = s.max_reservations_per_tenant

@@ -25,13 +25,13 @@ class World:
     """A store of ``SLOTS`` slots shared by all tenants, the sessions over it, and a
     chain of 32 of the owner's blocks, committed."""
 
-    def __init__(self, share: float = 0.25) -> None:
+    def __init__(self, share: float = 0.25, total: float = 1.0) -> None:
         self.now = 0.0
         slot = OWNED.block_bytes
         self.store = BlockStore(SLOTS * slot, 16 * slot, limits=Limits(lease_seconds=5.0))
         self.sessions = Sessions(self.store, ServerConfig(), clock=lambda: self.now,
                                  max_bytes_in_flight=0, max_tenant_bytes_in_flight=0,
-                                 grantee_pin_share=share)
+                                 grantee_pin_share=share, grantee_pin_total=total)
         self.ns = self.store.open_namespace(OWNED)
         self.keys = chain_keys(self.ns.id, list(range(32 * 16)), 16)
         r = self.store.reserve("owner", self.ns, self.keys, None, 0.0)
@@ -186,6 +186,30 @@ def test_a_long_discharge_is_done_in_bounded_slices_each_request() -> None:
     w.sessions.check_invariants()
 
 
+def test_all_grantees_together_stay_within_the_total_of_distinct_blocks() -> None:
+    """``auth.grantee_pin_total``: four grantees at a quarter each would pin the whole
+    arena; together they keep at most the total, a block pinned by many once."""
+    w = World(share=0.25, total=0.5)  # 16 slots each, 32 together
+    branch = chain_keys(w.ns.id, list(range(10**6, 10**6 + 16 * 32)), 16)
+    r = w.store.reserve("owner", w.ns, branch, None, 0.0)
+    assert isinstance(r, Reservation)
+    w.store.commit("owner", r.id, 0.0)
+    a, g, c, d = (w.sessions.hello(bytes([i]), t, "")
+                  for i, t in enumerate(["acme", "globex", "initech", "umbrella"]))
+    w.acquire(a, w.keys[:16])
+    w.acquire(g, w.keys[:16])  # the same blocks: counted once in the total
+    assert w.sessions.grant_pins.total_held == {"public": 16 * w.slot}
+    w.acquire(c, branch[:16])
+    assert w.sessions.grant_pins.total_held == {"public": 32 * w.slot}
+    with pytest.raises(LimitExceededError, match="grantee_pin_total"):
+        w.acquire(d, branch[16:17])  # within its own share, past the total
+    w.acquire(d, w.keys[:4])  # what others protect already costs the total nothing
+    w.now = 100.0
+    w.sessions.forget(set(w.store.expire(w.now)))
+    w.sessions.check_invariants()
+    assert w.sessions.grant_pins.total_held == {}
+
+
 def test_the_share_of_a_shared_tier_is_of_the_owner_s_quota() -> None:
     w = World()
     w.store.tenant_quota = 8 * w.slot  # the owner may hold 8 slots of the shared tier
@@ -225,7 +249,8 @@ def test_random_pins_and_releases_over_branching_chains_keep_exact_counts() -> N
     @given(st.integers(0, 2**32 - 1))
     def run(seed: int) -> None:
         rnd = random.Random(seed)
-        w = World(share=rnd.choice([0.1, 0.25, 0.5, 1.0]))
+        w = World(share=rnd.choice([0.1, 0.25, 0.5, 1.0]),
+                  total=rnd.choice([0.2, 0.5, 1.0]))
         gp = w.sessions.grant_pins
         gp.max_steps = rnd.choice([1, 3, 4096])
         w.settle = rnd.random() < 0.5  # else discharges interleave with pins, in slices
@@ -263,6 +288,8 @@ def test_random_pins_and_releases_over_branching_chains_keep_exact_counts() -> N
                     exact.charge(session.tenant, pin)
             for tenant in ("acme", "globex"):  # over-counted meanwhile, never under
                 assert exact.held.get((tenant, "public"), 0) <= w.held(tenant) <= limit
+            assert (exact.total_held.get("public", 0)
+                    <= gp.total_held.get("public", 0) <= gp.total * SLOTS * w.slot)
         w.now = 100.0  # every lease runs out
         w.sessions.forget(set(w.store.expire(w.now)))
         w.sessions.check_invariants()

@@ -33,12 +33,14 @@ def cli(*args: str) -> str:
 
 
 def start(daemon_factory: Any, tmp_path: Path, share: float | None = None,
-          lease: float = 30.0, tcp: bool = False) -> tuple[DaemonProcess, Path]:
+          lease: float = 30.0, tcp: bool = False,
+          total: float | None = None) -> tuple[DaemonProcess, Path]:
     secret = tmp_path / "secret"
     cli("keygen", "--secret", str(secret))
     config = tmp_path / "grants.toml"
     config.write_text(f'[auth]\nsecret_file = "{secret}"\noperators = ["ops"]\n'
                       + ("" if share is None else f"grantee_pin_share = {share}\n")
+                      + ("" if total is None else f"grantee_pin_total = {total}\n")
                       + '[auth.shared_tenants]\npublic = ["acme", "globex"]\n')
     d = daemon_factory(dram_capacity="2MiB", lease=lease, tcp=tcp,
                        extra=["--config", str(config), "--slab-size", "1MiB"])
@@ -137,7 +139,7 @@ def test_without_the_bound_one_grantee_starves_the_owner(daemon_factory: Any,
                                                          tmp_path: Path) -> None:
     """What the share prevents: at 1 (no bound), a grantee pins the owner's arena full
     and the owner's next put finds no room."""
-    d, secret = start(daemon_factory, tmp_path, share=1.0)
+    d, secret = start(daemon_factory, tmp_path, share=1.0, total=1.0)
     with connect(d, secret, "public") as owner, connect(d, secret, "acme") as acme:
         mine = owner.namespace(SHARED)
         keys = chain(mine, SLOTS)
