@@ -125,6 +125,19 @@ class GrantPins:
                         f"{self.capacity(ns)}); this would pass it; release some")
                 b = b.parent
 
+    def check_reserve(self, grantee: str, ns: Namespace, slots: int) -> None:
+        """Refuse (LimitExceededError) a writer grantee's reservation that would take
+        its reserved ``slots`` in the owner's namespaces (this one's included), with
+        what it keeps pinned there, past its share: open reservations hold DRAM slots
+        that nothing else counts (else a writer reserves the owner's arena full)."""
+        held = self.held.get((grantee, ns.tenant), 0)
+        limit = self.limit(ns)
+        if held + slots * ns.cls.slot_bytes > limit:
+            raise LimitExceededError(
+                f"tenant {grantee!r} would hold {slots} reserved slots of tenant "
+                f"{ns.tenant!r}'s DRAM with {held} bytes pinned there (limit {limit}, "
+                f"auth.grantee_pin_share = {self.share:g}); commit or abort some")
+
     def charge(self, grantee: str, pin: Pin) -> None:
         """Count a pin ``grantee`` took in another tenant's namespace."""
         if not pin.blocks:

@@ -313,6 +313,22 @@ class Sessions:
         blocks = ns.blocks
         self.grant_pins.check(session.tenant, ns, (blocks.get(key) for key in keys))
 
+    def check_grant_reserve(self, session: Session, ns: Namespace, count: int) -> None:
+        """Refuse (LimitExceededError) a reservation of ``count`` blocks in another
+        tenant's namespace (a ``shared_writers`` grantee's) that would take its tenant's
+        open reservations in that tenant's namespaces, with its pins there, past its
+        share.  Recounted from the store each time (no state to give back at commit,
+        abort or lease end): the tenant's sessions' reservations, within their caps."""
+        if ns.tenant == session.tenant or not self.grant_pins.counting:
+            return
+        reserved = count
+        for other in self.by_id.values():
+            state = self.store.owners.get(other.id) if other.tenant == session.tenant else None
+            if state is not None:
+                reserved += sum(len(r.offsets) for r in state.reservations.values()
+                                if r.ns.tenant == ns.tenant)
+        self.grant_pins.check_reserve(session.tenant, ns, reserved)
+
     def pinned(self, session: Session, pin: Pin) -> None:
         """Count a pin the session took (``acquire``, ``lookup_pin``) if it is in
         another tenant's namespace."""

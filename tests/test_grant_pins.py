@@ -210,6 +210,29 @@ def test_all_grantees_together_stay_within_the_total_of_distinct_blocks() -> Non
     assert w.sessions.grant_pins.total_held == {}
 
 
+def test_a_writer_grantee_s_open_reservations_count_against_its_share() -> None:
+    """Open reservations hold DRAM slots nothing else counts: a writer grantee's in the
+    owner's namespaces count, with its pins there, against its share, and come back
+    at commit, abort or lease end (recounted from the store)."""
+    w = World()  # 16 slots a grantee
+    a1 = w.sessions.hello(b"a1", "acme", "")
+    a2 = w.sessions.hello(b"a2", "acme", "")
+    fresh = chain_keys(w.ns.id, list(range(10**6, 10**6 + 16 * 20)), 16)
+    w.sessions.check_grant_reserve(a1, w.ns, 10)
+    r1 = w.store.reserve(a1.id, w.ns, fresh[:10], None, w.now)
+    assert isinstance(r1, Reservation)
+    w.sessions.counted(a1)
+    w.acquire(a2, w.keys[:4])  # 10 reserved + 4 pinned over its two sessions
+    with pytest.raises(LimitExceededError, match="reserved slots"):
+        w.sessions.check_grant_reserve(a2, w.ns, 3)
+    w.sessions.check_grant_reserve(a2, w.ns, 2)  # exactly at the share
+    w.sessions.check_grant_reserve(w.sessions.hello(b"g", "globex", ""), w.ns, 16)
+    w.sessions.check_grant_reserve(w.sessions.hello(b"o", "public", ""), w.ns, 64)
+    w.store.abort(a1.id, r1.id)
+    w.sessions.counted(a1)
+    w.sessions.check_grant_reserve(a2, w.ns, 12)  # the abort gave its slots back
+
+
 def test_the_share_of_a_shared_tier_is_of_the_owner_s_quota() -> None:
     w = World()
     w.store.tenant_quota = 8 * w.slot  # the owner may hold 8 slots of the shared tier
