@@ -43,9 +43,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
 import os
 import pwd
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +61,11 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError, ForbiddenError, MalformedError
+
+log = logging.getLogger("kvstore.auth")
+
+# the most a secret or token file may hold (a hex secret or a token is well under it)
+MAX_SECRET_FILE_BYTES = 4096
 
 _TOKEN_VERSION = 1
 TICKET_SECONDS = 10.0        # a ticket is presented at once, in the handshake that follows
@@ -108,12 +115,38 @@ def token_tenant(token: str) -> str:
         return ""
 
 
-def read_secret(path: str | Path) -> bytes:
+def read_secret_file(path: str | Path, setting: str) -> bytes:
+    """The bytes of a secret file (``setting`` names it in errors): a regular file of at
+    most ``MAX_SECRET_FILE_BYTES`` (else a device such as /dev/zero, or a FIFO, would
+    hang or fill the daemon's start), opened without blocking; a warning if its group
+    or others may read it (they could use the secret)."""
     try:
-        text = Path(path).read_text().strip()
-        secret = bytes.fromhex(text)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise ConfigError(f"auth.secret_file: cannot read {path}: {exc.strerror}") from None
+        raise ConfigError(f"{setting}: cannot read {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{setting}: {path} is not a regular file")
+        if st.st_mode & 0o077:
+            log.warning("%s: %s may be read by its group or others (mode %o); "
+                        "chmod 600 it", setting, path, stat.S_IMODE(st.st_mode))
+        data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{setting}: cannot read {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise ConfigError(f"{setting}: {path} holds more than {MAX_SECRET_FILE_BYTES} "
+                          f"bytes; not a secret file")
+    return data
+
+
+def read_secret(path: str | Path) -> bytes:
+    """The token secret of ``auth.secret_file`` (hex, at least 16 bytes)."""
+    data = read_secret_file(path, "auth.secret_file")
+    try:
+        secret = bytes.fromhex(data.decode().strip())
     except ValueError:
         raise ConfigError(f"auth.secret_file: {path} does not hold a hex secret") from None
     if len(secret) < 16:
@@ -125,11 +158,7 @@ def read_metrics_token(path: str | Path) -> bytes:
     """The bearer token scrapes of the metrics port must carry (``server.metrics_token_file``),
     surrounding whitespace stripped as Prometheus strips its ``credentials_file``;
     ConfigError if unreadable or shorter than 16 characters (guessable)."""
-    try:
-        token = Path(path).read_bytes().strip()
-    except OSError as exc:
-        raise ConfigError(f"server.metrics_token_file: cannot read {path}: "
-                          f"{exc.strerror}") from None
+    token = read_secret_file(path, "server.metrics_token_file").strip()
     if len(token) < 16:
         raise ConfigError(f"server.metrics_token_file: {path} holds fewer than 16 "
                           f"characters (kvstore keygen --secret FILE writes a good one)")

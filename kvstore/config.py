@@ -7,7 +7,9 @@ validated; an error names the field and what is allowed.
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import logging
 import os
 import re
 import tomllib
@@ -18,6 +20,8 @@ from typing import Any
 import msgspec
 
 from kvstore.errors import ConfigError
+
+log = logging.getLogger("kvstore.config")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -90,6 +94,7 @@ LIVE_SETTINGS: tuple[tuple[str, str], ...] = (
     ("server", "max_namespaces_per_tenant"),
     ("server", "max_requests_per_second_per_tenant"),
     ("auth", "grantee_pin_share"),
+    ("auth", "grantee_pin_total"),
     ("ssd", "admit_after"),
     ("dram", "eviction_policy"),
 )
@@ -194,6 +199,10 @@ class AuthConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # bound beyond the arena.  A quarter leaves the owner three quarters against any
     # one grantee, and still holds a shared system prompt many times over.
     grantee_pin_share: float = 0.25
+    # The same over all of an owner's grantees together, their distinct blocks (a
+    # prompt eight grantees pin counts once): else four grantees at a quarter each pin
+    # the owner's arena full.  Half leaves the owner half against all of them.
+    grantee_pin_total: float = 0.5
 
 
 class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -363,6 +372,11 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 "that scrapes must send as a bearer token (kvstore keygen --secret FILE "
                 "writes one; Prometheus: authorization: credentials_file), or turn the "
                 "port off (server.metrics_port = 0)")
+        if s.metrics_port and not s.metrics_token_file and not _loopback(s.metrics_addr):
+            # no credentials (one user's host): allowed, but the port is open to others
+            log.warning("server.metrics_addr = %r is not a loopback address and there is "
+                        "no server.metrics_token_file: anyone who can reach port %d reads "
+                        "every tenant's metrics", s.metrics_addr, s.metrics_port)
 
     @property
     def credentials(self) -> bool:
@@ -465,6 +479,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.ssd.sync not in ("always", "batch", "none"):
             raise ConfigError("ssd.sync: expected one of always, batch, none")
         self._validate_event_readers()
+        if not 0.0 <= self.auth.grantee_pin_total <= 1.0:
+            raise ConfigError("auth.grantee_pin_total: a fraction of the owner's DRAM from "
+                              "0 to 1")
         if not 0.0 <= self.auth.grantee_pin_share <= 1.0:
             raise ConfigError("auth.grantee_pin_share: a fraction of the owner's DRAM from "
                               "0 (grantees pin nothing: lookups only) to 1 (no bound beyond the arena)")
@@ -673,3 +690,15 @@ def restart_needed(old: Config, new: Config) -> list[str]:
             if before[field] != value and (section, field) not in live:
                 restart.append(f"{section}.{field}")
     return restart
+
+
+def _loopback(addr: str) -> bool:
+    """Whether ``addr`` (the metrics port's bind address) is reachable from this host
+    only: a loopback address or ``localhost``."""
+    addr = addr.strip().strip("[]")
+    if addr.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False

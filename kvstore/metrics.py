@@ -61,6 +61,9 @@ OTHER_TENANT = "_other"
 UNAUTHENTICATED = "_unauthenticated"
 """The label of requests made without a session (a refused hello, one before hello)."""
 
+# the metrics port's connections served at once, and how long each waits for a read
+METRICS_MAX_CONNECTIONS = 16
+METRICS_READ_TIMEOUT = 5.0
 REQUEST_SECONDS_BUCKETS = (
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
     0.1, 0.25, 0.5, 1.0, 2.5)
@@ -536,10 +539,17 @@ class Metrics:
         return prometheus_client.generate_latest(self.registry)
 
     def start_http_server(
-        self, port: int, addr: str = "127.0.0.1", token: bytes = b""
+        self, port: int, addr: str = "127.0.0.1", token: bytes = b"", *,
+        max_connections: int = METRICS_MAX_CONNECTIONS,
+        read_timeout: float = METRICS_READ_TIMEOUT,
     ) -> Callable[[], None] | None:
         """Serve ``/metrics`` on ``addr:port`` from a background thread; with ``token``,
         only to scrapes that carry ``Authorization: Bearer <token>`` (others get 401).
+
+        Each connection has a thread of its own, before any token check: so at most
+        ``max_connections`` at once (more are closed at once), and each waits at most
+        ``read_timeout`` seconds for a read (else a peer that sends half a request, many
+        times over, holds as many threads for ever).
 
         Port 0 means disabled and returns None; otherwise returns a function that stops
         the server and closes its socket.
@@ -553,12 +563,40 @@ class Metrics:
         if token:
             app = _bearer_only(app, token)
 
+        slots = threading.BoundedSemaphore(max_connections)
+
+        class Handler(_SilentHandler):
+            """prometheus_client's quiet handler, with a read timeout (set on its
+            socket by ``StreamRequestHandler.setup``)."""
+
+            timeout = read_timeout
+
         class Server(ThreadingWSGIServer):
-            """Its address family set for ``addr`` (as prometheus_client does)."""
+            """Its address family set for ``addr`` (as prometheus_client does); at most
+            ``max_connections`` connections served at once."""
+
+            def process_request(self, request: Any, client_address: Any) -> None:
+                if not slots.acquire(blocking=False):
+                    self.shutdown_request(request)  # closed at once, no thread
+                    return
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    slots.release()
+                    raise
+
+            def process_request_thread(self, request: Any, client_address: Any) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    slots.release()
+
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a peer that timed out or went: nothing to report on stderr
 
         # (untyped in prometheus_client: an address family and the host to bind)
         Server.address_family, host = _get_best_family(addr, port)  # type: ignore[no-untyped-call]
-        httpd = make_server(host, port, app, Server, handler_class=_SilentHandler)
+        httpd = make_server(host, port, app, Server, handler_class=Handler)
         thread = threading.Thread(target=httpd.serve_forever, name="kvstore-metrics",
                                   daemon=True)
         thread.start()

@@ -98,6 +98,7 @@ class Server:
                                       weights=config.server.tenant_weights, metrics=metrics)
         self.sessions = Sessions(
             self.store, s, clock=clock, grantee_pin_share=config.auth.grantee_pin_share,
+            grantee_pin_total=config.auth.grantee_pin_total,
             max_bytes_in_flight=parse_size(s.max_bytes_in_flight,
                                            "server.max_bytes_in_flight"),
             max_tenant_bytes_in_flight=parse_size(s.max_bytes_in_flight_per_tenant,
@@ -373,7 +374,8 @@ class Server:
         self.store.limits = self.limits
         self.max_keys = s.max_keys_per_request
         self.debug_invariants = s.debug_invariants
-        self.sessions.configure(s, self.config.auth.grantee_pin_share)
+        self.sessions.configure(s, self.config.auth.grantee_pin_share,
+                                self.config.auth.grantee_pin_total)
         self.store.ssd_admit_after = self.config.ssd.admit_after
         if self.store.dram_args[3] != self.config.dram.eviction_policy:
             self.store.set_eviction_policy(self.config.dram.eviction_policy)

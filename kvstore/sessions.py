@@ -53,6 +53,8 @@ class Session:
     pins: int = 0
     # its pins in other tenants' namespaces, by id, counted in ``Sessions.grant_pins``
     grant_pins: dict[int, Pin] = field(default_factory=dict)
+    # its pins in other tenants' namespaces taken uncounted (a share of 1 counts none)
+    free_pins: set[int] = field(default_factory=set)
 
     def __repr__(self) -> str:
         return f"Session({self.id[:8]}, tenant={self.tenant}, namespaces={len(self.namespaces)})"
@@ -81,7 +83,8 @@ class Sessions:
 
     def __init__(self, store: BlockStore, settings: ServerConfig, *,
                  clock: Callable[[], float], max_bytes_in_flight: int,
-                 max_tenant_bytes_in_flight: int, grantee_pin_share: float = 1.0) -> None:
+                 max_tenant_bytes_in_flight: int, grantee_pin_share: float = 1.0,
+                 grantee_pin_total: float = 1.0) -> None:
         self.store = store
         self.clock = clock
         self.max_bytes_in_flight = max_bytes_in_flight
@@ -90,17 +93,20 @@ class Sessions:
         self.by_id: dict[str, Session] = {}
         self.tenants: dict[str, Tenant] = {}
         self._expired: dict[bytes, None] = {}
-        self.grant_pins = GrantPins(grantee_pin_share, self._owner_dram)
+        self.grant_pins = GrantPins(grantee_pin_share, self._owner_dram, grantee_pin_total)
         # pins of get replies not yet sent in other tenants' namespaces, by id: counted
         # to the asking tenant (they outlive its session's lease, till zmq sends them)
         self.get_pins: dict[int, tuple[str, Pin]] = {}
-        self.configure(settings, grantee_pin_share)
+        self.configure(settings, grantee_pin_share, grantee_pin_total)
 
-    def configure(self, s: ServerConfig, grantee_pin_share: float | None = None) -> None:
+    def configure(self, s: ServerConfig, grantee_pin_share: float | None = None,
+                  grantee_pin_total: float | None = None) -> None:
         """Take the (live-changeable) limits from the server settings (and
         ``auth.grantee_pin_share``: a lower share refuses new pins, takes none back)."""
         if grantee_pin_share is not None:
             self.grant_pins.share = grantee_pin_share
+        if grantee_pin_total is not None:
+            self.grant_pins.total = grantee_pin_total
         self.max_requests_per_second = s.max_requests_per_second
         self.max_requests_per_second_per_tenant = s.max_requests_per_second_per_tenant
         self.max_reservations_per_tenant = s.max_reservations_per_tenant
@@ -177,6 +183,7 @@ class Sessions:
                 for pin in session.grant_pins.values():  # the store dropped them
                     self.grant_pins.discharge(session.tenant, pin)
                 session.grant_pins.clear()
+                session.free_pins.clear()
                 self._close_namespaces(session)
         for routing_id, session in list(self.by_connection.items()):
             if session.id in gone:
@@ -235,7 +242,9 @@ class Sessions:
     # -- limits ----------------------------------------------------------------------------
     def admit(self, session: Session) -> None:
         """Request rates, per session and per tenant, as token buckets (a burst of one
-        second's worth each)."""
+        second's worth each).  Each request also does a bounded part of the grantee
+        pins' queued discharges (``GrantPins.drain``): exact counts soon after."""
+        self.grant_pins.drain()
         now = self.clock()
         rate = self.max_requests_per_second
         if rate:
@@ -299,20 +308,40 @@ class Sessions:
         """Refuse (LimitExceededError), before anything is pinned, a pin of ``keys`` in
         another tenant's namespace past the session's tenant's share of that tenant's
         DRAM (``auth.grantee_pin_share``); nothing for its own namespaces."""
-        if ns.tenant == session.tenant:
+        if ns.tenant == session.tenant or not self.grant_pins.counting:
             return
         blocks = ns.blocks
         self.grant_pins.check(session.tenant, ns, (blocks.get(key) for key in keys))
+
+    def check_grant_reserve(self, session: Session, ns: Namespace, count: int) -> None:
+        """Refuse (LimitExceededError) a reservation of ``count`` blocks in another
+        tenant's namespace (a ``shared_writers`` grantee's) that would take its tenant's
+        open reservations in that tenant's namespaces, with its pins there, past its
+        share.  Recounted from the store each time (no state to give back at commit,
+        abort or lease end): the tenant's sessions' reservations, within their caps."""
+        if ns.tenant == session.tenant or not self.grant_pins.counting:
+            return
+        reserved = count
+        for other in self.by_id.values():
+            state = self.store.owners.get(other.id) if other.tenant == session.tenant else None
+            if state is not None:
+                reserved += sum(len(r.offsets) for r in state.reservations.values()
+                                if r.ns.tenant == ns.tenant)
+        self.grant_pins.check_reserve(session.tenant, ns, reserved)
 
     def pinned(self, session: Session, pin: Pin) -> None:
         """Count a pin the session took (``acquire``, ``lookup_pin``) if it is in
         another tenant's namespace."""
         if pin.blocks and pin.blocks[0].ns.tenant != session.tenant:
+            if not self.grant_pins.counting:
+                session.free_pins.add(pin.id)
+                return
             self.grant_pins.charge(session.tenant, pin)
             session.grant_pins[pin.id] = pin
 
     def unpinned(self, session: Session, pin_id: int) -> None:
         """A pin of the session went back (``release``, or a reply that never went)."""
+        session.free_pins.discard(pin_id)
         pin = session.grant_pins.pop(pin_id, None)
         if pin is not None:
             self.grant_pins.discharge(session.tenant, pin)
@@ -320,7 +349,8 @@ class Sessions:
     def pinned_for_get(self, session: Session, pin: Pin) -> None:
         """Count the pin of a get reply (until sent) if it is in another tenant's
         namespace: a peer that never reads holds it as long as an acquire."""
-        if pin.blocks and pin.blocks[0].ns.tenant != session.tenant:
+        if (pin.blocks and pin.blocks[0].ns.tenant != session.tenant
+                and self.grant_pins.counting):
             self.grant_pins.charge(session.tenant, pin)
             self.get_pins[pin.id] = (session.tenant, pin)
 
@@ -396,10 +426,12 @@ class Sessions:
             held = {} if state is None else state.pins
             foreign = {pin_id: pin for pin_id, pin in held.items()
                        if pin.blocks and pin.blocks[0].ns.tenant != session.tenant}
-            assert foreign == session.grant_pins, (
-                f"{session} counts pins {sorted(session.grant_pins)} in other tenants' "
-                f"namespaces; it holds {sorted(foreign)}")
-            counted.setdefault(session.tenant, []).extend(foreign.values())
+            assert set(foreign) == set(session.grant_pins) | session.free_pins, (
+                f"{session} counts pins {sorted(session.grant_pins)} (and "
+                f"{sorted(session.free_pins)} uncounted) in other tenants' namespaces; it "
+                f"holds {sorted(foreign)}")
+            assert not set(session.grant_pins) & session.free_pins, f"{session}: both"
+            counted.setdefault(session.tenant, []).extend(session.grant_pins.values())
         for tenant, pin in self.get_pins.values():
             assert all(b.refs for b in pin.blocks), f"a get's pin {pin.id} is counted, gone"
             counted.setdefault(tenant, []).append(pin)

@@ -233,6 +233,7 @@ class Verbs:
         ns = self._writable(session, req.ns)
         self._check_keys(req.keys)
         self.d.sessions.check_cap(session, "reservations")
+        self.d.sessions.check_grant_reserve(session, ns, len(req.keys))  # a writer grantee
         r = self._reserve_slots(session, ns, req.keys, req.parent)
         if isinstance(r, Plan):
             return r
@@ -318,6 +319,7 @@ class Verbs:
             if len(frame) != ns.block_bytes:
                 raise MalformedError(f"frame {i} holds {len(frame)} bytes; a block of this "
                                      f"namespace is {ns.block_bytes}")
+        d.sessions.check_grant_reserve(session, ns, len(req.keys))  # a writer grantee
         now = d.clock()
         r = self._reserve_slots(session, ns, req.keys, req.parent)
         if isinstance(r, Plan):
@@ -598,6 +600,7 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
     v._check_keys([k for item in req.plan for k in item.keys])
     # one reservation per item with keys: all under the tenant's cap, or none
     d.sessions.check_cap(session, "reservations", sum(1 for item in req.plan if item.keys))
+    d.sessions.check_grant_reserve(session, ns, sum(len(item.keys) for item in req.plan))
     if not decision.admitted:
         d.store.counters.capacity_rejects += 1
         return p.BatchReply(req.rid, False, list(decision.blocks), list(decision.fitting),

@@ -33,13 +33,16 @@ def cli(*args: str) -> str:
 
 
 def start(daemon_factory: Any, tmp_path: Path, share: float | None = None,
-          lease: float = 30.0, tcp: bool = False) -> tuple[DaemonProcess, Path]:
+          lease: float = 30.0, tcp: bool = False,
+          total: float | None = None, writers: bool = False) -> tuple[DaemonProcess, Path]:
     secret = tmp_path / "secret"
     cli("keygen", "--secret", str(secret))
     config = tmp_path / "grants.toml"
     config.write_text(f'[auth]\nsecret_file = "{secret}"\noperators = ["ops"]\n'
                       + ("" if share is None else f"grantee_pin_share = {share}\n")
-                      + '[auth.shared_tenants]\npublic = ["acme", "globex"]\n')
+                      + ("" if total is None else f"grantee_pin_total = {total}\n")
+                      + '[auth.shared_tenants]\npublic = ["acme", "globex"]\n'
+                      + ('[auth.shared_writers]\npublic = ["acme"]\n' if writers else ""))
     d = daemon_factory(dram_capacity="2MiB", lease=lease, tcp=tcp,
                        extra=["--config", str(config), "--slab-size", "1MiB"])
     return d, secret
@@ -137,7 +140,7 @@ def test_without_the_bound_one_grantee_starves_the_owner(daemon_factory: Any,
                                                          tmp_path: Path) -> None:
     """What the share prevents: at 1 (no bound), a grantee pins the owner's arena full
     and the owner's next put finds no room."""
-    d, secret = start(daemon_factory, tmp_path, share=1.0)
+    d, secret = start(daemon_factory, tmp_path, share=1.0, total=1.0)
     with connect(d, secret, "public") as owner, connect(d, secret, "acme") as acme:
         mine = owner.namespace(SHARED)
         keys = chain(mine, SLOTS)
@@ -211,3 +214,25 @@ def test_gets_a_grantee_never_reads_pin_no_more_than_its_share(
             assert time.monotonic() < deadline
             time.sleep(0.2)
         assert pinned_blocks(ops) == 0
+
+
+def test_a_writer_grantee_s_reservations_count_against_its_share(daemon_factory: Any,
+                                                                  tmp_path: Path) -> None:
+    """A ``shared_writers`` grantee's open reservations in the owner's namespaces hold
+    DRAM slots: within its share (a quarter of 32 slots), else refused, and the owner
+    can still put; back once it aborts."""
+    d, secret = start(daemon_factory, tmp_path, writers=True)
+    ident = make_identity(tenant="public", model="sp", num_layers=4, num_kv_heads=4,
+                          head_dim=64)  # 64 KiB blocks: 32 in the 2 MiB arena
+    with connect(d, secret, "public") as owner, connect(d, secret, "acme") as writer:
+        mine, theirs = owner.namespace(ident), writer.namespace(ident)
+        other = mine.keys(range(10**6, 10**6 + 16 * 32))
+        with pytest.raises(LimitExceededError, match="reserved slots"):
+            theirs.reserve(other[:32])  # the whole arena, before
+        r = theirs.reserve(other[:8])  # a quarter
+        with pytest.raises(LimitExceededError, match="reserved slots"):
+            theirs.reserve(other[8:9], parent=other[7])
+        keys = mine.keys(range(5 * 10**6, 5 * 10**6 + 16 * 4))
+        mine.put(keys, [b"\1" * mine.block_bytes] * 4)  # the owner still has room
+        r.abort()
+        theirs.reserve(other[:8]).abort()  # its slots came back

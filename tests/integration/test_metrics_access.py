@@ -5,6 +5,9 @@ port but no token refuses to start.  Real daemons, real HTTP."""
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -17,7 +20,7 @@ from daemon_proc import free_port
 from kvtest import make_identity
 
 from kvstore import Client
-from kvstore.auth import bearer_matches, read_metrics_token
+from kvstore.auth import bearer_matches, read_metrics_token, read_secret
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
 
@@ -134,3 +137,111 @@ def test_bearer_matches_only_the_token() -> None:
                    "Basic 0123456789abcdef0123", "0123456789abcdef0123",
                    "Bearer 0123456789abcdef0123 extra", "Bearer é"):
         assert not bearer_matches(header, token), header
+
+
+def test_half_sent_requests_hold_a_bounded_number_of_threads(daemon_factory: Any,
+                                                             tmp_path: Path) -> None:
+    """Each connection to the metrics port has a thread before any token check: a peer
+    that sends half a request on many connections gets at most ``METRICS_MAX_CONNECTIONS``
+    served (the others closed at once), and a scrape gets in once they go."""
+    from kvstore.metrics import METRICS_MAX_CONNECTIONS
+
+    config, _, token, port = secured(tmp_path)
+    d = daemon_factory(extra=["--config", str(config)])
+    assert d.proc is not None
+    tasks = Path(f"/proc/{d.proc.pid}/task")
+    before = len(list(tasks.iterdir()))
+    held = []
+    for _ in range(METRICS_MAX_CONNECTIONS + 40):
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+        held.append(s)
+    closed = 0
+    for s in held[METRICS_MAX_CONNECTIONS:]:  # past the cap: closed, nothing answered
+        try:
+            closed += s.recv(1) == b""
+        except ConnectionResetError:
+            closed += 1
+    assert closed == 40
+    assert len(list(tasks.iterdir())) <= before + METRICS_MAX_CONNECTIONS
+    for s in held:
+        s.close()
+    for _ in range(100):  # the handlers see their peers go, and give the slots back
+        try:
+            assert scrape(f"http://127.0.0.1:{port}/metrics", f"Bearer {token}")[0] == 200
+            break
+        except (urllib.error.URLError, ConnectionError):
+            continue
+    else:
+        raise AssertionError("no scrape served after the half-sent requests went")
+
+
+def test_a_half_sent_request_is_dropped_after_the_read_timeout() -> None:
+    """A peer that never finishes its request holds its thread no longer than the read
+    timeout (in-process, with a short one)."""
+    from kvstore.metrics import Metrics
+
+    port = free_port()
+    close = Metrics(lambda: {}).start_http_server(port, max_connections=1, read_timeout=0.3)
+    assert close is not None
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        assert s.recv(1) == b""  # the server gave up on it (else: the recv times out)
+        s.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            assert r.status == 200  # its one slot is free again
+    finally:
+        close()
+
+
+@pytest.mark.parametrize("read, setting", [
+    (read_metrics_token, "server.metrics_token_file"), (read_secret, "auth.secret_file")])
+def test_secret_files_are_small_regular_files(tmp_path: Path, read: Any, setting: str,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A device (/dev/zero read to the end never ends), a FIFO (opening it waits for a
+    writer) or a big file is refused at once; a file its group or others may read is
+    used, with a warning."""
+    with pytest.raises(ConfigError, match=f"{setting}.*not a regular file"):
+        read("/dev/zero")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        read(fifo)
+    big = tmp_path / "big"
+    big.write_text("ab" * 4096)
+    big.chmod(0o600)
+    with pytest.raises(ConfigError, match="more than 4096 bytes"):
+        read(big)
+    good = tmp_path / "good"
+    assert cli("keygen", "--secret", str(good)).returncode == 0  # mode 600
+    with caplog.at_level(logging.WARNING, logger="kvstore.auth"):
+        assert read(good)
+        assert not caplog.records
+        good.chmod(0o644)
+        assert read(good)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert setting in caplog.text and "group or others" in caplog.text
+
+
+def test_an_open_metrics_port_off_loopback_is_warned_of(
+        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """Without credentials a metrics port without a token is allowed (one user's host),
+    but bound off loopback anyone who reaches it reads every tenant's figures: warned."""
+    token = tmp_path / "metrics.token"
+    assert cli("keygen", "--secret", str(token)).returncode == 0
+    quiet = [{"metrics_port": 9464}, {"metrics_port": 9464, "metrics_addr": "::1"},
+             {"metrics_port": 9464, "metrics_addr": "localhost"},
+             {"metrics_port": 9464, "metrics_addr": "127.0.0.2"},
+             {"metrics_port": 0, "metrics_addr": "0.0.0.0"},
+             {"metrics_port": 9464, "metrics_addr": "0.0.0.0",
+              "metrics_token_file": str(token)}]
+    with caplog.at_level(logging.WARNING, logger="kvstore.config"):
+        for server in quiet:
+            load_config(env={}, overrides={"server": server})
+        assert not caplog.records
+        for addr in ("0.0.0.0", "::", "10.1.2.3", "metrics.example"):
+            load_config(env={}, overrides={"server": {"metrics_port": 9464,
+                                                      "metrics_addr": addr}})
+    assert len(caplog.records) == 4
+    assert "not a loopback address" in caplog.text and "metrics_token_file" in caplog.text
