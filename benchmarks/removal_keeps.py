@@ -20,14 +20,10 @@ With ``--against``, the last column is this checkout's median over the other's (
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import subprocess
-import sys
 import time
 from typing import Any
+
+import alternated
 
 CHAINS = 1500
 TEETH = 100
@@ -102,44 +98,5 @@ def figures() -> dict[str, float]:
     return out
 
 
-def child(root: str) -> dict[str, float]:
-    """A round in a fresh process importing the checkout at ``root``."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.join(os.path.dirname(here), "tests")  # (kvtest)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, tests])}
-    done = subprocess.run([sys.executable, __file__, "--one"], env=env, cwd=root,
-                          capture_output=True, text=True, check=True)
-    figs: dict[str, float] = json.loads(done.stdout)
-    return figs
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--against", metavar="ROOT", help="another checkout, alternated")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.one:
-        print(json.dumps(figures()))
-        return 0
-    roots = {"this": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    if args.against:
-        roots["other"] = os.path.abspath(args.against)
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in roots}
-    for _ in range(args.rounds):
-        for name, root in roots.items():
-            runs[name].append(child(root))
-    names = list(runs["this"][0])
-    print(f"{'figure':30} " + " ".join(f"{n:>10}" for n in roots)
-          + ("      ratio" if args.against else ""))
-    for fig in names:
-        meds = {n: statistics.median(r[fig] for r in runs[n]) for n in roots}
-        line = f"{fig:30} " + " ".join(f"{meds[n]:10.3f}" for n in roots)
-        if args.against:
-            line += f" {meds['this'] / meds['other']:10.3f}"
-        print(line)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(alternated.main(__file__, __doc__.splitlines()[0], figures))
