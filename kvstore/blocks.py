@@ -375,6 +375,19 @@ class OwnerState:
     deadline: float
     reservations: dict[int, Reservation] = field(default_factory=dict)
     pins: dict[int, Pin] = field(default_factory=dict)
+    # slots held by those reservations, by the tenant owning their namespace (a
+    # grantee's share counts what it reserves in another's: ``Sessions.check_grant_reserve``)
+    reserved_in: dict[str, int] = field(default_factory=dict)
+
+def reserved_out(state: OwnerState, r: Reservation) -> None:
+    """``r`` is no longer open (committed, aborted, rolled back): its slots leave
+    ``state.reserved_in``."""
+    left = state.reserved_in[r.ns.tenant] - len(r.offsets)
+    if left:
+        state.reserved_in[r.ns.tenant] = left
+    else:
+        del state.reserved_in[r.ns.tenant]
+
 
 @dataclass(frozen=True)
 class Limits:

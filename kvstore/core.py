@@ -28,6 +28,7 @@ from kvstore.blocks import (
     Reservation,
     TierSlots,
     Transfer,
+    reserved_out,
 )
 from kvstore.gpu_copies import GpuCopies
 from kvstore.pool import SlabClass
@@ -421,6 +422,7 @@ class StoreCore:
 
     def rollback(self, state: OwnerState, r: Reservation) -> None:
         del state.reservations[r.id]
+        reserved_out(state, r)
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
         r.ns.dram.give(r.ns, r.offsets)

@@ -163,12 +163,15 @@ class GrantPins:
             key = (grantee, ns.tenant)
             self.held[key] = self.held.get(key, 0) + added * ns.cls.slot_bytes
 
-    def discharge(self, grantee: str, pin: Pin) -> None:
+    def discharge(self, grantee: str, pin: Pin, now: bool = True) -> None:
         """A counted pin went (released, sent, or its session's lease ran out): queued,
-        and done now as far as ``MAX_PREFIX_STEPS`` blocks allow (``drain``)."""
+        and done now as far as ``MAX_PREFIX_STEPS`` blocks allow (``drain``); with
+        ``now`` False only queued (a lease's end lets go of all its session's pins in
+        one loop pass: each drained there would add up to seconds)."""
         if pin.blocks:
             self._pending.append([grantee, pin.blocks, 0, None])
-            self.drain()
+            if now:
+                self.drain()
 
     @property
     def settled(self) -> bool:

@@ -114,6 +114,7 @@ class Server:
                                    self._release_sent, self._room_from_sends)
         self.transport.admitted = self.sessions.known
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining_grants = False  # a slice of the grantees' discharges is due
         self._stopped: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.moves = Moves(self.store, clock)  # its tiers' movers join in start()
@@ -380,30 +381,6 @@ class Server:
         if self.store.dram_args[3] != self.config.dram.eviction_policy:
             self.store.set_eviction_policy(self.config.dram.eviction_policy)
 
-    def live_settings(self) -> dict[str, Any]:
-        """The live settings in effect, read back from the parts that use them."""
-        limits, sessions = self.store.limits, self.sessions
-        log_level, log_format = in_effect()
-        return {
-            "server.lease_seconds": limits.lease_seconds,
-            "server.max_keys_per_request": self.max_keys,
-            "server.max_reservations_per_session": limits.max_reservations_per_owner,
-            "server.max_pins_per_session": limits.max_pins_per_owner,
-            "server.log_level": log_level,
-            "server.log_format": log_format,
-            "server.debug_invariants": self.debug_invariants,
-            "server.max_requests_per_second": sessions.max_requests_per_second,
-            "server.max_reservations_per_tenant": sessions.max_reservations_per_tenant,
-            "server.max_pins_per_tenant": sessions.max_pins_per_tenant,
-            "server.max_namespaces_per_session": sessions.max_namespaces_per_session,
-            "server.max_namespaces_per_tenant": sessions.max_namespaces_per_tenant,
-            "server.max_requests_per_second_per_tenant":
-                sessions.max_requests_per_second_per_tenant,
-            "auth.grantee_pin_share": sessions.grant_pins.share,
-            "ssd.admit_after": self.store.ssd_admit_after,
-            "dram.eviction_policy": self.store.dram_args[3],
-        }
-
     def _release_sent(self, pin: int) -> None:
         """A zero-copy get reply went out (or could not): its pin and bytes go back."""
         self.verbs.get_sent(pin)
@@ -464,7 +441,23 @@ class Server:
             self.sessions.forget(gone)
             log.info("lease expired for %d session(s); their holdings were rolled back", len(gone))
             self.moves.freed()
+        self._drain_grants()
         self._schedule_reaper()
+
+    def _drain_grants(self) -> None:
+        """The grantees' pin discharges still queued (a lease's end queues all of its
+        session's) go on a bounded slice a loop turn, requests or none, until done."""
+        grants = self.sessions.grant_pins
+        grants.drain()
+        again = not grants.settled and self.transport.is_open
+        if again and not self._draining_grants:
+            assert self._loop is not None
+            self._draining_grants = True
+            self._loop.call_soon(self._drain_grants_again)
+
+    def _drain_grants_again(self) -> None:
+        self._draining_grants = False
+        self._drain_grants()
 
 
 
@@ -507,12 +500,38 @@ def server_stats(server: Server) -> dict[str, Any]:
         out["remote"]["copying_from_ssd"] = server.moves.copying_from_ssd
     if server.events is not None:
         out["events"] = server.events.stats()
-    out["settings"] = server.live_settings()
+    out["settings"] = live_settings(server)
     out["before_hello"] = {"dropped": server.transport.dropped_before_hello}
     if server.sides:
         out["side_socket"] = {key: sum(side.counts[key] for side in server.sides)
                               for key in server.sides[0].counts}
     return out
+
+
+def live_settings(server: Server) -> dict[str, Any]:
+    """The live settings in effect, read back from the parts that use them."""
+    limits, sessions = server.store.limits, server.sessions
+    log_level, log_format = in_effect()
+    return {
+        "server.lease_seconds": limits.lease_seconds,
+        "server.max_keys_per_request": server.max_keys,
+        "server.max_reservations_per_session": limits.max_reservations_per_owner,
+        "server.max_pins_per_session": limits.max_pins_per_owner,
+        "server.log_level": log_level,
+        "server.log_format": log_format,
+        "server.debug_invariants": server.debug_invariants,
+        "server.max_requests_per_second": sessions.max_requests_per_second,
+        "server.max_reservations_per_tenant": sessions.max_reservations_per_tenant,
+        "server.max_pins_per_tenant": sessions.max_pins_per_tenant,
+        "server.max_namespaces_per_session": sessions.max_namespaces_per_session,
+        "server.max_namespaces_per_tenant": sessions.max_namespaces_per_tenant,
+        "server.max_requests_per_second_per_tenant":
+            sessions.max_requests_per_second_per_tenant,
+        "auth.grantee_pin_share": sessions.grant_pins.share,
+        "auth.grantee_pin_total": sessions.grant_pins.total,
+        "ssd.admit_after": server.store.ssd_admit_after,
+        "dram.eviction_policy": server.store.dram_args[3],
+    }
 
 
 async def drain_server(server: Server, bound: float) -> None:

@@ -50,6 +50,7 @@ from kvstore.blocks import (
     Reservation,
     TierSlots,
     Transfer,
+    reserved_out,
 )
 from kvstore.core import StoreCore
 from kvstore.dram_copies import DramCopies
@@ -169,6 +170,7 @@ class BlockStore(StoreCore):
         pinned = parent_block is not None and self.hold(parent_block)  # keep it till commit
         r = Reservation(next(self.ids), owner, ns, list(keys), parent_block, offsets, pinned)
         state.reservations[r.id] = r
+        state.reserved_in[ns.tenant] = state.reserved_in.get(ns.tenant, 0) + len(offsets)
         self.reserved_slots += len(offsets)
         self.reserved_bytes += len(offsets) * ns.cls.slot_bytes
         self.counters.reservations += 1
@@ -209,6 +211,7 @@ class BlockStore(StoreCore):
                 if tokens and self.changes is not None
                 and _ids_bytes(tokens) <= len(r.keys) * r.ns.block_bytes else [])
         del state.reservations[rid]
+        reserved_out(state, r)
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
         ns = r.ns
