@@ -25,6 +25,7 @@ import asyncio
 import bisect
 import concurrent.futures
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -567,9 +568,31 @@ class Metrics:
 
         class Handler(_SilentHandler):
             """prometheus_client's quiet handler, with a read timeout (set on its
-            socket by ``StreamRequestHandler.setup``)."""
+            socket by ``StreamRequestHandler.setup``) and the same bound on the whole
+            request line and headers: a peer sending a byte every few seconds passes
+            each read's timeout, and 16 of them held every slot for good."""
 
             timeout = read_timeout
+
+            def handle(self) -> None:
+                self.deadline = threading.Timer(read_timeout, self._cut)
+                self.deadline.daemon = True
+                self.deadline.start()
+                try:
+                    super().handle()
+                finally:
+                    self.deadline.cancel()
+
+            def parse_request(self) -> bool:
+                parsed = bool(super().parse_request())  # (the headers read too)
+                self.deadline.cancel()  # the request is in: the app answers it
+                return parsed
+
+            def _cut(self) -> None:
+                try:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # gone already
 
         class Server(ThreadingWSGIServer):
             """Its address family set for ``addr`` (as prometheus_client does); at most

@@ -195,6 +195,37 @@ def test_a_half_sent_request_is_dropped_after_the_read_timeout() -> None:
         close()
 
 
+def test_a_request_trickled_in_is_dropped_after_the_read_timeout_in_all() -> None:
+    """A peer sending a byte at a time, each within the read timeout, still has the
+    whole request line and headers bounded by it (in-process, a short one)."""
+    from kvstore.metrics import Metrics
+
+    port = free_port()
+    close = Metrics(lambda: {}).start_http_server(port, max_connections=1, read_timeout=0.5)
+    assert close is not None
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        s.settimeout(0.2)
+        cut = False
+        for _ in range(100):  # 20 s of a byte every 0.2 s, unless cut
+            try:
+                s.sendall(b"X")
+                cut = s.recv(1) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                cut = True
+            if cut:
+                break
+        s.close()
+        assert cut, "a trickled request held its slot past the read timeout"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            assert r.status == 200  # its one slot is free again
+    finally:
+        close()
+
+
 @pytest.mark.parametrize("read, setting", [
     (read_metrics_token, "server.metrics_token_file"), (read_secret, "auth.secret_file")])
 def test_secret_files_are_small_regular_files(tmp_path: Path, read: Any, setting: str,
