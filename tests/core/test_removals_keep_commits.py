@@ -240,6 +240,25 @@ def test_removals_queued_behind_one_keep_what_was_committed_while_they_waited() 
     store.check_invariants()
 
 
+async def behind_a_get(store: Any, ns: Any, keys: list[bytes], ask: Any,
+                       later: list[bytes], parent: bytes) -> int:
+    """A removal asked while a get reply of the asker's is unsent (so it all waits, no
+    first slice), ``later`` committed under ``parent`` meanwhile; its count."""
+    removals, transport, _ = daemon_of(store)
+    pin = store.acquire(GET_OWNER, ns, keys[:2], 0.0)
+    assert isinstance(pin, Pin)
+    transport.trackers = [("reply", pin.id)]
+    transport.go = asyncio.Event()
+    answer = ask(removals)
+    assert isinstance(answer, Later) and len(ns.blocks) == len(keys)
+    task = asyncio.ensure_future(answer.reply)
+    await asyncio.sleep(0)
+    commit(store, ns, later, parent)  # while it waits
+    store.release(GET_OWNER, pin.id)
+    transport.go.set()
+    return count_of(await task)
+
+
 def test_a_small_drop_that_waits_for_get_replies_keeps_what_is_committed_meanwhile() -> None:
     store, ns = new_store()
     rng = random.Random(7)
@@ -247,19 +266,8 @@ def test_a_small_drop_that_waits_for_get_replies_keeps_what_is_committed_meanwhi
     commit(store, ns, keys, None)
 
     async def run() -> int:
-        removals, transport, _ = daemon_of(store)
-        pin = store.acquire(GET_OWNER, ns, keys[:2], 0.0)
-        assert isinstance(pin, Pin)
-        transport.trackers = [("reply", pin.id)]
-        transport.go = asyncio.Event()
-        answer = removals.drop(1, ns)
-        assert isinstance(answer, Later)
-        task = asyncio.ensure_future(answer.reply)
-        await asyncio.sleep(0)
-        commit(store, ns, later, keys[9])  # while it waits
-        store.release(GET_OWNER, pin.id)
-        transport.go.set()
-        return count_of(await task)
+        return await behind_a_get(store, ns, keys, lambda removals: removals.drop(1, ns),
+                                  later, keys[9])
 
     later = chain(rng, 2)
     assert asyncio.run(run()) == 50 - 10
@@ -275,19 +283,8 @@ def test_an_evict_that_waits_for_get_replies_keeps_what_is_committed_meanwhile()
     commit(store, ns, keys, None)
 
     async def run() -> int:
-        removals, transport, _ = daemon_of(store)
-        pin = store.acquire(GET_OWNER, ns, keys[:2], 0.0)
-        assert isinstance(pin, Pin)
-        transport.trackers = [("reply", pin.id)]
-        transport.go = asyncio.Event()
-        answer = removals.evict(1, ns, keys[:1])
-        assert isinstance(answer, Later) and len(ns.blocks) == 50
-        task = asyncio.ensure_future(answer.reply)
-        await asyncio.sleep(0)
-        commit(store, ns, later, keys[19])  # while it waits
-        store.release(GET_OWNER, pin.id)
-        transport.go.set()
-        return count_of(await task)
+        return await behind_a_get(
+            store, ns, keys, lambda removals: removals.evict(1, ns, keys[:1]), later, keys[19])
 
     later = chain(rng, 3)
     assert asyncio.run(run()) == 50 - 20
