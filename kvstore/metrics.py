@@ -565,6 +565,7 @@ class Metrics:
             app = _bearer_only(app, token)
 
         slots = threading.BoundedSemaphore(max_connections)
+        deadlines = _Deadlines()
 
         class Handler(_SilentHandler):
             """prometheus_client's quiet handler, with a read timeout (set on its
@@ -575,24 +576,16 @@ class Metrics:
             timeout = read_timeout
 
             def handle(self) -> None:
-                self.deadline = threading.Timer(read_timeout, self._cut)
-                self.deadline.daemon = True
-                self.deadline.start()
+                deadlines.watch(self.connection, read_timeout)
                 try:
                     super().handle()
                 finally:
-                    self.deadline.cancel()
+                    deadlines.forget(self.connection)
 
             def parse_request(self) -> bool:
                 parsed = bool(super().parse_request())  # (the headers read too)
-                self.deadline.cancel()  # the request is in: the app answers it
+                deadlines.forget(self.connection)  # the request is in: the app answers it
                 return parsed
-
-            def _cut(self) -> None:
-                try:
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass  # gone already
 
         class Server(ThreadingWSGIServer):
             """Its address family set for ``addr`` (as prometheus_client does); at most
@@ -628,8 +621,52 @@ class Metrics:
             httpd.shutdown()
             httpd.server_close()
             thread.join()
+            deadlines.close()
 
         return close
+
+
+class _Deadlines:
+    """The time each metrics connection has left to send its request, kept by one
+    thread for all of them: a ``threading.Timer`` a connection doubled the threads a
+    peer holding half-sent requests made the daemon keep (two a connection, not one)."""
+
+    def __init__(self) -> None:
+        self._due: dict[socket.socket, float] = {}
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvstore-metrics-deadlines",
+                                        daemon=True)
+        self._thread.start()
+
+    def watch(self, conn: socket.socket, seconds: float) -> None:
+        with self._changed:
+            self._due[conn] = time.monotonic() + seconds
+            self._changed.notify()
+
+    def forget(self, conn: socket.socket) -> None:
+        with self._changed:
+            self._due.pop(conn, None)
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with self._changed:
+            while not self._closed:
+                now = time.monotonic()
+                late = [conn for conn, due in self._due.items() if due <= now]
+                for conn in late:
+                    del self._due[conn]
+                    try:
+                        conn.shutdown(socket.SHUT_RDWR)  # its handler's read ends
+                    except OSError:
+                        pass  # gone already
+                wait = min(self._due.values(), default=now + 60.0) - now
+                self._changed.wait(max(wait, 0.01))
 
 
 def _grantee_pins_family(stats: Mapping[str, Any]) -> Metric:
