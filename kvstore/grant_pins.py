@@ -79,16 +79,18 @@ class GrantPins:
         taken then stay uncounted if the share is lowered later)."""
         return min(self.share, self.total) < 1.0
 
-    def check(self, grantee: str, ns: Namespace, blocks: Iterable[Block | None]) -> None:
+    def check(self, grantee: str, ns: Namespace, blocks: Iterable[Block | None],
+              reserved: int = 0) -> None:
         """Refuse (LimitExceededError) a pin of ``blocks`` by ``grantee`` in ``ns`` (of
         another tenant) that would take the grantee past its share of the owner's DRAM,
-        or walk more than ``MAX_PREFIX_STEPS`` unprotected blocks beyond those it names;
-        nothing changes either way.  Missing blocks (None) are left out: the pin itself
-        fails then."""
+        with the ``reserved`` slots it holds open there (a writer grantee's: else it
+        holds its share in reservations and again in pins), or walk more than
+        ``MAX_PREFIX_STEPS`` unprotected blocks beyond those it names; nothing changes
+        either way.  Missing blocks (None) are left out: the pin itself fails then."""
         self.drain()
         refs = self._refs.get(grantee, {})
         slot = ns.cls.slot_bytes
-        held = self.held.get((grantee, ns.tenant), 0)
+        held = self.held.get((grantee, ns.tenant), 0) + reserved * slot
         limit = self.limit(ns)
         everyone = self.total_held.get(ns.tenant, 0)
         total_limit = int(self.total * self.capacity(ns))
@@ -120,9 +122,9 @@ class GrantPins:
                 if held + len(new) * slot > limit:  # (stops walking here)
                     raise LimitExceededError(
                         f"tenant {grantee!r} keeps {held} bytes of tenant {ns.tenant!r}'s "
-                        f"DRAM pinned, with the prefixes that pins keep in place (limit "
-                        f"{limit}, auth.grantee_pin_share = {self.share:g} of "
-                        f"{self.capacity(ns)}); this would pass it; release some")
+                        f"DRAM pinned or reserved, with the prefixes that pins keep in "
+                        f"place (limit {limit}, auth.grantee_pin_share = {self.share:g} "
+                        f"of {self.capacity(ns)}); this would pass it; release some")
                 b = b.parent
 
     def check_reserve(self, grantee: str, ns: Namespace, slots: int) -> None:

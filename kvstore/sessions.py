@@ -311,7 +311,8 @@ class Sessions:
         if ns.tenant == session.tenant or not self.grant_pins.counting:
             return
         blocks = ns.blocks
-        self.grant_pins.check(session.tenant, ns, (blocks.get(key) for key in keys))
+        self.grant_pins.check(session.tenant, ns, (blocks.get(key) for key in keys),
+                              reserved=self._reserved_in(session.tenant, ns.tenant))
 
     def check_grant_reserve(self, session: Session, ns: Namespace, count: int) -> None:
         """Refuse (LimitExceededError) a reservation of ``count`` blocks in another
@@ -323,12 +324,18 @@ class Sessions:
         O(reservations): 100k one-key reservations made each reserve walk them all)."""
         if ns.tenant == session.tenant or not self.grant_pins.counting:
             return
-        reserved = count
-        for other in self.by_id.values():
-            state = self.store.owners.get(other.id) if other.tenant == session.tenant else None
-            if state is not None:
-                reserved += state.reserved_in.get(ns.tenant, 0)
+        reserved = count + self._reserved_in(session.tenant, ns.tenant)
         self.grant_pins.check_reserve(session.tenant, ns, reserved)
+
+    def _reserved_in(self, tenant: str, owner: str) -> int:
+        """The slots ``tenant``'s sessions hold reserved in ``owner``'s namespaces."""
+        reserved = 0
+        owners = self.store.owners
+        for other in self.by_id.values():
+            state = owners.get(other.id) if other.tenant == tenant else None
+            if state is not None:
+                reserved += state.reserved_in.get(owner, 0)
+        return reserved
 
     def pinned(self, session: Session, pin: Pin) -> None:
         """Count a pin the session took (``acquire``, ``lookup_pin``) if it is in

@@ -238,6 +238,27 @@ def test_a_writer_grantee_s_open_reservations_count_against_its_share() -> None:
     w.sessions.check_grant_reserve(a2, w.ns, 12)  # the abort gave its slots back
 
 
+def test_a_writer_grantee_s_pins_count_its_open_reservations_too() -> None:
+    """A writer grantee holding its share in open reservations pins nothing more of the
+    owner's blocks (it held its share in reservations and again in pins before), and
+    pins again once the reservation goes."""
+    w = World()  # 16 slots a grantee
+    a1 = w.sessions.hello(b"a1", "acme", "")
+    a2 = w.sessions.hello(b"a2", "acme", "")
+    fresh = chain_keys(w.ns.id, list(range(10**6, 10**6 + 16 * 20)), 16)
+    w.sessions.check_grant_reserve(a1, w.ns, 14)
+    r1 = w.store.reserve(a1.id, w.ns, fresh[:14], None, w.now)
+    assert isinstance(r1, Reservation)
+    w.sessions.counted(a1)
+    with pytest.raises(LimitExceededError, match="pinned or reserved"):
+        w.acquire(a2, w.keys[:3])  # 14 reserved + 3 pinned > 16
+    assert w.sessions.grant_pins.held == {}  # nothing pinned
+    w.acquire(a2, w.keys[:2])  # exactly at the share
+    w.store.abort(a1.id, r1.id)
+    w.sessions.counted(a1)
+    w.acquire(a2, w.keys[2:12])  # the abort gave its slots back
+
+
 def test_the_store_keeps_each_session_s_reserved_slots_by_namespace_owner() -> None:
     """What ``check_grant_reserve`` adds up, kept as reservations open and close (a
     recount of every reservation made each reserve O(reservations))."""
