@@ -64,6 +64,7 @@ UNAUTHENTICATED = "_unauthenticated"
 
 # the metrics port's connections served at once, and how long each waits for a read
 METRICS_MAX_CONNECTIONS = 16
+CUT_WAIT = 1.0  # how long a new connection waits for the slot of one it had cut
 METRICS_READ_TIMEOUT = 5.0
 REQUEST_SECONDS_BUCKETS = (
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
@@ -548,9 +549,12 @@ class Metrics:
         only to scrapes that carry ``Authorization: Bearer <token>`` (others get 401).
 
         Each connection has a thread of its own, before any token check: so at most
-        ``max_connections`` at once (more are closed at once), and each waits at most
-        ``read_timeout`` seconds for a read (else a peer that sends half a request, many
-        times over, holds as many threads for ever).
+        ``max_connections`` at once, and each waits at most ``read_timeout`` seconds for
+        its request line and headers (else a peer that sends half a request, many times
+        over, holds as many threads for ever).  A connection past them cuts the one
+        waiting longest for its request, if any (else it is closed at once): a peer
+        holding half-sent requests, or opening them again as they are cut, loses its
+        own connections to a scrape, which sends its request at once.
 
         Port 0 means disabled and returns None; otherwise returns a function that stops
         the server and closes its socket.
@@ -592,8 +596,13 @@ class Metrics:
             ``max_connections`` connections served at once."""
 
             def process_request(self, request: Any, client_address: Any) -> None:
-                if not slots.acquire(blocking=False):
-                    self.shutdown_request(request)  # closed at once, no thread
+                # all taken: the connection waiting longest for its request makes room
+                # (a scrape sends its request at once, so a peer holding connections
+                # half-sent, or reopening them, loses its own to the scrape); with none
+                # waiting for a request, or none gone in time, closed at once, no thread
+                if not slots.acquire(blocking=False) and not (
+                        deadlines.cut_oldest() and slots.acquire(timeout=CUT_WAIT)):
+                    self.shutdown_request(request)
                     return
                 try:
                     super().process_request(request, client_address)
@@ -647,6 +656,20 @@ class _Deadlines:
     def forget(self, conn: socket.socket) -> None:
         with self._changed:
             self._due.pop(conn, None)
+
+    def cut_oldest(self) -> bool:
+        """Cut the connection that has waited longest for its request, if one still
+        waits (its handler's read ends, and its slot comes back)."""
+        with self._changed:
+            if not self._due:
+                return False
+            conn = min(self._due, key=self._due.__getitem__)
+            del self._due[conn]
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # gone already
+        return True
 
     def close(self) -> None:
         with self._changed:
