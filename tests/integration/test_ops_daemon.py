@@ -109,8 +109,16 @@ def test_transfer_metrics_count_ssd_traffic(daemon_factory: Any) -> None:
         # 32 blocks through 8 DRAM slots: the first chain has long left DRAM for the SSD
         assert set(ns.lookup(chains[0]).tiers) == {"ssd"}
         ns.get(chains[0])                                         # promoted back
-        stats = client.stats()
-        samples = scrape(port)
+
+        def moved(stats: dict[str, Any]) -> tuple[int, int]:
+            return stats["tiers"]["dram"]["promotions"], stats["tiers"]["ssd"]["writes"]
+
+        for _ in range(100):  # a scrape with no demotion or promotion around it
+            stats = client.stats()
+            samples = scrape(port)
+            if moved(client.stats()) == moved(stats):
+                break
+            time.sleep(0.05)
         assert value(samples, "kvstore_promotions_total", tier="dram") == \
             stats["tiers"]["dram"]["promotions"] > 0
         assert value(samples, "kvstore_tier_writes_total", tier="ssd") == \
