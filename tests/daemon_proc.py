@@ -11,10 +11,21 @@ import time
 from pathlib import Path
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, and none this process was handed before: the kernel may hand out
+    a port just let go again, so a test that asks for two before its daemon binds them
+    (a tcp endpoint and a metrics port) could get one port twice, and a daemon that
+    cannot start.  (Another process may still take it before the daemon binds it.)"""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 class DaemonProcess:

@@ -44,7 +44,9 @@ class Removal:
 class Fuzz:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.store = BlockStore(16 << 20, 1 << 20)
+        # 64 KiB slabs (128 slots): the invariant check after every operation walks
+        # each carved slab's free slots, 2048 a 1 MiB slab; a run uses a few hundred
+        self.store = BlockStore(16 << 20, 64 << 10)
         self.ns: Namespace = self.store.open_namespace(IDENT)
         self.t = 0
         self.parent: dict[bytes, bytes | None] = {}

@@ -19,6 +19,7 @@ from kvtest import make_identity
 
 from kvstore import Client
 from kvstore import protocol as p
+from kvstore.auth import issue_token, read_secret
 from kvstore.errors import CapacityError, LimitExceededError
 
 SHARED = make_identity(tenant="public", model="system-prompt", num_layers=4,
@@ -48,9 +49,14 @@ def start(daemon_factory: Any, tmp_path: Path, share: float | None = None,
     return d, secret
 
 
+def token(secret: Path, tenant: str) -> str:
+    """What ``kvstore token --secret-file SECRET --tenant TENANT`` prints, without a
+    Python start per client (a test made a dozen, the poll below one each look)."""
+    return issue_token(read_secret(secret), tenant, 86400.0)
+
+
 def connect(d: DaemonProcess, secret: Path, tenant: str) -> Client:
-    return Client(d.endpoint, token=cli("token", "--secret-file", str(secret),
-                                        "--tenant", tenant))
+    return Client(d.endpoint, token=token(secret, tenant))
 
 
 def chain(ns: Any, n: int, start: int = 0) -> list[bytes]:
@@ -179,7 +185,7 @@ def test_gets_a_grantee_never_reads_pin_no_more_than_its_share(
     gets and never reads them held the owner's whole arena (its put refused) before
     its gets counted against its share."""
     d, secret = start(daemon_factory, tmp_path, tcp=True)
-    acme_token = cli("token", "--secret-file", str(secret), "--tenant", "acme")
+    acme_token = token(secret, "acme")
     assert d.tcp_endpoint is not None
     with connect(d, secret, "public") as owner, connect(d, secret, "ops") as ops:
         mine = owner.namespace(SHARED)
@@ -187,12 +193,12 @@ def test_gets_a_grantee_never_reads_pin_no_more_than_its_share(
         fill(mine, keys)
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)  # a grantee that stops reading after its hello
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 1)
-        sock.setsockopt(zmq.RCVBUF, 4096)
-        sock.plain_username, sock.plain_password = b"acme", acme_token.encode()
-        sock.connect(d.tcp_endpoint)
         try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.setsockopt(zmq.RCVBUF, 4096)
+            sock.plain_username, sock.plain_password = b"acme", acme_token.encode()
+            sock.connect(d.tcp_endpoint)
             for msg in (p.Hello(1, p.PROTOCOL_VERSION, "acme", acme_token),
                         p.OpenNamespace(2, SHARED)):
                 sock.send(p.encoder.encode(msg))
@@ -202,7 +208,11 @@ def test_gets_a_grantee_never_reads_pin_no_more_than_its_share(
             for rid in range(3, 40):  # every block, again and again; never read
                 sock.send(p.encoder.encode(p.Get(rid, mine.id, keys[(rid % 4) * SHARE:
                                                                    (rid % 4 + 1) * SHARE])))
-            time.sleep(1.0)
+            deadline = time.monotonic() + 20  # the first get read and pinned (a loaded
+            while ops.stats()["grantee_pinned_bytes"] == {}:  # host may take a while)
+                assert time.monotonic() < deadline, "the gets were not read"
+                time.sleep(0.05)
+            time.sleep(1.0)  # the gets behind it, read meanwhile, must not pin more
             stats = ops.stats()
             assert stats["grantee_pinned_bytes"] == {"acme": {"public": SHARE *
                                                               SHARED.block_bytes}}

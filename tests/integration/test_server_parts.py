@@ -118,11 +118,13 @@ def test_a_tenant_pin_cap_spans_sessions_and_a_gone_session_gives_back(
         keys = ns2.keys(range(64))
         ns2.put(keys, [bytes(IDENT.block_bytes)] * 4)
         a1 = Client(d.endpoint, tenant="acme")
-        a1.namespace(IDENT).acquire(keys[:1])        # one pin each, in two sessions
-        held = ns2.acquire(keys[:2])
-        with pytest.raises(LimitExceededError, match="tenant 'acme' holds 2 pins"):
-            ns2.acquire(keys[:3])
-        a1.close()                                   # gone without releasing its pin
+        try:
+            a1.namespace(IDENT).acquire(keys[:1])    # one pin each, in two sessions
+            held = ns2.acquire(keys[:2])
+            with pytest.raises(LimitExceededError, match="tenant 'acme' holds 2 pins"):
+                ns2.acquire(keys[:3])
+        finally:
+            a1.close()                               # gone without releasing its pin
         deadline = time.monotonic() + 10
         while True:
             a2.ping()                                # a2 keeps its own lease
@@ -176,8 +178,8 @@ def test_a_reload_applies_every_live_setting(tmp_path: Path) -> None:
     config.write_text(_toml(fixed))
     # only the file: flags would override it on reload, too
     d.args = [sys.executable, "-m", "kvstore", "serve", "--config", str(config)]
-    d.start()
     try:
+        d.start()
         with Client(d.endpoint, tenant="acme") as client:
             running = client.stats()["settings"]
             assert set(running) == {f"{s}.{f}" for s, f in LIVE_SETTINGS}
