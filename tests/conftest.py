@@ -6,8 +6,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# No per-example deadline: an example's time says nothing about the property, and on a
+# loaded machine a slow one failed a run (DeadlineExceeded, then Flaky on its replay)
+settings.register_profile("kvstore", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvstore")
 
 from daemon_proc import DaemonProcess  # noqa: E402
 from redis_servers import (  # noqa: E402
