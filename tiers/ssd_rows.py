@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter, is_
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from .ssd_index import decode_chunk
 from .ssd_layout import ID_BYTES, BlockRecord, SlabLayout, closed_rows
@@ -211,8 +212,7 @@ _UINT_WIDTH = np.zeros(256, dtype=np.int64)  # bytes an unsigned int takes, by i
 _UINT_WIDTH[:0x80] = 1
 _UINT_WIDTH[[0xCC, 0xCD, 0xCE, 0xCF]] = [2, 3, 5, 9]
 _BIG = np.uint64(1 << 62)
-_HEAD = np.arange(55, dtype=np.int64)  # array tag, ids with their bin tags, parent
-_FIELD_BYTES = np.arange(8, dtype=np.int64)
+_HEAD = 55  # bytes of the array tag, the ids with their bin tags, and the parent
 
 
 def decode_values(index_keys: Sequence[bytes], values: Sequence[bytes],
@@ -229,7 +229,10 @@ def decode_values(index_keys: Sequence[bytes], values: Sequence[bytes],
     ok = (lens >= 51) & (buf[at] == 0x98) & (buf[at + 1] == 0xC4) & (buf[at + 2] == 16)
     ok &= (buf[at + 19] == 0xC4) & (buf[at + 20] == 16)
     at = np.where(ok, at, 0)  # a short value's reads stay inside the buffer
-    head = buf[at[:, None] + _HEAD]  # the three ids and the tags around them, in one read
+    # the three ids and the tags around them, in one read: the rows of a window over
+    # the buffer (a view), each row copied whole, where a byte-by-byte index of
+    # 55 columns a row was a third of the decoding
+    head = sliding_window_view(buf, _HEAD)[at]
     roots = head[:, 37] == 0xC0
     ok &= roots | ((head[:, 37] == 0xC4) & (head[:, 38] == 16))
     ids = np.ascontiguousarray(head[:, 3:19])
@@ -265,7 +268,7 @@ def _uint(buf: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     tag = buf[pos]
     width = _UINT_WIDTH[tag]
     # the 8 bytes after the tag, big-endian: an int of fewer is their top bytes
-    tail = buf[(pos + 1)[:, None] + _FIELD_BYTES].view(">u8").ravel()
+    tail = sliding_window_view(buf, 8)[pos + 1].view(">u8").ravel()
     value = tail >> (8 * (9 - np.maximum(width, 2))).astype(np.uint64)
     value = np.where(width == 1, tag.astype(np.uint64), value)
     return value, pos + np.maximum(width, 1), width > 0
@@ -306,6 +309,9 @@ def _any_overlap(rows: Rows) -> bool:
     """``ssd_layout._any_overlap`` over the columns."""
     if len(rows) < 2:
         return False
+    extent = np.maximum(rows.length, rows.size_class)
+    if extent.min() == extent.max():  # one slot size (the common case): a sort, no argsort
+        return bool(np.any(np.diff(np.sort(rows.offset)) < extent[0]))
     order = np.argsort(rows.offset, kind="stable")
     starts = rows.offset[order]
     furthest = np.maximum.accumulate(starts + np.maximum(rows.length, rows.size_class)[order])
