@@ -54,6 +54,7 @@ order's ``access_many`` replaced by nothing.
 
     python benchmarks/index_scale.py --blocks 1M
     python benchmarks/index_scale.py --blocks 10M --restart-blocks 10M
+    python benchmarks/index_scale.py --skip-index --restart-blocks 1M --restart-repeats 5
 """
 
 from __future__ import annotations
@@ -387,6 +388,11 @@ def main() -> None:
     parser.add_argument("--blocks", default="1M", help="blocks in the index (e.g. 1M, 10M)")
     parser.add_argument("--restart-blocks", default=None,
                         help="blocks in the SSD index restored (default: --blocks; 0: skip)")
+    parser.add_argument("--restart-repeats", type=int, default=1,
+                        help="restores of the one SSD index written, each in a process of "
+                             "its own (medians of the figures, and each run's CPU us a block)")
+    parser.add_argument("--skip-index", action="store_true",
+                        help="the warm restart's figures only, no index build")
     parser.add_argument("--policy", default="auto", help="the DRAM eviction policy")
     parser.add_argument("--repeats", type=int, default=1,
                         help="index builds (medians of the scalar figures)")
@@ -406,14 +412,15 @@ def main() -> None:
         print(json.dumps(restart_figures(Path(args.dir), n)))
         return
 
-    say(f"index of {n:,} blocks ({args.repeats} build(s), policy {args.policy})")
+    if not args.skip_index:
+        say(f"index of {n:,} blocks ({args.repeats} build(s), policy {args.policy})")
     runs = [child(["--part", "index", "--blocks", str(n), "--policy", args.policy])
-            for _ in range(args.repeats)]
-    figures = runs[0]
+            for _ in range(0 if args.skip_index else args.repeats)]
+    figures = runs[0] if runs else {}
     for key, value in figures.items():
         if isinstance(value, float):
             figures[key] = statistics.median(r[key] for r in runs)
-    if args.repeats > 1:
+    if len(runs) > 1:
         figures["ingest_blocks_per_s_runs"] = [round(r["ingest_blocks_per_s"]) for r in runs]
         figures["ingest_blocks_per_cpu_s_runs"] = [
             round(r["ingest_blocks_per_cpu_s"]) for r in runs]
@@ -426,9 +433,19 @@ def main() -> None:
         try:
             say(f"ssd index of {m:,} blocks: writing")
             written = child(["--part", "ssd-write", "--blocks", str(m), "--dir", str(work)])
-            say("ssd index: warm restart")
-            figures.update(restart_figures_of(child(
-                ["--part", "restart", "--blocks", str(m), "--dir", str(work)]), m, written))
+            restarts = []
+            for i in range(max(1, args.restart_repeats)):
+                say(f"ssd index: warm restart {i + 1}/{max(1, args.restart_repeats)}")
+                restarts.append(child(["--part", "restart", "--blocks", str(m),
+                                       "--dir", str(work)]))
+            restart = restarts[0]
+            for key, value in restart.items():
+                if isinstance(value, float):
+                    restart[key] = statistics.median(r[key] for r in restarts)
+            if len(restarts) > 1:
+                restart["restart_cpu_us_per_block_runs"] = [
+                    round(r["restart_cpu_us_per_block"], 2) for r in restarts]
+            figures.update(restart_figures_of(restart, m, written))
         finally:
             shutil.rmtree(work, ignore_errors=True)
     if args.json:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from kvstore.block_map import SPLIT_AT
 from kvstore.blocks import DRAM, REMOTE_MARK, SSD, Block, Namespace, Transfer
@@ -546,7 +546,9 @@ def restore_fresh(store: StoreCore, ns: Namespace, keys: list[bytes],
         if not mask and len(shards[0]) > SPLIT_AT:
             blocks.grown()
             shards, mask = blocks.shards, blocks.mask
-    fresh = [b for b in made if b is not None]
+    # (the map was empty: as many in it as positions, and every position has its block)
+    fresh = (cast("list[Block]", made) if sum(map(len, shards)) == len(made)
+             else [b for b in made if b is not None])
     ssd.policy(cls).insert_many(fresh)
     store.ssd_committed_slots += len(fresh)
     store.ssd_committed_bytes += len(fresh) * cls.slot_bytes

@@ -9,6 +9,7 @@ and its index record is committed; a read that fails its checksum is a miss.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -74,7 +75,7 @@ class SsdMover:
         # Each namespace's records in the order loaded (parents first), restored in one
         # go; records whose namespace is gone, or sized for another configuration, go.
         plan = self.engine.load_rows()
-        rows, order = plan.rows, plan.order
+        rows, order, keys = plan.rows, plan.order, plan.keys  # keys: ``order``'s, in it
         opened = [namespaces.get(ns_id) for ns_id in rows.spaces]
         length = np.full(len(opened), -1, dtype=np.int64)  # what each namespace's have
         size = np.full(len(opened), -1, dtype=np.int64)
@@ -84,15 +85,16 @@ class SsdMover:
         space = rows.space[order]
         fit = (rows.length[order] == length[space]) & (rows.size_class[order] == size[space])
         if not fit.all():
-            lost = order[~fit].tolist()
+            lost = np.flatnonzero(~fit).tolist()
             self._pending_removals.extend(
-                zip(map(rows.spaces.__getitem__, rows.space[lost].tolist()),
-                    map(rows.keys.__getitem__, lost)))
+                zip(map(rows.spaces.__getitem__, space[lost].tolist()),
+                    map(keys.__getitem__, lost)))
             order, space = order[fit], space[fit]
+            keys = list(itertools.compress(keys, fit.tolist()))
         restored = 0
-        keys = rows.keys
-        place = np.full(len(keys), -1, dtype=np.int64)  # a row's position in its group
-        for ns_id, group in _runs(rows.spaces, space, order):
+        place = np.full(len(rows), -1, dtype=np.int64)  # a row's position in its group
+        for ns_id, within in _runs(rows.spaces, space):
+            group = order[within]
             at = np.arange(len(group))
             place[group] = at
             parent = plan.parent[group]
@@ -100,7 +102,7 @@ class SsdMover:
             above = place[parent]
             back = np.where(parent < 0, 0, np.where(above < 0, -1, at - above)).tolist()
             del at, above, parent
-            mine = list(map(keys.__getitem__, group.tolist()))
+            mine = _picked(keys, within)
             ok = self.store.ssd_copies.restore_columns(
                 namespaces[ns_id], mine, back, rows.offset[group].tolist(),
                 rows.checksum[group].tolist())
@@ -286,19 +288,26 @@ class SsdMover:
         return out
 
 
-def _runs(spaces: list[bytes], space: np.ndarray,
-          order: np.ndarray) -> Iterator[tuple[bytes, np.ndarray]]:
-    """Each namespace's rows of ``order`` (``space`` is each one's namespace), in that
-    order, the namespaces in the order each first comes."""
+def _runs(spaces: list[bytes], space: np.ndarray) -> Iterator[tuple[bytes, np.ndarray]]:
+    """Each namespace's positions in the restore's order (``space`` is the namespace of
+    each), ascending, the namespaces in the order each first comes."""
     if len(spaces) == 1:
-        if len(order):
-            yield spaces[0], order
+        if len(space):
+            yield spaces[0], np.arange(len(space))
         return
     by_space = np.argsort(space, kind="stable")
     found, starts = np.unique(space[by_space], return_index=True)
     ends = np.append(starts[1:], len(by_space))
     for k in np.argsort(by_space[starts], kind="stable").tolist():
-        yield spaces[int(found[k])], order[by_space[starts[k]:ends[k]]]
+        yield spaces[int(found[k])], by_space[starts[k]:ends[k]]
+
+
+def _picked(keys: list[bytes], within: np.ndarray) -> list[bytes]:
+    """``keys`` at the ascending positions ``within``: a slice where they are a run (one
+    namespace's, as the plan orders them), else one by one."""
+    if len(within) and int(within[-1]) - int(within[0]) + 1 == len(within):
+        return keys[int(within[0]):int(within[-1]) + 1]
+    return list(map(keys.__getitem__, within.tolist()))
 
 
 def _stored(block: Block) -> BlockRecord:

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter, is_
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -310,22 +311,28 @@ def closed_rows(
     spot = np.empty(n, dtype=np.int64)
     spot[by_wanted] = np.searchsorted(prints, wanted[by_wanted])
     at = by_print[np.minimum(spot, n - 1)]
-    same = (key_words[at] == parent_words).all(axis=1)
+    found = key_words[at]
+    same = (found[:, 0] == parent_words[:, 0]) & (found[:, 1] == parent_words[:, 1])
+    del found
     if rank is not None:  # (one namespace: every row's is the same)
         same &= (ns_words[at] == ns_words).all(axis=1)
     same &= ~roots
     parent_row = np.where(same, at, -1)
     root, dead = n, n + 1
-    up = np.full(n + 2, dead, dtype=np.int64)
+    # rows as 32-bit ints where they fit: the doubling's gathers are random reads over
+    # these arrays, and at millions of rows half the bytes is fewer cache misses (the
+    # closure at 5M rows was 1.5 us a row against 0.9 at 1M)
+    index: np.dtype[np.signedinteger[Any]] = np.dtype(np.int32 if n + 2 < 2**31 else np.int64)
+    up = np.full(n + 2, dead, dtype=index)
     up[:n][same] = at[same]
     up[:n][roots] = root
     up[root] = root
-    depth = np.ones(n + 2, dtype=np.int64)
+    depth = np.ones(n + 2, dtype=index)
     depth[root:] = 0
-    first = np.arange(n + 2, dtype=np.int64)  # the first position in each one's subtree
+    first = np.arange(n + 2, dtype=index)  # the first position in each one's subtree
     # the rows still climbing, and where each has got to: a row leaves once it reaches
     # the root or a dead end, so each round looks only at those still on their way
-    rows = np.flatnonzero(up[:n] < root)
+    rows = np.flatnonzero(up[:n] < root).astype(index)
     above = up[rows]
     for _ in range(n.bit_length() + 1):
         if not len(rows):
@@ -341,7 +348,7 @@ def closed_rows(
     closed = up[:n] == root
     kept = np.flatnonzero(closed)
     if rank is None:  # one sort key: first position, then depth (both below n + 2)
-        order = kept[np.argsort(first[kept] * (n + 2) + depth[kept])]
+        order = kept[np.argsort(first[kept].astype(np.int64) * (n + 2) + depth[kept])]
     else:
         order = kept[np.lexsort((depth[kept], first[kept], rank[kept]))]
     return order, closed, parent_row

@@ -239,8 +239,8 @@ def test_load_rows_keeps_the_survivors_of_load_in_their_order(tmp_path: Path) ->
             else:
                 plan = engine.load_rows()
                 rows = plan.rows
-                kept = [(rows.spaces[s], rows.keys[i],
-                         rows.keys[p] if p >= 0 else None, o, c)
+                key = dict(zip(plan.order.tolist(), plan.keys))  # by row
+                kept = [(rows.spaces[s], key[i], key[p] if p >= 0 else None, o, c)
                         for i, s, p, o, c in zip(
                             plan.order.tolist(), rows.space[plan.order].tolist(),
                             plan.parent[plan.order].tolist(), rows.offset[plan.order].tolist(),
