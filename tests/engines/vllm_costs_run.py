@@ -23,14 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kvstore.identity import Identity
 from kvstore.integrations.engine_side import EnginePages, Loaded
 from kvstore.integrations.pipeline import SettledLoads
-from kvstore.integrations.vllm import (
-    STATS,
-    KVStoreConnector,
+from kvstore.integrations.vllm import STATS, KVStoreConnector
+from kvstore.integrations.vllm_identity import Group, RequestVariant
+from kvstore.integrations.vllm_requests import (
     KVStoreConnectorMetadata,
     NamespaceIds,
     Transfer,
 )
-from kvstore.integrations.vllm_identity import Group, RequestVariant
 
 IDENTITY = Identity(model="m", model_revision="r", tenant="t", kv_dtype="float32",
                     num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4,
