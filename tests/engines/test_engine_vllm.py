@@ -91,6 +91,9 @@ def test_second_engine_loads_the_prefix_and_matches(runs: dict[str, Any]) -> Non
     assert hit["num_cached_tokens"] == 3 * BLOCK  # vLLM's own count: fewer computed
     assert hit["output"] == runs["baseline"]["results"][0]["output"]
     assert runs["second"]["worker"]["loaded_blocks"] >= 3
+    # The scheduler's lookup pinned them on the worker's session (one process): the
+    # worker loaded from those pins, with no acquire of its own.
+    assert runs["second"]["worker"]["pinned_loads"] >= 1
 
 
 def test_other_cache_salt_or_adapter_gets_no_hit(runs: dict[str, Any]) -> None:
