@@ -26,7 +26,7 @@ Worker side: ``handle_preemptions``, the step's first call, sends one acquire pe
 namespace for every request's blocks of the step, without waiting (none for the blocks
 already pinned: where the worker shares the scheduler's process, tensor parallel 1, a
 request's lookup goes on the worker's session as ``lookup_pin`` and the worker loads
-from its pins, ``pin_lookups``); ``start_load_kv`` waits for the pins (the round trip overlapped with vLLM preparing the step's inputs) and
+from its pins, with ``pin_lookups``); ``start_load_kv`` waits for the pins (the round trip overlapped with vLLM preparing the step's inputs) and
 copies the blocks into vLLM's pages before the forward pass (or, with ``copy_ahead`` and
 pages in host memory, a thread started in ``handle_preemptions`` pins and copies them
 meanwhile), or layer by layer (``layerwise``: ``wait_for_layer_load`` waits for just its
@@ -250,10 +250,13 @@ class ConnectorOptions:
     a step's saves start at the next step, not beside the end of the step that computed
     them, whose output they would delay; in a step that loads, once its blocks are
     copied: beside its forward, not its copy; ``SaveSender``),
-    ``pin_lookups`` (default true: where the worker runs in the scheduler's process,
+    ``pin_lookups`` (default false: where the worker runs in the scheduler's process,
     tensor parallel 1, a request's lookup goes on the worker's session and pins what it
     finds in DRAM, and the worker loads from those pins instead of acquiring them in
-    the step; ``PinnedLookups``),
+    the step; ``PinnedLookups``.  Off by default: on the CPU build's one-at-a-time
+    benchmark the daemon's pinning lengthened the lookup's reply, waited for right
+    after the request came, by what the step no longer spent on the acquire; where
+    requests wait before their first step, the reply is there by then),
     ``known_chains`` (default true: the keys of a prefix an earlier request hashed are
     taken over, found by vLLM's own sha256 block hashes; ``KnownChains``),
     ``max_pending_save_mib`` (bytes of pending saves, staged or still in vLLM's pages,
@@ -281,7 +284,7 @@ class ConnectorOptions:
                    copy_ahead=bool(extra.get("copy_ahead", False)) and not zeroed,
                    saves_after_step=bool(extra.get("saves_after_step", True)),
                    known_chains=bool(extra.get("known_chains", True)),
-                   pin_lookups=bool(extra.get("pin_lookups", True)),
+                   pin_lookups=bool(extra.get("pin_lookups", False)),
                    max_pending=int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20)))
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
