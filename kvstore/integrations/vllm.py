@@ -19,11 +19,14 @@ holds are never saved again; the result is kept for the request's later scheduli
 steps), has the daemon bring blocks found on SSD or remote up to DRAM (``prefetch``),
 and offers the cached prefix as external tokens; ``update_state_after_alloc`` records
 where they load; ``build_connector_meta`` hands the worker this step's loads and the
-blocks that become complete (to save).
+blocks that become complete (to save).  That side's bookkeeping is ``RequestBook``
+(``kvstore.integrations.vllm_requests``); the connector hands vLLM's calls to it.
 
 Worker side: ``handle_preemptions``, the step's first call, sends one acquire per
-namespace for every request's blocks of the step, without waiting; ``start_load_kv``
-waits for the pins (the round trip overlapped with vLLM preparing the step's inputs) and
+namespace for every request's blocks of the step, without waiting (none for the blocks
+already pinned: where the worker shares the scheduler's process, tensor parallel 1, a
+request's lookup goes on the worker's session as ``lookup_pin`` and the worker loads
+from its pins, with ``pin_lookups``); ``start_load_kv`` waits for the pins (the round trip overlapped with vLLM preparing the step's inputs) and
 copies the blocks into vLLM's pages before the forward pass (or, with ``copy_ahead`` and
 pages in host memory, a thread started in ``handle_preemptions`` pins and copies them
 meanwhile), or layer by layer (``layerwise``: ``wait_for_layer_load`` waits for just its
@@ -65,11 +68,11 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -78,9 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvstore.client import LookupResult, Namespace
-from kvstore.errors import KVStoreError
-from kvstore.identity import Identity
+from kvstore.client import Namespace
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
     EnginePages,
@@ -97,16 +98,17 @@ from kvstore.integrations.pipeline import (
     SaveSender,
     SettledLoads,
     StepLoads,
-    daemon_rates,
     fill_rows,
-    wait_all,
 )
 from kvstore.integrations.vllm_chains import KnownChains
-from kvstore.integrations.vllm_identity import (
-    Group,
-    RequestVariant,
-    kv_groups,
-    request_variant,
+from kvstore.integrations.vllm_identity import Group, RequestVariant, kv_groups
+from kvstore.integrations.vllm_requests import (
+    BookRoles,
+    KVStoreConnectorMetadata,
+    PinnedLookups,
+    RequestBook,
+    Transfer,
+    plain_namespaces,
 )
 
 if TYPE_CHECKING:
@@ -119,47 +121,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-# ========================================================================================
-# metadata: scheduler -> worker
-# ========================================================================================
-
-class Transfer(msgspec.Struct, frozen=True):
-    """Blocks of one request and KV cache group to load or save: ``keys[i]`` lives in
-    vLLM block ``block_ids[i]``; ``parent`` is the key before ``keys[0]`` (None: root)."""
-
-    req_id: str
-    group: int
-    variant: RequestVariant
-    keys: list[bytes]
-    block_ids: list[int]
-    parent: bytes | None = None
-
-
-@dataclass
-class KVStoreConnectorMetadata(KVConnectorMetadata):
-    loads: list[Transfer] = field(default_factory=list)
-    saves: list[Transfer] = field(default_factory=list)
-    preempted: set[str] = field(default_factory=set)  # requests whose pages went back
-
-
-# ========================================================================================
-# scheduler-side request state
-# ========================================================================================
-
-@dataclass
-class _RequestState:
-    request: Request
-    variant: RequestVariant
-    cacheable: bool
-    keys: dict[int, list[bytes]] = field(default_factory=dict)  # per group, block order
-    block_ids: list[list[int]] = field(default_factory=list)   # per group index
-    saved_blocks: int = 0       # leading blocks known to be in the daemon
-    offer: tuple[int, int] | None = None  # (first block, blocks) offered as external
-    cached: tuple[int, list[str]] | None = None  # the lookup: leading blocks, their tiers
-    saving: bool = False        # saves were planned: the worker reports when they end
-    lookups: list[Callable[[], LookupResult]] | None = None  # sent on arrival, not read
-
 
 # ========================================================================================
 # worker side: vLLM's KV tensors seen as kvstore pages
@@ -192,54 +153,8 @@ STATS = ("lookups", "hit_tokens", "prefetches", "offers", "offers_declined",
          "declined_tokens", "rate_refreshes", "loaded_blocks", "load_failed_blocks",
          "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
          "lookup_us", "load_us", "save_us",  # time in the engine's steps, and of load_us
-         "acquire_wait_us")                  # the time spent waiting for pins
-
-
-def count_tiers(stats: dict[str, int], tiers: Sequence[str], block_tokens: int) -> None:
-    """Count the tokens of blocks offered from each tier (``hit_tokens_<tier>``), as
-    the lookup found them (a prefetch may have moved them up since)."""
-    for tier in tiers:
-        stats[f"hit_tokens_{tier}"] = stats.get(f"hit_tokens_{tier}", 0) + block_tokens
-
-
-def plain_namespaces(groups: Sequence[Group],
-                     tp_size: int) -> dict[Hashable, Callable[[], Identity]]:
-    """The namespaces of requests with no adapter and no salt, keyed as the connector's
-    ``_namespace`` keys them: every group's, for every rank."""
-    plain = RequestVariant()
-    return {(g.index, plain, rank): functools.partial(g.identity_for, plain, rank, tp_size)
-            for g in groups for rank in range(tp_size)}
-
-
-LookupTarget = tuple[Callable[[], "Namespace | None"], list[bytes]]
-
-
-def send_lookups(targets: Sequence[LookupTarget],
-                 link: DaemonLink) -> list[Callable[[], LookupResult]] | None:
-    """One lookup per (namespace, keys) sent, none waited for: the calls that wait for
-    each; None when a namespace cannot be opened or the daemon failed (the lookups
-    already sent are read then, so that no reply is left behind)."""
-    waits: list[Callable[[], LookupResult]] = []
-    try:
-        for namespace, keys in targets:
-            ns = namespace()
-            if ns is None:
-                break
-            waits.append(ns._send_lookup(keys))
-        else:
-            return waits
-    except KVStoreError as exc:
-        link.failed("lookup", exc)
-    settle(waits)
-    return None
-
-
-def settle(waits: Sequence[Callable[[], object]]) -> None:
-    """Read and drop the replies of requests sent (their errors too)."""
-    try:
-        wait_all(waits)
-    except KVStoreError as exc:
-        logger.debug("kvstore: a lookup nobody waits for failed: %s", exc)
+         "acquire_wait_us",                  # the time spent waiting for pins
+         "pinned_loads")  # loads from the pins of the scheduler's lookups (no acquire)
 
 
 def plan_loads(transfers: Sequence[Transfer], layers: dict[int, EnginePages],
@@ -318,25 +233,6 @@ def _group_of(groups: Sequence[Group], index: int) -> Group:
     return next(g for g in groups if g.index == index)
 
 
-class NamespaceIds:
-    """Rank 0's namespace id of each group and request variant, hashed once (it took
-    ~20 us each time a request's new blocks were hashed); ``limit`` kept at most (salts
-    may be many: past it, ids are hashed each time)."""
-
-    def __init__(self, tp_size: int, limit: int = 4096) -> None:
-        self._tp_size = tp_size
-        self._limit = limit
-        self._ids: dict[tuple[int, RequestVariant], bytes] = {}
-
-    def of(self, group: Group, variant: RequestVariant) -> bytes:
-        found = self._ids.get((group.index, variant))
-        if found is None:
-            found = group.identity_for(variant, 0, self._tp_size).namespace_id
-            if len(self._ids) < self._limit:
-                self._ids[(group.index, variant)] = found
-        return found
-
-
 @dataclass(frozen=True)
 class ConnectorOptions:
     """The connector's ``kv_connector_extra_config`` keys beside ``endpoint``,
@@ -354,6 +250,13 @@ class ConnectorOptions:
     a step's saves start at the next step, not beside the end of the step that computed
     them, whose output they would delay; in a step that loads, once its blocks are
     copied: beside its forward, not its copy; ``SaveSender``),
+    ``pin_lookups`` (default false: where the worker runs in the scheduler's process,
+    tensor parallel 1, a request's lookup goes on the worker's session and pins what it
+    finds in DRAM, and the worker loads from those pins instead of acquiring them in
+    the step; ``PinnedLookups``.  Off by default: on the CPU build's one-at-a-time
+    benchmark the daemon's pinning lengthened the lookup's reply, waited for right
+    after the request came, by what the step no longer spent on the acquire; where
+    requests wait before their first step, the reply is there by then),
     ``known_chains`` (default true: the keys of a prefix an earlier request hashed are
     taken over, found by vLLM's own sha256 block hashes; ``KnownChains``),
     ``max_pending_save_mib`` (bytes of pending saves, staged or still in vLLM's pages,
@@ -366,6 +269,7 @@ class ConnectorOptions:
     copy_ahead: bool
     saves_after_step: bool
     known_chains: bool
+    pin_lookups: bool
     max_pending: int
 
     @classmethod
@@ -380,11 +284,17 @@ class ConnectorOptions:
                    copy_ahead=bool(extra.get("copy_ahead", False)) and not zeroed,
                    saves_after_step=bool(extra.get("saves_after_step", True)),
                    known_chains=bool(extra.get("known_chains", True)),
+                   pin_lookups=bool(extra.get("pin_lookups", False)),
                    max_pending=int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20)))
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector backed by a kvstore daemon (its ``kv_connector_extra_config``
     keys: ``ConnectorOptions``)."""
+
+    # A worker's session lent to its engine's scheduler side, where both are in one
+    # process (found by the engine id; gone with the worker): ``PinnedLookups``.
+    _lent: ClassVar[weakref.WeakValueDictionary[str, PinnedLookups]] = (
+        weakref.WeakValueDictionary())
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -400,6 +310,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._link.connect_in_background(plain_namespaces(self._groups, self._tp_size))
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("KVStoreConnector does not support pipeline parallelism yet")
+        self._engine_id = str(self._kv_transfer_config.engine_id)
         self._is_producer = self._kv_transfer_config.is_kv_producer
         self._is_consumer = self._kv_transfer_config.is_kv_consumer
         self._opts = ConnectorOptions.from_extra(extra, kv_cache_config)
@@ -409,10 +320,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             refresh_s=float(extra.get("rates_refresh_s", REFRESH_RATES_S)))
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         # scheduler side
-        self._requests: dict[str, _RequestState] = {}
-        self._known = KnownChains.of(vllm_config.cache_config, self._opts.known_chains)
-        self._ns_ids = NamespaceIds(self._tp_size)
-        self._pending_loads: list[Transfer] = []
+        self._book = RequestBook(
+            self._link, self._groups, self._tp_size,
+            BookRoles(producer=self._is_producer, consumer=self._is_consumer,
+                      prefetch=self._opts.prefetch, async_saves=self._opts.async_saves),
+            self._rates, KnownChains.of(vllm_config.cache_config, self._opts.known_chains),
+            self._namespace, self.stats, pinning=functools.partial(
+                self._lent.get, self._engine_id))
         # worker side
         self._tp_rank = 0
         self._layers: dict[int, EnginePages] = {}
@@ -422,6 +336,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._settled = SettledLoads()   # copies done, pins to release at the next step
         self._posted_loads: tuple[KVConnectorMetadata, StepLoads] | None = None
         self._sender: SaveSender | None = None
+        self._pinned_lookups: PinnedLookups | None = None  # lent to the scheduler side
         self._saving: set[str] = set()          # requests with saves sent
         self._finished_saving: set[str] = set()  # ... that vLLM says are finished
 
@@ -434,172 +349,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             lambda: group.identity_for(variant, tp_rank, self._tp_size))
 
     # ==================================================================================
-    # scheduler side
+    # scheduler side: RequestBook
     # ==================================================================================
-    def _state(self, request: Request) -> _RequestState:
-        state = self._requests.get(request.request_id)
-        if state is None:
-            cacheable = not request.mm_features and request.prompt_embeds is None
-            state = _RequestState(request, request_variant(request), cacheable)
-            self._requests[request.request_id] = state
-        return state
-
-    def _keys(self, state: _RequestState, group: Group, blocks: int) -> list[bytes]:
-        """The first ``blocks`` keys of the request's token chain in ``group``."""
-        keys = state.keys.setdefault(group.index, [])  # in rank 0's namespace, every rank's
-        self._known.extend((group.index, state.variant), state.request, keys, blocks,
-                           group.block_tokens, lambda: self._ns_ids.of(group, state.variant))
-        return keys[:blocks]
-
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        state = self._state(request)
-        state.offer = None
-        if not state.cacheable:
-            return 0, False
-        block = self._groups[0].block_tokens
-        first = num_computed_tokens // block
-        usable = (request.num_tokens - 1) // block  # vLLM computes at least one token
-        if state.cached is None:
-            if not self._link.available():
-                return 0, False
-            started = time.perf_counter()
-            state.cached = self._lookup(state, usable)
-            self.stats["lookup_us"] += int((time.perf_counter() - started) * 1e6)
-        cached, tiers = state.cached
-        # Blocks the store holds are never saved again, loaded or not.
-        state.saved_blocks = max(state.saved_blocks, min(cached, usable))
-        hit = min(cached, usable) - first
-        if not self._is_consumer or hit <= 0:
-            return 0, False
-        rates = self._rates.current(functools.partial(daemon_rates, self._link))
-        worth = rates.blocks(tiers[first:first + hit])
-        self.stats["rate_refreshes"] = self._rates.refreshes
-        if worth < hit:
-            self.stats["offers_declined"] += 1
-            self.stats["declined_tokens"] += (hit - worth) * block
-            hit = worth
-            if hit == 0:
-                return 0, False
-        if self._opts.prefetch and any(t != "dram" for t in tiers[first:first + hit]):
-            self._prefetch_blocks(state, first, first + hit)
-        state.offer = (first, hit)
-        self.stats["offers"] += 1
-        tokens = (first + hit) * block - num_computed_tokens
-        logger.debug("kvstore: request %s: %d tokens cached in the daemon",
-                     request.request_id, tokens)
-        return tokens, False
+        return self._book.offer(request, num_computed_tokens)
 
     def on_new_request(self, request: Request) -> None:
-        state = self._state(request)  # its lookups go out now; its scheduling waits for them
-        blocks = (request.num_tokens - 1) // self._groups[0].block_tokens
-        if state.cacheable and blocks > 0 and self._link.available():
-            started = time.perf_counter()  # the keys' hashes and the sends
-            state.lookups = send_lookups(self._lookup_targets(state, blocks), self._link)
-            self.stats["lookup_us"] += int((time.perf_counter() - started) * 1e6)
-
-    def _lookup_targets(self, state: _RequestState, blocks: int) -> list[LookupTarget]:
-        return [(functools.partial(self._namespace, group, state.variant, rank),
-                 self._keys(state, group, blocks))
-                for group in self._groups for rank in range(self._tp_size)]
-
-    def _lookup(self, state: _RequestState, blocks: int) -> tuple[int, list[str]]:
-        """The request's leading blocks cached in every group and rank (one lookup each,
-        from the first block: what the engine holds itself need not be saved again),
-        with the tier of each (the first group's and rank's); the lookups sent when the
-        request came, if they were."""
-        waits, state.lookups = state.lookups, None
-        waits = waits or send_lookups(self._lookup_targets(state, blocks), self._link)
-        try:
-            found = wait_all(waits or [])
-        except KVStoreError as exc:
-            self._link.failed("lookup", exc)
-            return 0, []
-        if not found:
-            return 0, []
-        self.stats["lookups"] += 1
-        hit = min([blocks, *(f.blocks for f in found)])
-        return hit, found[0].tiers[:hit]
-
-    def _prefetch_blocks(self, state: _RequestState, start: int, end: int) -> None:
-        """Have the daemon bring blocks below DRAM up now, so the load finds them there."""
-        for group in self._groups:
-            keys = self._keys(state, group, end)[start:end]
-            for rank in range(self._tp_size):
-                ns = self._namespace(group, state.variant, rank)
-                if ns is None:
-                    return
-                try:
-                    ns.post_prefetch(keys)  # the step does not wait for its reply
-                except KVStoreError as exc:
-                    self._link.failed("prefetch", exc)
-                    return
-        self.stats["prefetches"] += 1
+        self._book.arrived(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        state = self._state(request)
-        offer, state.offer = state.offer, None
-        if num_external_tokens <= 0 or offer is None:
-            return
-        first, _ = offer
-        block = self._groups[0].block_tokens
-        count = num_external_tokens // block
-        block_ids = blocks.get_block_ids()
-        for group in self._groups:
-            keys = self._keys(state, group, first + count)
-            self._pending_loads.append(Transfer(
-                request.request_id, group.index, state.variant, keys[first:],
-                list(block_ids[group.index][first:first + count])))
-        state.saved_blocks = max(state.saved_blocks, first + count)
-        self.stats["hit_tokens"] += num_external_tokens
-        count_tiers(self.stats, (state.cached or (0, []))[1][first:first + count], block)
+        self._book.allocated(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVStoreConnectorMetadata(
-            loads=self._pending_loads, preempted=set(scheduler_output.preempted_req_ids or ()))
-        self._pending_loads = []
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            state = self._requests.get(new.req_id)
-            if state is not None:
-                state.block_ids = [list(ids) for ids in new.block_ids]
-                self._plan_saves(state, new.num_computed_tokens + scheduled[new.req_id], meta)
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self._requests.get(req_id)
-            if state is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids and new_ids is not None:
-                state.block_ids = [list(ids) for ids in new_ids]
-            elif new_ids is not None:
-                for ids, more in zip(state.block_ids, new_ids):
-                    ids.extend(more)
-            self._plan_saves(state, cached.num_computed_tokens[i] + scheduled[req_id], meta)
-        return meta
-
-    def _plan_saves(self, state: _RequestState, computed_tokens: int,
-                    meta: KVStoreConnectorMetadata) -> None:
-        """Save the blocks whose every token has its KV computed by the end of this step."""
-        if not self._is_producer or not state.cacheable:
-            return
-        block = self._groups[0].block_tokens
-        full = min(computed_tokens, len(state.request.all_token_ids)) // block
-        start = state.saved_blocks
-        if full <= start:
-            return
-        # Every group's blocks checked before any save is planned: a save planned whose
-        # request is not marked ``saving`` would have its pages freed under the copy.
-        if any(len(state.block_ids[g.index][start:full]) < full - start for g in self._groups):
-            return  # blocks not allocated yet (cannot happen in vLLM's scheduler)
-        for group in self._groups:
-            keys = self._keys(state, group, full)
-            meta.saves.append(Transfer(state.request.request_id, group.index, state.variant,
-                                       keys[start:], state.block_ids[group.index][start:full],
-                                       keys[start - 1] if start else None))
-        state.saved_blocks = full
-        state.saving = True
+        return self._book.build_meta(scheduler_output)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -608,12 +372,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
             self, request: Request,
             block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        # With saves in flight, the blocks stay held until the worker's get_finished
-        # reports the request: its bytes are in the store (or the save failed) by then.
-        state = self._requests.pop(request.request_id, None)
-        if state is not None and state.lookups:  # never scheduled: read their replies
-            settle(state.lookups)
-        return bool(state is not None and state.saving and self._opts.async_saves), None
+        return self._book.finished(request), None
 
     # ==================================================================================
     # worker side
@@ -631,6 +390,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if len(pages.layer_targets()) == len(group.layer_names):
                 self._layer_index.update((name, i) for i, name in enumerate(group.layer_names))
         self._link.client()  # connect and map the arena now, not in a request's step
+        if (self._opts.pin_lookups and self._tp_size == 1 and self._is_consumer
+                and not self._opts.copy_ahead):  # a copy-ahead thread uses the session
+            self._pinned_lookups = PinnedLookups(
+                self._link, lambda group, variant: self._namespace(group, variant, 0))
+            self._lent[self._engine_id] = self._pinned_lookups
         if self._opts.async_saves and self._is_producer:
             self._sender = SaveSender(self._link.settings,
                                       max_pending_bytes=self._opts.max_pending)
@@ -669,8 +433,23 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
 
     def _plan_loads(self, transfers: list[Transfer]) -> StepLoads:
-        return plan_loads(transfers, self._layers, lambda index, variant: self._namespace(
+        lent, held = self._pinned_lookups, []
+        if lent is not None and len(lent):  # the loads the scheduler's lookups pinned
+            rest = []
+            for t in transfers:
+                found = lent.take(t.req_id, t.group, t.keys)
+                if found is None:
+                    rest.append(t)
+                else:
+                    held.append((t, found))
+            transfers = rest
+            self.stats["pinned_loads"] += len(held)
+        loads = plan_loads(transfers, self._layers, lambda index, variant: self._namespace(
             _group_of(self._groups, index), variant, self._tp_rank))
+        for t, (pin, first) in held:
+            loads.add_held(self._layers[t.group],
+                           LoadItem(f"{t.req_id}/{t.group}", t.keys, t.block_ids), pin, first)
+        return loads
 
     def _start_load_kv(self) -> None:
         meta = self._get_connector_metadata()
@@ -775,8 +554,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._posted_loads[1].finish()
         if self._sender is not None:
             self._sender.close()
+        if self._pinned_lookups is not None:
+            self._lent.pop(self._engine_id, None)
         self._link.close()
 
     def __repr__(self) -> str:
         return (f"KVStoreConnector({self.role.name}, groups={len(self._groups)}, "
-                f"requests={len(self._requests)}, stats={self.stats})")
+                f"requests={len(self._book)}, stats={self.stats})")

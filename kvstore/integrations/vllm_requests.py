@@ -1,0 +1,482 @@
+"""The scheduler side of kvstore's vLLM connector: its book of requests (their keys,
+lookups, offers and planned saves) and the metadata it hands the worker.
+
+Apart from ``kvstore.integrations.vllm`` so that the connector class stays a thin
+facade over its two sides (this one, and the worker's loads and saves there), each
+small enough to read in one sitting.  The connector's docstring tells the protocol.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvstore.client import Held, LookupResult, Namespace
+from kvstore.errors import KVStoreError
+from kvstore.identity import Identity
+from kvstore.integrations.daemon_link import DaemonLink
+from kvstore.integrations.pipeline import LoadRates, daemon_rates, wait_all
+from kvstore.integrations.vllm_chains import KnownChains
+from kvstore.integrations.vllm_identity import Group, RequestVariant, request_variant
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+# ========================================================================================
+# metadata: scheduler -> worker
+# ========================================================================================
+
+class Transfer(msgspec.Struct, frozen=True):
+    """Blocks of one request and KV cache group to load or save: ``keys[i]`` lives in
+    vLLM block ``block_ids[i]``; ``parent`` is the key before ``keys[0]`` (None: root)."""
+
+    req_id: str
+    group: int
+    variant: RequestVariant
+    keys: list[bytes]
+    block_ids: list[int]
+    parent: bytes | None = None
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # requests whose pages went back
+
+
+# ========================================================================================
+# scheduler-side request state
+# ========================================================================================
+
+@dataclass
+class RequestState:
+    request: Request
+    variant: RequestVariant
+    cacheable: bool
+    keys: dict[int, list[bytes]] = field(default_factory=dict)  # per group, block order
+    block_ids: list[list[int]] = field(default_factory=list)   # per group index
+    saved_blocks: int = 0       # leading blocks known to be in the daemon
+    offer: tuple[int, int] | None = None  # (first block, blocks) offered as external
+    cached: tuple[int, list[str]] | None = None  # the lookup: leading blocks, their tiers
+    saving: bool = False        # saves were planned: the worker reports when they end
+    lookups: list[Callable[[], LookupResult]] | None = None  # sent on arrival, not read
+    via: DaemonLink | None = None  # the link of the lookups (the worker's: they pin)
+    pins: dict[int, Held] = field(default_factory=dict)  # per group: the lookup's pins
+
+
+def count_tiers(stats: dict[str, int], tiers: Sequence[str], block_tokens: int) -> None:
+    """Count the tokens of blocks offered from each tier (``hit_tokens_<tier>``), as
+    the lookup found them (a prefetch may have moved them up since)."""
+    for tier in tiers:
+        stats[f"hit_tokens_{tier}"] = stats.get(f"hit_tokens_{tier}", 0) + block_tokens
+
+
+def plain_namespaces(groups: Sequence[Group],
+                     tp_size: int) -> dict[Hashable, Callable[[], Identity]]:
+    """The namespaces of requests with no adapter and no salt, keyed as the connector's
+    ``_namespace`` keys them: every group's, for every rank."""
+    plain = RequestVariant()
+    return {(g.index, plain, rank): functools.partial(g.identity_for, plain, rank, tp_size)
+            for g in groups for rank in range(tp_size)}
+
+
+LookupTarget = tuple[Callable[[], "Namespace | None"], list[bytes]]
+NamespaceOf = Callable[[Group, RequestVariant, int], "Namespace | None"]
+
+
+def send_lookups(targets: Sequence[LookupTarget],
+                 link: DaemonLink) -> list[Callable[[], LookupResult]] | None:
+    """One lookup per (namespace, keys) sent, none waited for: the calls that wait for
+    each; None when a namespace cannot be opened or the daemon failed (the lookups
+    already sent are read then, so that no reply is left behind)."""
+    waits: list[Callable[[], LookupResult]] = []
+    try:
+        for namespace, keys in targets:
+            ns = namespace()
+            if ns is None:
+                break
+            waits.append(ns._send_lookup(keys))
+        else:
+            return waits
+    except KVStoreError as exc:
+        link.failed("lookup", exc)
+    settle(waits)
+    return None
+
+
+def settle(waits: Sequence[Callable[[], object]]) -> None:
+    """Read and drop the replies of requests sent (their errors too)."""
+    try:
+        wait_all(waits)
+    except KVStoreError as exc:
+        logger.debug("kvstore: a lookup nobody waits for failed: %s", exc)
+
+
+class NamespaceIds:
+    """Rank 0's namespace id of each group and request variant, hashed once (it took
+    ~20 us each time a request's new blocks were hashed); ``limit`` kept at most (salts
+    may be many: past it, ids are hashed each time)."""
+
+    def __init__(self, tp_size: int, limit: int = 4096) -> None:
+        self._tp_size = tp_size
+        self._limit = limit
+        self._ids: dict[tuple[int, RequestVariant], bytes] = {}
+
+    def of(self, group: Group, variant: RequestVariant) -> bytes:
+        found = self._ids.get((group.index, variant))
+        if found is None:
+            found = group.identity_for(variant, 0, self._tp_size).namespace_id
+            if len(self._ids) < self._limit:
+                self._ids[(group.index, variant)] = found
+        return found
+
+
+class PinnedLookups:
+    """The worker's session lent to the scheduler side in the same process (vLLM's
+    one-process executor, tensor parallel 1: both sides run on the engine's thread), so
+    that a request's lookup pins what it finds in DRAM (``lookup_pin``) and the worker
+    loads from those pins: no acquire's round trip in the step, nor the daemon's work
+    for it beside the forward pass.  The scheduler hands each load's pin over
+    (``hand``); the worker ``take``s it, or acquires as before where none was handed."""
+
+    def __init__(self, link: DaemonLink,
+                 namespace: Callable[[Group, RequestVariant], Namespace | None]) -> None:
+        self.link = link
+        self.namespace = namespace
+        self._handed: dict[tuple[str, int], tuple[Held, int]] = {}
+
+    def hand(self, req_id: str, group: int, held: Held, first: int) -> None:
+        """``held``'s keys from ``first`` on load in ``req_id``'s next step."""
+        old = self._handed.pop((req_id, group), None)
+        if old is not None:
+            release(old[0])
+        self._handed[(req_id, group)] = (held, first)
+
+    def take(self, req_id: str, group: int, keys: Sequence[bytes]) -> tuple[Held, int] | None:
+        """The pin handed over for a load of ``keys`` (its own keys from the offset on),
+        or None (the worker acquires them)."""
+        found = self._handed.pop((req_id, group), None) if self._handed else None
+        if found is None:
+            return None
+        held, first = found
+        if held.keys[first:first + len(keys)] != list(keys):  # not this load's: never
+            release(held)
+            return None
+        return found
+
+    def drop(self, req_id: str, groups: Sequence[Group]) -> None:
+        """Release what was handed over for ``req_id`` and never taken."""
+        for group in groups:
+            found = self._handed.pop((req_id, group.index), None)
+            if found is not None:
+                release(found[0])
+
+    def __len__(self) -> int:
+        return len(self._handed)
+
+
+def release(held: Held) -> None:
+    """Release a pin (posted); a daemon gone ends it anyway."""
+    try:
+        held.release()
+    except KVStoreError as exc:
+        logger.debug("kvstore: a release failed: %s", exc)
+
+
+# ========================================================================================
+# the scheduler side
+# ========================================================================================
+
+@dataclass(frozen=True)
+class BookRoles:
+    """What the scheduler side does for its engine: looks up and offers (``consumer``),
+    plans saves (``producer``), prefetches from below DRAM, holds requests with saves
+    in flight (``async_saves``)."""
+
+    producer: bool
+    consumer: bool
+    prefetch: bool
+    async_saves: bool
+
+
+class RequestBook:
+    """The connector's scheduler side: each request's keys (hashed once, or taken over
+    from an earlier request's chain), its lookup (sent as it arrives, read when vLLM
+    asks), the cached prefix offered, the loads and saves handed to the worker."""
+
+    def __init__(self, link: DaemonLink, groups: Sequence[Group], tp_size: int,
+                 roles: BookRoles, rates: LoadRates, known: KnownChains,
+                 namespace: NamespaceOf, stats: dict[str, int],
+                 pinning: Callable[[], PinnedLookups | None] = lambda: None) -> None:
+        self._link = link
+        self._groups = list(groups)
+        self._tp_size = tp_size
+        self._roles = roles
+        self._rates = rates
+        self._known = known
+        self._namespace = namespace
+        self.stats = stats  # the connector's: counts kept in one place
+        self._requests: dict[str, RequestState] = {}
+        self._ns_ids = NamespaceIds(tp_size)
+        self._pending_loads: list[Transfer] = []
+        self._pinning = pinning  # the worker's session, where it is in this process
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def _state(self, request: Request) -> RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            cacheable = not request.mm_features and request.prompt_embeds is None
+            state = RequestState(request, request_variant(request), cacheable)
+            self._requests[request.request_id] = state
+        return state
+
+    def _keys(self, state: RequestState, group: Group, blocks: int) -> list[bytes]:
+        """The first ``blocks`` keys of the request's token chain in ``group``."""
+        keys = state.keys.setdefault(group.index, [])  # in rank 0's namespace, every rank's
+        self._known.extend((group.index, state.variant), state.request, keys, blocks,
+                           group.block_tokens, lambda: self._ns_ids.of(group, state.variant))
+        return keys[:blocks]
+
+    # -- vLLM's scheduler calls, in the order it makes them ------------------------------
+    def arrived(self, request: Request) -> None:
+        """``on_new_request``: the request's lookups go out now; its scheduling (``offer``)
+        reads their replies."""
+        state = self._state(request)
+        blocks = (request.num_tokens - 1) // self._groups[0].block_tokens
+        if state.cacheable and blocks > 0 and self._link.available():
+            started = time.perf_counter()  # the keys' hashes and the sends
+            route = self._pinning() if self._roles.consumer else None
+            if route is not None and route.link.available():
+                state.via = route.link
+                state.lookups = self._send_pinning(state, blocks, route)
+            else:
+                state.lookups = send_lookups(self._lookup_targets(state, blocks), self._link)
+            self.stats["lookup_us"] += int((time.perf_counter() - started) * 1e6)
+
+    def _send_pinning(self, state: RequestState, blocks: int,
+                      route: PinnedLookups) -> list[Callable[[], LookupResult]] | None:
+        """``send_lookups`` on the worker's session, each lookup pinning its leading DRAM
+        hits (kept in ``state.pins`` as its reply is read)."""
+        waits: list[Callable[[], LookupResult]] = []
+        try:
+            for group in self._groups:
+                ns = route.namespace(group, state.variant)
+                if ns is None:
+                    break
+                reply = ns._send_lookup_pin(self._keys(state, group, blocks))
+                waits.append(functools.partial(_keep_pin, state, group.index, reply))
+            else:
+                return waits
+        except KVStoreError as exc:
+            route.link.failed("lookup", exc)
+        settle(waits)
+        _release_pins(state)
+        return None
+
+    def offer(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens``: the tokens past ``num_computed_tokens`` that
+        the store holds and are worth loading (blocks below DRAM prefetched); the
+        lookup's pins go unless some are offered."""
+        state = self._state(request)
+        tokens, load_async = self._offer(state, request, num_computed_tokens)
+        if not tokens and state.pins:
+            _release_pins(state)
+        return tokens, load_async
+
+    def _offer(self, state: RequestState, request: Request,
+               num_computed_tokens: int) -> tuple[int | None, bool]:
+        state.offer = None
+        if not state.cacheable:
+            return 0, False
+        block = self._groups[0].block_tokens
+        first = num_computed_tokens // block
+        usable = (request.num_tokens - 1) // block  # vLLM computes at least one token
+        if state.cached is None:
+            if not self._link.available():
+                return 0, False
+            started = time.perf_counter()
+            state.cached = self._lookup(state, usable)
+            self.stats["lookup_us"] += int((time.perf_counter() - started) * 1e6)
+        cached, tiers = state.cached
+        # Blocks the store holds are never saved again, loaded or not.
+        state.saved_blocks = max(state.saved_blocks, min(cached, usable))
+        hit = min(cached, usable) - first
+        if not self._roles.consumer or hit <= 0:
+            return 0, False
+        rates = self._rates.current(functools.partial(daemon_rates, self._link))
+        worth = rates.blocks(tiers[first:first + hit])
+        self.stats["rate_refreshes"] = self._rates.refreshes
+        if worth < hit:
+            self.stats["offers_declined"] += 1
+            self.stats["declined_tokens"] += (hit - worth) * block
+            hit = worth
+            if hit == 0:
+                return 0, False
+        if self._roles.prefetch and any(t != "dram" for t in tiers[first:first + hit]):
+            self._prefetch_blocks(state, first, first + hit)
+        state.offer = (first, hit)
+        self.stats["offers"] += 1
+        tokens = (first + hit) * block - num_computed_tokens
+        logger.debug("kvstore: request %s: %d tokens cached in the daemon",
+                     request.request_id, tokens)
+        return tokens, False
+
+    def _lookup_targets(self, state: RequestState, blocks: int) -> list[LookupTarget]:
+        return [(functools.partial(self._namespace, group, state.variant, rank),
+                 self._keys(state, group, blocks))
+                for group in self._groups for rank in range(self._tp_size)]
+
+    def _lookup(self, state: RequestState, blocks: int) -> tuple[int, list[str]]:
+        """The request's leading blocks cached in every group and rank (one lookup each,
+        from the first block: what the engine holds itself need not be saved again),
+        with the tier of each (the first group's and rank's); the lookups sent when the
+        request came, if they were."""
+        waits, state.lookups = state.lookups, None
+        link, state.via = state.via or self._link, None
+        if waits is None:
+            link = self._link
+            waits = send_lookups(self._lookup_targets(state, blocks), self._link)
+        try:
+            found = wait_all(waits or [])
+        except KVStoreError as exc:
+            link.failed("lookup", exc)
+            _release_pins(state)
+            return 0, []
+        if not found:
+            return 0, []
+        self.stats["lookups"] += 1
+        hit = min([blocks, *(f.blocks for f in found)])
+        return hit, found[0].tiers[:hit]
+
+    def _prefetch_blocks(self, state: RequestState, start: int, end: int) -> None:
+        """Have the daemon bring blocks below DRAM up now, so the load finds them there."""
+        for group in self._groups:
+            keys = self._keys(state, group, end)[start:end]
+            for rank in range(self._tp_size):
+                ns = self._namespace(group, state.variant, rank)
+                if ns is None:
+                    return
+                try:
+                    ns.post_prefetch(keys)  # the step does not wait for its reply
+                except KVStoreError as exc:
+                    self._link.failed("prefetch", exc)
+                    return
+        self.stats["prefetches"] += 1
+
+    def allocated(self, request: Request, blocks: KVCacheBlocks,
+                  num_external_tokens: int) -> None:
+        """``update_state_after_alloc``: where the offered blocks load."""
+        state = self._state(request)
+        offer, state.offer = state.offer, None
+        if num_external_tokens <= 0 or offer is None:
+            _release_pins(state)
+            return
+        first, _ = offer
+        block = self._groups[0].block_tokens
+        count = num_external_tokens // block
+        block_ids = blocks.get_block_ids()
+        route = self._pinning() if state.pins else None
+        for group in self._groups:
+            keys = self._keys(state, group, first + count)
+            self._pending_loads.append(Transfer(
+                request.request_id, group.index, state.variant, keys[first:],
+                list(block_ids[group.index][first:first + count])))
+            held = state.pins.pop(group.index, None)
+            if held is not None and route is not None and len(held.offsets) >= first + count:
+                route.hand(request.request_id, group.index, held, first)
+            elif held is not None:
+                release(held)
+        state.saved_blocks = max(state.saved_blocks, first + count)
+        self.stats["hit_tokens"] += num_external_tokens
+        count_tiers(self.stats, (state.cached or (0, []))[1][first:first + count], block)
+
+    def build_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
+        """``build_connector_meta``: this step's loads, and the blocks that become
+        complete in it (to save)."""
+        meta = KVStoreConnectorMetadata(
+            loads=self._pending_loads, preempted=set(scheduler_output.preempted_req_ids or ()))
+        self._pending_loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = [list(ids) for ids in new.block_ids]
+                self._plan_saves(state, new.num_computed_tokens + scheduled[new.req_id], meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                state.block_ids = [list(ids) for ids in new_ids]
+            elif new_ids is not None:
+                for ids, more in zip(state.block_ids, new_ids):
+                    ids.extend(more)
+            self._plan_saves(state, cached.num_computed_tokens[i] + scheduled[req_id], meta)
+        return meta
+
+    def _plan_saves(self, state: RequestState, computed_tokens: int,
+                    meta: KVStoreConnectorMetadata) -> None:
+        """Save the blocks whose every token has its KV computed by the end of this step."""
+        if not self._roles.producer or not state.cacheable:
+            return
+        block = self._groups[0].block_tokens
+        full = min(computed_tokens, len(state.request.all_token_ids)) // block
+        start = state.saved_blocks
+        if full <= start:
+            return
+        # Every group's blocks checked before any save is planned: a save planned whose
+        # request is not marked ``saving`` would have its pages freed under the copy.
+        if any(len(state.block_ids[g.index][start:full]) < full - start for g in self._groups):
+            return  # blocks not allocated yet (cannot happen in vLLM's scheduler)
+        for group in self._groups:
+            keys = self._keys(state, group, full)
+            meta.saves.append(Transfer(state.request.request_id, group.index, state.variant,
+                                       keys[start:], state.block_ids[group.index][start:full],
+                                       keys[start - 1] if start else None))
+        state.saved_blocks = full
+        state.saving = True
+
+    def finished(self, request: Request) -> bool:
+        """``request_finished``: the request forgotten; True when its blocks stay held
+        until the worker's ``get_finished`` reports its saves done (its bytes are in the
+        store, or the save failed, by then)."""
+        state = self._requests.pop(request.request_id, None)
+        if state is not None and state.lookups:  # never scheduled: read their replies
+            settle(state.lookups)
+        if state is not None:
+            _release_pins(state)
+            route = self._pinning()
+            if route is not None:
+                route.drop(request.request_id, self._groups)
+        return bool(state is not None and state.saving and self._roles.async_saves)
+
+
+def _keep_pin(state: RequestState, group: int,
+              reply: Callable[[], tuple[LookupResult, Held | None]]) -> LookupResult:
+    """A pinning lookup's reply read: its pin kept in ``state``, its lookup returned."""
+    found, held = reply()
+    if held is not None:
+        state.pins[group] = held
+    return found
+
+
+def _release_pins(state: RequestState) -> None:
+    pins, state.pins = state.pins, {}
+    for held in pins.values():
+        release(held)
