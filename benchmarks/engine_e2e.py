@@ -27,9 +27,6 @@ on) on the same workload, in a process of its own, one after the other:
   as the step hands them over, not at the next step (``saves_after_step``);
 - ``kvstore-before`` (not run unless named): ``kvstore-eager`` hashing every request's
   keys itself (``known_chains`` off): the connector as it was before either;
-- ``kvstore-pinned`` (not run unless named): ``kvstore`` with each request's lookup
-  pinning what it finds on the worker's session, loaded from those pins with no
-  acquire in the step (``pin_lookups``);
 - ``kvstore-ahead`` (not run unless named): ``kvstore`` with each step's loads pinned
   and copied on a thread from ``handle_preemptions`` (``copy_ahead``), not in
   ``start_load_kv``;
@@ -216,7 +213,6 @@ def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
                                        "layerwise": a.layerwise or arm.endswith("layerwise"),
                                        "post_loads": not arm.endswith("unposted"),
                                        "copy_ahead": arm.endswith("ahead"),
-                                       "pin_lookups": arm.endswith("pinned"),
                                        "saves_after_step": not arm.endswith(("eager",
                                                                              "before")),
                                        "known_chains": not arm.endswith("before")})

@@ -523,7 +523,6 @@ class StepLoads:
 
     def __init__(self) -> None:
         self._todo: list[tuple[Namespace, EnginePages, list[LoadItem]]] = []
-        self._held: list[tuple[EnginePages, LoadItem, Held, int]] = []  # pinned already
         self._pinned: list[_Pinned] = []
         self._thread: threading.Thread | None = None
         self._layer_done: list[threading.Event] = []
@@ -536,13 +535,6 @@ class StepLoads:
 
     def add(self, ns: Namespace, pages: EnginePages, items: list[LoadItem]) -> None:
         self._todo.append((ns, pages, items))
-
-    def add_held(self, pages: EnginePages, item: LoadItem, held: Held, first: int) -> None:
-        """An item whose blocks a lookup pinned already (``lookup_pin``): its keys are
-        ``held``'s from ``first`` on, which must cover them.  No acquire is sent for
-        it; its pin is released with the step's others."""
-        assert len(held.offsets) >= first + len(item.keys), "the pin covers the item"
-        self._held.append((pages, item, held, first))
 
     def post(self) -> None:
         """Send every namespace's acquires now, without waiting: ``pin`` waits for the
@@ -614,13 +606,6 @@ class StepLoads:
         self.post()
         sent, self._sent = self._sent or [], []
         outcome: dict[str, Loaded] = {}
-        held_items, self._held = self._held, []
-        for pages, item, pin, first in held_items:
-            pinned = _Pinned(pages)
-            self._pinned.append(pinned)
-            pinned.pins.append(pin)
-            pinned.add(pin, pin.offsets[first:first + len(item.keys)], item.page_ids)
-            outcome[item.tag] = Loaded(len(item.keys))
         for (ns, pages, items), (keys, waits) in zip(self._todo, sent):
             pinned = _Pinned(pages)
             self._pinned.append(pinned)
@@ -733,16 +718,14 @@ class StepLoads:
     def release(self) -> None:
         """Release the pins (posted: no round trip); only once the copies are done
         (``settle``), or will never be made."""
-        pins = [held for p in self._pinned for held in p.pins]
-        pins += [held for _, _, held, _ in self._held]  # handed over, never reached pin()
-        for held in pins:
-            try:
-                held.release()
-            except KVStoreError as exc:  # the pin's lease ends it anyway
-                logger.warning("kvstore: release failed: %s", exc)
+        for p in self._pinned:
+            for held in p.pins:
+                try:
+                    held.release()
+                except KVStoreError as exc:  # the pin's lease ends it anyway
+                    logger.warning("kvstore: release failed: %s", exc)
         self._pinned = []
         self._todo = []
-        self._held = []
 
 
 class SettledLoads:

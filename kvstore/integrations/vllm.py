@@ -23,10 +23,8 @@ blocks that become complete (to save).  That side's bookkeeping is ``RequestBook
 (``kvstore.integrations.vllm_requests``); the connector hands vLLM's calls to it.
 
 Worker side: ``handle_preemptions``, the step's first call, sends one acquire per
-namespace for every request's blocks of the step, without waiting (none for the blocks
-already pinned: where the worker shares the scheduler's process, tensor parallel 1, a
-request's lookup goes on the worker's session as ``lookup_pin`` and the worker loads
-from its pins, with ``pin_lookups``); ``start_load_kv`` waits for the pins (the round trip overlapped with vLLM preparing the step's inputs) and
+namespace for every request's blocks of the step, without waiting; ``start_load_kv``
+waits for the pins (the round trip overlapped with vLLM preparing the step's inputs) and
 copies the blocks into vLLM's pages before the forward pass (or, with ``copy_ahead`` and
 pages in host memory, a thread started in ``handle_preemptions`` pins and copies them
 meanwhile), or layer by layer (``layerwise``: ``wait_for_layer_load`` waits for just its
@@ -68,10 +66,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -105,7 +102,6 @@ from kvstore.integrations.vllm_identity import Group, RequestVariant, kv_groups
 from kvstore.integrations.vllm_requests import (
     BookRoles,
     KVStoreConnectorMetadata,
-    PinnedLookups,
     RequestBook,
     Transfer,
     plain_namespaces,
@@ -153,8 +149,7 @@ STATS = ("lookups", "hit_tokens", "prefetches", "offers", "offers_declined",
          "declined_tokens", "rate_refreshes", "loaded_blocks", "load_failed_blocks",
          "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
          "lookup_us", "load_us", "save_us",  # time in the engine's steps, and of load_us
-         "acquire_wait_us",                  # the time spent waiting for pins
-         "pinned_loads")  # loads from the pins of the scheduler's lookups (no acquire)
+         "acquire_wait_us")                  # the time spent waiting for pins
 
 
 def plan_loads(transfers: Sequence[Transfer], layers: dict[int, EnginePages],
@@ -250,13 +245,6 @@ class ConnectorOptions:
     a step's saves start at the next step, not beside the end of the step that computed
     them, whose output they would delay; in a step that loads, once its blocks are
     copied: beside its forward, not its copy; ``SaveSender``),
-    ``pin_lookups`` (default false: where the worker runs in the scheduler's process,
-    tensor parallel 1, a request's lookup goes on the worker's session and pins what it
-    finds in DRAM, and the worker loads from those pins instead of acquiring them in
-    the step; ``PinnedLookups``.  Off by default: on the CPU build's one-at-a-time
-    benchmark the daemon's pinning lengthened the lookup's reply, waited for right
-    after the request came, by what the step no longer spent on the acquire; where
-    requests wait before their first step, the reply is there by then),
     ``known_chains`` (default true: the keys of a prefix an earlier request hashed are
     taken over, found by vLLM's own sha256 block hashes; ``KnownChains``),
     ``max_pending_save_mib`` (bytes of pending saves, staged or still in vLLM's pages,
@@ -269,7 +257,6 @@ class ConnectorOptions:
     copy_ahead: bool
     saves_after_step: bool
     known_chains: bool
-    pin_lookups: bool
     max_pending: int
 
     @classmethod
@@ -284,17 +271,11 @@ class ConnectorOptions:
                    copy_ahead=bool(extra.get("copy_ahead", False)) and not zeroed,
                    saves_after_step=bool(extra.get("saves_after_step", True)),
                    known_chains=bool(extra.get("known_chains", True)),
-                   pin_lookups=bool(extra.get("pin_lookups", False)),
                    max_pending=int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20)))
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector backed by a kvstore daemon (its ``kv_connector_extra_config``
     keys: ``ConnectorOptions``)."""
-
-    # A worker's session lent to its engine's scheduler side, where both are in one
-    # process (found by the engine id; gone with the worker): ``PinnedLookups``.
-    _lent: ClassVar[weakref.WeakValueDictionary[str, PinnedLookups]] = (
-        weakref.WeakValueDictionary())
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -310,7 +291,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._link.connect_in_background(plain_namespaces(self._groups, self._tp_size))
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("KVStoreConnector does not support pipeline parallelism yet")
-        self._engine_id = str(self._kv_transfer_config.engine_id)
         self._is_producer = self._kv_transfer_config.is_kv_producer
         self._is_consumer = self._kv_transfer_config.is_kv_consumer
         self._opts = ConnectorOptions.from_extra(extra, kv_cache_config)
@@ -325,8 +305,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             BookRoles(producer=self._is_producer, consumer=self._is_consumer,
                       prefetch=self._opts.prefetch, async_saves=self._opts.async_saves),
             self._rates, KnownChains.of(vllm_config.cache_config, self._opts.known_chains),
-            self._namespace, self.stats, pinning=functools.partial(
-                self._lent.get, self._engine_id))
+            self._namespace, self.stats)
         # worker side
         self._tp_rank = 0
         self._layers: dict[int, EnginePages] = {}
@@ -336,7 +315,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._settled = SettledLoads()   # copies done, pins to release at the next step
         self._posted_loads: tuple[KVConnectorMetadata, StepLoads] | None = None
         self._sender: SaveSender | None = None
-        self._pinned_lookups: PinnedLookups | None = None  # lent to the scheduler side
         self._saving: set[str] = set()          # requests with saves sent
         self._finished_saving: set[str] = set()  # ... that vLLM says are finished
 
@@ -390,11 +368,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if len(pages.layer_targets()) == len(group.layer_names):
                 self._layer_index.update((name, i) for i, name in enumerate(group.layer_names))
         self._link.client()  # connect and map the arena now, not in a request's step
-        if (self._opts.pin_lookups and self._tp_size == 1 and self._is_consumer
-                and not self._opts.copy_ahead):  # a copy-ahead thread uses the session
-            self._pinned_lookups = PinnedLookups(
-                self._link, lambda group, variant: self._namespace(group, variant, 0))
-            self._lent[self._engine_id] = self._pinned_lookups
         if self._opts.async_saves and self._is_producer:
             self._sender = SaveSender(self._link.settings,
                                       max_pending_bytes=self._opts.max_pending)
@@ -433,23 +406,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
 
     def _plan_loads(self, transfers: list[Transfer]) -> StepLoads:
-        lent, held = self._pinned_lookups, []
-        if lent is not None and len(lent):  # the loads the scheduler's lookups pinned
-            rest = []
-            for t in transfers:
-                found = lent.take(t.req_id, t.group, t.keys)
-                if found is None:
-                    rest.append(t)
-                else:
-                    held.append((t, found))
-            transfers = rest
-            self.stats["pinned_loads"] += len(held)
-        loads = plan_loads(transfers, self._layers, lambda index, variant: self._namespace(
+        return plan_loads(transfers, self._layers, lambda index, variant: self._namespace(
             _group_of(self._groups, index), variant, self._tp_rank))
-        for t, (pin, first) in held:
-            loads.add_held(self._layers[t.group],
-                           LoadItem(f"{t.req_id}/{t.group}", t.keys, t.block_ids), pin, first)
-        return loads
 
     def _start_load_kv(self) -> None:
         meta = self._get_connector_metadata()
@@ -554,8 +512,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._posted_loads[1].finish()
         if self._sender is not None:
             self._sender.close()
-        if self._pinned_lookups is not None:
-            self._lent.pop(self._engine_id, None)
         self._link.close()
 
     def __repr__(self) -> str:

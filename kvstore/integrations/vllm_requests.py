@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvstore.client import Held, LookupResult, Namespace
+from kvstore.client import LookupResult, Namespace
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
 from kvstore.integrations.daemon_link import DaemonLink
@@ -72,8 +72,6 @@ class RequestState:
     cached: tuple[int, list[str]] | None = None  # the lookup: leading blocks, their tiers
     saving: bool = False        # saves were planned: the worker reports when they end
     lookups: list[Callable[[], LookupResult]] | None = None  # sent on arrival, not read
-    via: DaemonLink | None = None  # the link of the lookups (the worker's: they pin)
-    pins: dict[int, Held] = field(default_factory=dict)  # per group: the lookup's pins
 
 
 def count_tiers(stats: dict[str, int], tiers: Sequence[str], block_tokens: int) -> None:
@@ -143,58 +141,6 @@ class NamespaceIds:
         return found
 
 
-class PinnedLookups:
-    """The worker's session lent to the scheduler side in the same process (vLLM's
-    one-process executor, tensor parallel 1: both sides run on the engine's thread), so
-    that a request's lookup pins what it finds in DRAM (``lookup_pin``) and the worker
-    loads from those pins: no acquire's round trip in the step, nor the daemon's work
-    for it beside the forward pass.  The scheduler hands each load's pin over
-    (``hand``); the worker ``take``s it, or acquires as before where none was handed."""
-
-    def __init__(self, link: DaemonLink,
-                 namespace: Callable[[Group, RequestVariant], Namespace | None]) -> None:
-        self.link = link
-        self.namespace = namespace
-        self._handed: dict[tuple[str, int], tuple[Held, int]] = {}
-
-    def hand(self, req_id: str, group: int, held: Held, first: int) -> None:
-        """``held``'s keys from ``first`` on load in ``req_id``'s next step."""
-        old = self._handed.pop((req_id, group), None)
-        if old is not None:
-            release(old[0])
-        self._handed[(req_id, group)] = (held, first)
-
-    def take(self, req_id: str, group: int, keys: Sequence[bytes]) -> tuple[Held, int] | None:
-        """The pin handed over for a load of ``keys`` (its own keys from the offset on),
-        or None (the worker acquires them)."""
-        found = self._handed.pop((req_id, group), None) if self._handed else None
-        if found is None:
-            return None
-        held, first = found
-        if held.keys[first:first + len(keys)] != list(keys):  # not this load's: never
-            release(held)
-            return None
-        return found
-
-    def drop(self, req_id: str, groups: Sequence[Group]) -> None:
-        """Release what was handed over for ``req_id`` and never taken."""
-        for group in groups:
-            found = self._handed.pop((req_id, group.index), None)
-            if found is not None:
-                release(found[0])
-
-    def __len__(self) -> int:
-        return len(self._handed)
-
-
-def release(held: Held) -> None:
-    """Release a pin (posted); a daemon gone ends it anyway."""
-    try:
-        held.release()
-    except KVStoreError as exc:
-        logger.debug("kvstore: a release failed: %s", exc)
-
-
 # ========================================================================================
 # the scheduler side
 # ========================================================================================
@@ -218,8 +164,7 @@ class RequestBook:
 
     def __init__(self, link: DaemonLink, groups: Sequence[Group], tp_size: int,
                  roles: BookRoles, rates: LoadRates, known: KnownChains,
-                 namespace: NamespaceOf, stats: dict[str, int],
-                 pinning: Callable[[], PinnedLookups | None] = lambda: None) -> None:
+                 namespace: NamespaceOf, stats: dict[str, int]) -> None:
         self._link = link
         self._groups = list(groups)
         self._tp_size = tp_size
@@ -231,7 +176,6 @@ class RequestBook:
         self._requests: dict[str, RequestState] = {}
         self._ns_ids = NamespaceIds(tp_size)
         self._pending_loads: list[Transfer] = []
-        self._pinning = pinning  # the worker's session, where it is in this process
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -259,46 +203,13 @@ class RequestBook:
         blocks = (request.num_tokens - 1) // self._groups[0].block_tokens
         if state.cacheable and blocks > 0 and self._link.available():
             started = time.perf_counter()  # the keys' hashes and the sends
-            route = self._pinning() if self._roles.consumer else None
-            if route is not None and route.link.available():
-                state.via = route.link
-                state.lookups = self._send_pinning(state, blocks, route)
-            else:
-                state.lookups = send_lookups(self._lookup_targets(state, blocks), self._link)
+            state.lookups = send_lookups(self._lookup_targets(state, blocks), self._link)
             self.stats["lookup_us"] += int((time.perf_counter() - started) * 1e6)
-
-    def _send_pinning(self, state: RequestState, blocks: int,
-                      route: PinnedLookups) -> list[Callable[[], LookupResult]] | None:
-        """``send_lookups`` on the worker's session, each lookup pinning its leading DRAM
-        hits (kept in ``state.pins`` as its reply is read)."""
-        waits: list[Callable[[], LookupResult]] = []
-        try:
-            for group in self._groups:
-                ns = route.namespace(group, state.variant)
-                if ns is None:
-                    break
-                reply = ns._send_lookup_pin(self._keys(state, group, blocks))
-                waits.append(functools.partial(_keep_pin, state, group.index, reply))
-            else:
-                return waits
-        except KVStoreError as exc:
-            route.link.failed("lookup", exc)
-        settle(waits)
-        _release_pins(state)
-        return None
 
     def offer(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens``: the tokens past ``num_computed_tokens`` that
-        the store holds and are worth loading (blocks below DRAM prefetched); the
-        lookup's pins go unless some are offered."""
+        the store holds and are worth loading (blocks below DRAM prefetched)."""
         state = self._state(request)
-        tokens, load_async = self._offer(state, request, num_computed_tokens)
-        if not tokens and state.pins:
-            _release_pins(state)
-        return tokens, load_async
-
-    def _offer(self, state: RequestState, request: Request,
-               num_computed_tokens: int) -> tuple[int | None, bool]:
         state.offer = None
         if not state.cacheable:
             return 0, False
@@ -346,15 +257,11 @@ class RequestBook:
         with the tier of each (the first group's and rank's); the lookups sent when the
         request came, if they were."""
         waits, state.lookups = state.lookups, None
-        link, state.via = state.via or self._link, None
-        if waits is None:
-            link = self._link
-            waits = send_lookups(self._lookup_targets(state, blocks), self._link)
+        waits = waits or send_lookups(self._lookup_targets(state, blocks), self._link)
         try:
             found = wait_all(waits or [])
         except KVStoreError as exc:
-            link.failed("lookup", exc)
-            _release_pins(state)
+            self._link.failed("lookup", exc)
             return 0, []
         if not found:
             return 0, []
@@ -383,23 +290,16 @@ class RequestBook:
         state = self._state(request)
         offer, state.offer = state.offer, None
         if num_external_tokens <= 0 or offer is None:
-            _release_pins(state)
             return
         first, _ = offer
         block = self._groups[0].block_tokens
         count = num_external_tokens // block
         block_ids = blocks.get_block_ids()
-        route = self._pinning() if state.pins else None
         for group in self._groups:
             keys = self._keys(state, group, first + count)
             self._pending_loads.append(Transfer(
                 request.request_id, group.index, state.variant, keys[first:],
                 list(block_ids[group.index][first:first + count])))
-            held = state.pins.pop(group.index, None)
-            if held is not None and route is not None and len(held.offsets) >= first + count:
-                route.hand(request.request_id, group.index, held, first)
-            elif held is not None:
-                release(held)
         state.saved_blocks = max(state.saved_blocks, first + count)
         self.stats["hit_tokens"] += num_external_tokens
         count_tiers(self.stats, (state.cached or (0, []))[1][first:first + count], block)
@@ -459,24 +359,4 @@ class RequestBook:
         state = self._requests.pop(request.request_id, None)
         if state is not None and state.lookups:  # never scheduled: read their replies
             settle(state.lookups)
-        if state is not None:
-            _release_pins(state)
-            route = self._pinning()
-            if route is not None:
-                route.drop(request.request_id, self._groups)
         return bool(state is not None and state.saving and self._roles.async_saves)
-
-
-def _keep_pin(state: RequestState, group: int,
-              reply: Callable[[], tuple[LookupResult, Held | None]]) -> LookupResult:
-    """A pinning lookup's reply read: its pin kept in ``state``, its lookup returned."""
-    found, held = reply()
-    if held is not None:
-        state.pins[group] = held
-    return found
-
-
-def _release_pins(state: RequestState) -> None:
-    pins, state.pins = state.pins, {}
-    for held in pins.values():
-        release(held)

@@ -28,7 +28,6 @@ from kvstore.integrations.vllm_identity import Group, RequestVariant
 from kvstore.integrations.vllm_requests import (
     KVStoreConnectorMetadata,
     NamespaceIds,
-    PinnedLookups,
     Transfer,
 )
 
@@ -188,33 +187,6 @@ def check_a_preempted_request_saves_are_still_waited_for_in_a_step_that_loads() 
     step(connector, KVStoreConnectorMetadata(loads=[load("r1")], preempted={"old"}))
     assert sender.waited == [{"old"}]  # its pages are vLLM's again: its saves end first
     assert order == ["go", "pinned", "copied", "go"], order  # wait_for lets them go
-
-@dataclass
-class HeldStub:
-    """A lookup's pin: its keys, and whether it was released."""
-
-    keys: list[bytes]
-    released: int = 0
-
-    def release(self) -> None:
-        self.released += 1
-
-
-def check_a_pin_handed_over_is_taken_once_and_only_for_its_keys() -> None:
-    lent = PinnedLookups(None, lambda group, variant: None)  # type: ignore[arg-type]
-    keys = [bytes([i]) * 16 for i in range(4)]
-    held, other = HeldStub(keys), HeldStub(keys)
-    lent.hand("r1", 0, held, 1)  # type: ignore[arg-type]
-    assert lent.take("r1", 0, keys[1:3]) == (held, 1) and len(lent) == 0
-    assert lent.take("r1", 0, keys[1:3]) is None  # taken already: the worker acquires
-    lent.hand("r2", 0, other, 0)  # type: ignore[arg-type]
-    assert lent.take("r2", 0, keys[1:]) is None  # another load's keys: never read
-    assert other.released == 1 and held.released == 0
-    again = HeldStub(keys)
-    lent.hand("r3", 0, again, 0)  # type: ignore[arg-type]
-    lent.drop("r3", [GROUP, OTHER])  # the request finished before its step
-    assert again.released == 1 and len(lent) == 0
-
 
 CHECKS: dict[str, Callable[[], None]] = {
     name.removeprefix("check_"): fn for name, fn in globals().items()

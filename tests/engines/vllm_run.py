@@ -8,9 +8,7 @@ exist (config and seeded random weights, no tokenizer, and a LoRA adapter in DIR
 str, "lora": bool, "evict_before_load": bool, "kill_daemon": "load" | "save"}``;
 ``evict_before_load`` makes the daemon drop the request's blocks between the scheduler's
 lookup and the worker's load, as a concurrent eviction would; ``kill_daemon`` kills the
-daemon (``--daemon-pid``) right before the worker's next load or background save
-(either fault first drops the pins the scheduler's lookup handed over, so that the
-worker's own acquire meets it).
+daemon (``--daemon-pid``) right before the worker's next load or background save.
 ``--save-delay`` makes every background save wait first (a slow daemon).  After each
 call the run notes how many finished requests vLLM still held (their saves in flight),
 waits for the saves, and steps the engine until it freed them.  The result is one JSON
@@ -126,16 +124,9 @@ def inject_faults(save_delay: float) -> None:
         if meta.loads and EVICT_NEXT_LOAD:
             EVICT_NEXT_LOAD = False
             for t in meta.loads:
-                # Pinned since the lookup, they could not be evicted: the pins go first,
-                # as where none are handed over (tensor parallel, another process).
-                if self._pinned_lookups is not None:
-                    self._pinned_lookups.drop(t.req_id, self._groups)
                 group = next(g for g in self._groups if g.index == t.group)
                 self._namespace(group, t.variant, self._tp_rank).evict(t.keys)
         if meta.loads and KILL_DAEMON_AT == "load":
-            for t in meta.loads:  # the acquire's path: pins that never came (see above)
-                if self._pinned_lookups is not None:
-                    self._pinned_lookups.drop(t.req_id, self._groups)
             kill_daemon()
         return start_load(self, meta)
 
