@@ -11,8 +11,8 @@ replayed against a cache of that share of the real one's size.  Every epoch (as 
 sampled references as the miniatures hold keys, within ``[shortest, epoch]``) the
 candidate whose miniature hit most (its counts multiplied by ``keep`` per ``epoch``
 references, so old traffic fades) becomes the one that picks victims; the one in charge
-keeps it unless another beats it by ``margin`` and by half a percent of ``epoch``
-references, and ties go to the first candidate, so with LRU first the duel falls back
+keeps it unless another beats it by ``margin`` and by a quarter of a percent of
+``epoch`` references, and ties go to the first candidate, so with LRU first the duel falls back
 to LRU wherever nothing else pays.  A small cache's miniatures turn over many times in
 ``epoch`` references: with elections every 512, the duel stayed LRU long after SLRU's
 miniature led (the replay's scan workload at 10% of its blocks: 5.3% behind SLRU, 3.4%
@@ -532,14 +532,20 @@ class Duel(Generic[T]):
             eligible = [self._leader]
         best = max(eligible, key=lambda i: (self._minis[i].score, -i))
         lead = self._minis[best].score - self._minis[self._leader].score
-        # Ahead by the margin, and by more hits than noise: half a percent of the longest
-        # epoch's references (a few lucky hits must not hand over the order).  Not while
-        # the cache fills: until its first victim the order picks nothing, and the
-        # miniatures' few hits are noise (the first short epochs handed the agents
-        # workload's order to SLRU at 51 references, for good, 0.01 points below LRU).
+        # Ahead by the margin, and by more hits than noise: a quarter of a percent of the
+        # longest epoch's references (1.28; a few lucky hits must not hand over the
+        # order: with no floor, a 100-item cache on a trace where LRU is best left it
+        # twice).  Half a percent only made the late elections later
+        # (``policy_sweep.py --seeds 2`` with the chat trace, 236 cells: more than 2%
+        # behind the best 49 at 1.28 hits, 51 at 2.56, 66 at 5.12, 47 with no floor;
+        # below LRU 10, 10, 8, 10).  Not while the cache fills: until its first victim
+        # the order picks nothing, and the miniatures' few hits are noise (the first
+        # short epochs handed the agents workload's order to SLRU at 51 references, for
+        # good, 0.01 points below LRU).
         # A leader over its bound hands over to the best of the others, however they did.
-        if outgrown or (self._evicted and lead > self.margin * self._minis[self._leader].score
-                        and lead > 0.005 * self.longest):
+        if outgrown or (self._evicted
+                        and lead > self.margin * self._minis[self._leader].score
+                        and lead > 0.0025 * self.longest):
             self._take_over(best)
         if self._leader != 0 and self._evicted and self.reality.lags():
             self._take_over(0)
