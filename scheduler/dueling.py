@@ -11,8 +11,8 @@ replayed against a cache of that share of the real one's size.  Every epoch (as 
 sampled references as the miniatures hold keys, within ``[shortest, epoch]``) the
 candidate whose miniature hit most (its counts multiplied by ``keep`` per ``epoch``
 references, so old traffic fades) becomes the one that picks victims; the one in charge
-keeps it unless another beats it by ``margin`` and by half a percent of ``epoch``
-references, and ties go to the first candidate, so with LRU first the duel falls back
+keeps it unless another beats it by ``margin`` and by a quarter of a percent of
+``epoch`` references, and ties go to the first candidate, so with LRU first the duel falls back
 to LRU wherever nothing else pays.  A small cache's miniatures turn over many times in
 ``epoch`` references: with elections every 512, the duel stayed LRU long after SLRU's
 miniature led (the replay's scan workload at 10% of its blocks: 5.3% behind SLRU, 3.4%
@@ -24,9 +24,9 @@ scan workload's flat-hot order at 10% of its blocks ended with 1264 blocks prote
 against SLRU alone's 1722, 1300 once those back count too), and the new candidate
 takes the settings its miniature adapted to, at the real cache's scale
 (``adopt_tuning``: a segment's target), and the names of the cache's latest victims
-(as many as it holds) as its ghosts (``recall``).  Started cold, a segmented order
-stayed behind for the rest of a replay: its protected segment grows only as items are
-hit again (SLRU, handed the order a quarter into the scan workload, ended 7% behind SLRU
+(twice as many as it holds, as SLRU keeps its own) as its ghosts (``recall``).
+Started cold, a segmented order stayed behind for the rest of a replay: its protected
+segment grows only as items are hit again (SLRU, handed the order a quarter into the scan workload, ended 7% behind SLRU
 alone), and with its protected segment but not its target, ARC handed the chat trace's
 order at 10% of its blocks ended below LRU.  Without ghosts, an SLRU handed a cache that LRU let scans flush takes the
 hot blocks coming back as new, on probation, where the next scan flushes them again:
@@ -87,8 +87,16 @@ def _little_endian(name_hash: Callable[[Any], int]) -> bool:
 
 
 # The most victims' names a hand-over passes on as ghosts: at a million-block cache and
-# past it, the latest 256k (about 15 MiB of names), not one name per cached block.
+# past it, the latest 256k (about 15 MiB of names), not two names per cached block.
 RECALL_MOST = 1 << 18
+# Below that, twice as many as the cache holds: as many as SLRU, the candidate that takes
+# them, keeps of its own (its ``ghost``).  Handed only as many as the cache holds, an SLRU
+# elected late took the hot blocks coming back from further back as new, on probation,
+# where the next scan flushed them again (``policy_sweep.py --seeds 2`` with the chat
+# trace, 236 cells: 119 change, 91 gain up to 2.4%, 28 lose up to 1.9%; mean 0.9864 ->
+# 0.9871 of the best, cells more than 2% behind it 53 -> 51; the scan's flat-hot
+# variant at 10% 0.920 -> 0.942 of SLRU).
+RECALL_SHARE = 2
 
 
 def _victims_gone(gone: Iterable[Hashable], ghost_key: Callable[[Any], Hashable],
@@ -415,9 +423,9 @@ class Duel(Generic[T]):
         self._sampled = 0  # sampled references in the current epoch
         self.switches = 0
         self._evicted = False  # whether the order in charge gave up an item yet
-        # the names of the latest victims, about as many as the cache holds (a power of
-        # two at least its size, at most RECALL_MOST), oldest first: a new order in charge
-        # takes them as its ghosts (``recall``); made at the first eviction, when the
+        # the names of the latest victims, about twice as many as the cache holds (a power
+        # of two at least RECALL_SHARE times its size, at most RECALL_MOST), oldest first:
+        # a new order in charge takes them as its ghosts (``recall``); made at the first eviction, when the
         # cache's size is known, and remade only as it doubles
         self._gone: deque[Hashable] = deque(maxlen=1)
         # The store's blocks know their parent; other items (the replay's ids) have it
@@ -524,14 +532,20 @@ class Duel(Generic[T]):
             eligible = [self._leader]
         best = max(eligible, key=lambda i: (self._minis[i].score, -i))
         lead = self._minis[best].score - self._minis[self._leader].score
-        # Ahead by the margin, and by more hits than noise: half a percent of the longest
-        # epoch's references (a few lucky hits must not hand over the order).  Not while
-        # the cache fills: until its first victim the order picks nothing, and the
-        # miniatures' few hits are noise (the first short epochs handed the agents
-        # workload's order to SLRU at 51 references, for good, 0.01 points below LRU).
+        # Ahead by the margin, and by more hits than noise: a quarter of a percent of the
+        # longest epoch's references (1.28; a few lucky hits must not hand over the
+        # order: with no floor, a 100-item cache on a trace where LRU is best left it
+        # twice).  Half a percent only made the late elections later
+        # (``policy_sweep.py --seeds 2`` with the chat trace, 236 cells: more than 2%
+        # behind the best 49 at 1.28 hits, 51 at 2.56, 66 at 5.12, 47 with no floor;
+        # below LRU 10, 10, 8, 10).  Not while the cache fills: until its first victim
+        # the order picks nothing, and the miniatures' few hits are noise (the first
+        # short epochs handed the agents workload's order to SLRU at 51 references, for
+        # good, 0.01 points below LRU).
         # A leader over its bound hands over to the best of the others, however they did.
-        if outgrown or (self._evicted and lead > self.margin * self._minis[self._leader].score
-                        and lead > 0.005 * self.longest):
+        if outgrown or (self._evicted
+                        and lead > self.margin * self._minis[self._leader].score
+                        and lead > 0.0025 * self.longest):
             self._take_over(best)
         if self._leader != 0 and self._evicted and self.reality.lags():
             self._take_over(0)
@@ -694,10 +708,11 @@ class Duel(Generic[T]):
         if victim is not None:
             del self._items[victim]
             gone = self._gone
-            if gone.maxlen is not None and gone.maxlen < min(self._size, RECALL_MOST):
+            share = RECALL_SHARE * self._size
+            if gone.maxlen is not None and gone.maxlen < min(share, RECALL_MOST):
                 # the first eviction, or a cache that doubled: a copy of at most
                 # RECALL_MOST names, made once per doubling, never per eviction
-                most = min(1 << (self._size - 1).bit_length(), RECALL_MOST)
+                most = min(1 << (share - 1).bit_length(), RECALL_MOST)
                 gone = self._gone = deque(gone, maxlen=most)
             gone.append(self.ghost_key(victim))
             self._evicted = True

@@ -116,7 +116,26 @@ def test_a_hand_over_passes_the_latest_victims_as_ghosts() -> None:
     duel.insert_many([1, 11, 99])  # two victims back, one key never seen
     assert sorted(order._protected) == [1, 11] and list(order._probation) == [13, 99]
     assert order._target == target
-    assert duel._gone.maxlen == 8  # a power of two at least the cache's 6
+    assert duel._gone.maxlen == 16  # a power of two at least twice the cache's 6
+
+
+def test_a_hand_over_passes_victims_from_further_back_than_the_cache_holds() -> None:
+    """SLRU keeps ghosts of twice the cache: handed over late, it knows a hot key that
+    more victims than the cache holds followed out, and protects it when it comes back
+    (given only the cache's size of names, it took it as new, on probation)."""
+    duel = Duel([LRUPolicy, SLRUPolicy])
+    duel.insert_many(range(4))
+    assert duel.pop_victim(lambda _: True) == 0  # the hot key, flushed
+    victims = []
+    for key in range(10, 15):
+        duel.insert(key)
+        victims.append(duel.pop_victim(lambda _: True))
+    assert victims == [1, 2, 3, 10, 11]  # six victims in all, the cache holds four
+    duel._take_over(1)
+    order = duel._order
+    assert isinstance(order, SLRUPolicy)
+    duel.insert(0)
+    assert list(order._protected) == [0] and 0 not in order._probation
 
 
 def test_a_hand_over_passes_no_cached_block_as_a_ghost_and_each_victim_once() -> None:
@@ -161,19 +180,19 @@ def test_the_victims_names_are_bounded_and_copied_once_per_doubling(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The names kept for a hand-over stay at most RECALL_MOST however large the
     cache, and growing by one item at a time does not copy them at every eviction."""
-    monkeypatch.setattr(dueling, "RECALL_MOST", 16)
+    monkeypatch.setattr(dueling, "RECALL_MOST", 32)
     duel = Duel([LRUPolicy, SLRUPolicy])
     duel.insert_many(range(5))
     duel.pop_victim(lambda _: True)
     first = duel._gone
-    assert first.maxlen == 8
-    duel.insert_many([100, 101])  # the cache grows to 6, still under 8: no copy
+    assert first.maxlen == 16  # twice the cache's 5, to a power of two
+    duel.insert_many([100, 101])  # the cache grows to 6, twice that still under 16: no copy
     duel.pop_victim(lambda _: True)
     assert duel._gone is first
     duel.insert_many(range(200, 300))  # far past RECALL_MOST
     for _ in range(50):
         duel.pop_victim(lambda _: True)
-    assert duel._gone.maxlen == 16 and len(duel._gone) == 16
+    assert duel._gone.maxlen == 32 and len(duel._gone) == 32
 
 
 def test_the_duel_refuses_bad_settings() -> None:
