@@ -10,13 +10,29 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvstore.config import load_config
+from kvstore.store import BlockStore
+from kvstore.tiering import SsdMover
 from kvstore.tiers.ssd import BlockRecord, SSDStore
+from kvstore.transfers import TransferGate
 
 KiB = 1 << 10
 MiB = 1 << 20
 T = TypeVar("T")
 
 StoreFactory = Callable[..., SSDStore]
+
+
+def restoring_mover(path: Any, capacity: int, slab: int) -> tuple[BlockStore, SsdMover]:
+    """A store (4 MiB of DRAM, LRU) and the mover that restores the SSD index at ``path``
+    into it, with no data file read (each block's bytes come back empty)."""
+    config = load_config(overrides={
+        "dram": {"capacity": 4 * MiB, "eviction_policy": "lru"},
+        "ssd": {"path": str(path), "capacity": capacity, "slab_size": slab,
+                "direct_io": False, "preallocate": False}})
+    store = BlockStore(config.dram_capacity, MiB, ssd_capacity=config.ssd_capacity,
+                       ssd_slab_bytes=config.ssd_slab_bytes, eviction_policy="lru")
+    return store, SsdMover(config, store, lambda ns, offset: memoryview(b""), TransferGate(4))
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:

@@ -16,16 +16,15 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtest import make_identity
+from ssd_helpers import restoring_mover
 
 import pytest
 from kvstore import block_map, ssd_copies
-from kvstore.config import load_config
 from kvstore.store import BlockStore
 from kvstore.tiering import SsdMover
 from kvstore.tiers.ssd import BlockRecord, SSDStore
 from kvstore.tiers import ssd_directory, ssd_rows
 from kvstore.tiers.ssd_rows import Rows, _any_overlap, _keys_of
-from kvstore.transfers import TransferGate
 
 MiB = 1 << 20
 SLAB = 4 * MiB
@@ -67,13 +66,7 @@ def _write(path: Path, records: list[BlockRecord]) -> None:
 
 
 def _mover(path: Path) -> tuple[BlockStore, SsdMover]:
-    config = load_config(overrides={
-        "dram": {"capacity": 4 * MiB, "eviction_policy": "lru"},
-        "ssd": {"path": str(path), "capacity": CAPACITY, "slab_size": SLAB,
-                "direct_io": False, "preallocate": False}})
-    store = BlockStore(config.dram_capacity, MiB, ssd_capacity=config.ssd_capacity,
-                       ssd_slab_bytes=config.ssd_slab_bytes, eviction_policy="lru")
-    return store, SsdMover(config, store, lambda ns, offset: memoryview(b""), TransferGate(4))
+    return restoring_mover(path, CAPACITY, SLAB)
 
 
 def _orders(store: BlockStore) -> dict[str, Any]:

@@ -16,8 +16,8 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtest import make_identity
+from ssd_helpers import restoring_mover
 
-from kvstore.config import load_config
 from kvstore.ssd_copies import restore_blocks
 from kvstore.store import BlockStore
 from kvstore.tiering import SsdMover
@@ -25,7 +25,6 @@ from kvstore.tiers.ssd import BlockRecord, SSDStore
 from kvstore.tiers import ssd_layout
 from kvstore.tiers.ssd_layout import encode_record
 from kvstore.tiers.ssd_rows import decode_values
-from kvstore.transfers import TransferGate
 
 MiB = 1 << 20
 CAPACITY = 16 * MiB
@@ -149,13 +148,7 @@ def _write(path: Path, records: list[BlockRecord], raw: dict[bytes, bytes],
 
 
 def _mover(path: Path) -> tuple[BlockStore, SsdMover]:
-    config = load_config(overrides={
-        "dram": {"capacity": 4 * MiB, "eviction_policy": "lru"},
-        "ssd": {"path": str(path), "capacity": CAPACITY, "slab_size": SLAB,
-                "direct_io": False, "preallocate": False}})
-    store = BlockStore(config.dram_capacity, MiB, ssd_capacity=config.ssd_capacity,
-                       ssd_slab_bytes=config.ssd_slab_bytes, eviction_policy="lru")
-    return store, SsdMover(config, store, lambda ns, offset: memoryview(b""), TransferGate(4))
+    return restoring_mover(path, CAPACITY, SLAB)
 
 
 def _restore_by_records(mover: SsdMover) -> int:
