@@ -52,6 +52,18 @@ class World:
             self.sessions.check_invariants()
         return pin
 
+    def writer_reserves(self, slots: int) -> tuple[Session, Session, Reservation]:
+        """Two sessions of the grantee ``acme``, the first holding ``slots`` of fresh
+        blocks reserved in the owner's namespace (checked, as the reserve verb does)."""
+        a1 = self.sessions.hello(b"a1", "acme", "")
+        a2 = self.sessions.hello(b"a2", "acme", "")
+        fresh = chain_keys(self.ns.id, list(range(10**6, 10**6 + 16 * slots)), 16)
+        self.sessions.check_grant_reserve(a1, self.ns, slots)
+        r1 = self.store.reserve(a1.id, self.ns, fresh, None, self.now)
+        assert isinstance(r1, Reservation)
+        self.sessions.counted(a1)
+        return a1, a2, r1
+
     def release(self, session: Session, pin: Pin) -> None:
         self.store.release(session.id, pin.id)
         self.sessions.unpinned(session, pin.id)
@@ -220,13 +232,7 @@ def test_a_writer_grantee_s_open_reservations_count_against_its_share() -> None:
     owner's namespaces count, with its pins there, against its share, and come back
     at commit, abort or lease end (recounted from the store)."""
     w = World()  # 16 slots a grantee
-    a1 = w.sessions.hello(b"a1", "acme", "")
-    a2 = w.sessions.hello(b"a2", "acme", "")
-    fresh = chain_keys(w.ns.id, list(range(10**6, 10**6 + 16 * 20)), 16)
-    w.sessions.check_grant_reserve(a1, w.ns, 10)
-    r1 = w.store.reserve(a1.id, w.ns, fresh[:10], None, w.now)
-    assert isinstance(r1, Reservation)
-    w.sessions.counted(a1)
+    a1, a2, r1 = w.writer_reserves(10)
     w.acquire(a2, w.keys[:4])  # 10 reserved + 4 pinned over its two sessions
     with pytest.raises(LimitExceededError, match="reserved slots"):
         w.sessions.check_grant_reserve(a2, w.ns, 3)
@@ -243,13 +249,7 @@ def test_a_writer_grantee_s_pins_count_its_open_reservations_too() -> None:
     owner's blocks (it held its share in reservations and again in pins before), and
     pins again once the reservation goes."""
     w = World()  # 16 slots a grantee
-    a1 = w.sessions.hello(b"a1", "acme", "")
-    a2 = w.sessions.hello(b"a2", "acme", "")
-    fresh = chain_keys(w.ns.id, list(range(10**6, 10**6 + 16 * 20)), 16)
-    w.sessions.check_grant_reserve(a1, w.ns, 14)
-    r1 = w.store.reserve(a1.id, w.ns, fresh[:14], None, w.now)
-    assert isinstance(r1, Reservation)
-    w.sessions.counted(a1)
+    a1, a2, r1 = w.writer_reserves(14)
     with pytest.raises(LimitExceededError, match="pinned or reserved"):
         w.acquire(a2, w.keys[:3])  # 14 reserved + 3 pinned > 16
     assert w.sessions.grant_pins.held == {}  # nothing pinned

@@ -5,6 +5,7 @@ port but no token refuses to start.  Real daemons, real HTTP."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -13,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -191,33 +193,37 @@ def scraped_once_free(port: int) -> None:
     raise AssertionError("no scrape served after the slot's peer was cut off")
 
 
-def test_a_half_sent_request_is_dropped_after_the_read_timeout() -> None:
-    """A peer that never finishes its request holds its thread no longer than the read
-    timeout (in-process, with a short one)."""
+@contextlib.contextmanager
+def one_slot_server(read_timeout: float) -> Iterator[int]:
+    """An in-process metrics server of one connection at a time and a short read
+    timeout; its port."""
     from kvstore.metrics import Metrics
 
     port = free_port()
-    close = Metrics(lambda: {}).start_http_server(port, max_connections=1, read_timeout=0.3)
+    close = Metrics(lambda: {}).start_http_server(port, max_connections=1,
+                                                  read_timeout=read_timeout)
     assert close is not None
     try:
+        yield port
+    finally:
+        close()
+
+
+def test_a_half_sent_request_is_dropped_after_the_read_timeout() -> None:
+    """A peer that never finishes its request holds its thread no longer than the read
+    timeout (in-process, with a short one)."""
+    with one_slot_server(read_timeout=0.3) as port:
         s = socket.create_connection(("127.0.0.1", port), timeout=30)
         s.sendall(b"GET /metrics HTTP/1.1\r\n")
         assert s.recv(1) == b""  # the server gave up on it (else: the recv times out)
         s.close()
         scraped_once_free(port)
-    finally:
-        close()
 
 
 def test_a_request_trickled_in_is_dropped_after_the_read_timeout_in_all() -> None:
     """A peer sending a byte at a time, each within the read timeout, still has the
     whole request line and headers bounded by it (in-process, a short one)."""
-    from kvstore.metrics import Metrics
-
-    port = free_port()
-    close = Metrics(lambda: {}).start_http_server(port, max_connections=1, read_timeout=0.5)
-    assert close is not None
-    try:
+    with one_slot_server(read_timeout=0.5) as port:
         s = socket.create_connection(("127.0.0.1", port), timeout=30)
         s.sendall(b"GET /metrics HTTP/1.1\r\n")
         s.settimeout(0.2)
@@ -235,8 +241,6 @@ def test_a_request_trickled_in_is_dropped_after_the_read_timeout_in_all() -> Non
         s.close()
         assert cut, "a trickled request held its slot past the read timeout"
         scraped_once_free(port)
-    finally:
-        close()
 
 
 @pytest.mark.parametrize("read, setting", [
