@@ -25,8 +25,10 @@ def chain_keys(
     parent: bytes | None = None,
 ) -> list[bytes]:
     """The keys of every full block of ``token_ids``, chained from ``parent`` (or the root)."""
-    if len(namespace) != KEY_BYTES:
+    if not isinstance(namespace, bytes) or len(namespace) != KEY_BYTES:
         raise MalformedError("namespace id must be 16 bytes")
+    if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
+        raise MalformedError("parent key must be 16 bytes")
     if block_tokens <= 0:
         raise MalformedError("block_tokens must be positive")
     try:

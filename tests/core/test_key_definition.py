@@ -48,3 +48,17 @@ def test_a_known_key_is_unchanged() -> None:
     assert keys == reference(bytes(range(16)), list(range(8)), 4, None)
     assert keys[0].hex() == KNOWN_FIRST
 
+
+
+@pytest.mark.parametrize("namespace, parent", [
+    ("n" * 16, None),              # a str of the right length, not bytes
+    (b"n" * 15, None),
+    (b"n" * 16, "p" * 16),
+    (b"n" * 16, b"p" * 8),
+])
+def test_a_namespace_or_parent_not_16_bytes_is_malformed_even_without_blocks(
+        namespace: object, parent: object) -> None:
+    from kvstore.errors import MalformedError
+    for tokens in ([], list(range(32))):
+        with pytest.raises(MalformedError):
+            chain_keys(namespace, tokens, 16, parent)  # type: ignore[arg-type]
