@@ -2,7 +2,8 @@
 keeps and orders exactly what the record-by-record walk does: with keys that share
 their first 8 bytes (the order's lookup then stands aside), a missing parent whose
 first 8 bytes another row has, orphans, cycles, several namespaces, and forests too
-deep for levels (the doubling decides)."""
+deep for levels (the doubling decides); and the plan's overlap check over slots
+aligned to their size (a mark a slot) finds a slot twice as the sort does."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvstore.tiers import ssd_closure, ssd_layout
 from kvstore.tiers.ssd_layout import BlockRecord
+from kvstore.tiers.ssd_rows import Rows, _any_overlap
 
 
 def _records(keys: list[tuple[bytes, bytes]], parents: list[int]) -> list[BlockRecord]:
@@ -143,3 +145,16 @@ def test_the_packed_sort_is_the_stable_argsort(tops: list[int], seed: int) -> No
     expected = np.argsort(values, kind="stable")
     assert by.tolist() == expected.tolist()
     assert (ordered == words[expected]).all() and (numbers == values[expected]).all()
+
+
+@given(st.lists(st.integers(0, 40), min_size=2, max_size=30), st.sampled_from([16, 24, 4096]),
+       st.booleans())
+def test_overlap_of_aligned_slots_is_a_slot_twice(slots: list[int], size: int, off: bool) -> None:
+    # slots aligned to their one size (marked, no sort), or one of them not (sorted)
+    rows = Rows()
+    rows.offset = np.array([s * size for s in slots], dtype=np.int64)
+    if off:
+        rows.offset[0] += size // 2
+    rows.length = rows.size_class = np.full(len(slots), size, dtype=np.int64)
+    ends = sorted(rows.offset.tolist())
+    assert _any_overlap(rows) == any(b - a < size for a, b in zip(ends, ends[1:]))
