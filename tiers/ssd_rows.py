@@ -312,8 +312,19 @@ def _any_overlap(rows: Rows) -> bool:
     if len(rows) < 2:
         return False
     extent = np.maximum(rows.length, rows.size_class)
-    if extent.min() == extent.max():  # one slot size (the common case): a sort, no argsort
-        return bool(np.any(np.diff(np.sort(rows.offset)) < extent[0]))
+    if extent.min() == extent.max():  # one slot size (the common case)
+        size, n = int(extent[0]), len(rows)
+        if size & (size - 1):
+            slot, rest = np.divmod(rows.offset, size)
+        else:  # (a power of two, as slots mostly are: no division)
+            slot, rest = rows.offset >> (size.bit_length() - 1), rows.offset & (size - 1)
+        if not rest.any() and int(slot.max()) < 4 * n + (1 << 20):
+            # every slot aligned to the size: they overlap only where one is there
+            # twice, which a mark a slot finds with no sort
+            seen = np.zeros(int(slot.max()) + 1, dtype=bool)
+            seen[slot] = True
+            return int(np.count_nonzero(seen)) < n
+        return bool(np.any(np.diff(np.sort(rows.offset)) < size))
     order = np.argsort(rows.offset, kind="stable")
     starts = rows.offset[order]
     furthest = np.maximum.accumulate(starts + np.maximum(rows.length, rows.size_class)[order])
