@@ -3,7 +3,7 @@
     python benchmarks/policy_sweep.py [--seeds 3] [--requests 3000] [--trace PATH ...]
         [--workloads conversations,scan] [--policies lru,slru,arc,s3fifo,density,auto]
         [--capacities 0.02,0.05,0.1,0.25] [--subject auto] [--worst 20] [--jobs 1]
-        [--trace-requests N]
+        [--trace-requests N] [--variants conversations/flat-docs,scan] [--elections]
 
 A policy chosen on one trace, or one seed of one generator, may lose on its neighbours.
 This replays every generator of benchmarks/workloads.py over ``--seeds`` seeds and over
@@ -20,6 +20,14 @@ and those more than 2% behind the best, and the ``--worst`` worst cells over all
 The k-th seed of a generator is its default seed in ``benchmarks/workloads.py``
 (``DEFAULT_SEEDS``) plus 1000 k: the first seed's default variant is the workload
 ``benchmarks/replay.py --workload`` replays, and every run replays the same requests.
+
+To look into the losing cells without replaying them all: ``--variants`` keeps only
+the generated variants named (``workload/variant``, or a whole ``workload``), and
+``--elections`` prints, per cell, each hand-over of a duelling subject (``auto``): when
+(its tick, inserts and evictions so far), from which order to which, why (an election,
+or the reality check: the real cache behind LRU's miniature), the real cache's sampled
+references ahead of and behind LRU's miniature since the last hand-over, and the
+miniatures' scores then.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +50,7 @@ from kvstore.bench.replay import (
     replay,
     unique_blocks,
 )
+from kvstore.scheduler.dueling import Duel
 from kvstore.scheduler.eviction import POLICIES
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests)
@@ -105,6 +114,7 @@ class Cell:
     capacity: int
     hits: dict[str, int]
     leader: str = ""  # the subject's order in charge at the end, if it duels
+    handovers: list[str] = field(default_factory=list)  # the subject's (``--elections``)
 
 
 def _trace_of(workload: str, variant: dict[str, Any], seed: int,
@@ -113,36 +123,60 @@ def _trace_of(workload: str, variant: dict[str, Any], seed: int,
     return cacheable(TraceRequest(*request) for request in made)
 
 
+def _log_handovers(duel: Duel[Any], log: list[str]) -> None:
+    """Note each hand-over of ``duel`` in ``log`` as it happens (see the module's
+    docstring).  The reality check hands over to the first candidate while the real
+    cache lags its miniature; an election to it then is the same decision."""
+    take_over = duel._take_over
+    names = [mini.order.name for mini in duel._minis]
+
+    def logged(best: int) -> None:
+        reality = duel.reality
+        why = "reality check" if best == 0 and reality.lags() else "election"
+        scores = " ".join(f"{name}={mini.score:.1f}"
+                          for name, mini in zip(names, duel._minis))
+        log.append(f"tick {duel._tick}: {duel.leader} -> {names[best]} ({why}; "
+                   f"vs lru's miniature +{reality.ahead}/-{reality.behind}; {scores})")
+        take_over(best)
+
+    setattr(duel, "_take_over", logged)
+
+
 def replay_cells(label: str, seed: int, trace: Sequence[TraceRequest],
-                 shares: Sequence[float], policies: Sequence[str]) -> list[Cell]:
-    """Every policy at every capacity over one trace."""
+                 shares: Sequence[float], policies: Sequence[str],
+                 elections: str = "") -> list[Cell]:
+    """Every policy at every capacity over one trace; the hand-overs of the policy
+    named ``elections``, if it duels."""
     unique = unique_blocks(trace)
     cells = []
     for share in shares:
         capacity = max(1, round(share * unique))
         hits: dict[str, int] = {}
         leader = ""
+        log: list[str] = []
         for name in policies:
             policy = POLICIES[name]()
+            if name == elections and isinstance(policy, Duel):
+                _log_handovers(policy, log)
             hits[name] = replay(trace, PolicyCache(policy, capacity)).hit_blocks
             if name == "auto":
                 leader = str(getattr(policy, "leader", ""))
-        cells.append(Cell(label, seed, share, capacity, hits, leader))
+        cells.append(Cell(label, seed, share, capacity, hits, leader, log))
     return cells
 
 
-def _job(job: tuple[str, str, int, int, Sequence[float], Sequence[str]]) -> list[Cell]:
-    workload, variant, seed, requests, shares, policies = job
+def _job(job: tuple[str, str, int, int, Sequence[float], Sequence[str], str]) -> list[Cell]:
+    workload, variant, seed, requests, shares, policies, elections = job
     kwargs = dict(VARIANTS[workload])[variant]
     trace = _trace_of(workload, kwargs, seed, requests)
-    return replay_cells(f"{workload}/{variant}", seed, trace, shares, policies)
+    return replay_cells(f"{workload}/{variant}", seed, trace, shares, policies, elections)
 
 
-def _trace_job(job: tuple[Path, int, Sequence[float], Sequence[str]]) -> list[Cell]:
-    path, requests, shares, policies = job
+def _trace_job(job: tuple[Path, int, Sequence[float], Sequence[str], str]) -> list[Cell]:
+    path, requests, shares, policies, elections = job
     trace = cacheable(load_trace(path))
     return replay_cells(path.stem, -1, trace[:requests] if requests else trace, shares,
-                        policies)
+                        policies, elections)
 
 
 def ratios(cell: Cell, subject: str) -> tuple[float, float, str]:
@@ -185,6 +219,12 @@ def format_report(cells: Sequence[Cell], subject: str, worst: int) -> str:
     for c, to_lru, to_best, best in sorted(rows, key=lambda r: r[2])[:worst]:
         lines.append(f"  {c.workload:<{width}} seed {c.seed:>4} at {c.share:>4.0%}: "
                      f"/best {to_best:.3f} ({best}), /lru {to_lru:.3f}, leader {c.leader}")
+    logged = [row for row in rows if row[0].handovers]
+    if logged:
+        lines += ["", f"{subject}'s hand-overs:"]
+    for c, to_lru, _, _ in logged:
+        lines.append(f"  {c.workload} seed {c.seed} at {c.share:.0%} (/lru {to_lru:.3f}):")
+        lines += [f"    {line}" for line in c.handovers]
     return "\n".join(lines)
 
 
@@ -204,6 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--subject", default="auto", help="the policy judged")
     parser.add_argument("--worst", type=int, default=20, help="how many worst cells to list")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
+    parser.add_argument("--variants", default="",
+                        help="comma-separated workload/variant (or workload) to keep")
+    parser.add_argument("--elections", action="store_true",
+                        help="print each hand-over of a duelling subject, per cell")
     args = parser.parse_args(argv)
     shares = [float(c) for c in args.capacities.split(",") if c]
     policies = [p for p in args.policies.split(",") if p]
@@ -223,10 +267,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"no trace at {', '.join(missing)}")
     if args.seeds < 1 or args.jobs < 1:
         parser.error("--seeds and --jobs must be at least 1")
+    kept = [v for v in args.variants.split(",") if v]
+    known = {w for w in VARIANTS} | {f"{w}/{v}" for w in VARIANTS for v, _ in VARIANTS[w]}
+    if [v for v in kept if v not in known]:
+        parser.error(f"--variants are workloads or workload/variant of {sorted(known)}")
+    elections = args.subject if args.elections else ""
     started = time.perf_counter()
-    jobs = [(w, variant, DEFAULT_SEEDS[w] + 1000 * k, args.requests, shares, policies)
-            for w in workloads for variant, _ in VARIANTS[w] for k in range(args.seeds)]
-    trace_jobs = [(path, args.trace_requests, shares, policies) for path in args.trace]
+    jobs = [(w, variant, DEFAULT_SEEDS[w] + 1000 * k, args.requests, shares, policies,
+             elections)
+            for w in workloads for variant, _ in VARIANTS[w] for k in range(args.seeds)
+            if not kept or w in kept or f"{w}/{variant}" in kept]
+    trace_jobs = [(path, args.trace_requests, shares, policies, elections)
+                  for path in args.trace]
     cells: list[Cell] = []
     with ProcessPoolExecutor(args.jobs) as pool:
         # every job submitted at once: a long trace replays beside the generated ones,

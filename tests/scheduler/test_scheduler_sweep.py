@@ -53,3 +53,22 @@ def test_a_sweep_replays_every_seed_and_capacity(capsys: pytest.CaptureFixture[s
     total = next(line for line in out.splitlines() if line.startswith("ALL "))
     assert total.split()[1] == str(cells), out
     assert f"({cells} cells," in out
+
+
+def test_a_sweep_of_some_variants_prints_the_duel_s_hand_overs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--variants`` replays only the variants named; ``--elections`` says, per cell,
+    when the duel handed its order over, to which candidate and why."""
+    assert sweep.main(["--workloads", "scan,documents", "--variants", "scan/default",
+                       "--seeds", "1", "--requests", "600", "--capacities", "0.05",
+                       "--policies", "lru,auto", "--elections"]) == 0
+    out = capsys.readouterr().out
+    assert "(1 cells," in out and "documents" not in out, out
+    handovers = out.split("auto's hand-overs:")[1].splitlines()
+    assert handovers[1].strip().startswith("scan/default seed 2 at 5%"), out
+    assert "lru -> slru (election; vs lru's miniature +0/-0; lru=" in handovers[2], out
+
+
+def test_an_unknown_variant_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        sweep.main(["--variants", "scan/no-such-variant"])
