@@ -10,6 +10,8 @@ import functools
 import json
 import os
 import subprocess
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,17 @@ def run_in_env(name: str, args: list[str], *, timeout: float, cwd: Path | None =
                     f"--- stdout\n{_tail(proc.stdout)}\n--- stderr\n{_tail(proc.stderr)}",
                     pytrace=False)
     return proc
+
+
+def in_lanes(*lanes: Callable[[], None], workers: int = 2) -> None:
+    """Run independent chains of engine runs side by side, ``workers`` at a time, each
+    chain's runs in order; the first failure is raised once all have ended.  An engine
+    run spends most of its time starting (imports, model load: one core, Python), and the
+    test process only waits on it: two at a time keep CI's two cores busy."""
+    with ThreadPoolExecutor(workers) as pool:
+        running = [pool.submit(lane) for lane in lanes]
+    for done in running:
+        done.result()
 
 
 def last_json(stdout: str) -> Any:

@@ -2,8 +2,9 @@
 
 Three engine processes (each ~10 s) share one daemon: a baseline without the connector,
 a first engine that computes and saves the prompts, and a second engine that gets them
-back from the daemon.  The model is a tiny Llama with seeded random weights made on the
-spot (no downloads, no tokenizer: prompts are token ids), greedy decoding.
+back from the daemon; the baseline (and an engine whose daemon is not up) run beside the
+first and second (``in_lanes``).  The model is a tiny Llama with seeded random weights
+made on the spot (no downloads, no tokenizer: prompts are token ids), greedy decoding.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from engine_envs import HERE, last_json, run_in_env
+from engine_envs import HERE, in_lanes, last_json, run_in_env
 
 from kvstore import Client
 
@@ -42,26 +43,37 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     daemon = DaemonProcess(tmp / "daemon", dram_capacity="128MiB",
                            extra=["--slab-size", "16MiB"]).start()
     tenant = f"vllm-{uuid.uuid4().hex[:8]}"  # nothing from an earlier run can match
-    try:
-        baseline = engine_run(tmp, "baseline", model, [{"prompt": PROMPT_P},
-                                                        {"prompt": PROMPT_Q}])
-        first = engine_run(tmp, "first", model, [{"prompt": PROMPT_P}, {"prompt": PROMPT_Q}],
-                           daemon.endpoint, tenant)
+    out: dict[str, Any] = {}
+
+    def saved_then_loaded() -> None:
+        out["first"] = engine_run(tmp, "first", model, [{"prompt": PROMPT_P},
+                                                        {"prompt": PROMPT_Q}],
+                                  daemon.endpoint, tenant)
         with Client(daemon.endpoint, tenant=tenant) as client:
-            first["daemon_lookups"] = client.stats()["tiers"]["dram"]["lookups"]
-        second = engine_run(tmp, "second", model, [
+            out["first"]["daemon_lookups"] = client.stats()["tiers"]["dram"]["lookups"]
+        out["second"] = engine_run(tmp, "second", model, [
             {"prompt": PROMPT_P},
             {"prompt": PROMPT_P, "cache_salt": "another-user"},
             {"prompt": PROMPT_P, "lora": True},
             {"prompt": PROMPT_Q, "evict_before_load": True},
         ], daemon.endpoint, tenant)
+
+    def without_a_daemon() -> None:
+        # (a model of its own: the lanes run side by side, and each writes its model
+        # on first use; the seeded weights are the same)
+        own = tmp / "tiny-llama-b"
+        out["baseline"] = engine_run(tmp, "baseline", own, [{"prompt": PROMPT_P},
+                                                             {"prompt": PROMPT_Q}])
         # A daemon that is not up when the engine starts: the engine starts, serves (no
         # hit) and gives the same outputs.
         late = DaemonProcess(tmp / "late")
-        no_daemon = engine_run(tmp, "no_daemon", model, [{"prompt": PROMPT_P}],
-                               late.endpoint, tenant, "--extra", json.dumps({"timeout": 1}))
-        yield {"baseline": baseline, "first": first, "second": second,
-               "no_daemon": no_daemon}
+        out["no_daemon"] = engine_run(tmp, "no_daemon", own, [{"prompt": PROMPT_P}],
+                                      late.endpoint, tenant,
+                                      "--extra", json.dumps({"timeout": 1}))
+
+    try:
+        in_lanes(saved_then_loaded, without_a_daemon)
+        yield out
     finally:
         daemon.stop()
         log = daemon.log()

@@ -1,6 +1,7 @@
 """vLLM on the CPU: the connector's pipeline and disaggregated prefill, real daemons.
 
-Engine processes (vllm_run.py, each ~10-30 s) in one module fixture:
+Engine processes (vllm_run.py, each ~10-30 s) in one module fixture, in four lanes run
+two at a time (``in_lanes``):
 
 - ``baseline``: no connector.
 - ``producer`` (``kv_producer``, every background save delayed 0.5 s) and ``consumer``
@@ -27,7 +28,7 @@ from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from engine_envs import HERE, last_json, run_in_env
+from engine_envs import HERE, in_lanes, last_json, run_in_env
 from redis_servers import RedisServer
 
 from kvstore import Client
@@ -67,7 +68,6 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30.0) ->
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm-pipeline")
-    model = tmp / "tiny-llama"
     redis = RedisServer(tmp / "redis")
     redis.start()
     daemons = {name: DaemonProcess(tmp / name, dram_capacity="128MiB", extra=[
@@ -86,36 +86,52 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         for d in daemons.values():
             d.start()
         everything = [{"prompt": PROMPT_P}, {"prompts": BATCH}, {"prompt": PROMPT_R}]
-        out["baseline"] = engine_run(tmp, "baseline", model, everything)
-        out["producer"] = engine_run(
-            tmp, "producer", model, [{"prompt": PROMPT_P}, {"prompts": BATCH}],
-            daemons["one"], tenant, "--role", "kv_producer", "--save-delay", "0.5")
-        out["consumer"] = engine_run(
-            tmp, "consumer", model, [{"prompt": PROMPT_P}, {"prompts": BATCH}],
-            daemons["one"], tenant, "--role", "kv_consumer")
-        out["remote_producer"] = engine_run(
-            tmp, "remote_producer", model, [{"prompt": PROMPT_P}, {"prompts": BATCH}],
-            daemons["remote_a"], tenant, "--role", "kv_producer")
-        with Client(daemons["remote_a"].endpoint, tenant=tenant) as client:
-            blocks = out["remote_producer"]["worker"]["saved_blocks"]
-            wait_for(lambda: client.stats()["remote"]["writes"] >= blocks,
-                     "the producer's blocks in Redis")
-        out["remote_consumer"] = engine_run(
-            tmp, "remote_consumer", model, [{"prompt": PROMPT_P}, {"prompts": BATCH}],
-            daemons["remote_b"], tenant, "--role", "kv_consumer",
-            "--extra", json.dumps({"layerwise": True}))
-        out["remote_declined"] = engine_run(
-            tmp, "remote_declined", model, [{"prompt": PROMPT_P}],
-            daemons["remote_slow"], tenant, "--role", "kv_consumer",
-            "--extra", json.dumps({"prefill_tokens_per_s": 1000}))
-        out["save_killed"] = engine_run(
-            tmp, "save_killed", model, [{"prompt": PROMPT_R, "kill_daemon": "save"},
-                                        {"prompt": PROMPT_P}],
-            daemons["doomed"], tenant, "--extra", json.dumps({"timeout": 1}))
-        out["load_killed"] = engine_run(
-            tmp, "load_killed", model, [{"prompt": PROMPT_P, "kill_daemon": "load"},
-                                        {"prompt": PROMPT_R}],
-            daemons["one"], tenant, "--extra", json.dumps({"timeout": 1}))
+
+        # Four lanes, two at a time (``in_lanes``); each lane's daemons are its own but
+        # for Redis, which only the second lane's daemons use.  Each lane writes a model
+        # of its own on first use (the seeded weights are the same).
+        def through_one_daemon() -> None:
+            own = tmp / "tiny-llama-1"
+            out["producer"] = engine_run(
+                tmp, "producer", own, [{"prompt": PROMPT_P}, {"prompts": BATCH}],
+                daemons["one"], tenant, "--role", "kv_producer", "--save-delay", "0.5")
+            out["consumer"] = engine_run(
+                tmp, "consumer", own, [{"prompt": PROMPT_P}, {"prompts": BATCH}],
+                daemons["one"], tenant, "--role", "kv_consumer")
+            # last on this daemon: it is killed
+            out["load_killed"] = engine_run(
+                tmp, "load_killed", own, [{"prompt": PROMPT_P, "kill_daemon": "load"},
+                                          {"prompt": PROMPT_R}],
+                daemons["one"], tenant, "--extra", json.dumps({"timeout": 1}))
+
+        def through_redis() -> None:
+            own = tmp / "tiny-llama-2"
+            out["remote_producer"] = engine_run(
+                tmp, "remote_producer", own, [{"prompt": PROMPT_P}, {"prompts": BATCH}],
+                daemons["remote_a"], tenant, "--role", "kv_producer")
+            with Client(daemons["remote_a"].endpoint, tenant=tenant) as client:
+                blocks = out["remote_producer"]["worker"]["saved_blocks"]
+                wait_for(lambda: client.stats()["remote"]["writes"] >= blocks,
+                         "the producer's blocks in Redis")
+            out["remote_consumer"] = engine_run(
+                tmp, "remote_consumer", own, [{"prompt": PROMPT_P}, {"prompts": BATCH}],
+                daemons["remote_b"], tenant, "--role", "kv_consumer",
+                "--extra", json.dumps({"layerwise": True}))
+            out["remote_declined"] = engine_run(
+                tmp, "remote_declined", own, [{"prompt": PROMPT_P}],
+                daemons["remote_slow"], tenant, "--role", "kv_consumer",
+                "--extra", json.dumps({"prefill_tokens_per_s": 1000}))
+
+        def baseline() -> None:
+            out["baseline"] = engine_run(tmp, "baseline", tmp / "tiny-llama-3", everything)
+
+        def save_killed() -> None:
+            out["save_killed"] = engine_run(
+                tmp, "save_killed", tmp / "tiny-llama-4",
+                [{"prompt": PROMPT_R, "kill_daemon": "save"}, {"prompt": PROMPT_P}],
+                daemons["doomed"], tenant, "--extra", json.dumps({"timeout": 1}))
+
+        in_lanes(through_one_daemon, through_redis, baseline, save_killed)
         yield out
     finally:
         for d in daemons.values():

@@ -50,10 +50,14 @@ REQUEST_LIMIT = 1 << 20      # the daemon's max_request_bytes here (the smallest
 # (the request limit plus the header limit): no reply, and the session is gone with its
 # routing id.  Such frames go to a socket of their own (see the oversized-frame test).
 FRAME_LIMIT = REQUEST_LIMIT + p.MAX_HEADER_BYTES
+# 32 KiB blocks: the 1 MiB arena (the smallest the daemon takes) holds 32, not 128.  With
+# --debug-invariants the daemon checks its invariants after every message, walking every
+# block it holds: most of a message's cost (the random-bytes phase took 80 s, now 45 s).
+HEAD_DIM = 128
 
-IDENT = make_identity()                                    # opened by the fuzzed session
-OTHER = make_identity(model="someone-else")                # opened by another session only
-NEVER = make_identity(model="never-opened")                # opened by no one
+IDENT = make_identity(head_dim=HEAD_DIM)                   # opened by the fuzzed session
+OTHER = make_identity(model="someone-else", head_dim=HEAD_DIM)  # opened by another only
+NEVER = make_identity(model="never-opened", head_dim=HEAD_DIM)  # opened by no one
 BLOCK = IDENT.block_bytes
 NS_OPEN, NS_OTHER, NS_NEVER = (i.namespace_id for i in (IDENT, OTHER, NEVER))
 CHAIN = chain_keys(NS_OPEN, list(range(16 * 12)), IDENT.block_tokens)   # 12 chained keys
@@ -376,15 +380,23 @@ BLOCKY = st.builds(lambda n, b: Big(bytes([b]) * n, f"{n} bytes of {b}"),
                    st.integers(0, 255))
 
 
-@st.composite
+# The frames after a header that is not a put's.  Strategies are built once, not per
+# draw: hypothesis works out a new strategy's properties (labels, emptiness) on its first
+# draw, and that was a good part of the hypothesis phase's time.
+_FEW_FRAMES: list[list[bytes | Big]] = [[], [], [], [b""], [Big(b"x" * BLOCK, "a block")]]
+NOT_PUT_FRAMES: st.SearchStrategy[list[Any]] = st.one_of(
+    st.sampled_from(_FEW_FRAMES), st.lists(st.binary(max_size=32), max_size=3))
+PUT_MODES = st.sampled_from(["exact", "exact", "fewer", "more", "sizes", "none"])
+
+
 def payload_frames(draw: st.DrawFn, tag: str, keys: Any) -> list[bytes | Big]:
     """Frames after the header: for put, the right count and sizes or not; for the other
     verbs, mostly none, sometimes some (they must be ignored or refused)."""
     n = len(keys) if isinstance(keys, list) else 0
     if tag != "put":
-        extra: list[list[bytes | Big]] = [[], [], [], [b""], [Big(b"x" * BLOCK, "a block")]]
-        return draw(st.sampled_from(extra) | st.lists(st.binary(max_size=32), max_size=3))
-    mode = draw(st.sampled_from(["exact", "exact", "fewer", "more", "sizes", "none"]))
+        frames: list[bytes | Big] = draw(NOT_PUT_FRAMES)
+        return frames
+    mode = draw(PUT_MODES)
     good: list[bytes | Big] = [
         Big(content(k) if isinstance(k, bytes) else b"\0" * BLOCK, "content")
         for k in keys] if n else []
@@ -399,33 +411,46 @@ def payload_frames(draw: st.DrawFn, tag: str, keys: Any) -> list[bytes | Big]:
     return []
 
 
-@st.composite
-def messages(draw: st.DrawFn, peer: Peer, hello_ok: bool = False,
-             only: list[str] | None = None) -> list[Any]:
-    """One message: [header object or bytes, *payload frames]."""
-    fields_of = verb_fields(peer, hello_ok)
-    tag = draw(st.sampled_from(only or sorted(fields_of)))
-    fields = [draw(maybe_junk(f)) for f in fields_of[tag]]
-    rid: Any = draw(maybe_junk(st.just(RID), 8))
-    shape = draw(st.sampled_from(["array"] * 8 + ["missing", "extra", "dict", "tag", "any",
-                                                   "bytes"]))
-    if shape == "missing":
-        fields = fields[:draw(st.integers(0, max(0, len(fields) - 1)))]
-        if draw(st.booleans()):
-            return [[tag]]                                   # not even a request id
-    elif shape == "extra":
-        fields += draw(st.lists(JUNK, min_size=1, max_size=3))
-    elif shape == "dict":
-        return [{"op": tag, "rid": rid, **{str(i): f for i, f in enumerate(fields)}}]
-    elif shape == "tag":
-        tag = draw(st.sampled_from(["ok", "error", "count", "HELLO", "", "stats "])
-                   | st.text(max_size=8) | JUNK)
-    elif shape == "any":
-        return [draw(ANYTHING)]
-    elif shape == "bytes":
-        return [draw(st.binary(max_size=64) | st.sampled_from(HUGE[:1]))]
-    keys = fields[1] if tag in ("put",) and len(fields) > 1 else None
-    return [[tag, rid, *fields], *draw(payload_frames(tag, keys))]
+RID_OR_JUNK = maybe_junk(st.just(RID), 8)
+SHAPES = st.sampled_from(["array"] * 8 + ["missing", "extra", "dict", "tag", "any", "bytes"])
+BAD_TAGS = (st.sampled_from(["ok", "error", "count", "HELLO", "", "stats "])
+            | st.text(max_size=8) | JUNK)
+EXTRA_FIELDS = st.lists(JUNK, min_size=1, max_size=3)
+HEADER_BYTES = st.binary(max_size=64) | st.sampled_from(HUGE[:1])
+
+
+def messages(peer: Peer, hello_ok: bool = False,
+             only: list[str] | None = None) -> st.SearchStrategy[list[Any]]:
+    """One message: [header object or bytes, *payload frames].  The strategies are built
+    here, once, not on each draw (see NOT_PUT_FRAMES)."""
+    fields_of = {tag: [maybe_junk(f) for f in fields]
+                 for tag, fields in verb_fields(peer, hello_ok).items()}
+    tags = st.sampled_from(only or sorted(fields_of))
+
+    @st.composite
+    def message(draw: st.DrawFn) -> list[Any]:
+        tag = draw(tags)
+        fields = [draw(f) for f in fields_of[tag]]
+        rid: Any = draw(RID_OR_JUNK)
+        shape = draw(SHAPES)
+        if shape == "missing":
+            fields = fields[:draw(st.integers(0, max(0, len(fields) - 1)))]
+            if draw(st.booleans()):
+                return [[tag]]                                   # not even a request id
+        elif shape == "extra":
+            fields += draw(EXTRA_FIELDS)
+        elif shape == "dict":
+            return [{"op": tag, "rid": rid, **{str(i): f for i, f in enumerate(fields)}}]
+        elif shape == "tag":
+            tag = draw(BAD_TAGS)
+        elif shape == "any":
+            return [draw(ANYTHING)]
+        elif shape == "bytes":
+            return [draw(HEADER_BYTES)]
+        keys = fields[1] if tag in ("put",) and len(fields) > 1 else None
+        return [[tag, rid, *fields], *payload_frames(draw, tag, keys)]
+
+    return message()
 
 
 def encode(peer: Peer, msg: list[Any]) -> list[bytes] | None:
