@@ -381,7 +381,11 @@ class OwnerState:
 
 def reserved_out(state: OwnerState, r: Reservation) -> None:
     """``r`` is no longer open (committed, aborted, rolled back): its slots leave
-    ``state.reserved_in``."""
+    ``state.reserved_in``.  A reservation of no keys holds nothing there (``reserve`` keeps
+    no entry for it): counted as 0, its end deleted the entry of another one still open,
+    whose own end then found none (an ``internal`` error for an abort)."""
+    if not r.offsets:
+        return
     left = state.reserved_in[r.ns.tenant] - len(r.offsets)
     if left:
         state.reserved_in[r.ns.tenant] = left

@@ -170,7 +170,8 @@ class BlockStore(StoreCore):
         pinned = parent_block is not None and self.hold(parent_block)  # keep it till commit
         r = Reservation(next(self.ids), owner, ns, list(keys), parent_block, offsets, pinned)
         state.reservations[r.id] = r
-        state.reserved_in[ns.tenant] = state.reserved_in.get(ns.tenant, 0) + len(offsets)
+        if offsets:  # (a reservation of no keys holds no entry: ``reserved_out``)
+            state.reserved_in[ns.tenant] = state.reserved_in.get(ns.tenant, 0) + len(offsets)
         self.reserved_slots += len(offsets)
         self.reserved_bytes += len(offsets) * ns.cls.slot_bytes
         self.counters.reservations += 1
