@@ -579,7 +579,8 @@ def _made_fresh(ns: Namespace, keys: list[bytes], parent_back: list[int],
     no index kept), and the key map split into its shards from the start where it
     will pass the split (each shard then holds its keys in the order inserted, as a
     split later would leave them).  ``_BLOCK_SLOTS`` says which slots these are; a
-    check at import holds it to ``Block``'s."""
+    check at import holds it to ``Block``'s names, and a test (``test_ssd_fresh_slots``)
+    the values to what ``Block.__init__`` gives them."""
     blocks = ns.blocks
     if len(keys) > SPLIT_AT:
         blocks.shards, blocks.mask = [{} for _ in range(SHARDS)], SHARDS - 1
@@ -622,4 +623,5 @@ def _made_fresh(ns: Namespace, keys: list[bytes], parent_back: list[int],
     return made
 
 
-assert _BLOCK_SLOTS == Block.__slots__, "_made_fresh stores every slot of a Block"
+if _BLOCK_SLOTS != Block.__slots__:  # (not an assert: kept under ``python -O``)
+    raise ImportError("_made_fresh stores every slot of a Block: its list is out of date")

@@ -158,3 +158,21 @@ def test_overlap_of_aligned_slots_is_a_slot_twice(slots: list[int], size: int, o
     rows.length = rows.size_class = np.full(len(slots), size, dtype=np.int64)
     ends = sorted(rows.offset.tolist())
     assert _any_overlap(rows) == any(b - a < size for a, b in zip(ends, ends[1:]))
+
+
+def test_many_small_namespaces_leave_it_to_the_fingerprints() -> None:
+    # 100 namespaces of a two-block chain each: the per-namespace loop would cost more
+    # than the fingerprints' one pass; the result is the walk's either way
+    rng = random.Random(7)
+    keys, parents = [], []
+    for space in range(100):
+        ns = space.to_bytes(2, "big") * 8
+        keys += [(ns, rng.randbytes(16)), (ns, rng.randbytes(16))]
+        parents += [-1, len(keys) - 2]
+    records = _records(keys, parents)
+    _, key_words, parent_words, roots, rank = _columns(records)
+    assert ssd_closure.parents_in_key_order(key_words, parent_words, roots, rank) is None
+    assert _as_walk(records) == ssd_layout._closed_by_walk(records)
+    few = [r for r in records if r.namespace[:2] < (3).to_bytes(2, "big")]  # 3 namespaces
+    _, key_words, parent_words, roots, rank = _columns(few)
+    assert ssd_closure.parents_in_key_order(key_words, parent_words, roots, rank) is not None
