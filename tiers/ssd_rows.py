@@ -312,7 +312,7 @@ def _any_overlap(rows: Rows) -> bool:
     if len(rows) < 2:
         return False
     extent = np.maximum(rows.length, rows.size_class)
-    if extent.min() == extent.max():  # one slot size (the common case)
+    if extent.min() == extent.max() > 0:  # one slot size (the common case)
         size, n = int(extent[0]), len(rows)
         if size & (size - 1):
             slot, rest = np.divmod(rows.offset, size)
