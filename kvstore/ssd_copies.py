@@ -510,10 +510,22 @@ def restore_fresh(store: StoreCore, ns: Namespace, keys: list[bytes],
     ok = ssd.pool.claim_many(cls, offsets)
     if all(ok) and -1 not in parent_back:  # every one is made (a warm restart's case)
         fresh = _made_fresh(ns, keys, parent_back, offsets, checksums, store.ssd_admit_after)
-        ssd.policy(cls).insert_many(fresh)
-        store.ssd_committed_slots += len(fresh)
-        store.ssd_committed_bytes += len(fresh) * cls.slot_bytes
-        return ok
+    else:
+        fresh = _made_with_gaps(store, ns, keys, parent_back, offsets, checksums, ok)
+    ssd.policy(cls).insert_many(fresh)
+    store.ssd_committed_slots += len(fresh)
+    store.ssd_committed_bytes += len(fresh) * cls.slot_bytes
+    return ok
+
+
+def _made_with_gaps(store: StoreCore, ns: Namespace, keys: list[bytes],
+                    parent_back: list[int], offsets: list[int], checksums: list[int],
+                    ok: list[bool]) -> list[Block]:
+    """``restore_fresh``'s blocks where some slot was not claimed or some parent is not
+    among them: made as one by one would (a slot claimed for an entry that cannot be
+    restored given back for those after it), ``ok`` set to what was restored."""
+    ssd, cls = store.ssd, ns.ssd_cls
+    assert ssd is not None and cls is not None
     blocks = ns.blocks
     shards, mask = blocks.shards, blocks.mask
     seen = store.ssd_admit_after
@@ -553,12 +565,8 @@ def restore_fresh(store: StoreCore, ns: Namespace, keys: list[bytes],
             blocks.grown()
             shards, mask = blocks.shards, blocks.mask
     # (the map was empty: as many in it as positions, and every position has its block)
-    fresh = (cast("list[Block]", made) if sum(map(len, shards)) == len(made)
-             else [b for b in made if b is not None])
-    ssd.policy(cls).insert_many(fresh)
-    store.ssd_committed_slots += len(fresh)
-    store.ssd_committed_bytes += len(fresh) * cls.slot_bytes
-    return ok
+    return (cast("list[Block]", made) if sum(map(len, shards)) == len(made)
+            else [b for b in made if b is not None])
 
 
 _new_block = Block.__new__
