@@ -16,6 +16,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvstore.blocks import Block
 from kvstore.errors import CapacityError, LeaseExpiredError, NotFoundError
 from kvstore.keys import chain_keys
 from kvstore.store import BlockStore, Limits, Pin, Plan, Reservation
@@ -220,12 +221,31 @@ class StoreMachine(RuleBasedStateMachine):
                     n += 1
                 assert not any(cached[n:]) or all(cached[:n]), "prefix closure"
                 # every cached key's whole prefix is cached, unless a read found an
-                # ancestor corrupt while the key was pinned (then it stays until released)
+                # ancestor corrupt while something hanging below the key was in use (then
+                # it stays until released): below it on this chain or on another one
                 for i, c in enumerate(cached):
                     if c and not all(cached[:i]):
-                        below = [ns.blocks[k] for k in keys[i:] if k in ns.blocks]
-                        assert any(b.refs or b.promoting or b.ssd_holds for b in below), (
+                        assert any(map(_in_use, _subtree(ns.blocks[keys[i]]))), (
                             "a cached key without its prefix")
+
+
+def _subtree(root: Block) -> list[Block]:
+    """The block and every block hanging below it, along the child links."""
+    out, stack = [], [root]
+    while stack:
+        b = stack.pop()
+        out.append(b)
+        kids = b.kids
+        if isinstance(kids, Block):
+            stack.append(kids)
+        elif kids is not None:
+            stack.extend(kids)
+    return out
+
+
+def _in_use(b: Block) -> bool:
+    """What the store keeps when an ancestor's last copy goes (``drop_leaf``'s test)."""
+    return bool(b.refs or b.demoting or b.promoting or b.ssd_holds)
 
 
 TestStoreMachine = StoreMachine.TestCase

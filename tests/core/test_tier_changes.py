@@ -100,6 +100,39 @@ TestChangesMachine.settings = settings(max_examples=80, stateful_step_count=60,
                                        deadline=None)
 
 
+def test_a_held_block_on_another_chain_keeps_the_prefix_its_chain_shares() -> None:
+    """A failed promotion read of a root keeps the child that an SSD read below it on
+    another chain still needs: a cached key of this chain without its root is then
+    right (a sequence the machine found, replayed step by step)."""
+    m = ChangesMachine()
+
+    def step(call: Any) -> Any:
+        out = call()
+        m.each_run_counts_the_blocks_that_name_it()
+        m.invariants_hold()
+        m.lookup_is_the_longest_cached_prefix()
+        m.mirror_equals_the_store()
+        m.pinned_blocks_stay_put()
+        return out
+
+    r0 = step(lambda: m.reserve(chain=3, extra=0, length=3, owner="a", which=0))
+    step(lambda: m.commit(advance=0.0, r=r0))
+    step(lambda: m.next_transfers(pattern=[]))
+    step(lambda: m.next_transfers(pattern=[False]))
+    step(lambda: m.reserve(chain=0, extra=0, length=1, owner="a", which=1))
+    r2 = step(lambda: m.reserve(chain=0, extra=0, length=3, owner="a", which=0))
+    step(lambda: m.abort(r=r2))
+    step(lambda: m.next_transfers(pattern=[False]))
+    step(lambda: m.reserve(chain=3, extra=0, length=1, owner="a", which=0))
+    root, kept, held = (m.ns[0].blocks[k] for k in m.chains[0][3][:3])
+    assert held.ssd_holds and root.ssd_offset is not None
+    assert step(lambda: m.acquire(chain=1, length=1, owner="a", which=0)) is None
+    # the root's copy failed its read and went; what hangs below it stays while held
+    assert not root.present and kept.present and held.present
+    assert m.chains[0][2][1] == kept.key  # chain 2 shares the kept block, not the held one
+    assert held.key not in m.chains[0][2]
+
+
 class BatchedChangesMachine(ChangesMachine):
     """The same, drained after every sixth step only: a batch then holds what several
     steps did (a chain committed, evicted and committed again; a commit's run and a
