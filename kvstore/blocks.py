@@ -51,7 +51,7 @@ class Block:
     """One key's entry: its place in the chain, its copies per tier, its pins."""
 
     __slots__ = ("key", "ns", "parent", "kids", "offset", "refs", "ssd_offset", "rare",
-                 "marks", "checksum", "tokens",
+                 "marks", "checksum", "tokens", "dram_duel",
                  "dram_order", "dram_older", "dram_newer", "ssd_order", "ssd_older", "ssd_newer")
 
     def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
@@ -76,6 +76,9 @@ class Block:
         self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown);
         # an SSD copy is read back by it (and its offset, key and namespace's sizes)
         self.tokens: TokenRun | None = None  # its commit's token ids, while events are on
+        # its state in the DRAM class's duel (``auto``), None while not tracked: there
+        # rather than in a map of every tracked block (``kvstore.scheduler.tracked``)
+        self.dram_duel: bool | int | None = None
         # Its place in its DRAM and its SSD class's LRU order, which lives in the blocks
         # (``LinkedOrder``: no table to grow, 24 bytes a block rather than 91).
         self.dram_order: object = None

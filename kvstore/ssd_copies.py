@@ -571,7 +571,7 @@ def _made_with_gaps(store: StoreCore, ns: Namespace, keys: list[bytes],
 
 _new_block = Block.__new__
 _BLOCK_SLOTS = ("key", "ns", "parent", "kids", "offset", "refs", "ssd_offset", "rare",
-                "marks", "checksum", "tokens", "dram_order", "dram_older",
+                "marks", "checksum", "tokens", "dram_duel", "dram_order", "dram_older",
                 "dram_newer", "ssd_order", "ssd_older", "ssd_newer")
 
 
@@ -618,6 +618,7 @@ def _made_fresh(ns: Namespace, keys: list[bytes], parent_back: list[int],
         block.marks = marks
         block.checksum = checksum
         block.tokens = None
+        block.dram_duel = None
         block.dram_order = None
         block.dram_older = None
         block.dram_newer = None
