@@ -724,7 +724,7 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
         reference counting frees it all (the daemon's collector never walks it).  The
         items' states are unset too, where they hold them (every item tracked is listed
         or pinned), for the next duel to track them."""
-        self._items.forget(chain(list(self._order.evictable()), self._pinned))
+        self._items.forget(chain(self._order.evictable(), self._pinned))
         self._let_go(self._order)
         for mini in self._minis:
             self._let_go(mini.order)
