@@ -2,14 +2,17 @@
 
 ``Duel`` notes, per tracked item, whether it was hit since it entered and, for one in
 its sample, its name's hash (``Duel._items``).  In a map keyed by the items that costs
-about 33 bytes an item, and a probe of a table as big as the cache per hit and per
-insert: at 10M blocks those random probes were most of what made a 64-key lookup grow
-from 20 us to 140 us of CPU (``benchmarks/index_scale.py``).  Items that offer an
-attribute for it (the store's blocks: ``dram_duel``, beside the ``dram_*`` links their
-LRU order lives in) keep the state there (``SlotStates``): no table, no probe, the
-state read in C by an ``attrgetter``.  Plain items (the replay's ints) stay in the map
-(``MapStates``).  Both answer the same calls, so the duel's decisions are the same
-either way (``tests/scheduler/test_scheduler_duel_slots.py``).
+33-50 bytes an item, and a probe of a table as big as the cache per hit and per
+insert, random reads that grow with it.  Items that offer an attribute for it (the
+store's blocks: ``dram_duel``, beside the ``dram_*`` links their LRU order lives in)
+keep the state there (``SlotStates``): no table, no probe, the state read in C by an
+``attrgetter``.  At 3M blocks under ``auto`` (``benchmarks/index_scale.py``, medians of
+three): 474 -> 422 bytes a block, ingest 288k -> 349k blocks per CPU-second, a 64-key
+lookup 100 -> 65 us of CPU (p50), 356 -> 277 (p99); at 10M (one run each) 430 -> 393
+bytes, 292k -> 370k blocks per CPU-second, 122 -> 68 us (p50), 401 -> 274 (p99).
+Plain items (the replay's ints) stay in the map (``MapStates``).  Both answer the
+same calls, so the duel's decisions are the same either way
+(``tests/scheduler/test_scheduler_duel_slots.py``).
 
 A state is never None: None is an item not tracked, in both.
 """
