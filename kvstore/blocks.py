@@ -29,6 +29,8 @@ LINKED_TIERS = (DRAM, SSD)  # tiers whose LRU orders live in the blocks' own slo
 
 ANNOUNCED = 0xF  # ``Block.marks``: the bits of ``announced``
 REMOTE_MARK = 0x10  # and of ``remote``
+SEEN_SHIFT = 5  # and ``seen`` above them
+SEEN_ONE = 1 << SEEN_SHIFT  # one more ``seen``: ``block.marks += SEEN_ONE``
 
 
 class _Rare:
@@ -49,7 +51,7 @@ class Block:
     """One key's entry: its place in the chain, its copies per tier, its pins."""
 
     __slots__ = ("key", "ns", "parent", "kids", "offset", "refs", "ssd_offset", "rare",
-                 "seen", "marks", "checksum", "tokens",
+                 "marks", "checksum", "tokens", "dram_duel",
                  "dram_order", "dram_older", "dram_newer", "ssd_order", "ssd_older", "ssd_newer")
 
     def __init__(self, key: bytes, ns: Namespace, parent: Block | None) -> None:
@@ -66,14 +68,17 @@ class Block:
         # what few blocks have at a time (SSD reads in flight, a move under way, a copy
         # in the GPU or an added tier): the properties below, None while all are unset
         self.rare: _Rare | None = None
-        self.seen = 0                       # commits and hits, for the SSD admission filter
-        # ``announced`` (bits 0-3) and ``remote`` (bit 4) in one slot: 18 slots make an
-        # entry of 176 bytes, 19 one of 192 (the allocator rounds to 16), and a value
-        # below 32 is a cached small int, no object of its own
+        # ``announced`` (bits 0-3), ``remote`` (bit 4) and ``seen`` (the rest) in one
+        # slot: 18 slots make an entry of 176 bytes, 19 one of 192 (the allocator rounds
+        # to 16), and a value up to 256 (``seen`` up to 7) is a cached small int, no
+        # object of its own
         self.marks = 0
         self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown);
         # an SSD copy is read back by it (and its offset, key and namespace's sizes)
         self.tokens: TokenRun | None = None  # its commit's token ids, while events are on
+        # its state in the DRAM class's duel (``auto``), None while not tracked: there
+        # rather than in a map of every tracked block (``kvstore.scheduler.tracked``)
+        self.dram_duel: bool | int | None = None
         # Its place in its DRAM and its SSD class's LRU order, which lives in the blocks
         # (``LinkedOrder``: no table to grow, 24 bytes a block rather than 91).
         self.dram_order: object = None
@@ -169,6 +174,16 @@ class Block:
     def announced(self, bits: int) -> None:
         assert not bits & ~ANNOUNCED, f"announced bits {bits:#x} out of range"
         self.marks = self.marks & ~ANNOUNCED | bits
+
+    @property
+    def seen(self) -> int:
+        """Commits and hits, for the SSD admission filter (the hot paths add
+        ``SEEN_ONE`` to ``marks`` themselves: no call)."""
+        return self.marks >> SEEN_SHIFT
+
+    @seen.setter
+    def seen(self, count: int) -> None:
+        self.marks = self.marks & (SEEN_ONE - 1) | count << SEEN_SHIFT
 
     @property
     def remote(self) -> bool:

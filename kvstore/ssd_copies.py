@@ -12,7 +12,7 @@ from operator import attrgetter
 from typing import Any, Protocol, cast
 
 from kvstore.block_map import SHARDS, SPLIT_AT
-from kvstore.blocks import DRAM, REMOTE_MARK, SSD, Block, Namespace, Transfer
+from kvstore.blocks import DRAM, REMOTE_MARK, SEEN_SHIFT, SSD, Block, Namespace, Transfer
 from kvstore.core import StoreCore
 from kvstore.dram_copies import check_slots
 from kvstore.errors import CapacityError
@@ -480,7 +480,7 @@ def restore_blocks(store: StoreCore, ns: Namespace, keys: list[bytes],
         block = Block(key, ns, parent_block)
         block.ssd_offset = offset
         block.checksum = checksums[i]
-        block.seen = seen
+        block.marks = seen << SEEN_SHIFT  # (``seen``; a new block's marks are 0)
         if parent_block is not None:
             if parent_block.kids is None:
                 parent_block.kids = block
@@ -553,7 +553,7 @@ def _made_with_gaps(store: StoreCore, ns: Namespace, keys: list[bytes],
         block = Block(key, ns, parent_block)
         block.ssd_offset = offset
         block.checksum = checksums[i]
-        block.seen = seen
+        block.marks = seen << SEEN_SHIFT  # (``seen``; a new block's marks are 0)
         if parent_block is not None:
             if parent_block.kids is None:
                 parent_block.kids = block
@@ -571,7 +571,7 @@ def _made_with_gaps(store: StoreCore, ns: Namespace, keys: list[bytes],
 
 _new_block = Block.__new__
 _BLOCK_SLOTS = ("key", "ns", "parent", "kids", "offset", "refs", "ssd_offset", "rare",
-                "seen", "marks", "checksum", "tokens", "dram_order", "dram_older",
+                "marks", "checksum", "tokens", "dram_duel", "dram_order", "dram_older",
                 "dram_newer", "ssd_order", "ssd_older", "ssd_newer")
 
 
@@ -596,6 +596,7 @@ def _made_fresh(ns: Namespace, keys: list[bytes], parent_back: list[int],
     made: list[Block] = []
     keep = made.append
     new = _new_block
+    marks = seen << SEEN_SHIFT  # (``seen``)
     for key, back, offset, checksum in zip(keys, parent_back, offsets, checksums):
         block = new(Block)
         block.key = key
@@ -614,10 +615,10 @@ def _made_fresh(ns: Namespace, keys: list[bytes], parent_back: list[int],
         block.refs = 0
         block.ssd_offset = offset
         block.rare = None
-        block.seen = seen
-        block.marks = 0
+        block.marks = marks
         block.checksum = checksum
         block.tokens = None
+        block.dram_duel = None
         block.dram_order = None
         block.dram_older = None
         block.dram_newer = None

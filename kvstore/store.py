@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 
 from kvstore.blocks import (
     DRAM,
+    SEEN_ONE,
     SSD,
     Block,
     CommitResult,
@@ -248,7 +249,7 @@ class BlockStore(StoreCore):
                 fresh.append(block)
                 if block.tokens is not None:
                     revived.append(block)
-            block.seen += 1
+            block.marks += SEEN_ONE  # (``seen``, without a call)
             parent = block
         ns.blocks.grown()
         if runs and isinstance(tokens, bytes):  # events on, one buffer: each new copy

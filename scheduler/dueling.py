@@ -64,19 +64,19 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from functools import partial
 from itertools import chain, compress, count, repeat
-from operator import and_, attrgetter, contains, mod, mul, not_, setitem
+from operator import and_, attrgetter, mul, not_
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 import numpy as np
 
 from kvstore.scheduler.sharded import ShardedDict
+from kvstore.scheduler.tracked import MapStates, States, states_for
 
 T = TypeVar("T", bound=Hashable)
 
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the sample
 _MASK64 = (1 << 64) - 1
 _UNTRACKED: Any = object()
-_drain = deque[Any](maxlen=0).extend  # runs an iterator (of ``map``) to its end, in C
 
 
 def _little_endian(name_hash: Callable[[Any], int]) -> bool:
@@ -117,26 +117,18 @@ def _victims_gone(gone: Iterable[Hashable], ghost_key: Callable[[Any], Hashable]
     return list(names), back
 
 
-def _homes(batch: list[T], shards: list[dict[T, bool | int]],
-           modulus: int) -> list[dict[T, bool | int]]:
-    """Each item's shard of the tracked items' map (``ShardedDict``'s choice).
-
-    ``Duel.insert_many`` takes a batch of new items at once: their shards, which are
-    sampled (``_sampled_in``) and their states come from loops in C over the whole
-    batch, and only a sampled item costs Python of its own.  It makes the calls
-    ``_insert_each`` makes item by item, in the same order (the tests hold the two to
-    each other), with one difference no decision sees: every item's state is set
-    before the first sampled key's reference, where the loop sets each as it comes.
-    That reference reads only its parent's state, and only to find the parent's
-    sampled node: a state not set yet sends it to the parent's name, which finds the
-    same node (an unsampled name has none)."""
-    if modulus == 1:
-        return [shards[0]] * len(batch)
-    return list(map(shards.__getitem__, map(mod, map(hash, batch), repeat(modulus))))
-
-
 def _states(size: int, spots: list[int], names: list[int]) -> list[bool | int]:
-    """The states of a batch of new items, those at ``spots`` sampled (``Duel._items``)."""
+    """The states of a batch of new items, those at ``spots`` sampled (``Duel._items``).
+
+    ``Duel.insert_many`` takes a batch of new items at once: which are sampled
+    (``_sampled_in``) and their states come from loops in C over the whole batch, and
+    only a sampled item costs Python of its own.  It makes the calls ``_insert_each``
+    makes item by item, in the same order (the tests hold the two to each other), with
+    one difference no decision sees: every item's state is set before the first
+    sampled key's reference, where the loop sets each as it comes.  That reference
+    reads only its parent's state, and only to find the parent's sampled node: a state
+    not set yet sends it to the parent's name, which finds the same node (an unsampled
+    name has none)."""
     states: list[bool | int] = [False] * size
     for at, name in zip(spots, names):
         states[at] = name << 1
@@ -412,9 +404,11 @@ class Duel(Generic[T]):
         self.reality = _Reality(check)
         # every tracked item, pinned ones too -> its state: out of the sample, whether
         # it was hit since it entered (False, True); in it, the hash of its name
-        # (``ghost_key``) shifted left by one, or'd with 1 once hit.  One map, one lookup
-        # per hit; the sample decided once, at insert.  (Split as it grows: no stall.)
-        self._items: ShardedDict[T, bool | int] = ShardedDict()
+        # (``ghost_key``) shifted left by one, or'd with 1 once hit.  One read per hit;
+        # the sample decided once, at insert.  In a map, or in the items' attribute
+        # ``state_attr`` where they have one (``kvstore.scheduler.tracked``), chosen by
+        # the first item inserted while none is tracked.
+        self._items: States = MapStates()
         # the tracked items pinned (by ``pin``): a hand-over finds them here, not by
         # comparing every tracked item with the order's list
         self._pinned: set[T] = set()
@@ -431,6 +425,14 @@ class Duel(Generic[T]):
         # The store's blocks know their parent; other items (the replay's ids) have it
         # set here by their cache.
         self.parent_of: Callable[[T], T | None] = parent_of or _parent_attribute
+
+    # the attribute of the items their states live in, if they have it (None: a map)
+    state_attr: str | None = None
+
+    def _track_like(self, item: T) -> None:
+        """No item is tracked: keep the states where ``item``, the next, can hold them."""
+        if type(self._items) is not type(states := states_for(item, self.state_attr)):
+            self._items = states
 
     def _keyed(self, order: Order[T]) -> Order[T]:
         """The order, its ghosts named by this duel's ``ghost_key`` (read at each call:
@@ -486,9 +488,8 @@ class Duel(Generic[T]):
             parent_node = None
         else:
             # a tracked parent's state names it: out of the sample (most), it has no node
-            tracked = self._items
-            state = tracked.shards[hash(parent) % tracked.modulus].get(parent, _UNTRACKED)
-            if state is _UNTRACKED:
+            state = self._items.get(parent)
+            if state is None:
                 parent_node = nodes.get(self.name_hash(self.ghost_key(parent)))
             elif state is True or state is False:
                 parent_node = None
@@ -564,8 +565,7 @@ class Duel(Generic[T]):
         one hit), whatever its hits (the item states keep one bit of them); it learns
         the rest as they are hit again."""
         listed = list(self._order.evictable())
-        tracked = self._items
-        shards, modulus = tracked.shards, tracked.modulus
+        state_of = self._items.get
         pinned = list(self._pinned)  # no table of every item: at millions, a spike of its size
         self._let_go(self._order)
         order: Order[T] = self._keyed(self._factories[best]())
@@ -578,10 +578,10 @@ class Duel(Generic[T]):
         # since their eviction (``back``): the new order would have taken such a miss
         # as a ghost hit (SLRU's protected segment, ARC's T2, a hit class of density)
         for group in (listed, pinned):
-            order.access_many([
+            order.access_many([  # (a listed or pinned item is tracked: a state not None)
                 item for item in group
-                if (s := shards[hash(item) % modulus][item]) is True
-                or (s is not False and s & 1) or item in back])
+                if (s := state_of(item)) is True
+                or (s is not False and cast(int, s) & 1) or item in back])
         for item in pinned:
             order.pin(item)
         # Its miniature is a cache of _size >> sample_shift items.
@@ -594,14 +594,19 @@ class Duel(Generic[T]):
         self.reality.ahead = self.reality.behind = 0
 
     def insert(self, item: T) -> None:
-        if item in self._items:
+        tracked = self._items
+        if not len(tracked):
+            self._track_like(item)
+            tracked = self._items
+        elif tracked.get(item) is not None:
             return
         self._tick += 1
         name = self.name_hash(self.ghost_key(item))
         sampled = not (name * _GOLDEN) & self._sample_mask
-        self._items[item] = name << 1 if sampled else False
-        if len(self._items) > self._size:
-            self._size = len(self._items)
+        tracked.put(item, name << 1 if sampled else False)
+        tracked.grown(1)
+        if len(tracked) > self._size:
+            self._size = len(tracked)
         self._order.insert(item)
         if sampled:
             self._sample(name, item)
@@ -610,15 +615,19 @@ class Duel(Generic[T]):
         """``insert`` each, in order, as one call per run of unsampled items to the
         candidate in charge (a commit's blocks are one call, not one per block); a batch
         of new items (a commit's) at once, in loops in C, with ``_insert_each``'s calls
-        in its order (see ``_homes``)."""
+        in its order (see ``_states``)."""
         batch = items if type(items) is list else list(items)
+        if not batch:
+            return
         tracked = self._items
-        homes = _homes(batch, tracked.shards, tracked.modulus)
-        if any(map(contains, homes, batch)) or len(set(batch)) != len(batch):
+        if not len(tracked):
+            self._track_like(batch[0])
+            tracked = self._items
+        if not tracked.all_new(batch):
             _insert_each(self, batch)
             return
         spots, names = _sampled_in(batch, self.name_hash, self.ghost_key, self._sample_mask)
-        _drain(map(setitem, homes, batch, _states(len(batch), spots, names)))
+        tracked.put_all(batch, _states(len(batch), spots, names))
         tick, before, order = self._tick, len(tracked), self._order
         sent = 0  # items given to the order in charge (and counted by the map)
         for at, name in zip(spots, names):
@@ -642,40 +651,39 @@ class Duel(Generic[T]):
         self._size = max(self._size, len(tracked))
 
     def access(self, item: T) -> None:
-        shard = self._items.shards[hash(item) % self._items.modulus]
-        state = shard.get(item, _UNTRACKED)
-        if state is _UNTRACKED:
+        tracked = self._items
+        state = tracked.get(item)
+        if state is None:
             return
         self._order.access(item)
         if state is False:
-            shard[item] = True  # hit since it entered
+            tracked.put(item, True)  # hit since it entered
         elif state is not True:  # in the sample
-            shard[item] = state | 1
+            tracked.put(item, state | 1)
             self._sample(state >> 1, item, True)
 
     def access_many(self, items: Iterable[T]) -> None:
         """``access`` each, in order, as one call per run of unsampled items to the
         candidate in charge (a lookup's hits are one call, not one per block)."""
         order = self._order
-        # the maps' shards read inline (a lookup's every hit passes here); nothing below
-        # adds to or takes from them
-        tracked, modulus = self._items.shards, self._items.modulus
+        # a lookup's every hit passes here: nothing below adds to or takes from the
+        # tracked items (an item's state: in C where the items hold it)
+        state_of, put = self._items.get, self._items.put
         run: list[T] = []
         add = run.append
         for item in items:
-            shard = tracked[hash(item) % modulus]
-            state = shard.get(item, _UNTRACKED)
+            state = state_of(item)
             if state is True:  # out of the sample, hit before: nothing to note
                 add(item)
                 continue
             if state is False:
                 add(item)
-                shard[item] = True  # hit since it entered
+                put(item, True)  # hit since it entered
                 continue
-            if state is _UNTRACKED:
+            if state is None:
                 continue
             add(item)  # in the sample: ``state`` is its name's hash, shifted
-            shard[item] = state | 1
+            put(item, state | 1)
             if self._sampled + 1 < self.epoch:
                 self._sample(state >> 1, item, True)  # no election: the run goes on
                 continue
@@ -689,7 +697,7 @@ class Duel(Generic[T]):
             order.access_many(run)
 
     def pin(self, item: T) -> None:
-        if item in self._items:
+        if self._items.get(item) is not None:
             self._pinned.add(item)
             self._order.pin(item)
 
@@ -706,7 +714,7 @@ class Duel(Generic[T]):
         self._tick += 1
         victim = self._order.pop_victim(allowed)
         if victim is not None:
-            del self._items[victim]
+            self._items.pop(victim)
             gone = self._gone
             share = RECALL_SHARE * self._size
             if gone.maxlen is not None and gone.maxlen < min(share, RECALL_MOST):
@@ -738,21 +746,20 @@ def _insert_each(duel: Duel[T], items: Iterable[T]) -> None:
     or twice)."""
     tracked, order = duel._items, duel._order
     ghost_key, name_hash, mask = duel.ghost_key, duel.name_hash, duel._sample_mask
-    shards, modulus = tracked.shards, tracked.modulus  # set inline, counted by ``grown``
+    state_of, put = tracked.get, tracked.put  # set here, counted by ``grown``
     added, tick = 0, duel._tick
     run: list[T] = []
     for item in items:
-        shard = shards[hash(item) % modulus]
-        if item in shard:
+        if state_of(item) is not None:
             continue
         tick += 1
         added += 1
         run.append(item)
         name = name_hash(ghost_key(item))
         if (name * _GOLDEN) & mask:
-            shard[item] = False
+            put(item, False)
         else:
-            shard[item] = name << 1
+            put(item, name << 1)
             duel._tick = tick
             if len(tracked) + added > duel._size:
                 duel._size = len(tracked) + added
@@ -765,7 +772,6 @@ def _insert_each(duel: Duel[T], items: Iterable[T]) -> None:
             tracked.grown(added)
             added = 0
             duel._sample(name, item)
-            shards, modulus = tracked.shards, tracked.modulus
             order = duel._order
     if run:
         order.insert_many(run)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
+from itertools import chain
 from typing import Any, Generic, TypeVar
 
 from kvstore.scheduler.density import HitDensityPolicy
@@ -35,6 +36,7 @@ from kvstore.scheduler.dueling import Duel, Order
 from kvstore.scheduler.linked import LinkedOrder, Queue, links_of, queue, release_links
 from kvstore.scheduler.policy import EvictionPolicy as EvictionPolicy  # re-exported
 from kvstore.scheduler.sharded import FifoMap, ShardedDict
+from kvstore.scheduler.tracked import MapStates
 from kvstore.scheduler.warm import WarmPins as WarmPins  # re-exported
 
 T = TypeVar("T", bound=Hashable)
@@ -696,6 +698,9 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
         self._links = links
         if isinstance(self._order, (LRUPolicy, SLRUPolicy, ARCPolicy)):
             self._order.links = links
+        # the items' states beside their links, where they have the attribute (the
+        # store's blocks: ``dram_duel``): no map of every tracked item
+        self.state_attr = None if links is None else f"{links}_duel"
 
     def _keyed(self, order: Order[T]) -> Order[T]:
         order = super()._keyed(order)
@@ -716,12 +721,15 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
         """Let go of everything (the policy is done with): the orders' links unset,
         the miniatures' among them (they link the sampled keys' nodes), and the order in
         charge, which names its ghosts through this duel (a cycle), dropped, so that
-        reference counting frees it all (the daemon's collector never walks it)."""
+        reference counting frees it all (the daemon's collector never walks it).  The
+        items' states are unset too, where they hold them (every item tracked is listed
+        or pinned), for the next duel to track them."""
+        self._items.forget(chain(self._order.evictable(), self._pinned))
         self._let_go(self._order)
         for mini in self._minis:
             self._let_go(mini.order)
         self._order = self._factories[0]()
-        self._minis, self._nodes, self._items = [], ShardedDict(), ShardedDict()
+        self._minis, self._nodes, self._items = [], ShardedDict(), MapStates()
         self._pinned = set()
         self._gone.clear()
         self._lingering = []
