@@ -27,10 +27,11 @@ clients send them, settling the heap once a second as the daemon does, and print
 Every part runs in a fresh process, so that its memory is its own.
 
 Where the bytes go, and what 150 B a block would take.  At 10M blocks (auto, one
-namespace) the index costs 430 B a block by RSS (445 with 19 slots, the same hour):
-the entry (``Block``, 18 slots, 176 B), its key (a 16-byte ``bytes``, 49 B), its DRAM
-offset (an int object, 32 B), the key map (34 B), the duel's map of tracked items (33 B;
-keyed by the items themselves, no int per key), the duel's miniatures (an eighth of the
+namespace) the index costs 393 B a block by RSS (430 while the duel kept a map of its
+tracked items, 33 B a block; their states are now in the entries' ``dram_duel`` slot,
+the one ``seen`` left when it moved into ``marks``): the entry (``Block``, 18 slots,
+176 B), its key (a 16-byte ``bytes``, 49 B), its DRAM offset (an int object, 32 B), the
+key map (34 B), the duel's miniatures (an eighth of the
 keys, each one object of 176 B holding its three orders' links and its parent and child
 counts, and two maps: about 29 B a block), the rest allocator slack.  The LRU order
 itself costs nothing apart (its links are 24 B of the entry's slots per tier).  Objects
@@ -47,10 +48,13 @@ Why lookup grows with the index.  A lookup walks its chain by child links (one k
 probe at the head), and that walk is nearly flat: 6-13 us for 64 keys from 10k to 3M
 blocks (a probe per key, before: 9-48 us, the map's tables' cache and TLB misses).
 With the LRU order the whole lookup is 10 us at 10k and 15 us at 3M; with ``auto`` (the
-duel) it is 20 us at 10k and about 140 us (CPU) at 10M: the duel's per-hit probe of its
-tracked-items map and its sampled keys' miniature updates, random reads over maps as
-big as the index, are what grows.  Measured in one process, lookups alone, with the
-order's ``access_many`` replaced by nothing.
+duel) it was 20 us at 10k and about 140 us (CPU) at 10M: the duel's per-hit probe of
+its tracked-items map and its sampled keys' miniature updates, random reads over maps
+as big as the index, were what grew.  Measured in one process, lookups alone, with the
+order's ``access_many`` replaced by nothing.  With the states in the entries (no map),
+the benchmark's 64-key lookup under ``auto`` is 68 us p50, 274 us p99 of CPU at 10M
+against 122 and 401 with the map (one run each): the miniatures' work on sampled keys
+is what still grows.
 
     python benchmarks/index_scale.py --blocks 1M
     python benchmarks/index_scale.py --blocks 10M --restart-blocks 10M

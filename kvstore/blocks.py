@@ -17,6 +17,7 @@ from operator import attrgetter
 from kvstore.block_map import BlockMap
 from kvstore.identity import Identity
 from kvstore.pool import SlabClass, SlabPool
+from kvstore.scheduler.admission import SEEN_MOST
 from kvstore.scheduler.eviction import EvictionPolicy, WarmPins, make_policy
 from kvstore.token_ids import TokenRun
 
@@ -31,6 +32,11 @@ ANNOUNCED = 0xF  # ``Block.marks``: the bits of ``announced``
 REMOTE_MARK = 0x10  # and of ``remote``
 SEEN_SHIFT = 5  # and ``seen`` above them
 SEEN_ONE = 1 << SEEN_SHIFT  # one more ``seen``: ``block.marks += SEEN_ONE``
+# ``seen`` stops at SEEN_MOST (``ssd.admit_after`` is at most that, so no more is asked
+# of it): the hot paths add SEEN_ONE only while ``marks < SEEN_FULL``, so that ``marks``
+# stays at most 255, a cached small int (a hot block's count would make it an int
+# object of its own, 32 bytes, from its 8th hit)
+SEEN_FULL = SEEN_MOST << SEEN_SHIFT
 
 
 class _Rare:
@@ -70,7 +76,7 @@ class Block:
         self.rare: _Rare | None = None
         # ``announced`` (bits 0-3), ``remote`` (bit 4) and ``seen`` (the rest) in one
         # slot: 18 slots make an entry of 176 bytes, 19 one of 192 (the allocator rounds
-        # to 16), and a value up to 256 (``seen`` up to 7) is a cached small int, no
+        # to 16), and a value up to 256 (``seen`` stops at 7) is a cached small int, no
         # object of its own
         self.marks = 0
         self.checksum = 0                   # xxh3_64 of the bytes as written (0: unknown);
@@ -177,13 +183,13 @@ class Block:
 
     @property
     def seen(self) -> int:
-        """Commits and hits, for the SSD admission filter (the hot paths add
-        ``SEEN_ONE`` to ``marks`` themselves: no call)."""
+        """Commits and hits up to SEEN_MOST, for the SSD admission filter (the hot
+        paths add ``SEEN_ONE`` to ``marks`` themselves while below ``SEEN_FULL``)."""
         return self.marks >> SEEN_SHIFT
 
     @seen.setter
     def seen(self, count: int) -> None:
-        self.marks = self.marks & (SEEN_ONE - 1) | count << SEEN_SHIFT
+        self.marks = self.marks & (SEEN_ONE - 1) | min(count, SEEN_MOST) << SEEN_SHIFT
 
     @property
     def remote(self) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from kvstore.errors import ConfigError
+from kvstore.scheduler.admission import SEEN_MOST
 
 log = logging.getLogger("kvstore.config")
 
@@ -474,8 +475,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError("ssd.slab_size: must be a multiple of 4KiB")
         if self.ssd.write_policy not in ("write-back", "write-through"):
             raise ConfigError("ssd.write_policy: expected 'write-back' or 'write-through'")
-        if self.ssd.admit_after < 1:
-            raise ConfigError("ssd.admit_after: must be at least 1")
+        if not 1 <= self.ssd.admit_after <= SEEN_MOST:
+            raise ConfigError(f"ssd.admit_after: must be in [1, {SEEN_MOST}] (a block's "
+                              f"count of commits and hits stops at {SEEN_MOST})")
         if self.ssd.sync not in ("always", "batch", "none"):
             raise ConfigError("ssd.sync: expected one of always, batch, none")
         self._validate_event_readers()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from kvstore.blocks import DRAM, SEEN_ONE, Block, Namespace
+from kvstore.blocks import DRAM, SEEN_FULL, SEEN_ONE, Block, Namespace
 from kvstore.core import Keeping, StoreCore
 
 
@@ -51,7 +51,8 @@ class Index:
                 if block.ssd_offset is None and block.extra is None:
                     break
                 below += 1
-            block.marks += SEEN_ONE  # ``seen``, ``access``'s count here: one walk, not two
+            if block.marks < SEEN_FULL:  # ``seen``, ``access``'s count here: one walk
+                block.marks += SEEN_ONE
             chain.append(block)
         c = self.store.counters
         c.lookups += 1
@@ -86,7 +87,8 @@ class Index:
         ssd = self.store.ssd
         by_ns: dict[Namespace, tuple[list[Block], list[Block]]] = {}
         for block in reversed(chain):
-            block.marks += SEEN_ONE  # (``seen``, without a call)
+            if block.marks < SEEN_FULL:  # (``seen``, without a call)
+                block.marks += SEEN_ONE
             lists = by_ns.get(block.ns)
             if lists is None:
                 lists = by_ns[block.ns] = ([], [])

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 
 from kvstore.blocks import (
     DRAM,
+    SEEN_FULL,
     SEEN_ONE,
     SSD,
     Block,
@@ -249,7 +250,8 @@ class BlockStore(StoreCore):
                 fresh.append(block)
                 if block.tokens is not None:
                     revived.append(block)
-            block.marks += SEEN_ONE  # (``seen``, without a call)
+            if block.marks < SEEN_FULL:  # (``seen``, without a call)
+                block.marks += SEEN_ONE
             parent = block
         ns.blocks.grown()
         if runs and isinstance(tokens, bytes):  # events on, one buffer: each new copy

@@ -12,6 +12,11 @@ from typing import Literal, get_args
 
 from kvstore.errors import CapacityError, ConfigError, MalformedError
 
+# The most times a block counts being committed or hit, for the SSD tier's admission
+# filter (``ssd.admit_after`` asks at most this many): the count lives in a few bits of
+# the block's ``marks``, which stays a small int Python keeps for every block.
+SEEN_MOST = 7
+
 # -- batch reservation for a token plan ----------------------------------------
 
 
