@@ -256,6 +256,22 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
+def cpu_ns_by_thread(pid: int) -> tuple[int, int]:
+    """Nanoseconds ``cpu_ns`` counts, as (the loop's thread, ZeroMQ's I/O threads: the
+    transport's and, with events, the stream's, whose writes a batch wakes)."""
+    loop = io = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            ran = int((task / "schedstat").read_text().split()[0])
+            if task.name == str(pid):
+                loop += ran
+            elif "ZMQbg/IO" in (task / "comm").read_text():
+                io += ran
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended
+    return loop, io
+
+
 def minor_faults(pid: int) -> int:
     """Minor page faults a process took so far (new memory touched: its heap growing)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -339,6 +355,7 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
         order = list(runs)
         rng = random.Random(7)
         first = {name: cpu_ns(proc.pid) for name, proc in procs.items()}
+        threads_at = {name: cpu_ns_by_thread(proc.pid) for name, proc in procs.items()}
         faults_at = {name: minor_faults(proc.pid) for name, proc in procs.items()}
         for _ in range(20 * repeats):
             rng.shuffle(order)
@@ -356,6 +373,9 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
                   for name, proc in procs.items()}
         total = {name: (cpu_ns(proc.pid) - first[name]) / served[name] / 1e3
                  for name, proc in procs.items()}
+        threads = {name: [(now - then) / served[name] / 1e3 for now, then in
+                          zip(cpu_ns_by_thread(proc.pid), threads_at[name])]
+                   for name, proc in procs.items()}
         for name in ("on", "turn", "on_beside"):
             if name in endpoints:
                 with Client(endpoints[name], tenant="bench") as c:
@@ -389,6 +409,8 @@ def bench_throughput(work: Path, repeats: int, data: bool = False,
         # CPU outside the rounds (timers, a batch a timer sent), per request
         out[f"{name}_outside_us"] = total[name] - statistics.fmean(c for c, _ in s)
         out[f"{name}_faults"] = faults[name]  # minor page faults a request, all rounds
+        # all CPU time a request, of the loop's thread and of ZeroMQ's I/O threads
+        out[f"{name}_loop_us"], out[f"{name}_io_us"] = threads[name]
     # the noise: one daemon without events against the other
     for suffix in ("", "_beside") if beside is not None else ("",):
         out[f"off2{suffix}_cpu_ratio"] = statistics.median(
@@ -562,6 +584,16 @@ def main() -> None:
                             ratio=t["on_cpu_total_ratio"]))
             rows.append(row(f"{what}: cpu us/request outside the rounds, to a subscriber",
                             t["on_outside_us"], t["off_outside_us"], "events off", ".3f"))
+            for arm, label in (("on", "to a subscriber"), ("on_beside", "the same, --beside's")):
+                suffix = "_beside" if arm.endswith("_beside") else ""
+                for part, thread in (("loop", "loop thread"), ("io", "zmq I/O threads")):
+                    # where a subscriber's stream costs: the loop, or ZeroMQ's I/O
+                    # threads (the stream's writes, the token ids' reads); over the
+                    # mean of the version's two daemons without events
+                    if f"{arm}_{part}_us" in t:
+                        off_us = (t[f"off{suffix}_{part}_us"] + t[f"off2{suffix}_{part}_us"]) / 2
+                        rows.append(row(f"{what}: all cpu us/request, {thread}, {label}",
+                                        t[f"{arm}_{part}_us"], off_us, "events off", ".3f"))
             for arm, label in (("on", "to a subscriber"), ("on_beside", "the same, --beside's")):
                 if f"{arm}_faults" in t:  # new memory a request (a filling daemon's heap)
                     off = "off_beside" if arm.endswith("_beside") else "off"

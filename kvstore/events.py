@@ -63,6 +63,11 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # come that much later, a batch may go to no one for as long after the last one left.
 SUBSCRIPTIONS_EVERY = 0.05
 _REPLAYS_A_TURN = 16  # replay requests answered in one call (the rest: the next turn)
+# How early a timer may run by its loop's clock: uvloop keeps time in milliseconds and
+# rounds a timer's delay to them, so a quiet timer runs up to a millisecond before its
+# time.  Set again for what is left, it ran at once (a delay under half a millisecond
+# rounds to none), again and again until the clock ticked: tens of wakes a batch.
+_TIMER_SLACK = 0.001
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 # A frame's send without pyzmq's Python layer: ``send_multipart`` combines each frame's
@@ -521,7 +526,7 @@ class EventPublisher:
             return  # nothing waits, or a commit's turn sends it
         # (the wait changes only once the batch is sent)
         end = self._due - self.wait + max(self.quiet, 2 * self.wait)
-        if loop.time() < end:
+        if loop.time() < end - _TIMER_SLACK:
             self._quiet = loop.call_at(end, self._went_quiet)
             return
         self.wait = max(self.wait / 2, self.interval)

@@ -541,6 +541,50 @@ def test_a_due_batch_goes_out_with_the_next_commit_not_a_timer(tmp_path: Path) -
         loop.close()
 
 
+def test_the_quiet_timer_on_uvloop_sends_its_batch_without_spinning(tmp_path: Path) -> None:
+    """The daemon's loop is uvloop's, whose clock and timers run in milliseconds: a
+    timer set for a batch's quiet time runs up to a millisecond before it by the loop's
+    clock.  The timer sends the batch then, rather than setting itself again for the
+    fraction left, which uvloop runs at once, again and again until its clock ticks (a
+    few microseconds each: tens of wakes a batch, 8 us a request of a daemon whose
+    batches the timer sent)."""
+    import asyncio
+
+    import uvloop
+
+    from kvstore.config import EventsConfig
+    from kvstore.keys import chain_keys
+    from kvstore.store import BlockStore
+
+    store = BlockStore(64 * IDENT.block_bytes, 16 * IDENT.block_bytes)
+    loop = uvloop.new_event_loop()
+    pub = EventPublisher(EventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock",
+                                      interval_ms=1.0, quiet_ms=3.0,
+                                      busy_interval_ms=1.0), store)
+    pub.open(loop)
+    ns = store.open_namespace(IDENT)
+    wakes = 0
+    went_quiet = pub._went_quiet
+
+    def counted() -> None:
+        nonlocal wakes
+        wakes += 1
+        went_quiet()
+    pub._went_quiet = counted  # type: ignore[method-assign]
+    try:
+        for first in range(0, 2000, 100):  # a batch each, its timer's to send
+            keys = chain_keys(ns.id, list(range(first, first + 2 * BT)), BT)
+            r = store.reserve("o", ns, keys, None, 0.0)
+            store.commit("o", r.id, 0.0)  # type: ignore[union-attr]
+            seq = pub.last_seq
+            loop.run_until_complete(asyncio.sleep(0.006))  # past the quiet time
+            assert pub.last_seq == seq + 1 and not pub.changes.touched
+        assert wakes <= 2 * 20, f"{wakes} wakes of the quiet timer for 20 batches"
+    finally:
+        pub.close()
+        loop.close()
+
+
 def test_a_batch_after_an_idle_spell_waits_the_interval_again(tmp_path: Path) -> None:
     """A burst doubles the batches' wait up to ``busy_interval_ms``; once the daemon has
     sent nothing for longer than ``quiet_ms``, the next batch waits ``interval_ms``
