@@ -1,16 +1,19 @@
-"""How warm a hand-over is: ``auto`` held on LRU, then made to hand the order over.
+"""How warm a hand-over is: ``auto`` held on one order, then made to hand it over.
 
     python benchmarks/handover_warmth.py [--trace PATH ...] [--workloads conversations,scan]
-        [--requests 4000] [--capacities 0.05,0.1] [--at 0.33] [--to slru,arc,density]
+        [--requests 4000] [--capacities 0.05,0.1] [--at 0.33] [--from lru]
+        [--to slru,arc,density]
 
 An election's worth is the new order's gain over LRU, less what the hand-over costs:
 the new order starts from the cache LRU filled, with only what the duel passes it (the
 items in LRU's order, those hit since they entered hit again, its miniature's settings,
 the latest victims' names).  ``policy_sweep.py`` sees only the sum, over elections that
 come when they come.  This isolates the cost: per replay and capacity, ``auto`` is held
-on LRU (no election, no reality check) for the first ``--at`` of the requests, then
-hands over to each candidate named and keeps it to the end; the hits after that point
-are set beside those of the candidate alone and of LRU alone over the same requests.
+on the candidate ``--from`` (LRU unless told; no election, no reality check) for the
+first ``--at`` of the requests, then hands over to each candidate named and keeps it to
+the end; the hits after that point are set beside those of the candidate alone and of
+LRU alone over the same requests.  What an order passes on depends on the order: SLRU
+lists its probation before its protected segment, LRU by recency alone.
 
 ``warmth`` is the handed-over order's gain over LRU after the hand-over, as a share of
 the candidate alone's gain there (1: as if it had been in charge all along; 0: no
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +57,14 @@ def hits_after(trace: Sequence[TraceRequest], capacity: int, cut: int,
     return before, replay(trace[cut:], cache).hit_blocks
 
 
-def held_auto() -> AutoPolicy[Any]:
-    """``auto`` that keeps LRU in charge: no margin is ever met, no reality check."""
+def held_auto(on: str = "lru") -> AutoPolicy[Any]:
+    """``auto`` that keeps its candidate ``on`` in charge: no margin is ever met, no
+    reality check."""
     duel: AutoPolicy[Any] = AutoPolicy()
     duel.margin = float("inf")
     duel.reality.z = None
+    if on != duel.leader:
+        hand_over(on)(duel)  # before any item: a plain switch
     return duel
 
 
@@ -72,7 +79,7 @@ def hand_over(to: str) -> Callable[[EvictionPolicy[Any]], None]:
 
 
 def warmth_rows(label: str, trace: Sequence[TraceRequest], shares: Sequence[float],
-                at: float, candidates: Sequence[str]) -> list[str]:
+                at: float, candidates: Sequence[str], held: str = "lru") -> list[str]:
     """One line per capacity and candidate (see the module docstring)."""
     unique = unique_blocks(trace)
     cut = int(len(trace) * at)
@@ -82,7 +89,8 @@ def warmth_rows(label: str, trace: Sequence[TraceRequest], shares: Sequence[floa
         _, lru = hits_after(trace, capacity, cut, POLICIES["lru"])
         for name in candidates:
             _, alone = hits_after(trace, capacity, cut, POLICIES[name])
-            _, handed = hits_after(trace, capacity, cut, held_auto, hand_over(name))
+            _, handed = hits_after(trace, capacity, cut, partial(held_auto, held),
+                                   hand_over(name))
             gain = alone - lru
             warmth = f"{(handed - lru) / gain:>7.2f}" if gain else f"{'-':>7}"
             rows.append(f"{label:<24} {share:>4.0%} {name:<8} {lru:>9} {alone:>9} "
@@ -102,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--capacities", default="0.05,0.1")
     parser.add_argument("--at", type=float, default=1 / 3,
                         help="the share of the requests replayed before the hand-over")
+    parser.add_argument("--from", dest="held", default="lru",
+                        help="the candidate of auto in charge until the hand-over")
     parser.add_argument("--to", default="slru,arc,density",
                         help="comma-separated candidates of auto to hand over to")
     args = parser.parse_args(argv)
@@ -109,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workloads = [w for w in args.workloads.split(",") if w]
     names = [mini.order.name for mini in AutoPolicy()._minis]
     candidates = [c for c in args.to.split(",") if c]
-    if [c for c in candidates if c not in names]:
+    if [c for c in [*candidates, args.held] if c not in names]:
         parser.error(f"--to takes auto's candidates: {names}")
     if [w for w in workloads if w not in WORKLOADS]:
         parser.error(f"workloads are {sorted(WORKLOADS)}")
@@ -122,11 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     traces += [(w, cacheable(TraceRequest(*r) for r in WORKLOADS[w](args.requests)))
                for w in workloads]
     print(f"hits after {args.at:.0%} of each replay: LRU alone, the candidate alone, and "
-          "auto held on LRU until then and handed to the candidate")
+          f"auto held on {args.held} until then and handed to the candidate")
     print(f"{'workload':<24} {'cap':>4} {'to':<8} {'lru':>9} {'alone':>9} {'handed':>9} "
           f"{'warmth':>7}")
     for label, trace in traces:
-        for row in warmth_rows(label, trace, shares, args.at, candidates):
+        for row in warmth_rows(label, trace, shares, args.at, candidates, args.held):
             print(row, flush=True)
     return 0
 

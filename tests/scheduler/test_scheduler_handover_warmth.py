@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 
 from kvstore.bench.replay import TraceRequest, cacheable
-from kvstore.scheduler.eviction import LRUPolicy
+from kvstore.scheduler.eviction import LRUPolicy, SLRUPolicy
 
 
 def _load() -> ModuleType:
@@ -38,6 +38,13 @@ def test_held_auto_hits_as_lru_does() -> None:
     cut = len(trace) // 3
     assert warmth.hits_after(trace, 60, cut, warmth.held_auto) == \
         warmth.hits_after(trace, 60, cut, LRUPolicy)
+
+
+def test_held_on_another_candidate_it_hits_as_that_one_does() -> None:
+    trace = _trace(400)
+    cut = len(trace) // 3
+    assert warmth.hits_after(trace, 60, cut, lambda: warmth.held_auto("slru")) == \
+        warmth.hits_after(trace, 60, cut, SLRUPolicy)
 
 
 def test_a_hand_over_puts_the_candidate_in_charge() -> None:
