@@ -109,14 +109,16 @@ def _count(text: str) -> int:
 
 
 class _Item:
-    """A store block in miniature: its key, its parent, one set of links."""
+    """A store block in miniature: its key, its parent, one set of links and the slot
+    ``auto``'s duel keeps its state in (without it the duel keeps a map, which the
+    store's blocks do not pay)."""
 
-    __slots__ = ("key", "parent", "dram_order", "dram_older", "dram_newer")
+    __slots__ = ("key", "parent", "dram_order", "dram_older", "dram_newer", "dram_duel")
 
     def __init__(self, key: bytes, parent: _Item | None) -> None:
         self.key = key
         self.parent = parent
-        self.dram_order = self.dram_older = self.dram_newer = None
+        self.dram_order = self.dram_older = self.dram_newer = self.dram_duel = None
 
 
 def handover(count: int, repeat: int) -> int:

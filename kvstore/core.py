@@ -32,7 +32,8 @@ from kvstore.blocks import (
 )
 from kvstore.gpu_copies import GpuCopies
 from kvstore.pool import SlabClass
-from kvstore.scheduler.admission import PolicyChain, Step
+from kvstore.errors import ConfigError
+from kvstore.scheduler.admission import SEEN_MOST, PolicyChain, Step
 from kvstore.tier import Tier
 from kvstore.tier_changes import TierChanges
 from kvstore.token_ids import let_go
@@ -306,6 +307,9 @@ class StoreCore:
         self.drams: dict[str, TierSlots] = {}  # one DRAM tier (arena) per tenant, or one for all
         self.ssd = (TierSlots(SSD, ssd_capacity, ssd_slab_bytes, 4096, "lru")
                     if ssd_capacity else None)
+        if not 1 <= ssd_admit_after <= SEEN_MOST:  # (a block's count stops there)
+            raise ConfigError(f"ssd_admit_after: must be in [1, {SEEN_MOST}], got "
+                              f"{ssd_admit_after}")
         self.ssd_admit_after = ssd_admit_after
         self.gpu = GpuCopies(gpu_capacity, gpu_slab_bytes) if gpu_capacity else None
         self.remote_tier = remote_tier  # a remote store lies below (the daemon has one)

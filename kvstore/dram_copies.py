@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from kvstore.blocks import DRAM, Block
 from kvstore.core import StoreCore
 from kvstore.pool import SlabClass
+from kvstore.scheduler.dueling import Duel
 
 
 class DramCopies:
@@ -92,9 +93,23 @@ class DramCopies:
                     assert b.ns.blocks.get(b.key) is b, f"{b} on the order but not cached"
                     assert b.refs == 0, f"pinned {b} is on the eviction order"
                     assert b.offset is not None and not b.demoting, f"{b} on the order"
-                expected = sum(1 for ns in store.namespaces.values() if ns.cls is cls
-                               for b in ns.blocks.values()
-                               if b.offset is not None and b.refs == 0 and not b.demoting)
+                inner = getattr(policy, "inner", policy)  # (under WarmPins: warm blocks
+                duel = isinstance(inner, Duel)  # are outside the order it wraps)
+                if duel:
+                    for b in inner.evictable():
+                        assert b.dram_duel is not None, f"{b} untracked by the duel"
+                expected = 0
+                for ns in store.namespaces.values():
+                    if ns.cls is not cls:
+                        continue
+                    for b in ns.blocks.values():
+                        if b.offset is None:
+                            # the duel's states live in the blocks: only its tracked
+                            # blocks have one, none left by a duel let go (a switch)
+                            assert b.dram_duel is None, f"{b} tracked without a copy"
+                            continue
+                        expected += b.refs == 0 and not b.demoting
+                        assert duel or b.dram_duel is None, f"{b} keeps a let-go duel's state"
                 assert len(policy) == expected, (
                     f"dram class {slot_bytes}: {len(policy)} on the eviction order, "
                     f"{expected} expected")

@@ -29,3 +29,36 @@ def test_a_switch_hands_the_new_order_every_block_in_one_call() -> None:
     store.release("o", pin.id)  # type: ignore[union-attr]
     assert len(order) == 3
     store.check_invariants()
+
+
+def test_auto_let_go_and_taken_again_tracks_every_block_afresh() -> None:
+    """``auto`` keeps each block's state in the block: a switch away unsets every one
+    (pinned blocks' too), so a later ``auto`` takes the same blocks as new rather than
+    skipping them as tracked (its order then lacked them: 0 of 6 listed)."""
+    slot = IDENT.block_bytes
+    store = BlockStore(8 * slot, 8 * slot, eviction_policy="auto")
+    ns = store.open_namespace(IDENT)
+    bt = IDENT.block_tokens
+    keys = chain_keys(ns.id, list(range(6 * bt)), bt)
+    r = store.reserve("o", ns, keys, None, 0.0)
+    store.commit("o", r.id, 0.0)  # type: ignore[union-attr]
+    pin = store.acquire("o", ns, keys[:2], 0.0)  # held through both switches
+    assert all(ns.blocks[k].dram_duel is not None for k in keys)
+    store.set_eviction_policy("lru")
+    assert all(ns.blocks[k].dram_duel is None for k in keys)
+    store.check_invariants()
+    store.set_eviction_policy("auto")
+    store.release("o", pin.id)  # type: ignore[union-attr]
+    assert len(ns.dram.policy(ns.cls)) == len(keys)
+    assert all(ns.blocks[k].dram_duel is not None for k in keys)
+    store.check_invariants()
+
+
+def test_an_admission_count_a_block_cannot_reach_is_refused() -> None:
+    import pytest
+
+    from kvstore.errors import ConfigError
+
+    for most in (0, 8):
+        with pytest.raises(ConfigError, match="ssd_admit_after"):
+            BlockStore(8 * IDENT.block_bytes, 8 * IDENT.block_bytes, ssd_admit_after=most)
