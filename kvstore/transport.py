@@ -114,7 +114,6 @@ class Transport:
         else on one gated by tokens in the handshake when there is a token secret) and
         start draining them on ``loop``."""
         self._loop = loop
-        unpredictable_routing_ids()
         self._ctx = zmq.Context()
         config = self.config
         endpoints = [config.endpoint, *config.server.extra_endpoints]
