@@ -442,6 +442,7 @@ class Server:
             self.sessions.forget(gone)
             log.info("lease expired for %d session(s); their holdings were rolled back", len(gone))
             self.moves.freed()
+        self.sessions.drop_idle_tenants()
         self._drain_grants()
         self._schedule_reaper()
 
