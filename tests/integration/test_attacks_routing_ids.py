@@ -15,8 +15,8 @@ from typing import Any
 import zmq
 
 from daemon_proc import DaemonProcess
-from test_protocol_abuse import Raw, hello
 
+from kvstore import protocol as p
 from kvstore.events import END_SEQ
 
 _CLAIMED_PER_START = 16
@@ -62,9 +62,9 @@ def _claim_then_connect(daemon: DaemonProcess, endpoint: str,
 
 
 def _say_hello(sock: zmq.Socket[bytes]) -> None:
-    raw = Raw.__new__(Raw)
-    raw.sock = sock
-    hello(raw)
+    sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "acme")))
+    assert sock.poll(10_000), "the daemon did not answer"
+    assert isinstance(p.reply_decoder.decode(sock.recv()), p.HelloReply)
 
 
 def test_a_peer_claiming_the_next_routing_ids_does_not_kill_the_daemon(
