@@ -443,7 +443,9 @@ class Sessions:
         if not held:  # (held nothing: its tenant may be gone, and must not come back)
             return
         session.bytes_in_flight -= held
-        self._tenant(session.tenant).bytes_in_flight -= held
+        tenant = self._tenant(session.tenant)
+        tenant.bytes_in_flight -= held
+        self.idle.note(tenant)  # (a reply that outlived its session's lease)
 
     def check_invariants(self) -> None:
         """Each session's counts match its holdings in the store, and each tenant's sums
