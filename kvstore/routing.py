@@ -45,7 +45,7 @@ from kvstore import protocol as p
 from kvstore.auth import Auth
 from kvstore.blocks import DRAM, Block, Namespace
 from kvstore.config import Config, parse_size
-from kvstore.errors import LimitExceededError, NotFoundError
+from kvstore.errors import LimitExceededError, NotFoundError, TooLargeError
 from kvstore.events import EventPublisher
 from kvstore.pending import Later
 from kvstore.sessions import Session
@@ -181,6 +181,8 @@ class RoutingDaemon(Protocol):
     def transfers(self) -> TransferGate: ...
     @property
     def events(self) -> EventPublisher | None: ...
+    @property
+    def max_keys(self) -> int: ...
 
 
 class RoutingVerbs:
@@ -280,6 +282,9 @@ class RoutingVerbs:
 
     def _probe(self, session: Session, req: p.Probe, payload: list[Any]) -> Outcome:
         d = self.d
+        if len(req.keys) > d.max_keys:  # as every verb that names keys
+            raise TooLargeError(f"{len(req.keys)} keys in one request; the limit is "
+                                f"{d.max_keys}")
         chain: list[Block] = []
         ns = self._namespace_of(session, req.keys)
         if ns is not None:

@@ -55,7 +55,7 @@ from kvstore.tiering import SsdMover
 from kvstore.tiers.arena_fds import side_path
 from kvstore.tiers.dram import Arenas, DramArena, sweep_stale_arenas
 from kvstore.transfers import TransferGate, serving
-from kvstore.transport import Transport
+from kvstore.transport import Transport, unpredictable_routing_ids
 from kvstore.removals import GET_OWNER
 from kvstore.verbs import Verbs
 
@@ -135,6 +135,7 @@ class Server:
         """Create the arena and bind the sockets (synchronous; the loop must be running)."""
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
+        unpredictable_routing_ids()  # before any ROUTER socket: the replay socket's too
         d = self.config.dram
         sweep_stale_arenas(d.directory)
         self.arenas = Arenas(self.config.dram_capacity, d.directory, populate=d.populate,
@@ -441,6 +442,7 @@ class Server:
             self.sessions.forget(gone)
             log.info("lease expired for %d session(s); their holdings were rolled back", len(gone))
             self.moves.freed()
+        self.sessions.drop_idle_tenants()
         self._drain_grants()
         self._schedule_reaper()
 

@@ -78,6 +78,34 @@ class Tenant:
                 f"bytes_in_flight={self.bytes_in_flight})")
 
 
+@dataclass(eq=False)
+class IdleTenants:
+    """The tenants that may hold nothing any more (no session), to forget once their
+    request rate bucket is full again: else every name a hello ever gave (a daemon
+    without credentials takes the one a client names) stayed for good.  A tenant made
+    anew is then the same as the one forgotten, so no limit is lifted."""
+
+    names: dict[str, None] = field(default_factory=dict)
+
+    def note(self, tenant: Tenant | None) -> None:
+        if tenant is not None and not tenant.sessions:
+            self.names[tenant.name] = None
+
+    def drop(self, tenants: dict[str, Tenant], now: float) -> None:
+        """Take out of ``tenants`` those with no session and nothing in flight whose
+        bucket is full (one that is not yet is looked at again next time)."""
+        for name in list(self.names):
+            tenant = tenants.get(name)
+            if tenant is None or tenant.sessions:
+                del self.names[name]
+            elif not tenant.bytes_in_flight and (tenant.refilled is None
+                                                 or now - tenant.refilled >= 1.0):
+                assert not tenant.reservations and not tenant.pins, (
+                    f"{tenant} has no session yet counts holdings")
+                del tenants[name]
+                del self.names[name]
+
+
 class Sessions:
     """The daemon's sessions by connection and by id, their tenants, and their limits."""
 
@@ -93,6 +121,7 @@ class Sessions:
         self.by_id: dict[str, Session] = {}
         self.tenants: dict[str, Tenant] = {}
         self._expired: dict[bytes, None] = {}
+        self.idle = IdleTenants()
         self.grant_pins = GrantPins(grantee_pin_share, self._owner_dram, grantee_pin_total)
         # pins of get replies not yet sent in other tenants' namespaces, by id: counted
         # to the asking tenant (they outlive its session's lease, till zmq sends them)
@@ -134,14 +163,19 @@ class Sessions:
         if routing_id in self.by_connection:
             raise ForbiddenError("this connection already has a session; a second hello is "
                                  "refused (connect again for a new one)")
-        # a hello is a request of its tenant's too: else a peer that connects, says hello
-        # and goes, again and again, makes sessions past any rate (each held till its lease)
-        self._admit_tenant(tenant)
-        attached = self.by_id.get(attach) if attach else None
-        if attach and (attached is None or attached.tenant != tenant):
-            raise ForbiddenError("no such session to attach to")
-        if prepare is not None:
-            prepare(tenant)
+        try:
+            # a hello is a request of its tenant's too: else a peer that connects, says
+            # hello and goes, again and again, makes sessions past any rate (each held
+            # till its lease)
+            self._admit_tenant(tenant)
+            attached = self.by_id.get(attach) if attach else None
+            if attach and (attached is None or attached.tenant != tenant):
+                raise ForbiddenError("no such session to attach to")
+            if prepare is not None:
+                prepare(tenant)
+        except BaseException:
+            self.idle.note(self.tenants.get(tenant))  # one made for a refused hello
+            raise
         if attached is not None:
             session = attached
         else:
@@ -153,6 +187,10 @@ class Sessions:
         self.by_connection[routing_id] = session
         self.store.touch_owner(session.id, self.clock())
         return session
+
+    def drop_idle_tenants(self) -> None:
+        """Forget the tenants left with nothing (``IdleTenants``)."""
+        self.idle.drop(self.tenants, self.clock())
 
     def known(self, routing_id: bytes) -> bool:
         """Whether a connection has a session, or had one that expired (it is told so)."""
@@ -177,6 +215,7 @@ class Sessions:
             if session is not None:
                 tenant = self._tenant(session.tenant)
                 tenant.sessions -= 1
+                self.idle.note(tenant)
                 tenant.reservations -= session.reservations
                 tenant.pins -= session.pins
                 session.reservations = session.pins = 0
@@ -401,8 +440,12 @@ class Sessions:
 
     def release_bytes(self, session: Session, held: int) -> None:
         """The request that held ``held`` bytes has its reply."""
+        if not held:  # (held nothing: its tenant may be gone, and must not come back)
+            return
         session.bytes_in_flight -= held
-        self._tenant(session.tenant).bytes_in_flight -= held
+        tenant = self._tenant(session.tenant)
+        tenant.bytes_in_flight -= held
+        self.idle.note(tenant)  # (a reply that outlived its session's lease)
 
     def check_invariants(self) -> None:
         """Each session's counts match its holdings in the store, and each tenant's sums

@@ -9,9 +9,11 @@ the daemon and sends its replies; it knows nothing of verbs.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import grp
 import logging
 import os
+import secrets
 import socket
 import stat
 import time
@@ -368,6 +370,20 @@ def receive(sock: zmq.Socket[bytes]) -> list[zmq.Frame]:
     while frames[-1].more:
         frames.append(sock.recv(zmq.NOBLOCK, copy=False))
     return frames
+
+
+def unpredictable_routing_ids() -> None:
+    """Seed the C library's ``rand()``, which libzmq's ROUTER sockets take the start of
+    their peers' routing ids from (a counter, one a connection): never seeded, it starts
+    every daemon's counter at the same few values, and a peer that names the next ones
+    as its own routing id (any peer may name any) aborts the daemon when the next peer
+    is numbered onto one it holds (an assertion in libzmq).  Seeded, that peer must
+    guess 32 bits.  Best effort where no C library's ``srand`` can be found."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.srand(ctypes.c_uint(secrets.randbits(32)))
+    except (OSError, AttributeError) as exc:
+        log.warning("could not seed rand() for libzmq's routing ids: %s", exc)
 
 
 def socket_gid(group: str) -> int | None:

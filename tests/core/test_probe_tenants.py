@@ -46,6 +46,7 @@ class Daemon:
         self.ssd = None
         self.transfers = None
         self.events = None
+        self.max_keys = config.server.max_keys_per_request
 
 
 def commit(store: BlockStore, ns: Namespace, keys: list[bytes]) -> None:
