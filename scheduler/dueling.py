@@ -240,13 +240,16 @@ class _Miniature:
     store by name is five times faster than ``setattr`` (see ``kvstore.scheduler.linked``).
     """
 
-    __slots__ = ("order", "add", "held", "hits", "score")
+    __slots__ = ("order", "add", "touch", "held", "hits", "score")
 
     def __init__(self, order: Order[Any], index: int) -> None:
         self.order = order
         # a key it inserts is one it does not hold: the order's insert that skips the
         # lookups, where it has one (``insert_new``)
         self.add: Callable[[Any], None] = getattr(order, "insert_new", order.insert)
+        # a key it holds, hit: ``access_many`` of that one (``access`` each, as ``Order``
+        # has it), a frame less than ``access``, which for most candidates calls it
+        self.touch: Callable[[Iterable[Any]], None] = order.access_many
         if isinstance(getattr(type(order), "links", None), property):
             order.links = f"m{index}"  # type: ignore[attr-defined]
         if hasattr(order, "ghost_key"):
@@ -273,11 +276,11 @@ def _leaf(self, node):
     return node.{k} == 0
 
 def reference(self, node, parent, capacity, nodes, dropped):
-    order = self.order
     if node.{k} is not None:
         self.hits += 1
-        order.access(node)
+        self.touch((node,))
         return
+    order = self.order
     # Room first, then the insert, as the store does: a candidate sizes its ghost
     # history by the most items it has tracked at once.
     while self.held >= capacity:
@@ -480,6 +483,17 @@ class Duel(Generic[T]):
                     self.reality.behind += 1
         if self._lingering:
             self._forget()
+        minis = self._minis
+        if node.held == len(minis):
+            # every miniature holds it (a hit in each: no room made, no parent asked
+            # for), their ``reference`` inline
+            for mini in minis:
+                mini.hits += 1
+                mini.touch((node,))
+            self._sampled += 1
+            if self._sampled >= self.epoch:
+                self._elect()
+            return
         # The miniatures hold a 2**-shift sample of a cache of _size items.
         capacity = max(1, self._size >> self.sample_shift)
         get = self.parent_of  # the default inline: a frame less a key
@@ -496,7 +510,7 @@ class Duel(Generic[T]):
             else:
                 parent_node = nodes.get(state >> 1)
         dropped: list[_Sampled] = []
-        for mini in self._minis:
+        for mini in minis:
             mini.reference(node, parent_node, capacity, nodes, dropped)
         for gone in dropped:
             if not gone.held:  # no miniature holds it: no node, unless stamped this tick
