@@ -145,17 +145,23 @@ class FifoMap(Generic[K, V]):
         return key in held.shards[hash(key) % held.modulus]
 
     def __setitem__(self, key: K, value: V) -> None:
-        if key not in self._map:
-            (self._later if self._turning else self._order).append(key)
-            self._tidy()
-        self._map[key] = value
+        held = self._map
+        shard = held.shards[hash(key) % held.modulus]
+        if key in shard:
+            shard[key] = value  # its place kept
+            return
+        (self._later if self._turning else self._order).append(key)
+        self._tidy()
+        held[key] = value
 
     def pop(self, key: K, default: Any = _MISSING) -> Any:
-        value = self._map.pop(key, _ABSENT)
-        if value is _ABSENT:
+        held = self._map
+        value = held.shards[hash(key) % held.modulus].pop(key, _ABSENT)
+        if value is _ABSENT:  # most of a miniature's inserts: a key never evicted
             if default is _MISSING:
                 raise KeyError(key)
             return default
+        held._len -= 1
         self._stale[key] = self._stale.get(key, 0) + 1  # type: ignore[operator]
         self._tidy()
         return value
