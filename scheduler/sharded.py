@@ -151,8 +151,12 @@ class FifoMap(Generic[K, V]):
             shard[key] = value  # its place kept
             return
         (self._later if self._turning else self._order).append(key)
-        self._tidy()
-        held[key] = value
+        if self._turning or len(self._order) > 2 * held._len + self.SLACK:
+            self._tidy()  # (its test inline: a frame less a call)
+        shard[key] = value  # ``held[key] = value``, inline (``_tidy`` leaves the map)
+        held._len += 1
+        if held._len > SPLIT_AT and held.modulus == 1:
+            held._split()
 
     def pop(self, key: K, default: Any = _MISSING) -> Any:
         held = self._map
@@ -162,8 +166,14 @@ class FifoMap(Generic[K, V]):
                 raise KeyError(key)
             return default
         held._len -= 1
-        self._stale[key] = self._stale.get(key, 0) + 1  # type: ignore[operator]
-        self._tidy()
+        stale = self._stale
+        counts = stale.shards[hash(key) % stale.modulus]
+        if key in counts:
+            counts[key] += 1
+        else:
+            stale[key] = 1
+        if self._turning or len(self._order) > 2 * held._len + self.SLACK:
+            self._tidy()
         return value
 
     def __delitem__(self, key: K) -> None:
@@ -186,7 +196,7 @@ class FifoMap(Generic[K, V]):
         the live ones; O(1) a call (but the turn's end, a deque extended)."""
         order = self._order
         if not self._turning:
-            if len(order) <= 2 * len(self._map) + self.SLACK:
+            if len(order) <= 2 * self._map._len + self.SLACK:
                 return
             self._turning = True
         done = self._done
@@ -214,7 +224,8 @@ class FifoMap(Generic[K, V]):
         """The oldest entry, taken out (only ``last=False``: a ghost list's use)."""
         if last:
             raise NotImplementedError("FifoMap only gives up its oldest entry")
-        if not self._map:
+        held, stale = self._map, self._stale
+        if not held._len:
             raise KeyError("popitem(): the map is empty")
         while True:
             if self._turning:
@@ -227,8 +238,10 @@ class FifoMap(Generic[K, V]):
                     continue
             else:
                 key = self._order.popleft()
-            if not self._drop_stale(key):
-                return key, self._map.pop(key)
+            # most keys are live: the stale counts' shard read inline
+            if key not in stale.shards[hash(key) % stale.modulus] or not self._drop_stale(key):
+                held._len -= 1
+                return key, held.shards[hash(key) % held.modulus].pop(key)
 
     def held(self) -> int:
         """Keys in the deque and waiting to join it, stale ones included."""
