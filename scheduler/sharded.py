@@ -8,7 +8,9 @@ pass, a few milliseconds, once), so that each later rebuild is about a ``SHARDS`
 the size.  The store's key map does the same for bytes keys (``kvstore.block_map``); this
 one serves any hashable key and counts its entries, for the duel asks its size on
 every insert.  The price is a Python call per operation instead of the dict's C one;
-the hot loops index ``shards`` themselves (``shards[hash(key) % modulus]``), reading only.
+the hot loops index ``shards`` themselves (``shards[hash(key) % modulus]``): the duel's
+to read, ``FifoMap`` (in this module) to read and write, counting in ``_len`` and
+splitting as ``__setitem__`` does.
 """
 
 from __future__ import annotations
