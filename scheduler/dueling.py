@@ -235,18 +235,20 @@ class _Miniature:
     child held are victims (with every key sampled, it is the whole cache replayed).
     Its order holds ``_Sampled`` items, in their ``m<index>_*`` links where it can.
 
-    ``reference`` and ``_leaf`` are compiled per index (``_MINIATURE``), naming the
-    node's slots in the code: a sampled key passes through every miniature, and a slot
-    store by name is five times faster than ``setattr`` (see ``kvstore.scheduler.linked``).
+    ``_leaf`` is compiled per index (``_MINIATURE``), naming the node's slots in the
+    code; a reference to a sampled key, per count of miniatures (``_referencer``).
     """
 
-    __slots__ = ("order", "add", "held", "hits", "score")
+    __slots__ = ("order", "add", "touch", "held", "hits", "score")
 
     def __init__(self, order: Order[Any], index: int) -> None:
         self.order = order
         # a key it inserts is one it does not hold: the order's insert that skips the
         # lookups, where it has one (``insert_new``)
         self.add: Callable[[Any], None] = getattr(order, "insert_new", order.insert)
+        # a key it holds, hit: ``access_many`` of that one (``access`` each, as ``Order``
+        # has it), a frame less than ``access``, which for most candidates calls it
+        self.touch: Callable[[Iterable[Any]], None] = order.access_many
         if isinstance(getattr(type(order), "links", None), property):
             order.links = f"m{index}"  # type: ignore[attr-defined]
         if hasattr(order, "ghost_key"):
@@ -259,50 +261,11 @@ class _Miniature:
         """No child of ``node`` is held."""
         raise NotImplementedError  # compiled per index
 
-    def reference(self, node: _Sampled, parent: _Sampled | None, capacity: int,
-                  nodes: ShardedDict[int, _Sampled], dropped: list[_Sampled]) -> None:
-        """``node`` referenced (``parent``: its parent's, if sampled); the keys that no
-        miniature holds any more are added to ``dropped``."""
-        raise NotImplementedError  # compiled per index
 
-
-# ``{k}``: the node's children held in this miniature (None: not held); ``{u}``: its
-# parent's key, if this miniature held the parent when it came.
+# ``{k}``: the node's children held in this miniature (None: not held).
 _MINIATURE = """
 def _leaf(self, node):
     return node.{k} == 0
-
-def reference(self, node, parent, capacity, nodes, dropped):
-    order = self.order
-    if node.{k} is not None:
-        self.hits += 1
-        order.access(node)
-        return
-    # Room first, then the insert, as the store does: a candidate sizes its ghost
-    # history by the most items it has tracked at once.
-    while self.held >= capacity:
-        victim = order.pop_victim(self._leaf)
-        if victim is None:
-            break
-        victim.{k} = None
-        self.held -= 1
-        victim.held -= 1
-        if not victim.held:
-            dropped.append(victim)
-        held = victim.{u}
-        if held is not None:
-            victim.{u} = None
-            # by key: the parent may have left every miniature and come back since
-            was = nodes.get(held)
-            if was is not None and was.{k} is not None:
-                was.{k} -= 1
-    if parent is not None and parent.{k} is not None:
-        parent.{k} += 1
-        node.{u} = parent.key
-    node.{k} = 0
-    self.held += 1
-    node.held += 1
-    self.add(node)
 """
 
 _MINIATURES: dict[int, type[_Miniature]] = {}
@@ -313,11 +276,71 @@ def _miniature(order: Order[Any], index: int) -> _Miniature:
     cls = _MINIATURES.get(index)
     if cls is None:
         methods: dict[str, Any] = {}
-        source = _MINIATURE.format(k=f"m{index}_kids", u=f"m{index}_up")
+        source = _MINIATURE.format(k=f"m{index}_kids")
         exec(compile(source, f"<_Miniature {index}>", "exec"), {}, methods)
         cls = _MINIATURES[index] = type(f"_Miniature{index}", (_Miniature,),
                                         {"__slots__": (), **methods})
     return cls(order, index)
+
+
+# One miniature's part of a reference (``_referencer``): ``{i}``, its index; ``{k}``,
+# the node's children held in it (None: not held); ``{u}``: the node's parent's key, if
+# it held the parent when the node came.
+_REFERENCE = """
+    mini = minis[{i}]
+    if node.{k} is not None:
+        mini.hits += 1
+        mini.touch((node,))
+    else:
+        order = mini.order
+        # Room first, then the insert, as the store does: a candidate sizes its ghost
+        # history by the most items it has tracked at once.
+        while mini.held >= capacity:
+            victim = order.pop_victim(mini._leaf)
+            if victim is None:
+                break
+            victim.{k} = None
+            mini.held -= 1
+            victim.held -= 1
+            if not victim.held:
+                dropped.append(victim)
+            held = victim.{u}
+            if held is not None:
+                victim.{u} = None
+                # by key: the parent may have left every miniature and come back since
+                was = nodes.get(held)
+                if was is not None and was.{k} is not None:
+                    was.{k} -= 1
+        if parent is not None and parent.{k} is not None:
+            parent.{k} += 1
+            node.{u} = parent.key
+        node.{k} = 0
+        mini.held += 1
+        node.held += 1
+        mini.add(node)
+"""
+
+_Referencer = Callable[[Sequence[_Miniature], _Sampled, "_Sampled | None", int,
+                        ShardedDict[int, _Sampled], list[_Sampled]], None]
+_REFERENCERS: dict[int, _Referencer] = {}
+
+
+def _referencer(miniatures: int) -> _Referencer:
+    """``reference(minis, node, parent, capacity, nodes, dropped)``: ``node`` referenced
+    in each of ``miniatures`` miniatures in turn (``parent``: its parent's node, if
+    sampled); the keys that none holds any more are added to ``dropped``.  Compiled
+    per count, each miniature's part naming its slots: one call a sampled key, not one
+    per miniature (a slot store by name is five times faster than ``setattr``, see
+    ``kvstore.scheduler.linked``)."""
+    made = _REFERENCERS.get(miniatures)
+    if made is None:
+        source = "def reference(minis, node, parent, capacity, nodes, dropped):\n    pass\n" \
+            + "".join(_REFERENCE.format(i=i, k=f"m{i}_kids", u=f"m{i}_up")
+                      for i in range(miniatures))
+        methods: dict[str, Any] = {}
+        exec(compile(source, f"<reference {miniatures}>", "exec"), {}, methods)
+        made = _REFERENCERS[miniatures] = methods["reference"]
+    return made
 
 
 class _Reality:
@@ -387,6 +410,7 @@ class Duel(Generic[T]):
         # while a miniature holds it or it was referenced this tick.
         self._minis = [_miniature(make(), i) for i, make in enumerate(self._factories)]
         self._node = sampled_class(len(self._minis))
+        self._reference = _referencer(len(self._minis))
         self._nodes: ShardedDict[int, _Sampled] = ShardedDict()
         self._lingering: list[_Sampled] = []  # held by none, but referenced this tick
         self.sample_shift = sample_shift
@@ -480,6 +504,17 @@ class Duel(Generic[T]):
                     self.reality.behind += 1
         if self._lingering:
             self._forget()
+        minis = self._minis
+        if node.held == len(minis):
+            # every miniature holds it (a hit in each: no room made, no parent asked
+            # for), their ``reference`` inline
+            for mini in minis:
+                mini.hits += 1
+                mini.touch((node,))
+            self._sampled += 1
+            if self._sampled >= self.epoch:
+                self._elect()
+            return
         # The miniatures hold a 2**-shift sample of a cache of _size items.
         capacity = max(1, self._size >> self.sample_shift)
         get = self.parent_of  # the default inline: a frame less a key
@@ -496,8 +531,7 @@ class Duel(Generic[T]):
             else:
                 parent_node = nodes.get(state >> 1)
         dropped: list[_Sampled] = []
-        for mini in self._minis:
-            mini.reference(node, parent_node, capacity, nodes, dropped)
+        self._reference(minis, node, parent_node, capacity, nodes, dropped)
         for gone in dropped:
             if not gone.held:  # no miniature holds it: no node, unless stamped this tick
                 if gone.last == tick:

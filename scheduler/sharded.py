@@ -8,7 +8,9 @@ pass, a few milliseconds, once), so that each later rebuild is about a ``SHARDS`
 the size.  The store's key map does the same for bytes keys (``kvstore.block_map``); this
 one serves any hashable key and counts its entries, for the duel asks its size on
 every insert.  The price is a Python call per operation instead of the dict's C one;
-the hot loops index ``shards`` themselves (``shards[hash(key) % modulus]``), reading only.
+the hot loops index ``shards`` themselves (``shards[hash(key) % modulus]``): the duel's
+to read, ``FifoMap`` (in this module) to read and write, counting in ``_len`` and
+splitting as ``__setitem__`` does.
 """
 
 from __future__ import annotations
@@ -145,19 +147,35 @@ class FifoMap(Generic[K, V]):
         return key in held.shards[hash(key) % held.modulus]
 
     def __setitem__(self, key: K, value: V) -> None:
-        if key not in self._map:
-            (self._later if self._turning else self._order).append(key)
-            self._tidy()
-        self._map[key] = value
+        held = self._map
+        shard = held.shards[hash(key) % held.modulus]
+        if key in shard:
+            shard[key] = value  # its place kept
+            return
+        (self._later if self._turning else self._order).append(key)
+        if self._turning or len(self._order) > 2 * held._len + self.SLACK:
+            self._tidy()  # (its test inline: a frame less a call)
+        shard[key] = value  # ``held[key] = value``, inline (``_tidy`` leaves the map)
+        held._len += 1
+        if held._len > SPLIT_AT and held.modulus == 1:
+            held._split()
 
     def pop(self, key: K, default: Any = _MISSING) -> Any:
-        value = self._map.pop(key, _ABSENT)
-        if value is _ABSENT:
+        held = self._map
+        value = held.shards[hash(key) % held.modulus].pop(key, _ABSENT)
+        if value is _ABSENT:  # most of a miniature's inserts: a key never evicted
             if default is _MISSING:
                 raise KeyError(key)
             return default
-        self._stale[key] = self._stale.get(key, 0) + 1  # type: ignore[operator]
-        self._tidy()
+        held._len -= 1
+        stale = self._stale
+        counts = stale.shards[hash(key) % stale.modulus]
+        if key in counts:
+            counts[key] += 1
+        else:
+            stale[key] = 1
+        if self._turning or len(self._order) > 2 * held._len + self.SLACK:
+            self._tidy()
         return value
 
     def __delitem__(self, key: K) -> None:
@@ -180,7 +198,7 @@ class FifoMap(Generic[K, V]):
         the live ones; O(1) a call (but the turn's end, a deque extended)."""
         order = self._order
         if not self._turning:
-            if len(order) <= 2 * len(self._map) + self.SLACK:
+            if len(order) <= 2 * self._map._len + self.SLACK:
                 return
             self._turning = True
         done = self._done
@@ -208,7 +226,8 @@ class FifoMap(Generic[K, V]):
         """The oldest entry, taken out (only ``last=False``: a ghost list's use)."""
         if last:
             raise NotImplementedError("FifoMap only gives up its oldest entry")
-        if not self._map:
+        held, stale = self._map, self._stale
+        if not held._len:
             raise KeyError("popitem(): the map is empty")
         while True:
             if self._turning:
@@ -221,8 +240,10 @@ class FifoMap(Generic[K, V]):
                     continue
             else:
                 key = self._order.popleft()
-            if not self._drop_stale(key):
-                return key, self._map.pop(key)
+            # most keys are live: the stale counts' shard read inline
+            if key not in stale.shards[hash(key) % stale.modulus] or not self._drop_stale(key):
+                held._len -= 1
+                return key, held.shards[hash(key) % held.modulus].pop(key)
 
     def held(self) -> int:
         """Keys in the deque and waiting to join it, stale ones included."""
