@@ -434,8 +434,10 @@ class Duel(Generic[T]):
         # the first item inserted while none is tracked.
         self._items: States = MapStates()
         # the tracked items pinned (by ``pin``): a hand-over finds them here, not by
-        # comparing every tracked item with the order's list
-        self._pinned: set[T] = set()
+        # comparing every tracked item with the order's list; in the order pinned (a
+        # set's order is its items' hashes, for the store's blocks their addresses: a
+        # hand-over then passed them on in another order each run)
+        self._pinned: dict[T, None] = {}
         self._size = 0  # the most items tracked at once: the cache size, once full
         self._tick = 0  # inserts and evictions so far
         self._sampled = 0  # sampled references in the current epoch
@@ -732,16 +734,16 @@ class Duel(Generic[T]):
 
     def pin(self, item: T) -> None:
         if self._items.get(item) is not None:
-            self._pinned.add(item)
+            self._pinned[item] = None
             self._order.pin(item)
 
     def unpin(self, item: T) -> None:
-        self._pinned.discard(item)
+        self._pinned.pop(item, None)
         self._order.unpin(item)
 
     def remove(self, item: T) -> None:
         if self._items.pop(item, None) is not None:
-            self._pinned.discard(item)
+            self._pinned.pop(item, None)
             self._order.remove(item)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:

@@ -730,7 +730,7 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
             self._let_go(mini.order)
         self._order = self._factories[0]()
         self._minis, self._nodes, self._items = [], ShardedDict(), MapStates()
-        self._pinned = set()
+        self._pinned = {}
         self._gone.clear()
         self._lingering = []
 
