@@ -324,6 +324,10 @@ class StoreCore:
         self.chain = PolicyChain()  # ``pressure`` sets it
         self.early = False
         self.hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
+        # The entries with no parent (a chain's first block), by key -> their namespace:
+        # a router's probe finds a chain's namespace by one lookup rather than asking
+        # every namespace its tenants see (keys are hashed with their namespace)
+        self.roots: dict[bytes, Namespace] = {}
         # The sweep below them, when it is left to go on in later calls (``sweep_hollow``):
         # the daemon's way to be called again, the round's entries left, the one under way.
         self.sweep_later: Callable[[], None] | None = None
@@ -515,6 +519,8 @@ class StoreCore:
                and block.ssd_holds == 0 and not block.promoting
                and block.ns.blocks.get(block.key) is block):
             del block.ns.blocks[block.key]
+            if block.parent is None and self.roots.get(block.key) is block.ns:
+                del self.roots[block.key]
             if self.dropping:
                 # its mark goes with it (removals queued one behind another keep their
                 # namespace's record open for long: it holds live entries only)

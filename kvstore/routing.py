@@ -304,18 +304,17 @@ class RoutingVerbs:
                             self.queue_seconds(), self.bandwidth()), []
 
     def _namespace_of(self, session: Session, keys: list[bytes]) -> Namespace | None:
-        """The visible namespace that caches the chain's first key (keys are hashed with
-        their namespace, so at most one does).  Only the namespaces of the tenants the
-        session may see are searched: another tenant's count costs a probe nothing."""
+        """The visible namespace whose chain begins with the first key (keys are hashed
+        with their namespace, so at most one does), from the store's map of first
+        blocks: one lookup however many namespaces there are (asking each one held the
+        loop 12 ms a probe at 100k of them).  A chain is probed from its first block, as
+        a router asks; another tenant's namespace answers nothing."""
         if not keys:
             return None
-        first = keys[0]
-        groups = self.d.store.tenant_namespaces
-        for tenant in self._visible_tenants(session):
-            for ns in groups.get(tenant, {}).values():
-                if first in ns.blocks:
-                    return ns
-        return None
+        ns = self.d.store.roots.get(keys[0])  # a chain's first block: one lookup
+        if ns is None or ns.tenant not in self._visible_tenants(session):
+            return None
+        return ns
 
     def _visible_tenants(self, session: Session) -> list[str]:
         """The session's tenant, and those that share their namespaces with it

@@ -455,6 +455,7 @@ def restore_blocks(store: StoreCore, ns: Namespace, keys: list[bytes],
     blocks = ns.blocks
     shards, mask = blocks.shards, blocks.mask
     seen = store.ssd_admit_after
+    roots = store.roots
     fresh: list[Block] = []
     add = fresh.append
     given_back: set[int] = set()  # claimed for an entry that could not be restored
@@ -486,6 +487,8 @@ def restore_blocks(store: StoreCore, ns: Namespace, keys: list[bytes],
                 parent_block.kids = block
             else:
                 parent_block.add_child(block)
+        else:
+            roots[key] = ns
         shard[key] = block
         add(block)
         if not mask and len(shard) > SPLIT_AT:
@@ -509,7 +512,8 @@ def restore_fresh(store: StoreCore, ns: Namespace, keys: list[bytes],
     assert ssd is not None and cls is not None and not ns.blocks
     ok = ssd.pool.claim_many(cls, offsets)
     if all(ok) and -1 not in parent_back:  # every one is made (a warm restart's case)
-        fresh = _made_fresh(ns, keys, parent_back, offsets, checksums, store.ssd_admit_after)
+        fresh = _made_fresh(ns, keys, parent_back, offsets, checksums, store.ssd_admit_after,
+                            store.roots)
     else:
         fresh = _made_with_gaps(store, ns, keys, parent_back, offsets, checksums, ok)
     ssd.policy(cls).insert_many(fresh)
@@ -529,6 +533,7 @@ def _made_with_gaps(store: StoreCore, ns: Namespace, keys: list[bytes],
     blocks = ns.blocks
     shards, mask = blocks.shards, blocks.mask
     seen = store.ssd_admit_after
+    roots = store.roots
     made: list[Block | None] = []  # by position: its block, or None where none was made
     keep = made.append
     given_back: set[int] = set()  # claimed for an entry that could not be restored
@@ -559,6 +564,8 @@ def _made_with_gaps(store: StoreCore, ns: Namespace, keys: list[bytes],
                 parent_block.kids = block
             else:
                 parent_block.add_child(block)
+        else:
+            roots[key] = ns
         shards[hash(key) & mask][key] = block
         keep(block)
         if not mask and len(shards[0]) > SPLIT_AT:
@@ -576,9 +583,11 @@ _BLOCK_SLOTS = ("key", "ns", "parent", "kids", "offset", "refs", "ssd_offset", "
 
 
 def _made_fresh(ns: Namespace, keys: list[bytes], parent_back: list[int],
-                offsets: list[int], checksums: list[int], seen: int) -> list[Block]:
+                offsets: list[int], checksums: list[int], seen: int,
+                roots: dict[bytes, Namespace]) -> list[Block]:
     """``restore_fresh``'s blocks where every one is made (each slot claimed, each
-    parent among them): made, linked to their parents and put in the key map, in order.
+    parent among them): made, linked to their parents and put in the key map (those
+    without a parent in ``roots`` too), in order.
 
     The one loop of a warm restart that runs a Python step per block, so each step is
     as few as it can be: each entry made by ``Block.__new__`` with its slots stored
@@ -610,6 +619,7 @@ def _made_fresh(ns: Namespace, keys: list[bytes], parent_back: list[int],
                 parent.add_child(block)
         else:
             block.parent = None
+            roots[key] = ns
         block.kids = None
         block.offset = None
         block.refs = 0

@@ -236,6 +236,8 @@ class BlockStore(StoreCore):
                         parent.kids = block
                     else:
                         parent.add_child(block)
+                else:
+                    self.roots[key] = ns
                 shard[key] = block
                 if checksums:
                     block.checksum = checksums[i]

@@ -51,6 +51,10 @@ def check_invariants(store: StoreCore) -> None:
                for ns_id in group}
     listed = {(ns.identity.tenant, ns_id) for ns_id, ns in store.namespaces.items()}
     assert grouped == listed, "namespaces by tenant: the store's, each in its tenant's"
+    roots = {b.key: ns for ns in store.namespaces.values() for b in ns.blocks.values()
+             if b.parent is None}
+    assert roots.keys() == store.roots.keys() and all(
+        store.roots[k] is ns for k, ns in roots.items()), "the first blocks' map"
     pinned: dict[tuple[int, str], int] = {}
     for ns in store.namespaces.values():
         at = (id(ns.dram), ns.tenant)

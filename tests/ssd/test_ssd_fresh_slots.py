@@ -26,7 +26,7 @@ def test_fresh_blocks_hold_what_the_constructor_gives() -> None:
     backs = [0, 1, 1, 1, 3, 0]
     offsets = [i * 4096 for i in range(len(rows))]
     checksums = [1000 + i for i in range(len(rows))]
-    made = _made_fresh(ns, rows, backs, offsets, checksums, 2)
+    made = _made_fresh(ns, rows, backs, offsets, checksums, 2, {})
     parents: list[Block | None] = [None]
     for i in range(1, len(rows)):
         parents.append(made[i - backs[i]] if backs[i] else None)
