@@ -400,14 +400,12 @@ class Duel(Generic[T]):
         if len(most) > len(self._factories):
             raise ValueError(f"most bounds {len(most)} candidates; there are "
                              f"{len(self._factories)}")
-        # per candidate, the most items it may order (None: no bound): an order that
-        # keeps tables rather than links takes long to build, and grows by rebuilds, at
-        # millions; over its bound it is not elected, and hands over if in charge
+        # per candidate, the most items it may order (None: no bound); over its bound an
+        # order that keeps tables is not elected, and hands over if in charge
         self._most = [*most, *[None] * (len(self._factories) - len(most))]
         self._order: Order[T] = self._keyed(self._factories[0]())
-        # Miniatures hold the sampled keys, the hashes of the items' names (``ghost_key``):
-        # the same for a block cached again as a new entry; each key one ``_Sampled``
-        # while a miniature holds it or it was referenced this tick.
+        # Miniatures hold the sampled keys (hashes of ``ghost_key``: the same for a block
+        # cached again), each one ``_Sampled`` while held or referenced this tick.
         self._minis = [_miniature(make(), i) for i, make in enumerate(self._factories)]
         self._node = sampled_class(len(self._minis))
         self._reference = _referencer(len(self._minis))
@@ -426,27 +424,20 @@ class Duel(Generic[T]):
         self.keep = keep
         self._leader = 0
         self.reality = _Reality(check)
-        # every tracked item, pinned ones too -> its state: out of the sample, whether
-        # it was hit since it entered (False, True); in it, the hash of its name
-        # (``ghost_key``) shifted left by one, or'd with 1 once hit.  One read per hit;
-        # the sample decided once, at insert.  In a map, or in the items' attribute
-        # ``state_attr`` where they have one (``kvstore.scheduler.tracked``), chosen by
-        # the first item inserted while none is tracked.
+        # every tracked item -> its state: out of the sample, hit since it entered (True)
+        # or not (False); in it, its name's hash << 1, | 1 once hit.  In a map, or in
+        # the items' ``state_attr`` where they have one (``kvstore.scheduler.tracked``).
         self._items: States = MapStates()
-        # the tracked items pinned (by ``pin``): a hand-over finds them here, not by
-        # comparing every tracked item with the order's list; in the order pinned (a
-        # set's order is its items' hashes, for the store's blocks their addresses: a
-        # hand-over then passed them on in another order each run)
+        # the tracked items pinned, in the order pinned (a set listed blocks by address,
+        # so a hand-over passed them on in another order each run)
         self._pinned: dict[T, None] = {}
         self._size = 0  # the most items tracked at once: the cache size, once full
         self._tick = 0  # inserts and evictions so far
         self._sampled = 0  # sampled references in the current epoch
         self.switches = 0
         self._evicted = False  # whether the order in charge gave up an item yet
-        # the names of the latest victims, about twice as many as the cache holds (a power
-        # of two at least RECALL_SHARE times its size, at most RECALL_MOST), oldest first:
-        # a new order in charge takes them as its ghosts (``recall``); made at the first eviction, when the
-        # cache's size is known, and remade only as it doubles
+        # the latest victims' names, oldest first, about twice the cache's size (made at
+        # the first eviction, remade as it doubles): a new order's ghosts (``recall``)
         self._gone: deque[Hashable] = deque(maxlen=1)
         # The store's blocks know their parent; other items (the replay's ids) have it
         # set here by their cache.
@@ -554,8 +545,7 @@ class Duel(Generic[T]):
                 del nodes[node.key]
 
     def _elect(self) -> None:
-        # ``keep`` is per ``longest`` references: a shorter epoch forgets as much per
-        # reference, and the noise threshold is in hits, whatever the epoch
+        # ``keep`` is per ``longest`` references; the noise threshold is in hits
         keep = self.keep ** (self._sampled / self.longest)
         self._sampled = 0
         for mini in self._minis:
@@ -569,16 +559,9 @@ class Duel(Generic[T]):
             eligible = [self._leader]
         best = max(eligible, key=lambda i: (self._minis[i].score, -i))
         lead = self._minis[best].score - self._minis[self._leader].score
-        # Ahead by the margin, and by more hits than noise: a quarter of a percent of the
-        # longest epoch's references (1.28; a few lucky hits must not hand over the
-        # order: with no floor, a 100-item cache on a trace where LRU is best left it
-        # twice).  Half a percent only made the late elections later
-        # (``policy_sweep.py --seeds 2`` with the chat trace, 236 cells: more than 2%
-        # behind the best 49 at 1.28 hits, 51 at 2.56, 66 at 5.12, 47 with no floor;
-        # below LRU 10, 10, 8, 10).  Not while the cache fills: until its first victim
-        # the order picks nothing, and the miniatures' few hits are noise (the first
-        # short epochs handed the agents workload's order to SLRU at 51 references, for
-        # good, 0.01 points below LRU).
+        # Ahead by the margin and by more hits than noise (a quarter of a percent of the
+        # longest epoch's references; README: the floors measured), and not while the
+        # cache fills (until its first victim the miniatures' few hits are noise).
         # A leader over its bound hands over to the best of the others, however they did.
         if outgrown or (self._evicted
                         and lead > self.margin * self._minis[self._leader].score
