@@ -62,12 +62,7 @@ class BatchedCache(PolicyCache):
     reports them."""
 
     def lookup(self, keys: list) -> int:
-        children = self._children
-        hits = 0
-        for key in keys:
-            if key not in children:
-                break
-            hits += 1
+        hits = self.cached_prefix(keys)
         for _ in range(self.touches):
             self.policy.access_many(list(reversed(keys[:hits])))
         for key in keys[:hits]:

@@ -139,13 +139,18 @@ class PolicyCache:
     def _is_leaf(self, key: Hashable) -> bool:
         return self._children[key] == 0
 
-    def lookup(self, keys: Sequence[int]) -> int:
+    def cached_prefix(self, keys: Sequence[Hashable]) -> int:
+        """How many of ``keys``, from the first, are cached."""
         children = self._children
         hits = 0
         for key in keys:
             if key not in children:
                 break
             hits += 1
+        return hits
+
+    def lookup(self, keys: Sequence[int]) -> int:
+        hits = self.cached_prefix(keys)
         policy = self.policy
         for _ in range(self.touches):
             for key in reversed(keys[:hits]):
