@@ -36,9 +36,12 @@ as for S3-FIFO (``kvstore.scheduler.eviction``).
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import TypeVar
+from typing import Protocol, TypeVar, cast
+
+import numpy as np
 
 from kvstore.scheduler.policy import EvictionPolicy
 
@@ -72,6 +75,27 @@ _AGES = _bucket_ages()
 # stay from there to each later event, the events of its own bucket included
 _STARTS = [a - 0.5 for a in range(8)] + [
     float((4 + b % 4) << (b // 4 - 1)) - 0.5 for b in range(8, _BUCKETS)]
+_AGES_ARRAY = np.array(_AGES)
+_STARTS_ARRAY = np.array(_STARTS)
+
+
+class _Row(Protocol):
+    """A histogram's row: a float per age bucket."""
+
+    def __getitem__(self, bucket: int, /) -> float: ...
+    def __setitem__(self, bucket: int, count: float, /) -> None: ...
+    def __iter__(self) -> Iterator[float]: ...
+
+
+def _histogram() -> tuple[list[_Row], np.ndarray]:
+    """A table of zeros two ways over one buffer of doubles: its rows (one per class,
+    indexed by the hot paths as fast as lists) and the whole as an array (read and
+    written in place by a refresh)."""
+    cells = array("d", bytes(8 * _CLASSES * _BUCKETS))
+    whole = memoryview(cells)
+    rows = [whole[klass * _BUCKETS:(klass + 1) * _BUCKETS] for klass in range(_CLASSES)]
+    table = np.frombuffer(cells, dtype=np.float64).reshape(_CLASSES, _BUCKETS)
+    return cast("list[_Row]", rows), table
 
 
 def _class(hits: int) -> int:
@@ -131,9 +155,13 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self._queues: list[OrderedDict[T, None]] = [OrderedDict() for _ in range(_CLASSES)]
         # evicted keys -> (hits, class, clock at the last reference)
         self._ghost: OrderedDict[Hashable, tuple[int, int, int]] = OrderedDict()
-        self._hits = [[0.0] * _BUCKETS for _ in range(_CLASSES)]  # per class, per age
-        self._evictions = [[0.0] * _BUCKETS for _ in range(_CLASSES)]
-        self._density: list[list[float]] | None = None  # none learned yet: LRU
+        # Per class, per age bucket: the hits, the evictions and the densities learned
+        # from them, as rows of one buffer each, which a refresh reads and writes as
+        # arrays in place while the hot paths index the rows as lists (as fast).
+        self._hits, self._hit_table = _histogram()
+        self._evictions, self._eviction_table = _histogram()
+        self._learned, self._learned_table = _histogram()
+        self._density: list[_Row] | None = None  # none learned yet: LRU
         self._now = 0  # references so far: the clock ages are counted in
         self._tick = 0  # inserts and evictions so far (a hit counts once per tick)
         self._next_refresh = refresh
@@ -316,34 +344,38 @@ class HitDensityPolicy(EvictionPolicy[T]):
         if not isinstance(learned, HitDensityPolicy):
             return
         moved = [age_bucket(int(age * scale + 0.5)) for age in _AGES]
+        self._hit_table.fill(0.0)
+        self._eviction_table.fill(0.0)
         for mine, theirs in ((self._hits, learned._hits),
                              (self._evictions, learned._evictions)):
-            for klass in range(_CLASSES):
-                table = mine[klass] = [0.0] * _BUCKETS
-                for bucket, count in enumerate(theirs[klass]):
+            for table, counts in zip(mine, theirs):
+                for bucket, count in enumerate(counts):
                     table[moved[bucket]] += count
         if learned._density is not None:
             self._learn()
 
     def _learn(self) -> None:
-        """Densities from the histograms, then the histograms decay."""
+        """Densities from the histograms, then the histograms decay.
+
+        In arrays over the rows' buffers (5 classes of 112 buckets: a loop of Python
+        here was the longest call of a lookup under ``auto``, whose miniature relearns
+        every 512 sampled references): each running sum from the oldest bucket down is
+        a cumulative sum of the reversed row, added in the same order as a loop would,
+        so the densities are the same floats."""
         self._next_refresh = self._now + self.refresh
         self.refreshes += 1
-        tables = []
-        for hits, evictions in zip(self._hits, self._evictions):
-            table = [0.0] * _BUCKETS
-            hits_above = events_above = age_sum_above = 0.0
-            for bucket in range(_BUCKETS - 1, -1, -1):
-                events = hits[bucket] + evictions[bucket]
-                hits_above += hits[bucket]
-                events_above += events
-                age_sum_above += events * _AGES[bucket]
-                lifetime = age_sum_above - _STARTS[bucket] * events_above
-                table[bucket] = hits_above / lifetime if events_above else 0.0
-                hits[bucket] *= self.keep
-                evictions[bucket] *= self.keep
-            tables.append(table)
-        self._density = tables
+        hits, evictions = self._hit_table, self._eviction_table
+        events = hits + evictions
+        hits_above = np.cumsum(hits[:, ::-1], axis=1)[:, ::-1]
+        events_above = np.cumsum(events[:, ::-1], axis=1)[:, ::-1]
+        age_sum_above = np.cumsum((events * _AGES_ARRAY)[:, ::-1], axis=1)[:, ::-1]
+        lifetime = age_sum_above - _STARTS_ARRAY * events_above
+        density = self._learned_table
+        density.fill(0.0)
+        np.divide(hits_above, lifetime, out=density, where=events_above != 0.0)
+        self._density = self._learned
+        hits *= self.keep
+        evictions *= self.keep
 
     def evictable(self) -> Iterator[T]:
         """The unpinned items, least recently referenced first, as the other orders list

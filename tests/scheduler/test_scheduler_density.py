@@ -94,6 +94,49 @@ def test_it_passes_over_refused_blocks_and_falls_back_to_any_allowed_one() -> No
     assert len(policy) == 8
 
 
+def _densities_by_loop(hits: list[list[float]], evictions: list[list[float]],
+                       ages: list[float], starts: list[float]) -> list[list[float]]:
+    """The densities as the module docstring defines them, summed bucket by bucket from
+    the oldest down: what the refresh's arrays must reproduce to the last bit."""
+    tables = []
+    for hit_row, eviction_row in zip(hits, evictions):
+        table = [0.0] * len(hit_row)
+        hits_above = events_above = age_sum_above = 0.0
+        for bucket in range(len(hit_row) - 1, -1, -1):
+            events = hit_row[bucket] + eviction_row[bucket]
+            hits_above += hit_row[bucket]
+            events_above += events
+            age_sum_above += events * ages[bucket]
+            lifetime = age_sum_above - starts[bucket] * events_above
+            table[bucket] = hits_above / lifetime if events_above else 0.0
+        tables.append(table)
+    return tables
+
+
+def test_a_refresh_learns_the_same_floats_as_the_sums_bucket_by_bucket() -> None:
+    import random
+
+    from kvstore.scheduler import density as module
+
+    rng = random.Random(7)
+    policy: HitDensityPolicy[int] = HitDensityPolicy(keep=0.8)
+    for klass in range(5):
+        for bucket in rng.sample(range(112), 40):  # empty buckets (and classes) too
+            policy._hits[klass][bucket] = rng.random() * 10 ** rng.randint(-3, 4)
+            policy._evictions[klass][bucket] = rng.choice((0.0, rng.random() * 50))
+    hits = [list(row) for row in policy._hits]
+    evictions = [list(row) for row in policy._evictions]
+    policy._learn()
+    assert policy._density is not None
+    expected = _densities_by_loop(hits, evictions, module._AGES, module._STARTS)
+    assert [list(row) for row in policy._density] == expected
+    assert any(value > 0.0 for row in expected for value in row)
+    # ... and the histograms decayed by ``keep``, in place
+    assert [list(row) for row in policy._hits] == [[h * 0.8 for h in row] for row in hits]
+    assert [list(row) for row in policy._evictions] == [
+        [e * 0.8 for e in row] for row in evictions]
+
+
 def test_refuses_bad_parameters() -> None:
     for bad in ({"refresh": 0}, {"keep": 1.0}, {"ghost": 0.0}, {"skip": 0}):
         with pytest.raises(ValueError):
