@@ -143,6 +143,9 @@ class Sessions:
         self.max_pins_per_tenant = s.max_pins_per_tenant
         self.max_namespaces_per_session = s.max_namespaces_per_session
         self.max_namespaces_per_tenant = s.max_namespaces_per_tenant
+        # each session a hello opens holds about 1.6 KB till its lease ends, whether its
+        # connection stays or not (0: no limit; a setting where the configuration has it)
+        self.max_sessions_per_tenant: int = getattr(s, "max_sessions_per_tenant", 0)
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -172,6 +175,10 @@ class Sessions:
             attached = self.by_id.get(attach) if attach else None
             if attach and (attached is None or attached.tenant != tenant):
                 raise ForbiddenError("no such session to attach to")
+            held, cap = self.tenants.get(tenant), self.max_sessions_per_tenant
+            if cap and attached is None and held is not None and held.sessions >= cap:
+                raise LimitExceededError(f"tenant {tenant!r} has {cap} sessions (the limit); "
+                                         f"close one, or wait for an idle one's lease to end")
             if prepare is not None:
                 prepare(tenant)
         except BaseException:
@@ -467,7 +474,7 @@ class Sessions:
             assert [tenant.sessions, tenant.reservations, tenant.pins] == expected, (
                 f"{tenant} does not sum its sessions: {expected}")
         self._check_grant_pins()
-        self._check_namespace_users()
+        check_namespace_users(self)
 
     def _check_grant_pins(self) -> None:
         """Each session counts exactly its pins in other tenants' namespaces, and the
@@ -489,21 +496,22 @@ class Sessions:
             counted.setdefault(tenant, []).append(pin)
         self.grant_pins.check_invariants(counted)
 
-    def _check_namespace_users(self) -> None:
-        """Each namespace counts as users at least the sessions that have it open and the
-        reservations in it (fewer, and it could be forgotten in use; more is a caller of
-        the store's own, as a test or a restore), and the store keeps none that nothing
-        uses and that holds no entry."""
-        users: dict[bytes, int] = {}
-        for session in self.by_id.values():
-            for ns_id in session.namespaces:
-                assert ns_id in self.store.namespaces, f"{session} has a forgotten namespace"
-                users[ns_id] = users.get(ns_id, 0) + 1
-        for state in self.store.owners.values():
-            for r in state.reservations.values():
-                assert self.store.namespaces.get(r.ns.id) is r.ns, f"{r} in a forgotten namespace"
-                users[r.ns.id] = users.get(r.ns.id, 0) + 1
-        for ns_id, ns in self.store.namespaces.items():
-            assert ns.users >= users.get(ns_id, 0), (
-                f"{ns} counts {ns.users} users; {users.get(ns_id, 0)} use it")
-            assert ns.users or ns.blocks, f"{ns} is unused and empty, yet kept"
+
+def check_namespace_users(sessions: Sessions) -> None:
+    """Each namespace counts as users at least the sessions that have it open and the
+    reservations in it (fewer, and it could be forgotten in use; more is a caller of
+    the store's own, as a test or a restore), and the store keeps none that nothing
+    uses and that holds no entry."""
+    users: dict[bytes, int] = {}
+    for session in sessions.by_id.values():
+        for ns_id in session.namespaces:
+            assert ns_id in sessions.store.namespaces, f"{session} has a forgotten namespace"
+            users[ns_id] = users.get(ns_id, 0) + 1
+    for state in sessions.store.owners.values():
+        for r in state.reservations.values():
+            assert sessions.store.namespaces.get(r.ns.id) is r.ns, f"{r} in a forgotten namespace"
+            users[r.ns.id] = users.get(r.ns.id, 0) + 1
+    for ns_id, ns in sessions.store.namespaces.items():
+        assert ns.users >= users.get(ns_id, 0), (
+            f"{ns} counts {ns.users} users; {users.get(ns_id, 0)} use it")
+        assert ns.users or ns.blocks, f"{ns} is unused and empty, yet kept"
