@@ -5,12 +5,14 @@ so: past it a hello is refused and opens nothing, and a session that ended makes
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from kvtest import make_identity
 
 from kvstore.config import ServerConfig
 from kvstore.errors import LimitExceededError
-from kvstore.sessions import Sessions
+from kvstore.sessions import Session, Sessions
 from kvstore.store import BlockStore, Limits
 
 LEASE = 5.0
@@ -40,4 +42,29 @@ def test_hellos_past_a_tenants_session_cap_are_refused_and_open_nothing() -> Non
     sessions.hello(b"again", "acme", "")        # room for one
     with pytest.raises(LimitExceededError):
         sessions.hello(b"again-2", "acme", "")
+    sessions.check_invariants()
+
+
+class _Walked(dict[str, Session]):
+    """The sessions by id, counting those walked over (a deterministic measure of work)."""
+
+    walked = 0
+
+    def values(self) -> Any:
+        _Walked.walked += len(self)
+        return super().values()
+
+
+def test_a_writer_grantees_reserve_does_not_walk_other_tenants_sessions() -> None:
+    slot = make_identity().block_bytes
+    store = BlockStore(64 * slot, 16 * slot, limits=Limits(lease_seconds=LEASE))
+    sessions = Sessions(store, ServerConfig(), clock=lambda: 0.0, grantee_pin_share=0.5,
+                        max_bytes_in_flight=1 << 30, max_tenant_bytes_in_flight=0)
+    for i in range(1000):  # another tenant's flood of hellos
+        sessions.hello(b"flood%d" % i, "mallory", "")
+    writer = sessions.hello(b"writer", "acme", "")
+    shared = store.open_namespace(make_identity(tenant="public"))
+    sessions.by_id = _Walked(sessions.by_id)
+    sessions.check_grant_reserve(writer, shared, 1)  # (a shared_writers grantee's reserve)
+    assert _Walked.walked == 0
     sessions.check_invariants()
