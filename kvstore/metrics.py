@@ -552,9 +552,10 @@ class Metrics:
         ``max_connections`` at once, and each waits at most ``read_timeout`` seconds for
         its request line and headers (else a peer that sends half a request, many times
         over, holds as many threads for ever).  A connection past them cuts the one
-        waiting longest for its request, if any (else it is closed at once): a peer
-        holding half-sent requests, or opening them again as they are cut, loses its
-        own connections to a scrape, which sends its request at once.
+        waiting longest for its request among those of the peer address with the most
+        waiting, if any (else it is closed at once): a peer holding half-sent requests,
+        or opening them again as they are cut, loses its own connections, not a scrape
+        from another address that is about to send its request.
 
         Port 0 means disabled and returns None; otherwise returns a function that stops
         the server and closes its socket.
@@ -580,7 +581,7 @@ class Metrics:
             timeout = read_timeout
 
             def handle(self) -> None:
-                deadlines.watch(self.connection, read_timeout)
+                deadlines.watch(self.connection, read_timeout, str(self.client_address[0]))
                 try:
                     super().handle()
                 finally:
@@ -596,9 +597,9 @@ class Metrics:
             ``max_connections`` connections served at once."""
 
             def process_request(self, request: Any, client_address: Any) -> None:
-                # all taken: the connection waiting longest for its request makes room
-                # (a scrape sends its request at once, so a peer holding connections
-                # half-sent, or reopening them, loses its own to the scrape); with none
+                # all taken: a connection waiting for its request makes room, of the
+                # address with the most waiting (a peer holding connections half-sent,
+                # or reopening them, loses its own, not a scrape's); with none
                 # waiting for a request, or none gone in time, closed at once, no thread
                 if not slots.acquire(blocking=False) and not (
                         deadlines.cut_oldest() and slots.acquire(timeout=CUT_WAIT)):
@@ -642,29 +643,40 @@ class _Deadlines:
 
     def __init__(self) -> None:
         self._due: dict[socket.socket, float] = {}
+        self._peer: dict[socket.socket, str] = {}  # its peer's address
         self._changed = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvstore-metrics-deadlines",
                                         daemon=True)
         self._thread.start()
 
-    def watch(self, conn: socket.socket, seconds: float) -> None:
+    def watch(self, conn: socket.socket, seconds: float, peer: str = "") -> None:
         with self._changed:
             self._due[conn] = time.monotonic() + seconds
+            self._peer[conn] = peer
             self._changed.notify()
 
     def forget(self, conn: socket.socket) -> None:
         with self._changed:
             self._due.pop(conn, None)
+            self._peer.pop(conn, None)
 
     def cut_oldest(self) -> bool:
-        """Cut the connection that has waited longest for its request, if one still
-        waits (its handler's read ends, and its slot comes back)."""
+        """Cut the connection that has waited longest for its request among those of
+        the peer address with the most waiting, if one still waits (its handler's read
+        ends, and its slot comes back): else a peer opening connections faster than a
+        scrape sends its request cut the scrape, the oldest once the peer's were cut."""
         with self._changed:
             if not self._due:
                 return False
-            conn = min(self._due, key=self._due.__getitem__)
+            held: dict[str, int] = {}
+            for peer in self._peer.values():
+                held[peer] = held.get(peer, 0) + 1
+            greediest = max(held, key=held.__getitem__)
+            conn = min((c for c in self._due if self._peer[c] == greediest),
+                       key=self._due.__getitem__)
             del self._due[conn]
+            del self._peer[conn]
         try:
             conn.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -684,6 +696,7 @@ class _Deadlines:
                 late = [conn for conn, due in self._due.items() if due <= now]
                 for conn in late:
                     del self._due[conn]
+                    del self._peer[conn]
                     try:
                         conn.shutdown(socket.SHUT_RDWR)  # its handler's read ends
                     except OSError:

@@ -29,6 +29,7 @@ from kvstore.config import Config, ServerConfig, merge_live, parse_size, restart
 from kvstore.errors import (
     CapacityError,
     ConfigError,
+    ForbiddenError,
     KVStoreError,
     MalformedError,
     TooLargeError,
@@ -293,6 +294,8 @@ class Server:
                 reply, payload = hello
             else:
                 session = self.sessions.get(routing_id)
+                if secure and str(frames[1].get("User-Id")) != session.tenant:
+                    raise ForbiddenError(_ANOTHER_TENANTS)  # (see there)
                 tenant = session.tenant
                 if not isinstance(request, _NEVER_LIMITED):
                     # a release or abort frees; it is never refused
@@ -463,6 +466,11 @@ class Server:
 
 
 
+# A session outlives its connection (till its lease ends), and a peer may name a gone
+# connection's routing id as its own: on a secure socket, whose handshake authenticated
+# the tenant (User-Id), a request is served only for a session of that tenant.
+_ANOTHER_TENANTS = ("this routing id is a session of another tenant's; connect again "
+                    "without naming one")
 _NEVER_LIMITED = (p.Release, p.Abort)  # requests that give back what others wait for
 # The class of the copies a request starts (the rest, such as a put's demotions, are
 # write-back): reloads come first, an engine waits on them.

@@ -65,12 +65,17 @@ class Tenant:
     """What a tenant's sessions hold together, for the per-tenant limits."""
 
     name: str
-    sessions: int = 0
+    # its sessions by id: what is counted over them walks these, never every tenant's
+    members: dict[str, Session] = field(default_factory=dict)
     tokens: float = 0.0          # request-rate bucket, made at the first limited request
     refilled: float | None = None
     bytes_in_flight: int = 0
     reservations: int = 0
     pins: int = 0
+
+    @property
+    def sessions(self) -> int:
+        return len(self.members)
 
     def __repr__(self) -> str:
         return (f"Tenant({self.name!r}, sessions={self.sessions}, "
@@ -143,6 +148,9 @@ class Sessions:
         self.max_pins_per_tenant = s.max_pins_per_tenant
         self.max_namespaces_per_session = s.max_namespaces_per_session
         self.max_namespaces_per_tenant = s.max_namespaces_per_tenant
+        # each session a hello opens holds about 1.6 KB till its lease ends, whether its
+        # connection stays or not (0: no limit; a setting where the configuration has it)
+        self.max_sessions_per_tenant: int = getattr(s, "max_sessions_per_tenant", 0)
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -172,6 +180,10 @@ class Sessions:
             attached = self.by_id.get(attach) if attach else None
             if attach and (attached is None or attached.tenant != tenant):
                 raise ForbiddenError("no such session to attach to")
+            held, cap = self.tenants.get(tenant), self.max_sessions_per_tenant
+            if cap and attached is None and held is not None and held.sessions >= cap:
+                raise LimitExceededError(f"tenant {tenant!r} has {cap} sessions (the limit); "
+                                         f"close one, or wait for an idle one's lease to end")
             if prepare is not None:
                 prepare(tenant)
         except BaseException:
@@ -182,7 +194,7 @@ class Sessions:
         else:
             session = Session(secrets.token_hex(16), tenant)
             self.by_id[session.id] = session
-            self._tenant(tenant).sessions += 1
+            self._tenant(tenant).members[session.id] = session
         if uid is not None:
             session.uids.add(uid)
         self.by_connection[routing_id] = session
@@ -215,7 +227,7 @@ class Sessions:
             session = self.by_id.pop(owner, None) if isinstance(owner, str) else None
             if session is not None:
                 tenant = self._tenant(session.tenant)
-                tenant.sessions -= 1
+                del tenant.members[session.id]
                 self.idle.note(tenant)
                 tenant.reservations -= session.reservations
                 tenant.pins -= session.pins
@@ -368,11 +380,14 @@ class Sessions:
         self.grant_pins.check_reserve(session.tenant, ns, reserved)
 
     def _reserved_in(self, tenant: str, owner: str) -> int:
-        """The slots ``tenant``'s sessions hold reserved in ``owner``'s namespaces."""
+        """The slots ``tenant``'s sessions hold reserved in ``owner``'s namespaces (its
+        own sessions walked: every tenant's made each reserve cost O(all sessions), 1.3
+        ms at 60k, which another tenant's hellos could add)."""
         reserved = 0
         owners = self.store.owners
-        for other in self.by_id.values():
-            state = owners.get(other.id) if other.tenant == tenant else None
+        held = self.tenants.get(tenant)
+        for other in held.members.values() if held is not None else ():
+            state = owners.get(other.id)
             if state is not None:
                 reserved += state.reserved_in.get(owner, 0)
         return reserved
@@ -466,8 +481,9 @@ class Sessions:
             expected = sums.get(name, [0, 0, 0])
             assert [tenant.sessions, tenant.reservations, tenant.pins] == expected, (
                 f"{tenant} does not sum its sessions: {expected}")
+            assert all(self.by_id.get(i) is s for i, s in tenant.members.items()), tenant
         self._check_grant_pins()
-        self._check_namespace_users()
+        check_namespace_users(self)
 
     def _check_grant_pins(self) -> None:
         """Each session counts exactly its pins in other tenants' namespaces, and the
@@ -489,21 +505,22 @@ class Sessions:
             counted.setdefault(tenant, []).append(pin)
         self.grant_pins.check_invariants(counted)
 
-    def _check_namespace_users(self) -> None:
-        """Each namespace counts as users at least the sessions that have it open and the
-        reservations in it (fewer, and it could be forgotten in use; more is a caller of
-        the store's own, as a test or a restore), and the store keeps none that nothing
-        uses and that holds no entry."""
-        users: dict[bytes, int] = {}
-        for session in self.by_id.values():
-            for ns_id in session.namespaces:
-                assert ns_id in self.store.namespaces, f"{session} has a forgotten namespace"
-                users[ns_id] = users.get(ns_id, 0) + 1
-        for state in self.store.owners.values():
-            for r in state.reservations.values():
-                assert self.store.namespaces.get(r.ns.id) is r.ns, f"{r} in a forgotten namespace"
-                users[r.ns.id] = users.get(r.ns.id, 0) + 1
-        for ns_id, ns in self.store.namespaces.items():
-            assert ns.users >= users.get(ns_id, 0), (
-                f"{ns} counts {ns.users} users; {users.get(ns_id, 0)} use it")
-            assert ns.users or ns.blocks, f"{ns} is unused and empty, yet kept"
+
+def check_namespace_users(sessions: Sessions) -> None:
+    """Each namespace counts as users at least the sessions that have it open and the
+    reservations in it (fewer, and it could be forgotten in use; more is a caller of
+    the store's own, as a test or a restore), and the store keeps none that nothing
+    uses and that holds no entry."""
+    users: dict[bytes, int] = {}
+    for session in sessions.by_id.values():
+        for ns_id in session.namespaces:
+            assert ns_id in sessions.store.namespaces, f"{session} has a forgotten namespace"
+            users[ns_id] = users.get(ns_id, 0) + 1
+    for state in sessions.store.owners.values():
+        for r in state.reservations.values():
+            assert sessions.store.namespaces.get(r.ns.id) is r.ns, f"{r} in a forgotten namespace"
+            users[r.ns.id] = users.get(r.ns.id, 0) + 1
+    for ns_id, ns in sessions.store.namespaces.items():
+        assert ns.users >= users.get(ns_id, 0), (
+            f"{ns} counts {ns.users} users; {users.get(ns_id, 0)} use it")
+        assert ns.users or ns.blocks, f"{ns} is unused and empty, yet kept"

@@ -17,6 +17,7 @@ import secrets
 import socket
 import stat
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,45 @@ class EncodedHeader(list[Any]):
         self.header = header
 
 
+class RepliesInFlight:
+    """The pinned replies zmq is still sending: (tracker, pin) per peer, in the order
+    sent.  zmq sends a peer's replies in that order, so a reaping pass looks at each
+    peer's up to its first not yet sent: O(peers), not O(replies) (a peer that never
+    read held 15k, and each pass, every millisecond, looked at them all: half a core)."""
+
+    def __init__(self) -> None:
+        self.by_peer: dict[bytes, deque[tuple[zmq.MessageTracker, int]]] = {}
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def add(self, peer: bytes, tracker: zmq.MessageTracker, pin: int) -> None:
+        queue = self.by_peer.get(peer)
+        if queue is None:
+            queue = self.by_peer[peer] = deque()
+        queue.append((tracker, pin))
+        self.count += 1
+
+    def reap(self, release: Callable[[int], None], peer: bytes | None = None) -> int:
+        """``release`` the pin of each reply sent (to ``peer`` only, if given); how many."""
+        freed = 0
+        for each in (peer,) if peer is not None else list(self.by_peer):
+            queue = self.by_peer.get(each)
+            while queue and queue[0][0].done:
+                release(queue.popleft()[1])
+                freed += 1
+            if queue is not None and not queue:
+                del self.by_peer[each]
+        self.count -= freed
+        return freed
+
+    def trackers(self, pins: set[int] | None = None) -> list[zmq.MessageTracker]:
+        """The trackers of the replies pinning ``pins`` (all, if None)."""
+        return [tracker for queue in self.by_peer.values() for tracker, pin in queue
+                if pins is None or pin in pins]
+
+
 class Transport:
     """The ROUTER sockets of the daemon's endpoints, their drains and their replies.
 
@@ -90,7 +130,7 @@ class Transport:
         self._fds: list[int] = []
         self._open = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._in_flight: list[tuple[zmq.MessageTracker, int]] = []  # (tracker, pin)
+        self._in_flight = RepliesInFlight()
         self._reap_timer = False
         self.group = socket_gid(config.server.socket_group)
         # whether a peer has a session (set by the daemon); None takes every message
@@ -263,7 +303,7 @@ class Transport:
                     tracker = sock.send_multipart([routing_id, header, *payload], copy=False,
                                                   track=True)
                     assert tracker is not None, "track=True returns a tracker"
-                    self._in_flight.append((tracker, payload.pin))
+                    self._in_flight.add(peer, tracker, payload.pin)
                 else:
                     sock.send_multipart([routing_id, header, *payload], copy=False)
             else:
@@ -277,7 +317,10 @@ class Transport:
             if isinstance(payload, PinnedFrames):
                 self.release_pin(payload.pin)
         if isinstance(payload, PinnedFrames):
-            self.reap_sends()  # outside the try: a pin it released is never released twice
+            # outside the try: a pin it released is never released twice.  This peer's
+            # earlier replies only (the others' on the timer: each pinned reply looked
+            # at every peer's, a cost another tenant's unread replies could raise)
+            self.reap_sends(peer)
         # ZeroMQ's descriptor is edge-triggered: a send may take in messages that arrived
         # meanwhile and clear the edge, and a reply sent from a task (not from the drain)
         # would then leave them waiting with no wake-up.  Drain again if any are queued
@@ -289,21 +332,14 @@ class Transport:
             self._loop.call_soon(self._drain, peer[0])
         return encoded
 
-    def reap_sends(self) -> None:
-        """Give back the pins of replies that zmq has finished sending."""
+    def reap_sends(self, peer: bytes | None = None) -> None:
+        """Give back the pins of replies that zmq has finished sending (to ``peer``
+        only, if given)."""
         if not self._in_flight:
             return
-        pending = []
-        for tracker, pin_id in self._in_flight:
-            if tracker.done:
-                self.release_pin(pin_id)
-            else:
-                pending.append((tracker, pin_id))
-        freed = len(pending) < len(self._in_flight)
-        self._in_flight = pending
-        if freed:
+        if self._in_flight.reap(self.release_pin, peer):
             self.on_sent()
-        if pending and not self._reap_timer and self._loop is not None:
+        if self._in_flight and not self._reap_timer and self._loop is not None:
             self._reap_timer = True
             # uvloop rounds delays down to whole milliseconds: less than 1 ms would spin
             self._loop.call_later(0.001, self._reap_timer_fired)
@@ -315,11 +351,11 @@ class Transport:
     def sending(self) -> list[zmq.MessageTracker]:
         """The pinned replies ZeroMQ is still sending (reaped first)."""
         self.reap_sends()
-        return [tracker for tracker, _ in self._in_flight]
+        return self._in_flight.trackers()
 
     def trackers_of(self, pins: set[int]) -> list[zmq.MessageTracker]:
         """The replies pinning ``pins`` that ZeroMQ is still sending."""
-        return [tracker for tracker, pin in self._in_flight if pin in pins]
+        return self._in_flight.trackers(pins)
 
     async def sent(self, trackers: list[zmq.MessageTracker], timeout: float = 1.0) -> None:
         """Wait (up to ``timeout``) until ``trackers`` are sent, then give back their pins.
