@@ -93,6 +93,7 @@ LIVE_SETTINGS: tuple[tuple[str, str], ...] = (
     ("server", "max_pins_per_tenant"),
     ("server", "max_namespaces_per_session"),
     ("server", "max_namespaces_per_tenant"),
+    ("server", "max_sessions_per_tenant"),
     ("server", "max_requests_per_second_per_tenant"),
     ("auth", "grantee_pin_share"),
     ("auth", "grantee_pin_total"),
@@ -125,6 +126,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_reservations_per_tenant: int = 0
     max_pins_per_tenant: int = 0
     max_namespaces_per_tenant: int = 0
+    # sessions a tenant holds at once (each ~1.6 KB till its lease ends, connected or
+    # not: a hello flood's bound); 0: no limit
+    max_sessions_per_tenant: int = 4096
     max_requests_per_second_per_tenant: float = 0.0
     max_bytes_in_flight_per_tenant: str | int = 0
     max_transfers_in_flight: int = 8
@@ -434,7 +438,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("server.max_requests_per_second_per_tenant: 0 (no limit) "
                               "or at least 1")
         for name in ("max_reservations_per_tenant", "max_pins_per_tenant",
-                     "max_namespaces_per_tenant"):
+                     "max_namespaces_per_tenant", "max_sessions_per_tenant"):
             if getattr(self.server, name) < 0:
                 raise ConfigError(f"server.{name}: 0 (no limit) or a positive integer")
         if self.server.max_transfers_in_flight < 1:

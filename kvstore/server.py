@@ -535,6 +535,7 @@ def live_settings(server: Server) -> dict[str, Any]:
         "server.max_pins_per_tenant": sessions.max_pins_per_tenant,
         "server.max_namespaces_per_session": sessions.max_namespaces_per_session,
         "server.max_namespaces_per_tenant": sessions.max_namespaces_per_tenant,
+        "server.max_sessions_per_tenant": sessions.max_sessions_per_tenant,
         "server.max_requests_per_second_per_tenant":
             sessions.max_requests_per_second_per_tenant,
         "auth.grantee_pin_share": sessions.grant_pins.share,

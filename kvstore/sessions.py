@@ -149,8 +149,8 @@ class Sessions:
         self.max_namespaces_per_session = s.max_namespaces_per_session
         self.max_namespaces_per_tenant = s.max_namespaces_per_tenant
         # each session a hello opens holds about 1.6 KB till its lease ends, whether its
-        # connection stays or not (0: no limit; a setting where the configuration has it)
-        self.max_sessions_per_tenant: int = getattr(s, "max_sessions_per_tenant", 0)
+        # connection stays or not (0: no limit)
+        self.max_sessions_per_tenant = s.max_sessions_per_tenant
 
     def __len__(self) -> int:
         return len(self.by_id)

@@ -5,11 +5,14 @@ so: past it a hello is refused and opens nothing, and a session that ended makes
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 from kvtest import make_identity
 
+from kvstore import Client
 from kvstore.config import ServerConfig
 from kvstore.errors import LimitExceededError
 from kvstore.sessions import Session, Sessions
@@ -68,3 +71,36 @@ def test_a_writer_grantees_reserve_does_not_walk_other_tenants_sessions() -> Non
     sessions.check_grant_reserve(writer, shared, 1)  # (a shared_writers grantee's reserve)
     assert _Walked.walked == 0
     sessions.check_invariants()
+
+
+def test_the_daemon_refuses_a_hello_past_its_configured_cap_and_serves_the_rest(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """Through a real daemon: the setting from its configuration, a hello past it refused
+    with a typed error, the sessions it holds still served, and room again once a closed
+    one's lease has ended."""
+    config = tmp_path / "cap.toml"
+    config.write_text("[server]\nmax_sessions_per_tenant = 3\n")
+    d = daemon_factory(lease=1.0, extra=["--config", str(config)])
+    held = [Client(d.endpoint, tenant="acme") for _ in range(3)]
+    try:
+        for client in held:
+            client.ping()
+        with pytest.raises(LimitExceededError, match="sessions"):
+            Client(d.endpoint, tenant="acme").ping()
+        assert held[0].stats()["sessions"] == 3  # the refused hello opened none
+        other = Client(d.endpoint, tenant="globex")  # another tenant's cap is its own
+        other.ping()
+        other.close()
+        held.pop().close()  # its session ends with its lease: room for one more
+        deadline = time.monotonic() + 10
+        while held[0].stats()["sessions"] > 2:
+            assert time.monotonic() < deadline, "the closed sessions never ended"
+            held[1].ping()  # (the others' leases renewed)
+            time.sleep(0.05)
+        again = Client(d.endpoint, tenant="acme")
+        again.ping()
+        held.append(again)
+    finally:
+        for client in held:
+            client.close()
+    assert d.alive(), d.log()
