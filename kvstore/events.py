@@ -53,7 +53,8 @@ from kvstore.auth import Auth
 from kvstore.blocks import DRAM, SSD, Block, Namespace
 from kvstore.config import EventsConfig, parse_size
 from kvstore.store import BlockStore
-from kvstore.tier_changes import GPU, REMOTE, Change, Removed, Stored, TierChanges
+from kvstore.tier_changes import (GPU, REMOTE, Change, Removed, Stored, TierChanges,
+                                  dram_runs)
 from kvstore.token_ids import array_header, run_bytes, run_parts
 
 log = logging.getLogger("kvstore.events")
@@ -280,6 +281,42 @@ class EventMaker:
         batch = self._batch.get(rank) or self._batch_layout(rank)
         return b"".join((batch[0], _FLOAT.pack(0xcb, ts), batch[1], array_header(count),
                          *parts, batch[2])), count
+
+    def runs_payload(self, runs: list[list[Block]], ts: float, rank: int | None
+                     ) -> tuple[bytes, int]:
+        """``payload`` of commits' runs (``TierChanges.drain_runs``: each gained its DRAM
+        copies), byte for byte, built straight from the runs: one event a run, read
+        from the run's first and last blocks and its token ids as the commit kept them.
+        A run that continues the one before (one event for both) or that lost part of
+        its commit's token ids takes ``payload``'s way."""
+        encode = self._encode
+        layouts = self._stored
+        parts: list[bytes | memoryview] = []
+        last: Block | None = None
+        for blocks in runs:
+            first = blocks[0]
+            parent = first.parent
+            end = blocks[-1]
+            run = first.tokens
+            n = len(blocks)
+            if (parent is last and last is not None or run is None or len(run.keys) != n
+                    or run.keys[0] is not first.key or run.keys[-1] is not end.key):
+                return self.payload(dram_runs(runs), ts, rank)
+            last = end
+            identity = first.ns.identity
+            layout = layouts.get((identity.block_tokens, identity.adapter, identity.salt,
+                                  DRAM))
+            if layout is None:
+                layout = self._stored_layout(identity.block_tokens, identity.adapter,
+                                             identity.salt, DRAM)
+            parts += (layout[0], encode(run.keys), layout[1],
+                      b"\xc0" if parent is None else encode(parent.key), layout[2],
+                      array_header(n * identity.block_tokens), run.ids, layout[3])
+            if len(layout) > 4:  # the salt's extra keys, one item a block
+                parts += (array_header(n), self._extra[identity.salt] * n, layout[4])
+        batch = self._batch.get(rank) or self._batch_layout(rank)
+        return b"".join((batch[0], _FLOAT.pack(0xcb, ts), batch[1], array_header(len(runs)),
+                         *parts, batch[2])), len(runs)
 
     def _batch_layout(self, rank: int | None) -> tuple[bytes, ...]:
         marks: list[Any] = [msgspec.Raw(m) for m in _MARKS]
@@ -560,10 +597,14 @@ class EventPublisher:
             self.unheard += 1
             self.seq += 1
             return self.seq - 1
-        changes = self.changes.drain()
-        if not changes:
-            return -1
-        payload, count = self.maker.payload(changes, time.time(), self.rank)
+        runs = self.changes.drain_runs()  # (most batches: commits' runs, nothing else)
+        if runs is not None:
+            payload, count = self.maker.runs_payload(runs, time.time(), self.rank)
+        else:
+            changes = self.changes.drain()
+            if not changes:
+                return -1
+            payload, count = self.maker.payload(changes, time.time(), self.rank)
         return self.send(payload, count, listened)
 
     def publish(self, events: list[Event], listened: bool | None = None) -> int:

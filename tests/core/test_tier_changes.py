@@ -345,6 +345,60 @@ def test_a_batch_encoded_from_its_layouts_is_the_events_encoded_byte_for_byte() 
             assert len(batch.events) == len(drained) and batch.data_parallel_rank == rank
 
 
+def _committed(shape: str) -> tuple[BlockStore, TierChanges]:
+    """A store whose changes since the last drain are commits' runs of ``shape``."""
+    plain = make_identity(model="other")
+    slot = IDENT.block_bytes
+    store = BlockStore(64 * slot, 4 * slot)
+    changes = TierChanges()
+    store.record_changes(changes)
+    bt = IDENT.block_tokens
+    for n, ident in enumerate((IDENT, plain)):
+        ns = store.open_namespace(ident)
+        tokens = [*range(n, n + 3 * bt), *range(1 << 40, (1 << 40) + 2 * bt)]
+        keys = chain_keys(ns.id, tokens, bt)
+        parts = ((slice(0, 3), None), (slice(3, 5), keys[2]))  # one chain, two commits
+        if shape == "separate":  # (the second commit a chain of its own)
+            keys[3:] = chain_keys(ns.id, tokens[3 * bt:], bt)
+            parts = ((slice(0, 3), None), (slice(3, 5), None))
+        for part, parent in parts:
+            r = store.reserve("o", ns, keys[part], parent, 0.0)
+            size = part.stop - part.start
+            ids: Any = encode_chain(tokens[part.start * bt:part.stop * bt], size, bt)
+            if shape == "older client":
+                ids = encode_blocks(tokens[part.start * bt:part.stop * bt], size, bt)
+            elif shape == "no ids" and part.start:
+                ids = b""
+            store.commit("o", r.id, 0.0, tokens=ids)  # type: ignore[union-attr]
+    return store, changes
+
+
+def test_a_batch_of_commits_runs_alone_is_built_as_drained_byte_for_byte() -> None:
+    # a busy daemon's batch (commits' runs, nothing else marked) is built from the runs
+    # without a drain; the same commits drained and encoded are the oracle, whether the
+    # runs continue each other (one event), are chains of their own, or lack ids
+    for shape in ("separate", "one chain", "no ids", "older client"):
+        for encoding in ("map", "array"):
+            maker = EventMaker(EventsConfig(encoding=encoding, group_idx=1))
+            _, changes = _committed(shape)
+            expected = maker.payload(changes.drain(), 99.5, 3)
+            _, changes = _committed(shape)
+            runs = changes.drain_runs()
+            assert runs is not None and len(changes) == 0, shape
+            assert maker.runs_payload(runs, 99.5, 3) == expected, (shape, encoding)
+            assert changes.drain() == [] and changes.drain_runs() is None
+    # a block marked alone since (evicted): the batch needs the drain, marks kept
+    store, changes = _committed("separate")
+    ns = next(iter(store.namespaces.values()))
+    gone = next(iter(ns.blocks.values())).key
+    store.evict(ns, [gone])
+    marks = len(changes)
+    assert changes.drain_runs() is None and len(changes) == marks
+    drained = changes.drain()  # (a copy that came and went unannounced: left out)
+    stored = [b.key for c in drained if isinstance(c, Stored) for b in c.blocks]
+    assert stored and gone not in stored
+
+
 def test_bad_events_settings_are_refused_by_name() -> None:
     import pytest
 
