@@ -591,8 +591,9 @@ class EventPublisher:
             listened = bool(self.subscriptions)
         if self._replay is None and not listened:
             # Nobody subscribes and nothing is replayed: the batch is numbered (a
-            # snapshot names the last one) but not built, its changes not even listed.
-            if not self.changes.settle():
+            # snapshot names the last one) but not built, its changes not even listed
+            # (commits' runs alone are taken as they are: their bits set as marked).
+            if self.changes.drain_runs() is None and not self.changes.settle():
                 return -1
             self.unheard += 1
             self.seq += 1
