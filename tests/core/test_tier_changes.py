@@ -665,7 +665,7 @@ def test_a_commits_claimed_size_makes_nothing_that_large() -> None:
 def test_the_layouts_of_many_salts_are_kept_within_a_bound() -> None:
     # salts per user or per request: a layout (and an item) each, made again once the
     # bound is passed, the batches the same bytes as the events encoded
-    from kvstore.events import _LAYOUTS_KEPT
+    from kvstore.kv_events_batch import _LAYOUTS_KEPT
 
     slot = IDENT.block_bytes
     store = BlockStore(8 * slot, 4 * slot)
