@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
-from typing import Any, Union
+from typing import Any, TypeGuard, Union
 
 import msgspec
 
 from kvstore.blocks import DRAM, SSD, Block, Namespace
 from kvstore.config import EventsConfig
 from kvstore.tier_changes import GPU, REMOTE, Change, Removed, dram_runs
-from kvstore.token_ids import array_header, run_bytes, run_parts
+from kvstore.token_ids import TokenRun, array_header, run_bytes, run_parts
 
 # tier -> (medium, locality)
 MEDIA: dict[str, tuple[str, str | None]] = {
@@ -152,12 +152,8 @@ class EventMaker:
         run = first.tokens
         keys: list[bytes]
         raw: bytes | None
-        if (run is not None and len(run.keys) == count and run.keys[0] is first.key
-                and run.keys[-1] is blocks[-1].key):
-            # a commit's blocks, all of them (its first and last key objects are the
-            # blocks' own: each block between is the one the commit made, in order): its
-            # keys' list and its token ids as they came
-            keys, raw = run.keys, run.ids
+        if _whole(run, first, blocks[-1], count):  # a commit's blocks, all of them: its
+            keys, raw = run.keys, run.ids           # keys' list and token ids as they came
         else:
             keys, raw = [b.key for b in blocks], run_bytes(blocks)
         tokens: Any = _EMPTY  # not sent by a writer (or restored from SSD): none
@@ -200,9 +196,8 @@ class EventMaker:
             first = blocks[0]
             n = len(blocks)
             run = first.tokens
-            if (run is not None and len(run.keys) == n and run.keys[0] is first.key
-                    and run.keys[-1] is blocks[-1].key):  # a commit's blocks, all of them
-                keys = run.keys                          # (as in store_event)
+            if _whole(run, first, blocks[-1], n):  # a commit's blocks, all of them
+                keys = run.keys
                 ids: list[bytes | memoryview] | None = [run.ids]
             else:
                 keys = [b.key for b in blocks]
@@ -232,8 +227,8 @@ class EventMaker:
         """``payload`` of commits' runs (``TierChanges.drain_runs``: each gained its DRAM
         copies), byte for byte, built straight from the runs: one event a run, read
         from the run's first and last blocks and its token ids as the commit kept them.
-        A run that continues the one before (one event for both) or that lost part of
-        its commit's token ids takes ``payload``'s way."""
+        Runs that continue each other (one event for them) take ``_chain_payload``'s
+        way, and a run that lost part of its commit's token ids ``payload``'s."""
         encode = self._encode
         layouts = self._stored
         parts: list[bytes | memoryview] = []
@@ -244,9 +239,11 @@ class EventMaker:
             end = blocks[-1]
             run = first.tokens
             n = len(blocks)
-            if (parent is last and last is not None or run is None or len(run.keys) != n
-                    or run.keys[0] is not first.key or run.keys[-1] is not end.key):
+            if (run is None or len(run.keys) != n or run.keys[0] is not first.key
+                    or run.keys[-1] is not end.key):  # (``_whole``, inline: every run)
                 return self.payload(dram_runs(runs), ts, rank)
+            if parent is last and last is not None:
+                return self._chain_payload(runs, ts, rank)
             last = end
             identity = first.ns.identity
             layout = layouts.get((identity.block_tokens, identity.adapter, identity.salt,
@@ -262,6 +259,56 @@ class EventMaker:
         batch = self._batch.get(rank) or self._batch_layout(rank)
         return b"".join((batch[0], _FLOAT.pack(0xcb, ts), batch[1], array_header(len(runs)),
                          *parts, batch[2])), len(runs)
+
+    def _chain_payload(self, runs: list[list[Block]], ts: float, rank: int | None
+                       ) -> tuple[bytes, int]:
+        """``runs_payload`` where runs continue each other (a prompt committed in chunks,
+        say): one event for each stretch of them, its keys the runs' keys and its token
+        ids the commits' buffers, one after another."""
+        encode = self._encode
+        layouts = self._stored
+        parts: list[bytes | memoryview] = []
+        i, count, events = 0, len(runs), 0
+        while i < count:
+            blocks = runs[i]
+            first = blocks[0]
+            end = blocks[-1]
+            run = first.tokens
+            n = len(blocks)
+            if not _whole(run, first, end, n):
+                return self.payload(dram_runs(runs), ts, rank)
+            keys, ids = run.keys, run.ids
+            more: list[bytes] | None = None  # the token ids of the runs that continue it
+            i += 1
+            while i < count and runs[i][0].parent is end:  # one event for them all
+                blocks = runs[i]
+                end = blocks[-1]
+                run = blocks[0].tokens
+                if not _whole(run, blocks[0], end, len(blocks)):
+                    return self.payload(dram_runs(runs), ts, rank)
+                if more is None:
+                    keys, more = keys.copy(), []
+                keys += run.keys
+                more.append(run.ids)
+                n += len(blocks)
+                i += 1
+            events += 1
+            parent = first.parent
+            identity = first.ns.identity
+            layout = layouts.get((identity.block_tokens, identity.adapter, identity.salt,
+                                  DRAM))
+            if layout is None:
+                layout = self._stored_layout(identity.block_tokens, identity.adapter,
+                                             identity.salt, DRAM)
+            parts += (layout[0], encode(keys), layout[1],
+                      b"\xc0" if parent is None else encode(parent.key), layout[2],
+                      array_header(n * identity.block_tokens), ids, *(more or ()),
+                      layout[3])
+            if len(layout) > 4:  # the salt's extra keys, one item a block
+                parts += (array_header(n), self._extra[identity.salt] * n, layout[4])
+        batch = self._batch.get(rank) or self._batch_layout(rank)
+        return b"".join((batch[0], _FLOAT.pack(0xcb, ts), batch[1], array_header(events),
+                         *parts, batch[2])), events
 
     def _batch_layout(self, rank: int | None) -> tuple[bytes, ...]:
         marks: list[Any] = [msgspec.Raw(m) for m in _MARKS]
@@ -294,6 +341,15 @@ class EventMaker:
 
 
 _LAYOUTS_KEPT = 4096  # BlockStored layouts (and salts' items) kept at most
+
+
+def _whole(run: TokenRun | None, first: Block, last: Block, count: int
+           ) -> TypeGuard[TokenRun]:
+    """Whether ``run`` holds the token ids of exactly the blocks ``first`` to ``last``,
+    ``count`` of them: a commit's blocks, all of them (its first and last key objects
+    are the blocks' own: each block between is the one the commit made, in order)."""
+    return (run is not None and len(run.keys) == count and run.keys[0] is first.key
+            and run.keys[-1] is last.key)
 
 
 def _cut(encoded: bytes, fields: int) -> tuple[bytes, ...]:

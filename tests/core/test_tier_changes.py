@@ -362,6 +362,8 @@ def _committed(shape: str) -> tuple[BlockStore, TierChanges]:
         tokens = [*range(n, n + 3 * bt), *range(1 << 40, (1 << 40) + 2 * bt)]
         keys = chain_keys(ns.id, tokens, bt)
         parts = ((slice(0, 3), None), (slice(3, 5), keys[2]))  # one chain, two commits
+        if shape == "chunks":  # one chain, a commit a block: five runs, one event
+            parts = tuple((slice(i, i + 1), keys[i - 1] if i else None) for i in range(5))
         if shape == "separate":  # (the second commit a chain of its own)
             keys[3:] = chain_keys(ns.id, tokens[3 * bt:], bt)
             parts = ((slice(0, 3), None), (slice(3, 5), None))
@@ -381,7 +383,7 @@ def test_a_batch_of_commits_runs_alone_is_built_as_drained_byte_for_byte() -> No
     # a busy daemon's batch (commits' runs, nothing else marked) is built from the runs
     # without a drain; the same commits drained and encoded are the oracle, whether the
     # runs continue each other (one event), are chains of their own, or lack ids
-    for shape in ("separate", "one chain", "no ids", "older client"):
+    for shape in ("separate", "one chain", "chunks", "no ids", "older client"):
         for encoding in ("map", "array"):
             maker = EventMaker(EventsConfig(encoding=encoding, group_idx=1))
             _, changes = _committed(shape)
