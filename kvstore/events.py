@@ -4,8 +4,8 @@ Routers that send requests where their prefix is cached (llm-d's KV-cache-aware
 scheduler, Dynamo's KV router) build their view from vLLM's event stream; this module
 speaks it for kvstore's tiers.  The store marks blocks whose copies changed
 (``kvstore.tier_changes``); once per loop turn the publisher drains the marks, turns them
-into ``BlockStored`` / ``BlockRemoved`` events (one event per run of a chain, per tier)
-and sends one batch in the stream's three frames: the topic, an 8-byte big-endian
+into ``BlockStored`` / ``BlockRemoved`` events (one event per run of a chain, per tier;
+``kvstore.kv_events_batch`` defines and encodes them, without I/O) and sends one batch in the stream's three frames: the topic, an 8-byte big-endian
 sequence number, the msgpack payload.
 
 Tiers map to vLLM's media: DRAM is ``CPU``, the GPU pool ``GPU``, SSD and the remote
@@ -39,22 +39,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Any, Union
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
 from kvstore.auth import Auth
-from kvstore.blocks import DRAM, SSD, Block, Namespace
+from kvstore.blocks import Block, Namespace
 from kvstore.config import EventsConfig, parse_size
+# vLLM's events and their encoding, here as before (``kvstore.events.decoder`` decodes)
+from kvstore.kv_events_batch import (  # noqa: F401
+    MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventMaker, KVCacheEvent,
+    KVEventBatch, KVEventBatchArray, decoder)
 from kvstore.store import BlockStore
-from kvstore.tier_changes import GPU, REMOTE, Change, Removed, Stored, TierChanges
-from kvstore.token_ids import array_header, run_bytes, run_parts
+from kvstore.tier_changes import TierChanges
 
 log = logging.getLogger("kvstore.events")
 
@@ -74,257 +75,6 @@ _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 # flags as ``IntFlag``s and checks for options a PUB socket never uses (routing ids,
 # groups), which costs several times the three frames' sends themselves.
 _send = zmq.backend.Socket.send
-
-# tier -> (medium, locality)
-MEDIA: dict[str, tuple[str, str | None]] = {
-    GPU: ("GPU", None),
-    DRAM: ("CPU", None),
-    SSD: ("STORAGE", "LOCAL"),
-    REMOTE: ("STORAGE", "REMOTE"),
-}
-
-
-# -- the events, field for field as vLLM defines them (vllm/distributed/kv_events.py) -----
-
-class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    """An event, encoded as a map with a ``type`` key naming it."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-# The older encoding: the same events as arrays, their tag first.
-class BlockStoredArray(BlockStored, array_like=True, tag="BlockStored"):
-    pass
-
-
-class BlockRemovedArray(BlockRemoved, array_like=True, tag="BlockRemoved"):
-    pass
-
-
-class AllBlocksClearedArray(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
-    pass
-
-
-Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Event]
-    data_parallel_rank: int | None = None
-
-
-class KVEventBatchArray(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Union[BlockStoredArray, BlockRemovedArray, AllBlocksClearedArray]]
-    data_parallel_rank: int | None = None
-
-
-_EMPTY: Any = msgspec.Raw(b"\x90")  # an empty array
-# Stand-ins for an event's per-event fields in its layout's encoding (``EventMaker``),
-# found again by their bytes: 0xc1 is no msgpack type and never in UTF-8.
-_MARKS = tuple(b"\xc1kvstore event field %d\xc1" % i for i in range(4))
-_FLOAT = struct.Struct(">Bd")  # a float as msgspec encodes it: float 64
-
-
-def decoder(encoding: str = "map") -> msgspec.msgpack.Decoder[Any]:
-    """A decoder of batches in ``encoding`` (for subscribers written in Python)."""
-    return msgspec.msgpack.Decoder(KVEventBatch if encoding == "map" else KVEventBatchArray)
-
-
-class EventMaker:
-    """Changes of the store into events, in one encoding.
-
-    A run's per-block fields go out pre-encoded (``msgspec.Raw`` in place of the lists
-    they encode): the token ids as the client laid them out (``kvstore.token_ids``: a
-    commit's run announced whole is its buffer as it came), and the extra keys as one
-    encoded item repeated.  No Python object is made
-    per block but the list of its keys.
-
-    ``payload`` encodes a batch without the event objects: each event is its layout's
-    bytes (the encoding of an event of its namespace and tier, cut where the per-event
-    fields go, made once) around its keys, parent and token ids, joined once for the
-    whole batch; byte for byte what ``events`` encoded in a ``KVEventBatch`` gives."""
-
-    def __init__(self, config: EventsConfig) -> None:
-        array = config.encoding == "array"
-        self.stored: type[BlockStored] = BlockStoredArray if array else BlockStored
-        self.removed: type[BlockRemoved] = BlockRemovedArray if array else BlockRemoved
-        self.cleared: type[AllBlocksCleared] = (AllBlocksClearedArray if array
-                                                else AllBlocksCleared)
-        self.group_idx = config.group_idx if config.group_idx >= 0 else None
-        self._extra: dict[str, bytes] = {}  # salt -> its extra keys' item, encoded
-        # (block_tokens, adapter, salt, tier) -> a BlockStored's layout; tier -> a
-        # BlockRemoved's
-        self._stored: dict[tuple[int, str | None, str, str], tuple[bytes, ...]] = {}
-        self._removed: dict[str, tuple[bytes, ...]] = {}
-        self._batch: dict[int | None, tuple[bytes, ...]] = {}  # rank -> a batch's layout
-        self._encode = msgspec.msgpack.Encoder().encode
-
-    def events(self, changes: Iterable[Change]) -> list[Event]:
-        out: list[Event] = []
-        for change in changes:
-            medium, locality = MEDIA[change.tier]
-            if isinstance(change, Removed):
-                out.append(self.removed(change.keys, medium, self.group_idx, locality))
-            else:
-                out.append(self.store_event(change.ns, change.blocks, medium, locality))
-        return out
-
-    def store_event(self, ns: Namespace, blocks: list[Block], medium: str,
-                    locality: str | None) -> BlockStored:
-        """One run's event, ready to encode (its per-block fields encoded already: a
-        ``msgspec.Raw`` encodes as the list it holds, so it stands in for one)."""
-        identity = ns.identity
-        first = blocks[0]
-        parent = first.parent
-        count = len(blocks)
-        run = first.tokens
-        keys: list[bytes]
-        raw: bytes | None
-        if (run is not None and len(run.keys) == count and run.keys[0] is first.key
-                and run.keys[-1] is blocks[-1].key):
-            # a commit's blocks, all of them (its first and last key objects are the
-            # blocks' own: each block between is the one the commit made, in order): its
-            # keys' list and its token ids as they came
-            keys, raw = run.keys, run.ids
-        else:
-            keys, raw = [b.key for b in blocks], run_bytes(blocks)
-        tokens: Any = _EMPTY  # not sent by a writer (or restored from SSD): none
-        if raw is not None:
-            tokens = msgspec.Raw(array_header(count * identity.block_tokens) + raw)
-        extra: Any = None
-        salt = identity.salt
-        if salt:
-            item = self._extra.get(salt)
-            if item is None:
-                item = self._extra[salt] = msgspec.msgpack.encode((salt,))
-            extra = msgspec.Raw(array_header(count) + item * count)
-        return self.stored(
-            keys, parent.key if parent is not None else None, tokens,
-            identity.block_tokens, None, medium, identity.adapter, extra, self.group_idx,
-            None, None, locality)
-
-
-    def payload(self, changes: Iterable[Change], ts: float, rank: int | None
-                ) -> tuple[bytes, int]:
-        """A batch of ``changes``' events at ``ts``, encoded; and how many events."""
-        encode = self._encode
-        parts: list[bytes | memoryview] = []
-        add = parts.append
-        count = 0
-        for change in changes:
-            count += 1
-            if isinstance(change, Removed):
-                head, tail = self._removed.get(change.tier) or self._removed_layout(
-                    change.tier)
-                parts += (head, encode(change.keys), tail)
-                continue
-            blocks = change.blocks
-            identity = change.ns.identity
-            layout = self._stored.get(
-                (identity.block_tokens, identity.adapter, identity.salt, change.tier))
-            if layout is None:
-                layout = self._stored_layout(identity.block_tokens, identity.adapter,
-                                             identity.salt, change.tier)
-            first = blocks[0]
-            n = len(blocks)
-            run = first.tokens
-            if (run is not None and len(run.keys) == n and run.keys[0] is first.key
-                    and run.keys[-1] is blocks[-1].key):  # a commit's blocks, all of them
-                keys = run.keys                          # (as in store_event)
-                ids: list[bytes | memoryview] | None = [run.ids]
-            else:
-                keys = [b.key for b in blocks]
-                ids = run_parts(blocks)
-            parent = first.parent
-            add(layout[0])
-            add(encode(keys))
-            add(layout[1])
-            add(b"\xc0" if parent is None else encode(parent.key))
-            add(layout[2])
-            if ids is None:
-                add(b"\x90")
-            else:
-                add(array_header(n * identity.block_tokens))
-                parts += ids
-            add(layout[3])
-            if len(layout) > 4:  # the salt's extra keys, one item a block
-                add(array_header(n))
-                add(self._extra[identity.salt] * n)
-                add(layout[4])
-        batch = self._batch.get(rank) or self._batch_layout(rank)
-        return b"".join((batch[0], _FLOAT.pack(0xcb, ts), batch[1], array_header(count),
-                         *parts, batch[2])), count
-
-    def _batch_layout(self, rank: int | None) -> tuple[bytes, ...]:
-        marks: list[Any] = [msgspec.Raw(m) for m in _MARKS]
-        layout = self._batch[rank] = _cut(
-            msgspec.msgpack.encode(KVEventBatch(marks[0], marks[1], rank)), 2)
-        return layout
-
-    def _stored_layout(self, block_tokens: int, adapter: str | None, salt: str,
-                       tier: str) -> tuple[bytes, ...]:
-        medium, locality = MEDIA[tier]
-        marks: list[Any] = [msgspec.Raw(m) for m in _MARKS]  # (each encodes as is)
-        if len(self._stored) >= _LAYOUTS_KEPT:  # salts per user or request: made again
-            self._stored.clear()
-            self._extra.clear()
-        if salt and salt not in self._extra:
-            self._extra[salt] = msgspec.msgpack.encode((salt,))
-        event = self.stored(marks[0], marks[1], marks[2], block_tokens, None, medium,
-                            adapter, marks[3] if salt else None, self.group_idx, None,
-                            None, locality)
-        layout = self._stored[(block_tokens, adapter, salt, tier)] = _cut(
-            msgspec.msgpack.encode(event), 4 if salt else 3)
-        return layout
-
-    def _removed_layout(self, tier: str) -> tuple[bytes, ...]:
-        medium, locality = MEDIA[tier]
-        mark: Any = msgspec.Raw(_MARKS[0])
-        event = self.removed(mark, medium, self.group_idx, locality)
-        layout = self._removed[tier] = _cut(msgspec.msgpack.encode(event), 1)
-        return layout
-
-
-_LAYOUTS_KEPT = 4096  # BlockStored layouts (and salts' items) kept at most
-
-
-def _cut(encoded: bytes, fields: int) -> tuple[bytes, ...]:
-    """``encoded`` cut at the first ``fields`` marks (each found once, in order)."""
-    parts: list[bytes] = []
-    rest = encoded
-    for mark in _MARKS[:fields]:
-        head, found, rest = rest.partition(mark)
-        assert found and encoded.count(mark) == 1, f"an event's layout lost field {mark!r}"
-        parts.append(head)
-    parts.append(rest)
-    return tuple(parts)
-
 
 def _may_run_as_batch() -> bool:
     """Whether a thread of this process may set itself SCHED_BATCH.  ZeroMQ aborts the
@@ -554,16 +304,21 @@ class EventPublisher:
             listened = bool(self.subscriptions)
         if self._replay is None and not listened:
             # Nobody subscribes and nothing is replayed: the batch is numbered (a
-            # snapshot names the last one) but not built, its changes not even listed.
-            if not self.changes.settle():
+            # snapshot names the last one) but not built, its changes not even listed
+            # (commits' runs alone are taken as they are: their bits set as marked).
+            if self.changes.drain_runs() is None and not self.changes.settle():
                 return -1
             self.unheard += 1
             self.seq += 1
             return self.seq - 1
-        changes = self.changes.drain()
-        if not changes:
-            return -1
-        payload, count = self.maker.payload(changes, time.time(), self.rank)
+        runs = self.changes.drain_runs()  # (most batches: commits' runs, nothing else)
+        if runs is not None:
+            payload, count = self.maker.runs_payload(runs, time.time(), self.rank)
+        else:
+            changes = self.changes.drain()
+            if not changes:
+                return -1
+            payload, count = self.maker.payload(changes, time.time(), self.rank)
         return self.send(payload, count, listened)
 
     def publish(self, events: list[Event], listened: bool | None = None) -> int:

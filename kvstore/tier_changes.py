@@ -239,6 +239,21 @@ class TierChanges:
                         dram_gone, gone_ns = run.keys, ns
         return [*removed.values(), *stored]
 
+    def drain_runs(self) -> list[list[Block]] | None:
+        """The commits' runs marked since the last drain, taken as drained, when they
+        are all that was marked (a busy daemon's common batch: nothing evicted, copied
+        or marked alone since); None, the marks left as they are, otherwise (or none).
+
+        What ``drain`` would make of them, without walking them: each run gained its
+        DRAM copies (their bits set as it was marked), and a run that continues the one
+        before joins its event (``dram_runs``).  The batch is then built straight from
+        the runs, with no ``Stored`` made or list copied a run."""
+        runs = self.runs
+        if not runs or self.singles or self.unlisted or len(runs) != len(self.touched):
+            return None
+        self.touched, self.runs, self.kept = [], [], {}
+        return runs
+
     def settle(self) -> bool:
         """Take what changed since the last drain as announced without building it (a
         batch nobody hears: numbered, never built); whether anything changed.  The bits
@@ -263,6 +278,23 @@ class TierChanges:
                 block.marks = marks & ~ANNOUNCED | now  # (``announced = now``)
                 changed = True
         return changed
+
+
+def dram_runs(runs: list[list[Block]]) -> list[Change]:
+    """Commits' runs (``drain_runs``) as ``drain`` lists them: one ``Stored`` in DRAM a
+    run, a run that continues the one before joined to it."""
+    stored: list[Change] = []
+    dram: list[Block] = []
+    last: Block | None = None
+    for run in runs:
+        first = run[0]
+        if first.parent is last and last is not None:
+            dram.extend(run)
+        else:
+            dram = run.copy()
+            stored.append(Stored(DRAM, first.ns, dram))
+        last = run[-1]
+    return stored
 
 
 def _unfold_overlaps(touched: list[Block | list[Block]], singles: set[Block] | None,

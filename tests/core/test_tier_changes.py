@@ -16,7 +16,8 @@ from kvstore.config import EventsConfig
 from kvstore.events import BlockStored, EventMaker, KVEventBatch, decoder
 from kvstore.keys import chain_keys
 from kvstore.store import BlockStore
-from kvstore.tier_changes import TIER_BITS, Removed, Stored, TierChanges, holdings
+from kvstore.tier_changes import (TIER_BITS, Removed, Stored, TierChanges, dram_runs,
+                                  holdings)
 from kvstore.token_ids import SPLIT_BELOW, TokenRun, encode_blocks, encode_chain
 
 
@@ -66,7 +67,9 @@ class ChangesMachine(StoreMachine):
     def mirror_equals_the_store(self) -> None:
         marked = len(self.changes)
         firsts = self.firsts
-        for change in self.changes.drain():
+        # as the publisher drains: commits' runs alone taken as they are, else a drain
+        runs = self.changes.drain_runs()
+        for change in self.changes.drain() if runs is None else dram_runs(runs):
             if isinstance(change, Removed):
                 for key in change.keys:
                     assert (key, change.tier) in self.mirror, "removed but never stored"
@@ -167,7 +170,8 @@ class SettledChangesMachine(ChangesMachine):
     def mirror_equals_the_store(self) -> None:
         self.steps += 1
         if self.steps % 3 == 0:
-            self.changes.settle()
+            if self.changes.drain_runs() is None:  # (as the publisher settles)
+                self.changes.settle()
             assert len(self.changes) == 0
             for ns in self.store.namespaces.values():
                 for b in ns.blocks.values():
@@ -343,6 +347,62 @@ def test_a_batch_encoded_from_its_layouts_is_the_events_encoded_byte_for_byte() 
                 assert payload == expected and count == len(changes_)
             batch = decoder(encoding).decode(payload)
             assert len(batch.events) == len(drained) and batch.data_parallel_rank == rank
+
+
+def _committed(shape: str) -> tuple[BlockStore, TierChanges]:
+    """A store whose changes since the last drain are commits' runs of ``shape``."""
+    plain = make_identity(model="other")
+    slot = IDENT.block_bytes
+    store = BlockStore(64 * slot, 4 * slot)
+    changes = TierChanges()
+    store.record_changes(changes)
+    bt = IDENT.block_tokens
+    for n, ident in enumerate((IDENT, plain)):
+        ns = store.open_namespace(ident)
+        tokens = [*range(n, n + 3 * bt), *range(1 << 40, (1 << 40) + 2 * bt)]
+        keys = chain_keys(ns.id, tokens, bt)
+        parts = ((slice(0, 3), None), (slice(3, 5), keys[2]))  # one chain, two commits
+        if shape == "chunks":  # one chain, a commit a block: five runs, one event
+            parts = tuple((slice(i, i + 1), keys[i - 1] if i else None) for i in range(5))
+        if shape == "separate":  # (the second commit a chain of its own)
+            keys[3:] = chain_keys(ns.id, tokens[3 * bt:], bt)
+            parts = ((slice(0, 3), None), (slice(3, 5), None))
+        for part, parent in parts:
+            r = store.reserve("o", ns, keys[part], parent, 0.0)
+            size = part.stop - part.start
+            ids: Any = encode_chain(tokens[part.start * bt:part.stop * bt], size, bt)
+            if shape == "older client":
+                ids = encode_blocks(tokens[part.start * bt:part.stop * bt], size, bt)
+            elif shape == "no ids" and part.start:
+                ids = b""
+            store.commit("o", r.id, 0.0, tokens=ids)  # type: ignore[union-attr]
+    return store, changes
+
+
+def test_a_batch_of_commits_runs_alone_is_built_as_drained_byte_for_byte() -> None:
+    # a busy daemon's batch (commits' runs, nothing else marked) is built from the runs
+    # without a drain; the same commits drained and encoded are the oracle, whether the
+    # runs continue each other (one event), are chains of their own, or lack ids
+    for shape in ("separate", "one chain", "chunks", "no ids", "older client"):
+        for encoding in ("map", "array"):
+            maker = EventMaker(EventsConfig(encoding=encoding, group_idx=1))
+            _, changes = _committed(shape)
+            expected = maker.payload(changes.drain(), 99.5, 3)
+            _, changes = _committed(shape)
+            runs = changes.drain_runs()
+            assert runs is not None and len(changes) == 0, shape
+            assert maker.runs_payload(runs, 99.5, 3) == expected, (shape, encoding)
+            assert changes.drain() == [] and changes.drain_runs() is None
+    # a block marked alone since (evicted): the batch needs the drain, marks kept
+    store, changes = _committed("separate")
+    ns = next(iter(store.namespaces.values()))
+    gone = next(iter(ns.blocks.values())).key
+    store.evict(ns, [gone])
+    marks = len(changes)
+    assert changes.drain_runs() is None and len(changes) == marks
+    drained = changes.drain()  # (a copy that came and went unannounced: left out)
+    stored = [b.key for c in drained if isinstance(c, Stored) for b in c.blocks]
+    assert stored and gone not in stored
 
 
 def test_bad_events_settings_are_refused_by_name() -> None:
@@ -607,7 +667,7 @@ def test_a_commits_claimed_size_makes_nothing_that_large() -> None:
 def test_the_layouts_of_many_salts_are_kept_within_a_bound() -> None:
     # salts per user or per request: a layout (and an item) each, made again once the
     # bound is passed, the batches the same bytes as the events encoded
-    from kvstore.events import _LAYOUTS_KEPT
+    from kvstore.kv_events_batch import _LAYOUTS_KEPT
 
     slot = IDENT.block_bytes
     store = BlockStore(8 * slot, 4 * slot)
