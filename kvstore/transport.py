@@ -72,25 +72,37 @@ class RepliesInFlight:
     """The pinned replies zmq is still sending: (tracker, pin) per peer, in the order
     sent.  zmq sends a peer's replies in that order, so a reaping pass looks at each
     peer's up to its first not yet sent: O(peers), not O(replies) (a peer that never
-    read held 15k, and each pass, every millisecond, looked at them all: half a core)."""
+    read held 15k, and each pass, every millisecond, looked at them all: half a core).
+    A reply done as it is added (pyzmq copies frames under its ``copy_threshold``, and
+    such a tracker is done at once) waits behind none: its pin goes at the next reap,
+    not after the peer's big replies queued ahead of it."""
 
     def __init__(self) -> None:
         self.by_peer: dict[bytes, deque[tuple[zmq.MessageTracker, int]]] = {}
+        self.ready: list[int] = []  # pins of replies done as they were added
         self.count = 0
 
     def __len__(self) -> int:
         return self.count
 
     def add(self, peer: bytes, tracker: zmq.MessageTracker, pin: int) -> None:
+        self.count += 1
+        if tracker.done:  # copied as it was sent: done ahead of the peer's queued ones
+            self.ready.append(pin)
+            return
         queue = self.by_peer.get(peer)
         if queue is None:
             queue = self.by_peer[peer] = deque()
         queue.append((tracker, pin))
-        self.count += 1
 
     def reap(self, release: Callable[[int], None], peer: bytes | None = None) -> int:
-        """``release`` the pin of each reply sent (to ``peer`` only, if given); how many."""
-        freed = 0
+        """``release`` the pin of each reply sent (to ``peer`` only, if given, and those
+        done as they were added); how many."""
+        freed = len(self.ready)
+        if freed:
+            ready, self.ready = self.ready, []
+            for pin in ready:
+                release(pin)
         for each in (peer,) if peer is not None else list(self.by_peer):
             queue = self.by_peer.get(each)
             while queue and queue[0][0].done:
