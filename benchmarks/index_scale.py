@@ -11,7 +11,13 @@ clients send them, settling the heap once a second as the daemon does, and print
   time the process was not running);
 - lookup of a 64-key chain, p50 and p99, as the index passes 10k, 100k, 1M, 10M blocks,
   in wall time and in the thread's CPU time (on a shared machine a wall p99 of 4 ms is
-  a scheduler tick the process waited out, not the lookup);
+  a scheduler tick the process waited out, not the lookup); and the CPU of a chain's
+  first lookup at that size apart from its lookups again (``first``/``repeat``, and
+  the first ones' share in percent): under ``auto`` a first lookup's sampled keys are
+  hit in each of the duel's four miniatures, a repeat's are not (a hit counts once per
+  tick, and no commit falls between the lookups), and as the chains outnumber the 2000
+  lookups the mix moves from repeats to first lookups (at 10k blocks 10 chains, at 3M
+  2930);
 - the longest stall of the loop: the longest single reserve+commit (one request's hold
   of the event loop; the five longest with their CPU time and the collector's pauses in
   them, for on a shared machine a commit's wall time also counts the time the process
@@ -183,7 +189,7 @@ def index_figures(n: int, policy: str) -> dict[str, Any]:
     # seconds: on a shared machine the rest is time the process was not running)
     top: list[tuple[float, int, float, float]] = []
     settles: list[float] = []
-    lookups: dict[str, dict[str, float]] = {}
+    lookups: dict[str, dict[str, float | None]] = {}
     marks = sorted({c for c in CHECKPOINTS if c <= n} | {n})
     rng = random.Random(2)
     done = 0
@@ -223,16 +229,29 @@ def index_figures(n: int, policy: str) -> dict[str, Any]:
             while marks and done >= marks[0]:
                 mark = marks.pop(0)
                 looks, looks_cpu = [], []
+                # CPU of a chain's first lookup at this mark and of those again (the
+                # duel counts a sampled key's hit once per tick: a repeat skips its
+                # miniatures' work), apart, for the mix shifts as the chains outnumber
+                # the lookups
+                firsts, repeats, looked = [], [], set()
                 for _ in range(2000):
-                    chain = rng.choice(heads)
+                    at = rng.randrange(len(heads))
+                    chain = heads[at]
                     t0, c0 = time.perf_counter(), time.thread_time()
                     store.lookup(ns, chain)
                     looks.append(time.perf_counter() - t0)
                     looks_cpu.append(time.thread_time() - c0)
+                    (repeats if at in looked else firsts).append(looks_cpu[-1])
+                    looked.add(at)
                 lookups[f"{mark:,}"] = {"p50_us": pct(looks, 0.5) * 1e6,
                                         "p99_us": pct(looks, 0.99) * 1e6,
                                         "cpu_p50_us": pct(looks_cpu, 0.5) * 1e6,
-                                        "cpu_p99_us": pct(looks_cpu, 0.99) * 1e6}
+                                        "cpu_p99_us": pct(looks_cpu, 0.99) * 1e6,
+                                        "first_pct": 100.0 * len(firsts) / len(looks),
+                                        "cpu_first_p50_us": pct(firsts, 0.5) * 1e6 if firsts else None,
+                                        "cpu_first_p99_us": pct(firsts, 0.99) * 1e6 if firsts else None,
+                                        "cpu_repeat_p50_us": pct(repeats, 0.5) * 1e6 if repeats else None,
+                                        "cpu_repeat_p99_us": pct(repeats, 0.99) * 1e6 if repeats else None}
     gc.collect()
     rss = rss_bytes() - base
     settle()
@@ -378,7 +397,8 @@ def report(figures: dict[str, Any]) -> None:
         if isinstance(value, dict):
             print(f"{key}:")
             for k, v in value.items():
-                shown = (", ".join(f"{a} {b:,.1f}" for a, b in v.items())
+                shown = (", ".join(f"{a} {'-' if b is None else f'{b:,.1f}'}"
+                                   for a, b in v.items())
                          if isinstance(v, dict) else f"{v:,.1f}")
                 print(f"  {k:44} {shown}")
         elif isinstance(value, float):

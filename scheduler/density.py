@@ -39,10 +39,11 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import Protocol, TypeVar, cast
+from typing import NamedTuple, Protocol, TypeVar, cast
 
 import numpy as np
 
+from kvstore.scheduler.linked import Queue, links_of, queue, release_links
 from kvstore.scheduler.policy import EvictionPolicy
 
 T = TypeVar("T", bound=Hashable)
@@ -96,6 +97,26 @@ def _histogram() -> tuple[list[_Row], np.ndarray]:
     rows = [whole[klass * _BUCKETS:(klass + 1) * _BUCKETS] for klass in range(_CLASSES)]
     table = np.frombuffer(cells, dtype=np.float64).reshape(_CLASSES, _BUCKETS)
     return cast("list[_Row]", rows), table
+
+
+class _Scratch(NamedTuple):
+    """The arrays a refresh's densities are worked out in (``HitDensityPolicy._learn``,
+    ``_work_out``), kept between refreshes: per class and bucket, the hits, events and
+    events times age as the refresh found them (``sums``), each summed from the oldest
+    bucket down (``above``), the lifetime and whether any event was counted at or
+    above the bucket."""
+
+    sums: np.ndarray
+    above: np.ndarray
+    lifetime: np.ndarray
+    counted: np.ndarray
+
+
+def _scratch() -> _Scratch:
+    """Fresh arrays for a policy's refreshes."""
+    shape = (_CLASSES, _BUCKETS)
+    return _Scratch(np.zeros((3, *shape)), np.zeros((3, *shape)), np.zeros(shape),
+                    np.zeros(shape, dtype=bool))
 
 
 def _class(hits: int) -> int:
@@ -152,7 +173,8 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self.parent_of: Callable[[T], object] = _parent_attribute
         self._entries: dict[T, _Entry] = {}
         self._pinned = 0
-        self._queues: list[OrderedDict[T, None]] = [OrderedDict() for _ in range(_CLASSES)]
+        # per class, LRU first: in tables, or all in the items' links (``links``)
+        self._queues: list[Queue[T]] = [OrderedDict() for _ in range(_CLASSES)]
         # evicted keys -> (hits, class, clock at the last reference)
         self._ghost: OrderedDict[Hashable, tuple[int, int, int]] = OrderedDict()
         # Per class, per age bucket: the hits, the evictions and the densities learned
@@ -161,12 +183,36 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self._hits, self._hit_table = _histogram()
         self._evictions, self._eviction_table = _histogram()
         self._learned, self._learned_table = _histogram()
-        self._density: list[_Row] | None = None  # none learned yet: LRU
+        self._densities: list[_Row] | None = None  # none learned yet: LRU
+        self._unworked = False  # a refresh's densities not worked out yet (``_learn``)
+        self._scratch: _Scratch | None = None  # a refresh's arrays, made at the first
         self._now = 0  # references so far: the clock ages are counted in
         self._tick = 0  # inserts and evictions so far (a hit counts once per tick)
         self._next_refresh = refresh
         self._size = 0  # the most items tracked at once: the cache size, once full
         self.refreshes = 0
+
+    @property
+    def links(self) -> str | None:
+        """The attributes its class queues live in (``LinkedOrder``), None for tables.
+
+        A duel's density miniature keeps them in its sampled keys' links, as the other
+        miniatures do (the real order, when density is in charge, keeps tables): a
+        first hit moves a key between two class queues, in tables a probe of each, cold
+        at millions of blocks, and an ``OrderedDict`` node unlinked.  At 1M blocks under
+        ``auto`` a chain's first 64-key lookup 53.4 -> 51.9 us of CPU (median; p99
+        136 -> 116 us; alternated, three runs each), and 400 -> 387 bytes a block
+        (``benchmarks/index_scale.py``)."""
+        return links_of(self._queues[0])
+
+    @links.setter
+    def links(self, links: str | None) -> None:
+        if self._entries:
+            raise ValueError("an order's links are chosen while it is empty")
+        self._queues = [queue(links) for _ in range(_CLASSES)]
+
+    def release(self) -> None:
+        release_links(*self._queues)
 
     def insert(self, item: T) -> None:
         """``insert_many`` of one item, without its loops (a duel's miniature inserts
@@ -355,27 +401,59 @@ class HitDensityPolicy(EvictionPolicy[T]):
             self._learn()
 
     def _learn(self) -> None:
-        """Densities from the histograms, then the histograms decay.
+        """A refresh: the histograms as they stand are what the next densities are
+        learned from, then they decay.
 
-        In arrays over the rows' buffers (5 classes of 112 buckets: a loop of Python
-        here was the longest call of a lookup under ``auto``, whose miniature relearns
-        every 512 sampled references): each running sum from the oldest bucket down is
-        a cumulative sum of the reversed row, added in the same order as a loop would,
-        so the densities are the same floats."""
+        The densities themselves are worked out from a copy when first asked for
+        (``_density``: the next eviction, or a hand-over), not here: a refresh falls on
+        whichever reference reaches it, as often a lookup's hit as a miss, and under
+        ``auto`` (its density miniature refreshes every 512 sampled references) one
+        lookup in a hundred at 3M blocks reached one.  The copy and the decay are four
+        calls into numpy: such a refresh in a lookup 66 -> 29 us of CPU (medians of 34;
+        numpy's code and the arrays cold between refreshes; warm, 17.5 -> 2.3 us), a
+        lookup holding one 123-128 -> 87-88 us.  The densities are the same floats,
+        from the same counts (the refreshes between two evictions but the last are
+        never worked out: nothing reads them)."""
         self._next_refresh = self._now + self.refresh
         self.refreshes += 1
+        if self._scratch is None:
+            self._scratch = _scratch()
+        sums = self._scratch.sums
         hits, evictions = self._hit_table, self._eviction_table
-        events = hits + evictions
-        hits_above = np.cumsum(hits[:, ::-1], axis=1)[:, ::-1]
-        events_above = np.cumsum(events[:, ::-1], axis=1)[:, ::-1]
-        age_sum_above = np.cumsum((events * _AGES_ARRAY)[:, ::-1], axis=1)[:, ::-1]
-        lifetime = age_sum_above - _STARTS_ARRAY * events_above
-        density = self._learned_table
-        density.fill(0.0)
-        np.divide(hits_above, lifetime, out=density, where=events_above != 0.0)
-        self._density = self._learned
+        np.copyto(sums[0], hits)
+        np.add(hits, evictions, out=sums[1])
         hits *= self.keep
         evictions *= self.keep
+        self._unworked = True
+
+    @property
+    def _density(self) -> list[_Row] | None:
+        """The densities of the latest refresh (None: none yet, LRU)."""
+        if self._unworked:
+            self._work_out()
+        return self._densities
+
+    def _work_out(self) -> None:
+        """The densities from the counts of the latest refresh (``_learn``'s copy).
+
+        In arrays over the rows' buffers (5 classes of 112 buckets: a loop of Python
+        here was the longest call of a lookup under ``auto``): each running sum from
+        the oldest bucket down is a cumulative sum of the reversed row, added in the
+        same order as a loop would, so the densities are the same floats."""
+        assert self._scratch is not None, "worked out after a refresh"
+        sums, above, lifetime, counted = self._scratch
+        np.multiply(sums[1], _AGES_ARRAY, out=sums[2])  # events times their age
+        # hits, events and their ages summed from the oldest bucket down, in one call
+        np.cumsum(sums[:, :, ::-1], axis=2, out=above[:, :, ::-1])
+        hits_above, events_above, age_sum_above = above
+        np.multiply(_STARTS_ARRAY, events_above, out=lifetime)
+        np.subtract(age_sum_above, lifetime, out=lifetime)
+        np.not_equal(events_above, 0.0, out=counted)
+        density = self._learned_table
+        density.fill(0.0)
+        np.divide(hits_above, lifetime, out=density, where=counted)
+        self._densities = self._learned
+        self._unworked = False
 
     def evictable(self) -> Iterator[T]:
         """The unpinned items, least recently referenced first, as the other orders list

@@ -127,14 +127,24 @@ def test_a_refresh_learns_the_same_floats_as_the_sums_bucket_by_bucket() -> None
     hits = [list(row) for row in policy._hits]
     evictions = [list(row) for row in policy._evictions]
     policy._learn()
+    decayed = [list(row) for row in policy._hits], [list(row) for row in policy._evictions]
+    # counted after the refresh, before its densities are first asked for (the next
+    # eviction): not in them
+    policy._hits[0][3] += 2.0
+    policy._evictions[4][100] += 1.0
     assert policy._density is not None
     expected = _densities_by_loop(hits, evictions, module._AGES, module._STARTS)
     assert [list(row) for row in policy._density] == expected
     assert any(value > 0.0 for row in expected for value in row)
     # ... and the histograms decayed by ``keep``, in place
-    assert [list(row) for row in policy._hits] == [[h * 0.8 for h in row] for row in hits]
-    assert [list(row) for row in policy._evictions] == [
-        [e * 0.8 for e in row] for row in evictions]
+    assert decayed == ([[h * 0.8 for h in row] for row in hits],
+                       [[e * 0.8 for e in row] for row in evictions])
+    # ... and a second refresh learns the counts it found
+    hits = [list(row) for row in policy._hits]
+    evictions = [list(row) for row in policy._evictions]
+    policy._learn()
+    assert [list(row) for row in policy._density] == _densities_by_loop(
+        hits, evictions, module._AGES, module._STARTS)
 
 
 def test_refuses_bad_parameters() -> None:

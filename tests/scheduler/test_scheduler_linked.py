@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.scheduler.density import HitDensityPolicy
 from kvstore.scheduler.eviction import (
     ARCPolicy,
     AutoPolicy,
@@ -114,13 +115,14 @@ def test_linked_lru_evicts_as_the_table_does(
                for i in ITEMS)
 
 
-@pytest.mark.parametrize("make", [SLRUPolicy, ARCPolicy])
+@pytest.mark.parametrize("make", [SLRUPolicy, ARCPolicy, HitDensityPolicy])
 @settings(max_examples=300, deadline=None)
 @given(history=events)
 def test_segmented_orders_in_links_evict_as_in_tables(
         make: type[EvictionPolicy[Item]], history: list[tuple[str, int, int]]) -> None:
-    """SLRU's two segments and ARC's two lists, both on one set of links (an item sits
-    in one at a time), against the same order in tables: the miniatures' case."""
+    """SLRU's two segments, ARC's two lists and hit density's class queues, all on one
+    set of links (an item sits in one at a time), against the same order in tables:
+    the miniatures' case."""
     for item in ITEMS:
         item.a_order = item.a_older = item.a_newer = None
     table, linked = make(), make()
@@ -182,9 +184,8 @@ def test_auto_keeps_its_lru_order_in_the_links_and_its_miniatures_in_their_own()
     policy = make_policy("auto", links="a")
     assert isinstance(policy, AutoPolicy) and policy.links == "a"
     assert isinstance(policy._order, LRUPolicy) and policy._order.links == "a"
-    # each miniature's order lives in its sampled keys' links, not in the items' (hit
-    # density keeps tables)
-    assert [getattr(m.order, "links", None) for m in policy._minis] == ["m0", "m1", "m2", None]
+    # each miniature's order lives in its sampled keys' links, not in the items'
+    assert [getattr(m.order, "links", None) for m in policy._minis] == ["m0", "m1", "m2", "m3"]
     for item in ITEMS:  # other tests' orders leave them linked
         item.a_order = item.b_order = None
     items: list[Hashable] = list(ITEMS)
