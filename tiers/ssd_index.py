@@ -69,6 +69,7 @@ class SSDIndex:
                 max_dbs=3,
                 sync=sync != "none",
                 metasync=sync == "always",
+                mode=0o700,  # its directory; its files 0600: block keys tell prompts
             )
         except lmdb.Error as exc:
             raise BackendError(
