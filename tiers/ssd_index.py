@@ -11,6 +11,7 @@ import errno
 import itertools
 import operator
 import os
+import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,6 +61,11 @@ class SSDIndex:
         self.path = path
         self.layout = layout
         self.fresh = False
+        if _truncated(path / "data.mdb"):
+            raise BackendError(
+                f"SSD index {path} is shorter than its last commit wrote (truncated?); "
+                f"delete it to start the tier cold"
+            )
         try:
             # batch: data pages are synced at commit, the meta page at the next one, so a
             # power loss can undo the last commit but never corrupts the index
@@ -296,6 +302,34 @@ class SSDIndex:
 _SCAN_CHUNK = 4096
 _namespace = operator.attrgetter("namespace")
 _key = operator.attrgetter("key")
+
+
+_LMDB_MAGIC = 0xBEEFC0DE
+_U32 = struct.Struct("=I")
+_LAST_PAGE = struct.Struct("=QQ")  # a meta page's mm_last_pg and mm_txnid (64-bit layout)
+_META_BYTES = 152  # page header, then MDB_meta up to mm_txnid
+
+
+def _truncated(data_file: Path) -> bool:
+    """Whether an LMDB data file is shorter than its newest meta page says it was written:
+    LMDB maps the file and would read pages past its end (SIGBUS: the daemon killed,
+    nothing logged, at every start).  A file LMDB cannot read as its own is left to it."""
+    try:
+        with open(data_file, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            head = file.read(2 * 65536)  # both meta pages, at the largest page size
+    except FileNotFoundError:
+        return False
+    if len(head) < _META_BYTES or _U32.unpack_from(head, 16)[0] != _LMDB_MAGIC:
+        return False
+    page = _U32.unpack_from(head, 40)[0]  # the free DB's md_pad: the page size
+    if page < 512 or page > 65536 or page & (page - 1):
+        return False
+    metas = [_LAST_PAGE.unpack_from(head, at + 136)[::-1] for at in (0, page)
+             if at + _META_BYTES <= len(head)
+             and _U32.unpack_from(head, at + 16)[0] == _LMDB_MAGIC]
+    _, last = max(metas)
+    return bool(size < (last + 1) * page)
 
 
 def decode_chunk(keys: Sequence[bytes], values: Sequence[bytes],
