@@ -82,9 +82,10 @@ class SSDIndex:
                 f"SSD index {path} cannot be opened ({exc}); delete it to start the tier cold"
             ) from exc
         try:
-            self._blocks = self._env.open_db(b"blocks")
-            self._namespaces = self._env.open_db(b"namespaces")
-            self._meta = self._env.open_db(b"meta")
+            with self._damaged("opening its databases"):
+                self._blocks = self._env.open_db(b"blocks")
+                self._namespaces = self._env.open_db(b"namespaces")
+                self._meta = self._env.open_db(b"meta")
             self.fresh = self._check_meta(layout)
         except BaseException:
             self._env.close()
@@ -104,6 +105,16 @@ class SSDIndex:
                     f"disk full under SSD index {self.path} while {action}: {exc}"
                 ) from exc
             raise BackendError(f"SSD index {self.path} failed while {action}: {exc}") from exc
+
+    @contextmanager
+    def _damaged(self, action: str) -> Iterator[None]:
+        """LMDB's errors while reading the index at start (a damaged page: MDB_CORRUPTED,
+        a traceback and no daemon) as the reason to start cold."""
+        try:
+            yield
+        except lmdb.Error as exc:
+            raise BackendError(f"SSD index {self.path} is damaged ({action}: {exc}); "
+                               f"delete it to start the tier cold") from exc
 
     @staticmethod
     def _wanted_meta(layout: SlabLayout) -> dict[str, int]:
@@ -252,7 +263,7 @@ class SSDIndex:
         their key.  ``chunk_entries``: entries a chunk (0: the plain scan's)."""
         bad: list[bytes] = []
         size = chunk_entries or _SCAN_CHUNK
-        with self._env.begin() as txn:
+        with self._damaged("reading its records"), self._env.begin() as txn:
             # keys and values by two cursors over the same snapshot, in the same order:
             # a list of each, with no (key, value) tuple an entry to make and take apart
             # again (half of the scan's CPU, a tenth of a warm restart's)
@@ -281,7 +292,7 @@ class SSDIndex:
 
     def namespaces(self) -> dict[bytes, bytes]:
         """Every namespace id with its identity bytes."""
-        with self._env.begin() as txn:
+        with self._damaged("reading its namespaces"), self._env.begin() as txn:
             return dict(txn.cursor(db=self._namespaces))
 
     # lifecycle
