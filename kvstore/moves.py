@@ -208,6 +208,9 @@ class Moves:
             # the ssd tier failed the write and paused: dram evicts without it meanwhile
         finally:
             self.room.freed()  # DRAM slots freed or unpinned: waiters may retry
+            if self.store.dropped_ssd:  # copies the write found damaged: out of the index
+                self.removed(self.store.dropped_ssd)
+                self.store.dropped_ssd = []
         self._ssd_written()
 
     async def _to_remote(self, blocks: list[Block]) -> None:

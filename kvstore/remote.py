@@ -12,10 +12,13 @@ local tiers keep serving.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+import xxhash
 
 from kvstore.blocks import REMOTE_MARK
 from kvstore.config import Config
@@ -57,7 +60,7 @@ class RemoteTier:
         self._through: TurnBatch[Block] = TurnBatch(self._background, self._write_through)
         self.counters = {"writes": 0, "write_bytes": 0, "reads": 0, "read_bytes": 0,
                          "misses": 0, "errors": 0, "lookups": 0, "hit_blocks": 0,
-                         "write_backs": 0}
+                         "write_backs": 0, "changed_since_commit": 0}
         store.touch_owner(REMOTE_OWNER, float("inf"))
 
     # -- health ---------------------------------------------------------------------------
@@ -170,7 +173,7 @@ class RemoteTier:
         views = [self.slot(ns, off) for off in pin.offsets]
         try:
             ok = await self.send(ns, [b.key for b in blocks], views, "write",
-                                  write_back=self.write_back)
+                                  write_back=self.write_back, blocks=blocks)
             for b, good in zip(blocks, ok or ()):
                 if good and not b.marks & REMOTE_MARK:
                     b.remote = True
@@ -181,17 +184,30 @@ class RemoteTier:
             self.store.release(REMOTE_OWNER, pin.id)
 
     async def send(self, ns: Namespace, keys: list[bytes], views: Sequence[memoryview],
-                    what: str, *, write_back: bool) -> list[bool] | None:
+                    what: str, *, write_back: bool,
+                    blocks: Sequence[Block] = ()) -> list[bool] | None:
         """Put values here, through the transfer queues and within the concurrency bound;
         per key whether it was written, or None if the remote store failed (counted, and
-        the tier marked unhealthy)."""
+        the tier marked unhealthy).  ``blocks``: those the views are DRAM copies of."""
+        # A value goes with the digest of the bytes sent, which every daemon reading it
+        # hands its readers: bytes changed since a commit that gave a checksum (through
+        # a mapping kept after it) would come back verified.  Those are not sent.
+        same = [not b.checksum or xxhash.xxh3_64_intdigest(v) == b.checksum
+                for b, v in zip(blocks, views)]
+        if not all(same):
+            self.counters["changed_since_commit"] += same.count(False)
+            keys = list(itertools.compress(keys, same))
+            views = list(itertools.compress(views, same))
         try:
             async with self.transfers.slot(len(views) * ns.block_bytes,
                                            default_tenant=ns.tenant), self._gate:
-                written = await self.backend.put(ns.id, keys, views)
+                written = await self.backend.put(ns.id, keys, views) if keys else []
         except KVStoreError as exc:
             self._failed(what, exc)
             return None
+        if not all(same):
+            sent = iter(written)
+            written = [next(sent) if good else False for good in same]
         n = sum(written)
         self.counters["writes"] += n
         self.counters["write_bytes"] += n * ns.block_bytes
@@ -211,7 +227,7 @@ class RemoteTier:
                     if len(views) != len(group) or not self.healthy:
                         continue
                     written = await self.send(ns, [b.key for b in group], views,
-                                              "write-back", write_back=True)
+                                              "write-back", write_back=True, blocks=group)
                 finally:
                     for view in views:
                         view.release()

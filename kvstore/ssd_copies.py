@@ -170,6 +170,7 @@ class SsdCopies:
         assert self.store.ssd is not None
         del self.store.transfers[t.id]
         self.store.ssd_reserved_slots -= len(t.offsets)
+        changed: list[Block] = []
         for i, (b, off, demote) in enumerate(zip(t.blocks, t.offsets, t.demote)):
             cls = b.ns.ssd_cls
             assert cls is not None
@@ -177,8 +178,11 @@ class SsdCopies:
                 self.store.ssd.pool.free(cls, [off])
             else:
                 b.ssd_offset = off
+                digest = getattr(records[i], "checksum", 0)
                 if not b.checksum:  # the SSD tier's own digest of the bytes it wrote
-                    b.checksum = getattr(records[i], "checksum", 0)
+                    b.checksum = digest
+                elif digest and digest != b.checksum:
+                    changed.append(b)
                 self.store.ssd.policy(cls).insert(b)
                 self.store.ssd_committed_slots += 1
                 self.store.ssd_committed_bytes += cls.slot_bytes
@@ -193,6 +197,11 @@ class SsdCopies:
                 self.store.drop_dram_copy(b)
             else:  # the write failed, or a reader pinned it meanwhile: it stays in DRAM
                 self.store.back_on_order(b)
+        # Bytes changed in DRAM since their commit (written through a mapping kept after
+        # it) went to SSD under a digest of their own, which a restart would hand readers
+        # as the block's: the copy is damaged, as a failed read finds it, and goes now
+        for b in changed:
+            self.corrupt(b, self.store.dropped_ssd)
 
     def abort_demotion(self, blocks: list[Block]) -> None:
         """Demotion victims that could not be written: back on the DRAM eviction order."""

@@ -117,7 +117,7 @@ class FsBackend(StorageBackend):
 
     async def health(self) -> BackendHealth:
         def check(stop: threading.Event) -> BackendHealth:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             if not os.access(self.root, os.W_OK | os.X_OK):
                 return BackendHealth(ok=False, detail=f"{self.root} is not writable")
             fs = os.statvfs(self.root)
@@ -203,13 +203,16 @@ class FsBackend(StorageBackend):
 
 
 def _create(path: Path) -> int:
-    """Open a new file for writing, creating its directory if needed."""
+    """Open a new file for writing, creating its directories if needed: the daemon's
+    user's alone, for the files hold every tenant's blocks, which any user of the host
+    could read otherwise, past the daemon's isolation of tenants."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
-        return os.open(path, flags, 0o644)
+        return os.open(path, flags, 0o600)
     except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return os.open(path, flags, 0o644)
+        path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the namespace's
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        return os.open(path, flags, 0o600)
 
 
 def _bind(

@@ -72,7 +72,8 @@ class SSDDirectory:
 
     def _prepare_directory(self) -> None:
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            # the daemon's user's alone: every tenant's blocks, and an index of their keys
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(
                 f"SSD tier directory {self.path} cannot be created: {exc.strerror}"

@@ -11,6 +11,7 @@ import errno
 import itertools
 import operator
 import os
+import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,6 +61,11 @@ class SSDIndex:
         self.path = path
         self.layout = layout
         self.fresh = False
+        if _truncated(path / "data.mdb"):
+            raise BackendError(
+                f"SSD index {path} is shorter than its last commit wrote (truncated?); "
+                f"delete it to start the tier cold"
+            )
         try:
             # batch: data pages are synced at commit, the meta page at the next one, so a
             # power loss can undo the last commit but never corrupts the index
@@ -69,15 +75,17 @@ class SSDIndex:
                 max_dbs=3,
                 sync=sync != "none",
                 metasync=sync == "always",
+                mode=0o700,  # its directory; its files 0600: block keys tell prompts
             )
         except lmdb.Error as exc:
             raise BackendError(
                 f"SSD index {path} cannot be opened ({exc}); delete it to start the tier cold"
             ) from exc
         try:
-            self._blocks = self._env.open_db(b"blocks")
-            self._namespaces = self._env.open_db(b"namespaces")
-            self._meta = self._env.open_db(b"meta")
+            with self._damaged("opening its databases"):
+                self._blocks = self._env.open_db(b"blocks")
+                self._namespaces = self._env.open_db(b"namespaces")
+                self._meta = self._env.open_db(b"meta")
             self.fresh = self._check_meta(layout)
         except BaseException:
             self._env.close()
@@ -97,6 +105,16 @@ class SSDIndex:
                     f"disk full under SSD index {self.path} while {action}: {exc}"
                 ) from exc
             raise BackendError(f"SSD index {self.path} failed while {action}: {exc}") from exc
+
+    @contextmanager
+    def _damaged(self, action: str) -> Iterator[None]:
+        """LMDB's errors while reading the index at start (a damaged page: MDB_CORRUPTED,
+        a traceback and no daemon) as the reason to start cold."""
+        try:
+            yield
+        except lmdb.Error as exc:
+            raise BackendError(f"SSD index {self.path} is damaged ({action}: {exc}); "
+                               f"delete it to start the tier cold") from exc
 
     @staticmethod
     def _wanted_meta(layout: SlabLayout) -> dict[str, int]:
@@ -245,7 +263,7 @@ class SSDIndex:
         their key.  ``chunk_entries``: entries a chunk (0: the plain scan's)."""
         bad: list[bytes] = []
         size = chunk_entries or _SCAN_CHUNK
-        with self._env.begin() as txn:
+        with self._damaged("reading its records"), self._env.begin() as txn:
             # keys and values by two cursors over the same snapshot, in the same order:
             # a list of each, with no (key, value) tuple an entry to make and take apart
             # again (half of the scan's CPU, a tenth of a warm restart's)
@@ -274,7 +292,7 @@ class SSDIndex:
 
     def namespaces(self) -> dict[bytes, bytes]:
         """Every namespace id with its identity bytes."""
-        with self._env.begin() as txn:
+        with self._damaged("reading its namespaces"), self._env.begin() as txn:
             return dict(txn.cursor(db=self._namespaces))
 
     # lifecycle
@@ -295,6 +313,34 @@ class SSDIndex:
 _SCAN_CHUNK = 4096
 _namespace = operator.attrgetter("namespace")
 _key = operator.attrgetter("key")
+
+
+_LMDB_MAGIC = 0xBEEFC0DE
+_U32 = struct.Struct("=I")
+_LAST_PAGE = struct.Struct("=QQ")  # a meta page's mm_last_pg and mm_txnid (64-bit layout)
+_META_BYTES = 152  # page header, then MDB_meta up to mm_txnid
+
+
+def _truncated(data_file: Path) -> bool:
+    """Whether an LMDB data file is shorter than its newest meta page says it was written:
+    LMDB maps the file and would read pages past its end (SIGBUS: the daemon killed,
+    nothing logged, at every start).  A file LMDB cannot read as its own is left to it."""
+    try:
+        with open(data_file, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            head = file.read(2 * 65536)  # both meta pages, at the largest page size
+    except FileNotFoundError:
+        return False
+    if len(head) < _META_BYTES or _U32.unpack_from(head, 16)[0] != _LMDB_MAGIC:
+        return False
+    page = _U32.unpack_from(head, 40)[0]  # the free DB's md_pad: the page size
+    if page < 512 or page > 65536 or page & (page - 1):
+        return False
+    metas = [_LAST_PAGE.unpack_from(head, at + 136)[::-1] for at in (0, page)
+             if at + _META_BYTES <= len(head)
+             and _U32.unpack_from(head, at + 16)[0] == _LMDB_MAGIC]
+    _, last = max(metas)
+    return bool(size < (last + 1) * page)
 
 
 def decode_chunk(keys: Sequence[bytes], values: Sequence[bytes],
