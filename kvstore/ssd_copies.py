@@ -52,20 +52,14 @@ class SsdCopies:
         return {
             "capacity": spool.capacity_bytes,
             "free": spool.capacity_bytes - reserved - committed,
-            "reserved": reserved,
-            "committed": committed,
+            "reserved": reserved, "committed": committed,
             "reserved_slots": store.ssd_reserved_slots,
             "committed_slots": store.ssd_committed_slots,
-            "blocks": store.ssd_committed_slots,
-            "pinned_blocks": 0,
-            "tail_waste": spool.tail_waste_bytes(),
-            "empty_slabs": spool.empty_slabs,
-            "evictions": c.ssd_evictions,
-            "evicted_unwritten": c.ssd_evicted_unwritten,
-            "demotions": c.demotions,
-            "writes": c.ssd_writes,
-            "checksum_failures": c.checksum_failures,
-            "hits": c.ssd_hits,
+            "blocks": store.ssd_committed_slots, "pinned_blocks": 0,
+            "tail_waste": spool.tail_waste_bytes(), "empty_slabs": spool.empty_slabs,
+            "evictions": c.ssd_evictions, "evicted_unwritten": c.ssd_evicted_unwritten,
+            "demotions": c.demotions, "writes": c.ssd_writes,
+            "checksum_failures": c.checksum_failures, "hits": c.ssd_hits,
         }
 
     def check(self, blocks: Iterable[Block]) -> None:
@@ -166,7 +160,10 @@ class SsdCopies:
         """The write of a transfer ended: ``records`` per block on success, None on failure.
 
         Demoted blocks then leave DRAM (or, on failure, or if pinned meanwhile, return to
-        its eviction order); written-through blocks keep both copies."""
+        its eviction order); written-through blocks keep both copies.  A copy whose bytes
+        changed in DRAM since their commit (written through a mapping kept after it) went
+        to SSD under a digest of its own, which a restart would hand readers as the
+        block's: it is damaged, as a failed read finds it, and goes at once."""
         assert self.store.ssd is not None
         del self.store.transfers[t.id]
         self.store.ssd_reserved_slots -= len(t.offsets)
@@ -197,10 +194,7 @@ class SsdCopies:
                 self.store.drop_dram_copy(b)
             else:  # the write failed, or a reader pinned it meanwhile: it stays in DRAM
                 self.store.back_on_order(b)
-        # Bytes changed in DRAM since their commit (written through a mapping kept after
-        # it) went to SSD under a digest of their own, which a restart would hand readers
-        # as the block's: the copy is damaged, as a failed read finds it, and goes now
-        for b in changed:
+        for b in changed:  # changed since their commit: damaged (see above)
             self.corrupt(b, self.store.dropped_ssd)
 
     def abort_demotion(self, blocks: list[Block]) -> None:
