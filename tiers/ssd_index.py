@@ -316,31 +316,63 @@ _key = operator.attrgetter("key")
 
 
 _LMDB_MAGIC = 0xBEEFC0DE
+_U16 = struct.Struct("=H")
 _U32 = struct.Struct("=I")
-_LAST_PAGE = struct.Struct("=QQ")  # a meta page's mm_last_pg and mm_txnid (64-bit layout)
-_META_BYTES = 152  # page header, then MDB_meta up to mm_txnid
+_U64 = struct.Struct("=Q")
+_META_BYTES = 152  # page header, then MDB_meta up to mm_txnid (64-bit layout)
+_NO_PAGE = (1 << 64) - 1  # an empty database's root
+_LEAF, _SUBDATA = 0x02, 0x02  # a page's P_LEAF flag; a node's F_SUBDATA flag
 
 
 def _truncated(data_file: Path) -> bool:
-    """Whether an LMDB data file is shorter than its newest meta page says it was written:
-    LMDB maps the file and would read pages past its end (SIGBUS: the daemon killed,
-    nothing logged, at every start).  A file LMDB cannot read as its own is left to it."""
+    """Whether an LMDB data file ends before a root page its newest meta page names (the
+    free and main databases', and the named databases' the main one lists): LMDB maps
+    the file and would read past its end (SIGBUS: the daemon killed, nothing logged, at
+    every start).  Roots only: a commit writes every page it names, and copy on write
+    makes the roots among its newest, which a file cut short loses first; the meta
+    page's last page number is no bound (pages allocated and freed within a commit are
+    never written, so a sound file may end before it).  A file LMDB cannot read as its
+    own is left to it."""
     try:
         with open(data_file, "rb") as file:
             size = os.fstat(file.fileno()).st_size
             head = file.read(2 * 65536)  # both meta pages, at the largest page size
-    except FileNotFoundError:
+            if len(head) < _META_BYTES or _U32.unpack_from(head, 16)[0] != _LMDB_MAGIC:
+                return False
+            page = _U32.unpack_from(head, 40)[0]  # the free DB's md_pad: the page size
+            if page < 512 or page > 65536 or page & (page - 1):
+                return False
+            metas = [(_U64.unpack_from(head, at + 144)[0], at) for at in (0, page)
+                     if at + _META_BYTES <= len(head)
+                     and _U32.unpack_from(head, at + 16)[0] == _LMDB_MAGIC]
+            _, meta = max(metas)
+            pages = size // page
+            free_root, main_root = (_U64.unpack_from(head, meta + at)[0] for at in (80, 128))
+            if any(root != _NO_PAGE and root >= pages for root in (free_root, main_root)):
+                return True
+            if main_root == _NO_PAGE:
+                return False
+            file.seek(main_root * page)
+            return any(root >= pages for root in _named_roots(file.read(page)))
+    except (FileNotFoundError, struct.error, ValueError):
         return False
-    if len(head) < _META_BYTES or _U32.unpack_from(head, 16)[0] != _LMDB_MAGIC:
-        return False
-    page = _U32.unpack_from(head, 40)[0]  # the free DB's md_pad: the page size
-    if page < 512 or page > 65536 or page & (page - 1):
-        return False
-    metas = [_LAST_PAGE.unpack_from(head, at + 136)[::-1] for at in (0, page)
-             if at + _META_BYTES <= len(head)
-             and _U32.unpack_from(head, at + 16)[0] == _LMDB_MAGIC]
-    _, last = max(metas)
-    return bool(size < (last + 1) * page)
+
+
+def _named_roots(leaf: bytes) -> list[int]:
+    """The root pages of the named databases a main database's leaf page lists (none if
+    it is not a leaf: then its branches are left to LMDB)."""
+    if len(leaf) < 16 or not _U16.unpack_from(leaf, 10)[0] & _LEAF:
+        return []
+    lower = _U16.unpack_from(leaf, 12)[0]
+    roots = []
+    for slot in range(16, lower, 2):
+        node = _U16.unpack_from(leaf, slot)[0]
+        flags, key_size = _U16.unpack_from(leaf, node + 4)[0], _U16.unpack_from(leaf, node + 6)[0]
+        if flags & _SUBDATA:
+            root = _U64.unpack_from(leaf, node + 8 + key_size + 40)[0]  # the MDB_db's md_root
+            if root != _NO_PAGE:
+                roots.append(root)
+    return roots
 
 
 def decode_chunk(keys: Sequence[bytes], values: Sequence[bytes],
