@@ -358,7 +358,7 @@ class Moves:
                             ns, [group[j].key for j in good_ones], [views[j] for j in good_ones],
                             "write-back", write_back=True)
                         for j, w in zip(good_ones, written or ()):
-                            sent[indexes[j]] = w
+                            sent[indexes[j]] = bool(w)
                     finally:
                         for view in (*views, whole):
                             view.release()

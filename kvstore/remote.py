@@ -185,13 +185,15 @@ class RemoteTier:
 
     async def send(self, ns: Namespace, keys: list[bytes], views: Sequence[memoryview],
                     what: str, *, write_back: bool,
-                    blocks: Sequence[Block] = ()) -> list[bool] | None:
+                    blocks: Sequence[Block] = ()) -> list[bool | None] | None:
         """Put values here, through the transfer queues and within the concurrency bound;
-        per key whether it was written, or None if the remote store failed (counted, and
-        the tier marked unhealthy).  ``blocks``: those the views are DRAM copies of."""
+        per key whether it was written (None: not sent, its bytes changed since their
+        commit), or None if the remote store failed (counted, and the tier marked
+        unhealthy).  ``blocks``: those the views are DRAM copies of."""
         # A value goes with the digest of the bytes sent, which every daemon reading it
         # hands its readers: bytes changed since a commit that gave a checksum (through
-        # a mapping kept after it) would come back verified.  Those are not sent.
+        # a mapping kept after it) would come back verified.  Those are not sent, and
+        # are damaged (a write-back drops them: kept, each eviction would pick them again).
         same = [not b.checksum or xxhash.xxh3_64_intdigest(v) == b.checksum
                 for b, v in zip(blocks, views)]
         if not all(same):
@@ -205,20 +207,22 @@ class RemoteTier:
         except KVStoreError as exc:
             self._failed(what, exc)
             return None
+        result: list[bool | None] = list(written)
         if not all(same):
             sent = iter(written)
-            written = [next(sent) if good else False for good in same]
-        n = sum(written)
+            result = [next(sent) if good else None for good in same]
+        n = sum(1 for w in result if w)
         self.counters["writes"] += n
         self.counters["write_bytes"] += n * ns.block_bytes
         if write_back:
             self.counters["write_backs"] += n
-        return written
+        return result
 
     async def demote(self, blocks: list[Block]) -> None:
         """Write back blocks DRAM is about to evict (the store marked them demoting), then
         let the store drop the written ones; those that failed stay in DRAM."""
         ok = [False] * len(blocks)
+        damaged = [False] * len(blocks)
         try:
             for ns, indexes in by_namespace(blocks).items():
                 group = [blocks[i] for i in indexes]
@@ -232,9 +236,9 @@ class RemoteTier:
                     for view in views:
                         view.release()
                 for i, good in zip(indexes, written or ()):
-                    ok[i] = good
+                    ok[i], damaged[i] = bool(good), good is None
         finally:
-            self.store.finish_remote_write(blocks, ok)
+            self.store.finish_remote_write(blocks, ok, damaged)
 
     async def flush(self) -> int:
         """Write back every DRAM-only block the remote store lacks (on the way out, so

@@ -179,10 +179,13 @@ class BlockStore(StoreCore):
         self.counters.reservations += 1
         return r
 
-    def finish_remote_write(self, blocks: list[Block], ok: list[bool]) -> None:
+    def finish_remote_write(self, blocks: list[Block], ok: list[bool],
+                            damaged: Sequence[bool] = ()) -> None:
         """The write-back of demoting blocks to the remote store ended: the written ones
-        leave DRAM (unless pinned meanwhile), the others return to its eviction order."""
-        for b, good in zip(blocks, ok):
+        leave DRAM (unless pinned meanwhile), and so do the ``damaged`` (bytes changed
+        since their commit: never sent, and kept they would be picked again at each
+        eviction); the others return to its eviction order."""
+        for i, (b, good) in enumerate(zip(blocks, ok)):
             if b not in self.remote_demoting:
                 continue
             self.remote_demoting.discard(b)
@@ -192,8 +195,10 @@ class BlockStore(StoreCore):
                 self.counters.remote_writebacks += 1
             if b.offset is None:
                 b.demoting = False
-            elif good and b.refs == 0:
+            elif (good or (damaged and damaged[i])) and b.refs == 0:
                 self.drop_dram_copy(b)
+                if not good and not b.present and b.ns.blocks.get(b.key) is b:
+                    self.drop_subtree(b.ns, [b], self.dropped_ssd)  # no copy left
             else:
                 self.back_on_order(b)
 
