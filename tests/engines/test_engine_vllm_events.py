@@ -10,6 +10,7 @@ every chain's lookup as the daemon does.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,18 @@ def test_vllm_decodes_the_stream_and_rebuilds_the_index(daemon_factory: Any,
         mix.synced()
         assert mix.ns.evict(keys) == 3
         mix.chains.append(keys)
+        # and blocks on SSD for sure (the mix's may all have left it, on a loaded machine):
+        # chains of three quarters of DRAM (2 MiB) push older blocks down
+        deadline = time.monotonic() + 30
+        at = 6000
+        while not mix.client.stats()["tiers"]["ssd"]["blocks"]:
+            assert time.monotonic() < deadline, "nothing ever reached the SSD tier"
+            more = mix.ns.keys(list(range(at, at + 24 * IDENT.block_tokens)))
+            mix.ns.put(more, [mix.content(k) for k in more])
+            mix.chains.append(more)
+            at += 24 * IDENT.block_tokens
+            time.sleep(0.2)
+        mix.synced()
         snap = mix.check()
         lookups = [mix.ns.lookup(keys).tiers for keys in mix.chains]
         assert mix.synced().seq == snap.seq  # nothing moved since: the lookups match it
