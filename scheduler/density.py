@@ -287,12 +287,19 @@ class HitDensityPolicy(EvictionPolicy[T]):
             if entry is None or entry.tick == tick:
                 continue  # unknown, or already counted in this tick (lookup, then acquire)
             entry.tick = tick
-            self._now += 1
+            now = self._now = self._now + 1
             old = entry.klass
-            self._hits[old][age_bucket(self._now - entry.stamp)] += 1.0
-            entry.hits += 1
-            entry.klass = new = _class(entry.hits)
-            entry.stamp = self._now
+            age = now - entry.stamp  # age_bucket and _class inline: a hit's hot path
+            if age < 8:
+                bucket = age
+            else:
+                bits = age.bit_length()
+                bucket = min(_BUCKETS - 1, 4 * (bits - 2) + ((age >> (bits - 3)) & 3))
+            self._hits[old][bucket] += 1.0
+            hits = entry.hits = entry.hits + 1
+            entry.klass = new = (_CLASS_OF_HITS[hits] if hits < len(_CLASS_OF_HITS)
+                                 else _CLASSES - 1)
+            entry.stamp = now
             if not entry.pinned:
                 del queues[old][item]
                 queues[new][item] = None
