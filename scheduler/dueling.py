@@ -626,12 +626,15 @@ class Duel(Generic[T]):
     def access_many(self, items: Iterable[T]) -> None:
         """``access`` each, in order, as one call per run of unsampled items to the
         candidate in charge (a lookup's hits are one call, not one per block)."""
-        order = self._order
+        order, tracked = self._order, self._items
         # a lookup's every hit passes here: nothing below adds to or takes from the
         # tracked items (an item's state: in C where the items hold it)
-        state_of, put = self._items.get, self._items.put
+        state_of, put = tracked.get, tracked.put
         run: list[T] = []
         add = run.append
+        # hit for the first time, out of the sample: set True together (``put_all``, in
+        # C), before any election, the one reader of their states (a hand-over)
+        first: list[T] = []
         for item in items:
             state = state_of(item)
             if state is True:  # out of the sample, hit before: nothing to note
@@ -639,7 +642,7 @@ class Duel(Generic[T]):
                 continue
             if state is False:
                 add(item)
-                put(item, True)  # hit since it entered
+                first.append(item)  # hit since it entered
                 continue
             if state is None:
                 continue
@@ -652,10 +655,14 @@ class Duel(Generic[T]):
             order.access_many(run)
             run = []
             add = run.append
+            tracked.put_all(first, [True] * len(first))
+            first = []
             self._sample(state >> 1, item, True)
             order = self._order
         if run:
             order.access_many(run)
+        if first:
+            tracked.put_all(first, [True] * len(first))
 
     def pin(self, item: T) -> None:
         if self._items.get(item) is not None:
