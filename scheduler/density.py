@@ -39,11 +39,12 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
+from itertools import islice
 from typing import NamedTuple, Protocol, TypeVar, cast
 
 import numpy as np
 
-from kvstore.scheduler.linked import Queue, links_of, queue, release_links
+from kvstore.scheduler.linked import LinkedOrder, Queue, links_of, queue, release_links
 from kvstore.scheduler.policy import EvictionPolicy
 
 T = TypeVar("T", bound=Hashable)
@@ -286,12 +287,19 @@ class HitDensityPolicy(EvictionPolicy[T]):
             if entry is None or entry.tick == tick:
                 continue  # unknown, or already counted in this tick (lookup, then acquire)
             entry.tick = tick
-            self._now += 1
+            now = self._now = self._now + 1
             old = entry.klass
-            self._hits[old][age_bucket(self._now - entry.stamp)] += 1.0
-            entry.hits += 1
-            entry.klass = new = _class(entry.hits)
-            entry.stamp = self._now
+            age = now - entry.stamp  # age_bucket and _class inline: a hit's hot path
+            if age < 8:
+                bucket = age
+            else:
+                bits = age.bit_length()
+                bucket = min(_BUCKETS - 1, 4 * (bits - 2) + ((age >> (bits - 3)) & 3))
+            self._hits[old][bucket] += 1.0
+            hits = entry.hits = entry.hits + 1
+            entry.klass = new = (_CLASS_OF_HITS[hits] if hits < len(_CLASS_OF_HITS)
+                                 else _CLASSES - 1)
+            entry.stamp = now
             if not entry.pinned:
                 del queues[old][item]
                 queues[new][item] = None
@@ -334,10 +342,17 @@ class HitDensityPolicy(EvictionPolicy[T]):
         # a tie, so LRU before anything is learned); the victim is the first block the
         # store allows in the best class, or the next one.  Ranking before asking spares
         # the walk past the old shared heads (never leaves) of the most-hit classes.
+        # each class's oldest, None if it has none (in links: a read, no generator)
+        queues = self._queues
+        heads: list[T | None]
+        if isinstance(queues[0], LinkedOrder):
+            heads = [queue.oldest() for queue in cast("list[LinkedOrder[T]]", queues)]
+        else:
+            heads = [next(iter(queue), None) for queue in queues]
         ranked: list[tuple[float, int, int]] = []
-        for klass, queue in enumerate(self._queues):
-            if queue:
-                age = now - entries[next(iter(queue))].stamp
+        for klass, head in enumerate(heads):
+            if head is not None:
+                age = now - entries[head].stamp
                 if density is None:
                     ranked.append((0.0, -age, klass))
                     continue
@@ -353,22 +368,25 @@ class HitDensityPolicy(EvictionPolicy[T]):
         best: T | None = None
         skip = self.skip
         for _, _, klass in ranked:
-            for passed, item in enumerate(self._queues[klass]):
-                # a parent of a tracked item is no leaf: no need to ask the store
+            # a parent of a tracked item is no leaf: no need to ask the store
+            head = cast(T, heads[klass])  # ranked: not None
+            if not entries[head].kids and allowed(head):  # the oldest, most often
+                best = head
+                break
+            for item in islice(queues[klass], 1, skip):  # then the next few
                 if not entries[item].kids and allowed(item):
                     best = item
-                    break
-                if passed + 1 >= skip:
                     break
             if best is not None:
                 break
         if best is None:  # every class's oldest few refused: the first allowed item
-            best = next((i for q in self._queues for i in q if allowed(i)), None)
+            best = next((i for q in queues for i in q if allowed(i)), None)
             if best is None:
                 return None
         entry = entries.pop(best)
-        del self._queues[entry.klass][best]
-        self._unlink(entry)
+        del queues[entry.klass][best]
+        if entry.up is not None:  # ``_unlink``, inline: one call a victim the less
+            entry.up.kids -= 1
         # Its fate is learned when its ghost comes back (a hit at that age) or is
         # forgotten (an eviction at that age): what keeping it would have earned.
         ghost = self._ghost

@@ -62,28 +62,17 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from functools import partial
-from itertools import chain, compress, count, repeat
-from operator import and_, attrgetter, mul, not_
+from itertools import chain
+from operator import attrgetter
 from typing import Any, Generic, Protocol, TypeVar, cast
 
-import numpy as np
-
+from kvstore.scheduler.sampling import GOLDEN, MASK64, new_states, sampled_in
 from kvstore.scheduler.sharded import ShardedDict
 from kvstore.scheduler.tracked import MapStates, States, states_for
 
 T = TypeVar("T", bound=Hashable)
 
-_GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the sample
-_MASK64 = (1 << 64) - 1
 _UNTRACKED: Any = object()
-
-
-def _little_endian(name_hash: Callable[[Any], int]) -> bool:
-    """Whether ``name_hash`` reads a name's bytes as a little-endian int (the store's
-    ``partial(int.from_bytes, byteorder="little")``)."""
-    return (type(name_hash) is partial and name_hash.func == int.from_bytes
-            and not name_hash.args and name_hash.keywords == {"byteorder": "little"})
 
 
 # The most victims' names a hand-over passes on as ghosts: at a million-block cache and
@@ -115,53 +104,6 @@ def _victims_gone(gone: Iterable[Hashable], ghost_key: Callable[[Any], Hashable]
         if names.pop(ghost_key(item), _UNTRACKED) is None:
             back.add(item)
     return list(names), back
-
-
-def _states(size: int, spots: list[int], names: list[int]) -> list[bool | int]:
-    """The states of a batch of new items, those at ``spots`` sampled (``Duel._items``).
-
-    ``Duel.insert_many`` takes a batch of new items at once: which are sampled
-    (``_sampled_in``) and their states come from loops in C over the whole batch, and
-    only a sampled item costs Python of its own.  It makes the calls ``_insert_each``
-    makes item by item, in the same order (the tests hold the two to each other), with
-    one difference no decision sees: every item's state is set before the first
-    sampled key's reference, where the loop sets each as it comes.  That reference
-    reads only its parent's state, and only to find the parent's sampled node: a state
-    not set yet sends it to the parent's name, which finds the same node (an unsampled
-    name has none)."""
-    states: list[bool | int] = [False] * size
-    for at, name in zip(spots, names):
-        states[at] = name << 1
-    return states
-
-
-def _sampled_in(batch: list[T], name_hash: Callable[[Any], int],
-                ghost_key: Callable[[Any], Hashable],
-                mask: int) -> tuple[list[int], list[int]]:
-    """The places in ``batch`` of the items sampled by ``mask``, and their names' hashes.
-
-    As ``insert`` decides, ``not (name * _GOLDEN) & mask``, in loops in C; where the
-    names are keys of one length, a multiple of 8 bytes, and their hash their bytes
-    read little-endian (the store's), on their first eight bytes with numpy (the
-    product's low 64 bits are those of the name's), and only the sampled ones hashed
-    (``int.from_bytes`` through a ``partial`` costs about 0.15 us a call)."""
-    if _little_endian(name_hash) and len(batch) >= 16:
-        keys = cast(list[bytes], list(map(ghost_key, batch)))
-        try:
-            lengths = set(map(len, keys))
-            width = lengths.pop() if len(lengths) == 1 else 0
-            joined = b"".join(keys) if width >= 8 and not width % 8 else b""
-        except TypeError:  # names of another kind
-            joined = b""
-        if joined:
-            low = np.frombuffer(joined, dtype="<u8")[::width // 8]
-            mixed = (low * np.uint64(_GOLDEN)) & np.uint64(mask)
-            spots: list[int] = np.flatnonzero(mixed == 0).tolist()
-            return spots, [name_hash(keys[at]) for at in spots]
-    names = list(map(name_hash, map(ghost_key, batch)))
-    spots = list(compress(count(), map(not_, map(and_, map(mul, names, repeat(_GOLDEN)),
-                                               repeat(mask)))))
-    return spots, [names[at] for at in spots]
 
 
 class Order(Protocol[T]):
@@ -413,8 +355,8 @@ class Duel(Generic[T]):
         self._lingering: list[_Sampled] = []  # held by none, but referenced this tick
         self.sample_shift = sample_shift
         self._unsampled = 64 - sample_shift  # a key is sampled if its top bits are zero
-        # those bits as a mask: ``not (name * _GOLDEN) & mask`` is the same test
-        self._sample_mask = _MASK64 ^ ((1 << self._unsampled) - 1)
+        # those bits as a mask: ``not (name * GOLDEN) & mask`` is the same test
+        self._sample_mask = MASK64 ^ ((1 << self._unsampled) - 1)
         # sampled references to the next election: as many as the miniatures hold, within
         # [shortest, longest] (a small cache's miniatures turn over, and so learn, faster)
         self.longest = epoch
@@ -621,7 +563,7 @@ class Duel(Generic[T]):
             return
         self._tick += 1
         name = self.name_hash(self.ghost_key(item))
-        sampled = not (name * _GOLDEN) & self._sample_mask
+        sampled = not (name * GOLDEN) & self._sample_mask
         tracked.put(item, name << 1 if sampled else False)
         tracked.grown(1)
         if len(tracked) > self._size:
@@ -634,7 +576,7 @@ class Duel(Generic[T]):
         """``insert`` each, in order, as one call per run of unsampled items to the
         candidate in charge (a commit's blocks are one call, not one per block); a batch
         of new items (a commit's) at once, in loops in C, with ``_insert_each``'s calls
-        in its order (see ``_states``)."""
+        in its order (see ``new_states``)."""
         batch = items if type(items) is list else list(items)
         if not batch:
             return
@@ -645,8 +587,8 @@ class Duel(Generic[T]):
         if not tracked.all_new(batch):
             _insert_each(self, batch)
             return
-        spots, names = _sampled_in(batch, self.name_hash, self.ghost_key, self._sample_mask)
-        tracked.put_all(batch, _states(len(batch), spots, names))
+        spots, names = sampled_in(batch, self.name_hash, self.ghost_key, self._sample_mask)
+        tracked.put_all(batch, new_states(len(batch), spots, names))
         tick, before, order = self._tick, len(tracked), self._order
         sent = 0  # items given to the order in charge (and counted by the map)
         for at, name in zip(spots, names):
@@ -684,12 +626,15 @@ class Duel(Generic[T]):
     def access_many(self, items: Iterable[T]) -> None:
         """``access`` each, in order, as one call per run of unsampled items to the
         candidate in charge (a lookup's hits are one call, not one per block)."""
-        order = self._order
+        order, tracked = self._order, self._items
         # a lookup's every hit passes here: nothing below adds to or takes from the
         # tracked items (an item's state: in C where the items hold it)
-        state_of, put = self._items.get, self._items.put
+        state_of, put = tracked.get, tracked.put
         run: list[T] = []
         add = run.append
+        # hit for the first time, out of the sample: set True together (``put_all``, in
+        # C), before any election, the one reader of their states (a hand-over)
+        first: list[T] = []
         for item in items:
             state = state_of(item)
             if state is True:  # out of the sample, hit before: nothing to note
@@ -697,7 +642,7 @@ class Duel(Generic[T]):
                 continue
             if state is False:
                 add(item)
-                put(item, True)  # hit since it entered
+                first.append(item)  # hit since it entered
                 continue
             if state is None:
                 continue
@@ -710,10 +655,14 @@ class Duel(Generic[T]):
             order.access_many(run)
             run = []
             add = run.append
+            tracked.put_all(first, [True] * len(first))
+            first = []
             self._sample(state >> 1, item, True)
             order = self._order
         if run:
             order.access_many(run)
+        if first:
+            tracked.put_all(first, [True] * len(first))
 
     def pin(self, item: T) -> None:
         if self._items.get(item) is not None:
@@ -775,7 +724,7 @@ def _insert_each(duel: Duel[T], items: Iterable[T]) -> None:
         added += 1
         run.append(item)
         name = name_hash(ghost_key(item))
-        if (name * _GOLDEN) & mask:
+        if (name * GOLDEN) & mask:
             put(item, False)
         else:
             put(item, name << 1)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from itertools import chain
+from itertools import chain, islice
 from typing import Any, Generic, TypeVar
 
 from kvstore.scheduler.density import HitDensityPolicy
@@ -100,11 +100,17 @@ class LRUPolicy(EvictionPolicy[T]):
         self._pinned.discard(item)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
-        for item in self._order:
-            if allowed(item):
-                del self._order[item]
-                return item
-        return None
+        order = self._order
+        # the oldest, most often the victim: read, no generator for it
+        item = order.oldest() if isinstance(order, LinkedOrder) else next(iter(order), None)
+        if item is None:
+            return None
+        if not allowed(item):
+            item = _first_allowed(islice(order, 1, None), allowed)
+            if item is None:
+                return None
+        del order[item]
+        return item
 
     def evictable(self) -> Iterator[T]:
         return iter(list(self._order))
@@ -415,7 +421,10 @@ class ARCPolicy(EvictionPolicy[T]):
         t1_first = len(self._t1) > self._target_t1 or not self._t2
         order = (self._t1, self._t2) if t1_first else (self._t2, self._t1)
         for queue in order:
-            victim = _first_allowed(queue, allowed)
+            # the oldest, most often the victim: read, no generator for it
+            victim = queue.oldest() if isinstance(queue, LinkedOrder) else next(iter(queue), None)
+            if victim is not None and not allowed(victim):
+                victim = _first_allowed(islice(queue, 1, None), allowed)
             if victim is not None:
                 del queue[victim]
                 (self._b1 if queue is self._t1 else self._b2)[self.ghost_key(victim)] = None
@@ -594,12 +603,18 @@ class SLRUPolicy(EvictionPolicy[T]):
             first, second = self._probation, self._protected
         else:
             first, second = self._protected, self._probation
-        for queue, limit in ((first, self.skip), (second, None), (first, None)):
-            for passed, item in enumerate(queue):
+        # the oldest, most often the victim: read, no generator for it
+        head = first.oldest() if isinstance(first, LinkedOrder) else next(iter(first), None)
+        if head is not None:
+            if allowed(head):
+                return self._evict(first, head)
+            for item in islice(first, 1, self.skip):  # up to ``skip`` passed over
+                if allowed(item):
+                    return self._evict(first, item)
+        for queue in (second, first):
+            for item in queue:
                 if allowed(item):
                     return self._evict(queue, item)
-                if limit is not None and passed + 1 >= limit:
-                    break
         return None
 
     def adopt_tuning(self, learned: EvictionPolicy[T], scale: float) -> None:
@@ -640,7 +655,7 @@ class SLRUPolicy(EvictionPolicy[T]):
         )
 
 
-def _first_allowed(queue: Queue[T], allowed: Callable[[T], bool]) -> T | None:
+def _first_allowed(queue: Iterable[T], allowed: Callable[[T], bool]) -> T | None:
     for item in queue:
         if allowed(item):
             return item
