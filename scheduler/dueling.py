@@ -702,11 +702,8 @@ class Duel(Generic[T]):
 
     def __repr__(self) -> str:
         scores = ", ".join(f"{name}={score:.0f}" for name, score in self.scores().items())
-        pinned = len(self._pinned)
-        return (
-            f"{type(self).__name__}(leader={self.leader}, evictable={len(self)}, "
-            f"pinned={pinned}, switches={self.switches}, scores: {scores})"
-        )
+        return (f"{type(self).__name__}(leader={self.leader}, evictable={len(self)}, "
+                f"pinned={len(self._pinned)}, switches={self.switches}, scores: {scores})")
 
 
 def _insert_each(duel: Duel[T], items: Iterable[T]) -> None:
