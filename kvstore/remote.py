@@ -190,20 +190,25 @@ class RemoteTier:
         per key whether it was written (None: not sent, its bytes changed since their
         commit), or None if the remote store failed (counted, and the tier marked
         unhealthy).  ``blocks``: those the views are DRAM copies of."""
-        # A value goes with the digest of the bytes sent, which every daemon reading it
-        # hands its readers: bytes changed since a commit that gave a checksum (through
-        # a mapping kept after it) would come back verified.  Those are not sent, and
-        # are damaged (a write-back drops them: kept, each eviction would pick them again).
+        # A value goes with a digest, which every daemon reading it hands its readers:
+        # bytes changed since a commit that gave a checksum (through a mapping kept after
+        # it) must not come back verified.  Those found changed are not sent, and are
+        # damaged (a write-back drops them: kept, each eviction would pick them again);
+        # the others go with the commit's checksum, not one made as the backend encodes
+        # them, so bytes changed after this check read back as damaged too.
+        sums: list[int | None] = [b.checksum or None for b in blocks] or [None] * len(keys)
         same = [not b.checksum or xxhash.xxh3_64_intdigest(v) == b.checksum
                 for b, v in zip(blocks, views)]
         if not all(same):
             self.counters["changed_since_commit"] += same.count(False)
             keys = list(itertools.compress(keys, same))
             views = list(itertools.compress(views, same))
+            sums = list(itertools.compress(sums, same))
         try:
             async with self.transfers.slot(len(views) * ns.block_bytes,
                                            default_tenant=ns.tenant), self._gate:
-                written = await self.backend.put(ns.id, keys, views) if keys else []
+                written = (await self.backend.put_checksummed(ns.id, keys, views, sums)
+                           if keys else [])
         except KVStoreError as exc:
             self._failed(what, exc)
             return None

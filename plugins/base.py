@@ -118,6 +118,18 @@ class StorageBackend(ABC):
         The backend must not keep references to ``values`` after it returns.
         """
 
+    async def put_checksummed(
+        self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike],
+        checksums: Sequence[int | None],
+    ) -> list[bool]:
+        """``put``, with each value's xxh3_64 as the daemon checked it (the block's commit
+        gave it; None: not known).  A backend whose values carry a checksum (the built-in
+        codec's) stores the one given rather than hashing the bytes again: bytes that
+        change after the daemon's check (a writer scribbling through its mapping while
+        the value is encoded) then read back as damaged, never as good.  By default:
+        ``put``, the backend's own digest."""
+        return await self.put(namespace, keys, values)
+
     @abstractmethod
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         """Remove the keys; the number that were stored."""
@@ -209,18 +221,34 @@ class GuardedBackend(StorageBackend):
     async def put(
         self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike]
     ) -> list[bool]:
-        self._check_open()
-        self._check_keys(namespace, keys)
-        if len(values) != len(keys):
-            raise MalformedError(f"put got {len(keys)} keys but {len(values)} values")
-        payloads: list[BytesLike] = [
-            value if isinstance(value, bytes) else _byte_view(value, writable=False)
-            for value in values
-        ]
+        payloads = self._put_values(namespace, keys, values)
         if not keys:
             return []
         stored = await self._bounded("put", self.inner.put(namespace, keys, payloads))
         return self._check_flags("put", stored, len(keys))
+
+    async def put_checksummed(
+        self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike],
+        checksums: Sequence[int | None],
+    ) -> list[bool]:
+        payloads = self._put_values(namespace, keys, values)
+        if len(checksums) != len(keys) or not all(
+                s is None or (type(s) is int and 0 <= s < 1 << 64) for s in checksums):
+            raise MalformedError(f"put got {len(keys)} keys but checksums {checksums!r:.80}")
+        if not keys:
+            return []
+        stored = await self._bounded(
+            "put", self.inner.put_checksummed(namespace, keys, payloads, checksums))
+        return self._check_flags("put", stored, len(keys))
+
+    def _put_values(self, namespace: bytes, keys: Sequence[bytes],
+                    values: Sequence[BytesLike]) -> list[BytesLike]:
+        self._check_open()
+        self._check_keys(namespace, keys)
+        if len(values) != len(keys):
+            raise MalformedError(f"put got {len(keys)} keys but {len(values)} values")
+        return [value if isinstance(value, bytes) else _byte_view(value, writable=False)
+                for value in values]
 
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         self._check_open()

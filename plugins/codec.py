@@ -43,16 +43,21 @@ def checksum(payload: BytesLike) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode_header(namespace: bytes, key: bytes, payload: BytesLike) -> bytes:
-    """The header that goes in front of ``payload`` when stored under ``(namespace, key)``."""
+def encode_header(namespace: bytes, key: bytes, payload: BytesLike,
+                  digest: int | None = None) -> bytes:
+    """The header that goes in front of ``payload`` when stored under ``(namespace, key)``.
+
+    ``digest``: the payload's checksum as the daemon checked it (the block's commit);
+    bytes changed since then read back as damaged.  None: hashed here."""
     length = memoryview(payload).nbytes
     return HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, length, name_tag(namespace, key),
-                       checksum(payload))
+                       checksum(payload) if digest is None else digest)
 
 
-def encode_value(namespace: bytes, key: bytes, payload: BytesLike) -> bytes:
+def encode_value(namespace: bytes, key: bytes, payload: BytesLike,
+                 digest: int | None = None) -> bytes:
     """Header and payload as one bytes object (one copy of the payload)."""
-    return b"".join((encode_header(namespace, key, payload), payload))
+    return b"".join((encode_header(namespace, key, payload, digest), payload))
 
 
 def read_header(data: BytesLike) -> Header | None:

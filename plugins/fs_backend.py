@@ -96,9 +96,15 @@ class FsBackend(StorageBackend):
     async def put(
         self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike]
     ) -> list[bool]:
+        return await self.put_checksummed(namespace, keys, values, [None] * len(keys))
+
+    async def put_checksummed(
+        self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike],
+        checksums: Sequence[int | None],
+    ) -> list[bool]:
         jobs = [
-            _bind(self._write_one, namespace, key, value)
-            for key, value in zip(keys, values, strict=True)
+            _bind(self._write_one, namespace, key, value, digest)
+            for key, value, digest in zip(keys, values, checksums, strict=True)
         ]
         return await self._run("put", jobs)
 
@@ -149,12 +155,13 @@ class FsBackend(StorageBackend):
             return _MISS
 
     def _write_one(
-        self, stop: threading.Event, namespace: bytes, key: bytes, value: BytesLike
+        self, stop: threading.Event, namespace: bytes, key: bytes, value: BytesLike,
+        digest: int | None = None,
     ) -> bool:
         if stop.is_set():
             return False
         path = self.path_for(namespace, key)
-        header = codec.encode_header(namespace, key, value)
+        header = codec.encode_header(namespace, key, value, digest)
         temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
         try:
             fd = _create(temporary)
@@ -216,13 +223,13 @@ def _create(path: Path) -> int:
 
 
 def _bind(
-    method: Callable[[threading.Event, bytes, bytes, Any], T],
+    method: Callable[..., T],
     namespace: bytes,
     key: bytes,
-    arg: Any,
+    *args: Any,
 ) -> Callable[[threading.Event], T]:
     def job(stop: threading.Event) -> T:
-        return method(stop, namespace, key, arg)
+        return method(stop, namespace, key, *args)
 
     return job
 

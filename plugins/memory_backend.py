@@ -62,9 +62,15 @@ class MemoryBackend(StorageBackend):
     async def put(
         self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike]
     ) -> list[bool]:
+        return await self.put_checksummed(namespace, keys, values, [None] * len(keys))
+
+    async def put_checksummed(
+        self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike],
+        checksums: Sequence[int | None],
+    ) -> list[bool]:
         stored: list[bool] = []
-        for key, value in zip(keys, values, strict=True):
-            encoded = bytearray(codec.encode_header(namespace, key, value))
+        for key, value, digest in zip(keys, values, checksums, strict=True):
+            encoded = bytearray(codec.encode_header(namespace, key, value, digest))
             encoded += value
             previous = self._values.get(namespace + key)
             freed = len(previous) if previous is not None else 0

@@ -246,13 +246,19 @@ class RedisBackend(StorageBackend):
     async def put(
         self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike]
     ) -> list[bool]:
+        return await self.put_checksummed(namespace, keys, values, [None] * len(keys))
+
+    async def put_checksummed(
+        self, namespace: bytes, keys: Sequence[bytes], values: Sequence[BytesLike],
+        checksums: Sequence[int | None],
+    ) -> list[bool]:
         statuses = [_MISS] * len(keys)
 
         async def store(conn: RespConnection, indices: list[int]) -> None:
             buffers: list[BytesLike] = []
             for index in indices:
                 key, value = keys[index], values[index]
-                head = codec.encode_header(namespace, key, value)
+                head = codec.encode_header(namespace, key, value, checksums[index])
                 buffers += pack_set(self.redis_key(namespace, key), head, value, self.ttl_s)
             await conn.write(buffers)
             for index in indices:
@@ -266,13 +272,15 @@ class RedisBackend(StorageBackend):
             await self._on_connections(namespace, keys, store)
             for index, status in enumerate(statuses):
                 if status == _REDIRECTED:
-                    statuses[index] = await self._set_slowly(namespace, keys[index], values[index])
+                    statuses[index] = await self._set_slowly(
+                        namespace, keys[index], values[index], checksums[index])
         except _LIBRARY_ERRORS as exc:
             raise self._error("put", exc) from exc
         return [status == _HIT for status in statuses]
 
-    async def _set_slowly(self, namespace: bytes, key: bytes, value: BytesLike) -> int:
-        stored = codec.encode_value(namespace, key, value)
+    async def _set_slowly(self, namespace: bytes, key: bytes, value: BytesLike,
+                          digest: int | None) -> int:
+        stored = codec.encode_value(namespace, key, value, digest)
         try:
             reply = await self._client.set(self.redis_key(namespace, key), stored, ex=self.ttl_s)
         except redis.exceptions.ResponseError as exc:

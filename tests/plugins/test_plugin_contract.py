@@ -140,6 +140,29 @@ def test_checksums_of_what_was_read(backend_case: BackendCase) -> None:
     backend_case.run(scenario)
 
 
+def test_put_checksummed_stores_the_checksum_given(backend_case: BackendCase) -> None:
+    """put_checksummed: a value goes with the checksum the daemon checked (the block's
+    commit), not one made as it is encoded; bytes that no longer match it read back as a
+    counted miss, and None leaves the hashing to the backend."""
+    import xxhash
+
+    namespace, keys = os.urandom(16), new_keys(3)
+    values = [os.urandom(4096) for _ in keys]
+    sums: list[int | None] = [xxhash.xxh3_64_intdigest(values[0]),
+                              xxhash.xxh3_64_intdigest(b"other bytes"), None]
+
+    async def scenario(backend: GuardedBackend) -> None:
+        before = backend.counters.corrupt_values
+        assert await backend.put_checksummed(namespace, keys, values, sums) == [True] * 3
+        buffers = buffers_for([4096] * 3)
+        got = await backend.get_into_checksums(namespace, keys, buffers)
+        assert got == [sums[0], None, xxhash.xxh3_64_intdigest(values[2])]
+        assert bytes(buffers[0]) == values[0] and bytes(buffers[2]) == values[2]
+        assert backend.counters.corrupt_values == before + 1
+
+    backend_case.run(scenario)
+
+
 def test_put_replaces_a_value(backend_case: BackendCase) -> None:
     namespace, keys = os.urandom(16), new_keys(1)
 

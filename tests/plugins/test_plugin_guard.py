@@ -188,6 +188,10 @@ def test_malformed_buffers_are_refused() -> None:
             await backend.put(NS, KEYS[:2], [b"a", b"b", b"c"])
         with pytest.raises(MalformedError, match="not a buffer"):
             await backend.put(NS, KEYS[:1], ["text"])  # type: ignore[list-item]
+        for sums in ([1], [1, -1], [1, 1 << 64], [1, "x"]):
+            with pytest.raises(MalformedError, match="checksums"):
+                await backend.put_checksummed(NS, KEYS[:2], [b"a", b"b"], sums)  # type: ignore[arg-type]
+        assert await backend.exists(NS, KEYS[:2]) == 0  # nothing stored by a refused put
 
     asyncio.run(scenario())
 
