@@ -254,6 +254,8 @@ class BlockStore(StoreCore):
                     bare.append(block)
             else:
                 block.offset = offset       # only on SSD: this is its DRAM copy
+                if block.checksum != (checksums[i] if checksums else 0):
+                    self.rewritten(block, checksums[i] if checksums else 0)
                 fresh.append(block)
                 if block.tokens is not None:
                     revived.append(block)
@@ -310,6 +312,16 @@ class BlockStore(StoreCore):
         self.counters.committed_blocks += len(fresh)
         self.counters.duplicate_blocks += len(duplicates)
         return CommitResult(len(fresh), len(duplicates), fresh)
+
+    def rewritten(self, block: Block, checksum: int) -> None:
+        """A block only on SSD or remote committed again with other bytes (KV caches are
+        not bit-exact from run to run): the new DRAM copy's checksum becomes the block's,
+        so its writer's reads verify, and its SSD copy, of other bytes, goes (to be
+        written again) unless a read holds it, which then fails the check and drops it.
+        A remote copy keeps the checksum in its value's header: read back, it is taken."""
+        block.checksum = checksum
+        if block.ssd_offset is not None and block.ssd_holds == 0:
+            self.dropped_ssd.append(self.drop_ssd_copy(block))
 
     def abort(self, owner: Owner, rid: int) -> None:
         state = self.leases.state(owner)
