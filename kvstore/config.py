@@ -173,6 +173,9 @@ class RemoteConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     concurrency: int = 4
     unhealthy_seconds: float = 5.0
     write_policy: str = "write-through"
+    # hex, at least 16 bytes, shared by the daemons of one remote store: values are
+    # tagged with it, and only values tagged with it are taken ("" : unkeyed tags)
+    tag_secret_file: str = ""
 
 
 class GpuConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -22,7 +22,8 @@ import xxhash
 
 from kvstore.blocks import REMOTE_MARK
 from kvstore.config import Config
-from kvstore.errors import KVStoreError, NotFoundError
+from kvstore.auth import read_secret_file
+from kvstore.errors import ConfigError, KVStoreError, NotFoundError
 from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
@@ -32,6 +33,19 @@ log = logging.getLogger("kvstore.remote")
 
 REMOTE = "remote"
 REMOTE_OWNER = ("daemon", "remote")  # holds DRAM copies while they move to or from it
+
+def read_tag_secret(path: str) -> bytes:
+    """The daemons' tag secret (``remote.tag_secret_file``): hex, at least 16 bytes."""
+    data = read_secret_file(path, "remote.tag_secret_file")
+    try:
+        secret = bytes.fromhex(data.decode().strip())
+    except ValueError:
+        raise ConfigError(f"remote.tag_secret_file: {path} does not hold a hex secret") from None
+    if not 16 <= len(secret) <= 64:  # BLAKE2b takes keys of up to 64 bytes
+        raise ConfigError(f"remote.tag_secret_file: {path} holds {len(secret)} bytes; "
+                          "give 16 to 64 (e.g. 32 random bytes in hex)")
+    return secret
+
 
 class RemoteTier:
     """Carries out the daemon's traffic with one remote backend."""
@@ -47,6 +61,8 @@ class RemoteTier:
         options = {**options, **r.options, "timeout_s": r.timeout_s}
         self.name = name
         self.backend: GuardedBackend = load_backend(name, options)
+        if r.tag_secret_file:
+            self.backend.key_tags(read_tag_secret(r.tag_secret_file))
         self.store = store
         self.slot = slot
         self.cooldown = r.unhealthy_seconds

@@ -69,6 +69,11 @@ class StorageBackend(ABC):
     raise: ``UnavailableError`` when retrying later may work, ``BackendError`` otherwise.
     """
 
+    # The daemons' tag secret (``remote.tag_secret_file``), set by the daemon after it
+    # loads the backend: a backend storing values through the codec passes it to the
+    # codec's calls, so values are tagged with it and only values tagged with it read.
+    tag_secret: bytes | None = None
+
     def __init__(self) -> None:
         self.counters = BackendCounters()
 
@@ -176,6 +181,10 @@ class GuardedBackend(StorageBackend):
     @classmethod
     def from_options(cls, options: Mapping[str, object], *, timeout_s: float) -> Self:
         raise ConfigError("GuardedBackend wraps a loaded backend; use load_backend()")
+
+    def key_tags(self, secret: bytes) -> None:
+        """Tag values with ``secret`` and take only values tagged with it."""
+        self.tag_secret = self.inner.tag_secret = secret
 
     async def exists(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         self._check_open()

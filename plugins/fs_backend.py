@@ -150,7 +150,7 @@ class FsBackend(StorageBackend):
     ) -> int:
         try:
             with open(self.path_for(namespace, key), "rb", buffering=0) as file:
-                return _read_value(file, stop, namespace, key, out)
+                return _read_value(file, stop, namespace, key, out, self.tag_secret)
         except FileNotFoundError:
             return _MISS
 
@@ -161,7 +161,7 @@ class FsBackend(StorageBackend):
         if stop.is_set():
             return False
         path = self.path_for(namespace, key)
-        header = codec.encode_header(namespace, key, value, digest)
+        header = codec.encode_header(namespace, key, value, digest, self.tag_secret)
         temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
         try:
             fd = _create(temporary)
@@ -235,7 +235,8 @@ def _bind(
 
 
 def _read_value(
-    file: io.FileIO, stop: threading.Event, namespace: bytes, key: bytes, out: memoryview
+    file: io.FileIO, stop: threading.Event, namespace: bytes, key: bytes, out: memoryview,
+    secret: bytes | None,
 ) -> int:
     """Read and check one stored value from ``file``, its payload straight into ``out``."""
     header_bytes = bytearray(codec.HEADER_BYTES)
@@ -248,7 +249,7 @@ def _read_value(
         return _CORRUPT  # truncated or extended
     if not _fill(file, out, stop):
         return _STOPPED if stop.is_set() else _CORRUPT
-    return _HIT if codec.payload_matches(namespace, key, header, out) else _CORRUPT
+    return _HIT if codec.payload_matches(namespace, key, header, out, secret) else _CORRUPT
 
 
 def _fill(file: io.FileIO, out: memoryview, stop: threading.Event) -> bool:

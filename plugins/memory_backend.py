@@ -53,7 +53,8 @@ class MemoryBackend(StorageBackend):
         found: list[bool] = []
         for key, buffer in zip(keys, buffers, strict=True):
             stored = self._values.get(namespace + key)
-            hit = stored is not None and codec.decode_into(namespace, key, stored, buffer)
+            hit = stored is not None and codec.decode_into(namespace, key, stored, buffer,
+                                                                self.tag_secret)
             if stored is not None and not hit:
                 self.counters.corrupt_values += 1
             found.append(hit)
@@ -70,7 +71,8 @@ class MemoryBackend(StorageBackend):
     ) -> list[bool]:
         stored: list[bool] = []
         for key, value, digest in zip(keys, values, checksums, strict=True):
-            encoded = bytearray(codec.encode_header(namespace, key, value, digest))
+            encoded = bytearray(codec.encode_header(namespace, key, value, digest,
+                                                        self.tag_secret))
             encoded += value
             previous = self._values.get(namespace + key)
             freed = len(previous) if previous is not None else 0

@@ -211,13 +211,13 @@ class RedisBackend(StorageBackend):
         await conn.end_bulk()
         return head
 
-    @staticmethod
-    def _check(namespace: bytes, key: bytes, head: bytearray, out: memoryview) -> int | None:
+    def _check(self, namespace: bytes, key: bytes, head: bytearray,
+               out: memoryview) -> int | None:
         """The payload's checksum if the value is good, else None."""
         header = codec.read_header(head)
         if header is None:
             return None
-        return codec.verified_checksum(namespace, key, header, out)
+        return codec.verified_checksum(namespace, key, header, out, self.tag_secret)
 
     def _reply_status(self, reply: ReplyError, command: str) -> int:
         if reply.kind in _REDIRECTIONS:
@@ -240,7 +240,7 @@ class RedisBackend(StorageBackend):
             return _MISS, None
         if not isinstance(stored, bytes):  # only with decode_responses, which we never set
             return _CORRUPT, None
-        digest = codec.decode_checked(namespace, key, stored, out)
+        digest = codec.decode_checked(namespace, key, stored, out, self.tag_secret)
         return (_HIT if digest is not None else _CORRUPT), digest
 
     async def put(
@@ -258,7 +258,8 @@ class RedisBackend(StorageBackend):
             buffers: list[BytesLike] = []
             for index in indices:
                 key, value = keys[index], values[index]
-                head = codec.encode_header(namespace, key, value, checksums[index])
+                head = codec.encode_header(namespace, key, value, checksums[index],
+                                           self.tag_secret)
                 buffers += pack_set(self.redis_key(namespace, key), head, value, self.ttl_s)
             await conn.write(buffers)
             for index in indices:
@@ -280,7 +281,7 @@ class RedisBackend(StorageBackend):
 
     async def _set_slowly(self, namespace: bytes, key: bytes, value: BytesLike,
                           digest: int | None) -> int:
-        stored = codec.encode_value(namespace, key, value, digest)
+        stored = codec.encode_value(namespace, key, value, digest, self.tag_secret)
         try:
             reply = await self._client.set(self.redis_key(namespace, key), stored, ex=self.ttl_s)
         except redis.exceptions.ResponseError as exc:

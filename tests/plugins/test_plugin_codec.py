@@ -24,7 +24,7 @@ def test_header_layout() -> None:
     assert digest == xxhash.xxh3_64_intdigest(b"payload") == codec.checksum(b"payload")
     assert codec.HEADER_BYTES == 32
     assert stored[32:] == b"payload"
-    assert codec.read_header(stored) == (7, tag, digest)
+    assert codec.read_header(stored) == (7, tag, digest, False)
 
 
 def test_a_good_value_yields_the_checksum_the_daemon_keeps() -> None:
@@ -62,9 +62,9 @@ def test_the_checksum_binds_namespace_and_key() -> None:
 
 def test_unknown_versions_and_flags_are_refused() -> None:
     stored = bytearray(codec.encode_value(NS, KEY, b"hello"))
-    for offset in (4, 5, 6):  # version, flags, reserved
+    for offset, step in ((4, 1), (5, 2), (6, 1)):  # version, an unknown flag, reserved
         changed = bytearray(stored)
-        changed[offset] += 1
+        changed[offset] += step
         assert codec.read_header(changed) is None
     assert codec.read_header(stored[:31]) is None
 
@@ -85,3 +85,28 @@ def test_truncation_is_detected(payload: bytes, cut: int) -> None:
     stored = codec.encode_value(NS, KEY, payload)
     out = bytearray(len(payload))
     assert not codec.decode_into(NS, KEY, stored[: max(0, len(stored) - cut)], memoryview(out))
+
+
+SECRET = bytes(range(32))
+
+
+def test_keyed_tags_take_only_values_tagged_with_the_secret() -> None:
+    """With the daemons' tag secret, a value is tagged by BLAKE2b keyed with it over the
+    name and the checksum: one planted by a writer without the secret (an unkeyed tag,
+    or one keyed with another secret) is a miss, and so is a keyed value read without it
+    or with its checksum and payload both changed."""
+    keyed = codec.encode_value(NS, KEY, b"payload", secret=SECRET)
+    assert keyed[5] == codec.FLAG_KEYED
+    out = memoryview(bytearray(7))
+    assert codec.decode_checked(NS, KEY, keyed, out, SECRET) == codec.checksum(b"payload")
+    assert bytes(out) == b"payload"
+    planted = [codec.encode_value(NS, KEY, b"planted"),
+               codec.encode_value(NS, KEY, b"planted", secret=bytes(32))]
+    for value in planted:
+        assert codec.decode_checked(NS, KEY, value, memoryview(bytearray(7)), SECRET) is None
+    assert codec.decode_checked(NS, KEY, keyed, memoryview(bytearray(7))) is None
+    assert codec.decode_checked(NS, bytes(16), keyed, memoryview(bytearray(7)), SECRET) is None
+    forged = bytearray(codec.encode_value(NS, KEY, b"planted", secret=SECRET))
+    forged[32:] = b"payload"              # the payload swapped, its checksum with it:
+    forged[24:32] = codec.checksum(b"payload").to_bytes(8, "little")  # the tag no longer fits
+    assert codec.decode_checked(NS, KEY, bytes(forged), memoryview(bytearray(7)), SECRET) is None

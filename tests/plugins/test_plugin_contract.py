@@ -163,6 +163,26 @@ def test_put_checksummed_stores_the_checksum_given(backend_case: BackendCase) ->
     backend_case.run(scenario)
 
 
+def test_keyed_tags_refuse_planted_values(backend_case: BackendCase) -> None:
+    """With the daemons' tag secret, values round-trip, and one planted in the store by a
+    writer without the secret (a well-formed, unkeyed value) is a counted miss."""
+    namespace, keys = os.urandom(16), new_keys(2)
+    values = [os.urandom(4096) for _ in keys]
+
+    async def scenario(backend: GuardedBackend) -> None:
+        backend.key_tags(bytes(range(32)))
+        assert await backend.put(namespace, keys, values) == [True, True]
+        backend_case.write_raw(backend.inner, namespace, keys[1],
+                               encode_value(namespace, keys[1], b"\x66" * 4096))
+        before = backend.counters.corrupt_values
+        buffers = buffers_for([4096] * 2)
+        assert await backend.get_into(namespace, keys, buffers) == [True, False]
+        assert bytes(buffers[0]) == values[0]
+        assert backend.counters.corrupt_values == before + 1
+
+    backend_case.run(scenario)
+
+
 def test_put_replaces_a_value(backend_case: BackendCase) -> None:
     namespace, keys = os.urandom(16), new_keys(1)
 
