@@ -15,8 +15,8 @@ samples interleaved (``kvstore.bench.harness.paired``'s order), medians:
 - each phase's wall time and this thread's CPU time (reserve, copy, commit; acquire,
   copy, release), with the minor page faults taken during the copies (a fresh slot's
   first touch would show here);
-- CPU a call: this thread's, its other threads' (ZeroMQ's I/O thread) and the daemon's
-  (all its threads), beside memcpy's;
+- CPU a call: this thread's, its other threads' (ZeroMQ's I/O thread), the daemon's
+  loop thread's and its other threads' (its ZeroMQ I/O thread), beside memcpy's;
 - a round trip after a copy of 4 MiB, as the bench's come (with the caches the copy
   left): the pyzmq echo, the same echo over a plain Unix socket (what a data plane
   without ZeroMQ's I/O threads would pay), and kvstore's ping (a verb with no work).
@@ -55,38 +55,45 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _cpu(pid: int) -> float:
-    """Seconds every thread of a process has run (the scheduler's nanoseconds; 0 where
-    there is no /proc)."""
-    total = 0
+def _cpu(pid: int) -> tuple[float, float]:
+    """Seconds a process's main thread and its other threads have run (the scheduler's
+    nanoseconds; 0 where there is no /proc)."""
+    main = others = 0
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0.0
+        return 0.0, 0.0
     for tid in tasks:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
+                ran = int(f.read().split()[0])
         except OSError:
             continue  # a thread that ended meanwhile
-    return total / 1e9
+        if int(tid) == pid:
+            main += ran
+        else:
+            others += ran
+    return main / 1e9, others / 1e9
 
 
-def cpu_per_call(fn: Callable[[], object], daemon_pid: int, repeat: int) -> tuple[float, ...]:
-    """Median CPU seconds a call costs this thread, this process's other threads (ZeroMQ's
-    I/O thread) and the daemon (all its threads)."""
+CPU_COLUMNS = ("this thread", "its ZeroMQ thread", "daemon loop", "daemon others")
+
+
+def cpu_per_call(fn: Callable[[], object], daemon_pid: int, repeat: int) -> list[float]:
+    """Median CPU seconds a call costs, by ``CPU_COLUMNS``: this thread, this process's
+    other threads (ZeroMQ's I/O thread), the daemon's loop (its main thread) and its
+    other threads (ZeroMQ's I/O thread among them)."""
     me = os.getpid()
-    samples: tuple[list[float], list[float], list[float]] = ([], [], [])
+    samples: list[list[float]] = [[] for _ in CPU_COLUMNS]
     for _ in range(repeat):
-        t, p, d = time.thread_time(), _cpu(me), _cpu(daemon_pid)
+        t, (_, p), (dl, do) = time.thread_time(), _cpu(me), _cpu(daemon_pid)
         fn()
         t2 = time.thread_time()
         time.sleep(0.005)  # what the call left to the others (a posted release) is done
-        p2, d2 = _cpu(me), _cpu(daemon_pid)
-        samples[0].append(t2 - t)
-        samples[1].append((p2 - p) - (t2 - t))
-        samples[2].append(d2 - d)
-    return tuple(statistics.median(s) for s in samples)
+        (_, p2), (dl2, do2) = _cpu(me), _cpu(daemon_pid)
+        for out, value in zip(samples, (t2 - t, p2 - p, dl2 - dl, do2 - do)):
+            out.append(value)
+    return [statistics.median(s) for s in samples]
 
 
 class Phases:
@@ -229,13 +236,11 @@ def one_size(client: Client, echo_endpoint: str, label: str, repeat: int,
 
     sized = _sized(client, label, repeat)
     try:
-        print(f"  {label:>7} CPU a call, us (medians): this thread / its other threads / "
-              "the daemon")
+        print(f"  {label:>7} CPU a call, us (medians): {' / '.join(CPU_COLUMNS)}")
         for name, fn in (("arena write", sized.arena_put), ("memcpy", sized.memcpy),
                          ("arena read", sized.arena_get), ("memcpy out", sized.memcpy_out)):
-            mine, others, daemon = cpu_per_call(fn, daemon_pid, repeat)
-            print(f"  {label:>7} {name:<16} {mine * 1e6:8.1f} / {others * 1e6:6.1f} / "
-                  f"{daemon * 1e6:6.1f}")
+            figures = " / ".join(f"{v * 1e6:7.1f}" for v in cpu_per_call(fn, daemon_pid, repeat))
+            print(f"  {label:>7} {name:<16} {figures}")
     finally:
         sized.ns.drop()
 
