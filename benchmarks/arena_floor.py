@@ -196,9 +196,8 @@ class Floors:
 def _sized(client: Client, label: str, repeat: int) -> SizedBlocks:
     """A fresh namespace of ``label`` blocks whose chains are hashed ahead for
     ``repeat`` writes and their warm-ups."""
-    sized = SizedBlocks(client, label, Settings(endpoint="", echo="", workdir=Path(),
-                                                repeat=repeat + 4, quick=False))
-    return sized
+    return SizedBlocks(client, label, Settings(endpoint="", echo="", workdir=Path(),
+                                               repeat=repeat + 4, quick=False))
 
 
 def one_size(client: Client, echo_endpoint: str, label: str, repeat: int,
