@@ -164,6 +164,9 @@ class RowsBuilder:
         m = len(ns_words)
         if m == 0:
             return np.empty(0, dtype=np.int64)
+        if (ns_words == ns_words[0]).all():  # one namespace (the common case): no sort
+            one = self._spaces.setdefault(ns_words[0].tobytes(), len(self._spaces))
+            return np.full(m, one, dtype=np.int64)
         raw = np.ascontiguousarray(ns_words).view(f"V{ID_BYTES}").ravel()
         seen, first, inverse = np.unique(raw, return_index=True, return_inverse=True)
         spaces = self._spaces
