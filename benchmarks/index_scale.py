@@ -336,13 +336,18 @@ def write_ssd_index(path: Path, n: int) -> dict[str, Any]:
     return {"write_s": time.monotonic() - start}
 
 
-def restart_figures(path: Path, n: int) -> dict[str, Any]:
+def restart_figures(path: Path, n: int, by_cursors: bool = False) -> dict[str, Any]:
     """Open the SSD tier and restore its blocks into a fresh store, as the daemon does
-    at start-up (``SsdMover.restore``)."""
+    at start-up (``SsdMover.restore``); ``by_cursors``: its index scanned by LMDB's
+    cursors, as where its pages are not read in place (``ssd_pages``)."""
     from kvstore.config import load_config
     from kvstore.store import BlockStore
     from kvstore.tiering import SsdMover
+    from kvstore.tiers.ssd_index import SSDIndex
     from kvstore.transfers import TransferGate
+
+    if by_cursors:
+        SSDIndex.scan_mapped = lambda *args, **kwargs: None  # type: ignore[method-assign]
 
     config = load_config(overrides={
         "dram": {"capacity": 64 << 20, "eviction_policy": "lru"},
@@ -415,6 +420,11 @@ def main() -> None:
     parser.add_argument("--restart-repeats", type=int, default=1,
                         help="restores of the one SSD index written, each in a process of "
                              "its own (medians of the figures, and each run's CPU us a block)")
+    parser.add_argument("--restart-by-cursors", action="store_true",
+                        help="each restore also run with the index scanned by LMDB's "
+                             "cursors (not read in place), alternated: both CPU figures "
+                             "and their ratio")
+    parser.add_argument("--by-cursors", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--skip-index", action="store_true",
                         help="the warm restart's figures only, no index build")
     parser.add_argument("--policy", default="auto", help="the DRAM eviction policy")
@@ -433,7 +443,7 @@ def main() -> None:
         print(json.dumps(write_ssd_index(Path(args.dir), n)))
         return
     if args.part == "restart":
-        print(json.dumps(restart_figures(Path(args.dir), n)))
+        print(json.dumps(restart_figures(Path(args.dir), n, args.by_cursors)))
         return
 
     if not args.skip_index:
@@ -457,11 +467,14 @@ def main() -> None:
         try:
             say(f"ssd index of {m:,} blocks: writing")
             written = child(["--part", "ssd-write", "--blocks", str(m), "--dir", str(work)])
-            restarts = []
+            restarts, cursors = [], []
             for i in range(max(1, args.restart_repeats)):
                 say(f"ssd index: warm restart {i + 1}/{max(1, args.restart_repeats)}")
                 restarts.append(child(["--part", "restart", "--blocks", str(m),
                                        "--dir", str(work)]))
+                if args.restart_by_cursors:
+                    cursors.append(child(["--part", "restart", "--blocks", str(m),
+                                          "--dir", str(work), "--by-cursors"]))
             restart = restarts[0]
             for key, value in restart.items():
                 if isinstance(value, float):
@@ -469,6 +482,12 @@ def main() -> None:
             if len(restarts) > 1:
                 restart["restart_cpu_us_per_block_runs"] = [
                     round(r["restart_cpu_us_per_block"], 2) for r in restarts]
+            if cursors:
+                by_cursors = statistics.median(r["restart_cpu_s"] for r in cursors)
+                restart["restart_by_cursors_cpu_s"] = by_cursors
+                restart["restart_by_cursors_cpu_s_runs"] = [
+                    round(r["restart_cpu_s"], 2) for r in cursors]
+                restart["restart_cpu_in_place_vs_cursors"] = restart["restart_cpu_s"] / by_cursors
             figures.update(restart_figures_of(restart, m, written))
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -19,6 +19,7 @@ from typing import Literal
 
 import lmdb
 import msgspec
+import numpy as np
 
 from kvstore.errors import BackendError, CapacityError, ConfigError
 
@@ -29,6 +30,7 @@ from .ssd_layout import (
     decode_record,
     encode_record,
 )
+from .ssd_pages import mapped_leaves
 
 SyncPolicy = Literal["always", "batch", "none"]
 
@@ -275,6 +277,31 @@ class SSDIndex:
                 take(keys, values, bad)
                 if progress is not None:
                     progress(len(keys))
+        return bad
+
+    def scan_mapped(
+        self, take: Callable[[np.ndarray, np.ndarray, np.ndarray, list[bytes]], None],
+        progress: Callable[[int], None] | None = None, chunk_entries: int = 0,
+    ) -> list[bytes] | None:
+        """``scan_into`` by the data file's pages read in place (``ssd_pages``): ``take``
+        is given a chunk's leaf pages (a buffer reused for the next), each entry's
+        index key place in it and its value's length.  None where the pages are not
+        read so, found before or after some chunks were taken (nothing taken is to be
+        kept then: the caller scans by ``scan_into``)."""
+        bad: list[bytes] = []
+        size = chunk_entries or _SCAN_CHUNK
+        with self._damaged("reading its records"), self._env.begin() as txn, \
+                mapped_leaves(self.path / "data.mdb", txn.id(),
+                              txn.stat(self._blocks)) as leaves:
+            if leaves is None:
+                return None
+            for chunk in leaves.chunks(size):
+                if chunk is None:
+                    return None
+                buf, key_at, lens = chunk
+                take(buf, key_at, lens, bad)
+                if progress is not None:
+                    progress(len(key_at))
         return bad
 
     # namespaces

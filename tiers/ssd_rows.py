@@ -19,7 +19,7 @@ order (tests hold them to it).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter, is_
 
@@ -108,13 +108,36 @@ class RowsBuilder:
         in arrays where the values allow, else record by record."""
         columns = decode_values(index_keys, values)
         if columns is not None:
-            fits = self._fits(columns)
-            if not fits.all():
-                self.invalid.extend(itertools.compress(index_keys, (~fits).tolist()))
-                columns = tuple(c[fits] for c in columns)
+            columns = self._fitting(columns, lambda lost: list(
+                itertools.compress(index_keys, lost.tolist())))
         else:
             columns = self._records(decode_chunk(index_keys, values, bad))
         self._put((self._space(columns[0]), *columns[1:]))
+
+    def add_mapped(self, buf: np.ndarray, key_at: np.ndarray, lens: np.ndarray,
+                   bad: list[bytes]) -> None:
+        """``add`` of a chunk of entries read in place (``SSDIndex.scan_mapped``'s
+        ``take``): each one's index key at ``key_at`` in ``buf``, its value of ``lens``
+        bytes right after it.  Decoded there where the values allow, else made
+        ``bytes`` and taken as ``add`` takes them."""
+        columns = decode_mapped(buf, key_at, lens)
+        if columns is None:
+            self.add(_mapped_bytes(buf, key_at, 2 * ID_BYTES),
+                     _mapped_bytes(buf, key_at + 2 * ID_BYTES, lens), bad)
+            return
+        columns = self._fitting(columns, lambda lost: _mapped_bytes(
+            buf, key_at[lost], 2 * ID_BYTES))
+        self._put((self._space(columns[0]), *columns[1:]))
+
+    def _fitting(self, columns: tuple[np.ndarray, ...],
+                 keys_of: Callable[[np.ndarray], list[bytes]]) -> tuple[np.ndarray, ...]:
+        """The rows of ``columns`` that fit the layout; the index keys of the others
+        (``keys_of`` a mask of them) set apart."""
+        fits = self._fits(columns)
+        if fits.all():
+            return columns
+        self.invalid.extend(keys_of(~fits))
+        return tuple(c[fits] for c in columns)
 
     def _put(self, columns: tuple[np.ndarray, ...]) -> None:
         start, end = self._n, self._n + len(columns[0])
@@ -164,6 +187,9 @@ class RowsBuilder:
         m = len(ns_words)
         if m == 0:
             return np.empty(0, dtype=np.int64)
+        if (ns_words == ns_words[0]).all():  # one namespace (the common case): no sort
+            one = self._spaces.setdefault(ns_words[0].tobytes(), len(self._spaces))
+            return np.full(m, one, dtype=np.int64)
         raw = np.ascontiguousarray(ns_words).view(f"V{ID_BYTES}").ravel()
         seen, first, inverse = np.unique(raw, return_index=True, return_inverse=True)
         spaces = self._spaces
@@ -199,6 +225,12 @@ def _keys_of(key_words: np.ndarray, rows: np.ndarray | None = None) -> list[byte
 _KEYS_CHUNK = 1 << 16
 
 
+def _mapped_bytes(buf: np.ndarray, at: np.ndarray, lens: np.ndarray | int) -> list[bytes]:
+    """The bytes of ``buf`` at each of ``at``, ``lens`` long (each, or all alike)."""
+    ends = (at + lens).tolist()
+    return [buf[a:b].tobytes() for a, b in zip(at.tolist(), ends)]
+
+
 def _words(ids: Iterator[bytes], m: int) -> np.ndarray:
     """16-byte ids as rows of two 64-bit words."""
     return np.frombuffer(b"".join(ids), dtype=np.uint64).reshape(m, 2)
@@ -226,8 +258,45 @@ def decode_values(index_keys: Sequence[bytes], values: Sequence[bytes],
     if m == 0 or set(map(len, index_keys)) != {2 * ID_BYTES}:
         return None
     lens = np.fromiter(map(len, values), dtype=np.int64, count=m)
-    buf = np.frombuffer(b"".join(values) + bytes(128), dtype=np.uint8)
-    at = np.cumsum(lens) - lens
+    buf = np.frombuffer(b"".join(values) + bytes(_PAD), dtype=np.uint8)
+    columns = _decode(buf, np.cumsum(lens) - lens, lens)
+    if columns is None:
+        return None
+    index = np.frombuffer(b"".join(index_keys), dtype=np.uint8).reshape(m, 2 * ID_BYTES)
+    return _under_own_keys(index, columns)
+
+
+def decode_mapped(buf: np.ndarray, key_at: np.ndarray,
+                  lens: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    """``decode_values`` of entries read in place (``ssd_pages``): each one's index key
+    at ``key_at`` in ``buf``, its value of ``lens`` bytes right after it.  None also
+    where a value lies too near the end of ``buf`` for the reads past it."""
+    if not len(key_at) or int(key_at.max()) + 2 * ID_BYTES + _PAD > len(buf):
+        return None
+    columns = _decode(buf, key_at + 2 * ID_BYTES, lens)
+    if columns is None:
+        return None
+    return _under_own_keys(sliding_window_view(buf, 2 * ID_BYTES)[key_at], columns)
+
+
+def _under_own_keys(index: np.ndarray,
+                    columns: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...] | None:
+    """``columns`` where each row's index key (rows of 32 bytes) is its namespace and
+    key, else None."""
+    ids, keys = columns[0], columns[1]
+    if not ((index[:, :ID_BYTES] == ids).all() and (index[:, ID_BYTES:] == keys).all()):
+        return None
+    return (ids.view(np.uint64), keys.view(np.uint64), *columns[2:])
+
+
+_PAD = 128  # bytes a value's decoding may read past its start and its end
+
+
+def _decode(buf: np.ndarray, at: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    """The values of ``lens`` bytes at ``at`` in ``buf`` (which goes on ``_PAD``
+    bytes past each): (namespace ids, keys, parent ids as rows of 16 bytes, roots,
+    offset, length, checksum, size class); None unless each is in
+    ``encode_record``'s shape."""
     ok = (lens >= 51) & (buf[at] == 0x98) & (buf[at + 1] == 0xC4) & (buf[at + 2] == 16)
     ok &= (buf[at + 19] == 0xC4) & (buf[at + 20] == 16)
     at = np.where(ok, at, 0)  # a short value's reads stay inside the buffer
@@ -256,12 +325,8 @@ def decode_values(index_keys: Sequence[bytes], values: Sequence[bytes],
     ok &= (offset < _BIG) & (length < _BIG) & (size < _BIG)
     if not ok.all():
         return None
-    index = np.frombuffer(b"".join(index_keys), dtype=np.uint8).reshape(m, 2 * ID_BYTES)
-    if not ((index[:, :ID_BYTES] == ids).all() and (index[:, ID_BYTES:] == keys).all()):
-        return None
-    return (ids.view(np.uint64), keys.view(np.uint64), parents.view(np.uint64), roots,
-            offset.astype(np.int64), length.astype(np.int64), checksum,
-            size.astype(np.int64))
+    return (ids, keys, parents.view(np.uint64), roots, offset.astype(np.int64),
+            length.astype(np.int64), checksum, size.astype(np.int64))
 
 
 def _uint(buf: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
