@@ -240,12 +240,60 @@ with open(out, "w") as f:
     f.write("\n".join(" ".join(map(str, s)) for s in samples))
 """
 
+# The daemon, watched from inside: a thread asks the loop for a turn about every
+# millisecond (``call_soon_threadsafe``) and the callback notes how much CPU the loop's
+# thread spent before it ran (what any new work waits for: the rest of the callback under
+# way and those queued before it); its own CPU clock, so other processes do not count.
+WATCHED = r"""
+import asyncio, sys, threading, time
+out, argv = sys.argv[1], sys.argv[2:]
+import uvloop
+loops = []
+run = uvloop.run
+
+def watched_run(main, **kw):
+    async def outer():
+        loops.append(asyncio.get_running_loop())
+        return await main
+    return run(outer(), **kw)
+
+uvloop.run = watched_run
+main_thread = threading.get_ident()
+
+def watch():
+    while not loops:
+        time.sleep(0.01)
+    loop, clock = loops[0], time.pthread_getcpuclockid(main_thread)
+    with open(out, "w") as f:
+        while True:
+            asked = time.clock_gettime(clock)
+            def turn(at=time.monotonic(), asked=asked):
+                held = time.thread_time() - asked
+                if held > 2e-4:
+                    f.write(f"{at} {held}\n")
+            try:
+                loop.call_soon_threadsafe(turn)
+            except RuntimeError:  # the loop is closed
+                return
+            f.flush()
+            time.sleep(0.001)
+
+threading.Thread(target=watch, daemon=True).start()
+sys.argv = ["kvstore", *argv]
+from kvstore.cli import main
+sys.exit(main())
+"""
+
+
 class Daemon:
     """``python -m kvstore serve`` over an unpopulated arena of ``capacity`` bytes."""
 
     def __init__(self, work: Path, capacity: int, *, metrics_port: int = 0,
-                 debug_invariants: bool = False, lease: float = 600.0) -> None:
+                 debug_invariants: bool = False, lease: float = 600.0,
+                 watched: bool = False) -> None:
         self.endpoint = f"ipc://{work}/kvstore.sock"
+        # with ``watched``: the loop's turns that kept new work waiting (``WATCHED``)
+        self.turns = work / "turns.txt" if watched else None
         config = work / "kvstore.toml"
         config.write_text(
             f"[server]\nmetrics_port = {metrics_port}\n"
@@ -253,9 +301,11 @@ class Daemon:
             f"max_keys_per_request = {CHAIN}\nlease_seconds = {lease}\n"
             f"[dram]\ncapacity = {capacity}\npopulate = false\neviction_policy = \"slru\"\n"
             f"[ssd]\ncapacity = 0\n")
+        start = ([sys.executable, "-c", WATCHED, str(self.turns)] if self.turns is not None
+                 else [sys.executable, "-m", "kvstore"])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", "--config", str(config), "--endpoint",
-             self.endpoint, "--log-level", "warning"], stdout=subprocess.PIPE)
+            [*start, "serve", "--config", str(config), "--endpoint", self.endpoint,
+             "--log-level", "warning"], stdout=subprocess.PIPE)
         assert self.proc.stdout is not None
         while b"serving on" not in self.proc.stdout.readline():
             if self.proc.poll() is not None:
@@ -268,6 +318,13 @@ class Daemon:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+
+    def held(self) -> list[tuple[float, float]]:
+        """(when, CPU seconds) of each turn the loop was asked for that waited (watched)."""
+        if self.turns is None or not self.turns.exists():
+            return []
+        rows = [line.split() for line in self.turns.read_text().splitlines()]
+        return [(float(row[0]), float(row[1])) for row in rows if len(row) == 2]
 
 
 class Probe:
@@ -303,13 +360,6 @@ class Ping(NamedTuple):
     queued: float = 0.0
     probe_queued: float = 0.0
 
-    @property
-    def loop(self) -> float:
-        """What of the round trip the daemon's loop can have held: no more than the CPU
-        the daemon spent meanwhile, nor than the round trip less the time the daemon's
-        loop thread or the probe waited for a CPU (the machine's other work)."""
-        return max(0.0, min(self.cpu, self.took - self.queued - self.probe_queued))
-
 
 def in_window(samples: list[Ping], window: tuple[float, float]) -> list[Ping]:
     """The pings that overlapped ``window``."""
@@ -321,16 +371,19 @@ def longest(samples: list[Ping], window: tuple[float, float]) -> float:
     return max((s.took for s in in_window(samples, window)), default=0.0)
 
 
-def stall_figures(name: str, samples: list[Ping], window: tuple[float, float]) -> dict[str, float]:
-    """A phase's longest stall by the wall clock (``stall_``), then split: the most of
-    one round trip the daemon's loop can have held (``loop_``, ``Ping.loop``: what a
-    client would wait on a quiet machine), and, of the longest ping, the daemon's CPU
-    and the waits for a CPU (``_cpu``, ``_queued``, ``_probe_queued``): a long ping
-    with little CPU was the machine, not the loop."""
+def stall_figures(name: str, samples: list[Ping], window: tuple[float, float],
+                  held: list[tuple[float, float]]) -> dict[str, float]:
+    """A phase's longest stall by the wall clock (``stall_``: what the probe saw), the
+    most CPU the daemon's loop thread spent before a turn it was asked for came
+    (``loop_``: the loop's own part, which other processes do not lengthen), and, of
+    the longest ping, the daemon's CPU and the time it and the probe waited for a CPU
+    (``_cpu``, ``_queued``, ``_probe_queued``): a long ping with little CPU was the
+    machine, not the loop."""
     pings = in_window(samples, window)
     worst = max(pings, key=lambda s: s.took, default=Ping(0.0, 0.0))
     return {f"stall_{name}_ms": worst.took * 1e3,
-            f"loop_{name}_ms": max((s.loop for s in pings), default=0.0) * 1e3,
+            f"loop_{name}_ms": max((cpu for at, cpu in held
+                                    if window[0] <= at <= window[1]), default=0.0) * 1e3,
             f"stall_{name}_cpu_ms": worst.cpu * 1e3,
             f"stall_{name}_queued_ms": worst.queued * 1e3,
             f"stall_{name}_probe_queued_ms": worst.probe_queued * 1e3}
@@ -354,7 +407,7 @@ def daemon_figures(n: int, debug_invariants: bool) -> dict[str, float]:
     metrics_port = port.getsockname()[1]
     port.close()
     daemon = Daemon(work, (n + 4 * CHAIN) * SLOT, metrics_port=metrics_port,
-                    debug_invariants=debug_invariants)
+                    debug_invariants=debug_invariants, watched=True)
     windows: dict[str, tuple[float, float]] = {}
     out: dict[str, float] = {"blocks": n}
     try:
@@ -419,8 +472,9 @@ def daemon_figures(n: int, debug_invariants: bool) -> dict[str, float]:
             out["evict_subtree_blocks"] = half[0]
             out["drop_ms"] = statistics.median(phase("drop", ns.drop, 1)) * 1e3
         samples = probe.samples()
+        held = daemon.held()
         for name, window in windows.items():
-            out.update(stall_figures(name, samples, window))
+            out.update(stall_figures(name, samples, window, held))
         verbs = [s.took for s in samples if s.start >= windows["lookup"][0]]
         out["probe_p99_ms"] = pct(verbs, 0.99) * 1e3 if verbs else 0.0
     finally:
