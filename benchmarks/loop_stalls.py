@@ -395,7 +395,10 @@ def stall_figures(name: str, samples: list[Ping], window: tuple[float, float],
                                     if window[0] <= at <= window[1]), default=0.0) * 1e3,
             f"stall_{name}_cpu_ms": worst.cpu * 1e3,
             f"stall_{name}_queued_ms": worst.queued * 1e3,
-            f"stall_{name}_probe_queued_ms": worst.probe_queued * 1e3}
+            f"stall_{name}_probe_queued_ms": worst.probe_queued * 1e3,
+            # the probe's pings in the phase: they are in its ``cpu_`` too, and more of
+            # them are answered the less the loop holds them
+            f"pings_{name}": float(len(pings))}
 
 
 def whole_snapshot(client: object) -> int:
