@@ -247,17 +247,22 @@ with open(out, "w") as f:
 WATCHED = r"""
 import asyncio, sys, threading, time
 out, argv = sys.argv[1], sys.argv[2:]
-import uvloop
 loops = []
-run = uvloop.run
 
-def watched_run(main, **kw):
-    async def outer():
-        loops.append(asyncio.get_running_loop())
-        return await main
-    return run(outer(), **kw)
+def watched(run):
+    def watched_run(main, **kw):
+        async def outer():
+            loops.append(asyncio.get_running_loop())
+            return await main
+        return run(outer(), **kw)
+    return watched_run
 
-uvloop.run = watched_run
+asyncio.run = watched(asyncio.run)  # (where there is no uvloop)
+try:
+    import uvloop
+    uvloop.run = watched(uvloop.run)
+except ImportError:
+    pass
 main_thread = threading.get_ident()
 
 def watch():
