@@ -14,7 +14,10 @@ its memory is its own), printing medians, tails and ratios:
   the daemon every half millisecond; the probe's longest ping is the longest stall of
   the loop any client saw (last, a snapshot of all the blocks in pages and in one
   reply, an evict of the key that heads half the blocks, and the namespace's drop;
-  with ``--debug-invariants``, the invariant check after each request as well);
+  with ``--debug-invariants``, the invariant check after each request as well).  On a
+  loaded machine that wall-clock stall (``stall_``) is mostly other processes: each
+  ping also reads the daemon's CPU time and the time it and the probe waited for a
+  CPU, and ``loop_`` is the most of one ping the daemon's loop can have held;
 - ``sessions``: many client sessions at once, each pinging about once a second, and
   one more client's ping p50/p99 beside that load and without it.
 
@@ -37,6 +40,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 CHAIN = 1024
 KEY = 16
@@ -196,19 +200,93 @@ def restore_claims(n: int, slot: int = 64 << 10, slab: int = 256 << 20) -> float
 PROBE = r"""
 import select, sys, time
 from kvstore import Client
-out, every = sys.argv[2], float(sys.argv[3])
+out, every, pid = sys.argv[2], float(sys.argv[3]), sys.argv[4]
 samples = []
+# the daemon's CPU time (all its threads), the time its loop thread spent runnable but
+# waiting for a CPU, and this probe's own such time: the machine's other work, which a
+# ping's round trip includes, not the daemon's loop
+clock = None
+if pid != "0":
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    clk = ctypes.c_int()
+    if libc.clock_getcpuclockid(int(pid), ctypes.byref(clk)) == 0:
+        clock = clk.value
+    stat = open(f"/proc/{pid}/task/{pid}/schedstat", "rb", buffering=0)
+    mine = open("/proc/thread-self/schedstat", "rb", buffering=0)
+
+def sched():
+    if clock is None:
+        return 0, 0, 0
+    stat.seek(0)
+    mine.seek(0)
+    return (time.clock_gettime_ns(clock), int(stat.read().split()[1]),
+            int(mine.read().split()[1]))
+
 with Client(sys.argv[1], tenant="probe", timeout=600.0) as c:
     c.ping()
     print("ready", flush=True)
     while not select.select([sys.stdin], [], [], 0)[0]:  # until told to stop
+        run, wait, own = sched()
         start = time.monotonic()
         c.ping()
-        samples.append((start, time.monotonic() - start))
+        took = time.monotonic() - start
+        run2, wait2, own2 = sched()
+        samples.append((start, took, (run2 - run) / 1e9, (wait2 - wait) / 1e9,
+                        (own2 - own) / 1e9))
         if every:
             time.sleep(every)
 with open(out, "w") as f:
-    f.write("\n".join(f"{s} {d}" for s, d in samples))
+    f.write("\n".join(" ".join(map(str, s)) for s in samples))
+"""
+
+# The daemon, watched from inside: a thread asks the loop for a turn about every
+# millisecond (``call_soon_threadsafe``) and the callback notes how much CPU the loop's
+# thread spent before it ran (what any new work waits for: the rest of the callback under
+# way and those queued before it); its own CPU clock, so other processes do not count.
+WATCHED = r"""
+import asyncio, sys, threading, time
+out, argv = sys.argv[1], sys.argv[2:]
+loops = []
+
+def watched(run):
+    def watched_run(main, **kw):
+        async def outer():
+            loops.append(asyncio.get_running_loop())
+            return await main
+        return run(outer(), **kw)
+    return watched_run
+
+asyncio.run = watched(asyncio.run)  # (where there is no uvloop)
+try:
+    import uvloop
+    uvloop.run = watched(uvloop.run)
+except ImportError:
+    pass
+main_thread = threading.get_ident()
+
+def watch():
+    while not loops:
+        time.sleep(0.01)
+    loop, clock = loops[0], time.pthread_getcpuclockid(main_thread)
+    with open(out, "w") as f:
+        while True:
+            asked = time.clock_gettime(clock)
+            def turn(at=time.monotonic(), asked=asked):
+                held = time.thread_time() - asked
+                if held > 2e-4:
+                    f.write(f"{at} {held}\n")
+            try:
+                loop.call_soon_threadsafe(turn)
+            except RuntimeError:  # the loop is closed
+                return
+            f.flush()
+            time.sleep(0.001)
+
+threading.Thread(target=watch, daemon=True).start()
+sys.argv = ["kvstore", *argv]
+from kvstore.cli import main
+sys.exit(main())
 """
 
 
@@ -216,8 +294,11 @@ class Daemon:
     """``python -m kvstore serve`` over an unpopulated arena of ``capacity`` bytes."""
 
     def __init__(self, work: Path, capacity: int, *, metrics_port: int = 0,
-                 debug_invariants: bool = False, lease: float = 600.0) -> None:
+                 debug_invariants: bool = False, lease: float = 600.0,
+                 watched: bool = False) -> None:
         self.endpoint = f"ipc://{work}/kvstore.sock"
+        # with ``watched``: the loop's turns that kept new work waiting (``WATCHED``)
+        self.turns = work / "turns.txt" if watched else None
         config = work / "kvstore.toml"
         config.write_text(
             f"[server]\nmetrics_port = {metrics_port}\n"
@@ -225,13 +306,24 @@ class Daemon:
             f"max_keys_per_request = {CHAIN}\nlease_seconds = {lease}\n"
             f"[dram]\ncapacity = {capacity}\npopulate = false\neviction_policy = \"slru\"\n"
             f"[ssd]\ncapacity = 0\n")
+        start = ([sys.executable, "-c", WATCHED, str(self.turns)] if self.turns is not None
+                 else [sys.executable, "-m", "kvstore"])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", "--config", str(config), "--endpoint",
-             self.endpoint, "--log-level", "warning"], stdout=subprocess.PIPE)
+            [*start, "serve", "--config", str(config), "--endpoint", self.endpoint,
+             "--log-level", "warning"], stdout=subprocess.PIPE)
         assert self.proc.stdout is not None
         while b"serving on" not in self.proc.stdout.readline():
             if self.proc.poll() is not None:
                 raise RuntimeError("the daemon did not start")
+
+    def cpu(self) -> float:
+        """The daemon's CPU seconds so far, all its threads (0 where it cannot be read)."""
+        import ctypes
+
+        clock = ctypes.c_int()
+        if ctypes.CDLL(None).clock_getcpuclockid(self.proc.pid, ctypes.byref(clock)):
+            return 0.0
+        return time.clock_gettime(clock.value)
 
     def rss(self) -> int:
         with open(f"/proc/{self.proc.pid}/statm") as f:
@@ -241,30 +333,77 @@ class Daemon:
         self.proc.terminate()
         self.proc.wait(30)
 
+    def held(self) -> list[tuple[float, float]]:
+        """(when, CPU seconds) of each turn the loop was asked for that waited (watched)."""
+        if self.turns is None or not self.turns.exists():
+            return []
+        rows = [line.split() for line in self.turns.read_text().splitlines()]
+        return [(float(row[0]), float(row[1])) for row in rows if len(row) == 2]
+
 
 class Probe:
-    """A second client pinging the daemon; its samples, by the clock all processes share."""
+    """A second client pinging the daemon; its samples, by the clock all processes share,
+    each with what the daemon's loop thread did meanwhile (given its ``pid``)."""
 
-    def __init__(self, endpoint: str, work: Path, every: float = 0.0005) -> None:
+    def __init__(self, endpoint: str, work: Path, every: float = 0.0005, pid: int = 0) -> None:
         self.out = work / f"probe-{time.monotonic_ns()}.txt"
         self.proc = subprocess.Popen([sys.executable, "-c", PROBE, endpoint, str(self.out),
-                                      str(every)], stdin=subprocess.PIPE,
+                                      str(every), str(pid)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE)
         assert self.proc.stdout is not None
         self.proc.stdout.readline()
 
-    def samples(self) -> list[tuple[float, float]]:
+    def samples(self) -> list[Ping]:
         assert self.proc.stdin is not None
         self.proc.stdin.write(b"stop\n")
         self.proc.stdin.flush()
         self.proc.wait(600)
         rows = [line.split() for line in self.out.read_text().splitlines() if line]
-        return [(float(a), float(b)) for a, b in rows]
+        return [Ping(*map(float, row)) for row in rows]
 
 
-def longest(samples: list[tuple[float, float]], window: tuple[float, float]) -> float:
+class Ping(NamedTuple):
+    """One ping: when it left and how long its round trip took (wall), what the daemon
+    spent meanwhile (CPU seconds, all its threads), and the seconds the daemon's loop
+    thread and the probe itself were runnable but kept off a CPU by other processes
+    (all 0 without the daemon's pid)."""
+
+    start: float
+    took: float
+    cpu: float = 0.0
+    queued: float = 0.0
+    probe_queued: float = 0.0
+
+
+def in_window(samples: list[Ping], window: tuple[float, float]) -> list[Ping]:
+    """The pings that overlapped ``window``."""
+    return [s for s in samples if s.start <= window[1] and s.start + s.took >= window[0]]
+
+
+def longest(samples: list[Ping], window: tuple[float, float]) -> float:
     """The longest ping that overlapped ``window`` (seconds)."""
-    return max((d for s, d in samples if s <= window[1] and s + d >= window[0]), default=0.0)
+    return max((s.took for s in in_window(samples, window)), default=0.0)
+
+
+def stall_figures(name: str, samples: list[Ping], window: tuple[float, float],
+                  held: list[tuple[float, float]]) -> dict[str, float]:
+    """A phase's longest stall by the wall clock (``stall_``: what the probe saw), the
+    most CPU the daemon's loop thread spent before a turn it was asked for came
+    (``loop_``: the loop's own part, which other processes do not lengthen), and, of
+    the longest ping, the daemon's CPU and the time it and the probe waited for a CPU
+    (``_cpu``, ``_queued``, ``_probe_queued``): a long ping with little CPU was the
+    machine, not the loop."""
+    pings = in_window(samples, window)
+    worst = max(pings, key=lambda s: s.took, default=Ping(0.0, 0.0))
+    return {f"stall_{name}_ms": worst.took * 1e3,
+            f"loop_{name}_ms": max((cpu for at, cpu in held
+                                    if window[0] <= at <= window[1]), default=0.0) * 1e3,
+            f"stall_{name}_cpu_ms": worst.cpu * 1e3,
+            f"stall_{name}_queued_ms": worst.queued * 1e3,
+            f"stall_{name}_probe_queued_ms": worst.probe_queued * 1e3,
+            # the probe's pings in the phase: they are in its ``cpu_`` too, and more of
+            # them are answered the less the loop holds them
+            f"pings_{name}": float(len(pings))}
 
 
 def whole_snapshot(client: object) -> int:
@@ -285,12 +424,12 @@ def daemon_figures(n: int, debug_invariants: bool) -> dict[str, float]:
     metrics_port = port.getsockname()[1]
     port.close()
     daemon = Daemon(work, (n + 4 * CHAIN) * SLOT, metrics_port=metrics_port,
-                    debug_invariants=debug_invariants)
+                    debug_invariants=debug_invariants, watched=True)
     windows: dict[str, tuple[float, float]] = {}
     out: dict[str, float] = {"blocks": n}
     try:
         base = daemon.rss()
-        probe = Probe(daemon.endpoint, work)
+        probe = Probe(daemon.endpoint, work, pid=daemon.proc.pid)
         with Client(daemon.endpoint, tenant="t", timeout=120.0) as client:
             ns = client.namespace(Identity(
                 model="loop", model_revision="r", tenant="t", kv_dtype="float16",
@@ -298,7 +437,7 @@ def daemon_figures(n: int, debug_invariants: bool) -> dict[str, float]:
             heads: list[list[bytes]] = []
             tails: list[bytes] = []
             spent = 0.0
-            start = time.monotonic()
+            start, cpu = time.monotonic(), daemon.cpu()
             roots: list[bytes] = []  # two subtrees of half the blocks each (below)
             for i, keys in enumerate(chains(n)):
                 # the first two chains are roots; every other one hangs off a block of
@@ -312,14 +451,18 @@ def daemon_figures(n: int, debug_invariants: bool) -> dict[str, float]:
                 heads.append(keys[:64])
                 tails.append(keys[-1])
             windows["ingest"] = (start, time.monotonic())
+            out["cpu_ingest_ms"] = (daemon.cpu() - cpu) * 1e3
             out["ingest_blocks_per_s"] = n / spent
             out["bytes_per_block_rss"] = (daemon.rss() - base) / n
             rng = __import__("random").Random(3)
 
             def phase(name: str, fn: Callable[[], object], repeats: int) -> list[float]:
-                t = time.monotonic()
+                """Run ``fn``; its window, and the daemon's CPU in it (``cpu_``: what the
+                phase cost the daemon, the probe's pings included, whatever the load)."""
+                t, cpu = time.monotonic(), daemon.cpu()
                 got = timed(fn, repeats)
                 windows[name] = (t, time.monotonic())
+                out[f"cpu_{name}_ms"] = (daemon.cpu() - cpu) * 1e3
                 return got
 
             looks = phase("lookup", lambda: ns.lookup(rng.choice(heads)), 500)
@@ -350,9 +493,10 @@ def daemon_figures(n: int, debug_invariants: bool) -> dict[str, float]:
             out["evict_subtree_blocks"] = half[0]
             out["drop_ms"] = statistics.median(phase("drop", ns.drop, 1)) * 1e3
         samples = probe.samples()
+        held = daemon.held()
         for name, window in windows.items():
-            out[f"stall_{name}_ms"] = longest(samples, window) * 1e3
-        verbs = [d for s, d in samples if s >= windows["lookup"][0]]
+            out.update(stall_figures(name, samples, window, held))
+        verbs = [s.took for s in samples if s.start >= windows["lookup"][0]]
         out["probe_p99_ms"] = pct(verbs, 0.99) * 1e3 if verbs else 0.0
     finally:
         daemon.stop()
@@ -396,7 +540,7 @@ def sessions_figures(count: int, seconds: float) -> dict[str, float]:
     try:
         probe = Probe(daemon.endpoint, work, every=0.001)
         time.sleep(seconds)
-        alone = [d for _, d in probe.samples()]
+        alone = [s.took for s in probe.samples()]
         crowds = [subprocess.Popen([sys.executable, "-c", CROWD, daemon.endpoint,
                                     str(count // 2), str(seconds)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -411,7 +555,7 @@ def sessions_figures(count: int, seconds: float) -> dict[str, float]:
             c.stdin.flush()
         for c in crowds:
             c.wait(seconds + 120)
-        crowded = [d for _, d in probe.samples()]
+        crowded = [s.took for s in probe.samples()]
         out.update({"alone_p50_ms": pct(alone, 0.5) * 1e3, "alone_p99_ms": pct(alone, 0.99) * 1e3,
                     "crowd_p50_ms": pct(crowded, 0.5) * 1e3,
                     "crowd_p99_ms": pct(crowded, 0.99) * 1e3,
