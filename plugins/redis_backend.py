@@ -77,6 +77,8 @@ class RedisOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class RedisBackend(StorageBackend):
     """A Redis/Valkey server or cluster; see the module docstring for URLs and keys."""
 
+    keys_tags = True  # values go through the codec with ``tag_secret``
+
     def __init__(
         self,
         url: str,
