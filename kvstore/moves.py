@@ -354,9 +354,13 @@ class Moves:
                         good_ones = [j for j, r in enumerate(read) if r]
                         if not good_ones or not self.remote.healthy:
                             continue
+                        # each read checked its bytes against the block's checksum, which
+                        # holds while its copy is held (a commit of other bytes over a held
+                        # copy is a duplicate): they go with it, not hashed again
                         written = await self.remote.send(
                             ns, [group[j].key for j in good_ones], [views[j] for j in good_ones],
-                            "write-back", write_back=True)
+                            "write-back", write_back=True,
+                            checked=[group[j].checksum for j in good_ones])
                         for j, w in zip(good_ones, written or ()):
                             sent[indexes[j]] = bool(w)
                     finally:
