@@ -200,6 +200,13 @@ class Moves:
     async def _to_ssd(self, blocks: list[Block]) -> None:
         """Write DRAM copies to SSD (demotions, or write-through copies); room frees."""
         assert self.ssd is not None, "the store planned a write to ssd without an ssd tier"
+        if self.store.dropped_ssd:
+            # SSD copies the store dropped since a request last ended (a put finished in a
+            # task drops the stale copy of a block it commits again, and ends none): out
+            # of the index before this write, which may be of the same keys and whose
+            # records a withdrawal coming after would delete
+            self.removed(self.store.dropped_ssd)
+            self.store.dropped_ssd = []
         try:
             await self.ssd.write(blocks)
         except CapacityError:
