@@ -178,7 +178,7 @@ class RedisBackend(StorageBackend):
                         sums[index] = self._check(namespace, keys[index], head, buffers[index])
                         statuses[index] = _HIT if sums[index] is not None else _CORRUPT
 
-            await self._off_loop(check)
+            await self._off_loop(check, sum(buffers[i].nbytes for i in indices))
 
         try:
             await self._on_connections(namespace, keys, fetch)
@@ -216,12 +216,13 @@ class RedisBackend(StorageBackend):
         await conn.end_bulk()
         return head
 
-    async def _off_loop(self, work: Callable[[], None]) -> None:
-        """Run ``work`` (headers made or checked): on a thread where it hashes payloads with
-        the tag secret (HMAC-SHA256, about 34 us per 64 KiB, 1.1 ms per 2 MiB: a batch's
-        would hold the daemon's loop for milliseconds), else here (a thread's hop, about
-        80 us, costs more than the xxh3 alone)."""
-        if self.tag_secret is None:
+    async def _off_loop(self, work: Callable[[], None], nbytes: int) -> None:
+        """Run ``work`` (headers made or checked over ``nbytes`` of payloads): on a thread
+        where it hashes more than ``_KEYED_ON_LOOP_BYTES`` with the tag secret
+        (HMAC-SHA256, about 34 us per 64 KiB, 1.1 ms per 2 MiB: a batch's would hold the
+        daemon's loop for milliseconds), else here (a thread's hop, about 80 us, costs
+        more than the xxh3 alone, or a small keyed batch's MAC)."""
+        if self.tag_secret is None or nbytes <= _KEYED_ON_LOOP_BYTES:
             work()
             return
         done = asyncio.get_running_loop().run_in_executor(None, work)
@@ -292,7 +293,7 @@ class RedisBackend(StorageBackend):
                     buffers.extend(pack_set(self.redis_key(namespace, key), head, value,
                                             self.ttl_s))
 
-            await self._off_loop(pack)
+            await self._off_loop(pack, sum(memoryview(values[i]).nbytes for i in indices))
             await conn.write(buffers)
             for index in indices:
                 reply = await conn.read_reply()
@@ -411,6 +412,8 @@ class RedisBackend(StorageBackend):
         return BackendError(f"{what}: {exc}")
 
 
+# payload bytes a keyed batch hashes on the loop (about 140 us); more go to a thread
+_KEYED_ON_LOOP_BYTES = 256 << 10
 _Job = Callable[[RespConnection, list[int]], Awaitable[None]]
 _Opener = Callable[[], Awaitable[RespConnection]]
 

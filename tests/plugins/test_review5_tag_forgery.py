@@ -48,3 +48,25 @@ def test_a_payload_swapped_for_one_of_the_same_xxh3_is_a_miss(
         assert backend.counters.corrupt_values == before + 1
 
     backend_case.run(scenario)
+
+
+def test_a_keyed_batch_past_the_loops_share_round_trips(backend_case: BackendCase) -> None:
+    """A keyed batch too big to hash on the daemon's loop (Redis hashes it on a thread)
+    round-trips, and a value swapped within it is still a miss."""
+    namespace, keys = os.urandom(16), [os.urandom(16) for _ in range(8)]
+    values = [os.urandom(512 << 10) for _ in keys]   # 4 MiB: 1 MiB a connection at least
+
+    async def scenario(backend: GuardedBackend) -> None:
+        backend.key_tags(bytes(range(32)))
+        assert await backend.put(namespace, keys, values) == [True] * 8
+        stored = backend_case.read_raw(backend.inner, namespace, keys[3])
+        assert stored is not None
+        backend_case.write_raw(backend.inner, namespace, keys[3], stored[:HEADER_BYTES]
+                               + forge_xxh3(values[3], random.Random(9)))
+        out = [memoryview(bytearray(512 << 10)) for _ in keys]
+        got = await backend.get_into_checksums(namespace, keys, out)
+        assert got == [xxhash.xxh3_64_intdigest(v) if i != 3 else None
+                       for i, v in enumerate(values)]
+        assert all(bytes(out[i]) == values[i] for i in range(8) if i != 3)
+
+    backend_case.run(scenario)
