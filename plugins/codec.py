@@ -12,12 +12,12 @@ namespace id and key (each after its length), the checksum and the payload itsel
 to 8 bytes, so that whoever can write to the store but lacks the secret cannot plant a
 value any daemon takes, and a daemon with a secret takes only values tagged with it.  It
 covers the payload, not only its checksum: xxh3 is no cryptographic hash, and bytes of
-an attacker's choosing with a given xxh3_64 take well under a second to make (a first
-version tagged the checksum alone, and a payload swapped so was taken).  It costs a pass
-over the payload at each write and read, about 34 us per 64 KiB here (SHA extensions),
-where the checksum's costs 1 us; only with a secret.  A value that is torn, truncated,
-bit-flipped, from another format,
-or stored under another name reads as a miss instead of wrong KV data.  The checksum is
+an attacker's choosing with a given xxh3_64 take milliseconds to make (a first version
+tagged the checksum alone, and a payload swapped so was taken).  It costs a pass over
+the payload at each write and read, about 34 us per 64 KiB here (SHA extensions), where
+the checksum's costs 1 us; only with a secret.  A value that is torn, truncated,
+bit-flipped, from another format, or stored under another name reads as a miss instead
+of wrong KV data.  The checksum is
 the one the daemon keeps for a block in DRAM (and clients verify), so a value read from a
 backend is hashed once, not twice (format 1 mixed the name into the payload's hash).
 """
