@@ -200,6 +200,13 @@ class Moves:
     async def _to_ssd(self, blocks: list[Block]) -> None:
         """Write DRAM copies to SSD (demotions, or write-through copies); room frees."""
         assert self.ssd is not None, "the store planned a write to ssd without an ssd tier"
+        if self.store.dropped_ssd:
+            # SSD copies the store dropped since a request last ended (a put finished in a
+            # task drops the stale copy of a block it commits again, and ends none): out
+            # of the index before this write, which may be of the same keys and whose
+            # records a withdrawal coming after would delete
+            self.removed(self.store.dropped_ssd)
+            self.store.dropped_ssd = []
         try:
             await self.ssd.write(blocks)
         except CapacityError:
@@ -354,9 +361,13 @@ class Moves:
                         good_ones = [j for j, r in enumerate(read) if r]
                         if not good_ones or not self.remote.healthy:
                             continue
+                        # each read checked its bytes against the block's checksum, which
+                        # holds while its copy is held (a commit of other bytes over a held
+                        # copy is a duplicate): they go with it, not hashed again
                         written = await self.remote.send(
                             ns, [group[j].key for j in good_ones], [views[j] for j in good_ones],
-                            "write-back", write_back=True)
+                            "write-back", write_back=True,
+                            checked=[group[j].checksum for j in good_ones])
                         for j, w in zip(good_ones, written or ()):
                             sent[indexes[j]] = bool(w)
                     finally:

@@ -200,19 +200,22 @@ class RemoteTier:
             self.store.release(REMOTE_OWNER, pin.id)
 
     async def send(self, ns: Namespace, keys: list[bytes], views: Sequence[memoryview],
-                    what: str, *, write_back: bool,
-                    blocks: Sequence[Block] = ()) -> list[bool | None] | None:
+                    what: str, *, write_back: bool, blocks: Sequence[Block] = (),
+                    checked: Sequence[int] = ()) -> list[bool | None] | None:
         """Put values here, through the transfer queues and within the concurrency bound;
         per key whether it was written (None: not sent, its bytes changed since their
         commit), or None if the remote store failed (counted, and the tier marked
-        unhealthy).  ``blocks``: those the views are DRAM copies of."""
+        unhealthy).  ``blocks``: those the views are DRAM copies of; or ``checked``: the
+        views' xxh3, checked already (an SSD read's, into a buffer of the daemon's own),
+        which they go with, hashed no more."""
         # A value goes with a digest, which every daemon reading it hands its readers:
         # bytes changed since a commit that gave a checksum (through a mapping kept after
         # it) must not come back verified.  Those found changed are not sent, and are
         # damaged (a write-back drops them: kept, each eviction would pick them again);
         # the others go with the commit's checksum, not one made as the backend encodes
         # them, so bytes changed after this check read back as damaged too.
-        sums: list[int | None] = [b.checksum or None for b in blocks] or [None] * len(keys)
+        sums: list[int | None] = ([b.checksum or None for b in blocks]
+                                  or [s or None for s in checked] or [None] * len(keys))
         same = [not b.checksum or xxhash.xxh3_64_intdigest(v) == b.checksum
                 for b, v in zip(blocks, views)]
         if not all(same):

@@ -252,6 +252,9 @@ class BlockStore(StoreCore):
                 duplicates.append(offset)
                 if block.tokens is None:
                     bare.append(block)
+            elif (block.checksum != (checksums[i] if checksums else 0)
+                  and (block.ssd_holds or block.extra is not None)):
+                duplicates.append(offset)   # other bytes over a copy kept: ``rewritten``
             else:
                 block.offset = offset       # only on SSD: this is its DRAM copy
                 if block.checksum != (checksums[i] if checksums else 0):
@@ -317,10 +320,19 @@ class BlockStore(StoreCore):
         """A block only on SSD or remote committed again with other bytes (KV caches are
         not bit-exact from run to run): the new DRAM copy's checksum becomes the block's,
         so its writer's reads verify, and its SSD copy, of other bytes, goes (to be
-        written again) unless a read holds it, which then fails the check and drops it.
-        A remote copy keeps the checksum in its value's header: read back, it is taken."""
+        written again).  A remote copy keeps the checksum in its value's header: read
+        back, it is taken.
+
+        Not while its SSD copy is held (a reservation below it, or the remote store's
+        write-back reading it), nor over a copy in a tier beyond the four (``extra``,
+        which may be in use): that copy cannot go, and kept it would stand under the
+        new checksum, so the block would leave DRAM unwritten and its next read fail
+        (and take what hangs below it along) or serve the old bytes as the new.
+        ``commit`` makes such a commit a duplicate instead, as over a DRAM copy: the
+        first bytes stay."""
+        assert block.ssd_holds == 0 and block.extra is None, f"{block}: a copy is kept"
         block.checksum = checksum
-        if block.ssd_offset is not None and block.ssd_holds == 0:
+        if block.ssd_offset is not None:
             self.dropped_ssd.append(self.drop_ssd_copy(block))
 
     def abort(self, owner: Owner, rid: int) -> None:

@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Self, TypeVar, cast
+from typing import Any, ClassVar, Self, TypeVar, cast
 
 import msgspec
 import xxhash
@@ -71,8 +71,11 @@ class StorageBackend(ABC):
 
     # The daemons' tag secret (``remote.tag_secret_file``), set by the daemon after it
     # loads the backend: a backend storing values through the codec passes it to the
-    # codec's calls, so values are tagged with it and only values tagged with it read.
+    # codec's calls, so values are tagged with it and only values tagged with it read,
+    # and says so with ``keys_tags = True``.  The daemon refuses a secret for a backend
+    # that does not (one written before secrets would ignore it: no value keyed).
     tag_secret: bytes | None = None
+    keys_tags: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.counters = BackendCounters()
@@ -183,7 +186,13 @@ class GuardedBackend(StorageBackend):
         raise ConfigError("GuardedBackend wraps a loaded backend; use load_backend()")
 
     def key_tags(self, secret: bytes) -> None:
-        """Tag values with ``secret`` and take only values tagged with it."""
+        """Tag values with ``secret`` and take only values tagged with it; ConfigError
+        for a backend that does not say it keys its tags (``keys_tags``)."""
+        if not self.inner.keys_tags:
+            raise ConfigError(
+                f"remote.tag_secret_file is set, but the {self.name!r} backend does not key "
+                "its values' tags with it (keys_tags): values anyone can write would be "
+                "taken; unset it, or use a backend that does (redis, fs)")
         self.tag_secret = self.inner.tag_secret = secret
 
     async def exists(self, namespace: bytes, keys: Sequence[bytes]) -> int:

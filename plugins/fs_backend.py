@@ -44,6 +44,8 @@ class FsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class FsBackend(StorageBackend):
     """Blocks as files under ``root``; see the module docstring for the layout."""
 
+    keys_tags = True  # values go through the codec with ``tag_secret``
+
     def __init__(self, root: Path, *, threads: int = 8, fsync: bool = False) -> None:
         super().__init__()
         self.root = root

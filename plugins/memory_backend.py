@@ -18,6 +18,8 @@ class MemoryOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class MemoryBackend(StorageBackend):
     """Values in a dict keyed by namespace id + block key; puts past ``max_bytes`` fail."""
 
+    keys_tags = True  # values go through the codec with ``tag_secret``
+
     def __init__(self, max_bytes: int | None = None) -> None:
         super().__init__()
         self.max_bytes = max_bytes
