@@ -41,7 +41,7 @@ def read_tag_secret(path: str) -> bytes:
         secret = bytes.fromhex(data.decode().strip())
     except ValueError:
         raise ConfigError(f"remote.tag_secret_file: {path} does not hold a hex secret") from None
-    if not 16 <= len(secret) <= 64:  # BLAKE2b takes keys of up to 64 bytes
+    if not 16 <= len(secret) <= 64:  # a block of HMAC-SHA256: longer keys are hashed first
         raise ConfigError(f"remote.tag_secret_file: {path} holds {len(secret)} bytes; "
                           "give 16 to 64 (e.g. 32 random bytes in hex)")
     return secret

@@ -1,11 +1,13 @@
 """Whoever can write to the shared Redis could plant a block for any namespace: a value
 with a well-formed header (an unkeyed xxh3 tag over names anyone can compute) was taken
 by every daemon.  With ``remote.tag_secret_file`` shared by the daemons, values are
-tagged by BLAKE2b keyed with the secret, and a planted one is a miss."""
+tagged by HMAC-SHA256 keyed with the secret over name, checksum and payload, and a
+planted one is a miss."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,14 @@ def _config(tmp_path: Path, secret_hex: str) -> str:
     return str(config)
 
 
+def _written(c: Client, count: int) -> None:
+    """Wait for the write-through of ``count`` blocks: a plant must come after it."""
+    deadline = time.monotonic() + 10
+    while c.stats()["remote"]["writes"] < count:
+        assert time.monotonic() < deadline, "no write-through"
+        time.sleep(0.02)
+
+
 def test_a_planted_value_is_a_miss_to_daemons_with_the_secret(
         redis_server: RedisServer, daemon_factory: Any, tmp_path: Path) -> None:
     config = _config(tmp_path, os.urandom(32).hex())
@@ -40,6 +50,7 @@ def test_a_planted_value_is_a_miss_to_daemons_with_the_secret(
         ns = c.namespace(IDENT)
         keys = ns.keys(range(base, base + IDENT.block_tokens * 2))
         ns.put(keys[:1], [good])
+        _written(c, 1)
         namespace_id = ns.id
     with redis_server.client() as r:             # the writer without the secret
         r.set(b"kvstore:" + namespace_id + keys[0],
@@ -58,6 +69,7 @@ def test_a_planted_value_is_a_miss_to_daemons_with_the_secret(
     with Client(a.endpoint, tenant="acme") as c:  # a's own value, once more
         ns = c.namespace(IDENT)
         ns.put(keys[:1], [good])
+        _written(c, 1)
     a.stop()
     with Client(b.endpoint, tenant="acme") as c:
         assert c.namespace(IDENT).get(keys[:1]) == [good]

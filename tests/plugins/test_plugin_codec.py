@@ -91,7 +91,7 @@ SECRET = bytes(range(32))
 
 
 def test_keyed_tags_take_only_values_tagged_with_the_secret() -> None:
-    """With the daemons' tag secret, a value is tagged by BLAKE2b keyed with it over the
+    """With the daemons' tag secret, a value is tagged by an HMAC keyed with it over the
     name and the checksum: one planted by a writer without the secret (an unkeyed tag,
     or one keyed with another secret) is a miss, and so is a keyed value read without it
     or with its checksum and payload both changed."""
