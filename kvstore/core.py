@@ -30,6 +30,7 @@ from kvstore.blocks import (
     Transfer,
     reserved_out,
 )
+from kvstore.first_blocks import Heads, no_longer_heads
 from kvstore.gpu_copies import GpuCopies
 from kvstore.pool import SlabClass
 from kvstore.errors import ConfigError
@@ -327,7 +328,7 @@ class StoreCore:
         # The entries with no parent (a chain's first block), by key -> their namespace:
         # a router's probe finds a chain's namespace by one lookup rather than asking
         # every namespace its tenants see (keys are hashed with their namespace)
-        self.roots: dict[bytes, Namespace] = {}
+        self.roots: dict[bytes, Heads] = {}
         # The sweep below them, when it is left to go on in later calls (``sweep_hollow``):
         # the daemon's way to be called again, the round's entries left, the one under way.
         self.sweep_later: Callable[[], None] | None = None
@@ -519,8 +520,8 @@ class StoreCore:
                and block.ssd_holds == 0 and not block.promoting
                and block.ns.blocks.get(block.key) is block):
             del block.ns.blocks[block.key]
-            if block.parent is None and self.roots.get(block.key) is block.ns:
-                del self.roots[block.key]
+            if block.parent is None:
+                no_longer_heads(self.roots, block.key, block.ns)
             if self.dropping:
                 # its mark goes with it (removals queued one behind another keep their
                 # namespace's record open for long: it holds live entries only)

@@ -47,6 +47,7 @@ from kvstore.blocks import DRAM, Block, Namespace
 from kvstore.config import Config, parse_size
 from kvstore.errors import LimitExceededError, NotFoundError, TooLargeError
 from kvstore.events import EventPublisher
+from kvstore.first_blocks import headed_by
 from kvstore.pending import Later
 from kvstore.sessions import Session
 from kvstore.store import BlockStore
@@ -316,10 +317,11 @@ class RoutingVerbs:
         a router asks; another tenant's namespace answers nothing."""
         if not keys:
             return None
-        ns = self.d.store.roots.get(keys[0])  # a chain's first block: one lookup
-        if ns is None or ns.tenant not in self._visible_tenants(session):
-            return None
-        return ns
+        visible = self._visible_tenants(session)
+        for ns in headed_by(self.d.store.roots, keys[0]):  # one lookup, most often one
+            if ns.tenant in visible:
+                return ns
+        return None
 
     def _visible_tenants(self, session: Session) -> list[str]:
         """The session's tenant, and those that share their namespaces with it

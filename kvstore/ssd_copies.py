@@ -16,6 +16,7 @@ from kvstore.blocks import DRAM, REMOTE_MARK, SEEN_SHIFT, SSD, Block, Namespace,
 from kvstore.core import StoreCore
 from kvstore.dram_copies import check_slots
 from kvstore.errors import CapacityError
+from kvstore.first_blocks import Heads, also_heads
 from kvstore.plans import Plan
 from kvstore.room import RoomMaker
 from kvstore.scheduler.eviction import EvictionPolicy, LRUPolicy
@@ -490,8 +491,8 @@ def restore_blocks(store: StoreCore, ns: Namespace, keys: list[bytes],
                 parent_block.kids = block
             else:
                 parent_block.add_child(block)
-        else:
-            roots[key] = ns
+        elif roots.setdefault(key, ns) is not ns:
+            also_heads(roots, key, ns)
         shard[key] = block
         add(block)
         if not mask and len(shard) > SPLIT_AT:
@@ -567,8 +568,8 @@ def _made_with_gaps(store: StoreCore, ns: Namespace, keys: list[bytes],
                 parent_block.kids = block
             else:
                 parent_block.add_child(block)
-        else:
-            roots[key] = ns
+        elif roots.setdefault(key, ns) is not ns:
+            also_heads(roots, key, ns)
         shards[hash(key) & mask][key] = block
         keep(block)
         if not mask and len(shards[0]) > SPLIT_AT:
@@ -587,7 +588,7 @@ _BLOCK_SLOTS = ("key", "ns", "parent", "kids", "offset", "refs", "ssd_offset", "
 
 def _made_fresh(ns: Namespace, keys: list[bytes], parent_back: list[int],
                 offsets: list[int], checksums: list[int], seen: int,
-                roots: dict[bytes, Namespace]) -> list[Block]:
+                roots: dict[bytes, Heads]) -> list[Block]:
     """``restore_fresh``'s blocks where every one is made (each slot claimed, each
     parent among them): made, linked to their parents and put in the key map (those
     without a parent in ``roots`` too), in order.
@@ -622,7 +623,8 @@ def _made_fresh(ns: Namespace, keys: list[bytes], parent_back: list[int],
                 parent.add_child(block)
         else:
             block.parent = None
-            roots[key] = ns
+            if roots.setdefault(key, ns) is not ns:
+                also_heads(roots, key, ns)
         block.kids = None
         block.offset = None
         block.refs = 0

@@ -56,6 +56,7 @@ from kvstore.blocks import (
 )
 from kvstore.core import StoreCore
 from kvstore.dram_copies import DramCopies
+from kvstore.first_blocks import also_heads
 from kvstore.errors import (
     LimitExceededError,
     MalformedError,
@@ -241,8 +242,8 @@ class BlockStore(StoreCore):
                         parent.kids = block
                     else:
                         parent.add_child(block)
-                else:
-                    self.roots[key] = ns
+                elif self.roots.setdefault(key, ns) is not ns:
+                    also_heads(self.roots, key, ns)  # a key of its client's making
                 shard[key] = block
                 if checksums:
                     block.checksum = checksums[i]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from kvstore.blocks import DRAM, SSD, Block
 from kvstore.core import StoreCore
+from kvstore.first_blocks import headed_by
 
 
 def tier_stats(store: StoreCore) -> dict[str, dict[str, int]]:
@@ -51,10 +52,15 @@ def check_invariants(store: StoreCore) -> None:
                for ns_id in group}
     listed = {(ns.identity.tenant, ns_id) for ns_id, ns in store.namespaces.items()}
     assert grouped == listed, "namespaces by tenant: the store's, each in its tenant's"
-    roots = {b.key: ns for ns in store.namespaces.values() for b in ns.blocks.values()
-             if b.parent is None}
+    roots: dict[bytes, set[int]] = {}
+    for ns in store.namespaces.values():
+        for b in ns.blocks.values():
+            if b.parent is None:
+                roots.setdefault(b.key, set()).add(id(ns))
     assert roots.keys() == store.roots.keys() and all(
-        store.roots[k] is ns for k, ns in roots.items()), "the first blocks' map"
+        {id(n) for n in headed_by(store.roots, k)} == held and
+        len(headed_by(store.roots, k)) == len(held) for k, held in roots.items()
+    ), "the first blocks' map"
     pinned: dict[tuple[int, str], int] = {}
     for ns in store.namespaces.values():
         at = (id(ns.dram), ns.tenant)
