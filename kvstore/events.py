@@ -462,7 +462,14 @@ class EventPublisher:
                 return  # nothing under way: the socket's reader calls again
             peer = next(iter(answers))
             ranges = answers.pop(peer)
-            budget -= self._answer(sock, peer, ranges, budget)
+            sent, ended, rest = _answer(sock, self.ring, self.seq, peer, ranges[0], budget)
+            budget -= max(sent, 1)
+            if ended is None:
+                ranges[0] = rest
+            else:  # sent whole, or cut
+                self.cut_replays += not ended
+                ranges.popleft()
+                self._ranges -= 1
             if ranges:
                 answers[peer] = ranges  # to the back: the other peers' turn first
         if self._loop is not None:
@@ -490,41 +497,41 @@ class EventPublisher:
         self._ranges += 1
         return True
 
-    def _answer(self, sock: zmq.Socket[bytes], peer: bytes,
-                ranges: deque[tuple[int, int]], budget: int) -> int:
-        """Send up to ``budget`` batches of a peer's first answer under way (its end
-        marker once all are sent); the batches' count, at least 1."""
-        first, last = ranges[0]
-        ring = self.ring
-        oldest = ring[0][0] if ring else self.seq  # (consecutive with a replay socket)
-        at = max(first - oldest, 0)
-        left = max(min(last - oldest + 1, len(ring)) - at, 0)
-        take = min(left, budget)
-        try:  # (once its first frame is taken, ZeroMQ takes the whole message)
-            for seq, payload in itertools.islice(ring, at, at + take):
-                _send(sock, peer, _MORE)
-                _send(sock, b"", _MORE)
-                _send(sock, seq.to_bytes(8, "big"), _MORE)
-                _send(sock, payload, _NOBLOCK, False)  # by reference
-            if take < left:
-                ranges[0] = (oldest + at + take, last)
-                return take
-            _send(sock, peer, _MORE)
-            _send(sock, b"", _MORE)
-            _send(sock, END_SEQ, _MORE)
-            _send(sock, b"", _NOBLOCK)
-        except zmq.ZMQError:  # full (Again), or gone: the rest of it is cut
-            self.cut_replays += 1
-        ranges.popleft()
-        self._ranges -= 1
-        return max(take, 1)
-
     def stats(self) -> dict[str, int]:
         return {"batches": self.batches, "events": self.events, "dropped": self.dropped,
                 "lossy_batches": self.lossy_batches, "unheard": self.unheard,
                 "replays": self.replays, "cut_replays": self.cut_replays,
                 "bad_replays": self.bad_replays, "last_seq": self.last_seq,
                 "buffered": len(self.ring), "buffered_bytes": self.ring_bytes}
+
+
+def _answer(sock: zmq.Socket[bytes], ring: deque[tuple[int, bytes]], seq: int,
+            peer: bytes, asked: tuple[int, int],
+            budget: int) -> tuple[int, bool | None, tuple[int, int]]:
+    """Send ``peer`` up to ``budget`` batches of the ring from ``asked`` (the first and
+    last sequence numbers left), with the end marker once all are sent; how many went,
+    whether the answer ended (True sent whole, False cut: the peer's queue was full, or
+    it left; None: more to send) and what is left of it."""
+    first, last = asked
+    oldest = ring[0][0] if ring else seq  # (numbers are consecutive with a replay socket)
+    at = max(first - oldest, 0)  # (batches that left the ring before their turn: skipped)
+    left = max(min(last - oldest + 1, len(ring)) - at, 0)
+    take = min(left, budget)
+    try:  # (once its first frame is taken, ZeroMQ takes the whole message)
+        for number, payload in itertools.islice(ring, at, at + take):
+            _send(sock, peer, _MORE)
+            _send(sock, b"", _MORE)
+            _send(sock, number.to_bytes(8, "big"), _MORE)
+            _send(sock, payload, _NOBLOCK, False)  # by reference
+        if take < left:
+            return take, None, (oldest + at + take, last)
+        _send(sock, peer, _MORE)
+        _send(sock, b"", _MORE)
+        _send(sock, END_SEQ, _MORE)
+        _send(sock, b"", _NOBLOCK)
+    except zmq.ZMQError:  # full (Again), or gone: the rest of it is cut
+        return take, False, asked
+    return take, True, asked
 
 
 def _readable(sock: zmq.Socket[bytes]) -> bool:
