@@ -181,7 +181,9 @@ def decode_reply(frames: list[zmq.Frame]) -> Received:
     """A reply's header and its payload frames; KVStoreError if the header is not a reply."""
     try:
         reply = p.reply_decoder.decode(frames[0].buffer)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        # (a stats reply's values are any msgpack: nested deep enough, msgspec gives up
+        # with a RecursionError, which reached the caller, or the async client's reader)
         raise KVStoreError(f"undecodable reply from the daemon: {exc}") from None
     return reply, frames[1:]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import math
 import os
 import re
 import tomllib
@@ -31,6 +32,7 @@ _UNITS = {
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_MOST = 1 << 60  # the largest size taken: far beyond any host, within a C long
 
 
 def parse_size(value: str | int, field: str = "size") -> int:
@@ -40,15 +42,21 @@ def parse_size(value: str | int, field: str = "size") -> int:
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{field}: a size cannot be negative")
-        return value
-    match = _SIZE.match(str(value))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ConfigError(
-            f"{field}: {value!r} is not a size; use a number with an optional unit "
-            f"(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
+        size = value
+    else:
+        match = _SIZE.match(str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ConfigError(
+                f"{field}: {value!r} is not a size; use a number with an optional unit "
+                f"(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            )
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size > _SIZE_MOST:
+        # (larger ones crashed the daemon at start: a C long of ZeroMQ or mmap)
+        raise ConfigError(f"{field}: {value!r} is more than any host holds (at most "
+                          f"{format_size(_SIZE_MOST)})")
+    return size
 
 
 def format_size(value: int) -> str:
@@ -76,6 +84,7 @@ def endpoint_from_env() -> str:
 
 
 SECTIONS = ("server", "dram", "ssd", "remote", "auth", "gpu", "events")
+_INT_MOST = 2**31 - 1  # the most any count may be (ZeroMQ's options are C ints)
 
 # The settings a SIGHUP changes in a running daemon (section, field); any other change
 # needs a restart.  The reload's merge and its list of what needs a restart both come
@@ -411,11 +420,27 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return kind == "memfd" or (kind == "auto" and (self.credentials
                                                        or bool(self.server.socket_group)))
 
+    def _validate_numbers(self) -> None:
+        """Every count within a C int and every number finite, before the fields' own
+        checks: a count of 2**64 passed them and crashed the daemon at start (a ZeroMQ
+        option, an event's rank) or failed every hello (its reply could not be encoded),
+        and NaN passed every check written as ``value < 0``."""
+        for section in SECTIONS:
+            values = getattr(self, section)
+            for field, kind in type(values).__annotations__.items():
+                value = getattr(values, field)
+                if kind == "int" and not -_INT_MOST - 1 <= value <= _INT_MOST:
+                    raise ConfigError(f"{section}.{field}: {value} is out of range (a count "
+                                      f"of at most {_INT_MOST})")
+                if kind == "float" and not math.isfinite(value):
+                    raise ConfigError(f"{section}.{field}: {value} is not a finite number")
+
     @property
     def max_request_bytes(self) -> int:
         return parse_size(self.server.max_request_bytes, "server.max_request_bytes")
 
     def validate(self) -> Config:
+        self._validate_numbers()
         for endpoint in [self.endpoint, *self.server.extra_endpoints]:
             if not endpoint.startswith(("ipc://", "tcp://")):
                 raise ConfigError(

@@ -26,8 +26,11 @@ one subscriber that never reads stop the stream for all the others, for good.
 
 The last ``buffer_steps`` batches stay in a ring; the replay socket (ROUTER) answers a
 request naming a sequence number with every batch from there on, each as
-``[seq, payload]``, and ends with ``[-1, b""]``, as vLLM's publisher does.  Without a
-replay socket the ring keeps only the last batch: nobody could ask for the others.
+``[seq, payload]``, and ends with ``[-1, b""]``, as vLLM's publisher does.  Answers go
+out a slice a loop turn, the peers by turns, so replays never hold the tenants'
+requests.  Without a replay socket the ring keeps only the last batch: nobody could ask
+for the others.  Neither socket reads a frame larger than a request or a subscription
+could be, and a subscription to a topic no batch matches makes nobody a listener.
 
 Writers send their blocks' token ids only while someone hears the batches
 (``tokens_wanted``: a subscriber, as last read, or a replay socket), as the daemon's
@@ -37,6 +40,7 @@ replies tell them; a block stored without them is announced with empty ``token_i
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import threading
@@ -63,7 +67,18 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # How often batches read the subscriptions (seconds): a new subscriber's first batch may
 # come that much later, a batch may go to no one for as long after the last one left.
 SUBSCRIPTIONS_EVERY = 0.05
-_REPLAYS_A_TURN = 16  # replay requests answered in one call (the rest: the next turn)
+# Replays share the loop with every tenant's requests: one call sends at most this many
+# batches of the answers under way, each answer a turn of its own slice (a request from
+# the ring's first batch sent the whole ring in one go, 16 requests a call: a few peers
+# asking again and again held every client's reply up to 170 ms with a ring of 1500)
+_REPLAY_BATCHES_A_TURN = 256
+_ANSWERS_AT_ONCE = 16  # requests under way; the next wait in ZeroMQ's queue (fairly read)
+# The largest frame a peer of the stream's sockets may send: a replay request is an
+# 8-byte sequence number, a subscription a topic's prefix.  Without a limit ZeroMQ read
+# a frame of any size whole (gigabytes) before the daemon could look at it.  The limit
+# holds for the handshake's frames too (a token names its tenant) and for frames as
+# CurveZMQ encrypts them: room for both.
+_FRAME_BYTES = 4096
 # How early a timer may run by its loop's clock: uvloop keeps time in milliseconds and
 # rounds a timer's delay to them, so a quiet timer runs up to a millisecond before its
 # time.  Set again for what is left, it ran at once (a delay under half a millisecond
@@ -132,7 +147,12 @@ class EventPublisher:
         self.cut_replays = 0        # answers cut: the peer's queue was full, or it left
         self.bad_replays = 0        # requests not laid out as a replay request
         self.unheard = 0            # batches numbered but not built: nobody would get them
-        self.subscriptions: set[bytes] = set()  # topics someone subscribes to
+        self.subscriptions: set[bytes] = set()  # prefixes of the topic someone subscribes to
+        # replay answers under way, by peer (each peer's requests answered in order, the
+        # peers by turns): the sequence numbers left to send, first and last, a request
+        self._answers: dict[bytes, deque[tuple[int, int]]] = {}
+        self._ranges = 0  # requests under way, over all peers
+        self._replay_turn: asyncio.Handle | None = None  # the next turn's serving, if set
         # Whether writers should send token ids (replies tell them): someone subscribes,
         # as last read, or batches are kept for replay.
         self.tokens_wanted = bool(config.replay_endpoint)
@@ -166,6 +186,7 @@ class EventPublisher:
         pub.setsockopt(zmq.SNDHWM, self.config.queue_batches)
         pub.setsockopt(zmq.XPUB_NODROP, 1)  # refuse (counted: ``send``), not drop unseen
         pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.MAXMSGSIZE, _FRAME_BYTES + len(self.topic))
         if self.auth is not None:
             self.auth.secure_events(self._ctx, pub, self.config.endpoint)
         pub.bind(self.config.endpoint)
@@ -179,6 +200,7 @@ class EventPublisher:
             # and never reads gets the rest of its answers cut: ``_serve_replays``)
             replay.setsockopt(zmq.SNDHWM, self.config.buffer_steps + 2)
             replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            replay.setsockopt(zmq.MAXMSGSIZE, _FRAME_BYTES)
             if self.auth is not None:
                 self.auth.secure_events(self._ctx, replay, self.config.replay_endpoint)
             replay.bind(self.config.replay_endpoint)
@@ -189,7 +211,7 @@ class EventPublisher:
             fd: int = replay.getsockopt(zmq.FD)  # type: ignore[assignment]
             self._fds.append(fd)
             loop.add_reader(fd, self._serve_replays)
-            loop.call_soon(self._serve_replays)
+            self._replay_turn = loop.call_soon(self._serve_replays)
         self.store.record_changes(self.changes)
 
     def _secure(self, endpoint: str) -> None:
@@ -211,6 +233,9 @@ class EventPublisher:
         if self._quiet is not None:
             self._quiet.cancel()
             self._quiet = None
+        if self._replay_turn is not None:
+            self._replay_turn.cancel()
+            self._replay_turn = None
         if self._loop is not None:
             for fd in self._fds:
                 self._loop.remove_reader(fd)
@@ -407,49 +432,70 @@ class EventPublisher:
                 message = pub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            topic = message[1:]
+            if not self.topic.startswith(topic):
+                continue  # no batch of this stream would match it: nobody hears them
             if message[:1] == b"\x01":
-                self.subscriptions.add(message[1:])
+                self.subscriptions.add(topic)
             elif message[:1] == b"\x00":
-                self.subscriptions.discard(message[1:])
+                self.subscriptions.discard(topic)
         self.tokens_wanted = bool(self.subscriptions) or self._replay is not None
 
     def _serve_replays(self) -> None:
-        """Answer replay requests, a few a call (more: the next loop turn).  The batches
-        go out by reference (no copy each), without waiting: a peer whose queue is full
-        (it asks and does not read) has the rest of that answer cut, end included."""
+        """Answer replay requests: at most ``_REPLAY_BATCHES_A_TURN`` batches a call, the
+        answers under way by turns, each peer's in the order it asked (the rest: the
+        next loop turn).  An answer is the ring from the sequence asked to the last batch
+        published when the request was read; batches that leave the ring before their
+        turn are not sent.  The batches go out by reference (no copy each), without
+        waiting: a peer whose queue is full (it asks and does not read) has the rest of
+        that answer cut, end included."""
+        self._replay_turn = None
         sock = self._replay
-        for _ in range(_REPLAYS_A_TURN):
-            if sock is None or not _readable(sock):
-                return
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 3 or len(frames[2]) != 8:
-                self.bad_replays += 1
-                if self.bad_replays & (self.bad_replays - 1) == 0:  # 1, 2, 4, 8...: a flood
-                    log.warning("replay request of %d frames ignored: expected "  # logs little
-                                "[identity, empty, 8-byte sequence] (%d so far)",
-                                len(frames), self.bad_replays)
-                continue
-            peer, _, start = frames
-            first = int.from_bytes(start, "big")
-            self.replays += 1
-            try:  # (once its first frame is taken, ZeroMQ takes the whole message)
-                for seq, payload in list(self.ring):
-                    if seq >= first:
-                        _send(sock, peer, _MORE)
-                        _send(sock, b"", _MORE)
-                        _send(sock, seq.to_bytes(8, "big"), _MORE)
-                        _send(sock, payload, _NOBLOCK, False)  # by reference
-                _send(sock, peer, _MORE)
-                _send(sock, b"", _MORE)
-                _send(sock, END_SEQ, _MORE)
-                _send(sock, b"", _NOBLOCK)
-            except zmq.ZMQError:  # full (Again), or gone: the rest of it is cut
-                self.cut_replays += 1
+        if sock is None:
+            return
+        budget = _REPLAY_BATCHES_A_TURN
+        answers = self._answers
+        while budget > 0:
+            while self._ranges < _ANSWERS_AT_ONCE and self._read_replay(sock):
+                pass
+            if not answers:
+                return  # nothing under way: the socket's reader calls again
+            peer = next(iter(answers))
+            ranges = answers.pop(peer)
+            sent, ended, rest = _answer(sock, self.ring, self.seq, peer, ranges[0], budget)
+            budget -= max(sent, 1)
+            if ended is None:
+                ranges[0] = rest
+            else:  # sent whole, or cut
+                self.cut_replays += not ended
+                ranges.popleft()
+                self._ranges -= 1
+            if ranges:
+                answers[peer] = ranges  # to the back: the other peers' turn first
         if self._loop is not None:
-            self._loop.call_soon(self._serve_replays)  # (more may wait: read next turn)
+            self._replay_turn = self._loop.call_soon(self._serve_replays)
+
+    def _read_replay(self, sock: zmq.Socket[bytes]) -> bool:
+        """Take in one replay request, if one waits; whether one did."""
+        if not _readable(sock):
+            return False
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        if len(frames) != 3 or len(frames[2]) != 8:
+            self.bad_replays += 1
+            if self.bad_replays & (self.bad_replays - 1) == 0:  # 1, 2, 4, 8...: a flood
+                log.warning("replay request of %d frames ignored: expected "  # logs little
+                            "[identity, empty, 8-byte sequence] (%d so far)",
+                            len(frames), self.bad_replays)
+            return True
+        peer, _, start = frames
+        self.replays += 1
+        self._answers.setdefault(peer, deque()).append(
+            (int.from_bytes(start, "big"), self.seq - 1))
+        self._ranges += 1
+        return True
 
     def stats(self) -> dict[str, int]:
         return {"batches": self.batches, "events": self.events, "dropped": self.dropped,
@@ -457,6 +503,35 @@ class EventPublisher:
                 "replays": self.replays, "cut_replays": self.cut_replays,
                 "bad_replays": self.bad_replays, "last_seq": self.last_seq,
                 "buffered": len(self.ring), "buffered_bytes": self.ring_bytes}
+
+
+def _answer(sock: zmq.Socket[bytes], ring: deque[tuple[int, bytes]], seq: int,
+            peer: bytes, asked: tuple[int, int],
+            budget: int) -> tuple[int, bool | None, tuple[int, int]]:
+    """Send ``peer`` up to ``budget`` batches of the ring from ``asked`` (the first and
+    last sequence numbers left), with the end marker once all are sent; how many went,
+    whether the answer ended (True sent whole, False cut: the peer's queue was full, or
+    it left; None: more to send) and what is left of it."""
+    first, last = asked
+    oldest = ring[0][0] if ring else seq  # (numbers are consecutive with a replay socket)
+    at = max(first - oldest, 0)  # (batches that left the ring before their turn: skipped)
+    left = max(min(last - oldest + 1, len(ring)) - at, 0)
+    take = min(left, budget)
+    try:  # (once its first frame is taken, ZeroMQ takes the whole message)
+        for number, payload in itertools.islice(ring, at, at + take):
+            _send(sock, peer, _MORE)
+            _send(sock, b"", _MORE)
+            _send(sock, number.to_bytes(8, "big"), _MORE)
+            _send(sock, payload, _NOBLOCK, False)  # by reference
+        if take < left:
+            return take, None, (oldest + at + take, last)
+        _send(sock, peer, _MORE)
+        _send(sock, b"", _MORE)
+        _send(sock, END_SEQ, _MORE)
+        _send(sock, b"", _NOBLOCK)
+    except zmq.ZMQError:  # full (Again), or gone: the rest of it is cut
+        return take, False, asked
+    return take, True, asked
 
 
 def _readable(sock: zmq.Socket[bytes]) -> bool:

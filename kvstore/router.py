@@ -40,6 +40,7 @@ from kvstore.tiers.arena_fds import tcp_credentials
 DEFAULT_PREFILL_RATE = 10_000.0  # tokens a second a worker prefills, unless told
 REFUSED_S = 1.0       # no hello to a daemon for this long after it refused one,
 REFUSED_MAX_S = 60.0  # doubled with each refusal in a row, up to this
+_READS_A_POLL = 64  # messages read of one peer between the deadline's checks
 
 
 @dataclass
@@ -176,17 +177,20 @@ class Router:
         return self._rank(keys, answers, tokens, block_tokens, rate)
 
     def _read(self, peer: _Peer, answers: dict[str, p.ProbeReply]) -> int:
-        """Read what the peer sent; 1 when its awaited probe's answer (or refusal) came."""
+        """Read what the peer sent, at most ``_READS_A_POLL`` messages (the rest after
+        the next poll: a peer sending without pause held the route past its deadline);
+        1 when its awaited probe's answer (or refusal) came."""
         done = 0
-        while True:
+        for _ in range(_READS_A_POLL):
             try:
                 frames = peer.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return done
             try:
                 reply = p.reply_decoder.decode(frames[0])
-            except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
-                continue  # a peer that is not a kvstore daemon
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError,
+                    IndexError):
+                continue  # a peer that is not a kvstore daemon (its answer too deep, too)
             if reply.rid == peer.hello_rid:
                 peer.hello_rid = 0
                 peer.greeted = isinstance(reply, p.HelloReply)
@@ -209,6 +213,7 @@ class Router:
                 # again, at the next query (unless backing off from a refused hello); a
                 # hello of ours would have been answered before this
                 peer.greeted, peer.hello_rid = False, 0
+        return done
 
     def _rank(self, keys: list[bytes], answers: dict[str, p.ProbeReply],
               tokens: int | None, block_tokens: int | None,
@@ -233,7 +238,9 @@ class Router:
             prefill = max(0, total - hits * bt) / rate
             out.append(RouteResult(peer.endpoint, True, hits, tiers, a.queue_seconds,
                                    prefill, transfer, a.queue_seconds + prefill + transfer))
-        out.sort(key=lambda r: (not r.answered, r.cost))
+        # (a cost that is not a number, from an answer of NaNs, would leave the others
+        # out of order: such a daemon ranks after every cost that is one)
+        out.sort(key=lambda r: (not r.answered, r.cost if r.cost == r.cost else math.inf))
         return out
 
     def close(self) -> None:

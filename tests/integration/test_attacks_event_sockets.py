@@ -1,0 +1,169 @@
+"""Attacks on the KV event stream's sockets: the PUB socket and the replay ROUTER.
+
+Without credentials anyone who reaches the endpoints is a peer (bind them where only the
+routers reach); with credentials only ``events.readers`` are.  Either way a peer must not
+make the daemon read frames of any size, build batches nobody hears, or hold every
+tenant's requests behind replays.  Real daemon processes and real ZeroMQ sockets; the
+replay's turns are counted on a publisher driven by a loop of the test's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+from daemon_proc import DaemonProcess, free_port
+from kvtest import make_identity
+
+from kvstore import Client
+from kvstore.config import EventsConfig
+from kvstore.events import END_SEQ, EventPublisher
+from kvstore.store import BlockStore
+
+IDENT = make_identity(tenant="acme")
+TOPIC = "kv@pod-a@tiny-llama"
+
+
+def events_daemon(factory: Any, replay: bool = True) -> tuple[DaemonProcess, str, str]:
+    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    env = {"KVSTORE_EVENTS_ENDPOINT": pub, "KVSTORE_EVENTS_TOPIC": TOPIC}
+    if replay:
+        env["KVSTORE_EVENTS_REPLAY_ENDPOINT"] = rep
+    return factory(env=env), pub, rep
+
+
+def disconnected(sock: zmq.Socket[bytes], send: Any, ask: Any, seconds: float = 20.0) -> bool:
+    """Watch ``sock`` (connected) while ``send()`` goes: True once the daemon cuts it,
+    False once ``ask()`` says the daemon read what was sent, or time is up."""
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        send()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if monitor.poll(100):
+                return True
+            if ask():
+                return False
+        return False
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+
+
+def test_a_frame_larger_than_any_request_is_refused_before_it_is_read(
+        daemon_factory: Any) -> None:
+    # A replay request is 8 bytes and a subscription a topic's prefix, but both sockets
+    # read frames of any size whole: a peer's 1 GiB frame cost the daemon 1 GiB.
+    d, pub, rep = events_daemon(daemon_factory)
+    ctx = zmq.Context()
+    big, sub, asker = ctx.socket(zmq.DEALER), ctx.socket(zmq.SUB), ctx.socket(zmq.DEALER)
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            def read() -> bool:
+                return bool(c.stats()["events"]["bad_replays"])
+            big.connect(rep)
+            assert disconnected(big, lambda: big.send_multipart([b"", b"x" * (1 << 20)]),
+                                read), "the daemon read a 1 MiB replay request"
+            assert c.stats()["events"]["bad_replays"] == 0
+            sub.connect(pub)
+            assert disconnected(
+                sub, lambda: sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode() + b"x" * (1 << 16)),
+                lambda: False), "the daemon read a 64 KiB subscription"
+            asker.connect(rep)  # a request of the right size is answered
+            asker.send_multipart([b"", (0).to_bytes(8, "big")])
+            assert asker.poll(10_000), "no replay answer"
+            frames = asker.recv_multipart()
+            assert frames[1] == (0).to_bytes(8, "big")  # the first batch: all cleared
+    finally:
+        for sock in (big, sub, asker):
+            sock.close(linger=0)
+        ctx.term()
+
+
+def test_a_subscription_to_another_topic_makes_no_one_a_listener(
+        daemon_factory: Any) -> None:
+    # A subscriber to a topic no batch matches heard nothing, yet it made the daemon
+    # build every batch and ask every writer for its token ids; and each distinct topic
+    # was kept in the daemon's set.
+    d, pub, _ = events_daemon(daemon_factory, replay=False)
+    ctx = zmq.Context()
+    stranger, router = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB)
+    try:
+        stranger.setsockopt(zmq.SUBSCRIBE, b"kv@pod-b@")
+        stranger.connect(pub)
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(IDENT)
+            base = 0
+
+            def put() -> None:
+                nonlocal base
+                keys = ns.keys(list(range(base, base + IDENT.block_tokens)))
+                base += IDENT.block_tokens
+                ns.put(keys, [b"\1" * IDENT.block_bytes])
+                time.sleep(0.06)  # its batch reads the subscriptions
+
+            for _ in range(10):
+                put()
+            assert not c.tokens_wanted, "token ids asked for a stream nobody hears"
+            assert c.stats()["events"]["batches"] == 1  # the first (all cleared) only
+            router.setsockopt(zmq.SUBSCRIBE, b"kv@pod-a")  # a prefix of the topic
+            router.connect(pub)
+            deadline = time.monotonic() + 20
+            while not c.tokens_wanted:  # (the control: subscriptions are read)
+                assert time.monotonic() < deadline, "a matching subscriber went unheard"
+                put()
+    finally:
+        stranger.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+
+
+def test_replay_answers_go_out_a_slice_a_loop_turn_whole_and_in_order(
+        tmp_path: Path) -> None:
+    # Peers asking from the ring's first batch were answered whole, 16 requests a
+    # call: with a ring of 1500 batches four peers held every client's reply up to
+    # 170 ms; with 10000 and 16 peers, seconds.
+    ring = 3000
+    config = EventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock",
+                          replay_endpoint=f"ipc://{tmp_path}/replay.sock")
+    pub = EventPublisher(config, BlockStore(1 << 20, 1 << 20))
+    loop = asyncio.new_event_loop()
+    pub.open(loop)
+    ctx = zmq.Context()
+    peers = [ctx.socket(zmq.DEALER) for _ in range(3)]
+    try:
+        for seq in range(ring):
+            assert pub.send(b"batch %d" % seq, 1, listened=False) == seq
+        for peer in peers:
+            peer.connect(config.replay_endpoint)
+            peer.send_multipart([b"", (0).to_bytes(8, "big")])
+            peer.send_multipart([b"", (ring - 2).to_bytes(8, "big")])
+        got: list[list[int]] = [[] for _ in peers]
+        deadline = time.monotonic() + 60
+        most = 0
+        while sum(len(g) for g in got) < len(peers) * (ring + 4):
+            assert time.monotonic() < deadline, [len(g) for g in got]
+            loop.call_soon(loop.stop)
+            loop.run_forever()  # one turn of the loop
+            time.sleep(0.005)  # (ZeroMQ's I/O threads carry what the turn sent)
+            sent = 0
+            for peer, seqs in zip(peers, got):
+                while peer.poll(0):
+                    _, seq, payload = peer.recv_multipart()
+                    seqs.append(int.from_bytes(seq, "big", signed=True))
+                    assert seq == END_SEQ or payload == b"batch %d" % seqs[-1]
+                    sent += 1
+            most = max(most, sent)
+        whole = [*range(ring), -1, ring - 2, ring - 1, -1]
+        assert got == [whole] * len(peers)  # each its two answers, one after the other
+        assert most <= 2000, f"{most} batches in one loop turn"
+        assert pub.replays == 2 * len(peers) and pub.cut_replays == 0
+    finally:
+        for peer in peers:
+            peer.close(linger=0)
+        ctx.term()
+        pub.close()
+        loop.close()

@@ -1,0 +1,114 @@
+"""A client pointed at a hostile endpoint: its replies must end in a typed error, and a
+route over it must still rank the honest daemons.
+
+The hostile endpoint is a ROUTER socket of the test's own that answers every request
+under its request id; the honest one a real daemon process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import zmq
+from daemon_proc import DaemonProcess
+
+from kvstore import AsyncClient, Client
+from kvstore import protocol as p
+from kvstore.errors import KVStoreError
+from kvstore.router import Router
+
+
+def too_deep(rid: int) -> bytes:
+    """A stats reply whose one value is an array nested a million deep: valid msgpack."""
+    reply = p.encoder.encode(p.StatsReply(rid, {"a": 1}))
+    assert reply.endswith(b"\x01")
+    return reply[:-1] + b"\x91" * 1_000_000 + b"\xc0"
+
+
+def nan_probe(rid: int) -> bytes:
+    """What a probe is answered by a daemon that claims a cost that is not a number."""
+    nan = float("nan")
+    return p.encoder.encode(p.ProbeReply(rid, [("dram", 1)], 4096, 16, nan,
+                                         {"dram": nan, "ssd": nan, "remote": nan}))
+
+
+@contextmanager
+def hostile(answer: Callable[[p.Message], bytes | None]) -> Iterator[str]:
+    """An endpoint that answers each request with ``answer(request)``, as long as the
+    block lasts."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if sock.poll(20):
+                peer, header = sock.recv_multipart()[:2]
+                reply = answer(p.request_decoder.decode(header))
+                if reply is not None:
+                    sock.send_multipart([peer, reply])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        thread.join()
+        sock.close(linger=0)
+        ctx.term()
+
+
+def honest_hello(then: Callable[[int], bytes]) -> Callable[[p.Message], bytes | None]:
+    """Answer a hello as a daemon would (through the client's own checks), then every
+    other request with ``then``."""
+    def answer(request: p.Message) -> bytes | None:
+        if isinstance(request, p.Hello):
+            return None  # (a router sends its probe without waiting for the hello)
+        return then(request.rid)  # type: ignore[attr-defined]
+    return answer
+
+
+def test_a_reply_nested_too_deep_is_a_typed_error() -> None:
+    # msgspec gives up on it with a RecursionError, which reached the caller
+    with hostile(lambda request: too_deep(request.rid)) as endpoint:  # type: ignore[attr-defined]
+        with pytest.raises(KVStoreError, match="undecodable reply"):
+            Client(endpoint, tenant="acme", timeout=30)
+
+
+def test_the_async_client_fails_its_waiter_at_once_on_such_a_reply() -> None:
+    # the RecursionError escaped the socket's reader: its waiter waited out the timeout
+    # and was told the daemon did not answer
+    async def connect(endpoint: str) -> None:
+        client = AsyncClient(endpoint, tenant="acme", timeout=30)
+        try:
+            await client.connect()
+        finally:
+            await client.close()
+
+    with hostile(lambda request: too_deep(request.rid)) as endpoint:  # type: ignore[attr-defined]
+        with pytest.raises(KVStoreError, match="undecodable reply"):
+            asyncio.run(asyncio.wait_for(connect(endpoint), 25))
+
+
+@pytest.mark.parametrize("answer", [too_deep, nan_probe])
+def test_a_hostile_endpoint_in_a_route_leaves_the_honest_daemon_ranked_first(
+        daemon_factory: Any, answer: Callable[[int], bytes]) -> None:
+    # a reply nested too deep raised out of the whole route; a cost of NaN compared
+    # neither less nor more than any other, and kept the hostile endpoint first
+    d: DaemonProcess = daemon_factory(tcp=True)
+    assert d.tcp_endpoint is not None
+    with hostile(honest_hello(answer)) as endpoint:
+        with Router([endpoint, d.tcp_endpoint], tenant="acme") as router:
+            results: list[Any] = []
+            for _ in range(50):  # (the first deadlines may pass before the hellos)
+                results = router.route([b"k" * 16], deadline=0.5)
+                if any(r.answered and r.endpoint == d.tcp_endpoint for r in results):
+                    break
+            assert [r.endpoint for r in results] == [d.tcp_endpoint, endpoint], results
