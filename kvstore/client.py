@@ -183,6 +183,9 @@ class Client(SessionCore):
             ms = int(self.timeout * 1000)
             self._sock.setsockopt(zmq.RCVTIMEO, -1 if ms < 0 else min(ms, _MAX_MS))
             self._receive_timeout = self.timeout
+        # (each receive waits the timeout anew: replies to other requests coming one
+        # after another, from a hostile endpoint, kept a caller waiting for good)
+        until = time.monotonic() + self.timeout if self.timeout >= 0 else math.inf
         while True:
             try:
                 received = self._receive()
@@ -192,6 +195,9 @@ class Client(SessionCore):
             if received[0].rid == rid or received[0].rid == 0:  # 0: the daemon could not
                 return received                                  # tell whose it is
             self._file(received)
+            if time.monotonic() > until:
+                self._abandon(rid)
+                raise self._no_reply()
 
     def _receive(self) -> Received:
         return decode_reply(receive(self._sock))
@@ -203,8 +209,8 @@ class Client(SessionCore):
         if reply.rid in self._abandoned:
             for header in self._give_back(reply):
                 self._sock.send(header)
-        elif not self._settle(reply):
-            self._early[reply.rid] = received
+        elif not self._settle(reply) and 0 < reply.rid <= self._last_rid:
+            self._early[reply.rid] = received  # (a reply to no request of ours: dropped)
 
     # -- verbs ----------------------------------------------------------------------------
     def namespace(self, identity: Identity) -> Namespace:

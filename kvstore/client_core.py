@@ -21,7 +21,6 @@ payload, is sent each reply, and returns the result.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import mmap
 import os
@@ -151,7 +150,7 @@ class SessionCore:
         self._handshake = ""  # its credentials in the handshake: "ticket", "token" or none
         self._token = _token(token)
         self._curve = curve or _curve_from_env()
-        self._rids = itertools.count(1)
+        self._last_rid = 0  # the last request id given: a reply to a later one is none
         self.hello: p.HelloReply | None = None
         # Whether commits and puts carry token ids, as the daemon's last reserve, put or
         # batch reply said (it wants them while someone hears its events)
@@ -168,7 +167,8 @@ class SessionCore:
         self._abandoned: dict[int, None] = {}
 
     def _next_rid(self) -> int:
-        return next(self._rids)
+        self._last_rid += 1
+        return self._last_rid
 
     # -- requests posted without waiting (releases) -------------------------------------
     def _posted(self, req: p.Message) -> bytes:

@@ -19,7 +19,7 @@ from daemon_proc import DaemonProcess
 
 from kvstore import AsyncClient, Client
 from kvstore import protocol as p
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, UnavailableError
 from kvstore.router import Router
 
 
@@ -112,3 +112,35 @@ def test_a_hostile_endpoint_in_a_route_leaves_the_honest_daemon_ranked_first(
                 if any(r.answered and r.endpoint == d.tcp_endpoint for r in results):
                     break
             assert [r.endpoint for r in results] == [d.tcp_endpoint, endpoint], results
+
+
+@pytest.mark.timeout(60)
+def test_replies_to_other_requests_do_not_hold_a_caller_past_its_timeout() -> None:
+    # each receive waited the timeout anew, and every reply was kept: an endpoint that
+    # answered with other request ids, one every 20 ms, held ``Client()`` for good
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        peer = None
+        rid = 1 << 40
+        while not stop.is_set():
+            if sock.poll(20):
+                peer = sock.recv_multipart()[0]
+            if peer is not None:
+                rid += 1
+                sock.send_multipart([peer, p.encoder.encode(
+                    p.ErrorReply(rid, "internal", "not yours"))])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(UnavailableError):
+            Client(f"tcp://127.0.0.1:{port}", tenant="acme", timeout=1.0)
+    finally:
+        stop.set()
+        thread.join()
+        sock.close(linger=0)
+        ctx.term()

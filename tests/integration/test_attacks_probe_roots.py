@@ -7,8 +7,8 @@ namespace a key: a tenant that commits a first block under another tenant's firs
 takes the entry, and the owner's probe (a router's question) then finds nothing of its
 own cached chain; once that block is evicted the entry is deleted, and the owner's chain
 is in no map at all (``check_invariants``: "the first blocks' map").  A real daemon
-process.  The fix is in the store (``kvstore/core.py``, ``kvstore/store.py``,
-``kvstore/ssd_copies.py``) and the probe (``kvstore/routing.py``).
+process.  Fixed: a key that heads chains in several namespaces maps to all of them
+(``kvstore/first_blocks.py``).
 """
 
 from __future__ import annotations
@@ -16,19 +16,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import pytest
 from daemon_proc import DaemonProcess
 from kvtest import make_identity
 
 from kvstore import Client
 
 
-@pytest.mark.xfail(strict=True, reason="the map of first blocks holds one namespace a "
-                   "key: the fix belongs to the store and the probe")
 def test_another_tenants_block_under_my_first_key_hides_nothing_of_mine(
         daemon_factory: Any) -> None:
-    # (invariants unchecked: the violation is what this test looks for, by the probe)
-    d: DaemonProcess = daemon_factory(debug_invariants=False)
+    d: DaemonProcess = daemon_factory()  # invariants checked, the first blocks' map too
     with Client(d.endpoint, tenant="acme") as acme, Client(d.endpoint, tenant="evil") as evil:
         mine = acme.namespace(make_identity(tenant="acme"))
         theirs = evil.namespace(make_identity(tenant="evil"))
