@@ -228,7 +228,8 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
         except FileExistsError:
             print(f"kvstore: {args.secret} exists; not overwriting it", file=sys.stderr)
             return 1
-        print(f"token secret written to {args.secret} (mode 0600)")
+        print(f"secret written to {args.secret} (mode 0600): for auth.secret_file "
+              "(tokens) or remote.tag_secret_file (the daemons' tag secret)")
         return 0
     if not args.dir or not args.name:
         print("kvstore: keygen needs DIR and --name (or --secret FILE)", file=sys.stderr)
@@ -310,11 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     drop.set_defaults(func=_cmd_drop)
 
     keygen = sub.add_parser(
-        "keygen", help="make a CurveZMQ key pair (DIR --name NAME) or a token secret "
-                       "(--secret FILE)")
+        "keygen", help="make a CurveZMQ key pair (DIR --name NAME) or a secret "
+                       "(--secret FILE: tokens' or remote tags')")
     keygen.add_argument("dir", nargs="?", help="directory for NAME.key and NAME.key_secret")
     keygen.add_argument("--name", help="the key's name; for a client, its tenant")
-    keygen.add_argument("--secret", metavar="FILE", help="write a token-signing secret")
+    keygen.add_argument("--secret", metavar="FILE", help="write a 32-byte hex secret (auth.secret_file, "
+                        "remote.tag_secret_file)")
     keygen.set_defaults(func=_cmd_keygen)
 
     token = sub.add_parser("token", help="issue a tenant token signed with the daemon's secret")
