@@ -56,15 +56,17 @@ def hello_by_hand(endpoint: str, cases: list[tuple[tuple[str, str] | None, bool]
             sock.setsockopt(zmq.LINGER, 0)
             if creds is not None:
                 sock.plain_username, sock.plain_password = creds[0].encode(), creds[1].encode()
-            sock.connect(endpoint)
-            sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "")))
-            if answered:
-                assert sock.poll(10_000)
-                reply = p.reply_decoder.decode(sock.recv())
-                assert isinstance(reply, p.HelloReply) and reply.tenant == "acme"
-            else:
-                assert not sock.poll(1500)
-            sock.close()
+            try:  # (closed whatever happens: an open socket hangs the context's term)
+                sock.connect(endpoint)
+                sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "")))
+                if answered:
+                    assert sock.poll(10_000), f"{creds}: no answer in 10 s"
+                    reply = p.reply_decoder.decode(sock.recv())
+                    assert isinstance(reply, p.HelloReply) and reply.tenant == "acme"
+                else:
+                    assert not sock.poll(1500), f"{creds}: answered, {sock.recv()!r}"
+            finally:
+                sock.close()
     finally:
         ctx.term()
 
