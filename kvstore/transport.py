@@ -145,6 +145,9 @@ class Transport:
         self._ipc: list[bool] = []  # per socket: whether its endpoints are ipc ones
         self._fds: list[int] = []
         self._open = False
+        # whether requests are read: from ``open`` till ``stop_reading`` or ``close``
+        # (a drain asked of the loop before then finds it off, and reads nothing)
+        self._reading = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_flight = RepliesInFlight()
         self._reap_timer = False
@@ -216,10 +219,11 @@ class Transport:
             self._drain_asked.append(False)
             loop.add_reader(fd, self._drain, i)
             self._drain_soon(i)
-        self._open = True
+        self._open = self._reading = True
 
     def stop_reading(self) -> None:
         """Take no more requests (replies still go out)."""
+        self._reading = False
         if self._open and self._loop is not None:
             for fd in self._fds:
                 self._loop.remove_reader(fd)
@@ -239,10 +243,10 @@ class Transport:
         self.auth.close()
         if self._ctx is not None:
             self._ctx.term()
-        self._open = False
+        self._open = self._reading = False
 
     def _drain(self, index: int = 0) -> None:
-        if not self._open:
+        if not self._reading:
             return
         sock = self._socks[index]
         secure = self._secure[index]
