@@ -171,7 +171,11 @@ class Client(SessionCore):
         if self._sock is None:
             raise KVStoreError("the client is closed")
         sock = self._sock
-        while self._unread and sock.getsockopt(_EVENTS) & _POLLIN:  # keep the backlog short
+        # keep the backlog short: as many replies read as posted ones are unread, at
+        # most (an endpoint that kept sending replies to nothing held the caller for good)
+        for _ in range(len(self._unread)):
+            if not self._unread or not sock.getsockopt(_EVENTS) & _POLLIN:
+                break
             self._file(self._receive())
         sock.send(self._posted(req))
 
