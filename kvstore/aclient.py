@@ -49,6 +49,8 @@ from kvstore.router import DEFAULT_PREFILL_RATE, Router, RouteResult
 T = TypeVar("T")
 # ints: ``&`` on zmq's PollEvent flag goes through the enum machinery (a few us a call)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+# replies a reader callback hands over before the loop's other work (the rest next turn)
+_DRAIN_REPLIES = 256
 
 
 class AsyncClient(SessionCore):
@@ -129,14 +131,20 @@ class AsyncClient(SessionCore):
 
     def _drain(self) -> None:
         """Hand every reply that has come to its waiter.  ZeroMQ's descriptor is
-        edge-triggered: read until none is left."""
+        edge-triggered: read until none is left, or ``_DRAIN_REPLIES`` of them and the
+        rest in the loop's next turn (an endpoint that sent replies faster than they
+        decode held the loop in this callback for as long as it kept sending)."""
         sock = self._sock  # (waiters wake after this returns: none can close it meanwhile)
-        while sock is not None and sock.getsockopt(_EVENTS) & _POLLIN:
+        for _ in range(_DRAIN_REPLIES):
+            if sock is None or not sock.getsockopt(_EVENTS) & _POLLIN:
+                return
             try:
                 frames = receive(sock, zmq.NOBLOCK)
             except zmq.Again:
-                break
+                return
             self._deliver(frames)
+        if self._loop is not None:
+            self._loop.call_soon(self._drain)  # more may wait: the edge is taken
 
     def _deliver(self, frames: list[zmq.Frame]) -> None:
         try:

@@ -84,6 +84,8 @@ class Client(SessionCore):
         self._watched = False  # whether the socket's refusal monitor is open
         self._receive_timeout = -1.0  # the timeout RCVTIMEO is set to (_wait sets it)
         self._early: dict[int, Received] = {}  # replies that came before the one awaited
+        # requests sent whose replies ``_wait`` will read: only theirs are kept in _early
+        self._awaited: set[int] = set()
         self._routers: dict[tuple[str, ...], Router] = {}  # connections of route()
         try:  # whatever fails, the context goes too (its I/O thread and descriptors)
             watch = self._checks_handshake()
@@ -137,6 +139,7 @@ class Client(SessionCore):
             self._sock.send_multipart([header, *payload], copy=False)
         else:
             self._sock.send(header)
+        self._awaited.add(req.rid)
 
     def _run(self, exchange: Exchange[T]) -> T:
         """Carry out a verb of several requests, one after the other."""
@@ -168,36 +171,43 @@ class Client(SessionCore):
         if self._sock is None:
             raise KVStoreError("the client is closed")
         sock = self._sock
-        while self._unread and sock.getsockopt(_EVENTS) & _POLLIN:  # keep the backlog short
+        # keep the backlog short: as many replies read as posted ones are unread, at
+        # most (an endpoint that kept sending replies to nothing held the caller for good)
+        for _ in range(len(self._unread)):
+            if not self._unread or not sock.getsockopt(_EVENTS) & _POLLIN:
+                break
             self._file(self._receive())
         sock.send(self._posted(req))
 
     def _wait(self, rid: int) -> Received:
-        if rid in self._early:
-            return self._early.pop(rid)
-        if self._sock is None:  # closed since the request went (its reply is lost)
-            raise KVStoreError("the client is closed")
-        if self._receive_timeout != self.timeout:
-            # a receive waits at most the timeout: one call per reply rather than a poll
-            # and a receive (a poll builds a Poller each time)
-            ms = int(self.timeout * 1000)
-            self._sock.setsockopt(zmq.RCVTIMEO, -1 if ms < 0 else min(ms, _MAX_MS))
-            self._receive_timeout = self.timeout
-        # (each receive waits the timeout anew: replies to other requests coming one
-        # after another, from a hostile endpoint, kept a caller waiting for good)
-        until = time.monotonic() + self.timeout if self.timeout >= 0 else math.inf
-        while True:
-            try:
-                received = self._receive()
-            except zmq.Again:  # RCVTIMEO passed: what a late reply holds goes back
-                self._abandon(rid)
-                raise self._no_reply() from None
-            if received[0].rid == rid or received[0].rid == 0:  # 0: the daemon could not
-                return received                                  # tell whose it is
-            self._file(received)
-            if time.monotonic() > until:
-                self._abandon(rid)
-                raise self._no_reply()
+        try:
+            if rid in self._early:
+                return self._early.pop(rid)
+            if self._sock is None:  # closed since the request went (its reply is lost)
+                raise KVStoreError("the client is closed")
+            if self._receive_timeout != self.timeout:
+                # a receive waits at most the timeout: one call per reply rather than a
+                # poll and a receive (a poll builds a Poller each time)
+                ms = int(self.timeout * 1000)
+                self._sock.setsockopt(zmq.RCVTIMEO, -1 if ms < 0 else min(ms, _MAX_MS))
+                self._receive_timeout = self.timeout
+            # (each receive waits the timeout anew: replies to other requests coming one
+            # after another, from a hostile endpoint, kept a caller waiting for good)
+            until = time.monotonic() + self.timeout if self.timeout >= 0 else math.inf
+            while True:
+                try:
+                    received = self._receive()
+                except zmq.Again:  # RCVTIMEO passed: what a late reply holds goes back
+                    self._abandon(rid)
+                    raise self._no_reply() from None
+                if received[0].rid == rid or received[0].rid == 0:  # 0: the daemon could
+                    return received                               # not tell whose it is
+                self._file(received)
+                if time.monotonic() > until:
+                    self._abandon(rid)
+                    raise self._no_reply()
+        finally:
+            self._awaited.discard(rid)  # answered, or given up on (``_abandoned``)
 
     def _receive(self) -> Received:
         return decode_reply(receive(self._sock))
@@ -209,8 +219,11 @@ class Client(SessionCore):
         if reply.rid in self._abandoned:
             for header in self._give_back(reply):
                 self._sock.send(header)
-        elif not self._settle(reply) and 0 < reply.rid <= self._last_rid:
-            self._early[reply.rid] = received  # (a reply to no request of ours: dropped)
+        elif not self._settle(reply) and reply.rid in self._awaited:
+            # (a reply to no request awaited, ours answered already or never sent, is
+            # dropped: kept, an endpoint that answered each request again had them all
+            # kept for good, payloads and all)
+            self._early[reply.rid] = received
 
     # -- verbs ----------------------------------------------------------------------------
     def namespace(self, identity: Identity) -> Namespace:

@@ -12,10 +12,11 @@ in between (the oldest generation's threshold out of reach): one would still wal
 that came since the last freeze, 50-90 ms of a busy second's ingest.  Young collections
 go on as before, and one runs just before each freeze (but not before the freeze that
 ends a warm restart, which built only entries), so short-lived cycles (a failed
-request's traceback) are still freed, and after a quiet second the whole unfrozen heap
-is collected (a few ms); a cycle that outlives the young generations and dies in a busy
-second, or that is frozen and dies later, is kept until exit: the price of never
-walking the index.  (Measured with CPython 3.11's generational collector.)
+request's traceback) are still freed, and after a second quiet second in a row the
+whole unfrozen heap is collected (a few ms); a cycle that outlives the young
+generations and dies in a busy second or in the quiet one right after it, or that is
+frozen and dies later, is kept until exit: the price of never walking the index (a
+load that is busy every other second has no full collection at all).  (Measured with CPython 3.11's generational collector.)
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def settle(full: bool = False) -> None:
     generation's threshold raised): one would walk every object that survived since the
     last settle, up to a second of ingest (50-90 ms at 150k blocks/s).  The price: a
     cycle that outlived the young generations and died before the settle is freed only
-    by a ``full`` settle (``settle_every`` makes one after a quiet second), else frozen."""
+    by a ``full`` settle (``settle_every`` makes one after two quiet seconds in a row),
+    else frozen."""
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, FULL_COLLECTIONS_OFF)
     gc.collect(2 if full else 1)

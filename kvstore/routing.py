@@ -47,7 +47,7 @@ from kvstore.blocks import DRAM, Block, Namespace
 from kvstore.config import Config, parse_size
 from kvstore.errors import LimitExceededError, NotFoundError, TooLargeError
 from kvstore.events import EventPublisher
-from kvstore.first_blocks import headed_by
+from kvstore.first_blocks import visible_head
 from kvstore.pending import Later
 from kvstore.sessions import Session
 from kvstore.store import BlockStore
@@ -314,14 +314,11 @@ class RoutingVerbs:
         with their namespace, so at most one does), from the store's map of first
         blocks: one lookup however many namespaces there are (asking each one held the
         loop 12 ms a probe at 100k of them).  A chain is probed from its first block, as
-        a router asks; another tenant's namespace answers nothing."""
+        a router asks; another tenant's namespace answers nothing, and the session's own
+        tenant's comes before one shared with it (``visible_head``)."""
         if not keys:
             return None
-        visible = self._visible_tenants(session)
-        for ns in headed_by(self.d.store.roots, keys[0]):  # one lookup, most often one
-            if ns.tenant in visible:
-                return ns
-        return None
+        return visible_head(self.d.store.roots, keys[0], self._visible_tenants(session))
 
     def _visible_tenants(self, session: Session) -> list[str]:
         """The session's tenant, and those that share their namespaces with it

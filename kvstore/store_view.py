@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from kvstore.blocks import DRAM, SSD, Block
 from kvstore.core import StoreCore
-from kvstore.first_blocks import headed_by
 
 
 def tier_stats(store: StoreCore) -> dict[str, dict[str, int]]:
@@ -52,15 +51,7 @@ def check_invariants(store: StoreCore) -> None:
                for ns_id in group}
     listed = {(ns.identity.tenant, ns_id) for ns_id, ns in store.namespaces.items()}
     assert grouped == listed, "namespaces by tenant: the store's, each in its tenant's"
-    roots: dict[bytes, set[int]] = {}
-    for ns in store.namespaces.values():
-        for b in ns.blocks.values():
-            if b.parent is None:
-                roots.setdefault(b.key, set()).add(id(ns))
-    assert roots.keys() == store.roots.keys() and all(
-        {id(n) for n in headed_by(store.roots, k)} == held and
-        len(headed_by(store.roots, k)) == len(held) for k, held in roots.items()
-    ), "the first blocks' map"
+    _check_first_blocks(store)
     pinned: dict[tuple[int, str], int] = {}
     for ns in store.namespaces.values():
         at = (id(ns.dram), ns.tenant)
@@ -106,3 +97,31 @@ def check_invariants(store: StoreCore) -> None:
     every = [b for ns in store.namespaces.values() for b in ns.blocks.values()]
     for tier in store.tiers:  # each tier's slots, orders and marks
         tier.check(every)
+
+
+def _check_first_blocks(store: StoreCore) -> None:
+    """The map of first blocks holds each namespace's entries with no parent, under
+    their keys, and nothing else; a key of several heads is grouped by their tenants,
+    no group empty.  Each entry found where it should be, and as many heads in the map
+    as entries, make the two the same (O(blocks), with a look in the map a first block:
+    it runs on every request under ``--debug-invariants``)."""
+    roots = store.roots
+    firsts = 0
+    for ns in store.namespaces.values():
+        for b in ns.blocks.values():
+            if b.parent is None:
+                firsts += 1
+                had = roots.get(b.key)
+                assert had is ns or (isinstance(had, dict) and ns in had.get(ns.tenant, ())), (
+                    f"the first blocks' map: {b} of {ns} not under its key")
+    heads = 0
+    for had in roots.values():
+        if isinstance(had, dict):
+            assert all(group and all(ns.tenant == tenant for ns in group)
+                       for tenant, group in had.items()), "the first blocks' map: groups"
+            several = sum(map(len, had.values()))
+            assert several > 1, "the first blocks' map: one head in a group"
+            heads += several
+        else:
+            heads += 1
+    assert heads == firsts, f"the first blocks' map: {heads} heads for {firsts} first blocks"

@@ -145,6 +145,9 @@ class Transport:
         self._ipc: list[bool] = []  # per socket: whether its endpoints are ipc ones
         self._fds: list[int] = []
         self._open = False
+        # whether requests are read: from ``open`` till ``stop_reading`` or ``close``
+        # (a drain asked of the loop before then finds it off, and reads nothing)
+        self._reading = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_flight = RepliesInFlight()
         self._reap_timer = False
@@ -154,6 +157,9 @@ class Transport:
         self._unknown: dict[bytes, int] = {}  # peer without a session -> messages seen
         self.dropped_before_hello = 0
         self._draining = -1  # the socket whose drain is running, if one is
+        # per socket: whether a drain of it is asked of the loop (``_drain_soon``) and
+        # has not run yet
+        self._drain_asked: list[bool] = []
 
     def __repr__(self) -> str:
         return (f"Transport(endpoints={self.endpoints}, open={self._open}, "
@@ -210,12 +216,14 @@ class Transport:
             self._ipc.append(group is ipc)
             fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
             self._fds.append(fd)
+            self._drain_asked.append(False)
             loop.add_reader(fd, self._drain, i)
-            loop.call_soon(self._drain, i)
-        self._open = True
+            self._drain_soon(i)
+        self._open = self._reading = True
 
     def stop_reading(self) -> None:
         """Take no more requests (replies still go out)."""
+        self._reading = False
         if self._open and self._loop is not None:
             for fd in self._fds:
                 self._loop.remove_reader(fd)
@@ -235,10 +243,10 @@ class Transport:
         self.auth.close()
         if self._ctx is not None:
             self._ctx.term()
-        self._open = False
+        self._open = self._reading = False
 
     def _drain(self, index: int = 0) -> None:
-        if not self._open:
+        if not self._reading:
             return
         sock = self._socks[index]
         secure = self._secure[index]
@@ -253,8 +261,7 @@ class Transport:
         try:
             for taken in range(_DRAIN_BATCH):
                 if taken and time.perf_counter() > until:
-                    assert self._loop is not None
-                    self._loop.call_soon(self._drain, index)  # the rest next turn
+                    self._drain_soon(index)  # the rest next turn
                     break
                 if taken == 1:
                     events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
@@ -272,8 +279,7 @@ class Transport:
                     continue
                 self.on_message(peer, frames, secure)
             else:
-                assert self._loop is not None
-                self._loop.call_soon(self._drain, index)  # more waiting: others first
+                self._drain_soon(index)  # more waiting: others first
         finally:
             self._draining = -1
         self.reap_sends()
@@ -349,9 +355,24 @@ class Transport:
         if peer[0] == self._draining:
             return encoded
         events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
-        if events & _POLLIN and self._loop is not None:
-            self._loop.call_soon(self._drain, peer[0])
+        if events & _POLLIN:
+            self._drain_soon(peer[0])
         return encoded
+
+    def _drain_soon(self, index: int) -> None:
+        """Drain socket ``index`` in a later turn of the loop, once however often asked
+        before it runs: each reply sent from a task with requests waiting asked for a
+        drain, and the next turn ran every one, each serving its ``_DRAIN_SECONDS`` and
+        asking again (twenty replies in a turn held the loop twenty times the bound, turn
+        after turn, while a client kept requests coming)."""
+        if self._drain_asked[index] or self._loop is None:
+            return
+        self._drain_asked[index] = True
+        self._loop.call_soon(self._drain_asked_for, index)
+
+    def _drain_asked_for(self, index: int) -> None:
+        self._drain_asked[index] = False
+        self._drain(index)
 
     def reap_sends(self, peer: bytes | None = None) -> None:
         """Give back the pins of replies that zmq has finished sending (to ``peer``
