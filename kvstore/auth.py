@@ -142,15 +142,20 @@ def read_secret_file(path: str | Path, setting: str) -> bytes:
     return data
 
 
-def read_secret(path: str | Path) -> bytes:
-    """The token secret of ``auth.secret_file`` (hex, at least 16 bytes)."""
-    data = read_secret_file(path, "auth.secret_file")
+def read_secret(path: str | Path, setting: str = "auth.secret_file",
+                most: int | None = None) -> bytes:
+    """A hex secret of at least 16 bytes (and at most ``most``) from the file ``setting``
+    names: the token secret of ``auth.secret_file``, the daemons' tag secret of
+    ``remote.tag_secret_file``."""
+    data = read_secret_file(path, setting)
     try:
         secret = bytes.fromhex(data.decode().strip())
     except ValueError:
-        raise ConfigError(f"auth.secret_file: {path} does not hold a hex secret") from None
+        raise ConfigError(f"{setting}: {path} does not hold a hex secret") from None
     if len(secret) < 16:
-        raise ConfigError(f"auth.secret_file: {path} holds fewer than 16 bytes")
+        raise ConfigError(f"{setting}: {path} holds {len(secret)} bytes, fewer than 16")
+    if most is not None and len(secret) > most:
+        raise ConfigError(f"{setting}: {path} holds {len(secret)} bytes; give 16 to {most}")
     return secret
 
 

@@ -200,13 +200,11 @@ class Moves:
     async def _to_ssd(self, blocks: list[Block]) -> None:
         """Write DRAM copies to SSD (demotions, or write-through copies); room frees."""
         assert self.ssd is not None, "the store planned a write to ssd without an ssd tier"
-        if self.store.dropped_ssd:
-            # SSD copies the store dropped since a request last ended (a put finished in a
-            # task drops the stale copy of a block it commits again, and ends none): out
-            # of the index before this write, which may be of the same keys and whose
-            # records a withdrawal coming after would delete
-            self.removed(self.store.dropped_ssd)
-            self.store.dropped_ssd = []
+        # SSD copies the store dropped since a request last ended (a put finished in a
+        # task drops the stale copy of a block it commits again, and ends none): out of
+        # the index before this write, which may be of the same keys and whose records a
+        # withdrawal coming after would delete
+        self.withdraw_dropped()
         try:
             await self.ssd.write(blocks)
         except CapacityError:
@@ -215,9 +213,7 @@ class Moves:
             # the ssd tier failed the write and paused: dram evicts without it meanwhile
         finally:
             self.room.freed()  # DRAM slots freed or unpinned: waiters may retry
-            if self.store.dropped_ssd:  # copies the write found damaged: out of the index
-                self.removed(self.store.dropped_ssd)
-                self.store.dropped_ssd = []
+            self.withdraw_dropped()  # copies the write found damaged: out of the index
         self._ssd_written()
 
     async def _to_remote(self, blocks: list[Block]) -> None:
@@ -291,6 +287,12 @@ class Moves:
         """SSD copies the store dropped: withdraw them from the SSD index."""
         if ids and self.ssd is not None:
             self.ssd.removed(ids)
+
+    def withdraw_dropped(self) -> None:
+        """Withdraw the SSD copies the store dropped and listed (``dropped_ssd``)."""
+        if self.store.dropped_ssd:
+            self.removed(self.store.dropped_ssd)
+            self.store.dropped_ssd = []
 
     def freed(self) -> None:
         """A request freed DRAM (a release, an abort, a commit, an eviction...)."""

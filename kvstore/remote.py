@@ -22,8 +22,8 @@ import xxhash
 
 from kvstore.blocks import REMOTE_MARK
 from kvstore.config import Config
-from kvstore.auth import read_secret_file
-from kvstore.errors import ConfigError, KVStoreError, NotFoundError
+from kvstore.auth import read_secret
+from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
@@ -33,18 +33,7 @@ log = logging.getLogger("kvstore.remote")
 
 REMOTE = "remote"
 REMOTE_OWNER = ("daemon", "remote")  # holds DRAM copies while they move to or from it
-
-def read_tag_secret(path: str) -> bytes:
-    """The daemons' tag secret (``remote.tag_secret_file``): hex, at least 16 bytes."""
-    data = read_secret_file(path, "remote.tag_secret_file")
-    try:
-        secret = bytes.fromhex(data.decode().strip())
-    except ValueError:
-        raise ConfigError(f"remote.tag_secret_file: {path} does not hold a hex secret") from None
-    if not 16 <= len(secret) <= 64:  # a block of HMAC-SHA256: longer keys are hashed first
-        raise ConfigError(f"remote.tag_secret_file: {path} holds {len(secret)} bytes; "
-                          "give 16 to 64 (e.g. 32 random bytes in hex)")
-    return secret
+TAG_SECRET_MOST = 64  # a block of HMAC-SHA256: longer keys are hashed first
 
 
 class RemoteTier:
@@ -62,7 +51,8 @@ class RemoteTier:
         self.name = name
         self.backend: GuardedBackend = load_backend(name, options)
         if r.tag_secret_file:
-            self.backend.key_tags(read_tag_secret(r.tag_secret_file))
+            self.backend.key_tags(read_secret(r.tag_secret_file, "remote.tag_secret_file",
+                                              most=TAG_SECRET_MOST))
         self.store = store
         self.slot = slot
         self.cooldown = r.unhealthy_seconds

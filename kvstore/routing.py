@@ -310,8 +310,9 @@ class RoutingVerbs:
                             self.queue_seconds(), self.bandwidth()), []
 
     def _namespace_of(self, session: Session, keys: list[bytes]) -> Namespace | None:
-        """The visible namespace whose chain begins with the first key (keys are hashed
-        with their namespace, so at most one does), from the store's map of first
+        """The visible namespace whose chain begins with the first key (keys the client
+        library makes are hashed with their namespace; a client's own may head chains in
+        several, ``kvstore.first_blocks``), from the store's map of first
         blocks: one lookup however many namespaces there are (asking each one held the
         loop 12 ms a probe at 100k of them).  A chain is probed from its first block, as
         a router asks; another tenant's namespace answers nothing, and the session's own

@@ -345,9 +345,7 @@ class Server:
         if code is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("%s failed: %s", verb, code, extra={"rid": rid, "verb": verb,
                                                          "tenant": tenant})
-        if self.store.dropped_ssd:
-            self.moves.removed(self.store.dropped_ssd)
-            self.store.dropped_ssd = []
+        self.moves.withdraw_dropped()
         if verb in _FREES_ROOM and len(self.moves.room):
             self.moves.freed()
         if self.metrics is not None:

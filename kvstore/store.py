@@ -253,13 +253,13 @@ class BlockStore(StoreCore):
                 duplicates.append(offset)
                 if block.tokens is None:
                     bare.append(block)
-            elif (block.checksum != (checksums[i] if checksums else 0)
+            elif (block.checksum != (given := checksums[i] if checksums else 0)
                   and (block.ssd_holds or block.extra is not None)):
                 duplicates.append(offset)   # other bytes over a copy kept: ``rewritten``
             else:
                 block.offset = offset       # only on SSD: this is its DRAM copy
-                if block.checksum != (checksums[i] if checksums else 0):
-                    self.rewritten(block, checksums[i] if checksums else 0)
+                if block.checksum != given:
+                    self.rewritten(block, given)
                 fresh.append(block)
                 if block.tokens is not None:
                     revived.append(block)
