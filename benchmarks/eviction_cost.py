@@ -15,8 +15,10 @@ second through the daemon (benchmarks/replay.py --mode daemon).
 
 ``--handover N`` times instead ``auto``'s hand-over of its order (``Duel._take_over``)
 to each candidate in turn, on N store-like items (a key, a parent, links) inserted 16
-at a time, every other 64-item chain hit once and one item in 97 pinned: the median
-CPU seconds per million items.
+at a time, every other 64-item chain hit once and one item in 97 pinned, in one call
+and in slices (``kvstore.scheduler.handover``, carried by 64-item lookups): the
+switch's CPU, the longest lookup while one was under way, how many lookups it took and
+their extra CPU, and the CPU seconds per million items in all.
 
 ``--ingest N`` times instead what each policy costs the store's ingest: N store-like
 items (a 16-byte key, a parent, links; named and sampled as the store's blocks are)
@@ -39,12 +41,15 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 from functools import partial
 from operator import attrgetter
 
+from kvstore.scheduler import dueling
 from kvstore.scheduler.eviction import POLICIES, AutoPolicy, make_policy
+from kvstore.scheduler.handover import Handover
 
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -121,34 +126,74 @@ class _Item:
         self.dram_order = self.dram_older = self.dram_newer = self.dram_duel = None
 
 
-def handover(count: int, repeat: int) -> int:
+def _handover_items(count: int) -> tuple[AutoPolicy[Any], list[_Item]]:
     rng = random.Random(5)
-    seconds: dict[str, list[float]] = {}
+    policy = make_policy("auto", ghost_key=attrgetter("key"), links="dram")
+    assert isinstance(policy, AutoPolicy)
+    policy.epoch = 1 << 62  # no election of its own
+    items: list[_Item] = []
+    parent: _Item | None = None
+    for i in range(count):
+        parent = _Item(rng.randbytes(24), None if i % 64 == 0 else parent)
+        items.append(parent)
+    for i in range(0, count, 16):
+        policy.insert_many(items[i:i + 16])
+    for i in range(0, count, 128):
+        policy.access_many(items[i:i + 64])
+    for item in items[::97]:
+        policy.pin(item)
+    return policy, items
+
+
+def handover(count: int, repeat: int) -> int:
+    """Each hand-over in one call (``HANDOVER_AT_ONCE`` past the items) and in slices:
+    the switch's own CPU, then, in slices, the longest call of the traffic that carried
+    it to its end (64-item lookups of random chains, 16-item inserts with as many
+    evictions), how many calls that took, and the CPU they spent over the same calls
+    with no hand-over under way."""
+    rng = random.Random(9)
+    rows: dict[tuple[str, str], list[tuple[float, float, int, float]]] = {}
     for _ in range(repeat):
-        policy = make_policy("auto", ghost_key=attrgetter("key"), links="dram")
-        assert isinstance(policy, AutoPolicy)
-        policy.epoch = 1 << 62  # no election of its own
-        items: list[_Item] = []
-        parent: _Item | None = None
-        for i in range(count):
-            parent = _Item(rng.randbytes(24), None if i % 64 == 0 else parent)
-            items.append(parent)
-        for i in range(0, count, 16):
-            policy.insert_many(items[i:i + 16])
-        for i in range(0, count, 128):
-            policy.access_many(items[i:i + 64])
-        for item in items[::97]:
-            policy.pin(item)
-        gc.collect()
-        gc.disable()
-        for best in (1, 2, 3, 0):  # to SLRU, to ARC, to hit density, back to LRU
-            started = time.process_time()
-            policy._take_over(best)
-            seconds.setdefault(policy.leader, []).append(time.process_time() - started)
-        gc.enable()
-    print(f"hand-over of {count} items, CPU s per million items (median of {repeat}):")
-    for name, runs in seconds.items():
-        print(f"  to {name:<7} {1e6 * statistics.median(runs) / count:6.2f}")
+        for mode, at_once in (("one call", 1 << 62), ("slices", dueling.HANDOVER_AT_ONCE)):
+            dueling.HANDOVER_AT_ONCE = at_once
+            policy, items = _handover_items(count)
+            gc.collect()
+            gc.disable()
+            for best in (1, 2, 3, 0):  # to SLRU, to ARC, to hit density, back to LRU
+                started = time.process_time()
+                policy._take_over(best)
+                switch = time.process_time() - started
+                longest = spent = 0.0
+                calls = 0
+                while isinstance(policy._order, Handover):
+                    at = rng.randrange(0, count - 64)
+                    started = time.process_time()
+                    policy.access_many(items[at:at + 64])
+                    took = time.process_time() - started
+                    longest, spent, calls = max(longest, took), spent + took, calls + 1
+                # the same number of calls again, with no hand-over under way
+                alone = 0.0
+                for _ in range(calls):
+                    at = rng.randrange(0, count - 64)
+                    started = time.process_time()
+                    policy.access_many(items[at:at + 64])
+                    alone += time.process_time() - started
+                rows.setdefault((policy.leader, mode), []).append(
+                    (switch, longest, calls, spent - alone))
+            gc.enable()
+            policy.release()
+    dueling.HANDOVER_AT_ONCE = at_once
+    print(f"hand-over of {count} items (median of {repeat}): the switch's CPU, the longest "
+          "64-item lookup until it ended, the lookups it took, their CPU over the same "
+          "lookups with none under way")
+    print(f"  {'to':<8} {'mode':<9} {'switch ms':>10} {'longest ms':>11} {'lookups':>8} "
+          f"{'extra ms':>9} {'s per M items':>14}")
+    for (name, mode), runs in rows.items():
+        switch, longest, calls, extra = (statistics.median(r[i] for r in runs)
+                                         for i in range(4))
+        total = switch + extra
+        print(f"  {name:<8} {mode:<9} {1e3 * switch:10.2f} {1e3 * longest:11.3f} "
+              f"{calls:8.0f} {1e3 * extra:9.1f} {1e6 * total / count:14.2f}")
     return 0
 
 

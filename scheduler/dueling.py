@@ -62,17 +62,17 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from functools import partial
 from itertools import chain
 from operator import attrgetter
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar
 
+from kvstore.scheduler.handover import Handover, hand_over_at_once, start_handover
 from kvstore.scheduler.sampling import GOLDEN, MASK64, new_states, sampled_in
 from kvstore.scheduler.sharded import ShardedDict
 from kvstore.scheduler.tracked import MapStates, States, states_for
 
 T = TypeVar("T", bound=Hashable)
-
-_UNTRACKED: Any = object()
 
 
 # The most victims' names a hand-over passes on as ghosts: at a million-block cache and
@@ -86,24 +86,9 @@ RECALL_MOST = 1 << 18
 # 0.9871 of the best, cells more than 2% behind it 53 -> 51; the scan's flat-hot
 # variant at 10% 0.920 -> 0.942 of SLRU).
 RECALL_SHARE = 2
-
-
-def _victims_gone(gone: Iterable[Hashable], ghost_key: Callable[[Any], Hashable],
-                  resident: Iterable[Any]) -> tuple[list[Hashable], set[Any]]:
-    """The latest victims' names (``gone``, oldest first), each once at its latest
-    eviction, less those of the ``resident`` items (cached again since: a miss that
-    brought one back): the ghosts a new order is handed; and those resident items
-    themselves, back since their eviction (a ghost hit, had the new order been in
-    charge).  O(items), as the hand-over is; a table of the names only."""
-    names: dict[Hashable, None] = {}
-    for name in gone:
-        names.pop(name, None)
-        names[name] = None
-    back: set[Any] = set()
-    for item in resident:
-        if names.pop(ghost_key(item), _UNTRACKED) is None:
-            back.add(item)
-    return list(names), back
+# Up to this many items a hand-over passes them all in one call (0.4 to 0.5 us an item
+# between linked orders); past it, a few with each call the order takes (``handover.py``).
+HANDOVER_AT_ONCE = 2048
 
 
 class Order(Protocol[T]):
@@ -524,35 +509,29 @@ class Duel(Generic[T]):
         Hit density is handed only part of its warmth: its histograms are its
         miniature's, but an item hit since it entered comes as hit once (its class of
         one hit), whatever its hits (the item states keep one bit of them); it learns
-        the rest as they are hit again."""
-        listed = list(self._order.evictable())
-        state_of = self._items.get
-        pinned = list(self._pinned)  # no table of every item: at millions, a spike of its size
-        self._let_go(self._order)
+        the rest as they are hit again.  Past ``HANDOVER_AT_ONCE`` items, between linked
+        orders, the items pass a few a call (``handover.py``); none starts meanwhile."""
+        if isinstance(self._order, Handover):
+            return  # one under way: the next election decides again once it is done
         order: Order[T] = self._keyed(self._factories[best]())
-        # A fresh order knows no ghost: inserting them all at once is inserting each.
-        # One call, pinned ones too: an order that counts an item's children (hit
-        # density) links those of one call, whatever their order in it.
-        order.insert_many(chain(listed, pinned))
-        ghosts, back = _victims_gone(self._gone, self.ghost_key, chain(listed, pinned))
-        # hit since they entered (``_items``' states: True, or an odd int), or back
-        # since their eviction (``back``): the new order would have taken such a miss
-        # as a ghost hit (SLRU's protected segment, ARC's T2, a hit class of density)
-        for group in (listed, pinned):
-            order.access_many([  # (a listed or pinned item is tracked: a state not None)
-                item for item in group
-                if (s := state_of(item)) is True
-                or (s is not False and cast(int, s) & 1) or item in back])
-        for item in pinned:
-            order.pin(item)
-        # Its miniature is a cache of _size >> sample_shift items.
-        scale = self._size / max(1, self._size >> self.sample_shift)
-        order.adopt_tuning(self._minis[best].order, scale)
-        order.recall(ghosts)
-        self._order = order
+        scale = self._size / max(1, self._size >> self.sample_shift)  # the miniature's
+        learned = self._minis[best].order
+        tune = partial(order.adopt_tuning, learned, scale)
+        pinned = list(self._pinned)  # no table of every item: at millions, a spike of its size
+        sliced = None if len(self._order) <= HANDOVER_AT_ONCE else start_handover(
+            self._order, order, pinned, self._items.get, self._gone, self.ghost_key, tune,
+            self._handed)
+        if sliced is None:
+            hand_over_at_once(self._order, order, pinned, self._items.get, self._gone,
+                              self.ghost_key, self._let_go, tune)
+        self._order = order if sliced is None else sliced
         self._leader = best
         self.switches += 1
         self.reality.ahead = self.reality.behind = 0
+
+    def _handed(self, order: Order[T]) -> None:
+        """A hand-over in slices ended: ``order`` holds every item, and is in charge."""
+        self._order = order
 
     def insert(self, item: T) -> None:
         tracked = self._items

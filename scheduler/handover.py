@@ -1,0 +1,438 @@
+"""A duel's hand-over to another order, passed on a few items at a time.
+
+``Duel._take_over`` passed every cached item to the new order in one call, all of it
+on the daemon's event loop: at a million blocks 0.37 to 0.48 s of CPU between the linked
+orders, 1.4 s to hit density (``python benchmarks/eviction_cost.py --handover 1M``),
+every client stalled while ``auto`` changed its mind, and ten times that at 10M.  A
+``Handover`` stands in for the order in charge while the items move, and moves a few
+with each call it takes (``STEP_LEAST`` and four per item the call names, at most
+``STEP_MOST``: it keeps ahead of the traffic), so no call holds the loop for long: at a
+million blocks the switch took 0.8 to 0.9 ms and the longest 64-item lookup while the
+items moved 1.2 ms, for 0.79 to 0.97 s of CPU in all over about 3500 lookups (twice the
+one call's).  Driven by the calls alone, never by a clock, the same calls give the same
+victims in the daemon and in the replay's simulator.
+
+What the items end up as is what the one-call hand-over (``hand_over_at_once``) made
+of them: the new order is handed the old one's items in the order the old one listed
+them, coldest first, those hit since they entered (or back since their eviction) hit
+again, then the items referenced since the hand-over began, in the order of their
+latest reference, then the pinned ones, then the names of the latest victims as its
+ghosts (left to finish before any other call, the same victims from then on:
+``tests/scheduler/test_scheduler_handover_slices.py``).  Meanwhile an item lives in
+one of four places:
+
+- ``old``: the order that was in charge, holding the items not passed on yet; it only
+  shrinks (items passed on from its cold end, referenced, pinned or removed);
+- ``new``: the order taking over, holding the old one's coldest items so far;
+- ``fresh``: the items inserted or referenced since the hand-over began, least recently
+  referenced first (an item of ``old`` or ``new`` referenced again moves here, so that
+  nothing passed on later lands after it);
+- ``pinned``: the pinned items, apart until passed on last.
+
+Victims come from ``new`` first (the coldest items, as the new order ranks them), then
+``old``'s cold end, then ``fresh``'s.  In the replay's cells (``python
+benchmarks/duel_decisions.py``) a hand-over under way changed the victims of 2 of 140
+generated cells, their hits by 0 and -0.06%.  A hand-over from or to hit density
+(``parts_of``) is still one call; so is one of ``HANDOVER_AT_ONCE`` items or fewer.
+Nothing here is O(items) in one call but the release of a hand-over cut short
+(``release``, as an order's own).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from functools import partial
+from itertools import chain, islice
+from typing import Any, Generic, TypeVar
+
+from kvstore.scheduler.linked import LinkedOrder, Queue, links_of, queue, release_links
+from kvstore.scheduler.policy import EvictionPolicy
+
+T = TypeVar("T", bound=Hashable)
+
+# Items passed on per call: STEP_LEAST and four per item the call names, at most
+# STEP_MOST (about 1 us each: a millisecond or so a call at most).
+STEP_MOST = 1024
+STEP_LEAST = 64
+NAMES_A_STEP = 16384  # names read or recalled a step (in C: about 1 ms)
+
+_ABSENT: Any = object()
+_UNTRACKED: Any = object()
+
+
+def _oldest(q: Queue[T]) -> T | None:
+    return q.oldest() if isinstance(q, LinkedOrder) else next(iter(q), None)
+
+
+def _victims_gone(gone: Iterable[Hashable], ghost_key: Callable[[Any], Hashable],
+                  resident: Iterable[Any]) -> tuple[list[Hashable], set[Any]]:
+    """The latest victims' names (``gone``, oldest first), each once at its latest
+    eviction, less those of the ``resident`` items (cached again since: a miss that
+    brought one back): the ghosts a new order is handed; and those resident items
+    themselves, back since their eviction (a ghost hit, had the new order been in
+    charge).  O(items), as the hand-over is; a table of the names only."""
+    names: dict[Hashable, None] = {}
+    for name in gone:
+        names.pop(name, None)
+        names[name] = None
+    back: set[Any] = set()
+    for item in resident:
+        if names.pop(ghost_key(item), _UNTRACKED) is None:
+            back.add(item)
+    return list(names), back
+
+
+def hand_over_at_once(old: Any, new: Any, pinned: list[T], state_of: Callable[[T], Any],
+                      gone: Iterable[Hashable], ghost_key: Callable[[T], Hashable],
+                      let_go: Callable[[Any], None], tune: Callable[[], None]) -> None:
+    """The whole hand-over from ``old`` to ``new`` in one call (O(items)): what the
+    slices end with (a small cache's, and to or from hit density)."""
+    listed = list(old.evictable())
+    let_go(old)
+    # A fresh order knows no ghost: inserting them all at once is inserting each.
+    # One call, pinned ones too: an order that counts an item's children (hit
+    # density) links those of one call, whatever their order in it.
+    new.insert_many(chain(listed, pinned))
+    ghosts, back = _victims_gone(gone, ghost_key, chain(listed, pinned))
+    # hit since they entered (``_items``' states: True, or an odd int), or back
+    # since their eviction (``back``): the new order would have taken such a miss
+    # as a ghost hit (SLRU's protected segment, ARC's T2, a hit class of density)
+    for group in (listed, pinned):
+        new.access_many([item for item in group
+                         if hit_since_entered(state_of, item) or item in back])
+    for item in pinned:
+        new.pin(item)
+    tune()
+    new.recall(ghosts)
+
+
+class _Parts:
+    """An order's lists, coldest first, and its pinned items, read in place: how an
+    order the hand-over leaves is emptied a few items at a time (the orders keep these
+    apart; their ``evictable`` copies them all)."""
+
+    def __init__(self, order: EvictionPolicy[Any], queues: list[Queue[Any]],
+                 pinned: Any) -> None:
+        self.order = order
+        self.queues = queues  # listed in turn
+        self.pinned = pinned  # a container of its pinned items (``in``)
+
+    def holds(self, item: Any) -> bool:
+        return item in self.pinned or any(item in q for q in self.queues)
+
+    def coldest(self) -> Any:
+        """The next item its listing names (``evictable``'s order), None if none."""
+        for q in self.queues:
+            item = _oldest(q)
+            if item is not None:
+                return item
+        return None
+
+
+# The lists of the linked orders ``auto`` duels, by their names, in the order their
+# ``evictable`` lists them (read in place: ``eviction.py``, which imports the duel, is
+# not imported here), and the set or map of their pinned items.
+_LISTS = {"lru": ("_order",), "slru": ("_probation", "_protected"), "arc": ("_t1", "_t2")}
+
+
+def parts_of(order: object) -> _Parts | None:
+    """The lists of an order ``auto`` duels that can pass its items a few at a time;
+    None for another.  Not hit density: it links a child to its parent only within one
+    call (a parent passed on after its child, as the coldest-first listing mostly does,
+    would leave the child counted as a leaf), and its class lists are not in the order
+    of their stamps once an item was pinned (unpinned, it goes last with its old
+    stamp), so it cannot be emptied coldest first without sorting it all."""
+    names = _LISTS.get(getattr(order, "name", ""))
+    if names is None or not isinstance(order, EvictionPolicy):
+        return None
+    return _Parts(order, [getattr(order, n) for n in names], getattr(order, "_pinned"))
+
+
+def hit_since_entered(state_of: Callable[[Any], Any], item: Any) -> bool:
+    """Whether a duel's item was hit since it entered (its state: True, or an odd int)."""
+    state = state_of(item)
+    return state is True or (state is not False and state is not None and state & 1 == 1)
+
+
+def start_handover(old: object, new: object, pinned: list[T],
+                   state_of: Callable[[T], Any], gone: Iterable[Hashable],
+                   ghost_key: Callable[[T], Hashable], tune: Callable[[], None],
+                   done: Callable[[Any], None]) -> Handover[T] | None:
+    """A hand-over in slices from ``old`` to ``new`` (a duel's orders; ``state_of``
+    reads its items' states), or None where both cannot (one call does it)."""
+    parts = parts_of(old)
+    if parts is None or parts_of(new) is None:
+        return None
+    assert isinstance(new, EvictionPolicy)
+    return Handover(parts, new, pinned, partial(hit_since_entered, state_of), gone,
+                    ghost_key, tune, done)
+
+
+class Handover(EvictionPolicy[T], Generic[T]):
+    """The order in charge while ``old``'s items pass to ``new`` (see the module doc).
+
+    ``pinned``: the items pinned now, in the order pinned; ``hit(item)``: whether an
+    item was hit since it entered; ``gone``: the latest victims' names, oldest first;
+    ``tune()`` gives ``new`` its miniature's settings once it holds every item;
+    ``done(new)`` is called once it has its ghosts too (the duel puts it in charge).
+
+    Its steps, each a few items (or names) per call: the names of ``gone`` read into a
+    table (newest first, so each keeps its latest place); ``old`` passed on; ``fresh``
+    passed on; the pinned items passed on (from then on ``new`` takes every call, but
+    for the pinned items not passed yet); the names left recalled as ghosts."""
+
+    def __init__(self, old: _Parts, new: EvictionPolicy[T], pinned: Iterable[T],
+                 hit: Callable[[T], bool], gone: Iterable[Hashable],
+                 ghost_key: Callable[[T], Hashable], tune: Callable[[], None],
+                 done: Callable[[EvictionPolicy[T]], None]) -> None:
+        self.name = new.name
+        self._old: _Parts | None = old
+        self._new = new
+        # on the old order's links (an item is in one list at a time), or a table
+        links = links_of(old.queues[0])
+        self._fresh: Queue[T] = queue(links)
+        self._owner = None if links is None else f"{links}_order"
+        # Pinned items stay where the old order keeps them (off its lists) until passed.
+        self._pinned: dict[T, None] = dict.fromkeys(pinned)
+        self._all_in = False  # every item but the pinned ones here is in ``new``
+        self._hit = hit
+        self._gone: list[Hashable] | None = list(gone)  # read into ``_names`` in slices
+        # each name once, at its latest eviction; a name met among the items passed on
+        # is taken out (cached again since: back), the rest recalled at the end
+        self._names: dict[Hashable, None] = {}
+        self._key = ghost_key
+        self._recall: Iterator[Hashable] | None = None
+        self._tune = tune
+        self._done = done
+        self.finished = False
+        self.passed = 0  # items handed to ``new`` so far
+
+    # -- moving items ---------------------------------------------------------------
+    def _pass(self, batch: list[T]) -> None:
+        """Hand ``batch`` to the new order as the one-call hand-over did."""
+        new, hit, names, key = self._new, self._hit, self._names, self._key
+        new.insert_many(batch)
+        # every item's name taken out of the ghosts (resident), hit or not
+        again = [item for item in batch
+                 if names.pop(key(item), _ABSENT) is None or hit(item)]
+        if again:
+            new.access_many(again)
+        self.passed += len(batch)
+
+    def step(self, most: int) -> None:
+        """Pass on up to ``most`` items (or read or recall a few thousand names)."""
+        if self.finished:
+            return
+        gone = self._gone
+        if gone is not None:  # in C, NAMES_A_STEP at a time, newest first
+            cut = max(0, len(gone) - NAMES_A_STEP)
+            chunk = gone[cut:]
+            chunk.reverse()
+            self._names.update(dict.fromkeys(chunk))
+            del gone[cut:]
+            if gone:
+                return
+            self._gone = None
+        old = self._old
+        if old is not None:
+            batch: list[T] = []
+            remove = old.order.remove
+            while len(batch) < most and (item := old.coldest()) is not None:
+                remove(item)
+                batch.append(item)
+            if batch:
+                self._pass(batch)
+                most -= len(batch)
+            if most <= 0:
+                return
+            old.order.release()  # empty: nothing is walked
+            self._old = None
+        fresh = self._fresh
+        if fresh:
+            batch = []
+            while len(batch) < most and (item := _oldest(fresh)) is not None:
+                del fresh[item]
+                batch.append(item)
+            self._pass(batch)
+            most -= len(batch)
+            if most <= 0:
+                return
+        self._all_in = True
+        pinned = self._pinned
+        if pinned:
+            batch = []
+            while len(batch) < most and pinned:
+                item = next(iter(pinned))
+                del pinned[item]
+                batch.append(item)
+            self._pass(batch)
+            new = self._new
+            for item in batch:
+                new.pin(item)
+            if pinned:
+                return
+            most -= len(batch)
+        if self._recall is None:
+            self._tune()  # at the real cache's size, now the new order's
+            self._recall = reversed(self._names)  # the ghosts: oldest first
+        if most > 0:
+            names = list(islice(self._recall, NAMES_A_STEP))
+            if names:
+                self._new.recall(names)
+                return
+        if most <= 0:
+            return
+        self.finished = True
+        self._names = {}
+        self._done(self._new)
+
+    def _step_for(self, count: int) -> None:
+        self.step(min(STEP_MOST, STEP_LEAST + 4 * count))
+
+    def _where(self, item: T) -> str:
+        """Where an item this order holds is, until all are in the new order: 'pinned',
+        'fresh', 'old' or 'new'."""
+        if item in self._pinned:
+            return "pinned"
+        if self._owner is not None:  # on links: the list holding it says (one read)
+            owner = getattr(item, self._owner)
+            if owner is self._fresh:
+                return "fresh"
+            old = self._old
+            # (``in`` by identity: a ``LinkedOrder`` has no ``==`` of its own)
+            return "old" if old is not None and owner in old.queues else "new"
+        if item in self._fresh:
+            return "fresh"
+        if self._old is not None and self._old.holds(item):
+            return "old"
+        return "new"
+
+    def _referenced(self, item: T) -> None:
+        """A reference to ``item``: to ``fresh``'s warm end, wherever it was."""
+        place = self._where(item)
+        if place == "fresh":
+            self._fresh.move_to_end(item)
+        elif place == "old":
+            assert self._old is not None
+            self._old.order.remove(item)
+            self._fresh[item] = None
+        elif place == "new":
+            self._new.remove(item)
+            self._fresh[item] = None
+        # pinned: referenced while pinned, its place is decided when it is unpinned
+
+    # -- the order's calls ------------------------------------------------------------
+    def insert(self, item: T) -> None:
+        if self._all_in:
+            self._new.insert(item)
+        else:
+            self._fresh[item] = None
+        self._step_for(1)
+
+    def insert_many(self, items: Iterable[T]) -> None:
+        batch = items if type(items) is list else list(items)
+        if self._all_in:
+            self._new.insert_many(batch)
+        elif isinstance(self._fresh, LinkedOrder):
+            self._fresh.extend(batch)
+        else:
+            self._fresh.update(dict.fromkeys(batch))
+        self._step_for(len(batch))
+
+    def access(self, item: T) -> None:
+        self.access_many((item,))
+
+    def access_many(self, items: Iterable[T]) -> None:
+        batch = items if type(items) is list else list(items)
+        if self._all_in:
+            pinned = self._pinned
+            self._new.access_many([i for i in batch if i not in pinned] if pinned else batch)
+        else:
+            for item in batch:
+                self._referenced(item)
+        self._step_for(len(batch))
+
+    def pin(self, item: T) -> None:
+        if item in self._pinned:
+            return
+        if self._all_in:
+            self._new.pin(item)
+            return
+        place = self._where(item)
+        if place == "fresh":
+            del self._fresh[item]
+        elif place == "old":
+            assert self._old is not None
+            self._old.order.remove(item)
+        else:
+            self._new.remove(item)
+        self._pinned[item] = None
+
+    def unpin(self, item: T) -> None:
+        if self._pinned.pop(item, _ABSENT) is _ABSENT:
+            self._new.unpin(item)  # passed on already: the new order's
+        elif self._all_in:
+            self._pass([item])  # evictable again, in the new order
+        else:
+            self._fresh[item] = None  # evictable again, as the warmest
+
+    def remove(self, item: T) -> None:
+        if self._pinned.pop(item, _ABSENT) is not _ABSENT:
+            return
+        if self._all_in:
+            self._new.remove(item)
+            return
+        place = self._where(item)
+        if place == "fresh":
+            del self._fresh[item]
+        elif place == "old":
+            assert self._old is not None
+            self._old.order.remove(item)
+        else:
+            self._new.remove(item)
+
+    def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
+        self.step(STEP_LEAST)
+        victim = self._new.pop_victim(allowed)
+        if victim is None and self._old is not None:
+            victim = self._old.order.pop_victim(allowed)
+        if victim is None and not self._all_in:
+            for item in self._fresh:
+                if allowed(item):
+                    del self._fresh[item]
+                    return item
+        return victim
+
+    def adopt_tuning(self, learned: EvictionPolicy[T], scale: float) -> None:
+        self._new.adopt_tuning(learned, scale)
+
+    def recall(self, names: Iterable[Hashable]) -> None:
+        self._new.recall(names)
+
+    def evictable(self) -> Iterator[T]:
+        if self._all_in:
+            return self._new.evictable()
+        old = self._old.order.evictable() if self._old is not None else iter(())
+        return chain(self._new.evictable(), old, list(self._fresh))
+
+    def release(self) -> None:
+        if self._old is not None:
+            self._old.order.release()
+            self._old = None
+        self._new.release()
+        release_links(self._fresh)
+        self._fresh = OrderedDict()
+        self._pinned = {}
+
+    def __len__(self) -> int:
+        if self._all_in:
+            return len(self._new)
+        old = len(self._old.order) if self._old is not None else 0
+        return len(self._new) + old + len(self._fresh)
+
+    def __repr__(self) -> str:
+        old = len(self._old.order) if self._old is not None else 0
+        return (f"Handover(to={self.name}, old={old}, new={len(self._new)}, "
+                f"fresh={len(self._fresh)}, pinned={len(self._pinned)}, "
+                f"passed={self.passed}, finished={self.finished})")
