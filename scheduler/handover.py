@@ -5,8 +5,8 @@ on the daemon's event loop: at a million blocks 0.37 to 0.48 s of CPU between th
 orders, 1.4 s to hit density (``python benchmarks/eviction_cost.py --handover 1M``),
 every client stalled while ``auto`` changed its mind, and ten times that at 10M.  A
 ``Handover`` stands in for the order in charge while the items move, and moves a few
-with each call it takes (``STEP_LEAST`` and four per item the call names, at most
-``STEP_MOST``: it keeps ahead of the traffic), so no call holds the loop for long: at a
+with the traffic it takes (``PASS_A_BURST`` every ``BURST`` items inserted or
+referenced, never with a victim asked for: it keeps ahead of the traffic), so no call holds the loop for long: at a
 million blocks the switch took 0.8 to 0.9 ms and the longest 64-item lookup while the
 items moved 1.2 ms, for 0.79 to 0.97 s of CPU in all over about 3500 lookups (twice the
 one call's).  Driven by the calls alone, never by a clock, the same calls give the same
@@ -51,11 +51,13 @@ from kvstore.scheduler.policy import EvictionPolicy
 
 T = TypeVar("T", bound=Hashable)
 
-# Items passed on per call: STEP_LEAST and four per item the call names, at most
-# STEP_MOST (about 1 us each: a millisecond or so a call at most).
-STEP_MOST = 1024
-STEP_LEAST = 64
-NAMES_A_STEP = 16384  # names read or recalled a step (in C: about 1 ms)
+# Every BURST items of traffic (inserted or referenced), PASS_A_BURST items passed on
+# (about 1 us each: a 1024-block commit passes 2048, a few ms), or NAMES_A_STEP names
+# read (in C) or recalled.  Passing twice the traffic keeps the hand-over ahead of it.
+BURST = 32
+PASS_A_BURST = 64
+NAMES_A_STEP = 2048
+SEEN_MOST = 4096  # hits remembered in one tick, at most
 
 _ABSENT: Any = object()
 _UNTRACKED: Any = object()
@@ -119,7 +121,9 @@ class _Parts:
         self.pinned = pinned  # a container of its pinned items (``in``)
 
     def holds(self, item: Any) -> bool:
-        return item in self.pinned or any(item in q for q in self.queues)
+        """Whether ``item`` is on one of its lists (its pinned ones passed to the
+        hand-over when it began: what the order still counts as pinned is stale)."""
+        return any(item in q for q in self.queues)
 
     def coldest(self) -> Any:
         """The next item its listing names (``evictable``'s order), None if none."""
@@ -207,6 +211,8 @@ class Handover(EvictionPolicy[T], Generic[T]):
         self._done = done
         self.finished = False
         self.passed = 0  # items handed to ``new`` so far
+        self._count = 0  # items of traffic since the last step
+        self._seen: set[T] = set()  # items referenced since the last insert or victim
 
     # -- moving items ---------------------------------------------------------------
     def _pass(self, batch: list[T]) -> None:
@@ -287,8 +293,20 @@ class Handover(EvictionPolicy[T], Generic[T]):
         self._names = {}
         self._done(self._new)
 
-    def _step_for(self, count: int) -> None:
-        self.step(min(STEP_MOST, STEP_LEAST + 4 * count))
+    def _feed(self, batch: list[T], take: Callable[[list[T]], None]) -> None:
+        """``take`` ``batch`` in runs, a step after each ``BURST`` items of the traffic
+        the hand-over has taken (inserted or referenced): at the same items however
+        the calls group them (the store hits a chain in one call, the replay's
+        simulator block by block), so the same references make the same decisions."""
+        at, n = 0, len(batch)
+        while at < n:
+            run = batch[at:at + BURST - self._count] if at or self._count + n > BURST else batch
+            take(run)
+            at += len(run)
+            self._count += len(run)
+            if self._count >= BURST:
+                self._count = 0
+                self.step(PASS_A_BURST)
 
     def _where(self, item: T) -> str:
         """Where an item this order holds is, until all are in the new order: 'pinned',
@@ -324,34 +342,43 @@ class Handover(EvictionPolicy[T], Generic[T]):
 
     # -- the order's calls ------------------------------------------------------------
     def insert(self, item: T) -> None:
-        if self._all_in:
-            self._new.insert(item)
-        else:
-            self._fresh[item] = None
-        self._step_for(1)
+        self._feed([item], self._insert_run)
 
     def insert_many(self, items: Iterable[T]) -> None:
-        batch = items if type(items) is list else list(items)
+        self._feed(items if type(items) is list else list(items), self._insert_run)
+
+    def _insert_run(self, run: list[T]) -> None:
+        self._seen.clear()  # a new tick
         if self._all_in:
-            self._new.insert_many(batch)
+            self._new.insert_many(run)
         elif isinstance(self._fresh, LinkedOrder):
-            self._fresh.extend(batch)
+            self._fresh.extend(run)
         else:
-            self._fresh.update(dict.fromkeys(batch))
-        self._step_for(len(batch))
+            self._fresh.update(dict.fromkeys(run))
 
     def access(self, item: T) -> None:
-        self.access_many((item,))
+        self.access_many([item])
 
     def access_many(self, items: Iterable[T]) -> None:
         batch = items if type(items) is list else list(items)
+        if not self._all_in:
+            # A hit counts once a tick (an insert or a victim ends one), as the duel's
+            # miniatures count it: the daemon's lookup and acquire report each hit of a
+            # request, the replay's simulator once, and both must make the same steps.
+            seen = self._seen
+            if len(seen) > SEEN_MOST:  # hits alone for long: no tick ends
+                seen.clear()
+            batch = [item for item in batch if item not in seen]
+            seen.update(batch)
+        self._feed(batch, self._access_run)
+
+    def _access_run(self, run: list[T]) -> None:
         if self._all_in:
             pinned = self._pinned
-            self._new.access_many([i for i in batch if i not in pinned] if pinned else batch)
+            self._new.access_many([i for i in run if i not in pinned] if pinned else run)
         else:
-            for item in batch:
+            for item in run:
                 self._referenced(item)
-        self._step_for(len(batch))
 
     def pin(self, item: T) -> None:
         if item in self._pinned:
@@ -393,7 +420,11 @@ class Handover(EvictionPolicy[T], Generic[T]):
             self._new.remove(item)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
-        self.step(STEP_LEAST)
+        # No step here: the store asks for victims in passes that may find none (a pass
+        # per kind of victim), which the replay's simulator does not, and the same
+        # references must give the same steps in both.  Victims come with inserts,
+        # whose steps carry the hand-over on.
+        self._seen.clear()  # a new tick
         victim = self._new.pop_victim(allowed)
         if victim is None and self._old is not None:
             victim = self._old.order.pop_victim(allowed)

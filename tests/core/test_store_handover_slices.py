@@ -22,8 +22,8 @@ SLOT = 4096  # the smallest slot
 
 
 def test_a_hand_over_in_slices_keeps_the_store_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(handover, "STEP_LEAST", 4)  # small steps: many requests between
-    monkeypatch.setattr(handover, "STEP_MOST", 32)
+    monkeypatch.setattr(handover, "BURST", 4)  # small steps: many requests between
+    monkeypatch.setattr(handover, "PASS_A_BURST", 8)
     rng = random.Random(4)
     store = BlockStore(SLOTS * SLOT, SLOTS * SLOT, eviction_policy="auto")
     ns = store.open_namespace(IDENT)
