@@ -1,8 +1,9 @@
 """The frame plane's peers: a bare pyzmq ROUTER in its own process (as the daemon is) that
 takes bulk frames and drops them (``sink``: raw pyzmq, the goal's limit), takes them and
 copies them into a shared mapping before it answers (``store``: the least a put must do
-before its ack, for its blocks are then readable from the arena), or sends them
-(``source N SIZE``).
+before its ack, for its blocks are then readable from the arena), or sends N blocks of
+shared memory (``source N SIZE``: distinct blocks, as a get's are, not one block N times
+from the cache).
 
 Its C allocator keeps freed receive buffers as the daemon's does
 (``kvstore.transport.keep_receive_buffers``): a peer that faulted each message's pages in
@@ -30,12 +31,11 @@ fd = os.memfd_create("kvstore-bench-store")  # the arena's kind of memory, its p
 os.ftruncate(fd, size)
 region = memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE))
 cursor = 0
-blob = b""
 
 def serve_one():
     # read and answer as the daemon's transport does (each frame's more flag), and let go
     # of the frames on return, as the daemon does once it has answered
-    global blob, cursor
+    global cursor
     frames = [sock.recv(copy=False)]
     while frames[-1].more:
         frames.append(sock.recv(copy=False))
@@ -50,11 +50,10 @@ def serve_one():
             region[cursor:cursor + n] = f.buffer
             cursor += n
         sock.send_multipart([frames[0], b"ok"])
-    elif head.startswith(b"source"):  # bulk get: answer with N frames of SIZE
-        n, each = map(int, head.split()[1:])
-        if len(blob) != each:
-            blob = bytes(each)
-        sock.send_multipart([frames[0], b"ok", *([blob] * n)], copy=False)
+    elif head.startswith(b"source"):  # bulk get: answer with N blocks of SIZE, each its
+        n, each = map(int, head.split()[1:])  # own bytes in shared memory, as a get's are
+        blocks = [region[i * each:(i + 1) * each] for i in range(n)]
+        sock.send_multipart([frames[0], b"ok", *blocks], copy=False)
 
 print("ready", flush=True)
 while True:
