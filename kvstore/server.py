@@ -446,6 +446,7 @@ class Server:
             self.moves.freed()
         self.sessions.drop_idle_tenants()
         self._drain_grants()
+        self.transport.give_back_buffers_when_quiet()
         self._schedule_reaper()
 
     def _drain_grants(self) -> None:
