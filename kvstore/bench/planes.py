@@ -1,6 +1,7 @@
 """The daemon's control, arena and frame planes against their limits: a bare pyzmq echo
-(in its own process, as the daemon is), memcpy, and raw pyzmq frames; and the curves
-behind the plots (lookup latency against chain length, throughput against clients).
+(in its own process, as the daemon is), memcpy, and raw pyzmq frames (dropped, and copied
+into shared memory before the ack: ``kvstore.bench.frame_peer``); and the curves behind
+the plots (lookup latency against chain length, throughput against clients).
 
 Every measurement takes fresh keys of namespaces of its own (model ``kvstore-bench-*``),
 dropped when the section ends, so a running daemon keeps nothing of the run.
