@@ -56,7 +56,7 @@ from kvstore.tiering import SsdMover
 from kvstore.tiers.arena_fds import side_path
 from kvstore.tiers.dram import Arenas, DramArena, sweep_stale_arenas
 from kvstore.transfers import TransferGate, serving
-from kvstore.transport import Transport, unpredictable_routing_ids
+from kvstore.transport import Transport, keep_receive_buffers, unpredictable_routing_ids
 from kvstore.removals import GET_OWNER
 from kvstore.verbs import Verbs
 
@@ -137,6 +137,7 @@ class Server:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         unpredictable_routing_ids()  # before any ROUTER socket: the replay socket's too
+        keep_receive_buffers()
         d = self.config.dram
         sweep_stale_arenas(d.directory)
         self.arenas = Arenas(self.config.dram_capacity, d.directory, populate=d.populate,
@@ -445,6 +446,7 @@ class Server:
             self.moves.freed()
         self.sessions.drop_idle_tenants()
         self._drain_grants()
+        self.transport.give_back_buffers_when_quiet()
         self._schedule_reaper()
 
     def _drain_grants(self) -> None:
