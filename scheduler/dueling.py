@@ -86,9 +86,11 @@ RECALL_MOST = 1 << 18
 # 0.9871 of the best, cells more than 2% behind it 53 -> 51; the scan's flat-hot
 # variant at 10% 0.920 -> 0.942 of SLRU).
 RECALL_SHARE = 2
-# Up to this many items a hand-over passes them all in one call (0.4 to 0.5 us an item
-# between linked orders); past it, a few with each call the order takes (``handover.py``).
-HANDOVER_AT_ONCE = 2048
+# Up to this many items a hand-over passes them all in one call (2.2 to 3.6 ms at 8192
+# between linked orders); past it, a few with the traffic (``handover.py``).  At 2048,
+# hand-overs of 2k-8k items in slices moved 36 of the replay's 196 cells, -2.2% to +0.9%
+# (``duel_decisions.py``); at 8192, 12 of them, -0.4% to +0.75%.
+HANDOVER_AT_ONCE = 8192
 
 
 class Order(Protocol[T]):

@@ -1,16 +1,18 @@
 """A duel's hand-over to another order, passed on a few items at a time.
 
 ``Duel._take_over`` passed every cached item to the new order in one call, all of it
-on the daemon's event loop: at a million blocks 0.37 to 0.48 s of CPU between the linked
-orders, 1.4 s to hit density (``python benchmarks/eviction_cost.py --handover 1M``),
-every client stalled while ``auto`` changed its mind, and ten times that at 10M.  A
-``Handover`` stands in for the order in charge while the items move, and moves a few
+on the daemon's event loop: at a million blocks 0.44 to 0.62 s of CPU between the linked
+orders, 1.4 to 1.7 s to hit density (``python benchmarks/eviction_cost.py --handover
+1M``), every client stalled while ``auto`` changed its mind, and ten times that at 10M.
+A ``Handover`` stands in for the order in charge while the items move, and moves a few
 with the traffic it takes (``PASS_A_BURST`` every ``BURST`` items inserted or
-referenced, never with a victim asked for: it keeps ahead of the traffic), so no call holds the loop for long: at a
-million blocks the switch took 0.8 to 0.9 ms and the longest 64-item lookup while the
-items moved 1.2 ms, for 0.79 to 0.97 s of CPU in all over about 3500 lookups (twice the
-one call's).  Driven by the calls alone, never by a clock, the same calls give the same
-victims in the daemon and in the replay's simulator.
+referenced, never with a victim asked for: it keeps ahead of the traffic), so no call
+holds the loop for long: at a million blocks the switch took 1.3 to 1.75 ms (a copy of
+the latest victims' names and of the pinned items) and the longest 64-item lookup while
+the items moved 1.1 ms, for 0.97 to 1.18 s of CPU in all over about 4500 lookups (twice
+the one call's).  Its steps fall after the same items however the calls group them, so
+the same references give the same victims in the daemon (a chain's hits in one call,
+reported twice) and in the replay's simulator (block by block, once).
 
 What the items end up as is what the one-call hand-over (``hand_over_at_once``) made
 of them: the new order is handed the old one's items in the order the old one listed
@@ -31,8 +33,9 @@ one of four places:
 
 Victims come from ``new`` first (the coldest items, as the new order ranks them), then
 ``old``'s cold end, then ``fresh``'s.  In the replay's cells (``python
-benchmarks/duel_decisions.py``) a hand-over under way changed the victims of 2 of 140
-generated cells, their hits by 0 and -0.06%.  A hand-over from or to hit density
+benchmarks/duel_decisions.py``: the shared and chat traces, the generated workloads, at
+four capacities) hand-overs in slices changed 12 of 196 cells' hits, by -0.4% to +0.75%
+(the chat trace at 10%).  A hand-over from or to hit density
 (``parts_of``) is still one call; so is one of ``HANDOVER_AT_ONCE`` items or fewer.
 Nothing here is O(items) in one call but the release of a hand-over cut short
 (``release``, as an order's own).
@@ -54,7 +57,7 @@ T = TypeVar("T", bound=Hashable)
 # Every BURST items of traffic (inserted or referenced), PASS_A_BURST items passed on
 # (about 1 us each: a 1024-block commit passes 2048, a few ms), or NAMES_A_STEP names
 # read (in C) or recalled.  Passing twice the traffic keeps the hand-over ahead of it.
-BURST = 32
+BURST = 16
 PASS_A_BURST = 64
 NAMES_A_STEP = 2048
 SEEN_MOST = 4096  # hits remembered in one tick, at most

@@ -11,17 +11,20 @@ import pytest
 from kvtest import make_identity
 
 from kvstore.keys import chain_keys
-from kvstore.scheduler.dueling import HANDOVER_AT_ONCE, Duel
+from kvstore.scheduler import dueling
+from kvstore.scheduler.dueling import Duel
 from kvstore.scheduler import handover
 from kvstore.scheduler.handover import Handover
 from kvstore.store import BlockStore, Pin, Reservation
 
 IDENT = make_identity(num_layers=1, num_kv_heads=1, head_dim=8)  # 512-byte blocks
-SLOTS = 3 * HANDOVER_AT_ONCE  # past the one-call hand-over's size
+AT_ONCE = 2048  # the one-call hand-over's size here (its own is larger: a faster test)
+SLOTS = 3 * AT_ONCE
 SLOT = 4096  # the smallest slot
 
 
 def test_a_hand_over_in_slices_keeps_the_store_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", AT_ONCE)
     monkeypatch.setattr(handover, "BURST", 4)  # small steps: many requests between
     monkeypatch.setattr(handover, "PASS_A_BURST", 8)
     rng = random.Random(4)
