@@ -1,15 +1,20 @@
 """The store's eviction decisions under pressure, as digests to compare across versions.
 
     python benchmarks/evict_decisions.py [--rounds 400] [--policies auto,lru,...]
+                                         [--setups dram,ssd,quota,solo,solo-ssd]
 
 Drives a ``BlockStore`` whose DRAM tier is small against its traffic through a
-seeded mix of reserves and commits (chains that share prefixes and branch, of two
-tenants, so that tenants over their share are taken first), lookups (hits that
-reorder the eviction order), keep-warm soft pins and acquires held for a while, in
-three set-ups: DRAM alone, an SSD tier under it (some blocks admitted and demoted,
-some written through, some dropped), and a tenant quota.  Events are recorded.  After
+seeded mix of reserves and commits (chains that share prefixes and branch, in two
+namespaces of two tenants, so that tenants over their share are taken first, or of
+one, ``solo``), lookups (hits that reorder the eviction order), keep-warm soft pins
+and acquires held for a while, in these set-ups: DRAM alone, an SSD tier under it
+(some blocks admitted and demoted, some written through, some dropped), a tenant
+quota, one tenant alone with and without the SSD tier, and one with the SSD tier and
+the pressure steps evict and demote apart (``apart-ssd``: the evict pass runs dry on
+blocks only demotion can take).  Events are recorded.  After
 each round it hashes what the store holds: every entry's key and its DRAM and SSD
-slot, the eviction order of every class, the pool's free slots and the tenants'
+slot, the eviction order of every class (and the state of ``auto``'s duel), the
+pool's free slots and the tenants'
 bytes, the counters and the drained tier changes.  Two versions of the store make
 the same decisions (the same victims, in the same order, into the same slots) if
 their digests are identical.
@@ -27,15 +32,15 @@ from kvstore.store import BlockStore, Namespace, Pin, Reservation
 from kvstore.tier_changes import Removed, TierChanges
 
 SLOT = 4096
-SETUPS = ("dram", "ssd", "quota")
+SETUPS = ("dram", "ssd", "quota", "solo", "solo-ssd", "apart-ssd")
 
 
-def _store(setup: str, policy: str) -> BlockStore:
-    ssd = 6000 * SLOT if setup == "ssd" else 0
+def _store(setup: str, policy: str, clock: list[float]) -> BlockStore:
+    ssd = 6000 * SLOT if setup.endswith("ssd") else 0
     store = BlockStore(1500 * SLOT, 64 * SLOT, eviction_policy=policy, ssd_capacity=ssd,
                        ssd_slab_bytes=64 * SLOT, ssd_admit_after=2,
                        tenant_quota=900 * SLOT if setup == "quota" else 0,
-                       tenant_weights={"a": 2.0, "b": 1.0})
+                       tenant_weights={"a": 2.0, "b": 1.0}, clock=lambda: clock[0])
     store.record_changes(TierChanges())
     return store
 
@@ -46,7 +51,8 @@ def _digest(store: BlockStore, spaces: list[Namespace], h: "hashlib._Hash") -> N
             h.update(key + repr((b.offset, b.ssd_offset, b.refs, b.marks)).encode())
     for dram in store.drams.values():
         for size, policy in dram.policies.items():
-            h.update(repr(size).encode())
+            inner = getattr(policy, "inner", policy)  # (the duel's clock, scores, leader)
+            h.update(repr((size, policy, getattr(inner, "_tick", None))).encode())
             for b in policy.evictable():
                 h.update(b.key)
         h.update(repr(sorted(dram.used.items())).encode())
@@ -65,10 +71,13 @@ def _digest(store: BlockStore, spaces: list[Namespace], h: "hashlib._Hash") -> N
 def run(setup: str, policy: str, rounds: int, seed: int = 7) -> tuple[str, str]:
     """The digest of a run, and what it went through (evictions, demotions, ...)."""
     rng = random.Random(seed)
-    store = _store(setup, policy)
+    clock = [0.0]  # the store's clock: soft pins end as the rounds go by
+    store = _store(setup, policy, clock)
     spaces = []
-    for tenant in ("a", "b"):
-        ident = Identity(model="m", model_revision="r", tenant=tenant, kv_dtype="float16",
+    if setup == "apart-ssd":  # evict and demote as passes of their own: the first runs dry
+        store.pressure = ("evict", "defer", "demote", "reject")  # type: ignore[assignment]
+    for tenant in ("a", "b") if setup in ("dram", "ssd", "quota") else ("a", "a"):
+        ident = Identity(model=f"m{len(spaces)}", model_revision="r", tenant=tenant, kv_dtype="float16",
                          num_layers=1, num_kv_heads=1, head_dim=16, block_tokens=64)
         spaces.append(store.open_namespace(ident))
     chains: list[tuple[Namespace, list[bytes]]] = []
@@ -77,6 +86,7 @@ def run(setup: str, policy: str, rounds: int, seed: int = 7) -> tuple[str, str]:
     now = 0.0
     for i in range(rounds):
         now += 1.0
+        clock[0] = now
         ns = spaces[0] if rng.random() < 0.6 else spaces[1]
         if chains and rng.random() < 0.5:  # a branch off a cached chain's prefix
             base_ns, base = rng.choice(chains)
@@ -153,9 +163,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--policies", default="auto,lru,slru,arc,s3fifo,density")
+    parser.add_argument("--setups", default=",".join(SETUPS))
     args = parser.parse_args()
     for policy in args.policies.split(","):
-        for setup in SETUPS:
+        for setup in args.setups.split(","):
             digest, seen = run(setup, policy, args.rounds)
             print(f"{policy:8} {setup:6} {digest}  ({seen})", flush=True)
 
