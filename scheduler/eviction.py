@@ -116,9 +116,11 @@ class LRUPolicy(EvictionPolicy[T]):
                     take: Callable[[T], object]) -> list[T]:
         # ``pop_victim``'s steps in one loop: no call of it per victim
         order = self._order
+        if isinstance(order, LinkedOrder):  # (the store's: the loop in its links)
+            return order.take_oldest(allowed, count, take)
         victims: list[T] = []
         while len(victims) < count:
-            item = order.oldest() if isinstance(order, LinkedOrder) else next(iter(order), None)
+            item = next(iter(order), None)
             if item is None:
                 break
             if not allowed(item):

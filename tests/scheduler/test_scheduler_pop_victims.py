@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvstore.scheduler.eviction import POLICIES, WarmPins, make_policy
+from kvstore.scheduler.linked import LinkedOrder, linked_order
 from kvstore.scheduler.policy import EvictionPolicy
 
 
@@ -134,3 +135,25 @@ def test_a_call_stops_at_its_count_and_when_none_is_left() -> None:
     assert policy.pop_victims(lambda item: True, 2, taken.append) == [1, 2]
     assert policy.pop_victims(lambda item: True, 5, taken.append) == [3]
     assert taken == [1, 2, 3] and len(policy) == 0
+
+
+@pytest.mark.parametrize("make", [LinkedOrder, linked_order])
+def test_the_oldest_allowed_taken_one_after_another(make: Callable[[str], Any]) -> None:
+    # ``LinkedOrder.take_oldest``, the reference and the compiled loop: each look starts
+    # again at the oldest, and sees what ``take`` did (here: 3 allowed once 2 is gone)
+    items = [_Item(k, None) for k in range(6)]
+    order = make("dram")
+    for item in items:
+        order[item] = None
+    gone: set[int] = set()
+    refused = {0, 3}
+
+    def allowed(item: _Item) -> bool:
+        return item.key not in refused or (item.key == 3 and 2 in gone)
+
+    taken = order.take_oldest(allowed, 4, lambda item: gone.add(item.key))
+    assert [i.key for i in taken] == [1, 2, 3, 4]
+    assert [i.key for i in order] == [0, 5] and len(order) == 2
+    assert all(i.dram_order is None for i in taken)
+    assert [i.key for i in order.take_oldest(allowed, 9, lambda item: None)] == [5]
+    assert [i.key for i in order] == [0]
