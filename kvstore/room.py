@@ -244,7 +244,7 @@ class _Leaving:
     """
 
     __slots__ = ("store", "facts", "to_demote", "to_remote", "runs", "held", "count",
-                 "bytes", "_touch", "_run")
+                 "_touch", "_run")
 
     def __init__(self, store: StoreCore) -> None:
         self.store = store
@@ -253,8 +253,7 @@ class _Leaving:
         self.to_remote: list[Block] = []  # ... to the remote store (its write-back mode)
         self.runs: list[tuple[TierSlots, SlabClass, list[int]]] = []
         self.held: dict[tuple[TierSlots, str], int] = {}  # bytes given back per tenant
-        self.count = 0
-        self.bytes = 0
+        self.count = 0  # the copies dropped (their bytes: ``held``'s)
         changes: TierChanges | None = store.changes
         self._touch = changes.touch if changes is not None else None
         self._run: tuple[TierSlots, SlabClass, list[int]] | None = None
@@ -297,11 +296,9 @@ class _Leaving:
             run = self._run = (dram, cls, [])
             self.runs.append(run)
         run[2].append(offset)
-        held = self.held
         key = (dram, ns.tenant)
-        held[key] = held.get(key, 0) + cls.slot_bytes
+        self.held[key] = self.held.get(key, 0) + cls.slot_bytes
         self.count += 1
-        self.bytes += cls.slot_bytes
         b.offset = None
         if b.rare is not None:
             b.demoting = False
@@ -324,6 +321,6 @@ class _Leaving:
             else:
                 del dram.used[tenant]
         self.store.committed_slots -= self.count
-        self.store.committed_bytes -= self.bytes
+        self.store.committed_bytes -= sum(self.held.values())
         self.runs, self.held, self._run = [], {}, None
-        self.count = self.bytes = 0
+        self.count = 0
