@@ -237,7 +237,11 @@ class Block:
 
     @property
     def present(self) -> bool:
-        return self.offset is not None or self.ssd_offset is not None or self.extra is not None
+        # (``extra`` read from the side record, not through its property: each victim
+        # that leaves the cache, and its parent, asks this)
+        rare = self.rare
+        return (self.offset is not None or self.ssd_offset is not None
+                or (rare is not None and rare.extra is not None))
 
     @property
     def tier(self) -> str:

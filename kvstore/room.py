@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvstore.blocks import REMOTE_MARK, SSD, Block, Namespace, TierSlots
+from kvstore.blocks import REMOTE_MARK, SEEN_SHIFT, SSD, Block, Namespace, TierSlots
 from kvstore.core import StoreCore
 from kvstore.errors import CapacityError
 from kvstore.plans import Plan
 from kvstore.pool import SlabClass
+from kvstore.tier_changes import TierChanges
 
-# The kinds of victim each pressure step takes (see RoomMaker._victim_kind): evict drops
+# The kinds of victim each pressure step takes (see RoomMaker._victim_test): evict drops
 # blocks (a copy is below, or no tier below takes them), demote moves them down (a copy is
 # below, or they are written there first).
 _STEP_KINDS = {"evict": frozenset({"clean", "lossy"}), "demote": frozenset({"clean", "dirty"})}
@@ -70,21 +71,21 @@ class RoomMaker:
             return refuse()
         policies = [dram.policy(ns.cls)] + [
             policy for size, policy in dram.policies.items() if size != slot]
-        to_demote: list[Block] = []
-        to_remote: list[Block] = []
         freed = 0
-        for _, kinds in self._room_steps():
-            allowed = self._victim_test(protect, kinds, tenant)
-            for policy in policies:
-                while freed < excess and (victim := policy.pop_victim(allowed)) is not None:
-                    freed += victim.ns.cls.slot_bytes
-                    self._evict(victim, to_demote, to_remote)
+        leaving = _Leaving(self.store)
+        try:
+            for _, kinds in self._room_steps():
+                allowed = self._victim_test(protect, kinds, tenant, leaving.facts)
+                for policy in policies:
+                    while freed < excess and (victim := policy.pop_victim(allowed)) is not None:
+                        freed += victim.ns.cls.slot_bytes
+                        leaving.evict(victim)
+        finally:
+            leaving.finish()
         if freed < excess:
-            self._put_back(to_demote + to_remote)
+            self._put_back(leaving.to_demote + leaving.to_remote)
             return refuse()
-        if to_demote or to_remote:
-            return Plan(demote=to_demote, to_remote=to_remote)
-        return None
+        return leaving.plan()
 
     def _room_steps(self) -> list[tuple[str, frozenset[str]]]:
         """The passes the scheduler's pressure chain makes now (``room_passes``), each
@@ -92,48 +93,35 @@ class RoomMaker:
         return [("+".join(group), frozenset().union(*(_STEP_KINDS[s] for s in group)))
                 for group in self.store.chain.room_passes(self.store.early)]
 
-    def _victim_kind(self, b: Block) -> str | None:
-        """How a DRAM copy would leave: "clean" (a copy lives below: it just goes),
-        "dirty" (written to a lower tier first), "lossy" (a cold leaf no lower tier
-        takes: it leaves the cache), or None (it cannot leave now)."""
-        if b.ssd_offset is not None or b.extra is not None:
-            return "clean"
-        if self.store.admitted(b):
-            return "dirty"
-        if b.kids is not None:
-            return None  # without a copy on SSD, only leaves leave DRAM
-        if b.marks & REMOTE_MARK:  # (``remote``: read for each candidate, without a call)
-            return "clean"
-        return "dirty" if self._remote_dirty(b) else "lossy"
-
     def _victim_test(self, protect: Block | None, kinds: frozenset[str],
-                     tenant: str | None = None) -> Callable[[Block], bool]:
+                     tenant: str | None = None,
+                     facts: _Facts | None = None) -> Callable[[Block], bool]:
         """Which blocks a pass may take now (of ``tenant`` only, if given): those whose
-        kind of leaving is in ``kinds``."""
+        kind of leaving is in ``kinds``: "clean" (a copy lives below: it just goes),
+        "dirty" (written to a lower tier first), "lossy" (a cold leaf no lower tier
+        takes: it leaves the cache); a block that is none of these cannot leave now.
+        Called for every candidate a policy passes: the kinds are told apart inline, on
+        the store's facts read once per request (``facts``)."""
+        f = facts or _Facts(self.store)
+        admit_to_ssd, admit_after, remote_dirty = f.admit_to_ssd, f.admit_after, f.remote_dirty
+        clean, dirty, lossy = "clean" in kinds, "dirty" in kinds, "lossy" in kinds
+        # "lossy" when nothing below takes it; else "dirty" (to the remote store first)
+        bare = dirty if remote_dirty else lossy
 
         def allowed(b: Block) -> bool:
             if b.refs or b is protect or (tenant is not None and b.ns.tenant != tenant):
                 return False
-            return self._victim_kind(b) in kinds
+            if b.ssd_offset is not None or (b.rare is not None and b.extra is not None):
+                return clean
+            if admit_to_ssd and b.marks >> SEEN_SHIFT >= admit_after:
+                return dirty
+            if b.kids is not None:
+                return False  # without a copy on SSD, only leaves leave DRAM
+            if b.marks & REMOTE_MARK:  # (``remote``, without a call)
+                return clean
+            return bare
 
         return allowed
-
-    def _evict(self, victim: Block, to_demote: list[Block], to_remote: list[Block]) -> None:
-        """A victim off its eviction order leaves DRAM now, or is marked to be written back
-        first (to SSD, or to the remote store in its write-back mode)."""
-        if victim.ssd_offset is not None or victim.extra is not None:
-            self.store.drop_dram_copy(victim)     # clean: a copy below stays
-        elif self.store.admitted(victim):
-            victim.demoting = True                # dirty: write it back first
-            to_demote.append(victim)
-        elif self._remote_dirty(victim):
-            victim.demoting = True                # to the remote store first
-            self.store.remote_demoting.add(victim)
-            to_remote.append(victim)
-        else:
-            self.store.drop_dram_copy(victim)          # a cold leaf the SSD tier declines
-            self.store.counters.dropped_on_eviction += 1
-        self.store.counters.evictions += 1
 
     def _put_back(self, blocks: list[Block]) -> None:
         """Victims marked for a write that will not happen: back on their orders."""
@@ -176,28 +164,34 @@ class RoomMaker:
         over = self._over_share(dram, requester)
         # Each request demotes its own victims: the room its writes free is taken right
         # when they finish, with no await in between for another request to slip into.
-        to_demote: list[Block] = []
-        to_remote: list[Block] = []
         taken = 0
         steps = self._room_steps()
-        for _, kinds in steps:  # in the configured order; each takes what it may
-            allowed = self._victim_test(protect, kinds)
+        leaving = _Leaving(self.store)
+        pop = policy.pop_victim
+        try:
+            for _, kinds in steps:  # in the configured order; each takes what it may
+                allowed = self._victim_test(protect, kinds, facts=leaving.facts)
+                if not over:  # (the common case) the pass's victims in one call
+                    taken += len(policy.pop_victims(allowed, need - taken, leaving.evict))
+                    continue
 
-            def over_share(b: Block) -> bool:
-                return over.get(b.ns.tenant, 0) > 0 and allowed(b)
+                def over_share(b: Block) -> bool:
+                    return over.get(b.ns.tenant, 0) > 0 and allowed(b)
 
-            while taken < need:
-                victim = policy.pop_victim(over_share) if over else None
-                if victim is None:
-                    victim = policy.pop_victim(allowed)
-                if victim is None:
-                    break
-                taken += 1
-                if victim.ns.tenant in over:
-                    over[victim.ns.tenant] -= cls.slot_bytes
-                self._evict(victim, to_demote, to_remote)
+                while taken < need:
+                    victim = pop(over_share)
+                    if victim is None:
+                        victim = pop(allowed)
+                    if victim is None:
+                        break
+                    taken += 1
+                    if victim.ns.tenant in over:
+                        over[victim.ns.tenant] -= cls.slot_bytes
+                    leaving.evict(victim)
+        finally:
+            leaving.finish()
         if taken < need:
-            self._put_back(to_demote + to_remote)  # nothing was written yet
+            self._put_back(leaving.to_demote + leaving.to_remote)  # nothing was written yet
             if self.room_coming(cls):
                 return Plan(room_coming=True)
             self.store.counters.capacity_rejects += 1
@@ -207,9 +201,7 @@ class RoomMaker:
                 f"{need + pool.available(cls)} slots of {cls.slot_bytes} bytes requested; "
                 f"the dram tier is full of pinned blocks or their prefixes, or of blocks "
                 f"the pressure steps ({tried}) may not take", cause="pinned")
-        if to_demote or to_remote:
-            return Plan(demote=to_demote, to_remote=to_remote)
-        return None
+        return leaving.plan()
 
     def room_coming(self, cls: SlabClass | None, tenant: str | None = None) -> bool:
         """Whether writes under way will free or unpin DRAM slots of ``cls`` (of any
@@ -222,6 +214,113 @@ class RoomMaker:
         return any(mine(b) for t in self.store.transfers.values() if t.tier == SSD
                    for b in t.blocks) or any(mine(b) for b in self.store.remote_demoting)
 
-    def _remote_dirty(self, block: Block) -> bool:
-        return (self.store.allow_demote and not block.marks & REMOTE_MARK
-                and self.store.remote_writing_back())
+
+class _Facts:
+    """What decides how a victim leaves that is the same for every victim of a request
+    (read once per request, not per candidate: none of it changes while the request
+    makes room, which awaits nothing)."""
+
+    __slots__ = ("admit_to_ssd", "admit_after", "remote_dirty")
+
+    def __init__(self, store: StoreCore) -> None:
+        # ``StoreCore.admitted`` but for the block's own count
+        self.admit_to_ssd = store.ssd is not None and store.ssd_writable and store.allow_demote
+        self.admit_after = store.ssd_admit_after
+        # a leaf no lower tier holds goes to the remote store first (its write-back mode)
+        self.remote_dirty = store.allow_demote and store.remote_writing_back()
+
+
+class _Leaving:
+    """The DRAM copies one request evicts, each dropped as ``StoreCore.drop_dram_copy``
+    drops it, but with what can wait done once for them all (``finish``): the slots go
+    back to their pool in one call per run of one class, in the order they were taken,
+    so that the pool ends as block by block; the tenants' bytes and the store's counts
+    in one step.  What a later victim's choice can see happens per victim, at once: the
+    copy's offset, its tier changes and dirty entry, and the entry forgotten when no
+    copy is left (its parent may become a leaf, and a victim, next).
+
+    A victim comes off its eviction order (``pop_victim`` takes it), so the order's
+    ``remove``, which ``drop_dram_copy`` calls, is not called again.
+    """
+
+    __slots__ = ("store", "facts", "to_demote", "to_remote", "runs", "held", "count",
+                 "_touch", "_run")
+
+    def __init__(self, store: StoreCore) -> None:
+        self.store = store
+        self.facts = _Facts(store)
+        self.to_demote: list[Block] = []  # victims to write to SSD before they leave
+        self.to_remote: list[Block] = []  # ... to the remote store (its write-back mode)
+        self.runs: list[tuple[TierSlots, SlabClass, list[int]]] = []
+        self.held: dict[tuple[TierSlots, str], int] = {}  # bytes given back per tenant
+        self.count = 0  # the copies dropped (their bytes: ``held``'s)
+        changes: TierChanges | None = store.changes
+        self._touch = changes.touch if changes is not None else None
+        self._run: tuple[TierSlots, SlabClass, list[int]] | None = None
+
+    def evict(self, victim: Block) -> None:
+        """A victim off its eviction order leaves DRAM now, or is marked to be written
+        back first (to SSD, or to the remote store in its write-back mode)."""
+        f, store = self.facts, self.store
+        if victim.ssd_offset is not None or (victim.rare is not None
+                                             and victim.extra is not None):
+            self.drop(victim)                     # clean: a copy below stays
+        elif f.admit_to_ssd and victim.marks >> SEEN_SHIFT >= f.admit_after:
+            victim.demoting = True                # dirty: write it back first
+            self.to_demote.append(victim)
+        elif f.remote_dirty and not victim.marks & REMOTE_MARK:
+            victim.demoting = True                # to the remote store first
+            store.remote_demoting.add(victim)
+            self.to_remote.append(victim)
+        else:
+            self.drop(victim)                     # a cold leaf the SSD tier declines
+            store.counters.dropped_on_eviction += 1
+        store.counters.evictions += 1
+
+    def plan(self) -> Plan | None:
+        """The writes the victims need first, if any."""
+        if self.to_demote or self.to_remote:
+            return Plan(demote=self.to_demote, to_remote=self.to_remote)
+        return None
+
+    def drop(self, b: Block) -> None:
+        """Drop the DRAM copy of a victim off its eviction order."""
+        offset = b.offset
+        assert offset is not None and not b.refs, f"{b}: no DRAM copy to drop"
+        store, ns = self.store, b.ns
+        dram, cls = ns.dram, ns.cls
+        if b.rare is not None and b.gpu_offset is not None and store.gpu is not None:
+            store.gpu.drop(b)  # a GPU copy lives no longer than the DRAM copy
+        run = self._run
+        if run is None or run[0] is not dram or run[1] is not cls:
+            run = self._run = (dram, cls, [])
+            self.runs.append(run)
+        run[2].append(offset)
+        key = (dram, ns.tenant)
+        self.held[key] = self.held.get(key, 0) + cls.slot_bytes
+        self.count += 1
+        b.offset = None
+        if b.rare is not None:
+            b.demoting = False
+        if self._touch is not None:
+            self._touch(b)
+        if store.dirty:
+            store.dirty.get(cls, {}).pop(b, None)
+        if b.ssd_offset is None and (b.rare is None or b.extra is None):
+            store.forget_if_gone(b)  # no copy left (a present one it would keep)
+
+    def finish(self) -> None:
+        """Give the slots back and count them out (once, after the last victim)."""
+        for dram, cls, offsets in self.runs:
+            dram.pool.free(cls, offsets)
+        for (dram, tenant), given in self.held.items():
+            left = dram.used[tenant] - given
+            assert left >= 0, f"tenant {tenant!r} gave back more than it held"
+            if left:
+                dram.used[tenant] = left
+            else:
+                del dram.used[tenant]
+        self.store.committed_slots -= self.count
+        self.store.committed_bytes -= sum(self.held.values())
+        self.runs, self.held, self._run = [], {}, None
+        self.count = 0

@@ -106,6 +106,8 @@ class Order(Protocol[T]):
     def unpin(self, item: T) -> None: ...
     def remove(self, item: T) -> None: ...
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None: ...
+    def pop_victims(self, allowed: Callable[[T], bool], count: int,
+                    take: Callable[[T], object]) -> list[T]: ...
     def adopt_tuning(self, learned: Any, scale: float) -> None: ...
     def recall(self, names: Iterable[Hashable]) -> None: ...
     def evictable(self) -> Iterator[T]: ...
@@ -674,6 +676,28 @@ class Duel(Generic[T]):
             gone.append(self.ghost_key(victim))
             self._evicted = True
         return victim
+
+    def pop_victims(self, allowed: Callable[[T], bool], count: int,
+                    take: Callable[[T], object]) -> list[T]:
+        """``pop_victim`` up to ``count`` times (``EvictionPolicy.pop_victims``): the
+        order in charge's victims in one call, this duel's notes of them after (none
+        of which the order, ``allowed`` or ``take`` reads): a tick per call the order
+        answered, the victims untracked, their names remembered in order."""
+        victims = self._order.pop_victims(allowed, count, take)
+        self._tick += len(victims) + (len(victims) < count)  # (the last call: none)
+        if not victims:
+            return victims
+        items_pop = self._items.pop
+        for victim in victims:
+            items_pop(victim)
+        gone = self._gone
+        share = RECALL_SHARE * self._size
+        if gone.maxlen is not None and gone.maxlen < min(share, RECALL_MOST):
+            most = min(1 << (share - 1).bit_length(), RECALL_MOST)  # (as ``pop_victim``)
+            gone = self._gone = deque(gone, maxlen=most)
+        gone.extend(map(self.ghost_key, victims))
+        self._evicted = True
+        return victims
 
     def evictable(self) -> Iterator[T]:
         return self._order.evictable()

@@ -21,7 +21,7 @@ with those attributes; ints and other plain items stay in an ``OrderedDict``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
@@ -177,6 +177,25 @@ class LinkedOrder(Generic[T]):
         item = getattr(self._end, self._newer)
         return None if item is self._end else item
 
+    def take_oldest(self, allowed: Callable[[T], bool], count: int,
+                    take: Callable[[T], object]) -> list[T]:
+        """Up to ``count`` times, take out the oldest item ``allowed`` passes and hand
+        it to ``take`` before the next is looked for, stopping at the first look that
+        finds none: the items taken, in order.  (An LRU policy's victims: what
+        ``oldest``, a walk on if refused, and ``del`` do for each, in one loop.)"""
+        end, newer = self._end, self._newer
+        taken: list[T] = []
+        while len(taken) < count:
+            item = getattr(end, newer)
+            while item is not end and not allowed(item):
+                item = getattr(item, newer)
+            if item is end:
+                break
+            self._unlink(item)
+            taken.append(item)
+            take(item)
+        return taken
+
     def __iter__(self) -> Iterator[T]:
         """Oldest first.  The item just yielded may be taken out before the next."""
         end, newer = self._end, self._newer
@@ -317,6 +336,27 @@ def clear(self):
 def oldest(self):
     item = self._end.{n}
     return None if item is self._end else item
+
+def take_oldest(self, allowed, count, take):
+    end = self._end
+    taken = []
+    while len(taken) < count:
+        item = end.{n}
+        while item is not end and not allowed(item):
+            item = item.{n}
+        if item is end:
+            break
+        before = item.{p}
+        after = item.{n}
+        before.{n} = after
+        after.{p} = before
+        item.{o} = None
+        item.{p} = None
+        item.{n} = None
+        self._len -= 1
+        taken.append(item)
+        take(item)
+    return taken
 
 def __iter__(self):
     end = self._end

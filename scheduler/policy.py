@@ -60,7 +60,22 @@ class EvictionPolicy(ABC, Generic[T]):
 
     @abstractmethod
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
-        """Take the coldest evictable item for which ``allowed`` holds, or None."""
+        """Take the coldest evictable item for which ``allowed`` holds, or None.  Taken:
+        off the order, as ``remove`` would leave it (no ``remove`` of it follows)."""
+
+    def pop_victims(self, allowed: Callable[[T], bool], count: int,
+                    take: Callable[[T], object]) -> list[T]:
+        """``pop_victim`` up to ``count`` times, each victim handed to ``take`` before
+        the next is chosen (what ``take`` does to the items, ``allowed`` sees next),
+        until it finds none: the victims, in order.  One call for a request's many
+        victims: an order may override it to save its per-call work, with the same
+        victims, in the same order, as its ``pop_victim`` one after another."""
+        victims: list[T] = []
+        pop = self.pop_victim
+        while len(victims) < count and (victim := pop(allowed)) is not None:
+            victims.append(victim)
+            take(victim)
+        return victims
 
     def adopt_tuning(self, learned: EvictionPolicy[T], scale: float) -> None:
         """Take the settings ``learned``, another instance of this policy, adapted to

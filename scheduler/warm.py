@@ -150,6 +150,14 @@ class WarmPins(EvictionPolicy[T]):
                 return item
         return None
 
+    def pop_victims(self, allowed: Callable[[T], bool], count: int,
+                    take: Callable[[T], object]) -> list[T]:
+        if self._deadlines:  # soft pins that may end between two victims: one by one
+            return super().pop_victims(allowed, count, take)
+        # none (a warm item has a deadline on the heap): nothing expires, no warm
+        # item is a victim, and ``pop_victim`` is the inner order's
+        return self.inner.pop_victims(allowed, count, take)
+
     def _by_deadline(self) -> Iterator[T]:
         """The warm items, earliest deadline first, read off the heap (its
         entries still current) without sorting it: a frontier of heap positions, each
