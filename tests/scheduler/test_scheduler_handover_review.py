@@ -1,0 +1,52 @@
+"""A duel's hand-over in slices (``kvstore.scheduler.handover``), checked further: every
+phase counts its traffic the same whether a hit is reported once or twice a tick."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from kvstore.scheduler import dueling, handover
+from kvstore.scheduler.handover import Handover
+
+from test_scheduler_handover_slices import _Cache, _life, _ranking
+
+
+class _Reporter(_Cache):
+    """Each hit reported twice in its tick (the store's lookup, then its acquire)."""
+
+    def put(self, keys: list[int]) -> None:
+        hits = [self.items[k] for k in keys if k in self.items]
+        if hits:
+            self.duel.access_many(hits)
+        super().put(keys)
+
+
+@pytest.mark.parametrize("linked", [False, True])
+def test_hits_reported_twice_step_as_once_in_every_phase(
+        monkeypatch: pytest.MonkeyPatch, linked: bool) -> None:
+    """Past the items (the pinned ones passed on, the ghosts recalled) the steps come
+    after the same items too, or the daemon's hand-over ends at another reference
+    than its simulator's."""
+    monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)
+    monkeypatch.setattr(handover, "NAMES_A_STEP", 12)  # a long recall: many steps
+    runs = []
+    for make in (_Cache, _Reporter):
+        cache = make(400, linked)
+        take_over = cache.duel._take_over
+        cache.duel._take_over = lambda best: None  # type: ignore[method-assign]
+        rng = random.Random(5)
+        _life(cache, rng, 300)
+        take_over(1)
+        order = cache.duel._order
+        assert isinstance(order, Handover)
+        ended = []
+        for call in range(600):
+            _life(cache, rng, 1)
+            if order.finished and not ended:
+                ended.append(call)
+        runs.append((ended, cache.victims, _ranking(cache)))
+    assert runs[0][0]  # it ended
+    assert runs[0] == runs[1]
