@@ -11,7 +11,7 @@ import pytest
 from kvstore.scheduler import dueling, handover
 from kvstore.scheduler.handover import Handover
 
-from test_scheduler_handover_slices import _Cache, _life, _ranking
+from test_scheduler_handover_slices import _Block, _Cache, _life, _ranking
 
 
 class _Reporter(_Cache):
@@ -50,3 +50,52 @@ def test_hits_reported_twice_step_as_once_in_every_phase(
         runs.append((ended, cache.victims, _ranking(cache)))
     assert runs[0][0]  # it ended
     assert runs[0] == runs[1]
+
+
+class _Watched(_Block):
+    __slots__ = ("__weakref__",)
+
+
+class _WatchedCache(_Cache):
+    """Blocks that can be watched go away."""
+
+    def _make(self, key: int, parent: int | None) -> Any:
+        return _Watched(key, self.items.get(parent) if parent is not None else None)
+
+
+@pytest.mark.parametrize("calls", [0, 40, 120])
+def test_released_mid_way_it_keeps_nothing_alive(monkeypatch: pytest.MonkeyPatch,
+                                                 calls: int) -> None:
+    """Let go of (a policy switch, the store's end) part-way through a hand-over, the
+    duel leaves every item unlinked and untracked, and nothing it held is kept alive
+    by a cycle: reference counting alone frees the items and the orders."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)
+    monkeypatch.setattr(handover, "NAMES_A_STEP", 12)
+    cache = _WatchedCache(400, linked=True)
+    take_over = cache.duel._take_over
+    cache.duel._take_over = lambda best: None  # type: ignore[method-assign]
+    rng = random.Random(9)
+    _life(cache, rng, 300)
+    take_over(1)
+    order = cache.duel._order
+    assert isinstance(order, Handover)
+    for _ in range(calls):
+        _life(cache, rng, 1)
+    assert not order.finished
+    watched = [weakref.ref(order), weakref.ref(cache.duel)]
+    watched += [weakref.ref(item) for item in cache.items.values()]
+    gc.collect()
+    gc.disable()
+    try:
+        cache.duel.release()
+        for item in cache.items.values():
+            assert item.dram_order is None and item.dram_duel is None, item
+            assert item.dram_older is None and item.dram_newer is None, item
+        del order, cache, take_over, item
+        alive = [ref() for ref in watched if ref() is not None]
+        assert not alive, alive[:3]
+    finally:
+        gc.enable()
