@@ -13,14 +13,14 @@ from kvtest import make_identity
 
 from kvstore.blocks import Block
 from kvstore.keys import chain_keys
-from kvstore.scheduler import handover
-from kvstore.scheduler.dueling import HANDOVER_AT_ONCE, Duel
+from kvstore.scheduler import dueling, handover
+from kvstore.scheduler.dueling import Duel
 from kvstore.scheduler.handover import Handover
 from kvstore.scheduler.linked import LinkedOrder
 from kvstore.store import BlockStore, Namespace, Pin, Reservation
 
 IDENT = make_identity(num_layers=1, num_kv_heads=1, head_dim=8)  # 512-byte blocks
-SLOTS = 3 * HANDOVER_AT_ONCE
+SLOTS = 6144
 SLOT = 4096
 
 
@@ -49,6 +49,7 @@ def _handing_over(monkeypatch: pytest.MonkeyPatch, seed: int
                   ) -> tuple[BlockStore, Namespace, Callable[[], None], list[Pin]]:
     """A store whose duel is part-way through a hand-over, with pins and warm blocks,
     and a request maker for more traffic."""
+    monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)  # in slices, whatever the size
     monkeypatch.setattr(handover, "BURST", 4)
     monkeypatch.setattr(handover, "PASS_A_BURST", 8)
     rng = random.Random(seed)

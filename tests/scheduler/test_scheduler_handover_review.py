@@ -14,6 +14,13 @@ from kvstore.scheduler.handover import Handover
 from test_scheduler_handover_slices import _Block, _Cache, _life, _ranking
 
 
+def _paced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every hand-over in slices, at a pace of its own (whatever the tuning)."""
+    monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)
+    monkeypatch.setattr(handover, "BURST", 32)
+    monkeypatch.setattr(handover, "PASS_A_BURST", 64)
+
+
 class _Reporter(_Cache):
     """Each hit reported twice in its tick (the store's lookup, then its acquire)."""
 
@@ -30,7 +37,7 @@ def test_hits_reported_twice_step_as_once_in_every_phase(
     """Past the items (the pinned ones passed on, the ghosts recalled) the steps come
     after the same items too, or the daemon's hand-over ends at another reference
     than its simulator's."""
-    monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)
+    _paced(monkeypatch)
     monkeypatch.setattr(handover, "NAMES_A_STEP", 12)  # a long recall: many steps
     runs = []
     for make in (_Cache, _Reporter):
@@ -72,7 +79,7 @@ def test_released_mid_way_it_keeps_nothing_alive(monkeypatch: pytest.MonkeyPatch
     import gc
     import weakref
 
-    monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)
+    _paced(monkeypatch)
     monkeypatch.setattr(handover, "NAMES_A_STEP", 12)
     cache = _WatchedCache(400, linked=True)
     take_over = cache.duel._take_over
