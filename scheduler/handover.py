@@ -371,8 +371,11 @@ class Handover(EvictionPolicy[T], Generic[T]):
             seen = self._seen
             if len(seen) > SEEN_MOST:  # hits alone for long: no tick ends
                 seen.clear()
+            before = len(seen)
             batch = [item for item in batch if item not in seen]
             seen.update(batch)
+            if len(seen) - before < len(batch):  # an item named twice in the call
+                batch = list(dict.fromkeys(batch))
         self._feed(batch, self._access_run)
 
     def _access_run(self, run: list[T]) -> None:

@@ -59,6 +59,32 @@ def test_hits_reported_twice_step_as_once_in_every_phase(
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("linked", [False, True])
+def test_a_hit_repeated_in_one_call_counts_once(monkeypatch: pytest.MonkeyPatch,
+                                                linked: bool) -> None:
+    """A call that names an item twice (an acquire of a key given twice) counts and
+    places it as the simulator's calls one item at a time do: once, where first hit."""
+    _paced(monkeypatch)
+    states = []
+    for single in (False, True):
+        cache = _Cache(400, linked)
+        take_over = cache.duel._take_over
+        cache.duel._take_over = lambda best: None  # type: ignore[method-assign]
+        _life(cache, random.Random(5), 300)
+        take_over(1)
+        order = cache.duel._order
+        assert isinstance(order, Handover)
+        cache.put([-1])  # a new tick
+        a, b = (cache.items[k] for k in sorted(cache.items)[:2])
+        if single:
+            for item in (a, b, a):
+                cache.duel.access(item)
+        else:
+            cache.duel.access_many([a, b, a])
+        states.append((order._count, [cache.key(i) for i in order.evictable()]))
+    assert states[0] == states[1]
+
+
 class _Watched(_Block):
     __slots__ = ("__weakref__",)
 
