@@ -294,6 +294,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
             return
         self.finished = True
         self._names = {}
+        self._seen = set()
         self._done(self._new)
 
     def _feed(self, batch: list[T], take: Callable[[list[T]], None]) -> None:
@@ -364,15 +365,20 @@ class Handover(EvictionPolicy[T], Generic[T]):
 
     def access_many(self, items: Iterable[T]) -> None:
         batch = items if type(items) is list else list(items)
-        if not self._all_in:
+        if not self.finished:
             # A hit counts once a tick (an insert or a victim ends one), as the duel's
             # miniatures count it: the daemon's lookup and acquire report each hit of a
-            # request, the replay's simulator once, and both must make the same steps.
+            # request, the replay's simulator once, and both must make the same steps,
+            # to the last (the pinned items passed on and the ghosts recalled come
+            # after every item is in the new order).
             seen = self._seen
             if len(seen) > SEEN_MOST:  # hits alone for long: no tick ends
                 seen.clear()
+            before = len(seen)
             batch = [item for item in batch if item not in seen]
             seen.update(batch)
+            if len(seen) - before < len(batch):  # an item named twice in the call
+                batch = list(dict.fromkeys(batch))
         self._feed(batch, self._access_run)
 
     def _access_run(self, run: list[T]) -> None:
