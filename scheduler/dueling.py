@@ -498,25 +498,18 @@ class Duel(Generic[T]):
                         and lead > self.margin * self._minis[self._leader].score
                         and lead > 0.0025 * self.longest):
             self._take_over(best)
-        if self._leader != 0 and self._evicted and self.reality.lags():
-            self._take_over(0)
+        if self._leader != 0 and self._evicted and self.reality.lags() and self._take_over(0):
             self.reality.checks += 1
         self.epoch = min(self.longest, max(self.shortest, self._size >> self.sample_shift))
 
-    def _take_over(self, best: int) -> None:
-        """The candidate ``best`` orders the items from now on: they pass to it in the
-        order the one in charge lists them, those hit since they entered hit again,
-        pinned ones pinned, and it takes the settings its miniature adapted to
-        (O(items), once per hand-over; keeping every candidate's order all along costs
-        more per call than the hand-overs save, and did no better in the replay).
-
-        Hit density is handed only part of its warmth: its histograms are its
-        miniature's, but an item hit since it entered comes as hit once (its class of
-        one hit), whatever its hits (the item states keep one bit of them); it learns
-        the rest as they are hit again.  Past ``HANDOVER_AT_ONCE`` items, between linked
-        orders, the items pass a few a call (``handover.py``); none starts meanwhile."""
+    def _take_over(self, best: int) -> bool:
+        """The candidate ``best`` orders the items from now on (False: a hand-over is
+        under way): they pass to it as ``handover.hand_over_at_once`` says, past
+        ``HANDOVER_AT_ONCE`` items a few at a time (``Handover``), and it takes the
+        settings its miniature adapted to (keeping every candidate's order all along
+        costs more per call than the hand-overs save, and did no better in the replay)."""
         if isinstance(self._order, Handover):
-            return  # one under way: the next election decides again once it is done
+            return False  # one under way: the next election decides again once it is done
         order: Order[T] = self._keyed(self._factories[best]())
         scale = self._size / max(1, self._size >> self.sample_shift)  # the miniature's
         learned = self._minis[best].order
@@ -524,7 +517,7 @@ class Duel(Generic[T]):
         pinned = list(self._pinned)  # no table of every item: at millions, a spike of its size
         sliced = None if len(self._order) <= HANDOVER_AT_ONCE else start_handover(
             self._order, order, pinned, self._items.get, self._gone, self.ghost_key, tune,
-            self._handed)
+            partial(setattr, self, "_order"))  # in charge once it holds every item
         if sliced is None:
             hand_over_at_once(self._order, order, pinned, self._items.get, self._gone,
                               self.ghost_key, self._let_go, tune)
@@ -532,10 +525,7 @@ class Duel(Generic[T]):
         self._leader = best
         self.switches += 1
         self.reality.ahead = self.reality.behind = 0
-
-    def _handed(self, order: Order[T]) -> None:
-        """A hand-over in slices ended: ``order`` holds every item, and is in charge."""
-        self._order = order
+        return True
 
     def insert(self, item: T) -> None:
         tracked = self._items
@@ -666,23 +656,23 @@ class Duel(Generic[T]):
         victim = self._order.pop_victim(allowed)
         if victim is not None:
             self._items.pop(victim)
-            gone = self._gone
-            share = RECALL_SHARE * self._size
-            if gone.maxlen is not None and gone.maxlen < min(share, RECALL_MOST):
-                # the first eviction, or a cache that doubled: a copy of at most
-                # RECALL_MOST names, made once per doubling, never per eviction
-                most = min(1 << (share - 1).bit_length(), RECALL_MOST)
-                gone = self._gone = deque(gone, maxlen=most)
-            gone.append(self.ghost_key(victim))
-            self._evicted = True
+            self._remember((victim,))
         return victim
+
+    def _remember(self, victims: Sequence[T]) -> None:
+        """The victims' names among the latest (about twice the cache's size)."""
+        gone = self._gone
+        share = RECALL_SHARE * self._size
+        if gone.maxlen is not None and gone.maxlen < min(share, RECALL_MOST):
+            # the first eviction, or a cache that doubled: a copy, once per doubling
+            most = min(1 << (share - 1).bit_length(), RECALL_MOST)
+            gone = self._gone = deque(gone, maxlen=most)
+        gone.extend(map(self.ghost_key, victims))
+        self._evicted = True
 
     def pop_victims(self, allowed: Callable[[T], bool], count: int,
                     take: Callable[[T], object]) -> list[T]:
-        """``pop_victim`` up to ``count`` times (``EvictionPolicy.pop_victims``): the
-        order in charge's victims in one call, this duel's notes of them after (none
-        of which the order, ``allowed`` or ``take`` reads): a tick per call the order
-        answered, the victims untracked, their names remembered in order."""
+        """``pop_victim`` up to ``count`` times: the order's in one call, then the notes."""
         victims = self._order.pop_victims(allowed, count, take)
         self._tick += len(victims) + (len(victims) < count)  # (the last call: none)
         if not victims:
@@ -690,13 +680,7 @@ class Duel(Generic[T]):
         items_pop = self._items.pop
         for victim in victims:
             items_pop(victim)
-        gone = self._gone
-        share = RECALL_SHARE * self._size
-        if gone.maxlen is not None and gone.maxlen < min(share, RECALL_MOST):
-            most = min(1 << (share - 1).bit_length(), RECALL_MOST)  # (as ``pop_victim``)
-            gone = self._gone = deque(gone, maxlen=most)
-        gone.extend(map(self.ghost_key, victims))
-        self._evicted = True
+        self._remember(victims)
         return victims
 
     def evictable(self) -> Iterator[T]:

@@ -118,19 +118,7 @@ class LRUPolicy(EvictionPolicy[T]):
         order = self._order
         if isinstance(order, LinkedOrder):  # (the store's: the loop in its links)
             return order.take_oldest(allowed, count, take)
-        victims: list[T] = []
-        while len(victims) < count:
-            item = next(iter(order), None)
-            if item is None:
-                break
-            if not allowed(item):
-                item = _first_allowed(islice(order, 1, None), allowed)
-                if item is None:
-                    break
-            del order[item]
-            victims.append(item)
-            take(item)
-        return victims
+        return super().pop_victims(allowed, count, take)
 
     def evictable(self) -> Iterator[T]:
         return iter(list(self._order))

@@ -92,7 +92,12 @@ def hand_over_at_once(old: Any, new: Any, pinned: list[T], state_of: Callable[[T
                       gone: Iterable[Hashable], ghost_key: Callable[[T], Hashable],
                       let_go: Callable[[Any], None], tune: Callable[[], None]) -> None:
     """The whole hand-over from ``old`` to ``new`` in one call (O(items)): what the
-    slices end with (a small cache's, and to or from hit density)."""
+    slices end with (a small cache's, and to or from hit density).  The items pass in
+    the order ``old`` lists them, those hit since they entered hit again, pinned ones
+    pinned.  Hit density is handed only part of its warmth: its histograms are its
+    miniature's, but an item hit since it entered comes as hit once (its class of one
+    hit), whatever its hits (the item states keep one bit of them); it learns the rest
+    as they are hit again."""
     listed = list(old.evictable())
     let_go(old)
     # A fresh order knows no ghost: inserting them all at once is inserting each.
