@@ -235,72 +235,101 @@ class Handover(EvictionPolicy[T], Generic[T]):
         self.passed += len(batch)
 
     def step(self, most: int) -> None:
-        """Pass on up to ``most`` items (or read or recall a few thousand names)."""
-        if self.finished:
+        """Pass on up to ``most`` items (or read or recall a few thousand names): each
+        phase in turn takes what the one before left of ``most``."""
+        if self.finished or not self._read_names():
             return
-        gone = self._gone
-        if gone is not None:  # in C, NAMES_A_STEP at a time, newest first
-            cut = max(0, len(gone) - NAMES_A_STEP)
-            chunk = gone[cut:]
-            chunk.reverse()
-            self._names.update(dict.fromkeys(chunk))
-            del gone[cut:]
-            if gone:
-                return
-            self._gone = None
-        old = self._old
-        if old is not None:
-            batch: list[T] = []
-            remove = old.order.remove
-            while len(batch) < most and (item := old.coldest()) is not None:
-                remove(item)
-                batch.append(item)
-            if batch:
-                self._pass(batch)
-                most -= len(batch)
-            if most <= 0:
-                return
-            old.order.release()  # empty: nothing is walked
-            self._old = None
-        fresh = self._fresh
-        if fresh:
-            batch = []
-            while len(batch) < most and (item := _oldest(fresh)) is not None:
-                del fresh[item]
-                batch.append(item)
-            self._pass(batch)
-            most -= len(batch)
-            if most <= 0:
-                return
-        self._all_in = True
-        pinned = self._pinned
-        if pinned:
-            batch = []
-            while len(batch) < most and pinned:
-                item = next(iter(pinned))
-                del pinned[item]
-                batch.append(item)
-            self._pass(batch)
-            new = self._new
-            for item in batch:
-                new.pin(item)
-            if pinned:
-                return
-            most -= len(batch)
-        if self._recall is None:
-            self._tune()  # at the real cache's size, now the new order's
-            self._recall = reversed(self._names)  # the ghosts: oldest first
-        if most > 0:
-            names = list(islice(self._recall, NAMES_A_STEP))
-            if names:
-                self._new.recall(names)
-                return
+        most = self._pass_old(most)
         if most <= 0:
             return
-        self.finished = True
-        self._names = {}
-        self._seen = set()
-        self._done(self._new)
+        most = self._pass_fresh(most)
+        if most <= 0:
+            return
+        self._all_in = True
+        most = self._pass_pinned(most)
+        if not self._pinned and self._recall is None:  # every item in the new order
+            self._tune()  # at the real cache's size, now the new order's
+            self._recall = reversed(self._names)
+        if most > 0 and self._recall_ghosts():
+            self.finished = True
+            self._names = {}
+            self._seen = set()
+            self._done(self._new)
+
+    def _read_names(self) -> bool:
+        """Read ``NAMES_A_STEP`` of the latest victims' names (in C, newest first, so
+        each keeps its latest place); whether all are read."""
+        gone = self._gone
+        if gone is None:
+            return True
+        cut = max(0, len(gone) - NAMES_A_STEP)
+        chunk = gone[cut:]
+        chunk.reverse()
+        self._names.update(dict.fromkeys(chunk))
+        del gone[cut:]
+        if gone:
+            return False
+        self._gone = None
+        return True
+
+    def _pass_old(self, most: int) -> int:
+        """Pass on up to ``most`` of the old order's items, coldest first; what is left
+        of ``most`` (0 while the old order holds more)."""
+        old = self._old
+        if old is None:
+            return most
+        batch: list[T] = []
+        remove = old.order.remove
+        while len(batch) < most and (item := old.coldest()) is not None:
+            remove(item)
+            batch.append(item)
+        if batch:
+            self._pass(batch)
+            most -= len(batch)
+        if most > 0:  # it is empty: nothing is walked
+            old.order.release()
+            self._old = None
+        return most
+
+    def _pass_fresh(self, most: int) -> int:
+        """Pass on up to ``most`` of the items referenced since the hand-over began,
+        least recently first; what is left of ``most``."""
+        fresh = self._fresh
+        if not fresh:
+            return most
+        batch: list[T] = []
+        while len(batch) < most and (item := _oldest(fresh)) is not None:
+            del fresh[item]
+            batch.append(item)
+        self._pass(batch)
+        return most - len(batch)
+
+    def _pass_pinned(self, most: int) -> int:
+        """Pass on up to ``most`` pinned items, pinned in the new order; what is left of
+        ``most`` (0 while more are left)."""
+        pinned = self._pinned
+        if not pinned:
+            return most
+        batch: list[T] = []
+        while len(batch) < most and pinned:
+            item = next(iter(pinned))
+            del pinned[item]
+            batch.append(item)
+        self._pass(batch)
+        new = self._new
+        for item in batch:
+            new.pin(item)
+        return 0 if pinned else most - len(batch)
+
+    def _recall_ghosts(self) -> bool:
+        """``NAMES_A_STEP`` of the names left as the new order's ghosts, oldest first;
+        whether none was left."""
+        assert self._recall is not None
+        names = list(islice(self._recall, NAMES_A_STEP))
+        if names:
+            self._new.recall(names)
+            return False
+        return True
 
     def _feed(self, batch: list[T], take: Callable[[list[T]], None]) -> None:
         """``take`` ``batch`` in runs, a step after each ``BURST`` items of the traffic
@@ -309,7 +338,9 @@ class Handover(EvictionPolicy[T], Generic[T]):
         simulator block by block), so the same references make the same decisions."""
         at, n = 0, len(batch)
         while at < n:
-            run = batch[at:at + BURST - self._count] if at or self._count + n > BURST else batch
+            # the rest of the burst's room (the whole batch, uncopied, where it fits)
+            run = batch if not at and self._count + n <= BURST else \
+                batch[at:at + BURST - self._count]
             take(run)
             at += len(run)
             self._count += len(run)

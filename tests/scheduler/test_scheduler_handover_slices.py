@@ -317,3 +317,26 @@ def test_one_hand_over_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     _finish(first)
     take_over(names.index("slru"))  # and taken once it ended
     assert cache.duel.leader == "slru" and cache.duel.switches == switches + 1
+
+
+def test_a_reality_check_refused_during_a_hand_over_is_not_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reality check hands back to LRU only once no hand-over is under way, and
+    counts only a hand-back that happened."""
+    monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)
+    cache = _Cache(300, linked=False)
+    take_over = cache.duel._take_over
+    cache.duel._take_over = lambda best: False  # type: ignore[method-assign]
+    _life(cache, random.Random(2), 300)
+    cache.duel._take_over = take_over  # type: ignore[method-assign]
+    cache.duel.margin = 1e9  # no election hands over: only the reality check
+    take_over(1)
+    handing = cache.duel._order
+    assert isinstance(handing, Handover) and cache.duel.leader == "slru"
+    cache.duel.reality.behind = 1000  # the real cache far behind LRU's miniature
+    cache.duel._elect()
+    assert cache.duel.reality.checks == 0 and cache.duel._order is handing
+    _finish(handing)
+    cache.duel.reality.behind = 1000
+    cache.duel._elect()
+    assert cache.duel.reality.checks == 1 and cache.duel.leader == "lru"
