@@ -55,18 +55,21 @@ def _make_kernels_importable() -> None:
         return
     except ImportError:
         pass
-    root = Path(__file__).resolve().parents[1]
     package = types.ModuleType("kvstore")
-    package.__path__ = [str(root / "kvstore")]
+    package.__path__ = [str(Path(__file__).resolve().parents[1] / "kvstore")]
     sys.modules["kvstore"] = package
+    _map_subpackage("kernels")
+
+
+def _map_subpackage(name: str) -> None:
+    """``kvstore.<name>`` from the checkout's ``<name>/`` (beside ``kvstore/``)."""
+    root = Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location(
-        "kvstore.kernels",
-        root / "kernels" / "__init__.py",
-        submodule_search_locations=[str(root / "kernels")],
-    )
-    assert spec is not None and spec.loader is not None, "kernels/__init__.py not found"
+        f"kvstore.{name}", root / name / "__init__.py",
+        submodule_search_locations=[str(root / name)])
+    assert spec is not None and spec.loader is not None, f"{name}/__init__.py not found"
     module = importlib.util.module_from_spec(spec)
-    sys.modules["kvstore.kernels"] = module
+    sys.modules[f"kvstore.{name}"] = module
     spec.loader.exec_module(module)
 
 
@@ -78,20 +81,10 @@ def _import_gpu_tier() -> Any:
         return importlib.import_module("kvstore.tiers.gpu")
     except ImportError:
         pass
-    root = Path(__file__).resolve().parents[1]
-    # the subpackages that live beside kvstore/ in a checkout (the tier's imports reach
-    # the configuration, which reads the scheduler's admission bounds)
+    # (the tier's imports reach the configuration, which reads the scheduler's bounds)
     for name in ("scheduler", "tiers"):
-        if f"kvstore.{name}" in sys.modules:
-            continue
-        spec = importlib.util.spec_from_file_location(
-            f"kvstore.{name}", root / name / "__init__.py",
-            submodule_search_locations=[str(root / name)],
-        )
-        assert spec is not None and spec.loader is not None, f"{name}/__init__.py not found"
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[f"kvstore.{name}"] = module
-        spec.loader.exec_module(module)
+        if f"kvstore.{name}" not in sys.modules:
+            _map_subpackage(name)
     try:
         importlib.import_module("msgspec")
     except ImportError:
@@ -649,15 +642,13 @@ def check_pinned_arena(have_kernel: bool) -> tuple[str, list[Result]]:
         if not (flat.is_pinned() and flat[-1:].is_pinned()):
             return "the arena is registered but torch does not see it as pinned", []
         device_flat = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
-        # One cudaMemcpyAsync per registered piece: a copy may not span two registrations
-        # (one across the whole arena fails with "invalid argument", as the first run on
-        # an H200 found), so that is the limit of an arena pinned in pieces.
+        # One cudaMemcpyAsync per registered piece: one may not span two ("invalid
+        # argument", found on an H200): the limit of an arena pinned in pieces.
         base = flat.data_ptr()
-        pieces = [(a - base, b - base) for a, b in itertools.pairwise(
-            chunk_edges(base, nbytes, ARENA_CHUNK_BYTES))]
+        edges = [e - base for e in chunk_edges(base, nbytes, ARENA_CHUNK_BYTES)]
 
         def copy_pieces(dst: torch.Tensor, src: torch.Tensor) -> None:
-            for a, b in pieces:
+            for a, b in itertools.pairwise(edges):
                 dst[a:b].copy_(src[a:b], non_blocking=True)
 
         d2h_ms, d2h_host = device_time(functools.partial(copy_pieces, flat, device_flat), 9)
@@ -681,19 +672,16 @@ def check_pinned_arena(have_kernel: bool) -> tuple[str, list[Result]]:
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record()
         done.synchronize()
-        on_device = torch.empty_like(device_flat)
-        copy_pieces(on_device, flat)
-        if not torch.equal(on_device.view(n, block_bytes), reference):
+        copy_pieces(device_flat, flat)  # (the arena's bytes back, to compare)
+        if not torch.equal(device_flat.view(n, block_bytes), reference):
             return "GPU -> pinned arena is not bit-exact", []
-        del on_device, device_flat
+        del device_flat
         if not torch.equal(reloaded, reference):
             return "pinned arena -> GPU is not bit-exact", []
         target = 0.8 if have_kernel else None
         return "ok", [
-            Result(f"GPU->pinned arena one copy a piece, {nbytes // MiB} MiB", nbytes, d2h_ms,
-                   d2h_host),
-            Result(f"pinned arena->GPU one copy a piece, {nbytes // MiB} MiB", nbytes, h2d_ms,
-                   h2d_host),
+            Result(f"GPU->pinned arena by piece {nbytes // MiB} MiB", nbytes, d2h_ms, d2h_host),
+            Result(f"pinned arena->GPU by piece {nbytes // MiB} MiB", nbytes, h2d_ms, h2d_host),
             Result(f"  GPU->arena rows gather {backend}", nbytes, offload_ms, offload_host,
                    d2h_ms, target),
             Result(f"  arena rows->GPU scatter {backend}", nbytes, reload_ms, reload_host,

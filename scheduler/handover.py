@@ -431,14 +431,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
         if self._all_in:
             self._new.pin(item)
             return
-        place = self._where(item)
-        if place == "fresh":
-            del self._fresh[item]
-        elif place == "old":
-            assert self._old is not None
-            self._old.order.remove(item)
-        else:
-            self._new.remove(item)
+        self._take_out(item)
         self._pinned[item] = None
 
     def unpin(self, item: T) -> None:
@@ -454,7 +447,12 @@ class Handover(EvictionPolicy[T], Generic[T]):
             return
         if self._all_in:
             self._new.remove(item)
-            return
+        else:
+            self._take_out(item)
+
+    def _take_out(self, item: T) -> None:
+        """Take an unpinned item off whichever list holds it (before all are in the new
+        order)."""
         place = self._where(item)
         if place == "fresh":
             del self._fresh[item]
