@@ -12,11 +12,7 @@ anew would do more than the daemon for the same frames, and flatter it.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-
-from kvstore.bench.harness import BenchError, short_dir
+from kvstore.bench.harness import PeerProcess
 
 FRAME_PEER = r"""
 import mmap, os, sys, zmq
@@ -61,37 +57,10 @@ while True:
 """
 
 
-class FramePeer:
+class FramePeer(PeerProcess):
     """The frame plane's peer process; ``region_bytes`` of shared memory for ``store``
     (as large as the daemon's arena share, so neither copies from cache to cache)."""
 
     def __init__(self, region_bytes: int) -> None:
+        super().__init__(FRAME_PEER, "frames.sock", "frame", str(region_bytes))
         self.region_bytes = region_bytes
-        self.sockets = short_dir()
-        self.endpoint = f"ipc://{self.sockets / 'frames.sock'}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> FramePeer:
-        self.proc = subprocess.Popen([sys.executable, "-c", FRAME_PEER, self.endpoint,
-                                      str(self.region_bytes)], stdout=subprocess.PIPE)
-        assert self.proc.stdout is not None
-        if self.proc.stdout.readline().strip() != b"ready":
-            self.stop()
-            raise BenchError("the pyzmq frame peer did not start")
-        return self
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-        shutil.rmtree(self.sockets, ignore_errors=True)
-
-    def __enter__(self) -> FramePeer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

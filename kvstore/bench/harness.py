@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Self
 
 from kvstore.errors import KVStoreError
 
@@ -262,23 +262,23 @@ while True:
 """
 
 
-class EchoPeer:
-    """A bare pyzmq ROUTER in its own process (as the daemon is): echoes a request, takes
-    bulk frames (``sink``) or sends them (``source N SIZE``).  The limit the control and
-    frame planes are measured against."""
+class PeerProcess:
+    """A peer script (``python -c``) in its own process, listening on an ipc endpoint in
+    a folder of its own; it prints "ready" once it serves."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: str, socket_name: str, what: str, *args: str) -> None:
         self.sockets = short_dir()
-        self.endpoint = f"ipc://{self.sockets / 'echo.sock'}"
+        self.endpoint = f"ipc://{self.sockets / socket_name}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._script, self._what, self._args = script, what, args
 
-    def start(self) -> EchoPeer:
-        self.proc = subprocess.Popen([sys.executable, "-c", ECHO_PEER, self.endpoint],
-                                     stdout=subprocess.PIPE)
+    def start(self) -> Self:
+        self.proc = subprocess.Popen([sys.executable, "-c", self._script, self.endpoint,
+                                      *self._args], stdout=subprocess.PIPE)
         assert self.proc.stdout is not None
         if self.proc.stdout.readline().strip() != b"ready":
             self.stop()
-            raise BenchError("the pyzmq echo peer did not start")
+            raise BenchError(f"the pyzmq {self._what} peer did not start")
         return self
 
     def stop(self) -> None:
@@ -290,6 +290,21 @@ class EchoPeer:
             if proc.stdout is not None:
                 proc.stdout.close()
         shutil.rmtree(self.sockets, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EchoPeer(PeerProcess):
+    """A bare pyzmq ROUTER in its own process (as the daemon is): echoes a request, takes
+    bulk frames (``sink``) or sends them (``source N SIZE``).  The limit the control and
+    frame planes are measured against."""
+
+    def __init__(self) -> None:
+        super().__init__(ECHO_PEER, "echo.sock", "echo")
 
 
 @dataclass
