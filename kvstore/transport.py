@@ -160,8 +160,11 @@ class Transport:
         self._unknown: dict[bytes, int] = {}  # peer without a session -> messages seen
         self.dropped_before_hello = 0
         self.received = 0  # messages read (for ``give_back_buffers_when_quiet``)
+        self.received_payloads = 0  # ... of them with payload frames (a put's)
         self._received_before = 0
+        self._payloads_before = 0
         self._buffers_kept = False  # messages came since the allocator last gave back
+        self._payloads_kept = False  # ... payload frames among them
         self._draining = -1  # the socket whose drain is running, if one is
         # per socket: whether a drain of it is asked of the loop (``_drain_soon``) and
         # has not run yet
@@ -278,6 +281,8 @@ class Transport:
                 except zmq.Again:
                     break
                 self.received += 1
+                if len(frames) > 2:  # (routing id, header, payload frames)
+                    self.received_payloads += 1
                 # peers of different sockets may share routing ids: key them by socket too
                 peer = bytes((index,)) + frames[0].bytes
                 if (self.admitted is not None and not self.admitted(peer)
@@ -420,17 +425,23 @@ class Transport:
 
     def give_back_buffers_when_quiet(self) -> None:
         """Called now and then (the daemon's reaper, about a second apart): once no
-        message came since the last call, after some did, have the C allocator give the
-        free pages inside its heaps back to the kernel, in a thread (``malloc_trim``
-        releases the GIL): after a flood of 8 MiB frames, 115 MiB resident (as idle before
-        it) against 332 without.  What stays is the free top of ZeroMQ's thread's heap, up
-        to the trim threshold (``keep_receive_buffers``: only a free in that heap trims
-        it), kept for the next put."""
-        if self.received != self._received_before:
-            self._received_before = self.received
-            self._buffers_kept = True
-        elif self._buffers_kept and self._loop is not None:
-            self._buffers_kept = False
+        message came since the last call, after some did, or once none with payload
+        frames came, after some did, while small requests go on (lookups never stop
+        on a busy daemon: waiting for them to stop kept a flood's heaps resident for
+        good), have the C allocator give the free pages inside its heaps back to the
+        kernel, in a thread (``malloc_trim`` releases the GIL): after a flood of 8 MiB
+        frames, 115 MiB resident (as idle before it) against 332 without.  What stays is
+        the free top of ZeroMQ's thread's heap, up to the trim threshold
+        (``keep_receive_buffers``: only a free in that heap trims it), kept for the next
+        put."""
+        received, payloads = self.received, self.received_payloads
+        came, frames_came = received != self._received_before, payloads != self._payloads_before
+        self._received_before, self._payloads_before = received, payloads
+        self._buffers_kept |= came
+        if frames_came:
+            self._payloads_kept = True  # (a put's receive buffers: kept for the next)
+        elif (self._payloads_kept or (not came and self._buffers_kept)) and self._loop is not None:
+            self._buffers_kept = self._payloads_kept = False
             self._loop.run_in_executor(None, give_back_free_memory)
 
     def reap_some(self) -> bool:
