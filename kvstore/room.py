@@ -80,6 +80,9 @@ class RoomMaker:
                     while freed < excess and (victim := policy.pop_victim(allowed)) is not None:
                         freed += victim.ns.cls.slot_bytes
                         leaving.evict(victim)
+        except BaseException:
+            self._put_back(leaving.to_demote + leaving.to_remote, failed=True)
+            raise
         finally:
             leaving.finish()
         if freed < excess:
@@ -123,10 +126,15 @@ class RoomMaker:
 
         return allowed
 
-    def _put_back(self, blocks: list[Block]) -> None:
-        """Victims marked for a write that will not happen: back on their orders."""
+    def _put_back(self, blocks: list[Block], failed: bool = False) -> None:
+        """Victims marked for a write that will not happen: back on their orders.
+        ``failed``: an exception cut the request's victims short, so an order may not
+        have finished taking them (a duel notes a batch's victims after it): each is
+        forgotten by its order first, as any victim is, so that it goes back in."""
         for b in blocks:
             self.store.remote_demoting.discard(b)
+            if failed:
+                b.ns.dram.policy(b.ns.cls).remove(b)
             self.store.back_on_order(b)
 
     def _over_share(self, dram: TierSlots,
@@ -188,6 +196,9 @@ class RoomMaker:
                     if victim.ns.tenant in over:
                         over[victim.ns.tenant] -= cls.slot_bytes
                     leaving.evict(victim)
+        except BaseException:
+            self._put_back(leaving.to_demote + leaving.to_remote, failed=True)
+            raise
         finally:
             leaving.finish()
         if taken < need:
