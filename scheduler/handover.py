@@ -63,7 +63,6 @@ NAMES_A_STEP = 2048
 SEEN_MOST = 4096  # hits remembered in one tick, at most
 
 _ABSENT: Any = object()
-_UNTRACKED: Any = object()
 
 
 def _oldest(q: Queue[T]) -> T | None:
@@ -83,7 +82,7 @@ def _victims_gone(gone: Iterable[Hashable], ghost_key: Callable[[Any], Hashable]
         names[name] = None
     back: set[Any] = set()
     for item in resident:
-        if names.pop(ghost_key(item), _UNTRACKED) is None:
+        if names.pop(ghost_key(item), _ABSENT) is None:
             back.add(item)
     return list(names), back
 
@@ -118,15 +117,13 @@ def hand_over_at_once(old: Any, new: Any, pinned: list[T], state_of: Callable[[T
 
 
 class _Parts:
-    """An order's lists, coldest first, and its pinned items, read in place: how an
-    order the hand-over leaves is emptied a few items at a time (the orders keep these
-    apart; their ``evictable`` copies them all)."""
+    """An order's lists, coldest first, read in place: how an order the hand-over
+    leaves is emptied a few items at a time (its ``evictable`` copies them all; its
+    pinned items pass to the hand-over when it begins)."""
 
-    def __init__(self, order: EvictionPolicy[Any], queues: list[Queue[Any]],
-                 pinned: Any) -> None:
+    def __init__(self, order: EvictionPolicy[Any], queues: list[Queue[Any]]) -> None:
         self.order = order
         self.queues = queues  # listed in turn
-        self.pinned = pinned  # a container of its pinned items (``in``)
 
     def holds(self, item: Any) -> bool:
         """Whether ``item`` is on one of its lists (its pinned ones passed to the
@@ -144,7 +141,7 @@ class _Parts:
 
 # The lists of the linked orders ``auto`` duels, by their names, in the order their
 # ``evictable`` lists them (read in place: ``eviction.py``, which imports the duel, is
-# not imported here), and the set or map of their pinned items.
+# not imported here).
 _LISTS = {"lru": ("_order",), "slru": ("_probation", "_protected"), "arc": ("_t1", "_t2")}
 
 
@@ -158,7 +155,7 @@ def parts_of(order: object) -> _Parts | None:
     names = _LISTS.get(getattr(order, "name", ""))
     if names is None or not isinstance(order, EvictionPolicy):
         return None
-    return _Parts(order, [getattr(order, n) for n in names], getattr(order, "_pinned"))
+    return _Parts(order, [getattr(order, n) for n in names])
 
 
 def hit_since_entered(state_of: Callable[[Any], Any], item: Any) -> bool:
