@@ -36,6 +36,7 @@ as for S3-FIFO (``kvstore.scheduler.eviction``).
 
 from __future__ import annotations
 
+import heapq
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -46,6 +47,7 @@ import numpy as np
 
 from kvstore.scheduler.linked import LinkedOrder, Queue, links_of, queue, release_links
 from kvstore.scheduler.policy import EvictionPolicy
+from kvstore.scheduler.sharded import FifoMap, ShardedDict
 
 T = TypeVar("T", bound=Hashable)
 
@@ -141,6 +143,14 @@ class _Entry:
         self.up: _Entry | None = None  # that parent's entry
 
 
+def _shards_of(entries: dict[T, _Entry] | ShardedDict[T, _Entry]
+               ) -> tuple[list[dict[T, _Entry]], int]:
+    """The dicts an order's entries are in and the modulus that picks an item's."""
+    if isinstance(entries, ShardedDict):
+        return entries.shards, entries.modulus
+    return [entries], 1
+
+
 def _parent_attribute(item: object) -> object:
     return getattr(item, "parent", None)
 
@@ -172,12 +182,13 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self.ghost_ratio = ghost
         self.skip = skip
         self.parent_of: Callable[[T], object] = _parent_attribute
-        self._entries: dict[T, _Entry] = {}
+        self._entries: dict[T, _Entry] | ShardedDict[T, _Entry] = {}
         self._pinned = 0
         # per class, LRU first: in tables, or all in the items' links (``links``)
         self._queues: list[Queue[T]] = [OrderedDict() for _ in range(_CLASSES)]
         # evicted keys -> (hits, class, clock at the last reference)
-        self._ghost: OrderedDict[Hashable, tuple[int, int, int]] = OrderedDict()
+        self._ghost: (OrderedDict[Hashable, tuple[int, int, int]]
+                      | FifoMap[Hashable, tuple[int, int, int]]) = OrderedDict()
         # Per class, per age bucket: the hits, the evictions and the densities learned
         # from them, as rows of one buffer each, which a refresh reads and writes as
         # arrays in place while the hot paths index the rows as lists (as fast).
@@ -211,6 +222,19 @@ class HitDensityPolicy(EvictionPolicy[T]):
         if self._entries:
             raise ValueError("an order's links are chosen while it is empty")
         self._queues = [queue(links) for _ in range(_CLASSES)]
+
+    def spread(self) -> None:
+        """Keep the entries in a ``ShardedDict`` and the ghosts in a ``FifoMap``: the
+        order in charge of a cache of millions of blocks, whose dict and ``OrderedDict``
+        grew by rebuilds of their whole tables (a hand-over to it at a million blocks
+        passed 64 items in 15 to 64 ms where its dict and class tables grew,
+        ``benchmarks/eviction_cost.py --handover 1M``; an ``OrderedDict`` of 600k
+        ghosts rebuilds in about 210 ms, see ``FifoMap``).  A miniature's few keys keep
+        the dicts (their hot paths' C calls)."""
+        if self._entries or self._ghost:
+            raise ValueError("an order's tables are spread while it is empty")
+        self._entries = ShardedDict()
+        self._ghost = FifoMap()
 
     def release(self) -> None:
         release_links(*self._queues)
@@ -274,6 +298,7 @@ class HitDensityPolicy(EvictionPolicy[T]):
                 up.kids += 1
         if len(entries) > self._size:
             self._size = len(entries)
+        # (a request's new blocks are one call in the store and in the replay alike)
         if self._now >= self._next_refresh:
             self._learn()
 
@@ -281,9 +306,10 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self.access_many((item,))
 
     def access_many(self, items: Iterable[T]) -> None:
-        entries, queues, tick = self._entries, self._queues, self._tick
+        queues, tick = self._queues, self._tick
+        shards, modulus = _shards_of(self._entries)  # the entries' get, inline
         for item in items:
-            entry = entries.get(item)
+            entry = shards[hash(item) % modulus].get(item)
             if entry is None or entry.tick == tick:
                 continue  # unknown, or already counted in this tick (lookup, then acquire)
             entry.tick = tick
@@ -300,11 +326,15 @@ class HitDensityPolicy(EvictionPolicy[T]):
             entry.klass = new = (_CLASS_OF_HITS[hits] if hits < len(_CLASS_OF_HITS)
                                  else _CLASSES - 1)
             entry.stamp = now
-            if not entry.pinned:
+            if entry.pinned:
+                pass
+            elif old == new:  # (one call: a queue in links makes each in Python)
+                queues[new].move_to_end(item)
+            else:
                 del queues[old][item]
                 queues[new][item] = None
-        if self._now >= self._next_refresh:
-            self._learn()
+            if now >= self._next_refresh:  # at the same hit however the hits are grouped
+                self._learn()  # (the store reports a chain's in one call, the replay each)
 
     def pin(self, item: T) -> None:
         entry = self._entries.get(item)
@@ -393,7 +423,8 @@ class HitDensityPolicy(EvictionPolicy[T]):
         ghost[self.ghost_key(best)] = (entry.hits, entry.klass, entry.stamp)
         horizon = self.ghost_ratio * self._size
         while ghost:
-            _, klass, stamp = next(iter(ghost.values()))
+            _, klass, stamp = (ghost.oldest()[1] if isinstance(ghost, FifoMap)
+                               else next(iter(ghost.values())))
             if len(ghost) <= horizon and now - stamp <= horizon:
                 break
             ghost.popitem(last=False)
@@ -476,11 +507,44 @@ class HitDensityPolicy(EvictionPolicy[T]):
     def evictable(self) -> Iterator[T]:
         """The unpinned items, least recently referenced first, as the other orders list
         theirs: a hand-over to one of them (``Duel``, the store's policy switch) keeps
-        their recency (by each item's last reference: O(n log n), once per hand-over)."""
+        their recency.  The class lists merged by each one's oldest (``coldest``, one
+        by one: what a hand-over in slices takes); each list is in the order of its
+        items' last references but for an item unpinned since, which went last with its
+        older stamp, and stays there."""
         entries = self._entries
-        listed = [item for item, entry in entries.items() if not entry.pinned]
-        listed.sort(key=lambda item: entries[item].stamp)
-        return iter(listed)
+        return iter(list(heapq.merge(*self._queues, key=lambda item: entries[item].stamp)))
+
+    def coldest(self) -> T | None:
+        """The next item ``evictable`` lists (None if none): the class lists' oldest
+        of the oldest stamp, the first class on a tie."""
+        entries, best, stamp = self._entries, None, 0
+        queues = self._queues
+        linked = isinstance(queues[0], LinkedOrder)
+        for q in queues:
+            head = (cast("LinkedOrder[T]", q).oldest() if linked else next(iter(q), None))
+            if head is not None and (best is None or entries[head].stamp < stamp):
+                best, stamp = head, entries[head].stamp
+        return best
+
+    def link_late(self, items: Iterable[T], waiting: dict[object, list[T]]) -> None:
+        """``items``, just inserted, linked to their parents as one call of them all
+        would have (a hand-over in slices passes a chain's colder children before their
+        parents, and its pinned items last): each item's children that came before it
+        (``waiting``, by parent) counted now, and each item whose parent is not tracked
+        yet left waiting for it.  ``waiting`` is the caller's, dropped when it ends."""
+        entries, parent_of = self._entries, self.parent_of
+        for item in items:
+            entry = entries.get(item)
+            if entry is None:
+                continue
+            for child in waiting.pop(item, ()):
+                kid = entries.get(child)
+                if kid is not None and kid.up is None:
+                    kid.parent, kid.up = item, entry
+                    entry.kids += 1
+            if entry.up is None and (parent := parent_of(item)) is not None \
+                    and parent not in entries:
+                waiting.setdefault(parent, []).append(item)
 
     def __len__(self) -> int:
         return len(self._entries) - self._pinned

@@ -427,7 +427,7 @@ class Duel(Generic[T]):
                 else:
                     self.reality.behind += 1
         if self._lingering:
-            self._forget()
+            self._lingering = _forget(self._lingering, nodes, tick)
         minis = self._minis
         if node.held == len(minis):
             # every miniature holds it (a hit in each: no room made, no parent asked
@@ -465,15 +465,6 @@ class Duel(Generic[T]):
         self._sampled += 1
         if self._sampled >= self.epoch:
             self._elect()
-
-    def _forget(self) -> None:
-        """Drop the keys no miniature holds whose dedup stamp has passed."""
-        lingering, tick = self._lingering, self._tick
-        self._lingering = [node for node in lingering if node.last == tick and not node.held]
-        nodes = self._nodes
-        for node in lingering:
-            if not node.held and node.last != tick and nodes.get(node.key) is node:
-                del nodes[node.key]
 
     def _elect(self) -> None:
         # ``keep`` is per ``longest`` references; the noise threshold is in hits
@@ -563,21 +554,24 @@ class Duel(Generic[T]):
         spots, names = sampled_in(batch, self.name_hash, self.ghost_key, self._sample_mask)
         tracked.put_all(batch, new_states(len(batch), spots, names))
         tick, before, order = self._tick, len(tracked), self._order
+        handing = isinstance(order, Handover)
         sent = 0  # items given to the order in charge (and counted by the map)
         for at, name in zip(spots, names):
             done = at + 1
             self._tick = tick + done
             if before + done > self._size:
                 self._size = before + done
-            if self._sampled + 1 < self.epoch:
+            if self._sampled + 1 < self.epoch and not handing:
                 self._sample(name, batch[at])  # no election: the run goes on
                 continue
-            # An election may hand the order over: the one in charge holds all so far.
+            # An election may hand the order over: the one in charge holds all so far
+            # (a hand-over in slices reads the miniatures as one call an item left them).
             order.insert_many(batch[sent:done])
             tracked.grown(done - sent)
             sent = done
             self._sample(name, batch[at])
             order = self._order
+            handing = isinstance(order, Handover)
         if sent < len(batch):
             order.insert_many(batch[sent:] if sent else batch)
         tracked.grown(len(batch) - sent)
@@ -589,11 +583,10 @@ class Duel(Generic[T]):
         state = tracked.get(item)
         if state is None:
             return
-        self._order.access(item)
-        if state is False:
-            tracked.put(item, True)  # hit since it entered
-        elif state is not True:  # in the sample
-            tracked.put(item, state | 1)
+        if state is not True:  # hit since it entered: set before the order's call, in
+            tracked.put(item, True if state is False else state | 1)  # which a hand-over
+        self._order.access(item)  # in slices reads it
+        if state is not True and state is not False:
             self._sample(state >> 1, item, True)
 
     def access_many(self, items: Iterable[T]) -> None:
@@ -606,8 +599,9 @@ class Duel(Generic[T]):
         run: list[T] = []
         add = run.append
         # hit for the first time, out of the sample: set True together (``put_all``, in
-        # C), before any election, the one reader of their states (a hand-over)
+        # C), before the order's call and any election (a hand-over reads them)
         first: list[T] = []
+        handing = isinstance(order, Handover)  # (see ``insert_many``)
         for item in items:
             state = state_of(item)
             if state is True:  # out of the sample, hit before: nothing to note
@@ -621,21 +615,22 @@ class Duel(Generic[T]):
                 continue
             add(item)  # in the sample: ``state`` is its name's hash, shifted
             put(item, state | 1)
-            if self._sampled + 1 < self.epoch:
+            if self._sampled + 1 < self.epoch and not handing:
                 self._sample(state >> 1, item, True)  # no election: the run goes on
                 continue
             # An election may hand the order over: the one in charge has all so far.
+            tracked.put_all(first, [True] * len(first))
+            first = []
             order.access_many(run)
             run = []
             add = run.append
-            tracked.put_all(first, [True] * len(first))
-            first = []
             self._sample(state >> 1, item, True)
             order = self._order
-        if run:
-            order.access_many(run)
+            handing = isinstance(order, Handover)
         if first:
             tracked.put_all(first, [True] * len(first))
+        if run:
+            order.access_many(run)
 
     def pin(self, item: T) -> None:
         if self._items.get(item) is not None:
@@ -693,6 +688,15 @@ class Duel(Generic[T]):
         scores = ", ".join(f"{name}={score:.0f}" for name, score in self.scores().items())
         return (f"{type(self).__name__}(leader={self.leader}, evictable={len(self)}, "
                 f"pinned={len(self._pinned)}, switches={self.switches}, scores: {scores})")
+
+
+def _forget(lingering: list[_Sampled], nodes: ShardedDict[int, _Sampled],
+            tick: int) -> list[_Sampled]:
+    """Drop the keys no miniature holds whose dedup stamp has passed: those left."""
+    for node in lingering:
+        if not node.held and node.last != tick and nodes.get(node.key) is node:
+            del nodes[node.key]
+    return [node for node in lingering if node.last == tick and not node.held]
 
 
 def _insert_each(duel: Duel[T], items: Iterable[T]) -> None:

@@ -670,13 +670,11 @@ def _first_allowed(queue: Iterable[T], allowed: Callable[[T], bool]) -> T | None
     return None
 
 
-# Hit density keeps a table entry per item (no links): a hand-over to it costs about
-# 2.2 s of CPU per million items on the loop (``benchmarks/eviction_cost.py
-# --handover``), twice SLRU's, and its tables grow by rebuilds.  Past this many items
-# held it is not elected, and one in charge hands over to the best other candidate.  In
-# charge it holds about 2.3 times SLRU's memory per block (an entry each, and ghosts of
-# up to four times the cache: 920 against 399 bytes at 100k blocks after 300k misses,
-# ``benchmarks/eviction_cost.py --memory``).
+# Hit density keeps an entry per item (in a ``ShardedDict``) and ghosts of up to four
+# times the cache: in charge about 2.3 times SLRU's memory per block (920 against 399
+# bytes at 100k blocks after 300k misses, ``benchmarks/eviction_cost.py --memory``), a
+# hand-over to it 2.8 s of CPU per million items (``--handover``; in slices), more than
+# twice SLRU's.  Past this many items held it is not elected; in charge, it hands over.
 DENSITY_MOST = 1 << 20
 
 
@@ -719,7 +717,7 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
     @links.setter
     def links(self, links: str | None) -> None:
         self._links = links
-        if isinstance(self._order, (LRUPolicy, SLRUPolicy, ARCPolicy)):
+        if isinstance(self._order, (LRUPolicy, SLRUPolicy, ARCPolicy, HitDensityPolicy)):
             self._order.links = links
         # the items' states beside their links, where they have the attribute (the
         # store's blocks: ``dram_duel``): no map of every tracked item
@@ -727,10 +725,13 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
 
     def _keyed(self, order: Order[T]) -> Order[T]:
         order = super()._keyed(order)
-        if self._links is not None and isinstance(order, (LRUPolicy, SLRUPolicy, ARCPolicy)):
+        if self._links is not None and isinstance(
+                order, (LRUPolicy, SLRUPolicy, ARCPolicy, HitDensityPolicy)):
             order.links = self._links
         if isinstance(order, HitDensityPolicy):
             order.parent_of = self._parent  # read at each call, as ``ghost_key``
+            if self._links is not None:  # the store's: no table of every block to grow
+                order.spread()
         return order
 
     def _parent(self, item: T) -> T | None:
@@ -791,6 +792,9 @@ def make_policy(name: str, ghost_key: Callable[[Hashable], Hashable] | None = No
         policy.ghost_key = ghost_key
     if name_hash is not None and isinstance(policy, Duel):
         policy.name_hash = name_hash
-    if links is not None and isinstance(policy, (LRUPolicy, SLRUPolicy, ARCPolicy, AutoPolicy)):
+    if links is not None and isinstance(
+            policy, (LRUPolicy, SLRUPolicy, ARCPolicy, AutoPolicy, HitDensityPolicy)):
         policy.links = links
+        if isinstance(policy, HitDensityPolicy):
+            policy.spread()  # the store's: no table of every block to grow
     return policy

@@ -35,8 +35,12 @@ Victims come from ``new`` first (the coldest items, as the new order ranks them)
 ``old``'s cold end, then ``fresh``'s.  In the replay's cells (``python
 benchmarks/duel_decisions.py``: the shared and chat traces, the generated workloads, at
 four capacities) hand-overs in slices changed 12 of 196 cells' hits, by -0.4% to +0.75%
-(the chat trace at 10%).  A hand-over from or to hit density
-(``parts_of``) is still one call; so is one of ``HANDOVER_AT_ONCE`` items or fewer.
+(the chat trace at 10%).  To or from hit density too (it was one call, 1.4 to 2.0 s at
+a million blocks): its class lists are emptied oldest stamp first (as its
+``evictable`` lists them), and, handed a chain's children before their parent, it
+counts them as the parent's once the parent comes (``HitDensityPolicy.link_late``), as
+one call of them all did.  A hand-over of ``HANDOVER_AT_ONCE`` items or fewer is one
+call.
 Nothing here is O(items) in one call but the release of a hand-over cut short
 (``release``, as an order's own).
 """
@@ -49,8 +53,10 @@ from functools import partial
 from itertools import chain, islice
 from typing import Any, Generic, TypeVar
 
+from kvstore.scheduler.density import HitDensityPolicy
 from kvstore.scheduler.linked import LinkedOrder, Queue, links_of, queue, release_links
 from kvstore.scheduler.policy import EvictionPolicy
+from kvstore.scheduler.sharded import FifoMap, ShardedDict, empty_in_steps
 
 T = TypeVar("T", bound=Hashable)
 
@@ -60,6 +66,10 @@ T = TypeVar("T", bound=Hashable)
 BURST = 16
 PASS_A_BURST = 64
 NAMES_A_STEP = 2048
+# An old order's tables, let go a step at a time: LET_GO_A_STEP ghosts, or SWEEP_A_STEP
+# of hit density's entries (each may free its parents' with it)
+LET_GO_A_STEP = 1024
+SWEEP_A_STEP = 64
 SEEN_MOST = 4096  # hits remembered in one tick, at most
 
 _ABSENT: Any = object()
@@ -99,15 +109,18 @@ def hand_over_at_once(old: Any, new: Any, pinned: list[T], state_of: Callable[[T
     as they are hit again."""
     listed = list(old.evictable())
     let_go(old)
-    # A fresh order knows no ghost: inserting them all at once is inserting each.
-    # One call, pinned ones too: an order that counts an item's children (hit
-    # density) links those of one call, whatever their order in it.
-    new.insert_many(chain(listed, pinned))
     ghosts, back = _victims_gone(gone, ghost_key, chain(listed, pinned))
-    # hit since they entered (``_items``' states: True, or an odd int), or back
-    # since their eviction (``back``): the new order would have taken such a miss
-    # as a ghost hit (SLRU's protected segment, ARC's T2, a hit class of density)
-    for group in (listed, pinned):
+    # hit density counts a parent's tracked children: linked across the two groups
+    waiting: dict[Any, list[T]] | None = {} if isinstance(new, HitDensityPolicy) else None
+    for group in (listed, pinned):  # as the slices pass them (hit density's stamps)
+        # A fresh order knows no ghost: inserting them all at once is inserting each.
+        new.insert_many(group)
+        if waiting is not None:
+            assert isinstance(new, HitDensityPolicy)
+            new.link_late(group, waiting)
+        # hit since they entered (``_items``' states: True, or an odd int), or back
+        # since their eviction (``back``): the new order would have taken such a miss
+        # as a ghost hit (SLRU's protected segment, ARC's T2, a hit class of density)
         new.access_many([item for item in group
                          if hit_since_entered(state_of, item) or item in back])
     for item in pinned:
@@ -138,6 +151,35 @@ class _Parts:
                 return item
         return None
 
+    def leftovers(self) -> list[Iterator[None]]:
+        """Its tables left once its lists are empty, each emptied a step at a time (see
+        ``ShardedDict.dismantle``): its ghosts (SLRU's and hit density's up to two and
+        four times the cache, ARC's two lists), let go at once 57 ms of one call at a
+        million blocks, and kept by nothing else."""
+        boxes = [getattr(self.order, n) for n in ("_ghost", "_b1", "_b2")
+                 if hasattr(self.order, n)]
+        return [box.dismantle(LET_GO_A_STEP) if isinstance(box, (FifoMap, ShardedDict))
+                else empty_in_steps([box], LET_GO_A_STEP) for box in boxes]
+
+
+class _DensityParts(_Parts):
+    """Hit density's class lists, emptied as its ``evictable`` lists them: the oldest of
+    the lists' oldest items first (``HitDensityPolicy.coldest``)."""
+
+    def coldest(self) -> Any:
+        assert isinstance(self.order, HitDensityPolicy)
+        return self.order.coldest()
+
+    def leftovers(self) -> list[Iterator[None]]:
+        """Its ghosts, and its entries left: those of the items pinned when the
+        hand-over began (passed on by it), each holding its parent's entry, and so
+        whole chains of entries (let go at once, at a million blocks, 37 ms of one
+        call): a few at a time."""
+        assert isinstance(self.order, HitDensityPolicy)
+        entries = self.order._entries
+        tables = entries.shards if isinstance(entries, ShardedDict) else [entries]
+        return [*super().leftovers(), empty_in_steps(tables, SWEEP_A_STEP)]
+
 
 # The lists of the linked orders ``auto`` duels, by their names, in the order their
 # ``evictable`` lists them (read in place: ``eviction.py``, which imports the duel, is
@@ -146,12 +188,10 @@ _LISTS = {"lru": ("_order",), "slru": ("_probation", "_protected"), "arc": ("_t1
 
 
 def parts_of(order: object) -> _Parts | None:
-    """The lists of an order ``auto`` duels that can pass its items a few at a time;
-    None for another.  Not hit density: it links a child to its parent only within one
-    call (a parent passed on after its child, as the coldest-first listing mostly does,
-    would leave the child counted as a leaf), and its class lists are not in the order
-    of their stamps once an item was pinned (unpinned, it goes last with its old
-    stamp), so it cannot be emptied coldest first without sorting it all."""
+    """The lists of an order ``auto`` duels, which pass its items a few at a time; None
+    for another."""
+    if isinstance(order, HitDensityPolicy):
+        return _DensityParts(order, list(order._queues))
     names = _LISTS.get(getattr(order, "name", ""))
     if names is None or not isinstance(order, EvictionPolicy):
         return None
@@ -218,12 +258,20 @@ class Handover(EvictionPolicy[T], Generic[T]):
         self.passed = 0  # items handed to ``new`` so far
         self._count = 0  # items of traffic since the last step
         self._seen: set[T] = set()  # items referenced since the last insert or victim
+        # to hit density, which counts a parent's tracked children: the items passed on
+        # before their parent, by parent (``HitDensityPolicy.link_late``)
+        self._waiting: dict[Any, list[T]] | None = (
+            {} if isinstance(new, HitDensityPolicy) else None)
+        self._litter: list[Iterator[None]] = []  # what the old order left, let go in steps
 
     # -- moving items ---------------------------------------------------------------
     def _pass(self, batch: list[T]) -> None:
         """Hand ``batch`` to the new order as the one-call hand-over did."""
         new, hit, names, key = self._new, self._hit, self._names, self._key
         new.insert_many(batch)
+        if self._waiting is not None:
+            assert isinstance(new, HitDensityPolicy)
+            new.link_late(batch, self._waiting)
         # every item's name taken out of the ghosts (resident), hit or not
         again = [item for item in batch
                  if names.pop(key(item), _ABSENT) is None or hit(item)]
@@ -236,6 +284,9 @@ class Handover(EvictionPolicy[T], Generic[T]):
         phase in turn takes what the one before left of ``most``."""
         if self.finished or not self._read_names():
             return
+        if self._litter:  # a table's step of it
+            if next(self._litter[-1], _ABSENT) is _ABSENT:
+                self._litter.pop()
         most = self._pass_old(most)
         if most <= 0:
             return
@@ -247,10 +298,11 @@ class Handover(EvictionPolicy[T], Generic[T]):
         if not self._pinned and self._recall is None:  # every item in the new order
             self._tune()  # at the real cache's size, now the new order's
             self._recall = reversed(self._names)
-        if most > 0 and self._recall_ghosts():
+        if most > 0 and self._recall_ghosts() and not self._litter:
             self.finished = True
             self._names = {}
             self._seen = set()
+            self._waiting = None  # parents that never came: untracked, as in one call
             self._done(self._new)
 
     def _read_names(self) -> bool:
@@ -285,6 +337,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
             most -= len(batch)
         if most > 0:  # it is empty: nothing is walked
             old.order.release()
+            self._litter = old.leftovers()
             self._old = None
         return most
 
@@ -388,6 +441,9 @@ class Handover(EvictionPolicy[T], Generic[T]):
         self._seen.clear()  # a new tick
         if self._all_in:
             self._new.insert_many(run)
+            if self._waiting is not None:  # a chain split between two runs, linked
+                assert isinstance(self._new, HitDensityPolicy)
+                self._new.link_late(run, self._waiting)
         elif isinstance(self._fresh, LinkedOrder):
             self._fresh.extend(run)
         else:
@@ -495,6 +551,8 @@ class Handover(EvictionPolicy[T], Generic[T]):
         release_links(self._fresh)
         self._fresh = OrderedDict()
         self._pinned = {}
+        self._waiting = None
+        self._litter = []
 
     def __len__(self) -> int:
         if self._all_in:

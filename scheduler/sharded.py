@@ -91,6 +91,13 @@ class ShardedDict(Generic[K, V]):
     def __len__(self) -> int:
         return self._len
 
+    def dismantle(self, step: int = 2048) -> Iterator[None]:
+        """Empty it ``step`` entries at a time, pausing (``yield``) after each: a table
+        of millions let go at once frees them all in one call (an order's ghosts at a
+        million-block cache, 57 ms).  Nothing else may use it meanwhile."""
+        yield from empty_in_steps(self.shards, step)
+        self._len = 0
+
     def __iter__(self) -> Iterator[K]:
         return chain.from_iterable(self.shards)
 
@@ -245,6 +252,32 @@ class FifoMap(Generic[K, V]):
                 held._len -= 1
                 return key, held.shards[hash(key) % held.modulus].pop(key)
 
+    def dismantle(self, step: int = 2048) -> Iterator[None]:
+        """``ShardedDict.dismantle`` of the whole (its map, its stale counts, its
+        deques of keys)."""
+        yield from self._map.dismantle(step)
+        yield from self._stale.dismantle(step)
+        for keys in (self._order, self._done, self._later):
+            while keys:
+                for _ in range(min(step, len(keys))):
+                    keys.popleft()
+                yield
+
+    def oldest(self) -> tuple[K, V]:
+        """The oldest entry, left in (the stale keys before it dropped), as
+        ``next(iter(od.items()))`` of an ``OrderedDict``."""
+        held, stale = self._map, self._stale
+        if not held._len:
+            raise KeyError("oldest(): the map is empty")
+        while True:
+            if self._turning and not self._done and not self._order:
+                self._end_turn()
+            keys = self._done if self._turning and self._done else self._order
+            key = keys[0]
+            if key not in stale.shards[hash(key) % stale.modulus] or not self._drop_stale(key):
+                return key, held.shards[hash(key) % held.modulus][key]
+            keys.popleft()
+
     def held(self) -> int:
         """Keys in the deque and waiting to join it, stale ones included."""
         return len(self._order) + len(self._done) + len(self._later)
@@ -257,3 +290,16 @@ class FifoMap(Generic[K, V]):
 
     def __repr__(self) -> str:
         return f"FifoMap(entries={len(self._map)}, stale={len(self._stale)})"
+
+
+def empty_in_steps(tables: list[Any], step: int = 2048) -> Iterator[None]:
+    """Empty each of ``tables`` (dicts, ordered or not: anything with ``popitem``
+    and ``clear``) ``step`` entries at a time, pausing (``yield``) after each."""
+    for table in tables:
+        while table:
+            if len(table) <= step:
+                table.clear()
+            else:
+                for _ in range(step):
+                    table.popitem()
+            yield

@@ -38,6 +38,8 @@ def _orders_of(policy: object) -> set[int]:
     while todo:
         part = todo.pop()
         for value in vars(part).values() if hasattr(part, "__dict__") else ():
+            if isinstance(value, list):  # hit density's class lists
+                found.update(id(q) for q in value if isinstance(q, LinkedOrder))
             if isinstance(value, LinkedOrder):
                 found.add(id(value))
             elif hasattr(value, "evictable") and value is not part:

@@ -18,7 +18,7 @@ from kvstore.scheduler import dueling, handover
 from kvstore.scheduler.eviction import AutoPolicy
 from kvstore.scheduler.handover import Handover
 
-CANDIDATES = ("lru", "slru", "arc")  # hit density hands over in one call
+CANDIDATES = ("lru", "slru", "arc", "density")
 
 
 class _Block:
@@ -56,6 +56,10 @@ class _Cache:
         self.pins: dict[int, int] = {}
         self.victims: list[int] = []
         self.single = False  # each item its own call, as the replay's simulator makes them
+        # with ``single``, inserts too (the store and the simulator both insert a
+        # request's new blocks in one call; hit density links a parent inserted after
+        # its child only within one)
+        self.single_inserts = True
 
     _parents: dict[int, int | None] = {}
 
@@ -100,7 +104,7 @@ class _Cache:
             self.items[k] = item
             made.append(item)
             parent = k
-        if made and self.single:
+        if made and self.single and self.single_inserts:
             for item in reversed(made):
                 self.duel.insert(item)
         elif made:
@@ -274,22 +278,29 @@ def test_no_call_passes_more_than_its_share(monkeypatch: pytest.MonkeyPatch) -> 
     _holds_each_once(cache)
 
 
+@pytest.mark.parametrize("to", ["slru", "density"])
+@pytest.mark.parametrize("tiny", [False, True])
 @pytest.mark.parametrize("linked", [False, True])
 def test_the_same_references_make_the_same_decisions_however_grouped(
-        monkeypatch: pytest.MonkeyPatch, linked: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, linked: bool, tiny: bool, to: str) -> None:
     """The store hits a chain in one call, the replay's simulator block by block: with
     a hand-over under way, the same references give the same victims either way (its
-    steps come after the same items, not the same calls)."""
+    steps come after the same items, not the same calls, and read the items' states as
+    of the item they come after: a first hit earlier in the same call counts)."""
     monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)
+    if tiny:  # slices within one lookup's hits: its earlier hits passed on within it
+        monkeypatch.setattr(handover, "BURST", 2)
+        monkeypatch.setattr(handover, "PASS_A_BURST", 3)
     runs = []
     for single in (False, True):
         cache = _Cache(400, linked)
         cache.single = single
+        cache.single_inserts = to != "density"
         take_over = cache.duel._take_over
         cache.duel._take_over = lambda best: None  # type: ignore[method-assign]
         rng = random.Random(11)
         _life(cache, rng, 300)
-        take_over(1)
+        take_over([m.order.name for m in cache.duel._minis].index(to))
         assert isinstance(cache.duel._order, Handover)
         while isinstance(cache.duel._order, Handover):
             _life(cache, rng, 1)

@@ -67,7 +67,7 @@ def test_keys_from_object_addresses_fill_every_shard() -> None:
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["set", "pop", "del", "oldest"]),
+@given(st.lists(st.tuples(st.sampled_from(["set", "pop", "del", "oldest", "peek"]),
                           st.integers(0, 12), st.integers()), max_size=300))
 def test_a_fifo_map_answers_as_an_ordered_dict(ops: list[tuple[str, int, int]]) -> None:
     """The ghost lists' map: keys taken from the middle and set again, a key set while
@@ -91,6 +91,12 @@ def check_against_an_ordered_dict(ops: list[tuple[str, int, int]]) -> None:
             else:
                 with pytest.raises(KeyError):
                     mine.popitem(last=False)
+        elif verb == "peek":  # the oldest, left in (hit density's ghosts' horizon)
+            if model:
+                assert mine.oldest() == next(iter(model.items()))
+            else:
+                with pytest.raises(KeyError):
+                    mine.oldest()
         assert len(mine) == len(model) and bool(mine) == bool(model)
         assert (key in mine) == (key in model)
     while model:  # the rest, oldest first
@@ -130,7 +136,26 @@ def test_a_fifo_map_gives_up_its_oldest_in_the_middle_of_a_turn() -> None:
         rng = random.Random(5)  # and many short histories, turning all the time
         for _ in range(3000):
             check_against_an_ordered_dict(
-                [(rng.choice(["set", "set", "pop", "oldest"]), rng.randrange(12), 0)
+                [(rng.choice(["set", "set", "pop", "oldest", "peek"]), rng.randrange(12), 0)
                  for _ in range(60)])
     finally:
         FifoMap.SLACK = slack
+
+
+def test_dismantled_a_step_at_a_time() -> None:
+    """A split map and a ghost list emptied a few entries a step (an old order's tables
+    let go during a hand-over), nothing left at the end."""
+    table: ShardedDict[int, int] = ShardedDict()
+    ghosts: FifoMap[int, int] = FifoMap()
+    for key in range(100_000):
+        table[key] = key
+        ghosts[key] = key
+    for key in range(0, 100_000, 3):
+        ghosts.pop(key)  # stale keys in its deque too
+    for box in (table, ghosts):
+        before, steps = len(box), 0
+        for _ in box.dismantle(1000):
+            steps += 1
+        assert len(box) == 0 and not box
+        assert steps >= before // 1000
+    assert not any(table.shards) and ghosts.held() == 0
