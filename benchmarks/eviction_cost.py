@@ -2,8 +2,8 @@
 
     python benchmarks/eviction_cost.py [--trace PATH | --workload NAME] [--capacity 0.1]
                                        [--policies lru,slru,arc,s3fifo,density,auto]
-                                       [--repeat 5] [--handover 200k] [--memory 100k]
-                                       [--ingest 500k]
+                                       [--repeat 5] [--handover 200k [--ghosts 2]]
+                                       [--memory 100k] [--ingest 500k]
 
 Replays the trace through the simulator of benchmarks/replay_sim.py (the policy called
 as the store calls it, each hit reported twice as the daemon's lookup and acquire do)
@@ -18,7 +18,9 @@ to each candidate in turn, on N store-like items (a key, a parent, links) insert
 at a time, every other 64-item chain hit once and one item in 97 pinned, in one call
 and in slices (``kvstore.scheduler.handover``, carried by 64-item lookups): the
 switch's CPU, the longest lookup while one was under way, how many lookups it took and
-their extra CPU, and the CPU seconds per million items in all.
+their extra CPU, and the CPU seconds per million items in all.  With ``--ghosts R``,
+before each hand-over R times N misses go through the order in charge (a victim and a
+new item each), so that the order handed over has its ghosts to let go.
 
 ``--ingest N`` times instead what each policy costs the store's ingest: N store-like
 items (a 16-byte key, a parent, links; named and sampled as the store's blocks are)
@@ -69,6 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--handover", default="",
                         help="time auto's hand-over on this many items (e.g. 200k)")
+    parser.add_argument("--ghosts", type=float, default=0.0,
+                        help="with --handover: before each, this many times the items "
+                             "of misses (each a victim and a new item), filling the "
+                             "order in charge's ghosts as its evictions do")
     parser.add_argument("--memory", default="",
                         help="measure the order in charge's memory on this many items")
     parser.add_argument("--ingest", default="",
@@ -80,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.memory:
         return memory(_count(args.memory))
     if args.handover:
-        return handover(_count(args.handover), max(1, args.repeat))
+        return handover(_count(args.handover), max(1, args.repeat), args.ghosts)
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -145,12 +151,30 @@ def _handover_items(count: int) -> tuple[AutoPolicy[Any], list[_Item]]:
     return policy, items
 
 
-def handover(count: int, repeat: int) -> int:
+def _churn(policy: AutoPolicy[Any], items: list[_Item], misses: int,
+           rng: random.Random) -> None:
+    """``misses`` misses: each a victim of the order in charge and a new item in its
+    place (in ``items`` too, so that the lookups keep finding cached items), which
+    fills that order's ghosts as its own evictions do (SLRU's up to twice the cache,
+    ARC's two lists, hit density's up to four times)."""
+    where = {id(item): i for i, item in enumerate(items)}
+    for _ in range(misses):
+        victim = policy.pop_victim(lambda item: True)
+        if victim is None:
+            return
+        at = where.pop(id(victim))
+        item = items[at] = _Item(rng.randbytes(24), None)
+        where[id(item)] = at
+        policy.insert(item)
+
+
+def handover(count: int, repeat: int, ghosts: float = 0.0) -> int:
     """Each hand-over in one call (``HANDOVER_AT_ONCE`` past the items) and in slices:
     the switch's own CPU, then, in slices, the longest call of the traffic that carried
-    it to its end (64-item lookups of random chains, 16-item inserts with as many
-    evictions), how many calls that took, and the CPU they spent over the same calls
-    with no hand-over under way."""
+    it to its end (64-item lookups of random chains), how many calls that took, and the
+    CPU they spent over the same calls with no hand-over under way.  ``ghosts``: before
+    each hand-over, that many times ``count`` misses through the order in charge (its
+    ghosts, which the hand-over lets go, filled)."""
     rng = random.Random(9)
     rows: dict[tuple[str, str], list[tuple[float, float, int, float]]] = {}
     for _ in range(repeat):
@@ -160,6 +184,11 @@ def handover(count: int, repeat: int) -> int:
             gc.collect()
             gc.disable()
             for best in (1, 2, 3, 0):  # to SLRU, to ARC, to hit density, back to LRU
+                if ghosts:
+                    gc.enable()
+                    _churn(policy, items, int(ghosts * count), rng)
+                    gc.collect()
+                    gc.disable()
                 started = time.process_time()
                 policy._take_over(best)
                 switch = time.process_time() - started
@@ -183,9 +212,10 @@ def handover(count: int, repeat: int) -> int:
             gc.enable()
             policy.release()
     dueling.HANDOVER_AT_ONCE = at_once
-    print(f"hand-over of {count} items (median of {repeat}): the switch's CPU, the longest "
-          "64-item lookup until it ended, the lookups it took, their CPU over the same "
-          "lookups with none under way")
+    churned = f", after {ghosts:g}x its items of misses each" if ghosts else ""
+    print(f"hand-over of {count} items (median of {repeat}{churned}): the switch's CPU, the "
+          "longest 64-item lookup until it ended, the lookups it took, their CPU over the "
+          "same lookups with none under way")
     print(f"  {'to':<8} {'mode':<9} {'switch ms':>10} {'longest ms':>11} {'lookups':>8} "
           f"{'extra ms':>9} {'s per M items':>14}")
     for (name, mode), runs in rows.items():

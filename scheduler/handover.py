@@ -62,7 +62,9 @@ T = TypeVar("T", bound=Hashable)
 
 # Every BURST items of traffic (inserted or referenced), PASS_A_BURST items passed on
 # (about 1 us each: a 1024-block commit passes 2048, a few ms), or NAMES_A_STEP names
-# read (in C) or recalled.  Passing twice the traffic keeps the hand-over ahead of it.
+# read (in C) or an eighth of that recalled (a name into a ghost map is a Python call:
+# 2048 a step, four steps a 64-block lookup, held one 8-11 ms).  Passing twice the
+# traffic keeps the hand-over ahead of it.
 BURST = 16
 PASS_A_BURST = 64
 NAMES_A_STEP = 2048
@@ -372,10 +374,10 @@ class Handover(EvictionPolicy[T], Generic[T]):
         return 0 if pinned else most - len(batch)
 
     def _recall_ghosts(self) -> bool:
-        """``NAMES_A_STEP`` of the names left as the new order's ghosts, oldest first;
-        whether none was left."""
+        """An eighth of ``NAMES_A_STEP`` of the names left as the new order's ghosts,
+        oldest first; whether none was left."""
         assert self._recall is not None
-        names = list(islice(self._recall, NAMES_A_STEP))
+        names = list(islice(self._recall, max(1, NAMES_A_STEP // 8)))
         if names:
             self._new.recall(names)
             return False

@@ -38,7 +38,7 @@ def test_hits_reported_twice_step_as_once_in_every_phase(
     after the same items too, or the daemon's hand-over ends at another reference
     than its simulator's."""
     _paced(monkeypatch)
-    monkeypatch.setattr(handover, "NAMES_A_STEP", 12)  # a long recall: many steps
+    monkeypatch.setattr(handover, "NAMES_A_STEP", 96)  # a long recall (12 a step)
     runs = []
     for make in (_Cache, _Reporter):
         cache = make(400, linked)
