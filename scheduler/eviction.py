@@ -671,8 +671,8 @@ def _first_allowed(queue: Iterable[T], allowed: Callable[[T], bool]) -> T | None
 
 
 # Hit density keeps an entry per item (in a ``ShardedDict``) and ghosts of up to four
-# times the cache: in charge about 2.3 times SLRU's memory per block (920 against 399
-# bytes at 100k blocks after 300k misses, ``benchmarks/eviction_cost.py --memory``), a
+# times the cache: in charge 1.6 times SLRU's memory per block (685 against 427 bytes
+# at 100k blocks after 300k misses, 943 in tables; ``eviction_cost.py --memory``), a
 # hand-over to it 2.8 s of CPU per million items (``--handover``; in slices), more than
 # twice SLRU's.  Past this many items held it is not elected; in charge, it hands over.
 DENSITY_MOST = 1 << 20
