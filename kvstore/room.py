@@ -13,9 +13,11 @@ from collections.abc import Callable
 from kvstore.blocks import REMOTE_MARK, SEEN_SHIFT, SSD, Block, Namespace, TierSlots
 from kvstore.core import StoreCore
 from kvstore.errors import CapacityError
+from kvstore.first_blocks import no_longer_heads
 from kvstore.plans import Plan
 from kvstore.pool import SlabClass
 from kvstore.tier_changes import TierChanges
+from kvstore.token_ids import let_go
 
 # The kinds of victim each pressure step takes (see RoomMaker._victim_test): evict drops
 # blocks (a copy is below, or no tier below takes them), demote moves them down (a copy is
@@ -214,6 +216,11 @@ class RoomMaker:
                 f"the pressure steps ({tried}) may not take", cause="pinned")
         return leaving.plan()
 
+    def drops(self) -> _Leaving:
+        """A batch of DRAM copies to drop, of blocks off their eviction orders (a
+        demotion's, once written): ``drop`` each, then ``finish`` once."""
+        return _Leaving(self.store)
+
     def room_coming(self, cls: SlabClass | None, tenant: str | None = None) -> bool:
         """Whether writes under way will free or unpin DRAM slots of ``cls`` (of any
         class if None; of ``tenant``'s, if given): a demoted block leaves DRAM, a
@@ -244,49 +251,51 @@ class _Facts:
 class _Leaving:
     """The DRAM copies one request evicts, each dropped as ``StoreCore.drop_dram_copy``
     drops it, but with what can wait done once for them all (``finish``): the slots go
-    back to their pool in one call per run of one class, in the order they were taken,
-    so that the pool ends as block by block; the tenants' bytes and the store's counts
-    in one step.  What a later victim's choice can see happens per victim, at once: the
-    copy's offset, its tier changes and dirty entry, and the entry forgotten when no
-    copy is left (its parent may become a leaf, and a victim, next).
+    back to their pool in one call per run of one namespace, in the order they were
+    taken, so that the pool ends as block by block; the tenants' bytes, the store's
+    counts and the forgetting of namespaces left empty in one step.  What a later
+    victim's choice can see happens per victim, at once: the copy's offset, its tier
+    changes and dirty entry, and the entry forgotten when no copy is left (its parent
+    may become a leaf, and a victim, next).
 
     A victim comes off its eviction order (``pop_victim`` takes it), so the order's
     ``remove``, which ``drop_dram_copy`` calls, is not called again.
     """
 
-    __slots__ = ("store", "facts", "to_demote", "to_remote", "runs", "held", "count",
-                 "_touch", "_run")
+    __slots__ = ("store", "facts", "to_demote", "to_remote", "runs", "evicted",
+                 "lost", "emptied", "_touch", "_run")
 
     def __init__(self, store: StoreCore) -> None:
         self.store = store
         self.facts = _Facts(store)
         self.to_demote: list[Block] = []  # victims to write to SSD before they leave
         self.to_remote: list[Block] = []  # ... to the remote store (its write-back mode)
-        self.runs: list[tuple[TierSlots, SlabClass, list[int]]] = []
-        self.held: dict[tuple[TierSlots, str], int] = {}  # bytes given back per tenant
-        self.count = 0  # the copies dropped (their bytes: ``held``'s)
+        self.runs: list[tuple[Namespace, list[int]]] = []  # the slots, in the order taken
+        self.evicted = 0  # the victims (counted into the store's counters by ``finish``)
+        self.lost = 0  # ... of them, those that left the cache
+        self.emptied: dict[Namespace, None] = {}  # lost entries while no session had them
         changes: TierChanges | None = store.changes
         self._touch = changes.touch if changes is not None else None
-        self._run: tuple[TierSlots, SlabClass, list[int]] | None = None
+        self._run: tuple[Namespace, list[int]] | None = None
 
     def evict(self, victim: Block) -> None:
         """A victim off its eviction order leaves DRAM now, or is marked to be written
         back first (to SSD, or to the remote store in its write-back mode)."""
-        f, store = self.facts, self.store
-        if victim.ssd_offset is not None or (victim.rare is not None
-                                             and victim.extra is not None):
+        f = self.facts
+        rare = victim.rare
+        self.evicted += 1
+        if victim.ssd_offset is not None or (rare is not None and rare.extra is not None):
             self.drop(victim)                     # clean: a copy below stays
         elif f.admit_to_ssd and victim.marks >> SEEN_SHIFT >= f.admit_after:
             victim.demoting = True                # dirty: write it back first
             self.to_demote.append(victim)
         elif f.remote_dirty and not victim.marks & REMOTE_MARK:
             victim.demoting = True                # to the remote store first
-            store.remote_demoting.add(victim)
+            self.store.remote_demoting.add(victim)
             self.to_remote.append(victim)
         else:
             self.drop(victim)                     # a cold leaf the SSD tier declines
-            store.counters.dropped_on_eviction += 1
-        store.counters.evictions += 1
+            self.lost += 1
 
     def plan(self) -> Plan | None:
         """The writes the victims need first, if any."""
@@ -298,40 +307,82 @@ class _Leaving:
         """Drop the DRAM copy of a victim off its eviction order."""
         offset = b.offset
         assert offset is not None and not b.refs, f"{b}: no DRAM copy to drop"
-        store, ns = self.store, b.ns
-        dram, cls = ns.dram, ns.cls
-        if b.rare is not None and b.gpu_offset is not None and store.gpu is not None:
-            store.gpu.drop(b)  # a GPU copy lives no longer than the DRAM copy
-        run = self._run
-        if run is None or run[0] is not dram or run[1] is not cls:
-            run = self._run = (dram, cls, [])
-            self.runs.append(run)
-        run[2].append(offset)
-        key = (dram, ns.tenant)
-        self.held[key] = self.held.get(key, 0) + cls.slot_bytes
-        self.count += 1
-        b.offset = None
-        if b.rare is not None:
+        ns, rare = b.ns, b.rare
+        if rare is not None:
+            if rare.gpu_offset is not None and self.store.gpu is not None:
+                self.store.gpu.drop(b)  # a GPU copy lives no longer than the DRAM copy
             b.demoting = False
+            rare = b.rare  # (gone once every field of it is back to its default)
+        run = self._run
+        if run is None or run[0] is not ns:
+            run = self._run = (ns, [])
+            self.runs.append(run)
+        run[1].append(offset)
+        b.offset = None
         if self._touch is not None:
             self._touch(b)
-        if store.dirty:
-            store.dirty.get(cls, {}).pop(b, None)
-        if b.ssd_offset is None and (b.rare is None or b.extra is None):
-            store.forget_if_gone(b)  # no copy left (a present one it would keep)
+        dirty = self.store.dirty
+        if dirty:
+            dirty.get(ns.cls, {}).pop(b, None)
+        if b.ssd_offset is None and (rare is None or rare.extra is None):
+            self.forget(b)  # no copy left
+
+    def forget(self, b: Block) -> None:
+        """``StoreCore.forget_if_gone`` for a victim that lost its last copy, inline for
+        the common one (a leaf, nothing rare about it, no namespace being dropped in
+        slices, no remote mark to announce), with the namespace's own forgetting left to
+        ``finish``.  Its parent loses a child at once: it may be the next victim."""
+        store = self.store
+        if (b.rare is not None or b.kids is not None or store.dropping
+                or (self._touch is not None and b.marks & REMOTE_MARK)):
+            store.forget_if_gone(b)  # (it forgets the namespace itself, if need be)
+            return
+        ns, key = b.ns, b.key
+        blocks = ns.blocks
+        shard = blocks.shards[hash(key) & blocks.mask]
+        if shard.get(key) is not b:
+            return
+        del shard[key]
+        if b.tokens is not None:  # (it keeps its ids for an event still to come)
+            let_go(b.tokens, blocks)
+        if not ns.users:
+            self.emptied[ns] = None
+        parent = b.parent
+        if parent is None:
+            no_longer_heads(store.roots, key, ns)
+            return
+        if parent.kids is b:
+            parent.kids = None
+        else:
+            parent.remove_child(b)
+        if parent.kids is None and not parent.present:
+            store.forget_if_gone(parent)  # a hollow parent goes too
 
     def finish(self) -> None:
         """Give the slots back and count them out (once, after the last victim)."""
-        for dram, cls, offsets in self.runs:
-            dram.pool.free(cls, offsets)
-        for (dram, tenant), given in self.held.items():
+        held: dict[tuple[TierSlots, str], int] = {}  # bytes given back per tenant
+        count = 0  # the copies dropped
+        for ns, offsets in self.runs:
+            dram = ns.dram
+            dram.pool.free(ns.cls, offsets)
+            key = (dram, ns.tenant)
+            held[key] = held.get(key, 0) + len(offsets) * ns.cls.slot_bytes
+            count += len(offsets)
+        for (dram, tenant), given in held.items():
             left = dram.used[tenant] - given
             assert left >= 0, f"tenant {tenant!r} gave back more than it held"
             if left:
                 dram.used[tenant] = left
             else:
                 del dram.used[tenant]
-        self.store.committed_slots -= self.count
-        self.store.committed_bytes -= sum(self.held.values())
-        self.runs, self.held, self._run = [], {}, None
-        self.count = 0
+        store = self.store
+        store.committed_slots -= count
+        store.committed_bytes -= sum(held.values())
+        store.counters.evictions += self.evicted
+        store.counters.dropped_on_eviction += self.lost
+        for ns in self.emptied:  # namespaces that lost entries while no session had them
+            if not ns.users:
+                store.forget_if_unused(ns)
+        self.runs, self._run = [], None
+        self.evicted = self.lost = 0
+        self.emptied = {}
