@@ -165,38 +165,60 @@ class SsdCopies:
         changed in DRAM since their commit (written through a mapping kept after it) went
         to SSD under a digest of its own, which a restart would hand readers as the
         block's: it is damaged, as a failed read finds it, and goes at once."""
-        assert self.store.ssd is not None
-        del self.store.transfers[t.id]
-        self.store.ssd_reserved_slots -= len(t.offsets)
+        store, ssd = self.store, self.store.ssd
+        assert ssd is not None
+        del store.transfers[t.id]
+        store.ssd_reserved_slots -= len(t.offsets)
+        counters, free, dirty = store.counters, ssd.pool.free, store.dirty
+        touch = store.changes.touch if store.changes is not None else None
+        order_of: dict[int, EvictionPolicy[Block]] = {}  # SSD orders, by slot size
         changed: list[Block] = []
-        for i, (b, off, demote) in enumerate(zip(t.blocks, t.offsets, t.demote)):
-            cls = b.ns.ssd_cls
-            assert cls is not None
-            if records is None or b.ssd_offset is not None:
-                self.store.ssd.pool.free(cls, [off])
-            else:
-                b.ssd_offset = off
-                digest = getattr(records[i], "checksum", 0)
-                if not b.checksum:  # the SSD tier's own digest of the bytes it wrote
-                    b.checksum = digest
-                elif digest and digest != b.checksum:
-                    changed.append(b)
-                self.store.ssd.policy(cls).insert(b)
-                self.store.ssd_committed_slots += 1
-                self.store.ssd_committed_bytes += cls.slot_bytes
-                self.store.dirty.get(b.ns.cls, {}).pop(b, None)
-                self.store.counters.ssd_writes += 1
-                self.store.counters.demotions += demote
-                self.store.changed(b)
-            if not demote:
-                self.store.unpin_block(b)
-                continue
-            if b.ssd_offset is not None and b.refs == 0:
-                self.store.drop_dram_copy(b)
-            else:  # the write failed, or a reader pinned it meanwhile: it stays in DRAM
-                self.store.back_on_order(b)
+        # The DRAM copies that go, dropped one by one but given back to their pools and
+        # counted out at once (before any unpin below, which may free slots itself: the
+        # pools see the frees in the order of the blocks)
+        drops = self.room.drops()
+        try:
+            for i, (b, off, demote) in enumerate(zip(t.blocks, t.offsets, t.demote)):
+                cls = b.ns.ssd_cls
+                assert cls is not None
+                if records is None or b.ssd_offset is not None:
+                    free(cls, [off])
+                else:
+                    b.ssd_offset = off
+                    digest = getattr(records[i], "checksum", 0)
+                    if not b.checksum:  # the SSD tier's own digest of the bytes it wrote
+                        b.checksum = digest
+                    elif digest and digest != b.checksum:
+                        changed.append(b)
+                    order = order_of.get(cls.slot_bytes)
+                    if order is None:
+                        order = order_of[cls.slot_bytes] = ssd.policy(cls)
+                    order.insert(b)
+                    store.ssd_committed_slots += 1
+                    store.ssd_committed_bytes += cls.slot_bytes
+                    if dirty:
+                        dirty.get(b.ns.cls, {}).pop(b, None)
+                    counters.ssd_writes += 1
+                    counters.demotions += demote
+                    if touch is not None:
+                        touch(b)  # (``StoreCore.changed``)
+                if not demote:
+                    drops.finish()
+                    store.unpin_block(b)
+                elif b.ssd_offset is not None and b.refs == 0:
+                    rare = b.rare
+                    if rare is not None and rare.demoting:  # (off its eviction order, as
+                        # the batch wants it: ``b.demoting`` without a call)
+                        drops.drop(b)
+                    else:
+                        drops.finish()  # (the pools see the frees in order)
+                        store.drop_dram_copy(b)
+                else:  # the write failed, or a reader pinned it meanwhile: it stays in DRAM
+                    store.back_on_order(b)
+        finally:
+            drops.finish()
         for b in changed:  # changed since their commit: damaged (see above)
-            self.corrupt(b, self.store.dropped_ssd)
+            self.corrupt(b, store.dropped_ssd)
 
     def abort_demotion(self, blocks: list[Block]) -> None:
         """Demotion victims that could not be written: back on the DRAM eviction order."""
