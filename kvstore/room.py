@@ -324,21 +324,18 @@ class _Leaving:
         dirty = self.store.dirty
         if dirty:
             dirty.get(ns.cls, {}).pop(b, None)
-        if b.ssd_offset is None and (rare is None or rare.extra is None):
-            self.forget(b)  # no copy left
-
-    def forget(self, b: Block) -> None:
-        """``StoreCore.forget_if_gone`` for a victim that lost its last copy, inline for
-        the common one (a leaf, nothing rare about it, no namespace being dropped in
-        slices, no remote mark to announce), with the namespace's own forgetting left to
-        ``finish``.  Its parent loses a child at once: it may be the next victim."""
+        if b.ssd_offset is not None or (rare is not None and rare.extra is not None):
+            return
+        # No copy left: ``StoreCore.forget_if_gone``, inline for the common entry (a
+        # leaf, nothing rare about it, no namespace being dropped in slices, no remote
+        # mark to announce), the namespace's own forgetting left to ``finish``.  Its
+        # parent loses a child at once: it may be the next victim.
         store = self.store
-        if (b.rare is not None or b.kids is not None or store.dropping
+        if (rare is not None or b.kids is not None or store.dropping
                 or (self._touch is not None and b.marks & REMOTE_MARK)):
             store.forget_if_gone(b)  # (it forgets the namespace itself, if need be)
             return
-        ns, key = b.ns, b.key
-        blocks = ns.blocks
+        key, blocks = b.key, ns.blocks
         shard = blocks.shards[hash(key) & blocks.mask]
         if shard.get(key) is not b:
             return
