@@ -181,6 +181,10 @@ class SsdCopies:
             for i, (b, off, demote) in enumerate(zip(t.blocks, t.offsets, t.demote)):
                 cls = b.ns.ssd_cls
                 assert cls is not None
+                rare = b.rare
+                # a demoted block off its eviction order (``b.demoting`` without a call):
+                # the batch drops its DRAM copy below, if written
+                batched = demote and not b.refs and rare is not None and rare.demoting
                 if records is None or b.ssd_offset is not None:
                     free(cls, [off])
                 else:
@@ -200,15 +204,13 @@ class SsdCopies:
                         dirty.get(b.ns.cls, {}).pop(b, None)
                     counters.ssd_writes += 1
                     counters.demotions += demote
-                    if touch is not None:
-                        touch(b)  # (``StoreCore.changed``)
+                    if touch is not None and not batched:  # (``StoreCore.changed``;
+                        touch(b)  # the batch's drop marks it, the same for the events)
                 if not demote:
                     drops.finish()
                     store.unpin_block(b)
                 elif b.ssd_offset is not None and b.refs == 0:
-                    rare = b.rare
-                    if rare is not None and rare.demoting:  # (off its eviction order, as
-                        # the batch wants it: ``b.demoting`` without a call)
+                    if batched:
                         drops.drop(b)
                     else:
                         drops.finish()  # (the pools see the frees in order)

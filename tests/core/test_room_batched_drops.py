@@ -12,7 +12,9 @@ import pytest
 from kvstore import room
 from kvstore.identity import Identity
 from kvstore.plans import Plan
+from kvstore.blocks import DRAM, SSD
 from kvstore.store import BlockStore, Reservation
+from kvstore.tier_changes import Removed, Stored, TierChanges
 
 SLOT = 4096
 CHAIN = 16
@@ -109,10 +111,12 @@ def test_an_exception_part_way_leaves_the_victims_so_far_counted(policy: str,
     store.check_invariants()
 
 
-def _dirty_store(pinned: int = -1) -> tuple[BlockStore, Any, Plan]:
+def _dirty_store(changes: TierChanges | None = None) -> tuple[BlockStore, Any, Plan]:
     """A full tier of blocks admitted to SSD, and the plan to demote 16 of them."""
     store = BlockStore(64 * SLOT, 64 * SLOT, eviction_policy="lru",
                        ssd_capacity=256 * SLOT, ssd_slab_bytes=64 * SLOT, ssd_admit_after=1)
+    if changes is not None:
+        store.record_changes(changes)
     ns = store.open_namespace(_identity())
     for tag in range(4):
         _commit(store, ns, _keys(tag, CHAIN), float(tag))
@@ -167,3 +171,21 @@ def test_a_failed_demotion_puts_every_block_back() -> None:
     assert store.committed_slots == 64 and store.ssd_committed_slots == 0
     assert set(plan.demote) <= set(ns.dram.policy(ns.cls).evictable())
     store.check_invariants()
+
+
+def test_a_written_demotion_announces_each_block_once_per_tier() -> None:
+    changes = TierChanges()
+    store, ns, plan = _dirty_store(changes)
+    changes.drain()  # (what came before: the commits)
+    t, _ = store.ssd_copies.reserve(list(plan.demote))
+
+    store.ssd_copies.finish_write(t, [None] * len(t.blocks))
+
+    events = changes.drain()
+    keys = sorted(b.key for b in plan.demote)
+    assert [(e.tier, sorted(e.keys)) for e in events if isinstance(e, Removed)] == [
+        (DRAM, keys)]
+    stored = [e for e in events if isinstance(e, Stored)]
+    assert {e.tier for e in stored} == {SSD}
+    assert sorted(b.key for e in stored for b in e.blocks) == keys  # each once
+    assert changes.drain() == []
