@@ -165,60 +165,10 @@ class SsdCopies:
         changed in DRAM since their commit (written through a mapping kept after it) went
         to SSD under a digest of its own, which a restart would hand readers as the
         block's: it is damaged, as a failed read finds it, and goes at once."""
-        store, ssd = self.store, self.store.ssd
-        assert ssd is not None
+        store = self.store
         del store.transfers[t.id]
         store.ssd_reserved_slots -= len(t.offsets)
-        counters, free, dirty = store.counters, ssd.pool.free, store.dirty
-        touch = store.changes.touch if store.changes is not None else None
-        order_of: dict[int, EvictionPolicy[Block]] = {}  # SSD orders, by slot size
-        changed: list[Block] = []
-        # The DRAM copies that go, dropped one by one but given back to their pools and
-        # counted out at once (before any unpin below, which may free slots itself: the
-        # pools see the frees in the order of the blocks)
-        drops = self.room.drops()
-        try:
-            for i, (b, off, demote) in enumerate(zip(t.blocks, t.offsets, t.demote)):
-                cls = b.ns.ssd_cls
-                assert cls is not None
-                rare = b.rare
-                # a demoted block off its eviction order (``b.demoting`` without a call):
-                # the batch drops its DRAM copy below, if written
-                batched = demote and not b.refs and rare is not None and rare.demoting
-                if records is None or b.ssd_offset is not None:
-                    free(cls, [off])
-                else:
-                    b.ssd_offset = off
-                    digest = getattr(records[i], "checksum", 0)
-                    if not b.checksum:  # the SSD tier's own digest of the bytes it wrote
-                        b.checksum = digest
-                    elif digest and digest != b.checksum:
-                        changed.append(b)
-                    order = order_of.get(cls.slot_bytes)
-                    if order is None:
-                        order = order_of[cls.slot_bytes] = ssd.policy(cls)
-                    order.insert(b)
-                    store.ssd_committed_slots += 1
-                    store.ssd_committed_bytes += cls.slot_bytes
-                    if dirty:
-                        dirty.get(b.ns.cls, {}).pop(b, None)
-                    counters.ssd_writes += 1
-                    counters.demotions += demote
-                    if touch is not None and not batched:  # (``StoreCore.changed``;
-                        touch(b)  # the batch's drop marks it, the same for the events)
-                if not demote:
-                    drops.finish()
-                    store.unpin_block(b)
-                elif b.ssd_offset is not None and b.refs == 0:
-                    if batched:
-                        drops.drop(b)
-                    else:
-                        drops.finish()  # (the pools see the frees in order)
-                        store.drop_dram_copy(b)
-                else:  # the write failed, or a reader pinned it meanwhile: it stays in DRAM
-                    store.back_on_order(b)
-        finally:
-            drops.finish()
+        changed = _end_write(store, self.room, t, records)
         for b in changed:  # changed since their commit: damaged (see above)
             self.corrupt(b, store.dropped_ssd)
 
@@ -449,6 +399,66 @@ class SsdCopies:
 
 
 _ABSENT = b"absent"  # a parent key no block has (keys are 16 bytes)
+
+
+def _end_write(store: StoreCore, room: RoomMaker, t: Transfer,
+               records: list[Any] | None) -> list[Block]:
+    """``SsdCopies.finish_write`` over the transfer's blocks, in order: the SSD copies
+    made (or their slots freed), the demoted blocks' DRAM copies dropped, the rest back
+    on their orders or unpinned; the blocks whose bytes changed since their commit."""
+    ssd = store.ssd
+    assert ssd is not None
+    counters, free, dirty = store.counters, ssd.pool.free, store.dirty
+    touch = store.changes.touch if store.changes is not None else None
+    order_of: dict[int, EvictionPolicy[Block]] = {}  # SSD orders, by slot size
+    changed: list[Block] = []
+    # The DRAM copies that go, dropped one by one but given back to their pools and
+    # counted out at once (before any unpin below, which may free slots itself: the
+    # pools see the frees in the order of the blocks)
+    drops = room.drops()
+    try:
+        for i, (b, off, demote) in enumerate(zip(t.blocks, t.offsets, t.demote)):
+            cls = b.ns.ssd_cls
+            assert cls is not None
+            rare = b.rare
+            # a demoted block off its eviction order (``b.demoting`` without a call):
+            # the batch drops its DRAM copy below, if written
+            batched = demote and not b.refs and rare is not None and rare.demoting
+            if records is None or b.ssd_offset is not None:
+                free(cls, [off])
+            else:
+                b.ssd_offset = off
+                digest = getattr(records[i], "checksum", 0)
+                if not b.checksum:  # the SSD tier's own digest of the bytes it wrote
+                    b.checksum = digest
+                elif digest and digest != b.checksum:
+                    changed.append(b)
+                order = order_of.get(cls.slot_bytes)
+                if order is None:
+                    order = order_of[cls.slot_bytes] = ssd.policy(cls)
+                order.insert(b)
+                store.ssd_committed_slots += 1
+                store.ssd_committed_bytes += cls.slot_bytes
+                if dirty:
+                    dirty.get(b.ns.cls, {}).pop(b, None)
+                counters.ssd_writes += 1
+                counters.demotions += demote
+                if touch is not None and not batched:  # (``StoreCore.changed``;
+                    touch(b)  # the batch's drop marks it, the same for the events)
+            if not demote:
+                drops.finish()
+                store.unpin_block(b)
+            elif b.ssd_offset is not None and b.refs == 0:
+                if batched:
+                    drops.drop(b)
+                else:
+                    drops.finish()  # (the pools see the frees in order)
+                    store.drop_dram_copy(b)
+            else:  # the write failed, or a reader pinned it meanwhile: it stays in DRAM
+                store.back_on_order(b)
+    finally:
+        drops.finish()
+    return changed
 
 
 class Found(Protocol):
