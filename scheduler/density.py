@@ -203,6 +203,8 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self._next_refresh = refresh
         self._size = 0  # the most items tracked at once: the cache size, once full
         self.refreshes = 0
+        # items out for a while (``set_aside``), their entries kept for their return
+        self._aside: dict[T, _Entry] = {}
 
     @property
     def links(self) -> str | None:
@@ -255,7 +257,8 @@ class HitDensityPolicy(EvictionPolicy[T]):
             self._hits[klass][age_bucket(now - stamp)] += 1.0
             hits += 1
         klass = _CLASS_OF_HITS[hits] if hits < len(_CLASS_OF_HITS) else _CLASSES - 1
-        entries[item] = entry = _Entry(hits, klass, now)
+        entries[item] = entry = (self._back(item, hits, klass, now) if self._aside
+                                 else _Entry(hits, klass, now))
         self._queues[klass][item] = None
         parent_of = self.parent_of
         parent = (getattr(item, "parent", None) if parent_of is _parent_attribute
@@ -271,6 +274,7 @@ class HitDensityPolicy(EvictionPolicy[T]):
 
     def insert_many(self, items: Iterable[T]) -> None:
         entries, ghost, key, queues = self._entries, self._ghost, self.ghost_key, self._queues
+        aside = self._aside
         fresh: list[tuple[T, _Entry]] = []
         for item in items:
             if item in entries:
@@ -286,7 +290,8 @@ class HitDensityPolicy(EvictionPolicy[T]):
                 self._hits[klass][age_bucket(self._now - stamp)] += 1.0
                 hits += 1
             klass = _class(hits)
-            entries[item] = entry = _Entry(hits, klass, self._now)
+            entries[item] = entry = (self._back(item, hits, klass, self._now) if aside
+                                     else _Entry(hits, klass, self._now))
             queues[klass][item] = None
             fresh.append((item, entry))
         parent_of = self.parent_of
@@ -352,12 +357,41 @@ class HitDensityPolicy(EvictionPolicy[T]):
 
     def remove(self, item: T) -> None:
         entry = self._entries.pop(item, None)
-        if entry is not None:
+        if entry is None:
+            if self._aside:  # it left while set aside
+                self._aside.pop(item, None)
+        else:
             if entry.pinned:
                 self._pinned -= 1
             else:
                 del self._queues[entry.klass][item]
             self._unlink(entry)
+
+    def set_aside(self, item: T) -> None:
+        """``remove`` for a while: an item a hand-over takes out of this order and
+        passes on again later (hit, or pinned, meanwhile).  Its entry is kept for its
+        return (``insert``), with its children's links to it: a chain's head counted
+        as their parent again, as it would have stayed (its children, passed on
+        before, are linked to that entry, and a new one would count none)."""
+        entry = self._entries.get(item)
+        if entry is not None:
+            self.remove(item)
+            entry.parent, entry.up = None, None  # its own parent's, made again
+            self._aside[item] = entry
+
+    def end_aside(self) -> None:
+        """Forget the entries set aside and not back (their items left)."""
+        self._aside = {}
+
+    def _back(self, item: T, hits: int, klass: int, stamp: int) -> _Entry:
+        """The entry of an item inserted: the one set aside for it, as new but for
+        its children, or a new one."""
+        entry = self._aside.pop(item, None)
+        if entry is None:
+            return _Entry(hits, klass, stamp)
+        entry.hits, entry.klass, entry.stamp, entry.tick = hits, klass, stamp, -1
+        entry.pinned = False
+        return entry
 
     @staticmethod
     def _unlink(entry: _Entry) -> None:

@@ -305,6 +305,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
             self._names = {}
             self._seen = set()
             self._waiting = None  # parents that never came: untracked, as in one call
+            self._end_aside()
             self._done(self._new)
 
     def _read_names(self) -> bool:
@@ -428,7 +429,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
             self._old.order.remove(item)
             self._fresh[item] = None
         elif place == "new":
-            self._new.remove(item)
+            self._set_aside(item)
             self._fresh[item] = None
         # pinned: referenced while pinned, its place is decided when it is unpinned
 
@@ -486,7 +487,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
         if self._all_in:
             self._new.pin(item)
             return
-        self._take_out(item)
+        self._take_out(item, leaving=False)
         self._pinned[item] = None
 
     def unpin(self, item: T) -> None:
@@ -499,21 +500,35 @@ class Handover(EvictionPolicy[T], Generic[T]):
 
     def remove(self, item: T) -> None:
         if self._pinned.pop(item, _ABSENT) is not _ABSENT:
-            return
-        if self._all_in:
+            if self._waiting is not None:  # its entry set aside by hit density, perhaps
+                self._new.remove(item)
+        elif self._all_in:
             self._new.remove(item)
         else:
-            self._take_out(item)
+            self._take_out(item, leaving=True)
 
-    def _take_out(self, item: T) -> None:
+    def _take_out(self, item: T, leaving: bool) -> None:
         """Take an unpinned item off whichever list holds it (before all are in the new
-        order)."""
+        order): ``leaving`` the cache, or to be passed on again."""
         place = self._where(item)
         if place == "fresh":
             del self._fresh[item]
+            if leaving and self._waiting is not None:  # set aside by hit density, perhaps
+                self._new.remove(item)
         elif place == "old":
             assert self._old is not None
             self._old.order.remove(item)
+        elif leaving:
+            self._new.remove(item)
+        else:
+            self._set_aside(item)
+
+    def _set_aside(self, item: T) -> None:
+        """Take ``item`` out of the new order until it is passed on again: hit density
+        keeps its entry, its children's links with it (see ``set_aside``)."""
+        if self._waiting is not None:
+            assert isinstance(self._new, HitDensityPolicy)
+            self._new.set_aside(item)
         else:
             self._new.remove(item)
 
@@ -530,6 +545,8 @@ class Handover(EvictionPolicy[T], Generic[T]):
             for item in self._fresh:
                 if allowed(item):
                     del self._fresh[item]
+                    if self._waiting is not None:  # set aside by hit density, perhaps
+                        self._new.remove(item)
                     return item
         return victim
 
@@ -553,8 +570,14 @@ class Handover(EvictionPolicy[T], Generic[T]):
         release_links(self._fresh)
         self._fresh = OrderedDict()
         self._pinned = {}
+        self._end_aside()
         self._waiting = None
         self._litter = []
+
+    def _end_aside(self) -> None:
+        if self._waiting is not None:
+            assert isinstance(self._new, HitDensityPolicy)
+            self._new.end_aside()
 
     def __len__(self) -> int:
         if self._all_in:
