@@ -205,6 +205,10 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self.refreshes = 0
         # items out for a while (``set_aside``), their entries kept for their return
         self._aside: dict[T, _Entry] = {}
+        # Items inserted since the last victim or hit whose parents were not tracked, by
+        # parent, linked if those come (``link_late``): a duel splits an insert at its
+        # sampled keys, and a hand-over in slices leaves the rest of its call here.
+        self._later: dict[object, list[T]] = {}
 
     @property
     def links(self) -> str | None:
@@ -267,6 +271,8 @@ class HitDensityPolicy(EvictionPolicy[T]):
         if up is not None:
             entry.parent, entry.up = parent, up
             up.kids += 1
+        if (up is None and parent is not None) or self._later:
+            self.link_late((item,), self._later)
         if len(entries) > self._size:
             self._size = len(entries)
         if now >= self._next_refresh:
@@ -295,12 +301,17 @@ class HitDensityPolicy(EvictionPolicy[T]):
             queues[klass][item] = None
             fresh.append((item, entry))
         parent_of = self.parent_of
+        late = False  # a parent not tracked (yet)
         for item, entry in fresh:  # linked once all are in: a put's deepest comes first
             parent = parent_of(item)
             up = entries.get(parent) if parent is not None else None  # type: ignore[arg-type]
             if up is not None:
                 entry.parent, entry.up = parent, up
                 up.kids += 1
+            elif parent is not None:
+                late = True
+        if late or self._later:  # the rest of a call split in two, perhaps
+            self.link_late([item for item, _ in fresh], self._later)
         if len(entries) > self._size:
             self._size = len(entries)
         # (a request's new blocks are one call in the store and in the replay alike)
@@ -311,6 +322,8 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self.access_many((item,))
 
     def access_many(self, items: Iterable[T]) -> None:
+        if self._later:  # another call's (see ``_later``)
+            self._later = {}
         queues, tick = self._queues, self._tick
         shards, modulus = _shards_of(self._entries)  # the entries' get, inline
         for item in items:
@@ -401,6 +414,8 @@ class HitDensityPolicy(EvictionPolicy[T]):
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         self._tick += 1
+        if self._later:  # another call's (see ``_later``)
+            self._later = {}
         density, entries, now = self._density, self._entries, self._now
         # Each class is ranked by its oldest block (lowest density first; the oldest on
         # a tie, so LRU before anything is learned); the victim is the first block the
@@ -579,6 +594,18 @@ class HitDensityPolicy(EvictionPolicy[T]):
             if entry.up is None and (parent := parent_of(item)) is not None \
                     and parent not in entries:
                 waiting.setdefault(parent, []).append(item)
+
+    def link_later(self, waiting: dict[object, list[T]]) -> None:
+        """The items a hand-over in slices passed before their parents, linked if those
+        come before the next victim or hit (see ``_later``): one that ends within a call
+        leaves the rest of its items to this order, a chain's parents perhaps.  After
+        that, the parents that did not come are not tracked: their children stay
+        unlinked, as in one call."""
+        if not self._later:
+            self._later = waiting
+            return
+        for parent, children in waiting.items():
+            self._later.setdefault(parent, []).extend(children)
 
     def __len__(self) -> int:
         return len(self._entries) - self._pinned

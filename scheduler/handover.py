@@ -304,8 +304,11 @@ class Handover(EvictionPolicy[T], Generic[T]):
             self.finished = True
             self._names = {}
             self._seen = set()
-            self._waiting = None  # parents that never came: untracked, as in one call
-            self._end_aside()
+            if self._waiting is not None:  # the rest of this call's items, hit density's
+                assert isinstance(self._new, HitDensityPolicy)
+                self._new.end_aside()
+                self._new.link_later(self._waiting)
+                self._waiting = None
             self._done(self._new)
 
     def _read_names(self) -> bool:
@@ -445,6 +448,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
         if self._all_in:
             self._new.insert_many(run)
             if self._waiting is not None:  # a chain split between two runs, linked
+                # (once finished, by hit density itself: ``link_later``)
                 assert isinstance(self._new, HitDensityPolicy)
                 self._new.link_late(run, self._waiting)
         elif isinstance(self._fresh, LinkedOrder):

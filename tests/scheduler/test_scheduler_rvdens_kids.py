@@ -109,3 +109,74 @@ def test_a_parent_set_aside_and_gone_is_not_kept(how: str) -> None:
     _kids_hold(new)
     assert head not in new._entries
     assert not new._aside
+
+
+def test_a_chain_inserted_as_the_hand_over_ends_is_linked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain's blocks inserted in one call, deepest first, the hand-over ending at a
+    step between two of its runs: the children in the run before are still their
+    parents' children once those come, as in one call."""
+    monkeypatch.setattr(handover, "BURST", 2)
+    order, new = _start(_chain("a", 1))
+    b = _chain("b", 4)
+    order.insert_many(list(reversed(b)))
+    assert order.finished  # at the step after the first run
+    _kids_hold(new)
+    assert [new._entries[x].kids for x in b] == [1, 1, 1, 0]
+
+
+def test_a_chain_inserted_in_two_calls_is_linked_until_a_victim_or_hit() -> None:
+    """A chain's blocks inserted in two calls, the deepest first (a duel splits an insert
+    at its sampled keys): linked as in one call, unless a victim or a hit came between
+    (another request's: its parent not tracked, the child stays a leaf)."""
+    for between in ("", "hit", "victim"):
+        new: HitDensityPolicy[Any] = HitDensityPolicy()
+        other = _Block("x", None)
+        new.insert_many([other])
+        a = _chain("a", 3)
+        new.insert_many([a[2], a[1]])
+        if between == "hit":
+            new.access_many([other])
+        elif between == "victim":
+            assert new.pop_victim(lambda item: item is other) is other
+        new.insert_many([a[0]])
+        if not between:
+            _kids_hold(new)
+        assert new._entries[a[0]].kids == (0 if between else 1), between
+        assert not new._later or not between
+
+
+def test_density_in_charge_of_a_duel_links_every_chain(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a duel (its inserts split at sampled keys), to hit density in slices and
+    under it after: every tracked item whose parent is tracked is linked to it (the
+    test's cache drops no parent alone; its blocks, as the store's, are made anew once
+    evicted: a child of an evicted parent names none tracked)."""
+    import random
+
+    from kvstore.scheduler import dueling
+    from test_scheduler_handover_slices import _Cache, _life
+
+    monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)
+    monkeypatch.setattr(handover, "BURST", 1)
+    monkeypatch.setattr(handover, "PASS_A_BURST", 2)
+    monkeypatch.setattr(handover, "NAMES_A_STEP", 5)
+    for seed in range(4):
+        rng = random.Random(seed)
+        cache = _Cache(400, linked=True)
+        take_over = cache.duel._take_over
+        cache.duel._take_over = lambda best: None  # type: ignore[method-assign]
+        _life(cache, rng, 300)
+        cache.duel._take_over = take_over  # type: ignore[method-assign]
+        cache.duel.margin = 1e9  # no election: only the hand-over the test asks for
+        cache.duel.reality.z = None
+        monkeypatch.setattr(cache, "drop", lambda key: None)
+        names = [m.order.name for m in cache.duel._minis]
+        cache.duel._take_over(names.index("density"))
+        while isinstance(cache.duel._order, Handover):
+            _life(cache, rng, 1)
+        new = cache.duel._order
+        assert isinstance(new, HitDensityPolicy)
+        _kids_hold(new)
+        _life(cache, rng, 100)
+        _kids_hold(new)
