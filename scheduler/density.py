@@ -41,7 +41,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from itertools import islice
-from typing import NamedTuple, Protocol, TypeVar, cast
+from typing import Generic, NamedTuple, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -155,7 +155,92 @@ def _parent_attribute(item: object) -> object:
     return getattr(item, "parent", None)
 
 
-class HitDensityPolicy(EvictionPolicy[T]):
+class _HandOverCalls(Generic[T]):
+    """Hit density's calls for a hand-over in slices to it or from it (``handover``):
+    its lists emptied coldest first, and a chain's children passed on before their
+    parent linked to it once it comes."""
+
+    _entries: dict[T, _Entry] | ShardedDict[T, _Entry]
+    _queues: list[Queue[T]]
+    _aside: dict[T, _Entry]
+    _later: dict[object, list[T]]
+    parent_of: Callable[[T], object]
+
+    def remove(self, item: T) -> None:
+        raise NotImplementedError  # the order's
+
+    def coldest(self) -> T | None:
+        """The next item ``evictable`` lists (None if none): the class lists' oldest
+        of the oldest stamp, the first class on a tie."""
+        entries, best, stamp = self._entries, None, 0
+        queues = self._queues
+        linked = isinstance(queues[0], LinkedOrder)
+        for q in queues:
+            head = (cast("LinkedOrder[T]", q).oldest() if linked else next(iter(q), None))
+            if head is not None and (best is None or entries[head].stamp < stamp):
+                best, stamp = head, entries[head].stamp
+        return best
+
+    def link_late(self, items: Iterable[T], waiting: dict[object, list[T]]) -> None:
+        """``items``, just inserted, linked to their parents as one call of them all
+        would have (a hand-over in slices passes a chain's colder children before their
+        parents, and its pinned items last): each item's children that came before it
+        (``waiting``, by parent) counted now, and each item whose parent is not tracked
+        yet left waiting for it.  ``waiting`` is the caller's, dropped when it ends."""
+        entries, parent_of = self._entries, self.parent_of
+        for item in items:
+            entry = entries.get(item)
+            if entry is None:
+                continue
+            for child in waiting.pop(item, ()):
+                kid = entries.get(child)
+                if kid is not None and kid.up is None:
+                    kid.parent, kid.up = item, entry
+                    entry.kids += 1
+            if entry.up is None and (parent := parent_of(item)) is not None \
+                    and parent not in entries:
+                waiting.setdefault(parent, []).append(item)
+
+    def link_later(self, waiting: dict[object, list[T]]) -> None:
+        """The items a hand-over in slices passed before their parents, linked if those
+        come before the next victim or hit (see ``_later``): one that ends within a call
+        leaves the rest of its items to this order, a chain's parents perhaps.  After
+        that, the parents that did not come are not tracked: their children stay
+        unlinked, as in one call."""
+        if not self._later:
+            self._later = waiting
+            return
+        for parent, children in waiting.items():
+            self._later.setdefault(parent, []).extend(children)
+
+    def set_aside(self, item: T) -> None:
+        """``remove`` for a while: an item a hand-over takes out of this order and
+        passes on again later (hit, or pinned, meanwhile).  Its entry is kept for its
+        return (``insert``), with its children's links to it: a chain's head counted
+        as their parent again, as it would have stayed (its children, passed on
+        before, are linked to that entry, and a new one would count none)."""
+        entry = self._entries.get(item)
+        if entry is not None:
+            self.remove(item)
+            entry.parent, entry.up = None, None  # its own parent's, made again
+            self._aside[item] = entry
+
+    def end_aside(self) -> None:
+        """Forget the entries set aside and not back (their items left)."""
+        self._aside = {}
+
+    def _back(self, item: T, hits: int, klass: int, stamp: int) -> _Entry:
+        """The entry of an item inserted: the one set aside for it, as new but for
+        its children, or a new one."""
+        entry = self._aside.pop(item, None)
+        if entry is None:
+            return _Entry(hits, klass, stamp)
+        entry.hits, entry.klass, entry.stamp, entry.tick = hits, klass, stamp, -1
+        entry.pinned = False
+        return entry
+
+
+class HitDensityPolicy(_HandOverCalls[T], EvictionPolicy[T]):
     """Victims by lowest learned hit density among each class's oldest blocks (see the
     module docstring).  O(1) per insert, hit, pin and removal; O(classes + skipped) per
     victim; O(classes * buckets) per refresh, every ``refresh`` references.
@@ -380,32 +465,6 @@ class HitDensityPolicy(EvictionPolicy[T]):
                 del self._queues[entry.klass][item]
             self._unlink(entry)
 
-    def set_aside(self, item: T) -> None:
-        """``remove`` for a while: an item a hand-over takes out of this order and
-        passes on again later (hit, or pinned, meanwhile).  Its entry is kept for its
-        return (``insert``), with its children's links to it: a chain's head counted
-        as their parent again, as it would have stayed (its children, passed on
-        before, are linked to that entry, and a new one would count none)."""
-        entry = self._entries.get(item)
-        if entry is not None:
-            self.remove(item)
-            entry.parent, entry.up = None, None  # its own parent's, made again
-            self._aside[item] = entry
-
-    def end_aside(self) -> None:
-        """Forget the entries set aside and not back (their items left)."""
-        self._aside = {}
-
-    def _back(self, item: T, hits: int, klass: int, stamp: int) -> _Entry:
-        """The entry of an item inserted: the one set aside for it, as new but for
-        its children, or a new one."""
-        entry = self._aside.pop(item, None)
-        if entry is None:
-            return _Entry(hits, klass, stamp)
-        entry.hits, entry.klass, entry.stamp, entry.tick = hits, klass, stamp, -1
-        entry.pinned = False
-        return entry
-
     @staticmethod
     def _unlink(entry: _Entry) -> None:
         """An item left: its parent has one child fewer."""
@@ -562,50 +621,6 @@ class HitDensityPolicy(EvictionPolicy[T]):
         older stamp, and stays there."""
         entries = self._entries
         return iter(list(heapq.merge(*self._queues, key=lambda item: entries[item].stamp)))
-
-    def coldest(self) -> T | None:
-        """The next item ``evictable`` lists (None if none): the class lists' oldest
-        of the oldest stamp, the first class on a tie."""
-        entries, best, stamp = self._entries, None, 0
-        queues = self._queues
-        linked = isinstance(queues[0], LinkedOrder)
-        for q in queues:
-            head = (cast("LinkedOrder[T]", q).oldest() if linked else next(iter(q), None))
-            if head is not None and (best is None or entries[head].stamp < stamp):
-                best, stamp = head, entries[head].stamp
-        return best
-
-    def link_late(self, items: Iterable[T], waiting: dict[object, list[T]]) -> None:
-        """``items``, just inserted, linked to their parents as one call of them all
-        would have (a hand-over in slices passes a chain's colder children before their
-        parents, and its pinned items last): each item's children that came before it
-        (``waiting``, by parent) counted now, and each item whose parent is not tracked
-        yet left waiting for it.  ``waiting`` is the caller's, dropped when it ends."""
-        entries, parent_of = self._entries, self.parent_of
-        for item in items:
-            entry = entries.get(item)
-            if entry is None:
-                continue
-            for child in waiting.pop(item, ()):
-                kid = entries.get(child)
-                if kid is not None and kid.up is None:
-                    kid.parent, kid.up = item, entry
-                    entry.kids += 1
-            if entry.up is None and (parent := parent_of(item)) is not None \
-                    and parent not in entries:
-                waiting.setdefault(parent, []).append(item)
-
-    def link_later(self, waiting: dict[object, list[T]]) -> None:
-        """The items a hand-over in slices passed before their parents, linked if those
-        come before the next victim or hit (see ``_later``): one that ends within a call
-        leaves the rest of its items to this order, a chain's parents perhaps.  After
-        that, the parents that did not come are not tracked: their children stay
-        unlinked, as in one call."""
-        if not self._later:
-            self._later = waiting
-            return
-        for parent, children in waiting.items():
-            self._later.setdefault(parent, []).extend(children)
 
     def __len__(self) -> int:
         return len(self._entries) - self._pinned
