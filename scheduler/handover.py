@@ -127,6 +127,8 @@ def hand_over_at_once(old: Any, new: Any, pinned: list[T], state_of: Callable[[T
                          if hit_since_entered(state_of, item) or item in back])
     for item in pinned:
         new.pin(item)
+    if waiting:  # the rest of the call it ended within, a chain's parents perhaps
+        new.link_later(waiting)
     tune()
     new.recall(ghosts)
 

@@ -146,8 +146,9 @@ def test_a_chain_inserted_in_two_calls_is_linked_until_a_victim_or_hit() -> None
         assert not new._later or not between
 
 
+@pytest.mark.parametrize("at_once", [0, 10 ** 9])
 def test_density_in_charge_of_a_duel_links_every_chain(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, at_once: int) -> None:
     """Through a duel (its inserts split at sampled keys), to hit density in slices and
     under it after: every tracked item whose parent is tracked is linked to it (the
     test's cache drops no parent alone; its blocks, as the store's, are made anew once
@@ -157,7 +158,7 @@ def test_density_in_charge_of_a_duel_links_every_chain(
     from kvstore.scheduler import dueling
     from test_scheduler_handover_slices import _Cache, _life
 
-    monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)
+    monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", at_once)  # in slices, or one call
     monkeypatch.setattr(handover, "BURST", 1)
     monkeypatch.setattr(handover, "PASS_A_BURST", 2)
     monkeypatch.setattr(handover, "NAMES_A_STEP", 5)
@@ -180,3 +181,18 @@ def test_density_in_charge_of_a_duel_links_every_chain(
         _kids_hold(new)
         _life(cache, rng, 100)
         _kids_hold(new)
+
+
+def test_the_rest_of_a_call_after_a_hand_over_at_once_is_linked() -> None:
+    """A hand-over in one call within an insert a duel split at a sampled key: the
+    chain's deeper blocks in the old order, its parents inserted after into hit
+    density, linked to them as in one call."""
+    b = _chain("b", 4)
+    old: LRUPolicy[Any] = LRUPolicy()
+    old.insert_many([b[3], b[2]])
+    new: HitDensityPolicy[Any] = HitDensityPolicy()
+    handover.hand_over_at_once(old, new, [], lambda item: None, [], lambda item: item,
+                               lambda order: order.release(), lambda: None)
+    new.insert_many([b[1], b[0]])
+    _kids_hold(new)
+    assert [new._entries[x].kids for x in b] == [1, 1, 1, 0]
