@@ -517,8 +517,13 @@ class HitDensityPolicy(_HandOverCalls[T], EvictionPolicy[T]):
                     break
             if best is not None:
                 break
-        if best is None:  # every class's oldest few refused: the first allowed item
-            best = next((i for q in queues for i in q if allowed(i)), None)
+        if best is None:  # every class's oldest few refused: the first allowed leaf
+            # (a parent only where the store allows no leaf: a chain's head kept, as
+            # the oldest few's are)
+            best = next((i for q in queues for i in q
+                         if not entries[i].kids and allowed(i)), None)
+            if best is None:
+                best = next((i for q in queues for i in q if allowed(i)), None)
             if best is None:
                 return None
         entry = entries.pop(best)

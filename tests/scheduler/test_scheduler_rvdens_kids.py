@@ -196,3 +196,19 @@ def test_the_rest_of_a_call_after_a_hand_over_at_once_is_linked() -> None:
     new.insert_many([b[1], b[0]])
     _kids_hold(new)
     assert [new._entries[x].kids for x in b] == [1, 1, 1, 0]
+
+
+def test_every_class_head_refused_a_leaf_goes_before_a_parent() -> None:
+    """Each class's oldest few refused by the store (pinned leaves, here): the victim
+    is the first allowed leaf, not a parent of a tracked item (the store lets a parent
+    with a copy on SSD go: hit density's own count keeps a chain's head); a parent
+    only where no leaf is allowed."""
+    new: HitDensityPolicy[Any] = HitDensityPolicy(skip=2)
+    a = _chain("a", 3)  # a0 <- a1 <- a2
+    first, last = _Block("z", None), _Block("y", None)
+    new.insert_many([first])
+    new.insert_many(list(reversed(a)))  # the deepest first, as the store's
+    new.insert_many([last])  # one class, oldest first: z, a2, a1, a0, y
+    held = {first, a[2]}
+    assert new.pop_victim(lambda item: item not in held) is last
+    assert new.pop_victim(lambda item: item not in held) in (a[0], a[1])
