@@ -41,7 +41,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from itertools import islice
-from typing import NamedTuple, Protocol, TypeVar, cast
+from typing import Generic, NamedTuple, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -155,7 +155,92 @@ def _parent_attribute(item: object) -> object:
     return getattr(item, "parent", None)
 
 
-class HitDensityPolicy(EvictionPolicy[T]):
+class _HandOverCalls(Generic[T]):
+    """Hit density's calls for a hand-over in slices to it or from it (``handover``):
+    its lists emptied coldest first, and a chain's children passed on before their
+    parent linked to it once it comes."""
+
+    _entries: dict[T, _Entry] | ShardedDict[T, _Entry]
+    _queues: list[Queue[T]]
+    _aside: dict[T, _Entry]
+    _later: dict[object, list[T]]
+    parent_of: Callable[[T], object]
+
+    def remove(self, item: T) -> None:
+        raise NotImplementedError  # the order's
+
+    def coldest(self) -> T | None:
+        """The next item ``evictable`` lists (None if none): the class lists' oldest
+        of the oldest stamp, the first class on a tie."""
+        entries, best, stamp = self._entries, None, 0
+        queues = self._queues
+        linked = isinstance(queues[0], LinkedOrder)
+        for q in queues:
+            head = (cast("LinkedOrder[T]", q).oldest() if linked else next(iter(q), None))
+            if head is not None and (best is None or entries[head].stamp < stamp):
+                best, stamp = head, entries[head].stamp
+        return best
+
+    def link_late(self, items: Iterable[T], waiting: dict[object, list[T]]) -> None:
+        """``items``, just inserted, linked to their parents as one call of them all
+        would have (a hand-over in slices passes a chain's colder children before their
+        parents, and its pinned items last): each item's children that came before it
+        (``waiting``, by parent) counted now, and each item whose parent is not tracked
+        yet left waiting for it.  ``waiting`` is the caller's, dropped when it ends."""
+        entries, parent_of = self._entries, self.parent_of
+        for item in items:
+            entry = entries.get(item)
+            if entry is None:
+                continue
+            for child in waiting.pop(item, ()):
+                kid = entries.get(child)
+                if kid is not None and kid.up is None:
+                    kid.parent, kid.up = item, entry
+                    entry.kids += 1
+            if entry.up is None and (parent := parent_of(item)) is not None \
+                    and parent not in entries:
+                waiting.setdefault(parent, []).append(item)
+
+    def link_later(self, waiting: dict[object, list[T]]) -> None:
+        """The items a hand-over in slices passed before their parents, linked if those
+        come before the next victim or hit (see ``_later``): one that ends within a call
+        leaves the rest of its items to this order, a chain's parents perhaps.  After
+        that, the parents that did not come are not tracked: their children stay
+        unlinked, as in one call."""
+        if not self._later:
+            self._later = waiting
+            return
+        for parent, children in waiting.items():
+            self._later.setdefault(parent, []).extend(children)
+
+    def set_aside(self, item: T) -> None:
+        """``remove`` for a while: an item a hand-over takes out of this order and
+        passes on again later (hit, or pinned, meanwhile).  Its entry is kept for its
+        return (``insert``), with its children's links to it: a chain's head counted
+        as their parent again, as it would have stayed (its children, passed on
+        before, are linked to that entry, and a new one would count none)."""
+        entry = self._entries.get(item)
+        if entry is not None:
+            self.remove(item)
+            entry.parent, entry.up = None, None  # its own parent's, made again
+            self._aside[item] = entry
+
+    def end_aside(self) -> None:
+        """Forget the entries set aside and not back (their items left)."""
+        self._aside = {}
+
+    def _back(self, item: T, hits: int, klass: int, stamp: int) -> _Entry:
+        """The entry of an item inserted: the one set aside for it, as new but for
+        its children, or a new one."""
+        entry = self._aside.pop(item, None)
+        if entry is None:
+            return _Entry(hits, klass, stamp)
+        entry.hits, entry.klass, entry.stamp, entry.tick = hits, klass, stamp, -1
+        entry.pinned = False
+        return entry
+
+
+class HitDensityPolicy(_HandOverCalls[T], EvictionPolicy[T]):
     """Victims by lowest learned hit density among each class's oldest blocks (see the
     module docstring).  O(1) per insert, hit, pin and removal; O(classes + skipped) per
     victim; O(classes * buckets) per refresh, every ``refresh`` references.
@@ -203,6 +288,12 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self._next_refresh = refresh
         self._size = 0  # the most items tracked at once: the cache size, once full
         self.refreshes = 0
+        # items out for a while (``set_aside``), their entries kept for their return
+        self._aside: dict[T, _Entry] = {}
+        # Items inserted since the last victim or hit whose parents were not tracked, by
+        # parent, linked if those come (``link_late``): a duel splits an insert at its
+        # sampled keys, and a hand-over in slices leaves the rest of its call here.
+        self._later: dict[object, list[T]] = {}
 
     @property
     def links(self) -> str | None:
@@ -255,7 +346,8 @@ class HitDensityPolicy(EvictionPolicy[T]):
             self._hits[klass][age_bucket(now - stamp)] += 1.0
             hits += 1
         klass = _CLASS_OF_HITS[hits] if hits < len(_CLASS_OF_HITS) else _CLASSES - 1
-        entries[item] = entry = _Entry(hits, klass, now)
+        entries[item] = entry = (self._back(item, hits, klass, now) if self._aside
+                                 else _Entry(hits, klass, now))
         self._queues[klass][item] = None
         parent_of = self.parent_of
         parent = (getattr(item, "parent", None) if parent_of is _parent_attribute
@@ -264,6 +356,8 @@ class HitDensityPolicy(EvictionPolicy[T]):
         if up is not None:
             entry.parent, entry.up = parent, up
             up.kids += 1
+        if (up is None and parent is not None) or self._later:
+            self.link_late((item,), self._later)
         if len(entries) > self._size:
             self._size = len(entries)
         if now >= self._next_refresh:
@@ -271,6 +365,7 @@ class HitDensityPolicy(EvictionPolicy[T]):
 
     def insert_many(self, items: Iterable[T]) -> None:
         entries, ghost, key, queues = self._entries, self._ghost, self.ghost_key, self._queues
+        aside = self._aside
         fresh: list[tuple[T, _Entry]] = []
         for item in items:
             if item in entries:
@@ -286,16 +381,22 @@ class HitDensityPolicy(EvictionPolicy[T]):
                 self._hits[klass][age_bucket(self._now - stamp)] += 1.0
                 hits += 1
             klass = _class(hits)
-            entries[item] = entry = _Entry(hits, klass, self._now)
+            entries[item] = entry = (self._back(item, hits, klass, self._now) if aside
+                                     else _Entry(hits, klass, self._now))
             queues[klass][item] = None
             fresh.append((item, entry))
         parent_of = self.parent_of
+        late = False  # a parent not tracked (yet)
         for item, entry in fresh:  # linked once all are in: a put's deepest comes first
             parent = parent_of(item)
             up = entries.get(parent) if parent is not None else None  # type: ignore[arg-type]
             if up is not None:
                 entry.parent, entry.up = parent, up
                 up.kids += 1
+            elif parent is not None:
+                late = True
+        if late or self._later:  # the rest of a call split in two, perhaps
+            self.link_late([item for item, _ in fresh], self._later)
         if len(entries) > self._size:
             self._size = len(entries)
         # (a request's new blocks are one call in the store and in the replay alike)
@@ -306,6 +407,8 @@ class HitDensityPolicy(EvictionPolicy[T]):
         self.access_many((item,))
 
     def access_many(self, items: Iterable[T]) -> None:
+        if self._later:  # another call's (see ``_later``)
+            self._later = {}
         queues, tick = self._queues, self._tick
         shards, modulus = _shards_of(self._entries)  # the entries' get, inline
         for item in items:
@@ -352,7 +455,10 @@ class HitDensityPolicy(EvictionPolicy[T]):
 
     def remove(self, item: T) -> None:
         entry = self._entries.pop(item, None)
-        if entry is not None:
+        if entry is None:
+            if self._aside:  # it left while set aside
+                self._aside.pop(item, None)
+        else:
             if entry.pinned:
                 self._pinned -= 1
             else:
@@ -367,6 +473,8 @@ class HitDensityPolicy(EvictionPolicy[T]):
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         self._tick += 1
+        if self._later:  # another call's (see ``_later``)
+            self._later = {}
         density, entries, now = self._density, self._entries, self._now
         # Each class is ranked by its oldest block (lowest density first; the oldest on
         # a tie, so LRU before anything is learned); the victim is the first block the
@@ -409,8 +517,13 @@ class HitDensityPolicy(EvictionPolicy[T]):
                     break
             if best is not None:
                 break
-        if best is None:  # every class's oldest few refused: the first allowed item
-            best = next((i for q in queues for i in q if allowed(i)), None)
+        if best is None:  # every class's oldest few refused: the first allowed leaf
+            # (a parent only where the store allows no leaf: a chain's head kept, as
+            # the oldest few's are)
+            best = next((i for q in queues for i in q
+                         if not entries[i].kids and allowed(i)), None)
+            if best is None:
+                best = next((i for q in queues for i in q if allowed(i)), None)
             if best is None:
                 return None
         entry = entries.pop(best)
@@ -513,38 +626,6 @@ class HitDensityPolicy(EvictionPolicy[T]):
         older stamp, and stays there."""
         entries = self._entries
         return iter(list(heapq.merge(*self._queues, key=lambda item: entries[item].stamp)))
-
-    def coldest(self) -> T | None:
-        """The next item ``evictable`` lists (None if none): the class lists' oldest
-        of the oldest stamp, the first class on a tie."""
-        entries, best, stamp = self._entries, None, 0
-        queues = self._queues
-        linked = isinstance(queues[0], LinkedOrder)
-        for q in queues:
-            head = (cast("LinkedOrder[T]", q).oldest() if linked else next(iter(q), None))
-            if head is not None and (best is None or entries[head].stamp < stamp):
-                best, stamp = head, entries[head].stamp
-        return best
-
-    def link_late(self, items: Iterable[T], waiting: dict[object, list[T]]) -> None:
-        """``items``, just inserted, linked to their parents as one call of them all
-        would have (a hand-over in slices passes a chain's colder children before their
-        parents, and its pinned items last): each item's children that came before it
-        (``waiting``, by parent) counted now, and each item whose parent is not tracked
-        yet left waiting for it.  ``waiting`` is the caller's, dropped when it ends."""
-        entries, parent_of = self._entries, self.parent_of
-        for item in items:
-            entry = entries.get(item)
-            if entry is None:
-                continue
-            for child in waiting.pop(item, ()):
-                kid = entries.get(child)
-                if kid is not None and kid.up is None:
-                    kid.parent, kid.up = item, entry
-                    entry.kids += 1
-            if entry.up is None and (parent := parent_of(item)) is not None \
-                    and parent not in entries:
-                waiting.setdefault(parent, []).append(item)
 
     def __len__(self) -> int:
         return len(self._entries) - self._pinned

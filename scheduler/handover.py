@@ -127,6 +127,8 @@ def hand_over_at_once(old: Any, new: Any, pinned: list[T], state_of: Callable[[T
                          if hit_since_entered(state_of, item) or item in back])
     for item in pinned:
         new.pin(item)
+    if waiting:  # the rest of the call it ended within, a chain's parents perhaps
+        new.link_later(waiting)
     tune()
     new.recall(ghosts)
 
@@ -304,7 +306,11 @@ class Handover(EvictionPolicy[T], Generic[T]):
             self.finished = True
             self._names = {}
             self._seen = set()
-            self._waiting = None  # parents that never came: untracked, as in one call
+            if self._waiting is not None:  # the rest of this call's items, hit density's
+                assert isinstance(self._new, HitDensityPolicy)
+                self._new.end_aside()
+                self._new.link_later(self._waiting)
+                self._waiting = None
             self._done(self._new)
 
     def _read_names(self) -> bool:
@@ -428,7 +434,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
             self._old.order.remove(item)
             self._fresh[item] = None
         elif place == "new":
-            self._new.remove(item)
+            self._set_aside(item)
             self._fresh[item] = None
         # pinned: referenced while pinned, its place is decided when it is unpinned
 
@@ -444,6 +450,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
         if self._all_in:
             self._new.insert_many(run)
             if self._waiting is not None:  # a chain split between two runs, linked
+                # (once finished, by hit density itself: ``link_later``)
                 assert isinstance(self._new, HitDensityPolicy)
                 self._new.link_late(run, self._waiting)
         elif isinstance(self._fresh, LinkedOrder):
@@ -486,7 +493,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
         if self._all_in:
             self._new.pin(item)
             return
-        self._take_out(item)
+        self._take_out(item, leaving=False)
         self._pinned[item] = None
 
     def unpin(self, item: T) -> None:
@@ -499,21 +506,35 @@ class Handover(EvictionPolicy[T], Generic[T]):
 
     def remove(self, item: T) -> None:
         if self._pinned.pop(item, _ABSENT) is not _ABSENT:
-            return
-        if self._all_in:
+            if self._waiting is not None:  # its entry set aside by hit density, perhaps
+                self._new.remove(item)
+        elif self._all_in:
             self._new.remove(item)
         else:
-            self._take_out(item)
+            self._take_out(item, leaving=True)
 
-    def _take_out(self, item: T) -> None:
+    def _take_out(self, item: T, leaving: bool) -> None:
         """Take an unpinned item off whichever list holds it (before all are in the new
-        order)."""
+        order): ``leaving`` the cache, or to be passed on again."""
         place = self._where(item)
         if place == "fresh":
             del self._fresh[item]
+            if leaving and self._waiting is not None:  # set aside by hit density, perhaps
+                self._new.remove(item)
         elif place == "old":
             assert self._old is not None
             self._old.order.remove(item)
+        elif leaving:
+            self._new.remove(item)
+        else:
+            self._set_aside(item)
+
+    def _set_aside(self, item: T) -> None:
+        """Take ``item`` out of the new order until it is passed on again: hit density
+        keeps its entry, its children's links with it (see ``set_aside``)."""
+        if self._waiting is not None:
+            assert isinstance(self._new, HitDensityPolicy)
+            self._new.set_aside(item)
         else:
             self._new.remove(item)
 
@@ -530,6 +551,8 @@ class Handover(EvictionPolicy[T], Generic[T]):
             for item in self._fresh:
                 if allowed(item):
                     del self._fresh[item]
+                    if self._waiting is not None:  # set aside by hit density, perhaps
+                        self._new.remove(item)
                     return item
         return victim
 
@@ -553,8 +576,14 @@ class Handover(EvictionPolicy[T], Generic[T]):
         release_links(self._fresh)
         self._fresh = OrderedDict()
         self._pinned = {}
+        self._end_aside()
         self._waiting = None
         self._litter = []
+
+    def _end_aside(self) -> None:
+        if self._waiting is not None:
+            assert isinstance(self._new, HitDensityPolicy)
+            self._new.end_aside()
 
     def __len__(self) -> int:
         if self._all_in:
