@@ -329,7 +329,10 @@ class _Leaving:
         # No copy left: ``StoreCore.forget_if_gone``, inline for the common entry (a
         # leaf, nothing rare about it, no namespace being dropped in slices, no remote
         # mark to announce), the namespace's own forgetting left to ``finish``.  Its
-        # parent loses a child at once: it may be the next victim.
+        # parent loses a child at once: it may be the next victim.  (Through the call,
+        # whose checks go by properties and the map's methods, a reserve evicting 4096
+        # blocks took 6.5 ms of CPU rather than 4.9 under ``auto``, 5.2 rather than 3.5
+        # under ``lru``: ``benchmarks/evict_hold.py --setups dram``.)
         store = self.store
         if (rare is not None or b.kids is not None or store.dropping
                 or (self._touch is not None and b.marks & REMOTE_MARK)):

@@ -429,13 +429,12 @@ class HitDensityPolicy(_HandOverCalls[T], EvictionPolicy[T]):
             entry.klass = new = (_CLASS_OF_HITS[hits] if hits < len(_CLASS_OF_HITS)
                                  else _CLASSES - 1)
             entry.stamp = now
-            if entry.pinned:
-                pass
-            elif old == new:  # (one call: a queue in links makes each in Python)
-                queues[new].move_to_end(item)
-            else:
-                del queues[old][item]
-                queues[new][item] = None
+            if not entry.pinned:
+                if old == new:  # (one call: a queue in links makes each in Python)
+                    queues[new].move_to_end(item)
+                else:
+                    del queues[old][item]
+                    queues[new][item] = None
             if now >= self._next_refresh:  # at the same hit however the hits are grouped
                 self._learn()  # (the store reports a chain's in one call, the replay each)
 

@@ -113,13 +113,13 @@ def hand_over_at_once(old: Any, new: Any, pinned: list[T], state_of: Callable[[T
     let_go(old)
     ghosts, back = _victims_gone(gone, ghost_key, chain(listed, pinned))
     # hit density counts a parent's tracked children: linked across the two groups
-    waiting: dict[Any, list[T]] | None = {} if isinstance(new, HitDensityPolicy) else None
+    density = new if isinstance(new, HitDensityPolicy) else None
+    waiting: dict[Any, list[T]] = {}
     for group in (listed, pinned):  # as the slices pass them (hit density's stamps)
         # A fresh order knows no ghost: inserting them all at once is inserting each.
         new.insert_many(group)
-        if waiting is not None:
-            assert isinstance(new, HitDensityPolicy)
-            new.link_late(group, waiting)
+        if density is not None:
+            density.link_late(group, waiting)
         # hit since they entered (``_items``' states: True, or an odd int), or back
         # since their eviction (``back``): the new order would have taken such a miss
         # as a ghost hit (SLRU's protected segment, ARC's T2, a hit class of density)
@@ -127,8 +127,8 @@ def hand_over_at_once(old: Any, new: Any, pinned: list[T], state_of: Callable[[T
                          if hit_since_entered(state_of, item) or item in back])
     for item in pinned:
         new.pin(item)
-    if waiting:  # the rest of the call it ended within, a chain's parents perhaps
-        new.link_later(waiting)
+    if density is not None and waiting:  # the rest of the call it ended within, a
+        density.link_later(waiting)  # chain's parents perhaps
     tune()
     new.recall(ghosts)
 
@@ -262,10 +262,10 @@ class Handover(EvictionPolicy[T], Generic[T]):
         self.passed = 0  # items handed to ``new`` so far
         self._count = 0  # items of traffic since the last step
         self._seen: set[T] = set()  # items referenced since the last insert or victim
-        # to hit density, which counts a parent's tracked children: the items passed on
-        # before their parent, by parent (``HitDensityPolicy.link_late``)
-        self._waiting: dict[Any, list[T]] | None = (
-            {} if isinstance(new, HitDensityPolicy) else None)
+        # the new order if it is hit density, which counts a parent's tracked children,
+        # and the items passed on before their parent, by parent (``link_late``)
+        self._density = new if isinstance(new, HitDensityPolicy) else None
+        self._waiting: dict[Any, list[T]] = {}
         self._litter: list[Iterator[None]] = []  # what the old order left, let go in steps
 
     # -- moving items ---------------------------------------------------------------
@@ -273,9 +273,8 @@ class Handover(EvictionPolicy[T], Generic[T]):
         """Hand ``batch`` to the new order as the one-call hand-over did."""
         new, hit, names, key = self._new, self._hit, self._names, self._key
         new.insert_many(batch)
-        if self._waiting is not None:
-            assert isinstance(new, HitDensityPolicy)
-            new.link_late(batch, self._waiting)
+        if self._density is not None:
+            self._density.link_late(batch, self._waiting)
         # every item's name taken out of the ghosts (resident), hit or not
         again = [item for item in batch
                  if names.pop(key(item), _ABSENT) is None or hit(item)]
@@ -306,11 +305,10 @@ class Handover(EvictionPolicy[T], Generic[T]):
             self.finished = True
             self._names = {}
             self._seen = set()
-            if self._waiting is not None:  # the rest of this call's items, hit density's
-                assert isinstance(self._new, HitDensityPolicy)
-                self._new.end_aside()
-                self._new.link_later(self._waiting)
-                self._waiting = None
+            if self._density is not None:  # the rest of this call's items, hit density's
+                self._density.end_aside()
+                self._density.link_later(self._waiting)
+            self._waiting = {}
             self._done(self._new)
 
     def _read_names(self) -> bool:
@@ -449,10 +447,9 @@ class Handover(EvictionPolicy[T], Generic[T]):
         self._seen.clear()  # a new tick
         if self._all_in:
             self._new.insert_many(run)
-            if self._waiting is not None:  # a chain split between two runs, linked
+            if self._density is not None:  # a chain split between two runs, linked
                 # (once finished, by hit density itself: ``link_later``)
-                assert isinstance(self._new, HitDensityPolicy)
-                self._new.link_late(run, self._waiting)
+                self._density.link_late(run, self._waiting)
         elif isinstance(self._fresh, LinkedOrder):
             self._fresh.extend(run)
         else:
@@ -506,8 +503,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
 
     def remove(self, item: T) -> None:
         if self._pinned.pop(item, _ABSENT) is not _ABSENT:
-            if self._waiting is not None:  # its entry set aside by hit density, perhaps
-                self._new.remove(item)
+            self._forget_aside(item)
         elif self._all_in:
             self._new.remove(item)
         else:
@@ -519,8 +515,8 @@ class Handover(EvictionPolicy[T], Generic[T]):
         place = self._where(item)
         if place == "fresh":
             del self._fresh[item]
-            if leaving and self._waiting is not None:  # set aside by hit density, perhaps
-                self._new.remove(item)
+            if leaving:
+                self._forget_aside(item)
         elif place == "old":
             assert self._old is not None
             self._old.order.remove(item)
@@ -532,11 +528,16 @@ class Handover(EvictionPolicy[T], Generic[T]):
     def _set_aside(self, item: T) -> None:
         """Take ``item`` out of the new order until it is passed on again: hit density
         keeps its entry, its children's links with it (see ``set_aside``)."""
-        if self._waiting is not None:
-            assert isinstance(self._new, HitDensityPolicy)
-            self._new.set_aside(item)
+        if self._density is not None:
+            self._density.set_aside(item)
         else:
             self._new.remove(item)
+
+    def _forget_aside(self, item: T) -> None:
+        """An item off the new order leaves the cache: hit density may keep its entry
+        set aside (``set_aside``), which goes with it."""
+        if self._density is not None:
+            self._density.remove(item)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
         # No step here: the store asks for victims in passes that may find none (a pass
@@ -551,8 +552,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
             for item in self._fresh:
                 if allowed(item):
                     del self._fresh[item]
-                    if self._waiting is not None:  # set aside by hit density, perhaps
-                        self._new.remove(item)
+                    self._forget_aside(item)
                     return item
         return victim
 
@@ -576,14 +576,10 @@ class Handover(EvictionPolicy[T], Generic[T]):
         release_links(self._fresh)
         self._fresh = OrderedDict()
         self._pinned = {}
-        self._end_aside()
-        self._waiting = None
+        if self._density is not None:
+            self._density.end_aside()
+        self._waiting = {}
         self._litter = []
-
-    def _end_aside(self) -> None:
-        if self._waiting is not None:
-            assert isinstance(self._new, HitDensityPolicy)
-            self._new.end_aside()
 
     def __len__(self) -> int:
         if self._all_in:

@@ -15,7 +15,8 @@ from kvstore.scheduler import dueling, handover
 from kvstore.scheduler.density import HitDensityPolicy
 from kvstore.scheduler.handover import Handover
 
-from test_scheduler_handover_slices import _Cache, _finish, _holds_each_once, _life
+from test_scheduler_handover_slices import (_Cache, _finish, _holds_each_once, _life,
+                                            _quiet_life, _tiny_steps)
 
 
 def _links_hold(order: HitDensityPolicy[Any], cache: _Cache, complete: bool) -> None:
@@ -80,17 +81,10 @@ def test_calls_between_density_slices_lose_nothing(monkeypatch: pytest.MonkeyPat
     """To and from hit density, tiny steps with the traffic between them: every item
     held once, the links consistent, each hand-over ends."""
     monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)
-    monkeypatch.setattr(handover, "BURST", 1)
-    monkeypatch.setattr(handover, "PASS_A_BURST", 2)
-    monkeypatch.setattr(handover, "NAMES_A_STEP", 5)
+    _tiny_steps(monkeypatch)
     rng = random.Random(seed)
     cache = _Cache(400, linked)
-    take_over = cache.duel._take_over
-    cache.duel._take_over = lambda best: None  # type: ignore[method-assign]
-    _life(cache, rng, 300)
-    cache.duel._take_over = take_over  # type: ignore[method-assign]
-    cache.duel.margin = 1e9  # no election: only the hand-overs the test asks for
-    cache.duel.reality.z = None
+    _quiet_life(cache, rng)  # then only the hand-overs the test asks for
     for to in ("density", "slru", "density", "lru", "density", "arc"):
         order = _hand_over(cache, to)
         calls = 0

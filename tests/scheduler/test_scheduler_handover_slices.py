@@ -145,6 +145,26 @@ def _life(cache: _Cache, rng: random.Random, requests: int) -> None:
             cache.drop(keys[-1])
 
 
+def _tiny_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of a couple of items (and names), so that calls come between the slices of
+    every phase: the names read, the old order, the fresh items, the pinned ones, the
+    ghosts."""
+    monkeypatch.setattr(handover, "BURST", 1)
+    monkeypatch.setattr(handover, "PASS_A_BURST", 2)
+    monkeypatch.setattr(handover, "NAMES_A_STEP", 5)
+
+
+def _quiet_life(cache: _Cache, rng: random.Random, requests: int = 300) -> None:
+    """``requests`` of the cache's life with no hand-over, then the duel's hand-overs
+    only where a test asks for them (no election, no reality check)."""
+    take_over = cache.duel._take_over
+    cache.duel._take_over = lambda best: None  # type: ignore[method-assign]
+    _life(cache, rng, requests)
+    cache.duel._take_over = take_over  # type: ignore[method-assign]
+    cache.duel.margin = 1e9
+    cache.duel.reality.z = None
+
+
 def _finish(order: Handover[Any]) -> None:
     """Every step of a hand-over, with no other call between them."""
     steps = 0
@@ -220,9 +240,7 @@ def test_calls_between_slices_lose_nothing(monkeypatch: pytest.MonkeyPatch, link
     names read, the old order, the fresh items, the pinned ones, the ghosts)."""
     monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)
     if tiny:
-        monkeypatch.setattr(handover, "BURST", 1)
-        monkeypatch.setattr(handover, "PASS_A_BURST", 2)
-        monkeypatch.setattr(handover, "NAMES_A_STEP", 5)
+        _tiny_steps(monkeypatch)
     rng = random.Random(seed)
     cache = _Cache(400, linked)
     take_over = cache.duel._take_over

@@ -156,21 +156,14 @@ def test_density_in_charge_of_a_duel_links_every_chain(
     import random
 
     from kvstore.scheduler import dueling
-    from test_scheduler_handover_slices import _Cache, _life
+    from test_scheduler_handover_slices import _Cache, _life, _quiet_life, _tiny_steps
 
     monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", at_once)  # in slices, or one call
-    monkeypatch.setattr(handover, "BURST", 1)
-    monkeypatch.setattr(handover, "PASS_A_BURST", 2)
-    monkeypatch.setattr(handover, "NAMES_A_STEP", 5)
+    _tiny_steps(monkeypatch)
     for seed in range(4):
         rng = random.Random(seed)
         cache = _Cache(400, linked=True)
-        take_over = cache.duel._take_over
-        cache.duel._take_over = lambda best: None  # type: ignore[method-assign]
-        _life(cache, rng, 300)
-        cache.duel._take_over = take_over  # type: ignore[method-assign]
-        cache.duel.margin = 1e9  # no election: only the hand-over the test asks for
-        cache.duel.reality.z = None
+        _quiet_life(cache, rng)  # then only the hand-over the test asks for
         monkeypatch.setattr(cache, "drop", lambda key: None)
         names = [m.order.name for m in cache.duel._minis]
         cache.duel._take_over(names.index("density"))
