@@ -342,15 +342,17 @@ class TierSlots:
     def class_for(self, block_bytes: int) -> SlabClass:
         cls = self.pool.class_for(block_bytes)
         if cls.slot_bytes not in self.policies:
-            self.policies[cls.slot_bytes] = self.new_policy()
+            self.policies[cls.slot_bytes] = self.new_policy(cls.slot_bytes)
         return cls
 
-    def new_policy(self) -> EvictionPolicy[Block]:
-        """An empty order of this tier's policy (ghosts named by key; warm pins kept
-        where the tier has a clock)."""
+    def new_policy(self, slot_bytes: int) -> EvictionPolicy[Block]:
+        """An empty order of this tier's policy for blocks of ``slot_bytes`` slots, told
+        how many the tier holds at most (ghosts named by key; warm pins kept where the
+        tier has a clock)."""
         policy: EvictionPolicy[Block] = make_policy(  # type: ignore[assignment]
             self.policy_name, ghost_key=block_key, name_hash=key_hash,
             links=self.name if self.name in LINKED_TIERS else None)
+        policy.expect(self.pool.capacity_bytes // slot_bytes)
         if self.clock is not None:
             policy = WarmPins(policy, self.clock)
         return policy

@@ -418,7 +418,7 @@ class BlockStore(StoreCore):
                 listed_held = set(held).intersection(on_order)
                 pinned = [b for b in held if b not in listed_held]
                 old.release()  # before the new order may link the same blocks
-                new = dram.new_policy()
+                new = dram.new_policy(slot_bytes)
                 new.insert_many(on_order + pinned)  # one call: parents and children meet
                 for b in pinned:
                     new.pin(b)

@@ -91,6 +91,23 @@ RECALL_SHARE = 2
 # hand-overs of 2k-8k items in slices moved 36 of the replay's 196 cells, -2.2% to +0.9%
 # (``duel_decisions.py``); at 8192, 12 of them, -0.4% to +0.75%.
 HANDOVER_AT_ONCE = 8192
+# The most keys a miniature holds.  Of a cache of more items than 8 times this, the
+# miniatures see one key in 16, 32, ... (``Duel.expect``) rather than one in 8: every
+# miniature of the replay's cells holds fewer (its largest, the chat trace at a quarter
+# of its blocks, 5.3k keys), where miniatures of 1k keys chose as well as of 2k and of
+# 270-530 at times kept LRU in charge (the chat trace at 5% and 10%); at a million blocks
+# one in eight was 125k nodes a miniature, each 64-key lookup of a new chain 8 sampled
+# keys referenced in four of them.
+MINIATURE_MOST = 8192
+
+
+def sample_shift_for(capacity: int, least: int = 3) -> int:
+    """The sample (one key in ``2 ** shift``, ``least`` at the least, 16 at the most)
+    whose miniatures of a cache of ``capacity`` items hold at most ``MINIATURE_MOST``."""
+    shift = least
+    while capacity >> shift > MINIATURE_MOST and shift < 16:
+        shift += 1
+    return shift
 
 
 class Order(Protocol[T]):
@@ -342,10 +359,8 @@ class Duel(Generic[T]):
         self._reference = _referencer(len(self._minis))
         self._nodes: ShardedDict[int, _Sampled] = ShardedDict()
         self._lingering: list[_Sampled] = []  # held by none, but referenced this tick
-        self.sample_shift = sample_shift
-        self._unsampled = 64 - sample_shift  # a key is sampled if its top bits are zero
-        # those bits as a mask: ``not (name * GOLDEN) & mask`` is the same test
-        self._sample_mask = MASK64 ^ ((1 << self._unsampled) - 1)
+        self.sample_shift = self._unsampled = self._sample_mask = 0  # (set next)
+        _sample_one_in(self, sample_shift)
         # sampled references to the next election: as many as the miniatures hold, within
         # [shortest, longest] (a small cache's miniatures turn over, and so learn, faster)
         self.longest = epoch
@@ -376,6 +391,13 @@ class Duel(Generic[T]):
 
     # the attribute of the items their states live in, if they have it (None: a map)
     state_attr: str | None = None
+
+    def expect(self, capacity: int) -> None:
+        """Of up to ``capacity`` items, a thinner sample if need be: ``sample_shift_for``."""
+        if (shift := sample_shift_for(capacity, self.sample_shift)) != self.sample_shift:
+            if self._size or len(self._items):
+                raise RuntimeError("a duel's sample is set before its first item")
+            _sample_one_in(self, shift)
 
     def _track_like(self, item: T) -> None:
         """No item is tracked: keep the states where ``item``, the next, can hold them."""
@@ -689,6 +711,21 @@ class Duel(Generic[T]):
         return (f"{type(self).__name__}(leader={self.leader}, evictable={len(self)}, "
                 f"pinned={len(self._pinned)}, switches={self.switches}, scores: {scores})")
 
+
+
+def _sample_one_in(duel: Duel[Any], shift: int) -> None:
+    """``duel`` samples one key in ``2 ** shift``.  A miniature's order that learns
+    every ``refresh`` of its references (hit density) learns as often in the cache's
+    references as the order would: every ``refresh >> shift`` of its own."""
+    duel.sample_shift = shift
+    duel._unsampled = 64 - shift  # a key is sampled if its top bits are zero
+    # those bits as a mask: ``not (name * GOLDEN) & mask`` is the same test
+    duel._sample_mask = MASK64 ^ ((1 << duel._unsampled) - 1)
+    for mini, make in zip(duel._minis, duel._factories):
+        order: Any = mini.order
+        if hasattr(order, "refresh"):
+            fresh: Any = make()  # (its refresh as made, not as scaled before)
+            order.refresh = order._next_refresh = max(1, fresh.refresh >> shift)
 
 def _forget(lingering: list[_Sampled], nodes: ShardedDict[int, _Sampled],
             tick: int) -> list[_Sampled]:

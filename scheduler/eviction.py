@@ -700,10 +700,6 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
         super().__init__([LRUPolicy, SLRUPolicy, ARCPolicy, HitDensityPolicy],
                          sample_shift=sample_shift, epoch=epoch, shortest=shortest, keep=keep,
                          most=(None, None, None, DENSITY_MOST))
-        for mini in self._minis:
-            if isinstance(mini.order, HitDensityPolicy):
-                mini.order.refresh = max(1, mini.order.refresh >> sample_shift)
-                mini.order._next_refresh = mini.order.refresh
 
     _links: str | None = None
 

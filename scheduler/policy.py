@@ -99,3 +99,8 @@ class EvictionPolicy(ABC, Generic[T]):
     def release(self) -> None:
         """The policy is being replaced: let go of anything it keeps in the items
         themselves (an order in their links), so that no item keeps another alive."""
+
+    def expect(self, capacity: int) -> None:
+        """The cache will hold up to about ``capacity`` items (a store's tier as sized, a
+        replay's cache), told before the first item; an order may size itself by it
+        (``auto``'s sample: ``Duel.expect``)."""

@@ -185,5 +185,8 @@ class WarmPins(EvictionPolicy[T]):
     def release(self) -> None:
         self.inner.release()
 
+    def expect(self, capacity: int) -> None:
+        self.inner.expect(capacity)
+
     def __repr__(self) -> str:
         return f"WarmPins({self.inner!r}, warm={len(self._warm)}, hard={len(self._hard)})"
