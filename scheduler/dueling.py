@@ -6,8 +6,9 @@ plain LRU is best at a quarter of the blocks and a segmented LRU at a fiftieth; 
 scan a scan-resistant order wins everywhere), so rather than guess, ``Duel`` measures
 them.  One candidate orders the cached items; each runs a miniature cache (Waldspurger
 et al., "Cache Modeling and Optimization using Miniature Simulations", USENIX ATC
-2017): the references to a hashed sample of the keys (one in ``2 ** sample_shift``)
-replayed against a cache of that share of the real one's size.  Every epoch (as many
+2017): the references to a hashed sample of the keys (one in ``2 ** sample_shift``,
+thinner in a cache so big that a miniature would hold more than ``MINIATURE_MOST``
+keys: ``expect``) replayed against a cache of that share of the real one's size.  Every epoch (as many
 sampled references as the miniatures hold keys, within ``[shortest, epoch]``) the
 candidate whose miniature hit most (its counts multiplied by ``keep`` per ``epoch``
 references, so old traffic fades) becomes the one that picks victims; the one in charge

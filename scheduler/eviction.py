@@ -683,8 +683,9 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
     victims by the order whose miniature cache hit most lately, LRU's unless another
     does better.
 
-    The miniatures see one key in eight; an election every 512 of their references
-    (4096 of the cache's), or as many as they hold if fewer (at least 64: a small
+    The miniatures see one key in eight (fewer in a cache of more than 64k blocks: at
+    most 8192 keys a miniature, ``Duel.expect``); an election every 512 of their
+    references (4096 of the cache's), or as many as they hold if fewer (at least 64: a small
     cache's turn over faster), past hits weighing 0.9 times per 512 references.  In the
     replay these do as well as miniatures of every key, at an eighth of the cost.  The
     density miniature refreshes its densities as often in the cache's references as the
