@@ -33,13 +33,13 @@ clients send them, settling the heap once a second as the daemon does, and print
 Every part runs in a fresh process, so that its memory is its own.
 
 Where the bytes go, and what 150 B a block would take.  At 10M blocks (auto, one
-namespace) the index costs 393 B a block by RSS (430 while the duel kept a map of its
-tracked items, 33 B a block; their states are now in the entries' ``dram_duel`` slot,
-the one ``seen`` left when it moved into ``marks``): the entry (``Block``, 18 slots,
-176 B), its key (a 16-byte ``bytes``, 49 B), its DRAM offset (an int object, 32 B), the
-key map (34 B), the duel's miniatures (an eighth of the
-keys, each one object of 176 B holding its three orders' links and its parent and child
-counts, and two maps: about 29 B a block), the rest allocator slack.  The LRU order
+namespace) the index costs 312 B a block by RSS (393 while the duel's miniatures took
+an eighth of the keys at any size, about 29 B a block in nodes of 176 B; now at most
+8192 keys each; 430 while the duel kept a map of its tracked items, 33 B a block; their
+states are now in the entries' ``dram_duel`` slot, the one ``seen`` left when it moved
+into ``marks``): the entry (``Block``, 18 slots, 176 B), its key (a 16-byte ``bytes``,
+49 B), its DRAM offset (an int object, 32 B), the key map (34 B), the rest allocator
+slack.  The LRU order
 itself costs nothing apart (its links are 24 B of the entry's slots per tier).  Objects
 cannot get to 150 B: the entry and its key alone are 225 B.  A struct-of-arrays index
 could: blocks as int ids into numpy columns (key 16 B, parent id 4, DRAM slot 4, SSD
@@ -60,7 +60,8 @@ as big as the index, were what grew.  Measured in one process, lookups alone, wi
 order's ``access_many`` replaced by nothing.  With the states in the entries (no map),
 the benchmark's 64-key lookup under ``auto`` is 68 us p50, 274 us p99 of CPU at 10M
 against 122 and 401 with the map (one run each): the miniatures' work on sampled keys
-is what still grows.
+is what still grew, and with miniatures of at most 8192 keys (one key in 2048 at 10M)
+25 us p50 and 89 p99 at 10M, 20 and 59-75 at 1M, 11 and 17-27 at 10k.
 
     python benchmarks/index_scale.py --blocks 1M
     python benchmarks/index_scale.py --blocks 10M --restart-blocks 10M

@@ -717,7 +717,10 @@ class Duel(Generic[T]):
 def _sample_one_in(duel: Duel[Any], shift: int) -> None:
     """``duel`` samples one key in ``2 ** shift``.  A miniature's order that learns
     every ``refresh`` of its references (hit density) learns as often in the cache's
-    references as the order would: every ``refresh >> shift`` of its own."""
+    references as the order would: every ``refresh >> shift`` of its own; in a sample
+    thinner than one in eight, every ``refresh >> 3`` (what it learns from between two
+    refreshes, decayed by ``keep`` at each, would shrink with the sample: 2 references
+    at one key in 2048)."""
     duel.sample_shift = shift
     duel._unsampled = 64 - shift  # a key is sampled if its top bits are zero
     # those bits as a mask: ``not (name * GOLDEN) & mask`` is the same test
@@ -726,7 +729,7 @@ def _sample_one_in(duel: Duel[Any], shift: int) -> None:
         order: Any = mini.order
         if hasattr(order, "refresh"):
             fresh: Any = make()  # (its refresh as made, not as scaled before)
-            order.refresh = order._next_refresh = max(1, fresh.refresh >> shift)
+            order.refresh = order._next_refresh = max(1, fresh.refresh >> min(shift, 3))
 
 def _forget(lingering: list[_Sampled], nodes: ShardedDict[int, _Sampled],
             tick: int) -> list[_Sampled]:

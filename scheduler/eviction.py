@@ -689,7 +689,8 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
     cache's turn over faster), past hits weighing 0.9 times per 512 references.  In the
     replay these do as well as miniatures of every key, at an eighth of the cost.  The
     density miniature refreshes its densities as often in the cache's references as the
-    order would (every ``refresh`` >> ``sample_shift`` of its own), and hands its
+    order would (every ``refresh`` >> ``sample_shift`` of its own; in a thinner sample
+    every ``refresh`` >> 3: as many to learn from), and hands its
     histograms over with the order (``HitDensityPolicy.adopt_tuning``); past
     ``DENSITY_MOST`` items held it is not elected, and hands over if in charge.
     """

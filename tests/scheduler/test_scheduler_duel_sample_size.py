@@ -37,12 +37,13 @@ def _sampled_share(duel: AutoPolicy[int], items: int) -> float:
     return len(duel._nodes) / items
 
 
-def test_a_big_cache_samples_fewer_keys_and_refreshes_density_at_its_scale() -> None:
+def test_a_big_cache_samples_fewer_keys_and_its_density_learns_from_as_many() -> None:
     big = AutoPolicy[int]()
     big.expect(1 << 20)
     assert big.sample_shift == 7
     density = big._minis[3].order
-    assert isinstance(density, HitDensityPolicy) and density.refresh == 4096 >> 7
+    # it learns from as many sampled references a refresh as at one key in eight
+    assert isinstance(density, HitDensityPolicy) and density.refresh == 4096 >> 3
     small = AutoPolicy[int]()
     small.expect(50_000)  # as the replay's caches: as before
     assert small.sample_shift == 3 and small._minis[3].order.refresh == 4096 >> 3
