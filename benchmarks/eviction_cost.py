@@ -136,6 +136,7 @@ def _handover_items(count: int) -> tuple[AutoPolicy[Any], list[_Item]]:
     rng = random.Random(5)
     policy = make_policy("auto", ghost_key=attrgetter("key"), links="dram")
     assert isinstance(policy, AutoPolicy)
+    policy.expect(count)  # sized as the store sizes its order: a tier of ``count`` blocks
     policy.epoch = 1 << 62  # no election of its own
     items: list[_Item] = []
     parent: _Item | None = None
@@ -235,6 +236,7 @@ def ingest(count: int, policies: list[str], repeat: int) -> int:
             rng = random.Random(3)
             policy = make_policy(name, ghost_key=attrgetter("key"), links="dram",
                                  name_hash=key_hash)
+            policy.expect(count)  # as the store's tier of ``count`` blocks
             kept: list[list[_Item]] = []
             spent = 0.0
             gc.collect()
@@ -272,6 +274,7 @@ def memory(count: int) -> int:
         tracemalloc.start()
         policy = make_policy("auto", ghost_key=attrgetter("key"), links="dram")
         assert isinstance(policy, AutoPolicy)
+        policy.expect(count)  # as the store's tier of ``count`` blocks
         policy.epoch = 1 << 62  # no election of its own
         policy.insert_many([_Item(rng.randbytes(24), None) for _ in range(count)])
         policy.pop_victim(lambda _: True)

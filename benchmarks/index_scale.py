@@ -45,8 +45,8 @@ cannot get to 150 B: the entry and its key alone are 225 B.  A struct-of-arrays 
 could: blocks as int ids into numpy columns (key 16 B, parent id 4, DRAM slot 4, SSD
 slot 4, refs 4, seen and flags 2, checksum 8, LRU links 2 x 4 per tier = 16), an
 open-addressing table of ids keyed by the first 8 bytes of the key at half load (8 B),
-the duel's tracked set a bit per id and its sample kept as it is (an eighth of the keys,
-about 10 B a block in arrays): about 75 B a block, grown by doubling columns in slices
+the duel's tracked set a bit per id and its sample kept as it is (at most 8192 keys a
+miniature; at one key in eight, about 10 B a block in arrays): about 75 B a block, grown by doubling columns in slices
 between loop turns.
 The cost is that every part of the store that holds a ``Block`` would hold an id.
 

@@ -7,9 +7,12 @@ keys over ``SHARDS`` dicts by their hash (keys are hashes themselves, so the sha
 evenly), which makes each rebuild a ``SHARDS``-th of the size, and the cost of a lookup
 one more index.  A map starts as one dict and splits once it passes ``SPLIT_AT`` entries
 (one pass over them, under a millisecond; at 32k entries the pass held one commit 7-8 ms
-of a 1M-block ingest, ``index_scale.py``), so the many small namespaces cost no more than
-before (just split, 4k entries take 168 KB of dicts rather than 148).  It reads like the dict it replaces; the hot loops (lookup, commit) index
-``shards`` themselves (``shards[hash(key) & blocks.mask]``) and call ``grown`` after.
+of a 1M-block ingest, ``index_scale.py``), so the many small namespaces cost no more
+than before (just split, 4k entries take 168 KB of dicts rather than 148).  A split map
+is not merged back.  Its iteration order, shard by shard, follows the keys' hashes,
+which differ between processes (bytes' hashes are seeded).  It reads like the dict it
+replaces; the hot loops (lookup, commit) index ``shards`` themselves
+(``shards[hash(key) & blocks.mask]``) and call ``grown`` after.
 """
 
 from __future__ import annotations

@@ -4,34 +4,34 @@ the one that would have hit most lately.
 A cache's best order depends on its traffic and its size (on a multi-turn chat trace
 plain LRU is best at a quarter of the blocks and a segmented LRU at a fiftieth; on a
 scan a scan-resistant order wins everywhere), so rather than guess, ``Duel`` measures
-them.  One candidate orders the cached items; each runs a miniature cache (Waldspurger
-et al., "Cache Modeling and Optimization using Miniature Simulations", USENIX ATC
-2017): the references to a hashed sample of the keys (one in ``2 ** sample_shift``,
-thinner in a cache so big that a miniature would hold more than ``MINIATURE_MOST``
-keys: ``expect``) replayed against a cache of that share of the real one's size.  Every epoch (as many
-sampled references as the miniatures hold keys, within ``[shortest, epoch]``) the
-candidate whose miniature hit most (its counts multiplied by ``keep`` per ``epoch``
+them.  One candidate orders the cached items; each runs a miniature cache (Waldspurger et
+al., "Cache Modeling and Optimization using Miniature Simulations", USENIX ATC 2017):
+the references to a hashed sample of the keys (one in ``2 ** sample_shift``, thinner in
+a cache so big that a miniature would hold more than ``MINIATURE_MOST`` keys:
+``expect``) replayed against a cache of that share of the real one's size. Every epoch
+(as many sampled references as the miniatures hold keys, within ``[shortest, epoch]``)
+the candidate whose miniature hit most (its counts multiplied by ``keep`` per ``epoch``
 references, so old traffic fades) becomes the one that picks victims; the one in charge
 keeps it unless another beats it by ``margin`` and by a quarter of a percent of
-``epoch`` references, and ties go to the first candidate, so with LRU first the duel falls back
-to LRU wherever nothing else pays.  A small cache's miniatures turn over many times in
-``epoch`` references: with elections every 512, the duel stayed LRU long after SLRU's
-miniature led (the replay's scan workload at 10% of its blocks: 5.3% behind SLRU, 3.4%
-once elections follow the miniatures' size).
-A hand-over passes the items to the new candidate in the order the old one lists
-them, then hits again those hit since they entered and those back since their eviction
-(so a segmented order starts with its protected segment, not as LRU: SLRU handed the
-scan workload's flat-hot order at 10% of its blocks ended with 1264 blocks protected
-against SLRU alone's 1722, 1300 once those back count too), and the new candidate
-takes the settings its miniature adapted to, at the real cache's scale
-(``adopt_tuning``: a segment's target), and the names of the cache's latest victims
-(twice as many as it holds, as SLRU keeps its own) as its ghosts (``recall``).
-Started cold, a segmented order stayed behind for the rest of a replay: its protected
-segment grows only as items are hit again (SLRU, handed the order a quarter into the scan workload, ended 7% behind SLRU
-alone), and with its protected segment but not its target, ARC handed the chat trace's
-order at 10% of its blocks ended below LRU.  Without ghosts, an SLRU handed a cache that LRU let scans flush takes the
-hot blocks coming back as new, on probation, where the next scan flushes them again:
-the duel lags where its election comes late (a forced hand-over to SLRU at the first
+``epoch`` references, and ties go to the first candidate, so with LRU first the duel
+falls back to LRU wherever nothing else pays.  A small cache's miniatures turn over many
+times in ``epoch`` references: with elections every 512, the duel stayed LRU long after
+SLRU's miniature led (the replay's scan workload at 10% of its blocks: 5.3% behind SLRU,
+3.4% once elections follow the miniatures' size). A hand-over passes the items to the
+new candidate in the order the old one lists them, then hits again those hit since they
+entered and those back since their eviction (so a segmented order starts with its
+protected segment, not as LRU: SLRU handed the scan workload's flat-hot order at 10% of
+its blocks ended with 1264 blocks protected against SLRU alone's 1722, 1300 once those
+back count too), and the new candidate takes the settings its miniature adapted to, at
+the real cache's scale (``adopt_tuning``: a segment's target), and the names of the
+cache's latest victims (twice as many as it holds, as SLRU keeps its own) as its ghosts
+(``recall``). Started cold, a segmented order stayed behind for the rest of a replay:
+its protected segment grows only as items are hit again (SLRU, handed the order a
+quarter into the scan workload, ended 7% behind SLRU alone), and with its protected
+segment but not its target, ARC handed the chat trace's order at 10% of its blocks ended
+below LRU.  Without ghosts, an SLRU handed a cache that LRU let scans flush takes the hot
+blocks coming back as new, on probation, where the next scan flushes them again: the
+duel lags where its election comes late (a forced hand-over to SLRU at the first
 eviction matches SLRU alone exactly on the scan workload's flat-hot variant at 10%; the
 election, a third into the trace, got 40% of SLRU's gain over LRU).
 
@@ -53,9 +53,10 @@ a miniature counts a key at most once per tick of a clock that advances on ``ins
 and ``pop_victim`` (as S3-FIFO does).  The candidates do the same on their own.
 
 Pure.  A call costs the one candidate's own call plus, for a sampled key, each
-miniature's.  The module knows the candidates only through ``Order``, the interface of
+miniature's.  The module knows the candidates through ``Order``, the interface of
 ``kvstore.scheduler.eviction.EvictionPolicy``, which it cannot import (that module
-registers the duel among its policies).
+registers the duel among its policies); hit density, which learns on a clock of its own
+references, by name, to set how often its miniature learns (``_sample_one_in``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from itertools import chain
 from operator import attrgetter
 from typing import Any, Generic, Protocol, TypeVar
 
+from kvstore.scheduler.density import HitDensityPolicy
 from kvstore.scheduler.handover import Handover, hand_over_at_once, start_handover
 from kvstore.scheduler.sampling import GOLDEN, MASK64, new_states, sampled_in
 from kvstore.scheduler.sharded import ShardedDict
@@ -394,7 +396,7 @@ class Duel(Generic[T]):
     state_attr: str | None = None
 
     def expect(self, capacity: int) -> None:
-        """Of up to ``capacity`` items, a thinner sample if need be: ``sample_shift_for``."""
+        """Up to ``capacity`` items (a class sharing a tier: all of it), ``sample_shift_for``."""
         if (shift := sample_shift_for(capacity, self.sample_shift)) != self.sample_shift:
             if self._size or len(self._items):
                 raise RuntimeError("a duel's sample is set before its first item")
@@ -713,7 +715,6 @@ class Duel(Generic[T]):
                 f"pinned={len(self._pinned)}, switches={self.switches}, scores: {scores})")
 
 
-
 def _sample_one_in(duel: Duel[Any], shift: int) -> None:
     """``duel`` samples one key in ``2 ** shift``.  A miniature's order that learns
     every ``refresh`` of its references (hit density) learns as often in the cache's
@@ -726,10 +727,12 @@ def _sample_one_in(duel: Duel[Any], shift: int) -> None:
     # those bits as a mask: ``not (name * GOLDEN) & mask`` is the same test
     duel._sample_mask = MASK64 ^ ((1 << duel._unsampled) - 1)
     for mini, make in zip(duel._minis, duel._factories):
-        order: Any = mini.order
-        if hasattr(order, "refresh"):
-            fresh: Any = make()  # (its refresh as made, not as scaled before)
+        order = mini.order
+        if isinstance(order, HitDensityPolicy):
+            fresh = make()  # (its refresh as made, not as scaled before)
+            assert isinstance(fresh, HitDensityPolicy)
             order.refresh = order._next_refresh = max(1, fresh.refresh >> min(shift, 3))
+
 
 def _forget(lingering: list[_Sampled], nodes: ShardedDict[int, _Sampled],
             tick: int) -> list[_Sampled]:

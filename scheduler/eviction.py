@@ -685,12 +685,12 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
 
     The miniatures see one key in eight (fewer in a cache of more than 64k blocks: at
     most 8192 keys a miniature, ``Duel.expect``); an election every 512 of their
-    references (4096 of the cache's), or as many as they hold if fewer (at least 64: a small
-    cache's turn over faster), past hits weighing 0.9 times per 512 references.  In the
-    replay these do as well as miniatures of every key, at an eighth of the cost.  The
-    density miniature refreshes its densities as often in the cache's references as the
-    order would (every ``refresh`` >> ``sample_shift`` of its own; in a thinner sample
-    every ``refresh`` >> 3: as many to learn from), and hands its
+    references (4096 of the cache's at one in eight), or as many as they hold if fewer
+    (at least 64: a small cache's turn over faster), past hits weighing 0.9 times per
+    512 references.  In the replay these do as well as miniatures of every key, at an
+    eighth of the cost.  The density miniature refreshes its densities as often in the
+    cache's references as the order would (every ``refresh`` >> ``sample_shift`` of its
+    own; in a thinner sample every ``refresh`` >> 3: as many to learn from), and hands its
     histograms over with the order (``HitDensityPolicy.adopt_tuning``); past
     ``DENSITY_MOST`` items held it is not elected, and hands over if in charge.
     """
