@@ -285,9 +285,14 @@ def test_the_streams_io_thread_runs_as_a_batch_thread(tmp_path: Path) -> None:
 
     def io_threads() -> set[int]:
         # (ZeroMQ's thread names itself once it has set its scheduling)
-        tasks = Path("/proc/self/task").iterdir()
-        return {int(t.name) for t in tasks
-                if (t / "comm").read_text().startswith("ZMQbg/IO")}
+        found: set[int] = set()
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                if (task / "comm").read_text().startswith("ZMQbg/IO"):
+                    found.add(int(task.name))
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # a thread that ended as it was listed (an earlier test's)
+        return found
 
     before = io_threads()
     store = BlockStore(16 * IDENT.block_bytes, 16 * IDENT.block_bytes)

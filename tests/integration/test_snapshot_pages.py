@@ -135,7 +135,9 @@ def test_pages_cursors_and_the_whole_snapshot_of_older_clients(daemon_factory: A
         more = [page(c, 0, 10) for _ in range(SNAPSHOTS_OPEN)]
         with pytest.raises(NotFoundError):
             page(c, first.cursor, 10)
-        assert all(page(c, m.cursor, 10).blocks for m in more)
+        # (the newer four go on; a page of 10 visits may find no root among a split key
+        # map's shards, which list entries by their keys' hashes, and so no entry)
+        assert all(page(c, m.cursor, 10).seq == m.seq for m in more)
         with pytest.raises(MalformedError):
             page(c, 0, p.MAX_SNAPSHOT_PAGE + 1)
 
