@@ -102,9 +102,10 @@ HANDOVER_AT_ONCE = 8192
 # one in eight was 125k nodes a miniature, each 64-key lookup of a new chain 8 sampled
 # keys referenced in four of them.
 MINIATURE_MOST = 8192
+EIGHTH = 3  # the sample's shift up to ``MINIATURE_MOST << 3`` items: one key in eight
 
 
-def sample_shift_for(capacity: int, least: int = 3) -> int:
+def sample_shift_for(capacity: int, least: int = EIGHTH) -> int:
     """The sample (one key in ``2 ** shift``, ``least`` at the least, 16 at the most)
     whose miniatures of a cache of ``capacity`` items hold at most ``MINIATURE_MOST``."""
     shift = least
@@ -731,7 +732,7 @@ def _sample_one_in(duel: Duel[Any], shift: int) -> None:
         if isinstance(order, HitDensityPolicy):
             fresh = make()  # (its refresh as made, not as scaled before)
             assert isinstance(fresh, HitDensityPolicy)
-            order.refresh = order._next_refresh = max(1, fresh.refresh >> min(shift, 3))
+            order.refresh = order._next_refresh = max(1, fresh.refresh >> min(shift, EIGHTH))
 
 
 def _forget(lingering: list[_Sampled], nodes: ShardedDict[int, _Sampled],

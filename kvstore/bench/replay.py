@@ -135,8 +135,7 @@ class PolicyCache:
         self._children: dict[Hashable, int] = {}  # cached children per cached block
         if hasattr(policy, "parent_of"):  # a policy that reads the chains (auto)
             policy.parent_of = self._parent.get
-        if hasattr(policy, "expect"):  # sized as the store sizes its tier's order
-            policy.expect(capacity)
+        policy.expect(capacity)  # sized as the store sizes its tier's order
 
     def _is_leaf(self, key: Hashable) -> bool:
         return self._children[key] == 0
