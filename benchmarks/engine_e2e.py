@@ -20,7 +20,10 @@ on) on the same workload, in a process of its own, one after the other:
   reuse, which no store can beat;
 - ``kvstore``: + kvstore's connector and a daemon with DRAM for everything;
 - ``kvstore-ssd``: + kvstore with a DRAM tier too small, so hits come from SSD;
-- ``kvstore-layerwise`` (not run unless named): ``kvstore`` loading layer by layer;
+- ``kvstore-layerwise`` (not run unless named): ``kvstore`` loading layer by layer
+  even where ``"layerwise": "auto"`` (the connector's default) would not;
+- ``kvstore-whole`` (not run unless named): ``kvstore`` copying each step's loads whole
+  before the forward (``"layerwise": false``), what ``auto`` does with no core to spare;
 - ``kvstore-unposted`` (not run unless named): ``kvstore`` with each step's acquires sent
   in ``start_load_kv`` and waited for at once, not sent ahead in ``handle_preemptions``;
 - ``kvstore-eager`` (not run unless named): ``kvstore`` with each step's saves started
@@ -198,6 +201,14 @@ def make_model(path: Path, a: argparse.Namespace) -> None:
     save_file(weights, str(path / "model.safetensors"))
 
 
+def layerwise(arm: str, forced: bool) -> bool | str:
+    """A kvstore arm's ``layerwise``: the connector's default (``auto``) but where the
+    arm is named for a way of loading, or measures the connector as it was (whole)."""
+    if forced or arm.endswith("layerwise"):
+        return True
+    return False if arm.endswith(("whole", "ahead", "before")) else "auto"
+
+
 def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -210,7 +221,7 @@ def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"endpoint": endpoint, "tenant": "bench",
-                                       "layerwise": a.layerwise or arm.endswith("layerwise"),
+                                       "layerwise": layerwise(arm, a.layerwise),
                                        "post_loads": not arm.endswith("unposted"),
                                        "copy_ahead": arm.endswith("ahead"),
                                        "saves_after_step": not arm.endswith(("eager",
@@ -676,7 +687,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lmcache-chunk", type=int, default=256,
                    help="LMCache's chunk in tokens (its default): it stores and loads "
                    "whole chunks only")
-    p.add_argument("--layerwise", action="store_true")
+    p.add_argument("--layerwise", action="store_true", help="every kvstore arm loads layer "
+                   "by layer (the connector's default, auto, where a core is spare)")
     p.add_argument("--spans", action="store_true", help="time vLLM's and the connector's "
                    "calls in each step (engine_spans.py) and print, for the requests of "
                    "rounds 2+ of mrqa one at a time, the median ms of each per request")

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -149,7 +150,8 @@ STATS = ("lookups", "hit_tokens", "prefetches", "offers", "offers_declined",
          "declined_tokens", "rate_refreshes", "loaded_blocks", "load_failed_blocks",
          "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
          "lookup_us", "load_us", "save_us",  # time in the engine's steps, and of load_us
-         "acquire_wait_us")                  # the time spent waiting for pins
+         "acquire_wait_us",                  # the time spent waiting for pins
+         "layerwise_steps")                  # steps whose loads went layer by layer
 
 
 def plan_loads(transfers: Sequence[Transfer], layers: dict[int, EnginePages],
@@ -228,6 +230,29 @@ def _group_of(groups: Sequence[Group], index: int) -> Group:
     return next(g for g in groups if g.index == index)
 
 
+def _auto_or_bool(name: str, value: Any) -> bool | None:
+    """A ``kv_connector_extra_config`` switch that may also be ``"auto"`` (None)."""
+    if isinstance(value, bool):
+        return value
+    choices = {"auto": None, "true": True, "false": False}
+    if isinstance(value, str) and value.lower() in choices:
+        return choices[value.lower()]
+    raise ValueError(f"KVStoreConnector: {name} is true, false or \"auto\", not {value!r}")
+
+
+def layerwise_fits(on_gpu: bool, threads: int, cpus: int) -> bool:
+    """Whether ``"layerwise": "auto"`` loads layer by layer (once vLLM is seen asking
+    for every layer): pages in host memory, and more CPUs for the process than the
+    engine's ``threads``, so that a thread copies the later layers on a core of its own
+    while the first ones compute.  Measured on the CPU build with one engine thread on
+    2 cores (``engine_e2e.py``, multi-round QA, rounds 2 and later): TTFT 45.1 ms
+    against 48.2 copied whole, the ideal 43.0; with no core to spare the thread slowed
+    the forward more than it saved (TTFT 2.1 ms worse at a load average of 8-11).  On a
+    GPU the layers' copies queue on the stream ahead of their attention: no thread, no
+    gain; a step's loads go whole there."""
+    return not on_gpu and cpus > threads
+
+
 @dataclass(frozen=True)
 class ConnectorOptions:
     """The connector's ``kv_connector_extra_config`` keys beside ``endpoint``,
@@ -237,8 +262,8 @@ class ConnectorOptions:
     offered; the daemon's measured rates replace ``load_gbps``, asked every
     ``rates_refresh_s`` seconds, default 10, 0: never):
 
-    ``async_saves`` (default true), ``layerwise`` (default false), ``prefetch`` (default
-    true), ``post_loads`` (default true: acquires sent in handle_preemptions),
+    ``async_saves`` (default true), ``layerwise`` (true, false or ``"auto"``, the
+    default: ``layerwise_on``), ``prefetch`` (default true), ``post_loads`` (default true: acquires sent in handle_preemptions),
     ``copy_ahead`` (default false; with ``post_loads``, host pages pinned and copied on a
     thread from then on: for hosts with a core to spare; on a loaded 2-core host it
     slowed loads, engine_e2e's kvstore-ahead arm), ``saves_after_step`` (default true:
@@ -251,7 +276,7 @@ class ConnectorOptions:
     before saves are dropped, default 1024)."""
 
     async_saves: bool
-    layerwise: bool
+    layerwise: bool | None  # None: "auto"
     prefetch: bool
     post_loads: bool
     copy_ahead: bool
@@ -265,7 +290,7 @@ class ConnectorOptions:
         # its cache needs that zeroing, they would be zeroed (and wrong KV served).
         zeroed = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
         return cls(async_saves=bool(extra.get("async_saves", True)),
-                   layerwise=bool(extra.get("layerwise", False)),
+                   layerwise=_auto_or_bool("layerwise", extra.get("layerwise", "auto")),
                    prefetch=bool(extra.get("prefetch", True)),
                    post_loads=bool(extra.get("post_loads", True)),
                    copy_ahead=bool(extra.get("copy_ahead", False)) and not zeroed,
@@ -310,6 +335,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._tp_rank = 0
         self._layers: dict[int, EnginePages] = {}
         self._layer_index: dict[str, int] = {}
+        # "auto": whether this engine's pages and cores suit layer by layer loads, and
+        # the layers vLLM asked for (``wait_for_layer_load``), None once all were asked
+        self._layerwise_fits = False
+        self._layers_asked: set[str] | None = set()
         self._load_errors: set[int] = set()
         self._step_loads: StepLoads | None = None
         self._settled = SettledLoads()   # copies done, pins to release at the next step
@@ -367,6 +396,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._layers[group.index] = pages
             if len(pages.layer_targets()) == len(group.layer_names):
                 self._layer_index.update((name, i) for i, name in enumerate(group.layer_names))
+        self._layerwise_fits = layerwise_fits(
+            any(p.device.type == "cuda" for p in self._layers.values()),
+            torch.get_num_threads(), len(os.sched_getaffinity(0)))
         self._link.client()  # connect and map the arena now, not in a request's step
         if self._opts.async_saves and self._is_producer:
             self._sender = SaveSender(self._link.settings,
@@ -430,9 +462,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.stats["acquire_wait_us"] += int(loads.waited_s * 1e6)
         # vLLM recomputes the blocks not loaded (or fails their requests), never reads them
         self._load_errors |= count_loads(meta.loads, outcome, self.stats, self._link)
-        if self._opts.layerwise and self._layer_index:
+        if self._layer_index and self._layer_by_layer():
             loads.start_layers()
             self._step_loads = loads
+            self.stats["layerwise_steps"] += 1
         else:
             try:
                 if not loads.started:
@@ -444,7 +477,20 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sender is not None:  # held saves go beside the forward, not the copy
             self._sender.go()
 
+    def _layer_by_layer(self) -> bool:
+        """Whether this step's loads go layer by layer (``layerwise``; "auto":
+        ``layerwise_fits``, once vLLM was seen asking for every layer: an attention
+        backend that never asks would read pages still being copied)."""
+        if self._opts.layerwise is not None:
+            return self._opts.layerwise
+        return self._layerwise_fits and self._layers_asked is None
+
     def wait_for_layer_load(self, layer_name: str) -> None:
+        asked = self._layers_asked
+        if asked is not None and self._layer_index:  # "auto": until every layer asked
+            asked.add(layer_name)
+            if len(asked) >= len(self._layer_index) and asked.issuperset(self._layer_index):
+                self._layers_asked = None
         loads = self._step_loads
         if loads is None:
             return

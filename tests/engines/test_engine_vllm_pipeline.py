@@ -5,9 +5,10 @@ two at a time (``in_lanes``):
 
 - ``baseline``: no connector.
 - ``producer`` (``kv_producer``, every background save delayed 0.5 s) and ``consumer``
-  (``kv_consumer``) against one daemon: the producer prefills and stores, never loads;
-  the consumer loads, never stores, and computes only the uncached tail; a batch of
-  four prompts loads in one daemon call.
+  (``kv_consumer``, whole-request loads) against one daemon: the producer prefills and
+  stores, never loads; the consumer loads, never stores, and computes only the uncached
+  tail; a batch of four prompts loads in one daemon call.  ``auto_consumer`` does the
+  same with the default ``"layerwise": "auto"`` and one engine thread.
 - ``remote_producer`` and ``remote_consumer`` (layer-wise loads) against two daemons
   sharing a Redis tier: the consumer's daemon finds the blocks in Redis.
 - ``remote_declined``: a consumer with a prefill rate, against a daemon whose Redis
@@ -47,7 +48,7 @@ BATCH = [SHARED + [(19 * i + 7 * k) % 500 + 3 for i in range(40 + 10 * k)]
 
 def engine_run(tmp: Path, name: str, model: Path, requests: list[dict[str, Any]],
                daemon: DaemonProcess | None = None, tenant: str = "", *args: str,
-               ) -> dict[str, Any]:
+               omp_threads: int = 0) -> dict[str, Any]:
     spec = tmp / f"{name}.json"
     spec.write_text(json.dumps(requests))
     argv = [str(HERE / "vllm_run.py"), "--model", str(model), "--requests", str(spec), *args]
@@ -55,7 +56,8 @@ def engine_run(tmp: Path, name: str, model: Path, requests: list[dict[str, Any]]
         assert daemon.proc is not None
         argv += ["--endpoint", daemon.endpoint, "--tenant", tenant,
                  "--daemon-pid", str(daemon.proc.pid)]
-    return last_json(run_in_env("vllm", argv, timeout=300, cwd=tmp).stdout)
+    env = {"OMP_NUM_THREADS": str(omp_threads)} if omp_threads else {}
+    return last_json(run_in_env("vllm", argv, timeout=300, cwd=tmp, **env).stdout)
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -97,7 +99,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 daemons["one"], tenant, "--role", "kv_producer", "--save-delay", "0.5")
             out["consumer"] = engine_run(
                 tmp, "consumer", own, [{"prompt": PROMPT_P}, {"prompts": BATCH}],
-                daemons["one"], tenant, "--role", "kv_consumer")
+                daemons["one"], tenant, "--role", "kv_consumer",
+                "--extra", json.dumps({"layerwise": False}))
+            out["auto_consumer"] = engine_run(  # "layerwise": "auto", the default, and
+                tmp, "auto_consumer", own, [{"prompt": PROMPT_P}, {"prompts": BATCH}],
+                daemons["one"], tenant, "--role", "kv_consumer", omp_threads=1)  # a CPU spare
             # last on this daemon: it is killed
             out["load_killed"] = engine_run(
                 tmp, "load_killed", own, [{"prompt": PROMPT_P, "kill_daemon": "load"},
@@ -206,6 +212,23 @@ def test_disaggregated_through_two_daemons_sharing_redis_layer_wise(
     tiers = {k: v for k, v in consumer["scheduler"].items() if k.startswith("hit_tokens_")}
     assert tiers["hit_tokens_remote"] >= 3 * BLOCK, tiers  # tokens offered, by tier
     assert sum(tiers.values()) == consumer["scheduler"]["hit_tokens"], tiers
+
+
+def test_auto_loads_layer_by_layer_once_vllm_asks_for_layers_where_a_core_is_spare(
+        runs: dict[str, Any]) -> None:
+    """``"layerwise": "auto"``: the first step that loads copies whole (vLLM not yet
+    seen asking for every layer), later ones layer by layer where the engine's process
+    may run on more CPUs than its threads, whole where it may not; the outputs are the
+    baseline's either way."""
+    auto = runs["auto_consumer"]
+    assert outputs(auto) == outputs(runs["baseline"])[:5]
+    assert [r["external_tokens"] for r in auto["results"]] == [3 * BLOCK, 7 * BLOCK]
+    assert auto["worker"]["load_failed_blocks"] == 0
+    spare = auto["cpus"] > auto["torch_threads"]
+    assert auto["worker"]["layerwise_steps"] == (1 if spare else 0), auto
+    assert runs["consumer"]["worker"]["layerwise_steps"] == 0  # false: never
+    remote = runs["remote_consumer"]["worker"]
+    assert remote["layerwise_steps"] >= 2, remote  # true: from the first step that loads
 
 
 def test_an_offer_is_judged_by_the_daemons_rates_not_the_configured_ones(

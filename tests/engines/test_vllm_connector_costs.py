@@ -12,7 +12,9 @@ CHECKS = ["a_namespace_id_is_hashed_once_per_group_and_variant",
           "past_the_limit_ids_are_hashed_each_time_and_still_right",
           "a_staged_cache_block_size_is_its_pages_bytes",
           "a_step_that_loads_starts_held_saves_once_its_blocks_are_copied",
-          "a_preempted_request_saves_are_still_waited_for_in_a_step_that_loads"]
+          "a_preempted_request_saves_are_still_waited_for_in_a_step_that_loads",
+          "layerwise_is_true_false_or_auto",
+          "auto_goes_layer_by_layer_once_every_layer_was_asked_for"]
 
 
 @pytest.fixture(scope="module")

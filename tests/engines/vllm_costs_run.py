@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kvstore.identity import Identity
 from kvstore.integrations.engine_side import EnginePages, Loaded
 from kvstore.integrations.pipeline import SettledLoads
-from kvstore.integrations.vllm import STATS, KVStoreConnector
+from kvstore.integrations.vllm import STATS, ConnectorOptions, KVStoreConnector, layerwise_fits
 from kvstore.integrations.vllm_identity import Group, RequestVariant
 from kvstore.integrations.vllm_requests import (
     KVStoreConnectorMetadata,
@@ -136,7 +136,7 @@ class LoadsStub:
 class OptionsStub:
     post_loads: bool = False
     copy_ahead: bool = False
-    layerwise: bool = False
+    layerwise: bool | None = False
 
 
 def worker(order: list[str]) -> tuple[KVStoreConnector, SenderStub]:
@@ -187,6 +187,40 @@ def check_a_preempted_request_saves_are_still_waited_for_in_a_step_that_loads() 
     step(connector, KVStoreConnectorMetadata(loads=[load("r1")], preempted={"old"}))
     assert sender.waited == [{"old"}]  # its pages are vLLM's again: its saves end first
     assert order == ["go", "pinned", "copied", "go"], order  # wait_for lets them go
+
+def check_layerwise_is_true_false_or_auto() -> None:
+    def parse(value: object) -> bool | None:
+        return ConnectorOptions.from_extra({"layerwise": value}, None).layerwise
+
+    assert ConnectorOptions.from_extra({}, None).layerwise is None  # "auto", the default
+    assert [parse(v) for v in (True, False, "auto", "TRUE", "false")] == [
+        True, False, None, True, False]
+    try:
+        parse("sometimes")
+    except ValueError as exc:
+        assert "layerwise" in str(exc) and "sometimes" in str(exc), exc
+    else:
+        raise AssertionError("a layerwise of 'sometimes' was taken")
+
+
+def check_auto_goes_layer_by_layer_once_every_layer_was_asked_for() -> None:
+    connector, _ = worker([])
+    connector._opts = OptionsStub(layerwise=None)  # type: ignore[assignment]
+    connector._layer_index = {"l0": 0, "l1": 1}
+    connector._layerwise_fits, connector._layers_asked = True, set()
+    assert not connector._layer_by_layer()  # an attention that never asks: whole
+    connector.wait_for_layer_load("l0")
+    connector.wait_for_layer_load("l0")
+    assert not connector._layer_by_layer()
+    connector.wait_for_layer_load("l1")
+    assert connector._layer_by_layer()
+    connector._layerwise_fits = False  # no CPU to spare
+    assert not connector._layer_by_layer()
+    connector._opts = OptionsStub(layerwise=True)  # type: ignore[assignment]
+    assert connector._layer_by_layer()
+    assert layerwise_fits(False, 1, 2) and not layerwise_fits(False, 2, 2)
+    assert not layerwise_fits(True, 1, 64)  # a GPU's copies queue on its stream
+
 
 CHECKS: dict[str, Callable[[], None]] = {
     name.removeprefix("check_"): fn for name, fn in globals().items()
