@@ -65,7 +65,8 @@ Workloads, our own generators of the shapes the anchors publish:
 Answers are the engine's own greedy tokens, appended to the history as a chat would.
 TTFT is what a client of the in-process engine sees: from adding the request to the
 step that returns its first token.  Reported per arm and workload: TTFT p50/p90/p99,
-throughput (prompt + generated tokens per second of the run), prompt tokens computed
+throughput (prompt + generated tokens per second of the run; for ``mrqa``'s rounds at
+once, also of rounds 2 and later, those that can reuse), prompt tokens computed
 vs found cached (local + loaded), tokens loaded from kvstore and bytes moved (kvstore's
 arms), the connector's own time in the engine's steps per request (lookup, load,
 save hand-off; and, for the requests of rounds 2 and later of ``mrqa``'s one at a time,
@@ -354,13 +355,19 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict[str, Any]:
             rng = random.Random(f"{workload}/{mode}")  # every arm gets the same prompts
             driver = Driver(llm, a.answer_tokens, clock)
             started = time.perf_counter()
+            later: dict[str, float] = {}  # mrqa's rounds 2 and later: tokens, seconds
             if workload == "mrqa":
                 convs = mrqa(a, rng)
-                for _ in range(a.rounds):
+                for n in range(a.rounds):
+                    began, done = time.perf_counter(), len(driver.records)
                     if mode == "seq":
                         driver.one_at_a_time(convs)
                     else:
                         driver.together(convs)
+                    if n:
+                        later["tokens"] = later.get("tokens", 0) + sum(
+                            x["prompt"] + x["generated"] for x in driver.records[done:])
+                        later["elapsed"] = later.get("elapsed", 0) + time.perf_counter() - began
             elif workload == "longdoc":
                 driver.one_at_a_time(longdoc(a, rng))
             elif workload == "multiturn":
@@ -372,7 +379,7 @@ def run_arm(arm: str, a: argparse.Namespace) -> dict[str, Any]:
             moved = {k: v - stats_before.get(k, 0) if k != "block_bytes" else v
                      for k, v in connector_stats(llm).items()}
             out[f"{workload}/{mode}"] = {"records": driver.records, "elapsed": elapsed,
-                                         "connector": moved}
+                                         "connector": moved, "later": later}
     return out
 
 
@@ -471,9 +478,12 @@ def merge(into: dict[str, Any], result: dict[str, Any]) -> None:
                                      "runs": []})
         have["records"] += r["records"]
         have["elapsed"] += r["elapsed"]
+        later = r.get("later") or {}
         have["runs"].append({"p50": statistics.median(x["ttft"] for x in r["records"]),
                              "tput": sum(x["prompt"] + x["generated"] for x in r["records"])
-                             / r["elapsed"]})
+                             / r["elapsed"],
+                             "later_tput": (later["tokens"] / later["elapsed"]
+                                            if later.get("elapsed") else float("nan"))})
         for k, v in r["connector"].items():
             have["connector"][k] = v if k == "block_bytes" else have["connector"].get(k, 0) + v
 
@@ -550,11 +560,26 @@ def report(results: dict[str, dict[str, Any]], a: argparse.Namespace) -> None:
         same_answers(results, key)
         if key == "mrqa/seq":
             later_rounds(results, key, a)
+        if key == "mrqa/batch":
+            later_throughput(runs)
     if a.png:
         ttfts = {key: {arm: [x["ttft"] * 1000 for x in r[key]["records"]]
                        for arm, r in results.items() if "error" not in r and key in r}
                  for key in keys}
         draw(ttfts, a.png)
+
+
+def later_throughput(runs: dict[str, list[dict[str, float]]]) -> None:
+    """Each round's requests at once, rounds 2 and later (those that can reuse a
+    history; every arm computes the first alike): prompt and generated tokens a second,
+    and over the engine alone's (the median over repeats of the ratio within one)."""
+    print("rounds 2+, each round's requests at once: tok/s (median over repeats), "
+          "and over the engine alone's")
+    for arm, r in runs.items():
+        rates = [x["later_tput"] for x in r if x.get("later_tput") == x.get("later_tput")]
+        if rates:
+            print(f"{arm:13} {statistics.median(rates):8.0f}  "
+                  f"{paired(r, runs.get('alone'), 'later_tput'):6.2f}x")
 
 
 def later_rounds(results: dict[str, dict[str, Any]], key: str, a: argparse.Namespace) -> None:
