@@ -39,7 +39,7 @@ SECTIONS = ("control", "arena", "frames", "sweeps", "ssd", "remote", "replay")
 DEFAULT_SECTIONS = ("control", "arena", "frames")
 ON_DAEMON = ("control", "arena", "frames", "sweeps")  # on --endpoint or one it starts
 # progress steps per section
-STEPS = {"control": 4, "arena": 2, "frames": 2, "sweeps": 2, "ssd": 2, "remote": 2,
+STEPS = {"control": 5, "arena": 2, "frames": 2, "sweeps": 2, "ssd": 2, "remote": 2,
          "replay": 1}
 
 

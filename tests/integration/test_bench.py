@@ -26,7 +26,8 @@ TOP_KEYS = {"version", "kvstore", "daemon", "quick", "repeat", "sections", "rows
 ROW_KEYS = {"section", "name", "unit", "kvstore", "peer", "peer_name", "ratio",
             "share_of_limit", "better", "goal"}
 QUICK_ROWS = {
-    "control": {"lookup 64 keys", "reserve+commit 1", "reserve+commit 16",
+    "control": {"lookup 64 keys", "lookup after 40 ms idle", "reserve+commit 1",
+                "reserve+commit 16",
                 "pipelined lookups (32 in flight)"},
     "arena": {f"arena {op} {size} x16" for op in ("write", "read")
               for size in ("256KiB", "2MiB")},
