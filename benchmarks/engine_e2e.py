@@ -205,9 +205,11 @@ def make_model(path: Path, a: argparse.Namespace) -> None:
 def layerwise(arm: str, forced: bool) -> bool | str:
     """A kvstore arm's ``layerwise``: the connector's default (``auto``) but where the
     arm is named for a way of loading, or measures the connector as it was (whole)."""
-    if forced or arm.endswith("layerwise"):
+    if arm.endswith("layerwise"):
         return True
-    return False if arm.endswith(("whole", "ahead", "before")) else "auto"
+    if arm.endswith(("whole", "ahead", "before")):
+        return False
+    return True if forced else "auto"
 
 
 def engine(arm: str, a: argparse.Namespace, endpoint: str) -> Any:
@@ -578,8 +580,9 @@ def later_throughput(runs: dict[str, list[dict[str, float]]]) -> None:
     for arm, r in runs.items():
         rates = [x["later_tput"] for x in r if x.get("later_tput") == x.get("later_tput")]
         if rates:
+            ratio = paired(r, runs.get("alone"), "later_tput")
             print(f"{arm:13} {statistics.median(rates):8.0f}  "
-                  f"{paired(r, runs.get('alone'), 'later_tput'):6.2f}x")
+                  + (f"{ratio:6.2f}x" if ratio == ratio else "(no alone arm)"))
 
 
 def later_rounds(results: dict[str, dict[str, Any]], key: str, a: argparse.Namespace) -> None:
@@ -712,8 +715,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lmcache-chunk", type=int, default=256,
                    help="LMCache's chunk in tokens (its default): it stores and loads "
                    "whole chunks only")
-    p.add_argument("--layerwise", action="store_true", help="every kvstore arm loads layer "
-                   "by layer (the connector's default, auto, where a core is spare)")
+    p.add_argument("--layerwise", action="store_true", help="kvstore arms not named for a "
+                   "way of loading load layer by layer even where the connector's "
+                   "default (auto) would copy whole")
     p.add_argument("--spans", action="store_true", help="time vLLM's and the connector's "
                    "calls in each step (engine_spans.py) and print, for the requests of "
                    "rounds 2+ of mrqa one at a time, the median ms of each per request")

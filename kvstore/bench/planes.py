@@ -33,7 +33,8 @@ PIPELINE_DEPTH = 32
 # An engine's lookup comes once a request, after a forward pass: the daemon (and the
 # client's own I/O thread) idle that long before it.  On a 2-core VM a bare pyzmq echo
 # took 0.75-0.91 ms after 40 ms idle against 0.16-0.25 back to back (the threads' and
-# CPUs' wake-ups), the daemon's lookup of 95 keys 1.06-1.24 against 0.22.
+# CPUs' wake-ups, and memory left untouched that long: about a microsecond a page to
+# touch again there), the daemon's lookup of 95 keys 1.06-1.24 against 0.22.
 IDLE_GAP_S = 0.04
 CHAIN_LENGTHS = (1, 4, 16, 64, 256, 1024, 4096)
 CLIENT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
@@ -94,7 +95,8 @@ def _fresh(ns: Namespace, span: int, count: int) -> Iterator[list[bytes]]:
 
 
 def control(s: Settings, results: Results, progress: Progress) -> None:
-    """Lookup of a 64-key chain, reserve+commit of 1 and 16 blocks, pipelined lookups."""
+    """Lookup of a 64-key chain (back to back, and each after ``IDLE_GAP_S`` idle),
+    reserve+commit of 1 and 16 blocks, pipelined lookups."""
     echo = Echo(s.echo)
     try:
         with Client(s.endpoint, tenant=s.tenant, token=s.token, timeout=s.timeout) as client:

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -234,23 +235,53 @@ def _auto_or_bool(name: str, value: Any) -> bool | None:
     """A ``kv_connector_extra_config`` switch that may also be ``"auto"`` (None)."""
     if isinstance(value, bool):
         return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
     choices = {"auto": None, "true": True, "false": False}
     if isinstance(value, str) and value.lower() in choices:
         return choices[value.lower()]
     raise ValueError(f"KVStoreConnector: {name} is true, false or \"auto\", not {value!r}")
 
 
-def layerwise_fits(on_gpu: bool, threads: int, cpus: int) -> bool:
+def usable_cores() -> int:
+    """Physical cores this process may run on: the CPUs of its affinity, hyperthreads
+    of one core counted once (``/sys``'s topology), at most its cgroup's CPU quota
+    (``cpu.max``, rounded up)."""
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(topology + "physical_package_id") as package, \
+                    open(topology + "core_id") as core:
+                cores.add((package.read().strip(), core.read().strip()))
+        except OSError:  # no topology here: each CPU a core
+            cores.add(("cpu", str(cpu)))
+    count = len(cores)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            count = min(count, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return count
+
+
+def layerwise_fits(on_host: bool, threads: int, cores: int) -> bool:
     """Whether ``"layerwise": "auto"`` loads layer by layer (once vLLM is seen asking
-    for every layer): pages in host memory, and more CPUs for the process than the
-    engine's ``threads``, so that a thread copies the later layers on a core of its own
-    while the first ones compute.  Measured on the CPU build with one engine thread on
-    2 cores (``engine_e2e.py``, multi-round QA, rounds 2 and later): TTFT 45.1 ms
-    against 48.2 copied whole, the ideal 43.0; with no core to spare the thread slowed
-    the forward more than it saved (TTFT 2.1 ms worse at a load average of 8-11).  On a
-    GPU the layers' copies queue on the stream ahead of their attention: no thread, no
-    gain; a step's loads go whole there."""
-    return not on_gpu and cpus > threads
+    for every layer): pages in host memory, and more cores for the process than the
+    engine's ``threads`` (``usable_cores``), so that a thread copies the later layers on
+    a core of its own while the first ones compute.  Measured on the CPU build with one
+    engine thread on 2 cores (``engine_e2e.py``, multi-round QA, five runs): TTFT p50
+    1.02-1.11x the ideal's (median 1.03x), copied whole 1.10-1.31x in the same runs;
+    memory left untouched for tens of ms costs about a microsecond a page to touch
+    again on those VMs, which the thread pays beside the forward.  With no core to
+    spare the thread slowed the forward more than it saved (TTFT 2.1 ms worse at a load
+    average of 8-11).  On a GPU the layers' copies queue on the stream ahead of their
+    attention: no thread, no gain; a step's loads go whole there.  (vLLM's CPU workers,
+    bound by ``VLLM_CPU_OMP_THREADS_BIND``, run as many threads as the cores bound:
+    whole copies, unless the binding leaves the process a core.)"""
+    return on_host and cores > threads
 
 
 @dataclass(frozen=True)
@@ -263,7 +294,8 @@ class ConnectorOptions:
     ``rates_refresh_s`` seconds, default 10, 0: never):
 
     ``async_saves`` (default true), ``layerwise`` (true, false or ``"auto"``, the
-    default: ``layerwise_on``), ``prefetch`` (default true), ``post_loads`` (default true: acquires sent in handle_preemptions),
+    default: ``layerwise_fits``), ``prefetch`` (default true), ``post_loads``
+    (default true: acquires sent in handle_preemptions),
     ``copy_ahead`` (default false; with ``post_loads``, host pages pinned and copied on a
     thread from then on: for hosts with a core to spare; on a loaded 2-core host it
     slowed loads, engine_e2e's kvstore-ahead arm), ``saves_after_step`` (default true:
@@ -336,9 +368,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layers: dict[int, EnginePages] = {}
         self._layer_index: dict[str, int] = {}
         # "auto": whether this engine's pages and cores suit layer by layer loads, and
-        # the layers vLLM asked for (``wait_for_layer_load``), None once all were asked
+        # the layers vLLM has not yet asked for (``wait_for_layer_load``): None once
+        # all were, or where it need not be known
         self._layerwise_fits = False
-        self._layers_asked: set[str] | None = set()
+        self._layers_unasked: set[str] | None = None
         self._load_errors: set[int] = set()
         self._step_loads: StepLoads | None = None
         self._settled = SettledLoads()   # copies done, pins to release at the next step
@@ -397,8 +430,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if len(pages.layer_targets()) == len(group.layer_names):
                 self._layer_index.update((name, i) for i, name in enumerate(group.layer_names))
         self._layerwise_fits = layerwise_fits(
-            any(p.device.type == "cuda" for p in self._layers.values()),
-            torch.get_num_threads(), len(os.sched_getaffinity(0)))
+            all(p.device.type == "cpu" for p in self._layers.values()),
+            torch.get_num_threads(), usable_cores())
+        if self._opts.layerwise is None and self._layerwise_fits and self._layer_index:
+            self._layers_unasked = set(self._layer_index)
         self._link.client()  # connect and map the arena now, not in a request's step
         if self._opts.async_saves and self._is_producer:
             self._sender = SaveSender(self._link.settings,
@@ -483,14 +518,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         backend that never asks would read pages still being copied)."""
         if self._opts.layerwise is not None:
             return self._opts.layerwise
-        return self._layerwise_fits and self._layers_asked is None
+        return self._layerwise_fits and self._layers_unasked is None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        asked = self._layers_asked
-        if asked is not None and self._layer_index:  # "auto": until every layer asked
-            asked.add(layer_name)
-            if len(asked) >= len(self._layer_index) and asked.issuperset(self._layer_index):
-                self._layers_asked = None
+        unasked = self._layers_unasked
+        if unasked is not None:  # "auto", until every layer was asked for
+            unasked.discard(layer_name)
+            if not unasked:
+                self._layers_unasked = None
         loads = self._step_loads
         if loads is None:
             return

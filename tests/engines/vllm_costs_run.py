@@ -8,6 +8,7 @@ check's name and "ok" or its failure."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -23,7 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kvstore.identity import Identity
 from kvstore.integrations.engine_side import EnginePages, Loaded
 from kvstore.integrations.pipeline import SettledLoads
-from kvstore.integrations.vllm import STATS, ConnectorOptions, KVStoreConnector, layerwise_fits
+from kvstore.integrations.vllm import (
+    STATS,
+    ConnectorOptions,
+    KVStoreConnector,
+    layerwise_fits,
+    usable_cores,
+)
 from kvstore.integrations.vllm_identity import Group, RequestVariant
 from kvstore.integrations.vllm_requests import (
     KVStoreConnectorMetadata,
@@ -193,8 +200,8 @@ def check_layerwise_is_true_false_or_auto() -> None:
         return ConnectorOptions.from_extra({"layerwise": value}, None).layerwise
 
     assert ConnectorOptions.from_extra({}, None).layerwise is None  # "auto", the default
-    assert [parse(v) for v in (True, False, "auto", "TRUE", "false")] == [
-        True, False, None, True, False]
+    assert [parse(v) for v in (True, False, "auto", "TRUE", "false", 1, 0)] == [
+        True, False, None, True, False, True, False]
     try:
         parse("sometimes")
     except ValueError as exc:
@@ -207,7 +214,7 @@ def check_auto_goes_layer_by_layer_once_every_layer_was_asked_for() -> None:
     connector, _ = worker([])
     connector._opts = OptionsStub(layerwise=None)  # type: ignore[assignment]
     connector._layer_index = {"l0": 0, "l1": 1}
-    connector._layerwise_fits, connector._layers_asked = True, set()
+    connector._layerwise_fits, connector._layers_unasked = True, {"l0", "l1"}
     assert not connector._layer_by_layer()  # an attention that never asks: whole
     connector.wait_for_layer_load("l0")
     connector.wait_for_layer_load("l0")
@@ -218,8 +225,9 @@ def check_auto_goes_layer_by_layer_once_every_layer_was_asked_for() -> None:
     assert not connector._layer_by_layer()
     connector._opts = OptionsStub(layerwise=True)  # type: ignore[assignment]
     assert connector._layer_by_layer()
-    assert layerwise_fits(False, 1, 2) and not layerwise_fits(False, 2, 2)
-    assert not layerwise_fits(True, 1, 64)  # a GPU's copies queue on its stream
+    assert layerwise_fits(True, 1, 2) and not layerwise_fits(True, 2, 2)
+    assert not layerwise_fits(False, 1, 64)  # a GPU's copies queue on its stream
+    assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
 
 
 CHECKS: dict[str, Callable[[], None]] = {

@@ -210,10 +210,8 @@ def run(args: argparse.Namespace) -> dict:
                     "num_cached_tokens": out.num_cached_tokens} for out in outs]
         result |= outputs[0] if len(outputs) == 1 else {"outputs": outputs}
         results.append(result)
-    import torch
-
     return {"results": results, "worker": dict(worker.stats) if worker else {},
-            "torch_threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)),
+            "layerwise_fits": bool(worker and worker._layerwise_fits),
             "scheduler_connected": connected,
             "scheduler": dict(scheduler_connector.stats) if scheduler_connector else {}}
 
