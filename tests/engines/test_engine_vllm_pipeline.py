@@ -103,7 +103,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 "--extra", json.dumps({"layerwise": False}))
             out["auto_consumer"] = engine_run(  # "layerwise": "auto", the default, and
                 tmp, "auto_consumer", own, [{"prompt": PROMPT_P}, {"prompts": BATCH}],
-                daemons["one"], tenant, "--role", "kv_consumer", omp_threads=1)  # a CPU spare
+                daemons["one"], tenant, "--role", "kv_consumer", omp_threads=1)  # a core spare
             # last on this daemon: it is killed
             out["load_killed"] = engine_run(
                 tmp, "load_killed", own, [{"prompt": PROMPT_P, "kill_daemon": "load"},
@@ -218,7 +218,7 @@ def test_auto_loads_layer_by_layer_once_vllm_asks_for_layers_where_a_core_is_spa
         runs: dict[str, Any]) -> None:
     """``"layerwise": "auto"``: the first step that loads copies whole (vLLM not yet
     seen asking for every layer), later ones layer by layer where the engine's process
-    may run on more CPUs than its threads, whole where it may not; the outputs are the
+    may run on more cores than its threads, whole where it may not; the outputs are the
     baseline's either way."""
     auto = runs["auto_consumer"]
     assert outputs(auto) == outputs(runs["baseline"])[:5]
