@@ -272,8 +272,8 @@ def layerwise_fits(on_host: bool, threads: int, cores: int) -> bool:
     for every layer): pages in host memory, and more cores for the process than the
     engine's ``threads`` (``usable_cores``), so that a thread copies the later layers on
     a core of its own while the first ones compute.  Measured on the CPU build with one
-    engine thread on 2 cores (``engine_e2e.py``, multi-round QA, six runs): TTFT p50
-    1.02-1.19x the ideal's (median 1.07x), copied whole 1.10-1.31x in four of them;
+    engine thread on 2 cores (``engine_e2e.py``, multi-round QA, seven runs): TTFT p50
+    1.02-1.19x the ideal's (median 1.04x), copied whole 1.10-1.31x in four of them;
     memory left untouched for tens of ms costs about a microsecond a page to touch
     again on those VMs, which the thread pays beside the forward.  With no core to
     spare the thread slowed the forward more than it saved (TTFT 2.1 ms worse at a load
