@@ -71,15 +71,18 @@ class Results:
 
 
 def paired(ours: Callable[[], object], peer: Callable[[], object], repeats: int,
-           inner: int = 1) -> tuple[float, float]:
+           inner: int = 1, gap: float = 0.0) -> tuple[float, float]:
     """Median seconds per call of each, samples interleaved so that noise hits both (and
-    who goes first alternating, so that neither always runs on the other's heels)."""
+    who goes first alternating, so that neither always runs on the other's heels);
+    ``gap``: seconds of nothing before each sample, untimed (a call after idle)."""
     ours()
     peer()
     samples: tuple[list[float], list[float]] = ([], [])
     pairs = [(ours, samples[0]), (peer, samples[1])]
     for i in range(repeats):
         for fn, out in pairs if i % 2 == 0 else pairs[::-1]:
+            if gap:
+                time.sleep(gap)
             start = time.perf_counter()
             for _ in range(inner):
                 fn()

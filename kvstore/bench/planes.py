@@ -112,8 +112,8 @@ def control(s: Settings, results: Results, progress: Progress) -> None:
                                         peer * 1e6, "pyzmq echo", "lower", 1.25))
                 progress.advance()
                 progress.step(f"control: lookup after {IDLE_GAP_S * 1e3:.0f} ms idle")
-                ours, peer = after_idle(lambda: ns.lookup(chain), echo.of([look]),
-                                        max(3, s.inner // 20), IDLE_GAP_S)
+                ours, peer = paired(lambda: ns.lookup(chain), echo.of([look]),
+                                    max(3, s.inner // 20), gap=IDLE_GAP_S)
                 results.rows.append(Row("control", f"lookup after {IDLE_GAP_S * 1e3:.0f} "
                                         "ms idle", "us", ours * 1e6, peer * 1e6,
                                         "pyzmq echo, idle alike", "lower", 1.25))
@@ -150,20 +150,6 @@ def control(s: Settings, results: Results, progress: Progress) -> None:
                 ns.drop()
     finally:
         echo.close()
-
-
-def after_idle(ours: Callable[[], object], peer: Callable[[], object], samples: int,
-               gap: float) -> tuple[float, float]:
-    """Median seconds of one call of each, every call after ``gap`` seconds of nothing
-    (an engine's once-a-request lookup, after its forward pass), the two alternated."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for i in range(samples):
-        for fn, out in ((ours, times[0]), (peer, times[1]))[::1 if i % 2 else -1]:
-            time.sleep(gap)
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _rate_blocking(once: Callable[[], object], s: Settings) -> float:
