@@ -4,6 +4,7 @@
                                        [--policies lru,slru,arc,s3fifo,density,auto]
                                        [--repeat 5] [--handover 200k [--ghosts 2]]
                                        [--memory 100k] [--ingest 500k]
+                                       [--switch 1M [--path auto,lru,auto,...]]
 
 Replays the trace through the simulator of benchmarks/replay_sim.py (the policy called
 as the store calls it, each hit reported twice as the daemon's lookup and acquire do)
@@ -27,6 +28,15 @@ items (a 16-byte key, a parent, links; named and sampled as the store's blocks a
 inserted as 1024-item chains, deepest first, one ``insert_many`` a chain as a commit
 makes, no eviction: the median CPU microseconds per item over ``--repeat`` runs (the
 policies taking turns), and its ratio to the first policy's.
+
+``--switch N`` times instead a change of the store's eviction policy (a SIGHUP that names
+another ``dram.eviction_policy``) on a ``BlockStore`` of N committed blocks (1024-block
+chains, one pinned, one kept warm), along ``--path`` (each policy to the next): in one
+call (``at_once``, as before) and in steps (``kvstore.scheduler.switch``: 256 blocks a
+loop turn, as the daemon passes them, and a 64-key lookup of a random chain between two
+steps, as traffic would come): the one call's seconds; in steps, the longest step, the
+longest lookup, the steps and the CPU seconds in all.  The heap is settled once a
+second, as the daemon's is (``kvstore.heap``).
 
 ``--memory N`` measures instead what the order in charge of ``auto`` keeps of its own
 per cached block (entries, queues, ghosts: what it frees when let go), with each
@@ -79,7 +89,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="measure the order in charge's memory on this many items")
     parser.add_argument("--ingest", default="",
                         help="time each policy's insert of this many items in chains")
+    parser.add_argument("--switch", default="",
+                        help="time a change of the store's policy on this many blocks")
+    parser.add_argument("--path", default="auto,lru,auto,slru,density,lru,arc,auto",
+                        help="with --switch: the policies switched to, one after another")
     args = parser.parse_args(argv)
+    if args.switch:
+        path = [p for p in args.path.split(",") if p]
+        unknown = [p for p in path if p not in POLICIES]
+        if unknown or len(path) < 2:
+            parser.error(f"--path: two or more of {sorted(POLICIES)}, got {args.path!r}")
+        return switch(_count(args.switch), path)
     if args.ingest:
         return ingest(_count(args.ingest), [p for p in args.policies.split(",") if p],
                       max(1, args.repeat))
@@ -111,6 +131,85 @@ def main(argv: Sequence[str] | None = None) -> int:
         median = statistics.median(seconds[name])
         print(f"{name:<8} {1e6 * median / len(trace):>10.1f} {median / first:>6.2f} "
               f"{hits[name]:>9.4f}")
+    return 0
+
+
+def _switch_store(count: int, policy: str) -> tuple[Any, Any, list[list[bytes]]]:
+    """A store of ``count`` committed blocks in 1024-block chains (the first chain's
+    head pinned, the second kept warm), its namespace, and each chain's first 64 keys."""
+    from kvstore.keys import chain_keys
+    from kvstore.store import BlockStore, Reservation
+    from kvstore.identity import Identity
+
+    identity = Identity(model="switch", model_revision="r", tenant="t", kv_dtype="float16",
+                        num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=16)
+    slot = 4096
+    store = BlockStore((count + 1024) * slot, 64 << 20, eviction_policy=policy,
+                       clock=time.monotonic)
+    ns = store.open_namespace(identity)
+    heads: list[list[bytes]] = []
+    for start in range(0, count, 1024):
+        tokens = list(range(start * 16, (start + min(1024, count - start)) * 16))
+        keys = chain_keys(ns.id, tokens, 16)
+        r = store.reserve("w", ns, keys, None, 0.0)
+        assert isinstance(r, Reservation), r
+        store.commit("w", r.id, 0.0)
+        heads.append(keys[:64])
+    store.acquire("w", ns, heads[0][:1], 0.0)
+    if len(heads) > 1:
+        store.keep_warm(ns, heads[1], time.monotonic() + 3600)
+    return store, ns, heads
+
+
+def switch(count: int, path: list[str]) -> int:
+    from kvstore.heap import settle
+
+    rows: dict[tuple[str, str], dict[str, float]] = {}
+    for at_once in (True, False):
+        print(f"building a store of {count:,} blocks ({'one call' if at_once else 'in steps'})",
+              file=sys.stderr, flush=True)
+        store, ns, heads = _switch_store(count, path[0])
+        before = len(ns.blocks)
+        rng = random.Random(7)
+        settle()
+        for frm, to in zip(path, path[1:]):
+            cpu, started = time.thread_time(), time.perf_counter()
+            store.set_eviction_policy(to, at_once=at_once)
+            row = rows.setdefault((frm, to), {})
+            if at_once:
+                row["once_s"] = time.perf_counter() - started
+                row["once_cpu"] = time.thread_time() - cpu
+            else:
+                row["start_ms"] = (time.perf_counter() - started) * 1e3
+                longest = longest_lookup = 0.0
+                steps = 0
+                settled = time.monotonic()
+                more = True
+                while more:
+                    t = time.perf_counter()
+                    more = store.switch_step(256)
+                    longest = max(longest, time.perf_counter() - t)
+                    steps += 1
+                    t = time.perf_counter()
+                    store.lookup(ns, rng.choice(heads))
+                    longest_lookup = max(longest_lookup, time.perf_counter() - t)
+                    if time.monotonic() - settled >= 1.0:
+                        settle()
+                        settled = time.monotonic()
+                row.update(step_ms=longest * 1e3, lookup_ms=longest_lookup * 1e3,
+                           steps=steps, steps_cpu=time.thread_time() - cpu)
+            settle()
+            assert len(ns.blocks) == before, "a switch lost blocks"
+            print(f"  {frm} -> {to}", file=sys.stderr, flush=True)
+        store.check_invariants()
+        del store, ns, heads
+        gc.collect()
+    print(f"change of eviction policy on {count:,} blocks (one pinned, 1024 kept warm)")
+    print(f"{'switch':<18} {'one call s':>10} {'| steps':>8} {'longest step ms':>16} "
+          f"{'longest lookup ms':>18} {'CPU s':>6}")
+    for (frm, to), row in rows.items():
+        print(f"{frm + ' -> ' + to:<18} {row['once_s']:>10.3f} {row['steps']:>8.0f} "
+              f"{row['step_ms']:>16.2f} {row['lookup_ms']:>18.2f} {row['steps_cpu']:>6.2f}")
     return 0
 
 

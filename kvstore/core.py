@@ -35,6 +35,7 @@ from kvstore.gpu_copies import GpuCopies
 from kvstore.pool import SlabClass
 from kvstore.errors import ConfigError
 from kvstore.scheduler.admission import SEEN_MOST, PolicyChain, Step
+from kvstore.scheduler.switch import Switch
 from kvstore.tier import Tier
 from kvstore.tier_changes import TierChanges
 from kvstore.token_ids import let_go
@@ -306,6 +307,8 @@ class StoreCore:
         self.clock = clock
         self.per_tenant = per_tenant
         self.drams: dict[str, TierSlots] = {}  # one DRAM tier (arena) per tenant, or one for all
+        # changes of a DRAM class's eviction policy under way (``set_eviction_policy``)
+        self.switches: list[Switch[Block]] = []
         self.ssd = (TierSlots(SSD, ssd_capacity, ssd_slab_bytes, 4096, "lru")
                     if ssd_capacity else None)
         if not 1 <= ssd_admit_after <= SEEN_MOST:  # (a block's count stops there)

@@ -13,6 +13,7 @@ from kvstore.blocks import DRAM, Block
 from kvstore.core import StoreCore
 from kvstore.pool import SlabClass
 from kvstore.scheduler.dueling import Duel
+from kvstore.scheduler.switch import Switch
 
 
 class DramCopies:
@@ -94,9 +95,13 @@ class DramCopies:
                     assert b.refs == 0, f"pinned {b} is on the eviction order"
                     assert b.offset is not None and not b.demoting, f"{b} on the order"
                 inner = getattr(policy, "inner", policy)  # (under WarmPins: warm blocks
-                duel = isinstance(inner, Duel)  # are outside the order it wraps)
-                if duel:
-                    for b in inner.evictable():
+                # are outside the order it wraps; a change of policy under way holds
+                # blocks in both orders)
+                duels = [o for o in (inner.parts() if isinstance(inner, Switch) else [inner])
+                         if isinstance(o, Duel)]
+                duel = bool(duels)
+                for d in duels:
+                    for b in d.evictable():
                         assert b.dram_duel is not None, f"{b} untracked by the duel"
                 expected = 0
                 for ns in store.namespaces.values():

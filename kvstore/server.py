@@ -44,6 +44,7 @@ from kvstore.logs import in_effect
 from kvstore.metrics import UNAUTHENTICATED, Metrics, stats_on_loop
 from kvstore.moves import Moves
 from kvstore.plans import Plan
+from kvstore.policy_switches import PolicySwitches
 from kvstore.remote import RemoteTier
 from kvstore.routing import RoutingVerbs
 from kvstore.scheduler.admission import PolicyChain
@@ -118,6 +119,7 @@ class Server:
         self._draining_grants = False  # a slice of the grantees' discharges is due
         self._stopped: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.policy_switches = PolicySwitches(self.store)  # SIGHUP's, in loop turns
         self.moves = Moves(self.store, clock)  # its tiers' movers join in start()
         self.finisher = Finisher(self)
         self.verbs = Verbs(self)
@@ -381,8 +383,7 @@ class Server:
         self.sessions.configure(s, self.config.auth.grantee_pin_share,
                                 self.config.auth.grantee_pin_total)
         self.store.ssd_admit_after = self.config.ssd.admit_after
-        if self.store.dram_args[3] != self.config.dram.eviction_policy:
-            self.store.set_eviction_policy(self.config.dram.eviction_policy)
+        self.policy_switches.change(self.config.dram.eviction_policy, self.spawn)
 
     def _release_sent(self, pin: int) -> None:
         """A zero-copy get reply went out (or could not): its pin and bytes go back."""
@@ -469,6 +470,7 @@ class Server:
 # A session outlives its connection (till its lease ends), and a peer may name a gone
 # connection's routing id as its own: on a secure socket, whose handshake authenticated
 # the tenant (User-Id), a request is served only for a session of that tenant.
+
 _ANOTHER_TENANTS = ("this routing id is a session of another tenant's; connect again "
                     "without naming one")
 _NEVER_LIMITED = (p.Release, p.Abort)  # requests that give back what others wait for
@@ -494,6 +496,8 @@ def server_stats(server: Server) -> dict[str, Any]:
         # each DRAM class's order as it stands (auto: which candidate leads, scores)
         "eviction_orders": [repr(policy) for dram in server.store.drams.values()
                             for policy in dram.policies.values()],
+        # a change of policy (SIGHUP) passing the blocks on: blocks passed so far
+        "eviction_switch": server.policy_switches.stats(),
         "tenant_dram_bytes": {tenant: nbytes for dram in server.store.drams.values()
                               for tenant, nbytes in dram.used.items()},
         # bytes of other tenants' DRAM each grantee keeps pinned (auth.grantee_pin_share)

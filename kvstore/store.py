@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 
 from kvstore.blocks import (
     DRAM,
+    LINKED_TIERS,
     SEEN_FULL,
     SEEN_ONE,
     SSD,
@@ -69,7 +70,10 @@ from kvstore.owners import Leases
 from kvstore.plans import Plan
 from kvstore.remote_copies import RemoteCopies
 from kvstore.room import RoomMaker
+from kvstore.scheduler.dueling import Duel
 from kvstore.scheduler.eviction import WarmPins, make_policy
+from kvstore.scheduler.policy import EvictionPolicy
+from kvstore.scheduler.switch import Switch
 from kvstore.ssd_copies import SsdCopies
 from kvstore.store_view import check_invariants, tier_stats
 from kvstore.token_ids import let_go, run_of, split_sparse
@@ -400,34 +404,67 @@ class BlockStore(StoreCore):
             self.unpin_block(b)
 
     # -- the eviction order -------------------------------------------------------------------
-    def set_eviction_policy(self, name: str) -> None:
+    def set_eviction_policy(self, name: str, at_once: bool = False) -> None:
         """Order every DRAM class by the policy ``name`` from now on (and new tiers too),
-        keeping every cached block: each class's blocks pass to a fresh order in the
-        order the old one lists them, pinned ones stay pinned and warm ones warm."""
+        keeping every cached block, pinned ones pinned and warm ones warm.  A class
+        whose order keeps warm pins (the daemon's: its tiers have a clock) passes its
+        blocks to the new order in steps (``kvstore.scheduler.switch``: ``switch_step``,
+        which the daemon's loop calls between requests, and the order's own calls), the
+        old one's coldest first; otherwise, or ``at_once``, in this one call (O(blocks):
+        at a million blocks 0.8-6 s)."""
         make_policy(name)  # an unknown name fails here, before any change
         self.dram_args = (*self.dram_args[:3], name)
         for dram in self.drams.values():
             dram.policy_name = name
+            links = dram.name if dram.name in LINKED_TIERS else None
             for slot_bytes, old in list(dram.policies.items()):
-                on_order = list(old.evictable())
-                held = [b for ns in self.namespaces.values()
-                        if ns.dram is dram and ns.cls.slot_bytes == slot_bytes
-                        for b in ns.blocks.values()
-                        if b.offset is not None and b.refs > 0 and not b.demoting]
-                # the pinned: held and not listed (no set of every listed block)
-                listed_held = set(held).intersection(on_order)
-                pinned = [b for b in held if b not in listed_held]
-                old.release()  # before the new order may link the same blocks
-                new = dram.new_policy(slot_bytes)
-                new.insert_many(on_order + pinned)  # one call: parents and children meet
-                for b in pinned:
-                    new.pin(b)
-                if isinstance(old, WarmPins) and isinstance(new, WarmPins):
-                    for b in on_order + pinned:
-                        until = old.warm_until(b)
-                        if until is not None:
-                            new.pin_soft(b, until)
-                dram.policies[slot_bytes] = new
+                if not at_once and isinstance(old, WarmPins):
+                    if old.inner.name != name:  # (or on its way there already)
+                        self._start_switch(old, dram, slot_bytes, links)
+                    continue
+                if isinstance(old, WarmPins) and isinstance(old.inner, Switch):
+                    self._finish_switch(old.inner)
+                dram.policies[slot_bytes] = _switched_at_once(self, dram, slot_bytes, old)
+
+    def _start_switch(self, warm: WarmPins[Block], dram: TierSlots, slot_bytes: int,
+                      links: str | None) -> None:
+        """``warm``'s order handed over to a new one of ``dram``'s policy in steps (a
+        switch under way: the new one drains it, and is let be)."""
+        running = warm.inner
+        if isinstance(running, Switch):
+            if dram.policy_name == "auto" and any(isinstance(o, Duel) for o in running.parts()):
+                # two duels keep their states in the same slot of a block: the one
+                # leaving is let go first (a SIGHUP back to ``auto`` while it goes)
+                self._finish_switch(running)
+                running = warm.inner
+            else:
+                self.switches.remove(running)
+        new = dram.new_policy(slot_bytes)
+        inner = new.inner if isinstance(new, WarmPins) else new
+
+        def done(order: EvictionPolicy[Block]) -> None:
+            if warm.inner is switch:
+                warm.inner = order
+                warm.name = order.name
+
+        switch = Switch(running, inner, warm.pinned_inside(), warm.is_pinned_inside,
+                        links, done)
+        warm.inner = switch
+        warm.name = switch.name
+        self.switches.append(switch)
+
+    def _finish_switch(self, switch: Switch[Block]) -> None:
+        while not switch.finished:
+            switch.step(1 << 16)
+        self.switches.remove(switch)
+
+    def switch_step(self, most: int) -> bool:
+        """Pass on up to ``most`` blocks of each change of policy under way (see
+        ``set_eviction_policy``); whether any is still under way."""
+        for switch in self.switches:
+            switch.step(most)
+        self.switches = [s for s in self.switches if not s.finished]
+        return bool(self.switches)
 
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """Figures per tier: bytes and slots free, reserved, committed; counters."""
@@ -446,6 +483,31 @@ class BlockStore(StoreCore):
                 f"dram committed={self.committed_slots} reserved={self.reserved_slots}, "
                 f"ssd committed={self.ssd_committed_slots} reserved={self.ssd_reserved_slots}, "
                 f"owners={len(self.owners)}, transfers={len(self.transfers)})")
+
+
+def _switched_at_once(store: BlockStore, dram: TierSlots, slot_bytes: int,
+                      old: EvictionPolicy[Block]) -> EvictionPolicy[Block]:
+    """A fresh order of ``dram``'s policy for the class, holding every block of ``old``
+    (passed in the order it lists them), pinned ones pinned, warm ones warm: one call."""
+    on_order = list(old.evictable())
+    held = [b for ns in store.namespaces.values()
+            if ns.dram is dram and ns.cls.slot_bytes == slot_bytes
+            for b in ns.blocks.values()
+            if b.offset is not None and b.refs > 0 and not b.demoting]
+    # the pinned: held and not listed (no set of every listed block)
+    listed_held = set(held).intersection(on_order)
+    pinned = [b for b in held if b not in listed_held]
+    old.release()  # before the new order may link the same blocks
+    new = dram.new_policy(slot_bytes)
+    new.insert_many(on_order + pinned)  # one call: parents and children meet
+    for b in pinned:
+        new.pin(b)
+    if isinstance(old, WarmPins) and isinstance(new, WarmPins):
+        for b in on_order + pinned:
+            until = old.warm_until(b)
+            if until is not None:
+                new.pin_soft(b, until)
+    return new
 
 
 def _ids_bytes(tokens: bytes | Sequence[bytes]) -> int:

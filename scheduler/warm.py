@@ -77,6 +77,15 @@ class WarmPins(EvictionPolicy[T]):
             else:
                 self._warm_evictable -= 1
 
+    def pinned_inside(self) -> list[T]:
+        """The items pinned in the inner order (hard-pinned, not kept warm)."""
+        warm = self._warm
+        return [item for item in self._hard if item not in warm]
+
+    def is_pinned_inside(self, item: T) -> bool:
+        """Whether ``item`` is pinned in the inner order (hard-pinned, not kept warm)."""
+        return item in self._hard and item not in self._warm
+
     def warm_until(self, item: T) -> float | None:
         """The item's soft-pin deadline, or None if it is not kept warm."""
         return self._warm.get(item)

@@ -42,8 +42,8 @@ def _orders_of(policy: object) -> set[int]:
                 found.update(id(q) for q in value if isinstance(q, LinkedOrder))
             if isinstance(value, LinkedOrder):
                 found.add(id(value))
-            elif hasattr(value, "evictable") and value is not part:
-                todo.append(value)
+            elif (hasattr(value, "evictable") or hasattr(value, "queues")) and value is not part:
+                todo.append(value)  # an order, or a hand-over's parts of the old one
     return found
 
 
@@ -131,6 +131,12 @@ def test_a_switch_in_the_middle_of_a_hand_over(monkeypatch: pytest.MonkeyPatch,
     for pin in pins:
         store.release("s", pin.id)
     store.check_invariants()
+    while store.switch_step(16):  # the change of policy carried through, in steps
+        store.check_invariants()
+        _linked_to_current(store, ns)
+    request()
+    store.check_invariants()
+    _linked_to_current(store, ns)
 
 
 def test_a_namespace_dropped_in_the_middle_of_a_hand_over(

@@ -3,6 +3,7 @@ handed (the daemon-level switch is in tests/integration/test_policy_switch.py)."
 
 from __future__ import annotations
 
+import pytest
 from kvtest import make_identity
 
 from kvstore.keys import chain_keys
@@ -11,9 +12,11 @@ from kvstore.store import BlockStore
 IDENT = make_identity()
 
 
-def test_a_switch_hands_the_new_order_every_block_in_one_call() -> None:
+@pytest.mark.parametrize("at_once", [True, False])
+def test_a_switch_hands_the_new_order_every_block_in_one_call(at_once: bool) -> None:
     """A chain's head hit after its tails is listed after them by LRU: handed over one
-    block a call, hit density linked no tail to it (its head counted no children)."""
+    block a call, hit density linked no tail to it (its head counted no children).
+    In steps (``at_once`` false, as the daemon switches), the same."""
     slot = IDENT.block_bytes
     store = BlockStore(8 * slot, 8 * slot)
     ns = store.open_namespace(IDENT)
@@ -22,7 +25,9 @@ def test_a_switch_hands_the_new_order_every_block_in_one_call() -> None:
     r = store.reserve("o", ns, keys, None, 0.0)
     store.commit("o", r.id, 0.0)  # type: ignore[union-attr]
     pin = store.acquire("o", ns, keys[:1], 0.0)  # the head: hit last, and held
-    store.set_eviction_policy("density")
+    store.set_eviction_policy("density", at_once=at_once)
+    while store.switch_step(1):
+        store.check_invariants()
     order = ns.dram.policy(ns.cls)
     entries = order.inner._entries  # type: ignore[attr-defined]
     assert [entries[ns.blocks[k]].kids for k in keys] == [1, 1, 0]
@@ -45,9 +50,13 @@ def test_auto_let_go_and_taken_again_tracks_every_block_afresh() -> None:
     pin = store.acquire("o", ns, keys[:2], 0.0)  # held through both switches
     assert all(ns.blocks[k].dram_duel is not None for k in keys)
     store.set_eviction_policy("lru")
+    while store.switch_step(2):
+        store.check_invariants()
     assert all(ns.blocks[k].dram_duel is None for k in keys)
     store.check_invariants()
     store.set_eviction_policy("auto")
+    while store.switch_step(2):
+        store.check_invariants()
     store.release("o", pin.id)  # type: ignore[union-attr]
     assert len(ns.dram.policy(ns.cls)) == len(keys)
     assert all(ns.blocks[k].dram_duel is not None for k in keys)
@@ -55,8 +64,6 @@ def test_auto_let_go_and_taken_again_tracks_every_block_afresh() -> None:
 
 
 def test_an_admission_count_a_block_cannot_reach_is_refused() -> None:
-    import pytest
-
     from kvstore.errors import ConfigError
 
     for most in (0, 8):

@@ -96,3 +96,49 @@ def test_an_unknown_policy_on_reload_keeps_the_running_one(
         with pytest.raises(CapacityError):  # the daemon still answers as before
             ns.put(ns.keys(range(10**6, 10**6 + 16 * 65)),
                    [bytes(SMALL.block_bytes)] * 65)
+
+
+def test_a_switch_of_thousands_of_blocks_goes_in_loop_turns(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """4096 blocks pass to the new order 256 a loop turn, the daemon answering between
+    them (its invariants checked after every request): every block stays, the pinned
+    one pinned, the warm ones warm, and the new order evicts."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text('[dram]\neviction_policy = "auto"\n')
+    d = daemon_factory(dram_capacity=str(4160 * SMALL.block_bytes),
+                       extra=["--config", str(config), "--log-level", "info",
+                              "--slab-size", str(64 * SMALL.block_bytes)])
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(SMALL)
+        chains = [ns.keys(range(1024 * i, 1024 * (i + 1))) for i in range(64)]  # 64 blocks
+        for keys in chains:
+            ns.put(keys, [bytes(SMALL.block_bytes)] * 64)
+        held = ns.acquire(chains[0][:1])
+        ns.keep_warm(chains[1], 60.0)
+        config.write_text('[dram]\neviction_policy = "slru"\n')
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        answered = 0
+        while "eviction policy slru in charge" not in d.log():
+            assert time.monotonic() < deadline, "the switch did not end"
+            assert ns.lookup(chains[answered % 64]).blocks == 64
+            answered += 1
+        line = next(x for x in d.log().splitlines() if "eviction policy slru in charge" in x)
+        turns = int(line.split("after ")[1].split(" loop turns")[0])
+        assert turns >= 4096 // 256 // 2, line  # (lookups between turns pass some on too)
+        assert answered >= 1
+        switch = client.stats()["eviction_switch"]
+        assert switch == {"under_way": False, "passed": 0, "done": 1, "last_turns": turns}
+        assert [ns.lookup(keys).blocks for keys in chains] == [64] * 64
+        stats = client.stats()
+        (order,) = stats["eviction_orders"]
+        assert "SLRUPolicy(" in order and "pinned=1" in order and "warm=64" in order, order
+        assert stats["tiers"]["dram"]["evictions"] == 0
+        assert stats["invariant_violations"] == 0
+        for i in range(64, 70):  # 64 slots free, then 320 evicted by the new order
+            ns.put(ns.keys(range(1024 * i, 1024 * (i + 1))), [bytes(SMALL.block_bytes)] * 64)
+        assert client.stats()["tiers"]["dram"]["evictions"] == 6 * 64 - 64
+        assert ns.lookup(chains[0][:1]).blocks == 1 and ns.lookup(chains[1]).blocks == 64
+        held.release()
+        assert client.stats()["invariant_violations"] == 0

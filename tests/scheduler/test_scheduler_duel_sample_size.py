@@ -73,6 +73,8 @@ def test_the_store_and_its_simulator_size_the_sample_alike() -> None:
     store.commit("o", r.id, 0.0)  # type: ignore[union-attr]
     store.set_eviction_policy("lru")
     store.set_eviction_policy("auto")  # a switch sizes its new order too
+    while store.switch_step(64):  # (in steps, as the daemon's)
+        store.check_invariants()
     order = ns.dram.policy(ns.cls).inner  # type: ignore[attr-defined]
     assert isinstance(order, AutoPolicy) and order.sample_shift == 7
     store.check_invariants()

@@ -1,0 +1,75 @@
+"""A change of the DRAM eviction policy (a SIGHUP that names another
+``dram.eviction_policy``) carried through on the daemon's loop, a slice a loop turn.
+
+``BlockStore.set_eviction_policy`` starts the change: each class's order passes its
+blocks to the new one in steps (``kvstore.scheduler.switch``), the old order's coldest
+first, while requests are served; this takes the steps the requests leave, between
+them.  A second change before the first is through takes the order as it is then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from kvstore.store import BlockStore
+
+log = logging.getLogger("kvstore.server")
+
+# Blocks a loop turn passes to the new order (about 1-5 us a block: a millisecond or so)
+SWITCH_A_TURN = 256
+
+Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class PolicySwitches:
+    """The change under way, if any, and how the last one went (for ``stats``)."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self.task: asyncio.Task[None] | None = None
+        self.done = 0  # changes carried through
+        self.last_turns = 0  # loop turns the last one took
+
+    def change(self, name: str, spawn: Spawn) -> None:
+        """Order the DRAM classes by ``name`` from now on, if not already (unknown:
+        ``ValueError``, nothing changed); ``spawn`` runs the steps on the running loop
+        (with none yet, the requests' own calls carry the change through)."""
+        if self.store.dram_args[3] == name:
+            return
+        self.store.set_eviction_policy(name)
+        if self.store.switches and self.task is None and _loop_running():
+            self.task = spawn(self._steps())
+
+    async def _steps(self) -> None:
+        store = self.store
+        try:
+            started, cpu, turns = time.perf_counter(), time.thread_time(), 1
+            log.info("eviction policy changing to %s, %d blocks a loop turn",
+                     store.dram_args[3], SWITCH_A_TURN)
+            while store.switch_step(SWITCH_A_TURN):
+                await asyncio.sleep(0)
+                turns += 1
+            self.done += 1
+            self.last_turns = turns
+            log.info("eviction policy %s in charge after %d loop turns (%.2f s, %.2f s "
+                     "of CPU)", store.dram_args[3], turns, time.perf_counter() - started,
+                     time.thread_time() - cpu)
+        finally:
+            self.task = None
+
+    def stats(self) -> dict[str, Any]:
+        switches = self.store.switches
+        return {"under_way": bool(switches), "passed": sum(s.passed for s in switches),
+                "done": self.done, "last_turns": self.last_turns}

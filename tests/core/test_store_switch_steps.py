@@ -1,0 +1,183 @@
+"""A change of eviction policy in steps (``scheduler/switch.py``): the store keeps every
+block, its pins and warm pins, and its counts, while requests come between the steps
+and while a second change comes before the first is through."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import pytest
+from kvtest import make_identity
+
+from kvstore.keys import chain_keys
+from kvstore.scheduler.eviction import LRUPolicy, WarmPins
+from kvstore.scheduler.switch import Switch
+from kvstore.store import BlockStore, Pin, Reservation
+
+IDENT = make_identity()
+POLICIES = ("lru", "slru", "arc", "s3fifo", "density", "auto")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _store(policy: str, slots: int) -> tuple[BlockStore, Clock]:
+    clock = Clock()
+    store = BlockStore(slots * IDENT.block_bytes, slots * IDENT.block_bytes,
+                       eviction_policy=policy, clock=clock)
+    return store, clock
+
+
+def _commit(store: BlockStore, ns: object, keys: list[bytes]) -> bool:
+    r = store.reserve("o", ns, keys, None, 0.0)  # type: ignore[arg-type]
+    if not isinstance(r, Reservation):
+        return False
+    store.commit("o", r.id, 0.0)
+    return True
+
+
+def test_a_switch_under_a_clock_goes_in_steps_and_keeps_every_block() -> None:
+    store, _ = _store("auto", 512)
+    ns = store.open_namespace(IDENT)
+    bt = IDENT.block_tokens
+    chains = [chain_keys(ns.id, list(range(i * 1000, i * 1000 + 8 * bt)), bt)
+              for i in range(40)]
+    for keys in chains:
+        assert _commit(store, ns, keys)
+    held = store.acquire("o", ns, chains[3][:4], 0.0)
+    assert isinstance(held, Pin)
+    store.set_eviction_policy("lru")
+    warm = ns.dram.policy(ns.cls)
+    assert isinstance(warm, WarmPins) and isinstance(warm.inner, Switch)
+    assert store.switches and warm.name == "lru"
+    steps = 0
+    while store.switch_step(16):
+        steps += 1
+        store.check_invariants()
+    assert steps >= 320 // 16 - 1  # 320 blocks, 16 a step
+    assert isinstance(warm.inner, LRUPolicy) and not store.switches
+    assert len(ns.blocks) == 320 and len(warm) == 316  # four pinned
+    store.release("o", held.id)
+    assert len(warm) == 320
+    store.check_invariants()
+    # the old order's coldest first: the first chains committed go first
+    r = store.reserve("o", ns, chain_keys(ns.id, list(range(10**6, 10**6 + 200 * bt)), bt),
+                      None, 0.0)
+    assert isinstance(r, Reservation)
+    assert all(k not in ns.blocks for k in chains[0])
+    assert all(k in ns.blocks for k in chains[-1])
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_requests_between_steps_and_switches_one_after_another(seed: int) -> None:
+    """Random commits, lookups, pins, warm pins, evictions and reserves that must evict,
+    between the steps of switches to random policies, a new switch at times before the
+    last is through: after each request the store's invariants hold (every block on
+    one order or pinned or warm, the counts right, a duel's states on its blocks only);
+    at the end the last policy is in charge and every cached block is on it."""
+    rng = random.Random(seed)
+    start = rng.choice(POLICIES)
+    store, clock = _store(start, 96)
+    ns = store.open_namespace(IDENT)
+    bt = IDENT.block_tokens
+    chains: list[list[bytes]] = []
+    pins: list[Pin] = []
+    last = start
+    for i in range(400):
+        clock.now += 0.01
+        op = rng.random()
+        if op < 0.25 or not chains:
+            keys = chain_keys(ns.id, list(range(i * 100, i * 100 + rng.randint(1, 6) * bt)), bt)
+            if rng.random() < 0.3 and chains:  # a continuation of a cached chain
+                base = rng.choice(chains)
+                keys = chain_keys(ns.id, list(range(chains.index(base) * 100,
+                                                    chains.index(base) * 100 + 2 * bt))
+                                  + list(range(10**7 + i * 50, 10**7 + i * 50 + bt)), bt)
+            fresh = [k for k in keys if k not in ns.blocks]
+            if fresh and keys[:len(keys) - len(fresh)] == [k for k in keys if k in ns.blocks]:
+                parent = keys[len(keys) - len(fresh) - 1] if len(fresh) < len(keys) else None
+                r = store.reserve("o", ns, fresh, parent, 0.0)
+                if isinstance(r, Reservation):
+                    store.commit("o", r.id, 0.0)
+                    chains.append(keys)
+        elif op < 0.45:
+            store.lookup(ns, rng.choice(chains))
+        elif op < 0.55:
+            keys = [k for k in rng.choice(chains) if k in ns.blocks]
+            if keys and ns.blocks[keys[0]].offset is not None:
+                try:
+                    held = store.acquire("o", ns, keys[:1], 0.0)
+                except Exception:
+                    held = None
+                if isinstance(held, Pin):
+                    pins.append(held)
+        elif op < 0.65 and pins:
+            store.release("o", pins.pop(rng.randrange(len(pins))).id)
+        elif op < 0.72:
+            store.keep_warm(ns, rng.choice(chains), clock.now + rng.choice((0.02, 0.5)))
+        elif op < 0.78:
+            store.evict(ns, rng.choice(chains)[-1:])
+        elif op < 0.9:
+            last = rng.choice(POLICIES)
+            store.set_eviction_policy(last)
+        else:
+            store.switch_step(rng.randint(1, 40))
+        store.check_invariants()
+    for held in pins:
+        store.release("o", held.id)
+    while store.switch_step(7):
+        store.check_invariants()
+    warm = ns.dram.policy(ns.cls)
+    assert isinstance(warm, WarmPins) and not isinstance(warm.inner, Switch)
+    assert warm.inner.name == last == warm.name
+    store.check_invariants()
+    cached = {b for b in ns.blocks.values() if b.offset is not None}
+    assert set(warm.evictable()) == cached
+
+
+def test_items_hit_during_a_switch_go_after_the_old_orders_items() -> None:
+    """Between two LRU orders: with no traffic the victims come in the old order; an
+    item hit meanwhile is the warmest, whichever order held it."""
+    old = LRUPolicy[int]()
+    old.insert_many(range(10))
+    warm = WarmPins(old, lambda: 0.0)
+    switch = Switch(old, LRUPolicy[int](), warm.pinned_inside(), warm.is_pinned_inside,
+                    None, lambda new: setattr(warm, "inner", new))
+    warm.inner = switch
+    switch.step(3)  # 0, 1, 2 passed to the new order
+    warm.access(1)  # in the new order: now warmer than the old order's items
+    warm.access(7)  # still in the old one: the warmest
+    warm.pin(5)
+    victims = [warm.pop_victim(lambda _: True) for _ in range(4)]
+    assert victims == [0, 2, 3, 4]
+    while not switch.finished:
+        switch.step(2)
+    assert isinstance(warm.inner, LRUPolicy)
+    assert [warm.pop_victim(lambda _: True) for _ in range(4)] == [6, 8, 9, 1]
+    assert warm.pop_victim(lambda _: True) == 7 and warm.pop_victim(lambda _: True) is None
+    warm.unpin(5)
+    assert list(warm.evictable()) == [5]
+
+
+def test_a_pin_taken_before_the_switch_is_kept_through_it() -> None:
+    old = LRUPolicy[int]()
+    old.insert_many(range(4))
+    warm = WarmPins(old, lambda: 0.0)
+    warm.pin(2)
+    switch = Switch(old, LRUPolicy[int](), warm.pinned_inside(), warm.is_pinned_inside,
+                    None, lambda new: setattr(warm, "inner", new))
+    warm.inner = switch
+    warm.access(2)  # hit while pinned: stays pinned
+    while not switch.finished:
+        switch.step(1)
+    assert sorted(warm.evictable()) == [0, 1, 3]
+    warm.unpin(2)
+    assert sorted(warm.evictable()) == [0, 1, 2, 3]
+    assert isinstance(warm.inner, LRUPolicy) and isinstance(warm.inner._order, OrderedDict)
