@@ -188,7 +188,9 @@ class _DensityParts(_Parts):
 # The lists of the linked orders ``auto`` duels, by their names, in the order their
 # ``evictable`` lists them (read in place: ``eviction.py``, which imports the duel, is
 # not imported here).
-_LISTS = {"lru": ("_order",), "slru": ("_probation", "_protected"), "arc": ("_t1", "_t2")}
+_LISTS = {"lru": ("_order",), "slru": ("_probation", "_protected"), "arc": ("_t1", "_t2"),
+          # no candidate of the duel, but a change of policy reads it so too
+          "s3fifo": ("_small", "_main")}
 
 
 def parts_of(order: object) -> _Parts | None:
