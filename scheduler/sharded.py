@@ -4,8 +4,11 @@ A Python dict grows by rebuilding its whole table when it passes two thirds full
 the duel's map of every tracked item, at 5M blocks that is one insert holding the
 event loop for 271 ms (``benchmarks/index_scale.py``).  ``ShardedDict`` starts as one
 dict and, past ``SPLIT_AT`` entries, spreads them over ``SHARDS`` dicts by hash (one
-pass, a few milliseconds, once), so that each later rebuild is about a ``SHARDS``-th of
-the size.  The store's key map does the same for bytes keys (``kvstore.block_map``); this
+pass, once: 0.4 ms at 4k entries; at 32k, 3.7 ms alone and 8-11 in a step of a change
+of policy filling hit density's entries or a ghost table at a million blocks,
+``benchmarks/eviction_cost.py --switch 1M``), so that each later rebuild is about a
+``SHARDS``-th of the size.  No decision reads the shards' order (the store's eviction
+digests, ``benchmarks/evict_decisions.py``, are the same at either split point).  The store's key map does the same for bytes keys (``kvstore.block_map``); this
 one serves any hashable key and counts its entries, for the duel asks its size on
 every insert.  The price is a Python call per operation instead of the dict's C one;
 the hot loops index ``shards`` themselves (``shards[hash(key) % modulus]``): the duel's
@@ -27,7 +30,7 @@ V = TypeVar("V")
 # allocator spaces evenly: 100k block entries took 64 of 256 shards by a mask (each
 # four times the size, and one 0.7 s insert at 7.4M blocks), all 251 by this modulus
 SHARDS = 251
-SPLIT_AT = 1 << 15
+SPLIT_AT = 1 << 12
 
 _MISSING: Any = object()
 _ABSENT: Any = object()  # not held (``_MISSING`` as a default means none was given)

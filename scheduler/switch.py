@@ -88,9 +88,9 @@ def _duel_let_go(duel: AutoPolicy[Any], step: int) -> Iterator[None]:
         parts = parts_of(mini.order)
         if parts is None:
             continue
-        for q in parts.queues:
+        for q in parts.queues:  # (a Python call a key: a quarter as many a step)
             while q:
-                for _ in range(min(step, len(q))):
+                for _ in range(min(step // 4, len(q))):
                     del q[next(iter(q))]
                 yield
         for litter in parts.leftovers():
