@@ -14,7 +14,9 @@ its memory is its own), printing medians, tails and ratios:
   the daemon every half millisecond; the probe's longest ping is the longest stall of
   the loop any client saw (last, a snapshot of all the blocks in pages and in one
   reply, an evict of the key that heads half the blocks, and the namespace's drop;
-  with ``--debug-invariants``, the invariant check after each request as well).  On a
+  with ``--debug-invariants``, the invariant check after each request as well; after
+  the idle phase, a change of the eviction policy from ``slru`` to ``auto`` by SIGHUP,
+  ``sighup``, its window from the signal to the new order in charge).  On a
   loaded machine that wall-clock stall (``stall_``) is mostly other processes: each
   ping also reads the daemon's CPU time and the time it and the probe waited for a
   CPU, and ``loop_`` is the most of one ping the daemon's loop can have held;
@@ -299,7 +301,7 @@ class Daemon:
         self.endpoint = f"ipc://{work}/kvstore.sock"
         # with ``watched``: the loop's turns that kept new work waiting (``WATCHED``)
         self.turns = work / "turns.txt" if watched else None
-        config = work / "kvstore.toml"
+        config = self.config = work / "kvstore.toml"
         config.write_text(
             f"[server]\nmetrics_port = {metrics_port}\n"
             f"debug_invariants = {str(debug_invariants).lower()}\n"
@@ -332,6 +334,23 @@ class Daemon:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+
+    def switch_policy(self, client: object, policy: str) -> float:
+        """Change the DRAM eviction policy by SIGHUP; the seconds until the new order is
+        in charge (the daemon's stats say so)."""
+        import signal
+
+        done = client.stats()["eviction_switch"]["done"]  # type: ignore[attr-defined]
+        text = self.config.read_text()
+        self.config.write_text(text.replace('eviction_policy = "slru"',
+                                            f'eviction_policy = "{policy}"'))
+        start = time.monotonic()
+        self.proc.send_signal(signal.SIGHUP)
+        while client.stats()["eviction_switch"]["done"] == done:  # type: ignore[attr-defined]
+            if time.monotonic() - start > 600:
+                raise RuntimeError("the change of policy did not end")
+            time.sleep(0.05)
+        return time.monotonic() - start
 
     def held(self) -> list[tuple[float, float]]:
         """(when, CPU seconds) of each turn the loop was asked for that waited (watched)."""
@@ -478,6 +497,10 @@ def daemon_figures(n: int, debug_invariants: bool) -> dict[str, float]:
             out["ping_ms"] = statistics.median(phase("ping", client.ping, 200)) * 1e3
             # the machine's own noise: the longest ping of 3 s with nothing else to do
             phase("idle", lambda: time.sleep(3.0), 1)
+            # a change of the eviction policy, slru to auto, every block passed on in
+            # loop turns while the probe pings (its stats polled every 50 ms)
+            out["sighup_s"] = phase("sighup", lambda: daemon.switch_policy(client, "auto"),
+                                    1)[0]
             # the whole namespace: listed (paged where the daemon pages), then listed in
             # one reply (limit 0, as older clients ask); half of it evicted by the one key
             # that heads it, then the rest dropped

@@ -6,9 +6,9 @@ handed every cached block of a class to the new order in one call: at a million 
 density (``python benchmarks/eviction_cost.py --switch 1M``), every client stalled, and
 ten times that at 10M.  A ``Switch`` stands in for the class's order (inside its
 ``WarmPins``, which keeps the soft and hard pins as they are) while the items move, and
-moves them in steps: ``step(most)`` from the calls it takes (``PASS_A_CALL`` items a
-call that names items) and from the daemon's loop between requests (``Server``), so it
-ends whether or not traffic comes.
+moves them in steps: ``step(most)`` from the calls it takes (twice the items an insert
+or a hit names, at least ``PASS_A_CALL``) and from the daemon's loop between requests
+(``kvstore.policy_switches``), so it ends whether or not traffic comes.
 
 It works with any two orders through their common interface alone.  An item lives in
 one of four places, each item in one at a time (those kept in the items' links share
@@ -40,6 +40,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from itertools import chain, islice
 from typing import Any, Generic, TypeVar
 
+from kvstore.scheduler.density import HitDensityPolicy
 from kvstore.scheduler.eviction import AutoPolicy
 from kvstore.scheduler.handover import LET_GO_A_STEP, Handover, parts_of
 from kvstore.scheduler.linked import Queue, queue, release_links
@@ -47,8 +48,10 @@ from kvstore.scheduler.policy import EvictionPolicy
 
 T = TypeVar("T", bound=Hashable)
 
-# Items passed on per call that names items (whatever their number: a commit of 4096
-# blocks holds the loop no longer for the switch), besides the daemon's loop turns
+# Items passed on per insert or hit call: twice the items it names, at least
+# PASS_A_CALL, besides the daemon's loop turns (a fixed number a call let an ingest of
+# more than about 320 blocks a loop turn refill ``fresh`` faster than it drained: the new
+# order never in charge)
 PASS_A_CALL = 64
 
 _ABSENT: Any = object()
@@ -67,8 +70,9 @@ def _leftovers(order: EvictionPolicy[Any]) -> list[Iterator[None]]:
     emptied a step at a time: its victims' names, up to four times the cache for hit
     density (the old order's victims as it is drained, too), which let go at once held
     one call for tens of milliseconds at a million blocks (see ``Handover``)."""
-    if isinstance(order, Switch):  # a switch drained: its own old order let go as it went
-        return []
+    if isinstance(order, Switch):  # a switch drained: what its old order left, inherited
+        litter, order._litter = order._litter, []
+        return litter
     inner = getattr(order, "_order", order) if order.name == "auto" else order
     parts = None if isinstance(inner, Handover) else parts_of(inner)
     return [] if parts is None else parts.leftovers()
@@ -100,8 +104,9 @@ def _duel_let_go(duel: AutoPolicy[Any], step: int) -> Iterator[None]:
 
 
 def _coldest_of(order: EvictionPolicy[Any]) -> Callable[[], Any] | None:
-    """A reader of the next item ``order``'s victims would be, or None where its lists
-    cannot be read in place (S3-FIFO, a switch, a duel handing over)."""
+    """A reader of the next item ``order``'s listing names (its victims' order, but for
+    S3-FIFO's promotions), or None where its lists cannot be read in place (a switch, a
+    duel handing over)."""
     if isinstance(order, Switch):
         return None
     inner = getattr(order, "_order", order) if order.name == "auto" else order
@@ -136,13 +141,21 @@ class Switch(EvictionPolicy[T], Generic[T]):
         # (no victim taken: a victim's name joins the ghosts, up to four times the
         # cache's, whose tables grew and split while the switch went); else its victims
         self._cold = _coldest_of(old)
+        # the new order if it is hit density, and the items passed before their parents
+        self._density = new if isinstance(new, HitDensityPolicy) else None
+        self._waiting: dict[Any, list[T]] = {}
 
     # -- where an item is ------------------------------------------------------------
-    def _take(self, item: T) -> None:
-        """Take ``item`` out of wherever it is, but ``pinned``."""
+    def _take(self, item: T, leaving: bool = False) -> None:
+        """Take ``item`` out of wherever it is, but ``pinned``: ``leaving`` the cache,
+        or to be passed on again (hit density keeps its entry aside meanwhile, its
+        children's links to it with it: a new entry would count none of them)."""
         if self.old is not None:
             self.old.remove(item)
-        self.new.remove(item)
+        if leaving or self._density is None:
+            self.new.remove(item)  # (hit density's: an entry set aside goes too)
+        else:
+            self._density.set_aside(item)
         self._fresh.pop(item, None)
 
     def _freshen(self, item: T) -> None:
@@ -186,16 +199,22 @@ class Switch(EvictionPolicy[T], Generic[T]):
                 for item in moved:
                     old.remove(item)
             if moved:
-                self.new.insert_many(moved)
-                self.passed += len(moved)
+                self._pass(moved)
                 most -= len(moved)
             if most <= 0 or len(old):
                 return
-            # every evictable item gone: the pinned ones it keeps, taken out of it
-            for item in self._pinned_before or ():
+            # every evictable item gone: the pinned ones it keeps, taken out of it (a
+            # slice a step: a grantee may hold many)
+            before = self._pinned_before or []
+            taken = min(most, len(before))
+            for _ in range(taken):
+                item = before.pop()
                 if item not in self._pinned and item not in self._fresh and self._is_pinned(item):
                     old.remove(item)
                     self._pinned[item] = None
+            most -= taken
+            if before or most <= 0:
+                return
             self._pinned_before = None
             self._litter = _leftovers(old)
             if isinstance(old, AutoPolicy):  # its tables, its miniatures', let go in steps
@@ -208,8 +227,7 @@ class Switch(EvictionPolicy[T], Generic[T]):
             batch = list(islice(iter(fresh), most))
             for item in batch:
                 del fresh[item]
-            self.new.insert_many(batch)
-            self.passed += len(batch)
+            self._pass(batch)
             most -= len(batch)
             if most <= 0 or fresh:
                 return
@@ -217,11 +235,11 @@ class Switch(EvictionPolicy[T], Generic[T]):
         if pinned:
             batch = list(islice(iter(pinned), most))
             new = self.new
-            new.insert_many(batch)
             for item in batch:
                 del pinned[item]
+            self._pass(batch)
+            for item in batch:
                 new.pin(item)
-            self.passed += len(batch)
             if pinned:
                 return
         if self._litter:  # a step of a table the old order left
@@ -229,7 +247,20 @@ class Switch(EvictionPolicy[T], Generic[T]):
                 self._litter.pop()
             return
         self.finished = True
+        if self._density is not None:  # children whose parents never came: as one call
+            self._density.end_aside()
+            self._density.link_later(self._waiting)
+        self._waiting = {}
         self._done(self.new)
+
+    def _pass(self, batch: list[T]) -> None:
+        """Hand ``batch`` to the new order; hit density links the children it passed
+        before their parents once those come (``link_late``), as one call of them all
+        would have (its own ``_later`` ends at the next victim or hit)."""
+        self.new.insert_many(batch)
+        if self._density is not None:
+            self._density.link_late(batch, self._waiting)
+        self.passed += len(batch)
 
     # -- the order's interface -----------------------------------------------------------
     def insert(self, item: T) -> None:
@@ -242,21 +273,25 @@ class Switch(EvictionPolicy[T], Generic[T]):
 
     def insert_many(self, items: Iterable[T]) -> None:
         fresh, is_pinned = self._fresh, self._is_pinned
+        count = 0
         for item in items:
+            count += 1
             if is_pinned(item):
                 self._pinned[item] = None
             else:
                 fresh[item] = None
-        self.step(PASS_A_CALL)
+        self.step(max(PASS_A_CALL, 2 * count))
 
     def access(self, item: T) -> None:
         self._freshen(item)
         self.step(PASS_A_CALL)
 
     def access_many(self, items: Iterable[T]) -> None:
+        count = 0
         for item in items:
+            count += 1
             self._freshen(item)
-        self.step(PASS_A_CALL)
+        self.step(max(PASS_A_CALL, 2 * count))
 
     def pin(self, item: T) -> None:
         if item not in self._pinned:
@@ -271,7 +306,7 @@ class Switch(EvictionPolicy[T], Generic[T]):
         self._fresh[item] = None
 
     def remove(self, item: T) -> None:
-        self._take(item)
+        self._take(item, leaving=True)
         self._pinned.pop(item, None)
 
     def pop_victim(self, allowed: Callable[[T], bool]) -> T | None:
@@ -298,6 +333,10 @@ class Switch(EvictionPolicy[T], Generic[T]):
         if self.old is not None:
             self.old.release()
             self.old = None
+        for litter in self._litter:  # what the old order left (a duel's own release)
+            for _ in litter:
+                pass
+        self._litter = []
         release_links(self._fresh)
         self.new.release()
 

@@ -181,3 +181,86 @@ def test_a_pin_taken_before_the_switch_is_kept_through_it() -> None:
     warm.unpin(2)
     assert sorted(warm.evictable()) == [0, 1, 2, 3]
     assert isinstance(warm.inner, LRUPolicy) and isinstance(warm.inner._order, OrderedDict)
+
+
+def test_a_switch_ends_under_an_ingest_faster_than_the_loop_turns() -> None:
+    """Each commit of 2048 items (a cache of 50k, full) with one loop turn of 256 after
+    it: the switch passes twice what each call names, so ``fresh`` drains and the new
+    order takes charge (a fixed 64 a call left it filling for good)."""
+    from kvstore.scheduler.eviction import SLRUPolicy
+
+    old = LRUPolicy[int]()
+    old.insert_many(range(50_000))
+    warm = WarmPins(old, lambda: 0.0)
+    switch = Switch(old, SLRUPolicy[int](), warm.pinned_inside(), warm.is_pinned_inside,
+                    None, lambda new: setattr(warm, "inner", new))
+    warm.inner = switch
+    start = 50_000
+    for _ in range(200):
+        warm.insert_many(range(start, start + 2048))
+        start += 2048
+        warm.pop_victims(lambda _: True, len(warm) - 50_000, lambda _: None)
+        switch.step(256)
+        if switch.finished:
+            break
+    assert switch.finished and isinstance(warm.inner, SLRUPolicy)
+    assert len(warm) == 50_000
+
+
+def test_a_second_change_while_a_duel_is_let_go_lets_it_go_all_the_same() -> None:
+    """``auto`` drained, its tables still being let go, when another SIGHUP comes: the
+    new switch takes those steps over, and the duel's release runs (its miniatures
+    emptied: a duel dropped unreleased is a cycle the daemon's frozen heap keeps)."""
+    from kvstore.scheduler.eviction import AutoPolicy
+
+    store, _ = _store("auto", 4096)
+    ns = store.open_namespace(IDENT)
+    bt = IDENT.block_tokens
+    for i in range(300):
+        assert _commit(store, ns, chain_keys(ns.id, list(range(i * 1000, i * 1000 + 8 * bt)),
+                                             bt))
+    warm = ns.dram.policy(ns.cls)
+    assert isinstance(warm, WarmPins)
+    duel = warm.inner
+    assert isinstance(duel, AutoPolicy) and duel._minis
+    store.set_eviction_policy("lru")
+    switch = warm.inner
+    assert isinstance(switch, Switch)
+    while switch.old is not None:
+        store.switch_step(64)
+    assert switch._litter and duel._minis  # its leftovers not yet let go
+    store.set_eviction_policy("slru")
+    while store.switch_step(256):
+        store.check_invariants()
+    assert duel._minis == [] and not duel._gone
+    assert warm.inner.name == "slru"
+    store.check_invariants()
+
+
+def test_hit_density_handed_children_before_parents_links_them() -> None:
+    """The old order lists a chain's children colder than their parent (the store
+    inserts deepest first): passed in steps, hit density counts each child as its
+    parent's once the parent comes, as the one-call switch does."""
+    def links(at_once: bool) -> tuple[int, int]:
+        store, _ = _store("lru", 4096)
+        ns = store.open_namespace(IDENT)
+        bt = IDENT.block_tokens
+        heads = []
+        for i in range(200):
+            keys = chain_keys(ns.id, list(range(i * 1000, i * 1000 + 8 * bt)), bt)
+            assert _commit(store, ns, keys)
+            heads.append(keys[:1])
+        store.set_eviction_policy("density", at_once=at_once)
+        extra = 0
+        while store.switch_step(100):  # traffic between the steps: a hit and a commit
+            extra += 1  # (each ends hit density's own wait for late parents)
+            store.lookup(ns, heads[extra % len(heads)])
+            assert _commit(store, ns, chain_keys(
+                ns.id, list(range(10**6 + extra * bt, 10**6 + (extra + 1) * bt)), bt))
+        entries = ns.dram.policy(ns.cls).inner._entries  # type: ignore[attr-defined]
+        unlinked = sum(1 for b in ns.blocks.values()
+                       if b.parent is not None and b.parent in entries and entries[b].up is None)
+        with_kids = sum(1 for b in ns.blocks.values() if b in entries and entries[b].kids)
+        return unlinked, with_kids
+
+    assert links(True) == links(False) == (0, 200 * 7)
