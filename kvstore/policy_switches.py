@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from kvstore.blocks import DRAM
+from kvstore.scheduler.eviction import POLICIES, make_policy
 from kvstore.store import BlockStore
 
 log = logging.getLogger("kvstore.server")
@@ -38,6 +40,11 @@ class PolicySwitches:
 
     def __init__(self, store: BlockStore) -> None:
         self.store = store
+        # One order of every policy built and let go now: each compiles its lists' hot
+        # loops once per process (a duel's, its miniatures' too: 4-5 ms, which a first
+        # change to ``auto`` by SIGHUP paid on the loop, in its handler)
+        for name in POLICIES:
+            make_policy(name, links=DRAM).release()
         self.task: asyncio.Task[None] | None = None
         self.done = 0  # changes carried through
         self.last_turns = 0  # loop turns the last one took
