@@ -470,7 +470,6 @@ class Server:
 # A session outlives its connection (till its lease ends), and a peer may name a gone
 # connection's routing id as its own: on a secure socket, whose handshake authenticated
 # the tenant (User-Id), a request is served only for a session of that tenant.
-
 _ANOTHER_TENANTS = ("this routing id is a session of another tenant's; connect again "
                     "without naming one")
 _NEVER_LIMITED = (p.Release, p.Abort)  # requests that give back what others wait for

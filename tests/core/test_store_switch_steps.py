@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import pytest
 from kvtest import make_identity
 
 from kvstore.keys import chain_keys
 from kvstore.scheduler.eviction import LRUPolicy, WarmPins
+from kvstore.scheduler.policy import EvictionPolicy
 from kvstore.scheduler.switch import Switch
 from kvstore.store import BlockStore, Pin, Reservation
 
@@ -142,15 +144,25 @@ def test_requests_between_steps_and_switches_one_after_another(seed: int) -> Non
     assert set(warm.evictable()) == cached
 
 
+def _switching(old: LRUPolicy[int], new: EvictionPolicy[int], pinned: Sequence[int] = ()
+               ) -> tuple[WarmPins[int], Switch[int]]:
+    """``old`` under warm pins (``pinned`` pinned first), switching to ``new``: the pins
+    and the switch, which puts ``new`` in charge when it ends."""
+    warm = WarmPins(old, lambda: 0.0)
+    for item in pinned:
+        warm.pin(item)
+    switch = Switch(old, new, warm.pinned_inside(), warm.is_pinned_inside, None,
+                    lambda order: setattr(warm, "inner", order))
+    warm.inner = switch
+    return warm, switch
+
+
 def test_items_hit_during_a_switch_go_after_the_old_orders_items() -> None:
     """Between two LRU orders: with no traffic the victims come in the old order; an
     item hit meanwhile is the warmest, whichever order held it."""
     old = LRUPolicy[int]()
     old.insert_many(range(10))
-    warm = WarmPins(old, lambda: 0.0)
-    switch = Switch(old, LRUPolicy[int](), warm.pinned_inside(), warm.is_pinned_inside,
-                    None, lambda new: setattr(warm, "inner", new))
-    warm.inner = switch
+    warm, switch = _switching(old, LRUPolicy[int]())
     switch.step(3)  # 0, 1, 2 passed to the new order
     warm.access(1)  # in the new order: now warmer than the old order's items
     warm.access(7)  # still in the old one: the warmest
@@ -169,11 +181,7 @@ def test_items_hit_during_a_switch_go_after_the_old_orders_items() -> None:
 def test_a_pin_taken_before_the_switch_is_kept_through_it() -> None:
     old = LRUPolicy[int]()
     old.insert_many(range(4))
-    warm = WarmPins(old, lambda: 0.0)
-    warm.pin(2)
-    switch = Switch(old, LRUPolicy[int](), warm.pinned_inside(), warm.is_pinned_inside,
-                    None, lambda new: setattr(warm, "inner", new))
-    warm.inner = switch
+    warm, switch = _switching(old, LRUPolicy[int](), pinned=[2])
     warm.access(2)  # hit while pinned: stays pinned
     while not switch.finished:
         switch.step(1)
@@ -191,10 +199,7 @@ def test_a_switch_ends_under_an_ingest_faster_than_the_loop_turns() -> None:
 
     old = LRUPolicy[int]()
     old.insert_many(range(50_000))
-    warm = WarmPins(old, lambda: 0.0)
-    switch = Switch(old, SLRUPolicy[int](), warm.pinned_inside(), warm.is_pinned_inside,
-                    None, lambda new: setattr(warm, "inner", new))
-    warm.inner = switch
+    warm, switch = _switching(old, SLRUPolicy[int]())
     start = 50_000
     for _ in range(200):
         warm.insert_many(range(start, start + 2048))
