@@ -132,6 +132,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_format: str = "text"
     max_requests_per_second: float = 0.0
     max_bytes_in_flight: str | int = "1GiB"
+    # replies a connection may leave unread in the daemon's send queue; past it more are
+    # dropped (counted), so a client that never reads costs bounded memory
+    max_unread_replies: int = 1024
     max_reservations_per_tenant: int = 0
     max_pins_per_tenant: int = 0
     max_namespaces_per_tenant: int = 0
@@ -448,7 +451,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not self.server.lease_seconds > 0:
             raise ConfigError("server.lease_seconds: must be a positive number of seconds")
         for name in ("max_keys_per_request", "max_reservations_per_session",
-                     "max_pins_per_session", "max_namespaces_per_session"):
+                     "max_pins_per_session", "max_namespaces_per_session",
+                     "max_unread_replies"):
             if getattr(self.server, name) <= 0:
                 raise ConfigError(f"server.{name}: must be a positive integer")
         if self.server.log_level.lower() not in ("debug", "info", "warning", "error"):

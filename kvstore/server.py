@@ -113,7 +113,7 @@ class Server:
                         "auth.secret_file) to take each engine's tenant from its user",
                         config.server.socket_group)
         self.transport = Transport(config, self.auth, self._on_message,
-                                   self._release_sent, self._room_from_sends)
+                                   self._release_sent, self._room_from_sends, self.sessions.unread)
         self.transport.admitted = self.sessions.known
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining_grants = False  # a slice of the grantees' discharges is due
@@ -302,7 +302,7 @@ class Server:
                 tenant = session.tenant
                 if not isinstance(request, _NEVER_LIMITED):
                     # a release or abort frees; it is never refused
-                    self.sessions.admit(session)
+                    self.sessions.admit(session, routing_id)
                 self.store.touch_owner(session.id, self.clock())
                 finisher = self.finisher
                 with serving(_TRANSFER_KIND.get(verb, TransferKind.WRITEBACK), tenant):
@@ -515,6 +515,8 @@ def server_stats(server: Server) -> dict[str, Any]:
         out["events"] = server.events.stats()
     out["settings"] = live_settings(server)
     out["before_hello"] = {"dropped": server.transport.dropped_before_hello}
+    out["replies"] = {"dropped_unread": server.transport.dropped_unread,
+                      "unread_bytes": sum(server.transport.unread.values())}
     if server.sides:
         out["side_socket"] = {key: sum(side.counts[key] for side in server.sides)
                               for key in server.sides[0].counts}

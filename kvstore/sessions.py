@@ -132,6 +132,8 @@ class Sessions:
         # pins of get replies not yet sent in other tenants' namespaces, by id: counted
         # to the asking tenant (they outlive its session's lease, till zmq sends them)
         self.get_pins: dict[int, tuple[str, Pin]] = {}
+        # connection -> bytes of its big replies unsent (``RepliesInFlight.unread``)
+        self.unread: dict[bytes, int] = {}
         self.configure(settings, grantee_pin_share, grantee_pin_total)
 
     def configure(self, s: ServerConfig, grantee_pin_share: float | None = None,
@@ -292,10 +294,16 @@ class Sessions:
         return tenant
 
     # -- limits ----------------------------------------------------------------------------
-    def admit(self, session: Session) -> None:
+    def admit(self, session: Session, connection: bytes = b"") -> None:
         """Request rates, per session and per tenant, as token buckets (a burst of one
-        second's worth each).  Each request also does a bounded part of the grantee
+        second's worth each), and the connection's big replies unread (within
+        ``max_bytes_in_flight``).  Each request also does a bounded part of the grantee
         pins' queued discharges (``GrantPins.drain``): exact counts soon after."""
+        if self.unread and (unread := self.unread.get(connection, 0)) and (
+                limit := self.max_bytes_in_flight) and unread >= limit:
+            raise LimitExceededError(
+                f"{unread} bytes of this connection's replies are not read yet (limit "
+                f"{limit}); read them first")
         self.grant_pins.drain()
         now = self.clock()
         rate = self.max_requests_per_second

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import grp
 import logging
 import os
@@ -44,11 +45,19 @@ _UNKNOWN_PEERS = 65536   # peers without a session remembered (their message cou
 # Messages queued per peer inside ZeroMQ (a per-connection limit: past it ZeroMQ stops
 # reading that connection until the daemon drains it), so no peer's backlog is unbounded.
 RCVHWM = 256
+# A reply without payload frames this big or bigger (a snapshot, a big stats) is sent
+# without a copy and tracked: its bytes count as unread by its peer until ZeroMQ has
+# handed them to the connection, and a connection with ``max_bytes_in_flight`` of them
+# unread is refused more requests.  Smaller replies are bounded in number per peer
+# (``server.max_unread_replies``: ZeroMQ's send queue), so a peer that never reads holds
+# at most that many of them, some hundreds of KiB, never a queue as long as its requests.
+TRACK_REPLY_BYTES = 16 << 10
 # What freed receive buffers the C allocator keeps (``keep_receive_buffers``)
 _MMAP_THRESHOLD = 32 << 20
 _TRIM_THRESHOLD = 64 << 20
 # ints: ``&`` on zmq's PollEvent flag goes through the enum machinery (a few us a reply)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_NOBLOCK, _MORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 
 # (peer, frames, secure): the peer is the socket's index byte, then the routing id;
 # secure says the socket checks credentials in its handshake (CurveZMQ, tickets or
@@ -76,53 +85,73 @@ class EncodedHeader(list[Any]):
 
 
 class RepliesInFlight:
-    """The pinned replies zmq is still sending: (tracker, pin) per peer, in the order
-    sent.  zmq sends a peer's replies in that order, so a reaping pass looks at each
-    peer's up to its first not yet sent: O(peers), not O(replies) (a peer that never
-    read held 15k, and each pass, every millisecond, looked at them all: half a core).
-    A reply done as it is added (pyzmq copies frames under its ``copy_threshold``, and
-    such a tracker is done at once) waits behind none: its pin goes at the next reap,
-    not after the peer's big replies queued ahead of it."""
+    """The replies zmq is still sending that the daemon waits on: (tracker, pin, bytes)
+    per peer, in the order sent.  A get's reply pins its blocks until sent; a big reply
+    without payload frames (``TRACK_REPLY_BYTES``) counts its bytes in ``unread`` per
+    peer until sent, so a peer that does not read is refused more work
+    (``Sessions.admit``).  zmq sends a peer's replies in that order, so a reaping pass
+    looks at each peer's up to its first not yet sent: O(peers), not O(replies) (a peer
+    that never read held 15k, and each pass, every millisecond, looked at them all: half
+    a core).  A reply done as it is added (pyzmq copies frames under its
+    ``copy_threshold``, and such a tracker is done at once) waits behind none: its pin
+    goes at the next reap, not after the peer's big replies queued ahead of it."""
 
     def __init__(self) -> None:
-        self.by_peer: dict[bytes, deque[tuple[zmq.MessageTracker, int]]] = {}
+        self.by_peer: dict[bytes, deque[tuple[zmq.MessageTracker, int | None, int]]] = {}
         self.ready: list[int] = []  # pins of replies done as they were added
         self.count = 0
+        # peer -> bytes of its big replies zmq still holds (shared with ``Sessions``)
+        self.unread: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return self.count
 
-    def add(self, peer: bytes, tracker: zmq.MessageTracker, pin: int) -> None:
-        self.count += 1
+    def add(self, peer: bytes, tracker: zmq.MessageTracker, pin: int | None,
+            size: int = 0) -> None:
         if tracker.done:  # copied as it was sent: done ahead of the peer's queued ones
-            self.ready.append(pin)
+            if pin is not None:
+                self.count += 1
+                self.ready.append(pin)
             return
+        self.count += 1
         queue = self.by_peer.get(peer)
         if queue is None:
             queue = self.by_peer[peer] = deque()
-        queue.append((tracker, pin))
+        queue.append((tracker, pin, size))
+        if size:
+            self.unread[peer] = self.unread.get(peer, 0) + size
 
     def reap(self, release: Callable[[int], None], peer: bytes | None = None) -> int:
         """``release`` the pin of each reply sent (to ``peer`` only, if given, and those
-        done as they were added); how many."""
-        freed = len(self.ready)
-        if freed:
+        done as they were added), and its bytes from ``unread``; how many pins."""
+        pins = len(self.ready)
+        freed = pins
+        if pins:
             ready, self.ready = self.ready, []
-            for pin in ready:
-                release(pin)
+            for done in ready:
+                release(done)
         for each in (peer,) if peer is not None else list(self.by_peer):
             queue = self.by_peer.get(each)
             while queue and queue[0][0].done:
-                release(queue.popleft()[1])
+                _, pin, size = queue.popleft()
                 freed += 1
+                if pin is not None:
+                    release(pin)
+                    pins += 1
+                if size:
+                    left = self.unread[each] - size
+                    if left:
+                        self.unread[each] = left
+                    else:
+                        del self.unread[each]
             if queue is not None and not queue:
                 del self.by_peer[each]
         self.count -= freed
-        return freed
+        return pins
 
     def trackers(self, pins: set[int] | None = None) -> list[zmq.MessageTracker]:
         """The trackers of the replies pinning ``pins`` (all, if None)."""
-        return [tracker for queue in self.by_peer.values() for tracker, pin in queue
+        return [tracker for queue in self.by_peer.values() for tracker, pin, _ in queue
                 if pins is None or pin in pins]
 
 
@@ -131,11 +160,13 @@ class Transport:
 
     ``release_pin`` gives back the pin of a ``PinnedFrames`` reply once zmq has sent it
     (or could not); ``on_sent`` runs when the pins of sent replies went back, since that
-    may free room for a request that waits.
+    may free room for a request that waits; ``unread`` is kept with the bytes of each
+    peer's big replies not yet sent (``RepliesInFlight``).
     """
 
     def __init__(self, config: Config, auth: Auth, on_message: OnMessage,
-                 release_pin: Callable[[int], None], on_sent: Callable[[], None]) -> None:
+                 release_pin: Callable[[int], None], on_sent: Callable[[], None],
+                 unread: dict[bytes, int] | None = None) -> None:
         self.config = config
         self.auth = auth
         self.on_message = on_message
@@ -153,12 +184,16 @@ class Transport:
         self._reading = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_flight = RepliesInFlight()
+        if unread is not None:
+            self._in_flight.unread = unread
+        self.unread = self._in_flight.unread
         self._reap_timer = False
         self.group = socket_gid(config.server.socket_group)
         # whether a peer has a session (set by the daemon); None takes every message
         self.admitted: Callable[[bytes], bool] | None = None
         self._unknown: dict[bytes, int] = {}  # peer without a session -> messages seen
         self.dropped_before_hello = 0
+        self.dropped_unread = 0  # replies refused by a peer's full queue (not reading)
         self.received = 0  # messages read (for ``give_back_buffers_when_quiet``)
         self.received_payloads = 0  # ... of them with payload frames (a put's)
         self._received_before = 0
@@ -208,7 +243,10 @@ class Transport:
                 continue
             i = len(self._socks)
             sock = self._ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.SNDHWM, 0)
+            # replies to a peer past its queue's bound are refused at once (sent NOBLOCK),
+            # not queued: dropped and counted (``dropped_unread``), as to a gone peer
+            sock.setsockopt(zmq.SNDHWM, config.server.max_unread_replies)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.RCVHWM, RCVHWM)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes + p.MAX_HEADER_BYTES)
@@ -336,26 +374,40 @@ class Transport:
             header = p.encoder.encode(p.ErrorReply(
                 getattr(reply, "rid", 0), "internal",
                 f"internal error: the reply could not be encoded: {exc!r}"))
+        tracked = False
         try:
             if payload:
                 if isinstance(payload, PinnedFrames):
-                    tracker = sock.send_multipart([routing_id, header, *payload], copy=False,
-                                                  track=True)
+                    tracker = sock.send_multipart([routing_id, header, *payload], _NOBLOCK,
+                                                  copy=False, track=True)
                     assert tracker is not None, "track=True returns a tracker"
                     self._in_flight.add(peer, tracker, payload.pin)
                 else:
-                    sock.send_multipart([routing_id, header, *payload], copy=False)
+                    sock.send_multipart([routing_id, header, *payload], _NOBLOCK, copy=False)
+            elif len(header) >= TRACK_REPLY_BYTES:  # counted as unread until sent
+                sock.send(routing_id, _MORE_NOBLOCK)
+                tracker = sock.send(header, _NOBLOCK, copy=False, track=True)
+                self._in_flight.add(peer, tracker, None, len(header))
+                tracked = True
             else:
                 # two sends, not send_multipart: half its cost for the one-frame replies
-                # of the control verbs (both copy: the frames are small, but for a big
-                # header encoded already, which goes as it is)
-                sock.send(routing_id, zmq.SNDMORE)
-                sock.send(header, 0, copy=not isinstance(payload, EncodedHeader))
+                # of the control verbs (both copy: the frames are small)
+                sock.send(routing_id, _MORE_NOBLOCK)
+                sock.send(header, _NOBLOCK)
         except zmq.ZMQError as exc:
-            log.warning("dropping a reply to a gone peer: %s", exc)
+            if exc.errno == errno.EAGAIN:  # its queue is full: the peer does not read
+                self.dropped_unread += 1
+                if self.dropped_unread & (self.dropped_unread - 1) == 0:  # 1, 2, 4, ...
+                    log.warning("dropping a reply to a peer that does not read its replies "
+                                "(%d queued; %d dropped so far)",
+                                self.config.server.max_unread_replies, self.dropped_unread)
+            elif exc.errno == errno.EHOSTUNREACH:
+                log.debug("dropping a reply to a gone peer")
+            else:
+                log.warning("dropping a reply: %s", exc)
             if isinstance(payload, PinnedFrames):
                 self.release_pin(payload.pin)
-        if isinstance(payload, PinnedFrames):
+        if tracked or isinstance(payload, PinnedFrames):
             # outside the try: a pin it released is never released twice.  This peer's
             # earlier replies only (the others' on the timer: each pinned reply looked
             # at every peer's, a cost another tenant's unread replies could raise)
