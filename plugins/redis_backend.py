@@ -316,7 +316,8 @@ class RedisBackend(StorageBackend):
                           digest: int | None) -> int:
         stored = codec.encode_value(namespace, key, value, digest, self.tag_secret)
         try:
-            reply = await self._client.set(self.redis_key(namespace, key), stored, ex=self.ttl_s)
+            reply = await self._client.set(self.redis_key(namespace, key), passed_on(stored),
+                                           ex=self.ttl_s)
         except redis.exceptions.ResponseError as exc:
             if isinstance(exc, redis.exceptions.OutOfMemoryError) or str(exc).startswith("OOM"):
                 return _MISS
@@ -501,6 +502,14 @@ def _value_prefix_bytes(out: memoryview) -> int:
 
 def _scheme(url: str) -> str:
     return url.partition("://")[0].lower()
+
+
+def passed_on(value: bytes) -> memoryview:
+    """A value as redis-py's Python packer takes it: passed on to the socket as it is.
+    Since redis-py 8, its asyncio connections pack commands with hiredis where it is
+    installed, unless an argument is a ``memoryview``: the hiredis packer copies each
+    value into one buffer, and was unreliable for 2 MiB SETs."""
+    return memoryview(value)
 
 
 def _make_client(
