@@ -135,6 +135,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # replies a connection may leave unread in the daemon's send queue; past it more are
     # dropped (counted), so a client that never reads costs bounded memory
     max_unread_replies: int = 1024
+    # How long a connection's handshake (ZeroMQ's greeting and, on a gated endpoint, its
+    # credentials) may take before it is closed: what a peer without credentials can hold
+    # there (a frame read whole, up to max_request_bytes) is held at most this long.
+    handshake_seconds: float = 5.0
     max_reservations_per_tenant: int = 0
     max_pins_per_tenant: int = 0
     max_namespaces_per_tenant: int = 0
@@ -450,6 +454,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                     f"server.endpoint: {endpoint!r} must start with ipc:// or tcp://")
         if not self.server.lease_seconds > 0:
             raise ConfigError("server.lease_seconds: must be a positive number of seconds")
+        if not 0.001 <= self.server.handshake_seconds <= 3600:
+            raise ConfigError("server.handshake_seconds: from 0.001 to 3600 seconds")
         for name in ("max_keys_per_request", "max_reservations_per_session",
                      "max_pins_per_session", "max_namespaces_per_session",
                      "max_unread_replies"):

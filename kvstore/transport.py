@@ -248,6 +248,7 @@ class Transport:
             sock.setsockopt(zmq.SNDHWM, config.server.max_unread_replies)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.RCVHWM, RCVHWM)
+            sock.setsockopt(zmq.HANDSHAKE_IVL, round(config.server.handshake_seconds * 1000))
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, config.max_request_bytes + p.MAX_HEADER_BYTES)
             if kind == "curve":
