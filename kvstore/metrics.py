@@ -242,7 +242,25 @@ class _StatsCollector(Collector):
                                     float(stats["invariant_violations"])))
         return [*pool.values(), peak, *counters.values(), evictions, hit_ratio, sessions,
                 namespaces, violations, *scheduling.values(), self._error_family(),
-                *self._event_families(stats), _grantee_pins_family(stats)]
+                *self._event_families(stats), _grantee_pins_family(stats),
+                *self._replies_families(stats)]
+
+    def _replies_families(self, stats: Mapping[str, Any]) -> list[Metric]:
+        """Replies to connections that do not read them: dropped past the queue's bound
+        (``server.max_unread_replies``), and the bytes of big ones not yet sent."""
+        replies = stats.get("replies")
+        if not replies:
+            return []
+        dropped = CounterMetricFamily(
+            "kvstore_replies_dropped_unread",
+            "Replies dropped because their connection left max_unread_replies unread.")
+        dropped.add_metric([], self._monotonic(("replies_dropped_unread",),
+                                               float(replies["dropped_unread"])))
+        unread = GaugeMetricFamily(
+            "kvstore_replies_unread_bytes",
+            "Bytes of big replies (16 KiB or more) not yet handed to their connections.")
+        unread.add_metric([], float(replies["unread_bytes"]))
+        return [dropped, unread]
 
     def _event_families(self, stats: Mapping[str, Any]) -> list[Metric]:
         """The KV event stream's batches sent, and those some subscriber missed (it was

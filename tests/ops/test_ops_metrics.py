@@ -38,6 +38,7 @@ class FakeDaemon:
                               "evictions_by_cause": {"capacity": 5, "expired": 1}}},
             "remote": {"writes": 9, "write_backs": 6, "errors": 1},
             "sessions": 3, "namespaces": 2, "invariant_violations": 0,
+            "replies": {"dropped_unread": 7, "unread_bytes": 1 << 20},
             "eviction_policies": {"dram": "s3fifo", "ssd": "lru"}}
         self.calls = 0
 
@@ -118,6 +119,8 @@ def test_pool_state_equals_the_stats(daemon: FakeDaemon, scrape: Scraper) -> Non
     assert v(s, "kvstore_sessions") == 3 and v(s, "kvstore_namespaces") == 2
     assert v(s, "kvstore_invariant_violations_total") == 0
     assert ("kvstore_pool_free_bytes", frozenset({("tier", "ssd")})) not in s
+    assert v(s, "kvstore_replies_dropped_unread_total") == 7
+    assert v(s, "kvstore_replies_unread_bytes") == 1 << 20
 
     daemon.stats["tiers"]["dram"] = tier_stats(committed=100 << 20)
     daemon.stats["invariant_violations"] = 2
