@@ -279,17 +279,13 @@ class Sessions:
                 self.store.close_namespace(ns)
         session.namespaces.clear()
 
-    def open_namespace(self, session: Session, identity: Identity,
-                       remember: Callable[[Identity], None] | None = None) -> Namespace:
+    def open_namespace(self, session: Session, identity: Identity) -> Namespace:
         """The namespace of ``identity``, open in the session (its one use of it), within
-        the caps; ``remember`` writes a new one's record first (if refused, nothing is
-        made)."""
+        the caps (if refused, nothing is made)."""
         ns_id = identity.namespace_id
         if ns_id in session.namespaces:
             return self.store.namespaces[ns_id]
         self._check_namespaces(session, identity.tenant, ns_id)
-        if ns_id not in self.store.namespaces and remember is not None:
-            remember(identity)
         ns = self.store.open_namespace(identity)
         session.namespaces.add(ns_id)
         return ns

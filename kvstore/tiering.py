@@ -50,6 +50,10 @@ class SsdMover:
         self._background = Background()
         self._pending_removals: list[tuple[bytes, bytes]] = []
         self._forgotten: set[bytes] = set()  # namespaces whose records are to go
+        # namespaces whose records are in the index: a namespace's goes in with its first
+        # blocks' (``write``), not when it is opened (an LMDB commit on the loop, each
+        # fsynced: 0.3-1.1 ms a new namespace here, and a disk's sync time on a slow one)
+        self._recorded: set[bytes] = set()
         self._forgetting = False  # a task is taking them out
         self.errors = 0
         self.reads = 0            # promotions, their bytes and time: the load bandwidth
@@ -72,6 +76,7 @@ class SsdMover:
                 continue
             if identity.namespace_id == ns_id:
                 namespaces[ns_id] = self.store.open_namespace(identity)
+                self._recorded.add(ns_id)
         # Each namespace's records in the order loaded (parents first), restored in one
         # go; records whose namespace is gone, or sized for another configuration, go.
         plan = self.engine.load_rows()
@@ -113,6 +118,7 @@ class SsdMover:
                     (ns_id, key) for key, good in zip(mine, ok) if not good)
         # opened here; with no block back, forgotten (before serving: at once)
         empty = [ns.id for ns in namespaces.values() if self.store.close_namespace(ns)]
+        self._recorded.difference_update(empty)
         if empty:
             try:
                 self.engine.delete_namespaces_now(empty)
@@ -122,8 +128,10 @@ class SsdMover:
         return restored
 
     def remember_namespace(self, identity: Identity) -> None:
+        """Write a namespace's record now (the blocks' writes carry it otherwise)."""
         self._forgotten.discard(identity.namespace_id)  # (its delete, if queued, is void)
         self.engine.put_namespace(identity.namespace_id, msgspec.msgpack.encode(identity))
+        self._recorded.add(identity.namespace_id)
 
     def forget_namespace(self, ns: Namespace) -> None:
         """The store forgot ``ns`` (nothing of it is cached, nothing uses it): its record
@@ -131,7 +139,11 @@ class SsdMover:
         (one each on the loop stalled every client for seconds when a session of a
         thousand namespaces ended).  A record whose namespace is opened again before or
         while it goes is kept or written again (``_flush_forgotten``); its blocks'
-        records still to be removed, if any, are dropped at a restart with no namespace."""
+        records still to be removed, if any, are dropped at a restart with no namespace.
+        One that never had a block on SSD has no record: nothing goes."""
+        if ns.id not in self._recorded:
+            return
+        self._recorded.discard(ns.id)
         self._forgotten.add(ns.id)
         if not self._forgetting:
             self._forgetting = True
@@ -176,7 +188,12 @@ class SsdMover:
             nbytes = sum(len(d) for d in datas)
             async with self.gate.slot(nbytes, default_tenant=t.blocks[0].ns.tenant):
                 started = time.perf_counter()
-                written = await self.engine.write_blocks(records, datas)
+                fresh = {b.ns.id: b.ns.identity for b in t.blocks
+                         if b.ns.id not in self._recorded}
+                written = await self.engine.write_blocks(
+                    records, datas, {ns_id: msgspec.msgpack.encode(identity)
+                                     for ns_id, identity in fresh.items()})
+                self._recorded.update(fresh)
             if self.metrics is not None:
                 self.metrics.observe_transfer("demote", "ssd", nbytes,
                                               time.perf_counter() - started)

@@ -209,8 +209,7 @@ class Verbs:
         if identity.block_bytes > d.max_request_bytes:
             raise TooLargeError(f"blocks of {identity.block_bytes} bytes exceed the request "
                                 f"limit of {d.max_request_bytes}")
-        ns = d.sessions.open_namespace(
-            session, identity, d.ssd.remember_namespace if d.ssd is not None else None)
+        ns = d.sessions.open_namespace(session, identity)  # (its SSD record: with its blocks)
         arena = d.arena_for(identity.tenant)
         return p.NamespaceReply(req.rid, ns.id, ns.block_bytes, ns.cls.slot_bytes,
                                 arena.path, arena.capacity_bytes), []

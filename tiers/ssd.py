@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -236,11 +236,13 @@ class SSDStore:
     # writes
 
     async def write_blocks(
-        self, records: Sequence[BlockRecord], datas: Sequence[ReadableBuffer]
+        self, records: Sequence[BlockRecord], datas: Sequence[ReadableBuffer],
+        namespaces: Mapping[bytes, bytes] | None = None,
     ) -> list[BlockRecord]:
         """Write each block's bytes at its record's offset, make them durable per the sync
-        policy, then publish the records in one index commit.  Returns the records as
-        committed, with checksums filled in.
+        policy, then publish the records in one index commit (with ``namespaces``'
+        identity bytes, as ``put_namespace``: records of the blocks' namespaces not yet
+        in the index).  Returns the records as committed, with checksums filled in.
 
         The batch is all or nothing: on error no record of it is published.  Raises
         MalformedError for records that do not fit the layout, overlap each other or
@@ -256,8 +258,10 @@ class SSDStore:
         pool = self._open_pool()
         loop = asyncio.get_running_loop()
         deletes = list(self._deleting)
+        for namespace in namespaces or ():
+            _check_namespace(namespace)
         future = loop.run_in_executor(
-            pool, self._write_batch, records, spans, touches, deletes)
+            pool, self._write_batch, records, spans, touches, deletes, namespaces)
         try:
             result = await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -277,6 +281,7 @@ class SSDStore:
     def _write_batch(
         self, records: Sequence[BlockRecord], spans: Sequence[Span],
         touches: dict[bytes, float], deletes: Sequence[Future[int]],
+        namespaces: Mapping[bytes, bytes] | None = None,
     ) -> _WriteResult:
         data, index = self._parts()
         started = time.perf_counter()
@@ -285,7 +290,7 @@ class SSDStore:
                      for record, digest in zip(records, digests)]
         io_done = time.perf_counter()
         self._after_deletes(deletes)
-        index.commit(committed, touches)
+        index.commit(committed, touches, namespaces)
         return _WriteResult(committed, io_done - started, time.perf_counter() - io_done)
 
     @staticmethod

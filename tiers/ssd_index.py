@@ -166,10 +166,14 @@ class SSDIndex:
     # blocks
 
     def commit(
-        self, records: Sequence[BlockRecord], touches: Mapping[bytes, float] | None = None
+        self, records: Sequence[BlockRecord], touches: Mapping[bytes, float] | None = None,
+        namespaces: Mapping[bytes, bytes] | None = None,
     ) -> None:
-        """Publish ``records`` (and pending last-access updates) in one write transaction."""
+        """Publish ``records`` (and pending last-access updates, and the identity bytes of
+        ``namespaces``) in one write transaction."""
         with self._mapped_errors("committing records"), self._env.begin(write=True) as txn:
+            for namespace, identity in (namespaces or {}).items():
+                txn.put(namespace, identity, db=self._namespaces)
             for record in records:
                 txn.put(record.index_key, encode_record(record), db=self._blocks)
             if touches:

@@ -46,8 +46,8 @@ class HeldDelete:
             finally:
                 self.left.set()
 
-        def watched_commit(records: Any, touches: Any = None) -> None:
-            commit(records, touches)
+        def watched_commit(records: Any, touches: Any = None, namespaces: Any = None) -> None:
+            commit(records, touches, namespaces)
             if self.watch is not None:  # what the index holds once the write is in
                 self.seen_at_commit.append(self.index.get(self.watch))
             self.gate.set()
