@@ -75,6 +75,15 @@ class Session:
         return oldest
 
 
+def _expire(expired: dict[bytes, str | None], connection: bytes,
+            why: str | None = None) -> None:
+    """Remember that ``connection`` has no session any more (the latest
+    ``_EXPIRED_REMEMBERED``): its lease ran out, or ``why``."""
+    expired[connection] = why
+    if len(expired) > _EXPIRED_REMEMBERED:
+        del expired[next(iter(expired))]
+
+
 def _check_unread(unread: int, limit: int) -> None:
     """A connection's big replies not yet sent, within ``limit`` (0: no limit)."""
     if limit and unread >= limit:
@@ -148,7 +157,7 @@ class Sessions:
         self.by_connection: dict[bytes, Session] = {}  # routing id -> session
         self.by_id: dict[str, Session] = {}
         self.tenants: dict[str, Tenant] = {}
-        self._expired: dict[bytes, None] = {}
+        self._expired: dict[bytes, str | None] = {}
         self.idle = IdleTenants()
         self.grant_pins = GrantPins(grantee_pin_share, self._owner_dram, grantee_pin_total)
         # pins of get replies not yet sent in other tenants' namespaces, by id: counted
@@ -224,6 +233,8 @@ class Sessions:
         self.by_connection[routing_id] = session
         if (let_go := session.attach(routing_id)) is not None:
             del self.by_connection[let_go]
+            _expire(self._expired, let_go, f"{CONNECTIONS_PER_SESSION} newer connections "
+                    "attached to this one's session; connect again")
         self.store.touch_owner(session.id, self.clock())
         return session
 
@@ -240,6 +251,8 @@ class Sessions:
         session = self.by_connection.get(routing_id)
         if session is None:
             if routing_id in self._expired:
+                if (why := self._expired[routing_id]) is not None:
+                    raise NoSessionError(f"{NoSessionError.PREFIX}: {why}")
                 raise LeaseExpiredError(
                     "this session's lease ran out and its holdings were rolled back; "
                     "connect again")
@@ -265,9 +278,7 @@ class Sessions:
                 self._close_namespaces(session)
                 for routing_id in session.connections:
                     del self.by_connection[routing_id]
-                    self._expired[routing_id] = None
-        while len(self._expired) > _EXPIRED_REMEMBERED:
-            del self._expired[next(iter(self._expired))]
+                    _expire(self._expired, routing_id)
 
     def _close_namespaces(self, session: Session) -> None:
         """A session that ended no longer uses its namespaces: those nothing else uses

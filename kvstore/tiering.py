@@ -164,6 +164,7 @@ class SsdMover:
                         try:
                             self.remember_namespace(ns.identity)
                         except KVStoreError as exc:  # its SSD blocks go at a restart
+                            self._recorded.discard(ns_id)  # (the next write tries again)
                             log.warning("writing a namespace's ssd record again failed: "
                                         "%s", exc)
         finally:
@@ -194,6 +195,7 @@ class SsdMover:
                     records, datas, {ns_id: msgspec.msgpack.encode(identity)
                                      for ns_id, identity in fresh.items()})
                 self._recorded.update(fresh)
+                self._forgotten.difference_update(fresh)  # (a delete still queued: void)
             if self.metrics is not None:
                 self.metrics.observe_transfer("demote", "ssd", nbytes,
                                               time.perf_counter() - started)

@@ -328,6 +328,8 @@ class Transport:
                         and not self._may_say_hello(peer, frames)):
                     self.dropped_before_hello += 1
                     continue
+                if self.unread and peer in self.unread:  # its replies read since?
+                    self.reap_sends(peer)
                 self.on_message(peer, frames, secure)
             else:
                 self._drain_soon(index)  # more waiting: others first
@@ -387,7 +389,10 @@ class Transport:
                     sock.send_multipart([routing_id, header, *payload], _NOBLOCK, copy=False)
             elif len(header) >= TRACK_REPLY_BYTES:  # counted as unread until sent
                 sock.send(routing_id, _MORE_NOBLOCK)
-                tracker = sock.send(header, _NOBLOCK, copy=False, track=True)
+                # (a frame of its own: pyzmq copies anything under 64 KiB it is handed,
+                # and a copy's tracker is done at once, counting nothing)
+                tracker = sock.send(zmq.Frame(header, track=True, copy=False, copy_threshold=0),
+                                    _NOBLOCK, copy=False, track=True)
                 self._in_flight.add(peer, tracker, None, len(header))
                 tracked = True
             else:
