@@ -1,0 +1,65 @@
+"""The directory an ipc socket is bound in must not be another user's to change: one
+that another user made first (``/tmp/kvstore-<uid>`` when there is no
+``$XDG_RUNTIME_DIR``), a symbolic link, or one writable by others without the sticky bit
+let that user move the daemon's socket aside, bind one of its own, and read the next
+client's hello with its tenant and token.  The daemon refuses to start there, and says
+why."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from daemon_proc import DaemonProcess
+
+
+def serve(endpoint_dir: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve",
+         "--endpoint", f"ipc://{endpoint_dir / 'kvstore.sock'}", "--dram-capacity", "8MiB",
+         "--ssd-capacity", "0", "--ssd-path", str(tmp_path / "ssd")],
+        capture_output=True, text=True, timeout=60)
+
+
+def test_a_socket_directory_others_may_change_is_refused(tmp_path: Path) -> None:
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)  # (as another user's mkdir under a umask of 0 leaves it)
+    run = serve(open_to_all, tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert "writable by others" in run.stderr and "mode 777" in run.stderr, run.stderr
+    assert not (open_to_all / "kvstore.sock").exists()
+
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    run = serve(link, tmp_path)
+    assert run.returncode == 2 and "is a symbolic link" in run.stderr, run.stderr
+    assert not (target / "kvstore.sock").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_socket_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)  # nobody's
+    tmp_path.chmod(0o755)
+    run = serve(theirs, tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert "belongs to uid 65534" in run.stderr, run.stderr
+
+
+def test_a_shared_sticky_directory_is_taken(tmp_path: Path) -> None:
+    # as /tmp: others may write there, but not move or remove what the daemon binds
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    daemon = DaemonProcess(sticky).start()
+    try:
+        assert daemon.alive() and (sticky / "kvstore.sock").exists()
+    finally:
+        daemon.stop()
