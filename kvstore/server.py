@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import resource
 import signal
 import time
 from collections.abc import Callable, Coroutine
@@ -589,11 +590,34 @@ def _limits(s: ServerConfig) -> Limits:
                   max_pins_per_owner=s.max_pins_per_session)
 
 
+def raise_open_files_limit() -> int:
+    """Raise the soft limit on open files to the hard one (what a process may do for
+    itself); the limit now.  Each client connection is a descriptor, and at the limit
+    ZeroMQ 4.3 aborts the process in an ipc socket's accept (a peer that opened plain
+    connections past a shell's soft limit of 1024, sending nothing, killed the daemon)
+    and spins a core in a tcp one; a connection that does not finish its handshake is
+    closed after ``server.handshake_seconds``, so the bound is connections opened that
+    fast.  The systemd unit sets 65536."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the limit on open files from %d to %d: %s",
+                        soft, hard, exc)
+    if soft != resource.RLIM_INFINITY and soft < 4096:
+        log.warning("the daemon may open %d files; each client connection takes one (raise "
+                    "the hard limit, as the systemd unit's LimitNOFILE=65536 does)", soft)
+    return soft
+
+
 async def run_server(config: Config, on_ready: Callable[[Server], None] | None = None,
                      reload: Callable[[], Config] | None = None) -> None:
     """Serve until SIGINT or SIGTERM, with metrics and systemd notifications; SIGHUP
     re-reads the configuration through ``reload`` and applies what can change live."""
     loop = asyncio.get_running_loop()
+    raise_open_files_limit()
     web = config.server  # the metrics port's settings
     token = read_metrics_token(web.metrics_token_file) if web.metrics_token_file else b""
     server = Server(config)
