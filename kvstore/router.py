@@ -278,12 +278,12 @@ def read_tokens(path: str) -> list[int]:
         try:
             with open(path) as f:
                 text = f.read()
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise MalformedError(f"cannot read token ids from {path!r}: {exc}") from None
     try:
         value = json.loads(text) if text.lstrip().startswith("[") else [
             int(t) for t in text.replace(",", " ").split()]
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # (a file of 100k nested lists: the latter)
         raise MalformedError(f"{path!r} holds no list of token ids: {exc}") from None
     if not isinstance(value, list) or not all(type(t) is int for t in value):
         raise MalformedError(f"{path!r} holds no list of integer token ids")

@@ -21,7 +21,7 @@ from kvstore import Client
 from kvstore.auth import write_secret
 from kvstore.errors import MalformedError
 from kvstore.keys import chain_keys
-from kvstore.router import Router, route
+from kvstore.router import Router, read_tokens, route
 
 IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=64)  # 64 KiB blocks
 BT = IDENT.block_tokens
@@ -108,6 +108,16 @@ def test_route_refuses_bad_input() -> None:
         Router([])
     with pytest.raises(MalformedError):
         Router(["tcp://127.0.0.1:1"], prefill_rate=0)
+
+
+def test_hostile_token_files_are_refused_with_a_reason(tmp_path: Path) -> None:
+    # a binary file and one of 100k nested lists ended in a traceback
+    binary, nested = tmp_path / "binary", tmp_path / "nested"
+    binary.write_bytes(b"\xff\xfe\x00\x80" * 64)
+    nested.write_text("[" * 100_000)
+    for path in (binary, nested):
+        with pytest.raises(MalformedError, match="token ids"):
+            read_tokens(str(path))
 
 
 def test_kvstore_route_command(daemon_factory: Any, tmp_path: Path) -> None:
