@@ -631,7 +631,9 @@ def _check_socket_directory(directory: Path) -> None:
     else:
         return
     raise ConfigError(f"the socket's directory {directory} {problem}: another user could "
-                      f"replace the socket there; remove it, or bind an endpoint elsewhere")
+                      f"replace the socket there; remove it (or, to share it, make it "
+                      f"sticky, chmod +t, or use server.socket_group), or bind an endpoint "
+                      f"elsewhere")
 
 
 def _socket_alive(endpoint: str) -> bool:
