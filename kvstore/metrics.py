@@ -583,7 +583,7 @@ class Metrics:
         # prometheus_client.start_http_server's own pieces (its app, its threading
         # server, its quiet handler, its choice of address family), with the app
         # behind the token check: that function takes no check of its own
-        app = make_wsgi_app(self.registry)
+        app = _shared(make_wsgi_app(self.registry))
         if token:
             app = _bearer_only(app, token)
 
@@ -752,3 +752,40 @@ def _bearer_only(app: WsgiApp, token: bytes) -> WsgiApp:
             ("Content-Type", "text/plain; charset=utf-8")])
         return [b"this daemon's metrics need a bearer token (server.metrics_token_file)\n"]
     return guarded
+
+
+def _shared(app: WsgiApp) -> WsgiApp:
+    """``app`` whose scrapes under way at once share one page: a scrape that comes
+    while another of the same page is being made waits for that one and answers it,
+    so scrapes in parallel read the daemon's stats on its loop and build a page once
+    between them, not once each (8 threads scraping without pause, 256 tenants'
+    series, slowed another client's ping p50 from 0.09 to 10 ms).  One after another,
+    each makes its own: never an older page than the scrape asked for."""
+    lock = threading.Lock()
+    making: dict[tuple[Any, ...], tuple[threading.Event, list[Any]]] = {}
+
+    def shared(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        key = tuple(environ.get(name) for name in (
+            "PATH_INFO", "QUERY_STRING", "HTTP_ACCEPT", "HTTP_ACCEPT_ENCODING"))
+        with lock:
+            first = key not in making
+            if first:
+                making[key] = (threading.Event(), [])
+            done, page = making[key]
+        if first:
+            try:
+                def keep(status: str, headers: list[Any], *_: Any) -> Callable[..., Any]:
+                    page[:] = [status, headers]
+                    return lambda data: None
+                page.append(b"".join(app(environ, keep)))
+            finally:
+                with lock:
+                    del making[key]
+                done.set()
+        elif not done.wait(30.0):
+            page = []  # (the first never finished: made here, as if alone)
+        if len(page) != 3:  # the first failed: this one makes its own
+            return app(environ, start_response)
+        start_response(page[0], page[1])
+        return [page[2]]
+    return shared
