@@ -47,11 +47,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import zmq
 
-from kvstore.auth import Auth
+from kvstore.auth import Auth, check_socket_directory
 from kvstore.blocks import Block, Namespace
 from kvstore.config import EventsConfig, parse_size
 # vLLM's events and their encoding, here as before (``kvstore.events.decoder`` decodes)
@@ -182,19 +183,21 @@ class EventPublisher:
             # Its I/O thread, woken by each batch, waits for the loop to yield rather
             # than preempt it: a batch's send costs the loop an enqueue, not a switch.
             self._ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
-        pub = self._ctx.socket(zmq.XPUB)
+        # kept at once: a bind that fails leaves it to ``close`` (a socket left open
+        # made the context's term, and the daemon's exit, wait for ever)
+        pub = self._pub = self._ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.SNDHWM, self.config.queue_batches)
         pub.setsockopt(zmq.XPUB_NODROP, 1)  # refuse (counted: ``send``), not drop unseen
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.MAXMSGSIZE, _FRAME_BYTES + len(self.topic))
         if self.auth is not None:
             self.auth.secure_events(self._ctx, pub, self.config.endpoint)
+        _check_ipc(self.config.endpoint)
         pub.bind(self.config.endpoint)
         self._secure(self.config.endpoint)
         self.endpoints.append(pub.getsockopt_string(zmq.LAST_ENDPOINT))
-        self._pub = pub
         if self.config.replay_endpoint:
-            replay = self._ctx.socket(zmq.ROUTER)
+            replay = self._replay = self._ctx.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
             # one whole answer queued per peer at most (a peer that asks again and again
             # and never reads gets the rest of its answers cut: ``_serve_replays``)
@@ -203,10 +206,10 @@ class EventPublisher:
             replay.setsockopt(zmq.MAXMSGSIZE, _FRAME_BYTES)
             if self.auth is not None:
                 self.auth.secure_events(self._ctx, replay, self.config.replay_endpoint)
+            _check_ipc(self.config.replay_endpoint)
             replay.bind(self.config.replay_endpoint)
             self._secure(self.config.replay_endpoint)
             self.endpoints.append(replay.getsockopt_string(zmq.LAST_ENDPOINT))
-            self._replay = replay
             self.ring_steps = self.config.buffer_steps
             fd: int = replay.getsockopt(zmq.FD)  # type: ignore[assignment]
             self._fds.append(fd)
@@ -551,3 +554,10 @@ def _parents_first(ns: Namespace) -> list[Block]:
             done.add(id(x))
             order.append(x)
     return order
+
+
+def _check_ipc(endpoint: str) -> None:
+    """An ipc endpoint's directory is no other user's to change (``check_socket_directory``:
+    a subscriber's ticket and the stream itself go through it)."""
+    if endpoint.startswith("ipc://") and not endpoint.startswith(("ipc://@", "ipc://*")):
+        check_socket_directory(Path(endpoint[len("ipc://"):]).parent)

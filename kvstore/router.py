@@ -273,7 +273,10 @@ def read_tokens(path: str) -> list[int]:
     import sys
 
     if path == "-":
-        text = sys.stdin.read()
+        try:
+            text = sys.stdin.read()
+        except UnicodeDecodeError as exc:
+            raise MalformedError(f"cannot read token ids from standard input: {exc}") from None
     else:
         try:
             with open(path) as f:

@@ -75,11 +75,10 @@ class Session:
         return oldest
 
 
-def _expire(expired: dict[bytes, str | None], connection: bytes,
-            why: str | None = None) -> None:
+def _expire(expired: dict[bytes, None], connection: bytes) -> None:
     """Remember that ``connection`` has no session any more (the latest
-    ``_EXPIRED_REMEMBERED``): its lease ran out, or ``why``."""
-    expired[connection] = why
+    ``_EXPIRED_REMEMBERED``), to tell it so."""
+    expired[connection] = None
     if len(expired) > _EXPIRED_REMEMBERED:
         del expired[next(iter(expired))]
 
@@ -157,7 +156,10 @@ class Sessions:
         self.by_connection: dict[bytes, Session] = {}  # routing id -> session
         self.by_id: dict[str, Session] = {}
         self.tenants: dict[str, Tenant] = {}
-        self._expired: dict[bytes, str | None] = {}
+        self._expired: dict[bytes, None] = {}
+        # connections let go past a session's CONNECTIONS_PER_SESSION, apart: attaches
+        # (one tenant's) never push other tenants' lease ends out of ``_expired``
+        self._let_go: dict[bytes, None] = {}
         self.idle = IdleTenants()
         self.grant_pins = GrantPins(grantee_pin_share, self._owner_dram, grantee_pin_total)
         # pins of get replies not yet sent in other tenants' namespaces, by id: counted
@@ -233,8 +235,7 @@ class Sessions:
         self.by_connection[routing_id] = session
         if (let_go := session.attach(routing_id)) is not None:
             del self.by_connection[let_go]
-            _expire(self._expired, let_go, f"{CONNECTIONS_PER_SESSION} newer connections "
-                    "attached to this one's session; connect again")
+            _expire(self._let_go, let_go)
         self.store.touch_owner(session.id, self.clock())
         return session
 
@@ -244,15 +245,17 @@ class Sessions:
 
     def known(self, routing_id: bytes) -> bool:
         """Whether a connection has a session, or had one that expired (it is told so)."""
-        return routing_id in self.by_connection or routing_id in self._expired
+        return (routing_id in self.by_connection or routing_id in self._expired
+                or routing_id in self._let_go)
 
     def get(self, routing_id: bytes) -> Session:
         """The session of a connection; an error that says why when there is none."""
         session = self.by_connection.get(routing_id)
         if session is None:
+            if routing_id in self._let_go:
+                raise NoSessionError(f"{NoSessionError.PREFIX}: {CONNECTIONS_PER_SESSION} "
+                                     "newer connections attached to this one's session")
             if routing_id in self._expired:
-                if (why := self._expired[routing_id]) is not None:
-                    raise NoSessionError(f"{NoSessionError.PREFIX}: {why}")
                 raise LeaseExpiredError(
                     "this session's lease ran out and its holdings were rolled back; "
                     "connect again")

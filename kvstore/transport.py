@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from kvstore import protocol as p
-from kvstore.auth import Auth, address_uid
+from kvstore.auth import Auth, address_uid, check_socket_directory
 from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError
 
@@ -603,7 +603,7 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str,
     if endpoint.startswith("ipc://"):
         path = Path(endpoint[len("ipc://"):])
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _check_socket_directory(path.parent)
+        check_socket_directory(path.parent)
         if path.exists():
             if _socket_alive(endpoint):
                 raise KVStoreError(f"another daemon is serving {endpoint}")
@@ -613,27 +613,6 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str,
     if endpoint.startswith("ipc://"):
         secure_file(endpoint[len("ipc://"):], 0o600)
     return bound
-
-
-def _check_socket_directory(directory: Path) -> None:
-    """The directory an ipc socket is bound in must not be another user's to change: a
-    directory (not a link to one) of the daemon's user or root, writable by others only
-    with the sticky bit (as /tmp is).  Else another user (who made /tmp/kvstore-<uid>
-    first, say) moves the socket aside, binds one of its own, and reads the next
-    client's hello: its tenant and token."""
-    info = os.lstat(directory)
-    if not stat.S_ISDIR(info.st_mode):
-        problem = "is a symbolic link" if stat.S_ISLNK(info.st_mode) else "is no directory"
-    elif info.st_uid not in (os.geteuid(), 0):
-        problem = f"belongs to uid {info.st_uid}, not to the daemon's ({os.geteuid()})"
-    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
-        problem = f"is writable by others (mode {stat.S_IMODE(info.st_mode):o}, not sticky)"
-    else:
-        return
-    raise ConfigError(f"the socket's directory {directory} {problem}: another user could "
-                      f"replace the socket there; remove it (or, to share it, make it "
-                      f"sticky, chmod +t, or use server.socket_group), or bind an endpoint "
-                      f"elsewhere")
 
 
 def _socket_alive(endpoint: str) -> bool:

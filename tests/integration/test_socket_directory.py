@@ -33,17 +33,17 @@ def test_a_socket_directory_others_may_change_is_refused(tmp_path: Path) -> None
     assert "writable by others" in run.stderr and "mode 777" in run.stderr, run.stderr
     assert not (open_to_all / "kvstore.sock").exists()
 
-    target = tmp_path / "elsewhere"
-    target.mkdir(mode=0o700)
-    link = tmp_path / "link"
-    link.symlink_to(target)
-    run = serve(link, tmp_path)
-    assert run.returncode == 2 and "is a symbolic link" in run.stderr, run.stderr
-    assert not (target / "kvstore.sock").exists()
+    # a folder above it others may change: they rename the socket's folder away
+    inner = open_to_all / "kv"
+    inner.mkdir(mode=0o700)
+    run = serve(inner, tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert f"{open_to_all}, where the socket" in run.stderr, run.stderr
+    assert not (inner / "kvstore.sock").exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
-def test_a_socket_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+def test_a_socket_directory_or_link_of_another_user_is_refused(tmp_path: Path) -> None:
     theirs = tmp_path / "theirs"
     theirs.mkdir(mode=0o700)
     os.chown(theirs, 65534, 65534)  # nobody's
@@ -51,6 +51,28 @@ def test_a_socket_directory_of_another_user_is_refused(tmp_path: Path) -> None:
     run = serve(theirs, tmp_path)
     assert run.returncode == 2, run.stderr
     assert "belongs to uid 65534" in run.stderr, run.stderr
+    # a link they own may be pointed elsewhere at any time; one of the daemon's may not
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "their-link"
+    link.symlink_to(target)
+    os.lchown(link, 65534, 65534)
+    run = serve(link, tmp_path)
+    assert run.returncode == 2 and "is a link of another user's" in run.stderr, run.stderr
+    assert not (target / "kvstore.sock").exists()
+
+
+def test_a_link_of_the_daemons_own_is_followed(tmp_path: Path) -> None:
+    # (as /var/run, root's link to /run): its target and the folders above it are checked
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    daemon = DaemonProcess(link).start()
+    try:
+        assert daemon.alive() and (target / "kvstore.sock").exists()
+    finally:
+        daemon.stop()
 
 
 def test_a_shared_sticky_directory_is_taken(tmp_path: Path) -> None:
@@ -63,3 +85,19 @@ def test_a_shared_sticky_directory_is_taken(tmp_path: Path) -> None:
         assert daemon.alive() and (sticky / "kvstore.sock").exists()
     finally:
         daemon.stop()
+
+
+def test_an_event_socket_in_a_directory_others_may_change_is_refused(tmp_path: Path) -> None:
+    # a subscriber's ticket and the stream itself go through the event sockets
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f'[events]\nendpoint = "ipc://{open_to_all / "events.sock"}"\n')
+    run = subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--config", str(config),
+         "--endpoint", f"ipc://{tmp_path / 'kvstore.sock'}", "--dram-capacity", "8MiB",
+         "--ssd-capacity", "0", "--ssd-path", str(tmp_path / "ssd")],
+        capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "writable by others" in run.stderr, run.stderr
+    assert not (open_to_all / "events.sock").exists()
