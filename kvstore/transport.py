@@ -50,7 +50,8 @@ RCVHWM = 256
 # handed them to the connection, and a connection with ``max_bytes_in_flight`` of them
 # unread is refused more requests.  Smaller replies are bounded in number per peer
 # (``server.max_unread_replies``: ZeroMQ's send queue), so a peer that never reads holds
-# at most that many of them, some hundreds of KiB, never a queue as long as its requests.
+# at most that many of them (16 MiB at the very most; stats and lookups are a KiB or
+# two), never a queue as long as its requests.
 TRACK_REPLY_BYTES = 16 << 10
 # What freed receive buffers the C allocator keeps (``keep_receive_buffers``)
 _MMAP_THRESHOLD = 32 << 20
