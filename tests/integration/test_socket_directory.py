@@ -16,12 +16,22 @@ import pytest
 from daemon_proc import DaemonProcess
 
 
-def serve(endpoint_dir: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def serve(endpoint_dir: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``kvstore serve`` with its socket in ``endpoint_dir``, run to its exit (60 s at most)."""
     return subprocess.run(
-        [sys.executable, "-m", "kvstore", "serve",
+        [sys.executable, "-m", "kvstore", "serve", *extra,
          "--endpoint", f"ipc://{endpoint_dir / 'kvstore.sock'}", "--dram-capacity", "8MiB",
          "--ssd-capacity", "0", "--ssd-path", str(tmp_path / "ssd")],
         capture_output=True, text=True, timeout=60)
+
+
+def serves_in(workdir: Path, bound_in: Path) -> None:
+    """A daemon started in ``workdir`` serves, its socket bound in ``bound_in``."""
+    daemon = DaemonProcess(workdir).start()
+    try:
+        assert daemon.alive() and (bound_in / "kvstore.sock").exists()
+    finally:
+        daemon.stop()
 
 
 def test_a_socket_directory_others_may_change_is_refused(tmp_path: Path) -> None:
@@ -68,11 +78,7 @@ def test_a_link_of_the_daemons_own_is_followed(tmp_path: Path) -> None:
     target.mkdir(mode=0o700)
     link = tmp_path / "link"
     link.symlink_to(target)
-    daemon = DaemonProcess(link).start()
-    try:
-        assert daemon.alive() and (target / "kvstore.sock").exists()
-    finally:
-        daemon.stop()
+    serves_in(link, target)
 
 
 def test_a_shared_sticky_directory_is_taken(tmp_path: Path) -> None:
@@ -80,11 +86,7 @@ def test_a_shared_sticky_directory_is_taken(tmp_path: Path) -> None:
     sticky = tmp_path / "sticky"
     sticky.mkdir()
     sticky.chmod(0o1777)
-    daemon = DaemonProcess(sticky).start()
-    try:
-        assert daemon.alive() and (sticky / "kvstore.sock").exists()
-    finally:
-        daemon.stop()
+    serves_in(sticky, sticky)
 
 
 def test_an_event_socket_in_a_directory_others_may_change_is_refused(tmp_path: Path) -> None:
@@ -94,10 +96,6 @@ def test_an_event_socket_in_a_directory_others_may_change_is_refused(tmp_path: P
     open_to_all.chmod(0o777)
     config = tmp_path / "kvstore.toml"
     config.write_text(f'[events]\nendpoint = "ipc://{open_to_all / "events.sock"}"\n')
-    run = subprocess.run(
-        [sys.executable, "-m", "kvstore", "serve", "--config", str(config),
-         "--endpoint", f"ipc://{tmp_path / 'kvstore.sock'}", "--dram-capacity", "8MiB",
-         "--ssd-capacity", "0", "--ssd-path", str(tmp_path / "ssd")],
-        capture_output=True, text=True, timeout=60)
+    run = serve(tmp_path, tmp_path, "--config", str(config))
     assert run.returncode == 2 and "writable by others" in run.stderr, run.stderr
     assert not (open_to_all / "events.sock").exists()

@@ -74,6 +74,18 @@ def wait_for(test: Callable[[dict[str, int]], bool], daemon: DaemonProcess,
         time.sleep(0.05)
 
 
+def tiny_cache(daemon_factory: Any, tmp_path: Path, chains: int) -> DaemonProcess:
+    """A daemon whose sessions may have 1 MiB under way, holding ``chains`` times 4096
+    blocks of 4 bytes (a snapshot page of them is a few hundred KiB)."""
+    daemon = configured(daemon_factory, tmp_path, '[server]\nmax_bytes_in_flight = "1MiB"\n')
+    tiny = make_identity(num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(tiny)
+        for _ in range(chains):
+            ns.put([os.urandom(16) for _ in range(4096)], [b"abcd"] * 4096)
+    return daemon
+
+
 def test_small_replies_never_read_are_dropped_past_the_queue_bound(
         daemon_factory: Any, tmp_path: Path) -> None:
     daemon = configured(daemon_factory, tmp_path, "[server]\nmax_unread_replies = 64\n")
@@ -100,12 +112,7 @@ def test_big_replies_never_read_stay_within_the_bytes_in_flight(
         daemon_factory: Any, tmp_path: Path) -> None:
     # snapshot pages of a few hundred KiB each: before, 600 unread whole snapshots of a
     # 40k-block cache (13-byte requests) held 400 MiB in the daemon
-    daemon = configured(daemon_factory, tmp_path, '[server]\nmax_bytes_in_flight = "1MiB"\n')
-    tiny = make_identity(num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
-    with Client(daemon.endpoint, tenant="acme") as client:
-        ns = client.namespace(tiny)
-        for _ in range(2):
-            ns.put([os.urandom(16) for _ in range(4096)], [b"abcd"] * 4096)
+    daemon = tiny_cache(daemon_factory, tmp_path, 2)
     deaf = Deaf(daemon.endpoint)
     try:
         assert isinstance(deaf.ask(p.Hello(1, p.PROTOCOL_VERSION, "acme")), p.HelloReply)
@@ -134,10 +141,7 @@ def test_a_reader_gone_with_replies_unread_leaves_no_count(
         daemon_factory: Any, tmp_path: Path) -> None:
     # the replies still queued to a peer that disconnects are freed with its connection,
     # and their bytes no longer counted
-    daemon = configured(daemon_factory, tmp_path, '[server]\nmax_bytes_in_flight = "1MiB"\n')
-    tiny = make_identity(num_layers=1, num_kv_heads=1, head_dim=1, block_tokens=1)
-    with Client(daemon.endpoint, tenant="acme") as client:
-        client.namespace(tiny).put([os.urandom(16) for _ in range(4096)], [b"abcd"] * 4096)
+    daemon = tiny_cache(daemon_factory, tmp_path, 1)
     deaf = Deaf(daemon.endpoint)
     assert isinstance(deaf.ask(p.Hello(1, p.PROTOCOL_VERSION, "acme")), p.HelloReply)
     for rid in range(2, 40):
