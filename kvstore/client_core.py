@@ -47,7 +47,7 @@ from kvstore.client_wire import (
     checksum,
     verify,
 )
-from kvstore.config import endpoint_from_env
+from kvstore.config import client_endpoint
 from kvstore.errors import ForbiddenError, KVStoreError, MalformedError, UnavailableError
 from kvstore.identity import Identity
 from kvstore.keys import chain_keys
@@ -142,7 +142,7 @@ class SessionCore:
     def __init__(self, endpoint: str | None, *, tenant: str | None, token: str | None,
                  timeout: float, map_arena: bool, curve: CurveKeys | None,
                  checksums: bool) -> None:
-        self.endpoint = endpoint or endpoint_from_env()
+        self.endpoint = client_endpoint(endpoint)
         self.timeout = timeout
         self.checksums = checksums  # send xxh3_64 of what is written, for readers to verify
         self._tenant = _tenant(tenant, token)

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -81,6 +82,49 @@ def default_endpoint() -> str:
 def endpoint_from_env() -> str:
     """The endpoint clients use unless told otherwise."""
     return os.environ.get("KVSTORE_ENDPOINT") or default_endpoint()
+
+
+def client_endpoint(endpoint: str | None) -> str:
+    """The endpoint a client connects to: ``endpoint``, else ``endpoint_from_env``.  The
+    default's directory (``runtime_dir``: this user's, by its uid) is checked as the
+    daemon checks where it binds (``check_socket_directory``): a user who made
+    /tmp/kvstore-<uid> first, and bound a socket there, would read this client's hello
+    and token."""
+    if endpoint:
+        return endpoint
+    if not os.environ.get("KVSTORE_ENDPOINT") and os.path.lexists(runtime_dir()):
+        check_socket_directory(runtime_dir())
+    return endpoint_from_env()
+
+
+def check_socket_directory(directory: Path) -> None:
+    """The directory an ipc socket is bound in, and every one above it, as given and as
+    its links resolve, must not be another user's to change: each a directory of the
+    daemon's user or root (or a link of theirs), writable by others only with the sticky
+    bit (as /tmp is).  Else another user (who made /tmp/kvstore-<uid> first, say, or who
+    may write in a folder above it) moves the socket or its folder aside, binds one of
+    its own, and reads the next client's hello: its tenant and token.  ConfigError says
+    which directory and why."""
+    mine = (os.geteuid(), 0)
+    given = Path(os.path.abspath(directory))
+    for path in (*given.parents[::-1], given, *Path(os.path.realpath(given)).parents,
+                 Path(os.path.realpath(given))):
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            problem = None if info.st_uid in mine else "is a link of another user's"
+        elif not stat.S_ISDIR(info.st_mode):
+            problem = "is no directory"
+        elif info.st_uid not in mine:
+            problem = f"belongs to uid {info.st_uid}, not to the daemon's ({os.geteuid()})"
+        elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+            problem = f"is writable by others (mode {stat.S_IMODE(info.st_mode):o}, not sticky)"
+        else:
+            problem = None
+        if problem is not None:
+            raise ConfigError(
+                f"{path}, where the socket {directory} is bound, {problem}: another user "
+                f"could replace the socket there; bind an endpoint elsewhere (or, to "
+                f"share a folder, make it sticky, chmod +t, or use server.socket_group)")
 
 
 SECTIONS = ("server", "dram", "ssd", "remote", "auth", "gpu", "events")

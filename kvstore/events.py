@@ -52,9 +52,9 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from kvstore.auth import Auth, check_socket_directory
+from kvstore.auth import Auth
 from kvstore.blocks import Block, Namespace
-from kvstore.config import EventsConfig, parse_size
+from kvstore.config import EventsConfig, check_socket_directory, parse_size
 # vLLM's events and their encoding, here as before (``kvstore.events.decoder`` decodes)
 from kvstore.kv_events_batch import (  # noqa: F401
     MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventMaker, KVCacheEvent,

@@ -26,8 +26,8 @@ from typing import Any
 import zmq
 
 from kvstore import protocol as p
-from kvstore.auth import Auth, address_uid, check_socket_directory
-from kvstore.config import Config
+from kvstore.auth import Auth, address_uid
+from kvstore.config import Config, check_socket_directory
 from kvstore.errors import ConfigError, KVStoreError
 
 log = logging.getLogger("kvstore.server")

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 from daemon_proc import DaemonProcess
 
+from kvstore import Client
+from kvstore.errors import ConfigError
+
 
 def serve(endpoint_dir: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     """``kvstore serve`` with its socket in ``endpoint_dir``, run to its exit (60 s at most)."""
@@ -99,3 +102,17 @@ def test_an_event_socket_in_a_directory_others_may_change_is_refused(tmp_path: P
     run = serve(tmp_path, tmp_path, "--config", str(config))
     assert run.returncode == 2 and "writable by others" in run.stderr, run.stderr
     assert not (open_to_all / "events.sock").exists()
+
+
+def test_a_client_of_the_default_endpoint_checks_its_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the default endpoint's directory is this user's (by its uid): one that others may
+    # change could hold another user's socket, which would read the client's hello
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    (runtime / "kvstore").mkdir()
+    (runtime / "kvstore").chmod(0o777)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.delenv("KVSTORE_ENDPOINT", raising=False)
+    with pytest.raises(ConfigError, match="writable by others"):
+        Client(tenant="acme", timeout=1)
