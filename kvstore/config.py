@@ -92,8 +92,8 @@ def client_endpoint(endpoint: str | None) -> str:
     and token."""
     if endpoint:
         return endpoint
-    if not os.environ.get("KVSTORE_ENDPOINT") and os.path.lexists(runtime_dir()):
-        check_socket_directory(runtime_dir())
+    if not os.environ.get("KVSTORE_ENDPOINT") and os.path.lexists(own := runtime_dir()):
+        check_socket_directory(own)
     return endpoint_from_env()
 
 
@@ -107,8 +107,9 @@ def check_socket_directory(directory: Path) -> None:
     which directory and why."""
     mine = (os.geteuid(), 0)
     given = Path(os.path.abspath(directory))
-    for path in (*given.parents[::-1], given, *Path(os.path.realpath(given)).parents,
-                 Path(os.path.realpath(given))):
+    real = Path(os.path.realpath(given))
+    # each once (as given, then where links lead, if anywhere else), root first
+    for path in dict.fromkeys((*given.parents[::-1], given, *real.parents[::-1], real)):
         info = os.lstat(path)
         if stat.S_ISLNK(info.st_mode):
             problem = None if info.st_uid in mine else "is a link of another user's"
