@@ -290,6 +290,10 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     buffer_steps: int = 10000   # batches kept for replay
     buffer_bytes: str | int = "256MiB"  # ... and at most this many bytes of them
     queue_batches: int = 10000  # batches queued per subscriber before drops
+    # ... and about this many bytes of them: the queue's length in batches follows the
+    # largest batch of the last ``queue_batches`` (ZeroMQ counts batches, not bytes: a
+    # subscriber that never read held ``queue_batches`` of any size in the daemon)
+    queue_bytes: str | int = "64MiB"
     group_idx: int = -1         # the KV cache group events name (-1: left out)
     data_parallel_rank: int = -1  # stamped on every batch (-1: left out)
     # How long a change waits for others to go out in the same batch (milliseconds), so
@@ -336,7 +340,8 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("events.quiet_ms: from 0 (interval_ms) to 1000")
         if not 0 <= self.busy_interval_ms <= 1000:
             raise ConfigError("events.busy_interval_ms: from 0 (interval_ms) to 1000")
-        for name in ("dram_bandwidth", "ssd_bandwidth", "remote_bandwidth", "buffer_bytes"):
+        for name in ("dram_bandwidth", "ssd_bandwidth", "remote_bandwidth", "buffer_bytes",
+                     "queue_bytes"):
             if parse_size(getattr(self, name), f"events.{name}") <= 0:
                 raise ConfigError(f"events.{name}: must be a positive number of bytes")
 

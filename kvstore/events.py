@@ -14,7 +14,8 @@ maps tagged ``type`` (vLLM's encoding today) or positional arrays tagged first (
 older one), as configured; the batch itself is always an array.
 
 A slow subscriber never slows the daemon, nor starves the others: the PUB socket (an
-XPUB that refuses rather than blocks) queues ``queue_batches`` per subscriber.  A batch
+XPUB that refuses rather than blocks) queues ``queue_batches`` per subscriber, fewer
+where batches are large: about ``queue_bytes`` of them (``QueueBound``).  A batch
 that a full subscriber's queue refuses is sent again at once, with drops allowed
 (``XPUB_NODROP`` off for that one batch) if a queue is still full once ZeroMQ has
 counted the latest reads: every subscriber with room gets it, the full ones miss it
@@ -139,6 +140,9 @@ class EventPublisher:
         # grew by each batch's bytes, new memory a page fault every few kB, up to
         # ``buffer_bytes``; one that keeps the last reuses the same memory)
         self.ring_steps = 1
+        # a subscriber's queue, in batches, within ``queue_bytes``
+        self.queue = QueueBound(parse_size(config.queue_bytes, "events.queue_bytes"),
+                                config.queue_batches)
         self.seq = 0                # the next batch's sequence number
         self.batches = 0
         self.events = 0
@@ -369,6 +373,9 @@ class EventPublisher:
         self.events += count
         pub = self._pub
         if pub is not None:
+            limit = self.queue.fit(seq, len(payload))
+            if limit:  # shortened (before this batch goes), or lengthened
+                pub.setsockopt(zmq.SNDHWM, limit)
             if self.listened() if listened is None else listened:  # else the ring keeps it
                 try:  # (once its first frame is taken, ZeroMQ takes the whole message)
                     _send(pub, self.topic, _MORE)
@@ -505,7 +512,45 @@ class EventPublisher:
                 "lossy_batches": self.lossy_batches, "unheard": self.unheard,
                 "replays": self.replays, "cut_replays": self.cut_replays,
                 "bad_replays": self.bad_replays, "last_seq": self.last_seq,
-                "buffered": len(self.ring), "buffered_bytes": self.ring_bytes}
+                "buffered": len(self.ring), "buffered_bytes": self.ring_bytes,
+                "queue_limit": self.queue.limit}
+
+
+class QueueBound:
+    """A subscriber's queue in batches (ZeroMQ's SNDHWM), kept within ``most_bytes``:
+    ``most_bytes`` over the largest of the last ``most_batches`` batches, at most
+    ``most_batches``.
+
+    ZeroMQ bounds a queue in messages only, and a queue it shortens keeps what it holds
+    and takes nothing more until read (libzmq sets a changed SNDHWM on every pipe:
+    ``update_pipe_options``).  The length is set before each batch is sent, that batch
+    counted, so a subscriber that stops reading holds the batches it took until then,
+    each within the limit of its time: about ``most_bytes`` (a batch larger than that
+    alone, one).  Lengthened only once a length twice as long is due, or the cap is, so
+    that batches of changing sizes do not set it on every send."""
+
+    def __init__(self, most_bytes: int, most_batches: int) -> None:
+        self.most_bytes = most_bytes
+        self.most_batches = most_batches
+        self.limit = most_batches
+        # the window's maxima in order, each smaller than the one before: (seq, bytes)
+        self._largest: deque[tuple[int, int]] = deque()
+
+    def fit(self, seq: int, size: int) -> int:
+        """Count batch ``seq`` of ``size`` bytes; the queue's new length, if it changes
+        (0: it does not)."""
+        largest = self._largest
+        while largest and largest[-1][1] <= size:
+            largest.pop()
+        largest.append((seq, size))
+        while largest[0][0] <= seq - self.most_batches:
+            largest.popleft()  # (the last one is this batch: never empty)
+        limit = max(1, min(self.most_batches, self.most_bytes // largest[0][1]))
+        now = self.limit
+        if limit < now or limit >= 2 * now or (now < limit == self.most_batches):
+            self.limit = limit
+            return limit
+        return 0
 
 
 def _answer(sock: zmq.Socket[bytes], ring: deque[tuple[int, bytes]], seq: int,

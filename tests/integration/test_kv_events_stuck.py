@@ -13,11 +13,13 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
 from kvtest import make_identity
 
+from kvstore import Client
 from kvstore.config import EventsConfig
 from kvstore.events import EventPublisher
 from kvstore.store import BlockStore
@@ -145,4 +147,103 @@ def test_a_stuck_subscriber_does_not_starve_a_healthy_one(publisher: EventPublis
     finally:
         for sock in (healthy, stuck):
             sock.close(linger=0)
+        ctx.term()
+
+
+def test_a_stuck_subscriber_holds_about_queue_bytes(tmp_path: Path) -> None:
+    """ZeroMQ bounds a subscriber's queue in batches; the publisher sets that bound from
+    the batches' sizes, so a subscriber that never reads holds about ``queue_bytes`` of
+    large batches, not ``queue_batches`` of them, while a reading one misses none.
+    Small batches again lengthen the queue back to ``queue_batches``."""
+    store = BlockStore(64 * IDENT.block_bytes, 16 * IDENT.block_bytes)
+    config = EventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock", queue_batches=1000,
+                          queue_bytes=8 * len(PAYLOAD))
+    pub = EventPublisher(config, store)
+    loop = asyncio.new_event_loop()
+    pub.open(loop)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    healthy = subscriber(ctx, pub.endpoints[0])
+    stuck = subscriber(ctx, pub.endpoints[0], stuck=True)
+    try:
+        subscribed(pub, healthy, stuck)  # (tiny batches so far: the whole queue)
+        assert pub.stats()["queue_limit"] == 1000
+        first = pub.seq
+        got, _ = publish(pub, healthy, 300)
+        assert got == list(range(first, first + 300))  # the reader missed nothing
+        assert pub.stats()["queue_limit"] == 8
+        # The stuck one's queue, its socket's buffers (a few kB each side) and its own
+        # one-message queue: 8 batches and a few, where the whole queue took all 300
+        seen = drain(stuck)
+        assert seen[0] == first and seen == sorted(set(seen))
+        assert 8 <= len(seen) <= 8 + 6, len(seen)
+        # a batch larger than queue_bytes: a queue of one
+        pub.send(b"\x90" * (9 * len(PAYLOAD)), 1, True)
+        assert pub.stats()["queue_limit"] == 1
+        # 1000 small batches later the large ones have left the window: the whole
+        # queue again
+        for _ in range(1001):
+            pub.send(b"\x90", 1, True)
+            while healthy.poll(0):
+                healthy.recv_multipart()
+        assert pub.stats()["queue_limit"] == 1000
+    finally:
+        for sock in (healthy, stuck):
+            sock.close(linger=0)
+        ctx.term()
+        pub.close()
+        loop.close()
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_stuck_subscriber_does_not_grow_the_daemon(daemon_factory: Any,
+                                                     tmp_path: Path) -> None:
+    """A real daemon publishing batches of about 40 kB (a commit's token ids) to a
+    subscriber that never reads: its memory grows by about ``events.queue_bytes``
+    (2 MiB here, filled before the measured commits), not by every batch
+    (``queue_batches``, 10000 of them: 1200 commits grew it by 47 MiB)."""
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    d = daemon_factory(env={"KVSTORE_EVENTS_ENDPOINT": endpoint,
+                            "KVSTORE_EVENTS_INTERVAL_MS": "0",
+                            "KVSTORE_EVENTS_QUEUE_BYTES": "2MiB"})
+    ident = make_identity(block_tokens=256)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    stuck = subscriber(ctx, endpoint, stuck=True)
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(ident)
+
+            last: list[list[bytes]] = []
+
+            def store(i: int) -> None:
+                base = 100_000 + i * 32 * 256  # token ids of 5 bytes each in msgpack
+                keys = ns.keys(range(base, base + 32 * 256))
+                with ns.reserve(keys) as r:
+                    r.commit()
+                if last:  # the index stays small: only the stream's queue grows
+                    ns.evict(last.pop())
+                last.append(keys)
+
+            deadline = time.monotonic() + 10
+            while not c.stats()["events"]["batches"] or not ns.events:
+                assert time.monotonic() < deadline, "the subscription never arrived"
+                store(0)
+                time.sleep(0.06)
+            for i in range(50):  # the daemon's own memory settles
+                store(i)
+            before = rss_mib(d.proc.pid)
+            for i in range(1200):
+                store(i)
+            grown = rss_mib(d.proc.pid) - before
+            events = c.stats()["events"]
+        assert grown < 16, f"the daemon grew {grown:.1f} MiB"
+        assert events["queue_limit"] < 100, events
+        assert events["lossy_batches"] >= 1, "the stuck subscriber never filled up"
+    finally:
+        stuck.close(linger=0)
         ctx.term()
