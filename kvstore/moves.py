@@ -359,7 +359,7 @@ class Moves:
                     try:
                         read = await self.ssd.read_copies(group, views)
                         for i, good in zip(indexes, read):
-                            unreadable[i] = not good
+                            unreadable[i] = good is False  # (None: not read, kept)
                         good_ones = [j for j, r in enumerate(read) if r]
                         if not good_ones or not self.remote.healthy:
                             continue

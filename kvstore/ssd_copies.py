@@ -319,8 +319,8 @@ class SsdCopies:
         return t
 
     def abort_promotion(self, t: Transfer) -> None:
-        """A promotion whose reads never began: its DRAM slots go back, its blocks stay
-        on SSD as they were."""
+        """A promotion whose reads never began, or failed as a whole (no verdict on any
+        copy): its DRAM slots go back, its blocks stay on SSD as they were."""
         del self.store.transfers[t.id]
         self.store.reserved_slots -= len(t.offsets)
         self.store.reserved_bytes -= sum(b.ns.cls.slot_bytes for b in t.blocks)

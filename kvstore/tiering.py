@@ -233,7 +233,7 @@ class SsdMover:
         loop = asyncio.get_running_loop()
         for b in t.blocks:
             self._promoting[b] = loop.create_future()
-        ok = [False] * len(t.blocks)
+        ok: list[bool] | None = None  # the reads' verdicts, once they came
         try:
             views = [self.slot(b.ns, off) for b, off in zip(t.blocks, t.offsets)]
             nbytes = sum(len(v) for v in views)
@@ -253,37 +253,58 @@ class SsdMover:
             self.errors += 1
             log.warning("reading %d blocks from ssd failed: %s", len(t.blocks), exc)
         finally:
-            self.removed(self.store.ssd_copies.finish_promotion(t, ok))
+            if ok is None:  # no verdict (the batch failed as a whole): a miss this time,
+                # the copies stay on SSD (condemned as corrupt, all went with their
+                # subtrees when one record could not be dropped from a full index)
+                self.store.ssd_copies.abort_promotion(t)
+            else:
+                self.removed(self.store.ssd_copies.finish_promotion(t, ok))
             for b in t.blocks:
                 future = self._promoting.pop(b)
                 if not future.done():
                     future.set_result(None)
 
-    async def read_copies(self, blocks: list[Block], views: list[memoryview]) -> list[bool]:
+    async def read_copies(self, blocks: list[Block],
+                          views: list[memoryview]) -> list[bool | None]:
         """Read held SSD copies into ``views`` (buffers of the caller's, not DRAM slots),
-        as a write-back transfer; which reads succeeded (a bad one is a miss)."""
+        as a write-back transfer; which reads succeeded (False: a bad copy; None: no
+        verdict, the batch failed as a whole)."""
         nbytes = sum(len(v) for v in views)
         try:
             async with self.gate.slot(nbytes, default_kind=TransferKind.WRITEBACK,
                                       default_tenant=blocks[0].ns.tenant):
-                return await self.engine.read_many([_stored(b) for b in blocks], views)
+                read = await self.engine.read_many([_stored(b) for b in blocks], views)
         except KVStoreError as exc:
             self.errors += 1
             log.warning("reading %d blocks from ssd failed: %s", len(blocks), exc)
-            return [False] * len(blocks)
+            return [None] * len(blocks)
+        return list(read)
 
     # -- the SSD index -------------------------------------------------------------------
     def removed(self, ids: list[tuple[bytes, bytes]]) -> None:
         """SSD copies the store dropped: withdraw them from the index soon."""
         if ids:
             self._pending_removals.extend(ids)
-            self._background.spawn(self._flush_removals([]))
+            self._background.spawn(self._flush_pending())
+
+    async def _flush_pending(self) -> None:
+        try:
+            await self._flush_removals([])
+        except KVStoreError as exc:  # (a full index) kept, tried again with the next
+            log.warning("withdrawing %d records from the ssd index failed: %s; tried "
+                        "again with the next", len(self._pending_removals), exc)
 
     async def _flush_removals(self, more: list[tuple[bytes, bytes]]) -> None:
+        """Withdraw the records waiting and ``more``; those that fail to go wait again
+        (a restart would otherwise find them and restore copies the store dropped)."""
         ids = self._pending_removals + more
         self._pending_removals = []
         if ids:
-            await self.engine.remove(ids)
+            try:
+                await self.engine.remove(ids)
+            except BaseException:
+                self._pending_removals[:0] = ids
+                raise
 
     def touch(self, blocks: Iterable[Block]) -> None:
         ids = [(b.ns.id, b.key) for b in blocks if b.ssd_offset is not None]

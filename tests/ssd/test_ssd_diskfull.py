@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,24 +14,6 @@ from ssd_helpers import KiB, StoreFactory, chain, read_ok, run, write
 from kvstore.errors import CapacityError
 
 FSIZE_WRITER = Path(__file__).with_name("ssd_fsize_writer.py")
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 4 MiB tmpfs (needs root and mount rights; skipped otherwise)."""
-    mount_point = tmp_path / "mnt"
-    mount_point.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
-        capture_output=True,
-    )
-    if result.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs for the disk-full test: "
-                    f"{result.stderr.decode().strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
 def test_enospc_on_a_full_filesystem(open_store: StoreFactory, small_tmpfs: Path) -> None:
