@@ -34,6 +34,9 @@ log = logging.getLogger("kvstore.remote")
 REMOTE = "remote"
 REMOTE_OWNER = ("daemon", "remote")  # holds DRAM copies while they move to or from it
 TAG_SECRET_MOST = 64  # a block of HMAC-SHA256: longer keys are hashed first
+# Write-through blocks kept through the remote tier's outage, at most (the oldest go
+# unsent past it): a few seconds of commits on a busy host, a few MiB of entries
+DEFERRED_MOST = 1 << 14
 
 
 class RemoteTier:
@@ -66,7 +69,13 @@ class RemoteTier:
         self._through: TurnBatch[Block] = TurnBatch(self._background, self._write_through)
         self.counters = {"writes": 0, "write_bytes": 0, "reads": 0, "read_bytes": 0,
                          "misses": 0, "errors": 0, "lookups": 0, "hit_blocks": 0,
-                         "write_backs": 0, "changed_since_commit": 0}
+                         "write_backs": 0, "changed_since_commit": 0,
+                         # write-through blocks the tier's outage held back, to send once
+                         # it is healthy again; and those it could not keep (the oldest
+                         # past ``DEFERRED_MOST``), never sent
+                         "deferred_writes": 0, "unsent_writes": 0}
+        # blocks a write-through could not send while the tier was unhealthy, oldest first
+        self._deferred: dict[Block, None] = {}
         store.touch_owner(REMOTE_OWNER, float("inf"))
 
     # -- health ---------------------------------------------------------------------------
@@ -89,6 +98,8 @@ class RemoteTier:
         self.counters["lookups"] += 1
         try:
             async with self._gate:
+                if not self.healthy:  # marked while this waited its turn
+                    return 0
                 n = await self.backend.exists(ns.id, list(keys))
         except KVStoreError as exc:
             self._failed("lookup", exc)
@@ -123,13 +134,14 @@ class RemoteTier:
         views = [self.slot(ns, off) for off in r.offsets]
         sums: list[int] = []
         try:
-            async with self.transfers.slot(len(views) * ns.block_bytes,
-                                           default_kind=TransferKind.RELOAD,
-                                           default_tenant=ns.tenant):
-                async with self._gate:
-                    # each payload's xxh3, verified on arrival: the DRAM copy's checksum
-                    # too, which clients check
-                    got = await self.backend.get_into_checksums(ns.id, missing, views)
+            async with self._gate, self.transfers.slot(len(views) * ns.block_bytes,
+                                                       default_kind=TransferKind.RELOAD,
+                                                       default_tenant=ns.tenant):
+                # (a tier marked unhealthy while this waited: a miss, not a timeout more)
+                # each payload's xxh3, verified on arrival: the DRAM copy's checksum
+                # too, which clients check
+                got = (await self.backend.get_into_checksums(ns.id, missing, views)
+                       if self.healthy else [])
             sums = [digest for digest in got if digest is not None]
         except KVStoreError as exc:
             self._failed("read", exc)
@@ -156,6 +168,20 @@ class RemoteTier:
         in the background; under write-back they go there when DRAM evicts them."""
         if not self.write_back:
             self._through.add(b for b in blocks if not b.marks & REMOTE_MARK)
+            if self._deferred and self.healthy:  # the outage is over: those held back go
+                deferred, self._deferred = self._deferred, {}
+                self._through.add(deferred)
+
+    def _defer(self, blocks: list[Block]) -> None:
+        """Write-through blocks the tier's outage kept from it: sent with the first
+        commit once it is healthy again (while they are still cached here)."""
+        deferred = self._deferred
+        for b in blocks:
+            deferred[b] = None
+        self.counters["deferred_writes"] += len(blocks)
+        while len(deferred) > DEFERRED_MOST:
+            del deferred[next(iter(deferred))]
+            self.counters["unsent_writes"] += 1
 
     async def _write_through(self, batch: list[Block]) -> None:
         by_ns: dict[Namespace, list[Block]] = {}
@@ -168,6 +194,7 @@ class RemoteTier:
 
     async def _put(self, ns: Namespace, blocks: list[Block]) -> None:
         if not self.healthy:
+            self._defer(blocks)
             return
         try:
             pin = self.store.acquire(REMOTE_OWNER, ns, [b.key for b in blocks],
@@ -180,6 +207,8 @@ class RemoteTier:
         try:
             ok = await self.send(ns, [b.key for b in blocks], views, "write",
                                   write_back=self.write_back, blocks=blocks)
+            if ok is None and not self.healthy:  # failed, or the tier went down meanwhile
+                self._defer(blocks)
             for b, good in zip(blocks, ok or ()):
                 if good and not b.marks & REMOTE_MARK:
                     b.remote = True
@@ -195,7 +224,9 @@ class RemoteTier:
         """Put values here, through the transfer queues and within the concurrency bound;
         per key whether it was written (None: not sent, its bytes changed since their
         commit), or None if the remote store failed (counted, and the tier marked
-        unhealthy).  ``blocks``: those the views are DRAM copies of; or ``checked``: the
+        unhealthy) or was marked unhealthy while this waited its turn (not sent: an
+        outage costs each send queued behind it no ``timeout_s`` of its own).
+        ``blocks``: those the views are DRAM copies of; or ``checked``: the
         views' xxh3, checked already (an SSD read's, into a buffer of the daemon's own),
         which they go with, hashed no more."""
         # A value goes with a digest, which every daemon reading it hands its readers:
@@ -214,8 +245,12 @@ class RemoteTier:
             views = list(itertools.compress(views, same))
             sums = list(itertools.compress(sums, same))
         try:
-            async with self.transfers.slot(len(views) * ns.block_bytes,
-                                           default_tenant=ns.tenant), self._gate:
+            # the remote bound first: a send waiting on a slow remote store holds none of
+            # the transfer slots the local tiers share
+            async with self._gate, self.transfers.slot(len(views) * ns.block_bytes,
+                                                       default_tenant=ns.tenant):
+                if not self.healthy:
+                    return None
                 written = (await self.backend.put_checksummed(ns.id, keys, views, sums)
                            if keys else [])
         except KVStoreError as exc:
