@@ -155,6 +155,13 @@ class AsyncClient(SessionCore):
                     future.set_exception(exc)
             return
         rid = received[0].rid
+        if self._heard(received[0]):  # the session is gone: no other reply will come
+            for other, future in self._waiting.items():
+                if other != rid and not future.done():
+                    try:
+                        self._usable()
+                    except KVStoreError as exc:
+                        future.set_exception(exc)
         if rid == 0:  # the daemon could not tell whose it is: every waiter gets it
             for future in self._waiting.values():
                 if not future.done():
@@ -203,6 +210,7 @@ class AsyncClient(SessionCore):
         """Send a request and wait for its reply (unchecked: the core checks it)."""
         if self._sock is None or self._loop is None:
             raise KVStoreError("the client is not connected")
+        self._usable()
         loop = self._loop
         future: asyncio.Future[Received] = loop.create_future()
         self._waiting[req.rid] = future
@@ -256,6 +264,7 @@ class AsyncClient(SessionCore):
         it with the core when it comes."""
         if self._sock is None or self._loop is None:
             raise KVStoreError("the client is not connected")
+        self._usable()
         await self._send([self._posted(req)], self._loop.time() + self.timeout)
 
     # -- verbs ----------------------------------------------------------------------------
@@ -322,6 +331,12 @@ class AsyncClient(SessionCore):
                 block_tokens=block_tokens, prefill_rate=prefill_rate)
 
     async def close(self) -> None:
+        if self._forked:  # the parent's socket, context and loop registration: its own
+            self._routers.clear()  # (removing the reader here took the parent's: the
+            self._unmap()          # loop's epoll is shared across a fork)
+            self._sock = self._ctx = None
+            self._fd = -1
+            return
         for router, lock in self._routers.values():
             async with lock:
                 router.close()
@@ -486,9 +501,17 @@ class AsyncReservation(ReservationCore[AsyncNamespace]):
     async def __aenter__(self) -> AsyncReservation:
         return await self._reserve()
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: object) -> None:
         if not self.done and self.ns.client._sock is not None:
-            await self.abort()
+            if exc is None:
+                await self.abort()
+                return
+            try:  # the body's own error comes through, not the abort's (the lease
+                await self.abort()  # rolls the reservation back where the abort did not)
+            except KVStoreError as failed:
+                log.warning("aborting a reservation after %s failed: %s",
+                            type(exc).__name__, failed)
 
 
 class AsyncHeld(HeldCore[AsyncNamespace]):

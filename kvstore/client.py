@@ -10,6 +10,7 @@ and raise the typed errors of ``kvstore.errors``.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -87,6 +88,10 @@ class Client(SessionCore):
         # requests sent whose replies ``_wait`` will read: only theirs are kept in _early
         self._awaited: set[int] = set()
         self._routers: dict[tuple[str, ...], Router] = {}  # connections of route()
+        # held while a thread sends or receives: a second thread is refused, not let
+        # into the same socket (ZeroMQ's sockets are not thread-safe: two threads'
+        # frames interleaved, and one read the other's replies)
+        self._io = threading.RLock()
         try:  # whatever fails, the context goes too (its I/O thread and descriptors)
             watch = self._checks_handshake()
             self._sock = make_socket(self._ctx, self.endpoint, self._curve, admission,
@@ -134,12 +139,25 @@ class Client(SessionCore):
         requests read meanwhile are kept for their own ``_wait``."""
         if self._sock is None:
             raise KVStoreError("the client is closed")
+        self._usable()
         header = p.encoder.encode(req)
-        if payload:
-            self._sock.send_multipart([header, *payload], copy=False)
-        else:
-            self._sock.send(header)
+        self._claim()
+        try:
+            if payload:
+                self._sock.send_multipart([header, *payload], copy=False)
+            else:
+                self._sock.send(header)
+        finally:
+            self._io.release()
         self._awaited.add(req.rid)
+
+    def _claim(self) -> None:
+        """Take the socket for this thread's send or receive, or refuse: another thread
+        is in it."""
+        if not self._io.acquire(blocking=False):
+            raise KVStoreError("this client is in use by another thread: a Client serves "
+                               "one thread at a time (open one per thread, or use "
+                               "AsyncClient)")
 
     def _run(self, exchange: Exchange[T]) -> T:
         """Carry out a verb of several requests, one after the other."""
@@ -170,6 +188,14 @@ class Client(SessionCore):
         settled by the core, while waiting for a later reply, or at ``close``."""
         if self._sock is None:
             raise KVStoreError("the client is closed")
+        self._usable()
+        self._claim()
+        try:
+            self._post_now(req)
+        finally:
+            self._io.release()
+
+    def _post_now(self, req: p.Message) -> None:
         sock = self._sock
         # keep the backlog short: as many replies read as posted ones are unread, at
         # most (an endpoint that kept sending replies to nothing held the caller for good)
@@ -185,29 +211,41 @@ class Client(SessionCore):
                 return self._early.pop(rid)
             if self._sock is None:  # closed since the request went (its reply is lost)
                 raise KVStoreError("the client is closed")
-            if self._receive_timeout != self.timeout:
-                # a receive waits at most the timeout: one call per reply rather than a
-                # poll and a receive (a poll builds a Poller each time)
-                ms = int(self.timeout * 1000)
-                self._sock.setsockopt(zmq.RCVTIMEO, -1 if ms < 0 else min(ms, _MAX_MS))
-                self._receive_timeout = self.timeout
-            # (each receive waits the timeout anew: replies to other requests coming one
-            # after another, from a hostile endpoint, kept a caller waiting for good)
-            until = time.monotonic() + self.timeout if self.timeout >= 0 else math.inf
-            while True:
-                try:
-                    received = self._receive()
-                except zmq.Again:  # RCVTIMEO passed: what a late reply holds goes back
-                    self._abandon(rid)
-                    raise self._no_reply() from None
-                if received[0].rid == rid or received[0].rid == 0:  # 0: the daemon could
-                    return received                               # not tell whose it is
-                self._file(received)
-                if time.monotonic() > until:
-                    self._abandon(rid)
-                    raise self._no_reply()
+            self._claim()
+            try:
+                return self._receive_for(rid)
+            finally:
+                self._io.release()
         finally:
             self._awaited.discard(rid)  # answered, or given up on (``_abandoned``)
+
+    def _receive_for(self, rid: int) -> Received:
+        """Read replies until ``rid``'s (others filed for their own waits)."""
+        if self._receive_timeout != self.timeout:
+            # a receive waits at most the timeout: one call per reply rather than a
+            # poll and a receive (a poll builds a Poller each time)
+            ms = int(self.timeout * 1000)
+            self._sock.setsockopt(zmq.RCVTIMEO, -1 if ms < 0 else min(ms, _MAX_MS))
+            self._receive_timeout = self.timeout
+        # (each receive waits the timeout anew: replies to other requests coming one
+        # after another, from a hostile endpoint, kept a caller waiting for good)
+        until = time.monotonic() + self.timeout if self.timeout >= 0 else math.inf
+        while True:
+            try:
+                received = self._receive()
+            except zmq.Again:  # RCVTIMEO passed: what a late reply holds goes back
+                self._abandon(rid)
+                raise self._no_reply() from None
+            if received[0].rid == rid or received[0].rid == 0:  # 0: the daemon could
+                self._heard(received[0])                      # not tell whose it is
+                return received
+            self._file(received)
+            if self._lost:  # the session is gone: no reply of ours will come
+                self._abandon(rid)
+                self._usable()
+            if time.monotonic() > until:
+                self._abandon(rid)
+                raise self._no_reply()
 
     def _receive(self) -> Received:
         return decode_reply(receive(self._sock))
@@ -216,6 +254,7 @@ class Client(SessionCore):
         """Keep a reply that came before the one awaited; drop a posted request's, and
         give back what a reply to one given up on holds."""
         reply = received[0]
+        self._heard(reply)
         if reply.rid in self._abandoned:
             for header in self._give_back(reply):
                 self._sock.send(header)
@@ -289,6 +328,18 @@ class Client(SessionCore):
                             block_tokens=block_tokens, prefill_rate=prefill_rate)
 
     def close(self) -> None:
+        if self._forked:  # the parent's socket and context: left to the parent
+            self._routers.clear()
+            self._unmap()
+            self._sock = None
+            return
+        self._claim()
+        try:
+            self._close()
+        finally:
+            self._io.release()
+
+    def _close(self) -> None:
         for router in self._routers.values():
             router.close()
         self._routers.clear()
@@ -464,7 +515,14 @@ class Reservation(ReservationCore[Namespace]):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if not self.done and self.ns.client._sock is not None:
-            self.abort()
+            if exc is None:
+                self.abort()
+                return
+            try:  # the body's own error comes through, not the abort's (the lease
+                self.abort()  # rolls the reservation back where the abort did not)
+            except KVStoreError as failed:
+                log.warning("aborting a reservation after %s failed: %s",
+                            type(exc).__name__, failed)
 
 
 class Held(HeldCore[Namespace]):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -48,10 +47,17 @@ from kvstore.client_wire import (
     verify,
 )
 from kvstore.config import client_endpoint
-from kvstore.errors import ForbiddenError, KVStoreError, MalformedError, UnavailableError
+from kvstore.errors import (
+    ForbiddenError,
+    KVStoreError,
+    LeaseExpiredError,
+    MalformedError,
+    NoSessionError,
+    UnavailableError,
+)
 from kvstore.identity import Identity
 from kvstore.keys import chain_keys
-from kvstore.token_ids import encode_chain
+from kvstore.client_chains import Chains as _Chains
 from kvstore.tiers.arena_fds import (
     MEMFD_PREFIX,
     admit,
@@ -72,10 +78,14 @@ log = logging.getLogger("kvstore.client")
 
 SNAPSHOT_PAGE = p.SNAPSHOT_PAGE  # entries' worth of a snapshot's page (the daemon's loop turn)
 CLOSE_WAIT_S = 1.0  # how long close() waits for the replies to posted releases
-_PARENT_MEMORY = 1 << 20  # chain links remembered per namespace, for reserve/put parents
-_TOKEN_MEMORY = 1 << 18   # token ids remembered per namespace, for the daemon's events
 _NO_PAYLOAD: Sequence[Any] = ()
 _ABANDONED_MEMORY = 1 << 12  # requests given up on, remembered for their late replies
+# How a session that ran out of its lease is told so (``kvstore.sessions``)
+SESSION_EXPIRED = "this session's lease ran out"
+# Forks of this process so far: a client made before one is its parent's (its socket,
+# ZeroMQ context and event loop registration are shared state no child may use)
+_FORKS = [0]
+os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 
 
 # ----------------------------------------------------------------------------------------
@@ -165,10 +175,45 @@ class SessionCore:
         # requests whose callers gave up on the reply (a timeout, a cancellation), the
         # oldest forgotten past _ABANDONED_MEMORY
         self._abandoned: dict[int, None] = {}
+        self._forks = _FORKS[0]  # the forks before this client: another count, a child's
+        self._pid = os.getpid()
+        self._lost = ""  # why the daemon has no session for this client any more, once told
 
     def _next_rid(self) -> int:
         self._last_rid += 1
         return self._last_rid
+
+    # -- whether this client can still ask ------------------------------------------------
+    @property
+    def _forked(self) -> bool:
+        """Whether this is a forked child's copy of the client (its parent's socket)."""
+        return self._forks != _FORKS[0]
+
+    def _usable(self) -> None:
+        """Raise where no request can be answered: in a forked child (the parent's
+        socket: both would read each other's replies, and the child spun in ZeroMQ's
+        retries), or once the daemon said this client's session is gone (it restarted,
+        or the lease ran out): every request after that is refused or dropped unread
+        (past a few, a peer without a session is not even answered), which left each
+        call waiting out its whole timeout, for good."""
+        if self._forks != _FORKS[0]:
+            raise KVStoreError(f"this client was opened in process {self._pid}, before a "
+                               f"fork: open a new client in process {os.getpid()}")
+        if self._lost:
+            raise NoSessionError(f"the daemon has no session for this client any more "
+                                 f"(it said: {self._lost}): open a new client")
+
+    def _heard(self, reply: p.Message) -> bool:
+        """Whether ``reply`` says this client's session is gone (noted: ``_usable``)."""
+        if type(reply) is not p.ErrorReply:
+            return False
+        if ((reply.code == ForbiddenError.code
+             and reply.message.startswith(NoSessionError.PREFIX))
+                or (reply.code == LeaseExpiredError.code
+                    and reply.message.startswith(SESSION_EXPIRED))):
+            self._lost = reply.message
+            return True
+        return False
 
     # -- requests posted without waiting (releases) -------------------------------------
     def _posted(self, req: p.Message) -> bytes:
@@ -389,66 +434,6 @@ class SessionCore:
 # ----------------------------------------------------------------------------------------
 # namespaces
 # ----------------------------------------------------------------------------------------
-
-class _Chains:
-    """Parents remembered from ``keys()`` so that reserve/put can name a chain's parent."""
-
-    def __init__(self) -> None:
-        self._parents: OrderedDict[bytes, bytes | None] = OrderedDict()
-        # each key's block's token ids: its chain's ids laid out, and where its are
-        self._tokens: OrderedDict[bytes, tuple[bytes, int, int]] = OrderedDict()
-
-    def remember(self, keys: list[bytes], parent: bytes | None) -> None:
-        for key in keys:
-            self._parents[key] = parent
-            parent = key
-        while len(self._parents) > _PARENT_MEMORY:
-            self._parents.popitem(last=False)
-
-    def parent_of(self, first_key: bytes) -> bytes | None:
-        return self._parents.get(first_key)
-
-    def remember_tokens(self, keys: list[bytes], token_ids: Sequence[int] | Any,
-                        block_tokens: int) -> None:
-        """Each block's token ids, to send with its commit (the daemon publishes events
-        that carry them): laid out once for the chain, each key's place in it kept."""
-        if not keys:
-            return
-        raw = encode_chain(token_ids, len(keys), block_tokens)
-        size = len(raw) // len(keys)
-        tokens = self._tokens
-        for i, key in enumerate(keys):
-            tokens[key] = (raw, i * size, (i + 1) * size)
-        most = max(1, _TOKEN_MEMORY // block_tokens)
-        while len(tokens) > most:
-            tokens.popitem(last=False)
-
-    def tokens_of(self, keys: Sequence[bytes], one_buffer: bool) -> tuple[list[bytes], bytes]:
-        """The keys' blocks' token ids as a commit or put carries them: ``([], buffer)``,
-        one after another in one buffer (a slice of their chain's when they were laid out
-        together), where the daemon takes that (``one_buffer``) and all are remembered;
-        else ``(each block's, b"")``, b"" where one is not; ``([], b"")`` when none is, or
-        when they would crowd the request's header."""
-        if not keys:
-            return [], b""
-        tokens = self._tokens
-        first, last = tokens.get(keys[0]), tokens.get(keys[-1])
-        if one_buffer and first is not None and last is not None:
-            raw, start, end = first
-            if last[0] is raw and last[1] - start == (len(keys) - 1) * (end - start):
-                out = raw[start:last[2]]  # one chain's, as laid out
-                return ([], out) if len(out) <= p.MAX_HEADER_BYTES // 2 else ([], b"")
-        found = [tokens.get(key) for key in keys]
-        each = [f[0][f[1]:f[2]] if f is not None else b"" for f in found]
-        if not any(each):
-            return [], b""
-        if one_buffer and all(each) and len(set(map(len, each))) == 1:
-            out = b"".join(each)  # of several chains, all of one width
-            return ([], out) if len(out) <= p.MAX_HEADER_BYTES // 2 else ([], b"")
-        if sum(map(len, each)) > p.MAX_HEADER_BYTES // 2:
-            return [], b""
-        return each, b""
-
 
 class NamespaceCore(Generic[S]):
     """An opened namespace without I/O: keys, chain memory, and each verb's request and

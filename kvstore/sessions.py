@@ -35,6 +35,8 @@ from kvstore.grant_pins import GrantPins
 from kvstore.identity import Identity
 from kvstore.store import BlockStore, Namespace
 
+_NO_SESSION = (f"{NoSessionError.PREFIX} for this connection: the first request must be "
+               "hello (a daemon that restarted has none of the connections before it)")
 _EXPIRED_REMEMBERED = 4096  # connections whose session expired, told so (not "no session")
 # Connections one session keeps (a client's sockets, reconnects attaching again): past
 # it, the oldest is let go (a peer without a session again).  Unbounded, each attach held
@@ -259,7 +261,7 @@ class Sessions:
                 raise LeaseExpiredError(
                     "this session's lease ran out and its holdings were rolled back; "
                     "connect again")
-            raise NoSessionError(f"{NoSessionError.PREFIX}: the first request must be hello")
+            raise NoSessionError(_NO_SESSION)
         return session
 
     def forget(self, gone: set[object]) -> None:

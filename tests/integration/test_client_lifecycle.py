@@ -1,0 +1,207 @@
+"""A client whose daemon restarted, a client copied by a fork, a client two threads
+use at once, and a ``with`` whose abort fails: each says so at once, in a typed error,
+and never hands back a wrong result.  Real daemon processes and real sockets.
+
+Before: after a restart every call of the old client past the daemon's few answers to a
+peer without a session waited out its whole timeout, for good; a forked child's call
+spun in ZeroMQ's retries at full CPU, and its ``close`` of an AsyncClient deafened the
+parent's (the loop's epoll is shared); two threads' frames interleaved on one socket
+(a put's payload carried the other's header, a get returned another call's blocks);
+and an abort that failed on the way out of a ``with`` replaced the body's own error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+from kvtest import make_identity
+
+from kvstore import AsyncClient, Client
+from kvstore.errors import KVStoreError, NoSessionError
+
+IDENT = make_identity()
+
+
+def elapsed(call: Any) -> tuple[float, BaseException | None]:
+    started = time.monotonic()
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 (the test looks at what it was)
+        return time.monotonic() - started, exc
+    return time.monotonic() - started, None
+
+
+def test_a_client_of_a_restarted_daemon_is_told_at_once(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    c = Client(d.endpoint, tenant="acme", timeout=5)
+    try:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(range(4 * IDENT.block_tokens))
+        ns.put(keys, [b"\x01" * IDENT.block_bytes] * 4)
+        d.stop(signal.SIGKILL)
+        d.start()
+        # every call after the restart: NoSessionError, none waits its timeout (before:
+        # the first eight were refused, every one after them waited 5 s)
+        for i in range(12):
+            took, exc = elapsed(lambda: ns.lookup(keys))
+            assert isinstance(exc, NoSessionError), (i, exc)
+            assert took < 2.5, (i, took)
+        took, exc = elapsed(lambda: ns.put(keys[:1], [b"\x02" * IDENT.block_bytes]))
+        assert isinstance(exc, NoSessionError) and took < 2.5, (took, exc)
+        assert "open a new client" in str(exc)
+    finally:
+        c.close()
+    with Client(d.endpoint, tenant="acme") as fresh:  # a new one is served
+        assert fresh.namespace(IDENT).lookup(keys).blocks == 0
+
+
+def test_a_client_used_while_its_daemon_was_down_is_told_at_once(
+        daemon_factory: Any) -> None:
+    """Requests sent while the daemon was down reach the new one all at once: it answers
+    a few with "no session", then drops the rest unread, the next call's among them."""
+    d = daemon_factory()
+    with Client(d.endpoint, tenant="acme", timeout=0.3) as c:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(range(4 * IDENT.block_tokens))
+        d.stop(signal.SIGKILL)
+        for _ in range(12):
+            with pytest.raises(KVStoreError):  # (no reply: UnavailableError)
+                ns.lookup(keys)
+        d.start()
+        c.timeout = 5
+        for i in range(4):
+            took, exc = elapsed(lambda: ns.lookup(keys))
+            assert isinstance(exc, NoSessionError) and took < 2.5, (i, took, exc)
+
+
+def test_an_async_client_of_a_restarted_daemon_is_told_at_once(daemon_factory: Any) -> None:
+    d = daemon_factory()
+
+    async def scenario() -> None:
+        async with AsyncClient(d.endpoint, tenant="acme", timeout=5) as c:
+            ns = await c.namespace(IDENT)
+            keys = ns.keys(range(4 * IDENT.block_tokens))
+            d.stop(signal.SIGKILL)
+            d.start()
+            for i in range(12):
+                started = time.monotonic()
+                with pytest.raises(NoSessionError):
+                    await ns.lookup(keys)
+                assert time.monotonic() - started < 2.5, i
+
+    asyncio.run(scenario())
+
+
+def test_a_forked_child_cannot_use_or_break_its_parents_client(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    read, write = os.pipe()
+
+    async def child_async(ac: AsyncClient) -> str:
+        try:
+            await ac.ping()
+            return "served"
+        except KVStoreError as exc:
+            return "refused" if "fork" in str(exc) else f"other: {exc}"
+        finally:
+            await ac.close()  # (before: removed the parent's reader from the shared epoll)
+
+    async def scenario() -> None:
+        async with AsyncClient(d.endpoint, tenant="acme", timeout=2) as ac:
+            with Client(d.endpoint, tenant="acme", timeout=2) as c:
+                pid = os.fork()
+                if pid == 0:  # the child: both clients refuse at once, and close quietly
+                    verdicts = []
+                    try:
+                        c.ping()
+                        verdicts.append("served")
+                    except KVStoreError as exc:
+                        verdicts.append("refused" if "fork" in str(exc) else f"other: {exc}")
+                    c.close()
+                    verdicts.append(asyncio.new_event_loop().run_until_complete(
+                        child_async(ac)))
+                    os.write(write, ",".join(verdicts).encode())
+                    os._exit(0)
+                os.close(write)
+                deadline = time.monotonic() + 30
+                while os.waitpid(pid, os.WNOHANG) == (0, 0):  # (a child that spins: killed)
+                    if time.monotonic() > deadline:
+                        os.kill(pid, signal.SIGKILL)
+                        os.waitpid(pid, 0)
+                        pytest.fail("the forked child's calls never returned")
+                    await asyncio.sleep(0.05)
+                got = os.read(read, 1000).decode()
+                os.close(read)
+                assert got == "refused,refused", got
+                # the parent's clients still work
+                c.ping()
+                for _ in range(3):
+                    await ac.ping()
+
+    asyncio.run(scenario())
+
+
+def test_two_threads_on_one_client_are_refused_never_mixed(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    wrong: list[str] = []
+    refused = [0]
+    served = [0]
+    with Client(d.endpoint, tenant="acme", timeout=5) as c:
+        ns = c.namespace(IDENT)
+
+        def work(me: int) -> None:
+            deadline = time.monotonic() + 2
+            i = 0
+            while time.monotonic() < deadline:
+                i += 1
+                keys = ns.keys(range(me * 10**6 + i * 64, me * 10**6 + i * 64 + 32))
+                value = bytes([me]) * IDENT.block_bytes
+                try:
+                    ns.put(keys, [value, value])
+                    got = ns.get(keys)
+                    served[0] += 1
+                    if got != [value, value]:
+                        wrong.append(f"thread {me} got another's blocks")
+                except KVStoreError as exc:
+                    if "another thread" in str(exc):
+                        refused[0] += 1
+                    elif "not found" not in str(exc).lower():
+                        wrong.append(f"{type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=work, args=(n,)) for n in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not wrong, wrong[:5]
+        assert refused[0] and served[0]
+        time.sleep(0.2)
+        assert c.stats()["tiers"]["dram"]["pinned_blocks"] == 0
+
+
+def test_a_failed_abort_leaves_the_bodys_error(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    with Client(d.endpoint, tenant="acme", timeout=0.3) as c:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(range(2 * IDENT.block_tokens))
+        with pytest.raises(ValueError, match="the body's own"):
+            with ns.reserve(keys):
+                d.stop(signal.SIGKILL)
+                raise ValueError("the body's own error")
+
+    d.start()
+
+    async def scenario() -> None:
+        async with AsyncClient(d.endpoint, tenant="acme", timeout=0.3) as ac:
+            ns = await ac.namespace(IDENT)
+            with pytest.raises(ValueError, match="the body's own"):
+                async with ns.reserve(keys):
+                    d.stop(signal.SIGKILL)
+                    raise ValueError("the body's own error")
+
+    asyncio.run(scenario())
