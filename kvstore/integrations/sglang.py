@@ -55,6 +55,7 @@ from kvstore.errors import KVStoreError
 from kvstore.identity import DTYPE_BYTES, Identity
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
+    checkpoint_fingerprint,
     read_blocks,
     store_missing,
 )
@@ -92,7 +93,11 @@ def page_identity(config: HiCacheStorageConfig, host: Any, tenant: str,
         layout += f";pp={config.pp_rank}/{config.pp_size}"
     identity = Identity(
         model=str(extra.get("model_name") or config.model_name or "unnamed"),
-        model_revision=str(extra.get("model_revision", "unversioned")), tenant=tenant,
+        # (no revision given: a fingerprint of the checkpoint SGLang names by its path,
+        # so that weights replaced there are not served the old weights' pages)
+        model_revision=str(extra.get("model_revision")
+                           or checkpoint_fingerprint(str(config.model_name or ""))
+                           or "unversioned"), tenant=tenant,
         kv_dtype=dtype, num_layers=host.layer_num, num_kv_heads=heads, head_dim=head_dim,
         block_tokens=host.page_size, layout=layout, salt=str(extra.get("salt", "")))
     if identity.block_bytes != page_bytes:

@@ -47,8 +47,10 @@ that fails, or finds the sender's queue full, is a later cache miss.
 Roles: ``kv_producer`` engines look up (to skip what the store holds) and save, never
 load; ``kv_consumer`` engines load, never save; ``kv_both`` do both.
 
-Identity: model (``model_name`` extra config, else the served model name), revision
-(``model_revision``, else the model config's, marked ``+dummy`` under dummy weights),
+Identity: model (``model_name`` extra config, else the model as loaded, never the
+served name: an alias two deployments of different weights may share), revision
+(``model_revision``, else the model config's, else the hub commit of its config, else a
+fingerprint of the local checkpoint; marked ``+dummy`` under dummy weights),
 KV format from the KV cache group (layers, KV heads, head dim, dtype, block size),
 RoPE parameters; per request the LoRA adapter (name and path) and vLLM's
 ``cache_salt``, so different adapters or salts never share a block.  The daemon

@@ -14,6 +14,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from kvstore.identity import DTYPE_BYTES, Identity
+from kvstore.integrations.engine_side import checkpoint_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,6 +46,21 @@ def request_variant(request: Request) -> RequestVariant:
         adapter = bounded(lora.lora_name)
         revision = bounded(lora.lora_path or f"id:{lora.lora_int_id}")
     return RequestVariant(adapter, revision, bounded(request.cache_salt or ""))
+
+
+def model_and_revision(model_config: Any, extra: dict[str, Any]) -> tuple[str, str]:
+    """The identity's model and revision: ``model_name`` and ``model_revision`` where
+    the connector's settings give them (to share blocks between engines that load the
+    same weights from different places); else the model as loaded (its hub id or path:
+    never the served name, an alias that two deployments of different weights may both
+    use, canaries and A/B tests) and its revision, else the hub commit its config came
+    from, else a fingerprint of the local checkpoint (``checkpoint_fingerprint``)."""
+    model = str(extra.get("model_name") or model_config.model)
+    revision = extra.get("model_revision") or model_config.revision
+    if not revision:
+        revision = (getattr(model_config.hf_config, "_commit_hash", None)
+                    or checkpoint_fingerprint(str(model_config.model)))
+    return model, str(revision or "unversioned")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -87,10 +103,7 @@ class Group:
 def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tenant: str,
             extra: dict[str, Any]) -> list[Group]:
     model_config = vllm_config.model_config
-    model = str(extra.get("model_name") or model_config.served_model_name or model_config.model)
-    if isinstance(model_config.served_model_name, list) and not extra.get("model_name"):
-        model = str(model_config.served_model_name[0])
-    revision = str(extra.get("model_revision") or model_config.revision or "unversioned")
+    model, revision = model_and_revision(model_config, extra)
     if str(vllm_config.load_config.load_format) == "dummy":
         revision += "+dummy"  # random weights are not the model's weights
     rope_type, rope_scaling = _rope(model_config.hf_config)

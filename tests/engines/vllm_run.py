@@ -33,7 +33,7 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 2, 128, 4, 2, 32, 256, 5
 BLOCK = 32  # the CPU attention backend wants a multiple of 32
 
 
-def make_model(path: str) -> None:
+def make_model(path: str, seed: int = 1234) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -48,7 +48,7 @@ def make_model(path: str) -> None:
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    g = torch.Generator().manual_seed(1234)
+    g = torch.Generator().manual_seed(seed)
 
     def dense(rows: int, cols: int) -> torch.Tensor:
         # Unit-scale activations, so attention depends on the keys and values it reads.
@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> dict:
     kv_transfer_config = None
     if args.endpoint:
         extra = {"endpoint": args.endpoint, "tenant": args.tenant,
-                 "model_name": "tiny-llama", "model_revision": "seed1234",
+                 **({} if args.own_identity else {"model_name": "tiny-llama",
+                                                  "model_revision": "seed1234"}),
                  **json.loads(args.extra)}
         kv_transfer_config = KVTransferConfig(
             kv_connector="KVStoreConnector",
@@ -168,7 +169,8 @@ def run(args: argparse.Namespace) -> dict:
               max_model_len=512, enforce_eager=True, seed=0, gpu_memory_utilization=0.05,
               kv_cache_memory_bytes=args.kv_cache_mib << 20,
               kv_transfer_config=kv_transfer_config,
-              enable_lora=lora, max_loras=1, max_lora_rank=8)
+              enable_lora=lora, max_loras=1, max_lora_rank=8,
+              **({"served_model_name": args.served_name} if args.served_name else {}))
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     scheduler_connector = scheduler.connector if args.endpoint else None
     # The scheduler side connects on a thread from its construction: the requests wait
@@ -229,9 +231,15 @@ def main() -> None:
     parser.add_argument("--save-delay", type=float, default=0.0,
                         help="seconds each background save waits before it starts")
     parser.add_argument("--daemon-pid", type=int, default=0)
+    parser.add_argument("--weights-seed", type=int, default=1234,
+                        help="the seed of a model made here (its weights)")
+    parser.add_argument("--served-name", default="", help="vLLM's served_model_name")
+    parser.add_argument("--own-identity", action="store_true",
+                        help="no model_name/model_revision in the extra config: the "
+                             "connector works out the model's identity itself")
     args = parser.parse_args()
     if not os.path.exists(args.model):
-        make_model(args.model)
+        make_model(args.model, args.weights_seed)
         make_lora(args.model + "-lora")
     result = run(args)
     sys.stdout.write("\n" + json.dumps(result) + "\n")

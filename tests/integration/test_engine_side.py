@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import numpy as np
 import torch
 from daemon_proc import DaemonProcess
 from kvtest import make_identity
@@ -372,3 +373,27 @@ def test_a_background_connect_never_waits_and_is_tried_again_once_the_daemon_is_
     finally:
         link.close()
         daemon.stop()
+
+
+def test_a_checkpoint_fingerprint_tells_weights_of_one_shape_apart(tmp_path: Path) -> None:
+    """A checkpoint with no revision is told apart by its content: weights replaced in
+    place by others of the same names and sizes (a fine-tune) change it, as a changed
+    setting does; the same files read alike; a hub id (no directory) has none."""
+    from kvstore.integrations.engine_side import checkpoint_fingerprint
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal(1 << 20).astype(np.float32)  # 4 MiB
+    (model / "model.safetensors").write_bytes(weights.tobytes())
+    first = checkpoint_fingerprint(str(model))
+    assert first is not None and first == checkpoint_fingerprint(str(model))
+    tuned = weights.copy()
+    tuned[len(tuned) // 3:] += 1e-3  # the same size; only later tensors differ
+    (model / "model.safetensors").write_bytes(tuned.tobytes())
+    second = checkpoint_fingerprint(str(model))
+    assert second != first
+    (model / "config.json").write_text('{"hidden_size": 65}')
+    assert checkpoint_fingerprint(str(model)) not in (first, second)
+    assert checkpoint_fingerprint("meta-llama/Llama-3-8B") is None
