@@ -358,7 +358,7 @@ class Client(SessionCore):
             if self._watched:  # a connect failed before its hello: term would wait on it
                 stop_watching(self._sock)
                 self._watched = False
-            self._sock.close(linger=0)
+            self._sock.close(linger=self._say_bye(self._sock))
             self._sock = None
         self._ctx.term()
 

@@ -47,14 +47,8 @@ from kvstore.client_wire import (
     verify,
 )
 from kvstore.config import client_endpoint
-from kvstore.errors import (
-    ForbiddenError,
-    KVStoreError,
-    LeaseExpiredError,
-    MalformedError,
-    NoSessionError,
-    UnavailableError,
-)
+from kvstore.errors import (ForbiddenError, KVStoreError, LeaseExpiredError, MalformedError,
+                             NoSessionError, UnavailableError)
 from kvstore.identity import Identity
 from kvstore.keys import chain_keys
 from kvstore.client_chains import Chains as _Chains
@@ -80,6 +74,10 @@ SNAPSHOT_PAGE = p.SNAPSHOT_PAGE  # entries' worth of a snapshot's page (the daem
 CLOSE_WAIT_S = 1.0  # how long close() waits for the replies to posted releases
 _NO_PAYLOAD: Sequence[Any] = ()
 _ABANDONED_MEMORY = 1 << 12  # requests given up on, remembered for their late replies
+_NOBLOCK = 1  # zmq.NOBLOCK (the core imports no zmq)
+# How long a closing client's socket may take to hand its goodbye to the connection (a
+# daemon gone: that long at most, and the lease ends the session)
+_BYE_LINGER_MS = 20
 # How a session that ran out of its lease is told so (``kvstore.sessions``)
 SESSION_EXPIRED = "this session's lease ran out"
 # Forks of this process so far: a client made before one is its parent's (its socket,
@@ -200,8 +198,21 @@ class SessionCore:
             raise KVStoreError(f"this client was opened in process {self._pid}, before a "
                                f"fork: open a new client in process {os.getpid()}")
         if self._lost:
-            raise NoSessionError(f"the daemon has no session for this client any more "
-                                 f"(it said: {self._lost}): open a new client")
+            kind = (LeaseExpiredError if self._lost.startswith(SESSION_EXPIRED)
+                    else NoSessionError)
+            raise kind(f"the daemon has no session for this client any more (it said: "
+                       f"{self._lost}): open a new client")
+
+    def _say_bye(self, sock: Any) -> int:
+        """On the way out: ask the daemon to end the session now (``p.Bye``, unread; its
+        holdings stayed a lease long); how many ms the socket may linger to send it."""
+        if self.hello is None or self._lost or self._forked:
+            return 0
+        try:
+            sock.send(p.encoder.encode(p.Bye(self._next_rid())), _NOBLOCK)
+        except Exception:  # noqa: BLE001 (no connection to queue on: the lease ends it)
+            return 0
+        return _BYE_LINGER_MS
 
     def _heard(self, reply: p.Message) -> bool:
         """Whether ``reply`` says this client's session is gone (noted: ``_usable``)."""
@@ -292,7 +303,7 @@ class SessionCore:
             tcp = tcp_credentials(self.endpoint, self._token, self._tenant, bool(self._curve))
             self._handshake = "token" if tcp is not None else ""
             return tcp
-        admitted = admit(side, self._token)
+        admitted = admit(side, self._token, self.timeout)
         if admitted is not None and not self._tenant_named:
             self._tenant = ""  # the credentials name it
         self._handshake = "ticket" if admitted is not None else ""
@@ -357,7 +368,7 @@ class SessionCore:
             if path.startswith(MEMFD_PREFIX):
                 assert self.hello is not None, "an arena is asked for after hello"
                 arena = map_handed_arena(self.endpoint, self.hello.session,
-                                         path[len(MEMFD_PREFIX):], size)
+                                         path[len(MEMFD_PREFIX):], size, self.timeout)
             else:
                 arena = map_arena(path, size)
             mapped = self._maps[path] = (arena, memoryview(arena))

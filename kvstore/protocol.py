@@ -163,6 +163,12 @@ class Ping(Message, tag="ping"):
     pass
 
 
+class Bye(Message, tag="bye"):
+    """The client closes: its session ends now, its reservations and pins rolled back,
+    rather than at its lease's end (a session with other connections attached goes on).
+    Sent without waiting for the reply (an older daemon refuses it: the lease ends it)."""
+
+
 class Snapshot(Message, tag="snapshot"):
     """Every cached block per tier, as of an event sequence number, in pages: ``cursor``
     0 begins a snapshot, a reply's nonzero ``cursor`` asks for its next page.  ``limit``:
@@ -183,7 +189,7 @@ class Probe(Message, tag="probe"):
 Request = Union[
     Hello, OpenNamespace, Lookup, Reserve, Commit, Abort, Acquire, Release, Put, Get,
     Evict, DropNamespace, Stats, Ping, Warm, Prefetch, ReserveBatch, Report, GpuAttach,
-    Snapshot, Probe, LookupPin,
+    Snapshot, Probe, LookupPin, Bye,
 ]
 
 

@@ -63,6 +63,10 @@ from kvstore.removals import GET_OWNER
 from kvstore.verbs import Verbs
 
 log = logging.getLogger("kvstore.server")
+# A reaper's timer this late (seconds): the daemon itself did not run (SIGSTOP, a host
+# that stalled), and no lease ends before what its clients sent meanwhile is read (every
+# session's lease ran out at once, its requests waiting unread behind the timer)
+STALL_SECONDS = 2.0
 
 
 class Server:
@@ -108,16 +112,13 @@ class Server:
                                                   "server.max_bytes_in_flight_per_tenant"))
         self.invariant_violations = 0
         self.auth = Auth(config)
-        if config.server.socket_group and not config.credentials:
-            log.warning("server.socket_group: every user in group %r may connect and name "
-                        "any tenant, as no credentials are set; set auth.peer_tenants (or "
-                        "auth.secret_file) to take each engine's tenant from its user",
-                        config.server.socket_group)
+        _warn_of_an_open_group(config)
         self.transport = Transport(config, self.auth, self._on_message,
                                    self._release_sent, self._room_from_sends, self.sessions.unread)
         self.transport.admitted = self.sessions.known
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining_grants = False  # a slice of the grantees' discharges is due
+        self._reap_due = math.inf  # when the reaper's timer is due (time.monotonic())
         self._stopped: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.policy_switches = PolicySwitches(self.store)  # SIGHUP's, in loop turns
@@ -436,11 +437,14 @@ class Server:
     def _schedule_reaper(self) -> None:
         assert self._loop is not None
         period = min(1.0, self.limits.lease_seconds / 4)
+        self._reap_due = time.monotonic() + period
         self._loop.call_later(period, self._reap)
 
     def _reap(self) -> None:
         if not self.transport.is_open:
             return
+        if time.monotonic() - self._reap_due > STALL_SECONDS:  # the daemon did not run:
+            return self._schedule_reaper()  # what came meanwhile is read first
         gone = set(self.store.expire(self.clock()))
         if gone:
             self.sessions.forget(gone)
@@ -668,3 +672,11 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
         stop_settling()
         if close_http is not None:
             close_http()
+
+
+def _warn_of_an_open_group(config: Config) -> None:
+    if config.server.socket_group and not config.credentials:
+        log.warning("server.socket_group: every user in group %r may connect and name "
+                    "any tenant, as no credentials are set; set auth.peer_tenants (or "
+                    "auth.secret_file) to take each engine's tenant from its user",
+                    config.server.socket_group)

@@ -128,6 +128,7 @@ class Verbs:
             p.DropNamespace: self._drop,
             p.Stats: self._stats,
             p.Ping: self._ping,
+            p.Bye: self._bye,
             p.Warm: self._warm,
             p.Prefetch: self._prefetch,
             p.ReserveBatch: functools.partial(reserve_batch, self),
@@ -482,6 +483,17 @@ class Verbs:
         return p.GpuReply(req.rid, d.gpu.handle), []
 
     def _ping(self, session: Session, req: p.Ping, payload: list[Any]) -> Outcome:
+        return p.OkReply(req.rid), []
+
+    def _bye(self, session: Session, req: p.Bye, payload: list[Any]) -> Outcome:
+        """End the session now, as its lease's end would: a client that closed left
+        its holdings for a lease's length (a save given up on against a frozen daemon
+        kept its slots reserved 30 s after the engine moved on, or exited)."""
+        if len(session.connections) <= 1:
+            d = self.d
+            d.store.drop_owner(session.id)
+            d.sessions.forget({session.id})
+            d.moves.freed()
         return p.OkReply(req.rid), []
 
 

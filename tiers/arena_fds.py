@@ -139,11 +139,14 @@ def _recv_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
     return data, fds
 
 
-def _ask(path: str, request: msgspec.Struct) -> tuple[SideReply, list[int]]:
+def _ask(path: str, request: msgspec.Struct,
+         timeout: float = SIDE_TIMEOUT_S) -> tuple[SideReply, list[int]]:
+    """One exchange over the side socket, each of its steps within ``timeout`` seconds
+    (the client's own: negative waits as long as it takes)."""
     fds: list[int] = []
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(SIDE_TIMEOUT_S)
+            sock.settimeout(timeout if timeout >= 0 else None)
             sock.connect(path)
             sock.sendall(frame(request))
             data = b""
@@ -162,10 +165,11 @@ def _ask(path: str, request: msgspec.Struct) -> tuple[SideReply, list[int]]:
         raise UnavailableError(f"the daemon's side socket {path}: {exc}") from None
 
 
-def fetch_arena(path: str, session: str, label: str) -> tuple[int, int]:
+def fetch_arena(path: str, session: str, label: str,
+                timeout: float = SIDE_TIMEOUT_S) -> tuple[int, int]:
     """The descriptor and size of the arena ``label`` (a ``memfd:`` arena path's rest),
     for an authenticated session; ForbiddenError if the daemon refuses."""
-    reply, fds = _ask(path, ArenaAsk(session, label))
+    reply, fds = _ask(path, ArenaAsk(session, label), timeout)
     if not reply.ok or len(fds) != 1:
         for fd in fds:
             os.close(fd)
@@ -175,14 +179,15 @@ def fetch_arena(path: str, session: str, label: str) -> tuple[int, int]:
     return fds[0], reply.size
 
 
-def map_handed_arena(endpoint: str, session: str, label: str, size: int) -> mmap.mmap:
+def map_handed_arena(endpoint: str, session: str, label: str, size: int,
+                     timeout: float = SIDE_TIMEOUT_S) -> mmap.mmap:
     """A client's mapping of the arena ``label`` of its session, whose descriptor the
     daemon hands over the side socket beside ``endpoint``."""
     side = side_path(endpoint)
     if side is None:
         raise KVStoreError("the daemon hands its arena out only over its ipc endpoint; "
                            "over tcp, use put/get (map_arena=False)")
-    fd, handed = fetch_arena(side, session, label)
+    fd, handed = fetch_arena(side, session, label, timeout)
     try:
         if handed != size:
             raise KVStoreError(f"the arena handed out holds {handed} bytes, not {size}")
@@ -194,14 +199,14 @@ def map_handed_arena(endpoint: str, session: str, label: str, size: int) -> mmap
         os.close(fd)
 
 
-def admit(path: str, token: str) -> tuple[str, str] | None:
+def admit(path: str, token: str, timeout: float = SIDE_TIMEOUT_S) -> tuple[str, str] | None:
     """The tenant and one-time ticket (the ZeroMQ PLAIN user name and password) for
     ``token``, or for this process's uid when it is empty; None when the daemon takes no
     handshake credentials (or has no side socket); ForbiddenError, saying why, when the
     credentials are refused."""
     if not os.path.exists(path):
         return None
-    reply, fds = _ask(path, Admit(token))
+    reply, fds = _ask(path, Admit(token), timeout)
     for fd in fds:
         os.close(fd)
     if not reply.ok:

@@ -436,7 +436,8 @@ def test_connect_keeps_the_loop_running_while_the_side_socket_answers(tmp_path: 
 
         start = time.monotonic()
         worst = asyncio.run(main())
-        assert time.monotonic() - start >= SIDE_TIMEOUT_S * 0.9   # connect did wait
+        took = time.monotonic() - start
+        assert 2 * 0.9 <= took < SIDE_TIMEOUT_S  # connect waited its own timeout (2 s)
         assert worst < 1.0, f"the loop stalled {worst:.2f}s"
 
 

@@ -383,6 +383,6 @@ def test_peer_credentials_name_the_tenant(daemon_factory: Any, tmp_path: Path,
     # the handshake checks, not only that no reply came
     used = admit(side, "")
     assert used is not None
-    monkeypatch.setattr("kvstore.client_core.admit", lambda path, token: used)
+    monkeypatch.setattr("kvstore.client_core.admit", lambda path, token, timeout=0: used)
     with pytest.raises(ForbiddenError, match="refused the handshake .*its ticket was used"):
         _use_ticket_twice(d.endpoint, used)

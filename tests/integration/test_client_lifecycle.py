@@ -205,3 +205,37 @@ def test_a_failed_abort_leaves_the_bodys_error(daemon_factory: Any) -> None:
                     raise ValueError("the body's own error")
 
     asyncio.run(scenario())
+
+
+def test_closing_a_client_ends_its_session_now(daemon_factory: Any) -> None:
+    """A client that closes says goodbye: its session ends at once, what it held rolled
+    back (a reservation, a pin), rather than when its lease would have ended (30 s)."""
+    d = daemon_factory()
+    with Client(d.endpoint, tenant="acme") as watcher:
+        before = watcher.stats()["sessions"]
+        for make in ("sync", "async"):
+            if make == "sync":
+                c = Client(d.endpoint, tenant="acme")
+                ns = c.namespace(IDENT)
+                keys = ns.keys(range(4 * IDENT.block_tokens))
+                ns.put(keys[:2], [b"\x01" * IDENT.block_bytes] * 2)
+                ns.acquire(keys[:2])
+                ns.reserve(keys[2:])  # (left open)
+                assert watcher.stats()["sessions"] == before + 1
+                c.close()
+            else:
+                async def scenario() -> None:
+                    async with AsyncClient(d.endpoint, tenant="acme") as ac:
+                        ans = await ac.namespace(IDENT)
+                        await ans.acquire(keys[:2])
+                        await ans.reserve(keys[2:])
+                        assert watcher.stats()["sessions"] == before + 1
+                asyncio.run(scenario())
+            deadline = time.monotonic() + 5
+            while True:
+                dram = watcher.stats()["tiers"]["dram"]
+                if (watcher.stats()["sessions"] == before and dram["pinned_blocks"] == 0
+                        and dram["reserved_slots"] == 0):
+                    break
+                assert time.monotonic() < deadline, (make, dram)
+                time.sleep(0.02)

@@ -168,7 +168,10 @@ def test_a_tenant_over_its_namespace_cap_is_refused_until_its_unused_ones_go(
             # other tenants are not counted against it
             with Client(d.endpoint, tenant="globex") as third:
                 third.namespace(make_identity(tenant="globex", model="m0"))
-        assert namespaces(d) == 4
+                assert namespaces(d) == 4
+        # the third closed: its session ended at once (it said goodbye), and the
+        # namespace nothing else uses with it
+        assert settled(d, 3, timeout=5) == 3
     # both sessions ended and none of the tenant's namespaces holds a block
     assert settled(d, 0) == 0
     with Client(d.endpoint, tenant="acme") as client:
