@@ -216,6 +216,10 @@ class RequestBook:
         block = self._groups[0].block_tokens
         first = num_computed_tokens // block
         usable = (request.num_tokens - 1) // block  # vLLM computes at least one token
+        if state.cached is not None and state.saved_blocks > state.cached[0]:
+            # blocks of its own saved since its lookup: a request preempted and offered
+            # again reloads what it computed, rather than compute it again
+            state.cached = None
         if state.cached is None:
             if not self._link.available():
                 return 0, False

@@ -166,12 +166,19 @@ def run(args: argparse.Namespace) -> dict:
     if args.endpoint:
         inject_faults(args.save_delay)
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK,
-              max_model_len=512, enforce_eager=True, seed=0, gpu_memory_utilization=0.05,
-              kv_cache_memory_bytes=args.kv_cache_mib << 20,
+              max_model_len=args.max_model_len, enforce_eager=True, seed=0, gpu_memory_utilization=0.05,
+              kv_cache_memory_bytes=int(args.kv_cache_mib * (1 << 20)),
               kv_transfer_config=kv_transfer_config,
               enable_lora=lora, max_loras=1, max_lora_rank=8,
               **({"served_model_name": args.served_name} if args.served_name else {}))
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    preemptions = [0]  # requests vLLM preempted (its cache full), counted
+    preempt = scheduler._preempt_request
+
+    def counting_preempt(*a: object, **k: object) -> object:
+        preemptions[0] += 1
+        return preempt(*a, **k)
+    scheduler._preempt_request = counting_preempt
     scheduler_connector = scheduler.connector if args.endpoint else None
     # The scheduler side connects on a thread from its construction: the requests wait
     # for it here, so that the first one's lookup is not a miss for want of a connection.
@@ -213,6 +220,7 @@ def run(args: argparse.Namespace) -> dict:
         result |= outputs[0] if len(outputs) == 1 else {"outputs": outputs}
         results.append(result)
     return {"results": results, "worker": dict(worker.stats) if worker else {},
+            "preemptions": preemptions[0],
             "layerwise_fits": bool(worker and worker._layerwise_fits),
             "scheduler_connected": connected,
             "scheduler": dict(scheduler_connector.stats) if scheduler_connector else {}}
@@ -227,7 +235,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--role", default="kv_both")
     parser.add_argument("--extra", default="{}", help="more connector extra config (JSON)")
-    parser.add_argument("--kv-cache-mib", type=int, default=32)
+    parser.add_argument("--kv-cache-mib", type=float, default=32)
+    parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--save-delay", type=float, default=0.0,
                         help="seconds each background save waits before it starts")
     parser.add_argument("--daemon-pid", type=int, default=0)
