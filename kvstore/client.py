@@ -33,6 +33,7 @@ from kvstore.client_core import (
     NamespaceCore,
     PlanItem,
     PrefetchResult,
+    CLOSE_WAIT_S,
     SNAPSHOT_PAGE,
     ReservationCore,
     SessionCore,
@@ -211,7 +212,11 @@ class Client(SessionCore):
                 return self._early.pop(rid)
             if self._sock is None:  # closed since the request went (its reply is lost)
                 raise KVStoreError("the client is closed")
-            self._claim()
+            try:
+                self._claim()
+            except KVStoreError:  # what its reply holds, if it comes, goes back
+                self._abandon(rid)
+                raise
             try:
                 return self._receive_for(rid)
             finally:
@@ -333,7 +338,13 @@ class Client(SessionCore):
             self._unmap()
             self._sock = None
             return
-        self._claim()
+        # another thread in a call: it is out within its timeout (a receive waits that
+        # long at most); closing the socket under it would not be safe, so past that the
+        # client is left open (a warning), never an error from close
+        if not self._io.acquire(timeout=self.timeout + CLOSE_WAIT_S if self.timeout >= 0
+                                else -1):
+            log.warning("a client not closed: another thread is still in a call")
+            return
         try:
             self._close()
         finally:

@@ -75,13 +75,10 @@ CLOSE_WAIT_S = 1.0  # how long close() waits for the replies to posted releases
 _NO_PAYLOAD: Sequence[Any] = ()
 _ABANDONED_MEMORY = 1 << 12  # requests given up on, remembered for their late replies
 _NOBLOCK = 1  # zmq.NOBLOCK (the core imports no zmq)
-# How long a closing client's socket may take to hand its goodbye to the connection (a
-# daemon gone: that long at most, and the lease ends the session)
-_BYE_LINGER_MS = 20
+_BYE_LINGER_MS = 20  # how long a closing socket may take to hand its goodbye over
 # How a session that ran out of its lease is told so (``kvstore.sessions``)
 SESSION_EXPIRED = "this session's lease ran out"
-# Forks of this process so far: a client made before one is its parent's (its socket,
-# ZeroMQ context and event loop registration are shared state no child may use)
+# Forks of this process so far: a client made before one is its parent's, not the child's
 _FORKS = [0]
 os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 
@@ -176,6 +173,7 @@ class SessionCore:
         self._forks = _FORKS[0]  # the forks before this client: another count, a child's
         self._pid = os.getpid()
         self._lost = ""  # why the daemon has no session for this client any more, once told
+        self._holding = 0  # reservations and pins held (a goodbye would drop them in use)
 
     def _next_rid(self) -> int:
         self._last_rid += 1
@@ -206,8 +204,8 @@ class SessionCore:
     def _say_bye(self, sock: Any) -> int:
         """On the way out: ask the daemon to end the session now (``p.Bye``, unread; its
         holdings stayed a lease long); how many ms the socket may linger to send it."""
-        if self.hello is None or self._lost or self._forked:
-            return 0
+        if self.hello is None or self._lost or self._forked or self._holding:
+            return 0  # (what is held stays until its lease ends: buffers may be in use)
         try:
             sock.send(p.encoder.encode(p.Bye(self._next_rid())), _NOBLOCK)
         except Exception:  # noqa: BLE001 (no connection to queue on: the lease ends it)
@@ -706,6 +704,7 @@ class ReservationCore(Generic[N]):
         self.buffers = self.ns.client._slots(reply.offsets, self.ns.block_bytes,
                                              readonly=False, arena=self.ns.arena)
         self.reserved = True
+        self.ns.client._holding += 1
 
     def _commit_request(self) -> p.Commit:
         if not self.reserved:
@@ -732,6 +731,7 @@ class ReservationCore(Generic[N]):
         if self.done:
             raise KVStoreError(f"reservation {self.id} was already committed or aborted")
         self.done = True
+        self.ns.client._holding -= 1
         for buf in self.buffers:
             buf.release()
 
@@ -765,6 +765,7 @@ class HeldCore(Generic[N]):
         self.buffers = self.ns.client._slots(reply.offsets, self.ns.block_bytes,
                                              readonly=True, arena=self.ns.arena)
         self.acquired = True
+        self.ns.client._holding += 1
 
     def _on_pinned(self, found: PinnedLookup) -> None:
         """Hold a ``lookup_pin``'s pin (buffers where the client maps the arena)."""
@@ -776,6 +777,7 @@ class HeldCore(Generic[N]):
             self.buffers = client._slots(self.offsets, self.ns.block_bytes, readonly=True,
                                          arena=self.ns.arena)
         self.acquired = True
+        client._holding += 1
 
     def verify(self) -> None:
         """CorruptError unless every buffer matches the checksum it was written with."""
@@ -787,6 +789,7 @@ class HeldCore(Generic[N]):
         if self.released or not self.acquired:
             return None
         self.released = True
+        self.ns.client._holding -= 1
         for buf in self.buffers:
             buf.release()
         return p.Release(self.ns.client._next_rid(), self.pin)

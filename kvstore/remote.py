@@ -37,6 +37,7 @@ TAG_SECRET_MOST = 64  # a block of HMAC-SHA256: longer keys are hashed first
 # Write-through blocks kept through the remote tier's outage, at most (the oldest go
 # unsent past it): a few seconds of commits on a busy host, a few MiB of entries
 DEFERRED_MOST = 1 << 14
+PUT_BYTES_MOST = 64 << 20  # bytes of one write-through send, at most
 
 
 class RemoteTier:
@@ -190,7 +191,12 @@ class RemoteTier:
                     and not b.marks & REMOTE_MARK):
                 by_ns.setdefault(b.ns, []).append(b)
         for ns, blocks in by_ns.items():
-            await self._put(ns, blocks)
+            # a backlog (an outage's deferred writes) in sends of a bounded size, each
+            # within one timeout: sent whole, one send of 16384 blocks timed out again
+            # and again, the tier marked down each time
+            most = max(1, PUT_BYTES_MOST // ns.block_bytes)
+            for start in range(0, len(blocks), most):
+                await self._put(ns, blocks[start:start + most])
 
     async def _put(self, ns: Namespace, blocks: list[Block]) -> None:
         if not self.healthy:

@@ -434,17 +434,17 @@ class Server:
         """Every part's figures, as ``kvstore stats`` shows them."""
         return server_stats(self)
 
-    def _schedule_reaper(self) -> None:
-        assert self._loop is not None
+    def _schedule_reaper(self, late: bool = False) -> None:
+        assert self._loop is not None  # (after a late round the next is never: one skip)
         period = min(1.0, self.limits.lease_seconds / 4)
-        self._reap_due = time.monotonic() + period
+        self._reap_due = math.inf if late else time.monotonic() + period
         self._loop.call_later(period, self._reap)
 
     def _reap(self) -> None:
         if not self.transport.is_open:
             return
         if time.monotonic() - self._reap_due > STALL_SECONDS:  # the daemon did not run:
-            return self._schedule_reaper()  # what came meanwhile is read first
+            return self._schedule_reaper(late=True)  # what came meanwhile is read first
         gone = set(self.store.expire(self.clock()))
         if gone:
             self.sessions.forget(gone)
@@ -477,7 +477,7 @@ class Server:
 # the tenant (User-Id), a request is served only for a session of that tenant.
 _ANOTHER_TENANTS = ("this routing id is a session of another tenant's; connect again "
                     "without naming one")
-_NEVER_LIMITED = (p.Release, p.Abort)  # requests that give back what others wait for
+_NEVER_LIMITED = (p.Release, p.Abort, p.Bye)  # they give back what others wait for
 # The class of the copies a request starts (the rest, such as a put's demotions, are
 # write-back): reloads come first, an engine waits on them.
 _TRANSFER_KIND = {"acquire": TransferKind.RELOAD, "get": TransferKind.RELOAD,

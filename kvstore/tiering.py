@@ -181,6 +181,10 @@ class SsdMover:
             raise
         ok = False
         try:
+            if self._pending_removals:  # a key written again: its new record replaces
+                writing = {(b.ns.id, b.key) for b in t.blocks}  # the old; a withdrawal
+                self._pending_removals = [i for i in self._pending_removals  # after it
+                                          if i not in writing]  # would take the new one
             await self._flush_removals(removed)
             records = [_record(b, off, b.ns.ssd_cls.slot_bytes if b.ns.ssd_cls else 0)
                        for b, off in zip(t.blocks, t.offsets)]

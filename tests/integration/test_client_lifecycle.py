@@ -208,34 +208,96 @@ def test_a_failed_abort_leaves_the_bodys_error(daemon_factory: Any) -> None:
 
 
 def test_closing_a_client_ends_its_session_now(daemon_factory: Any) -> None:
-    """A client that closes says goodbye: its session ends at once, what it held rolled
-    back (a reservation, a pin), rather than when its lease would have ended (30 s)."""
+    """A client that closes holding nothing says goodbye: its session ends at once
+    rather than when its lease would have ended (30 s).  One that still holds pins or
+    a reservation does not (their buffers may still be read, by a thread copying out of
+    them): those stay until the lease ends, as before."""
     d = daemon_factory()
     with Client(d.endpoint, tenant="acme") as watcher:
         before = watcher.stats()["sessions"]
-        for make in ("sync", "async"):
-            if make == "sync":
-                c = Client(d.endpoint, tenant="acme")
-                ns = c.namespace(IDENT)
-                keys = ns.keys(range(4 * IDENT.block_tokens))
-                ns.put(keys[:2], [b"\x01" * IDENT.block_bytes] * 2)
-                ns.acquire(keys[:2])
-                ns.reserve(keys[2:])  # (left open)
-                assert watcher.stats()["sessions"] == before + 1
-                c.close()
-            else:
-                async def scenario() -> None:
-                    async with AsyncClient(d.endpoint, tenant="acme") as ac:
-                        ans = await ac.namespace(IDENT)
-                        await ans.acquire(keys[:2])
-                        await ans.reserve(keys[2:])
-                        assert watcher.stats()["sessions"] == before + 1
-                asyncio.run(scenario())
+
+        def ends(what: str, sessions: int, pinned: int, reserved: int) -> None:
             deadline = time.monotonic() + 5
             while True:
                 dram = watcher.stats()["tiers"]["dram"]
-                if (watcher.stats()["sessions"] == before and dram["pinned_blocks"] == 0
-                        and dram["reserved_slots"] == 0):
-                    break
-                assert time.monotonic() < deadline, (make, dram)
+                now = (watcher.stats()["sessions"], dram["pinned_blocks"],
+                       dram["reserved_slots"])
+                if now == (sessions, pinned, reserved):
+                    return
+                assert time.monotonic() < deadline, (what, now)
                 time.sleep(0.02)
+
+        c = Client(d.endpoint, tenant="acme")
+        ns = c.namespace(IDENT)
+        keys = ns.keys(range(4 * IDENT.block_tokens))
+        ns.put(keys[:2], [b"\x01" * IDENT.block_bytes] * 2)
+        with ns.acquire(keys[:2]):
+            pass
+        ns.reserve(keys[2:]).abort()
+        c.close()
+        ends("sync, nothing held", before, 0, 0)
+
+        async def scenario() -> None:
+            async with AsyncClient(d.endpoint, tenant="acme") as ac:
+                ans = await ac.namespace(IDENT)
+                async with ans.acquire(keys[:2]):
+                    pass
+                assert watcher.stats()["sessions"] == before + 1
+        asyncio.run(scenario())
+        ends("async, nothing held", before, 0, 0)
+
+        c = Client(d.endpoint, tenant="acme")
+        ns = c.namespace(IDENT)
+        held = ns.acquire(keys[:2])  # (kept: a copy may still read its buffers)
+        ns.reserve(keys[2:])
+        c.close()
+        time.sleep(0.3)
+        ends("sync, holding", before + 1, 2, 2)
+        assert bytes(held.buffers[0][:1]) == b"\x01"
+
+
+def test_close_from_another_thread_never_raises(daemon_factory: Any) -> None:
+    """A thread in a call (the daemon stopped) and another that closes the client: the
+    close waits for the call's timeout, then closes, without an error."""
+    d = daemon_factory()
+    c = Client(d.endpoint, tenant="acme", timeout=1)
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        caller = threading.Thread(target=lambda: elapsed(c.ping))
+        caller.start()
+        time.sleep(0.2)
+        took, exc = elapsed(c.close)
+        assert exc is None and took < 3, (took, exc)
+        caller.join()
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_wait_refused_to_a_second_thread_gives_its_pin_back(daemon_factory: Any) -> None:
+    """A request sent, its wait then refused (another thread in the socket): the pins
+    its reply brings go back when the reply is read, not at the lease's end."""
+    d = daemon_factory()
+    with Client(d.endpoint, tenant="acme", timeout=5) as c:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(range(2 * IDENT.block_tokens))
+        ns.put(keys, [b"\x02" * IDENT.block_bytes] * 2)
+        finish = ns._send_acquire(keys)
+        inside, leave = threading.Event(), threading.Event()
+
+        def occupy() -> None:
+            with c._io:  # another thread in the socket
+                inside.set()
+                leave.wait(5)
+        other = threading.Thread(target=occupy)
+        other.start()
+        inside.wait(5)
+        with pytest.raises(KVStoreError, match="another thread"):
+            finish()
+        leave.set()
+        other.join()
+        c.ping()  # reads the acquire's reply: its pin goes back
+        deadline = time.monotonic() + 5
+        while c.stats()["tiers"]["dram"]["pinned_blocks"]:
+            assert time.monotonic() < deadline, "the pin was kept"
+            time.sleep(0.02)

@@ -397,3 +397,16 @@ def test_a_checkpoint_fingerprint_tells_weights_of_one_shape_apart(tmp_path: Pat
     (model / "config.json").write_text('{"hidden_size": 65}')
     assert checkpoint_fingerprint(str(model)) not in (first, second)
     assert checkpoint_fingerprint("meta-llama/Llama-3-8B") is None
+
+
+def test_a_checkpoint_fingerprint_reads_only_settings_and_weights(tmp_path: Path) -> None:
+    """Logs, lock files and hidden files beside the checkpoint do not change it (each of
+    an engine's ranks computes it, perhaps while another writes a log there)."""
+    from kvstore.integrations.engine_side import checkpoint_fingerprint
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\1" * 4096)
+    first = checkpoint_fingerprint(str(tmp_path))
+    (tmp_path / "run.log").write_text("started")
+    (tmp_path / ".lock").write_text("")
+    assert checkpoint_fingerprint(str(tmp_path)) == first
