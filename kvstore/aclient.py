@@ -157,11 +157,8 @@ class AsyncClient(SessionCore):
         rid = received[0].rid
         if self._heard(received[0]):  # the session is gone: no other reply will come
             for other, future in self._waiting.items():
-                if other != rid and not future.done():
-                    try:
-                        self._usable()
-                    except KVStoreError as exc:
-                        future.set_exception(exc)
+                if other != rid and not future.done() and (gone := self._gone()):
+                    future.set_exception(gone)
         if rid == 0:  # the daemon could not tell whose it is: every waiter gets it
             for future in self._waiting.values():
                 if not future.done():

@@ -192,11 +192,11 @@ class Client(SessionCore):
         self._usable()
         self._claim()
         try:
-            self._post_now(req)
+            self._post_unread(req)
         finally:
             self._io.release()
 
-    def _post_now(self, req: p.Message) -> None:
+    def _post_unread(self, req: p.Message) -> None:
         sock = self._sock
         # keep the backlog short: as many replies read as posted ones are unread, at
         # most (an endpoint that kept sending replies to nothing held the caller for good)

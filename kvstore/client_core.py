@@ -76,10 +76,8 @@ _NO_PAYLOAD: Sequence[Any] = ()
 _ABANDONED_MEMORY = 1 << 12  # requests given up on, remembered for their late replies
 _NOBLOCK = 1  # zmq.NOBLOCK (the core imports no zmq)
 _BYE_LINGER_MS = 20  # how long a closing socket may take to hand its goodbye over
-# How a session that ran out of its lease is told so (``kvstore.sessions``)
-SESSION_EXPIRED = "this session's lease ran out"
-# Forks of this process so far: a client made before one is its parent's, not the child's
-_FORKS = [0]
+SESSION_EXPIRED = "this session's lease ran out"  # how the daemon says so (``sessions``)
+_FORKS = [0]  # forks of this process: a client made before one is its parent's, not ours
 os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 
 
@@ -186,20 +184,23 @@ class SessionCore:
         return self._forks != _FORKS[0]
 
     def _usable(self) -> None:
-        """Raise where no request can be answered: in a forked child (the parent's
-        socket: both would read each other's replies, and the child spun in ZeroMQ's
-        retries), or once the daemon said this client's session is gone (it restarted,
-        or the lease ran out): every request after that is refused or dropped unread
-        (past a few, a peer without a session is not even answered), which left each
-        call waiting out its whole timeout, for good."""
+        if (gone := self._gone()) is not None:
+            raise gone
+
+    def _gone(self) -> KVStoreError | None:
+        """Why no request can be answered, if none can: in a forked child (the parent's
+        socket: the child spun in ZeroMQ's retries), or once the daemon said the session
+        is gone (it restarted, or the lease ran out: each call after that waited out its
+        whole timeout, for good, the requests dropped unread)."""
         if self._forks != _FORKS[0]:
-            raise KVStoreError(f"this client was opened in process {self._pid}, before a "
-                               f"fork: open a new client in process {os.getpid()}")
+            return KVStoreError(f"this client was opened in process {self._pid}, before a "
+                                f"fork: open a new client in process {os.getpid()}")
         if self._lost:
             kind = (LeaseExpiredError if self._lost.startswith(SESSION_EXPIRED)
                     else NoSessionError)
-            raise kind(f"the daemon has no session for this client any more (it said: "
-                       f"{self._lost}): open a new client")
+            return kind(f"the daemon has no session for this client any more (it said: "
+                        f"{self._lost}): open a new client")
+        return None
 
     def _say_bye(self, sock: Any) -> int:
         """On the way out: ask the daemon to end the session now (``p.Bye``, unread; its
