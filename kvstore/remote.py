@@ -11,7 +11,6 @@ local tiers keep serving.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
@@ -27,7 +26,7 @@ from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
-from kvstore.transfers import Background, TransferGate, TurnBatch
+from kvstore.transfers import Background, TransferGate, TurnBatch, UrgentFirst
 
 log = logging.getLogger("kvstore.remote")
 
@@ -61,7 +60,7 @@ class RemoteTier:
         self.slot = slot
         self.cooldown = r.unhealthy_seconds
         self._unhealthy_until = 0.0
-        self._gate = asyncio.Semaphore(r.concurrency)
+        self._gate = UrgentFirst(r.concurrency)  # reads and lookups before writes
         self.transfers = gate
         self.write_back = r.write_policy == "write-back"
         if self.write_back:  # DRAM-only blocks come here before they are evicted
@@ -98,7 +97,7 @@ class RemoteTier:
             return 0
         self.counters["lookups"] += 1
         try:
-            async with self._gate:
+            async with self._gate.hold(urgent=True):
                 if not self.healthy:  # marked while this waited its turn
                     return 0
                 n = await self.backend.exists(ns.id, list(keys))
@@ -135,9 +134,9 @@ class RemoteTier:
         views = [self.slot(ns, off) for off in r.offsets]
         sums: list[int] = []
         try:
-            async with self._gate, self.transfers.slot(len(views) * ns.block_bytes,
-                                                       default_kind=TransferKind.RELOAD,
-                                                       default_tenant=ns.tenant):
+            async with self._gate.hold(urgent=True), self.transfers.slot(
+                    len(views) * ns.block_bytes, default_kind=TransferKind.RELOAD,
+                    default_tenant=ns.tenant):
                 # (a tier marked unhealthy while this waited: a miss, not a timeout more)
                 # each payload's xxh3, verified on arrival: the DRAM copy's checksum
                 # too, which clients check
@@ -253,8 +252,8 @@ class RemoteTier:
         try:
             # the remote bound first: a send waiting on a slow remote store holds none of
             # the transfer slots the local tiers share
-            async with self._gate, self.transfers.slot(len(views) * ns.block_bytes,
-                                                       default_tenant=ns.tenant):
+            async with self._gate.hold(urgent=False), self.transfers.slot(
+                    len(views) * ns.block_bytes, default_tenant=ns.tenant):
                 if not self.healthy:
                     return None
                 written = (await self.backend.put_checksummed(ns.id, keys, views, sums)

@@ -183,3 +183,52 @@ class TurnBatch(Generic[T]):
         self._scheduled = False
         batch, self._items = list(dict.fromkeys(self._items)), []
         await self._run(batch)
+
+
+class UrgentFirst:
+    """At most ``limit`` holders at once, the urgent waiters (an engine's reads and
+    lookups) let in before the others (write-throughs, write-backs), each kind in the
+    order it came.  The remote tier's bound on its calls: taken before a transfer slot
+    (a call waiting on a slow remote store must hold none of the slots the local tiers
+    share), it would otherwise queue an engine's reload behind every write waiting
+    there, as a plain semaphore does."""
+
+    def __init__(self, limit: int) -> None:
+        self._free = limit
+        self._waiting: tuple[list[asyncio.Future[None]], list[asyncio.Future[None]]] = ([], [])
+
+    @asynccontextmanager
+    async def hold(self, urgent: bool) -> AsyncIterator[None]:
+        if self._free > 0 and not any(self._waiting):
+            self._free -= 1
+        else:
+            waiter = asyncio.get_running_loop().create_future()
+            queue = self._waiting[0 if urgent else 1]
+            queue.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._hand_on()  # let in, then cancelled before it ran: the next
+                elif waiter in queue:
+                    queue.remove(waiter)
+                raise
+        try:
+            yield
+        finally:
+            self._hand_on()
+
+    def _hand_on(self) -> None:
+        """A holder left: the first waiter of the most urgent kind comes in, else the
+        place is free."""
+        for queue in self._waiting:
+            while queue:
+                waiter = queue.pop(0)
+                if not waiter.done():
+                    waiter.set_result(None)
+                    return
+        self._free += 1
+
+    @property
+    def waiting(self) -> int:
+        return sum(map(len, self._waiting))

@@ -1,0 +1,68 @@
+"""``UrgentFirst``: a bound on concurrent calls that lets urgent waiters in first."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvstore.transfers import UrgentFirst
+
+
+def test_urgent_waiters_go_before_the_others_each_in_order() -> None:
+    async def scenario() -> list[str]:
+        bound = UrgentFirst(1)
+        order: list[str] = []
+        gate = asyncio.Event()
+
+        async def call(name: str, urgent: bool) -> None:
+            async with bound.hold(urgent):
+                order.append(name)
+                await gate.wait()
+
+        first = asyncio.create_task(call("first", False))
+        await asyncio.sleep(0)
+        tasks = [asyncio.create_task(call(name, urgent)) for name, urgent in
+                 (("w1", False), ("r1", True), ("w2", False), ("r2", True))]
+        await asyncio.sleep(0)
+        assert bound.waiting == 4
+        gate.set()
+        await asyncio.gather(first, *tasks)
+        assert bound.waiting == 0
+        return order
+
+    assert asyncio.run(scenario()) == ["first", "r1", "r2", "w1", "w2"]
+
+
+def test_a_cancelled_waiter_neither_holds_nor_loses_a_place() -> None:
+    async def scenario() -> None:
+        bound = UrgentFirst(2)
+        release = asyncio.Event()
+
+        async def hold(urgent: bool) -> None:
+            async with bound.hold(urgent):
+                await release.wait()
+
+        holders = [asyncio.create_task(hold(False)) for _ in range(2)]
+        await asyncio.sleep(0)
+        waiting = asyncio.create_task(hold(True))
+        await asyncio.sleep(0)
+        waiting.cancel()  # while it waits
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert bound.waiting == 0
+        # one let in and cancelled before it ran passes its place on
+        late = asyncio.create_task(hold(True))
+        after = asyncio.create_task(hold(False))
+        await asyncio.sleep(0)
+        release.set()
+        await asyncio.sleep(0)  # the holders leave: ``late`` is let in...
+        late.cancel()           # ...and cancelled before it runs
+        await asyncio.gather(*holders, after)
+        with pytest.raises(asyncio.CancelledError):
+            await late
+        async with bound.hold(False):  # both places free again
+            async with bound.hold(False):
+                pass
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
