@@ -40,6 +40,7 @@ from kvstore.client_wire import (
     handshake_refusal,
     make_socket,
     receive,
+    say_bye,
     stop_watching,
 )
 from kvstore.errors import KVStoreError
@@ -356,7 +357,7 @@ class AsyncClient(SessionCore):
             if self._watched:  # a connect failed before its hello: term would wait on it
                 stop_watching(self._sock)
                 self._watched = False
-            self._sock.close(linger=self._say_bye(self._sock))
+            self._sock.close(linger=say_bye(self._sock, self._bye_request()))
             self._sock = None
         if self._ctx is not None:
             self._ctx.term()

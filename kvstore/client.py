@@ -49,6 +49,7 @@ from kvstore.client_wire import (
     handshake_refusal,
     make_socket,
     receive,
+    say_bye,
     stop_watching,
 )
 from kvstore.errors import KVStoreError
@@ -369,7 +370,7 @@ class Client(SessionCore):
             if self._watched:  # a connect failed before its hello: term would wait on it
                 stop_watching(self._sock)
                 self._watched = False
-            self._sock.close(linger=self._say_bye(self._sock))
+            self._sock.close(linger=say_bye(self._sock, self._bye_request()))
             self._sock = None
         self._ctx.term()
 

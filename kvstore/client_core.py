@@ -74,8 +74,6 @@ SNAPSHOT_PAGE = p.SNAPSHOT_PAGE  # entries' worth of a snapshot's page (the daem
 CLOSE_WAIT_S = 1.0  # how long close() waits for the replies to posted releases
 _NO_PAYLOAD: Sequence[Any] = ()
 _ABANDONED_MEMORY = 1 << 12  # requests given up on, remembered for their late replies
-_NOBLOCK = 1  # zmq.NOBLOCK (the core imports no zmq)
-_BYE_LINGER_MS = 20  # how long a closing socket may take to hand its goodbye over
 SESSION_EXPIRED = "this session's lease ran out"  # how the daemon says so (``sessions``)
 _FORKS = [0]  # forks of this process: a client made before one is its parent's, not ours
 os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
@@ -202,16 +200,13 @@ class SessionCore:
                         f"{self._lost}): open a new client")
         return None
 
-    def _say_bye(self, sock: Any) -> int:
-        """On the way out: ask the daemon to end the session now (``p.Bye``, unread; its
-        holdings stayed a lease long); how many ms the socket may linger to send it."""
+    def _bye_request(self) -> bytes | None:
+        """On the way out, the goodbye that ends the session now (``p.Bye``, unread),
+        while nothing is held: pins held at close stay until the lease ends (a thread may
+        still read their buffers).  None: no goodbye."""
         if self.hello is None or self._lost or self._forked or self._holding:
-            return 0  # (what is held stays until its lease ends: buffers may be in use)
-        try:
-            sock.send(p.encoder.encode(p.Bye(self._next_rid())), _NOBLOCK)
-        except Exception:  # noqa: BLE001 (no connection to queue on: the lease ends it)
-            return 0
-        return _BYE_LINGER_MS
+            return None
+        return p.encoder.encode(p.Bye(self._next_rid()))
 
     def _heard(self, reply: p.Message) -> bool:
         """Whether ``reply`` says this client's session is gone (noted: ``_usable``)."""

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 R = TypeVar("R", bound=p.Message)
 T = TypeVar("T")
+BYE_LINGER_MS = 20  # how long a closing socket may take to hand its goodbye over
 
 Outgoing = tuple[p.Message, Sequence[Any]]  # a request and its payload frames
 Received = tuple[p.Message, list["zmq.Frame"]]  # a reply and its payload frames
@@ -154,6 +155,21 @@ def handshake_refusal(monitor: Any) -> int | None:
             return None
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             return int(event["value"])
+
+
+def say_bye(sock: Any, bye: bytes | None) -> int:
+    """Send a closing client's goodbye (``SessionCore._bye_request``), unread; how many
+    milliseconds its socket may linger to hand it over (0: none went: a daemon gone, or
+    nothing to say; the lease ends the session)."""
+    import zmq
+
+    if bye is None:
+        return 0
+    try:
+        sock.send(bye, zmq.NOBLOCK)
+    except zmq.ZMQError:
+        return 0
+    return BYE_LINGER_MS
 
 
 def stop_watching(sock: Any) -> None:

@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -181,10 +181,12 @@ class SsdMover:
             raise
         ok = False
         try:
-            if self._pending_removals:  # a key written again: its new record replaces
-                writing = {(b.ns.id, b.key) for b in t.blocks}  # the old; a withdrawal
-                self._pending_removals = [i for i in self._pending_removals  # after it
-                                          if i not in writing]  # would take the new one
+            if self._pending_removals:
+                # a key written again: its new record replaces the old one, and its
+                # withdrawal, still waiting, would take the new one
+                writing = {(b.ns.id, b.key) for b in t.blocks}
+                self._pending_removals = [i for i in self._pending_removals
+                                          if i not in writing]
             await self._flush_removals(removed)
             records = [_record(b, off, b.ns.ssd_cls.slot_bytes if b.ns.ssd_cls else 0)
                        for b, off in zip(t.blocks, t.offsets)]
@@ -269,7 +271,7 @@ class SsdMover:
                     future.set_result(None)
 
     async def read_copies(self, blocks: list[Block],
-                          views: list[memoryview]) -> list[bool | None]:
+                          views: list[memoryview]) -> Sequence[bool | None]:
         """Read held SSD copies into ``views`` (buffers of the caller's, not DRAM slots),
         as a write-back transfer; which reads succeeded (False: a bad copy; None: no
         verdict, the batch failed as a whole)."""
@@ -277,12 +279,11 @@ class SsdMover:
         try:
             async with self.gate.slot(nbytes, default_kind=TransferKind.WRITEBACK,
                                       default_tenant=blocks[0].ns.tenant):
-                read = await self.engine.read_many([_stored(b) for b in blocks], views)
+                return await self.engine.read_many([_stored(b) for b in blocks], views)
         except KVStoreError as exc:
             self.errors += 1
             log.warning("reading %d blocks from ssd failed: %s", len(blocks), exc)
             return [None] * len(blocks)
-        return list(read)
 
     # -- the SSD index -------------------------------------------------------------------
     def removed(self, ids: list[tuple[bytes, bytes]]) -> None:

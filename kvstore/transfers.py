@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
+from collections import deque
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -195,7 +196,7 @@ class UrgentFirst:
 
     def __init__(self, limit: int) -> None:
         self._free = limit
-        self._waiting: tuple[list[asyncio.Future[None]], list[asyncio.Future[None]]] = ([], [])
+        self._waiting: tuple[deque[asyncio.Future[None]], ...] = (deque(), deque())
 
     @asynccontextmanager
     async def hold(self, urgent: bool) -> AsyncIterator[None]:
@@ -223,7 +224,7 @@ class UrgentFirst:
         place is free."""
         for queue in self._waiting:
             while queue:
-                waiter = queue.pop(0)
+                waiter = queue.popleft()
                 if not waiter.done():
                     waiter.set_result(None)
                     return

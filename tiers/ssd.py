@@ -75,6 +75,7 @@ class _ReadResult(msgspec.Struct):
     bytes_read: int
     checksum_failures: int
     read_errors: int
+    index_errors: int = 0  # bad records the index could not drop (a full disk)
 
 
 def _byte_view(buffer: ReadableBuffer) -> memoryview:
@@ -336,6 +337,7 @@ class SSDStore:
         self._counters["bytes_read"] += result.bytes_read
         self._counters["checksum_failures"] += result.checksum_failures
         self._counters["read_errors"] += result.read_errors
+        self._counters["index_errors"] += result.index_errors
         return result.ok
 
     def _read_batch(self, records: Sequence[BlockRecord], spans: Sequence[Span]) -> _ReadResult:
@@ -343,7 +345,7 @@ class SSDStore:
         got = data.read_hashed(spans)
         ok: list[bool] = []
         bad: list[BlockRecord] = []
-        errors = 0
+        errors = index_errors = 0
         for record, (n, digest) in zip(records, got):
             good = n == record.length and digest == record.checksum
             ok.append(good)
@@ -354,10 +356,9 @@ class SSDStore:
             try:
                 index.delete_if_current(bad)
             except (BackendError, CapacityError):  # (a full index) the verdicts stand:
-                # the records stay, and reads and load() still check their bytes
-                self._counters["index_errors"] += 1
+                index_errors = 1  # the records stay; reads and load() check their bytes
         return _ReadResult(
-            ok, sum(n for n, _ in got if n > 0), len(bad) - errors, errors
+            ok, sum(n for n, _ in got if n > 0), len(bad) - errors, errors, index_errors
         )
 
     # index upkeep
