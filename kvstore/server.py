@@ -106,8 +106,7 @@ class Server:
         self.sessions = Sessions(
             self.store, s, clock=clock, grantee_pin_share=config.auth.grantee_pin_share,
             grantee_pin_total=config.auth.grantee_pin_total,
-            max_bytes_in_flight=parse_size(s.max_bytes_in_flight,
-                                           "server.max_bytes_in_flight"),
+            max_bytes_in_flight=parse_size(s.max_bytes_in_flight, "server.max_bytes_in_flight"),
             max_tenant_bytes_in_flight=parse_size(s.max_bytes_in_flight_per_tenant,
                                                   "server.max_bytes_in_flight_per_tenant"))
         self.invariant_violations = 0
@@ -347,6 +346,7 @@ class Server:
             reply, payload = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
         if not self.transport.send(routing_id, reply, payload):
             code = "internal"  # (it could not be encoded: an internal error went instead)
+        self.store.index.settle()  # a lookup's hits, now its reply is sent (``later``)
         if code is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("%s failed: %s", verb, code, extra={"rid": rid, "verb": verb,
                                                          "tenant": tenant})

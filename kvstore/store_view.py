@@ -21,7 +21,10 @@ def tier_stats(store: StoreCore) -> dict[str, dict[str, int]]:
 
 def check_invariants(store: StoreCore) -> None:
     """Every tier's own invariants (``Tier.check``), and what spans tiers: pins, tenants'
-    charges, prefix closure, child links."""
+    charges, prefix closure, child links; no lookup's hits left untold to the orders
+    (``Index.settle``: the server settles each once its reply is sent)."""
+    index = getattr(store, "index", None)  # (the store's; a bare core has none)
+    assert index is None or index._unsettled is None, "a lookup's hits were never settled"
     pin_counts: dict[Block, int] = {}
     for state in store.owners.values():
         for r in state.reservations.values():

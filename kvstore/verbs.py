@@ -219,9 +219,10 @@ class Verbs:
         d = self.d
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
-        tiers = d.store.lookup(ns, req.keys)
+        tiers = d.store.lookup(ns, req.keys, later=True)  # (settled once answered)
         hits = len(tiers)
         if d.remote is not None and hits < len(req.keys) and d.remote.healthy:
+            d.store.index.settle()  # (the reply comes from a task: its hits heard now)
             return Later(self._remote_lookup(req.rid, ns, req.keys, tiers))
         if d.metrics is not None:
             bt = ns.identity.block_tokens

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
 from kvtest import make_identity
 
 from kvstore.blocks import DRAM
@@ -125,3 +126,26 @@ def test_lookups_of_random_trees_agree_with_a_probe_per_key() -> None:
             copies = [bytes(bytearray(k)) for k in keys]  # as decoded from a request
             assert len(store.lookup(ns, copies)) == _probe_per_key(ns, copies)
         store.check_invariants()
+
+
+def test_a_lookup_told_later_reaches_the_orders_at_its_settle() -> None:
+    """``lookup(later=True)`` answers as a plain lookup does and tells the eviction
+    orders at ``settle`` (or at the next lookup): until then the store's own check
+    says so; after, the victims are those of a lookup told at once."""
+    from kvstore.keys import chain_keys
+
+    store, ns = _store(blocks=64)  # room for four 16-block chains
+    chains = [chain_keys(ns.id, range(1000 * i, 1000 * i + 256), 16) for i in range(4)]
+    for keys in chains:
+        _commit(store, ns, keys)
+    assert store.lookup(ns, chains[0], later=True) == [DRAM] * 16
+    with pytest.raises(AssertionError, match="never settled"):
+        store.check_invariants()
+    store.index.settle()
+    store.check_invariants()
+    store.lookup(ns, chains[1], later=True)
+    store.lookup(ns, chains[2])  # the one before is told first
+    store.check_invariants()
+    _commit(store, ns, chain_keys(ns.id, range(9000, 9256), 16))
+    # the chain never looked up went: the three looked up stay
+    assert [len(store.lookup(ns, keys)) for keys in chains] == [16, 16, 16, 0]
