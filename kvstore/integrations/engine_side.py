@@ -567,3 +567,28 @@ def checkpoint_fingerprint(path: str) -> str | None:
                     f.seek(max(0, size - _SPAN_BYTES) * i // max(1, _SPANS - 1))
                     digest.update(f.read(_SPAN_BYTES))
     return "weights:" + digest.hexdigest()
+
+
+_COMMIT = frozenset("0123456789abcdef")
+
+
+def hub_commit(model_id: str, revision: str | None = None) -> str | None:
+    """The commit a hub model id resolves to in the local Hugging Face cache, where the
+    engine downloaded it (``refs/<revision>`` names it; a revision that is a commit
+    already is one): "hub:<commit>", or None (no such id there, or ``model_id`` is a
+    path).  Read from the cache's layout, with no hub library: engines' environments
+    need not have one."""
+    if "/" not in model_id or model_id.startswith((".", "/", "~")) or Path(model_id).exists():
+        return None
+    rev = revision or "main"
+    if len(rev) == 40 and set(rev) <= _COMMIT:
+        return f"hub:{rev}"
+    cache = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join("~", ".cache", "huggingface"), "hub")
+    ref = (Path(cache).expanduser() / ("models--" + model_id.replace("/", "--"))
+           / "refs" / rev)
+    try:
+        commit = ref.read_text().strip() if ref.is_file() else ""
+    except OSError:
+        return None
+    return f"hub:{commit}" if len(commit) == 40 and set(commit) <= _COMMIT else None

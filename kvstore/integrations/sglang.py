@@ -56,6 +56,7 @@ from kvstore.identity import DTYPE_BYTES, Identity
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
     checkpoint_fingerprint,
+    hub_commit,
     read_blocks,
     store_missing,
 )
@@ -73,13 +74,21 @@ def page_key(key: str) -> bytes:
 
 def page_identity(config: HiCacheStorageConfig, host: Any, tenant: str,
                   extra: dict[str, Any]) -> Identity:
-    """The namespace of this engine's pages, from SGLang's host pool."""
-    dtype = str(host.dtype).removeprefix("torch.")
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"kvstore cannot store KV pages of dtype {host.dtype}")
+    """The namespace of this engine's pages, from SGLang's host pool and storage config.
+
+    Everything that makes two engines' pages of one prefix differ is in it: the model
+    and its weights (``_model_and_revision``), the KV format (``_kv_dtype``: the host
+    pool holds fp8 as bytes), the page layout, and the shard of every page a rank
+    holds: its tensor-parallel rank for MHA, its pipeline stage, its attention
+    context-parallel rank, its decode-context-parallel shard (each of those ranks holds
+    a different slice of every page: SGLang's own backends key by them too)."""
+    dtype = _kv_dtype(host, extra)
     layout = f"sglang:{_PAGE_ORDER.get(host.layout, host.layout)}"
     page = host.get_dummy_flat_data_page()
     page_bytes = page.numel() * page.element_size()
+    if getattr(config, "should_split_heads", False):
+        raise ValueError("kvstore cannot store the pages of mixed tensor-parallel sizes "
+                         "(tp_lcm_size with heads split per rank): leave tp_lcm_size unset")
     if config.is_mla_model:
         # One latent vector per token: expressed as one "head" of half its width, K and V.
         heads, head_dim = 1, (page_bytes // (host.layer_num * host.page_size
@@ -91,19 +100,91 @@ def page_identity(config: HiCacheStorageConfig, host: Any, tenant: str,
             layout += f";tp={config.tp_rank}/{config.tp_size}"
     if config.pp_size > 1:
         layout += f";pp={config.pp_rank}/{config.pp_size}"
+    cp_size = getattr(config, "attn_cp_size", 1) or 1
+    if cp_size > 1:
+        layout += f";cp={config.attn_cp_rank}/{cp_size}"
+    dcp_size = getattr(config, "dcp_size", 1) or 1
+    if dcp_size > 1:
+        layout += (f";dcp={config.dcp_rank}/{dcp_size}"
+                   f";page={getattr(config, 'logical_page_size', None)}")
+    model, revision = _model_and_revision(config, host, extra)
     identity = Identity(
-        model=str(extra.get("model_name") or config.model_name or "unnamed"),
-        # (no revision given: a fingerprint of the checkpoint SGLang names by its path,
-        # so that weights replaced there are not served the old weights' pages)
-        model_revision=str(extra.get("model_revision")
-                           or checkpoint_fingerprint(str(config.model_name or ""))
-                           or "unversioned"), tenant=tenant,
+        model=model, model_revision=revision, tenant=tenant,
         kv_dtype=dtype, num_layers=host.layer_num, num_kv_heads=heads, head_dim=head_dim,
         block_tokens=host.page_size, layout=layout, salt=str(extra.get("salt", "")))
     if identity.block_bytes != page_bytes:
         raise ValueError(f"an SGLang page holds {page_bytes} bytes, the identity "
                          f"{identity} says {identity.block_bytes}")
     return identity
+
+
+# SGLang's --kv-cache-dtype names of the fp8 formats its pools hold as bytes
+_FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e4m3fn": "float8_e4m3fn",
+        "float8_e4m3fn": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+        "float8_e5m2": "float8_e5m2"}
+
+
+def _kv_dtype(host: Any, extra: dict[str, Any]) -> str:
+    """The KV cache's element format.  SGLang's pools keep fp8 KV as ``uint8`` (its
+    index_put has no fp8), so the host pool's dtype does not tell e4m3 from e5m2: the
+    format then comes from the extra config's ``kv_cache_dtype``, or the server's
+    ``--kv-cache-dtype``; without either, pages of bytes are refused rather than shared
+    between engines of different formats."""
+    dtype = str(host.dtype).removeprefix("torch.")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"kvstore cannot store KV pages of dtype {host.dtype}")
+    if dtype != "uint8":
+        return dtype
+    named = str(extra.get("kv_cache_dtype") or _server_arg("kv_cache_dtype") or "")
+    if named in _FP8:
+        return _FP8[named]
+    raise ValueError(
+        "SGLang's host pool holds this engine's KV as bytes (uint8: how it keeps fp8), so "
+        "its format is unknown and pages of different formats would be shared; set "
+        '"kv_cache_dtype" ("fp8_e4m3" or "fp8_e5m2") in the backend\'s extra config'
+        + (f" (the server says {named!r})" if named else ""))
+
+
+def _model_and_revision(config: HiCacheStorageConfig, host: Any,
+                        extra: dict[str, Any]) -> tuple[str, str]:
+    """The model's name as SGLang gives it to storage backends, and a revision of its
+    weights: the extra config's ``model_revision``; else a fingerprint of the checkpoint
+    the server loaded (``model_path``: from the extra config, or the server's arguments,
+    or the name SGLang passes less the host pool's format tag it appends), or the commit
+    a hub id resolves to in the local cache; else the server's ``--revision``; else "unversioned", with a warning (engines serving other
+    weights under the same name would share pages)."""
+    name = str(extra.get("model_name") or config.model_name or "unnamed")
+    given = extra.get("model_revision")
+    if given:
+        return name, str(given)
+    paths = [str(p) for p in (extra.get("model_path"), _server_arg("model_path")) if p]
+    tag = getattr(host, "storage_format_tag", None)
+    served = str(config.model_name or "")
+    if tag and served.endswith(f"-{tag}"):
+        served = served[:-len(tag) - 1]  # (cache_controller.storage_model_name adds it)
+    paths.append(served)
+    revision = _server_arg("revision")
+    for path in paths:
+        fingerprint = (checkpoint_fingerprint(path) or hub_commit(path, revision)
+                       if path else None)
+        if fingerprint:
+            return name, fingerprint
+    if revision:
+        return name, f"revision:{revision}"
+    logger.warning("kvstore: no revision of model %r's weights (no model_revision in the "
+                   "extra config, no checkpoint directory found): engines serving other "
+                   "weights under this name would share its pages", name)
+    return name, "unversioned"
+
+
+def _server_arg(name: str) -> Any:
+    """One of the SGLang server's arguments, where this SGLang publishes them (None if
+    not: a backend made outside a server, an SGLang without the runtime context)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        return getattr(get_server_args(), name, None)
+    except Exception:  # (not published: not under a server; an older SGLang)
+        return None
 
 
 class KVStoreHiCacheStorage(HiCacheStorage):

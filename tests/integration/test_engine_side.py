@@ -410,3 +410,25 @@ def test_a_checkpoint_fingerprint_reads_only_settings_and_weights(tmp_path: Path
     (tmp_path / "run.log").write_text("started")
     (tmp_path / ".lock").write_text("")
     assert checkpoint_fingerprint(str(tmp_path)) == first
+
+
+def test_a_hub_id_resolves_to_its_commit_in_the_local_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub id (no directory) is versioned by the commit its revision names in the
+    local Hugging Face cache; a commit given as the revision is one; an id the cache
+    lacks, and a path, have none."""
+    from kvstore.integrations.engine_side import hub_commit
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    refs = tmp_path / "models--org--tiny" / "refs"
+    refs.mkdir(parents=True)
+    (refs / "main").write_text("a" * 40 + "\n")
+    (refs / "v2").write_text("b" * 40)
+    assert hub_commit("org/tiny") == "hub:" + "a" * 40
+    assert hub_commit("org/tiny", "v2") == "hub:" + "b" * 40
+    assert hub_commit("org/other", "c" * 40) == "hub:" + "c" * 40
+    assert hub_commit("org/other") is None
+    assert hub_commit("org/tiny", "v3") is None
+    (refs / "main").write_text("not a commit")
+    assert hub_commit("org/tiny") is None
+    assert hub_commit(str(tmp_path)) is None
