@@ -502,8 +502,9 @@ class EventPublisher:
             return True
         peer, _, start = frames
         self.replays += 1
+        # (past the last batch: the end marker alone; as read, up to 2**64)
         self._answers.setdefault(peer, deque()).append(
-            (int.from_bytes(start, "big"), self.seq - 1))
+            (min(int.from_bytes(start, "big"), self.seq), self.seq - 1))
         self._ranges += 1
         return True
 
@@ -556,6 +557,17 @@ class QueueBound:
 def _answer(sock: zmq.Socket[bytes], ring: deque[tuple[int, bytes]], seq: int,
             peer: bytes, asked: tuple[int, int],
             budget: int) -> tuple[int, bool | None, tuple[int, int]]:
+    """``_answering``'s answer; one that fails (a bug) is cut, the others still served."""
+    try:
+        return _answering(sock, ring, seq, peer, asked, budget)
+    except Exception:
+        log.exception("answering a replay request failed")
+        return 0, False, asked
+
+
+def _answering(sock: zmq.Socket[bytes], ring: deque[tuple[int, bytes]], seq: int,
+               peer: bytes, asked: tuple[int, int],
+               budget: int) -> tuple[int, bool | None, tuple[int, int]]:
     """Send ``peer`` up to ``budget`` batches of the ring from ``asked`` (the first and
     last sequence numbers left), with the end marker once all are sent; how many went,
     whether the answer ended (True sent whole, False cut: the peer's queue was full, or

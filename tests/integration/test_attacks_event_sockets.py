@@ -167,3 +167,40 @@ def test_replay_answers_go_out_a_slice_a_loop_turn_whole_and_in_order(
         ctx.term()
         pub.close()
         loop.close()
+
+
+def test_requests_past_every_sequence_number_leave_the_replay_serving(
+        daemon_factory: Any) -> None:
+    # A request's 8 bytes read as a number up to 2**64: past 2**63 a slice of the ring
+    # failed, and each such request kept one of the 16 answers under way for ever;
+    # sixteen of them and nobody was answered again until a restart.
+    d, _, rep = events_daemon(daemon_factory)
+    ctx = zmq.Context()
+    attacker, router = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        attacker.connect(rep)
+        for n in range(40):
+            attacker.send_multipart([b"", (2**64 - 1 - n).to_bytes(8, "big")])
+        # each is answered with the end marker alone (nothing after the last batch)
+        for _ in range(40):
+            assert attacker.poll(10_000), "a request past the last batch went unanswered"
+            assert attacker.recv_multipart()[1] == END_SEQ
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(IDENT)
+            ns.put(ns.keys(range(64)), [bytes(ns.block_bytes)] * 4)
+            router.connect(rep)
+            router.send_multipart([b"", (0).to_bytes(8, "big")])
+            seqs = []
+            while True:
+                assert router.poll(10_000), "the replay stopped answering"
+                frames = router.recv_multipart()
+                if frames[1] == END_SEQ:
+                    break
+                seqs.append(int.from_bytes(frames[1], "big"))
+            assert seqs and seqs[0] == 0
+            assert c.stats()["events"]["replays"] == 41
+        assert d.alive()
+    finally:
+        for sock in (attacker, router):
+            sock.close(linger=0)
+        ctx.term()
