@@ -431,3 +431,19 @@ class CommitResult:
     created: int
     duplicates: int
     blocks: list[Block]
+
+
+def parents_first(ns: Namespace) -> list[Block]:
+    """Every block of ``ns``, each after its parent (the key map lists them in no chain
+    order)."""
+    done: set[int] = set()
+    order: list[Block] = []
+    for b in ns.blocks.values():
+        path = []
+        while b is not None and id(b) not in done:
+            path.append(b)
+            b = b.parent  # type: ignore[assignment]
+        for x in reversed(path):
+            done.add(id(x))
+            order.append(x)
+    return order

@@ -54,7 +54,7 @@ import msgspec
 import zmq
 
 from kvstore.auth import Auth
-from kvstore.blocks import Block, Namespace
+from kvstore.blocks import parents_first
 from kvstore.config import EventsConfig, check_socket_directory, parse_size
 # vLLM's events and their encoding, here as before (``kvstore.events.decoder`` decodes)
 from kvstore.kv_events_batch import (  # noqa: F401
@@ -231,7 +231,7 @@ class EventPublisher:
         then, with the SSD index restored, every block it holds."""
         self.publish([self.maker.cleared()])
         for ns in self.store.namespaces.values():
-            self.changes.touch_all(_parents_first(ns))  # the key map is not in chain order
+            self.changes.touch_all(parents_first(ns))  # the key map is not in chain order
         if restored:
             self.flush()
 
@@ -597,20 +597,6 @@ def _answering(sock: zmq.Socket[bytes], ring: deque[tuple[int, bytes]], seq: int
 def _readable(sock: zmq.Socket[bytes]) -> bool:
     events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
     return bool(events & _POLLIN)
-
-
-def _parents_first(ns: Namespace) -> list[Block]:
-    done: set[int] = set()
-    order: list[Block] = []
-    for b in ns.blocks.values():
-        path = []
-        while b is not None and id(b) not in done:
-            path.append(b)
-            b = b.parent  # type: ignore[assignment]
-        for x in reversed(path):
-            done.add(id(x))
-            order.append(x)
-    return order
 
 
 def _check_ipc(endpoint: str) -> None:

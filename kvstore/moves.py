@@ -387,6 +387,21 @@ class Moves:
         if self._ssd_copier is not None:
             await asyncio.wait({self._ssd_copier})
 
+    async def flush_to_ssd(self) -> int:
+        """On the way out, under write-back: the blocks only DRAM holds, to the SSD
+        tier's free room (``SsdCopies.flush_plan``), a batch at a time; how many went."""
+        written = 0
+        plan = self.store.ssd_copies.flush_plan()
+        for start in range(0, len(plan), 64):
+            batch = self.store.ssd_copies.write_through_candidates(plan[start:start + 64])
+            if batch:
+                try:
+                    await self._to_ssd(batch)
+                except CapacityError:
+                    break
+                written += sum(b.ssd_offset is not None for b in batch)
+        return written
+
     async def drain(self) -> None:
         """Finish the background writes under way."""
         await self._background.drain()

@@ -581,6 +581,15 @@ async def drain_server(server: Server, bound: float) -> None:
         await asyncio.wait_for(server.moves.drain(), bound)
     except TimeoutError:
         log.error("writes to the ssd tier still under way at exit were dropped")
+    if server.ssd is not None and not server.ssd.write_through:
+        # write-back keeps on SSD only what DRAM evicted: what DRAM alone holds goes
+        # there now (its free room), or a restart would find none of it
+        try:
+            flushed = await asyncio.wait_for(server.moves.flush_to_ssd(), bound)
+            if flushed:
+                log.info("wrote %d blocks to the ssd tier on the way out", flushed)
+        except TimeoutError:
+            log.error("blocks only dram held were not all written to ssd within %gs", bound)
     if server.ssd is not None:
         try:
             await asyncio.wait_for(server.ssd.drain(), bound)

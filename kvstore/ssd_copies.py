@@ -12,7 +12,16 @@ from operator import attrgetter
 from typing import Any, Protocol, cast
 
 from kvstore.block_map import SHARDS, SPLIT_AT
-from kvstore.blocks import DRAM, REMOTE_MARK, SEEN_SHIFT, SSD, Block, Namespace, Transfer
+from kvstore.blocks import (
+    DRAM,
+    REMOTE_MARK,
+    SEEN_SHIFT,
+    SSD,
+    Block,
+    Namespace,
+    Transfer,
+    parents_first,
+)
 from kvstore.core import StoreCore
 from kvstore.dram_copies import check_slots
 from kvstore.errors import CapacityError
@@ -265,6 +274,34 @@ class SsdCopies:
         if self.store.hollow:
             self.store.sweep_hollow()
         return removed
+
+    def flush_plan(self) -> list[Block]:
+        """On the way out, under write-back: the blocks whose one copy is in DRAM, for
+        the SSD tier's free room (a restart finds them there), parents first, so that
+        what is written is whole prefixes; nothing it holds is evicted for them (a
+        block written first would make room for one written later: the deepest
+        evicting the heads the rest hang from).  A block whose parent stays off the
+        SSD tier is not written (a restart drops it)."""
+        ssd = self.store.ssd
+        assert ssd is not None, "no SSD tier"
+        room: dict[int, int] = {}  # an SSD slot size -> slots free for this plan
+        plan: list[Block] = []
+        chosen: set[Block] = set()
+        for ns in list(self.store.namespaces.values()):
+            cls = ns.ssd_cls
+            if cls is None:
+                continue
+            free = room.setdefault(cls.slot_bytes, ssd.pool.available(cls))
+            for b in self.write_through_candidates(parents_first(ns)):
+                if free <= 0:
+                    break
+                parent = b.parent
+                if parent is None or parent.ssd_offset is not None or parent in chosen:
+                    plan.append(b)
+                    chosen.add(b)
+                    free -= 1
+            room[cls.slot_bytes] = free
+        return plan
 
     def write_through_candidates(self, blocks: Iterable[Block]) -> list[Block]:
         """Newly committed blocks the SSD tier should copy now (write-through)."""

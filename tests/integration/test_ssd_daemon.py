@@ -76,6 +76,31 @@ def test_write_through_blocks_survive_a_clean_restart(daemon_factory: Any) -> No
         assert t["promotions"] == 12 and t["reserved_slots"] == 0
 
 
+def test_write_back_blocks_only_dram_holds_survive_a_clean_restart(
+        daemon_factory: Any) -> None:
+    # Under write-back the SSD tier holds what DRAM evicted; a SIGTERM (systemctl
+    # restart) dropped what DRAM alone held, and the restart found none of it.  Now the
+    # drain writes it to the SSD tier's free room, parents first.
+    d = start(daemon_factory, ssd_capacity="1MiB",  # room for 16 blocks, DRAM for 32
+              extra=["--slab-size", "1MiB", "--log-level", "info"])
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        chains = [put_chain(ns, 0, 12), put_chain(ns, 10_000, 12)]  # more than it takes
+        assert tier_stats(client, "ssd")["committed_slots"] == 0  # nothing evicted yet
+    assert restart(d) == 0
+    assert "wrote 16 blocks to the ssd tier on the way out" in d.log()
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        found = [ns.lookup(keys) for keys in chains]
+        # whole prefixes, as much as the SSD tier had room for: one chain and the
+        # other's head
+        assert sorted(hit.blocks for hit in found) == [4, 12]
+        for keys, hit in zip(chains, found):
+            assert set(hit.tiers) == {"ssd"}
+            assert ns.get(keys[:hit.blocks]) == [content(k) for k in keys[:hit.blocks]]
+        assert tier_stats(client, "ssd")["committed_slots"] == 16
+
+
 def test_write_through_puts_back_to_back_wait_for_copies_instead_of_failing(
         daemon_factory: Any) -> None:
     """DRAM holds 32 slots; each put of 24 blocks needs room that only the copies of the
