@@ -17,9 +17,11 @@ the only user of its daemon connection, runs the lookups, loads and unlocks in o
 and a store thread with a connection of its own runs the stores (so a slow store never
 holds up a lookup or a load queued after it); they signal three distinct event fds
 (store, lookup-and-lock, load).  Lookup-and-lock pins the
-blocks it finds (a daemon pin, renewed by the worker's pings) until ``submit_unlock``;
-a load pins, copies and unpins.  ``close()`` stops the threads, then closes the
-connections (which drops any pin left), then the event fds.
+blocks it finds (a daemon pin, renewed by the worker's pings every third of the daemon's
+lease while any is held) until ``submit_unlock``; a load pins, copies and unpins.  A
+task's keys go to the daemon in requests of at most its per-request key limit.
+``close()`` stops the threads, then closes the connections (which drops any pin left),
+then the event fds.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +46,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from kvstore.client import Held, Namespace
+from kvstore.client import Client, Held, Namespace
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
@@ -63,6 +66,7 @@ _MAGIC = b"kvsLMC01"
 _HEADER = struct.Struct("<8sQ")  # magic, object length
 _KEY_DOMAIN = b"kvstore.lmcache"
 _MAX_DIM = 1 << 20  # Identity's bound on head_dim and block_tokens
+_LEASE_S = 30.0  # the daemon's default lease, for a daemon whose hello did not say
 
 
 class KVStoreL2AdapterConfig(L2AdapterConfigBase):
@@ -152,7 +156,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         # so a wrong endpoint fails adapter creation rather than every task.
         self._link = DaemonLink(DaemonSettings(config.endpoint, config.tenant, config.token,
                                                config.timeout))
-        self._link.connect()
+        self._lease_s = _lease_of(self._link.connect())
         self._store_link = DaemonLink(self._link.settings)  # the store thread's own
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
@@ -162,9 +166,20 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._store_results: dict[L2TaskId, L2StoreResult] = {}
         self._lookup_results: dict[L2TaskId, Bitmap] = {}
         self._load_results: dict[L2TaskId, Bitmap] = {}
-        # Worker-thread state: pins held for lookup-and-lock, per key and per pin.
-        self._pins_by_key: dict[bytes, list[Held]] = defaultdict(list)
-        self._pin_keys_left: dict[int, int] = {}
+        # Worker-thread state: the pins held for lookup-and-lock, per LMCache key, and
+        # per pin how many of its keys are still locked.  Keyed by the whole ObjectKey:
+        # object_key() leaves out the model and the salt (they pick the namespace), so
+        # two models' or two salts' same chunk share it, and an unlock of one would
+        # release the other's pin.  Pins are keyed by the Held, not by the daemon's pin
+        # id, which a daemon restarted on the endpoint hands out again.
+        self._pins_by_key: dict[ObjectKey, list[Held]] = defaultdict(list)
+        self._pin_keys_left: dict[Held, int] = {}
+        self._pinged_at = time.monotonic()
+        # Per thread (by name), the error of its last task if that raised (or of the
+        # worker's last ping), until a later task on the thread completes (or a ping
+        # answers): report_status is unhealthy while any stands, and shows the latest
+        # error anyway.
+        self._failing: dict[str, str] = {}
         self._last_error = ""
         self._tasks: queue.Queue[_Task] = queue.Queue()
         self._store_tasks: queue.Queue[_Task] = queue.Queue()
@@ -223,7 +238,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def report_status(self) -> dict[str, Any]:
         return {"is_healthy": (self._worker.is_alive() and self._storer.is_alive()
-                               and not self._last_error),
+                               and not self._failing),
                 "type": "KVStoreL2Adapter", "endpoint": self._link.endpoint,
                 "pinned_keys": len(self._pins_by_key), "last_error": self._last_error,
                 "queued_tasks": self._tasks.qsize() + self._store_tasks.qsize()}
@@ -245,18 +260,25 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     # -- the worker thread ----------------------------------------------------------------
     def _run(self) -> None:
-        self._serve(self._tasks, self._keep_pins_alive)
+        self._serve(self._tasks, keep_alive=True)
 
     def _run_stores(self) -> None:
-        self._serve(self._store_tasks, lambda: None)
+        self._serve(self._store_tasks, keep_alive=False)
 
-    def _serve(self, tasks: queue.Queue[_Task], idle: Callable[[], None]) -> None:
-        ping_every = max(self._config.timeout, 1.0)
+    def _serve(self, tasks: queue.Queue[_Task], *, keep_alive: bool) -> None:
         while True:
+            wait: float | None = None
+            if keep_alive:  # the next ping is due a third of the lease after the last
+                wait = max(0.0, self._pinged_at + self._lease_s / 3 - time.monotonic())
             try:
-                task = tasks.get(timeout=ping_every)
+                task = tasks.get(timeout=wait)
             except queue.Empty:
-                idle()
+                task = None
+            # On time whether or not tasks keep coming: not every task calls the daemon
+            # (an unlock of nothing held), and one that does renews the lease only then.
+            if keep_alive and time.monotonic() >= self._pinged_at + self._lease_s / 3:
+                self._keep_pins_alive()
+            if task is None:
                 continue
             if task.kind == "stop":
                 return
@@ -265,29 +287,44 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 handler(task)
             except Exception as exc:  # never let one task kill the worker
                 logger.exception("kvstore L2 adapter: %s task failed", task.kind)
-                self._last_error = f"{type(exc).__name__}: {exc}"
+                self._failed(f"{type(exc).__name__}: {exc}")
                 self._fail(task)
+            else:
+                self._recovered()  # (for an unlock: the others did before their result)
+
+    def _failed(self, error: str) -> None:
+        self._last_error = self._failing[threading.current_thread().name] = error
+
+    def _recovered(self) -> None:
+        self._failing.pop(threading.current_thread().name, None)
 
     def _keep_pins_alive(self) -> None:
+        self._pinged_at = time.monotonic()
         client = self._link.client() if self._pin_keys_left else None
         if client is not None:
             try:
                 client.ping()
             except KVStoreError as exc:
-                self._last_error = str(exc)
+                self._failed(str(exc))
                 self._link.failed("ping", exc)
+            else:
+                self._recovered()
 
     def _fail(self, task: _Task) -> None:
         if task.kind == "store":
             self._finish(self._store_results, task.task_id,
-                         L2StoreResult(False, 0), self._store_efd)
+                         L2StoreResult(False, 0), self._store_efd, failed=True)
         elif task.kind in ("lookup", "load"):
             results = self._lookup_results if task.kind == "lookup" else self._load_results
             efd = self._lookup_efd if task.kind == "lookup" else self._load_efd
-            self._finish(results, task.task_id, Bitmap(len(task.keys)), efd)
+            self._finish(results, task.task_id, Bitmap(len(task.keys)), efd, failed=True)
 
     def _finish(self, results: dict[L2TaskId, Any], task_id: L2TaskId, value: Any,
-                efd: Any) -> None:
+                efd: Any, *, failed: bool = False) -> None:
+        """Publish a task's result; a completed task's thread is healthy again first,
+        so that report_status agrees with the result as soon as LMCache sees it."""
+        if not failed:
+            self._recovered()
         with self._lock:
             results[task_id] = value
         efd.notify()
@@ -345,38 +382,44 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def _do_lookup(self, task: _Task) -> None:
         found = Bitmap(len(task.keys))
-        for positions in self._by_namespace(task.keys).values():
-            ns = self._namespace(task.keys[positions[0]])
-            if ns is None:
-                continue  # misses
-            keys = [object_key(task.keys[i]) for i in positions]
-            try:
-                runs = acquire_runs(ns, keys)
-            except KVStoreError as exc:
-                self._link.failed("L2 lookup", exc)
-                continue
-            for start, held in runs:
-                self._pin_keys_left[held.pin] = len(held.keys)
-                for offset, key in enumerate(held.keys):
-                    found.set(positions[start + offset])
-                    self._pins_by_key[key].append(held)
+        pinned: list[tuple[list[int], Held]] = []  # each pin, with its keys' positions
+        try:
+            for positions in self._by_namespace(task.keys).values():
+                ns = self._namespace(task.keys[positions[0]])
+                if ns is None:
+                    continue  # misses
+                self._lease_s = _lease_of(ns.client)  # (a new session's, after a reconnect)
+                # The daemon refuses an acquire of more keys than its limit whole.
+                for part in _chunks(positions, ns.client.max_keys):
+                    try:
+                        runs = acquire_runs(ns, [object_key(task.keys[i]) for i in part])
+                    except KVStoreError as exc:  # the namespace's keys left are misses
+                        self._link.failed("L2 lookup", exc)
+                        break
+                    pinned.extend((part[start:start + len(held.keys)], held)
+                                  for start, held in runs)
+        except BaseException:  # LMCache is told nothing was locked: none may stay pinned
+            _release(held for _, held in pinned)
+            raise
+        for held_positions, held in pinned:
+            self._pin_keys_left[held] = len(held_positions)
+            for i in held_positions:
+                found.set(i)
+                self._pins_by_key[task.keys[i]].append(held)
         self._finish(self._lookup_results, task.task_id, found, self._lookup_efd)
 
     def _do_unlock(self, task: _Task) -> None:
         for key in task.keys:
-            pins = self._pins_by_key.get(object_key(key))
+            pins = self._pins_by_key.get(key)
             if not pins:
                 continue
             held = pins.pop()
             if not pins:
-                del self._pins_by_key[object_key(key)]
-            self._pin_keys_left[held.pin] -= 1
-            if self._pin_keys_left[held.pin] == 0:
-                del self._pin_keys_left[held.pin]
-                try:
-                    held.release()
-                except KVStoreError as exc:  # the pin's lease ends it anyway
-                    logger.warning("kvstore L2 adapter: unlock failed: %s", exc)
+                del self._pins_by_key[key]
+            self._pin_keys_left[held] -= 1
+            if self._pin_keys_left[held] == 0:
+                del self._pin_keys_left[held]
+                _release([held])
 
     def _do_load(self, task: _Task) -> None:
         assert task.objects is not None
@@ -387,14 +430,19 @@ class KVStoreL2Adapter(L2AdapterInterface):
             if ns is None:
                 continue  # not loaded: LMCache recomputes
 
-            def copy(j: int, slot: memoryview, positions: list[int] = positions) -> None:
-                if self._copy_out(slot, objects[positions[j]]):
-                    loaded.set(positions[j])
+            # The daemon refuses an acquire of more keys than its limit whole; each
+            # part's pins are released by read_blocks, whatever happens.
+            for part in _chunks(positions, ns.client.max_keys):
 
-            result = read_blocks(ns, [object_key(task.keys[i]) for i in positions], copy,
-                                 runs=True)
-            if result.error is not None:
-                self._link.failed("L2 load", result.error)
+                def copy(j: int, slot: memoryview, part: list[int] = part) -> None:
+                    if self._copy_out(slot, objects[part[j]]):
+                        loaded.set(part[j])
+
+                result = read_blocks(ns, [object_key(task.keys[i]) for i in part], copy,
+                                     runs=True)
+                if result.error is not None:  # the namespace's keys left are not loaded
+                    self._link.failed("L2 load", result.error)
+                    break
         self._finish(self._load_results, task.task_id, loaded, self._load_efd)
 
     def _copy_out(self, slot: memoryview, obj: MemoryObj) -> bool:
@@ -415,4 +463,18 @@ def _bytes_of(obj: MemoryObj) -> memoryview:
 
 def _chunks(items: list[int], size: int) -> list[list[int]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _release(pins: Iterable[Held]) -> None:
+    """Release every pin; one that fails is logged (its lease ends it anyway)."""
+    for held in pins:
+        try:
+            held.release()
+        except KVStoreError as exc:
+            logger.warning("kvstore L2 adapter: unlock failed: %s", exc)
+
+
+def _lease_of(client: Client) -> float:
+    """How long the daemon keeps a silent session's pins."""
+    return client.hello.lease_seconds if client.hello is not None else _LEASE_S
 
