@@ -61,6 +61,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError, ForbiddenError, MalformedError
+from kvstore.files import read_regular_file
 
 log = logging.getLogger("kvstore.auth")
 
@@ -118,27 +119,12 @@ def token_tenant(token: str) -> str:
 def read_secret_file(path: str | Path, setting: str) -> bytes:
     """The bytes of a secret file (``setting`` names it in errors): a regular file of at
     most ``MAX_SECRET_FILE_BYTES`` (else a device such as /dev/zero, or a FIFO, would
-    hang or fill the daemon's start), opened without blocking; a warning if its group
-    or others may read it (they could use the secret)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ConfigError(f"{setting}: cannot read {path}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{setting}: {path} is not a regular file")
-        if st.st_mode & 0o077:
-            log.warning("%s: %s may be read by its group or others (mode %o); "
-                        "chmod 600 it", setting, path, stat.S_IMODE(st.st_mode))
-        data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"{setting}: cannot read {path}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_SECRET_FILE_BYTES:
-        raise ConfigError(f"{setting}: {path} holds more than {MAX_SECRET_FILE_BYTES} "
-                          f"bytes; not a secret file")
+    hang or fill the daemon's start), opened without blocking (``read_regular_file``);
+    a warning if its group or others may read it (they could use the secret)."""
+    data, st = read_regular_file(path, setting, MAX_SECRET_FILE_BYTES)
+    if st.st_mode & 0o077:
+        log.warning("%s: %s may be read by its group or others (mode %o); "
+                    "chmod 600 it", setting, path, stat.S_IMODE(st.st_mode))
     return data
 
 

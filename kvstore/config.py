@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from kvstore.errors import ConfigError
+from kvstore.files import read_regular_file
 from kvstore.scheduler.admission import SEEN_MOST
 
 log = logging.getLogger("kvstore.config")
@@ -705,14 +706,15 @@ def load_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> Config:
-    """Defaults, then the file, then the environment, then ``overrides`` (flags)."""
+    """Defaults, then the file, then the environment, then ``overrides`` (flags);
+    ConfigError says why a file is unusable (and a reload on SIGHUP keeps the old)."""
     data: dict[str, Any] = {}
     if path is not None:
+        raw, _ = read_regular_file(path, "config file", 1 << 20)  # (a real one: KiBs)
         try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+            data = tomllib.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
     data = _merge(data, _env_overrides(os.environ if env is None else env))

@@ -669,7 +669,10 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
                             ", ".join(restart))
             else:
                 log.info("reloaded the configuration")
-        notifier.ready("reloaded")
+        finally:
+            # whatever the reload did, the daemon still serves: systemd, told it was
+            # reloading, waits for READY=1 and fails the unit's reload without it
+            notifier.ready("reloaded")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop)

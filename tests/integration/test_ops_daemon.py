@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_proc import free_port
 from kvtest import make_identity
 from prometheus_client.parser import text_string_to_metric_families
@@ -91,6 +92,46 @@ def test_systemd_notifications(daemon_factory: Any, tmp_path: Path) -> None:
             if "STOPPING=1" in message:
                 break
         assert d.proc.wait(10) == 0
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("spoil", ["latin-1", "directory", "fifo"])
+def test_a_reload_of_an_unreadable_config_is_refused_and_still_says_ready(
+        daemon_factory: Any, tmp_path: Path, spoil: str) -> None:
+    """SIGHUP with a config file that is not UTF-8, a directory or a FIFO: the reload is
+    refused with a logged reason, systemd hears READY=1 after RELOADING=1 (it failed the
+    unit's reload without it), and the daemon keeps serving (a FIFO with no writer held
+    its event loop for ever)."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text("[server]\nmax_reservations_per_session = 2\n")
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(15)
+    d = daemon_factory(extra=["--config", str(config)], env={"NOTIFY_SOCKET": path})
+    try:
+        while "READY=1" not in sock.recv(4096).decode():
+            pass
+        config.unlink()
+        if spoil == "latin-1":
+            config.write_bytes("# caf\xe9\n[server]\n".encode("latin-1"))
+        elif spoil == "directory":
+            config.mkdir()
+        else:
+            os.mkfifo(config)
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGHUP)
+        got = [sock.recv(4096).decode()]
+        assert "RELOADING=1" in got[0], got
+        sock.settimeout(5)
+        got.append(sock.recv(4096).decode())
+        assert "READY=1" in got[1], got
+        with Client(d.endpoint, tenant="acme", timeout=5) as client:
+            client.ping()
+        log = d.log()
+        assert "reload refused" in log and str(config) in log, log
+        assert "Traceback" not in log, log
     finally:
         sock.close()
 
