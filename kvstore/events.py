@@ -62,6 +62,7 @@ from kvstore.kv_events_batch import (  # noqa: F401
     KVEventBatch, KVEventBatchArray, decoder)
 from kvstore.store import BlockStore
 from kvstore.tier_changes import TierChanges
+from kvstore.transport import bind_error
 
 log = logging.getLogger("kvstore.events")
 
@@ -196,8 +197,7 @@ class EventPublisher:
         pub.setsockopt(zmq.MAXMSGSIZE, _FRAME_BYTES + len(self.topic))
         if self.auth is not None:
             self.auth.secure_events(self._ctx, pub, self.config.endpoint)
-        _check_ipc(self.config.endpoint)
-        pub.bind(self.config.endpoint)
+        _bind(pub, self.config.endpoint, "events.endpoint")
         self._secure(self.config.endpoint)
         self.endpoints.append(pub.getsockopt_string(zmq.LAST_ENDPOINT))
         if self.config.replay_endpoint:
@@ -210,8 +210,7 @@ class EventPublisher:
             replay.setsockopt(zmq.MAXMSGSIZE, _FRAME_BYTES)
             if self.auth is not None:
                 self.auth.secure_events(self._ctx, replay, self.config.replay_endpoint)
-            _check_ipc(self.config.replay_endpoint)
-            replay.bind(self.config.replay_endpoint)
+            _bind(replay, self.config.replay_endpoint, "events.replay_endpoint")
             self._secure(self.config.replay_endpoint)
             self.endpoints.append(replay.getsockopt_string(zmq.LAST_ENDPOINT))
             self.ring_steps = self.config.buffer_steps
@@ -597,6 +596,16 @@ def _answering(sock: zmq.Socket[bytes], ring: deque[tuple[int, bytes]], seq: int
 def _readable(sock: zmq.Socket[bytes]) -> bool:
     events: int = sock.getsockopt(_EVENTS)  # type: ignore[assignment]
     return bool(events & _POLLIN)
+
+
+def _bind(sock: zmq.Socket[bytes], endpoint: str, setting: str) -> None:
+    """Bind ``endpoint`` (the value of ``setting``) after ``_check_ipc``; ConfigError
+    (``bind_error``) when it cannot be bound (in use, say)."""
+    _check_ipc(endpoint)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise bind_error(setting, endpoint, exc) from None
 
 
 def _check_ipc(endpoint: str) -> None:

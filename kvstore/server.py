@@ -136,7 +136,9 @@ class Server:
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        """Create the arena and bind the sockets (synchronous; the loop must be running)."""
+        """Create the arena and bind the sockets (synchronous; the loop must be running).
+        A step that fails closes those before it (``_close_parts``): the arena file, a
+        full-size file in /dev/shm, is not left behind by a daemon that never served."""
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         unpredictable_routing_ids()  # before any ROUTER socket: the replay socket's too
@@ -145,39 +147,49 @@ class Server:
         sweep_stale_arenas(d.directory)
         self.arenas = Arenas(self.config.dram_capacity, d.directory, populate=d.populate,
                              max_arenas=d.max_arenas, memfd=self.config.memfd_arenas)
-        if not self.config.tenant_arenas:
-            self.arenas.get("")  # the one arena, made (and its pages touched) at start-up
-        if self.config.ssd_capacity:
-            try:
-                self.ssd = SsdMover(self.config, self.store, self.slot, self.transfers)
-                restored = self.ssd.restore()
-                self.ssd.metrics = self.metrics
-                self.store.on_forget = self.ssd.forget_namespace
-            except BaseException:
-                self.arenas.close()
-                raise
-            log.info("ssd tier: %d blocks restored from %s", restored, self.config.ssd_path)
-        if self.config.remote.url or self.config.remote.backend:
-            try:
-                self.remote = RemoteTier(self.config, self.store, self.slot, self.transfers)
-            except BaseException:
-                if self.ssd is not None:
-                    self.ssd.close()
-                self.arenas.close()
-                raise
-        if self.config.gpu.device:
-            self._start_gpu()
-        if self.events is not None:
-            self._start_events()
+        try:
+            self._start_parts()
+        except BaseException:
+            self.store.on_forget = None
+            self._close_parts()
+            raise
         self.moves.attach(ssd=self.ssd, remote=self.remote, gpu=self.gpu)
         self._loop.call_soon(self.moves.start)  # restored SSD copies to send, say
-        self.transport.open(self._loop)
-        self._open_side_socket()
         self._schedule_reaper()
         self.store.touch_owner(GET_OWNER, math.inf)
 
+    def _start_parts(self) -> None:
+        """What ``start`` opens after the arenas, in order; each is set on the server as
+        it opens, for ``_close_parts``."""
+        assert self.arenas is not None and self._loop is not None
+        if not self.config.tenant_arenas:
+            self.arenas.get("")  # the one arena, made (and its pages touched) at start-up
+        if self.config.ssd_capacity:
+            self.ssd = SsdMover(self.config, self.store, self.slot, self.transfers)
+            restored = self.ssd.restore()
+            self.ssd.metrics = self.metrics
+            self.store.on_forget = self.ssd.forget_namespace
+            log.info("ssd tier: %d blocks restored from %s", restored, self.config.ssd_path)
+        if self.config.remote.url or self.config.remote.backend:
+            self.remote = RemoteTier(self.config, self.store, self.slot, self.transfers)
+        if self.config.gpu.device:
+            self._start_gpu()
+        if self.events is not None:
+            # its first batch clears what subscribers knew of this daemon and announces
+            # what the SSD index brought back
+            self.events.open(self._loop)
+            self.events.start(self.ssd is not None)
+            log.info("kv events on %s", ", ".join(self.events.endpoints))
+        self.transport.open(self._loop)
+        self._open_side_socket()
+
     async def serve(self, on_ready: Callable[[Server], None] | None = None) -> None:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            if self.remote is not None:
+                await self.remote.close()
+            raise
         if on_ready is not None:
             on_ready(self)
         assert self._stopped is not None
@@ -209,27 +221,6 @@ class Server:
         except UnavailableError as exc:
             self.gpu_reason = str(exc)
             log.warning("gpu tier off: %s", exc)
-        except BaseException:
-            if self.ssd is not None:
-                self.ssd.close()
-            self.arenas.close()
-            raise
-
-    def _start_events(self) -> None:
-        """Bind the event stream's sockets; its first batch clears what subscribers knew
-        of this daemon and announces what the SSD index brought back."""
-        assert self.events is not None and self._loop is not None
-        try:
-            self.events.open(self._loop)
-        except BaseException:
-            self.events.close()
-            if self.ssd is not None:
-                self.ssd.close()
-            assert self.arenas is not None
-            self.arenas.close()
-            raise
-        self.events.start(self.ssd is not None)
-        log.info("kv events on %s", ", ".join(self.events.endpoints))
 
     async def drain(self, bound: float = 30.0) -> None:
         """Stop taking requests, let those under way finish (within ``bound`` seconds),
@@ -247,8 +238,15 @@ class Server:
         self.store.on_forget = None
         for owner in list(self.store.owners):
             self.store.drop_owner(owner)
+        self._close_parts()
+
+    def _close_parts(self) -> None:
+        """Close the sockets, the tiers and the arenas, those that are open: at the end,
+        or when ``start`` fails part way (the remote tier, closed asynchronously, is left
+        to ``drain`` or ``serve``)."""
         for side in self.sides:
             side.close()
+        self.sides.clear()
         self.transport.close()
         if self.events is not None:
             self.events.close()

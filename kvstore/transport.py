@@ -222,6 +222,15 @@ class Transport:
         start draining them on ``loop``."""
         self._loop = loop
         self._ctx = zmq.Context()
+        try:
+            self._bind_all(loop)
+        except BaseException:
+            self.close()  # the sockets made so far, those bound or not, and their files
+            raise
+        self._open = self._reading = True
+
+    def _bind_all(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self._ctx is not None
         config = self.config
         endpoints = [config.endpoint, *config.server.extra_endpoints]
         auth = self.auth
@@ -244,6 +253,7 @@ class Transport:
                 continue
             i = len(self._socks)
             sock = self._ctx.socket(zmq.ROUTER)
+            self._socks.append(sock)  # at once: a bind that fails leaves it to ``close``
             # replies to a peer past its queue's bound are refused at once (sent NOBLOCK),
             # not queued: dropped and counted (``dropped_unread``), as to a gone peer
             sock.setsockopt(zmq.SNDHWM, config.server.max_unread_replies)
@@ -259,8 +269,11 @@ class Transport:
             elif kind == "token":
                 self.auth.make_token_server(self._ctx, sock)
             for endpoint in group:
-                self.endpoints.append(_bind(sock, endpoint, self.secure_file))
-            self._socks.append(sock)
+                setting = ("server.endpoint" if endpoint == config.endpoint
+                           else "server.extra_endpoints")
+                self.endpoints.append(_bind(sock, endpoint, setting))
+                if endpoint.startswith("ipc://"):  # (once listed: ``close`` removes it)
+                    self.secure_file(endpoint[len("ipc://"):], 0o600)
             self._secure.append(kind != "open")  # its frames carry the tenant as User-Id
             self._ipc.append(group is ipc)
             fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
@@ -268,7 +281,6 @@ class Transport:
             self._drain_asked.append(False)
             loop.add_reader(fd, self._drain, i)
             self._drain_soon(i)
-        self._open = self._reading = True
 
     def stop_reading(self) -> None:
         """Take no more requests (replies still go out)."""
@@ -278,10 +290,13 @@ class Transport:
                 self._loop.remove_reader(fd)
 
     def close(self) -> None:
-        """Close the sockets, remove ipc socket files, end authentication and the context."""
-        if self._open and self._loop is not None:
-            for fd, sock in zip(self._fds, self._socks):
-                self._loop.remove_reader(fd)
+        """Close the sockets (those of an ``open`` that failed part way too), remove ipc
+        socket files, end authentication and the context."""
+        if self._socks:
+            if self._loop is not None:
+                for fd in self._fds:
+                    self._loop.remove_reader(fd)
+            for sock in self._socks:
                 sock.close(linger=0)
             for endpoint in self.endpoints:
                 if endpoint.startswith("ipc://"):
@@ -289,6 +304,10 @@ class Transport:
                         os.unlink(endpoint[len("ipc://"):])
                     except FileNotFoundError:
                         pass
+            # closed once: a second close must not remove a socket file another daemon
+            # has bound since
+            self._socks.clear()
+            self._fds.clear()
         self.auth.close()
         if self._ctx is not None:
             self._ctx.term()
@@ -599,21 +618,33 @@ def socket_gid(group: str) -> int | None:
                           ) from None
 
 
-def _bind(sock: zmq.Socket[bytes], endpoint: str,
-          secure_file: Callable[[str, int], None]) -> str:
-    if endpoint.startswith("ipc://"):
-        path = Path(endpoint[len("ipc://"):])
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        check_socket_directory(path.parent)
-        if path.exists():
-            if _socket_alive(endpoint):
-                raise KVStoreError(f"another daemon is serving {endpoint}")
-            path.unlink()
-    sock.bind(endpoint)
+def _bind(sock: zmq.Socket[bytes], endpoint: str, setting: str) -> str:
+    """Bind ``endpoint`` (the value of ``setting``); the address bound.  ConfigError,
+    naming the setting, when it cannot be: in use, an ipc path too long or in a
+    directory that cannot be made, a tcp address that is no interface here."""
+    try:
+        if endpoint.startswith("ipc://"):
+            path = Path(endpoint[len("ipc://"):])
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            check_socket_directory(path.parent)
+            if path.exists():
+                if _socket_alive(endpoint):
+                    raise KVStoreError(f"another daemon is serving {endpoint}")
+                path.unlink()
+        sock.bind(endpoint)
+    except (zmq.ZMQError, OSError) as exc:
+        raise bind_error(setting, endpoint, exc) from None
     bound: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    if endpoint.startswith("ipc://"):
-        secure_file(endpoint[len("ipc://"):], 0o600)
     return bound
+
+
+def bind_error(setting: str, endpoint: str, exc: zmq.ZMQError | OSError) -> ConfigError:
+    """The error of an endpoint (``setting``'s) that cannot be bound, saying why in the
+    system's words (pyzmq's own text repeats the address, or runs to a paragraph)."""
+    why = exc.strerror
+    if isinstance(exc, zmq.ZMQError) and exc.errno is not None:
+        why = zmq.strerror(exc.errno)
+    return ConfigError(f"{setting}: cannot bind {endpoint}: {why}")
 
 
 def _socket_alive(endpoint: str) -> bool:
