@@ -5,13 +5,44 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import ConfigError, KVStoreError
 
 if TYPE_CHECKING:
     from kvstore.identity import Identity
+
+# the longest a token may be good for: a token cannot be revoked short of changing the
+# daemon's secret (and with it every tenant's tokens)
+MAX_TOKEN_TTL = 366 * 86400.0
+# ZeroMQ's PLAIN handshake carries a token's tenant as the user name, of 255 bytes at most
+_MAX_PLAIN_USER_BYTES = 255
+
+
+def _number(what: str, *, zero: bool = False,
+            most: float = math.inf) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0 (or 0 too, where ``zero``) and at most
+    ``most``.  A timeout of nan failed deep in the client and a negative one waited for
+    ever; a token's ttl of nan or inf was a traceback, a negative one an expired token."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {what}") from None
+        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)
+                and value <= most):
+            low = "0 or more" if zero else "more than 0"
+            high = f", at most {most:.0f}" if math.isfinite(most) else ""
+            raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of {what}, "
+                                             f"{low}{high}")
+        return value
+    return parse
+
+
+_SECONDS = _number("seconds")
 
 
 def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -155,6 +186,10 @@ def _stats_view(stats: dict[str, Any], previous: dict[str, Any] | None, dt: floa
     return "\n".join(lines)
 
 
+# an identity's JSON is well under this (its text fields hold 512 characters at most)
+_MAX_IDENTITY_BYTES = 64 << 10
+
+
 def _read_identity(text: str) -> Identity | None:
     """``--identity``: JSON, or ``@FILE`` holding it; None (said on stderr) if invalid."""
     import msgspec
@@ -162,8 +197,23 @@ def _read_identity(text: str) -> Identity | None:
     from kvstore.identity import Identity
 
     if text.startswith("@"):
-        with open(text[1:]) as f:
-            text = f.read()
+        path = text[1:]
+        try:
+            # (a FIFO is read as it comes: ``--identity @<(...)`` is a shell's way to pass one)
+            with open(path, "rb") as f:
+                raw = f.read(_MAX_IDENTITY_BYTES + 1)
+            text = raw.decode("utf-8")
+        except OSError as exc:
+            print(f"kvstore: --identity: cannot read {path}: {exc.strerror}", file=sys.stderr)
+            return None
+        except UnicodeDecodeError as exc:
+            print(f"kvstore: --identity: {path} is not UTF-8 text: {exc.reason} at byte "
+                  f"{exc.start}", file=sys.stderr)
+            return None
+        if len(raw) > _MAX_IDENTITY_BYTES:
+            print(f"kvstore: --identity: {path} holds more than {_MAX_IDENTITY_BYTES} "
+                  f"bytes; not an identity", file=sys.stderr)
+            return None
     try:
         return msgspec.json.decode(text, type=Identity)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -228,24 +278,61 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
         except FileExistsError:
             print(f"kvstore: {args.secret} exists; not overwriting it", file=sys.stderr)
             return 1
+        except OSError as exc:
+            print(f"kvstore: cannot write {args.secret}: {exc.strerror}", file=sys.stderr)
+            return 1
         print(f"secret written to {args.secret} (mode 0600): for auth.secret_file "
               "(tokens) or remote.tag_secret_file (the daemons' tag secret)")
         return 0
     if not args.dir or not args.name:
         print("kvstore: keygen needs DIR and --name (or --secret FILE)", file=sys.stderr)
         return 2
+    why = _key_name_problem(args.name)
+    if why is not None:
+        print(f"kvstore: --name {args.name!r} {why}", file=sys.stderr)
+        return 2
     import zmq.auth
 
-    os.makedirs(args.dir, mode=0o700, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(args.dir, args.name)
-    os.chmod(secret, 0o600)
+    try:
+        os.makedirs(args.dir, mode=0o700, exist_ok=True)
+        public, secret = zmq.auth.create_certificates(args.dir, args.name)
+        os.chmod(secret, 0o600)
+    except OSError as exc:
+        print(f"kvstore: cannot write the key pair in {args.dir}: {exc.strerror}",
+              file=sys.stderr)
+        return 1
     print(f"public key: {public}\nsecret key: {secret}")
     return 0
 
 
+def _key_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a key pair (None if it can).  Its files are NAME.key and
+    NAME.key_secret in DIR, so it is a file name, no path (``../x`` wrote outside DIR);
+    and the daemon reads a client key's tenant from the name up to its first dot
+    (``acme.laptop.key`` is tenant acme: ``Auth._client_keys``), which must be a tenant
+    name."""
+    from kvstore.identity import tenant_problem
+
+    if "/" in name:
+        return "is a path; give a file name (a tenant, as acme or acme.laptop)"
+    why = tenant_problem(name.split(".")[0])
+    if why is not None:
+        return f"names no tenant: its part before the first '.' {why}"
+    return None
+
+
 def _cmd_token(args: argparse.Namespace) -> int:
     from kvstore.auth import issue_token, read_secret
+    from kvstore.identity import tenant_problem
 
+    # a token the daemon would refuse at every hello is refused here instead
+    why = tenant_problem(args.tenant)
+    if why is None and len(args.tenant.encode()) > _MAX_PLAIN_USER_BYTES:
+        why = (f"is longer than {_MAX_PLAIN_USER_BYTES} bytes (a token's tenant is "
+               f"ZeroMQ's PLAIN user name in the handshake)")
+    if why is not None:
+        print(f"kvstore: --tenant {args.tenant!r} {why}", file=sys.stderr)
+        return 2
     print(issue_token(read_secret(args.secret_file), args.tenant, args.ttl))
     return 0
 
@@ -296,10 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
                              ("stats", _cmd_stats, "show what the daemon holds")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--endpoint", help="daemon endpoint (default: $KVSTORE_ENDPOINT)")
-        cmd.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+        cmd.add_argument("--timeout", type=_SECONDS, default=5.0, help="seconds to wait")
         if name == "stats":
             cmd.add_argument("--json", action="store_true", help="machine-readable output")
-            cmd.add_argument("--watch", type=float, metavar="SECONDS", default=0.0,
+            cmd.add_argument("--watch", type=_number("seconds", zero=True, most=86400.0),
+                             metavar="SECONDS", default=0.0,
                              help="redraw every SECONDS, with throughput (Ctrl-C ends)")
         cmd.set_defaults(func=func)
 
@@ -307,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     drop.add_argument("--identity", required=True, metavar="JSON",
                       help="the namespace's identity as JSON, or @FILE holding it")
     drop.add_argument("--endpoint", help="daemon endpoint (default: $KVSTORE_ENDPOINT)")
-    drop.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    drop.add_argument("--timeout", type=_SECONDS, default=5.0, help="seconds to wait")
     drop.set_defaults(func=_cmd_drop)
 
     keygen = sub.add_parser(
@@ -322,8 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     token = sub.add_parser("token", help="issue a tenant token signed with the daemon's secret")
     token.add_argument("--secret-file", required=True, help="the daemon's auth.secret_file")
     token.add_argument("--tenant", required=True)
-    token.add_argument("--ttl", type=float, default=86400.0, metavar="SECONDS",
-                       help="how long the token is valid (default: a day)")
+    token.add_argument("--ttl", type=_number("seconds", most=MAX_TOKEN_TTL), default=86400.0,
+                       metavar="SECONDS", help="how long the token is valid (default: a "
+                       "day; at most 366 days)")
     token.set_defaults(func=_cmd_token)
 
     rt = sub.add_parser("route", help="ask daemons where a request's prefix is cached, "
@@ -335,9 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "spaces, commas or lines ('-': standard input)")
     rt.add_argument("--identity", required=True, metavar="JSON",
                     help="the model's identity as JSON, or @FILE holding it")
-    rt.add_argument("--prefill-rate", type=float, default=10_000.0, metavar="TOKENS",
+    rt.add_argument("--prefill-rate", type=_number("tokens a second"), default=10_000.0,
+                    metavar="TOKENS",
                     help="tokens a second a worker prefills (default 10000)")
-    rt.add_argument("--deadline", type=float, default=0.5, metavar="SECONDS",
+    rt.add_argument("--deadline", type=_SECONDS, default=0.5, metavar="SECONDS",
                     help="a daemon that has not answered by then ranks last (default 0.5)")
     rt.add_argument("--json", action="store_true", help="machine-readable output")
     rt.set_defaults(func=_cmd_route)

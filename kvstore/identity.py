@@ -30,6 +30,16 @@ _NAMESPACE_DOMAIN = b"kvstore.ns.v1"
 _MAX_TEXT = 512
 
 
+def tenant_problem(tenant: str) -> str | None:
+    """Why ``tenant`` cannot name a tenant (an identity's ``tenant`` field takes no
+    other), or None: it is empty, or longer than an identity's text fields may be."""
+    if not tenant:
+        return "is empty"
+    if len(tenant) > _MAX_TEXT:
+        return f"is longer than {_MAX_TEXT} characters"
+    return None
+
+
 class Identity(msgspec.Struct, frozen=True, kw_only=True):
     """The identity of a KV cache: model, adapter, tenant, KV format, positions, salt."""
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -110,8 +111,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser,
     """Refuse bad arguments before anything starts."""
     if args.repeat is not None and args.repeat < 1:
         parser.error(f"--repeat must be at least 1, not {args.repeat}")
-    if args.timeout <= 0:
-        parser.error("--timeout must be positive")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):  # (nan is not <= 0)
+        parser.error("--timeout must be a finite number of seconds above 0")
     if args.trace is not None and not args.trace.is_file():
         parser.error(f"--trace: no such file: {args.trace}")
     if args.dir is not None and not args.dir.is_dir():

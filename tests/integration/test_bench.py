@@ -107,7 +107,7 @@ def test_the_table_on_a_pipe_has_plain_progress_lines_and_a_row_per_measure() ->
     (["--endpoint", "localhost:5555"], "--endpoint must be ipc://PATH or tcp://HOST:PORT"),
     (["--redis", "localhost:6379"], "--redis must be a redis:// URL"),
     (["--dir", "/nonexistent/dir"], "--dir: no such directory"),
-    (["--timeout", "0"], "--timeout must be positive"),
+    (["--timeout", "0"], "--timeout must be a finite number of seconds above 0"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(
         args: list[str], message: str) -> None:
