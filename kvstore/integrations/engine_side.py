@@ -90,12 +90,12 @@ def acquire_runs(ns: Namespace, keys: Sequence[bytes]) -> list[tuple[int, Held]]
                     runs.append((i, held))
             i += hits + 1
     except BaseException:
-        _release_all(held for _, held in runs)
+        release_all(held for _, held in runs)
         raise
     return runs
 
 
-def _release_all(pins: Iterable[Held]) -> None:
+def release_all(pins: Iterable[Held]) -> None:
     """Release every pin; one that fails is logged (its lease ends it anyway)."""
     for held in pins:
         try:
@@ -129,7 +129,7 @@ def read_blocks(ns: Namespace, keys: Sequence[bytes],
                 copy(start + offset, slot)
                 copied += 1
     finally:
-        _release_all(held for _, held in pinned)
+        release_all(held for _, held in pinned)
     return Loaded(copied)
 
 

@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
     acquire_runs,
     read_blocks,
+    release_all,
     store_missing,
 )
 
@@ -399,7 +400,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     pinned.extend((part[start:start + len(held.keys)], held)
                                   for start, held in runs)
         except BaseException:  # LMCache is told nothing was locked: none may stay pinned
-            _release(held for _, held in pinned)
+            release_all(held for _, held in pinned)
             raise
         for held_positions, held in pinned:
             self._pin_keys_left[held] = len(held_positions)
@@ -419,7 +420,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self._pin_keys_left[held] -= 1
             if self._pin_keys_left[held] == 0:
                 del self._pin_keys_left[held]
-                _release([held])
+                release_all([held])
 
     def _do_load(self, task: _Task) -> None:
         assert task.objects is not None
@@ -463,15 +464,6 @@ def _bytes_of(obj: MemoryObj) -> memoryview:
 
 def _chunks(items: list[int], size: int) -> list[list[int]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
-
-
-def _release(pins: Iterable[Held]) -> None:
-    """Release every pin; one that fails is logged (its lease ends it anyway)."""
-    for held in pins:
-        try:
-            held.release()
-        except KVStoreError as exc:
-            logger.warning("kvstore L2 adapter: unlock failed: %s", exc)
 
 
 def _lease_of(client: Client) -> float:

@@ -56,28 +56,28 @@ def store(adapter: KVStoreL2Adapter, keys: list[Any], objects: list[Any]) -> lis
     raise TimeoutError("store")
 
 
-def lookup(adapter: KVStoreL2Adapter, keys: list[Any]) -> list[int]:
-    """The positions of the keys found (and locked)."""
-    task = adapter.submit_lookup_and_lock_task(keys, {})
+def _positions(fd: int, query: Any, task: Any, what: str) -> list[int]:
+    """The positions a lookup or load task's result names, once it came."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        wait(adapter.get_lookup_and_lock_event_fd(), 1)
-        found = adapter.query_lookup_and_lock_result(task)
-        if found is not None:
-            return sorted(found.get_indices_list())
-    raise TimeoutError("lookup")
+        wait(fd, 1)
+        result = query(task)
+        if result is not None:
+            return sorted(result.get_indices_list())
+    raise TimeoutError(what)
+
+
+def lookup(adapter: KVStoreL2Adapter, keys: list[Any]) -> list[int]:
+    """The positions of the keys found (and locked)."""
+    return _positions(adapter.get_lookup_and_lock_event_fd(),
+                      adapter.query_lookup_and_lock_result,
+                      adapter.submit_lookup_and_lock_task(keys, {}), "lookup")
 
 
 def load(adapter: KVStoreL2Adapter, keys: list[Any], objects: list[Any]) -> list[int]:
     """The positions of the keys loaded."""
-    task = adapter.submit_load_task(keys, objects)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        wait(adapter.get_load_event_fd(), 1)
-        loaded = adapter.query_load_result(task)
-        if loaded is not None:
-            return sorted(loaded.get_indices_list())
-    raise TimeoutError("load")
+    return _positions(adapter.get_load_event_fd(), adapter.query_load_result,
+                      adapter.submit_load_task(keys, objects), "load")
 
 
 def same(a: list[Any], b: list[Any]) -> bool:
@@ -191,15 +191,21 @@ def models_and_salts(endpoint: str, tenant: str) -> dict[str, Any]:
     return out
 
 
-def lease(endpoint: str, tenant: str) -> dict[str, Any]:
-    """Locked blocks stay pinned while the adapter is idle for longer than the daemon's
-    lease (the daemon's is 2 s here, the adapter's request timeout 10 s)."""
+def _four_objects(endpoint: str, tenant: str) -> tuple[KVStoreL2Adapter, list[Any],
+                                                      list[Any], list[Any]]:
+    """An adapter, four keys, and their objects' sources and targets (4 KiB each)."""
     n, size = 4, 4096
     adapter = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant, "object_bytes": size})
     buffer = torch.zeros(2 * n * size, dtype=torch.uint8)
-    keys = make_object_keys(n)
-    source = make_memory_objects(buffer, n, size, 0, fill_offset=1)
-    target = make_memory_objects(buffer, n, size, n * size, fill_offset=7)
+    return (adapter, make_object_keys(n), make_memory_objects(buffer, n, size, 0, fill_offset=1),
+            make_memory_objects(buffer, n, size, n * size, fill_offset=7))
+
+
+def lease(endpoint: str, tenant: str) -> dict[str, Any]:
+    """Locked blocks stay pinned while the adapter is idle for longer than the daemon's
+    lease (the daemon's is 2 s here, the adapter's request timeout 10 s)."""
+    n = 4
+    adapter, keys, source, target = _four_objects(endpoint, tenant)
     out: dict[str, Any] = {"n": n, "stored": store(adapter, keys, source)}
     out["found"] = len(lookup(adapter, keys))
     out["pinned_after_lookup"] = pinned(endpoint, n)
@@ -217,12 +223,8 @@ def lease(endpoint: str, tenant: str) -> dict[str, Any]:
 def health(endpoint: str, tenant: str) -> dict[str, Any]:
     """A store and a load that raise make the adapter unhealthy; the next store and
     load that complete make it healthy again."""
-    n, size = 4, 4096
-    adapter = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant, "object_bytes": size})
-    buffer = torch.zeros(2 * n * size, dtype=torch.uint8)
-    keys = make_object_keys(n)
-    source = make_memory_objects(buffer, n, size, 0, fill_offset=1)
-    target = make_memory_objects(buffer, n, size, n * size, fill_offset=7)
+    n = 4
+    adapter, keys, source, target = _four_objects(endpoint, tenant)
 
     def status() -> dict[str, Any]:
         return {k: adapter.report_status()[k] for k in ("is_healthy", "last_error")}
