@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import re
-import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import msgspec
 
 from kvstore.errors import ConfigError
-from kvstore.files import read_regular_file
+from kvstore.files import check_own_directory, read_regular_file
 from kvstore.scheduler.admission import SEEN_MOST
 
 log = logging.getLogger("kvstore.config")
@@ -99,34 +98,13 @@ def client_endpoint(endpoint: str | None) -> str:
 
 
 def check_socket_directory(directory: Path) -> None:
-    """The directory an ipc socket is bound in, and every one above it, as given and as
-    its links resolve, must not be another user's to change: each a directory of the
-    daemon's user or root (or a link of theirs), writable by others only with the sticky
-    bit (as /tmp is).  Else another user (who made /tmp/kvstore-<uid> first, say, or who
-    may write in a folder above it) moves the socket or its folder aside, binds one of
-    its own, and reads the next client's hello: its tenant and token.  ConfigError says
-    which directory and why."""
-    mine = (os.geteuid(), 0)
-    given = Path(os.path.abspath(directory))
-    real = Path(os.path.realpath(given))
-    # each once (as given, then where links lead, if anywhere else), root first
-    for path in dict.fromkeys((*given.parents[::-1], given, *real.parents[::-1], real)):
-        info = os.lstat(path)
-        if stat.S_ISLNK(info.st_mode):
-            problem = None if info.st_uid in mine else "is a link of another user's"
-        elif not stat.S_ISDIR(info.st_mode):
-            problem = "is no directory"
-        elif info.st_uid not in mine:
-            problem = f"belongs to uid {info.st_uid}, not to the daemon's ({os.geteuid()})"
-        elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
-            problem = f"is writable by others (mode {stat.S_IMODE(info.st_mode):o}, not sticky)"
-        else:
-            problem = None
-        if problem is not None:
-            raise ConfigError(
-                f"{path}, where the socket {directory} is bound, {problem}: another user "
-                f"could replace the socket there; bind an endpoint elsewhere (or, to "
-                f"share a folder, make it sticky, chmod +t, or use server.socket_group)")
+    """The directory an ipc socket is bound in is no other user's to change
+    (``check_own_directory``): else another user (who made /tmp/kvstore-<uid> first, say,
+    or who may write in a folder above it) moves the socket or its folder aside, binds
+    one of its own, and reads the next client's hello: its tenant and token."""
+    check_own_directory(directory, f"where the socket {directory} is bound",
+                        "could replace the socket there; bind an endpoint elsewhere (or, to "
+                        "share a folder, make it sticky, chmod +t, or use server.socket_group)")
 
 
 SECTIONS = ("server", "dram", "ssd", "remote", "auth", "gpu", "events")
@@ -561,6 +539,11 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("dram.max_arenas: must be at least 1")
         if not os.path.isdir(self.dram.directory):
             raise ConfigError(f"dram.directory: {self.dram.directory!r} is not a directory")
+        if not self.memfd_arenas:  # clients map the arena files there by their path
+            check_own_directory(self.dram.directory, "where dram.directory keeps the arena "
+                                "files clients map", "could put a file of its own in an "
+                                "arena's place; use a directory of the daemon's user (or "
+                                "make it sticky, chmod +t, as /dev/shm is)")
         if self.ssd_capacity:
             if self.ssd_capacity < 1 << 20:
                 raise ConfigError("ssd.capacity: must be 0 (off) or at least 1MiB")

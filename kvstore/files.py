@@ -1,5 +1,6 @@
 """Reading the files that settings name (the configuration, secrets, tokens) without
-hanging on a FIFO or a device put where a file was expected."""
+hanging on a FIFO or a device put where a file was expected; and the directories the
+daemon keeps its sockets and files in, no other user's to change."""
 
 from __future__ import annotations
 
@@ -40,3 +41,29 @@ def read_regular_file(path: str | Path, setting: str,
     if held > most:
         raise ConfigError(f"{setting}: {path} holds more than {most} bytes")
     return b"".join(chunks), st
+
+
+def check_own_directory(directory: str | Path, where: str, could: str) -> None:
+    """``directory``, and every one above it, as given and as its links resolve, must not
+    be another user's to change: each a directory of the daemon's user or root (or a
+    link of theirs), writable by others only with the sticky bit (as /tmp is).  Else
+    ConfigError names the directory, ``where`` it is (what the daemon keeps there), its
+    problem, and what another user ``could`` do and the remedy."""
+    mine = (os.geteuid(), 0)
+    given = Path(os.path.abspath(directory))
+    real = Path(os.path.realpath(given))
+    # each once (as given, then where links lead, if anywhere else), root first
+    for path in dict.fromkeys((*given.parents[::-1], given, *real.parents[::-1], real)):
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            problem = None if info.st_uid in mine else "is a link of another user's"
+        elif not stat.S_ISDIR(info.st_mode):
+            problem = "is no directory"
+        elif info.st_uid not in mine:
+            problem = f"belongs to uid {info.st_uid}, not to the daemon's ({os.geteuid()})"
+        elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+            problem = f"is writable by others (mode {stat.S_IMODE(info.st_mode):o}, not sticky)"
+        else:
+            problem = None
+        if problem is not None:
+            raise ConfigError(f"{path}, {where}, {problem}: another user {could}")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.files import check_own_directory
 
 from .ssd_index import SSDIndex, SyncPolicy
 from .ssd_io import DataFile, Span
@@ -75,6 +76,14 @@ class SSDDirectory:
     # claiming
 
     def _prepare_directory(self) -> None:
+        existing = self.path  # (what mkdir makes below it is the daemon's, 0700)
+        while not os.path.lexists(existing) and existing != existing.parent:
+            existing = existing.parent
+        if existing.is_dir():  # (a file there: mkdir says it cannot be created)
+            check_own_directory(existing, "where the SSD tier keeps its files",
+                                "could replace its index or its data file with blocks of "
+                                "its own; use a directory of the daemon's user (or make it "
+                                "sticky, chmod +t)")
         try:
             # the daemon's user's alone: every tenant's blocks, and an index of their keys
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
