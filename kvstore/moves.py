@@ -32,6 +32,7 @@ from typing import TypeVar
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.gpu_mover import GpuMover
 from kvstore.remote import REMOTE_OWNER, RemoteTier, by_namespace
+from kvstore.ssd_copies import flush_plan
 from kvstore.store import Block, BlockStore, Namespace, Plan
 from kvstore.tiering import SsdMover
 from kvstore.transfers import Background, TurnBatch
@@ -197,8 +198,9 @@ class Moves:
             await self.carry_out(result)
         raise CapacityError("blocks kept moving between tiers; try again")
 
-    async def _to_ssd(self, blocks: list[Block]) -> None:
-        """Write DRAM copies to SSD (demotions, or write-through copies); room frees."""
+    async def _to_ssd(self, blocks: list[Block], evict: bool = True) -> None:
+        """Write DRAM copies to SSD (demotions, or write-through copies; ``evict``: cold
+        SSD copies make room, else CapacityError where there is none); room frees."""
         assert self.ssd is not None, "the store planned a write to ssd without an ssd tier"
         # SSD copies the store dropped since a request last ended (a put finished in a
         # task drops the stale copy of a block it commits again, and ends none): out of
@@ -206,7 +208,7 @@ class Moves:
         # withdrawal coming after would delete
         self.withdraw_dropped()
         try:
-            await self.ssd.write(blocks)
+            await self.ssd.write(blocks, evict)
         except CapacityError:
             if self.store.ssd_writable:
                 raise  # no room for them on SSD: the caller refuses, defers or stops
@@ -389,16 +391,16 @@ class Moves:
 
     async def flush_to_ssd(self) -> int:
         """On the way out, under write-back: the blocks only DRAM holds, to the SSD
-        tier's free room (``SsdCopies.flush_plan``), a batch at a time; how many went."""
+        tier's free room (``ssd_copies.flush_plan``), a batch at a time; how many went."""
         written = 0
-        plan = self.store.ssd_copies.flush_plan()
+        plan = flush_plan(self.store.ssd_copies)
         for start in range(0, len(plan), 64):
             batch = self.store.ssd_copies.write_through_candidates(plan[start:start + 64])
             if batch:
                 try:
-                    await self._to_ssd(batch)
+                    await self._to_ssd(batch, evict=False)
                 except CapacityError:
-                    break
+                    continue  # another batch (of another class) may fit where this did not
                 written += sum(b.ssd_offset is not None for b in batch)
         return written
 

@@ -109,9 +109,11 @@ class SsdCopies:
             == store.ssd_committed_bytes, "ssd committed byte counter is off"
 
     # -- SSD: demotion, write-through, promotion, restart -----------------------------------
-    def reserve(self, blocks: list[Block]) -> tuple[Transfer, list[tuple[bytes, bytes]]]:
-        """SSD slots for blocks about to be written there, evicting cold SSD copies; returns
-        the transfer and the keys whose SSD copies went (to withdraw from the index)."""
+    def reserve(self, blocks: list[Block], evict: bool = True
+                ) -> tuple[Transfer, list[tuple[bytes, bytes]]]:
+        """SSD slots for blocks about to be written there, evicting cold SSD copies (none:
+        CapacityError where there is no room); returns the transfer and the keys whose
+        SSD copies went (to withdraw from the index)."""
         assert self.store.ssd is not None, "no SSD tier"
         for b in blocks:
             assert b.offset is not None and b.ssd_offset is None, (
@@ -134,8 +136,8 @@ class SsdCopies:
                 return b.offset is not None or b.kids is None
 
             while pool.available(cls) < len(group):
-                victim = self._clean_victim(policy, allowed)
-                if victim is None:
+                victim = self._clean_victim(policy, allowed) if evict else None
+                if victim is None and evict:
                     victim = policy.pop_victim(allowed)
                 if victim is None:
                     if offsets:
@@ -274,34 +276,6 @@ class SsdCopies:
         if self.store.hollow:
             self.store.sweep_hollow()
         return removed
-
-    def flush_plan(self) -> list[Block]:
-        """On the way out, under write-back: the blocks whose one copy is in DRAM, for
-        the SSD tier's free room (a restart finds them there), parents first, so that
-        what is written is whole prefixes; nothing it holds is evicted for them (a
-        block written first would make room for one written later: the deepest
-        evicting the heads the rest hang from).  A block whose parent stays off the
-        SSD tier is not written (a restart drops it)."""
-        ssd = self.store.ssd
-        assert ssd is not None, "no SSD tier"
-        room: dict[int, int] = {}  # an SSD slot size -> slots free for this plan
-        plan: list[Block] = []
-        chosen: set[Block] = set()
-        for ns in list(self.store.namespaces.values()):
-            cls = ns.ssd_cls
-            if cls is None:
-                continue
-            free = room.setdefault(cls.slot_bytes, ssd.pool.available(cls))
-            for b in self.write_through_candidates(parents_first(ns)):
-                if free <= 0:
-                    break
-                parent = b.parent
-                if parent is None or parent.ssd_offset is not None or parent in chosen:
-                    plan.append(b)
-                    chosen.add(b)
-                    free -= 1
-            room[cls.slot_bytes] = free
-        return plan
 
     def write_through_candidates(self, blocks: Iterable[Block]) -> list[Block]:
         """Newly committed blocks the SSD tier should copy now (write-through)."""
@@ -720,3 +694,39 @@ def _made_fresh(ns: Namespace, keys: list[bytes], parent_back: list[int],
 
 if _BLOCK_SLOTS != Block.__slots__:  # (not an assert: kept under ``python -O``)
     raise ImportError("_made_fresh stores every slot of a Block: its list is out of date")
+
+
+def flush_plan(copies: SsdCopies) -> list[Block]:
+    """On the way out, under write-back: the blocks whose one copy is in DRAM, for the
+    SSD tier's free room (a restart finds them there), parents first, so that what is
+    written is whole prefixes; nothing it holds is evicted for them (they are written
+    with ``reserve(evict=False)``: a block written first would otherwise make room for
+    one written later, the deepest evicting the heads the rest hang from, and a copy
+    only the SSD tier held could go).  The room is each class's free slots and the
+    empty slabs, which every class draws on (counted once).  A block whose parent
+    stays off the SSD tier is not written (a restart drops it)."""
+    store = copies.store
+    ssd = store.ssd
+    assert ssd is not None, "no SSD tier"
+    empty = ssd.pool.empty_slabs
+    free: dict[int, int] = {}  # a class (by its slot size) -> its free slots, as planned
+    plan: list[Block] = []
+    chosen: set[Block] = set()
+    for ns in list(store.namespaces.values()):
+        cls = ns.ssd_cls
+        if cls is None:
+            continue
+        for b in copies.write_through_candidates(parents_first(ns)):
+            have = free.setdefault(cls.slot_bytes, cls.free_slots)
+            if have == 0:
+                if empty == 0:
+                    break
+                empty -= 1  # a slab this class takes: no other class has it
+                have = cls.slots_per_slab
+            parent = b.parent
+            if parent is None or parent.ssd_offset is not None or parent in chosen:
+                plan.append(b)
+                chosen.add(b)
+                have -= 1
+            free[cls.slot_bytes] = have
+    return plan

@@ -171,11 +171,12 @@ class SsdMover:
             self._forgetting = False
 
     # -- moves the pipeline asks for --------------------------------------------------
-    async def write(self, blocks: list[Block]) -> None:
+    async def write(self, blocks: list[Block], evict: bool = True) -> None:
         """Write DRAM copies to SSD (demotion or write-through) and report to the store;
-        CapacityError if the SSD tier could not take them (the store knows)."""
+        CapacityError if the SSD tier could not take them (the store knows; ``evict``:
+        whether cold SSD copies may make room)."""
         try:
-            t, removed = self.store.ssd_copies.reserve(blocks)
+            t, removed = self.store.ssd_copies.reserve(blocks, evict)
         except CapacityError:
             self.store.ssd_copies.abort_demotion(blocks)
             raise

@@ -136,7 +136,7 @@ class RefusingSsd:
         self.store = store
         self.writes = 0
 
-    async def write(self, blocks: list[Block]) -> None:
+    async def write(self, blocks: list[Block], evict: bool = True) -> None:
         self.writes += 1
         self.store.ssd_copies.abort_demotion(blocks)
         raise CapacityError("the ssd tier has no room for them")

@@ -101,6 +101,46 @@ def test_write_back_blocks_only_dram_holds_survive_a_clean_restart(
         assert tier_stats(client, "ssd")["committed_slots"] == 16
 
 
+def test_the_flush_on_a_clean_stop_evicts_nothing_the_ssd_holds(
+        daemon_factory: Any) -> None:
+    # Namespaces of two block sizes are two SSD slot classes drawing on the same empty
+    # slabs: counted once for each, the flush planned twice the room there was, and the
+    # writes past it evicted a chain whose only copy was on SSD.
+    small = make_identity(model="small", num_layers=2, num_kv_heads=4, head_dim=64)
+    d = start(daemon_factory, ssd_capacity="2MiB", env={"KVSTORE_SSD_SLAB_SIZE": "1MiB"},
+              extra=["--slab-size", "1MiB", "--log-level", "info"])  # two SSD slabs
+    with Client(d.endpoint, tenant="acme") as client:
+        big_ns, small_ns = client.namespace(IDENT), client.namespace(small)
+        big_ns.lookup(big_ns.keys(range(16)))  # opened first: its class plans first
+
+        def put(ns: Any, ident: Any, first: int) -> list[bytes]:
+            keys: list[bytes] = ns.keys(range(first, first + 16 * 16))
+            ns.put(keys, [content(k, ident.block_bytes) for k in keys])
+            return keys
+
+        only_on_ssd = put(small_ns, small, 0)
+        second = put(small_ns, small, 100_000)
+        big = put(big_ns, IDENT, 0)
+        small_ns.lookup(second)
+        big_ns.lookup(big)  # the first chain the coldest: the next put demotes it
+        third = put(small_ns, small, 200_000)
+        assert set(small_ns.lookup(only_on_ssd).tiers) == {"ssd"}
+        assert tier_stats(client, "ssd")["committed_slots"] == 16
+    assert restart(d) == 0
+    with Client(d.endpoint, tenant="acme") as client:
+        small_ns, big_ns = client.namespace(small), client.namespace(IDENT)
+        assert small_ns.lookup(only_on_ssd).blocks == 16  # kept whole
+        assert small_ns.get(only_on_ssd) == [content(k, small.block_bytes)
+                                             for k in only_on_ssd]
+        # what the flush wrote filled the room left, and nothing more: 2 MiB of slots,
+        # 16 small blocks (half a slab) already there
+        flushed = (big_ns.lookup(big).blocks * IDENT.block_bytes
+                   + sum(small_ns.lookup(k).blocks for k in (second, third))
+                   * small.block_bytes)
+        assert 0 < flushed <= (2 << 20) - 16 * small.block_bytes
+        assert tier_stats(client, "ssd")["evictions"] == 0
+
+
 def test_write_through_puts_back_to_back_wait_for_copies_instead_of_failing(
         daemon_factory: Any) -> None:
     """DRAM holds 32 slots; each put of 24 blocks needs room that only the copies of the
