@@ -114,7 +114,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         asyncio.run(run_server(config, ready))  # pragma: no cover
     else:
         uvloop.run(run_server(config, ready, reload=lambda: load_config(
-            args.config, overrides=_serve_overrides(args))))
+            args.config, overrides=_serve_overrides(args), reload=True)))
     return 0
 
 

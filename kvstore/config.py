@@ -688,12 +688,16 @@ def load_config(
     *,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    reload: bool = False,
 ) -> Config:
     """Defaults, then the file, then the environment, then ``overrides`` (flags);
-    ConfigError says why a file is unusable (and a reload on SIGHUP keeps the old)."""
+    ConfigError says why a file is unusable (and a reload on SIGHUP keeps the old).
+    A pipe (``--config <(...)``, ``/dev/stdin``) is read at start-up, not on a
+    ``reload``: read again, it would wait on the daemon's loop for a writer."""
     data: dict[str, Any] = {}
     if path is not None:
-        raw, _ = read_regular_file(path, "config file", 1 << 20)  # (a real one: KiBs)
+        raw, _ = read_regular_file(path, "config file", 1 << 20,  # (a real one: KiBs)
+                                   streams=not reload)
         try:
             data = tomllib.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:

@@ -11,20 +11,25 @@ from pathlib import Path
 from kvstore.errors import ConfigError
 
 
-def read_regular_file(path: str | Path, setting: str,
-                      most: int) -> tuple[bytes, os.stat_result]:
+def read_regular_file(path: str | Path, setting: str, most: int,
+                      streams: bool = False) -> tuple[bytes, os.stat_result]:
     """The bytes of the regular file at ``path`` and its status; ConfigError, naming
     ``setting``, if it cannot be opened or read, is something else (a directory, a FIFO,
     a device) or holds more than ``most`` bytes.  It is opened without blocking: a FIFO
     with no writer would otherwise hold the caller, the daemon's event loop on a reload,
-    for ever, and a device such as /dev/zero would never end."""
+    for ever, and a device such as /dev/zero would never end.  ``streams``: a pipe or a
+    character device is read too, waiting for its writer (a configuration given as
+    ``--config <(...)`` or ``/dev/stdin`` at start-up, where nothing else waits), up to
+    ``most`` bytes all the same."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"{setting}: cannot read {path}: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        if streams and (stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+            os.set_blocking(fd, True)
+        elif not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"{setting}: {path} is not a regular file")
         chunks: list[bytes] = []
         held = 0

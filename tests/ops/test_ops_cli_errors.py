@@ -32,7 +32,7 @@ def secret_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind", ["not utf-8", "directory", "fifo"])
+@pytest.mark.parametrize("kind", ["not utf-8", "directory", "endless device"])
 def test_config_check_of_an_unreadable_file_says_why(tmp_path: Path, kind: str) -> None:
     path = tmp_path / "kvstore.toml"
     if kind == "not utf-8":
@@ -40,10 +40,32 @@ def test_config_check_of_an_unreadable_file_says_why(tmp_path: Path, kind: str) 
     elif kind == "directory":
         path.mkdir()
     else:
-        os.mkfifo(path)  # with no writer: opening it to read waited for ever
+        path = Path("/dev/zero")  # read up to the bound, not for ever
     run = kvstore_cli("config", "check", str(path), timeout=20)
     assert_refused(run, "configuration error", str(path))
     assert run.returncode == 2
+
+
+@pytest.mark.parametrize("how", ["fifo", "stdin"])
+def test_a_config_given_through_a_pipe_is_read(tmp_path: Path, how: str) -> None:
+    # ``--config <(...)`` and ``/dev/stdin`` are pipes: read at start-up and by a check
+    # (only a SIGHUP's reload refuses one, which would wait on the daemon's loop)
+    text = "[server]\nlease_seconds = 12\n"
+    if how == "stdin":
+        run = subprocess.run([sys.executable, "-m", "kvstore", "config", "check",
+                              "/dev/stdin"], input=text, capture_output=True, text=True,
+                             timeout=30)
+    else:
+        fifo = tmp_path / "kvstore.toml"
+        os.mkfifo(fifo)
+        proc = subprocess.Popen([sys.executable, "-m", "kvstore", "config", "check",
+                                 str(fifo)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        fifo.write_text(text)  # (opening it waits for the reader)
+        out, err = proc.communicate(timeout=30)
+        run = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert run.returncode == 0, run.stderr
+    assert "ok" in run.stdout
 
 
 @pytest.mark.parametrize("ttl", ["nan", "inf", "1e300", "-100", "0", "abc",
