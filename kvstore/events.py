@@ -55,6 +55,7 @@ import zmq
 
 from kvstore.auth import Auth
 from kvstore.blocks import parents_first
+from kvstore.errors import ConfigError
 from kvstore.config import EventsConfig, check_socket_directory, parse_size
 # vLLM's events and their encoding, here as before (``kvstore.events.decoder`` decodes)
 from kvstore.kv_events_batch import (  # noqa: F401
@@ -62,7 +63,7 @@ from kvstore.kv_events_batch import (  # noqa: F401
     KVEventBatch, KVEventBatchArray, decoder)
 from kvstore.store import BlockStore
 from kvstore.tier_changes import TierChanges
-from kvstore.transport import bind_error
+from kvstore.transport import bind_error, socket_alive
 
 log = logging.getLogger("kvstore.events")
 
@@ -600,8 +601,12 @@ def _readable(sock: zmq.Socket[bytes]) -> bool:
 
 def _bind(sock: zmq.Socket[bytes], endpoint: str, setting: str) -> None:
     """Bind ``endpoint`` (the value of ``setting``) after ``_check_ipc``; ConfigError
-    (``bind_error``) when it cannot be bound (in use, say)."""
+    (``bind_error``) when it cannot be bound (in use, say).  An ipc socket that answers
+    is another daemon's stream: ZeroMQ would take its path over (a second start that
+    failed later left the first daemon's stream with no new subscriber)."""
     _check_ipc(endpoint)
+    if endpoint.startswith("ipc://") and socket_alive(endpoint):
+        raise ConfigError(f"{setting}: another daemon is serving {endpoint}")
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:

@@ -628,7 +628,7 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str, setting: str) -> str:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             check_socket_directory(path.parent)
             if path.exists():
-                if _socket_alive(endpoint):
+                if socket_alive(endpoint):
                     raise KVStoreError(f"another daemon is serving {endpoint}")
                 path.unlink()
         sock.bind(endpoint)
@@ -647,7 +647,7 @@ def bind_error(setting: str, endpoint: str, exc: zmq.ZMQError | OSError) -> Conf
     return ConfigError(f"{setting}: cannot bind {endpoint}: {why}")
 
 
-def _socket_alive(endpoint: str) -> bool:
+def socket_alive(endpoint: str) -> bool:
     """Whether something answers on an ipc endpoint (a stale socket file does not)."""
     path = endpoint[len("ipc://"):]
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

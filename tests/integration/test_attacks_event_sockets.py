@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
 from daemon_proc import DaemonProcess, free_port
 from kvtest import make_identity
@@ -203,4 +204,33 @@ def test_requests_past_every_sequence_number_leave_the_replay_serving(
     finally:
         for sock in (attacker, router):
             sock.close(linger=0)
+        ctx.term()
+
+
+def test_a_second_start_leaves_the_first_daemons_ipc_stream_alone(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    # A second daemon of the same configuration (a start by mistake, a restart racing)
+    # bound the event socket's path before it found the first serving and gave up:
+    # ZeroMQ took the path over, and the first daemon's stream reached no new subscriber.
+    stream = f"ipc://{tmp_path}/events.sock"
+    first = daemon_factory(env={"KVSTORE_EVENTS_ENDPOINT": stream})
+    second = DaemonProcess(tmp_path / "second", env={"KVSTORE_EVENTS_ENDPOINT": stream})
+    try:
+        with pytest.raises(RuntimeError, match="exited early"):
+            second.start()
+    finally:
+        assert second.stop() == 2  # a configuration error
+    assert "events.endpoint: another daemon is serving" in second.log()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(stream)
+        time.sleep(0.5)  # the subscription reaches the daemon
+        with Client(first.endpoint, tenant="acme") as c:
+            ns = c.namespace(IDENT)
+            ns.put(ns.keys(range(64)), [bytes(ns.block_bytes)] * 4)
+        assert sub.poll(5_000), "the first daemon's stream reached no new subscriber"
+    finally:
+        sub.close(linger=0)
         ctx.term()
