@@ -123,7 +123,10 @@ class Finisher:
                         f"no room in the dram tier within "
                         f"{self.d.config.dram.defer_seconds:g}s (deferred, then rejected): "
                         f"{exc}", cause="deadline") from None
-                continue  # still no room: wait again, in its place, until the deadline
+                # still no room: the next younger waiter may fit what freed, then this
+                # waits again, in its place, until the deadline
+                self.d.moves.room.freed(after=plan.ticket)
+                continue
             if isinstance(answer, tuple):
                 if len(self.d.moves.room):
                     self.d.moves.freed()  # woken for room and served: wake the next one

@@ -47,8 +47,12 @@ _SETTLE_ROUNDS = 16      # plans one internal call may need before it is refused
 class RoomWaiters:
     """The one wait for room.  Each waiter holds a ticket (its arrival), kept while it
     retries.  Whatever frees DRAM wakes the oldest waiter; a waiter that then gets its
-    room passes the wake on (``freed`` again), one that does not waits again in its
-    place, so the oldest request takes room first and a wake-up costs one retry."""
+    room passes the wake on (``freed`` again), and so does one that does not, to the
+    next younger than itself (``freed(after=its ticket)``) before it waits again in its
+    place: the oldest request takes room first, a request too large for the room that
+    freed holds up none behind it (it held every later one until its deadline, with the
+    room for them free), and a wake-up costs each waiter at most one retry.  Once the
+    daemon stops (``stop``), nothing is waited for: no request that frees room is read."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -56,14 +60,16 @@ class RoomWaiters:
         self._order = itertools.count()  # ties between equal tickets: first come first
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap
         self._live = 0  # waiters still waiting (the heap keeps those gone until popped)
+        self.stopping = False
 
     def ticket(self) -> int:
         return next(self._tickets)
 
     async def wait(self, deadline: float, ticket: int | None = None) -> bool:
-        """Until room may have freed (True) or ``deadline`` passes (False)."""
+        """Until room may have freed (True) or ``deadline`` passes (False; at once when
+        the daemon is stopping)."""
         remaining = deadline - self.clock()
-        if remaining <= 0:
+        if remaining <= 0 or self.stopping:
             return False
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting, (ticket if ticket is not None else self.ticket(),
@@ -82,13 +88,29 @@ class RoomWaiters:
                 self._waiting = [e for e in self._waiting if not e[2].done()]
                 heapq.heapify(self._waiting)
 
-    def freed(self) -> None:
-        """Room may have freed: wake the oldest waiter."""
+    def freed(self, after: int = 0) -> None:
+        """Room may have freed: wake the oldest waiter (younger than ticket ``after``)."""
+        older: list[tuple[int, int, asyncio.Future[None]]] = []
         while self._waiting:
-            _, _, future = heapq.heappop(self._waiting)
+            entry = heapq.heappop(self._waiting)
+            if entry[2].done():
+                continue
+            if entry[0] <= after:
+                older.append(entry)  # (woken by another wake; its turn is its own)
+                continue
+            entry[2].set_result(None)
+            break
+        for entry in older:
+            heapq.heappush(self._waiting, entry)
+
+    def stop(self) -> None:
+        """On the way out: every waiter's deadline is now (nothing that frees room will
+        be read), so a deferred request runs its last steps rather than wait them out."""
+        self.stopping = True
+        for _, _, future in self._waiting:
             if not future.done():
                 future.set_result(None)
-                return
+        self._waiting.clear()
 
     def __len__(self) -> int:
         return self._live

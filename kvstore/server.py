@@ -557,6 +557,7 @@ async def drain_server(server: Server, bound: float) -> None:
     """Stop taking requests, let those under way finish (within ``bound`` seconds),
     flush writes to SSD and sync its index."""
     server.transport.stop_reading()
+    server.moves.room.stop()  # deferred requests: no room frees now, their last steps run
     if server._tasks:
         await asyncio.wait(list(server._tasks), timeout=bound)
     if server.remote is not None:

@@ -322,3 +322,64 @@ def test_the_daemon_runs_the_pressure_chain_in_its_order(daemon_factory: Any, tm
         assert stats["scheduling"]["defers"] == (1 if waits else 0)
         assert (waited >= 0.35) is waits, waited
         assert ns.lookup(keys).blocks == 7             # the chain lost its leaf only
+
+
+def _deferred_reserve(endpoint: str, first: int, blocks: int,
+                      out: dict[str, Any], name: str) -> threading.Thread:
+    """A reserve of ``blocks`` BIG blocks in a thread of its own: what it got, when."""
+    def run() -> None:
+        with Client(endpoint, tenant="acme", timeout=30) as c:
+            ns = c.namespace(BIG)
+            started = time.monotonic()
+            try:
+                ns.reserve(ns.keys(range(first, first + 16 * blocks))).abort()
+                out[name] = ("granted", time.monotonic() - started)
+            except CapacityError as exc:
+                out[name] = (str(exc), time.monotonic() - started)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    return worker
+
+
+def test_a_deferred_request_too_large_for_the_room_holds_up_none_behind_it(
+        daemon_factory: Any) -> None:
+    # Only the oldest waiter was woken when room freed; one that still did not fit
+    # waited again without passing the wake on, and every later request waited its
+    # whole deadline with the room for it free.
+    d, holder, held = full_of_pins(daemon_factory, env={"KVSTORE_DRAM_DEFER_SECONDS": "4"})
+    try:
+        out: dict[str, Any] = {}
+        big = _deferred_reserve(d.endpoint, 10**6, 16, out, "big")  # more than the tier
+        time.sleep(0.3)
+        small = _deferred_reserve(d.endpoint, 2 * 10**6, 2, out, "small")
+        time.sleep(0.3)
+        assert out == {}  # both deferred
+        held.release()  # room for 8 blocks frees: the small request fits
+        small.join(10)
+        assert out["small"][0] == "granted" and out["small"][1] < 1.5, out
+        big.join(10)
+        assert "deferred, then rejected" in out["big"][0]
+        with Client(d.endpoint, tenant="acme") as c:
+            assert c.stats()["tiers"]["dram"]["reserved_slots"] == 0
+    finally:
+        holder.close()
+
+
+def test_a_stop_refuses_deferred_requests_rather_than_wait_out_their_deadline(
+        daemon_factory: Any) -> None:
+    # SIGTERM stops reading requests, so nothing can free room: a deferred request
+    # waited its whole deadline (the stop with it) before it was refused.
+    d, holder, held = full_of_pins(daemon_factory, env={"KVSTORE_DRAM_DEFER_SECONDS": "20"})
+    try:
+        out: dict[str, Any] = {}
+        waiting = _deferred_reserve(d.endpoint, 10**6, 1, out, "deferred")
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert d.stop() == 0
+        stopped = time.monotonic() - started
+        waiting.join(30)
+        assert stopped < 8, f"the stop took {stopped:.1f}s"
+        assert out["deferred"][0] != "granted" and out["deferred"][1] < 10, out
+    finally:
+        holder.close()
