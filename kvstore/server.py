@@ -580,7 +580,11 @@ async def drain_server(server: Server, bound: float) -> None:
         await asyncio.wait_for(server.moves.drain(), bound)
     except TimeoutError:
         log.error("writes to the ssd tier still under way at exit were dropped")
-    if server.ssd is not None and not server.ssd.write_through:
+    if server.ssd is not None and not server.ssd.write_through \
+            and not server.store.allow_demote:
+        log.info("blocks only dram holds were not written to ssd on the way out: "
+                 "dram.pressure has no demote")
+    elif server.ssd is not None and not server.ssd.write_through:
         # write-back keeps on SSD only what DRAM evicted: what DRAM alone holds goes
         # there now (its free room), or a restart would find none of it
         try:

@@ -27,6 +27,7 @@ from kvstore.dram_copies import check_slots
 from kvstore.errors import CapacityError
 from kvstore.first_blocks import Heads, also_heads
 from kvstore.plans import Plan
+from kvstore.pool import SlabClass
 from kvstore.room import RoomMaker
 from kvstore.scheduler.eviction import EvictionPolicy, LRUPolicy
 
@@ -699,29 +700,29 @@ if _BLOCK_SLOTS != Block.__slots__:  # (not an assert: kept under ``python -O``)
 def flush_plan(copies: SsdCopies) -> list[Block]:
     """On the way out, under write-back: the blocks whose one copy is in DRAM, for the
     SSD tier's free room (a restart finds them there), parents first, so that what is
-    written is whole prefixes; nothing it holds is evicted for them (they are written
-    with ``reserve(evict=False)``: a block written first would otherwise make room for
-    one written later, the deepest evicting the heads the rest hang from, and a copy
-    only the SSD tier held could go).  The room is each class's free slots and the
-    empty slabs, which every class draws on (counted once).  A block whose parent
-    stays off the SSD tier is not written (a restart drops it)."""
+    written is whole prefixes; first those that copies on SSD hang from (a parent only
+    DRAM held, its children demoted: without it a restart drops them all), then the
+    rest.  Nothing the SSD tier holds is evicted for them (they are written with
+    ``reserve(evict=False)``: a block written first would otherwise make room for one
+    written later, the deepest evicting the heads the rest hang from, and a copy only
+    the SSD tier held could go).  The room is each class's free slots and the empty
+    slabs, which every class draws on (counted once).  A block whose parent stays off
+    the SSD tier is not written (a restart drops it)."""
     store = copies.store
     ssd = store.ssd
     assert ssd is not None, "no SSD tier"
-    empty = ssd.pool.empty_slabs
+    room = [ssd.pool.empty_slabs]  # the empty slabs, shared
     free: dict[int, int] = {}  # a class (by its slot size) -> its free slots, as planned
     plan: list[Block] = []
     chosen: set[Block] = set()
-    for ns in list(store.namespaces.values()):
-        cls = ns.ssd_cls
-        if cls is None:
-            continue
-        for b in copies.write_through_candidates(parents_first(ns)):
+
+    def take(blocks: list[Block], cls: SlabClass) -> None:
+        for b in copies.write_through_candidates(blocks):
             have = free.setdefault(cls.slot_bytes, cls.free_slots)
             if have == 0:
-                if empty == 0:
-                    break
-                empty -= 1  # a slab this class takes: no other class has it
+                if room[0] == 0:
+                    return
+                room[0] -= 1  # a slab this class takes: no other class has it
                 have = cls.slots_per_slab
             parent = b.parent
             if parent is None or parent.ssd_offset is not None or parent in chosen:
@@ -729,4 +730,19 @@ def flush_plan(copies: SsdCopies) -> list[Block]:
                 chosen.add(b)
                 have -= 1
             free[cls.slot_bytes] = have
+
+    rest: list[tuple[list[Block], SlabClass]] = []
+    for ns in list(store.namespaces.values()):  # every namespace's rescues first
+        cls = ns.ssd_cls
+        if cls is None:
+            continue
+        order = parents_first(ns)
+        above: set[Block] = set()  # the ancestors of copies on SSD
+        for b in reversed(order):
+            if (b.ssd_offset is not None or b in above) and b.parent is not None:
+                above.add(b.parent)
+        take([b for b in order if b in above], cls)
+        rest.append(([b for b in order if b not in above], cls))
+    for blocks, cls in rest:
+        take(blocks, cls)
     return plan

@@ -65,7 +65,12 @@ class SsdMover:
     def restore(self) -> int:
         """Rebuild the SSD tier's blocks from the durable index (warm restart)."""
         with paused():  # all it builds lives on: nothing for the collector to find
-            return self._restore()
+            restored = self._restore()
+        orphans = self.engine.stats().get("dropped_orphans", 0)
+        if orphans:  # (their parents were not written: a stop that lost them, say)
+            log.warning("ssd tier: %d blocks dropped at restore: their parents were not "
+                        "on it", orphans)
+        return restored
 
     def _restore(self) -> int:
         namespaces = {}

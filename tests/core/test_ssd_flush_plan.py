@@ -1,0 +1,60 @@
+"""What a clean stop writes to the SSD tier under write-back (``ssd_copies.flush_plan``):
+blocks only DRAM holds, for the room the SSD tier has free (no class counting the empty
+slabs another takes), parents first, and first the parents that copies already on SSD
+hang from (without them a restart drops those copies as orphans)."""
+
+from __future__ import annotations
+
+from kvtest import make_identity
+
+from kvstore.keys import chain_keys
+from kvstore.ssd_copies import flush_plan
+from kvstore.store import Block, BlockStore, Namespace
+
+IDENT = make_identity()
+SLOT = IDENT.block_bytes
+
+
+def commit(store: BlockStore, ns: Namespace, first: int, blocks: int) -> list[Block]:
+    keys = chain_keys(ns.id, range(first, first + blocks * IDENT.block_tokens),
+                      IDENT.block_tokens)
+    r = store.reserve("engine", ns, keys, None, 0.0)
+    store.commit("engine", r.id, 0.0)
+    return [ns.blocks[k] for k in keys]
+
+
+def on_ssd(store: BlockStore, blocks: list[Block]) -> None:
+    t, _ = store.ssd_copies.reserve(blocks)
+    store.ssd_copies.finish_write(t, [object()] * len(blocks))
+
+
+def test_parents_of_copies_on_ssd_come_first_and_the_room_is_not_exceeded() -> None:
+    store = BlockStore(64 * SLOT, 8 * SLOT, ssd_capacity=16 * SLOT, ssd_slab_bytes=4 * SLOT)
+    other = store.open_namespace(make_identity(salt="other"))  # first in the store's order
+    ns = store.open_namespace(IDENT)
+    loose = commit(store, other, 0, 12)  # only in DRAM, and first: it took the room
+    chain = commit(store, ns, 10**6, 8)
+    on_ssd(store, chain[1:])  # its head only in DRAM, the rest on SSD as well
+    plan = flush_plan(store.ssd_copies)
+    # the head the seven copies hang from, first; then the room left (16 - 7 = 9 slots:
+    # two empty slabs and one free slot of the slab the copies took), whole prefixes
+    assert plan[0] is chain[0]
+    assert plan[1:] == loose[:8]
+    assert len(plan) == 16 - 7
+    store.check_invariants()
+
+
+def test_two_block_sizes_share_the_empty_slabs_once() -> None:
+    store = BlockStore(64 * SLOT, 8 * SLOT, ssd_capacity=8 * SLOT, ssd_slab_bytes=4 * SLOT)
+    big = store.open_namespace(IDENT)
+    small = store.open_namespace(make_identity(head_dim=IDENT.head_dim // 2))
+    commit(store, big, 0, 6)
+    commit(store, small, 10**6, 6)
+    plan = flush_plan(store.ssd_copies)
+    assert store.ssd is not None
+    # two empty slabs of four big slots or eight small ones: the big blocks (first)
+    # take both, and none is left for the small (each class counted both slabs, and the
+    # plan held more than the tier)
+    room = sum(b.ns.ssd_cls.slot_bytes for b in plan if b.ns.ssd_cls is not None)
+    assert room <= 8 * SLOT
+    assert [b.ns for b in plan].count(big) == 6 and [b.ns for b in plan].count(small) == 0
