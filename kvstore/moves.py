@@ -32,7 +32,7 @@ from typing import TypeVar
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.gpu_mover import GpuMover
 from kvstore.remote import REMOTE_OWNER, RemoteTier, by_namespace
-from kvstore.ssd_copies import flush_plan
+from kvstore.ssd_copies import flush_plan, flush_victim
 from kvstore.store import Block, BlockStore, Namespace, Plan
 from kvstore.tiering import SsdMover
 from kvstore.transfers import Background, TurnBatch
@@ -220,9 +220,11 @@ class Moves:
             await self.carry_out(result)
         raise CapacityError("blocks kept moving between tiers; try again")
 
-    async def _to_ssd(self, blocks: list[Block], evict: bool = True) -> None:
+    async def _to_ssd(self, blocks: list[Block],
+                      evict: bool | Callable[[Block], bool] = True) -> None:
         """Write DRAM copies to SSD (demotions, or write-through copies; ``evict``: cold
-        SSD copies make room, else CapacityError where there is none); room frees."""
+        SSD copies make room, those it passes if a test, else CapacityError where there
+        is none); room frees."""
         assert self.ssd is not None, "the store planned a write to ssd without an ssd tier"
         # SSD copies the store dropped since a request last ended (a put finished in a
         # task drops the stale copy of a block it commits again, and ends none): out of
@@ -412,15 +414,18 @@ class Moves:
             await asyncio.wait({self._ssd_copier})
 
     async def flush_to_ssd(self) -> int:
-        """On the way out, under write-back: the blocks only DRAM holds, to the SSD
-        tier's free room (``ssd_copies.flush_plan``), a batch at a time; how many went."""
+        """On the way out, under write-back: the blocks only DRAM holds, to the SSD tier
+        (``ssd_copies.flush_plan``), a batch at a time, where there is room or in place
+        of its coldest leaves (``flush_victim``: never a parent, nor a block written
+        here); how many went."""
         written = 0
         plan = flush_plan(self.store.ssd_copies)
+        planned = set(plan)
         for start in range(0, len(plan), 64):
             batch = self.store.ssd_copies.write_through_candidates(plan[start:start + 64])
             if batch:
                 try:
-                    await self._to_ssd(batch, evict=False)
+                    await self._to_ssd(batch, evict=lambda b: flush_victim(b, planned))
                 except CapacityError:
                     continue  # another batch (of another class) may fit where this did not
                 written += sum(b.ssd_offset is not None for b in batch)

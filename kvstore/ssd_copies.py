@@ -110,11 +110,11 @@ class SsdCopies:
             == store.ssd_committed_bytes, "ssd committed byte counter is off"
 
     # -- SSD: demotion, write-through, promotion, restart -----------------------------------
-    def reserve(self, blocks: list[Block], evict: bool = True
+    def reserve(self, blocks: list[Block], evict: bool | Callable[[Block], bool] = True
                 ) -> tuple[Transfer, list[tuple[bytes, bytes]]]:
         """SSD slots for blocks about to be written there, evicting cold SSD copies (none:
-        CapacityError where there is no room); returns the transfer and the keys whose
-        SSD copies went (to withdraw from the index)."""
+        CapacityError where there is no room; a test: only copies it passes); returns the
+        transfer and the keys whose SSD copies went (to withdraw from the index)."""
         assert self.store.ssd is not None, "no SSD tier"
         for b in blocks:
             assert b.offset is not None and b.ssd_offset is None, (
@@ -134,6 +134,8 @@ class SsdCopies:
             def allowed(b: Block) -> bool:
                 if b.ssd_holds or b in members:
                     return False
+                if callable(evict):
+                    return evict(b)
                 return b.offset is not None or b.kids is None
 
             while pool.available(cls) < len(group):
@@ -699,15 +701,13 @@ if _BLOCK_SLOTS != Block.__slots__:  # (not an assert: kept under ``python -O``)
 
 def flush_plan(copies: SsdCopies) -> list[Block]:
     """On the way out, under write-back: the blocks whose one copy is in DRAM, for the
-    SSD tier's free room (a restart finds them there), parents first, so that what is
-    written is whole prefixes; first those that copies on SSD hang from (a parent only
-    DRAM held, its children demoted: without it a restart drops them all), then the
-    rest.  Nothing the SSD tier holds is evicted for them (they are written with
-    ``reserve(evict=False)``: a block written first would otherwise make room for one
-    written later, the deepest evicting the heads the rest hang from, and a copy only
-    the SSD tier held could go).  The room is each class's free slots and the empty
-    slabs, which every class draws on (counted once).  A block whose parent stays off
-    the SSD tier is not written (a restart drops it)."""
+    SSD tier (a restart finds them there), parents first, so that what is written is
+    whole prefixes; first those that copies on SSD hang from (a parent only DRAM held,
+    its children demoted: without it a restart drops them all), then the rest.  As many
+    as each class has slots, its own and the empty slabs (which every class draws on,
+    counted once): the flush writes them where there is room, or in place of the SSD
+    tier's coldest leaves (``flush_victim``).  A block whose parent stays off the SSD
+    tier is not written (a restart drops it)."""
     store = copies.store
     ssd = store.ssd
     assert ssd is not None, "no SSD tier"
@@ -718,7 +718,7 @@ def flush_plan(copies: SsdCopies) -> list[Block]:
 
     def take(blocks: list[Block], cls: SlabClass) -> None:
         for b in copies.write_through_candidates(blocks):
-            have = free.setdefault(cls.slot_bytes, cls.free_slots)
+            have = free.setdefault(cls.slot_bytes, cls.capacity_slots)
             if have == 0:
                 if room[0] == 0:
                     return
@@ -746,3 +746,10 @@ def flush_plan(copies: SsdCopies) -> list[Block]:
     for blocks, cls in rest:
         take(blocks, cls)
     return plan
+
+
+def flush_victim(b: Block, planned: frozenset[Block] | set[Block]) -> bool:
+    """Whether the flush on the way out may trade ``b``'s SSD copy for a block only DRAM
+    holds: a leaf of the index (a restart must find every parent of what it keeps), not
+    a block the flush writes itself, nor one a transfer holds."""
+    return b.kids is None and b not in planned and not b.ssd_holds

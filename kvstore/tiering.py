@@ -176,7 +176,8 @@ class SsdMover:
             self._forgetting = False
 
     # -- moves the pipeline asks for --------------------------------------------------
-    async def write(self, blocks: list[Block], evict: bool = True) -> None:
+    async def write(self, blocks: list[Block],
+                    evict: bool | Callable[[Block], bool] = True) -> None:
         """Write DRAM copies to SSD (demotion or write-through) and report to the store;
         CapacityError if the SSD tier could not take them (the store knows; ``evict``:
         whether cold SSD copies may make room)."""

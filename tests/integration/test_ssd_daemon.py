@@ -101,11 +101,14 @@ def test_write_back_blocks_only_dram_holds_survive_a_clean_restart(
         assert tier_stats(client, "ssd")["committed_slots"] == 16
 
 
-def test_the_flush_on_a_clean_stop_evicts_nothing_the_ssd_holds(
+def test_the_flush_on_a_clean_stop_trades_only_the_ssds_coldest_leaves(
         daemon_factory: Any) -> None:
-    # Namespaces of two block sizes are two SSD slot classes drawing on the same empty
-    # slabs: counted once for each, the flush planned twice the room there was, and the
-    # writes past it evicted a chain whose only copy was on SSD.
+    # A cache run long enough fills its SSD tier, where a flush into free room alone
+    # writes nothing: the blocks only DRAM holds (the hottest) take the place of the SSD
+    # tier's coldest copies, leaf first, never a parent (a restart must find every
+    # parent of what it keeps) nor a block the flush writes itself.  Namespaces of two
+    # block sizes are two slot classes drawing on the same empty slabs, counted once
+    # (counted by each, the plan held twice the room there was).
     small = make_identity(model="small", num_layers=2, num_kv_heads=4, head_dim=64)
     d = start(daemon_factory, ssd_capacity="2MiB", env={"KVSTORE_SSD_SLAB_SIZE": "1MiB"},
               extra=["--slab-size", "1MiB", "--log-level", "info"])  # two SSD slabs
@@ -118,27 +121,29 @@ def test_the_flush_on_a_clean_stop_evicts_nothing_the_ssd_holds(
             ns.put(keys, [content(k, ident.block_bytes) for k in keys])
             return keys
 
-        only_on_ssd = put(small_ns, small, 0)
+        cold = put(small_ns, small, 0)
         second = put(small_ns, small, 100_000)
         big = put(big_ns, IDENT, 0)
         small_ns.lookup(second)
         big_ns.lookup(big)  # the first chain the coldest: the next put demotes it
         third = put(small_ns, small, 200_000)
-        assert set(small_ns.lookup(only_on_ssd).tiers) == {"ssd"}
+        assert set(small_ns.lookup(cold).tiers) == {"ssd"}
         assert tier_stats(client, "ssd")["committed_slots"] == 16
     assert restart(d) == 0
+    assert "wrote 48 blocks to the ssd tier on the way out" in d.log()
+    assert "dropped at restore" not in d.log()  # no orphan: every parent kept
     with Client(d.endpoint, tenant="acme") as client:
         small_ns, big_ns = client.namespace(small), client.namespace(IDENT)
-        assert small_ns.lookup(only_on_ssd).blocks == 16  # kept whole
-        assert small_ns.get(only_on_ssd) == [content(k, small.block_bytes)
-                                             for k in only_on_ssd]
-        # what the flush wrote filled the room left, and nothing more: 2 MiB of slots,
-        # 16 small blocks (half a slab) already there
-        flushed = (big_ns.lookup(big).blocks * IDENT.block_bytes
-                   + sum(small_ns.lookup(k).blocks for k in (second, third))
-                   * small.block_bytes)
-        assert 0 < flushed <= (2 << 20) - 16 * small.block_bytes
-        assert tier_stats(client, "ssd")["evictions"] == 0
+        # what DRAM alone held, all of it: a slab of big blocks, and the small class's
+        # free half slab and the coldest chain's slots, leaf first
+        assert big_ns.lookup(big).blocks == 16
+        assert big_ns.get(big) == [content(k, IDENT.block_bytes) for k in big]
+        for keys in (second, third):
+            assert small_ns.lookup(keys).blocks == 16
+            assert small_ns.get(keys) == [content(k, small.block_bytes) for k in keys]
+        assert small_ns.lookup(cold).blocks == 0
+        ssd = tier_stats(client, "ssd")
+        assert ssd["committed_slots"] == 48  # (a slab of 16 big slots, one of 32 small)
 
 
 def test_write_through_puts_back_to_back_wait_for_copies_instead_of_failing(
