@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.identity import tenant_problem
 
 if TYPE_CHECKING:
     from kvstore.identity import Identity
@@ -311,8 +312,6 @@ def _key_name_problem(name: str) -> str | None:
     and the daemon reads a client key's tenant from the name up to its first dot
     (``acme.laptop.key`` is tenant acme: ``Auth._client_keys``), which must be a tenant
     name."""
-    from kvstore.identity import tenant_problem
-
     if "/" in name:
         return "is a path; give a file name (a tenant, as acme or acme.laptop)"
     why = tenant_problem(name.split(".")[0])
@@ -323,8 +322,6 @@ def _key_name_problem(name: str) -> str | None:
 
 def _cmd_token(args: argparse.Namespace) -> int:
     from kvstore.auth import issue_token, read_secret
-    from kvstore.identity import tenant_problem
-
     # a token the daemon would refuse at every hello is refused here instead
     why = tenant_problem(args.tenant)
     if why is None and len(args.tenant.encode()) > _MAX_PLAIN_USER_BYTES:

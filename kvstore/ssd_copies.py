@@ -712,7 +712,7 @@ def flush_plan(copies: SsdCopies) -> list[Block]:
     ssd = store.ssd
     assert ssd is not None, "no SSD tier"
     room = [ssd.pool.empty_slabs]  # the empty slabs, shared
-    free: dict[int, int] = {}  # a class (by its slot size) -> its free slots, as planned
+    free: dict[int, int] = {}  # a class (by its slot size) -> its slots not yet planned
     plan: list[Block] = []
     chosen: set[Block] = set()
 
@@ -748,8 +748,8 @@ def flush_plan(copies: SsdCopies) -> list[Block]:
     return plan
 
 
-def flush_victim(b: Block, planned: frozenset[Block] | set[Block]) -> bool:
+def flush_victim(b: Block, planned: set[Block]) -> bool:
     """Whether the flush on the way out may trade ``b``'s SSD copy for a block only DRAM
-    holds: a leaf of the index (a restart must find every parent of what it keeps), not
-    a block the flush writes itself, nor one a transfer holds."""
-    return b.kids is None and b not in planned and not b.ssd_holds
+    holds (``reserve`` asks, of copies no transfer holds): a leaf of the index (a
+    restart must find every parent of what it keeps), not a block the flush writes."""
+    return b.kids is None and b not in planned
