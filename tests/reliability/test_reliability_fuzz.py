@@ -674,6 +674,7 @@ def test_mutated_and_random_bytes(fuzz: Fuzz) -> None:
     rng = random.Random()
     seed = rng.randrange(1 << 32)
     rng.seed(seed)
+    print(f"fuzz: random seed {seed}")  # (pytest shows it with a failure)
     session, anon = fuzz.session, fuzz.anon
     started = time.perf_counter()
     base = corpus(session)
