@@ -306,6 +306,8 @@ class Counters:
     dropped_on_eviction: int = 0
     remote_writebacks: int = 0
     ssd_evicted_unwritten: int = 0  # SSD-only copies evicted that the remote store lacked
+    slab_moves: int = 0  # DRAM slabs handed from one block size's class to another's
+    slab_moved_blocks: int = 0  # blocks copied into their class's other slabs for that
 
 class TierSlots:
     """One tier's slab pool and an eviction order per slab class."""
@@ -319,6 +321,22 @@ class TierSlots:
         self.policies: dict[int, EvictionPolicy[Block]] = {}
         self.used: dict[str, int] = {}  # bytes of slots each tenant holds (any state)
         self.pinned: dict[str, int] = {}  # bytes of those pinned (DRAM copies with refs)
+        # bytes each class (by slot size) used lately, slots taken and DRAM hits, halved
+        # whenever twice the capacity was used: the classes' shares of the slabs
+        # (``kvstore.slab_moves``)
+        self.demand: dict[int, float] = {}
+        self._demand_since = 0
+
+    def note_use(self, cls: SlabClass, count: int) -> None:
+        """``count`` slots of ``cls`` used (taken, or hit in DRAM)."""
+        nbytes = count * cls.slot_bytes
+        demand = self.demand
+        demand[cls.slot_bytes] = demand.get(cls.slot_bytes, 0.0) + nbytes
+        self._demand_since += nbytes
+        if self._demand_since > 2 * self.pool.capacity_bytes:
+            self._demand_since = 0
+            for size in demand:
+                demand[size] /= 2
 
     def take(self, ns: Namespace, count: int) -> list[int] | None:
         """``count`` slots of ``ns``'s class, charged to its tenant; None if too few free."""

@@ -363,6 +363,8 @@ class StoreCore:
         self.tiers: list[Tier] = []  # every tier's copies, fastest first (the parts add theirs)
         self.added_tiers: dict[str, Tier] = {}
         self.changes: TierChanges | None = None  # blocks whose copies changed (events on)
+        # (ns, from, to): copies a block's bytes between DRAM slots (the daemon's arena)
+        self.move_bytes: Callable[[Namespace, int, int], None] | None = None
         self._compose()
 
     def _compose(self) -> None:

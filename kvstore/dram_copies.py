@@ -47,6 +47,8 @@ class DramCopies:
             "pinned_blocks": store.pinned_blocks,
             "tail_waste": sum(p.tail_waste_bytes() for p in pools),
             "empty_slabs": sum(p.empty_slabs for p in pools),
+            "slab_moves": c.slab_moves,
+            "slab_moved_blocks": c.slab_moved_blocks,
             "arenas": len(pools),
             "hits": c.hit_blocks,
             "lookups": c.lookups,
@@ -82,6 +84,8 @@ class DramCopies:
             pinned += b.refs > 0
             if b.offset is not None:
                 committed.setdefault(b.ns.cls, []).append(b.offset)
+                # the slot's holder is known, for a slab handed to another block size
+                assert b.ns.dram.pool.holder(b.ns.cls, b.offset) is b, f"{b}: not its slot's"
         for dram in store.drams.values():
             dram.pool.check()
             for slot_bytes, cls in dram.pool.classes.items():

@@ -96,6 +96,7 @@ class Index:
                    else deepest_first)
         if in_dram:
             ns.dram.policy(ns.cls).access_many(in_dram)
+            ns.dram.note_use(ns.cls, len(in_dram))  # (its class's share of the slabs)
         ssd = self.store.ssd
         if ssd is not None:
             on_ssd = [b for b in deepest_first if b.ssd_offset is not None]

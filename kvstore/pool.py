@@ -2,8 +2,10 @@
 
 Block sizes differ between namespaces, so the tier's range is cut into slabs of
 ``slab_bytes`` and each slab serves slots of one size class, as memcached does.  A slab
-whose slots are all free goes back to the tier.  The pool deals in byte offsets only;
-what a slot holds is the block store's business.
+whose slots are all free goes back to the tier, and a slab a class can spare is
+emptied into its other slabs' free slots (``vacate``) and given to another class.  The
+pool deals in byte offsets; what a slot holds it only remembers (``place``), so that the
+slab's holders can be found without a walk of every block, and moved.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ def align_up(value: int, alignment: int) -> int:
 class Slab:
     """One slab: a bump pointer over never-used slots plus a stack of freed ones."""
 
-    __slots__ = ("index", "base", "next_unused", "freed", "used", "free_set", "claimed")
+    __slots__ = ("index", "base", "next_unused", "freed", "used", "free_set", "claimed",
+                 "holders")
 
     def __init__(self, index: int, base: int) -> None:
         self.index = index
@@ -35,6 +38,9 @@ class Slab:
         # at the next other use; so that each claim is O(1), not a walk of ``freed``.
         self.free_set: set[int] | None = None
         self.claimed: set[int] | None = None
+        # What each slot held when last ``place``d, by slot number (None until one was):
+        # stale for a slot freed since, so its reader checks the holder still holds it.
+        self.holders: list[object] | None = None
 
     def settle(self) -> None:
         """Drop the slots claimed out of order from ``freed``."""
@@ -164,6 +170,53 @@ class SlabPool:
             cls._with_room[index] = slab
             if slab.used == 0:
                 self._shrink(cls, slab)
+
+    # -- what slots hold, and emptying a slab into the class's others ---------------------
+    def place(self, cls: SlabClass, offsets: Sequence[int], holders: Sequence[object]) -> None:
+        """Remember what holds each slot at ``offsets`` (``holders_of`` lists them)."""
+        slab_bytes, size, slabs = self.slab_bytes, cls.slot_bytes, cls.slabs
+        for offset, holder in zip(offsets, holders):
+            index, within = divmod(offset, slab_bytes)
+            slab = slabs[index]
+            held = slab.holders
+            if held is None:
+                held = slab.holders = [None] * cls.slots_per_slab
+            held[within // size] = holder
+
+    def holder(self, cls: SlabClass, offset: int) -> object | None:
+        """What was placed in the slot at ``offset`` last (None if nothing was)."""
+        index, within = divmod(offset, self.slab_bytes)
+        held = cls.slabs[index].holders
+        return None if held is None else held[within // cls.slot_bytes]
+
+    def holders_of(self, cls: SlabClass, slab: Slab) -> list[tuple[int, object]]:
+        """(offset, what was placed there last) for each slot of ``slab`` a holder was
+        placed in, in slot order (a slot freed since keeps its last holder)."""
+        held = slab.holders
+        if held is None:
+            return []
+        base, size = slab.base, cls.slot_bytes
+        return [(base + i * size, h) for i, h in enumerate(held) if h is not None]
+
+    def vacate(self, cls: SlabClass, index: int, olds: Sequence[int]) -> list[int]:
+        """Empty slab ``index`` of ``cls``, every used slot of which is in ``olds``, into
+        free slots of the class's other slabs (there must be that many): the new offset of
+        each, in order, holders moved with them.  The slab goes back to the tier."""
+        slab = cls.slabs[index]
+        assert len(olds) == slab.used, "every used slot of the slab is moved"
+        free_here = cls.slots_per_slab - slab.used
+        assert cls.free_slots - free_here >= slab.used, "too few free slots elsewhere"
+        cls._with_room.pop(index, None)  # out of ``_take_many``'s reach
+        cls.free_slots -= free_here
+        news = cls._take_many(len(olds)) if olds else []
+        held = slab.holders
+        if held is not None and news:
+            within = [(old - slab.base) // cls.slot_bytes for old in olds]
+            self.place(cls, news, [held[i] for i in within])
+        del cls.slabs[index]
+        del self._owner[index]
+        self._empty.append(index)
+        return news
 
     def claim(self, cls: SlabClass, offset: int) -> bool:
         """Mark the slot at ``offset`` used (rebuilding a tier at start-up); False if that

@@ -17,6 +17,7 @@ from kvstore.errors import CapacityError
 from kvstore.first_blocks import no_longer_heads
 from kvstore.plans import Plan
 from kvstore.pool import SlabClass
+from kvstore.slab_moves import SlabMoves
 from kvstore.tier_changes import TierChanges
 from kvstore.token_ids import TokenRun, split_sparse
 
@@ -31,14 +32,20 @@ class RoomMaker:
 
     def __init__(self, store: StoreCore) -> None:
         self.store = store
+        self.slabs = SlabMoves(store, self._make_room)  # slabs between block sizes
 
     def allocate(self, ns: Namespace, count: int,
                  protect: Block | None = None) -> list[int] | Plan:
         """DRAM slots, evicting as needed; all or nothing: the slots, or the plan of the
         writes that must come first (nothing taken), or CapacityError."""
         pool, cls = ns.dram.pool, ns.cls
+        ns.dram.note_use(cls, count)
         if self.store.tenant_quota and not self.store.per_tenant:
             plan = self._make_quota_room(ns, count, protect)  # among the tenant's own
+            if plan is not None:
+                return plan
+        if pool.available(cls) < count and len(pool.classes) > 1:
+            plan = self.slabs.make_way(ns.dram, cls, count, protect)  # from another size
             if plan is not None:
                 return plan
         if pool.available(cls) < count:

@@ -147,6 +147,8 @@ class Server:
         sweep_stale_arenas(d.directory)
         self.arenas = Arenas(self.config.dram_capacity, d.directory, populate=d.populate,
                              max_arenas=d.max_arenas, memfd=self.config.memfd_arenas)
+        self.store.move_bytes = lambda ns, source, target: self.arena_for(ns.tenant).move(
+            source, target, ns.block_bytes)  # (a slab handed to another block size)
         try:
             self._start_parts()
         except BaseException:

@@ -297,6 +297,7 @@ class BlockStore(StoreCore):
                 block = ns.blocks[key]
                 if one is not None and block.tokens is None:
                     block.tokens = one
+        ns.dram.pool.place(ns.cls, [b.offset for b in fresh], fresh)  # type: ignore[misc]
         policy.insert_many(reversed(fresh))  # deepest first: parents end up warmer
         if self.dropping and ns in self.dropping:  # the removals asked so far keep them
             self.dropping[ns].kept(fresh)
@@ -307,9 +308,7 @@ class BlockStore(StoreCore):
                 self.changes.touch_run(fresh)
         if self.ssd is not None:
             dirty = self.dirty.setdefault(ns.cls, {})
-            for block in fresh:
-                if block.ssd_offset is None:
-                    dirty[block] = None
+            dirty.update((block, None) for block in fresh if block.ssd_offset is None)
         if duplicates:
             ns.dram.give(ns, duplicates)
         self.committed_slots += len(fresh)

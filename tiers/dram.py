@@ -139,6 +139,10 @@ class DramArena:
     def slot(self, offset: int, length: int) -> memoryview:
         return self.view[offset:offset + length]
 
+    def move(self, source: int, target: int, length: int) -> None:
+        """Copy ``length`` bytes at ``source`` to ``target`` (a block given another slot)."""
+        self._mmap.move(target, source, length)
+
     def close(self) -> None:
         """Unmap and unlink; clients that still map it keep their pages until they go."""
         self.view.release()

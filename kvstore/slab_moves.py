@@ -1,0 +1,157 @@
+"""Slabs handed from one block size's class to another's in a shared DRAM tier.
+
+A tier's slabs serve one slot size each (``kvstore.pool``), and a slab used to go back
+to the tier only once every slot of it was free.  So once blocks of one size filled an
+arena, a namespace of another size (another model's geometry) was refused until those
+slabs emptied by themselves, which under steady traffic they never do; and a size
+that got a slab or two early kept evicting within them while another size held the
+rest.  As memcached reassigns slabs between its classes, a class takes a slab from
+another:
+
+- **when it is starved**: its free and evictable slots cannot hold the request, or
+- **when it holds less than its share**: each class's share of the slabs follows its
+  share of the bytes the tier's requests used lately (slots taken, and DRAM hits),
+  decayed by half each time requests took twice the tier's capacity; a class gets one
+  more slab only while that leaves it within its share, and gives one only while it
+  keeps its own (one slab of slack each way, so slabs do not go back and forth).
+
+The donor is the class furthest over its share.  Of its slabs, the one with fewest
+used slots whose every slot holds a committed block nothing reads or writes now (no
+pin, no reservation, no transfer): its blocks' bytes are copied into free slots of the
+class's other slabs, made by evicting the class's own coldest blocks by its own order
+(leaves first, written down first where the pressure steps say so: the request then
+waits for those writes and asks again), and the empty slab goes to the class asking.
+Blocks keep their entries, orders and copies in other tiers; only their DRAM offset
+changes, which no client holds without a pin.  At most the slab's bytes are copied,
+on the loop, once per slab moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvstore.blocks import SSD, Block, TierSlots
+from kvstore.errors import CapacityError
+from kvstore.plans import Plan
+from kvstore.pool import Slab, SlabClass
+
+if TYPE_CHECKING:
+    from kvstore.core import StoreCore
+
+# Slabs of a donor looked at for one that can be emptied now, fewest used slots first
+# (each look walks the slab's slots).
+_CANDIDATES = 8
+
+
+class SlabMoves:
+    """Which class gives a slab to which, and the giving (see the module docstring)."""
+
+    def __init__(self, store: StoreCore,
+                 make_room: Callable[[TierSlots, SlabClass, int, Block | None], Plan | None]
+                 ) -> None:
+        self.store = store
+        self.make_room = make_room  # ``RoomMaker._make_room``: evict within one class
+
+    def shares(self, dram: TierSlots) -> dict[SlabClass, float]:
+        """Each class's share of the tier's slabs now, in slabs (by its recent use)."""
+        pool = dram.pool
+        classes = [c for c in pool.classes.values() if c.slabs or dram.demand.get(c.slot_bytes)]
+        used = {c: dram.demand.get(c.slot_bytes, 0.0) for c in classes}
+        total = sum(used.values())
+        if not total:
+            return {c: len(c.slabs) for c in classes}
+        return {c: pool.num_slabs * u / total for c, u in used.items()}
+
+    def make_way(self, dram: TierSlots, cls: SlabClass, count: int,
+                 protect: Block | None) -> Plan | None:
+        """Give ``cls`` slabs from other classes while it is starved for ``count`` slots
+        or under its share (one slab then); a Plan where a donor's writes must come
+        first.  Nothing to do (or nothing that can be done now) is None."""
+        pool = dram.pool
+        others = sum(len(c.slabs) for c in pool.classes.values() if c is not cls)
+        if pool.available(cls) + len(dram.policy(cls)) + others * cls.slots_per_slab < count:
+            return None  # not even every other slab would do (the rest pinned, say)
+        while pool.available(cls) < count:
+            starved = pool.available(cls) + len(dram.policy(cls)) < count
+            donor = self._donor(dram, cls, starved)
+            if donor is None:
+                return None
+            taken = self._take_slab(dram, donor, protect)
+            if isinstance(taken, Plan):
+                return taken
+            if not taken or not starved:
+                return None
+        return None
+
+    def _donor(self, dram: TierSlots, cls: SlabClass, starved: bool) -> SlabClass | None:
+        others = [c for c in dram.pool.classes.values() if c is not cls and c.slabs]
+        if not others:
+            return None
+        share = self.shares(dram)
+        if not starved and len(cls.slabs) + 1 > share.get(cls, 0.0):
+            return None
+        donor = max(others, key=lambda c: len(c.slabs) - share.get(c, 0.0))
+        if not starved and len(donor.slabs) - 1 < share.get(donor, 0.0):
+            return None
+        return donor
+
+    def _take_slab(self, dram: TierSlots, donor: SlabClass,
+                   protect: Block | None) -> bool | Plan:
+        """Empty one slab of ``donor`` into its others (True: it went back to the tier),
+        or a Plan of the writes its room waits on; False if none can be emptied now."""
+        pool = dram.pool
+        picked = self._movable(dram, donor, protect)
+        if picked is None:
+            return False
+        slab, blocks = picked
+        short = slab.used - (donor.free_slots - (donor.slots_per_slab - slab.used))
+        if short > 0:
+            if len(dram.policy(donor)) < short:
+                return False
+            rejects, empty = self.store.counters.capacity_rejects, pool.empty_slabs
+            try:
+                plan = self.make_room(dram, donor, short, protect)
+            except CapacityError:
+                self.store.counters.capacity_rejects = rejects  # (not the request's)
+                return False
+            if plan is not None:
+                return plan
+            if pool.empty_slabs > empty:  # the victims emptied a slab: the tier's now
+                self.store.counters.slab_moves += 1
+                return True
+            picked = self._movable(dram, donor, protect, only=slab)
+            if picked is None:
+                return False
+            slab, blocks = picked
+        news = pool.vacate(donor, slab.index, [b.offset for b in blocks])  # type: ignore[misc]
+        move = self.store.move_bytes
+        for b, new in zip(blocks, news):
+            if move is not None:
+                move(b.ns, b.offset, new)  # type: ignore[arg-type]
+            b.offset = new
+        self.store.counters.slab_moves += 1
+        self.store.counters.slab_moved_blocks += len(blocks)
+        return True
+
+    def _movable(self, dram: TierSlots, donor: SlabClass, protect: Block | None,
+                 only: Slab | None = None) -> tuple[Slab, list[Block]] | None:
+        """A slab of ``donor`` (``only`` that one) every used slot of which holds a
+        committed block nothing reads or writes now, fewest used first; and those."""
+        store = self.store
+        busy = {id(b) for t in store.transfers.values() if t.tier == SSD for b in t.blocks}
+        busy.update(id(b) for b in store.remote_demoting)
+        slabs = [only] if only is not None else sorted(
+            donor.slabs.values(), key=lambda s: s.used)[:_CANDIDATES]
+        for slab in slabs:
+            blocks: list[Block] = []
+            for offset, b in dram.pool.holders_of(donor, slab):
+                if not isinstance(b, Block) or b.offset != offset or b.ns.dram is not dram:
+                    continue  # a slot freed since
+                if b.refs or b.demoting or b.promoting or b is protect or id(b) in busy:
+                    break
+                blocks.append(b)
+            else:
+                if len(blocks) == slab.used:  # (else slots reserved, or being filled)
+                    return slab, blocks
+        return None

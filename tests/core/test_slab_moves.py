@@ -1,0 +1,154 @@
+"""Slabs handed between block sizes in one DRAM tier (``kvstore.slab_moves``): a size
+that arrives when another fills the tier is not refused, the slabs follow the sizes'
+use, a slab with a block in use is never emptied, and the blocks moved keep their
+bytes (copied into the arena's other slots) and every invariant."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from kvtest import make_identity
+
+from kvstore.errors import CapacityError
+from kvstore.keys import chain_keys
+from kvstore.store import BlockStore, Namespace
+
+A = make_identity(model="model-a", head_dim=128)  # 32 KiB blocks: 8 to a slab
+B = make_identity(model="model-b", head_dim=64)   # 16 KiB blocks: 16 to a slab
+SLAB = 256 << 10
+SLABS = 4
+
+
+def content(key: bytes, size: int) -> bytes:
+    seed = hashlib.blake2b(key, digest_size=32).digest()
+    return (seed * (size // 32 + 1))[:size]
+
+
+class Arena:
+    """A store over a bytearray as its DRAM arena, each block written with bytes that
+    follow from its key."""
+
+    def __init__(self, **kw: object) -> None:
+        self.bytes = bytearray(SLABS * SLAB)
+        self.store = BlockStore(SLABS * SLAB, SLAB, **kw)  # type: ignore[arg-type]
+        self.store.move_bytes = self._move
+
+    def _move(self, ns: Namespace, source: int, target: int) -> None:
+        n = ns.block_bytes
+        self.bytes[target:target + n] = self.bytes[source:source + n]
+
+    def put(self, ns: Namespace, first: int, chains: int, length: int = 1,
+            now: float = 0.0) -> list[bytes]:
+        """``chains`` chains of ``length`` blocks, each written and committed."""
+        keys: list[bytes] = []
+        tokens = ns.identity.block_tokens
+        for c in range(first, first + chains):
+            chain = chain_keys(ns.id, list(range(c * 1000, c * 1000 + tokens * length)), tokens)
+            r = self.store.reserve(ns.tenant, ns, chain, None, now)
+            for key, offset in zip(chain, r.offsets):
+                self.bytes[offset:offset + ns.block_bytes] = content(key, ns.block_bytes)
+            self.store.commit(ns.tenant, r.id, now)
+            keys += chain
+        return keys
+
+    def check(self, ns: Namespace) -> int:
+        """Every cached block of ``ns`` reads its own bytes; how many there are."""
+        n = 0
+        for key, b in ns.blocks.items():
+            if b.offset is not None:
+                got = bytes(self.bytes[b.offset:b.offset + ns.block_bytes])
+                assert got == content(key, ns.block_bytes), f"block {key.hex()} moved wrong"
+                n += 1
+        self.store.check_invariants()
+        return n
+
+
+def slabs(ns: Namespace) -> int:
+    return len(ns.cls.slabs)
+
+
+def test_a_new_block_size_gets_a_slab_in_a_tier_another_size_filled() -> None:
+    arena = Arena()
+    store = arena.store
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    keys = arena.put(a, 0, 32)  # 32 blocks of 32 KiB: all four slabs
+    assert store.drams[""].pool.empty_slabs == 0 and slabs(a) == SLABS
+    warm = keys[1::2]  # every other block hit: the coldest lie in every slab
+    assert store.lookup(a, warm[:1]) and all(store.lookup(a, [k]) for k in warm)
+    arena.put(b, 100, 1)  # refused until this change ("0 evictable in the dram tier")
+    assert slabs(b) == 1 and slabs(a) == SLABS - 1
+    stats = store.stats()
+    assert stats["slab_moves"] == 1 and stats["reserved_slots"] == 0
+    # the slab given away kept its warm blocks: copied into slots the coldest left
+    assert stats["slab_moved_blocks"] == 4
+    assert arena.check(a) == 3 * 8 and arena.check(b) == 1
+    assert all(a.blocks[k].offset is not None for k in warm)
+
+
+def test_the_slabs_follow_each_sizes_use_and_do_not_go_back_and_forth() -> None:
+    arena = Arena()
+    store = arena.store
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    arena.put(a, 0, 32)
+    for i in range(30):  # b's traffic now: a's blocks go cold, and its slabs to b
+        arena.put(b, 100 + 8 * i, 8)
+    assert slabs(b) == SLABS - 1 and slabs(a) == 1  # a keeps one: one slab of slack
+    moves = store.counters.slab_moves
+    for i in range(30):  # more of the same moves nothing
+        arena.put(b, 1000 + 8 * i, 8)
+    assert store.counters.slab_moves == moves
+    for i in range(60):  # a's turn: its share comes back
+        arena.put(a, 2000 + 4 * i, 4)
+    assert slabs(a) == SLABS - 1 and slabs(b) == 1
+    arena.check(a), arena.check(b)
+
+
+def test_both_sizes_busy_share_the_slabs_by_their_use() -> None:
+    arena = Arena()
+    store = arena.store
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    for i in range(80):  # a third of the bytes asked for are b's
+        arena.put(a, 10 * i, 2)
+        arena.put(b, 100_000 + 10 * i, 2)  # (16 KiB: half the bytes of a's two)
+    assert slabs(a) == 3 and slabs(b) == 1
+    arena.check(a), arena.check(b)
+
+
+def test_a_slab_with_a_block_in_use_is_never_emptied() -> None:
+    arena = Arena()
+    store = arena.store
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    keys = arena.put(a, 0, 32)
+    by_slab = {}
+    for key in keys:
+        by_slab.setdefault(a.blocks[key].offset // SLAB, key)  # type: ignore[operator]
+    assert len(by_slab) == SLABS
+    for key in by_slab.values():  # a pin in every slab
+        store.acquire("reader", a, [key], 0.0)
+    rejects = store.counters.capacity_rejects
+    with pytest.raises(CapacityError):
+        arena.put(b, 100, 1)
+    stats = store.stats()
+    assert stats["slab_moves"] == 0 and stats["reserved_slots"] == 0
+    assert store.counters.capacity_rejects == rejects + 1  # the request's, once
+    assert arena.check(a) == 32 and not b.blocks
+    store.drop_owner("reader")  # the pins go: the next request gets its slab
+    arena.put(b, 100, 1)
+    assert slabs(b) == 1 and arena.check(b) == 1 and arena.check(a) == 24
+
+
+def test_a_reservation_in_a_slab_keeps_it_until_committed() -> None:
+    arena = Arena()
+    store = arena.store
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    arena.put(a, 0, 24)  # three slabs full; the fourth gets one block and a reservation
+    arena.put(a, 24, 1)
+    held = store.reserve("writer", a, chain_keys(a.id, list(range(99_000, 99_016)), 16),
+                         None, 0.0)
+    arena.put(a, 25, 6)  # the fourth slab full too
+    arena.put(b, 100, 1)  # not from the slab with the reservation in it
+    slab_of_held = held.offsets[0] // SLAB
+    assert slab_of_held in a.cls.slabs
+    store.abort("writer", held.id)
+    arena.check(a), arena.check(b)

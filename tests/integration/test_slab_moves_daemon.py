@@ -1,0 +1,66 @@
+"""Two models of different block sizes sharing one daemon's DRAM arena: once the first
+fills it, the second is served (a slab emptied into the first's other slabs and handed
+over), and every block of the first still reads its own bytes through the arena, with
+and without an SSD tier under DRAM (where the first's blocks are written down before
+they leave).  The SSD tier's slabs are not handed between sizes yet: one size
+holding every SSD slab leaves the other's blocks nowhere to be written down."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from daemon_proc import DaemonProcess, error_records
+from kvtest import make_identity
+
+from kvstore import Client
+
+A = make_identity(model="model-a", head_dim=128)  # 32 KiB blocks
+B = make_identity(model="model-b", head_dim=64)   # 16 KiB blocks
+
+
+def content(key: bytes, size: int) -> bytes:
+    seed = hashlib.blake2b(key, digest_size=32).digest()
+    return (seed * (size // 32 + 1))[:size]
+
+
+@pytest.mark.parametrize("ssd", ["0", "8MiB"], ids=["dram", "dram+ssd"])
+def test_a_second_block_size_is_served_in_an_arena_the_first_filled(
+        tmp_path: Path, ssd: str) -> None:
+    # (SSD slabs of 1 MiB: both sizes find room there; see the module's docstring)
+    daemon = DaemonProcess(tmp_path, dram_capacity="1MiB", ssd_capacity=ssd,
+                           extra=["--slab-size", "256KiB"],
+                           env={"KVSTORE_SSD_SLAB_SIZE": "1MiB"}).start()
+    try:
+        with Client(daemon.endpoint, tenant="acme", timeout=20) as client:
+            a, b = client.namespace(A), client.namespace(B)
+            a_keys = []
+            for i in range(40):  # 40 blocks of 32 KiB in a 1 MiB arena: every slab a's
+                keys = a.keys(list(range(i * 1000, i * 1000 + 16)))
+                a.put(keys, [content(k, A.block_bytes) for k in keys])
+                a_keys += keys
+            for k in a_keys[1::2]:  # every other one hit: the coldest lie in every slab
+                a.lookup([k])
+            b_keys = []
+            for i in range(4):  # refused before ("0 evictable in the dram tier")
+                keys = b.keys(list(range(500_000 + i * 1000, 500_000 + i * 1000 + 32)))
+                b.put(keys, [content(k, B.block_bytes) for k in keys])
+                b_keys += keys
+            assert b.lookup(b_keys).blocks == len(b_keys)
+            assert b.get(b_keys) == [content(k, B.block_bytes) for k in b_keys]
+            cached = [k for k in a_keys if a.lookup([k]).blocks]
+            assert cached, "a lost every block"
+            for i in range(0, len(cached), 8):  # (a get holds its blocks in DRAM at once)
+                part = cached[i:i + 8]
+                assert a.get(part) == [content(k, A.block_bytes) for k in part]
+            stats = client.stats()
+            dram = stats["tiers"]["dram"]
+            assert dram["slab_moves"] >= 1, dram
+            assert stats["invariant_violations"] == 0
+            assert dram["reserved_slots"] == 0 and dram["pinned_blocks"] == 0
+            if ssd != "0":  # what left DRAM was written down first: all of a still there
+                assert len(cached) == len(a_keys)
+    finally:
+        daemon.stop()
+    assert not error_records(daemon.log()), daemon.log()[-3000:]
