@@ -44,8 +44,10 @@ class RoomMaker:
             plan = self._make_quota_room(ns, count, protect)  # among the tenant's own
             if plan is not None:
                 return plan
-        if pool.available(cls) < count and len(pool.classes) > 1:
-            plan = self.slabs.make_way(ns.dram, cls, count, protect)  # from another size
+        if (pool.available(cls) < count and len(pool.classes) > 1  # from another size,
+                and ns.tenant not in self._over_share(  # if not over its tenant's share
+                    ns.dram, (ns.tenant, count * cls.slot_bytes))):
+            plan = self.slabs.make_way(ns.dram, cls, count, protect)
             if plan is not None:
                 return plan
         if pool.available(cls) < count:

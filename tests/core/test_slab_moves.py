@@ -152,3 +152,23 @@ def test_a_reservation_in_a_slab_keeps_it_until_committed() -> None:
     assert slab_of_held in a.cls.slabs
     store.abort("writer", held.id)
     arena.check(a), arena.check(b)
+
+
+def test_a_tenant_over_its_share_takes_no_slab_from_another_size() -> None:
+    """Tenant weights hold across sizes: a tenant past its share of the tier is refused
+    a slab of another tenant's size (it would evict that tenant's blocks); one under
+    its share is given one."""
+    arena = Arena()
+    store = arena.store
+    mine = store.open_namespace(make_identity(model="model-a", head_dim=128, tenant="t1"))
+    arena.put(mine, 0, 24)  # three of four slabs: t1 holds 3/4 of the tier
+    other = store.open_namespace(make_identity(model="model-a", head_dim=128, tenant="t2"))
+    arena.put(other, 100, 8)  # the fourth
+    small = store.open_namespace(make_identity(model="model-b", head_dim=64, tenant="t1"))
+    with pytest.raises(CapacityError):
+        arena.put(small, 200, 1)  # t1, over its half, would take a slab of t2's blocks
+    assert store.counters.slab_moves == 0 and arena.check(other) == 8
+    guest = store.open_namespace(make_identity(model="model-b", head_dim=64, tenant="t3"))
+    arena.put(guest, 300, 1)  # t3 holds nothing: under its share
+    assert store.counters.slab_moves == 1 and slabs(guest) == 1
+    arena.check(mine), arena.check(other), arena.check(guest)
