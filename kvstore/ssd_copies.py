@@ -360,7 +360,7 @@ class SsdCopies:
             b.ssd_holds -= 1
             if good and b.ssd_offset is not None:
                 b.offset = off
-                b.ns.dram.pool.place(b.ns.cls, (off,), (b,))
+                b.ns.dram.pool.place(b.ns.cls, (b,))
                 self.store.changed(b)
                 self.store.committed_slots += 1
                 self.store.committed_bytes += b.ns.cls.slot_bytes

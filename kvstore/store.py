@@ -297,7 +297,7 @@ class BlockStore(StoreCore):
                 block = ns.blocks[key]
                 if one is not None and block.tokens is None:
                     block.tokens = one
-        ns.dram.pool.place(ns.cls, [b.offset for b in fresh], fresh)  # type: ignore[misc]
+        ns.dram.pool.place(ns.cls, fresh)
         policy.insert_many(reversed(fresh))  # deepest first: parents end up warmer
         if self.dropping and ns in self.dropping:  # the removals asked so far keep them
             self.dropping[ns].kept(fresh)
