@@ -123,6 +123,7 @@ class Index:
         for ns, (in_dram, on_ssd) in by_ns.items():
             if in_dram:
                 ns.dram.policy(ns.cls).access_many(in_dram)
+                ns.dram.note_use(ns.cls, len(in_dram))  # (its class's share of the slabs)
             if on_ssd:
                 assert ssd is not None and ns.ssd_cls is not None
                 ssd.policy(ns.ssd_cls).access_many(on_ssd)

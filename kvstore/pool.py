@@ -190,6 +190,16 @@ class SlabPool:
                 held = slab.holders
             held[(offset - base) // size] = holder
 
+    def place_at(self, cls: SlabClass, offsets: Sequence[int],
+                 holders: Sequence[object]) -> None:
+        """``place``, the offsets given apart (an SSD tier's copies, say)."""
+        slab_bytes, size, slabs = self.slab_bytes, cls.slot_bytes, cls.slabs
+        for offset, holder in zip(offsets, holders):
+            slab = slabs[offset // slab_bytes]
+            if slab.holders is None:
+                slab.holders = [None] * cls.slots_per_slab
+            slab.holders[(offset - slab.base) // size] = holder
+
     def holder(self, cls: SlabClass, offset: int) -> object | None:
         """What was placed in the slot at ``offset`` last (None if nothing was)."""
         index, within = divmod(offset, self.slab_bytes)

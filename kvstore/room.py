@@ -17,7 +17,7 @@ from kvstore.errors import CapacityError
 from kvstore.first_blocks import no_longer_heads
 from kvstore.plans import Plan
 from kvstore.pool import SlabClass
-from kvstore.slab_moves import SlabMoves
+from kvstore.slab_moves import SlabMoves, ssd_refused
 from kvstore.tier_changes import TierChanges
 from kvstore.token_ids import TokenRun, split_sparse
 
@@ -32,14 +32,13 @@ class RoomMaker:
 
     def __init__(self, store: StoreCore) -> None:
         self.store = store
-        self.slabs = SlabMoves(store, self._make_room)  # slabs between block sizes
+        self.slabs = SlabMoves(store, self._make_room, self._put_back)  # between sizes
 
     def allocate(self, ns: Namespace, count: int,
                  protect: Block | None = None) -> list[int] | Plan:
         """DRAM slots, evicting as needed; all or nothing: the slots, or the plan of the
         writes that must come first (nothing taken), or CapacityError."""
         pool, cls = ns.dram.pool, ns.cls
-        ns.dram.note_use(cls, count)
         if self.store.tenant_quota and not self.store.per_tenant:
             plan = self._make_quota_room(ns, count, protect)  # among the tenant's own
             if plan is not None:
@@ -57,6 +56,7 @@ class RoomMaker:
                 return plan
         offsets = ns.dram.take(ns, count)
         assert offsets is not None, "allocation failed after making room"
+        ns.dram.note_use(cls, count)  # (once a request, when it gets its slots)
         return offsets
 
     def _make_quota_room(self, ns: Namespace, count: int,
@@ -119,6 +119,7 @@ class RoomMaker:
         the store's facts read once per request (``facts``)."""
         f = facts or _Facts(self.store)
         admit_to_ssd, admit_after, remote_dirty = f.admit_to_ssd, f.admit_after, f.remote_dirty
+        refuses = f.ssd_refuses
         clean, dirty, lossy = "clean" in kinds, "dirty" in kinds, "lossy" in kinds
         # "lossy" when nothing below takes it; else "dirty" (to the remote store first)
         bare = dirty if remote_dirty else lossy
@@ -128,7 +129,8 @@ class RoomMaker:
                 return False
             if b.ssd_offset is not None or (b.rare is not None and b.extra is not None):
                 return clean
-            if admit_to_ssd and b.marks >> SEEN_SHIFT >= admit_after:
+            if (admit_to_ssd and b.marks >> SEEN_SHIFT >= admit_after
+                    and not (refuses and b.ns.ssd_cls in refuses)):
                 return dirty
             if b.kids is not None:
                 return False  # without a copy on SSD, only leaves leave DRAM
@@ -248,11 +250,13 @@ class _Facts:
     (read once per request, not per candidate: none of it changes while the request
     makes room, which awaits nothing)."""
 
-    __slots__ = ("admit_to_ssd", "admit_after", "remote_dirty")
+    __slots__ = ("admit_to_ssd", "admit_after", "remote_dirty", "ssd_refuses")
 
     def __init__(self, store: StoreCore) -> None:
         # ``StoreCore.admitted`` but for the block's own count
         self.admit_to_ssd = store.ssd is not None and store.ssd_writable and store.allow_demote
+        # the SSD classes that can get no slot there (``slab_moves.ssd_refused``)
+        self.ssd_refuses = ssd_refused(store) if self.admit_to_ssd else frozenset()
         self.admit_after = store.ssd_admit_after
         # a leaf no lower tier holds goes to the remote store first (its write-back mode)
         self.remote_dirty = store.allow_demote and store.remote_writing_back()
@@ -301,7 +305,8 @@ class _Leaving:
         self.evicted += 1
         if victim.ssd_offset is not None or (rare is not None and rare.extra is not None):
             self.drop(victim)                     # clean: a copy below stays
-        elif f.admit_to_ssd and victim.marks >> SEEN_SHIFT >= f.admit_after:
+        elif (f.admit_to_ssd and victim.marks >> SEEN_SHIFT >= f.admit_after
+              and not (f.ssd_refuses and victim.ns.ssd_cls in f.ssd_refuses)):
             victim.demoting = True                # dirty: write it back first
             self.to_demote.append(victim)
         elif f.remote_dirty and not victim.marks & REMOTE_MARK:

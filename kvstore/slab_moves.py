@@ -10,20 +10,33 @@ another:
 
 - **when it is starved**: its free and evictable slots cannot hold the request, or
 - **when it holds less than its share**: each class's share of the slabs follows its
-  share of the bytes the tier's requests used lately (slots taken, and DRAM hits),
-  decayed by half each time requests took twice the tier's capacity; a class gets one
-  more slab only while that leaves it within its share, and gives one only while it
-  keeps its own (one slab of slack each way, so slabs do not go back and forth).
+  share of the bytes the tier's requests used lately (slots granted, and DRAM hits by
+  lookup or read), decayed by half each time requests took twice the tier's capacity;
+  a class gets one more slab only while that leaves it within its share, and gives one
+  only while it keeps its own (one slab of slack each way, so slabs do not go back and
+  forth).
 
 The donor is the class furthest over its share.  Of its slabs, the one with fewest
 used slots whose every slot holds a committed block nothing reads or writes now (no
 pin, no reservation, no transfer): its blocks' bytes are copied into free slots of the
 class's other slabs, made by evicting the class's own coldest blocks by its own order
-(leaves first, written down first where the pressure steps say so: the request then
-waits for those writes and asks again), and the empty slab goes to the class asking.
-Blocks keep their entries, orders and copies in other tiers; only their DRAM offset
-changes, which no client holds without a pin.  At most the slab's bytes are copied,
-on the loop, once per slab moved.
+(leaves first, written down first where the pressure steps say so: a starved request
+then waits for those writes and asks again; one merely under its share makes room
+among its own blocks instead), and the empty slab goes to the class asking.  Blocks
+keep their entries, orders and copies in other tiers; only their DRAM offset changes,
+which no client holds without a pin.  At most the slab's bytes are copied, on the loop,
+once per slab moved.  Known waste: the donor's evictions may free too few slots (its
+order counts blocks no pressure step may take: parents of pinned blocks, say), and
+those it made stay made though no slab moves.
+
+The SSD tier's slabs move only for a size with nothing of its own to evict there
+(``empty_ssd_slab``): a slab of the class with most (which keeps one) is emptied by
+dropping its copies (the SSD copies of blocks also in DRAM, and the SSD-only blocks with
+what hangs below them, never a block being written or in use), the slab with the fewest
+SSD-only blocks that others hang below first.  Copying them elsewhere on the disk, and
+shares by use there, are not done yet.  Where no SSD slab can be found for a size (an
+SSD tier of one slab, another size's), its DRAM blocks leave as if there were no SSD
+tier (``ssd_refused``) rather than be planned for writes the tier refuses.
 """
 
 from __future__ import annotations
@@ -48,10 +61,11 @@ class SlabMoves:
     """Which class gives a slab to which, and the giving (see the module docstring)."""
 
     def __init__(self, store: StoreCore,
-                 make_room: Callable[[TierSlots, SlabClass, int, Block | None], Plan | None]
-                 ) -> None:
+                 make_room: Callable[[TierSlots, SlabClass, int, Block | None], Plan | None],
+                 put_back: Callable[[list[Block]], None]) -> None:
         self.store = store
         self.make_room = make_room  # ``RoomMaker._make_room``: evict within one class
+        self.put_back = put_back  # ``RoomMaker._put_back``: victims of a plan let go
 
     def shares(self, dram: TierSlots) -> dict[SlabClass, float]:
         """Each class's share of the tier's slabs now, in slabs (by its recent use)."""
@@ -77,7 +91,7 @@ class SlabMoves:
             donor = self._donor(dram, cls, starved)
             if donor is None:
                 return None
-            taken = self._take_slab(dram, donor, protect)
+            taken = self._take_slab(dram, donor, protect, wait=starved)
             if isinstance(taken, Plan):
                 return taken
             if not taken or not starved:
@@ -96,10 +110,12 @@ class SlabMoves:
             return None
         return donor
 
-    def _take_slab(self, dram: TierSlots, donor: SlabClass,
-                   protect: Block | None) -> bool | Plan:
+    def _take_slab(self, dram: TierSlots, donor: SlabClass, protect: Block | None,
+                   wait: bool) -> bool | Plan:
         """Empty one slab of ``donor`` into its others (True: it went back to the tier),
-        or a Plan of the writes its room waits on; False if none can be emptied now."""
+        or a Plan of the writes its room waits on (only if ``wait``: a class that is not
+        starved makes room among its own blocks rather than wait on another's writes,
+        which the tier below may refuse); False if none can be emptied now."""
         pool = dram.pool
         picked = self._movable(dram, donor, protect)
         if picked is None:
@@ -116,7 +132,10 @@ class SlabMoves:
                 self.store.counters.capacity_rejects = rejects  # (not the request's)
                 return False
             if plan is not None:
-                return plan
+                if wait:
+                    return plan
+                self.put_back(plan.demote + plan.to_remote)  # nothing was written yet
+                return False
             if pool.empty_slabs > empty:  # the victims emptied a slab: the tier's now
                 self.store.counters.slab_moves += 1
                 return True
@@ -155,3 +174,87 @@ class SlabMoves:
                 if len(blocks) == slab.used:  # (else slots reserved, or being filled)
                     return slab, blocks
         return None
+
+
+def empty_ssd_slab(store: StoreCore, cls: SlabClass, removed: list[tuple[bytes, bytes]],
+                   keep: set[Block]) -> bool:
+    """Give ``cls`` (an SSD class with nothing to evict) a slab of the SSD class with
+    the most, emptied by dropping its copies (``removed``: the index records to delete),
+    none of ``keep`` (the blocks being written) touched; False if no slab of it can be
+    emptied now (a copy being read, or a block below one in use, say)."""
+    ssd = store.ssd
+    assert ssd is not None
+    pool = ssd.pool
+    # (a donor keeps a slab: two sizes starved in turn would take one slab back and
+    # forth, dropping every copy in it each time)
+    donors = [c for c in pool.classes.values() if c is not cls and len(c.slabs) > 1]
+    if not donors:
+        return False
+    donor = max(donors, key=lambda c: len(c.slabs))
+    ranked: list[tuple[tuple[int, int], int, Slab, list[Block]]] = []
+    for slab in sorted(donor.slabs.values(), key=lambda s: s.used)[:_CANDIDATES]:
+        blocks: list[Block] = []
+        inner = 0  # SSD-only blocks with others below: those go with them
+        for offset, b in pool.holders_of(donor, slab):
+            if not isinstance(b, Block) or b.ssd_offset != offset or b.ns.ssd_cls is not donor:
+                continue  # a slot freed since
+            if _busy(b) or b in keep:
+                break
+            blocks.append(b)
+            inner += b.offset is None and b.kids is not None
+        else:
+            if len(blocks) == slab.used:
+                ranked.append(((inner, slab.used), slab.index, slab, blocks))
+    for _, _, slab, blocks in sorted(ranked, key=lambda r: r[:2]):
+        below = [x for b in blocks if b.offset is None and b.kids is not None
+                 for x in _subtree(b)]
+        if any(_busy(x) or x in keep for x in below):
+            continue  # (a block below in use would keep its SSD-only parents)
+        dropped = 0
+        for b in blocks:
+            if b.ssd_offset is None:
+                continue  # gone with a block above it
+            if b.offset is not None or b.kids is None:
+                removed.append(store.drop_ssd_copy(b))
+                dropped += 1
+            else:
+                before = len(removed)
+                store.drop_subtree(b.ns, [b], removed)
+                dropped += len(removed) - before
+        store.counters.ssd_slab_moves += 1
+        store.counters.ssd_slab_dropped += dropped
+        return donor.slabs.get(slab.index) is not slab
+    return False
+
+
+def ssd_refused(store: StoreCore) -> frozenset[SlabClass]:
+    """The SSD classes no slab can be found for (none of their own, none empty, no
+    class with one to spare: an SSD tier of one slab): their blocks are not written
+    there (a demotion planned for them would fail, and be planned again, for good)."""
+    ssd = store.ssd
+    if ssd is None or ssd.pool.empty_slabs:
+        return frozenset()
+    classes = ssd.pool.classes.values()
+    if any(len(c.slabs) > 1 for c in classes):
+        return frozenset()
+    return frozenset(c for c in classes if not c.slabs)
+
+
+def _busy(b: Block) -> bool:
+    """Whether a block is in use: pinned, or a copy of it being read or written."""
+    return bool(b.refs or b.ssd_holds or b.promoting or b.demoting)
+
+
+def _subtree(b: Block) -> list[Block]:
+    """``b`` and every block below it."""
+    out: list[Block] = []
+    stack = [b]
+    while stack:
+        x = stack.pop()
+        out.append(x)
+        kids = x.kids
+        if isinstance(kids, Block):
+            stack.append(kids)
+        elif kids is not None:
+            stack.extend(kids)
+    return out

@@ -27,6 +27,7 @@ from kvstore.dram_copies import check_slots
 from kvstore.errors import CapacityError
 from kvstore.first_blocks import Heads, also_heads
 from kvstore.plans import Plan
+from kvstore.slab_moves import empty_ssd_slab
 from kvstore.pool import SlabClass
 from kvstore.room import RoomMaker
 from kvstore.scheduler.eviction import EvictionPolicy, LRUPolicy
@@ -71,6 +72,7 @@ class SsdCopies:
             "evictions": c.ssd_evictions, "evicted_unwritten": c.ssd_evicted_unwritten,
             "demotions": c.demotions, "writes": c.ssd_writes,
             "checksum_failures": c.checksum_failures, "hits": c.ssd_hits,
+            "slab_moves": c.ssd_slab_moves, "slab_dropped": c.ssd_slab_dropped,
         }
 
     def check(self, blocks: Iterable[Block]) -> None:
@@ -122,6 +124,7 @@ class SsdCopies:
         removed: list[tuple[bytes, bytes]] = []
         offsets: list[int] = []
         by_class: dict[int, list[Block]] = {}
+        keep = set(blocks)  # (not dropped with a slab emptied for another size)
         for b in blocks:
             assert b.ns.ssd_cls is not None
             by_class.setdefault(b.ns.ssd_cls.slot_bytes, []).append(b)
@@ -142,6 +145,8 @@ class SsdCopies:
                 victim = self._clean_victim(policy, allowed) if evict else None
                 if victim is None and evict:
                     victim = policy.pop_victim(allowed)
+                if victim is None and evict is True and empty_ssd_slab(self.store, cls, removed, keep):
+                    continue  # a slab of another size's, emptied: this size's now
                 if victim is None:
                     if offsets:
                         self._free_offsets(blocks[: len(offsets)], offsets)
@@ -443,6 +448,7 @@ def _end_write(store: StoreCore, room: RoomMaker, t: Transfer,
                 free(cls, [off])
             else:
                 b.ssd_offset = off
+                ssd.pool.place_at(cls, (off,), (b,))
                 digest = getattr(records[i], "checksum", 0)
                 if not b.checksum:  # the SSD tier's own digest of the bytes it wrote
                     b.checksum = digest
@@ -548,6 +554,7 @@ def restore_blocks(store: StoreCore, ns: Namespace, keys: list[bytes],
             blocks.grown()
             shards, mask = blocks.shards, blocks.mask
     ssd.policy(cls).insert_many(fresh)
+    ssd.pool.place_at(cls, [b.ssd_offset for b in fresh], fresh)  # type: ignore[misc]
     store.ssd_committed_slots += len(fresh)
     store.ssd_committed_bytes += len(fresh) * cls.slot_bytes
     return ok
@@ -570,6 +577,7 @@ def restore_fresh(store: StoreCore, ns: Namespace, keys: list[bytes],
     else:
         fresh = _made_with_gaps(store, ns, keys, parent_back, offsets, checksums, ok)
     ssd.policy(cls).insert_many(fresh)
+    ssd.pool.place_at(cls, [b.ssd_offset for b in fresh], fresh)  # type: ignore[misc]
     store.ssd_committed_slots += len(fresh)
     store.ssd_committed_bytes += len(fresh) * cls.slot_bytes
     return ok

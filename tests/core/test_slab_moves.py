@@ -6,13 +6,15 @@ bytes (copied into the arena's other slots) and every invariant."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import pytest
 from kvtest import make_identity
 
 from kvstore.errors import CapacityError
 from kvstore.keys import chain_keys
-from kvstore.store import BlockStore, Namespace
+from kvstore.plans import Plan
+from kvstore.store import Block, BlockStore, Namespace
 
 A = make_identity(model="model-a", head_dim=128)  # 32 KiB blocks: 8 to a slab
 B = make_identity(model="model-b", head_dim=64)   # 16 KiB blocks: 16 to a slab
@@ -172,3 +174,122 @@ def test_a_tenant_over_its_share_takes_no_slab_from_another_size() -> None:
     arena.put(guest, 300, 1)  # t3 holds nothing: under its share
     assert store.counters.slab_moves == 1 and slabs(guest) == 1
     arena.check(mine), arena.check(other), arena.check(guest)
+
+
+def to_ssd(store: BlockStore, blocks: list[Block]) -> list[tuple[bytes, bytes]]:
+    """Write ``blocks`` to the SSD tier (as a demotion's write would, without bytes)."""
+    t, removed = store.ssd_copies.reserve(blocks)
+    store.ssd_copies.finish_write(t, [object()] * len(blocks))
+    return removed
+
+
+def test_a_size_with_no_ssd_slab_takes_one_another_size_filled() -> None:
+    """The SSD tier's slabs all a's: b's blocks are written there once a slab of a's
+    is emptied, the one whose copies are all of blocks still in DRAM first."""
+    arena = Arena(ssd_capacity=SLABS * SLAB, ssd_slab_bytes=SLAB)
+    store = arena.store
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    a_keys = arena.put(a, 0, 16, length=2)  # 16 chains of two: every DRAM slab a's
+    assert not to_ssd(store, [a.blocks[k] for k in a_keys])  # and every SSD slab
+    assert store.ssd is not None and store.ssd.pool.empty_slabs == 0
+    for k in a_keys[:16]:  # the first eight chains leave DRAM: on SSD alone
+        store.drop_dram_copy(a.blocks[k])
+    b_keys = arena.put(b, 100, 1)
+    removed = to_ssd(store, [b.blocks[k] for k in b_keys])  # refused before: no slab
+    stats = store.ssd_copies.stats()
+    assert stats["slab_moves"] == 1 and len(removed) == stats["slab_dropped"] == 8
+    assert b.blocks[b_keys[0]].ssd_offset is not None
+    # the slab emptied held copies of blocks still in DRAM: nothing left the cache
+    assert all(a.blocks[k].present for k in a_keys)
+    store.check_invariants()
+
+
+def test_an_ssd_slab_is_not_emptied_under_a_block_being_written() -> None:
+    """b starved on SSD while a's block is written with it: a slab whose dropping would
+    take that block too (its SSD-only parent there) is not emptied; once it is not being
+    written, a slab of copies of blocks still in DRAM is."""
+    arena = Arena(ssd_capacity=2 * SLAB, ssd_slab_bytes=SLAB)
+    store = arena.store
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    chains = arena.put(a, 0, 8, length=2)  # 8 chains of two
+    heads, tails = chains[0::2], chains[1::2]
+    fillers = arena.put(a, 100, 8)
+    assert not to_ssd(store, [a.blocks[k] for k in heads + fillers])  # both SSD slabs
+    for k in heads:  # on SSD alone; their tails in DRAM alone
+        store.drop_dram_copy(a.blocks[k])
+    (b_key,) = arena.put(b, 200, 1)
+    tail, fresh = a.blocks[tails[0]], b.blocks[b_key]
+    with pytest.raises(CapacityError):  # the heads' slab would take ``tail`` with it
+        store.ssd_copies.reserve([tail, fresh])
+    assert tail.offset is not None and all(a.blocks[k].ssd_offset is not None for k in heads)
+    assert store.ssd_copies.stats()["slab_moves"] == 0
+    store.check_invariants()
+    copies = sum(a.blocks[k].ssd_offset is not None for k in fillers)  # (7: one went
+    removed = to_ssd(store, [fresh])  # for tail) the fillers' slab: blocks in DRAM too
+    assert store.ssd_copies.stats()["slab_moves"] == 1 and fresh.ssd_offset is not None
+    assert len(removed) == copies and all(a.blocks[k].offset is not None for k in fillers)
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("read", ["lookup", "acquire"])
+def test_a_size_hit_keeps_its_slabs_however_it_is_read(read: str) -> None:
+    """Hits count towards a size's share whether found by lookup or read by acquire (a
+    get): a hot size keeps its slabs against one that writes blocks never read again."""
+    arena = Arena()
+    store = arena.store
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    hot = arena.put(a, 0, 24)  # three slabs
+    for i in range(200):
+        for k in hot:
+            if read == "lookup":
+                store.lookup(a, [k])
+            else:
+                store.release("reader", store.acquire("reader", a, [k], 0.0).id)
+        arena.put(b, 10_000 + i, 1)
+    assert slabs(a) == 3 and all(a.blocks[k].offset is not None for k in hot)
+    arena.check(a), arena.check(b)
+
+
+def settle(store: BlockStore, call: Callable[[], object]) -> object:
+    """A store call with its plans carried out in-process, as the daemon's moves would:
+    demotions written at once; one the SSD tier has no room for fails the call."""
+    for _ in range(16):
+        got = call()
+        if not isinstance(got, Plan):
+            return got
+        if got.demote:
+            try:
+                t, _ = store.ssd_copies.reserve(got.demote)
+            except CapacityError:
+                store.ssd_copies.abort_demotion(got.demote)
+                raise
+            store.ssd_copies.finish_write(t, [object()] * len(t.blocks))
+    raise CapacityError("blocks kept moving between tiers; try again")
+
+
+def test_an_ssd_tier_of_one_slab_leaves_no_request_waiting_for_writes_it_refuses() -> None:
+    """The SSD tier's one slab a's: b's blocks cannot be written there, so they leave
+    DRAM as if there were no SSD tier, and a's requests, under their share, never wait
+    on b's demotions (each failed, and was planned again, for good)."""
+    store = BlockStore(SLABS * SLAB, SLAB, ssd_capacity=SLABS * SLAB,
+                       ssd_slab_bytes=SLABS * SLAB)
+    a, b = store.open_namespace(A), store.open_namespace(B)
+
+    def put(ns: Namespace, first: int, blocks: int) -> list[bytes]:
+        tokens = ns.identity.block_tokens
+        keys = chain_keys(ns.id, list(range(first, first + blocks * tokens)), tokens)
+        r = settle(store, lambda: store.reserve("w", ns, keys, None, 0.0))
+        store.commit("w", r.id, 0.0)  # type: ignore[attr-defined]
+        return keys
+
+    a_keys = [k for i in range(40) for k in put(a, 1000 * i, 1)]  # DRAM and SSD a's
+    put(b, 5_000_000, 32)  # b starved: two slabs of a's
+    assert slabs(b) == 2
+    for _ in range(20):
+        for k in a_keys:
+            if a.blocks[k].offset is not None:
+                store.lookup(a, [k])
+    for i in range(5):  # a, under its share now, takes b's slabs back: b's blocks drop
+        put(a, 9_000_000 + 1000 * i, 1)
+    assert slabs(a) >= 3
+    store.check_invariants()
