@@ -139,37 +139,36 @@ class SlabMoves:
             if pool.empty_slabs > empty:  # the victims emptied a slab: the tier's now
                 self.store.counters.slab_moves += 1
                 return True
-            picked = self._movable(dram, donor, protect, only=slab)
-            if picked is None:
+            # those the victims left (making room pins, reserves and moves nothing)
+            blocks = [(offset, b) for offset, b in blocks if b.offset == offset]
+            if len(blocks) != slab.used or donor.slabs.get(slab.index) is not slab:
                 return False
-            slab, blocks = picked
-        news = pool.vacate(donor, slab.index, [b.offset for b in blocks])  # type: ignore[misc]
+        news = pool.vacate(donor, slab.index, [offset for offset, _ in blocks])
         move = self.store.move_bytes
-        for b, new in zip(blocks, news):
+        for (offset, b), new in zip(blocks, news):
             if move is not None:
-                move(b.ns, b.offset, new)  # type: ignore[arg-type]
+                move(b.ns, offset, new)
             b.offset = new
         self.store.counters.slab_moves += 1
         self.store.counters.slab_moved_blocks += len(blocks)
         return True
 
-    def _movable(self, dram: TierSlots, donor: SlabClass, protect: Block | None,
-                 only: Slab | None = None) -> tuple[Slab, list[Block]] | None:
-        """A slab of ``donor`` (``only`` that one) every used slot of which holds a
-        committed block nothing reads or writes now, fewest used first; and those."""
+    def _movable(self, dram: TierSlots, donor: SlabClass, protect: Block | None
+                 ) -> tuple[Slab, list[tuple[int, Block]]] | None:
+        """A slab of ``donor`` every used slot of which holds a committed block nothing
+        reads or writes now, fewest used first; and those, with their offsets."""
         store = self.store
         busy = {id(b) for t in store.transfers.values() if t.tier == SSD for b in t.blocks}
         busy.update(id(b) for b in store.remote_demoting)
-        slabs = [only] if only is not None else sorted(
-            donor.slabs.values(), key=lambda s: s.used)[:_CANDIDATES]
-        for slab in slabs:
-            blocks: list[Block] = []
+        for slab in sorted(donor.slabs.values(), key=lambda s: s.used)[:_CANDIDATES]:
+            blocks: list[tuple[int, Block]] = []
             for offset, b in dram.pool.holders_of(donor, slab):
-                if not isinstance(b, Block) or b.offset != offset or b.ns.dram is not dram:
+                if not isinstance(b, Block) or b.offset != offset:
                     continue  # a slot freed since
-                if b.refs or b.demoting or b.promoting or b is protect or id(b) in busy:
+                if (b.refs or (b.rare is not None and (b.demoting or b.promoting))
+                        or b is protect or (busy and id(b) in busy)):
                     break
-                blocks.append(b)
+                blocks.append((offset, b))
             else:
                 if len(blocks) == slab.used:  # (else slots reserved, or being filled)
                     return slab, blocks
