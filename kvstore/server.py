@@ -53,6 +53,7 @@ from kvstore.scheduler.queues import TransferKind
 from kvstore.sdnotify import Notifier
 from kvstore.sessions import Sessions
 from kvstore.side_socket import SideSocket
+from kvstore.slab_moves import class_stats
 from kvstore.store import BlockStore, Limits, Namespace
 from kvstore.tiering import SsdMover
 from kvstore.tiers.arena_fds import side_path
@@ -502,6 +503,7 @@ def server_stats(server: Server) -> dict[str, Any]:
                             for policy in dram.policies.values()],
         # a change of policy (SIGHUP) passing the blocks on: blocks passed so far
         "eviction_switch": server.policy_switches.stats(),
+        "slab_classes": class_stats(server.store),  # slabs per block size, per tier
         "tenant_dram_bytes": {tenant: nbytes for dram in server.store.drams.values()
                               for tenant, nbytes in dram.used.items()},
         # bytes of other tenants' DRAM each grantee keeps pinned (auth.grantee_pin_share)

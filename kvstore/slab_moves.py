@@ -42,7 +42,7 @@ tier (``ssd_refused``) rather than be planned for writes the tier refuses.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.blocks import SSD, Block, TierSlots
 from kvstore.errors import CapacityError
@@ -68,6 +68,10 @@ class SlabMoves:
         self.put_back = put_back  # ``RoomMaker._put_back``: victims of a plan let go
 
     def shares(self, dram: TierSlots) -> dict[SlabClass, float]:
+        return self.shares_of(dram)
+
+    @staticmethod
+    def shares_of(dram: TierSlots) -> dict[SlabClass, float]:
         """Each class's share of the tier's slabs now, in slabs (by its recent use)."""
         pool = dram.pool
         classes = [c for c in pool.classes.values() if c.slabs or dram.demand.get(c.slot_bytes)]
@@ -173,6 +177,19 @@ class SlabMoves:
                 if len(blocks) == slab.used:  # (else slots reserved, or being filled)
                     return slab, blocks
         return None
+
+
+def class_stats(store: StoreCore) -> dict[str, list[dict[str, Any]]]:
+    """Each slab class of each tier: its slot size, the slabs it holds and, for a DRAM
+    tier's, its share of them by recent use (what ``make_way`` moves slabs towards)."""
+    dram = [{"arena": name, "slot_bytes": cls.slot_bytes, "slabs": len(cls.slabs),
+             "share": round(share, 2)}
+            for name, tier in store.drams.items()
+            for cls, share in SlabMoves.shares_of(tier).items()]
+    ssd = ([] if store.ssd is None else
+           [{"slot_bytes": cls.slot_bytes, "slabs": len(cls.slabs)}
+            for cls in store.ssd.pool.classes.values()])
+    return {"dram": dram, "ssd": ssd}
 
 
 def empty_ssd_slab(store: StoreCore, cls: SlabClass, removed: list[tuple[bytes, bytes]],

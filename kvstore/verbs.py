@@ -538,6 +538,9 @@ def stats_for(d: Daemon, tenant: str) -> dict[str, Any]:
     # a co-grantee must not learn
     stats["eviction_orders"] = [repr(policy) for name, dram in d.store.drams.items()
                                 if name == tenant for policy in dram.policies.values()]
+    # slabs per block size: of its own arena only (a shared tier's move with the others')
+    stats["slab_classes"] = {"dram": [c for c in stats["slab_classes"]["dram"]
+                                      if c["arena"] == tenant], "ssd": []}
     # what it keeps pinned of other tenants' DRAM (auth.grantee_pin_share): its own
     stats["grantee_pinned_bytes"] = {tenant: d.sessions.grant_pins.of(tenant)}
     return stats

@@ -58,6 +58,8 @@ def test_a_second_block_size_is_served_in_an_arena_the_first_filled(
             stats = client.stats()
             dram = stats["tiers"]["dram"]
             assert dram["slab_moves"] >= 1, dram
+            classes = {c["slot_bytes"]: c["slabs"] for c in stats["slab_classes"]["dram"]}
+            assert classes[B.block_bytes] >= 1 and sum(classes.values()) == 4, classes
             assert stats["invariant_violations"] == 0
             assert dram["reserved_slots"] == 0 and dram["pinned_blocks"] == 0
             if ssd != "0":  # what left DRAM was written down first: all of a still there
