@@ -43,10 +43,11 @@ class RoomMaker:
             plan = self._make_quota_room(ns, count, protect)  # among the tenant's own
             if plan is not None:
                 return plan
-        if (pool.available(cls) < count and len(pool.classes) > 1  # from another size,
-                and ns.tenant not in self._over_share(  # if not over its tenant's share
-                    ns.dram, (ns.tenant, count * cls.slot_bytes))):
-            plan = self.slabs.make_way(ns.dram, cls, count, protect)
+        if pool.available(cls) < count and len(pool.classes) > 1:  # from another size:
+            # a tenant over its share only a slab of its own blocks
+            over = self._over_share(ns.dram, (ns.tenant, count * cls.slot_bytes))
+            plan = self.slabs.make_way(ns.dram, cls, count, protect,
+                                       ns.tenant if ns.tenant in over else None)
             if plan is not None:
                 return plan
         if pool.available(cls) < count:
@@ -168,10 +169,11 @@ class RoomMaker:
 
     def _make_room(self, dram: TierSlots, cls: SlabClass, need: int,
                    protect: Block | None,
-                   requester: tuple[str, int] | None = None) -> Plan | None:
+                   requester: tuple[str, int] | None = None,
+                   tenant: str | None = None) -> Plan | None:
         """Free ``need`` slots of ``cls``: evict, or plan demotions (a Plan), taking
         tenants over their share first (``requester``: the tenant asking, and the bytes it
-        asks for)."""
+        asks for), or only ``tenant``'s blocks if given."""
         pool = dram.pool
         policy = dram.policy(cls)
         if need > len(policy):
@@ -183,7 +185,7 @@ class RoomMaker:
                 f"{pool.available(cls)} free and {len(policy)} evictable in the dram tier; "
                 f"release pins or raise its capacity", cause="pinned")
 
-        over = self._over_share(dram, requester)
+        over = self._over_share(dram, requester) if tenant is None else {}
         # Each request demotes its own victims: the room its writes free is taken right
         # when they finish, with no await in between for another request to slip into.
         taken = 0
@@ -192,7 +194,7 @@ class RoomMaker:
         pop = policy.pop_victim
         try:
             for _, kinds in steps:  # in the configured order; each takes what it may
-                allowed = self._victim_test(protect, kinds, facts=leaving.facts)
+                allowed = self._victim_test(protect, kinds, tenant, leaving.facts)
                 if not over:  # (the common case) the pass's victims in one call
                     taken += len(policy.pop_victims(allowed, need - taken, leaving.evict))
                     continue

@@ -60,8 +60,7 @@ _CANDIDATES = 8
 class SlabMoves:
     """Which class gives a slab to which, and the giving (see the module docstring)."""
 
-    def __init__(self, store: StoreCore,
-                 make_room: Callable[[TierSlots, SlabClass, int, Block | None], Plan | None],
+    def __init__(self, store: StoreCore, make_room: Callable[..., Plan | None],
                  put_back: Callable[[list[Block]], None]) -> None:
         self.store = store
         self.make_room = make_room  # ``RoomMaker._make_room``: evict within one class
@@ -82,46 +81,52 @@ class SlabMoves:
         return {c: pool.num_slabs * u / total for c, u in used.items()}
 
     def make_way(self, dram: TierSlots, cls: SlabClass, count: int,
-                 protect: Block | None) -> Plan | None:
-        """Give ``cls`` slabs from other classes while it is starved for ``count`` slots
-        or under its share (one slab then); a Plan where a donor's writes must come
-        first.  Nothing to do (or nothing that can be done now) is None."""
+                 protect: Block | None, tenant: str | None = None) -> Plan | None:
+        """Give ``cls`` a slab of another class while it is starved for ``count`` slots
+        or under its share (only a slab of ``tenant``'s own blocks, if given: a tenant
+        over its share of the tier).  One slab a call: a starved request still short of
+        room is told to ask again (``Plan.again``) once the loop has run the others, so
+        that no request holds the loop for many slabs' moves; a Plan too where a donor's
+        writes must come first.  Nothing to do (or nothing that can be done now): None."""
         pool = dram.pool
         others = sum(len(c.slabs) for c in pool.classes.values() if c is not cls)
         if pool.available(cls) + len(dram.policy(cls)) + others * cls.slots_per_slab < count:
             return None  # not even every other slab would do (the rest pinned, say)
-        while pool.available(cls) < count:
-            starved = pool.available(cls) + len(dram.policy(cls)) < count
-            donor = self._donor(dram, cls, starved)
-            if donor is None:
-                return None
-            taken = self._take_slab(dram, donor, protect, wait=starved)
+        starved = pool.available(cls) + len(dram.policy(cls)) < count
+        for donor in self._donors(dram, cls, starved, tenant):
+            taken = self._take_slab(dram, donor, protect, starved, tenant)
             if isinstance(taken, Plan):
                 return taken
-            if not taken or not starved:
-                return None
+            if taken:
+                return Plan(again=True) if starved and pool.available(cls) < count else None
         return None
 
-    def _donor(self, dram: TierSlots, cls: SlabClass, starved: bool) -> SlabClass | None:
+    def _donors(self, dram: TierSlots, cls: SlabClass, starved: bool,
+                tenant: str | None) -> list[SlabClass]:
+        """The classes to take a slab from, in order: the one furthest over its share
+        (while the asking class is starved, or under its share and the donor over its);
+        every other, most slabs first, for a tenant taking from its own blocks."""
         others = [c for c in dram.pool.classes.values() if c is not cls and c.slabs]
         if not others:
-            return None
+            return []
         share = self.shares(dram)
         if not starved and len(cls.slabs) + 1 > share.get(cls, 0.0):
-            return None
+            return []
+        if tenant is not None:
+            return sorted(others, key=lambda c: -len(c.slabs))
         donor = max(others, key=lambda c: len(c.slabs) - share.get(c, 0.0))
         if not starved and len(donor.slabs) - 1 < share.get(donor, 0.0):
-            return None
-        return donor
+            return []
+        return [donor]
 
     def _take_slab(self, dram: TierSlots, donor: SlabClass, protect: Block | None,
-                   wait: bool) -> bool | Plan:
+                   wait: bool, tenant: str | None) -> bool | Plan:
         """Empty one slab of ``donor`` into its others (True: it went back to the tier),
         or a Plan of the writes its room waits on (only if ``wait``: a class that is not
         starved makes room among its own blocks rather than wait on another's writes,
         which the tier below may refuse); False if none can be emptied now."""
         pool = dram.pool
-        picked = self._movable(dram, donor, protect)
+        picked = self._movable(dram, donor, protect, tenant)
         if picked is None:
             return False
         slab, blocks = picked
@@ -131,7 +136,7 @@ class SlabMoves:
                 return False
             rejects, empty = self.store.counters.capacity_rejects, pool.empty_slabs
             try:
-                plan = self.make_room(dram, donor, short, protect)
+                plan = self.make_room(dram, donor, short, protect, tenant=tenant)
             except CapacityError:
                 self.store.counters.capacity_rejects = rejects  # (not the request's)
                 return False
@@ -157,10 +162,11 @@ class SlabMoves:
         self.store.counters.slab_moved_blocks += len(blocks)
         return True
 
-    def _movable(self, dram: TierSlots, donor: SlabClass, protect: Block | None
-                 ) -> tuple[Slab, list[tuple[int, Block]]] | None:
+    def _movable(self, dram: TierSlots, donor: SlabClass, protect: Block | None,
+                 tenant: str | None) -> tuple[Slab, list[tuple[int, Block]]] | None:
         """A slab of ``donor`` every used slot of which holds a committed block nothing
-        reads or writes now, fewest used first; and those, with their offsets."""
+        reads or writes now (each of ``tenant``'s, if given), fewest used first; and
+        those, with their offsets."""
         store = self.store
         busy = {id(b) for t in store.transfers.values() if t.tier == SSD for b in t.blocks}
         busy.update(id(b) for b in store.remote_demoting)
@@ -170,7 +176,8 @@ class SlabMoves:
                 if not isinstance(b, Block) or b.offset != offset:
                     continue  # a slot freed since
                 if (b.refs or (b.rare is not None and (b.demoting or b.promoting))
-                        or b is protect or (busy and id(b) in busy)):
+                        or b is protect or (busy and id(b) in busy)
+                        or (tenant is not None and b.ns.tenant != tenant)):
                     break
                 blocks.append((offset, b))
             else:

@@ -156,24 +156,33 @@ def test_a_reservation_in_a_slab_keeps_it_until_committed() -> None:
     arena.check(a), arena.check(b)
 
 
-def test_a_tenant_over_its_share_takes_no_slab_from_another_size() -> None:
-    """Tenant weights hold across sizes: a tenant past its share of the tier is refused
-    a slab of another tenant's size (it would evict that tenant's blocks); one under
-    its share is given one."""
+def test_a_tenant_over_its_share_takes_a_slab_of_its_own_blocks_only() -> None:
+    """Tenant weights hold across sizes: a tenant past its share of the tier takes a slab
+    for its new size from its own blocks of another size (it switched models, say), never
+    one of another tenant's (whose blocks would go for it); one under its share may."""
     arena = Arena()
     store = arena.store
     mine = store.open_namespace(make_identity(model="model-a", head_dim=128, tenant="t1"))
-    arena.put(mine, 0, 24)  # three of four slabs: t1 holds 3/4 of the tier
+    a_keys = arena.put(mine, 0, 24)  # three of four slabs: t1 holds 3/4 of the tier
     other = store.open_namespace(make_identity(model="model-a", head_dim=128, tenant="t2"))
     arena.put(other, 100, 8)  # the fourth
     small = store.open_namespace(make_identity(model="model-b", head_dim=64, tenant="t1"))
+    by_slab: dict[int, bytes] = {}
+    for key in a_keys:
+        by_slab.setdefault(mine.blocks[key].offset // SLAB, key)  # type: ignore[operator]
+    for key in by_slab.values():  # a pin in each of t1's slabs: none of its own can go
+        store.acquire("reader", mine, [key], 0.0)
     with pytest.raises(CapacityError):
         arena.put(small, 200, 1)  # t1, over its half, would take a slab of t2's blocks
     assert store.counters.slab_moves == 0 and arena.check(other) == 8
-    guest = store.open_namespace(make_identity(model="model-b", head_dim=64, tenant="t3"))
-    arena.put(guest, 300, 1)  # t3 holds nothing: under its share
-    assert store.counters.slab_moves == 1 and slabs(guest) == 1
-    arena.check(mine), arena.check(other), arena.check(guest)
+    store.drop_owner("reader")
+    arena.put(small, 200, 1)  # a slab of t1's own blocks
+    assert store.counters.slab_moves == 1 and slabs(small) == 1
+    assert arena.check(other) == 8 and arena.check(mine) == 16
+    guest = store.open_namespace(make_identity(model="model-c", head_dim=32, tenant="t3"))
+    arena.put(guest, 300, 1)  # t3 holds nothing: under its share, from anyone
+    assert store.counters.slab_moves == 2 and slabs(guest) == 1
+    arena.check(mine), arena.check(other), arena.check(guest), arena.check(small)
 
 
 def to_ssd(store: BlockStore, blocks: list[Block]) -> list[tuple[bytes, bytes]]:
@@ -293,3 +302,23 @@ def test_an_ssd_tier_of_one_slab_leaves_no_request_waiting_for_writes_it_refuses
         put(a, 9_000_000 + 1000 * i, 1)
     assert slabs(a) >= 3
     store.check_invariants()
+
+
+def test_a_request_short_of_several_slabs_takes_one_a_turn() -> None:
+    """One slab a call: a request that needs more is told to ask again once the loop ran
+    the others (``Plan.again``), each time with one more slab, until it fits."""
+    arena = Arena()
+    store = arena.store
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    arena.put(a, 0, 32)
+    keys = chain_keys(b.id, list(range(16 * 40)), 16)  # 40 blocks of 16 KiB: three slabs
+    answers = []
+    while True:
+        got = store.reserve("w", b, keys, None, 0.0)
+        answers.append(got)
+        if not isinstance(got, Plan):
+            break
+        assert got.again and not got.demote and len(answers) < 10
+    assert len(answers) == 3 and slabs(b) == 3 and store.counters.slab_moves == 3
+    store.abort("w", answers[-1].id)  # type: ignore[union-attr]
+    arena.check(a)

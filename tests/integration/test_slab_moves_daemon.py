@@ -108,3 +108,24 @@ def test_a_second_block_size_is_written_to_an_ssd_tier_the_first_filled(
     finally:
         daemon.stop()
     assert not error_records(daemon.log()), daemon.log()[-3000:]
+
+
+def test_a_put_short_of_several_slabs_is_served(tmp_path: Path) -> None:
+    """A put whose blocks need three slabs of a tier another size filled: served, a slab
+    a turn of the daemon's loop (the others' requests in between)."""
+    daemon = DaemonProcess(tmp_path, dram_capacity="1MiB", extra=["--slab-size", "256KiB"]).start()
+    try:
+        with Client(daemon.endpoint, tenant="acme", timeout=20) as client:
+            a, b = client.namespace(A), client.namespace(B)
+            for i in range(32):
+                keys = a.keys(list(range(i * 1000, i * 1000 + 16)))
+                a.put(keys, [content(k, A.block_bytes) for k in keys])
+            keys = b.keys(list(range(900_000, 900_000 + 16 * 40)))  # 40 blocks: 3 slabs
+            b.put(keys, [content(k, B.block_bytes) for k in keys])
+            assert b.lookup(keys).blocks == 40
+            stats = client.stats()
+            assert stats["tiers"]["dram"]["slab_moves"] == 3
+            assert stats["invariant_violations"] == 0
+    finally:
+        daemon.stop()
+    assert not error_records(daemon.log()), daemon.log()[-3000:]
