@@ -16,6 +16,11 @@ another:
   only while it keeps its own (one slab of slack each way, so slabs do not go back and
   forth).
 
+One slab a turn of the loop: a starved request still short of room is told to ask
+again (``Plan.again``) once the others' requests ran.  A tenant over its weighted share
+of the tier takes only a slab all of whose blocks are its own, evicting only its own
+(its old model's size gives way to its new one; another tenant's never does).
+
 The donor is the class furthest over its share.  Of its slabs, the one with fewest
 used slots whose every slot holds a committed block nothing reads or writes now (no
 pin, no reservation, no transfer): its blocks' bytes are copied into free slots of the
