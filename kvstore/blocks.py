@@ -467,3 +467,18 @@ def parents_first(ns: Namespace) -> list[Block]:
             done.add(id(x))
             order.append(x)
     return order
+
+
+def subtree(root: Block) -> list[Block]:
+    """``root`` and every block below it, along the child links, each after its parent."""
+    out: list[Block] = []
+    stack = [root]
+    while stack:
+        b = stack.pop()
+        out.append(b)
+        kids = b.kids
+        if isinstance(kids, Block):
+            stack.append(kids)
+        elif kids is not None:
+            stack.extend(kids)
+    return out

@@ -29,6 +29,7 @@ from kvstore.blocks import (
     TierSlots,
     Transfer,
     reserved_out,
+    subtree,
 )
 from kvstore.first_blocks import Heads, no_longer_heads
 from kvstore.gpu_copies import GpuCopies
@@ -584,17 +585,7 @@ class StoreCore:
     def drop_subtree(self, ns: Namespace, roots: list[Block], removed_ssd: list[tuple[bytes, bytes]]) -> None:
         """Drop the roots and what hangs below them, leaves first, except what is pinned,
         moving or held (and so their prefixes); O(the subtree), along the child links."""
-        order: list[Block] = []
-        stack = list(roots)
-        while stack:
-            b = stack.pop()
-            order.append(b)
-            kids = b.kids
-            if kids is not None:
-                if isinstance(kids, Block):
-                    stack.append(kids)
-                else:
-                    stack.extend(kids)
+        order = [b for root in roots for b in subtree(root)]
         for b in reversed(order):  # leaves before their parents
             self.drop_leaf(b, removed_ssd)
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstore.blocks import SSD, Block, TierSlots
+from kvstore.blocks import SSD, Block, TierSlots, subtree
 from kvstore.errors import CapacityError
 from kvstore.plans import Plan
 from kvstore.pool import Slab, SlabClass
@@ -235,7 +235,7 @@ def empty_ssd_slab(store: StoreCore, cls: SlabClass, removed: list[tuple[bytes, 
                 ranked.append(((inner, slab.used), slab.index, slab, blocks))
     for _, _, slab, blocks in sorted(ranked, key=lambda r: r[:2]):
         below = [x for b in blocks if b.offset is None and b.kids is not None
-                 for x in _subtree(b)]
+                 for x in subtree(b)]
         if any(_busy(x) or x in keep for x in below):
             continue  # (a block below in use would keep its SSD-only parents)
         dropped = 0
@@ -271,18 +271,3 @@ def ssd_refused(store: StoreCore) -> frozenset[SlabClass]:
 def _busy(b: Block) -> bool:
     """Whether a block is in use: pinned, or a copy of it being read or written."""
     return bool(b.refs or b.ssd_holds or b.promoting or b.demoting)
-
-
-def _subtree(b: Block) -> list[Block]:
-    """``b`` and every block below it."""
-    out: list[Block] = []
-    stack = [b]
-    while stack:
-        x = stack.pop()
-        out.append(x)
-        kids = x.kids
-        if isinstance(kids, Block):
-            stack.append(kids)
-        elif kids is not None:
-            stack.extend(kids)
-    return out

@@ -17,6 +17,7 @@ from hypothesis.stateful import (
 )
 
 from kvstore.blocks import Block
+from kvstore.blocks import subtree as _subtree  # (the store's own walk)
 from kvstore.errors import CapacityError, LeaseExpiredError, NotFoundError
 from kvstore.keys import chain_keys
 from kvstore.store import BlockStore, Limits, Pin, Plan, Reservation
@@ -227,20 +228,6 @@ class StoreMachine(RuleBasedStateMachine):
                     if c and not all(cached[:i]):
                         assert any(map(_in_use, _subtree(ns.blocks[keys[i]]))), (
                             "a cached key without its prefix")
-
-
-def _subtree(root: Block) -> list[Block]:
-    """The block and every block hanging below it, along the child links."""
-    out, stack = [], [root]
-    while stack:
-        b = stack.pop()
-        out.append(b)
-        kids = b.kids
-        if isinstance(kids, Block):
-            stack.append(kids)
-        elif kids is not None:
-            stack.extend(kids)
-    return out
 
 
 def _in_use(b: Block) -> bool:
