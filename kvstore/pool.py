@@ -228,12 +228,8 @@ class SlabPool:
         news = cls._take_many(len(olds)) if olds else []
         held = slab.holders
         if held is not None and news:  # (the holders' offsets are the caller's to set)
-            size, slab_bytes, slabs = cls.slot_bytes, self.slab_bytes, cls.slabs
-            for old, new in zip(olds, news):
-                target = slabs[new // slab_bytes]
-                if target.holders is None:
-                    target.holders = [None] * cls.slots_per_slab
-                target.holders[(new - target.base) // size] = held[(old - slab.base) // size]
+            size = cls.slot_bytes
+            self.place_at(cls, news, [held[(old - slab.base) // size] for old in olds])
         del cls.slabs[index]
         del self._owner[index]
         self._empty.append(index)

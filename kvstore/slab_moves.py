@@ -71,9 +71,6 @@ class SlabMoves:
         self.make_room = make_room  # ``RoomMaker._make_room``: evict within one class
         self.put_back = put_back  # ``RoomMaker._put_back``: victims of a plan let go
 
-    def shares(self, dram: TierSlots) -> dict[SlabClass, float]:
-        return self.shares_of(dram)
-
     @staticmethod
     def shares_of(dram: TierSlots) -> dict[SlabClass, float]:
         """Each class's share of the tier's slabs now, in slabs (by its recent use)."""
@@ -114,7 +111,7 @@ class SlabMoves:
         others = [c for c in dram.pool.classes.values() if c is not cls and c.slabs]
         if not others:
             return []
-        share = self.shares(dram)
+        share = self.shares_of(dram)
         if not starved and len(cls.slabs) + 1 > share.get(cls, 0.0):
             return []
         if tenant is not None:
