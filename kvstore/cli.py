@@ -178,6 +178,11 @@ def _stats_view(stats: dict[str, Any], previous: dict[str, Any] | None, dt: floa
                     - before.get("commits", before.get("writes", 0))) / dt
             line += f" {rate:,.0f} blocks/s in"
         lines.append(line)
+    classes = stats.get("slab_classes", {}).get("dram", [])
+    if len(classes) > 1:  # block sizes sharing a tier: the slabs each holds, its share
+        lines.append("dram slabs by block size: " + ", ".join(
+            f"{format_size(c['slot_bytes'])} x{c['slabs']} (share {c['share']:g})"
+            for c in sorted(classes, key=lambda c: -c["slabs"])))
     lines.append(f"sessions={stats['sessions']} namespaces={stats['namespaces']} "
                  f"invariant violations={stats['invariant_violations']}")
     if "remote" in stats:

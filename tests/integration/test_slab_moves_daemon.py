@@ -8,6 +8,8 @@ holding every SSD slab leaves the other's blocks nowhere to be written down."""
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,10 @@ def test_a_second_block_size_is_served_in_an_arena_the_first_filled(
             assert dram["slab_moves"] >= 1, dram
             classes = {c["slot_bytes"]: c["slabs"] for c in stats["slab_classes"]["dram"]}
             assert classes[B.block_bytes] >= 1 and sum(classes.values()) == 4, classes
+            view = subprocess.run(  # the terminal view names both sizes' slabs
+                [sys.executable, "-m", "kvstore", "stats", "--endpoint", daemon.endpoint],
+                capture_output=True, text=True, timeout=30, check=True).stdout
+            assert "dram slabs by block size: " in view and "16KiB x" in view, view
             assert stats["invariant_violations"] == 0
             assert dram["reserved_slots"] == 0 and dram["pinned_blocks"] == 0
             if ssd != "0":  # what left DRAM was written down first: all of a still there
