@@ -11,6 +11,7 @@ import hashlib
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess, error_records
@@ -28,6 +29,18 @@ def content(key: bytes, size: int) -> bytes:
     return (seed * (size // 32 + 1))[:size]
 
 
+def put_chains(ns: Any, first: int, chains: int, blocks: int = 1) -> list[bytes]:
+    """``chains`` chains of ``blocks`` blocks each (from token ``first``, 1000 tokens
+    apart), each block's bytes its key's; their keys."""
+    size, tokens = ns.identity.block_bytes, ns.identity.block_tokens
+    out: list[bytes] = []
+    for i in range(chains):
+        keys = ns.keys(list(range(first + i * 1000, first + i * 1000 + tokens * blocks)))
+        ns.put(keys, [content(k, size) for k in keys])
+        out += keys
+    return out
+
+
 @pytest.mark.parametrize("ssd", ["0", "8MiB"], ids=["dram", "dram+ssd"])
 def test_a_second_block_size_is_served_in_an_arena_the_first_filled(
         tmp_path: Path, ssd: str) -> None:
@@ -38,18 +51,11 @@ def test_a_second_block_size_is_served_in_an_arena_the_first_filled(
     try:
         with Client(daemon.endpoint, tenant="acme", timeout=20) as client:
             a, b = client.namespace(A), client.namespace(B)
-            a_keys = []
-            for i in range(40):  # 40 blocks of 32 KiB in a 1 MiB arena: every slab a's
-                keys = a.keys(list(range(i * 1000, i * 1000 + 16)))
-                a.put(keys, [content(k, A.block_bytes) for k in keys])
-                a_keys += keys
+            a_keys = put_chains(a, 0, 40)  # 40 blocks of 32 KiB in 1 MiB: every slab a's
             for k in a_keys[1::2]:  # every other one hit: the coldest lie in every slab
                 a.lookup([k])
-            b_keys = []
-            for i in range(4):  # refused before ("0 evictable in the dram tier")
-                keys = b.keys(list(range(500_000 + i * 1000, 500_000 + i * 1000 + 32)))
-                b.put(keys, [content(k, B.block_bytes) for k in keys])
-                b_keys += keys
+            # refused before ("0 evictable in the dram tier")
+            b_keys = put_chains(b, 500_000, 4, blocks=2)
             assert b.lookup(b_keys).blocks == len(b_keys)
             assert b.get(b_keys) == [content(k, B.block_bytes) for k in b_keys]
             cached = [k for k in a_keys if a.lookup([k]).blocks]
@@ -86,15 +92,9 @@ def test_a_second_block_size_is_written_to_an_ssd_tier_the_first_filled(
     try:
         with Client(daemon.endpoint, tenant="acme", timeout=20) as client:
             a, b = client.namespace(A), client.namespace(B)
-            for i in range(60):
-                keys = a.keys(list(range(i * 1000, i * 1000 + 16)))
-                a.put(keys, [content(k, A.block_bytes) for k in keys])
+            put_chains(a, 0, 60)
             assert client.stats()["tiers"]["ssd"]["empty_slabs"] == 0
-            b_keys = []
-            for i in range(48):
-                keys = b.keys(list(range(700_000 + i * 1000, 700_000 + i * 1000 + 16)))
-                b.put(keys, [content(k, B.block_bytes) for k in keys])
-                b_keys += keys
+            b_keys = put_chains(b, 700_000, 48)
             stats = client.stats()
             ssd = stats["tiers"]["ssd"]
             assert ssd["slab_moves"] >= 1 and ssd["slab_dropped"] > 0, ssd
@@ -123,11 +123,8 @@ def test_a_put_short_of_several_slabs_is_served(tmp_path: Path) -> None:
     try:
         with Client(daemon.endpoint, tenant="acme", timeout=20) as client:
             a, b = client.namespace(A), client.namespace(B)
-            for i in range(32):
-                keys = a.keys(list(range(i * 1000, i * 1000 + 16)))
-                a.put(keys, [content(k, A.block_bytes) for k in keys])
-            keys = b.keys(list(range(900_000, 900_000 + 16 * 40)))  # 40 blocks: 3 slabs
-            b.put(keys, [content(k, B.block_bytes) for k in keys])
+            put_chains(a, 0, 32)
+            keys = put_chains(b, 900_000, 1, blocks=40)  # 40 blocks: 3 slabs
             assert b.lookup(keys).blocks == 40
             stats = client.stats()
             assert stats["tiers"]["dram"]["slab_moves"] == 3
