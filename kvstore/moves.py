@@ -177,8 +177,6 @@ class Moves:
         if not parts:
             if plan.room_coming:  # writes under way will free room: wait a little
                 await self.room.wait(self.clock() + _ROOM_COMING_WAIT)
-            elif plan.again:  # the others' turn first
-                await asyncio.sleep(0)
             return
         try:
             # all at once: the room comes in one go; each move finishes its own blocks

@@ -24,8 +24,6 @@ class Plan:
     ``promote``: a transfer of SSD copies into DRAM slots the store reserved for them;
     ``reads``: blocks that other requests are promoting already, to wait for.
     ``room_coming``: nothing to do but wait a little: writes under way will free room.
-    ``again``: nothing to wait for: ask again after the loop's other work (room made a
-    slab at a time, so that no request holds the loop for many).
     ``fetch``: keys of a namespace to bring in from the remote store (the daemon's verbs
     plan these: the store knows nothing of the remote store's contents).
     ``defer_until``: wait for room, in order, until then (the daemon's pressure step).
@@ -36,7 +34,6 @@ class Plan:
     promote: Transfer | None = None
     reads: list[Block] = field(default_factory=list)
     room_coming: bool = False
-    again: bool = False  # more room to make: let the loop run the others first, then ask again
     fetch: tuple[Namespace, list[bytes]] | None = None
     defer_until: float | None = None
     expired: bool = False  # a deferral whose deadline passed: the last attempt runs

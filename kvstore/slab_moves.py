@@ -16,8 +16,7 @@ another:
   only while it keeps its own (one slab of slack each way, so slabs do not go back and
   forth).
 
-One slab a turn of the loop: a starved request still short of room is told to ask
-again (``Plan.again``) once the others' requests ran.  A tenant over its weighted share
+A tenant over its weighted share
 of the tier takes only a slab all of whose blocks are its own, evicting only its own
 (its old model's size gives way to its new one; another tenant's never does).
 
@@ -84,23 +83,31 @@ class SlabMoves:
 
     def make_way(self, dram: TierSlots, cls: SlabClass, count: int,
                  protect: Block | None, tenant: str | None = None) -> Plan | None:
-        """Give ``cls`` a slab of another class while it is starved for ``count`` slots
-        or under its share (only a slab of ``tenant``'s own blocks, if given: a tenant
-        over its share of the tier).  One slab a call: a starved request still short of
-        room is told to ask again (``Plan.again``) once the loop has run the others, so
-        that no request holds the loop for many slabs' moves; a Plan too where a donor's
-        writes must come first.  Nothing to do (or nothing that can be done now): None."""
+        """Give ``cls`` slabs of other classes while it is starved for ``count`` slots,
+        or one while it is under its share (only slabs of ``tenant``'s own blocks, if
+        given: a tenant over its share of the tier); a Plan where a donor's writes must
+        come first.  Nothing to do (or nothing that can be done now) is None.
+
+        All in the request's turn of the loop: a slab emptied and left for a later turn
+        went to whichever size asked first (the donor's own next write, say), so that a
+        request of several slabs never fit.  A request's hold grows with the slabs it
+        needs, as a reserve's with the blocks it evicts."""
         pool = dram.pool
         others = sum(len(c.slabs) for c in pool.classes.values() if c is not cls)
         if pool.available(cls) + len(dram.policy(cls)) + others * cls.slots_per_slab < count:
             return None  # not even every other slab would do (the rest pinned, say)
-        starved = pool.available(cls) + len(dram.policy(cls)) < count
-        for donor in self._donors(dram, cls, starved, tenant):
-            taken = self._take_slab(dram, donor, protect, starved, tenant)
-            if isinstance(taken, Plan):
-                return taken
-            if taken:
-                return Plan(again=True) if starved and pool.available(cls) < count else None
+        while pool.available(cls) < count:
+            starved = pool.available(cls) + len(dram.policy(cls)) < count
+            for donor in self._donors(dram, cls, starved, tenant):
+                taken = self._take_slab(dram, donor, protect, starved, tenant)
+                if isinstance(taken, Plan):
+                    return taken
+                if taken:
+                    break
+            else:
+                return None
+            if not starved:
+                return None
         return None
 
     def _donors(self, dram: TierSlots, cls: SlabClass, starved: bool,

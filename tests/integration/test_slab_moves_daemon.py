@@ -117,8 +117,7 @@ def test_a_second_block_size_is_written_to_an_ssd_tier_the_first_filled(
 
 
 def test_a_put_short_of_several_slabs_is_served(tmp_path: Path) -> None:
-    """A put whose blocks need three slabs of a tier another size filled: served, a slab
-    a turn of the daemon's loop (the others' requests in between)."""
+    """A put whose blocks need three slabs of a tier another size filled: served."""
     daemon = DaemonProcess(tmp_path, dram_capacity="1MiB", extra=["--slab-size", "256KiB"]).start()
     try:
         with Client(daemon.endpoint, tenant="acme", timeout=20) as client:
