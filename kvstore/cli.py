@@ -203,22 +203,19 @@ def _read_identity(text: str) -> Identity | None:
     from kvstore.identity import Identity
 
     if text.startswith("@"):
+        from kvstore.files import read_regular_file
+
         path = text[1:]
         try:
             # (a FIFO is read as it comes: ``--identity @<(...)`` is a shell's way to pass one)
-            with open(path, "rb") as f:
-                raw = f.read(_MAX_IDENTITY_BYTES + 1)
+            raw, _ = read_regular_file(path, "--identity", _MAX_IDENTITY_BYTES, streams=True)
             text = raw.decode("utf-8")
-        except OSError as exc:
-            print(f"kvstore: --identity: cannot read {path}: {exc.strerror}", file=sys.stderr)
+        except ConfigError as exc:
+            print(f"kvstore: {exc}", file=sys.stderr)
             return None
         except UnicodeDecodeError as exc:
             print(f"kvstore: --identity: {path} is not UTF-8 text: {exc.reason} at byte "
                   f"{exc.start}", file=sys.stderr)
-            return None
-        if len(raw) > _MAX_IDENTITY_BYTES:
-            print(f"kvstore: --identity: {path} holds more than {_MAX_IDENTITY_BYTES} "
-                  f"bytes; not an identity", file=sys.stderr)
             return None
     try:
         return msgspec.json.decode(text, type=Identity)

@@ -27,10 +27,10 @@ from kvstore.dram_copies import check_slots
 from kvstore.errors import CapacityError
 from kvstore.first_blocks import Heads, also_heads
 from kvstore.plans import Plan
-from kvstore.slab_moves import empty_ssd_slab
 from kvstore.pool import SlabClass
 from kvstore.room import RoomMaker
 from kvstore.scheduler.eviction import EvictionPolicy, LRUPolicy
+from kvstore.slab_moves import empty_ssd_slab
 
 _CLEAN_VICTIM_REACH = 64  # SSD copies looked at for one the remote store also holds
 _SEND_WINDOW_BYTES = 256 << 20  # the coldest SSD copies kept sent remotely (write-back)
@@ -145,7 +145,8 @@ class SsdCopies:
                 victim = self._clean_victim(policy, allowed) if evict else None
                 if victim is None and evict:
                     victim = policy.pop_victim(allowed)
-                if victim is None and evict is True and empty_ssd_slab(self.store, cls, removed, keep):
+                if (victim is None and evict is True
+                        and empty_ssd_slab(self.store, cls, removed, keep)):
                     continue  # a slab of another size's, emptied: this size's now
                 if victim is None:
                     if offsets:
