@@ -165,7 +165,9 @@ class Ping(Message, tag="ping"):
 
 class Bye(Message, tag="bye"):
     """The client closes: its session ends now, its reservations and pins rolled back,
-    rather than at its lease's end (a session with other connections attached goes on).
+    rather than at its lease's end (a session with other connections attached goes on
+    without this one; the last one's goodbye ends it: one that went without a goodbye
+    counts till the lease ends, as the daemon hears of no disconnect).
     Sent without waiting for the reply (an older daemon refuses it: the lease ends it)."""
 
 

@@ -169,6 +169,7 @@ class Sessions:
         self.get_pins: dict[int, tuple[str, Pin]] = {}
         # connection -> bytes of its big replies unsent (``RepliesInFlight.unread``)
         self.unread: dict[bytes, int] = {}
+        self.asking = b""  # the connection of the request being handled (``get``)
         self.configure(settings, grantee_pin_share, grantee_pin_total)
 
     def configure(self, s: ServerConfig, grantee_pin_share: float | None = None,
@@ -251,7 +252,10 @@ class Sessions:
                 or routing_id in self._let_go)
 
     def get(self, routing_id: bytes) -> Session:
-        """The session of a connection; an error that says why when there is none."""
+        """The session of a connection; an error that says why when there is none.  The
+        connection is remembered as the one asking (``asking``), for the request's
+        handler."""
+        self.asking = routing_id
         session = self.by_connection.get(routing_id)
         if session is None:
             if routing_id in self._let_go:
@@ -263,6 +267,13 @@ class Sessions:
                     "connect again")
             raise NoSessionError(_NO_SESSION)
         return session
+
+    def leave(self, routing_id: bytes) -> None:
+        """A connection of a session others are attached to said goodbye: it leaves the
+        session (which goes on for the others; the last one's goodbye ends it): a peer
+        without a session again."""
+        session = self.by_connection.pop(routing_id)
+        del session.connections[routing_id]
 
     def forget(self, gone: set[object]) -> None:
         """Drop the sessions whose lease ran out (their holdings are rolled back), and
@@ -522,28 +533,29 @@ class Sessions:
             assert [tenant.sessions, tenant.reservations, tenant.pins] == expected, (
                 f"{tenant} does not sum its sessions: {expected}")
             assert all(self.by_id.get(i) is s for i, s in tenant.members.items()), tenant
-        self._check_grant_pins()
+        check_grant_pins(self)
         check_namespace_users(self)
 
-    def _check_grant_pins(self) -> None:
-        """Each session counts exactly its pins in other tenants' namespaces, and the
-        grantees' bytes sum those pins' blocks."""
-        counted: dict[str, list[Pin]] = {}
-        for session in self.by_id.values():
-            state = self.store.owners.get(session.id)
-            held = {} if state is None else state.pins
-            foreign = {pin_id: pin for pin_id, pin in held.items()
-                       if pin.blocks and pin.blocks[0].ns.tenant != session.tenant}
-            assert set(foreign) == set(session.grant_pins) | session.free_pins, (
-                f"{session} counts pins {sorted(session.grant_pins)} (and "
-                f"{sorted(session.free_pins)} uncounted) in other tenants' namespaces; it "
-                f"holds {sorted(foreign)}")
-            assert not set(session.grant_pins) & session.free_pins, f"{session}: both"
-            counted.setdefault(session.tenant, []).extend(session.grant_pins.values())
-        for tenant, pin in self.get_pins.values():
-            assert all(b.refs for b in pin.blocks), f"a get's pin {pin.id} is counted, gone"
-            counted.setdefault(tenant, []).append(pin)
-        self.grant_pins.check_invariants(counted)
+
+def check_grant_pins(sessions: Sessions) -> None:
+    """Each session counts exactly its pins in other tenants' namespaces, and the
+    grantees' bytes sum those pins' blocks."""
+    counted: dict[str, list[Pin]] = {}
+    for session in sessions.by_id.values():
+        state = sessions.store.owners.get(session.id)
+        held = {} if state is None else state.pins
+        foreign = {pin_id: pin for pin_id, pin in held.items()
+                   if pin.blocks and pin.blocks[0].ns.tenant != session.tenant}
+        assert set(foreign) == set(session.grant_pins) | session.free_pins, (
+            f"{session} counts pins {sorted(session.grant_pins)} (and "
+            f"{sorted(session.free_pins)} uncounted) in other tenants' namespaces; it "
+            f"holds {sorted(foreign)}")
+        assert not set(session.grant_pins) & session.free_pins, f"{session}: both"
+        counted.setdefault(session.tenant, []).extend(session.grant_pins.values())
+    for tenant, pin in sessions.get_pins.values():
+        assert all(b.refs for b in pin.blocks), f"a get's pin {pin.id} is counted, gone"
+        counted.setdefault(tenant, []).append(pin)
+    sessions.grant_pins.check_invariants(counted)
 
 
 def check_namespace_users(sessions: Sessions) -> None:

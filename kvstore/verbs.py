@@ -489,9 +489,13 @@ class Verbs:
     def _bye(self, session: Session, req: p.Bye, payload: list[Any]) -> Outcome:
         """End the session now, as its lease's end would: a client that closed left
         its holdings for a lease's length (a save given up on against a frozen daemon
-        kept its slots reserved 30 s after the engine moved on, or exited)."""
-        if len(session.connections) <= 1:
-            d = self.d
+        kept its slots reserved 30 s after the engine moved on, or exited).  A session
+        with other connections attached goes on without this one (its holdings are the
+        session's, for the others): the last connection's goodbye ends it."""
+        d = self.d
+        if len(session.connections) > 1:
+            d.sessions.leave(d.sessions.asking)
+        else:
             d.store.drop_owner(session.id)
             d.sessions.forget({session.id})
             d.moves.freed()

@@ -59,3 +59,46 @@ def test_a_lease_end_walks_only_its_sessions_connections() -> None:
     sessions.forget({keep.id})
     assert not sessions.by_connection
     assert all(sessions.known(rid) for rid in keep.connections)  # told it expired
+
+
+def test_a_goodbye_leaves_an_attached_session_and_the_last_one_ends_it(
+        daemon: DaemonProcess) -> None:
+    """A connection's goodbye takes it out of a session others are attached to (which
+    keeps its holdings for them); the last connection's goodbye ends the session and
+    gives back its pins then, not at its lease's end (every goodbye was a no-op while
+    another connection had ever attached, so the session's pins stayed a lease long)."""
+    ident = make_identity()
+    keys = [bytes([i]) * 16 for i in range(1, 3)]
+    first, second, watcher = Raw(daemon.endpoint), Raw(daemon.endpoint), Raw(daemon.endpoint)
+    try:
+        hello = first.ask(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "acme")))
+        assert isinstance(hello, p.HelloReply)
+        again = second.ask(p.encoder.encode(
+            p.Hello(1, p.PROTOCOL_VERSION, "acme", attach=hello.session)))
+        assert isinstance(again, p.HelloReply) and again.session == hello.session
+        assert isinstance(watcher.ask(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "acme"))),
+                          p.HelloReply)
+        opened = first.ask(p.encoder.encode(p.OpenNamespace(2, ident)))
+        assert isinstance(opened, p.NamespaceReply)
+        ns = ident.namespace_id
+        put = first.ask(p.encoder.encode(p.Put(3, ns, keys)),
+                        *(b"\7" * ident.block_bytes for _ in keys))
+        assert isinstance(put, p.PutReply), put
+        held = second.ask(p.encoder.encode(p.Acquire(4, ns, keys)))
+        assert isinstance(held, p.AcquireReply) and len(held.offsets) == 2, held
+
+        def pinned() -> int:
+            stats = watcher.ask(p.encoder.encode(p.Stats(9)))
+            assert isinstance(stats, p.StatsReply)
+            return int(stats.stats["tiers"]["dram"]["pinned_blocks"])
+
+        assert isinstance(first.ask(p.encoder.encode(p.Bye(5))), p.OkReply)
+        assert error_code(first.ask(p.encoder.encode(p.Ping(6)))) == "forbidden"
+        assert isinstance(second.ask(p.encoder.encode(p.Ping(6))), p.OkReply)
+        assert pinned() == 2  # the session goes on, for the connection left
+        assert isinstance(second.ask(p.encoder.encode(p.Bye(7))), p.OkReply)
+        assert pinned() == 0  # the last goodbye ended it
+        assert isinstance(second.ask(p.encoder.encode(p.Ping(8))), p.ErrorReply)
+    finally:
+        for raw in (first, second, watcher):
+            raw.close()
