@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import threading
 import time
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 BACKOFF_S = 10.0        # no daemon calls for this long after it failed to answer
 SESSION_PING_S = 0.5    # the most a ping asking an older daemon for the session waits
 MAX_NAMESPACES = 4096   # opened namespaces remembered per link
+EARLY_END_S = 1.0       # a back-off another link's answer ends, once this long passed
 REFUSED_S = 1.0         # no connect with the same settings for this long after a refusal,
 REFUSED_MAX_S = 60.0    # doubled with each refusal in a row, up to this
 
@@ -121,6 +123,8 @@ class DaemonLink:
         self._client: Client | None = None
         self._namespaces: OrderedDict[Hashable, Namespace] = OrderedDict()
         self._unavailable_until = 0.0
+        self._backed_off_at = 0.0  # when the latest back-off from silence began
+        self._ended_early_at = -math.inf  # when ``answered_elsewhere`` last ended one
         self._background: dict[Hashable, Callable[[], Identity]] | None = None
         self._connecting: tuple[threading.Thread, _Connected] | None = None
         self._used: float | None = None  # when the link last handed out its client (``_alive``)
@@ -137,6 +141,21 @@ class DaemonLink:
         connect with the link's settings."""
         now = self._clock()
         return now >= self._unavailable_until and self._refusal(now) is None
+
+    def answered_elsewhere(self) -> None:
+        """Another link of this engine to the daemon was answered lately (the
+        scheduler's lookup, whose blocks the worker is asked to load): end a back-off
+        from this link's own silence once ``EARLY_END_S`` of it passed, so that the
+        loads offered after a hiccup of the daemon connect again rather than miss (and
+        recompute) for the rest of the back-off's 10 s.  At most once per back-off's
+        length: a daemon that answers lookups but not this link's calls stalls a step
+        at most twice in that time, not at every step.  A refusal's back-off stands."""
+        now = self._clock()
+        if (now < self._unavailable_until and now - self._backed_off_at >= EARLY_END_S
+                and now - self._ended_early_at >= self._backoff_s):
+            self._unavailable_until = 0.0
+            self._ended_early_at = now
+            logger.info("kvstore: the daemon answered the scheduler; connecting again")
 
     def use_token(self, token: str) -> None:
         """Connect with ``token`` from now on: the next connect tries it at once, even
@@ -322,7 +341,8 @@ class DaemonLink:
         self.failures += 1
         logger.warning("kvstore: %s failed: %s", what, exc)
         if isinstance(exc, UnavailableError):
-            self._unavailable_until = self._clock() + self._backoff_s
+            self._backed_off_at = self._clock()
+            self._unavailable_until = self._backed_off_at + self._backoff_s
             self.close()
         elif isinstance(exc, LeaseExpiredError):
             self.close()

@@ -475,6 +475,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats["load_us"] += int((time.perf_counter() - started) * 1e6)
 
     def _plan_loads(self, transfers: list[Transfer]) -> StepLoads:
+        self._link.answered_elsewhere()  # (the scheduler's lookup offered these)
         return plan_loads(transfers, self._layers, lambda index, variant: self._namespace(
             _group_of(self._groups, index), variant, self._tp_rank))
 

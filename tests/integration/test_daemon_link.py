@@ -21,6 +21,7 @@ from kvstore.errors import (
     LimitExceededError,
     MalformedError,
     NotFoundError,
+    UnavailableError,
 )
 from kvstore.integrations import daemon_link
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
@@ -239,3 +240,34 @@ def test_a_background_connect_that_ends_after_the_link_closed_closes_its_client(
     assert not thread.is_alive() and len(made) == 1
     assert made[0]._sock is None  # closed by the thread
     assert link._client is None and not link.connecting()
+
+
+def test_another_links_answer_ends_a_back_off_from_silence_once_a_back_off(
+        daemon: DaemonProcess, handshakes: list[str | None]) -> None:
+    """The worker's link backed off after the daemon failed to answer it (a hiccup);
+    the scheduler's lookup, answered, offers blocks to load: the worker's link ends
+    its back-off (after ``EARLY_END_S``), connects, and loads, rather than miss for the
+    rest of the 10 s.  At most once a back-off's length; a refusal's back-off stands."""
+    now = [100.0]
+    link = DaemonLink(DaemonSettings(daemon.endpoint, "acme"), clock=lambda: now[0])
+    assert link.namespace("k", identity) is not None and len(handshakes) == 1
+    link.failed("acquire", UnavailableError("the daemon did not answer within 5.0s"))
+    assert not link.available() and link.namespace("k", identity) is None
+    link.answered_elsewhere()  # too soon after the failure: the back-off stands
+    assert not link.available()
+    now[0] += daemon_link.EARLY_END_S
+    link.answered_elsewhere()
+    assert link.available()
+    assert link.namespace("k", identity) is not None and len(handshakes) == 2
+    # failing again at once: no second early end within the back-off's length
+    link.failed("acquire", UnavailableError("the daemon did not answer within 5.0s"))
+    now[0] += daemon_link.EARLY_END_S
+    link.answered_elsewhere()
+    assert not link.available()
+    now[0] += daemon_link.BACKOFF_S - daemon_link.EARLY_END_S
+    assert link.available()  # (its own end)
+    link.failed("acquire", UnavailableError("the daemon did not answer within 5.0s"))
+    now[0] += daemon_link.EARLY_END_S
+    link.answered_elsewhere()  # a back-off's length since the last early end
+    assert link.available()
+    link.close()
