@@ -142,6 +142,11 @@ class DaemonLink:
         now = self._clock()
         return now >= self._unavailable_until and self._refusal(now) is None
 
+    def holds(self, client: Client) -> bool:
+        """Whether ``client`` is still the link's (a failure lets it go, and with it the
+        session's holdings: they are not to be counted on)."""
+        return client is self._client
+
     def answered_elsewhere(self) -> None:
         """Another link of this engine to the daemon was answered lately (the
         scheduler's lookup, whose blocks the worker is asked to load): end a back-off

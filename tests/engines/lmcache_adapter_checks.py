@@ -22,6 +22,7 @@ from lmcache.cli.commands.bench.l2_adapter_bench.data import (
 
 import kvstore.integrations.lmcache as lmcache_adapter
 from kvstore.client import Client
+from kvstore.errors import LeaseExpiredError
 from kvstore.integrations.lmcache import KVStoreL2Adapter
 
 
@@ -143,6 +144,24 @@ def many_keys(endpoint: str, tenant: str) -> dict[str, Any]:
     out["acquire_calls_with_failure"] = calls
     out["pinned_after_failed_lookup"] = pinned(endpoint, 0)
     out["pinned_keys_after_failed_lookup"] = adapter.report_status()["pinned_keys"]
+
+    # The daemon forgets the session between the parts (restarted, say): the link lets
+    # its client go, and the first part's pins with it, so they are no locks either.
+    calls = 0
+
+    def session_gone(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise LeaseExpiredError("injected: this session's lease ran out")
+        return real(*args)
+
+    lmcache_adapter.acquire_runs = session_gone  # type: ignore[assignment]
+    out["found_with_session_gone"] = len(lookup(adapter, keys))
+    lmcache_adapter.acquire_runs = real
+    out["pinned_keys_after_session_gone"] = adapter.report_status()["pinned_keys"]
+    out["found_after_session_gone"] = len(lookup(adapter, keys))  # connected again
+    adapter.submit_unlock(keys)
     adapter.close()
     return out
 

@@ -42,6 +42,11 @@ def test_lookups_and_loads_of_more_keys_than_a_request_carries(
     assert out["found_with_failure"] == 0, out
     assert out["pinned_after_failed_lookup"] == 0, out
     assert out["pinned_keys_after_failed_lookup"] == 0, out
+    # The session gone between the parts: the first part's pins went with it (4096 keys
+    # were reported locked), and the next lookup connects again.
+    assert out["found_with_session_gone"] == 0, out
+    assert out["pinned_keys_after_session_gone"] == 0, out
+    assert out["found_after_session_gone"] == n - 1, out
 
 
 def test_unlocking_one_models_or_salts_chunks_keeps_the_others_locked(
