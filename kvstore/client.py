@@ -115,16 +115,23 @@ class Client(SessionCore):
         sock = self._sock
         monitor = sock.get_monitor_socket()
         try:
-            self._send(req)
+            # Not a blocking send: a handshake refused before the hello went takes the
+            # connection's queue with it, and a send then waited for a peer for good
+            # (whatever the timeout), the refusal unheard.  Sent once there is a queue.
+            sent = self._send(req, wait=False)
             poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
+            poller.register(sock, zmq.POLLIN if sent else zmq.POLLIN | zmq.POLLOUT)
             poller.register(monitor, zmq.POLLIN)
             deadline = time.monotonic() + self.timeout
             while self.timeout < 0 or (left := deadline - time.monotonic()) > 0:
                 ready = dict(poller.poll(None if self.timeout < 0 else math.ceil(left * 1000)))
                 if monitor in ready and (status := handshake_refusal(monitor)) is not None:
                     raise self._handshake_refused(status)
-                if sock in ready:
+                if not sent and ready.get(sock, 0) & zmq.POLLOUT:
+                    sent = self._send(req, wait=False)
+                    if sent:
+                        poller.modify(sock, zmq.POLLIN)
+                elif sent and sock in ready:
                     return self._wait(req.rid)
             raise self._no_reply()
         finally:
@@ -136,22 +143,48 @@ class Client(SessionCore):
         self._send(req, payload)
         return self._wait(req.rid)
 
-    def _send(self, req: p.Message, payload: Sequence[Any] = ()) -> None:
+    def _send(self, req: p.Message, payload: Sequence[Any] = (), wait: bool = True) -> bool:
         """Send a request whose reply ``_wait(req.rid)`` will read: replies to other
-        requests read meanwhile are kept for their own ``_wait``."""
+        requests read meanwhile are kept for their own ``_wait``.
+
+        With no high-water mark a DEALER queues whatever its peer has not taken, but a
+        socket with no connection to queue on (ZeroMQ dropped it: a handshake the
+        daemon refused, a token expired by a reconnect) took a blocking send for good,
+        whatever the timeout.  So the send never blocks: such a socket is waited on
+        for the timeout, then UnavailableError (``wait`` False: False at once)."""
         if self._sock is None:
             raise KVStoreError("the client is closed")
         self._usable()
         header = p.encoder.encode(req)
+        frames = [header, *payload] if payload else None
         self._claim()
         try:
-            if payload:
-                self._sock.send_multipart([header, *payload], copy=False)
-            else:
-                self._sock.send(header)
+            if not self._send_frames(header, frames, wait):
+                return False
         finally:
             self._io.release()
         self._awaited.add(req.rid)
+        return True
+
+    def _send_frames(self, header: bytes, frames: list[Any] | None = None,
+                     wait: bool = True) -> bool:
+        """``_send``'s send (the socket claimed): never blocking; a socket with no
+        connection to queue on is waited on for the timeout (``wait``), then
+        UnavailableError; False if not ``wait`` and nothing was sent."""
+        sock = self._sock
+        while True:
+            try:
+                if frames is not None:
+                    sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                else:  # a header alone: one send (send_multipart checks every part)
+                    sock.send(header, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                if not wait:
+                    return False
+                timeout = None if self.timeout < 0 else math.ceil(self.timeout * 1000)
+                if not sock.poll(timeout, zmq.POLLOUT):
+                    raise self._no_reply() from None
 
     def _claim(self) -> None:
         """Take the socket for this thread's send or receive, or refuse: another thread
@@ -205,7 +238,12 @@ class Client(SessionCore):
             if not self._unread or not sock.getsockopt(_EVENTS) & _POLLIN:
                 break
             self._file(self._receive())
-        sock.send(self._posted(req))
+        header = self._posted(req)
+        try:
+            self._send_frames(header)
+        except BaseException:
+            self._unread.pop(req.rid, None)  # (not sent: no reply to wait for at close)
+            raise
 
     def _wait(self, rid: int) -> Received:
         try:
@@ -263,7 +301,7 @@ class Client(SessionCore):
         self._heard(reply)
         if reply.rid in self._abandoned:
             for header in self._give_back(reply):
-                self._sock.send(header)
+                self._send_frames(header)
         elif not self._settle(reply) and reply.rid in self._awaited:
             # (a reply to no request awaited, ours answered already or never sent, is
             # dropped: kept, an endpoint that answered each request again had them all

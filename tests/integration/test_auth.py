@@ -266,6 +266,57 @@ def test_tokens_over_tcp_are_checked_in_the_handshake(daemon_factory: Any,
         assert local.stats()["before_hello"]["dropped"] == 0   # nothing got in unchecked
 
 
+def test_a_handshake_refused_before_the_hello_is_sent_is_heard_not_waited_on(
+        daemon_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handshake the daemon refuses before the client's hello went (a loaded machine:
+    the refusal outran the thread) took the connection's queue with it, and the hello's
+    blocking send then waited for a connection for good, whatever the timeout (the
+    full suite hung 300 s on it once).  Now the refusal is heard, as when it comes
+    later (the async client's send never blocked)."""
+    import threading
+
+    import kvstore.aclient
+    import kvstore.client
+
+    secret_file = tmp_path / "secret"
+    cli("keygen", "--secret", str(secret_file))
+    config = tmp_path / "auth.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n')
+    d = daemon_factory(tcp=True, extra=["--config", str(config)])
+    expired = issue_token(read_secret(secret_file), "acme", -1)
+
+    def refused_first(make: Any) -> Any:
+        def made(*args: Any, **kwargs: Any) -> Any:
+            sock = make(*args, **kwargs)
+            time.sleep(2.0)  # the handshake is refused meanwhile
+            return sock
+        return made
+
+    monkeypatch.setattr(kvstore.client, "make_socket", refused_first(kvstore.client.make_socket))
+    monkeypatch.setattr(kvstore.aclient, "make_socket",
+                        refused_first(kvstore.aclient.make_socket))
+    outcome: list[BaseException | str] = []
+
+    def connect() -> None:
+        try:
+            Client(d.tcp_endpoint, token=expired, tenant="", timeout=5)
+            outcome.append("connected")
+        except BaseException as exc:  # (any outcome, reported below)
+            outcome.append(exc)
+
+    async def connect_async() -> None:
+        await AsyncClient(d.tcp_endpoint, token=expired, tenant="", timeout=5).connect()
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), "the hello's send waited for good"
+    assert isinstance(outcome[0], ForbiddenError), outcome
+    assert "refused the handshake" in str(outcome[0])
+    with pytest.raises(ForbiddenError, match="refused the handshake"):
+        asyncio.run(connect_async())
+
+
 def test_peer_tenants_alone_leave_tcp_open_and_say_so(daemon_factory: Any,
                                                       tmp_path: Path) -> None:
     config = tmp_path / "peer.toml"
