@@ -79,7 +79,9 @@ REPLY_FOR: dict[type[Any], type[Any]] = {
     p.Reserve: p.ReserveReply, p.Commit: p.CommitReply, p.Abort: p.OkReply,
     p.Acquire: p.AcquireReply, p.Release: p.OkReply, p.Put: p.PutReply, p.Get: p.GetReply,
     p.Evict: p.CountReply, p.DropNamespace: p.CountReply, p.Stats: p.StatsReply,
-    p.Ping: p.OkReply,
+    p.Ping: p.OkReply, p.LookupPin: p.LookupPinReply, p.ReserveBatch: p.BatchReply,
+    p.Warm: p.CountReply, p.Prefetch: p.PrefetchReply, p.Report: p.OkReply,
+    p.GpuAttach: p.GpuReply, p.Snapshot: p.SnapshotReply, p.Probe: p.ProbeReply,
 }
 
 RID = "\x00rid\x00"  # stands for "the next unique request id", filled in when sent
@@ -230,6 +232,12 @@ class Peer:
         elif isinstance(reply, p.AcquireReply):
             self.pins.add(reply.pin)
             self.newest_id = max(self.newest_id, reply.pin)
+        elif isinstance(reply, p.LookupPinReply) and reply.pin:
+            self.pins.add(reply.pin)
+            self.newest_id = max(self.newest_id, reply.pin)
+        elif isinstance(reply, p.BatchReply) and reply.admitted:
+            self.reservations.update(reply.reservations)
+            self.newest_id = max(self.newest_id, *reply.reservations, 0)
         elif isinstance(reply, p.CommitReply):
             self.reservations.discard(req.reservation)
         elif isinstance(reply, p.OkReply) and isinstance(req, p.Abort):
@@ -474,11 +482,14 @@ def encode(peer: Peer, msg: list[Any]) -> list[bytes] | None:
 
 
 def defang_hello(frames: list[bytes]) -> list[bytes]:
-    """A well-formed hello would start (or replace) a session: make its version wrong."""
+    """A well-formed hello would start (or replace) a session: make its version wrong;
+    a goodbye would end it: a ping instead."""
     req = strict(frames[0])
     if isinstance(req, p.Hello) and req.version == p.PROTOCOL_VERSION and req.tenant:
         frames[0] = p.encoder.encode(p.Hello(req.rid, p.PROTOCOL_VERSION + 1, req.tenant,
                                              req.token, req.attach))
+    elif isinstance(req, p.Bye):
+        frames[0] = p.encoder.encode(p.Ping(req.rid))
     return frames
 
 
@@ -636,6 +647,17 @@ def corpus(peer: Peer) -> list[list[bytes]]:
         [p.encoder.encode(p.DropNamespace(r(), NS_NEVER))],
         [p.encoder.encode(p.Stats(r()))],
         [p.encoder.encode(p.Ping(r()))],
+        # the later verbs (a goodbye would end the fuzzed session: never sent)
+        [p.encoder.encode(p.LookupPin(r(), NS_OPEN, CHAIN[:3]))],
+        [p.encoder.encode(p.ReserveBatch(r(), NS_OPEN, [
+            p.PlanItem(0, 2 * IDENT.block_tokens, SIDE[:2]),
+            p.PlanItem(IDENT.block_tokens, IDENT.block_tokens + 1, SIDE[2:3], SIDE[1])]))],
+        [p.encoder.encode(p.Warm(r(), NS_OPEN, CHAIN[:4], 0.5))],
+        [p.encoder.encode(p.Prefetch(r(), NS_OPEN, CHAIN[:4], True, 50))],
+        [p.encoder.encode(p.Report(r(), 123))],
+        [p.encoder.encode(p.GpuAttach(r()))],
+        [p.encoder.encode(p.Snapshot(r(), 0, 4))],
+        [p.encoder.encode(p.Probe(r(), CHAIN[:5]))],
     ]
     return reqs
 
