@@ -128,6 +128,28 @@ def many_keys(endpoint: str, tenant: str) -> dict[str, Any]:
 
     # A lookup that fails after its first part pinned: LMCache is told nothing was
     # locked, so nothing may stay pinned.
+    found, calls = lookup_failing_second(adapter, keys, RuntimeError("injected"))
+    out["found_with_failure"] = found
+    out["acquire_calls_with_failure"] = calls
+    out["pinned_after_failed_lookup"] = pinned(endpoint, 0)
+    out["pinned_keys_after_failed_lookup"] = adapter.report_status()["pinned_keys"]
+
+    # The daemon forgets the session between the parts (restarted, say): the link lets
+    # its client go, and the first part's pins with it, so they are no locks either.
+    found, _ = lookup_failing_second(
+        adapter, keys, LeaseExpiredError("injected: this session's lease ran out"))
+    out["found_with_session_gone"] = found
+    out["pinned_keys_after_session_gone"] = adapter.report_status()["pinned_keys"]
+    out["found_after_session_gone"] = len(lookup(adapter, keys))  # connected again
+    adapter.submit_unlock(keys)
+    adapter.close()
+    return out
+
+
+def lookup_failing_second(adapter: KVStoreL2Adapter, keys: list[Any],
+                          error: BaseException) -> tuple[int, int]:
+    """A lookup whose second part's pins fail with ``error`` (raised where the adapter
+    calls ``acquire_runs``): the keys it reports locked, and the calls made."""
     real = lmcache_adapter.acquire_runs
     calls = 0
 
@@ -135,35 +157,14 @@ def many_keys(endpoint: str, tenant: str) -> dict[str, Any]:
         nonlocal calls
         calls += 1
         if calls == 2:
-            raise RuntimeError("injected after the first part")
+            raise error
         return real(*args)
 
     lmcache_adapter.acquire_runs = fail_second  # type: ignore[assignment]
-    out["found_with_failure"] = len(lookup(adapter, keys))
-    lmcache_adapter.acquire_runs = real
-    out["acquire_calls_with_failure"] = calls
-    out["pinned_after_failed_lookup"] = pinned(endpoint, 0)
-    out["pinned_keys_after_failed_lookup"] = adapter.report_status()["pinned_keys"]
-
-    # The daemon forgets the session between the parts (restarted, say): the link lets
-    # its client go, and the first part's pins with it, so they are no locks either.
-    calls = 0
-
-    def session_gone(*args: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 2:
-            raise LeaseExpiredError("injected: this session's lease ran out")
-        return real(*args)
-
-    lmcache_adapter.acquire_runs = session_gone  # type: ignore[assignment]
-    out["found_with_session_gone"] = len(lookup(adapter, keys))
-    lmcache_adapter.acquire_runs = real
-    out["pinned_keys_after_session_gone"] = adapter.report_status()["pinned_keys"]
-    out["found_after_session_gone"] = len(lookup(adapter, keys))  # connected again
-    adapter.submit_unlock(keys)
-    adapter.close()
-    return out
+    try:
+        return len(lookup(adapter, keys)), calls
+    finally:
+        lmcache_adapter.acquire_runs = real
 
 
 def models_and_salts(endpoint: str, tenant: str) -> dict[str, Any]:
