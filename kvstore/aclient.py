@@ -45,7 +45,7 @@ from kvstore.client_wire import (
 )
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
-from kvstore.router import DEFAULT_PREFILL_RATE, Router, RouteResult
+from kvstore.router import DEFAULT_PREFILL_RATE, ROUTERS_KEPT, Router, RouteResult
 
 T = TypeVar("T")
 # ints: ``&`` on zmq's PollEvent flag goes through the enum machinery (a few us a call)
@@ -316,14 +316,22 @@ class AsyncClient(SessionCore):
                     ) -> list[RouteResult]:
         """See ``Client.route``: the query runs in a worker thread, one at a time per set
         of endpoints (a router's sockets serve one query at once)."""
-        routers = self._routers
-        entry = routers.get(tuple(endpoints))
+        routers, key = self._routers, tuple(endpoints)
+        entry = routers.pop(key, None)  # (back in as the most recently used)
         if entry is None:
-            entry = routers[tuple(endpoints)] = (
-                Router(endpoints, tenant=self._tenant, token=self._token or None,
-                       curve=self._curve), asyncio.Lock())
+            entry = (Router(endpoints, tenant=self._tenant, token=self._token or None,
+                            curve=self._curve), asyncio.Lock())
+        routers[key] = entry
+        if len(routers) > ROUTERS_KEPT:
+            old, old_lock = routers.pop(next(iter(routers)))
+            async with old_lock:  # (a query of another task on it ends first)
+                old.close()
         router, lock = entry
         async with lock:
+            if router.closed:  # let go while this waited for it: a new one
+                return await self.route(keys, endpoints, deadline=deadline,
+                                        prefill_rate=prefill_rate, tokens=tokens,
+                                        block_tokens=block_tokens)
             return await asyncio.to_thread(
                 router.route, keys, deadline=deadline, tokens=tokens,
                 block_tokens=block_tokens, prefill_rate=prefill_rate)

@@ -54,7 +54,7 @@ from kvstore.client_wire import (
 )
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
-from kvstore.router import DEFAULT_PREFILL_RATE, Router, RouteResult
+from kvstore.router import DEFAULT_PREFILL_RATE, ROUTERS_KEPT, Router, RouteResult
 
 __all__ = ["AsyncClient", "AsyncHeld", "AsyncNamespace", "AsyncNamespaceOpener",
            "AsyncReservation", "BatchResult", "Client", "CurveKeys", "Held", "LookupResult",
@@ -363,11 +363,14 @@ class Client(SessionCore):
         """Ask the daemons at ``endpoints`` in parallel where the key chain is cached;
         their answers cheapest first, those that did not answer within ``deadline``
         seconds last (see ``kvstore.router``).  The connections stay for the next call."""
-        router = self._routers.get(tuple(endpoints))
+        key = tuple(endpoints)
+        router = self._routers.pop(key, None)  # (back in as the most recently used)
         if router is None:
-            router = self._routers[tuple(endpoints)] = Router(
-                endpoints, tenant=self._tenant, token=self._token or None,
-                curve=self._curve)
+            router = Router(endpoints, tenant=self._tenant, token=self._token or None,
+                            curve=self._curve)
+            if len(self._routers) >= ROUTERS_KEPT:
+                self._routers.pop(next(iter(self._routers))).close()
+        self._routers[key] = router
         return router.route(keys, deadline=deadline, tokens=tokens,
                             block_tokens=block_tokens, prefill_rate=prefill_rate)
 

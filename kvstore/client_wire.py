@@ -86,18 +86,20 @@ def _credentials(sock: Any, endpoint: str, curve: CurveKeys | None,
 
 
 def make_socket(ctx: Any, endpoint: str, curve: CurveKeys | None = None,
-                admission: tuple[str, str] | None = None, *, watch: bool = False) -> Any:
+                admission: tuple[str, str] | None = None, *, watch: bool = False,
+                send_hwm: int = 0) -> Any:
     """The DEALER socket of a shell (``ctx`` is a ``zmq.Context`` or a
     ``zmq.asyncio.Context``), set up the same way for both; ``admission`` is the tenant
     and ticket of a gated ipc endpoint, or tenant and token on tcp (``_admission``).
     With ``watch``, a monitor hears of a handshake the daemon refuses, from the first
     one on: ``sock.get_monitor_socket()`` returns it (``handshake_refusal`` reads it).
+    ``send_hwm``: the most messages queued toward the daemon (0: no bound).
     MalformedError for an endpoint ZeroMQ cannot connect to."""
     import zmq
 
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, send_hwm)
     sock.setsockopt(zmq.RCVHWM, 0)
     _credentials(sock, endpoint, curve, admission)
     if watch:

@@ -99,6 +99,69 @@ def test_a_stopped_daemon_ranks_last_and_is_not_waited_on(daemon_factory: Any) -
         assert all(x.answered and x.hits == 8 for x in results)
 
 
+def test_a_refused_probe_is_that_probes_alone(daemon_factory: Any) -> None:
+    """A probe the daemon refuses (a chain over its keys a request, a rate limit) is
+    ranked last on its own: the next route is answered (the router took any refusal
+    for a lost session and said hello again on its connection, which the daemon refused
+    and the router backed off from: the daemon ranked last for good)."""
+    d = daemon_factory(tcp=True)
+    fill(d.endpoint, 8)
+    keys = chain_keys(IDENT.namespace_id, TOKENS, BT)
+    with Client(d.endpoint, tenant="acme") as c:
+        assert c.route(keys, [d.tcp_endpoint], deadline=2.0)[0].answered
+        too_long = keys + [os.urandom(16) for _ in range(5000)]
+        refused = c.route(too_long, [d.tcp_endpoint], deadline=2.0)[0]
+        assert not refused.answered and "too_large" in refused.error, refused
+        for _ in range(5):
+            again = c.route(keys, [d.tcp_endpoint], deadline=2.0)[0]
+            assert again.answered and again.hits == 8, again
+
+
+def test_probes_toward_a_daemon_that_takes_none_are_bounded(daemon_factory: Any) -> None:
+    """A daemon that is not there takes no probe: the router queues at most
+    ``PROBES_QUEUED`` messages toward it (each route after that ranks it last at once,
+    sending nothing), rather than every probe of every route (3000 routes to a daemon
+    that was down held 210 MiB, all delivered when it came up), and the daemon that is
+    there is answered meanwhile."""
+    from kvstore import router as router_module
+
+    a = daemon_factory(tcp=True)
+    fill(a.endpoint, 8)
+    keys = chain_keys(IDENT.namespace_id, TOKENS, BT)
+    gone = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    with Router([a.tcp_endpoint, gone], tenant="acme") as r:
+        results = [r.route(keys, deadline=0.2) for _ in range(60)]
+    assert all(x[0].endpoint == a.tcp_endpoint and x[0].answered for x in results)
+    errors = [x[1].error for x in results]
+    # its hello and the first probes queue; then none is sent
+    queued = errors.index(next(e for e in errors if e.startswith("takes no message")))
+    assert queued == router_module.PROBES_QUEUED - 1, errors
+    assert all(e.startswith("takes no message") for e in errors[queued:]), errors
+
+
+def test_a_client_keeps_its_latest_routers(daemon_factory: Any) -> None:
+    """``client.route`` keeps one router per set of endpoints, the latest
+    ``ROUTERS_KEPT`` (each a ZeroMQ context and thread, and a session at every daemon):
+    232 sets held 464 threads and 13.7k descriptors."""
+    import threading
+
+    from kvstore.router import ROUTERS_KEPT
+
+    a, b = daemon_factory(tcp=True), daemon_factory(tcp=True)
+    fill(a.endpoint, 8)
+    keys = chain_keys(IDENT.namespace_id, TOKENS, BT)
+    threads = threading.active_count()
+    with Client(a.endpoint, tenant="acme") as c:
+        sets = [[a.tcp_endpoint, b.tcp_endpoint] + [a.tcp_endpoint] * i for i in range(30)]
+        for endpoints in sets:
+            assert c.route(keys, endpoints, deadline=2.0)[0].answered
+        assert len(c._routers) == ROUTERS_KEPT
+        assert list(c._routers) == [tuple(e) for e in sets[-ROUTERS_KEPT:]]
+        assert threading.active_count() <= threads + 2 * ROUTERS_KEPT + 2
+        assert c.route(keys, sets[-1], deadline=2.0)[0].answered  # kept: used again
+    assert threading.active_count() <= threads + 2
+
+
 def test_route_refuses_bad_input() -> None:
     with pytest.raises(MalformedError):
         route([], ["tcp://127.0.0.1:1"])
@@ -174,6 +237,14 @@ def test_the_async_client_routes_and_snapshots(daemon_factory: Any) -> None:
             assert {(k, t) for k, _, t in snap.blocks} == {(k, "dram") for k in keys}
             parents = {k: parent for k, parent, _ in snap.blocks}
             assert [parents[k] for k in keys] == [None, *keys[:-1]]
+            # its latest ROUTERS_KEPT routers are kept, one per set of endpoints, even
+            # with queries on them at once (one let go under a waiting query: a new one)
+            from kvstore.router import ROUTERS_KEPT
+            sets = [endpoints + [cold.tcp_endpoint] * i for i in range(3 * ROUTERS_KEPT)]
+            answers = await asyncio.gather(*(c.route(keys, e, deadline=2.0) for e in sets))
+            assert all(a[0].endpoint == full.tcp_endpoint and a[0].hits == 8
+                       for a in answers)
+            assert len(c._routers) == ROUTERS_KEPT
 
     asyncio.run(main())
 
