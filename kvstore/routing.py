@@ -306,6 +306,12 @@ class RoutingVerbs:
         block_tokens = ns.identity.block_tokens if ns is not None else 0
         in_dram = all(b.offset is not None for b in chain)
         tiers = [DRAM] * len(chain) if in_dram else [b.tier for b in chain]
+        if d.config.credentials and session.tenant not in d.config.auth.operators:
+            # the measured figures move with every tenant's reads: with credentials a
+            # tenant sees none of the whole daemon's (as in its stats), so the
+            # configured bandwidths and no queue, unless it is an operator
+            return p.ProbeReply(req.rid, tier_runs(tiers), block_bytes, block_tokens,
+                                0.0, dict(self.configured)), []
         return p.ProbeReply(req.rid, tier_runs(tiers), block_bytes, block_tokens,
                             self.queue_seconds(), self.bandwidth()), []
 

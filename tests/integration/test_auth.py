@@ -317,6 +317,42 @@ def test_a_handshake_refused_before_the_hello_is_sent_is_heard_not_waited_on(
         asyncio.run(connect_async())
 
 
+def test_a_probe_gives_a_tenant_no_daemon_wide_figures(daemon_factory: Any,
+                                                       tmp_path: Path) -> None:
+    """With credentials, a tenant's probe carries the configured load bandwidths and no
+    queue, as its stats carry none of the whole daemon's figures: the measured ones move
+    with other tenants' reads (a tenant read another's SSD reads through them); an
+    operator's carries the measured ones."""
+    import os
+
+    secret_file = tmp_path / "secret"
+    cli("keygen", "--secret", str(secret_file))
+    config = tmp_path / "auth.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\noperators = ["ops"]\n'
+                      '[ssd]\nwrite_policy = "write-through"\n')
+    d = daemon_factory(dram_capacity="2MiB", ssd_capacity="64MiB",
+                       extra=["--config", str(config)])
+    secret = read_secret(secret_file)
+    ident = make_identity(tenant="acme", num_layers=4, num_kv_heads=4, head_dim=64)
+    with Client(d.endpoint, token=issue_token(secret, "acme", 600)) as acme, \
+            Client(d.endpoint, token=issue_token(secret, "spy", 600)) as spy, \
+            Client(d.endpoint, token=issue_token(secret, "ops", 600)) as ops:
+        configured = spy.probe().bandwidth
+        ns = acme.namespace(ident)
+        chains = [[os.urandom(16) for _ in range(24)] for _ in range(6)]
+        for keys in chains:  # 64 KiB blocks, 2 MiB of DRAM: most leave for the SSD tier
+            ns.put(keys, [os.urandom(ident.block_bytes)] * len(keys))
+        time.sleep(0.5)
+        for keys in chains:  # read back from SSD: the daemon measures its bandwidth
+            hits = ns.lookup(keys).blocks
+            if hits:
+                ns.get(keys[:hits])
+        measured = ops.probe()
+        assert measured.bandwidth["ssd"] != configured["ssd"], (measured, configured)
+        seen = spy.probe()
+        assert seen.bandwidth == configured and seen.queue_seconds == 0.0, seen
+
+
 def test_peer_tenants_alone_leave_tcp_open_and_say_so(daemon_factory: Any,
                                                       tmp_path: Path) -> None:
     config = tmp_path / "peer.toml"
