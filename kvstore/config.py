@@ -704,13 +704,18 @@ def load_config(
             raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
-    data = _merge(data, _env_overrides(os.environ if env is None else env))
-    if overrides:
-        data = _merge(data, overrides)
+        except RecursionError:  # (arrays nested thousands deep: a traceback, on a SIGHUP)
+            raise ConfigError(f"config file {str(path)!r} nests its values too deeply "
+                              "to be a configuration") from None
     try:
+        data = _merge(data, _env_overrides(os.environ if env is None else env))
+        if overrides:
+            data = _merge(data, overrides)
         config = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid configuration: {_field_message(exc)}") from None
+    except RecursionError:
+        raise ConfigError("invalid configuration: its values nest too deeply") from None
     return config.validate()
 
 

@@ -155,6 +155,8 @@ def test_cli_ping_stats_and_drop_namespace(daemon_factory: Any) -> None:
     ("[server]\ntenant_weights = { a = 0 }\n", "server.tenant_weights"),
     ("[server]\nmax_transfers_in_flight = 0\n", "server.max_transfers_in_flight"),
     ("[server\n", "not valid TOML"),
+    pytest.param("a = " + "[" * 50000 + "]" * 50000 + "\n", "nests its values too deeply",
+                 id="nested-50000-deep"),
 ])
 def test_every_config_error_names_the_field(tmp_path: Path, text: str, field: str) -> None:
     path = tmp_path / "bad.toml"

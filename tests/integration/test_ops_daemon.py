@@ -96,10 +96,11 @@ def test_systemd_notifications(daemon_factory: Any, tmp_path: Path) -> None:
         sock.close()
 
 
-@pytest.mark.parametrize("spoil", ["latin-1", "directory", "fifo"])
+@pytest.mark.parametrize("spoil", ["latin-1", "directory", "fifo", "nested"])
 def test_a_reload_of_an_unreadable_config_is_refused_and_still_says_ready(
         daemon_factory: Any, tmp_path: Path, spoil: str) -> None:
-    """SIGHUP with a config file that is not UTF-8, a directory or a FIFO: the reload is
+    """SIGHUP with a config file that is not UTF-8, a directory, a FIFO, or values nested
+    thousands deep (a RecursionError's traceback, the reload left half done): the reload is
     refused with a logged reason, systemd hears READY=1 after RELOADING=1 (it failed the
     unit's reload without it), and the daemon keeps serving (a FIFO with no writer held
     its event loop for ever)."""
@@ -118,6 +119,8 @@ def test_a_reload_of_an_unreadable_config_is_refused_and_still_says_ready(
             config.write_bytes("# caf\xe9\n[server]\n".encode("latin-1"))
         elif spoil == "directory":
             config.mkdir()
+        elif spoil == "nested":
+            config.write_text("a = " + "[" * 50000 + "]" * 50000 + "\n")
         else:
             os.mkfifo(config)
         assert d.proc is not None
