@@ -54,6 +54,13 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _DRAIN_REPLIES = 256
 
 
+async def _close_router(router: Router, lock: asyncio.Lock) -> None:
+    """Close ``router`` once no query uses it (its lock is held till a query's thread is
+    done)."""
+    async with lock:
+        router.close()
+
+
 class AsyncClient(SessionCore):
     """An asyncio connection to the daemon; many requests may be in flight at once.
     ``async with AsyncClient(...) as client`` (or ``await client.connect()``); the
@@ -72,6 +79,8 @@ class AsyncClient(SessionCore):
         self._fd = -1  # the socket's descriptor, watched by the loop while connected
         self._settled: asyncio.Event | None = None  # set once no posted reply is unread
         self._routers: dict[tuple[str, ...], tuple[Router, asyncio.Lock]] = {}  # of route()
+        self._letting_go: set[asyncio.Task[None]] = set()  # routers closing once free
+        self._routes_closed = False  # close() began: no router is made any more
         # one snapshot at a time: the daemon keeps a few walks a session, so many at once
         # would end each other's
         self._snapshots: asyncio.Lock | None = None
@@ -315,26 +324,36 @@ class AsyncClient(SessionCore):
                     tokens: int | None = None, block_tokens: int | None = None
                     ) -> list[RouteResult]:
         """See ``Client.route``: the query runs in a worker thread, one at a time per set
-        of endpoints (a router's sockets serve one query at once)."""
-        routers, key = self._routers, tuple(endpoints)
-        entry = routers.pop(key, None)  # (back in as the most recently used)
-        if entry is None:
-            entry = (Router(endpoints, tenant=self._tenant, token=self._token or None,
-                            curve=self._curve), asyncio.Lock())
-        routers[key] = entry
-        if len(routers) > ROUTERS_KEPT:
-            old, old_lock = routers.pop(next(iter(routers)))
-            async with old_lock:  # (a query of another task on it ends first)
-                old.close()
-        router, lock = entry
-        async with lock:
+        of endpoints (a router's sockets serve one query at once: its lock is held till
+        the thread is done, even if this task is cancelled first, so that no other
+        thread, nor its closing, uses the sockets meanwhile)."""
+        while True:
+            if self._routes_closed:
+                raise KVStoreError("the client is closed")
+            routers, key = self._routers, tuple(endpoints)
+            entry = routers.pop(key, None)  # (back in as the most recently used)
+            if entry is None:
+                entry = (Router(endpoints, tenant=self._tenant, token=self._token or None,
+                                curve=self._curve), asyncio.Lock())
+            routers[key] = entry
+            if len(routers) > ROUTERS_KEPT:  # the least recently used goes once free
+                closing = asyncio.ensure_future(_close_router(*routers.pop(next(iter(routers)))))
+                self._letting_go.add(closing)
+                closing.add_done_callback(self._letting_go.discard)
+            router, lock = entry
+            await lock.acquire()
             if router.closed:  # let go while this waited for it: a new one
-                return await self.route(keys, endpoints, deadline=deadline,
-                                        prefill_rate=prefill_rate, tokens=tokens,
-                                        block_tokens=block_tokens)
-            return await asyncio.to_thread(
-                router.route, keys, deadline=deadline, tokens=tokens,
-                block_tokens=block_tokens, prefill_rate=prefill_rate)
+                lock.release()
+                continue
+            try:
+                query = asyncio.ensure_future(asyncio.to_thread(
+                    router.route, keys, deadline=deadline, tokens=tokens,
+                    block_tokens=block_tokens, prefill_rate=prefill_rate))
+            except BaseException:
+                lock.release()
+                raise
+            query.add_done_callback(lambda _: lock.release())
+            return await asyncio.shield(query)
 
     async def close(self) -> None:
         if self._forked:  # the parent's socket, context and loop registration: its own
@@ -343,10 +362,13 @@ class AsyncClient(SessionCore):
             self._sock = self._ctx = None
             self._fd = -1
             return
-        for router, lock in self._routers.values():
-            async with lock:
-                router.close()
+        self._routes_closed = True
+        entries = list(self._routers.values())  # (a route meanwhile finds none to use)
         self._routers.clear()
+        for router, lock in entries:
+            await _close_router(router, lock)
+        if self._letting_go:
+            await asyncio.gather(*self._letting_go)
         self._unmap()
         if self._unread and self._sock is not None:
             # Posted releases must reach the daemon before the socket goes (it drops what

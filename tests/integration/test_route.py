@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -312,3 +313,76 @@ def test_a_daemon_whose_handshake_refuses_the_router_is_not_waited_on(
         assert "takes no message" in results[1].error
         results = r.route(keys, deadline=300.0)  # answered by the open one: no wait
         assert results[0].hits == 8 and "takes no message" in results[1].error
+
+
+def test_the_async_clients_routers_are_let_go_safely(daemon_factory: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The async client's routers: a query's thread keeps its router (a cancelled task
+    let go of its lock, and a later eviction closed the router under the thread); an
+    evicted router is closed once free, even if the task that evicted it is cancelled;
+    ``close`` with a query under way and another asked meanwhile ends, rather than
+    raising (the dict changed as it closed them) or hanging (the query found its router
+    closed and asked again under its lock)."""
+    import asyncio
+
+    from kvstore import AsyncClient
+    from kvstore.errors import KVStoreError
+    from kvstore.router import ROUTERS_KEPT
+
+    d = daemon_factory()
+    failed: list[str] = []
+    real_route = Router.route
+
+    def route_recorded(self: Router, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return real_route(self, *args, **kwargs)
+        except BaseException as exc:  # (in a worker thread: recorded, raised)
+            failed.append(repr(exc))
+            raise
+
+    monkeypatch.setattr(Router, "route", route_recorded)
+    key = [b"k" * 16]
+    nowhere = [f"tcp://127.0.0.1:{free_port()}" for _ in range(ROUTERS_KEPT + 3)]
+
+    async def main() -> None:
+        async with AsyncClient(d.endpoint, tenant="acme") as c:
+            # a task cancelled while its query's thread runs; then its router is evicted
+            task = asyncio.ensure_future(c.route(key, nowhere[:1], deadline=0.6))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            first = c._routers[tuple(nowhere[:1])][0]
+            for e in nowhere[1:ROUTERS_KEPT + 1]:
+                await c.route(key, [e], deadline=0.01)
+            assert tuple(nowhere[:1]) not in c._routers
+            assert not first.closed  # its thread is still in it
+            await asyncio.sleep(0.8)
+            assert first.closed and not failed, failed  # closed once the thread was done
+            # an evicting task cancelled while the router it evicts is busy
+            busy = asyncio.ensure_future(c.route(key, nowhere[2:3], deadline=0.5))
+            await asyncio.sleep(0.05)
+            held = c._routers[tuple(nowhere[2:3])][0]
+            for e in nowhere[3:ROUTERS_KEPT + 2]:  # (the busy one is the oldest now)
+                await c.route(key, [e], deadline=0.01)
+            evictor = asyncio.ensure_future(c.route(key, nowhere[-1:], deadline=0.01))
+            await asyncio.sleep(0)
+            evictor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await evictor
+            await busy
+            await asyncio.sleep(0.1)
+            assert held.closed
+            # close with a query under way and another asked meanwhile
+            busy = asyncio.ensure_future(c.route(key, nowhere[-1:], deadline=0.3))
+            await asyncio.sleep(0.05)
+            closing = asyncio.ensure_future(c.close())
+            await asyncio.sleep(0)
+            late = asyncio.ensure_future(c.route(key, nowhere[-1:], deadline=0.01))
+            await asyncio.wait_for(asyncio.shield(closing), 5)
+            with pytest.raises(KVStoreError, match="closed"):
+                await asyncio.wait_for(late, 5)
+            await busy
+            assert not c._routers and not failed, failed
+
+    asyncio.run(main())
