@@ -390,7 +390,6 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 if ns is None:
                     continue  # misses
                 self._lease_s = _lease_of(ns.client)  # (a new session's, after a reconnect)
-                first = len(pinned)
                 # The daemon refuses an acquire of more keys than its limit whole.
                 for part in _chunks(positions, ns.client.max_keys):
                     try:
@@ -399,9 +398,11 @@ class KVStoreL2Adapter(L2AdapterInterface):
                         self._link.failed("L2 lookup", exc)
                         if not self._link.holds(ns.client):
                             # the link let the client go (a session the daemon ended, one
-                            # that did not answer): the earlier parts' pins went with it,
-                            # or stay only till its lease ends, and are no locks
-                            del pinned[first:]
+                            # that did not answer): the pins taken through it (earlier
+                            # parts, earlier namespaces) went with it, or stay only till
+                            # its lease ends, and are no locks
+                            pinned[:] = [(at, held) for at, held in pinned
+                                         if self._link.holds(held.ns.client)]
                         break
                     pinned.extend((part[start:start + len(held.keys)], held)
                                   for start, held in runs)

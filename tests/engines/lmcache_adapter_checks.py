@@ -207,6 +207,16 @@ def models_and_salts(endpoint: str, tenant: str) -> dict[str, Any]:
     adapter.submit_unlock(b)
     adapter.submit_unlock(salted)
     out["pinned_at_end"] = pinned(endpoint, 0)
+
+    # One lookup over two namespaces whose second loses the session: the first one's
+    # pins went with it too, so neither is reported locked.
+    both = b + salted
+    out["found_both"] = len(lookup(adapter, both))
+    adapter.submit_unlock(both)
+    found, _ = lookup_failing_second(
+        adapter, both, LeaseExpiredError("injected: this session's lease ran out"))
+    out["found_both_session_gone"] = found
+    out["pinned_keys_both_session_gone"] = adapter.report_status()["pinned_keys"]
     adapter.close()
     return out
 

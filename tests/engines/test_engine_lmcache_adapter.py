@@ -63,6 +63,10 @@ def test_unlocking_one_models_or_salts_chunks_keeps_the_others_locked(
     assert out["loaded_b"] == n and out["same_bytes_b"], out
     assert out["loaded_salted"] == n and out["same_bytes_salted"], out
     assert out["pinned_at_end"] == 0, out
+    # a lookup over both whose second namespace lost the session: neither is locked
+    assert out["found_both"] == 2 * n, out
+    assert out["found_both_session_gone"] == 0, out
+    assert out["pinned_keys_both_session_gone"] == 0, out
 
 
 def test_locked_blocks_stay_pinned_past_the_daemons_lease(
