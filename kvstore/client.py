@@ -300,8 +300,17 @@ class Client(SessionCore):
         reply = received[0]
         self._heard(reply)
         if reply.rid in self._abandoned:
-            for header in self._give_back(reply):
-                self._send_frames(header)
+            headers = self._give_back(reply)
+            posted = list(self._unread)[-len(headers):] if headers else []
+            for sent, (header, rid) in enumerate(zip(headers, posted)):
+                # never a wait here (replies are being read): with no connection to
+                # queue on, the daemon's lease takes them back, and no reply is awaited
+                if not self._send_frames(header, wait=False):
+                    for unsent in posted[sent:]:
+                        self._unread.pop(unsent, None)
+                    log.warning("could not give %d request(s) back to the daemon: no "
+                                "connection", len(posted) - sent)
+                    break
         elif not self._settle(reply) and reply.rid in self._awaited:
             # (a reply to no request awaited, ours answered already or never sent, is
             # dropped: kept, an endpoint that answered each request again had them all
