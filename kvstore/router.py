@@ -6,7 +6,9 @@ answered or the deadline passed: a daemon that has not answered by then is ranke
 and never waited on (its late answer is dropped); so is one that refused the router's
 hello, which is not greeted again until a back-off that doubles with each refusal in a
 row has passed (its refusal reported at once meanwhile, with no hello and no probe), and
-one that takes no message from the router (its handshake refused).  A router's
+one that takes no message from the router (its handshake refused, or ``PROBES_QUEUED``
+messages queued toward it untaken: down or stopped).  A probe the daemon refuses (too
+many keys, a rate limit) ranks it last for that route only.  A router's
 credentials are its own: new ones are a new ``Router``, which greets every daemon at once.
 Each answer gives the longest cached prefix per tier, the daemon's wait ahead of a new
 transfer and its load bandwidth per tier, from which the router estimates the cost of
@@ -177,7 +179,8 @@ class Router:
                 self._hello(peer)
             # the daemon serves a connection's requests in order: no wait for the hello
             if not _send(peer.sock, probe):
-                peer.refused = "takes no message (its handshake refused this router?)"
+                peer.refused = ("takes no message (down or stopped, with its queue full, or "
+                                "its handshake refused this router)")
                 continue
             peer.waiting = rid
             pending += 1
