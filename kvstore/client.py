@@ -302,7 +302,7 @@ class Client(SessionCore):
         if reply.rid in self._abandoned:
             headers = self._give_back(reply)
             posted = list(self._unread)[-len(headers):] if headers else []
-            for sent, (header, rid) in enumerate(zip(headers, posted)):
+            for sent, header in enumerate(headers):
                 # never a wait here (replies are being read): with no connection to
                 # queue on, the daemon's lease takes them back, and no reply is awaited
                 if not self._send_frames(header, wait=False):
