@@ -301,3 +301,57 @@ def test_a_wait_refused_to_a_second_thread_gives_its_pin_back(daemon_factory: An
         while c.stats()["tiers"]["dram"]["pinned_blocks"]:
             assert time.monotonic() < deadline, "the pin was kept"
             time.sleep(0.02)
+
+
+def test_a_give_back_with_no_connection_to_send_on_never_waits(daemon_factory: Any) -> None:
+    """A reply to a request given up on is read, and what it holds is given back; where
+    ZeroMQ has no connection to queue that on (dropped), the give-back is let go at once
+    (the daemon's lease takes the pin back) rather than waited on for the timeout and
+    raised into the read of the replies, and no reply to it is awaited at close."""
+    import zmq
+
+    d = daemon_factory()
+    with Client(d.endpoint, tenant="acme", timeout=3) as c:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(range(2 * IDENT.block_tokens))
+        ns.put(keys, [b"\x03" * IDENT.block_bytes] * 2)
+        finish = ns._send_acquire(keys)
+        inside, leave = threading.Event(), threading.Event()
+
+        def occupy() -> None:
+            with c._io:
+                inside.set()
+                leave.wait(5)
+        other = threading.Thread(target=occupy)
+        other.start()
+        inside.wait(5)
+        with pytest.raises(KVStoreError, match="another thread"):
+            finish()  # given up on: its reply's pin is to be given back
+        leave.set()
+        other.join()
+        real = c._sock
+
+        class NoConnection:
+            """The client's socket, with no connection to queue a send on."""
+
+            def send(self, *args: Any, **kwargs: Any) -> None:
+                raise zmq.Again()
+
+            def poll(self, timeout: int | None = None, flags: int = zmq.POLLIN) -> int:
+                if flags & zmq.POLLOUT:  # never writable: waits its whole timeout
+                    time.sleep((timeout or 0) / 1000)
+                    return 0
+                return int(real.poll(timeout, flags))
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+        assert real.poll(5000), "the acquire's reply never came"
+        c._sock = NoConnection()
+        try:
+            started = time.monotonic()
+            c._file(c._receive())  # the reply read: its give-back cannot go
+            assert time.monotonic() - started < 1.0
+            assert not c._unread  # nothing awaited at close
+        finally:
+            c._sock = real
