@@ -274,28 +274,34 @@ def test_close_from_another_thread_never_raises(daemon_factory: Any) -> None:
         d.proc.send_signal(signal.SIGCONT)
 
 
+def acquire_given_up(c: Client) -> None:
+    """An acquire of two stored blocks sent, its wait then refused (another thread in
+    the socket): its reply, when read, holds a pin nobody takes."""
+    ns = c.namespace(IDENT)
+    keys = ns.keys(range(2 * IDENT.block_tokens))
+    ns.put(keys, [b"\x02" * IDENT.block_bytes] * 2)
+    finish = ns._send_acquire(keys)
+    inside, leave = threading.Event(), threading.Event()
+
+    def occupy() -> None:
+        with c._io:  # another thread in the socket
+            inside.set()
+            leave.wait(5)
+    other = threading.Thread(target=occupy)
+    other.start()
+    inside.wait(5)
+    with pytest.raises(KVStoreError, match="another thread"):
+        finish()
+    leave.set()
+    other.join()
+
+
 def test_a_wait_refused_to_a_second_thread_gives_its_pin_back(daemon_factory: Any) -> None:
     """A request sent, its wait then refused (another thread in the socket): the pins
     its reply brings go back when the reply is read, not at the lease's end."""
     d = daemon_factory()
     with Client(d.endpoint, tenant="acme", timeout=5) as c:
-        ns = c.namespace(IDENT)
-        keys = ns.keys(range(2 * IDENT.block_tokens))
-        ns.put(keys, [b"\x02" * IDENT.block_bytes] * 2)
-        finish = ns._send_acquire(keys)
-        inside, leave = threading.Event(), threading.Event()
-
-        def occupy() -> None:
-            with c._io:  # another thread in the socket
-                inside.set()
-                leave.wait(5)
-        other = threading.Thread(target=occupy)
-        other.start()
-        inside.wait(5)
-        with pytest.raises(KVStoreError, match="another thread"):
-            finish()
-        leave.set()
-        other.join()
+        acquire_given_up(c)
         c.ping()  # reads the acquire's reply: its pin goes back
         deadline = time.monotonic() + 5
         while c.stats()["tiers"]["dram"]["pinned_blocks"]:
@@ -312,23 +318,7 @@ def test_a_give_back_with_no_connection_to_send_on_never_waits(daemon_factory: A
 
     d = daemon_factory()
     with Client(d.endpoint, tenant="acme", timeout=3) as c:
-        ns = c.namespace(IDENT)
-        keys = ns.keys(range(2 * IDENT.block_tokens))
-        ns.put(keys, [b"\x03" * IDENT.block_bytes] * 2)
-        finish = ns._send_acquire(keys)
-        inside, leave = threading.Event(), threading.Event()
-
-        def occupy() -> None:
-            with c._io:
-                inside.set()
-                leave.wait(5)
-        other = threading.Thread(target=occupy)
-        other.start()
-        inside.wait(5)
-        with pytest.raises(KVStoreError, match="another thread"):
-            finish()  # given up on: its reply's pin is to be given back
-        leave.set()
-        other.join()
+        acquire_given_up(c)  # its reply's pin is to be given back
         real = c._sock
 
         class NoConnection:
