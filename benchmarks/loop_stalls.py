@@ -21,11 +21,19 @@ its memory is its own), printing medians, tails and ratios:
   ping also reads the daemon's CPU time and the time it and the probe waited for a
   CPU, and ``loop_`` is the most of one ping the daemon's loop can have held;
 - ``sessions``: many client sessions at once, each pinging about once a second, and
-  one more client's ping p50/p99 beside that load and without it.
+  one more client's ping p50/p99 beside that load and without it;
+- ``slabs``: a daemon whose arena is full of small blocks (``--small``, 16 KiB) asked
+  for blocks of another size (``--large``, 1 MiB) needing ``--request-slabs`` slabs at
+  once (15 of 16 by default), each handed over by the small blocks' class (their
+  coldest evicted, a slab's survivors copied into the freed slots); the probe's
+  longest ping and the loop's longest hold during that one reserve, against the
+  longest of the same number of single-slab reserves, and the turns the daemon let
+  others have (``slab_turns``).
 
     python benchmarks/loop_stalls.py store --sizes 10k,100k,400k,1M
     python benchmarks/loop_stalls.py daemon --sizes 10k,100k,400k
     python benchmarks/loop_stalls.py sessions --sessions 1000
+    python benchmarks/loop_stalls.py slabs [--request-slabs 15] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
+
+from kvstore.config import parse_size
 
 CHAIN = 1024
 KEY = 16
@@ -589,18 +599,65 @@ def sessions_figures(count: int, seconds: float) -> dict[str, float]:
     return out
 
 
+# -- a request of many slabs ----------------------------------------------------------------
+def slab_figures(slabs: int, small: int, large: int, capacity: int) -> dict[str, float]:
+    """One reserve of ``slabs`` slabs' worth of ``large`` blocks into an arena full of
+    ``small`` ones, then as many reserves of one slab's worth each (a fresh daemon
+    each): the probe's longest ping and the loop's longest hold in each."""
+    from kvstore import Client, Identity
+
+    def ident(name: str, block: int) -> Identity:
+        return Identity(model=name, model_revision="r", tenant="t", kv_dtype="float16",
+                        num_layers=1, num_kv_heads=1, head_dim=block // 64, block_tokens=16)
+
+    out: dict[str, float] = {"blocks": slabs}
+    slab = 64 << 20
+    for name, per_request in (("many", slabs), ("one", 1)):
+        work = Path(tempfile.mkdtemp(prefix="kvslabs-"))
+        daemon = Daemon(work, capacity, watched=True)
+        try:
+            probe = Probe(daemon.endpoint, work, pid=daemon.proc.pid)
+            with Client(daemon.endpoint, tenant="t", timeout=600.0) as client:
+                little = client.namespace(ident("small", small))
+                for i in range(capacity // small // CHAIN):  # every slab: small blocks
+                    keys = little.keys(range(i * CHAIN * 16, (i + 1) * CHAIN * 16))
+                    little.reserve(keys).commit()
+                big = client.namespace(ident("large", large))
+                count = slab // large * per_request
+                start, cpu = time.monotonic(), daemon.cpu()
+                for r in range(slabs // per_request):
+                    keys = big.keys(range(10**9 + r * count * 16, 10**9 + (r + 1) * count * 16))
+                    big.reserve(keys).commit()
+                window = (start, time.monotonic())
+                out[f"{name}_wall_ms"] = (window[1] - window[0]) * 1e3
+                out[f"{name}_cpu_ms"] = (daemon.cpu() - cpu) * 1e3
+                dram = client.stats()["tiers"]["dram"]
+                out[f"{name}_slab_moves"] = dram["slab_moves"]
+                out[f"{name}_slab_turns"] = dram.get("slab_turns", 0)
+            figures = stall_figures(name, probe.samples(), window, daemon.held())
+            out[f"{name}_stall_ms"] = figures[f"stall_{name}_ms"]
+            out[f"{name}_loop_ms"] = figures[f"loop_{name}_ms"]
+            out[f"{name}_pings"] = figures[f"pings_{name}"]
+        finally:
+            daemon.stop()
+    return out
+
+
 # -- driver ----------------------------------------------------------------------------------
 def one(args: argparse.Namespace) -> dict[str, float]:
     if args.part == "store":
         return store_figures(args.one, args.policy, args.check, args.settle_every)
     if args.part == "daemon":
         return daemon_figures(args.one, args.debug_invariants)
+    if args.part == "slabs":
+        return slab_figures(args.one, parse_size(args.small), parse_size(args.large),
+                            parse_size(args.capacity))
     return sessions_figures(args.sessions, args.seconds)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["store", "daemon", "sessions"])
+    parser.add_argument("part", choices=["store", "daemon", "sessions", "slabs"])
     parser.add_argument("--sizes", default="10k,100k,400k", help="index sizes, e.g. 10k,1M")
     parser.add_argument("--policy", default="slru", help="the DRAM eviction policy (store)")
     parser.add_argument("--check", action="store_true",
@@ -612,6 +669,11 @@ def main() -> None:
                         help="run the daemon with --debug-invariants (daemon)")
     parser.add_argument("--sessions", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--request-slabs", type=int, default=15,
+                        help="slabs one request needs (slabs)")
+    parser.add_argument("--small", default="16KiB", help="the blocks filling the arena (slabs)")
+    parser.add_argument("--large", default="1MiB", help="the blocks asked for (slabs)")
+    parser.add_argument("--capacity", default="1GiB", help="the arena (slabs)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per size (medians)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
@@ -619,7 +681,8 @@ def main() -> None:
     if args.one is not None or args.part == "sessions" and args.repeats == 1:
         print(json.dumps(one(args)))
         return
-    sizes = [parse_count(s) for s in args.sizes.split(",")] if args.part != "sessions" else [0]
+    sizes = ([0] if args.part == "sessions" else [args.request_slabs] if args.part == "slabs"
+             else [parse_count(s) for s in args.sizes.split(",")])
     rows: list[dict[str, float]] = []
     for n in sizes:
         runs = []

@@ -308,6 +308,7 @@ class Counters:
     ssd_evicted_unwritten: int = 0  # SSD-only copies evicted that the remote store lacked
     slab_moves: int = 0  # DRAM slabs handed from one block size's class to another's
     slab_moved_blocks: int = 0  # blocks copied into their class's other slabs for that
+    slab_turns: int = 0  # turns of the loop a request needing several slabs let others have
     ssd_slab_moves: int = 0  # SSD slabs emptied for a size that had none to evict from
     ssd_slab_dropped: int = 0  # SSD copies dropped to empty them
 

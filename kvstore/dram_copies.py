@@ -49,6 +49,7 @@ class DramCopies:
             "empty_slabs": sum(p.empty_slabs for p in pools),
             "slab_moves": c.slab_moves,
             "slab_moved_blocks": c.slab_moved_blocks,
+            "slab_turns": c.slab_turns,
             "arenas": len(pools),
             "hits": c.hit_blocks,
             "lookups": c.lookups,

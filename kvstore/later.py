@@ -17,6 +17,7 @@ from kvstore import protocol as p
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.pending import Later, Pending
 from kvstore.sessions import Session
+from kvstore.plans import MAX_TURNS
 from kvstore.store import Plan
 from kvstore.verbs import Answer, Daemon, Handler
 
@@ -94,7 +95,12 @@ class Finisher:
     async def _settle(self, verb: str, tenant: str, handler: Handler, session: Session,
                       request: Any, payload: list[Any],
                       pending: Pending) -> tuple[p.Message, list[Any]]:
-        for _ in range(_MAX_ROUNDS):
+        rounds = turns = 0
+        while rounds < _MAX_ROUNDS:
+            if isinstance(pending, Plan) and pending.turn and turns < MAX_TURNS:
+                turns += 1  # (a turn comes after progress: not one of the rounds)
+            else:
+                rounds += 1
             if isinstance(pending, Later):
                 made = await pending.reply
                 return made if isinstance(made, tuple) else (made, [])

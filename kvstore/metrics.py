@@ -119,6 +119,8 @@ _TIER_COUNTERS = (
      "Slabs handed from one block size's class to another's (emptied into its others)."),
     ("slab_moved_blocks", "kvstore_slab_moved_blocks",
      "Blocks copied into their class's other slabs so that a slab could be handed over."),
+    ("slab_turns", "kvstore_slab_turns",
+     "Loop turns a request needing several slabs let other requests have between them."),
     ("dropped_on_eviction", "kvstore_dropped_on_eviction",
      "Blocks that left DRAM without a copy below (the tier below declined or was off)."),
     ("evicted_unwritten", "kvstore_evicted_unwritten",

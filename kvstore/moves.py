@@ -32,6 +32,7 @@ from typing import TypeVar
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.gpu_mover import GpuMover
 from kvstore.remote import REMOTE_OWNER, RemoteTier, by_namespace
+from kvstore.plans import MAX_TURNS
 from kvstore.ssd_copies import flush_plan, flush_victim
 from kvstore.store import Block, BlockStore, Namespace, Plan
 from kvstore.tiering import SsdMover
@@ -150,6 +151,12 @@ class Moves:
         """Do what ``plan`` says, all of it; every move reports back to the store.  A
         CapacityError says there was no room to move blocks into; NotFoundError, that a
         fetch found nothing.  Cancelled or failed, it leaves nothing marked."""
+        if plan.turn:  # others' requests first; then the slabs set aside are the call's
+            try:
+                await asyncio.sleep(0)
+            finally:
+                plan.let_go()
+            return
         if plan.defer_until is not None:
             if not await self.room.wait(plan.defer_until, plan.ticket or None):
                 plan.expired = True
@@ -192,6 +199,7 @@ class Moves:
         refused before its task ran): their marks go, as if never planned.  A part that
         began finishes its own blocks, whatever happens."""
         store = self.store
+        plan.let_go()
         undone = False
         if plan.demote and "demote" not in started:
             store.ssd_copies.abort_demotion(plan.demote)
@@ -209,14 +217,20 @@ class Moves:
     async def settle(self, attempt: Callable[[], T | Plan], *,
                      rounds: int = _SETTLE_ROUNDS) -> T:
         """Make a store call until it answers with a result rather than a plan, carrying
-        out each plan in between."""
-        for round_ in range(rounds):
+        out each plan in between (``rounds`` of them; a plan of a turn, which always
+        comes after progress, counts only as one of ``MAX_TURNS``)."""
+        turns = 0
+        while True:
             result = attempt()
             if not isinstance(result, Plan):
                 return result
-            if round_ == rounds - 1:
-                self.abandon(result)
-                break
+            if result.turn and turns < MAX_TURNS:
+                turns += 1
+            else:
+                rounds -= 1
+                if rounds <= 0:
+                    self.abandon(result)
+                    break
             await self.carry_out(result)
         raise CapacityError("blocks kept moving between tiers; try again")
 

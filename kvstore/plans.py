@@ -13,6 +13,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvstore.blocks import Block, Namespace, Transfer
+    from kvstore.pool import SlabClass, SlabPool
+
+# Plans of a turn (``Plan.turn``) one call may go through besides its other rounds: each
+# comes after progress (a slab taken), so this only bounds a call others outrun for good.
+MAX_TURNS = 10_000
 
 
 @dataclass(eq=False)
@@ -27,6 +32,9 @@ class Plan:
     ``fetch``: keys of a namespace to bring in from the remote store (the daemon's verbs
     plan these: the store knows nothing of the remote store's contents).
     ``defer_until``: wait for room, in order, until then (the daemon's pressure step).
+    ``turn``: nothing to wait on; let the loop serve others for a turn, then call again
+    (a request that needs several slabs takes one a turn), ``earmarks`` (pool, class,
+    slabs) set aside for the call meanwhile, let go when it is made again or abandoned.
     """
 
     demote: list[Block] = field(default_factory=list)
@@ -38,10 +46,18 @@ class Plan:
     defer_until: float | None = None
     expired: bool = False  # a deferral whose deadline passed: the last attempt runs
     ticket: int = 0        # a deferral's place in line, kept while it retries
+    turn: bool = False
+    earmarks: list[tuple[SlabPool, SlabClass, int]] = field(default_factory=list)
+
+    def let_go(self) -> None:
+        """The slabs set aside for the call go back to every class (once)."""
+        for pool, cls, count in self.earmarks:
+            pool.release(cls, count)
+        self.earmarks.clear()
 
     def __repr__(self) -> str:
         promote = len(self.promote.blocks) if self.promote is not None else 0
         return (f"Plan(demote={len(self.demote)}, to_remote={len(self.to_remote)}, "
                 f"promote={promote}, reads={len(self.reads)}, "
                 f"room_coming={self.room_coming}, fetch={self.fetch is not None}, "
-                f"defer_until={self.defer_until})")
+                f"defer_until={self.defer_until}, turn={self.turn})")

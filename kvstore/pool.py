@@ -123,6 +123,12 @@ class SlabPool:
         self._empty: list[int] = list(range(self.num_slabs - 1, -1, -1))
         self.classes: dict[int, SlabClass] = {}
         self._owner: dict[int, SlabClass] = {}  # slab index -> class using it
+        # Empty slabs set aside for a class while a request of it that needs several
+        # lets the loop serve others between them (``earmark``): no other class takes
+        # them meanwhile.  A count per class (any empty slab will do), at most the
+        # empty slabs in all.
+        self._earmarked: dict[SlabClass, int] = {}
+        self._earmarked_total = 0
 
     # -- size classes ---------------------------------------------------------
     def slot_bytes_for(self, block_bytes: int) -> int:
@@ -147,9 +153,37 @@ class SlabPool:
     def empty_slabs(self) -> int:
         return len(self._empty)
 
+    def empty_for(self, cls: SlabClass) -> int:
+        """The empty slabs ``cls`` may take: all but those set aside for other classes."""
+        return len(self._empty) - self._earmarked_total + self._earmarked.get(cls, 0)
+
     def available(self, cls: SlabClass) -> int:
         """Slots the class can hand out now without evicting anything."""
-        return cls.free_slots + len(self._empty) * cls.slots_per_slab
+        return cls.free_slots + self.empty_for(cls) * cls.slots_per_slab
+
+    def earmark(self, cls: SlabClass, count: int) -> int:
+        """Set up to ``count`` empty slabs aside for ``cls`` (of those no class has set
+        aside); how many were."""
+        count = max(0, min(count, len(self._empty) - self._earmarked_total))
+        if count:
+            self._earmarked[cls] = self._earmarked.get(cls, 0) + count
+            self._earmarked_total += count
+        return count
+
+    def release(self, cls: SlabClass, count: int) -> None:
+        """Let ``count`` slabs set aside for ``cls`` go to any class again (fewer if the
+        class took some of them meanwhile)."""
+        held = self._earmarked.get(cls, 0)
+        count = min(count, held)
+        if count == held:
+            self._earmarked.pop(cls, None)
+        else:
+            self._earmarked[cls] = held - count
+        self._earmarked_total -= count
+
+    def earmarked(self, cls: SlabClass) -> int:
+        """Empty slabs set aside for ``cls`` now."""
+        return self._earmarked.get(cls, 0)
 
     def allocate(self, cls: SlabClass, count: int) -> list[int] | None:
         """``count`` slot offsets, or None (and nothing taken) if they are not free."""
@@ -327,6 +361,8 @@ class SlabPool:
     def _grow(self, cls: SlabClass, index: int | None = None) -> None:
         if index is None:
             index = self._empty.pop()
+            if self._earmarked.get(cls):  # one set aside for the class: taken
+                self.release(cls, 1)
         slab = Slab(index, index * self.slab_bytes)
         cls.slabs[index] = slab
         cls._with_room[index] = slab
@@ -360,6 +396,9 @@ class SlabPool:
         """Slabs are owned once each; per-class free counts match the slabs."""
         owned = set(self._owner)
         assert not owned & set(self._empty), "a slab is both empty and owned"
+        assert 0 <= self._earmarked_total <= len(self._empty), "more set aside than empty"
+        assert sum(self._earmarked.values()) == self._earmarked_total and all(
+            n > 0 for n in self._earmarked.values()), "the slabs set aside miscounted"
         assert len(owned) + len(self._empty) == self.num_slabs, "a slab went missing"
         for cls in self.classes.values():
             counted = sum(1 for _ in self.free_offsets(cls))

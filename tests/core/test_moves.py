@@ -160,3 +160,45 @@ def test_an_ssd_tier_without_room_refuses_the_plan_and_stops_writing_ahead() -> 
     before = ssd.writes
     asyncio.run(ahead())
     assert ssd.writes == before + 1 and not moves._writing_back
+
+
+def test_a_call_that_takes_a_slab_a_turn_lets_the_loop_run_and_outlasts_its_rounds() -> None:
+    """An internal call (a fetch, a prefetch's promotion) whose room needs more slabs
+    than it may make rounds (16): each slab is a plan of a turn, in which the loop runs
+    other tasks, and none of them counts as a round (the call failed past 15 slabs when
+    each slab was a round; before, all were taken in one turn, the loop held)."""
+    slab = 2 * SLOT  # two blocks of IDENT to a slab; 20 slabs, each of IDENT's blocks
+    store = BlockStore(20 * slab, slab)
+    ns = store.open_namespace(IDENT)
+    for i in range(40):
+        r = store.reserve("engine", ns, _keys(ns, i), None, 0.0)
+        store.commit("engine", r.id, 0.0)
+    small = store.open_namespace(make_identity(model="small", head_dim=IDENT.head_dim // 4))
+    per = small.cls.slots_per_slab  # (its slots are a quarter of IDENT's, or more)
+    keys = _keys(small, 50_000, per * 18 + 1)  # 19 slabs
+    moves = Moves(store, lambda: 0.0)
+
+    async def run() -> tuple[object, int]:
+        ran = 0
+
+        async def other() -> None:
+            nonlocal ran
+            while True:
+                ran += 1
+                await asyncio.sleep(0)
+
+        beside = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        before = ran
+        try:
+            got = await moves.settle(lambda: store.reserve("engine", small, keys, None, 0.0))
+        finally:
+            beside.cancel()
+        return got, ran - before
+
+    got, ran = asyncio.run(run())
+    assert not isinstance(got, Plan) and len(got.offsets) == len(keys)
+    assert store.counters.slab_turns == 18 and len(small.cls.slabs) == 19
+    assert ran >= 18  # the loop ran the other task in each turn
+    assert store.drams[""].pool.earmarked(small.cls) == 0
+    store.check_invariants()

@@ -117,7 +117,8 @@ def test_a_second_block_size_is_written_to_an_ssd_tier_the_first_filled(
 
 
 def test_a_put_short_of_several_slabs_is_served(tmp_path: Path) -> None:
-    """A put whose blocks need three slabs of a tier another size filled: served."""
+    """A put whose blocks need three slabs of a tier another size filled: served, a
+    slab a turn of the daemon's loop (two turns other clients had in between)."""
     daemon = DaemonProcess(tmp_path, dram_capacity="1MiB", extra=["--slab-size", "256KiB"]).start()
     try:
         with Client(daemon.endpoint, tenant="acme", timeout=20) as client:
@@ -127,7 +128,10 @@ def test_a_put_short_of_several_slabs_is_served(tmp_path: Path) -> None:
             assert b.lookup(keys).blocks == 40
             stats = client.stats()
             assert stats["tiers"]["dram"]["slab_moves"] == 3
+            assert stats["tiers"]["dram"]["slab_turns"] == 2
+            assert stats["tiers"]["dram"]["empty_slabs"] == 0  # (none left set aside)
             assert stats["invariant_violations"] == 0
     finally:
         daemon.stop()
     assert not error_records(daemon.log()), daemon.log()[-3000:]
+
