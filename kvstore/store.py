@@ -74,6 +74,7 @@ from kvstore.scheduler.dueling import Duel
 from kvstore.scheduler.eviction import WarmPins, make_policy
 from kvstore.scheduler.policy import EvictionPolicy
 from kvstore.scheduler.switch import Switch
+from kvstore.slab_moves import reachable_slots
 from kvstore.ssd_copies import SsdCopies
 from kvstore.store_view import check_invariants, tier_stats
 from kvstore.token_ids import let_go, run_of, split_sparse
@@ -122,8 +123,8 @@ class BlockStore(StoreCore):
         return ns
 
     def available_slots(self, ns: Namespace) -> int:
-        """DRAM slots a reservation in ``ns`` could have now: free, or evictable."""
-        return ns.dram.pool.available(ns.cls) + len(ns.dram.policy(ns.cls))
+        """DRAM slots a reservation in ``ns`` could have now (``reachable_slots``)."""
+        return reachable_slots(ns.dram, ns.cls)
 
     def keep_warm(self, ns: Namespace, keys: Sequence[bytes], until: float) -> int:
         """Soft-pin the DRAM copies of ``keys`` until ``until``: eviction takes them last."""

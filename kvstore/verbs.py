@@ -36,6 +36,7 @@ from kvstore.pending import Later, Pending
 from kvstore.removals import GET_OWNER, Removals
 from kvstore.remote import RemoteTier
 from kvstore.sessions import Session, Sessions
+from kvstore.slab_moves import set_aside
 from kvstore.store import Block, BlockStore, Limits, Namespace, Pin, Plan, Reservation
 from kvstore.tiering import SsdMover
 from kvstore.tiers.dram import DramArena
@@ -633,6 +634,9 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
                 if isinstance(r, Plan):  # room first: all or none, so none yet
                     for held in done:
                         d.store.abort(session.id, held.id)
+                    if r.turn and done:  # (slabs those emptied stay the batch's)
+                        set_aside(r, ns.dram.pool, ns.cls,
+                                  sum(len(item.keys) for item in req.plan))
                     if done:
                         d.moves.freed()
                     return r

@@ -135,3 +135,37 @@ def test_a_put_short_of_several_slabs_is_served(tmp_path: Path) -> None:
         daemon.stop()
     assert not error_records(daemon.log()), daemon.log()[-3000:]
 
+
+def test_a_token_plan_of_a_new_block_size_is_admitted_and_served(tmp_path: Path) -> None:
+    """A ``reserve_batch`` of a size with no slab in a tier another size filled: its
+    admission counts the slabs the other size can hand over (it counted the size's own
+    free and evictable slots alone, 0, and refused the plan for good), and its three
+    slabs come in turns, the first item's slab given back and set aside while the
+    second waits for its second."""
+    from kvstore.client_core import PlanItem
+
+    daemon = DaemonProcess(tmp_path, dram_capacity="1MiB", extra=["--slab-size", "256KiB"]).start()
+    try:
+        with Client(daemon.endpoint, tenant="acme", timeout=20) as client:
+            a, b = client.namespace(A), client.namespace(B)
+            put_chains(a, 0, 32)
+            bt = B.block_tokens
+            plan = [PlanItem(0, 8 * bt, b.keys(range(900_000, 900_000 + 8 * bt))),
+                    PlanItem(0, 36 * bt, b.keys(range(800_000, 800_000 + 36 * bt)))]
+            result = b.reserve_batch(plan)
+            assert result.admitted and result.blocks == [8, 36], result
+            for item, r in zip(plan, result.reservations):
+                for key, view in zip(item.keys, r.buffers):
+                    view[:] = content(key, B.block_bytes)
+                r.commit()
+            keys = plan[0].keys + plan[1].keys
+            assert b.lookup(plan[0].keys).blocks == 8 and b.lookup(plan[1].keys).blocks == 36
+            assert b.get(keys) == [content(k, B.block_bytes) for k in keys]
+            stats = client.stats()
+            dram = stats["tiers"]["dram"]
+            assert dram["slab_moves"] == 3 and dram["slab_turns"] >= 1, dram
+            assert dram["empty_slabs"] == 0 and dram["reserved_slots"] == 0, dram
+            assert stats["invariant_violations"] == 0
+    finally:
+        daemon.stop()
+    assert not error_records(daemon.log()), daemon.log()[-3000:]
