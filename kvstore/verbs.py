@@ -602,7 +602,10 @@ def _holds(d: Daemon, session: Session, r: Reservation) -> bool:
 
 def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
                   payload: list[Any]) -> Answer:
-    """Reserve the blocks of a whole token plan, all or none."""
+    """Reserve the blocks of a whole token plan, all or none.  Admitted by the slots its
+    size could have (``BlockStore.available_slots``), those of slabs other sizes could
+    hand over among them; a plan that those turn out not to hold (their slabs each with
+    a pinned block, say) gets the answer the size's own slots give, not an error."""
     from kvstore.scheduler.admission import TokenRequest, admit_batch
 
     d = v.d
@@ -613,6 +616,7 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
     bt = ns.identity.block_tokens
     requests = [TokenRequest(item.reserved_tokens, item.new_tokens) for item in req.plan]
     available = d.store.available_slots(ns)
+    own = ns.dram.pool.available(ns.cls) + len(ns.dram.policy(ns.cls))  # (its size's)
     decision = admit_batch(requests, bt, available)
     for i, (item, need) in enumerate(zip(req.plan, decision.blocks)):
         if len(item.keys) != need:
@@ -641,10 +645,18 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
                         d.moves.freed()
                     return r
                 done.append(r)
-    except BaseException:
+    except BaseException as exc:
         for r in done:
             d.store.abort(session.id, r.id)
-        raise
+        if not isinstance(exc, CapacityError) or exc.cause == "quota":
+            raise
+        mine = admit_batch(requests, bt, own)
+        if mine.admitted:
+            raise  # (not a slab the other sizes held after all)
+        if done:
+            d.moves.freed()
+        return p.BatchReply(req.rid, False, list(mine.blocks), list(mine.fitting),
+                            [], [], d.limits.lease_seconds, v._tokens_wanted()), []
     return p.BatchReply(req.rid, True, list(decision.blocks), [],
                         [r.id for r in done], [r.offsets for r in done],
                         d.limits.lease_seconds, v._tokens_wanted()), []

@@ -169,3 +169,37 @@ def test_a_token_plan_of_a_new_block_size_is_admitted_and_served(tmp_path: Path)
     finally:
         daemon.stop()
     assert not error_records(daemon.log()), daemon.log()[-3000:]
+
+
+def test_a_token_plan_the_other_sizes_slabs_cannot_hold_gets_a_clean_refusal(
+        tmp_path: Path) -> None:
+    """A pinned block in each of the first size's slabs: no slab can be handed over, so
+    the plan its admission counted them for cannot be served; it is answered as its own
+    size's slots answer it (not admitted, none fitting), as before they were counted, not
+    with a capacity error, and leaves nothing reserved or set aside (a second reader's
+    finding)."""
+    from kvstore.client_core import PlanItem
+
+    daemon = DaemonProcess(tmp_path, dram_capacity="1MiB", extra=["--slab-size", "256KiB"]).start()
+    try:
+        with Client(daemon.endpoint, tenant="acme", timeout=20) as client:
+            a, b = client.namespace(A), client.namespace(B)
+            a_keys = put_chains(a, 0, 32)
+            held = a.acquire([a_keys[0], a_keys[8], a_keys[16], a_keys[24]])  # a slab each
+            bt = B.block_tokens
+            plan = [PlanItem(0, 8 * bt, b.keys(range(900_000, 900_000 + 8 * bt))),
+                    PlanItem(0, 8 * bt, b.keys(range(800_000, 800_000 + 8 * bt)))]
+            result = b.reserve_batch(plan)
+            assert not result.admitted and result.blocks == [8, 8], result
+            assert result.fitting == [] and result.reservations == []
+            dram = client.stats()["tiers"]["dram"]
+            assert dram["reserved_slots"] == 0 and dram["slab_moves"] == 0, dram
+            held.release()
+            result = b.reserve_batch(plan)  # the pins gone: served
+            assert result.admitted, result
+            for r in result.reservations:
+                r.abort()
+            assert client.stats()["invariant_violations"] == 0
+    finally:
+        daemon.stop()
+    assert not error_records(daemon.log()), daemon.log()[-3000:]
