@@ -127,9 +127,12 @@ class SlabMoves:
 
     def _donors(self, dram: TierSlots, cls: SlabClass, starved: bool,
                 tenant: str | None) -> list[SlabClass]:
-        """The classes to take a slab from, in order: the one furthest over its share
-        (while the asking class is starved, or under its share and the donor over its);
-        every other, most slabs first, for a tenant taking from its own blocks."""
+        """The classes to take a slab from, in order: while the asking class is starved,
+        every other, furthest over its share first (the next where one has no slab it
+        can give: every slab with a pinned block, say; the first alone refused a
+        request another class could serve); while it is under its share, the one
+        furthest over its share if it is over; every other, most slabs first, for a
+        tenant taking from its own blocks."""
         others = [c for c in dram.pool.classes.values() if c is not cls and c.slabs]
         if not others:
             return []
@@ -138,8 +141,11 @@ class SlabMoves:
             return []
         if tenant is not None:
             return sorted(others, key=lambda c: -len(c.slabs))
-        donor = max(others, key=lambda c: len(c.slabs) - share.get(c, 0.0))
-        if not starved and len(donor.slabs) - 1 < share.get(donor, 0.0):
+        others.sort(key=lambda c: share.get(c, 0.0) - len(c.slabs))
+        if starved:
+            return others
+        donor = others[0]
+        if len(donor.slabs) - 1 < share.get(donor, 0.0):
             return []
         return [donor]
 

@@ -14,6 +14,7 @@ from kvtest import make_identity
 from kvstore.errors import CapacityError
 from kvstore.keys import chain_keys
 from kvstore.plans import Plan
+from kvstore.slab_moves import SlabMoves
 from kvstore.store import Block, BlockStore, Namespace
 
 A = make_identity(model="model-a", head_dim=128)  # 32 KiB blocks: 8 to a slab
@@ -397,4 +398,33 @@ def test_a_batch_waiting_for_a_slab_keeps_those_its_aborted_items_emptied() -> N
     first = store.reserve("w", b, chain_keys(b.id, list(range(16 * 8)), 16), None, 0.0)
     again = store.reserve("w", b, second, None, 0.0)
     assert not isinstance(first, Plan) and not isinstance(again, Plan) and slabs(b) == 3
+    arena.check(a)
+
+
+def test_a_starved_size_takes_a_slab_of_another_when_the_furthest_over_its_share_has_none() -> None:
+    """The class furthest over its share has every block pinned; a third class has
+    slabs of cold blocks: a starved request takes one of those (only the first donor
+    was tried, and the request refused though another class could give a slab)."""
+    c_ident = make_identity(model="model-c", head_dim=32)  # 8 KiB blocks: 32 to a slab
+    arena = Arena()
+    store = arena.store
+    a, b, c = (store.open_namespace(i) for i in (A, B, c_ident))
+    held = arena.put(a, 0, 16)  # two slabs of a, every block pinned
+    pin = store.acquire("reader", a, held, 0.0)
+    assert not isinstance(pin, Plan)
+    cold = arena.put(c, 0, 64)  # two slabs of c
+    for _ in range(10):  # c much used since: a is the furthest over its share
+        for k in cold:
+            store.lookup(c, [k])
+    shares = SlabMoves.shares_of(store.drams[""])
+    assert len(a.cls.slabs) - shares[a.cls] > len(c.cls.slabs) - shares[c.cls]
+    keys = chain_keys(b.id, list(range(16 * 20)), 16)  # 20 blocks of 16 KiB: two slabs
+    turns = 0
+    while isinstance(r := store.reserve("w", b, keys, None, 0.0), Plan):
+        assert r.turn
+        r.let_go()
+        turns += 1
+    assert turns == 1 and slabs(b) == 2 and slabs(a) == 2 and slabs(c) == 0
+    assert all(a.blocks[k].offset is not None for k in held)  # the pinned stay put
+    store.abort("w", r.id)
     arena.check(a)
