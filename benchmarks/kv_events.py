@@ -14,7 +14,8 @@ Three measurements, each next to its peer, medians of interleaved runs, and rati
   memory touched, about 5 us each on a VM) per 100 requests;
 - route: one routing query over 8 daemons, against one lookup's round trip to one
   daemon (target: <= 2x); and the machine's limit beside it: a bare pyzmq request sent
-  to 8 echo processes at once and gathered, against one echo's round trip.
+  to 8 echo processes at once and gathered, against one echo's round trip; and the same
+  route answered from the daemons' event streams (``RouteView``: no round trip a route).
 
     python benchmarks/kv_events.py [--repeats N] [--only publish|throughput|route]
         [--round N] [--beside DIR] [--json]
@@ -55,6 +56,7 @@ from kvstore.bench.harness import ECHO_PEER
 from kvstore.config import EventsConfig
 from kvstore.events import EventPublisher, KVEventBatch
 from kvstore.keys import chain_keys
+from kvstore.route_view import RouteView
 from kvstore.router import Router
 from kvstore.store import BlockStore
 try:
@@ -450,8 +452,14 @@ def bench_route(work: Path, repeats: int, daemons: int) -> dict[str, float]:
     to tell the router's cost from the machine's, a route over one daemon, raw lookups
     sent to every daemon at once and gathered (pyzmq, no ranking), and the machine's
     limit: a request of the probe's size sent to as many bare pyzmq echo processes at
-    once and gathered, against one echo's round trip."""
-    procs = [start_daemon(work, f"r{i}", {}) for i in range(daemons)]
+    once and gathered, against one echo's round trip.  Beside them, the same route
+    answered by a ``RouteView`` that follows the daemons' event streams (no round trip
+    a route: the daemons' events are on for it)."""
+    streams = [(_free_port(), _free_port()) for _ in range(daemons)]
+    procs = [start_daemon(work, f"r{i}", {
+        "KVSTORE_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{pub}",
+        "KVSTORE_EVENTS_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{replay}"})
+        for i, (pub, replay) in enumerate(streams)]
     echo_ports = [_free_port() for _ in range(daemons)]
     echoes = [echo_peer(f"tcp://127.0.0.1:{port}") for port in echo_ports]
     tokens = range(16 * 64)
@@ -493,12 +501,24 @@ def bench_route(work: Path, repeats: int, daemons: int) -> dict[str, float]:
         for _ in range(100):
             echo_all()
         with Router([tcp for _, _, tcp in procs], tenant="bench") as router, \
-                Router([procs[0][2]], tenant="bench") as one:
+                Router([procs[0][2]], tenant="bench") as one, \
+                RouteView([tcp for _, _, tcp in procs],
+                          [f"tcp://127.0.0.1:{pub}" for pub, _ in streams],
+                          [f"tcp://127.0.0.1:{replay}" for _, replay in streams],
+                          tenant="bench") as view:
             results = router.route(keys, deadline=5.0)
             assert all(r.answered for r in results), results
             one.route(keys, deadline=5.0)
+            assert view.ready(30) == daemons
+            deadline = time.monotonic() + 30  # (the figures thread's first probes)
+            while not all(r.answered for r in view.route(keys)):
+                assert time.monotonic() < deadline, view.route(keys)
+                time.sleep(0.05)
+            assert ([(r.endpoint, r.hits) for r in view.route(keys)]
+                    == [(r.endpoint, r.hits) for r in router.route(keys, deadline=5.0)])
             calls: dict[str, Callable[[], object]] = {
                 "route": lambda: router.route(keys, deadline=5.0),
+                "view": lambda: view.route(keys),
                 "lookup": lambda: namespaces[0].lookup(keys),
                 "route1": lambda: one.route(keys, deadline=5.0),
                 "fanout": fan_out,
@@ -615,7 +635,9 @@ def main() -> None:
                  row(f"limit: echo to {n} processes (us)", route["echo_all"],
                      route["echo_one"], "one echo"),
                  row(f"route over {n} daemons (us)", route["route"], route["echo_all"],
-                     f"echo to {n}")]
+                     f"echo to {n}"),
+                 row(f"route over {n} daemons by their streams (us)", route["view"],
+                     route["lookup"], "one lookup", target="<= 2")]
     print(f"kv events and routing: medians of {args.repeats} interleaved runs "
           f"({os.cpu_count()} cpus here)")
     print(f"{'measure':56} {'kvstore':>10} {'peer':>10} {'peer is':>16} {'ratio':>7} "

@@ -154,15 +154,7 @@ class Router:
         answer within ``deadline`` seconds last.  ``tokens`` is the request's length
         (default: the keys' blocks, full), ``block_tokens`` the tokens of a block
         (default: as the daemons that cache the chain say)."""
-        rate = self.prefill_rate if prefill_rate is None else prefill_rate
-        if not rate > 0:
-            raise MalformedError("route: prefill_rate must be a positive number of tokens "
-                                 "a second")
-        keys = list(keys)
-        if not keys:
-            raise MalformedError("route: the key chain is empty")
-        if set(map(len, keys)) != {p.KEY_BYTES}:
-            raise MalformedError(f"route: keys are {p.KEY_BYTES} bytes each")
+        keys, rate = checked(keys, self.prefill_rate if prefill_rate is None else prefill_rate)
         answers: dict[str, p.ProbeReply] = {}
         # One probe, encoded once, to every daemon (each on its own connection: one
         # request id serves them all), all sent before any answer is awaited.
@@ -240,30 +232,9 @@ class Router:
     def _rank(self, keys: list[bytes], answers: dict[str, p.ProbeReply],
               tokens: int | None, block_tokens: int | None,
               rate: float) -> list[RouteResult]:
-        bt = block_tokens or next((a.block_tokens for a in answers.values()
-                                   if a.block_tokens), 1)
-        total = tokens if tokens is not None else len(keys) * bt
-        out: list[RouteResult] = []
-        for peer in self._peers:
-            a = answers.get(peer.endpoint)
-            if a is None:
-                out.append(RouteResult(peer.endpoint, False,
-                                       error=peer.refused or "no answer within the deadline"))
-                continue
-            tiers: dict[str, int] = {}
-            for tier, count in a.tier_runs:
-                tiers[tier] = tiers.get(tier, 0) + count
-            hits = sum(tiers.values())
-            slowest = min(a.bandwidth.values(), default=1.0) or 1.0
-            transfer = sum(n * a.block_bytes / (a.bandwidth.get(t) or slowest)
-                           for t, n in tiers.items())
-            prefill = max(0, total - hits * bt) / rate
-            out.append(RouteResult(peer.endpoint, True, hits, tiers, a.queue_seconds,
-                                   prefill, transfer, a.queue_seconds + prefill + transfer))
-        # (a cost that is not a number, from an answer of NaNs, would leave the others
-        # out of order: such a daemon ranks after every cost that is one)
-        out.sort(key=lambda r: (not r.answered, r.cost if r.cost == r.cost else math.inf))
-        return out
+        return rank([(peer.endpoint, answers.get(peer.endpoint),
+                      peer.refused or "no answer within the deadline")
+                     for peer in self._peers], len(keys), tokens, block_tokens, rate)
 
     @property
     def closed(self) -> bool:
@@ -282,6 +253,47 @@ class Router:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def checked(keys: Sequence[bytes], rate: float) -> tuple[list[bytes], float]:
+    """A route's key chain and prefill rate, or MalformedError saying what is wrong."""
+    if not rate > 0:
+        raise MalformedError("route: prefill_rate must be a positive number of tokens "
+                             "a second")
+    keys = list(keys)
+    if not keys:
+        raise MalformedError("route: the key chain is empty")
+    if set(map(len, keys)) != {p.KEY_BYTES}:
+        raise MalformedError(f"route: keys are {p.KEY_BYTES} bytes each")
+    return keys, rate
+
+
+def rank(answers: Sequence[tuple[str, p.ProbeReply | None, str]], blocks: int,
+         tokens: int | None, block_tokens: int | None, rate: float) -> list[RouteResult]:
+    """Each daemon's answer to a chain of ``blocks`` keys (endpoint, its probe's answer
+    or None, why there is none), costed, cheapest first; those with none last."""
+    bt = block_tokens or next((a.block_tokens for _, a, _ in answers
+                               if a is not None and a.block_tokens), 1)
+    total = tokens if tokens is not None else blocks * bt
+    out: list[RouteResult] = []
+    for endpoint, a, why in answers:
+        if a is None:
+            out.append(RouteResult(endpoint, False, error=why))
+            continue
+        tiers: dict[str, int] = {}
+        for tier, count in a.tier_runs:
+            tiers[tier] = tiers.get(tier, 0) + count
+        hits = sum(tiers.values())
+        slowest = min(a.bandwidth.values(), default=1.0) or 1.0
+        transfer = sum(n * a.block_bytes / (a.bandwidth.get(t) or slowest)
+                       for t, n in tiers.items())
+        prefill = max(0, total - hits * bt) / rate
+        out.append(RouteResult(endpoint, True, hits, tiers, a.queue_seconds,
+                               prefill, transfer, a.queue_seconds + prefill + transfer))
+    # (a cost that is not a number, from an answer of NaNs, would leave the others
+    # out of order: such a daemon ranks after every cost that is one)
+    out.sort(key=lambda r: (not r.answered, r.cost if r.cost == r.cost else math.inf))
+    return out
 
 
 def _send(sock: Any, message: bytes) -> bool:

@@ -1,0 +1,185 @@
+"""A router's view kept from the daemons' event streams (``kvstore.route_view``), against
+real daemons: it answers routes as their own probes do (DRAM, SSD, evictions), fills a
+gap in a stream through the replay socket, follows a daemon that started again from a
+new snapshot, and ranks one that is down last without waiting on it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from daemon_proc import DaemonProcess, free_port
+from kvtest import make_identity
+
+from kvstore import Client
+from kvstore.route_view import RouteView
+from kvstore.router import RouteResult, Router
+
+IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=64)  # 64 KiB blocks
+BT = IDENT.block_tokens
+
+
+class Fleet:
+    """Daemons with their event streams on, each with its ports."""
+
+    def __init__(self, tmp: Path, count: int, ssd: str = "8MiB", **more: str) -> None:
+        self.tmp = tmp
+        self.ssd = ssd
+        self.more = more
+        self.ports = [(free_port(), free_port()) for _ in range(count)]
+        self.daemons = [self._daemon(i) for i in range(count)]
+
+    def _daemon(self, i: int) -> DaemonProcess:
+        pub, replay = self.ports[i]
+        work = self.tmp / f"d{i}"
+        work.mkdir(exist_ok=True)
+        env = {"KVSTORE_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{pub}",
+               "KVSTORE_EVENTS_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{replay}", **self.more}
+        return DaemonProcess(work, dram_capacity="1MiB", ssd_capacity=self.ssd,
+                             extra=["--slab-size", "1MiB"], env=env).start()
+
+    def view(self, **kw: Any) -> RouteView:
+        return RouteView([d.endpoint for d in self.daemons],
+                         [f"tcp://127.0.0.1:{pub}" for pub, _ in self.ports],
+                         [f"tcp://127.0.0.1:{replay}" for _, replay in self.ports],
+                         tenant="acme", **kw)
+
+    def restart(self, i: int) -> None:
+        self.daemons[i].stop()
+        self.daemons[i] = self._daemon(i)
+
+    def stop(self) -> None:
+        for d in self.daemons:
+            if d.alive():
+                d.stop()
+
+
+def put(endpoint: str, first: int, blocks: int) -> list[bytes]:
+    with Client(endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(list(range(first, first + BT * blocks)))
+        ns.put(keys, [bytes([i]) * IDENT.block_bytes for i in range(blocks)])
+        return keys
+
+
+def chain(first: int, blocks: int, endpoint: str) -> list[bytes]:
+    with Client(endpoint, tenant="acme") as c:
+        return c.namespace(IDENT).keys(list(range(first, first + BT * blocks)))
+
+
+def by_endpoint(results: list[RouteResult]) -> dict[str, tuple[int, dict[str, int]]]:
+    return {r.endpoint: (r.hits, r.tiers) for r in results if r.answered}
+
+
+def agrees(view: RouteView, router: Router, chains: list[list[bytes]],
+           timeout: float = 10.0) -> Callable[[], str]:
+    """Wait until the view answers every chain as the daemons' probes do (a batch waits
+    a little for others before it goes out); what still differs, "" once none."""
+    end = time.monotonic() + timeout
+    while True:
+        diff = ""
+        for keys in chains:
+            ours, theirs = by_endpoint(view.route(keys)), by_endpoint(router.route(keys, deadline=2.0))
+            if ours != theirs:
+                diff = f"view {ours} != probes {theirs}"
+                break
+        if not diff or time.monotonic() > end:
+            return lambda: diff
+        time.sleep(0.05)
+
+
+def test_the_view_answers_routes_as_the_daemons_probes_do(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path, 2)
+    try:
+        a, b = (d.endpoint for d in fleet.daemons)
+        put(a, 0, 6)
+        put(b, 0, 3)
+        with fleet.view(figures_every=0.2) as view, Router([a, b], tenant="acme") as router:
+            assert view.ready(10) == 2
+            first = chain(0, 8, a)
+            assert agrees(view, router, [first])() == ""
+            results = view.route(first, prefill_rate=1000.0)
+            assert [(r.endpoint, r.hits) for r in results] == [(a, 6), (b, 3)]
+            # more than DRAM holds (16 blocks of 64 KiB in 1 MiB): the oldest go to SSD
+            for i in range(1, 5):
+                put(a, 10_000 * i, 6)
+            assert agrees(view, router, [first, chain(40_000, 6, a)])() == ""
+            assert by_endpoint(view.route(first))[a][1].get("ssd"), by_endpoint(view.route(first))
+            with Client(b, tenant="acme") as c:  # an eviction: b holds none of it
+                c.namespace(IDENT).evict(first[:1])
+            assert agrees(view, router, [first])() == ""
+            assert by_endpoint(view.route(first))[b] == (0, {})
+    finally:
+        fleet.stop()
+
+
+def test_a_gap_in_a_stream_is_filled_through_the_replay_socket(tmp_path: Path) -> None:
+    """The view's stream cut for a while (its socket closed, as a network would lose
+    it): the batches meanwhile never reach it; the next one's number jumps, and the view
+    takes the missed ones from the replay socket, not from a new snapshot."""
+    import zmq
+
+    from kvstore.client_wire import event_socket
+
+    fleet = Fleet(tmp_path, 1, KVSTORE_EVENTS_INTERVAL_MS="0")
+    try:
+        (d,) = fleet.daemons
+        with fleet.view(figures_every=0.2) as view, Router([d.endpoint], tenant="acme") as router:
+            assert view.ready(10) == 1
+            follow = view._follows[0]
+            follow.sub.close(linger=0)
+            chains = [put(d.endpoint, 1000 * i, 1) for i in range(12)]  # a batch each
+            follow.sub = event_socket(view._ctx, zmq.SUB, follow.events)
+            follow.sub.setsockopt(zmq.SUBSCRIBE, b"")
+            deadline = time.monotonic() + 10
+            while not view.replays:  # a batch after the cut: its number jumps
+                assert time.monotonic() < deadline, "no gap was seen"
+                chains.append(put(d.endpoint, 900_000 + len(chains), 1))
+                time.sleep(0.05)
+                view.sync()
+            assert agrees(view, router, chains)() == ""
+            assert view.snapshots == 1  # (the start's alone)
+    finally:
+        fleet.stop()
+
+
+def test_a_daemon_started_again_is_followed_from_a_new_snapshot(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path, 2, ssd="0")
+    try:
+        a, b = (d.endpoint for d in fleet.daemons)
+        old = put(a, 0, 4)
+        with fleet.view(figures_every=0.2) as view:
+            assert view.ready(10) == 2
+            assert by_endpoint(view.route(old))[a] == (4, {"dram": 4})
+            fleet.restart(0)  # DRAM only: it comes back empty
+            new = put(a, 50_000, 3)
+            with Router([a, b], tenant="acme") as router:
+                assert agrees(view, router, [old, new])() == ""
+            assert by_endpoint(view.route(old))[a] == (0, {})
+            assert by_endpoint(view.route(new))[a] == (3, {"dram": 3})
+    finally:
+        fleet.stop()
+
+
+def test_a_daemon_down_ranks_last_and_is_never_waited_on(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path, 2)
+    try:
+        a, b = (d.endpoint for d in fleet.daemons)
+        keys = put(a, 0, 4)
+        put(b, 0, 4)
+        with fleet.view(figures_every=0.2) as view:
+            assert view.ready(10) == 2
+            fleet.daemons[0].stop()
+            deadline = time.monotonic() + 10
+            while view.route(keys)[-1].endpoint != a:
+                assert time.monotonic() < deadline, view.route(keys)
+                time.sleep(0.05)
+            started = time.monotonic()
+            results = view.route(keys)
+            assert time.monotonic() - started < 0.1  # answered from what it holds
+            assert [r.answered for r in results] == [True, False]
+            assert "not answered" in results[-1].error
+    finally:
+        fleet.stop()
