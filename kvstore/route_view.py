@@ -154,8 +154,9 @@ class RouteView:
                     self._snapshot(f)
                 self._drain(f)
             except (KVStoreError, zmq.ZMQError, msgspec.DecodeError, ValueError,
-                    TypeError, KeyError, IndexError) as exc:
-                self._lose(f, f"its event stream could not be followed: {exc}")
+                    TypeError, KeyError, IndexError, AttributeError,
+                    RecursionError) as exc:  # (a batch not laid out as the stream's)
+                self._lose(f, f"its event stream could not be followed: {exc!r}")
 
     def _lose(self, f: _Follow, why: str) -> None:
         """Stop trusting what ``f``'s stream said: followed again from a new snapshot."""
@@ -272,7 +273,7 @@ class RouteView:
                             timeout=self.figures_every)
                     f.figures = client.probe([head] if head is not None else [])
                     f.figures_at, f.figures_error = time.monotonic(), ""
-                except (KVStoreError, zmq.ZMQError) as exc:
+                except Exception as exc:  # (the thread goes on whatever a daemon does)
                     f.figures_error = f"{type(exc).__name__}: {exc}"
                     f.lost_session = isinstance(exc, (NoSessionError, LeaseExpiredError))
                     stale = clients.pop(f.endpoint, None)

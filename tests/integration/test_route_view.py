@@ -183,3 +183,48 @@ def test_a_daemon_down_ranks_last_and_is_never_waited_on(tmp_path: Path) -> None
             assert "not answered" in results[-1].error
     finally:
         fleet.stop()
+
+
+def test_a_stream_that_is_not_the_daemons_is_never_trusted_nor_raised(tmp_path: Path) -> None:
+    """Batches not laid out as the stream's (garbage, the wrong shape, an event of no
+    known medium) from what the view was told is a daemon's stream: that daemon ranks
+    last, the others are answered, and no route raises."""
+    import msgspec
+    import zmq
+
+    fleet = Fleet(tmp_path, 1)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        (d,) = fleet.daemons
+        keys = put(d.endpoint, 0, 2)
+        view = RouteView([d.endpoint, d.endpoint],
+                         [f"tcp://127.0.0.1:{fleet.ports[0][0]}", f"tcp://127.0.0.1:{port}"],
+                         [f"tcp://127.0.0.1:{fleet.ports[0][1]}", ""], tenant="acme",
+                         figures_every=0.2)
+        with view:
+            assert view.ready(10) == 2
+            bad = [b"\xc1\xc1", msgspec.msgpack.encode([1.0, 5]),
+                   msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "medium": "TAPE"}]]),
+                   msgspec.msgpack.encode([1.0, [["BlockRemoved"]]])]
+            for payload in bad:
+                for seq in range(200):  # (a subscription takes a moment to reach the PUB)
+                    pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+                    if not view._follows[1].synced:
+                        break
+                    time.sleep(0.005)
+                    view.route(keys)
+                results = view.route(keys)  # never raises
+                assert [r.answered for r in results] == [True, False], results
+                assert "could not be followed" in results[-1].error
+                assert results[0].hits == 2
+                deadline = time.monotonic() + 10
+                while not view._follows[1].synced:  # followed again from a snapshot
+                    assert time.monotonic() < deadline
+                    view.sync()
+                    time.sleep(0.02)
+    finally:
+        pub.close(linger=0)
+        ctx.term()
+        fleet.stop()
