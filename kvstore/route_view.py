@@ -10,15 +10,24 @@ every batch after that one in order, and filling a gap in the numbers through th
 daemon's replay socket (``[events] replay_endpoint``); what it has heard answers
 ``route``: a dictionary lookup a key a daemon, in the router's own process.
 
-What the stream does not carry comes from a probe of each daemon, asked by a thread
-of the view's own at most every ``figures_every`` seconds: the daemon's wait ahead of
-a new transfer, its load bandwidth per tier, and the block bytes of the namespace of
-the chain routed last (for the transfer time).  A daemon whose probe has not answered
-for ``stale_after`` seconds (down, or its session refused), or whose stream the view
-could not follow (a gap the replay could not fill, a snapshot refused), ranks last
-with the reason, as one that does not answer a ``Router`` in time.  A daemon that
-started again (its stream's numbers start over, with a batch that clears everything)
-is followed again from a new snapshot.
+What the stream does not carry comes from a probe of every daemon at once (a
+``Router`` of the view's own thread), every ``figures_every`` seconds: the daemon's
+wait ahead of a new transfer, its load bandwidth per tier, and the block bytes of the
+namespace of the chain routed last (kept by block size: the transfer time of a chain
+of a size no probe has answered for yet is not counted).  A daemon whose probe has not
+answered for ``stale_after`` seconds (down, or its session refused), or whose stream
+the view could not follow (a gap the replay could not fill, a snapshot refused), ranks
+last with the reason, as one that does not answer a ``Router`` in time.  Nothing of
+a daemon that does not answer its probe is asked (no snapshot, no replay), and what is
+asked of one that does waits at most ``figures_every`` (one that died a moment ago).
+A daemon that started again (its stream's numbers going back), or whose probe answers
+again after failing (it may have), is followed again from a new snapshot, on a new
+socket (what the old one queued may be of the life gone), at most one every
+``figures_every`` seconds (a stream that keeps failing is not snapshotted every route).
+
+The stream carries every tenant's blocks; a tenant's chains are keyed by its own
+namespaces, so another tenant's blocks answer none of its routes (but take the view's
+memory: an entry a block).
 
 The view counts what the daemon's own probe counts (``kvstore.routing``): the leading
 keys of the chain cached in any tier, each in its fastest; the costs are ``Router``'s
@@ -41,13 +50,14 @@ import zmq
 from kvstore import protocol as p
 from kvstore.client import Client
 from kvstore.client_wire import event_socket
-from kvstore.errors import KVStoreError, LeaseExpiredError, MalformedError, NoSessionError
-from kvstore.router import DEFAULT_PREFILL_RATE, RouteResult, checked, rank
+from kvstore.errors import KVStoreError, MalformedError
+from kvstore.router import DEFAULT_PREFILL_RATE, RouteResult, Router, checked, rank
 
 # (medium, locality) of the stream's events -> the daemon's tier; the fastest first
 _TIERS = {("GPU", None): "gpu", ("CPU", None): "dram", ("STORAGE", "LOCAL"): "ssd",
           ("STORAGE", "REMOTE"): "remote"}
-_ORDER = ("gpu", "dram", "ssd", "remote")
+# which of a block's tiers a probe names (``Block.tier``): DRAM, SSD, then the others
+_ORDER = ("dram", "ssd", "gpu", "remote")
 _BIT = {tier: 1 << i for i, tier in enumerate(_ORDER)}
 # a key's tiers (a set of bits) -> its fastest tier
 _FASTEST = {bits: next(t for t in _ORDER if bits & _BIT[t]) for bits in range(1, 16)}
@@ -74,12 +84,14 @@ class _Follow:
         # as its event said (0: not said, as a snapshot's blocks)
         self.tiers: dict[bytes, int] = {}
         self.next_seq = 0
+        self.live_seq = -1  # the last batch the socket brought (a new life's go back)
         self.synced = False
+        self.retry_at = 0.0  # (the view's clock) no new snapshot of it before
         self.trouble = "not followed yet"  # why it ranks last while not synced
         self.figures: p.ProbeReply | None = None  # the figures thread's latest
         self.figures_at = 0.0  # (the view's clock) when they came
         self.figures_error = ""
-        self.lost_session = False  # the figures thread's session ended: a restart, say
+        self.lost_session = False  # its probe answers again after failing: a restart?
 
 
 class RouteView:
@@ -108,24 +120,33 @@ class RouteView:
                                  "must be positive")
         self.prefill_rate = prefill_rate
         self.figures_every = figures_every
-        # (a probe waits at most figures_every: one daemon down holds up the others' by
-        # that much at most)
+        # (the probes go to all at once and wait at most figures_every)
         self.stale_after = 4 * figures_every if stale_after is None else stale_after
         self._tenant, self._token, self._timeout = tenant, token, timeout
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._follows = [_Follow(d, e, r) for d, e, r in zip(daemons, events, replays)]
         self._decode = msgspec.msgpack.Decoder().decode
         self._chain_head: bytes | None = None  # the last route's first key (figures)
+        self._bytes: dict[int, int] = {}  # block tokens -> block bytes, as probes said
         self.replays = 0  # gaps filled through a replay socket
         self.snapshots = 0  # daemons followed from a snapshot (at start, or again)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a probe now: a route of a size not yet known
         self._figures = threading.Thread(target=self._refresh, name="kvstore-route-view",
                                          daemon=True)
         for f in self._follows:  # subscribed before any snapshot: no batch between
-            f.sub = event_socket(self._ctx, zmq.SUB, f.events, token=token or "",
-                                 tenant=tenant or "")
-            f.sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self._subscribe(f)
         self._figures.start()
+
+    def _subscribe(self, f: _Follow) -> None:
+        """A new socket on ``f``'s stream (what the old one queued goes with it)."""
+        if f.sub is not None:
+            f.sub.close(linger=0)
+            f.sub = None
+        f.live_seq = -1
+        f.sub = event_socket(self._ctx, zmq.SUB, f.events, token=self._token or "",
+                             tenant=self._tenant or "")
+        f.sub.setsockopt(zmq.SUBSCRIBE, b"")
 
     # -- following the streams -------------------------------------------------------------
     def ready(self, timeout: float = 10.0) -> int:
@@ -145,12 +166,16 @@ class RouteView:
         is down is never waited on)."""
         for f in self._follows:
             try:
-                if f.lost_session:  # (a daemon started again: its old life's state goes)
+                if f.sub is None:  # (its socket could not be made last time)
+                    self._subscribe(f)
+                if f.lost_session:  # (it may have started again: its old life's state goes)
                     f.lost_session = False
-                    self._lose(f, "its session ended (it started again?)")
+                    self._lose(f, "its probe failed, then answered (started again?)")
                 if not f.synced:
-                    if f.figures_error or not f.figures_at:
-                        continue  # not answering its probe: not asked for a snapshot
+                    if not self._answering(f) or time.monotonic() < f.retry_at:
+                        continue  # not answering its probe (or lost a moment ago): no
+                        # snapshot asked of it (a stream that keeps failing is not
+                        # snapshotted at every route)
                     self._snapshot(f)
                 self._drain(f)
             except (KVStoreError, zmq.ZMQError, msgspec.DecodeError, ValueError,
@@ -158,17 +183,28 @@ class RouteView:
                     RecursionError) as exc:  # (a batch not laid out as the stream's)
                 self._lose(f, f"its event stream could not be followed: {exc!r}")
 
+    def _answering(self, f: _Follow) -> bool:
+        """Whether ``f``'s probe answered lately, and its last one did."""
+        return (not f.figures_error and bool(f.figures_at)
+                and time.monotonic() - f.figures_at <= self.stale_after)
+
     def _lose(self, f: _Follow, why: str) -> None:
-        """Stop trusting what ``f``'s stream said: followed again from a new snapshot."""
+        """Stop trusting what ``f``'s stream said: followed again from a new snapshot,
+        on a new socket (the batches the old one queued may be of a life gone)."""
         f.synced, f.trouble = False, why
+        f.retry_at = time.monotonic() + self.figures_every
         if f.client is not None:
             f.client.close()
             f.client = None
+        try:
+            self._subscribe(f)
+        except zmq.ZMQError as exc:  # (tried again at the next sync)
+            f.trouble = f"{why}; its stream cannot be subscribed to: {exc}"
 
     def _snapshot(self, f: _Follow) -> None:
         if f.client is None:
             f.client = Client(f.endpoint, tenant=self._tenant, token=self._token,
-                              timeout=self._timeout)
+                              timeout=min(self._timeout, self.figures_every))
         snap = f.client.snapshot()
         self.snapshots += 1
         tiers: dict[bytes, int] = {}
@@ -188,18 +224,19 @@ class RouteView:
                 return
             if len(frames) != 3 or len(frames[1]) != 8:
                 continue  # not a batch of the stream
-            self._take(f, int.from_bytes(frames[1], "big"), frames[2])
+            seq = int.from_bytes(frames[1], "big")
+            if seq < f.live_seq:  # the socket brings a life's batches in order: a new life
+                self._lose(f, "it started again")
+                return
+            f.live_seq = seq
+            self._take(f, seq, frames[2])
             if not f.synced:
                 return
 
     def _take(self, f: _Follow, seq: int, payload: bytes) -> None:
         batch = self._decode(payload)
         if seq < f.next_seq:
-            if seq == 0:  # a life's first batch (all cleared): a daemon started again,
-                # or the first one before the snapshot: followed from a new snapshot
-                self._lose(f, "it started again")
-                self._snapshot(f)
-            return  # else one applied already (from a replay, or the snapshot's)
+            return  # one applied already (from a replay, or the snapshot's)
         if seq > f.next_seq:  # batches missed: the replay socket has them, or resync
             for s, pl in self._replayed(f, f.next_seq):
                 if f.next_seq <= s < seq:
@@ -213,6 +250,8 @@ class RouteView:
     def _replayed(self, f: _Follow, first: int) -> list[tuple[int, bytes]]:
         if not f.replay:
             raise ValueError("no replay socket to fill the gap from")  # (a new snapshot)
+        if not self._answering(f):
+            raise ValueError("a gap, and the daemon does not answer its probe")
         self.replays += 1
         sock = event_socket(self._ctx, zmq.DEALER, f.replay, token=self._token or "",
                             tenant=self._tenant or "")
@@ -220,7 +259,7 @@ class RouteView:
             sock.send_multipart([b"", first.to_bytes(8, "big")])
             out: list[tuple[int, bytes]] = []
             while True:
-                if not sock.poll(int(self._timeout * 1000)):
+                if not sock.poll(int(min(self._timeout, self.figures_every) * 1000)):
                     raise ValueError("the replay socket did not answer")
                 frames = sock.recv_multipart()
                 seq = int.from_bytes(frames[-2], "big", signed=True)
@@ -258,30 +297,34 @@ class RouteView:
 
     # -- the figures the stream does not carry -------------------------------------------
     def _refresh(self) -> None:
-        """The figures thread: each daemon's probe, every ``figures_every`` seconds."""
-        clients: dict[str, Client] = {}
-        while not self._stop.is_set():
-            head = self._chain_head
-            for f in self._follows:
-                if self._stop.is_set():
-                    break
+        """The figures thread: every daemon's probe, all at once, every
+        ``figures_every`` seconds (a daemon down costs the round no more than that)."""
+        router = Router([f.endpoint for f in self._follows], tenant=self._tenant,
+                        token=self._token)
+        try:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                head = self._chain_head
                 try:
-                    client = clients.get(f.endpoint)
-                    if client is None:
-                        client = clients[f.endpoint] = Client(
-                            f.endpoint, tenant=self._tenant, token=self._token,
-                            timeout=self.figures_every)
-                    f.figures = client.probe([head] if head is not None else [])
-                    f.figures_at, f.figures_error = time.monotonic(), ""
+                    answers = router.answers([head] if head is not None else [],
+                                             deadline=self.figures_every)
                 except Exception as exc:  # (the thread goes on whatever a daemon does)
-                    f.figures_error = f"{type(exc).__name__}: {exc}"
-                    f.lost_session = isinstance(exc, (NoSessionError, LeaseExpiredError))
-                    stale = clients.pop(f.endpoint, None)
-                    if stale is not None:
-                        stale.close()
-            self._stop.wait(self.figures_every)
-        for client in clients.values():
-            client.close()
+                    answers = [(f.endpoint, None, f"{type(exc).__name__}: {exc}")
+                               for f in self._follows]
+                now = time.monotonic()
+                for f, (_, answer, why) in zip(self._follows, answers):
+                    if answer is None:
+                        f.figures_error = why
+                        continue
+                    if answer.block_bytes and answer.block_tokens:
+                        self._bytes[answer.block_tokens] = answer.block_bytes
+                    # answering again after failing: it may have started again
+                    f.lost_session = f.lost_session or bool(f.figures_error)
+                    f.figures, f.figures_at, f.figures_error = answer, now, ""
+                self._wake.wait(max(0.0, self.figures_every - (time.monotonic() - started)))
+                self._wake.clear()
+        finally:
+            router.close()
 
     # -- routes ---------------------------------------------------------------------------
     def route(self, keys: Sequence[bytes], *, tokens: int | None = None,
@@ -291,6 +334,8 @@ class RouteView:
         as ``Router.route`` costs it, cheapest first; a daemon not followed, or whose
         figures are older than ``stale_after``, last."""
         keys, rate = checked(keys, self.prefill_rate if prefill_rate is None else prefill_rate)
+        if self._ctx.closed:
+            raise MalformedError("route view: routed after it was closed")
         self._chain_head = keys[0]
         self.sync()
         now = time.monotonic()
@@ -304,11 +349,18 @@ class RouteView:
                 answers.append((f.endpoint, None, "its probe has not answered lately"
                                 + (f" ({f.figures_error})" if f.figures_error else "")))
                 continue
-            held = f.tiers.get(keys[0], 0) >> _SIZE_SHIFT  # the chain's block tokens
+            if f.figures_error:  # (its last probe failed: it may be down, or elsewhere)
+                answers.append((f.endpoint, None, f"its last probe failed: {f.figures_error}"))
+                continue
+            # the chain's block size: as its stream said, else as a probe of it did, else
+            # the one size probes told of (a fleet of one model), else not known
+            tokens_each = ((f.tiers.get(keys[0], 0) >> _SIZE_SHIFT) or figures.block_tokens
+                           or (next(iter(self._bytes)) if len(self._bytes) == 1 else 0))
+            if tokens_each not in self._bytes:
+                self._wake.set()  # (its bytes from a probe of this chain, at once)
             answers.append((f.endpoint, p.ProbeReply(0, self._runs(f.tiers, keys),
-                                                     figures.block_bytes,
-                                                     held or figures.block_tokens,
-                                                     figures.queue_seconds,
+                                                     self._bytes.get(tokens_each, 0),
+                                                     tokens_each, figures.queue_seconds,
                                                      figures.bandwidth), ""))
         return rank(answers, len(keys), tokens, block_tokens, rate)
 
@@ -333,6 +385,7 @@ class RouteView:
         if self._ctx.closed:
             return
         self._stop.set()
+        self._wake.set()
         self._figures.join(self._timeout + self.figures_every + 1)
         for f in self._follows:
             if f.client is not None:

@@ -155,6 +155,13 @@ class Router:
         (default: the keys' blocks, full), ``block_tokens`` the tokens of a block
         (default: as the daemons that cache the chain say)."""
         keys, rate = checked(keys, self.prefill_rate if prefill_rate is None else prefill_rate)
+        return rank(self.answers(keys, deadline=deadline), len(keys), tokens,
+                    block_tokens, rate)
+
+    def answers(self, keys: list[bytes], *, deadline: float = 0.05
+                ) -> list[tuple[str, p.ProbeReply | None, str]]:
+        """Each daemon's probe of the chain, asked of all at once: (endpoint, its answer,
+        or None and why there is none within ``deadline`` seconds), in their order."""
         answers: dict[str, p.ProbeReply] = {}
         # One probe, encoded once, to every daemon (each on its own connection: one
         # request id serves them all), all sent before any answer is awaited.
@@ -183,7 +190,8 @@ class Router:
                 break
             for sock, _ in self._poller.poll(math.ceil(left * 1000)):
                 pending -= self._read(self._by_sock[sock], answers)
-        return self._rank(keys, answers, tokens, block_tokens, rate)
+        return [(peer.endpoint, answers.get(peer.endpoint),
+                 peer.refused or "no answer within the deadline") for peer in self._peers]
 
     def _read(self, peer: _Peer, answers: dict[str, p.ProbeReply]) -> int:
         """Read what the peer sent, at most ``_READS_A_POLL`` messages (the rest after
@@ -228,13 +236,6 @@ class Router:
                               (NoSessionError, LeaseExpiredError)):
                     peer.greeted, peer.hello_rid = False, 0
         return done
-
-    def _rank(self, keys: list[bytes], answers: dict[str, p.ProbeReply],
-              tokens: int | None, block_tokens: int | None,
-              rate: float) -> list[RouteResult]:
-        return rank([(peer.endpoint, answers.get(peer.endpoint),
-                      peer.refused or "no answer within the deadline")
-                     for peer in self._peers], len(keys), tokens, block_tokens, rate)
 
     @property
     def closed(self) -> bool:
