@@ -67,7 +67,8 @@ _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size"
                   "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality")
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality")
 _END = -1  # the replay's last frame's sequence number
-_SIZE_SHIFT = 4  # ``_Follow.tiers``: the block's tokens above its tiers' bits
+_SIZE_SHIFT = 4  # ``_Follow.tiers``: the code of the block's tokens above its tiers' bits
+_SIZES = 15  # block sizes given a code (a 16th and later: not known, as a snapshot's)
 _BATCHES_A_ROUTE = 4096  # batches read of one stream before a route answers (the rest later)
 
 
@@ -80,8 +81,9 @@ class _Follow:
         self.replay = replay
         self.sub: Any = None
         self.client: Client | None = None  # the route thread's (snapshots)
-        # key -> its tiers' bits, and above them (``<< _SIZE_SHIFT``) its block's tokens
-        # as its event said (0: not said, as a snapshot's blocks)
+        # key -> its tiers' bits, and above them (``<< _SIZE_SHIFT``) the code of its
+        # block's tokens as its event said (``RouteView._sizes``; 0: not said, as a
+        # snapshot's blocks): at most 255, an int Python shares, not one an entry
         self.tiers: dict[bytes, int] = {}
         self.next_seq = 0
         self.live_seq = -1  # the last batch the socket brought (a new life's go back)
@@ -128,6 +130,7 @@ class RouteView:
         self._decode = msgspec.msgpack.Decoder().decode
         self._chain_head: bytes | None = None  # the last route's first key (figures)
         self._bytes: dict[int, int] = {}  # block tokens -> block bytes, as probes said
+        self._sizes: list[int] = [0]  # a block size's code (its place) -> its tokens
         self.replays = 0  # gaps filled through a replay socket
         self.snapshots = 0  # daemons followed from a snapshot (at start, or again)
         self._stop = threading.Event()
@@ -283,7 +286,7 @@ class RouteView:
                 continue
             bit = _BIT[_TIERS[(event["medium"], event.get("locality"))]]
             if kind == "BlockStored":
-                size = int(event["block_size"]) << _SIZE_SHIFT
+                size = self._code(int(event["block_size"])) << _SIZE_SHIFT
                 for key in event["block_hashes"]:
                     tiers[key] = tiers.get(key, 0) & _BITS | bit | size
             elif kind == "BlockRemoved":
@@ -294,6 +297,16 @@ class RouteView:
                     else:
                         tiers.pop(key, None)
         f.next_seq = seq + 1
+
+    def _code(self, tokens: int) -> int:
+        """The code of a block size in ``_Follow.tiers`` (0 past ``_SIZES`` of them)."""
+        sizes = self._sizes
+        if tokens in sizes:
+            return sizes.index(tokens)
+        if len(sizes) > _SIZES or tokens <= 0:
+            return 0
+        sizes.append(tokens)
+        return len(sizes) - 1
 
     # -- the figures the stream does not carry -------------------------------------------
     def _refresh(self) -> None:
@@ -354,7 +367,8 @@ class RouteView:
                 continue
             # the chain's block size: as its stream said, else as a probe of it did, else
             # the one size probes told of (a fleet of one model), else not known
-            tokens_each = ((f.tiers.get(keys[0], 0) >> _SIZE_SHIFT) or figures.block_tokens
+            tokens_each = (self._sizes[f.tiers.get(keys[0], 0) >> _SIZE_SHIFT]
+                           or figures.block_tokens
                            or (next(iter(self._bytes)) if len(self._bytes) == 1 else 0))
             if tokens_each not in self._bytes:
                 self._wake.set()  # (its bytes from a probe of this chain, at once)
