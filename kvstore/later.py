@@ -96,6 +96,9 @@ class Finisher:
                       request: Any, payload: list[Any],
                       pending: Pending) -> tuple[p.Message, list[Any]]:
         rounds = turns = 0
+        # the deferral the request waits in, kept across plans of a turn (a slab taken,
+        # still short: it waits on in its place, not refused at the next attempt)
+        deferral: Plan | None = None
         while rounds < _MAX_ROUNDS:
             if isinstance(pending, Plan) and pending.turn and turns < MAX_TURNS:
                 turns += 1  # (a turn comes after progress: not one of the rounds)
@@ -116,14 +119,17 @@ class Finisher:
                 continue
             # until its deadline a deferred request runs only the steps before "defer";
             # then, once, the steps after it too
-            deferred = plan.defer_until is not None
+            if plan.defer_until is not None:
+                deferral = plan
+            elif not plan.turn:
+                deferral = None
             try:
                 answer = self.attempt(handler, session, request, payload, verb,
-                                      early=not (deferred and plan.expired))
+                                      early=not (deferral is not None and deferral.expired))
             except CapacityError as exc:
-                if not deferred:
+                if deferral is None:
                     raise
-                if plan.expired:
+                if deferral.expired:
                     self.d.scheduling["defer_timeouts"] += 1
                     raise CapacityError(
                         f"no room in the dram tier within "
@@ -131,7 +137,8 @@ class Finisher:
                         f"{exc}", cause="deadline") from None
                 # still no room: the next younger waiter may fit what freed, then this
                 # waits again, in its place, until the deadline
-                self.d.moves.room.freed(after=plan.ticket)
+                self.d.moves.room.freed(after=deferral.ticket)
+                pending = deferral
                 continue
             if isinstance(answer, tuple):
                 if len(self.d.moves.room):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,59 @@ def test_a_token_plan_the_other_sizes_slabs_cannot_hold_gets_a_clean_refusal(
             assert result.admitted, result
             for r in result.reservations:
                 r.abort()
+            assert client.stats()["invariant_violations"] == 0
+    finally:
+        daemon.stop()
+    assert not error_records(daemon.log()), daemon.log()[-3000:]
+
+
+def test_a_deferred_request_that_takes_a_slab_a_turn_keeps_waiting_in_its_place(
+        tmp_path: Path) -> None:
+    """A put of three slabs deferred (every slab of the first size pinned); the pins of
+    one slab go: it takes that slab, lets the loop have a turn, and finds no more room:
+    it waits on in its deferral (the attempt after the turn ran as if never deferred,
+    and the put was refused at once), and is served once the other pins go."""
+    import threading
+
+    config = tmp_path / "defer.toml"
+    config.write_text("[dram]\ndefer_seconds = 20\n")
+    daemon = DaemonProcess(tmp_path, dram_capacity="1MiB",
+                           extra=["--slab-size", "256KiB", "--config", str(config)]).start()
+    try:
+        with Client(daemon.endpoint, tenant="acme", timeout=30) as client, \
+                Client(daemon.endpoint, tenant="acme", timeout=30) as other:
+            a = client.namespace(A)
+            a_keys = put_chains(a, 0, 32)  # every slab a's, 8 blocks each
+            pins = [a.acquire(a_keys[i:i + 8]) for i in range(0, 32, 8)]
+            b = other.namespace(B)
+            keys = b.keys(list(range(900_000, 900_000 + 40 * B.block_tokens)))
+            outcome: list[object] = []
+
+            def write() -> None:
+                try:
+                    b.put(keys, [content(k, B.block_bytes) for k in keys])
+                    outcome.append("served")
+                except Exception as exc:  # (what the put said, for the assertion)
+                    outcome.append(exc)
+
+            writer = threading.Thread(target=write)
+            writer.start()
+            deadline = time.monotonic() + 10
+            while client.stats()["scheduling"]["defers"] < 1:
+                assert time.monotonic() < deadline and not outcome, outcome
+                time.sleep(0.02)
+            slabs = {client.stats()["tiers"]["dram"]["slab_moves"]}
+            pins[0].release()  # one slab's blocks free: it goes to b, then no more
+            while client.stats()["tiers"]["dram"]["slab_moves"] in slabs:
+                assert time.monotonic() < deadline and not outcome, outcome
+                time.sleep(0.02)
+            time.sleep(0.5)
+            assert not outcome, outcome  # still waiting, not refused
+            for pin in pins[1:]:
+                pin.release()
+            writer.join(20)
+            assert outcome == ["served"], outcome
+            assert b.get(keys[:4]) == [content(k, B.block_bytes) for k in keys[:4]]
             assert client.stats()["invariant_violations"] == 0
     finally:
         daemon.stop()
