@@ -31,8 +31,8 @@ from typing import TypeVar
 
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.gpu_mover import GpuMover
-from kvstore.remote import REMOTE_OWNER, RemoteTier, by_namespace
 from kvstore.plans import MAX_TURNS
+from kvstore.remote import REMOTE_OWNER, RemoteTier, by_namespace
 from kvstore.ssd_copies import flush_plan, flush_victim
 from kvstore.store import Block, BlockStore, Namespace, Plan
 from kvstore.tiering import SsdMover

@@ -404,7 +404,8 @@ class RouteView:
         for f in self._follows:
             if f.client is not None:
                 f.client.close()
-            f.sub.close(linger=0)
+            if f.sub is not None:
+                f.sub.close(linger=0)
         self._ctx.term()
 
     def __enter__(self) -> RouteView:

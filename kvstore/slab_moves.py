@@ -124,7 +124,6 @@ class SlabMoves:
         set_aside(turn, pool, cls, count)
         return turn
 
-
     def _donors(self, dram: TierSlots, cls: SlabClass, starved: bool,
                 tenant: str | None) -> list[SlabClass]:
         """The classes to take a slab from, in order: while the asking class is starved,
