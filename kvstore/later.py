@@ -102,8 +102,8 @@ class Finisher:
         while rounds < _MAX_ROUNDS:
             if isinstance(pending, Plan) and pending.turn and turns < MAX_TURNS:
                 turns += 1  # (a turn comes after progress: not one of the rounds)
-            else:
-                rounds += 1
+            elif pending is not deferral:  # (waiting again: its deadline bounds that;
+                rounds += 1  # every wake-up of it counted, 1000 gets ended it in 0.17 s)
             if isinstance(pending, Later):
                 made = await pending.reply
                 return made if isinstance(made, tuple) else (made, [])

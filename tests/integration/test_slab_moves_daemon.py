@@ -257,3 +257,51 @@ def test_a_deferred_request_that_takes_a_slab_a_turn_keeps_waiting_in_its_place(
     finally:
         daemon.stop()
     assert not error_records(daemon.log()), daemon.log()[-3000:]
+
+
+def test_a_deferred_request_is_not_refused_by_the_wake_ups_of_others(tmp_path: Path) -> None:
+    """A deferred put woken again and again by what frees room elsewhere (1500 gets,
+    each letting its blocks go) waits on to its deadline: each wake-up counted as one
+    of a request's 1000 rounds, and it was refused in 0.17 s of a 30 s deferral, as
+    "blocks kept moving" (a second reader's finding)."""
+    import threading
+
+    config = tmp_path / "defer.toml"
+    config.write_text("[dram]\ndefer_seconds = 30\n")
+    daemon = DaemonProcess(tmp_path, dram_capacity="1MiB", debug_invariants=False,
+                           extra=["--slab-size", "256KiB", "--config", str(config)]).start()
+    try:
+        with Client(daemon.endpoint, tenant="acme", timeout=60) as client, \
+                Client(daemon.endpoint, tenant="acme", timeout=60) as other:
+            a = client.namespace(A)
+            a_keys = put_chains(a, 0, 32)
+            pins = [a.acquire(a_keys[i:i + 8]) for i in range(0, 32, 8)]
+            b = other.namespace(B)
+            keys = b.keys(list(range(900_000, 900_000 + 40 * B.block_tokens)))
+            outcome: list[object] = []
+
+            def write() -> None:
+                try:
+                    b.put(keys, [content(k, B.block_bytes) for k in keys])
+                    outcome.append("served")
+                except Exception as exc:  # (what the put said, for the assertion)
+                    outcome.append(exc)
+
+            writer = threading.Thread(target=write)
+            writer.start()
+            deadline = time.monotonic() + 10
+            while client.stats()["scheduling"]["defers"] < 1:
+                assert time.monotonic() < deadline and not outcome, outcome
+                time.sleep(0.02)
+            for _ in range(1500):  # each get's blocks let go: room freed, a wake-up
+                a.get(a_keys[:1])
+            time.sleep(0.2)
+            assert not outcome, outcome  # still waiting in its deferral
+            for pin in pins:
+                pin.release()
+            writer.join(20)
+            assert outcome == ["served"], outcome
+            assert client.stats()["invariant_violations"] == 0
+    finally:
+        daemon.stop()
+    assert not error_records(daemon.log()), daemon.log()[-3000:]
