@@ -69,6 +69,7 @@ _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality")
 _END = -1  # the replay's last frame's sequence number
 _SIZE_SHIFT = 4  # ``_Follow.tiers``: the code of the block's tokens above its tiers' bits
 _SIZES = 15  # block sizes given a code (a 16th and later: not known, as a snapshot's)
+_HEADS_KEPT = 4096  # chains whose block size a view remembers from its probes
 _BATCHES_A_ROUTE = 4096  # batches read of one stream before a route answers (the rest later)
 
 
@@ -125,20 +126,35 @@ class RouteView:
         # (the probes go to all at once and wait at most figures_every)
         self.stale_after = 4 * figures_every if stale_after is None else stale_after
         self._tenant, self._token, self._timeout = tenant, token, timeout
+        # the figures thread's (made first: a bad endpoint is the caller's error)
+        self._router = Router(daemons, tenant=tenant, token=token)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._follows = [_Follow(d, e, r) for d, e, r in zip(daemons, events, replays)]
         self._decode = msgspec.msgpack.Decoder().decode
         self._chain_head: bytes | None = None  # the last route's first key (figures)
         self._bytes: dict[int, int] = {}  # block tokens -> block bytes, as probes said
+        self._wake_after = 0.0  # (the view's clock) no route wakes the figures thread before
+        # the block tokens of chains probes were asked of, by first key (the latest
+        # _HEADS_KEPT): what a snapshot's blocks do not say
+        self._head_sizes: dict[bytes, int] = {}
         self._sizes: list[int] = [0]  # a block size's code (its place) -> its tokens
         self.replays = 0  # gaps filled through a replay socket
+        self.probe_rounds = 0  # the figures thread's probes of every daemon
         self.snapshots = 0  # daemons followed from a snapshot (at start, or again)
         self._stop = threading.Event()
         self._wake = threading.Event()  # a probe now: a route of a size not yet known
         self._figures = threading.Thread(target=self._refresh, name="kvstore-route-view",
                                          daemon=True)
-        for f in self._follows:  # subscribed before any snapshot: no batch between
-            self._subscribe(f)
+        try:
+            for f in self._follows:  # subscribed before any snapshot: no batch between
+                self._subscribe(f)
+        except BaseException:  # (an event endpoint refused: nothing left open)
+            for f in self._follows:
+                if f.sub is not None:
+                    f.sub.close(linger=0)
+            self._ctx.term()
+            self._router.close()
+            raise
         self._figures.start()
 
     def _subscribe(self, f: _Follow) -> None:
@@ -312,12 +328,12 @@ class RouteView:
     def _refresh(self) -> None:
         """The figures thread: every daemon's probe, all at once, every
         ``figures_every`` seconds (a daemon down costs the round no more than that)."""
-        router = Router([f.endpoint for f in self._follows], tenant=self._tenant,
-                        token=self._token)
+        router = self._router
         try:
             while not self._stop.is_set():
                 started = time.monotonic()
                 head = self._chain_head
+                self.probe_rounds += 1
                 try:
                     answers = router.answers([head] if head is not None else [],
                                              deadline=self.figures_every)
@@ -331,6 +347,10 @@ class RouteView:
                         continue
                     if answer.block_bytes and answer.block_tokens:
                         self._bytes[answer.block_tokens] = answer.block_bytes
+                        if head is not None and head not in self._head_sizes:
+                            if len(self._head_sizes) >= _HEADS_KEPT:
+                                del self._head_sizes[next(iter(self._head_sizes))]
+                            self._head_sizes[head] = answer.block_tokens
                     # answering again after failing: it may have started again
                     f.lost_session = f.lost_session or bool(f.figures_error)
                     f.figures, f.figures_at, f.figures_error = answer, now, ""
@@ -352,6 +372,13 @@ class RouteView:
         self._chain_head = keys[0]
         self.sync()
         now = time.monotonic()
+        size = self._chain_size(keys[0])
+        block_bytes = self._bytes.get(size, 0)
+        if not block_bytes and now >= self._wake_after:  # its size from a probe of it,
+            # soon: at most four times a figures_every (a route of a chain no daemon
+            # holds woke the thread at every route, a probe of every daemon each)
+            self._wake_after = now + self.figures_every / 4
+            self._wake.set()
         answers: list[tuple[str, p.ProbeReply | None, str]] = []
         for f in self._follows:
             figures = f.figures
@@ -365,18 +392,24 @@ class RouteView:
             if f.figures_error:  # (its last probe failed: it may be down, or elsewhere)
                 answers.append((f.endpoint, None, f"its last probe failed: {f.figures_error}"))
                 continue
-            # the chain's block size: as its stream said, else as a probe of it did, else
-            # the one size probes told of (a fleet of one model), else not known
-            tokens_each = (self._sizes[f.tiers.get(keys[0], 0) >> _SIZE_SHIFT]
-                           or figures.block_tokens
-                           or (next(iter(self._bytes)) if len(self._bytes) == 1 else 0))
-            if tokens_each not in self._bytes:
-                self._wake.set()  # (its bytes from a probe of this chain, at once)
-            answers.append((f.endpoint, p.ProbeReply(0, self._runs(f.tiers, keys),
-                                                     self._bytes.get(tokens_each, 0),
-                                                     tokens_each, figures.queue_seconds,
+            answers.append((f.endpoint, p.ProbeReply(0, self._runs(f.tiers, keys), block_bytes,
+                                                     size, figures.queue_seconds,
                                                      figures.bandwidth), ""))
         return rank(answers, len(keys), tokens, block_tokens, rate)
+
+    def _chain_size(self, head: bytes) -> int:
+        """The tokens of a block of the chain headed by ``head``: as a daemon's stream
+        said of it, else as a probe of this chain did (lately), else the one size probes
+        told of (a fleet of one model); 0 where none is known."""
+        for f in self._follows:
+            code = f.tiers.get(head, 0) >> _SIZE_SHIFT
+            if code:
+                return self._sizes[code]
+        size = self._head_sizes.get(head, 0)
+        if size:
+            return size
+        known = list(self._bytes)  # (the figures thread adds to it)
+        return known[0] if len(known) == 1 else 0
 
     @staticmethod
     def _runs(tiers: dict[bytes, int], keys: list[bytes]) -> list[tuple[str, int]]:

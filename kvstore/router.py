@@ -115,9 +115,16 @@ class Router:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._rids = itertools.count(1)
         # tcp daemons with a token secret check the token in the handshake
-        self._peers = [_Peer(e, make_socket(self._ctx, e, curve, tcp_credentials(
-            e, self._token, self._tenant, curve is not None), send_hwm=PROBES_QUEUED))
-            for e in endpoints]
+        self._peers: list[_Peer] = []
+        try:
+            for e in endpoints:
+                self._peers.append(_Peer(e, make_socket(
+                    self._ctx, e, curve, tcp_credentials(e, self._token, self._tenant,
+                                                         curve is not None),
+                    send_hwm=PROBES_QUEUED)))
+        except BaseException:  # (an endpoint refused: nothing left open)
+            self.close()
+            raise
         self._poller = zmq.Poller()
         self._by_sock: dict[Any, _Peer] = {}
         for peer in self._peers:

@@ -261,6 +261,11 @@ def test_a_chain_is_costed_by_its_own_block_size_whatever_was_routed_before(
         with fleet.view(figures_every=0.2) as view, Router([a, b], tenant="acme") as router:
             assert view.ready(10) == 2
             assert agrees(view, router, [x, other])() == ""
+            deadline = time.monotonic() + 10
+            while not view._bytes:  # the block size's bytes heard from a probe
+                assert time.monotonic() < deadline
+                view.route(x)
+                time.sleep(0.05)
             for chain_ in (x, other, x):
                 ours = [(r.endpoint, round(r.cost, 4)) for r in view.route(x, prefill_rate=1e6)]
                 theirs = [(r.endpoint, round(r.cost, 4))
@@ -300,3 +305,55 @@ def test_daemons_down_never_keep_the_others_from_being_answered(tmp_path: Path) 
             view.route(keys)
     finally:
         fleet.stop()
+
+
+def test_two_models_chains_are_each_costed_by_their_own_block_size(tmp_path: Path) -> None:
+    """Two models (16- and 32-token blocks): a chain routed right after the other
+    model's was costed with that one's block size, taken from the figures' probe of the
+    chain before (a second reader's finding: 6 of 6 routes differed from the probes);
+    and a chain no daemon holds wakes the figures thread at most four times a
+    ``figures_every``, not at every route (1760 probe rounds in 2 s)."""
+    other = make_identity(num_layers=4, num_kv_heads=4, head_dim=32, block_tokens=32)
+    fleet = Fleet(tmp_path, 2, ssd="0")
+    try:
+        a, b = (d.endpoint for d in fleet.daemons)
+        y = put(a, 0, 4)
+        with Client(b, tenant="acme") as c:
+            ns = c.namespace(other)
+            x = ns.keys(list(range(500_000, 500_000 + 32 * 4)))
+            ns.put(x, [bytes([i]) * other.block_bytes for i in range(4)])
+        with fleet.view(figures_every=0.3) as view, Router([a, b], tenant="acme") as router:
+            assert view.ready(10) == 2
+            assert agrees(view, router, [x, y])() == ""
+
+            def costs(results: list[RouteResult]) -> list[tuple[str, int, float, float]]:
+                return [(r.endpoint, r.hits, round(r.prefill_seconds, 4),
+                         round(r.transfer_seconds * 1e6, 2)) for r in results]
+            deadline = time.monotonic() + 10
+            while len(view._bytes) < 2:  # both sizes' bytes heard from a probe
+                assert time.monotonic() < deadline, view._bytes
+                view.route(x)
+                time.sleep(0.05)
+                view.route(y)
+                time.sleep(0.05)
+            for first, then in ((y, x), (x, y), (y, x)):
+                view.route(first)
+                time.sleep(0.4)  # the figures are the first chain's now
+                assert (costs(view.route(then, prefill_rate=1000.0))
+                        == costs(router.route(then, deadline=2.0, prefill_rate=1000.0)))
+            cold = [bytes([7]) * len(x[0]), *x[1:]]
+            view.route(cold)
+            time.sleep(0.4)
+            rounds, start = view.probe_rounds, time.monotonic()
+            while time.monotonic() - start < 1.0:
+                view.route(cold)
+                time.sleep(0.001)
+            assert view.probe_rounds - rounds <= 20, view.probe_rounds - rounds
+    finally:
+        fleet.stop()
+
+
+def test_a_daemon_endpoint_that_is_none_is_refused_at_once() -> None:
+    """(The figures thread met it and died, and every daemon ranked last, not followed.)"""
+    with pytest.raises(MalformedError):
+        RouteView(["tcp://127.0.0.1"], ["tcp://127.0.0.1:1"], [""])
