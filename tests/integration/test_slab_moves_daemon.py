@@ -7,10 +7,12 @@ holding every SSD slab leaves the other's blocks nowhere to be written down."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from daemon_proc import DaemonProcess, error_records
 from kvtest import make_identity
 
 from kvstore import Client
-from kvstore.errors import NotFoundError
+from kvstore.errors import KVStoreError, NotFoundError
 
 A = make_identity(model="model-a", head_dim=128)  # 32 KiB blocks
 B = make_identity(model="model-b", head_dim=64)   # 16 KiB blocks
@@ -206,57 +208,81 @@ def test_a_token_plan_the_other_sizes_slabs_cannot_hold_gets_a_clean_refusal(
     assert not error_records(daemon.log()), daemon.log()[-3000:]
 
 
+class Deferred:
+    """A daemon whose first size's blocks fill every slab, all pinned, and a put of the
+    second size's 40 blocks (three slabs) in a thread, deferred (``defer_seconds``):
+    its outcome ("served", or what it raised) once it has one."""
+
+    def __init__(self, tmp: Path, defer_seconds: float, **daemon: Any) -> None:
+        import threading
+
+        config = tmp / "defer.toml"
+        config.write_text(f"[dram]\ndefer_seconds = {defer_seconds}\n")
+        self.daemon = DaemonProcess(tmp, dram_capacity="1MiB", **daemon,
+                                    extra=["--slab-size", "256KiB", "--config", str(config)])
+        self.daemon.start()
+        self.client = Client(self.daemon.endpoint, tenant="acme", timeout=60)
+        self.other = Client(self.daemon.endpoint, tenant="acme", timeout=60)
+        self.a = self.client.namespace(A)
+        self.a_keys = put_chains(self.a, 0, 32)  # every slab a's, 8 blocks each
+        self.pins = [self.a.acquire(self.a_keys[i:i + 8]) for i in range(0, 32, 8)]
+        self.b = self.other.namespace(B)
+        self.keys = self.b.keys(list(range(900_000, 900_000 + 40 * B.block_tokens)))
+        self.outcome: list[object] = []
+        self.writer = threading.Thread(target=self._write)
+        self.writer.start()
+        self.wait(lambda: self.client.stats()["scheduling"]["defers"] >= 1)
+
+    def _write(self) -> None:
+        try:
+            self.b.put(self.keys, [content(k, B.block_bytes) for k in self.keys])
+            self.outcome.append("served")
+        except Exception as exc:  # (what the put said, for the assertion)
+            self.outcome.append(exc)
+
+    def wait(self, done: Callable[[], bool]) -> None:
+        """Until ``done``, the put still waiting."""
+        deadline = time.monotonic() + 10
+        while not done():
+            assert time.monotonic() < deadline and not self.outcome, self.outcome
+            time.sleep(0.02)
+
+    def served(self) -> None:
+        """Every pin let go: the put is served, and all is as it should be."""
+        for pin in self.pins:
+            pin.release()
+        self.writer.join(20)
+        assert self.outcome == ["served"], self.outcome
+        assert self.b.get(self.keys[:4]) == [content(k, B.block_bytes) for k in self.keys[:4]]
+        assert self.client.stats()["invariant_violations"] == 0
+
+    def close(self) -> None:
+        for pin in self.pins:
+            with contextlib.suppress(KVStoreError):
+                pin.release()
+        self.writer.join(30)
+        self.client.close()
+        self.other.close()
+        self.daemon.stop()
+        assert not error_records(self.daemon.log()), self.daemon.log()[-3000:]
+
+
 def test_a_deferred_request_that_takes_a_slab_a_turn_keeps_waiting_in_its_place(
         tmp_path: Path) -> None:
     """A put of three slabs deferred (every slab of the first size pinned); the pins of
     one slab go: it takes that slab, lets the loop have a turn, and finds no more room:
     it waits on in its deferral (the attempt after the turn ran as if never deferred,
     and the put was refused at once), and is served once the other pins go."""
-    import threading
-
-    config = tmp_path / "defer.toml"
-    config.write_text("[dram]\ndefer_seconds = 20\n")
-    daemon = DaemonProcess(tmp_path, dram_capacity="1MiB",
-                           extra=["--slab-size", "256KiB", "--config", str(config)]).start()
+    put = Deferred(tmp_path, 20)
     try:
-        with Client(daemon.endpoint, tenant="acme", timeout=30) as client, \
-                Client(daemon.endpoint, tenant="acme", timeout=30) as other:
-            a = client.namespace(A)
-            a_keys = put_chains(a, 0, 32)  # every slab a's, 8 blocks each
-            pins = [a.acquire(a_keys[i:i + 8]) for i in range(0, 32, 8)]
-            b = other.namespace(B)
-            keys = b.keys(list(range(900_000, 900_000 + 40 * B.block_tokens)))
-            outcome: list[object] = []
-
-            def write() -> None:
-                try:
-                    b.put(keys, [content(k, B.block_bytes) for k in keys])
-                    outcome.append("served")
-                except Exception as exc:  # (what the put said, for the assertion)
-                    outcome.append(exc)
-
-            writer = threading.Thread(target=write)
-            writer.start()
-            deadline = time.monotonic() + 10
-            while client.stats()["scheduling"]["defers"] < 1:
-                assert time.monotonic() < deadline and not outcome, outcome
-                time.sleep(0.02)
-            slabs = {client.stats()["tiers"]["dram"]["slab_moves"]}
-            pins[0].release()  # one slab's blocks free: it goes to b, then no more
-            while client.stats()["tiers"]["dram"]["slab_moves"] in slabs:
-                assert time.monotonic() < deadline and not outcome, outcome
-                time.sleep(0.02)
-            time.sleep(0.5)
-            assert not outcome, outcome  # still waiting, not refused
-            for pin in pins[1:]:
-                pin.release()
-            writer.join(20)
-            assert outcome == ["served"], outcome
-            assert b.get(keys[:4]) == [content(k, B.block_bytes) for k in keys[:4]]
-            assert client.stats()["invariant_violations"] == 0
+        moves = put.client.stats()["tiers"]["dram"]["slab_moves"]
+        put.pins.pop(0).release()  # one slab's blocks free: it goes to b, then no more
+        put.wait(lambda: put.client.stats()["tiers"]["dram"]["slab_moves"] > moves)
+        time.sleep(0.5)
+        assert not put.outcome, put.outcome  # still waiting, not refused
+        put.served()
     finally:
-        daemon.stop()
-    assert not error_records(daemon.log()), daemon.log()[-3000:]
+        put.close()
 
 
 def test_a_deferred_request_is_not_refused_by_the_wake_ups_of_others(tmp_path: Path) -> None:
@@ -264,44 +290,12 @@ def test_a_deferred_request_is_not_refused_by_the_wake_ups_of_others(tmp_path: P
     each letting its blocks go) waits on to its deadline: each wake-up counted as one
     of a request's 1000 rounds, and it was refused in 0.17 s of a 30 s deferral, as
     "blocks kept moving" (a second reader's finding)."""
-    import threading
-
-    config = tmp_path / "defer.toml"
-    config.write_text("[dram]\ndefer_seconds = 30\n")
-    daemon = DaemonProcess(tmp_path, dram_capacity="1MiB", debug_invariants=False,
-                           extra=["--slab-size", "256KiB", "--config", str(config)]).start()
+    put = Deferred(tmp_path, 30, debug_invariants=False)
     try:
-        with Client(daemon.endpoint, tenant="acme", timeout=60) as client, \
-                Client(daemon.endpoint, tenant="acme", timeout=60) as other:
-            a = client.namespace(A)
-            a_keys = put_chains(a, 0, 32)
-            pins = [a.acquire(a_keys[i:i + 8]) for i in range(0, 32, 8)]
-            b = other.namespace(B)
-            keys = b.keys(list(range(900_000, 900_000 + 40 * B.block_tokens)))
-            outcome: list[object] = []
-
-            def write() -> None:
-                try:
-                    b.put(keys, [content(k, B.block_bytes) for k in keys])
-                    outcome.append("served")
-                except Exception as exc:  # (what the put said, for the assertion)
-                    outcome.append(exc)
-
-            writer = threading.Thread(target=write)
-            writer.start()
-            deadline = time.monotonic() + 10
-            while client.stats()["scheduling"]["defers"] < 1:
-                assert time.monotonic() < deadline and not outcome, outcome
-                time.sleep(0.02)
-            for _ in range(1500):  # each get's blocks let go: room freed, a wake-up
-                a.get(a_keys[:1])
-            time.sleep(0.2)
-            assert not outcome, outcome  # still waiting in its deferral
-            for pin in pins:
-                pin.release()
-            writer.join(20)
-            assert outcome == ["served"], outcome
-            assert client.stats()["invariant_violations"] == 0
+        for _ in range(1500):  # each get's blocks let go: room freed, a wake-up
+            put.a.get(put.a_keys[:1])
+        time.sleep(0.2)
+        assert not put.outcome, put.outcome  # still waiting in its deferral
+        put.served()
     finally:
-        daemon.stop()
-    assert not error_records(daemon.log()), daemon.log()[-3000:]
+        put.close()
