@@ -185,6 +185,10 @@ class SlabPool:
         """Empty slabs set aside for ``cls`` now."""
         return self._earmarked.get(cls, 0)
 
+    def earmarked_elsewhere(self, cls: SlabClass) -> int:
+        """Empty slabs set aside for classes other than ``cls`` now."""
+        return self._earmarked_total - self._earmarked.get(cls, 0)
+
     def allocate(self, cls: SlabClass, count: int) -> list[int] | None:
         """``count`` slot offsets, or None (and nothing taken) if they are not free."""
         if count > self.available(cls):

@@ -103,6 +103,11 @@ class SlabMoves:
             starved = pool.available(cls) + len(dram.policy(cls)) < count
             if moved:  # (only a starved class takes more than one)
                 return self._a_turn(pool, cls, count)
+            if starved and pool.earmarked_elsewhere(cls):
+                # another size's request is taking its slabs, a turn at a time: this
+                # one waits its turns out, rather than take slabs by turns with it (the
+                # later of two then took what the first needed, and the first was refused)
+                return Plan(turn=True)
             for donor in self._donors(dram, cls, starved, tenant):
                 taken = self._take_slab(dram, donor, protect, starved, tenant)
                 if isinstance(taken, Plan):

@@ -428,3 +428,47 @@ def test_a_starved_size_takes_a_slab_of_another_when_the_furthest_over_its_share
     assert all(a.blocks[k].offset is not None for k in held)  # the pinned stay put
     store.abort("w", r.id)
     arena.check(a)
+
+
+@pytest.mark.parametrize("slab_count, asks, served", [
+    (4, [("b", 48), ("c", 64)], ["served", "refused"]),  # room for one: the first
+    (8, [("b", 48), ("c", 96)], ["served", "served"]),   # room for both: both
+])
+def test_two_sizes_starved_at_once_take_their_slabs_first_come(
+        slab_count: int, asks: list[tuple[str, int]], served: list[str]) -> None:
+    """Two requests of two sizes, each needing several slabs of a third size's, made
+    at once (as two clients' requests are, through the mover pipeline): the later waits
+    its turns out while the first takes its slabs a turn at a time.  Taking slabs by
+    turns with it, the later took what the first needed and the first was refused
+    where only one could be served (and with room for both, one was refused too)."""
+    import asyncio
+
+    from kvstore.moves import Moves
+
+    c_ident = make_identity(model="model-c", head_dim=32)  # 8 KiB blocks: 32 to a slab
+    arena = Arena()
+    arena.bytes = bytearray(slab_count * SLAB)
+    store = arena.store = BlockStore(slab_count * SLAB, SLAB)
+    store.move_bytes = arena._move
+    names = {"a": store.open_namespace(A), "b": store.open_namespace(B),
+             "c": store.open_namespace(c_ident)}
+    arena.put(names["a"], 0, 8 * slab_count)  # every slab a's
+    moves = Moves(store, lambda: 0.0)
+    outcome: list[str] = ["", ""]
+
+    async def ask(i: int, name: str, blocks: int) -> None:
+        ns = names[name]
+        keys = chain_keys(ns.id, list(range(10**6 * (i + 1), 10**6 * (i + 1) + 16 * blocks)), 16)
+        try:
+            await moves.settle(lambda: store.reserve(f"owner{i}", ns, keys, None, 0.0))
+            outcome[i] = "served"
+        except CapacityError:
+            outcome[i] = "refused"
+
+    async def both() -> None:
+        await asyncio.gather(*(ask(i, name, n) for i, (name, n) in enumerate(asks)))
+
+    asyncio.run(both())
+    assert outcome == served
+    assert store.drams[""].pool.earmarked_elsewhere(names["a"].cls) == 0
+    arena.check(names["a"])
