@@ -638,7 +638,10 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
                 if isinstance(r, Plan):  # room first: all or none, so none yet
                     for held in done:
                         d.store.abort(session.id, held.id)
-                    if r.turn and done:  # (slabs those emptied stay the batch's)
+                    if r.earmarks and done:  # a slab taken: those the aborts emptied
+                        # stay the batch's too (not for a turn it only waits out while
+                        # another size takes its slabs: two batches waiting so would
+                        # each hold slabs aside from the other, turn after turn)
                         set_aside(r, ns.dram.pool, ns.cls,
                                   sum(len(item.keys) for item in req.plan))
                     if done:

@@ -472,3 +472,24 @@ def test_two_sizes_starved_at_once_take_their_slabs_first_come(
     assert outcome == served
     assert store.drams[""].pool.earmarked_elsewhere(names["a"].cls) == 0
     arena.check(names["a"])
+
+
+def test_a_turn_waited_out_takes_and_sets_aside_nothing() -> None:
+    """While one size's request takes its slabs a turn at a time, another starved size's
+    request is answered with a turn it waits out: no slab taken, none set aside (a batch
+    sets aside the slabs its aborted items emptied only after a slab taken, so two
+    batches waiting never hold slabs aside from each other)."""
+    c_ident = make_identity(model="model-c", head_dim=32)
+    arena = Arena()
+    store = arena.store
+    a, b, c = (store.open_namespace(i) for i in (A, B, c_ident))
+    pool = store.drams[""].pool
+    arena.put(a, 0, 32)
+    first = store.reserve("w", b, chain_keys(b.id, list(range(16 * 40)), 16), None, 0.0)
+    assert isinstance(first, Plan) and first.turn and first.earmarks
+    moves = store.counters.slab_moves
+    wait = store.reserve("v", c, chain_keys(c.id, list(range(16 * 40)), 16), None, 0.0)
+    assert isinstance(wait, Plan) and wait.turn and not wait.earmarks
+    assert store.counters.slab_moves == moves and pool.earmarked(c.cls) == 0
+    first.let_go()
+    store.check_invariants()
