@@ -313,10 +313,16 @@ def set_aside(turn: Plan, pool: SlabPool, cls: SlabClass, count: int) -> None:
         turn.earmarks.append((pool, cls, more))
 
 
+def own_slots(dram: TierSlots, cls: SlabClass) -> int:
+    """The slots a request of ``cls`` could have now without another class's slab:
+    free (empty slabs set aside for others aside), or evictable."""
+    return dram.pool.available(cls) + len(dram.policy(cls))
+
+
 def reachable_slots(dram: TierSlots, cls: SlabClass) -> int:
-    """The slots a request of ``cls`` could have now: free, evictable, or in slabs the
-    other classes could hand over (their free and evictable slots, in whole slabs)."""
-    slots = dram.pool.available(cls) + len(dram.policy(cls))
+    """The slots a request of ``cls`` could have now: its own (``own_slots``), or in
+    slabs the other classes could hand over (their free and evictable, in whole slabs)."""
+    slots = own_slots(dram, cls)
     for other in dram.pool.classes.values():
         if other is not cls and other.slabs:
             spare = (other.free_slots + len(dram.policy(other))) // other.slots_per_slab

@@ -36,7 +36,7 @@ from kvstore.pending import Later, Pending
 from kvstore.removals import GET_OWNER, Removals
 from kvstore.remote import RemoteTier
 from kvstore.sessions import Session, Sessions
-from kvstore.slab_moves import set_aside
+from kvstore.slab_moves import own_slots, set_aside
 from kvstore.store import Block, BlockStore, Limits, Namespace, Pin, Plan, Reservation
 from kvstore.tiering import SsdMover
 from kvstore.tiers.dram import DramArena
@@ -616,7 +616,7 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
     bt = ns.identity.block_tokens
     requests = [TokenRequest(item.reserved_tokens, item.new_tokens) for item in req.plan]
     available = d.store.available_slots(ns)
-    own = ns.dram.pool.available(ns.cls) + len(ns.dram.policy(ns.cls))  # (its size's)
+    own = own_slots(ns.dram, ns.cls)  # (without another size's slabs)
     decision = admit_batch(requests, bt, available)
     for i, (item, need) in enumerate(zip(req.plan, decision.blocks)):
         if len(item.keys) != need:
