@@ -321,6 +321,20 @@ class ProbeReply(Message, tag="probe"):
     bandwidth: dict[str, float]  # load bandwidth per tier, bytes a second
 
 
+def tier_runs(tiers: list[str]) -> list[tuple[str, int]]:
+    """Each key's tier, as runs of (tier, count): the ``tier_runs`` of lookup and probe
+    replies (the daemon's, and a router's view of one)."""
+    if tiers and tiers.count(tiers[0]) == len(tiers):
+        return [(tiers[0], len(tiers))]  # the common case: one tier, no walk in Python
+    runs: list[tuple[str, int]] = []
+    for tier in tiers:
+        if runs and runs[-1][0] == tier:
+            runs[-1] = (tier, runs[-1][1] + 1)
+        else:
+            runs.append((tier, 1))
+    return runs
+
+
 Reply = Union[
     HelloReply, NamespaceReply, LookupReply, ReserveReply, CommitReply, AcquireReply,
     PutReply, GetReply, CountReply, OkReply, StatsReply, PrefetchReply, BatchReply,

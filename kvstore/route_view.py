@@ -415,18 +415,14 @@ class RouteView:
     def _runs(tiers: dict[bytes, int], keys: list[bytes]) -> list[tuple[str, int]]:
         """(tier, count) runs over the leading keys held in any tier, each in its
         fastest (as the daemon's probe answers)."""
-        runs: list[tuple[str, int]] = []
+        held: list[str] = []
         get = tiers.get
         for key in keys:
             bits = get(key, 0) & _BITS
             if not bits:
                 break
-            tier = _FASTEST[bits]
-            if runs and runs[-1][0] == tier:
-                runs[-1] = (tier, runs[-1][1] + 1)
-            else:
-                runs.append((tier, 1))
-        return runs
+            held.append(_FASTEST[bits])
+        return p.tier_runs(held)
 
     def close(self) -> None:
         if self._ctx.closed:

@@ -55,7 +55,7 @@ from kvstore.tier_changes import TIER_BITS, holdings
 from kvstore.tiering import SsdMover
 from kvstore.transfers import TransferGate
 from kvstore.transport import EncodedHeader
-from kvstore.verbs import Answer, Handler, Outcome, tier_runs
+from kvstore.verbs import Answer, Handler, Outcome
 
 _MEASURED_BYTES = 1 << 20  # promotions read before the measured bandwidth counts
 SNAPSHOT_PAGE = p.SNAPSHOT_PAGE  # entries a page goes through, when the client says not
@@ -310,9 +310,9 @@ class RoutingVerbs:
             # the measured figures move with every tenant's reads: with credentials a
             # tenant sees none of the whole daemon's (as in its stats), so the
             # configured bandwidths and no queue, unless it is an operator
-            return p.ProbeReply(req.rid, tier_runs(tiers), block_bytes, block_tokens,
+            return p.ProbeReply(req.rid, p.tier_runs(tiers), block_bytes, block_tokens,
                                 0.0, dict(self.configured)), []
-        return p.ProbeReply(req.rid, tier_runs(tiers), block_bytes, block_tokens,
+        return p.ProbeReply(req.rid, p.tier_runs(tiers), block_bytes, block_tokens,
                             self.queue_seconds(), self.bandwidth()), []
 
     def _namespace_of(self, session: Session, keys: list[bytes]) -> Namespace | None:

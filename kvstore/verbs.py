@@ -229,7 +229,7 @@ class Verbs:
             bt = ns.identity.block_tokens
             d.metrics.observe_lookup_tokens(d.store.tier, session.tenant, hits * bt,
                                             (len(req.keys) - hits) * bt)
-        return p.LookupReply(req.rid, hits, tier_runs(tiers)), []
+        return p.LookupReply(req.rid, hits, p.tier_runs(tiers)), []
 
     def _reserve(self, session: Session, req: p.Reserve, payload: list[Any]) -> Answer:
         ns = self._writable(session, req.ns)
@@ -453,7 +453,7 @@ class Verbs:
         assert remote is not None
         more = await remote.leading(ns, keys[len(tiers):])
         tiers = tiers + ["remote"] * more
-        return p.LookupReply(rid, len(tiers), tier_runs(tiers))
+        return p.LookupReply(rid, len(tiers), p.tier_runs(tiers))
 
     async def _prefetch_reply(self, req: p.Prefetch, ns: Namespace,
                               task: asyncio.Task[None]) -> p.Message:
@@ -549,19 +549,6 @@ def stats_for(d: Daemon, tenant: str) -> dict[str, Any]:
     # what it keeps pinned of other tenants' DRAM (auth.grantee_pin_share): its own
     stats["grantee_pinned_bytes"] = {tenant: d.sessions.grant_pins.of(tenant)}
     return stats
-
-
-def tier_runs(tiers: list[str]) -> list[tuple[str, int]]:
-    """Each key's tier, as runs of (tier, count)."""
-    if tiers and tiers.count(tiers[0]) == len(tiers):
-        return [(tiers[0], len(tiers))]  # the common case: one tier, no walk in Python
-    runs: list[tuple[str, int]] = []
-    for tier in tiers:
-        if runs and runs[-1][0] == tier:
-            runs[-1] = (tier, runs[-1][1] + 1)
-        else:
-            runs.append((tier, 1))
-    return runs
 
 
 async def _put_in_slices(v: Verbs, session: Session, req: p.Put, ns: Namespace,
@@ -693,7 +680,7 @@ def lookup_pin(v: Verbs, session: Session, req: p.LookupPin, payload: list[Any])
         bt = ns.identity.block_tokens
         d.metrics.observe_lookup_tokens(d.store.tier, session.tenant, len(tiers) * bt,
                                         (len(req.keys) - len(tiers)) * bt)
-    return _lookup_pin_reply(req.rid, len(tiers), tier_runs(tiers), pin), []
+    return _lookup_pin_reply(req.rid, len(tiers), p.tier_runs(tiers), pin), []
 
 
 async def _remote_lookup_pin(v: Verbs, rid: int, session: Session, ns: Namespace,
