@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvstore.blocks import Block, Namespace, Transfer
-    from kvstore.pool import SlabClass, SlabPool
+    from kvstore.pool import Slab, SlabClass, SlabPool
 
 # Plans of a turn (``Plan.turn``) one call may go through besides its other rounds: each
 # comes after progress (a slab taken), so this only bounds a call others outrun for good.
@@ -33,8 +33,10 @@ class Plan:
     plan these: the store knows nothing of the remote store's contents).
     ``defer_until``: wait for room, in order, until then (the daemon's pressure step).
     ``turn``: nothing to wait on; let the loop serve others for a turn, then call again
-    (a request that needs several slabs takes one a turn), ``earmarks`` (pool, class,
-    slabs) set aside for the call meanwhile, let go when it is made again or abandoned.
+    (a request that needs several slabs takes one a turn, and empties a big one in
+    steps), ``earmarks`` (pool, class, slabs) set aside for the call meanwhile and
+    ``drains`` (pool, class, slab, the class it is for) being emptied for it, let go when it is made again
+    or abandoned.
     """
 
     demote: list[Block] = field(default_factory=list)
@@ -48,12 +50,17 @@ class Plan:
     ticket: int = 0        # a deferral's place in line, kept while it retries
     turn: bool = False
     earmarks: list[tuple[SlabPool, SlabClass, int]] = field(default_factory=list)
+    drains: list[tuple[SlabPool, SlabClass, Slab, SlabClass]] = field(default_factory=list)
 
     def let_go(self) -> None:
-        """The slabs set aside for the call go back to every class (once)."""
+        """The slabs set aside for the call go back to every class, and those being
+        emptied for it to their own (once)."""
         for pool, cls, count in self.earmarks:
             pool.release(cls, count)
         self.earmarks.clear()
+        for pool, cls, slab, to in self.drains:
+            pool.undrain(cls, slab, to)
+        self.drains.clear()
 
     def __repr__(self) -> str:
         promote = len(self.promote.blocks) if self.promote is not None else 0

@@ -26,7 +26,7 @@ class Slab:
     """One slab: a bump pointer over never-used slots plus a stack of freed ones."""
 
     __slots__ = ("index", "base", "next_unused", "freed", "used", "free_set", "claimed",
-                 "holders")
+                 "holders", "draining")
 
     def __init__(self, index: int, base: int) -> None:
         self.index = index
@@ -42,6 +42,9 @@ class Slab:
         # What each slot held when last ``place``d, by slot number (None until one was):
         # stale for a slot freed since, so its reader checks the holder still holds it.
         self.holders: list[object] | None = None
+        # While its blocks are moved out a turn at a time (``SlabPool.drain``): none of
+        # its slots is handed out, nor counted free in its class.
+        self.draining = False
 
     def settle(self) -> None:
         """Drop the slots claimed out of order from ``freed``."""
@@ -129,6 +132,11 @@ class SlabPool:
         # empty slabs in all.
         self._earmarked: dict[SlabClass, int] = {}
         self._earmarked_total = 0
+        # Slabs whose blocks are being moved out, a turn at a time, so that another
+        # class gets the slab (``drain``): slab index -> its class, the class it is for,
+        # and the other free slots of its class held for its blocks (a list, updated):
+        self._drains: dict[int, list[Any]] = {}
+        self._draining_for: dict[SlabClass, int] = {}  # drains until undrained, per class
 
     # -- size classes ---------------------------------------------------------
     def slot_bytes_for(self, block_bytes: int) -> int:
@@ -189,6 +197,78 @@ class SlabPool:
         """Empty slabs set aside for classes other than ``cls`` now."""
         return self._earmarked_total - self._earmarked.get(cls, 0)
 
+    def drain(self, cls: SlabClass, slab: Slab, to: SlabClass) -> None:
+        """Hand out no slot of ``slab`` (of ``cls``), nor the class's other free slots,
+        until ``undrain``: the slab's blocks are being moved into those (``move_out``),
+        a turn at a time, for the slab to go to ``to``, and the class's own writes would
+        take them meanwhile (slots its blocks free later are its own again).  A block
+        of the slab that goes meanwhile (the class's own eviction) frees a slot held
+        elsewhere, or, none held, gives the slab back to the class: it made room for
+        itself.  Until ``undrain``, other classes see the slab being emptied for ``to``
+        (``draining_elsewhere``) either way."""
+        assert cls.slabs.get(slab.index) is slab and not slab.draining
+        slab.draining = True
+        cls._with_room.pop(slab.index, None)
+        cls.free_slots -= cls.slots_per_slab - slab.used
+        self._drains[slab.index] = [cls, to, cls.free_slots]  # (the slots held for it)
+        cls.free_slots = 0
+        self._draining_for[to] = self._draining_for.get(to, 0) + 1
+
+    def undrain(self, cls: SlabClass, slab: Slab, to: SlabClass) -> None:
+        """The end of ``drain``'s hold: the slab's free slots, and those held for its
+        blocks, are the class's again (nothing more if it emptied meanwhile and went
+        back to the tier, or was given back)."""
+        left = self._draining_for[to] - 1
+        if left:
+            self._draining_for[to] = left
+        else:
+            del self._draining_for[to]
+        if slab.draining:
+            self._give_back(cls, slab)
+
+    def _give_back(self, cls: SlabClass, slab: Slab) -> None:
+        slab.draining = False
+        _, _, held = self._drains.pop(slab.index)
+        cls.free_slots += held + cls.slots_per_slab - slab.used
+        if slab.used < cls.slots_per_slab:
+            cls._with_room[slab.index] = slab  # (last: the class's other slabs first)
+
+    def draining_elsewhere(self, cls: SlabClass) -> int:
+        """Slabs being emptied for classes other than ``cls`` now."""
+        return sum(n for to, n in self._draining_for.items() if to is not cls)
+
+    def move_out(self, cls: SlabClass, slab: Slab, olds: Sequence[int]) -> list[int]:
+        """Move the blocks in slots ``olds`` of ``slab`` (draining) into free slots of the
+        class's other slabs, those held for it first (there must be that many): the new
+        offset of each, in order, holders moved with them.  The slab goes back to the
+        tier once it is empty."""
+        drain = self._drains[slab.index]
+        take = min(drain[2], len(olds))
+        drain[2] -= take
+        cls.free_slots += take
+        assert cls.free_slots >= len(olds), "too few free slots elsewhere"
+        news = cls._take_many(len(olds)) if olds else []
+        held = slab.holders
+        if held is not None and news:  # (the holders' offsets are the caller's to set)
+            size = cls.slot_bytes
+            self.place_at(cls, news, [held[(old - slab.base) // size] for old in olds])
+        if slab.free_set is not None:
+            slab.settle()
+        slab.freed.extend(olds)
+        slab.used -= len(olds)
+        if slab.used == 0:
+            self._let_drained_go(cls, slab)
+        return news
+
+    def _let_drained_go(self, cls: SlabClass, slab: Slab) -> None:
+        """A draining slab emptied: back to the tier (its free slots were not counted),
+        the slots held for its blocks the class's again."""
+        slab.draining = False
+        cls.free_slots += self._drains.pop(slab.index)[2]
+        del cls.slabs[slab.index]
+        del self._owner[slab.index]
+        self._empty.append(slab.index)
+
     def allocate(self, cls: SlabClass, count: int) -> list[int] | None:
         """``count`` slot offsets, or None (and nothing taken) if they are not free."""
         if count > self.available(cls):
@@ -205,6 +285,16 @@ class SlabPool:
                 slab.settle()
             slab.freed.append(offset)
             slab.used -= 1
+            if slab.draining:  # (its slots are not the class's to hand out)
+                drain = self._drains[index]
+                if slab.used == 0:
+                    self._let_drained_go(cls, slab)
+                elif drain[2]:  # one block fewer to move: a slot held for them is free
+                    drain[2] -= 1
+                    cls.free_slots += 1
+                else:  # the class needs the slot it freed (its own eviction): all go back
+                    self._give_back(cls, slab)
+                continue
             cls.free_slots += 1
             cls._with_room[index] = slab
             if slab.used == 0:
@@ -404,8 +494,13 @@ class SlabPool:
         assert sum(self._earmarked.values()) == self._earmarked_total and all(
             n > 0 for n in self._earmarked.values()), "the slabs set aside miscounted"
         assert len(owned) + len(self._empty) == self.num_slabs, "a slab went missing"
+        assert all(self._owner.get(i) is cls and cls.slabs[i].draining and held >= 0
+                   for i, (cls, _, held) in self._drains.items()), "a drain miscounted"
+        assert all(n > 0 for n in self._draining_for.values()), "a drain's end miscounted"
         for cls in self.classes.values():
-            counted = sum(1 for _ in self.free_offsets(cls))
+            draining = sum(cls.slots_per_slab - s.used for s in cls.slabs.values() if s.draining)
+            draining += sum(held for c, _, held in self._drains.values() if c is cls)
+            counted = sum(1 for _ in self.free_offsets(cls)) - draining
             assert counted == cls.free_slots, (
                 f"class {cls.slot_bytes}: {counted} free slots in slabs, "
                 f"{cls.free_slots} counted"
