@@ -494,8 +494,9 @@ class SlabPool:
         assert sum(self._earmarked.values()) == self._earmarked_total and all(
             n > 0 for n in self._earmarked.values()), "the slabs set aside miscounted"
         assert len(owned) + len(self._empty) == self.num_slabs, "a slab went missing"
-        assert all(self._owner.get(i) is cls and cls.slabs[i].draining and held >= 0
-                   for i, (cls, _, held) in self._drains.items()), "a drain miscounted"
+        assert all(held >= 0 and i in of.slabs and of.slabs[i].draining
+                   and self._owner.get(i) is of
+                   for i, (of, _, held) in self._drains.items()), "a drain miscounted"
         assert all(n > 0 for n in self._draining_for.values()), "a drain's end miscounted"
         for cls in self.classes.values():
             draining = sum(cls.slots_per_slab - s.used for s in cls.slabs.values() if s.draining)

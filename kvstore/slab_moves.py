@@ -185,6 +185,7 @@ class SlabMoves:
         names it in ``drains`` (it is drained for ``to`` until the call is made again)."""
         pool = dram.pool
         step = step_blocks(donor)
+        picked: tuple[Slab, list[tuple[int, Block]] | None] | None
         picked = self._resumed(donor, tenant)
         if picked is None:
             picked = self._movable(dram, donor, protect, tenant)
@@ -226,6 +227,7 @@ class SlabMoves:
                 return False
             slab, blocks = picked
             room = donor.free_slots - (donor.slots_per_slab - slab.used)
+        assert blocks is not None
         self._checked = None
         if room >= slab.used and slab.used <= step:  # the whole slab in one go
             news = pool.vacate(donor, slab.index, [offset for offset, _ in blocks])
@@ -243,7 +245,7 @@ class SlabMoves:
         return Plan(turn=True, drains=[(pool, donor, slab, to)])
 
     def _resumed(self, donor: SlabClass, tenant: str | None
-                 ) -> tuple[Slab, None] | None:
+                 ) -> tuple[Slab, list[tuple[int, Block]] | None] | None:
         """The slab whose room the last step made, if it is still the donor's fewest used
         and its room not yet made: its blocks are not looked at again until they move
         (a slab's walk was most of each step's time; one pinned since is found then)."""
@@ -276,7 +278,7 @@ class SlabMoves:
         busy.update(id(b) for b in store.remote_demoting)
         size = donor.slot_bytes
         for slab in sorted(donor.slabs.values(), key=lambda s: s.used)[:_CANDIDATES]:
-            held = slab.holders
+            held: list[Any] | None = slab.holders
             if slab.draining or held is None:
                 continue  # another call's, between its steps (or none placed: reserved)
             blocks: list[tuple[int, Block]] = []
