@@ -261,8 +261,7 @@ class SlabPool:
         return news
 
     def _let_drained_go(self, cls: SlabClass, slab: Slab) -> None:
-        """A draining slab emptied: back to the tier (its free slots were not counted),
-        the slots held for its blocks the class's again."""
+        """A draining slab emptied: to the tier, the slots held for it the class's again."""
         slab.draining = False
         cls.free_slots += self._drains.pop(slab.index)[2]
         del cls.slabs[slab.index]
