@@ -198,20 +198,22 @@ class SlabPool:
         return self._earmarked_total - self._earmarked.get(cls, 0)
 
     def drain(self, cls: SlabClass, slab: Slab, to: SlabClass) -> None:
-        """Hand out no slot of ``slab`` (of ``cls``), nor the class's other free slots,
-        until ``undrain``: the slab's blocks are being moved into those (``move_out``),
-        a turn at a time, for the slab to go to ``to``, and the class's own writes would
-        take them meanwhile (slots its blocks free later are its own again).  A block
-        of the slab that goes meanwhile (the class's own eviction) frees a slot held
-        elsewhere, or, none held, gives the slab back to the class: it made room for
-        itself.  Until ``undrain``, other classes see the slab being emptied for ``to``
-        (``draining_elsewhere``) either way."""
+        """Hand out no slot of ``slab`` (of ``cls``), nor as many of the class's other
+        free slots as its blocks need, until ``undrain``: the slab's blocks are being
+        moved into those (``move_out``), a turn at a time, for the slab to go to ``to``,
+        and the class's own writes would take them meanwhile (slots its blocks free
+        later are its own again).  One slab of a class at a time.  A block of the
+        slab that goes meanwhile (the class's own eviction) frees a slot held elsewhere,
+        or, none held, gives the slab back to the class: it made room for itself.  Until
+        ``undrain``, other calls see a slab being emptied (``draining``) either way."""
         assert cls.slabs.get(slab.index) is slab and not slab.draining
+        assert not any(c is cls for c, _, _ in self._drains.values()), "one at a time"
         slab.draining = True
         cls._with_room.pop(slab.index, None)
         cls.free_slots -= cls.slots_per_slab - slab.used
-        self._drains[slab.index] = [cls, to, cls.free_slots]  # (the slots held for it)
-        cls.free_slots = 0
+        held = min(cls.free_slots, slab.used)  # (the slots held for its blocks)
+        self._drains[slab.index] = [cls, to, held]
+        cls.free_slots -= held
         self._draining_for[to] = self._draining_for.get(to, 0) + 1
 
     def undrain(self, cls: SlabClass, slab: Slab, to: SlabClass) -> None:
@@ -224,18 +226,12 @@ class SlabPool:
         else:
             del self._draining_for[to]
         if slab.draining:
-            self._give_back(cls, slab)
+            _give_back(self, cls, slab)
 
-    def _give_back(self, cls: SlabClass, slab: Slab) -> None:
-        slab.draining = False
-        _, _, held = self._drains.pop(slab.index)
-        cls.free_slots += held + cls.slots_per_slab - slab.used
-        if slab.used < cls.slots_per_slab:
-            cls._with_room[slab.index] = slab  # (last: the class's other slabs first)
-
-    def draining_elsewhere(self, cls: SlabClass) -> int:
-        """Slabs being emptied for classes other than ``cls`` now."""
-        return sum(n for to, n in self._draining_for.items() if to is not cls)
+    def draining(self) -> int:
+        """Slabs being emptied now, for any class (a call's own drains are let go
+        before it is made again: what it sees are other calls')."""
+        return sum(self._draining_for.values())
 
     def move_out(self, cls: SlabClass, slab: Slab, olds: Sequence[int]) -> list[int]:
         """Move the blocks in slots ``olds`` of ``slab`` (draining) into free slots of the
@@ -257,23 +253,22 @@ class SlabPool:
         slab.freed.extend(olds)
         slab.used -= len(olds)
         if slab.used == 0:
-            self._let_drained_go(cls, slab)
+            _let_drained_go(self, cls, slab)
         return news
-
-    def _let_drained_go(self, cls: SlabClass, slab: Slab) -> None:
-        """A draining slab emptied: to the tier, the slots held for it the class's again."""
-        slab.draining = False
-        cls.free_slots += self._drains.pop(slab.index)[2]
-        del cls.slabs[slab.index]
-        del self._owner[slab.index]
-        self._empty.append(slab.index)
 
     def allocate(self, cls: SlabClass, count: int) -> list[int] | None:
         """``count`` slot offsets, or None (and nothing taken) if they are not free."""
         if count > self.available(cls):
             return None
+        grew = False
         while cls.free_slots < count:
             self._grow(cls)
+            grew = True
+        if grew and any(c is cls for c, _, _ in self._drains.values()):
+            # its free slots held for a drain lie in the slabs it had: the new ones
+            # first, or one would be kept empty while those are taken
+            fresh = {i: s for i, s in cls._with_room.items() if s.used == 0}
+            cls._with_room = {**fresh, **cls._with_room}
         return cls._take_many(count)
 
     def free(self, cls: SlabClass, offsets: list[int]) -> None:
@@ -287,12 +282,12 @@ class SlabPool:
             if slab.draining:  # (its slots are not the class's to hand out)
                 drain = self._drains[index]
                 if slab.used == 0:
-                    self._let_drained_go(cls, slab)
+                    _let_drained_go(self, cls, slab)
                 elif drain[2]:  # one block fewer to move: a slot held for them is free
                     drain[2] -= 1
                     cls.free_slots += 1
                 else:  # the class needs the slot it freed (its own eviction): all go back
-                    self._give_back(cls, slab)
+                    _give_back(self, cls, slab)
                 continue
             cls.free_slots += 1
             cls._with_room[index] = slab
@@ -513,3 +508,21 @@ class SlabPool:
         return (f"SlabPool(capacity={self.capacity_bytes}, slab_bytes={self.slab_bytes}, "
                 f"empty_slabs={len(self._empty)}/{self.num_slabs}, "
                 f"classes={list(self.classes.values())})")
+
+
+def _give_back(pool: SlabPool, cls: SlabClass, slab: Slab) -> None:
+    """A draining slab's drain ended: its free slots and those held are the class's."""
+    slab.draining = False
+    _, _, held = pool._drains.pop(slab.index)
+    cls.free_slots += held + cls.slots_per_slab - slab.used
+    if slab.used < cls.slots_per_slab:
+        cls._with_room[slab.index] = slab  # (last: the class's other slabs first)
+
+
+def _let_drained_go(pool: SlabPool, cls: SlabClass, slab: Slab) -> None:
+    """A draining slab emptied: to the tier, the slots held for it the class's again."""
+    slab.draining = False
+    cls.free_slots += pool._drains.pop(slab.index)[2]
+    del cls.slabs[slab.index]
+    del pool._owner[slab.index]
+    pool._empty.append(slab.index)

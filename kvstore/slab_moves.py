@@ -121,7 +121,7 @@ class SlabMoves:
             starved = pool.available(cls) + len(dram.policy(cls)) < count
             if moved:  # (only a starved class takes more than one)
                 return self._a_turn(pool, cls, count)
-            if starved and (pool.earmarked_elsewhere(cls) or pool.draining_elsewhere(cls)):
+            if starved and (pool.earmarked_elsewhere(cls) or pool.draining()):
                 # another size's request is taking its slabs, a turn at a time: this
                 # one waits its turns out, rather than take slabs by turns with it (the
                 # later of two then took what the first needed, and the first was refused)
@@ -184,6 +184,8 @@ class SlabMoves:
         more blocks than a step (``step_blocks``) is emptied a step a turn: a Plan that
         names it in ``drains`` (it is drained for ``to`` until the call is made again)."""
         pool = dram.pool
+        if any(s.draining for s in donor.slabs.values()):
+            return False  # another call's slab, between its steps: one at a time
         step = step_blocks(donor)
         picked: tuple[Slab, list[tuple[int, Block]] | None] | None
         picked = self._resumed(donor, tenant)

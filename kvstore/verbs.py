@@ -625,10 +625,11 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
                 if isinstance(r, Plan):  # room first: all or none, so none yet
                     for held in done:
                         d.store.abort(session.id, held.id)
-                    if r.earmarks and done:  # a slab taken: those the aborts emptied
-                        # stay the batch's too (not for a turn it only waits out while
-                        # another size takes its slabs: two batches waiting so would
-                        # each hold slabs aside from the other, turn after turn)
+                    if (r.earmarks or r.drains) and done:  # a slab (or a step of one)
+                        # taken: those the aborts emptied stay the batch's too (not for
+                        # a turn it only waits out while another size takes its slabs:
+                        # two batches waiting so would each hold slabs aside from the
+                        # other, turn after turn)
                         set_aside(r, ns.dram.pool, ns.cls,
                                   sum(len(item.keys) for item in req.plan))
                     if done:
