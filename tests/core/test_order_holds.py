@@ -73,6 +73,7 @@ def test_a_big_commit_reaches_its_order_in_steps_in_the_order_of_one_call(policy
         commit(store, ns, keys(ns, 10_000, 11))  # 4 now, 7 held: 4 and 3 in two turns
         commit(store, ns, keys(ns, 20_000, 2))
     assert len(held.holds) == 7 and held.pinned_blocks == 7
+    assert held.stats()["held_blocks"] == 7 and held.stats()["pinned_blocks"] == 7
     assert len(order(held, b)) == 3 + 4 + 2 and all(
         b.blocks[k].refs == 1 for k in keys(b, 10_000, 7))
     held.check_invariants()
@@ -80,7 +81,7 @@ def test_a_big_commit_reaches_its_order_in_steps_in_the_order_of_one_call(policy
     assert turns.run() == 1 and len(held.holds) == 3 and freed == [1]
     held.check_invariants()
     assert turns.run() == 1 and len(held.holds) == 0 and not turns.due
-    assert held.pinned_blocks == 0 and not b.dram.pinned
+    assert held.pinned_blocks == 0 and not b.dram.pinned and held.stats()["held_blocks"] == 0
     held.check_invariants()
     # the same blocks on the order; the one-call order but for the later commit's place
     tail = keys(a, 20_000, 2)

@@ -331,7 +331,7 @@ def test_a_big_commit_then_a_put_that_must_evict_all_of_it_is_served(tmp_path: P
                 time.sleep(0.01)
             assert stats["invariant_violations"] == 0
             assert dram["pinned_blocks"] == 0 and dram["reserved_slots"] == 0, dram
-            assert dram["evictions"] >= blocks - 8, dram
+            assert dram["held_blocks"] == 0 and dram["evictions"] >= blocks - 8, dram
     finally:
         daemon.stop()
     assert not error_records(daemon.log()), daemon.log()[-3000:]
