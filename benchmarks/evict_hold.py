@@ -76,15 +76,8 @@ class Bench:
         self.ns: Namespace = self.store.open_namespace(ident)
         self.keys = (k for chain in _keys() for k in chain)
         self.marks: dict[str, float] = {}
-        self.due: list[Callable[[], None]] = []
         for _ in range(blocks // CHAIN):
             self._write_through(self._round(CHAIN))
-        # as in the daemon: a big commit's blocks put on their order in later turns
-        self.store.holds.run_on(self, lambda: None)  # type: ignore[arg-type]
-
-    def call_soon(self, callback: Callable[[], None]) -> None:
-        """(The loop the store's holds run on: a turn's callbacks, run by ``_round``.)"""
-        self.due.append(callback)
 
     def _take(self, n: int) -> list[bytes]:
         return [next(self.keys) for _ in range(n)]
@@ -110,17 +103,6 @@ class Bench:
         if self.changes is not None:
             self.changes.drain()
         marks["committed"] = time.thread_time()
-        longest = 0.0
-        while self.due:  # the later turns (the commit's blocks put on their order)
-            due, self.due = self.due, []
-            started = time.thread_time()
-            for callback in due:
-                callback()
-            if self.changes is not None:
-                self.changes.drain()
-            longest = max(longest, time.thread_time() - started)
-        marks["later"] = longest
-        marks["done"] = time.thread_time()
         return fresh
 
     def _write_through(self, fresh: list[Block]) -> None:
@@ -136,8 +118,7 @@ class Bench:
         fresh = self._round(n)
         self._write_through(fresh)
         m = self.marks
-        turns = {"total": m["committed"] - m["start"], "later": m["later"],
-                 "all": m["done"] - m["start"],
+        turns = {"total": m["committed"] - m["start"],
                  "reserve": m["reserved"] - m.get("written", m["start"]),
                  "commit": m["committed"] - m["reserved"],
                  "plan": m["plan"] - m["start"] if "plan" in m else 0.0,
@@ -191,8 +172,7 @@ def main() -> None:
         profile(blocks, policies[0], args.profile, events[-1], sizes[-1], args.repeat)
         return
     print(f"{'policy':6} {'setup':6} {'events':6} {'N':>5} {'total_ms':>8} {'reserve':>8} "
-          f"{'commit':>8} {'plan':>8} {'written':>8} {'later':>8} {'all_ms':>8} "
-          f"{'evict_us/victim':>15}")
+          f"{'commit':>8} {'plan':>8} {'written':>8} {'evict_us/victim':>15}")
     for policy in policies:
         for setup in args.setups.split(","):
             for ev in events:
@@ -201,8 +181,7 @@ def main() -> None:
                     print(f"{policy:6} {setup:6} {'on' if ev else 'off':6} {n:5d} "
                           f"{f['total'] * 1e3:8.2f} {f['reserve'] * 1e3:8.2f} "
                           f"{f['commit'] * 1e3:8.2f} {f['plan'] * 1e3:8.2f} "
-                          f"{f['written'] * 1e3:8.2f} {f['later'] * 1e3:8.2f} "
-                          f"{f['all'] * 1e3:8.2f} {f['evict'] / n * 1e6:15.2f}",
+                          f"{f['written'] * 1e3:8.2f} {f['evict'] / n * 1e6:15.2f}",
                           flush=True)
 
 

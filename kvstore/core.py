@@ -33,7 +33,6 @@ from kvstore.blocks import (
 )
 from kvstore.first_blocks import Heads, no_longer_heads
 from kvstore.gpu_copies import GpuCopies
-from kvstore.order_holds import OrderHolds
 from kvstore.pool import SlabClass
 from kvstore.errors import ConfigError
 from kvstore.scheduler.admission import SEEN_MOST, PolicyChain, Step
@@ -330,7 +329,6 @@ class StoreCore:
         self.chain = PolicyChain()  # ``pressure`` sets it
         self.early = False
         self.hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
-        self.holds = OrderHolds(self)  # big commits' blocks put on their orders in turns
         # The entries with no parent (a chain's first block), by key -> their namespace:
         # a router's probe finds a chain's namespace by one lookup rather than asking
         # every namespace its tenants see (keys are hashed with their namespace)

@@ -45,7 +45,6 @@ class DramCopies:
             "committed_slots": store.committed_slots,
             "blocks": store.committed_slots,
             "pinned_blocks": store.pinned_blocks,
-            "held_blocks": len(store.holds),  # (of those: a big commit's, off their order)
             "tail_waste": sum(p.tail_waste_bytes() for p in pools),
             "empty_slabs": sum(p.empty_slabs for p in pools),
             "slab_moves": c.slab_moves,

@@ -95,7 +95,7 @@ class Index:
         in_dram = ([b for b in deepest_first if b.offset is not None] if below
                    else deepest_first)
         if in_dram:
-            ns.dram.policy(ns.cls).access_many(self.store.holds.told(in_dram))
+            ns.dram.policy(ns.cls).access_many(in_dram)
             ns.dram.note_use(ns.cls, len(in_dram))  # (its class's share of the slabs)
         ssd = self.store.ssd
         if ssd is not None:
@@ -122,7 +122,7 @@ class Index:
                 lists[1].append(block)
         for ns, (in_dram, on_ssd) in by_ns.items():
             if in_dram:
-                ns.dram.policy(ns.cls).access_many(self.store.holds.told(in_dram))
+                ns.dram.policy(ns.cls).access_many(in_dram)
                 ns.dram.note_use(ns.cls, len(in_dram))  # (its class's share of the slabs)
             if on_ssd:
                 assert ssd is not None and ns.ssd_cls is not None

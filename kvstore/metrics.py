@@ -11,8 +11,7 @@ The stats dict, as the collector reads it (every key optional)::
     {"tiers": {"dram": {"capacity": int, "free": int, "reserved": int,
                         "committed": int, "peak_committed": int, "tail_waste": int,
                         "reserved_slots": int, "committed_slots": int, "blocks": int,
-                        "pinned_blocks": int, "held_blocks": int, "empty_slabs": int,
-                        "lookups": int,
+                        "pinned_blocks": int, "empty_slabs": int, "lookups": int,
                         "lookup_keys": int, "hits": int, "commits": int,
                         "duplicates": int, "aborts": int, "capacity_rejects": int,
                         "lease_expiries": int, "checksum_failures": int,
@@ -93,8 +92,6 @@ _POOL_GAUGES = (
     ("blocks", "kvstore_pool_blocks", "Blocks cached."),
     ("pinned_blocks", "kvstore_pool_pinned_blocks",
      "Unique blocks referenced by at least one pin or reservation parent."),
-    ("held_blocks", "kvstore_pool_held_blocks",
-     "Blocks of big commits not yet on their eviction order (counted pinned meanwhile)."),
     ("empty_slabs", "kvstore_pool_empty_slabs", "Slabs not assigned to any slot size."),
 )
 

@@ -360,9 +360,7 @@ class Moves:
 
     # -- SSD copies to the remote store (its write-back mode) --------------------------------
     def start(self) -> None:
-        """Begin background work that restored state may call for (SSD copies to send);
-        big commits' blocks put on their eviction orders in turns of the loop from now."""
-        self.store.holds.run_on(asyncio.get_running_loop(), self.freed)
+        """Begin background work that restored state may call for (SSD copies to send)."""
         self._ssd_written()
 
     def _ssd_written(self) -> None:

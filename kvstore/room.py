@@ -238,16 +238,13 @@ class RoomMaker:
     def room_coming(self, cls: SlabClass | None, tenant: str | None = None) -> bool:
         """Whether writes under way will free or unpin DRAM slots of ``cls`` (of any
         class if None; of ``tenant``'s, if given): a demoted block leaves DRAM, a
-        written-through one becomes evictable, and so does a big commit's block held
-        off its order (``kvstore.order_holds``)."""
+        written-through one becomes evictable."""
         def mine(b: Block) -> bool:
             return ((cls is None or b.ns.cls is cls)
                     and (tenant is None or b.ns.tenant == tenant))
 
         return any(mine(b) for t in self.store.transfers.values() if t.tier == SSD
-                   for b in t.blocks) or any(mine(b) for b in self.store.remote_demoting) or (
-            self.store.holds.holding(cls)  # big commits' blocks, put on their orders soon
-            and (tenant is None or any(mine(b) for b in self.store.holds.held)))
+                   for b in t.blocks) or any(mine(b) for b in self.store.remote_demoting)
 
 
 class _Facts:

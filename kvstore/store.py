@@ -299,7 +299,7 @@ class BlockStore(StoreCore):
                 if one is not None and block.tokens is None:
                     block.tokens = one
         ns.dram.pool.place(ns.cls, fresh)
-        self.holds.insert(ns, policy, fresh)  # deepest first: parents end up warmer
+        policy.insert_many(reversed(fresh))  # deepest first: parents end up warmer
         if self.dropping and ns in self.dropping:  # the removals asked so far keep them
             self.dropping[ns].kept(fresh)
         if self.changes is not None:

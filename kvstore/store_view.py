@@ -40,8 +40,6 @@ def check_invariants(store: StoreCore) -> None:
     if store.gpu is not None:
         for b in store.gpu.copying:  # read into the GPU tier: pinned meanwhile
             pin_counts[b] = pin_counts.get(b, 0) + 1
-    for b in store.holds.held:  # a big commit's, held off its order until its turn
-        pin_counts[b] = pin_counts.get(b, 0) + 1
     used: dict[tuple[int, str], int] = {}  # (tier, tenant): bytes of DRAM slots held
     for state in store.owners.values():
         for r in state.reservations.values():

@@ -5,6 +5,7 @@ is what keeps a chain's head from going before its children)."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import pytest
@@ -41,8 +42,8 @@ def _start(blocks: list[_Block], pinned: list[_Block] = []) -> tuple[
     new: HitDensityPolicy[Any] = HitDensityPolicy()
     parts = parts_of(old)
     assert parts is not None
-    order = Handover(parts, new, pinned, lambda item: False, [], lambda item: item,
-                     lambda: None, lambda new: None)
+    order = Handover(parts, new, pinned, lambda item: False, deque(), lambda item: item,
+                     lambda: None, lambda new: None, lambda: deque(maxlen=1))
     return order, new
 
 
