@@ -32,11 +32,12 @@ which no client holds without a pin.  At most the slab's bytes are copied, on th
 once per slab moved, a step a turn of the loop (``STEP_BLOCKS``, ``STEP_BYTES``): the
 room for a step's blocks made, then the step's blocks copied, the request answered
 with a plan of a turn in between, the slab drained meanwhile (none of its slots handed
-out, the room made for its blocks held: ``SlabPool.drain``), so that each turn holds
-the loop for a step, not for a slab (a 64 MiB slab of 16 KiB blocks, 4096 evictions
-and 2048 copies, held it 7.2-8.2 ms in one go, 2.0-2.3 in steps).  Known waste: the donor's evictions may free too few slots (its
-order counts blocks no pressure step may take: parents of pinned blocks, say), and
-those it made stay made though no slab moves.
+out, the room made for its blocks held: ``SlabPool.drain``; one slab of a class at a
+time, and other starved requests wait their turn), so that each turn holds the loop
+for a step, not for a slab (a 64 MiB slab of 16 KiB blocks, 4096 evictions and 2048
+copies, held it 7.2-8.2 ms in one go, 1.3-2.3 in steps).  Known waste: the donor's
+evictions may free too few slots (its order counts blocks no pressure step may take:
+parents of pinned blocks, say), and those it made stay made though no slab moves.
 
 The SSD tier's slabs move only for a size with nothing of its own to evict there
 (``empty_ssd_slab``): a slab of the class with most (which keeps one) is emptied by
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
 _CANDIDATES = 8
 # The most blocks of a slab moved in one turn of the loop (evicted to make room for
 # them, then copied), and the most bytes: a 64 MiB slab of 16 KiB blocks emptied in one
-# go held the loop 8.6-9.3 ms (4096 evictions and 2048 copies,
+# go held the loop 7.2-9.3 ms (4096 evictions and 2048 copies,
 # ``benchmarks/slab_move_hold.py``); a bigger slab is emptied a step a turn.
 STEP_BLOCKS = 512
 STEP_BYTES = 8 << 20

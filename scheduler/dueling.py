@@ -386,9 +386,11 @@ class Duel(Generic[T]):
         self._sampled = 0  # sampled references in the current epoch
         self.switches = 0
         self._evicted = False  # whether the order in charge gave up an item yet
-        # the latest victims' names, oldest first: a new order's ghosts (``_remember``)
+        # the latest victims' names, oldest first, about twice the cache's size (made at
+        # the first eviction, remade as it doubles): a new order's ghosts (``recall``)
         self._gone: deque[Hashable] = deque(maxlen=1)
-        # (the store's blocks know their parent; the replay's ids have it set here)
+        # The store's blocks know their parent; other items (the replay's ids) have it
+        # set here by their cache.
         self.parent_of: Callable[[T], T | None] = parent_of or _parent_attribute
 
     # the attribute of the items their states live in, if they have it (None: a map)
@@ -518,11 +520,11 @@ class Duel(Generic[T]):
         self.epoch = min(self.longest, max(self.shortest, self._size >> self.sample_shift))
 
     def _take_over(self, best: int) -> bool:
-        """The candidate ``best`` orders the items from now on (False: a hand-over is under
-        way): they pass to it as ``handover.hand_over_at_once`` says, past
-        ``HANDOVER_AT_ONCE`` items a few at a time (``Handover``, which reads the latest
-        victims' names a step at a time too: no copy of them all in one call), and it takes
-        its miniature's settings (keeping every candidate's order costs more than it saves)."""
+        """The candidate ``best`` orders the items from now on (False: a hand-over is
+        under way): they pass to it as ``handover.hand_over_at_once`` says, past
+        ``HANDOVER_AT_ONCE`` items a few at a time (``Handover``), and it takes the
+        settings its miniature adapted to (keeping every candidate's order all along
+        costs more per call than the hand-overs save, and did no better in the replay)."""
         if isinstance(self._order, Handover):
             return False  # one under way: the next election decides again once it is done
         order: Order[T] = self._keyed(self._factories[best]())
@@ -532,12 +534,10 @@ class Duel(Generic[T]):
         pinned = list(self._pinned)  # no table of every item: at millions, a spike of its size
         sliced = None if len(self._order) <= HANDOVER_AT_ONCE else start_handover(
             self._order, order, pinned, self._items.get, self._gone, self.ghost_key, tune,
-            partial(setattr, self, "_order"), partial(getattr, self, "_gone"))
+            partial(setattr, self, "_order"))  # in charge once it holds every item
         if sliced is None:
             hand_over_at_once(self._order, order, pinned, self._items.get, self._gone,
                               self.ghost_key, self._let_go, tune)
-        else:  # the names are its to read; it puts them back before those of later victims
-            self._gone = deque(maxlen=self._gone.maxlen)
         self._order = order if sliced is None else sliced
         self._leader = best
         self.switches += 1

@@ -47,7 +47,7 @@ Nothing here is O(items) in one call but the release of a hand-over cut short
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from functools import partial
 from itertools import chain, islice
@@ -211,28 +211,24 @@ def hit_since_entered(state_of: Callable[[Any], Any], item: Any) -> bool:
 
 
 def start_handover(old: object, new: object, pinned: list[T],
-                   state_of: Callable[[T], Any], gone: deque[Hashable],
+                   state_of: Callable[[T], Any], gone: Iterable[Hashable],
                    ghost_key: Callable[[T], Hashable], tune: Callable[[], None],
-                   done: Callable[[Any], None],
-                   later: Callable[[], deque[Hashable]]) -> Handover[T] | None:
+                   done: Callable[[Any], None]) -> Handover[T] | None:
     """A hand-over in slices from ``old`` to ``new`` (a duel's orders; ``state_of``
-    reads its items' states), or None where both cannot (one call does it).  Given one,
-    the duel hands it ``gone`` and keeps its later victims' names apart (``later``)."""
+    reads its items' states), or None where both cannot (one call does it)."""
     parts = parts_of(old)
     if parts is None or parts_of(new) is None:
         return None
     assert isinstance(new, EvictionPolicy)
     return Handover(parts, new, pinned, partial(hit_since_entered, state_of), gone,
-                    ghost_key, tune, done, later)
+                    ghost_key, tune, done)
 
 
 class Handover(EvictionPolicy[T], Generic[T]):
     """The order in charge while ``old``'s items pass to ``new`` (see the module doc).
 
     ``pinned``: the items pinned now, in the order pinned; ``hit(item)``: whether an
-    item was hit since it entered; ``gone``: the latest victims' names, oldest first,
-    read (emptied) a step at a time, each step's put back before the names in
-    ``later()`` (the duel's names of the victims since, as many as it keeps);
+    item was hit since it entered; ``gone``: the latest victims' names, oldest first;
     ``tune()`` gives ``new`` its miniature's settings once it holds every item;
     ``done(new)`` is called once it has its ghosts too (the duel puts it in charge).
 
@@ -242,10 +238,9 @@ class Handover(EvictionPolicy[T], Generic[T]):
     for the pinned items not passed yet); the names left recalled as ghosts."""
 
     def __init__(self, old: _Parts, new: EvictionPolicy[T], pinned: Iterable[T],
-                 hit: Callable[[T], bool], gone: deque[Hashable],
+                 hit: Callable[[T], bool], gone: Iterable[Hashable],
                  ghost_key: Callable[[T], Hashable], tune: Callable[[], None],
-                 done: Callable[[EvictionPolicy[T]], None],
-                 later: Callable[[], deque[Hashable]]) -> None:
+                 done: Callable[[EvictionPolicy[T]], None]) -> None:
         self.name = new.name
         self._old: _Parts | None = old
         self._new = new
@@ -257,8 +252,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
         self._pinned: dict[T, None] = dict.fromkeys(pinned)
         self._all_in = False  # every item but the pinned ones here is in ``new``
         self._hit = hit
-        self._gone: deque[Hashable] | None = gone  # read into ``_names`` in slices
-        self._later = later
+        self._gone: list[Hashable] | None = list(gone)  # read into ``_names`` in slices
         # each name once, at its latest eviction; a name met among the items passed on
         # is taken out (cached again since: back), the rest recalled at the end
         self._names: dict[Hashable, None] = {}
@@ -320,19 +314,16 @@ class Handover(EvictionPolicy[T], Generic[T]):
             self._done(self._new)
 
     def _read_names(self) -> bool:
-        """Read ``NAMES_A_STEP`` of the latest victims' names (newest first, so each
-        keeps its latest place), and put them back before the duel's later ones;
-        whether all are read."""
+        """Read ``NAMES_A_STEP`` of the latest victims' names (in C, newest first, so
+        each keeps its latest place); whether all are read."""
         gone = self._gone
         if gone is None:
             return True
-        pop = gone.pop
-        chunk = [pop() for _ in range(min(NAMES_A_STEP, len(gone)))]  # newest first
+        cut = max(0, len(gone) - NAMES_A_STEP)
+        chunk = gone[cut:]
+        chunk.reverse()
         self._names.update(dict.fromkeys(chunk))
-        later = self._later()  # (the duel's names since: these go before them)
-        room = (later.maxlen or 0) - len(later)
-        if room > 0:  # each before the last: oldest first again; the oldest past the
-            later.extendleft(chunk[:room])  # duel's bound go, as the bound drops them
+        del gone[cut:]
         if gone:
             return False
         self._gone = None

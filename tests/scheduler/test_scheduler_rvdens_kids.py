@@ -5,7 +5,6 @@ is what keeps a chain's head from going before its children)."""
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import pytest
@@ -42,8 +41,8 @@ def _start(blocks: list[_Block], pinned: list[_Block] = []) -> tuple[
     new: HitDensityPolicy[Any] = HitDensityPolicy()
     parts = parts_of(old)
     assert parts is not None
-    order = Handover(parts, new, pinned, lambda item: False, deque(), lambda item: item,
-                     lambda: None, lambda new: None, lambda: deque(maxlen=1))
+    order = Handover(parts, new, pinned, lambda item: False, [], lambda item: item,
+                     lambda: None, lambda new: None)
     return order, new
 
 
