@@ -35,7 +35,7 @@ class Plan:
     ``turn``: nothing to wait on; let the loop serve others for a turn, then call again
     (a request that needs several slabs takes one a turn, and empties a big one in
     steps), ``earmarks`` (pool, class, slabs) set aside for the call meanwhile and
-    ``drains`` (pool, class, slab, the class it is for) being emptied for it, let go when it is made again
+    ``drains`` (pool, class, slab) being emptied for it, let go when it is made again
     or abandoned.
     """
 
@@ -50,7 +50,7 @@ class Plan:
     ticket: int = 0        # a deferral's place in line, kept while it retries
     turn: bool = False
     earmarks: list[tuple[SlabPool, SlabClass, int]] = field(default_factory=list)
-    drains: list[tuple[SlabPool, SlabClass, Slab, SlabClass]] = field(default_factory=list)
+    drains: list[tuple[SlabPool, SlabClass, Slab]] = field(default_factory=list)
 
     def let_go(self) -> None:
         """The slabs set aside for the call go back to every class, and those being
@@ -58,8 +58,8 @@ class Plan:
         for pool, cls, count in self.earmarks:
             pool.release(cls, count)
         self.earmarks.clear()
-        for pool, cls, slab, to in self.drains:
-            pool.undrain(cls, slab, to)
+        for pool, cls, slab in self.drains:
+            pool.undrain(cls, slab)
         self.drains.clear()
 
     def __repr__(self) -> str:

@@ -133,10 +133,11 @@ class SlabPool:
         self._earmarked: dict[SlabClass, int] = {}
         self._earmarked_total = 0
         # Slabs whose blocks are being moved out, a turn at a time, so that another
-        # class gets the slab (``drain``): slab index -> its class, the class it is for,
-        # and the other free slots of its class held for its blocks (a list, updated):
+        # class gets the slab (``drain``): slab index -> its class and the other free
+        # slots of its class held for its blocks (a list, updated); and the drains not
+        # yet ended (``undrain``), given back or emptied or not.
         self._drains: dict[int, list[Any]] = {}
-        self._draining_for: dict[SlabClass, int] = {}  # drains until undrained, per class
+        self._unended = 0
 
     # -- size classes ---------------------------------------------------------
     def slot_bytes_for(self, block_bytes: int) -> int:
@@ -197,41 +198,37 @@ class SlabPool:
         """Empty slabs set aside for classes other than ``cls`` now."""
         return self._earmarked_total - self._earmarked.get(cls, 0)
 
-    def drain(self, cls: SlabClass, slab: Slab, to: SlabClass) -> None:
+    def drain(self, cls: SlabClass, slab: Slab) -> None:
         """Hand out no slot of ``slab`` (of ``cls``), nor as many of the class's other
         free slots as its blocks need, until ``undrain``: the slab's blocks are being
-        moved into those (``move_out``), a turn at a time, for the slab to go to ``to``,
-        and the class's own writes would take them meanwhile (slots its blocks free
+        moved into those (``move_out``), a turn at a time, for the slab to go to another
+        class, and the class's own writes would take them meanwhile (slots its blocks free
         later are its own again).  One slab of a class at a time.  A block of the
         slab that goes meanwhile (the class's own eviction) frees a slot held elsewhere,
         or, none held, gives the slab back to the class: it made room for itself.  Until
         ``undrain``, other calls see a slab being emptied (``draining``) either way."""
         assert cls.slabs.get(slab.index) is slab and not slab.draining
-        assert not any(c is cls for c, _, _ in self._drains.values()), "one at a time"
+        assert not any(c is cls for c, _ in self._drains.values()), "one at a time"
         slab.draining = True
         cls._with_room.pop(slab.index, None)
         cls.free_slots -= cls.slots_per_slab - slab.used
         held = min(cls.free_slots, slab.used)  # (the slots held for its blocks)
-        self._drains[slab.index] = [cls, to, held]
+        self._drains[slab.index] = [cls, held]
         cls.free_slots -= held
-        self._draining_for[to] = self._draining_for.get(to, 0) + 1
+        self._unended += 1
 
-    def undrain(self, cls: SlabClass, slab: Slab, to: SlabClass) -> None:
+    def undrain(self, cls: SlabClass, slab: Slab) -> None:
         """The end of ``drain``'s hold: the slab's free slots, and those held for its
         blocks, are the class's again (nothing more if it emptied meanwhile and went
         back to the tier, or was given back)."""
-        left = self._draining_for[to] - 1
-        if left:
-            self._draining_for[to] = left
-        else:
-            del self._draining_for[to]
+        self._unended -= 1
         if slab.draining:
             _give_back(self, cls, slab)
 
     def draining(self) -> int:
         """Slabs being emptied now, for any class (a call's own drains are let go
         before it is made again: what it sees are other calls')."""
-        return sum(self._draining_for.values())
+        return self._unended
 
     def move_out(self, cls: SlabClass, slab: Slab, olds: Sequence[int]) -> list[int]:
         """Move the blocks in slots ``olds`` of ``slab`` (draining) into free slots of the
@@ -239,8 +236,8 @@ class SlabPool:
         offset of each, in order, holders moved with them.  The slab goes back to the
         tier once it is empty."""
         drain = self._drains[slab.index]
-        take = min(drain[2], len(olds))
-        drain[2] -= take
+        take = min(drain[1], len(olds))
+        drain[1] -= take
         cls.free_slots += take
         assert cls.free_slots >= len(olds), "too few free slots elsewhere"
         news = cls._take_many(len(olds)) if olds else []
@@ -264,7 +261,7 @@ class SlabPool:
         while cls.free_slots < count:
             self._grow(cls)
             grew = True
-        if grew and any(c is cls for c, _, _ in self._drains.values()):
+        if grew and any(c is cls for c, _ in self._drains.values()):
             # its free slots held for a drain lie in the slabs it had: the new ones
             # first, or one would be kept empty while those are taken
             fresh = {i: s for i, s in cls._with_room.items() if s.used == 0}
@@ -283,8 +280,8 @@ class SlabPool:
                 drain = self._drains[index]
                 if slab.used == 0:
                     _let_drained_go(self, cls, slab)
-                elif drain[2]:  # one block fewer to move: a slot held for them is free
-                    drain[2] -= 1
+                elif drain[1]:  # one block fewer to move: a slot held for them is free
+                    drain[1] -= 1
                     cls.free_slots += 1
                 else:  # the class needs the slot it freed (its own eviction): all go back
                     _give_back(self, cls, slab)
@@ -490,11 +487,11 @@ class SlabPool:
         assert len(owned) + len(self._empty) == self.num_slabs, "a slab went missing"
         assert all(held >= 0 and i in of.slabs and of.slabs[i].draining
                    and self._owner.get(i) is of
-                   for i, (of, _, held) in self._drains.items()), "a drain miscounted"
-        assert all(n > 0 for n in self._draining_for.values()), "a drain's end miscounted"
+                   for i, (of, held) in self._drains.items()), "a drain miscounted"
+        assert self._unended >= len(self._drains), "a drain's end miscounted"
         for cls in self.classes.values():
             draining = sum(cls.slots_per_slab - s.used for s in cls.slabs.values() if s.draining)
-            draining += sum(held for c, _, held in self._drains.values() if c is cls)
+            draining += sum(held for c, held in self._drains.values() if c is cls)
             counted = sum(1 for _ in self.free_offsets(cls)) - draining
             assert counted == cls.free_slots, (
                 f"class {cls.slot_bytes}: {counted} free slots in slabs, "
@@ -513,7 +510,7 @@ class SlabPool:
 def _give_back(pool: SlabPool, cls: SlabClass, slab: Slab) -> None:
     """A draining slab's drain ended: its free slots and those held are the class's."""
     slab.draining = False
-    _, _, held = pool._drains.pop(slab.index)
+    _, held = pool._drains.pop(slab.index)
     cls.free_slots += held + cls.slots_per_slab - slab.used
     if slab.used < cls.slots_per_slab:
         cls._with_room[slab.index] = slab  # (last: the class's other slabs first)
@@ -522,7 +519,7 @@ def _give_back(pool: SlabPool, cls: SlabClass, slab: Slab) -> None:
 def _let_drained_go(pool: SlabPool, cls: SlabClass, slab: Slab) -> None:
     """A draining slab emptied: to the tier, the slots held for it the class's again."""
     slab.draining = False
-    cls.free_slots += pool._drains.pop(slab.index)[2]
+    cls.free_slots += pool._drains.pop(slab.index)[1]
     del cls.slabs[slab.index]
     del pool._owner[slab.index]
     pool._empty.append(slab.index)

@@ -128,7 +128,7 @@ class SlabMoves:
                 # later of two then took what the first needed, and the first was refused)
                 return Plan(turn=True)
             for donor in self._donors(dram, cls, starved, tenant):
-                taken = self._take_slab(dram, donor, protect, starved, tenant, cls)
+                taken = self._take_slab(dram, donor, protect, starved, tenant)
                 if isinstance(taken, Plan):
                     if taken.drains:  # a step of a big slab: the rest in later turns
                         turn = self._a_turn(pool, cls, count)
@@ -177,13 +177,13 @@ class SlabMoves:
         return [donor]
 
     def _take_slab(self, dram: TierSlots, donor: SlabClass, protect: Block | None,
-                   wait: bool, tenant: str | None, to: SlabClass) -> bool | Plan:
+                   wait: bool, tenant: str | None) -> bool | Plan:
         """Empty one slab of ``donor`` into its others (True: it went back to the tier),
         or a Plan of the writes its room waits on (only if ``wait``: a class that is not
         starved makes room among its own blocks rather than wait on another's writes,
         which the tier below may refuse); False if none can be emptied now.  A slab of
         more blocks than a step (``step_blocks``) is emptied a step a turn: a Plan that
-        names it in ``drains`` (it is drained for ``to`` until the call is made again)."""
+        names it in ``drains`` (it is drained until the call is made again)."""
         pool = dram.pool
         if any(s.draining for s in donor.slabs.values()):
             return False  # another call's slab, between its steps: one at a time
@@ -222,8 +222,8 @@ class SlabMoves:
             room = donor.free_slots - (donor.slots_per_slab - slab.used)
             if room < slab.used:  # more room to make, in the next turns
                 self._checked = (slab, tenant)
-                pool.drain(donor, slab, to)
-                return Plan(turn=True, drains=[(pool, donor, slab, to)])
+                pool.drain(donor, slab)
+                return Plan(turn=True, drains=[(pool, donor, slab)])
         if blocks is None:  # (room made in steps: its blocks are looked at now)
             picked = self._movable(dram, donor, protect, tenant)
             if picked is None:
@@ -241,11 +241,11 @@ class SlabMoves:
         # held meanwhile (the donor's own writes would take them), whichever call makes
         # the next step (the fewest used of the donor's slabs is picked again: the
         # victims' own slab, if they emptied one).  Its blocks go once their room is made.
-        pool.drain(donor, slab, to)
+        pool.drain(donor, slab)
         if room >= slab.used:
             part = blocks[:step]
             self._moved(part, pool.move_out(donor, slab, [offset for offset, _ in part]))
-        return Plan(turn=True, drains=[(pool, donor, slab, to)])
+        return Plan(turn=True, drains=[(pool, donor, slab)])
 
     def _resumed(self, donor: SlabClass, tenant: str | None
                  ) -> tuple[Slab, list[tuple[int, Block]] | None] | None:

@@ -524,8 +524,7 @@ def test_a_big_slab_is_emptied_a_step_a_turn_and_its_room_held_meanwhile(
     while isinstance(r := store.reserve("w", b, want, None, 0.0), Plan):
         assert r.turn and len(r.drains) == 1, r
         turns += 1
-        (_, donor, slab, to) = r.drains[0]
-        assert to is b.cls
+        (_, donor, slab) = r.drains[0]
         assert donor is a.cls and slab.draining and pool.draining() == 1
         store.check_invariants()
         # the donor's own write meanwhile: into none of the slab, nor of the room held
@@ -660,7 +659,7 @@ def test_a_drained_slab_is_counted_apart_in_the_pool() -> None:
     second = pool.allocate(big, 4)  # a second slab, 4 of its 8 used
     assert first is not None and second is not None
     slab = big.slabs[first[0] // SLAB]
-    pool.drain(big, slab, small)
+    pool.drain(big, slab)
     assert big.free_slots == 0 and pool.available(big) == 2 * 8  # the two empty slabs
     assert pool.draining() == 1
     pool.check()
@@ -674,15 +673,15 @@ def test_a_drained_slab_is_counted_apart_in_the_pool() -> None:
     assert not slab.draining and big.free_slots == 2 + 5 and slab.used == 3
     assert pool.draining() == 1  # (until the drain's end)
     pool.check()
-    pool.undrain(big, slab, small)
+    pool.undrain(big, slab)
     assert big.free_slots == 7 and not pool.draining()
     pool.check()
-    pool.drain(big, slab, small)  # 3 used, 2 held
+    pool.drain(big, slab)  # 3 used, 2 held
     pool.move_out(big, slab, first[5:7])  # the two held
     assert big.free_slots == 0 and slab.used == 1
     pool.free(big, first[7:8])  # its last block gone: to the tier
     assert slab.index not in big.slabs and pool.empty_slabs == 3 and not slab.draining
-    pool.undrain(big, slab, small)  # (gone to the tier: nothing more to give back)
+    pool.undrain(big, slab)  # (gone to the tier: nothing more to give back)
     assert not pool.draining()
     pool.check()
 
