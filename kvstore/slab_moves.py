@@ -256,9 +256,9 @@ class SlabMoves:
         if checked is None or checked[1] != tenant:
             return None
         slab = checked[0]
-        if (donor.slabs.get(slab.index) is not slab or slab.draining
+        if (donor.slabs.get(slab.index) is not slab
                 or donor.free_slots - (donor.slots_per_slab - slab.used) >= slab.used
-                or any(s.used < slab.used for s in donor.slabs.values() if not s.draining)):
+                or any(s.used < slab.used for s in donor.slabs.values())):
             return None
         return slab, None
 
@@ -282,8 +282,8 @@ class SlabMoves:
         size = donor.slot_bytes
         for slab in sorted(donor.slabs.values(), key=lambda s: s.used)[:_CANDIDATES]:
             held: list[Any] | None = slab.holders
-            if slab.draining or held is None:
-                continue  # another call's, between its steps (or none placed: reserved)
+            if held is None:
+                continue  # none placed (reserved)
             blocks: list[tuple[int, Block]] = []
             add = blocks.append
             # (each slot's offset beside what it held: a slab's walk is most of a step)

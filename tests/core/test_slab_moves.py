@@ -500,6 +500,16 @@ def _slab_of(pool_slab_bytes: int, block: Block) -> int:
     return block.offset // pool_slab_bytes
 
 
+def stepped(monkeypatch: pytest.MonkeyPatch, step: int) -> tuple[Arena, Namespace, Namespace]:
+    """A store over an arena whose slabs move ``step`` blocks a turn, and a
+    namespace of each size (``A``'s fill it, ``B``'s take its slabs)."""
+    import kvstore.slab_moves as slab_moves
+
+    monkeypatch.setattr(slab_moves, "STEP_BLOCKS", step)
+    arena = Arena()
+    return arena, arena.store.open_namespace(A), arena.store.open_namespace(B)
+
+
 def test_a_big_slab_is_emptied_a_step_a_turn_and_its_room_held_meanwhile(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A slab of more blocks than a step is emptied over several turns, each call
@@ -508,13 +518,10 @@ def test_a_big_slab_is_emptied_a_step_a_turn_and_its_room_held_meanwhile(
     out) and the room made for its blocks held, so the donor's own writes evict their
     own rather than fill either; another starved size waits its turns out; every block
     keeps its bytes and every invariant holds between the turns."""
-    import kvstore.slab_moves as slab_moves
-
-    monkeypatch.setattr(slab_moves, "STEP_BLOCKS", 3)
     c_ident = make_identity(model="model-c", head_dim=32)  # 8 KiB blocks
-    arena = Arena()
+    arena, a, b = stepped(monkeypatch, 3)
     store = arena.store
-    a, b, c = (store.open_namespace(i) for i in (A, B, c_ident))
+    c = store.open_namespace(c_ident)
     pool = store.drams[""].pool
     keys = arena.put(a, 0, 32)
     for k in keys[1::2]:
@@ -553,12 +560,8 @@ def test_each_step_of_a_slab_evicts_and_copies_at_most_a_step(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each call of a slab's move does at most a step of evictions and a step of copies,
     and all its calls together what the move in one go did."""
-    import kvstore.slab_moves as slab_moves
-
-    monkeypatch.setattr(slab_moves, "STEP_BLOCKS", 3)
-    arena = Arena()
+    arena, a, b = stepped(monkeypatch, 3)
     store = arena.store
-    a, b = store.open_namespace(A), store.open_namespace(B)
     keys = arena.put(a, 0, 32)
     for k in keys[1::2]:
         store.lookup(a, [k])
@@ -586,12 +589,8 @@ def test_a_request_gone_between_steps_gives_the_slab_and_its_room_back(
     """A request given up while its slab is half emptied (its plan let go, never made
     again) leaves the slab and the room held for it to the donor: its next writes take
     those slots rather than evict."""
-    import kvstore.slab_moves as slab_moves
-
-    monkeypatch.setattr(slab_moves, "STEP_BLOCKS", 3)
-    arena = Arena()
+    arena, a, b = stepped(monkeypatch, 3)
     store = arena.store
-    a, b = store.open_namespace(A), store.open_namespace(B)
     pool = store.drams[""].pool
     keys = arena.put(a, 0, 32)
     for k in keys[1::2]:  # (the coldest in every slab: the slab's others are moved)
@@ -616,12 +615,8 @@ def test_a_request_gone_between_steps_gives_the_slab_and_its_room_back(
 def test_a_block_pinned_between_steps_is_never_moved(monkeypatch: pytest.MonkeyPatch) -> None:
     """A block of the slab being emptied pinned between two steps (a client reads it)
     stays where it is while pinned: the next step leaves that slab for another."""
-    import kvstore.slab_moves as slab_moves
-
-    monkeypatch.setattr(slab_moves, "STEP_BLOCKS", 3)
-    arena = Arena()
+    arena, a, b = stepped(monkeypatch, 3)
     store = arena.store
-    a, b = store.open_namespace(A), store.open_namespace(B)
     arena.put(a, 0, 32)
     want = chain_keys(b.id, list(range(16)), 16)
     r = store.reserve("w", b, want, None, 0.0)
@@ -654,7 +649,7 @@ def test_a_drained_slab_is_counted_apart_in_the_pool() -> None:
     from kvstore.pool import SlabPool
 
     pool = SlabPool(4 * SLAB, SLAB)
-    big, small = pool.class_for(32 << 10), pool.class_for(16 << 10)
+    big = pool.class_for(32 << 10)
     first = pool.allocate(big, 8)
     second = pool.allocate(big, 4)  # a second slab, 4 of its 8 used
     assert first is not None and second is not None
@@ -696,12 +691,8 @@ def test_two_requests_never_drain_two_slabs_of_one_donor(monkeypatch: pytest.Mon
     drain another of its slabs (a second reader's finding: the second drain's count of
     slots held went negative, and the donor's next write took slots it did not have, 5
     of them lost for good)."""
-    import kvstore.slab_moves as slab_moves
-
-    monkeypatch.setattr(slab_moves, "STEP_BLOCKS", 2)
-    arena = Arena()
+    arena, a, b = stepped(monkeypatch, 2)
     store = arena.store
-    a, b = store.open_namespace(A), store.open_namespace(B)
     pool = store.drams[""].pool
     keys = arena.put(a, 0, 32)  # 4 slabs of 8
     for k in keys[4:]:
@@ -721,35 +712,29 @@ def test_two_requests_never_drain_two_slabs_of_one_donor(monkeypatch: pytest.Mon
     arena.check(a)
 
 
-def test_a_donor_that_grows_while_a_slab_of_it_drains_fills_the_new_slab() -> None:
+def test_a_donor_that_grows_while_a_slab_of_it_drains_fills_the_new_slab(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The donor's write that takes an empty slab while a slab of it drains takes the
     new slab's slots, not those held for the drain (a second reader's finding: the
     new slab was kept empty, which no other size could then take)."""
-    import kvstore.slab_moves as slab_moves
-
     c_ident = make_identity(model="model-c", head_dim=32)
-    saved = slab_moves.STEP_BLOCKS
-    slab_moves.STEP_BLOCKS = 2
-    try:
-        arena = Arena()
-        store = arena.store
-        a, b, c = (store.open_namespace(i) for i in (A, B, c_ident))
-        keys = arena.put(a, 0, 20)  # two slabs full, a third of 4
-        t = c_ident.block_tokens
-        held = store.reserve("h", c, chain_keys(c.id, list(range(t)), t), None, 0.0)
-        assert not isinstance(held, Plan)
-        for k in keys[2:]:
-            store.lookup(a, [k])
-        tb = B.block_tokens
-        r = store.reserve("w", b, chain_keys(b.id, list(range(tb)), tb), None, 0.0)
-        assert isinstance(r, Plan) and r.drains
-        store.abort("h", held.id)  # c's slab back to the tier
-        arena.put(a, 900, 1)  # a grows into it
-        store.check_invariants()
-        r.let_go()
-        store.check_invariants()
-    finally:
-        slab_moves.STEP_BLOCKS = saved
+    arena, a, b = stepped(monkeypatch, 2)
+    store = arena.store
+    c = store.open_namespace(c_ident)
+    keys = arena.put(a, 0, 20)  # two slabs full, a third of 4
+    t = c_ident.block_tokens
+    held = store.reserve("h", c, chain_keys(c.id, list(range(t)), t), None, 0.0)
+    assert not isinstance(held, Plan)
+    for k in keys[2:]:
+        store.lookup(a, [k])
+    tb = B.block_tokens
+    r = store.reserve("w", b, chain_keys(b.id, list(range(tb)), tb), None, 0.0)
+    assert isinstance(r, Plan) and r.drains
+    store.abort("h", held.id)  # c's slab back to the tier
+    arena.put(a, 900, 1)  # a grows into it
+    store.check_invariants()
+    r.let_go()
+    store.check_invariants()
 
 
 @pytest.mark.parametrize("step", [2, 512])  # (512: in one go)
@@ -758,12 +743,8 @@ def test_a_drain_holds_only_the_room_its_blocks_need(monkeypatch: pytest.MonkeyP
     """The donor's own request while a slab of it drains gets the free slots its
     blocks do not need, as it did while slabs moved in one go (a second reader's
     finding: every free slot of the donor was held, and a request of it refused)."""
-    import kvstore.slab_moves as slab_moves
-
-    monkeypatch.setattr(slab_moves, "STEP_BLOCKS", step)
-    arena = Arena()
+    arena, a, b = stepped(monkeypatch, step)
     store = arena.store
-    a, b = store.open_namespace(A), store.open_namespace(B)
     arena.put(a, 0, 1, 8)
     arena.put(a, 1, 1, 4)
     h1 = store.reserve("h", a, _chain(a, 2, 4), None, 0.0)
@@ -792,14 +773,11 @@ def test_a_batch_waiting_on_a_step_keeps_the_slab_its_aborted_items_emptied(
     next write between the turns)."""
     from types import SimpleNamespace
 
-    import kvstore.slab_moves as slab_moves
     from kvstore import protocol as p
     from kvstore.verbs import reserve_batch
 
-    monkeypatch.setattr(slab_moves, "STEP_BLOCKS", 2)
-    arena = Arena()
+    arena, a, b = stepped(monkeypatch, 2)
     store = arena.store
-    a, b = store.open_namespace(A), store.open_namespace(B)
     pool = store.drams[""].pool
     arena.put(a, 10, 24)
     d = SimpleNamespace(
