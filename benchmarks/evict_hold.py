@@ -23,7 +23,10 @@ making room costs, the new slots' taking included).  Setups:
   and the SSD slots taken; ``written``: the write's end).
 
 With events on, a ``TierChanges`` records every change, and the round includes its
-drain (once per loop turn in the daemon).  ``--profile SETUP`` runs cProfile over the
+drain (once per loop turn in the daemon).  As in the daemon, ``auto``'s sampled
+references past a request's share wait for the turns after it
+(``kvstore.scheduler.duel_samples``): ``later`` is their work in all, ``slice`` the
+longest turn of it (``--samples-now``: each taken in its request, as before).  ``--profile SETUP`` runs cProfile over the
 rounds of the first policy and size instead and prints the top functions.
 """
 
@@ -62,11 +65,13 @@ def _keys() -> Iterator[list[bytes]]:
 class Bench:
     """A full store, and one timed round after another."""
 
-    def __init__(self, blocks: int, policy: str, setup: str, events: bool) -> None:
+    def __init__(self, blocks: int, policy: str, setup: str, events: bool,
+                 samples_later: bool = True) -> None:
         self.setup = setup
         ssd = blocks * SLOT * 4 if setup != "dram" else 0
         self.store = BlockStore(blocks * SLOT, 1 << 20, eviction_policy=policy,
-                                ssd_capacity=ssd, ssd_slab_bytes=1 << 20)
+                                ssd_capacity=ssd, ssd_slab_bytes=1 << 20,
+                                samples_later=samples_later)
         self.changes = TierChanges() if events else None
         if self.changes is not None:
             self.store.record_changes(self.changes)
@@ -98,12 +103,27 @@ class Bench:
             marks["written"] = time.thread_time()
             r = store.reserve("w", ns, keys, None, 0.0)
         marks["reserved"] = time.thread_time()
+        self._next_request()
         assert isinstance(r, Reservation), r
         fresh = store.commit("w", r.id, 0.0).blocks
         if self.changes is not None:
             self.changes.drain()
         marks["committed"] = time.thread_time()
+        self._next_request()
+        # the sampled references left over, a slice a turn, as the daemon takes them
+        marks["later"] = marks["slice"] = 0.0
+        backlogs = store.backlogs
+        while backlogs is not None and backlogs.waiting:
+            started = time.thread_time()
+            backlogs.catch_up()
+            took = time.thread_time() - started
+            marks["later"] += took
+            marks["slice"] = max(marks["slice"], took)
         return fresh
+
+    def _next_request(self) -> None:
+        if self.store.backlogs is not None:
+            self.store.backlogs.next_request()
 
     def _write_through(self, fresh: list[Block]) -> None:
         """A copy below for every block (the ``clean`` setup), outside the timing."""
@@ -121,6 +141,7 @@ class Bench:
         turns = {"total": m["committed"] - m["start"],
                  "reserve": m["reserved"] - m.get("written", m["start"]),
                  "commit": m["committed"] - m["reserved"],
+                 "later": m["later"], "slice": m["slice"],
                  "plan": m["plan"] - m["start"] if "plan" in m else 0.0,
                  "written": m["written"] - m["plan"] if "plan" in m else 0.0}
         turns["evict"] = turns["total"] - turns["commit"]  # what making room cost
@@ -128,9 +149,9 @@ class Bench:
 
 
 def measure(blocks: int, policy: str, setup: str, events: bool, sizes: list[int],
-            repeat: int) -> dict[int, dict[str, float]]:
+            repeat: int, samples_later: bool = True) -> dict[int, dict[str, float]]:
     """Median CPU seconds of each turn of a round, per size."""
-    bench = Bench(blocks, policy, setup, events)
+    bench = Bench(blocks, policy, setup, events, samples_later)
     out: dict[int, dict[str, float]] = {}
     gc.collect()
     gc.disable()
@@ -163,6 +184,8 @@ def main() -> None:
     parser.add_argument("--events", default="both", choices=("off", "on", "both"))
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--profile", default="", help="a setup to profile instead")
+    parser.add_argument("--samples-now", action="store_true",
+                        help="auto's sampled references all taken in their request")
     args = parser.parse_args()
     blocks = count(args.blocks)
     sizes = [count(s) for s in args.sizes.split(",")]
@@ -172,16 +195,19 @@ def main() -> None:
         profile(blocks, policies[0], args.profile, events[-1], sizes[-1], args.repeat)
         return
     print(f"{'policy':6} {'setup':6} {'events':6} {'N':>5} {'total_ms':>8} {'reserve':>8} "
-          f"{'commit':>8} {'plan':>8} {'written':>8} {'evict_us/victim':>15}")
+          f"{'commit':>8} {'plan':>8} {'written':>8} {'evict_us/victim':>15} "
+          f"{'later':>8} {'slice':>8}")
     for policy in policies:
         for setup in args.setups.split(","):
             for ev in events:
-                figures = measure(blocks, policy, setup, ev, sizes, args.repeat)
+                figures = measure(blocks, policy, setup, ev, sizes, args.repeat,
+                                  not args.samples_now)
                 for n, f in figures.items():
                     print(f"{policy:6} {setup:6} {'on' if ev else 'off':6} {n:5d} "
                           f"{f['total'] * 1e3:8.2f} {f['reserve'] * 1e3:8.2f} "
                           f"{f['commit'] * 1e3:8.2f} {f['plan'] * 1e3:8.2f} "
-                          f"{f['written'] * 1e3:8.2f} {f['evict'] / n * 1e6:15.2f}",
+                          f"{f['written'] * 1e3:8.2f} {f['evict'] / n * 1e6:15.2f} "
+                          f"{f['later'] * 1e3:8.2f} {f['slice'] * 1e3:8.2f}",
                           flush=True)
 
 

@@ -64,10 +64,10 @@ def miniature_hits(trace: Sequence[TraceRequest], capacity: int) -> dict[str, in
     totals = [0] * len(duel._minis)
     elect = duel._elect
 
-    def counted() -> None:  # an election folds the epoch's hits into decayed scores
+    def counted(*then: Any) -> None:  # an election folds the epoch's hits into scores
         for at, mini in enumerate(duel._minis):
             totals[at] += mini.hits
-        elect()
+        elect(*then)
 
     setattr(duel, "_elect", counted)
     replay(trace, PolicyCache(duel, capacity))

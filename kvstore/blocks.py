@@ -18,6 +18,8 @@ from kvstore.block_map import BlockMap
 from kvstore.identity import Identity
 from kvstore.pool import SlabClass, SlabPool
 from kvstore.scheduler.admission import SEEN_MOST
+from kvstore.scheduler.duel_samples import Backlogs
+from kvstore.scheduler.dueling import Duel
 from kvstore.scheduler.eviction import EvictionPolicy, WarmPins, make_policy
 from kvstore.token_ids import TokenRun
 
@@ -316,11 +318,13 @@ class TierSlots:
     """One tier's slab pool and an eviction order per slab class."""
 
     def __init__(self, name: str, capacity: int, slab_bytes: int, alignment: int,
-                 policy: str, clock: Callable[[], float] | None = None) -> None:
+                 policy: str, clock: Callable[[], float] | None = None,
+                 backlogs: Backlogs | None = None) -> None:
         self.name = name
         self.pool = SlabPool(capacity, slab_bytes, alignment)
         self.policy_name = policy
         self.clock = clock  # set: orders support soft pins (kept warm until a time)
+        self.backlogs = backlogs  # set: a duel's sampled references may wait (its docs)
         self.policies: dict[int, EvictionPolicy[Block]] = {}
         self.used: dict[str, int] = {}  # bytes of slots each tenant holds (any state)
         self.pinned: dict[str, int] = {}  # bytes of those pinned (DRAM copies with refs)
@@ -374,6 +378,8 @@ class TierSlots:
             self.policy_name, ghost_key=block_key, name_hash=key_hash,
             links=self.name if self.name in LINKED_TIERS else None)
         policy.expect(self.pool.capacity_bytes // slot_bytes)
+        if self.backlogs is not None and isinstance(policy, Duel):
+            policy.defer_to(self.backlogs)
         if self.clock is not None:
             policy = WarmPins(policy, self.clock)
         return policy

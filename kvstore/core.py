@@ -37,6 +37,7 @@ from kvstore.pool import SlabClass
 from kvstore.errors import ConfigError
 from kvstore.scheduler.admission import SEEN_MOST, PolicyChain, Step
 from kvstore.scheduler.switch import Switch
+from kvstore.scheduler.duel_samples import Backlogs
 from kvstore.tier import Tier
 from kvstore.tier_changes import TierChanges
 from kvstore.token_ids import let_go
@@ -301,6 +302,7 @@ class StoreCore:
         gpu_capacity: int = 0,
         gpu_slab_bytes: int = 64 << 20,
         remote_tier: bool = False,
+        samples_later: bool = False,
     ) -> None:
         self.dram_args = (capacity_bytes, slab_bytes, alignment, eviction_policy)
         self.tenant_quota = tenant_quota  # most bytes of a shared DRAM tier one tenant holds
@@ -310,6 +312,9 @@ class StoreCore:
         self.drams: dict[str, TierSlots] = {}  # one DRAM tier (arena) per tenant, or one for all
         # changes of a DRAM class's eviction policy under way (``set_eviction_policy``)
         self.switches: list[Switch[Block]] = []
+        # ``auto``'s sampled references past a request's share, for the loop's next turns
+        # (``kvstore.scheduler.duel_samples``; None: each taken at once)
+        self.backlogs = Backlogs() if samples_later else None
         self.ssd = (TierSlots(SSD, ssd_capacity, ssd_slab_bytes, 4096, "lru")
                     if ssd_capacity else None)
         if not 1 <= ssd_admit_after <= SEEN_MOST:  # (a block's count stops there)
@@ -405,7 +410,8 @@ class StoreCore:
         name = self.arena_of(tenant)
         tier = self.drams.get(name)
         if tier is None:
-            tier = self.drams[name] = TierSlots(DRAM, *self.dram_args, clock=self.clock)
+            tier = self.drams[name] = TierSlots(DRAM, *self.dram_args, clock=self.clock,
+                                                backlogs=self.backlogs)
         return tier
 
     @property

@@ -5,6 +5,10 @@
 blocks to the new one in steps (``kvstore.scheduler.switch``), the old order's coldest
 first, while requests are served; this takes the steps the requests leave, between
 them.  A second change before the first is through takes the order as it is then.
+
+The same loop turns take what ``auto``'s miniatures were left of a request's sampled
+references (``kvstore.scheduler.duel_samples``): a request takes its share at once,
+the rest wait, a slice a turn, each after the request's reply (``after_request``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from kvstore.blocks import DRAM
+from kvstore.scheduler.duel_samples import A_TURN
 from kvstore.scheduler.eviction import POLICIES, make_policy
 from kvstore.store import BlockStore
 
@@ -48,6 +53,25 @@ class PolicySwitches:
         self.task: asyncio.Task[None] | None = None
         self.done = 0  # changes carried through
         self.last_turns = 0  # loop turns the last one took
+        self._catching_up = False  # a slice of the duels' backlogs is due
+
+    def after_request(self) -> None:
+        """A request was answered: the next one takes its share of the duels' sampled
+        references at once again, and a slice of those left waiting is due."""
+        backlogs = self.store.backlogs
+        if backlogs is not None:
+            backlogs.next_request()
+            if backlogs.waiting and not self._catching_up:
+                self._catching_up = True
+                asyncio.get_running_loop().call_soon(self._catch_up)
+
+    def _catch_up(self) -> None:
+        backlogs = self.store.backlogs
+        assert backlogs is not None
+        if backlogs.catch_up(A_TURN):
+            asyncio.get_running_loop().call_soon(self._catch_up)
+        else:
+            self._catching_up = False
 
     def change(self, name: str, spawn: Spawn) -> None:
         """Order the DRAM classes by ``name`` from now on, if not already (unknown:

@@ -41,7 +41,7 @@ from kvstore.gpu_mover import GpuMover
 from kvstore.heap import settle_every
 from kvstore.invariant_watch import InvariantWatch
 from kvstore.later import Finisher
-from kvstore.logs import in_effect
+from kvstore.logs import configure, in_effect
 from kvstore.metrics import UNAUTHENTICATED, Metrics, stats_on_loop
 from kvstore.moves import Moves
 from kvstore.plans import Plan
@@ -92,7 +92,8 @@ class Server:
                                 ssd_admit_after=config.ssd.admit_after,
                                 tenant_quota=config.tenant_quota,
                                 tenant_weights=config.server.tenant_weights,
-                                remote_tier=bool(config.remote.url or config.remote.backend))
+                                remote_tier=bool(config.remote.url or config.remote.backend),
+                                samples_later=True)  # (``PolicySwitches``)
         self.store.chain = PolicyChain(tuple(config.dram.pressure))  # type: ignore[arg-type]
         self.defer = "defer" in config.dram.pressure
         self.scheduling = {"defers": 0, "defer_timeouts": 0, "rejects": 0,
@@ -348,6 +349,7 @@ class Server:
         if not self.transport.send(routing_id, reply, payload):
             code = "internal"  # (it could not be encoded: an internal error went instead)
         self.store.index.settle()  # a lookup's hits, now its reply is sent (``later``)
+        self.policy_switches.after_request()  # a request's share of ``auto``'s samples
         if code is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("%s failed: %s", verb, code, extra={"rid": rid, "verb": verb,
                                                          "tenant": tenant})
@@ -371,8 +373,6 @@ class Server:
         restart = restart_needed(self.config, new)
         self.config = merge_live(self.config, new)
         self._apply_live()
-        from kvstore.logs import configure
-
         configure(self.config.server.log_level, self.config.server.log_format)
         return restart
 
@@ -488,6 +488,7 @@ _FREES_ROOM = frozenset({"release", "abort", "commit", "evict", "drop", "put", "
 
 def server_stats(server: Server) -> dict[str, Any]:
     """The figures of every part of ``server``: O(tiers), never a walk of blocks."""
+    backlogs = server.store.backlogs
     out: dict[str, Any] = {
         "tiers": server.store.tier_stats(),
         "sessions": len(server.sessions),
@@ -503,6 +504,9 @@ def server_stats(server: Server) -> dict[str, Any]:
                             for policy in dram.policies.values()],
         # a change of policy (SIGHUP) passing the blocks on: blocks passed so far
         "eviction_switch": server.policy_switches.stats(),
+        # auto's sampled references kept for later turns: waiting now, taken so far
+        "eviction_samples": {"waiting": len(backlogs) if backlogs is not None else 0,
+                             "taken_later": backlogs.taken if backlogs is not None else 0},
         "slab_classes": class_stats(server.store),  # slabs per block size, per tier
         "tenant_dram_bytes": {tenant: nbytes for dram in server.store.drams.values()
                               for tenant, nbytes in dram.used.items()},

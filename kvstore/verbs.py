@@ -509,8 +509,8 @@ MAX_COUNTER = (1 << 63) - 1  # where a summed counter stops (msgpack's int64)
 # what a tenant's stats leave out with credentials set, unless it is an operator
 # (``auth.operators``): figures of the whole daemon, which others' requests move
 DAEMON_WIDE = ("tiers", "scheduling", "ssd_io", "gpu", "remote", "events", "before_hello",
-               "replies", "eviction_switch", "side_socket", "invariant_violations",
-               "invariant_checks_forked")
+               "replies", "eviction_switch", "eviction_samples", "side_socket",
+               "invariant_violations", "invariant_checks_forked")
 
 
 def stats_for(d: Daemon, tenant: str) -> dict[str, Any]:

@@ -70,6 +70,7 @@ from operator import attrgetter
 from typing import Any, Generic, Protocol, TypeVar
 
 from kvstore.scheduler.density import HitDensityPolicy
+from kvstore.scheduler.duel_samples import ASK, Backlogs, keep, refer, take
 from kvstore.scheduler.handover import Handover, hand_over_at_once, start_handover
 from kvstore.scheduler.sampling import GOLDEN, MASK64, new_states, sampled_in
 from kvstore.scheduler.sharded import ShardedDict
@@ -363,6 +364,10 @@ class Duel(Generic[T]):
         self._reference = _referencer(len(self._minis))
         self._nodes: ShardedDict[int, _Sampled] = ShardedDict()
         self._lingering: list[_Sampled] = []  # held by none, but referenced this tick
+        # references kept for the miniatures to take later, and the store's duels
+        # with some (None: each taken at once; ``defer_to``)
+        self._backlog: deque[tuple[int, Any, bool, int, int, int, bool]] = deque()
+        self._backlogs: Backlogs | None = None
         self.sample_shift = self._unsampled = self._sample_mask = 0  # (set next)
         _sample_one_in(self, sample_shift)
         # sampled references to the next election: as many as the miniatures hold, within
@@ -434,65 +439,37 @@ class Duel(Generic[T]):
     def _sample(self, key: int, item: T, hit: bool = False) -> None:
         """A reference to a sampled key (its mixed hash's top ``sample_shift`` bits
         zero; the callers test that inline, most keys being out of the sample); ``hit``:
-        whether the real cache held it."""
-        nodes, tick = self._nodes, self._tick
-        shard = nodes.shards[hash(key) % nodes.modulus]  # ``nodes``' get and set, inline
-        node = shard.get(key)
-        if node is None:
-            node = shard[key] = self._node(key, tick)
-            nodes.grown(1)
-            if hit:
-                self.reality.ahead += 1  # the first miniature holds no key without a node
-        elif node.last == tick:
-            return  # the same hit reported again (lookup, then acquire)
-        else:
-            node.last = tick
-            if hit != (node.m0_kids is not None):  # type: ignore[attr-defined]
-                if hit:
-                    self.reality.ahead += 1
-                else:
-                    self.reality.behind += 1
-        if self._lingering:
-            self._lingering = _forget(self._lingering, nodes, tick)
-        minis = self._minis
-        if node.held == len(minis):
-            # every miniature holds it (a hit in each: no room made, no parent asked
-            # for), their ``reference`` inline
-            for mini in minis:
-                mini.hits += 1
-                mini.touch((node,))
-            self._sampled += 1
-            if self._sampled >= self.epoch:
-                self._elect()
-            return
-        # The miniatures hold a 2**-shift sample of a cache of _size items.
-        capacity = max(1, self._size >> self.sample_shift)
-        get = self.parent_of  # the default inline: a frame less a key
-        parent = getattr(item, "parent", None) if get is _parent_attribute else get(item)
-        if parent is None:
-            parent_node = None
-        else:
-            # a tracked parent's state names it: out of the sample (most), it has no node
-            state = self._items.get(parent)
-            if state is None:
-                parent_node = nodes.get(self.name_hash(self.ghost_key(parent)))
-            elif state is True or state is False:
-                parent_node = None
-            else:
-                parent_node = nodes.get(state >> 1)
-        dropped: list[_Sampled] = []
-        self._reference(minis, node, parent_node, capacity, nodes, dropped)
-        for gone in dropped:
-            if not gone.held:  # no miniature holds it: no node, unless stamped this tick
-                if gone.last == tick:
-                    self._lingering.append(gone)
-                else:
-                    del nodes[gone.key]
-        self._sampled += 1
-        if self._sampled >= self.epoch:
-            self._elect()
+        whether the real cache held it.  Taken by the miniatures at once, or kept for a
+        later turn (``kvstore.scheduler.duel_samples``)."""
+        backlogs = self._backlogs
+        if backlogs is not None:
+            if self._backlog or backlogs.allowance <= 0:
+                keep(self, backlogs, key, item, hit)  # (after those kept before it)
+                return
+            backlogs.allowance -= 1
+        refer(self, key, item, ASK, hit, self._tick, self._size, len(self._items),
+              self._evicted)
 
-    def _elect(self) -> None:
+    def parent_of_item(self, item: T) -> T | None:
+        get = self.parent_of  # the default inline: a frame less a key
+        return getattr(item, "parent", None) if get is _parent_attribute else get(item)
+
+    def defer_to(self, backlogs: Backlogs) -> None:
+        """Sampled references past ``backlogs``' allowance wait in a backlog of this
+        duel's until ``backlogs.catch_up`` (the daemon's loop, a slice a turn)."""
+        self._backlogs = backlogs
+
+    def catch_up(self, most: int) -> int:
+        """Up to ``most`` of the references kept taken by the miniatures: how many."""
+        return take(self, most)
+
+    def _elect(self, size: int | None = None, count: int | None = None,
+               evicted: bool | None = None) -> None:
+        """An election, the cache's figures as of the reference that ends the epoch
+        (its most items so far, items now, whether it evicted yet: those now if None)."""
+        size = self._size if size is None else size
+        count = len(self._items) if count is None else count
+        evicted = self._evicted if evicted is None else evicted
         # ``keep`` is per ``longest`` references; the noise threshold is in hits
         keep = self.keep ** (self._sampled / self.longest)
         self._sampled = 0
@@ -500,7 +477,6 @@ class Duel(Generic[T]):
             mini.score = mini.score * keep + mini.hits
             mini.hits = 0
         # the items held now, not the most ever: a cache that shrank may elect again
-        count = len(self._items)
         eligible = [i for i, bound in enumerate(self._most) if bound is None or count <= bound]
         outgrown = bool(eligible) and self._leader not in eligible
         if not eligible:  # every candidate over its bound: the one in charge stays
@@ -511,13 +487,13 @@ class Duel(Generic[T]):
         # longest epoch's references; README: the floors measured), and not while the
         # cache fills (until its first victim the miniatures' few hits are noise).
         # A leader over its bound hands over to the best of the others, however they did.
-        if outgrown or (self._evicted
+        if outgrown or (evicted
                         and lead > self.margin * self._minis[self._leader].score
                         and lead > 0.0025 * self.longest):
             self._take_over(best)
-        if self._leader != 0 and self._evicted and self.reality.lags() and self._take_over(0):
+        if self._leader != 0 and evicted and self.reality.lags() and self._take_over(0):
             self.reality.checks += 1
-        self.epoch = min(self.longest, max(self.shortest, self._size >> self.sample_shift))
+        self.epoch = min(self.longest, max(self.shortest, size >> self.sample_shift))
 
     def _take_over(self, best: int) -> bool:
         """The candidate ``best`` orders the items from now on (False: a hand-over is
@@ -733,15 +709,6 @@ def _sample_one_in(duel: Duel[Any], shift: int) -> None:
             fresh = make()  # (its refresh as made, not as scaled before)
             assert isinstance(fresh, HitDensityPolicy)
             order.refresh = order._next_refresh = max(1, fresh.refresh >> min(shift, EIGHTH))
-
-
-def _forget(lingering: list[_Sampled], nodes: ShardedDict[int, _Sampled],
-            tick: int) -> list[_Sampled]:
-    """Drop the keys no miniature holds whose dedup stamp has passed: those left."""
-    for node in lingering:
-        if not node.held and node.last != tick and nodes.get(node.key) is node:
-            del nodes[node.key]
-    return [node for node in lingering if node.last == tick and not node.held]
 
 
 def _insert_each(duel: Duel[T], items: Iterable[T]) -> None:

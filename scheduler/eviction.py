@@ -581,6 +581,7 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
         self._pinned = {}
         self._gone.clear()
         self._lingering = []
+        self._backlog.clear()  # (its store lets go of it at its next ``catch_up``)
 
 
 _MISSING = object()
