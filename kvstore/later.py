@@ -87,6 +87,7 @@ class Finisher:
         d.sessions.release_bytes(session, sum(len(f) for f in payload))
         d.sessions.counted(session)
         d.transport.send(routing_id, reply, out)
+        d.policy_switches.after_request()  # (as ``Server._on_message`` after a reply)
         if d.metrics is not None:
             d.metrics.observe_request(verb, time.perf_counter() - start, code, tenant)
         if d.debug_invariants:

@@ -33,6 +33,7 @@ from kvstore.gpu_mover import GpuMover
 from kvstore.metrics import Metrics
 from kvstore.moves import Moves
 from kvstore.pending import Later, Pending
+from kvstore.policy_switches import PolicySwitches
 from kvstore.removals import GET_OWNER, Removals
 from kvstore.remote import RemoteTier
 from kvstore.sessions import Session, Sessions
@@ -85,6 +86,8 @@ class Daemon(Protocol):
     def gpu(self) -> GpuMover | None: ...
     @property
     def moves(self) -> Moves: ...
+    @property
+    def policy_switches(self) -> PolicySwitches: ...
     @property
     def events(self) -> EventPublisher | None: ...
     @property

@@ -63,7 +63,12 @@ class Backlogs:
         waiting = self.waiting
         while most > 0 and waiting:
             duel = next(iter(waiting))
-            taken = duel.catch_up(most)
+            try:
+                taken = duel.catch_up(most)
+            except BaseException:  # (a bug) its references go, the others' are taken on
+                duel._backlog.clear()
+                del waiting[duel]
+                raise
             most -= taken
             self.taken += taken
             if not duel._backlog:
@@ -146,6 +151,14 @@ def keep(duel: Any, backlogs: Backlogs, key: int, item: Any, hit: bool) -> None:
     if len(backlog) > BACKLOG_MOST:
         key, *then = backlog.popleft()
         refer(duel, key, None, *then)
+
+
+def kept_whole(duel: Any) -> bool:
+    """Whether the duel's next sampled reference waits, taking none now (so it holds no
+    election: the callers' runs of items go on past it)."""
+    backlogs = duel._backlogs
+    return (backlogs is not None and (bool(duel._backlog) or backlogs.allowance <= 0)
+            and len(duel._backlog) < BACKLOG_MOST)
 
 
 def take(duel: Any, most: int) -> int:

@@ -70,7 +70,7 @@ from operator import attrgetter
 from typing import Any, Generic, Protocol, TypeVar
 
 from kvstore.scheduler.density import HitDensityPolicy
-from kvstore.scheduler.duel_samples import ASK, Backlogs, keep, refer, take
+from kvstore.scheduler.duel_samples import ASK, Backlogs, keep, kept_whole, refer, take
 from kvstore.scheduler.handover import Handover, hand_over_at_once, start_handover
 from kvstore.scheduler.sampling import GOLDEN, MASK64, new_states, sampled_in
 from kvstore.scheduler.sharded import ShardedDict
@@ -454,10 +454,13 @@ class Duel(Generic[T]):
         get = self.parent_of  # the default inline: a frame less a key
         return getattr(item, "parent", None) if get is _parent_attribute else get(item)
 
-    def defer_to(self, backlogs: Backlogs) -> None:
+    def defer_to(self, backlogs: Backlogs | None) -> None:
         """Sampled references past ``backlogs``' allowance wait in a backlog of this
-        duel's until ``backlogs.catch_up`` (the daemon's loop, a slice a turn)."""
+        duel's until ``backlogs.catch_up`` (the daemon's loop, a slice a turn); None:
+        each taken at once from now on, those waiting let go."""
         self._backlogs = backlogs
+        if backlogs is None:
+            self._backlog.clear()  # (its store lets go of it at its next ``catch_up``)
 
     def catch_up(self, most: int) -> int:
         """Up to ``most`` of the references kept taken by the miniatures: how many."""
@@ -563,7 +566,7 @@ class Duel(Generic[T]):
             self._tick = tick + done
             if before + done > self._size:
                 self._size = before + done
-            if self._sampled + 1 < self.epoch and not handing:
+            if (self._sampled + 1 < self.epoch or kept_whole(self)) and not handing:
                 self._sample(name, batch[at])  # no election: the run goes on
                 continue
             # An election may hand the order over: the one in charge holds all so far
@@ -617,7 +620,7 @@ class Duel(Generic[T]):
                 continue
             add(item)  # in the sample: ``state`` is its name's hash, shifted
             put(item, state | 1)
-            if self._sampled + 1 < self.epoch and not handing:
+            if (self._sampled + 1 < self.epoch or kept_whole(self)) and not handing:
                 self._sample(state >> 1, item, True)  # no election: the run goes on
                 continue
             # An election may hand the order over: the one in charge has all so far.
@@ -733,7 +736,7 @@ def _insert_each(duel: Duel[T], items: Iterable[T]) -> None:
             duel._tick = tick
             if len(tracked) + added > duel._size:
                 duel._size = len(tracked) + added
-            if duel._sampled + 1 < duel.epoch:
+            if duel._sampled + 1 < duel.epoch or kept_whole(duel):
                 duel._sample(name, item)  # no election: the run goes on
                 continue
             # An election may hand the order over: the one in charge holds all so far.

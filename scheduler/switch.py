@@ -127,6 +127,9 @@ class Switch(EvictionPolicy[T], Generic[T]):
                  done: Callable[[EvictionPolicy[T]], None]) -> None:
         self.name = new.name
         self.ghost_key = new.ghost_key
+        for part in old.parts() if isinstance(old, Switch) else [old]:
+            if isinstance(part, AutoPolicy):  # leaving charge: its elections count no
+                part.defer_to(None)  # more, and it is let go in steps once drained
         self.old: EvictionPolicy[T] | None = old
         self.new = new
         self._fresh: Queue[T] = queue(links)

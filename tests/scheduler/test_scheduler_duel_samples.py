@@ -11,11 +11,14 @@ from collections.abc import Hashable
 from pathlib import Path
 
 import pytest
+from kvtest import make_identity
 
+from kvstore.keys import chain_keys
 from kvstore.scheduler import duel_samples
 from kvstore.scheduler.duel_samples import A_TURN, Backlogs
 from kvstore.scheduler.eviction import AutoPolicy
 from kvstore.scheduler.sampling import GOLDEN
+from kvstore.store import BlockStore, Reservation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import replay_sim  # noqa: E402  (benchmarks/ is no package)
@@ -160,3 +163,85 @@ def test_a_released_duel_lets_its_backlog_go() -> None:
     assert backlogs.catch_up() is False
     assert not backlogs.waiting and backlogs.taken == 0
 
+
+
+def test_a_duel_switched_away_from_with_references_waiting_is_let_go_cleanly() -> None:
+    # its references kept, then a change of policy in steps that drains and takes the
+    # duel apart while the loop's turns take slices of the backlogs (a KeyError from
+    # the half-dismantled miniatures before: the backlogs never drained again)
+    ident = make_identity()
+    store = BlockStore(512 * ident.block_bytes, 512 * ident.block_bytes,
+                       eviction_policy="auto", clock=lambda: 0.0, samples_later=True)
+    ns, tokens, backlogs = store.open_namespace(ident), ident.block_tokens, store.backlogs
+    assert backlogs is not None
+    for i in range(300):  # a daemon's big commits: past the allowance
+        backlogs.allowance = 0
+        keys = chain_keys(ns.id, list(range(i * 1000, i * 1000 + 8 * tokens)), tokens)
+        r = store.reserve("o", ns, keys, None, 0.0)
+        assert isinstance(r, Reservation)
+        store.commit("o", r.id, 0.0)
+        store.lookup(ns, keys)
+    assert len(backlogs) > 0
+    store.set_eviction_policy("lru")
+    while store.switch_step(256):
+        backlogs.catch_up(1)
+    assert backlogs.catch_up() is False and len(backlogs) == 0
+    store.check_invariants()
+    store.set_eviction_policy("auto")  # and back: the new duel keeps and takes its own
+    for i in range(300, 400):
+        backlogs.allowance = 0
+        keys = chain_keys(ns.id, list(range(i * 1000, i * 1000 + 8 * tokens)), tokens)
+        r = store.reserve("o", ns, keys, None, 0.0)
+        assert isinstance(r, Reservation)
+        store.commit("o", r.id, 0.0)
+        while store.switch_step(256):
+            backlogs.catch_up(1)
+    assert len(backlogs) > 0
+    while backlogs.catch_up():
+        pass
+    store.check_invariants()
+
+
+def test_a_failing_slice_lets_that_duels_references_go_and_the_others_on() -> None:
+    bad, good = _auto(frozen=True, sample_shift=0), _auto(frozen=True, sample_shift=0)
+    backlogs = Backlogs()
+    for duel in (bad, good):
+        duel.defer_to(backlogs)
+        cache = replay_sim.PolicyCache(duel, CAPACITY)
+        backlogs.allowance = 0
+        for request in _trace(7)[:50]:
+            cache.insert(request.hash_ids, cache.lookup(request.hash_ids))
+
+    def broken(most: int) -> int:
+        raise RuntimeError("a bug")
+
+    bad.catch_up = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        backlogs.catch_up()
+    assert list(backlogs.waiting) == [good] and not bad._backlog
+    while backlogs.catch_up():
+        pass
+    assert not good._backlog
+
+
+def test_references_that_wait_do_not_cut_a_commit_into_runs() -> None:
+    # one sampled reference short of an election: the ones that wait hold none, so the
+    # commit's items still go to the order in charge in one call
+    duel = _auto(frozen=True, sample_shift=3)
+    backlogs = Backlogs()
+    duel.defer_to(backlogs)
+    duel.expect(1 << 16)
+    duel.insert_many(list(range(1, 2000)))
+    backlogs.allowance = 0
+    duel._sampled = duel.epoch - 1
+    calls: list[int] = []
+    order = duel._order
+    real = order.insert_many
+
+    def counted(items: list[Hashable]) -> None:
+        calls.append(len(items))
+        real(items)
+
+    order.insert_many = counted  # type: ignore[method-assign]
+    duel.insert_many(list(range(10_000, 14_096)))
+    assert calls == [4096] and len(duel._backlog) > 400
