@@ -10,6 +10,7 @@ one version with itself.
 """
 
 import sys
+from collections.abc import Sequence
 from importlib.machinery import ModuleSpec, PathFinder
 from pathlib import Path
 
@@ -17,21 +18,38 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 
 class _Beside:
-    """Finds ``kvstore.<sub>`` in the folder ``<sub>`` beside this ``kvstore/``."""
+    """Finds ``kvstore.<sub>`` in the folder ``<sub>`` beside this ``kvstore/``, and
+    its modules there only (one missing there is missing, not taken from an installed
+    checkout's folder)."""
 
     subpackages = ("scheduler", "tiers", "kernels", "plugins")
 
     @classmethod
-    def find_spec(cls, fullname: str, path: object = None,
+    def find_spec(cls, fullname: str, path: Sequence[str] | None = None,
                   target: object = None) -> ModuleSpec | None:
-        parent, _, name = fullname.rpartition(".")
-        if parent != "kvstore" or name not in cls.subpackages:
+        parts = fullname.split(".")
+        if len(parts) < 2 or parts[0] != "kvstore" or parts[1] not in cls.subpackages:
             return None
-        return PathFinder.find_spec(fullname, [str(_ROOT)])
+        where = [str(_ROOT)] if len(parts) == 2 else list(path or ())
+        spec = PathFinder.find_spec(fullname, where)
+        if spec is None and len(parts) > 2:
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+        return spec
 
 
-# a source checkout (its pyproject beside), not an installed copy among other packages
-if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "scheduler" / "__init__.py").is_file():
+def _source_checkout() -> bool:
+    """kvstore/ in kvstore's own source tree (its pyproject beside, the subpackages'
+    folders beside, none inside), not an installed copy among an application's files."""
+    project = _ROOT / "pyproject.toml"
+    return (project.is_file() and (_ROOT / "scheduler" / "__init__.py").is_file()
+            and not (_ROOT / "kvstore" / "scheduler").exists()
+            and 'name = "kvstore"' in project.read_text(errors="replace"))
+
+
+if _source_checkout():
+    sys.meta_path[:] = [f for f in sys.meta_path  # (a reload's: one finder, not two)
+                        if getattr(f, "__qualname__", None) != "_Beside"
+                        or getattr(f, "__module__", None) != __name__]
     sys.meta_path.insert(0, _Beside)
 
 from kvstore.aclient import AsyncClient

@@ -225,6 +225,19 @@ def start_handover(old: object, new: object, pinned: list[T],
                     ghost_key, tune, done)
 
 
+def _recalled(names: list[dict[Hashable, None]],
+              kept: list[list[Hashable]]) -> Iterator[Hashable]:
+    """The names not taken out (``names``' shards, ``kept`` each step's, newest first),
+    oldest first, each let go of as it comes (nothing of them left to free in one call
+    at the end).  A function, not a method: its paused frame holds no hand-over, so one
+    cut short while it recalls leaves no cycle for the collector the daemon keeps off."""
+    while kept:
+        step = kept.pop()
+        for name in reversed(step):
+            if names[hash(name) % NAME_SHARDS].pop(name, _ABSENT) is not _ABSENT:
+                yield name
+
+
 class Handover(EvictionPolicy[T], Generic[T]):
     """The order in charge while ``old``'s items pass to ``new`` (see the module doc).
 
@@ -308,7 +321,7 @@ class Handover(EvictionPolicy[T], Generic[T]):
         most = self._pass_pinned(most)
         if not self._pinned and self._recall is None:  # every item in the new order
             self._tune()  # at the real cache's size, now the new order's
-            self._recall = self._recalled()
+            self._recall = _recalled(self._names, self._kept)
         if most > 0 and self._recall_ghosts() and not self._litter:
             self.finished = True
             self._seen = set()
@@ -389,16 +402,6 @@ class Handover(EvictionPolicy[T], Generic[T]):
         for item in batch:
             new.pin(item)
         return 0 if pinned else most - len(batch)
-
-    def _recalled(self) -> Iterator[Hashable]:
-        """The names not taken out, oldest first, each let go of as it comes (nothing
-        of them left to free in one call at the end)."""
-        names, kept = self._names, self._kept
-        while kept:
-            step = kept.pop()
-            for name in reversed(step):
-                if names[hash(name) % NAME_SHARDS].pop(name, _ABSENT) is not _ABSENT:
-                    yield name
 
     def _recall_ghosts(self) -> bool:
         """An eighth of ``NAMES_A_STEP`` of the names left as the new order's ghosts,

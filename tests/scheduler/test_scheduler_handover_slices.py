@@ -369,3 +369,43 @@ def test_a_reality_check_refused_during_a_hand_over_is_not_counted(
     cache.duel.reality.behind = 1000
     cache.duel._elect()
     assert cache.duel.reality.checks == 1 and cache.duel.leader == "lru"
+
+
+def test_a_hand_over_let_go_while_it_recalls_its_ghosts_leaves_no_cycle(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # released in its last phase (the victims' names recalled as ghosts a few a step,
+    # many steps at a big cache): freed by reference counting alone, as the daemon's
+    # collector never walks what it froze (a generator method's paused frame held it)
+    import gc
+
+    monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)
+
+    def alive() -> int:
+        return sum(type(o) is Handover for o in gc.get_objects())
+
+    gc.collect()
+    before = alive()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        rng = random.Random(1)
+        cache = _Cache(2000, False)
+        take_over = cache.duel._take_over
+        monkeypatch.setattr(cache.duel, "_take_over", lambda best: False)  # no election
+        for _ in range(30_000):
+            cache.put([rng.randrange(20_000)])
+        take_over(CANDIDATES.index("slru"))
+        order = cache.duel._order
+        assert isinstance(order, Handover)
+        while order._recall is None:
+            cache.put([rng.randrange(20_000)])
+        for _ in range(20):
+            cache.put([rng.randrange(20_000)])
+        assert not order.finished, "the recall ended: the test tests nothing"
+        del order
+        cache.duel.release()
+        del cache, take_over
+        assert alive() == before
+    finally:
+        if was:
+            gc.enable()
