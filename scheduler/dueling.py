@@ -394,6 +394,7 @@ class Duel(Generic[T]):
         # the latest victims' names, oldest first, about twice the cache's size (made at
         # the first eviction, remade as it doubles): a new order's ghosts (``recall``)
         self._gone: deque[Hashable] = deque(maxlen=1)
+        self._aside: deque[Hashable] | None = None  # the later ones, while a hand-over reads
         # The store's blocks know their parent; other items (the replay's ids) have it
         # set here by their cache.
         self.parent_of: Callable[[T], T | None] = parent_of or _parent_attribute
@@ -511,9 +512,13 @@ class Duel(Generic[T]):
         learned = self._minis[best].order
         tune = partial(order.adopt_tuning, learned, scale)
         pinned = list(self._pinned)  # no table of every item: at millions, a spike of its size
-        sliced = None if len(self._order) <= HANDOVER_AT_ONCE else start_handover(
+        # in slices: the names read where they are, later victims' kept aside meanwhile
+        self._aside = deque() if len(self._order) > HANDOVER_AT_ONCE else None
+        sliced = None if self._aside is None else start_handover(
             self._order, order, pinned, self._items.get, self._gone, self.ghost_key, tune,
-            partial(setattr, self, "_order"))  # in charge once it holds every item
+            partial(setattr, self, "_order"), self._names_read)  # in charge once it holds
+        if sliced is None:  # every item
+            self._aside = None
         if sliced is None:
             hand_over_at_once(self._order, order, pinned, self._items.get, self._gone,
                               self.ghost_key, self._let_go, tune)
@@ -660,15 +665,22 @@ class Duel(Generic[T]):
         return victim
 
     def _remember(self, victims: Sequence[T]) -> None:
-        """The victims' names among the latest (about twice the cache's size)."""
+        """The victims' names among the latest (about twice the cache's size); aside
+        while a hand-over reads those before them."""
         gone = self._gone
         share = RECALL_SHARE * self._size
         if gone.maxlen is not None and gone.maxlen < min(share, RECALL_MOST):
             # the first eviction, or a cache that doubled: a copy, once per doubling
             most = min(1 << (share - 1).bit_length(), RECALL_MOST)
             gone = self._gone = deque(gone, maxlen=most)
-        gone.extend(map(self.ghost_key, victims))
+        (gone if self._aside is None else self._aside).extend(map(self.ghost_key, victims))
         self._evicted = True
+
+    def _names_read(self) -> None:
+        """The hand-over has read the names: those kept aside meanwhile join them."""
+        aside, self._aside = self._aside, None
+        if aside:
+            self._gone.extend(aside)
 
     def pop_victims(self, allowed: Callable[[T], bool], count: int,
                     take: Callable[[T], object]) -> list[T]:

@@ -580,6 +580,7 @@ class AutoPolicy(Duel[T], EvictionPolicy[T]):
         self._minis, self._nodes, self._items = [], ShardedDict(), MapStates()
         self._pinned = {}
         self._gone.clear()
+        self._aside = None
         self._lingering = []
         self._backlog.clear()  # (its store lets go of it at its next ``catch_up``)
 

@@ -409,3 +409,33 @@ def test_a_hand_over_let_go_while_it_recalls_its_ghosts_leaves_no_cycle(
     finally:
         if was:
             gc.enable()
+
+
+@pytest.mark.parametrize("linked", [False, True])
+def test_the_victims_while_a_hand_over_reads_the_names_join_them_after(
+        monkeypatch: pytest.MonkeyPatch, linked: bool) -> None:
+    # the names are read where they lie, a few a step: the victims meanwhile are kept
+    # aside and join them once read, so the duel's names are always its latest victims
+    monkeypatch.setattr(dueling, "HANDOVER_AT_ONCE", 0)
+    monkeypatch.setattr(handover, "NAMES_A_STEP", 4)
+    monkeypatch.setattr(handover, "BURST", 1)
+    rng = random.Random(5)
+    cache = _Cache(150, linked)
+    take_over = cache.duel._take_over
+    monkeypatch.setattr(cache.duel, "_take_over", lambda best: False)  # no election
+    _life(cache, rng, 400)
+    for to in ("slru", "density", "arc", "lru"):
+        if cache.duel.leader == to:
+            continue
+        take_over(CANDIDATES.index(to))
+        order = cache.duel._order
+        assert isinstance(order, Handover) and cache.duel._aside is not None
+        reading = before = len(cache.victims)
+        while isinstance(cache.duel._order, Handover):
+            _life(cache, rng, 1)
+            if cache.duel._aside is not None:
+                reading = len(cache.victims)
+        assert cache.duel._aside is None
+        assert reading > before, "no victim while the names were read: nothing tested"
+        gone = list(cache.duel._gone)
+        assert gone == cache.victims[-len(gone):]
