@@ -3,16 +3,17 @@
 Each sampled reference (``Duel._sample``) costs each miniature a reference of its own,
 room made first: about 9 us of CPU a sampled key with ``auto``'s four candidates, a
 cache of 64k blocks (``benchmarks/evict_hold.py``).  A commit of 4096 new blocks is 512
-of them, 4.8 of the 7.5 ms such a commit held the daemon's loop (its events off).  The daemon's store
-takes a request's first ``Backlogs.allowance`` sampled references at once (every
-request of a replay: its decisions are its simulator's) and keeps the rest in the duel's
-backlog, in order, for the loop's next turns (``Backlogs.catch_up``, a slice a turn,
-each after the request's reply is sent); whatever the duel is asked meanwhile, its
-miniatures take the references in the order they came, with the tick, the cache's size
-and the parent they had then, so they end as they would have at once: only the
-elections they hold come a turn or a few later.  ``BACKLOG_MOST`` bounds a backlog (past
-it, the oldest reference is taken at once).  Without ``Backlogs`` (the simulator, an
-in-process store) every reference is taken at once.
+of them, 4.8 of the 7.5 ms such a commit held the daemon's loop (its events off).  The
+daemon's store takes a request's first ``Backlogs.allowance`` sampled references at
+once (every request of a replay: its decisions are its simulator's) and keeps the rest
+in the duel's backlog, in order, for the loop's next turns (``Backlogs.catch_up``, a
+slice a turn, each after the request's reply is sent); whatever the duel is asked
+meanwhile, its miniatures take the references in the order they came, with the tick,
+the cache's size and count, whether it had evicted yet and the parent they had then,
+so they end as they would have at once: only the elections they hold come a turn or a
+few later.  ``BACKLOG_MOST`` bounds a backlog (past it, the oldest reference is taken at
+once).  Without ``Backlogs`` (the simulator, an in-process store) every reference is
+taken at once; a duel leaving charge (a change of policy) takes each at once again.
 
 Pure: the duel's attributes are read by name (``kvstore.scheduler.dueling`` imports
 this module, not the other way round).
