@@ -38,6 +38,8 @@ BACKLOG_MOST = 4096
 A_TURN = 64
 
 ASK = object()  # ``refer``'s parent: the item's, asked for at once
+# a reference kept: key, parent, hit, tick, the cache's most items, its items, evicted yet
+Kept = tuple[int, Any, bool, int, int, int, bool]
 
 
 class Backlogs:
@@ -144,7 +146,7 @@ def refer(duel: Any, key: int, item: Any, parent: Any, hit: bool, tick: int,
 def keep(duel: Any, backlogs: Backlogs, key: int, item: Any, hit: bool) -> None:
     """A sampled reference kept in ``duel``'s backlog, with its parent as it is now;
     past ``BACKLOG_MOST`` the oldest kept is taken at once."""
-    backlog: deque[tuple[int, Any, bool, int, int, int, bool]] = duel._backlog
+    backlog: deque[Kept] = duel._backlog
     if not backlog:
         backlogs.waiting[duel] = None
     backlog.append((key, duel.parent_of_item(item), hit, duel._tick, duel._size,

@@ -70,7 +70,7 @@ from operator import attrgetter
 from typing import Any, Generic, Protocol, TypeVar
 
 from kvstore.scheduler.density import HitDensityPolicy
-from kvstore.scheduler.duel_samples import ASK, Backlogs, keep, kept_whole, refer, take
+from kvstore.scheduler.duel_samples import ASK, Backlogs, Kept, keep, kept_whole, refer, take
 from kvstore.scheduler.handover import Handover, hand_over_at_once, start_handover
 from kvstore.scheduler.sampling import GOLDEN, MASK64, new_states, sampled_in
 from kvstore.scheduler.sharded import ShardedDict
@@ -366,7 +366,7 @@ class Duel(Generic[T]):
         self._lingering: list[_Sampled] = []  # held by none, but referenced this tick
         # references kept for the miniatures to take later, and the store's duels
         # with some (None: each taken at once; ``defer_to``)
-        self._backlog: deque[tuple[int, Any, bool, int, int, int, bool]] = deque()
+        self._backlog: deque[Kept] = deque()
         self._backlogs: Backlogs | None = None
         self.sample_shift = self._unsampled = self._sample_mask = 0  # (set next)
         _sample_one_in(self, sample_shift)
@@ -516,10 +516,9 @@ class Duel(Generic[T]):
         self._aside = deque() if len(self._order) > HANDOVER_AT_ONCE else None
         sliced = None if self._aside is None else start_handover(
             self._order, order, pinned, self._items.get, self._gone, self.ghost_key, tune,
-            partial(setattr, self, "_order"), self._names_read)  # in charge once it holds
-        if sliced is None:  # every item
+            partial(setattr, self, "_order"), self._names_read)  # (in charge once it
+        if sliced is None:                                     # holds every item)
             self._aside = None
-        if sliced is None:
             hand_over_at_once(self._order, order, pinned, self._items.get, self._gone,
                               self.ghost_key, self._let_go, tune)
         self._order = order if sliced is None else sliced
