@@ -162,7 +162,7 @@ class _HandOverCalls(Generic[T]):
 
     _entries: dict[T, _Entry] | ShardedDict[T, _Entry]
     _queues: list[Queue[T]]
-    _aside: dict[T, _Entry]
+    _aside: dict[T, _Entry] | ShardedDict[T, _Entry]
     _later: dict[object, list[T]]
     parent_of: Callable[[T], object]
 
@@ -223,7 +223,13 @@ class _HandOverCalls(Generic[T]):
         if entry is not None:
             self.remove(item)
             entry.parent, entry.up = None, None  # its own parent's, made again
-            self._aside[item] = entry
+            aside = self._aside
+            if type(aside) is dict and not aside and isinstance(self._entries, ShardedDict):
+                # the store's order: sharded too (a hand-over to it at a million blocks
+                # set aside up to 95k entries, and one dict of them grew in single
+                # calls of 2.5 ms: ``benchmarks/eviction_cost.py --handover 1M``)
+                aside = self._aside = ShardedDict()
+            aside[item] = entry
 
     def end_aside(self) -> None:
         """Forget the entries set aside and not back (their items left)."""
@@ -289,7 +295,7 @@ class HitDensityPolicy(_HandOverCalls[T], EvictionPolicy[T]):
         self._size = 0  # the most items tracked at once: the cache size, once full
         self.refreshes = 0
         # items out for a while (``set_aside``), their entries kept for their return
-        self._aside: dict[T, _Entry] = {}
+        self._aside: dict[T, _Entry] | ShardedDict[T, _Entry] = {}
         # Items inserted since the last victim or hit whose parents were not tracked, by
         # parent, linked if those come (``link_late``): a duel splits an insert at its
         # sampled keys, and a hand-over in slices leaves the rest of its call here.
