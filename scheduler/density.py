@@ -227,7 +227,9 @@ class _HandOverCalls(Generic[T]):
             if type(aside) is dict and not aside and isinstance(self._entries, ShardedDict):
                 # the store's order: sharded too (a hand-over to it at a million blocks
                 # set aside up to 95k entries, and one dict of them grew in single
-                # calls of 2.5 ms: ``benchmarks/eviction_cost.py --handover 1M``)
+                # calls of 2.5 ms: ``benchmarks/eviction_cost.py --handover 1M``); made
+                # here, and a dict again at ``end_aside``, so that the inserts' test of
+                # it is a dict's, in C, but while a hand-over runs
                 aside = self._aside = ShardedDict()
             aside[item] = entry
 
