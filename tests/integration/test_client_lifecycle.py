@@ -166,7 +166,9 @@ def test_two_threads_on_one_client_are_refused_never_mixed(daemon_factory: Any) 
                     got = ns.get(keys)
                     served[0] += 1
                     if got != [value, value]:
-                        wrong.append(f"thread {me} got another's blocks")
+                        # what came, to tell a short reply from another call's blocks
+                        wrong.append(f"thread {me} got another's blocks: "
+                                     f"{[(len(b), b[:1]) for b in got]}")
                 except KVStoreError as exc:
                     if "another thread" in str(exc):
                         refused[0] += 1
