@@ -89,6 +89,9 @@ class Client(SessionCore):
         self._early: dict[int, Received] = {}  # replies that came before the one awaited
         # requests sent whose replies ``_wait`` will read: only theirs are kept in _early
         self._awaited: set[int] = set()
+        # held while a reply is filed (``_file``), and by a refused ``_wait`` while it
+        # looks for its reply in ``_early`` or gives it up: never both at once
+        self._filing = threading.Lock()
         self._routers: dict[tuple[str, ...], Router] = {}  # connections of route()
         # held while a thread sends or receives: a second thread is refused, not let
         # into the same socket (ZeroMQ's sockets are not thread-safe: two threads'
@@ -161,9 +164,11 @@ class Client(SessionCore):
         try:
             if not self._send_frames(header, frames, wait):
                 return False
+            # awaited before another thread may read its reply (added after the socket
+            # was let go, a reply read by then was dropped: its caller timed out)
+            self._awaited.add(req.rid)
         finally:
             self._io.release()
-        self._awaited.add(req.rid)
         return True
 
     def _send_frames(self, header: bytes, frames: list[Any] | None = None,
@@ -253,10 +258,15 @@ class Client(SessionCore):
                 raise KVStoreError("the client is closed")
             try:
                 self._claim()
-            except KVStoreError:  # what its reply holds, if it comes, goes back
-                self._abandon(rid)
+            except KVStoreError:
+                with self._filing:  # the thread reading may be filing its reply now
+                    if rid in self._early:  # filed since: it is this call's
+                        return self._early.pop(rid)
+                    self._abandon(rid)  # what its reply holds, if it comes, goes back
                 raise
             try:
+                if rid in self._early:  # filed by another thread since the check above
+                    return self._early.pop(rid)
                 return self._receive_for(rid)
             finally:
                 self._io.release()
@@ -297,6 +307,10 @@ class Client(SessionCore):
     def _file(self, received: Received) -> None:
         """Keep a reply that came before the one awaited; drop a posted request's, and
         give back what a reply to one given up on holds."""
+        with self._filing:
+            self._file_under_lock(received)
+
+    def _file_under_lock(self, received: Received) -> None:
         reply = received[0]
         self._heard(reply)
         if reply.rid in self._abandoned:

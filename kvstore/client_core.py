@@ -21,6 +21,7 @@ payload, is sent each reply, and returns the result.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
@@ -151,7 +152,9 @@ class SessionCore:
         self._handshake = ""  # its credentials in the handshake: "ticket", "token" or none
         self._token = _token(token)
         self._curve = curve or _curve_from_env()
-        self._last_rid = 0  # the last request id given: a reply to a later one is none
+        # request ids, one after another: ``next`` of a count is one step in C, never
+        # the same id to two threads (``+=`` on an attribute is a read and a write)
+        self._rids = itertools.count(1)
         self.hello: p.HelloReply | None = None
         # Whether commits and puts carry token ids, as the daemon's last reserve, put or
         # batch reply said (it wants them while someone hears its events)
@@ -172,8 +175,7 @@ class SessionCore:
         self._holding = 0  # reservations and pins held (a goodbye would drop them in use)
 
     def _next_rid(self) -> int:
-        self._last_rid += 1
-        return self._last_rid
+        return next(self._rids)
 
     # -- whether this client can still ask ------------------------------------------------
     @property
@@ -542,10 +544,19 @@ class NamespaceCore(Generic[S]):
         out: list[bytes] = []
         per = _per(self.block_bytes, c.max_keys, c.max_request_bytes)
         for start in range(0, len(keys), per):
-            received = yield (p.Get(c._next_rid(), self.id, list(keys[start:start + per])),
-                              _NO_PAYLOAD)
+            part = list(keys[start:start + per])
+            received = yield (p.Get(c._next_rid(), self.id, part), _NO_PAYLOAD)
             reply = check_reply(received[0], p.GetReply)
-            blocks = [f.bytes for f in received[1]]
+            frames = received[1]
+            if (reply.blocks != len(part) or len(frames) != len(part)
+                    or any(len(f) != self.block_bytes for f in frames)):
+                # a daemon answers a get whole or with an error: not a short list, which
+                # its caller would take for the blocks of the keys it asked for
+                raise KVStoreError(
+                    f"a get of {len(part)} blocks of {self.block_bytes} bytes was answered "
+                    f"with {len(frames)} frames of "
+                    f"{sorted({len(f) for f in frames})} bytes ({reply.blocks} announced)")
+            blocks = [f.bytes for f in frames]
             if verify_sums:
                 verify(blocks, reply.checksums)
             out.extend(blocks)

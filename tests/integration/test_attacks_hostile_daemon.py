@@ -21,6 +21,7 @@ from kvstore import AsyncClient, Client
 from kvstore import protocol as p
 from kvstore.errors import KVStoreError, UnavailableError
 from kvstore.router import Router
+from kvtest import make_identity
 
 
 def too_deep(rid: int) -> bytes:
@@ -38,7 +39,7 @@ def nan_probe(rid: int) -> bytes:
 
 
 @contextmanager
-def hostile(answer: Callable[[p.Message], bytes | None]) -> Iterator[str]:
+def hostile(answer: Callable[[p.Message], bytes | list[bytes] | None]) -> Iterator[str]:
     """An endpoint that answers each request with ``answer(request)``, as long as the
     block lasts."""
     ctx = zmq.Context()
@@ -51,7 +52,9 @@ def hostile(answer: Callable[[p.Message], bytes | None]) -> Iterator[str]:
             if sock.poll(20):
                 peer, header = sock.recv_multipart()[:2]
                 reply = answer(p.request_decoder.decode(header))
-                if reply is not None:
+                if isinstance(reply, list):  # a header and payload frames
+                    sock.send_multipart([peer, *reply])
+                elif reply is not None:
                     sock.send_multipart([peer, reply])
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -144,3 +147,35 @@ def test_replies_to_other_requests_do_not_hold_a_caller_past_its_timeout() -> No
         thread.join()
         sock.close(linger=0)
         ctx.term()
+
+
+@pytest.mark.parametrize("frames", [[], [b"\x01" * 8192], [b"\x01" * 8192, b"\x01" * 100]])
+def test_a_get_answered_short_or_with_wrong_sizes_is_an_error_not_blocks(
+        frames: list[bytes]) -> None:
+    # the client took whatever frames came for the blocks of the keys it asked for
+    identity = make_identity()
+
+    def answer(request: p.Message) -> bytes | list[bytes] | None:
+        rid = request.rid  # type: ignore[attr-defined]
+        if isinstance(request, p.Hello):
+            return p.encoder.encode(p.HelloReply(rid, p.PROTOCOL_VERSION, "s", "acme", "",
+                                                 0, 30.0, 4096, 1 << 26))
+        if isinstance(request, p.OpenNamespace):
+            return p.encoder.encode(p.NamespaceReply(rid, b"n" * 16, identity.block_bytes,
+                                                     identity.block_bytes))
+        if isinstance(request, p.Get):
+            return [p.encoder.encode(p.GetReply(rid, len(request.keys))), *frames]
+        return None
+
+    with hostile(answer) as endpoint:
+        with Client(endpoint, tenant="acme", timeout=5, map_arena=False) as c:
+            ns = c.namespace(identity)
+            with pytest.raises(KVStoreError, match="a get of 2 blocks"):
+                ns.get(ns.keys(range(2 * identity.block_tokens)), verify=False)
+
+        async def scenario() -> None:
+            async with AsyncClient(endpoint, tenant="acme", timeout=5, map_arena=False) as ac:
+                ans = await ac.namespace(identity)
+                with pytest.raises(KVStoreError, match="a get of 2 blocks"):
+                    await ans.get(ans.keys(range(2 * identity.block_tokens)), verify=False)
+        asyncio.run(scenario())

@@ -159,7 +159,11 @@ def test_two_threads_on_one_client_are_refused_never_mixed(daemon_factory: Any) 
             i = 0
             while time.monotonic() < deadline:
                 i += 1
-                keys = ns.keys(range(me * 10**6 + i * 64, me * 10**6 + i * 64 + 32))
+                # the threads' keys never meet (each thread's runs of 32 tokens odd or
+                # even: one thread refused runs far ahead of the other, and with a fixed
+                # offset between them its keys came to be the other's, cached already)
+                start = (2 * i + me) * 32
+                keys = ns.keys(range(start, start + 32))
                 value = bytes([me]) * IDENT.block_bytes
                 try:
                     ns.put(keys, [value, value])
