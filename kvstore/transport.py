@@ -238,11 +238,19 @@ class Transport:
         tcp = [e for e in endpoints if e.startswith("tcp://")]
         tcp_kind = ("curve" if auth.curve_enabled
                     else "token" if auth.secret is not None else "open")
-        if tcp and tcp_kind == "open" and auth.gated:
-            log.warning("%s: tcp endpoints take no credentials under auth.peer_tenants "
-                        "alone (any peer may connect and send; every hello is refused): "
-                        "set auth.secret_file (tokens) or auth.curve_secret_key_file "
-                        "(CurveZMQ) to gate them in the handshake", ", ".join(tcp))
+        if tcp and tcp_kind == "open":
+            # ZeroMQ takes a message in whole, every frame of it, before the daemon sees
+            # it: MAXMSGSIZE bounds a frame, not their number (a peer without a session
+            # sent 16 frames of 255 MiB, and the daemon held 7.7 GiB until it could drop
+            # them); nothing but the handshake keeps such a peer out
+            log.warning("%s: tcp endpoints take no credentials%s (any peer that reaches "
+                        "them may connect and send, and ZeroMQ reads a message whole, up "
+                        "to server.max_request_bytes a frame and any number of frames, "
+                        "before the daemon can drop it): set auth.secret_file (tokens) or "
+                        "auth.curve_secret_key_file (CurveZMQ) to gate them in the "
+                        "handshake", ", ".join(tcp),
+                        " under auth.peer_tenants alone (every hello is refused)"
+                        if auth.gated else "")
         # ipc endpoints on sockets of their own: their peers' uids are known (peer_uid)
         groups: list[tuple[str, list[str]]] = [
             ("gated" if auth.gated else "open", ipc),

@@ -353,6 +353,16 @@ def test_a_probe_gives_a_tenant_no_daemon_wide_figures(daemon_factory: Any,
         assert seen.bandwidth == configured and seen.queue_seconds == 0.0, seen
 
 
+def test_a_tcp_endpoint_without_credentials_is_warned_of(daemon_factory: Any) -> None:
+    # ZeroMQ reads a message whole before the daemon can drop it: only the handshake
+    # keeps a stranger's frames out of its memory
+    d = daemon_factory(tcp=True)
+    assert "tcp endpoints take no credentials (any peer" in d.log()
+    assert "any number of frames" in d.log()
+    quiet = daemon_factory()  # ipc alone: nothing to warn of
+    assert "take no credentials" not in quiet.log()
+
+
 def test_peer_tenants_alone_leave_tcp_open_and_say_so(daemon_factory: Any,
                                                       tmp_path: Path) -> None:
     config = tmp_path / "peer.toml"
