@@ -366,7 +366,11 @@ class SessionCore:
                 arena = map_handed_arena(self.endpoint, self.hello.session,
                                          path[len(MEMFD_PREFIX):], size, self.timeout)
             else:
-                arena = map_arena(path, size)
+                try:
+                    arena = map_arena(path, size)
+                except (OSError, ValueError) as exc:  # a path or size no arena has
+                    raise KVStoreError(f"cannot map the daemon's arena {path!r} of {size} "
+                                       f"bytes: {exc}") from exc
             mapped = self._maps[path] = (arena, memoryview(arena))
         return mapped[1]
 

@@ -179,3 +179,17 @@ def test_a_get_answered_short_or_with_wrong_sizes_is_an_error_not_blocks(
                 with pytest.raises(KVStoreError, match="a get of 2 blocks"):
                     await ans.get(ans.keys(range(2 * identity.block_tokens)), verify=False)
         asyncio.run(scenario())
+
+
+def test_an_arena_that_cannot_be_mapped_is_a_typed_error() -> None:
+    # an arena path no file has: FileNotFoundError reached the caller of the constructor
+    def answer(request: p.Message) -> bytes | None:
+        if isinstance(request, p.Hello):
+            return p.encoder.encode(p.HelloReply(
+                request.rid, p.PROTOCOL_VERSION, "s", "acme", "/nonexistent/arena", 1 << 20,
+                30.0, 4096, 1 << 26))
+        return None
+
+    with hostile(answer) as endpoint:
+        with pytest.raises(KVStoreError, match="cannot map the daemon's arena"):
+            Client(endpoint, tenant="acme", timeout=5)
