@@ -551,16 +551,15 @@ class NamespaceCore(Generic[S]):
             part = list(keys[start:start + per])
             received = yield (p.Get(c._next_rid(), self.id, part), _NO_PAYLOAD)
             reply = check_reply(received[0], p.GetReply)
-            frames = received[1]
-            if (reply.blocks != len(part) or len(frames) != len(part)
-                    or any(len(f) != self.block_bytes for f in frames)):
+            blocks = [f.bytes for f in received[1]]
+            if (reply.blocks != len(part) or len(blocks) != len(part)
+                    or any(len(b) != self.block_bytes for b in blocks)):
                 # a daemon answers a get whole or with an error: not a short list, which
                 # its caller would take for the blocks of the keys it asked for
                 raise KVStoreError(
                     f"a get of {len(part)} blocks of {self.block_bytes} bytes was answered "
-                    f"with {len(frames)} frames of "
-                    f"{sorted({len(f) for f in frames})} bytes ({reply.blocks} announced)")
-            blocks = [f.bytes for f in frames]
+                    f"with {len(blocks)} frames of "
+                    f"{sorted({len(b) for b in blocks})} bytes ({reply.blocks} announced)")
             if verify_sums:
                 verify(blocks, reply.checksums)
             out.extend(blocks)
