@@ -133,6 +133,9 @@ class Switch(EvictionPolicy[T], Generic[T]):
         self.old: EvictionPolicy[T] | None = old
         self.new = new
         self._fresh: Queue[T] = queue(links)
+        # the attribute naming the list an item is on, where the orders keep them in
+        # links (the store's): an item on none, and not pinned, is held by no order
+        self._owner = None if links is None else f"{links}_order"
         self._pinned: dict[T, None] = {}
         self._pinned_before: list[T] | None = list(pinned)
         self._is_pinned = is_pinned
@@ -168,6 +171,13 @@ class Switch(EvictionPolicy[T], Generic[T]):
         if self._is_pinned(item):  # pinned before the switch, still in ``old``'s pins
             self._take(item)
             self._pinned[item] = None
+            return
+        owner = self._owner
+        if owner is not None and getattr(item, owner) is None:
+            # on no order's list and pinned in none: not the orders' to hold (a block
+            # being demoted, or written back): ignored, as every order ignores an item
+            # it does not hold (taken into ``fresh``, such a block was a victim again
+            # while its write ran, and one pinned meanwhile stayed evictable)
             return
         fresh = self._fresh
         if item in fresh:

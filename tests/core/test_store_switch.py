@@ -7,7 +7,7 @@ import pytest
 from kvtest import make_identity
 
 from kvstore.keys import chain_keys
-from kvstore.store import BlockStore
+from kvstore.store import BlockStore, Plan
 
 IDENT = make_identity()
 
@@ -69,3 +69,45 @@ def test_an_admission_count_a_block_cannot_reach_is_refused() -> None:
     for most in (0, 8):
         with pytest.raises(ConfigError, match="ssd_admit_after"):
             BlockStore(8 * IDENT.block_bytes, 8 * IDENT.block_bytes, ssd_admit_after=most)
+
+
+@pytest.mark.parametrize("policy", ["slru", "arc", "density", "auto"])
+@pytest.mark.parametrize("hit", ["lookup", "acquire"])
+def test_a_block_being_demoted_and_hit_during_a_switch_stays_off_the_order(
+        policy: str, hit: str) -> None:
+    """A block whose write to SSD is under way is off every order; a lookup's hit on
+    it while a switch went was taken into the switch's order: the block was a victim
+    again while its first write ran (a second write of it, whose end failed the
+    store's assertions), and one pinned meanwhile stayed evictable."""
+    slot, slots = 4096, 16
+    store = BlockStore(slots * slot, slots * slot, eviction_policy="lru",
+                       clock=lambda: 0.0, ssd_capacity=4 * slots * slot,
+                       ssd_slab_bytes=slots * slot)
+    ns = store.open_namespace(make_identity(num_layers=1, num_kv_heads=1, head_dim=8))
+    bt = ns.identity.block_tokens
+    full = chain_keys(ns.id, [1] * (bt * slots), bt)  # fills DRAM
+    r = store.reserve("s", ns, full, None, 0.0)
+    store.commit("s", r.id, 0.0)  # type: ignore[union-attr]
+    store.lookup(ns, full)  # seen twice: admitted to SSD when evicted
+    store.set_eviction_policy(policy)  # SIGHUP: carried through in steps
+    plan = store.reserve("s", ns, chain_keys(ns.id, [2] * (bt * 4), bt), None, 0.0)
+    assert isinstance(plan, Plan) and plan.demote, plan
+    first, _ = store.ssd_copies.reserve(plan.demote)  # the write to SSD under way
+    assert store.switches, "the switch is still under way"
+    pin = None
+    if hit == "lookup":
+        store.lookup(ns, full)
+    else:
+        pin = store.acquire("s", ns, full, 0.0)
+    store.check_invariants()
+    later = store.reserve("s", ns, chain_keys(ns.id, [3] * (bt * 4), bt), None, 0.0)
+    if isinstance(later, Plan):
+        assert not set(later.demote) & set(plan.demote), "a block demoted twice at once"
+        store.ssd_copies.reserve(later.demote)
+    store.ssd_copies.finish_write(first, [object()] * len(first.blocks))
+    store.check_invariants()
+    if pin is not None:
+        store.release("s", pin.id)  # type: ignore[union-attr]
+    while store.switch_step(4):
+        store.check_invariants()
+    store.check_invariants()
