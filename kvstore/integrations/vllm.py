@@ -41,7 +41,10 @@ wait for them before vLLM may write its pages (for at most the daemon's ``timeou
 then they are given up, later misses).  A block that
 cannot be loaded — evicted since the lookup, daemon gone — is reported by
 ``get_block_ids_with_load_errors``, so vLLM recomputes it (policy ``recompute``) or
-fails the request (``fail``) instead of serving wrong KV.  Saves are best-effort: one
+fails the request (``fail``) instead of serving wrong KV; and no block of that request
+is saved from then on until it finishes: the step that failed to load computed its
+later tokens on pages never filled, and a block those completed, stored, was served
+wrong to every later request that loaded it.  Saves are best-effort: one
 that fails, or finds the sender's queue full, is a later cache miss.
 
 Roles: ``kv_producer`` engines look up (to skip what the store holds) and save, never
@@ -152,6 +155,7 @@ def engine_pages(tensors: Sequence[torch.Tensor], group: Group) -> EnginePages:
 STATS = ("lookups", "hit_tokens", "prefetches", "offers", "offers_declined",
          "declined_tokens", "rate_refreshes", "loaded_blocks", "load_failed_blocks",
          "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
+         "saves_after_failed_load",          # saves not sent: their request's load failed
          "lookup_us", "load_us", "save_us",  # time in the engine's steps, and of load_us
          "acquire_wait_us",                  # the time spent waiting for pins
          "layerwise_steps")                  # steps whose loads went layer by layer
@@ -173,9 +177,11 @@ def plan_loads(transfers: Sequence[Transfer], layers: dict[int, EnginePages],
 
 
 def count_loads(transfers: Sequence[Transfer], outcome: dict[str, Loaded],
-                stats: dict[str, int], link: DaemonLink) -> set[int]:
+                stats: dict[str, int], link: DaemonLink,
+                failed_requests: set[str] | None = None) -> set[int]:
     """Count a step's loads as ``StepLoads.pin`` left them (a daemon error goes to
-    ``link``); the pages of the blocks that could not be loaded."""
+    ``link``); the pages of the blocks that could not be loaded (their requests added
+    to ``failed_requests``)."""
     not_loaded: set[int] = set()
     for t in transfers:
         loaded = outcome.get(f"{t.req_id}/{t.group}")
@@ -187,6 +193,8 @@ def count_loads(transfers: Sequence[Transfer], outcome: dict[str, Loaded],
             logger.warning("kvstore: %d of %d blocks of request %s could not be loaded",
                            len(failed), len(t.block_ids), t.req_id)
             not_loaded.update(failed)
+            if failed_requests is not None:
+                failed_requests.add(t.req_id)
         stats["loaded_blocks"] += blocks
         stats["load_failed_blocks"] += len(failed)
     return not_loaded
@@ -375,6 +383,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layerwise_fits = False
         self._layers_unasked: set[str] | None = None
         self._load_errors: set[int] = set()
+        # requests a load of failed, until they finish: none of their blocks is saved
+        # (the step computed past the pages not loaded, on what those pages held)
+        self._loads_failed: set[str] = set()
+        self._unsent: set[str] = set()  # ... whose saves vLLM planned were not sent
         self._step_loads: StepLoads | None = None
         self._settled = SettledLoads()   # copies done, pins to release at the next step
         self._posted_loads: tuple[KVConnectorMetadata, StepLoads] | None = None
@@ -499,7 +511,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.stats["load_calls"] += loads.calls
         self.stats["acquire_wait_us"] += int(loads.waited_s * 1e6)
         # vLLM recomputes the blocks not loaded (or fails their requests), never reads them
-        self._load_errors |= count_loads(meta.loads, outcome, self.stats, self._link)
+        self._load_errors |= count_loads(meta.loads, outcome, self.stats, self._link,
+                                         self._loads_failed)
         if self._layer_index and self._layer_by_layer():
             loads.start_layers()
             self._step_loads = loads
@@ -558,6 +571,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
         for t in meta.saves:
+            if t.req_id in self._loads_failed:  # computed on pages never filled
+                self.stats["saves_after_failed_load"] += 1
+                self._unsent.add(t.req_id)  # vLLM holds it for a save: none goes
+                continue
             group, pages = _group_of(self._groups, t.group), self._layers[t.group]
             if self._sender is None:  # copied and stored now, in the step
                 save_now(self._namespace(group, t.variant, self._tp_rank), t,
@@ -569,12 +586,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
+        self._loads_failed -= finished_req_ids
+        unsent = self._unsent & finished_req_ids
+        self._unsent -= unsent
         if self._sender is None:
             return None, None
         self._finished_saving |= finished_req_ids & self._saving
         done = self._sender.take_finished(self._finished_saving)
         self._finished_saving -= done
         self._saving -= done
+        # held by vLLM for saves that were not sent (its load failed), none sent before:
+        # nothing to wait for
+        done |= unsent - self._saving - self._finished_saving
         self.stats.update(self._sender.stats)
         return done or None, None
 

@@ -24,6 +24,8 @@ from kvstore import Client
 BLOCK = 32                                        # tokens per block (vllm_run.BLOCK)
 PROMPT_P = list(range(3, 103))                    # 100 tokens: 3 reusable blocks
 PROMPT_Q = [(7 * i) % 500 + 3 for i in range(150)]  # 150 tokens: 4 reusable blocks
+PROMPT_S = [(11 * i) % 480 + 5 for i in range(128)]  # 128 tokens: 4 blocks
+PROMPT_ST = PROMPT_S + [(13 * i) % 470 + 9 for i in range(100)]  # 228: 7 blocks
 
 
 def engine_run(tmp: Path, name: str, model: Path, requests: list[dict[str, Any]],
@@ -57,13 +59,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             {"prompt": PROMPT_P, "lora": True},
             {"prompt": PROMPT_Q, "evict_before_load": True},
         ], daemon.endpoint, tenant)
+        # A load that fails in a step that completes later blocks of its request: those
+        # were computed on pages never filled, and stored they were served wrong to the
+        # next request that loaded them.  S's 4 blocks are saved; S+T's load of them fails
+        # (evicted after the lookup) in the step that computes T's 3 blocks; S is saved
+        # again; then S+T loads what the daemon holds.
+        reset = {"reset_prefix_cache": True}
+        out["poison"] = engine_run(tmp, "poison", model, [
+            {"prompt": PROMPT_S},
+            {"prompt": PROMPT_ST, "evict_before_load": True, **reset},
+            {"prompt": PROMPT_S, **reset},
+            {"prompt": PROMPT_ST, **reset},
+        ], daemon.endpoint, tenant)
 
     def without_a_daemon() -> None:
         # (a model of its own: the lanes run side by side, and each writes its model
         # on first use; the seeded weights are the same)
         own = tmp / "tiny-llama-b"
         out["baseline"] = engine_run(tmp, "baseline", own, [{"prompt": PROMPT_P},
-                                                             {"prompt": PROMPT_Q}])
+                                                             {"prompt": PROMPT_Q},
+                                                             {"prompt": PROMPT_ST}])
         # A daemon that is not up when the engine starts: the engine starts, serves (no
         # hit) and gives the same outputs.
         late = DaemonProcess(tmp / "late")
@@ -83,7 +98,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 def test_first_engine_computes_and_saves(runs: dict[str, Any]) -> None:
     first, baseline = runs["first"], runs["baseline"]
     assert [r["external_tokens"] for r in first["results"]] == [0, 0]
-    assert [r["output"] for r in first["results"]] == [r["output"] for r in baseline["results"]]
+    assert [r["output"] for r in first["results"]] == [
+        r["output"] for r in baseline["results"][:2]]
     # P: 100 prompt + 12 generated tokens fill 3 blocks; Q: 150 + 12 fill 5.
     assert first["worker"]["saved_blocks"] == 3 + 5
     assert first["worker"]["save_failures"] == 0
@@ -120,6 +136,19 @@ def test_blocks_lost_before_the_load_are_reported_and_recomputed(
     assert lost["external_tokens"] == 4 * BLOCK  # offered by the lookup...
     assert runs["second"]["worker"]["load_failed_blocks"] == 4  # ...gone by the load
     assert lost["output"] == runs["baseline"]["results"][1]["output"]  # vLLM recomputed
+
+
+def test_blocks_computed_past_a_failed_load_are_never_saved(runs: dict[str, Any]) -> None:
+    saved, failed, again, loaded = runs["poison"]["results"]
+    want = runs["baseline"]["results"][2]["output"]
+    assert saved["external_tokens"] == 0
+    assert failed["external_tokens"] == 4 * BLOCK  # S offered, gone by the load
+    assert failed["output"] == want  # vLLM recomputed the step
+    # S's blocks alone were in the daemon: T's, computed past the failed load, were not
+    # saved (before, all 7 were offered and the answer came from T's wrong KV)
+    assert loaded["external_tokens"] == 4 * BLOCK
+    assert loaded["output"] == want
+    assert runs["poison"]["worker"]["saves_after_failed_load"] >= 1
 
 
 def test_the_scheduler_connects_at_start_and_a_daemon_not_up_fails_no_start(

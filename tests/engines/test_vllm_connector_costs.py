@@ -13,6 +13,7 @@ CHECKS = ["a_namespace_id_is_hashed_once_per_group_and_variant",
           "a_staged_cache_block_size_is_its_pages_bytes",
           "a_step_that_loads_starts_held_saves_once_its_blocks_are_copied",
           "a_preempted_request_saves_are_still_waited_for_in_a_step_that_loads",
+          "a_request_whose_load_failed_sends_no_save_and_is_let_go_at_its_end",
           "layerwise_is_true_false_or_auto",
           "auto_goes_layer_by_layer_once_every_layer_was_asked_for"]
 

@@ -115,6 +115,16 @@ class SenderStub:
         self.go()
         return True
 
+    def submit(self, job: object, after_step: bool) -> None:
+        self.order.append("submit")
+
+    def take_finished(self, tags: set[str] | None = None) -> set[str]:
+        return set()  # (no job ever ends here)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {}
+
 
 @dataclass
 class LoadsStub:
@@ -155,10 +165,13 @@ def worker(order: list[str]) -> tuple[KVStoreConnector, SenderStub]:
     connector._step_loads = None
     connector._posted_loads = None
     connector._load_errors = set()
+    connector._loads_failed = set()
+    connector._unsent = set()
     connector._layer_index = {}
     sender = SenderStub(order)
     connector._sender = sender  # type: ignore[assignment]
     connector._saving = set()
+    connector._finished_saving = set()
     connector._opts = OptionsStub()  # type: ignore[assignment]
     link = type("Link", (), {"settings": type("Settings", (), {"timeout": 1.0})})()
     connector._link = link
@@ -194,6 +207,24 @@ def check_a_preempted_request_saves_are_still_waited_for_in_a_step_that_loads() 
     step(connector, KVStoreConnectorMetadata(loads=[load("r1")], preempted={"old"}))
     assert sender.waited == [{"old"}]  # its pages are vLLM's again: its saves end first
     assert order == ["go", "pinned", "copied", "go"], order  # wait_for lets them go
+
+def check_a_request_whose_load_failed_sends_no_save_and_is_let_go_at_its_end() -> None:
+    # its later blocks were computed on pages never filled; stored, every request that
+    # loaded them was served wrong KV.  vLLM holds the request for the saves it planned:
+    # with none sent, it is let go as it finishes
+    order: list[str] = []
+    connector, _ = worker(order)
+    step(connector, KVStoreConnectorMetadata(loads=[load("r1")]))  # nothing pinned: failed
+    assert connector.get_block_ids_with_load_errors() == {7}
+    connector.bind_connector_metadata(KVStoreConnectorMetadata(saves=[load("r1")]))
+    order.clear()
+    connector.wait_for_save()
+    assert "submit" not in order and connector.stats["saves_after_failed_load"] == 1
+    assert connector.get_finished(set()) == (None, None)  # still running: held
+    assert connector.get_finished({"r1"}) == ({"r1"}, None)
+    assert connector.get_finished({"r1"}) == (None, None)  # once
+    assert not connector._loads_failed and not connector._unsent
+
 
 def check_layerwise_is_true_false_or_auto() -> None:
     def parse(value: object) -> bool | None:

@@ -5,7 +5,9 @@ test_engine_vllm.py.  ``--model DIR`` is a tiny Llama, written first if DIR does
 exist (config and seeded random weights, no tokenizer, and a LoRA adapter in DIR-lora).
 ``--requests`` names a JSON list of requests run in order, one ``generate`` call each:
 ``{"prompt": [token ids] (or "prompts": a list of them, run in one call), "cache_salt":
-str, "lora": bool, "evict_before_load": bool, "kill_daemon": "load" | "save"}``;
+str, "lora": bool, "evict_before_load": bool, "kill_daemon": "load" | "save",
+"reset_prefix_cache": bool}``; ``reset_prefix_cache`` empties vLLM's own prefix cache
+first (the request's prefix then comes from the daemon, or is computed);
 ``evict_before_load`` makes the daemon drop the request's blocks between the scheduler's
 lookup and the worker's load, as a concurrent eviction would; ``kill_daemon`` kills the
 daemon (``--daemon-pid``) right before the worker's next load or background save.
@@ -197,6 +199,8 @@ def run(args: argparse.Namespace) -> dict:
                 prompt["cache_salt"] = req["cache_salt"]
         EVICT_NEXT_LOAD = bool(req.get("evict_before_load"))
         KILL_DAEMON_AT = req.get("kill_daemon", "")
+        if req.get("reset_prefix_cache") and not llm.reset_prefix_cache():
+            raise SystemExit("vLLM did not empty its prefix cache")
         before = dict(scheduler_connector.stats) if scheduler_connector else {}
         worker_before = dict(worker.stats) if worker else {}
         outs = llm.generate(prompts, sampling, use_tqdm=False,
