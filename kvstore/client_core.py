@@ -45,6 +45,8 @@ from kvstore.client_wire import (
     _token,
     check_reply,
     checksum,
+    got_blocks,
+    map_named_arena,
     verify,
 )
 from kvstore.config import client_endpoint
@@ -61,7 +63,6 @@ from kvstore.tiers.arena_fds import (
     side_path,
     tcp_credentials,
 )
-from kvstore.tiers.dram import map_arena
 
 T = TypeVar("T")
 ResT = TypeVar("ResT")
@@ -152,8 +153,7 @@ class SessionCore:
         self._handshake = ""  # its credentials in the handshake: "ticket", "token" or none
         self._token = _token(token)
         self._curve = curve or _curve_from_env()
-        # request ids, one after another: ``next`` of a count is one step in C, never
-        # the same id to two threads (``+=`` on an attribute is a read and a write)
+        # request ids: ``next`` of a count is one step in C, never one id to two threads
         self._rids = itertools.count(1)
         self.hello: p.HelloReply | None = None
         # Whether commits and puts carry token ids, as the daemon's last reserve, put or
@@ -366,11 +366,7 @@ class SessionCore:
                 arena = map_handed_arena(self.endpoint, self.hello.session,
                                          path[len(MEMFD_PREFIX):], size, self.timeout)
             else:
-                try:
-                    arena = map_arena(path, size)
-                except (OSError, ValueError) as exc:  # a path or size no arena has
-                    raise KVStoreError(f"cannot map the daemon's arena {path!r} of {size} "
-                                       f"bytes: {exc}") from exc
+                arena = map_named_arena(path, size)
             mapped = self._maps[path] = (arena, memoryview(arena))
         return mapped[1]
 
@@ -551,15 +547,7 @@ class NamespaceCore(Generic[S]):
             part = list(keys[start:start + per])
             received = yield (p.Get(c._next_rid(), self.id, part), _NO_PAYLOAD)
             reply = check_reply(received[0], p.GetReply)
-            blocks = [f.bytes for f in received[1]]
-            if (reply.blocks != len(part) or len(blocks) != len(part)
-                    or any(len(b) != self.block_bytes for b in blocks)):
-                # a daemon answers a get whole or with an error: not a short list, which
-                # its caller would take for the blocks of the keys it asked for
-                raise KVStoreError(
-                    f"a get of {len(part)} blocks of {self.block_bytes} bytes was answered "
-                    f"with {len(blocks)} frames of "
-                    f"{sorted({len(b) for b in blocks})} bytes ({reply.blocks} announced)")
+            blocks = got_blocks(reply, received[1], len(part), self.block_bytes)
             if verify_sums:
                 verify(blocks, reply.checksums)
             out.extend(blocks)

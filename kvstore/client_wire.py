@@ -5,6 +5,7 @@ one request may carry.  ``kvstore.client_core`` builds the verbs on it.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -214,6 +215,33 @@ def check_reply(reply: p.Message, expected: type[R]) -> R:
     if isinstance(reply, p.ErrorReply):
         raise error_from_code(reply.code, reply.message)
     raise KVStoreError(f"expected a {expected.__name__}, got {type(reply).__name__}")
+
+
+def got_blocks(reply: p.GetReply, frames: Sequence[Any], count: int,
+               block_bytes: int) -> list[bytes]:
+    """The bytes of a get reply's ``count`` blocks, or KVStoreError: a daemon answers a
+    get whole or with an error, never with a short list, which its caller would take for
+    the blocks of the keys it asked for."""
+    blocks = [f.bytes for f in frames]
+    if (reply.blocks != count or len(blocks) != count
+            or any(len(b) != block_bytes for b in blocks)):
+        raise KVStoreError(
+            f"a get of {count} blocks of {block_bytes} bytes was answered with "
+            f"{len(blocks)} frames of {sorted({len(b) for b in blocks})} bytes "
+            f"({reply.blocks} announced)")
+    return blocks
+
+
+def map_named_arena(path: str, size: int) -> mmap.mmap:
+    """A mapping of the arena a daemon named by its path, or KVStoreError (a path or
+    size no arena has: the open's OSError reached the caller before)."""
+    from kvstore.tiers.dram import map_arena
+
+    try:
+        return map_arena(path, size)
+    except (OSError, ValueError) as exc:
+        raise KVStoreError(f"cannot map the daemon's arena {path!r} of {size} bytes: "
+                           f"{exc}") from exc
 
 
 def checksum(block: Any) -> int:
