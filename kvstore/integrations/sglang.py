@@ -278,9 +278,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             self._staging = host.get_dummy_flat_data_page()
         staging = self._staging
 
+        step = _index_step(host)
+
         def copy(i: int, slot: memoryview) -> None:
             _copy_into(staging, slot)
-            host.set_from_flat_data_page(int(host_indices[i * host.page_size]), staging)
+            host.set_from_flat_data_page(int(host_indices[i * step]), staging)
 
         loaded = self._read(keys, copy)
         return [True] * loaded + [False] * (len(keys) - loaded)
@@ -315,7 +317,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         host = self.mem_pool_host
-        pages = [host.get_data_page(int(host_indices[i * host.page_size]), flat=True)
+        step = _index_step(host)
+        pages = [host.get_data_page(int(host_indices[i * step]), flat=True)
                  for i in range(len(keys))]
         prefix = extra_info.prefix_keys if extra_info is not None else None
         return self._store(keys, pages, prefix[-1] if prefix else None)
@@ -344,6 +347,14 @@ def _page_bytes(page: torch.Tensor) -> memoryview:
     if flat.device.type != "cpu":
         flat = flat.cpu()
     return flat.view(torch.uint8).numpy().data
+
+def _index_step(host: Any) -> int:
+    """How many of ``host_indices`` a page spans: SGLang's cache controller passes one
+    index per token of a logical page, which under decode context parallelism
+    (``dcp_size`` > 1) is ``dcp_size`` physical pages wide (its pool's ``page_size``); a
+    page's data is read and written at its logical start (stepping by the physical size
+    named the middle of a logical page, which the pool refuses)."""
+    return int(getattr(host, "logical_page_size", host.page_size))
 
 
 def _copy_into(target: torch.Tensor, slot: memoryview) -> None:

@@ -62,6 +62,30 @@ class HostPool:
             2, self.layer_num, self.page_size, self.head_num, self.head_dim)
 
 
+class DcpPool(HostPool):
+    """A host pool under decode context parallelism (``dcp_size`` 2), as SGLang's MLA
+    pool is: its cache controller passes one index per token of a logical page, twice
+    the pool's ``page_size`` (its rows), and the page accessors take a logical page's
+    start alone (``pool_host/mla.py``), its row index halved."""
+
+    dcp_size = 2
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.logical_page_size = self.page_size * self.dcp_size
+
+    def _row(self, index: int) -> int:
+        if index < 0 or index % self.logical_page_size:
+            raise ValueError("DCP L3 page start must be a nonnegative logical page boundary.")
+        return index // self.dcp_size
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return super().get_data_page(self._row(index), flat)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        super().set_from_flat_data_page(self._row(index), data_page)
+
+
 def backend(endpoint: str, tenant: str, pool: HostPool, tp_rank: int = 0, tp_size: int = 1):
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
@@ -114,6 +138,18 @@ def writer(endpoint: str, tenant: str) -> dict[str, object]:
     # Another tensor-parallel rank keeps its own head shard: no hit.
     checks["other_rank_exists"] = backend(endpoint, tenant, pool, 1, 2).batch_exists(keys)
     store.close()
+    # Decode context parallelism: three logical pages from logical page 0, read back at
+    # logical pages 4..6 (the backend stepped by the rows' page size: the second page's
+    # index was mid logical page, and every set and get raised).
+    dcp = DcpPool(seed=3)
+    dstore = backend(endpoint, tenant + "-dcp", dcp)
+    width = dcp.logical_page_size
+    checks["dcp_set_v1"] = dstore.batch_set_v1(
+        keys[:3], torch.arange(0, 3 * width), HiCacheStorageExtraInfo(prefix_keys=None))
+    checks["dcp_get_v1"] = dstore.batch_get_v1(keys[:3], torch.arange(4 * width, 7 * width))
+    checks["dcp_bytes_equal"] = bool(torch.equal(dcp.kv_buffer[:, :, 4 * PAGE:7 * PAGE],
+                                                 dcp.kv_buffer[:, :, 0:3 * PAGE]))
+    dstore.close()
     return checks
 
 

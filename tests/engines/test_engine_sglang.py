@@ -40,6 +40,10 @@ def test_hicache_backend_round_trip(daemon_factory: Callable[..., DaemonProcess]
     assert written["get_bytes_equal"] and written["get_missing"]
     assert written["exists_all"] == 6
     assert written["other_rank_exists"] == 0
+    # decode context parallelism: a logical page is two of the pool's pages wide
+    assert written["dcp_set_v1"] == [True] * 3
+    assert written["dcp_get_v1"] == [True] * 3
+    assert written["dcp_bytes_equal"]
 
     read = sglang_run("reader", daemon, tenant)  # another process, another session
     assert read["exists"] == 6
