@@ -51,7 +51,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvstore.client import Namespace
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, UnavailableError
 from kvstore.identity import DTYPE_BYTES, Identity
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
@@ -199,7 +199,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         self._extra = dict(storage_config.extra_config or {})
         self._link = DaemonLink(DaemonSettings.from_extra(self._extra, timeout=10.0))
-        self._link.connect()  # a wrong endpoint fails here, not at every call
+        try:
+            self._link.connect()  # a refused tenant or token fails here, not at every call
+        except UnavailableError as exc:
+            # a daemon not up (yet: a sidecar started after the engine): SGLang starts,
+            # and every call is a miss until a connect made in the background gets
+            # through (tried again after the link's back-off), as vLLM's connector does;
+            # this failed SGLang's start before
+            logger.warning("kvstore HiCache storage: %s; starting without the daemon, "
+                           "connecting in the background", exc)
+            self._link.connect_in_background()
         # HiCache calls from its backup and prefetch threads; the link (one client, one
         # socket) is not thread-safe, so one thread at a time uses it
         self._lock = threading.RLock()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 # This checkout's kvstore (a script's directory, not the working one, starts sys.path).
@@ -86,14 +87,15 @@ class DcpPool(HostPool):
         super().set_from_flat_data_page(self._row(index), data_page)
 
 
-def backend(endpoint: str, tenant: str, pool: HostPool, tp_rank: int = 0, tp_size: int = 1):
+def backend(endpoint: str, tenant: str, pool: HostPool, tp_rank: int = 0, tp_size: int = 1,
+            **extra: object):
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
         attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
         is_page_first_layout=False, model_name="tiny-llama",
         extra_config={"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
                       "class_name": "KVStoreHiCacheStorage", "interface_v1": 1,
-                      "endpoint": endpoint, "tenant": tenant})
+                      "endpoint": endpoint, "tenant": tenant, **extra})
     storage = StorageBackendFactory.create_backend("dynamic", config, pool)
     storage.register_mem_pool_host(pool)  # what SGLang's cache controller does next
     return storage
@@ -171,13 +173,29 @@ def reader(endpoint: str, tenant: str) -> dict[str, object]:
     return checks
 
 
+def late(endpoint: str, tenant: str) -> dict[str, object]:
+    """A daemon not up when SGLang starts: the backend is made (its connect failed
+    SGLang's start before), and every call is a miss."""
+    pool = HostPool(seed=1)
+    started = time.monotonic()
+    store = backend(endpoint, tenant, pool, timeout=1)
+    keys = page_keys()
+    checks: dict[str, object] = {"made": True, "exists": store.batch_exists(keys)}
+    checks["set_v1"] = store.batch_set_v1(keys[:2], pages(0, 2),
+                                          HiCacheStorageExtraInfo(prefix_keys=None))
+    checks["get_v1"] = store.batch_get_v1(keys[:2], pages(4, 2))
+    checks["seconds"] = time.monotonic() - started
+    store.close()
+    return checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--role", choices=["writer", "reader"], required=True)
+    parser.add_argument("--role", choices=["writer", "reader", "late"], required=True)
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--tenant", required=True)
     args = parser.parse_args()
-    run = writer if args.role == "writer" else reader
+    run = {"writer": writer, "reader": reader, "late": late}[args.role]
     print(json.dumps(run(args.endpoint, args.tenant)))
 
 

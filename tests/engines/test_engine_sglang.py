@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from daemon_proc import DaemonProcess
@@ -50,3 +51,13 @@ def test_hicache_backend_round_trip(daemon_factory: Callable[..., DaemonProcess]
     assert read["get_v1"] == [True] * 6
     assert read["bytes_equal"] and read["batch_get_bytes_equal"]
     assert read["other_tenant_exists"] == 0
+
+
+def test_a_daemon_not_up_fails_no_sglang_start(tmp_path: Path) -> None:
+    # SGLang's start failed with the backend's connect; now it starts, and its calls
+    # miss until a connect made in the background gets through, as vLLM's connector does
+    late = DaemonProcess(tmp_path / "late")  # never started
+    run = sglang_run("late", late, f"sglang-{uuid.uuid4().hex[:8]}")
+    assert run["made"] and run["exists"] == 0
+    assert run["set_v1"] == [False, False] and run["get_v1"] == [False, False]
+    assert run["seconds"] < 10
