@@ -63,6 +63,25 @@ def _try_acquire(ns: Namespace, keys: Sequence[bytes]) -> Held | None:
         return None
 
 
+def _acquire_parts(ns: Namespace, keys: Sequence[bytes]) -> list[tuple[int, Held]] | None:
+    """Pin every key's block, one acquire per ``max_keys`` of the daemon's (an acquire of
+    more keys than a request may name was refused whole): ``(start, pin)`` each; None,
+    nothing held, if any is not cached."""
+    per = max(1, ns.client.max_keys)
+    parts: list[tuple[int, Held]] = []
+    try:
+        for start in range(0, len(keys), per):
+            held = _try_acquire(ns, keys[start:start + per])
+            if held is None:
+                release_all(h for _, h in parts)
+                return None
+            parts.append((start, held))
+    except BaseException:
+        release_all(h for _, h in parts)
+        raise
+    return parts
+
+
 def acquire_prefix(ns: Namespace, keys: Sequence[bytes]) -> Held | None:
     """Pin the longest cached prefix of ``keys``: one acquire when all are cached, else a
     lookup and an acquire of its hits.  None when nothing is (or stayed) cached."""
@@ -85,9 +104,8 @@ def acquire_runs(ns: Namespace, keys: Sequence[bytes]) -> list[tuple[int, Held]]
         while i < len(keys):
             hits = ns.lookup(keys[i:]).blocks
             if hits:
-                held = _try_acquire(ns, keys[i:i + hits])
-                if held is not None:
-                    runs.append((i, held))
+                parts = _acquire_parts(ns, keys[i:i + hits])
+                runs += [(i + start, held) for start, held in parts or ()]
             i += hits + 1
     except BaseException:
         release_all(held for _, held in runs)
@@ -113,14 +131,14 @@ def read_blocks(ns: Namespace, keys: Sequence[bytes],
     """
     copied = 0
     try:
-        held = _try_acquire(ns, keys) if keys else None
-        if held is not None:
-            pinned = [(0, held)]
+        whole = _acquire_parts(ns, keys) if keys else []
+        if whole is not None:
+            pinned = whole
         elif runs:
             pinned = acquire_runs(ns, keys)
-        else:
-            prefix = acquire_prefix(ns, keys)
-            pinned = [(0, prefix)] if prefix is not None else []
+        else:  # the longest cached prefix
+            hits = ns.lookup(keys).blocks
+            pinned = (_acquire_parts(ns, keys[:hits]) or []) if hits else []
     except KVStoreError as exc:
         return Loaded(0, exc)
     try:
@@ -494,32 +512,37 @@ def reload_prefix(ns: Namespace, keys: Sequence[bytes], pages: EnginePages,
 def store_missing(ns: Namespace, keys: Sequence[bytes],
                   fill: Callable[[Sequence[memoryview], int], None], *,
                   parent: bytes | None = None, lookup: bool = True) -> Stored:
-    """Store the blocks of ``keys`` the namespace lacks, in one reservation.
+    """Store the blocks of ``keys`` the namespace lacks, in one reservation (one per
+    ``max_keys`` of the daemon's, in order, where they are more: a reserve of more keys
+    than a request may name was refused whole, and nothing was stored).
 
     One lookup finds the cached leading keys (``lookup=False`` skips it, for keys not
     chained to each other, or known to be missing); ``fill(slots, first)`` writes the
-    blocks of ``keys[first:]`` into the reserved slots; then commit.  ``parent`` is the
-    key before ``keys[0]``; a parent evicted since starts a chain of its own.
+    blocks of ``keys[first:first + len(slots)]`` into the reserved slots; then commit.
+    ``parent`` is the key before ``keys[0]``; a parent evicted since starts a chain of
+    its own.
     """
-    hits = 0
+    hits = done = created = 0
     try:
         if lookup:
             hits = ns.lookup(keys).blocks
-        if hits == len(keys):
-            return Stored(hits)
-        todo = keys[hits:]
-        first_parent = keys[hits - 1] if hits else parent
-        try:
-            reservation = ns.reserve(todo, parent=first_parent)
-        except NotFoundError:
-            if first_parent is None:
-                raise
-            reservation = ns.reserve(todo, parent=None)
-        with reservation as r:
-            fill(r.buffers, hits)
-            created = r.commit()
+        done = hits
+        per = max(1, ns.client.max_keys)
+        while done < len(keys):
+            todo = keys[done:done + per]
+            first_parent = keys[done - 1] if done else parent
+            try:
+                reservation = ns.reserve(todo, parent=first_parent)
+            except NotFoundError:
+                if first_parent is None:
+                    raise
+                reservation = ns.reserve(todo, parent=None)
+            with reservation as r:
+                fill(r.buffers, done)
+                created += r.commit()
+            done += len(todo)
     except KVStoreError as exc:
-        return Stored(hits, 0, exc)
+        return Stored(done, created, exc)
     return Stored(len(keys), created)
 
 
@@ -529,8 +552,8 @@ def offload_missing(ns: Namespace, pages: EnginePages, page_ids: Sequence[int],
     namespace lacks: one lookup, then one batched gather of just those pages."""
     if len(page_ids) != len(keys):
         raise ValueError(f"{len(keys)} keys but {len(page_ids)} page ids")
-    return store_missing(ns, keys, lambda slots, first: pages.gather(page_ids[first:], slots),
-                         parent=parent)
+    return store_missing(ns, keys, lambda slots, first: pages.gather(
+        page_ids[first:first + len(slots)], slots), parent=parent)
 
 
 # A local checkpoint's fingerprint reads each weight file at this many places, this much

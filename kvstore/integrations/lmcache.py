@@ -365,7 +365,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
                 def fill(slots: Sequence[memoryview], first: int,
                          part: list[int] = part, sizes: list[int] = sizes) -> None:
-                    for buf, i, size in zip(slots, part, sizes):
+                    for buf, i, size in zip(slots, part[first:], sizes[first:]):
                         _HEADER.pack_into(buf, 0, _MAGIC, size)
                         buf[_HEADER.size:_HEADER.size + size] = _bytes_of(objects[i])
 

@@ -195,7 +195,7 @@ def job_bytes(source: Staged | InPages) -> int:
 
 
 def _fill_from_pages(source: InPages, slots: Sequence[memoryview], first: int) -> None:
-    source.pages.copy_into(source.page_ids[first:], slot_rows(slots))
+    source.pages.copy_into(source.page_ids[first:first + len(slots)], slot_rows(slots))
 
 
 class SaveJob(NamedTuple):

@@ -189,13 +189,34 @@ def late(endpoint: str, tenant: str) -> dict[str, object]:
     return checks
 
 
+def split(endpoint: str, tenant: str) -> dict[str, object]:
+    """A daemon whose requests name at most 4 keys: SGLang's batches of 6 pages are
+    stored and read back all the same (refused whole before: nothing was stored)."""
+    pool = HostPool(seed=1)
+    store = backend(endpoint, tenant, pool)
+    keys = page_keys()
+    checks: dict[str, object] = {}
+    checks["set_v1"] = store.batch_set_v1(keys, pages(0, 6),
+                                          HiCacheStorageExtraInfo(prefix_keys=None))
+    checks["exists"] = store.batch_exists(keys)
+    checks["get_v1"] = store.batch_get_v1(keys, pages(8, 6))
+    checks["bytes_equal"] = bool(torch.equal(pool.kv_buffer[:, :, 8 * PAGE:14 * PAGE],
+                                             pool.kv_buffer[:, :, 0:6 * PAGE]))
+    got = store.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    checks["batch_get_bytes_equal"] = all(
+        g is not None and torch.equal(g, pool.get_data_page(i * PAGE))
+        for i, g in enumerate(got))
+    store.close()
+    return checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--role", choices=["writer", "reader", "late"], required=True)
+    parser.add_argument("--role", choices=["writer", "reader", "late", "split"], required=True)
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--tenant", required=True)
     args = parser.parse_args()
-    run = {"writer": writer, "reader": reader, "late": late}[args.role]
+    run = {"writer": writer, "reader": reader, "late": late, "split": split}[args.role]
     print(json.dumps(run(args.endpoint, args.tenant)))
 
 

@@ -61,3 +61,17 @@ def test_a_daemon_not_up_fails_no_sglang_start(tmp_path: Path) -> None:
     assert run["made"] and run["exists"] == 0
     assert run["set_v1"] == [False, False] and run["get_v1"] == [False, False]
     assert run["seconds"] < 10
+
+
+def test_batches_over_the_daemons_key_limit_are_split(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    # a reserve or acquire of more keys than a request may name was refused whole
+    config = tmp_path / "few-keys.toml"
+    config.write_text("[server]\nmax_keys_per_request = 4\n")
+    daemon = daemon_factory(dram_capacity="64MiB",
+                            extra=["--slab-size", "16MiB", "--config", str(config)])
+    run = sglang_run("split", daemon, f"sglang-{uuid.uuid4().hex[:8]}")
+    assert run["set_v1"] == [True] * 6
+    assert run["exists"] == 6
+    assert run["get_v1"] == [True] * 6
+    assert run["bytes_equal"] and run["batch_get_bytes_equal"]
