@@ -100,7 +100,9 @@ def test_small_replies_never_read_are_dropped_past_the_queue_bound(
         stats = wait_for(lambda s: s["dropped_unread"] >= asks - 1000, daemon)
         assert stats["dropped_unread"] >= asks - 1000, stats
         got = deaf.read_all()
-        assert 64 <= len(got) <= 1000, len(got)  # the queue's, then the buffers'
+        # the queue's, then the buffers' (libzmq takes "as much as 90% lower" than the
+        # high-water mark at times: 63 of 64 came once in a full run on a busy machine)
+        assert 7 <= len(got) <= 1000, len(got)
         assert all(isinstance(reply, p.StatsReply) for reply in got)
         # reading again, it is served again
         assert isinstance(deaf.ask(p.Stats(10 ** 6)), p.StatsReply)
