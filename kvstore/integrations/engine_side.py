@@ -82,16 +82,17 @@ def _acquire_parts(ns: Namespace, keys: Sequence[bytes]) -> list[tuple[int, Held
     return parts
 
 
-def acquire_prefix(ns: Namespace, keys: Sequence[bytes]) -> Held | None:
-    """Pin the longest cached prefix of ``keys``: one acquire when all are cached, else a
-    lookup and an acquire of its hits.  None when nothing is (or stayed) cached."""
+def acquire_prefix(ns: Namespace, keys: Sequence[bytes]) -> list[tuple[int, Held]]:
+    """Pin the longest cached prefix of ``keys``: its acquires when all are cached, else a
+    lookup and the acquires of its hits, one per ``max_keys`` of the daemon's (more were
+    refused whole), ``(start, pin)`` each; [] when nothing is (or stayed) cached."""
     if not keys:
-        return None
-    held = _try_acquire(ns, keys)
-    if held is None:
+        return []
+    parts = _acquire_parts(ns, keys)
+    if parts is None:
         hits = ns.lookup(keys).blocks
-        held = _try_acquire(ns, keys[:hits]) if hits else None
-    return held
+        parts = _acquire_parts(ns, keys[:hits]) if hits else None
+    return parts or []
 
 
 def acquire_runs(ns: Namespace, keys: Sequence[bytes]) -> list[tuple[int, Held]]:

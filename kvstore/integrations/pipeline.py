@@ -633,14 +633,13 @@ class StepLoads:
         for item in items:
             try:
                 self.calls += 2
-                held = acquire_prefix(ns, item.keys)
+                # (in acquires of at most ``max_keys``: more were refused whole)
+                parts = acquire_prefix(ns, item.keys)
             except KVStoreError as exc:
                 outcome[item.tag] = Loaded(0, exc)
                 continue
-            if held is None:
-                outcome[item.tag] = Loaded(0)
-                continue
-            outcome[item.tag] = Loaded(pinned.take(held, item.page_ids))
+            outcome[item.tag] = Loaded(sum(pinned.take(held, item.page_ids[start:])
+                                           for start, held in parts))
 
     def copy_all(self) -> None:
         """Copy every pinned block into its page, all layers."""

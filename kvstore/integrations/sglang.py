@@ -363,7 +363,8 @@ def _index_step(host: Any) -> int:
     (``dcp_size`` > 1) is ``dcp_size`` physical pages wide (its pool's ``page_size``); a
     page's data is read and written at its logical start (stepping by the physical size
     named the middle of a logical page, which the pool refuses)."""
-    return int(getattr(host, "logical_page_size", host.page_size))
+    logical = getattr(host, "logical_page_size", None)  # (SGLang's pools since DCP)
+    return int(logical or host.page_size * getattr(host, "dcp_size", 1))
 
 
 def _copy_into(target: torch.Tensor, slot: memoryview) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +24,9 @@ from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
     Loaded,
     Rows,
+    Stored,
     arena_runs,
+    offload_missing,
 )
 from kvstore.integrations.pipeline import (
     InPages,
@@ -36,6 +39,7 @@ from kvstore.integrations.pipeline import (
     StepLoads,
     daemon_rates,
 )
+from kvstore.keys import chain_keys
 
 
 def job(tag: str, kind: str, keys: list[bytes], staged: object,
@@ -548,6 +552,29 @@ def test_a_block_gone_since_the_lookup_fails_only_its_request(daemon: DaemonProc
         assert [target_page(p) for p in range(4)] == [source_page(p) for p in (0, 1, 2, 3)]
         assert [target_page(p) for p in range(4, 7)] == [source_page(p) for p in (0, 1, 3)]
         assert target_page(7) == untouched  # recomputed by the engine, never written
+
+
+def test_a_request_over_the_key_limit_loads_its_prefix_in_pieces(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    # a block gone since the lookup: each request pins its own prefix, which was one
+    # acquire of all its keys, refused whole past the limit (the request loaded nothing)
+    config = tmp_path / "few-keys.toml"
+    config.write_text("[server]\nmax_keys_per_request = 2\n")
+    daemon = daemon_factory(extra=["--config", str(config)])
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity("per_layer"))
+        source, source_page = make_pages("per_layer", seed=40)
+        keys = chain_keys(ns.id, list(range(4 * TOKENS)), TOKENS)
+        assert offload_missing(ns, source, [0, 1, 2, 3], keys) == Stored(4, 4)
+        ns.evict([keys[3]])
+        target, target_page = make_pages("per_layer", seed=50)
+        loads = StepLoads()
+        loads.add(ns, target, [LoadItem("r", keys, [4, 5, 6, 7])])
+        assert loads.pin() == {"r": Loaded(3)}
+        loads.copy_all()
+        loads.finish()
+        assert [target_page(p) for p in (4, 5, 6)] == [source_page(p) for p in (0, 1, 2)]
+        until(lambda: client.stats()["tiers"]["dram"]["pinned_blocks"] == 0)
 
 
 def test_a_daemon_killed_before_the_load_loads_nothing(

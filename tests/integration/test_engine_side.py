@@ -29,9 +29,12 @@ from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
     EnginePages,
     Loaded,
+    Stored,
+    acquire_prefix,
     acquire_runs,
     offload_missing,
     read_blocks,
+    release_all,
     reload_prefix,
     store_missing,
 )
@@ -154,6 +157,45 @@ def test_read_blocks_copies_the_prefix_or_every_run(daemon: DaemonProcess) -> No
         assert [(start, len(held.keys)) for start, held in acquire_runs(ns, keys)] == [
             (0, 2), (3, 1)]
         assert client.stats()["tiers"]["dram"]["pinned_blocks"] == 3  # runs still held
+
+
+def test_more_keys_than_a_request_may_name_go_in_several_requests(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    # a reserve or an acquire of more keys than a request may name was refused whole:
+    # nothing stored, nothing loaded
+    config = tmp_path / "few-keys.toml"
+    config.write_text("[server]\nmax_keys_per_request = 4\n")
+    d = daemon_factory(extra=["--config", str(config)])
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity())
+        keys = chain_keys(ns.id, list(range(10 * ns.identity.block_tokens)),
+                          ns.identity.block_tokens)
+        blocks = [bytes([i]) * ns.block_bytes for i in range(10)]
+
+        def fill(slots: Any, first: int) -> None:
+            for j, slot in enumerate(slots):
+                slot[:] = blocks[first + j]
+
+        assert store_missing(ns, keys[:3], fill) == Stored(3, 3)
+        assert store_missing(ns, keys, fill) == Stored(10, 7)  # 3 cached, then 4 and 3
+        seen: dict[int, bytes] = {}
+
+        def copy(i: int, slot: memoryview) -> None:
+            seen[i] = bytes(slot)
+
+        assert read_blocks(ns, keys, copy) == Loaded(10)
+        assert seen == dict(enumerate(blocks))
+        ns.evict(keys[7:])  # the prefix path: 7 of 10 cached
+        seen.clear()
+        assert read_blocks(ns, keys, copy) == Loaded(7)
+        assert seen == dict(enumerate(blocks[:7]))
+        parts = acquire_prefix(ns, keys)
+        assert [(start, len(held.keys)) for start, held in parts] == [(0, 4), (4, 3)]
+        release_all(held for _, held in parts)
+        runs = acquire_runs(ns, keys)
+        assert [(start, len(held.keys)) for start, held in runs] == [(0, 4), (4, 3)]
+        release_all(held for _, held in runs)
+        assert client.stats()["tiers"]["dram"]["pinned_blocks"] == 0
 
 
 def test_runs_pinned_before_a_daemon_error_are_released(
