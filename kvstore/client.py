@@ -91,7 +91,7 @@ class Client(SessionCore):
         self._awaited: set[int] = set()
         # held while a reply is filed (``_file``), and by a refused ``_wait`` while it
         # looks for its reply in ``_early`` or gives it up: never both at once
-        self._filing = threading.Lock()
+        self._filing = threading.RLock()
         self._routers: dict[tuple[str, ...], Router] = {}  # connections of route()
         # held while a thread sends or receives: a second thread is refused, not let
         # into the same socket (ZeroMQ's sockets are not thread-safe: two threads'
@@ -300,6 +300,12 @@ class Client(SessionCore):
             if time.monotonic() > until:
                 self._abandon(rid)
                 raise self._no_reply()
+
+    def _abandon(self, rid: int) -> None:
+        # under ``_filing``: a refused thread gives its request up meanwhile (two
+        # threads trimming the oldest of ``_abandoned`` at once took the same one)
+        with self._filing:
+            super()._abandon(rid)
 
     def _receive(self) -> Received:
         return decode_reply(receive(self._sock))
