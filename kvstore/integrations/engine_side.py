@@ -132,14 +132,11 @@ def read_blocks(ns: Namespace, keys: Sequence[bytes],
     """
     copied = 0
     try:
-        whole = _acquire_parts(ns, keys) if keys else []
-        if whole is not None:
-            pinned = whole
-        elif runs:
-            pinned = acquire_runs(ns, keys)
-        else:  # the longest cached prefix
-            hits = ns.lookup(keys).blocks
-            pinned = (_acquire_parts(ns, keys[:hits]) or []) if hits else []
+        if not runs:
+            pinned = acquire_prefix(ns, keys)
+        else:
+            whole = _acquire_parts(ns, keys) if keys else []
+            pinned = whole if whole is not None else acquire_runs(ns, keys)
     except KVStoreError as exc:
         return Loaded(0, exc)
     try:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from daemon_proc import DaemonProcess
-from test_engine_side import KINDS, PAGES, TOKENS, identity, make_pages
+from test_engine_side import KINDS, PAGES, TOKENS, few_keys_daemon, identity, make_pages
 
 from kvstore import AsyncClient, Client
 from kvstore.errors import KVStoreError
@@ -558,9 +558,7 @@ def test_a_request_over_the_key_limit_loads_its_prefix_in_pieces(
         daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
     # a block gone since the lookup: each request pins its own prefix, which was one
     # acquire of all its keys, refused whole past the limit (the request loaded nothing)
-    config = tmp_path / "few-keys.toml"
-    config.write_text("[server]\nmax_keys_per_request = 2\n")
-    daemon = daemon_factory(extra=["--config", str(config)])
+    daemon = few_keys_daemon(daemon_factory, tmp_path, 2)
     with Client(daemon.endpoint, tenant="acme") as client:
         ns = client.namespace(identity("per_layer"))
         source, source_page = make_pages("per_layer", seed=40)

@@ -159,13 +159,19 @@ def test_read_blocks_copies_the_prefix_or_every_run(daemon: DaemonProcess) -> No
         assert client.stats()["tiers"]["dram"]["pinned_blocks"] == 3  # runs still held
 
 
+def few_keys_daemon(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path,
+                    keys: int) -> DaemonProcess:
+    """A daemon whose requests may name at most ``keys`` keys."""
+    config = tmp_path / "few-keys.toml"
+    config.write_text(f"[server]\nmax_keys_per_request = {keys}\n")
+    return daemon_factory(extra=["--config", str(config)])
+
+
 def test_more_keys_than_a_request_may_name_go_in_several_requests(
         daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
     # a reserve or an acquire of more keys than a request may name was refused whole:
     # nothing stored, nothing loaded
-    config = tmp_path / "few-keys.toml"
-    config.write_text("[server]\nmax_keys_per_request = 4\n")
-    d = daemon_factory(extra=["--config", str(config)])
+    d = few_keys_daemon(daemon_factory, tmp_path, 4)
     with Client(d.endpoint, tenant="acme") as client:
         ns = client.namespace(identity())
         keys = chain_keys(ns.id, list(range(10 * ns.identity.block_tokens)),
