@@ -313,29 +313,27 @@ class Client(SessionCore):
     def _file(self, received: Received) -> None:
         """Keep a reply that came before the one awaited; drop a posted request's, and
         give back what a reply to one given up on holds."""
-        with self._filing:
-            self._file_under_lock(received)
-
-    def _file_under_lock(self, received: Received) -> None:
         reply = received[0]
         self._heard(reply)
-        if reply.rid in self._abandoned:
+        with self._filing:  # decided apart from a refused ``_wait`` looking for its reply
+            if reply.rid not in self._abandoned:
+                if not self._settle(reply) and reply.rid in self._awaited:
+                    # (a reply to no request awaited, ours answered already or never
+                    # sent, is dropped: kept, an endpoint that answered each request
+                    # again had them all kept for good, payloads and all)
+                    self._early[reply.rid] = received
+                return
             headers = self._give_back(reply)
-            posted = list(self._unread)[-len(headers):] if headers else []
-            for sent, header in enumerate(headers):
-                # never a wait here (replies are being read): with no connection to
-                # queue on, the daemon's lease takes them back, and no reply is awaited
-                if not self._send_frames(header, wait=False):
-                    for unsent in posted[sent:]:
-                        self._unread.pop(unsent, None)
-                    log.warning("could not give %d request(s) back to the daemon: no "
-                                "connection", len(posted) - sent)
-                    break
-        elif not self._settle(reply) and reply.rid in self._awaited:
-            # (a reply to no request awaited, ours answered already or never sent, is
-            # dropped: kept, an endpoint that answered each request again had them all
-            # kept for good, payloads and all)
-            self._early[reply.rid] = received
+        posted = list(self._unread)[-len(headers):] if headers else []
+        for sent, header in enumerate(headers):
+            # never a wait here (replies are being read): with no connection to queue
+            # on, the daemon's lease takes them back, and no reply is awaited
+            if not self._send_frames(header, wait=False):
+                for unsent in posted[sent:]:
+                    self._unread.pop(unsent, None)
+                log.warning("could not give %d request(s) back to the daemon: no "
+                            "connection", len(posted) - sent)
+                break
 
     # -- verbs ----------------------------------------------------------------------------
     def namespace(self, identity: Identity) -> Namespace:
