@@ -9,7 +9,8 @@ is a miss at once.  A connect the daemon refused (a forged, expired or missing t
 tenant its credentials do not name) is not tried again with the same settings until a
 back-off that doubles with each refusal in a row has passed (``connect`` raises the
 refusal again meanwhile, at once, with no handshake); new settings (a new token) are
-tried at once.
+tried at once.  A namespace the daemon cannot hold (blocks larger than its slabs) is
+asked for once a client: the calls for it are misses, with one error logged.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from kvstore.errors import (
     ForbiddenError,
     KVStoreError,
     LeaseExpiredError,
+    MalformedError,
     NoSessionError,
+    TooLargeError,
     UnavailableError,
 )
 from kvstore.identity import Identity
@@ -122,6 +125,10 @@ class DaemonLink:
         self._map_arena = map_arena
         self._client: Client | None = None
         self._namespaces: OrderedDict[Hashable, Namespace] = OrderedDict()
+        # namespaces this client's daemon refused for good (blocks larger than its slabs
+        # or requests, an identity it cannot take): not asked again, nor warned of, at
+        # every call; forgotten with the client (a daemon restarted may take them)
+        self._unopenable: dict[Hashable, KVStoreError] = {}
         self._unavailable_until = 0.0
         self._backed_off_at = 0.0  # when the latest back-off from silence began
         self._ended_early_at = -math.inf  # when ``answered_elsewhere`` last ended one
@@ -329,8 +336,18 @@ class DaemonLink:
         ns = self._namespaces.get(key)  # opened by a background connect just taken over
         if ns is not None:
             return ns
+        if key in self._unopenable:
+            return None
         try:
             ns = client.namespace(identity())
+        except (TooLargeError, MalformedError) as exc:
+            self.failures += 1
+            logger.error("kvstore: the daemon cannot hold this namespace (%s); every call "
+                         "for it is a miss until the link connects again", exc)
+            if len(self._unopenable) >= self._max_namespaces:
+                self._unopenable.pop(next(iter(self._unopenable)))
+            self._unopenable[key] = exc
+            return None
         except KVStoreError as exc:
             self.failed("open namespace", exc)
             return None
@@ -389,6 +406,7 @@ class DaemonLink:
                 made.close()
         client, self._client = self._client, None
         self._namespaces.clear()
+        self._unopenable.clear()
         self._used = None
         if client is not None:
             client.close()

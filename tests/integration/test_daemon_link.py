@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
+from kvtest import make_identity
 from test_engine_side import TOKENS, identity
 
 from kvstore.auth import issue_token, read_secret, write_secret
@@ -23,6 +24,7 @@ from kvstore.errors import (
     NotFoundError,
     UnavailableError,
 )
+from kvstore.identity import Identity
 from kvstore.integrations import daemon_link
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 
@@ -271,3 +273,35 @@ def test_another_links_answer_ends_a_back_off_from_silence_once_a_back_off(
     link.answered_elsewhere()  # a back-off's length since the last early end
     assert link.available()
     link.close()
+
+
+def test_a_namespace_the_daemon_cannot_hold_is_asked_for_once_a_client(
+        daemon_factory: Callable[..., DaemonProcess], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A page larger than the daemon's slabs: each call for it was an open refused again
+    and a warning (SGLang asks at every exists, get and set); now one error a client, the
+    calls misses at once, and the other namespaces of the link unaffected."""
+    d = daemon_factory()
+    opens: list[Identity] = []
+    opened = Client.namespace
+
+    def counted(self: Client, ident: Identity) -> Namespace:
+        opens.append(ident)
+        return opened(self, ident)
+
+    monkeypatch.setattr(Client, "namespace", counted)
+    huge = make_identity(num_layers=64, num_kv_heads=64, head_dim=256, block_tokens=64)
+    link = DaemonLink(DaemonSettings(endpoint=d.endpoint, tenant=huge.tenant, timeout=5.0))
+    try:
+        with caplog.at_level("WARNING", logger=daemon_link.__name__):
+            assert [link.namespace("huge", lambda: huge) for _ in range(5)] == [None] * 5
+        assert len(opens) == 1
+        assert len([r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]) == 1
+        assert "cannot hold" in caplog.text and "does not fit" in caplog.text
+        assert link.available() and link.failures == 1
+        ns = link.namespace("small", identity)
+        assert ns is not None and ns.lookup([b"k" * 16]).blocks == 0
+        link.close()  # a new client (a daemon restarted, maybe reconfigured) is asked again
+        assert link.namespace("huge", lambda: huge) is None and len(opens) == 3
+    finally:
+        link.close()
