@@ -452,6 +452,7 @@ class NamespaceCore(Generic[S]):
         self.id = reply.ns
         self.block_bytes = reply.block_bytes
         self.arena = (reply.arena_path, reply.arena_bytes)  # where its blocks live
+        self.slot_bytes = reply.slot_bytes  # a block's slot in it
         self._chains = _Chains()
 
     @staticmethod

@@ -18,6 +18,7 @@ from kvtest import make_identity
 from kvstore import Client, Identity
 from kvstore.client import Namespace
 from kvstore.errors import (
+    CapacityError,
     ForbiddenError,
     LeaseExpiredError,
     LimitExceededError,
@@ -202,6 +203,33 @@ def test_more_keys_than_a_request_may_name_go_in_several_requests(
         assert [(start, len(held.keys)) for start, held in runs] == [(0, 4), (4, 3)]
         release_all(held for _, held in runs)
         assert client.stats()["tiers"]["dram"]["pinned_blocks"] == 0
+
+
+def test_a_chain_longer_than_the_tier_stores_its_leading_blocks_that_fit(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """Before, the whole chain's one reservation was refused and nothing was stored."""
+    d = daemon_factory(dram_capacity="1MiB")  # (no SSD tier: evicted is gone)
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity())
+        ns.put([b"s" * 16], [bytes(ns.block_bytes)])  # (to learn the slot's size)
+        dram = client.stats()["tiers"]["dram"]
+        slots = dram["capacity"] // (dram["committed"] // dram["committed_slots"])
+        n = slots * 3 // 2
+        keys = chain_keys(ns.id, list(range(n * TOKENS)), TOKENS)
+        blocks = [i.to_bytes(4, "little") * (ns.block_bytes // 4) for i in range(n)]
+
+        def fill(out: Any, first: int) -> None:
+            for j, slot in enumerate(out):
+                slot[:] = blocks[first + j]
+
+
+        stored = store_missing(ns, keys, fill)
+        assert isinstance(stored.error, CapacityError)
+        assert stored.present == stored.created == slots  # (the first block evicted)
+        cached = ns.lookup(keys).blocks
+        assert cached == slots
+        assert ns.get(keys[:cached]) == blocks[:cached]
+        assert client.stats()["tiers"]["dram"]["reserved_slots"] == 0
 
 
 def test_runs_pinned_before_a_daemon_error_are_released(
