@@ -574,8 +574,8 @@ def checkpoint_fingerprint(path: str) -> str | None:
     """A digest of a local checkpoint directory (None: ``path`` is no directory, a hub
     id): its JSON settings whole (``config.json`` and the like), and each weight file's
     name, size and ``_SPANS`` spans of its bytes spread over it; nothing else there (a
-    log, a lock file: the engine's ranks and sides would see different directories).  Weights replaced in
-    place (a fine-tune of the same shape: the same names and sizes) read differently
+    log, a lock file: the engine's ranks and sides would see different directories).
+    Weights replaced in place (a fine-tune of the same shape: the same names and sizes) read differently
     somewhere in nearly every tensor; without it a checkpoint with no revision was
     ``unversioned``, and an engine loaded the blocks the old weights computed."""
     root = Path(path)
