@@ -107,6 +107,7 @@ from replay_sim import (
     PolicyCache,
     RateOracleCache,
     ReplayStats,
+    TraceError,
     TraceRequest,
     cacheable,
     load_trace,
@@ -384,6 +385,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="JSON-lines trace (repeatable; the shared Mooncake trace if none)",
     )
     parser.add_argument(
+        "--block-tokens", type=int, default=None, metavar="N",
+        help="the traces' tokens per block (default: 512, or the size their lengths and "
+             "ids fit)",
+    )
+    parser.add_argument(
         "--mode",
         choices=["sim", "daemon"],
         default="sim",
@@ -454,6 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"no trace at {', '.join(missing)}; pass --trace")
     if args.touches < 1:
         parser.error("--touches must be at least 1")
+    if args.block_tokens is not None and args.block_tokens < 1:
+        parser.error("--block-tokens must be at least 1")
     daemon = args.mode == "daemon"
     if daemon and args.partial_blocks:
         parser.error("--partial-blocks is sim mode only: the daemon keys full blocks only")
@@ -466,7 +474,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     workloads: list[tuple[str, str, list[TraceRequest]]] = []  # label, title, requests
     if args.workload in ("trace", "all"):
         for path in traces:
-            loaded = load_trace(path)
+            try:
+                loaded = load_trace(path, args.block_tokens)
+            except TraceError as exc:
+                parser.error(str(exc))
             loaded = loaded[: args.requests] if args.requests > 0 else loaded
             workloads.append((path.stem, path.name, loaded))
     if args.workload != "trace":
@@ -480,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         what = "blocks (partial last blocks too)" if args.partial_blocks else "full blocks"
         print(
             f"{title}: {len(trace)} requests, {references} block references, "
-            f"{unique_blocks(trace)} unique {what} of {BLOCK_TOKENS} tokens",
+            f"{unique_blocks(trace)} unique {what} of "
+            f"{trace[0].block_tokens if trace else BLOCK_TOKENS} tokens",
             flush=True,
         )
         rows = run_sim(

@@ -22,6 +22,7 @@ from kvstore.bench.replay import (  # noqa: F401 - handed on to benchmarks/repla
     PolicyCache,
     PrefixCache,
     ReplayStats,
+    TraceError,
     TraceRequest,
     cacheable,
     load_trace,

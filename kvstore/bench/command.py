@@ -73,6 +73,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                             "redis-server if one is installed)")
     bench.add_argument("--trace", type=Path, metavar="FILE",
                        help="replay section: a JSON-lines trace of prefix-block ids")
+    bench.add_argument("--block-tokens", type=int, metavar="N",
+                       help="replay section: the trace's tokens per block (default: 512, "
+                            "or the size its lengths and ids fit)")
     bench.add_argument("--against", choices=["lmcache"], action="append", default=[],
                        help="also measure LMCache's multiprocess server with the same "
                             "definitions (a 64-key lookup; 16 blocks of 256 KiB and 2 MiB "
@@ -115,6 +118,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser,
         parser.error("--timeout must be a finite number of seconds above 0")
     if args.trace is not None and not args.trace.is_file():
         parser.error(f"--trace: no such file: {args.trace}")
+    if args.block_tokens is not None and args.block_tokens < 1:
+        parser.error(f"--block-tokens must be at least 1, not {args.block_tokens}")
     if args.dir is not None and not args.dir.is_dir():
         parser.error(f"--dir: no such directory: {args.dir}")
     if args.lmcache_python is not None and not os.access(args.lmcache_python, os.X_OK):
@@ -222,4 +227,5 @@ def _run_sections(args: argparse.Namespace, sections: list[str], repeat: int, wo
         else:
             from kvstore.bench.replay import replay_section
 
-            replay_section(work, args.trace, args.quick, results, progress)
+            replay_section(work, args.trace, args.quick, results, progress,
+                           block_tokens=args.block_tokens)

@@ -4,7 +4,9 @@ the same interface; and the ``replay`` section of ``kvstore bench``.
 
 benchmarks/replay.py (policies side by side with their bounds) is built on this.
 A trace is JSON lines of ``{"timestamp", "input_length", "output_length", "hash_ids"}``,
-one id per 512-token block, chained: an id stands for its whole prefix.
+one id per block, chained: an id stands for its whole prefix.  Its blocks are 512 tokens
+(the Mooncake traces'), unless the requests' lengths and ids fit no 512-token block and
+do fit another size (``trace_block_tokens``), or a caller names the size.
 """
 
 from __future__ import annotations
@@ -27,19 +29,79 @@ BLOCK_TOKENS = 512
 
 
 class TraceRequest(msgspec.Struct):
-    """One line of the trace."""
+    """One line of the trace (``block_tokens``: its blocks' size, not read from the line;
+    ``load_trace`` sets it for the whole trace)."""
 
-    timestamp: int
+    timestamp: float  # (milliseconds in the Mooncake traces; any number is taken)
     input_length: int
-    output_length: int
-    hash_ids: list[int]
+    output_length: int = 0
+    hash_ids: list[int] = msgspec.field(default_factory=list)
+    block_tokens: int = BLOCK_TOKENS
 
 
-def load_trace(path: Path) -> list[TraceRequest]:
-    """Every request of a JSON-lines trace, in order."""
+class TraceError(ValueError):
+    """A file that is no trace of prefix-block ids, with the line that says so."""
+
+
+def load_trace(path: Path, block_tokens: int | None = None) -> list[TraceRequest]:
+    """Every request of a JSON-lines trace, in order, its blocks ``block_tokens`` long
+    (None: ``trace_block_tokens``)."""
     decoder = msgspec.json.Decoder(TraceRequest)
+    trace = []
     with path.open("rb") as f:
-        return [decoder.decode(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                request = decoder.decode(line)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise TraceError(f"{path}, line {number}: {exc}") from None
+            if request.input_length < 0:
+                raise TraceError(f"{path}, line {number}: a negative input_length")
+            trace.append(request)
+    size = trace_block_tokens(trace) if block_tokens is None else block_tokens
+    if size < 1:
+        raise TraceError(f"{path}: blocks of {size} tokens")
+    if size != BLOCK_TOKENS:
+        trace = [msgspec.structs.replace(r, block_tokens=size) for r in trace]
+    return trace
+
+
+def trace_block_tokens(trace: Sequence[TraceRequest]) -> int:
+    """The tokens of a trace's block.  A request of ``n`` ids and ``L`` tokens bounds it:
+    ``ceil(L / size) == n`` where its partial last block has an id (the Mooncake traces),
+    ``L // size == n`` where only full blocks have one.  512 where it fits every request
+    in one of the two ways (or the trace bounds no size); else, of the sizes that fit
+    every request in the first way (or else the second), the smallest power of two, or
+    else the smallest.  A trace that no size fits is a TraceError (name the size)."""
+    fits = [_sizes_fit(trace, full_only) for full_only in (False, True)]
+    if any(lo <= BLOCK_TOKENS <= hi for lo, hi in fits):
+        return BLOCK_TOKENS
+    for lo, hi in fits:
+        if lo <= hi:
+            power = 1 << (lo - 1).bit_length()
+            return power if power <= hi else lo
+    raise TraceError("no block size fits every request's input_length and number of ids; "
+                     "name the trace's block size")
+
+
+def _sizes_fit(trace: Sequence[TraceRequest], full_only: bool) -> tuple[int, int]:
+    """The least and the most tokens a block may have for every request's ids to fit
+    its length (empty where the least is the greater)."""
+    lo, hi = 1, 1 << 62
+    for r in trace:
+        n, length = len(r.hash_ids), r.input_length
+        if n == 0 or length == 0:
+            continue
+        if full_only:  # n * size <= L < (n + 1) * size
+            lo, hi = max(lo, length // (n + 1) + 1), min(hi, length // n)
+        else:  # (n - 1) * size < L <= n * size
+            lo = max(lo, -(-length // n))
+            if n > 1:
+                hi = min(hi, (length - 1) // (n - 1))
+        if lo > hi:
+            break
+    return lo, hi
 
 
 def cacheable(trace: Iterable[TraceRequest], partial: bool = False) -> list[TraceRequest]:
@@ -48,7 +110,7 @@ def cacheable(trace: Iterable[TraceRequest], partial: bool = False) -> list[Trac
     if partial:
         return list(trace)
     return [
-        msgspec.structs.replace(r, hash_ids=r.hash_ids[: r.input_length // BLOCK_TOKENS])
+        msgspec.structs.replace(r, hash_ids=r.hash_ids[: r.input_length // r.block_tokens])
         for r in trace
     ]
 
@@ -96,8 +158,8 @@ class ReplayStats:
 def replay(trace: Iterable[TraceRequest], cache: PrefixCache) -> ReplayStats:
     """Run every request through ``cache``; count hit blocks and tokens.
 
-    A hit block is 512 tokens, except a partial last block (kept by ``cacheable`` with
-    ``partial``), which holds the rest of ``input_length``.
+    A hit block is ``block_tokens`` long, except a partial last block (kept by
+    ``cacheable`` with ``partial``), which holds the rest of ``input_length``.
     """
     stats = ReplayStats()
     for request in trace:
@@ -107,7 +169,7 @@ def replay(trace: Iterable[TraceRequest], cache: PrefixCache) -> ReplayStats:
         stats.blocks += len(keys)
         stats.hit_blocks += hits
         stats.tokens += request.input_length
-        stats.hit_tokens += min(hits * BLOCK_TOKENS, request.input_length)
+        stats.hit_tokens += min(hits * request.block_tokens, request.input_length)
         cache.insert(keys, hits)
     stats.evictions = getattr(cache, "evictions", 0)
     stats.rejects = getattr(cache, "rejects", 0)
@@ -344,19 +406,20 @@ CAPACITIES = (0.02, 0.05, 0.10, 0.25)
 
 
 def replay_section(work: Path, path: Path, quick: bool, results: Results,
-                   progress: Progress) -> None:
+                   progress: Progress, *, block_tokens: int | None = None) -> None:
     """Replay ``path`` through a daemon per capacity (its default eviction policy)
     beside the same policy simulated in-process and an infinite cache."""
     try:
-        trace = cacheable(load_trace(path))
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+        trace = cacheable(load_trace(path, block_tokens))
+    except (TraceError, UnicodeDecodeError) as exc:
         raise BenchError(f"--trace {path}: not a trace of prefix-block ids ({exc})") from exc
     if quick:
         trace = trace[:QUICK_REQUESTS]
     unique = unique_blocks(trace)
+    size = trace[0].block_tokens if trace else block_tokens or BLOCK_TOKENS
     if not unique:
-        raise BenchError(f"--trace {path}: no request with a full 512-token block")
-    progress.step(f"replay: {len(trace)} requests of {path.name}")
+        raise BenchError(f"--trace {path}: no request with a full {size}-token block")
+    progress.step(f"replay: {len(trace)} requests of {path.name} ({size}-token blocks)")
     infinite = replay(trace, InfiniteCache()).block_hit_rate
     chains = KeyChains()
     curve = []

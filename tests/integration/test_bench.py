@@ -108,6 +108,7 @@ def test_the_table_on_a_pipe_has_plain_progress_lines_and_a_row_per_measure() ->
     (["--redis", "localhost:6379"], "--redis must be a redis:// URL"),
     (["--dir", "/nonexistent/dir"], "--dir: no such directory"),
     (["--timeout", "0"], "--timeout must be a finite number of seconds above 0"),
+    (["--block-tokens", "0"], "--block-tokens must be at least 1"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(
         args: list[str], message: str) -> None:
@@ -196,6 +197,14 @@ def test_a_trace_that_is_no_trace_is_a_clear_error(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "not a trace of prefix-block ids" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # lengths and ids that no block size fits: say so, and how to go on
+    bad.write_text('{"timestamp": 0, "input_length": 100, "hash_ids": [1]}\n'
+                   '{"timestamp": 1, "input_length": 100, "hash_ids": [1, 2, 3, 4, 5]}\n'
+                   '{"timestamp": 2, "input_length": 100, "hash_ids": [1, 2, 3, 4, 5, 6]}\n'
+                   * 3)
+    proc = bench("--quick", "--trace", str(bad), "replay", timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "name the trace's block size" in proc.stderr
 
 
 def test_against_lmcache_where_it_is_not_installed_says_so_and_runs_the_rest() -> None:

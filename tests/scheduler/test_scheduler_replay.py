@@ -12,6 +12,7 @@ from types import ModuleType
 
 import pytest
 
+from kvstore.bench.replay import trace_block_tokens
 from kvstore.scheduler.eviction import DEFAULT_POLICY, LRUPolicy, S3FIFOPolicy, make_policy
 
 
@@ -235,3 +236,55 @@ def test_conversation_variants_change_the_shape_they_name() -> None:
     longer = generate(2000, follow=0.95)  # longer sessions: longer histories resent
     assert sum(len(r[3]) for r in longer) > sum(len(r[3]) for r in plain)
     assert generate(2000, document_skew=1.4) != plain
+
+
+def _write(path: Path, requests: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    return path
+
+
+def test_a_trace_of_other_block_sizes_is_read_at_its_own_size(tmp_path: Path) -> None:
+    """Before, every trace was cut at 512 tokens a block: a trace of 16-token blocks kept
+    1 id in 32 of each request, and replayed a different, much smaller workload."""
+    shared = [7, 8, 9, 10]  # a 64-token system prompt in 16-token blocks
+    requests = [{"timestamp": 1.5 * i, "input_length": 16 * (4 + i % 3) + 5,
+                 "hash_ids": shared + [100 * i + j for j in range(i % 3)] + [100 * i + 99]}
+                for i in range(6)]  # (floats as timestamps, no output_length: taken)
+    trace = replay.load_trace(_write(tmp_path / "t16.jsonl", requests))
+    assert {r.block_tokens for r in trace} == {16}
+    cut = replay.cacheable(trace)
+    assert [len(r.hash_ids) for r in cut] == [4 + i % 3 for i in range(6)]
+    stats = replay.replay(cut, replay.InfiniteCache())
+    assert stats.hit_blocks == 5 * 4  # the shared prompt, after its first request
+    assert stats.hit_tokens == 5 * 4 * 16
+    # named: taken as given
+    assert {r.block_tokens for r in replay.load_trace(tmp_path / "t16.jsonl", 32)} == {32}
+
+
+@pytest.mark.parametrize(("lengths", "size"), [
+    ([(1024, 2), (1000, 2), (513, 2), (100, 1)], 512),   # the Mooncake traces (ceil)
+    ([(1024, 2), (1100, 2), (1600, 3)], 512),            # only full blocks have ids
+    ([(64, 4), (70, 5), (16, 1)], 16),
+    ([(100, 4), (125, 5)], 25),                           # no power of two fits
+    ([], 512),
+])
+def test_a_traces_block_size_is_the_one_its_lengths_and_ids_fit(
+        lengths: list[tuple[int, int]], size: int) -> None:
+    trace = [replay.TraceRequest(0, length, 1, list(range(n))) for length, n in lengths]
+    assert trace_block_tokens(trace) == size
+
+
+def test_a_trace_no_block_size_fits_or_a_bad_line_is_a_clear_error(tmp_path: Path) -> None:
+    bad = _write(tmp_path / "bad.jsonl", [{"timestamp": 0, "input_length": 100,
+                                           "hash_ids": [1]},
+                                          {"timestamp": 1, "input_length": 100,
+                                           "hash_ids": [1, 2, 3, 4, 5]},
+                                          {"timestamp": 2, "input_length": 100,
+                                           "hash_ids": list(range(50))}])
+    with pytest.raises(replay.TraceError, match="name the trace's block size"):
+        replay.load_trace(bad)
+    assert len(replay.load_trace(bad, 512)) == 3
+    (tmp_path / "line.jsonl").write_text('{"timestamp": 0, "input_length": 5}\n\n'
+                                         '{"timestamp": 1, "input_length": "many"}\n')
+    with pytest.raises(replay.TraceError, match=r"line 3: Expected `int`"):
+        replay.load_trace(tmp_path / "line.jsonl")
