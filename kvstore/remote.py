@@ -63,13 +63,18 @@ class RemoteTier:
         self._gate = UrgentFirst(r.concurrency)  # reads and lookups before writes
         self.transfers = gate
         self.write_back = r.write_policy == "write-back"
+        # until when the remote store is left out of write-backs: it refused values (a
+        # full store), which a write-back planned again would only be refused again
+        self._refusing_until = 0.0
         if self.write_back:  # DRAM-only blocks come here before they are evicted
-            store.remote_write_back = lambda: self.healthy
+            store.remote_write_back = lambda: self.taking_write_backs
         self._background = Background()
         self._through: TurnBatch[Block] = TurnBatch(self._background, self._write_through)
         self.counters = {"writes": 0, "write_bytes": 0, "reads": 0, "read_bytes": 0,
                          "misses": 0, "errors": 0, "lookups": 0, "hit_blocks": 0,
                          "write_backs": 0, "changed_since_commit": 0,
+                         # values the remote store answered but did not keep (full)
+                         "refused_writes": 0,
                          # write-through blocks the tier's outage held back, to send once
                          # it is healthy again; and those it could not keep (the oldest
                          # past ``DEFERRED_MOST``), never sent
@@ -82,6 +87,23 @@ class RemoteTier:
     @property
     def healthy(self) -> bool:
         return time.monotonic() >= self._unhealthy_until
+
+    @property
+    def taking_write_backs(self) -> bool:
+        """Whether blocks leaving the local tiers go to the remote store first: it is
+        healthy and has not refused values lately.  A store that refuses them (Redis at
+        its maxmemory under noeviction) answers, so it stays healthy; but blocks kept in
+        DRAM for a write-back it refuses were picked again by every request that needed
+        room, refused again, and DRAM took no new block.  Meanwhile they leave as they
+        would without a remote store."""
+        return self.healthy and time.monotonic() >= self._refusing_until
+
+    def _refused(self, count: int) -> None:
+        self.counters["refused_writes"] += count
+        if self.write_back and time.monotonic() >= self._refusing_until:
+            log.warning("the remote store refused %d values (full?); write-backs skip it "
+                        "for %gs", count, self.cooldown)
+        self._refusing_until = time.monotonic() + self.cooldown
 
     def _failed(self, what: str, exc: Exception) -> None:
         self.counters["errors"] += 1
@@ -261,6 +283,8 @@ class RemoteTier:
         except KVStoreError as exc:
             self._failed(what, exc)
             return None
+        if not all(written):
+            self._refused(len(written) - sum(written))
         result: list[bool | None] = list(written)
         if not all(same):
             sent = iter(written)
@@ -282,7 +306,7 @@ class RemoteTier:
                 group = [blocks[i] for i in indexes]
                 views = [self.slot(ns, b.offset) for b in group if b.offset is not None]
                 try:
-                    if len(views) != len(group) or not self.healthy:
+                    if len(views) != len(group) or not self.taking_write_backs:
                         continue
                     written = await self.send(ns, [b.key for b in group], views,
                                               "write-back", write_back=True, blocks=group)

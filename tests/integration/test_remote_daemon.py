@@ -178,6 +178,41 @@ def test_write_back_with_redis_down_evicts_instead_of_hanging(
         assert ns.get(keys) == [content(k) for k in keys]
 
 
+def test_write_back_into_a_full_redis_evicts_instead_of_refusing_every_put(
+        fresh_redis_server: RedisServer, remote_daemon_factory: Any) -> None:
+    """Redis at its maxmemory under noeviction answers each SET with an OOM error: it is
+    healthy, but keeps nothing more.  Before, the DRAM victims it refused went back on
+    the eviction order, every request that needed room picked them again, was refused
+    again, and failed ("blocks kept moving between tiers"): DRAM took no new block, and a
+    get of blocks in Redis waited until the session's lease ran out.  Now the refusals
+    leave the store out of write-backs for a while, and DRAM evicts without it."""
+    with fresh_redis_server.client() as r:
+        used = int(r.info("memory")["used_memory"])
+        r.config_set("maxmemory", str(used + 20 * IDENT.block_bytes))
+        r.config_set("maxmemory-policy", "noeviction")
+    d = remote_daemon_factory(fresh_redis_server.url, dram_capacity=str(16 * IDENT.block_bytes),
+                              extra=["--slab-size", str(16 * IDENT.block_bytes), "--log-level",
+                                     "error", "--remote-write-policy", "write-back"])
+    with Client(d.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        chains = []
+        started = time.monotonic()
+        for i in range(20):                                       # 80 blocks into 16 slots
+            keys = ns.keys(range(5_500_000 + 1000 * i, 5_500_000 + 1000 * i + 16 * 4))
+            ns.put(keys, [content(k) for k in keys])
+            chains.append(keys)
+        assert time.monotonic() - started < 15, "puts waited on a full remote store"
+        stats = client.stats()
+        assert stats["remote"]["refused_writes"] > 0
+        assert stats["remote"]["healthy"] is True
+        assert stats["tiers"]["dram"]["dropped_on_eviction"] > 0
+        for keys in chains:                                      # what is found reads back
+            if ns.lookup(keys).blocks == len(keys):
+                assert ns.get(keys) == [content(k) for k in keys]
+        assert ns.get(chains[-1]) == [content(k) for k in chains[-1]]
+        assert client.stats()["invariant_violations"] == 0
+
+
 def test_write_back_takes_what_the_ssd_tier_declines(
         redis_server: RedisServer, remote_daemon_factory: Any) -> None:
     """With an SSD tier that admits only blocks seen twice, DRAM's victims seen once go
