@@ -330,10 +330,20 @@ class RemoteTier:
                 if b.offset is not None and b.ssd_offset is None and not b.marks & REMOTE_MARK \
                         and not b.demoting:
                     by_ns.setdefault(ns, []).append(b)
+        # one try on the way out whatever a failure a moment ago said: a lookup timed out
+        # in a hiccup left the tier skipped for ``unhealthy_seconds``, and a stop within
+        # them wrote nothing back, every block only DRAM held lost; a store really down
+        # fails the first send within its timeout, and the others skip it
+        self._unhealthy_until = 0.0
         for ns, blocks in by_ns.items():
             for start in range(0, len(blocks), 64):
                 await self._put(ns, blocks[start:start + 64])
-        return self.counters["write_backs"] - before
+        written = self.counters["write_backs"] - before
+        unsent = sum(len(blocks) for blocks in by_ns.values()) - written
+        if unsent > 0:
+            log.warning("%d blocks only DRAM held were not written back to the remote "
+                        "store on the way out", unsent)
+        return written
 
     async def drain(self) -> None:
         await self._background.drain()

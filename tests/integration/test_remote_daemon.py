@@ -159,6 +159,34 @@ def test_write_back_writes_only_what_dram_evicts_and_loses_nothing(
             assert ns.get(keys) == [content(k) for k in keys]
 
 
+def test_a_clean_stop_writes_back_after_a_hiccup_of_redis(
+        fresh_redis_server: RedisServer, remote_daemon_factory: Any) -> None:
+    """A lookup that timed out in a moment's stall leaves the tier skipped for
+    unhealthy_seconds; a clean stop within them wrote nothing back before, and every
+    block only DRAM held was lost without a word.  The stop tries the store once more."""
+    a = remote_daemon_factory(fresh_redis_server.url,
+                              extra=["--remote-write-policy", "write-back",
+                                     "--log-level", "error"],
+                              env={"KVSTORE_REMOTE_TIMEOUT_S": "0.5",
+                                   "KVSTORE_REMOTE_UNHEALTHY_SECONDS": "60"})
+    with Client(a.endpoint, tenant="acme") as ca:
+        ns = ca.namespace(IDENT)
+        keys = ns.keys(range(4_500_000, 4_500_000 + 16 * 8))
+        ns.put(keys, [content(k) for k in keys])
+        fresh_redis_server.pause()
+        try:
+            assert ns.lookup(ns.keys(range(16 * 8))).blocks == 0  # times out: unhealthy
+        finally:
+            fresh_redis_server.resume()
+        assert remote_stats(ca)["healthy"] is False
+        assert remote_stats(ca)["writes"] == 0                    # all of it in DRAM only
+    a.stop()                                                      # SIGTERM
+    b = remote_daemon_factory(fresh_redis_server.url)
+    with Client(b.endpoint, tenant="acme") as cb:
+        ns = cb.namespace(IDENT)
+        assert ns.get(keys) == [content(k) for k in keys]
+
+
 def test_write_back_with_redis_down_evicts_instead_of_hanging(
         fresh_redis_server: RedisServer, remote_daemon_factory: Any) -> None:
     d = remote_daemon_factory(fresh_redis_server.url, dram_capacity=str(16 * IDENT.block_bytes),
