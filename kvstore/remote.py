@@ -36,7 +36,11 @@ TAG_SECRET_MOST = 64  # a block of HMAC-SHA256: longer keys are hashed first
 # Write-through blocks kept through the remote tier's outage, at most (the oldest go
 # unsent past it): a few seconds of commits on a busy host, a few MiB of entries
 DEFERRED_MOST = 1 << 14
-PUT_BYTES_MOST = 64 << 20  # bytes of one write-through send, at most
+# bytes of one backend call, at most: each call is bounded by ``timeout_s``, so one of a
+# request's whole batch (4096 blocks of a large model's, gigabytes) never fit in it; it
+# failed every time, and marked the tier unhealthy for every tenant
+PUT_BYTES_MOST = 64 << 20  # of one send
+READ_BYTES_MOST = 64 << 20  # of one read
 
 
 class RemoteTier:
@@ -155,28 +159,39 @@ class RemoteTier:
         abort it: NotFoundError if any was missing or corrupt)."""
         views = [self.slot(ns, off) for off in r.offsets]
         sums: list[int] = []
+        most = max(1, READ_BYTES_MOST // ns.block_bytes)
         try:
-            async with self._gate.hold(urgent=True), self.transfers.slot(
-                    len(views) * ns.block_bytes, default_kind=TransferKind.RELOAD,
-                    default_tenant=ns.tenant):
-                # (a tier marked unhealthy while this waited: a miss, not a timeout more)
-                # each payload's xxh3, verified on arrival: the DRAM copy's checksum
-                # too, which clients check
-                got = (await self.backend.get_into_checksums(ns.id, missing, views)
-                       if self.healthy else [])
-            sums = [digest for digest in got if digest is not None]
+            for start in range(0, len(views), most):
+                part = views[start:start + most]
+                async with self._gate.hold(urgent=True), self.transfers.slot(
+                        len(part) * ns.block_bytes, default_kind=TransferKind.RELOAD,
+                        default_tenant=ns.tenant):
+                    # (a tier marked unhealthy while this waited: a miss, not a timeout
+                    # more) each payload's xxh3, verified on arrival: the DRAM copy's
+                    # checksum too, which clients check
+                    got = (await self.backend.get_into_checksums(
+                        ns.id, missing[start:start + most], part) if self.healthy else [])
+                found = [digest for digest in got if digest is not None]
+                sums += found
+                if len(found) < len(part):
+                    break  # a miss: the rest would be read for nothing
         except KVStoreError as exc:
             self._failed("read", exc)
+            failure: KVStoreError | None = exc
         except BaseException:  # cancelled while queued or reading: give the slots back
             self.store.abort(REMOTE_OWNER, r.id)
             raise
+        else:
+            failure = None
         finally:
             for view in views:
                 view.release()
         if len(sums) < len(missing):
             self.store.abort(REMOTE_OWNER, r.id)
             self.counters["misses"] += 1
-            raise NotFoundError("a block read from the remote store was missing or corrupt")
+            raise NotFoundError(
+                "a block read from the remote store was missing or corrupt" if failure is None
+                else f"the remote store failed the read (a miss for now): {failure}")
         result = self.store.commit(REMOTE_OWNER, r.id, time.monotonic(), sums)
         for block in result.blocks:
             block.remote = True
@@ -271,15 +286,20 @@ class RemoteTier:
             keys = list(itertools.compress(keys, same))
             views = list(itertools.compress(views, same))
             sums = list(itertools.compress(sums, same))
+        written: list[bool] = []
+        most = max(1, PUT_BYTES_MOST // ns.block_bytes)
         try:
-            # the remote bound first: a send waiting on a slow remote store holds none of
-            # the transfer slots the local tiers share
-            async with self._gate.hold(urgent=False), self.transfers.slot(
-                    len(views) * ns.block_bytes, default_tenant=ns.tenant):
-                if not self.healthy:
-                    return None
-                written = (await self.backend.put_checksummed(ns.id, keys, views, sums)
-                           if keys else [])
+            for start in range(0, max(1, len(keys)), most):
+                part = slice(start, start + most)
+                # the remote bound first: a send waiting on a slow remote store holds none
+                # of the transfer slots the local tiers share
+                async with self._gate.hold(urgent=False), self.transfers.slot(
+                        len(views[part]) * ns.block_bytes, default_tenant=ns.tenant):
+                    if not self.healthy:
+                        return None
+                    if keys:
+                        written += await self.backend.put_checksummed(
+                            ns.id, keys[part], views[part], sums[part])
         except KVStoreError as exc:
             self._failed(what, exc)
             return None
