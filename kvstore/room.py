@@ -98,7 +98,7 @@ class RoomMaker:
             raise
         finally:
             leaving.finish()
-        if freed < excess:
+        if freed < excess and not leaving.to_remote:  # (leaves written: parents next round)
             self._put_back(leaving.to_demote + leaving.to_remote)
             return refuse()
         return leaving.plan()
@@ -217,6 +217,12 @@ class RoomMaker:
             raise
         finally:
             leaving.finish()
+        if taken < need and leaving.to_remote:
+            # the remote store's write-back takes leaves only (a block written there leaves
+            # the cache here); once written, their parents are leaves, taken next round.
+            # Before, a request that needed more slots than DRAM had leaves was refused,
+            # nothing written: a DRAM full of one long chain took no put of two blocks
+            return leaving.plan()
         if taken < need:
             self._put_back(leaving.to_demote + leaving.to_remote)  # nothing was written yet
             if self.room_coming(cls):

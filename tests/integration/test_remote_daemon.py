@@ -187,6 +187,31 @@ def test_a_clean_stop_writes_back_after_a_hiccup_of_redis(
         assert ns.get(keys) == [content(k) for k in keys]
 
 
+def test_write_back_makes_room_in_a_dram_full_of_one_long_chain(
+        redis_server: RedisServer, remote_daemon_factory: Any) -> None:
+    """Write-back sends only leaves (a block written there leaves the cache here), and a
+    long chain has one.  Before, a put that needed more slots than DRAM had leaves was
+    refused, nothing written: DRAM full of one chain took no put of two blocks.  Now
+    each round's leaves are written, and their parents are next."""
+    d = remote_daemon_factory(redis_server.url, dram_capacity=str(64 * IDENT.block_bytes),
+                              extra=["--slab-size", str(64 * IDENT.block_bytes),
+                                     "--remote-write-policy", "write-back"])
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(IDENT)
+        chain = ns.keys(range(8_500_000, 8_500_000 + 16 * 64))
+        for start in range(0, 64, 16):
+            part = chain[start:start + 16]
+            ns.put(part, [content(k) for k in part], parent=chain[start - 1] if start else None)
+        new = ns.keys(range(8_600_000, 8_600_000 + 16 * 40))
+        ns.put(new, [content(k) for k in new])                   # 40 slots, one leaf
+        stats = client.stats()
+        assert stats["remote"]["write_backs"] >= 40
+        assert stats["tiers"]["dram"]["dropped_on_eviction"] == 0
+        assert ns.lookup(chain).blocks == 64                      # the rest of it remote
+        assert ns.get(new) == [content(k) for k in new]
+        assert client.stats()["invariant_violations"] == 0
+
+
 def test_write_back_with_redis_down_evicts_instead_of_hanging(
         fresh_redis_server: RedisServer, remote_daemon_factory: Any) -> None:
     d = remote_daemon_factory(fresh_redis_server.url, dram_capacity=str(16 * IDENT.block_bytes),
