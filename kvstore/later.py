@@ -106,6 +106,11 @@ class Finisher:
             elif pending is not deferral:  # (waiting again: its deadline bounds that;
                 rounds += 1  # every wake-up of it counted, 1000 gets ended it in 0.17 s)
             if isinstance(pending, Later):
+                # what an attempt here took before its reply went to a coroutine (a put's
+                # reservation, once room was made) counts to the session while it waits,
+                # as after the first attempt: else the invariant check after another
+                # request meanwhile, and the tenant's caps, missed it
+                self.d.sessions.counted(session)
                 made = await pending.reply
                 return made if isinstance(made, tuple) else (made, [])
             plan = pending
