@@ -330,7 +330,8 @@ class Verbs:
         if isinstance(r, Plan):
             return r
         if len(payload) * ns.block_bytes > PUT_SLICE_BYTES:
-            return Later(_put_in_slices(self, session, req, ns, r, payload))
+            return Later(_put_in_slices(self, session, req, ns, r, payload),
+                         functools.partial(_abort_held, d, session, r))
         try:
             view, size = d.arena_for(ns.tenant).view, ns.block_bytes
             for offset, frame in zip(r.offsets, payload):
@@ -583,6 +584,16 @@ async def _put_in_slices(v: Verbs, session: Session, req: p.Put, ns: Namespace,
         raise
     reply, _ = v._put_done(session, req, r, d.clock())
     return reply
+
+
+def _abort_held(d: Daemon, session: Session, r: Reservation) -> None:
+    """A put in slices given up before its copy began (the server refused it: its
+    session's bytes in flight at the limit): its reservation goes back.  Else it stayed
+    held, with no id its client could abort, until the session ended."""
+    if _holds(d, session, r):
+        d.store.abort(session.id, r.id)
+        d.sessions.counted(session)  # (counted after the attempt that took it)
+
 
 def _holds(d: Daemon, session: Session, r: Reservation) -> bool:
     """Whether the session still holds reservation ``r``."""

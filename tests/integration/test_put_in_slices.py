@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 from kvtest import make_identity
@@ -98,3 +100,63 @@ def test_a_put_that_makes_room_first_counts_its_reservation_while_it_copies(
     finally:
         writer.close()
         other.close()
+
+
+def test_a_put_refused_for_bytes_in_flight_leaves_no_reservation(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """A put over a slice takes its reservation at once and leaves the copy to a task; a
+    session with ``max_bytes_in_flight`` under way (get replies its peer has not read)
+    is refused it (limit_exceeded), and the reservation goes back with the refusal (it
+    stayed held, with no id to abort it by, as long as the session lived)."""
+    import zmq
+
+    from test_attacks import ask, held
+
+    from kvstore import protocol as p
+
+    ident = make_identity(num_layers=4, num_kv_heads=4, head_dim=128, block_tokens=32)
+    config = tmp_path / "limits.toml"
+    config.write_text('[server]\nmax_bytes_in_flight = "16MiB"\n')
+    d = daemon_factory(dram_capacity="256MiB", extra=["--config", str(config)])
+    size = ident.block_bytes  # 256 KiB
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)  # a peer that reads nothing: replies stay unsent
+    sock.setsockopt(zmq.RCVBUF, 65536)
+    sock.connect(d.endpoint)
+
+    class Peer:  # (what ``ask`` needs of a raw client)
+        def ask(self, *frames: bytes) -> p.Message:
+            sock.send_multipart(list(frames))
+            assert sock.poll(10_000), "the daemon did not answer"
+            return p.reply_decoder.decode(sock.recv_multipart()[0])
+
+    peer = Peer()
+    try:
+        assert isinstance(ask(peer, p.Hello(1, p.PROTOCOL_VERSION, "acme")), p.HelloReply)
+        opened = ask(peer, p.OpenNamespace(2, ident))
+        assert isinstance(opened, p.NamespaceReply)
+        keys = [os.urandom(16) for _ in range(64)]  # 16 MiB
+        assert isinstance(ask(peer, p.Put(3, opened.ns, keys),
+                              *[os.urandom(size) for _ in keys]), p.PutReply)
+        for i in range(8):  # 16 MiB a reply, unread: the session's limit under way
+            sock.send(p.encoder.encode(p.Get(10 + i, opened.ns, keys)))
+        count = 40
+        assert count * size > PUT_SLICE_BYTES
+        sock.send_multipart([p.encoder.encode(p.Put(20, opened.ns,
+                                                    [os.urandom(16) for _ in range(count)])),
+                             *[bytes(size)] * count])
+        deadline = time.monotonic() + 10
+        replies: dict[int, p.Message] = {}
+        while 20 not in replies:
+            assert time.monotonic() < deadline, f"no reply to the put: {replies}"
+            if sock.poll(100):
+                reply = p.reply_decoder.decode(sock.recv_multipart()[0])
+                replies[reply.rid] = reply
+        refused = replies[20]
+        assert isinstance(refused, p.ErrorReply) and refused.code == "limit_exceeded", refused
+        assert held(d)[0] == 0  # no slot left reserved
+    finally:
+        sock.close()
+        ctx.term()
