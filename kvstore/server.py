@@ -13,6 +13,7 @@ leaves nothing behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import resource
@@ -61,7 +62,7 @@ from kvstore.tiers.dram import Arenas, DramArena, sweep_stale_arenas
 from kvstore.transfers import TransferGate, serving
 from kvstore.transport import Transport, keep_receive_buffers, unpredictable_routing_ids
 from kvstore.removals import GET_OWNER
-from kvstore.verbs import Verbs
+from kvstore.verbs import Verbs, arena_to_make
 
 log = logging.getLogger("kvstore.server")
 # A reaper's timer this late (seconds): the daemon itself did not run (SIGSTOP, a host
@@ -115,7 +116,8 @@ class Server:
         self.auth = Auth(config)
         _warn_of_an_open_group(config)
         self.transport = Transport(config, self.auth, self._on_message,
-                                   self._release_sent, self._room_from_sends, self.sessions.unread)
+                                   lambda pin: self.verbs.get_sent(pin),  # (a get's pin, sent)
+                                   lambda: self.moves.freed(), self.sessions.unread)
         self.transport.admitted = self.sessions.known
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining_grants = False  # a slice of the grantees' discharges is due
@@ -125,7 +127,7 @@ class Server:
         self.policy_switches = PolicySwitches(self.store)  # SIGHUP's, in loop turns
         self.moves = Moves(self.store, clock)  # its tiers' movers join in start()
         self.finisher = Finisher(self)
-        self.verbs = Verbs(self)
+        self.verbs: Verbs = Verbs(self)
         self.sides: list[SideSocket] = []
         self.verbs.add(RoutingVerbs(self).table())
         self.events = EventPublisher(config.events, self.store, self.auth,
@@ -264,8 +266,10 @@ class Server:
             self.arenas.close()
 
     # -- dispatch ------------------------------------------------------------------------------
-    def _on_message(self, routing_id: bytes, frames: list[zmq.Frame], secure: bool) -> None:
-        """Handle one request from the transport: exactly one reply, now or from a task."""
+    def _on_message(self, routing_id: bytes, frames: list[zmq.Frame], secure: bool,
+                    arena_made: bool = False) -> None:
+        """Handle one request from the transport: exactly one reply, now or from a task
+        (after the arena it needs is made, ``arena_made``)."""
         start = time.perf_counter()
         # a request is labelled with its session's tenant, once there is one: a refused
         # hello's self-named tenant never takes one of the metrics' tenant labels
@@ -290,8 +294,12 @@ class Server:
             verbs = self.verbs
             verb = verbs.names[type(request)]
             handler = verbs.table[type(request)]
+            curve_tenant = str(frames[1].get("User-Id")) if secure else None
+            if not arena_made and (
+                    made := arena_to_make(self, routing_id, request, curve_tenant)) is not None:
+                self.spawn(_after(made, self._on_message, routing_id, frames, secure))
+                return
             if isinstance(request, p.Hello):
-                curve_tenant = str(frames[1].get("User-Id")) if secure else None
                 session = verbs.greet(routing_id, request, curve_tenant,
                                       self.transport.peer_uid(routing_id, frames))
                 tenant = session.tenant
@@ -388,13 +396,6 @@ class Server:
         self.store.ssd_admit_after = self.config.ssd.admit_after
         self.policy_switches.change(self.config.dram.eviction_policy, self.spawn)
 
-    def _release_sent(self, pin: int) -> None:
-        """A zero-copy get reply went out (or could not): its pin and bytes go back."""
-        self.verbs.get_sent(pin)
-
-    def _room_from_sends(self) -> None:
-        self.moves.freed()
-
     def arena_for(self, tenant: str) -> DramArena:
         """The arena a tenant's blocks live in (its own, with per-tenant arenas)."""
         assert self.arenas is not None
@@ -484,6 +485,14 @@ _NEVER_LIMITED = (p.Release, p.Abort, p.Bye)  # they give back what others wait 
 _TRANSFER_KIND = {"acquire": TransferKind.RELOAD, "get": TransferKind.RELOAD,
                   "lookup": TransferKind.RELOAD, "prefetch": TransferKind.PREFETCH}
 _FREES_ROOM = frozenset({"release", "abort", "commit", "evict", "drop", "put", "get"})
+
+
+async def _after(made: Coroutine[Any, Any, None], handle: Callable[..., None],
+                 routing_id: bytes, frames: list[zmq.Frame], secure: bool) -> None:
+    """Handle a request once the arena it needs is made (``kvstore.verbs.arena_to_make``)."""
+    with contextlib.suppress(KVStoreError):  # (the request meets it again, refused)
+        await made
+    handle(routing_id, frames, secure, arena_made=True)
 
 
 def server_stats(server: Server) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from kvstore.sessions import Session, Sessions
 from kvstore.slab_moves import own_slots, set_aside
 from kvstore.store import Block, BlockStore, Limits, Namespace, Pin, Plan, Reservation
 from kvstore.tiering import SsdMover
-from kvstore.tiers.dram import DramArena
+from kvstore.tiers.dram import Arenas, DramArena
 from kvstore.transport import PinnedFrames, Transport
 
 log = logging.getLogger("kvstore.server")
@@ -102,6 +102,8 @@ class Daemon(Protocol):
     def scheduling(self) -> dict[str, int]: ...
     @property
     def clock(self) -> Callable[[], float]: ...
+    @property
+    def arenas(self) -> Arenas | None: ...
 
     def arena_for(self, tenant: str) -> DramArena: ...
 
@@ -736,3 +738,29 @@ def _leading_in_dram(ns: Namespace, keys: list[bytes]) -> int:
             break
         n += 1
     return n
+
+
+def arena_to_make(d: Daemon, routing_id: bytes, req: Any,
+                  curve_tenant: str | None) -> Coroutine[Any, Any, None] | None:
+    """The making of the arena a hello (or a shared writer's first namespace of its
+    owner's) needs and that does not exist yet: a tenant's own arena takes a second
+    or so a GiB to allocate and map, which on the loop stalled every other client;
+    made on a thread, the request is then handled.  None: nothing to make."""
+    arenas = d.arenas
+    if arenas is None or not d.store.per_tenant:
+        return None
+    if isinstance(req, p.Hello):
+        # (one the cheap checks refuse makes nothing: ``greet`` refuses it at once)
+        if (req.version != p.PROTOCOL_VERSION or req.attach
+                or routing_id in d.sessions.by_connection):
+            return None
+        tenant = d.auth.tenant_of(req.tenant, req.token, curve_tenant)
+    elif isinstance(req, p.OpenNamespace):
+        session = d.sessions.get(routing_id)
+        tenant = req.identity.tenant
+        if not d.auth.may_write(session.tenant, tenant):
+            return None
+    else:
+        return None
+    name = d.store.arena_of(tenant)
+    return None if name in arenas.by_name else arenas.make(name)
