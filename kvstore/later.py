@@ -9,8 +9,10 @@ requests (the pressure chain's ``defer``) wait for room, in order, until their d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kvstore import protocol as p
@@ -33,6 +35,33 @@ class Finisher:
 
     def __init__(self, host: Daemon) -> None:
         self.d = host
+        # sessions with a request whose bytes are moving (a read from the remote store
+        # or SSD, writes for room) or whose reply a coroutine makes, and how many: their
+        # leases are kept (``kept_alive``), for a client waiting on its reply sends
+        # nothing else; a remote read longer than the lease ended the session under it.
+        # A request waiting for room (deferred) keeps nothing: a client gone meanwhile
+        # takes none when room comes
+        self._working: dict[str, int] = {}
+
+    def kept_alive(self, now: float) -> float:
+        """Renew the leases of the sessions with requests under way; ``now``."""
+        store = self.d.store
+        for owner in self._working:
+            if owner in store.owners:
+                store.touch_owner(owner, now)
+        return now
+
+    @contextlib.contextmanager
+    def _under_way(self, session: Session) -> Iterator[None]:
+        working = self._working
+        working[session.id] = working.get(session.id, 0) + 1
+        try:
+            yield
+        finally:
+            if working[session.id] > 1:
+                working[session.id] -= 1
+            else:
+                del working[session.id]
 
     def attempt(self, handler: Handler, session: Session, request: Any,
                 payload: list[Any], verb: str, *, early: bool) -> Answer:
@@ -111,11 +140,16 @@ class Finisher:
                 # as after the first attempt: else the invariant check after another
                 # request meanwhile, and the tenant's caps, missed it
                 self.d.sessions.counted(session)
-                made = await pending.reply
+                with self._under_way(session):
+                    made = await pending.reply
                 return made if isinstance(made, tuple) else (made, [])
             plan = pending
             try:
-                await self.d.moves.carry_out(plan)
+                if plan.defer_until is None:
+                    with self._under_way(session):
+                        await self.d.moves.carry_out(plan)
+                else:
+                    await self.d.moves.carry_out(plan)
             except CapacityError as exc:
                 # no room to move the blocks into (DRAM full of pins, say): defer as the
                 # first attempt would have, if the pressure chain allows it

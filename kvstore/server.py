@@ -447,7 +447,7 @@ class Server:
             return
         if time.monotonic() - self._reap_due > STALL_SECONDS:  # the daemon did not run:
             return self._schedule_reaper(late=True)  # what came meanwhile is read first
-        gone = set(self.store.expire(self.clock()))
+        gone = set(self.store.expire(self.finisher.kept_alive(self.clock())))
         if gone:
             self.sessions.forget(gone)
             log.info("lease expired for %d session(s); their holdings were rolled back", len(gone))

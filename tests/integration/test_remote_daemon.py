@@ -363,3 +363,27 @@ def test_ssd_copies_evicted_unsent_are_counted_while_the_remote_store_is_down(
         assert stats["remote"]["write_backs"] == 0 and stats["remote"]["errors"] > 0
         assert ns.get(keys) == [content(k) for k in keys]          # local tiers serve
         assert stats["invariant_violations"] == 0
+
+
+def test_a_remote_read_longer_than_the_lease_keeps_its_session(
+        fresh_redis_server: RedisServer, remote_daemon_factory: Any) -> None:
+    """A client waiting on a reply sends nothing else, so a request the daemon worked on
+    past the lease (a remote read of slow calls) ended its session under it: the reply
+    was an error, and the client had to connect again.  Now a request whose bytes are
+    moving keeps its session's lease (one waiting for room does not)."""
+    d = remote_daemon_factory(fresh_redis_server.url, lease=1.0,
+                              env={"KVSTORE_REMOTE_TIMEOUT_S": "4"})
+    with Client(d.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        keys = ns.keys(range(6_000_000, 6_000_000 + 4 * IDENT.block_tokens))
+        ns.put(keys, [content(k) for k in keys])
+        wait_for(lambda: remote_stats(client)["writes"] >= 4, "write-through to the remote")
+        assert ns.evict(keys) == 4 and ns.lookup(keys).tiers == ["remote"] * 4
+        with fresh_redis_server.client() as r:
+            r.execute_command("CLIENT", "PAUSE", "2500", "ALL")  # 2.5 s, the lease 1
+        started = time.monotonic()
+        assert ns.get(keys) == [content(k) for k in keys]
+        assert time.monotonic() - started > 1.5
+        client.ping()  # the same session, still there (else: lease expired)
+        assert ns.lookup(keys).blocks == 4
+        assert client.stats()["sessions"] == 1
