@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvstore import protocol as p
-from kvstore.errors import CapacityError, KVStoreError
+from kvstore.errors import CapacityError, KVStoreError, LeaseExpiredError
 from kvstore.pending import Later, Pending
 from kvstore.sessions import Session
 from kvstore.plans import MAX_TURNS
@@ -163,6 +163,14 @@ class Finisher:
                 deferral = plan
             elif not plan.turn:
                 deferral = None
+            if session.id not in self.d.sessions.by_id:
+                # its lease ran out while it waited (for room, or for the writes that
+                # make it): run again, it found its namespaces closed with the session
+                # and answered that it never opened them, which its client took for a
+                # session still there
+                raise LeaseExpiredError("this session's lease ran out while the request "
+                                        "waited; its holdings were rolled back; connect "
+                                        "again")
             try:
                 answer = self.attempt(handler, session, request, payload, verb,
                                       early=not (deferral is not None and deferral.expired))

@@ -5,16 +5,19 @@ no session, outside every cap, until a lease of their own ran out)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from kvtest import make_identity
 from test_attacks import ask
 from test_protocol_abuse import Raw, hello
 
 from kvstore import Client
 from kvstore import protocol as p
+from kvstore.errors import LeaseExpiredError
 
 BIG = make_identity(num_layers=4, num_kv_heads=4, head_dim=128)  # 128 KiB blocks
 LEASE = 1.0
@@ -49,6 +52,54 @@ def test_a_deferred_reservation_of_a_session_whose_lease_ran_out_takes_nothing(
         # (its session's namespaces closed with it: the retry finds none open)
         assert isinstance(reply, p.ErrorReply), reply
         assert reply.code in ("lease_expired", "unknown_namespace"), reply
+        assert holder.stats()["tiers"]["dram"]["reserved_slots"] == 0
+    finally:
+        waiter.close()
+        holder.close()
+    assert d.alive(), d.log()
+
+
+def test_a_put_whose_lease_ran_out_while_it_waited_says_so(daemon_factory: Any,
+                                                           tmp_path: Path) -> None:
+    # A client inside a put that waits for room cannot ping.  When its lease ran out
+    # meanwhile, the retry found the session's namespaces closed and answered
+    # UnknownNamespaceError ("open it first"): the client took its session for alive, and
+    # only its next call learned otherwise.  Now the put says the lease ran out, and the
+    # client knows at once that it needs a new one.
+    config = tmp_path / "defer.toml"
+    config.write_text("[dram]\ndefer_seconds = 30\n")
+    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes), lease=LEASE,
+                       extra=["--slab-size", str(8 * BIG.block_bytes),
+                              "--config", str(config)])
+    holder = Client(d.endpoint, tenant="acme")
+    waiter = Client(d.endpoint, tenant="acme", timeout=30)
+    outcome: list[BaseException | int] = []
+    try:
+        ns = holder.namespace(BIG)
+        keys = ns.keys(range(16 * 8))
+        ns.put(keys, [bytes(BIG.block_bytes)] * 8)
+        held = ns.acquire(keys)  # the tier is full of pins
+        wns = waiter.namespace(BIG)
+        more = wns.keys(range(10_000, 10_000 + 16))
+
+        def put() -> None:
+            try:
+                outcome.append(wns.put(more, [bytes(BIG.block_bytes)]))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=put)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while holder.stats()["sessions"] > 1:  # (each request renews the holder's lease)
+            assert time.monotonic() < deadline, "the waiter's lease never ran out"
+            assert not outcome, f"the put was not deferred: {outcome}"
+            time.sleep(LEASE / 8)
+        held.release()  # room: the deferred put goes on, for a session gone
+        thread.join(20)
+        assert len(outcome) == 1 and isinstance(outcome[0], LeaseExpiredError), outcome
+        with pytest.raises(LeaseExpiredError, match="open a new client"):
+            waiter.ping()  # told at once, not after a request of its own
         assert holder.stats()["tiers"]["dram"]["reserved_slots"] == 0
     finally:
         waiter.close()
