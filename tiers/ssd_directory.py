@@ -53,8 +53,9 @@ class SSDDirectory:
         """Claim directory ``path`` (create it, check it is writable, lock it, check free
         space), then open its index and data file and record the layout in the index.
 
-        Raises ConfigError or CapacityError as ``SSDStore`` documents; whatever was opened
-        before the failure is released again.
+        Raises ConfigError or CapacityError as ``SSDStore`` documents (ConfigError too for
+        a data file or an index that cannot be opened: a directory where a file should
+        be, a device); whatever was opened before the failure is released again.
         """
         self.path = path
         self.layout = layout
@@ -69,6 +70,12 @@ class SSDDirectory:
                 self.path / DATA_FILE, self.layout, direct_io=direct_io, preallocate=preallocate
             )
             self._index.write_layout()
+        except OSError as exc:  # a directory or a device where a file should be, say
+            self.release()
+            raise ConfigError(
+                f"SSD tier directory {self.path} holds files that cannot be used ({exc}); "
+                f"move them aside or delete the directory to start the tier cold"
+            ) from None
         except BaseException:
             self.release()
             raise

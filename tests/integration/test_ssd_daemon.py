@@ -339,3 +339,15 @@ def test_a_bad_ssd_directory_stops_the_daemon_with_a_clear_message(tmp_path: Pat
          "--dram-capacity", "8MiB", "--ssd-path", str(tmp_path / "ssd"),
          "--ssd-capacity", "900TiB"], capture_output=True, text=True, timeout=60)
     assert huge.returncode == 2 and "free" in huge.stderr.lower(), huge.stderr
+
+
+def test_an_ssd_data_file_that_cannot_be_opened_is_a_one_line_error(tmp_path: Path) -> None:
+    # a directory where the data file should be: a traceback and exit 1 before
+    (tmp_path / "ssd" / "blocks.dat").mkdir(parents=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--endpoint", f"ipc://{tmp_path}/k.sock",
+         "--dram-capacity", "8MiB", "--ssd-path", str(tmp_path / "ssd"),
+         "--ssd-capacity", "64MiB"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "configuration error" in result.stderr and "blocks.dat" in result.stderr

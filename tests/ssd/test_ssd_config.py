@@ -97,6 +97,34 @@ def test_directory_held_by_another_store(open_store: StoreFactory) -> None:
         open_store()
 
 
+@pytest.mark.parametrize("damage", ["data file a directory", "data file /dev/zero",
+                                    "index a file", "index data a directory"])
+def test_files_that_cannot_be_opened_are_a_config_error(
+    open_store: StoreFactory, tmp_path: Path, damage: str
+) -> None:
+    # (an OSError went up from the open: the daemon died with a traceback, exit 1)
+    path = tmp_path / "ssd"
+    open_store(path).close()
+    target = {"data file a directory": path / "blocks.dat",
+              "data file /dev/zero": path / "blocks.dat",
+              "index a file": path / "index",
+              "index data a directory": path / "index" / "data.mdb"}[damage]
+    aside = tmp_path / "aside"
+    target.rename(aside)
+    if damage == "data file /dev/zero":
+        target.symlink_to("/dev/zero")
+    elif damage == "index a file":
+        target.write_bytes(b"junk")
+    else:
+        target.mkdir()
+    with pytest.raises(ConfigError, match=f"{path} holds files that cannot be used"):
+        open_store(path)
+    # the refused open let the directory go again
+    (target.unlink if target.is_symlink() or target.is_file() else target.rmdir)()
+    aside.rename(target)
+    open_store(path).close()
+
+
 def test_preallocation_reserves_the_capacity(open_store: StoreFactory, tmp_path: Path) -> None:
     open_store(capacity=32 * MiB, preallocate=True)
     assert os.stat(tmp_path / "ssd" / "blocks.dat").st_blocks * 512 >= 32 * MiB
