@@ -44,7 +44,10 @@ cannot be loaded — evicted since the lookup, daemon gone — is reported by
 fails the request (``fail``) instead of serving wrong KV; and no block of that request
 is saved from then on until it finishes: the step that failed to load computed its
 later tokens on pages never filled, and a block those completed, stored, was served
-wrong to every later request that loaded it.  Saves are best-effort: one
+wrong to every later request that loaded it.  Nor is any other block that step
+completed: a request scheduled after the failed one in that step may share its pages
+(vLLM's prefix cache holds them from their allocation) and computed on them too; vLLM
+has it compute that step again, but its saves were sent.  Saves are best-effort: one
 that fails, or finds the sender's queue full, is a later cache miss.
 
 Roles: ``kv_producer`` engines look up (to skip what the store holds) and save, never
@@ -386,6 +389,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # requests a load of failed, until they finish: none of their blocks is saved
         # (the step computed past the pages not loaded, on what those pages held)
         self._loads_failed: set[str] = set()
+        # the step (its metadata) whose loads failed: none of its saves is sent, as any
+        # request in it may have read those pages through vLLM's prefix cache
+        self._failed_step: KVConnectorMetadata | None = None
         self._unsent: set[str] = set()  # ... whose saves vLLM planned were not sent
         self._step_loads: StepLoads | None = None
         self._settled = SettledLoads()   # copies done, pins to release at the next step
@@ -511,8 +517,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.stats["load_calls"] += loads.calls
         self.stats["acquire_wait_us"] += int(loads.waited_s * 1e6)
         # vLLM recomputes the blocks not loaded (or fails their requests), never reads them
-        self._load_errors |= count_loads(meta.loads, outcome, self.stats, self._link,
-                                         self._loads_failed)
+        not_loaded = count_loads(meta.loads, outcome, self.stats, self._link,
+                                 self._loads_failed)
+        self._load_errors |= not_loaded
+        self._failed_step = meta if not_loaded else None
         if self._layer_index and self._layer_by_layer():
             loads.start_layers()
             self._step_loads = loads
@@ -570,8 +578,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _send_saves(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata), type(meta)
+        failed_step, self._failed_step = self._failed_step is meta, None
         for t in meta.saves:
-            if t.req_id in self._loads_failed:  # computed on pages never filled
+            if failed_step or t.req_id in self._loads_failed:  # on pages never filled
                 self.stats["saves_after_failed_load"] += 1
                 self._unsent.add(t.req_id)  # vLLM holds it for a save: none goes
                 continue
