@@ -28,7 +28,7 @@ import zmq
 from kvstore import protocol as p
 from kvstore.auth import Auth, address_uid
 from kvstore.config import Config, check_socket_directory
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ConfigError, KVStoreError, UnavailableError
 
 log = logging.getLogger("kvstore.server")
 
@@ -37,6 +37,7 @@ _DRAIN_BATCH = 256
 # pages, an ingest of 1024-key commits) held the loop 23-110 ms in one drain at 400k
 # blocks, every other client waiting; bounded, 3.2-4.4 ms, for 2-4% more daemon CPU
 _DRAIN_SECONDS = 0.002
+CLOSE_LINGER_MS = 1000  # how long replies queued at exit may take to go out
 # Before a peer has a session it may send only a hello: one small header frame, and
 # only a few messages; the rest are dropped unread and unanswered.
 PRE_HELLO_BYTES = 4096
@@ -180,9 +181,11 @@ class Transport:
         self._ipc: list[bool] = []  # per socket: whether its endpoints are ipc ones
         self._fds: list[int] = []
         self._open = False
-        # whether requests are read: from ``open`` till ``stop_reading`` or ``close``
-        # (a drain asked of the loop before then finds it off, and reads nothing)
+        # whether requests are read: from ``open`` till ``close`` (a drain asked of the
+        # loop before then finds it off, and reads nothing); after ``stop_reading`` each
+        # is answered at once that the daemon is stopping
         self._reading = False
+        self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_flight = RepliesInFlight()
         if unread is not None:
@@ -291,11 +294,10 @@ class Transport:
             self._drain_soon(i)
 
     def stop_reading(self) -> None:
-        """Take no more requests (replies still go out)."""
-        self._reading = False
-        if self._open and self._loop is not None:
-            for fd in self._fds:
-                self._loop.remove_reader(fd)
+        """Take no more requests: each that comes now is refused at once, ``unavailable``
+        (it got no reply before, its client waiting out its timeout); replies still go
+        out."""
+        self._stopping = True
 
     def close(self) -> None:
         """Close the sockets (those of an ``open`` that failed part way too), remove ipc
@@ -305,7 +307,10 @@ class Transport:
                 for fd in self._fds:
                     self._loop.remove_reader(fd)
             for sock in self._socks:
-                sock.close(linger=0)
+                # the replies queued go out, a peer that reads nothing holding the exit
+                # up no longer than this (with none, the reply of a request finished on
+                # the way out was dropped: its client waited out its timeout)
+                sock.close(linger=CLOSE_LINGER_MS)
             for endpoint in self.endpoints:
                 if endpoint.startswith("ipc://"):
                     try:
@@ -358,6 +363,9 @@ class Transport:
                     continue
                 if self.unread and peer in self.unread:  # its replies read since?
                     self.reap_sends(peer)
+                if self._stopping:
+                    self._refuse_stopping(peer, frames)
+                    continue
                 self.on_message(peer, frames, secure)
             else:
                 self._drain_soon(index)  # more waiting: others first
@@ -456,6 +464,12 @@ class Transport:
         if events & _POLLIN:
             self._drain_soon(peer[0])
         return encoded
+
+    def _refuse_stopping(self, peer: bytes, frames: list[zmq.Frame]) -> None:
+        rid = (p.request_id_of(frames[1].bytes)
+               if len(frames) > 1 and len(frames[1]) <= p.MAX_HEADER_BYTES else 0)
+        self.send(peer, p.ErrorReply(rid, UnavailableError.code, "the daemon is stopping; "
+                                     "connect again once it is back"), [])
 
     def _drain_soon(self, index: int) -> None:
         """Drain socket ``index`` in a later turn of the loop, once however often asked

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from typing import Any
 
@@ -10,7 +12,7 @@ from kvtest import make_identity
 from redis_servers import RedisClusterServers, RedisServer
 
 from kvstore import Client
-from kvstore.errors import NotFoundError
+from kvstore.errors import KVStoreError, NotFoundError, UnavailableError
 
 IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=64, tenant="acme")  # 64 KiB
 
@@ -387,3 +389,39 @@ def test_a_remote_read_longer_than_the_lease_keeps_its_session(
         client.ping()  # the same session, still there (else: lease expired)
         assert ns.lookup(keys).blocks == 4
         assert client.stats()["sessions"] == 1
+
+
+def test_a_request_sent_while_the_daemon_stops_is_refused_at_once(
+        fresh_redis_server: RedisServer, remote_daemon_factory: Any) -> None:
+    """Before, a stopping daemon read no more requests: one sent while it finished the
+    work under way (here a remote read held up by a paused Redis) got no reply, and its
+    client waited out its timeout."""
+    d = remote_daemon_factory(fresh_redis_server.url, env={"KVSTORE_REMOTE_TIMEOUT_S": "6"})
+    with Client(d.endpoint, tenant="acme", timeout=15) as reader, \
+            Client(d.endpoint, tenant="acme", timeout=15) as other:
+        ns = reader.namespace(IDENT)
+        keys = ns.keys(range(7_000_000, 7_000_000 + 4 * IDENT.block_tokens))
+        ns.put(keys, [content(k) for k in keys])
+        wait_for(lambda: remote_stats(reader)["writes"] >= 4, "write-through to the remote")
+        assert ns.evict(keys) == 4
+        with fresh_redis_server.client() as r:
+            r.execute_command("CLIENT", "PAUSE", "4000", "ALL")
+        got: list[object] = []
+        def read() -> None:
+            try:
+                got.append(ns.get(keys))
+            except KVStoreError as exc:
+                got.append(exc)
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        time.sleep(0.5)  # (the read under way)
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match="stopping"):
+            other.ping()
+        assert time.monotonic() - started < 2.0
+        thread.join(20)
+        assert got == [[content(k) for k in keys]], d.log()[-3000:]  # the read was finished
