@@ -26,6 +26,9 @@ KEY_BYTES = 16
 MAX_SNAPSHOT_PAGE = 1 << 16  # the most entries one page of a snapshot may go through
 SNAPSHOT_PAGE = 4096  # a page's entries when the client says not (a few ms of the loop)
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
+# an xxh3_64 (0: not known; MessagePack has no integer past 64 bits unsigned): a negative
+# one was taken, and the writer's own copies then read back from SSD as damaged
+Checksum = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class Message(msgspec.Struct, tag_field="op", array_like=True, omit_defaults=False):
@@ -58,7 +61,7 @@ class Reserve(Message, tag="reserve"):
 
 class Commit(Message, tag="commit"):
     reservation: int
-    checksums: list[int] = []  # xxh3_64 of each block as written, for readers to verify
+    checksums: list[Checksum] = []  # xxh3_64 of each block as written, for readers to verify
     # Each block's token ids as msgpack integers (kvstore.token_ids: uint32 or int64
     # each, laid out; b"": not known), as older clients send them; else nothing.
     tokens: list[bytes] = []
@@ -93,7 +96,7 @@ class Put(Message, tag="put"):
     ns: bytes
     keys: list[Key]
     parent: Key | None = None
-    checksums: list[int] = []
+    checksums: list[Checksum] = []
     tokens: list[bytes] = []  # as Commit's
     token_ids: bytes = b""    # as Commit's
 

@@ -153,3 +153,32 @@ def test_random_garbage_never_kills_the_daemon(daemon: DaemonProcess) -> None:
         ns.put(keys, [b"\1" * ns.block_bytes] * 4)
         assert ns.get(keys) == [b"\1" * ns.block_bytes] * 4
         assert client.stats()["invariant_violations"] == 0
+
+
+@pytest.mark.parametrize("checksum", [-1, -(1 << 63)])
+def test_a_negative_checksum_is_refused_and_the_reservation_kept(
+        daemon: DaemonProcess, checksum: int) -> None:
+    """Before, a negative one was taken: the writer's own SSD copy then read back as
+    damaged."""
+    raw = Raw(daemon.endpoint)
+    try:
+        hello(raw)
+        ident = make_identity()
+        opened = raw.ask(p.encoder.encode(p.OpenNamespace(2, ident)))
+        assert isinstance(opened, p.NamespaceReply)
+        key = os.urandom(16)
+        put = raw.ask(enc(["put", 3, opened.ns, [key], None, [checksum]]),
+                      b"\0" * ident.block_bytes)
+        assert error_code(put) == "malformed", put
+        reserved = raw.ask(p.encoder.encode(p.Reserve(4, opened.ns, [key])))
+        assert isinstance(reserved, p.ReserveReply), reserved
+        commit = raw.ask(enc(["commit", 5, reserved.reservation, [checksum]]))
+        assert error_code(commit) == "malformed", commit
+        committed = raw.ask(p.encoder.encode(p.Commit(6, reserved.reservation, [7])))
+        assert isinstance(committed, p.CommitReply), committed
+    finally:
+        raw.close()
+    with Client(daemon.endpoint, tenant="acme") as client:
+        tier = client.stats()["tiers"]["dram"]
+        assert tier["reserved"] == 0 and tier["committed_slots"] == 1
+        assert client.stats()["invariant_violations"] == 0
