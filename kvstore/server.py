@@ -13,7 +13,6 @@ leaves nothing behind.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import resource
@@ -26,6 +25,7 @@ import msgspec
 import zmq
 
 from kvstore import protocol as p
+from kvstore.arena_waits import ArenaWaits
 from kvstore.auth import Auth, read_metrics_token
 from kvstore.config import Config, ServerConfig, merge_live, parse_size, restart_needed
 from kvstore.errors import (
@@ -85,17 +85,7 @@ class Server:
         self.max_request_bytes = config.max_request_bytes
         self.debug_invariants = s.debug_invariants
         self.invariant_watch: InvariantWatch | None = None  # made on the loop, when needed
-        self.store = BlockStore(config.dram_capacity, config.dram_slab_bytes,
-                                limits=self.limits, eviction_policy=config.dram.eviction_policy,
-                                per_tenant=config.tenant_arenas,
-                                ssd_capacity=config.ssd_capacity,
-                                ssd_slab_bytes=config.ssd_slab_bytes,
-                                ssd_admit_after=config.ssd.admit_after,
-                                tenant_quota=config.tenant_quota,
-                                tenant_weights=config.server.tenant_weights,
-                                remote_tier=bool(config.remote.url or config.remote.backend),
-                                samples_later=True)  # (``PolicySwitches``)
-        self.store.chain = PolicyChain(tuple(config.dram.pressure))  # type: ignore[arg-type]
+        self.store = _block_store(config, self.limits)
         self.defer = "defer" in config.dram.pressure
         self.scheduling = {"defers": 0, "defer_timeouts": 0, "rejects": 0,
                            "recomputed_tokens": 0}
@@ -119,6 +109,8 @@ class Server:
                                    lambda pin: self.verbs.get_sent(pin),  # (a get's pin, sent)
                                    lambda: self.moves.freed(), self.sessions.unread)
         self.transport.admitted = self.sessions.known
+        self.arena_waits = ArenaWaits(self._on_message, self.spawn,
+                                      lambda peer, reply: self.transport.send(peer, reply, []))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining_grants = False  # a slice of the grantees' discharges is due
         self._reap_due = math.inf  # when the reaper's timer is due (time.monotonic())
@@ -267,9 +259,11 @@ class Server:
 
     # -- dispatch ------------------------------------------------------------------------------
     def _on_message(self, routing_id: bytes, frames: list[zmq.Frame], secure: bool,
-                    arena_made: bool = False) -> None:
+                    made: bool | BaseException | None = None) -> None:
         """Handle one request from the transport: exactly one reply, now or from a task
-        (after the arena it needs is made, ``arena_made``)."""
+        (``made``: after the arena it needs was made, or failed to be)."""
+        if self.arena_waits and self.arena_waits.holds(routing_id, frames, secure):
+            return  # (behind a request of its connection's waiting for an arena)
         start = time.perf_counter()
         # a request is labelled with its session's tenant, once there is one: a refused
         # hello's self-named tenant never takes one of the metrics' tenant labels
@@ -295,10 +289,12 @@ class Server:
             verb = verbs.names[type(request)]
             handler = verbs.table[type(request)]
             curve_tenant = str(frames[1].get("User-Id")) if secure else None
-            if not arena_made and (
-                    made := arena_to_make(self, routing_id, request, curve_tenant)) is not None:
-                self.spawn(_after(made, self._on_message, routing_id, frames, secure))
+            if made is None and (
+                    making := arena_to_make(self, routing_id, request, curve_tenant)) is not None:
+                self.arena_waits.wait(making, routing_id, frames, secure)
                 return
+            if isinstance(made, BaseException):
+                raise made  # (its arena could not be made: not tried again, on the loop)
             if isinstance(request, p.Hello):
                 session = verbs.greet(routing_id, request, curve_tenant,
                                       self.transport.peer_uid(routing_id, frames))
@@ -487,14 +483,6 @@ _TRANSFER_KIND = {"acquire": TransferKind.RELOAD, "get": TransferKind.RELOAD,
 _FREES_ROOM = frozenset({"release", "abort", "commit", "evict", "drop", "put", "get"})
 
 
-async def _after(made: Coroutine[Any, Any, None], handle: Callable[..., None],
-                 routing_id: bytes, frames: list[zmq.Frame], secure: bool) -> None:
-    """Handle a request once the arena it needs is made (``kvstore.verbs.arena_to_make``)."""
-    with contextlib.suppress(KVStoreError):  # (the request meets it again, refused)
-        await made
-    handle(routing_id, frames, secure, arena_made=True)
-
-
 def server_stats(server: Server) -> dict[str, Any]:
     """The figures of every part of ``server``: O(tiers), never a walk of blocks."""
     backlogs = server.store.backlogs
@@ -615,6 +603,21 @@ async def drain_server(server: Server, bound: float) -> None:
             await asyncio.wait_for(server.ssd.drain(), bound)
         except (TimeoutError, KVStoreError) as exc:
             log.error("could not flush the ssd tier on the way out: %r", exc)
+
+
+def _block_store(config: Config, limits: Limits) -> BlockStore:
+    store = BlockStore(config.dram_capacity, config.dram_slab_bytes,
+                       limits=limits, eviction_policy=config.dram.eviction_policy,
+                       per_tenant=config.tenant_arenas,
+                       ssd_capacity=config.ssd_capacity,
+                       ssd_slab_bytes=config.ssd_slab_bytes,
+                       ssd_admit_after=config.ssd.admit_after,
+                       tenant_quota=config.tenant_quota,
+                       tenant_weights=config.server.tenant_weights,
+                       remote_tier=bool(config.remote.url or config.remote.backend),
+                       samples_later=True)  # (``PolicySwitches``)
+    store.chain = PolicyChain(tuple(config.dram.pressure))  # type: ignore[arg-type]
+    return store
 
 
 def _limits(s: ServerConfig) -> Limits:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import functools
 import grp
 import logging
 import os
@@ -193,6 +194,9 @@ class Transport:
         self.unread = self._in_flight.unread
         self._reap_timer = False
         self.group = socket_gid(config.server.socket_group)
+        # gives a socket file its mode (and group): the daemon's other sockets' too
+        self.secure_file: Callable[[str, int], None] = functools.partial(
+            secure_file, group=self.group)
         # whether a peer has a session (set by the daemon); None takes every message
         self.admitted: Callable[[bytes], bool] | None = None
         self._unknown: dict[bytes, int] = {}  # peer without a session -> messages seen
@@ -553,23 +557,24 @@ class Transport:
         return len(self._in_flight) < before
 
 
-    def secure_file(self, path: str, mode: int) -> None:
-        """Give a socket file ``mode`` (0600), or with ``server.socket_group`` the group's
-        read and write too, and its directory 0750 with that group (where the daemon owns
-        it and it is not world-writable, as /tmp is)."""
-        if self.group is None:
-            os.chmod(path, mode)
-            return
-        os.chown(path, -1, self.group)
-        os.chmod(path, mode | 0o060)
-        directory = os.path.dirname(path) or "."
-        info = os.stat(directory)
-        if info.st_uid == os.getuid() and not info.st_mode & stat.S_IWOTH:
-            os.chown(directory, -1, self.group)
-            os.chmod(directory, 0o750)
-        else:
-            log.warning("server.socket_group: %s is not the daemon's own directory; its "
-                        "mode and group are left as they are", directory)
+
+def secure_file(path: str, mode: int, group: int | None) -> None:
+    """Give a socket file ``mode`` (0600), or with ``server.socket_group`` (``group``) the
+    group's read and write too, and its directory 0750 with that group (where the daemon
+    owns it and it is not world-writable, as /tmp is)."""
+    if group is None:
+        os.chmod(path, mode)
+        return
+    os.chown(path, -1, group)
+    os.chmod(path, mode | 0o060)
+    directory = os.path.dirname(path) or "."
+    info = os.stat(directory)
+    if info.st_uid == os.getuid() and not info.st_mode & stat.S_IWOTH:
+        os.chown(directory, -1, group)
+        os.chmod(directory, 0o750)
+    else:
+        log.warning("server.socket_group: %s is not the daemon's own directory; its "
+                    "mode and group are left as they are", directory)
 
 
 def receive(sock: zmq.Socket[bytes]) -> list[zmq.Frame]:

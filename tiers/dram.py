@@ -32,7 +32,7 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-from kvstore.errors import ConfigError, LimitExceededError
+from kvstore.errors import ConfigError, LimitExceededError, UnavailableError
 from kvstore.tiers.arena_fds import MEMFD_PREFIX, create_memfd
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -108,6 +108,7 @@ class DramArena:
 
     def __init__(self, capacity_bytes: int, directory: str = "/dev/shm",
                  *, populate: bool = True, memfd: bool = False) -> None:
+        check_memory(capacity_bytes)
         self.capacity_bytes = capacity_bytes
         self.fd: int | None = None  # a memfd arena's descriptor, to hand to clients
         self._read_fd: int | None = None  # the same memory opened read-only, for grantees
@@ -185,6 +186,22 @@ class DramArena:
         return f"DramArena({self.path}, {self.capacity_bytes} bytes)"
 
 
+def check_memory(capacity_bytes: int, meminfo: str = "/proc/meminfo") -> None:
+    """ConfigError if the host has less memory available than an arena of
+    ``capacity_bytes`` takes: its allocation went on until the kernel killed processes
+    for memory (a memory file knows no limit of its own, and a tmpfs may be sized past
+    the memory), the daemon or another.  Where the figure cannot be read, nothing."""
+    try:
+        with open(meminfo) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return
+    if capacity_bytes > available:
+        raise ConfigError(f"dram.capacity: an arena of {capacity_bytes} bytes is more than "
+                          f"the {available} bytes of memory available on this host")
+
+
 def map_arena(path: str, size: int, *, populate: bool = True) -> mmap.mmap:
     """A client's mapping of the daemon's arena."""
     fd = os.open(path, os.O_RDWR)
@@ -244,6 +261,7 @@ class Arenas:
         self.by_name: dict[str, DramArena] = {}
         self.by_label: dict[str, tuple[str, DramArena]] = {}  # memfd label -> (name, arena)
         self._making: dict[str, asyncio.Task[None]] = {}  # (``make``)
+        self._closed = False  # (an arena made after ``close`` is closed at once)
 
     def get(self, name: str) -> DramArena:
         """``name``'s arena, made now (on the caller's thread) if it has none yet."""
@@ -262,22 +280,32 @@ class Arenas:
             return
         making = self._making.get(name)
         if making is None:
+            if self._closed:
+                raise UnavailableError("the daemon is stopping")
             self._check_room(len(self._making))
             making = self._making[name] = asyncio.get_running_loop().create_task(
                 self._make(name))
-            making.add_done_callback(lambda _: self._making.pop(name, None))
         await asyncio.shield(making)
 
     async def _make(self, name: str) -> None:
-        arena = await asyncio.to_thread(self._new)
-        if name in self.by_name:  # made meanwhile by a request that could not wait
-            await asyncio.to_thread(arena.close)
+        try:
+            arena = await asyncio.to_thread(self._new, unless_closed=True)
+        finally:
+            del self._making[name]
+        if name in self.by_name or self._closed:  # made meanwhile (by a request that
+            await asyncio.to_thread(arena.close)  # could not wait), or the daemon stops
+            if self._closed:
+                raise UnavailableError("the daemon is stopping")
         else:
             self._add(name, arena)
 
-    def _new(self) -> DramArena:
-        return DramArena(self.capacity_bytes, self.directory, populate=self.populate,
-                         memfd=self.memfd)
+    def _new(self, unless_closed: bool = False) -> DramArena:
+        arena = DramArena(self.capacity_bytes, self.directory, populate=self.populate,
+                          memfd=self.memfd)
+        if unless_closed and self._closed:  # (on a thread: the loop may be gone)
+            arena.close()
+            raise UnavailableError("the daemon is stopping")
+        return arena
 
     def _check_room(self, making: int = 0) -> None:
         if len(self.by_name) + making >= self.max_arenas:
@@ -291,6 +319,7 @@ class Arenas:
             self.by_label[arena.label] = (name, arena)
 
     def close(self) -> None:
+        self._closed = True
         for arena in self.by_name.values():
             arena.close()
         self.by_name.clear()

@@ -8,11 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import zmq
 from daemon_proc import DaemonProcess
 
+from kvstore import protocol as p
 from kvstore.auth import issue_token, read_secret, write_secret
 from kvstore.client import Client
-from kvstore.errors import LimitExceededError
+from kvstore.errors import ConfigError, LimitExceededError
 
 
 def tenant_daemon(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path,
@@ -22,7 +24,7 @@ def tenant_daemon(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path,
     write_secret(secret_file)
     config = tmp_path / "tenants.toml"
     config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n{extra}')
-    d = daemon_factory(dram_capacity=capacity, extra=["--config", str(config)])
+    d = daemon_factory(dram_capacity=capacity, extra=["--config", str(config)], tcp=True)
     return d, read_secret(secret_file)
 
 
@@ -65,3 +67,43 @@ def test_arenas_past_the_limit_are_refused_by_type_and_the_others_still_served(
         b.ping()
         with Client(d.endpoint, token=issue_token(secret, "a", 600.0)) as again:
             again.ping()  # (a tenant's second session: its arena is there)
+
+
+def test_a_hello_sent_with_its_next_request_is_answered_first(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    """A peer may send its next request before the hello's reply (the router does); with
+    the hello waiting for its tenant's arena, that request was served first, and met no
+    session.  Now it waits behind the hello."""
+    d, secret = tenant_daemon(daemon_factory, tmp_path, "256MiB")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    token = issue_token(secret, "router", 600.0)
+    sock.plain_username, sock.plain_password = b"router", token.encode()  # (tcp: PLAIN)
+    assert d.tcp_endpoint is not None
+    sock.connect(d.tcp_endpoint)
+    try:
+        sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "router", token)))
+        for rid in (2, 3, 4):
+            sock.send(p.encoder.encode(p.Ping(rid)))
+        replies = []
+        for _ in range(4):
+            assert sock.poll(10_000), replies
+            replies.append(p.reply_decoder.decode(sock.recv_multipart()[0]))
+        assert isinstance(replies[0], p.HelloReply), replies
+        assert all(isinstance(r, p.OkReply) for r in replies[1:]), replies
+        assert [r.rid for r in replies] == [1, 2, 3, 4]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_an_arena_that_cannot_be_made_refuses_the_hello_by_type(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    """More shared memory than the host has: the hello is refused with the reason (once,
+    on the thread that tried: not made again on the loop), and the daemon serves on."""
+    d, secret = tenant_daemon(daemon_factory, tmp_path, "64TiB")
+    with pytest.raises(ConfigError, match="dram.capacity"):
+        Client(d.endpoint, token=issue_token(secret, "big", 600.0), timeout=20.0)
+    with pytest.raises(ConfigError, match="dram.capacity"):
+        Client(d.endpoint, token=issue_token(secret, "big", 600.0), timeout=20.0)
+    assert d.alive()
