@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvstore.client import Held, Namespace
-from kvstore.errors import CapacityError, KVStoreError, NotFoundError
+from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.kernels import KVCaches, Layout, PagedCache, gather, paged_cache
 
 logger = logging.getLogger(__name__)
@@ -518,21 +518,21 @@ def store_missing(ns: Namespace, keys: Sequence[bytes],
     chained to each other, or known to be missing); ``fill(slots, first)`` writes the
     blocks of ``keys[first:first + len(slots)]`` into the reserved slots; then commit.
     ``parent`` is the key before ``keys[0]``; a parent evicted since starts a chain of
-    its own.  At most as many blocks as the namespace's arena has slots are asked for:
-    of a chain longer than that, the leading blocks that fit are stored (where one
-    reservation of them all was refused and none was), and the error says so.
+    its own.  No reservation asks for more blocks than the namespace's arena has slots:
+    of a chain longer than that, the leading blocks that fit are stored (one reservation
+    of them all was refused, and none was), and the rest as far as the tier makes room
+    (demoting the earlier ones to SSD, say); the daemon's refusal ends it.
     """
     hits = done = created = 0
-    most = len(keys)
+    per = max(1, ns.client.max_keys)
     if ns.arena[1] and ns.slot_bytes:
-        most = min(most, max(1, ns.arena[1] // ns.slot_bytes))
+        per = min(per, max(1, ns.arena[1] // ns.slot_bytes))
     try:
         if lookup:
             hits = ns.lookup(keys).blocks
         done = hits
-        per = max(1, ns.client.max_keys)
-        while done < most:
-            todo = keys[done:min(done + per, most)]
+        while done < len(keys):
+            todo = keys[done:done + per]
             first_parent = keys[done - 1] if done else parent
             try:
                 reservation = ns.reserve(todo, parent=first_parent)
@@ -546,10 +546,6 @@ def store_missing(ns: Namespace, keys: Sequence[bytes],
             done += len(todo)
     except KVStoreError as exc:
         return Stored(done, created, exc)
-    if most < len(keys):
-        return Stored(done, created, CapacityError(
-            f"{len(keys)} blocks are more than the {most} slots of the arena; stored the "
-            f"first {done}", cause="full"))
     return Stored(len(keys), created)
 
 

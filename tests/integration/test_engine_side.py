@@ -222,7 +222,6 @@ def test_a_chain_longer_than_the_tier_stores_its_leading_blocks_that_fit(
             for j, slot in enumerate(out):
                 slot[:] = blocks[first + j]
 
-
         stored = store_missing(ns, keys, fill)
         assert isinstance(stored.error, CapacityError)
         assert stored.present == stored.created == slots  # (the first block evicted)
@@ -230,6 +229,33 @@ def test_a_chain_longer_than_the_tier_stores_its_leading_blocks_that_fit(
         assert cached == slots
         assert ns.get(keys[:cached]) == blocks[:cached]
         assert client.stats()["tiers"]["dram"]["reserved_slots"] == 0
+
+
+def test_a_chain_longer_than_dram_goes_on_into_ssd_past_its_cached_head(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """With an SSD tier each reservation's room is made by demoting the one before: the
+    whole chain is stored, in reservations no larger than DRAM; and a head cached past
+    DRAM's size (on SSD) leaves the tail to store, not nothing."""
+    d = daemon_factory(dram_capacity="1MiB", ssd_capacity="8MiB")
+    with Client(d.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity())
+        slots = client.stats()["tiers"]["dram"]["capacity"] // 4096  # (2 KiB blocks)
+        n = slots * 2
+        keys = chain_keys(ns.id, list(range(n * TOKENS)), TOKENS)
+        blocks = [i.to_bytes(4, "little") * (ns.block_bytes // 4) for i in range(n)]
+
+        def fill(out: Any, first: int) -> None:
+            for j, slot in enumerate(out):
+                slot[:] = blocks[first + j]
+
+        head = slots * 5 // 4
+        assert store_missing(ns, keys[:head], fill) == Stored(head, head)
+        assert ns.lookup(keys).blocks == head
+        assert store_missing(ns, keys, fill) == Stored(n, n - head)
+        hit = ns.lookup(keys)
+        assert hit.blocks == n and "ssd" in hit.tiers
+        for start in range(0, n, 64):  # (DRAM holds half of them)
+            assert ns.get(keys[start:start + 64]) == blocks[start:start + 64]
 
 
 def test_runs_pinned_before_a_daemon_error_are_released(
