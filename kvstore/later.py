@@ -167,7 +167,9 @@ class Finisher:
                 # its lease ran out while it waited (for room, or for the writes that
                 # make it): run again, it found its namespaces closed with the session
                 # and answered that it never opened them, which its client took for a
-                # session still there
+                # session still there.  Woken for room it takes none: the next may
+                if deferral is not None:
+                    self.d.moves.room.freed(after=deferral.ticket)
                 raise LeaseExpiredError("this session's lease ran out while the request "
                                         "waited; its holdings were rolled back; connect "
                                         "again")
