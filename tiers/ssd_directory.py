@@ -8,6 +8,7 @@ here blocks.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import sys
@@ -35,6 +36,12 @@ _PROGRESS_FROM = 100_000
 # the next (at 64k entries they were mapped and faulted in afresh each chunk: 380k page
 # faults at 10M entries, 40k at 16k entries, about a second of system time)
 _ROWS_CHUNK = 1 << 14
+
+
+# what an open meets where another kind of file is than the tier made (a directory, a
+# device): kept, it would fail again, so its error says how to start the tier cold
+_MISPLACED = frozenset({errno.EISDIR, errno.ENOTDIR, errno.ENXIO, errno.ENODEV,
+                        errno.ESPIPE, errno.EINVAL})
 
 
 class SSDDirectory:
@@ -72,9 +79,11 @@ class SSDDirectory:
             self._index.write_layout()
         except OSError as exc:  # a directory or a device where a file should be, say
             self.release()
+            misplaced = exc.errno in _MISPLACED  # (not an I/O error, a permission, ...)
             raise ConfigError(
-                f"SSD tier directory {self.path} holds files that cannot be used ({exc}); "
-                f"move them aside or delete the directory to start the tier cold"
+                f"SSD tier directory {self.path}: a file cannot be opened ({exc})"
+                + ("; move it aside or delete the directory to start the tier cold"
+                   if misplaced else "")
             ) from None
         except BaseException:
             self.release()
