@@ -280,13 +280,13 @@ class RemoteTier:
             written = await self._send_piece(ns, keys[part], views[part], what,
                                              blocks=blocks[part], checked=checked[part])
             if written is None:
-                return None
+                return None  # (the pieces before it were written, and counted)
             result += written
-        n = sum(1 for w in result if w)
-        self.counters["writes"] += n
-        self.counters["write_bytes"] += n * ns.block_bytes
-        if write_back:
-            self.counters["write_backs"] += n
+            n = sum(1 for w in written if w)
+            self.counters["writes"] += n
+            self.counters["write_bytes"] += n * ns.block_bytes
+            if write_back:
+                self.counters["write_backs"] += n
         return result
 
     async def _send_piece(self, ns: Namespace, keys: list[bytes],
