@@ -40,6 +40,7 @@ from kvstore.errors import (
     LeaseExpiredError,
     MalformedError,
     NoSessionError,
+    UnavailableError,
     error_from_code,
 )
 from kvstore.tiers.arena_fds import tcp_credentials
@@ -48,6 +49,7 @@ DEFAULT_PREFILL_RATE = 10_000.0  # tokens a second a worker prefills, unless tol
 REFUSED_S = 1.0       # no hello to a daemon for this long after it refused one,
 REFUSED_MAX_S = 60.0  # doubled with each refusal in a row, up to this
 _READS_A_POLL = 64  # messages read of one peer between the deadline's checks
+_STOPPING = UnavailableError.code  # what a daemon stopping answers every request
 # Messages queued toward one daemon that has not taken them (down, stopped, or slow):
 # past it a probe is not sent and the daemon ranks last.  Unbounded, 3000 routes to a
 # daemon that was down held 210 MiB, delivered whole once it was back.
@@ -220,6 +222,10 @@ class Router:
                 peer.greeted = isinstance(reply, p.HelloReply)
                 if peer.greeted:
                     peer.refusals = 0
+                elif isinstance(reply, p.ErrorReply) and reply.code == _STOPPING:
+                    # a daemon stopping refuses every request: no refusal of this router
+                    # (backed off from, it was ranked last long after it came back)
+                    peer.refused = f"{reply.code}: {reply.message}"
                 elif isinstance(reply, p.ErrorReply):
                     self._refuse(peer, f"{reply.code}: {reply.message}")
                     if peer.waiting:
@@ -240,8 +246,8 @@ class Router:
                 # connection that has its session was refused, and backed off from,
                 # so one refused probe left the daemon ranked last for good
                 if isinstance(error_from_code(reply.code, reply.message),
-                              (NoSessionError, LeaseExpiredError)):
-                    peer.greeted, peer.hello_rid = False, 0
+                              (NoSessionError, LeaseExpiredError, UnavailableError)):
+                    peer.greeted, peer.hello_rid = False, 0  # (stopping: its session goes)
         return done
 
     @property
