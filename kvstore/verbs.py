@@ -747,7 +747,8 @@ def arena_to_make(d: Daemon, routing_id: bytes, req: Any,
     or so a GiB to allocate and map, which on the loop stalled every other client;
     made on a thread, the request is then handled.  None: nothing to make."""
     arenas = d.arenas
-    if arenas is None or not d.store.per_tenant:
+    if not isinstance(req, (p.Hello, p.OpenNamespace)) or arenas is None \
+            or not d.store.per_tenant:  # (every request asks: the cheapest test first)
         return None
     if isinstance(req, p.Hello):
         # (one the cheap checks refuse makes nothing: ``greet`` refuses it at once)
@@ -755,12 +756,10 @@ def arena_to_make(d: Daemon, routing_id: bytes, req: Any,
                 or routing_id in d.sessions.by_connection):
             return None
         tenant = d.auth.tenant_of(req.tenant, req.token, curve_tenant)
-    elif isinstance(req, p.OpenNamespace):
+    else:  # a namespace: of another tenant's, which a shared writer may make
         session = d.sessions.get(routing_id)
         tenant = req.identity.tenant
         if not d.auth.may_write(session.tenant, tenant):
             return None
-    else:
-        return None
     name = d.store.arena_of(tenant)
     return None if name in arenas.by_name else arenas.make(name)
