@@ -48,8 +48,11 @@ from kvstore.tiers.arena_fds import tcp_credentials
 DEFAULT_PREFILL_RATE = 10_000.0  # tokens a second a worker prefills, unless told
 REFUSED_S = 1.0       # no hello to a daemon for this long after it refused one,
 REFUSED_MAX_S = 60.0  # doubled with each refusal in a row, up to this
+HELLO_WAIT_S = 3.0    # a hello unanswered this long is lost: the peer connects again
 _READS_A_POLL = 64  # messages read of one peer between the deadline's checks
 _STOPPING = UnavailableError.code  # what a daemon stopping answers every request
+# the refusals that say the connection has no session there (or will not, stopping)
+_NO_SESSION = (NoSessionError, LeaseExpiredError, UnavailableError)
 # Messages queued toward one daemon that has not taken them (down, stopped, or slow):
 # past it a probe is not sent and the daemon ranks last.  Unbounded, 3000 routes to a
 # daemon that was down held 210 MiB, delivered whole once it was back.
@@ -88,6 +91,8 @@ class _Peer:
         self.sock = sock
         self.greeted = False
         self.hello_rid = 0  # of the hello sent last (0: none awaited)
+        self.hello_at = 0.0  # when (the router's clock)
+        self.heard = False  # whether the daemon ever answered (it is there, or was)
         self.waiting = 0  # rid of the probe this route waits for (0: none)
         self.refused = ""  # why it gave this route no answer
         self.refusal = ""  # the daemon's refusal of the last hello
@@ -118,12 +123,12 @@ class Router:
         self._rids = itertools.count(1)
         # tcp daemons with a token secret check the token in the handshake
         self._peers: list[_Peer] = []
+        self._socket: Callable[[str], Any] = lambda e: make_socket(
+            self._ctx, e, curve, tcp_credentials(e, self._token, self._tenant,
+                                                 curve is not None), send_hwm=PROBES_QUEUED)
         try:
             for e in endpoints:
-                self._peers.append(_Peer(e, make_socket(
-                    self._ctx, e, curve, tcp_credentials(e, self._token, self._tenant,
-                                                         curve is not None),
-                    send_hwm=PROBES_QUEUED)))
+                self._peers.append(_Peer(e, self._socket(e)))
         except BaseException:  # (an endpoint refused: nothing left open)
             self.close()
             raise
@@ -138,7 +143,20 @@ class Router:
         rid = next(self._rids)
         if _send(peer.sock, p.encoder.encode(
                 p.Hello(rid, p.PROTOCOL_VERSION, self._tenant, self._token))):
-            peer.hello_rid = rid
+            peer.hello_rid, peer.hello_at = rid, self._clock()
+
+    def _connect_again(self, peer: _Peer) -> None:
+        """A new connection for a peer whose hello went unanswered: lost (sent as the
+        daemon stopped), or dropped (a daemon started again drops a sessionless peer's
+        messages past the first few, and the probes queued while it was down were
+        those): before, the router waited for it for good, the daemon never answering."""
+        self._poller.unregister(peer.sock)
+        del self._by_sock[peer.sock]
+        peer.sock.close(linger=0)
+        peer.sock = self._socket(peer.endpoint)
+        self._poller.register(peer.sock, zmq.POLLIN)
+        self._by_sock[peer.sock] = peer
+        peer.greeted, peer.hello_rid = False, 0
 
     def _refuse(self, peer: _Peer, refusal: str) -> None:
         """Back off from a daemon that refused the hello: twice the last back-off after
@@ -183,6 +201,8 @@ class Router:
             peer.refused = self._backing_off(peer, now)
             if peer.refused:
                 continue  # no hello, no probe: ranked last, not waited on
+            if peer.heard and peer.hello_rid and now - peer.hello_at > HELLO_WAIT_S:
+                self._connect_again(peer)
             if not peer.greeted and not peer.hello_rid:
                 self._hello(peer)
             # the daemon serves a connection's requests in order: no wait for the hello
@@ -217,6 +237,7 @@ class Router:
             except (msgspec.DecodeError, msgspec.ValidationError, RecursionError,
                     IndexError):
                 continue  # a peer that is not a kvstore daemon (its answer too deep, too)
+            peer.heard = True
             if reply.rid == peer.hello_rid:
                 peer.hello_rid = 0
                 peer.greeted = isinstance(reply, p.HelloReply)
@@ -231,6 +252,9 @@ class Router:
                     if peer.waiting:
                         peer.refused = peer.refusal
                 continue
+            if (isinstance(reply, p.ErrorReply) and not peer.hello_rid
+                    and isinstance(error_from_code(reply.code, reply.message), _NO_SESSION)):
+                peer.greeted = False  # (a late probe's too: this connection has none there)
             if reply.rid != peer.waiting:
                 continue  # a probe's answer that came after its deadline
             peer.waiting = 0
@@ -245,8 +269,7 @@ class Router:
                 # (a chain too long, a rate limit) is this probe's alone: a hello on a
                 # connection that has its session was refused, and backed off from,
                 # so one refused probe left the daemon ranked last for good
-                if isinstance(error_from_code(reply.code, reply.message),
-                              (NoSessionError, LeaseExpiredError, UnavailableError)):
+                if isinstance(error_from_code(reply.code, reply.message), _NO_SESSION):
                     peer.greeted, peer.hello_rid = False, 0  # (stopping: its session goes)
         return done
 

@@ -386,3 +386,28 @@ def test_the_async_clients_routers_are_let_go_safely(daemon_factory: Any,
             assert not c._routers and not failed, failed
 
     asyncio.run(main())
+
+
+def test_a_daemon_started_again_behind_queued_probes_is_greeted_again(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """Probes queued while a daemon was down reach the new one first: it answers a few
+    "no session", then drops a sessionless peer's messages, the router's new hello among
+    them.  Before, the router waited for that hello for good: the daemon, there and
+    serving, was ranked unanswered at every route."""
+    from daemon_proc import DaemonProcess
+
+    d = DaemonProcess(tmp_path / "d").start()
+    try:
+        fill(d.endpoint, 8)
+        keys = chain_keys(IDENT.namespace_id, TOKENS, BT)
+        with Router([d.endpoint], tenant="acme") as r:
+            assert r.route(keys, deadline=2.0)[0].answered
+            d.stop(signal.SIGKILL)
+            for _ in range(12):  # queued toward it while it is down (more than 8)
+                assert not r.route(keys, deadline=0.01)[0].answered
+            d.start()
+            deadline = time.monotonic() + 15
+            while not r.route(keys, deadline=0.2)[0].answered:
+                assert time.monotonic() < deadline, "the daemon was never greeted again"
+    finally:
+        d.stop()
