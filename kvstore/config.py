@@ -128,6 +128,7 @@ LIVE_SETTINGS: tuple[tuple[str, str], ...] = (
     ("server", "max_namespaces_per_tenant"),
     ("server", "max_sessions_per_tenant"),
     ("server", "max_requests_per_second_per_tenant"),
+    ("server", "stop_seconds"),
     ("auth", "grantee_pin_share"),
     ("auth", "grantee_pin_total"),
     ("ssd", "admit_after"),
@@ -163,6 +164,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # credentials) may take before it is closed: what a peer without credentials can hold
     # there (a frame read whole, up to max_request_bytes) is held at most this long.
     handshake_seconds: float = 5.0
+    # How long a stop (SIGTERM, SIGINT) may take, from the signal, before the daemon
+    # exits at once (a write stuck on a stalled disk never ends); 0: no limit.  Less than
+    # the systemd unit's TimeoutStopSec (90), so the daemon says what it was doing.
+    stop_seconds: float = 60.0
     max_reservations_per_tenant: int = 0
     max_pins_per_tenant: int = 0
     max_namespaces_per_tenant: int = 0
@@ -485,6 +490,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("server.lease_seconds: must be a positive number of seconds")
         if not 0.001 <= self.server.handshake_seconds <= 3600:
             raise ConfigError("server.handshake_seconds: from 0.001 to 3600 seconds")
+        if not (self.server.stop_seconds == 0 or 1 <= self.server.stop_seconds <= 86400):
+            raise ConfigError("server.stop_seconds: 0 (no limit), or from 1 to 86400 seconds")
         for name in ("max_keys_per_request", "max_reservations_per_session",
                      "max_pins_per_session", "max_namespaces_per_session",
                      "max_unread_replies"):

@@ -55,6 +55,7 @@ from kvstore.sdnotify import Notifier
 from kvstore.sessions import Sessions
 from kvstore.side_socket import SideSocket
 from kvstore.slab_moves import class_stats
+from kvstore.stopping import StopDeadline
 from kvstore.store import BlockStore, Limits, Namespace
 from kvstore.tiering import SsdMover
 from kvstore.tiers.arena_fds import side_path
@@ -115,6 +116,7 @@ class Server:
         self._draining_grants = False  # a slice of the grantees' discharges is due
         self._reap_due = math.inf  # when the reaper's timer is due (time.monotonic())
         self._stopped: asyncio.Event | None = None
+        self.stop_deadline = StopDeadline()  # (begun by run_server's signal handler)
         self._tasks: set[asyncio.Task[None]] = set()
         self.policy_switches = PolicySwitches(self.store)  # SIGHUP's, in loop turns
         self.moves = Moves(self.store, clock)  # its tiers' movers join in start()
@@ -559,30 +561,35 @@ def live_settings(server: Server) -> dict[str, Any]:
 
 
 async def drain_server(server: Server, bound: float) -> None:
-    """Stop taking requests, let those under way finish (within ``bound`` seconds),
-    flush writes to SSD and sync its index."""
+    """Stop taking requests, let those under way finish (within ``bound`` seconds, or
+    what the stop's deadline leaves), flush writes to SSD and sync its index."""
+    stop = server.stop_deadline
     server.transport.stop_reading()
     server.moves.room.stop()  # deferred requests: no room frees now, their last steps run
     if server._tasks:
-        await asyncio.wait(list(server._tasks), timeout=bound)
+        await asyncio.wait(list(server._tasks), timeout=stop.left(bound))
     if server.remote is not None:
+        stop.enter("writing blocks back to the remote store")
         try:
-            await asyncio.wait_for(server.moves.stop_copying_ssd(), bound)
-            await asyncio.wait_for(server.remote.drain(), bound)
-            flushed = await asyncio.wait_for(server.remote.flush(), bound)
+            await asyncio.wait_for(server.moves.stop_copying_ssd(), stop.left(bound))
+            await asyncio.wait_for(server.remote.drain(), stop.left(bound))
+            flushed = await asyncio.wait_for(server.remote.flush(), stop.left(bound))
             if flushed:
                 log.info("wrote %d blocks back to the remote store on the way out",
                          flushed)
         except TimeoutError:
             log.error("remote writes still under way at exit were dropped")
+        stop.enter("closing the remote store")
         await server.remote.close()
     if server.gpu is not None:
+        stop.enter("finishing copies into the gpu tier")
         try:
-            await asyncio.wait_for(server.gpu.drain(), bound)
+            await asyncio.wait_for(server.gpu.drain(), stop.left(bound))
         except TimeoutError:
             log.error("copies into the gpu tier still under way at exit were dropped")
+    stop.enter("finishing writes to the ssd tier")
     try:
-        await asyncio.wait_for(server.moves.drain(), bound)
+        await asyncio.wait_for(server.moves.drain(), stop.left(bound))
     except TimeoutError:
         log.error("writes to the ssd tier still under way at exit were dropped")
     if server.ssd is not None and not server.ssd.write_through \
@@ -592,17 +599,22 @@ async def drain_server(server: Server, bound: float) -> None:
     elif server.ssd is not None and not server.ssd.write_through:
         # write-back keeps on SSD only what DRAM evicted: what DRAM alone holds goes
         # there now (its free room), or a restart would find none of it
+        stop.enter("writing the blocks only dram holds to the ssd tier")
+        within = stop.left(bound)
         try:
-            flushed = await asyncio.wait_for(server.moves.flush_to_ssd(), bound)
+            flushed = await asyncio.wait_for(server.moves.flush_to_ssd(), within)
             if flushed:
                 log.info("wrote %d blocks to the ssd tier on the way out", flushed)
         except TimeoutError:
-            log.error("blocks only dram held were not all written to ssd within %gs", bound)
+            log.error("blocks only dram held were not all written to ssd within %.3gs",
+                      within)
     if server.ssd is not None:
+        stop.enter("syncing the ssd tier")
         try:
-            await asyncio.wait_for(server.ssd.drain(), bound)
+            await asyncio.wait_for(server.ssd.drain(), stop.left(bound))
         except (TimeoutError, KVStoreError) as exc:
             log.error("could not flush the ssd tier on the way out: %r", exc)
+    stop.enter("closing the tiers")
 
 
 def _block_store(config: Config, limits: Limits) -> BlockStore:
@@ -675,7 +687,11 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
     stop_settling = settle_every(loop)  # full collections never walk the index
 
     def stop() -> None:
+        if server.stop_deadline.begun:  # a second signal: the stop is taking too long
+            server.stop_deadline.now("a second stop signal came")
+            return
         notifier.stopping()
+        server.stop_deadline.begin(server.config.server.stop_seconds, notifier)
         server.stop()
 
     def hangup() -> None:
@@ -707,6 +723,7 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
         stop_settling()
         if close_http is not None:
             close_http()
+        server.stop_deadline.enter("waiting for the tiers' threads to end")
 
 
 def _warn_of_an_open_group(config: Config) -> None:
