@@ -24,8 +24,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvstore.client import Held, Namespace
-from kvstore.errors import KVStoreError, NotFoundError
+from kvstore.client import Held, Namespace, Reservation
+from kvstore.errors import CapacityError, KVStoreError, NotFoundError
 from kvstore.kernels import KVCaches, Layout, PagedCache, gather, paged_cache
 
 logger = logging.getLogger(__name__)
@@ -507,6 +507,15 @@ def reload_prefix(ns: Namespace, keys: Sequence[bytes], pages: EnginePages,
 # writes: what the store lacks
 # ========================================================================================
 
+def blocks_per_request(ns: Namespace) -> int:
+    """The most blocks one reservation or pin of the namespace may ask for: the daemon's
+    key limit, and no more than its arena has slots (more were refused whole)."""
+    per = max(1, ns.client.max_keys)
+    if ns.arena[1] and ns.slot_bytes:
+        per = min(per, max(1, ns.arena[1] // ns.slot_bytes))
+    return per
+
+
 def store_missing(ns: Namespace, keys: Sequence[bytes],
                   fill: Callable[[Sequence[memoryview], int], None], *,
                   parent: bytes | None = None, lookup: bool = True) -> Stored:
@@ -521,12 +530,13 @@ def store_missing(ns: Namespace, keys: Sequence[bytes],
     its own.  No reservation asks for more blocks than the namespace's arena has slots:
     of a chain longer than that, the leading blocks that fit are stored (one reservation
     of them all was refused, and none was), and the rest as far as the tier makes room
-    (demoting the earlier ones to SSD, say); the daemon's refusal ends it.
+    (demoting the earlier ones to SSD, say).  A reservation the tier has no room for is
+    asked again for half as many blocks (the arena's free slots are fewer than its
+    size where other block sizes hold slabs, pins hold slots, or the reservation's own
+    parent and its prefix may not leave); the refusal of one block ends it.
     """
     hits = done = created = 0
-    per = max(1, ns.client.max_keys)
-    if ns.arena[1] and ns.slot_bytes:
-        per = min(per, max(1, ns.arena[1] // ns.slot_bytes))
+    per = blocks_per_request(ns)
     try:
         if lookup:
             hits = ns.lookup(keys).blocks
@@ -535,11 +545,12 @@ def store_missing(ns: Namespace, keys: Sequence[bytes],
             todo = keys[done:done + per]
             first_parent = keys[done - 1] if done else parent
             try:
-                reservation = ns.reserve(todo, parent=first_parent)
-            except NotFoundError:
-                if first_parent is None:
+                reservation = _reserve(ns, todo, first_parent)
+            except CapacityError:
+                if len(todo) == 1:
                     raise
-                reservation = ns.reserve(todo, parent=None)
+                per = len(todo) // 2
+                continue
             with reservation as r:
                 fill(r.buffers, done)
                 created += r.commit()
@@ -547,6 +558,17 @@ def store_missing(ns: Namespace, keys: Sequence[bytes],
     except KVStoreError as exc:
         return Stored(done, created, exc)
     return Stored(len(keys), created)
+
+
+def _reserve(ns: Namespace, keys: Sequence[bytes], parent: bytes | None) -> Reservation:
+    """A reservation of ``keys`` after ``parent``; of a chain of their own where the
+    parent is gone."""
+    try:
+        return ns.reserve(keys, parent=parent)
+    except NotFoundError:
+        if parent is None:
+            raise
+        return ns.reserve(keys, parent=None)
 
 
 def offload_missing(ns: Namespace, pages: EnginePages, page_ids: Sequence[int],

@@ -36,10 +36,11 @@ Those threads take turns on the one connection (a lock: a client is not thread-s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,10 +52,11 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvstore.client import Namespace
-from kvstore.errors import KVStoreError, UnavailableError
+from kvstore.errors import CapacityError, KVStoreError, UnavailableError
 from kvstore.identity import DTYPE_BYTES, Identity
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
+    blocks_per_request,
     checkpoint_fingerprint,
     hub_commit,
     read_blocks,
@@ -251,16 +253,32 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 return 0
 
     # -- reads ------------------------------------------------------------------------------
-    def _read(self, keys: list[str], copy: Any) -> int:
-        """Copy out the longest cached prefix of ``keys`` (``copy(i, slot)``); how many."""
+    def _read(self, keys: list[str], copy: Callable[[int, memoryview], None]) -> int:
+        """Copy out the longest cached prefix of ``keys`` (``copy(i, slot)``); how many.
+
+        In pieces, each pinned, copied and released before the next: pages on SSD are
+        pinned in DRAM, and a batch of more than DRAM has room for was refused whole (its
+        pages counted by ``batch_exists``, none loaded); a piece refused for room is
+        asked again half as large."""
         with self._lock:
             ns = self._namespace()
             if ns is None:
                 return 0
-            loaded = read_blocks(ns, [page_key(k) for k in keys], copy)
-            if loaded.error is not None:
-                self._link.failed("HiCache get", loaded.error)
-            return loaded.blocks
+            wanted = [page_key(k) for k in keys]
+            per, done = blocks_per_request(ns), 0
+            while done < len(wanted):
+                piece = wanted[done:done + per]
+                loaded = read_blocks(ns, piece, functools.partial(_shifted, copy, done))
+                done += loaded.blocks
+                if (isinstance(loaded.error, CapacityError) and not loaded.blocks
+                        and len(piece) > 1):
+                    per = len(piece) // 2
+                    continue
+                if loaded.error is not None:
+                    self._link.failed("HiCache get", loaded.error)
+                if loaded.blocks < len(piece):
+                    break
+            return done
 
     def get(self, key: str, target_location: Any = None,
             target_sizes: Any = None) -> torch.Tensor | None:
@@ -365,6 +383,11 @@ def _index_step(host: Any) -> int:
     named the middle of a logical page, which the pool refuses)."""
     logical = getattr(host, "logical_page_size", None)  # (SGLang's pools since DCP)
     return int(logical or host.page_size * getattr(host, "dcp_size", 1))
+
+
+def _shifted(copy: Callable[[int, memoryview], None], first: int, i: int,
+             slot: memoryview) -> None:
+    copy(first + i, slot)
 
 
 def _copy_into(target: torch.Tensor, slot: memoryview) -> None:
