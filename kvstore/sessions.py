@@ -21,7 +21,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from kvstore.blocks import Pin
 from kvstore.config import ServerConfig
@@ -43,6 +43,13 @@ _EXPIRED_REMEMBERED = 4096  # connections whose session expired, told so (not "n
 # about 140 bytes for the session's life, and each lease's end walked them all: a
 # million attaches, 81 MB and 350 ms of the loop.
 CONNECTIONS_PER_SESSION = 64
+_LET_GO = (f"{NoSessionError.PREFIX}: {CONNECTIONS_PER_SESSION} newer connections attached "
+           "to this one's session")
+# a connection that said goodbye while others of its session stayed: it was a peer
+# without a session again, and past its first few messages (or at once, a put's
+# frames) the transport dropped what it sent unanswered, as a stranger's
+_SAID_GOODBYE = (f"{NoSessionError.PREFIX}: this connection said goodbye and left its "
+                 "session; say hello again for a new one")
 
 Holding = Literal["reservations", "pins"]
 
@@ -77,10 +84,10 @@ class Session:
         return oldest
 
 
-def _expire(expired: dict[bytes, None], connection: bytes) -> None:
+def _expire(expired: dict[bytes, Any], connection: bytes, why: Any = None) -> None:
     """Remember that ``connection`` has no session any more (the latest
-    ``_EXPIRED_REMEMBERED``), to tell it so."""
-    expired[connection] = None
+    ``_EXPIRED_REMEMBERED``), to tell it so (``why``)."""
+    expired[connection] = why
     if len(expired) > _EXPIRED_REMEMBERED:
         del expired[next(iter(expired))]
 
@@ -161,7 +168,8 @@ class Sessions:
         self._expired: dict[bytes, None] = {}
         # connections let go past a session's CONNECTIONS_PER_SESSION, apart: attaches
         # (one tenant's) never push other tenants' lease ends out of ``_expired``
-        self._let_go: dict[bytes, None] = {}
+        # (and those that said goodbye and left one: each with what it is told)
+        self._let_go: dict[bytes, str] = {}
         self.idle = IdleTenants()
         self.grant_pins = GrantPins(grantee_pin_share, self._owner_dram, grantee_pin_total)
         # pins of get replies not yet sent in other tenants' namespaces, by id: counted
@@ -238,7 +246,7 @@ class Sessions:
         self.by_connection[routing_id] = session
         if (let_go := session.attach(routing_id)) is not None:
             del self.by_connection[let_go]
-            _expire(self._let_go, let_go)
+            _expire(self._let_go, let_go, _LET_GO)
         self.store.touch_owner(session.id, self.clock())
         return session
 
@@ -258,9 +266,8 @@ class Sessions:
         self.asking = routing_id
         session = self.by_connection.get(routing_id)
         if session is None:
-            if routing_id in self._let_go:
-                raise NoSessionError(f"{NoSessionError.PREFIX}: {CONNECTIONS_PER_SESSION} "
-                                     "newer connections attached to this one's session")
+            if (why := self._let_go.get(routing_id)) is not None:
+                raise NoSessionError(why)
             if routing_id in self._expired:
                 raise LeaseExpiredError(
                     "this session's lease ran out and its holdings were rolled back; "
@@ -274,6 +281,7 @@ class Sessions:
         without a session again."""
         session = self.by_connection.pop(routing_id)
         del session.connections[routing_id]
+        _expire(self._let_go, routing_id, _SAID_GOODBYE)  # told so, never dropped unread
 
     def forget(self, gone: set[object]) -> None:
         """Drop the sessions whose lease ran out (their holdings are rolled back), and

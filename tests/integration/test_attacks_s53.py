@@ -1,0 +1,85 @@
+"""A hostile tenant against a daemon with credentials (a token secret, a tcp endpoint):
+what a raw peer sends past the protocol's rules is answered with a typed error, never
+with silence, and leaves nothing held.  Real daemon processes, raw ZeroMQ sockets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_proc import DaemonProcess
+from kvtest import make_identity
+from test_protocol_abuse import error_code
+from test_tenant_isolation import Raw, cli
+
+from kvstore import protocol as p
+from kvstore.auth import issue_token, read_secret
+from kvstore.transport import PRE_HELLO_MESSAGES
+
+
+@pytest.fixture
+def secured(daemon_factory: Any, tmp_path: Path) -> tuple[DaemonProcess, bytes]:
+    """A daemon that takes tokens on its tcp endpoint."""
+    secret = tmp_path / "secret"
+    cli("keygen", "--secret", str(secret))
+    config = tmp_path / "auth.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret}"\noperators = ["ops"]\n')
+    d = daemon_factory(tcp=True, extra=["--config", str(config), "--slab-size", "1MiB"])
+    return d, read_secret(secret)
+
+
+def connect(d: DaemonProcess, secret: bytes, tenant: str, attach: str = "") -> tuple[Raw, str]:
+    assert d.tcp_endpoint is not None
+    raw = Raw(d.tcp_endpoint, tenant, token_of(secret, tenant))
+    hello = raw.ask(p.Hello(1, p.PROTOCOL_VERSION, tenant, token_of(secret, tenant), attach))
+    assert isinstance(hello, p.HelloReply), hello
+    return raw, hello.session
+
+
+def token_of(secret: bytes, tenant: str) -> str:
+    return issue_token(secret, tenant, 3600.0)
+
+
+def ask_frames(raw: Raw, msg: p.Message, *payload: bytes) -> p.Message:
+    raw.sock.send_multipart([p.encoder.encode(msg), *payload])
+    assert raw.sock.poll(10_000), f"the daemon did not answer a {type(msg).__name__}"
+    return p.reply_decoder.decode(raw.sock.recv_multipart()[0])
+
+
+def test_a_connection_that_left_its_session_is_answered_every_time(
+        secured: tuple[DaemonProcess, bytes]) -> None:
+    """A connection's goodbye, while another connection of its session stays, made it a
+    peer without a session, as a stranger: a put it sent next (payload frames) and any
+    request past its first few went unanswered, its client waiting out its timeout.
+    Now each is told it said goodbye, and nothing it sends is taken."""
+    d, secret = secured
+    first, session = connect(d, secret, "acme")
+    second, _ = connect(d, secret, "acme", attach=session)
+    ops, _ = connect(d, secret, "ops")
+    try:
+        ident = make_identity(tenant="acme")
+        opened = first.ask(p.OpenNamespace(2, ident))
+        assert isinstance(opened, p.NamespaceReply)
+        assert isinstance(second.ask(p.Bye(3)), p.OkReply)
+        key = b"\5" * 16
+        put = ask_frames(second, p.Put(4, opened.ns, [key]), b"\5" * opened.block_bytes)
+        assert error_code(put) == "forbidden" and "goodbye" in put.message, put
+        assert put.rid == 4
+        for rid in range(5, 5 + 2 * PRE_HELLO_MESSAGES):  # past what a stranger gets
+            reply = second.ask(p.Lookup(rid, opened.ns, [key]))
+            assert error_code(reply) == "forbidden" and reply.rid == rid, reply
+        # the session goes on for the other connection; the put took nothing
+        looked = first.ask(p.Lookup(40, opened.ns, [key]))
+        assert isinstance(looked, p.LookupReply) and looked.blocks == 0, looked
+        # a hello on the connection that left opens a new session
+        again = second.ask(p.Hello(41, p.PROTOCOL_VERSION, "acme", token_of(secret, "acme")))
+        assert isinstance(again, p.HelloReply) and again.session != session
+        assert isinstance(second.ask(p.Ping(42)), p.OkReply)
+        stats = ops.ask(p.Stats(43))
+        assert isinstance(stats, p.StatsReply)
+        assert stats.stats["tiers"]["dram"]["reserved_slots"] == 0
+        assert stats.stats["invariant_violations"] == 0
+    finally:
+        for raw in (first, second, ops):
+            raw.close()
