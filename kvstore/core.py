@@ -10,7 +10,6 @@ holds it, drop a subtree leaf first (at once, or in steps of bounded work:
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +32,7 @@ from kvstore.blocks import (
 )
 from kvstore.first_blocks import Heads, no_longer_heads
 from kvstore.gpu_copies import GpuCopies
+from kvstore.ids import UnguessableIds
 from kvstore.pool import SlabClass
 from kvstore.errors import ConfigError
 from kvstore.scheduler.admission import SEEN_MOST, PolicyChain, Step
@@ -355,7 +355,7 @@ class StoreCore:
         self.owners: dict[Owner, OwnerState] = {}
         self.transfers: dict[int, Transfer] = {}
         self.counters = Counters()
-        self.ids = itertools.count(1)
+        self.ids = UnguessableIds()  # (a counter's told others' requests)
         self.reserved_slots = 0      # DRAM slots held by reservations and promotions
         self.committed_slots = 0     # DRAM copies
         self.ssd_reserved_slots = 0

@@ -33,7 +33,6 @@ router's question is not a use.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import weakref
 from collections.abc import Callable
@@ -48,6 +47,7 @@ from kvstore.config import Config, parse_size
 from kvstore.errors import LimitExceededError, NotFoundError, TooLargeError
 from kvstore.events import EventPublisher
 from kvstore.first_blocks import visible_head
+from kvstore.ids import UnguessableIds
 from kvstore.pending import Later
 from kvstore.sessions import Session
 from kvstore.store import BlockStore
@@ -205,7 +205,7 @@ class RoutingVerbs:
         self.walks: weakref.WeakKeyDictionary[Session, dict[int, SnapshotWalk]] = (
             weakref.WeakKeyDictionary())
         self.whole: dict[Session, int] = {}  # snapshots in one reply under way, by session
-        self.cursors = itertools.count(1)
+        self.cursors = UnguessableIds()  # (a counter's told others' snapshots)
 
     def table(self) -> dict[type[Any], Handler]:
         return {p.Snapshot: self._snapshot, p.Probe: self._probe}

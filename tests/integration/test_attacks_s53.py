@@ -83,3 +83,47 @@ def test_a_connection_that_left_its_session_is_answered_every_time(
     finally:
         for raw in (first, second, ops):
             raw.close()
+
+
+def test_ids_handed_to_one_tenant_tell_nothing_of_the_others_requests(
+        secured: tuple[DaemonProcess, bytes]) -> None:
+    """Reservation, pin and snapshot cursor ids came from daemon-wide counters: a tenant
+    that reserved twice read, in the difference, how many reservations and pins every
+    other tenant had taken meanwhile (figures its stats leave out with credentials).
+    Now they are unique and unordered: the difference says nothing."""
+    d, secret = secured
+    spy, _ = connect(d, secret, "acme")
+    other, _ = connect(d, secret, "globex")
+    try:
+        mine = spy.ask(p.OpenNamespace(2, make_identity(tenant="acme")))
+        theirs = other.ask(p.OpenNamespace(2, make_identity(tenant="globex")))
+        assert isinstance(mine, p.NamespaceReply) and isinstance(theirs, p.NamespaceReply)
+
+        def reserve(raw: Raw, ns: bytes, rid: int) -> int:
+            reply = raw.ask(p.Reserve(rid, ns, [rid.to_bytes(16, "big")]))
+            assert isinstance(reply, p.ReserveReply), reply
+            assert isinstance(raw.ask(p.Abort(rid + 1, reply.reservation)), p.OkReply)
+            return reply.reservation
+
+        def cursor(raw: Raw, rid: int) -> int:
+            reply = raw.ask(p.Snapshot(rid, 0, 1))
+            assert isinstance(reply, p.SnapshotReply), reply
+            return reply.cursor
+
+        put = ask_frames(other, p.Put(3, theirs.ns, [b"\1" * 16, b"\2" * 16]),
+                         b"\1" * theirs.block_bytes, b"\2" * theirs.block_bytes)
+        assert isinstance(put, p.PutReply) and put.created == 2, put
+        first, first_cursor = reserve(spy, mine.ns, 10), cursor(other, 11)
+        taken = 7
+        for i in range(taken):  # the other tenant's requests meanwhile
+            reserve(other, theirs.ns, 100 + 2 * i)
+            assert cursor(other, 200 + i) != 0
+        last, last_cursor = reserve(spy, mine.ns, 20), cursor(other, 21)
+        assert last - first not in (1, taken + 1), (first, last)
+        assert last_cursor - first_cursor not in (1, taken + 1), (first_cursor, last_cursor)
+        ids = [reserve(spy, mine.ns, 300 + 2 * i) for i in range(64)]
+        assert len(set(ids)) == len(ids) and all(0 < i < 1 << 63 for i in ids)
+        assert ids != sorted(ids)  # (in order by chance: once in 64!)
+    finally:
+        spy.close()
+        other.close()
