@@ -283,6 +283,13 @@ class Sessions:
         del session.connections[routing_id]
         _expire(self._let_go, routing_id, _SAID_GOODBYE)  # told so, never dropped unread
 
+    def end(self, session: Session) -> None:
+        """The last connection of ``session`` said goodbye: the session ends, as at its
+        lease's end, and that connection is told so, not that a lease ran out."""
+        self.forget({session.id})
+        if self._expired.pop(self.asking, 0) is None:  # (remembered there, for a lease)
+            _expire(self._let_go, self.asking, _SAID_GOODBYE)
+
     def forget(self, gone: set[object]) -> None:
         """Drop the sessions whose lease ran out (their holdings are rolled back), and
         remember their connections for a while, to tell them so."""

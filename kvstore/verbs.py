@@ -504,7 +504,7 @@ class Verbs:
             d.sessions.leave(d.sessions.asking)
         else:
             d.store.drop_owner(session.id)
-            d.sessions.forget({session.id})
+            d.sessions.end(session)  # (its connection told it said goodbye)
             d.moves.freed()
         return p.OkReply(req.rid), []
 

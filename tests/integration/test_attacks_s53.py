@@ -127,3 +127,25 @@ def test_ids_handed_to_one_tenant_tell_nothing_of_the_others_requests(
     finally:
         spy.close()
         other.close()
+
+
+def test_a_connection_that_ended_its_session_is_told_it_said_goodbye(
+        secured: tuple[DaemonProcess, bytes]) -> None:
+    """The last connection's goodbye ends the session; what that connection sent next
+    was told "this session's lease ran out", which it had not: now that it said
+    goodbye, and a hello opens a new session."""
+    d, secret = secured
+    raw, session = connect(d, secret, "acme")
+    try:
+        opened = raw.ask(p.OpenNamespace(2, make_identity(tenant="acme")))
+        assert isinstance(opened, p.NamespaceReply)
+        assert isinstance(raw.ask(p.Bye(3)), p.OkReply)
+        for rid in range(4, 4 + 2 * PRE_HELLO_MESSAGES):
+            reply = raw.ask(p.Lookup(rid, opened.ns, [b"\7" * 16]))
+            assert error_code(reply) == "forbidden" and reply.rid == rid, reply
+            assert "said goodbye" in reply.message and "lease" not in reply.message, reply
+        again = raw.ask(p.Hello(40, p.PROTOCOL_VERSION, "acme", token_of(secret, "acme")))
+        assert isinstance(again, p.HelloReply) and again.session != session
+        assert isinstance(raw.ask(p.Ping(41)), p.OkReply)
+    finally:
+        raw.close()
