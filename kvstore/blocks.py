@@ -9,7 +9,7 @@ the store's counters.  Everything else of the store imports this; it imports non
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
@@ -21,6 +21,7 @@ from kvstore.scheduler.admission import SEEN_MOST
 from kvstore.scheduler.duel_samples import Backlogs
 from kvstore.scheduler.dueling import Duel
 from kvstore.scheduler.eviction import EvictionPolicy, WarmPins, make_policy
+from kvstore.scheduler.tenant_orders import TenantOrders
 from kvstore.token_ids import TokenRun
 
 Owner = Hashable
@@ -259,6 +260,7 @@ class Block:
                 f"refs={self.refs}, children={self.children})")
 
 block_key = attrgetter("key")  # what the eviction orders remember a block by (its key)
+_tenant_of = attrgetter("ns.tenant")  # (``TenantOrders``: the tenant whose order holds it)
 # a key's hash for the duel's sample: its digest's bytes, the same in every process (a
 # replay samples the blocks it sampled before; ``hash`` of bytes is seeded per process)
 key_hash: Callable[[bytes], int] = partial(int.from_bytes, byteorder="little")
@@ -319,8 +321,12 @@ class TierSlots:
 
     def __init__(self, name: str, capacity: int, slab_bytes: int, alignment: int,
                  policy: str, clock: Callable[[], float] | None = None,
-                 backlogs: Backlogs | None = None) -> None:
+                 backlogs: Backlogs | None = None,
+                 tenant_weights: Mapping[str, float] | None = None) -> None:
         self.name = name
+        # given: each class's order is one per tenant, the victim from the tenant furthest
+        # over its weighted share (``TenantOrders``: the SSD tier's, one for all tenants)
+        self.tenant_weights = tenant_weights
         self.pool = SlabPool(capacity, slab_bytes, alignment)
         self.policy_name = policy
         self.clock = clock  # set: orders support soft pins (kept warm until a time)
@@ -373,7 +379,15 @@ class TierSlots:
     def new_policy(self, slot_bytes: int) -> EvictionPolicy[Block]:
         """An empty order of this tier's policy for blocks of ``slot_bytes`` slots, told
         how many the tier holds at most (ghosts named by key; warm pins kept where the
-        tier has a clock)."""
+        tier has a clock; one per tenant where the tier has tenants' weights)."""
+        if self.tenant_weights is not None:
+            orders: TenantOrders[Block] = TenantOrders(
+                _tenant_of, partial(self._one_policy, slot_bytes), self.tenant_weights)
+            orders.expect(self.pool.capacity_bytes // slot_bytes)
+            return orders
+        return self._one_policy(slot_bytes)
+
+    def _one_policy(self, slot_bytes: int) -> EvictionPolicy[Block]:
         policy: EvictionPolicy[Block] = make_policy(  # type: ignore[assignment]
             self.policy_name, ghost_key=block_key, name_hash=key_hash,
             links=self.name if self.name in LINKED_TIERS else None)

@@ -315,7 +315,8 @@ class StoreCore:
         # ``auto``'s sampled references past a request's share, for the loop's next turns
         # (``kvstore.scheduler.duel_samples``; None: each taken at once)
         self.backlogs = Backlogs() if samples_later else None
-        self.ssd = (TierSlots(SSD, ssd_capacity, ssd_slab_bytes, 4096, "lru")
+        self.ssd = (TierSlots(SSD, ssd_capacity, ssd_slab_bytes, 4096, "lru",
+                              tenant_weights=self.tenant_weights)  # (shares: one tier)
                     if ssd_capacity else None)
         if not 1 <= ssd_admit_after <= SEEN_MOST:  # (a block's count stops there)
             raise ConfigError(f"ssd_admit_after: must be in [1, {SEEN_MOST}], got "

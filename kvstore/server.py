@@ -55,6 +55,7 @@ from kvstore.sdnotify import Notifier
 from kvstore.sessions import Sessions
 from kvstore.side_socket import SideSocket
 from kvstore.slab_moves import class_stats
+from kvstore.ssd_copies import tenant_bytes as ssd_tenant_bytes
 from kvstore.stopping import StopDeadline
 from kvstore.store import BlockStore, Limits, Namespace
 from kvstore.tiering import SsdMover
@@ -514,6 +515,8 @@ def server_stats(server: Server) -> dict[str, Any]:
     }
     if server.ssd is not None:
         out["ssd_io"] = server.ssd.stats()
+        # each tenant's SSD copies, as its share of the tier counts them
+        out["ssd_tenant_bytes"] = ssd_tenant_bytes(server.store)
     if server.gpu is not None:
         out["gpu"] = server.gpu.stats()
     elif server.gpu_reason:

@@ -30,8 +30,10 @@ from kvstore.plans import Plan
 from kvstore.pool import SlabClass
 from kvstore.room import RoomMaker
 from kvstore.scheduler.eviction import EvictionPolicy, LRUPolicy
+from kvstore.scheduler.tenant_orders import TenantOrders
 from kvstore.slab_moves import empty_ssd_slab
 
+_ORDERED = (LRUPolicy, TenantOrders)  # orders that say which copies are coldest
 _CLEAN_VICTIM_REACH = 64  # SSD copies looked at for one the remote store also holds
 _SEND_WINDOW_BYTES = 256 << 20  # the coldest SSD copies kept sent remotely (write-back)
 
@@ -223,7 +225,7 @@ class SsdCopies:
         """In the remote store's write-back mode, an SSD victim among the coldest few
         that the remote store holds too, taken off the order; None if there is none (or
         no such mode): the plain victim then."""
-        if not (isinstance(policy, LRUPolicy) and self.store.remote_writing_back()):
+        if not (isinstance(policy, _ORDERED) and self.store.remote_writing_back()):
             return None
         coldest: Iterator[Block] = policy.coldest()
         for b in itertools.islice(coldest, _CLEAN_VICTIM_REACH):
@@ -246,7 +248,7 @@ class SsdCopies:
         plan: list[Block] = []
         size = 0
         for slot_bytes, policy in self.store.ssd.policies.items():
-            if not isinstance(policy, LRUPolicy):
+            if not isinstance(policy, _ORDERED):
                 continue  # the SSD tier's order is LRU; only an order says what is coldest
             evictable = len(policy)
             free = self.store.ssd.pool.available(self.store.ssd.pool.classes[slot_bytes])
@@ -763,3 +765,17 @@ def flush_victim(b: Block, planned: set[Block]) -> bool:
     holds (``reserve`` asks, of copies no transfer holds): a leaf of the index (a
     restart must find every parent of what it keeps), not a block the flush writes."""
     return b.kids is None and b not in planned
+
+
+def tenant_bytes(store: StoreCore) -> dict[str, int]:
+    """Bytes of the SSD copies each tenant has on the tier's eviction orders (those not
+    being read or written now): what its share (``TenantOrders``) counts.  O(classes x
+    tenants)."""
+    out: dict[str, int] = {}
+    if store.ssd is None:
+        return out
+    for slot_bytes, policy in store.ssd.policies.items():
+        if isinstance(policy, TenantOrders):
+            for tenant, count in policy.held().items():
+                out[tenant] = out.get(tenant, 0) + count * slot_bytes
+    return out

@@ -538,8 +538,10 @@ def stats_for(d: Daemon, tenant: str) -> dict[str, Any]:
                             if visible(name))
     stats["namespaces"] = sum(len(group) for name, group
                               in d.store.tenant_namespaces.items() if visible(name))
-    stats["tenant_dram_bytes"] = {other: nbytes for other, nbytes
-                                  in stats["tenant_dram_bytes"].items() if visible(other)}
+    for tenant_bytes in ("tenant_dram_bytes", "ssd_tenant_bytes"):
+        if tenant_bytes in stats:
+            stats[tenant_bytes] = {other: nbytes for other, nbytes
+                                   in stats[tenant_bytes].items() if visible(other)}
     transfers = stats["transfers"]  # its queues are the daemon's: only the waits
     stats["transfers"] = {"waits": {
         name: {other: waited for other, waited in by_tenant.items() if visible(other)}
