@@ -218,6 +218,9 @@ class RemoteConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     concurrency: int = 4
     unhealthy_seconds: float = 5.0
     write_policy: str = "write-through"
+    # how often the store's generation is checked (``StorageBackend.generation``): a
+    # store found to have lost what it held has the daemon forget which blocks it holds
+    check_seconds: float = 1.0
     # hex, at least 16 bytes, shared by the daemons of one remote store: values are
     # tagged with it, and only values tagged with it are taken ("" : unkeyed tags)
     tag_secret_file: str = ""
@@ -614,6 +617,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("remote.concurrency: must be at least 1")
         if self.remote.unhealthy_seconds < 0:
             raise ConfigError("remote.unhealthy_seconds: cannot be negative")
+        if not self.remote.check_seconds > 0:
+            raise ConfigError("remote.check_seconds: must be a positive number of seconds")
         from kvstore.scheduler.eviction import POLICIES
 
         if self.dram.eviction_policy not in POLICIES:

@@ -360,7 +360,10 @@ class Moves:
 
     # -- SSD copies to the remote store (its write-back mode) --------------------------------
     def start(self) -> None:
-        """Begin background work that restored state may call for (SSD copies to send)."""
+        """Begin background work that restored state may call for (SSD copies to send),
+        and the remote store's generation checks."""
+        if self.remote is not None:
+            self.remote.watch.start()
         self._ssd_written()
 
     def _ssd_written(self) -> None:

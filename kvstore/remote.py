@@ -24,6 +24,7 @@ from kvstore.config import Config
 from kvstore.auth import read_secret
 from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
+from kvstore.remote_watch import GenerationWatch
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
 from kvstore.transfers import Background, TransferGate, TurnBatch, UrgentFirst
@@ -82,10 +83,18 @@ class RemoteTier:
                          # write-through blocks the tier's outage held back, to send once
                          # it is healthy again; and those it could not keep (the oldest
                          # past ``DEFERRED_MOST``), never sent
-                         "deferred_writes": 0, "unsent_writes": 0}
+                         "deferred_writes": 0, "unsent_writes": 0,
+                         # the store's generation asked; found another (the store lost
+                         # what it held); and the marks of blocks it held taken back
+                         "generation_checks": 0, "generations_lost": 0,
+                         "marks_forgotten": 0}
         # blocks a write-through could not send while the tier was unhealthy, oldest first
         self._deferred: dict[Block, None] = {}
         store.touch_owner(REMOTE_OWNER, float("inf"))
+        # one more each time the store is found to have lost what it held: a send or
+        # read begun before marks nothing (it may have gone to what was lost)
+        self.epoch = 0
+        self.watch = GenerationWatch(self, r.check_seconds)
 
     # -- health ---------------------------------------------------------------------------
     @property
@@ -109,7 +118,7 @@ class RemoteTier:
                         "for %gs", count, self.cooldown)
         self._refusing_until = time.monotonic() + self.cooldown
 
-    def _failed(self, what: str, exc: Exception) -> None:
+    def failed(self, what: str, exc: Exception) -> None:
         self.counters["errors"] += 1
         if self.healthy:
             log.warning("remote %s failed (%s); skipping the remote tier for %gs",
@@ -128,7 +137,7 @@ class RemoteTier:
                     return 0
                 n = await self.backend.exists(ns.id, list(keys))
         except KVStoreError as exc:
-            self._failed("lookup", exc)
+            self.failed("lookup", exc)
             return 0
         self.counters["hit_blocks"] += n
         return n
@@ -158,6 +167,7 @@ class RemoteTier:
         """Read the values of ``missing`` into a reservation of ours and commit them (or
         abort it: NotFoundError if any was missing or corrupt)."""
         views = [self.slot(ns, off) for off in r.offsets]
+        epoch = self.epoch
         sums: list[int] = []
         most = max(1, READ_BYTES_MOST // ns.block_bytes)
         try:
@@ -176,7 +186,7 @@ class RemoteTier:
                 if len(found) < len(part):
                     break  # a miss: the rest would be read for nothing
         except KVStoreError as exc:
-            self._failed("read", exc)
+            self.failed("read", exc)
             failure: KVStoreError | None = exc
         except BaseException:  # cancelled while queued or reading: give the slots back
             self.store.abort(REMOTE_OWNER, r.id)
@@ -193,7 +203,7 @@ class RemoteTier:
                 "a block read from the remote store was missing or corrupt" if failure is None
                 else f"the remote store failed the read (a miss for now): {failure}")
         result = self.store.commit(REMOTE_OWNER, r.id, time.monotonic(), sums)
-        for block in result.blocks:
+        for block in result.blocks if self.epoch == epoch else ():
             block.remote = True
             self.store.changed(block)
         self.counters["reads"] += len(missing)
@@ -208,6 +218,12 @@ class RemoteTier:
             if self._deferred and self.healthy:  # the outage is over: those held back go
                 deferred, self._deferred = self._deferred, {}
                 self._through.add(deferred)
+
+    def write_again(self, blocks: list[Block]) -> None:
+        """Blocks cached here whose copy the remote store lost: under write-through,
+        sent again (write-back sends them as they leave DRAM)."""
+        if not self.write_back:
+            self._through.add(blocks)
 
     def _defer(self, blocks: list[Block]) -> None:
         """Write-through blocks the tier's outage kept from it: sent with the first
@@ -309,6 +325,7 @@ class RemoteTier:
             keys = list(itertools.compress(keys, same))
             views = list(itertools.compress(views, same))
             sums = list(itertools.compress(sums, same))
+        epoch = self.epoch
         try:
             # the remote bound first: a send waiting on a slow remote store holds none of
             # the transfer slots the local tiers share
@@ -319,9 +336,11 @@ class RemoteTier:
                 written = (await self.backend.put_checksummed(ns.id, keys, views, sums)
                            if keys else [])
         except KVStoreError as exc:
-            self._failed(what, exc)
+            self.failed(what, exc)
             return None
-        if not all(written):
+        if self.epoch != epoch:  # the store lost what it held meanwhile: maybe these too
+            written = [False] * len(written)
+        elif not all(written):
             self._refused(len(written) - sum(written))
         result: list[bool | None] = list(written)
         if not all(same):
@@ -357,17 +376,21 @@ class RemoteTier:
         if not self.write_back:
             return 0
         before = self.counters["write_backs"]
+        # one try on the way out whatever a failure a moment ago said: a lookup timed out
+        # in a hiccup left the tier skipped for ``unhealthy_seconds``, and a stop within
+        # them wrote nothing back, every block only DRAM held lost; a store really down
+        # fails the first send within its timeout, and the others skip it.  The store's
+        # generation first: blocks marked as held by a store that lost them go too
+        self._unhealthy_until = 0.0
+        await self.watch.check()
+        await self.watch.forgotten()
+        self._unhealthy_until = 0.0
         by_ns: dict[Namespace, list[Block]] = {}
         for ns in list(self.store.namespaces.values()):
             for b in ns.blocks.values():
                 if b.offset is not None and b.ssd_offset is None and not b.marks & REMOTE_MARK \
                         and not b.demoting:
                     by_ns.setdefault(ns, []).append(b)
-        # one try on the way out whatever a failure a moment ago said: a lookup timed out
-        # in a hiccup left the tier skipped for ``unhealthy_seconds``, and a stop within
-        # them wrote nothing back, every block only DRAM held lost; a store really down
-        # fails the first send within its timeout, and the others skip it
-        self._unhealthy_until = 0.0
         for ns, blocks in by_ns.items():
             for start in range(0, len(blocks), 64):
                 await self._put(ns, blocks[start:start + 64])
@@ -382,12 +405,14 @@ class RemoteTier:
         await self._background.drain()
 
     async def close(self) -> None:
+        await self.watch.stop()
         await self.backend.close()
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
         out["backend"] = self.name
         out["healthy"] = self.healthy
+        out["forgetting_marks"] = self.watch.forgetting
         out["corrupt_values"] = self.backend.counters.corrupt_values
         out["timeouts"] = self.backend.counters.timeouts
         return out

@@ -3,14 +3,16 @@
 The store knows of the remote store only what the daemon told it: which blocks it holds
 (``Block.remote``, set when a write there succeeded or a value was read from there) and
 which DRAM copies are being written there before they leave DRAM (its write-back mode).
-Lookups ask the remote store itself for the rest of a chain.
+Lookups ask the remote store itself for the rest of a chain.  When the remote store lost
+what it held (``remote_watch``), ``ForgetMarks`` takes the marks back, a slice at a time.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
-from kvstore.blocks import Block
+from kvstore.blocks import REMOTE_MARK, Block
 from kvstore.core import StoreCore
 
 REMOTE = "remote"
@@ -43,3 +45,49 @@ class RemoteCopies:
 
     def __repr__(self) -> str:
         return f"RemoteCopies(writing_back={len(self.store.remote_demoting)})"
+
+
+class ForgetMarks:
+    """Every ``Block.remote`` mark taken back, in slices: the remote store lost what it
+    held, and a block kept marked would leave DRAM (and SSD) unwritten, lost.
+
+    The namespaces' key maps, a shard at a time (a copy of one shard's entries, as
+    ``index.NamespaceDrop`` takes them), each ``step`` a bounded number of entries or
+    of time, so that a store of millions of blocks never holds the daemon's loop.
+    Entries made since it began are of blocks committed or read since: what they are
+    marked with came from the store as it is now.  Each block unmarked is announced (the
+    event stream's remote copy withdrawn) and, where it has a DRAM copy, handed back by
+    ``step`` to be written again (write-through; write-back writes it as it leaves).
+    """
+
+    def __init__(self, store: StoreCore) -> None:
+        self.store = store
+        self.count = 0  # marks taken back so far
+        self._shards = [shard for ns in list(store.namespaces.values())
+                        for shard in ns.blocks.shards]
+        self._batch: list[Block] = []
+
+    def step(self, budget: int, seconds: float) -> tuple[bool, list[Block]]:
+        """Up to ``budget`` entries, or ``seconds``; whether it is over, and the blocks
+        unmarked that have a DRAM copy."""
+        deadline = time.perf_counter() + seconds
+        in_dram: list[Block] = []
+        changed = self.store.changed
+        while budget > 0:
+            if not self._batch:
+                if not self._shards:
+                    return True, in_dram
+                self._batch = list(self._shards.pop().values())
+            take = self._batch[-budget:]
+            del self._batch[-budget:]
+            budget -= len(take)
+            for b in take:
+                if b.marks & REMOTE_MARK and b.ns.blocks.get(b.key) is b:
+                    b.marks &= ~REMOTE_MARK
+                    changed(b)
+                    self.count += 1
+                    if b.offset is not None:
+                        in_dram.append(b)
+            if time.perf_counter() >= deadline:
+                break
+        return not self._batch and not self._shards, in_dram

@@ -31,6 +31,7 @@ from kvstore.errors import (
 from kvstore.keys import KEY_BYTES
 
 NAMESPACE_BYTES = 16  # kvstore.identity.namespace_id is a 16-byte digest
+GENERATION_MOST = 256  # bytes of a store's generation token, at most
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -141,6 +142,16 @@ class StorageBackend(ABC):
     @abstractmethod
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         """Remove the keys; the number that were stored."""
+
+    async def generation(self) -> bytes | None:
+        """A token that names what the store holds: the same while it keeps what it was
+        given (a restart that loads its data again included), another once it lost it
+        all (restarted empty, flushed, failed over to an empty replica).  The backend
+        keeps it in the store, made on the first call.  The daemon asks every
+        ``remote.check_seconds`` and, when it changed, forgets which blocks it believed
+        the store held, and writes them again.  None (the default): the backend cannot
+        tell, and the daemon trusts what it was told."""
+        return None
 
     @abstractmethod
     async def health(self) -> BackendHealth:
@@ -277,6 +288,13 @@ class GuardedBackend(StorageBackend):
         if type(count) is not int or not 0 <= count <= len(keys):
             raise self._bad_result("delete", f"{count!r} for {len(keys)} keys")
         return count
+
+    async def generation(self) -> bytes | None:
+        self._check_open()
+        token = await self._bounded("generation", self.inner.generation())
+        if token is not None and (type(token) is not bytes or len(token) > GENERATION_MOST):
+            raise self._bad_result("generation", f"{type(token).__name__} instead of a token")
+        return token
 
     async def health(self) -> BackendHealth:
         if self._closed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Self
 
@@ -25,6 +26,7 @@ class MemoryBackend(StorageBackend):
         self.max_bytes = max_bytes
         self.used_bytes = 0
         self._values: dict[bytes, bytearray] = {}
+        self._generation = os.urandom(16)
 
     def __repr__(self) -> str:
         return (
@@ -86,6 +88,15 @@ class MemoryBackend(StorageBackend):
             self.used_bytes = after
             stored.append(True)
         return stored
+
+    async def generation(self) -> bytes | None:
+        return self._generation
+
+    def lose_everything(self) -> None:
+        """Forget every value, as a store restarted empty would: for tests."""
+        self._values.clear()
+        self.used_bytes = 0
+        self._generation = os.urandom(16)
 
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         removed = 0

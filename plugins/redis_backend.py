@@ -19,6 +19,7 @@ replies are small.
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -50,6 +51,7 @@ STANDALONE_SCHEMES = {"redis": "redis", "rediss": "rediss", "unix": "unix",
 CLUSTER_SCHEMES = {"redis+cluster": False, "valkey+cluster": False,
                    "rediss+cluster": True, "valkeys+cluster": True}  # scheme -> TLS
 DEFAULT_PORT = 6379
+GENERATION_KEY = b"generation"  # after key_prefix: the store's generation token
 _EXISTS_CHUNK = 128  # keys per pipelined EXISTS round trip; the run stops at the first miss
 
 _HIT, _MISS, _CORRUPT, _REDIRECTED = range(4)
@@ -356,6 +358,29 @@ class RedisBackend(StorageBackend):
                 await job(conn, indices)
 
         await run_bounded(len(chunks), len(chunks), run)
+
+    async def generation(self) -> bytes | None:
+        """The token under ``key_prefix + "generation"`` (no block's key: those are 32
+        bytes past the prefix), set if absent (SET NX, never to expire) and read in one
+        round trip: a server that comes back empty, or is flushed, has none, and the
+        first daemon to ask makes another.  Read every check, it stays the hottest of
+        keys to an LRU or LFU eviction; a policy that drops it anyway (allkeys-random)
+        makes daemons write again what the store may still hold, never the other way.
+        b"" where it is gone and the store would not take another (full, noeviction).
+        On a cluster the key lives on one shard: a shard that alone lost its keys goes
+        unnoticed."""
+        key = self.key_prefix + GENERATION_KEY
+        try:
+            async with self._slots:
+                pipe = self._client.pipeline(transaction=False)
+                pipe.set(key, os.urandom(16).hex().encode(), nx=True)
+                pipe.get(key)
+                _, token = await pipe.execute(raise_on_error=False)
+        except _LIBRARY_ERRORS as exc:
+            raise self._error("generation", exc) from exc
+        if isinstance(token, Exception):
+            raise self._error("generation", token)
+        return token if isinstance(token, bytes) else b""
 
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         try:

@@ -1,0 +1,159 @@
+"""The remote tier when Redis loses what it held (restarted empty, flushed, failed over to
+an empty replica), evicts under us (maxmemory with allkeys-lru), or restarts with its data.
+
+A real daemon, write-back to a real redis-server.  The daemon marks the blocks it knows
+the remote store holds, and DRAM drops a marked block without writing it back.  Before,
+those marks outlived a Redis that came back empty: the blocks fetched from Redis, or
+written there, were dropped from DRAM as if Redis still held them, and lost.  Now the
+daemon keeps a generation key in the store, checks it every ``remote.check_seconds``,
+and when it is gone (or another) forgets its marks, a slice a loop turn, so that what
+DRAM still holds is written back again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import pytest
+from kvtest import make_identity
+from redis_servers import RedisServer
+
+from kvstore import Client
+from kvstore.errors import NotFoundError
+
+IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=64, tenant="acme")  # 64 KiB
+CHECK = {"KVSTORE_REMOTE_CHECK_SECONDS": "0.2"}
+
+
+def content(key: bytes) -> bytes:
+    return (hashlib.blake2b(key, digest_size=32).digest() * (IDENT.block_bytes // 32 + 1))[
+        : IDENT.block_bytes]
+
+
+def wait_for(predicate: Any, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def stats(client: Client) -> dict[str, Any]:
+    out: dict[str, Any] = client.stats()
+    assert out["invariant_violations"] == 0
+    return out
+
+
+def write_back_daemon(factory: Any, url: str, **kw: Any) -> Any:
+    return factory(dram_capacity=str(16 * IDENT.block_bytes),
+                   extra=["--remote", url, "--slab-size", str(16 * IDENT.block_bytes),
+                          "--remote-write-policy", "write-back", "--log-level", "error"],
+                   env=CHECK, **kw)
+
+
+def put_chains(ns: Any, first: int, count: int) -> list[list[bytes]]:
+    chains = []
+    for i in range(count):
+        keys = ns.keys(range(first + 1000 * i, first + 1000 * i + 16 * 4))
+        ns.put(keys, [content(k) for k in keys])
+        chains.append(keys)
+    return chains
+
+
+def fetched_back(ns: Any, client: Client) -> list[bytes]:
+    """A chain written back to Redis, then read back into DRAM (marked as in Redis)."""
+    chain = put_chains(ns, 10_000_000, 1)[0]
+    put_chains(ns, 11_000_000, 8)                                 # evicts it: to Redis
+    assert ns.lookup(chain).tiers == ["remote"] * 4
+    assert ns.get(chain) == [content(k) for k in chain]          # back in DRAM
+    assert ns.lookup(chain).tiers == ["dram"] * 4
+    return chain
+
+
+@pytest.mark.parametrize("how", ["restart", "flushall"])
+def test_blocks_in_dram_are_written_back_again_after_redis_comes_back_empty(
+        how: str, daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    d = write_back_daemon(daemon_factory, fresh_redis_server.url)
+    with Client(d.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        chain = fetched_back(ns, client)
+        before = stats(client)["remote"]
+        assert before["generations_lost"] == 0
+        if how == "restart":
+            fresh_redis_server.kill()
+            fresh_redis_server.start()                            # empty: no persistence
+        else:
+            with fresh_redis_server.client() as r:
+                r.flushall()
+        wait_for(lambda: stats(client)["remote"]["generations_lost"] == 1,
+                 "the daemon to notice that Redis lost its keys")
+        wait_for(lambda: stats(client)["remote"]["marks_forgotten"] >= 4,
+                 "the marks to be forgotten")
+        put_chains(ns, 12_000_000, 8)                             # evicts the chain again
+        assert ns.lookup(chain).tiers == ["remote"] * 4           # written back this time
+        assert ns.get(chain) == [content(k) for k in chain]
+        after = stats(client)
+        assert after["remote"]["generations_lost"] == 1
+        assert after["tiers"]["dram"]["reserved_slots"] == 0
+
+
+def test_redis_restarted_with_its_data_keeps_the_marks(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    d = write_back_daemon(daemon_factory, fresh_redis_server.url)
+    with Client(d.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        chain = fetched_back(ns, client)
+        with fresh_redis_server.client() as r:
+            r.save()                                              # its RDB file, loaded again
+        fresh_redis_server.kill()
+        fresh_redis_server.start()
+        with fresh_redis_server.client() as r:
+            assert r.dbsize() > 0
+        checks = stats(client)["remote"]["generation_checks"]
+        wait_for(lambda: stats(client)["remote"]["generation_checks"] >= checks + 3,
+                 "the daemon to check the store's generation again")
+        written = stats(client)["remote"]["write_backs"]
+        put_chains(ns, 13_000_000, 5)                             # evicts the chain again
+        after = stats(client)["remote"]
+        assert after["generations_lost"] == 0 and after["marks_forgotten"] == 0
+        # the chain left DRAM as held by Redis: the 12 blocks DRAM held beside it and 4
+        # of the 20 new ones were written back, not the chain again
+        assert after["write_backs"] - written == 16
+        assert ns.get(chain) == [content(k) for k in chain]
+
+
+def test_redis_evicting_under_us_is_a_clean_miss(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    """Redis at a small maxmemory under allkeys-lru drops our keys as it likes: each chain
+    reads back whole and right, or is a clean miss (the reservation given back, no
+    error, the tier healthy, the counts and the invariant check agreeing)."""
+    with fresh_redis_server.client() as r:
+        used = int(r.info("memory")["used_memory"])
+        r.config_set("maxmemory", str(used + 24 * IDENT.block_bytes))
+        r.config_set("maxmemory-policy", "allkeys-lru")
+    d = write_back_daemon(daemon_factory, fresh_redis_server.url)
+    with Client(d.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        chains = put_chains(ns, 14_000_000, 20)                  # 80 blocks
+        with fresh_redis_server.client() as r:
+            assert int(r.info("stats")["evicted_keys"]) > 0
+        found = missed = 0
+        for keys in chains:
+            misses = stats(client)["remote"]["misses"]
+            try:
+                got = ns.get(keys)
+            except NotFoundError:
+                missed += 1
+                now = stats(client)
+                assert now["remote"]["misses"] == misses + 1
+                assert now["tiers"]["dram"]["reserved_slots"] == 0
+                assert ns.lookup(keys).blocks < len(keys)
+            else:
+                found += 1
+                assert got == [content(k) for k in keys]
+        assert missed > 0 and found > 0
+        end = stats(client)
+        assert end["remote"]["errors"] == 0 and end["remote"]["healthy"] is True
+        assert end["remote"]["corrupt_values"] == 0
+        assert end["tiers"]["dram"]["reserved_slots"] == 0
