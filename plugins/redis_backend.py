@@ -23,7 +23,7 @@ import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Self, cast
 from urllib.parse import unquote, urlsplit
 
 import msgspec
@@ -107,6 +107,8 @@ class RedisBackend(StorageBackend):
             self._pools[""] = _Pool(_standalone_opener(self._client), connections)
         self._slots = asyncio.Semaphore(connections)  # for redis-py's commands (exists)
         self._health_lock = asyncio.Lock()  # health uses the one spare connection
+        # the generation token last read, and the server's (run_id, evicted_keys) then
+        self._generation: tuple[bytes, tuple[str, int] | None] | None = None
 
     def __repr__(self) -> str:
         mode = "cluster" if self.cluster else "standalone"
@@ -360,27 +362,55 @@ class RedisBackend(StorageBackend):
         await run_bounded(len(chunks), len(chunks), run)
 
     async def generation(self) -> bytes | None:
-        """The token under ``key_prefix + "generation"`` (no block's key: those are 32
-        bytes past the prefix), set if absent (SET NX, never to expire) and read in one
-        round trip: a server that comes back empty, or is flushed, has none, and the
-        first daemon to ask makes another.  Read every check, it stays the hottest of
-        keys to an LRU or LFU eviction; a policy that drops it anyway (allkeys-random)
-        makes daemons write again what the store may still hold, never the other way.
-        b"" where it is gone and the store would not take another (full, noeviction).
-        On a cluster the key lives on one shard: a shard that alone lost its keys goes
-        unnoticed."""
+        """A token under ``key_prefix + "generation"`` (no block's key: those are 32
+        bytes past the prefix), made by the first daemon to ask (SET NX, never to
+        expire), the same for every daemon of the store.  A server that comes back
+        empty (restarted without its data, failed over to an empty replica), or is
+        flushed, has none: the first daemon to notice makes another, and each daemon
+        sees another token than the one it knew.  But Redis under an ``allkeys-*``
+        maxmemory policy may evict the token itself, as it evicts blocks: where the
+        token is gone from the same server (its ``run_id``) that evicted keys since the
+        last call (``evicted_keys``), it was taken by eviction, and is put back as it
+        was, the store's contents otherwise as they were (before, under allkeys-lru,
+        daemons found a new generation every few seconds, and forgot every mark each
+        time).  Where the token is gone on a server that evicted nothing, or from
+        another server, the store lost what it held: another token.  A flush while the
+        server evicts reads as an eviction; on a cluster (no one server to ask) a token
+        gone is always a loss.  b"" where it is gone and the server would not take
+        another (full, noeviction)."""
         key = self.key_prefix + GENERATION_KEY
         try:
             async with self._slots:
                 pipe = self._client.pipeline(transaction=False)
-                pipe.set(key, os.urandom(16).hex().encode(), nx=True)
                 pipe.get(key)
-                _, token = await pipe.execute(raise_on_error=False)
+                if not self.cluster:
+                    pipe.info("server")
+                    pipe.info("stats")
+                replies = await pipe.execute(raise_on_error=False)
+                token, server = replies[0], _server_state(replies[1:])
+                if isinstance(token, Exception):
+                    raise token
+                known = self._generation
+                if known is not None and token == known[0]:
+                    self._generation = (known[0], server or known[1])
+                    return known[0]
+                taken = (known is not None and token is None and server is not None
+                         and known[1] is not None and server[0] == known[1][0]
+                         and server[1] > known[1][1])  # by the server's own eviction
+                if token is None:
+                    made = known[0] if taken and known is not None and known[0] else (
+                        os.urandom(16).hex().encode())
+                    pipe = self._client.pipeline(transaction=False)
+                    pipe.set(key, made, nx=True)
+                    pipe.get(key)
+                    _, token = await pipe.execute(raise_on_error=False)
         except _LIBRARY_ERRORS as exc:
             raise self._error("generation", exc) from exc
         if isinstance(token, Exception):
             raise self._error("generation", token)
-        return token if isinstance(token, bytes) else b""
+        token = token if isinstance(token, bytes) else b""
+        self._generation = (token, server)
+        return token
 
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         try:
@@ -593,6 +623,18 @@ def _parse_cluster_url(url: str) -> tuple[list[ClusterNode], str | None, str | N
     if problem is not None:
         raise ConfigError(f"backend 'redis': url {_redact(url)!r}: {problem}")
     return nodes, unquote(username) or None, unquote(password) or None
+
+
+def _server_state(replies: Sequence[object]) -> tuple[str, int] | None:
+    """(run_id, evicted_keys) from the replies of INFO server and INFO stats; None where
+    they are not there (a cluster, INFO refused)."""
+    if len(replies) != 2 or not all(isinstance(r, dict) for r in replies):
+        return None
+    server, stats = cast(list[dict[str, object]], list(replies))
+    run_id, evicted = server.get("run_id"), stats.get("evicted_keys")
+    if not isinstance(run_id, str) or not isinstance(evicted, int):
+        return None
+    return run_id, evicted
 
 
 def _memory_use(infos: Sequence[Mapping[str, object]]) -> tuple[int | None, int | None]:

@@ -219,3 +219,64 @@ def test_values_go_out_without_a_joined_copy() -> None:
     assert b"".join(bytes(b) for b in buffers) == (
         b"*5\r\n$3\r\nSET\r\n$3\r\nkey\r\n$%d\r\n" % (24 + MiB) + b"h" * 24 + bytes(value)
         + b"\r\n$2\r\nEX\r\n$2\r\n60\r\n")
+
+
+def test_the_generation_outlives_a_restart_with_the_data_but_not_an_empty_store(
+        fresh_redis_server: RedisServer) -> None:
+    """The token the daemon checks to tell a store that lost what it held: the same
+    while the server keeps its keys (a restart that loads them again included), another
+    after FLUSHALL or a restart without them."""
+    url = fresh_redis_server.url
+
+    async def generation() -> bytes | None:
+        async with load_backend("redis", {"url": url, "timeout_s": 2.0}) as backend:
+            first = await backend.generation()
+            assert await backend.generation() == first
+            return first
+
+    first = asyncio.run(generation())
+    assert first
+    with fresh_redis_server.client() as client:
+        assert client.get(b"kvstore:generation") == first
+        assert client.ttl(b"kvstore:generation") == -1              # never expires
+        client.save()
+    fresh_redis_server.kill()
+    fresh_redis_server.start()                                       # its RDB loaded again
+    assert asyncio.run(generation()) == first
+    with fresh_redis_server.client() as client:
+        client.flushall()
+    second = asyncio.run(generation())
+    assert second not in (None, first)
+    (fresh_redis_server.workdir / "dump.rdb").unlink()
+    fresh_redis_server.kill()
+    fresh_redis_server.start()                                       # empty
+    assert asyncio.run(generation()) not in (None, first, second)
+
+
+def test_the_generation_evicted_by_redis_itself_is_put_back(
+        fresh_redis_server: RedisServer) -> None:
+    """Under allkeys-lru Redis evicts the token like any key: the same server having
+    evicted keys since, it is put back as it was, not taken for a store that lost what
+    it held (before, daemons forgot every mark each time)."""
+    with fresh_redis_server.client() as client:
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory", used + 4 * MiB)
+        client.config_set("maxmemory-policy", "allkeys-lru")
+    namespace = os.urandom(16)
+
+    async def scenario() -> None:
+        async with load_backend("redis", {"url": fresh_redis_server.url}) as backend:
+            first = await backend.generation()
+            assert first
+            with fresh_redis_server.client() as client:
+                for _ in range(64):                         # until Redis evicts the token
+                    await backend.put(namespace, [os.urandom(16)], [os.urandom(MiB // 4)])
+                    if client.get(b"kvstore:generation") is None:
+                        break
+                assert client.get(b"kvstore:generation") is None
+                assert await backend.generation() == first
+                assert client.get(b"kvstore:generation") == first
+                client.flushall()                           # no eviction: a loss
+            assert await backend.generation() not in (None, first)
+
+    asyncio.run(scenario())
