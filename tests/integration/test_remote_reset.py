@@ -163,3 +163,46 @@ def test_redis_evicting_under_us_is_a_clean_miss(
         # the store's contents otherwise as they were, never a loss
         assert end["remote"]["generations_lost"] == 0, end["remote"]
         assert end["tiers"]["dram"]["reserved_slots"] == 0
+
+
+def test_a_stop_after_redis_lost_its_keys_writes_back_what_it_marked(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    """Redis flushed, then the daemon stopped before its next check (60 s away): the
+    stop's write-back checks the generation first, so the blocks marked as held by
+    Redis go too, and another daemon finds them."""
+    a = daemon_factory(dram_capacity=str(16 * IDENT.block_bytes),
+                       extra=["--remote", fresh_redis_server.url, "--slab-size",
+                              str(16 * IDENT.block_bytes), "--remote-write-policy",
+                              "write-back", "--log-level", "error"],
+                       env={"KVSTORE_REMOTE_CHECK_SECONDS": "60"})
+    with Client(a.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        chain = fetched_back(ns, client)
+        assert stats(client)["remote"]["generation_checks"] == 1  # the first, at start
+        with fresh_redis_server.client() as r:
+            r.flushall()
+    a.stop()                                                      # SIGTERM
+    b = daemon_factory(extra=["--remote", fresh_redis_server.url])
+    with Client(b.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        assert ns.get(chain) == [content(k) for k in chain]
+
+
+def test_write_through_sends_again_what_dram_holds_after_a_flush(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    a = daemon_factory(extra=["--remote", fresh_redis_server.url, "--log-level", "error"],
+                       env=CHECK)
+    b = daemon_factory(extra=["--remote", fresh_redis_server.url])
+    with Client(a.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        chain = put_chains(ns, 15_000_000, 1)[0]
+        wait_for(lambda: stats(client)["remote"]["writes"] == 4, "the write-through")
+        with fresh_redis_server.client() as r:
+            r.flushall()
+        wait_for(lambda: stats(client)["remote"]["generations_lost"] == 1,
+                 "the daemon to notice that Redis lost its keys")
+        wait_for(lambda: stats(client)["remote"]["writes"] == 8, "the chain sent again")
+    with Client(b.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        assert ns.lookup(chain).tiers == ["remote"] * 4
+        assert ns.get(chain) == [content(k) for k in chain]
