@@ -173,6 +173,7 @@ def store_figures(n: int, policy: str, check: bool, settle_every: int) -> dict[s
         "gc_longest_pause_ms": max((max(v) for v in pauses.pauses.values() if v),
                                    default=0.0) * 1e3,
     }
+    out.update(forget_marks(store))
     if check:
         out["check_ms"] = statistics.median(timed(store.check_invariants, 1)) * 1e3
     # what the periodic invariant check (``InvariantWatch``, past its inline size) holds
@@ -180,6 +181,32 @@ def store_figures(n: int, policy: str, check: bool, settle_every: int) -> dict[s
     out["invariant_fork_ms"] = statistics.median(fork_parent() for _ in range(5)) * 1e3
     out["restore_claim_us"] = restore_claims(min(n, 1 << 20)) * 1e6
     return out
+
+
+def forget_marks(store: object) -> dict[str, float]:
+    """The slices that take back every block's remote mark once the remote store lost
+    what it held (``remote_copies.ForgetMarks``, a slice a loop turn): the longest and
+    the median slice, with every block marked."""
+    try:
+        from kvstore.remote_copies import ForgetMarks
+        from kvstore.remote_watch import FORGET_SLICE, FORGET_SLICE_SECONDS
+    except ImportError:
+        return {}
+    for ns in store.namespaces.values():  # type: ignore[attr-defined]
+        for b in ns.blocks.values():
+            b.remote = True
+    walk = ForgetMarks(store)  # type: ignore[arg-type]
+    slices: list[float] = []
+    cpu: list[float] = []  # (the slice's own CPU time: on a loaded machine, the wall
+    done = False           # clock's longest is mostly other processes)
+    while not done:
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        done, _ = walk.step(FORGET_SLICE, FORGET_SLICE_SECONDS)
+        slices.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
+    return {"forget_marks_slice_max_ms": max(slices) * 1e3,
+            "forget_marks_slice_p50_ms": statistics.median(slices) * 1e3,
+            "forget_marks_slice_cpu_max_ms": max(cpu) * 1e3}
 
 
 def fork_parent() -> float:

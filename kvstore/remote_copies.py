@@ -47,6 +47,9 @@ class RemoteCopies:
         return f"RemoteCopies(writing_back={len(self.store.remote_demoting)})"
 
 
+FORGET_TAKE = 512  # entries between two reads of the clock
+
+
 class ForgetMarks:
     """Every ``Block.remote`` mark taken back, in slices: the remote store lost what it
     held, and a block kept marked would leave DRAM (and SSD) unwritten, lost.
@@ -78,8 +81,9 @@ class ForgetMarks:
                 if not self._shards:
                     return True, in_dram
                 self._batch = list(self._shards.pop().values())
-            take = self._batch[-budget:]
-            del self._batch[-budget:]
+            most = min(budget, FORGET_TAKE)  # (the clock read between takes)
+            take = self._batch[-most:]
+            del self._batch[-most:]
             budget -= len(take)
             for b in take:
                 if b.marks & REMOTE_MARK and b.ns.blocks.get(b.key) is b:
