@@ -145,6 +145,8 @@ class Moves:
         self.gpu = gpu
         # with an SSD tier and the remote store's write-back: SSD copies sent up
         self._send_from_ssd = ssd is not None and remote is not None and remote.write_back
+        if remote is not None and self._send_from_ssd:
+            remote.watch.on_forgotten = self._ssd_written  # (copies unmarked: send them)
 
     # -- plans --------------------------------------------------------------------------------
     async def carry_out(self, plan: Plan) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from kvstore.blocks import Block
@@ -67,6 +68,9 @@ class GenerationWatch:
         self._task: asyncio.Task[None] | None = None
         self._forgetting: ForgetMarks | None = None
         self._forget_task: asyncio.Task[None] | None = None
+        # called once every mark is forgotten (the SSD copies to the remote store: those
+        # nearest eviction, unmarked now, go before SSD evicts them, not at its next write)
+        self.on_forgotten: Callable[[], None] | None = None
 
     def start(self) -> None:
         """Begin checking (on the daemon's loop), the first time at once."""
@@ -133,6 +137,8 @@ class GenerationWatch:
                     self.tier.write_again(in_dram)
                 if done and self._forgetting is walk:
                     self._forgetting = None
+                    if self.on_forgotten is not None:
+                        self.on_forgotten()
                     break
                 await asyncio.sleep(0)  # a loop turn for everyone else
         finally:

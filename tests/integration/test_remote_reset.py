@@ -206,3 +206,44 @@ def test_write_through_sends_again_what_dram_holds_after_a_flush(
         ns = client.namespace(IDENT)
         assert ns.lookup(chain).tiers == ["remote"] * 4
         assert ns.get(chain) == [content(k) for k in chain]
+
+
+def test_ssd_copies_marked_as_sent_are_sent_again_after_a_flush(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    """DRAM 16 blocks, SSD 32, write-back: the SSD copies nearest eviction are sent to
+    Redis, and SSD evicts those first, as Redis holds them.  Redis flushed, those marks
+    go, and the copies nearest eviction are sent again at once (before, at SSD's next
+    write, whose eviction came first), and the rest before SSD evicts them: every chain
+    cached here when Redis lost its keys still reads back after SSD turned over."""
+    d = daemon_factory(dram_capacity=str(16 * IDENT.block_bytes),
+                       ssd_capacity=str(32 * IDENT.block_bytes),
+                       extra=["--remote", fresh_redis_server.url, "--slab-size",
+                              str(16 * IDENT.block_bytes), "--remote-write-policy",
+                              "write-back", "--log-level", "error"],
+                       env={**CHECK, "KVSTORE_SSD_SLAB_SIZE": str(16 * IDENT.block_bytes)})
+    with Client(d.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+
+        def put(base: int, count: int) -> list[list[bytes]]:
+            chains = []
+            for i in range(count):
+                chains += put_chains(ns, base + 1000 * i, 1)
+                wait_for(lambda: not stats(client)["remote"]["copying_from_ssd"],
+                         "the ssd copier")
+            return chains
+
+        chains = put(16_000_000, 25)                              # 100 blocks
+        local = [keys for keys in chains
+                 if set(ns.lookup(keys).tiers) <= {"dram", "ssd"}
+                 and ns.lookup(keys).blocks == 4]
+        assert sum(ns.lookup(keys).tiers.count("ssd") for keys in local) >= 16
+        with fresh_redis_server.client() as r:
+            r.flushall()
+        wait_for(lambda: stats(client)["remote"]["generations_lost"] == 1,
+                 "the daemon to notice that Redis lost its keys")
+        wait_for(lambda: not stats(client)["remote"]["forgetting_marks"], "the marks")
+        wait_for(lambda: not stats(client)["remote"]["copying_from_ssd"], "the ssd copier")
+        put(17_000_000, 16)                                       # 64 more: SSD turns over
+        for keys in local:
+            assert ns.get(keys) == [content(k) for k in keys]
+        assert stats(client)["tiers"]["ssd"]["evicted_unwritten"] == 0
