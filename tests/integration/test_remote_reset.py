@@ -247,3 +247,36 @@ def test_ssd_copies_marked_as_sent_are_sent_again_after_a_flush(
         for keys in local:
             assert ns.get(keys) == [content(k) for k in keys]
         assert stats(client)["tiers"]["ssd"]["evicted_unwritten"] == 0
+
+
+def test_the_event_stream_withdraws_the_remote_copies_redis_lost(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    """Routers learn of remote copies from the KV event stream: those Redis lost are
+    withdrawn once the daemon notices (BlockRemoved, STORAGE/REMOTE), the DRAM copies
+    staying announced."""
+    from events_sub import Subscriber
+    from redis_servers import free_port
+
+    pub, replay = free_port(), free_port()
+    d = daemon_factory(dram_capacity=str(16 * IDENT.block_bytes),
+                       extra=["--remote", fresh_redis_server.url, "--slab-size",
+                              str(16 * IDENT.block_bytes), "--remote-write-policy",
+                              "write-back", "--log-level", "error"],
+                       env={**CHECK, "KVSTORE_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{pub}",
+                            "KVSTORE_EVENTS_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{replay}"})
+    sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    try:
+        with Client(d.endpoint, tenant="acme", timeout=10) as client:
+            ns = client.namespace(IDENT)
+            chain = fetched_back(ns, client)
+            sub.until(client.snapshot().seq)
+            assert all(sub.index.tiers[k] == {"dram", "remote"} for k in chain)
+            with fresh_redis_server.client() as r:
+                r.flushall()
+            wait_for(lambda: stats(client)["remote"]["generations_lost"] == 1
+                     and not stats(client)["remote"]["forgetting_marks"],
+                     "the daemon to forget what Redis lost")
+            sub.until(client.snapshot().seq)
+            assert all(sub.index.tiers[k] == {"dram"} for k in chain)
+    finally:
+        sub.close()
