@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from kvstore.errors import ConfigError
-from kvstore.files import check_own_directory, read_regular_file
+from kvstore.files import check_own_directory, check_socket_directory, read_regular_file
 from kvstore.scheduler.admission import SEEN_MOST
 
 log = logging.getLogger("kvstore.config")
@@ -95,16 +95,6 @@ def client_endpoint(endpoint: str | None) -> str:
     if not os.environ.get("KVSTORE_ENDPOINT") and os.path.lexists(own := runtime_dir()):
         check_socket_directory(own)
     return endpoint_from_env()
-
-
-def check_socket_directory(directory: Path) -> None:
-    """The directory an ipc socket is bound in is no other user's to change
-    (``check_own_directory``): else another user (who made /tmp/kvstore-<uid> first, say,
-    or who may write in a folder above it) moves the socket or its folder aside, binds
-    one of its own, and reads the next client's hello: its tenant and token."""
-    check_own_directory(directory, f"where the socket {directory} is bound",
-                        "could replace the socket there; bind an endpoint elsewhere (or, to "
-                        "share a folder, make it sticky, chmod +t, or use server.socket_group)")
 
 
 SECTIONS = ("server", "dram", "ssd", "remote", "auth", "gpu", "events")
@@ -617,8 +607,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("remote.concurrency: must be at least 1")
         if self.remote.unhealthy_seconds < 0:
             raise ConfigError("remote.unhealthy_seconds: cannot be negative")
-        if not self.remote.check_seconds > 0:
-            raise ConfigError("remote.check_seconds: must be a positive number of seconds")
+        if not 0.1 <= self.remote.check_seconds <= 3600:
+            raise ConfigError("remote.check_seconds: from 0.1 to 3600 seconds")
         from kvstore.scheduler.eviction import POLICIES
 
         if self.dram.eviction_policy not in POLICIES:

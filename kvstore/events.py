@@ -55,8 +55,9 @@ import zmq
 
 from kvstore.auth import Auth
 from kvstore.blocks import parents_first
-from kvstore.config import EventsConfig, check_socket_directory, parse_size
+from kvstore.config import EventsConfig, parse_size
 from kvstore.errors import ConfigError
+from kvstore.files import check_socket_directory
 # vLLM's events and their encoding, here as before (``kvstore.events.decoder`` decodes)
 from kvstore.kv_events_batch import (  # noqa: F401
     MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventMaker, KVCacheEvent,

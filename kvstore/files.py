@@ -72,3 +72,13 @@ def check_own_directory(directory: str | Path, where: str, could: str) -> None:
             problem = None
         if problem is not None:
             raise ConfigError(f"{path}, {where}, {problem}: another user {could}")
+
+
+def check_socket_directory(directory: Path) -> None:
+    """The directory an ipc socket is bound in is no other user's to change
+    (``check_own_directory``): else another user (who made /tmp/kvstore-<uid> first, say,
+    or who may write in a folder above it) moves the socket or its folder aside, binds
+    one of its own, and reads the next client's hello: its tenant and token."""
+    check_own_directory(directory, f"where the socket {directory} is bound",
+                        "could replace the socket there; bind an endpoint elsewhere (or, to "
+                        "share a folder, make it sticky, chmod +t, or use server.socket_group)")

@@ -28,8 +28,9 @@ import zmq
 
 from kvstore import protocol as p
 from kvstore.auth import Auth, address_uid
-from kvstore.config import Config, check_socket_directory
+from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError, UnavailableError
+from kvstore.files import check_socket_directory
 
 log = logging.getLogger("kvstore.server")
 

@@ -164,3 +164,14 @@ def test_a_number_of_seconds_must_be_finite_and_positive(tmp_path: Path, verb: s
     run = kvstore_cli(verb, *args, flag, value, timeout=20)
     assert_refused(run, flag)
     assert run.returncode == 2
+
+
+@pytest.mark.parametrize("value", ["0", "0.01", "-1", "nan", "inf"])
+def test_the_remote_generation_check_needs_a_sensible_interval(tmp_path: Path,
+                                                               value: str) -> None:
+    """A check every few milliseconds would be a round trip to the remote store each
+    loop turn or so; none at all never notices a store that lost what it held."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f"[remote]\ncheck_seconds = {value}\n")
+    assert_refused(kvstore_cli("config", "check", str(config)),
+                   "remote.check_seconds")
