@@ -99,9 +99,45 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("small-library", {"library": 800}),
         ("long-docs", {"longest": 80}),
     ],
+    "bursty_chat": [
+        ("default", {}),
+        ("poisson", {"burst": 1.0}),
+        ("long-chats", {"turns_median": 6.0}),
+        ("long-pastes", {"user_tokens": 800}),
+        ("short-think", {"think_ms": 8_000}),
+    ],
+    "coding_agents": [
+        ("default", {}),
+        ("few-repos", {"repositories": 3}),
+        ("wide-branches", {"branch": 0.3, "fan_out": 8}),
+        ("churny", {"churn": 0.5}),
+        ("big-repos", {"repo_blocks": 160}),
+        ("busy", {"every_ms": 2_000}),
+    ],
+    "rag_drift": [
+        ("default", {}),
+        ("static", {"trending": 0.0}),
+        ("fast-drift", {"trending": 0.1}),
+        ("flat", {"skew": 0.7}),
+        ("one-doc", {"second": 0.0}),
+    ],
+    "tenant_mix": [
+        ("default", {}),
+        ("chat-heavy", {"chat_share": 0.7, "batch_share": 0.1}),
+        ("batch-heavy", {"chat_share": 0.2, "batch_share": 0.6}),
+        ("many-templates", {"templates": 400, "template_skew": 0.8}),
+    ],
+    "diurnal": [
+        ("default", {}),
+        ("two-days", {"days": 2.0}),
+        ("flat", {"skew": 0.7, "prefixes": 1000}),
+        ("overlapping", {"overlap": 0.5}),
+    ],
 }
 
-DEFAULT_SEEDS = {"conversations": 1, "scan": 2, "documents": 3, "agents": 4, "tenants": 5}
+DEFAULT_SEEDS = {"conversations": 1, "scan": 2, "documents": 3, "agents": 4, "tenants": 5,
+                 "bursty_chat": 6, "coding_agents": 7, "rag_drift": 8, "tenant_mix": 9,
+                 "diurnal": 10}
 
 
 @dataclass

@@ -6,7 +6,8 @@
 
 ``--trace`` may be given more than once (any JSON-lines trace of the shared format);
 ``--workload`` replays a synthetic workload of benchmarks/workloads.py instead
-(``conversations``, ``agents``, ``tenants``, ``scan``, ``documents``), or ``all``: the
+(``conversations``, ``agents``, ``tenants``, ``scan``, ``documents``, ``bursty_chat``,
+``coding_agents``, ``rag_drift``, ``tenant_mix``, ``diurnal``), or ``all``: the
 traces, then each of them, so that a policy tuned to one trace is seen on workloads of
 other shapes.  The run ends with one summary table of every workload, capacity and
 policy (block and token hit rates, ratios to LRU and to Belady); ``--detail`` prints
