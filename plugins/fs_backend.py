@@ -24,11 +24,12 @@ import msgspec
 from kvstore.errors import BackendError, UnavailableError
 
 from . import codec
-from .base import BackendHealth, BytesLike, StorageBackend, parse_options
+from .base import GENERATION_MOST, BackendHealth, BytesLike, StorageBackend, parse_options
 
 T = TypeVar("T")
 
 _HIT, _MISS, _CORRUPT, _STOPPED = range(4)
+GENERATION_FILE = "generation"  # in the directory: the store's generation (``generation``)
 # A full store is a per-key outcome (the put returns False), not a broken backend.
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 # A shared filesystem whose server went away: retrying later may work.
@@ -141,6 +142,40 @@ class FsBackend(StorageBackend):
             return (await self._run("health", [check]))[0]
         except (BackendError, UnavailableError) as exc:
             return BackendHealth(ok=False, detail=str(exc))
+
+    async def generation(self) -> bytes | None:
+        """A token in the directory (the file ``generation``: no namespace's name, those
+        are 32 hex digits), made by the first daemon to ask: the same while the directory
+        keeps what it holds, for every daemon that shares it; another once it was emptied
+        or replaced (a wiped folder, another filesystem mounted there), so the daemons
+        forget which blocks they believed it held."""
+        return (await self._run("generation", [self._generation_token]))[0]
+
+    def _generation_token(self, stop: threading.Event) -> bytes:
+        path = self.root / GENERATION_FILE
+        for _ in range(8):  # (each try finds it, or makes it, unless others race it away)
+            try:
+                with open(path, "rb") as file:
+                    return file.read(GENERATION_MOST)
+            except FileNotFoundError:
+                pass
+            # made whole beside it, then linked in: a reader never finds it half-written,
+            # and of two daemons making one, the first link wins and the other reads it
+            made = path.with_name(f".{GENERATION_FILE}.{secrets.token_hex(6)}.tmp")
+            fd = _create(made)
+            try:
+                try:
+                    _write_all(fd, secrets.token_hex(16).encode())
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.link(made, path)
+            except FileExistsError:
+                pass
+            finally:
+                made.unlink(missing_ok=True)
+        raise BackendError(f"fs backend at {self.root}: its generation token comes and goes "
+                           f"(another process keeps removing {path})")
 
     async def close(self) -> None:
         # Only a call still running concurrently can have jobs here; let them finish

@@ -13,7 +13,9 @@ DRAM still holds is written back again.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -280,3 +282,25 @@ def test_the_event_stream_withdraws_the_remote_copies_redis_lost(
             assert all(sub.index.tiers[k] == {"dram"} for k in chain)
     finally:
         sub.close()
+
+
+def test_a_wiped_fs_store_is_noticed_and_what_dram_holds_written_again(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """The fs backend keeps its generation too: a directory emptied under the daemon (a
+    wiped folder, another filesystem mounted there) left every mark standing, and the
+    blocks DRAM then let go unwritten were lost."""
+    root = tmp_path / "remote"
+    d = write_back_daemon(daemon_factory, f"fs://{root}")
+    with Client(d.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        chain = fetched_back(ns, client)
+        wait_for(lambda: stats(client)["remote"]["generation_checks"] >= 1,
+                 "a first generation check")
+        shutil.rmtree(root)
+        wait_for(lambda: stats(client)["remote"]["generations_lost"] == 1,
+                 "the daemon to notice that the directory lost its files")
+        wait_for(lambda: stats(client)["remote"]["marks_forgotten"] >= 4,
+                 "the marks to be forgotten")
+        put_chains(ns, 12_000_000, 8)                             # evicts the chain again
+        assert ns.lookup(chain).tiers == ["remote"] * 4           # written back this time
+        assert ns.get(chain) == [content(k) for k in chain]

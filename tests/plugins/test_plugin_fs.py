@@ -154,3 +154,28 @@ def test_relative_paths_and_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert isinstance(backend.inner, FsBackend)
     assert backend.inner.root == tmp_path / "blocks"
     assert os.fspath(backend.inner.path_for(NS, KEY)).startswith(str(tmp_path))
+
+
+def test_the_generation_is_shared_and_changes_when_the_directory_is_emptied(
+        tmp_path: Path) -> None:
+    """The token a daemon checks to tell a store that lost what it held: one for every
+    backend on the directory, made once (two making it at once agree), kept while the
+    directory keeps its files, another once it was emptied."""
+    root = tmp_path / "store"
+
+    async def tokens(count: int) -> list[bytes | None]:
+        backends = [fs(root) for _ in range(count)]
+        try:
+            return list(await asyncio.gather(*(b.generation() for b in backends)))
+        finally:
+            for b in backends:
+                await b.close()
+
+    first = asyncio.run(tokens(8))
+    assert first[0] and len(set(first)) == 1
+    assert asyncio.run(tokens(1)) == first[:1]
+    assert [p.name for p in root.iterdir()] == ["generation"]  # no temporary file left
+    for path in sorted(root.rglob("*"), reverse=True):  # emptied, as by rm -rf store/*
+        path.unlink() if path.is_file() else path.rmdir()
+    second = asyncio.run(tokens(2))
+    assert second[0] and second[0] != first[0] and second[0] == second[1]
