@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import math
 import os
 import queue
 import struct
@@ -119,14 +120,27 @@ def object_identity(model_name: str, cache_salt: str,
     """The namespace of one LMCache model's objects under one cache salt.
 
     A slot is ``2 * head_dim * block_tokens`` bytes of uint8 (one layer, one head):
-    the header plus ``object_bytes``, rounded up to even.
+    the header plus ``object_bytes``, rounded up to even (``_slot_shape``).
     """
-    half = (_HEADER.size + config.object_bytes + 1) // 2
-    tokens = next(t for t in range(1, half + 1) if half % t == 0 and half // t <= _MAX_DIM)
+    tokens, head_dim = _slot_shape((_HEADER.size + config.object_bytes + 1) // 2)
     return Identity(model=model_name, model_revision=config.model_revision,
                     tenant=config.tenant, kv_dtype="uint8", num_layers=1, num_kv_heads=1,
-                    head_dim=half // tokens, block_tokens=tokens, layout="lmcache-object",
+                    head_dim=head_dim, block_tokens=tokens, layout="lmcache-object",
                     salt=cache_salt)
+
+
+def _slot_shape(half: int) -> tuple[int, int]:
+    """``(block_tokens, head_dim)``, each at most Identity's bound, whose product holds
+    ``half``: exactly where ``half`` factors so (the fewest tokens: the shape objects
+    were always stored under), else ``half`` rounded up to a multiple of a power of two.
+    Half an object's slot may have a prime factor past the bound (a DeepSeek-V3 chunk of
+    256 tokens, 17,989,632 bytes, has 1,124,353): no exact shape is a valid identity."""
+    exact = next((t for t in range(1, min(half, _MAX_DIM) + 1)
+                  if half % t == 0 and half // t <= _MAX_DIM), None)
+    if exact is not None:
+        return exact, half // exact
+    tokens = 1 << max(0, math.ceil(math.log2(half / _MAX_DIM)))
+    return tokens, -(-half // tokens)
 
 
 def object_key(key: ObjectKey) -> bytes:

@@ -1,0 +1,62 @@
+"""Run in the LMCache environment: kvstore's L2 adapter under set-ups of LMCache users
+that ``lmcache_adapter_checks.py`` does not take (argv[1] the check, argv[2] the
+endpoint, argv[3] the tenant); prints, as JSON, what each step saw."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lmcache.cli.commands.bench.l2_adapter_bench.data import make_object_keys
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+from lmcache_adapter_checks import load, lookup, pinned, same, store
+
+from kvstore.integrations.lmcache import KVStoreL2Adapter
+
+
+def kv_objects(n: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> list[Any]:
+    """``n`` memory objects of ``shape`` and ``dtype`` (as LMCache's L1 hands them to
+    an adapter: a flat byte buffer and its layout), filled with random bytes."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+        meta = MemoryObjMetadata(shape=torch.Size(shape), dtype=dtype, address=0,
+                                 phy_size=size, fmt=MemoryFormat.KV_2LTD, ref_count=1)
+        out.append(TensorMemoryObj(raw_data=raw, metadata=meta, parent_allocator=None))
+    return out
+
+
+def large_chunk(endpoint: str, tenant: str) -> dict[str, Any]:
+    """Chunks of DeepSeek-V3 (MLA: 61 layers of 576 bf16 values a token) of 256 tokens:
+    17,989,632 bytes each, half a slot of which (with its header) has a prime factor
+    past an identity's bound on its dimensions."""
+    n, shape = 2, (61, 256, 576)
+    source = kv_objects(n, shape, torch.bfloat16, 1)
+    target = kv_objects(n, shape, torch.bfloat16, 2)
+    size = int(source[0].get_size())
+    adapter = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant, "object_bytes": size})
+    keys = make_object_keys(n, model_name="deepseek-ai/DeepSeek-V3")
+    out: dict[str, Any] = {"n": n, "size": size}
+    out["stored"] = store(adapter, keys, source)
+    out["found"] = len(lookup(adapter, keys))
+    out["loaded"] = len(load(adapter, keys, target))
+    out["same_bytes"] = same(source, target)
+    adapter.submit_unlock(keys)
+    out["pinned_at_end"] = pinned(endpoint, 0)
+    out["last_error"] = adapter.report_status()["last_error"]
+    adapter.close()
+    return out
+
+
+CHECKS: dict[str, Callable[[str, str], dict[str, Any]]] = {"large_chunk": large_chunk}
+
+if __name__ == "__main__":
+    print(json.dumps(CHECKS[sys.argv[1]](sys.argv[2], sys.argv[3])))
