@@ -19,7 +19,8 @@ holds up a lookup or a load queued after it); they signal three distinct event f
 (store, lookup-and-lock, load).  Lookup-and-lock pins the
 blocks it finds (a daemon pin, renewed by the worker's pings every third of the daemon's
 lease while any is held) until ``submit_unlock``; a load pins, copies and unpins.  A
-task's keys go to the daemon in requests of at most its per-request key limit.
+task's keys go to the daemon in requests of at most its per-request key limit (and the
+pins of a lookup or a load, of a quarter of its DRAM's slots: see ``_lock_part``).
 ``close()`` stops the threads, then closes the connections (which drops any pin left),
 then the event fds.
 """
@@ -48,7 +49,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from kvstore.client import Client, Held, Namespace
-from kvstore.errors import KVStoreError
+from kvstore.errors import CapacityError, KVStoreError
 from kvstore.identity import Identity
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
@@ -404,10 +405,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 if ns is None:
                     continue  # misses
                 self._lease_s = _lease_of(ns.client)  # (a new session's, after a reconnect)
-                # The daemon refuses an acquire of more keys than its limit whole.
-                for part in _chunks(positions, ns.client.max_keys):
+                for part in _chunks(positions, _lock_part(ns)):
                     try:
                         runs = acquire_runs(ns, [object_key(task.keys[i]) for i in part])
+                    except CapacityError as exc:  # DRAM holds no more pins: the rest miss
+                        logger.info("kvstore L2 adapter: locked what DRAM holds (%s)", exc)
+                        break
                     except KVStoreError as exc:  # the namespace's keys left are misses
                         self._link.failed("L2 lookup", exc)
                         if not self._link.holds(ns.client):
@@ -452,9 +455,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
             if ns is None:
                 continue  # not loaded: LMCache recomputes
 
-            # The daemon refuses an acquire of more keys than its limit whole; each
-            # part's pins are released by read_blocks, whatever happens.
-            for part in _chunks(positions, ns.client.max_keys):
+            # In parts, as a lookup pins (``_lock_part``); each part's pins are
+            # released by read_blocks, whatever happens.
+            for part in _chunks(positions, _lock_part(ns)):
 
                 def copy(j: int, slot: memoryview, part: list[int] = part) -> None:
                     if self._copy_out(slot, objects[part[j]]):
@@ -481,6 +484,16 @@ def _bytes_of(obj: MemoryObj) -> memoryview:
     """The object's logical bytes as a plain byte view (``byte_array`` is a ctypes
     buffer whose item format does not match arena slots)."""
     return np.frombuffer(obj.byte_array, dtype=np.uint8).data
+
+
+def _lock_part(ns: Namespace) -> int:
+    """How many keys a lookup pins at once: at most the daemon's per-request limit (more
+    are refused whole), and a quarter of the DRAM arena's slots.  Pinning a block kept
+    on SSD brings it back to DRAM, and one acquire of more such blocks than DRAM has room
+    for was refused whole, so a lookup past DRAM's size locked nothing; in parts, those
+    that fit stay locked, and the first refused ends the lookup."""
+    slots = ns.arena[1] // ns.slot_bytes if ns.arena[1] and ns.slot_bytes else 0
+    return max(1, min(ns.client.max_keys, slots // 4 or ns.client.max_keys))
 
 
 def _chunks(items: list[int], size: int) -> list[list[int]]:

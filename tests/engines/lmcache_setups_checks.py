@@ -56,7 +56,38 @@ def large_chunk(endpoint: str, tenant: str) -> dict[str, Any]:
     return out
 
 
-CHECKS: dict[str, Callable[[str, str], dict[str, Any]]] = {"large_chunk": large_chunk}
+def past_dram(endpoint: str, tenant: str) -> dict[str, Any]:
+    """More chunks than the daemon's DRAM holds, the older ones on its SSD tier: a
+    lookup of them all locks what DRAM has room for (pinning brings a block back from
+    SSD), the load of those copies them, and a load of them all what it can."""
+    n, wanted, size = 400, 300, 256 * 1024
+    adapter = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant, "object_bytes": size})
+    keys = make_object_keys(n)
+    source = kv_objects(n, (size // 2,), torch.float16, 3)
+    out: dict[str, Any] = {"n": n, "wanted": wanted}
+    out["stored"] = [ok for start in range(0, n, 50)
+                     for ok in store(adapter, keys[start:start + 50], source[start:start + 50])]
+    found = lookup(adapter, keys[:wanted])
+    out["found"] = len(found)
+    out["found_a_prefix"] = found == list(range(len(found)))
+    out["pinned_after_lookup"] = pinned(endpoint, len(found))
+    target = kv_objects(wanted, (size // 2,), torch.float16, 4)
+    loaded = load(adapter, [keys[i] for i in found], [target[i] for i in found])
+    out["loaded_locked"] = len(loaded)
+    out["same_bytes"] = same([source[i] for i in found], [target[i] for i in found])
+    adapter.submit_unlock([keys[i] for i in found])
+    out["pinned_after_unlock"] = pinned(endpoint, 0)
+    target = kv_objects(wanted, (size // 2,), torch.float16, 5)
+    loaded = load(adapter, keys[:wanted], target)
+    out["loaded_all"] = len(loaded)
+    out["same_bytes_all"] = same([source[i] for i in loaded], [target[i] for i in loaded])
+    out["pinned_at_end"] = pinned(endpoint, 0)
+    adapter.close()
+    return out
+
+
+CHECKS: dict[str, Callable[[str, str], dict[str, Any]]] = {
+    "large_chunk": large_chunk, "past_dram": past_dram}
 
 if __name__ == "__main__":
     print(json.dumps(CHECKS[sys.argv[1]](sys.argv[2], sys.argv[3])))

@@ -1,6 +1,7 @@
 """kvstore's LMCache L2 adapter under LMCache users' set-ups, against a real daemon, run in
 the LMCache environment (``lmcache_setups_checks.py``): chunk sizes whose slot has no
-exact shape within an identity's bounds."""
+exact shape within an identity's bounds, and more chunks than the daemon's DRAM holds
+with the rest on its SSD tier."""
 
 from __future__ import annotations
 
@@ -31,3 +32,18 @@ def test_chunks_whose_slot_has_no_exact_identity_shape_are_stored_and_loaded(
     assert out["found"] == n and out["loaded"] == n and out["same_bytes"], out
     assert out["pinned_at_end"] == 0 and out["last_error"] == "", out
 
+
+def test_a_lookup_past_dram_locks_what_fits(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    # 400 chunks of 256 KiB, 32 MiB of DRAM (124 of them), the rest on SSD; a lookup of
+    # 300 asked DRAM for them all in one acquire, which was refused whole: nothing was
+    # locked, nothing loaded.
+    out = check("past_dram", daemon_factory(dram_capacity="32MiB", ssd_capacity="256MiB",
+                                            extra=["--slab-size", "8MiB"]))
+    assert all(out["stored"]), out
+    assert out["found"] >= 64 and out["found_a_prefix"], out
+    assert out["pinned_after_lookup"] == out["found"], out
+    assert out["loaded_locked"] == out["found"] and out["same_bytes"], out
+    assert out["pinned_after_unlock"] == 0, out
+    assert out["loaded_all"] >= 64 and out["same_bytes_all"], out
+    assert out["pinned_at_end"] == 0, out
