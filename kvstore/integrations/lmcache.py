@@ -21,8 +21,8 @@ blocks it finds (a daemon pin, renewed by the worker's pings every third of the 
 lease while any is held) until ``submit_unlock``; a load pins, copies and unpins.  A
 task's keys go to the daemon in requests of at most its per-request key limit (and the
 pins of a lookup or a load, of a quarter of its DRAM's slots: see ``_lock_part``).
-``close()`` stops the threads, then closes the connections (which drops any pin left),
-then the event fds.
+``close()`` stops the threads, releases the locks left, then closes the connections and
+the event fds.
 """
 
 from __future__ import annotations
@@ -265,7 +265,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
             if thread.is_alive():
                 tasks.put(_Task("stop", -1, []))
                 thread.join()
-        self._link.close()  # the daemon drops this session's pins with it
+        # LMCache unlocks nothing after close: release the locks left, so the connection's
+        # goodbye ends the session now (a client holding pins at close sends none, and
+        # they stayed pinned for the daemon's lease)
+        release_all(list(self._pin_keys_left))
+        self._pin_keys_left.clear()
+        self._pins_by_key.clear()
+        self._link.close()
         self._store_link.close()
         for efd in (self._store_efd, self._lookup_efd, self._load_efd):
             efd.close()

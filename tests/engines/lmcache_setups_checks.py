@@ -86,8 +86,23 @@ def past_dram(endpoint: str, tenant: str) -> dict[str, Any]:
     return out
 
 
+def close_with_locks(endpoint: str, tenant: str) -> dict[str, Any]:
+    """An adapter closed while chunks are locked (a prefetch in flight at shutdown):
+    LMCache unlocks nothing after close, so the daemon must not keep them pinned."""
+    n, size = 8, 4096
+    adapter = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant, "object_bytes": size})
+    keys = make_object_keys(n)
+    out: dict[str, Any] = {"stored": store(adapter, keys, kv_objects(n, (size,), torch.uint8, 8))}
+    out["found"] = len(lookup(adapter, keys))
+    out["pinned_after_lookup"] = pinned(endpoint, n)
+    adapter.close()
+    out["pinned_after_close"] = pinned(endpoint, 0)
+    return out
+
+
 CHECKS: dict[str, Callable[[str, str], dict[str, Any]]] = {
-    "large_chunk": large_chunk, "past_dram": past_dram}
+    "large_chunk": large_chunk, "past_dram": past_dram,
+    "close_with_locks": close_with_locks}
 
 if __name__ == "__main__":
     print(json.dumps(CHECKS[sys.argv[1]](sys.argv[2], sys.argv[3])))

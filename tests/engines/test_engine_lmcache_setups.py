@@ -1,7 +1,7 @@
 """kvstore's LMCache L2 adapter under LMCache users' set-ups, against a real daemon, run in
 the LMCache environment (``lmcache_setups_checks.py``): chunk sizes whose slot has no
-exact shape within an identity's bounds, and more chunks than the daemon's DRAM holds
-with the rest on its SSD tier."""
+exact shape within an identity's bounds, more chunks than the daemon's DRAM holds with
+the rest on its SSD tier, and chunks locked when the adapter closes."""
 
 from __future__ import annotations
 
@@ -47,3 +47,12 @@ def test_a_lookup_past_dram_locks_what_fits(
     assert out["pinned_after_unlock"] == 0, out
     assert out["loaded_all"] >= 64 and out["same_bytes_all"], out
     assert out["pinned_at_end"] == 0, out
+
+
+def test_closing_with_chunks_locked_leaves_none_pinned(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    # A client that holds pins sends no goodbye at close, so the locks left stayed
+    # pinned for the daemon's lease (30 s here), past the adapter's end.
+    out = check("close_with_locks", daemon_factory())
+    assert out["stored"] == [True] and out["found"] == 8, out
+    assert out["pinned_after_lookup"] == 8 and out["pinned_after_close"] == 0, out
