@@ -21,8 +21,8 @@ blocks it finds (a daemon pin, renewed by the worker's pings every third of the 
 lease while any is held) until ``submit_unlock``; a load pins, copies and unpins.  A
 task's keys go to the daemon in requests of at most its per-request key limit (and the
 pins of a lookup or a load, of a quarter of its DRAM's slots: see ``_lock_part``).
-``close()`` stops the threads, releases the locks left, then closes the connections and
-the event fds.
+``close()`` fails the tasks not started (and any submitted later, at once), stops the
+threads, releases the locks left, then closes the connections and the event fds.
 """
 
 from __future__ import annotations
@@ -197,6 +197,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         # error anyway.
         self._failing: dict[str, str] = {}
         self._last_error = ""
+        self._closed = self._efds_closed = False  # (under the lock)
         self._tasks: queue.Queue[_Task] = queue.Queue()
         self._store_tasks: queue.Queue[_Task] = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="kvstore-l2", daemon=True)
@@ -221,10 +222,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
         if objects is not None and len(objects) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         with self._lock:
-            task_id = next(self._ids)
-        tasks = self._store_tasks if kind == "store" else self._tasks
-        tasks.put(_Task(kind, task_id, list(keys), objects))
-        return task_id
+            task = _Task(kind, next(self._ids), list(keys), objects)
+            if not self._closed:
+                (self._store_tasks if kind == "store" else self._tasks).put(task)
+                return task.task_id
+        self._fail(task)  # a closed adapter answers at once: nothing is ever run
+        return task.task_id
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         return self._submit("store", keys, objects)
@@ -260,8 +263,19 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 "queued_tasks": self._tasks.qsize() + self._store_tasks.qsize()}
 
     def close(self) -> None:
+        """Fail the tasks not started (and any submitted from now on), let the threads
+        finish the ones they run, release the locks left, then close the connections
+        and the event fds."""
+        with self._lock:
+            self._closed = True
         for thread, tasks in ((self._worker, self._tasks),
                               (self._storer, self._store_tasks)):
+            while True:  # (a backlog ran whole first, and tasks queued behind the stop
+                try:     # were never answered: LMCache waited for them for good)
+                    queued = tasks.get_nowait()
+                except queue.Empty:
+                    break
+                self._fail(queued)
             if thread.is_alive():
                 tasks.put(_Task("stop", -1, []))
                 thread.join()
@@ -273,8 +287,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._pins_by_key.clear()
         self._link.close()
         self._store_link.close()
-        for efd in (self._store_efd, self._lookup_efd, self._load_efd):
-            efd.close()
+        with self._lock:
+            self._efds_closed = True
+            for efd in (self._store_efd, self._lookup_efd, self._load_efd):
+                efd.close()
 
     def __repr__(self) -> str:
         return (f"KVStoreL2Adapter({self._link.endpoint}, pinned_keys="
@@ -349,7 +365,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self._recovered()
         with self._lock:
             results[task_id] = value
-        efd.notify()
+            if not self._efds_closed:
+                efd.notify()
 
     def _namespace(self, key: ObjectKey, link: DaemonLink | None = None) -> Namespace | None:
         """The namespace of a key's model and salt on ``link`` (the worker's by

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +88,49 @@ def past_dram(endpoint: str, tenant: str) -> dict[str, Any]:
     return out
 
 
+def closing(endpoint: str, tenant: str) -> dict[str, Any]:
+    """Tasks submitted while ``close()`` runs on another thread, or after it: each is
+    answered (failed: a store's result, a lookup's or a load's empty bitmap), none left
+    unanswered for LMCache to wait on; nothing stays pinned."""
+    n, size = 8, 4096
+    adapter = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant, "object_bytes": size})
+    keys = make_object_keys(n)
+    source = kv_objects(n, (size,), torch.uint8, 6)
+    out: dict[str, Any] = {"stored": store(adapter, keys, source)}
+    lookups, loads, stores = [], [], []
+    stop = threading.Event()
+    target = kv_objects(n, (size,), torch.uint8, 7)
+
+    def submit() -> None:  # LMCache's controllers, still submitting
+        while not stop.is_set():
+            lookups.append(adapter.submit_lookup_and_lock_task(keys, {}))
+            loads.append(adapter.submit_load_task(keys, target))
+            stores.append(adapter.submit_store_task(keys, source))
+            adapter.submit_unlock(keys)
+            time.sleep(0.005)
+
+    submitter = threading.Thread(target=submit)
+    submitter.start()
+    time.sleep(0.5)
+    adapter.close()
+    time.sleep(0.1)
+    stop.set()
+    submitter.join()
+    lookups.append(adapter.submit_lookup_and_lock_task(keys, {}))  # after close
+    loads.append(adapter.submit_load_task(keys, target))
+    stores.append(adapter.submit_store_task(keys, source))
+    out["tasks"] = len(lookups)
+    out["unanswered_lookups"] = sum(
+        adapter.query_lookup_and_lock_result(t) is None for t in lookups)
+    out["unanswered_loads"] = sum(adapter.query_load_result(t) is None for t in loads)
+    done = adapter.pop_completed_store_tasks()
+    out["unanswered_stores"] = sum(t not in done for t in stores)
+    out["after_close_failed"] = [int(done[stores[-1]]) < 0] if stores[-1] in done else []
+    out["healthy"] = adapter.report_status()["is_healthy"]
+    out["pinned_at_end"] = pinned(endpoint, 0)
+    return out
+
+
 def close_with_locks(endpoint: str, tenant: str) -> dict[str, Any]:
     """An adapter closed while chunks are locked (a prefetch in flight at shutdown):
     LMCache unlocks nothing after close, so the daemon must not keep them pinned."""
@@ -101,7 +146,7 @@ def close_with_locks(endpoint: str, tenant: str) -> dict[str, Any]:
 
 
 CHECKS: dict[str, Callable[[str, str], dict[str, Any]]] = {
-    "large_chunk": large_chunk, "past_dram": past_dram,
+    "large_chunk": large_chunk, "past_dram": past_dram, "closing": closing,
     "close_with_locks": close_with_locks}
 
 if __name__ == "__main__":

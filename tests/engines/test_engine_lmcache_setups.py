@@ -1,7 +1,8 @@
 """kvstore's LMCache L2 adapter under LMCache users' set-ups, against a real daemon, run in
 the LMCache environment (``lmcache_setups_checks.py``): chunk sizes whose slot has no
 exact shape within an identity's bounds, more chunks than the daemon's DRAM holds with
-the rest on its SSD tier, and chunks locked when the adapter closes."""
+the rest on its SSD tier, and tasks submitted while the adapter closes, or chunks
+locked when it does."""
 
 from __future__ import annotations
 
@@ -47,6 +48,18 @@ def test_a_lookup_past_dram_locks_what_fits(
     assert out["pinned_after_unlock"] == 0, out
     assert out["loaded_all"] >= 64 and out["same_bytes_all"], out
     assert out["pinned_at_end"] == 0, out
+
+
+def test_tasks_submitted_while_closing_or_after_are_answered(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    # close() queued its stop behind the tasks already queued, and tasks submitted
+    # after it were queued behind the stop with no thread to run them: never answered,
+    # a prefetch of LMCache's waited for them for good.
+    out = check("closing", daemon_factory())
+    assert out["stored"] == [True] and out["tasks"] > 1, out
+    assert out["unanswered_lookups"] == 0 and out["unanswered_loads"] == 0, out
+    assert out["unanswered_stores"] == 0 and out["after_close_failed"] == [True], out
+    assert not out["healthy"] and out["pinned_at_end"] == 0, out
 
 
 def test_closing_with_chunks_locked_leaves_none_pinned(
