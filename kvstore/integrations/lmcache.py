@@ -49,7 +49,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from kvstore.client import Client, Held, Namespace
-from kvstore.errors import CapacityError, KVStoreError
+from kvstore.errors import CapacityError, KVStoreError, UnavailableError
 from kvstore.identity import Identity
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
@@ -191,11 +191,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._pins_by_key: dict[ObjectKey, list[Held]] = defaultdict(list)
         self._pin_keys_left: dict[Held, int] = {}
         self._pinged_at = time.monotonic()
-        # Per thread (by name), the error of its last task if that raised (or of the
-        # worker's last ping), until a later task on the thread completes (or a ping
-        # answers): report_status is unhealthy while any stands, and shows the latest
-        # error anyway.
+        # Per thread (by name), the error of its last task if that raised or met a
+        # daemon failure (or of the worker's last ping), until a later task on the thread
+        # completes without one (or a ping answers): report_status is unhealthy while
+        # any stands, and shows the latest error anyway.
         self._failing: dict[str, str] = {}
+        self._troubles: dict[str, str] = {}  # per thread, a failure its task met
         self._last_error = ""
         self._closed = self._efds_closed = False  # (under the lock)
         self._tasks: queue.Queue[_Task] = queue.Queue()
@@ -327,14 +328,26 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 logger.exception("kvstore L2 adapter: %s task failed", task.kind)
                 self._failed(f"{type(exc).__name__}: {exc}")
                 self._fail(task)
-            else:
-                self._recovered()  # (for an unlock: the others did before their result)
+            else:  # (for an unlock: the others did before their result)
+                if self._troubles.get(threading.current_thread().name) is None:
+                    self._recovered()
+            self._troubles.pop(threading.current_thread().name, None)
 
     def _failed(self, error: str) -> None:
         self._last_error = self._failing[threading.current_thread().name] = error
 
     def _recovered(self) -> None:
         self._failing.pop(threading.current_thread().name, None)
+
+    def _daemon_failed(self, link: DaemonLink | None, what: str, error: Exception) -> None:
+        """A failure the running task met and took as misses (told to ``link``, if
+        any): its thread reports unhealthy once the task is done, until one that meets
+        none.  DRAM out of room for pins is no failure of the adapter's."""
+        if link is not None and isinstance(error, KVStoreError):
+            link.failed(what, error)
+        if not isinstance(error, CapacityError):
+            self._troubles[threading.current_thread().name] = \
+                f"{what}: {type(error).__name__}: {error}"
 
     def _keep_pins_alive(self) -> None:
         self._pinged_at = time.monotonic()
@@ -359,9 +372,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def _finish(self, results: dict[L2TaskId, Any], task_id: L2TaskId, value: Any,
                 efd: Any, *, failed: bool = False) -> None:
-        """Publish a task's result; a completed task's thread is healthy again first,
-        so that report_status agrees with the result as soon as LMCache sees it."""
-        if not failed:
+        """Publish a task's result; a completed task's thread is healthy again first
+        (or failing, if the task met a daemon failure), so that report_status agrees
+        with the result as soon as LMCache sees it."""
+        trouble = self._troubles.get(threading.current_thread().name)
+        if trouble is not None:
+            self._failed(trouble)
+        elif not failed:
             self._recovered()
         with self._lock:
             results[task_id] = value
@@ -370,10 +387,15 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def _namespace(self, key: ObjectKey, link: DaemonLink | None = None) -> Namespace | None:
         """The namespace of a key's model and salt on ``link`` (the worker's by
-        default); None while the daemon is failing."""
+        default); None while the daemon is failing (a failure of the task's)."""
         where = (key.model_name, key.cache_salt)
-        return (link or self._link).namespace(
-            where, lambda: object_identity(*where, self._config))
+        link = link or self._link
+        ns = link.namespace(where, lambda: object_identity(*where, self._config))
+        if ns is None:
+            self._daemon_failed(None, f"namespace of {where}", UnavailableError(
+                f"no namespace on the daemon at {link.endpoint}: it did not answer, "
+                "refused the connection, or cannot hold it (see the log)"))
+        return ns
 
     def _by_namespace(self, keys: Sequence[ObjectKey]) -> dict[tuple[str, str], list[int]]:
         """Positions of ``keys`` grouped by namespace, in order."""
@@ -398,6 +420,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     logger.warning("kvstore L2 adapter: an object of %d bytes exceeds "
                                    "object_bytes=%d; not stored", max(sizes),
                                    self._config.object_bytes)
+                    self._daemon_failed(None, "L2 store", ValueError(
+                        f"an object of {max(sizes)} bytes exceeds object_bytes="
+                        f"{self._config.object_bytes}"))
                     ok = False
                     continue
 
@@ -411,7 +436,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 result = store_missing(ns, [object_key(task.keys[i]) for i in part], fill,
                                        lookup=False)
                 if result.error is not None:
-                    self._store_link.failed("L2 store", result.error)
+                    self._daemon_failed(self._store_link, "L2 store", result.error)
                     ok = False
                     continue
                 stored += sum(sizes)
@@ -435,7 +460,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                         logger.info("kvstore L2 adapter: locked what DRAM holds (%s)", exc)
                         break
                     except KVStoreError as exc:  # the namespace's keys left are misses
-                        self._link.failed("L2 lookup", exc)
+                        self._daemon_failed(self._link, "L2 lookup", exc)
                         if not self._link.holds(ns.client):
                             # the link let the client go (a session the daemon ended, one
                             # that did not answer): the pins taken through it (earlier
@@ -489,7 +514,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 result = read_blocks(ns, [object_key(task.keys[i]) for i in part], copy,
                                      runs=True)
                 if result.error is not None:  # the namespace's keys left are not loaded
-                    self._link.failed("L2 load", result.error)
+                    self._daemon_failed(self._link, "L2 load", result.error)
                     break
         self._finish(self._load_results, task.task_id, loaded, self._load_efd)
 

@@ -1,10 +1,12 @@
 """Run in the LMCache environment: kvstore's L2 adapter under set-ups of LMCache users
 that ``lmcache_adapter_checks.py`` does not take (argv[1] the check, argv[2] the
-endpoint, argv[3] the tenant); prints, as JSON, what each step saw."""
+endpoint, argv[3] the tenant, argv[4] the daemon's pid); prints, as JSON, what each step saw."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import threading
 import time
@@ -145,9 +147,58 @@ def close_with_locks(endpoint: str, tenant: str) -> dict[str, Any]:
     return out
 
 
+def health(endpoint: str, tenant: str) -> dict[str, Any]:
+    """report_status through daemon failures the adapter takes as misses: a daemon
+    that stops answering (argv[4]: its pid, stopped and continued here), one that cannot
+    hold the adapter's objects (larger than its slabs), an object past object_bytes;
+    healthy again once a task meets none."""
+    n, size = 4, 4096
+    adapter = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant, "object_bytes": size,
+                                "timeout": 1.0})
+    keys = make_object_keys(n)
+    source = kv_objects(n, (size,), torch.uint8, 10)
+
+    def status() -> dict[str, Any]:
+        got = adapter.report_status()
+        return {"is_healthy": got["is_healthy"], "last_error": got["last_error"]}
+
+    out: dict[str, Any] = {"stored": store(adapter, keys, source), "at_start": status()}
+    pid = int(sys.argv[4])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        out["stored_stopped"] = store(adapter, keys, source)
+        out["after_store_stopped"] = status()
+        out["found_stopped"] = len(lookup(adapter, keys))
+        out["after_lookup_stopped"] = status()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30  # each connection leaves the daemon alone for 10 s
+    while time.monotonic() < deadline and not (stored := store(adapter, keys, source))[0]:
+        time.sleep(0.5)
+    out["stored_back"] = stored
+    out["after_store_back"] = status()
+    while time.monotonic() < deadline and len(found := lookup(adapter, keys)) < n:
+        adapter.submit_unlock([keys[i] for i in found])
+        time.sleep(0.5)
+    out["found_back"] = len(found)
+    out["after_lookup_back"] = status()
+    adapter.submit_unlock(keys)
+    out["stored_too_big"] = store(adapter, keys[:1],
+                                  kv_objects(1, (2 * size,), torch.uint8, 11))
+    out["after_too_big"] = status()
+    adapter.close()
+    huge = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant,
+                             "object_bytes": 80 << 20})  # past the daemon's 64 MiB slabs
+    out["stored_huge"] = store(huge, keys[:1], source[:1])
+    out["after_huge"] = {k: huge.report_status()[k] for k in ("is_healthy",)}
+    huge.close()
+    out["pinned_at_end"] = pinned(endpoint, 0)
+    return out
+
+
 CHECKS: dict[str, Callable[[str, str], dict[str, Any]]] = {
     "large_chunk": large_chunk, "past_dram": past_dram, "closing": closing,
-    "close_with_locks": close_with_locks}
+    "close_with_locks": close_with_locks, "health": health}
 
 if __name__ == "__main__":
     print(json.dumps(CHECKS[sys.argv[1]](sys.argv[2], sys.argv[3])))

@@ -1,8 +1,8 @@
 """kvstore's LMCache L2 adapter under LMCache users' set-ups, against a real daemon, run in
 the LMCache environment (``lmcache_setups_checks.py``): chunk sizes whose slot has no
 exact shape within an identity's bounds, more chunks than the daemon's DRAM holds with
-the rest on its SSD tier, and tasks submitted while the adapter closes, or chunks
-locked when it does."""
+the rest on its SSD tier, tasks submitted while the adapter closes or chunks locked when
+it does, and its health through daemon failures."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from engine_envs import HERE, ROOT, last_json, run_in_env
 def check(name: str, daemon: DaemonProcess) -> Any:
     """Run one check of ``lmcache_setups_checks.py``; its JSON report."""
     proc = run_in_env("lmcache", [str(HERE / "lmcache_setups_checks.py"), name,
-                                  daemon.endpoint, f"lmcache-{uuid.uuid4().hex[:8]}"],
+                                  daemon.endpoint, f"lmcache-{uuid.uuid4().hex[:8]}",
+                                  str(daemon.proc.pid if daemon.proc else 0)],
                       timeout=180, PYTHONPATH=str(ROOT))
     return last_json(proc.stdout)
 
@@ -69,3 +70,24 @@ def test_closing_with_chunks_locked_leaves_none_pinned(
     out = check("close_with_locks", daemon_factory())
     assert out["stored"] == [True] and out["found"] == 8, out
     assert out["pinned_after_lookup"] == 8 and out["pinned_after_close"] == 0, out
+
+
+def test_health_follows_the_daemon_failures_taken_as_misses(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    # A daemon that stopped answering, or that cannot hold the objects, made every store
+    # fail and every lookup miss while report_status said healthy, with no error.
+    out = check("health", daemon_factory())
+    healthy = {"is_healthy": True, "last_error": ""}
+    assert out["stored"] == [True] and out["at_start"] == healthy, out
+    assert out["stored_stopped"] == [False] and out["found_stopped"] == 0, out
+    assert out["after_store_stopped"]["is_healthy"] is False, out
+    assert out["after_store_stopped"]["last_error"].startswith("L2 store: Unavailable"), out
+    assert out["after_lookup_stopped"]["is_healthy"] is False, out
+    assert out["stored_back"] == [True] and out["found_back"] == 4, out
+    assert out["after_lookup_back"]["is_healthy"] is True, out
+    assert out["stored_too_big"] == [False], out
+    assert out["after_too_big"] == {
+        "is_healthy": False,
+        "last_error": "L2 store: ValueError: an object of 8192 bytes exceeds object_bytes=4096"}
+    assert out["stored_huge"] == [False] and out["after_huge"] == {"is_healthy": False}, out
+    assert out["pinned_at_end"] == 0, out
