@@ -234,8 +234,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return self._submit("store", keys, objects)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        with self._lock:
-            done, self._store_results = self._store_results, {}
+        with self._lock:  # emptied, not swapped: the store thread may hold it to publish
+            done = dict(self._store_results)
+            self._store_results.clear()
         return done
 
     def submit_lookup_and_lock_task(self, keys: list[ObjectKey],

@@ -196,9 +196,34 @@ def health(endpoint: str, tenant: str) -> dict[str, Any]:
     return out
 
 
+def store_results(endpoint: str, tenant: str) -> dict[str, Any]:
+    """Store results popped (by LMCache's store controller) while the store thread
+    publishes more: every task's result comes out once."""
+    sys.setswitchinterval(1e-6)  # threads take turns often: the race shows at once
+    n = 5000
+    adapter = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant, "object_bytes": 4096})
+    got: dict[int, Any] = {}
+    submitted = threading.Event()
+
+    def pop() -> None:
+        while not submitted.is_set() or adapter.report_status()["queued_tasks"]:
+            got.update(adapter.pop_completed_store_tasks())
+
+    popper = threading.Thread(target=pop)
+    popper.start()
+    tasks = [adapter.submit_store_task([], []) for _ in range(n)]
+    submitted.set()
+    popper.join()
+    adapter.close()  # (its store thread ended: every result is published)
+    got.update(adapter.pop_completed_store_tasks())
+    return {"n": n, "lost": sum(t not in got for t in tasks),
+            "failed": sum(int(r) < 0 for r in got.values())}
+
+
 CHECKS: dict[str, Callable[[str, str], dict[str, Any]]] = {
     "large_chunk": large_chunk, "past_dram": past_dram, "closing": closing,
-    "close_with_locks": close_with_locks, "health": health}
+    "close_with_locks": close_with_locks, "health": health,
+    "store_results": store_results}
 
 if __name__ == "__main__":
     print(json.dumps(CHECKS[sys.argv[1]](sys.argv[2], sys.argv[3])))

@@ -2,7 +2,8 @@
 the LMCache environment (``lmcache_setups_checks.py``): chunk sizes whose slot has no
 exact shape within an identity's bounds, more chunks than the daemon's DRAM holds with
 the rest on its SSD tier, tasks submitted while the adapter closes or chunks locked when
-it does, and its health through daemon failures."""
+it does, its health through daemon failures, and store results popped while others
+are published."""
 
 from __future__ import annotations
 
@@ -91,3 +92,12 @@ def test_health_follows_the_daemon_failures_taken_as_misses(
         "last_error": "L2 store: ValueError: an object of 8192 bytes exceeds object_bytes=4096"}
     assert out["stored_huge"] == [False] and out["after_huge"] == {"is_healthy": False}, out
     assert out["pinned_at_end"] == 0, out
+
+
+def test_no_store_result_is_lost_to_a_pop(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    # pop_completed_store_tasks swapped in a new dict while the store thread, holding the
+    # old one, was about to publish into it: that result was never popped, and LMCache
+    # kept the task's objects for a store that never completed.
+    out = check("store_results", daemon_factory())
+    assert out["lost"] == 0 and out["failed"] == 0, out
