@@ -136,6 +136,7 @@ class DaemonLink:
         self._connecting: tuple[threading.Thread, _Connected] | None = None
         self._used: float | None = None  # when the link last handed out its client (``_alive``)
         self.failures = 0
+        self.last_error: KVStoreError | None = None  # the latest step's that failed
 
     @property
     def endpoint(self) -> str:
@@ -361,6 +362,7 @@ class DaemonLink:
         its client dropped (a late reply may come first); so is, to connect again at the
         next call, a session it ended or does not know (it restarted on the endpoint)."""
         self.failures += 1
+        self.last_error = exc
         logger.warning("kvstore: %s failed: %s", what, exc)
         if isinstance(exc, UnavailableError):
             self._backed_off_at = self._clock()

@@ -49,7 +49,12 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from kvstore.client import Client, Held, Namespace
-from kvstore.errors import CapacityError, KVStoreError, UnavailableError
+from kvstore.errors import (
+    CapacityError,
+    KVStoreError,
+    LimitExceededError,
+    UnavailableError,
+)
 from kvstore.identity import Identity
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
@@ -391,7 +396,17 @@ class KVStoreL2Adapter(L2AdapterInterface):
         default); None while the daemon is failing (a failure of the task's)."""
         where = (key.model_name, key.cache_salt)
         link = link or self._link
+        failures = link.failures
         ns = link.namespace(where, lambda: object_identity(*where, self._config))
+        if (ns is None and link.failures > failures
+                and isinstance(link.last_error, LimitExceededError)
+                and (link is self._store_link or not self._pin_keys_left)):
+            # The session has as many namespaces open as the daemon allows (one per
+            # model and salt, and none is ever closed: past 1024 salts, say, every new
+            # one failed for the adapter's life).  A new session opens them again as
+            # they are used; a link holding locks keeps its session (a miss this time).
+            link.close()
+            ns = link.namespace(where, lambda: object_identity(*where, self._config))
         if ns is None:
             self._daemon_failed(None, f"namespace of {where}", UnavailableError(
                 f"no namespace on the daemon at {link.endpoint}: it did not answer, "

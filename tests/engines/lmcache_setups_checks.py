@@ -4,6 +4,7 @@ endpoint, argv[3] the tenant, argv[4] the daemon's pid); prints, as JSON, what e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -220,10 +221,35 @@ def store_results(endpoint: str, tenant: str) -> dict[str, Any]:
             "failed": sum(int(r) < 0 for r in got.values())}
 
 
+def many_salts(endpoint: str, tenant: str) -> dict[str, Any]:
+    """More cache salts (one namespace each) than the daemon lets a session open (8
+    here; 1024 by default): each user's chunks are stored, looked up and loaded."""
+    users, size = 20, 4096
+    adapter = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant, "object_bytes": size})
+    base = make_object_keys(2)
+    source = kv_objects(2, (size,), torch.uint8, 12)
+    out: dict[str, Any] = {"users": users, "stored": [], "found": [], "loaded": [],
+                           "same_bytes": True}
+    for user in range(users):
+        keys = [dataclasses.replace(k, cache_salt=f"user-{user}") for k in base]
+        out["stored"] += store(adapter, keys, source)
+    for user in range(users):
+        keys = [dataclasses.replace(k, cache_salt=f"user-{user}") for k in base]
+        out["found"].append(len(lookup(adapter, keys)))
+        target = kv_objects(2, (size,), torch.uint8, 13)
+        out["loaded"].append(len(load(adapter, keys, target)))
+        out["same_bytes"] &= same(source, target)
+        adapter.submit_unlock(keys)
+    out["pinned_at_end"] = pinned(endpoint, 0)
+    out["healthy"] = adapter.report_status()["is_healthy"]
+    adapter.close()
+    return out
+
+
 CHECKS: dict[str, Callable[[str, str], dict[str, Any]]] = {
     "large_chunk": large_chunk, "past_dram": past_dram, "closing": closing,
     "close_with_locks": close_with_locks, "health": health,
-    "store_results": store_results}
+    "store_results": store_results, "many_salts": many_salts}
 
 if __name__ == "__main__":
     print(json.dumps(CHECKS[sys.argv[1]](sys.argv[2], sys.argv[3])))

@@ -2,13 +2,14 @@
 the LMCache environment (``lmcache_setups_checks.py``): chunk sizes whose slot has no
 exact shape within an identity's bounds, more chunks than the daemon's DRAM holds with
 the rest on its SSD tier, tasks submitted while the adapter closes or chunks locked when
-it does, its health through daemon failures, and store results popped while others
-are published."""
+it does, its health through daemon failures, store results popped while others are
+published, and more cache salts than a session may open namespaces."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from daemon_proc import DaemonProcess
@@ -101,3 +102,17 @@ def test_no_store_result_is_lost_to_a_pop(
     # kept the task's objects for a store that never completed.
     out = check("store_results", daemon_factory())
     assert out["lost"] == 0 and out["failed"] == 0, out
+
+
+def test_more_salts_than_a_session_may_open_namespaces(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    # One namespace per cache salt, none ever closed: past the daemon's cap on a
+    # session's open namespaces (1024 by default) every new salt's stores failed and its
+    # lookups missed, for as long as the adapter lived.
+    config = tmp_path / "kvstore.toml"
+    config.write_text("[server]\nmax_namespaces_per_session = 8\n")
+    out = check("many_salts", daemon_factory(extra=["--config", str(config)]))
+    users = out["users"]
+    assert out["stored"] == [True] * users, out
+    assert out["found"] == [2] * users and out["loaded"] == [2] * users, out
+    assert out["same_bytes"] and out["pinned_at_end"] == 0 and out["healthy"], out
