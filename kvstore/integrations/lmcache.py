@@ -391,16 +391,18 @@ class KVStoreL2Adapter(L2AdapterInterface):
             if not self._efds_closed:
                 efd.notify()
 
-    def _namespace(self, key: ObjectKey, link: DaemonLink | None = None) -> Namespace | None:
+    def _namespace(self, key: ObjectKey, link: DaemonLink | None = None, *,
+                   holding: bool = False) -> Namespace | None:
         """The namespace of a key's model and salt on ``link`` (the worker's by
-        default); None while the daemon is failing (a failure of the task's)."""
+        default; ``holding``: the task holds pins through it); None while the daemon is
+        failing (a failure of the task's)."""
         where = (key.model_name, key.cache_salt)
         link = link or self._link
         failures = link.failures
         ns = link.namespace(where, lambda: object_identity(*where, self._config))
         if (ns is None and link.failures > failures
                 and isinstance(link.last_error, LimitExceededError)
-                and (link is self._store_link or not self._pin_keys_left)):
+                and (link is self._store_link or not (holding or self._pin_keys_left))):
             # The session has as many namespaces open as the daemon allows (one per
             # model and salt, and none is ever closed: past 1024 salts, say, every new
             # one failed for the adapter's life).  A new session opens them again as
@@ -465,7 +467,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         pinned: list[tuple[list[int], Held]] = []  # each pin, with its keys' positions
         try:
             for positions in self._by_namespace(task.keys).values():
-                ns = self._namespace(task.keys[positions[0]])
+                ns = self._namespace(task.keys[positions[0]], holding=bool(pinned))
                 if ns is None:
                     continue  # misses
                 self._lease_s = _lease_of(ns.client)  # (a new session's, after a reconnect)

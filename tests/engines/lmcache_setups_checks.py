@@ -242,6 +242,21 @@ def many_salts(endpoint: str, tenant: str) -> dict[str, Any]:
         adapter.submit_unlock(keys)
     out["pinned_at_end"] = pinned(endpoint, 0)
     out["healthy"] = adapter.report_status()["is_healthy"]
+
+    # The session has users 16-19 open; 12-15 fill it.  Then one lookup over user 19
+    # (open: pinned first) and user 0 (a namespace past the cap): the session holding
+    # the lookup's own pins stays, so user 0's chunks miss and user 19's stay locked.
+    def salted(user: int) -> list[Any]:
+        return [dataclasses.replace(k, cache_salt=f"user-{user}") for k in base]
+
+    for user in range(12, 16):
+        adapter.submit_unlock([salted(user)[i] for i in lookup(adapter, salted(user))])
+    both = salted(19) + salted(0)
+    found = lookup(adapter, both)
+    out["found_across_cap"] = found
+    out["pinned_across_cap"] = pinned(endpoint, len(found))
+    adapter.submit_unlock([both[i] for i in found])
+    out["pinned_after_unlock"] = pinned(endpoint, 0)
     adapter.close()
     return out
 
