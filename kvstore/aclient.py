@@ -495,6 +495,11 @@ class AsyncNamespace(NamespaceCore[AsyncClient]):
             self._scatter(held, kv_caches, page_ids, layout)
         return len(keys)
 
+    async def close(self) -> None:
+        """As ``Namespace.close``: stop using the namespace in this session."""
+        self.client._on_ok(await self.client._call(
+            p.CloseNamespace(self.client._next_rid(), self.id)))
+
     async def drop(self) -> int:
         """Drop every unpinned block of this namespace that was there when the drop
         was asked for; returns how many entries it removed.  What is committed into the

@@ -567,6 +567,13 @@ class Namespace(NamespaceCore[Client]):
             self._scatter(held, kv_caches, page_ids, layout)
         return len(keys)
 
+    def close(self) -> None:
+        """Stop using the namespace in this session (its blocks stay; open it again to
+        use it): a session opens at most ``server.max_namespaces_per_session`` at once.
+        Refused (``LimitExceededError``) while a reservation of this session in it is
+        open.  This object's requests are refused after it (``UnknownNamespaceError``)."""
+        self.client._on_ok(self.client._call(p.CloseNamespace(self.client._next_rid(), self.id)))
+
     def drop(self) -> int:
         """Drop every unpinned block of this namespace that was there when the drop
         was asked for; returns how many entries it removed.  What is committed into the

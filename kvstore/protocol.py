@@ -115,6 +115,13 @@ class DropNamespace(Message, tag="drop"):
     ns: bytes
 
 
+class CloseNamespace(Message, tag="close"):
+    """The session stops using a namespace (its blocks stay): one fewer open of its
+    ``server.max_namespaces_per_session``."""
+
+    ns: bytes
+
+
 class Stats(Message, tag="stats"):
     pass
 
@@ -194,7 +201,7 @@ class Probe(Message, tag="probe"):
 Request = Union[
     Hello, OpenNamespace, Lookup, Reserve, Commit, Abort, Acquire, Release, Put, Get,
     Evict, DropNamespace, Stats, Ping, Warm, Prefetch, ReserveBatch, Report, GpuAttach,
-    Snapshot, Probe, LookupPin, Bye,
+    Snapshot, Probe, LookupPin, Bye, CloseNamespace,
 ]
 
 

@@ -45,6 +45,7 @@ from kvstore.later import Finisher
 from kvstore.logs import configure, in_effect
 from kvstore.metrics import UNAUTHENTICATED, Metrics, stats_on_loop
 from kvstore.moves import Moves
+from kvstore.namespace_verbs import NamespaceVerbs
 from kvstore.plans import Plan
 from kvstore.policy_switches import PolicySwitches
 from kvstore.remote import RemoteTier
@@ -124,7 +125,7 @@ class Server:
         self.finisher = Finisher(self)
         self.verbs: Verbs = Verbs(self)
         self.sides: list[SideSocket] = []
-        self.verbs.add(RoutingVerbs(self).table())
+        self.verbs.add(RoutingVerbs(self).table() | NamespaceVerbs(self).table())
         self.events = EventPublisher(config.events, self.store, self.auth,
                                      self.transport.secure_file) \
             if config.events.endpoint else None

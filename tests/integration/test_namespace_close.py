@@ -1,0 +1,84 @@
+"""A session closes the namespaces it is done with, so that one that uses many over its
+life (an engine serving many cache salts or adapters: a namespace each) stays within
+``server.max_namespaces_per_session``.  Before, only the session's end closed one: past
+the cap, every new salt was refused its namespace for the rest of the engine's life.
+
+A real daemon (its cap lowered to 4), a real client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kvtest import make_identity
+
+from kvstore import AsyncClient, Client
+from kvstore.errors import LimitExceededError, UnknownNamespaceError
+
+CAP = {"KVSTORE_SERVER_MAX_NAMESPACES_PER_SESSION": "4"}
+
+
+def salted(i: int) -> Any:
+    return make_identity(salt=f"user-{i}")
+
+
+def test_closing_namespaces_keeps_a_session_within_its_cap(daemon_factory: Any) -> None:
+    d = daemon_factory(env=CAP)
+    with Client(d.endpoint, tenant="acme") as c:
+        first = c.namespace(salted(0))
+        keys = first.keys(range(64))
+        first.put(keys, [bytes([7]) * first.block_bytes for _ in keys])
+        opened = [first] + [c.namespace(salted(i)) for i in range(1, 4)]
+        with pytest.raises(LimitExceededError, match="namespaces open"):
+            c.namespace(salted(4))
+        for ns in opened:
+            ns.close()
+        with pytest.raises(UnknownNamespaceError):
+            first.lookup(keys)  # the closed object's requests are refused
+        with pytest.raises(UnknownNamespaceError):
+            first.close()
+        # as many more as the engine serves, a few open at a time
+        for i in range(4, 40):
+            ns = c.namespace(salted(i))
+            ns.put(ns.keys(range(16)), [bytes([i]) * ns.block_bytes])
+            ns.close()
+        # the blocks stayed: opened again, the first salt's are there
+        again = c.namespace(salted(0))
+        assert again.lookup(keys).blocks == len(keys)
+        assert again.get(keys[:1]) == [bytes([7]) * again.block_bytes]
+        stats = c.stats()
+        # the namespaces closed with no block are forgotten; those with blocks stay
+        assert stats["namespaces"] == 1 + 36, stats["namespaces"]  # salt 0 and 4..39
+        assert stats["invariant_violations"] == 0
+
+
+def test_a_namespace_with_a_reservation_open_is_not_closed(daemon_factory: Any) -> None:
+    d = daemon_factory(env=CAP)
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(salted(0))
+        keys = ns.keys(range(32))
+        r = ns.reserve(keys)
+        with pytest.raises(LimitExceededError, match="reservations open"):
+            ns.close()
+        for buf in r.buffers:
+            buf[:] = bytes([1]) * len(buf)
+        assert r.commit() == len(keys)  # still open: the commit went in
+        held = ns.acquire(keys)  # a pin keeps the blocks, not the namespace open
+        ns.close()
+        held.release()
+        assert c.namespace(salted(0)).lookup(keys).blocks == len(keys)
+        assert c.stats()["tiers"]["dram"]["reserved_slots"] == 0
+
+
+def test_the_async_client_closes_too(daemon_factory: Any) -> None:
+    import asyncio
+
+    d = daemon_factory(env=CAP)
+
+    async def run() -> None:
+        async with AsyncClient(d.endpoint, tenant="acme") as c:
+            for i in range(8):
+                ns = await c.namespace(salted(i))
+                await ns.close()
+
+    asyncio.run(run())
