@@ -3,7 +3,8 @@
 ``DaemonSettings`` / ``DaemonLink``: the daemon's endpoint, tenant, token and timeout
 from an engine's extra configuration; a client connected on first use, or on a thread
 of its own (``connect_in_background``: no step ever waits for a connect); the
-namespaces opened through it (bounded, least recent dropped); and a back-off after the
+namespaces opened through it (bounded, the least recent closed on the daemon, as many
+as its cap on a session's needs); and a back-off after the
 daemon failed to answer, during which every step of ``kvstore.integrations.engine_side``
 is a miss at once.  A connect the daemon refused (a forged, expired or missing token, a
 tenant its credentials do not name) is not tried again with the same settings until a
@@ -32,6 +33,7 @@ from kvstore.errors import (
     ForbiddenError,
     KVStoreError,
     LeaseExpiredError,
+    LimitExceededError,
     MalformedError,
     NoSessionError,
     TooLargeError,
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 BACKOFF_S = 10.0        # no daemon calls for this long after it failed to answer
 SESSION_PING_S = 0.5    # the most a ping asking an older daemon for the session waits
-MAX_NAMESPACES = 4096   # opened namespaces remembered per link
+MAX_NAMESPACES = 512    # namespaces kept open per link (the least recent closed past it)
 EARLY_END_S = 1.0       # a back-off another link's answer ends, once this long passed
 REFUSED_S = 1.0         # no connect with the same settings for this long after a refusal,
 REFUSED_MAX_S = 60.0    # doubled with each refusal in a row, up to this
@@ -340,7 +342,7 @@ class DaemonLink:
         if key in self._unopenable:
             return None
         try:
-            ns = client.namespace(identity())
+            ns = self._open(client, identity())
         except (TooLargeError, MalformedError) as exc:
             self.failures += 1
             logger.error("kvstore: the daemon cannot hold this namespace (%s); every call "
@@ -352,10 +354,41 @@ class DaemonLink:
         except KVStoreError as exc:
             self.failed("open namespace", exc)
             return None
-        if len(self._namespaces) >= self._max_namespaces:
-            self._namespaces.popitem(last=False)
+        while len(self._namespaces) >= self._max_namespaces and self._close_oldest():
+            pass
         self._namespaces[key] = ns
         return ns
+
+    def _open(self, client: Client, identity: Identity) -> Namespace:
+        """Open ``identity``; where the session has as many open as the daemon allows
+        (``server.max_namespaces_per_session``), the least recently used are closed,
+        up to a quarter of them, and it is opened again (an engine serving more cache
+        salts than that was refused each new one for good)."""
+        try:
+            return client.namespace(identity)
+        except LimitExceededError as exc:
+            if "namespaces open" not in str(exc) or not self._namespaces:
+                raise
+        for _ in range(max(1, len(self._namespaces) // 4)):
+            if not self._close_oldest():
+                break
+        return client.namespace(identity)
+
+    def _close_oldest(self) -> bool:
+        """Close the least recently used namespace on the daemon (its blocks stay) and
+        forget it here (one with a reservation open stays open, and is the most recent
+        now); whether any was let go."""
+        for _ in range(len(self._namespaces)):
+            key, ns = self._namespaces.popitem(last=False)
+            try:
+                ns.close()
+            except LimitExceededError:  # a save in it under way: kept
+                self._namespaces[key] = ns
+                continue
+            except KVStoreError:  # (gone with an old session: let go here all the same)
+                pass
+            return True
+        return False
 
     def failed(self, what: str, exc: KVStoreError) -> None:
         """Log a failed step; a daemon that did not answer is left alone for a while, and

@@ -82,3 +82,31 @@ def test_the_async_client_closes_too(daemon_factory: Any) -> None:
                 await ns.close()
 
     asyncio.run(run())
+
+
+def test_an_engines_link_serves_more_salts_than_a_session_may_open(
+        daemon_factory: Any) -> None:
+    """An engine's link (``DaemonLink``, as the vLLM, SGLang and LMCache integrations
+    use) opened a namespace per cache salt and never closed one: past the daemon's cap
+    every new salt was a miss for the engine's life.  Now it closes the least recently
+    used, keeping one a save is writing into."""
+    from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
+
+    d = daemon_factory(env=CAP)
+    link = DaemonLink(DaemonSettings(d.endpoint, "acme", None, timeout=10.0))
+    try:
+        busy = link.namespace("salt-0", lambda: salted(0))
+        assert busy is not None
+        saving = busy.reserve(busy.keys(range(16)))  # a save under way in it
+        for i in range(1, 24):
+            ns = link.namespace(f"salt-{i}", lambda i=i: salted(i))  # type: ignore[misc]
+            assert ns is not None, (i, link.last_error)
+            ns.put(ns.keys(range(16)), [bytes([i]) * ns.block_bytes])
+        assert link.namespace("salt-0", lambda: salted(0)) is busy  # kept open
+        saving.abort()
+        for i in (1, 12, 23):  # closed or not, every salt's block is there
+            ns = link.namespace(f"salt-{i}", lambda i=i: salted(i))  # type: ignore[misc]
+            assert ns is not None and ns.lookup(ns.keys(range(16))).blocks == 1
+        assert link.failures == 0
+    finally:
+        link.close()
