@@ -393,6 +393,7 @@ class Moves:
         assert self.ssd is not None and self.remote is not None
         sent = [False] * len(blocks)
         unreadable = [False] * len(blocks)
+        epoch = self.remote.epoch  # (a namespace sent before a loss noticed at a later one's)
         try:
             for ns, indexes in by_namespace(blocks).items():
                 size = ns.block_bytes
@@ -421,6 +422,8 @@ class Moves:
                         for view in (*views, whole):
                             view.release()
         finally:
+            if self.remote.epoch != epoch:
+                sent = [False] * len(blocks)
             self.removed(self.store.ssd_copies.ssd_write_back_done(blocks, sent, unreadable))
         return sum(sent)
 

@@ -291,6 +291,7 @@ class RemoteTier:
         # checked as it goes (a whole batch's check held the loop 64 ms a GiB)
         result: list[bool | None] = []
         most = max(1, PUT_BYTES_MOST // ns.block_bytes)
+        epoch = self.epoch
         for start in range(0, len(keys), most):
             part = slice(start, start + most)
             written = await self._send_piece(ns, keys[part], views[part], what,
@@ -303,6 +304,8 @@ class RemoteTier:
             self.counters["write_bytes"] += n * ns.block_bytes
             if write_back:
                 self.counters["write_backs"] += n
+        if self.epoch != epoch:  # lost since an earlier piece went: it went with the rest
+            return [None if w is None else False for w in result]
         return result
 
     async def _send_piece(self, ns: Namespace, keys: list[bytes],
@@ -353,6 +356,7 @@ class RemoteTier:
         let the store drop the written ones; those that failed stay in DRAM."""
         ok = [False] * len(blocks)
         damaged = [False] * len(blocks)
+        epoch = self.epoch  # (a namespace sent before a loss noticed at a later one's)
         try:
             for ns, indexes in by_namespace(blocks).items():
                 group = [blocks[i] for i in indexes]
@@ -368,6 +372,8 @@ class RemoteTier:
                 for i, good in zip(indexes, written or ()):
                     ok[i], damaged[i] = bool(good), good is None
         finally:
+            if self.epoch != epoch:
+                ok = [False] * len(blocks)
             self.store.finish_remote_write(blocks, ok, damaged)
 
     async def flush(self) -> int:
