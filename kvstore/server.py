@@ -57,7 +57,7 @@ from kvstore.sessions import Sessions
 from kvstore.side_socket import SideSocket
 from kvstore.slab_moves import class_stats
 from kvstore.ssd_copies import tenant_bytes as ssd_tenant_bytes
-from kvstore.stopping import StopDeadline
+from kvstore.stopping import SYNC_LEAVES_SECONDS, StopDeadline
 from kvstore.store import BlockStore, Limits, Namespace
 from kvstore.tiering import SsdMover
 from kvstore.tiers.arena_fds import side_path
@@ -615,7 +615,8 @@ async def drain_server(server: Server, bound: float) -> None:
     if server.ssd is not None:
         stop.enter("syncing the ssd tier")
         try:
-            await asyncio.wait_for(server.ssd.drain(), stop.left(bound))
+            await asyncio.wait_for(server.ssd.drain(),
+                                   stop.left(bound, keep=SYNC_LEAVES_SECONDS))
         except (TimeoutError, KVStoreError) as exc:
             log.error("could not flush the ssd tier on the way out: %r", exc)
     stop.enter("closing the tiers")

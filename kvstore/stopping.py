@@ -32,9 +32,12 @@ from kvstore.sdnotify import Notifier
 
 log = logging.getLogger("kvstore.server")
 
-# What the steps after the drain's (closing the tiers, syncing the SSD index) are left
-# at least, of the stop's time: the drain's bounds end that much before the deadline.
+# What the steps after the drain's (syncing the SSD index, closing the tiers) are left
+# at least, of the stop's time: the drain's bounds end that much before the deadline;
+# and what the sync leaves for closing (the sync bounded as the others, it was left a
+# millisecond after a write-back that used its whole bound, and cut)
 CLOSE_SECONDS = 2.0
+SYNC_LEAVES_SECONDS = 0.5
 
 
 class StopDeadline:
@@ -82,12 +85,13 @@ class StopDeadline:
         if self._notifier is not None:
             self._notifier.status(f"stopping: {stage}")
 
-    def left(self, bound: float) -> float:
+    def left(self, bound: float, keep: float = CLOSE_SECONDS) -> float:
         """``bound``, or less: what the stop has left before its deadline, less the time
-        kept for closing (``CLOSE_SECONDS``); at least a millisecond."""
+        ``keep`` for what follows (``CLOSE_SECONDS``: the sync and closing); at least a
+        millisecond."""
         if self.began is None or self.seconds <= 0:
             return bound
-        left = self.seconds - (time.monotonic() - self.began) - CLOSE_SECONDS
+        left = self.seconds - (time.monotonic() - self.began) - keep
         return max(0.001, min(bound, left))
 
     def now(self, why: str) -> None:
