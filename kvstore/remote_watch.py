@@ -68,6 +68,9 @@ class GenerationWatch:
         self._task: asyncio.Task[None] | None = None
         self._forgetting: ForgetMarks | None = None
         self._forget_task: asyncio.Task[None] | None = None
+        # one check at a time (the periodic one, the stop's): an answer read before a
+        # loss and handled after another check saw it was taken for a second loss
+        self._checking = asyncio.Lock()
         # called once every mark is forgotten (the SSD copies to the remote store: those
         # nearest eviction, unmarked now, go before SSD evicts them, not at its next write)
         self.on_forgotten: Callable[[], None] | None = None
@@ -101,11 +104,16 @@ class GenerationWatch:
         marks are being forgotten then).  A failed call counts as the tier's failure."""
         tier = self.tier
         try:
-            token = await tier.backend.generation()
+            async with self._checking:
+                token = await tier.backend.generation()
+                return self._answered(token)
         except KVStoreError as exc:
             tier.failed("generation check", exc)
             return False
-        tier.counters["generation_checks"] += 1
+
+    def _answered(self, token: bytes | None) -> bool:
+        """The store's generation is ``token``: whether it changed (see ``check``)."""
+        self.tier.counters["generation_checks"] += 1
         if token is None or token == self.token:
             return False
         known, self.token = self.token, token
