@@ -8,6 +8,7 @@ daemon, two tenants, a burst of eight times the SSD tier from one of them.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kvtest import make_identity
@@ -55,9 +56,13 @@ def test_a_tenant_alone_has_the_whole_ssd_tier(daemon_factory: Any) -> None:
     d = daemon_factory(dram_capacity="4MiB", ssd_capacity="16MiB")
     with Client(d.endpoint, tenant="solo") as c:
         ns = c.namespace(ident("solo"))
-        chains = put_chains(ns, 0, 48, 3)  # 384 blocks: DRAM and SSD full
-        stats = c.stats()
-        assert stats["tiers"]["ssd"]["committed_slots"] == 256, stats["tiers"]["ssd"]
+        chains = put_chains(ns, 0, 80, 3)  # 640 blocks: twice what DRAM and SSD hold
+        # (a block that waited for room too long on a loaded machine is dropped, not
+        # written down: the tier fills all the same, with twice what it holds offered)
+        deadline = time.monotonic() + 10
+        while (stats := c.stats())["tiers"]["ssd"]["committed_slots"] < 256:
+            assert time.monotonic() < deadline, stats["tiers"]["ssd"]
+            time.sleep(0.05)
         assert stats["ssd_tenant_bytes"] == {"solo": 256 * ns.block_bytes}
         # the latest chains are cached whole, the oldest went first (LRU, as before)
         assert ns.lookup(chains[-1]).blocks == CHAIN
