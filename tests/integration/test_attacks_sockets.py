@@ -1,0 +1,88 @@
+"""Attacks on the daemon's sockets beside its request endpoint: the KV event stream's
+PUB and replay sockets, the side socket, the metrics port.  A peer there must not make
+the daemon hold memory or descriptors out of proportion to what it sends, nor keep them
+for longer than a peer on the request endpoint can.  Real daemon processes, real
+ZeroMQ and real sockets; what the daemon holds is read from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+from daemon_proc import DaemonProcess, free_port
+from kvtest import make_identity
+
+from kvstore import Client
+
+IDENT = make_identity(tenant="acme")
+
+
+def rss_bytes(d: DaemonProcess) -> int:
+    assert d.proc is not None
+    with open(f"/proc/{d.proc.pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def events_daemon(factory: Any, **env: str) -> tuple[DaemonProcess, str, str]:
+    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    d = factory(env={"KVSTORE_EVENTS_ENDPOINT": pub, "KVSTORE_EVENTS_REPLAY_ENDPOINT": rep,
+                     "KVSTORE_EVENTS_TOPIC": "kv@pod-a@tiny-llama", **env})
+    return d, pub, rep
+
+
+def test_replay_answers_share_the_rings_batches_not_copy_them(daemon_factory: Any) -> None:
+    # Each batch of a replay answer went out "by reference", but pyzmq copies a buffer
+    # under 64 KiB all the same: peers that asked for the ring again and again and did
+    # not read held a copy of it per request in their queues (300 peers asking 20 times
+    # for a ring of 0.6 MB: 3.6 GiB resident).  Now every answer sends the batch's one
+    # message.
+    peers_n, asks = 10, 30
+    d, _, rep = events_daemon(daemon_factory)
+    ctx = zmq.Context()
+    peers: list[zmq.Socket[bytes]] = []
+    honest = ctx.socket(zmq.DEALER)
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(IDENT)
+            for i in range(2000):  # batches of many events each, all well under 64 KiB
+                with ns.reserve(ns.keys(range(i * 16, i * 16 + 16))) as r:
+                    r.commit()
+            events = c.stats()["events"]
+            ring_bytes, batches = events["buffered_bytes"], events["buffered"]
+            assert ring_bytes > 300_000 and ring_bytes / batches < 32 * 1024, events
+            before = rss_bytes(d)
+            for _ in range(peers_n):
+                peer = ctx.socket(zmq.DEALER)
+                peer.setsockopt(zmq.RCVHWM, 1)
+                peer.setsockopt(zmq.RCVBUF, 4096)
+                peer.connect(rep)
+                for _ in range(asks):  # the whole ring, again and again, never read
+                    peer.send_multipart([b"", (0).to_bytes(8, "big")])
+                peers.append(peer)
+            deadline = time.monotonic() + 60
+            while c.stats()["events"]["replays"] < peers_n * asks:
+                assert time.monotonic() < deadline, c.stats()["events"]
+                time.sleep(0.05)
+            honest.connect(rep)  # answered once the others' are (but 16 at most) sent
+            honest.send_multipart([b"", (0).to_bytes(8, "big")])
+            got = 0
+            while True:
+                assert honest.poll(30_000), "the honest replay went unanswered"
+                _, seq, _ = honest.recv_multipart()
+                got += 1
+                if seq == (-1).to_bytes(8, "big", signed=True):
+                    break
+            assert got >= batches
+            grown = rss_bytes(d) - before
+            copies = peers_n * asks * ring_bytes
+            assert grown < copies / 4, f"{grown >> 20} MiB for {copies >> 20} MiB of answers"
+            c.ping()  # the daemon serves
+    finally:
+        for sock in [*peers, honest]:
+            sock.close(linger=0)
+        ctx.term()
