@@ -123,8 +123,10 @@ class EventPublisher:
     """The PUB and replay sockets, the ring of recent batches, and the per-turn flush."""
 
     def __init__(self, config: EventsConfig, store: BlockStore, auth: Auth | None = None,
-                 secure_file: Callable[[str, int], None] | None = None) -> None:
+                 secure_file: Callable[[str, int], None] | None = None,
+                 handshake_seconds: float = 5.0) -> None:
         self.config = config
+        self.handshake_ms = round(handshake_seconds * 1000)  # ``server.handshake_seconds``
         self.store = store
         # an ipc socket file's mode and group, as the daemon's own (``Transport``)
         self.secure_file = secure_file
@@ -190,6 +192,7 @@ class EventPublisher:
             # Its I/O thread, woken by each batch, waits for the loop to yield rather
             # than preempt it: a batch's send costs the loop an enqueue, not a switch.
             self._ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
+        self._ctx.setsockopt(zmq.HANDSHAKE_IVL, self.handshake_ms)  # (ZeroMQ's: 30 s)
         # kept at once: a bind that fails leaves it to ``close`` (a socket left open
         # made the context's term, and the daemon's exit, wait for ever)
         pub = self._pub = self._ctx.socket(zmq.XPUB)

@@ -127,7 +127,7 @@ class Server:
         self.sides: list[SideSocket] = []
         self.verbs.add(RoutingVerbs(self).table() | NamespaceVerbs(self).table())
         self.events = EventPublisher(config.events, self.store, self.auth,
-                                     self.transport.secure_file) \
+                                     self.transport.secure_file, config.server.handshake_seconds) \
             if config.events.endpoint else None
 
     @property
