@@ -16,6 +16,7 @@ from daemon_proc import DaemonProcess, free_port
 from kvtest import make_identity
 
 from kvstore import Client
+from kvstore.metrics import Metrics
 
 IDENT = make_identity(tenant="acme")
 
@@ -122,3 +123,38 @@ def test_a_silent_connection_to_the_stream_is_closed_as_on_the_endpoint(
     finally:
         for sock in silent:
             sock.close()
+
+
+def _http(port: int, request: bytes) -> bytes:
+    """The answer to ``request`` (b"": closed without one, or cut before it came)."""
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        try:
+            sock.sendall(request)
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except OSError:  # (cut before it read all that was sent)
+            pass
+        return answer
+
+
+def test_a_request_head_past_16_kib_is_refused_before_it_is_held() -> None:
+    # The HTTP server's own bounds, 100 headers of up to 64 KiB each, let a peer
+    # without the token make each metrics connection hold 6.4 MB of headers: 16
+    # connections at a time, four times over, left the daemon 640 MB above idle.
+    port = free_port()
+    token = b"t" * 32
+    close = Metrics(lambda: {}).start_http_server(port, "127.0.0.1", token)
+    assert close is not None
+    try:
+        scrape = b"GET /metrics HTTP/1.1\r\nAuthorization: Bearer " + token + b"\r\n"
+        assert _http(port, scrape + b"\r\n").startswith(b"HTTP/1.0 200")
+        headers = b"".join(b"X-%d: %s\r\n" % (i, b"a" * 1000) for i in range(20))
+        assert _http(port, scrape + headers + b"\r\n").startswith(b"HTTP/1.0 431")
+        headers = b"".join(b"X-%d: %s\r\n" % (i, b"a" * 65000) for i in range(99))
+        answer = _http(port, b"GET /metrics HTTP/1.1\r\n" + headers + b"\r\n")
+        assert answer == b"" or answer.startswith(b"HTTP/1.0 431")  # (cut as it sent)
+        assert _http(port, b"GET /" + b"a" * 40000 + b" HTTP/1.1\r\n\r\n") == b""
+        assert _http(port, scrape + b"\r\n").startswith(b"HTTP/1.0 200")
+    finally:
+        close()
