@@ -434,6 +434,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self._book.finished(request), None
 
+    def reset_cache(self) -> bool:
+        """vLLM resets its caches (``reset_prefix_cache(reset_connector=True)``, and as it
+        pauses to load new weights): no block stored before is loaded from now on
+        (``RequestBook.reset``); those blocks stay in the daemon for the engines that
+        still run the weights they came from, until evicted."""
+        self._book.reset()
+        return True
+
     # ==================================================================================
     # worker side
     # ==================================================================================

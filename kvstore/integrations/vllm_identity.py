@@ -25,11 +25,15 @@ _MAX_TEXT = 512  # Identity's limit on text fields
 
 
 class RequestVariant(msgspec.Struct, frozen=True, array_like=True):
-    """What a request adds to the engine's identity: adapter and cache salt."""
+    """What a request adds to the engine's identity: adapter and cache salt; and
+    ``weights``, the engine's weights since its caches were last reset (vLLM resets
+    them as it loads new weights in place: an RL trainer's update), a tag of that reset
+    ("": none yet), so that no block stored before it is loaded after it."""
 
     adapter: str | None = None
     adapter_revision: str | None = None
     salt: str = ""
+    weights: str = ""
 
 
 def bounded(text: str) -> str:
@@ -39,13 +43,13 @@ def bounded(text: str) -> str:
     return "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def request_variant(request: Request) -> RequestVariant:
+def request_variant(request: Request, weights: str = "") -> RequestVariant:
     lora = request.lora_request
     adapter = revision = None
     if lora is not None:
         adapter = bounded(lora.lora_name)
         revision = bounded(lora.lora_path or f"id:{lora.lora_int_id}")
-    return RequestVariant(adapter, revision, bounded(request.cache_salt or ""))
+    return RequestVariant(adapter, revision, bounded(request.cache_salt or ""), weights)
 
 
 def model_and_revision(model_config: Any, extra: dict[str, Any]) -> tuple[str, str]:
@@ -95,9 +99,12 @@ class Group:
     def identity_for(self, variant: RequestVariant, tp_rank: int, tp_size: int) -> Identity:
         layout = self.identity.layout if tp_size == 1 else (
             f"{self.identity.layout};tp={tp_rank}/{tp_size}")
+        revision = self.identity.model_revision
+        if variant.weights:
+            revision = bounded(f"{revision}+reset:{variant.weights}")
         return msgspec.structs.replace(
             self.identity, adapter=variant.adapter, adapter_revision=variant.adapter_revision,
-            salt=variant.salt, layout=layout)
+            salt=variant.salt, layout=layout, model_revision=revision)
 
 
 def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tenant: str,

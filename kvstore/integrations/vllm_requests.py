@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -176,6 +177,7 @@ class RequestBook:
         self._requests: dict[str, RequestState] = {}
         self._ns_ids = NamespaceIds(tp_size)
         self._pending_loads: list[Transfer] = []
+        self._weights = ""  # the tag of the last reset (``RequestVariant.weights``)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -184,7 +186,7 @@ class RequestBook:
         state = self._requests.get(request.request_id)
         if state is None:
             cacheable = not request.mm_features and request.prompt_embeds is None
-            state = RequestState(request, request_variant(request), cacheable)
+            state = RequestState(request, request_variant(request, self._weights), cacheable)
             self._requests[request.request_id] = state
         return state
 
@@ -355,6 +357,21 @@ class RequestBook:
                                        keys[start - 1] if start else None))
         state.saved_blocks = full
         state.saving = True
+
+    def reset(self) -> None:
+        """``reset_cache`` (vLLM's, as it loads new weights in place): no block stored
+        before is offered from now on, nor one another engine stored (its weights may
+        differ): later requests use namespaces of their own (a new ``weights`` tag).
+        The requests the engine holds now are neither offered nor saved any more: their
+        KV, or a part of it, came from the weights before."""
+        self._weights = uuid.uuid4().hex
+        for state in self._requests.values():
+            if state.lookups:
+                settle(state.lookups)
+            state.lookups, state.cached, state.offer = None, None, None
+            state.cacheable = False
+        logger.info("kvstore: the engine's cache was reset: blocks stored before are "
+                    "not loaded from now on")
 
     def finished(self, request: Request) -> bool:
         """``request_finished``: the request forgotten; True when its blocks stay held

@@ -1,0 +1,118 @@
+"""vLLM on the CPU with kvstore's connector under set-ups the other engine tests do not
+use: blocks of 64 tokens, chunked prefill (64 tokens a step, so long prompts take several
+steps), prompts shorter than a block and exactly a multiple of it, requests aborted
+mid-prefill, parallel sampling, and weights changed in place (an RL trainer's update:
+vLLM resets its caches and the connector's).
+
+Two engine runs side by side (``in_lanes``), the same phases in each: one without
+kvstore (the oracle: greedy outputs) and one with it, on a real daemon.  After each
+phase, saves drained and the engine stepped until it holds no request; at the end the
+daemon's figures show no pin or reservation left behind.
+
+Before: the connector did not implement ``reset_cache``, which vLLM took as done; after
+a weight update the engine loaded the KV the old weights had computed, and answered
+wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_proc import DaemonProcess
+from engine_envs import HERE, in_lanes, last_json, run_in_env
+
+BLOCK = 64
+SHORT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]        # under one block
+EXACT = [(3 * i) % 500 + 3 for i in range(2 * BLOCK)]  # two blocks exactly
+LONG = [(7 * i + 11) % 500 + 3 for i in range(400)]    # 6 reusable blocks, 7 chunks
+MID = [(13 * i + 1) % 490 + 7 for i in range(200)]     # 3 reusable blocks
+RESET = {"reset_prefix_cache": True}  # vLLM's own prefix cache emptied: hits are kvstore's
+PHASES: list[dict[str, Any]] = [
+    {"prompts": [SHORT, EXACT, LONG]},                              # 0: computed, saved
+    {"prompts": [SHORT, EXACT, LONG], **RESET},                     # 1: loaded
+    {"prompts": [MID, LONG + [4, 5]], "abort_after_steps": 2, **RESET},  # 2: aborted
+    {"prompts": [MID], "n": 3, "temperature": 0.8, "max_tokens": 8},  # 3: parallel sampling
+    {"prompts": [LONG, MID], "update_weights": 99},                 # 4: new weights
+    {"prompts": [LONG, MID], **RESET},                              # 5: loaded again
+]
+ENGINE = {"block_size": BLOCK, "max_num_batched_tokens": BLOCK}
+
+
+def engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    # (a model of its own for each run: the runs go side by side, and each writes its
+    # model on first use; the seeded weights are the same)
+    argv = [str(HERE / "vllm_setups_run.py"), "--model", str(tmp / f"tiny-llama-{name}"),
+            "--spec", str(path)]
+    out: dict[str, Any] = last_json(run_in_env("vllm", argv, timeout=300, cwd=tmp).stdout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("vllm-setups")
+    daemon = DaemonProcess(tmp / "daemon", dram_capacity="64MiB",
+                           extra=["--slab-size", "4MiB"]).start()
+    connector = {"extra": {"endpoint": daemon.endpoint,
+                           "tenant": f"setups-{uuid.uuid4().hex[:8]}"}}
+    out: dict[str, Any] = {}
+
+    def plain() -> None:
+        out["plain"] = engine(tmp, "plain", {"engine": ENGINE, "phases": PHASES})
+
+    def stored() -> None:
+        out["kvstore"] = engine(tmp, "kvstore", {"engine": ENGINE, "phases": PHASES,
+                                                 "connector": connector})
+
+    try:
+        in_lanes(plain, stored)
+    finally:
+        daemon.stop()
+        log = daemon.log()
+    assert "invariant violated" not in log, log
+    return out
+
+
+def outputs(run: dict[str, Any], phase: int) -> list[Any]:
+    return [r and r["outputs"] for r in run["phases"][phase]["results"]]
+
+
+def test_greedy_outputs_match_the_engine_without_kvstore(runs: dict[str, Any]) -> None:
+    for phase in (0, 1, 4, 5):
+        assert outputs(runs["kvstore"], phase) == outputs(runs["plain"], phase), phase
+
+
+def test_hits_are_the_full_blocks_of_each_prompt(runs: dict[str, Any]) -> None:
+    phases = runs["kvstore"]["phases"]
+    assert phases[0]["external_tokens"] == 0
+    # SHORT: none; EXACT: 1 of its 2 blocks (vLLM computes the last token); LONG: 6
+    assert [r["num_cached_tokens"] for r in phases[1]["results"]] == [0, BLOCK, 6 * BLOCK]
+    assert phases[1]["external_tokens"] == 7 * BLOCK
+
+
+def test_aborted_and_parallel_requests_finish_and_leave_nothing_held(
+        runs: dict[str, Any]) -> None:
+    run = runs["kvstore"]
+    assert outputs(run, 2) == [None, None]  # aborted mid-prefill
+    assert [len(o) for o in outputs(run, 3)[0]] == [8, 8, 8]
+    assert all(p["left_in_scheduler"] == 0 for p in run["phases"])
+    assert run["scheduler_requests_left"] == 0
+    dram = run["daemon_dram"]
+    assert dram["pinned_blocks"] == 0 and dram["reserved_slots"] == 0, dram
+    assert run["worker"]["load_failed_blocks"] == 0
+
+
+def test_after_a_weight_update_no_block_of_the_old_weights_is_loaded(
+        runs: dict[str, Any]) -> None:
+    updated, again = runs["kvstore"]["phases"][4:6]
+    assert updated["reset"] and runs["plain"]["phases"][4]["reset"]
+    # LONG and MID were in the daemon, computed with the weights before: not offered
+    # (before, 9 blocks were, and both answers were wrong)
+    assert updated["external_tokens"] == 0
+    # what the new weights computed is saved, and loaded again
+    assert again["external_tokens"] == (6 + 3) * BLOCK
