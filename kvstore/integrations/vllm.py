@@ -246,14 +246,26 @@ def _group_of(groups: Sequence[Group], index: int) -> Group:
 
 def _auto_or_bool(name: str, value: Any) -> bool | None:
     """A ``kv_connector_extra_config`` switch that may also be ``"auto"`` (None)."""
+    if isinstance(value, str) and value.lower() == "auto":
+        return None
+    try:
+        return _switch(name, value)
+    except ValueError:
+        raise ValueError(
+            f"KVStoreConnector: {name} is true, false or \"auto\", not {value!r}") from None
+
+
+def _switch(name: str, value: Any) -> bool:
+    """A ``kv_connector_extra_config`` switch: a JSON boolean, 0 or 1, or the text
+    "true" or "false" (a configuration templated as text: ``bool("false")`` is True)."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    choices = {"auto": None, "true": True, "false": False}
-    if isinstance(value, str) and value.lower() in choices:
-        return choices[value.lower()]
-    raise ValueError(f"KVStoreConnector: {name} is true, false or \"auto\", not {value!r}")
+    choices = {"true": True, "false": False}
+    if isinstance(value, str) and value.strip().lower() in choices:
+        return choices[value.strip().lower()]
+    raise ValueError(f"KVStoreConnector: {name} is true or false, not {value!r}")
 
 
 def usable_cores() -> int:
@@ -318,7 +330,8 @@ class ConnectorOptions:
     ``known_chains`` (default true: the keys of a prefix an earlier request hashed are
     taken over, found by vLLM's own sha256 block hashes; ``KnownChains``),
     ``max_pending_save_mib`` (bytes of pending saves, staged or still in vLLM's pages,
-    before saves are dropped, default 1024)."""
+    before saves are dropped, default 1024).  A switch is a JSON boolean, 0 or 1, or
+    the text "true" or "false"; anything else is refused (ValueError)."""
 
     async_saves: bool
     layerwise: bool | None  # None: "auto"
@@ -334,13 +347,16 @@ class ConnectorOptions:
         # Loads copied ahead land before vLLM zeroes new blocks in _update_states: where
         # its cache needs that zeroing, they would be zeroed (and wrong KV served).
         zeroed = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
-        return cls(async_saves=bool(extra.get("async_saves", True)),
+        def switch(name: str, default: bool) -> bool:
+            return _switch(name, extra.get(name, default))
+
+        return cls(async_saves=switch("async_saves", True),
                    layerwise=_auto_or_bool("layerwise", extra.get("layerwise", "auto")),
-                   prefetch=bool(extra.get("prefetch", True)),
-                   post_loads=bool(extra.get("post_loads", True)),
-                   copy_ahead=bool(extra.get("copy_ahead", False)) and not zeroed,
-                   saves_after_step=bool(extra.get("saves_after_step", True)),
-                   known_chains=bool(extra.get("known_chains", True)),
+                   prefetch=switch("prefetch", True),
+                   post_loads=switch("post_loads", True),
+                   copy_ahead=switch("copy_ahead", False) and not zeroed,
+                   saves_after_step=switch("saves_after_step", True),
+                   known_chains=switch("known_chains", True),
                    max_pending=int(float(extra.get("max_pending_save_mib", 1024)) * (1 << 20)))
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):

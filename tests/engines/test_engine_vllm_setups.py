@@ -116,3 +116,28 @@ def test_after_a_weight_update_no_block_of_the_old_weights_is_loaded(
     assert updated["external_tokens"] == 0
     # what the new weights computed is saved, and loaded again
     assert again["external_tokens"] == (6 + 3) * BLOCK
+
+
+SWITCHES = """
+import json
+from kvstore.integrations.vllm import ConnectorOptions
+out = {}
+for value in (True, False, 1, 0, "true", "false", " False ", "no", 2, None):
+    try:
+        opts = ConnectorOptions.from_extra({"async_saves": value, "prefetch": value}, None)
+        out[repr(value)] = [opts.async_saves, opts.prefetch]
+    except ValueError as exc:
+        out[repr(value)] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_a_switch_given_as_text_is_read_as_written() -> None:
+    # Before: bool() of the value, so "false" (a configuration templated as text)
+    # turned background saves and prefetches on, and any text at all was taken.
+    found = last_json(run_in_env("vllm", ["-c", SWITCHES], timeout=120).stdout)
+    assert found["True"] == found["1"] == found["'true'"] == [True, True]
+    assert found["False"] == found["0"] == found["'false'"] == found["' False '"] == [
+        False, False]
+    for bad in ("'no'", "2", "None"):
+        assert "async_saves is true or false" in found[bad], found[bad]
