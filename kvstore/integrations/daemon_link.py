@@ -402,11 +402,19 @@ class DaemonLink:
             self._unavailable_until = self._backed_off_at + self._backoff_s
             self.close()
         elif isinstance(exc, LeaseExpiredError):
-            self.close()
+            self.reconnect()
         elif isinstance(exc, NoSessionError) or (isinstance(exc, ForbiddenError)
                                                   and self._session_gone()):
             logger.info("kvstore: the daemon knows no session of this link; connecting again")
-            self.close()
+            self.reconnect()
+
+    def reconnect(self) -> None:
+        """Drop the client, whose session the daemon ended or lost; a link that connects
+        in the background starts that connect now, not at its next call (which would
+        miss, and the engine's next request too, while it is under way)."""
+        self.close()
+        if self._background is not None:
+            self._spawn()
 
     def _session_gone(self) -> bool:
         """After a refusal that does not say "no session", whether the daemon has none for

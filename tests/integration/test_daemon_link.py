@@ -3,6 +3,7 @@ how it backs off from a daemon that refused it, and what it counts as a failure.
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from kvstore.errors import (
     KVStoreError,
     LimitExceededError,
     MalformedError,
+    NoSessionError,
     NotFoundError,
     UnavailableError,
 )
@@ -303,5 +305,29 @@ def test_a_namespace_the_daemon_cannot_hold_is_asked_for_once_a_client(
         assert ns is not None and ns.lookup([b"k" * 16]).blocks == 0
         link.close()  # a new client (a daemon restarted, maybe reconfigured) is asked again
         assert link.namespace("huge", lambda: huge) is None and len(opens) == 3
+    finally:
+        link.close()
+
+
+def test_a_background_link_whose_daemon_restarted_connects_again_at_once(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory()
+    link = DaemonLink(DaemonSettings(d.endpoint, "acme", timeout=5.0), map_arena=False)
+    try:
+        link.connect_in_background({"pages": identity})
+        assert link.wait_connected(10)
+        ns = link.namespace("pages", identity)
+        assert ns is not None
+        d.stop(signal.SIGKILL)  # a crash, and a new daemon on the endpoint
+        (d.workdir / "kvstore.sock").unlink(missing_ok=True)
+        d.start()
+        with pytest.raises(NoSessionError) as lost:
+            ns.lookup([bytes(range(16))])
+        link.failed("lookup", lost.value)
+        # The connect starts now, not at the link's next call (which missed, and so did
+        # the engine's next request while it was under way)
+        assert link.wait_connected(10)
+        again = link.namespace("pages", identity)
+        assert again is not None and again.lookup([bytes(range(16))]).blocks == 0
     finally:
         link.close()
