@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from kvstore.client import Held, Namespace
-from kvstore.errors import KVStoreError, NotFoundError, UnavailableError
+from kvstore.errors import KVStoreError, NoSessionError, NotFoundError, UnavailableError
 from kvstore.identity import Identity
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
@@ -49,6 +49,7 @@ from kvstore.integrations.engine_side import (
     Loaded,
     SplitRows,
     Staged,
+    Stored,
     acquire_prefix,
     arena_runs,
     slot_rows,
@@ -401,17 +402,30 @@ class SaveSender:
             if source.ready is not None:
                 source.ready()
             fill = fill_rows(source.rows)
-        ns = self._link.namespace(job.ns_key, job.identity)
-        if ns is None:
-            return 0, "save_failures"
         try:
-            stored = store_missing(ns, job.keys, fill, parent=job.parent, lookup=False)
+            stored = self._store_in(job, fill)
+            if stored is not None and isinstance(stored.error, NoSessionError):
+                # the daemon restarted since this link's last call: the first call finds
+                # no session.  The link connects again, and the save goes once more (the
+                # pages are still held), rather than be lost.
+                self._link.failed(f"save for {job.tag}", stored.error)
+                stored = self._store_in(job, fill)
         except _GivenUp:  # the reservation aborted: the copy may have met new writes
             return 0, "save_dropped"
+        if stored is None:
+            return 0, "save_failures"
         if stored.error is not None:
             self._link.failed(f"save for {job.tag}", stored.error)
             return stored.created, "save_failures"
         return stored.created, ""
+
+    def _store_in(self, job: SaveJob,
+                  fill: Callable[[Sequence[memoryview], int], None]) -> Stored | None:
+        """Store a job's blocks in its namespace (None: it cannot be opened)."""
+        ns = self._link.namespace(job.ns_key, job.identity)
+        if ns is None:
+            return None
+        return store_missing(ns, job.keys, fill, parent=job.parent, lookup=False)
 
     def _fill_from_pages(self, number: int, tag: str, source: InPages,
                          slots: Sequence[memoryview], first: int) -> None:

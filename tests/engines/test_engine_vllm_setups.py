@@ -1,22 +1,27 @@
 """vLLM on the CPU with kvstore's connector under set-ups the other engine tests do not
 use: blocks of 64 tokens, chunked prefill (64 tokens a step, so long prompts take several
 steps), prompts shorter than a block and exactly a multiple of it, requests aborted
-mid-prefill, parallel sampling, and weights changed in place (an RL trainer's update:
-vLLM resets its caches and the connector's).
+mid-prefill, parallel sampling, weights changed in place (an RL trainer's update:
+vLLM resets its caches and the connector's), and a daemon restarted under the engine.
 
 Two engine runs side by side (``in_lanes``), the same phases in each: one without
-kvstore (the oracle: greedy outputs) and one with it, on a real daemon.  After each
+kvstore (the oracle: greedy outputs) and one with it, on a real daemon; then a third
+with a daemon of its own, killed and started again between two phases.  After each
 phase, saves drained and the engine stepped until it holds no request; at the end the
 daemon's figures show no pin or reservation left behind.
 
 Before: the connector did not implement ``reset_cache``, which vLLM took as done; after
 a weight update the engine loaded the KV the old weights had computed, and answered
-wrong.
+wrong.  The first background save after the daemon restarted met no session and was
+lost (a later miss) instead of stored once the link connected again.
 """
 
 from __future__ import annotations
 
 import json
+import signal
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -69,13 +74,45 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out["kvstore"] = engine(tmp, "kvstore", {"engine": ENGINE, "phases": PHASES,
                                                  "connector": connector})
 
+    def restarted() -> None:
+        # a daemon of its own, restarted (empty) between the first two phases
+        other = DaemonProcess(tmp / "restarted", dram_capacity="64MiB",
+                              extra=["--slab-size", "4MiB"]).start()
+        daemons.append(other)
+        watcher = threading.Thread(target=restart_when_asked, args=(tmp, other))
+        watcher.start()
+        try:
+            out["restarted"] = engine(tmp, "restarted", {"engine": ENGINE, "phases": [
+                {"prompts": [LONG]},                                # computed, saved
+                {"prompts": [LONG], "pause": "restart", **RESET},   # the same, saved again
+                {"prompts": [LONG], **RESET},                       # loaded
+            ], "connector": {"extra": {**connector["extra"], "endpoint": other.endpoint}}})
+        finally:
+            (tmp / "restart.go").write_text("")  # (the watcher ends)
+            watcher.join()
+
+    daemons = [daemon]
     try:
-        in_lanes(plain, stored)
+        in_lanes(plain, stored, restarted)
     finally:
-        daemon.stop()
-        log = daemon.log()
-    assert "invariant violated" not in log, log
+        logs = []
+        for d in daemons:
+            d.stop()
+            logs.append(d.log())
+    for log in logs:
+        assert "invariant violated" not in log, log
     return out
+
+
+def restart_when_asked(tmp: Path, daemon: DaemonProcess) -> None:
+    """Restart ``daemon`` (killed: a crash) once the engine run asks (``pause``)."""
+    while not (tmp / "restart.ready").exists() and not (tmp / "restart.go").exists():
+        time.sleep(0.05)
+    if (tmp / "restart.ready").exists():
+        daemon.stop(signal.SIGKILL)
+        (daemon.workdir / "kvstore.sock").unlink(missing_ok=True)
+        daemon.start()
+        (tmp / "restart.go").write_text("")
 
 
 def outputs(run: dict[str, Any], phase: int) -> list[Any]:
@@ -116,6 +153,17 @@ def test_after_a_weight_update_no_block_of_the_old_weights_is_loaded(
     assert updated["external_tokens"] == 0
     # what the new weights computed is saved, and loaded again
     assert again["external_tokens"] == (6 + 3) * BLOCK
+
+
+def test_a_save_after_the_daemon_restarted_is_stored_not_lost(runs: dict[str, Any]) -> None:
+    run = runs["restarted"]
+    want = outputs(runs["plain"], 0)[2]
+    assert [outputs(run, phase) for phase in range(3)] == [[want]] * 3
+    # The restarted daemon had nothing: the second phase computed LONG and saved it
+    # (before: the save met no session, failed, and the third phase found nothing)
+    assert run["phases"][1]["external_tokens"] == 0
+    assert run["phases"][2]["external_tokens"] == 6 * BLOCK
+    assert run["daemon_dram"]["pinned_blocks"] == 0
 
 
 SWITCHES = """
