@@ -72,6 +72,7 @@ class RequestState:
     offer: tuple[int, int] | None = None  # (first block, blocks) offered as external
     cached: tuple[int, list[str]] | None = None  # the lookup: leading blocks, their tiers
     saving: bool = False        # saves were planned: the worker reports when they end
+    planned: list[bytes] = field(default_factory=list)  # first group's keys it saves
     lookups: list[Callable[[], LookupResult]] | None = None  # sent on arrival, not read
 
 
@@ -178,6 +179,10 @@ class RequestBook:
         self._ns_ids = NamespaceIds(tp_size)
         self._pending_loads: list[Transfer] = []
         self._weights = ""  # the tag of the last reset (``RequestVariant.weights``)
+        # the first group's keys of the saves planned, with the live requests that
+        # planned each: another request with the same prefix (a parallel sample) skips
+        # them rather than send the same blocks again
+        self._planned: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -346,6 +351,15 @@ class RequestBook:
         start = state.saved_blocks
         if full <= start:
             return
+        # Leading blocks a live request planned to save (the same prefix: n > 1
+        # samples of one prompt, each finding the first's pages) are not sent again:
+        # the daemon took the copies in reserved slots, to find them duplicates.
+        first = self._keys(state, self._groups[0], full)
+        while start < full and first[start] in self._planned:
+            start += 1
+        state.saved_blocks = start
+        if full <= start:
+            return
         # Every group's blocks checked before any save is planned: a save planned whose
         # request is not marked ``saving`` would have its pages freed under the copy.
         if any(len(state.block_ids[g.index][start:full]) < full - start for g in self._groups):
@@ -357,6 +371,9 @@ class RequestBook:
                                        keys[start - 1] if start else None))
         state.saved_blocks = full
         state.saving = True
+        for key in first[start:full]:
+            self._planned[key] = self._planned.get(key, 0) + 1
+        state.planned.extend(first[start:full])
 
     def reset(self) -> None:
         """``reset_cache`` (vLLM's, as it loads new weights in place): no block stored
@@ -380,4 +397,8 @@ class RequestBook:
         state = self._requests.pop(request.request_id, None)
         if state is not None and state.lookups:  # never scheduled: read their replies
             settle(state.lookups)
+        for key in state.planned if state is not None else ():
+            count = self._planned.pop(key) - 1
+            if count:
+                self._planned[key] = count
         return bool(state is not None and state.saving and self._roles.async_saves)

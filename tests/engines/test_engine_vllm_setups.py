@@ -1,7 +1,7 @@
 """vLLM on the CPU with kvstore's connector under set-ups the other engine tests do not
 use: blocks of 64 tokens, chunked prefill (64 tokens a step, so long prompts take several
 steps), prompts shorter than a block and exactly a multiple of it, requests aborted
-mid-prefill, parallel sampling, weights changed in place (an RL trainer's update:
+mid-prefill, parallel sampling (n > 1), weights changed in place (an RL trainer's update:
 vLLM resets its caches and the connector's), and a daemon restarted under the engine.
 
 Two engine runs side by side (``in_lanes``), the same phases in each: one without
@@ -13,7 +13,8 @@ daemon's figures show no pin or reservation left behind.
 Before: the connector did not implement ``reset_cache``, which vLLM took as done; after
 a weight update the engine loaded the KV the old weights had computed, and answered
 wrong.  The first background save after the daemon restarted met no session and was
-lost (a later miss) instead of stored once the link connected again.
+lost (a later miss) instead of stored once the link connected again.  Each sample of a
+prompt sent its blocks to the daemon again.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ SHORT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]        # under one block
 EXACT = [(3 * i) % 500 + 3 for i in range(2 * BLOCK)]  # two blocks exactly
 LONG = [(7 * i + 11) % 500 + 3 for i in range(400)]    # 6 reusable blocks, 7 chunks
 MID = [(13 * i + 1) % 490 + 7 for i in range(200)]     # 3 reusable blocks
+SAMPLED = [(17 * i + 5) % 480 + 11 for i in range(4 * BLOCK)]  # 4 blocks
 RESET = {"reset_prefix_cache": True}  # vLLM's own prefix cache emptied: hits are kvstore's
 PHASES: list[dict[str, Any]] = [
     {"prompts": [SHORT, EXACT, LONG]},                              # 0: computed, saved
@@ -43,6 +45,7 @@ PHASES: list[dict[str, Any]] = [
     {"prompts": [MID], "n": 3, "temperature": 0.8, "max_tokens": 8},  # 3: parallel sampling
     {"prompts": [LONG, MID], "update_weights": 99},                 # 4: new weights
     {"prompts": [LONG, MID], **RESET},                              # 5: loaded again
+    {"prompts": [SAMPLED], "n": 4, "temperature": 0.8, "max_tokens": 8},  # 6: 4 samples
 ]
 ENGINE = {"block_size": BLOCK, "max_num_batched_tokens": BLOCK}
 
@@ -142,6 +145,15 @@ def test_aborted_and_parallel_requests_finish_and_leave_nothing_held(
     dram = run["daemon_dram"]
     assert dram["pinned_blocks"] == 0 and dram["reserved_slots"] == 0, dram
     assert run["worker"]["load_failed_blocks"] == 0
+
+
+def test_parallel_samples_of_a_prompt_send_its_blocks_once(runs: dict[str, Any]) -> None:
+    run = runs["kvstore"]
+    assert [len(o) for o in outputs(run, 6)[0]] == [8] * 4
+    # The samples after the first find its pages in vLLM's prefix cache; before, each
+    # saved them again, and the daemon took 3 more copies of the prompt's 4 blocks in
+    # reserved slots, to drop them as duplicates.
+    assert run["phases"][6]["duplicates"] == run["phases"][5]["duplicates"]
 
 
 def test_after_a_weight_update_no_block_of_the_old_weights_is_loaded(

@@ -4,15 +4,19 @@ Runs inside the vLLM test environment (.engine-envs/vllm), started by
 test_engine_vllm_setups.py.  ``--spec`` names a JSON object: ``engine`` (vLLM's
 ``block_size``, ``enable_prefix_caching``, ``max_num_batched_tokens``,
 ``kv_cache_mib``, ``max_model_len``, ``dtype``), ``connector`` (``role`` and extra
-config; absent: no kvstore) and ``phases``, run in order, each
-``{"prompts": [token id lists], "n": samples, "max_tokens": int, "seed": int,
-"temperature": float, "abort_after_steps": int, "reset_prefix_cache": bool,
-"pause": name, "sleep": seconds, "update_weights": seed}``: its
-prompts added at once and the engine stepped until all finish (or, with
-``abort_after_steps``, that many steps and then every request aborted).  After each
-phase the run waits for the saves and steps the engine until it holds no request; at
-the end it reads the daemon's DRAM figures (pinned and reserved blocks).  The tiny
-Llama is vllm_run.py's.  The result is one JSON object on the last line of stdout.
+config; absent: no kvstore), ``log`` (kvstore's log level on stderr) and ``phases``,
+run in order, each ``{"prompts": [token id lists], "n": samples, "max_tokens": int,
+"seed": int, "temperature": float, "abort_after_steps": int, "reset_prefix_cache": bool,
+"pause": name, "sleep": seconds, "update_weights": seed}``: its prompts added at once
+and the engine stepped until all finish (or, with ``abort_after_steps``, that many
+steps and then every request aborted).  Before a phase: ``pause`` writes
+``NAME.ready`` in the working directory and waits for the test's ``NAME.go`` (the test
+acts on the daemon meanwhile), then ``sleep``; ``update_weights`` changes the running
+engine's weights, then resets its caches and the connector's, as vLLM's pause for a
+weight update does.  After each phase the run waits for the saves, steps the engine
+until it holds no request and reads the daemon's duplicate blocks; at the end, its DRAM
+figures (pinned and reserved blocks).  The tiny Llama is vllm_run.py's.  The result is
+one JSON object on the last line of stdout.
 """
 
 from __future__ import annotations
@@ -52,6 +56,18 @@ def update_weights(llm: Any, seed: int) -> bool:
     noise = torch.randn(embed.shape, generator=torch.Generator().manual_seed(seed))
     embed.data.add_(noise.to(embed.dtype))
     return bool(llm.reset_prefix_cache(reset_connector=True))
+
+
+def daemon_dram(conn: dict[str, Any]) -> dict[str, Any]:
+    """The daemon's DRAM figures (pinned and reserved blocks, duplicates, ...)."""
+    from kvstore import Client
+    try:
+        with Client(conn["extra"]["endpoint"],
+                    tenant=conn["extra"].get("tenant", "")) as client:
+            dram = client.stats()["tiers"]["dram"]
+    except Exception as exc:  # noqa: BLE001 - reported, the test decides
+        return {"error": repr(exc)}
+    return {k: v for k, v in dram.items() if isinstance(v, (int, float))}
 
 
 def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
@@ -142,17 +158,10 @@ def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
             **({"reset": reset} if phase.get("update_weights") else {}),
             "held_after": held, "steps_until_freed": freeing,
             "left_in_scheduler": len(scheduler.requests),
+            # blocks the daemon was sent again, though it held them (all phases so far)
+            "duplicates": daemon_dram(conn).get("duplicates") if conn is not None else None,
             "external_tokens": after.get("hit_tokens", 0) - before.get("hit_tokens", 0)})
-    daemon: dict[str, Any] = {}
-    if conn is not None and conn.get("endpoint_for_stats", True):
-        from kvstore import Client
-        try:
-            with Client(conn["extra"]["endpoint"],
-                        tenant=conn["extra"].get("tenant", "")) as client:
-                dram = client.stats()["tiers"]["dram"]
-            daemon = {k: v for k, v in dram.items() if isinstance(v, (int, float))}
-        except Exception as exc:  # noqa: BLE001 - reported, the test decides
-            daemon = {"error": repr(exc)}
+    daemon = daemon_dram(conn) if conn is not None else {}
     return {"phases": phases, "preemptions": preemptions[0], "connected": connected,
             "worker": dict(worker.stats) if worker else {},
             "scheduler": dict(sched_conn.stats) if sched_conn else {},
