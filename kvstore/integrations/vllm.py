@@ -309,6 +309,13 @@ def layerwise_fits(on_host: bool, threads: int, cores: int) -> bool:
     return on_host and cores > threads
 
 
+EXTRA_KEYS = frozenset({  # every key the connector reads (ConnectorOptions' doc)
+    "endpoint", "tenant", "token", "timeout", "model_name", "model_revision",
+    "prefill_tokens_per_s", "load_gbps", "rates_refresh_s", "async_saves", "layerwise",
+    "prefetch", "post_loads", "copy_ahead", "saves_after_step", "known_chains",
+    "max_pending_save_mib"})
+
+
 @dataclass(frozen=True)
 class ConnectorOptions:
     """The connector's ``kv_connector_extra_config`` keys beside ``endpoint``,
@@ -342,6 +349,16 @@ class ConnectorOptions:
     known_chains: bool
     max_pending: int
 
+    @staticmethod
+    def check_keys(extra: dict[str, Any]) -> None:
+        """Refuse keys the connector does not know (ValueError): a misspelled one was
+        ignored, its setting silently left at the default (a ``model_revison``: the
+        checkpoint's own; a ``salt``, meant to keep one deployment's blocks apart, none)."""
+        unknown = sorted(set(extra) - EXTRA_KEYS)
+        if unknown:
+            raise ValueError(f"KVStoreConnector: unknown kv_connector_extra_config keys "
+                             f"{unknown}; it takes {sorted(EXTRA_KEYS)}")
+
     @classmethod
     def from_extra(cls, extra: dict[str, Any], kv_cache_config: Any) -> ConnectorOptions:
         # Loads copied ahead land before vLLM zeroes new blocks in _update_states: where
@@ -367,6 +384,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        ConnectorOptions.check_keys(extra)  # before anything starts (a connect)
         scheduler = role == KVConnectorRole.SCHEDULER  # its link reads no block
         self._link = DaemonLink(DaemonSettings.from_extra(extra, timeout=5.0),
                                 map_arena=not scheduler)

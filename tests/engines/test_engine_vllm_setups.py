@@ -188,16 +188,40 @@ for value in (True, False, 1, 0, "true", "false", " False ", "no", 2, None):
         out[repr(value)] = [opts.async_saves, opts.prefetch]
     except ValueError as exc:
         out[repr(value)] = str(exc)
+for extra in ({"endpoint": "ipc:///x", "model_revision": "v2", "async_saves": False},
+              {"endpoint": "ipc:///x", "model_revison": "v2", "salt": "a"}):
+    try:
+        ConnectorOptions.check_keys(extra)
+        out[" ".join(extra)] = "taken"
+    except ValueError as exc:
+        out[" ".join(extra)] = str(exc)
 print(json.dumps(out))
 """
 
 
-def test_a_switch_given_as_text_is_read_as_written() -> None:
+@pytest.fixture(scope="module")
+def options() -> dict[str, Any]:
+    """The connector's options as it reads them (no engine started)."""
+    found: dict[str, Any] = last_json(run_in_env("vllm", ["-c", SWITCHES],
+                                                 timeout=120).stdout)
+    return found
+
+
+def test_a_switch_given_as_text_is_read_as_written(options: dict[str, Any]) -> None:
     # Before: bool() of the value, so "false" (a configuration templated as text)
     # turned background saves and prefetches on, and any text at all was taken.
-    found = last_json(run_in_env("vllm", ["-c", SWITCHES], timeout=120).stdout)
+    found = options
     assert found["True"] == found["1"] == found["'true'"] == [True, True]
     assert found["False"] == found["0"] == found["'false'"] == found["' False '"] == [
         False, False]
     for bad in ("'no'", "2", "None"):
         assert "async_saves is true or false" in found[bad], found[bad]
+
+
+def test_a_key_the_connector_does_not_know_is_refused(options: dict[str, Any]) -> None:
+    # Before: ignored, its setting left at the default without a word (a misspelled
+    # model_revision; a "salt" meant to keep a deployment's blocks apart)
+    found = options
+    assert found["endpoint model_revision async_saves"] == "taken"
+    refused = found["endpoint model_revison salt"]
+    assert "unknown kv_connector_extra_config keys ['model_revison', 'salt']" in refused
