@@ -207,7 +207,7 @@ class RequestBook:
         """``on_new_request``: the request's lookups go out now; its scheduling (``offer``)
         reads their replies."""
         state = self._state(request)
-        blocks = (request.num_tokens - 1) // self._groups[0].block_tokens
+        blocks = request.num_tokens // self._groups[0].block_tokens  # every full one
         if state.cacheable and blocks > 0 and self._link.available():
             started = time.perf_counter()  # the keys' hashes and the sends
             state.lookups = send_lookups(self._lookup_targets(state, blocks), self._link)
@@ -223,6 +223,9 @@ class RequestBook:
         block = self._groups[0].block_tokens
         first = num_computed_tokens // block
         usable = (request.num_tokens - 1) // block  # vLLM computes at least one token
+        # Looked up: every full block, the last one too where the prompt fills it (not
+        # offered, but not saved again either when the store holds it)
+        full = request.num_tokens // block
         if state.cached is not None and state.saved_blocks > state.cached[0]:
             # blocks of its own saved since its lookup: a request preempted and offered
             # again reloads what it computed, rather than compute it again
@@ -231,11 +234,11 @@ class RequestBook:
             if not self._link.available():
                 return 0, False
             started = time.perf_counter()
-            state.cached = self._lookup(state, usable)
+            state.cached = self._lookup(state, full)
             self.stats["lookup_us"] += int((time.perf_counter() - started) * 1e6)
         cached, tiers = state.cached
         # Blocks the store holds are never saved again, loaded or not.
-        state.saved_blocks = max(state.saved_blocks, min(cached, usable))
+        state.saved_blocks = max(state.saved_blocks, min(cached, full))
         hit = min(cached, usable) - first
         if not self._roles.consumer or hit <= 0:
             return 0, False

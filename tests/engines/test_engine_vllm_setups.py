@@ -133,6 +133,9 @@ def test_hits_are_the_full_blocks_of_each_prompt(runs: dict[str, Any]) -> None:
     # SHORT: none; EXACT: 1 of its 2 blocks (vLLM computes the last token); LONG: 6
     assert [r["num_cached_tokens"] for r in phases[1]["results"]] == [0, BLOCK, 6 * BLOCK]
     assert phases[1]["external_tokens"] == 7 * BLOCK
+    # EXACT's second block, which its prompt fills, was saved in phase 0 and is not
+    # offered (vLLM computes its last token), nor sent again (before: it was, a duplicate)
+    assert phases[1]["duplicates"] == phases[0]["duplicates"]
 
 
 def test_aborted_and_parallel_requests_finish_and_leave_nothing_held(
