@@ -350,14 +350,17 @@ class ConnectorOptions:
     max_pending: int
 
     @staticmethod
-    def check_keys(extra: dict[str, Any]) -> None:
-        """Refuse keys the connector does not know (ValueError): a misspelled one was
-        ignored, its setting silently left at the default (a ``model_revison``: the
-        checkpoint's own; a ``salt``, meant to keep one deployment's blocks apart, none)."""
+    def check_keys(extra: dict[str, Any]) -> list[str]:
+        """The keys the connector does not know, with a warning naming them: a misspelled
+        one was ignored without a word, its setting left at the default (a
+        ``model_revison``: the checkpoint's own; a ``salt``, meant to keep one
+        deployment's blocks apart: none).  Warned, not refused: a configuration shared
+        with another connector's keys (or a later version's) still starts the engine."""
         unknown = sorted(set(extra) - EXTRA_KEYS)
         if unknown:
-            raise ValueError(f"KVStoreConnector: unknown kv_connector_extra_config keys "
-                             f"{unknown}; it takes {sorted(EXTRA_KEYS)}")
+            logger.warning("KVStoreConnector: unknown kv_connector_extra_config keys %s are "
+                           "ignored; it takes %s", unknown, sorted(EXTRA_KEYS))
+        return unknown
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any], kv_cache_config: Any) -> ConnectorOptions:
@@ -384,7 +387,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        ConnectorOptions.check_keys(extra)  # before anything starts (a connect)
+        ConnectorOptions.check_keys(extra)  # (warned before anything starts: a connect)
         scheduler = role == KVConnectorRole.SCHEDULER  # its link reads no block
         self._link = DaemonLink(DaemonSettings.from_extra(extra, timeout=5.0),
                                 map_arena=not scheduler)
