@@ -557,6 +557,7 @@ def live_settings(server: Server) -> dict[str, Any]:
         "server.max_sessions_per_tenant": sessions.max_sessions_per_tenant,
         "server.max_requests_per_second_per_tenant":
             sessions.max_requests_per_second_per_tenant,
+        "server.stop_seconds": server.config.server.stop_seconds,  # (read at the signal)
         "auth.grantee_pin_share": sessions.grant_pins.share,
         "auth.grantee_pin_total": sessions.grant_pins.total,
         "ssd.admit_after": server.store.ssd_admit_after,

@@ -35,6 +35,8 @@ def test_fs_store_files_and_directories_are_the_daemons_alone(
             assert time.monotonic() < deadline, "no write-through"
             time.sleep(0.05)
     made = [p for p in root.rglob("*")]
-    assert sum(p.is_file() for p in made) == 2
+    # the two blocks, and the store's generation token (``FsBackend.generation``)
+    assert sum(p.is_file() and p.name != "generation" for p in made) == 2
+    assert (root / "generation").is_file()
     for p in made:
         assert stat.S_IMODE(p.stat().st_mode) & 0o077 == 0, (p, oct(p.stat().st_mode))

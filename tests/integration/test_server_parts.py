@@ -155,6 +155,7 @@ RELOADED = {
     ("server", "max_namespaces_per_tenant"): 700,
     ("server", "max_sessions_per_tenant"): 800,
     ("server", "max_requests_per_second_per_tenant"): 9000.0,
+    ("server", "stop_seconds"): 30.0,
     ("auth", "grantee_pin_share"): 0.5,
     ("auth", "grantee_pin_total"): 0.75,
     ("ssd", "admit_after"): 3,
