@@ -117,7 +117,7 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tenant: s
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     layout = "paged" if cache_dtype == "auto" else f"paged;cache_dtype={cache_dtype}"
 
-    groups = []
+    groups: list[Group] = []
     for index in kv_cache_config.prefix_cacheable_group_ids:
         group = kv_cache_config.kv_cache_groups[index]
         spec = group.kv_cache_spec
@@ -136,6 +136,12 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tenant: s
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
             block_tokens=spec.block_size, layout=layout, rope_type=rope_type,
             rope_scaling=rope_scaling)
+        if any(g.identity == identity for g in groups):
+            # Groups of the same shape (vLLM splits a hybrid model's full-attention
+            # layers into groups of equal size) hold other layers' KV: under one identity
+            # they shared keys, and a group loaded the blocks another group stored.
+            # A repeated one gets its index (the first keeps the plain identity).
+            identity = msgspec.structs.replace(identity, layout=f"{layout};group={index}")
         groups.append(Group(index, tuple(group.layer_names), spec.block_size,
                              spec.num_kv_heads, spec.head_size, identity))
     if not groups:
