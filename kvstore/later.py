@@ -190,6 +190,14 @@ class Finisher:
                 self.d.moves.room.freed(after=deferral.ticket)
                 pending = deferral
                 continue
+            except BaseException:
+                # woken for room, refused for another reason (its namespace closed while
+                # it waited, its parent evicted): it takes none, so the next waiter may.
+                # Before, the wake ended here and the waiters behind it, the room free,
+                # waited until the next release or their deadline
+                if deferral is not None:
+                    self.d.moves.room.freed(after=deferral.ticket)
+                raise
             if isinstance(answer, tuple):
                 if len(self.d.moves.room):
                     self.d.moves.freed()  # woken for room and served: wake the next one

@@ -110,3 +110,71 @@ def test_an_engines_link_serves_more_salts_than_a_session_may_open(
         assert link.failures == 0
     finally:
         link.close()
+
+
+def test_a_request_waiting_for_room_in_a_closed_namespace_passes_the_room_on(
+        daemon_factory: Any) -> None:
+    """A session closes a namespace while its reserves there wait for room (deferred:
+    they hold no reservation yet, so the close is let through).  Room frees: the oldest
+    waiters, those reserves, are woken, and refused (the namespace is closed).  Before,
+    they ended without passing the wake on, and the request behind it, which the room fitted,
+    waited until theirs (a wait for room with the room free: its client gave up first)."""
+    import asyncio
+    import threading
+
+    from kvstore.errors import KVStoreError
+
+    big = make_identity(num_layers=4, num_kv_heads=4, head_dim=128)  # 128 KiB blocks
+    d = daemon_factory(dram_capacity=str(8 * big.block_bytes),
+                       extra=["--slab-size", str(8 * big.block_bytes)],
+                       env={"KVSTORE_DRAM_DEFER_SECONDS": "30"})
+    holder = Client(d.endpoint, tenant="acme")
+    full = holder.namespace(big)
+    keys = full.keys(range(16 * 8))
+    full.put(keys, [bytes(big.block_bytes)] * 8)
+    held = full.acquire(keys)  # the tier is full of pins: reserves wait for room
+    out: dict[str, str] = {}
+    first_waits = threading.Event()
+
+    async def closing() -> None:
+        async with AsyncClient(d.endpoint, tenant="acme", timeout=30) as c:
+            ns = await c.namespace(big)
+            # three (a release wakes a waiter or two: each must pass the room on)
+            waiting = [asyncio.ensure_future(ns.reserve(ns.keys(range(s, s + 16))))
+                       for s in (10**6, 10**6 + 16, 10**6 + 32)]
+            await asyncio.sleep(0.3)
+            first_waits.set()
+            await ns.close()  # no reservation open yet: closed
+            ended = await asyncio.gather(*waiting, return_exceptions=True)
+            out["closed"] = ",".join(type(e).__name__ for e in ended)
+
+    def behind() -> None:
+        first_waits.wait(10)
+        # (it waits 5 s at most for its answer: the room comes long before, or, when
+        # the wake is lost, the refused waiters' deadlines 30 s on)
+        with Client(d.endpoint, tenant="acme", timeout=5) as c:
+            ns = c.namespace(big)
+            try:
+                ns.reserve(ns.keys(range(2 * 10**6, 2 * 10**6 + 16))).abort()
+                out["behind"] = "granted"
+            except KVStoreError as exc:
+                out["behind"] = f"{type(exc).__name__}: {exc}"
+
+    try:
+        first = threading.Thread(target=asyncio.run, args=(closing(),))
+        second = threading.Thread(target=behind)
+        first.start()
+        second.start()
+        first_waits.wait(10)
+        import time
+        time.sleep(0.5)  # (the second reserve waits behind the first)
+        held.release()  # room for 8 blocks: the woken first is refused, the second fits
+        second.join(20)
+        first.join(40)
+        assert out == {"closed": ",".join(["UnknownNamespaceError"] * 3),
+                       "behind": "granted"}, out
+        stats = holder.stats()
+        assert stats["tiers"]["dram"]["reserved_slots"] == 0
+        assert stats["invariant_violations"] == 0
+    finally:
+        holder.close()
