@@ -245,7 +245,8 @@ def many_salts(endpoint: str, tenant: str) -> dict[str, Any]:
 
     # The session has users 16-19 open; 12-15 fill it.  Then one lookup over user 19
     # (open: pinned first) and user 0 (a namespace past the cap): the session holding
-    # the lookup's own pins stays, so user 0's chunks miss and user 19's stay locked.
+    # the lookup's own pins stays, and the link closes its least recently used
+    # namespace to open user 0's: both users' chunks are locked.
     def salted(user: int) -> list[Any]:
         return [dataclasses.replace(k, cache_salt=f"user-{user}") for k in base]
 
