@@ -366,10 +366,12 @@ def test_saves_go_on_after_the_daemon_restarts(
     daemon.stop(signal.SIGKILL)
     daemon.start()  # on the same endpoint, empty
     assert sender.submit(job("b", "per_layer", keys[:2], source.stage([0, 1])))
-    assert sender.drain(10) and sender.stats["save_failures"] == 1  # the old session's
+    # the old session's "no session": connected again, the save is sent once more
+    assert sender.drain(10) and sender.stats["save_failures"] == 0, sender.stats
     assert sender.submit(job("c", "per_layer", keys[:2], source.stage([0, 1])))
     assert sender.drain(10) and sender.take_finished() == {"a", "b", "c"}
-    assert sender.stats["saved_blocks"] == 4 and sender.stats["save_failures"] == 1
+    assert sender.stats["saved_blocks"] == 4 and sender.stats["save_failures"] == 0, \
+        sender.stats
     sender.close()
     with Client(daemon.endpoint, tenant="acme") as client:
         got = client.namespace(identity("per_layer")).get(keys[:2])
