@@ -257,15 +257,19 @@ def _auto_or_bool(name: str, value: Any) -> bool | None:
 
 def _switch(name: str, value: Any) -> bool:
     """A ``kv_connector_extra_config`` switch: a JSON boolean, 0 or 1, or the text
-    "true" or "false" (a configuration templated as text: ``bool("false")`` is True)."""
+    "true"/"false" (or "1"/"0", "yes"/"no", "on"/"off": a configuration templated as
+    text, where ``bool("false")`` is True)."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    choices = {"true": True, "false": False}
-    if isinstance(value, str) and value.strip().lower() in choices:
-        return choices[value.strip().lower()]
+    if isinstance(value, str) and (text := value.strip().lower()) in _SWITCH_TEXTS:
+        return _SWITCH_TEXTS[text]
     raise ValueError(f"KVStoreConnector: {name} is true or false, not {value!r}")
+
+
+_SWITCH_TEXTS = {"true": True, "1": True, "yes": True, "on": True,
+                 "false": False, "0": False, "no": False, "off": False}
 
 
 def usable_cores() -> int:

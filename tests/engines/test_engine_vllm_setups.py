@@ -185,7 +185,7 @@ SWITCHES = """
 import json
 from kvstore.integrations.vllm import ConnectorOptions
 out = {}
-for value in (True, False, 1, 0, "true", "false", " False ", "no", 2, None):
+for value in (True, False, 1, 0, "true", "false", " False ", "no", "On", "maybe", 2, None):
     try:
         opts = ConnectorOptions.from_extra({"async_saves": value, "prefetch": value}, None)
         out[repr(value)] = [opts.async_saves, opts.prefetch]
@@ -214,10 +214,10 @@ def test_a_switch_given_as_text_is_read_as_written(options: dict[str, Any]) -> N
     # Before: bool() of the value, so "false" (a configuration templated as text)
     # turned background saves and prefetches on, and any text at all was taken.
     found = options
-    assert found["True"] == found["1"] == found["'true'"] == [True, True]
-    assert found["False"] == found["0"] == found["'false'"] == found["' False '"] == [
-        False, False]
-    for bad in ("'no'", "2", "None"):
+    assert found["True"] == found["1"] == found["'true'"] == found["'On'"] == [True, True]
+    assert found["False"] == found["0"] == found["'false'"] == found["' False '"] == found[
+        "'no'"] == [False, False]
+    for bad in ("'maybe'", "2", "None"):
         assert "async_saves is true or false" in found[bad], found[bad]
 
 
