@@ -146,25 +146,23 @@ class TenantOrders(EvictionPolicy[T]):
                 order.access_many(group)
 
     def pin(self, item: T) -> None:
-        tenant = self._tenant_of(item)
-        order = self.orders.get(tenant)
-        if order is not None:
-            order.pin(item)
-            self._counted(tenant, order)
+        self._change(item, "pin")
 
     def unpin(self, item: T) -> None:
-        tenant = self._tenant_of(item)
-        order = self.orders.get(tenant)
-        if order is not None:
-            order.unpin(item)
-            self._counted(tenant, order)
+        self._change(item, "unpin")
 
     def remove(self, item: T) -> None:
+        self._change(item, "remove")
+
+    def _change(self, item: T, how: str) -> None:
+        """``item``'s tenant's order does ``how`` to it (pin, unpin, remove), and the
+        tenant's count is ranked again; nothing if the tenant has no order."""
         tenant = self._tenant_of(item)
         order = self.orders.get(tenant)
         if order is not None:
-            order.remove(item)
-            self._forget_if_empty(item, order)
+            getattr(order, how)(item)
+            if how == "remove":
+                self._forget_if_empty(item, order)
             self._counted(tenant, order)
 
     def ranked(self) -> list[EvictionPolicy[T]]:

@@ -73,6 +73,19 @@ def fetched_back(ns: Any, client: Client) -> list[bytes]:
     return chain
 
 
+def written_again_once_noticed(ns: Any, client: Client, chain: list[bytes],
+                               lost: str) -> None:
+    """The daemon notices the store ``lost`` what it held and forgets the chain's marks;
+    evicted again, the chain is written back this time, and read back whole."""
+    wait_for(lambda: stats(client)["remote"]["generations_lost"] == 1,
+             f"the daemon to notice that {lost}")
+    wait_for(lambda: stats(client)["remote"]["marks_forgotten"] >= 4,
+             "the marks to be forgotten")
+    put_chains(ns, 12_000_000, 8)                                 # evicts the chain again
+    assert ns.lookup(chain).tiers == ["remote"] * 4               # written back this time
+    assert ns.get(chain) == [content(k) for k in chain]
+
+
 @pytest.mark.parametrize("how", ["restart", "flushall"])
 def test_blocks_in_dram_are_written_back_again_after_redis_comes_back_empty(
         how: str, daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
@@ -88,13 +101,7 @@ def test_blocks_in_dram_are_written_back_again_after_redis_comes_back_empty(
         else:
             with fresh_redis_server.client() as r:
                 r.flushall()
-        wait_for(lambda: stats(client)["remote"]["generations_lost"] == 1,
-                 "the daemon to notice that Redis lost its keys")
-        wait_for(lambda: stats(client)["remote"]["marks_forgotten"] >= 4,
-                 "the marks to be forgotten")
-        put_chains(ns, 12_000_000, 8)                             # evicts the chain again
-        assert ns.lookup(chain).tiers == ["remote"] * 4           # written back this time
-        assert ns.get(chain) == [content(k) for k in chain]
+        written_again_once_noticed(ns, client, chain, "Redis lost its keys")
         after = stats(client)
         assert after["remote"]["generations_lost"] == 1
         assert after["tiers"]["dram"]["reserved_slots"] == 0
@@ -297,10 +304,4 @@ def test_a_wiped_fs_store_is_noticed_and_what_dram_holds_written_again(
         wait_for(lambda: stats(client)["remote"]["generation_checks"] >= 1,
                  "a first generation check")
         shutil.rmtree(root)
-        wait_for(lambda: stats(client)["remote"]["generations_lost"] == 1,
-                 "the daemon to notice that the directory lost its files")
-        wait_for(lambda: stats(client)["remote"]["marks_forgotten"] >= 4,
-                 "the marks to be forgotten")
-        put_chains(ns, 12_000_000, 8)                             # evicts the chain again
-        assert ns.lookup(chain).tiers == ["remote"] * 4           # written back this time
-        assert ns.get(chain) == [content(k) for k in chain]
+        written_again_once_noticed(ns, client, chain, "the directory lost its files")
