@@ -44,6 +44,7 @@ from .base import (
     parse_options,
     run_bounded,
 )
+from .redis_generation import ClusterTokens
 from .resp import ReplyError, RespConnection, pack_command, pack_set
 
 STANDALONE_SCHEMES = {"redis": "redis", "rediss": "rediss", "unix": "unix",
@@ -109,6 +110,7 @@ class RedisBackend(StorageBackend):
         self._health_lock = asyncio.Lock()  # health uses the one spare connection
         # the generation token last read, and the server's (run_id, evicted_keys) then
         self._generation: tuple[bytes, tuple[str, int] | None] | None = None
+        self._tokens = ClusterTokens()  # a cluster's: a token per primary
 
     def __repr__(self) -> str:
         mode = "cluster" if self.cluster else "standalone"
@@ -375,17 +377,18 @@ class RedisBackend(StorageBackend):
         daemons found a new generation every few seconds, and forgot every mark each
         time).  Where the token is gone on a server that evicted nothing, or from
         another server, the store lost what it held: another token.  A flush while the
-        server evicts reads as an eviction; on a cluster (no one server to ask) a token
-        gone is always a loss.  b"" where it is gone and the server would not take
-        another (full, noeviction)."""
+        server evicts reads as an eviction; on a cluster (a token per primary:
+        ``redis_generation``) a token gone is always a loss.  b"" where it is gone and
+        the server would not take another (full, noeviction)."""
         key = self.key_prefix + GENERATION_KEY
         try:
             async with self._slots:
+                if isinstance(self._client, RedisCluster):
+                    return await self._tokens.generation(self._client, key)
                 pipe = self._client.pipeline(transaction=False)
                 pipe.get(key)
-                if not self.cluster:
-                    pipe.info("server")
-                    pipe.info("stats")
+                pipe.info("server")
+                pipe.info("stats")
                 replies = await pipe.execute(raise_on_error=False)
                 token, server = replies[0], _server_state(replies[1:])
                 if isinstance(token, Exception):
