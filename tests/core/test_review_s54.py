@@ -1,0 +1,71 @@
+"""Findings of a review of the newest code: the stop's drain.
+
+The stop closed the remote store, then wrote what only DRAM held to the SSD tier and
+synced its index.  A close that failed (``GuardedBackend.close`` raises
+``UnavailableError`` when a backend's close outlasts its timeout, and a plugin's close
+may raise ``BackendError``) ended the drain there: no write-back to SSD, no sync, and the
+blocks only DRAM held were lost at exit.  A stand-in daemon, as in tests/ops/test_ops_stop_sync.py: its remote store's close
+fails."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from kvstore.errors import UnavailableError
+from kvstore.server import drain_server
+from kvstore.stopping import StopDeadline
+
+
+class Remote:
+    async def drain(self) -> None:
+        return None
+
+    async def flush(self) -> int:
+        return 0
+
+    async def close(self) -> None:
+        raise UnavailableError("redis backend: close did not finish within 5 s")
+
+
+class Ssd:
+    write_through = False
+
+    def __init__(self) -> None:
+        self.synced = False
+
+    async def drain(self) -> None:
+        self.synced = True
+
+
+class Moves:
+    room = SimpleNamespace(stop=lambda: None)
+
+    def __init__(self) -> None:
+        self.flushed = False
+
+    async def stop_copying_ssd(self) -> None:
+        return None
+
+    async def drain(self) -> None:
+        return None
+
+    async def flush_to_ssd(self) -> int:
+        self.flushed = True
+        return 3
+
+
+def test_a_remote_store_that_fails_to_close_leaves_the_ssd_steps_of_the_stop() -> None:
+    exits: list[int] = []
+    deadline = StopDeadline(exit=exits.append)
+    ssd, moves = Ssd(), Moves()
+    server: Any = SimpleNamespace(
+        stop_deadline=deadline, transport=SimpleNamespace(stop_reading=lambda: None),
+        moves=moves, _tasks=set(), remote=Remote(), gpu=None, ssd=ssd,
+        store=SimpleNamespace(allow_demote=True))
+    deadline.begin(30.0)
+    asyncio.run(drain_server(server, 30.0))  # (before: raised the close's error)
+    assert moves.flushed, "what only DRAM holds is written to the ssd tier"
+    assert ssd.synced, "the ssd tier's index is synced"
+    assert not exits
