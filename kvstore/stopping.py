@@ -87,10 +87,14 @@ class StopDeadline:
 
     def left(self, bound: float, keep: float = CLOSE_SECONDS) -> float:
         """``bound``, or less: what the stop has left before its deadline, less the time
-        ``keep`` for what follows (``CLOSE_SECONDS``: the sync and closing); at least a
-        millisecond."""
+        ``keep`` for what follows (``CLOSE_SECONDS``: the sync and closing; less in a
+        stop shorter than twice that); at least a millisecond."""
         if self.began is None or self.seconds <= 0:
             return bound
+        # a stop shorter than twice CLOSE_SECONDS scales what it keeps down with it (the
+        # close's at most half the stop): at stop_seconds 1 or 2 the keep was the whole
+        # stop, and every step of the drain was cut at a millisecond
+        keep *= min(1.0, self.seconds / (2 * CLOSE_SECONDS))
         left = self.seconds - (time.monotonic() - self.began) - keep
         return max(0.001, min(bound, left))
 

@@ -69,3 +69,25 @@ def test_a_remote_store_that_fails_to_close_leaves_the_ssd_steps_of_the_stop() -
     assert moves.flushed, "what only DRAM holds is written to the ssd tier"
     assert ssd.synced, "the ssd tier's index is synced"
     assert not exits
+
+
+def test_a_short_stop_leaves_its_drain_steps_time() -> None:
+    """``server.stop_seconds`` may be 1: the drain's steps were each left a millisecond
+    (the 2 s kept for syncing and closing were more than the whole stop), so a stop of a
+    second or two wrote nothing back.  Now a short stop keeps less, in proportion."""
+    deadline = StopDeadline(exit=lambda code: None)
+    deadline.begin(1.0)
+    try:
+        assert 0.4 < deadline.left(30.0) <= 0.5, "the drain's steps: half the stop"
+        assert 0.75 < deadline.left(30.0, keep=0.5) <= 0.875, "the sync: most of the rest"
+    finally:
+        assert deadline._timer is not None
+        deadline._timer.cancel()
+    long = StopDeadline(exit=lambda code: None)
+    long.begin(60.0)
+    try:
+        assert 57.0 < long.left(100.0) <= 58.0, "a long stop keeps CLOSE_SECONDS, as before"
+        assert long.left(5.0) == 5.0
+    finally:
+        assert long._timer is not None
+        long._timer.cancel()
