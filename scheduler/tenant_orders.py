@@ -80,10 +80,15 @@ class TenantOrders(EvictionPolicy[T]):
         """``tenant``'s count changed: its place in the ranking, pushed."""
         n = len(order)
         if n and self.orders.get(tenant) is order:
-            heapq.heappush(self._heap, (-n / self.weights.get(tenant, 1.0),
-                                        self._numbers[tenant], tenant))
-            if len(self._heap) > 2 * len(self.orders) + 64:
+            weight = self.weights.get(tenant, 1.0)
+            # every entry is keyed by the weights of the ranking's making (``_weighed``):
+            # one keyed by weights changed since, then changed back, would not hold, and
+            # its tenant would be dropped from the ranking
+            if weight != self._weighed.get(tenant, 1.0) \
+                    or len(self._heap) > 2 * len(self.orders) + 64:
                 self._rank_again()
+                return
+            heapq.heappush(self._heap, (-n / weight, self._numbers[tenant], tenant))
 
     def _rank_again(self) -> None:
         """The heap made anew from the orders (O(tenants): once its stale entries are as
@@ -99,7 +104,7 @@ class TenantOrders(EvictionPolicy[T]):
         key, number, tenant = entry
         order = self.orders.get(tenant)
         return (order is not None and self._numbers[tenant] == number
-                and key == -len(order) / self.weights.get(tenant, 1.0))
+                and key == -len(order) / self._weighed.get(tenant, 1.0))
 
     def _first(self) -> tuple[float, int, str] | None:
         """The ranking's first entry that holds, left on the heap (those above it that

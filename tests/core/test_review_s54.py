@@ -1,4 +1,4 @@
-"""Findings of a review of the newest code: the stop's drain.
+"""Findings of a review of the newest code: the stop's drain, the SSD tenant orders.
 
 The stop closed the remote store, then wrote what only DRAM held to the SSD tier and
 synced its index.  A close that failed (``GuardedBackend.close`` raises
@@ -10,10 +10,13 @@ fails."""
 from __future__ import annotations
 
 import asyncio
+from operator import attrgetter
 from types import SimpleNamespace
 from typing import Any
 
 from kvstore.errors import UnavailableError
+from kvstore.scheduler.eviction import LRUPolicy
+from kvstore.scheduler.tenant_orders import TenantOrders
 from kvstore.server import drain_server
 from kvstore.stopping import StopDeadline
 
@@ -91,3 +94,44 @@ def test_a_short_stop_leaves_its_drain_steps_time() -> None:
     finally:
         assert long._timer is not None
         long._timer.cancel()
+
+
+class _Copy:
+    """An SSD copy as the tenant orders see it: its tenant, and a name."""
+
+    def __init__(self, tenant: str, name: str) -> None:
+        self.tenant, self.name = tenant, name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _orders(weights: dict[str, float]) -> TenantOrders[_Copy]:
+    return TenantOrders(attrgetter("tenant"), LRUPolicy, weights)
+
+
+def test_tenant_orders_rank_again_after_weights_changed_and_back() -> None:
+    """The ranking was made anew only when the weights differed from those of its last
+    making: counts pushed under weights a reload changed, then a second reload put back,
+    were keyed by the weights between, held no more, and were dropped where they came
+    to the top.  The victim came from a tenant under its share, or none came while
+    tenants held evictable copies (SSD eviction found nothing to evict)."""
+    weights = {"a": 1.0, "b": 1.0}
+    orders = _orders(weights)
+    weights["b"] = 0.25  # a reload
+    orders.insert(_Copy("a", "a1"))
+    for n in range(3):
+        orders.insert(_Copy("b", f"b{n}"))
+    weights["b"] = 1.0  # and another, back
+    victim = orders.pop_victim(lambda c: True)
+    assert victim is not None and victim.tenant == "b", (
+        f"b holds 3 copies for its weight 1, a 1: {victim} was taken")
+
+    weights = {"a": 1.0, "b": 1.0}
+    orders = _orders(weights)
+    weights.update(a=0.5, b=0.25)
+    orders.insert(_Copy("a", "a1"))
+    orders.insert(_Copy("b", "b1"))
+    weights.update(a=1.0, b=1.0)
+    assert orders.pop_victim(lambda c: True) is not None, "two copies, none taken"
+    assert len(orders.pop_victims(lambda c: True, 4, lambda c: None)) == 1
