@@ -196,8 +196,10 @@ class Server:
             on_ready(self)
         assert self._stopped is not None
         await self._stopped.wait()
-        await self.drain()
-        self.close()
+        try:
+            await self.drain()
+        finally:  # (a drain that failed part way still closes the tiers and the index)
+            self.close()
 
     def _open_side_socket(self) -> None:
         """The unix socket beside each ipc endpoint that hands out memfd arenas and peer

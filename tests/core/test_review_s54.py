@@ -135,3 +135,39 @@ def test_tenant_orders_rank_again_after_weights_changed_and_back() -> None:
     weights.update(a=1.0, b=1.0)
     assert orders.pop_victim(lambda c: True) is not None, "two copies, none taken"
     assert len(orders.pop_victims(lambda c: True, 4, lambda c: None)) == 1
+
+
+def test_a_drain_that_fails_still_closes_the_tiers(tmp_path: Any,
+                                                   monkeypatch: Any) -> None:
+    """``Server.serve`` closed the daemon's parts (sockets, the SSD tier and its index,
+    the arenas) only when the drain returned: a drain that raised left the SSD tier's
+    threads and index open at exit, and the arena files in place."""
+    import kvstore.server as server_module
+    from kvstore.config import load_config
+    from kvstore.server import Server
+
+    async def failing_drain(server: Any, bound: float) -> None:
+        raise RuntimeError("a step of the drain failed")
+
+    monkeypatch.setattr(server_module, "drain_server", failing_drain)
+    config = load_config(env={}, overrides={
+        "server": {"endpoint": f"ipc://{tmp_path / 'kv.sock'}"},
+        "dram": {"capacity": "8MiB", "slab_size": "1MiB", "directory": str(tmp_path),
+                 "populate": False, "per_tenant_arenas": False},
+        "ssd": {"capacity": "16MiB", "path": str(tmp_path / "ssd")}})
+    server = Server(config)
+    arenas: list[str] = []
+
+    def ready(s: Server) -> None:
+        assert s.ssd is not None and s.arenas is not None
+        arenas.extend(a.path for a in s.arenas.by_name.values())
+        s.stop()
+
+    try:
+        asyncio.run(server.serve(ready))
+    except RuntimeError as exc:
+        assert "drain failed" in str(exc)
+    else:
+        raise AssertionError("the drain's error was not raised")
+    assert arenas and not any((tmp_path / a.rsplit("/", 1)[-1]).exists() for a in arenas)
+    assert server.ssd is None, "the ssd tier was closed"
