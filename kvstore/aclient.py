@@ -569,6 +569,14 @@ class AsyncHeld(HeldCore[AsyncNamespace]):
     async def __aenter__(self) -> AsyncHeld:
         return await self._acquire()
 
-    async def __aexit__(self, *exc: object) -> None:
-        if self.ns.client._sock is not None:
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: object) -> None:
+        if self.ns.client._sock is None:
+            return
+        if exc is None:
             await self.release()
+            return
+        try:  # the body's own error comes through, not the release's (a session gone
+            await self.release()  # took its pins with it)
+        except KVStoreError as failed:
+            log.warning("releasing pins after %s failed: %s", type(exc).__name__, failed)

@@ -624,6 +624,14 @@ class Held(HeldCore[Namespace]):
     def __enter__(self) -> Held:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self.ns.client._sock is not None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self.ns.client._sock is None:
+            return
+        if exc is None:
             self.release()
+            return
+        try:  # the body's own error comes through, not the release's (a session gone
+            self.release()  # took its pins with it)
+        except KVStoreError as failed:
+            log.warning("releasing pins after %s failed: %s", type(exc).__name__, failed)

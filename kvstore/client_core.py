@@ -51,7 +51,7 @@ from kvstore.client_wire import (
 )
 from kvstore.config import client_endpoint
 from kvstore.errors import (ForbiddenError, KVStoreError, LeaseExpiredError, MalformedError,
-                             NoSessionError, UnavailableError)
+                             NoSessionError, SessionExpiredError, UnavailableError)
 from kvstore.identity import Identity
 from kvstore.keys import chain_keys
 from kvstore.client_chains import Chains as _Chains
@@ -76,7 +76,7 @@ SNAPSHOT_PAGE = p.SNAPSHOT_PAGE  # entries' worth of a snapshot's page (the daem
 CLOSE_WAIT_S = 1.0  # how long close() waits for the replies to posted releases
 _NO_PAYLOAD: Sequence[Any] = ()
 _ABANDONED_MEMORY = 1 << 12  # requests given up on, remembered for their late replies
-SESSION_EXPIRED = "this session's lease ran out"  # how the daemon says so (``sessions``)
+SESSION_EXPIRED = SessionExpiredError.PREFIX  # how the daemon says so (``sessions``)
 _FORKS = [0]  # forks of this process: a client made before one is its parent's, not ours
 os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 
@@ -196,7 +196,7 @@ class SessionCore:
             return KVStoreError(f"this client was opened in process {self._pid}, before a "
                                 f"fork: open a new client in process {os.getpid()}")
         if self._lost:
-            kind = (LeaseExpiredError if self._lost.startswith(SESSION_EXPIRED)
+            kind = (SessionExpiredError if self._lost.startswith(SESSION_EXPIRED)
                     else NoSessionError)
             return kind(f"the daemon has no session for this client any more (it said: "
                         f"{self._lost}): open a new client")

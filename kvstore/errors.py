@@ -73,6 +73,16 @@ class NoSessionError(ForbiddenError):
     PREFIX = "no session"
 
 
+class SessionExpiredError(LeaseExpiredError, NoSessionError):
+    """The session's lease ran out (its client was silent for longer): its reservations and
+    pins were rolled back and the daemon has no session for this client any more: open a
+    new client.  Both a ``LeaseExpiredError`` and a ``NoSessionError``, so that one
+    ``except NoSessionError`` reconnects after a restart and after a lease alike."""
+
+    code = "lease_expired"
+    PREFIX = "this session's lease ran out"
+
+
 class TooLargeError(KVStoreError):
     """A request exceeds a configured limit on sizes or counts."""
 
@@ -134,4 +144,6 @@ def error_from_code(code: str, message: str) -> KVStoreError:
     """Build the exception a daemon's error reply stands for."""
     if code == ForbiddenError.code and message.startswith(NoSessionError.PREFIX):
         return NoSessionError(message)
+    if code == LeaseExpiredError.code and message.startswith(SessionExpiredError.PREFIX):
+        return SessionExpiredError(message)
     return ERRORS_BY_CODE.get(code, KVStoreError)(message)

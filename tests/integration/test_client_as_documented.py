@@ -1,0 +1,109 @@
+"""A user's own engine on the client library, written from the README alone, against a
+real daemon process over real ZeroMQ: where the library did otherwise than the README
+says, the case that showed it.
+
+- A session whose lease ran out raised ``LeaseExpiredError`` on every later call, where
+  the README says ``NoSessionError`` ("open a new client"): an engine that reconnects on
+  ``NoSessionError``, as documented, never did.  The error is now both.
+- ``with ns.acquire(...)`` whose body failed after the session was gone raised the
+  release's error in place of the body's own (``with ns.reserve(...)`` keeps the body's,
+  as the README says); now both keep it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from kvtest import make_identity
+
+from kvstore import AsyncClient, Client
+from kvstore.errors import LeaseExpiredError, NoSessionError
+
+IDENT = make_identity()
+LEASE = 1.0
+
+
+class EnginesOwnError(Exception):
+    pass
+
+
+def wait_for_sessions(d: Any, count: int) -> None:
+    """Until the daemon holds ``count`` sessions (a lease ran out: the reaper's turn)."""
+    with Client(d.endpoint, tenant="acme") as watcher:
+        deadline = time.monotonic() + 30
+        while watcher.stats()["sessions"] > count + 1:
+            assert time.monotonic() < deadline, "the lease never ran out"
+            time.sleep(0.1)
+
+
+def test_a_session_whose_lease_ran_out_is_a_no_session_error(daemon_factory: Any) -> None:
+    d = daemon_factory(lease=LEASE)
+    c = Client(d.endpoint, tenant="acme", timeout=5)
+    try:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(range(2 * IDENT.block_tokens))
+        ns.put(keys, [b"\x01" * IDENT.block_bytes] * 2)
+        wait_for_sessions(d, 0)  # the client went silent past its lease
+        for call in (lambda: ns.lookup(keys), lambda: ns.get(keys), c.ping):
+            with pytest.raises(NoSessionError) as caught:  # the README's reconnect cue
+                call()
+            assert isinstance(caught.value, LeaseExpiredError), caught.value  # and still that
+    finally:
+        c.close()
+    with Client(d.endpoint, tenant="acme") as fresh:  # a new client is served
+        assert fresh.namespace(IDENT).lookup(keys).blocks == 2
+
+
+def test_an_async_session_whose_lease_ran_out_is_a_no_session_error(
+        daemon_factory: Any) -> None:
+    d = daemon_factory(lease=LEASE)
+
+    async def main() -> None:
+        async with AsyncClient(d.endpoint, tenant="acme", timeout=5) as c:
+            ns = await c.namespace(IDENT)
+            keys = ns.keys(range(IDENT.block_tokens))
+            await ns.put(keys, [b"\x02" * IDENT.block_bytes])
+            await asyncio.to_thread(wait_for_sessions, d, 0)
+            for _ in range(2):  # the reply that says so, and every call after it
+                with pytest.raises(NoSessionError) as caught:
+                    await ns.lookup(keys)
+                assert isinstance(caught.value, LeaseExpiredError), caught.value
+
+    asyncio.run(main())
+
+
+def test_an_acquire_body_s_own_error_comes_through_a_lost_session(
+        daemon_factory: Any) -> None:
+    d = daemon_factory(lease=LEASE)
+    with Client(d.endpoint, tenant="acme", timeout=5) as c:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(range(2 * IDENT.block_tokens))
+        ns.put(keys, [b"\x03" * IDENT.block_bytes] * 2)
+        with pytest.raises(EnginesOwnError):
+            with ns.acquire(keys):
+                wait_for_sessions(d, 0)
+                with pytest.raises(LeaseExpiredError):
+                    ns.lookup(keys)  # the engine hears the session is gone ...
+                raise EnginesOwnError("... and gives up the request its own way")
+
+
+def test_an_async_acquire_body_s_own_error_comes_through_a_lost_session(
+        daemon_factory: Any) -> None:
+    d = daemon_factory(lease=LEASE)
+
+    async def main() -> None:
+        async with AsyncClient(d.endpoint, tenant="acme", timeout=5) as c:
+            ns = await c.namespace(IDENT)
+            keys = ns.keys(range(IDENT.block_tokens))
+            await ns.put(keys, [b"\x04" * IDENT.block_bytes])
+            with pytest.raises(EnginesOwnError):
+                async with ns.acquire(keys):
+                    await asyncio.to_thread(wait_for_sessions, d, 0)
+                    with pytest.raises(LeaseExpiredError):
+                        await ns.lookup(keys)
+                    raise EnginesOwnError("given up")
+
+    asyncio.run(main())
