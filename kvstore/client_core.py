@@ -495,7 +495,7 @@ class NamespaceCore(Generic[S]):
         total, tiers = 0, []
         per = max(1, c.max_keys)
         for start in range(0, len(keys), per):
-            part = _listed(keys) if per >= len(keys) else list(keys[start:start + per])
+            part = _listed(keys) if per >= len(keys) else _listed(keys[start:start + per])
             received = yield p.Lookup(c._next_rid(), self.id, part), _NO_PAYLOAD
             r = check_reply(received[0], p.LookupReply)
             total += r.blocks
@@ -527,7 +527,7 @@ class NamespaceCore(Generic[S]):
         previous = self._parent(keys, parent)
         per = _per(self.block_bytes, c.max_keys, c.max_request_bytes)
         for start in range(0, len(keys), per):
-            part = list(keys[start:start + per])
+            part = _listed(keys[start:start + per])
             payload = list(blocks[start:start + per])
             sums = [checksum(b) for b in payload] if c.checksums else []
             each, tokens = (self._chains.tokens_of(part, self.token_buffer)
@@ -545,7 +545,7 @@ class NamespaceCore(Generic[S]):
         out: list[bytes] = []
         per = _per(self.block_bytes, c.max_keys, c.max_request_bytes)
         for start in range(0, len(keys), per):
-            part = list(keys[start:start + per])
+            part = _listed(keys[start:start + per])
             received = yield (p.Get(c._next_rid(), self.id, part), _NO_PAYLOAD)
             reply = check_reply(received[0], p.GetReply)
             blocks = got_blocks(reply, received[1], len(part), self.block_bytes)
@@ -559,15 +559,15 @@ class NamespaceCore(Generic[S]):
         return p.Acquire(self.client._next_rid(), self.id, keys)
 
     def _evict_request(self, keys: Sequence[bytes]) -> p.Evict:
-        return p.Evict(self.client._next_rid(), self.id, list(keys))
+        return p.Evict(self.client._next_rid(), self.id, _listed(keys))
 
     def _warm_request(self, keys: Sequence[bytes], seconds: float) -> p.Warm:
-        return p.Warm(self.client._next_rid(), self.id, list(keys), seconds)
+        return p.Warm(self.client._next_rid(), self.id, _listed(keys), seconds)
 
     def _prefetch_request(self, keys: Sequence[bytes], wait: bool,
                           timeout: float | None) -> p.Prefetch:
         ms = int(timeout * 1000) if timeout else 0
-        return p.Prefetch(self.client._next_rid(), self.id, list(keys), wait, ms)
+        return p.Prefetch(self.client._next_rid(), self.id, _listed(keys), wait, ms)
 
     def _drop_request(self) -> p.DropNamespace:
         return p.DropNamespace(self.client._next_rid(), self.id)
@@ -683,7 +683,7 @@ class ReservationCore(Generic[N]):
 
     def __init__(self, ns: N, keys: list[bytes], parent: bytes | None = None) -> None:
         self.ns = ns
-        self.keys = keys
+        self.keys = _listed(keys)
         self._parent = parent
         self.id = 0
         self.offsets: list[int] = []
@@ -745,7 +745,7 @@ class HeldCore(Generic[N]):
 
     def __init__(self, ns: N, keys: list[bytes]) -> None:
         self.ns = ns
-        self.keys = keys
+        self.keys = _listed(keys)
         self.pin = 0
         self.offsets: list[int] = []
         self.checksums: list[int] = []

@@ -257,7 +257,20 @@ def verify(blocks: Sequence[Any], sums: Sequence[int]) -> None:
 
 
 def _listed(keys: Sequence[bytes]) -> list[bytes]:
-    return keys if isinstance(keys, list) else list(keys)
+    """``keys`` as a list, refused (MalformedError) where it is plainly no list of keys:
+    one bytes object (or text) in its place, or a first key that is no key of
+    ``p.KEY_BYTES`` bytes (the first only, at no cost per key: the daemon checks each,
+    but said only "Expected `bytes` of length >= 16 - at `$[3][0]`")."""
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise MalformedError(f"keys are a list of {p.KEY_BYTES}-byte keys, as ns.keys() "
+                             f"gives, not one {type(keys).__name__} object (one key: [key])")
+    listed = keys if isinstance(keys, list) else list(keys)
+    if listed and (type(listed[0]) is not bytes or len(listed[0]) != p.KEY_BYTES):
+        got = (f"{len(listed[0])} bytes" if isinstance(listed[0], bytes)
+               else f"of type {type(listed[0]).__name__}")
+        raise MalformedError(f"key 0 is {got}: keys are {p.KEY_BYTES} bytes each, "
+                             f"as ns.keys() gives")
+    return listed
 
 
 def _per(size: int, max_keys: int, max_bytes: int) -> int:

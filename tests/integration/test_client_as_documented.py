@@ -8,6 +8,9 @@ says, the case that showed it.
 - ``with ns.acquire(...)`` whose body failed after the session was gone raised the
   release's error in place of the body's own (``with ns.reserve(...)`` keeps the body's,
   as the README says); now both keep it.
+- A key that is no key (one bytes object passed for the list, a key of another length,
+  text) came back as the daemon's decoder saw it: "bad request header: Expected `bytes`
+  of length >= 16 - at `$[3][0]`"; the client now says what is wrong before sending.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import pytest
 from kvtest import make_identity
 
 from kvstore import AsyncClient, Client
-from kvstore.errors import LeaseExpiredError, NoSessionError
+from kvstore.errors import LeaseExpiredError, MalformedError, NoSessionError
 
 IDENT = make_identity()
 LEASE = 1.0
@@ -105,5 +108,51 @@ def test_an_async_acquire_body_s_own_error_comes_through_a_lost_session(
                     with pytest.raises(LeaseExpiredError):
                         await ns.lookup(keys)
                     raise EnginesOwnError("given up")
+
+    asyncio.run(main())
+
+
+def not_keys(keys: list[bytes]) -> list[Any]:
+    """What a user passes in place of a list of keys, by mistake."""
+    return [keys[0], [keys[0] + b"\x00"], [keys[0][:8]], [keys[0].hex()]]
+
+
+def test_keys_that_are_no_keys_are_refused_saying_what_keys_are(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(range(2 * IDENT.block_tokens))
+        ns.put(keys, [b"\x05" * IDENT.block_bytes] * 2)
+        block = [b"\x06" * IDENT.block_bytes]
+        for bad in not_keys(keys):
+            for call in (lambda: ns.lookup(bad), lambda: ns.lookup_pin(bad),
+                         lambda: ns.get(bad), lambda: ns.acquire(bad),
+                         lambda: ns.reserve(bad), lambda: ns.put(bad, block * len(bad)),
+                         lambda: ns.evict(bad), lambda: ns.keep_warm(bad, seconds=1),
+                         lambda: ns.prefetch(bad)):
+                with pytest.raises(MalformedError, match=r"16.byte keys|16 bytes each"):
+                    call()
+        # nothing left behind: the session goes on, no pin or reservation is held
+        assert ns.lookup(keys).blocks == 2
+        assert [bytes(b) for b in ns.get(keys)] == [b"\x05" * IDENT.block_bytes] * 2
+        assert ns.evict(keys) == 2
+
+
+def test_async_keys_that_are_no_keys_are_refused_saying_what_keys_are(
+        daemon_factory: Any) -> None:
+    d = daemon_factory()
+
+    async def main() -> None:
+        async with AsyncClient(d.endpoint, tenant="acme") as c:
+            ns = await c.namespace(IDENT)
+            keys = ns.keys(range(IDENT.block_tokens))
+            for bad in not_keys(keys):
+                for call in (lambda: ns.lookup(bad), lambda: ns.get(bad),
+                             lambda: ns.acquire(bad), lambda: ns.reserve(bad),
+                             lambda: ns.put(bad, [b"\x07" * IDENT.block_bytes] * len(bad))):
+                    with pytest.raises(MalformedError, match=r"16.byte keys|16 bytes each"):
+                        await call()
+            await ns.put(keys, [b"\x07" * IDENT.block_bytes])
+            assert (await ns.lookup(keys)).blocks == 1
 
     asyncio.run(main())
