@@ -282,6 +282,11 @@ def _check_blocks(blocks: Sequence[Any], count: int, size: int) -> None:
     if len(blocks) != count:
         raise MalformedError(f"{count} keys but {len(blocks)} blocks")
     for i, block in enumerate(blocks):
-        n = memoryview(block).nbytes
+        try:
+            n = memoryview(block).nbytes
+        except TypeError:  # text, a list of ints, None: say which block, as a value error
+            raise MalformedError(f"block {i} is a {type(block).__name__}; blocks are bytes-like "
+                                 f"objects (bytes, bytearray, a contiguous array) of {size} "
+                                 f"bytes") from None
         if n != size:
             raise MalformedError(f"block {i} holds {n} bytes; this namespace's blocks are {size}")

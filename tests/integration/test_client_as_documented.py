@@ -11,6 +11,8 @@ says, the case that showed it.
 - A key that is no key (one bytes object passed for the list, a key of another length,
   text) came back as the daemon's decoder saw it: "bad request header: Expected `bytes`
   of length >= 16 - at `$[3][0]`"; the client now says what is wrong before sending.
+- A block that is not bytes-like (text, a list of ints) in a ``put`` raised memoryview's
+  bare TypeError, no ``KVStoreError``; now a MalformedError naming the block.
 """
 
 from __future__ import annotations
@@ -156,3 +158,16 @@ def test_async_keys_that_are_no_keys_are_refused_saying_what_keys_are(
             assert (await ns.lookup(keys)).blocks == 1
 
     asyncio.run(main())
+
+
+def test_a_put_of_blocks_that_are_not_bytes_is_a_malformed_error(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(range(2 * IDENT.block_tokens))
+        good = b"\x08" * IDENT.block_bytes
+        for bad in ("x" * IDENT.block_bytes, [0] * IDENT.block_bytes, None):
+            with pytest.raises(MalformedError, match="block 1 is a"):
+                ns.put(keys, [good, bad])
+        assert ns.lookup(keys).blocks == 0  # nothing of the refused puts is there
+        assert ns.put(keys, [good, good]) == 2
