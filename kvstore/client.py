@@ -517,6 +517,8 @@ class Namespace(NamespaceCore[Client]):
         return self.client._run(self._get(keys, verify))
 
     def evict(self, keys: Sequence[bytes]) -> int:
+        """Remove the keys' blocks and every block that hangs below them, but the pinned
+        ones and their prefixes; returns how many entries went."""
         return self._on_count(self.client._call(self._evict_request(keys)))
 
     def keep_warm(self, keys: Sequence[bytes], seconds: float) -> int:

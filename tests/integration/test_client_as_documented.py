@@ -171,3 +171,18 @@ def test_a_put_of_blocks_that_are_not_bytes_is_a_malformed_error(daemon_factory:
                 ns.put(keys, [good, bad])
         assert ns.lookup(keys).blocks == 0  # nothing of the refused puts is there
         assert ns.put(keys, [good, good]) == 2
+
+
+def test_evict_and_drop_do_what_the_readme_now_says(daemon_factory: Any) -> None:
+    d = daemon_factory()
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(range(4 * IDENT.block_tokens))
+        blocks = [b"\x09" * IDENT.block_bytes] * 4
+        ns.put(keys, blocks)
+        assert ns.evict(keys[:1]) == 4 and ns.lookup(keys).blocks == 0  # all below it
+        ns.put(keys, blocks)
+        with ns.acquire(keys[2:3]):  # a pinned block and its prefix stay
+            assert ns.evict(keys) == 1 and ns.lookup(keys).blocks == 3
+        ns.put(keys[3:], blocks[3:], parent=keys[2])
+        assert ns.drop() == 4 and ns.lookup(keys).blocks == 0
