@@ -21,6 +21,7 @@ from kvstore.pending import Later, Pending
 from kvstore.sessions import Session
 from kvstore.plans import MAX_TURNS
 from kvstore.store import Plan
+from kvstore.under_way import keys_of
 from kvstore.verbs import Answer, Daemon, Handler
 
 log = logging.getLogger("kvstore.server")
@@ -74,6 +75,17 @@ class Finisher:
         finally:
             store.early = False
 
+    def hold(self, session: Session, request: Any, payload: list[Any]) -> None:
+        """Count a request that finishes in a task (``finish``), and its payload's bytes
+        in flight: LimitExceededError past a limit (``kvstore.under_way``)."""
+        under_way = self.d.under_way
+        under_way.take(session, keys_of(request))
+        try:
+            self.d.sessions.hold_bytes(session, sum(len(f) for f in payload))
+        except BaseException:
+            under_way.give(session, keys_of(request))
+            raise
+
     def deferral(self, tenant: str, exc: CapacityError) -> Plan:
         """No room now: a plan to wait for some, in order, until the deadline."""
         d = self.d
@@ -114,6 +126,7 @@ class Finisher:
             code = "internal"
             reply, out = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
         d.sessions.release_bytes(session, sum(len(f) for f in payload))
+        d.under_way.give(session, keys_of(request))
         d.sessions.counted(session)
         d.transport.send(routing_id, reply, out)
         d.policy_switches.after_request()  # (as ``Server._on_message`` after a reply)

@@ -64,6 +64,7 @@ from kvstore.tiers.arena_fds import side_path
 from kvstore.tiers.dram import Arenas, DramArena, sweep_stale_arenas
 from kvstore.transfers import TransferGate, serving
 from kvstore.transport import Transport, keep_receive_buffers, unpredictable_routing_ids
+from kvstore.under_way import UnderWay
 from kvstore.removals import GET_OWNER
 from kvstore.verbs import Verbs, arena_to_make
 
@@ -123,6 +124,7 @@ class Server:
         self.policy_switches = PolicySwitches(self.store)  # SIGHUP's, in loop turns
         self.moves = Moves(self.store, clock)  # its tiers' movers join in start()
         self.finisher = Finisher(self)
+        self.under_way = UnderWay()  # requests and prefetches in tasks, per session
         self.verbs: Verbs = Verbs(self)
         self.sides: list[SideSocket] = []
         self.verbs.add(RoutingVerbs(self).table() | NamespaceVerbs(self).table())
@@ -332,8 +334,7 @@ class Server:
                         # bytes must move between tiers first, or the reply comes later:
                         # finish in a task
                         try:
-                            self.sessions.hold_bytes(session,
-                                                     sum(len(f) for f in frames[2:]))
+                            finisher.hold(session, request, frames[2:])
                         except BaseException:
                             if isinstance(answer, Plan):
                                 self.moves.abandon(answer)

@@ -42,6 +42,7 @@ from kvstore.store import Block, BlockStore, Limits, Namespace, Pin, Plan, Reser
 from kvstore.tiering import SsdMover
 from kvstore.tiers.dram import Arenas, DramArena
 from kvstore.transport import PinnedFrames, Transport
+from kvstore.under_way import UnderWay
 
 log = logging.getLogger("kvstore.server")
 
@@ -104,6 +105,8 @@ class Daemon(Protocol):
     def clock(self) -> Callable[[], float]: ...
     @property
     def arenas(self) -> Arenas | None: ...
+    @property
+    def under_way(self) -> UnderWay: ...
 
     def arena_for(self, tenant: str) -> DramArena: ...
 
@@ -446,7 +449,8 @@ class Verbs:
         ready = _leading_in_dram(ns, req.keys)
         if ready == len(req.keys) or (d.ssd is None and d.remote is None):
             return p.PrefetchReply(req.rid, ready, len(cached)), []
-        task = d.spawn(d.moves.bring_up(ns, req.keys, len(cached)))
+        task = d.under_way.background(session, len(req.keys), lambda: d.moves.bring_up(
+            ns, req.keys, len(cached)), d.spawn)
         if not req.wait:
             return p.PrefetchReply(req.rid, ready, len(cached)), []
         return Later(self._prefetch_reply(req, ns, task))
