@@ -36,8 +36,10 @@ Those threads take turns on the one connection (a lock: a client is not thread-s
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
+import math
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -52,7 +54,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvstore.client import Namespace
-from kvstore.errors import CapacityError, KVStoreError, UnavailableError
+from kvstore.errors import CapacityError, ConfigError, KVStoreError, UnavailableError
 from kvstore.identity import DTYPE_BYTES, Identity
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
@@ -67,6 +69,49 @@ logger = logging.getLogger(__name__)
 
 _KEY_DOMAIN = b"kvstore.sglang"
 _PAGE_ORDER = {"layer_first": "2LTHD", "page_first_direct": "2LTHD", "page_first": "2TLHD"}
+
+
+# The extra-config keys the backend reads (the class's doc), and those SGLang's own code
+# reads from the same dict and leaves in it (the dynamic factory's three, the zero-copy
+# switch; the prefetch settings and ``tp_lcm_size`` it takes out before)
+EXTRA_KEYS = frozenset({"endpoint", "tenant", "token", "timeout", "model_name",
+                        "model_revision", "model_path", "salt", "kv_cache_dtype"})
+_SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+_TEXT_KEYS = frozenset({"endpoint", "model_name", "model_path", "kv_cache_dtype"})
+_NAME_KEYS = frozenset({"tenant", "token", "model_revision", "salt"})  # text, or a number
+
+
+def check_extra(extra: dict[str, Any]) -> None:
+    """Refuse an extra config the backend would misread, naming the key: a value of the
+    wrong type (a ``timeout`` of "10s" raised float()'s bare ValueError; one of 0 or
+    below, or a salt given as a list, was taken), or a misspelling of one of its keys
+    (a ``tennant`` or ``model_revison`` was ignored without a word: the engine's pages
+    went to the default tenant, or were shared with other weights').  Keys that are
+    neither its own, SGLang's, nor a near miss of its own are warned of and ignored."""
+    for key in sorted(set(extra) & EXTRA_KEYS):
+        value = extra[key]
+        if value is None:
+            continue
+        if key == "timeout":
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 0):
+                raise ConfigError(f"the kvstore HiCache backend's extra config key "
+                                  f"'timeout' is {value!r}: it takes a positive number of "
+                                  f"seconds (per request to the daemon)")
+        elif not isinstance(value, str) and (
+                key in _TEXT_KEYS or isinstance(value, bool) or not isinstance(value, int)):
+            kind = "text" if key in _TEXT_KEYS else "text or a whole number"
+            raise ConfigError(f"the kvstore HiCache backend's extra config key {key!r} is "
+                              f"{value!r} ({type(value).__name__}): it takes {kind}")
+    unknown = sorted(set(extra) - EXTRA_KEYS - _SGLANG_KEYS)
+    for key in unknown:
+        near = difflib.get_close_matches(key, sorted(EXTRA_KEYS), n=1, cutoff=0.75)
+        if near:
+            raise ConfigError(f"the kvstore HiCache backend's extra config has {key!r}: "
+                              f"did you mean {near[0]!r}? (it takes {sorted(EXTRA_KEYS)})")
+    if unknown:
+        logger.warning("kvstore HiCache storage: extra config keys %s are not the "
+                       "backend's and are ignored; it takes %s", unknown, sorted(EXTRA_KEYS))
 
 
 def page_key(key: str) -> bytes:
@@ -193,13 +238,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     """HiCache storage in a kvstore daemon.
 
     Extra-config keys: ``endpoint``, ``tenant``, ``token``, ``timeout`` (seconds),
-    ``model_name``, ``model_revision``, ``salt``.
+    ``model_name``, ``model_revision``, ``model_path``, ``salt``, ``kv_cache_dtype``
+    (``check_extra``: a value of the wrong type, or a misspelt key, is refused).
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig,
                  kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
         self._extra = dict(storage_config.extra_config or {})
+        check_extra(self._extra)  # before any connect: a refused config leaves no session
         self._link = DaemonLink(DaemonSettings.from_extra(self._extra, timeout=10.0))
         try:
             self._link.connect()  # a refused tenant or token fails here, not at every call
