@@ -156,7 +156,9 @@ def engine_pages(tensors: Sequence[torch.Tensor], group: Group) -> EnginePages:
 # ========================================================================================
 
 STATS = ("lookups", "hit_tokens", "prefetches", "offers", "offers_declined",
-         "declined_tokens", "rate_refreshes", "loaded_blocks", "load_failed_blocks",
+         "declined_tokens",
+         "capped_tokens",                    # cached, not offered: more than DRAM can pin
+         "rate_refreshes", "loaded_blocks", "load_failed_blocks",
          "load_calls", "saves", "saved_blocks", "save_failures", "save_dropped",
          "saves_after_failed_load",          # saves not sent: their request's load failed
          "lookup_us", "load_us", "save_us",  # time in the engine's steps, and of load_us

@@ -251,6 +251,12 @@ class RequestBook:
             hit = worth
             if hit == 0:
                 return 0, False
+        most = self._pinnable(state)
+        if hit > most:  # the rest is computed: a load of them all would fail whole
+            self.stats["capped_tokens"] += (hit - most) * block
+            hit = most
+            if hit <= 0:
+                return 0, False
         if self._roles.prefetch and any(t != "dram" for t in tiers[first:first + hit]):
             self._prefetch_blocks(state, first, first + hit)
         state.offer = (first, hit)
@@ -259,6 +265,16 @@ class RequestBook:
         logger.debug("kvstore: request %s: %d tokens cached in the daemon",
                      request.request_id, tokens)
         return tokens, False
+
+    def _pinnable(self, state: RequestState) -> int:
+        """The most blocks of a request one load may pin: its blocks of every group and
+        rank are pinned at once in the daemon's DRAM arena, a load of more than that
+        holds fails whole (a prefix longer than the DRAM, cached on SSD, was offered,
+        failed and recomputed, every time)."""
+        ns = self._namespace(self._groups[0], state.variant, 0)
+        if ns is None or ns.slot_bytes <= 0:
+            return 1 << 62  # (not opened: nothing is offered without a lookup)
+        return ns.arena[1] // ns.slot_bytes // (len(self._groups) * self._tp_size)
 
     def _lookup_targets(self, state: RequestState, blocks: int) -> list[LookupTarget]:
         return [(functools.partial(self._namespace, group, state.variant, rank),
