@@ -27,7 +27,7 @@ from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
 from kvstore.remote_watch import GenerationWatch
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
-from kvstore.transfers import Background, TransferGate, TurnBatch, UrgentFirst
+from kvstore.transfers import Background, TransferGate, TurnBatch, UrgentFirst, current
 
 log = logging.getLogger("kvstore.remote")
 
@@ -42,6 +42,14 @@ DEFERRED_MOST = 1 << 14
 # failed every time, and marked the tier unhealthy for every tenant
 PUT_BYTES_MOST = 64 << 20  # of one send
 READ_BYTES_MOST = 64 << 20  # of one read
+# keys of one read or lookup call, at most: each call holds one of the tier's
+# ``concurrency`` places, and its timeout runs while the daemon's loop serves everything
+# else.  One tenant's flood of 4096-key reads (prefetches of random keys, each read of
+# 4096 misses in one call) held every place, made another tenant's read wait behind
+# them, and on a busy loop one timed out: the tier was skipped for every tenant.  In
+# pieces, the others' calls go between them, a piece of a miss ends the read, and each
+# piece is short on any loop.
+CALL_KEYS_MOST = 256
 
 
 class RemoteTier:
@@ -131,11 +139,17 @@ class RemoteTier:
         if not keys or not self.healthy:
             return 0
         self.counters["lookups"] += 1
+        n = 0
         try:
-            async with self._gate.hold(urgent=True):
-                if not self.healthy:  # marked while this waited its turn
-                    return 0
-                n = await self.backend.exists(ns.id, list(keys))
+            for start in range(0, len(keys), CALL_KEYS_MOST):
+                part = list(keys[start:start + CALL_KEYS_MOST])
+                async with self._gate.hold(urgent=True, tenant=asking(ns)):
+                    if not self.healthy:  # marked while this waited its turn
+                        return 0
+                    found = await self.backend.exists(ns.id, part)
+                n += found
+                if found < len(part):
+                    break
         except KVStoreError as exc:
             self.failed("lookup", exc)
             return 0
@@ -169,11 +183,11 @@ class RemoteTier:
         views = [self.slot(ns, off) for off in r.offsets]
         epoch = self.epoch
         sums: list[int] = []
-        most = max(1, READ_BYTES_MOST // ns.block_bytes)
+        most = max(1, min(CALL_KEYS_MOST, READ_BYTES_MOST // ns.block_bytes))
         try:
             for start in range(0, len(views), most):
                 part = views[start:start + most]
-                async with self._gate.hold(urgent=True), self.transfers.slot(
+                async with self._gate.hold(urgent=True, tenant=asking(ns)), self.transfers.slot(
                         len(part) * ns.block_bytes, default_kind=TransferKind.RELOAD,
                         default_tenant=ns.tenant):
                     # (a tier marked unhealthy while this waited: a miss, not a timeout
@@ -422,6 +436,13 @@ class RemoteTier:
         out["corrupt_values"] = self.backend.counters.corrupt_values
         out["timeouts"] = self.backend.counters.timeouts
         return out
+
+
+def asking(ns: Namespace) -> str:
+    """The tenant a read or lookup is for: the request's being served (a grantee reading
+    an owner's namespace waits its own turn), else the namespace's."""
+    served = current()
+    return served[1] if served is not None else ns.tenant
 
 
 def by_namespace(blocks: Sequence[Block]) -> dict[Namespace, list[int]]:

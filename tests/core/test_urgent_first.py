@@ -66,3 +66,58 @@ def test_a_cancelled_waiter_neither_holds_nor_loses_a_place() -> None:
                 pass
 
     asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
+def test_urgent_waiters_take_turns_by_tenant() -> None:
+    """One tenant's hundred queued reads let another's in at the next free place."""
+    async def scenario() -> list[str]:
+        bound = UrgentFirst(1)
+        order: list[str] = []
+        gate = asyncio.Event()
+
+        async def call(name: str, urgent: bool, tenant: str) -> None:
+            async with bound.hold(urgent, tenant):
+                order.append(name)
+                await gate.wait()
+
+        first = asyncio.create_task(call("first", True, "acme"))
+        await asyncio.sleep(0)
+        tasks = [asyncio.create_task(call(f"a{i}", True, "acme")) for i in range(100)]
+        tasks += [asyncio.create_task(call(name, urgent, tenant)) for name, urgent, tenant in
+                  (("w1", False, "globex"), ("g1", True, "globex"), ("g2", True, "globex"),
+                   ("i1", True, "initech"))]
+        await asyncio.sleep(0)
+        assert bound.waiting == 104
+        gate.set()
+        await asyncio.gather(first, *tasks)
+        assert bound.waiting == 0
+        return order
+
+    order = asyncio.run(scenario())
+    assert order[:7] == ["first", "a0", "g1", "i1", "a1", "g2", "a2"], order[:7]
+    assert order[-1] == "w1" and order.count("w1") == 1
+
+
+def test_a_cancelled_tenants_waiter_leaves_no_turn_behind() -> None:
+    async def scenario() -> None:
+        bound = UrgentFirst(1)
+        release = asyncio.Event()
+
+        async def hold(tenant: str) -> None:
+            async with bound.hold(True, tenant):
+                await release.wait()
+
+        holder = asyncio.create_task(hold("acme"))
+        await asyncio.sleep(0)
+        waiting = asyncio.create_task(hold("globex"))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert bound.waiting == 0 and "urgent_tenants=0" in repr(bound)
+        release.set()
+        await holder
+        async with bound.hold(True, "globex"):  # the place is free again
+            pass
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
