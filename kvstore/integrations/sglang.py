@@ -73,10 +73,12 @@ _PAGE_ORDER = {"layer_first": "2LTHD", "page_first_direct": "2LTHD", "page_first
 
 # The extra-config keys the backend reads (the class's doc), and those SGLang's own code
 # reads from the same dict and leaves in it (the dynamic factory's three, the zero-copy
-# switch; the prefetch settings and ``tp_lcm_size`` it takes out before)
+# switch, the dynamic backend's host ``allocator``; the prefetch settings and
+# ``tp_lcm_size`` it takes out before)
 EXTRA_KEYS = frozenset({"endpoint", "tenant", "token", "timeout", "model_name",
                         "model_revision", "model_path", "salt", "kv_cache_dtype"})
-_SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+_SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1",
+                          "allocator"})
 _TEXT_KEYS = frozenset({"endpoint", "model_name", "model_path", "kv_cache_dtype"})
 _NAME_KEYS = frozenset({"tenant", "token", "model_revision", "salt"})  # text, or a number
 
