@@ -265,12 +265,20 @@ def _listed(keys: Sequence[bytes]) -> list[bytes]:
         raise MalformedError(f"keys are a list of {p.KEY_BYTES}-byte keys, as ns.keys() "
                              f"gives, not one {type(keys).__name__} object (one key: [key])")
     listed = keys if isinstance(keys, list) else list(keys)
-    if listed and (type(listed[0]) is not bytes or len(listed[0]) != p.KEY_BYTES):
-        got = (f"{len(listed[0])} bytes" if isinstance(listed[0], bytes)
+    if listed and _key_bytes(listed[0]) != p.KEY_BYTES:
+        got = (f"{_key_bytes(listed[0])} bytes" if _key_bytes(listed[0]) >= 0
                else f"of type {type(listed[0]).__name__}")
         raise MalformedError(f"key 0 is {got}: keys are {p.KEY_BYTES} bytes each, "
                              f"as ns.keys() gives")
     return listed
+
+
+def _key_bytes(key: object) -> int:
+    """How many bytes a key is (bytes, or a bytearray or memoryview the wire takes as
+    bytes too); -1 for anything else."""
+    if isinstance(key, (bytes, bytearray)):
+        return len(key)
+    return key.nbytes if isinstance(key, memoryview) else -1
 
 
 def _per(size: int, max_keys: int, max_bytes: int) -> int:

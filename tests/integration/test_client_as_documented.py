@@ -136,6 +136,10 @@ def test_keys_that_are_no_keys_are_refused_saying_what_keys_are(daemon_factory: 
                     call()
         # nothing left behind: the session goes on, no pin or reservation is held
         assert ns.lookup(keys).blocks == 2
+        # keys the wire takes as bytes are still keys (a bytearray, a memoryview)
+        for like in ([bytearray(k) for k in keys], [memoryview(k) for k in keys]):
+            assert ns.lookup(like).blocks == 2
+            assert [bytes(b) for b in ns.get(like)] == [b"\x05" * IDENT.block_bytes] * 2
         assert [bytes(b) for b in ns.get(keys)] == [b"\x05" * IDENT.block_bytes] * 2
         assert ns.evict(keys) == 2
 
