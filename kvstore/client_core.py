@@ -236,9 +236,11 @@ class SessionCore:
         asked = self._unread.pop(reply.rid, None)
         if asked is None:
             return False
-        if isinstance(reply, p.ErrorReply):
-            log.warning("the daemon refused a posted %s: %s: %s", asked, reply.code,
-                        reply.message)
+        if isinstance(reply, p.ErrorReply):  # (a prefetch past the bound on work under
+            quiet = (asked, reply.code) == ("prefetch", "limit_exceeded")  # way: quietly)
+            log.log(logging.DEBUG if quiet else logging.WARNING,
+                    "the daemon refused a posted %s: %s: %s", asked, reply.code,
+                    reply.message)
         return True
 
     # -- requests given up on -------------------------------------------------------------
