@@ -67,6 +67,19 @@ def daemon(daemon_factory: Callable[..., DaemonProcess]) -> DaemonProcess:
     return daemon_factory(tcp=True)
 
 
+@pytest.fixture(scope="module")
+def module_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """One daemon (as ``daemon``'s) for a module's tests that each keep to names of their
+    own and read no daemon-wide figure: a start is most of such a test's time.  Checked
+    for invariant violations when the module ends."""
+    d = DaemonProcess(tmp_path_factory.mktemp("module-daemon") / "daemon", tcp=True)
+    try:
+        yield d.start()
+    finally:
+        d.stop()
+        assert "invariant violated" not in d.log(), d.log()
+
+
 def _require_redis() -> None:
     if redis_server_binary() is None:
         pytest.fail("redis-server is not installed (set $KVSTORE_REDIS_SERVER)")

@@ -196,7 +196,11 @@ def test_a_full_tier_evicts_leaves_and_refuses_when_all_is_pinned(
     {"model_revision": "r2"}, {"adapter": "lora-a"}, {"kv_dtype": "bfloat16"},
     {"block_tokens": 32}, {"salt": "image:1"},
 ])
-def test_any_identity_change_misses(daemon: DaemonProcess, change: dict[str, Any]) -> None:
+def test_any_identity_change_misses(module_daemon: DaemonProcess,
+                                    change: dict[str, Any]) -> None:
+    """(The cases share a daemon: a base stored again is still a hit, and no case stores
+    under a changed identity.)"""
+    daemon = module_daemon
     with Client(daemon.endpoint, tenant="acme") as client:
         base = client.namespace(make_identity())
         tokens = list(range(256))

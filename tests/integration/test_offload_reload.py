@@ -44,8 +44,10 @@ def page_bytes(cache: list[Any], layout: str, page: int) -> bytes:
 
 @pytest.mark.parametrize("layout", ["per_layer", "per_layer_kv_split", "all_layer"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int8])
-def test_offload_then_reload_is_bit_exact(daemon: DaemonProcess, layout: str,
+def test_offload_then_reload_is_bit_exact(module_daemon: DaemonProcess, layout: str,
                                           dtype: torch.dtype) -> None:
+    """(Each case's identity, its layout's and dtype's, is a namespace of its own.)"""
+    daemon = module_daemon
     dtype_name = {torch.float16: "float16", torch.bfloat16: "bfloat16",
                   torch.float32: "float32", torch.int8: "int8"}[dtype]
     ident = make_identity(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,

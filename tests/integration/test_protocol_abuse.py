@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -61,19 +60,6 @@ def test_requests_before_hello_are_forbidden(daemon: DaemonProcess) -> None:
         raw.close()
 
 
-@pytest.fixture(scope="module")
-def malformed_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """One daemon for every malformed header below: each case opens a session of its
-    own and asks nothing of the store, so they need not start one each (a start is most
-    of such a case's time); the daemon takes them all in turn and still answers."""
-    d = DaemonProcess(tmp_path_factory.mktemp("malformed") / "daemon", tcp=True).start()
-    try:
-        yield d
-    finally:
-        d.stop()
-        assert "invariant violated" not in d.log(), d.log()
-
-
 @pytest.mark.parametrize("frames", [
     [b""],
     [b"\xc1\xc1\xc1"],                                   # not MessagePack
@@ -91,16 +77,18 @@ def malformed_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemo
     [os.urandom(64)],
     [b"\x91" * 100_000],                                 # deeply nested arrays
 ])
-def test_malformed_headers_get_a_typed_error(malformed_daemon: DaemonProcess,
+def test_malformed_headers_get_a_typed_error(module_daemon: DaemonProcess,
                                             frames: list[bytes]) -> None:
-    raw = Raw(malformed_daemon.endpoint)
+    """Each case on a session of its own, asking nothing of the store: one daemon takes
+    them all in turn."""
+    raw = Raw(module_daemon.endpoint)
     try:
         hello(raw)
         assert error_code(raw.ask(*frames)) == "malformed"
         assert isinstance(raw.ask(p.encoder.encode(p.Ping(99))), p.OkReply)
     finally:
         raw.close()
-    assert malformed_daemon.alive()
+    assert module_daemon.alive()
 
 
 def test_bad_requests_leave_nothing_behind(daemon: DaemonProcess) -> None:
