@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from kvstore import Identity
+from kvstore import Client, Identity
 
 
 def make_identity(**changes: Any) -> Identity:
@@ -13,3 +14,13 @@ def make_identity(**changes: Any) -> Identity:
         num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=16)
     fields.update(changes)
     return Identity(**fields)
+
+
+def wait_for_lease_end(endpoint: str, tenant: str, at_most: float) -> None:
+    """Until the daemon holds no session of ``tenant`` but a watcher's own (the others'
+    leases ran out), or ``at_most`` seconds: what a test letting a lease run out waits
+    for, rather than a fixed sleep (the watcher's requests keep its own session)."""
+    deadline = time.monotonic() + at_most
+    with Client(endpoint, tenant=tenant) as watcher:
+        while watcher.stats()["sessions"] > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtest import make_identity
+from kvtest import make_identity, wait_for_lease_end
 from daemon_proc import DaemonProcess
 
 from kvstore import Client
@@ -161,7 +161,7 @@ def test_a_silent_client_gets_lease_expired(daemon_factory: Any) -> None:
     with Client(d.endpoint, tenant="acme") as client:
         ns = client.namespace(make_identity())
         r = ns.reserve(ns.keys(range(32)))
-        time.sleep(1.5)
+        wait_for_lease_end(d.endpoint, "acme", at_most=1.5)
         with pytest.raises(LeaseExpiredError):
             r.commit()
 

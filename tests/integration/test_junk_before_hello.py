@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import zmq
 from daemon_proc import DaemonProcess
-from kvtest import make_identity
+from kvtest import make_identity, wait_for_lease_end
 
 from kvstore import Client
 from kvstore import protocol as p
@@ -110,7 +110,7 @@ def test_a_session_that_expired_is_told_so_every_time(daemon_factory: Any) -> No
     with Client(d.endpoint, tenant="acme", timeout=10) as client:
         ns = client.namespace(make_identity())
         keys = ns.keys(range(32))
-        time.sleep(1.5)
+        wait_for_lease_end(d.endpoint, "acme", at_most=1.5)
         for _ in range(2 * PRE_HELLO_MESSAGES):     # more than a stranger gets answered
             with pytest.raises(LeaseExpiredError):
                 ns.put(keys, [b"\1" * ns.block_bytes] * 2)
