@@ -760,11 +760,24 @@ def flush_plan(copies: SsdCopies) -> list[Block]:
     return plan
 
 
-def flush_victim(b: Block, planned: set[Block]) -> bool:
+def flush_victim(b: Block, planned: set[Block], givers: set[str]) -> bool:
     """Whether the flush on the way out may trade ``b``'s SSD copy for a block only DRAM
     holds (``reserve`` asks, of copies no transfer holds): a leaf of the index (a
-    restart must find every parent of what it keeps), not a block the flush writes."""
-    return b.kids is None and b not in planned
+    restart must find every parent of what it keeps), not a block the flush writes, of
+    a tenant in ``givers`` (``flush_givers``)."""
+    return b.kids is None and b not in planned and b.ns.tenant in givers
+
+
+def flush_givers(store: StoreCore, batch: Sequence[Block]) -> set[str]:
+    """The tenants whose SSD copies the flush of ``batch`` may trade: the batch's own,
+    and those over their weighted share of the tier (``TenantOrders``'s rule).  Any
+    leaf once went: a tenant with DRAM full on the way out pushed every other's copies
+    off the tier, where its demotions while serving take its own first."""
+    assert store.ssd is not None, "no SSD tier"
+    held, givers = tenant_bytes(store), {b.ns.tenant for b in batch}
+    weights = {t: store.tenant_weights.get(t, 1.0) for t in held.keys() | givers}
+    share = store.ssd.pool.capacity_bytes / sum(weights.values())
+    return givers | {t for t, n in held.items() if n > share * weights[t]}
 
 
 def tenant_bytes(store: StoreCore) -> dict[str, int]:
