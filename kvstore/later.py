@@ -125,10 +125,12 @@ class Finisher:
             log.exception("internal error finishing a request")
             code = "internal"
             reply, out = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
-        d.sessions.release_bytes(session, sum(len(f) for f in payload))
-        d.under_way.give(session, keys_of(request))
-        d.sessions.counted(session)
-        d.transport.send(routing_id, reply, out)
+        try:
+            d.sessions.release_bytes(session, sum(len(f) for f in payload))
+            d.under_way.give(session, keys_of(request))
+            d.sessions.counted(session)
+        finally:  # (the one reply goes whatever the bookkeeping did: a client waited)
+            d.transport.send(routing_id, reply, out)
         d.policy_switches.after_request()  # (as ``Server._on_message`` after a reply)
         if d.metrics is not None:
             d.metrics.observe_request(verb, time.perf_counter() - start, code, tenant)

@@ -58,7 +58,8 @@ class UnderWay:
                 f"prefetches still under way (limit {TENANT_KEYS_MOST}); wait for their "
                 f"replies")
         self.sessions[session.id] = held + 1
-        self.tenant_keys[session.tenant] = tenant_keys + keys
+        if keys:  # (a request of no keys, a snapshot's say, counts for its session only)
+            self.tenant_keys[session.tenant] = tenant_keys + keys
 
     def give(self, session: Session, keys: int) -> None:
         """One of ``session``'s is done (``take``'s ``keys``)."""
@@ -67,6 +68,8 @@ class UnderWay:
             self.sessions[session.id] = held
         else:
             del self.sessions[session.id]
+        if not keys:
+            return
         left = self.tenant_keys[session.tenant] - keys
         if left:
             self.tenant_keys[session.tenant] = left

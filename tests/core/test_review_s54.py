@@ -171,3 +171,23 @@ def test_a_drain_that_fails_still_closes_the_tiers(tmp_path: Any,
         raise AssertionError("the drain's error was not raised")
     assert arenas and not any((tmp_path / a.rsplit("/", 1)[-1]).exists() for a in arenas)
     assert server.ssd is None, "the ssd tier was closed"
+
+
+def test_requests_of_no_keys_under_way_are_counted_and_given_back() -> None:
+    """A request of no keys that finishes in a task (a whole snapshot) was counted as 0
+    keys for its tenant, and the first to finish deleted the tenant's count: the next
+    one's give-back raised KeyError in the task that sends its reply, and the client
+    waited for a reply that never came (found by the full suite: whole snapshots under
+    way, drops in slices, removals queued behind an evict all hung)."""
+    from kvstore.under_way import UnderWay
+
+    session: Any = SimpleNamespace(id="s1", tenant="acme")
+    under_way = UnderWay()
+    under_way.take(session, 0)
+    under_way.take(session, 0)
+    under_way.take(session, 5)
+    assert under_way.sessions == {"s1": 3} and under_way.tenant_keys == {"acme": 5}
+    under_way.give(session, 0)
+    under_way.give(session, 5)
+    under_way.give(session, 0)
+    assert under_way.sessions == {} and under_way.tenant_keys == {}
