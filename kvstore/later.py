@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvstore import protocol as p
-from kvstore.errors import CapacityError, KVStoreError, LeaseExpiredError
+from kvstore.errors import CapacityError, KVStoreError, SessionExpiredError
 from kvstore.pending import Later, Pending
 from kvstore.sessions import Session
 from kvstore.plans import MAX_TURNS
@@ -185,9 +185,9 @@ class Finisher:
                 # session still there.  Woken for room it takes none: the next may
                 if deferral is not None:
                     self.d.moves.room.freed(after=deferral.ticket)
-                raise LeaseExpiredError("this session's lease ran out while the request "
-                                        "waited; its holdings were rolled back; connect "
-                                        "again")
+                raise SessionExpiredError(f"{SessionExpiredError.PREFIX} while the request "
+                                          "waited; its holdings were rolled back; connect "
+                                          "again")
             try:
                 answer = self.attempt(handler, session, request, payload, verb,
                                       early=not (deferral is not None and deferral.expired))

@@ -27,9 +27,9 @@ from kvstore.blocks import Pin
 from kvstore.config import ServerConfig
 from kvstore.errors import (
     ForbiddenError,
-    LeaseExpiredError,
     LimitExceededError,
     NoSessionError,
+    SessionExpiredError,
 )
 from kvstore.grant_pins import GrantPins
 from kvstore.identity import Identity
@@ -269,8 +269,8 @@ class Sessions:
             if (why := self._let_go.get(routing_id)) is not None:
                 raise NoSessionError(why)
             if routing_id in self._expired:
-                raise LeaseExpiredError(
-                    "this session's lease ran out and its holdings were rolled back; "
+                raise SessionExpiredError(
+                    f"{SessionExpiredError.PREFIX} and its holdings were rolled back; "
                     "connect again")
             raise NoSessionError(_NO_SESSION)
         return session
