@@ -59,49 +59,18 @@ def make_loras(model: str, names: list[str]) -> dict[str, str]:
 
 
 def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import RequestOutputKind
-    from vllm_setups_run import daemon_dram
+    from vllm_setups_run import daemon_dram, start_engine
 
     eng, conn = spec.get("engine", {}), spec.get("connector")  # (and ``layers``: main)
-    kv_transfer_config = None
-    if conn is not None:
-        extra = {"model_name": "tiny-llama", "model_revision": "seed1234",
-                 **conn.get("extra", {})}
-        kv_transfer_config = KVTransferConfig(
-            kv_connector="KVStoreConnector",
-            kv_connector_module_path="kvstore.integrations.vllm",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config=extra)
     loras = make_loras(model, eng.get("loras", []))
     adapters = {name: LoRARequest(name, i + 1, path)
                 for i, (name, path) in enumerate(loras.items())}
-    batched = eng.get("max_num_batched_tokens")
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype=eng.get("dtype", "float32"),
-              block_size=eng.get("block_size", 32),
-              max_model_len=eng.get("max_model_len", 512), enforce_eager=True, seed=0,
-              gpu_memory_utilization=0.05,
-              kv_cache_memory_bytes=int(eng.get("kv_cache_mib", 32) * (1 << 20)),
-              kv_transfer_config=kv_transfer_config,
-              **({"enable_lora": True, "max_loras": len(loras), "max_lora_rank": 8}
-                 if loras else {}),
-              **({"max_num_batched_tokens": batched, "enable_chunked_prefill": True}
-                 if batched else {}))
-    engine = llm.llm_engine
-    scheduler = engine.engine_core.engine_core.scheduler
-    preemptions = [0]
-    preempt = scheduler._preempt_request
-
-    def counting_preempt(*a: object, **k: object) -> object:
-        preemptions[0] += 1
-        return preempt(*a, **k)
-    scheduler._preempt_request = counting_preempt
-    sched_conn = scheduler.connector if conn is not None else None
-    connected = bool(sched_conn and sched_conn._link.wait_connected(30))
-    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    llm, engine, scheduler, preemptions, sched_conn, connected, worker = start_engine(
+        model, eng, conn, **({"enable_lora": True, "max_loras": len(loras),
+                              "max_lora_rank": 8} if loras else {}))
     phases, counter = [], 0
     last = len(spec["phases"]) - 1
     for number, phase in enumerate(spec["phases"]):

@@ -70,19 +70,16 @@ def daemon_dram(conn: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in dram.items() if isinstance(v, (int, float))}
 
 
-def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+def start_engine(model: str, eng: dict[str, Any], conn: dict[str, Any] | None,
+                 **more: Any) -> tuple[Any, Any, Any, list[int], Any, bool, Any]:
+    """The LLM of ``eng``'s settings (``more``: other arguments of vLLM's), with kvstore's
+    connector where ``conn`` is given: the LLM, its engine and scheduler, the scheduler's
+    preemptions counted (a list of one), the scheduler's connector, whether it connected,
+    and the worker's connector."""
+    from vllm import LLM
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    eng, conn = spec.get("engine", {}), spec.get("connector")
-    if spec.get("log"):  # kvstore's log, at this level, on stderr
-        import logging
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(relativeCreated)d %(threadName)s %(message)s"))
-        logging.getLogger("kvstore").addHandler(handler)
-        logging.getLogger("kvstore").setLevel(spec["log"].upper())
     kv_transfer_config = None
     if conn is not None:
         extra = {"model_name": "tiny-llama", "model_revision": "seed1234",
@@ -99,7 +96,7 @@ def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
               gpu_memory_utilization=0.05,
               kv_cache_memory_bytes=int(eng.get("kv_cache_mib", 32) * (1 << 20)),
               enable_prefix_caching=eng.get("enable_prefix_caching", True),
-              kv_transfer_config=kv_transfer_config,
+              kv_transfer_config=kv_transfer_config, **more,
               **({"max_num_batched_tokens": batched, "enable_chunked_prefill": True}
                  if batched else {}))
     engine = llm.llm_engine
@@ -114,6 +111,22 @@ def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
     sched_conn = scheduler.connector if conn is not None else None
     connected = bool(sched_conn and sched_conn._link.wait_connected(30))
     worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    return llm, engine, scheduler, preemptions, sched_conn, connected, worker
+
+
+def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    eng, conn = spec.get("engine", {}), spec.get("connector")
+    if spec.get("log"):  # kvstore's log, at this level, on stderr
+        import logging
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(relativeCreated)d %(threadName)s %(message)s"))
+        logging.getLogger("kvstore").addHandler(handler)
+        logging.getLogger("kvstore").setLevel(spec["log"].upper())
+    llm, engine, scheduler, preemptions, sched_conn, connected, worker = start_engine(
+        model, eng, conn)
     phases, counter = [], 0
     for phase in spec["phases"]:
         if phase.get("pause"):  # the test acts on the daemon meanwhile (see the doc)
