@@ -75,16 +75,27 @@ class Finisher:
         finally:
             store.early = False
 
-    def hold(self, session: Session, request: Any, payload: list[Any]) -> None:
-        """Count a request that finishes in a task (``finish``), and its payload's bytes
-        in flight: LimitExceededError past a limit (``kvstore.under_way``)."""
+    def hold(self, session: Session, request: Any, payload: list[Any],
+             answer: Pending) -> None:
+        """Count a request that finishes in a task (``finish``; ``answer`` its first),
+        and its payload's bytes in flight: LimitExceededError past a limit
+        (``kvstore.under_way``)."""
+        keys = self._counted_keys(request, answer)
         under_way = self.d.under_way
-        under_way.take(session, keys_of(request))
+        if keys is not None:
+            under_way.take(session, keys)
         try:
             self.d.sessions.hold_bytes(session, sum(len(f) for f in payload))
         except BaseException:
-            under_way.give(session, keys_of(request))
+            if keys is not None:
+                under_way.give(session, keys)
             raise
+
+    @staticmethod
+    def _counted_keys(request: Any, answer: Pending) -> int | None:
+        """The keys a request finishing in a task counts under way; None: its work
+        counts already (``Later.counted``)."""
+        return None if isinstance(answer, Later) and answer.counted else keys_of(request)
 
     def deferral(self, tenant: str, exc: CapacityError) -> Plan:
         """No room now: a plan to wait for some, in order, until the deadline."""
@@ -127,7 +138,8 @@ class Finisher:
             reply, out = p.ErrorReply(rid, "internal", f"internal error: {exc!r}"), []
         try:
             d.sessions.release_bytes(session, sum(len(f) for f in payload))
-            d.under_way.give(session, keys_of(request))
+            if (keys := self._counted_keys(request, pending)) is not None:
+                d.under_way.give(session, keys)
             d.sessions.counted(session)
         finally:  # (the one reply goes whatever the bookkeeping did: a client waited)
             d.transport.send(routing_id, reply, out)

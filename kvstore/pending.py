@@ -27,6 +27,10 @@ class Later:
     # ``Removals``), let go of at once if it is given up before it ran: closing a
     # coroutine that never started runs none of its ``finally``
     give_up: Callable[[], None] | None = None
+    # its work already counts as under way (``kvstore.under_way``): a waiting prefetch's
+    # reply waits on its task, counted while it runs; counted again for the request, a
+    # session was refused at half the bound
+    counted: bool = False
 
     def gave_up(self) -> None:
         """The reply was closed before it ever ran (the server gave the request up)."""

@@ -334,7 +334,7 @@ class Server:
                         # bytes must move between tiers first, or the reply comes later:
                         # finish in a task
                         try:
-                            finisher.hold(session, request, frames[2:])
+                            finisher.hold(session, request, frames[2:], answer)
                         except BaseException:
                             if isinstance(answer, Plan):
                                 self.moves.abandon(answer)
@@ -532,6 +532,7 @@ def server_stats(server: Server) -> dict[str, Any]:
         out["events"] = server.events.stats()
     out["settings"] = live_settings(server)
     out["before_hello"] = {"dropped": server.transport.dropped_before_hello}
+    out["under_way"] = server.under_way.stats()  # requests and prefetches in tasks
     out["replies"] = {"dropped_unread": server.transport.dropped_unread,
                       "unread_bytes": sum(server.transport.unread.values())}
     if server.sides:

@@ -43,6 +43,11 @@ class UnderWay:
                 f"requests={sum(self.sessions.values())}, "
                 f"keys={sum(self.tenant_keys.values())})")
 
+    def stats(self) -> dict[str, int]:
+        """Requests and prefetches under way in tasks, and the keys they name."""
+        return {"requests": sum(self.sessions.values()),
+                "keys": sum(self.tenant_keys.values())}
+
     def take(self, session: Session, keys: int) -> None:
         """Count one more of ``session``'s, naming ``keys`` keys; LimitExceededError
         (nothing counted) past a limit."""

@@ -453,7 +453,7 @@ class Verbs:
             ns, req.keys, len(cached)), d.spawn)
         if not req.wait:
             return p.PrefetchReply(req.rid, ready, len(cached)), []
-        return Later(self._prefetch_reply(req, ns, task))
+        return Later(self._prefetch_reply(req, ns, task), counted=True)
 
     async def _remote_lookup(self, rid: int, ns: Namespace, keys: list[bytes],
                              tiers: list[str]) -> p.Message:
@@ -519,7 +519,7 @@ MAX_COUNTER = (1 << 63) - 1  # where a summed counter stops (msgpack's int64)
 # what a tenant's stats leave out with credentials set, unless it is an operator
 # (``auth.operators``): figures of the whole daemon, which others' requests move
 DAEMON_WIDE = ("tiers", "scheduling", "ssd_io", "gpu", "remote", "events", "before_hello",
-               "replies", "eviction_switch", "eviction_samples", "side_socket",
+               "under_way", "replies", "eviction_switch", "eviction_samples", "side_socket",
                "invariant_violations", "invariant_checks_forked")
 
 

@@ -1,0 +1,150 @@
+"""Defects known from earlier reviews: each against a real daemon (and a real Redis where
+the remote tier is in it)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import zmq
+from kvtest import make_identity
+from redis_servers import RedisServer
+
+from kvstore import protocol as p
+from kvstore.under_way import SESSION_MOST
+
+
+class Peer:
+    """A bare DEALER of tenant acme with one namespace open."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        assert isinstance(self.ask(p.Hello(1, p.PROTOCOL_VERSION, "acme", "", "")),
+                          p.HelloReply)
+        opened = self.ask(p.OpenNamespace(2, make_identity(tenant="acme")))
+        assert isinstance(opened, p.NamespaceReply), opened
+        self.ns = opened.ns
+
+    def send(self, msg: p.Message) -> None:
+        self.sock.send(p.encoder.encode(msg))
+
+    def ask(self, msg: p.Message) -> p.Message:
+        self.send(msg)
+        assert self.sock.poll(15_000), "the daemon did not answer"
+        return p.reply_decoder.decode(self.sock.recv_multipart()[0])
+
+    def replies(self, count: int, wait_ms: int) -> list[p.Message]:
+        """Up to ``count`` replies, each within ``wait_ms`` of the one before."""
+        got: list[p.Message] = []
+        while len(got) < count and self.sock.poll(wait_ms):
+            got.append(p.reply_decoder.decode(self.sock.recv_multipart()[0]))
+        return got
+
+    def prefetches(self, first: int, count: int, timeout_ms: int = 0) -> None:
+        """``count`` waiting prefetches of a key of nowhere each (the remote store asked)."""
+        for rid in range(first, first + count):
+            self.send(p.Prefetch(rid, self.ns, [os.urandom(16)], wait=True,
+                                 timeout_ms=timeout_ms))
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+def under_way(peer: Peer) -> dict[str, int]:
+    stats = peer.ask(p.Stats(3))
+    assert isinstance(stats, p.StatsReply), stats
+    assert stats.stats["invariant_violations"] == 0
+    counts: dict[str, int] = stats.stats["under_way"]
+    return counts
+
+
+def wait_for_none_under_way(peer: Peer) -> None:
+    deadline = time.monotonic() + 30
+    while (counts := under_way(peer)) != {"requests": 0, "keys": 0}:
+        assert time.monotonic() < deadline, counts
+        time.sleep(0.05)
+
+
+def refused_of(replies: list[p.Message]) -> list[int]:
+    return sorted(r.rid for r in replies if isinstance(r, p.ErrorReply)
+                  and r.code == "limit_exceeded" and "under way" in r.message)
+
+
+def test_a_waiting_prefetch_counts_once_in_its_sessions_work_under_way(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    """A prefetch with ``wait`` was counted twice while its reply waited (its task in the
+    background, and the request finishing in a task): a session was refused at 128 of
+    them, not 256, and a TP=8 engine's workers' prefetches were refused quietly.  The
+    count goes back to 0 after each kind of end: done, reply at its timeout (the rest
+    going on), the remote store failing, the session gone."""
+    d = daemon_factory(extra=["--remote", fresh_redis_server.url],
+                       env={"KVSTORE_REMOTE_TIMEOUT_S": "20"})
+    peer = Peer(d.endpoint)
+    try:
+        fresh_redis_server.pause()  # every remote read waits
+        try:
+            peer.prefetches(100, SESSION_MOST + 8)
+            refused = peer.replies(8, 3_000)
+            assert refused_of(refused) == list(range(100 + SESSION_MOST,
+                                                     100 + SESSION_MOST + 8)), refused
+            assert under_way(peer) == {"requests": SESSION_MOST, "keys": SESSION_MOST}
+        finally:
+            fresh_redis_server.resume()
+        done = peer.replies(SESSION_MOST, 20_000)
+        assert len(done) == SESSION_MOST and all(
+            isinstance(r, p.PrefetchReply) for r in done), done[:3]
+        wait_for_none_under_way(peer)
+
+        # replies at their timeout, the reads going on (counted) until Redis answers
+        fresh_redis_server.pause()
+        try:
+            peer.prefetches(1000, 4, timeout_ms=100)
+            timed_out = peer.replies(4, 5_000)
+            assert [type(r) for r in timed_out] == [p.PrefetchReply] * 4, timed_out
+            assert under_way(peer) == {"requests": 4, "keys": 4}
+        finally:
+            fresh_redis_server.resume()
+        wait_for_none_under_way(peer)
+
+        # the session gone while its prefetches wait
+        other = Peer(d.endpoint)
+        fresh_redis_server.pause()
+        try:
+            other.prefetches(2000, 4)
+            deadline = time.monotonic() + 10
+            while under_way(peer)["requests"] < 4:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            other.send(p.Bye(9))
+            other.close()
+        finally:
+            fresh_redis_server.resume()
+        wait_for_none_under_way(peer)
+    finally:
+        peer.close()
+
+
+def test_a_waiting_prefetch_the_remote_store_fails_leaves_nothing_under_way(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    """The remote read under a waiting prefetch times out: its reply goes (nothing
+    brought up), and the session's count of work under way goes back to 0."""
+    d = daemon_factory(extra=["--remote", fresh_redis_server.url],
+                       env={"KVSTORE_REMOTE_TIMEOUT_S": "1"})
+    peer = Peer(d.endpoint)
+    try:
+        fresh_redis_server.pause()
+        try:
+            peer.prefetches(100, 4)
+            failed = peer.replies(4, 10_000)
+        finally:
+            fresh_redis_server.resume()
+        assert [(type(r), getattr(r, "ready", None)) for r in failed] == [
+            (p.PrefetchReply, 0)] * 4, failed
+        wait_for_none_under_way(peer)
+    finally:
+        peer.close()
