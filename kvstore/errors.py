@@ -95,6 +95,15 @@ class LimitExceededError(KVStoreError):
     code = "limit_exceeded"
 
 
+class NamespaceInUseError(LimitExceededError):
+    """A namespace the session has reservations open in is not closed: commit or abort
+    them first.  It travels as a ``limit_exceeded`` error whose message holds ``MARK``
+    (an older client sees a plain LimitExceededError; an older daemon sends the same
+    message), so a caller tells it from a refusal for a rate or another limit."""
+
+    MARK = "reservations open in the namespace"
+
+
 class UnavailableError(KVStoreError):
     """The daemon (or a backend) did not answer in time or is shutting down."""
 
@@ -146,4 +155,6 @@ def error_from_code(code: str, message: str) -> KVStoreError:
         return NoSessionError(message)
     if code == LeaseExpiredError.code and message.startswith(SessionExpiredError.PREFIX):
         return SessionExpiredError(message)
+    if code == LimitExceededError.code and NamespaceInUseError.MARK in message:
+        return NamespaceInUseError(message)
     return ERRORS_BY_CODE.get(code, KVStoreError)(message)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from kvstore import protocol as p
-from kvstore.errors import LimitExceededError, UnknownNamespaceError
+from kvstore.errors import NamespaceInUseError, UnknownNamespaceError
 from kvstore.sessions import Session
 from kvstore.store import BlockStore
 from kvstore.verbs import Answer, Handler
@@ -43,9 +43,9 @@ class NamespaceVerbs:
         open_here = 0 if state is None else sum(
             r.ns is ns for r in state.reservations.values())
         if open_here:
-            raise LimitExceededError(
-                f"the session has {open_here} reservations open in the namespace; commit "
-                f"or abort them before closing it")
+            raise NamespaceInUseError(
+                f"the session has {open_here} {NamespaceInUseError.MARK}; commit or abort "
+                f"them before closing it")
         session.namespaces.discard(req.ns)
         store.close_namespace(ns)  # (forgotten if nothing else keeps it: no block, no user)
         return p.OkReply(req.rid), []

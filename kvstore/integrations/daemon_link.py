@@ -35,6 +35,7 @@ from kvstore.errors import (
     LeaseExpiredError,
     LimitExceededError,
     MalformedError,
+    NamespaceInUseError,
     NoSessionError,
     TooLargeError,
     UnavailableError,
@@ -377,14 +378,21 @@ class DaemonLink:
     def _close_oldest(self) -> bool:
         """Close the least recently used namespace on the daemon (its blocks stay) and
         forget it here (one with a reservation open stays open, and is the most recent
-        now); whether any was let go."""
+        now); whether any was let go.  A close refused for another limit (the session's
+        or tenant's request rate) ends the round, the namespace kept where it was: it
+        was taken for a save under way, and every other namespace was asked in turn,
+        each refused, of a daemon asking for fewer requests."""
         for _ in range(len(self._namespaces)):
             key, ns = self._namespaces.popitem(last=False)
             try:
                 ns.close()
-            except LimitExceededError:  # a save in it under way: kept
+            except NamespaceInUseError:  # a save in it under way: kept
                 self._namespaces[key] = ns
                 continue
+            except LimitExceededError:
+                self._namespaces[key] = ns
+                self._namespaces.move_to_end(key, last=False)
+                return False
             except KVStoreError:  # (gone with an old session: let go here all the same)
                 pass
             return True

@@ -4,14 +4,19 @@ the remote tier is in it)."""
 from __future__ import annotations
 
 import os
+import signal
 import time
+from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
 from kvtest import make_identity
 from redis_servers import RedisServer
 
+from kvstore import Client
 from kvstore import protocol as p
+from kvstore.errors import LimitExceededError, NamespaceInUseError
 from kvstore.under_way import SESSION_MOST
 
 
@@ -148,3 +153,66 @@ def test_a_waiting_prefetch_the_remote_store_fails_leaves_nothing_under_way(
         wait_for_none_under_way(peer)
     finally:
         peer.close()
+
+
+def test_an_engines_link_tells_a_close_refused_for_a_rate_from_a_save_under_way(
+        daemon_factory: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    """The daemon refuses a close with LimitExceededError where the session has a
+    reservation open in the namespace, and also for its request rates.  The engine's
+    link took every such refusal for a save under way: refused for a rate, it asked
+    every other namespace of its table in turn, each refused, of a daemon asking for
+    fewer requests.  Now a refusal for another limit ends the round, the namespace kept
+    in its place as the oldest."""
+    from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
+
+    config = tmp_path / "rate.toml"
+    config.write_text("[server]\n")
+    d = daemon_factory(extra=["--config", str(config)])
+    link = DaemonLink(DaemonSettings(d.endpoint, "acme", None, timeout=10.0))
+    closes: list[str] = []
+    try:
+        for i in range(4):
+            ns = link.namespace(f"salt-{i}", lambda i=i: make_identity(salt=f"u{i}"))
+            assert ns is not None, link.last_error
+            close = ns.close
+            monkeypatch.setattr(ns, "close", lambda i=i, close=close: (
+                closes.append(f"salt-{i}"), close())[1])
+        busy = link.namespace("salt-1", lambda: make_identity(salt="u1"))
+        assert busy is not None
+        saving = busy.reserve(busy.keys(range(16)))
+        with pytest.raises(NamespaceInUseError):
+            busy.close()
+        closes.clear()
+        # below one request a second every request past the hello is refused
+        reload(d, config, "[server]\nmax_requests_per_second = 0.5\n", limited=True)
+        assert link._close_oldest() is False
+        assert closes == ["salt-0"], closes  # (before: all four, each refused)
+        assert list(link._namespaces) == ["salt-0", "salt-2", "salt-3", "salt-1"]
+        reload(d, config, "[server]\n", limited=False)
+        closes.clear()
+        assert link._close_oldest() is True
+        assert link._close_oldest() is True  # salt-1's save under way: kept, salt-2 went
+        assert closes == ["salt-0", "salt-2"], closes
+        assert list(link._namespaces) == ["salt-3", "salt-1"]
+        saving.abort()
+    finally:
+        link.close()
+
+
+def reload(d: Any, config: Path, text: str, *, limited: bool) -> None:
+    """Reload the daemon's settings (SIGHUP) and wait until a new session's ping is
+    refused for its rate (``limited``) or not."""
+    config.write_text(text)
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 15
+    while True:
+        with Client(d.endpoint, tenant="acme", timeout=10) as probe:
+            try:
+                probe.ping()
+                refused = False
+            except LimitExceededError:
+                refused = True
+        if refused == limited:
+            return
+        assert time.monotonic() < deadline, "the reload did not take effect"
+        time.sleep(0.05)
