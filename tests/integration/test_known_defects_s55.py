@@ -216,3 +216,52 @@ def reload(d: Any, config: Path, text: str, *, limited: bool) -> None:
             return
         assert time.monotonic() < deadline, "the reload did not take effect"
         time.sleep(0.05)
+
+
+def test_a_remote_store_failing_while_its_marks_are_forgotten_leaves_no_trace(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    """The store loses what it held and then refuses every write (full, noeviction):
+    the round that forgets the daemon's marks of it ends all the same (it calls no
+    store: the blocks' writes again go in tasks of their own, and fail there), the
+    watch goes on checking, and notices the store's next generation."""
+    from kvstore.identity import Identity
+
+    ident: Identity = make_identity(num_layers=4, num_kv_heads=4, head_dim=64, tenant="acme")
+    d = daemon_factory(extra=["--remote", fresh_redis_server.url, "--log-level", "error"],
+                       env={"KVSTORE_REMOTE_CHECK_SECONDS": "0.2",
+                            "KVSTORE_REMOTE_TIMEOUT_S": "2"})
+    with Client(d.endpoint, tenant="acme", timeout=10) as client:
+        def remote() -> dict[str, Any]:
+            stats = client.stats()
+            assert stats["invariant_violations"] == 0
+            out: dict[str, Any] = stats["remote"]
+            return out
+
+        def wait(predicate: Any, what: str) -> None:
+            deadline = time.monotonic() + 20
+            while not predicate():
+                shown = {k: v for k, v in remote().items() if v}
+                assert time.monotonic() < deadline, f"{what}: {shown}"
+                time.sleep(0.05)
+
+        ns = client.namespace(ident)
+        keys = ns.keys(range(4 * ident.block_tokens))
+        ns.put(keys, [bytes([i]) * ident.block_bytes for i in range(len(keys))])
+        wait(lambda: remote()["writes"] >= 4 and remote()["generation_checks"] >= 1,
+             "the writes through")
+        written = remote()["writes"]
+        with fresh_redis_server.client() as r:
+            r.config_set("maxmemory-policy", "noeviction")
+            r.config_set("maxmemory", "1")
+            r.flushall()
+        wait(lambda: remote()["generations_lost"] == 1 and not remote()["forgetting_marks"]
+             and remote()["marks_forgotten"] >= 4, "the marks forgotten")
+        wait(lambda: remote()["refused_writes"] >= 4, "the writes again refused")
+        assert remote()["writes"] == written
+        with fresh_redis_server.client() as r:
+            r.config_set("maxmemory", "0")
+        # the store takes a token again: another generation, noticed, its round ended
+        # (the refused writes are not sent again: a full store's refusal, as any)
+        wait(lambda: remote()["generations_lost"] == 2 and not remote()["forgetting_marks"],
+             "the next check")
+        assert ns.get(keys) == [bytes([i]) * ident.block_bytes for i in range(len(keys))]
