@@ -343,23 +343,34 @@ def _send(sock: Any, message: bytes) -> bool:
     return True
 
 
+# a token id's text is a few bytes: this holds millions of them, more than any request
+MAX_TOKENS_FILE_BYTES = 64 << 20
+
+
 def read_tokens(path: str) -> list[int]:
     """Token ids from a file: a JSON list, or integers split by spaces, commas or lines
-    (``-``: standard input)."""
+    (``-``: standard input), of ``MAX_TOKENS_FILE_BYTES`` at most.  (Read whole, a file
+    such as /dev/zero grew the command's memory until the host killed it.)"""
     import json
     import sys
 
-    if path == "-":
-        try:
-            text = sys.stdin.read()
-        except UnicodeDecodeError as exc:
-            raise MalformedError(f"cannot read token ids from standard input: {exc}") from None
-    else:
-        try:
-            with open(path) as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise MalformedError(f"cannot read token ids from {path!r}: {exc}") from None
+    from kvstore.errors import ConfigError
+    from kvstore.files import read_regular_file
+
+    try:
+        if path == "-":
+            raw = sys.stdin.buffer.read(MAX_TOKENS_FILE_BYTES + 1)
+            if len(raw) > MAX_TOKENS_FILE_BYTES:
+                raise MalformedError(f"standard input holds more than {MAX_TOKENS_FILE_BYTES} "
+                                     "bytes of token ids")
+        else:
+            # (a pipe or a terminal is read too, as ``--tokens <(...)`` gives one)
+            raw, _ = read_regular_file(path, "--tokens", MAX_TOKENS_FILE_BYTES, streams=True)
+        text = raw.decode("utf-8")
+    except ConfigError as exc:
+        raise MalformedError(f"cannot read token ids: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MalformedError(f"cannot read token ids from {path!r}: {exc}") from None
     try:
         value = json.loads(text) if text.lstrip().startswith("[") else [
             int(t) for t in text.replace(",", " ").split()]
