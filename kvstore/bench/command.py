@@ -139,6 +139,13 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser,
         why = missing_library()
         if why:
             parser.error(f"--plot: {why}")
+        # made now: one that cannot be was a traceback once every section had run
+        try:
+            args.plot.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--plot: cannot make the directory {args.plot}: {exc.strerror}")
+        if not os.access(args.plot, os.W_OK | os.X_OK):
+            parser.error(f"--plot: {args.plot} is not a directory this user may write in")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,10 +170,16 @@ def run(args: argparse.Namespace) -> int:
         progress.finish()
         shutil.rmtree(work, ignore_errors=True)
     plots: list[str] = []
+    code = 0
     if args.plot is not None:
         from kvstore.bench.plots import write_plots
 
-        plots = [str(p) for p in write_plots(results, args.plot)]
+        try:
+            plots = [str(p) for p in write_plots(results, args.plot)]
+        except OSError as exc:  # (the figures are still printed below)
+            print(f"kvstore bench: --plot: cannot write the charts in {args.plot}: "
+                  f"{exc.strerror}", file=sys.stderr)
+            code = 1
     from kvstore.bench.report import document, table
 
     if args.json:
@@ -178,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         print(table(results))
         for path in plots:
             print(f"wrote {path}")
-    return 0
+    return code
 
 
 def _run_sections(args: argparse.Namespace, sections: list[str], repeat: int, work: Path,

@@ -21,10 +21,11 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (_COMMAND_MEMORY, _COMMAND_MEMORY))
 
 
-def run_command(*args: str) -> subprocess.CompletedProcess[str]:
-    """``kvstore ARGS`` in a process of bounded memory."""
+def run_command(*args: str, bounded: bool = False) -> subprocess.CompletedProcess[str]:
+    """``kvstore ARGS``, in a process of bounded memory where ``bounded`` (a daemon the
+    command starts would not fit in it)."""
     return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True,
-                          text=True, timeout=120, preexec_fn=_limited)
+                          text=True, timeout=300, preexec_fn=_limited if bounded else None)
 
 
 def test_route_tokens_from_an_endless_file_is_a_one_line_refusal(tmp_path: Path) -> None:
@@ -35,9 +36,25 @@ def test_route_tokens_from_an_endless_file_is_a_one_line_refusal(tmp_path: Path)
     identity = tmp_path / "identity.json"
     identity.write_text(json.dumps({f: getattr(ident, f) for f in ident.__struct_fields__}))
     done = run_command("route", "--endpoints", f"ipc://{tmp_path}/none", "--tokens",
-                       "/dev/zero", "--identity", f"@{identity}", "--deadline", "0.1")
+                       "/dev/zero", "--identity", f"@{identity}", "--deadline", "0.1",
+                       bounded=True)
     assert done.returncode == 1, done
     assert "Traceback" not in done.stderr, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvstore: "), done.stderr
     assert "holds more than" in lines[0], done.stderr
+
+
+def test_bench_plot_in_a_directory_that_cannot_be_made_is_refused_before_it_runs(
+        tmp_path: Path) -> None:
+    """``kvstore bench --plot DIR`` where DIR cannot be made (under a file, say) ran
+    every section asked for, then ended in a traceback from ``mkdir``, its figures never
+    printed.  Now it is refused with the arguments' other errors, before anything runs."""
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    done = run_command("bench", "--quick", "--plot", str(taken / "charts"), "control")
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, done
+    assert "starting a daemon" not in done.stderr, done.stderr  # nothing ran
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvstore bench: error: --plot: "), done.stderr
