@@ -99,6 +99,8 @@ def client_endpoint(endpoint: str | None) -> str:
 
 SECTIONS = ("server", "dram", "ssd", "remote", "auth", "gpu", "events")
 _INT_MOST = 2**31 - 1  # the most any count may be (ZeroMQ's options are C ints)
+# the shortest lease taken: a client renews it with every request, within a few ms
+MIN_LEASE_SECONDS = 0.1
 
 # The settings a SIGHUP changes in a running daemon (section, field); any other change
 # needs a restart.  The reload's merge and its list of what needs a restart both come
@@ -479,8 +481,11 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if not endpoint.startswith(("ipc://", "tcp://")):
                 raise ConfigError(
                     f"server.endpoint: {endpoint!r} must start with ipc:// or tcp://")
-        if not self.server.lease_seconds > 0:
-            raise ConfigError("server.lease_seconds: must be a positive number of seconds")
+        if not self.server.lease_seconds >= MIN_LEASE_SECONDS:
+            # (a lease of 1e-9 was taken: every session ended at its next request, and
+            # the reaper, due every quarter lease, ran on every turn of an idle loop)
+            raise ConfigError(f"server.lease_seconds: {self.server.lease_seconds:g}; give "
+                              f"at least {MIN_LEASE_SECONDS:g} seconds")
         if not 0.001 <= self.server.handshake_seconds <= 3600:
             raise ConfigError("server.handshake_seconds: from 0.001 to 3600 seconds")
         if not (self.server.stop_seconds == 0 or 1 <= self.server.stop_seconds <= 86400):

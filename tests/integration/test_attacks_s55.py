@@ -58,3 +58,20 @@ def test_bench_plot_in_a_directory_that_cannot_be_made_is_refused_before_it_runs
     assert "starting a daemon" not in done.stderr, done.stderr  # nothing ran
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("kvstore bench: error: --plot: "), done.stderr
+
+
+def test_a_lease_too_short_to_renew_is_a_config_error_naming_its_field(
+        tmp_path: Path) -> None:
+    """``server.lease_seconds = 1e-9`` (or ``serve --lease 1e-300``, or either on a
+    SIGHUP) was taken as positive: every session's lease ran out before its next request
+    (each client told its session expired), and the reaper, due every quarter of a lease,
+    ran on every turn of the idle daemon's loop (a third of a core measured).  A lease
+    under ``config.MIN_LEASE_SECONDS`` (0.1) is now refused, as a negative one is."""
+    for lease in ("1e-300", "1e-9", "0.05"):
+        config = tmp_path / "lease.toml"
+        config.write_text(f"[server]\nlease_seconds = {lease}\n")
+        done = run_command("config", "check", str(config))
+        assert done.returncode == 2, (lease, done)
+        assert "server.lease_seconds" in done.stderr and "Traceback" not in done.stderr, done
+    config.write_text("[server]\nlease_seconds = 0.1\n")
+    assert run_command("config", "check", str(config)).returncode == 0
