@@ -240,7 +240,10 @@ class RequestBook:
         # Blocks the store holds are never saved again, loaded or not.
         state.saved_blocks = max(state.saved_blocks, min(cached, full))
         hit = min(cached, usable) - first
-        if not self._roles.consumer or hit <= 0:
+        # vLLM reads no cached prefix for a request that asks for its prompt's
+        # log-probabilities: an offer would be dropped, its prefetch and count wasted
+        skip = getattr(request, "skip_reading_prefix_cache", False)
+        if not self._roles.consumer or hit <= 0 or skip:
             return 0, False
         rates = self._rates.current(functools.partial(daemon_rates, self._link))
         worth = rates.blocks(tiers[first:first + hit])

@@ -88,6 +88,8 @@ def test_hits_are_the_full_blocks_before_the_last_token(runs: dict[str, Any]) ->
     # LONG: 3 blocks; EXACT: 1 of its 2 (vLLM computes the last token); PAST: 2; SHORT: 0
     assert results(runs["kvstore"], 1, "num_cached_tokens") == [384, 128, 256, 0]
     assert phases[2]["external_tokens"] == 0  # prompt log-probabilities: nothing read
+    # and nothing offered (vLLM dropped the offers: counted, their blocks prefetched)
+    assert [p["offers"] for p in phases] == [0, 3, 0, 1]
     assert results(runs["kvstore"], 3, "num_cached_tokens") == [384]
     assert runs["kvstore"]["worker"]["load_failed_blocks"] == 0
 

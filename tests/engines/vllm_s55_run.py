@@ -105,6 +105,7 @@ def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
             "results": [outputs.get(i) for i in ids], "steps": steps,
             "left_in_scheduler": len(scheduler.requests),
             "daemon": daemon_dram(conn) if conn is not None else {},
+            "offers": after.get("offers", 0) - before.get("offers", 0),
             "external_tokens": after.get("hit_tokens", 0) - before.get("hit_tokens", 0)})
     return {"phases": phases, "preemptions": preemptions[0], "connected": connected,
             "worker": dict(worker.stats) if worker else {},
