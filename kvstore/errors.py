@@ -110,6 +110,11 @@ class UnavailableError(KVStoreError):
     code = "unavailable"
 
 
+class CallTimeoutError(UnavailableError):
+    """A backend call did not finish within its timeout (the store may be slow for this
+    call's own load, or not answer at all: the remote tier tells which)."""
+
+
 class BackendError(KVStoreError):
     """A storage backend (SSD, remote plugin) failed."""
 

@@ -24,6 +24,7 @@ from kvstore.config import Config
 from kvstore.auth import read_secret
 from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
+from kvstore.remote_health import TierHealth
 from kvstore.remote_watch import GenerationWatch
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
@@ -72,7 +73,6 @@ class RemoteTier:
         self.store = store
         self.slot = slot
         self.cooldown = r.unhealthy_seconds
-        self._unhealthy_until = 0.0
         self._gate = UrgentFirst(r.concurrency)  # reads and lookups before writes
         self.transfers = gate
         self.write_back = r.write_policy == "write-back"
@@ -82,6 +82,8 @@ class RemoteTier:
         if self.write_back:  # DRAM-only blocks come here before they are evicted
             store.remote_write_back = lambda: self.taking_write_backs
         self._background = Background()
+        self.health = TierHealth(self.cooldown, r.timeout_s, self.backend.health,
+                                 lambda probe: self._background.spawn(probe, own_context=True))
         self._through: TurnBatch[Block] = TurnBatch(self._background, self._write_through)
         self.counters = {"writes": 0, "write_bytes": 0, "reads": 0, "read_bytes": 0,
                          "misses": 0, "errors": 0, "lookups": 0, "hit_blocks": 0,
@@ -107,7 +109,8 @@ class RemoteTier:
     # -- health ---------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return time.monotonic() >= self._unhealthy_until
+        return self.health.healthy
+
 
     @property
     def taking_write_backs(self) -> bool:
@@ -127,31 +130,31 @@ class RemoteTier:
         self._refusing_until = time.monotonic() + self.cooldown
 
     def failed(self, what: str, exc: Exception) -> None:
+        """A call for no tenant (the generation check) failed: the store's failure."""
         self.counters["errors"] += 1
-        if self.healthy:
-            log.warning("remote %s failed (%s); skipping the remote tier for %gs",
-                        what, exc, self.cooldown)
-        self._unhealthy_until = time.monotonic() + self.cooldown
+        self.health.failed(what, exc)
 
     # -- lookup ----------------------------------------------------------------------------
     async def leading(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` the remote store holds as a leading run (0 if unhealthy)."""
-        if not keys or not self.healthy:
+        tenant = asking(ns)
+        if not keys or not self.health.serves(tenant):
             return 0
         self.counters["lookups"] += 1
         n = 0
         try:
             for start in range(0, len(keys), CALL_KEYS_MOST):
                 part = list(keys[start:start + CALL_KEYS_MOST])
-                async with self._gate.hold(urgent=True, tenant=asking(ns)):
-                    if not self.healthy:  # marked while this waited its turn
+                async with self._gate.hold(urgent=True, tenant=tenant):
+                    if not self.health.serves(tenant):  # marked while this waited its turn
                         return 0
-                    found = await self.backend.exists(ns.id, part)
+                    found = await self.health.call(
+                        tenant, "lookup", lambda: self.backend.exists(ns.id, part))
                 n += found
                 if found < len(part):
                     break
-        except KVStoreError as exc:
-            self.failed("lookup", exc)
+        except KVStoreError:  # (judged: ``remote_health``)
+            self.counters["errors"] += 1
             return 0
         self.counters["hit_blocks"] += n
         return n
@@ -184,23 +187,26 @@ class RemoteTier:
         epoch = self.epoch
         sums: list[int] = []
         most = max(1, min(CALL_KEYS_MOST, READ_BYTES_MOST // ns.block_bytes))
+        tenant = asking(ns)
         try:
             for start in range(0, len(views), most):
                 part = views[start:start + most]
-                async with self._gate.hold(urgent=True, tenant=asking(ns)), self.transfers.slot(
+                async with self._gate.hold(urgent=True, tenant=tenant), self.transfers.slot(
                         len(part) * ns.block_bytes, default_kind=TransferKind.RELOAD,
                         default_tenant=ns.tenant):
                     # (a tier marked unhealthy while this waited: a miss, not a timeout
                     # more) each payload's xxh3, verified on arrival: the DRAM copy's
                     # checksum too, which clients check
-                    got = (await self.backend.get_into_checksums(
-                        ns.id, missing[start:start + most], part) if self.healthy else [])
+                    got = await self.health.call(
+                        tenant, "read", lambda: self.backend.get_into_checksums(
+                            ns.id, missing[start:start + most], part)
+                    ) if self.health.serves(tenant) else []
                 found = [digest for digest in got if digest is not None]
                 sums += found
                 if len(found) < len(part):
                     break  # a miss: the rest would be read for nothing
-        except KVStoreError as exc:
-            self.failed("read", exc)
+        except KVStoreError as exc:  # (judged: ``remote_health``)
+            self.counters["errors"] += 1
             failure: KVStoreError | None = exc
         except BaseException:  # cancelled while queued or reading: give the slots back
             self.store.abort(REMOTE_OWNER, r.id)
@@ -244,8 +250,9 @@ class RemoteTier:
         commit once it is healthy again (while they are still cached here)."""
         deferred = self._deferred
         for b in blocks:
-            deferred[b] = None
-        self.counters["deferred_writes"] += len(blocks)
+            if b not in deferred:  # (one held back again, its tenant's skip not over)
+                deferred[b] = None
+                self.counters["deferred_writes"] += 1
         while len(deferred) > DEFERRED_MOST:
             del deferred[next(iter(deferred))]
             self.counters["unsent_writes"] += 1
@@ -265,7 +272,7 @@ class RemoteTier:
                 await self._put(ns, blocks[start:start + most])
 
     async def _put(self, ns: Namespace, blocks: list[Block]) -> None:
-        if not self.healthy:
+        if not self.health.serves(ns.tenant):
             self._defer(blocks)
             return
         try:
@@ -279,7 +286,7 @@ class RemoteTier:
         try:
             ok = await self.send(ns, [b.key for b in blocks], views, "write",
                                   write_back=self.write_back, blocks=blocks)
-            if ok is None and not self.healthy:  # failed, or the tier went down meanwhile
+            if ok is None and not self.health.serves(ns.tenant):  # failed, or went down
                 self._defer(blocks)
             for b, good in zip(blocks, ok or ()):
                 if good and not b.marks & REMOTE_MARK:
@@ -348,12 +355,15 @@ class RemoteTier:
             # the transfer slots the local tiers share
             async with self._gate.hold(urgent=False), self.transfers.slot(
                     len(views) * ns.block_bytes, default_tenant=ns.tenant):
+                # (the tier down for everyone: a tenant's own skip holds back its reads and
+                # write-throughs, not write-backs, which DRAM needs for room)
                 if not self.healthy:
                     return None
-                written = (await self.backend.put_checksummed(ns.id, keys, views, sums)
-                           if keys else [])
-        except KVStoreError as exc:
-            self.failed(what, exc)
+                written = await self.health.call(
+                    ns.tenant, what, lambda: self.backend.put_checksummed(
+                        ns.id, keys, views, sums)) if keys else []
+        except KVStoreError:  # (judged: ``remote_health``)
+            self.counters["errors"] += 1
             return None
         if self.epoch != epoch:  # the store lost what it held meanwhile: maybe these too
             written = [False] * len(written)
@@ -401,10 +411,10 @@ class RemoteTier:
         # them wrote nothing back, every block only DRAM held lost; a store really down
         # fails the first send within its timeout, and the others skip it.  The store's
         # generation first: blocks marked as held by a store that lost them go too
-        self._unhealthy_until = 0.0
+        self.health.clear()
         await self.watch.check()
         await self.watch.forgotten()
-        self._unhealthy_until = 0.0
+        self.health.clear()
         by_ns: dict[Namespace, list[Block]] = {}
         for ns in list(self.store.namespaces.values()):
             for b in ns.blocks.values():
@@ -432,6 +442,10 @@ class RemoteTier:
         out: dict[str, Any] = dict(self.counters)
         out["backend"] = self.name
         out["healthy"] = self.healthy
+        # tenants whose own calls timed out, skipping the tier for now (how many: their
+        # names are not every reader's to see)
+        out["tenants_skipping"] = self.health.skipping()
+        out.update(self.health.counters)
         out["forgetting_marks"] = self.watch.forgetting
         out["corrupt_values"] = self.backend.counters.corrupt_values
         out["timeouts"] = self.backend.counters.timeouts

@@ -23,6 +23,7 @@ import xxhash
 
 from kvstore.errors import (
     BackendError,
+    CallTimeoutError,
     ConfigError,
     KVStoreError,
     MalformedError,
@@ -325,7 +326,7 @@ class GuardedBackend(StorageBackend):
                 return await call
         except TimeoutError:
             self.counters.timeouts += 1
-            raise UnavailableError(
+            raise CallTimeoutError(
                 f"{self.name} backend: {op} did not finish within {self.timeout_s:g} s"
             ) from None
         except KVStoreError:

@@ -1,0 +1,122 @@
+"""One tenant's own remote timeouts cost that tenant only; a store that hangs is still
+down for every tenant.
+
+A real daemon over a real redis-server.  Tenant acme reads chains of 2 MiB blocks that
+only the remote store holds, three at a time: each backend call moves 64 MiB, more than
+the store sends in ``remote.timeout_s`` (0.5 s here) with the others under way, and
+times out.  Before, each such timeout ("get_into did not finish within 0.5 s") marked
+the tier down for every tenant: tenant globex's reads of blocks only the remote store
+held failed as misses for ``unhealthy_seconds`` after each (99 of 100 in a run).  Now
+the store is seen to answer meanwhile (``kvstore.remote_health``): acme alone skips
+the tier, its other calls end, and globex's reads are all served.  A frozen store
+(SIGSTOP) is still down for everyone at its first timeout.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+from kvtest import make_identity
+from redis_servers import RedisServer
+
+from kvstore import Client
+from kvstore.errors import KVStoreError
+
+HEAVY = make_identity(tenant="acme", num_layers=32, num_kv_heads=8, head_dim=128)
+VICTIM = make_identity(tenant="globex")
+HEAVY_CHAINS = 4
+HEAVY_CHAIN = 32  # blocks: 64 MiB, one backend call
+VICTIM_CHAINS = 80
+ENV = {"KVSTORE_REMOTE_TIMEOUT_S": "0.5", "KVSTORE_REMOTE_UNHEALTHY_SECONDS": "1"}
+
+
+def wait_for(check: Any, what: str, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def fill(endpoint: str) -> tuple[list[list[bytes]], list[list[bytes]]]:
+    """Both tenants' chains, written through to the store."""
+    heavy: list[list[bytes]] = []
+    victim: list[list[bytes]] = []
+    with Client(endpoint, tenant="acme") as c:
+        ns = c.namespace(HEAVY)
+        for i in range(HEAVY_CHAINS):
+            keys = ns.keys(range(i * 10_000, i * 10_000 + HEAVY_CHAIN * HEAVY.block_tokens))
+            ns.put(keys, [bytes([i]) * HEAVY.block_bytes for _ in keys])
+            heavy.append(keys)
+            wait_for(lambda: c.stats()["remote"]["writes"] >= HEAVY_CHAIN * len(heavy),
+                     "acme's chains never reached redis")
+    with Client(endpoint, tenant="globex") as c:
+        ns = c.namespace(VICTIM)
+        for i in range(VICTIM_CHAINS):
+            keys = ns.keys(range(i * 1000, i * 1000 + 4 * VICTIM.block_tokens))
+            ns.put(keys, [bytes([i]) * VICTIM.block_bytes for _ in keys])
+            victim.append(keys)
+        wait_for(lambda: c.stats()["remote"]["writes"]
+                 >= HEAVY_CHAINS * HEAVY_CHAIN + 4 * VICTIM_CHAINS,
+                 "globex's chains never reached redis")
+    return heavy, victim
+
+
+def heavy_reads(endpoint: str, chains: list[list[bytes]], stop: threading.Event) -> None:
+    with Client(endpoint, tenant="acme") as c:
+        ns = c.namespace(HEAVY)
+        while not stop.is_set():
+            keys = random.choice(chains)
+            try:
+                ns.get(keys)  # a miss for now once acme skips the tier
+                ns.evict(keys)
+            except KVStoreError:
+                time.sleep(0.01)
+
+
+def test_one_tenants_timeouts_leave_the_tier_to_the_others(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    writer = daemon_factory(dram_capacity="256MiB", debug_invariants=False,
+                            extra=["--remote", fresh_redis_server.url])
+    heavy, victim = fill(writer.endpoint)
+    writer.stop()
+    d = daemon_factory(dram_capacity="256MiB", debug_invariants=False, env=ENV,
+                       extra=["--remote", fresh_redis_server.url])
+    stop = threading.Event()
+    flood = [threading.Thread(target=heavy_reads, args=(d.endpoint, heavy, stop))
+             for _ in range(3)]
+    for t in flood:
+        t.start()
+    served = skipped = 0
+    try:
+        with Client(d.endpoint, tenant="globex") as c:
+            ns = c.namespace(VICTIM)
+            for i, keys in enumerate(victim[:60]):
+                try:
+                    assert ns.get(keys) == [bytes([i]) * VICTIM.block_bytes] * 4, i
+                    served += 1
+                except KVStoreError:
+                    skipped += 1
+                time.sleep(0.05)
+            remote = c.stats()["remote"]
+    finally:
+        stop.set()
+        for t in flood:
+            t.join()
+    assert (served, skipped) == (60, 0), (served, skipped, remote)
+    assert remote["timeouts"] >= 1 and remote["tenant_timeouts"] >= 1, remote  # acme's own
+    assert remote["healthy"], remote
+    assert "skipping the remote tier for" not in d.log(), d.log()[-3000:]
+
+    # a store that hangs is every tenant's trouble: down at the first timeout
+    with Client(d.endpoint, tenant="globex") as c:
+        ns = c.namespace(VICTIM)
+        fresh_redis_server.pause()
+        try:
+            assert ns.lookup(victim[70]).blocks == 0
+        finally:
+            fresh_redis_server.resume()
+        assert not c.stats()["remote"]["healthy"]
+    assert "skipping the remote tier for" in d.log()
