@@ -169,6 +169,11 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_requests_per_second_per_tenant: float = 0.0
     max_bytes_in_flight_per_tenant: str | int = 0
     max_transfers_in_flight: int = 8
+    # requests that finish later and prefetches under way in tasks (``under_way``), over
+    # every session and tenant, and the keys they name (about 55 bytes a key): bounded
+    # per session and per tenant too, but many tenants together held unbounded tasks
+    max_requests_under_way: int = 16384
+    max_keys_under_way: int = 1 << 22
     tenant_weights: dict[str, float] = {}
     socket_group: str = ""  # a group (name or gid) whose members may connect
 
@@ -492,7 +497,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("server.stop_seconds: 0 (no limit), or from 1 to 86400 seconds")
         for name in ("max_keys_per_request", "max_reservations_per_session",
                      "max_pins_per_session", "max_namespaces_per_session",
-                     "max_unread_replies"):
+                     "max_unread_replies", "max_requests_under_way",
+                     "max_keys_under_way"):
             if getattr(self.server, name) <= 0:
                 raise ConfigError(f"server.{name}: must be a positive integer")
         if self.server.log_level.lower() not in ("debug", "info", "warning", "error"):

@@ -21,7 +21,7 @@ from kvstore.pending import Later, Pending
 from kvstore.sessions import Session
 from kvstore.plans import MAX_TURNS
 from kvstore.store import Plan
-from kvstore.under_way import keys_of
+from kvstore.under_way import FREEING, keys_of
 from kvstore.verbs import Answer, Daemon, Handler
 
 log = logging.getLogger("kvstore.server")
@@ -76,14 +76,14 @@ class Finisher:
             store.early = False
 
     def hold(self, session: Session, request: Any, payload: list[Any],
-             answer: Pending) -> None:
+             answer: Pending, verb: str = "") -> None:
         """Count a request that finishes in a task (``finish``; ``answer`` its first),
         and its payload's bytes in flight: LimitExceededError past a limit
         (``kvstore.under_way``)."""
         keys = self._counted_keys(request, answer)
         under_way = self.d.under_way
         if keys is not None:
-            under_way.take(session, keys)
+            under_way.take(session, keys, freeing=verb in FREEING)
         try:
             self.d.sessions.hold_bytes(session, sum(len(f) for f in payload))
         except BaseException:

@@ -124,7 +124,7 @@ class Server:
         self.policy_switches = PolicySwitches(self.store)  # SIGHUP's, in loop turns
         self.moves = Moves(self.store, clock)  # its tiers' movers join in start()
         self.finisher = Finisher(self)
-        self.under_way = UnderWay()  # requests and prefetches in tasks, per session
+        self.under_way = UnderWay(s.max_requests_under_way, s.max_keys_under_way)
         self.verbs: Verbs = Verbs(self)
         self.sides: list[SideSocket] = []
         self.verbs.add(RoutingVerbs(self).table() | NamespaceVerbs(self).table())
@@ -334,7 +334,7 @@ class Server:
                         # bytes must move between tiers first, or the reply comes later:
                         # finish in a task
                         try:
-                            finisher.hold(session, request, frames[2:], answer)
+                            finisher.hold(session, request, frames[2:], answer, verb)
                         except BaseException:
                             if isinstance(answer, Plan):
                                 self.moves.abandon(answer)
@@ -429,6 +429,7 @@ class Server:
     def _check_all(self) -> None:
         self.store.check_invariants()
         self.sessions.check_invariants()
+        self.under_way.check()
 
     def _violated(self, what: str) -> None:
         self.invariant_violations += 1

@@ -6,9 +6,14 @@ bytes a key) and a task until then, and a peer may send the next one without wai
 nothing bounded them.  A tenant whose DRAM was full of its own pins, under a pressure
 chain that defers, sent reserve after reserve: each waited for room until its deadline,
 as many as it sent.  So a session has at most ``SESSION_MOST`` of them under way, and a
-tenant's, over its sessions, name at most ``TENANT_KEYS_MOST`` keys; past either,
-``LimitExceededError`` and nothing is started (a best-effort prefetch too: its reply
-is that error).
+tenant's, over its sessions, name at most ``TENANT_KEYS_MOST`` keys; and the daemon's,
+over every session and tenant, are at most ``server.max_requests_under_way`` naming at
+most ``server.max_keys_under_way`` keys (before, many tenants, or one tenant's many
+sessions, together held tasks and keys without bound).  Past any of them,
+``LimitExceededError`` and nothing is started (a best-effort prefetch too: its reply is
+that error).  An evict or a drop is not refused for the daemon's bound (it still counts
+in it): those waiting for room hold the bound, and one refused would leave them waiting
+for the room it makes until their deadline, every tenant's requests refused meanwhile.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from kvstore.sessions import Session
 
 SESSION_MOST = 256  # a session's requests and prefetches under way in tasks, at most
 TENANT_KEYS_MOST = 1 << 20  # the keys those of a tenant's sessions name together, at most
+FREEING = frozenset({"evict", "drop"})  # verbs that give room back: not refused daemon-wide
 
 
 def keys_of(request: Any) -> int:
@@ -32,25 +38,34 @@ def keys_of(request: Any) -> int:
 
 
 class UnderWay:
-    """The count of each session's work under way in tasks, and each tenant's keys in it."""
+    """The count of each session's work under way in tasks, each tenant's keys in it, and
+    the daemon's: at most ``most_requests`` naming ``most_keys`` keys together."""
 
-    def __init__(self) -> None:
+    def __init__(self, most_requests: int = 16384, most_keys: int = 1 << 22) -> None:
+        self.most_requests = most_requests
+        self.most_keys = most_keys
         self.sessions: dict[str, int] = {}  # session id -> requests under way
         self.tenant_keys: dict[str, int] = {}  # tenant -> keys those name
+        self.requests = 0  # over every session
+        self.keys = 0  # over every tenant
 
     def __repr__(self) -> str:
-        return (f"UnderWay(sessions={len(self.sessions)}, "
-                f"requests={sum(self.sessions.values())}, "
-                f"keys={sum(self.tenant_keys.values())})")
+        return (f"UnderWay(sessions={len(self.sessions)}, requests={self.requests}, "
+                f"keys={self.keys})")
 
     def stats(self) -> dict[str, int]:
         """Requests and prefetches under way in tasks, and the keys they name."""
-        return {"requests": sum(self.sessions.values()),
-                "keys": sum(self.tenant_keys.values())}
+        return {"requests": self.requests, "keys": self.keys}
 
-    def take(self, session: Session, keys: int) -> None:
+    def check(self) -> None:
+        """The daemon's counts are the sums of the sessions' and the tenants'."""
+        assert self.requests == sum(self.sessions.values()), f"{self!r}: requests"
+        assert self.keys == sum(self.tenant_keys.values()), f"{self!r}: keys"
+
+    def take(self, session: Session, keys: int, *, freeing: bool = False) -> None:
         """Count one more of ``session``'s, naming ``keys`` keys; LimitExceededError
-        (nothing counted) past a limit."""
+        (nothing counted) past a limit (``freeing``: an evict or a drop, past the
+        daemon's only where it is past a session's or a tenant's limit)."""
         held = self.sessions.get(session.id, 0)
         if held >= SESSION_MOST:
             raise LimitExceededError(
@@ -62,19 +77,31 @@ class UnderWay:
                 f"tenant {session.tenant!r} has {tenant_keys} keys in requests and "
                 f"prefetches still under way (limit {TENANT_KEYS_MOST}); wait for their "
                 f"replies")
+        if not freeing and (self.requests >= self.most_requests or (
+                keys and self.keys and self.keys + keys > self.most_keys)):
+            raise LimitExceededError(
+                f"the daemon has {self.requests} requests and prefetches naming "
+                f"{self.keys} keys still under way over every session (limits "
+                f"{self.most_requests} and {self.most_keys} keys: "
+                f"server.max_requests_under_way, server.max_keys_under_way); wait for "
+                f"your replies, and try again")
         self.sessions[session.id] = held + 1
+        self.requests += 1
         if keys:  # (a request of no keys, a snapshot's say, counts for its session only)
             self.tenant_keys[session.tenant] = tenant_keys + keys
+            self.keys += keys
 
     def give(self, session: Session, keys: int) -> None:
         """One of ``session``'s is done (``take``'s ``keys``)."""
         held = self.sessions[session.id] - 1
+        self.requests -= 1
         if held:
             self.sessions[session.id] = held
         else:
             del self.sessions[session.id]
         if not keys:
             return
+        self.keys -= keys
         left = self.tenant_keys[session.tenant] - keys
         if left:
             self.tenant_keys[session.tenant] = left

@@ -1,0 +1,57 @@
+"""The daemon's work under way in tasks is bounded over every session and tenant: many
+tenants' sessions, each under its own limits, together held tasks and keys without
+bound.  Past the daemon's bound a request is refused with nothing counted; an evict or a
+drop still goes (it gives back the room those waiting hold the bound for)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvstore.config import Config, ServerConfig
+from kvstore.errors import ConfigError, LimitExceededError
+from kvstore.under_way import UnderWay
+
+
+def sessions(count: int) -> list[Any]:
+    return [SimpleNamespace(id=f"s{i}", tenant=f"t{i}") for i in range(count)]
+
+
+def test_requests_over_every_tenant_are_bounded() -> None:
+    under_way = UnderWay(most_requests=4, most_keys=1000)
+    many = sessions(5)
+    for s in many[:4]:
+        under_way.take(s, 10)
+    with pytest.raises(LimitExceededError, match="max_requests_under_way"):
+        under_way.take(many[4], 10)
+    assert under_way.requests == 4 and under_way.keys == 40  # nothing counted
+    assert "s4" not in under_way.sessions and "t4" not in under_way.tenant_keys
+    under_way.take(many[4], 10, freeing=True)  # an evict: goes, and counts
+    assert under_way.requests == 5
+    under_way.check()
+    for s in many:
+        under_way.give(s, 10)
+    assert (under_way.requests, under_way.keys) == (0, 0)
+    under_way.take(many[4], 10)  # the count went back
+    under_way.check()
+
+
+def test_keys_over_every_tenant_are_bounded() -> None:
+    under_way = UnderWay(most_requests=100, most_keys=25)
+    a, b, c = sessions(3)
+    under_way.take(a, 10)
+    under_way.take(b, 10)
+    with pytest.raises(LimitExceededError, match="max_keys_under_way"):
+        under_way.take(c, 10)
+    under_way.take(c, 0)  # a request of no keys (a whole snapshot) is one more request
+    under_way.check()
+    assert under_way.keys == 20 and under_way.requests == 3
+
+
+def test_the_bounds_are_configured_positive() -> None:
+    assert ServerConfig().max_requests_under_way >= 256  # a session's worth at least
+    for name in ("max_requests_under_way", "max_keys_under_way"):
+        with pytest.raises(ConfigError, match=name):
+            Config(server=ServerConfig(**{name: 0})).validate()
