@@ -14,6 +14,7 @@ from kvstore.errors import ConfigError, KVStoreError
 from kvstore.identity import tenant_problem
 
 if TYPE_CHECKING:
+    from kvstore.config import Config
     from kvstore.identity import Identity
 
 # the longest a token may be good for: a token cannot be revoked short of changing the
@@ -260,7 +261,7 @@ def _cmd_route(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from kvstore.config import config_to_toml, load_config
+    from kvstore.config import load_config
 
     config = load_config(args.file)
     if args.action == "check":
@@ -459,3 +460,35 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def config_to_toml(config: Config) -> str:
+    """The effective configuration as TOML text (for `config show`)."""
+    import msgspec
+
+    from kvstore.config import SECTIONS
+
+    lines: list[str] = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        values = msgspec.structs.asdict(getattr(config, section))
+        if section == "server" and not values["endpoint"]:
+            values["endpoint"] = config.endpoint
+        if section == "ssd" and not values["path"]:
+            values["path"] = str(config.ssd_path)
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -741,34 +741,6 @@ def _field_message(exc: msgspec.ValidationError) -> str:
     return text
 
 
-def config_to_toml(config: Config) -> str:
-    """The effective configuration as TOML text (for `config show`)."""
-    lines: list[str] = []
-    for section in SECTIONS:
-        lines.append(f"[{section}]")
-        values = msgspec.structs.asdict(getattr(config, section))
-        if section == "server" and not values["endpoint"]:
-            values["endpoint"] = config.endpoint
-        if section == "ssd" and not values["path"]:
-            values["path"] = str(config.ssd_path)
-        for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def merge_live(old: Config, new: Config) -> Config:
     """The running configuration ``old`` with only its live settings taken from ``new``."""
     sections: dict[str, Any] = {}
