@@ -129,10 +129,10 @@ class RemoteTier:
                         "for %gs", count, self.cooldown)
         self._refusing_until = time.monotonic() + self.cooldown
 
-    def failed(self, what: str, exc: Exception) -> None:
-        """A call for no tenant (the generation check) failed: the store's failure."""
+    def failed(self, what: str, exc: Exception, began: float | None = None) -> None:
+        """A call for no tenant (the generation check, begun at ``began``) failed."""
         self.counters["errors"] += 1
-        self.health.failed(what, exc)
+        self.health.failed(what, exc, began)
 
     # -- lookup ----------------------------------------------------------------------------
     async def leading(self, ns: Namespace, keys: Sequence[bytes]) -> int:

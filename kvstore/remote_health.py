@@ -56,7 +56,7 @@ class TierHealth:
         self._asking = False  # the store is asked whether it answers (calls under way)
         self._calls: dict[str, set[asyncio.Timeout]] = {}  # tenant -> its calls under way
         self.counters = {"tenant_timeouts": 0, "calls_again": 0, "probes": 0,
-                         "probes_failed": 0}
+                         "probes_failed": 0, "late_checks": 0}
 
     def __repr__(self) -> str:
         return (f"TierHealth(healthy={self.healthy}, tenants_skipping={len(self.tenants)}, "
@@ -88,9 +88,18 @@ class TierHealth:
         self.down_until = 0.0
         self.tenants.clear()
 
-    def failed(self, what: str, exc: Exception) -> None:
+    def failed(self, what: str, exc: Exception, began: float | None = None) -> None:
         """The store failed a call (not one timed out for a tenant's own load): every
-        tenant skips it for the cooldown."""
+        tenant skips it for the cooldown.  A call for no tenant (``began``: when it
+        began) that timed out while the store answered others waited behind their
+        load: not the store's failure (the generation check, behind one tenant's huge
+        reads, once marked the tier down for every tenant)."""
+        if (began is not None and isinstance(exc, CallTimeoutError)
+                and self.answered_at >= began):
+            self.counters["late_checks"] += 1
+            log.info("remote %s timed out behind other calls while the store answers "
+                     "(%s)", what, exc)
+            return
         if self.healthy:
             log.warning("remote %s failed (%s); skipping the remote tier for %gs",
                         what, exc, self.cooldown)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -52,7 +53,7 @@ class WatchedTier(Protocol):
     @property
     def healthy(self) -> bool: ...
 
-    def failed(self, what: str, exc: Exception) -> None: ...
+    def failed(self, what: str, exc: Exception, began: float | None = None) -> None: ...
 
     def write_again(self, blocks: list[Block]) -> None: ...
 
@@ -101,14 +102,16 @@ class GenerationWatch:
 
     async def check(self) -> bool:
         """Ask the store's generation; whether it changed since the last answer (the
-        marks are being forgotten then).  A failed call counts as the tier's failure."""
+        marks are being forgotten then).  A failed call counts as the tier's failure,
+        unless it timed out while the store answered others (``kvstore.remote_health``)."""
         tier = self.tier
+        began = time.monotonic()
         try:
             async with self._checking:
                 token = await tier.backend.generation()
                 return self._answered(token)
         except KVStoreError as exc:
-            tier.failed("generation check", exc)
+            tier.failed("generation check", exc, began)
             return False
 
     def _answered(self, token: bytes | None) -> bool:

@@ -81,3 +81,20 @@ def test_a_timeout_while_the_store_answers_is_the_tenants_own() -> None:
         assert h.serves("acme") and h.skipping() == 0
 
     asyncio.run(main())
+
+
+def test_a_check_for_no_tenant_timed_out_behind_others_is_not_the_stores_failure() -> None:
+    # the generation check, behind one tenant's huge reads, marked the tier down for all
+    h, now = health()
+    began = now[0]
+    h.answered_at = began + 1  # others' calls came back while it waited
+    now[0] += 2
+    h.failed("generation check", CallTimeoutError("did not finish within 2 s"), began)
+    assert h.healthy and h.counters["late_checks"] == 1
+    began = now[0]  # nothing answered since this one began: the store's failure
+    now[0] += 2
+    h.failed("generation check", CallTimeoutError("did not finish within 2 s"), began)
+    assert not h.healthy
+    h.clear()
+    h.failed("generation check", ConnectionError("refused"), now[0])  # not a timeout
+    assert not h.healthy

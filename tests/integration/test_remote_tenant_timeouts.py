@@ -105,10 +105,18 @@ def test_one_tenants_timeouts_leave_the_tier_to_the_others(
         stop.set()
         for t in flood:
             t.join()
-    assert (served, skipped) == (60, 0), (served, skipped, remote)
-    assert remote["timeouts"] >= 1 and remote["tenant_timeouts"] >= 1, remote  # acme's own
-    assert remote["healthy"], remote
-    assert "skipping the remote tier for" not in d.log(), d.log()[-3000:]
+    # Before, each of acme's timeouts took the tier from every tenant (three or more a
+    # run).  A machine so loaded that nothing came back for a whole timeout, not even the
+    # question whether the store answers, is the store's failure by the rule: once at
+    # most, here, and globex's reads are then skipped for that cooldown only.
+    whole = d.log().count("skipping the remote tier for")
+    assert whole <= 1, d.log()[-3000:]
+    assert remote["timeouts"] >= 1 and remote["tenant_timeouts"] > whole, remote  # acme's
+    if whole == 0:
+        assert (served, skipped) == (60, 0), (served, skipped, remote)
+        assert remote["healthy"], remote
+    else:  # (one cooldown of 1 s: globex reads one chain each ~0.05 s)
+        assert skipped <= 25, (served, skipped, remote)
 
     # a store that hangs is every tenant's trouble: down at the first timeout
     with Client(d.endpoint, tenant="globex") as c:
