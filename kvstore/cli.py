@@ -162,6 +162,8 @@ def _stats_view(stats: dict[str, Any], previous: dict[str, Any] | None, dt: floa
     from kvstore.config import format_size
 
     lines = []
+    if "tiers" not in stats:  # credentials set, not an operator: a tenant's own figures
+        return _tenant_view(stats)
     for tier, t in stats["tiers"].items():
         if "capacity" not in t:  # a tier without slots of its own (the remote store's marks)
             continue
@@ -190,6 +192,22 @@ def _stats_view(stats: dict[str, Any], previous: dict[str, Any] | None, dt: floa
         r = stats["remote"]
         lines.append(f"remote {r['backend']}: {'healthy' if r['healthy'] else 'UNHEALTHY'} "
                      f"writes={r['writes']} reads={r['reads']} errors={r['errors']}")
+    return "\n".join(lines)
+
+
+def _tenant_view(stats: dict[str, Any]) -> str:
+    """The view of a tenant that is not one of ``auth.operators`` where credentials are
+    set: the daemon leaves out its whole figures (``verbs.DAEMON_WIDE``) and names only
+    the tenants whose namespaces this one may open."""
+    from kvstore.config import format_size
+
+    lines = [f"sessions={stats.get('sessions', 0)} namespaces={stats.get('namespaces', 0)}"]
+    for key, tier in (("tenant_dram_bytes", "dram"), ("ssd_tenant_bytes", "ssd")):
+        held = stats.get(key) or {}
+        lines.append(f"{tier:6} held: " + (", ".join(
+            f"{name} {format_size(nbytes)}" for name, nbytes in sorted(held.items()))
+            or "nothing"))
+    lines.append("(the daemon's own figures are shown to its auth.operators only)")
     return "\n".join(lines)
 
 

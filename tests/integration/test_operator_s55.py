@@ -1,0 +1,59 @@
+"""What an operator sees of a daemon under bad or heavy traffic, against a real daemon
+process: ``kvstore stats`` for each tenant under credentials, the metrics of requests
+that cannot be decoded, and the engine's log while the daemon keeps refusing it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_proc import DaemonProcess
+from kvtest import make_identity
+
+from kvstore import Client
+from kvstore.auth import issue_token, read_secret
+
+
+def cli(*args: str, token: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, KVSTORE_TOKEN=token)
+    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+@pytest.fixture
+def token_daemon(daemon_factory: Callable[..., DaemonProcess],
+                 tmp_path: Path) -> tuple[DaemonProcess, bytes]:
+    """A daemon that takes tokens, acme its operator; and its secret."""
+    secret_file = tmp_path / "secret"
+    subprocess.run([sys.executable, "-m", "kvstore", "keygen", "--secret", str(secret_file)],
+                   check=True, capture_output=True, timeout=60)
+    config = tmp_path / "auth.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\noperators = ["acme"]\n')
+    d = daemon_factory(extra=["--config", str(config)])
+    return d, read_secret(secret_file)
+
+
+def test_stats_shows_a_tenant_that_is_no_operator_its_own_figures(
+        token_daemon: tuple[DaemonProcess, bytes]) -> None:
+    """``kvstore stats`` of a tenant that is not an operator was a KeyError traceback:
+    the daemon leaves the whole daemon's figures (``tiers`` among them) out of its
+    stats, and the view read them unconditionally."""
+    d, secret = token_daemon
+    for tenant in ("acme", "globex"):
+        with Client(d.endpoint, token=issue_token(secret, tenant, 600)) as client:
+            ns = client.namespace(make_identity(tenant=tenant))
+            ns.put(ns.keys(range(32)), [b"\1" * ns.block_bytes] * 2)
+    operator = cli("stats", "--endpoint", d.endpoint, token=issue_token(secret, "acme", 600))
+    assert operator.returncode == 0, operator.stderr
+    assert "dram" in operator.stdout and "invariant violations=0" in operator.stdout
+    shown = cli("stats", "--endpoint", d.endpoint, token=issue_token(secret, "globex", 600))
+    assert shown.returncode == 0, shown.stderr
+    assert "Traceback" not in shown.stderr and shown.stderr == ""
+    assert "globex" in shown.stdout and "acme" not in shown.stdout  # its own only
+    assert "sessions=1" in shown.stdout
+    assert "auth.operators" in shown.stdout  # says why the daemon's figures are not there
