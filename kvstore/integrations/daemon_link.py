@@ -11,7 +11,9 @@ tenant its credentials do not name) is not tried again with the same settings un
 back-off that doubles with each refusal in a row has passed (``connect`` raises the
 refusal again meanwhile, at once, with no handshake); new settings (a new token) are
 tried at once.  A namespace the daemon cannot hold (blocks larger than its slabs) is
-asked for once a client: the calls for it are misses, with one error logged.
+asked for once a client: the calls for it are misses, with one error logged.  A step
+that fails the same way again and again (a daemon refusing every request for its rate
+limit, or for want of room) is logged once, then once every ``REPEATS_S`` with a count.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from kvstore.errors import (
     UnavailableError,
 )
 from kvstore.identity import Identity
+from kvstore.logs import Repeats
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ MAX_NAMESPACES = 512    # namespaces kept open per link (the least recent closed
 EARLY_END_S = 1.0       # a back-off another link's answer ends, once this long passed
 REFUSED_S = 1.0         # no connect with the same settings for this long after a refusal,
 REFUSED_MAX_S = 60.0    # doubled with each refusal in a row, up to this
+REPEATS_S = 10.0        # a step's failure repeated is logged at most once this long
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,7 @@ class DaemonLink:
         self._used: float | None = None  # when the link last handed out its client (``_alive``)
         self.failures = 0
         self.last_error: KVStoreError | None = None  # the latest step's that failed
+        self._repeats = Repeats(logger, REPEATS_S, clock=clock)
 
     @property
     def endpoint(self) -> str:
@@ -404,7 +409,9 @@ class DaemonLink:
         next call, a session it ended or does not know (it restarted on the endpoint)."""
         self.failures += 1
         self.last_error = exc
-        logger.warning("kvstore: %s failed: %s", what, exc)
+        # a kind per step (not per request: "save for request 7") and error
+        self._repeats.log(logging.WARNING, (what.split(" for ")[0], type(exc)),
+                          "kvstore: %s failed: %s", what, exc)
         if isinstance(exc, UnavailableError):
             self._backed_off_at = self._clock()
             self._unavailable_until = self._backed_off_at + self._backoff_s

@@ -17,6 +17,9 @@ from kvtest import make_identity
 
 from kvstore import Client
 from kvstore.auth import issue_token, read_secret
+from kvstore.errors import LimitExceededError
+from kvstore.integrations import daemon_link
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 
 
 def cli(*args: str, token: str) -> subprocess.CompletedProcess[str]:
@@ -57,3 +60,54 @@ def test_stats_shows_a_tenant_that_is_no_operator_its_own_figures(
     assert "globex" in shown.stdout and "acme" not in shown.stdout  # its own only
     assert "sessions=1" in shown.stdout
     assert "auth.operators" in shown.stdout  # says why the daemon's figures are not there
+
+
+def test_an_engine_logs_a_refusal_repeated_at_every_step_once_in_a_while(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon refusing every request (here its rate limit) wrote a warning in the
+    engine's log for each failed step: 2,000 lookups, 2,000 lines.  Now the first of each
+    kind at once, then one every 10 s saying how many more were held back."""
+    config = tmp_path / "limits.toml"
+    config.write_text("[server]\nmax_requests_per_second = 5\n")
+    d = daemon_factory(extra=["--config", str(config)])
+    now = [0.0]
+    link = DaemonLink(DaemonSettings(endpoint=d.endpoint, tenant="acme", timeout=5.0),
+                      clock=lambda: now[0])
+    ident = make_identity()
+
+    refused = {"lookup": 0, "save": 0}
+
+    def step(what: str, i: int) -> None:
+        ns = link.namespace("a", lambda: ident)
+        assert ns is not None
+        try:
+            if what == "lookup":
+                ns.lookup([i.to_bytes(16, "big")])
+            else:
+                ns.put([i.to_bytes(16, "big")], [b"\1" * ns.block_bytes])
+        except LimitExceededError as exc:
+            refused[what] += 1
+            link.failed(what if what == "lookup" else f"save for request {i}", exc)
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == daemon_link.__name__ and r.levelname == "WARNING"]
+
+    try:
+        with caplog.at_level("WARNING", logger=daemon_link.__name__):
+            for i in range(300):
+                step("lookup", i)
+            assert refused["lookup"] >= 250  # (5 a second pass)
+            assert len(warnings()) == 1 and "requests per second" in warnings()[0]
+            while not refused["save"]:  # another kind of step: seen at once
+                step("save", 1)
+            assert len(warnings()) == 2 and "save for request 1" in warnings()[1]
+            now[0] += 10.5
+            held = refused["lookup"] - 1
+            while len(warnings()) == 2:  # (a lookup may pass: the limit's next second)
+                step("lookup", 301)
+            assert f"({held} more like this in the last 10 s)" in warnings()[2]
+            assert link.failures == refused["lookup"] + refused["save"]
+    finally:
+        link.close()
