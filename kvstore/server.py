@@ -53,7 +53,7 @@ from kvstore.routing import RoutingVerbs
 from kvstore.scheduler.admission import PolicyChain
 from kvstore.scheduler.queues import TransferKind
 from kvstore.sdnotify import Notifier
-from kvstore.sessions import Sessions
+from kvstore.sessions import Sessions, tenant_of_connection
 from kvstore.side_socket import SideSocket
 from kvstore.slab_moves import class_stats
 from kvstore.ssd_copies import tenant_bytes as ssd_tenant_bytes
@@ -347,8 +347,8 @@ class Server:
                             frames[2:], answer))
                         return
                     reply, payload = answer
-        except KVStoreError as exc:
-            code = exc.code
+        except KVStoreError as exc:  # (one that cannot be decoded: its session's tenant)
+            code, tenant = exc.code, tenant_of_connection(self.sessions, routing_id, tenant)
             reply, payload = p.ErrorReply(rid, exc.code, str(exc)), []
             if isinstance(exc, CapacityError):
                 self.finisher.rejected(tenant, exc)

@@ -591,3 +591,12 @@ def check_namespace_users(sessions: Sessions) -> None:
         assert ns.users >= users.get(ns_id, 0), (
             f"{ns} counts {ns.users} users; {users.get(ns_id, 0)} use it")
         assert ns.users or ns.blocks, f"{ns} is unused and empty, yet kept"
+
+
+def tenant_of_connection(sessions: Sessions, routing_id: bytes, otherwise: str) -> str:
+    """The tenant of a connection's session, for the metrics of a request that failed
+    before its session was looked up (a header that cannot be decoded, or too big);
+    ``otherwise`` for a connection without one (a refused hello's self-named tenant
+    never takes a label)."""
+    session = sessions.by_connection.get(routing_id)
+    return otherwise if session is None else session.tenant

@@ -7,15 +7,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_proc import DaemonProcess
+import zmq
+from daemon_proc import DaemonProcess, free_port
 from kvtest import make_identity
 
 from kvstore import Client
+from kvstore import protocol as p
 from kvstore.auth import issue_token, read_secret
 from kvstore.errors import LimitExceededError
 from kvstore.integrations import daemon_link
@@ -111,3 +114,48 @@ def test_an_engine_logs_a_refusal_repeated_at_every_step_once_in_a_while(
             assert link.failures == refused["lookup"] + refused["save"]
     finally:
         link.close()
+
+
+def test_requests_a_session_sends_that_cannot_be_decoded_count_as_its_tenants(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """Headers that do not decode, sent by a connection with a session, were counted as
+    ``_unauthenticated`` in the metrics (the label of peers without a session): an
+    operator looking for the tenant whose client is broken was sent after a stranger.
+    A refused hello's self-named tenant still takes no label."""
+    port = free_port()
+    d = daemon_factory(extra=["--metrics-port", str(port)])
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(d.endpoint)
+        sock.send(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "broken-client")))
+        assert sock.poll(10_000) and isinstance(p.reply_decoder.decode(sock.recv()),
+                                                p.HelloReply)
+        for _ in range(50):
+            sock.send(b"\x93\xa4junk\x01\x02")           # no verb's header
+            assert sock.poll(10_000)
+            reply = p.reply_decoder.decode(sock.recv())
+            assert isinstance(reply, p.ErrorReply) and reply.code == "malformed"
+        stranger.connect(d.endpoint)
+        stranger.send(p.encoder.encode(p.Hello(1, 999, "self-named")))  # refused
+        assert stranger.poll(10_000) and isinstance(
+            p.reply_decoder.decode(stranger.recv()), p.ErrorReply)
+        stranger.send(b"\x93\xa4junk\x01\x02")        # and junk, without a session
+        assert stranger.poll(10_000)
+        stranger.recv()
+    finally:
+        sock.close()
+        stranger.close()
+        ctx.term()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        body = r.read().decode()
+    series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+              for line in body.splitlines() if line.startswith("kvstore_request")}
+    assert series['kvstore_requests_total{tenant="broken-client",verb="invalid"}'] == 50
+    assert series['kvstore_request_errors_total{code="malformed",tenant="broken-client",'
+                  'verb="invalid"}'] == 50
+    assert series['kvstore_requests_total{tenant="_unauthenticated",verb="invalid"}'] == 1
+    assert 'tenant="self-named"' not in body
