@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
+from .policy import GO_ON
+
 T = TypeVar("T", bound=Hashable)
 
 _NONE: Any = object()
@@ -182,18 +184,25 @@ class LinkedOrder(Generic[T]):
         """Up to ``count`` times, take out the oldest item ``allowed`` passes and hand
         it to ``take`` before the next is looked for, stopping at the first look that
         finds none: the items taken, in order.  (An LRU policy's victims: what
-        ``oldest``, a walk on if refused, and ``del`` do for each, in one loop.)"""
-        end, newer = self._end, self._newer
+        ``oldest``, a walk on if refused, and ``del`` do for each, in one loop.)  The
+        next look starts again at the oldest, as ``take`` may have let an older item
+        pass, unless ``take`` returned ``GO_ON``: then it goes on from the item taken,
+        and the items refused before it are walked past once, not once per victim."""
+        end, newer, owner = self._end, self._newer, self._owner
         taken: list[T] = []
+        item = getattr(end, newer)
         while len(taken) < count:
-            item = getattr(end, newer)
             while item is not end and not allowed(item):
                 item = getattr(item, newer)
             if item is end:
                 break
+            following = getattr(item, newer)
             self._unlink(item)
             taken.append(item)
-            take(item)
+            if take(item) is not GO_ON or (
+                    following is not end and getattr(following, owner) is not self):
+                following = getattr(end, newer)
+            item = following
         return taken
 
     def __iter__(self) -> Iterator[T]:
@@ -340,22 +349,24 @@ def oldest(self):
 def take_oldest(self, allowed, count, take):
     end = self._end
     taken = []
+    item = end.{n}
     while len(taken) < count:
-        item = end.{n}
         while item is not end and not allowed(item):
             item = item.{n}
         if item is end:
             break
+        following = item.{n}
         before = item.{p}
-        after = item.{n}
-        before.{n} = after
-        after.{p} = before
+        before.{n} = following
+        following.{p} = before
         item.{o} = None
         item.{p} = None
         item.{n} = None
         self._len -= 1
         taken.append(item)
-        take(item)
+        if take(item) is not _GO_ON or (following is not end and following.{o} is not self):
+            following = end.{n}
+        item = following
     return taken
 
 def __iter__(self):
@@ -378,7 +389,8 @@ def linked_order(links: str) -> LinkedOrder[Any]:
             raise ValueError(f"links must name attributes, got {links!r}")
         methods: dict[str, Any] = {}
         source = _HOT_LOOPS.format(o=f"{links}_order", p=f"{links}_older", n=f"{links}_newer")
-        exec(compile(source, f"<LinkedOrder {links}>", "exec"), {"_NONE": _NONE}, methods)
+        exec(compile(source, f"<LinkedOrder {links}>", "exec"),
+             {"_NONE": _NONE, "_GO_ON": GO_ON}, methods)
         cls = _SPECIALISED[links] = type(f"LinkedOrder_{links}", (LinkedOrder,),
                                          {"__slots__": (), **methods})
     return cls(links)

@@ -6,9 +6,21 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
+
+
+class _GoOn:
+    def __repr__(self) -> str:
+        return "GO_ON"
+
+
+GO_ON: Final = _GoOn()
+"""What a ``pop_victims`` ``take`` returns when the victim's leaving changes no other
+item's ``allowed`` and moves none in the order: an order may then look for the next
+victim on from where this one was, not again from the coldest item (a walk past the
+same refused items per victim)."""
 
 
 def _itself(item: Hashable) -> Hashable:
@@ -66,10 +78,11 @@ class EvictionPolicy(ABC, Generic[T]):
     def pop_victims(self, allowed: Callable[[T], bool], count: int,
                     take: Callable[[T], object]) -> list[T]:
         """``pop_victim`` up to ``count`` times, each victim handed to ``take`` before
-        the next is chosen (what ``take`` does to the items, ``allowed`` sees next),
-        until it finds none: the victims, in order.  One call for a request's many
-        victims: an order may override it to save its per-call work, with the same
-        victims, in the same order, as its ``pop_victim`` one after another."""
+        the next is chosen (what ``take`` does to the items, ``allowed`` sees next,
+        unless ``take`` returned ``GO_ON``: it changed no item's verdict), until it finds
+        none: the victims, in order.  One call for a request's many victims: an order
+        may override it to save its per-call work, with the same victims, in the same
+        order, as its ``pop_victim`` one after another."""
         victims: list[T] = []
         pop = self.pop_victim
         while len(victims) < count and (victim := pop(allowed)) is not None:

@@ -3,6 +3,8 @@ tenant at its quota makes room among its own blocks (or is refused, leaving no t
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings, strategies as st
 from kvtest import make_identity
@@ -157,4 +159,58 @@ def test_an_empty_reservation_holds_nothing_and_is_charged_nothing() -> None:
     assert r.offsets == []
     store.check_invariants()
     store.abort("a", r.id)
+    store.check_invariants()
+
+
+def test_a_tenant_over_its_share_finds_its_victims_past_the_cold_ones_in_one_walk(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The victims of a tenant over its share lie behind another tenant's colder blocks
+    (under its share: kept).  Each victim was looked for from the coldest block again,
+    every one of those walked past once per victim: a put of 512 blocks into a full tier
+    held the loop 100 ms once the other tenant had 2000 blocks cold there.  Now the
+    request's victims come in one walk: the blocks looked at, counted, stay near what is
+    passed once plus what is taken, not their product."""
+    store = store_of(300)
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    b_keys = put(store, b, 0, 100, now=0.0)         # b's blocks are the coldest
+    put(store, a, 1000, 200, now=1.0)               # the tier is full; a holds 200 of 300
+    looked = 0
+    policy_of = type(store.drams[""]).policy
+
+    class Counted:
+        """The tier's order, each item its victim test is asked about counted."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def counted(self, allowed: Any) -> Any:
+            def test(item: Any) -> bool:
+                nonlocal looked
+                looked += 1
+                return bool(allowed(item))
+            return test
+
+        def pop_victim(self, allowed: Any) -> Any:
+            return self.inner.pop_victim(self.counted(allowed))
+
+        def pop_victims(self, allowed: Any, count: int, take: Any) -> Any:
+            return self.inner.pop_victims(self.counted(allowed), count, take)
+
+    monkeypatch.setattr(type(store.drams[""]), "policy",
+                        lambda self, cls: Counted(policy_of(self, cls)))
+    a_keys = put(store, a, 2000, 1, now=2.0)        # a's first victim: past b's 100
+    looked_for_one = looked
+    chain = chain_keys(a.id, list(range(3000 * 16, 3064 * 16)), 16)
+    looked = 0
+    r = store.reserve("a", a, chain, None, 3.0)     # 64 victims at once, all a's
+    store.commit("a", r.id, 3.0)
+    assert cached(b, b_keys) == 100 and cached(a, a_keys + chain) == 65
+    assert looked_for_one >= 100
+    assert looked <= 2 * (100 + 64), f"{looked} blocks looked at for 64 victims"
     store.check_invariants()

@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.scheduler.eviction import POLICIES, WarmPins, make_policy
 from kvstore.scheduler.linked import LinkedOrder, linked_order
-from kvstore.scheduler.policy import EvictionPolicy
+from kvstore.scheduler.policy import GO_ON, EvictionPolicy
 
 
 class _Item:
@@ -157,3 +157,29 @@ def test_the_oldest_allowed_taken_one_after_another(make: Callable[[str], Any]) 
     assert all(i.dram_order is None for i in taken)
     assert [i.key for i in order.take_oldest(allowed, 9, lambda item: None)] == [5]
     assert [i.key for i in order] == [0]
+
+
+@pytest.mark.parametrize("make", [LinkedOrder, linked_order])
+def test_a_take_that_changed_nothing_lets_the_walk_go_on(make: Callable[[str], Any]) -> None:
+    # ``take`` returning ``GO_ON``: the next look goes on from the item taken, and the
+    # refused items before it are looked at once, not once per victim; ``take`` that
+    # takes the next item out of the order sends the look back to the oldest
+    items = [_Item(k, None) for k in range(200)]
+    order = make("dram")
+    for item in items:
+        order[item] = None
+    looked = 0
+
+    def allowed(item: _Item) -> bool:
+        nonlocal looked
+        looked += 1
+        return item.key >= 100  # the 100 oldest are refused
+
+    taken = order.take_oldest(allowed, 50, lambda item: GO_ON)
+    assert [i.key for i in taken] == list(range(100, 150)) and looked == 150
+    looked = 0
+    taken = order.take_oldest(allowed, 2, lambda item: (order.pop(items[item.key + 1]), GO_ON)[1])
+    assert [i.key for i in taken] == [150, 152] and looked == 101 + 101
+    looked = 0
+    assert [i.key for i in order.take_oldest(allowed, 2, lambda item: None)] == [154, 155]
+    assert looked == 101 + 101 and len(order) == 100 + 44
