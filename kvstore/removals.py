@@ -112,6 +112,7 @@ class Removals:
             self._hand_on(drop)
             if done:
                 return p.CountReply(rid, drop.count), []
+            self._room_freed(drop, 0)  # (its reply comes later: the server wakes none)
         # before the reply returns to the loop: what is committed from now on, while it
         # waits (for replies, another removal of the namespace) and goes on, is kept
         keeping = drop.keep_commits()
@@ -155,6 +156,16 @@ class Removals:
         if removed:
             self.d.moves.removed(removed)
 
+    def _room_freed(self, drop: Slices, before: int) -> None:
+        """A slice of a removal answered later removed blocks (``drop.count`` past
+        ``before``): wake what waits for room now.  The server wakes the waiters after
+        a removal answered at once only; one in slices freed DRAM and woke no one, so
+        the requests deferred behind a full DRAM waited out their deadline, the room
+        free (an evict whose first slice ran past its millisecond, a drop of more than
+        ``DROP_AT_ONCE`` blocks)."""
+        if drop.count > before:
+            self.d.moves.freed()
+
     async def _in_slices(self, rid: int, ns: Namespace, begin: Callable[[], Slices],
                          keeping: Keeping, session: object = None) -> p.Message:
         d = self.d
@@ -173,8 +184,10 @@ class Removals:
         try:
             drop = begin()
             while True:
+                before = drop.count
                 done = drop.step(DROP_SLICE, DROP_SLICE_SECONDS)
                 self._hand_on(drop)
+                self._room_freed(drop, before)
                 if done:
                     return p.CountReply(rid, drop.count)
                 await asyncio.sleep(0)  # a loop turn for everyone else

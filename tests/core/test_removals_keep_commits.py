@@ -175,7 +175,8 @@ def daemon_of(store: BlockStore) -> tuple[Removals, Transport, list[tuple[bytes,
     removed: list[tuple[bytes, bytes]] = []
     transport = Transport()
     daemon: Any = SimpleNamespace(store=store, transport=transport,
-                                  moves=SimpleNamespace(removed=removed.extend),
+                                  moves=SimpleNamespace(removed=removed.extend,
+                                                        freed=lambda: None),
                                   spawn=asyncio.ensure_future)
     return Removals(daemon), transport, removed
 
