@@ -331,6 +331,11 @@ class Moves:
         if ids and self.ssd is not None:
             self.ssd.removed(ids)
 
+    async def withdrawn(self) -> None:
+        """Until the SSD index holds none of the copies withdrawn so far."""
+        if self.ssd is not None:
+            await self.ssd.withdrawn()
+
     def withdraw_dropped(self) -> None:
         """Withdraw the SSD copies the store dropped and listed (``dropped_ssd``)."""
         if self.store.dropped_ssd:

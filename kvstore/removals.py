@@ -109,9 +109,9 @@ class Removals:
         drop = SubtreeDrop(self.d.store, ns, keys)
         if not self._sending_in(ns, session):
             done = drop.step(DROP_SLICE, DROP_SLICE_SECONDS)
-            self._hand_on(drop)
+            withdrawing = self._hand_on(drop)
             if done:
-                return p.CountReply(rid, drop.count), []
+                return self._answer(rid, drop.count, withdrawing)
             self._room_freed(drop, 0)  # (its reply comes later: the server wakes none)
         # before the reply returns to the loop: what is committed from now on, while it
         # waits (for replies, another removal of the namespace) and goes on, is kept
@@ -146,15 +146,31 @@ class Removals:
         return self.d.transport.trackers_of(pins) if pins else []
 
     def _removed(self, rid: int,
-                 remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Outcome:
+                 remove: Callable[[], tuple[int, list[tuple[bytes, bytes]]]]) -> Answer:
         count, removed = remove()
         self.d.moves.removed(removed)
-        return p.CountReply(rid, count), []
+        return self._answer(rid, count, bool(removed))
 
-    def _hand_on(self, drop: Slices) -> None:
+    def _answer(self, rid: int, count: int, withdrawing: bool) -> Answer:
+        """The count, once the SSD index no longer holds the copies that went (a reply
+        before it, and a crash, and the next start restored what the client was told
+        was gone)."""
+        if not withdrawing:
+            return p.CountReply(rid, count), []
+        if count:  # (its reply comes later: the server wakes none)
+            self.d.moves.freed()
+        return Later(self._once_withdrawn(rid, count))
+
+    async def _once_withdrawn(self, rid: int, count: int) -> p.Message:
+        await self.d.moves.withdrawn()
+        return p.CountReply(rid, count)
+
+    def _hand_on(self, drop: Slices) -> bool:
+        """Withdraw the SSD copies the removal dropped since the last call; whether any."""
         removed = drop.take_removed()
         if removed:
             self.d.moves.removed(removed)
+        return bool(removed)
 
     def _room_freed(self, drop: Slices, before: int) -> None:
         """A slice of a removal answered later removed blocks (``drop.count`` past
@@ -189,14 +205,19 @@ class Removals:
                 self._hand_on(drop)
                 self._room_freed(drop, before)
                 if done:
-                    return p.CountReply(rid, drop.count)
+                    break
                 await asyncio.sleep(0)  # a loop turn for everyone else
+            count = drop.count
         finally:
             if drop is not None:
                 drop.close()
             keeping.close()
             del self.under_way[ns]
             finished.set()
+        # (an evict's first slice, handed on before, too; the next removal of the
+        # namespace need not wait for it)
+        await self.d.moves.withdrawn()
+        return p.CountReply(rid, count)
 
     def _sweep_later(self) -> None:
         """The store's sweep below hollow entries stopped short: go on a loop turn later

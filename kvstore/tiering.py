@@ -49,6 +49,7 @@ class SsdMover:
         self._promoting: dict[Block, asyncio.Future[None]] = {}
         self._background = Background()
         self._pending_removals: list[tuple[bytes, bytes]] = []
+        self._removing: set[asyncio.Future[int]] = set()  # withdrawals under way
         self._forgotten: set[bytes] = set()  # namespaces whose records are to go
         # namespaces whose records are in the index: a namespace's goes in with its first
         # blocks' (``write``), not when it is opened (an LMDB commit on the loop, each
@@ -312,11 +313,26 @@ class SsdMover:
         ids = self._pending_removals + more
         self._pending_removals = []
         if ids:
+            removing = asyncio.ensure_future(self.engine.remove(ids))
+            self._removing.add(removing)
+            removing.add_done_callback(self._removing.discard)
             try:
-                await self.engine.remove(ids)
+                await removing
             except BaseException:
                 self._pending_removals[:0] = ids
                 raise
+
+    async def withdrawn(self) -> None:
+        """Until the records of every copy the store dropped so far are out of the index
+        (what an evict's or a drop's reply waits for).  A withdrawal that fails (a full
+        index) waits for the next, as in the background, and is not waited for."""
+        try:
+            await self._flush_removals([])
+        except KVStoreError as exc:
+            log.warning("withdrawing %d records from the ssd index failed: %s; tried "
+                        "again with the next", len(self._pending_removals), exc)
+        if self._removing:  # (taken by another call, under way)
+            await asyncio.wait(list(self._removing))
 
     def touch(self, blocks: Iterable[Block]) -> None:
         ids = [(b.ns.id, b.key) for b in blocks if b.ssd_offset is not None]

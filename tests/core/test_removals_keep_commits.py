@@ -171,12 +171,17 @@ class Transport:
         self.trackers = []
 
 
+async def withdrawn() -> None:
+    """(No SSD index here: nothing to wait for.)"""
+
+
 def daemon_of(store: BlockStore) -> tuple[Removals, Transport, list[tuple[bytes, bytes]]]:
     removed: list[tuple[bytes, bytes]] = []
     transport = Transport()
     daemon: Any = SimpleNamespace(store=store, transport=transport,
                                   moves=SimpleNamespace(removed=removed.extend,
-                                                        freed=lambda: None),
+                                                        freed=lambda: None,
+                                                        withdrawn=withdrawn),
                                   spawn=asyncio.ensure_future)
     return Removals(daemon), transport, removed
 

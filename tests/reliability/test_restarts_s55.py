@@ -1,0 +1,133 @@
+"""Kill, restart, and nothing wrong comes back: found by a randomized harness that runs a
+real daemon with an SSD tier under a mixed load from client processes, SIGKILLs and
+SIGTERMs it at random moments (under load, during its start-up, during a stop's flush),
+restarts it on the same directories and checks what it serves.
+
+An evict or a drop answered before a crash stayed answered: the daemon replied with the
+count as soon as the store had let the blocks go, and withdrew their SSD records from the
+index in the background afterwards; a SIGKILL in between (a few milliseconds) restored
+them at the next start, blocks the client had been told were gone (in a loop of put,
+wait for the SSD copy, remove, SIGKILL: an evicted chain back 1 time in 5, a dropped
+namespace 3 in 5).  Now the reply goes once the index no longer holds them.
+
+Run as a script, this module is the daemon (``python -m kvstore``'s main) with the SSD
+index's deletes stalled while the file ``$STALL_FLAG`` exists (the file
+``$STALL_REACHED`` made when one begins), so that the crash lands between the removal
+and its withdrawal every time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve()
+sys.path[:0] = [str(HERE.parents[1])]  # the tests folder: daemon_proc, kvtest
+
+from daemon_proc import DaemonProcess  # noqa: E402
+from kvtest import make_identity  # noqa: E402
+
+from kvstore import Client  # noqa: E402
+from kvstore.errors import KVStoreError  # noqa: E402
+
+IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=16)  # 16 KiB blocks
+CHAIN = 16 * IDENT.block_tokens   # 16 blocks a chain
+
+
+def stalled_daemon(workdir: Path, flag: Path, reached: Path) -> DaemonProcess:
+    d = DaemonProcess(workdir, dram_capacity="8MiB", ssd_capacity="16MiB",
+                      extra=["--slab-size", "1MiB", "--ssd-write-policy", "write-through"],
+                      env={"STALL_FLAG": str(flag), "STALL_REACHED": str(reached)})
+    assert d.args[1:3] == ["-m", "kvstore"]
+    d.args[1:3] = [str(HERE)]
+    return d
+
+
+def on_ssd(client: Client, blocks: int) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        stats = client.stats()
+        assert stats["invariant_violations"] == 0
+        if stats["tiers"]["ssd"]["committed_slots"] >= blocks:
+            return
+        assert time.monotonic() < deadline, "write-through did not reach the ssd"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("removal, chains", [("evict", 1), ("drop", 1), ("drop", 20)])
+def test_a_removal_answered_before_a_crash_stays_removed(
+        tmp_path: Path, removal: str, chains: int) -> None:
+    # 20 chains: more than a drop takes at once (DROP_AT_ONCE), so it goes in slices
+    flag, reached = tmp_path / "stall", tmp_path / "reached"
+    d = stalled_daemon(tmp_path / "daemon", flag, reached).start()
+    holder = Client(d.endpoint, tenant="acme")  # keeps the namespace open throughout
+    try:
+        ns = holder.namespace(IDENT)
+        keys = [ns.keys(range(c * 100_000, c * 100_000 + CHAIN)) for c in range(chains)]
+        for chain in keys:
+            ns.put(chain, [os.urandom(IDENT.block_bytes) for _ in chain])
+        on_ssd(holder, 16 * chains)
+        flag.touch()
+        answered: list[int] = []
+
+        def remove() -> None:
+            try:
+                with Client(d.endpoint, tenant="acme", timeout=3) as client:
+                    ns = client.namespace(IDENT)
+                    answered.append(ns.evict(keys[0][2:]) if removal == "evict"
+                                    else ns.drop())
+            except KVStoreError:
+                pass  # no answer: the daemon was killed first
+
+        asking = threading.Thread(target=remove, daemon=True)
+        asking.start()
+        deadline = time.monotonic() + 20
+        while not reached.exists():  # the withdrawal began, and stalls
+            assert time.monotonic() < deadline, "the removal never reached the ssd index"
+            time.sleep(0.01)
+        asking.join(2.0)  # an answer that does not wait for the withdrawal comes by then
+        d.stop(signal.SIGKILL)
+        asking.join()
+        flag.unlink()
+        d.start()
+        with Client(d.endpoint, tenant="acme") as client:
+            ns = client.namespace(IDENT)
+            back = [ns.lookup(chain).blocks for chain in keys]
+            assert client.stats()["invariant_violations"] == 0
+        kept = [2] if removal == "evict" else [0] * chains
+        assert not answered or back == kept, (
+            f"{removal} answered {answered[0]} entries gone, and after a crash the chains "
+            f"held {back} blocks")
+    finally:
+        holder.close()
+        d.stop()
+
+
+def _stall_index_deletes() -> None:
+    from kvstore.tiers.ssd_index import SSDIndex
+
+    flag, reached = os.environ["STALL_FLAG"], os.environ["STALL_REACHED"]
+    delete = SSDIndex.delete
+
+    def stalled(self: SSDIndex, index_keys: Any) -> int:
+        if os.path.exists(flag):
+            Path(reached).touch()
+            while os.path.exists(flag):
+                time.sleep(0.02)
+        return delete(self, index_keys)
+
+    SSDIndex.delete = stalled  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    _stall_index_deletes()
+    from kvstore.cli import main
+
+    sys.exit(main(sys.argv[1:]))
