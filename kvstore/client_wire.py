@@ -15,7 +15,13 @@ import msgspec
 import xxhash
 
 from kvstore import protocol as p
-from kvstore.errors import CorruptError, KVStoreError, MalformedError, error_from_code
+from kvstore.errors import (
+    CorruptError,
+    KVStoreError,
+    MalformedError,
+    UnavailableError,
+    error_from_code,
+)
 
 if TYPE_CHECKING:
     import zmq
@@ -234,11 +240,17 @@ def got_blocks(reply: p.GetReply, frames: Sequence[Any], count: int,
 
 def map_named_arena(path: str, size: int) -> mmap.mmap:
     """A mapping of the arena a daemon named by its path, or KVStoreError (a path or
-    size no arena has: the open's OSError reached the caller before)."""
+    size no arena has: the open's OSError reached the caller before); UnavailableError
+    where no file has the path: the daemon that named it is gone (killed after its
+    reply, its arena swept by the next start), as a caller that retries should hear."""
     from kvstore.tiers.dram import map_arena
 
     try:
         return map_arena(path, size)
+    except FileNotFoundError:
+        raise UnavailableError(f"cannot map the daemon's arena {path!r}: it is gone, the "
+                               f"daemon that named it exited (or restarted); open a new "
+                               f"client") from None
     except (OSError, ValueError) as exc:
         raise KVStoreError(f"cannot map the daemon's arena {path!r} of {size} bytes: "
                            f"{exc}") from exc

@@ -10,6 +10,12 @@ them at the next start, blocks the client had been told were gone (in a loop of 
 wait for the SSD copy, remove, SIGKILL: an evicted chain back 1 time in 5, a dropped
 namespace 3 in 5).  Now the reply goes once the index no longer holds them.
 
+A client whose daemon was killed between its hello and the mapping of the arena the
+hello named (and whose arena the next daemon's start swept away) got a KVStoreError of
+code "internal" from the constructor ("cannot map the daemon's arena ... No such file"),
+where every other way of meeting a daemon gone is an UnavailableError a caller retries
+on (a worker process stopped across a restart met it).  A missing arena is one now.
+
 Run as a script, this module is the daemon (``python -m kvstore``'s main) with the SSD
 index's deletes stalled while the file ``$STALL_FLAG`` exists (the file
 ``$STALL_REACHED`` made when one begins), so that the crash lands between the removal
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 HERE = Path(__file__).resolve()
 sys.path[:0] = [str(HERE.parents[1])]  # the tests folder: daemon_proc, kvtest
@@ -35,7 +42,8 @@ from daemon_proc import DaemonProcess  # noqa: E402
 from kvtest import make_identity  # noqa: E402
 
 from kvstore import Client  # noqa: E402
-from kvstore.errors import KVStoreError  # noqa: E402
+from kvstore import protocol as p  # noqa: E402
+from kvstore.errors import KVStoreError, UnavailableError  # noqa: E402
 
 IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=16)  # 16 KiB blocks
 CHAIN = 16 * IDENT.block_tokens   # 16 blocks a chain
@@ -108,6 +116,37 @@ def test_a_removal_answered_before_a_crash_stays_removed(
     finally:
         holder.close()
         d.stop()
+
+
+def test_an_arena_gone_with_its_killed_daemon_is_unavailable_not_internal(
+        tmp_path: Path) -> None:
+    # the hello of a daemon killed right after it, naming an arena since swept away (a
+    # socket of the test's own answers it, so that the order is certain)
+    gone = tmp_path / "kvstore-0-1-00000000.arena"
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path / 'kvstore.sock'}"
+    sock.bind(endpoint)
+
+    def answer() -> None:
+        if sock.poll(10_000):
+            peer, header = sock.recv_multipart()[:2]
+            hello = p.request_decoder.decode(header)
+            assert isinstance(hello, p.Hello)
+            sock.send_multipart([peer, p.encoder.encode(p.HelloReply(
+                hello.rid, p.PROTOCOL_VERSION, "s", "acme", str(gone), 1 << 20, 30.0, 4096,
+                1 << 26))])
+
+    daemon = threading.Thread(target=answer, daemon=True)
+    daemon.start()
+    try:
+        with pytest.raises(UnavailableError, match="arena .*: it is gone"):
+            Client(endpoint, tenant="acme", timeout=5)
+    finally:
+        daemon.join()
+        sock.close()
+        ctx.term()
 
 
 def _stall_index_deletes() -> None:
