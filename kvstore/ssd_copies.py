@@ -125,6 +125,7 @@ class SsdCopies:
                 f"{b} cannot be written to ssd now")
         removed: list[tuple[bytes, bytes]] = []
         offsets: list[int] = []
+        placed: list[Block] = []  # the blocks of ``offsets``, in their order (by class)
         by_class: dict[int, list[Block]] = {}
         keep = set(blocks)  # (not dropped with a slab emptied for another size)
         for b in blocks:
@@ -152,7 +153,7 @@ class SsdCopies:
                     continue  # a slab of another size's, emptied: this size's now
                 if victim is None:
                     if offsets:
-                        self._free_offsets(blocks[: len(offsets)], offsets)
+                        self._free_offsets(placed, offsets)
                     raise CapacityError(
                         f"the ssd tier has no room for {len(group)} blocks of "
                         f"{cls.slot_bytes} bytes")
@@ -164,6 +165,7 @@ class SsdCopies:
             got = pool.allocate(cls, len(group))
             assert got is not None
             offsets.extend(got)
+            placed.extend(group)
         ordered = [b for group in by_class.values() for b in group]
         t = Transfer(next(self.store.ids), SSD, ordered, offsets, [b.demoting for b in ordered])
         self.store.transfers[t.id] = t

@@ -16,6 +16,13 @@ code "internal" from the constructor ("cannot map the daemon's arena ... No such
 where every other way of meeting a daemon gone is an UnavailableError a caller retries
 on (a worker process stopped across a restart met it).  A missing arena is one now.
 
+A clean stop on a full SSD tier holding two block sizes crashed in its flush (a
+traceback, exit 1, and what only DRAM held lost): the flush plans blocks of several
+namespaces interleaved, and a reservation of SSD slots that found room for the first
+size and none for the second gave the first size's slots back paired with the blocks
+in the order asked, not the order allocated: a slot freed into the other size's class,
+KeyError in the pool.  Now the slots go back with the blocks they were taken for.
+
 Run as a script, this module is the daemon (``python -m kvstore``'s main) with the SSD
 index's deletes stalled while the file ``$STALL_FLAG`` exists (the file
 ``$STALL_REACHED`` made when one begins), so that the crash lands between the removal
@@ -43,7 +50,9 @@ from kvtest import make_identity  # noqa: E402
 
 from kvstore import Client  # noqa: E402
 from kvstore import protocol as p  # noqa: E402
-from kvstore.errors import KVStoreError, UnavailableError  # noqa: E402
+from kvstore.errors import CapacityError, KVStoreError, UnavailableError  # noqa: E402
+from kvstore.keys import chain_keys  # noqa: E402
+from kvstore.store import Block, BlockStore, Namespace  # noqa: E402
 
 IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=16)  # 16 KiB blocks
 CHAIN = 16 * IDENT.block_tokens   # 16 blocks a chain
@@ -147,6 +156,30 @@ def test_an_arena_gone_with_its_killed_daemon_is_unavailable_not_internal(
         daemon.join()
         sock.close()
         ctx.term()
+
+
+def committed(store: BlockStore, ns: Namespace, first: int, blocks: int) -> list[Block]:
+    tokens = ns.identity.block_tokens
+    keys = chain_keys(ns.id, range(first, first + blocks * tokens), tokens)
+    r = store.reserve("engine", ns, keys, None, 0.0)
+    store.commit("engine", r.id, 0.0)
+    return [ns.blocks[k] for k in keys]
+
+
+def test_ssd_slots_of_one_size_go_back_whole_when_another_size_finds_no_room() -> None:
+    slot = IDENT.block_bytes
+    store = BlockStore(64 * slot, 8 * slot, ssd_capacity=4 * slot, ssd_slab_bytes=4 * slot)
+    big = store.open_namespace(IDENT)
+    small = store.open_namespace(make_identity(num_layers=4, num_kv_heads=4, head_dim=8))
+    bigs, smalls = committed(store, big, 0, 2), committed(store, small, 10**6, 1)
+    assert store.ssd is not None and big.ssd_cls is not None
+    free_before = store.ssd.pool.available(big.ssd_cls)
+    # interleaved, as the stop's flush plans them; the one slab goes to the big size
+    # and none is left for the small, whose reservation is refused
+    with pytest.raises(CapacityError):
+        store.ssd_copies.reserve([bigs[0], smalls[0], bigs[1]], evict=lambda b: False)
+    assert store.ssd.pool.available(big.ssd_cls) == free_before
+    store.check_invariants()
 
 
 def _stall_index_deletes() -> None:
