@@ -17,6 +17,7 @@ on in slices.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,59 @@ def test_reserves_deferred_behind_a_full_dram_wake_when_a_removal_in_slices_free
         assert isinstance(stats, p.StatsReply)
         assert stats.stats["invariant_violations"] == 0
         assert stats.stats["scheduling"]["defer_timeouts"] == 0, stats.stats["scheduling"]
+    finally:
+        for each in (owner, *others.values()):
+            each.close()
+
+
+def test_reserves_deferred_wake_when_an_evict_answered_once_the_ssd_index_lets_go(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    # An evict of blocks with SSD copies is answered once their index records are out
+    # (a crash after the reply brought them back): from a task, so the server wakes
+    # none after it; the evict itself wakes those waiting for the room it freed.
+    config = tmp_path / "kvstore.toml"
+    # (``demote`` writes to SSD at all; after the wait, never reached here)
+    config.write_text(f'[dram]\npressure = ["defer", "demote", "reject"]\n'
+                      f'defer_seconds = {DEFER}\n')
+    dram = 2 << 20
+    d = daemon_factory(tcp=True, dram_capacity=str(dram), ssd_capacity="16MiB",
+                       extra=["--config", str(config), "--slab-size", "1MiB",
+                              "--ssd-write-policy", "write-through"])
+    owner = hello(d, "acme")
+    others = {tenant: hello(d, tenant) for tenant in TENANTS}
+    try:
+        opened = owner.ask(p.OpenNamespace(2, make_identity(tenant="acme", **SHAPE)))
+        assert isinstance(opened, p.NamespaceReply), opened
+        slots = dram // opened.slot_bytes
+        keys = [i.to_bytes(16, "big") for i in range(1, slots + 1)]
+        put = ask_frames(owner, p.Put(3, opened.ns, keys),
+                         *[b"\1" * opened.block_bytes] * slots)
+        assert isinstance(put, p.PutReply) and put.created == slots, put
+        deadline = time.monotonic() + 30
+        while True:  # every block has its SSD copy
+            stats = owner.ask(p.Stats(4))
+            assert isinstance(stats, p.StatsReply)
+            if stats.stats["tiers"]["ssd"]["blocks"] >= slots:
+                break
+            assert time.monotonic() < deadline, stats.stats["tiers"]["ssd"]
+            time.sleep(0.05)
+        namespaces = {}
+        for tenant, raw in others.items():
+            ns = raw.ask(p.OpenNamespace(2, make_identity(tenant=tenant, **SHAPE)))
+            assert isinstance(ns, p.NamespaceReply), ns
+            namespaces[tenant] = ns.ns
+        for i in range(EACH):
+            for tenant, raw in others.items():
+                raw.sock.send(p.encoder.encode(
+                    p.Reserve(100 + i, namespaces[tenant], [bytes([1 + i]) * 16])))
+        assert not replies(list(others.values()), 1, 0.3)  # DRAM full: they wait
+        tail = 2 * len(TENANTS) * EACH  # a few blocks: one slice, answered once withdrawn
+        removed = owner.ask(p.Evict(8, opened.ns, keys[-tail:-tail + 1]))
+        assert isinstance(removed, p.CountReply) and removed.count == tail, removed
+        got = replies(list(others.values()), len(TENANTS) * EACH, DEFER / 2)
+        assert len(got) == len(TENANTS) * EACH, got
+        assert all(isinstance(r, p.ReserveReply) for r in got), [
+            error_code(r) if isinstance(r, p.ErrorReply) else r for r in got]
     finally:
         for each in (owner, *others.values()):
             each.close()
