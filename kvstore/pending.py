@@ -29,7 +29,8 @@ class Later:
     give_up: Callable[[], None] | None = None
     # its work already counts as under way (``kvstore.under_way``): a waiting prefetch's
     # reply waits on its task, counted while it runs; counted again for the request, a
-    # session was refused at half the bound
+    # session was refused at half the bound; a removal done, its reply waiting for the
+    # SSD index (``Removals``), is never refused for the bound
     counted: bool = False
 
     def gave_up(self) -> None:

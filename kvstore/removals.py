@@ -159,7 +159,11 @@ class Removals:
             return p.CountReply(rid, count), []
         if count:  # (its reply comes later: the server wakes none)
             self.d.moves.freed()
-        return Later(self._once_withdrawn(rid, count))
+        # not counted under way: the removal is done, and a bound refusing its reply
+        # told the client limit_exceeded ("nothing is started"), its blocks gone (a
+        # session with its reserves waiting for that room, at every evict).  A task
+        # each removal of SSD copies: bounded by the copies there were
+        return Later(self._once_withdrawn(rid, count), counted=True)
 
     async def _once_withdrawn(self, rid: int, count: int) -> p.Message:
         await self.d.moves.withdrawn()
