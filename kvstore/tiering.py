@@ -328,7 +328,8 @@ class SsdMover:
         index) waits for the next, as in the background, and is not waited for."""
         try:
             await self._flush_removals([])
-        except KVStoreError as exc:
+        except Exception as exc:  # (the index's own errors too: the removal is done,
+            # its reply no internal error)
             log.warning("withdrawing %d records from the ssd index failed: %s; tried "
                         "again with the next", len(self._pending_removals), exc)
         if self._removing:  # (taken by another call, under way)
