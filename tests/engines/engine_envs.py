@@ -6,16 +6,20 @@ An engine's environment missing or broken fails its tests (never skips them): CI
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
 import subprocess
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fork_server import ForkServer, why_afresh
 
 ROOT = Path(__file__).resolve().parents[2]
 ENVS = ROOT / ".engine-envs"
@@ -55,9 +59,18 @@ def run_in_env(name: str, args: list[str], *, timeout: float, cwd: Path | None =
     """Run ``python ARGS`` in engine ``name``'s environment; fail the test, with the
     output's tail, if it exits non-zero (when ``check``) or runs out of time."""
     command = [str(engine_python(name)), *args]
+    run_env = engine_env(**env)
+    server = fork_server(name)
     try:
-        proc = subprocess.run(command, check=False, capture_output=True, text=True,
-                              timeout=timeout, env=engine_env(**env), cwd=cwd)
+        why = why_afresh(args, run_env, server.env) if server is not None else "off"
+        if server is not None and not why:
+            server.forked += 1
+            proc = server.run(args, run_env, cwd, timeout)
+        else:
+            if server is not None:
+                server.afresh[why] = server.afresh.get(why, 0) + 1
+            proc = subprocess.run(command, check=False, capture_output=True, text=True,
+                                  timeout=timeout, env=run_env, cwd=cwd)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{name}: {' '.join(args[:2])} ran past {timeout}s\n"
                     f"{_tail(exc.stdout)}\n{_tail(exc.stderr)}", pytrace=False)
@@ -66,6 +79,33 @@ def run_in_env(name: str, args: list[str], *, timeout: float, cwd: Path | None =
                     f"--- stdout\n{_tail(proc.stdout)}\n--- stderr\n{_tail(proc.stderr)}",
                     pytrace=False)
     return proc
+
+
+_servers: dict[str, ForkServer] = {}
+_servers_lock = threading.Lock()
+
+
+def fork_server(name: str) -> ForkServer | None:
+    """Engine ``name``'s fork server (fork_server.py: the imports paid once a session),
+    started at its first run; None when ``KVSTORE_TEST_FORK_SERVER=0`` turns them off."""
+    if os.environ.get("KVSTORE_TEST_FORK_SERVER", "1") == "0":
+        return None
+    with _servers_lock:  # two lanes' first runs start one server
+        if name not in _servers:
+            try:
+                _servers[name] = ForkServer(name, engine_python(name), engine_env())
+            except RuntimeError as exc:
+                pytest.fail(str(exc), pytrace=False)
+            if len(_servers) == 1:
+                atexit.register(_close_servers)
+        return _servers[name]
+
+
+def _close_servers() -> None:
+    while _servers:
+        server = _servers.popitem()[1]
+        print(server.summary(), file=sys.stderr)
+        server.close()
 
 
 def in_lanes(*lanes: Callable[[], None], workers: int = 2) -> None:
