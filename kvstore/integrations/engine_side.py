@@ -27,6 +27,7 @@ import torch
 from kvstore.client import Held, Namespace, Reservation
 from kvstore.errors import CapacityError, KVStoreError, NotFoundError
 from kvstore.kernels import KVCaches, Layout, PagedCache, gather, paged_cache
+from kvstore.logs import Repeats
 
 logger = logging.getLogger(__name__)
 
@@ -114,13 +115,19 @@ def acquire_runs(ns: Namespace, keys: Sequence[bytes]) -> list[tuple[int, Held]]
     return runs
 
 
+# a release failing at every pin of every step (the daemon gone) is a line in 10 s
+_RELEASES = Repeats(logger)
+
+
 def release_all(pins: Iterable[Held]) -> None:
-    """Release every pin; one that fails is logged (its lease ends it anyway)."""
+    """Release every pin; one that fails is logged (its lease ends it anyway), the same
+    failure again at most once in 10 s, with a count."""
     for held in pins:
         try:
             held.release()
         except KVStoreError as exc:
-            logger.warning("kvstore: release failed: %s", exc)
+            _RELEASES.log(logging.WARNING, type(exc).__name__, "kvstore: release failed: %s",
+                          exc)
 
 
 def read_blocks(ns: Namespace, keys: Sequence[bytes],

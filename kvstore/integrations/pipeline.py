@@ -52,6 +52,7 @@ from kvstore.integrations.engine_side import (
     Stored,
     acquire_prefix,
     arena_runs,
+    release_all,
     slot_rows,
     store_missing,
 )
@@ -731,12 +732,7 @@ class StepLoads:
     def release(self) -> None:
         """Release the pins (posted: no round trip); only once the copies are done
         (``settle``), or will never be made."""
-        for p in self._pinned:
-            for held in p.pins:
-                try:
-                    held.release()
-                except KVStoreError as exc:  # the pin's lease ends it anyway
-                    logger.warning("kvstore: release failed: %s", exc)
+        release_all(held for p in self._pinned for held in p.pins)
         self._pinned = []
         self._todo = []
 
