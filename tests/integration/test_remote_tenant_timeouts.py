@@ -3,8 +3,8 @@ down for every tenant.
 
 A real daemon over a real redis-server.  Tenant acme reads chains of 2 MiB blocks that
 only the remote store holds, three at a time: each backend call moves 64 MiB, more than
-the store sends in ``remote.timeout_s`` (0.5 s here) with the others under way, and
-times out.  Before, each such timeout ("get_into did not finish within 0.5 s") marked
+the store sends in ``remote.timeout_s`` (0.1 s here) with the others under way, and
+times out.  Before, each such timeout ("get_into did not finish within 0.1 s") marked
 the tier down for every tenant: tenant globex's reads of blocks only the remote store
 held failed as misses for ``unhealthy_seconds`` after each (99 of 100 in a run).  Now
 the store is seen to answer meanwhile (``kvstore.remote_health``): acme alone skips
@@ -30,7 +30,7 @@ VICTIM = make_identity(tenant="globex")
 HEAVY_CHAINS = 4
 HEAVY_CHAIN = 32  # blocks: 64 MiB, one backend call
 VICTIM_CHAINS = 80
-ENV = {"KVSTORE_REMOTE_TIMEOUT_S": "0.5", "KVSTORE_REMOTE_UNHEALTHY_SECONDS": "1"}
+ENV = {"KVSTORE_REMOTE_TIMEOUT_S": "0.1", "KVSTORE_REMOTE_UNHEALTHY_SECONDS": "1"}
 
 
 def wait_for(check: Any, what: str, seconds: float = 60.0) -> None:
@@ -90,33 +90,44 @@ def test_one_tenants_timeouts_leave_the_tier_to_the_others(
     for t in flood:
         t.start()
     served = skipped = 0
+    deadline = time.monotonic() + 120
     try:
         with Client(d.endpoint, tenant="globex") as c:
             ns = c.namespace(VICTIM)
-            for i, keys in enumerate(victim[:60]):
+            i = 0
+            # globex reads on until acme's own reads timed out a few times (how soon
+            # depends on the machine: on a quiet one 64 MiB calls take a while to pass
+            # the timeout, on a loaded one at once)
+            while i < 60 or d.log().count("for tenant 'acme' timed out") < 3:
+                assert time.monotonic() < deadline, "acme's reads never timed out"
+                n = i % len(victim[:60])
                 try:
-                    assert ns.get(keys) == [bytes([i]) * VICTIM.block_bytes] * 4, i
-                    served += 1
+                    got = ns.get(victim[n])
+                    if len(got) == 4:
+                        assert got == [bytes([n]) * VICTIM.block_bytes] * 4, n
+                        served += 1
+                    else:  # (a miss part of the way)
+                        skipped += 1
                 except KVStoreError:
                     skipped += 1
+                i += 1
                 time.sleep(0.05)
             remote = c.stats()["remote"]
     finally:
         stop.set()
         for t in flood:
             t.join()
-    # Before, each of acme's timeouts took the tier from every tenant (three or more a
-    # run).  A machine so loaded that nothing came back for a whole timeout, not even the
-    # question whether the store answers, is the store's failure by the rule: once at
-    # most, here, and globex's reads are then skipped for that cooldown only.
-    whole = d.log().count("skipping the remote tier for")
-    assert whole <= 1, d.log()[-3000:]
-    assert remote["timeouts"] >= 1 and remote["tenant_timeouts"] > whole, remote  # acme's
-    if whole == 0:
-        assert (served, skipped) == (60, 0), (served, skipped, remote)
-        assert remote["healthy"], remote
-    else:  # (one cooldown of 1 s: globex reads one chain each ~0.05 s)
-        assert skipped <= 25, (served, skipped, remote)
+    # Before, each of acme's timeouts took the tier from every tenant.  A machine so
+    # loaded that nothing came back for a whole timeout, not even the question whether
+    # the store answers, is the store's failure by the rule (and a call of globex's
+    # own that took that long, globex's): globex's reads are skipped for those
+    # cooldowns (1 s: it reads one chain each ~0.05 s) and no others.
+    log = d.log()
+    whole = log.count("skipping the remote tier for")
+    own = log.count("for tenant 'globex' timed out")
+    assert whole <= 1, log[-3000:]
+    assert remote["tenant_timeouts"] >= 3, remote
+    assert skipped <= 25 * (whole + own), (served, skipped, whole, own, remote)
 
     # a store that hangs is every tenant's trouble: down at the first timeout
     with Client(d.endpoint, tenant="globex") as c:

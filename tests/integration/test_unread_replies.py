@@ -122,15 +122,16 @@ def test_big_replies_never_read_stay_within_the_bytes_in_flight(
         for rid in range(2, 2 + asks):
             deaf.send(p.Snapshot(rid, 0, 8192))  # a page of the whole cache each
         # once every request is served or refused the count stays put; pages go on to
-        # the connection's socket buffers as far as they take them, so it may be under
-        # the bound by then (768 KiB, two pages, in one CI run)
+        # the connection's socket buffers as far as they take them, so it may be far
+        # under the bound by then (768 KiB in one CI run, 72 KiB in another): the bound
+        # is what it never passes, and the refusals below show it was reached
         stats = wait_for(lambda s: s["unread_bytes"] >= 256 << 10, daemon)
         last = -1
         while stats["unread_bytes"] != last:
+            assert stats["unread_bytes"] < 8 << 20, stats
             last = stats["unread_bytes"]
             time.sleep(0.5)
             stats = replies_stats(daemon)
-        assert 256 << 10 <= stats["unread_bytes"] < 8 << 20, stats
         got = deaf.read_all()
         assert len(got) == asks  # every request answered: none dropped, none lost
         pages = [reply for reply in got if isinstance(reply, p.SnapshotReply)]
