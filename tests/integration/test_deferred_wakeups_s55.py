@@ -40,6 +40,33 @@ DRAM = 32 << 20  # 8192 of them: two slices' worth
 CHAIN = 4096  # keys a request may name (``server.max_keys_per_request``)
 
 
+def wait_for_ssd_copies(owner: Any, blocks: int) -> None:
+    """Until the SSD tier holds ``blocks`` copies (``owner``: a raw session)."""
+    deadline = time.monotonic() + 30
+    while True:
+        stats = owner.ask(p.Stats(4))
+        assert isinstance(stats, p.StatsReply)
+        if stats.stats["tiers"]["ssd"]["blocks"] >= blocks:
+            return
+        assert time.monotonic() < deadline, stats.stats["tiers"]["ssd"]
+        time.sleep(0.05)
+
+
+def defer_reserves(others: dict[str, Any]) -> None:
+    """Each tenant of ``others`` (raw sessions) opens a namespace and sends ``EACH``
+    reserves of a block, which wait: DRAM is full."""
+    namespaces = {}
+    for tenant, raw in others.items():
+        ns = raw.ask(p.OpenNamespace(2, make_identity(tenant=tenant, **SHAPE)))
+        assert isinstance(ns, p.NamespaceReply), ns
+        namespaces[tenant] = ns.ns
+    for i in range(EACH):
+        for tenant, raw in others.items():
+            raw.sock.send(p.encoder.encode(
+                p.Reserve(100 + i, namespaces[tenant], [bytes([1 + i]) * 16])))
+    assert not replies(list(others.values()), 1, 0.3)  # DRAM full: they wait
+
+
 @pytest.mark.parametrize("removal", ["evict", "drop"])
 def test_reserves_deferred_behind_a_full_dram_wake_when_a_removal_in_slices_frees_it(
         daemon_factory: Any, tmp_path: Path, removal: str) -> None:
@@ -60,16 +87,7 @@ def test_reserves_deferred_behind_a_full_dram_wake_when_a_removal_in_slices_free
             put = ask_frames(owner, p.Put(3, opened.ns, chain, keys[at - 1] if at else None),
                              *[b"\1" * opened.block_bytes] * len(chain))
             assert isinstance(put, p.PutReply) and put.created == len(chain), put
-        namespaces = {}
-        for tenant, raw in others.items():
-            ns = raw.ask(p.OpenNamespace(2, make_identity(tenant=tenant, **SHAPE)))
-            assert isinstance(ns, p.NamespaceReply), ns
-            namespaces[tenant] = ns.ns
-        for i in range(EACH):
-            for tenant, raw in others.items():
-                raw.sock.send(p.encoder.encode(
-                    p.Reserve(100 + i, namespaces[tenant], [bytes([1 + i]) * 16])))
-        assert not replies(list(others.values()), 1, 0.3)  # DRAM full: they wait
+        defer_reserves(others)
         if removal == "evict":
             removed = owner.ask(p.Evict(8, opened.ns, keys[:1]))  # the whole chain
         else:
@@ -113,24 +131,8 @@ def test_reserves_deferred_wake_when_an_evict_answered_once_the_ssd_index_lets_g
         put = ask_frames(owner, p.Put(3, opened.ns, keys),
                          *[b"\1" * opened.block_bytes] * slots)
         assert isinstance(put, p.PutReply) and put.created == slots, put
-        deadline = time.monotonic() + 30
-        while True:  # every block has its SSD copy
-            stats = owner.ask(p.Stats(4))
-            assert isinstance(stats, p.StatsReply)
-            if stats.stats["tiers"]["ssd"]["blocks"] >= slots:
-                break
-            assert time.monotonic() < deadline, stats.stats["tiers"]["ssd"]
-            time.sleep(0.05)
-        namespaces = {}
-        for tenant, raw in others.items():
-            ns = raw.ask(p.OpenNamespace(2, make_identity(tenant=tenant, **SHAPE)))
-            assert isinstance(ns, p.NamespaceReply), ns
-            namespaces[tenant] = ns.ns
-        for i in range(EACH):
-            for tenant, raw in others.items():
-                raw.sock.send(p.encoder.encode(
-                    p.Reserve(100 + i, namespaces[tenant], [bytes([1 + i]) * 16])))
-        assert not replies(list(others.values()), 1, 0.3)  # DRAM full: they wait
+        wait_for_ssd_copies(owner, slots)
+        defer_reserves(others)
         tail = 2 * len(TENANTS) * EACH  # a few blocks: one slice, answered once withdrawn
         removed = owner.ask(p.Evict(8, opened.ns, keys[-tail:-tail + 1]))
         assert isinstance(removed, p.CountReply) and removed.count == tail, removed

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtest import make_identity
 from test_attacks_s53 import ask_frames
+from test_deferred_wakeups_s55 import wait_for_ssd_copies
 from test_protocol_abuse import error_code
 from test_under_way_daemon_bound import hello
 
@@ -45,14 +46,7 @@ def test_an_evict_done_is_not_refused_for_the_sessions_requests_waiting(
         put = ask_frames(owner, p.Put(3, opened.ns, keys),
                          *[b"\1" * opened.block_bytes] * slots)
         assert isinstance(put, p.PutReply) and put.created == slots, put
-        deadline = time.monotonic() + 30
-        while True:  # every block has its SSD copy
-            stats = owner.ask(p.Stats(4))
-            assert isinstance(stats, p.StatsReply)
-            if stats.stats["tiers"]["ssd"]["blocks"] >= slots:
-                break
-            assert time.monotonic() < deadline, stats.stats["tiers"]["ssd"]
-            time.sleep(0.05)
+        wait_for_ssd_copies(owner, slots)
         for i in range(SESSION_MOST):  # DRAM full: each waits for room, under way
             owner.sock.send(p.encoder.encode(
                 p.Reserve(100 + i, opened.ns, [(slots + 1 + i).to_bytes(16, "big")])))
