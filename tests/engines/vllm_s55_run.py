@@ -54,9 +54,7 @@ def prompt_logprobs(out: Any) -> list[float | None] | None:
 
 
 def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-    from vllm_setups_run import daemon_dram, pause, start_engine
+    from vllm_setups_run import daemon_dram, pause, run_requests, start_engine
 
     counted = Counted()
     logging.getLogger("kvstore").addHandler(counted)
@@ -70,30 +68,11 @@ def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
         if phase.get("reset_prefix_cache") and not llm.reset_prefix_cache():
             raise SystemExit("vLLM did not empty its prefix cache")
         before = dict(sched_conn.stats) if sched_conn else {}
-        params = SamplingParams(temperature=phase.get("temperature", 0.0),
-                                n=phase.get("n", 1), seed=phase.get("seed"),
-                                max_tokens=phase.get("max_tokens", 12), detokenize=False,
-                                prompt_logprobs=phase.get("prompt_logprobs"),
-                                ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
-        ids = []
-        for prompt in phase["prompts"]:
-            counter += 1
-            ids.append(f"r{counter}")
-            engine.add_request(ids[-1], {"prompt_token_ids": prompt}, params)
-        outputs: dict[str, Any] = {}
-        steps = 0
-        abort = phase.get("abort_after_steps")
-        while engine.has_unfinished_requests() and steps < 4000:
-            if abort is not None and steps >= abort:
-                engine.abort_request(ids)
-                break
-            for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = {
-                        "outputs": [list(o.token_ids) for o in out.outputs],
-                        "num_cached_tokens": out.num_cached_tokens,
-                        "prompt_logprobs": prompt_logprobs(out)}
-            steps += 1
+        ids, outputs, steps = run_requests(
+            engine, phase, counter, most_steps=4000,
+            more=lambda out: {"prompt_logprobs": prompt_logprobs(out)},
+            prompt_logprobs=phase.get("prompt_logprobs"))
+        counter += len(ids)
         if worker is not None:
             worker.drain_saves(30)
         freeing = 0

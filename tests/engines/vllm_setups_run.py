@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,10 +115,44 @@ def start_engine(model: str, eng: dict[str, Any], conn: dict[str, Any] | None,
     return llm, engine, scheduler, preemptions, sched_conn, connected, worker
 
 
-def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
+def run_requests(engine: Any, phase: dict[str, Any], counter: int, *, most_steps: int = 2000,
+                 more: Callable[[Any], dict[str, Any]] | None = None,
+                 **params: Any) -> tuple[list[str], dict[str, Any], int]:
+    """A phase's prompts added as requests ``r<counter+1>``... (sampling as the phase
+    says, ``params`` besides) and the engine stepped until they finish, or are aborted
+    after ``abort_after_steps``: their ids, each finished one's outputs and cached
+    tokens (and ``more(out)``), and the steps taken."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    sampling = SamplingParams(temperature=phase.get("temperature", 0.0),
+                              n=phase.get("n", 1), seed=phase.get("seed"),
+                              max_tokens=phase.get("max_tokens", 12), detokenize=False,
+                              ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY,
+                              **params)
+    ids = []
+    for prompt in phase["prompts"]:
+        counter += 1
+        ids.append(f"r{counter}")
+        engine.add_request(ids[-1], {"prompt_token_ids": prompt}, sampling)
+    outputs: dict[str, Any] = {}
+    steps = 0
+    abort = phase.get("abort_after_steps")
+    while engine.has_unfinished_requests() and steps < most_steps:
+        if abort is not None and steps >= abort:
+            engine.abort_request(ids)
+            break
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = {
+                    "outputs": [list(o.token_ids) for o in out.outputs],
+                    "num_cached_tokens": out.num_cached_tokens,
+                    **(more(out) if more is not None else {})}
+        steps += 1
+    return ids, outputs, steps
+
+
+def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
     eng, conn = spec.get("engine", {}), spec.get("connector")
     if spec.get("log"):  # kvstore's log, at this level, on stderr
         import logging
@@ -137,28 +172,8 @@ def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
         if phase.get("reset_prefix_cache") and not llm.reset_prefix_cache():
             raise SystemExit("vLLM did not empty its prefix cache")
         before = dict(sched_conn.stats) if sched_conn else {}
-        params = SamplingParams(temperature=phase.get("temperature", 0.0),
-                                n=phase.get("n", 1), seed=phase.get("seed"),
-                                max_tokens=phase.get("max_tokens", 12), detokenize=False,
-                                ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
-        ids = []
-        for prompt in phase["prompts"]:
-            counter += 1
-            ids.append(f"r{counter}")
-            engine.add_request(ids[-1], {"prompt_token_ids": prompt}, params)
-        outputs: dict[str, Any] = {}
-        steps = 0
-        abort = phase.get("abort_after_steps")
-        while engine.has_unfinished_requests() and steps < 2000:
-            if abort is not None and steps >= abort:
-                engine.abort_request(ids)
-                break
-            for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = {
-                        "outputs": [list(o.token_ids) for o in out.outputs],
-                        "num_cached_tokens": out.num_cached_tokens}
-            steps += 1
+        ids, outputs, steps = run_requests(engine, phase, counter)
+        counter += len(ids)
         held, freeing = len(scheduler.requests), 0
         if worker is not None:
             worker.drain_saves(30)
