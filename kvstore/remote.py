@@ -111,7 +111,6 @@ class RemoteTier:
     def healthy(self) -> bool:
         return self.health.healthy
 
-
     @property
     def taking_write_backs(self) -> bool:
         """Whether blocks leaving the local tiers go to the remote store first: it is
