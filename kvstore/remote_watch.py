@@ -39,6 +39,10 @@ log = logging.getLogger("kvstore.remote")
 FORGET_SLICE = 4096
 FORGET_SLICE_SECONDS = 0.001
 
+# A stop's wait for the watch's tasks to end, at most, and between its cancels
+STOP_SECONDS = 2.0
+STOP_RETRY_SECONDS = 0.05
+
 
 class WatchedTier(Protocol):
     """What the watch uses of the remote tier (``remote.RemoteTier``)."""
@@ -69,6 +73,7 @@ class GenerationWatch:
         self._task: asyncio.Task[None] | None = None
         self._forgetting: ForgetMarks | None = None
         self._forget_task: asyncio.Task[None] | None = None
+        self._stopping = False
         # one check at a time (the periodic one, the stop's): an answer read before a
         # loss and handled after another check saw it was taken for a second loss
         self._checking = asyncio.Lock()
@@ -82,11 +87,26 @@ class GenerationWatch:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        """End the checks and the forgetting, within ``STOP_SECONDS``.  A cancel a call
+        inside a check swallowed (Python 3.11's ``asyncio.wait_for`` loses one that comes
+        as its call ends; so may a backend's client library) left the loop checking on,
+        and the stop waited for it forever: the loop now ends at its next turn, each
+        task is cancelled again until it ends, and one that does not is left behind
+        (logged), not waited for."""
+        self._stopping = True
+        until = time.monotonic() + STOP_SECONDS
         for task in (self._task, self._forget_task):
-            if task is not None:
+            while task is not None and not task.done():
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                left = until - time.monotonic()
+                if left <= 0:
+                    log.error("the remote store's generation watch did not end within "
+                              "%g s of the stop; left behind", STOP_SECONDS)
+                    break
+                await asyncio.wait({task}, timeout=min(left, STOP_RETRY_SECONDS))
+            if task is not None and task.done() and not task.cancelled():
+                with contextlib.suppress(Exception):
+                    task.result()  # (its exception, if any, retrieved: not logged again)
         self._task = self._forget_task = None
 
     @property
@@ -95,7 +115,7 @@ class GenerationWatch:
         return self._forgetting is not None
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             if self.tier.healthy:
                 await self.check()
             await asyncio.sleep(self.interval)

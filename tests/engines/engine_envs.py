@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fork_server import ForkServer, why_afresh
+try:
+    from fork_server import ForkServer, why_afresh
+except ModuleNotFoundError:  # imported as ``engines.engine_envs`` (a test outside engines/)
+    from engines.fork_server import ForkServer, why_afresh
 
 ROOT = Path(__file__).resolve().parents[2]
 ENVS = ROOT / ".engine-envs"

@@ -1,0 +1,58 @@
+"""The remote tier's stop when a call inside the generation watch swallows the cancel
+(Python 3.11's ``asyncio.wait_for`` loses a cancel that comes as its call ends, and so
+may a backend's client library): the watch's loop checked on, and the stop waited for
+it forever (seen once as a daemon that hung "closing the remote store")."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvtest import make_identity
+
+from kvstore.config import Config, RemoteConfig
+from kvstore.plugins.memory_backend import MemoryBackend
+from kvstore.remote import RemoteTier
+from kvstore.store import BlockStore
+from kvstore.transfers import TransferGate
+
+IDENT = make_identity(tenant="acme", model="m")
+
+
+def test_the_stop_ends_a_watch_whose_call_swallowed_the_cancel() -> None:
+    async def main() -> None:
+        store = BlockStore(8 * IDENT.block_bytes, 8 * IDENT.block_bytes, remote_tier=True)
+        remote = RemoteTier(
+            Config(remote=RemoteConfig(url="memory://", check_seconds=0.1)), store,
+            lambda _ns, _off: memoryview(bytearray(IDENT.block_bytes)), TransferGate(4))
+        inner = remote.backend.inner
+        assert isinstance(inner, MemoryBackend)
+        asking = asyncio.Event()
+        swallowed = 0
+
+        async def stubborn() -> bytes | None:
+            nonlocal swallowed
+            asking.set()
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                swallowed += 1  # as a library that loses the cancel: answers anyway
+            return b"gen-1"
+
+        inner.generation = stubborn  # type: ignore[method-assign]
+        remote.watch.start()
+        await asyncio.wait_for(asking.wait(), 5)
+        await asyncio.sleep(0.01)  # inside the call
+        closing = asyncio.ensure_future(remote.close())
+        await asyncio.wait({closing}, timeout=4)
+        hung = not closing.done()
+        if hung:  # (the code before: a second cancel, a stop's deadline, ends it)
+            closing.cancel()
+            await asyncio.wait({closing})
+        assert not hung, "the stop still waited for the watch after 4 s"
+        closing.result()
+        assert swallowed >= 1
+        checks = remote.counters["generation_checks"]
+        await asyncio.sleep(0.3)  # three intervals: nothing checks any more
+        assert remote.counters["generation_checks"] == checks
+
+    asyncio.run(main())
