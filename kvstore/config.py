@@ -443,6 +443,19 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return bool(a.secret_file or a.curve_secret_key_file or a.peer_tenants)
 
     @property
+    def named_tenants(self) -> set[str]:
+        """The tenants this configuration names (weights, grants, peers, operators,
+        the event stream's readers)."""
+        a = self.auth
+        names = {*self.server.tenant_weights, *a.operators, *a.peer_tenants.values(),
+                 *self.events.readers}
+        for grants in (a.shared_tenants, a.shared_writers):
+            for owner, grantees in grants.items():
+                names.add(owner)
+                names.update(grantees)
+        return names
+
+    @property
     def tenant_arenas(self) -> bool:
         """Whether each tenant's blocks live in an arena of its own: when asked (true),
         and by default (auto) whenever credentials are set, unless a shared arena is

@@ -423,12 +423,18 @@ class Metrics:
     (``_Requests``): call them from the event loop's thread only.
     """
 
-    def __init__(self, stats: StatsSource | None = None, *, max_tenants: int = 256) -> None:
+    def __init__(self, stats: StatsSource | None = None, *, max_tenants: int = 256,
+                 known_tenants: Iterable[str] = ()) -> None:
         if max_tenants < 1:
             raise ValueError(f"max_tenants must be positive, got {max_tenants}")
         self.registry = CollectorRegistry()
         self.max_tenants = max_tenants
         self._tenants: set[str] = set()
+        # tenants the configuration names (weights, grants, peers, operators, readers):
+        # labelled whoever came first.  Without credentials any client names any tenant,
+        # and the first ``max_tenants`` names took every label for the daemon's life:
+        # a script's 256 hellos left the configured tenants counted as OTHER_TENANT.
+        self._known = frozenset(known_tenants)
         if stats is not None:
             self.registry.register(_StatsCollector(stats))
         r = self.registry
@@ -471,7 +477,7 @@ class Metrics:
     def _tenant(self, tenant: str) -> str:
         # Tenants are named by clients; capping them keeps a misbehaving client from
         # growing the exposition (and this process) without bound.
-        if tenant in self._tenants or tenant == UNAUTHENTICATED:
+        if tenant in self._tenants or tenant == UNAUTHENTICATED or tenant in self._known:
             return tenant
         if len(self._tenants) < self.max_tenants:
             self._tenants.add(tenant)

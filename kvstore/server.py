@@ -683,7 +683,8 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
     web = config.server  # the metrics port's settings
     token = read_metrics_token(web.metrics_token_file) if web.metrics_token_file else b""
     server = Server(config)
-    server.metrics = Metrics(stats_on_loop(loop, server.stats))
+    server.metrics = Metrics(stats_on_loop(loop, server.stats),
+                             known_tenants=config.named_tenants)
     try:
         close_http = server.metrics.start_http_server(web.metrics_port, web.metrics_addr,
                                                       token)

@@ -386,3 +386,21 @@ def test_scrapes_at_once_share_one_page_and_one_after_another_do_not() -> None:
     finally:
         release.set()
         close()
+
+
+def test_a_configured_tenant_keeps_its_label_past_the_cap(daemon: FakeDaemon) -> None:
+    # without credentials any client names any tenant: the first names took every
+    # label, and a tenant the configuration names was counted as OTHER_TENANT
+    metrics = Metrics(daemon, max_tenants=2, known_tenants={"acme"})
+    for i in range(5):
+        metrics.observe_request("ping", 0.0001, None, f"junk{i}")
+    metrics.observe_request("ping", 0.0001, None, "acme")
+    metrics.observe_lookup_tokens("dram", "acme", 16, 0)
+    port, close = _serve(metrics)
+    try:
+        s = Scraper(port)()
+    finally:
+        close()
+    assert v(s, "kvstore_requests_total", verb="ping", tenant="acme") == 1
+    assert v(s, "kvstore_requests_total", verb="ping", tenant=OTHER_TENANT) == 3
+    assert v(s, "kvstore_requests_total", verb="ping", tenant="junk1") == 1
