@@ -34,7 +34,8 @@ from kvstore.errors import CapacityError, KVStoreError
 from kvstore.gpu_mover import GpuMover
 from kvstore.plans import MAX_TURNS
 from kvstore.remote import REMOTE_OWNER, RemoteTier, by_namespace
-from kvstore.ssd_copies import flush_givers, flush_plan, flush_victim
+from kvstore.slab_moves import StopTrades
+from kvstore.ssd_flush import flush_givers, flush_plan, flush_victim
 from kvstore.store import Block, BlockStore, Namespace, Plan
 from kvstore.tiering import SsdMover
 from kvstore.transfers import Background, TurnBatch
@@ -445,17 +446,20 @@ class Moves:
         """On the way out, under write-back: the blocks only DRAM holds, to the SSD tier
         (``ssd_copies.flush_plan``), a batch at a time, where there is room or in place
         of its coldest leaves (``flush_victim``: never a parent, nor a block written
-        here, nor another tenant's within its share); how many went."""
+        here, nor another tenant's within its share), or in slabs another size hands
+        over (``StopTrades``); how many went."""
         written = 0
+        assert self.store.ssd is not None, "a flush to ssd without an ssd tier"
+        spare = StopTrades.spare_of(self.store.ssd.pool)
         plan = flush_plan(self.store.ssd_copies)
         planned = set(plan)
         for start in range(0, len(plan), 64):
             batch = self.store.ssd_copies.write_through_candidates(plan[start:start + 64])
             if batch:
                 givers = flush_givers(self.store, batch)
+                victim = partial(flush_victim, planned=planned, givers=givers)
                 try:
-                    await self._to_ssd(batch, evict=partial(flush_victim, planned=planned,
-                                                            givers=givers))
+                    await self._to_ssd(batch, evict=StopTrades(victim, spare, planned))
                 except CapacityError:
                     continue  # another batch (of another class) may fit where this did not
                 written += sum(b.ssd_offset is not None for b in batch)

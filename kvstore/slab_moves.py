@@ -46,7 +46,8 @@ what hangs below them, never a block being written or in use), the slab with the
 SSD-only blocks that others hang below first.  Copying them elsewhere on the disk, and
 shares by use there, are not done yet.  Where no SSD slab can be found for a size (an
 SSD tier of one slab, another size's), its DRAM blocks leave as if there were no SSD
-tier (``ssd_refused``) rather than be planned for writes the tier refuses.
+tier (``ssd_refused``) rather than be planned for writes the tier refuses.  The flush
+on a clean stop hands SSD slabs the same way (``StopTrades``), at most half of a size's.
 """
 
 from __future__ import annotations
@@ -314,18 +315,52 @@ def class_stats(store: StoreCore) -> dict[str, list[dict[str, Any]]]:
     return {"dram": dram, "ssd": ssd}
 
 
+class StopTrades:
+    """What the flush on the way out (``ssd_flush``) may give up on the SSD tier for
+    blocks only DRAM holds: within a size, the copies ``victim`` passes; between sizes,
+    slabs of the size with most (``empty_ssd_slab``), as a demotion takes them while
+    serving, none of ``planned`` (the blocks the flush writes) touched, and of each
+    size at most ``spare`` says (``spare_of``: shared by the flush's batches)."""
+
+    def __init__(self, victim: Callable[[Block], bool], spare: dict[int, int],
+                 planned: set[Block]) -> None:
+        self.victim, self.spare, self.planned = victim, spare, planned
+
+    @staticmethod
+    def spare_of(pool: SlabPool) -> dict[int, int]:
+        """The slabs each class of ``pool`` may give through the flush: half of those it
+        holds now (the tier's older content is not all traded away, and a stop withdraws
+        at most half the tier's records); none taken during the flush."""
+        return {c.slot_bytes: len(c.slabs) // 2 for c in pool.classes.values()}
+
+    def __call__(self, b: Block) -> bool:
+        return self.victim(b)
+
+    def may_give(self, donor: SlabClass) -> bool:
+        return self.spare.get(donor.slot_bytes, 0) > 0
+
+    def gave(self, donor: SlabClass) -> None:
+        self.spare[donor.slot_bytes] -= 1
+
+
 def empty_ssd_slab(store: StoreCore, cls: SlabClass, removed: list[tuple[bytes, bytes]],
-                   keep: set[Block]) -> bool:
+                   keep: set[Block], stop: StopTrades | None = None) -> bool:
     """Give ``cls`` (an SSD class with nothing to evict) a slab of the SSD class with
     the most, emptied by dropping its copies (``removed``: the index records to delete),
     none of ``keep`` (the blocks being written) touched; False if no slab of it can be
-    emptied now (a copy being read, or a block below one in use, say)."""
+    emptied now (a copy being read, or a block below one in use, say).  On the way out
+    (``stop``), only as its rules say; a block DRAM also holds then counts as one only
+    the SSD tier holds (DRAM goes with the stop: kept without its SSD copy, what hangs
+    below it would be dropped at restart as orphans), and goes with what hangs below."""
     ssd = store.ssd
     assert ssd is not None
     pool = ssd.pool
+    if stop is not None:
+        keep = keep | stop.planned
     # (a donor keeps a slab: two sizes starved in turn would take one slab back and
     # forth, dropping every copy in it each time)
-    donors = [c for c in pool.classes.values() if c is not cls and len(c.slabs) > 1]
+    donors = [c for c in pool.classes.values() if c is not cls and len(c.slabs) > 1
+              and (stop is None or stop.may_give(c))]
     if not donors:
         return False
     donor = max(donors, key=lambda c: len(c.slabs))
@@ -339,20 +374,20 @@ def empty_ssd_slab(store: StoreCore, cls: SlabClass, removed: list[tuple[bytes, 
             if _busy(b) or b in keep:
                 break
             blocks.append(b)
-            inner += b.offset is None and b.kids is not None
+            inner += (b.offset is None or stop is not None) and b.kids is not None
         else:
             if len(blocks) == slab.used:
                 ranked.append(((inner, slab.used), slab.index, slab, blocks))
     for _, _, slab, blocks in sorted(ranked, key=lambda r: r[:2]):
-        below = [x for b in blocks if b.offset is None and b.kids is not None
-                 for x in subtree(b)]
+        below = [x for b in blocks if (b.offset is None or stop is not None)
+                 and b.kids is not None for x in subtree(b)]
         if any(_busy(x) or x in keep for x in below):
             continue  # (a block below in use would keep its SSD-only parents)
         dropped = 0
         for b in blocks:
             if b.ssd_offset is None:
                 continue  # gone with a block above it
-            if b.offset is not None or b.kids is None:
+            if (b.offset is not None and stop is None) or b.kids is None:
                 removed.append(store.drop_ssd_copy(b))
                 dropped += 1
             else:
@@ -361,7 +396,10 @@ def empty_ssd_slab(store: StoreCore, cls: SlabClass, removed: list[tuple[bytes, 
                 dropped += len(removed) - before
         store.counters.ssd_slab_moves += 1
         store.counters.ssd_slab_dropped += dropped
-        return donor.slabs.get(slab.index) is not slab
+        emptied = donor.slabs.get(slab.index) is not slab
+        if emptied and stop is not None:
+            stop.gave(donor)
+        return emptied
     return False
 
 

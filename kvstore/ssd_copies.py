@@ -20,18 +20,16 @@ from kvstore.blocks import (
     Block,
     Namespace,
     Transfer,
-    parents_first,
 )
 from kvstore.core import StoreCore
 from kvstore.dram_copies import check_slots
 from kvstore.errors import CapacityError
 from kvstore.first_blocks import Heads, also_heads
 from kvstore.plans import Plan
-from kvstore.pool import SlabClass
 from kvstore.room import RoomMaker
 from kvstore.scheduler.eviction import EvictionPolicy, LRUPolicy
 from kvstore.scheduler.tenant_orders import TenantOrders
-from kvstore.slab_moves import empty_ssd_slab
+from kvstore.slab_moves import StopTrades, empty_ssd_slab
 
 _ORDERED = (LRUPolicy, TenantOrders)  # orders that say which copies are coldest
 _CLEAN_VICTIM_REACH = 64  # SSD copies looked at for one the remote store also holds
@@ -148,8 +146,9 @@ class SsdCopies:
                 victim = self._clean_victim(policy, allowed) if evict else None
                 if victim is None and evict:
                     victim = policy.pop_victim(allowed)
-                if (victim is None and evict is True
-                        and empty_ssd_slab(self.store, cls, removed, keep)):
+                if (victim is None and (evict is True or isinstance(evict, StopTrades))
+                        and empty_ssd_slab(self.store, cls, removed, keep,
+                                           evict if isinstance(evict, StopTrades) else None)):
                     continue  # a slab of another size's, emptied: this size's now
                 if victim is None:
                     if offsets:
@@ -711,75 +710,6 @@ def _made_fresh(ns: Namespace, keys: list[bytes], parent_back: list[int],
 
 if _BLOCK_SLOTS != Block.__slots__:  # (not an assert: kept under ``python -O``)
     raise ImportError("_made_fresh stores every slot of a Block: its list is out of date")
-
-
-def flush_plan(copies: SsdCopies) -> list[Block]:
-    """On the way out, under write-back: the blocks whose one copy is in DRAM, for the
-    SSD tier (a restart finds them there), parents first, so that what is written is
-    whole prefixes; first those that copies on SSD hang from (a parent only DRAM held,
-    its children demoted: without it a restart drops them all), then the rest.  As many
-    as each class has slots, its own and the empty slabs (which every class draws on,
-    counted once): the flush writes them where there is room, or in place of the SSD
-    tier's coldest leaves (``flush_victim``).  A block whose parent stays off the SSD
-    tier is not written (a restart drops it)."""
-    store = copies.store
-    ssd = store.ssd
-    assert ssd is not None, "no SSD tier"
-    room = [ssd.pool.empty_slabs]  # the empty slabs, shared
-    free: dict[int, int] = {}  # a class (by its slot size) -> its slots not yet planned
-    plan: list[Block] = []
-    chosen: set[Block] = set()
-
-    def take(blocks: list[Block], cls: SlabClass) -> None:
-        for b in copies.write_through_candidates(blocks):
-            have = free.setdefault(cls.slot_bytes, cls.capacity_slots)
-            if have == 0:
-                if room[0] == 0:
-                    return
-                room[0] -= 1  # a slab this class takes: no other class has it
-                have = cls.slots_per_slab
-            parent = b.parent
-            if parent is None or parent.ssd_offset is not None or parent in chosen:
-                plan.append(b)
-                chosen.add(b)
-                have -= 1
-            free[cls.slot_bytes] = have
-
-    rest: list[tuple[list[Block], SlabClass]] = []
-    for ns in list(store.namespaces.values()):  # every namespace's rescues first
-        cls = ns.ssd_cls
-        if cls is None:
-            continue
-        order = parents_first(ns)
-        above: set[Block] = set()  # the ancestors of copies on SSD
-        for b in reversed(order):
-            if (b.ssd_offset is not None or b in above) and b.parent is not None:
-                above.add(b.parent)
-        take([b for b in order if b in above], cls)
-        rest.append(([b for b in order if b not in above], cls))
-    for blocks, cls in rest:
-        take(blocks, cls)
-    return plan
-
-
-def flush_victim(b: Block, planned: set[Block], givers: set[str]) -> bool:
-    """Whether the flush on the way out may trade ``b``'s SSD copy for a block only DRAM
-    holds (``reserve`` asks, of copies no transfer holds): a leaf of the index (a
-    restart must find every parent of what it keeps), not a block the flush writes, of
-    a tenant in ``givers`` (``flush_givers``)."""
-    return b.kids is None and b not in planned and b.ns.tenant in givers
-
-
-def flush_givers(store: StoreCore, batch: Sequence[Block]) -> set[str]:
-    """The tenants whose SSD copies the flush of ``batch`` may trade: the batch's own,
-    and those over their weighted share of the tier (``TenantOrders``'s rule).  Any
-    leaf once went: a tenant with DRAM full on the way out pushed every other's copies
-    off the tier, where its demotions while serving take its own first."""
-    assert store.ssd is not None, "no SSD tier"
-    held, givers = tenant_bytes(store), {b.ns.tenant for b in batch}
-    weights = {t: store.tenant_weights.get(t, 1.0) for t in held.keys() | givers}
-    share = store.ssd.pool.capacity_bytes / sum(weights.values())
-    return givers | {t for t, n in held.items() if n > share * weights[t]}
 
 
 def tenant_bytes(store: StoreCore) -> dict[str, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvtest import make_identity
 
 from kvstore.keys import chain_keys
-from kvstore.ssd_copies import flush_plan
+from kvstore.ssd_flush import flush_plan
 from kvstore.store import Block, BlockStore, Namespace
 
 IDENT = make_identity()
@@ -58,3 +58,18 @@ def test_two_block_sizes_share_the_empty_slabs_once() -> None:
     room = sum(b.ns.ssd_cls.slot_bytes for b in plan if b.ns.ssd_cls is not None)
     assert room <= 8 * SLOT
     assert [b.ns for b in plan].count(big) == 6 and [b.ns for b in plan].count(small) == 0
+
+
+def test_a_size_with_no_room_takes_at_most_half_of_anothers_slabs_and_goes_first() -> None:
+    store = BlockStore(256 * SLOT, 8 * SLOT, ssd_capacity=16 * SLOT, ssd_slab_bytes=4 * SLOT)
+    big = store.open_namespace(IDENT)
+    small = store.open_namespace(make_identity(head_dim=IDENT.head_dim // 2))
+    on_ssd(store, commit(store, big, 0, 16))  # the tier's four slabs: the big size's
+    loose = commit(store, big, 10**6, 4)
+    smalls = commit(store, small, 2 * 10**6, 40)  # more than two slabs of eight hold
+    plan = flush_plan(store.ssd_copies)
+    # two of the big size's four slabs (16 small slots), the small blocks first (their
+    # slabs are emptied before the flush writes big blocks into them), parents first
+    assert plan[:16] == smalls[:16]
+    assert plan[16:] == loose
+    store.check_invariants()

@@ -1,0 +1,113 @@
+"""What the write-back flush on a clean stop writes to the SSD tier, and what it may give
+up there for it: the blocks only DRAM holds (a restart finds nothing else of them), in
+place of the tier's free room, its coldest leaves of the same size (``flush_victim``),
+or slabs another size hands over (``slab_moves.StopTrades``).  Pure planning; the
+pipeline (``Moves.flush_to_ssd``) writes the plan a batch at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvstore.blocks import Block, parents_first
+from kvstore.core import StoreCore
+from kvstore.pool import SlabClass
+from kvstore.slab_moves import StopTrades
+from kvstore.ssd_copies import tenant_bytes
+
+if TYPE_CHECKING:
+    from kvstore.ssd_copies import SsdCopies
+
+
+def flush_plan(copies: SsdCopies) -> list[Block]:
+    """On the way out, under write-back: the blocks whose one copy is in DRAM, for the
+    SSD tier (a restart finds them there), parents first, so that what is written is
+    whole prefixes; first those that copies on SSD hang from (a parent only DRAM held,
+    its children demoted: without it a restart drops them all), then the rest.  As many
+    as each class has slots, its own and the empty slabs (which every class draws on,
+    counted once): the flush writes them where there is room, or in place of the SSD
+    tier's coldest leaves (``flush_victim``).  A class out of both takes slabs of the
+    class with most, as far as ``StopTrades`` lets it (each gives at most half): its
+    blocks come first in the plan, so that the slabs it takes are emptied before the
+    flush writes blocks of the giving size into them.  A block whose parent stays off
+    the SSD tier is not written (a restart drops it)."""
+    store = copies.store
+    ssd = store.ssd
+    assert ssd is not None, "no SSD tier"
+    room = [ssd.pool.empty_slabs]  # the empty slabs, shared
+    free: dict[int, int] = {}  # a class (by its slot size) -> its slots not yet planned
+    classes = list(ssd.pool.classes.values())
+    slabs = {c.slot_bytes: len(c.slabs) for c in classes}  # each class's, as planned
+    spare = StopTrades.spare_of(ssd.pool)
+    takers: set[int] = set()  # the classes planned to take another's slab
+    plan: list[Block] = []
+    chosen: set[Block] = set()
+
+    def taken_slab(cls: SlabClass) -> bool:
+        """A slab of the class with most, for ``cls`` (``empty_ssd_slab``'s choice)."""
+        donors = [c for c in classes if c is not cls and spare.get(c.slot_bytes, 0) > 0]
+        if not donors:
+            return False
+        donor = max(donors, key=lambda c: slabs[c.slot_bytes])
+        slabs[donor.slot_bytes] -= 1
+        spare[donor.slot_bytes] -= 1
+        free[donor.slot_bytes] = max(0, free.get(donor.slot_bytes, donor.capacity_slots)
+                                     - donor.slots_per_slab)
+        takers.add(cls.slot_bytes)
+        return True
+
+    def take(blocks: list[Block], cls: SlabClass) -> None:
+        for b in copies.write_through_candidates(blocks):
+            have = free.setdefault(cls.slot_bytes, cls.capacity_slots)
+            if have == 0:
+                if room[0] > 0:
+                    room[0] -= 1  # a slab this class takes: no other class has it
+                elif not taken_slab(cls):
+                    return
+                slabs[cls.slot_bytes] = slabs.get(cls.slot_bytes, 0) + 1
+                have = cls.slots_per_slab
+            parent = b.parent
+            if parent is None or parent.ssd_offset is not None or parent in chosen:
+                plan.append(b)
+                chosen.add(b)
+                have -= 1
+            free[cls.slot_bytes] = have
+
+    rest: list[tuple[list[Block], SlabClass]] = []
+    for ns in list(store.namespaces.values()):  # every namespace's rescues first
+        cls = ns.ssd_cls
+        if cls is None:
+            continue
+        order = parents_first(ns)
+        above: set[Block] = set()  # the ancestors of copies on SSD
+        for b in reversed(order):
+            if (b.ssd_offset is not None or b in above) and b.parent is not None:
+                above.add(b.parent)
+        take([b for b in order if b in above], cls)
+        rest.append(([b for b in order if b not in above], cls))
+    for blocks, cls in rest:
+        take(blocks, cls)
+    # (stable: each namespace's blocks keep their order, parents first)
+    plan.sort(key=lambda b: b.ns.ssd_cls is None or b.ns.ssd_cls.slot_bytes not in takers)
+    return plan
+
+
+def flush_victim(b: Block, planned: set[Block], givers: set[str]) -> bool:
+    """Whether the flush on the way out may trade ``b``'s SSD copy for a block only DRAM
+    holds (``reserve`` asks, of copies no transfer holds): a leaf of the index (a
+    restart must find every parent of what it keeps), not a block the flush writes, of
+    a tenant in ``givers`` (``flush_givers``)."""
+    return b.kids is None and b not in planned and b.ns.tenant in givers
+
+
+def flush_givers(store: StoreCore, batch: Sequence[Block]) -> set[str]:
+    """The tenants whose SSD copies the flush of ``batch`` may trade: the batch's own,
+    and those over their weighted share of the tier (``TenantOrders``'s rule).  Any
+    leaf once went: a tenant with DRAM full on the way out pushed every other's copies
+    off the tier, where its demotions while serving take its own first."""
+    assert store.ssd is not None, "no SSD tier"
+    held, givers = tenant_bytes(store), {b.ns.tenant for b in batch}
+    weights = {t: store.tenant_weights.get(t, 1.0) for t in held.keys() | givers}
+    share = store.ssd.pool.capacity_bytes / sum(weights.values())
+    return givers | {t for t, n in held.items() if n > share * weights[t]}
