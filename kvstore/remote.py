@@ -25,6 +25,7 @@ from kvstore.auth import read_secret
 from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
 from kvstore.remote_health import TierHealth
+from kvstore.remote_held import HeldWrites
 from kvstore.remote_watch import GenerationWatch
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
@@ -35,9 +36,6 @@ log = logging.getLogger("kvstore.remote")
 REMOTE = "remote"
 REMOTE_OWNER = ("daemon", "remote")  # holds DRAM copies while they move to or from it
 TAG_SECRET_MOST = 64  # a block of HMAC-SHA256: longer keys are hashed first
-# Write-through blocks kept through the remote tier's outage, at most (the oldest go
-# unsent past it): a few seconds of commits on a busy host, a few MiB of entries
-DEFERRED_MOST = 1 << 14
 # bytes of one backend call, at most: each call is bounded by ``timeout_s``, so one of a
 # request's whole batch (4096 blocks of a large model's, gigabytes) never fit in it; it
 # failed every time, and marked the tier unhealthy for every tenant
@@ -90,16 +88,15 @@ class RemoteTier:
                          "write_backs": 0, "changed_since_commit": 0,
                          # values the remote store answered but did not keep (full)
                          "refused_writes": 0,
-                         # write-through blocks the tier's outage held back, to send once
-                         # it is healthy again; and those it could not keep (the oldest
-                         # past ``DEFERRED_MOST``), never sent
+                         # write-through blocks the tier's outage or a refusal held back,
+                         # to send again (``remote_held``); and those it could not keep
+                         # (the oldest past ``DEFERRED_MOST``), never sent
                          "deferred_writes": 0, "unsent_writes": 0,
                          # the store's generation asked; found another (the store lost
                          # what it held); and the marks of blocks it held taken back
                          "generation_checks": 0, "generations_lost": 0,
                          "marks_forgotten": 0}
-        # blocks a write-through could not send while the tier was unhealthy, oldest first
-        self._deferred: dict[Block, None] = {}
+        self._held = HeldWrites(self.counters)  # write-throughs to send again
         store.touch_owner(REMOTE_OWNER, float("inf"))
         # one more each time the store is found to have lost what it held: a send or
         # read begun before marks nothing (it may have gone to what was lost)
@@ -234,27 +231,15 @@ class RemoteTier:
         in the background; under write-back they go there when DRAM evicts them."""
         if not self.write_back:
             self._through.add(b for b in blocks if not b.marks & REMOTE_MARK)
-            if self._deferred and self.healthy:  # the outage is over: those held back go
-                deferred, self._deferred = self._deferred, {}
-                self._through.add(deferred)
+            # healthy, and nothing refused for a cooldown: those held back go
+            if len(self._held) and self.taking_write_backs:
+                self._through.add(self._held.take())
 
     def write_again(self, blocks: list[Block]) -> None:
         """Blocks cached here whose copy the remote store lost: under write-through,
         sent again (write-back sends them as they leave DRAM)."""
         if not self.write_back:
             self._through.add(blocks)
-
-    def _defer(self, blocks: list[Block]) -> None:
-        """Write-through blocks the tier's outage kept from it: sent with the first
-        commit once it is healthy again (while they are still cached here)."""
-        deferred = self._deferred
-        for b in blocks:
-            if b not in deferred:  # (one held back again, its tenant's skip not over)
-                deferred[b] = None
-                self.counters["deferred_writes"] += 1
-        while len(deferred) > DEFERRED_MOST:
-            del deferred[next(iter(deferred))]
-            self.counters["unsent_writes"] += 1
 
     async def _write_through(self, batch: list[Block]) -> None:
         by_ns: dict[Namespace, list[Block]] = {}
@@ -272,7 +257,7 @@ class RemoteTier:
 
     async def _put(self, ns: Namespace, blocks: list[Block]) -> None:
         if not self.health.serves(ns.tenant):
-            self._defer(blocks)
+            self._held.hold(blocks)
             return
         try:
             pin = self.store.acquire(REMOTE_OWNER, ns, [b.key for b in blocks],
@@ -286,7 +271,10 @@ class RemoteTier:
             ok = await self.send(ns, [b.key for b in blocks], views, "write",
                                   write_back=self.write_back, blocks=blocks)
             if ok is None and not self.health.serves(ns.tenant):  # failed, or went down
-                self._defer(blocks)
+                self._held.hold(blocks)
+            elif ok is not None and not self.write_back and not all(ok):
+                # refused (a full store), or gone with what the store lost: again later
+                self._held.hold([b for b, good in zip(blocks, ok) if good is False])
             for b, good in zip(blocks, ok or ()):
                 if good and not b.marks & REMOTE_MARK:
                     b.remote = True

@@ -1,0 +1,75 @@
+"""Write-through into a remote store that refuses values (Redis at its maxmemory under
+noeviction answers each SET with an OOM error, and stays healthy).
+
+A refused write was dropped: the block stayed in DRAM with no remote copy, and nothing
+sent it again once the store had room, so another daemon sharing the store never found
+it.  Now refused blocks join those an outage held back (``deferred_writes``, bounded by
+``DEFERRED_MOST``, the oldest past it counted in ``unsent_writes``), sent again with a
+commit once the store has refused nothing for ``remote.unhealthy_seconds``: a full
+store is tried again once a cooldown, not by every commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from kvtest import make_identity
+from redis_servers import RedisServer
+
+from kvstore import Client
+
+IDENT = make_identity(num_layers=4, num_kv_heads=4, head_dim=64)  # 64 KiB blocks
+ENV = {"KVSTORE_REMOTE_UNHEALTHY_SECONDS": "0.5"}
+
+
+def content(key: bytes) -> bytes:
+    seed = hashlib.blake2b(key, digest_size=32).digest()
+    return (seed * (IDENT.block_bytes // 32 + 1))[:IDENT.block_bytes]
+
+
+def remote(client: Client) -> dict[str, Any]:
+    stats = client.stats()
+    assert stats["invariant_violations"] == 0
+    out: dict[str, Any] = stats["remote"]
+    return out
+
+
+def test_writes_a_full_redis_refused_are_sent_once_it_has_room(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    a = daemon_factory(extra=["--remote", fresh_redis_server.url, "--log-level", "error"],
+                       env=ENV)
+    b = daemon_factory(extra=["--remote", fresh_redis_server.url, "--log-level", "error"],
+                       env=ENV)
+    with fresh_redis_server.client() as r:
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", "1")  # full: every value refused
+    with Client(a.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        refused = ns.keys(range(4 * IDENT.block_tokens))
+        ns.put(refused, [content(k) for k in refused])
+        deadline = time.monotonic() + 20
+        while remote(client)["refused_writes"] < 4:
+            assert time.monotonic() < deadline, remote(client)
+            time.sleep(0.05)
+        during = remote(client)
+        assert during["writes"] == 0 and during["deferred_writes"] >= 4, during
+        with fresh_redis_server.client() as r:
+            r.config_set("maxmemory", "0")  # room again
+        # later commits (one a while, as an engine's) send them once the cooldown is over
+        puts = 0
+        deadline = time.monotonic() + 20
+        while remote(client)["writes"] < 4 + puts:
+            assert time.monotonic() < deadline, remote(client)
+            puts += 1
+            more = ns.keys(range(puts * 10**6, puts * 10**6 + IDENT.block_tokens))
+            ns.put(more, [content(k) for k in more])
+            time.sleep(0.2)
+        after = remote(client)
+        assert after["unsent_writes"] == 0 and after["refused_writes"] == 4, after
+    with Client(b.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        hit = ns.lookup(refused)
+        assert hit.blocks == 4 and set(hit.tiers) == {"remote"}
+        assert ns.get(refused) == [content(k) for k in refused]
