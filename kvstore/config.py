@@ -171,7 +171,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_transfers_in_flight: int = 8
     # requests that finish later and prefetches under way in tasks (``under_way``), over
     # every session and tenant, and the keys they name (about 55 bytes a key): bounded
-    # per session and per tenant too, but many tenants together held unbounded tasks
+    # per session and per tenant too, but many tenants together held unbounded tasks; a
+    # tenant holds at most its share of them (by ``tenant_weights``: ``under_way``)
     max_requests_under_way: int = 16384
     max_keys_under_way: int = 1 << 22
     tenant_weights: dict[str, float] = {}

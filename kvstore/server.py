@@ -124,7 +124,7 @@ class Server:
         self.policy_switches = PolicySwitches(self.store)  # SIGHUP's, in loop turns
         self.moves = Moves(self.store, clock)  # its tiers' movers join in start()
         self.finisher = Finisher(self)
-        self.under_way = UnderWay(s.max_requests_under_way, s.max_keys_under_way)
+        self.under_way = UnderWay(s.max_requests_under_way, s.max_keys_under_way, s.tenant_weights)
         self.verbs: Verbs = Verbs(self)
         self.sides: list[SideSocket] = []
         self.verbs.add(RoutingVerbs(self).table() | NamespaceVerbs(self).table())

@@ -14,11 +14,22 @@ sessions, together held tasks and keys without bound).  Past any of them,
 that error).  An evict or a drop is not refused for the daemon's bound (it still counts
 in it): those waiting for room hold the bound, and one refused would leave them waiting
 for the room it makes until their deadline, every tenant's requests refused meanwhile.
+
+Within the daemon's bounds each tenant holds at most its share, so that one tenant's
+many sessions (each below its own bound) cannot take the whole of them and leave every
+other tenant's requests refused.  A tenant's share of each bound is its weight
+(``server.tenant_weights``, 1 by default) over the weights of the tenants with work under
+way, itself included, plus one default weight: room kept for a tenant that has none yet.
+Alone, a tenant holds at most half; with two of equal weight under way, a third each,
+and so on.  A tenant already past a share that shrank (another came) keeps what it has
+and is refused more until its requests finish below it; its first request is never
+refused for its share (a share rounds up to one request).  Past it, ``LimitExceededError``
+names the tenant and its share; an evict or a drop is not refused for it either.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from kvstore.errors import LimitExceededError
@@ -41,13 +52,17 @@ class UnderWay:
     """The count of each session's work under way in tasks, each tenant's keys in it, and
     the daemon's: at most ``most_requests`` naming ``most_keys`` keys together."""
 
-    def __init__(self, most_requests: int = 16384, most_keys: int = 1 << 22) -> None:
+    def __init__(self, most_requests: int = 16384, most_keys: int = 1 << 22,
+                 weights: Mapping[str, float] | None = None) -> None:
         self.most_requests = most_requests
         self.most_keys = most_keys
+        self.weights = dict(weights or {})  # tenant -> its weight in the shares (default 1)
         self.sessions: dict[str, int] = {}  # session id -> requests under way
+        self.tenant_requests: dict[str, int] = {}  # tenant -> requests under way
         self.tenant_keys: dict[str, int] = {}  # tenant -> keys those name
         self.requests = 0  # over every session
         self.keys = 0  # over every tenant
+        self.weight_under_way = 0.0  # the weights of the tenants in ``tenant_requests``
 
     def __repr__(self) -> str:
         return (f"UnderWay(sessions={len(self.sessions)}, requests={self.requests}, "
@@ -61,6 +76,14 @@ class UnderWay:
         """The daemon's counts are the sums of the sessions' and the tenants'."""
         assert self.requests == sum(self.sessions.values()), f"{self!r}: requests"
         assert self.keys == sum(self.tenant_keys.values()), f"{self!r}: keys"
+        assert self.requests == sum(self.tenant_requests.values()), f"{self!r}: tenants"
+
+    def share(self, tenant: str) -> float:
+        """The part of the daemon's bounds ``tenant`` may hold now: its weight over the
+        weights under way (its own included) and one default weight for a newcomer."""
+        weight = self.weights.get(tenant, 1.0)
+        others = self.weight_under_way - (weight if tenant in self.tenant_requests else 0.0)
+        return weight / (others + weight + 1.0)
 
     def take(self, session: Session, keys: int, *, freeing: bool = False) -> None:
         """Count one more of ``session``'s, naming ``keys`` keys; LimitExceededError
@@ -77,6 +100,9 @@ class UnderWay:
                 f"tenant {session.tenant!r} has {tenant_keys} keys in requests and "
                 f"prefetches still under way (limit {TENANT_KEYS_MOST}); wait for their "
                 f"replies")
+        tenant_held = self.tenant_requests.get(session.tenant, 0)
+        if not freeing:
+            self._check_share(session.tenant, tenant_held, tenant_keys, keys)
         if not freeing and (self.requests >= self.most_requests or (
                 keys and self.keys and self.keys + keys > self.most_keys)):
             raise LimitExceededError(
@@ -87,6 +113,9 @@ class UnderWay:
                 f"your replies, and try again")
         self.sessions[session.id] = held + 1
         self.requests += 1
+        if not tenant_held:
+            self.weight_under_way += self.weights.get(session.tenant, 1.0)
+        self.tenant_requests[session.tenant] = tenant_held + 1
         if keys:  # (a request of no keys, a snapshot's say, counts for its session only)
             self.tenant_keys[session.tenant] = tenant_keys + keys
             self.keys += keys
@@ -99,6 +128,14 @@ class UnderWay:
             self.sessions[session.id] = held
         else:
             del self.sessions[session.id]
+        tenant_held = self.tenant_requests[session.tenant] - 1
+        if tenant_held:
+            self.tenant_requests[session.tenant] = tenant_held
+        else:
+            del self.tenant_requests[session.tenant]
+            self.weight_under_way -= self.weights.get(session.tenant, 1.0)
+            if not self.tenant_requests:  # (no rounding error left over)
+                self.weight_under_way = 0.0
         if not keys:
             return
         self.keys -= keys
@@ -107,6 +144,21 @@ class UnderWay:
             self.tenant_keys[session.tenant] = left
         else:
             del self.tenant_keys[session.tenant]
+
+    def _check_share(self, tenant: str, held: int, tenant_keys: int, keys: int) -> None:
+        """LimitExceededError where one more request of ``tenant`` (naming ``keys``) would
+        take it past its share of the daemon's bounds."""
+        share = self.share(tenant)
+        most_requests = max(1.0, self.most_requests * share)
+        most_keys = self.most_keys * share
+        if held + 1 > most_requests or (keys and tenant_keys and tenant_keys + keys > most_keys):
+            raise LimitExceededError(
+                f"tenant {tenant!r} has {held} requests and prefetches naming {tenant_keys} "
+                f"keys still under way, its share of the daemon's bounds now (at most "
+                f"{int(most_requests)} naming {int(most_keys)} keys: {share:.0%} of "
+                f"server.max_requests_under_way and server.max_keys_under_way, by "
+                f"server.tenant_weights and the tenants with work under way); wait for its "
+                f"replies, and try again")
 
     def background(self, session: Session, keys: int,
                    work: Callable[[], Coroutine[Any, Any, None]],

@@ -55,3 +55,25 @@ def test_the_bounds_are_configured_positive() -> None:
     for name in ("max_requests_under_way", "max_keys_under_way"):
         with pytest.raises(ConfigError, match=name):
             Config(server=ServerConfig(**{name: 0})).validate()
+
+
+def test_a_tenant_holds_at_most_its_share_of_the_daemons_bound() -> None:
+    under_way = UnderWay(most_requests=12, most_keys=1000, weights={"small": 0.5})
+    heavy = [SimpleNamespace(id=f"h{i}", tenant="heavy") for i in range(12)]
+    for s in heavy[:6]:  # alone: half of the bound, over as many sessions as it likes
+        under_way.take(s, 1)
+    with pytest.raises(LimitExceededError, match="tenant 'heavy'.*share"):
+        under_way.take(heavy[6], 1)
+    assert under_way.tenant_requests == {"heavy": 6} and under_way.requests == 6
+    small = [SimpleNamespace(id=f"s{i}", tenant="small") for i in range(12)]
+    for s in small[:2]:  # weight 0.5 beside one of weight 1: 0.5 / (1 + 0.5 + 1) of it
+        under_way.take(s, 1)
+    with pytest.raises(LimitExceededError, match="tenant 'small'"):
+        under_way.take(small[2], 1)
+    under_way.take(heavy[6], 1, freeing=True)  # an evict is not refused for its share
+    newcomer = SimpleNamespace(id="n", tenant="newcomer")
+    under_way.take(newcomer, 1)  # a newcomer's first request is never refused for it
+    under_way.check()
+    for s in (*heavy[:7], *small[:2], newcomer):
+        under_way.give(s, 1)
+    assert under_way.tenant_requests == {} and under_way.weight_under_way == 0.0

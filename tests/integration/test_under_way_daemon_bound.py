@@ -7,7 +7,9 @@ tasks (reserves waiting for room, reads, prefetches) and each tenant's named at 
 sessions, held as many tasks and keys as they sent.  Now the daemon holds at most
 ``server.max_requests_under_way`` naming ``server.max_keys_under_way`` keys; past it a
 request is refused with ``limit_exceeded`` at once, nothing started, and the ones under
-way finish as before (here: their wait for room ends at its deadline).
+way finish as before (here: their wait for room ends at its deadline).  Each tenant holds
+at most its share of the bound (``test_under_way_tenant_share.py``): six tenants of one
+request each fill it here.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from test_tenant_isolation import Raw
 from kvstore import protocol as p
 
 MOST = 6  # server.max_requests_under_way here
-TENANTS = ("globex", "initech", "umbrella")
-EACH = 3  # reserves each of those tenants leaves waiting
+TENANTS = ("globex", "initech", "umbrella", "soylent", "cyberdyne", "tyrell")
+EACH = 2  # reserves each of those tenants sends: the first of each waits
 
 
 def hello(d: Any, tenant: str) -> Raw:
