@@ -29,7 +29,8 @@ from kvstore.remote_held import HeldWrites
 from kvstore.remote_watch import GenerationWatch
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
-from kvstore.transfers import Background, TransferGate, TurnBatch, UrgentFirst, current
+from kvstore.plugins.turns import UrgentFirst, calling
+from kvstore.transfers import Background, TransferGate, TurnBatch, current
 
 log = logging.getLogger("kvstore.remote")
 
@@ -144,8 +145,9 @@ class RemoteTier:
                 async with self._gate.hold(urgent=True, tenant=tenant):
                     if not self.health.serves(tenant):  # marked while this waited its turn
                         return 0
-                    found = await self.health.call(
-                        tenant, "lookup", lambda: self.backend.exists(ns.id, part))
+                    with calling(True, tenant):  # (its turn at the connections too)
+                        found = await self.health.call(
+                            tenant, "lookup", lambda: self.backend.exists(ns.id, part))
                 n += found
                 if found < len(part):
                     break
@@ -193,10 +195,11 @@ class RemoteTier:
                     # (a tier marked unhealthy while this waited: a miss, not a timeout
                     # more) each payload's xxh3, verified on arrival: the DRAM copy's
                     # checksum too, which clients check
-                    got = await self.health.call(
-                        tenant, "read", lambda: self.backend.get_into_checksums(
-                            ns.id, missing[start:start + most], part)
-                    ) if self.health.serves(tenant) else []
+                    with calling(True, tenant):
+                        got = await self.health.call(
+                            tenant, "read", lambda: self.backend.get_into_checksums(
+                                ns.id, missing[start:start + most], part)
+                        ) if self.health.serves(tenant) else []
                 found = [digest for digest in got if digest is not None]
                 sums += found
                 if len(found) < len(part):
@@ -346,9 +349,10 @@ class RemoteTier:
                 # write-throughs, not write-backs, which DRAM needs for room)
                 if not self.healthy:
                     return None
-                written = await self.health.call(
-                    ns.tenant, what, lambda: self.backend.put_checksummed(
-                        ns.id, keys, views, sums)) if keys else []
+                with calling(False, ns.tenant):
+                    written = await self.health.call(
+                        ns.tenant, what, lambda: self.backend.put_checksummed(
+                            ns.id, keys, views, sums)) if keys else []
         except KVStoreError:  # (judged: ``remote_health``)
             self.counters["errors"] += 1
             return None

@@ -46,6 +46,7 @@ from .base import (
 )
 from .redis_generation import ClusterTokens
 from .resp import ReplyError, RespConnection, pack_command, pack_set
+from .turns import UrgentFirst, turn
 
 STANDALONE_SCHEMES = {"redis": "redis", "rediss": "rediss", "unix": "unix",
                       "valkey": "redis", "valkeys": "rediss"}
@@ -53,6 +54,9 @@ CLUSTER_SCHEMES = {"redis+cluster": False, "valkey+cluster": False,
                    "rediss+cluster": True, "valkeys+cluster": True}  # scheme -> TLS
 DEFAULT_PORT = 6379
 GENERATION_KEY = b"generation"  # after key_prefix: the store's generation token
+# bytes of values one connection carries for a call before it is handed on in turn: a
+# few milliseconds on a local server, a little under the pipelining a call of more keeps
+PIECE_BYTES = 4 << 20
 _EXISTS_CHUNK = 128  # keys per pipelined EXISTS round trip; the run stops at the first miss
 
 _HIT, _MISS, _CORRUPT, _REDIRECTED = range(4)
@@ -187,7 +191,8 @@ class RedisBackend(StorageBackend):
             await self._off_loop(check, sum(buffers[i].nbytes for i in indices))
 
         try:
-            await self._on_connections(namespace, keys, fetch)
+            await self._on_connections(namespace, keys, fetch,
+                                       buffers[0].nbytes if buffers else 0)
             redirected = [i for i, status in enumerate(statuses) if status == _REDIRECTED]
             for index in redirected:  # rare: a cluster moving slots; redis-py follows it
                 statuses[index], sums[index] = await self._get_slowly(
@@ -309,7 +314,8 @@ class RedisBackend(StorageBackend):
                     statuses[index] = _HIT if reply == b"OK" else _MISS
 
         try:
-            await self._on_connections(namespace, keys, store)
+            await self._on_connections(namespace, keys, store,
+                                       len(values[0]) if values else 0)
             for index, status in enumerate(statuses):
                 if status == _REDIRECTED:
                     statuses[index] = await self._set_slowly(
@@ -331,10 +337,13 @@ class RedisBackend(StorageBackend):
         return _HIT if reply else _MISS
 
     async def _on_connections(
-        self, namespace: bytes, keys: Sequence[bytes], job: _Job
+        self, namespace: bytes, keys: Sequence[bytes], job: _Job, key_bytes: int = 0
     ) -> None:
-        """Run ``job`` over the keys: per server, in up to ``connections`` contiguous
-        chunks, each on a connection of its own, all at once."""
+        """Run ``job`` over the keys: per server, in contiguous chunks of at most
+        ``PIECE_BYTES`` (values of ``key_bytes``), up to ``connections`` at once, each
+        on a connection taken for it in its caller's turn (``turns``).  A chunk held its
+        connection for a quarter of a 64 MiB call: another tenant's read, next in turn,
+        waited for a whole one."""
         by_server: dict[str, list[int]] = {}
         if self.cluster:
             client = self._client
@@ -353,6 +362,8 @@ class RedisBackend(StorageBackend):
         chunks: list[tuple[_Pool, list[int]]] = []
         for name, indices in by_server.items():
             per = -(-len(indices) // self.connections)
+            if key_bytes:
+                per = min(per, max(1, PIECE_BYTES // key_bytes))
             chunks += [(self._pools[name], indices[i:i + per])
                        for i in range(0, len(indices), per)]
 
@@ -361,7 +372,7 @@ class RedisBackend(StorageBackend):
             async with pool.connection() as conn:
                 await job(conn, indices)
 
-        await run_bounded(len(chunks), len(chunks), run)
+        await run_bounded(len(chunks), self.connections * len(by_server), run)
 
     async def generation(self) -> bytes | None:
         """A token under ``key_prefix + "generation"`` (no block's key: those are 32
@@ -483,12 +494,14 @@ class _Pool:
     def __init__(self, opener: _Opener, size: int) -> None:
         self._opener = opener
         self._idle: list[RespConnection] = []
-        self._slots = asyncio.Semaphore(size)
+        # handed out in turns: reads first, tenants in turn (``turns``); a semaphore's
+        # order queued a read behind every piece of the calls let in before it
+        self._slots = UrgentFirst(size)
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[RespConnection]:
         """A connection for one job; kept if the job ends cleanly, else closed."""
-        async with self._slots:
+        async with self._slots.hold(*turn()):
             conn = None
             while self._idle and conn is None:
                 conn = self._idle.pop()

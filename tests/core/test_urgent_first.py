@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvstore.transfers import UrgentFirst
+from kvstore.plugins.turns import UrgentFirst
 
 
 def test_urgent_waiters_go_before_the_others_each_in_order() -> None:
