@@ -280,8 +280,12 @@ class Auth:
         self.peer_tenants = peer_uids(a.peer_tenants)
         # ipc connections need a ticket in their handshake (see the module's docstring)
         self.gated = self.secret is not None or bool(self.peer_tenants)
-        # ticket -> (tenant, deadline, the uid it was handed to)
+        # ticket -> (tenant, deadline, the uid it was handed to), oldest first
         self._tickets: dict[str, tuple[str, float, int]] = {}
+        # each tenant's tickets, oldest first: past ``_TICKETS_HELD`` the tenant holding
+        # the most loses its oldest (one queue for all let a tenant's flood of admissions
+        # drop every other tenant's ticket before its handshake presented it)
+        self._tenant_tickets: dict[str, dict[str, None]] = {}
         self._tickets_lock = threading.Lock()  # the ZAP thread redeems them
 
     def tenant_of(self, asked: str, token: str, curve_tenant: str | None) -> str:
@@ -324,18 +328,32 @@ class Auth:
         ticket = secrets.token_hex(16)
         with self._tickets_lock:
             tickets = self._tickets
-            while tickets and (len(tickets) >= _TICKETS_HELD
-                               or next(iter(tickets.values()))[1] < now):
-                del tickets[next(iter(tickets))]
+            while tickets and next(iter(tickets.values()))[1] < now:
+                self._forget_ticket(next(iter(tickets)))
+            if len(tickets) >= _TICKETS_HELD:
+                by_tenant = self._tenant_tickets
+                greediest = max(by_tenant, key=lambda held: len(by_tenant[held]))
+                self._forget_ticket(next(iter(by_tenant[greediest])))
             tickets[ticket] = (tenant, now + TICKET_SECONDS, uid)
+            self._tenant_tickets.setdefault(tenant, {})[ticket] = None
         return tenant, ticket
+
+    def _forget_ticket(self, ticket: str) -> tuple[str, float, int] | None:
+        """Drop ``ticket`` (held under ``_tickets_lock``); what it was, if held."""
+        held = self._tickets.pop(ticket, None)
+        if held is not None:
+            mine = self._tenant_tickets[held[0]]
+            del mine[ticket]
+            if not mine:
+                del self._tenant_tickets[held[0]]
+        return held
 
     def redeem(self, tenant: str, ticket: str, uid: int | None) -> bool:
         """Whether ``ticket`` was handed out for ``tenant``, to a process of ``uid`` (the
         connecting one's), and is still good; it is used up either way.  Runs on the ZAP
         thread."""
         with self._tickets_lock:
-            held = self._tickets.pop(ticket, None)
+            held = self._forget_ticket(ticket)
         return (held is not None and held[0] == tenant and held[2] == uid
                 and held[1] >= time.monotonic())
 
