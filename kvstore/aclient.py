@@ -481,7 +481,7 @@ class AsyncNamespace(NamespaceCore[AsyncClient]):
         if hit == len(keys):
             return 0
         async with self.reserve(keys[hit:], parent=keys[hit - 1] if hit else parent) as r:
-            self._gather(kv_caches, page_ids[hit:], r.buffers, layout)
+            self._gather(kv_caches, page_ids[hit:], r, layout)
             return await r.commit()
 
     async def reload(self, keys: Sequence[bytes], kv_caches: Any, page_ids: Sequence[int], *,

@@ -408,8 +408,18 @@ class Reservation:
     ns: Namespace
     keys: list[bytes]
     parent: Block | None
-    offsets: list[int]
+    offsets: list[int]  # the slots taken, one per key not ``held``, in the keys' order
     parent_pinned: bool = False  # the parent's DRAM copy is pinned (else its SSD copy held)
+    # keys (by position) whose blocks were committed in DRAM already: their copies are
+    # pinned till the commit (a duplicate each) or the rollback, and they take no slot
+    held: dict[int, Block] = field(default_factory=dict)
+
+    def slots(self) -> list[int]:
+        """Each key's slot, -1 for a key ``held`` (as the reserve reply lists them)."""
+        if not self.held:
+            return self.offsets
+        taken = iter(self.offsets)
+        return [-1 if i in self.held else next(taken) for i in range(len(self.keys))]
 
 @dataclass(eq=False)
 class Pin:

@@ -554,7 +554,7 @@ class Namespace(NamespaceCore[Client]):
         if hit == len(keys):
             return 0
         with self.reserve(keys[hit:], parent=keys[hit - 1] if hit else parent) as r:
-            self._gather(kv_caches, page_ids[hit:], r.buffers, layout)
+            self._gather(kv_caches, page_ids[hit:], r, layout)
             return r.commit()
 
     def reload(self, keys: Sequence[bytes], kv_caches: Any, page_ids: Sequence[int], *,

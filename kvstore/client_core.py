@@ -37,16 +37,19 @@ from kvstore.client_wire import (
     CurveKeys,
     Exchange,
     Received,
+    _cache_device,
     _check_blocks,
     _curve_from_env,
     _listed,
     _per,
+    _same_device,
     _tenant,
     _token,
     check_reply,
     checksum,
     got_blocks,
     map_named_arena,
+    slot_views,
     verify,
 )
 from kvstore.config import client_endpoint
@@ -385,7 +388,7 @@ class SessionCore:
         view = self._arena_view(arena)
         if readonly:
             view = view.toreadonly()
-        return [view[o:o + size] for o in offsets]
+        return slot_views(view, offsets, size)
 
     def _arena_view(self, arena: tuple[str, int] | None = None) -> memoryview:
         """The whole of an arena (the namespace's; by default the hello's), mapped."""
@@ -577,7 +580,7 @@ class NamespaceCore(Generic[S]):
     def _reserve_batch_request(self, plan: Sequence[PlanItem]) -> p.ReserveBatch:
         items = [p.PlanItem(i.reserved_tokens, i.new_tokens, list(i.keys), i.parent)
                  for i in plan]
-        return p.ReserveBatch(self.client._next_rid(), self.id, items)
+        return p.ReserveBatch(self.client._next_rid(), self.id, items, skip_held=True)
 
     @staticmethod
     def _on_count(received: Received) -> int:
@@ -614,11 +617,14 @@ class NamespaceCore(Generic[S]):
                 f"namespace is {self.block_bytes} (check the identity's KV format)")
 
     @staticmethod
-    def _gather(kv_caches: Any, page_ids: Sequence[int], buffers: list[memoryview],
+    def _gather(kv_caches: Any, page_ids: Sequence[int], r: ReservationCore[Any],
                 layout: Any) -> None:
+        """Copy pages into a reservation's slots (none into a key held already: -1)."""
         from kvstore.kernels import gather
 
-        gather(kv_caches, list(page_ids), buffers, layout=layout)
+        wanted = [i for i, offset in enumerate(r.offsets) if offset >= 0]
+        gather(kv_caches, [page_ids[i] for i in wanted], [r.buffers[i] for i in wanted],
+               layout=layout)
 
     def _scatter(self, held: HeldCore[Any], kv_caches: Any, page_ids: Sequence[int],
                  layout: Any) -> None:
@@ -652,36 +658,14 @@ class NamespaceCore(Generic[S]):
         return f"{type(self).__name__}({self.identity.model}, {self.id.hex()[:12]})"
 
 
-def _cache_device(kv_caches: Any) -> Any:
-    """The torch device of an engine's paged cache (a tensor, or a list or tuple of them)."""
-    import torch
-
-    first = kv_caches
-    while isinstance(first, (list, tuple)):
-        first = first[0]
-    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
-
-
-def _same_device(a: Any, b: Any) -> bool:
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    import torch
-
-    def index(d: Any) -> int:
-        return d.index if d.index is not None else torch.cuda.current_device()
-
-    return index(a) == index(b)
-
-
 # ----------------------------------------------------------------------------------------
 # reservations and pins
 # ----------------------------------------------------------------------------------------
 
 class ReservationCore(Generic[N]):
     """Slots reserved for ``keys`` (once ``reserved``): writable ``buffers`` in the arena
-    until commit or abort."""
+    until commit or abort.  A key whose block the daemon holds in DRAM already gets no
+    slot (``offsets[i]`` -1): its buffer is scratch, its bytes need not be written."""
 
     def __init__(self, ns: N, keys: list[bytes], parent: bytes | None = None) -> None:
         self.ns = ns
@@ -694,7 +678,8 @@ class ReservationCore(Generic[N]):
         self.done = False
 
     def _reserve_request(self) -> p.Reserve:
-        return p.Reserve(self.ns.client._next_rid(), self.ns.id, self.keys, self._parent)
+        return p.Reserve(self.ns.client._next_rid(), self.ns.id, self.keys, self._parent,
+                         skip_held=True)  # (an older daemon: a slot for every key)
 
     def _on_reserved(self, received: Received) -> None:
         self._take(check_reply(received[0], p.ReserveReply))

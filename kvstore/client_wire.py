@@ -310,3 +310,36 @@ def _check_blocks(blocks: Sequence[Any], count: int, size: int) -> None:
                                  f"bytes") from None
         if n != size:
             raise MalformedError(f"block {i} holds {n} bytes; this namespace's blocks are {size}")
+
+
+def slot_views(view: memoryview, offsets: Sequence[int], size: int) -> list[memoryview]:
+    """Views of an arena's slots at ``offsets``; at an offset -1 (a key the daemon holds
+    already, given no slot) one scratch buffer, so a caller that fills every buffer
+    writes those keys' bytes nowhere that counts."""
+    if not offsets or min(offsets) >= 0:
+        return [view[o:o + size] for o in offsets]
+    scratch = memoryview(bytearray(size))
+    return [view[o:o + size] if o >= 0 else scratch for o in offsets]
+
+
+def _cache_device(kv_caches: Any) -> Any:
+    """The torch device of an engine's paged cache (a tensor, or a list or tuple of them)."""
+    import torch
+
+    first = kv_caches
+    while isinstance(first, (list, tuple)):
+        first = first[0]
+    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+
+
+def _same_device(a: Any, b: Any) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    import torch
+
+    def index(d: Any) -> int:
+        return d.index if d.index is not None else torch.cuda.current_device()
+
+    return index(a) == index(b)

@@ -448,6 +448,8 @@ class StoreCore:
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
         r.ns.dram.give(r.ns, r.offsets)
+        for block in reversed(r.held.values()):  # (``Leases.unpin_held``)
+            self.unpin_block(block)
         if r.parent is not None:
             self.unhold(r.parent, r.parent_pinned)
         self.close_namespace(r.ns)  # the reservation's use of it

@@ -6,7 +6,9 @@ share it.  When the lease ends, or the session goes, everything it holds is roll
 
 from __future__ import annotations
 
-from kvstore.blocks import Owner, OwnerState, Reservation
+from collections.abc import Sequence
+
+from kvstore.blocks import Block, Namespace, Owner, OwnerState, Reservation
 from kvstore.core import StoreCore
 from kvstore.errors import LeaseExpiredError, NotFoundError
 
@@ -64,3 +66,42 @@ class Leases:
             self.store.rollback(state, r)
             raise LeaseExpiredError(f"reservation {rid} outlived its lease and was rolled back")
         return state, r
+
+    def abort(self, owner: Owner, rid: int) -> None:
+        """Roll back an open reservation of ``owner``."""
+        state = self.state(owner)
+        r = state.reservations.get(rid)
+        if r is None:
+            raise NotFoundError(f"no open reservation {rid} in this session")
+        self.store.counters.aborts += 1
+        self.store.rollback(state, r)
+
+    def release(self, owner: Owner, pin_id: int) -> None:
+        """Release a pin of ``owner``."""
+        state = self.state(owner)
+        pin = state.pins.get(pin_id)
+        if pin is None:
+            raise NotFoundError(f"no pin {pin_id} in this session")
+        self.store.unpin(state, pin)
+
+    def pin_held(self, ns: Namespace, keys: Sequence[bytes]) -> dict[int, Block]:
+        """Pin the DRAM copies of those of ``keys`` committed there, by their positions:
+        a reservation's keys that need no slot (``Reservation.held``).  Pinned, no room
+        made for the others evicts them, nor anything else till the commit (a duplicate
+        each) or the rollback, so the commit is exact and their children commit under
+        them.  A block only on SSD or in the remote store is not held: its commit gives
+        it a DRAM copy again (a block written again is wanted soon, and its read from
+        below is saved), and a commit over it of other bytes is its rewrite."""
+        held: dict[int, Block] = {}
+        get = ns.blocks.get
+        for i, key in enumerate(keys):
+            block = get(key)
+            if block is not None and block.offset is not None:
+                self.store.pin_block(block)
+                held[i] = block
+        return held
+
+    def unpin_held(self, held: dict[int, Block]) -> None:
+        """``pin_held``'s pins go, deepest first (as ``StoreCore.unpin``)."""
+        for block in reversed(held.values()):
+            self.store.unpin_block(block)

@@ -57,6 +57,9 @@ class Reserve(Message, tag="reserve"):
     ns: bytes
     keys: list[Key]
     parent: Key | None = None
+    # Keys whose blocks the daemon holds in DRAM take no slot: offset -1 in the reply,
+    # a duplicate at the commit (an older daemon ignores it and gives every key a slot).
+    skip_held: bool = False
 
 
 class Commit(Message, tag="commit"):
@@ -157,6 +160,7 @@ class PlanItem(msgspec.Struct, array_like=True):
 class ReserveBatch(Message, tag="reserve_batch"):
     ns: bytes
     plan: list[PlanItem]
+    skip_held: bool = False  # as Reserve's, for every item
 
 
 class Report(Message, tag="report"):
@@ -237,7 +241,7 @@ class LookupReply(Message, tag="lookup"):
 
 class ReserveReply(Message, tag="reserve"):
     reservation: int
-    offsets: list[int]
+    offsets: list[int]  # each key's slot in the arena; -1: held already (``skip_held``)
     lease_seconds: float
     # Whether to send token ids with the commit: the daemon publishes events someone
     # hears (or keeps for replay).  Told in each reserve, put and batch reply.

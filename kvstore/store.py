@@ -105,6 +105,8 @@ class BlockStore(StoreCore):
         self.drop_namespace = self.index.drop_namespace
         self.touch_owner = self.leases.touch
         self.drop_owner = self.leases.drop
+        self.abort = self.leases.abort
+        self.release = self.leases.release
         self.expire = self.leases.expire
 
     # -- namespaces and owners ----------------------------------------------------------
@@ -146,9 +148,11 @@ class BlockStore(StoreCore):
         keys: Sequence[bytes],
         parent: bytes | None,
         now: float,
+        skip_held: bool = False,
     ) -> Reservation | Plan:
         """DRAM slots for every key; or the plan of the writes that must come first, or an
-        error, and nothing taken."""
+        error, and nothing taken.  With ``skip_held``, keys held in DRAM take no slot
+        (``Leases.pin_held``)."""
         if ns.forgotten:  # (a fetch for a session that ended, its namespace unused)
             raise UnknownNamespaceError("the namespace is no longer open; open it again")
         state = self.leases.touch(owner, now)
@@ -167,16 +171,21 @@ class BlockStore(StoreCore):
                 )
         # a user while room is made: evicting its last blocks must not forget it
         ns.users += 1
+        # pinned before room is made, so that making it evicts none of them
+        held = self.leases.pin_held(ns, keys) if skip_held else {}
         try:
-            offsets = self.room.allocate(ns, len(keys), protect=parent_block)
+            offsets = self.room.allocate(ns, len(keys) - len(held), protect=parent_block)
         except BaseException:
+            self.leases.unpin_held(held)
             self.close_namespace(ns)
             raise
         if isinstance(offsets, Plan):
+            self.leases.unpin_held(held)
             self.close_namespace(ns)
             return offsets
         pinned = parent_block is not None and self.hold(parent_block)  # keep it till commit
-        r = Reservation(next(self.ids), owner, ns, list(keys), parent_block, offsets, pinned)
+        r = Reservation(next(self.ids), owner, ns, list(keys), parent_block, offsets, pinned,
+                        held)
         state.reservations[r.id] = r
         if offsets:  # (a reservation of no keys holds no entry: ``reserved_out``)
             state.reserved_in[ns.tenant] = state.reserved_in.get(ns.tenant, 0) + len(offsets)
@@ -237,10 +246,14 @@ class BlockStore(StoreCore):
         bare: list[Block] = []  # blocks already in DRAM with no token ids
         revived: list[Block] = []  # blocks only on SSD given a DRAM copy, with token ids
         shards, mask = ns.blocks.shards, ns.blocks.mask  # ``ns.blocks``' get and set, inline
-        for i, (key, offset) in enumerate(zip(r.keys, r.offsets)):
+        for i, (key, offset) in enumerate(zip(r.keys, r.slots())):
             shard = shards[hash(key) & mask]
             block = shard.get(key)
-            if block is None:
+            if offset < 0:  # held in DRAM since the reserve (pinned): a duplicate
+                assert block is r.held[i] and block.offset is not None, f"{block} went"
+                if block.tokens is None:
+                    bare.append(block)
+            elif block is None:
                 block = Block(key, ns, parent)
                 if parent is not None:
                     if parent.kids is None:  # a chain's common case, inline
@@ -303,7 +316,7 @@ class BlockStore(StoreCore):
         if self.dropping and ns in self.dropping:  # the removals asked so far keep them
             self.dropping[ns].kept(fresh)
         if self.changes is not None:
-            if duplicates:  # fresh blocks with gaps between them: marked one by one
+            if duplicates or r.held:  # fresh blocks with gaps between them: marked one by one
                 self.changes.touch_all(fresh)
             else:  # one chain: one mark
                 self.changes.touch_run(fresh)
@@ -315,11 +328,12 @@ class BlockStore(StoreCore):
         self.committed_slots += len(fresh)
         self.committed_bytes += len(fresh) * ns.cls.slot_bytes
         self.counters.peak_committed = max(self.counters.peak_committed, self.committed_slots)
+        self.leases.unpin_held(r.held)
         if r.parent is not None:
             self.unhold(r.parent, r.parent_pinned)
         self.counters.committed_blocks += len(fresh)
-        self.counters.duplicate_blocks += len(duplicates)
-        return CommitResult(len(fresh), len(duplicates), fresh)
+        self.counters.duplicate_blocks += len(duplicates) + len(r.held)
+        return CommitResult(len(fresh), len(duplicates) + len(r.held), fresh)
 
     def rewritten(self, block: Block, checksum: int) -> None:
         """A block only on SSD or remote committed again with other bytes (KV caches are
@@ -339,14 +353,6 @@ class BlockStore(StoreCore):
         block.checksum = checksum
         if block.ssd_offset is not None:
             self.dropped_ssd.append(self.drop_ssd_copy(block))
-
-    def abort(self, owner: Owner, rid: int) -> None:
-        state = self.leases.state(owner)
-        r = state.reservations.get(rid)
-        if r is None:
-            raise NotFoundError(f"no open reservation {rid} in this session")
-        self.counters.aborts += 1
-        self.rollback(state, r)
 
     # -- acquire / release ------------------------------------------------------------------
     def acquire(self, owner: Owner, ns: Namespace, keys: Sequence[bytes], now: float, *,
@@ -378,13 +384,6 @@ class BlockStore(StoreCore):
         state.pins[pin.id] = pin
         self.counters.acquires += 1
         return pin
-
-    def release(self, owner: Owner, pin_id: int) -> None:
-        state = self.leases.state(owner)
-        pin = state.pins.get(pin_id)
-        if pin is None:
-            raise NotFoundError(f"no pin {pin_id} in this session")
-        self.unpin(state, pin)
 
     def gpu_begin(self, blocks: Iterable[Block]) -> list[tuple[Block, int]]:
         """GPU slots to copy blocks' DRAM copies into; the DRAM copies stay pinned (and

@@ -30,6 +30,8 @@ def check_invariants(store: StoreCore) -> None:
         for r in state.reservations.values():
             if r.parent is not None and r.parent_pinned:
                 pin_counts[r.parent] = pin_counts.get(r.parent, 0) + 1
+            for b in r.held.values():
+                pin_counts[b] = pin_counts.get(b, 0) + 1
         for pin in state.pins.values():
             for b in pin.blocks:
                 pin_counts[b] = pin_counts.get(b, 0) + 1

@@ -244,10 +244,10 @@ class Verbs:
         self._check_keys(req.keys)
         self.d.sessions.check_cap(session, "reservations")
         self.d.sessions.check_grant_reserve(session, ns, len(req.keys))  # a writer grantee
-        r = self._reserve_slots(session, ns, req.keys, req.parent)
+        r = self._reserve_slots(session, ns, req.keys, req.parent, req.skip_held)
         if isinstance(r, Plan):
             return r
-        return p.ReserveReply(req.rid, r.id, r.offsets, self.d.limits.lease_seconds,
+        return p.ReserveReply(req.rid, r.id, r.slots(), self.d.limits.lease_seconds,
                               self._tokens_wanted()), []
 
     def _tokens_wanted(self) -> bool:
@@ -256,17 +256,17 @@ class Verbs:
         return events is not None and events.tokens_wanted
 
     def _reserve_slots(self, session: Session, ns: Namespace, keys: list[bytes],
-                       parent: bytes | None) -> Reservation | Plan:
+                       parent: bytes | None, skip_held: bool) -> Reservation | Plan:
         store, clock = self.d.store, self.d.clock
         try:
-            return store.reserve(session.id, ns, keys, parent, clock())
+            return store.reserve(session.id, ns, keys, parent, clock(), skip_held)
         except CapacityError:
             # Blocks of get replies stay pinned until zmq has sent them, which a client
             # that already holds the reply can outrun by a few microseconds: reap those
             # sent since the last look (never a wait on the loop), then try once more.
             if not self.d.transport.reap_some():
                 raise
-        return store.reserve(session.id, ns, keys, parent, clock())
+        return store.reserve(session.id, ns, keys, parent, clock(), skip_held)
 
     def _commit(self, session: Session, req: p.Commit, payload: list[Any]) -> Outcome:
         result = self.d.store.commit(session.id, req.reservation, self.d.clock(),
@@ -331,9 +331,11 @@ class Verbs:
                                      f"namespace is {ns.block_bytes}")
         d.sessions.check_grant_reserve(session, ns, len(req.keys))  # a writer grantee
         now = d.clock()
-        r = self._reserve_slots(session, ns, req.keys, req.parent)
+        # the daemon has the bytes: a key held in DRAM takes no slot, its frame unread
+        r = self._reserve_slots(session, ns, req.keys, req.parent, True)
         if isinstance(r, Plan):
             return r
+        payload = unheld(r, payload)
         if len(payload) * ns.block_bytes > PUT_SLICE_BYTES:
             return Later(_put_in_slices(self, session, req, ns, r, payload),
                          functools.partial(_abort_held, d, session, r))
@@ -594,6 +596,13 @@ async def _put_in_slices(v: Verbs, session: Session, req: p.Put, ns: Namespace,
     return reply
 
 
+def unheld(r: Reservation, frames: list[Any]) -> list[Any]:
+    """A put's frames of the keys its reservation gave a slot (``r.offsets``' order)."""
+    if not r.held:
+        return frames
+    return [frame for i, frame in enumerate(frames) if i not in r.held]
+
+
 def _abort_held(d: Daemon, session: Session, r: Reservation) -> None:
     """A put in slices given up before its copy began (the server refused it: its
     session's bytes in flight at the limit): its reservation goes back.  Else it stayed
@@ -643,7 +652,8 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
     try:
         for item in req.plan:
             if item.keys:
-                r = d.store.reserve(session.id, ns, item.keys, item.parent, d.clock())
+                r = d.store.reserve(session.id, ns, item.keys, item.parent, d.clock(),
+                                    req.skip_held)
                 if isinstance(r, Plan):  # room first: all or none, so none yet
                     for held in done:
                         d.store.abort(session.id, held.id)
@@ -671,7 +681,7 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
         return p.BatchReply(req.rid, False, list(mine.blocks), list(mine.fitting),
                             [], [], d.limits.lease_seconds, v._tokens_wanted()), []
     return p.BatchReply(req.rid, True, list(decision.blocks), [],
-                        [r.id for r in done], [r.offsets for r in done],
+                        [r.id for r in done], [r.slots() for r in done],
                         d.limits.lease_seconds, v._tokens_wanted()), []
 
 

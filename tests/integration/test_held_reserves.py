@@ -1,0 +1,188 @@
+"""A reserve (or put) of blocks the daemon already holds in DRAM takes no slot for them
+and makes no room for them: with DRAM full, saving a chain it holds evicts nothing and
+stores nothing new; the commit counts those keys duplicates; their blocks stay held
+until the commit, the abort or the lease's end.  An older client's reserve (no
+``skip_held``) still gets a slot for every key (real daemon process)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvtest import make_identity, wait_for_lease_end
+
+from kvstore import Client
+from kvstore import protocol as p
+from kvstore.client_wire import check_reply
+
+# 128 KiB blocks: a 16 MiB arena holds 128 of them
+IDENTITY = make_identity(model="held-reserves", num_kv_heads=8, head_dim=128)
+CAPACITY = "16MiB"
+SLOTS = 128
+HALF = SLOTS // 2
+
+
+def _dram(c: Client) -> dict[str, Any]:
+    tier: dict[str, Any] = c.stats()["tiers"]["dram"]
+    return tier
+
+
+def _fill(ns: Any, first: int, count: int) -> tuple[list[bytes], list[bytes]]:
+    """Put a chain of ``count`` blocks of its own (tokens from ``first``): keys, bytes."""
+    bt = IDENTITY.block_tokens
+    keys = ns.keys(range(first * bt, (first + count) * bt))
+    blocks = [os.urandom(ns.block_bytes) for _ in keys]
+    assert ns.put(keys, blocks) == count
+    return keys, blocks
+
+
+def _full(c: Client, ns: Any) -> tuple[list[bytes], list[bytes], list[bytes]]:
+    """DRAM full: a chain ``held`` of HALF blocks and another of HALF; returns the held
+    chain's keys and bytes and the other's keys."""
+    held, blocks = _fill(ns, 0, HALF)
+    other, _ = _fill(ns, 10_000, HALF)
+    assert ns.get(held) == blocks  # the warmer chain: room is made from the other
+    dram = _dram(c)
+    assert dram["committed_slots"] == SLOTS and dram["free"] == 0, dram
+    assert dram["evictions"] == 0, dram
+    return held, blocks, other
+
+
+def test_a_reserve_of_held_keys_in_a_full_dram_takes_no_slot_and_evicts_nothing(
+        daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=CAPACITY)
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENTITY)
+        held, blocks, other = _full(c, ns)
+        r = ns.reserve(held)
+        assert r.offsets == [-1] * HALF
+        dram = _dram(c)
+        assert dram["reserved_slots"] == 0 and dram["reserved"] == 0, dram
+        assert dram["pinned_blocks"] == HALF, dram  # held till the commit
+        assert dram["evictions"] == 0, dram
+        for buf in r.buffers:  # a caller that fills every buffer writes nowhere that counts
+            buf[:] = bytes(ns.block_bytes)
+        assert r.commit() == 0
+        dram = _dram(c)
+        assert dram["duplicates"] == HALF and dram["evictions"] == 0, dram
+        assert dram["pinned_blocks"] == 0 and dram["committed_slots"] == SLOTS, dram
+        assert ns.lookup(other).blocks == HALF
+        assert ns.get(held) == blocks
+
+
+def test_the_commit_reply_counts_the_held_keys_duplicates(daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=CAPACITY)
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENTITY)
+        held, _, _ = _full(c, ns)
+        got = check_reply(c._call(p.Reserve(c._next_rid(), ns.id, held, None, True))[0],
+                          p.ReserveReply)
+        assert got.offsets == [-1] * HALF
+        done = check_reply(c._call(p.Commit(c._next_rid(), got.reservation))[0],
+                           p.CommitReply)
+        assert (done.created, done.duplicates) == (0, HALF)
+
+
+def test_a_put_of_held_keys_evicts_nothing_and_copies_no_byte(daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=CAPACITY)
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENTITY)
+        held, blocks, other = _full(c, ns)
+        assert ns.put(held, [os.urandom(ns.block_bytes) for _ in held]) == 0
+        dram = _dram(c)
+        assert dram["duplicates"] == HALF and dram["evictions"] == 0, dram
+        assert dram["reserved_slots"] == 0 and dram["pinned_blocks"] == 0, dram
+        assert ns.get(held) == blocks  # the first bytes, not the second put's
+        assert ns.lookup(other).blocks == HALF
+
+
+def test_a_chain_half_held_stores_only_its_new_half(daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=CAPACITY)
+    quarter = HALF // 2
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENTITY)
+        held, _, _ = _full(c, ns)
+        bt = IDENTITY.block_tokens
+        chain = ns.keys(range((HALF + quarter) * bt))  # the held chain and a quarter more
+        assert chain[:HALF] == held
+        with ns.reserve(chain) as r:
+            assert r.offsets[:HALF] == [-1] * HALF
+            assert all(o >= 0 for o in r.offsets[HALF:])
+            dram = _dram(c)
+            # room for the new quarter only, and none of it taken from the held half
+            assert dram["reserved_slots"] == quarter and dram["evictions"] == quarter, dram
+            new = [os.urandom(ns.block_bytes) for _ in range(quarter)]
+            for buf, data in zip(r.buffers[HALF:], new):
+                buf[:] = data
+            assert r.commit() == quarter
+        dram = _dram(c)
+        assert dram["duplicates"] == HALF and dram["committed_slots"] == SLOTS, dram
+        assert dram["commits"] == SLOTS + quarter and dram["evictions"] == quarter, dram
+        assert ns.lookup(chain).blocks == len(chain)
+        assert ns.get(chain[HALF:]) == new
+
+
+def test_a_batch_reserve_skips_held_keys(daemon_factory: Any) -> None:
+    from kvstore.client_core import PlanItem
+
+    d = daemon_factory(dram_capacity=CAPACITY)
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENTITY)
+        held, _, _ = _full(c, ns)
+        bt = IDENTITY.block_tokens
+        plan = [PlanItem(0, 8 * bt, held[:8]), PlanItem(8 * bt, 8 * bt, held[8:16], held[7])]
+        result = ns.reserve_batch(plan)
+        assert result.admitted
+        assert [r.offsets for r in result.reservations] == [[-1] * 8, [-1] * 8]
+        assert _dram(c)["reserved_slots"] == 0
+        assert [r.commit() for r in result.reservations] == [0, 0]
+        dram = _dram(c)
+        assert dram["duplicates"] == 16 and dram["evictions"] == 0, dram
+
+
+def test_an_abort_lets_the_held_blocks_go(daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=CAPACITY)
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENTITY)
+        held, _, _ = _full(c, ns)
+        r = ns.reserve(held)
+        assert _dram(c)["pinned_blocks"] == HALF
+        r.abort()
+        dram = _dram(c)
+        assert dram["pinned_blocks"] == 0 and dram["aborts"] == 1, dram
+        # evictable again: a new chain of a whole arena's worth takes their slots
+        _fill(ns, 20_000, SLOTS)
+        assert ns.lookup(held).blocks == 0
+
+
+def test_a_lease_end_lets_the_held_blocks_go(daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=CAPACITY, lease=1.0)
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENTITY)
+        held, _, _ = _full(c, ns)
+        r = ns.reserve(held)
+        assert _dram(c)["pinned_blocks"] == HALF
+        wait_for_lease_end(d.endpoint, "acme", at_most=10)
+    with Client(d.endpoint, tenant="acme") as again:
+        dram = _dram(again)
+        assert dram["pinned_blocks"] == 0 and dram["lease_expiries"] >= 1, dram
+        assert dram["reserved_slots"] == 0, dram
+    assert r.offsets == [-1] * HALF
+
+
+def test_an_older_clients_reserve_gets_a_slot_for_every_key(daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=CAPACITY)
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENTITY)
+        held, _, _ = _full(c, ns)
+        got = check_reply(c._call(p.Reserve(c._next_rid(), ns.id, held, None))[0],
+                          p.ReserveReply)
+        assert len(got.offsets) == HALF and min(got.offsets) >= 0
+        dram = _dram(c)
+        assert dram["reserved_slots"] == HALF and dram["evictions"] == HALF, dram
+        assert dram["pinned_blocks"] == 0, dram
+        done = check_reply(c._call(p.Commit(c._next_rid(), got.reservation))[0],
+                           p.CommitReply)
+        assert (done.created, done.duplicates) == (0, HALF)
+        dram = _dram(c)
+        assert dram["reserved_slots"] == 0 and dram["committed_slots"] == HALF, dram
