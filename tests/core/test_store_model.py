@@ -57,9 +57,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.pinned: dict[int, tuple[Pin, list[int]]] = {}  # pin id -> (pin, offsets then)
 
     @rule(target=reservations, owner=st.sampled_from(OWNERS), which=st.integers(0, 1),
-          chain=st.integers(0, 3), extra=st.integers(0, 3), length=st.integers(1, 4))
+          chain=st.integers(0, 3), extra=st.integers(0, 3), length=st.integers(1, 4),
+          skip_held=st.booleans())
     def reserve(self, owner: str, which: int, chain: int, extra: int,
-                length: int) -> Reservation | None:
+                length: int, skip_held: bool) -> Reservation | None:
         ns, keys = self.ns[which], self.chains[which][chain]
         hit = len(self.store.lookup(ns, keys))
         start = min(max(hit - extra, 0), len(keys))  # sometimes re-reserve cached keys
@@ -69,7 +70,7 @@ class StoreMachine(RuleBasedStateMachine):
         before = (self.store.reserved_slots, self.store.committed_slots)
         try:
             return self.moving(lambda: self.store.reserve(
-                owner, ns, todo, keys[start - 1] if start else None, self.now))
+                owner, ns, todo, keys[start - 1] if start else None, self.now, skip_held))
         except (CapacityError, NotFoundError):
             assert self.store.reserved_slots == before[0], "a failed reserve kept slots"
             return None
@@ -134,6 +135,7 @@ class StoreMachine(RuleBasedStateMachine):
         except (NotFoundError, LeaseExpiredError):
             return  # expired or rolled back with its owner
         assert result.created + result.duplicates == len(r.keys)
+        assert result.duplicates >= len(r.held), "a key held in DRAM was stored again"
         ancestor, broken = r.parent, False
         while ancestor is not None:   # a corrupt ancestor takes what hangs below it
             broken |= not (r.ns.blocks.get(ancestor.key) is ancestor and ancestor.present)

@@ -6,12 +6,13 @@ until the commit, the abort or the lease's end.  An older client's reserve (no
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
 from kvtest import make_identity, wait_for_lease_end
 
-from kvstore import Client
+from kvstore import AsyncClient, Client
 from kvstore import protocol as p
 from kvstore.client_wire import check_reply
 
@@ -140,6 +141,27 @@ def test_a_batch_reserve_skips_held_keys(daemon_factory: Any) -> None:
         assert dram["duplicates"] == 16 and dram["evictions"] == 0, dram
 
 
+def test_the_async_client_skips_held_keys_too(daemon_factory: Any) -> None:
+    d = daemon_factory(dram_capacity=CAPACITY)
+    with Client(d.endpoint, tenant="acme") as c:
+        held, blocks, _ = _full(c, c.namespace(IDENTITY))
+
+    async def save_again() -> tuple[list[int], int]:
+        async with AsyncClient(d.endpoint, tenant="acme") as ac:
+            ns = await ac.namespace(IDENTITY)
+            async with ns.reserve(held) as r:
+                for buf in r.buffers:
+                    buf[:] = bytes(ns.block_bytes)
+                return r.offsets, await r.commit()
+
+    offsets, created = asyncio.run(save_again())
+    assert offsets == [-1] * HALF and created == 0
+    with Client(d.endpoint, tenant="acme") as c:
+        dram = _dram(c)
+        assert dram["evictions"] == 0 and dram["duplicates"] == HALF, dram
+        assert c.namespace(IDENTITY).get(held) == blocks
+
+
 def test_an_abort_lets_the_held_blocks_go(daemon_factory: Any) -> None:
     d = daemon_factory(dram_capacity=CAPACITY)
     with Client(d.endpoint, tenant="acme") as c:
@@ -186,3 +208,21 @@ def test_an_older_clients_reserve_gets_a_slot_for_every_key(daemon_factory: Any)
         assert (done.created, done.duplicates) == (0, HALF)
         dram = _dram(c)
         assert dram["reserved_slots"] == 0 and dram["committed_slots"] == HALF, dram
+
+
+def test_a_block_held_only_on_ssd_gets_a_slot_and_its_dram_copy_again(
+        daemon_factory: Any) -> None:
+    """A copy only below DRAM is not held: the commit gives it a DRAM copy again."""
+    d = daemon_factory(dram_capacity=CAPACITY, ssd_capacity="64MiB")
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENTITY)
+        below, blocks = _fill(ns, 0, HALF)
+        _fill(ns, 10_000, SLOTS)  # the first chain leaves DRAM for the SSD
+        assert ns.lookup(below).tiers == ["ssd"] * HALF
+        with ns.reserve(below) as r:
+            assert min(r.offsets) >= 0
+            for buf, data in zip(r.buffers, blocks):
+                buf[:] = data
+            assert r.commit() == HALF
+        assert ns.lookup(below).tiers == ["dram"] * HALF
+        assert ns.get(below) == blocks
