@@ -453,8 +453,9 @@ class OwnerState:
     deadline: float
     reservations: dict[int, Reservation] = field(default_factory=dict)
     pins: dict[int, Pin] = field(default_factory=dict)
-    # slots held by those reservations, by the tenant owning their namespace (a
-    # grantee's share counts what it reserves in another's: ``Sessions.check_grant_reserve``)
+    # slots held by those reservations, and blocks they hold (``Reservation.held``), by
+    # the tenant owning their namespace (a grantee's share counts what it reserves in
+    # another's: ``Sessions.check_grant_reserve``)
     reserved_in: dict[str, int] = field(default_factory=dict)
 
 def reserved_out(state: OwnerState, r: Reservation) -> None:
@@ -462,9 +463,10 @@ def reserved_out(state: OwnerState, r: Reservation) -> None:
     ``state.reserved_in``.  A reservation of no keys holds nothing there (``reserve`` keeps
     no entry for it): counted as 0, its end deleted the entry of another one still open,
     whose own end then found none (an ``internal`` error for an abort)."""
-    if not r.offsets:
+    taken = len(r.offsets) + len(r.held)
+    if not taken:
         return
-    left = state.reserved_in[r.ns.tenant] - len(r.offsets)
+    left = state.reserved_in[r.ns.tenant] - taken
     if left:
         state.reserved_in[r.ns.tenant] = left
     else:

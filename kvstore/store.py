@@ -187,8 +187,8 @@ class BlockStore(StoreCore):
         r = Reservation(next(self.ids), owner, ns, list(keys), parent_block, offsets, pinned,
                         held)
         state.reservations[r.id] = r
-        if offsets:  # (a reservation of no keys holds no entry: ``reserved_out``)
-            state.reserved_in[ns.tenant] = state.reserved_in.get(ns.tenant, 0) + len(offsets)
+        if keys:  # (a reservation of no keys holds no entry: ``reserved_out``)
+            state.reserved_in[ns.tenant] = state.reserved_in.get(ns.tenant, 0) + len(keys)
         self.reserved_slots += len(offsets)
         self.reserved_bytes += len(offsets) * ns.cls.slot_bytes
         self.counters.reservations += 1

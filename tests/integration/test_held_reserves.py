@@ -1,19 +1,26 @@
 """A reserve (or put) of blocks the daemon already holds in DRAM takes no slot for them
 and makes no room for them: with DRAM full, saving a chain it holds evicts nothing and
 stores nothing new; the commit counts those keys duplicates; their blocks stay held
-until the commit, the abort or the lease's end.  An older client's reserve (no
+until the commit, the abort or the lease's end, and count against a writer grantee's
+share.  An older client's reserve (no
 ``skip_held``) still gets a slot for every key (real daemon process)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
+import pytest
 from kvtest import make_identity, wait_for_lease_end
 
 from kvstore import AsyncClient, Client
 from kvstore import protocol as p
+from kvstore.auth import issue_token, read_secret
+from kvstore.errors import LimitExceededError
 from kvstore.client_wire import check_reply
 
 # 128 KiB blocks: a 16 MiB arena holds 128 of them
@@ -226,3 +233,33 @@ def test_a_block_held_only_on_ssd_gets_a_slot_and_its_dram_copy_again(
             assert r.commit() == HALF
         assert ns.lookup(below).tiers == ["dram"] * HALF
         assert ns.get(below) == blocks
+
+
+def test_a_writer_grantee_s_held_keys_count_against_its_share(daemon_factory: Any,
+                                                              tmp_path: Path) -> None:
+    """The blocks a ``shared_writers`` grantee's reservations hold in the owner's DRAM
+    count against its share as reserved slots do: else, holding what the owner cached,
+    reservation after reservation, it pinned the owner's whole arena."""
+    secret = tmp_path / "secret"
+    subprocess.run([sys.executable, "-m", "kvstore", "keygen", "--secret", str(secret)],
+                   check=True, capture_output=True, timeout=60)
+    config = tmp_path / "grants.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret}"\n'
+                      '[auth.shared_tenants]\npublic = ["acme"]\n'
+                      '[auth.shared_writers]\npublic = ["acme"]\n')
+    d = daemon_factory(dram_capacity="2MiB", extra=["--config", str(config),
+                                                    "--slab-size", "1MiB"])
+    ident = make_identity(tenant="public", model="sp", num_layers=4, num_kv_heads=4,
+                          head_dim=64)  # 64 KiB blocks: 32 in the 2 MiB arena, share 8
+    key = read_secret(secret)
+    with Client(d.endpoint, token=issue_token(key, "public", 3600.0)) as owner, \
+            Client(d.endpoint, token=issue_token(key, "acme", 3600.0)) as writer:
+        mine, theirs = owner.namespace(ident), writer.namespace(ident)
+        cached = mine.keys(range(16 * ident.block_tokens))
+        mine.put(cached, [os.urandom(mine.block_bytes) for _ in cached])
+        r = theirs.reserve(cached[:8])  # its share, all held
+        assert r.offsets == [-1] * 8
+        with pytest.raises(LimitExceededError, match="reserved slots"):
+            theirs.reserve(cached[8:16], parent=cached[7])
+        r.abort()
+        theirs.reserve(cached[8:16], parent=cached[7]).abort()  # its share came back
