@@ -532,7 +532,8 @@ def store_missing(ns: Namespace, keys: Sequence[bytes],
 
     One lookup finds the cached leading keys (``lookup=False`` skips it, for keys not
     chained to each other, or known to be missing); ``fill(slots, first)`` writes the
-    blocks of ``keys[first:first + len(slots)]`` into the reserved slots; then commit.
+    blocks of ``keys[first:first + len(slots)]`` into the reserved slots (called for
+    each run of keys given slots: none for those the daemon holds already); then commit.
     ``parent`` is the key before ``keys[0]``; a parent evicted since starts a chain of
     its own.  No reservation asks for more blocks than the namespace's arena has slots:
     of a chain longer than that, the leading blocks that fit are stored (one reservation
@@ -559,12 +560,27 @@ def store_missing(ns: Namespace, keys: Sequence[bytes],
                 per = len(todo) // 2
                 continue
             with reservation as r:
-                fill(r.buffers, done)
+                for start, end in slot_runs(r.offsets):  # (none for keys held already)
+                    fill(r.buffers[start:end], done + start)
                 created += r.commit()
             done += len(todo)
     except KVStoreError as exc:
         return Stored(done, created, exc)
     return Stored(len(keys), created)
+
+
+def slot_runs(offsets: Sequence[int]) -> list[tuple[int, int]]:
+    """The runs ``(start, end)`` of a reservation's keys given slots; a key the daemon
+    holds already (offset -1) has no bytes to write."""
+    runs: list[tuple[int, int]] = []
+    start: int | None = None
+    for i, offset in enumerate([*offsets, -1]):
+        if offset >= 0 and start is None:
+            start = i
+        elif offset < 0 and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
 
 
 def _reserve(ns: Namespace, keys: Sequence[bytes], parent: bytes | None) -> Reservation:

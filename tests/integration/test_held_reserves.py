@@ -130,6 +130,32 @@ def test_a_chain_half_held_stores_only_its_new_half(daemon_factory: Any) -> None
         assert ns.get(chain[HALF:]) == new
 
 
+def test_an_engine_s_fill_writes_only_the_keys_given_slots(daemon_factory: Any) -> None:
+    """``store_missing`` without a lookup (the LMCache adapter's keys, not a chain)
+    calls its fill for the runs of keys given slots only: no copy of a held block's
+    bytes into scratch."""
+    from kvstore.integrations.engine_side import store_missing
+
+    d = daemon_factory(dram_capacity=CAPACITY)
+    quarter = HALF // 2
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENTITY)
+        held, _, _ = _full(c, ns)
+        chain = ns.keys(range((HALF + quarter) * IDENTITY.block_tokens))
+        new = [os.urandom(ns.block_bytes) for _ in range(quarter)]
+        calls: list[tuple[int, int]] = []
+
+        def fill(slots: Any, first: int) -> None:
+            calls.append((first, len(slots)))
+            for slot, data in zip(slots, new[first - HALF:]):
+                slot[:] = data
+
+        stored = store_missing(ns, chain, fill, lookup=False)
+        assert stored.error is None and stored.created == quarter
+        assert calls == [(HALF, quarter)]
+        assert ns.get(chain[HALF:]) == new
+
+
 def test_a_batch_reserve_skips_held_keys(daemon_factory: Any) -> None:
     from kvstore.client_core import PlanItem
 
