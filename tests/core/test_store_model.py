@@ -60,7 +60,7 @@ class StoreMachine(RuleBasedStateMachine):
           chain=st.integers(0, 3), extra=st.integers(0, 3), length=st.integers(1, 4),
           skip_held=st.booleans())
     def reserve(self, owner: str, which: int, chain: int, extra: int,
-                length: int, skip_held: bool) -> Reservation | None:
+                length: int, skip_held: bool = False) -> Reservation | None:
         ns, keys = self.ns[which], self.chains[which][chain]
         hit = len(self.store.lookup(ns, keys))
         start = min(max(hit - extra, 0), len(keys))  # sometimes re-reserve cached keys
