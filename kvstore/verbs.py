@@ -35,6 +35,7 @@ from kvstore.moves import Moves
 from kvstore.pending import Later, Pending
 from kvstore.policy_switches import PolicySwitches
 from kvstore.removals import GET_OWNER, Removals
+from kvstore.scheduler.admission import TokenRequest, admit_batch
 from kvstore.remote import RemoteTier
 from kvstore.sessions import Session, Sessions
 from kvstore.slab_moves import own_slots, set_aside
@@ -624,8 +625,6 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
     size could have (``BlockStore.available_slots``), those of slabs other sizes could
     hand over among them; a plan that those turn out not to hold (their slabs each with
     a pinned block, say) gets the answer the size's own slots give, not an error."""
-    from kvstore.scheduler.admission import TokenRequest, admit_batch
-
     d = v.d
     ns = v._writable(session, req.ns)
     if len(req.plan) > d.max_keys:  # before any work that grows with it
@@ -633,10 +632,7 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
                             f"{d.max_keys}")
     bt = ns.identity.block_tokens
     requests = [TokenRequest(item.reserved_tokens, item.new_tokens) for item in req.plan]
-    available = d.store.available_slots(ns)
-    own = own_slots(ns.dram, ns.cls)  # (without another size's slabs)
-    decision = admit_batch(requests, bt, available)
-    for i, (item, need) in enumerate(zip(req.plan, decision.blocks)):
+    for i, (item, need) in enumerate(zip(req.plan, admit_batch(requests, bt, 0).blocks)):
         if len(item.keys) != need:
             raise MalformedError(f"plan item {i} adds {need} blocks but names "
                                  f"{len(item.keys)} keys")
@@ -644,6 +640,25 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
     # one reservation per item with keys: all under the tenant's cap, or none
     d.sessions.check_cap(session, "reservations", sum(1 for item in req.plan if item.keys))
     d.sessions.check_grant_reserve(session, ns, sum(len(item.keys) for item in req.plan))
+    # keys held in DRAM take no slot: pinned till every item is reserved (each item's
+    # reserve pins its own), so that no room made for one item evicts another's
+    held = [d.store.leases.pin_held(ns, item.keys) if req.skip_held else {}
+            for item in req.plan]
+    try:
+        return _reserve_plan(v, session, req, ns, requests, [len(h) for h in held])
+    finally:
+        for h in held:
+            d.store.leases.unpin_held(h)
+
+
+def _reserve_plan(v: Verbs, session: Session, req: p.ReserveBatch, ns: Namespace,
+                  requests: list[TokenRequest], held: list[int]) -> Answer:
+    """``reserve_batch`` once checked, the blocks held in DRAM (``held`` of each item)
+    pinned: admitted by the slots it takes, all reserved or none."""
+    d, bt = v.d, ns.identity.block_tokens
+    available = d.store.available_slots(ns)
+    own = own_slots(ns.dram, ns.cls)  # (without another size's slabs)
+    decision = admit_batch(requests, bt, available, held=held)
     if not decision.admitted:
         d.store.counters.capacity_rejects += 1
         return p.BatchReply(req.rid, False, list(decision.blocks), list(decision.fitting),
@@ -655,15 +670,14 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
                 r = d.store.reserve(session.id, ns, item.keys, item.parent, d.clock(),
                                     req.skip_held)
                 if isinstance(r, Plan):  # room first: all or none, so none yet
-                    for held in done:
-                        d.store.abort(session.id, held.id)
+                    for taken in done:
+                        d.store.abort(session.id, taken.id)
                     if (r.earmarks or r.drains) and done:  # a slab (or a step of one)
                         # taken: those the aborts emptied stay the batch's too (not for
                         # a turn it only waits out while another size takes its slabs:
                         # two batches waiting so would each hold slabs aside from the
                         # other, turn after turn)
-                        set_aside(r, ns.dram.pool, ns.cls,
-                                  sum(len(item.keys) for item in req.plan))
+                        set_aside(r, ns.dram.pool, ns.cls, decision.total)
                     if done:
                         d.moves.freed()
                     return r
@@ -673,7 +687,7 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
             d.store.abort(session.id, r.id)
         if not isinstance(exc, CapacityError) or exc.cause == "quota":
             raise
-        mine = admit_batch(requests, bt, own)
+        mine = admit_batch(requests, bt, own, held=held)
         if mine.admitted:
             raise  # (not a slab the other sizes held after all)
         if done:

@@ -41,9 +41,10 @@ def blocks_needed(reserved: int, new: int, block_tokens: int) -> int:
 class BatchDecision:
     """The answer for a token plan.
 
-    ``admitted`` is all-or-none: the sum of ``blocks`` fits in ``available``.  When it
-    does not, ``fitting`` names the requests (by index) that a greedy pass in order
-    would admit, and ``shortfall`` is how many blocks the whole plan lacks.
+    ``admitted`` is all-or-none: the plan's slots (``total``: its ``blocks`` less those
+    cached already) fit in ``available``.  When they do not, ``fitting`` names the
+    requests (by index) that a greedy pass in order would admit, and ``shortfall`` is
+    how many blocks the whole plan lacks.
     """
 
     admitted: bool
@@ -63,22 +64,27 @@ def admit_batch(
     available: int,
     *,
     stop_at_first_misfit: bool = False,
+    held: Sequence[int] = (),
 ) -> BatchDecision:
     """Decide a token plan against ``available`` free blocks, all or none.
 
     The greedy report takes each request in order while it fits and skips one that
     does not (later, smaller ones may still fit); with ``stop_at_first_misfit`` it
-    stops there instead, for schedulers that must not reorder.
+    stops there instead, for schedulers that must not reorder.  ``held[i]`` of request
+    i's blocks are cached already and take no slot (``blocks`` still counts them).
     """
     if available < 0:
         raise MalformedError(f"available must be >= 0, got {available}")
     blocks = tuple(blocks_needed(r.reserved, r.new, block_tokens) for r in requests)
-    total = sum(blocks)
+    if held and (len(held) != len(blocks) or any(not 0 <= h <= b for h, b in zip(held, blocks))):
+        raise MalformedError(f"held blocks {list(held)} do not fit the requests' {blocks}")
+    slots = tuple(b - h for b, h in zip(blocks, held)) if held else blocks
+    total = sum(slots)
     if total <= available:
         return BatchDecision(True, blocks, total, available, tuple(range(len(blocks))))
     fitting: list[int] = []
     left = available
-    for index, count in enumerate(blocks):
+    for index, count in enumerate(slots):
         if count <= left:
             fitting.append(index)
             left -= count

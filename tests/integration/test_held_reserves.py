@@ -289,3 +289,59 @@ def test_a_writer_grantee_s_held_keys_count_against_its_share(daemon_factory: An
             theirs.reserve(cached[8:16], parent=cached[7])
         r.abort()
         theirs.reserve(cached[8:16], parent=cached[7]).abort()  # its share came back
+
+
+def test_a_batch_of_held_keys_is_admitted_by_the_slots_it_takes(daemon_factory: Any) -> None:
+    """A batch's keys held in DRAM need no slot: its admission counts only the others.
+    Here the held chain is pinned by a reader (an engine loading it) and DRAM has room
+    for the new blocks alone; counted as needing slots, the batch was refused."""
+    from kvstore.client_core import PlanItem
+
+    d = daemon_factory(dram_capacity=CAPACITY)
+    quarter = HALF // 2
+    with Client(d.endpoint, tenant="acme") as c, Client(d.endpoint, tenant="acme") as reader:
+        ns = c.namespace(IDENTITY)
+        held, _ = _fill(ns, 0, HALF)
+        pinned = reader.namespace(IDENTITY).acquire(held)
+        chain = ns.keys(range((HALF + quarter) * IDENTITY.block_tokens))
+        _fill(ns, 10_000, HALF - quarter // 2)  # 16 free, 48 evictable: 64 < 96 keys
+        bt = IDENTITY.block_tokens
+        plan = [PlanItem(0, HALF * bt, chain[:HALF]),
+                PlanItem(HALF * bt, quarter * bt, chain[HALF:], chain[HALF - 1])]
+        result = ns.reserve_batch(plan)
+        assert result.admitted, result
+        first, second = result.reservations
+        assert first.offsets == [-1] * HALF and min(second.offsets) >= 0
+        assert _dram(c)["reserved_slots"] == quarter
+        new = [os.urandom(ns.block_bytes) for _ in range(quarter)]
+        for buf, data in zip(second.buffers, new):
+            buf[:] = data
+        assert [r.commit() for r in result.reservations] == [0, quarter]
+        pinned.release()
+        assert ns.get(chain[HALF:]) == new
+        assert _dram(c)["pinned_blocks"] == 0
+
+
+def test_a_batch_s_room_for_one_item_evicts_no_block_another_item_holds(
+        daemon_factory: Any) -> None:
+    """The held blocks of every item are pinned before any item's room is made: the
+    first item's room could else evict the blocks the second holds (the coldest), and
+    the second then needs slots the admission did not count."""
+    from kvstore.client_core import PlanItem
+
+    d = daemon_factory(dram_capacity=CAPACITY)
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENTITY)
+        cold, blocks = _fill(ns, 0, HALF)  # the coldest: the first eviction's victims
+        _fill(ns, 10_000, HALF)  # DRAM full
+        bt = IDENTITY.block_tokens
+        fresh = ns.keys(range(20_000 * bt, (20_000 + HALF) * bt))
+        plan = [PlanItem(0, HALF * bt, fresh), PlanItem(0, HALF * bt, cold)]
+        result = ns.reserve_batch(plan)
+        assert result.admitted, result
+        first, second = result.reservations
+        assert min(first.offsets) >= 0 and second.offsets == [-1] * HALF
+        for buf in first.buffers:
+            buf[:] = bytes(ns.block_bytes)
+        assert [r.commit() for r in result.reservations] == [HALF, 0]
+        assert ns.get(cold) == blocks

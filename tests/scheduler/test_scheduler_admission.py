@@ -168,3 +168,14 @@ def test_the_chain_decides_the_room_making_passes_in_its_order(
     chain = PolicyChain(steps)  # type: ignore[arg-type]
     assert chain.room_passes(may_defer=True) == early   # before its deadline
     assert chain.room_passes(may_defer=False) == late   # after it, or may not defer
+
+
+def test_a_batch_s_held_blocks_take_no_slot() -> None:
+    requests = [TokenRequest(0, 64), TokenRequest(64, 32)]  # 4 blocks, then 2 of 16 tokens
+    assert not admit_batch(requests, 16, 3).admitted
+    d = admit_batch(requests, 16, 3, held=[4, 1])
+    assert d.admitted and d.blocks == (4, 2) and d.total == 1
+    refused = admit_batch(requests, 16, 0, held=[4, 1])
+    assert refused.fitting == (0,) and refused.shortfall == 1
+    with pytest.raises(MalformedError):
+        admit_batch(requests, 16, 3, held=[5, 0])
