@@ -696,7 +696,9 @@ class ReservationCore(Generic[N]):
         if not self.reserved:
             raise KVStoreError("nothing reserved yet: await the reservation first")
         c = self.ns.client
-        sums = [checksum(b) for b in self.buffers] if c.checksums else []
+        # (a key held already, -1, has no bytes here: the daemon reads no sum for it)
+        sums = ([checksum(b) if o >= 0 else 0 for b, o in zip(self.buffers, self.offsets)]
+                if c.checksums else [])
         each, tokens = (self.ns._chains.tokens_of(self.keys, self.ns.token_buffer)
                         if self.ns.events and c.tokens_wanted else ([], b""))
         self._finish()

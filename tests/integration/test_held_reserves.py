@@ -345,3 +345,37 @@ def test_a_batch_s_room_for_one_item_evicts_no_block_another_item_holds(
             buf[:] = bytes(ns.block_bytes)
         assert [r.commit() for r in result.reservations] == [HALF, 0]
         assert ns.get(cold) == blocks
+
+
+def test_the_commit_sums_only_the_keys_given_slots(daemon_factory: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A held key's buffer is scratch, which the daemon never reads: the client sums
+    only the new keys' slots, and their sums reach the daemon unchanged (a reader
+    verifies them)."""
+    from kvstore import client_core
+
+    d = daemon_factory(dram_capacity=CAPACITY)
+    quarter = HALF // 2
+    summed: list[int] = []
+    real = client_core.checksum
+
+    def counting(data: Any) -> int:
+        summed.append(len(data))
+        return real(data)
+
+    with Client(d.endpoint, tenant="acme", checksums=True) as c:
+        ns = c.namespace(IDENTITY)
+        held, _, _ = _full(c, ns)
+        chain = ns.keys(range((HALF + quarter) * IDENTITY.block_tokens))
+        new = [os.urandom(ns.block_bytes) for _ in range(quarter)]
+        monkeypatch.setattr(client_core, "checksum", counting)
+        with ns.reserve(chain) as r:
+            for buf, data in zip(r.buffers[HALF:], new):
+                buf[:] = data
+            assert r.commit() == quarter
+        monkeypatch.undo()
+        assert len(summed) == quarter
+        got = ns.acquire(chain[HALF:])
+        assert got.checksums == [real(data) for data in new]
+        got.release()
+        assert ns.get(chain[HALF:]) == new
