@@ -84,7 +84,7 @@ _POOL_GAUGES = (
     ("committed_slots", "kvstore_pool_committed_slots", "Slots holding committed blocks."),
     ("blocks", "kvstore_pool_blocks", "Blocks cached."),
     ("pinned_blocks", "kvstore_pool_pinned_blocks",
-     "Unique blocks referenced by at least one pin or reservation parent."),
+     "Unique blocks referenced by at least one pin, reservation parent or held key."),
     ("empty_slabs", "kvstore_pool_empty_slabs", "Slabs not assigned to any slot size."),
 )
 
