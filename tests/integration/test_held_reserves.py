@@ -379,3 +379,39 @@ def test_the_commit_sums_only_the_keys_given_slots(daemon_factory: Any,
         assert got.checksums == [real(data) for data in new]
         got.release()
         assert ns.get(chain[HALF:]) == new
+
+
+def test_held_keys_are_not_announced_stored_again(daemon_factory: Any) -> None:
+    """The event stream announces a commit's new blocks only: its held keys (already
+    announced, in DRAM all along) are in no BlockStored event, and the new blocks that
+    follow them hang below the last held key."""
+    import msgspec
+    from daemon_proc import free_port
+    from events_sub import Subscriber, as_dicts
+
+    pub, replay = free_port(), free_port()
+    d = daemon_factory(dram_capacity=CAPACITY, env={
+        "KVSTORE_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{pub}",
+        "KVSTORE_EVENTS_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{replay}"})
+    sub = Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(IDENTITY)
+            held, _ = _fill(ns, 0, 8)
+            sub.until(c.snapshot().seq)
+            seen = len(sub.payloads)
+            chain = ns.keys(range(12 * IDENTITY.block_tokens))
+            with ns.reserve(chain) as r:
+                assert r.offsets[:8] == [-1] * 8
+                for buf in r.buffers[8:]:
+                    buf[:] = os.urandom(ns.block_bytes)
+                assert r.commit() == 4
+            sub.until(c.snapshot().seq)
+        stored = [e for _, payload in sub.payloads[seen:]
+                  for e in map(as_dicts, msgspec.msgpack.decode(payload)[1])
+                  if e["type"] == "BlockStored"]
+        assert [k for e in stored for k in e["block_hashes"]] == chain[8:]
+        assert stored[0]["parent_block_hash"] == held[-1]
+        assert sub.index.lookup(chain) == ["dram"] * 12
+    finally:
+        sub.close()
