@@ -72,7 +72,9 @@ class RemoteTier:
         self.store = store
         self.slot = slot
         self.cooldown = r.unhealthy_seconds
-        self._gate = UrgentFirst(r.concurrency)  # reads and lookups before writes
+        # reads and lookups before writes, tenants in turn, and one place kept from any
+        # one tenant (writes count as one): another's read waits for no whole call
+        self._gate = UrgentFirst(r.concurrency, tenant_most=r.concurrency - 1)
         self.transfers = gate
         self.write_back = r.write_policy == "write-back"
         # until when the remote store is left out of write-backs: it refused values (a

@@ -52,64 +52,84 @@ class UrgentFirst:
     share), it would otherwise queue an engine's reload behind every write waiting
     there, as a plain semaphore does.
 
-    Urgent waiters take turns by tenant, each tenant's in the order they came: one
-    tenant's flood of lookups and prefetches (hundreds of calls queued) made another's
-    read wait for all of them, seconds, while a call holding a place timed out and the
-    tier was skipped for every tenant."""
+    Waiters take turns by tenant, each tenant's in the order they came: one tenant's
+    flood of lookups and prefetches (hundreds of calls queued) made another's read wait
+    for all of them, seconds, while a call holding a place timed out and the tier was
+    skipped for every tenant.
 
-    def __init__(self, limit: int) -> None:
+    A tenant holds at most ``tenant_most`` places (all by default): the remote tier keeps
+    one for the others, since a place is handed on only when a whole call leaves, and a
+    tenant holding every place made another's one-block read wait for one of its 64 MiB
+    calls (benchmarks/remote_fairness.py, four heavy readers: 2 ms alone, 37 ms median
+    beside them)."""
+
+    def __init__(self, limit: int, tenant_most: int | None = None) -> None:
         self._free = limit
-        # tenant -> its urgent waiters; the tenants in the order of their turns
+        self._tenant_most = limit if tenant_most is None else max(1, tenant_most)
+        self._holding: dict[str, int] = {}  # tenant -> the places it holds
+        # tenant -> its waiters, urgent and not; the tenants in the order of their turns
         self._urgent: dict[str, deque[asyncio.Future[None]]] = {}
-        self._others: deque[asyncio.Future[None]] = deque()
+        self._others: dict[str, deque[asyncio.Future[None]]] = {}
 
     def __repr__(self) -> str:
-        return (f"UrgentFirst(free={self._free}, urgent_tenants={len(self._urgent)}, "
-                f"waiting={self.waiting})")
+        return (f"UrgentFirst(free={self._free}, holding={sum(self._holding.values())}, "
+                f"urgent_tenants={len(self._urgent)}, waiting={self.waiting})")
 
     @asynccontextmanager
     async def hold(self, urgent: bool, tenant: str = "") -> AsyncIterator[None]:
-        if self._free > 0 and not self._urgent and not self._others:
+        # (a place is free only while every waiter's tenant holds its most)
+        if self._free > 0 and not self._full(tenant):
             self._free -= 1
+            self._holding[tenant] = self._holding.get(tenant, 0) + 1
         else:
             waiter = asyncio.get_running_loop().create_future()
-            queue = self._urgent.setdefault(tenant, deque()) if urgent else self._others
+            turns = self._urgent if urgent else self._others
+            queue = turns.setdefault(tenant, deque())
             queue.append(waiter)
             try:
                 await waiter
             except BaseException:
                 if waiter.done() and not waiter.cancelled():
-                    self._hand_on()  # let in, then cancelled before it ran: the next
+                    self._leave(tenant)  # let in, then cancelled before it ran: the next
                 elif waiter in queue:
                     queue.remove(waiter)
-                    if urgent and not queue and self._urgent.get(tenant) is queue:
-                        del self._urgent[tenant]
+                    if not queue and turns.get(tenant) is queue:
+                        del turns[tenant]
                 raise
         try:
             yield
         finally:
-            self._hand_on()
+            self._leave(tenant)
 
-    def _hand_on(self) -> None:
-        """A holder left: the first waiter of the tenant whose turn it is comes in, else
-        the first of the others, else the place is free."""
-        while self._urgent:
-            tenant = next(iter(self._urgent))
-            queue = self._urgent.pop(tenant)
-            while queue:
-                waiter = queue.popleft()
-                if not waiter.done():
-                    if queue:
-                        self._urgent[tenant] = queue  # its next, after the others' turns
-                    waiter.set_result(None)
-                    return
-        while self._others:
-            waiter = self._others.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+    def _full(self, tenant: str) -> bool:
+        return self._holding.get(tenant, 0) >= self._tenant_most
+
+    def _leave(self, tenant: str) -> None:
+        """A holder of ``tenant`` left: the first waiter of the urgent tenant whose turn it
+        is (of those below their most) comes in, else the first of the others', else the
+        place is free."""
+        held = self._holding[tenant] - 1
+        if held:
+            self._holding[tenant] = held
+        else:
+            del self._holding[tenant]
+        for turns in (self._urgent, self._others):
+            # (the tenants waiting, not their waiters: a few, and each at most once)
+            for waiting in list(turns):
+                if self._full(waiting):
+                    continue  # keeps its turn for when one of its calls leaves
+                queue = turns.pop(waiting)
+                while queue:
+                    waiter = queue.popleft()
+                    if not waiter.done():
+                        if queue:
+                            turns[waiting] = queue  # its next, after the others' turns
+                        self._holding[waiting] = self._holding.get(waiting, 0) + 1
+                        waiter.set_result(None)
+                        return
         self._free += 1
 
     @property
     def waiting(self) -> int:
-        return sum(map(len, self._urgent.values())) + len(self._others)
+        return (sum(map(len, self._urgent.values()))
+                + sum(map(len, self._others.values())))
