@@ -95,19 +95,26 @@ class GenerationWatch:
         (logged), not waited for."""
         self._stopping = True
         until = time.monotonic() + STOP_SECONDS
-        for task in (self._task, self._forget_task):
-            while task is not None and not task.done():
-                task.cancel()
-                left = until - time.monotonic()
-                if left <= 0:
-                    log.error("the remote store's generation watch did not end within "
-                              "%g s of the stop; left behind", STOP_SECONDS)
-                    break
-                await asyncio.wait({task}, timeout=min(left, STOP_RETRY_SECONDS))
-            if task is not None and task.done() and not task.cancelled():
-                with contextlib.suppress(Exception):
-                    task.result()  # (its exception, if any, retrieved: not logged again)
+        await self._end(self._task, until)
+        # (read once the checks ended: a check that swallowed a cancel may have found a
+        # new generation and begun forgetting, which ran on after the stop)
+        await self._end(self._forget_task, until)
         self._task = self._forget_task = None
+
+    @staticmethod
+    async def _end(task: asyncio.Task[None] | None, until: float) -> None:
+        """Cancel ``task`` until it ends, or leave it behind (logged) at ``until``."""
+        while task is not None and not task.done():
+            task.cancel()
+            left = until - time.monotonic()
+            if left <= 0:
+                log.error("the remote store's generation watch did not end within "
+                          "%g s of the stop; left behind", STOP_SECONDS)
+                break
+            await asyncio.wait({task}, timeout=min(left, STOP_RETRY_SECONDS))
+        if task is not None and task.done() and not task.cancelled():
+            with contextlib.suppress(Exception):
+                task.result()  # (its exception, if any, retrieved: not logged again)
 
     @property
     def forgetting(self) -> bool:
