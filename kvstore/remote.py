@@ -236,9 +236,10 @@ class RemoteTier:
         in the background; under write-back they go there when DRAM evicts them."""
         if not self.write_back:
             self._through.add(b for b in blocks if not b.marks & REMOTE_MARK)
-            # healthy, and nothing refused for a cooldown: those held back go
+            # healthy, and nothing refused for a cooldown: those held back go (of the
+            # tenants not skipping the tier for their own timeouts)
             if len(self._held) and self.taking_write_backs:
-                self._through.add(self._held.take())
+                self._through.add(self._held.take(self.health.serves))
 
     def write_again(self, blocks: list[Block]) -> None:
         """Blocks cached here whose copy the remote store lost: under write-through,

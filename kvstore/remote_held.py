@@ -1,12 +1,14 @@
 """Write-through blocks the remote store did not take, held to be sent again: those the
 tier's outage kept from it, and those it answered but refused (full: Redis at its
 maxmemory under noeviction), which were dropped before and never had a remote copy.
-Bounded (``DEFERRED_MOST``, the oldest let go past it); the remote tier sends them
-again with a commit once the store is healthy and has refused nothing for a cooldown
-(``RemoteTier.committed``), so a full store is tried again once a cooldown, not by a
-loop nor by every commit."""
+Bounded (``DEFERRED_MOST``, the oldest of the tenant holding most let go past it);
+the remote tier sends them again with a commit once the store is healthy and has refused
+nothing for a cooldown (``RemoteTier.committed``), so a full store is tried again once a
+cooldown, not by a loop nor by every commit; a tenant's only once it is served again."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kvstore.store import Block
 
@@ -16,31 +18,51 @@ DEFERRED_MOST = 1 << 14
 
 
 class HeldWrites:
-    """The blocks held back, oldest first; ``counters``: the remote tier's, whose
-    ``deferred_writes`` counts each block held and ``unsent_writes`` each let go."""
+    """The blocks held back, by tenant, each tenant's oldest first; ``counters``: the
+    remote tier's, whose ``deferred_writes`` counts each block held and
+    ``unsent_writes`` each let go.
+
+    By tenant, since a tenant whose own calls timed out skips the tier for a while
+    (``remote_health``) while the others' go on: every commit of another tenant's took
+    all the blocks held and sent them, each held again as its tenant still skipped (up to
+    ``DEFERRED_MOST`` walked on the loop at each commit, each counted again).  Past the
+    bound the tenant holding the most lets its oldest go."""
 
     def __init__(self, counters: dict[str, int]) -> None:
         self.counters = counters
-        self._held: dict[Block, None] = {}
+        self._held: dict[str, dict[Block, None]] = {}  # tenant -> its blocks held
+        self._count = 0  # over every tenant
 
     def __len__(self) -> int:
-        return len(self._held)
+        return self._count
 
     def hold(self, blocks: list[Block]) -> None:
         """Hold ``blocks`` to be sent later (while they are still cached here)."""
         held = self._held
         for b in blocks:
-            if b not in held:  # (one held back again, its tenant's skip not over)
-                held[b] = None
+            mine = held.setdefault(b.ns.tenant, {})
+            if b not in mine:  # (one held back again, its tenant's skip not over)
+                mine[b] = None
+                self._count += 1
                 self.counters["deferred_writes"] += 1
-        while len(held) > DEFERRED_MOST:
-            del held[next(iter(held))]
+        while self._count > DEFERRED_MOST:
+            most = max(held, key=lambda tenant: len(held[tenant]))
+            mine = held[most]
+            del mine[next(iter(mine))]
+            if not mine:
+                del held[most]
+            self._count -= 1
             self.counters["unsent_writes"] += 1
 
-    def take(self) -> list[Block]:
-        """Every block held, oldest first; none held afterwards."""
-        held, self._held = self._held, {}
-        return list(held)
+    def take(self, serves: Callable[[str], bool]) -> list[Block]:
+        """The blocks held of every tenant ``serves`` says the tier serves now, none of
+        them held afterwards; the others' stay held."""
+        out: list[Block] = []
+        for tenant in [t for t in self._held if serves(t)]:
+            mine = self._held.pop(tenant)
+            self._count -= len(mine)
+            out += mine
+        return out
 
     def __repr__(self) -> str:
-        return f"HeldWrites({len(self._held)} held)"
+        return f"HeldWrites({self._count} held, {len(self._held)} tenants)"
