@@ -5,9 +5,13 @@ hang from (without them a restart drops those copies as orphans)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
+
 from kvtest import make_identity
 
 from kvstore.keys import chain_keys
+from kvstore.slab_moves import StopTrades
 from kvstore.ssd_flush import flush_plan
 from kvstore.store import Block, BlockStore, Namespace
 
@@ -72,4 +76,39 @@ def test_a_size_with_no_room_takes_at_most_half_of_anothers_slabs_and_goes_first
     # slabs are emptied before the flush writes big blocks into them), parents first
     assert plan[:16] == smalls[:16]
     assert plan[16:] == loose
+    store.check_invariants()
+
+
+class Asked(AbstractSet[Block]):
+    """The flush's planned blocks (every block only DRAM holds: millions), as a set that
+    may be asked about but not walked: each slab traded copied them all, on the loop."""
+
+    def __init__(self, blocks: list[Block]) -> None:
+        self._blocks = set(blocks)
+        self.asked = 0
+
+    def __contains__(self, b: object) -> bool:
+        self.asked += 1
+        return b in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self) -> Iterator[Block]:
+        raise AssertionError("the flush's planned blocks were walked (copied)")
+
+
+def test_a_slab_traded_on_the_way_out_asks_the_planned_blocks_never_copies_them() -> None:
+    store = BlockStore(256 * SLOT, 8 * SLOT, ssd_capacity=16 * SLOT, ssd_slab_bytes=4 * SLOT)
+    big = store.open_namespace(IDENT)
+    small = store.open_namespace(make_identity(head_dim=IDENT.head_dim // 2))
+    on_ssd(store, commit(store, big, 0, 16))  # the tier's four slabs: the big size's
+    smalls = commit(store, small, 2 * 10**6, 8)
+    assert store.ssd is not None
+    planned = Asked(smalls)
+    trades = StopTrades(lambda _b: False, StopTrades.spare_of(store.ssd.pool), planned)
+    t, _ = store.ssd_copies.reserve(smalls, evict=trades)  # a big slab, given for them
+    assert planned.asked > 0 and trades.spare[SLOT] == 1
+    store.ssd_copies.finish_write(t, [object()] * len(smalls))
+    assert all(b.ssd_offset is not None for b in smalls)
     store.check_invariants()
