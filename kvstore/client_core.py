@@ -625,6 +625,7 @@ class NamespaceCore(Generic[S]):
         wanted = [i for i, offset in enumerate(r.offsets) if offset >= 0]
         gather(kv_caches, [page_ids[i] for i in wanted], [r.buffers[i] for i in wanted],
                layout=layout)
+        _copies_done(kv_caches)  # (the commit publishes the bytes: they must be there)
 
     def _scatter(self, held: HeldCore[Any], kv_caches: Any, page_ids: Sequence[int],
                  layout: Any) -> None:
@@ -651,11 +652,24 @@ class NamespaceCore(Generic[S]):
             views = self.client._slots([held.offsets[i] for i in rest], self.block_bytes,
                                        readonly=False, arena=self.arena)
             scatter(views, kv_caches, [page_ids[i] for i in rest], layout=layout)
+            _copies_done(kv_caches)  # (the pin goes next: the slots may be reused)
             for view in views:
                 view.release()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.identity.model}, {self.id.hex()[:12]})"
+
+
+def _copies_done(kv_caches: Any) -> None:
+    """Wait for the copies queued on the cache's device (none off CUDA).  The copy
+    kernel and torch's ``non_blocking`` copies return once queued: an offload committed
+    (published to readers, checksummed) slots the device had not written yet, and a
+    reload let its pin go while the device still read the slots."""
+    device = _cache_device(kv_caches)
+    if device.type == "cuda":
+        from kvstore.tiers.gpu import CopyFence
+
+        CopyFence.record(device).wait()
 
 
 # ----------------------------------------------------------------------------------------
