@@ -38,6 +38,7 @@ from kvstore.client_wire import (
     Exchange,
     Received,
     _cache_device,
+    _copies_done,
     _check_blocks,
     _curve_from_env,
     _listed,
@@ -658,18 +659,6 @@ class NamespaceCore(Generic[S]):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.identity.model}, {self.id.hex()[:12]})"
-
-
-def _copies_done(kv_caches: Any) -> None:
-    """Wait for the copies queued on the cache's device (none off CUDA).  The copy
-    kernel and torch's ``non_blocking`` copies return once queued: an offload committed
-    (published to readers, checksummed) slots the device had not written yet, and a
-    reload let its pin go while the device still read the slots."""
-    device = _cache_device(kv_caches)
-    if device.type == "cuda":
-        from kvstore.tiers.gpu import CopyFence
-
-        CopyFence.record(device).wait()
 
 
 # ----------------------------------------------------------------------------------------

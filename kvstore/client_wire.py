@@ -332,6 +332,18 @@ def _cache_device(kv_caches: Any) -> Any:
     return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
 
 
+def _copies_done(kv_caches: Any) -> None:
+    """Wait for the copies queued on the cache's device (none off CUDA).  The copy
+    kernel and torch's ``non_blocking`` copies return once queued: an offload committed
+    (published to readers, checksummed) slots the device had not written yet, and a
+    reload let its pin go while the device still read the slots."""
+    device = _cache_device(kv_caches)
+    if device.type == "cuda":
+        from kvstore.tiers.gpu import CopyFence
+
+        CopyFence.record(device).wait()
+
+
 def _same_device(a: Any, b: Any) -> bool:
     if a.type != b.type:
         return False

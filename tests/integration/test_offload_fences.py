@@ -14,6 +14,7 @@ from daemon_proc import DaemonProcess
 from kvtest import make_identity
 
 import kvstore.client_core as client_core
+import kvstore.client_wire as client_wire
 import kvstore.kernels as kernels
 from kvstore import Client
 from kvstore.client import Held, Reservation
@@ -62,8 +63,8 @@ def test_the_fence_waits_on_a_cuda_cache_only(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(gpu.CopyFence, "record",
                         classmethod(lambda cls, device: recorded.append(device) or Fence()))
-    client_core._copies_done([torch.zeros(1)])
+    client_wire._copies_done([torch.zeros(1)])
     assert recorded == []  # a CPU cache: nothing queued
-    monkeypatch.setattr(client_core, "_cache_device", lambda _c: torch.device("cuda", 1))
-    client_core._copies_done([torch.zeros(1)])
+    monkeypatch.setattr(client_wire, "_cache_device", lambda _c: torch.device("cuda", 1))
+    client_wire._copies_done([torch.zeros(1)])
     assert recorded == [torch.device("cuda", 1), "wait"]
