@@ -492,7 +492,7 @@ def config_to_toml(config: Config) -> str:
         values = msgspec.structs.asdict(getattr(config, section))
         if section == "server" and not values["endpoint"]:
             values["endpoint"] = config.endpoint
-        if section == "ssd" and not values["path"]:
+        if section == "ssd":  # the directory it uses: the default's, "~" expanded
             values["path"] = str(config.ssd_path)
         for key, value in values.items():
             lines.append(f"{key} = {_toml_value(value)}")

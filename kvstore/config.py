@@ -362,7 +362,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def ssd_path(self) -> Path:
-        return Path(self.ssd.path) if self.ssd.path else data_dir() / "ssd"
+        # "~/..." as the README's example has it (a literal "~" directory in the cwd before)
+        return Path(self.ssd.path).expanduser() if self.ssd.path else data_dir() / "ssd"
 
     @property
     def ssd_slab_bytes(self) -> int:
