@@ -657,7 +657,7 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str, setting: str) -> str:
             check_socket_directory(path.parent)
             if path.exists():
                 if socket_alive(endpoint):
-                    raise KVStoreError(f"another daemon is serving {endpoint}")
+                    raise ConfigError(f"{setting}: another daemon is serving {endpoint}")
                 path.unlink()
         sock.bind(endpoint)
     except (zmq.ZMQError, OSError) as exc:

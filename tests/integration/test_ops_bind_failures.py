@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from daemon_proc import DaemonProcess
 
+from kvstore import Client
+
 
 @pytest.fixture
 def taken_port() -> Iterator[int]:
@@ -84,3 +86,20 @@ def test_an_event_endpoint_in_use_is_a_config_error(tmp_path: Path,
     run = serve(tmp_path, "--config", str(config),
                 "--endpoint", f"ipc://{tmp_path / 'kvstore.sock'}")
     assert_refused_cleanly(tmp_path, run, "events.endpoint", "Address already in use")
+
+
+def test_an_ipc_endpoint_another_daemon_serves_is_a_config_error(tmp_path: Path) -> None:
+    """The README's "an endpoint in use": exit 2 and one line naming the setting (it was
+    exit 1, "kvstore: another daemon is serving ...", unlike a tcp port in use)."""
+    first = DaemonProcess(tmp_path / "first").start()
+    try:
+        run = serve(tmp_path, "--endpoint", first.endpoint)
+        assert run.returncode == 2, run.stderr
+        last = run.stderr.strip().splitlines()[-1]
+        assert last == (f"kvstore: configuration error: server.endpoint: another daemon is "
+                        f"serving {first.endpoint}"), last
+        assert list((tmp_path / "shm").iterdir()) == []      # no arena file left
+        with Client(first.endpoint, tenant="acme", timeout=10) as client:
+            client.ping()                                    # the first still serves
+    finally:
+        first.stop()
