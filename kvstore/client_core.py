@@ -50,6 +50,7 @@ from kvstore.client_wire import (
     checksum,
     got_blocks,
     map_named_arena,
+    no_daemon_hint,
     slot_views,
     verify,
 )
@@ -274,7 +275,8 @@ class SessionCore:
 
     def _no_reply(self) -> UnavailableError:
         # a refused ZeroMQ handshake is silent: say what it checks
-        why = refused_hint(self._handshake) if self.hello is None else ""
+        why = "" if self.hello is not None else (refused_hint(self._handshake)
+                                                 or no_daemon_hint(self.endpoint))
         return UnavailableError(f"no reply from the daemon at {self.endpoint} "
                                 f"within {self.timeout}s{why}")
 

@@ -166,6 +166,15 @@ def handshake_refusal(monitor: Any) -> int | None:
             return int(event["value"])
 
 
+def no_daemon_hint(endpoint: str) -> str:
+    """What to check when no daemon ever answered at ``endpoint``: the message said only
+    that none did, and left the user to guess whether one runs, or where."""
+    missing = endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):])
+    return ("; is a daemon serving there" + (" (no socket file)" if missing else "")
+            + "? Start one (kvstore serve), or name its endpoint (endpoint=, --endpoint "
+            "or KVSTORE_ENDPOINT)")
+
+
 def say_bye(sock: Any, bye: bytes | None) -> int:
     """Send a closing client's goodbye (``SessionCore._bye_request``), unread; how many
     milliseconds its socket may linger to hand it over (0: none went: a daemon gone, or

@@ -4,14 +4,26 @@ it.
 
 - ``[ssd] path = "~/..."``, as the README's configuration example writes it, made a
   directory named ``~`` in the daemon's working directory and kept the tier there.
+- A client (or ``kvstore ping``) whose daemon is not there said only "no reply from the
+  daemon at ... within 30.0s": not whether a socket was there, nor what to do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore import AsyncClient, Client
+from kvstore.errors import UnavailableError
+
+WHAT_TO_DO = "Start one (kvstore serve), or name its endpoint"
 
 
 def start_serving(args: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
@@ -58,3 +70,37 @@ def test_an_ssd_path_under_home_is_the_users_home(tmp_path: Path) -> None:
     assert list(cwd.iterdir()) == []                       # no "~" made where it ran
     assert (home / "kvstore" / "ssd").is_dir()
     assert list((home / "kvstore" / "ssd").iterdir())      # the tier's files are there
+
+
+def test_a_client_whose_daemon_is_not_there_says_what_to_do(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path / 'kvstore.sock'}"
+    with pytest.raises(UnavailableError) as caught:
+        Client(endpoint, tenant="acme", timeout=0.5)
+    assert "(no socket file)" in str(caught.value) and WHAT_TO_DO in str(caught.value)
+
+    async def connect() -> None:
+        async with AsyncClient(endpoint, tenant="acme", timeout=0.5):
+            pass
+    with pytest.raises(UnavailableError) as caught:
+        asyncio.run(connect())
+    assert WHAT_TO_DO in str(caught.value), caught.value
+    ping = subprocess.run([sys.executable, "-m", "kvstore", "ping", "--endpoint", endpoint],
+                          capture_output=True, text=True, timeout=60)
+    assert ping.returncode != 0 and WHAT_TO_DO in ping.stderr, ping.stderr
+
+
+def test_a_daemon_that_went_quiet_gets_no_such_hint(daemon_factory: Any) -> None:
+    """The hint is for a daemon never heard from: one that answered and then stopped
+    is named as before."""
+    d = daemon_factory()
+    client = Client(d.endpoint, tenant="acme", timeout=0.5)
+    try:
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(UnavailableError) as caught:
+                client.ping()
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        assert WHAT_TO_DO not in str(caught.value), caught.value
+    finally:
+        client.close()
