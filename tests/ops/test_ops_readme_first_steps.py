@@ -4,6 +4,8 @@ it.
 
 - ``[ssd] path = "~/..."``, as the README's configuration example writes it, made a
   directory named ``~`` in the daemon's working directory and kept the tier there.
+- The README's client code named ``token_ids``, ``blocks`` and ``n`` and defined none:
+  pasted as it stands, it stopped at a NameError.
 - A client (or ``kvstore ping``) whose daemon is not there said only "no reply from the
   daemon at ... within 30.0s": not whether a socket was there, nor what to do.
 """
@@ -23,6 +25,7 @@ import pytest
 from kvstore import AsyncClient, Client
 from kvstore.errors import UnavailableError
 
+README = Path(__file__).resolve().parents[2] / "README.md"
 WHAT_TO_DO = "Start one (kvstore serve), or name its endpoint"
 
 
@@ -104,3 +107,19 @@ def test_a_daemon_that_went_quiet_gets_no_such_hint(daemon_factory: Any) -> None
         assert WHAT_TO_DO not in str(caught.value), caught.value
     finally:
         client.close()
+
+
+def test_the_readmes_client_code_runs_as_it_stands(daemon_factory: Any,
+                                                   tmp_path: Path) -> None:
+    text = README.read_text()
+    section = text[text.index("## Using it from Python"):]
+    code = section[section.index("```python\n") + 10:section.index("\n```\n")]
+    script = tmp_path / "first.py"
+    script.write_text(code + "\nprint('blocks', [len(b) for b in data])\n")
+    d = daemon_factory()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")},
+           "KVSTORE_ENDPOINT": d.endpoint}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "blocks " + str([2 * 32 * 8 * 128 * 2 * 16] * 6), run.stdout
