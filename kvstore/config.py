@@ -655,11 +655,14 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     defaults = Config()
     for section in SECTIONS:
         struct = type(getattr(defaults, section))
-        for field in struct.__struct_fields__:
-            raw = env.get(f"KVSTORE_{section.upper()}_{field.upper()}")
-            if raw is None:
-                continue
-            _set_path(data, section, field, _coerce(raw, struct, field, section))
+        prefix = f"KVSTORE_{section.upper()}_"
+        fields = {prefix + field.upper(): field for field in struct.__struct_fields__}
+        for name, raw in env.items():
+            field = fields.get(name)
+            if field is not None:
+                _set_path(data, section, field, _coerce(raw, struct, field, section))
+            elif name.startswith(prefix):  # a misspelt one was ignored without a word
+                raise ConfigError(f"{name}: [{section}] has no such field")
     if env.get("KVSTORE_ENDPOINT") and "endpoint" not in data.get("server", {}):
         _set_path(data, "server", "endpoint", env["KVSTORE_ENDPOINT"])
     return data

@@ -6,6 +6,8 @@ it.
   directory named ``~`` in the daemon's working directory and kept the tier there.
 - The README's client code named ``token_ids``, ``blocks`` and ``n`` and defined none:
   pasted as it stands, it stopped at a NameError.
+- A misspelt ``KVSTORE_<SECTION>_<FIELD>`` variable (``KVSTORE_DRAM_CAPACTY``) was
+  ignored without a word, where a misspelt key in the file is refused and named.
 - A client (or ``kvstore ping``) whose daemon is not there said only "no reply from the
   daemon at ... within 30.0s": not whether a socket was there, nor what to do.
 """
@@ -123,3 +125,17 @@ def test_the_readmes_client_code_runs_as_it_stands(daemon_factory: Any,
                          env=env, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "blocks " + str([2 * 32 * 8 * 128 * 2 * 16] * 6), run.stdout
+
+
+def test_a_misspelt_setting_in_the_environment_is_named(tmp_path: Path) -> None:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")},
+           "KVSTORE_DRAM_CAPACTY": "64MiB", "KVSTORE_DRAM_DIRECTORY": str(tmp_path)}
+    for args in (["config", "show"],
+                 ["serve", "--endpoint", f"ipc://{tmp_path / 's.sock'}", "--ssd-capacity", "0",
+                  "--dram-capacity", "16MiB"]):
+        run = subprocess.run([sys.executable, "-m", "kvstore", *args], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2, run.stdout + run.stderr
+        assert run.stderr.strip() == ("kvstore: configuration error: KVSTORE_DRAM_CAPACTY: "
+                                      "[dram] has no such field"), run.stderr
+    assert list(tmp_path.iterdir()) == []                   # no arena, no socket
