@@ -238,6 +238,14 @@ class SizedBlocks:
                 np.copyto(np.frombuffer(buf, dtype=np.uint8), s)
             r.commit()
 
+    def readable(self) -> None:
+        """The read chain in DRAM again where the writes before pushed it out, untimed: on
+        a running daemon of little DRAM the reads' acquire ended the run ("key 14 of 16
+        ... is not cached").  Where it stayed, nothing is written."""
+        hit = self.ns.lookup(self.keys)
+        if hit.blocks < len(self.keys) or any(t != "dram" for t in hit.tiers):
+            self.ns.put(self.keys, self.payload)
+
     def arena_get(self) -> None:
         with self.ns.acquire(self.keys) as held:
             for buf, d in zip(held.buffers, self.dst):
@@ -258,6 +266,7 @@ def arena(s: Settings, results: Results, progress: Progress) -> None:
             sized = SizedBlocks(client, label, s)
             try:
                 put, mem = paired(sized.arena_put, sized.memcpy, s.repeat)
+                sized.readable()
                 get, mem2 = paired(sized.arena_get, sized.memcpy_out, s.repeat)
                 results.rows.append(Row("arena", f"arena write {label} x16", "GB/s",
                                         sized.gbs(put), sized.gbs(mem), "memcpy",
@@ -297,6 +306,7 @@ def _frame_rows(sized: SizedBlocks, echo: Echo, s: Settings, results: Results) -
     store = echo.of([b"store", *sized.payload])
     source = echo.of([f"source {n} {sized.size}".encode()])
     put, raw_put, stored = _interleaved([sized.frame_put, sink, store], s.repeat)
+    sized.readable()
     get, raw_get = paired(sized.frame_get, source, s.repeat)
     name = f"frame put {label} x{n}"
     results.rows.append(Row("frames", name, "GB/s", sized.gbs(put), sized.gbs(raw_put),

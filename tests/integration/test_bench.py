@@ -89,6 +89,15 @@ def test_quick_json_against_a_running_daemon_drops_what_it_wrote(
     assert stats["invariant_violations"] == 0
 
 
+def test_a_running_daemon_of_little_dram_is_measured_not_a_missing_key(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """The writes before the reads (four of 16 x 2 MiB, --quick) push the read chain out
+    of a 96 MiB arena: the reads ended the run with "key N of 16 (...) is not cached"."""
+    daemon = daemon_factory(dram_capacity="96MiB", extra=["--slab-size", "16MiB"])
+    doc = run_json("--quick", "--endpoint", daemon.endpoint, "arena", "frames")
+    check_rows(doc, {k: v for k, v in QUICK_ROWS.items() if k != "control"})
+
+
 def test_the_table_on_a_pipe_has_plain_progress_lines_and_a_row_per_measure() -> None:
     proc = bench("--quick", "--repeat", "1", "control")
     assert proc.returncode == 0, proc.stderr[-3000:]
