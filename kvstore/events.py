@@ -64,7 +64,7 @@ from kvstore.kv_events_batch import (  # noqa: F401
     KVEventBatch, KVEventBatchArray, decoder)
 from kvstore.store import BlockStore
 from kvstore.tier_changes import TierChanges
-from kvstore.transport import bind_error, socket_alive
+from kvstore.transport import bind_error, check_tcp_port, socket_alive
 
 log = logging.getLogger("kvstore.events")
 
@@ -617,6 +617,7 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str, setting: str) -> None:
     is another daemon's stream: ZeroMQ would take its path over (a second start that
     failed later left the first daemon's stream with no new subscriber)."""
     _check_ipc(endpoint)
+    check_tcp_port(setting, endpoint)
     if endpoint.startswith("ipc://") and socket_alive(endpoint):
         raise ConfigError(f"{setting}: another daemon is serving {endpoint}")
     try:

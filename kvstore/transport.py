@@ -650,6 +650,7 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str, setting: str) -> str:
     """Bind ``endpoint`` (the value of ``setting``); the address bound.  ConfigError,
     naming the setting, when it cannot be: in use, an ipc path too long or in a
     directory that cannot be made, a tcp address that is no interface here."""
+    check_tcp_port(setting, endpoint)
     try:
         if endpoint.startswith("ipc://"):
             path = Path(endpoint[len("ipc://"):])
@@ -664,6 +665,18 @@ def _bind(sock: zmq.Socket[bytes], endpoint: str, setting: str) -> str:
         raise bind_error(setting, endpoint, exc) from None
     bound: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return bound
+
+
+def check_tcp_port(setting: str, endpoint: str) -> None:
+    """ConfigError for a tcp endpoint with no port of 0 to 65535 (or *) after its host:
+    ZeroMQ's words for port 99999 were "Address already in use", for none "Invalid
+    argument"."""
+    if not endpoint.startswith("tcp://"):
+        return
+    _, colon, port = endpoint[len("tcp://"):].rpartition(":")
+    if not colon or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
+        raise ConfigError(f"{setting}: {endpoint} has no port: give tcp://HOST:PORT, "
+                          "PORT 1 to 65535 (0 or * for any free one)")
 
 
 def bind_error(setting: str, endpoint: str, exc: zmq.ZMQError | OSError) -> ConfigError:

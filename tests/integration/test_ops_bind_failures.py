@@ -103,3 +103,26 @@ def test_an_ipc_endpoint_another_daemon_serves_is_a_config_error(tmp_path: Path)
             client.ping()                                    # the first still serves
     finally:
         first.stop()
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1",
+                                      "tcp://[::1]"])
+def test_a_tcp_endpoint_with_no_port_says_so(tmp_path: Path, endpoint: str) -> None:
+    """ZeroMQ's reasons were "Address already in use" (port 99999) and "Invalid argument"
+    (none): a user looked for another daemon, or at the host."""
+    run = serve(tmp_path, "--endpoint", endpoint)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"kvstore: configuration error: server.endpoint: {endpoint} has no port: give "
+        "tcp://HOST:PORT, PORT 1 to 65535 (0 or * for any free one)"), run.stderr
+    assert list((tmp_path / "shm").iterdir()) == []
+
+
+def test_an_event_endpoint_with_no_port_says_so(tmp_path: Path) -> None:
+    config = tmp_path / "events.toml"
+    config.write_text('[events]\nendpoint = "tcp://127.0.0.1:70000"\n')
+    run = serve(tmp_path, "--config", str(config),
+                "--endpoint", f"ipc://{tmp_path / 'kvstore.sock'}")
+    assert run.returncode == 2, run.stderr
+    assert "events.endpoint: tcp://127.0.0.1:70000 has no port" in run.stderr, run.stderr
+    assert list((tmp_path / "shm").iterdir()) == []
