@@ -7,11 +7,12 @@ test_engine_vllm_setups.py.  ``--spec`` names a JSON object: ``engine`` (vLLM's
 config; absent: no kvstore), ``log`` (kvstore's log level on stderr) and ``phases``,
 run in order, each ``{"prompts": [token id lists], "n": samples, "max_tokens": int,
 "seed": int, "temperature": float, "abort_after_steps": int, "reset_prefix_cache": bool,
-"pause": name, "sleep": seconds, "update_weights": seed}``: its prompts added at once
-and the engine stepped until all finish (or, with ``abort_after_steps``, that many
-steps and then every request aborted).  Before a phase: ``pause`` writes
-``NAME.ready`` in the working directory and waits for the test's ``NAME.go`` (the test
-acts on the daemon meanwhile), then ``sleep``; ``update_weights`` changes the running
+"pause": name, "step_pause": {"after": steps, "name": name}, "sleep": seconds,
+"update_weights": seed}``: its prompts added at once and the engine stepped until all
+finish (or, with ``abort_after_steps``, that many steps and then every request aborted;
+with ``step_pause``, paused as ``pause`` says after that many steps).  Before a phase:
+``pause`` writes ``NAME.ready`` in the working directory and waits for the test's
+``NAME.go`` (the test acts on the daemon meanwhile), then ``sleep``; ``update_weights`` changes the running
 engine's weights, then resets its caches and the connector's, as vLLM's pause for a
 weight update does.  After each phase the run waits for the saves, steps the engine
 until it holds no request and reads the daemon's duplicate blocks; at the end, its DRAM
@@ -138,7 +139,10 @@ def run_requests(engine: Any, phase: dict[str, Any], counter: int, *, most_steps
     outputs: dict[str, Any] = {}
     steps = 0
     abort = phase.get("abort_after_steps")
+    step_pause = phase.get("step_pause") or {}
     while engine.has_unfinished_requests() and steps < most_steps:
+        if steps == step_pause.get("after"):  # (the test acts meanwhile)
+            pause(step_pause["name"])
         if abort is not None and steps >= abort:
             engine.abort_request(ids)
             break
