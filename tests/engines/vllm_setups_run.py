@@ -12,12 +12,12 @@ run in order, each ``{"prompts": [token id lists], "n": samples, "max_tokens": i
 finish (or, with ``abort_after_steps``, that many steps and then every request aborted;
 with ``step_pause``, paused as ``pause`` says after that many steps).  Before a phase:
 ``pause`` writes ``NAME.ready`` in the working directory and waits for the test's
-``NAME.go`` (the test acts on the daemon meanwhile), then ``sleep``; ``update_weights`` changes the running
-engine's weights, then resets its caches and the connector's, as vLLM's pause for a
-weight update does.  After each phase the run waits for the saves, steps the engine
-until it holds no request and reads the daemon's duplicate blocks; at the end, its DRAM
-figures (pinned and reserved blocks).  The tiny Llama is vllm_run.py's.  The result is
-one JSON object on the last line of stdout.
+``NAME.go`` (the test acts on the daemon meanwhile), then ``sleep``; ``update_weights``
+changes the running engine's weights, then resets its caches and the connector's, as
+vLLM's pause for a weight update does.  After each phase the run waits for the saves,
+steps the engine until it holds no request and reads the daemon's duplicate blocks; at
+the end, its DRAM figures (pinned and reserved blocks).  The tiny Llama is vllm_run.py's.
+The result is one JSON object on the last line of stdout.
 """
 
 from __future__ import annotations
