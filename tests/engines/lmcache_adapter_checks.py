@@ -273,9 +273,53 @@ def health(endpoint: str, tenant: str) -> dict[str, Any]:
     return out
 
 
+def dram(endpoint: str) -> dict[str, int]:
+    with Client(endpoint) as client:
+        figures: dict[str, int] = client.stats()["tiers"]["dram"]
+        return figures
+
+
+def stored_again(endpoint: str, tenant: str) -> dict[str, Any]:
+    """Chunks stored into a DRAM nearly full of other chunks, then stored again, by
+    another engine's adapter and by the same one (the adapter looks nothing up before a
+    store): each time, the daemon's evictions, duplicates and new blocks."""
+    n, size, free = 16, 64 * 1024, 4
+    first = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant, "object_bytes": size})
+    filler = torch.zeros(64 * size, dtype=torch.uint8)
+    fill, start = 1, 0
+    while start < fill:
+        count = min(64, fill - start)
+        store(first, make_object_keys(count, model_name="filler", key_offset=10**6 + start),
+              make_memory_objects(filler, count, size, 0, 3))
+        if start == 0:  # a slot holds a header too: the arena's slots, from the first
+            figures = dram(endpoint)
+            slot = figures["committed"] // figures["committed_slots"]
+            fill = 1 + figures["free"] // slot - free
+        start += count
+    keys = make_object_keys(n, model_name="shared")
+    buffer = torch.zeros(2 * n * size, dtype=torch.uint8)
+    source = make_memory_objects(buffer, n, size, 0, 5)
+    target = make_memory_objects(buffer, n, size, n * size, 9)
+    second = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant, "object_bytes": size})
+    out: dict[str, Any] = {"n": n, "free": dram(endpoint)["free"] // slot, "stored": []}
+    figures = ("evictions", "duplicates", "commits")
+    for name, adapter in (("first", first), ("second", second), ("again", first)):
+        before = dram(endpoint)
+        out["stored"].append(store(adapter, keys, source))
+        after = dram(endpoint)
+        out[name] = {f: after[f] - before[f] for f in figures}
+    out["loaded"] = len(load(second, keys, target)) if len(lookup(second, keys)) == n else 0
+    out["same_bytes"] = same(source, target)
+    second.submit_unlock(keys)
+    out["pinned_at_end"] = pinned(endpoint, 0)
+    first.close()
+    second.close()
+    return out
+
+
 CHECKS: dict[str, Callable[[str, str], dict[str, Any]]] = {
     "many_keys": many_keys, "models_and_salts": models_and_salts, "lease": lease,
-    "health": health}
+    "health": health, "stored_again": stored_again}
 
 if __name__ == "__main__":
     print(json.dumps(CHECKS[sys.argv[1]](sys.argv[2], sys.argv[3])))

@@ -1,7 +1,7 @@
 """kvstore's LMCache L2 adapter against a real daemon, run in the LMCache environment
 (``lmcache_adapter_checks.py``): tasks of more keys than one request carries, the same
 chunks of two models or two salts locked at once, pins held past the daemon's lease,
-and its health after a task that raised."""
+its health after a task that raised, and chunks stored again into a full DRAM."""
 
 from __future__ import annotations
 
@@ -95,3 +95,21 @@ def test_health_comes_back_after_a_task_that_raised(
     assert out["after_broken_load"] == {"is_healthy": False, "last_error": error}, out
     assert out["load"] == 4 and out["same_bytes"], out
     assert out["after_load"] == {"is_healthy": True, "last_error": error}, out
+
+
+def test_chunks_stored_again_take_no_slot_and_evict_nothing(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    # The adapter stores without a lookup: chunks the daemon holds already, stored again
+    # by another engine's adapter or the same one, are duplicates, and evict none of the
+    # other chunks that fill DRAM.
+    out = check("stored_again", daemon_factory(dram_capacity="32MiB",
+                                               extra=["--slab-size", "16MiB"]))
+    n = out["n"]
+    assert out["free"] == 4 and out["stored"] == [[True]] * 3, out
+    first = out["first"]  # (room is made a little ahead: a slot or so more)
+    assert (first["commits"], first["duplicates"]) == (n, 0), out
+    assert n - 4 <= first["evictions"] <= n, out
+    for again in ("second", "again"):
+        assert out[again] == {"evictions": 0, "duplicates": n, "commits": 0}, out
+    assert out["loaded"] == n and out["same_bytes"], out
+    assert out["pinned_at_end"] == 0, out
