@@ -2,7 +2,8 @@
 real daemons: extra configs with misspelt keys or values of the wrong type; page sizes
 of 1, 7 and 100 tokens through both interfaces; MLA pages shared by tensor-parallel
 ranks; batches naming a key twice; hits with gaps; a daemon whose DRAM is pinned full
-by another engine; a daemon killed and started again under the backend.
+by another engine; a daemon killed and started again under the backend; pages stored
+again into a full DRAM (``--role stored_again``).
 
 Runs inside the SGLang test environment, started by test_engine_sglang_s54.py: ``--role
 NAME`` runs one set of checks and prints one JSON object on the last line of stdout.
@@ -33,6 +34,7 @@ from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 from sglang_run import HostPool, backend  # noqa: E402
 from sglang_setups_run import BIG_PAGE, BigPool, held, indices  # noqa: E402
 
+from kvstore.client import Client  # noqa: E402
 from kvstore.integrations.sglang import page_key  # noqa: E402
 
 NO_PREFIX = HiCacheStorageExtraInfo(prefix_keys=None)
@@ -253,9 +255,42 @@ def restarted(endpoint: str, tenant: str, workdir: Path) -> dict[str, Any]:
     return out
 
 
+def stored_again(endpoint: str, tenant: str) -> dict[str, Any]:
+    """A DRAM left 4 pages free by another engine's pages: one engine stores pages 2-7 of
+    a request (a chain of their own), another the whole request (its lookup finds no
+    leading page: pages 2-7 are sent again), then the whole request once more; each
+    time, the daemon's evictions, duplicates and new blocks."""
+    def dram() -> dict[str, int]:
+        with Client(endpoint, tenant="stats") as c:
+            figures: dict[str, int] = c.stats()["tiers"]["dram"]
+            return figures
+
+    fill = dram()["free"] // (1 << 20) - 4
+    other = backend(endpoint, tenant + "-other", BigPool(1, fill))
+    out: dict[str, Any] = {"other": sum(other.batch_set_v1(
+        keys_of(BIG_PAGE, fill, start=10**6), indices(0, fill), NO_PREFIX))}
+    out["free"] = dram()["free"] // (1 << 20)
+    source, target = BigPool(2, 8), BigPool(3, 8)
+    first, second = backend(endpoint, tenant, source), backend(endpoint, tenant, source)
+    keys = keys_of(BIG_PAGE, 8)
+    for name, store, part in (("part", first, 2), ("whole", second, 0), ("again", second, 0)):
+        before = dram()
+        out[f"{name}_set"] = sum(store.batch_set_v1(keys[part:], indices(part, 8 - part),
+                                                    NO_PREFIX))
+        after = dram()
+        out[name] = {f: after[f] - before[f] for f in ("evictions", "duplicates", "commits")}
+    reader = backend(endpoint, tenant, target)
+    out["loaded"] = sum(reader.batch_get_v1(keys, indices(0, 8)))
+    out["same"] = bool(torch.equal(source.kv_buffer, target.kv_buffer))
+    for store in (other, first, second, reader):
+        store.close()
+    out["held"] = held(endpoint)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--role", choices=["config", "setups"], required=True)
+    parser.add_argument("--role", choices=["config", "setups", "stored_again"], required=True)
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--full-endpoint")
     parser.add_argument("--workdir", type=Path)
@@ -263,6 +298,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "config":
         print(json.dumps(config(args.endpoint, args.tenant)))
+        return
+    if args.role == "stored_again":
+        print(json.dumps(stored_again(args.endpoint, args.tenant)))
         return
     out = {"page_sizes": page_sizes(args.endpoint, args.tenant),
            "shapes": shapes(args.endpoint, args.tenant),

@@ -80,3 +80,18 @@ def test_set_ups_the_other_tests_do_not_take(
     assert again["untouched"]
     assert again["set_again"] == [True] * 6 and again["found"] == 6 and again["loaded"] == 6
     assert again["same"] and again["held"] == {"pinned": 0, "reserved": 0}
+
+
+def test_pages_stored_again_take_no_slot_and_evict_nothing(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    # Pages 2-7 of a request stored by one engine, then the whole request by another:
+    # its lookup finds no leading page, so pages 2-7 are sent again, and are duplicates
+    # taking no slot; only pages 0 and 1 make room.  The whole request again: found.
+    out = s54_run("stored_again", daemon_factory(dram_capacity="64MiB",
+                                                 extra=["--slab-size", "4MiB"]))
+    assert out["free"] == 4 and (out["part_set"], out["whole_set"]) == (6, 8), out
+    assert out["part"] == {"evictions": 2, "duplicates": 0, "commits": 6}, out
+    assert out["whole"] == {"evictions": 2, "duplicates": 6, "commits": 2}, out
+    assert out["again"] == {"evictions": 0, "duplicates": 0, "commits": 0}, out
+    assert out["loaded"] == 8 and out["same"], out
+    assert out["held"] == {"pinned": 0, "reserved": 0}, out
