@@ -23,6 +23,11 @@ from contextvars import ContextVar
 _CALLER: ContextVar[tuple[bool, str]] = ContextVar("kvstore_backend_caller",
                                                    default=(False, ""))
 
+# urgent calls let in while a write waits, at most, before that write goes next: strictly
+# first, a steady flood of reads let no write in, and write-throughs' blocks left DRAM
+# with no remote copy
+URGENT_RUN_MOST = 16
+
 
 class calling:  # lower case: it reads as a function, ``with calling(urgent, tenant):``
     """Backend calls made in the body are ``tenant``'s, urgent (a read, a lookup) or not
@@ -61,10 +66,17 @@ class UrgentFirst:
     one for the others, since a place is handed on only when a whole call leaves, and a
     tenant holding every place made another's one-block read wait for one of its 64 MiB
     calls (benchmarks/remote_fairness.py, four heavy readers: 2 ms alone, 37 ms median
-    beside them)."""
+    beside them).
 
-    def __init__(self, limit: int, tenant_most: int | None = None) -> None:
+    Urgent first, but not for ever: a write that waited while ``urgent_run_most`` urgent
+    calls in a row were let in goes next (aging), so a flood of reads leaves writes a
+    place in every ``urgent_run_most + 1``."""
+
+    def __init__(self, limit: int, tenant_most: int | None = None,
+                 urgent_run_most: int = URGENT_RUN_MOST) -> None:
         self._free = limit
+        self._urgent_run_most = max(1, urgent_run_most)
+        self._urgent_run = 0  # urgent waiters let in in a row while others waited
         self._tenant_most = limit if tenant_most is None else max(1, tenant_most)
         self._holding: dict[str, int] = {}  # tenant -> the places it holds
         # tenant -> its waiters, urgent and not; the tenants in the order of their turns
@@ -107,13 +119,16 @@ class UrgentFirst:
     def _leave(self, tenant: str) -> None:
         """A holder of ``tenant`` left: the first waiter of the urgent tenant whose turn it
         is (of those below their most) comes in, else the first of the others', else the
-        place is free."""
+        place is free; the others first after a run of ``urgent_run_most`` urgent ones."""
         held = self._holding[tenant] - 1
         if held:
             self._holding[tenant] = held
         else:
             del self._holding[tenant]
-        for turns in (self._urgent, self._others):
+        kinds = (self._urgent, self._others)
+        if self._others and self._urgent_run >= self._urgent_run_most:
+            kinds = (self._others, self._urgent)
+        for turns in kinds:
             # (the tenants waiting, not their waiters: a few, and each at most once)
             for waiting in list(turns):
                 if self._full(waiting):
@@ -125,6 +140,8 @@ class UrgentFirst:
                         if queue:
                             turns[waiting] = queue  # its next, after the others' turns
                         self._holding[waiting] = self._holding.get(waiting, 0) + 1
+                        self._urgent_run = (self._urgent_run + 1
+                                            if turns is self._urgent and self._others else 0)
                         waiter.set_result(None)
                         return
         self._free += 1
