@@ -149,6 +149,8 @@ class Moves:
         self._send_from_ssd = ssd is not None and remote is not None and remote.write_back
         if remote is not None and self._send_from_ssd:
             remote.watch.on_forgotten = self._ssd_written  # (copies unmarked: send them)
+        elif remote is not None and ssd is not None:  # write-through: those DRAM let go
+            remote.from_ssd = self._through_from_ssd
 
     # -- plans --------------------------------------------------------------------------------
     async def carry_out(self, plan: Plan) -> None:
@@ -394,9 +396,21 @@ class Moves:
         finally:
             self._ssd_copier = None
 
-    async def _copy_from_ssd(self, blocks: list[Block]) -> int:
-        """Read held SSD copies and send them to the remote store; the store marks the
-        sent ones and drops those that could not be read.  How many were sent."""
+    def _through_from_ssd(self, blocks: list[Block]) -> None:
+        """Write-through blocks the remote store has yet to take (held back after a
+        refusal or an outage) that DRAM let go meanwhile: sent from their SSD copies.
+        Skipped, they never had a remote copy."""
+        held = [] if self._stopping else self.store.ssd_copies.held_to_send(blocks)
+        if held:
+            self._background.spawn(self._send_through(held))
+
+    async def _send_through(self, held: list[Block]) -> None:
+        await self._copy_from_ssd(held, through=True)
+
+    async def _copy_from_ssd(self, blocks: list[Block], through: bool = False) -> int:
+        """Read held SSD copies and send them to the remote store (as write-backs, or
+        ``through``: write-throughs, those not taken held to be sent again); the store
+        marks the sent ones and drops those that could not be read.  How many were sent."""
         assert self.ssd is not None and self.remote is not None
         sent = [False] * len(blocks)
         unreadable = [False] * len(blocks)
@@ -414,15 +428,20 @@ class Moves:
                         for i, good in zip(indexes, read):
                             unreadable[i] = good is False  # (None: not read, kept)
                         good_ones = [j for j, r in enumerate(read) if r]
-                        if not good_ones or not self.remote.healthy:
+                        if not good_ones:
                             continue
                         # each read checked its bytes against the block's checksum, which
                         # holds while its copy is held (a commit of other bytes over a held
                         # copy is a duplicate): they go with it, not hashed again
                         written = await self.remote.send(
                             ns, [group[j].key for j in good_ones], [views[j] for j in good_ones],
-                            "write-back", write_back=True,
-                            checked=[group[j].checksum for j in good_ones])
+                            "write" if through else "write-back", write_back=not through,
+                            checked=[group[j].checksum for j in good_ones]
+                        ) if self.remote.healthy else None
+                        if through:  # (those refused held, to send again)
+                            serving = self.remote.health.serves(ns.tenant)
+                            self.remote.held.after_send([group[j] for j in good_ones],
+                                                        written, serving)
                         for j, w in zip(good_ones, written or ()):
                             sent[indexes[j]] = bool(w)
                     finally:
@@ -431,7 +450,8 @@ class Moves:
         finally:
             if self.remote.epoch != epoch:
                 sent = [False] * len(blocks)
-            self.removed(self.store.ssd_copies.ssd_write_back_done(blocks, sent, unreadable))
+            self.removed(self.store.ssd_copies.ssd_write_back_done(
+                blocks, sent, unreadable, write_back=not through))
         return sum(sent)
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -99,7 +99,10 @@ class RemoteTier:
                          # what it held); and the marks of blocks it held taken back
                          "generation_checks": 0, "generations_lost": 0,
                          "marks_forgotten": 0}
-        self._held = HeldWrites(self.counters)  # write-throughs to send again
+        self.held = HeldWrites(self.counters)  # write-throughs to send again
+        # where write-through blocks DRAM let go before they were sent (held back, or
+        # batched) go: the pipeline sends their SSD copies; without an SSD tier, nowhere
+        self.from_ssd: Callable[[list[Block]], None] | None = None
         store.touch_owner(REMOTE_OWNER, float("inf"))
         # one more each time the store is found to have lost what it held: a send or
         # read begun before marks nothing (it may have gone to what was lost)
@@ -238,8 +241,8 @@ class RemoteTier:
             self._through.add(b for b in blocks if not b.marks & REMOTE_MARK)
             # healthy, and nothing refused for a cooldown: those held back go (of the
             # tenants not skipping the tier for their own timeouts)
-            if len(self._held) and self.taking_write_backs:
-                self._through.add(self._held.take(self.health.serves))
+            if len(self.held) and self.taking_write_backs:
+                self._through.add(self.held.take(self.health.serves))
 
     def write_again(self, blocks: list[Block]) -> None:
         """Blocks cached here whose copy the remote store lost: under write-through,
@@ -250,8 +253,7 @@ class RemoteTier:
     async def _write_through(self, batch: list[Block]) -> None:
         by_ns: dict[Namespace, list[Block]] = {}
         for b in batch:
-            if (b.ns.blocks.get(b.key) is b and b.offset is not None
-                    and not b.marks & REMOTE_MARK):
+            if b.ns.blocks.get(b.key) is b and b.present and not b.marks & REMOTE_MARK:
                 by_ns.setdefault(b.ns, []).append(b)
         for ns, blocks in by_ns.items():
             # a backlog (an outage's deferred writes) in sends of a bounded size, each
@@ -263,7 +265,15 @@ class RemoteTier:
 
     async def _put(self, ns: Namespace, blocks: list[Block]) -> None:
         if not self.health.serves(ns.tenant):
-            self._held.hold(blocks)
+            self.held.hold(blocks)
+            return
+        # a write-through block DRAM let go (to SSD) since it was committed or held back:
+        # skipped, it never had a remote copy
+        below = [b for b in blocks if b.offset is None]
+        if below and not self.write_back and self.from_ssd is not None:
+            self.from_ssd(below)
+        blocks = [b for b in blocks if b.offset is not None]
+        if not blocks:
             return
         try:
             pin = self.store.acquire(REMOTE_OWNER, ns, [b.key for b in blocks],
@@ -276,11 +286,8 @@ class RemoteTier:
         try:
             ok = await self.send(ns, [b.key for b in blocks], views, "write",
                                   write_back=self.write_back, blocks=blocks)
-            if ok is None and not self.health.serves(ns.tenant):  # failed, or went down
-                self._held.hold(blocks)
-            elif ok is not None and not self.write_back and not all(ok):
-                # refused (a full store), or gone with what the store lost: again later
-                self._held.hold([b for b, good in zip(blocks, ok) if good is False])
+            if not self.write_back or ok is None:  # (went down: held back, again later)
+                self.held.after_send(blocks, ok, self.health.serves(ns.tenant))
             for b, good in zip(blocks, ok or ()):
                 if good and not b.marks & REMOTE_MARK:
                     b.remote = True

@@ -4,7 +4,8 @@ maxmemory under noeviction), which were dropped before and never had a remote co
 Bounded (``DEFERRED_MOST``, the oldest of the tenant holding most let go past it);
 the remote tier sends them again with a commit once the store is healthy and has refused
 nothing for a cooldown (``RemoteTier.committed``), so a full store is tried again once a
-cooldown, not by a loop nor by every commit; a tenant's only once it is served again."""
+cooldown, not by a loop nor by every commit; a tenant's only once it is served again.
+Those DRAM let go meanwhile go from their SSD copies (``RemoteTier.from_ssd``)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,17 @@ class HeldWrites:
                 del held[most]
             self._count -= 1
             self.counters["unsent_writes"] += 1
+
+    def after_send(self, blocks: list[Block], written: list[bool | None] | None,
+                   serving: bool) -> None:
+        """A write-through send of ``blocks`` answered ``written`` (as ``RemoteTier.send``
+        does): those the store refused are held, or all of them where it failed and the
+        tier no longer serves their tenant (an outage: sent again once it is over)."""
+        if written is None:
+            if not serving:
+                self.hold(blocks)
+        elif not all(written):  # refused (a full store), or gone with what the store lost
+            self.hold([b for b, good in zip(blocks, written) if good is False])
 
     def take(self, serves: Callable[[str], bool]) -> list[Block]:
         """The blocks held of every tenant ``serves`` says the tier serves now, none of

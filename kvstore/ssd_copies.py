@@ -270,18 +270,30 @@ class SsdCopies:
             b.ssd_holds += 1
         return plan
 
+    def held_to_send(self, blocks: list[Block]) -> list[Block]:
+        """Of write-through blocks the remote store has yet to take, those whose SSD copy
+        is the one left to send (DRAM let them go), their SSD copies held until
+        :meth:`ssd_write_back_done`."""
+        plan = [b for b in blocks if b.offset is None and b.ssd_offset is not None
+                and not b.marks & REMOTE_MARK and b.ns.blocks.get(b.key) is b]
+        for b in plan:
+            b.ssd_holds += 1
+        return plan
+
     def ssd_write_back_done(self, blocks: list[Block], sent: list[bool],
-                            unreadable: list[bool]) -> list[tuple[bytes, bytes]]:
-        """The blocks of :meth:`ssd_write_back_plan` were sent (``sent``), or not.  A copy
-        whose read failed (``unreadable``) is corrupt on disk and goes, as a failed
-        promotion's does; returns the SSD copies dropped, to withdraw from the index."""
+                            unreadable: list[bool], *,
+                            write_back: bool = True) -> list[tuple[bytes, bytes]]:
+        """The blocks of :meth:`ssd_write_back_plan` (or ``held_to_send``: not
+        ``write_back``) were sent (``sent``), or not.  A copy whose read failed
+        (``unreadable``) is corrupt on disk and goes, as a failed promotion's does;
+        returns the SSD copies dropped, to withdraw from the index."""
         removed: list[tuple[bytes, bytes]] = []
         for b, done, bad in zip(blocks, sent, unreadable):
             b.ssd_holds -= 1
             if done:
                 b.remote = True
                 self.store.changed(b)
-                self.store.counters.remote_writebacks += 1
+                self.store.counters.remote_writebacks += write_back
             elif bad:
                 self.corrupt(b, removed)
             self.store.forget_if_gone(b)

@@ -73,3 +73,46 @@ def test_writes_a_full_redis_refused_are_sent_once_it_has_room(
         hit = ns.lookup(refused)
         assert hit.blocks == 4 and set(hit.tiers) == {"remote"}
         assert ns.get(refused) == [content(k) for k in refused]
+
+
+def test_refused_writes_dram_let_go_meanwhile_are_sent_from_their_ssd_copies(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    """Refused blocks were sent again only while DRAM held them: one DRAM let go to the
+    SSD tier before the store had room never got a remote copy.  Now its SSD copy goes."""
+    extra = ["--remote", fresh_redis_server.url, "--log-level", "error",
+             "--slab-size", "1MiB"]
+    a = daemon_factory(dram_capacity="2MiB", ssd_capacity="16MiB", extra=extra, env=ENV)
+    b = daemon_factory(extra=extra, env=ENV)
+    with fresh_redis_server.client() as r:
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", "1")  # full: every value refused
+    with Client(a.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        refused = ns.keys(range(4 * IDENT.block_tokens))
+        ns.put(refused, [content(k) for k in refused])
+        deadline = time.monotonic() + 20
+        while remote(client)["refused_writes"] < 4:
+            assert time.monotonic() < deadline, remote(client)
+            time.sleep(0.05)
+        # 48 blocks more through a DRAM of 32: the refused ones go to the SSD tier
+        for chain in range(1, 4):
+            more = ns.keys(range(chain * 10**6, chain * 10**6 + 16 * IDENT.block_tokens))
+            ns.put(more, [content(k) for k in more])
+        hit = ns.lookup(refused)
+        assert hit.blocks == 4 and set(hit.tiers) == {"ssd"}, hit
+        with fresh_redis_server.client() as r:
+            r.config_set("maxmemory", "0")  # room again
+        puts = 0
+        deadline = time.monotonic() + 20
+        while remote(client)["writes"] < 4 + 48 + puts:
+            assert time.monotonic() < deadline, remote(client)
+            puts += 1
+            more = ns.keys(range(puts * 10**8, puts * 10**8 + IDENT.block_tokens))
+            ns.put(more, [content(k) for k in more])
+            time.sleep(0.2)
+        assert remote(client)["write_backs"] == 0
+    with Client(b.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        hit = ns.lookup(refused)
+        assert hit.blocks == 4 and set(hit.tiers) == {"remote"}, hit
+        assert ns.get(refused) == [content(k) for k in refused]
