@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvstore import protocol as p
-from kvstore.errors import CapacityError, KVStoreError, SessionExpiredError
+from kvstore.errors import CapacityError, KVStoreError
 from kvstore.pending import Later, Pending
-from kvstore.sessions import Session
+from kvstore.sessions import Session, gone_while_waiting
 from kvstore.plans import MAX_TURNS
 from kvstore.store import Plan
 from kvstore.under_way import FREEING, keys_of
@@ -197,9 +197,7 @@ class Finisher:
                 # session still there.  Woken for room it takes none: the next may
                 if deferral is not None:
                     self.d.moves.room.freed(after=deferral.ticket)
-                raise SessionExpiredError(f"{SessionExpiredError.PREFIX} while the request "
-                                          "waited; its holdings were rolled back; connect "
-                                          "again")
+                raise gone_while_waiting(session)  # (or it said goodbye meanwhile)
             try:
                 answer = self.attempt(handler, session, request, payload, verb,
                                       early=not (deferral is not None and deferral.expired))

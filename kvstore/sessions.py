@@ -27,6 +27,7 @@ from kvstore.blocks import Pin
 from kvstore.config import ServerConfig
 from kvstore.errors import (
     ForbiddenError,
+    KVStoreError,
     LimitExceededError,
     NoSessionError,
     SessionExpiredError,
@@ -70,6 +71,7 @@ class Session:
     # its pins in other tenants' namespaces taken uncounted (a share of 1 counts none)
     free_pins: set[int] = field(default_factory=set)
     connections: dict[bytes, None] = field(default_factory=dict)  # routing ids, oldest first
+    said_goodbye: bool = False  # ended by its last connection's goodbye, not its lease
 
     def __repr__(self) -> str:
         return f"Session({self.id[:8]}, tenant={self.tenant}, namespaces={len(self.namespaces)})"
@@ -286,6 +288,7 @@ class Sessions:
     def end(self, session: Session) -> None:
         """The last connection of ``session`` said goodbye: the session ends, as at its
         lease's end, and that connection is told so, not that a lease ran out."""
+        session.said_goodbye = True
         self.forget({session.id})
         if self._expired.pop(self.asking, 0) is None:  # (remembered there, for a lease)
             _expire(self._let_go, self.asking, _SAID_GOODBYE)
@@ -600,3 +603,13 @@ def tenant_of_connection(sessions: Sessions, routing_id: bytes, otherwise: str) 
     never takes a label)."""
     session = sessions.by_connection.get(routing_id)
     return otherwise if session is None else session.tenant
+
+
+def gone_while_waiting(session: Session) -> KVStoreError:
+    """What a request of ``session``, which ended while the request waited, is answered:
+    its lease ran out, or its last connection said goodbye (then no lease ran out)."""
+    if session.said_goodbye:
+        return NoSessionError(f"{NoSessionError.PREFIX}: the session said goodbye while the "
+                              "request waited; its holdings were rolled back")
+    return SessionExpiredError(f"{SessionExpiredError.PREFIX} while the request waited; its "
+                               "holdings were rolled back; connect again")

@@ -17,7 +17,7 @@ from test_protocol_abuse import Raw, hello
 
 from kvstore import Client
 from kvstore import protocol as p
-from kvstore.errors import LeaseExpiredError
+from kvstore.errors import LeaseExpiredError, NoSessionError, error_from_code
 
 BIG = make_identity(num_layers=4, num_kv_heads=4, head_dim=128)  # 128 KiB blocks
 LEASE = 1.0
@@ -101,6 +101,46 @@ def test_a_put_whose_lease_ran_out_while_it_waited_says_so(daemon_factory: Any,
         with pytest.raises(LeaseExpiredError, match="open a new client"):
             waiter.ping()  # told at once, not after a request of its own
         assert holder.stats()["tiers"]["dram"]["reserved_slots"] == 0
+    finally:
+        waiter.close()
+        holder.close()
+    assert d.alive(), d.log()
+
+
+def test_a_deferred_reservation_of_a_session_that_said_goodbye_is_told_so(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """A session's goodbye while a reservation of it waited for room answered it that
+    the lease ran out (``lease_expired``), which it never did: the session ended."""
+    config = tmp_path / "defer.toml"
+    config.write_text("[dram]\ndefer_seconds = 30\n")
+    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes),
+                       extra=["--slab-size", str(8 * BIG.block_bytes),
+                              "--config", str(config)])
+    holder = Client(d.endpoint, tenant="acme")
+    waiter = Raw(d.endpoint)
+    try:
+        ns = holder.namespace(BIG)
+        keys = ns.keys(range(16 * 8))
+        ns.put(keys, [bytes(BIG.block_bytes)] * 8)
+        held = ns.acquire(keys)  # the tier is full of pins
+        hello(waiter)
+        opened = ask(waiter, p.OpenNamespace(1, BIG))
+        assert isinstance(opened, p.NamespaceReply)
+        waiter.sock.send(p.encoder.encode(p.Reserve(2, opened.ns, [os.urandom(16)])))
+        assert not waiter.sock.poll(500), "the reservation was not deferred"
+        waiter.sock.send(p.encoder.encode(p.Bye(3)))
+        replies = {}
+        while len(replies) < 2:
+            assert waiter.sock.poll(10_000), f"unanswered: {replies}"
+            reply = p.reply_decoder.decode(waiter.sock.recv_multipart()[0])
+            replies[reply.rid] = reply
+        assert isinstance(replies[3], p.OkReply), replies
+        told = replies[2]
+        assert isinstance(told, p.ErrorReply), told
+        assert told.code == "forbidden" and "said goodbye" in told.message, told
+        assert isinstance(error_from_code(told.code, told.message), NoSessionError)
+        assert holder.stats()["tiers"]["dram"]["reserved_slots"] == 0
+        held.release()
     finally:
         waiter.close()
         holder.close()
