@@ -174,7 +174,8 @@ class BlockStore(StoreCore):
         # pinned before room is made, so that making it evicts none of them
         held = self.leases.pin_held(ns, keys) if skip_held else {}
         try:
-            offsets = self.room.allocate(ns, len(keys) - len(held), protect=parent_block)
+            need = len(keys) - len(held)  # (0: no room to make, nor a quota to ask)
+            offsets = self.room.allocate(ns, need, protect=parent_block) if need else []
         except BaseException:
             self.leases.unpin_held(held)
             self.close_namespace(ns)

@@ -214,3 +214,20 @@ def test_a_tenant_over_its_share_finds_its_victims_past_the_cold_ones_in_one_wal
     assert looked_for_one >= 100
     assert looked <= 2 * (100 + 64), f"{looked} blocks looked at for 64 victims"
     store.check_invariants()
+
+
+def test_a_reservation_of_held_keys_only_makes_no_room_and_is_never_refused() -> None:
+    """Keys held in DRAM take no slot (``skip_held``), but the reservation still made room
+    for 0 slots: a tenant holding more than its quota (a quota lowered under it, say)
+    had one of its own blocks evicted, or was refused, for a request that needs none."""
+    store = store_of(16, tenant_quota=4 * SLOT)
+    a = store.open_namespace(A)
+    keys = put(store, a, 0, 4, now=0.0)
+    store.tenant_quota = 3 * SLOT                           # a holds one slot past it
+    r = store.reserve("a", a, keys[:2], None, 1.0, skip_held=True)
+    assert r.offsets == [] and cached(a, keys) == 4         # no block of a's went for it
+    store.abort("a", r.id)
+    r = store.reserve("a", a, keys, None, 2.0, skip_held=True)  # all pinned meanwhile
+    assert r.offsets == [] and cached(a, keys) == 4
+    store.abort("a", r.id)
+    store.check_invariants()
