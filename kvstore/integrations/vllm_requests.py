@@ -374,8 +374,11 @@ class RequestBook:
         if full <= start:
             return
         # Leading blocks a live request planned to save (the same prefix: n > 1
-        # samples of one prompt, each finding the first's pages) are not sent again:
-        # the daemon took the copies in reserved slots, to find them duplicates.
+        # samples of one prompt, each finding the first's pages) are not sent again: the
+        # step would copy their pages out for nothing, and while the first save is under
+        # way (reserved, not committed) the daemon does not hold them yet, so they would
+        # take slots of their own, to be found duplicates at the commit (keys it holds
+        # take no slot and are not written).
         first = self._keys(state, self._groups[0], full)
         while start < full and first[start] in self._planned:
             start += 1
