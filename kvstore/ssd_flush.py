@@ -36,7 +36,9 @@ def flush_plan(copies: SsdCopies) -> list[Block]:
     ssd = store.ssd
     assert ssd is not None, "no SSD tier"
     room = [ssd.pool.empty_slabs]  # the empty slabs, shared
-    free: dict[int, int] = {}  # a class (by its slot size) -> its slots not yet planned
+    # a class (by its slot size) -> its slots not yet planned: the free ones and those of
+    # the copies that may go for the flush's blocks (``open_slots``)
+    free = open_slots(store)
     classes = list(ssd.pool.classes.values())
     slabs = {c.slot_bytes: len(c.slabs) for c in classes}  # each class's, as planned
     spare = StopTrades.spare_of(ssd.pool)
@@ -52,14 +54,14 @@ def flush_plan(copies: SsdCopies) -> list[Block]:
         donor = max(donors, key=lambda c: slabs[c.slot_bytes])
         slabs[donor.slot_bytes] -= 1
         spare[donor.slot_bytes] -= 1
-        free[donor.slot_bytes] = max(0, free.get(donor.slot_bytes, donor.capacity_slots)
+        free[donor.slot_bytes] = max(0, free.get(donor.slot_bytes, 0)
                                      - donor.slots_per_slab)
         takers.add(cls.slot_bytes)
         return True
 
     def take(blocks: list[Block], cls: SlabClass) -> None:
         for b in copies.write_through_candidates(blocks):
-            have = free.setdefault(cls.slot_bytes, cls.capacity_slots)
+            have = free.setdefault(cls.slot_bytes, 0)
             if have == 0:
                 if room[0] > 0:
                     room[0] -= 1  # a slab this class takes: no other class has it
@@ -91,6 +93,32 @@ def flush_plan(copies: SsdCopies) -> list[Block]:
     # (stable: each namespace's blocks keep their order, parents first)
     plan.sort(key=lambda b: b.ns.ssd_cls is None or b.ns.ssd_cls.slot_bytes not in takers)
     return plan
+
+
+def open_slots(store: StoreCore) -> dict[int, int]:
+    """Per SSD class (by slot size), the slots the flush may plan blocks into: the free
+    ones, and those of copies that are no parent of a block only DRAM holds.  Such a
+    parent can never become a leaf the flush trades (its child stays in the index), so
+    its slot is no room: counted as room, a class full of them planned its blocks there,
+    wrote none, and its planned blocks kept another size from the class's slabs
+    (``StopTrades`` gives none that holds a parent of one), so neither size was written."""
+    assert store.ssd is not None, "no SSD tier"
+    free = {c.slot_bytes: c.free_slots for c in store.ssd.pool.classes.values()}
+    for ns in store.namespaces.values():
+        cls = ns.ssd_cls
+        if cls is None:
+            continue
+        above: set[Block] = set()  # the ancestors of blocks only DRAM holds
+        for b in ns.blocks.values():
+            if b.offset is None or b.ssd_offset is not None:
+                continue
+            parent = b.parent
+            while parent is not None and parent not in above:
+                above.add(parent)
+                parent = parent.parent
+        copies = sum(b.ssd_offset is not None and b not in above for b in ns.blocks.values())
+        free[cls.slot_bytes] = free.get(cls.slot_bytes, 0) + copies
+    return free
 
 
 def flush_victim(b: Block, planned: set[Block], givers: set[str]) -> bool:
