@@ -300,7 +300,10 @@ class Restarts:
                             tier = hit.tiers[i] if i < hit.blocks else ""
                             census[(tenant, which, chain * 100 + i, size)] = tier
                         for i in range(hit.blocks + 1, len(keys)):
-                            if ns.lookup([keys[i]]).blocks:
+                            # (the remote store is flat: a value there without its
+                            # parent's is no chain of this daemon's, never served as one)
+                            alone = ns.lookup([keys[i]])
+                            if alone.blocks and alone.tiers[0] != "remote":
                                 self._problem(f"{when}: {tenant} identity {which} chain "
                                               f"{chain}: block {i} found, its prefix "
                                               f"ends at {hit.blocks}")
