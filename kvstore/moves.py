@@ -35,7 +35,7 @@ from kvstore.gpu_mover import GpuMover
 from kvstore.plans import MAX_TURNS
 from kvstore.remote import REMOTE_OWNER, RemoteTier, by_namespace
 from kvstore.slab_moves import StopTrades
-from kvstore.ssd_flush import flush_givers, flush_plan, flush_victim
+from kvstore.ssd_flush import flush_givers, flush_plan, flush_victim, whole_prefixes
 from kvstore.store import Block, BlockStore, Namespace, Plan
 from kvstore.tiering import SsdMover
 from kvstore.transfers import Background, TurnBatch
@@ -473,15 +473,20 @@ class Moves:
         spare = StopTrades.spare_of(self.store.ssd.pool)
         plan = flush_plan(self.store.ssd_copies)
         planned = set(plan)
-        for start in range(0, len(plan), 64):
-            batch = self.store.ssd_copies.write_through_candidates(plan[start:start + 64])
+        parts = [plan[i:i + 64] for i in range(0, len(plan), 64)][::-1]
+        while parts:  # (the last part first out: the plan's order, parents first)
+            part = parts.pop()
+            batch = whole_prefixes(self.store.ssd_copies.write_through_candidates(part))
             if batch:
                 givers = flush_givers(self.store, batch)
                 victim = partial(flush_victim, planned=planned, givers=givers)
                 try:
                     await self._to_ssd(batch, evict=StopTrades(victim, spare, planned))
                 except CapacityError:
-                    continue  # another batch (of another class) may fit where this did not
+                    if len(batch) > 1:  # its first half may fit (the parents), or another
+                        half = len(batch) // 2  # class's batch where this did not
+                        parts += [batch[half:], batch[:half]]
+                    continue
                 written += sum(b.ssd_offset is not None for b in batch)
         return written
 

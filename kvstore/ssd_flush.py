@@ -121,6 +121,18 @@ def open_slots(store: StoreCore) -> dict[int, int]:
     return free
 
 
+def whole_prefixes(batch: Sequence[Block]) -> list[Block]:
+    """The blocks of a flush's batch (parents first) whose parent is on the SSD tier, or
+    kept before them here: a block whose parent an earlier batch failed to write would
+    be written for nothing (the restart drops it as an orphan)."""
+    kept: set[Block] = set()
+    for b in batch:
+        parent = b.parent
+        if parent is None or parent.ssd_offset is not None or parent in kept:
+            kept.add(b)
+    return [b for b in batch if b in kept]
+
+
 def flush_victim(b: Block, planned: set[Block], givers: set[str]) -> bool:
     """Whether the flush on the way out may trade ``b``'s SSD copy for a block only DRAM
     holds (``reserve`` asks, of copies no transfer holds): a leaf of the index (a
