@@ -118,6 +118,7 @@ class RestartReport:
     ops: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
     verified: int = 0
+    orphans_after_clean: int = 0     # blocks a restart after a clean stop dropped
     census_fit: int = 0              # clean stops whose census fit the SSD tier
     # per clean stop: blocks present before it, back after it, and in DRAM before it
     back_after_clean: list[tuple[int, int, int]] = field(default_factory=list)
@@ -130,7 +131,8 @@ class RestartReport:
                 f"restarts: ops {dict(self.ops)}", f"restarts: outcomes {dict(self.outcomes)}",
                 f"restarts: blocks verified bit-exact {self.verified}",
                 f"restarts: clean stops, blocks present before/after (in dram before): "
-                f"{self.back_after_clean}"]
+                f"{self.back_after_clean}; dropped as orphans at their restarts "
+                f"{self.orphans_after_clean}"]
 
 
 class Restarts:
@@ -250,7 +252,13 @@ class Restarts:
         if code != 0:
             self._problem(f"a clean stop exited {code}")
         self._check_shm(pid, "after a clean stop")
+        seen = len(self.daemon.log())
         self.daemon.start()
+        # (the flush writes whole prefixes, and the parents of copies on SSD first: an
+        # orphan after it is a parent it found no room for, which the README allows)
+        for line in self.daemon.log()[seen:].splitlines():
+            if "dropped at restore" in line:
+                self.report.orphans_after_clean += int(line.split("ssd tier: ")[1].split()[0])
         after = self._settle_and_check("after a clean stop")
         present = {k for k, tier in before.items() if tier}
         dram_only = {k for k, tier in before.items() if tier == "dram"}

@@ -36,7 +36,7 @@ def test_kills_and_clean_stops_under_a_mixed_load_serve_nothing_wrong(tmp_path: 
     for op in ("put", "reserve", "batch", "acquire", "get"):
         assert report.ops[op] > 0, (op, report.ops)
     assert report.verified > 100
-    assert report.census_fit == 1
+    assert report.census_fit == 1 and report.orphans_after_clean == 0
     before, back, _ = report.back_after_clean[0]
     assert before > 0 and back == before
 
