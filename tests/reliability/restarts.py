@@ -313,8 +313,8 @@ class Restarts:
                             alone = ns.lookup([keys[i]])
                             if alone.blocks and alone.tiers[0] != "remote":
                                 self._problem(f"{when}: {tenant} identity {which} chain "
-                                              f"{chain}: block {i} found, its prefix "
-                                              f"ends at {hit.blocks}")
+                                              f"{chain}: block {i} found ({alone.tiers[0]}), "
+                                              f"its prefix ends at {hit.blocks}")
                                 break
                         if hit.blocks:
                             try:
