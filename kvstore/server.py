@@ -609,9 +609,10 @@ async def drain_server(server: Server, bound: float) -> None:
             and not server.store.allow_demote:
         log.info("blocks only dram holds were not written to ssd on the way out: "
                  "dram.pressure has no demote")
-    elif server.ssd is not None and not server.ssd.write_through:
-        # write-back keeps on SSD only what DRAM evicted: what DRAM alone holds goes
-        # there now (its free room), or a restart would find none of it
+    elif server.ssd is not None:
+        # write-back keeps on SSD only what DRAM evicted, write-through what the tier
+        # took and kept (admitted, not evicted since): what DRAM alone holds goes there
+        # now (its free room), or a restart would find none of it
         stop.enter("writing the blocks only dram holds to the ssd tier")
         within = stop.left(bound)
         try:

@@ -122,6 +122,7 @@ class RestartReport:
     census_fit: int = 0              # clean stops whose census fit the SSD tier
     # per clean stop: blocks present before it, back after it, and in DRAM before it
     back_after_clean: list[tuple[int, int, int]] = field(default_factory=list)
+    back_bytes_after_clean: list[int] = field(default_factory=list)  # their bytes back
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)   # first errors of each kind, workers'
 
@@ -265,6 +266,7 @@ class Restarts:
         back = {k for k, tier in after.items() if tier}
         self.report.back_after_clean.append((len(present), len(present & back), len(dram_only)))
         need = sum(size for (_, _, _, size) in present)
+        self.report.back_bytes_after_clean.append(sum(k[3] for k in present & back))
         room = parse_size(self.cfg.ssd) - 2 * parse_size(self.ssd_slab)
         self.say(f"restarts: clean stop: {len(present)} blocks ({need >> 10} KiB; "
                  f"{len(dram_only)} in dram) before, {len(present & back)} "
