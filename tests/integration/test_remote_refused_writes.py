@@ -36,23 +36,30 @@ def remote(client: Client) -> dict[str, Any]:
     return out
 
 
+def put_refused(client: Client, ns: Any, redis: RedisServer) -> list[bytes]:
+    """Four blocks put while the store is full (every value refused), once the daemon
+    counts their writes refused: their keys."""
+    with redis.client() as r:
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", "1")
+    refused = ns.keys(range(4 * IDENT.block_tokens))
+    ns.put(refused, [content(k) for k in refused])
+    deadline = time.monotonic() + 20
+    while remote(client)["refused_writes"] < 4:
+        assert time.monotonic() < deadline, remote(client)
+        time.sleep(0.05)
+    return refused
+
+
 def test_writes_a_full_redis_refused_are_sent_once_it_has_room(
         daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
     a = daemon_factory(extra=["--remote", fresh_redis_server.url, "--log-level", "error"],
                        env=ENV)
     b = daemon_factory(extra=["--remote", fresh_redis_server.url, "--log-level", "error"],
                        env=ENV)
-    with fresh_redis_server.client() as r:
-        r.config_set("maxmemory-policy", "noeviction")
-        r.config_set("maxmemory", "1")  # full: every value refused
     with Client(a.endpoint, tenant="acme", timeout=10) as client:
         ns = client.namespace(IDENT)
-        refused = ns.keys(range(4 * IDENT.block_tokens))
-        ns.put(refused, [content(k) for k in refused])
-        deadline = time.monotonic() + 20
-        while remote(client)["refused_writes"] < 4:
-            assert time.monotonic() < deadline, remote(client)
-            time.sleep(0.05)
+        refused = put_refused(client, ns, fresh_redis_server)
         during = remote(client)
         assert during["writes"] == 0 and during["deferred_writes"] >= 4, during
         with fresh_redis_server.client() as r:
@@ -83,17 +90,9 @@ def test_refused_writes_dram_let_go_meanwhile_are_sent_from_their_ssd_copies(
              "--slab-size", "1MiB"]
     a = daemon_factory(dram_capacity="2MiB", ssd_capacity="16MiB", extra=extra, env=ENV)
     b = daemon_factory(extra=extra, env=ENV)
-    with fresh_redis_server.client() as r:
-        r.config_set("maxmemory-policy", "noeviction")
-        r.config_set("maxmemory", "1")  # full: every value refused
     with Client(a.endpoint, tenant="acme", timeout=10) as client:
         ns = client.namespace(IDENT)
-        refused = ns.keys(range(4 * IDENT.block_tokens))
-        ns.put(refused, [content(k) for k in refused])
-        deadline = time.monotonic() + 20
-        while remote(client)["refused_writes"] < 4:
-            assert time.monotonic() < deadline, remote(client)
-            time.sleep(0.05)
+        refused = put_refused(client, ns, fresh_redis_server)
         # 48 blocks more through a DRAM of 32: the refused ones go to the SSD tier
         for chain in range(1, 4):
             more = ns.keys(range(chain * 10**6, chain * 10**6 + 16 * IDENT.block_tokens))
