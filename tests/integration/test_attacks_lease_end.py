@@ -17,30 +17,45 @@ from test_protocol_abuse import Raw, hello
 
 from kvstore import Client
 from kvstore import protocol as p
+from kvstore.client import Held
 from kvstore.errors import LeaseExpiredError, NoSessionError, error_from_code
 
 BIG = make_identity(num_layers=4, num_kv_heads=4, head_dim=128)  # 128 KiB blocks
 LEASE = 1.0
 
 
-def test_a_deferred_reservation_of_a_session_whose_lease_ran_out_takes_nothing(
-        daemon_factory: Any, tmp_path: Path) -> None:
+def deferring_daemon(daemon_factory: Any, tmp_path: Path,
+                     lease: float | None = None) -> tuple[Any, Client, Raw]:
+    """A daemon of an 8-block DRAM whose reserves wait 30 s for room, a client that
+    fills it, and a raw connection (the waiter)."""
     config = tmp_path / "defer.toml"
     config.write_text("[dram]\ndefer_seconds = 30\n")
-    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes), lease=LEASE,
+    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes),
+                       **({"lease": lease} if lease is not None else {}),
                        extra=["--slab-size", str(8 * BIG.block_bytes),
                               "--config", str(config)])
-    holder = Client(d.endpoint, tenant="acme")
-    waiter = Raw(d.endpoint)
+    return d, Client(d.endpoint, tenant="acme"), Raw(d.endpoint)
+
+
+def reserve_behind_pins(holder: Client, waiter: Raw) -> Held:
+    """The holder fills DRAM with its pins; the waiter's session sends a reserve of one
+    block (rid 2), which waits for room.  The holder's pin."""
+    ns = holder.namespace(BIG)
+    keys = ns.keys(range(16 * 8))
+    ns.put(keys, [bytes(BIG.block_bytes)] * 8)
+    held = ns.acquire(keys)  # the tier is full of pins
+    hello(waiter)
+    opened = ask(waiter, p.OpenNamespace(1, BIG))
+    assert isinstance(opened, p.NamespaceReply)
+    waiter.sock.send(p.encoder.encode(p.Reserve(2, opened.ns, [os.urandom(16)])))
+    return held
+
+
+def test_a_deferred_reservation_of_a_session_whose_lease_ran_out_takes_nothing(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    d, holder, waiter = deferring_daemon(daemon_factory, tmp_path, lease=LEASE)
     try:
-        ns = holder.namespace(BIG)
-        keys = ns.keys(range(16 * 8))
-        ns.put(keys, [bytes(BIG.block_bytes)] * 8)
-        held = ns.acquire(keys)  # the tier is full of pins
-        hello(waiter)
-        opened = ask(waiter, p.OpenNamespace(1, BIG))
-        assert isinstance(opened, p.NamespaceReply)
-        waiter.sock.send(p.encoder.encode(p.Reserve(2, opened.ns, [os.urandom(16)])))
+        held = reserve_behind_pins(holder, waiter)
         deadline = time.monotonic() + 30
         while holder.stats()["sessions"] > 1:  # (each request renews the holder's lease)
             assert time.monotonic() < deadline, "the waiter's lease never ran out"
@@ -111,22 +126,9 @@ def test_a_deferred_reservation_of_a_session_that_said_goodbye_is_told_so(
         daemon_factory: Any, tmp_path: Path) -> None:
     """A session's goodbye while a reservation of it waited for room answered it that
     the lease ran out (``lease_expired``), which it never did: the session ended."""
-    config = tmp_path / "defer.toml"
-    config.write_text("[dram]\ndefer_seconds = 30\n")
-    d = daemon_factory(dram_capacity=str(8 * BIG.block_bytes),
-                       extra=["--slab-size", str(8 * BIG.block_bytes),
-                              "--config", str(config)])
-    holder = Client(d.endpoint, tenant="acme")
-    waiter = Raw(d.endpoint)
+    d, holder, waiter = deferring_daemon(daemon_factory, tmp_path)
     try:
-        ns = holder.namespace(BIG)
-        keys = ns.keys(range(16 * 8))
-        ns.put(keys, [bytes(BIG.block_bytes)] * 8)
-        held = ns.acquire(keys)  # the tier is full of pins
-        hello(waiter)
-        opened = ask(waiter, p.OpenNamespace(1, BIG))
-        assert isinstance(opened, p.NamespaceReply)
-        waiter.sock.send(p.encoder.encode(p.Reserve(2, opened.ns, [os.urandom(16)])))
+        held = reserve_behind_pins(holder, waiter)
         assert not waiter.sock.poll(500), "the reservation was not deferred"
         waiter.sock.send(p.encoder.encode(p.Bye(3)))
         replies = {}
