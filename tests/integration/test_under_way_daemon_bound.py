@@ -48,6 +48,20 @@ def replies(raws: list[Raw], count: int, seconds: float) -> list[p.Message]:
     return got
 
 
+def pin_dram_full(owner: Raw) -> tuple[p.NamespaceReply, list[bytes], p.AcquireReply]:
+    """acme's session fills the daemon's 2 MiB of DRAM with blocks and pins them all
+    (reserves then wait for room): its namespace, the keys, the pin."""
+    opened = owner.ask(p.OpenNamespace(2, make_identity(tenant="acme")))
+    assert isinstance(opened, p.NamespaceReply), opened
+    slots = (2 << 20) // opened.slot_bytes
+    full = [i.to_bytes(16, "big") for i in range(1, slots + 1)]
+    put = ask_frames(owner, p.Put(3, opened.ns, full), *[b"\1" * opened.block_bytes] * slots)
+    assert isinstance(put, p.PutReply) and put.created == slots, put
+    held = owner.ask(p.Acquire(4, opened.ns, full))
+    assert isinstance(held, p.AcquireReply), held
+    return opened, full, held
+
+
 def test_tenants_together_cannot_leave_requests_waiting_without_bound(
         daemon_factory: Any, tmp_path: Path) -> None:
     config = tmp_path / "kvstore.toml"
@@ -58,15 +72,7 @@ def test_tenants_together_cannot_leave_requests_waiting_without_bound(
     owner = hello(d, "acme")
     others = {tenant: hello(d, tenant) for tenant in TENANTS}
     try:
-        opened = owner.ask(p.OpenNamespace(2, make_identity(tenant="acme")))
-        assert isinstance(opened, p.NamespaceReply), opened
-        slots = (2 << 20) // opened.slot_bytes
-        full = [i.to_bytes(16, "big") for i in range(1, slots + 1)]
-        put = ask_frames(owner, p.Put(3, opened.ns, full),
-                         *[b"\1" * opened.block_bytes] * slots)
-        assert isinstance(put, p.PutReply) and put.created == slots, put
-        held = owner.ask(p.Acquire(4, opened.ns, full))  # DRAM full of pins: reserves wait
-        assert isinstance(held, p.AcquireReply), held
+        opened, full, held = pin_dram_full(owner)
         namespaces = {}
         for tenant, raw in others.items():
             ns = raw.ask(p.OpenNamespace(2, make_identity(tenant=tenant)))

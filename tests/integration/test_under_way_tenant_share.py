@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtest import make_identity
-from test_attacks_s53 import ask_frames
 from test_protocol_abuse import error_code
 from test_tenant_isolation import Raw
-from test_under_way_daemon_bound import hello, replies
+from test_under_way_daemon_bound import hello, pin_dram_full, replies
 
 from kvstore import protocol as p
 
@@ -39,15 +38,8 @@ def test_one_tenants_sessions_leave_room_for_another_tenant(
     heavy = [hello(d, "initech") for _ in range(SESSIONS)]
     light = hello(d, "globex")
     try:
-        opened = owner.ask(p.OpenNamespace(2, make_identity(tenant="acme")))
-        assert isinstance(opened, p.NamespaceReply), opened
-        slots = (2 << 20) // opened.slot_bytes
-        full = [i.to_bytes(16, "big") for i in range(1, slots + 1)]
-        put = ask_frames(owner, p.Put(3, opened.ns, full),
-                         *[b"\1" * opened.block_bytes] * slots)
-        assert isinstance(put, p.PutReply) and put.created == slots, put
-        held = owner.ask(p.Acquire(4, opened.ns, full))  # DRAM full of pins: reserves wait
-        assert isinstance(held, p.AcquireReply), held
+        opened, full, held = pin_dram_full(owner)
+        slots = len(full)
         spaces = []
         for raw in (*heavy, light):
             ns = raw.ask(p.OpenNamespace(2, make_identity(tenant="initech" if raw in heavy
