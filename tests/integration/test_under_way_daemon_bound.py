@@ -73,6 +73,7 @@ def test_tenants_together_cannot_leave_requests_waiting_without_bound(
     others = {tenant: hello(d, tenant) for tenant in TENANTS}
     try:
         opened, full, held = pin_dram_full(owner)
+        slots = len(full)
         namespaces = {}
         for tenant, raw in others.items():
             ns = raw.ask(p.OpenNamespace(2, make_identity(tenant=tenant)))
