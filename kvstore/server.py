@@ -108,7 +108,7 @@ class Server:
                                                   "server.max_bytes_in_flight_per_tenant"))
         self.invariant_violations = 0
         self.auth = Auth(config)
-        _warn_of_an_open_group(config)
+        _warn_of_settings(config)
         self.transport = Transport(config, self.auth, self._on_message,
                                    lambda pin: self.verbs.get_sent(pin),  # (a get's pin, sent)
                                    lambda: self.moves.freed(), self.sessions.unread)
@@ -742,7 +742,16 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
         server.stop_deadline.enter("waiting for the tiers' threads to end")
 
 
-def _warn_of_an_open_group(config: Config) -> None:
+def _warn_of_settings(config: Config) -> None:
+    """Warnings of settings the daemon takes but a user may not mean."""
+    slabs = config.ssd_capacity // config.ssd_slab_bytes if config.ssd_capacity else 0
+    if slabs == 1:
+        # slabs go to one block size at a time: a second size found no SSD room at
+        # all, and a clean stop's flush (which trades half of a size's slabs) none
+        log.warning("ssd.capacity %s holds one slab of %d bytes (ssd.slab_size %s): "
+                    "one block size at a time can use the ssd tier; a smaller "
+                    "ssd.slab_size lets several", config.ssd.capacity,
+                    config.ssd_slab_bytes, config.ssd.slab_size)
     if config.server.socket_group and not config.credentials:
         log.warning("server.socket_group: every user in group %r may connect and name "
                     "any tenant, as no credentials are set; set auth.peer_tenants (or "
