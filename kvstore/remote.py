@@ -19,17 +19,17 @@ from typing import Any
 
 import xxhash
 
+from kvstore.auth import read_secret
 from kvstore.blocks import REMOTE_MARK
 from kvstore.config import Config
-from kvstore.auth import read_secret
 from kvstore.errors import KVStoreError, NotFoundError
 from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
+from kvstore.plugins.turns import UrgentFirst, calling
 from kvstore.remote_health import TierHealth
 from kvstore.remote_held import HeldWrites
 from kvstore.remote_watch import GenerationWatch
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
-from kvstore.plugins.turns import UrgentFirst, calling
 from kvstore.transfers import Background, TransferGate, TurnBatch, current
 
 log = logging.getLogger("kvstore.remote")
