@@ -22,6 +22,16 @@ from kvstore import Client
 from kvstore.identity import Identity
 
 
+def write_back_daemon(tmp_path: Path, more_toml: str = "") -> DaemonProcess:
+    """A daemon of 32 MiB of DRAM over an 8 MiB SSD tier in write-back, 1 MiB slabs in
+    both (``more_toml``: further settings), started."""
+    conf = tmp_path / "kvstore.toml"
+    conf.write_text('[ssd]\nslab_size = "1MiB"\n' + more_toml)
+    return DaemonProcess(tmp_path / "daemon", dram_capacity="32MiB", ssd_capacity="8MiB",
+                         extra=["--slab-size", "1MiB", "--ssd-write-policy", "write-back",
+                                "--config", str(conf)]).start()
+
+
 def test_kills_and_clean_stops_under_a_mixed_load_serve_nothing_wrong(tmp_path: Path) -> None:
     config = RestartConfig(seed=56, clients=3, faults="kck", round_seconds=(2.0, 4.0),
                            chains=16, ssd="24MiB", ssd_policy="write-back", ssd_slab="1MiB")
@@ -51,11 +61,7 @@ def test_a_clean_stop_on_a_tier_full_of_parents_writes_the_other_size(tmp_path: 
     # A tier full of 32 KiB chains whose continuations DRAM alone held, and 16 KiB
     # chains only in DRAM: the stop wrote nothing at all; now the 16 KiB size takes
     # slabs of the other (at most half of them), as the README says.
-    conf = tmp_path / "kvstore.toml"
-    conf.write_text('[ssd]\nslab_size = "1MiB"\n')
-    d = DaemonProcess(tmp_path / "daemon", dram_capacity="32MiB", ssd_capacity="8MiB",
-                      extra=["--slab-size", "1MiB", "--ssd-write-policy", "write-back",
-                             "--config", str(conf)]).start()
+    d = write_back_daemon(tmp_path)
     small, big = identities("t0")
     try:
         put_chains(d, big, 32, 0, 8)   # 256 x 32 KiB: the tier's eight slabs, once on it
@@ -106,11 +112,7 @@ def test_a_clean_stop_writes_no_block_whose_parent_it_failed_to_write(tmp_path: 
     # room for the chain's head lost.  A tier with 40 free slots, the rest another
     # tenant's within its share (no victim), and a chain of 100 only in DRAM: the stop
     # wrote blocks 64-99 and the restart dropped all 36; now it writes blocks 0-39.
-    conf = tmp_path / "kvstore.toml"
-    conf.write_text('[ssd]\nslab_size = "1MiB"\n[server]\ntenant_weights = { t1 = 100.0 }\n')
-    d = DaemonProcess(tmp_path / "daemon", dram_capacity="32MiB", ssd_capacity="8MiB",
-                      extra=["--slab-size", "1MiB", "--ssd-write-policy", "write-back",
-                             "--config", str(conf)]).start()
+    d = write_back_daemon(tmp_path, '[server]\ntenant_weights = { t1 = 100.0 }\n')
     mine, theirs = identities("t0")[0], identities("t1")[0]
     try:
         put_chains(d, theirs, 59, 0, 8)  # 472 of the tier's 512 slots, once on it
