@@ -89,12 +89,10 @@ class RemoteTier:
         self.counters = {"writes": 0, "write_bytes": 0, "reads": 0, "read_bytes": 0,
                          "misses": 0, "errors": 0, "lookups": 0, "hit_blocks": 0,
                          "write_backs": 0, "changed_since_commit": 0,
-                         # values the remote store answered but did not keep (full)
-                         "refused_writes": 0,
-                         # write-through blocks the tier's outage or a refusal held back,
-                         # to send again (``remote_held``); and those it could not keep
-                         # (the oldest past ``DEFERRED_MOST``), never sent
-                         "deferred_writes": 0, "unsent_writes": 0,
+                         # values the store answered but did not keep (full); write-
+                         # throughs its outage or a refusal held back, to send again
+                         # (``remote_held``), and those past ``DEFERRED_MOST``, never sent
+                         "refused_writes": 0, "deferred_writes": 0, "unsent_writes": 0,
                          # the store's generation asked; found another (the store lost
                          # what it held); and the marks of blocks it held taken back
                          "generation_checks": 0, "generations_lost": 0,
@@ -239,10 +237,13 @@ class RemoteTier:
         in the background; under write-back they go there when DRAM evicts them."""
         if not self.write_back:
             self._through.add(b for b in blocks if not b.marks & REMOTE_MARK)
-            # healthy, and nothing refused for a cooldown: those held back go (of the
-            # tenants not skipping the tier for their own timeouts)
-            if len(self.held) and self.taking_write_backs:
-                self._through.add(self.held.take(self.health.serves))
+            self.send_held()
+
+    def send_held(self) -> None:
+        """Healthy, nothing refused for a cooldown: write-throughs held back go (of the
+        tenants not skipping the tier); at each commit and each watch's check."""
+        if not self.write_back and len(self.held) and self.taking_write_backs:
+            self._through.add(self.held.take(self.health.serves))
 
     def write_again(self, blocks: list[Block]) -> None:
         """Blocks cached here whose copy the remote store lost: under write-through,

@@ -2,9 +2,10 @@
 tier's outage kept from it, and those it answered but refused (full: Redis at its
 maxmemory under noeviction), which were dropped before and never had a remote copy.
 Bounded (``DEFERRED_MOST``, the oldest of the tenant holding most let go past it);
-the remote tier sends them again with a commit once the store is healthy and has refused
-nothing for a cooldown (``RemoteTier.committed``), so a full store is tried again once a
-cooldown, not by a loop nor by every commit; a tenant's only once it is served again.
+the remote tier sends them again with a commit, or at the generation watch's next check
+when no commit comes, once the store is healthy and has refused nothing for a cooldown
+(``RemoteTier.send_held``), so a full store is tried again once a cooldown, not by a
+loop nor by every commit; a tenant's only once it is served again.
 Those DRAM let go meanwhile go from their SSD copies (``RemoteTier.from_ssd``)."""
 
 from __future__ import annotations

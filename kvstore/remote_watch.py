@@ -61,10 +61,13 @@ class WatchedTier(Protocol):
 
     def write_again(self, blocks: list[Block]) -> None: ...
 
+    def send_held(self) -> None: ...
+
 
 class GenerationWatch:
     """Checks the remote store's generation every ``interval`` seconds (while the tier
-    is healthy), and forgets the tier's marks when it changed."""
+    is healthy), and forgets the tier's marks when it changed; after each check the tier
+    sends the write-throughs it held back, if it takes them now."""
 
     def __init__(self, tier: WatchedTier, interval: float) -> None:
         self.tier = tier
@@ -125,6 +128,7 @@ class GenerationWatch:
         while not self._stopping:
             if self.tier.healthy:
                 await self.check()
+                self.tier.send_held()  # (held back: sent though no commit comes)
             await asyncio.sleep(self.interval)
 
     async def check(self) -> bool:

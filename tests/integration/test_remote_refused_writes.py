@@ -115,3 +115,31 @@ def test_refused_writes_dram_let_go_meanwhile_are_sent_from_their_ssd_copies(
         hit = ns.lookup(refused)
         assert hit.blocks == 4 and set(hit.tiers) == {"remote"}, hit
         assert ns.get(refused) == [content(k) for k in refused]
+
+
+def test_refused_writes_go_once_the_store_has_room_with_no_later_commit(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    """Held writes went only with a later commit: a host whose engine had stopped
+    committing (the end of a burst) never sent them, and another daemon sharing the store
+    never found them.  Now the generation watch's next check sends them."""
+    env = {**ENV, "KVSTORE_REMOTE_CHECK_SECONDS": "0.2"}
+    a = daemon_factory(extra=["--remote", fresh_redis_server.url, "--log-level", "error"],
+                       env=env)
+    b = daemon_factory(extra=["--remote", fresh_redis_server.url, "--log-level", "error"],
+                       env=env)
+    with Client(a.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        refused = put_refused(client, ns, fresh_redis_server)
+        with fresh_redis_server.client() as r:
+            r.config_set("maxmemory", "0")  # room again; nothing more is committed
+        deadline = time.monotonic() + 20
+        while remote(client)["writes"] < 4:
+            assert time.monotonic() < deadline, remote(client)
+            time.sleep(0.1)
+        after = remote(client)
+        assert after["writes"] == 4 and after["refused_writes"] == 4, after
+    with Client(b.endpoint, tenant="acme", timeout=10) as client:
+        ns = client.namespace(IDENT)
+        hit = ns.lookup(refused)
+        assert hit.blocks == 4 and set(hit.tiers) == {"remote"}
+        assert ns.get(refused) == [content(k) for k in refused]
