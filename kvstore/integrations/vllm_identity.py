@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,12 +44,63 @@ def bounded(text: str) -> str:
     return "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def request_variant(request: Request, weights: str = "") -> RequestVariant:
+class AdapterRevisions:
+    """The revision of each LoRA adapter a request names: a fingerprint of its local
+    directory's weights (``checkpoint_fingerprint``), else its path, else its id.
+
+    Before, the path: an adapter fine-tuned again and deployed in place (new weights at
+    the same path, the same name) loaded the blocks the old weights computed, and
+    answered wrong.  A fingerprint reads spans of the weight files: it is kept per
+    path, and made again when a file there changes (its size or time)."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[tuple[tuple[str, int, int], ...], str]] = {}
+
+    def of(self, path: str | None, int_id: int) -> str:
+        if not path:
+            return f"id:{int_id}"
+        stamp = _directory_stamp(path)
+        known = self._known.get(path)
+        if known is not None and known[0] == stamp:
+            return known[1]
+        revision = checkpoint_fingerprint(path) if stamp else None
+        revision = bounded(revision or path)
+        if len(self._known) >= _MAX_ADAPTERS:
+            self._known.pop(next(iter(self._known)))
+        self._known[path] = (stamp, revision)
+        return revision
+
+
+_MAX_ADAPTERS = 1024  # adapters' revisions kept (a path per adapter)
+
+
+def _directory_stamp(path: str) -> tuple[tuple[str, int, int], ...]:
+    """Each file's name, size and modification time in directory ``path`` (empty: no
+    directory there)."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return ()
+    stamp = []
+    for entry in entries:
+        try:
+            if entry.is_file():
+                info = entry.stat()
+                stamp.append((entry.name, info.st_size, info.st_mtime_ns))
+        except OSError:
+            continue
+    return tuple(sorted(stamp)) or (("", 0, 0),)
+
+
+def request_variant(request: Request, weights: str = "",
+                    adapters: AdapterRevisions | None = None) -> RequestVariant:
+    """What ``request`` adds to the engine's identity (``adapters``: the revisions of
+    LoRA adapters, kept across requests; without it each is worked out again)."""
     lora = request.lora_request
     adapter = revision = None
     if lora is not None:
         adapter = bounded(lora.lora_name)
-        revision = bounded(lora.lora_path or f"id:{lora.lora_int_id}")
+        revision = (adapters or AdapterRevisions()).of(lora.lora_path, lora.lora_int_id)
     return RequestVariant(adapter, revision, bounded(request.cache_salt or ""), weights)
 
 

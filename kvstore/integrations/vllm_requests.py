@@ -25,7 +25,12 @@ from kvstore.identity import Identity
 from kvstore.integrations.daemon_link import DaemonLink
 from kvstore.integrations.pipeline import LoadRates, daemon_rates, wait_all
 from kvstore.integrations.vllm_chains import KnownChains
-from kvstore.integrations.vllm_identity import Group, RequestVariant, request_variant
+from kvstore.integrations.vllm_identity import (
+    AdapterRevisions,
+    Group,
+    RequestVariant,
+    request_variant,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -179,6 +184,7 @@ class RequestBook:
         self._ns_ids = NamespaceIds(tp_size)
         self._pending_loads: list[Transfer] = []
         self._weights = ""  # the tag of the last reset (``RequestVariant.weights``)
+        self._adapters = AdapterRevisions()  # LoRA adapters' revisions, kept
         # the first group's keys of the saves planned, with the live requests that
         # planned each: another request with the same prefix (a parallel sample) skips
         # them rather than send the same blocks again
@@ -191,7 +197,8 @@ class RequestBook:
         state = self._requests.get(request.request_id)
         if state is None:
             cacheable = not request.mm_features and request.prompt_embeds is None
-            state = RequestState(request, request_variant(request, self._weights), cacheable)
+            variant = request_variant(request, self._weights, self._adapters)
+            state = RequestState(request, variant, cacheable)
             self._requests[request.request_id] = state
         return state
 

@@ -1,0 +1,88 @@
+"""vLLM on the CPU with kvstore's connector under set-ups the other engine tests do not
+take: a LoRA adapter whose weights are replaced at the same path between two engines
+(a new fine-tune of it, deployed in place), and blocks of 16 tokens (vLLM's CPU kernel
+pages 32 at a time).
+
+Real engines (vllm_s57_run.py, in the vLLM environment) on a real daemon, two lanes side
+by side.  Each engine run's own phases are the oracle where it computes and then loads
+(vLLM's prefix cache emptied between them); after each phase the daemon holds no pin or
+reservation, and kvstore logs no warning.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_proc import DaemonProcess
+from engine_envs import HERE, in_lanes, last_json, run_in_env
+
+P = [(7 * i) % 500 + 3 for i in range(150)]             # 4 full blocks of 32
+R = {"reset_prefix_cache": True}  # vLLM's own prefix cache emptied: hits are kvstore's
+
+
+def engine(tmp: Path, name: str, model: str, spec: dict[str, Any]) -> dict[str, Any]:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    argv = [str(HERE / "vllm_s57_run.py"), "--model", str(tmp / model), "--spec", str(path)]
+    proc = run_in_env("vllm", argv, timeout=300, cwd=tmp)
+    out: dict[str, Any] = last_json(proc.stdout)
+    out["tracebacks"] = proc.stderr.count("Traceback")
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("vllm-s57")
+    daemon = DaemonProcess(tmp / "daemon", dram_capacity="64MiB",
+                           extra=["--slab-size", "4MiB"]).start()
+    conn = {"extra": {"endpoint": daemon.endpoint, "tenant": f"s57-{uuid.uuid4().hex[:8]}"}}
+    out: dict[str, Any] = {}
+
+    def adapters() -> None:
+        # adapter a's prompt computed and saved; b (another adapter) computes it too
+        out["before"] = engine(tmp, "before", "tiny-llama", {
+            "engine": {"loras": ["a", "b"]}, "connector": conn,
+            "phases": [{"prompts": [{"tokens": P, "lora": "a"}]},
+                       {"prompts": [{"tokens": P, "lora": "b"}]}]})
+        # a fine-tune deployed in place: b's weights at a's path, the same size
+        lora = tmp / "tiny-llama-lora" / "adapter_model.safetensors"
+        shutil.copy(tmp / "tiny-llama-lora-b" / "adapter_model.safetensors", lora)
+        out["after"] = engine(tmp, "after", "tiny-llama", {
+            "engine": {"loras": ["a"]}, "connector": conn,
+            "phases": [{"prompts": [{"tokens": P, "lora": "a"}]}]})
+
+    try:
+        in_lanes(adapters)
+    finally:
+        daemon.stop()
+        log = daemon.log()
+    assert "invariant violated" not in log, log
+    return out
+
+
+def outputs(run: dict[str, Any], phase: int) -> list[Any]:
+    return [r and r["outputs"] for r in run["phases"][phase]["results"]]
+
+
+def held(run: dict[str, Any]) -> list[tuple[int, int]]:
+    return [(p["daemon"]["pinned_blocks"], p["daemon"]["reserved_slots"])
+            for p in run["phases"]]
+
+
+def test_an_adapter_replaced_in_place_loads_none_of_the_old_ones_blocks(
+        runs: dict[str, Any]) -> None:
+    before, after = runs["before"], runs["after"]
+    assert before["phases"][1]["external_tokens"] == 0  # b shares none of a's
+    # The adapter at a's path is b's now: nothing a's old weights computed is loaded
+    # (before: its 4 blocks were, and the answer was neither adapter's)
+    assert after["phases"][0]["external_tokens"] == 0
+    assert outputs(after, 0) == outputs(before, 1)
+    for run in (before, after):
+        assert held(run) == [(0, 0)] * len(run["phases"])
+        assert run["warnings"] == 0, run["warning_texts"]
+        assert run["tracebacks"] == 0
