@@ -1,7 +1,7 @@
 """vLLM on the CPU with kvstore's connector under set-ups the other engine tests do not
 take: a LoRA adapter whose weights are replaced at the same path between two engines
-(a new fine-tune of it, deployed in place), and blocks of 16 tokens (vLLM's CPU kernel
-pages 32 at a time).
+(a new fine-tune of it, deployed in place), and an engine whose model configuration is
+overridden (vLLM's ``hf_overrides``) beside one of the same checkpoint without.
 
 Real engines (vllm_s57_run.py, in the vLLM environment) on a real daemon, two lanes side
 by side.  Each engine run's own phases are the oracle where it computes and then loads
@@ -22,6 +22,8 @@ from daemon_proc import DaemonProcess
 from engine_envs import HERE, in_lanes, last_json, run_in_env
 
 P = [(7 * i) % 500 + 3 for i in range(150)]             # 4 full blocks of 32
+A = [(3 * i) % 500 + 3 for i in range(100)]             # 3 full blocks of 32
+OVERRIDES = {"hf_overrides": {"rms_norm_eps": 0.5}}   # every layer's keys and values change
 R = {"reset_prefix_cache": True}  # vLLM's own prefix cache emptied: hits are kvstore's
 
 
@@ -56,8 +58,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "engine": {"loras": ["a"]}, "connector": conn,
             "phases": [{"prompts": [{"tokens": P, "lora": "a"}]}]})
 
+    def overridden() -> None:
+        # the checkpoint's own configuration computes A first; then one overridden
+        out["base"] = engine(tmp, "base", "tiny-llama-o", {
+            "connector": conn, "phases": [{"prompts": [A]}]})
+        out["overridden"] = engine(tmp, "overridden", "tiny-llama-o", {
+            "engine": {"llm_args": OVERRIDES}, "connector": conn,
+            "phases": [{"prompts": [A]}, {"prompts": [A], **R}]})
+
     try:
-        in_lanes(adapters)
+        in_lanes(adapters, overridden)
     finally:
         daemon.stop()
         log = daemon.log()
@@ -83,6 +93,22 @@ def test_an_adapter_replaced_in_place_loads_none_of_the_old_ones_blocks(
     assert after["phases"][0]["external_tokens"] == 0
     assert outputs(after, 0) == outputs(before, 1)
     for run in (before, after):
+        assert held(run) == [(0, 0)] * len(run["phases"])
+        assert run["warnings"] == 0, run["warning_texts"]
+        assert run["tracebacks"] == 0
+
+
+def test_an_engine_of_overridden_configuration_loads_only_its_own_blocks(
+        runs: dict[str, Any]) -> None:
+    base, overridden = runs["base"], runs["overridden"]
+    # Before: it loaded the 3 blocks the checkpoint's own configuration computed (the
+    # same model, the same revision) and answered as neither engine would
+    assert overridden["phases"][0]["external_tokens"] == 0
+    assert outputs(overridden, 0) != outputs(base, 0)  # the overrides change the answer
+    # its own blocks, saved, are loaded again, and give its own answer
+    assert overridden["phases"][1]["external_tokens"] == 96
+    assert outputs(overridden, 1) == outputs(overridden, 0)
+    for run in (base, overridden):
         assert held(run) == [(0, 0)] * len(run["phases"])
         assert run["warnings"] == 0, run["warning_texts"]
         assert run["tracebacks"] == 0
