@@ -59,6 +59,8 @@ from kvstore.identity import Identity
 from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
     acquire_runs,
+    checkpoint_fingerprint,
+    hub_commit,
     read_blocks,
     release_all,
     store_missing,
@@ -82,13 +84,30 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
 
     def __init__(self, *, object_bytes: int, endpoint: str | None = None,
                  tenant: str | None = None, token: str | None = None,
-                 model_revision: str = "unversioned", timeout: float = 10.0) -> None:
+                 model_revision: str | None = None, timeout: float = 10.0) -> None:
         self.object_bytes = object_bytes
         self.endpoint = endpoint
         self.tenant = tenant or os.environ.get("KVSTORE_TENANT", "default")
         self.token = token
         self.model_revision = model_revision
         self.timeout = timeout
+        self._revisions: dict[str, str] = {}  # worked out per model, once
+
+    def revision_of(self, model_name: str) -> str:
+        """The revision of ``model_name``'s weights: ``model_revision`` where given; else
+        a fingerprint of the checkpoint directory the name is (LMCache's vLLM
+        integration names a model by the path vLLM loaded), or the commit a hub id
+        resolves to in the local cache; else "unversioned".  Before, "unversioned"
+        always: an engine whose checkpoint was replaced in place loaded the objects the
+        old weights computed."""
+        if self.model_revision:
+            return self.model_revision
+        found = self._revisions.get(model_name)
+        if found is None:
+            found = (checkpoint_fingerprint(model_name) or hub_commit(model_name)
+                     or "unversioned")
+            self._revisions[model_name] = found
+        return found
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVStoreL2AdapterConfig:
@@ -106,7 +125,8 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
         return cls(object_bytes=object_bytes, endpoint=d.get("endpoint"),
                    tenant=d.get("tenant"),
                    token=None if d.get("token") is None else str(d["token"]),
-                   model_revision=str(d.get("model_revision", "unversioned")),
+                   model_revision=(None if d.get("model_revision") is None
+                                   else str(d["model_revision"])),
                    timeout=float(timeout))
 
     @classmethod
@@ -118,7 +138,10 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
                 "the runtime directory's socket)\n"
                 "- tenant (str): the daemon tenant (default: KVSTORE_TENANT or 'default')\n"
                 "- token (str): the daemon token (default: KVSTORE_TOKEN)\n"
-                "- model_revision (str), timeout (float seconds)")
+                "- model_revision (str): the weights' revision (default: a fingerprint "
+                "of the model's checkpoint directory, or its hub commit, else "
+                "'unversioned')\n"
+                "- timeout (float seconds)")
 
 
 def object_identity(model_name: str, cache_salt: str,
@@ -129,7 +152,7 @@ def object_identity(model_name: str, cache_salt: str,
     the header plus ``object_bytes``, rounded up to even (``_slot_shape``).
     """
     tokens, head_dim = _slot_shape((_HEADER.size + config.object_bytes + 1) // 2)
-    return Identity(model=model_name, model_revision=config.model_revision,
+    return Identity(model=model_name, model_revision=config.revision_of(model_name),
                     tenant=config.tenant, kv_dtype="uint8", num_layers=1, num_kv_heads=1,
                     head_dim=head_dim, block_tokens=tokens, layout="lmcache-object",
                     salt=cache_salt)
