@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,46 +49,26 @@ class AdapterRevisions:
 
     Before, the path: an adapter fine-tuned again and deployed in place (new weights at
     the same path, the same name) loaded the blocks the old weights computed, and
-    answered wrong.  A fingerprint reads spans of the weight files: it is kept per
-    path, and made again when a file there changes (its size or time)."""
+    answered wrong.  A fingerprint reads spans of the weight files: it is made once per
+    adapter as vLLM loads it (its path and id: an adapter unloaded and loaded again gets
+    another id, and is read again), and kept while the engine holds that one."""
 
     def __init__(self) -> None:
-        self._known: dict[str, tuple[tuple[tuple[str, int, int], ...], str]] = {}
+        self._known: dict[tuple[str, int], str] = {}
 
     def of(self, path: str | None, int_id: int) -> str:
         if not path:
             return f"id:{int_id}"
-        stamp = _directory_stamp(path)
-        known = self._known.get(path)
-        if known is not None and known[0] == stamp:
-            return known[1]
-        revision = checkpoint_fingerprint(path) if stamp else None
-        revision = bounded(revision or path)
-        if len(self._known) >= _MAX_ADAPTERS:
-            self._known.pop(next(iter(self._known)))
-        self._known[path] = (stamp, revision)
+        revision = self._known.get((path, int_id))
+        if revision is None:
+            revision = bounded(checkpoint_fingerprint(path) or path)
+            if len(self._known) >= _MAX_ADAPTERS:
+                self._known.pop(next(iter(self._known)))
+            self._known[(path, int_id)] = revision
         return revision
 
 
-_MAX_ADAPTERS = 1024  # adapters' revisions kept (a path per adapter)
-
-
-def _directory_stamp(path: str) -> tuple[tuple[str, int, int], ...]:
-    """Each file's name, size and modification time in directory ``path`` (empty: no
-    directory there)."""
-    try:
-        entries = list(os.scandir(path))
-    except OSError:
-        return ()
-    stamp = []
-    for entry in entries:
-        try:
-            if entry.is_file():
-                info = entry.stat()
-                stamp.append((entry.name, info.st_size, info.st_mtime_ns))
-        except OSError:
-            continue
-    return tuple(sorted(stamp)) or (("", 0, 0),)
+_MAX_ADAPTERS = 1024  # adapters' revisions kept
 
 
 def request_variant(request: Request, weights: str = "",
