@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
+from kvstore.arena_budget import budget_over_arenas, join_budget
 from kvstore.blocks import (
     DRAM,
     SSD,
@@ -310,6 +311,7 @@ class StoreCore:
         self.clock = clock
         self.per_tenant = per_tenant
         self.drams: dict[str, TierSlots] = {}  # one DRAM tier (arena) per tenant, or one for all
+        self.dram_budget = budget_over_arenas(per_tenant, *self.dram_args[:2], self.tenant_weights)
         # changes of a DRAM class's eviction policy under way (``set_eviction_policy``)
         self.switches: list[Switch[Block]] = []
         # ``auto``'s sampled references past a request's share, for the loop's next turns
@@ -413,6 +415,7 @@ class StoreCore:
         if tier is None:
             tier = self.drams[name] = TierSlots(DRAM, *self.dram_args, clock=self.clock,
                                                 backlogs=self.backlogs)
+            join_budget(self.dram_budget, tier.pool, name)  # (per-tenant arenas: one budget)
         return tier
 
     @property

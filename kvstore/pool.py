@@ -11,11 +11,14 @@ slab's holders can be found without a walk of every block, and moved.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvstore.errors import TooLargeError
+
+if TYPE_CHECKING:
+    from kvstore.arena_budget import ArenaBudget
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -138,6 +141,7 @@ class SlabPool:
         # yet ended (``undrain``), given back or emptied or not.
         self._drains: dict[int, list[Any]] = {}
         self._unended = 0
+        self.budget: ArenaBudget | None = None  # over all arenas (``kvstore.arena_budget``)
 
     # -- size classes ---------------------------------------------------------
     def slot_bytes_for(self, block_bytes: int) -> int:
@@ -164,7 +168,7 @@ class SlabPool:
 
     def empty_for(self, cls: SlabClass) -> int:
         """The empty slabs ``cls`` may take: all but those set aside for other classes."""
-        return len(self._empty) - self._earmarked_total + self._earmarked.get(cls, 0)
+        return _takeable(self) + self._earmarked.get(cls, 0)
 
     def available(self, cls: SlabClass) -> int:
         """Slots the class can hand out now without evicting anything."""
@@ -173,7 +177,7 @@ class SlabPool:
     def earmark(self, cls: SlabClass, count: int) -> int:
         """Set up to ``count`` empty slabs aside for ``cls`` (of those no class has set
         aside); how many were."""
-        count = max(0, min(count, len(self._empty) - self._earmarked_total))
+        count = max(0, min(count, _takeable(self)))
         if count:
             self._earmarked[cls] = self._earmarked.get(cls, 0) + count
             self._earmarked_total += count
@@ -351,7 +355,7 @@ class SlabPool:
             self.place_at(cls, news, [held[(old - slab.base) // size] for old in olds])
         del cls.slabs[index]
         del self._owner[index]
-        self._empty.append(index)
+        _to_empty(self, index)
         return news
 
     def claim(self, cls: SlabClass, offset: int) -> bool:
@@ -459,7 +463,7 @@ class SlabPool:
         del cls._with_room[slab.index]
         del self._owner[slab.index]
         cls.free_slots -= cls.slots_per_slab
-        self._empty.append(slab.index)
+        _to_empty(self, slab.index)
 
     # -- inspection -----------------------------------------------------------
     def free_offsets(self, cls: SlabClass) -> Iterator[int]:
@@ -485,6 +489,8 @@ class SlabPool:
         assert sum(self._earmarked.values()) == self._earmarked_total and all(
             n > 0 for n in self._earmarked.values()), "the slabs set aside miscounted"
         assert len(owned) + len(self._empty) == self.num_slabs, "a slab went missing"
+        if self.budget is not None:
+            self.budget.check()
         assert all(held >= 0 and i in of.slabs and of.slabs[i].draining
                    and self._owner.get(i) is of
                    for i, (of, held) in self._drains.items()), "a drain miscounted"
@@ -522,4 +528,18 @@ def _let_drained_go(pool: SlabPool, cls: SlabClass, slab: Slab) -> None:
     cls.free_slots += pool._drains.pop(slab.index)[1]
     del cls.slabs[slab.index]
     del pool._owner[slab.index]
-    pool._empty.append(slab.index)
+    _to_empty(pool, slab.index)
+
+
+def _takeable(pool: SlabPool) -> int:
+    """The empty slabs no class has set aside that the pool may take: with a budget over
+    all arenas, no more than it has left."""
+    unset = len(pool._empty) - pool._earmarked_total
+    return unset if pool.budget is None else min(unset, pool.budget.spare)
+
+
+def _to_empty(pool: SlabPool, index: int) -> None:
+    """Slab ``index`` is empty: the pool's again (and its budget's, pages and all)."""
+    pool._empty.append(index)
+    if pool.budget is not None:
+        pool.budget.gave_back(pool, index)

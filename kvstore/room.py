@@ -51,6 +51,10 @@ class RoomMaker:
                                        ns.tenant if ns.tenant in over else None)
             if plan is not None:
                 return plan
+        if pool.available(cls) < count and pool.budget is not None:  # another arena's
+            plan = self.slabs.from_other_arenas(ns.dram, cls, count, protect)
+            if plan is not None:
+                return plan
         if pool.available(cls) < count:
             plan = self._make_room(ns.dram, cls, count - pool.available(cls), protect,
                                    requester=(ns.tenant, count * cls.slot_bytes))

@@ -56,6 +56,7 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
+from kvstore.arena_budget import held
 from kvstore.blocks import SSD, Block, TierSlots, subtree
 from kvstore.errors import CapacityError
 from kvstore.plans import Plan
@@ -145,6 +146,41 @@ class SlabMoves:
                 return None
             moved = True
         return None
+
+    def from_other_arenas(self, dram: TierSlots, cls: SlabClass, count: int,
+                          protect: Block | None) -> Plan | None:
+        """Slabs for a per-tenant arena short of ``count`` slots of ``cls`` once the
+        budget over the arenas is spent (``kvstore.arena_budget``), while the arena is
+        below its weighted share: each the slab of fewest blocks, none in use, of the
+        arena furthest over its share, emptied as a slab goes to another class (its
+        class's coldest blocks evicted, or written down first: then a Plan to wait on,
+        and the call is made again; its blocks moved into their room) and back to the
+        budget.  None once the arena has the room, or may take no more this way."""
+        pool = dram.pool
+        budget = pool.budget
+        assert budget is not None, "only arenas with a budget take from each other"
+        while pool.available(cls) < count and not budget.spare and budget.below_share(pool):
+            for donor in budget.over_share(pool):
+                taken = self._give_up_slab(self.store.drams[budget.pools[donor]], protect)
+                if isinstance(taken, Plan):
+                    return taken
+                if taken:
+                    budget.taken += 1
+                    break
+            else:
+                return None  # (no arena over its share can give a slab now)
+        return None
+
+    def _give_up_slab(self, dram: TierSlots, protect: Block | None) -> bool | Plan:
+        """Empty a slab of another arena, of the class whose fewest used slab has the
+        fewest blocks first (``_take_slab``): True once one went back to the budget."""
+        classes = sorted((c for c in dram.pool.classes.values() if c.slabs),
+                         key=lambda c: min(s.used for s in c.slabs.values()))
+        for donor in classes:
+            taken = self._take_slab(dram, donor, protect, True, None)
+            if taken:
+                return taken
+        return False
 
     def _a_turn(self, pool: SlabPool, cls: SlabClass, count: int) -> Plan:
         """A Plan of a turn for a request of ``cls`` still short of ``count`` slots, the
@@ -442,10 +478,15 @@ def own_slots(dram: TierSlots, cls: SlabClass) -> int:
 
 def reachable_slots(dram: TierSlots, cls: SlabClass) -> int:
     """The slots a request of ``cls`` could have now: its own (``own_slots``), or in
-    slabs the other classes could hand over (their free and evictable, in whole slabs)."""
+    slabs the other classes could hand over (their free and evictable, in whole slabs),
+    or, the budget over per-tenant arenas spent, other arenas up to its arena's share."""
     slots = own_slots(dram, cls)
     for other in dram.pool.classes.values():
         if other is not cls and other.slabs:
             spare = (other.free_slots + len(dram.policy(other))) // other.slots_per_slab
             slots += min(spare, len(other.slabs)) * cls.slots_per_slab
+    budget = dram.pool.budget
+    if budget is not None and not budget.spare:  # up to its share, from other arenas
+        slots += max(0, int(budget.shares(dram.pool)[dram.pool] + 1e-9)
+                     - held(dram.pool)) * cls.slots_per_slab
     return slots

@@ -1,0 +1,116 @@
+"""One budget of slabs over a daemon's per-tenant DRAM arenas.
+
+With an arena per tenant (``dram.per_tenant_arenas``) each arena's pool spans
+``dram.capacity``, so that any tenant may grow to all of it; the budget keeps the
+arenas together within it: a slab any pool takes from its empty ones counts against
+``capacity // slab_bytes`` slabs for them all, and a slab going back to a pool's empty
+ones goes back to the budget, its pages to the system (``on_release``: the daemon
+punches them out of the arena's memory).  A pool sees only what the budget has left
+(``SlabPool.empty_for``).  What a pool holds is counted from the pool itself (its
+slabs in use and those set aside for a class), so the budget keeps no count that could
+drift from them.
+
+Once the budget is spent, a tenant below its weighted share (``tenant_weights``,
+default 1 each, over the arenas holding slabs and its own) takes a slab from the arena
+furthest over its share (``kvstore.slab_moves.SlabMoves.from_other_arenas``); one at or
+over its share makes room among its own blocks.  A shared arena has no budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+
+class SlabPool(Protocol):
+    """What the budget reads of a pool (``kvstore.pool.SlabPool``, which imports this)."""
+
+    _owner: dict[int, Any]
+    _earmarked_total: int
+    slab_bytes: int
+    budget: ArenaBudget | None
+
+
+def budget_over_arenas(per_tenant: bool, capacity_bytes: int, slab_bytes: int,
+                       weights: Mapping[str, float]) -> ArenaBudget | None:
+    """The budget of a store's DRAM arenas: one over them all where each tenant has its
+    own (as many slabs as one pool of ``capacity_bytes`` has), none for a shared one."""
+    if not per_tenant:
+        return None
+    slab = min(slab_bytes, capacity_bytes) if capacity_bytes else slab_bytes
+    return ArenaBudget(capacity_bytes // slab if slab else 0, weights)
+
+
+def join_budget(budget: ArenaBudget | None, pool: SlabPool, name: str) -> None:
+    """Count a new arena's pool against ``budget``, if there is one."""
+    if budget is not None:
+        budget.join(pool, name)
+
+
+def held(pool: SlabPool) -> int:
+    """The slabs a pool holds of its budget: in use by a class, or set aside for one."""
+    return len(pool._owner) + pool._earmarked_total
+
+
+class ArenaBudget:
+    """The slabs all arenas together may hold, and which arena holds how many."""
+
+    def __init__(self, slabs: int, weights: Mapping[str, float]) -> None:
+        self.slabs = slabs
+        self.weights = weights  # by tenant (the arena's name); 1 where not given
+        self.pools: dict[SlabPool, str] = {}  # each arena's pool -> the arena's name
+        # told (arena name, offset, length) of each slab that went back: its pages are
+        # given back to the system by the daemon (None: nothing to give, in tests)
+        self.on_release: Callable[[str, int, int], None] | None = None
+        self.released = 0  # slabs gone back to the budget since start
+        self.taken = 0  # slabs one arena gave up for another below its share
+
+    def join(self, pool: SlabPool, name: str) -> None:
+        """Count ``pool`` (the arena ``name``'s) against the budget from now on."""
+        assert pool.budget is None and not pool._owner, "a pool joins empty, once"
+        pool.budget = self
+        self.pools[pool] = name
+
+    @property
+    def spare(self) -> int:
+        """Slabs no arena holds (0 while a warm restart's claims hold more)."""
+        return max(0, self.slabs - sum(held(p) for p in self.pools))
+
+    def gave_back(self, pool: SlabPool, index: int) -> None:
+        """Slab ``index`` of ``pool`` is empty again: its pages go back to the system."""
+        self.released += 1
+        if self.on_release is not None:
+            size = pool.slab_bytes
+            self.on_release(self.pools[pool], index * size, size)
+
+    def shares(self, asking: SlabPool) -> dict[SlabPool, float]:
+        """Each arena's weighted share of the slabs, in slabs: over the arenas holding
+        slabs and ``asking``."""
+        among = [p for p in self.pools if p is asking or held(p)]
+        weight = {p: self.weights.get(self.pools[p], 1.0) for p in among}
+        total = sum(weight.values()) or 1.0
+        return {p: self.slabs * w / total for p, w in weight.items()}
+
+    def below_share(self, pool: SlabPool) -> bool:
+        """Whether ``pool`` may take one more slab and stay within its share."""
+        return held(pool) + 1 <= self.shares(pool)[pool] + 1e-9
+
+    def over_share(self, asking: SlabPool) -> list[SlabPool]:
+        """The other arenas holding more than their share, furthest over it first."""
+        share = self.shares(asking)
+        over = [p for p in share if p is not asking and held(p) > share[p] + 1e-9]
+        return sorted(over, key=lambda p: share[p] - held(p))
+
+    def figures(self) -> dict[str, object]:
+        """The budget in slabs, what is spare, and what each arena holds."""
+        return {"slabs": self.slabs, "spare": self.spare, "released": self.released,
+                "taken": self.taken, "held": {name: held(p) for p, name in self.pools.items()}}
+
+    def check(self) -> None:
+        """The arenas hold at most the budget (claims at a warm restart aside)."""
+        total = sum(held(p) for p in self.pools)
+        assert total <= self.slabs, f"the arenas hold {total} slabs of a budget of {self.slabs}"
+        assert all(p.budget is self for p in self.pools), "a pool left its budget"
+
+    def __repr__(self) -> str:
+        return f"ArenaBudget(slabs={self.slabs}, spare={self.spare}, arenas={len(self.pools)})"

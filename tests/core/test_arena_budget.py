@@ -1,0 +1,176 @@
+"""One budget of slabs over per-tenant arenas (``kvstore.arena_budget``): the arenas
+together hold at most ``capacity // slab_bytes`` slabs; a tenant at its share evicts its
+own blocks, one below it takes a slab from the arena furthest over its share (weights
+honoured), never one with a block pinned or reserved; a slab going back to the budget
+is told to the daemon (its pages go back to the system); the blocks moved keep their
+bytes, and every pool's and the store's invariants hold."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from kvtest import make_identity
+
+from kvstore.errors import CapacityError
+from kvstore.keys import chain_keys
+from kvstore.store import BlockStore, Namespace
+
+A = make_identity(tenant="a")
+B = make_identity(tenant="b")
+C = make_identity(tenant="c")
+SLOT = A.block_bytes  # 8 KiB
+SLAB = 4 * SLOT
+SLABS = 8
+
+
+def content(key: bytes, size: int) -> bytes:
+    seed = hashlib.blake2b(key, digest_size=32).digest()
+    return (seed * (size // 32 + 1))[:size]
+
+
+class Arenas:
+    """A store with an arena per tenant, each a bytearray; every block written with
+    bytes that follow from its key."""
+
+    def __init__(self, **kw: object) -> None:
+        self.store = BlockStore(SLABS * SLAB, SLAB, per_tenant=True, **kw)  # type: ignore[arg-type]
+        self.bytes: dict[str, bytearray] = {}
+        self.store.move_bytes = self._move
+        self.peak = 0  # the most slabs the arenas held at once, after each request
+
+    def arena(self, tenant: str) -> bytearray:
+        return self.bytes.setdefault(tenant, bytearray(SLABS * SLAB))
+
+    def _move(self, ns: Namespace, source: int, target: int) -> None:
+        data, n = self.arena(ns.tenant), ns.block_bytes
+        data[target:target + n] = data[source:source + n]
+
+    def slabs_held(self) -> int:
+        return sum(len(t.pool._owner) for t in self.store.drams.values())
+
+    def put(self, ns: Namespace, first: int, count: int, now: float = 0.0) -> list[bytes]:
+        """``count`` one-block chains, each written and committed."""
+        keys = []
+        data = self.arena(ns.tenant)
+        for i in range(first, first + count):
+            key = chain_keys(ns.id, list(range(i * 16, (i + 1) * 16)), 16)[0]
+            r = self.store.reserve(ns.tenant, ns, [key], None, now)
+            data[r.offsets[0]:r.offsets[0] + ns.block_bytes] = content(key, ns.block_bytes)
+            self.store.commit(ns.tenant, r.id, now)
+            keys.append(key)
+            self.peak = max(self.peak, self.slabs_held())
+        return keys
+
+    def check(self) -> None:
+        """Every cached block reads its own bytes; the pools' and the store's checks."""
+        for ns in self.store.namespaces.values():
+            data = self.arena(ns.tenant)
+            for key, b in ns.blocks.items():
+                if b.offset is not None:
+                    got = bytes(data[b.offset:b.offset + ns.block_bytes])
+                    assert got == content(key, ns.block_bytes), f"{key.hex()} moved wrong"
+        for tier in self.store.drams.values():
+            tier.pool.check()
+        self.store.check_invariants()
+
+
+def slabs(ns: Namespace) -> int:
+    return len(ns.dram.pool._owner)
+
+
+def cached(ns: Namespace, keys: list[bytes]) -> int:
+    return sum(1 for k in keys if (b := ns.blocks.get(k)) is not None and b.offset is not None)
+
+
+def test_the_arenas_together_hold_at_most_the_capacity() -> None:
+    arenas = Arenas()
+    store = arenas.store
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    arenas.put(a, 0, SLABS * 4)               # a alone: the whole capacity
+    assert slabs(a) == SLABS
+    arenas.put(a, 100, 8)                     # then its own blocks go
+    assert slabs(a) == SLABS
+    b_keys = arenas.put(b, 1000, SLABS * 4)   # b takes from a up to its share, then its own
+    assert arenas.peak <= SLABS
+    assert slabs(a) == slabs(b) == SLABS // 2
+    assert cached(b, b_keys) == SLABS // 2 * 4
+    assert store.dram_budget is not None and store.dram_budget.spare == 0
+    arenas.check()
+
+
+def test_a_third_tenant_below_its_share_takes_from_the_arena_furthest_over() -> None:
+    arenas = Arenas()
+    store = arenas.store
+    a, b, c = (store.open_namespace(x) for x in (A, B, C))
+    arenas.put(a, 0, 20)                      # 5 slabs
+    arenas.put(b, 1000, 12)                   # 3 slabs: the budget is spent
+    assert (slabs(a), slabs(b)) == (5, 3)
+    arenas.put(c, 2000, 4)                    # shares 8/3: a is furthest over
+    assert (slabs(a), slabs(b), slabs(c)) == (4, 3, 1)
+    arenas.put(c, 2100, 4)                    # a still furthest over its share
+    assert (slabs(a), slabs(b), slabs(c)) == (3, 3, 2)
+    c_more = arenas.put(c, 2200, 4)           # c at its share: its own blocks go
+    assert (slabs(a), slabs(b), slabs(c)) == (3, 3, 2)
+    assert cached(c, c_more) == 4
+    assert arenas.peak <= SLABS
+    assert store.dram_budget is not None and store.dram_budget.taken == 2
+    arenas.check()
+
+
+def test_the_weights_set_the_arenas_shares() -> None:
+    arenas = Arenas(tenant_weights={"a": 3.0})
+    store = arenas.store
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    arenas.put(a, 0, SLABS * 4)
+    arenas.put(b, 1000, SLABS * 4)            # b's share: 2 of 8
+    assert (slabs(a), slabs(b)) == (6, 2)
+    arenas.put(a, 100, 8)                     # a at its share of 6: its own go
+    assert (slabs(a), slabs(b)) == (6, 2)
+    arenas.check()
+
+
+def test_pinned_and_reserved_blocks_are_never_taken_by_another_arena() -> None:
+    arenas = Arenas()
+    store = arenas.store
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    keys = arenas.put(a, 0, SLABS * 4 - 4)    # 7 slabs and a half
+    held = store.reserve("writer", a, [chain_keys(a.id, list(range(99_000, 99_016)),
+                                                  16)[0]], None, 0.0)
+    arenas.put(a, 500, 3)                     # the eighth slab full, one slot reserved
+    for key in keys[:SLABS * 4 - 4]:
+        store.acquire("reader", a, [key], 0.0)  # every committed block of 7 slabs pinned
+    rejects = store.counters.capacity_rejects
+    # one slab of unpinned blocks, but a reservation in it: b gets nothing of a's
+    with pytest.raises(CapacityError):
+        arenas.put(b, 1000, 1)
+    assert store.counters.capacity_rejects == rejects + 1
+    assert slabs(a) == SLABS and not b.blocks and cached(a, keys) == len(keys)
+    store.abort("writer", held.id)
+    b_keys = arenas.put(b, 1000, 4)           # the reservation gone: that slab is b's
+    assert cached(a, keys) == len(keys) and cached(b, b_keys) == 4
+    assert (slabs(a), slabs(b)) == (SLABS - 1, 1)
+    arenas.check()
+
+
+def test_a_slab_back_to_the_budget_is_told_with_its_place_in_its_arena() -> None:
+    arenas = Arenas()
+    store = arenas.store
+    released: list[tuple[str, int, int]] = []
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    arenas.put(a, 0, SLABS * 4)
+    assert store.dram_budget is not None
+    store.dram_budget.on_release = lambda *told: released.append(told)
+    arenas.put(b, 1000, 4)
+    assert len(released) == 1
+    name, offset, length = released[0]
+    assert name == "a" and length == SLAB and offset % SLAB == 0
+    assert offset // SLAB not in a.dram.pool._owner
+    assert b.dram.pool.budget is store.dram_budget
+    arenas.check()
+
+
+def test_a_shared_arena_has_no_budget() -> None:
+    store = BlockStore(SLABS * SLAB, SLAB)
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    assert store.dram_budget is None and a.dram is b.dram and a.dram.pool.budget is None
