@@ -31,6 +31,18 @@ class SlabPool(Protocol):
     budget: ArenaBudget | None
 
 
+# The fewest slabs a budget over per-tenant arenas is cut into (``budget_slab_bytes``).
+BUDGET_SLABS = 16
+
+
+def budget_slab_bytes(slab_bytes: int, capacity_bytes: int) -> int:
+    """The slab size of per-tenant arenas: at most a sixteenth of the capacity (in
+    64 KiB steps, at least 64 KiB), so that a budget of one slab (a small capacity
+    under the default 64 MiB slab) does not let only one tenant at a time hold blocks."""
+    per = capacity_bytes // BUDGET_SLABS // (1 << 16) * (1 << 16)
+    return max(min(slab_bytes, per), min(slab_bytes, 1 << 16))
+
+
 def budget_over_arenas(per_tenant: bool, capacity_bytes: int, slab_bytes: int,
                        weights: Mapping[str, float]) -> ArenaBudget | None:
     """The budget of a store's DRAM arenas: one over them all where each tenant has its
@@ -92,8 +104,10 @@ class ArenaBudget:
         return {p: self.slabs * w / total for p, w in weight.items()}
 
     def below_share(self, pool: SlabPool) -> bool:
-        """Whether ``pool`` may take one more slab and stay within its share."""
-        return held(pool) + 1 <= self.shares(pool)[pool] + 1e-9
+        """Whether ``pool`` may take one more slab and stay within its share; or holds
+        none (more arenas than slabs: one at a time would be served otherwise)."""
+        mine = held(pool)
+        return not mine or mine + 1 <= self.shares(pool)[pool] + 1e-9
 
     def over_share(self, asking: SlabPool) -> list[SlabPool]:
         """The other arenas holding more than their share, furthest over it first."""

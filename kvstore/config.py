@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from kvstore.arena_budget import budget_slab_bytes
 from kvstore.errors import ConfigError
 from kvstore.files import check_own_directory, check_socket_directory, read_regular_file
 from kvstore.scheduler.admission import SEEN_MOST
@@ -358,7 +359,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def dram_slab_bytes(self) -> int:
-        return parse_size(self.dram.slab_size, "dram.slab_size")
+        """The DRAM slab size (with per-tenant arenas, cut for their one budget)."""
+        slab = parse_size(self.dram.slab_size, "dram.slab_size")
+        return budget_slab_bytes(slab, self.dram_capacity) if self.tenant_arenas else slab
 
     @property
     def ssd_path(self) -> Path:

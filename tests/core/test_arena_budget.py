@@ -12,6 +12,7 @@ import hashlib
 import pytest
 from kvtest import make_identity
 
+from kvstore.arena_budget import budget_slab_bytes
 from kvstore.errors import CapacityError
 from kvstore.keys import chain_keys
 from kvstore.store import BlockStore, Namespace
@@ -174,3 +175,22 @@ def test_a_shared_arena_has_no_budget() -> None:
     store = BlockStore(SLABS * SLAB, SLAB)
     a, b = store.open_namespace(A), store.open_namespace(B)
     assert store.dram_budget is None and a.dram is b.dram and a.dram.pool.budget is None
+
+
+def test_with_fewer_slabs_than_tenants_a_tenant_holding_none_takes_one() -> None:
+    store = BlockStore(SLAB, SLAB, per_tenant=True)  # a budget of one slab
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    arenas = Arenas.__new__(Arenas)
+    arenas.store, arenas.bytes, arenas.peak = store, {}, 0
+    store.move_bytes = arenas._move
+    arenas.put(a, 0, 4)
+    b_keys = arenas.put(b, 1000, 1)  # b's share is half a slab: it holds none, so one
+    assert (slabs(a), slabs(b)) == (0, 1) and cached(b, b_keys) == 1
+    arenas.check()
+
+
+def test_the_slab_of_per_tenant_arenas_cuts_the_capacity_into_sixteen_at_least() -> None:
+    assert budget_slab_bytes(64 << 20, 64 << 20) == 4 << 20   # default slab, small capacity
+    assert budget_slab_bytes(64 << 20, 1 << 30) == 64 << 20   # 16 slabs already
+    assert budget_slab_bytes(1 << 20, 64 << 20) == 1 << 20    # smaller asked: kept
+    assert budget_slab_bytes(64 << 20, 512 << 10) == 64 << 10  # never under 64 KiB
