@@ -34,9 +34,9 @@ class DramCopies:
         store, c = self.store, self.store.counters
         dram_reserved, dram_committed = store.reserved_bytes, store.committed_bytes
         pools = [t.pool for t in store.drams.values()]
-        capacity = (sum(p.capacity_bytes for p in pools) if store.per_tenant
-                    else store.dram_args[0])
-        return {
+        budget = store.dram_budget  # (per-tenant arenas: capacity is theirs together)
+        capacity = store.dram_args[0]
+        figures = {
             "capacity": capacity,
             "free": capacity - dram_reserved - dram_committed,
             "reserved": dram_reserved,
@@ -46,7 +46,8 @@ class DramCopies:
             "blocks": store.committed_slots,
             "pinned_blocks": store.pinned_blocks,
             "tail_waste": sum(p.tail_waste_bytes() for p in pools),
-            "empty_slabs": sum(p.empty_slabs for p in pools),
+            "empty_slabs": (budget.spare if budget is not None
+                            else sum(p.empty_slabs for p in pools)),
             "slab_moves": c.slab_moves,
             "slab_moved_blocks": c.slab_moved_blocks,
             "slab_turns": c.slab_turns,
@@ -65,6 +66,9 @@ class DramCopies:
             "dropped_on_eviction": c.dropped_on_eviction,
             "remote_writebacks": c.remote_writebacks,
         }
+        if budget is not None:  # slabs the arenas may hold together; one taken for another
+            figures["budget_slabs"], figures["budget_taken"] = budget.slabs, budget.taken
+        return figures
 
     def check(self, blocks: Iterable[Block]) -> None:
         """Per arena and slab class: free + reserved + committed == capacity, one state

@@ -12,6 +12,7 @@ The stats dict, as the collector reads it (every key optional)::
                         "committed": int, "peak_committed": int, "tail_waste": int,
                         "reserved_slots": int, "committed_slots": int, "blocks": int,
                         "pinned_blocks": int, "empty_slabs": int, "lookups": int,
+                        "budget_slabs": int, "allocated": int,
                         "lookup_keys": int, "hits": int, "commits": int,
                         "duplicates": int, "aborts": int, "capacity_rejects": int,
                         "lease_expiries": int, "checksum_failures": int,
@@ -86,6 +87,10 @@ _POOL_GAUGES = (
     ("pinned_blocks", "kvstore_pool_pinned_blocks",
      "Unique blocks referenced by at least one pin, reservation parent or held key."),
     ("empty_slabs", "kvstore_pool_empty_slabs", "Slabs not assigned to any slot size."),
+    ("budget_slabs", "kvstore_pool_budget_slabs",
+     "Slabs the per-tenant arenas may hold together (dram.capacity over the slab size)."),
+    ("allocated", "kvstore_pool_allocated_bytes",
+     "Memory the per-tenant arenas' files hold now (slabs written, less those given back)."),
 )
 
 # (stats key, metric name without _total, help) of the per-tier counters the store keeps.
@@ -242,7 +247,7 @@ class _StatsCollector(Collector):
         return [*pool.values(), peak, *counters.values(), evictions, hit_ratio, sessions,
                 namespaces, violations, *scheduling.values(), self._error_family(),
                 *self._event_families(stats), _grantee_pins_family(stats),
-                *self._replies_families(stats)]
+                *self._replies_families(stats), _arena_slabs_family(stats)]
 
     def _replies_families(self, stats: Mapping[str, Any]) -> list[Metric]:
         """Replies to connections that do not read them: dropped past the queue's bound
@@ -586,6 +591,18 @@ class Metrics:
         if port == 0:
             return None
         return serve_metrics(self.registry, port, addr, token, max_connections, read_timeout)
+
+
+def _arena_slabs_family(stats: Mapping[str, Any]) -> Metric:
+    """The DRAM slabs each arena holds (per-tenant arenas draw on one budget of them)."""
+    family = GaugeMetricFamily("kvstore_arena_slabs", "DRAM slabs each arena holds.",
+                               labels=["arena"])
+    held: dict[str, int] = {}
+    for c in stats.get("slab_classes", {}).get("dram", []):
+        held[c["arena"]] = held.get(c["arena"], 0) + c["slabs"]
+    for arena, slabs in held.items():
+        family.add_metric([arena], float(slabs))
+    return family
 
 
 def _grantee_pins_family(stats: Mapping[str, Any]) -> Metric:

@@ -91,8 +91,7 @@ class Server:
         self.invariant_watch: InvariantWatch | None = None  # made on the loop, when needed
         self.store = _block_store(config, self.limits)
         self.defer = "defer" in config.dram.pressure
-        self.scheduling = {"defers": 0, "defer_timeouts": 0, "rejects": 0,
-                           "recomputed_tokens": 0}
+        self.scheduling = {"defers": 0, "defer_timeouts": 0, "rejects": 0, "recomputed_tokens": 0}
         self.arenas: Arenas | None = None
         self.ssd: SsdMover | None = None
         self.remote: RemoteTier | None = None
@@ -148,7 +147,8 @@ class Server:
         d = self.config.dram
         sweep_stale_arenas(d.directory)
         self.arenas = Arenas(self.config.dram_capacity, d.directory, populate=d.populate,
-                             max_arenas=d.max_arenas, memfd=self.config.memfd_arenas)
+                             max_arenas=d.max_arenas, memfd=self.config.memfd_arenas,
+                             budget=self.store.dram_budget)  # (its arenas sparse then)
         self.store.move_bytes = lambda ns, source, target: self.arena_for(ns.tenant).move(
             source, target, ns.block_bytes)  # (a slab handed to another block size)
         try:
@@ -518,6 +518,9 @@ def server_stats(server: Server) -> dict[str, Any]:
         # bytes of other tenants' DRAM each grantee keeps pinned (auth.grantee_pin_share)
         "grantee_pinned_bytes": server.sessions.grant_pins.stats(),
     }
+    if server.arenas is not None and server.arenas.sparse:  # (the others hold it all)
+        # the memory the arenas' files hold now: their slabs written, less those given back
+        out["tiers"]["dram"]["allocated"] = sum(server.arenas.allocated_bytes().values())
     if server.ssd is not None:
         out["ssd_io"] = server.ssd.stats()
         # each tenant's SSD copies, as its share of the tier counts them

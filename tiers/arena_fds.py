@@ -99,9 +99,11 @@ def unframe(data: bytes) -> bytes | None:
 
 # -- the arena file ------------------------------------------------------------------------
 
-def create_memfd(capacity_bytes: int, name: str = "kvstore-arena") -> int:
-    """An anonymous memory file of ``capacity_bytes``, allocated now and sealed against
-    resizing (a holder could otherwise shrink it and crash every mapper); its descriptor.
+def create_memfd(capacity_bytes: int, name: str = "kvstore-arena", *,
+                 allocate: bool = True) -> int:
+    """An anonymous memory file of ``capacity_bytes``, allocated now (unless not
+    ``allocate``: its pages come as they are written) and sealed against resizing (a
+    holder could otherwise shrink it and crash every mapper); its descriptor.
 
     Its mode is 0600 (a memory file is made 0777): a client of another user handed a
     read-only descriptor of it (a namespace granted to read) could otherwise open it
@@ -114,7 +116,10 @@ def create_memfd(capacity_bytes: int, name: str = "kvstore-arena") -> int:
     try:
         os.fchmod(fd, 0o600)
         try:
-            os.posix_fallocate(fd, 0, capacity_bytes)
+            if allocate:
+                os.posix_fallocate(fd, 0, capacity_bytes)
+            else:
+                os.ftruncate(fd, capacity_bytes)
         except OSError as exc:
             raise ConfigError(f"dram.capacity: cannot allocate {capacity_bytes} bytes of "
                               f"shared memory: {exc.strerror}") from None
@@ -123,6 +128,13 @@ def create_memfd(capacity_bytes: int, name: str = "kvstore-arena") -> int:
         os.close(fd)
         raise
     return fd
+
+
+def allocated(fd: int, size: int) -> bool:
+    """Whether the arena file ``fd`` holds all of its ``size`` bytes: a sparse one (per-
+    tenant arenas, whose memory follows their slabs: ``kvstore.arena_budget``) is mapped
+    without populating it, which would take the memory of every slab, used or not."""
+    return os.fstat(fd).st_blocks * 512 >= size
 
 
 # -- the client's side -----------------------------------------------------------------------
@@ -193,7 +205,8 @@ def map_handed_arena(endpoint: str, session: str, label: str, size: int,
             raise KVStoreError(f"the arena handed out holds {handed} bytes, not {size}")
         # a namespace granted to read comes as a read-only descriptor: map it so
         read_only = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+        populate = getattr(mmap, "MAP_POPULATE", 0) if allocated(fd, size) else 0
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate,
                          prot=mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

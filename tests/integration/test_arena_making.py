@@ -53,8 +53,13 @@ def test_another_tenants_first_hello_does_not_stall_a_client_being_served(
         out, _ = other.communicate()
         assert other.returncode == 0
         took = float(out)
-        assert len(pings) >= 3, (took, pings)
-        assert max(pings) < took / 4, (max(pings), took, len(pings))
+        assert pings, (took, pings)
+        if took > 0.2:  # an arena whose making takes time (its memory taken whole)
+            assert len(pings) >= 3, (took, pings)
+            assert max(pings) < took / 4, (max(pings), took, len(pings))
+        else:  # sparse, as per-tenant arenas are now (``kvstore.arena_budget``): its
+            # memory comes as slabs are written, and the hello has little to wait for
+            assert max(pings) < 0.2, (max(pings), took, len(pings))
 
 
 def test_arenas_past_the_limit_are_refused_by_type_and_the_others_still_served(
