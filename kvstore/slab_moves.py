@@ -159,7 +159,7 @@ class SlabMoves:
         pool = dram.pool
         budget = pool.budget
         assert budget is not None, "only arenas with a budget take from each other"
-        while pool.available(cls) < count and not budget.spare and budget.below_share(pool):
+        while pool.available(cls) < count and budget.below_share(pool):
             for donor in budget.over_share(pool):
                 taken = self._give_up_slab(self.store.drams[budget.pools[donor]], protect)
                 if isinstance(taken, Plan):

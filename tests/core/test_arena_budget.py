@@ -15,6 +15,7 @@ from kvtest import make_identity
 from kvstore.arena_budget import budget_slab_bytes
 from kvstore.errors import CapacityError
 from kvstore.keys import chain_keys
+from kvstore.plans import Plan
 from kvstore.store import BlockStore, Namespace
 
 A = make_identity(tenant="a")
@@ -194,3 +195,18 @@ def test_the_slab_of_per_tenant_arenas_cuts_the_capacity_into_sixteen_at_least()
     assert budget_slab_bytes(64 << 20, 1 << 30) == 64 << 20   # 16 slabs already
     assert budget_slab_bytes(1 << 20, 64 << 20) == 1 << 20    # smaller asked: kept
     assert budget_slab_bytes(64 << 20, 512 << 10) == 64 << 10  # never under 64 KiB
+
+
+def test_a_request_the_spare_slabs_cover_in_part_takes_the_rest_from_another_arena() -> None:
+    arenas = Arenas()
+    store = arenas.store
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    arenas.put(a, 0, (SLABS - 1) * 4)        # one slab spare
+    chain = chain_keys(b.id, list(range(16 * 8)), 16)  # 8 blocks: two slabs at once
+    r = store.reserve("b", b, chain, None, 0.0)
+    assert not isinstance(r, Plan) and len(r.offsets) == 8
+    for key, offset in zip(chain, r.offsets):
+        arenas.arena("b")[offset:offset + b.block_bytes] = content(key, b.block_bytes)
+    store.commit("b", r.id, 0.0)
+    assert (slabs(a), slabs(b)) == (SLABS - 2, 2)
+    arenas.check()
