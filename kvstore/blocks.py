@@ -9,6 +9,7 @@ the store's counters.  Everything else of the store imports this; it imports non
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -283,6 +284,9 @@ class Namespace:
         # store forgets it (``forget_if_unused``): what a tenant cannot use costs nothing
         self.users = 0
         self.forgotten = False  # forgotten by the store: no reservation is made in it
+        # keys an open reservation holds a slot for, not yet committed -> how many hold
+        # one: a reserve with ``skip_held`` gives them none (``Reservation.awaited``)
+        self.pending: dict[bytes, int] = {}
 
     def __repr__(self) -> str:
         return f"Namespace({self.identity.model}, tenant={self.tenant}, blocks={len(self.blocks)})"
@@ -315,6 +319,8 @@ class Counters:
     slab_turns: int = 0  # turns of the loop a request needing several slabs let others have
     ssd_slab_moves: int = 0  # SSD slabs emptied for a size that had none to evict from
     ssd_slab_dropped: int = 0  # SSD copies dropped to empty them
+    awaited_keys: int = 0  # keys reserved with no slot: pending in another reservation
+    awaited_dropped: int = 0  # keys a commit did not store: an awaited key not cached
 
 class TierSlots:
     """One tier's slab pool and an eviction order per slab class."""
@@ -401,6 +407,24 @@ class TierSlots:
     def policy(self, cls: SlabClass) -> EvictionPolicy[Block]:
         return self.policies[cls.slot_bytes]
 
+class Skip(enum.IntFlag):
+    """The keys a reserve gives no slot (``BlockStore.reserve``)."""
+
+    NONE = 0
+    HELD = 1  # committed in DRAM: pinned till the commit, a duplicate there
+    # given a slot by another open reservation of the namespace: its bytes are coming
+    # (not for a put: it commits at once, before that reservation can)
+    PENDING = 2
+    BOTH = HELD | PENDING
+
+    @classmethod
+    def of(cls, skip: bool | Skip) -> Skip:
+        """A request's ``skip_held`` (True: both) or a flag as is."""
+        if isinstance(skip, Skip):
+            return skip
+        return cls.BOTH if skip else cls.NONE
+
+
 @dataclass(eq=False)
 class Reservation:
     id: int
@@ -408,18 +432,50 @@ class Reservation:
     ns: Namespace
     keys: list[bytes]
     parent: Block | None
-    offsets: list[int]  # the slots taken, one per key not ``held``, in the keys' order
+    offsets: list[int]  # the slots taken, one per key given one, in the keys' order
     parent_pinned: bool = False  # the parent's DRAM copy is pinned (else its SSD copy held)
     # keys (by position) whose blocks were committed in DRAM already: their copies are
     # pinned till the commit (a duplicate each) or the rollback, and they take no slot
     held: dict[int, Block] = field(default_factory=dict)
+    # keys (by position) another open reservation of the namespace held a slot for at
+    # the reserve (``Namespace.pending``): they take no slot either, that one's bytes
+    # count; at the commit each must be cached by then, or it and the keys after it are
+    # not stored (``BlockStore.commit``)
+    awaited: frozenset[int] = frozenset()
 
     def slots(self) -> list[int]:
-        """Each key's slot, -1 for a key ``held`` (as the reserve reply lists them)."""
-        if not self.held:
+        """Each key's slot, -1 for a key ``held`` or ``awaited`` (as the reserve reply
+        lists them)."""
+        if not self.held and not self.awaited:
             return self.offsets
         taken = iter(self.offsets)
-        return [-1 if i in self.held else next(taken) for i in range(len(self.keys))]
+        return [-1 if i in self.held or i in self.awaited else next(taken)
+                for i in range(len(self.keys))]
+
+    def slotted_keys(self) -> list[bytes]:
+        """The keys given a slot, in order: those ``Namespace.pending`` counts."""
+        if not self.held and not self.awaited:
+            return self.keys
+        return [k for i, k in enumerate(self.keys) if i not in self.held
+                and i not in self.awaited]
+
+
+def pend(r: Reservation) -> None:
+    """``r`` opened: its keys given a slot are pending in its namespace."""
+    pending = r.ns.pending
+    for key in r.slotted_keys():
+        pending[key] = pending.get(key, 0) + 1
+
+
+def unpend(r: Reservation) -> None:
+    """``r`` ended (committed or rolled back): its keys are pending no more by it."""
+    pending = r.ns.pending
+    for key in r.slotted_keys():
+        left = pending[key] - 1
+        if left:
+            pending[key] = left
+        else:
+            del pending[key]
 
 @dataclass(eq=False)
 class Pin:
@@ -463,7 +519,7 @@ def reserved_out(state: OwnerState, r: Reservation) -> None:
     ``state.reserved_in``.  A reservation of no keys holds nothing there (``reserve`` keeps
     no entry for it): counted as 0, its end deleted the entry of another one still open,
     whose own end then found none (an ``internal`` error for an abort)."""
-    taken = len(r.offsets) + len(r.held)
+    taken = len(r.keys)  # (a slot, a block held or a key awaited each: as ``reserve``)
     if not taken:
         return
     left = state.reserved_in[r.ns.tenant] - taken
@@ -484,6 +540,8 @@ class CommitResult:
     created: int
     duplicates: int
     blocks: list[Block]
+    # the keys not stored, from the first ``awaited`` key not cached at the commit on
+    dropped: int = 0
 
 
 def parents_first(ns: Namespace) -> list[Block]:

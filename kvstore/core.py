@@ -30,6 +30,7 @@ from kvstore.blocks import (
     Transfer,
     reserved_out,
     subtree,
+    unpend,
 )
 from kvstore.first_blocks import Heads, no_longer_heads
 from kvstore.gpu_copies import GpuCopies
@@ -448,6 +449,7 @@ class StoreCore:
     def rollback(self, state: OwnerState, r: Reservation) -> None:
         del state.reservations[r.id]
         reserved_out(state, r)
+        unpend(r)
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
         r.ns.dram.give(r.ns, r.offsets)

@@ -58,6 +58,8 @@ class DramCopies:
             "evictions": c.evictions,
             "commits": c.committed_blocks,
             "duplicates": c.duplicate_blocks,
+            "awaited": c.awaited_keys,
+            "awaited_dropped": c.awaited_dropped,
             "aborts": c.aborts,
             "lease_expiries": c.lease_expiries,
             "capacity_rejects": c.capacity_rejects,

@@ -101,6 +101,22 @@ class Leases:
                 held[i] = block
         return held
 
+    @staticmethod
+    def awaited(ns: Namespace, keys: Sequence[bytes],
+                held: dict[int, Block]) -> frozenset[int]:
+        """The positions of those of ``keys`` (not ``held``) another open reservation of
+        ``ns`` holds a slot for (``Namespace.pending``): a reservation's keys that need
+        no slot of their own, that one's bytes coming (``Reservation.awaited``).  Two
+        writers of the same uncommitted keys at once took a slot each, and the second
+        commit threw its copy away: under pressure each slot had evicted a block for
+        nothing.  A key twice in ``keys`` is not awaited from itself (its commit finds
+        it in DRAM: a duplicate), as only the other reservations are counted yet."""
+        pending = ns.pending
+        if not pending:
+            return frozenset()
+        return frozenset(i for i, key in enumerate(keys)
+                         if key in pending and i not in held)
+
     def unpin_held(self, held: dict[int, Block]) -> None:
         """``pin_held``'s pins go, deepest first (as ``StoreCore.unpin``)."""
         for block in reversed(held.values()):

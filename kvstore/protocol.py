@@ -251,6 +251,10 @@ class ReserveReply(Message, tag="reserve"):
 class CommitReply(Message, tag="commit"):
     created: int
     duplicates: int
+    # keys not stored: from the first key the reserve gave no slot, as another open
+    # reservation held one for it (``skip_held``), that was not cached at the commit
+    # (that reservation aborted or not committed yet), on: a later miss
+    dropped: int = 0
 
 
 class AcquireReply(Message, tag="acquire"):

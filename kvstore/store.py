@@ -51,9 +51,12 @@ from kvstore.blocks import (
     OwnerState,
     Pin,
     Reservation,
+    Skip,
     TierSlots,
     Transfer,
+    pend,
     reserved_out,
+    unpend,
 )
 from kvstore.core import StoreCore
 from kvstore.dram_copies import DramCopies
@@ -77,11 +80,11 @@ from kvstore.scheduler.switch import Switch
 from kvstore.slab_moves import reachable_slots
 from kvstore.ssd_copies import SsdCopies
 from kvstore.store_view import check_invariants, tier_stats
-from kvstore.token_ids import let_go, run_of, split_sparse
+from kvstore.token_ids import TokenRun, let_go, run_of, split_sparse
 
 __all__ = ["DRAM", "SSD", "Block", "BlockStore", "CommitResult", "Counters", "Limits",
-           "Namespace", "Owner", "OwnerState", "Pin", "Plan", "Reservation", "TierSlots",
-           "Transfer"]
+           "Namespace", "Owner", "OwnerState", "Pin", "Plan", "Reservation", "Skip",
+           "TierSlots", "Transfer"]
 
 
 class BlockStore(StoreCore):
@@ -148,13 +151,16 @@ class BlockStore(StoreCore):
         keys: Sequence[bytes],
         parent: bytes | None,
         now: float,
-        skip_held: bool = False,
+        skip_held: bool | Skip = False,
     ) -> Reservation | Plan:
         """DRAM slots for every key; or the plan of the writes that must come first, or an
-        error, and nothing taken.  With ``skip_held``, keys held in DRAM take no slot
-        (``Leases.pin_held``)."""
+        error, and nothing taken.  With ``skip_held`` (``Skip``: True is both), keys
+        held in DRAM take no slot (``Leases.pin_held``), nor keys another open
+        reservation of the namespace holds a slot for (``Leases.awaited``: its bytes
+        are coming; the commit stores them under it)."""
         if ns.forgotten:  # (a fetch for a session that ended, its namespace unused)
             raise UnknownNamespaceError("the namespace is no longer open; open it again")
+        skip = Skip.of(skip_held)
         state = self.leases.touch(owner, now)
         if len(state.reservations) >= self.limits.max_reservations_per_owner:
             raise LimitExceededError(
@@ -172,9 +178,12 @@ class BlockStore(StoreCore):
         # a user while room is made: evicting its last blocks must not forget it
         ns.users += 1
         # pinned before room is made, so that making it evicts none of them
-        held = self.leases.pin_held(ns, keys) if skip_held else {}
+        held = self.leases.pin_held(ns, keys) if skip & Skip.HELD else {}
+        awaited = (self.leases.awaited(ns, keys, held) if skip & Skip.PENDING
+                   else frozenset())
         try:
-            need = len(keys) - len(held)  # (0: no room to make, nor a quota to ask)
+            # (0: no room to make, nor a quota to ask)
+            need = len(keys) - len(held) - len(awaited)
             offsets = self.room.allocate(ns, need, protect=parent_block) if need else []
         except BaseException:
             self.leases.unpin_held(held)
@@ -186,13 +195,15 @@ class BlockStore(StoreCore):
             return offsets
         pinned = parent_block is not None and self.hold(parent_block)  # keep it till commit
         r = Reservation(next(self.ids), owner, ns, list(keys), parent_block, offsets, pinned,
-                        held)
+                        held, awaited)
         state.reservations[r.id] = r
         if keys:  # (a reservation of no keys holds no entry: ``reserved_out``)
             state.reserved_in[ns.tenant] = state.reserved_in.get(ns.tenant, 0) + len(keys)
+        pend(r)
         self.reserved_slots += len(offsets)
         self.reserved_bytes += len(offsets) * ns.cls.slot_bytes
         self.counters.reservations += 1
+        self.counters.awaited_keys += len(awaited)
         return r
 
     def finish_remote_write(self, blocks: list[Block], ok: list[bool],
@@ -236,6 +247,7 @@ class BlockStore(StoreCore):
                 and _ids_bytes(tokens) <= len(r.keys) * r.ns.block_bytes else [])
         del state.reservations[rid]
         reserved_out(state, r)
+        unpend(r)
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
         ns = r.ns
@@ -247,10 +259,18 @@ class BlockStore(StoreCore):
         bare: list[Block] = []  # blocks already in DRAM with no token ids
         revived: list[Block] = []  # blocks only on SSD given a DRAM copy, with token ids
         shards, mask = ns.blocks.shards, ns.blocks.mask  # ``ns.blocks``' get and set, inline
-        for i, (key, offset) in enumerate(zip(r.keys, r.slots())):
+        slots = r.slots()
+        stored = len(slots)  # the leading keys stored (or cached): all but after a gap
+        for i, (key, offset) in enumerate(zip(r.keys, slots)):
             shard = shards[hash(key) & mask]
             block = shard.get(key)
-            if offset < 0:  # held in DRAM since the reserve (pinned): a duplicate
+            if offset < 0 and i in r.awaited:  # another reservation's slot: its bytes
+                if block is None or not block.present:  # not committed (aborted, its
+                    stored = i  # lease ran out, or still open), or gone since: nothing
+                    break  # below it is stored, no block without its parent
+                if block.offset is not None and block.tokens is None:
+                    bare.append(block)
+            elif offset < 0:  # held in DRAM since the reserve (pinned): a duplicate
                 assert block is r.held[i] and block.offset is not None, f"{block} went"
                 if block.tokens is None:
                     bare.append(block)
@@ -285,39 +305,20 @@ class BlockStore(StoreCore):
             if block.marks < SEEN_FULL:  # (``seen``, without a call)
                 block.marks += SEEN_ONE
             parent = block
+        dropped = len(slots) - stored
+        if dropped:  # the slots after the gap go back, their bytes unread
+            duplicates += [offset for offset in slots[stored:] if offset >= 0]
         ns.blocks.grown()
-        if runs and isinstance(tokens, bytes):  # events on, one buffer: each new copy
-            # names it, and so does a block already in DRAM that came without ids (a
-            # block with ids keeps those)
-            for block in revived:  # named by this commit's run from now on
-                old_run, block.tokens = block.tokens, None
-                assert old_run is not None, "a revived block had token ids"
-                let_go(old_run, ns.blocks)
-            run = runs[0]
-            assert run is not None, "one buffer: one run"
-            if bare:
-                live = 0
-                for block in itertools.chain(fresh, bare):
-                    if block.tokens is not run:  # (a key twice in a commit: counted once)
-                        block.tokens = run
-                        live += 1
-                run.live = live
-            else:  # the common case: the fresh blocks are distinct (a key's second
-                for block in fresh:  # time in a commit finds it in DRAM: a duplicate)
-                    block.tokens = run
-                run.live = len(fresh)
-            split_sparse(run, ns.blocks)  # mostly blocks held already: not the buffer
-        elif runs:  # each block's bytes apart (an older client's): kept where none were
-            for key, one in zip(r.keys, runs):
-                block = ns.blocks[key]
-                if one is not None and block.tokens is None:
-                    block.tokens = one
+        if runs:
+            _keep_token_ids(ns, r.keys[:stored], runs, isinstance(tokens, bytes), fresh,
+                            bare, revived)
         ns.dram.pool.place(ns.cls, fresh)
         policy.insert_many(reversed(fresh))  # deepest first: parents end up warmer
         if self.dropping and ns in self.dropping:  # the removals asked so far keep them
             self.dropping[ns].kept(fresh)
         if self.changes is not None:
-            if duplicates or r.held:  # fresh blocks with gaps between them: marked one by one
+            if duplicates or r.held or r.awaited:  # fresh blocks with gaps between
+                # them: marked one by one
                 self.changes.touch_all(fresh)
             else:  # one chain: one mark
                 self.changes.touch_run(fresh)
@@ -332,9 +333,11 @@ class BlockStore(StoreCore):
         self.leases.unpin_held(r.held)
         if r.parent is not None:
             self.unhold(r.parent, r.parent_pinned)
+        found = stored - len(fresh)  # the keys stored already: held, awaited or not
         self.counters.committed_blocks += len(fresh)
-        self.counters.duplicate_blocks += len(duplicates) + len(r.held)
-        return CommitResult(len(fresh), len(duplicates) + len(r.held), fresh)
+        self.counters.duplicate_blocks += found
+        self.counters.awaited_dropped += dropped
+        return CommitResult(len(fresh), found, fresh, dropped)
 
     def rewritten(self, block: Block, checksum: int) -> None:
         """A block only on SSD or remote committed again with other bytes (KV caches are
@@ -512,3 +515,37 @@ def _switched_at_once(store: BlockStore, dram: TierSlots, slot_bytes: int,
 
 def _ids_bytes(tokens: bytes | Sequence[bytes]) -> int:
     return len(tokens) if isinstance(tokens, bytes) else sum(map(len, tokens))
+
+
+def _keep_token_ids(ns: Namespace, keys: list[bytes], runs: list[TokenRun | None],
+                    one_buffer: bool, fresh: list[Block], bare: list[Block],
+                    revived: list[Block]) -> None:
+    """A commit's token ids (events on), kept by the blocks of ``keys`` (those it
+    stored): ``runs`` as ``run_of`` laid them out of ``one_buffer``, or of each block's
+    bytes; ``fresh`` the new copies, ``bare`` blocks in DRAM already without ids,
+    ``revived`` blocks only on SSD given a DRAM copy, with ids."""
+    if one_buffer:  # each new copy names it, and so does a block already in DRAM that
+        # came without ids (a block with ids keeps those)
+        for block in revived:  # named by this commit's run from now on
+            old_run, block.tokens = block.tokens, None
+            assert old_run is not None, "a revived block had token ids"
+            let_go(old_run, ns.blocks)
+        run = runs[0]
+        assert run is not None, "one buffer: one run"
+        if bare:
+            live = 0
+            for block in itertools.chain(fresh, bare):
+                if block.tokens is not run:  # (a key twice in a commit: counted once)
+                    block.tokens = run
+                    live += 1
+            run.live = live
+        else:  # the common case: the fresh blocks are distinct (a key's second
+            for block in fresh:  # time in a commit finds it in DRAM: a duplicate)
+                block.tokens = run
+            run.live = len(fresh)
+        split_sparse(run, ns.blocks)  # mostly blocks held already: not the buffer
+    else:  # each block's bytes apart (an older client's): kept where none were
+        for key, one in zip(keys, runs):
+            block = ns.blocks[key]
+            if one is not None and block.tokens is None:
+                block.tokens = one

@@ -57,6 +57,7 @@ def check_invariants(store: StoreCore) -> None:
     listed = {(ns.identity.tenant, ns_id) for ns_id, ns in store.namespaces.items()}
     assert grouped == listed, "namespaces by tenant: the store's, each in its tenant's"
     _check_first_blocks(store)
+    _check_pending(store)
     pinned: dict[tuple[int, str], int] = {}
     for ns in store.namespaces.values():
         at = (id(ns.dram), ns.tenant)
@@ -130,3 +131,25 @@ def _check_first_blocks(store: StoreCore) -> None:
         else:
             heads += 1
     assert heads == firsts, f"the first blocks' map: {heads} heads for {firsts} first blocks"
+
+
+def _check_pending(store: StoreCore) -> None:
+    """Each namespace's pending keys (``Namespace.pending``) are its open reservations'
+    keys given a slot, counted once a reservation that holds one; an awaited key had no
+    slot of its own."""
+    counts: dict[int, dict[bytes, int]] = {}
+    for state in store.owners.values():
+        for r in state.reservations.values():
+            assert r.ns.users > 0 and not r.ns.forgotten, f"{r}: its namespace is gone"
+            assert len(r.offsets) + len(r.held) + len(r.awaited) == len(r.keys), (
+                f"{r}: {len(r.offsets)} slots for {len(r.keys)} keys")
+            assert not r.awaited.intersection(r.held), f"{r}: a key held and awaited"
+            mine = counts.setdefault(id(r.ns), {})
+            for key in r.slotted_keys():
+                mine[key] = mine.get(key, 0) + 1
+    for ns in store.namespaces.values():
+        found = counts.pop(id(ns), {})
+        assert ns.pending == found, (
+            f"{ns}: {len(ns.pending)} keys counted pending, open reservations hold "
+            f"slots for {len(found)}")
+    assert not counts, "reservations in namespaces the store does not list"

@@ -39,7 +39,7 @@ from kvstore.scheduler.admission import TokenRequest, admit_batch
 from kvstore.remote import RemoteTier
 from kvstore.sessions import Session, Sessions
 from kvstore.slab_moves import own_slots, set_aside
-from kvstore.store import Block, BlockStore, Limits, Namespace, Pin, Plan, Reservation
+from kvstore.store import Block, BlockStore, Limits, Namespace, Pin, Plan, Reservation, Skip
 from kvstore.tiering import SsdMover
 from kvstore.tiers.dram import Arenas, DramArena
 from kvstore.transport import PinnedFrames, Transport
@@ -257,7 +257,7 @@ class Verbs:
         return events is not None and events.tokens_wanted
 
     def _reserve_slots(self, session: Session, ns: Namespace, keys: list[bytes],
-                       parent: bytes | None, skip_held: bool) -> Reservation | Plan:
+                       parent: bytes | None, skip_held: bool | Skip) -> Reservation | Plan:
         store, clock = self.d.store, self.d.clock
         try:
             return store.reserve(session.id, ns, keys, parent, clock(), skip_held)
@@ -273,7 +273,7 @@ class Verbs:
         result = self.d.store.commit(session.id, req.reservation, self.d.clock(),
                                      req.checksums, req.token_ids or req.tokens)
         self._committed(result.blocks)
-        return p.CommitReply(req.rid, result.created, result.duplicates), []
+        return p.CommitReply(req.rid, result.created, result.duplicates, result.dropped), []
 
     def _committed(self, blocks: list[Block]) -> None:
         self.d.moves.committed(blocks)
@@ -333,7 +333,7 @@ class Verbs:
         d.sessions.check_grant_reserve(session, ns, len(req.keys))  # a writer grantee
         now = d.clock()
         # the daemon has the bytes: a key held in DRAM takes no slot, its frame unread
-        r = self._reserve_slots(session, ns, req.keys, req.parent, True)
+        r = self._reserve_slots(session, ns, req.keys, req.parent, Skip.HELD)
         if isinstance(r, Plan):
             return r
         payload = unheld(r, payload)

@@ -134,13 +134,18 @@ class StoreMachine(RuleBasedStateMachine):
             result = self.store.commit(r.owner, r.id, self.now)
         except (NotFoundError, LeaseExpiredError):
             return  # expired or rolled back with its owner
-        assert result.created + result.duplicates == len(r.keys)
+        stored = len(r.keys) - result.dropped
+        assert result.created + result.duplicates == stored
         assert result.duplicates >= len(r.held), "a key held in DRAM was stored again"
+        if result.dropped:  # an awaited key not cached: the keys from it on not stored
+            gap = r.keys[stored]
+            assert stored in r.awaited and gap not in r.ns.blocks or not (
+                r.ns.blocks[gap].present), "keys dropped after a key cached"
         ancestor, broken = r.parent, False
         while ancestor is not None:   # a corrupt ancestor takes what hangs below it
             broken |= not (r.ns.blocks.get(ancestor.key) is ancestor and ancestor.present)
             ancestor = ancestor.parent
-        for key in r.keys:
+        for key in r.keys[:stored]:
             assert key in r.ns.blocks or broken, "a committed key is not visible"
 
     @rule(r=consumes(reservations))
