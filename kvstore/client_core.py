@@ -669,8 +669,10 @@ class NamespaceCore(Generic[S]):
 
 class ReservationCore(Generic[N]):
     """Slots reserved for ``keys`` (once ``reserved``): writable ``buffers`` in the arena
-    until commit or abort.  A key whose block the daemon holds in DRAM already gets no
-    slot (``offsets[i]`` -1): its buffer is scratch, its bytes need not be written."""
+    until commit or abort.  A key whose block the daemon holds in DRAM already, or
+    another open reservation holds a slot for, gets no slot (``offsets[i]`` -1): its
+    buffer is scratch, its bytes need not be written; the commit stores the keys after
+    it only if that block is cached by then (``dropped``)."""
 
     def __init__(self, ns: N, keys: list[bytes], parent: bytes | None = None) -> None:
         self.ns = ns
@@ -681,6 +683,9 @@ class ReservationCore(Generic[N]):
         self.buffers: list[memoryview] = []
         self.reserved = False
         self.done = False
+        # keys the commit did not store: from the first one another writer was to store
+        # (offset -1, the daemon gave it no slot) that was not cached by then, on
+        self.dropped = 0
 
     def _reserve_request(self) -> p.Reserve:
         return p.Reserve(self.ns.client._next_rid(), self.ns.id, self.keys, self._parent,
@@ -709,9 +714,10 @@ class ReservationCore(Generic[N]):
         self._finish()
         return p.Commit(c._next_rid(), self.id, sums, each, tokens)
 
-    @staticmethod
-    def _on_commit(received: Received) -> int:
-        return check_reply(received[0], p.CommitReply).created
+    def _on_commit(self, received: Received) -> int:
+        reply = check_reply(received[0], p.CommitReply)
+        self.dropped = reply.dropped
+        return reply.created
 
     def _abort_request(self) -> p.Abort | None:
         """None when there is nothing to abort (never reserved, committed or aborted)."""

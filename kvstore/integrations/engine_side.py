@@ -533,7 +533,10 @@ def store_missing(ns: Namespace, keys: Sequence[bytes],
     One lookup finds the cached leading keys (``lookup=False`` skips it, for keys not
     chained to each other, or known to be missing); ``fill(slots, first)`` writes the
     blocks of ``keys[first:first + len(slots)]`` into the reserved slots (called for
-    each run of keys given slots: none for those the daemon holds already); then commit.
+    each run of keys given slots: none for those the daemon holds already, or another
+    writer's open reservation holds a slot for); then commit.  Where the commit stores
+    no key after one of another writer's that was not cached by then (it aborted, or
+    has not committed yet), those keys are not ``present``, and the rest are not tried.
     ``parent`` is the key before ``keys[0]``; a parent evicted since starts a chain of
     its own.  No reservation asks for more blocks than the namespace's arena has slots:
     of a chain longer than that, the leading blocks that fit are stored (one reservation
@@ -563,6 +566,8 @@ def store_missing(ns: Namespace, keys: Sequence[bytes],
                 for start, end in slot_runs(r.offsets):  # (none for keys held already)
                     fill(r.buffers[start:end], done + start)
                 created += r.commit()
+            if r.dropped:  # another writer's block it awaited was not stored: nor are
+                return Stored(done + len(todo) - r.dropped, created)  # the keys after it
             done += len(todo)
     except KVStoreError as exc:
         return Stored(done, created, exc)
@@ -571,7 +576,7 @@ def store_missing(ns: Namespace, keys: Sequence[bytes],
 
 def slot_runs(offsets: Sequence[int]) -> list[tuple[int, int]]:
     """The runs ``(start, end)`` of a reservation's keys given slots; a key the daemon
-    holds already (offset -1) has no bytes to write."""
+    holds already, or another writer is to store (offset -1), has no bytes to write."""
     runs: list[tuple[int, int]] = []
     start: int | None = None
     for i, offset in enumerate([*offsets, -1]):

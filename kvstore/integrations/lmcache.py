@@ -480,8 +480,11 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     self._daemon_failed(self._store_link, "L2 store", result.error)
                     ok = False
                     continue
-                stored += sum(sizes)
-                self._notify_keys_stored([task.keys[i] for i in part], sizes)
+                # (fewer where a key another writer was storing was not stored by then:
+                # neither are those after it in the reservation, a later miss each)
+                kept = result.present
+                stored += sum(sizes[:kept])
+                self._notify_keys_stored([task.keys[i] for i in part[:kept]], sizes[:kept])
         self._finish(self._store_results, task.task_id, L2StoreResult(ok, stored),
                      self._store_efd)
 
