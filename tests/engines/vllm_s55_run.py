@@ -6,7 +6,9 @@ Runs inside the vLLM test environment (.engine-envs/vllm), started by
 test_engine_setups_s55.py.  ``--spec`` names a JSON object as vllm_setups_run.py's
 (``engine``, ``connector``, ``phases``); a phase may also give ``prompt_logprobs`` (the
 log-probability of each prompt token, rounded, comes back per result) and ``pause``
-(before the phase: ``NAME.ready`` written, ``NAME.go`` waited for).  kvstore's log
+(before the phase: ``NAME.ready`` written, ``NAME.go`` waited for); the spec's
+``commit_pause`` names a pause the first commit of a save makes after its reserve (its
+reservation open while the test acts).  kvstore's log
 records of WARNING and above are counted (``warnings``, the first few in
 ``warning_texts``).  After each phase the run waits for the saves, steps the engine until
 it holds no request, and reads the daemon's DRAM figures (``daemon``).  The result is one
@@ -53,9 +55,28 @@ def prompt_logprobs(out: Any) -> list[float | None] | None:
     return chosen
 
 
+def pause_first_commit(name: str) -> None:
+    """The first reservation committed waits at the pause ``name`` first (open)."""
+    from vllm_setups_run import pause
+
+    from kvstore.client import Reservation
+
+    commit, first = Reservation.commit, [True]
+
+    def paused(self: Reservation) -> int:
+        if first[0]:
+            first[0] = False
+            pause(name)
+        return commit(self)
+
+    Reservation.commit = paused  # type: ignore[method-assign]
+
+
 def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
     from vllm_setups_run import daemon_dram, pause, run_requests, start_engine
 
+    if spec.get("commit_pause"):
+        pause_first_commit(spec["commit_pause"])
     counted = Counted()
     logging.getLogger("kvstore").addHandler(counted)
     eng, conn = spec.get("engine", {}), spec.get("connector")
