@@ -284,9 +284,9 @@ class Namespace:
         # store forgets it (``forget_if_unused``): what a tenant cannot use costs nothing
         self.users = 0
         self.forgotten = False  # forgotten by the store: no reservation is made in it
-        # keys an open reservation holds a slot for, not yet committed -> how many hold
+        # keys an open reservation holds a slot for, not yet committed -> those that hold
         # one: a reserve with ``skip_held`` gives them none (``Reservation.awaited``)
-        self.pending: dict[bytes, int] = {}
+        self.pending: dict[bytes, list[Reservation]] = {}
 
     def __repr__(self) -> str:
         return f"Namespace({self.identity.model}, tenant={self.tenant}, blocks={len(self.blocks)})"
@@ -321,6 +321,8 @@ class Counters:
     ssd_slab_dropped: int = 0  # SSD copies dropped to empty them
     awaited_keys: int = 0  # keys reserved with no slot: pending in another reservation
     awaited_dropped: int = 0  # keys a commit did not store: an awaited key not cached
+    commits_waited: int = 0  # commits that waited for older writers of their keys
+    commit_wait_timeouts: int = 0  # of those, ended by the bound, not by the writers
 
 class TierSlots:
     """One tier's slab pool and an eviction order per slab class."""
@@ -437,11 +439,21 @@ class Reservation:
     # keys (by position) whose blocks were committed in DRAM already: their copies are
     # pinned till the commit (a duplicate each) or the rollback, and they take no slot
     held: dict[int, Block] = field(default_factory=dict)
-    # keys (by position) another open reservation of the namespace held a slot for at
-    # the reserve (``Namespace.pending``): they take no slot either, that one's bytes
-    # count; at the commit each must be cached by then, or it and the keys after it are
-    # not stored (``BlockStore.commit``)
-    awaited: frozenset[int] = frozenset()
+    # keys (by position) another session's open reservation of the namespace held a slot
+    # for at the reserve (``Namespace.pending``): they take no slot either, that one's
+    # bytes count.  A commit waits for the reservations that hold them (``awaits``, the
+    # daemon's ``CommitWaits``); one that commits such a key pins its block here, which
+    # moves the key to ``held``; a key still awaited at the commit must be cached by
+    # then, or it and the keys after it are not stored (``BlockStore.commit``)
+    awaited: set[int] = field(default_factory=set)
+    # the open reservations, all older than this one, holding a slot for an ``awaited``
+    # key; and those that await one of this one's keys (the links both ways)
+    awaits: set[Reservation] = field(default_factory=set, repr=False)
+    awaited_by: set[Reservation] = field(default_factory=set, repr=False)
+    # called when ``awaits`` empties or this reservation ends (committed or rolled
+    # back), set while its commit waits: in the middle of a store's change, so it only
+    # schedules (the daemon resolves a future)
+    wake: Callable[[], None] | None = field(default=None, repr=False)
 
     def slots(self) -> list[int]:
         """Each key's slot, -1 for a key ``held`` or ``awaited`` (as the reserve reply
@@ -453,7 +465,7 @@ class Reservation:
                 for i in range(len(self.keys))]
 
     def slotted_keys(self) -> list[bytes]:
-        """The keys given a slot, in order: those ``Namespace.pending`` counts."""
+        """The keys given a slot, in order: those ``Namespace.pending`` lists it for."""
         if not self.held and not self.awaited:
             return self.keys
         return [k for i, k in enumerate(self.keys) if i not in self.held
@@ -461,21 +473,39 @@ class Reservation:
 
 
 def pend(r: Reservation) -> None:
-    """``r`` opened: its keys given a slot are pending in its namespace."""
+    """``r`` opened: it awaits the reservations holding a slot for its ``awaited`` keys,
+    and its keys given a slot are pending in its namespace."""
     pending = r.ns.pending
+    for i in r.awaited:
+        r.awaits.update(pending[r.keys[i]])
+    for other in r.awaits:
+        other.awaited_by.add(r)
     for key in r.slotted_keys():
-        pending[key] = pending.get(key, 0) + 1
+        pending.setdefault(key, []).append(r)
 
 
-def unpend(r: Reservation) -> None:
-    """``r`` ended (committed or rolled back): its keys are pending no more by it."""
+def unpend(r: Reservation) -> list[Reservation]:
+    """``r`` ended (committed or rolled back): its keys are pending no more by it, and
+    those awaiting it (returned) await it no more; each left awaiting none, and ``r``
+    itself, is woken (``Reservation.wake``)."""
     pending = r.ns.pending
     for key in r.slotted_keys():
-        left = pending[key] - 1
-        if left:
-            pending[key] = left
-        else:
+        writers = pending[key]
+        if len(writers) == 1:
             del pending[key]
+        else:
+            writers.remove(r)
+    for other in r.awaits:
+        other.awaited_by.discard(r)
+    r.awaits.clear()
+    waiting, r.awaited_by = list(r.awaited_by), set()
+    for other in waiting:
+        other.awaits.discard(r)
+        if not other.awaits and other.wake is not None:
+            other.wake()
+    if r.wake is not None:
+        r.wake()
+    return waiting
 
 @dataclass(eq=False)
 class Pin:

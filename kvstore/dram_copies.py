@@ -60,6 +60,8 @@ class DramCopies:
             "duplicates": c.duplicate_blocks,
             "awaited": c.awaited_keys,
             "awaited_dropped": c.awaited_dropped,
+            "commits_waited": c.commits_waited,
+            "commit_wait_timeouts": c.commit_wait_timeouts,
             "aborts": c.aborts,
             "lease_expiries": c.lease_expiries,
             "capacity_rejects": c.capacity_rejects,

@@ -102,20 +102,39 @@ class Leases:
         return held
 
     @staticmethod
-    def awaited(ns: Namespace, keys: Sequence[bytes],
-                held: dict[int, Block]) -> frozenset[int]:
-        """The positions of those of ``keys`` (not ``held``) another open reservation of
-        ``ns`` holds a slot for (``Namespace.pending``): a reservation's keys that need
-        no slot of their own, that one's bytes coming (``Reservation.awaited``).  Two
-        writers of the same uncommitted keys at once took a slot each, and the second
-        commit threw its copy away: under pressure each slot had evicted a block for
-        nothing.  A key twice in ``keys`` is not awaited from itself (its commit finds
-        it in DRAM: a duplicate), as only the other reservations are counted yet."""
+    def awaited(ns: Namespace, keys: Sequence[bytes], held: dict[int, Block],
+                owner: Owner) -> set[int]:
+        """The positions of those of ``keys`` (not ``held``) open reservations of other
+        owners in ``ns`` hold a slot for (``Namespace.pending``), and none of ``owner``'s:
+        a reservation's keys that need no slot of their own, that one's bytes coming
+        (``Reservation.awaited``).  Two writers of the same uncommitted keys at once
+        took a slot each, and the second commit threw its copy away: under pressure each
+        slot had evicted a block for nothing.  A key pending in a reservation of the same
+        session takes a slot: its commit waits for no reservation of its own session,
+        whose client may commit that one only after this one's reply.  A key twice in
+        ``keys`` is not awaited from itself (its commit finds it in DRAM: a duplicate),
+        as only the other reservations are listed yet."""
         pending = ns.pending
         if not pending:
-            return frozenset()
-        return frozenset(i for i, key in enumerate(keys)
-                         if key in pending and i not in held)
+            return set()
+        return {i for i, key in enumerate(keys) if key in pending and i not in held
+                and all(r.owner != owner for r in pending[key])}
+
+    def hold_awaited(self, waiting: list[Reservation]) -> None:
+        """A commit stored keys the reservations ``waiting`` await: each such block now
+        in DRAM is pinned for each of them, a key ``held`` (as ``pin_held``'s), so that
+        no eviction before their commits leaves a gap in their chains."""
+        for r in waiting:
+            get = r.ns.blocks.get
+            found = [(i, block) for i in sorted(r.awaited)
+                     if (block := get(r.keys[i])) is not None and block.offset is not None]
+            if not found:
+                continue
+            for i, block in found:
+                self.store.pin_block(block)
+                r.held[i] = block
+                r.awaited.discard(i)
+            r.held = dict(sorted(r.held.items()))  # by position: unpinned deepest first
 
     def unpin_held(self, held: dict[int, Block]) -> None:
         """``pin_held``'s pins go, deepest first (as ``StoreCore.unpin``)."""

@@ -155,7 +155,7 @@ class BlockStore(StoreCore):
     ) -> Reservation | Plan:
         """DRAM slots for every key; or the plan of the writes that must come first, or an
         error, and nothing taken.  With ``skip_held`` (``Skip``: True is both), keys
-        held in DRAM take no slot (``Leases.pin_held``), nor keys another open
+        held in DRAM take no slot (``Leases.pin_held``), nor keys another session's open
         reservation of the namespace holds a slot for (``Leases.awaited``: its bytes
         are coming; the commit stores them under it)."""
         if ns.forgotten:  # (a fetch for a session that ended, its namespace unused)
@@ -179,8 +179,8 @@ class BlockStore(StoreCore):
         ns.users += 1
         # pinned before room is made, so that making it evicts none of them
         held = self.leases.pin_held(ns, keys) if skip & Skip.HELD else {}
-        awaited = (self.leases.awaited(ns, keys, held) if skip & Skip.PENDING
-                   else frozenset())
+        awaited = (self.leases.awaited(ns, keys, held, owner) if skip & Skip.PENDING
+                   else set())
         try:
             # (0: no room to make, nor a quota to ask)
             need = len(keys) - len(held) - len(awaited)
@@ -247,7 +247,7 @@ class BlockStore(StoreCore):
                 and _ids_bytes(tokens) <= len(r.keys) * r.ns.block_bytes else [])
         del state.reservations[rid]
         reserved_out(state, r)
-        unpend(r)
+        waiting = unpend(r)  # (awaiting its keys: pinned for below, once stored)
         self.reserved_slots -= len(r.offsets)
         self.reserved_bytes -= len(r.offsets) * r.ns.cls.slot_bytes
         ns = r.ns
@@ -317,8 +317,7 @@ class BlockStore(StoreCore):
         if self.dropping and ns in self.dropping:  # the removals asked so far keep them
             self.dropping[ns].kept(fresh)
         if self.changes is not None:
-            if duplicates or r.held or r.awaited:  # fresh blocks with gaps between
-                # them: marked one by one
+            if duplicates or r.held or r.awaited:  # gaps between them: one by one
                 self.changes.touch_all(fresh)
             else:  # one chain: one mark
                 self.changes.touch_run(fresh)
@@ -330,6 +329,7 @@ class BlockStore(StoreCore):
         self.committed_slots += len(fresh)
         self.committed_bytes += len(fresh) * ns.cls.slot_bytes
         self.counters.peak_committed = max(self.counters.peak_committed, self.committed_slots)
+        self.leases.hold_awaited(waiting)
         self.leases.unpin_held(r.held)
         if r.parent is not None:
             self.unhold(r.parent, r.parent_pinned)

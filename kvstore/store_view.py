@@ -134,22 +134,33 @@ def _check_first_blocks(store: StoreCore) -> None:
 
 
 def _check_pending(store: StoreCore) -> None:
-    """Each namespace's pending keys (``Namespace.pending``) are its open reservations'
-    keys given a slot, counted once a reservation that holds one; an awaited key had no
-    slot of its own."""
-    counts: dict[int, dict[bytes, int]] = {}
+    """Each namespace's pending keys (``Namespace.pending``) list its open reservations
+    that gave the key a slot, each once a slot; an awaited key had no slot of its own.
+    The links between awaiting reservations and those they await go both ways, to open
+    reservations of the namespace and of other owners (older: made at the reserve)."""
+    lists: dict[int, dict[bytes, list[int]]] = {}
+    open_ids = {r.id for state in store.owners.values() for r in state.reservations.values()}
     for state in store.owners.values():
         for r in state.reservations.values():
             assert r.ns.users > 0 and not r.ns.forgotten, f"{r}: its namespace is gone"
             assert len(r.offsets) + len(r.held) + len(r.awaited) == len(r.keys), (
                 f"{r}: {len(r.offsets)} slots for {len(r.keys)} keys")
             assert not r.awaited.intersection(r.held), f"{r}: a key held and awaited"
-            mine = counts.setdefault(id(r.ns), {})
+            for other in r.awaits:
+                assert other.id in open_ids and r in other.awaited_by, (
+                    f"{r} awaits {other}, ended or not linked back")
+                assert other.owner != r.owner and other.ns is r.ns, (
+                    f"{r} awaits {other}: not a writer of another session there")
+            for other in r.awaited_by:
+                assert other.id in open_ids and r in other.awaits, (
+                    f"{r} awaited by {other}, ended or not linked back")
+            mine = lists.setdefault(id(r.ns), {})
             for key in r.slotted_keys():
-                mine[key] = mine.get(key, 0) + 1
+                mine.setdefault(key, []).append(r.id)
     for ns in store.namespaces.values():
-        found = counts.pop(id(ns), {})
-        assert ns.pending == found, (
-            f"{ns}: {len(ns.pending)} keys counted pending, open reservations hold "
+        found = lists.pop(id(ns), {})
+        listed = {key: sorted(r.id for r in writers) for key, writers in ns.pending.items()}
+        assert listed == {key: sorted(ids) for key, ids in found.items()}, (
+            f"{ns}: {len(ns.pending)} keys listed pending, open reservations hold "
             f"slots for {len(found)}")
-    assert not counts, "reservations in namespaces the store does not list"
+    assert not lists, "reservations in namespaces the store does not list"

@@ -8,8 +8,10 @@ every such key as before."""
 
 from __future__ import annotations
 
+import pytest
 from kvtest import make_identity
 
+from kvstore.errors import CapacityError
 from kvstore.keys import chain_keys
 from kvstore.store import BlockStore, Limits, Namespace, Reservation, Skip
 
@@ -35,9 +37,14 @@ def _reserve(store: BlockStore, owner: str, ns: Namespace, keys: list[bytes],
     return r
 
 
+def _pending(ns: Namespace) -> dict[bytes, int]:
+    """Each pending key: how many open reservations hold a slot for it."""
+    return {key: len(writers) for key, writers in ns.pending.items()}
+
+
 def _settled(store: BlockStore, ns: Namespace) -> None:
     store.check_invariants()
-    assert ns.pending == {} and store.reserved_slots == 0
+    assert _pending(ns) == {} and store.reserved_slots == 0
     assert store.pinned_blocks == 0
 
 
@@ -49,7 +56,7 @@ def test_a_second_writer_of_pending_keys_takes_no_slot_and_its_commit_is_duplica
     b = _reserve(store, "b", ns, keys)
     assert a.slots() == a.offsets and len(a.offsets) == 4
     assert b.slots() == [-1] * 4 and b.offsets == [] and b.awaited == frozenset(range(4))
-    assert store.reserved_slots == 4 and ns.pending == {k: 1 for k in keys}
+    assert store.reserved_slots == 4 and _pending(ns) == {k: 1 for k in keys}
     store.check_invariants()
     assert store.commit("a", a.id, 0.0).created == 4
     done = store.commit("b", b.id, 0.0)
@@ -101,7 +108,7 @@ def test_the_first_writers_lease_ran_out_the_second_stores_nothing_after_the_gap
     b = _reserve(store, "b", ns, keys, now=3.0)
     assert b.awaited == {0, 1, 2}
     assert store.expire(6.0) == ["a"]  # a's lease ended at 5, b's at 8
-    assert ns.pending == {keys[3]: 1, keys[4]: 1}
+    assert _pending(ns) == {keys[3]: 1, keys[4]: 1}
     done = store.commit("b", b.id, 6.0)
     assert (done.created, done.dropped) == (0, 5)
     assert store.lookup(ns, keys) == []
@@ -134,17 +141,93 @@ def test_a_chain_whose_middle_key_is_pending_elsewhere() -> None:
         _settled(store, ns)
 
 
-def test_an_awaited_key_committed_then_evicted_before_the_commit_is_a_gap() -> None:
+def test_an_awaited_key_committed_is_pinned_for_the_second_writer_till_its_commit() -> None:
+    """Between the two commits an eviction found the first writer's blocks unpinned: the
+    second commit found a gap and dropped its own blocks after it."""
     store = _store()
     ns = store.open_namespace(IDENT)
     keys = _chain(ns, 3)
     a = _reserve(store, "a", ns, keys[:2])
     b = _reserve(store, "b", ns, keys)
+    assert b.awaits == {a} and a.awaited_by == {b}
     store.commit("a", a.id, 0.0)
-    store.evict(ns, keys[1:2])  # the last of a's, unpinned: gone before b's commit
+    assert list(b.held) == [0, 1] and not b.awaited and not b.awaits
+    assert store.pinned_blocks == 2
+    store.check_invariants()
+    assert store.evict(ns, keys[1:2])[0] == 0  # pinned for b: not evicted
     done = store.commit("b", b.id, 0.0)
-    assert (done.created, done.duplicates, done.dropped) == (0, 1, 2)
-    assert store.lookup(ns, keys) == ["dram"]
+    assert (done.created, done.duplicates, done.dropped) == (1, 2, 0)
+    assert store.lookup(ns, keys) == ["dram"] * 3
+    _settled(store, ns)
+
+
+def test_under_pressure_between_the_commits_no_gap() -> None:
+    store = _store(8)  # one slab of 8 slots
+    ns = store.open_namespace(IDENT)
+    keys = _chain(ns, 6)
+    a = _reserve(store, "a", ns, keys[:4])
+    b = _reserve(store, "b", ns, keys)  # 4 awaited, 2 slots of its own
+    store.commit("a", a.id, 0.0)
+    cold_ns = store.open_namespace(COLD)  # room for 2 more only by evicting
+    with pytest.raises(CapacityError):  # only a's blocks to evict: pinned for b
+        store.reserve("cold", cold_ns, _chain(cold_ns, 4), None, 0.0)
+    assert store.counters.evictions == 0
+    assert store.commit("b", b.id, 0.0).dropped == 0
+    assert store.lookup(ns, keys) == ["dram"] * 6
+    _settled(store, ns)
+
+
+def test_the_second_writer_is_woken_when_the_writers_it_awaits_end() -> None:
+    """``Reservation.wake``: when the last reservation it awaits ends, however it ends,
+    and when it ends itself (its session gone while its commit waits)."""
+    for end in ("commit", "abort", "lease", "own end"):
+        store = _store()
+        ns = store.open_namespace(IDENT)
+        keys = _chain(ns, 4)
+        a1 = _reserve(store, "a1", ns, keys[:2])
+        a2 = _reserve(store, "a2", ns, keys[:3], skip=False, now=2.0)  # the third: a2 only
+        b = _reserve(store, "b", ns, keys, now=2.0)
+        assert b.awaits == {a1, a2} and b.awaited == {0, 1, 2} and len(b.offsets) == 1
+        woken: list[str] = []
+        b.wake = lambda: woken.append(end)
+        if end == "own end":
+            store.drop_owner("b")
+            assert woken == [end] and not a1.awaited_by and not a2.awaited_by
+            store.abort("a1", a1.id)
+            store.abort("a2", a2.id)
+            _settled(store, ns)
+            continue
+        if end == "commit":
+            store.commit("a1", a1.id, 3.0)
+        elif end == "abort":
+            store.abort("a1", a1.id)
+        else:
+            assert store.expire(6.0) == ["a1"]  # a1's lease ended at 5, a2's at 7
+        assert woken == [] and b.awaits == {a2}, "woken while a2 is open"
+        store.check_invariants()
+        store.abort("a2", a2.id)
+        assert woken == [end] and not b.awaits
+        done = store.commit("b", b.id, 6.0)
+        # the keys a1 stored were pinned for b; a2's third key was not stored: the gap
+        assert done.dropped == (2 if end == "commit" else 4), end
+        _settled(store, ns)
+
+
+def test_keys_pending_in_a_reservation_of_the_same_session_take_a_slot() -> None:
+    """Its commit waits for no reservation of its own session: the client may commit
+    that one only after this one's reply."""
+    store = _store()
+    ns = store.open_namespace(IDENT)
+    keys = _chain(ns, 4)
+    first = _reserve(store, "a", ns, keys[:2])
+    other = _reserve(store, "b", ns, keys[2:])
+    second = _reserve(store, "a", ns, keys)
+    assert second.awaited == {2, 3} and second.awaits == {other}
+    assert min(second.slots()[:2]) >= 0
+    store.commit("b", other.id, 0.0)
+    done = store.commit("a", second.id, 0.0)
+    assert (done.created, done.duplicates, done.dropped) == (2, 2, 0)
+    assert store.commit("a", first.id, 0.0).duplicates == 2
     _settled(store, ns)
 
 
@@ -156,7 +239,7 @@ def test_without_skip_held_or_for_a_put_every_key_takes_a_slot_as_before() -> No
     old = _reserve(store, "old", ns, keys, skip=False)
     put = _reserve(store, "put", ns, keys, skip=Skip.HELD)
     assert min(old.slots()) >= 0 and min(put.slots()) >= 0 and not old.awaited
-    assert store.reserved_slots == 12 and ns.pending == {k: 3 for k in keys}
+    assert store.reserved_slots == 12 and _pending(ns) == {k: 3 for k in keys}
     store.check_invariants()
     assert store.commit("put", put.id, 0.0).created == 4
     done = store.commit("old", old.id, 0.0)
@@ -170,7 +253,7 @@ def test_a_key_twice_in_one_reservation_is_not_awaited_from_itself() -> None:
     ns = store.open_namespace(IDENT)
     key = _chain(ns, 1)[0]
     r = _reserve(store, "a", ns, [key, key])
-    assert not r.awaited and len(r.offsets) == 2 and ns.pending == {key: 2}
+    assert not r.awaited and len(r.offsets) == 2 and _pending(ns) == {key: 2}
     done = store.commit("a", r.id, 0.0)
     assert (done.created, done.duplicates, done.dropped) == (1, 1, 0)
     _settled(store, ns)
