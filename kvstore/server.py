@@ -579,6 +579,7 @@ async def drain_server(server: Server, bound: float) -> None:
     stop = server.stop_deadline
     server.transport.stop_reading()
     server.moves.room.stop()  # deferred requests: no room frees now, their last steps run
+    server.verbs.commits.stop()  # commits waiting for other writers: none commits now
     if server._tasks:
         await asyncio.wait(list(server._tasks), timeout=stop.left(bound))
     if server.remote is not None:

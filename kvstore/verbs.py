@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from kvstore import protocol as p
 from kvstore.auth import Auth
+from kvstore.commit_waits import CommitWaits
 from kvstore.config import Config
 from kvstore.errors import (
     CapacityError,
@@ -150,6 +151,7 @@ class Verbs:
         # get replies zmq still sends: pin id -> (session, its bytes counted in flight)
         self.sending: dict[int, tuple[Session, int]] = {}
         self.removals = Removals(daemon, self.sending)
+        self.commits = CommitWaits(daemon.store, daemon.sessions)  # after older writers
 
     def add(self, table: dict[type[Any], Handler]) -> None:
         """More handlers (the routing verbs, say)."""
@@ -269,7 +271,10 @@ class Verbs:
                 raise
         return store.reserve(session.id, ns, keys, parent, clock(), skip_held)
 
-    def _commit(self, session: Session, req: p.Commit, payload: list[Any]) -> Outcome:
+    def _commit(self, session: Session, req: p.Commit, payload: list[Any]) -> Answer:
+        return self.commits.commit(session, req, lambda: self._commit_now(session, req))
+
+    def _commit_now(self, session: Session, req: p.Commit) -> Outcome:
         result = self.d.store.commit(session.id, req.reservation, self.d.clock(),
                                      req.checksums, req.token_ids or req.tokens)
         self._committed(result.blocks)

@@ -534,9 +534,10 @@ def store_missing(ns: Namespace, keys: Sequence[bytes],
     chained to each other, or known to be missing); ``fill(slots, first)`` writes the
     blocks of ``keys[first:first + len(slots)]`` into the reserved slots (called for
     each run of keys given slots: none for those the daemon holds already, or another
-    writer's open reservation holds a slot for); then commit.  Where the commit stores
-    no key after one of another writer's that was not cached by then (it aborted, or
-    has not committed yet), those keys are not ``present``, and the rest are not tried.
+    writer's open reservation holds a slot for); then commit (the daemon makes it wait
+    for that writer's).  Where the commit stores no key after one of another writer's
+    that was not cached by then (it aborted, or its lease ran out), those keys are not
+    ``present``, and the rest are not tried.
     ``parent`` is the key before ``keys[0]``; a parent evicted since starts a chain of
     its own.  No reservation asks for more blocks than the namespace's arena has slots:
     of a chain longer than that, the leading blocks that fit are stored (one reservation

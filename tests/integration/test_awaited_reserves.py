@@ -3,13 +3,16 @@ second's reserve gives the keys the first holds slots for none (offset -1, as a 
 held already), so with DRAM full only the first's slots evict anything; the second
 copies nothing for them and its commit finds them cached (duplicates).  Where the first
 aborts instead, the second's commit stores none of them nor the keys after them
-(``dropped``): a later miss, never a block without its parent.  An older client's
+(``dropped``): a later miss, never a block without its parent.  A commit before the
+first writer's waits for it (tests/integration/test_commit_waits.py).  An older client's
 reserve (no ``skip_held``) still takes a slot for every key."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvtest import make_identity
@@ -92,10 +95,19 @@ def test_the_first_writer_aborts_the_second_stores_nothing_from_the_gap_on(
         assert (dram["reserved_slots"], dram["committed_slots"]) == (0, 0), dram
 
 
+def _waiting(c: Client, commits: int) -> None:
+    """Until ``commits`` commits have waited for older writers (a commit's wait begins
+    in the daemon after it was sent: polled, within a bound)."""
+    deadline = time.monotonic() + 20
+    while _dram(c).get("commits_waited", 0) < commits:
+        assert time.monotonic() < deadline, _dram(c)
+        time.sleep(0.02)
+
+
 def test_an_engine_save_beside_an_open_writer_reports_what_is_stored(
         daemon_factory: Any) -> None:
-    """``store_missing`` copies nothing for the other writer's keys; its commit before
-    that writer's stores none of them nor its own after them: ``present`` says so."""
+    """``store_missing`` copies nothing for the other writer's keys; its commit waits
+    for that writer's, then stores its own blocks under them: ``present`` says all."""
     d = daemon_factory(dram_capacity=CAPACITY)
     with Client(d.endpoint, tenant="acme") as c1, Client(d.endpoint, tenant="acme") as c2:
         ns1, ns2 = c1.namespace(IDENTITY), c2.namespace(IDENTITY)
@@ -106,12 +118,13 @@ def test_an_engine_save_beside_an_open_writer_reports_what_is_stored(
         def fill(slots: Any, start: int) -> None:
             calls.append((start, len(slots)))
 
-        stored = store_missing(ns2, keys, fill, lookup=False)
+        with ThreadPoolExecutor(1) as pool:
+            save = pool.submit(store_missing, ns2, keys, fill, lookup=False)
+            _waiting(c1, 1)
+            first.commit()
+            stored = save.result(timeout=30)
         assert calls == [(SHARED, OWN)]
-        assert (stored.present, stored.created, stored.error) == (0, 0, None)
-        first.commit()
-        stored = store_missing(ns2, keys, fill, lookup=False)  # now under the first's
-        assert (stored.present, stored.created) == (SHARED + OWN, OWN)
+        assert (stored.present, stored.created, stored.error) == (SHARED + OWN, OWN, None)
         assert ns1.lookup(keys).blocks == SHARED + OWN
 
 
@@ -132,12 +145,18 @@ def test_the_async_client_and_an_older_client_beside_an_open_writer(
                 async with ans.reserve(keys) as r:
                     return r.offsets, await r.commit(), r.dropped
 
-        offsets, created, dropped = asyncio.run(second())
-        # (the older client's reservation holds slots for all: awaited too)
-        assert offsets == [-1] * (SHARED + OWN) and (created, dropped) == (0, SHARED + OWN)
-        first.commit()
-        done = check_reply(c._call(p.Commit(c._next_rid(), older.reservation))[0],
-                           p.CommitReply)
+        with ThreadPoolExecutor(1) as pool:
+            waits = pool.submit(asyncio.run, second())
+            _waiting(c, 1)
+            first.commit()  # (the older client's reservation, still open, holds all)
+            assert not waits.done()
+            done = check_reply(c._call(p.Commit(c._next_rid(), older.reservation))[0],
+                               p.CommitReply)
+            offsets, created, dropped = waits.result(timeout=30)
         assert (done.created, done.duplicates, done.dropped) == (OWN, SHARED, 0)
+        # (the older client's reservation held slots for all: awaited too)
+        assert offsets == [-1] * (SHARED + OWN) and (created, dropped) == (0, 0)
         dram = _dram(c)
+        assert dram["duplicates"] == SHARED + OWN + SHARED, dram
         assert (dram["reserved_slots"], dram["committed_slots"]) == (0, SHARED + OWN), dram
+        assert dram["pinned_blocks"] == 0, dram

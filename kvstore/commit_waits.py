@@ -1,0 +1,90 @@
+"""Commits that wait for the older writers of the keys they were given no slot for.
+
+A reserve with ``skip_held`` gives no slot to a key another session's open reservation
+holds one for (``Reservation.awaited``): that writer's bytes are coming.  Two engines
+saving the same prefix, each with its own continuation: the second copies only its own
+tail and often commits first, and a commit that found the shared keys not cached yet
+stored none of them nor its own blocks after them.  So its commit waits until every
+reservation it awaits has ended (committed, aborted, or rolled back at its lease's
+end), then commits by the store's rule: a key the other writer stored was pinned for it
+at that commit (``Leases.hold_awaited``), one it did not store ends the chain there.
+
+The waits point only to older reservations of other sessions, so they make no cycle in
+the daemon.  A wait is still bounded, by half a lease from when the commit came (a
+writer's client may hold a reservation open while its session lives on; a client's
+timeout, 30 s by default as the lease, must not run out first); a writer gone silent is
+rolled back at its lease's end, which wakes the waiter.  Meanwhile the waiter's lease is
+renewed, as for every request finishing in a task (``Finisher.kept_alive``).
+A waiter's own session ending (a goodbye, its lease) ends its wait with that error; the
+daemon stopping ends every wait, as no writer's commit is read any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from kvstore import protocol as p
+from kvstore.pending import Later
+from kvstore.sessions import Session, Sessions, gone_while_waiting
+from kvstore.store import BlockStore, Reservation
+
+Outcome = tuple[p.Message, list[Any]]
+WAIT_SHARE = 0.5  # of a lease: the longest a commit waits for older writers
+
+
+class CommitWaits:
+    """The commits waiting for older writers, by reservation."""
+
+    def __init__(self, store: BlockStore, sessions: Sessions) -> None:
+        self.store = store
+        self.sessions = sessions
+        self.waiting: dict[int, Reservation] = {}
+        self.stopped = False  # the daemon stops: no writer commits any more, none waits
+
+    def __repr__(self) -> str:
+        return f"CommitWaits(waiting={len(self.waiting)}, stopped={self.stopped})"
+
+    def commit(self, session: Session, req: p.Commit,
+               commit_now: Callable[[], Outcome]) -> Outcome | Later:
+        """``commit_now`` at once, or, while the reservation awaits older writers'
+        reservations still open, in a coroutine once they end (``Later``)."""
+        r = self._open(session, req.reservation)
+        if r is None or not r.awaits or self.stopped:
+            return commit_now()  # (an unknown reservation: its error, as before)
+        return Later(self._after_writers(session, r, commit_now))
+
+    def _open(self, session: Session, rid: int) -> Reservation | None:
+        state = self.store.owners.get(session.id)
+        return None if state is None else state.reservations.get(rid)
+
+    async def _after_writers(self, session: Session, r: Reservation,
+                             commit_now: Callable[[], Outcome]) -> Outcome:
+        if r.awaits and not self.stopped and self._open(session, r.id) is r:
+            woken = asyncio.get_running_loop().create_future()
+
+            def wake() -> None:
+                if not woken.done():
+                    woken.set_result(None)
+
+            r.wake = wake
+            self.waiting[r.id] = r
+            self.store.counters.commits_waited += 1
+            try:
+                await asyncio.wait_for(woken, self.store.limits.lease_seconds * WAIT_SHARE)
+            except TimeoutError:  # a writer holding its reservation open: not waited for
+                self.store.counters.commit_wait_timeouts += 1
+            finally:
+                r.wake = None
+                del self.waiting[r.id]
+        if session.id not in self.sessions.by_id:  # (a goodbye, or its lease, meanwhile:
+            raise gone_while_waiting(session)  # its reservation was rolled back)
+        return commit_now()
+
+    def stop(self) -> None:
+        """The daemon stops reading requests: the waiting commits go on at once."""
+        self.stopped = True
+        for r in list(self.waiting.values()):
+            if r.wake is not None:
+                r.wake()
