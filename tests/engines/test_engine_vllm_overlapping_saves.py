@@ -6,9 +6,9 @@ daemon evicts no more of the other tenant's blocks than the new blocks need.  Be
 each rank took a slot for every key and the second commit threw its copy away: 36
 evictions for 20 new blocks where 16 make room.
 
-Whichever rank commits first, every new block is stored once; a rank whose commit came
-before the other's finds those keys not cached yet and stores none of them (counted
-``awaited_dropped``, a later miss for it, never a wrong block); the outputs match.
+Whichever rank commits first, every new block is stored once: a rank whose commit came
+before the other's waits for it (``commits_waited``), then stores its own blocks under
+the other's, none dropped (``awaited_dropped`` 0); the outputs match.
 """
 
 from __future__ import annotations
@@ -106,10 +106,10 @@ def test_every_block_is_stored_once_and_the_outputs_match(runs: dict[str, Any]) 
         assert results(runs[rank], "num_cached_tokens") == [0] * len(PROMPTS)
     both = sent(runs["a"]) + sent(runs["b"])
     assert both == 2 * NEW_BLOCKS
-    # each block sent again is a duplicate, or not stored by a commit that came first
-    again = (after["duplicates"] - before["duplicates"]
-             + after["awaited_dropped"] - before["awaited_dropped"])
-    assert again == both - NEW_BLOCKS
+    # each block sent again is a duplicate: a commit that came first waited, none dropped
+    assert after["awaited_dropped"] - before["awaited_dropped"] == 0, after
+    assert after["commit_wait_timeouts"] == 0, after
+    assert after["duplicates"] - before["duplicates"] == both - NEW_BLOCKS
     assert runs["a"]["worker"]["saved_blocks"] + runs["b"]["worker"]["saved_blocks"] == (
         NEW_BLOCKS)
     assert results(runs["a"], "outputs") == results(runs["b"], "outputs")
