@@ -338,12 +338,11 @@ class StoreCore:
         self.chain = PolicyChain()  # ``pressure`` sets it
         self.early = False
         self.hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
-        # The entries with no parent (a chain's first block), by key -> their namespace:
-        # a router's probe finds a chain's namespace by one lookup rather than asking
-        # every namespace its tenants see (keys are hashed with their namespace)
+        # Chains' first blocks, by key -> their namespace: a router's probe finds a chain's
+        # namespace by one lookup, not by asking every namespace its tenants see
         self.roots: dict[bytes, Heads] = {}
-        # The sweep below them, when it is left to go on in later calls (``sweep_hollow``):
-        # the daemon's way to be called again, the round's entries left, the one under way.
+        # The sweep below them, left to go on in later calls (``sweep_hollow``): the
+        # daemon's way to be called again, the round's entries left, the one under way.
         self.sweep_later: Callable[[], None] | None = None
         self._sweeps: list[Block] = []
         self._sweeping: tuple[Block, SubtreeDrop] | None = None
