@@ -71,13 +71,11 @@ class ArenaBudget:
         self.slabs = slabs
         self.weights = weights  # by tenant (the arena's name); 1 where not given
         self.pools: dict[SlabPool, str] = {}  # each arena's pool -> the arena's name
-        # told (arena name, offset, length, done) of each slab that went back: the
-        # daemon gives its pages back to the system off the loop, then calls ``done``
-        # (on the loop), and the slab is its arena's to take again (None: done at once)
-        self.on_release: Callable[[str, int, int, Callable[[], None]], None] | None = None
+        # told (arena name, offset, length) of each slab that went back: its pages are
+        # given back to the system by the daemon (None: nothing to give, in tests)
+        self.on_release: Callable[[str, int, int], None] | None = None
         self.released = 0  # slabs gone back to the budget since start
         self.taken = 0  # slabs one arena gave up for another below its share
-        self.releasing = 0  # slabs whose pages are going back now (``gave_back``)
 
     def join(self, pool: SlabPool, name: str) -> None:
         """Count ``pool`` (the arena ``name``'s) against the budget from now on."""
@@ -90,23 +88,12 @@ class ArenaBudget:
         """Slabs no arena holds (0 while a warm restart's claims hold more)."""
         return max(0, self.slabs - sum(held(p) for p in self.pools))
 
-    def gave_back(self, pool: SlabPool, index: int, done: Callable[[], None]) -> None:
-        """Slab ``index`` of ``pool`` is empty again: its pages go back to the system, and
-        then (``done``) the slab to the pool's empty ones.  The budget counts it spare at
-        once: another arena may take a slab while these pages go (for the tens of ms a
-        64 MiB slab takes the kernel), never the same slab before its pages went."""
+    def gave_back(self, pool: SlabPool, index: int) -> None:
+        """Slab ``index`` of ``pool`` is empty again: its pages go back to the system."""
         self.released += 1
-        if self.on_release is None:
-            done()
-            return
-        self.releasing += 1
-
-        def released() -> None:
-            self.releasing -= 1
-            done()
-
-        size = pool.slab_bytes
-        self.on_release(self.pools[pool], index * size, size, released)
+        if self.on_release is not None:
+            size = pool.slab_bytes
+            self.on_release(self.pools[pool], index * size, size)
 
     def shares(self, asking: SlabPool) -> dict[SlabPool, float]:
         """Each arena's weighted share of the slabs, in slabs: over the arenas holding
@@ -131,8 +118,7 @@ class ArenaBudget:
     def figures(self) -> dict[str, object]:
         """The budget in slabs, what is spare, and what each arena holds."""
         return {"slabs": self.slabs, "spare": self.spare, "released": self.released,
-                "taken": self.taken, "releasing": self.releasing,
-                "held": {name: held(p) for p, name in self.pools.items()}}
+                "taken": self.taken, "held": {name: held(p) for p, name in self.pools.items()}}
 
     def check(self) -> None:
         """The arenas hold at most the budget (claims at a warm restart aside)."""

@@ -72,7 +72,6 @@ class DramCopies:
         }
         if budget is not None:  # slabs the arenas may hold together; one taken for another
             figures["budget_slabs"], figures["budget_taken"] = budget.slabs, budget.taken
-            figures["releasing_slabs"] = budget.releasing  # (their pages going back)
         return figures
 
     def check(self, blocks: Iterable[Block]) -> None:

@@ -142,7 +142,6 @@ class SlabPool:
         self._drains: dict[int, list[Any]] = {}
         self._unended = 0
         self.budget: ArenaBudget | None = None  # over all arenas (``kvstore.arena_budget``)
-        self._releasing: set[int] = set()  # empty slabs whose pages are going (a budget's)
 
     # -- size classes ---------------------------------------------------------
     def slot_bytes_for(self, block_bytes: int) -> int:
@@ -165,8 +164,7 @@ class SlabPool:
     # -- allocation -----------------------------------------------------------
     @property
     def empty_slabs(self) -> int:
-        """Slabs no class holds (those whose pages are going back too)."""
-        return len(self._empty) + len(self._releasing)
+        return len(self._empty)
 
     def empty_for(self, cls: SlabClass) -> int:
         """The empty slabs ``cls`` may take: all but those set aside for other classes."""
@@ -490,10 +488,7 @@ class SlabPool:
         assert 0 <= self._earmarked_total <= len(self._empty), "more set aside than empty"
         assert sum(self._earmarked.values()) == self._earmarked_total and all(
             n > 0 for n in self._earmarked.values()), "the slabs set aside miscounted"
-        assert not owned & self._releasing and not self._releasing & set(self._empty), (
-            "a slab whose pages are going is in use or empty")
-        assert len(owned) + len(self._empty) + len(self._releasing) == self.num_slabs, (
-            "a slab went missing")
+        assert len(owned) + len(self._empty) == self.num_slabs, "a slab went missing"
         if self.budget is not None:
             self.budget.check()
         assert all(held >= 0 and i in of.slabs and of.slabs[i].draining
@@ -544,15 +539,7 @@ def _takeable(pool: SlabPool) -> int:
 
 
 def _to_empty(pool: SlabPool, index: int) -> None:
-    """Slab ``index`` is empty: the pool's again, or with a budget, its budget's at once
-    and the pool's once its pages went back (``ArenaBudget.gave_back``)."""
-    if pool.budget is None:
-        pool._empty.append(index)
-        return
-    pool._releasing.add(index)
-
-    def done() -> None:
-        pool._releasing.discard(index)
-        pool._empty.append(index)
-
-    pool.budget.gave_back(pool, index, done)
+    """Slab ``index`` is empty: the pool's again (and its budget's, pages and all)."""
+    pool._empty.append(index)
+    if pool.budget is not None:
+        pool.budget.gave_back(pool, index)

@@ -368,24 +368,12 @@ class Arenas:
         if arena.label:
             self.by_label[arena.label] = (name, arena)
 
-    def release(self, name: str, offset: int, length: int,
-                done: Callable[[], None]) -> None:
-        """The arena ``name``'s memory at ``offset`` goes back to the system (a slab back
-        to the budget), then ``done``.  On a thread while the loop runs: the kernel takes
-        tens of ms for a 64 MiB slab (45-60 ms measured on a loaded host), which held the
-        loop when it ran there; ``done`` is called on the loop."""
+    def release(self, name: str, offset: int, length: int) -> None:
+        """The arena ``name``'s memory at ``offset`` goes back to the system (a slab
+        back to the budget)."""
         arena = self.by_name.get(name)
-        if arena is None:
-            done()
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # (no loop: in-process use)
+        if arena is not None:
             arena.release(offset, length)
-            done()
-            return
-        work = loop.run_in_executor(None, arena.release, offset, length)
-        work.add_done_callback(lambda _: done())
 
     def allocated_bytes(self) -> dict[str, int]:
         """The memory each arena holds now, by name."""

@@ -7,22 +7,16 @@ bytes, and every pool's and the store's invariants hold."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import threading
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 from kvtest import make_identity
 
-from kvstore.arena_budget import ArenaBudget, budget_slab_bytes
+from kvstore.arena_budget import budget_slab_bytes
 from kvstore.errors import CapacityError
 from kvstore.keys import chain_keys
 from kvstore.plans import Plan
 from kvstore.store import BlockStore, Namespace
-from kvstore.tiers.dram import Arenas as DaemonArenas
-from kvstore.tiers.dram import DramArena
 
 A = make_identity(tenant="a")
 B = make_identity(tenant="b")
@@ -168,8 +162,7 @@ def test_a_slab_back_to_the_budget_is_told_with_its_place_in_its_arena() -> None
     a, b = store.open_namespace(A), store.open_namespace(B)
     arenas.put(a, 0, SLABS * 4)
     assert store.dram_budget is not None
-    store.dram_budget.on_release = lambda name, offset, length, done: (
-        released.append((name, offset, length)), done())
+    store.dram_budget.on_release = lambda *told: released.append(told)
     arenas.put(b, 1000, 4)
     assert len(released) == 1
     name, offset, length = released[0]
@@ -177,56 +170,6 @@ def test_a_slab_back_to_the_budget_is_told_with_its_place_in_its_arena() -> None
     assert offset // SLAB not in a.dram.pool._owner
     assert b.dram.pool.budget is store.dram_budget
     arenas.check()
-
-
-def test_a_slab_whose_pages_are_going_is_spare_to_the_budget_not_yet_to_its_arena() -> None:
-    """The pages go on a thread (tens of ms a 64 MiB slab held the loop): meanwhile the
-    budget counts the slab spare, and its own arena does not take it again (its pages
-    would be punched under a new block's bytes)."""
-    arenas = Arenas()
-    store = arenas.store
-    a, b = store.open_namespace(A), store.open_namespace(B)
-    arenas.put(a, 0, SLABS * 4)
-    budget = store.dram_budget
-    assert budget is not None
-    going: list[Callable[[], None]] = []
-    budget.on_release = lambda name, offset, length, done: going.append(done)
-    spare = budget.spare
-    arenas.put(b, 1000, 4)
-    assert len(going) == 1 and budget.figures()["releasing"] == 1
-    pool = a.dram.pool
-    index = next(iter(pool._releasing))
-    assert index not in pool._empty and index not in pool._owner
-    assert budget.spare == spare  # (given back, and taken by b)
-    pool.check()
-    going.pop()()
-    assert index in pool._empty and not pool._releasing
-    assert budget.figures()["releasing"] == 0
-    arenas.check()
-
-
-def test_the_daemon_gives_a_slabs_pages_back_off_its_loop(tmp_path: Path) -> None:
-    threads: list[int] = []
-    arenas = DaemonArenas(1 << 20, str(tmp_path), populate=False,
-                          budget=ArenaBudget(16, {}))
-    arena = arenas.get("a")
-    arena.slot(0, 4096)[:] = b"\x01" * 4096
-
-    def release(offset: int, length: int) -> None:
-        threads.append(threading.get_ident())
-        DramArena.release(arena, offset, length)
-
-    arena.release = release  # type: ignore[method-assign]
-
-    async def main() -> int:
-        done = asyncio.get_running_loop().create_future()
-        arenas.release("a", 0, 1 << 16, lambda: done.set_result(threading.get_ident()))
-        return await asyncio.wait_for(done, 10)
-
-    on = asyncio.run(main())
-    assert threads and threads[0] != on == threading.get_ident()
-    assert bytes(arena.slot(0, 16)) == bytes(16)  # given back: zeros read again
-    arenas.close()
 
 
 def test_a_shared_arena_has_no_budget() -> None:

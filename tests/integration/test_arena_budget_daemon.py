@@ -6,7 +6,6 @@ memory follows its slabs; the metrics show each arena's slabs and the budget."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,18 +65,12 @@ def test_three_tenants_writing_more_than_half_the_capacity_each_stay_within_it(
                 worst_committed = max(worst_committed, dram["committed"])
                 worst_memory = max(worst_memory, arena_memory(d.proc.pid))
         assert worst_committed <= CAPACITY, worst_committed
-        # a slab's pages go back on a thread: another arena may write a slab meanwhile
-        assert worst_memory <= CAPACITY + 4 * SLAB, worst_memory
-        deadline = time.monotonic() + 10
-        while ops.stats()["tiers"]["dram"]["releasing_slabs"]:
-            assert time.monotonic() < deadline, "a slab's pages never went back"
-            time.sleep(0.02)
-        assert arena_memory(d.proc.pid) <= CAPACITY
+        assert worst_memory <= CAPACITY, worst_memory
         stats = ops.stats()
         dram = stats["tiers"]["dram"]
         assert dram["budget_slabs"] == CAPACITY // SLAB
         assert dram["allocated"] <= CAPACITY
-        assert dram["budget_taken"] > 0, (dram, stats["slab_classes"])  # b and c took slabs a had filled first
+        assert dram["budget_taken"] > 0  # b and c took slabs a had filled first
         # each tenant sees its own arena's slabs, about a third of the budget each
         held = {t: sum(c["slabs"] for c in clients[t].stats()["slab_classes"]["dram"])
                 for t in clients}
