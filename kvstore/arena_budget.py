@@ -4,8 +4,9 @@ With an arena per tenant (``dram.per_tenant_arenas``) each arena's pool spans
 ``dram.capacity``, so that any tenant may grow to all of it; the budget keeps the
 arenas together within it: a slab any pool takes from its empty ones counts against
 ``capacity // slab_bytes`` slabs for them all, and a slab going back to a pool's empty
-ones goes back to the budget, its pages to the system (``on_release``: the daemon
-punches them out of the arena's memory).  A pool sees only what the budget has left
+ones goes back to the budget, its pages to the system once another arena's growth
+needs the memory (``grew``; ``on_release``: the daemon punches them out of the arena's
+memory), its own arena taking it again first meanwhile.  A pool sees only what the budget has left
 (``SlabPool.empty_for``).  What a pool holds is counted from the pool itself (its
 slabs in use and those set aside for a class), so the budget keeps no count that could
 drift from them.
@@ -27,6 +28,8 @@ class SlabPool(Protocol):
 
     _owner: dict[int, Any]
     _earmarked_total: int
+    _resident: set[int]
+    _empty: list[int]
     slab_bytes: int
     budget: ArenaBudget | None
 
@@ -88,12 +91,24 @@ class ArenaBudget:
         """Slabs no arena holds (0 while a warm restart's claims hold more)."""
         return max(0, self.slabs - sum(held(p) for p in self.pools))
 
-    def gave_back(self, pool: SlabPool, index: int) -> None:
-        """Slab ``index`` of ``pool`` is empty again: its pages go back to the system."""
-        self.released += 1
-        if self.on_release is not None:
-            size = pool.slab_bytes
-            self.on_release(self.pools[pool], index * size, size)
+    def grew(self) -> None:
+        """A pool took an empty slab: while the slabs the arenas hold and the empty ones
+        whose pages are still there pass the budget, the pages of those go back to the
+        system, the arena with most of them first.  An emptied slab keeps its pages for
+        its arena until another's growth needs the memory: giving them back (the
+        kernel's 45-60 ms for a 64 MiB slab on a loaded host) and taking them again
+        (a fault a page) is paid only where memory passes between arenas, not each time
+        a slab of a busy arena empties and fills again."""
+        pools = self.pools
+        over = sum(held(p) + len(p._resident) for p in pools) - self.slabs
+        while over > 0:
+            pool = max(pools, key=lambda p: len(p._resident))
+            index = pool._resident.pop()
+            self.released += 1
+            over -= 1
+            if self.on_release is not None:
+                size = pool.slab_bytes
+                self.on_release(pools[pool], index * size, size)
 
     def shares(self, asking: SlabPool) -> dict[SlabPool, float]:
         """Each arena's weighted share of the slabs, in slabs: over the arenas holding
@@ -118,12 +133,17 @@ class ArenaBudget:
     def figures(self) -> dict[str, object]:
         """The budget in slabs, what is spare, and what each arena holds."""
         return {"slabs": self.slabs, "spare": self.spare, "released": self.released,
-                "taken": self.taken, "held": {name: held(p) for p, name in self.pools.items()}}
+                "taken": self.taken, "kept": sum(len(p._resident) for p in self.pools),
+                "held": {name: held(p) for p, name in self.pools.items()}}
 
     def check(self) -> None:
         """The arenas hold at most the budget (claims at a warm restart aside)."""
         total = sum(held(p) for p in self.pools)
         assert total <= self.slabs, f"the arenas hold {total} slabs of a budget of {self.slabs}"
+        assert all(p._resident <= set(p._empty) for p in self.pools), (
+            "a slab whose pages are kept is not empty")
+        kept = sum(len(p._resident) for p in self.pools)
+        assert total + kept <= self.slabs, f"{kept} empty slabs keep pages past the budget"
         assert all(p.budget is self for p in self.pools), "a pool left its budget"
 
     def __repr__(self) -> str:

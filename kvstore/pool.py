@@ -142,6 +142,7 @@ class SlabPool:
         self._drains: dict[int, list[Any]] = {}
         self._unended = 0
         self.budget: ArenaBudget | None = None  # over all arenas (``kvstore.arena_budget``)
+        self._resident: set[int] = set()  # empty, pages kept (``ArenaBudget.grew``)
 
     # -- size classes ---------------------------------------------------------
     def slot_bytes_for(self, block_bytes: int) -> int:
@@ -449,14 +450,18 @@ class SlabPool:
 
     def _grow(self, cls: SlabClass, index: int | None = None) -> None:
         if index is None:
-            index = self._empty.pop()
+            index = _next_empty(self)
             if self._earmarked.get(cls):  # one set aside for the class: taken
                 self.release(cls, 1)
+        else:
+            self._resident.discard(index)
         slab = Slab(index, index * self.slab_bytes)
         cls.slabs[index] = slab
         cls._with_room[index] = slab
         cls.free_slots += cls.slots_per_slab
         self._owner[index] = cls
+        if self.budget is not None:  # (its pages, written from now on, are the budget's)
+            self.budget.grew()
 
     def _shrink(self, cls: SlabClass, slab: Slab) -> None:
         del cls.slabs[slab.index]
@@ -539,7 +544,18 @@ def _takeable(pool: SlabPool) -> int:
 
 
 def _to_empty(pool: SlabPool, index: int) -> None:
-    """Slab ``index`` is empty: the pool's again (and its budget's, pages and all)."""
+    """Slab ``index`` is empty: the pool's again, and with a budget, the budget's, its
+    pages kept until another arena needs the memory (``ArenaBudget.grew``)."""
     pool._empty.append(index)
     if pool.budget is not None:
-        pool.budget.gave_back(pool, index)
+        pool._resident.add(index)
+
+
+def _next_empty(pool: SlabPool) -> int:
+    """The empty slab a class takes: one whose pages are still there first (no memory
+    taken anew, none given back for it), else the last emptied."""
+    if pool._resident:
+        index = pool._resident.pop()
+        pool._empty.remove(index)  # (a list of at most the pool's slabs)
+        return index
+    return pool._empty.pop()
