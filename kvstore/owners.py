@@ -101,8 +101,7 @@ class Leases:
                 held[i] = block
         return held
 
-    @staticmethod
-    def awaited(ns: Namespace, keys: Sequence[bytes], held: dict[int, Block],
+    def awaited(self, ns: Namespace, keys: Sequence[bytes], held: dict[int, Block],
                 owner: Owner) -> set[int]:
         """The positions of those of ``keys`` (not ``held``) open reservations of other
         owners in ``ns`` hold a slot for (``Namespace.pending``), and none of ``owner``'s:
@@ -111,14 +110,19 @@ class Leases:
         took a slot each, and the second commit threw its copy away: under pressure each
         slot had evicted a block for nothing.  A key pending in a reservation of the same
         session takes a slot: its commit waits for no reservation of its own session,
-        whose client may commit that one only after this one's reply.  A key twice in
-        ``keys`` is not awaited from itself (its commit finds it in DRAM: a duplicate),
-        as only the other reservations are listed yet."""
+        whose client may commit that one only after this one's reply; nor for one that
+        awaits (through others) one of its session's (``awaiting``): a session that
+        committed its newer reservation first waited out the bound, and so did the
+        writer between.  A key twice in ``keys`` is not awaited from itself (its commit
+        finds it in DRAM: a duplicate), as only the other reservations are listed yet."""
         pending = ns.pending
         if not pending:
             return set()
+        state = self.store.owners.get(owner)
+        mine = awaiting([r for r in state.reservations.values() if r.ns is ns]
+                        if state is not None else [])
         return {i for i, key in enumerate(keys) if key in pending and i not in held
-                and all(r.owner != owner for r in pending[key])}
+                and not any(r in mine for r in pending[key])}
 
     def hold_awaited(self, waiting: list[Reservation]) -> None:
         """A commit stored keys the reservations ``waiting`` await: each such block now
@@ -140,3 +144,16 @@ class Leases:
         """``pin_held``'s pins go, deepest first (as ``StoreCore.unpin``)."""
         for block in reversed(held.values()):
             self.store.unpin_block(block)
+
+
+def awaiting(rs: list[Reservation]) -> set[Reservation]:
+    """``rs`` and the open reservations that await one of them, directly or through
+    others (``Reservation.awaited_by``)."""
+    found = set(rs)
+    todo = list(rs)
+    while todo:
+        for other in todo.pop().awaited_by:
+            if other not in found:
+                found.add(other)
+                todo.append(other)
+    return found

@@ -3,7 +3,10 @@ per-tenant arenas, against real daemons: the cases that failed, kept."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from daemon_proc import DaemonProcess
@@ -11,6 +14,9 @@ from kvtest import make_identity
 
 from kvstore.client import Client
 from kvstore.keys import chain_keys
+
+# 128 KiB blocks: a 16 MiB arena holds 128 of them
+WRITERS = make_identity(model="review-s57", num_kv_heads=8, head_dim=128)
 
 
 def test_an_arena_holding_the_whole_budget_makes_room_by_emptying_one_of_its_slabs(
@@ -48,3 +54,40 @@ def test_an_arena_holding_the_whole_budget_makes_room_by_emptying_one_of_its_sla
         assert stats["invariant_violations"] == 0
     finally:
         c.close()
+
+
+def test_a_commit_waits_for_no_writer_that_waits_for_its_own_sessions_reservation(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """Session A holds k1 open; B reserves k1 (awaited: A's) and k2; A reserves k1..k3,
+    k2 awaited from B, and commits that before its k1 (as a client committing in its own
+    order does).  A's commit waited for B's, B's for A's first reservation, which A
+    commits only after this reply: both waited out the bound (half a lease), then stored
+    1 of the 3 blocks, 4 keys dropped.  A key that a writer awaiting (through others) one
+    of the session's own reservations holds now takes a slot, as one of its own does."""
+    d = daemon_factory(dram_capacity="16MiB", lease=4.0)  # (a wait's bound: 2 s)
+    with Client(d.endpoint, tenant="acme") as a, Client(d.endpoint, tenant="acme") as b:
+        na, nb = a.namespace(WRITERS), b.namespace(WRITERS)
+        keys = na.keys(range(3 * WRITERS.block_tokens))
+        data = {k: os.urandom(na.block_bytes) for k in keys}
+        first = na.reserve(keys[:1])
+        other = nb.reserve(keys[:2])
+        assert other.offsets[0] == -1  # (awaited from A's first)
+        mine = na.reserve(keys)
+        assert min(mine.offsets) >= 0, mine.offsets  # k2: a slot, not B's awaited
+        for r in (first, other, mine):
+            for key, buf, offset in zip(r.keys, r.buffers, r.offsets):
+                if offset >= 0:
+                    buf[:] = data[key]
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(other.commit)
+            deadline = time.monotonic() + 20
+            while a.stats()["tiers"]["dram"]["commits_waited"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert mine.commit() == 3 and mine.dropped == 0
+            assert first.commit() == 0  # (a duplicate: stored by the second)
+            assert waiting.result(timeout=30) == 0 and other.dropped == 0
+        dram = a.stats()["tiers"]["dram"]
+        assert (dram["commit_wait_timeouts"], dram["awaited_dropped"]) == (0, 0), dram
+        assert (dram["reserved_slots"], dram["pinned_blocks"], dram["blocks"]) == (0, 0, 3)
+        assert nb.get(keys) == [data[k] for k in keys]
