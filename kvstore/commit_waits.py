@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore import protocol as p
+from kvstore.errors import MalformedError
 from kvstore.pending import Later
 from kvstore.sessions import Session, Sessions, gone_while_waiting
 from kvstore.store import BlockStore, Reservation
@@ -53,31 +54,41 @@ class CommitWaits:
         r = self._open(session, req.reservation)
         if r is None or not r.awaits or self.stopped:
             return commit_now()  # (an unknown reservation: its error, as before)
-        return Later(self._after_writers(session, r, commit_now))
+        if r.id in self.waiting:  # (the second would take the first one's wake-up)
+            raise MalformedError(f"a commit of reservation {r.id} is waiting already for "
+                                 f"the older writers of its keys; commit it once")
+        self.waiting[r.id] = r  # (now: the coroutine may run after the next request)
+        return Later(self._after_writers(session, r, commit_now),
+                     give_up=lambda: self._done(r))
 
     def _open(self, session: Session, rid: int) -> Reservation | None:
         state = self.store.owners.get(session.id)
         return None if state is None else state.reservations.get(rid)
 
+    def _done(self, r: Reservation) -> None:
+        r.wake = None
+        if self.waiting.get(r.id) is r:
+            del self.waiting[r.id]
+
     async def _after_writers(self, session: Session, r: Reservation,
                              commit_now: Callable[[], Outcome]) -> Outcome:
-        if r.awaits and not self.stopped and self._open(session, r.id) is r:
-            woken = asyncio.get_running_loop().create_future()
+        try:
+            if r.awaits and not self.stopped and self._open(session, r.id) is r:
+                woken = asyncio.get_running_loop().create_future()
 
-            def wake() -> None:
-                if not woken.done():
-                    woken.set_result(None)
+                def wake() -> None:
+                    if not woken.done():
+                        woken.set_result(None)
 
-            r.wake = wake
-            self.waiting[r.id] = r
-            self.store.counters.commits_waited += 1
-            try:
-                await asyncio.wait_for(woken, self.store.limits.lease_seconds * WAIT_SHARE)
-            except TimeoutError:  # a writer holding its reservation open: not waited for
-                self.store.counters.commit_wait_timeouts += 1
-            finally:
-                r.wake = None
-                del self.waiting[r.id]
+                r.wake = wake
+                self.store.counters.commits_waited += 1
+                try:
+                    await asyncio.wait_for(woken,
+                                           self.store.limits.lease_seconds * WAIT_SHARE)
+                except TimeoutError:  # a writer holding its reservation open: not waited
+                    self.store.counters.commit_wait_timeouts += 1
+        finally:
+            self._done(r)
         if session.id not in self.sessions.by_id:  # (a goodbye, or its lease, meanwhile:
             raise gone_while_waiting(session)  # its reservation was rolled back)
         return commit_now()

@@ -9,10 +9,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 from daemon_proc import DaemonProcess
 from kvtest import make_identity
 
+from kvstore import protocol as p
 from kvstore.client import Client
+from kvstore.client_wire import check_reply
+from kvstore.errors import MalformedError
 from kvstore.keys import chain_keys
 
 # 128 KiB blocks: a 16 MiB arena holds 128 of them
@@ -91,3 +95,30 @@ def test_a_commit_waits_for_no_writer_that_waits_for_its_own_sessions_reservatio
         assert (dram["commit_wait_timeouts"], dram["awaited_dropped"]) == (0, 0), dram
         assert (dram["reserved_slots"], dram["pinned_blocks"], dram["blocks"]) == (0, 0, 3)
         assert nb.get(keys) == [data[k] for k in keys]
+
+
+def test_a_second_commit_of_a_waiting_reservation_is_refused_and_the_first_goes_on(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """A client that sends a reservation's commit twice while the first waits for an
+    older writer: the second took the first's wake-up, the first waited out the bound
+    (half a lease), then failed with 'internal error: KeyError'.  Now the second is
+    refused at once (malformed), and the first commits once the writer has."""
+    d = daemon_factory(dram_capacity="16MiB", lease=4.0)  # (a wait's bound: 2 s)
+    with Client(d.endpoint, tenant="acme") as a, Client(d.endpoint, tenant="acme") as b:
+        na, nb = a.namespace(WRITERS), b.namespace(WRITERS)
+        keys = na.keys(range(2 * WRITERS.block_tokens))
+        first = na.reserve(keys[:1])
+        second = nb.reserve(keys)
+        assert second.offsets[0] == -1
+        once, twice = (p.Commit(b._next_rid(), second.id) for _ in range(2))
+        b._send(once)
+        b._send(twice)
+        with pytest.raises(MalformedError, match="waiting already"):
+            check_reply(b._wait(twice.rid)[0], p.CommitReply)
+        assert first.commit() == 1
+        reply = check_reply(b._wait(once.rid)[0], p.CommitReply)
+        assert (reply.created, reply.duplicates, reply.dropped) == (1, 1, 0)
+        dram = a.stats()["tiers"]["dram"]
+        assert (dram["commit_wait_timeouts"], dram["reserved_slots"], dram["blocks"]) == (
+            0, 0, 2), dram
+    assert "internal error" not in d.log()
