@@ -10,10 +10,12 @@ end), then commits by the store's rule: a key the other writer stored was pinned
 at that commit (``Leases.hold_awaited``), one it did not store ends the chain there.
 
 The waits point only to older reservations of other sessions, so they make no cycle in
-the daemon.  A wait is still bounded, by half a lease from when the commit came (a
-writer's client may hold a reservation open while its session lives on; a client's
-timeout, 30 s by default as the lease, must not run out first); a writer gone silent is
-rolled back at its lease's end, which wakes the waiter.  Meanwhile the waiter's lease is
+the daemon.  A wait is still bounded, by half a lease from when the commit came and at
+most ``WAIT_MOST`` (a writer's client may hold a reservation open while its session
+lives on, or be killed, its session ending with its lease; a client's timeout must not
+run out first: 30 s by default, but 5 s the vLLM connector's and 10 s the SGLang and
+LMCache ones', whose link, timed out, backs off and drops its session); a writer gone
+silent is rolled back at its lease's end, which wakes the waiter.  Meanwhile the waiter's lease is
 renewed, as for every request finishing in a task (``Finisher.kept_alive``).
 A waiter's own session ending (a goodbye, its lease) ends its wait with that error; the
 daemon stopping ends every wait, as no writer's commit is read any more.
@@ -33,6 +35,7 @@ from kvstore.store import BlockStore, Reservation
 
 Outcome = tuple[p.Message, list[Any]]
 WAIT_SHARE = 0.5  # of a lease: the longest a commit waits for older writers
+WAIT_MOST = 2.5  # seconds, whatever the lease: half the engines' shortest timeout
 
 
 class CommitWaits:
@@ -83,8 +86,8 @@ class CommitWaits:
                 r.wake = wake
                 self.store.counters.commits_waited += 1
                 try:
-                    await asyncio.wait_for(woken,
-                                           self.store.limits.lease_seconds * WAIT_SHARE)
+                    bound = min(self.store.limits.lease_seconds * WAIT_SHARE, WAIT_MOST)
+                    await asyncio.wait_for(woken, bound)
                 except TimeoutError:  # a writer holding its reservation open: not waited
                     self.store.counters.commit_wait_timeouts += 1
         finally:

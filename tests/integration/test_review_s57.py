@@ -122,3 +122,25 @@ def test_a_second_commit_of_a_waiting_reservation_is_refused_and_the_first_goes_
         assert (dram["commit_wait_timeouts"], dram["reserved_slots"], dram["blocks"]) == (
             0, 0, 2), dram
     assert "internal error" not in d.log()
+
+
+def test_a_commit_waits_no_longer_than_an_engines_link_waits_for_its_reply(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """A writer holds its reservation open (an engine stuck, or killed: its session lives
+    till its lease ends); another engine's commit of the same prefix waited half a lease
+    (15 s), but the engines' links wait 5 s (vLLM) or 10 s for a reply: the link took the
+    daemon for gone, backed off and dropped its session.  Now the wait ends first and
+    the commit stores what it can (nothing after the missing key)."""
+    d = daemon_factory(dram_capacity="16MiB")  # (the default lease, 30 s)
+    with Client(d.endpoint, tenant="acme") as a, \
+            Client(d.endpoint, tenant="acme", timeout=5.0) as b:  # (as vLLM's link)
+        na, nb = a.namespace(WRITERS), b.namespace(WRITERS)
+        keys = na.keys(range(2 * WRITERS.block_tokens))
+        first = na.reserve(keys[:1])  # (never committed while the other waits)
+        second = nb.reserve(keys)
+        assert second.offsets[0] == -1
+        assert second.commit() == 0 and second.dropped == 2
+        dram = b.stats()["tiers"]["dram"]
+        assert (dram["commit_wait_timeouts"], dram["awaited_dropped"]) == (1, 2), dram
+        assert first.commit() == 1
+        b.ping()  # (the session lives on)
