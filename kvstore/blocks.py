@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
+from typing import Protocol
 
 from kvstore.block_map import BlockMap
 from kvstore.identity import Identity
@@ -409,6 +410,13 @@ class TierSlots:
     def policy(self, cls: SlabClass) -> EvictionPolicy[Block]:
         return self.policies[cls.slot_bytes]
 
+class Skips(Protocol):
+    """What a reserve request asks to skip (``protocol.Reserve``, ``ReserveBatch``)."""
+
+    skip_held: bool
+    skip_pending: bool
+
+
 class Skip(enum.IntFlag):
     """The keys a reserve gives no slot (``BlockStore.reserve``)."""
 
@@ -418,6 +426,14 @@ class Skip(enum.IntFlag):
     # (not for a put: it commits at once, before that reservation can)
     PENDING = 2
     BOTH = HELD | PENDING
+
+    @classmethod
+    def asked(cls, req: Skips) -> Skip:
+        """A reserve's ``skip_held`` and ``skip_pending`` (this one only with the other:
+        an older client sends ``skip_held`` alone, and reads no dropped keys)."""
+        if not req.skip_held:
+            return cls.NONE
+        return cls.BOTH if req.skip_pending else cls.HELD
 
     @classmethod
     def of(cls, skip: bool | Skip) -> Skip:

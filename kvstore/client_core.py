@@ -583,7 +583,8 @@ class NamespaceCore(Generic[S]):
     def _reserve_batch_request(self, plan: Sequence[PlanItem]) -> p.ReserveBatch:
         items = [p.PlanItem(i.reserved_tokens, i.new_tokens, list(i.keys), i.parent)
                  for i in plan]
-        return p.ReserveBatch(self.client._next_rid(), self.id, items, skip_held=True)
+        return p.ReserveBatch(self.client._next_rid(), self.id, items, skip_held=True,
+                              skip_pending=True)
 
     @staticmethod
     def _on_count(received: Received) -> int:
@@ -689,7 +690,8 @@ class ReservationCore(Generic[N]):
 
     def _reserve_request(self) -> p.Reserve:
         return p.Reserve(self.ns.client._next_rid(), self.ns.id, self.keys, self._parent,
-                         skip_held=True)  # (an older daemon: a slot for every key)
+                         skip_held=True, skip_pending=True)  # (an older daemon: a slot
+        # for every key)
 
     def _on_reserved(self, received: Received) -> None:
         self._take(check_reply(received[0], p.ReserveReply))

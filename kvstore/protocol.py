@@ -60,6 +60,11 @@ class Reserve(Message, tag="reserve"):
     # Keys whose blocks the daemon holds in DRAM take no slot: offset -1 in the reply,
     # a duplicate at the commit (an older daemon ignores it and gives every key a slot).
     skip_held: bool = False
+    # With skip_held, nor do keys another session's open reservation holds a slot for:
+    # the commit waits for that writer, and stores nothing from one it did not store on
+    # (CommitReply.dropped).  Sent by clients that read ``dropped``: an older client's
+    # skip_held gives those keys a slot each, as it did (it would report them stored).
+    skip_pending: bool = False
 
 
 class Commit(Message, tag="commit"):
@@ -161,6 +166,7 @@ class ReserveBatch(Message, tag="reserve_batch"):
     ns: bytes
     plan: list[PlanItem]
     skip_held: bool = False  # as Reserve's, for every item
+    skip_pending: bool = False  # as Reserve's
 
 
 class Report(Message, tag="report"):

@@ -247,7 +247,7 @@ class Verbs:
         self._check_keys(req.keys)
         self.d.sessions.check_cap(session, "reservations")
         self.d.sessions.check_grant_reserve(session, ns, len(req.keys))  # a writer grantee
-        r = self._reserve_slots(session, ns, req.keys, req.parent, req.skip_held)
+        r = self._reserve_slots(session, ns, req.keys, req.parent, Skip.asked(req))
         if isinstance(r, Plan):
             return r
         return p.ReserveReply(req.rid, r.id, r.slots(), self.d.limits.lease_seconds,
@@ -673,7 +673,7 @@ def _reserve_plan(v: Verbs, session: Session, req: p.ReserveBatch, ns: Namespace
         for item in req.plan:
             if item.keys:
                 r = d.store.reserve(session.id, ns, item.keys, item.parent, d.clock(),
-                                    req.skip_held)
+                                    Skip.asked(req))
                 if isinstance(r, Plan):  # room first: all or none, so none yet
                     for taken in done:
                         d.store.abort(session.id, taken.id)

@@ -144,3 +144,29 @@ def test_a_commit_waits_no_longer_than_an_engines_link_waits_for_its_reply(
         assert (dram["commit_wait_timeouts"], dram["awaited_dropped"]) == (1, 2), dram
         assert first.commit() == 1
         b.ping()  # (the session lives on)
+
+
+def test_an_older_clients_skip_held_gives_keys_pending_elsewhere_a_slot(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """A client of before the awaited keys sends skip_held (for keys held in DRAM) and
+    reads no ``dropped`` in the commit reply.  Its reserve gave keys pending in another
+    writer's reservation no slot; that writer aborted, and the commit stored none of the
+    keys from there on while the client took them all for stored (the LMCache adapter
+    told LMCache it held them).  Now such a client gets a slot for them, as before; a
+    client that reads ``dropped`` says so (skip_pending)."""
+    d = daemon_factory(dram_capacity="16MiB")
+    with Client(d.endpoint, tenant="acme") as a, Client(d.endpoint, tenant="acme") as b:
+        na, nb = a.namespace(WRITERS), b.namespace(WRITERS)
+        keys = na.keys(range(3 * WRITERS.block_tokens))
+        first = na.reserve(keys[:2])
+        newer = nb.reserve(keys)  # (the client's own: skip_pending)
+        assert newer.offsets[:2] == [-1, -1]
+        older = check_reply(b._call(p.Reserve(b._next_rid(), nb.id, keys, None,
+                                              skip_held=True))[0], p.ReserveReply)
+        assert min(older.offsets) >= 0, older.offsets  # (as it was: a slot each)
+        first.abort()
+        newer.abort()
+        done = check_reply(b._call(p.Commit(b._next_rid(), older.reservation))[0],
+                           p.CommitReply)
+        assert (done.created, done.dropped) == (3, 0)
+        assert nb.lookup(keys).blocks == 3
