@@ -65,7 +65,6 @@ def test_a_remote_store_that_fails_to_close_leaves_the_ssd_steps_of_the_stop() -
     ssd, moves = Ssd(), Moves()
     server: Any = SimpleNamespace(
         stop_deadline=deadline, transport=SimpleNamespace(stop_reading=lambda: None),
-        verbs=SimpleNamespace(commits=SimpleNamespace(stop=lambda: None)),
         moves=moves, _tasks=set(), remote=Remote(), gpu=None, ssd=ssd,
         store=SimpleNamespace(allow_demote=True),
         verbs=SimpleNamespace(commits=SimpleNamespace(stop=lambda: None)))

@@ -138,7 +138,7 @@ def test_the_first_commits_then_pressure_before_the_second_commits_no_gap(
         assert _dram(c1)["evictions"] >= SLOTS
         assert second.commit() == OWN and second.dropped == 0
         assert c2.namespace(IDENTITY).get(keys) == data
-        _settled(c1)
+        _settled(c2)  # (asked after the get's release on the same session: in order)
 
 
 def test_the_waiting_client_closes_nothing_is_leaked(daemon_factory: Any) -> None:
