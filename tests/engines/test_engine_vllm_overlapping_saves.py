@@ -6,9 +6,11 @@ daemon evicts no more of the other tenant's blocks than the new blocks need.  Be
 each rank took a slot for every key and the second commit threw its copy away: 36
 evictions for 20 new blocks where 16 make room.
 
-Whichever rank commits first, every new block is stored once: a rank whose commit came
-before the other's waits for it (``commits_waited``), then stores its own blocks under
-the other's, none dropped (``awaited_dropped`` 0); the outputs match.
+The rank that reserved second commits first (the test orders them by what each
+reservation was given no slot for): its commit waits for the other's
+(``commits_waited``), then stores its own blocks under the other's, none dropped
+(``awaited_dropped`` 0; before the wait, that order dropped its own new blocks); every
+new block is stored once; the outputs match.
 """
 
 from __future__ import annotations
@@ -72,6 +74,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             go("1")
         if both_at("c"):
             out["open"] = dram(daemon.endpoint)
+            # the rank that reserved second (given no slot for the other's keys) commits
+            # first: its commit waits for the other's (before the wait, that order
+            # dropped its own new blocks); the other once it waits
+            skipped = {n: int((tmp / f"{n}c.skipped").read_text()) for n in "ab"}
+            second = max("ab", key=lambda n: skipped[n])
+            out["second"] = (second, skipped)
+            (tmp / f"{second}c.go").write_text("")
+            waited = out["open"].get("commits_waited", 0)
+            deadline = time.monotonic() + 60
+            while (dram(daemon.endpoint).get("commits_waited", 0) <= waited
+                   and time.monotonic() < deadline and second not in out):
+                time.sleep(0.05)
             go("c")
 
     try:
@@ -107,6 +121,7 @@ def test_every_block_is_stored_once_and_the_outputs_match(runs: dict[str, Any]) 
     both = sent(runs["a"]) + sent(runs["b"])
     assert both == 2 * NEW_BLOCKS
     # each block sent again is a duplicate: a commit that came first waited, none dropped
+    assert after["commits_waited"] - before["commits_waited"] >= 1, (after, runs["second"])
     assert after["awaited_dropped"] - before["awaited_dropped"] == 0, after
     assert after["commit_wait_timeouts"] == 0, after
     assert after["duplicates"] - before["duplicates"] == both - NEW_BLOCKS

@@ -8,7 +8,8 @@ test_engine_setups_s55.py.  ``--spec`` names a JSON object as vllm_setups_run.py
 log-probability of each prompt token, rounded, comes back per result) and ``pause``
 (before the phase: ``NAME.ready`` written, ``NAME.go`` waited for); the spec's
 ``commit_pause`` names a pause the first commit of a save makes after its reserve (its
-reservation open while the test acts).  kvstore's log
+reservation open while the test acts; ``NAME.skipped``: how many of its keys it was
+given no slot for).  kvstore's log
 records of WARNING and above are counted (``warnings``, the first few in
 ``warning_texts``).  After each phase the run waits for the saves, steps the engine until
 it holds no request, and reads the daemon's DRAM figures (``daemon``).  The result is one
@@ -66,6 +67,8 @@ def pause_first_commit(name: str) -> None:
     def paused(self: Reservation) -> int:
         if first[0]:
             first[0] = False
+            # (its keys given no slot: held, or awaited from another writer's reservation)
+            Path(f"{name}.skipped").write_text(str(sum(1 for o in self.offsets if o < 0)))
             pause(name)
         return commit(self)
 
