@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.blocks import Block, Namespace, Owner, OwnerState, Reservation
+from kvstore.blocks import Block, Namespace, Owner, OwnerState, Reservation, writers
 from kvstore.core import StoreCore
 from kvstore.errors import LeaseExpiredError, NotFoundError
 
@@ -122,7 +122,7 @@ class Leases:
         mine = awaiting([r for r in state.reservations.values() if r.ns is ns]
                         if state is not None else [])
         return {i for i, key in enumerate(keys) if key in pending and i not in held
-                and not any(r in mine for r in pending[key])}
+                and not any(r in mine for r in writers(pending[key]))}
 
     def hold_awaited(self, waiting: list[Reservation]) -> None:
         """A commit stored keys the reservations ``waiting`` await: each such block now

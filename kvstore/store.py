@@ -151,7 +151,7 @@ class BlockStore(StoreCore):
         keys: Sequence[bytes],
         parent: bytes | None,
         now: float,
-        skip_held: bool | Skip = False,
+        skip_held: bool | int = False,
     ) -> Reservation | Plan:
         """DRAM slots for every key; or the plan of the writes that must come first, or an
         error, and nothing taken.  With ``skip_held`` (``Skip``: True is both), keys

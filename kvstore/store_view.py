@@ -10,7 +10,7 @@ charges, prefix closure, child links.
 
 from __future__ import annotations
 
-from kvstore.blocks import DRAM, SSD, Block
+from kvstore.blocks import DRAM, SSD, Block, writers
 from kvstore.core import StoreCore
 
 
@@ -159,7 +159,7 @@ def _check_pending(store: StoreCore) -> None:
                 mine.setdefault(key, []).append(r.id)
     for ns in store.namespaces.values():
         found = lists.pop(id(ns), {})
-        listed = {key: sorted(r.id for r in writers) for key, writers in ns.pending.items()}
+        listed = {key: sorted(r.id for r in writers(held)) for key, held in ns.pending.items()}
         assert listed == {key: sorted(ids) for key, ids in found.items()}, (
             f"{ns}: {len(ns.pending)} keys listed pending, open reservations hold "
             f"slots for {len(found)}")

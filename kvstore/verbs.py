@@ -259,7 +259,7 @@ class Verbs:
         return events is not None and events.tokens_wanted
 
     def _reserve_slots(self, session: Session, ns: Namespace, keys: list[bytes],
-                       parent: bytes | None, skip_held: bool | Skip) -> Reservation | Plan:
+                       parent: bytes | None, skip_held: bool | int) -> Reservation | Plan:
         store, clock = self.d.store, self.d.clock
         try:
             return store.reserve(session.id, ns, keys, parent, clock(), skip_held)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from kvtest import make_identity
 
+from kvstore.blocks import writers
 from kvstore.errors import CapacityError
 from kvstore.keys import chain_keys
 from kvstore.store import BlockStore, Limits, Namespace, Reservation, Skip
@@ -30,7 +31,7 @@ def _chain(ns: Namespace, n: int, first: int = 0) -> list[bytes]:
 
 
 def _reserve(store: BlockStore, owner: str, ns: Namespace, keys: list[bytes],
-             parent: bytes | None = None, skip: bool | Skip = True,
+             parent: bytes | None = None, skip: bool | int = True,
              now: float = 0.0) -> Reservation:
     r = store.reserve(owner, ns, keys, parent, now, skip)
     assert isinstance(r, Reservation), r
@@ -39,7 +40,7 @@ def _reserve(store: BlockStore, owner: str, ns: Namespace, keys: list[bytes],
 
 def _pending(ns: Namespace) -> dict[bytes, int]:
     """Each pending key: how many open reservations hold a slot for it."""
-    return {key: len(writers) for key, writers in ns.pending.items()}
+    return {key: len(writers(held)) for key, held in ns.pending.items()}
 
 
 def _settled(store: BlockStore, ns: Namespace) -> None:
