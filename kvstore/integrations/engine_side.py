@@ -15,11 +15,12 @@ into a recompute, never into wrong KV.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -615,6 +616,30 @@ def offload_missing(ns: Namespace, pages: EnginePages, page_ids: Sequence[int],
 _SPANS, _SPAN_BYTES = 8, 1 << 16
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")
 _SETTINGS_MOST = 16 << 20  # a JSON file larger than this is not a setting: named, not read
+
+
+def settings_tag(overrides: Any, quantization: Any) -> str:
+    """What an engine's settings change of the KV its checkpoint computes, as a suffix
+    of the revision: the model configuration overridden (vLLM's ``hf_overrides``, a
+    dict or a function; SGLang's ``--json-model-override-args``, JSON text), the
+    weights quantized as they load; "" where neither.  Before, an engine started with
+    overrides took the blocks of one without (the same checkpoint, the same revision),
+    and its answers were neither's."""
+    found = ""
+    if callable(overrides):  # a function rewrites the config: named, its effect unknown
+        found += f"+overrides:{overrides.__module__}.{overrides.__qualname__}"
+    elif overrides:
+        text = ""
+        try:
+            parsed = json.loads(overrides) if isinstance(overrides, str) else overrides
+            text = json.dumps(parsed, sort_keys=True, default=str) if parsed else ""
+        except ValueError:  # (not JSON: the engine refuses it; named as it is)
+            text = str(overrides)
+        if text:
+            found += "+overrides:" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    if quantization:
+        found += f"+quantization:{quantization}"
+    return found
 
 
 def checkpoint_fingerprint(path: str) -> str | None:

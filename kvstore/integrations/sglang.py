@@ -39,7 +39,6 @@ from __future__ import annotations
 import difflib
 import functools
 import hashlib
-import json
 import math
 import logging
 import threading
@@ -63,6 +62,7 @@ from kvstore.integrations.engine_side import (
     checkpoint_fingerprint,
     hub_commit,
     read_blocks,
+    settings_tag,
     store_missing,
 )
 
@@ -158,7 +158,9 @@ def page_identity(config: HiCacheStorageConfig, host: Any, tenant: str,
         layout += (f";dcp={config.dcp_rank}/{dcp_size}"
                    f";page={getattr(config, 'logical_page_size', None)}")
     model, revision = _model_and_revision(config, host, extra)
-    revision += _settings_changing_kv()
+    # (what the server's arguments change of the KV: ``engine_side.settings_tag``)
+    revision += settings_tag(_server_arg("json_model_override_args"),
+                             _server_arg("quantization"))
     identity = Identity(
         model=model, model_revision=revision, tenant=tenant,
         kv_dtype=dtype, num_layers=host.layer_num, num_kv_heads=heads, head_dim=head_dim,
@@ -226,28 +228,6 @@ def _model_and_revision(config: HiCacheStorageConfig, host: Any,
                    "extra config, no checkpoint directory found): engines serving other "
                    "weights under this name would share its pages", name)
     return name, "unversioned"
-
-
-def _settings_changing_kv() -> str:
-    """What the server's arguments change of the KV its checkpoint computes: the model
-    configuration overridden (``--json-model-override-args``: RoPE scaling, a norm's
-    epsilon), the weights quantized as they load (``--quantization``); "" where
-    neither.  Before, a server started with overrides took the pages of one without
-    (the same checkpoint, the same revision), and its answers were neither's."""
-    found = ""
-    overrides = _server_arg("json_model_override_args")
-    if overrides:
-        try:
-            parsed = json.loads(overrides) if isinstance(overrides, str) else overrides
-            text = json.dumps(parsed, sort_keys=True, default=str) if parsed else ""
-        except ValueError:  # (not JSON: SGLang refuses it; its text is named as it is)
-            text = str(overrides)
-        if text:
-            found += "+overrides:" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-    quantization = _server_arg("quantization")
-    if quantization:
-        found += f"+quantization:{quantization}"
-    return found
 
 
 def _server_arg(name: str) -> Any:

@@ -14,7 +14,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from kvstore.identity import DTYPE_BYTES, Identity
-from kvstore.integrations.engine_side import checkpoint_fingerprint
+from kvstore.integrations.engine_side import checkpoint_fingerprint, settings_tag
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -98,26 +98,6 @@ def model_and_revision(model_config: Any, extra: dict[str, Any]) -> tuple[str, s
     return model, str(revision or "unversioned")
 
 
-def _settings_changing_kv(model_config: Any) -> str:
-    """What the engine's settings change of the KV its checkpoint computes: the
-    configuration overridden (``hf_overrides``: a norm's epsilon, an attention
-    setting), the weights quantized as they load (``quantization``); "" where neither.
-    Before, an engine started with overrides took the blocks of one without (the same
-    checkpoint, the same revision) and answered as neither would; RoPE parameters,
-    overridden or not, are the identity's own fields (``_rope``)."""
-    found = ""
-    overrides = getattr(model_config, "hf_overrides", None)
-    if callable(overrides):  # a function rewrites the config: named, its effect unknown
-        found += "+overrides:" + f"{overrides.__module__}.{overrides.__qualname__}"
-    elif overrides:
-        text = json.dumps(overrides, sort_keys=True, default=str)
-        found += "+overrides:" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-    quantization = getattr(model_config, "quantization", None)
-    if quantization:
-        found += f"+quantization:{quantization}"
-    return found
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_BYTES:
@@ -164,7 +144,8 @@ def kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tenant: s
     model, revision = model_and_revision(model_config, extra)
     if str(vllm_config.load_config.load_format) == "dummy":
         revision += "+dummy"  # random weights are not the model's weights
-    revision += _settings_changing_kv(model_config)
+    revision += settings_tag(getattr(model_config, "hf_overrides", None),
+                             getattr(model_config, "quantization", None))
     rope_type, rope_scaling = _rope(model_config.hf_config)
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     layout = "paged" if cache_dtype == "auto" else f"paged;cache_dtype={cache_dtype}"
