@@ -40,9 +40,13 @@ def engine(tmp: Path, name: str, model: str, spec: dict[str, Any]) -> dict[str, 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("vllm-s57")
-    daemon = DaemonProcess(tmp / "daemon", dram_capacity="64MiB",
-                           extra=["--slab-size", "4MiB"]).start()
-    conn = {"extra": {"endpoint": daemon.endpoint, "tenant": f"s57-{uuid.uuid4().hex[:8]}"}}
+    # a daemon per lane: each phase's figures (pins, reservations) are its lane's alone
+    daemon, other = (DaemonProcess(tmp / name, dram_capacity="64MiB",
+                                   extra=["--slab-size", "4MiB"]).start()
+                     for name in ("daemon", "other"))
+    tenant = f"s57-{uuid.uuid4().hex[:8]}"
+    conn = {"extra": {"endpoint": daemon.endpoint, "tenant": tenant}}
+    conn_other = {"extra": {"endpoint": other.endpoint, "tenant": tenant}}
     out: dict[str, Any] = {}
 
     def adapters() -> None:
@@ -61,17 +65,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     def overridden() -> None:
         # the checkpoint's own configuration computes A first; then one overridden
         out["base"] = engine(tmp, "base", "tiny-llama-o", {
-            "connector": conn, "phases": [{"prompts": [A]}]})
+            "connector": conn_other, "phases": [{"prompts": [A]}]})
         out["overridden"] = engine(tmp, "overridden", "tiny-llama-o", {
-            "engine": {"llm_args": OVERRIDES}, "connector": conn,
+            "engine": {"llm_args": OVERRIDES}, "connector": conn_other,
             "phases": [{"prompts": [A]}, {"prompts": [A], **R}]})
 
     try:
         in_lanes(adapters, overridden)
     finally:
-        daemon.stop()
-        log = daemon.log()
-    assert "invariant violated" not in log, log
+        logs = []
+        for d in (daemon, other):
+            d.stop()
+            logs.append(d.log())
+    for log in logs:
+        assert "invariant violated" not in log, log
     return out
 
 
