@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -24,3 +25,18 @@ def wait_for_lease_end(endpoint: str, tenant: str, at_most: float) -> None:
     with Client(endpoint, tenant=tenant) as watcher:
         while watcher.stats()["sessions"] > 1 and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+def arena_memory(pid: int) -> int:
+    """The bytes a daemon's arena memory files (memfd arenas) hold now: their allocated
+    blocks, each file once (an arena is open twice: its read-only twin)."""
+    files: dict[int, int] = {}  # by inode
+    fds = f"/proc/{pid}/fd"
+    for fd in os.listdir(fds):
+        try:
+            if os.readlink(f"{fds}/{fd}").startswith("/memfd:kvstore-arena"):
+                st = os.stat(f"{fds}/{fd}")
+                files[st.st_ino] = st.st_blocks * 512
+        except OSError:
+            continue  # (closed meanwhile)
+    return sum(files.values())

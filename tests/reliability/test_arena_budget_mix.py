@@ -1,0 +1,123 @@
+"""Tenants of per-tenant arenas under one budget, at random and at once (real daemon
+process with credentials, four tenants on threads of their own, two block sizes each):
+puts of chains, reads back, reservations aborted, evictions, while slabs pass between the
+arenas (a tenant below its share takes one from the arena furthest over it) and between
+a tenant's block sizes.  What must hold whatever the interleaving: every block read
+back has the bytes its key was written with, what the arenas commit and the memory
+their files hold stay within ``dram.capacity``, the budget is never overdrawn, and once
+the tenants are done nothing is left reserved or pinned."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_proc import DaemonProcess
+from kvtest import arena_memory, make_identity
+
+from kvstore.auth import issue_token, read_secret, write_secret
+from kvstore.client import Client
+from kvstore.errors import KVStoreError, LimitExceededError, NotFoundError
+
+CAPACITY = 16 << 20
+TENANTS = ("a", "b", "c", "d")
+STEPS = 150
+
+
+def content(key: bytes, size: int) -> bytes:
+    return hashlib.blake2b(key, digest_size=32).digest() * (size // 32)
+
+
+def tenant_run(endpoint: str, token: str, tenant: str, seed: int, late: float,
+               out: dict[str, Any]) -> None:
+    """``late``: seconds before its first request (the first comers fill the budget,
+    the later ones take slabs from them)."""
+    rng = random.Random(seed)
+    time.sleep(late)
+    wrong: list[bytes] = []
+    refused = 0
+    with Client(endpoint, token=token) as c:
+        spaces = [c.namespace(make_identity(tenant=tenant, head_dim=h))  # 8 and 32 KiB
+                  for h in (32, 128)]
+        for _ in range(STEPS):
+            ns = rng.choice(spaces)
+            size = ns.block_bytes
+            first = rng.randrange(80) * 1000
+            tokens = list(range(first, first + rng.randint(1, 12) * ns.identity.block_tokens))
+            keys = ns.keys(tokens)
+            op = rng.random()
+            try:
+                if op < 0.5:
+                    ns.put(keys, [content(k, size) for k in keys])
+                elif op < 0.6:
+                    with ns.reserve(keys) as r:  # left: aborted
+                        for buf, key in zip(r.buffers, keys):
+                            buf[:] = content(key, size)
+                elif op < 0.7:
+                    ns.evict(keys[-3:])
+                else:
+                    hits = ns.lookup(keys).blocks
+                    try:
+                        got = ns.get(keys[:hits]) if hits else []
+                    except NotFoundError:
+                        continue  # evicted between the lookup and the get
+                    wrong += [k for k, b in zip(keys, got) if b != content(k, size)]
+            except LimitExceededError:
+                refused += 1  # (no room at that moment: refused whole, nothing written)
+    out[tenant] = (wrong, refused)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_tenants_at_once_read_their_own_bytes_within_the_budget(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, seed: int) -> None:
+    secret_file = tmp_path / "secret"
+    write_secret(secret_file)
+    config = tmp_path / "tenants.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\noperators = ["ops"]\n'
+                      f'[dram]\nslab_size = "1MiB"\narena_kind = "memfd"\n')
+    d = daemon_factory(dram_capacity="16MiB", extra=["--config", str(config)])
+    assert d.proc is not None
+    secret = read_secret(secret_file)
+    out: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int, tenant: str) -> None:
+        try:
+            tenant_run(d.endpoint, issue_token(secret, tenant, 600.0), tenant,
+                       seed * 10 + i, 0.4 * i, out)
+        except (KVStoreError, AssertionError) as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, t)) for i, t in enumerate(TENANTS)]
+    worst_committed = worst_memory = 0
+    with Client(d.endpoint, token=issue_token(secret, "ops", 600.0)) as ops:
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            dram = ops.stats()["tiers"]["dram"]
+            worst_committed = max(worst_committed, dram["committed"])
+            worst_memory = max(worst_memory, arena_memory(d.proc.pid))
+            time.sleep(0.01)
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        deadline = time.monotonic() + 10
+        while True:
+            dram = ops.stats()["tiers"]["dram"]
+            if (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0):
+                break
+            assert time.monotonic() < deadline, dram
+            time.sleep(0.02)
+    assert worst_committed <= CAPACITY, worst_committed
+    assert worst_memory <= CAPACITY, worst_memory
+    assert dram["allocated"] <= CAPACITY
+    assert dram["budget_taken"] > 0  # the later tenants took slabs of the first ones
+    assert {t: out[t][0] for t in TENANTS} == {t: [] for t in TENANTS}
+    # the tenants were served: most of their writes went in
+    assert sum(out[t][1] for t in TENANTS) < len(TENANTS) * STEPS // 4, out
