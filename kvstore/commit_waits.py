@@ -9,8 +9,17 @@ reservation it awaits has ended (committed, aborted, or rolled back at its lease
 end), then commits by the store's rule: a key the other writer stored was pinned for it
 at that commit (``Leases.hold_awaited``), one it did not store ends the chain there.
 
-The waits point only to older reservations of other sessions, so they make no cycle in
-the daemon.  A wait is still bounded, by half a lease from when the commit came and at
+The waits point only to older reservations of other sessions, so they make no cycle
+among reservations.  They may among sessions: a blocking client commits one reservation
+at a time, so a session whose commit waits commits none of its other reservations till
+then.  Two clients each holding two reservations, each one's younger awaiting a key of
+the other's older, each committing its younger first: both commits waited out the
+bound.  A commit whose wait would close such a cycle (its writers' sessions wait, through
+others, for its own: ``closes_cycle``) waits for nothing: it stores what is cached and
+drops the rest, as at the bound, at once; its client then commits its older
+reservation, which wakes the others.  (An asynchronous client might have committed the
+older one meanwhile: then the wait would have ended, and the drop was not needed.  A
+stall of the bound for every such client is the dearer loss.)  A wait is still bounded, by half a lease from when the commit came and at
 most ``WAIT_MOST`` (a writer's client may hold a reservation open while its session
 lives on, or be killed, its session ending with its lease; a client's timeout must not
 run out first: 30 s by default, but 5 s the vLLM connector's and 10 s the SGLang and
@@ -24,14 +33,14 @@ daemon stopping ends every wait, as no writer's commit is read any more.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvstore import protocol as p
 from kvstore.errors import MalformedError
 from kvstore.pending import Later
 from kvstore.sessions import Session, Sessions, gone_while_waiting
-from kvstore.store import BlockStore, Reservation
+from kvstore.store import BlockStore, Owner, Reservation
 
 Outcome = tuple[p.Message, list[Any]]
 WAIT_SHARE = 0.5  # of a lease: the longest a commit waits for older writers
@@ -57,6 +66,9 @@ class CommitWaits:
         r = self._open(session, req.reservation)
         if r is None or not r.awaits or self.stopped:
             return commit_now()  # (an unknown reservation: its error, as before)
+        if closes_cycle(r, self.waiting.values()):
+            self.store.counters.commit_wait_cycles += 1
+            return commit_now()  # (what is cached stored, the rest dropped)
         if r.id in self.waiting:  # (the second would take the first one's wake-up)
             raise MalformedError(f"a commit of reservation {r.id} is waiting already for "
                                  f"the older writers of its keys; commit it once")
@@ -102,3 +114,25 @@ class CommitWaits:
         for r in list(self.waiting.values()):
             if r.wake is not None:
                 r.wake()
+
+
+def closes_cycle(r: Reservation, waiting: Iterable[Reservation]) -> bool:
+    """Whether ``r``'s commit, waiting, would close a cycle of sessions waiting for each
+    other: a session whose commit waits (one of ``waiting``) commits none of its other
+    reservations till its reply, so it waits for the sessions of the reservations that
+    commit awaits; ``r``'s session would wait for those of ``r.awaits``."""
+    if not waiting:
+        return False
+    by_owner: dict[Owner, list[Reservation]] = {}
+    for w in waiting:
+        by_owner.setdefault(w.owner, []).append(w)
+    seen = {r.owner}
+    todo = [r]
+    while todo:
+        for writer in todo.pop().awaits:
+            if writer.owner == r.owner:
+                return True
+            if writer.owner not in seen:
+                seen.add(writer.owner)
+                todo += by_owner.get(writer.owner, ())
+    return False

@@ -62,6 +62,7 @@ class DramCopies:
             "awaited_dropped": c.awaited_dropped,
             "commits_waited": c.commits_waited,
             "commit_wait_timeouts": c.commit_wait_timeouts,
+            "commit_wait_cycles": c.commit_wait_cycles,
             "aborts": c.aborts,
             "lease_expiries": c.lease_expiries,
             "capacity_rejects": c.capacity_rejects,

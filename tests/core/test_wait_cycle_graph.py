@@ -1,0 +1,51 @@
+"""Which commit's wait would close a cycle of sessions (``commit_waits.closes_cycle``): a
+session whose commit waits commits nothing else till its reply, so it waits for the
+sessions of the reservations that commit awaits.  Over a store, no daemon."""
+
+from __future__ import annotations
+
+from kvtest import make_identity
+
+from kvstore.commit_waits import closes_cycle
+from kvstore.keys import chain_keys
+from kvstore.store import BlockStore, Limits, Namespace, Reservation
+
+IDENT = make_identity(tenant="acme", model="cycles")
+BT = IDENT.block_tokens
+
+
+def _chain(ns: Namespace, first: int, n: int) -> list[bytes]:
+    return chain_keys(ns.id, list(range(first * BT, (first + n) * BT)), BT)
+
+
+def _rings(sessions: int) -> list[Reservation]:
+    """Each session holds an older reservation of a chain of its own and a younger one
+    of the next session's chain and a key more (that chain's keys awaited): the younger
+    reservations, by session."""
+    store = BlockStore(64 * IDENT.block_bytes, 8 * IDENT.block_bytes,
+                       limits=Limits(lease_seconds=5.0))
+    ns = store.open_namespace(IDENT)
+    chains = [_chain(ns, 100 * s, 3) for s in range(sessions)]
+    for s in range(sessions):
+        store.reserve(f"s{s}", ns, chains[s][:2], None, 0.0, True)
+    younger = []
+    for s in range(sessions):
+        r = store.reserve(f"s{s}", ns, chains[(s + 1) % sessions], None, 0.0, True)
+        assert isinstance(r, Reservation) and r.awaited == {0, 1}, r
+        younger.append(r)
+    return younger
+
+
+def test_the_last_of_three_sessions_to_wait_closes_the_cycle() -> None:
+    a, b, c = _rings(3)
+    assert not closes_cycle(a, [])
+    assert not closes_cycle(b, [a])  # a waits for b's older one: b may commit it
+    assert closes_cycle(c, [a, b])  # c -> a's session -> b's -> c's
+    assert not closes_cycle(c, [a])  # b's session waits for nothing: it commits
+    assert not closes_cycle(c, [b])
+
+
+def test_two_sessions_each_waiting_for_the_others_older_reservation() -> None:
+    a, b = _rings(2)
+    assert not closes_cycle(a, [])
+    assert closes_cycle(a, [b]) and closes_cycle(b, [a])
