@@ -474,6 +474,9 @@ class Reservation:
     # back), set while its commit waits: in the middle of a store's change, so it only
     # schedules (the daemon resolves a future)
     wake: Callable[[], None] | None = field(default=None, repr=False)
+    # the writer's tenant where it is not the namespace's (a ``shared_writers`` grantee):
+    # none awaits this one but its own tenant's (``trusts``)
+    grantee: str | None = None
 
     def slots(self) -> list[int]:
         """Each key's slot, -1 for a key ``held`` or ``awaited`` (as the reserve reply
@@ -497,12 +500,20 @@ def writers(held: Reservation | list[Reservation]) -> list[Reservation]:
     return held if isinstance(held, list) else [held]
 
 
+def trusts(grantee: str | None, writer: Reservation) -> bool:
+    """Whether a reservation of a writer of tenant ``grantee`` (None: the namespace's
+    own) awaits ``writer``'s bytes: the namespace owner's, or its own tenant's.  Another
+    tenant's open reservation held each of the owner's commits the whole bound, and
+    dropped its blocks if never committed: no tenant may stall another's writes so."""
+    return writer.grantee is None or writer.grantee == grantee
+
+
 def pend(r: Reservation) -> None:
     """``r`` opened: it awaits the reservations holding a slot for its ``awaited`` keys,
     and its keys given a slot are pending in its namespace."""
     pending = r.ns.pending
     for i in r.awaited:
-        r.awaits.update(writers(pending[r.keys[i]]))
+        r.awaits.update(w for w in writers(pending[r.keys[i]]) if trusts(r.grantee, w))
     for other in r.awaits:
         other.awaited_by.add(r)
     keys = r.slotted_keys()

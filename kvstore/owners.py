@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.blocks import Block, Namespace, Owner, OwnerState, Reservation, writers
+from kvstore.blocks import Block, Namespace, Owner, OwnerState, Reservation, trusts, writers
 from kvstore.core import StoreCore
 from kvstore.errors import LeaseExpiredError, NotFoundError
 
@@ -102,7 +102,7 @@ class Leases:
         return held
 
     def awaited(self, ns: Namespace, keys: Sequence[bytes], held: dict[int, Block],
-                owner: Owner) -> set[int]:
+                owner: Owner, writer: str | None = None) -> set[int]:
         """The positions of those of ``keys`` (not ``held``) open reservations of other
         owners in ``ns`` hold a slot for (``Namespace.pending``), and none of ``owner``'s:
         a reservation's keys that need no slot of their own, that one's bytes coming
@@ -114,15 +114,18 @@ class Leases:
         awaits (through others) one of its session's (``awaiting``): a session that
         committed its newer reservation first waited out the bound, and so did the
         writer between.  A key twice in ``keys`` is not awaited from itself (its commit
-        finds it in DRAM: a duplicate), as only the other reservations are listed yet."""
+        finds it in DRAM: a duplicate), as only the other reservations are listed yet.
+        For a writer of tenant ``writer`` (None: the namespace's own) only reservations
+        it ``trusts`` count: a key pending only in another tenant's takes a slot."""
         pending = ns.pending
         if not pending:
             return set()
         state = self.store.owners.get(owner)
         mine = awaiting([r for r in state.reservations.values() if r.ns is ns]
                         if state is not None else [])
+        grantee = None if writer == ns.tenant else writer
         return {i for i, key in enumerate(keys) if key in pending and i not in held
-                and not any(r in mine for r in writers(pending[key]))}
+                and _awaitable(writers(pending[key]), mine, grantee)}
 
     def hold_awaited(self, waiting: list[Reservation]) -> None:
         """A commit stored keys the reservations ``waiting`` await: each such block now
@@ -144,6 +147,13 @@ class Leases:
         """``pin_held``'s pins go, deepest first (as ``StoreCore.unpin``)."""
         for block in reversed(held.values()):
             self.store.unpin_block(block)
+
+
+def _awaitable(ws: list[Reservation], mine: set[Reservation], grantee: str | None) -> bool:
+    """Whether a key pending in ``ws`` is awaited: none of them ``mine`` (``awaiting``
+    the session's own), one of them a writer a reservation of ``grantee`` trusts."""
+    return (not any(w in mine for w in ws)
+            and any(trusts(grantee, w) for w in ws))
 
 
 def awaiting(rs: list[Reservation]) -> set[Reservation]:

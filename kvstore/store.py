@@ -152,12 +152,13 @@ class BlockStore(StoreCore):
         parent: bytes | None,
         now: float,
         skip_held: bool | int = False,
+        writer: str | None = None,
     ) -> Reservation | Plan:
         """DRAM slots for every key; or the plan of the writes that must come first, or an
         error, and nothing taken.  With ``skip_held`` (``Skip``: True is both), keys
         held in DRAM take no slot (``Leases.pin_held``), nor keys another session's open
         reservation of the namespace holds a slot for (``Leases.awaited``: its bytes
-        are coming; the commit stores them under it)."""
+        are coming, if ``writer``'s tenant trusts that one: ``blocks.trusts``)."""
         if ns.forgotten:  # (a fetch for a session that ended, its namespace unused)
             raise UnknownNamespaceError("the namespace is no longer open; open it again")
         skip = Skip.of(skip_held)
@@ -179,8 +180,8 @@ class BlockStore(StoreCore):
         ns.users += 1
         # pinned before room is made, so that making it evicts none of them
         held = self.leases.pin_held(ns, keys) if skip & Skip.HELD else {}
-        awaited = (self.leases.awaited(ns, keys, held, owner) if skip & Skip.PENDING
-                   else set())
+        awaited = (self.leases.awaited(ns, keys, held, owner, writer)
+                   if skip & Skip.PENDING else set())
         try:
             # (0: no room to make, nor a quota to ask)
             need = len(keys) - len(held) - len(awaited)
@@ -195,7 +196,7 @@ class BlockStore(StoreCore):
             return offsets
         pinned = parent_block is not None and self.hold(parent_block)  # keep it till commit
         r = Reservation(next(self.ids), owner, ns, list(keys), parent_block, offsets, pinned,
-                        held, awaited)
+                        held, awaited, grantee=None if writer == ns.tenant else writer)
         state.reservations[r.id] = r
         if keys:  # (a reservation of no keys holds no entry: ``reserved_out``)
             state.reserved_in[ns.tenant] = state.reserved_in.get(ns.tenant, 0) + len(keys)

@@ -262,14 +262,14 @@ class Verbs:
                        parent: bytes | None, skip_held: bool | int) -> Reservation | Plan:
         store, clock = self.d.store, self.d.clock
         try:
-            return store.reserve(session.id, ns, keys, parent, clock(), skip_held)
+            return store.reserve(session.id, ns, keys, parent, clock(), skip_held, session.tenant)
         except CapacityError:
             # Blocks of get replies stay pinned until zmq has sent them, which a client
             # that already holds the reply can outrun by a few microseconds: reap those
             # sent since the last look (never a wait on the loop), then try once more.
             if not self.d.transport.reap_some():
                 raise
-        return store.reserve(session.id, ns, keys, parent, clock(), skip_held)
+        return store.reserve(session.id, ns, keys, parent, clock(), skip_held, session.tenant)
 
     def _commit(self, session: Session, req: p.Commit, payload: list[Any]) -> Answer:
         return self.commits.commit(session, req, lambda: self._commit_now(session, req))
@@ -673,7 +673,7 @@ def _reserve_plan(v: Verbs, session: Session, req: p.ReserveBatch, ns: Namespace
         for item in req.plan:
             if item.keys:
                 r = d.store.reserve(session.id, ns, item.keys, item.parent, d.clock(),
-                                    Skip.asked(req))
+                                    Skip.asked(req), session.tenant)
                 if isinstance(r, Plan):  # room first: all or none, so none yet
                     for taken in done:
                         d.store.abort(session.id, taken.id)
