@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.blocks import Block, Namespace, Owner, OwnerState, Reservation, trusts, writers
+from kvstore.blocks import (
+    Block,
+    Namespace,
+    Owner,
+    OwnerState,
+    Reservation,
+    Skip,
+    trusts,
+    writers,
+)
 from kvstore.core import StoreCore
 from kvstore.errors import LeaseExpiredError, NotFoundError
 
@@ -126,6 +135,21 @@ class Leases:
         grantee = None if writer == ns.tenant else writer
         return {i for i, key in enumerate(keys) if key in pending and i not in held
                 and _awaitable(writers(pending[key]), mine, grantee)}
+
+    def pin_plan(self, ns: Namespace, plan: list[list[bytes]], owner: Owner, writer: str,
+                 skip: int) -> tuple[list[dict[int, Block]], list[int]]:
+        """For a token plan's requests (their keys), reserved by ``owner`` of tenant
+        ``writer`` skipping ``skip`` (``Skip``): the blocks ``pin_held`` pins for each
+        (``unpin_held`` each once reserved), and how many of each one's keys take no
+        slot, held or ``awaited``, as its reserve then finds them (the plan's own
+        reservations add none: a key one takes a slot for, another takes one for too).
+        Admission counted every awaited key as a slot: a plan whose new blocks fit was
+        refused with DRAM nearly full."""
+        held = [self.pin_held(ns, keys) if skip & Skip.HELD else {} for keys in plan]
+        if not skip & Skip.PENDING or not ns.pending:
+            return held, [len(h) for h in held]
+        return held, [len(h) + len(self.awaited(ns, keys, h, owner, writer))
+                      for keys, h in zip(plan, held)]
 
     def hold_awaited(self, waiting: list[Reservation]) -> None:
         """A commit stored keys the reservations ``waiting`` await: each such block now

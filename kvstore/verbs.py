@@ -647,10 +647,10 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
     d.sessions.check_grant_reserve(session, ns, sum(len(item.keys) for item in req.plan))
     # keys held in DRAM take no slot: pinned till every item is reserved (each item's
     # reserve pins its own), so that no room made for one item evicts another's
-    held = [d.store.leases.pin_held(ns, item.keys) if req.skip_held else {}
-            for item in req.plan]
-    try:
-        return _reserve_plan(v, session, req, ns, requests, [len(h) for h in held])
+    held, skipped = d.store.leases.pin_plan(ns, [item.keys for item in req.plan], session.id,
+                                            session.tenant, Skip.asked(req))
+    try:  # (nor do awaited keys: counted in ``skipped``)
+        return _reserve_plan(v, session, req, ns, requests, skipped)
     finally:
         for h in held:
             d.store.leases.unpin_held(h)
@@ -658,8 +658,8 @@ def reserve_batch(v: Verbs, session: Session, req: p.ReserveBatch,
 
 def _reserve_plan(v: Verbs, session: Session, req: p.ReserveBatch, ns: Namespace,
                   requests: list[TokenRequest], held: list[int]) -> Answer:
-    """``reserve_batch`` once checked, the blocks held in DRAM (``held`` of each item)
-    pinned: admitted by the slots it takes, all reserved or none."""
+    """``reserve_batch`` once checked, the blocks held in DRAM pinned (``held``: each
+    item's keys taking no slot, awaited too): admitted by the slots it takes, or none."""
     d, bt = v.d, ns.identity.block_tokens
     available = d.store.available_slots(ns)
     own = own_slots(ns.dram, ns.cls)  # (without another size's slabs)
