@@ -789,7 +789,8 @@ def test_a_batch_waiting_on_a_step_keeps_the_slab_its_aborted_items_emptied(
     bt = B.block_tokens
     req = p.ReserveBatch(1, b.id, [p.PlanItem(0, 2 * bt, _chain(b, 2, 2)),
                                    p.PlanItem(0, 16 * bt, _chain(b, 3, 16))])
-    r = reserve_batch(v, SimpleNamespace(id="batch"), req, [])  # type: ignore[arg-type]
+    session = SimpleNamespace(id="batch", tenant=b.tenant)
+    r = reserve_batch(v, session, req, [])  # type: ignore[arg-type]
     assert isinstance(r, Plan) and r.drains and pool.empty_slabs == 1
     arena.put(a, 500, 1)  # the donor's write between the turns
     assert pool.empty_slabs == 1
