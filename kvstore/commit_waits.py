@@ -14,18 +14,20 @@ among reservations.  They may among sessions: a blocking client commits one rese
 at a time, so a session whose commit waits commits none of its other reservations till
 then.  Two clients each holding two reservations, each one's younger awaiting a key of
 the other's older, each committing its younger first: both commits waited out the
-bound.  A commit whose wait would close such a cycle (its writers' sessions wait, through
-others, for its own: ``closes_cycle``) waits for nothing: it stores what is cached and
-drops the rest, as at the bound, at once; its client then commits its older
-reservation, which wakes the others.  (An asynchronous client might have committed the
-older one meanwhile: then the wait would have ended, and the drop was not needed.  A
-stall of the bound for every such client is the dearer loss.)  A wait is still bounded, by half a lease from when the commit came and at
-most ``WAIT_MOST`` (a writer's client may hold a reservation open while its session
-lives on, or be killed, its session ending with its lease; a client's timeout must not
-run out first: 30 s by default, but 5 s the vLLM connector's and 10 s the SGLang and
-LMCache ones', whose link, timed out, backs off and drops its session); a writer gone
-silent is rolled back at its lease's end, which wakes the waiter.  Meanwhile the waiter's lease is
-renewed, as for every request finishing in a task (``Finisher.kept_alive``).
+bound.  Where a commit's wait would close such a cycle (its writers' sessions wait,
+through others, for its own: ``closes_cycle``), one commit of the cycle goes on at once
+(``cycle_breaker``: the one losing fewest blocks of its own bytes, this one on a tie):
+it stores what is cached and drops the rest, as at the bound; its client then commits
+its older reservation, which wakes the others.  (An asynchronous client might have
+committed that one meanwhile, ending the wait, so the drop was not needed; a stall of
+the bound for every blocking client is the dearer loss.)  A wait is still bounded, by
+half a lease from when the commit came and at most ``WAIT_MOST`` (a writer's client
+may hold a reservation open while its session lives on, or be killed, its session
+ending with its lease; a client's timeout must not run out first: 30 s by default, but
+5 s the vLLM connector's and 10 s the SGLang and LMCache ones', whose link, timed out,
+backs off and drops its session); a writer gone silent is rolled back at its lease's
+end, which wakes the waiter.  Meanwhile the waiter's lease is renewed, as for every
+request finishing in a task (``Finisher.kept_alive``).
 A waiter's own session ending (a goodbye, its lease) ends its wait with that error; the
 daemon stopping ends every wait, as no writer's commit is read any more.
 """
@@ -54,6 +56,7 @@ class CommitWaits:
         self.store = store
         self.sessions = sessions
         self.waiting: dict[int, Reservation] = {}
+        self.breaking: set[int] = set()  # waiting ones to commit now: each breaks a cycle
         self.stopped = False  # the daemon stops: no writer commits any more, none waits
 
     def __repr__(self) -> str:
@@ -66,12 +69,18 @@ class CommitWaits:
         r = self._open(session, req.reservation)
         if r is None or not r.awaits or self.stopped:
             return commit_now()  # (an unknown reservation: its error, as before)
-        if closes_cycle(r, self.waiting.values()):
-            self.store.counters.commit_wait_cycles += 1
-            return commit_now()  # (what is cached stored, the rest dropped)
         if r.id in self.waiting:  # (the second would take the first one's wake-up)
             raise MalformedError(f"a commit of reservation {r.id} is waiting already for "
                                  f"the older writers of its keys; commit it once")
+        waiting = [w for w in self.waiting.values() if w.id not in self.breaking]
+        if closes_cycle(r, waiting):  # (those going on already wait for nobody)
+            self.store.counters.commit_wait_cycles += 1
+            breaker = cycle_breaker(r, waiting)
+            if breaker is r:
+                return commit_now()  # (what is cached stored, the rest dropped)
+            self.breaking.add(breaker.id)  # it commits now instead, and this one waits
+            if breaker.wake is not None:
+                breaker.wake()
         self.waiting[r.id] = r  # (now: the coroutine may run after the next request)
         return Later(self._after_writers(session, r, commit_now),
                      give_up=lambda: self._done(r))
@@ -82,13 +91,15 @@ class CommitWaits:
 
     def _done(self, r: Reservation) -> None:
         r.wake = None
+        self.breaking.discard(r.id)
         if self.waiting.get(r.id) is r:
             del self.waiting[r.id]
 
     async def _after_writers(self, session: Session, r: Reservation,
                              commit_now: Callable[[], Outcome]) -> Outcome:
         try:
-            if r.awaits and not self.stopped and self._open(session, r.id) is r:
+            if (r.awaits and not self.stopped and r.id not in self.breaking
+                    and self._open(session, r.id) is r):
                 woken = asyncio.get_running_loop().create_future()
 
                 def wake() -> None:
@@ -136,3 +147,29 @@ def closes_cycle(r: Reservation, waiting: Iterable[Reservation]) -> bool:
                 seen.add(writer.owner)
                 todo += by_owner.get(writer.owner, ())
     return False
+
+
+def cycle_breaker(r: Reservation, waiting: list[Reservation]) -> Reservation:
+    """The commit to go on at once where ``r``'s wait would close a cycle (``closes_cycle``):
+    of ``r`` and the ``waiting`` whose end opens every cycle through ``r``'s session, the
+    one whose commit now throws away fewest blocks of its own bytes (``own_lost``); ``r``
+    on a tie.  (A key it awaits is no loss: its writer stores it once its session goes
+    on.)"""
+    best, lost = r, own_lost(r)
+    for w in waiting:
+        if lost and (w_lost := own_lost(w)) < lost \
+                and not closes_cycle(r, [x for x in waiting if x is not w]):
+            best, lost = w, w_lost
+    return best
+
+
+def own_lost(r: Reservation) -> int:
+    """The blocks given a slot in ``r`` (its writer's bytes) that its commit now would not
+    store: those after its first awaited key not cached."""
+    get = r.ns.blocks.get
+    for i in sorted(r.awaited):
+        block = get(r.keys[i])
+        if block is None or not block.present:
+            return sum(1 for j in range(i + 1, len(r.keys))
+                       if j not in r.held and j not in r.awaited)
+    return 0

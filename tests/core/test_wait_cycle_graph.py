@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvtest import make_identity
 
-from kvstore.commit_waits import closes_cycle
+from kvstore.commit_waits import closes_cycle, cycle_breaker, own_lost
 from kvstore.keys import chain_keys
 from kvstore.store import BlockStore, Limits, Namespace, Reservation
 
@@ -18,10 +18,10 @@ def _chain(ns: Namespace, first: int, n: int) -> list[bytes]:
     return chain_keys(ns.id, list(range(first * BT, (first + n) * BT)), BT)
 
 
-def _rings(sessions: int) -> list[Reservation]:
+def _rings(sessions: int) -> tuple[BlockStore, list[Reservation]]:
     """Each session holds an older reservation of a chain of its own and a younger one
     of the next session's chain and a key more (that chain's keys awaited): the younger
-    reservations, by session."""
+    reservations, by session, and the store."""
     store = BlockStore(64 * IDENT.block_bytes, 8 * IDENT.block_bytes,
                        limits=Limits(lease_seconds=5.0))
     ns = store.open_namespace(IDENT)
@@ -33,11 +33,11 @@ def _rings(sessions: int) -> list[Reservation]:
         r = store.reserve(f"s{s}", ns, chains[(s + 1) % sessions], None, 0.0, True)
         assert isinstance(r, Reservation) and r.awaited == {0, 1}, r
         younger.append(r)
-    return younger
+    return store, younger
 
 
 def test_the_last_of_three_sessions_to_wait_closes_the_cycle() -> None:
-    a, b, c = _rings(3)
+    _, (a, b, c) = _rings(3)
     assert not closes_cycle(a, [])
     assert not closes_cycle(b, [a])  # a waits for b's older one: b may commit it
     assert closes_cycle(c, [a, b])  # c -> a's session -> b's -> c's
@@ -46,6 +46,19 @@ def test_the_last_of_three_sessions_to_wait_closes_the_cycle() -> None:
 
 
 def test_two_sessions_each_waiting_for_the_others_older_reservation() -> None:
-    a, b = _rings(2)
+    _, (a, b) = _rings(2)
     assert not closes_cycle(a, [])
     assert closes_cycle(a, [b]) and closes_cycle(b, [a])
+
+
+
+def test_the_breaker_is_the_commit_losing_fewest_blocks_of_its_own_bytes() -> None:
+    store, (a, b, c) = _rings(3)  # each: 2 keys awaited, 1 of its own after them
+    assert [own_lost(r) for r in (a, b, c)] == [1, 1, 1]
+    assert cycle_breaker(c, [a, b]) is c  # a tie: the closer
+    # c's session reserves the same awaited keys with 4 of its own after them
+    d = store.reserve(c.owner, c.ns, _chain(c.ns, 0, 6), None, 0.0, True)
+    assert isinstance(d, Reservation) and d.awaited == {0, 1}, d
+    assert own_lost(d) == 4 and closes_cycle(d, [a, b])
+    assert cycle_breaker(d, [a, b]) is a  # a's end opens the cycle: 1 block lost
+    assert cycle_breaker(d, [a, b, c]) is a  # (c's end alone opens none: d's own too)

@@ -81,3 +81,40 @@ def test_two_clients_each_committing_its_younger_reservation_first_do_not_stall(
         assert ns2.get(x[:2]) == [data[k] for k in x[:2]]
         assert ns2.lookup(x).blocks == 2
         assert c1.stats()["invariant_violations"] == 0
+
+
+def test_the_waiter_that_loses_fewer_of_its_own_blocks_goes_on_and_the_closer_waits(
+        daemon_factory: Any) -> None:
+    """The commit closing the cycle would throw away 3 blocks of its own bytes, the one
+    waiting already 1: that one goes on at once (its key awaited is no loss: its writer
+    stores it), and the closer waits, then stores all of its blocks."""
+    d = daemon_factory(dram_capacity="16MiB")
+    with Client(d.endpoint, tenant="acme") as c1, Client(d.endpoint, tenant="acme") as c2:
+        ns1, ns2 = c1.namespace(IDENTITY), c2.namespace(IDENTITY)
+        bt = IDENTITY.block_tokens
+        x = ns1.keys(range(5 * bt))  # c1's older reservation holds x[:2]
+        y = ns1.keys(range(1000 * bt, 1003 * bt))  # c2's older one holds y[:2]
+        data = {k: os.urandom(ns1.block_bytes) for k in x + y}
+        older1 = _written(ns1.reserve(x[:2]), data)
+        older2 = _written(ns2.reserve(y[:2]), data)
+        younger1 = _written(ns1.reserve(y), data)  # 1 block of its own after y[:2]
+        younger2 = _written(ns2.reserve(x), data)  # 3 of its own after x[:2]
+
+        def client(younger: Any, older: Any) -> tuple[int, int]:
+            done = younger.commit()
+            return done, older.commit()
+
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(client, younger1, older1)
+            _waiting(c2, 1)
+            second = pool.submit(client, younger2, older2)
+            results = first.result(timeout=30), second.result(timeout=30)
+        assert results == ((0, 2), (3, 2)), results
+        assert (younger1.dropped, younger2.dropped) == (3, 0)
+        dram = _dram(c1)
+        assert (dram["commit_wait_cycles"], dram["commit_wait_timeouts"]) == (1, 0), dram
+        assert (dram["commits_waited"], dram["awaited_dropped"]) == (2, 3), dram
+        assert (dram["reserved_slots"], dram["pinned_blocks"], dram["blocks"]) == (0, 0, 7)
+        assert ns1.get(x) == [data[k] for k in x]
+        assert ns1.get(y[:2]) == [data[k] for k in y[:2]] and ns1.lookup(y).blocks == 2
+        assert c1.stats()["invariant_violations"] == 0
