@@ -326,7 +326,7 @@ class Counters:
     awaited_dropped: int = 0  # keys a commit did not store: an awaited key not cached
     commits_waited: int = 0  # commits that waited for older writers of their keys
     commit_wait_timeouts: int = 0  # of those, ended by the bound, not by the writers
-    commit_wait_cycles: int = 0  # commits not waiting: their wait would close a cycle
+    commit_wait_cycles: int = 0  # waits that would close a cycle: one commit went on
 
 class TierSlots:
     """One tier's slab pool and an eviction order per slab class."""
