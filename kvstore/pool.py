@@ -143,6 +143,7 @@ class SlabPool:
         self._unended = 0
         self.budget: ArenaBudget | None = None  # over all arenas (``kvstore.arena_budget``)
         self._resident: set[int] = set()  # empty, pages kept (``ArenaBudget.grew``)
+        self._backing: set[int] = set()  # empty, its memory being allocated (``back``)
 
     # -- size classes ---------------------------------------------------------
     def slot_bytes_for(self, block_bytes: int) -> int:
@@ -259,8 +260,8 @@ class SlabPool:
         return news
 
     def allocate(self, cls: SlabClass, count: int) -> list[int] | None:
-        """``count`` slot offsets, or None (and nothing taken) if they are not free."""
-        if count > self.available(cls):
+        """``count`` slot offsets, or None (and nothing taken) if not free (``unbacked``)."""
+        if count > self.available(cls) or unbacked(self, cls, count):
             return None
         grew = False
         while cls.free_slots < count:
@@ -460,8 +461,7 @@ class SlabPool:
         cls._with_room[index] = slab
         cls.free_slots += cls.slots_per_slab
         self._owner[index] = cls
-        if self.budget is not None:  # (its pages, written from now on, are the budget's)
-            self.budget.grew()
+        _grew(self)
 
     def _shrink(self, cls: SlabClass, slab: Slab) -> None:
         del cls.slabs[slab.index]
@@ -518,6 +518,15 @@ class SlabPool:
                 f"classes={list(self.classes.values())})")
 
 
+def unbacked(pool: SlabPool, cls: SlabClass, count: int) -> int:
+    """Of the empty slabs an ``allocate`` of ``count`` slots of ``cls`` would take, those
+    whose memory is not there yet (``ArenaBudget.back``); 0 without a budget."""
+    if pool.budget is None:
+        return 0
+    return pool.budget.unbacked(pool, max(0, -(-(count - cls.free_slots)
+                                             // cls.slots_per_slab)))
+
+
 def _give_back(pool: SlabPool, cls: SlabClass, slab: Slab) -> None:
     """A draining slab's drain ended: its free slots and those held are the class's."""
     slab.draining = False
@@ -540,7 +549,19 @@ def _takeable(pool: SlabPool) -> int:
     """The empty slabs no class has set aside that the pool may take: with a budget over
     all arenas, no more than it has left."""
     unset = len(pool._empty) - pool._earmarked_total
-    return unset if pool.budget is None else min(unset, pool.budget.spare)
+    budget = pool.budget
+    if budget is None:
+        return unset
+    if budget.is_short(pool):  # (no memory for another: only slabs that kept theirs)
+        return min(unset, budget.spare, len(pool._resident))
+    return min(unset, budget.spare)
+
+
+def _grew(pool: SlabPool) -> None:
+    """A slab was taken: with a budget, its pages, written from now on, are the budget's
+    (``ArenaBudget.grew``), and the pool's next slab is backed ahead."""
+    if pool.budget is not None:
+        pool.budget.grew(pool)
 
 
 def _to_empty(pool: SlabPool, index: int) -> None:

@@ -55,9 +55,15 @@ class RoomMaker:
             plan = self.slabs.from_other_arenas(ns.dram, cls, count, protect)
             if plan is not None:
                 return plan
+        if pool.budget is not None:  # (a sparse arena out of memory: refused, typed)
+            self.slabs.check_memory(ns.dram, cls, count)
         if pool.available(cls) < count:
             plan = self._make_room(ns.dram, cls, count - pool.available(cls), protect,
                                    requester=(ns.tenant, count * cls.slot_bytes))
+            if plan is not None:
+                return plan
+        if pool.budget is not None:  # a sparse arena: its new slabs' memory there first
+            plan = self.slabs.wait_for_memory(ns.dram, cls, count)
             if plan is not None:
                 return plan
         offsets = ns.dram.take(ns, count)

@@ -60,7 +60,7 @@ from kvstore.arena_budget import held
 from kvstore.blocks import SSD, Block, TierSlots, subtree
 from kvstore.errors import CapacityError
 from kvstore.plans import Plan
-from kvstore.pool import Slab, SlabClass, SlabPool
+from kvstore.pool import Slab, SlabClass, SlabPool, unbacked
 
 if TYPE_CHECKING:
     from kvstore.core import StoreCore
@@ -170,6 +170,42 @@ class SlabMoves:
             else:
                 return None  # (no arena over its share can give a slab now)
         return None
+
+    def wait_for_memory(self, dram: TierSlots, cls: SlabClass, count: int) -> Plan | None:
+        """Where the slots of ``count`` of ``cls`` (room made for them) would lie in empty
+        slabs whose memory is not there yet (a sparse arena: a page first touched with
+        its file system full raises SIGBUS in the process touching it), have it
+        allocated (on the daemon's thread) and a Plan of a turn meanwhile."""
+        pool = dram.pool
+        budget = pool.budget
+        assert budget is not None
+        missing = unbacked(pool, cls, count)
+        if not missing:
+            return None
+        budget.back(pool, missing - len(pool._backing))
+        if not unbacked(pool, cls, count):  # (answered at once)
+            return None
+        if not any(p._backing for p in budget.pools):  # (none asked for, none coming:
+            # every byte of the budget held)
+            self.store.counters.capacity_rejects += 1
+            raise CapacityError(
+                f"the dram arenas hold all of dram.capacity; no slab's memory is free for "
+                f"this arena", cause="full")
+        return self._a_turn(pool, cls, count)
+
+    def check_memory(self, dram: TierSlots, cls: SlabClass, count: int) -> None:
+        """CapacityError where the file system had no memory for the arena's last slab
+        (``ArenaBudget.is_short``: it takes only slabs that kept their memory then) and
+        its own blocks cannot make the room."""
+        pool = dram.pool
+        budget = pool.budget
+        assert budget is not None
+        if budget.is_short(pool) and not pool._backing and own_slots(dram, cls) < count:
+            self.store.counters.capacity_rejects += 1
+            raise CapacityError(
+                f"no memory for another slab ({pool.slab_bytes} bytes) of the tenant's "
+                f"arena: the file system of dram.directory is full; free memory there or "
+                f"lower dram.capacity", cause="memory")
 
     def _give_up_slab(self, dram: TierSlots, protect: Block | None) -> bool | Plan:
         """Empty a slab of another arena, of the class whose fewest used slab has the

@@ -250,3 +250,72 @@ def test_a_request_the_spare_slabs_cover_in_part_takes_the_rest_from_another_are
     store.commit("b", r.id, 0.0)
     assert (slabs(a), slabs(b)) == (SLABS - 2, 2)
     arenas.check()
+
+
+class Backer:
+    """The daemon's side of backing slabs, by hand: what was asked, answered later."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.budget = store.dram_budget
+        assert self.budget is not None
+        self.budget.backer = self.ask
+        self.asked: list[tuple[str, int]] = []
+
+    def ask(self, name: str, index: int, offset: int, length: int) -> None:
+        assert offset == index * length
+        self.asked.append((name, index))
+
+    def answer(self, ok: bool) -> None:
+        assert self.budget is not None
+        asked, self.asked = self.asked, []
+        for name, index in asked:
+            self.budget.backed(name, index, ok)
+
+
+def reserve_one(store: BlockStore, ns: Namespace, n: int) -> object:
+    key = chain_keys(ns.id, list(range(n * 16, (n + 1) * 16)), 16)[0]
+    return store.reserve(ns.tenant, ns, [key], None, 0.0)
+
+
+def test_no_slot_of_a_slab_is_handed_out_before_its_memory_is_there() -> None:
+    """A page of a sparse arena first touched with its file system full raised SIGBUS
+    in the process touching it: a slab's memory is asked for (off the loop) before any
+    slot of it is handed out, the request answered with a turn meanwhile."""
+    store = BlockStore(SLABS * SLAB, SLAB, per_tenant=True)
+    backer = Backer(store)
+    a = store.open_namespace(A)
+    assert backer.asked == [("a", 0)]  # its first slab, ahead of its first request
+    r = reserve_one(store, a, 0)
+    assert isinstance(r, Plan) and r.turn and not a.dram.pool._owner
+    r.let_go()
+    backer.answer(True)
+    r = reserve_one(store, a, 0)
+    assert not isinstance(r, Plan) and r.offsets[0] // SLAB == 0
+    assert backer.asked == [("a", 1)]  # the next slab, ahead of need
+    a.dram.pool.check()
+
+
+def test_an_arena_whose_memory_ran_out_makes_room_among_its_own_then_refuses() -> None:
+    store = BlockStore(SLABS * SLAB, SLAB, per_tenant=True)
+    backer = Backer(store)
+    a = store.open_namespace(A)
+    backer.answer(True)
+    b = store.open_namespace(B)
+    backer.answer(False)  # b's first slab finds no memory (the file system is full)
+    for n in range(4):  # a's first slab, full; its next slab finds none either
+        r = reserve_one(store, a, n)
+        assert not isinstance(r, Plan)
+        store.commit("a", r.id, 0.0)
+    backer.answer(False)
+    r = reserve_one(store, a, 10)  # its own coldest block makes the room
+    assert not isinstance(r, Plan) and len(a.dram.pool._owner) == 1
+    assert cached(a, [chain_keys(a.id, list(range(n * 16, n * 16 + 16)), 16)[0]
+                      for n in range(4)]) == 3
+    store.abort("a", r.id)
+    with pytest.raises(CapacityError, match="dram.directory is full"):
+        reserve_one(store, b, 20)  # nothing of its own to make room among
+    assert not b.blocks and not b.dram.pool._owner and not backer.asked
+    assert store.dram_budget is not None and store.dram_budget.backing_failed == 2
+    for tier in store.drams.values():
+        tier.pool.check()
+    store.check_invariants()
