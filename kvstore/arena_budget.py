@@ -20,7 +20,7 @@ over its share makes room among its own blocks.  A shared arena has no budget.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 
@@ -91,6 +91,9 @@ class ArenaBudget:
         # told (arena name, slab index, offset, length) of each empty slab whose memory
         # is to be allocated; it answers ``backed`` later (None: slabs need no backing)
         self.backer: Callable[[str, int, int, int], None] | None = None
+        # a wait for the backer's next answer, for a request that waits on one (None:
+        # a turn of the loop)
+        self.waiter: Callable[[], Callable[[], Awaitable[None]]] | None = None
         self.short: dict[SlabPool, float] = {}  # pools whose slab found no memory: when
         self.backed_slabs = 0  # slabs whose memory was allocated ahead of their use
         self.backing_failed = 0  # allocations that found no memory

@@ -159,7 +159,7 @@ class Moves:
         fetch found nothing.  Cancelled or failed, it leaves nothing marked."""
         if plan.turn:  # others' requests first; then the slabs set aside are the call's
             try:
-                await asyncio.sleep(0)
+                await (plan.wait() if plan.wait is not None else asyncio.sleep(0))
             finally:
                 plan.let_go()
             return

@@ -8,6 +8,7 @@ mover pipeline carries the plan out, every part of it, and makes the call again.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,7 +37,8 @@ class Plan:
     (a request that needs several slabs takes one a turn, and empties a big one in
     steps), ``earmarks`` (pool, class, slabs) set aside for the call meanwhile and
     ``drains`` (pool, class, slab) being emptied for it, let go when it is made again
-    or abandoned.
+    or abandoned; ``wait``: what the turn waits for instead of one turn of the loop (a
+    slab's memory being allocated on the daemon's thread, ``SlabMoves.wait_for_memory``).
     """
 
     demote: list[Block] = field(default_factory=list)
@@ -51,6 +53,7 @@ class Plan:
     turn: bool = False
     earmarks: list[tuple[SlabPool, SlabClass, int]] = field(default_factory=list)
     drains: list[tuple[SlabPool, SlabClass, Slab]] = field(default_factory=list)
+    wait: Callable[[], Awaitable[None]] | None = None
 
     def let_go(self) -> None:
         """The slabs set aside for the call go back to every class, and those being

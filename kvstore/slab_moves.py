@@ -191,7 +191,10 @@ class SlabMoves:
             raise CapacityError(
                 f"the dram arenas hold all of dram.capacity; no slab's memory is free for "
                 f"this arena", cause="full")
-        return self._a_turn(pool, cls, count)
+        turn = self._a_turn(pool, cls, count)
+        if budget.waiter is not None:
+            turn.wait = budget.waiter()
+        return turn
 
     def check_memory(self, dram: TierSlots, cls: SlabClass, count: int) -> None:
         """CapacityError where the file system had no memory for the arena's last slab
