@@ -155,21 +155,28 @@ class SlabMoves:
         arena furthest over its share, emptied as a slab goes to another class (its
         class's coldest blocks evicted, or written down first: then a Plan to wait on,
         and the call is made again; its blocks moved into their room) and back to the
-        budget.  None once the arena has the room, or may take no more this way."""
+        budget.  None once the arena has the room, or may take no more this way.
+
+        One slab a turn of the loop, as between classes (``make_way``): a request short
+        of several is answered with a Plan of a turn after each, the slab set aside for
+        its class meanwhile: several in one call held the loop for each one's evictions,
+        copies and the return of its memory (a put of two 64 MiB slabs, 21-26 ms;
+        ``benchmarks/arena_hand_over.py``)."""
         pool = dram.pool
         budget = pool.budget
         assert budget is not None, "only arenas with a budget take from each other"
-        while pool.available(cls) < count and budget.below_share(pool):
-            for donor in budget.over_share(pool):
-                taken = self._give_up_slab(self.store.drams[budget.pools[donor]], protect)
-                if isinstance(taken, Plan):
-                    return taken
-                if taken:
-                    budget.taken += 1
-                    break
-            else:
-                return None  # (no arena over its share can give a slab now)
-        return None
+        if pool.available(cls) >= count or not budget.below_share(pool):
+            return None
+        for donor in budget.over_share(pool):
+            taken = self._give_up_slab(self.store.drams[budget.pools[donor]], protect)
+            if isinstance(taken, Plan):
+                return taken
+            if taken:
+                budget.taken += 1
+                if pool.available(cls) < count and budget.below_share(pool):
+                    return self._a_turn(pool, cls, count)
+                return None
+        return None  # (no arena over its share can give a slab now)
 
     def wait_for_memory(self, dram: TierSlots, cls: SlabClass, count: int) -> Plan | None:
         """Where the slots of ``count`` of ``cls`` (room made for them) would lie in empty

@@ -319,3 +319,29 @@ def test_an_arena_whose_memory_ran_out_makes_room_among_its_own_then_refuses() -
     for tier in store.drams.values():
         tier.pool.check()
     store.check_invariants()
+
+
+def test_a_request_takes_one_slab_of_another_arena_a_turn() -> None:
+    """Each slab another arena gives up holds the loop (its blocks evicted and moved,
+    its memory given back): a request short of several takes one a turn, the slab set
+    aside for it meanwhile, never several in one go."""
+    arenas = Arenas()
+    store = arenas.store
+    budget = store.dram_budget
+    assert budget is not None
+    released: list[tuple[str, int, int]] = []
+    budget.on_release = lambda *told: released.append(told)
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    arenas.put(a, 0, SLABS * 4)
+    chain = chain_keys(b.id, list(range(16 * 12)), 16)  # 12 blocks: three slabs
+    taken = []
+    while isinstance(r := store.reserve("b", b, chain, None, 0.0), Plan):
+        assert r.turn and budget.taken == len(taken) + 1, r  # one slab a call
+        taken.append(budget.taken)
+        assert b.dram.pool.earmarked(b.cls) == len(taken)  # set aside for it
+        a.dram.pool.check()
+        r.let_go()
+    assert taken == [1, 2] and budget.taken == 3
+    store.abort("b", r.id)
+    assert (slabs(a), slabs(b)) == (SLABS - 3, 0)
+    arenas.check()
