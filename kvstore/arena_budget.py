@@ -15,6 +15,24 @@ Once the budget is spent, a tenant below its weighted share (``tenant_weights``,
 default 1 each, over the arenas holding slabs and its own) takes a slab from the arena
 furthest over its share (``kvstore.slab_moves.SlabMoves.from_other_arenas``); one at or
 over its share makes room among its own blocks.  A shared arena has no budget.
+
+The arenas are sparse files clients map and write in place, and a page first touched
+when the memory file system is full raises SIGBUS in whichever process touches it.  So
+where the daemon backs slabs (``backer``), a pool hands out no slot of a slab whose
+memory is not there: an empty slab is taken only once its memory was allocated
+(``back``, on the daemon's thread, ahead of need while the budget has memory to spare,
+else while a request waits for it), and where the allocation failed (the file system
+full) the pool takes only slabs that kept their memory (``is_short``) for a while, its
+requests making room among its own blocks.
+
+With more arenas writing than slabs (a share under one slab each), an arena holding
+none took one from another at each request, and the slabs bounced between arenas
+(each bounce a slab's blocks evicted, its memory given back and allocated again: 53
+slabs taken in 144 puts of 24 tenants over 16 slabs).  Such an arena now takes a slab
+only from one at most one over its share that has not written for ``min_hold`` seconds
+(``idle``), else it is refused (``kvstore.slab_moves``): the budget is too small for
+the tenants writing, which only the operator can change; a tenant that stops writing
+gives its slab to one waiting.
 """
 
 from __future__ import annotations
@@ -42,6 +60,9 @@ BUDGET_SLABS = 16
 # to spare: its next slab's allocation (1 ms a 4 MiB slab, 16 ms a 64 MiB one, on
 # /dev/shm) is done on a thread before a request needs it.
 AHEAD = 1
+# Seconds an arena has not written for before an arena holding no slab may take its
+# last one (with more arenas than slabs).
+MIN_HOLD = 1.0
 # Seconds an arena whose slab found no memory takes only slabs that kept theirs, before
 # a slab's memory is asked for again (sooner where memory was given back meanwhile).
 SHORT_SECONDS = 1.0
@@ -98,6 +119,9 @@ class ArenaBudget:
         self.backed_slabs = 0  # slabs whose memory was allocated ahead of their use
         self.backing_failed = 0  # allocations that found no memory
         self.clock: Callable[[], float] = time.monotonic
+        self.min_hold = MIN_HOLD
+        self._used_at: dict[SlabPool, float] = {}  # when each last took slots
+        self.held_back = 0  # requests refused while every slab was in use (``min_hold``)
 
     def join(self, pool: SlabPool, name: str) -> None:
         """Count ``pool`` (the arena ``name``'s) against the budget from now on."""
@@ -189,6 +213,20 @@ class ArenaBudget:
         if index in pool._empty:  # (not taken meanwhile: a claim, say)
             pool._resident.add(index)
 
+    def used(self, pool: SlabPool) -> None:
+        """``pool`` hands out slots now (``idle``)."""
+        self._used_at[pool] = self.clock()
+
+    def idle(self, pool: SlabPool) -> bool:
+        """Whether ``pool`` handed out no slot for ``min_hold`` seconds."""
+        at = self._used_at.get(pool)
+        return at is None or self.clock() - at >= self.min_hold
+
+    def starved(self, pool: SlabPool) -> bool:
+        """Whether ``pool`` holds no slab, its share less than one (more arenas than
+        slabs): it takes only an idle arena's last slab."""
+        return not held(pool) and self.shares(pool)[pool] < 1
+
     def is_short(self, pool: SlabPool) -> bool:
         """Whether ``pool``'s last slab found no memory, lately (``SHORT_SECONDS``)."""
         at = self.short.get(pool)
@@ -225,9 +263,12 @@ class ArenaBudget:
         return not mine or mine + 1 <= self.shares(pool)[pool] + 1e-9
 
     def over_share(self, asking: SlabPool) -> list[SlabPool]:
-        """The other arenas holding more than their share, furthest over it first."""
+        """The other arenas holding more than their share, furthest over it first; for
+        an arena ``starved``, of those at most one slab over it only the ``idle``."""
         share = self.shares(asking)
-        over = [p for p in share if p is not asking and held(p) > share[p] + 1e-9]
+        starved = self.starved(asking)
+        over = [p for p in share if p is not asking and held(p) > share[p] + 1e-9
+                and (not starved or held(p) > share[p] + 1 or self.idle(p))]
         return sorted(over, key=lambda p: share[p] - held(p))
 
     def figures(self) -> dict[str, object]:
@@ -235,6 +276,7 @@ class ArenaBudget:
         return {"slabs": self.slabs, "spare": self.spare, "released": self.released,
                 "taken": self.taken, "kept": sum(len(p._resident) for p in self.pools),
                 "backed": self.backed_slabs, "backing_failed": self.backing_failed,
+                "held_back": self.held_back,
                 "held": {name: held(p) for p, name in self.pools.items()}}
 
     def check(self) -> None:

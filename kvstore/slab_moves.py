@@ -161,7 +161,9 @@ class SlabMoves:
         of several is answered with a Plan of a turn after each, the slab set aside for
         its class meanwhile: several in one call held the loop for each one's evictions,
         copies and the return of its memory (a put of two 64 MiB slabs, 21-26 ms;
-        ``benchmarks/arena_hand_over.py``)."""
+        ``benchmarks/arena_hand_over.py``).  CapacityError for an arena holding no slab
+        where more arenas write than there are slabs, and none holding one is idle
+        (``ArenaBudget.starved``: the slabs bounced between arenas at each request)."""
         pool = dram.pool
         budget = pool.budget
         assert budget is not None, "only arenas with a budget take from each other"
@@ -176,6 +178,13 @@ class SlabMoves:
                 if pool.available(cls) < count and budget.below_share(pool):
                     return self._a_turn(pool, cls, count)
                 return None
+        if budget.starved(pool):
+            budget.held_back += 1
+            self.store.counters.capacity_rejects += 1
+            raise CapacityError(
+                f"more tenants are writing than the {budget.slabs} slabs of dram.capacity "
+                f"over their arenas, each slab written within {budget.min_hold:g} s; raise "
+                f"dram.capacity or lower dram.slab_size", cause="arenas")
         return None  # (no arena over its share can give a slab now)
 
     def wait_for_memory(self, dram: TierSlots, cls: SlabClass, count: int) -> Plan | None:
@@ -186,6 +195,7 @@ class SlabMoves:
         pool = dram.pool
         budget = pool.budget
         assert budget is not None
+        budget.used(pool)  # (slots of it taken next: ``ArenaBudget.idle``)
         missing = unbacked(pool, cls, count)
         if not missing:
             return None

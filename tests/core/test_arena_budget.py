@@ -218,15 +218,30 @@ def test_a_shared_arena_has_no_budget() -> None:
     assert store.dram_budget is None and a.dram is b.dram and a.dram.pool.budget is None
 
 
-def test_with_fewer_slabs_than_tenants_a_tenant_holding_none_takes_one() -> None:
+def test_with_more_arenas_than_slabs_one_holding_none_takes_only_an_idle_ones() -> None:
+    """A tenant holding none took a slab from another at each request, so with more
+    tenants writing than slabs the slabs bounced between arenas every request: it takes
+    only the slab of an arena that wrote nothing for ``min_hold``, else is refused."""
     store = BlockStore(SLAB, SLAB, per_tenant=True)  # a budget of one slab
+    budget = store.dram_budget
+    assert budget is not None
+    now = [0.0]
+    budget.clock = lambda: now[0]
     a, b = store.open_namespace(A), store.open_namespace(B)
     arenas = Arenas.__new__(Arenas)
     arenas.store, arenas.bytes, arenas.peak = store, {}, 0
     store.move_bytes = arenas._move
-    arenas.put(a, 0, 4)
-    b_keys = arenas.put(b, 1000, 1)  # b's share is half a slab: it holds none, so one
+    a_keys = arenas.put(a, 0, 4)
+    now[0] += budget.min_hold / 2  # a wrote lately: b's share (half a slab) waits
+    with pytest.raises(CapacityError, match="raise dram.capacity or lower dram.slab_size"):
+        arenas.put(b, 1000, 1)
+    assert (slabs(a), slabs(b)) == (1, 0) and cached(a, a_keys) == 4 and not b.blocks
+    now[0] += budget.min_hold  # a idle since: its slab is b's
+    b_keys = arenas.put(b, 1000, 1)
     assert (slabs(a), slabs(b)) == (0, 1) and cached(b, b_keys) == 1
+    with pytest.raises(CapacityError):  # and not a's again at once
+        arenas.put(a, 100, 1)
+    assert budget.taken == 1 and budget.held_back == 2
     arenas.check()
 
 
