@@ -73,6 +73,10 @@ class DramCopies:
         }
         if budget is not None:  # slabs the arenas may hold together; one taken for another
             figures["budget_slabs"], figures["budget_taken"] = budget.slabs, budget.taken
+            # slabs whose memory the file system did not have (dram.directory full), and
+            # requests refused while more arenas wrote than the budget has slabs
+            figures["budget_no_memory"] = budget.backing_failed
+            figures["budget_held_back"] = budget.held_back
         return figures
 
     def check(self, blocks: Iterable[Block]) -> None:

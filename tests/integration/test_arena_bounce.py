@@ -62,6 +62,7 @@ def test_slabs_do_not_bounce_between_arenas_at_every_request(
         assert dram["budget_taken"] <= bound, (dram["budget_taken"], bound, elapsed)
         assert stored >= slabs * ROUNDS, stored  # every slab serves a tenant each round
         assert all("raise dram.capacity or lower dram.slab_size" in r for r in refused)
+        assert dram["budget_held_back"] >= len(refused)  # (a deferral's attempts too)
         assert ops.stats()["invariant_violations"] == 0
         assert d.proc is not None and d.proc.poll() is None
     finally:

@@ -20,6 +20,7 @@ from daemon_proc import DaemonProcess
 from kvtest import make_identity
 
 from kvstore.auth import issue_token, read_secret, write_secret
+from kvstore.client import Client
 from kvstore.keys import chain_keys
 from kvstore.plans import Plan
 from kvstore.store import BlockStore
@@ -90,7 +91,7 @@ def test_arenas_past_the_memory_of_their_file_system_fail_typed_not_by_signal(
     secret_file = tmp_path / "secret"
     write_secret(secret_file)
     config = tmp_path / "tenants.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n'
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\noperators = ["ops"]\n'
                       f'[dram]\nslab_size = "1MiB"\narena_kind = "file"\n'
                       f'directory = "{small_tmpfs}"\n')
     d = daemon_factory(dram_capacity="16MiB", extra=["--config", str(config)])
@@ -109,6 +110,8 @@ def test_arenas_past_the_memory_of_their_file_system_fail_typed_not_by_signal(
     assert isinstance(refused, list) and len(refused) == 4 and b["stored"] == 0, b
     assert all("dram.directory is full" in r for r in refused), refused
     assert d.proc.poll() is None, d.log()  # the daemon lives on
+    with Client(d.endpoint, token=issue_token(secret, "ops", 600.0)) as c:
+        assert c.stats()["tiers"]["dram"]["budget_no_memory"] > 0
     used = os.statvfs(small_tmpfs)
     assert (used.f_blocks - used.f_bfree) * used.f_frsize <= TMPFS_BYTES
 
