@@ -77,6 +77,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -167,10 +168,13 @@ STATS = ("lookups", "hit_tokens", "prefetches", "offers", "offers_declined",
 
 
 def plan_loads(transfers: Sequence[Transfer], layers: dict[int, EnginePages],
-               namespace: Callable[[int, RequestVariant], Namespace | None]) -> StepLoads:
+               namespace: Callable[[int, RequestVariant], Namespace | None],
+               copier: Executor | None = None) -> StepLoads:
     """A step's loads, by group and request variant, each from ``namespace(group,
-    variant)`` (None: it cannot be opened, and its transfers get no item)."""
-    loads, by_ns = StepLoads(), dict[tuple[int, RequestVariant], list[Transfer]]()
+    variant)`` (None: it cannot be opened, and its transfers get no item); copied on
+    ``copier``'s thread where they go on one."""
+    loads = StepLoads(copier)
+    by_ns = dict[tuple[int, RequestVariant], list[Transfer]]()
     for t in transfers:
         by_ns.setdefault((t.group, t.variant), []).append(t)
     for (index, variant), items in by_ns.items():
@@ -437,6 +441,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_step: KVConnectorMetadata | None = None
         self._unsent: set[str] = set()  # ... whose saves vLLM planned were not sent
         self._step_loads: StepLoads | None = None
+        # the thread that copies loads beside the step (pages in host memory), kept
+        # across steps: one started per step had the step wait for it to run
+        self._copier: ThreadPoolExecutor | None = None
         self._settled = SettledLoads()   # copies done, pins to release at the next step
         self._posted_loads: tuple[KVConnectorMetadata, StepLoads] | None = None
         self._sender: SaveSender | None = None
@@ -500,9 +507,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._layers[group.index] = pages
             if len(pages.layer_targets()) == len(group.layer_names):
                 self._layer_index.update((name, i) for i, name in enumerate(group.layer_names))
-        self._layerwise_fits = layerwise_fits(
-            all(p.device.type == "cpu" for p in self._layers.values()),
-            torch.get_num_threads(), usable_cores())
+        on_host = all(p.device.type == "cpu" for p in self._layers.values())
+        self._layerwise_fits = layerwise_fits(on_host, torch.get_num_threads(),
+                                              usable_cores())
+        if on_host and self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvstore-loads")
         if self._opts.layerwise is None and self._layerwise_fits and self._layer_index:
             self._layers_unasked = set(self._layer_index)
         self._link.client()  # connect and map the arena now, not in a request's step
@@ -546,7 +555,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _plan_loads(self, transfers: list[Transfer]) -> StepLoads:
         self._link.answered_elsewhere()  # (the scheduler's lookup offered these)
         return plan_loads(transfers, self._layers, lambda index, variant: self._namespace(
-            _group_of(self._groups, index), variant, self._tp_rank))
+            _group_of(self._groups, index), variant, self._tp_rank), self._copier)
 
     def _start_load_kv(self) -> None:
         meta = self._get_connector_metadata()
@@ -677,6 +686,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._settled.release()
         if self._posted_loads is not None:
             self._posted_loads[1].finish()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)  # (its copies are done: finished above)
         if self._sender is not None:
             self._sender.close()
         self._link.close()

@@ -15,7 +15,8 @@ CHECKS = ["a_namespace_id_is_hashed_once_per_group_and_variant",
           "a_preempted_request_saves_are_still_waited_for_in_a_step_that_loads",
           "a_request_whose_load_failed_sends_no_save_and_is_let_go_at_its_end",
           "layerwise_is_true_false_or_auto",
-          "auto_goes_layer_by_layer_once_every_layer_was_asked_for"]
+          "auto_goes_layer_by_layer_once_every_layer_was_asked_for",
+          "a_worker_on_host_pages_copies_every_steps_loads_on_one_kept_thread"]
 
 
 @pytest.fixture(scope="module")
