@@ -16,10 +16,9 @@ rounds 2 and later, the median of the main thread's CPU time and of the wall tim
 each part: ``lookup`` (``on_new_request`` + ``get_num_new_matched_tokens``), ``alloc``
 (``update_state_after_alloc`` + ``build_connector_meta``), ``load``
 (``handle_preemptions`` + ``start_load_kv``: ``engine_e2e``'s load), ``layers``
-(``wait_for_layer_load`` of every layer: the copy's share past the forward's layers
-here, where no forward runs beside it), ``save`` (``wait_for_save``).  A pause stands
-for the forward between steps (the daemon's and the sockets' threads go idle, as in
-the engine).  ``--against`` alternates
+(``wait_for_layer_load`` of every layer: the copy's share past the forward's layers), ``save`` (``wait_for_save``).  The forward is
+computation on the engine's one thread (a layer at a time, after its wait), the
+daemon's and the sockets' threads idle meanwhile, as in the engine.  ``--against`` alternates
 rounds with another checkout (``alternated.py``); ``--profile`` prints cProfile's top
 functions of the connector's calls instead.
 """
@@ -48,6 +47,17 @@ BLOCK, LAYERS, KV_HEADS, HEAD_DIM = 32, 4, 2, 64     # engine_e2e's model and bl
 SYSTEM, HISTORY, QUESTION, ANSWER = 1000, 2000, 40, 16
 USERS, ROUNDS, PAGES, FORWARD_S, DECODE_S = 8, 3, 1024, 0.03, 0.005
 PARTS = ("lookup", "alloc", "load", "layers", "save")
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def busy(seconds: float) -> None:
+    """Compute on the engine's one thread for ``seconds``, as a layer's forward does."""
+    import torch
+
+    a = torch.ones(256, 256)
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        torch.mm(a, a)
 
 
 def start_daemon(work: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -72,7 +82,7 @@ def vllm_config(endpoint: str) -> tuple[Any, Any]:
 
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
                              dtype=torch.float32)
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    layers = LAYER_NAMES
     kv_cache_config = SimpleNamespace(
         prefix_cacheable_group_ids=[0], needs_kv_cache_zeroing=False,
         kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=layers)])
@@ -248,9 +258,9 @@ def step(sched: Any, worker: Any, timer: Timer, out: Any, forward_s: float) -> N
     timer("load", lambda: worker.handle_preemptions(meta))
     worker.bind_connector_metadata(meta)
     timer("load", lambda: worker.start_load_kv(None))
-    for name in worker._layer_index:
+    for name in LAYER_NAMES:  # the forward, a layer at a time
         timer("layers", lambda: worker.wait_for_layer_load(name))
-    time.sleep(forward_s)  # the forward
+        busy(forward_s / LAYERS)
     timer("save", lambda: worker.wait_for_save())
     worker.clear_connector_metadata()
 
