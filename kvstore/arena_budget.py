@@ -30,9 +30,10 @@ none took one from another at each request, and the slabs bounced between arenas
 (each bounce a slab's blocks evicted, its memory given back and allocated again: 53
 slabs taken in 144 puts of 24 tenants over 16 slabs).  Such an arena now takes a slab
 only from one at most one over its share that has not written for ``min_hold`` seconds
-(``idle``), else it is refused (``kvstore.slab_moves``): the budget is too small for
-the tenants writing, which only the operator can change; a tenant that stops writing
-gives its slab to one waiting.
+(``idle``; nor been read: ``SlabMoves`` counts its hits as use), else it is refused
+(``kvstore.slab_moves``): the budget is too small for the tenants writing, which only
+the operator can change; a tenant that stops writing and reading gives its slab to one
+waiting.
 """
 
 from __future__ import annotations

@@ -91,6 +91,9 @@ class SlabMoves:
         self.put_back = put_back  # ``RoomMaker._put_back``: victims of a plan let go
         # The slab the last step made room for, and for which tenant (``_resumed``).
         self._checked: tuple[Slab, str | None] | None = None
+        # Each per-tenant arena's DRAM demand (slots taken and hits) as last seen: one
+        # that changed since was used, if only read (``_note_reads``).
+        self._demand_seen: dict[object, float] = {}
 
     @staticmethod
     def shares_of(dram: TierSlots) -> dict[SlabClass, float]:
@@ -169,6 +172,8 @@ class SlabMoves:
         assert budget is not None, "only arenas with a budget take from each other"
         if pool.available(cls) >= count or not budget.below_share(pool):
             return None
+        if budget.starved(pool):
+            self._note_reads(pool)
         for donor in budget.over_share(pool):
             taken = self._give_up_slab(self.store.drams[budget.pools[donor]], protect)
             if isinstance(taken, Plan):
@@ -183,8 +188,9 @@ class SlabMoves:
             self.store.counters.capacity_rejects += 1
             raise CapacityError(
                 f"more tenants are writing than the {budget.slabs} slabs of dram.capacity "
-                f"over their arenas, each slab written within {budget.min_hold:g} s; raise "
-                f"dram.capacity or lower dram.slab_size", cause="arenas")
+                f"over their arenas, each slab written or read within "
+                f"{budget.min_hold:g} s; raise dram.capacity or lower dram.slab_size",
+                cause="arenas")
         return None  # (no arena over its share can give a slab now)
 
     def wait_for_memory(self, dram: TierSlots, cls: SlabClass, count: int) -> Plan | None:
@@ -196,6 +202,9 @@ class SlabMoves:
         budget = pool.budget
         assert budget is not None
         budget.used(pool)  # (slots of it taken next: ``ArenaBudget.idle``)
+        # what its demand will be once they are (``_note_reads``; or, a turn answered
+        # instead, the call made again sets it again)
+        self._demand_seen[pool] = _demand(dram) + count * cls.slot_bytes
         missing = unbacked(pool, cls, count)
         if not missing:
             return None
@@ -226,6 +235,23 @@ class SlabMoves:
                 f"no memory for another slab ({pool.slab_bytes} bytes) of the tenant's "
                 f"arena: the file system of dram.directory is full; free memory there or "
                 f"lower dram.capacity", cause="memory")
+
+    def _note_reads(self, asking: SlabPool) -> None:
+        """The other arenas whose blocks were hit since last seen (their demand changed
+        other than by their own slots taken) were used now, for ``ArenaBudget.idle``: a
+        tenant that only read its cache looked idle, and a tenant holding no slab took
+        its last one, its whole cache evicted while it read it.  (A halving of the
+        demand counts as use too: it comes of use.)"""
+        budget = asking.budget
+        assert budget is not None
+        for pool, name in budget.pools.items():
+            dram = self.store.drams.get(name)
+            if pool is asking or dram is None:
+                continue
+            seen = _demand(dram)
+            if self._demand_seen.get(pool, seen) != seen:
+                budget.used(pool)
+            self._demand_seen[pool] = seen
 
     def _give_up_slab(self, dram: TierSlots, protect: Block | None) -> bool | Plan:
         """Empty a slab of another arena, of the class whose fewest used slab has the
@@ -524,6 +550,11 @@ def set_aside(turn: Plan, pool: SlabPool, cls: SlabClass, count: int) -> None:
     more = pool.earmark(cls, wanted - sum(n for _, _, n in turn.earmarks))
     if more:
         turn.earmarks.append((pool, cls, more))
+
+
+def _demand(dram: TierSlots) -> float:
+    """What a DRAM tier's classes used lately, together (slots taken and hits)."""
+    return sum(dram.demand.values())
 
 
 def own_slots(dram: TierSlots, cls: SlabClass) -> int:

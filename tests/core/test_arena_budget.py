@@ -360,3 +360,31 @@ def test_a_request_takes_one_slab_of_another_arena_a_turn() -> None:
     store.abort("b", r.id)
     assert (slabs(a), slabs(b)) == (SLABS - 3, 0)
     arenas.check()
+
+
+def test_an_arena_whose_blocks_are_read_is_not_idle() -> None:
+    """With more arenas than slabs, an arena holding none takes the last slab only of
+    an idle one; a tenant that only read its blocks (hits, no writes) counted as idle,
+    and a writer evicted its whole cache while it read it: reads count as use."""
+    store = BlockStore(SLAB, SLAB, per_tenant=True)  # a budget of one slab
+    budget = store.dram_budget
+    assert budget is not None
+    now = [0.0]
+    budget.clock = lambda: now[0]
+    a, b = store.open_namespace(A), store.open_namespace(B)
+    arenas = Arenas.__new__(Arenas)
+    arenas.store, arenas.bytes, arenas.peak = store, {}, 0
+    store.move_bytes = arenas._move
+    a_keys = arenas.put(a, 0, 4)
+    for _ in range(3):  # a reads its blocks, writing nothing; b asks meanwhile
+        now[0] += budget.min_hold * 0.6
+        pin = store.acquire("a", a, a_keys[:1], now[0])
+        assert not isinstance(pin, Plan)
+        store.release("a", pin.id)
+        with pytest.raises(CapacityError, match="raise dram.capacity"):
+            arenas.put(b, 1000, 1, now[0])
+    assert (slabs(a), slabs(b)) == (1, 0) and cached(a, a_keys) == 4
+    now[0] += budget.min_hold  # a neither wrote nor read since: its slab is b's
+    arenas.put(b, 1000, 1, now[0])
+    assert (slabs(a), slabs(b)) == (0, 1)
+    arenas.check()
