@@ -472,14 +472,18 @@ class Arenas:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvstore-arenas")
         future = self._worker.submit(work)
-        if then is not None:
-            def answer(f: Future[bool | None]) -> None:
-                ok = f.result() if f.exception() is None else False
+
+        def answer(f: Future[bool | None]) -> None:
+            failed = f.exception()
+            if failed is not None:  # (a bug: the file system's answers are values)
+                log.error("the arenas' thread failed: %s", failed, exc_info=failed)
+            if then is not None:
+                ok = False if failed is not None else f.result()
                 try:
                     loop.call_soon_threadsafe(then, ok)
                 except RuntimeError:
                     pass  # (the loop closed meanwhile)
-            future.add_done_callback(answer)
+        future.add_done_callback(answer)
 
     def allocated_bytes(self) -> dict[str, int]:
         """The memory each arena holds now, by name."""
