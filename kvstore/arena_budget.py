@@ -234,13 +234,13 @@ class ArenaBudget:
         return at is not None and self.clock() - at < SHORT_SECONDS
 
     def _release_one(self, exclude: SlabPool | None = None) -> bool:
-        """Give back the pages of one empty slab kept by the arena with most (another
-        than ``exclude`` first); whether there was one."""
-        keeping = [p for p in self.pools if p._resident]
+        """Give back the pages of one empty slab kept by the arena with most (never
+        ``exclude``'s: the arena whose slab's memory this makes room for, which would
+        give back one slab's memory to allocate another's); whether there was one."""
+        keeping = [p for p in self.pools if p._resident and p is not exclude]
         if not keeping:
             return False
-        others = [p for p in keeping if p is not exclude] or keeping
-        pool = max(others, key=lambda p: len(p._resident))
+        pool = max(keeping, key=lambda p: len(p._resident))
         index = pool._resident.pop()
         self.released += 1
         self.short.clear()  # (memory given back: a slab's allocation may succeed again)

@@ -388,3 +388,48 @@ def test_an_arena_whose_blocks_are_read_is_not_idle() -> None:
     arenas.put(b, 1000, 1, now[0])
     assert (slabs(a), slabs(b)) == (0, 1)
     arenas.check()
+
+
+def reserve_backed(store: BlockStore, backer: Backer, ns: Namespace, first: int,
+                   count: int) -> object:
+    """A reserve of ``count`` one-block chains, made again (each slab's memory answered
+    as there) until it is not a plan."""
+    keys = [chain_keys(ns.id, list(range(n * 16, (n + 1) * 16)), 16)[0]
+            for n in range(first, first + count)]
+    while isinstance(r := store.reserve(ns.tenant, ns, keys, None, 0.0), Plan):
+        r.let_go()
+        backer.answer(True)
+    return r
+
+
+def test_an_arena_waiting_for_memory_keeps_its_own_kept_slab() -> None:
+    """Memory is made for a slab an arena waits for by giving back another arena's kept
+    slab; where no other arena kept one (another's slab being backed ahead meanwhile),
+    the arena's own kept slab was given back to allocate another of its own in its
+    place: a slab's memory punched out and allocated again for nothing (45-60 and 16 ms
+    a 64 MiB slab on the arenas' thread), the request still waiting."""
+    store = BlockStore(SLABS * SLAB, SLAB, per_tenant=True)
+    backer = Backer(store)
+    budget = store.dram_budget
+    assert budget is not None
+    released: list[tuple[str, int]] = []
+    budget.on_release = lambda name, offset, length: released.append((name, offset // SLAB))
+    a = store.open_namespace(A)
+    r = reserve_backed(store, backer, a, 0, 6 * 4)  # six slabs of a's, full
+    assert not isinstance(r, Plan)
+    backer.answer(True)  # its next slab, ahead
+    kept = set(a.dram.pool._resident)
+    assert len(kept) == 1 and budget.memory() == SLABS - 1
+    b = store.open_namespace(B)  # b's first slab is backed ahead: the memory is all asked
+    assert backer.asked == [("b", 0)] and budget.memory() == SLABS
+    r = store.reserve("a", a, [chain_keys(a.id, list(range(n * 16, (n + 1) * 16)), 16)[0]
+                               for n in range(100, 108)], None, 0.0)  # two slabs at once
+    assert isinstance(r, Plan) and r.turn
+    r.let_go()
+    assert a.dram.pool._resident == kept and not released  # a's kept slab stays
+    assert backer.asked == [("b", 0)]
+    r = reserve_backed(store, backer, a, 100, 8)  # b's slab, backed, is given for a's
+    assert not isinstance(r, Plan) and len(a.dram.pool._owner) == 8
+    assert released == [("b", 0)]
+    for tier in store.drams.values():
+        tier.pool.check()
