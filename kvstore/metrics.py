@@ -125,6 +125,12 @@ _TIER_COUNTERS = (
      "SSD copies evicted before the remote store had them (its write-back mode)."),
     ("write_backs", "kvstore_write_backs",
      "Blocks written back into this tier as the tiers above let them go."),
+    ("budget_taken", "kvstore_budget_slabs_taken",
+     "Slabs a per-tenant arena gave up to one below its share of dram.capacity."),
+    ("budget_no_memory", "kvstore_budget_slabs_without_memory",
+     "Slabs of per-tenant arenas whose memory could not be allocated (system short)."),
+    ("budget_held_back", "kvstore_budget_refusals",
+     "Requests of tenants holding no slab refused: more tenants wrote than there are slabs."),
 )
 
 # (stats["scheduling"] key, metric name without _total, help)

@@ -106,7 +106,9 @@ def test_a_sparse_arena_takes_memory_as_written_and_gives_a_released_slab_back()
 
 
 def test_the_metrics_show_each_arenas_slabs_and_the_budget() -> None:
-    stats = {"tiers": {"dram": {"empty_slabs": 3, "budget_slabs": 32, "allocated": 7 << 20}},
+    stats = {"tiers": {"dram": {"empty_slabs": 3, "budget_slabs": 32, "allocated": 7 << 20,
+                                "budget_taken": 5, "budget_no_memory": 2,
+                                "budget_held_back": 9}},
              "slab_classes": {"dram": [
                  {"arena": "a", "slot_bytes": 32768, "slabs": 20, "share": 20.0},
                  {"arena": "a", "slot_bytes": 16384, "slabs": 4, "share": 4.0},
@@ -117,3 +119,6 @@ def test_the_metrics_show_each_arenas_slabs_and_the_budget() -> None:
     assert 'kvstore_pool_budget_slabs{tier="dram"} 32.0' in text
     assert 'kvstore_pool_empty_slabs{tier="dram"} 3.0' in text
     assert 'kvstore_pool_allocated_bytes{tier="dram"} 7.340032e+06' in text
+    assert 'kvstore_budget_slabs_taken_total{tier="dram"} 5.0' in text
+    assert 'kvstore_budget_slabs_without_memory_total{tier="dram"} 2.0' in text
+    assert 'kvstore_budget_refusals_total{tier="dram"} 9.0' in text
