@@ -233,7 +233,8 @@ class SlabMoves:
             self.store.counters.capacity_rejects += 1
             raise CapacityError(
                 f"no memory for another slab ({pool.slab_bytes} bytes) of the tenant's "
-                f"arena: the file system of dram.directory is full; free memory there or "
+                f"arena: the file system of dram.directory is full (memory-file arenas: "
+                f"the host's or its cgroup's memory is short); free memory there or "
                 f"lower dram.capacity", cause="memory")
 
     def _note_reads(self, asking: SlabPool) -> None:
