@@ -477,6 +477,9 @@ class Reservation:
     # the writer's tenant where it is not the namespace's (a ``shared_writers`` grantee):
     # none awaits this one but its own tenant's (``trusts``)
     grantee: str | None = None
+    # its session let a commit wait out the bound for one of its reservations lately
+    # (``OwnerState.overdue_until``): no reserve awaits this one (``trusts``)
+    overdue: bool = False
 
     def slots(self) -> list[int]:
         """Each key's slot, -1 for a key ``held`` or ``awaited`` (as the reserve reply
@@ -504,8 +507,10 @@ def trusts(grantee: str | None, writer: Reservation) -> bool:
     """Whether a reservation of a writer of tenant ``grantee`` (None: the namespace's
     own) awaits ``writer``'s bytes: the namespace owner's, or its own tenant's.  Another
     tenant's open reservation held each of the owner's commits the whole bound, and
-    dropped its blocks if never committed: no tenant may stall another's writes so."""
-    return writer.grantee is None or writer.grantee == grantee
+    dropped its blocks if never committed: no tenant may stall another's writes so.
+    Nor one ``overdue``: a writer holding its reservations open stalled every peer's
+    commit the whole bound, for as long as its session lived."""
+    return not writer.overdue and (writer.grantee is None or writer.grantee == grantee)
 
 
 def pend(r: Reservation) -> None:
@@ -549,14 +554,21 @@ def unpend(r: Reservation) -> list[Reservation]:
     for other in r.awaits:
         other.awaited_by.discard(r)
     r.awaits.clear()
+    waiting = unawait(r)
+    if r.wake is not None:
+        r.wake()
+    return waiting
+
+def unawait(r: Reservation) -> list[Reservation]:
+    """The reservations awaiting ``r`` (returned) await it no more; each left awaiting
+    none is woken (``Reservation.wake``)."""
     waiting, r.awaited_by = list(r.awaited_by), set()
     for other in waiting:
         other.awaits.discard(r)
         if not other.awaits and other.wake is not None:
             other.wake()
-    if r.wake is not None:
-        r.wake()
     return waiting
+
 
 @dataclass(eq=False)
 class Pin:
@@ -594,6 +606,9 @@ class OwnerState:
     # the tenant owning their namespace (a grantee's share counts what it reserves in
     # another's: ``Sessions.check_grant_reserve``)
     reserved_in: dict[str, int] = field(default_factory=dict)
+    # till when its reservations are ``Reservation.overdue``: a commit waited out the
+    # bound for one of them (``Leases.overdue``)
+    overdue_until: float = 0.0
 
 def reserved_out(state: OwnerState, r: Reservation) -> None:
     """``r`` is no longer open (committed, aborted, rolled back): its slots leave

@@ -26,7 +26,10 @@ may hold a reservation open while its session lives on, or be killed, its sessio
 ending with its lease; a client's timeout must not run out first: 30 s by default, but
 5 s the vLLM connector's and 10 s the SGLang and LMCache ones', whose link, timed out,
 backs off and drops its session); a writer gone silent is rolled back at its lease's
-end, which wakes the waiter.  Meanwhile the waiter's lease is renewed, as for every
+end, which wakes the waiter.  A session whose reservation a wait ran out on is awaited
+by no reserve for a lease, and no commit waiting for it waits on (``Leases.overdue``):
+one holding a reservation open while renewing its lease made every commit of every peer
+saving that prefix wait out the bound, for as long as it lived.  Meanwhile the waiter's lease is renewed, as for every
 request finishing in a task (``Finisher.kept_alive``).
 A waiter's own session ending (a goodbye, its lease) ends its wait with that error; the
 daemon stopping ends every wait, as no writer's commit is read any more.
@@ -112,7 +115,9 @@ class CommitWaits:
                     bound = min(self.store.limits.lease_seconds * WAIT_SHARE, WAIT_MOST)
                     await asyncio.wait_for(woken, bound)
                 except TimeoutError:  # a writer holding its reservation open: not waited
-                    self.store.counters.commit_wait_timeouts += 1
+                    self.store.counters.commit_wait_timeouts += 1  # for again, a lease long
+                    self.store.leases.overdue({w.owner for w in r.awaits},
+                                              self.sessions.clock())
         finally:
             self._done(r)
         if session.id not in self.sessions.by_id:  # (a goodbye, or its lease, meanwhile:

@@ -6,7 +6,7 @@ share it.  When the lease ends, or the session goes, everything it holds is roll
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvstore.blocks import (
     Block,
@@ -16,6 +16,7 @@ from kvstore.blocks import (
     Reservation,
     Skip,
     trusts,
+    unawait,
     writers,
 )
 from kvstore.core import StoreCore
@@ -84,6 +85,24 @@ class Leases:
             raise NotFoundError(f"no open reservation {rid} in this session")
         self.store.counters.aborts += 1
         self.store.rollback(state, r)
+
+    def overdue(self, owners: Iterable[Owner], now: float) -> None:
+        """A commit waited out the bound for open reservations of ``owners``: for a lease
+        from ``now`` no reserve awaits their reservations, open or new
+        (``Reservation.overdue``: their keys take a slot), and the commits awaiting one
+        await it no more (those left awaiting none go on: what is cached is stored).  A
+        session holding a reservation open, renewing its lease (an engine stuck, or a
+        careless client), made every commit of every peer saving the same prefix wait out
+        the bound and then drop its blocks, for as long as it lived."""
+        until = now + self.store.limits.lease_seconds
+        for owner in owners:
+            state = self.store.owners.get(owner)
+            if state is None:
+                continue
+            state.overdue_until = max(state.overdue_until, until)
+            for r in state.reservations.values():
+                r.overdue = True
+                unawait(r)
 
     def release(self, owner: Owner, pin_id: int) -> None:
         """Release a pin of ``owner``."""

@@ -155,10 +155,9 @@ class BlockStore(StoreCore):
         writer: str | None = None,
     ) -> Reservation | Plan:
         """DRAM slots for every key; or the plan of the writes that must come first, or an
-        error, and nothing taken.  With ``skip_held`` (``Skip``: True is both), keys
-        held in DRAM take no slot (``Leases.pin_held``), nor keys another session's open
-        reservation of the namespace holds a slot for (``Leases.awaited``: its bytes
-        are coming, if ``writer``'s tenant trusts that one: ``blocks.trusts``)."""
+        error, and nothing taken.  With ``skip_held`` (``Skip``: True is both), keys held
+        in DRAM take no slot (``Leases.pin_held``), nor keys another session's open
+        reservation that ``writer``'s tenant trusts holds one for (``Leases.awaited``)."""
         if ns.forgotten:  # (a fetch for a session that ended, its namespace unused)
             raise UnknownNamespaceError("the namespace is no longer open; open it again")
         skip = Skip.of(skip_held)
@@ -196,7 +195,8 @@ class BlockStore(StoreCore):
             return offsets
         pinned = parent_block is not None and self.hold(parent_block)  # keep it till commit
         r = Reservation(next(self.ids), owner, ns, list(keys), parent_block, offsets, pinned,
-                        held, awaited, grantee=None if writer == ns.tenant else writer)
+                        held, awaited, grantee=None if writer == ns.tenant else writer,
+                        overdue=state.overdue_until > now)
         state.reservations[r.id] = r
         if keys:  # (a reservation of no keys holds no entry: ``reserved_out``)
             state.reserved_in[ns.tenant] = state.reserved_in.get(ns.tenant, 0) + len(keys)

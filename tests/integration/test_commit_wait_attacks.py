@@ -1,0 +1,86 @@
+"""Clients that misuse the commits waiting for other writers, against real daemons: a
+writer that never commits, pipelined commits, reservations ending while others wait."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from daemon_proc import DaemonProcess
+from kvtest import make_identity
+
+from kvstore import protocol as p
+from kvstore.client import Client
+from kvstore.client_wire import check_reply
+
+# 128 KiB blocks: a 16 MiB arena holds 128 of them
+WRITERS = make_identity(model="commit-wait-attacks", num_kv_heads=8, head_dim=128)
+
+
+def _dram(c: Client) -> dict[str, int]:
+    return c.stats()["tiers"]["dram"]
+
+
+def test_a_writer_that_never_commits_stalls_each_peer_once_not_every_commit(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """Session H reserves the first key of a prefix and holds it open, renewing its lease
+    (an engine stuck, or a careless client), and later aborts and reserves it again.  Every
+    commit of every peer saving that prefix waited out the bound (half a lease, at most
+    2.5 s) and then dropped all its blocks, for as long as H lived.  Now a session whose
+    reservation a commit waited out the bound for is awaited by no reserve for a lease:
+    the peer's next reserves take a slot for that key and store the whole prefix."""
+    d = daemon_factory(dram_capacity="16MiB", lease=4.0)  # (a wait's bound: 2 s)
+    with Client(d.endpoint, tenant="acme") as h, Client(d.endpoint, tenant="acme") as v:
+        nh, nv = h.namespace(WRITERS), v.namespace(WRITERS)
+        keys = nv.keys(range(3 * WRITERS.block_tokens))
+        data = [os.urandom(nv.block_bytes) for _ in keys]
+        stuck = nh.reserve(keys[:1])
+        first = nv.reserve(keys)
+        assert first.offsets[0] == -1  # (awaited from H's)
+        assert first.commit() == 0 and first.dropped == 3  # the bound, once
+        stuck.abort()
+        stuck = nh.reserve(keys[:1])  # (a new reservation of the same session)
+        h.ping()
+        for n in range(3):
+            again = nv.reserve(keys)
+            assert min(again.offsets) >= 0, (n, again.offsets)
+            again.abort()
+        assert nv.put(keys, data) == 3
+        assert nv.get(keys) == data
+        dram = _dram(v)
+        assert (dram["commits_waited"], dram["commit_wait_timeouts"]) == (1, 1), dram
+        assert dram["awaited_dropped"] == 3, dram
+        stuck.abort()
+        dram = _dram(v)
+        assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
+    assert "invariant violated" not in d.log()
+
+
+def test_peers_waiting_at_once_for_a_writer_that_never_commits_wait_out_one_bound(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """Two peers' commits wait for the same stuck writer, the second's from a second later.
+    Once the first has waited out the bound, the other awaits that writer no more: it
+    goes on at once (what is cached stored) rather than waiting out a bound of its own."""
+    d = daemon_factory(dram_capacity="16MiB", lease=4.0)
+    with Client(d.endpoint, tenant="acme") as h, Client(d.endpoint, tenant="acme") as a, \
+            Client(d.endpoint, tenant="acme") as b:
+        nh, na, nb = h.namespace(WRITERS), a.namespace(WRITERS), b.namespace(WRITERS)
+        keys = na.keys(range(2 * WRITERS.block_tokens))
+        stuck = nh.reserve(keys[:1])
+        ra = na.reserve(keys)
+        ca = p.Commit(a._next_rid(), ra.id)
+        a._send(ca)
+        time.sleep(1.0)  # (B's own bound would end a second after A's)
+        rb = nb.reserve(keys)
+        assert ra.offsets[0] == rb.offsets[0] == -1
+        cb = p.Commit(b._next_rid(), rb.id)
+        b._send(cb)
+        for c, req in ((a, ca), (b, cb)):
+            reply = check_reply(c._wait(req.rid)[0], p.CommitReply)
+            assert (reply.created, reply.dropped) == (0, 2), reply
+        dram = _dram(a)
+        assert (dram["commits_waited"], dram["commit_wait_timeouts"]) == (2, 1), dram
+        stuck.abort()
+        dram = _dram(a)
+        assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
