@@ -45,7 +45,7 @@ from kvstore import protocol as p
 from kvstore.errors import MalformedError
 from kvstore.pending import Later
 from kvstore.sessions import Session, Sessions, gone_while_waiting
-from kvstore.store import BlockStore, Owner, Reservation
+from kvstore.store import BlockStore, Owner, Reservation, commit_runs
 
 Outcome = tuple[p.Message, list[Any]]
 WAIT_SHARE = 0.5  # of a lease: the longest a commit waits for older writers
@@ -72,6 +72,7 @@ class CommitWaits:
         r = self._open(session, req.reservation)
         if r is None or not r.awaits or self.stopped:
             return commit_now()  # (an unknown reservation: its error, as before)
+        commit_runs(self.store, r, req.checksums, req.token_ids or req.tokens)  # (checked)
         if r.id in self.waiting:  # (the second would take the first one's wake-up)
             raise MalformedError(f"a commit of reservation {r.id} is waiting already for "
                                  f"the older writers of its keys; commit it once")

@@ -237,15 +237,7 @@ class BlockStore(StoreCore):
         token ids laid out as ``kvstore.token_ids`` says, if given: one buffer for all,
         or each block's bytes)."""
         state, r = self.leases.take_reservation(owner, rid, now)
-        if checksums and len(checksums) != len(r.keys):
-            raise MalformedError(f"{len(checksums)} checksums for {len(r.keys)} blocks")
-        # token ids are kept only for events (none: a writer sending them costs nothing),
-        # and only while no larger than the blocks (they live outside every tier's
-        # capacity: an identity of huge blocks_tokens and tiny blocks made them most of
-        # the daemon's memory; no model's KV is smaller than its ids)
-        runs = (run_of(tokens, r.keys, r.ns.identity.block_tokens)
-                if tokens and self.changes is not None
-                and _ids_bytes(tokens) <= len(r.keys) * r.ns.block_bytes else [])
+        runs = commit_runs(self, r, checksums, tokens)
         del state.reservations[rid]
         reserved_out(state, r)
         waiting = unpend(r)  # (awaiting its keys: pinned for below, once stored)
@@ -512,6 +504,23 @@ def _switched_at_once(store: BlockStore, dram: TierSlots, slot_bytes: int,
             if until is not None:
                 new.pin_soft(b, until)
     return new
+
+
+def commit_runs(store: BlockStore, r: Reservation, checksums: Sequence[int],
+                tokens: bytes | Sequence[bytes]) -> list[TokenRun | None]:
+    """A commit of ``r``'s checksums and token ids, checked (``MalformedError``): the
+    token ids' runs to keep (``run_of``), [] for none.  Checked before a commit waits
+    for older writers too (``CommitWaits``): a malformed one waited out the bound first,
+    then failed."""
+    if checksums and len(checksums) != len(r.keys):
+        raise MalformedError(f"{len(checksums)} checksums for {len(r.keys)} blocks")
+    # token ids are kept only for events (none: a writer sending them costs nothing),
+    # and only while no larger than the blocks (they live outside every tier's
+    # capacity: an identity of huge blocks_tokens and tiny blocks made them most of
+    # the daemon's memory; no model's KV is smaller than its ids)
+    return (run_of(tokens, r.keys, r.ns.identity.block_tokens)
+            if tokens and store.changes is not None
+            and _ids_bytes(tokens) <= len(r.keys) * r.ns.block_bytes else [])
 
 
 def _ids_bytes(tokens: bytes | Sequence[bytes]) -> int:

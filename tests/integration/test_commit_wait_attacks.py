@@ -7,12 +7,14 @@ import os
 import time
 from collections.abc import Callable
 
+import pytest
 from daemon_proc import DaemonProcess
 from kvtest import make_identity
 
 from kvstore import protocol as p
 from kvstore.client import Client
 from kvstore.client_wire import check_reply
+from kvstore.errors import MalformedError
 
 # 128 KiB blocks: a 16 MiB arena holds 128 of them
 WRITERS = make_identity(model="commit-wait-attacks", num_kv_heads=8, head_dim=128)
@@ -83,4 +85,35 @@ def test_peers_waiting_at_once_for_a_writer_that_never_commits_wait_out_one_boun
         assert (dram["commits_waited"], dram["commit_wait_timeouts"]) == (2, 1), dram
         stuck.abort()
         dram = _dram(a)
+        assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
+
+
+def test_a_malformed_commit_is_refused_at_once_not_after_the_wait(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """A commit of a reservation awaiting an open writer's key, with two checksums for its
+    three blocks: it waited for the writer (here the whole bound, and the writer was
+    taken for one that never commits), then was refused.  Now it is refused at once and
+    leaves no trace: the reservation stays open, and commits well after the writer's."""
+    d = daemon_factory(dram_capacity="16MiB", lease=4.0)
+    with Client(d.endpoint, tenant="acme") as w, Client(d.endpoint, tenant="acme") as v:
+        nw, nv = w.namespace(WRITERS), v.namespace(WRITERS)
+        keys = nv.keys(range(3 * WRITERS.block_tokens))
+        data = [os.urandom(nv.block_bytes) for _ in keys]
+        writer = nw.reserve(keys[:1])
+        r = nv.reserve(keys)
+        assert r.offsets[0] == -1
+        bad = p.Commit(v._next_rid(), r.id, [1, 2])
+        v._send(bad)
+        with pytest.raises(MalformedError, match="2 checksums for 3 blocks"):
+            check_reply(v._wait(bad.rid)[0], p.CommitReply)
+        dram = _dram(v)
+        assert (dram["commits_waited"], dram["commit_wait_timeouts"]) == (0, 0), dram
+        writer.buffers[0][:] = data[0]
+        assert writer.commit() == 1
+        for buf, block, offset in zip(r.buffers, data, r.offsets):
+            if offset >= 0:
+                buf[:] = block
+        assert r.commit() == 2 and r.dropped == 0
+        assert nv.get(keys) == data
+        dram = _dram(v)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
