@@ -26,8 +26,9 @@ may hold a reservation open while its session lives on, or be killed, its sessio
 ending with its lease; a client's timeout must not run out first: 30 s by default, but
 5 s the vLLM connector's and 10 s the SGLang and LMCache ones', whose link, timed out,
 backs off and drops its session); a writer gone silent is rolled back at its lease's
-end, which wakes the waiter.  A session whose reservation a wait ran out on is awaited
-by no reserve for a lease, and no commit waiting for it waits on (``Leases.overdue``):
+end, which wakes the waiter.  A session whose reservation a wait ran out on (its own
+commit waiting for none) is awaited by no reserve for a lease, and no commit waiting for
+it waits on (``Leases.overdue``):
 one holding a reservation open while renewing its lease made every commit of every peer
 saving that prefix wait out the bound, for as long as it lived.  Meanwhile the waiter's lease is renewed, as for every
 request finishing in a task (``Finisher.kept_alive``).
@@ -117,13 +118,19 @@ class CommitWaits:
                     await asyncio.wait_for(woken, bound)
                 except TimeoutError:  # a writer holding its reservation open: not waited
                     self.store.counters.commit_wait_timeouts += 1  # for again, a lease long
-                    self.store.leases.overdue({w.owner for w in r.awaits},
-                                              self.sessions.clock())
+                    self.store.leases.overdue(self._stuck(r), self.sessions.clock())
         finally:
             self._done(r)
         if session.id not in self.sessions.by_id:  # (a goodbye, or its lease, meanwhile:
             raise gone_while_waiting(session)  # its reservation was rolled back)
         return commit_now()
+
+    def _stuck(self, r: Reservation) -> set[Owner]:
+        """The sessions of the writers ``r`` still awaits that hold their reservations open
+        of their own accord: none whose own commit waits (it waits for another writer,
+        whose session is the one to blame, once that commit's wait runs out)."""
+        waiting = {w.owner for w in self.waiting.values()}
+        return {w.owner for w in r.awaits if w.owner not in waiting}
 
     def stop(self) -> None:
         """The daemon stops reading requests: the waiting commits go on at once."""

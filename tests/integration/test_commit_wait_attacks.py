@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from daemon_proc import DaemonProcess
@@ -85,6 +86,36 @@ def test_peers_waiting_at_once_for_a_writer_that_never_commits_wait_out_one_boun
         assert (dram["commits_waited"], dram["commit_wait_timeouts"]) == (2, 1), dram
         stuck.abort()
         dram = _dram(a)
+        assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
+
+
+def test_a_writer_whose_own_commit_waits_is_not_taken_for_one_that_never_commits(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """X holds k0 open and never commits; W reserves k0..k1 (k0 awaited from X); V reserves
+    k0..k2 (k0 from X, k1 from W) and commits, then W commits: both wait for X.  V's wait
+    runs out first; W, blocked by X as V was, is no writer that never commits: it is
+    awaited still (a later reserve of V gets no slot for a key W holds one for)."""
+    d = daemon_factory(dram_capacity="16MiB", lease=4.0)
+    with Client(d.endpoint, tenant="acme") as x, Client(d.endpoint, tenant="acme") as w, \
+            Client(d.endpoint, tenant="acme") as v, ThreadPoolExecutor(2) as pool:
+        nx, nw, nv = (c.namespace(WRITERS) for c in (x, w, v))
+        keys = nv.keys(range(3 * WRITERS.block_tokens))
+        stuck = nx.reserve(keys[:1])
+        rw = nw.reserve(keys[:2])
+        rv = nv.reserve(keys[:3])
+        assert (rw.offsets[0], rv.offsets[:2]) == (-1, [-1, -1])
+        v_done = pool.submit(rv.commit)
+        time.sleep(1.0)  # (W's wait would run out a second after V's)
+        w_done = pool.submit(rw.commit)
+        assert (v_done.result(), rv.dropped) == (0, 3)
+        assert (w_done.result(), rw.dropped) == (0, 2)
+        other = nv.keys(range(1000 * WRITERS.block_tokens, 1003 * WRITERS.block_tokens))
+        later = nw.reserve(other[:2])
+        mine = nv.reserve(other)
+        assert mine.offsets[:2] == [-1, -1], mine.offsets  # (awaited from W's)
+        for r in (later, mine, stuck):
+            r.abort()
+        dram = _dram(v)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
 
 
