@@ -18,9 +18,11 @@ bound.  Where a commit's wait would close such a cycle (its writers' sessions wa
 through others, for its own: ``closes_cycle``), one commit of the cycle goes on at once
 (``cycle_breaker``: the one losing fewest blocks of its own bytes, this one on a tie):
 it stores what is cached and drops the rest, as at the bound; its client then commits
-its older reservation, which wakes the others.  (An asynchronous client might have
-committed that one meanwhile, ending the wait, so the drop was not needed; a stall of
-the bound for every blocking client is the dearer loss.)  A wait is still bounded, by
+its older reservation, which wakes the others.  (An asynchronous client may send that
+commit right behind, ending the cycle: so a cycle is judged only once the requests read
+with the commit, and those read within ``CYCLE_GRACE`` after, have run.  A drop is still
+possible where that commit comes later; a stall of the bound for every blocking client
+is the dearer loss.)  A wait is still bounded, by
 half a lease from when the commit came and at most ``WAIT_MOST`` (a writer's client
 may hold a reservation open while its session lives on, or be killed, its session
 ending with its lease; a client's timeout must not run out first: 30 s by default, but
@@ -51,6 +53,10 @@ from kvstore.store import BlockStore, Owner, Reservation, commit_runs
 Outcome = tuple[p.Message, list[Any]]
 WAIT_SHARE = 0.5  # of a lease: the longest a commit waits for older writers
 WAIT_MOST = 2.5  # seconds, whatever the lease: half the engines' shortest timeout
+# seconds a commit whose wait would close a cycle lets the requests sent right behind it
+# be read (a drain's slice, twice) before it is judged again: a pipelining client's
+# commit of its older reservation may end the cycle
+CYCLE_GRACE = 0.004
 
 
 class CommitWaits:
@@ -77,15 +83,6 @@ class CommitWaits:
         if r.id in self.waiting:  # (the second would take the first one's wake-up)
             raise MalformedError(f"a commit of reservation {r.id} is waiting already for "
                                  f"the older writers of its keys; commit it once")
-        waiting = [w for w in self.waiting.values() if w.id not in self.breaking]
-        if closes_cycle(r, waiting):  # (those going on already wait for nobody)
-            self.store.counters.commit_wait_cycles += 1
-            breaker = cycle_breaker(r, waiting)
-            if breaker is r:
-                return commit_now()  # (what is cached stored, the rest dropped)
-            self.breaking.add(breaker.id)  # it commits now instead, and this one waits
-            if breaker.wake is not None:
-                breaker.wake()
         self.waiting[r.id] = r  # (now: the coroutine may run after the next request)
         return Later(self._after_writers(session, r, commit_now),
                      give_up=lambda: self._done(r))
@@ -103,8 +100,9 @@ class CommitWaits:
     async def _after_writers(self, session: Session, r: Reservation,
                              commit_now: Callable[[], Outcome]) -> Outcome:
         try:
-            if (r.awaits and not self.stopped and r.id not in self.breaking
-                    and self._open(session, r.id) is r):
+            if self._waits(session, r) and self._closes(r):  # (the requests sent right
+                await asyncio.sleep(CYCLE_GRACE)  # behind it read first, maybe ending it)
+            if self._waits(session, r) and not self._breaks_cycle(r):
                 woken = asyncio.get_running_loop().create_future()
 
                 def wake() -> None:
@@ -124,6 +122,39 @@ class CommitWaits:
         if session.id not in self.sessions.by_id:  # (a goodbye, or its lease, meanwhile:
             raise gone_while_waiting(session)  # its reservation was rolled back)
         return commit_now()
+
+    def _breaks_cycle(self, r: Reservation) -> bool:
+        """Whether ``r``'s commit goes on at once, not waiting: it was picked to break a
+        cycle, or its wait would close one and it is the ``cycle_breaker`` (else the one
+        picked is woken).  Judged as its coroutine starts, once the requests read with
+        its commit have run: a client pipelining its commits sends its older
+        reservation's right behind, which may end the cycle; judged on arrival, its
+        younger one went on, dropping its blocks after the keys awaited, for nothing."""
+        if r.id in self.breaking:
+            return True
+        if not self._closes(r):
+            return False
+        waiting = self._others(r)
+        self.store.counters.commit_wait_cycles += 1
+        breaker = cycle_breaker(r, waiting)
+        self.breaking.add(breaker.id)  # (it waits for nobody now: others' cycles skip it)
+        if breaker is r:
+            return True  # (what is cached stored, the rest dropped)
+        if breaker.wake is not None:  # (else it goes on as its coroutine starts)
+            breaker.wake()
+        return False
+
+    def _waits(self, session: Session, r: Reservation) -> bool:
+        """Whether ``r``'s commit has writers to wait for: still open, awaiting some."""
+        return bool(r.awaits) and not self.stopped and self._open(session, r.id) is r
+
+    def _others(self, r: Reservation) -> list[Reservation]:
+        """The commits waiting but ``r``'s, less those going on (they wait for nobody)."""
+        return [w for w in self.waiting.values() if w is not r and w.id not in self.breaking]
+
+    def _closes(self, r: Reservation) -> bool:
+        """Whether ``r``'s commit, waiting, would close a cycle of sessions now."""
+        return r.id not in self.breaking and closes_cycle(r, self._others(r))
 
     def _stuck(self, r: Reservation) -> set[Owner]:
         """The sessions of the writers ``r`` still awaits that hold their reservations open

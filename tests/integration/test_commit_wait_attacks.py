@@ -3,16 +3,19 @@ writer that never commits, pipelined commits, reservations ending while others w
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
 from kvtest import make_identity
 
 from kvstore import protocol as p
+from kvstore.aclient import AsyncClient
 from kvstore.client import Client
 from kvstore.client_wire import check_reply
 from kvstore.errors import MalformedError
@@ -23,6 +26,13 @@ WRITERS = make_identity(model="commit-wait-attacks", num_kv_heads=8, head_dim=12
 
 def _dram(c: Client) -> dict[str, int]:
     return c.stats()["tiers"]["dram"]
+
+
+def _written(r: Any, data: dict[bytes, bytes]) -> Any:
+    for key, buf, offset in zip(r.keys, r.buffers, r.offsets):
+        if offset >= 0:
+            buf[:] = data[key]
+    return r
 
 
 def test_a_writer_that_never_commits_stalls_each_peer_once_not_every_commit(
@@ -147,4 +157,43 @@ def test_a_malformed_commit_is_refused_at_once_not_after_the_wait(
         assert r.commit() == 2 and r.dropped == 0
         assert nv.get(keys) == data
         dram = _dram(v)
+        assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
+
+
+def test_a_client_pipelining_its_commits_loses_no_block_to_a_cycle_it_ends_itself(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """Each of two clients holds two reservations, each one's younger awaiting keys of the
+    other's older (as in test_commit_wait_cycles).  The blocking one commits its younger
+    first and waits; the asynchronous one sends both its commits at once, younger first.
+    Its younger's commit was taken to close a cycle, as if its session were blocked, and
+    went on at once, dropping its own block after the keys awaited; its older's commit,
+    right behind, had ended the cycle.  Now a cycle is judged once the requests read with
+    the commit have run: nothing is dropped, and the bytes read back are the writers'."""
+    d = daemon_factory(dram_capacity="16MiB")
+    bt = WRITERS.block_tokens
+    with Client(d.endpoint, tenant="acme") as c2, ThreadPoolExecutor(1) as pool:
+        ns2 = c2.namespace(WRITERS)
+        x, y = ns2.keys(range(3 * bt)), ns2.keys(range(1000 * bt, 1003 * bt))
+        data = {k: os.urandom(ns2.block_bytes) for k in x + y}
+
+        async def pipelined() -> tuple[list[int], list[int]]:
+            async with AsyncClient(d.endpoint, tenant="acme") as c1:
+                ns1 = await c1.namespace(WRITERS)
+                older1 = _written(await ns1.reserve(x[:2]), data)
+                older2 = _written(ns2.reserve(y[:2]), data)
+                younger1 = _written(await ns1.reserve(y), data)
+                younger2 = _written(ns2.reserve(x), data)
+                assert younger1.offsets[:2] == younger2.offsets[:2] == [-1, -1]
+                blocking = pool.submit(
+                    lambda: [younger2.commit(), younger2.dropped, older2.commit()])
+                while (await c1.stats())["tiers"]["dram"].get("commits_waited", 0) < 1:
+                    await asyncio.sleep(0.02)
+                mine = await asyncio.gather(younger1.commit(), older1.commit())
+                return [*mine, younger1.dropped], blocking.result()
+
+        mine, theirs = asyncio.run(pipelined())
+        assert mine == [1, 2, 0] and theirs == [1, 0, 2], (mine, theirs)
+        assert ns2.get(x + y) == [data[k] for k in x + y]
+        dram = _dram(c2)
+        assert (dram["commit_wait_cycles"], dram["awaited_dropped"]) == (0, 0), dram
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
