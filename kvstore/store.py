@@ -167,14 +167,7 @@ class BlockStore(StoreCore):
                 f"session holds {len(state.reservations)} open reservations "
                 f"(limit {self.limits.max_reservations_per_owner}); commit or abort some"
             )
-        parent_block = None
-        if parent is not None:
-            parent_block = ns.blocks.get(parent)
-            if parent_block is None or not parent_block.present:
-                raise NotFoundError(
-                    "the parent of the first key is not cached (evicted since lookup?); "
-                    "look up the chain again and reserve from its longest cached prefix"
-                )
+        parent_block = None if parent is None else cached_parent(ns, parent)
         # a user while room is made: evicting its last blocks must not forget it
         ns.users += 1
         # pinned before room is made, so that making it evicts none of them
@@ -504,6 +497,25 @@ def _switched_at_once(store: BlockStore, dram: TierSlots, slot_bytes: int,
             if until is not None:
                 new.pin_soft(b, until)
     return new
+
+
+def cached_parent(ns: Namespace, parent: bytes) -> Block:
+    """The block a reservation's first key hangs under: cached, or ``NotFoundError``
+    saying why not.  A parent an open reservation holds a slot for, not committed yet
+    (a save of the chain's previous blocks still under way, in this session or
+    another), was refused as if evicted since the lookup, and a client looking the
+    chain up again found the same."""
+    block = ns.blocks.get(parent)
+    if block is not None and block.present:
+        return block
+    if parent in ns.pending:
+        raise NotFoundError(
+            "the parent of the first key is not committed yet: an open reservation holds "
+            "a slot for it; reserve after that one's commit, or from the parent's own "
+            "longest cached prefix with the parent's key among the keys")
+    raise NotFoundError(
+        "the parent of the first key is not cached (evicted since lookup?); "
+        "look up the chain again and reserve from its longest cached prefix")
 
 
 def commit_runs(store: BlockStore, r: Reservation, checksums: Sequence[int],

@@ -17,8 +17,9 @@ from kvtest import make_identity
 from kvstore import protocol as p
 from kvstore.aclient import AsyncClient
 from kvstore.client import Client
+from kvstore.client_core import PlanItem
 from kvstore.client_wire import check_reply
-from kvstore.errors import MalformedError
+from kvstore.errors import MalformedError, NotFoundError
 
 # 128 KiB blocks: a 16 MiB arena holds 128 of them
 WRITERS = make_identity(model="commit-wait-attacks", num_kv_heads=8, head_dim=128)
@@ -196,4 +197,33 @@ def test_a_client_pipelining_its_commits_loses_no_block_to_a_cycle_it_ends_itsel
         assert ns2.get(x + y) == [data[k] for k in x + y]
         dram = _dram(c2)
         assert (dram["commit_wait_cycles"], dram["awaited_dropped"]) == (0, 0), dram
+        assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
+
+
+def test_a_plan_whose_request_hangs_under_a_key_not_committed_yet_is_told_so(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """A token plan's request continues a chain whose last two blocks another session's
+    open reservation holds slots for (a save of them under way).  The plan was refused
+    as if that parent had been evicted since a lookup, which a client looking again
+    would find the same.  Now the error says the parent is not committed yet; the plan
+    takes nothing, and once that save is committed, the same plan is admitted."""
+    d = daemon_factory(dram_capacity="16MiB", lease=4.0)
+    with Client(d.endpoint, tenant="acme") as a, Client(d.endpoint, tenant="acme") as b:
+        na, nb = a.namespace(WRITERS), b.namespace(WRITERS)
+        bt = WRITERS.block_tokens
+        keys = na.keys(range(4 * bt))
+        data = {k: os.urandom(na.block_bytes) for k in keys}
+        saving = _written(na.reserve(keys[:2]), data)
+        plan = [PlanItem(2 * bt, 2 * bt, keys[2:], keys[1])]
+        with pytest.raises(NotFoundError, match="not committed yet"):
+            nb.reserve_batch(plan)
+        dram = _dram(b)
+        assert (dram["reserved_slots"], dram["pinned_blocks"]) == (2, 0), dram
+        assert saving.commit() == 2
+        result = nb.reserve_batch(plan)
+        assert result.admitted, result
+        (r,) = result.reservations
+        assert _written(r, data).commit() == 2
+        assert nb.get(keys) == [data[k] for k in keys]
+        dram = _dram(b)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
