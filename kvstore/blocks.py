@@ -570,6 +570,20 @@ def unawait(r: Reservation) -> list[Reservation]:
     return waiting
 
 
+def still_awaits(r: Reservation) -> None:
+    """Some of ``r``'s awaited keys were stored and are held for it now: it awaits only
+    the writers still holding a slot for one of those left, and is woken if none is
+    left.  A key pending in two writers was awaited from both: once one had stored it,
+    the commit still waited for the other, the whole bound where that one never came."""
+    pending = r.ns.pending
+    left = {w for i in r.awaited for w in writers(pending.get(r.keys[i], []))} & r.awaits
+    for other in r.awaits - left:
+        other.awaited_by.discard(r)
+    r.awaits = left
+    if not left and r.wake is not None:
+        r.wake()
+
+
 @dataclass(eq=False)
 class Pin:
     id: int

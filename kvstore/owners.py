@@ -15,6 +15,7 @@ from kvstore.blocks import (
     OwnerState,
     Reservation,
     Skip,
+    still_awaits,
     trusts,
     unawait,
     writers,
@@ -185,6 +186,7 @@ class Leases:
                 r.held[i] = block
                 r.awaited.discard(i)
             r.held = dict(sorted(r.held.items()))  # by position: unpinned deepest first
+            still_awaits(r)
 
     def unpin_held(self, held: dict[int, Block]) -> None:
         """``pin_held``'s pins go, deepest first (as ``StoreCore.unpin``)."""

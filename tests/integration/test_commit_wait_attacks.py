@@ -29,6 +29,18 @@ def _dram(c: Client) -> dict[str, int]:
     return c.stats()["tiers"]["dram"]
 
 
+def _settled(c: Client) -> dict[str, int]:
+    """The DRAM tier's figures once nothing is reserved or pinned (a get's blocks stay
+    pinned till its reply is sent: polled, within a bound)."""
+    deadline = time.monotonic() + 10
+    while True:
+        dram = _dram(c)
+        if (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0) \
+                or time.monotonic() > deadline:
+            return dram
+        time.sleep(0.02)
+
+
 def _written(r: Any, data: dict[bytes, bytes]) -> Any:
     for key, buf, offset in zip(r.keys, r.buffers, r.offsets):
         if offset >= 0:
@@ -66,7 +78,7 @@ def test_a_writer_that_never_commits_stalls_each_peer_once_not_every_commit(
         assert (dram["commits_waited"], dram["commit_wait_timeouts"]) == (1, 1), dram
         assert dram["awaited_dropped"] == 3, dram
         stuck.abort()
-        dram = _dram(v)
+        dram = _settled(v)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
     assert "invariant violated" not in d.log()
 
@@ -96,7 +108,7 @@ def test_peers_waiting_at_once_for_a_writer_that_never_commits_wait_out_one_boun
         dram = _dram(a)
         assert (dram["commits_waited"], dram["commit_wait_timeouts"]) == (2, 1), dram
         stuck.abort()
-        dram = _dram(a)
+        dram = _settled(a)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
 
 
@@ -126,7 +138,7 @@ def test_a_writer_whose_own_commit_waits_is_not_taken_for_one_that_never_commits
         assert mine.offsets[:2] == [-1, -1], mine.offsets  # (awaited from W's)
         for r in (later, mine, stuck):
             r.abort()
-        dram = _dram(v)
+        dram = _settled(v)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
 
 
@@ -157,7 +169,7 @@ def test_a_malformed_commit_is_refused_at_once_not_after_the_wait(
                 buf[:] = block
         assert r.commit() == 2 and r.dropped == 0
         assert nv.get(keys) == data
-        dram = _dram(v)
+        dram = _settled(v)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
 
 
@@ -195,7 +207,7 @@ def test_a_client_pipelining_its_commits_loses_no_block_to_a_cycle_it_ends_itsel
         mine, theirs = asyncio.run(pipelined())
         assert mine == [1, 2, 0] and theirs == [1, 0, 2], (mine, theirs)
         assert ns2.get(x + y) == [data[k] for k in x + y]
-        dram = _dram(c2)
+        dram = _settled(c2)
         assert (dram["commit_wait_cycles"], dram["awaited_dropped"]) == (0, 0), dram
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
 
@@ -225,5 +237,40 @@ def test_a_plan_whose_request_hangs_under_a_key_not_committed_yet_is_told_so(
         (r,) = result.reservations
         assert _written(r, data).commit() == 2
         assert nb.get(keys) == [data[k] for k in keys]
-        dram = _dram(b)
+        dram = _settled(b)
+        assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
+
+
+def test_a_commit_whose_awaited_keys_are_all_stored_waits_for_no_other_writer(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """k0 is pending in two writers' reservations (the second, an older client's, took a
+    slot for it too), and V's reservation awaits it from both.  The first commits k0,
+    which is then held for V: V's commit still waited for the second writer, which never
+    commits, the whole bound.  Now a commit left awaiting no key awaits no writer: V's
+    commit goes on as soon as k0 is stored, and stores its own block under it."""
+    d = daemon_factory(dram_capacity="16MiB", lease=4.0)
+    with Client(d.endpoint, tenant="acme") as a, Client(d.endpoint, tenant="acme") as b, \
+            Client(d.endpoint, tenant="acme") as v, ThreadPoolExecutor(1) as pool:
+        na, nb, nv = (c.namespace(WRITERS) for c in (a, b, v))
+        keys = na.keys(range(2 * WRITERS.block_tokens))
+        data = {k: os.urandom(na.block_bytes) for k in keys}
+        first = _written(na.reserve(keys[:1]), data)
+        older = p.Reserve(b._next_rid(), nb.id, keys[:1], None, True, False)
+        b._send(older)
+        second = check_reply(b._wait(older.rid)[0], p.ReserveReply)
+        assert min(second.offsets) >= 0  # (a slot of its own)
+        r = _written(nv.reserve(keys), data)
+        assert r.offsets[0] == -1
+        done = pool.submit(r.commit)
+        while _dram(a).get("commits_waited", 0) < 1:
+            time.sleep(0.02)
+        assert first.commit() == 1
+        assert (done.result(), r.dropped) == (1, 0)
+        assert nv.get(keys) == [data[k] for k in keys]
+        dram = _dram(v)
+        assert (dram["commit_wait_timeouts"], dram["awaited_dropped"]) == (0, 0), dram
+        abort = p.Abort(b._next_rid(), second.reservation)
+        b._send(abort)
+        check_reply(b._wait(abort.rid)[0], p.OkReply)
+        dram = _settled(v)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram

@@ -132,6 +132,8 @@ def test_overlapping_writers_store_right_bytes_and_never_wait_out_the_bound(
                 [True] * len(got)
     waits = [w for i in range(WRITERS) for w in out[f"waits{seed * 10 + i}"]]
     assert all(not out[f"wrong{seed * 10 + i}"] for i in range(WRITERS))
-    assert dram["awaited"] > 0, dram  # the mix gave keys of others' reservations no slot
+    # the mix made reserves await others' keys (a commit waits only for those not stored
+    # yet when it comes: in some mixes every one was, and no commit waited)
+    assert dram["awaited"] > 0, dram
     assert dram["commit_wait_timeouts"] == 0, dram
     assert max(waits) < 2.0, sorted(waits)[-5:]
