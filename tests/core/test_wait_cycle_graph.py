@@ -4,6 +4,7 @@ sessions of the reservations that commit awaits.  Over a store, no daemon."""
 
 from __future__ import annotations
 
+import pytest
 from kvtest import make_identity
 
 from kvstore.commit_waits import closes_cycle, cycle_breaker, own_lost
@@ -62,3 +63,39 @@ def test_the_breaker_is_the_commit_losing_fewest_blocks_of_its_own_bytes() -> No
     assert own_lost(d) == 4 and closes_cycle(d, [a, b])
     assert cycle_breaker(d, [a, b]) is a  # a's end opens the cycle: 1 block lost
     assert cycle_breaker(d, [a, b, c]) is a  # (c's end alone opens none: d's own too)
+
+
+def test_the_breaker_is_sought_among_a_few_waiting_commits_not_all(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session A holds an older reservation and many younger ones, each awaiting B's older
+    one and adding a block of its own; B's commit of a reservation awaiting A's older one,
+    with ten blocks of its own, closes a cycle through each.  Each waiting commit losing
+    fewer blocks was tried as the breaker, each try a walk of every waiting commit: a few
+    sessions' hundreds of waiting commits took the loop seconds, commit after commit.
+    Now only ``CYCLE_CANDIDATES`` are tried, fewest lost first; none opening every
+    cycle, B's commit goes on itself."""
+    from kvstore import commit_waits
+
+    store = BlockStore(512 * IDENT.block_bytes, 8 * IDENT.block_bytes,
+                       limits=Limits(lease_seconds=5.0))
+    ns = store.open_namespace(IDENT)
+    x, y = _chain(ns, 0, 1), _chain(ns, 1000, 1)
+    store.reserve("a", ns, x, None, 0.0, True)
+    store.reserve("b", ns, y, None, 0.0, True)
+    waiting = []
+    for i in range(64):
+        keys = y + chain_keys(ns.id, list(range(1000 * BT, 1001 * BT))
+                              + list(range((2000 + i) * BT, (2001 + i) * BT)), BT)[1:]
+        r = store.reserve("a", ns, keys, None, 0.0, True)
+        assert isinstance(r, Reservation) and r.awaited == {0}, r
+        waiting.append(r)
+    closer = store.reserve("b", ns, _chain(ns, 0, 11), None, 0.0, True)
+    assert isinstance(closer, Reservation) and closer.awaited == {0}
+    assert closes_cycle(closer, waiting) and own_lost(closer) == 10
+    walks: list[Reservation] = []
+    monkeypatch.setattr(commit_waits, "closes_cycle",
+                        lambda r, ws: walks.append(r) or closes_cycle(r, ws))
+    assert cycle_breaker(closer, waiting) is closer
+    assert len(walks) <= 8, len(walks)  # (``CYCLE_CANDIDATES``)
+    # where one of them opens every cycle, the one losing fewest is still found
+    assert cycle_breaker(closer, waiting[:1]) is waiting[0]
