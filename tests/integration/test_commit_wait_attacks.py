@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,6 +19,7 @@ from kvtest import make_identity
 
 from kvstore import protocol as p
 from kvstore.aclient import AsyncClient
+from kvstore.auth import issue_token, read_secret
 from kvstore.client import Client
 from kvstore.client_core import PlanItem
 from kvstore.client_wire import check_reply
@@ -273,4 +277,42 @@ def test_a_commit_whose_awaited_keys_are_all_stored_waits_for_no_other_writer(
         b._send(abort)
         check_reply(b._wait(abort.rid)[0], p.OkReply)
         dram = _settled(v)
+        assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
+
+
+def test_a_namespace_owner_holding_a_reservation_open_stalls_a_grantee_once(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    """A writer grantee (``auth.shared_writers``) awaits the namespace owner's open
+    reservations.  An owner session holding one open, renewing its lease, made every
+    commit of the grantee's saving that prefix wait out the bound and drop its blocks.
+    Now the grantee's commit waits out the bound once; its next reserve takes a slot."""
+    secret = tmp_path / "secret"
+    subprocess.run([sys.executable, "-m", "kvstore", "keygen", "--secret", str(secret)],
+                   check=True, capture_output=True, timeout=60)
+    config = tmp_path / "grants.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret}"\noperators = ["ops"]\n'
+                      '[auth.shared_writers]\npublic = ["acme"]\n')
+    d = daemon_factory(dram_capacity="16MiB", lease=4.0, extra=["--config", str(config)])
+
+    def connect(tenant: str) -> Client:
+        return Client(d.endpoint, token=issue_token(read_secret(secret), tenant, 3600.0))
+
+    public = make_identity(tenant="public", model="commit-wait-attacks", num_kv_heads=8,
+                           head_dim=128)
+    with connect("public") as owner, connect("acme") as grantee, connect("ops") as ops:
+        mine, theirs = owner.namespace(public), grantee.namespace(public)
+        keys = mine.keys(range(3 * public.block_tokens))
+        data = {k: os.urandom(mine.block_bytes) for k in keys}
+        held_open = mine.reserve(keys[:1])
+        first = theirs.reserve(keys)
+        assert first.offsets[0] == -1
+        assert first.commit() == 0 and first.dropped == 3  # (the bound, once)
+        owner.ping()
+        again = _written(theirs.reserve(keys), data)
+        assert min(again.offsets) >= 0, again.offsets
+        assert again.commit() == 3 and again.dropped == 0
+        assert theirs.get(keys) == [data[k] for k in keys]
+        held_open.abort()
+        dram = _settled(ops)
+        assert (dram["commits_waited"], dram["commit_wait_timeouts"]) == (1, 1), dram
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
