@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvstore import Client, Identity
@@ -40,3 +42,49 @@ def arena_memory(pid: int) -> int:
         except OSError:
             continue  # (closed meanwhile)
     return sum(files.values())
+
+
+def tenants_daemon(daemon_factory: Callable[..., Any], tmp_path: Path, capacity: str,
+                   dram: str) -> tuple[Any, Callable[[str], str]]:
+    """A daemon with credentials (a secret signing tenants' tokens; ``ops`` an operator,
+    who sees the whole daemon's figures), so each tenant has its own arena, and
+    ``dram`` (TOML lines of the ``[dram]`` section); with the token of a tenant."""
+    from kvstore.auth import issue_token, read_secret, write_secret
+
+    secret_file = tmp_path / "secret"
+    write_secret(secret_file)
+    config = tmp_path / "tenants.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\noperators = ["ops"]\n'
+                      f'[dram]\n{dram}')
+    d = daemon_factory(dram_capacity=capacity, extra=["--config", str(config)])
+    secret = read_secret(secret_file)
+    return d, lambda tenant: issue_token(secret, tenant, 600.0)
+
+
+def settled(client: Client, at_most: float = 10.0) -> dict[str, Any]:
+    """The daemon's DRAM figures once nothing is reserved or pinned (a get's release is
+    posted without waiting and may be served after a later request: polled)."""
+    deadline = time.monotonic() + at_most
+    while True:
+        dram: dict[str, Any] = client.stats()["tiers"]["dram"]
+        if (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0):
+            return dram
+        assert time.monotonic() < deadline, dram
+        time.sleep(0.02)
+
+
+def written(r: Any, data: dict[bytes, bytes]) -> Any:
+    """A reservation ``r`` with its own slots written from ``data`` (by key); the keys
+    it got no slot for (offset -1: held, or awaited from another writer) left alone."""
+    for key, buf, offset in zip(r.keys, r.buffers, r.offsets):
+        if offset >= 0:
+            buf[:] = data[key]
+    return r
+
+
+def commits_waited(client: Client, commits: int = 1, at_most: float = 20.0) -> None:
+    """Until ``commits`` commits have waited for older writers (polled, within a bound)."""
+    deadline = time.monotonic() + at_most
+    while client.stats()["tiers"]["dram"].get("commits_waited", 0) < commits:
+        assert time.monotonic() < deadline, client.stats()["tiers"]["dram"]
+        time.sleep(0.02)

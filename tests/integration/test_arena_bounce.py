@@ -13,10 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from daemon_proc import DaemonProcess
-from kvtest import make_identity
+from kvtest import make_identity, tenants_daemon
 
 from kvstore.arena_budget import MIN_HOLD
-from kvstore.auth import issue_token, read_secret, write_secret
 from kvstore.client import Client
 from kvstore.errors import CapacityError
 from kvstore.keys import chain_keys
@@ -27,16 +26,11 @@ ROUNDS = 6
 
 def test_slabs_do_not_bounce_between_arenas_at_every_request(
         daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
-    secret_file = tmp_path / "secret"
-    write_secret(secret_file)
-    config = tmp_path / "tenants.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\noperators = ["ops"]\n'
-                      f'[dram]\nslab_size = "64KiB"\narena_kind = "memfd"\ndefer_seconds = 0.01\n')
-    d = daemon_factory(dram_capacity="1MiB", extra=["--config", str(config)])
-    secret = read_secret(secret_file)
+    d, token = tenants_daemon(daemon_factory, tmp_path, "1MiB",
+                              'slab_size = "64KiB"\narena_kind = "memfd"\ndefer_seconds = 0.01\n')
     names = [f"t{i}" for i in range(TENANTS)]
-    clients = {t: Client(d.endpoint, token=issue_token(secret, t, 600.0)) for t in names}
-    ops = Client(d.endpoint, token=issue_token(secret, "ops", 600.0))
+    clients = {t: Client(d.endpoint, token=token(t)) for t in names}
+    ops = Client(d.endpoint, token=token("ops"))
     try:
         spaces = {t: c.namespace(make_identity(tenant=t)) for t, c in clients.items()}
         block = spaces[names[0]].identity.block_bytes  # 8 KiB: 8 a slab

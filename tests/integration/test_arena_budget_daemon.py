@@ -10,9 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from daemon_proc import DaemonProcess
-from kvtest import make_identity
+from kvtest import arena_memory, make_identity, tenants_daemon
 
-from kvstore.auth import issue_token, read_secret, write_secret
 from kvstore.client import Client
 from kvstore.keys import chain_keys
 from kvstore.metrics import Metrics
@@ -22,33 +21,14 @@ CAPACITY = 32 << 20
 SLAB = 1 << 20
 
 
-def arena_memory(pid: int) -> int:
-    """The bytes the daemon's arena memory files hold now (their allocated blocks)."""
-    files: dict[int, int] = {}  # by inode: an arena is open twice (its read-only twin)
-    fds = f"/proc/{pid}/fd"
-    for fd in os.listdir(fds):
-        try:
-            if os.readlink(f"{fds}/{fd}").startswith("/memfd:kvstore-arena"):
-                st = os.stat(f"{fds}/{fd}")
-                files[st.st_ino] = st.st_blocks * 512
-        except OSError:
-            continue  # (closed meanwhile)
-    return sum(files.values())
-
-
 def test_three_tenants_writing_more_than_half_the_capacity_each_stay_within_it(
         daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
-    secret_file = tmp_path / "secret"
-    write_secret(secret_file)
-    config = tmp_path / "tenants.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\noperators = ["ops"]\n'
-                      f'[dram]\nslab_size = "1MiB"\narena_kind = "memfd"\n')
-    d = daemon_factory(dram_capacity="32MiB", extra=["--config", str(config)])
+    d, token = tenants_daemon(daemon_factory, tmp_path, "32MiB",
+                              'slab_size = "1MiB"\narena_kind = "memfd"\n')
     assert d.proc is not None
-    secret = read_secret(secret_file)
-    clients = {t: Client(d.endpoint, token=issue_token(secret, t, 600.0))
+    clients = {t: Client(d.endpoint, token=token(t))
                for t in ("a", "b", "c")}
-    ops = Client(d.endpoint, token=issue_token(secret, "ops", 600.0))  # (the whole daemon's)
+    ops = Client(d.endpoint, token=token("ops"))  # (the whole daemon's)
     try:
         spaces = {t: c.namespace(make_identity(tenant=t, head_dim=128))  # 32 KiB blocks
                   for t, c in clients.items()}

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from kvtest import make_identity
+from kvtest import make_identity, settled, written
 
 from kvstore import protocol as p
 from kvstore.aclient import AsyncClient
@@ -31,25 +31,6 @@ WRITERS = make_identity(model="commit-wait-attacks", num_kv_heads=8, head_dim=12
 
 def _dram(c: Client) -> dict[str, int]:
     return c.stats()["tiers"]["dram"]
-
-
-def _settled(c: Client) -> dict[str, int]:
-    """The DRAM tier's figures once nothing is reserved or pinned (a get's blocks stay
-    pinned till its reply is sent: polled, within a bound)."""
-    deadline = time.monotonic() + 10
-    while True:
-        dram = _dram(c)
-        if (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0) \
-                or time.monotonic() > deadline:
-            return dram
-        time.sleep(0.02)
-
-
-def _written(r: Any, data: dict[bytes, bytes]) -> Any:
-    for key, buf, offset in zip(r.keys, r.buffers, r.offsets):
-        if offset >= 0:
-            buf[:] = data[key]
-    return r
 
 
 def test_a_writer_that_never_commits_stalls_each_peer_once_not_every_commit(
@@ -82,7 +63,7 @@ def test_a_writer_that_never_commits_stalls_each_peer_once_not_every_commit(
         assert (dram["commits_waited"], dram["commit_wait_timeouts"]) == (1, 1), dram
         assert dram["awaited_dropped"] == 3, dram
         stuck.abort()
-        dram = _settled(v)
+        dram = settled(v)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
     assert "invariant violated" not in d.log()
 
@@ -112,7 +93,7 @@ def test_peers_waiting_at_once_for_a_writer_that_never_commits_wait_out_one_boun
         dram = _dram(a)
         assert (dram["commits_waited"], dram["commit_wait_timeouts"]) == (2, 1), dram
         stuck.abort()
-        dram = _settled(a)
+        dram = settled(a)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
 
 
@@ -142,7 +123,7 @@ def test_a_writer_whose_own_commit_waits_is_not_taken_for_one_that_never_commits
         assert mine.offsets[:2] == [-1, -1], mine.offsets  # (awaited from W's)
         for r in (later, mine, stuck):
             r.abort()
-        dram = _settled(v)
+        dram = settled(v)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
 
 
@@ -173,7 +154,7 @@ def test_a_malformed_commit_is_refused_at_once_not_after_the_wait(
                 buf[:] = block
         assert r.commit() == 2 and r.dropped == 0
         assert nv.get(keys) == data
-        dram = _settled(v)
+        dram = settled(v)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
 
 
@@ -196,10 +177,10 @@ def test_a_client_pipelining_its_commits_loses_no_block_to_a_cycle_it_ends_itsel
         async def pipelined() -> tuple[list[int], list[int]]:
             async with AsyncClient(d.endpoint, tenant="acme") as c1:
                 ns1 = await c1.namespace(WRITERS)
-                older1 = _written(await ns1.reserve(x[:2]), data)
-                older2 = _written(ns2.reserve(y[:2]), data)
-                younger1 = _written(await ns1.reserve(y), data)
-                younger2 = _written(ns2.reserve(x), data)
+                older1 = written(await ns1.reserve(x[:2]), data)
+                older2 = written(ns2.reserve(y[:2]), data)
+                younger1 = written(await ns1.reserve(y), data)
+                younger2 = written(ns2.reserve(x), data)
                 assert younger1.offsets[:2] == younger2.offsets[:2] == [-1, -1]
                 blocking = pool.submit(
                     lambda: [younger2.commit(), younger2.dropped, older2.commit()])
@@ -211,7 +192,7 @@ def test_a_client_pipelining_its_commits_loses_no_block_to_a_cycle_it_ends_itsel
         mine, theirs = asyncio.run(pipelined())
         assert mine == [1, 2, 0] and theirs == [1, 0, 2], (mine, theirs)
         assert ns2.get(x + y) == [data[k] for k in x + y]
-        dram = _settled(c2)
+        dram = settled(c2)
         assert (dram["commit_wait_cycles"], dram["awaited_dropped"]) == (0, 0), dram
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
 
@@ -229,7 +210,7 @@ def test_a_plan_whose_request_hangs_under_a_key_not_committed_yet_is_told_so(
         bt = WRITERS.block_tokens
         keys = na.keys(range(4 * bt))
         data = {k: os.urandom(na.block_bytes) for k in keys}
-        saving = _written(na.reserve(keys[:2]), data)
+        saving = written(na.reserve(keys[:2]), data)
         plan = [PlanItem(2 * bt, 2 * bt, keys[2:], keys[1])]
         with pytest.raises(NotFoundError, match="not committed yet"):
             nb.reserve_batch(plan)
@@ -239,9 +220,9 @@ def test_a_plan_whose_request_hangs_under_a_key_not_committed_yet_is_told_so(
         result = nb.reserve_batch(plan)
         assert result.admitted, result
         (r,) = result.reservations
-        assert _written(r, data).commit() == 2
+        assert written(r, data).commit() == 2
         assert nb.get(keys) == [data[k] for k in keys]
-        dram = _settled(b)
+        dram = settled(b)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
 
 
@@ -258,12 +239,12 @@ def test_a_commit_whose_awaited_keys_are_all_stored_waits_for_no_other_writer(
         na, nb, nv = (c.namespace(WRITERS) for c in (a, b, v))
         keys = na.keys(range(2 * WRITERS.block_tokens))
         data = {k: os.urandom(na.block_bytes) for k in keys}
-        first = _written(na.reserve(keys[:1]), data)
+        first = written(na.reserve(keys[:1]), data)
         older = p.Reserve(b._next_rid(), nb.id, keys[:1], None, True, False)
         b._send(older)
         second = check_reply(b._wait(older.rid)[0], p.ReserveReply)
         assert min(second.offsets) >= 0  # (a slot of its own)
-        r = _written(nv.reserve(keys), data)
+        r = written(nv.reserve(keys), data)
         assert r.offsets[0] == -1
         done = pool.submit(r.commit)
         while _dram(a).get("commits_waited", 0) < 1:
@@ -276,7 +257,7 @@ def test_a_commit_whose_awaited_keys_are_all_stored_waits_for_no_other_writer(
         abort = p.Abort(b._next_rid(), second.reservation)
         b._send(abort)
         check_reply(b._wait(abort.rid)[0], p.OkReply)
-        dram = _settled(v)
+        dram = settled(v)
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram
 
 
@@ -308,11 +289,11 @@ def test_a_namespace_owner_holding_a_reservation_open_stalls_a_grantee_once(
         assert first.offsets[0] == -1
         assert first.commit() == 0 and first.dropped == 3  # (the bound, once)
         owner.ping()
-        again = _written(theirs.reserve(keys), data)
+        again = written(theirs.reserve(keys), data)
         assert min(again.offsets) >= 0, again.offsets
         assert again.commit() == 3 and again.dropped == 0
         assert theirs.get(keys) == [data[k] for k in keys]
         held_open.abort()
-        dram = _settled(ops)
+        dram = settled(ops)
         assert (dram["commits_waited"], dram["commit_wait_timeouts"]) == (1, 1), dram
         assert (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0), dram

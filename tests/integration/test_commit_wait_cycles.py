@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvtest import make_identity
+from kvtest import commits_waited, make_identity, written
 
 from kvstore import Client
 
@@ -28,21 +28,6 @@ def _dram(c: Client) -> dict[str, Any]:
     return tier
 
 
-def _waiting(c: Client, commits: int) -> None:
-    """Until ``commits`` commits have waited for older writers (polled, within a bound)."""
-    deadline = time.monotonic() + 20
-    while _dram(c).get("commits_waited", 0) < commits:
-        assert time.monotonic() < deadline, _dram(c)
-        time.sleep(0.02)
-
-
-def _written(r: Any, data: dict[bytes, bytes]) -> Any:
-    for key, buf, offset in zip(r.keys, r.buffers, r.offsets):
-        if offset >= 0:
-            buf[:] = data[key]
-    return r
-
-
 def test_two_clients_each_committing_its_younger_reservation_first_do_not_stall(
         daemon_factory: Any) -> None:
     d = daemon_factory(dram_capacity="16MiB")  # (the default lease: a wait's bound 2.5 s)
@@ -52,10 +37,10 @@ def test_two_clients_each_committing_its_younger_reservation_first_do_not_stall(
         x = ns1.keys(range(3 * bt))  # c1's older reservation holds x[:2]
         y = ns1.keys(range(1000 * bt, 1003 * bt))  # c2's older one holds y[:2]
         data = {k: os.urandom(ns1.block_bytes) for k in x + y}
-        older1 = _written(ns1.reserve(x[:2]), data)
-        older2 = _written(ns2.reserve(y[:2]), data)
-        younger1 = _written(ns1.reserve(y), data)  # y[:2] awaited from older2
-        younger2 = _written(ns2.reserve(x), data)  # x[:2] awaited from older1
+        older1 = written(ns1.reserve(x[:2]), data)
+        older2 = written(ns2.reserve(y[:2]), data)
+        younger1 = written(ns1.reserve(y), data)  # y[:2] awaited from older2
+        younger2 = written(ns2.reserve(x), data)  # x[:2] awaited from older1
         assert younger1.offsets[:2] == [-1, -1] and younger2.offsets[:2] == [-1, -1]
 
         def client(younger: Any, older: Any) -> tuple[int, int]:
@@ -65,7 +50,7 @@ def test_two_clients_each_committing_its_younger_reservation_first_do_not_stall(
         with ThreadPoolExecutor(2) as pool:
             start = time.monotonic()
             first = pool.submit(client, younger1, older1)
-            _waiting(c2, 1)  # younger1 waits for older2
+            commits_waited(c2, 1)  # younger1 waits for older2
             second = pool.submit(client, younger2, older2)
             results = first.result(timeout=30), second.result(timeout=30)
             took = time.monotonic() - start
@@ -95,10 +80,10 @@ def test_the_waiter_that_loses_fewer_of_its_own_blocks_goes_on_and_the_closer_wa
         x = ns1.keys(range(5 * bt))  # c1's older reservation holds x[:2]
         y = ns1.keys(range(1000 * bt, 1003 * bt))  # c2's older one holds y[:2]
         data = {k: os.urandom(ns1.block_bytes) for k in x + y}
-        older1 = _written(ns1.reserve(x[:2]), data)
-        older2 = _written(ns2.reserve(y[:2]), data)
-        younger1 = _written(ns1.reserve(y), data)  # 1 block of its own after y[:2]
-        younger2 = _written(ns2.reserve(x), data)  # 3 of its own after x[:2]
+        older1 = written(ns1.reserve(x[:2]), data)
+        older2 = written(ns2.reserve(y[:2]), data)
+        younger1 = written(ns1.reserve(y), data)  # 1 block of its own after y[:2]
+        younger2 = written(ns2.reserve(x), data)  # 3 of its own after x[:2]
 
         def client(younger: Any, older: Any) -> tuple[int, int]:
             done = younger.commit()
@@ -106,7 +91,7 @@ def test_the_waiter_that_loses_fewer_of_its_own_blocks_goes_on_and_the_closer_wa
 
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(client, younger1, older1)
-            _waiting(c2, 1)
+            commits_waited(c2, 1)
             second = pool.submit(client, younger2, older2)
             results = first.result(timeout=30), second.result(timeout=30)
         assert results == ((0, 2), (3, 2)), results

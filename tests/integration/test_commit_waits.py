@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from kvtest import make_identity
+from kvtest import commits_waited, make_identity, settled
 
 from kvstore import AsyncClient, Client
 from kvstore.errors import KVStoreError
@@ -31,14 +31,6 @@ SHARED, OWN = 8, 4  # keys both write, keys only the second writes after them
 def _dram(c: Client) -> dict[str, Any]:
     tier: dict[str, Any] = c.stats()["tiers"]["dram"]
     return tier
-
-
-def _waiting(c: Client, commits: int = 1) -> None:
-    """Until ``commits`` commits have waited for older writers (polled, within a bound)."""
-    deadline = time.monotonic() + 20
-    while _dram(c).get("commits_waited", 0) < commits:
-        assert time.monotonic() < deadline, _dram(c)
-        time.sleep(0.02)
 
 
 def _writers(c1: Client, c2: Client) -> tuple[Any, Any, list[bytes], list[bytes]]:
@@ -57,18 +49,6 @@ def _writers(c1: Client, c2: Client) -> tuple[Any, Any, list[bytes], list[bytes]
     return first, second, keys, data
 
 
-def _settled(c: Client) -> dict[str, Any]:
-    """The figures once no slot is reserved and no block pinned (a get's release is
-    posted without waiting and may be served a turn after a stats request: polled)."""
-    deadline = time.monotonic() + 10
-    while True:
-        dram = _dram(c)
-        if (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0):
-            return dram
-        assert time.monotonic() < deadline, dram
-        time.sleep(0.02)
-
-
 def test_the_second_writer_commits_first_then_the_first_all_blocks_stored(
         daemon_factory: Any) -> None:
     d = daemon_factory(dram_capacity=CAPACITY)
@@ -76,12 +56,12 @@ def test_the_second_writer_commits_first_then_the_first_all_blocks_stored(
         first, second, keys, data = _writers(c1, c2)
         with ThreadPoolExecutor(1) as pool:
             commit = pool.submit(second.commit)
-            _waiting(c1)
+            commits_waited(c1)
             assert not commit.done()
             assert first.commit() == SHARED
             assert commit.result(timeout=30) == OWN
         assert second.dropped == 0
-        dram = _settled(c1)
+        dram = settled(c1)
         assert (dram["commits"], dram["duplicates"], dram["awaited_dropped"]) == (
             SHARED + OWN, SHARED, 0)
         assert dram["commit_wait_timeouts"] == 0
@@ -94,12 +74,12 @@ def test_the_first_writer_aborts_while_the_second_waits(daemon_factory: Any) -> 
         first, second, keys, _ = _writers(c1, c2)
         with ThreadPoolExecutor(1) as pool:
             commit = pool.submit(second.commit)
-            _waiting(c1)
+            commits_waited(c1)
             first.abort()
             assert commit.result(timeout=30) == 0
         assert second.dropped == SHARED + OWN  # the gap rule: nothing from it on
         assert c1.namespace(IDENTITY).lookup(keys).blocks == 0
-        dram = _settled(c1)
+        dram = settled(c1)
         assert (dram["committed_slots"], dram["commit_wait_timeouts"]) == (0, 0), dram
 
 
@@ -117,7 +97,7 @@ def test_the_first_writers_lease_runs_out_while_the_second_waits(
         second = ns2.reserve(keys)
         assert second.offsets[:SHARED] == [-1] * SHARED
         assert second.commit() == 0 and second.dropped == SHARED + OWN
-        dram = _settled(c2)
+        dram = settled(c2)
         assert dram["commits_waited"] == 1 and dram["commit_wait_timeouts"] == 0, dram
         assert dram["lease_expiries"] == 1 and dram["committed_slots"] == 0, dram
         assert ns2.lookup(keys).blocks == 0
@@ -144,7 +124,7 @@ def test_the_first_commits_then_pressure_before_the_second_commits_no_gap(
         assert _dram(c1)["evictions"] >= SLOTS
         assert second.commit() == OWN and second.dropped == 0
         assert c2.namespace(IDENTITY).get(keys) == data
-        _settled(c1)
+        settled(c1)
 
 
 def test_the_waiting_client_closes_nothing_is_leaked(daemon_factory: Any) -> None:
@@ -163,7 +143,7 @@ def test_the_waiting_client_closes_nothing_is_leaked(daemon_factory: Any) -> Non
             r = await ans.reserve(keys)
             commit = asyncio.ensure_future(r.commit())
             try:
-                await asyncio.to_thread(_waiting, c1)
+                await asyncio.to_thread(commits_waited, c1)
             finally:
                 await ac.close()
                 commit.cancel()  # (its reply never comes to a closed client)
@@ -173,7 +153,7 @@ def test_the_waiting_client_closes_nothing_is_leaked(daemon_factory: Any) -> Non
         dram = _dram(c1)
         assert dram["reserved_slots"] == SHARED, dram  # the first writer's only
         assert first.commit() == SHARED
-        dram = _settled(c1)
+        dram = settled(c1)
         assert dram["committed_slots"] == SHARED and dram["commit_wait_timeouts"] == 0
         assert c1.stats()["sessions"] == 1
 
@@ -186,7 +166,7 @@ def test_the_daemon_stops_while_a_commit_waits(daemon_factory: Any) -> None:
         _, second, _, _ = _writers(c1, c2)
         with ThreadPoolExecutor(1) as pool:
             commit = pool.submit(second.commit)
-            _waiting(c1)
+            commits_waited(c1)
             assert d.stop() == 0
             assert commit.result(timeout=30) == 0
         assert second.dropped == SHARED + OWN

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 from daemon_proc import DaemonProcess
-from kvtest import make_identity
+from kvtest import make_identity, tenants_daemon
 
-from kvstore.auth import issue_token, read_secret, write_secret
 from kvstore.client import Client
 from kvstore.keys import chain_keys
 from kvstore.plans import Plan
@@ -88,29 +87,24 @@ def write(d: DaemonProcess, token: str, tenant: str, puts: int) -> tuple[int, di
 def test_arenas_past_the_memory_of_their_file_system_fail_typed_not_by_signal(
         daemon_factory: Callable[..., DaemonProcess], small_tmpfs: Path,
         tmp_path: Path) -> None:
-    secret_file = tmp_path / "secret"
-    write_secret(secret_file)
-    config = tmp_path / "tenants.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\noperators = ["ops"]\n'
-                      f'[dram]\nslab_size = "1MiB"\narena_kind = "file"\n'
-                      f'directory = "{small_tmpfs}"\n')
-    d = daemon_factory(dram_capacity="16MiB", extra=["--config", str(config)])
+    d, token = tenants_daemon(daemon_factory, tmp_path, "16MiB",
+                              'slab_size = "1MiB"\narena_kind = "file"\n'
+                              f'directory = "{small_tmpfs}"\n')
     assert d.proc is not None
-    secret = read_secret(secret_file)
     # a: 8 MiB of puts into 4 MiB of memory: past it, its own blocks make the room
-    rc, a = write(d, issue_token(secret, "a", 600.0), "a", 32)
+    rc, a = write(d, token("a"), "a", 32)
     # (-7: SIGBUS, a page of the arena touched with no memory left)
     assert d.proc.poll() is None, (d.proc.returncode, d.log()[-2000:])
     assert rc == 0, (rc, a)
     assert a["stored"] == 32 and not a["refused"] and a["read_back"], a
     # b: none of the memory is left, and it has no blocks of its own: typed refusals
-    rc, b = write(d, issue_token(secret, "b", 600.0), "b", 4)
+    rc, b = write(d, token("b"), "b", 4)
     assert rc == 0, (rc, b)
     refused = b["refused"]
     assert isinstance(refused, list) and len(refused) == 4 and b["stored"] == 0, b
     assert all("dram.directory is full" in r for r in refused), refused
     assert d.proc.poll() is None, d.log()  # the daemon lives on
-    with Client(d.endpoint, token=issue_token(secret, "ops", 600.0)) as c:
+    with Client(d.endpoint, token=token("ops")) as c:
         assert c.stats()["tiers"]["dram"]["budget_no_memory"] > 0
     used = os.statvfs(small_tmpfs)
     assert (used.f_blocks - used.f_bfree) * used.f_frsize <= TMPFS_BYTES

@@ -19,9 +19,8 @@ from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from kvtest import arena_memory, make_identity
+from kvtest import arena_memory, make_identity, settled, tenants_daemon
 
-from kvstore.auth import issue_token, read_secret, write_secret
 from kvstore.client import Client
 from kvstore.errors import KVStoreError, LimitExceededError, NotFoundError
 
@@ -76,27 +75,22 @@ def tenant_run(endpoint: str, token: str, tenant: str, seed: int, late: float,
 @pytest.mark.parametrize("seed", [1, 2])
 def test_tenants_at_once_read_their_own_bytes_within_the_budget(
         daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, seed: int) -> None:
-    secret_file = tmp_path / "secret"
-    write_secret(secret_file)
-    config = tmp_path / "tenants.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\noperators = ["ops"]\n'
-                      f'[dram]\nslab_size = "1MiB"\narena_kind = "memfd"\n')
-    d = daemon_factory(dram_capacity="16MiB", extra=["--config", str(config)])
+    d, token = tenants_daemon(daemon_factory, tmp_path, "16MiB",
+                              'slab_size = "1MiB"\narena_kind = "memfd"\n')
     assert d.proc is not None
-    secret = read_secret(secret_file)
     out: dict[str, Any] = {}
     errors: list[BaseException] = []
 
     def run(i: int, tenant: str) -> None:
         try:
-            tenant_run(d.endpoint, issue_token(secret, tenant, 600.0), tenant,
+            tenant_run(d.endpoint, token(tenant), tenant,
                        seed * 10 + i, 0.4 * i, out)
         except (KVStoreError, AssertionError) as e:
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(i, t)) for i, t in enumerate(TENANTS)]
     worst_committed = worst_memory = 0
-    with Client(d.endpoint, token=issue_token(secret, "ops", 600.0)) as ops:
+    with Client(d.endpoint, token=token("ops")) as ops:
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
@@ -107,13 +101,7 @@ def test_tenants_at_once_read_their_own_bytes_within_the_budget(
         for t in threads:
             t.join()
         assert not errors, errors
-        deadline = time.monotonic() + 10
-        while True:
-            dram = ops.stats()["tiers"]["dram"]
-            if (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0):
-                break
-            assert time.monotonic() < deadline, dram
-            time.sleep(0.02)
+        dram = settled(ops)
     assert worst_committed <= CAPACITY, worst_committed
     assert worst_memory <= CAPACITY, worst_memory
     assert dram["allocated"] <= CAPACITY

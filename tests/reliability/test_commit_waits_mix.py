@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 import pytest
-from kvtest import make_identity
+from kvtest import make_identity, settled
 
 from kvstore import Client
 from kvstore.errors import KVStoreError, NotFoundError
@@ -114,13 +114,7 @@ def test_overlapping_writers_store_right_bytes_and_never_wait_out_the_bound(
     assert not any(t.is_alive() for t in threads)
     assert not errors, errors
     with Client(d.endpoint, tenant="acme") as c:
-        deadline = time.monotonic() + 10
-        while True:
-            dram = c.stats()["tiers"]["dram"]
-            if (dram["reserved_slots"], dram["pinned_blocks"]) == (0, 0):
-                break
-            assert time.monotonic() < deadline, dram
-            time.sleep(0.02)
+        dram = settled(c)
         # every block cached now holds its key's bytes
         ns = c.namespace(IDENTITY)
         rng = random.Random(seed)
