@@ -57,6 +57,7 @@ from kvstore.sessions import Sessions, tenant_of_connection
 from kvstore.side_socket import SideSocket
 from kvstore.slab_moves import class_stats
 from kvstore.ssd_copies import tenant_bytes as ssd_tenant_bytes
+from kvstore.ssd_flush import withdraw_unrooted
 from kvstore.stopping import SYNC_LEAVES_SECONDS, StopDeadline
 from kvstore.store import BlockStore, Limits, Namespace
 from kvstore.tiering import SsdMover
@@ -627,6 +628,13 @@ async def drain_server(server: Server, bound: float) -> None:
             log.error("blocks only dram held were not all written to ssd within %.3gs",
                       within)
     if server.ssd is not None:
+        # (whatever the flush wrote, or could not, or if it did not run: a copy below
+        # one the tier lacks goes now, not as an orphan at the restart)
+        unrooted = withdraw_unrooted(server.store)
+        if unrooted:
+            server.moves.removed(unrooted)
+            log.info("withdrew %d ssd copies whose parents are not on the tier on the way "
+                     "out", len(unrooted))
         stop.enter("syncing the ssd tier")
         try:
             await asyncio.wait_for(server.ssd.drain(),

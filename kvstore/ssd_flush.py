@@ -133,6 +133,33 @@ def whole_prefixes(batch: Sequence[Block]) -> list[Block]:
     return [b for b in batch if b in kept]
 
 
+def unrooted_copies(store: StoreCore) -> list[Block]:
+    """The SSD copies a restart would drop as orphans: those below a block the tier
+    does not hold (a parent whose copy it let go while DRAM held the block, or that the
+    flush found no room for, or ran out of time to write).  Withdrawn on the way out
+    (``withdraw_unrooted``), what survives the stop is prefix-closed by construction:
+    the restart drops none, and the index keeps no record it would read for nothing."""
+    out: list[Block] = []
+    for ns in store.namespaces.values():
+        if ns.ssd_cls is None:
+            continue
+        rooted: set[Block] = set()  # on the tier, and every block above it too
+        for b in parents_first(ns):
+            if b.ssd_offset is None:
+                continue
+            if b.parent is None or b.parent in rooted:
+                rooted.add(b)
+            else:
+                out.append(b)
+    return out
+
+
+def withdraw_unrooted(store: StoreCore) -> list[tuple[bytes, bytes]]:
+    """On the way out, once nothing more is written to the SSD tier: drop the copies
+    ``unrooted_copies`` finds; the index records to withdraw before it is synced."""
+    return [store.drop_ssd_copy(b) for b in unrooted_copies(store)]
+
+
 def flush_victim(b: Block, planned: set[Block], givers: set[str]) -> bool:
     """Whether the flush on the way out may trade ``b``'s SSD copy for a block only DRAM
     holds (``reserve`` asks, of copies no transfer holds): a leaf of the index (a
