@@ -123,6 +123,7 @@ class RestartReport:
     # per clean stop: blocks present before it, back after it, and in DRAM before it
     back_after_clean: list[tuple[int, int, int]] = field(default_factory=list)
     back_bytes_after_clean: list[int] = field(default_factory=list)  # their bytes back
+    bytes_before_clean: list[int] = field(default_factory=list)  # present before it
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)   # first errors of each kind, workers'
 
@@ -267,6 +268,7 @@ class Restarts:
         self.report.back_after_clean.append((len(present), len(present & back), len(dram_only)))
         need = sum(size for (_, _, _, size) in present)
         self.report.back_bytes_after_clean.append(sum(k[3] for k in present & back))
+        self.report.bytes_before_clean.append(need)
         room = parse_size(self.cfg.ssd) - 2 * parse_size(self.ssd_slab)
         self.say(f"restarts: clean stop: {len(present)} blocks ({need >> 10} KiB; "
                  f"{len(dram_only)} in dram) before, {len(present & back)} "

@@ -146,6 +146,9 @@ def test_a_clean_stop_under_write_through_writes_what_only_dram_holds(tmp_path: 
 
     assert not report.problems, "\n".join(report.problems[:20])
     assert report.clean_stops == 2
-    assert all(back >= 7 << 20 for back in report.back_bytes_after_clean), \
-        (report.back_bytes_after_clean, report.orphans_after_clean)
+    # 7 MiB of the 8 MiB tier, or all there was: on a loaded machine the clients' round
+    # stored 2.2-4.6 MiB before the first stop (all of it back), and 7 MiB failed it
+    for need, back in zip(report.bytes_before_clean, report.back_bytes_after_clean):
+        assert back >= min(need, 7 << 20), (report.bytes_before_clean,
+                                            report.back_bytes_after_clean)
     assert report.orphans_after_clean == 0, report.lines()
