@@ -35,7 +35,13 @@ from kvstore.gpu_mover import GpuMover
 from kvstore.plans import MAX_TURNS
 from kvstore.remote import REMOTE_OWNER, RemoteTier, by_namespace
 from kvstore.slab_moves import StopTrades
-from kvstore.ssd_flush import flush_givers, flush_plan, flush_victim, whole_prefixes
+from kvstore.ssd_flush import (
+    FLUSH_PASSES,
+    flush_givers,
+    flush_plan,
+    flush_victim,
+    whole_prefixes,
+)
 from kvstore.store import Block, BlockStore, Namespace, Plan
 from kvstore.tiering import SsdMover
 from kvstore.transfers import Background, TurnBatch
@@ -468,26 +474,32 @@ class Moves:
         of its coldest leaves (``flush_victim``: never a parent, nor a block written
         here, nor another tenant's within its share), or in slabs another size hands
         over (``StopTrades``); how many went."""
-        written = 0
+        written, planned = 0, set[Block]()  # (those of every pass: none traded away)
         assert self.store.ssd is not None, "a flush to ssd without an ssd tier"
         spare = StopTrades.spare_of(self.store.ssd.pool)
-        plan = flush_plan(self.store.ssd_copies)
-        planned = set(plan)
-        parts = [plan[i:i + 64] for i in range(0, len(plan), 64)][::-1]
-        while parts:  # (the last part first out: the plan's order, parents first)
-            part = parts.pop()
-            batch = whole_prefixes(self.store.ssd_copies.write_through_candidates(part))
-            if batch:
-                givers = flush_givers(self.store, batch)
-                victim = partial(flush_victim, planned=planned, givers=givers)
-                try:
-                    await self._to_ssd(batch, evict=StopTrades(victim, spare, planned))
-                except CapacityError:
-                    if len(batch) > 1:  # its first half may fit (the parents), or another
-                        half = len(batch) // 2  # class's batch where this did not
-                        parts += [batch[half:], batch[:half]]
-                    continue
-                written += sum(b.ssd_offset is not None for b in batch)
+        for _ in range(FLUSH_PASSES):  # (while one writes some: ``FLUSH_PASSES``)
+            plan = flush_plan(self.store.ssd_copies)
+            planned |= set(plan)
+            parts = [plan[i:i + 64] for i in range(0, len(plan), 64)][::-1]
+            wrote = 0
+            while parts:  # (the last part first out: the plan's order, parents first)
+                part = parts.pop()
+                batch = whole_prefixes(self.store.ssd_copies.write_through_candidates(part))
+                if batch:
+                    givers = flush_givers(self.store, batch)
+                    victim = partial(flush_victim, planned=planned, givers=givers)
+                    try:
+                        await self._to_ssd(batch, evict=StopTrades(victim, spare, planned))
+                    except CapacityError:
+                        if len(batch) > 1:  # its first half may fit (the parents), or
+                            half = len(batch) // 2  # another class's where this did not
+                            parts += [batch[half:], batch[:half]]
+                        continue
+                    wrote += sum(b.ssd_offset is not None for b in batch)
+            written += wrote
+            if not wrote:
+                break
+            spare = dict.fromkeys(spare, 0)  # (later passes: no slab traded, ``FLUSH_PASSES``)
         return written
 
     async def drain(self) -> None:
