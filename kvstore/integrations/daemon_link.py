@@ -30,7 +30,9 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from kvstore import protocol as p
 from kvstore.client import Client, Namespace
+from kvstore.client_wire import check_reply
 from kvstore.errors import (
     ForbiddenError,
     KVStoreError,
@@ -478,3 +480,50 @@ class DaemonLink:
                      f"backing off from {refused.count} refusal(s)")
         return (f"DaemonLink({self.endpoint}, {state}, namespaces={len(self._namespaces)}, "
                 f"failures={self.failures})")
+
+
+class PostedRates:
+    """A request for the daemon's load rates per tier (a probe with no keys), sent and
+    not waited for: its reply is read while the link's client waits for others (a
+    request's lookups), and taken once it is there (``ready``), so that no step waits a
+    round trip for figures an offer can take from the last answer."""
+
+    def __init__(self, link: DaemonLink, client: Client) -> None:
+        self._link = link
+        self._client = client
+        self._rid = client._next_rid()
+        client._send(p.Probe(self._rid, []))
+
+    def ready(self) -> bool:
+        """Whether ``take`` returns at once: the reply came, or the client is gone."""
+        return self._rid in self._client._early or not self._link.holds(self._client)
+
+    def take(self) -> dict[str, float] | None:
+        """The daemon's rates (bytes a second), or None (no answer); only once ready."""
+        if not self._link.holds(self._client):
+            return None
+        try:
+            reply = check_reply(self._client._wait(self._rid)[0], p.ProbeReply)
+        except KVStoreError as exc:
+            self._link.failed("probe", exc)
+            return None
+        return dict(reply.bandwidth)
+
+    def drop(self) -> None:
+        """Give the reply up (it is dropped when it comes)."""
+        if self._link.holds(self._client):
+            self._client._abandon(self._rid)
+            self._client._awaited.discard(self._rid)
+            self._client._early.pop(self._rid, None)
+
+
+def post_rates(link: DaemonLink) -> PostedRates | None:
+    """Ask the daemon for its load rates without waiting (None: no client now)."""
+    client = link.client()
+    if client is None:
+        return None
+    try:
+        return PostedRates(link, client)
+    except KVStoreError as exc:
+        link.failed("probe", exc)
+        return None

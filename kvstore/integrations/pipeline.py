@@ -46,7 +46,7 @@ import torch
 from kvstore.client import Held, Namespace
 from kvstore.errors import KVStoreError, NoSessionError, NotFoundError, UnavailableError
 from kvstore.identity import Identity
-from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings, PostedRates
 from kvstore.integrations.engine_side import (
     EnginePages,
     Loaded,
@@ -124,10 +124,12 @@ class LoadWorth:
 class LoadRates:
     """The load rates an offer is judged by: the daemon's per tier (measured where it
     has read enough, else its own configured figure), asked for at most every
-    ``refresh_s`` seconds by ``current``'s ``ask`` (a probe; None when the daemon did
-    not answer), over the configured ``LoadWorth`` they start from and fall back to.
-    Nothing is asked while every block is offered anyway (no prefill rate), nor with
-    ``refresh_s`` 0 (the configured rates only)."""
+    ``refresh_s`` seconds by ``ask``'s ``post`` (a probe sent, not waited for: a
+    request's lookup never waits a round trip for it) and taken by ``current`` once its
+    reply is in, over the configured ``LoadWorth`` they start from and fall back to (a
+    reply not in by the next refresh, or none: the daemon did not answer).  Nothing is
+    asked while every block is offered anyway (no prefill rate), nor with ``refresh_s``
+    0 (the configured rates only)."""
 
     def __init__(self, configured: LoadWorth, *, refresh_s: float = REFRESH_RATES_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -138,37 +140,41 @@ class LoadRates:
         self._refresh_s = refresh_s
         self._clock = clock
         self._next = 0.0
+        self._posted: PostedRates | None = None  # asked, its reply not taken yet
         self.refreshes = 0   # answers taken
         self.measured: dict[str, float] = {}  # the daemon's last answer, bytes a second
 
-    def current(self, ask: Callable[[], Mapping[str, float] | None]) -> LoadWorth:
+    def ask(self, post: Callable[[], PostedRates | None]) -> None:
+        """Ask for the daemon's rates with ``post`` if a refresh is due (none waits)."""
         if (not self.configured.prefill_tokens_per_s or not self._refresh_s
-                or self._clock() < self._next):
-            return self._worth
+                or self._posted is not None or self._clock() < self._next):
+            return
         self._next = self._clock() + self._refresh_s
-        rates = ask()
-        if rates is None:  # the configured rates until the daemon answers again
+        self._posted = post()
+        if self._posted is None:  # no client: the configured rates until one answers
             self._worth = self.configured
-        else:
-            self.measured = dict(rates)
-            self._worth = self.configured.with_rates(rates)
-            self.refreshes += 1
+
+    def current(self) -> LoadWorth:
+        """The rates to judge an offer by: the last answer's, the one asked for taken
+        if its reply is in (never waited for)."""
+        posted = self._posted
+        if posted is not None and posted.ready():
+            self._posted = None
+            rates = posted.take()
+            if rates is None:  # the configured rates until the daemon answers again
+                self._worth = self.configured
+            else:
+                self.measured = rates
+                self._worth = self.configured.with_rates(rates)
+                self.refreshes += 1
+        elif posted is not None and self._clock() >= self._next:  # no answer in time
+            posted.drop()
+            self._posted = None
+            self._worth = self.configured
         return self._worth
 
     def __repr__(self) -> str:
         return f"LoadRates({dict(self._worth.load_gbps)} GB/s, refreshes={self.refreshes})"
-
-
-def daemon_rates(link: DaemonLink) -> dict[str, float] | None:
-    """The daemon's load bandwidth per tier (bytes a second), or None (no answer)."""
-    client = link.client()
-    if client is None:
-        return None
-    try:
-        return client.probe().bandwidth
-    except KVStoreError as exc:
-        link.failed("probe", exc)
-        return None
 
 
 # ========================================================================================

@@ -22,8 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvstore.client import LookupResult, Namespace
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
-from kvstore.integrations.daemon_link import DaemonLink
-from kvstore.integrations.pipeline import LoadRates, daemon_rates, wait_all
+from kvstore.integrations.daemon_link import DaemonLink, post_rates
+from kvstore.integrations.pipeline import LoadRates, wait_all
 from kvstore.integrations.vllm_chains import KnownChains
 from kvstore.integrations.vllm_identity import (
     AdapterRevisions,
@@ -217,6 +217,8 @@ class RequestBook:
         blocks = request.num_tokens // self._groups[0].block_tokens  # every full one
         if state.cacheable and blocks > 0 and self._link.available():
             started = time.perf_counter()  # the keys' hashes and the sends
+            # the rates' refresh, when due, goes first: its reply is in by the offer's
+            self._rates.ask(functools.partial(post_rates, self._link))
             state.lookups = send_lookups(self._lookup_targets(state, blocks), self._link)
             self.stats["lookup_us"] += int((time.perf_counter() - started) * 1e6)
 
@@ -252,7 +254,8 @@ class RequestBook:
         skip = getattr(request, "skip_reading_prefix_cache", False)
         if not self._roles.consumer or hit <= 0 or skip:
             return 0, False
-        rates = self._rates.current(functools.partial(daemon_rates, self._link))
+        rates = self._rates.current()  # (a refresh due is asked for, read at the next)
+        self._rates.ask(functools.partial(post_rates, self._link))
         worth = rates.blocks(tiers[first:first + hit])
         self.stats["rate_refreshes"] = self._rates.refreshes
         if worth < hit:

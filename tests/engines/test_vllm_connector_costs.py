@@ -16,7 +16,8 @@ CHECKS = ["a_namespace_id_is_hashed_once_per_group_and_variant",
           "a_request_whose_load_failed_sends_no_save_and_is_let_go_at_its_end",
           "layerwise_is_true_false_or_auto",
           "auto_goes_layer_by_layer_once_every_layer_was_asked_for",
-          "a_worker_on_host_pages_copies_every_steps_loads_on_one_kept_thread"]
+          "a_worker_on_host_pages_copies_every_steps_loads_on_one_kept_thread",
+          "an_offer_never_waits_a_round_trip_for_the_daemons_rates"]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -275,6 +276,61 @@ def check_a_worker_on_host_pages_copies_every_steps_loads_on_one_kept_thread() -
     assert connector._copier is not None
     assert all(loads._copier is connector._copier for loads in steps), steps
     connector._copier.shutdown()
+
+
+def check_an_offer_never_waits_a_round_trip_for_the_daemons_rates() -> None:
+    """A scheduler's offer with a rates' refresh due, against a daemon: the probe for
+    them goes out with the request's lookups and its reply is read with theirs; no
+    offer waits for a reply of its own (it took a blocking probe every 10 s)."""
+    import subprocess
+    import tempfile
+
+    from kvstore.client import Client
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import engine_connector_cpu as bench
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    work = Path(tempfile.mkdtemp(prefix="kvrates-"))
+    endpoint = f"ipc://{work / 'kvstore.sock'}"
+    root = str(Path(__file__).resolve().parents[2])
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "serve", "--endpoint", endpoint,
+         "--dram-capacity", "64MiB", "--ssd-capacity", "0", "--ssd-path", str(work / "ssd"),
+         "--slab-size", "16MiB", "--log-level", "warning"], stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": root})
+    assert daemon.stdout is not None
+    while line := daemon.stdout.readline():
+        if b"serving on" in line:
+            break
+    waits: list[bool] = []  # per reply waited for in an offer: whether it was in already
+    wait = Client._wait
+
+    def counting(self: Client, rid: int) -> Any:
+        waits.append(rid in self._early)
+        return wait(self, rid)
+    try:
+        config, kv_cache_config = bench.vllm_config(endpoint)
+        config.kv_transfer_config.kv_connector_extra_config["prefill_tokens_per_s"] = 1000
+        sched = KVStoreConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+        assert sched._link.wait_connected(10.0)
+        for n in range(2):
+            req = bench.Request(f"r{n}", list(range(3, 3 + 4 * bench.BLOCK)))
+            sched.on_new_request(req)  # type: ignore[arg-type]
+            book = sched._book
+            book._lookup(book._state(req), 4)  # (its lookups read: a miss, on this daemon)
+            book._state(req).cached = (4, ["dram"] * 4)  # as if cached: an offer's rates
+            Client._wait = counting  # type: ignore[method-assign]
+            try:
+                tokens, _ = sched.get_num_new_matched_tokens(req, 0)  # type: ignore
+            finally:
+                Client._wait = wait  # type: ignore[method-assign]
+            assert tokens == 3 * bench.BLOCK, tokens
+            assert all(waits), waits  # no reply waited for that was not in
+            assert sched.stats["rate_refreshes"] == 1, sched.stats  # the daemon's, taken
+        sched.shutdown()
+    finally:
+        daemon.terminate()
+        daemon.wait()
 
 
 CHECKS: dict[str, Callable[[], None]] = {

@@ -22,7 +22,7 @@ from kvstore import AsyncClient, Client
 from kvstore.errors import KVStoreError
 from kvstore.protocol import ProbeReply
 from kvstore.integrations import pipeline
-from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings, post_rates
 from kvstore.integrations.engine_side import (
     Loaded,
     Rows,
@@ -39,7 +39,6 @@ from kvstore.integrations.pipeline import (
     SaveSender,
     SettledLoads,
     StepLoads,
-    daemon_rates,
 )
 from kvstore.keys import chain_keys
 
@@ -657,33 +656,65 @@ def test_only_blocks_faster_to_load_than_to_recompute_are_worth_it() -> None:
             LoadWorth.from_extra(bad, 1_000_000, 32)
 
 
+class Posted:
+    """A ``PostedRates`` stand-in: its reply ``answer``, in once ``arrived``."""
+
+    def __init__(self, answer: dict[str, float] | None) -> None:
+        self.answer, self.arrived, self.dropped = answer, False, False
+
+    def ready(self) -> bool:
+        return self.arrived
+
+    def take(self) -> dict[str, float] | None:
+        assert self.arrived, "taken before its reply came: a wait"
+        return self.answer
+
+    def drop(self) -> None:
+        self.dropped = True
+
+
 def test_the_daemons_rates_replace_the_configured_ones_at_most_every_refresh() -> None:
     # 1 MB blocks of 32 tokens at 3200 tokens/s: 10 ms to recompute; SSD configured at
     # 1.5 GB/s (0.7 ms a block) until the daemon says 50 MB/s (20 ms: not worth it).
     configured = LoadWorth.from_extra({"prefill_tokens_per_s": 3200}, 1_000_000, 32)
     now = [0.0]
-    answers: list[dict[str, float] | None] = [{"ssd": 50e6}, None, {"ssd": 3e9}]
-    asked: list[float] = []
+    posts: list[Posted] = []
 
-    def ask() -> dict[str, float] | None:
-        asked.append(now[0])
-        return answers.pop(0)
+    def post(answer: dict[str, float] | None) -> Callable[[], Posted]:
+        def sent() -> Posted:
+            posts.append(Posted(answer))
+            return posts[-1]
+        return sent
 
     rates = LoadRates(configured, refresh_s=10, clock=lambda: now[0])
     assert configured.blocks(["dram", "ssd"]) == 2
-    assert rates.current(ask).blocks(["dram", "ssd"]) == 1   # the daemon's rate
+    rates.ask(post({"ssd": 50e6}))
+    assert rates.current().blocks(["dram", "ssd"]) == 2   # its reply not in: configured
+    posts[-1].arrived = True
+    assert rates.current().blocks(["dram", "ssd"]) == 1   # the daemon's rate
     now[0] = 9.0
-    assert rates.current(ask).blocks(["dram", "ssd"]) == 1   # not asked again yet
-    assert asked == [0.0]
+    rates.ask(post(None))
+    assert rates.current().blocks(["dram", "ssd"]) == 1 and len(posts) == 1  # not yet
     now[0] = 10.0
-    assert rates.current(ask).blocks(["dram", "ssd"]) == 2   # no answer: configured
+    rates.ask(post(None))
+    posts[-1].arrived = True
+    assert rates.current().blocks(["dram", "ssd"]) == 2   # no answer: configured
     now[0] = 20.0
-    assert rates.current(ask).blocks(["dram", "ssd"]) == 2   # a faster SSD measured
-    assert asked == [0.0, 10.0, 20.0] and rates.refreshes == 2
+    rates.ask(post({"ssd": 3e9}))
+    rates.ask(post({"ssd": 1.0}))  # one in flight at a time
+    assert len(posts) == 3
+    now[0] = 30.0
+    assert rates.current().blocks(["dram", "ssd"]) == 2 and posts[-1].dropped  # too late
+    rates.ask(post({"ssd": 3e9}))
+    posts[-1].arrived = True
+    assert rates.current().blocks(["dram", "ssd"]) == 2   # a faster SSD measured
+    assert rates.refreshes == 2 and rates.measured == {"ssd": 3e9}
     never = LoadRates(configured, refresh_s=0, clock=lambda: now[0])
-    assert never.current(ask).blocks(["ssd"]) == 1 and asked == [0.0, 10.0, 20.0]
+    never.ask(post(None))
+    assert never.current().blocks(["ssd"]) == 1 and len(posts) == 4
     no_rate = LoadRates(LoadWorth.from_extra({}, 1_000_000, 32), clock=lambda: now[0])
-    assert no_rate.current(ask).blocks(["ssd"]) == 1 and asked == [0.0, 10.0, 20.0]
+    no_rate.ask(post(None))
+    assert no_rate.current().blocks(["ssd"]) == 1 and len(posts) == 4
     with pytest.raises(ValueError):
         LoadRates(configured, refresh_s=-1)
 
@@ -697,8 +728,12 @@ def test_a_probe_without_keys_gives_the_daemons_load_rates(
         assert reply.tier_runs == [] and reply.bandwidth["ssd"] == 50e6
         worth = LoadWorth.from_extra({"prefill_tokens_per_s": 3200}, 1_000_000, 32)
         rates = LoadRates(worth)
-        link = DaemonLink(DaemonSettings(slow.endpoint))
-        assert rates.current(lambda: daemon_rates(link)).blocks(["dram", "ssd"]) == 1
+        link = DaemonLink(DaemonSettings(slow.endpoint, tenant="acme"))
+        rates.ask(lambda: post_rates(link))
+        ns = link.namespace("ns", lambda: identity("per_layer"))
+        assert ns is not None
+        ns.lookup([b"k" * 16])  # its wait reads the probe's reply, sent before it
+        assert rates.current().blocks(["dram", "ssd"]) == 1
         link.close()
         assert rates.measured["ssd"] == 50e6
 
