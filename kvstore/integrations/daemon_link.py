@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from kvstore import protocol as p
 from kvstore.client import Client, Namespace
@@ -56,6 +56,7 @@ EARLY_END_S = 1.0       # a back-off another link's answer ends, once this long 
 REFUSED_S = 1.0         # no connect with the same settings for this long after a refusal,
 REFUSED_MAX_S = 60.0    # doubled with each refusal in a row, up to this
 REPEATS_S = 10.0        # a step's failure repeated is logged at most once this long
+REFRESH_RATES_S = 10.0  # how often the connector asks the daemon for its load rates
 
 
 @dataclass(frozen=True)
@@ -527,3 +528,71 @@ def post_rates(link: DaemonLink) -> PostedRates | None:
     except KVStoreError as exc:
         link.failed("probe", exc)
         return None
+
+
+W = TypeVar("W", bound="Worth")
+
+
+class Worth(Protocol):
+    """What ``LoadRates`` needs of ``pipeline.LoadWorth`` (which imports this module)."""
+
+    @property
+    def prefill_tokens_per_s(self) -> float: ...
+
+    def with_rates(self: W, bytes_per_s: Mapping[str, float]) -> W: ...
+
+
+class LoadRates(Generic[W]):
+    """The load rates an offer is judged by: the daemon's per tier (measured where it
+    has read enough, else its own configured figure), asked for at most every
+    ``refresh_s`` seconds by ``ask``'s ``post`` (a probe sent, not waited for: a
+    request's lookup never waits a round trip for it) and taken by ``current`` once its
+    reply is in, over the configured ``LoadWorth`` they start from and fall back to (a
+    reply not in by the next refresh, or none: the daemon did not answer).  Nothing is
+    asked while every block is offered anyway (no prefill rate), nor with ``refresh_s``
+    0 (the configured rates only)."""
+
+    def __init__(self, configured: W, *, refresh_s: float = REFRESH_RATES_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if refresh_s < 0:
+            raise ValueError(f"the rates' refresh must be >= 0 seconds, not {refresh_s}")
+        self.configured = configured
+        self._worth = configured
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._next = 0.0
+        self._posted: PostedRates | None = None  # asked, its reply not taken yet
+        self.refreshes = 0   # answers taken
+        self.measured: dict[str, float] = {}  # the daemon's last answer, bytes a second
+
+    def ask(self, post: Callable[[], PostedRates | None]) -> None:
+        """Ask for the daemon's rates with ``post`` if a refresh is due (none waits)."""
+        if (not self.configured.prefill_tokens_per_s or not self._refresh_s
+                or self._posted is not None or self._clock() < self._next):
+            return
+        self._next = self._clock() + self._refresh_s
+        self._posted = post()
+        if self._posted is None:  # no client: the configured rates until one answers
+            self._worth = self.configured
+
+    def current(self) -> W:
+        """The rates to judge an offer by: the last answer's, the one asked for taken
+        if its reply is in (never waited for)."""
+        posted = self._posted
+        if posted is not None and posted.ready():
+            self._posted = None
+            rates = posted.take()
+            if rates is None:  # the configured rates until the daemon answers again
+                self._worth = self.configured
+            else:
+                self.measured = rates
+                self._worth = self.configured.with_rates(rates)
+                self.refreshes += 1
+        elif posted is not None and self._clock() >= self._next:  # no answer in time
+            posted.drop()
+            self._posted = None
+            self._worth = self.configured
+        return self._worth
+
+    def __repr__(self) -> str:
+        return f"LoadRates({self._worth!r}, refreshes={self.refreshes})"

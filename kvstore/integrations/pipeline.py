@@ -25,7 +25,7 @@ one daemon call for a step's loads.
   ``copier`` where it hands one (a thread kept across steps): a thread started per
   step had the step wait for it to run, 0.2-1.8 ms a step on a loaded 2-core host.
 - ``LoadWorth``: which cached blocks are worth loading rather than recomputing;
-  ``LoadRates`` keeps its per-tier rates to the daemon's measured ones.
+  ``LoadRates`` (in ``daemon_link``) keeps its per-tier rates to the daemon's.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import torch
 from kvstore.client import Held, Namespace
 from kvstore.errors import KVStoreError, NoSessionError, NotFoundError, UnavailableError
 from kvstore.identity import Identity
-from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings, PostedRates
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
 from kvstore.integrations.engine_side import (
     EnginePages,
     Loaded,
@@ -64,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 MAX_PENDING_BYTES = 1 << 30   # staged bytes a sender holds before it drops new jobs
 HOLD_S = 0.05                 # the longest a job submitted ``after_step`` waits for ``go``
+PARK_S = 1.0                  # no ``go`` for this long: the saves thread sleeps till a submit
 
 
 # ========================================================================================
@@ -71,7 +72,6 @@ HOLD_S = 0.05                 # the longest a job submitted ``after_step`` waits
 # ========================================================================================
 
 LOAD_GBPS = {"gpu": 50.0, "dram": 10.0, "ssd": 1.5, "remote": 1.0}
-REFRESH_RATES_S = 10.0   # how often the connector asks the daemon for its load rates
 T = TypeVar("T")
 
 
@@ -119,62 +119,6 @@ class LoadWorth:
             if self.block_bytes / (gbps.get(tier, 1.0) * 1e9) >= recompute_s:
                 return i
         return len(tiers)
-
-
-class LoadRates:
-    """The load rates an offer is judged by: the daemon's per tier (measured where it
-    has read enough, else its own configured figure), asked for at most every
-    ``refresh_s`` seconds by ``ask``'s ``post`` (a probe sent, not waited for: a
-    request's lookup never waits a round trip for it) and taken by ``current`` once its
-    reply is in, over the configured ``LoadWorth`` they start from and fall back to (a
-    reply not in by the next refresh, or none: the daemon did not answer).  Nothing is
-    asked while every block is offered anyway (no prefill rate), nor with ``refresh_s``
-    0 (the configured rates only)."""
-
-    def __init__(self, configured: LoadWorth, *, refresh_s: float = REFRESH_RATES_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if refresh_s < 0:
-            raise ValueError(f"the rates' refresh must be >= 0 seconds, not {refresh_s}")
-        self.configured = configured
-        self._worth = configured
-        self._refresh_s = refresh_s
-        self._clock = clock
-        self._next = 0.0
-        self._posted: PostedRates | None = None  # asked, its reply not taken yet
-        self.refreshes = 0   # answers taken
-        self.measured: dict[str, float] = {}  # the daemon's last answer, bytes a second
-
-    def ask(self, post: Callable[[], PostedRates | None]) -> None:
-        """Ask for the daemon's rates with ``post`` if a refresh is due (none waits)."""
-        if (not self.configured.prefill_tokens_per_s or not self._refresh_s
-                or self._posted is not None or self._clock() < self._next):
-            return
-        self._next = self._clock() + self._refresh_s
-        self._posted = post()
-        if self._posted is None:  # no client: the configured rates until one answers
-            self._worth = self.configured
-
-    def current(self) -> LoadWorth:
-        """The rates to judge an offer by: the last answer's, the one asked for taken
-        if its reply is in (never waited for)."""
-        posted = self._posted
-        if posted is not None and posted.ready():
-            self._posted = None
-            rates = posted.take()
-            if rates is None:  # the configured rates until the daemon answers again
-                self._worth = self.configured
-            else:
-                self.measured = rates
-                self._worth = self.configured.with_rates(rates)
-                self.refreshes += 1
-        elif posted is not None and self._clock() >= self._next:  # no answer in time
-            posted.drop()
-            self._posted = None
-            self._worth = self.configured
-        return self._worth
-
-    def __repr__(self) -> str:
-        return f"LoadRates({dict(self._worth.load_gbps)} GB/s, refreshes={self.refreshes})"
 
 
 # ========================================================================================
@@ -261,6 +205,12 @@ class SaveSender:
         self._pending: dict[str, int] = defaultdict(int)  # tag -> jobs not done
         self._finished: set[str] = set()                   # tags with every job done
         self._submitted = 0                    # jobs submitted: the next one's number
+        # held jobs the thread has not been woken for: it takes them at ``go`` or their
+        # deadline (it looks every hold while steps go on), never woken in the step that
+        # submits them (a wake cost that step ~20 us); when parked, a submit wakes it
+        self._deferred: list[_Queued] = []
+        self._parked = True
+        self._last_go = -PARK_S
         self._given_up: dict[str, int] = {}    # tag -> its jobs numbered below are given up
         self._stopped = False                  # the thread ended: every job is dropped
         self.stats: dict[str, int] = dict.fromkeys(
@@ -286,7 +236,11 @@ class SaveSender:
                 self._done(job.tag)
                 return False
             self._pending_bytes += size
-            self._queue.put(_Queued(self._submitted, job, held))
+            item = _Queued(self._submitted, job, held)
+            if held is not None and not self._parked:
+                self._deferred.append(item)
+            else:
+                self._queue.put(item)
             self._submitted += 1
         return True
 
@@ -295,6 +249,11 @@ class SaveSender:
         with self._stepped:
             self._steps += 1
             self._stepped.notify_all()
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+            self._last_go = time.monotonic()
+        for item in deferred:
+            self._queue.put(item)
 
     def pending(self, tag: str) -> int:
         with self._lock:
@@ -351,8 +310,8 @@ class SaveSender:
 
     def _run(self) -> None:
         try:
-            while (item := self._queue.get()) is not None:
-                number, job, held = item
+            while (queued := self._next()) is not None:
+                number, job, held = queued
                 if held is not None:
                     self._hold(held)
                 created, outcome = 0, "save_failures"
@@ -366,6 +325,23 @@ class SaveSender:
             logger.exception("kvstore: the background saves stopped; saves are dropped")
             self._stop()
             raise
+
+    def _next(self) -> _Queued | None:
+        """The next job queued, or deferred past its deadline (see ``_deferred``)."""
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                due = [q for q in self._deferred if q.held and q.held.deadline <= now]
+                self._deferred = [q for q in self._deferred if q not in due]
+                for item in due:
+                    self._queue.put(item)
+                wait = min([q.held.deadline - now for q in self._deferred if q.held]
+                           + [self._hold_s])
+                self._parked = not self._deferred and now - self._last_go > PARK_S
+            try:
+                return self._queue.get(timeout=None if self._parked else wait)
+            except queue.Empty:
+                continue
 
     def _hold(self, held: _Held) -> None:
         """Wait for the step after the job's (a ``go``), or for its deadline."""
@@ -390,6 +366,9 @@ class SaveSender:
         so that no engine waits for it), and so is every job submitted from now on."""
         with self._lock:
             self._stopped = True
+            for deferred in self._deferred:
+                self._queue.put(deferred)
+            self._deferred = []
             while True:
                 try:
                     item = self._queue.get_nowait()

@@ -90,17 +90,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.client import Namespace
-from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings
+from kvstore.integrations.daemon_link import (
+    REFRESH_RATES_S,
+    DaemonLink,
+    DaemonSettings,
+    LoadRates,
+)
 from kvstore.integrations.engine_side import (
     EnginePages,
     Loaded,
     store_missing,
 )
 from kvstore.integrations.pipeline import (
-    REFRESH_RATES_S,
     InPages,
     LoadItem,
-    LoadRates,
     LoadWorth,
     SaveJob,
     SaveSender,

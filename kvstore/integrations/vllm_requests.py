@@ -22,8 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvstore.client import LookupResult, Namespace
 from kvstore.errors import KVStoreError
 from kvstore.identity import Identity
-from kvstore.integrations.daemon_link import DaemonLink, post_rates
-from kvstore.integrations.pipeline import LoadRates, wait_all
+from kvstore.integrations.daemon_link import DaemonLink, LoadRates, post_rates
+from kvstore.integrations.pipeline import LoadWorth, wait_all
 from kvstore.integrations.vllm_chains import KnownChains
 from kvstore.integrations.vllm_identity import (
     AdapterRevisions,
@@ -170,7 +170,7 @@ class RequestBook:
     asks), the cached prefix offered, the loads and saves handed to the worker."""
 
     def __init__(self, link: DaemonLink, groups: Sequence[Group], tp_size: int,
-                 roles: BookRoles, rates: LoadRates, known: KnownChains,
+                 roles: BookRoles, rates: LoadRates[LoadWorth], known: KnownChains,
                  namespace: NamespaceOf, stats: dict[str, int]) -> None:
         self._link = link
         self._groups = list(groups)

@@ -22,7 +22,7 @@ from kvstore import AsyncClient, Client
 from kvstore.errors import KVStoreError
 from kvstore.protocol import ProbeReply
 from kvstore.integrations import pipeline
-from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings, post_rates
+from kvstore.integrations.daemon_link import DaemonLink, DaemonSettings, LoadRates, post_rates
 from kvstore.integrations.engine_side import (
     Loaded,
     Rows,
@@ -33,7 +33,6 @@ from kvstore.integrations.engine_side import (
 from kvstore.integrations.pipeline import (
     InPages,
     LoadItem,
-    LoadRates,
     LoadWorth,
     SaveJob,
     SaveSender,
@@ -175,6 +174,43 @@ def test_a_save_submitted_after_the_step_starts_at_go_or_once_held_long_enough(
         until(lambda: held.take_finished() == {"c"})  # no go: the hold ran out
         assert ns.get(keys) == [source_page(p) for p in range(4)]
         held.close()
+
+
+def test_a_save_held_for_the_next_step_wakes_no_thread_in_the_step_that_submits_it(
+        daemon: DaemonProcess) -> None:
+    """While steps go on, a save submitted ``after_step`` (in a first token's step)
+    wakes the saves thread at the next ``go``, not at its submit (the wake cost that
+    step's main thread ~20 us); with no next step it still starts by its deadline, and
+    a thread idle since the last step (parked) is woken at once, as before."""
+    source, source_page = make_pages("per_layer", seed=3)
+    with Client(daemon.endpoint, tenant="acme") as client:
+        ns = client.namespace(identity("per_layer"))
+        keys = ns.keys(range(TOKENS * 3))
+    sender = SaveSender(DaemonSettings(daemon.endpoint, "acme"), hold_s=0.3)
+    puts: list[object] = []
+    put = sender._queue.put
+    sender._queue.put = lambda item, *a, **k: (puts.append(item), put(item, *a, **k))
+    try:
+        assert sender.submit(job("a", "per_layer", keys[:1], InPages(source, [0])),
+                             after_step=True)
+        assert len(puts) == 1  # the thread was idle (parked): woken at once
+        sender.go()  # the next step
+        until(lambda: sender.take_finished() == {"a"} and not getattr(sender, "_parked", 0))
+        assert sender.submit(job("b", "per_layer", keys[1:2], InPages(source, [1]),
+                                 keys[0]), after_step=True)
+        assert len(puts) == 1  # no wake in the submitting step
+        sender.go()
+        assert len(puts) == 2
+        until(lambda: sender.take_finished() == {"b"})
+        assert sender.submit(job("c", "per_layer", keys[2:3], InPages(source, [2]),
+                                 keys[1]), after_step=True)
+        until(lambda: sender.take_finished() == {"c"})  # no go: its deadline
+        with Client(daemon.endpoint, tenant="acme") as client:
+            ns = client.namespace(identity("per_layer"))
+            assert ns.get(keys) == [source_page(p) for p in range(3)]
+    finally:
+        sender._queue.put = put  # type: ignore[method-assign]
+        sender.close()
 
 
 def test_each_held_save_has_its_own_deadline_and_go_lets_a_whole_step_go(
