@@ -126,6 +126,20 @@ def in_lanes(*lanes: Callable[[], None], workers: int = 2) -> None:
         done.result()
 
 
+def in_lanes_on(daemons: list[Any], *lanes: Callable[[], None], workers: int = 2) -> None:
+    """``in_lanes``, then stop ``daemons`` (the list as it is then: a lane may add a
+    restarted one), whatever the lanes did; none may have logged an invariant violation."""
+    try:
+        in_lanes(*lanes, workers=workers)
+    finally:
+        logs = []
+        for d in daemons:
+            d.stop()
+            logs.append(d.log())
+    for log in logs:
+        assert "invariant violated" not in log, log
+
+
 def last_json(stdout: str) -> Any:
     """The JSON object on the last non-empty line of ``stdout``."""
     lines = [line for line in stdout.splitlines() if line.strip()]

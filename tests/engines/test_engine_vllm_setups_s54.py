@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from engine_envs import HERE, in_lanes, last_json, run_in_env
+from engine_envs import HERE, in_lanes_on, last_json, run_in_env
 
 BLOCK = 32
 SHORT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73, 77, 81]
@@ -106,15 +106,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out["bf16"] = engine(tmp, "bf16", {"engine": {"dtype": "bfloat16"},
                                            "phases": twice, "connector": conn})
 
-    try:
-        in_lanes(plain, stored)
-    finally:
-        logs = []
-        for d in (daemon, small):
-            d.stop()
-            logs.append(d.log())
-    for log in logs:
-        assert "invariant violated" not in log, log
+    in_lanes_on([daemon, small], plain, stored)
     return out
 
 
