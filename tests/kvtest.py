@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -45,18 +46,20 @@ def arena_memory(pid: int) -> int:
 
 
 def tenants_daemon(daemon_factory: Callable[..., Any], tmp_path: Path, capacity: str,
-                   dram: str) -> tuple[Any, Callable[[str], str]]:
+                   dram: str = "", auth: str = "",
+                   **more: Any) -> tuple[Any, Callable[[str], str]]:
     """A daemon with credentials (a secret signing tenants' tokens; ``ops`` an operator,
-    who sees the whole daemon's figures), so each tenant has its own arena, and
-    ``dram`` (TOML lines of the ``[dram]`` section); with the token of a tenant."""
+    who sees the whole daemon's figures), so each tenant has its own arena; ``auth``
+    (TOML after the ``[auth]`` keys: grants) and ``dram`` (lines of the ``[dram]``
+    section); ``more``: the daemon's other settings.  With the token of a tenant."""
     from kvstore.auth import issue_token, read_secret, write_secret
 
     secret_file = tmp_path / "secret"
     write_secret(secret_file)
     config = tmp_path / "tenants.toml"
     config.write_text(f'[auth]\nsecret_file = "{secret_file}"\noperators = ["ops"]\n'
-                      f'[dram]\n{dram}')
-    d = daemon_factory(dram_capacity=capacity, extra=["--config", str(config)])
+                      f'{auth}[dram]\n{dram}')
+    d = daemon_factory(dram_capacity=capacity, extra=["--config", str(config)], **more)
     secret = read_secret(secret_file)
     return d, lambda tenant: issue_token(secret, tenant, 600.0)
 
@@ -88,3 +91,21 @@ def commits_waited(client: Client, commits: int = 1, at_most: float = 20.0) -> N
     while client.stats()["tiers"]["dram"].get("commits_waited", 0) < commits:
         assert time.monotonic() < deadline, client.stats()["tiers"]["dram"]
         time.sleep(0.02)
+
+
+def key_bytes(key: bytes, size: int) -> bytes:
+    """The bytes every writer of ``key`` writes in the mixed tests: derived from the key."""
+    return hashlib.blake2b(key, digest_size=32).digest() * (size // 32)
+
+
+def misread(ns: Any, keys: list[bytes]) -> list[bytes]:
+    """The keys of the cached prefix of ``keys`` whose bytes read back are not their
+    ``key_bytes`` (none where the prefix was evicted between the lookup and the get)."""
+    from kvstore.errors import NotFoundError
+
+    hits = ns.lookup(keys).blocks
+    try:
+        got = ns.get(keys[:hits]) if hits else []
+    except NotFoundError:
+        return []
+    return [k for k, b in zip(keys, got) if b != key_bytes(k, ns.block_bytes)]

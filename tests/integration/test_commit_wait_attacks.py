@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,11 +13,10 @@ from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from kvtest import make_identity, settled, written
+from kvtest import make_identity, settled, tenants_daemon, written
 
 from kvstore import protocol as p
 from kvstore.aclient import AsyncClient
-from kvstore.auth import issue_token, read_secret
 from kvstore.client import Client
 from kvstore.client_core import PlanItem
 from kvstore.client_wire import check_reply
@@ -267,16 +264,11 @@ def test_a_namespace_owner_holding_a_reservation_open_stalls_a_grantee_once(
     reservations.  An owner session holding one open, renewing its lease, made every
     commit of the grantee's saving that prefix wait out the bound and drop its blocks.
     Now the grantee's commit waits out the bound once; its next reserve takes a slot."""
-    secret = tmp_path / "secret"
-    subprocess.run([sys.executable, "-m", "kvstore", "keygen", "--secret", str(secret)],
-                   check=True, capture_output=True, timeout=60)
-    config = tmp_path / "grants.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret}"\noperators = ["ops"]\n'
-                      '[auth.shared_writers]\npublic = ["acme"]\n')
-    d = daemon_factory(dram_capacity="16MiB", lease=4.0, extra=["--config", str(config)])
+    d, token = tenants_daemon(daemon_factory, tmp_path, "16MiB",
+                              auth='[auth.shared_writers]\npublic = ["acme"]\n', lease=4.0)
 
     def connect(tenant: str) -> Client:
-        return Client(d.endpoint, token=issue_token(read_secret(secret), tenant, 3600.0))
+        return Client(d.endpoint, token=token(tenant))
 
     public = make_identity(tenant="public", model="commit-wait-attacks", num_kv_heads=8,
                            head_dim=128)

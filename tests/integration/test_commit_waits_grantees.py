@@ -9,15 +9,12 @@ without ``skip_pending``; a grantee still awaits the owner's.  A real daemon pro
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from kvtest import make_identity
+from kvtest import make_identity, tenants_daemon
 
 from kvstore import Client
-from kvstore.auth import issue_token, read_secret
 
 PUBLIC = make_identity(tenant="public", model="grantee-waits", num_kv_heads=8,
                        head_dim=128)
@@ -25,16 +22,11 @@ PUBLIC = make_identity(tenant="public", model="grantee-waits", num_kv_heads=8,
 
 def test_a_writer_grantees_open_reservation_makes_no_owner_commit_wait(
         daemon_factory: Any, tmp_path: Path) -> None:
-    secret = tmp_path / "secret"
-    subprocess.run([sys.executable, "-m", "kvstore", "keygen", "--secret", str(secret)],
-                   check=True, capture_output=True, timeout=60)
-    config = tmp_path / "grants.toml"
-    config.write_text(f'[auth]\nsecret_file = "{secret}"\noperators = ["ops"]\n'
-                      '[auth.shared_writers]\npublic = ["acme"]\n')
-    d = daemon_factory(dram_capacity="16MiB", extra=["--config", str(config)])
+    d, token = tenants_daemon(daemon_factory, tmp_path, "16MiB",
+                              auth='[auth.shared_writers]\npublic = ["acme"]\n')
 
     def connect(tenant: str) -> Client:
-        return Client(d.endpoint, token=issue_token(read_secret(secret), tenant, 3600.0))
+        return Client(d.endpoint, token=token(tenant))
 
     with connect("public") as owner, connect("acme") as grantee, connect("ops") as ops:
         mine, theirs = owner.namespace(PUBLIC), grantee.namespace(PUBLIC)

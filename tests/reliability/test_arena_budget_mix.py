@@ -9,7 +9,6 @@ the tenants are done nothing is left reserved or pinned."""
 
 from __future__ import annotations
 
-import hashlib
 import random
 import threading
 import time
@@ -19,18 +18,14 @@ from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from kvtest import arena_memory, make_identity, settled, tenants_daemon
+from kvtest import arena_memory, key_bytes, make_identity, misread, settled, tenants_daemon
 
 from kvstore.client import Client
-from kvstore.errors import KVStoreError, LimitExceededError, NotFoundError
+from kvstore.errors import KVStoreError, LimitExceededError
 
 CAPACITY = 16 << 20
 TENANTS = ("a", "b", "c", "d")
 STEPS = 150
-
-
-def content(key: bytes, size: int) -> bytes:
-    return hashlib.blake2b(key, digest_size=32).digest() * (size // 32)
 
 
 def tenant_run(endpoint: str, token: str, tenant: str, seed: int, late: float,
@@ -53,20 +48,15 @@ def tenant_run(endpoint: str, token: str, tenant: str, seed: int, late: float,
             op = rng.random()
             try:
                 if op < 0.5:
-                    ns.put(keys, [content(k, size) for k in keys])
+                    ns.put(keys, [key_bytes(k, size) for k in keys])
                 elif op < 0.6:
                     with ns.reserve(keys) as r:  # left: aborted
                         for buf, key in zip(r.buffers, keys):
-                            buf[:] = content(key, size)
+                            buf[:] = key_bytes(key, size)
                 elif op < 0.7:
                     ns.evict(keys[-3:])
                 else:
-                    hits = ns.lookup(keys).blocks
-                    try:
-                        got = ns.get(keys[:hits]) if hits else []
-                    except NotFoundError:
-                        continue  # evicted between the lookup and the get
-                    wrong += [k for k, b in zip(keys, got) if b != content(k, size)]
+                    wrong += misread(ns, keys)
             except LimitExceededError:
                 refused += 1  # (no room at that moment: refused whole, nothing written)
     out[tenant] = (wrong, refused)

@@ -10,17 +10,16 @@ nothing is left reserved or pinned."""
 
 from __future__ import annotations
 
-import hashlib
 import random
 import threading
 import time
 from typing import Any
 
 import pytest
-from kvtest import make_identity, settled
+from kvtest import key_bytes, make_identity, misread, settled
 
 from kvstore import Client
-from kvstore.errors import KVStoreError, NotFoundError
+from kvstore.errors import KVStoreError
 
 # 16 KiB blocks: a 2 MiB arena holds 128
 IDENTITY = make_identity(model="commit-waits-mix", num_kv_heads=4, head_dim=64)
@@ -28,11 +27,6 @@ CAPACITY = "2MiB"
 WRITERS, ROUNDS = 3, 12
 TRUNKS, BRANCHES = 2, 3
 BT = IDENTITY.block_tokens
-
-
-def content(key: bytes, size: int) -> bytes:
-    """The bytes every writer writes for ``key``."""
-    return hashlib.blake2b(key, digest_size=32).digest() * (size // 32)
 
 
 def chain_tokens(rng: random.Random, round_: int) -> list[int]:
@@ -65,7 +59,7 @@ def writer(endpoint: str, seed: int, barrier: threading.Barrier,
                 keys = ns.keys(chain_tokens(rng, round_))
                 r = ns.reserve(keys)
                 for buf, key in zip(r.buffers, keys):  # (scratch where offset is -1)
-                    buf[:] = content(key, size)
+                    buf[:] = key_bytes(key, size)
                 open_.append(r)
             barrier.wait(timeout=60)
             rng.shuffle(open_)
@@ -79,13 +73,7 @@ def writer(endpoint: str, seed: int, barrier: threading.Barrier,
             if rng.random() < 0.3:  # pressure: an earlier round's tail goes
                 ns.evict(ns.keys(chain_tokens(rng, rng.randrange(round_ + 1)))[-2:])
             for _ in range(3):
-                keys = ns.keys(chain_tokens(rng, rng.randrange(round_ + 1)))
-                hits = ns.lookup(keys).blocks
-                try:
-                    got = ns.get(keys[:hits]) if hits else []
-                except NotFoundError:
-                    continue  # evicted between the lookup and the get
-                wrong += [k for k, b in zip(keys, got) if b != content(k, size)]
+                wrong += misread(ns, ns.keys(chain_tokens(rng, rng.randrange(round_ + 1))))
     out[f"waits{seed}"] = waits
     out[f"wrong{seed}"] = wrong
 
@@ -122,7 +110,7 @@ def test_overlapping_writers_store_right_bytes_and_never_wait_out_the_bound(
             keys = ns.keys(chain_tokens(rng, rng.randrange(ROUNDS)))
             hits = ns.lookup(keys).blocks
             got = ns.get(keys[:hits]) if hits else []
-            assert [b == content(k, ns.block_bytes) for k, b in zip(keys, got)] == \
+            assert [b == key_bytes(k, ns.block_bytes) for k, b in zip(keys, got)] == \
                 [True] * len(got)
     waits = [w for i in range(WRITERS) for w in out[f"waits{seed * 10 + i}"]]
     assert all(not out[f"wrong{seed * 10 + i}"] for i in range(WRITERS))
