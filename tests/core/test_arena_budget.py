@@ -12,7 +12,7 @@ import hashlib
 import pytest
 from kvtest import make_identity
 
-from kvstore.arena_budget import budget_slab_bytes
+from kvstore.arena_budget import ArenaBudget, budget_slab_bytes
 from kvstore.errors import CapacityError
 from kvstore.keys import chain_keys
 from kvstore.plans import Plan
@@ -218,11 +218,11 @@ def test_a_shared_arena_has_no_budget() -> None:
     assert store.dram_budget is None and a.dram is b.dram and a.dram.pool.budget is None
 
 
-def test_with_more_arenas_than_slabs_one_holding_none_takes_only_an_idle_ones() -> None:
-    """A tenant holding none took a slab from another at each request, so with more
-    tenants writing than slabs the slabs bounced between arenas every request: it takes
-    only the slab of an arena that wrote nothing for ``min_hold``, else is refused."""
-    store = BlockStore(SLAB, SLAB, per_tenant=True)  # a budget of one slab
+def one_slab_budget() -> tuple[BlockStore, ArenaBudget, list[float], Namespace, Namespace,
+                              Arenas]:
+    """A store of per-tenant arenas under a budget of one slab, on a clock the test moves
+    (``now[0]``), tenants A's and B's namespaces open, and the arenas holding bytes."""
+    store = BlockStore(SLAB, SLAB, per_tenant=True)
     budget = store.dram_budget
     assert budget is not None
     now = [0.0]
@@ -231,6 +231,14 @@ def test_with_more_arenas_than_slabs_one_holding_none_takes_only_an_idle_ones() 
     arenas = Arenas.__new__(Arenas)
     arenas.store, arenas.bytes, arenas.peak = store, {}, 0
     store.move_bytes = arenas._move
+    return store, budget, now, a, b, arenas
+
+
+def test_with_more_arenas_than_slabs_one_holding_none_takes_only_an_idle_ones() -> None:
+    """A tenant holding none took a slab from another at each request, so with more
+    tenants writing than slabs the slabs bounced between arenas every request: it takes
+    only the slab of an arena that wrote nothing for ``min_hold``, else is refused."""
+    store, budget, now, a, b, arenas = one_slab_budget()
     a_keys = arenas.put(a, 0, 4)
     now[0] += budget.min_hold / 2  # a wrote lately: b's share (half a slab) waits
     with pytest.raises(CapacityError, match="raise dram.capacity or lower dram.slab_size"):
@@ -366,15 +374,7 @@ def test_an_arena_whose_blocks_are_read_is_not_idle() -> None:
     """With more arenas than slabs, an arena holding none takes the last slab only of
     an idle one; a tenant that only read its blocks (hits, no writes) counted as idle,
     and a writer evicted its whole cache while it read it: reads count as use."""
-    store = BlockStore(SLAB, SLAB, per_tenant=True)  # a budget of one slab
-    budget = store.dram_budget
-    assert budget is not None
-    now = [0.0]
-    budget.clock = lambda: now[0]
-    a, b = store.open_namespace(A), store.open_namespace(B)
-    arenas = Arenas.__new__(Arenas)
-    arenas.store, arenas.bytes, arenas.peak = store, {}, 0
-    store.move_bytes = arenas._move
+    store, budget, now, a, b, arenas = one_slab_budget()
     a_keys = arenas.put(a, 0, 4)
     for _ in range(3):  # a reads its blocks, writing nothing; b asks meanwhile
         now[0] += budget.min_hold * 0.6
