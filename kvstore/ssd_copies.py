@@ -153,6 +153,10 @@ class SsdCopies:
                 if victim is None:
                     if offsets:
                         self._free_offsets(placed, offsets)
+                    # the copies evicted before the room ran out are gone all the same:
+                    # withdrawn with the store's other drops, or a restart would bring
+                    # back their records, stale (over slots written since), and orphans
+                    self.store.dropped_ssd += removed
                     raise CapacityError(
                         f"the ssd tier has no room for {len(group)} blocks of "
                         f"{cls.slot_bytes} bytes")
