@@ -1,14 +1,30 @@
-"""Start a real kvstore daemon process for tests, and stop it."""
+"""Start a real kvstore daemon process for tests, and stop it.
+
+A start is mostly imports (0.36 of 0.45 s here, two thirds of them numpy, ZeroMQ,
+prometheus_client and the standard library's), and the suite starts daemons by the
+thousand: so a daemon is forked from a server that imported those once a session
+(``engines/fork_server.py``, as the engine runs are; none of kvstore's own modules, so
+its variables are read in the daemon as before), where its environment allows, and
+started afresh otherwise.  ``KVSTORE_TEST_FORK_SERVER=0`` starts every one afresh.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
+
+try:
+    from engines.fork_server import ForkServer, why_afresh
+except ModuleNotFoundError:  # (imported from tests/engines/, where it is a sibling)
+    from fork_server import ForkServer, why_afresh  # type: ignore[no-redef]
 
 
 _GIVEN: set[int] = set()
@@ -58,8 +74,7 @@ class DaemonProcess:
         env.pop("KVSTORE_ENDPOINT", None)
         env.update(self.extra_env)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._log,
-                                     env=env)
+        self.proc = _start(self.args, env, self._log)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -105,3 +120,51 @@ def error_records(log: str) -> list[str]:
     records.append(current)
     return [r for r in records if " ERROR " in r or " CRITICAL " in r or "Traceback" in r
             or "invariant violated" in r]
+
+
+_server: list[ForkServer | None] = []  # the session's daemon fork server, once started
+_server_lock = threading.Lock()
+
+
+def _start(args: list[str], env: dict[str, str], log: Any) -> Any:
+    """``args`` (``python -m kvstore serve ...``) with stdout a pipe and stderr ``log``:
+    forked from the session's server where ``env`` allows, else a ``subprocess.Popen``."""
+    server = _fork_server()
+    why = why_afresh(args[1:], env, server.env) if server is not None else "off"
+    if server is None or why:
+        if server is not None:
+            server.afresh[why] = server.afresh.get(why, 0) + 1
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, env=env)
+    read, write = os.pipe()
+    try:
+        proc = server.spawn(args[1:], env, None, write, log.fileno())
+    except BaseException:
+        os.close(read)
+        raise
+    finally:
+        os.close(write)  # (the daemon's copy is its stdout: the pipe ends with it)
+    proc.stdout = os.fdopen(read, "rb")
+    return proc
+
+
+def _fork_server() -> ForkServer | None:
+    if os.environ.get("KVSTORE_TEST_FORK_SERVER", "1") == "0":
+        return None
+    with _server_lock:  # (tests start daemons from threads too)
+        if not _server:
+            env = dict(os.environ)
+            env.pop("KVSTORE_ENDPOINT", None)
+            try:
+                _server.append(ForkServer("kvstore-daemon", Path(sys.executable), env))
+            except RuntimeError as exc:
+                print(f"{exc}\n(daemons start afresh)", file=sys.stderr)
+                _server.append(None)
+            atexit.register(_close_server)
+        return _server[0]
+
+
+def _close_server() -> None:
+    server = _server[0] if _server else None
+    if server is not None:
+        print(server.summary(), file=sys.stderr)
+        server.close()
