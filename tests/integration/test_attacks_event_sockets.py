@@ -10,6 +10,7 @@ replay's turns are counted on a publisher driven by a loop of the test's own.
 from __future__ import annotations
 
 import asyncio
+import select
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,9 @@ import zmq
 from daemon_proc import DaemonProcess, free_port
 from kvtest import make_identity
 
-from kvstore import Client
+from kvstore import Client, events
 from kvstore.config import EventsConfig
-from kvstore.events import END_SEQ, EventPublisher
+from kvstore.events import _REPLAY_BATCHES_A_TURN, END_SEQ, EventPublisher
 from kvstore.store import BlockStore
 
 IDENT = make_identity(tenant="acme")
@@ -122,12 +123,28 @@ def test_a_subscription_to_another_topic_makes_no_one_a_listener(
         ctx.term()
 
 
+def batches_sent(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A count of the batches the replay sends, counted as it sends them (in ``[0]``):
+    what a loop turn sent, where the peers' reads would count what ZeroMQ's I/O threads
+    had carried by then (several turns' worth on a loaded machine)."""
+    sent = [0]
+    answer_of = events._answer
+
+    def counted(*args: Any) -> Any:
+        answer = answer_of(*args)
+        sent[0] += answer[0]
+        return answer
+
+    monkeypatch.setattr(events, "_answer", counted)
+    return sent
+
+
 def test_replay_answers_go_out_a_slice_a_loop_turn_whole_and_in_order(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Peers asking from the ring's first batch were answered whole, 16 requests a
     # call: with a ring of 1500 batches four peers held every client's reply up to
     # 170 ms; with 10000 and 16 peers, seconds.
-    ring = 3000
+    ring, sent = 3000, batches_sent(monkeypatch)
     config = EventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock",
                           replay_endpoint=f"ipc://{tmp_path}/replay.sock")
     pub = EventPublisher(config, BlockStore(1 << 20, 1 << 20))
@@ -147,24 +164,68 @@ def test_replay_answers_go_out_a_slice_a_loop_turn_whole_and_in_order(
         most = 0
         while sum(len(g) for g in got) < len(peers) * (ring + 4):
             assert time.monotonic() < deadline, [len(g) for g in got]
+            sent[0] = 0
             loop.call_soon(loop.stop)
             loop.run_forever()  # one turn of the loop
+            most = max(most, sent[0])
             time.sleep(0.005)  # (ZeroMQ's I/O threads carry what the turn sent)
-            sent = 0
             for peer, seqs in zip(peers, got):
                 while peer.poll(0):
                     _, seq, payload = peer.recv_multipart()
                     seqs.append(int.from_bytes(seq, "big", signed=True))
                     assert seq == END_SEQ or payload == b"batch %d" % seqs[-1]
-                    sent += 1
-            most = max(most, sent)
         whole = [*range(ring), -1, ring - 2, ring - 1, -1]
         assert got == [whole] * len(peers)  # each its two answers, one after the other
-        assert most <= 2000, f"{most} batches in one loop turn"
+        assert most == _REPLAY_BATCHES_A_TURN, f"{most} batches in one loop turn"
         assert pub.replays == 2 * len(peers) and pub.cut_replays == 0
     finally:
         for peer in peers:
             peer.close(linger=0)
+        ctx.term()
+        pub.close()
+        loop.close()
+
+
+def test_a_request_read_while_an_answer_goes_out_adds_no_slice_to_a_turn(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The replay socket's reader served replays too, and each serving set the next turn's:
+    # a request arriving while an answer was under way (the socket woke the loop) added a
+    # serving to every later turn, until the answers ran out: with peers asking again
+    # while the ring went out, a turn sent 4096 batches, not 256.
+    ring, sent = 3000, batches_sent(monkeypatch)
+    config = EventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock",
+                          replay_endpoint=f"ipc://{tmp_path}/replay.sock")
+    pub = EventPublisher(config, BlockStore(1 << 20, 1 << 20))
+    loop = asyncio.new_event_loop()
+    pub.open(loop)
+    ctx = zmq.Context()
+    reader, asker = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for seq in range(ring):
+            pub.send(b"batch %d" % seq, 1, listened=False)
+        reader.connect(config.replay_endpoint)
+        asker.connect(config.replay_endpoint)
+        reader.send_multipart([b"", (0).to_bytes(8, "big")])
+        deadline = time.monotonic() + 10
+        while not events._readable(pub._replay):  # type: ignore[arg-type]
+            assert time.monotonic() < deadline, "the request never arrived"
+            time.sleep(0.001)
+        turns, asked = [], 0
+        while not turns or turns[-1]:
+            assert len(turns) < 100, turns
+            if turns and asked < 6:  # another request: the socket wakes the loop with it
+                asker.send_multipart([b"", (ring - 1).to_bytes(8, "big")])
+                assert select.select([pub._fds[-1]], [], [], 10)[0], "it never arrived"
+                asked += 1
+            sent[0] = 0
+            loop.call_soon(loop.stop)
+            loop.run_forever()  # one turn of the loop
+            turns.append(sent[0])
+        assert max(turns) == _REPLAY_BATCHES_A_TURN, turns
+        assert sum(turns) == ring + asked, turns  # the ring, then a batch a request
+    finally:
+        for sock in (reader, asker):
+            sock.close(linger=0)
         ctx.term()
         pub.close()
         loop.close()
