@@ -77,6 +77,7 @@ class AsyncClient(SessionCore):
         self._waiting: dict[int, asyncio.Future[Received]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = -1  # the socket's descriptor, watched by the loop while connected
+        self._drain_set = False  # a drain is set for the loop's next turn
         self._settled: asyncio.Event | None = None  # set once no posted reply is unread
         self._routers: dict[tuple[str, ...], tuple[Router, asyncio.Lock]] = {}  # of route()
         self._letting_go: set[asyncio.Task[None]] = set()  # routers closing once free
@@ -99,7 +100,7 @@ class AsyncClient(SessionCore):
             self._watched = watch  # its refusal monitor is open until _greet closes it
             self._loop = loop
             self._fd = self._sock.getsockopt(zmq.FD)
-            loop.add_reader(self._fd, self._drain)
+            loop.add_reader(self._fd, self._readable)
             received = await self._greet(loop)
             await loop.run_in_executor(None, self._on_hello, received)
         except BaseException:
@@ -139,6 +140,24 @@ class AsyncClient(SessionCore):
             stop_watching(sock)
             self._watched = False
 
+    def _readable(self) -> None:
+        # The descriptor's reader: a drain set for the next turn reads what woke it.  Run
+        # here too (and set by each send that saw replies waiting), every wake in a flood
+        # of replies added a drain to each later turn, and a turn handed over 256 replies
+        # for each of them.
+        if not self._drain_set:
+            self._drain()
+
+    def _drain_soon(self) -> None:
+        """Drain in the loop's next turn, once however often asked before it runs."""
+        if not self._drain_set and self._loop is not None:
+            self._drain_set = True
+            self._loop.call_soon(self._drain_turn)
+
+    def _drain_turn(self) -> None:
+        self._drain_set = False
+        self._drain()
+
     def _drain(self) -> None:
         """Hand every reply that has come to its waiter.  ZeroMQ's descriptor is
         edge-triggered: read until none is left, or ``_DRAIN_REPLIES`` of them and the
@@ -153,8 +172,7 @@ class AsyncClient(SessionCore):
             except zmq.Again:
                 return
             self._deliver(frames)
-        if self._loop is not None:
-            self._loop.call_soon(self._drain)  # more may wait: the edge is taken
+        self._drain_soon()  # more may wait: the edge is taken
 
     def _deliver(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -206,8 +224,8 @@ class AsyncClient(SessionCore):
                 await asyncio.sleep(0.001)
                 if self._sock is None:
                     raise KVStoreError("the client was closed") from None
-        if sock.getsockopt(_EVENTS) & _POLLIN and self._loop is not None:
-            self._loop.call_soon(self._drain)
+        if sock.getsockopt(_EVENTS) & _POLLIN:
+            self._drain_soon()
 
     def _expire(self, future: asyncio.Future[Received]) -> None:
         if not future.done():
@@ -253,8 +271,8 @@ class AsyncClient(SessionCore):
         except zmq.Again:  # no connection to queue on: the daemon's lease takes them back
             log.warning("could not give %d request(s) back to the daemon: no connection",
                         len(headers))
-        if sock.getsockopt(_EVENTS) & _POLLIN and self._loop is not None:
-            self._loop.call_soon(self._drain)
+        if sock.getsockopt(_EVENTS) & _POLLIN:
+            self._drain_soon()
 
     async def _run(self, exchange: Exchange[T]) -> T:
         """Carry out a verb of several requests, one after the other."""

@@ -340,7 +340,7 @@ def test_a_reply_read_after_its_caller_gave_up_but_before_it_woke_goes_back(
             assert c._sock.poll(10_000, zmq.POLLIN)  # its reply has come
             task.cancel()  # in one batch: a callback cancels the caller ...
             c._drain()     # ... and the reader's callback reads the reply
-            loop.add_reader(c._fd, c._drain)
+            loop.add_reader(c._fd, c._readable)
             with pytest.raises(asyncio.CancelledError):
                 await task
             await c.stats()  # the give-back's reply is in

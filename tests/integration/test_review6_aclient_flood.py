@@ -1,7 +1,8 @@
 """The async client's reader hands over a bounded number of replies a loop turn: it read
 while any reply was there, so an endpoint sending replies to nothing faster than they
 decode held the engine's event loop in one callback for as long as it kept sending.
-The endpoint is a ROUTER socket of the test's own: it answers a hello as a daemon
+Nor does a request sent meanwhile: each that saw replies waiting set a drain of its own
+for every later turn, 256 replies each.  The endpoint is a ROUTER socket of the test's own: it answers a hello as a daemon
 would, then sends a few thousand replies to no request (slow to decode)."""
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from kvstore import protocol as p
 JUNK = 3000
 
 
-def test_a_flood_of_replies_to_nothing_leaves_the_loop_turning() -> None:
+def replies_read_by_turn(asks: int) -> list[int]:
+    """The replies the client had read at each turn of its loop while a flood of replies
+    to nothing came, its caller sending ``asks`` requests (one a turn) as it began."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.SNDHWM, 0)  # (as the daemon's: none dropped)
@@ -38,6 +41,7 @@ def test_a_flood_of_replies_to_nothing_leaves_the_loop_turning() -> None:
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     read_by_turn: list[int] = []
+    sent: list[asyncio.Future[Any]] = []
 
     async def main() -> None:
         client = AsyncClient(f"tcp://127.0.0.1:{port}", tenant="acme", map_arena=False,
@@ -56,8 +60,12 @@ def test_a_flood_of_replies_to_nothing_leaves_the_loop_turning() -> None:
         try:
             while read < JUNK:
                 read_by_turn.append(read)
+                if read and len(sent) < asks:  # replies wait: the send sees them
+                    sent.append(asyncio.ensure_future(client.stats()))
                 await asyncio.sleep(0)
         finally:
+            for ask in sent:
+                ask.cancel()
             await client.close()
 
     try:
@@ -66,5 +74,16 @@ def test_a_flood_of_replies_to_nothing_leaves_the_loop_turning() -> None:
         thread.join()
         sock.close(linger=0)
         ctx.term()
+    return read_by_turn
+
+
+def test_a_flood_of_replies_to_nothing_leaves_the_loop_turning() -> None:
+    read_by_turn = replies_read_by_turn(0)
+    steps = [b - a for a, b in zip(read_by_turn, read_by_turn[1:])]
+    assert max(steps) <= 256, max(steps)
+
+
+def test_requests_sent_in_a_flood_of_replies_add_no_drain_to_a_turn() -> None:
+    read_by_turn = replies_read_by_turn(8)
     steps = [b - a for a, b in zip(read_by_turn, read_by_turn[1:])]
     assert max(steps) <= 256, max(steps)
