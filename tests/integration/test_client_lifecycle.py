@@ -66,9 +66,10 @@ def test_a_client_used_while_its_daemon_was_down_is_told_at_once(
     """Requests sent while the daemon was down reach the new one all at once: it answers
     a few with "no session", then drops the rest unread, the next call's among them."""
     d = daemon_factory()
-    with Client(d.endpoint, tenant="acme", timeout=0.3) as c:
+    with Client(d.endpoint, tenant="acme") as c:
         ns = c.namespace(IDENT)
         keys = ns.keys(range(4 * IDENT.block_tokens))
+        c.timeout = 0.3  # (for the calls to the killed daemon: not the hello under load)
         d.stop(signal.SIGKILL)
         for _ in range(12):
             with pytest.raises(KVStoreError):  # (no reply: UnavailableError)
