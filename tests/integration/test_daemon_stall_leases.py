@@ -22,13 +22,14 @@ IDENT = make_identity()
 
 def test_leases_kept_alive_while_the_daemon_was_stopped_survive(daemon_factory: Any) -> None:
     d = daemon_factory(lease=2.0)
-    with Client(d.endpoint, tenant="acme", timeout=0.5) as c:
-        ns = c.namespace(IDENT)
+    with Client(d.endpoint, tenant="acme") as c:  # (0.5 s from the stop on: a loaded
+        ns = c.namespace(IDENT)                    # machine's hello may take longer)
         keys = ns.keys(range(4 * IDENT.block_tokens))
         ns.put(keys[:2], [b"\x01" * IDENT.block_bytes] * 2)
         held = ns.acquire(keys[:2])
         r = ns.reserve(keys[2:])
         assert d.proc is not None
+        c.timeout = 0.5
         d.proc.send_signal(signal.SIGSTOP)
         try:
             for _ in range(10):  # 5 s, the lease 2: pings that queue unread

@@ -98,8 +98,9 @@ def test_a_daemon_that_went_quiet_gets_no_such_hint(daemon_factory: Any) -> None
     """The hint is for a daemon never heard from: one that answered and then stopped
     is named as before."""
     d = daemon_factory()
-    client = Client(d.endpoint, tenant="acme", timeout=0.5)
+    client = Client(d.endpoint, tenant="acme")  # (its hello with the usual timeout)
     try:
+        client.timeout = 0.5
         d.proc.send_signal(signal.SIGSTOP)
         try:
             with pytest.raises(UnavailableError) as caught:
