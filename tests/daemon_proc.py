@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -122,6 +123,27 @@ def error_records(log: str) -> list[str]:
             or "invariant violated" in r]
 
 
+def _process_state() -> tuple[Any, ...]:
+    """What a forked daemon takes from its server, not from the test that starts it, and
+    a started one from the test: the umask, the resource limits, the nice value, the CPU
+    affinity, the blocked signals (tests set a umask or a low open-files limit around a
+    start, and check what the daemon makes of it)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    limits = tuple(resource.getrlimit(getattr(resource, name)) for name in _LIMITS
+                   if hasattr(resource, name))
+    return (umask, limits, os.getpriority(os.PRIO_PROCESS, 0), os.sched_getaffinity(0),
+            signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+_LIMITS = ("RLIMIT_NOFILE", "RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_DATA", "RLIMIT_STACK",
+           "RLIMIT_CORE", "RLIMIT_MEMLOCK", "RLIMIT_NPROC", "RLIMIT_CPU")
+# The session's as it began (this module is imported as tests are collected): the
+# server is started only under them, and a daemon is forked only under them too, so
+# that a test that changed one (or an environment variable other than KVSTORE_*) for
+# its own daemon neither fixes it for the session's nor is forked without it.
+_BASELINE = (_process_state(), {k: v for k, v in os.environ.items()
+                                 if k != "KVSTORE_ENDPOINT"})
 _server: list[ForkServer | None] = []  # the session's daemon fork server, once started
 _server_lock = threading.Lock()
 
@@ -129,8 +151,12 @@ _server_lock = threading.Lock()
 def _start(args: list[str], env: dict[str, str], log: Any) -> Any:
     """``args`` (``python -m kvstore serve ...``) with stdout a pipe and stderr ``log``:
     forked from the session's server where ``env`` allows, else a ``subprocess.Popen``."""
-    server = _fork_server()
-    why = why_afresh(args[1:], env, server.env) if server is not None else "off"
+    baseline = _process_state() == _BASELINE[0]
+    # (the server starts under the session's baseline only: see ``_BASELINE``)
+    server = _fork_server() if baseline else (_server[0] if _server else None)
+    why = ("off" if server is None else
+           "umask, resource limits or scheduling differ" if not baseline else
+           why_afresh(args[1:], env, server.env))
     if server is None or why:
         if server is not None:
             server.afresh[why] = server.afresh.get(why, 0) + 1
@@ -138,6 +164,13 @@ def _start(args: list[str], env: dict[str, str], log: Any) -> Any:
     read, write = os.pipe()
     try:
         proc = server.spawn(args[1:], env, None, write, log.fileno())
+    except (OSError, RuntimeError) as exc:  # the server died: the rest start afresh
+        os.close(read)
+        print(f"the daemon fork server failed ({exc!r}): daemons start afresh",
+              file=sys.stderr)
+        with _server_lock:
+            _server[:] = [None]
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, env=env)
     except BaseException:
         os.close(read)
         raise
@@ -152,19 +185,19 @@ def _fork_server() -> ForkServer | None:
         return None
     with _server_lock:  # (tests start daemons from threads too)
         if not _server:
-            env = dict(os.environ)
-            env.pop("KVSTORE_ENDPOINT", None)
             try:
-                _server.append(ForkServer("kvstore-daemon", Path(sys.executable), env))
-            except RuntimeError as exc:
+                _server.append(ForkServer("kvstore-daemon", Path(sys.executable),
+                                          dict(_BASELINE[1])))
+            except Exception as exc:  # (any failure: not tried again each start)
                 print(f"{exc}\n(daemons start afresh)", file=sys.stderr)
                 _server.append(None)
-            atexit.register(_close_server)
+            else:
+                atexit.register(_close_server, os.getpid())
         return _server[0]
 
 
-def _close_server() -> None:
+def _close_server(creator: int) -> None:
     server = _server[0] if _server else None
-    if server is not None:
+    if server is not None and os.getpid() == creator:  # (not in a forked child's exit)
         print(server.summary(), file=sys.stderr)
         server.close()

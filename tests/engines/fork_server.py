@@ -43,6 +43,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -72,6 +73,7 @@ PRELOAD = {
 # (pytest names the running test in one).
 READ_AT_USE_PREFIXES = ("KVSTORE_", "PYTEST_CURRENT_TEST")
 START_TIMEOUT_S = 600.0
+_GRACE_S = 5.0  # a run whose caller went: from SIGTERM to SIGKILL
 
 
 def why_afresh(args: list[str], env: dict[str, str], server_env: dict[str, str]) -> str:
@@ -98,8 +100,8 @@ class ForkServer:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                 start_new_session=True)
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
-        line = self.proc.stdout.readline() if ready else b""
+        line = self.proc.stdout.readline() if _readable(self.proc.stdout.fileno(),
+                                                        START_TIMEOUT_S) else b""
         if not line.startswith(b"{"):
             self.close()
             raise RuntimeError(f"the {name} fork server did not start: "
@@ -168,6 +170,10 @@ class ForkServer:
         self.forked += 1
         return Forked([str(self.python), *args], int(answer["pid"]), lines)
 
+    def alive(self) -> bool:
+        """Whether the server still runs (one that died serves no more runs)."""
+        return self.proc.poll() is None
+
     def _answer(self, reader: Any) -> dict[str, Any]:
         line = reader.readline()
         if not line:
@@ -205,8 +211,7 @@ class _Lines:
         """The next line's object; None if the peer closed first; TimeoutError if none
         came within ``timeout`` (None: no limit, 0: only one already there)."""
         while b"\n" not in self.buffer:
-            ready, _, _ = select.select([self.conn], [], [], timeout)
-            if not ready:
+            if not _readable(self.conn.fileno(), timeout):
                 raise TimeoutError
             chunk = self.conn.recv(65536)
             if not chunk:
@@ -219,14 +224,23 @@ class _Lines:
 
 class Forked:
     """A run ``ForkServer.spawn`` started, as a ``subprocess.Popen`` is used: ``pid``,
-    ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``, ``returncode``; its
-    ``stdout`` and ``stdin`` are the caller's to set (the descriptors are its own)."""
+    ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``, ``returncode``, from
+    any thread; its ``stdout`` and ``stdin`` are the caller's to set (the descriptors
+    are its own).  Signals go through a pidfd: the run's manager reaps it at once (no
+    zombie keeps its pid, which may be another process's by the time a signal goes),
+    and a manager that died leaves its run killed, not running unseen."""
 
     def __init__(self, args: list[str], pid: int, lines: _Lines) -> None:
         self.args, self.pid, self._lines = args, pid, lines
         self.returncode: int | None = None
         self.stdout: Any = None
         self.stdin: Any = None
+        self._reading = threading.Lock()  # one reader of the manager's answer at a time
+        self._pidfd_lock = threading.Lock()  # signals beside the pidfd's close
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:  # ended already: its manager says how
+            self._pidfd = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -246,16 +260,36 @@ class Forked:
         return self.returncode
 
     def _take(self, timeout: float | None) -> None:
-        answer = self._lines.read(timeout)
-        # (a manager that went away took its run's status along: the run is gone)
-        self.returncode = int(answer["returncode"]) if answer is not None else -9
-        self._lines.conn.close()
+        with self._reading:
+            if self.returncode is not None:
+                return
+            answer = self._lines.read(timeout)
+            if answer is None:  # its manager died: the run goes too (status unknown)
+                self._signal(signal.SIGKILL)
+                if self._pidfd is not None:
+                    _readable(self._pidfd, 10.0)
+                returncode = -signal.SIGKILL
+            else:
+                returncode = int(answer["returncode"])
+            self._lines.conn.close()
+            with self._pidfd_lock:
+                if self._pidfd is not None:
+                    os.close(self._pidfd)
+                    self._pidfd = None
+            self.returncode = returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # (its manager has not reaped it: the pid is still its)
+        # (not behind a wait in another thread, as Popen's is not: that one may be
+        # waiting for this very signal's effect)
+        if self.returncode is None:
+            self._signal(sig)
+
+    def _signal(self, sig: int) -> None:
+        with self._pidfd_lock:
             try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
+                if self._pidfd is not None:
+                    signal.pidfd_send_signal(self._pidfd, sig)
+            except ProcessLookupError:  # ended; its manager has the status
                 pass
 
     def terminate(self) -> None:
@@ -263,6 +297,14 @@ class Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def _readable(fd: int, timeout: float | None) -> bool:
+    """Whether ``fd`` is readable (or closed) within ``timeout`` seconds (None: no limit);
+    ``poll``, not ``select``: a test session past 1023 descriptors has larger ones."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(timeout, 0.0) * 1000))
 
 
 def _kill_group(pid: int) -> None:
@@ -330,9 +372,40 @@ def _manage(conn: socket.socket) -> None:
     for fd in fds:
         os.close(fd)
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    _await_run(conn, pid)
     _, status = os.waitpid(pid, 0)
-    conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode()
-                 + b"\n")
+    try:
+        conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)})
+                     .encode() + b"\n")
+    except OSError:  # (its caller is gone)
+        pass
+
+
+def _await_run(conn: socket.socket, pid: int) -> None:
+    """Until the run ends.  If its caller goes first (the connection closes: the test
+    session died, or was killed), the run ends too: SIGTERM, then SIGKILL ``_GRACE_S``
+    on, as a child in the session's process group would have been stopped with it."""
+    import time
+    pidfd = os.pidfd_open(pid)
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    poller.register(conn.fileno(), select.POLLIN)
+    ended_at: float | None = None  # when its caller went
+    try:
+        while True:
+            ready = {fd for fd, _ in poller.poll(1000)}
+            if pidfd in ready:
+                return
+            if conn.fileno() in ready and conn.recv(4096) == b"":
+                poller.unregister(conn.fileno())
+                ended_at = time.monotonic()
+                signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+            if ended_at is not None and time.monotonic() - ended_at > _GRACE_S:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    finally:
+        os.close(pidfd)
 
 
 def _run(request: dict[str, Any]) -> NoReturn:

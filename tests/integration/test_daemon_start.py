@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,3 +51,62 @@ def test_a_daemon_whose_environment_differs_starts_afresh(tmp_path: Path,
         assert d.proc is not None and hasattr(d.proc, "communicate")  # a Popen: afresh
     finally:
         assert d.stop() == 0
+
+
+def test_a_daemon_started_under_another_umask_starts_afresh(tmp_path: Path) -> None:
+    # (a forked daemon has its server's umask and limits, not the test's: a test that
+    # sets them around a start checks what the daemon makes of them)
+    old = os.umask(0o027)
+    try:
+        d = DaemonProcess(tmp_path / "d")
+        d.start()
+    finally:
+        os.umask(old)
+    try:
+        assert d.proc is not None and hasattr(d.proc, "communicate")
+    finally:
+        assert d.stop() == 0
+
+
+def _parent(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("PPid:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no parent of {pid}")
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_daemon_whose_manager_died_is_killed_not_left_running(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d")
+    d.start()
+    assert d.proc is not None and not hasattr(d.proc, "communicate")
+    pid = d.proc.pid
+    os.kill(_parent(pid), signal.SIGKILL)  # the process that forked and waits for it
+    assert d.proc.wait(15) == -signal.SIGKILL
+    assert _gone(pid, 15)  # (not serving on unseen, holding its endpoint and arena)
+    d.stop()
+
+
+def test_a_daemon_whose_test_session_died_is_stopped(tmp_path: Path) -> None:
+    # A test session killed outright: its daemons were children in its process group;
+    # forked ones are stopped by their managers once the session's end closes their
+    # connections.
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]);"
+            "from daemon_proc import DaemonProcess; from pathlib import Path;"
+            "d = DaemonProcess(Path(sys.argv[2])).start();"
+            "print(d.proc.pid, hasattr(d.proc, 'communicate'), flush=True); os._exit(0)")
+    run = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parents[1]),
+                          str(tmp_path / "d")], capture_output=True, text=True, timeout=60)
+    pid, afresh = run.stdout.split()
+    assert afresh == "False", run.stderr
+    assert _gone(int(pid), 20), "the daemon outlived its test session"
