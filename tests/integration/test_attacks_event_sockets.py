@@ -139,22 +139,30 @@ def batches_sent(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sent
 
 
+def ring_publisher(tmp_path: Path, ring: int) -> tuple[EventPublisher,
+                                                     asyncio.AbstractEventLoop, EventsConfig]:
+    """A publisher with a replay socket, on a loop of its own (turned by hand), that has
+    sent ``ring`` batches (``b"batch N"``) to nobody: all in its ring."""
+    config = EventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock",
+                          replay_endpoint=f"ipc://{tmp_path}/replay.sock")
+    pub = EventPublisher(config, BlockStore(1 << 20, 1 << 20))
+    loop = asyncio.new_event_loop()
+    pub.open(loop)
+    for seq in range(ring):
+        assert pub.send(b"batch %d" % seq, 1, listened=False) == seq
+    return pub, loop, config
+
+
 def test_replay_answers_go_out_a_slice_a_loop_turn_whole_and_in_order(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Peers asking from the ring's first batch were answered whole, 16 requests a
     # call: with a ring of 1500 batches four peers held every client's reply up to
     # 170 ms; with 10000 and 16 peers, seconds.
     ring, sent = 3000, batches_sent(monkeypatch)
-    config = EventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock",
-                          replay_endpoint=f"ipc://{tmp_path}/replay.sock")
-    pub = EventPublisher(config, BlockStore(1 << 20, 1 << 20))
-    loop = asyncio.new_event_loop()
-    pub.open(loop)
+    pub, loop, config = ring_publisher(tmp_path, ring)
     ctx = zmq.Context()
     peers = [ctx.socket(zmq.DEALER) for _ in range(3)]
     try:
-        for seq in range(ring):
-            assert pub.send(b"batch %d" % seq, 1, listened=False) == seq
         for peer in peers:
             peer.connect(config.replay_endpoint)
             peer.send_multipart([b"", (0).to_bytes(8, "big")])
@@ -193,16 +201,10 @@ def test_a_request_read_while_an_answer_goes_out_adds_no_slice_to_a_turn(
     # serving to every later turn, until the answers ran out: with peers asking again
     # while the ring went out, a turn sent 4096 batches, not 256.
     ring, sent = 3000, batches_sent(monkeypatch)
-    config = EventsConfig(endpoint=f"ipc://{tmp_path}/pub.sock",
-                          replay_endpoint=f"ipc://{tmp_path}/replay.sock")
-    pub = EventPublisher(config, BlockStore(1 << 20, 1 << 20))
-    loop = asyncio.new_event_loop()
-    pub.open(loop)
+    pub, loop, config = ring_publisher(tmp_path, ring)
     ctx = zmq.Context()
     reader, asker = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
     try:
-        for seq in range(ring):
-            pub.send(b"batch %d" % seq, 1, listened=False)
         reader.connect(config.replay_endpoint)
         asker.connect(config.replay_endpoint)
         reader.send_multipart([b"", (0).to_bytes(8, "big")])
