@@ -91,6 +91,8 @@ class AsyncClient(SessionCore):
         ticket, the arena's descriptor) and the arena's mapping block: they run in the
         loop's default executor, not on the loop."""
         loop = asyncio.get_running_loop()
+        # (a drain set on a loop that ended before it ran, at a close: none is set here)
+        self._drain_set = False
         admission = await loop.run_in_executor(None, self._admission)
         self._ctx = zmq.Context()
         try:  # whatever fails, the context goes too (its I/O thread and descriptors)

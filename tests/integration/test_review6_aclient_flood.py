@@ -87,3 +87,23 @@ def test_requests_sent_in_a_flood_of_replies_add_no_drain_to_a_turn() -> None:
     read_by_turn = replies_read_by_turn(8)
     steps = [b - a for a, b in zip(read_by_turn, read_by_turn[1:])]
     assert max(steps) <= 256, max(steps)
+
+
+def test_a_client_connected_again_on_another_loop_reads_its_replies(
+        daemon_factory: Any) -> None:
+    # A drain is set once however often asked (above), and the descriptor's reader
+    # drains only when none is: a drain left set by a loop that ended before it ran would
+    # have kept the client's next connection, on another loop, from reading any reply.
+    d = daemon_factory()
+    client = AsyncClient(d.endpoint, tenant="acme", timeout=5)
+
+    async def use() -> None:
+        await client.connect()
+        try:
+            await client.ping()
+        finally:
+            await client.close()
+
+    asyncio.run(use())
+    client._drain_set = True  # (as a close whose loop ended right after it leaves it)
+    asyncio.run(use())
