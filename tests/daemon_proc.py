@@ -157,9 +157,9 @@ def _start(args: list[str], env: dict[str, str], log: Any) -> Any:
     why = ("off" if server is None else
            "umask, resource limits or scheduling differ" if not baseline else
            why_afresh(args[1:], env, server.env))
+    if server is not None and why:
+        server.afresh[why] = server.afresh.get(why, 0) + 1
     if server is None or why:
-        if server is not None:
-            server.afresh[why] = server.afresh.get(why, 0) + 1
         return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, env=env)
     read, write = os.pipe()
     try:
@@ -170,7 +170,7 @@ def _start(args: list[str], env: dict[str, str], log: Any) -> Any:
               file=sys.stderr)
         with _server_lock:
             _server[:] = [None]
-        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, env=env)
+        return _start(args, env, log)
     except BaseException:
         os.close(read)
         raise

@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -169,10 +170,6 @@ class ForkServer:
             raise
         self.forked += 1
         return Forked([str(self.python), *args], int(answer["pid"]), lines)
-
-    def alive(self) -> bool:
-        """Whether the server still runs (one that died serves no more runs)."""
-        return self.proc.poll() is None
 
     def _answer(self, reader: Any) -> dict[str, Any]:
         line = reader.readline()
@@ -385,7 +382,6 @@ def _await_run(conn: socket.socket, pid: int) -> None:
     """Until the run ends.  If its caller goes first (the connection closes: the test
     session died, or was killed), the run ends too: SIGTERM, then SIGKILL ``_GRACE_S``
     on, as a child in the session's process group would have been stopped with it."""
-    import time
     pidfd = os.pidfd_open(pid)
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
