@@ -8,6 +8,13 @@
 # smoke check passes is kept; anything else is rebuilt from scratch.  The three build
 # in parallel.  Any failure exits non-zero with the failing build's log.
 #
+# The engines' packages (minutes to install, the same for every checkout) are built once
+# a machine into a cache, $KVSTORE_ENGINE_CACHE or ~/.cache/kvstore/engine-envs, one
+# environment per recipe; a checkout's .engine-envs/NAME is a small environment of its
+# own (kvstore installed editable from this checkout) that reads the cached one's
+# packages through a .pth file.  A fresh clone of a checkout built before (as CI's)
+# takes seconds, not minutes; a changed pin builds a new cached environment.
+#
 #   bash tests/engines/setup_envs.sh            # all three
 #   bash tests/engines/setup_envs.sh vllm       # some of them
 #   bash tests/engines/setup_envs.sh vllm-lmcache   # opt-in, never built by default
@@ -54,26 +61,45 @@ vllm_lmcache_smoke="$vllm_smoke; import lmcache.integration.vllm.vllm_v1_adapter
 # Every environment must still hold the CPU torch it started with.
 torch_check="import torch; assert torch.__version__.startswith('2.13.0+cpu'), torch.__version__"
 
-recipe() {  # everything that decides an environment's contents
+cache=${KVSTORE_ENGINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvstore/engine-envs}
+
+packages() {  # everything that decides the cached packages of an environment
     local name=$1 engine extra nodeps deps
     engine=${name//-/_}_engine extra=${name//-/_}_extra
     nodeps=${name//-/_}_nodeps deps=${name//-/_}_deps
-    printf '%s\n' "$name" "$torch_pin" "${!engine}" "${!extra}" "$core_deps" "$root" \
-        "$("$python" -c 'import sys; print(sys.version)')" "recipe-v1"
+    printf '%s\n' "$name" "$torch_pin" "${!engine}" "${!extra}" "$core_deps" \
+        "$(realpath "$("$python" -c 'import sys; print(sys.executable)')")" \
+        "$("$python" -c 'import sys; print(sys.version)')" "packages-v1"
     if [ -n "${!nodeps:-}" ]; then printf '%s\n' "${!nodeps}" "${!deps}"; fi
 }
 
-build() {
-    local name=$1 dir="$envs/$1" engine extra smoke constraints nodeps deps
-    engine=${name//-/_}_engine extra=${name//-/_}_extra smoke=${name//-/_}_smoke
+recipe() {  # ...and of this checkout's environment
+    packages "$1"
+    printf '%s\n' "$root" "$(cached_dir "$1")" "recipe-v2"
+}
+
+cached_dir() {  # the cached environment of a recipe
+    echo "$cache/$1-$(packages "$1" | sha256sum | cut -c1-16)"
+}
+
+site_packages() {  # an environment's site-packages
+    "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))'
+}
+
+build_cached() {  # the engine's packages, once a machine (a lock for builders at once)
+    local name=$1 dir engine extra nodeps deps constraints
+    dir=$(cached_dir "$name")
+    engine=${name//-/_}_engine extra=${name//-/_}_extra
     nodeps=${name//-/_}_nodeps deps=${name//-/_}_deps
-    local stamp="$dir/.kvstore-recipe" started=$SECONDS
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(recipe "$name")" ] \
-        && "$dir/bin/python" -c "$torch_check; ${!smoke}" >/dev/null 2>&1; then
-        echo "$name: up to date"
+    mkdir -p "$cache"
+    exec {lock}>"$dir.lock"
+    flock "$lock"
+    if [ -f "$dir/.kvstore-packages" ] && [ "$(cat "$dir/.kvstore-packages")" = "$(packages "$name")" ]; then
+        echo "$name: cached packages in $dir"
+        flock -u "$lock"
         return 0
     fi
-    echo "$name: building $dir"
+    echo "$name: building the cached packages in $dir"
     rm -rf "$dir"
     "$python" -m venv "$dir"
     local pip=("$dir/bin/python" -m pip install -q)
@@ -93,8 +119,30 @@ build() {
             "${pip[@]}" -c "$constraints" ${!extra} ;;
     esac
     "${pip[@]}" -c "$constraints" $core_deps
+    packages "$name" > "$dir/.kvstore-packages"
+    flock -u "$lock"
+}
+
+build() {
+    local name=$1 dir="$envs/$1" smoke cached
+    smoke=${name//-/_}_smoke
+    local stamp="$dir/.kvstore-recipe" started=$SECONDS
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(recipe "$name")" ] \
+        && "$dir/bin/python" -c "$torch_check; ${!smoke}" >/dev/null 2>&1; then
+        echo "$name: up to date"
+        return 0
+    fi
+    build_cached "$name"
+    cached=$(cached_dir "$name")
+    echo "$name: building $dir over $cached"
+    rm -rf "$dir"
+    "$python" -m venv "$dir"
+    # the cached packages after this environment's own (its pip and kvstore); the
+    # cached environment's own .pth files are read as well (addsitedir)
+    echo "import site; site.addsitedir('$(site_packages "$cached")')" \
+        > "$(site_packages "$dir")/kvstore-engine-packages.pth"
     # The editable build writes into the repo: one at a time.
-    flock "$envs/.editable.lock" "${pip[@]}" --no-deps -e "$root"
+    flock "$envs/.editable.lock" "$dir/bin/python" -m pip install -q --no-deps -e "$root"
     if ! "$dir/bin/python" -c "$torch_check; ${!smoke}"; then
         echo "$name: the smoke check failed: $torch_check; ${!smoke}" >&2
         return 1
