@@ -123,8 +123,8 @@ build_cached() {  # the engine's packages, once a machine (a lock for builders a
     flock -u "$lock"
 }
 
-build() {
-    local name=$1 dir="$envs/$1" smoke cached
+build() {  # NAME [again: the cached packages were rebuilt after a failed smoke check]
+    local name=$1 again=${2:-} dir="$envs/$1" smoke cached
     smoke=${name//-/_}_smoke
     local stamp="$dir/.kvstore-recipe" started=$SECONDS
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(recipe "$name")" ] \
@@ -144,6 +144,12 @@ build() {
     # The editable build writes into the repo: one at a time.
     flock "$envs/.editable.lock" "$dir/bin/python" -m pip install -q --no-deps -e "$root"
     if ! "$dir/bin/python" -c "$torch_check; ${!smoke}"; then
+        if [ -z "$again" ]; then  # the cached packages damaged since: build them again
+            echo "$name: the smoke check failed over $cached: building it again"
+            rm -f "$cached/.kvstore-packages"
+            build "$name" again
+            return
+        fi
         echo "$name: the smoke check failed: $torch_check; ${!smoke}" >&2
         return 1
     fi
