@@ -62,14 +62,16 @@ vllm_lmcache_smoke="$vllm_smoke; import lmcache.integration.vllm.vllm_v1_adapter
 torch_check="import torch; assert torch.__version__.startswith('2.13.0+cpu'), torch.__version__"
 
 cache=${KVSTORE_ENGINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvstore/engine-envs}
+# the Python every environment is made with: its binary and version, asked once
+python_is=$(realpath "$("$python" -c 'import sys; print(sys.executable)')")
+python_is+=$'\n'$("$python" -c 'import sys; print(sys.version)')
 
 packages() {  # everything that decides the cached packages of an environment
     local name=$1 engine extra nodeps deps
     engine=${name//-/_}_engine extra=${name//-/_}_extra
     nodeps=${name//-/_}_nodeps deps=${name//-/_}_deps
     printf '%s\n' "$name" "$torch_pin" "${!engine}" "${!extra}" "$core_deps" \
-        "$(realpath "$("$python" -c 'import sys; print(sys.executable)')")" \
-        "$("$python" -c 'import sys; print(sys.version)')" "packages-v1"
+        "$python_is" "packages-v1"
     if [ -n "${!nodeps:-}" ]; then printf '%s\n' "${!nodeps}" "${!deps}"; fi
 }
 
