@@ -32,9 +32,11 @@ class GpuMover:
 
     def __init__(self, config: Config, store: BlockStore,
                  slot: Callable[[Namespace, int], memoryview], gate: TransferGate,
-                 arena: Any = None) -> None:
+                 freed: Callable[[], None], arena: Any = None) -> None:
         """Make the pool (UnavailableError where the device is missing) and page-lock
-        ``arena`` (the shared DRAM arena's mmap, if any) for CUDA in the background."""
+        ``arena`` (the shared DRAM arena's mmap, if any) for CUDA in the background;
+        ``freed`` is called when a copy's DRAM copies are unpinned (requests waiting for
+        DRAM room may go on)."""
         from kvstore.tiers.gpu import DevicePool
 
         name = config.gpu.device
@@ -48,6 +50,7 @@ class GpuMover:
         self.slot = slot
         self.gate = gate
         self.errors = 0
+        self._freed = freed
         self._background = Background()
         # own context: background work, not part of the request that asked (whose
         # transfer class, a reload say, would otherwise be inherited)
@@ -92,6 +95,7 @@ class GpuMover:
                 log.warning("copying %d blocks into the gpu tier failed: %s", len(plan), exc)
             finally:
                 self.store.gpu_end(plan, ok)
+                self._freed()
 
     def _copy(self, items: list[tuple[memoryview, int]]) -> None:
         """DRAM slots into pool slots; returns when the bytes are there."""

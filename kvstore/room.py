@@ -8,6 +8,7 @@ Decisions over the store's bookkeeping only; the writes they need come back as a
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from kvstore.block_map import BlockMap
@@ -257,13 +258,15 @@ class RoomMaker:
     def room_coming(self, cls: SlabClass | None, tenant: str | None = None) -> bool:
         """Whether writes under way will free or unpin DRAM slots of ``cls`` (of any
         class if None; of ``tenant``'s, if given): a demoted block leaves DRAM, a
-        written-through one becomes evictable."""
+        written-through one becomes evictable, and so does one a GPU copy reads (a put
+        into a DRAM whose blocks were all being copied to the GPU tier was refused)."""
         def mine(b: Block) -> bool:
             return ((cls is None or b.ns.cls is cls)
                     and (tenant is None or b.ns.tenant == tenant))
 
-        return any(mine(b) for t in self.store.transfers.values() if t.tier == SSD
-                   for b in t.blocks) or any(mine(b) for b in self.store.remote_demoting)
+        writing = (b for t in self.store.transfers.values() if t.tier == SSD for b in t.blocks)
+        copying = self.store.gpu.copying if self.store.gpu is not None else ()
+        return any(mine(b) for b in itertools.chain(writing, self.store.remote_demoting, copying))
 
 
 class _Facts:

@@ -224,7 +224,7 @@ class Server:
         shared = self.arenas.by_name.get("")
         try:
             self.gpu = GpuMover(self.config, self.store, self.slot, self.transfers,
-                                arena=shared.buffer if shared is not None else None)
+                                self.moves.freed, shared.buffer if shared else None)
         except UnavailableError as exc:
             self.gpu_reason = str(exc)
             log.warning("gpu tier off: %s", exc)

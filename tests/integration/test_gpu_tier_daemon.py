@@ -137,3 +137,53 @@ def test_without_a_gpu_the_tier_is_off_and_everything_else_works(
         engine_b = cache(4, 2)
         ns.reload(keys, engine_b, [3, 2, 1, 0])
         assert page(engine_b, 0) == page(engine_a, 3)
+
+
+def test_a_put_waits_for_the_gpu_copies_that_pin_dram_then_goes_in(tmp_path: Any) -> None:
+    """Every DRAM block pinned by a copy into the GPU tier under way: a put waits for the
+    copies to end, then takes their room (it was refused as if the pins were an engine's,
+    "0 free and 0 evictable": seen under load, where the copies took a while)."""
+    from pathlib import Path
+
+    flag, reached = tmp_path / "hold", tmp_path / "reached"
+    flag.touch()
+    d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", ssd_capacity="8MiB",
+                      extra=["--slab-size", "1MiB", "--gpu-device", "cpu",
+                             "--gpu-capacity", "4MiB"],
+                      env={"GPU_HOLD_FLAG": str(flag), "GPU_HOLD_REACHED": str(reached)})
+    assert d.args[1:3] == ["-m", "kvstore"]
+    d.args[1:3] = [str(Path(__file__).resolve().parents[1] / "slow_gpu_copies.py")]
+    d.start()
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(BIG)
+            first = ns.keys(range(TOKENS * 16))  # 16 blocks of 64 KiB: all of DRAM
+            ns.put(first, [bytes([i]) * BIG.block_bytes for i in range(16)])
+            deadline = time.monotonic() + 10
+            while not reached.exists():
+                assert time.monotonic() < deadline, "the gpu copy was never held"
+                time.sleep(0.01)
+            dram = c.stats()["tiers"]["dram"]
+            assert dram["pinned_blocks"] == 16, dram  # every block read by the held copy
+
+            def let_go() -> None:
+                time.sleep(0.8)
+                flag.unlink()
+
+            import threading
+
+            releaser = threading.Thread(target=let_go)
+            releaser.start()
+            start = time.monotonic()
+            more = ns.keys(range(100_000, 100_000 + TOKENS * 6))
+            ns.put(more, [bytes([50 + i]) * BIG.block_bytes for i in range(6)])
+            waited = time.monotonic() - start
+            releaser.join()
+            assert waited >= 0.5, waited  # it went in once the copies let go, not before
+            assert ns.lookup(more).blocks == 6
+            deadline = time.monotonic() + 10  # the new blocks' own copies end too
+            while c.stats()["tiers"]["dram"]["pinned_blocks"]:
+                assert time.monotonic() < deadline, c.stats()["tiers"]["dram"]
+                time.sleep(0.02)
+    finally:
+        d.stop()
