@@ -185,8 +185,12 @@ class Moves:
                 await move()
             return run()
 
+        # (the room the moves free is the caller's first: they wake no waiter, this does
+        # as it returns, and the caller's next attempt runs before any waiter it woke;
+        # woken by each write as it ended, a request the first had waited behind took
+        # the room the first's demotions had just made, and the first was refused)
         if plan.demote:
-            parts.append(part("demote", lambda: self._to_ssd(plan.demote)))
+            parts.append(part("demote", lambda: self._to_ssd(plan.demote, wake=False)))
         if plan.to_remote:
             parts.append(part("to_remote", lambda: self._to_remote(plan.to_remote)))
         if plan.promote is not None:
@@ -205,6 +209,8 @@ class Moves:
                     raise result
         finally:
             self.abandon(plan, started)
+            if started:
+                self.room.freed()  # DRAM slots freed or unpinned: the oldest waiter next
 
     def abandon(self, plan: Plan, started: set[str] | frozenset[str] = frozenset()) -> None:
         """The parts of a plan that never began (cancelled first, or the request was
@@ -247,10 +253,10 @@ class Moves:
         raise CapacityError("blocks kept moving between tiers; try again")
 
     async def _to_ssd(self, blocks: list[Block],
-                      evict: bool | Callable[[Block], bool] = True) -> None:
+                      evict: bool | Callable[[Block], bool] = True, wake: bool = True) -> None:
         """Write DRAM copies to SSD (demotions, or write-through copies; ``evict``: cold
         SSD copies make room, those it passes if a test, else CapacityError where there
-        is none); room frees."""
+        is none); room frees (``wake``: waiters for room are woken, at the end)."""
         assert self.ssd is not None, "the store planned a write to ssd without an ssd tier"
         # SSD copies the store dropped since a request last ended (a put finished in a
         # task drops the stale copy of a block it commits again, and ends none): out of
@@ -264,23 +270,20 @@ class Moves:
                 raise  # no room for them on SSD: the caller refuses, defers or stops
             # the ssd tier failed the write and paused: dram evicts without it meanwhile
         finally:
-            self.room.freed()  # DRAM slots freed or unpinned: waiters may retry
+            if wake:
+                self.room.freed()  # DRAM slots freed or unpinned: waiters may retry
             self.withdraw_dropped()  # copies the write found damaged: out of the index
         self._ssd_written()
 
     async def _to_remote(self, blocks: list[Block]) -> None:
+        """(``carry_out`` wakes the waiters for the room it frees.)"""
         assert self.remote is not None, "the store planned a write-back without a remote"
-        try:
-            await self.remote.demote(blocks)
-        finally:
-            self.room.freed()
+        await self.remote.demote(blocks)
 
     async def _promote(self, plan: Plan) -> None:
+        """(``carry_out`` wakes the waiters, a failed read having given its slots back.)"""
         assert self.ssd is not None and plan.promote is not None
-        try:
-            await self.ssd.read(plan.promote)
-        finally:
-            self.room.freed()  # a failed read gives its DRAM slot back
+        await self.ssd.read(plan.promote)
 
     async def _reads(self, blocks: list[Block]) -> None:
         assert self.ssd is not None

@@ -1,0 +1,93 @@
+"""Room the daemon's own background work is about to free counts as room coming: a request
+for DRAM slots that this work holds for a moment waits for it and goes in, rather than
+being refused as if engines' pins held the slots.  Real daemons, real sockets; with no
+"defer" step in the pressure chain, so that only the wait for room coming can save such
+a request."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from daemon_proc import DaemonProcess
+from kvtest import make_identity
+
+from kvstore import Client
+
+TOKENS = 16
+BIG = make_identity(num_layers=4, num_kv_heads=4, head_dim=64, block_tokens=TOKENS)  # 64 KiB
+NO_DEFER = {"KVSTORE_DRAM_PRESSURE": "evict,demote,reject"}
+STALLED_DISK = Path(__file__).resolve().parents[1] / "stalled_disk.py"
+
+
+def blocks(first: int, count: int) -> list[bytes]:
+    return [bytes([(first + i) % 256]) * BIG.block_bytes for i in range(count)]
+
+
+def fill_dram(d: DaemonProcess) -> None:
+    """12 of the 16 slots of a 1 MiB DRAM: below where blocks are copied to SSD ahead of
+    need, so that every one is only in DRAM and must be demoted before its slot frees."""
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(BIG)
+        ns.put(ns.keys(range(TOKENS * 12)), blocks(0, 12))
+        assert c.stats()["tiers"]["ssd"]["committed_slots"] == 0
+
+
+A_KEYS = list(range(10_000, 10_000 + TOKENS * 16))  # the 4 free slots, the 12 demoted
+B_KEYS = list(range(50_000, 50_000 + TOKENS * 5))  # one more than is free
+
+
+def test_the_room_a_requests_demotions_free_is_its_own_first(tmp_path: Path) -> None:
+    """A put demotes the 12 blocks it needs the slots of, its SSD write slow; a reserve
+    of 5 slots meanwhile waits for that room coming.  The write ends: the put takes its
+    16 slots, then the reserve gets what the put's blocks make (it demotes 5 of them).
+    Before, the write's end woke the reserve, whose task ran before the put's, and took
+    5 of the slots just freed; the put, 11 free and nothing evictable, was refused."""
+    flag = tmp_path / "stall"
+    d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", ssd_capacity="8MiB",
+                      extra=["--slab-size", "1MiB"], env={**NO_DEFER, "STALL_FLAG": str(flag)})
+    assert d.args[1:3] == ["-m", "kvstore"]
+    d.args[1:3] = [str(STALLED_DISK)]
+    d.start()
+    try:
+        fill_dram(d)
+        flag.touch()
+        results: dict[str, Any] = {}
+
+        def put() -> None:
+            try:
+                with Client(d.endpoint, tenant="acme", timeout=30) as c:
+                    ns = c.namespace(BIG)
+                    results["put"] = ns.put(ns.keys(A_KEYS), blocks(100, 16))
+            except Exception as exc:  # (reported below)
+                results["put"] = exc
+
+        def reserve() -> None:
+            try:
+                with Client(d.endpoint, tenant="acme", timeout=30) as c:
+                    ns = c.namespace(BIG)
+                    with ns.reserve(ns.keys(B_KEYS)) as r:
+                        results["reserve"] = r.commit()
+            except Exception as exc:
+                results["reserve"] = exc
+
+        putter = threading.Thread(target=put)
+        putter.start()
+        with Client(d.endpoint, tenant="acme") as c:
+            deadline = time.monotonic() + 10
+            while c.stats()["tiers"]["ssd"]["reserved"] == 0:  # the demotions' write
+                assert time.monotonic() < deadline, "the put's demotions never began"
+                time.sleep(0.01)
+        reserver = threading.Thread(target=reserve)
+        reserver.start()
+        time.sleep(0.3)  # (the reserve waits for the room coming meanwhile)
+        assert "reserve" not in results, results
+        flag.unlink()
+        putter.join(30)
+        reserver.join(30)
+        assert results == {"put": 16, "reserve": 5}, results
+    finally:
+        flag.unlink(missing_ok=True)
+        d.stop()
