@@ -35,6 +35,10 @@ class RoomMaker:
     def __init__(self, store: StoreCore) -> None:
         self.store = store
         self.slabs = SlabMoves(store, self._make_room, self._put_back)  # between sizes
+        # Victims marked to be written to SSD whose write has yet to reserve its slots
+        # there (``SsdCopies.reserve``; it starts in a task, after requests read
+        # meanwhile): room coming all the same (``room_coming``)
+        self.demotions_planned: set[Block] = set()
 
     def allocate(self, ns: Namespace, count: int,
                  protect: Block | None = None) -> list[int] | Plan:
@@ -97,7 +101,7 @@ class RoomMaker:
         policies = [dram.policy(ns.cls)] + [
             policy for size, policy in dram.policies.items() if size != slot]
         freed = 0
-        leaving = _Leaving(self.store)
+        leaving = _Leaving(self.store, self.demotions_planned)
         try:
             for _, kinds in self._room_steps():
                 allowed = self._victim_test(protect, kinds, tenant, leaving.facts)
@@ -160,9 +164,17 @@ class RoomMaker:
         forgotten by its order first, as any victim is, so that it goes back in."""
         for b in blocks:
             self.store.remote_demoting.discard(b)
+            self.demotions_planned.discard(b)
             if failed:
                 b.ns.dram.policy(b.ns.cls).remove(b)
             self.store.back_on_order(b)
+
+    def not_demoting(self, blocks: list[Block]) -> None:
+        """Demotion victims that will not be written after all: back on their orders."""
+        self.demotions_planned.difference_update(blocks)
+        for b in blocks:
+            if b.demoting:
+                self.store.back_on_order(b)
 
     def _over_share(self, dram: TierSlots,
                     requester: tuple[str, int] | None) -> dict[str, int]:
@@ -202,7 +214,7 @@ class RoomMaker:
         # when they finish, with no await in between for another request to slip into.
         taken = 0
         steps = self._room_steps()
-        leaving = _Leaving(self.store)
+        leaving = _Leaving(self.store, self.demotions_planned)
         try:
             for _, kinds in steps:  # in the configured order; each takes what it may
                 allowed = self._victim_test(protect, kinds, tenant, leaving.facts)
@@ -253,20 +265,25 @@ class RoomMaker:
     def drops(self) -> _Leaving:
         """A batch of DRAM copies to drop, of blocks off their eviction orders (a
         demotion's, once written): ``drop`` each, then ``finish`` once."""
-        return _Leaving(self.store)
+        return _Leaving(self.store, self.demotions_planned)
 
     def room_coming(self, cls: SlabClass | None, tenant: str | None = None) -> bool:
         """Whether writes under way will free or unpin DRAM slots of ``cls`` (of any
         class if None; of ``tenant``'s, if given): a demoted block leaves DRAM, a
         written-through one becomes evictable, and so does one a GPU copy reads (a put
-        into a DRAM whose blocks were all being copied to the GPU tier was refused)."""
+        into a DRAM whose blocks were all being copied to the GPU tier was refused).
+        A demotion counts from when it is planned, not from when its write begins: a
+        request read in the same drain as one that planned the demotions of every
+        evictable block was refused, "0 evictable", nothing being written yet."""
         def mine(b: Block) -> bool:
             return ((cls is None or b.ns.cls is cls)
                     and (tenant is None or b.ns.tenant == tenant))
 
-        writing = (b for t in self.store.transfers.values() if t.tier == SSD for b in t.blocks)
-        copying = self.store.gpu.copying if self.store.gpu is not None else ()
-        return any(mine(b) for b in itertools.chain(writing, self.store.remote_demoting, copying))
+        store = self.store
+        writing = (b for t in store.transfers.values() if t.tier == SSD for b in t.blocks)
+        copying = store.gpu.copying if store.gpu is not None else ()
+        return any(mine(b) for b in itertools.chain(
+            self.demotions_planned, writing, store.remote_demoting, copying))
 
 
 class _Facts:
@@ -301,10 +318,11 @@ class _Leaving:
     """
 
     __slots__ = ("store", "facts", "to_demote", "to_remote", "runs", "evicted",
-                 "lost", "emptied", "thinned", "_touch", "_run")
+                 "lost", "emptied", "thinned", "_touch", "_run", "_planned")
 
-    def __init__(self, store: StoreCore) -> None:
+    def __init__(self, store: StoreCore, planned: set[Block]) -> None:
         self.store = store
+        self._planned = planned  # (``RoomMaker.demotions_planned``)
         self.facts = _Facts(store)
         self.to_demote: list[Block] = []  # victims to write to SSD before they leave
         self.to_remote: list[Block] = []  # ... to the remote store (its write-back mode)
@@ -335,6 +353,7 @@ class _Leaving:
         if (f.admit_to_ssd and victim.marks >> SEEN_SHIFT >= f.admit_after
                 and not (f.ssd_refuses and victim.ns.ssd_cls in f.ssd_refuses)):
             victim.demoting = True                # dirty: write it back first
+            self._planned.add(victim)
             self.to_demote.append(victim)
             return GO_ON
         if f.remote_dirty and not victim.marks & REMOTE_MARK:

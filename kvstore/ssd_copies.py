@@ -119,8 +119,8 @@ class SsdCopies:
         transfer and the keys whose SSD copies went (to withdraw from the index)."""
         assert self.store.ssd is not None, "no SSD tier"
         for b in blocks:
-            assert b.offset is not None and b.ssd_offset is None, (
-                f"{b} cannot be written to ssd now")
+            assert b.offset is not None and b.ssd_offset is None, f"{b} cannot go to ssd now"
+        self.room.demotions_planned.difference_update(blocks)  # (a transfer's from here)
         removed: list[tuple[bytes, bytes]] = []
         offsets: list[int] = []
         placed: list[Block] = []  # the blocks of ``offsets``, in their order (by class)
@@ -201,9 +201,7 @@ class SsdCopies:
 
     def abort_demotion(self, blocks: list[Block]) -> None:
         """Demotion victims that could not be written: back on the DRAM eviction order."""
-        for b in blocks:
-            if b.demoting:
-                self.store.back_on_order(b)
+        self.room.not_demoting(blocks)
 
     def writeback_plan(self, high: float = 0.75, low: float = 0.5,
                        batch: int = 64) -> list[Block]:

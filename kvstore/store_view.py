@@ -25,6 +25,9 @@ def check_invariants(store: StoreCore) -> None:
     (``Index.settle``: the server settles each once its reply is sent)."""
     index = getattr(store, "index", None)  # (the store's; a bare core has none)
     assert index is None or index._unsettled is None, "a lookup's hits were never settled"
+    room = getattr(store, "room", None)  # (the store's: demotions whose writes are to begin)
+    for b in room.demotions_planned if room is not None else ():
+        assert b.demoting and b.offset is not None, f"{b}: a demotion planned, not demoting"
     pin_counts: dict[Block, int] = {}
     for state in store.owners.values():
         for r in state.reservations.values():

@@ -6,6 +6,8 @@ a request."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import threading
 import time
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Any
 from daemon_proc import DaemonProcess
 from kvtest import make_identity
 
-from kvstore import Client
+from kvstore import AsyncClient, Client
 
 TOKENS = 16
 BIG = make_identity(num_layers=4, num_kv_heads=4, head_dim=64, block_tokens=TOKENS)  # 64 KiB
@@ -91,3 +93,44 @@ def test_the_room_a_requests_demotions_free_is_its_own_first(tmp_path: Path) -> 
     finally:
         flag.unlink(missing_ok=True)
         d.stop()
+
+
+def test_a_reserve_read_with_a_put_that_plans_demotions_waits_for_them(
+        daemon_factory: Any) -> None:
+    """A put and a reserve read in one drain of the socket (queued while the daemon was
+    busy): the put plans the demotion of the one evictable DRAM block to SSD; the reserve,
+    needing more than is free, found nothing evictable and no SSD write under way yet
+    (the put's starts in a task, after the reserve was handled) and was refused, "1 free
+    and 0 evictable", though the demotion was about to free room, and the put's blocks
+    to be evictable."""
+    d = daemon_factory(dram_capacity="1MiB", ssd_capacity="8MiB",
+                       extra=["--slab-size", "1MiB"], env=NO_DEFER)
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(BIG)
+        held = ns.reserve(ns.keys(range(90_000, 90_000 + TOKENS * 13)))  # left open
+        ns.put(ns.keys(range(TOKENS * 2)), blocks(0, 2))  # 2 evictable, 1 slot free
+
+        async def put_and_reserve() -> list[Any]:
+            async with AsyncClient(d.endpoint, tenant="acme") as ac:
+                ans = await ac.namespace(BIG)
+
+                async def reserve_then_commit() -> int:
+                    r = await ans.reserve(ans.keys(B_KEYS[:TOKENS * 3]))
+                    return await r.commit()
+
+                assert d.proc is not None
+                d.proc.send_signal(signal.SIGSTOP)
+                try:
+                    # (small messages, both taken in by the daemon's socket while it is
+                    # stopped, so that it reads them in one drain once going again)
+                    a = asyncio.ensure_future(ans.put(ans.keys(A_KEYS[:TOKENS * 2]),
+                                                      blocks(100, 2)))
+                    b = asyncio.ensure_future(reserve_then_commit())
+                    await asyncio.sleep(0.5)  # both sent, unread by the stopped daemon
+                finally:
+                    d.proc.send_signal(signal.SIGCONT)
+                return list(await asyncio.gather(a, b, return_exceptions=True))
+
+        assert asyncio.run(put_and_reserve()) == [2, 3]
+        assert c.stats()["tiers"]["ssd"]["demotions"] >= 1  # the put's room
+        held.abort()
