@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Callable
 
 from kvstore.block_map import BlockMap
-from kvstore.blocks import REMOTE_MARK, SEEN_SHIFT, SSD, Block, Namespace, TierSlots
+from kvstore.blocks import REMOTE_MARK, SEEN_SHIFT, Block, Namespace, TierSlots
 from kvstore.core import StoreCore
 from kvstore.errors import CapacityError
 from kvstore.first_blocks import no_longer_heads
@@ -274,16 +274,18 @@ class RoomMaker:
         into a DRAM whose blocks were all being copied to the GPU tier was refused).
         A demotion counts from when it is planned, not from when its write begins: a
         request read in the same drain as one that planned the demotions of every
-        evictable block was refused, "0 evictable", nothing being written yet."""
+        evictable block was refused, "0 evictable", nothing being written yet.  So
+        does a promotion's read from SSD into DRAM slots reserved for it: a prefetch's
+        blocks are evictable once in (those slots were refused as if engines held them)."""
         def mine(b: Block) -> bool:
             return ((cls is None or b.ns.cls is cls)
                     and (tenant is None or b.ns.tenant == tenant))
 
         store = self.store
-        writing = (b for t in store.transfers.values() if t.tier == SSD for b in t.blocks)
+        moving = (b for t in store.transfers.values() for b in t.blocks)  # (to SSD, from it)
         copying = store.gpu.copying if store.gpu is not None else ()
         return any(mine(b) for b in itertools.chain(
-            self.demotions_planned, writing, store.remote_demoting, copying))
+            self.demotions_planned, moving, store.remote_demoting, copying))
 
 
 class _Facts:

@@ -1,6 +1,8 @@
 """``python tests/stalled_disk.py serve ...``: the daemon, its SSD writes stalled while the
 file ``$STALL_FLAG`` exists, as a write to a disk that stopped answering hangs in the
-kernel (the writing thread never returns until the flag goes)."""
+kernel (the writing thread never returns until the flag goes); and its SSD reads while
+``$STALL_READS_FLAG`` exists, if set (``$STALL_READS_REACHED`` is created when one is
+held)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,21 @@ def _stalled_pwritev(fd: int, buffers: Any, offset: int, *flags: int) -> int:
 
 
 os.pwritev = _stalled_pwritev
+
+READS_FLAG = os.environ.get("STALL_READS_FLAG")
+READS_REACHED = os.environ.get("STALL_READS_REACHED")
+_preadv = os.preadv
+
+
+def _stalled_preadv(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+    while READS_FLAG is not None and os.path.exists(READS_FLAG):
+        if READS_REACHED is not None:
+            open(READS_REACHED, "a").close()
+        time.sleep(0.02)
+    return _preadv(fd, buffers, offset, *flags)
+
+
+os.preadv = _stalled_preadv
 
 if __name__ == "__main__":
     from kvstore.cli import main

@@ -134,3 +134,49 @@ def test_a_reserve_read_with_a_put_that_plans_demotions_waits_for_them(
         assert asyncio.run(put_and_reserve()) == [2, 3]
         assert c.stats()["tiers"]["ssd"]["demotions"] >= 1  # the put's room
         held.abort()
+
+
+def test_a_reserve_waits_for_the_promotions_that_hold_dram_slots(tmp_path: Path) -> None:
+    """A prefetch's reads from SSD hold 12 of the 16 DRAM slots (reserved for them) while
+    the disk is slow; a reserve of 5, with 4 blocks evictable, waits for the reads, then
+    evicts what they brought in (a prefetch pins nothing).  Before, it was refused, "0
+    free and 4 evictable", as if engines' pins held the slots being read into."""
+    stall, reads, reached = tmp_path / "stall", tmp_path / "reads", tmp_path / "reached"
+    d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", ssd_capacity="8MiB",
+                      extra=["--slab-size", "1MiB"],
+                      env={**NO_DEFER, "STALL_FLAG": str(stall),
+                           "STALL_READS_FLAG": str(reads), "STALL_READS_REACHED": str(reached)})
+    assert d.args[1:3] == ["-m", "kvstore"]
+    d.args[1:3] = [str(STALLED_DISK)]
+    d.start()
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(BIG)
+            first = ns.keys(range(TOKENS * 12))
+            ns.put(first, blocks(0, 12))
+            ns.put(ns.keys(A_KEYS), blocks(100, 16))  # the first 12 go down to SSD
+            assert ns.lookup(first).tiers == ["ssd"] * 12
+            reads.touch()
+            ns.post_prefetch(first)  # back up to DRAM: its reads held
+            deadline = time.monotonic() + 10
+            while not reached.exists():
+                assert time.monotonic() < deadline, "the prefetch's reads never began"
+                time.sleep(0.01)
+            dram = c.stats()["tiers"]["dram"]
+            assert dram["reserved_slots"] == 12, dram
+
+            def let_go() -> None:
+                time.sleep(0.8)
+                reads.unlink()
+
+            releaser = threading.Thread(target=let_go)
+            releaser.start()
+            try:
+                with ns.reserve(ns.keys(B_KEYS)) as r:
+                    assert r.commit() == 5
+            finally:
+                releaser.join()
+            assert ns.lookup(ns.keys(B_KEYS)).blocks == 5
+    finally:
+        reads.unlink(missing_ok=True)
+        d.stop()
