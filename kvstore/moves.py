@@ -151,6 +151,8 @@ class Moves:
         self.ssd = ssd
         self.remote = remote
         self.gpu = gpu
+        if remote is not None:  # (what it holds, it lets go soon: ``RoomMaker.room_coming``)
+            self.store.room.movers.add(REMOTE_OWNER)
         # with an SSD tier and the remote store's write-back: SSD copies sent up
         self._send_from_ssd = ssd is not None and remote is not None and remote.write_back
         if remote is not None and self._send_from_ssd:
@@ -300,7 +302,10 @@ class Moves:
         missing, parent = want
         r = await self.settle(lambda: self.store.reserve(
             REMOTE_OWNER, ns, missing, parent, self.clock()))
-        await self.remote.read_into(ns, missing, r)
+        try:
+            await self.remote.read_into(ns, missing, r)
+        finally:
+            self.room.freed()  # its slots hold blocks now, evictable, or are free again
 
     async def bring_up(self, ns: Namespace, keys: list[bytes], cached: int) -> None:
         """Promote the cached part of a chain to DRAM, then fetch the rest from the remote

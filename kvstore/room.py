@@ -39,6 +39,9 @@ class RoomMaker:
         # there (``SsdCopies.reserve``; it starts in a task, after requests read
         # meanwhile): room coming all the same (``room_coming``)
         self.demotions_planned: set[Block] = set()
+        # Owners the daemon's own moves pin and reserve DRAM slots under (the remote
+        # tier's: its sends, its reads): what they hold is room coming too
+        self.movers: set[object] = set()
 
     def allocate(self, ns: Namespace, count: int,
                  protect: Block | None = None) -> list[int] | Plan:
@@ -276,16 +279,23 @@ class RoomMaker:
         request read in the same drain as one that planned the demotions of every
         evictable block was refused, "0 evictable", nothing being written yet.  So
         does a promotion's read from SSD into DRAM slots reserved for it: a prefetch's
-        blocks are evictable once in (those slots were refused as if engines held them)."""
-        def mine(b: Block) -> bool:
-            return ((cls is None or b.ns.cls is cls)
-                    and (tenant is None or b.ns.tenant == tenant))
+        blocks are evictable once in (those slots were refused as if engines held them),
+        and what the daemon's ``movers`` hold (a read from the remote store into slots
+        reserved for it; a write-through's send, pinning the DRAM copies it reads)."""
+        def mine(ns: Namespace) -> bool:
+            return ((cls is None or ns.cls is cls)
+                    and (tenant is None or ns.tenant == tenant))
 
         store = self.store
         moving = (b for t in store.transfers.values() for b in t.blocks)  # (to SSD, from it)
         copying = store.gpu.copying if store.gpu is not None else ()
-        return any(mine(b) for b in itertools.chain(
-            self.demotions_planned, moving, store.remote_demoting, copying))
+        if any(mine(b.ns) for b in itertools.chain(
+                self.demotions_planned, moving, store.remote_demoting, copying)):
+            return True
+        held = (state for owner in self.movers if (state := store.owners.get(owner)))
+        return any(any(mine(r.ns) for r in state.reservations.values())
+                   or any(mine(b.ns) for pin in state.pins.values() for b in pin.blocks)
+                   for state in held)
 
 
 class _Facts:

@@ -180,3 +180,99 @@ def test_a_reserve_waits_for_the_promotions_that_hold_dram_slots(tmp_path: Path)
     finally:
         reads.unlink(missing_ok=True)
         d.stop()
+
+
+def test_a_reserve_waits_for_the_remote_reads_that_hold_dram_slots(
+        tmp_path: Path, redis_server: Any) -> None:
+    """A prefetch's reads from the remote store hold 12 of the 16 DRAM slots (reserved for
+    them) while the store is slow; a reserve of 5, with 4 blocks evictable, waits for the
+    reads, then evicts what they brought in.  Before, it was refused, "0 free and 4
+    evictable", and nothing woke what waited for room when the reads ended."""
+    flag, reached = tmp_path / "hold", tmp_path / "reached"
+    remote = ["--remote", redis_server.url]
+    writer = DaemonProcess(tmp_path / "writer", extra=remote)
+    writer.start()
+    try:
+        with Client(writer.endpoint, tenant="acme") as c:
+            ns = c.namespace(BIG)
+            first = ns.keys(range(TOKENS * 12))
+            ns.put(first, blocks(0, 12))  # (written through to the remote store)
+            deadline = time.monotonic() + 10
+            while c.stats()["remote"]["writes"] < 12:
+                assert time.monotonic() < deadline, c.stats()["remote"]
+                time.sleep(0.02)
+    finally:
+        writer.stop()
+    d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", extra=["--slab-size", "1MiB", *remote],
+                      env={**NO_DEFER, "REMOTE_HOLD_FLAG": str(flag),
+                           "REMOTE_HOLD_REACHED": str(reached)})
+    assert d.args[1:3] == ["-m", "kvstore"]
+    d.args[1:3] = [str(Path(__file__).resolve().parents[1] / "slow_remote.py")]
+    d.start()
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(BIG)
+            ns.put(ns.keys(A_KEYS[:TOKENS * 4]), blocks(100, 4))  # 4 evictable
+            flag.touch()
+            ns.post_prefetch(first)  # in from the remote store: its reads held
+            deadline = time.monotonic() + 10
+            while not reached.exists():
+                assert time.monotonic() < deadline, "the prefetch's reads never began"
+                time.sleep(0.01)
+            dram = c.stats()["tiers"]["dram"]
+            assert dram["reserved_slots"] == 12, dram
+
+            def let_go() -> None:
+                time.sleep(0.8)
+                flag.unlink()
+
+            releaser = threading.Thread(target=let_go)
+            releaser.start()
+            try:
+                with ns.reserve(ns.keys(B_KEYS)) as r:
+                    assert r.commit() == 5
+            finally:
+                releaser.join()
+            assert ns.lookup(ns.keys(B_KEYS)).blocks == 5
+    finally:
+        flag.unlink(missing_ok=True)
+        d.stop()
+
+
+def test_a_put_waits_for_the_write_through_sends_that_pin_dram(
+        tmp_path: Path, redis_server: Any) -> None:
+    """Every DRAM block pinned by its write-through send to the remote store, the store
+    slow: a put waits for the sends, then evicts what they sent.  Before, it was
+    refused, "0 free and 0 evictable", as if engines held the pins."""
+    flag, reached = tmp_path / "hold", tmp_path / "reached"
+    d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB",
+                      extra=["--slab-size", "1MiB", "--remote", redis_server.url],
+                      env={**NO_DEFER, "REMOTE_HOLD_FLAG": str(flag),
+                           "REMOTE_HOLD_REACHED": str(reached), "REMOTE_HOLD_WRITES": "1"})
+    assert d.args[1:3] == ["-m", "kvstore"]
+    d.args[1:3] = [str(Path(__file__).resolve().parents[1] / "slow_remote.py")]
+    d.start()
+    try:
+        with Client(d.endpoint, tenant="acme") as c:
+            ns = c.namespace(BIG)
+            flag.touch()
+            ns.put(ns.keys(A_KEYS), blocks(100, 16))  # all of DRAM, its sends held
+            deadline = time.monotonic() + 10
+            while c.stats()["tiers"]["dram"]["pinned_blocks"] < 16:
+                assert time.monotonic() < deadline, c.stats()["tiers"]["dram"]
+                time.sleep(0.01)
+
+            def let_go() -> None:
+                time.sleep(0.8)
+                flag.unlink()
+
+            releaser = threading.Thread(target=let_go)
+            releaser.start()
+            try:
+                assert ns.put(ns.keys(B_KEYS), blocks(200, 5)) == 5
+            finally:
+                releaser.join()
+            assert ns.lookup(ns.keys(B_KEYS)).blocks == 5
+    finally:
+        flag.unlink(missing_ok=True)
+        d.stop()
