@@ -90,8 +90,10 @@ class RoomMaker:
         if excess <= 0:
             return None
 
+        never = count * slot > self.store.tenant_quota  # (no room coming makes it fit)
+
         def refuse() -> Plan:
-            if self.room_coming(None, tenant):
+            if not never and self.room_coming(None, tenant):
                 return Plan(room_coming=True)
             self.store.counters.capacity_rejects += 1
             raise CapacityError(
@@ -99,7 +101,7 @@ class RoomMaker:
                 f"{count * slot} more; its quota is {self.store.tenant_quota} bytes, and not enough "
                 f"of its blocks can be evicted (release pins, or ask for less)", cause="quota")
 
-        if count * slot > self.store.tenant_quota or held - dram.pinned.get(tenant, 0) < excess:
+        if never or held - dram.pinned.get(tenant, 0) < excess:
             return refuse()
         policies = [dram.policy(ns.cls)] + [
             policy for size, policy in dram.policies.items() if size != slot]

@@ -13,10 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_proc import DaemonProcess
 from kvtest import make_identity
 
 from kvstore import AsyncClient, Client
+from kvstore.errors import CapacityError
 
 TOKENS = 16
 BIG = make_identity(num_layers=4, num_kv_heads=4, head_dim=64, block_tokens=TOKENS)  # 64 KiB
@@ -273,6 +275,35 @@ def test_a_put_waits_for_the_write_through_sends_that_pin_dram(
             finally:
                 releaser.join()
             assert ns.lookup(ns.keys(B_KEYS)).blocks == 5
+    finally:
+        flag.unlink(missing_ok=True)
+        d.stop()
+
+
+def test_a_request_over_its_tenants_whole_quota_is_refused_at_once(tmp_path: Path) -> None:
+    """A put of more than the tenant's whole DRAM quota can never fit: refused at once,
+    however much of the tenant's room is coming (its write-through to SSD stalled here).
+    Before, it waited for that room in rounds, and the stalled write kept it from an
+    answer until its client gave up."""
+    flag = tmp_path / "stall"
+    d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", ssd_capacity="8MiB",
+                      extra=["--slab-size", "1MiB", "--ssd-write-policy", "write-through"],
+                      env={**NO_DEFER, "STALL_FLAG": str(flag),
+                           "KVSTORE_DRAM_TENANT_QUOTA": str(8 * BIG.block_bytes)})
+    assert d.args[1:3] == ["-m", "kvstore"]
+    d.args[1:3] = [str(STALLED_DISK)]
+    d.start()
+    try:
+        with Client(d.endpoint, tenant="acme", timeout=5) as c:
+            ns = c.namespace(BIG)
+            flag.touch()
+            ns.put(ns.keys(range(TOKENS * 2)), blocks(0, 2))  # its write-through stalls
+            deadline = time.monotonic() + 10
+            while c.stats()["tiers"]["ssd"]["reserved"] == 0:
+                assert time.monotonic() < deadline, "the write-through never began"
+                time.sleep(0.01)
+            with pytest.raises(CapacityError, match="quota"):
+                ns.put(ns.keys(range(70_000, 70_000 + TOKENS * 9)), blocks(200, 9))
     finally:
         flag.unlink(missing_ok=True)
         d.stop()
