@@ -205,8 +205,10 @@ class RoomMaker:
         asks for), or only ``tenant``'s blocks if given."""
         pool = dram.pool
         policy = dram.policy(cls)
+        # more than the tier holds of the class, every slab its: no room coming will do
+        never = need + pool.available(cls) > pool.num_slabs * cls.slots_per_slab
         if need > len(policy):
-            if self.room_coming(cls):
+            if not never and self.room_coming(cls):
                 return Plan(room_coming=True)  # room is on its way: wait for those writes
             self.store.counters.capacity_rejects += 1
             raise CapacityError(
@@ -256,7 +258,7 @@ class RoomMaker:
             return leaving.plan()
         if taken < need:
             self._put_back(leaving.to_demote + leaving.to_remote)  # nothing was written yet
-            if self.room_coming(cls):
+            if not never and self.room_coming(cls):
                 return Plan(room_coming=True)
             self.store.counters.capacity_rejects += 1
             tried = " then ".join(name for name, _ in steps) or (

@@ -307,3 +307,30 @@ def test_a_request_over_its_tenants_whole_quota_is_refused_at_once(tmp_path: Pat
     finally:
         flag.unlink(missing_ok=True)
         d.stop()
+
+
+def test_a_request_for_more_than_the_whole_tier_is_refused_at_once(tmp_path: Path) -> None:
+    """A put of 17 blocks into a DRAM tier of 16 slots can never fit: refused at once,
+    however much room is coming (a write-through to SSD stalled here).  Before, it
+    waited for that room in rounds, unanswered until its client gave up."""
+    flag = tmp_path / "stall"
+    d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", ssd_capacity="8MiB",
+                      extra=["--slab-size", "1MiB", "--ssd-write-policy", "write-through"],
+                      env={**NO_DEFER, "STALL_FLAG": str(flag)})
+    assert d.args[1:3] == ["-m", "kvstore"]
+    d.args[1:3] = [str(STALLED_DISK)]
+    d.start()
+    try:
+        with Client(d.endpoint, tenant="acme", timeout=5) as c:
+            ns = c.namespace(BIG)
+            flag.touch()
+            ns.put(ns.keys(range(TOKENS * 2)), blocks(0, 2))  # its write-through stalls
+            deadline = time.monotonic() + 10
+            while c.stats()["tiers"]["ssd"]["reserved"] == 0:
+                assert time.monotonic() < deadline, "the write-through never began"
+                time.sleep(0.01)
+            with pytest.raises(CapacityError, match="17 slots"):
+                ns.put(ns.keys(range(70_000, 70_000 + TOKENS * 17)), blocks(200, 17))
+    finally:
+        flag.unlink(missing_ok=True)
+        d.stop()
