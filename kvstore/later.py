@@ -29,6 +29,11 @@ log = logging.getLogger("kvstore.server")
 # The verbs a full tier may defer (when the pressure chain has "defer").
 DEFERRABLE = frozenset({"reserve", "put", "acquire", "get"})
 _MAX_ROUNDS = 1000  # plans one request may go through (each a move, or a wake-up)
+# Seconds one request may wait for room that writes under way will free: they end within
+# a second or two (a batch's write to SSD, a copy into the GPU tier, a send to the remote
+# store), but one to a disk that stopped answering never does; the request is refused
+# then, its payload let go, not held for its 1000 rounds of half a second
+ROOM_COMING_SECONDS = 30.0
 
 
 class Finisher:
@@ -156,6 +161,7 @@ class Finisher:
         # the deferral the request waits in, kept across plans of a turn (a slab taken,
         # still short: it waits on in its place, not refused at the next attempt)
         deferral: Plan | None = None
+        room_since: float | None = None  # when it began to wait for room coming
         while rounds < _MAX_ROUNDS:
             if isinstance(pending, Plan) and pending.turn and turns < MAX_TURNS:
                 turns += 1  # (a turn comes after progress: not one of the rounds)
@@ -171,6 +177,13 @@ class Finisher:
                     made = await pending.reply
                 return made if isinstance(made, tuple) else (made, [])
             plan = pending
+            if plan.room_coming:
+                now = self.d.clock()
+                room_since = now if room_since is None else room_since
+                if now - room_since > ROOM_COMING_SECONDS:
+                    raise CapacityError(
+                        f"no room in the dram tier: the writes that were to free it did not "
+                        f"end within {ROOM_COMING_SECONDS:g}s", cause="deadline")
             try:
                 if plan.defer_until is None:
                     with self._under_way(session):

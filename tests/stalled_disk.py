@@ -2,7 +2,8 @@
 file ``$STALL_FLAG`` exists, as a write to a disk that stopped answering hangs in the
 kernel (the writing thread never returns until the flag goes); and its SSD reads while
 ``$STALL_READS_FLAG`` exists, if set (``$STALL_READS_REACHED`` is created when one is
-held)."""
+held).  ``$ROOM_COMING_SECONDS``, if set, is how long a request waits for room that
+writes under way are to free (``kvstore.later.ROOM_COMING_SECONDS``)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ def _stalled_preadv(fd: int, buffers: Any, offset: int, *flags: int) -> int:
 
 
 os.preadv = _stalled_preadv
+
+if "ROOM_COMING_SECONDS" in os.environ:
+    import kvstore.later
+
+    kvstore.later.ROOM_COMING_SECONDS = float(os.environ["ROOM_COMING_SECONDS"])
 
 if __name__ == "__main__":
     from kvstore.cli import main

@@ -334,3 +334,52 @@ def test_a_request_for_more_than_the_whole_tier_is_refused_at_once(tmp_path: Pat
     finally:
         flag.unlink(missing_ok=True)
         d.stop()
+
+
+def test_a_request_waits_for_room_coming_within_a_bound_then_is_refused(
+        tmp_path: Path) -> None:
+    """The disk stops answering under a put's demotions: a reserve waiting for the room
+    they were to free is refused once its bound passes (here 1 s), its slots and payload
+    let go, not held for its 1000 rounds of half a second (500 s); the disk back, the put
+    goes in and a reserve then too."""
+    flag = tmp_path / "stall"
+    d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", ssd_capacity="8MiB",
+                      extra=["--slab-size", "1MiB"],
+                      env={**NO_DEFER, "STALL_FLAG": str(flag), "ROOM_COMING_SECONDS": "1"})
+    assert d.args[1:3] == ["-m", "kvstore"]
+    d.args[1:3] = [str(STALLED_DISK)]
+    d.start()
+    try:
+        fill_dram(d)
+        flag.touch()
+        results: dict[str, Any] = {}
+
+        def put() -> None:
+            try:
+                with Client(d.endpoint, tenant="acme", timeout=60) as c:
+                    ns = c.namespace(BIG)
+                    results["put"] = ns.put(ns.keys(A_KEYS), blocks(100, 16))
+            except Exception as exc:  # (reported below)
+                results["put"] = exc
+
+        putter = threading.Thread(target=put)
+        putter.start()
+        with Client(d.endpoint, tenant="acme", timeout=60) as c:
+            deadline = time.monotonic() + 10
+            while c.stats()["tiers"]["ssd"]["reserved"] == 0:  # the demotions' write
+                assert time.monotonic() < deadline, "the put's demotions never began"
+                time.sleep(0.01)
+            ns = c.namespace(BIG)
+            start = time.monotonic()
+            with pytest.raises(CapacityError, match="did not end within 1s"):
+                ns.reserve(ns.keys(B_KEYS))
+            assert 1.0 <= time.monotonic() - start < 20
+            assert c.stats()["tiers"]["dram"]["reserved_slots"] == 0  # none kept
+            flag.unlink()
+            putter.join(30)
+            assert results == {"put": 16}, results
+            with ns.reserve(ns.keys(B_KEYS)) as r:
+                assert r.commit() == 5
+    finally:
+        flag.unlink(missing_ok=True)
+        d.stop()
