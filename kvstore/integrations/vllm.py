@@ -90,6 +90,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.client import Namespace
+from kvstore.errors import ConfigError
 from kvstore.integrations.daemon_link import (
     REFRESH_RATES_S,
     DaemonLink,
@@ -280,6 +281,42 @@ def _switch(name: str, value: Any) -> bool:
 _SWITCH_TEXTS = {"true": True, "1": True, "yes": True, "on": True,
                  "false": False, "0": False, "no": False, "off": False}
 
+# kv_connector_extra_config's numbers: the least each takes, and whether that itself is
+# taken (``check_values``)
+_NUMBERS = {"timeout": (0.0, False), "max_pending_save_mib": (0.0, False),
+            "prefill_tokens_per_s": (0.0, True), "rates_refresh_s": (0.0, True)}
+_NAMES = ("tenant", "token", "model_revision")  # text, or a whole number (its text)
+
+
+def check_values(extra: dict[str, Any]) -> None:
+    """Refuse, naming the key, a ``kv_connector_extra_config`` value the connector would
+    misread: before, a ``timeout`` of -1 was taken (a daemon that stopped answering
+    hung the engine's step for good) and one of 0 made every call a miss; "10s" (or a
+    ``max_pending_save_mib`` of "1GiB") raised float()'s bare error, which names no
+    key; an ``endpoint`` that is not text crashed the connect thread, and the engine
+    served on without a word."""
+    for key, (least, least_taken) in _NUMBERS.items():
+        if key not in extra:
+            continue
+        value = extra[key]
+        try:
+            number = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number) or number < least or (number == least
+                                                          and not least_taken):
+            bound = f">= {least:g}" if least_taken else f"> {least:g}"
+            raise ConfigError(f"KVStoreConnector: kv_connector_extra_config key {key!r} "
+                              f"is {value!r}: it takes a number {bound}")
+    for key in ("endpoint", "model_name", *_NAMES):
+        value = extra.get(key)
+        if value is None or isinstance(value, str) or (
+                key in _NAMES and isinstance(value, int) and not isinstance(value, bool)):
+            continue
+        kind = "text or a whole number" if key in _NAMES else "text"
+        raise ConfigError(f"KVStoreConnector: kv_connector_extra_config key {key!r} is "
+                          f"{value!r} ({type(value).__name__}): it takes {kind}")
+
 
 def usable_cores() -> int:
     """Physical cores this process may run on: the CPUs of its affinity, hyperthreads
@@ -400,24 +437,26 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        ConnectorOptions.check_keys(extra)  # (warned before anything starts: a connect)
+        # (warned, or refused, before anything starts: a connect)
+        ConnectorOptions.check_keys(extra)
+        check_values(extra)
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("KVStoreConnector does not support pipeline parallelism yet")
+        self._opts = ConnectorOptions.from_extra(extra, kv_cache_config)
         scheduler = role == KVConnectorRole.SCHEDULER  # its link reads no block
         self._link = DaemonLink(DaemonSettings.from_extra(extra, timeout=5.0),
                                 map_arena=not scheduler)
         self._groups = kv_groups(vllm_config, kv_cache_config, self._link.settings.tenant,
                                extra)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
-        if scheduler:  # connected (hello, namespaces) now, never in a request's path
-            self._link.connect_in_background(plain_namespaces(self._groups, self._tp_size))
-        if vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise ValueError("KVStoreConnector does not support pipeline parallelism yet")
-        self._is_producer = self._kv_transfer_config.is_kv_producer
-        self._is_consumer = self._kv_transfer_config.is_kv_consumer
-        self._opts = ConnectorOptions.from_extra(extra, kv_cache_config)
         self._rates = LoadRates(
             LoadWorth.from_extra(extra, sum(g.identity.block_bytes for g in self._groups),
                                  self._groups[0].block_tokens),
             refresh_s=float(extra.get("rates_refresh_s", REFRESH_RATES_S)))
+        if scheduler:  # connected (hello, namespaces) now, never in a request's path
+            self._link.connect_in_background(plain_namespaces(self._groups, self._tp_size))
+        self._is_producer = self._kv_transfer_config.is_kv_producer
+        self._is_consumer = self._kv_transfer_config.is_kv_consumer
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         # scheduler side
         self._book = RequestBook(
