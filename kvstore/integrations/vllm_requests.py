@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+SAVED_LATELY = 16384  # first-group keys of the last saves kept (``_saved_since``)
+
 # ========================================================================================
 # metadata: scheduler -> worker
 # ========================================================================================
@@ -189,6 +191,9 @@ class RequestBook:
         # planned each: another request with the same prefix (a parallel sample) skips
         # them rather than send the same blocks again
         self._planned: dict[bytes, int] = {}
+        # the first group's keys of the last saves planned (oldest first, bounded): a
+        # request's lookup, sent as it came, that missed one of them is sent again
+        self._saved_lately: dict[bytes, None] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -244,6 +249,8 @@ class RequestBook:
                 return 0, False
             started = time.perf_counter()
             state.cached = self._lookup(state, full)
+            if state.cached[0] < full and self._saved_since(state, state.cached[0]):
+                state.cached = self._lookup(state, full)
             self.stats["lookup_us"] += int((time.perf_counter() - started) * 1e6)
         cached, tiers = state.cached
         # Blocks the store holds are never saved again, loaded or not.
@@ -278,6 +285,14 @@ class RequestBook:
         logger.debug("kvstore: request %s: %d tokens cached in the daemon",
                      request.request_id, tokens)
         return tokens, False
+
+    def _saved_since(self, state: RequestState, missed: int) -> bool:
+        """Whether the first block a request's lookup missed is one this engine saved
+        lately: the lookup went out as the request came, and a request that waited in
+        vLLM's queue behind others of its prefix (``max_num_seqs`` reached, its prefix
+        cache off or evicted) found none of what they saved meanwhile, and computed
+        it all again (and sent it again, a duplicate)."""
+        return self._keys(state, self._groups[0], missed + 1)[missed] in self._saved_lately
 
     def _pinnable(self, state: RequestState) -> int:
         """The most blocks of a request one load may pin: its blocks of every group and
@@ -408,6 +423,9 @@ class RequestBook:
         state.saving = True
         for key in first[start:full]:
             self._planned[key] = self._planned.get(key, 0) + 1
+            self._saved_lately[key] = None
+            if len(self._saved_lately) > SAVED_LATELY:
+                del self._saved_lately[next(iter(self._saved_lately))]
         state.planned.extend(first[start:full])
 
     def reset(self) -> None:

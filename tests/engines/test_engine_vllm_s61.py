@@ -13,11 +13,13 @@ with a timeout of -1 and no daemon up never finished starting).
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_envs import HERE, last_json, run_in_env
+from daemon_proc import DaemonProcess
+from engine_envs import HERE, in_lanes_on, last_json, run_in_env
 
 VALUES = """
 import json
@@ -80,3 +82,73 @@ def test_an_engine_with_a_timeout_of_minus_one_fails_its_start(tmp_path: Path) -
     said = last_json(run_in_env("vllm", ["-c", START, str(HERE), json.dumps(extra)],
                                 timeout=300, cwd=tmp_path).stdout)
     assert said.startswith("ConfigError: KVStoreConnector") and "'timeout'" in said, said
+
+
+# -- one request at a time (``max_num_seqs=1``), vLLM's own prefix cache off ------------
+BLOCK = 32
+PREFIX = [(11 * i + 3) % 500 + 3 for i in range(4 * BLOCK)]
+QUEUED = [PREFIX + [5, 6, 7], PREFIX + [8, 9], PREFIX[:3 * BLOCK] + [4] * 40]
+PHASES: list[dict[str, Any]] = [
+    {"prompts": QUEUED},                                            # 0: queued, one by one
+    {"prompts": [[7], PREFIX[:BLOCK], PREFIX[:BLOCK + 1], PREFIX[:BLOCK - 1]]},  # 1: tiny
+]
+ENGINE = {"block_size": BLOCK, "enable_prefix_caching": False, "max_num_seqs": 1}
+
+
+def engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    argv = [str(HERE / "vllm_setups_run.py"), "--model", str(tmp / f"tiny-llama-{name}"),
+            "--spec", str(path)]
+    out: dict[str, Any] = last_json(run_in_env("vllm", argv, timeout=300, cwd=tmp).stdout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("vllm-s61")
+    daemon = DaemonProcess(tmp / "daemon", dram_capacity="64MiB",
+                           extra=["--slab-size", "4MiB"]).start()
+    connector = {"extra": {"endpoint": daemon.endpoint,
+                           "tenant": f"s61-{uuid.uuid4().hex[:8]}"}}
+    out: dict[str, Any] = {}
+
+    def plain() -> None:
+        out["plain"] = engine(tmp, "plain", {"engine": ENGINE, "phases": PHASES})
+
+    def stored() -> None:
+        out["kvstore"] = engine(tmp, "kvstore", {"engine": ENGINE, "phases": PHASES,
+                                                 "connector": connector})
+
+    in_lanes_on([daemon], plain, stored)
+    return out
+
+
+def outputs(run: dict[str, Any], phase: int) -> list[Any]:
+    return [r and r["outputs"] for r in run["phases"][phase]["results"]]
+
+
+def test_a_queued_request_loads_what_the_requests_before_it_saved(
+        one_at_a_time: dict[str, Any]) -> None:
+    run, plain = one_at_a_time["kvstore"], one_at_a_time["plain"]
+    assert outputs(run, 0) == outputs(plain, 0)
+    # The three came at once and ran one after the other: the second loads the first's
+    # 4 blocks, the third 3 of them.  Before: each kept the lookup sent as it came
+    # (nothing saved yet), computed them all again and sent them again (7 duplicates).
+    assert [r["num_cached_tokens"] for r in run["phases"][0]["results"]] == [
+        0, 4 * BLOCK, 3 * BLOCK]
+    assert run["phases"][0]["external_tokens"] == 7 * BLOCK
+    assert run["phases"][0]["duplicates"] == 0
+
+
+def test_prompts_of_one_token_or_about_one_block_match_and_leave_nothing_held(
+        one_at_a_time: dict[str, Any]) -> None:
+    run, plain = one_at_a_time["kvstore"], one_at_a_time["plain"]
+    assert outputs(run, 1) == outputs(plain, 1)
+    # one token, one block exactly (vLLM computes its last token), one past, one short
+    assert [r["num_cached_tokens"] for r in run["phases"][1]["results"]] == [0, 0, BLOCK, 0]
+    assert all(p["left_in_scheduler"] == 0 for p in run["phases"])
+    assert run["scheduler_requests_left"] == 0
+    assert run["daemon_dram"]["pinned_blocks"] == 0
+    assert run["daemon_dram"]["reserved_slots"] == 0
+    assert run["worker"]["load_failed_blocks"] == 0
