@@ -439,6 +439,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         # (warned, or refused, before anything starts: a connect)
         ConnectorOptions.check_keys(extra)
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy == "fail" and self._kv_transfer_config.is_kv_consumer:
+            # vLLM's default: a block evicted between the lookup and the load (a daemon
+            # under pressure, or restarted) fails the request, with an error, rather
+            # than have it computed
+            logger.warning("KVStoreConnector: kv_load_failure_policy is \"fail\": a "
+                           "request whose cached blocks the daemon lets go before they "
+                           "load ends with an error; set it to \"recompute\" to compute "
+                           "them instead")
         check_values(extra)
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("KVStoreConnector does not support pipeline parallelism yet")

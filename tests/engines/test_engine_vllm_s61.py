@@ -7,7 +7,9 @@ and a ``max_pending_save_mib`` of -5; a ``timeout`` of "10s" raised float()'s ba
 ValueError, which names no key, after the scheduler's connect had started; an
 ``endpoint`` that is not text crashed the connect thread, and the engine served on.
 Now each is refused when the engine starts, with the key named (before, the engine
-with a timeout of -1 and no daemon up never finished starting).
+with a timeout of -1 and no daemon up never finished starting).  vLLM's default
+``kv_load_failure_policy``, "fail", is warned of: a load that fails (its blocks evicted
+since the lookup) ends the request with an error, where "recompute" computes them.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import vllm_run, vllm_setups_run
 vllm_run.make_model("tiny-llama")
 try:
-    vllm_setups_run.start_engine("tiny-llama", {}, {"extra": json.loads(sys.argv[2])})
+    vllm_setups_run.start_engine("tiny-llama", {}, json.loads(sys.argv[2]))
     print(json.dumps("started"))
 except Exception as exc:
     print(json.dumps(f"{type(exc).__name__}: {exc}"))
@@ -78,10 +80,16 @@ def test_a_value_of_the_wrong_type_or_range_is_refused_naming_its_key(
 
 def test_an_engine_with_a_timeout_of_minus_one_fails_its_start(tmp_path: Path) -> None:
     # (the daemon need not be up: the value is refused before any connect)
-    extra = {"endpoint": f"ipc://{tmp_path / 'kvstore.sock'}", "timeout": -1}
-    said = last_json(run_in_env("vllm", ["-c", START, str(HERE), json.dumps(extra)],
-                                timeout=300, cwd=tmp_path).stdout)
+    conn = {"extra": {"endpoint": f"ipc://{tmp_path / 'kvstore.sock'}", "timeout": -1},
+            "load_failure_policy": "fail"}
+    proc = run_in_env("vllm", ["-c", START, str(HERE), json.dumps(conn)], timeout=300,
+                      cwd=tmp_path)
+    said = last_json(proc.stdout)
     assert said.startswith("ConfigError: KVStoreConnector") and "'timeout'" in said, said
+    # vLLM's own default policy, "fail", ends a request with an error where its cached
+    # blocks were evicted between the lookup and the load (the docs say "recompute";
+    # a configuration that leaves it out was not told): warned as the engine starts
+    assert 'kv_load_failure_policy is "fail"' in proc.stderr
 
 
 # -- one request at a time (``max_num_seqs=1``), vLLM's own prefix cache off ------------

@@ -3,8 +3,9 @@
 Runs inside the vLLM test environment (.engine-envs/vllm), started by
 test_engine_vllm_setups.py.  ``--spec`` names a JSON object: ``engine`` (vLLM's
 ``block_size``, ``enable_prefix_caching``, ``max_num_batched_tokens``,
-``kv_cache_mib``, ``max_model_len``, ``dtype``, ``max_num_seqs``), ``connector`` (``role`` and extra
-config; absent: no kvstore), ``log`` (kvstore's log level on stderr) and ``phases``,
+``kv_cache_mib``, ``max_model_len``, ``dtype``, ``max_num_seqs``), ``connector``
+(``role``, ``load_failure_policy`` and extra config; absent: no kvstore), ``log``
+(kvstore's log level on stderr) and ``phases``,
 run in order, each ``{"prompts": [token id lists], "n": samples, "max_tokens": int,
 "seed": int, "temperature": float, "abort_after_steps": int, "reset_prefix_cache": bool,
 "pause": name, "step_pause": {"after": steps, "name": name}, "sleep": seconds,
@@ -100,7 +101,8 @@ def start_engine(model: str, eng: dict[str, Any], conn: dict[str, Any] | None,
         kv_transfer_config = KVTransferConfig(
             kv_connector="KVStoreConnector",
             kv_connector_module_path="kvstore.integrations.vllm",
-            kv_role=conn.get("role", "kv_both"), kv_load_failure_policy="recompute",
+            kv_role=conn.get("role", "kv_both"),
+            kv_load_failure_policy=conn.get("load_failure_policy", "recompute"),
             kv_connector_extra_config=extra)
     batched = eng.get("max_num_batched_tokens")
     if "max_num_seqs" in eng:
