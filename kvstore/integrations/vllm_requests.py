@@ -249,7 +249,8 @@ class RequestBook:
                 return 0, False
             started = time.perf_counter()
             state.cached = self._lookup(state, full)
-            if state.cached[0] < full and self._saved_since(state, state.cached[0]):
+            missed = max(state.cached[0], first)  # (vLLM's own cache holds the first)
+            if missed < full and self._saved_since(state, missed):
                 state.cached = self._lookup(state, full)
             self.stats["lookup_us"] += int((time.perf_counter() - started) * 1e6)
         cached, tiers = state.cached
@@ -287,11 +288,12 @@ class RequestBook:
         return tokens, False
 
     def _saved_since(self, state: RequestState, missed: int) -> bool:
-        """Whether the first block a request's lookup missed is one this engine saved
-        lately: the lookup went out as the request came, and a request that waited in
-        vLLM's queue behind others of its prefix (``max_num_seqs`` reached, its prefix
-        cache off or evicted) found none of what they saved meanwhile, and computed
-        it all again (and sent it again, a duplicate)."""
+        """Whether the first block a request's lookup missed (and vLLM does not hold)
+        is one this engine saved lately: the lookup went out as the request came, and a
+        request that waited in vLLM's queue behind others of its prefix
+        (``max_num_seqs`` reached, its prefix cache off or evicted) found none of what
+        they saved meanwhile, and computed it all again (and sent it again, a
+        duplicate).  Then it is looked up again, once."""
         return self._keys(state, self._groups[0], missed + 1)[missed] in self._saved_lately
 
     def _pinnable(self, state: RequestState) -> int:
