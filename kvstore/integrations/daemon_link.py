@@ -90,6 +90,7 @@ class _Connected:
     namespaces: dict[Hashable, Namespace] = field(default_factory=dict)
     error: KVStoreError | None = None
     at: float = 0.0  # when the client last called the daemon (the link's clock)
+    failed_at: float | None = None  # when the connect failed (the link's clock)
     dropped: bool = False  # the link was closed meanwhile: the thread closes its client
     lock: threading.Lock = field(default_factory=threading.Lock)  # for client and dropped
 
@@ -251,6 +252,14 @@ class DaemonLink:
             if _is_refusal(pending.error):
                 self._refuse(pending.settings, pending.error)
             self.failed("connect", pending.error)
+            failed_at = pending.failed_at
+            if (isinstance(pending.error, UnavailableError) and failed_at is not None
+                    and failed_at < self._backed_off_at):
+                # The back-off runs from the connect's failure, not from its outcome
+                # taken at a later call: a daemon started meanwhile (after the engine,
+                # or again) was left alone a whole back-off more, every request a miss.
+                self._backed_off_at = failed_at
+                self._unavailable_until = failed_at + self._backoff_s
         elif pending.client is not None:
             self._refused = None
             self._client = pending.client
@@ -280,14 +289,14 @@ class DaemonLink:
             client = Client(s.endpoint, tenant=s.tenant, token=s.token, timeout=s.timeout,
                             map_arena=self._map_arena)
         except KVStoreError as exc:
-            pending.error = exc
+            pending.error, pending.failed_at = exc, self._clock()
             return
         try:
             for key, identity in (self._background or {}).items():
                 pending.namespaces[key] = client.namespace(identity())
         except KVStoreError as exc:
             client.close()
-            pending.error = exc
+            pending.error, pending.failed_at = exc, self._clock()
             return
         except BaseException:
             client.close()

@@ -331,3 +331,30 @@ def test_a_background_link_whose_daemon_restarted_connects_again_at_once(
         assert again is not None and again.lookup([bytes(range(16))]).blocks == 0
     finally:
         link.close()
+
+
+def test_a_background_connect_that_failed_long_ago_backs_off_from_then(
+        tmp_path: Path) -> None:
+    # A daemon not up when the engine started, and started later: the engine's next
+    # request takes the outcome of a connect that failed while it was down.  Before, the
+    # back-off ran from then, and the daemon up meanwhile was left alone 10 s more (in a
+    # vLLM engine run, every request of those 10 s a miss).
+    now = [0.0]
+    late = DaemonProcess(tmp_path / "late")
+    link = DaemonLink(DaemonSettings(late.endpoint, "acme", timeout=0.5), backoff_s=10.0,
+                      clock=lambda: now[0], map_arena=False)
+    try:
+        link.connect_in_background({"pages": identity})
+        assert not link.wait_connected(10) and not link.available()
+        now[0] = 20.0  # past the back-off: the next call connects again, apart: down still
+        assert link.client() is None
+        for thread in threading.enumerate():
+            if thread.name == "kvstore-connect":
+                thread.join(10)
+        late.start()
+        now[0] = 50.0  # (the failed connect's outcome is taken at this call)
+        assert link.client() is None and link.available()
+        assert link.wait_connected(10) and link.namespace("pages", identity) is not None
+    finally:
+        link.close()
+        late.stop()
