@@ -1,5 +1,8 @@
 """vLLM on the CPU with kvstore's connector under set-ups the other engine tests do not
-take: a ``kv_connector_extra_config`` with a value of the wrong type or range.
+take: a ``kv_connector_extra_config`` with a value of the wrong type or range; one
+request at a time (``max_num_seqs=1``) with vLLM's prefix cache off, requests queued
+behind others of their prefix, prompts of one token or about one block; vLLM's async
+scheduling.
 
 Before: the connector took a ``timeout`` of -1 (a daemon that stopped answering hung the
 engine's step for good) or 0 (every call a miss, the engine served without kvstore),
@@ -128,7 +131,15 @@ def one_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out["kvstore"] = engine(tmp, "kvstore", {"engine": ENGINE, "phases": PHASES,
                                                  "connector": connector})
 
-    in_lanes_on([daemon], plain, stored)
+    def scheduled_async() -> None:
+        # vLLM's async scheduling (the next step scheduled while this one runs)
+        out["async"] = engine(tmp, "async", {
+            "engine": {"block_size": BLOCK, "async_scheduling": True},
+            "phases": [{"prompts": QUEUED[:2]},
+                       {"prompts": QUEUED[:2], "reset_prefix_cache": True}],
+            "connector": {"extra": {**connector["extra"], "tenant": "async"}}})
+
+    in_lanes_on([daemon], plain, stored, scheduled_async)
     return out
 
 
@@ -160,3 +171,15 @@ def test_prompts_of_one_token_or_about_one_block_match_and_leave_nothing_held(
     assert run["daemon_dram"]["pinned_blocks"] == 0
     assert run["daemon_dram"]["reserved_slots"] == 0
     assert run["worker"]["load_failed_blocks"] == 0
+
+
+def test_async_scheduling_loads_what_it_saved(one_at_a_time: dict[str, Any]) -> None:
+    run = one_at_a_time["async"]
+    # its own first phase computed them; the second loads them (vLLM's cache emptied)
+    assert outputs(run, 1) == outputs(run, 0)
+    assert run["phases"][0]["external_tokens"] == 0
+    # the first loads the prefix's 4 blocks; the second, in the same step, finds them
+    # in vLLM's own cache
+    assert run["phases"][1]["external_tokens"] == 4 * BLOCK
+    assert run["daemon_dram"]["pinned_blocks"] == 0
+    assert run["daemon_dram"]["reserved_slots"] == 0

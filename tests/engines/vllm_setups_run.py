@@ -3,7 +3,8 @@
 Runs inside the vLLM test environment (.engine-envs/vllm), started by
 test_engine_vllm_setups.py.  ``--spec`` names a JSON object: ``engine`` (vLLM's
 ``block_size``, ``enable_prefix_caching``, ``max_num_batched_tokens``,
-``kv_cache_mib``, ``max_model_len``, ``dtype``, ``max_num_seqs``), ``connector``
+``kv_cache_mib``, ``max_model_len``, ``dtype``, ``max_num_seqs``,
+``async_scheduling``), ``connector``
 (``role``, ``load_failure_policy`` and extra config; absent: no kvstore), ``log``
 (kvstore's log level on stderr) and ``phases``,
 run in order, each ``{"prompts": [token id lists], "n": samples, "max_tokens": int,
@@ -105,8 +106,9 @@ def start_engine(model: str, eng: dict[str, Any], conn: dict[str, Any] | None,
             kv_load_failure_policy=conn.get("load_failure_policy", "recompute"),
             kv_connector_extra_config=extra)
     batched = eng.get("max_num_batched_tokens")
-    if "max_num_seqs" in eng:
-        more = {"max_num_seqs": eng["max_num_seqs"], **more}
+    for name in ("max_num_seqs", "async_scheduling"):
+        if name in eng:
+            more = {name: eng[name], **more}
     llm = LLM(model=model, skip_tokenizer_init=True, dtype=eng.get("dtype", "float32"),
               block_size=eng.get("block_size", 32),
               max_model_len=eng.get("max_model_len", 512), enforce_eager=True, seed=0,
