@@ -13,6 +13,8 @@ Now each is refused when the engine starts, with the key named (before, the engi
 with a timeout of -1 and no daemon up never finished starting).  vLLM's default
 ``kv_load_failure_policy``, "fail", is warned of: a load that fails (its blocks evicted
 since the lookup) ends the request with an error, where "recompute" computes them.
+A request that waited in vLLM's queue behind others of its prefix kept the lookup sent
+as it came, before they saved: it computed their blocks again, and sent them again.
 """
 
 from __future__ import annotations
