@@ -38,7 +38,8 @@ def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
     if conn is not None:
         kv_transfer_config = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config={
+            kv_role="kv_both", kv_load_failure_policy="recompute",  # (as the docs say)
+            kv_connector_extra_config={
                 "model_name": "tiny-llama", "model_revision": "seed1234", **conn["extra"]})
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=32,
               max_model_len=512, enforce_eager=True, seed=0, gpu_memory_utilization=0.05,
