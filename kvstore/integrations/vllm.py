@@ -18,8 +18,8 @@ read here; from the first block, so blocks the store already
 holds are never saved again; the result is kept for the request's later scheduling
 steps, but sent again once where the first block it missed is one this engine saved
 since: a request that waited in the queue), has the daemon bring blocks found on SSD
-or remote up to DRAM (``prefetch``), and offers the cached prefix as external tokens; ``update_state_after_alloc`` records
-where they load; ``build_connector_meta`` hands the worker this step's loads and the
+or remote up to DRAM (``prefetch``), and offers the cached prefix as external tokens;
+``update_state_after_alloc`` records where they load; ``build_connector_meta`` hands the worker this step's loads and the
 blocks that become complete (to save).  That side's bookkeeping is ``RequestBook``
 (``kvstore.integrations.vllm_requests``); the connector hands vLLM's calls to it.
 
