@@ -19,8 +19,8 @@ holds are never saved again; the result is kept for the request's later scheduli
 steps, but sent again once where the first block it missed is one this engine saved
 since: a request that waited in the queue), has the daemon bring blocks found on SSD
 or remote up to DRAM (``prefetch``), and offers the cached prefix as external tokens;
-``update_state_after_alloc`` records where they load; ``build_connector_meta`` hands the worker this step's loads and the
-blocks that become complete (to save).  That side's bookkeeping is ``RequestBook``
+``update_state_after_alloc`` records where they load; ``build_connector_meta`` hands
+the worker this step's loads and the blocks that become complete (to save).  That side's bookkeeping is ``RequestBook``
 (``kvstore.integrations.vllm_requests``); the connector hands vLLM's calls to it.
 
 Worker side: ``handle_preemptions``, the step's first call, sends one acquire per
