@@ -11,16 +11,16 @@ Load it with::
 
 Scheduler side: connects to the daemon (and opens the namespaces of requests with no
 adapter or salt) on a thread from its construction, so no request waits for a connect;
-until it is done, or while a daemon that is down is tried again, lookups are misses.
-For a new request, ``get_num_new_matched_tokens`` looks the prompt's
-full blocks up in the daemon once (sent by ``on_new_request`` as it arrives, the reply
-read here; from the first block, so blocks the store already
-holds are never saved again; the result is kept for the request's later scheduling
-steps, but sent again once where the first block it missed is one this engine saved
-since: a request that waited in the queue), has the daemon bring blocks found on SSD
-or remote up to DRAM (``prefetch``), and offers the cached prefix as external tokens;
-``update_state_after_alloc`` records where they load; ``build_connector_meta`` hands
-the worker this step's loads and the blocks that become complete (to save).  That side's bookkeeping is ``RequestBook``
+until it is done, or while a daemon that is down is tried again, lookups are misses. For
+a new request, ``get_num_new_matched_tokens`` looks the prompt's full blocks up in the
+daemon once (sent by ``on_new_request`` as it arrives, the reply read here; from the
+first block, so blocks the store already holds are never saved again; the result is kept
+for the request's later scheduling steps, but sent again once where the first block it
+missed is one this engine saved since: a request that waited in the queue), has the
+daemon bring blocks found on SSD or remote up to DRAM (``prefetch``), and offers the
+cached prefix as external tokens; ``update_state_after_alloc`` records where they load;
+``build_connector_meta`` hands the worker this step's loads and the blocks that become
+complete (to save).  That side's bookkeeping is ``RequestBook``
 (``kvstore.integrations.vllm_requests``); the connector hands vLLM's calls to it.
 
 Worker side: ``handle_preemptions``, the step's first call, sends one acquire per
