@@ -282,6 +282,8 @@ def _switch(name: str, value: Any) -> bool:
 _SWITCH_TEXTS = {"true": True, "1": True, "yes": True, "on": True,
                  "false": False, "0": False, "no": False, "off": False}
 
+_told_fail: list[bool] = []  # whether kv_load_failure_policy "fail" was warned of
+
 # kv_connector_extra_config's numbers: the least each takes, and whether that itself is
 # taken (``check_values``)
 _NUMBERS = {"timeout": (0.0, False), "max_pending_save_mib": (0.0, False),
@@ -441,14 +443,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # (warned, or refused, before anything starts: a connect)
         ConnectorOptions.check_keys(extra)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
-        if policy == "fail" and self._kv_transfer_config.is_kv_consumer:
+        if policy == "fail" and self._kv_transfer_config.is_kv_consumer and not _told_fail:
             # vLLM's default: a block evicted between the lookup and the load (a daemon
             # under pressure, or restarted) fails the request, with an error, rather
             # than have it computed
-            logger.warning("KVStoreConnector: kv_load_failure_policy is \"fail\": a "
-                           "request whose cached blocks the daemon lets go before they "
-                           "load ends with an error; set it to \"recompute\" to compute "
-                           "them instead")
+            logger.warning("KVStoreConnector: kv_load_failure_policy is \"fail\" (vLLM's "
+                           "default): a request whose cached blocks the daemon lets go "
+                           "before they load ends with an error; \"recompute\" computes "
+                           "them instead (kvstore's README says what each risks)")
+            _told_fail.append(True)  # (once a process: its scheduler's and workers' alike)
         check_values(extra)
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("KVStoreConnector does not support pipeline parallelism yet")
