@@ -70,6 +70,13 @@ class DaemonProcess:
         self.log_path = workdir / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def run_through(self, wrapper: Path) -> DaemonProcess:
+        """Run the daemon through ``wrapper``, a script that patches kvstore (a stalled
+        disk, a slow copy) and then runs its command line, instead of ``-m kvstore``."""
+        assert self.args[1:3] == ["-m", "kvstore"], self.args[:3]
+        self.args[1:3] = [str(wrapper)]
+        return self
+
     def start(self, timeout: float = 30.0) -> DaemonProcess:
         env = dict(os.environ)
         env.pop("KVSTORE_ENDPOINT", None)

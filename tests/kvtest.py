@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +111,27 @@ def misread(ns: Any, keys: list[bytes]) -> list[bytes]:
     except NotFoundError:
         return []
     return [k for k, b in zip(keys, got) if b != key_bytes(k, ns.block_bytes)]
+
+
+def wait_for_file(path: Path, what: str, at_most: float = 10.0) -> None:
+    """Until ``path`` exists (a wrapper's sign that it holds what it was told to)."""
+    deadline = time.monotonic() + at_most
+    while not path.exists():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+@contextmanager
+def removed_after(flag: Path, seconds: float = 0.8) -> Iterator[None]:
+    """``flag`` removed ``seconds`` from now by a thread (joined on the way out): what
+    a wrapper holds while it exists goes on meanwhile."""
+    def remove() -> None:
+        time.sleep(seconds)
+        flag.unlink()
+
+    remover = threading.Thread(target=remove)
+    remover.start()
+    try:
+        yield
+    finally:
+        remover.join()

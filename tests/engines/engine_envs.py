@@ -140,6 +140,18 @@ def in_lanes_on(daemons: list[Any], *lanes: Callable[[], None], workers: int = 2
         assert "invariant violated" not in log, log
 
 
+def run_spec(driver: str, tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The JSON result of the vLLM driver ``driver`` (a script beside this one) run on
+    ``spec`` (written to ``tmp/NAME.json``), with a model of its own
+    (``tmp/tiny-llama-NAME``: runs go side by side, and each writes its model on first
+    use; the seeded weights are the same)."""
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    argv = [str(HERE / driver), "--model", str(tmp / f"tiny-llama-{name}"), "--spec", str(path)]
+    out: dict[str, Any] = last_json(run_in_env("vllm", argv, timeout=300, cwd=tmp).stdout)
+    return out
+
+
 def last_json(stdout: str) -> Any:
     """The JSON object on the last non-empty line of ``stdout``."""
     lines = [line for line in stdout.splitlines() if line.strip()]

@@ -12,14 +12,13 @@ are drained and the daemon holds no pin or reservation; kvstore logs no warning.
 
 from __future__ import annotations
 
-import json
+import functools
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from engine_envs import HERE, in_lanes, last_json, run_in_env
+from engine_envs import in_lanes, run_spec
 
 BLOCK = 128
 LONG = [(7 * i + 11) % 500 + 3 for i in range(400)]     # 3 full blocks and 16 tokens
@@ -35,13 +34,7 @@ PHASES: list[dict[str, Any]] = [
 ]
 
 
-def engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(spec))
-    argv = [str(HERE / "vllm_s55_run.py"), "--model", str(tmp / f"tiny-llama-{name}"),
-            "--spec", str(path)]
-    out: dict[str, Any] = last_json(run_in_env("vllm", argv, timeout=300, cwd=tmp).stdout)
-    return out
+engine = functools.partial(run_spec, "vllm_s55_run.py")
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ as it came, before they saved: it computed their blocks again, and sent them aga
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from engine_envs import HERE, in_lanes_on, last_json, run_in_env
+from engine_envs import HERE, in_lanes_on, last_json, run_in_env, run_spec
 
 VALUES = """
 import json
@@ -108,13 +109,7 @@ PHASES: list[dict[str, Any]] = [
 ENGINE = {"block_size": BLOCK, "enable_prefix_caching": False, "max_num_seqs": 1}
 
 
-def engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(spec))
-    argv = [str(HERE / "vllm_setups_run.py"), "--model", str(tmp / f"tiny-llama-{name}"),
-            "--spec", str(path)]
-    out: dict[str, Any] = last_json(run_in_env("vllm", argv, timeout=300, cwd=tmp).stdout)
-    return out
+engine = functools.partial(run_spec, "vllm_setups_run.py")
 
 
 @pytest.fixture(scope="module")

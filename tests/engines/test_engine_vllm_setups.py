@@ -19,7 +19,7 @@ prompt sent its blocks to the daemon again.
 
 from __future__ import annotations
 
-import json
+import functools
 import signal
 import threading
 import time
@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from engine_envs import HERE, in_lanes_on, last_json, run_in_env
+from engine_envs import in_lanes_on, last_json, run_in_env, run_spec
 
 BLOCK = 64
 SHORT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]        # under one block
@@ -50,15 +50,7 @@ PHASES: list[dict[str, Any]] = [
 ENGINE = {"block_size": BLOCK, "max_num_batched_tokens": BLOCK}
 
 
-def engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(spec))
-    # (a model of its own for each run: the runs go side by side, and each writes its
-    # model on first use; the seeded weights are the same)
-    argv = [str(HERE / "vllm_setups_run.py"), "--model", str(tmp / f"tiny-llama-{name}"),
-            "--spec", str(path)]
-    out: dict[str, Any] = last_json(run_in_env("vllm", argv, timeout=300, cwd=tmp).stdout)
-    return out
+engine = functools.partial(run_spec, "vllm_setups_run.py")
 
 
 @pytest.fixture(scope="module")

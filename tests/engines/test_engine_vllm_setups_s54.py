@@ -16,14 +16,13 @@ request recomputed every block, each time it came.
 
 from __future__ import annotations
 
-import json
+import functools
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from engine_envs import HERE, in_lanes_on, last_json, run_in_env
+from engine_envs import in_lanes_on, run_spec
 
 BLOCK = 32
 SHORT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73, 77, 81]
@@ -62,13 +61,7 @@ ENGINE = {"block_size": BLOCK, "max_num_batched_tokens": 2 * BLOCK, "loras": ["a
 SMALL = {"dram_capacity": "1MiB", "ssd_capacity": "64MiB", "extra": ["--slab-size", "1MiB"]}
 
 
-def engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(spec))
-    argv = [str(HERE / "vllm_mixed_run.py"), "--model", str(tmp / f"tiny-llama-{name}"),
-            "--spec", str(path)]
-    out: dict[str, Any] = last_json(run_in_env("vllm", argv, timeout=300, cwd=tmp).stdout)
-    return out
+engine = functools.partial(run_spec, "vllm_mixed_run.py")
 
 
 @pytest.fixture(scope="module")

@@ -15,16 +15,15 @@ match.
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from engine_envs import HERE, in_lanes, last_json, run_in_env
+from engine_envs import in_lanes, run_spec
 
 from kvstore import Client, Identity
 
@@ -42,13 +41,7 @@ COLD = Identity(model="cold", model_revision="r", tenant="cold", kv_dtype="float
                 num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=BLOCK)
 
 
-def engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(spec))
-    argv = [str(HERE / "vllm_s55_run.py"), "--model", str(tmp / f"tiny-llama-{name}"),
-            "--spec", str(path)]
-    out: dict[str, Any] = last_json(run_in_env("vllm", argv, timeout=300, cwd=tmp).stdout)
-    return out
+engine = functools.partial(run_spec, "vllm_s55_run.py")
 
 
 def fill_with_cold_blocks(endpoint: str) -> int:

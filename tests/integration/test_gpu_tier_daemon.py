@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from daemon_proc import DaemonProcess
-from kvtest import make_identity
+from kvtest import make_identity, removed_after, wait_for_file
 
 from kvstore import AsyncClient, Client
 
@@ -151,34 +151,21 @@ def test_a_put_waits_for_the_gpu_copies_that_pin_dram_then_goes_in(tmp_path: Any
                       extra=["--slab-size", "1MiB", "--gpu-device", "cpu",
                              "--gpu-capacity", "4MiB"],
                       env={"GPU_HOLD_FLAG": str(flag), "GPU_HOLD_REACHED": str(reached)})
-    assert d.args[1:3] == ["-m", "kvstore"]
-    d.args[1:3] = [str(Path(__file__).resolve().parents[1] / "slow_gpu_copies.py")]
+    d.run_through(Path(__file__).resolve().parents[1] / "slow_gpu_copies.py")
     d.start()
     try:
         with Client(d.endpoint, tenant="acme") as c:
             ns = c.namespace(BIG)
             first = ns.keys(range(TOKENS * 16))  # 16 blocks of 64 KiB: all of DRAM
             ns.put(first, [bytes([i]) * BIG.block_bytes for i in range(16)])
-            deadline = time.monotonic() + 10
-            while not reached.exists():
-                assert time.monotonic() < deadline, "the gpu copy was never held"
-                time.sleep(0.01)
+            wait_for_file(reached, "the gpu copy was never held")
             dram = c.stats()["tiers"]["dram"]
             assert dram["pinned_blocks"] == 16, dram  # every block read by the held copy
-
-            def let_go() -> None:
-                time.sleep(0.8)
-                flag.unlink()
-
-            import threading
-
-            releaser = threading.Thread(target=let_go)
-            releaser.start()
-            start = time.monotonic()
-            more = ns.keys(range(100_000, 100_000 + TOKENS * 6))
-            ns.put(more, [bytes([50 + i]) * BIG.block_bytes for i in range(6)])
-            waited = time.monotonic() - start
-            releaser.join()
+            with removed_after(flag):
+                start = time.monotonic()
+                more = ns.keys(range(100_000, 100_000 + TOKENS * 6))
+                ns.put(more, [bytes([50 + i]) * BIG.block_bytes for i in range(6)])
+                waited = time.monotonic() - start
             assert waited >= 0.5, waited  # it went in once the copies let go, not before
             assert ns.lookup(more).blocks == 6
             deadline = time.monotonic() + 10  # the new blocks' own copies end too

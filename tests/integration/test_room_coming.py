@@ -10,12 +10,14 @@ import asyncio
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from kvtest import make_identity
+from kvtest import make_identity, removed_after, wait_for_file
 
 from kvstore import AsyncClient, Client
 from kvstore.errors import CapacityError
@@ -52,8 +54,7 @@ def test_the_room_a_requests_demotions_free_is_its_own_first(tmp_path: Path) -> 
     flag = tmp_path / "stall"
     d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", ssd_capacity="8MiB",
                       extra=["--slab-size", "1MiB"], env={**NO_DEFER, "STALL_FLAG": str(flag)})
-    assert d.args[1:3] == ["-m", "kvstore"]
-    d.args[1:3] = [str(STALLED_DISK)]
+    d.run_through(STALLED_DISK)
     d.start()
     try:
         fill_dram(d)
@@ -148,8 +149,7 @@ def test_a_reserve_waits_for_the_promotions_that_hold_dram_slots(tmp_path: Path)
                       extra=["--slab-size", "1MiB"],
                       env={**NO_DEFER, "STALL_FLAG": str(stall),
                            "STALL_READS_FLAG": str(reads), "STALL_READS_REACHED": str(reached)})
-    assert d.args[1:3] == ["-m", "kvstore"]
-    d.args[1:3] = [str(STALLED_DISK)]
+    d.run_through(STALLED_DISK)
     d.start()
     try:
         with Client(d.endpoint, tenant="acme") as c:
@@ -160,24 +160,12 @@ def test_a_reserve_waits_for_the_promotions_that_hold_dram_slots(tmp_path: Path)
             assert ns.lookup(first).tiers == ["ssd"] * 12
             reads.touch()
             ns.post_prefetch(first)  # back up to DRAM: its reads held
-            deadline = time.monotonic() + 10
-            while not reached.exists():
-                assert time.monotonic() < deadline, "the prefetch's reads never began"
-                time.sleep(0.01)
+            wait_for_file(reached, "the prefetch's reads never began")
             dram = c.stats()["tiers"]["dram"]
             assert dram["reserved_slots"] == 12, dram
-
-            def let_go() -> None:
-                time.sleep(0.8)
-                reads.unlink()
-
-            releaser = threading.Thread(target=let_go)
-            releaser.start()
-            try:
+            with removed_after(reads):
                 with ns.reserve(ns.keys(B_KEYS)) as r:
                     assert r.commit() == 5
-            finally:
-                releaser.join()
             assert ns.lookup(ns.keys(B_KEYS)).blocks == 5
     finally:
         reads.unlink(missing_ok=True)
@@ -208,8 +196,7 @@ def test_a_reserve_waits_for_the_remote_reads_that_hold_dram_slots(
     d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", extra=["--slab-size", "1MiB", *remote],
                       env={**NO_DEFER, "REMOTE_HOLD_FLAG": str(flag),
                            "REMOTE_HOLD_REACHED": str(reached)})
-    assert d.args[1:3] == ["-m", "kvstore"]
-    d.args[1:3] = [str(Path(__file__).resolve().parents[1] / "slow_remote.py")]
+    d.run_through(Path(__file__).resolve().parents[1] / "slow_remote.py")
     d.start()
     try:
         with Client(d.endpoint, tenant="acme") as c:
@@ -217,24 +204,12 @@ def test_a_reserve_waits_for_the_remote_reads_that_hold_dram_slots(
             ns.put(ns.keys(A_KEYS[:TOKENS * 4]), blocks(100, 4))  # 4 evictable
             flag.touch()
             ns.post_prefetch(first)  # in from the remote store: its reads held
-            deadline = time.monotonic() + 10
-            while not reached.exists():
-                assert time.monotonic() < deadline, "the prefetch's reads never began"
-                time.sleep(0.01)
+            wait_for_file(reached, "the prefetch's reads never began")
             dram = c.stats()["tiers"]["dram"]
             assert dram["reserved_slots"] == 12, dram
-
-            def let_go() -> None:
-                time.sleep(0.8)
-                flag.unlink()
-
-            releaser = threading.Thread(target=let_go)
-            releaser.start()
-            try:
+            with removed_after(flag):
                 with ns.reserve(ns.keys(B_KEYS)) as r:
                     assert r.commit() == 5
-            finally:
-                releaser.join()
             assert ns.lookup(ns.keys(B_KEYS)).blocks == 5
     finally:
         flag.unlink(missing_ok=True)
@@ -251,8 +226,7 @@ def test_a_put_waits_for_the_write_through_sends_that_pin_dram(
                       extra=["--slab-size", "1MiB", "--remote", redis_server.url],
                       env={**NO_DEFER, "REMOTE_HOLD_FLAG": str(flag),
                            "REMOTE_HOLD_REACHED": str(reached), "REMOTE_HOLD_WRITES": "1"})
-    assert d.args[1:3] == ["-m", "kvstore"]
-    d.args[1:3] = [str(Path(__file__).resolve().parents[1] / "slow_remote.py")]
+    d.run_through(Path(__file__).resolve().parents[1] / "slow_remote.py")
     d.start()
     try:
         with Client(d.endpoint, tenant="acme") as c:
@@ -263,18 +237,33 @@ def test_a_put_waits_for_the_write_through_sends_that_pin_dram(
             while c.stats()["tiers"]["dram"]["pinned_blocks"] < 16:
                 assert time.monotonic() < deadline, c.stats()["tiers"]["dram"]
                 time.sleep(0.01)
-
-            def let_go() -> None:
-                time.sleep(0.8)
-                flag.unlink()
-
-            releaser = threading.Thread(target=let_go)
-            releaser.start()
-            try:
+            with removed_after(flag):
                 assert ns.put(ns.keys(B_KEYS), blocks(200, 5)) == 5
-            finally:
-                releaser.join()
             assert ns.lookup(ns.keys(B_KEYS)).blocks == 5
+    finally:
+        flag.unlink(missing_ok=True)
+        d.stop()
+
+
+@contextmanager
+def write_through_stalled(tmp_path: Path, **env: str) -> Iterator[Any]:
+    """A namespace of a daemon of 16 DRAM slots writing through to SSD, the write of its
+    first 2 blocks stalled (a client's timeout of 5 s)."""
+    flag = tmp_path / "stall"
+    d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", ssd_capacity="8MiB",
+                      extra=["--slab-size", "1MiB", "--ssd-write-policy", "write-through"],
+                      env={**NO_DEFER, "STALL_FLAG": str(flag), **env})
+    d.run_through(STALLED_DISK).start()
+    try:
+        with Client(d.endpoint, tenant="acme", timeout=5) as c:
+            ns = c.namespace(BIG)
+            flag.touch()
+            ns.put(ns.keys(range(TOKENS * 2)), blocks(0, 2))  # its write-through stalls
+            deadline = time.monotonic() + 10
+            while c.stats()["tiers"]["ssd"]["reserved"] == 0:
+                assert time.monotonic() < deadline, "the write-through never began"
+                time.sleep(0.01)
+            yield ns
     finally:
         flag.unlink(missing_ok=True)
         d.stop()
@@ -285,55 +274,18 @@ def test_a_request_over_its_tenants_whole_quota_is_refused_at_once(tmp_path: Pat
     however much of the tenant's room is coming (its write-through to SSD stalled here).
     Before, it waited for that room in rounds, and the stalled write kept it from an
     answer until its client gave up."""
-    flag = tmp_path / "stall"
-    d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", ssd_capacity="8MiB",
-                      extra=["--slab-size", "1MiB", "--ssd-write-policy", "write-through"],
-                      env={**NO_DEFER, "STALL_FLAG": str(flag),
-                           "KVSTORE_DRAM_TENANT_QUOTA": str(8 * BIG.block_bytes)})
-    assert d.args[1:3] == ["-m", "kvstore"]
-    d.args[1:3] = [str(STALLED_DISK)]
-    d.start()
-    try:
-        with Client(d.endpoint, tenant="acme", timeout=5) as c:
-            ns = c.namespace(BIG)
-            flag.touch()
-            ns.put(ns.keys(range(TOKENS * 2)), blocks(0, 2))  # its write-through stalls
-            deadline = time.monotonic() + 10
-            while c.stats()["tiers"]["ssd"]["reserved"] == 0:
-                assert time.monotonic() < deadline, "the write-through never began"
-                time.sleep(0.01)
-            with pytest.raises(CapacityError, match="quota"):
-                ns.put(ns.keys(range(70_000, 70_000 + TOKENS * 9)), blocks(200, 9))
-    finally:
-        flag.unlink(missing_ok=True)
-        d.stop()
+    quota = {"KVSTORE_DRAM_TENANT_QUOTA": str(8 * BIG.block_bytes)}
+    with write_through_stalled(tmp_path, **quota) as ns:
+        with pytest.raises(CapacityError, match="quota"):
+            ns.put(ns.keys(range(70_000, 70_000 + TOKENS * 9)), blocks(200, 9))
 
 
 def test_a_request_for_more_than_the_whole_tier_is_refused_at_once(tmp_path: Path) -> None:
     """A put of 17 blocks into a DRAM tier of 16 slots can never fit: refused at once,
     however much room is coming (a write-through to SSD stalled here).  Before, it
     waited for that room in rounds, unanswered until its client gave up."""
-    flag = tmp_path / "stall"
-    d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", ssd_capacity="8MiB",
-                      extra=["--slab-size", "1MiB", "--ssd-write-policy", "write-through"],
-                      env={**NO_DEFER, "STALL_FLAG": str(flag)})
-    assert d.args[1:3] == ["-m", "kvstore"]
-    d.args[1:3] = [str(STALLED_DISK)]
-    d.start()
-    try:
-        with Client(d.endpoint, tenant="acme", timeout=5) as c:
-            ns = c.namespace(BIG)
-            flag.touch()
-            ns.put(ns.keys(range(TOKENS * 2)), blocks(0, 2))  # its write-through stalls
-            deadline = time.monotonic() + 10
-            while c.stats()["tiers"]["ssd"]["reserved"] == 0:
-                assert time.monotonic() < deadline, "the write-through never began"
-                time.sleep(0.01)
-            with pytest.raises(CapacityError, match="17 slots"):
-                ns.put(ns.keys(range(70_000, 70_000 + TOKENS * 17)), blocks(200, 17))
-    finally:
-        flag.unlink(missing_ok=True)
-        d.stop()
+    with write_through_stalled(tmp_path) as ns, pytest.raises(CapacityError, match="17 slots"):
+        ns.put(ns.keys(range(70_000, 70_000 + TOKENS * 17)), blocks(200, 17))
 
 
 def test_a_request_waits_for_room_coming_within_a_bound_then_is_refused(
@@ -346,8 +298,7 @@ def test_a_request_waits_for_room_coming_within_a_bound_then_is_refused(
     d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", ssd_capacity="8MiB",
                       extra=["--slab-size", "1MiB"],
                       env={**NO_DEFER, "STALL_FLAG": str(flag), "ROOM_COMING_SECONDS": "1"})
-    assert d.args[1:3] == ["-m", "kvstore"]
-    d.args[1:3] = [str(STALLED_DISK)]
+    d.run_through(STALLED_DISK)
     d.start()
     try:
         fill_dram(d)

@@ -44,8 +44,7 @@ def stalled_daemon(work: Path, flag: Path, **env: str) -> DaemonProcess:
     d = DaemonProcess(work, dram_capacity="4MiB", ssd_capacity="64MiB",
                       extra=["--log-level", "info"], debug_invariants=False,
                       env={"STALL_FLAG": str(flag), **env})
-    assert d.args[1:3] == ["-m", "kvstore"]
-    d.args[1:3] = [str(WRAPPER)]
+    d.run_through(WRAPPER)
     return d.start()
 
 

@@ -62,8 +62,7 @@ def stalled_daemon(workdir: Path, flag: Path, reached: Path) -> DaemonProcess:
     d = DaemonProcess(workdir, dram_capacity="8MiB", ssd_capacity="16MiB",
                       extra=["--slab-size", "1MiB", "--ssd-write-policy", "write-through"],
                       env={"STALL_FLAG": str(flag), "STALL_REACHED": str(reached)})
-    assert d.args[1:3] == ["-m", "kvstore"]
-    d.args[1:3] = [str(HERE)]
+    d.run_through(HERE)
     return d
 
 
