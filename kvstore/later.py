@@ -177,7 +177,9 @@ class Finisher:
                     made = await pending.reply
                 return made if isinstance(made, tuple) else (made, [])
             plan = pending
-            if plan.room_coming:
+            if not plan.room_coming:
+                room_since = None  # (progress: a later wait is timed from its start)
+            else:
                 now = self.d.clock()
                 room_since = now if room_since is None else room_since
                 if now - room_since > ROOM_COMING_SECONDS:

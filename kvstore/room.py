@@ -92,8 +92,8 @@ class RoomMaker:
 
         never = count * slot > self.store.tenant_quota  # (no room coming makes it fit)
 
-        def refuse() -> Plan:
-            if not never and self.room_coming(None, tenant):
+        def refuse(short: int) -> Plan:  # (``short``: bytes still to free)
+            if not never and self.room_coming(None, tenant, short):
                 return Plan(room_coming=True)
             self.store.counters.capacity_rejects += 1
             raise CapacityError(
@@ -102,7 +102,7 @@ class RoomMaker:
                 f"of its blocks can be evicted (release pins, or ask for less)", cause="quota")
 
         if never or held - dram.pinned.get(tenant, 0) < excess:
-            return refuse()
+            return refuse(excess - held + dram.pinned.get(tenant, 0))
         policies = [dram.policy(ns.cls)] + [
             policy for size, policy in dram.policies.items() if size != slot]
         freed = 0
@@ -121,7 +121,7 @@ class RoomMaker:
             leaving.finish()
         if freed < excess and not leaving.to_remote:  # (leaves written: parents next round)
             self._put_back(leaving.to_demote + leaving.to_remote)
-            return refuse()
+            return refuse(excess - freed)
         return leaving.plan()
 
     def _room_steps(self) -> list[tuple[str, frozenset[str]]]:
@@ -208,7 +208,7 @@ class RoomMaker:
         # more than the tier holds of the class, every slab its: no room coming will do
         never = need + pool.available(cls) > pool.num_slabs * cls.slots_per_slab
         if need > len(policy):
-            if not never and self.room_coming(cls):
+            if not never and self.room_coming(cls, None, (need - len(policy)) * cls.slot_bytes):
                 return Plan(room_coming=True)  # room is on its way: wait for those writes
             self.store.counters.capacity_rejects += 1
             raise CapacityError(
@@ -258,7 +258,7 @@ class RoomMaker:
             return leaving.plan()
         if taken < need:
             self._put_back(leaving.to_demote + leaving.to_remote)  # nothing was written yet
-            if not never and self.room_coming(cls):
+            if not never and self.room_coming(cls, None, (need - taken) * cls.slot_bytes):
                 return Plan(room_coming=True)
             self.store.counters.capacity_rejects += 1
             tried = " then ".join(name for name, _ in steps) or (
@@ -274,18 +274,20 @@ class RoomMaker:
         demotion's, once written): ``drop`` each, then ``finish`` once."""
         return _Leaving(self.store, self.demotions_planned)
 
-    def room_coming(self, cls: SlabClass | None, tenant: str | None = None) -> bool:
-        """Whether writes under way will free or unpin DRAM slots of ``cls`` (of any
-        class if None; of ``tenant``'s, if given): a demoted block leaves DRAM, a
-        written-through one becomes evictable, and so does one a GPU copy reads (a put
-        into a DRAM whose blocks were all being copied to the GPU tier was refused).
-        A demotion counts from when it is planned, not from when its write begins: a
-        request read in the same drain as one that planned the demotions of every
-        evictable block was refused, "0 evictable", nothing being written yet.  So
-        does a promotion's read from SSD into DRAM slots reserved for it: a prefetch's
-        blocks are evictable once in (those slots were refused as if engines held them),
-        and what the daemon's ``movers`` hold (a read from the remote store into slots
-        reserved for it; a write-through's send, pinning the DRAM copies it reads)."""
+    def room_coming(self, cls: SlabClass | None, tenant: str | None = None,
+                    short: int = 1) -> bool:
+        """Whether the daemon's own work under way will free or unpin at least ``short``
+        bytes of DRAM slots of ``cls`` (of any class if None; of ``tenant``'s, if given):
+        a demoted block leaves DRAM (counted from when it is planned: a request read in
+        the same drain as one that planned the demotion of every evictable block was
+        refused, "0 evictable", nothing being written yet); a block written through to
+        SSD, copied into the GPU tier (a put into a DRAM whose blocks were all being
+        copied was refused) or sent by the remote tier (a ``movers``' pin) becomes
+        evictable, unless an engine pins it too; and a read into slots reserved for it
+        (a promotion from SSD, a ``movers``' read from the remote store) brings blocks
+        evictable once in.  Enough of it, not any: with sends or copies under way after
+        every commit, a request short of far more waited for them, 30 s, where it is
+        refused at once."""
         def mine(ns: Namespace) -> bool:
             return ((cls is None or ns.cls is cls)
                     and (tenant is None or ns.tenant == tenant))
@@ -293,13 +295,23 @@ class RoomMaker:
         store = self.store
         moving = (b for t in store.transfers.values() for b in t.blocks)  # (to SSD, from it)
         copying = store.gpu.copying if store.gpu is not None else ()
-        if any(mine(b.ns) for b in itertools.chain(
-                self.demotions_planned, moving, store.remote_demoting, copying)):
-            return True
-        held = (state for owner in self.movers if (state := store.owners.get(owner)))
-        return any(any(mine(r.ns) for r in state.reservations.values())
-                   or any(mine(b.ns) for pin in state.pins.values() for b in pin.blocks)
-                   for state in held)
+        held = [state for owner in self.movers if (state := store.owners.get(owner))]
+        pinned = (b for state in held for pin in state.pins.values() for b in pin.blocks)
+        seen: set[int] = set()
+        coming = 0
+        for b in itertools.chain(self.demotions_planned, moving, store.remote_demoting,
+                                 copying, pinned):
+            # (a block pinned by more than the one move, an engine's too, frees nothing)
+            if b.refs <= 1 and id(b) not in seen and mine(b.ns):
+                seen.add(id(b))
+                coming += b.ns.cls.slot_bytes
+                if coming >= short:
+                    return True
+        for state in held:
+            for r in state.reservations.values():
+                if mine(r.ns):
+                    coming += r.ns.cls.slot_bytes * sum(o >= 0 for o in r.offsets)
+        return coming >= short
 
 
 class _Facts:

@@ -174,3 +174,46 @@ def test_a_put_waits_for_the_gpu_copies_that_pin_dram_then_goes_in(tmp_path: Any
                 time.sleep(0.02)
     finally:
         d.stop()
+
+
+def test_a_put_short_of_more_than_the_gpu_copies_will_free_is_refused_at_once(
+        tmp_path: Any) -> None:
+    """12 of 16 DRAM blocks pinned by an engine, the other 4 by their copies into the GPU
+    tier: a put of 6 can never fit when those copies end, so it is refused at once.
+    Before, any copy under way counted as room coming: the put waited for room that was
+    not enough, 30 s, past its client's timeout (with copies or sends under way after
+    every commit, any such request did)."""
+    from pathlib import Path
+
+    from kvstore.errors import CapacityError
+
+    flag, reached = tmp_path / "hold", tmp_path / "reached"
+    d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB", ssd_capacity="8MiB",
+                      extra=["--slab-size", "1MiB", "--gpu-device", "cpu",
+                             "--gpu-capacity", "4MiB"],
+                      env={"GPU_HOLD_FLAG": str(flag), "GPU_HOLD_REACHED": str(reached),
+                           "KVSTORE_DRAM_PRESSURE": "evict,demote,reject"})
+    d.run_through(Path(__file__).resolve().parents[1] / "slow_gpu_copies.py").start()
+    try:
+        with Client(d.endpoint, tenant="acme", timeout=10) as c, \
+                Client(d.endpoint, tenant="acme") as engine:
+            ns = c.namespace(BIG)
+            pinned = ns.keys(range(TOKENS * 12))
+            ns.put(pinned, [bytes([i]) * BIG.block_bytes for i in range(12)])
+            wait_for_copies(c, 12)
+            held = engine.namespace(BIG).acquire(pinned)
+            flag.touch()
+            ns.put(ns.keys(range(50_000, 50_000 + TOKENS * 4)),
+                   [bytes([20 + i]) * BIG.block_bytes for i in range(4)])
+            wait_for_file(reached, "the gpu copy was never held")
+            assert c.stats()["tiers"]["dram"]["pinned_blocks"] == 16
+            start = time.monotonic()
+            with pytest.raises(CapacityError):
+                ns.put(ns.keys(range(100_000, 100_000 + TOKENS * 6)),
+                       [bytes([50 + i]) * BIG.block_bytes for i in range(6)])
+            assert time.monotonic() - start < 5  # at once, not after 30 s of waiting
+            flag.unlink()
+            held.release()
+    finally:
+        flag.unlink(missing_ok=True)
+        d.stop()
