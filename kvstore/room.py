@@ -101,8 +101,9 @@ class RoomMaker:
                 f"{count * slot} more; its quota is {self.store.tenant_quota} bytes, and not enough "
                 f"of its blocks can be evicted (release pins, or ask for less)", cause="quota")
 
-        if never or held - dram.pinned.get(tenant, 0) < excess:
-            return refuse(excess - held + dram.pinned.get(tenant, 0))
+        unpinned = held - dram.pinned.get(tenant, 0)
+        if never or unpinned < excess:
+            return refuse(excess - unpinned)
         policies = [dram.policy(ns.cls)] + [
             policy for size, policy in dram.policies.items() if size != slot]
         freed = 0
@@ -297,13 +298,13 @@ class RoomMaker:
         copying = store.gpu.copying if store.gpu is not None else ()
         held = [state for owner in self.movers if (state := store.owners.get(owner))]
         pinned = (b for state in held for pin in state.pins.values() for b in pin.blocks)
-        seen: set[int] = set()
+        seen: set[Block] = set()
         coming = 0
         for b in itertools.chain(self.demotions_planned, moving, store.remote_demoting,
                                  copying, pinned):
             # (a block pinned by more than the one move, an engine's too, frees nothing)
-            if b.refs <= 1 and id(b) not in seen and mine(b.ns):
-                seen.add(id(b))
+            if b.refs <= 1 and b not in seen and mine(b.ns):
+                seen.add(b)
                 coming += b.ns.cls.slot_bytes
                 if coming >= short:
                     return True

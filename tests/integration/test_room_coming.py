@@ -45,6 +45,29 @@ A_KEYS = list(range(10_000, 10_000 + TOKENS * 16))  # the 4 free slots, the 12 d
 B_KEYS = list(range(50_000, 50_000 + TOKENS * 5))  # one more than is free
 
 
+def put_behind_stalled_demotions(d: DaemonProcess, results: dict[str, Any],
+                                 timeout: float) -> threading.Thread:
+    """A put of 16 blocks into a DRAM of 12 (``fill_dram``) on a thread, its result (or
+    error) in ``results["put"]``; returned once the write of its demotions began (and
+    stalled, the disk's flag set)."""
+    def put() -> None:
+        try:
+            with Client(d.endpoint, tenant="acme", timeout=timeout) as c:
+                ns = c.namespace(BIG)
+                results["put"] = ns.put(ns.keys(A_KEYS), blocks(100, 16))
+        except Exception as exc:  # (reported by the caller)
+            results["put"] = exc
+
+    putter = threading.Thread(target=put)
+    putter.start()
+    with Client(d.endpoint, tenant="acme") as c:
+        deadline = time.monotonic() + 10
+        while c.stats()["tiers"]["ssd"]["reserved"] == 0:  # the demotions' write
+            assert time.monotonic() < deadline, "the put's demotions never began"
+            time.sleep(0.01)
+    return putter
+
+
 def test_the_room_a_requests_demotions_free_is_its_own_first(tmp_path: Path) -> None:
     """A put demotes the 12 blocks it needs the slots of, its SSD write slow; a reserve
     of 5 slots meanwhile waits for that room coming.  The write ends: the put takes its
@@ -61,14 +84,6 @@ def test_the_room_a_requests_demotions_free_is_its_own_first(tmp_path: Path) -> 
         flag.touch()
         results: dict[str, Any] = {}
 
-        def put() -> None:
-            try:
-                with Client(d.endpoint, tenant="acme", timeout=30) as c:
-                    ns = c.namespace(BIG)
-                    results["put"] = ns.put(ns.keys(A_KEYS), blocks(100, 16))
-            except Exception as exc:  # (reported below)
-                results["put"] = exc
-
         def reserve() -> None:
             try:
                 with Client(d.endpoint, tenant="acme", timeout=30) as c:
@@ -78,13 +93,7 @@ def test_the_room_a_requests_demotions_free_is_its_own_first(tmp_path: Path) -> 
             except Exception as exc:
                 results["reserve"] = exc
 
-        putter = threading.Thread(target=put)
-        putter.start()
-        with Client(d.endpoint, tenant="acme") as c:
-            deadline = time.monotonic() + 10
-            while c.stats()["tiers"]["ssd"]["reserved"] == 0:  # the demotions' write
-                assert time.monotonic() < deadline, "the put's demotions never began"
-                time.sleep(0.01)
+        putter = put_behind_stalled_demotions(d, results, timeout=30)
         reserver = threading.Thread(target=reserve)
         reserver.start()
         time.sleep(0.3)  # (the reserve waits for the room coming meanwhile)
@@ -139,6 +148,23 @@ def test_a_reserve_read_with_a_put_that_plans_demotions_waits_for_them(
         held.abort()
 
 
+def reserve_beside_a_held_prefetch(c: Client, first: list[bytes], flag: Path,
+                                   reached: Path) -> None:
+    """The 12 blocks of ``first`` prefetched back into DRAM, their reads held while
+    ``flag`` exists (a wrapper creates ``reached`` then): a reserve of 5 meanwhile waits
+    for them, the flag gone after a while, and goes in."""
+    ns = c.namespace(BIG)
+    flag.touch()
+    ns.post_prefetch(first)
+    wait_for_file(reached, "the prefetch's reads never began")
+    dram = c.stats()["tiers"]["dram"]
+    assert dram["reserved_slots"] == 12, dram
+    with removed_after(flag):
+        with ns.reserve(ns.keys(B_KEYS)) as r:
+            assert r.commit() == 5
+    assert ns.lookup(ns.keys(B_KEYS)).blocks == 5
+
+
 def test_a_reserve_waits_for_the_promotions_that_hold_dram_slots(tmp_path: Path) -> None:
     """A prefetch's reads from SSD hold 12 of the 16 DRAM slots (reserved for them) while
     the disk is slow; a reserve of 5, with 4 blocks evictable, waits for the reads, then
@@ -158,15 +184,7 @@ def test_a_reserve_waits_for_the_promotions_that_hold_dram_slots(tmp_path: Path)
             ns.put(first, blocks(0, 12))
             ns.put(ns.keys(A_KEYS), blocks(100, 16))  # the first 12 go down to SSD
             assert ns.lookup(first).tiers == ["ssd"] * 12
-            reads.touch()
-            ns.post_prefetch(first)  # back up to DRAM: its reads held
-            wait_for_file(reached, "the prefetch's reads never began")
-            dram = c.stats()["tiers"]["dram"]
-            assert dram["reserved_slots"] == 12, dram
-            with removed_after(reads):
-                with ns.reserve(ns.keys(B_KEYS)) as r:
-                    assert r.commit() == 5
-            assert ns.lookup(ns.keys(B_KEYS)).blocks == 5
+            reserve_beside_a_held_prefetch(c, first, reads, reached)  # from SSD
     finally:
         reads.unlink(missing_ok=True)
         d.stop()
@@ -202,15 +220,7 @@ def test_a_reserve_waits_for_the_remote_reads_that_hold_dram_slots(
         with Client(d.endpoint, tenant="acme") as c:
             ns = c.namespace(BIG)
             ns.put(ns.keys(A_KEYS[:TOKENS * 4]), blocks(100, 4))  # 4 evictable
-            flag.touch()
-            ns.post_prefetch(first)  # in from the remote store: its reads held
-            wait_for_file(reached, "the prefetch's reads never began")
-            dram = c.stats()["tiers"]["dram"]
-            assert dram["reserved_slots"] == 12, dram
-            with removed_after(flag):
-                with ns.reserve(ns.keys(B_KEYS)) as r:
-                    assert r.commit() == 5
-            assert ns.lookup(ns.keys(B_KEYS)).blocks == 5
+            reserve_beside_a_held_prefetch(c, first, flag, reached)  # from the remote store
     finally:
         flag.unlink(missing_ok=True)
         d.stop()
@@ -304,22 +314,8 @@ def test_a_request_waits_for_room_coming_within_a_bound_then_is_refused(
         fill_dram(d)
         flag.touch()
         results: dict[str, Any] = {}
-
-        def put() -> None:
-            try:
-                with Client(d.endpoint, tenant="acme", timeout=60) as c:
-                    ns = c.namespace(BIG)
-                    results["put"] = ns.put(ns.keys(A_KEYS), blocks(100, 16))
-            except Exception as exc:  # (reported below)
-                results["put"] = exc
-
-        putter = threading.Thread(target=put)
-        putter.start()
+        putter = put_behind_stalled_demotions(d, results, timeout=60)
         with Client(d.endpoint, tenant="acme", timeout=60) as c:
-            deadline = time.monotonic() + 10
-            while c.stats()["tiers"]["ssd"]["reserved"] == 0:  # the demotions' write
-                assert time.monotonic() < deadline, "the put's demotions never began"
-                time.sleep(0.01)
             ns = c.namespace(BIG)
             start = time.monotonic()
             with pytest.raises(CapacityError, match="did not end within 1s"):
