@@ -158,10 +158,27 @@ class Finisher:
                       request: Any, payload: list[Any],
                       pending: Pending) -> tuple[p.Message, list[Any]]:
         rounds = turns = 0
-        # the deferral the request waits in, kept across plans of a turn (a slab taken,
-        # still short: it waits on in its place, not refused at the next attempt)
+        room = self.d.moves.room
+        # the deferral the request waits in, kept once made, across every plan after it
+        # (a slab taken, room coming waited for, its own demotions, and still short: it
+        # waits on in its place until its deadline, not refused at the next attempt)
         deferral: Plan | None = None
         room_since: float | None = None  # when it began to wait for room coming
+        # its place in the line for room, from its first wait for some (room coming, or
+        # deferred); ``woken``: a wait of it ended by a wake it has not passed on
+        place: int | None = None
+        woken = False
+
+        def pass_wake_on() -> None:
+            # woken for room, it takes none (still short, or refused): the next younger
+            # waiter may fit what freed.  Before, a request woken while it waited for
+            # room coming kept the wake, and the waiters behind it, the room free,
+            # waited until the next release or their deadline
+            nonlocal woken
+            if woken and place is not None:
+                room.freed(after=place)
+            woken = False
+
         while rounds < _MAX_ROUNDS:
             if isinstance(pending, Plan) and pending.turn and turns < MAX_TURNS:
                 turns += 1  # (a turn comes after progress: not one of the rounds)
@@ -177,15 +194,24 @@ class Finisher:
                     made = await pending.reply
                 return made if isinstance(made, tuple) else (made, [])
             plan = pending
+            if plan.defer_until is not None:
+                deferral = plan
             if not plan.room_coming:
                 room_since = None  # (progress: a later wait is timed from its start)
             else:
                 now = self.d.clock()
                 room_since = now if room_since is None else room_since
                 if now - room_since > ROOM_COMING_SECONDS:
+                    pass_wake_on()
                     raise CapacityError(
                         f"no room in the dram tier: the writes that were to free it did not "
                         f"end within {ROOM_COMING_SECONDS:g}s", cause="deadline")
+            waits = plan.room_coming or plan is deferral
+            if waits:  # a wait for room, in its place in line: what it was woken for first
+                pass_wake_on()
+                if place is None:
+                    place = plan.ticket or room.ticket()
+                plan.ticket = place
             try:
                 if plan.defer_until is None:
                     with self._under_way(session):
@@ -194,52 +220,57 @@ class Finisher:
                     await self.d.moves.carry_out(plan)
             except CapacityError as exc:
                 # no room to move the blocks into (DRAM full of pins, say): defer as the
-                # first attempt would have, if the pressure chain allows it
-                if plan.defer_until is not None or not self.may_defer(verb):
+                # first attempt would have, if the pressure chain allows it, or wait on
+                # in the deferral it had until its deadline
+                pass_wake_on()
+                if plan is deferral or not self.may_defer(verb) or (
+                        deferral is not None and deferral.expired):
                     raise
-                pending = self.deferral(tenant, exc)
+                pending = deferral = deferral or self.deferral(tenant, exc)
                 continue
-            # until its deadline a deferred request runs only the steps before "defer";
-            # then, once, the steps after it too
-            if plan.defer_until is not None:
-                deferral = plan
-            elif not plan.turn:
-                deferral = None
+            if waits:
+                woken = not plan.expired
             if session.id not in self.d.sessions.by_id:
                 # its lease ran out while it waited (for room, or for the writes that
                 # make it): run again, it found its namespaces closed with the session
                 # and answered that it never opened them, which its client took for a
                 # session still there.  Woken for room it takes none: the next may
-                if deferral is not None:
-                    self.d.moves.room.freed(after=deferral.ticket)
+                pass_wake_on()
                 raise gone_while_waiting(session)  # (or it said goodbye meanwhile)
             try:
+                # until its deadline a deferred request runs only the steps before "defer";
+                # then, once, the steps after it too
                 answer = self.attempt(handler, session, request, payload, verb,
                                       early=not (deferral is not None and deferral.expired))
             except CapacityError as exc:
+                pass_wake_on()
                 if deferral is None:
-                    raise
+                    if not self.may_defer(verb):
+                        raise
+                    # refused by the steps before "defer" after a plan (room coming
+                    # came, its own demotions written, and others took the room):
+                    # deferred as its first attempt would have been.  Before, it was
+                    # refused outright, the pressure chain's "defer" and any steps
+                    # after it never tried
+                    pending = deferral = self.deferral(tenant, exc)
+                    continue
                 if deferral.expired:
                     self.d.scheduling["defer_timeouts"] += 1
                     raise CapacityError(
                         f"no room in the dram tier within "
                         f"{self.d.config.dram.defer_seconds:g}s (deferred, then rejected): "
                         f"{exc}", cause="deadline") from None
-                # still no room: the next younger waiter may fit what freed, then this
-                # waits again, in its place, until the deadline
-                self.d.moves.room.freed(after=deferral.ticket)
+                # still no room: the next younger waiter may fit what freed (passed on
+                # above), then this waits again, in its place, until the deadline
                 pending = deferral
                 continue
             except BaseException:
                 # woken for room, refused for another reason (its namespace closed while
-                # it waited, its parent evicted): it takes none, so the next waiter may.
-                # Before, the wake ended here and the waiters behind it, the room free,
-                # waited until the next release or their deadline
-                if deferral is not None:
-                    self.d.moves.room.freed(after=deferral.ticket)
+                # it waited, its parent evicted): it takes none, so the next waiter may
+                pass_wake_on()
                 raise
             if isinstance(answer, tuple):
-                if len(self.d.moves.room):
+                if len(room):
                     self.d.moves.freed()  # woken for room and served: wake the next one
                 return answer
             pending = answer

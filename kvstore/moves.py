@@ -153,6 +153,7 @@ class Moves:
         self.gpu = gpu
         if remote is not None:  # (what it holds, it lets go soon: ``RoomMaker.room_coming``)
             self.store.room.movers.add(REMOTE_OWNER)
+            remote.freed = self.room.freed  # (and wakes a request waiting for that room)
         # with an SSD tier and the remote store's write-back: SSD copies sent up
         self._send_from_ssd = ssd is not None and remote is not None and remote.write_back
         if remote is not None and self._send_from_ssd:
@@ -201,7 +202,9 @@ class Moves:
             parts.append(self._reads(plan.reads))
         if not parts:
             if plan.room_coming:  # writes under way will free room: wait a little
-                await self.room.wait(self.clock() + _ROOM_COMING_WAIT)
+                # (in the request's place in line; ``expired``: not woken meanwhile)
+                plan.expired = not await self.room.wait(self.clock() + _ROOM_COMING_WAIT,
+                                                        plan.ticket or None)
             return
         try:
             # all at once: the room comes in one go; each move finishes its own blocks

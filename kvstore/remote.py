@@ -99,8 +99,9 @@ class RemoteTier:
                          "marks_forgotten": 0}
         self.held = HeldWrites(self.counters)  # write-throughs to send again
         # where write-through blocks DRAM let go before they were sent (held back, or
-        # batched) go: the pipeline sends their SSD copies; without an SSD tier, nowhere
+        # batched) go: the pipeline sends their SSD copies (without an SSD tier, nowhere)
         self.from_ssd: Callable[[list[Block]], None] | None = None
+        self.freed: Callable[[], None] = lambda: None  # a send unpinned DRAM (``Moves``)
         store.touch_owner(REMOTE_OWNER, float("inf"))
         # one more each time the store is found to have lost what it held: a send or
         # read begun before marks nothing (it may have gone to what was lost)
@@ -297,6 +298,7 @@ class RemoteTier:
             for view in views:
                 view.release()
             self.store.release(REMOTE_OWNER, pin.id)
+            self.freed()
 
     async def send(self, ns: Namespace, keys: list[bytes], views: Sequence[memoryview],
                     what: str, *, write_back: bool, blocks: Sequence[Block] = (),
@@ -408,11 +410,9 @@ class RemoteTier:
         if not self.write_back:
             return 0
         before = self.counters["write_backs"]
-        # one try on the way out whatever a failure a moment ago said: a lookup timed out
-        # in a hiccup left the tier skipped for ``unhealthy_seconds``, and a stop within
-        # them wrote nothing back, every block only DRAM held lost; a store really down
-        # fails the first send within its timeout, and the others skip it.  The store's
-        # generation first: blocks marked as held by a store that lost them go too
+        # one try on the way out whatever a failure a moment ago said (a hiccup's skip
+        # lost every block only DRAM held; a store really down fails one send and the
+        # rest skip it); its generation first: marks of what it lost go too
         self.health.clear()
         await self.watch.check()
         await self.watch.forgotten()

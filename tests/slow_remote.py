@@ -1,7 +1,8 @@
 """``python tests/slow_remote.py serve ...``: the daemon, its reads from the Redis
 remote store held while the file ``$REMOTE_HOLD_FLAG`` exists (as a slow store's would
 take a while), and its writes there too if ``$REMOTE_HOLD_WRITES`` is set;
-``$REMOTE_HOLD_REACHED`` is created when one is held."""
+``$REMOTE_HOLD_REACHED`` is created when one is held; ``$ROOM_COMING_WAIT``, how long
+one wait for room coming lasts unless woken."""
 
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ async def _held_put(self: RedisBackend, *args: Any, **kwargs: Any) -> Any:
 RedisBackend.get_into_checksums = _held_get  # type: ignore[method-assign]
 if os.environ.get("REMOTE_HOLD_WRITES"):
     RedisBackend.put_checksummed = _held_put  # type: ignore[method-assign]
+if "ROOM_COMING_WAIT" in os.environ:  # (``tests/stalled_disk.py``)
+    import kvstore.moves
+
+    kvstore.moves._ROOM_COMING_WAIT = float(os.environ["ROOM_COMING_WAIT"])
 
 if __name__ == "__main__":
     from kvstore.cli import main

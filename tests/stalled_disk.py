@@ -3,7 +3,9 @@ file ``$STALL_FLAG`` exists, as a write to a disk that stopped answering hangs i
 kernel (the writing thread never returns until the flag goes); and its SSD reads while
 ``$STALL_READS_FLAG`` exists, if set (``$STALL_READS_REACHED`` is created when one is
 held).  ``$ROOM_COMING_SECONDS``, if set, is how long a request waits for room that
-writes under way are to free (``kvstore.later.ROOM_COMING_SECONDS``)."""
+writes under way are to free (``kvstore.later.ROOM_COMING_SECONDS``), and
+``$ROOM_COMING_WAIT`` how long one wait for it lasts unless woken
+(``kvstore.moves._ROOM_COMING_WAIT``)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,10 @@ if "ROOM_COMING_SECONDS" in os.environ:
     import kvstore.later
 
     kvstore.later.ROOM_COMING_SECONDS = float(os.environ["ROOM_COMING_SECONDS"])
+if "ROOM_COMING_WAIT" in os.environ:
+    import kvstore.moves
+
+    kvstore.moves._ROOM_COMING_WAIT = float(os.environ["ROOM_COMING_WAIT"])
 
 if __name__ == "__main__":
     from kvstore.cli import main

@@ -230,12 +230,15 @@ def test_a_put_waits_for_the_write_through_sends_that_pin_dram(
         tmp_path: Path, redis_server: Any) -> None:
     """Every DRAM block pinned by its write-through send to the remote store, the store
     slow: a put waits for the sends, then evicts what they sent.  Before, it was
-    refused, "0 free and 0 evictable", as if engines held the pins."""
+    refused, "0 free and 0 evictable", as if engines held the pins; and then (each wait
+    for room coming here 20 s unless woken) the sends' end woke nobody: the put went in
+    only when its wait ran out."""
     flag, reached = tmp_path / "hold", tmp_path / "reached"
     d = DaemonProcess(tmp_path / "d", dram_capacity="1MiB",
                       extra=["--slab-size", "1MiB", "--remote", redis_server.url],
                       env={**NO_DEFER, "REMOTE_HOLD_FLAG": str(flag),
-                           "REMOTE_HOLD_REACHED": str(reached), "REMOTE_HOLD_WRITES": "1"})
+                           "REMOTE_HOLD_REACHED": str(reached), "REMOTE_HOLD_WRITES": "1",
+                           "ROOM_COMING_WAIT": "20"})
     d.run_through(Path(__file__).resolve().parents[1] / "slow_remote.py")
     d.start()
     try:
@@ -247,8 +250,10 @@ def test_a_put_waits_for_the_write_through_sends_that_pin_dram(
             while c.stats()["tiers"]["dram"]["pinned_blocks"] < 16:
                 assert time.monotonic() < deadline, c.stats()["tiers"]["dram"]
                 time.sleep(0.01)
+            start = time.monotonic()
             with removed_after(flag):
                 assert ns.put(ns.keys(B_KEYS), blocks(200, 5)) == 5
+            assert time.monotonic() - start < 10  # woken as the sends ended
             assert ns.lookup(ns.keys(B_KEYS)).blocks == 5
     finally:
         flag.unlink(missing_ok=True)
