@@ -182,9 +182,14 @@ class Finisher:
         while rounds < _MAX_ROUNDS:
             if isinstance(pending, Plan) and pending.turn and turns < MAX_TURNS:
                 turns += 1  # (a turn comes after progress: not one of the rounds)
-            elif pending is not deferral:  # (waiting again: its deadline bounds that;
-                rounds += 1  # every wake-up of it counted, 1000 gets ended it in 0.17 s)
+            elif pending is not deferral and not (isinstance(pending, Plan)
+                                                  and pending.room_coming):
+                # (waiting again, for room or for room coming: its deadline, or
+                # ``ROOM_COMING_SECONDS``, bounds that; every wake-up of it counted, 1000
+                # ended it in 0.17 s, or, woken by each send of the remote store's, in 5 s)
+                rounds += 1
             if isinstance(pending, Later):
+                pass_wake_on()  # (its room taken, or none needed: the next may fit)
                 # what an attempt here took before its reply went to a coroutine (a put's
                 # reservation, once room was made) counts to the session while it waits,
                 # as after the first attempt: else the invariant check after another
@@ -221,15 +226,25 @@ class Finisher:
             except CapacityError as exc:
                 # no room to move the blocks into (DRAM full of pins, say): defer as the
                 # first attempt would have, if the pressure chain allows it, or wait on
-                # in the deferral it had until its deadline
-                pass_wake_on()
+                # in the deferral it had until its deadline.  (A plan that fails wakes the
+                # next waiter itself, ``Moves.carry_out``: not woken twice here)
+                woken = False
                 if plan is deferral or not self.may_defer(verb) or (
                         deferral is not None and deferral.expired):
                     raise
                 pending = deferral = deferral or self.deferral(tenant, exc)
                 continue
+            except BaseException:
+                pass_wake_on()  # (a fetch that found nothing, say: it takes no room)
+                raise
             if waits:
                 woken = not plan.expired
+            if (deferral is not None and not deferral.expired
+                    and deferral.defer_until is not None
+                    and self.d.clock() >= deferral.defer_until):
+                # its deadline passed while it waited on another plan (room coming): the
+                # steps after "defer" run now, as they would have at the deadline
+                deferral.expired = True
             if session.id not in self.d.sessions.by_id:
                 # its lease ran out while it waited (for room, or for the writes that
                 # make it): run again, it found its namespaces closed with the session

@@ -53,6 +53,13 @@ _ROOM_COMING_WAIT = 0.5  # seconds a request waits for writes under way to free 
 _SETTLE_ROUNDS = 16      # plans one internal call may need before it is refused
 
 
+def _wake_if_unpinned(room: RoomWaiters, blocks: list[Block]) -> None:
+    """A send of the remote store's let its pins on ``blocks`` go: the oldest waiter for
+    room is woken if one of them is evictable now (no engine pins it too)."""
+    if any(not b.refs for b in blocks):
+        room.freed()
+
+
 class RoomWaiters:
     """The one wait for room.  Each waiter holds a ticket (its arrival), kept while it
     retries.  Whatever frees DRAM wakes the oldest waiter; a waiter that then gets its
@@ -153,7 +160,7 @@ class Moves:
         self.gpu = gpu
         if remote is not None:  # (what it holds, it lets go soon: ``RoomMaker.room_coming``)
             self.store.room.movers.add(REMOTE_OWNER)
-            remote.freed = self.room.freed  # (and wakes a request waiting for that room)
+            remote.freed = partial(_wake_if_unpinned, self.room)  # (as it lets them go)
         # with an SSD tier and the remote store's write-back: SSD copies sent up
         self._send_from_ssd = ssd is not None and remote is not None and remote.write_back
         if remote is not None and self._send_from_ssd:

@@ -101,7 +101,7 @@ class RemoteTier:
         # where write-through blocks DRAM let go before they were sent (held back, or
         # batched) go: the pipeline sends their SSD copies (without an SSD tier, nowhere)
         self.from_ssd: Callable[[list[Block]], None] | None = None
-        self.freed: Callable[[], None] = lambda: None  # a send unpinned DRAM (``Moves``)
+        self.freed: Callable[[list[Block]], None] = lambda sent: None  # (``Moves``)
         store.touch_owner(REMOTE_OWNER, float("inf"))
         # one more each time the store is found to have lost what it held: a send or
         # read begun before marks nothing (it may have gone to what was lost)
@@ -298,7 +298,7 @@ class RemoteTier:
             for view in views:
                 view.release()
             self.store.release(REMOTE_OWNER, pin.id)
-            self.freed()
+            self.freed(blocks)
 
     async def send(self, ns: Namespace, keys: list[bytes], views: Sequence[memoryview],
                     what: str, *, write_back: bool, blocks: Sequence[Block] = (),

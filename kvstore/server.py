@@ -502,7 +502,8 @@ def server_stats(server: Server) -> dict[str, Any]:
         "invariant_violations": server.invariant_violations,
         "invariant_checks_forked": (server.invariant_watch.forked
                                     if server.invariant_watch is not None else 0),
-        "scheduling": dict(server.scheduling),
+        # (and the requests in line for DRAM room now: deferred, or waiting for room coming)
+        "scheduling": {**server.scheduling, "waiting_for_room": len(server.moves.room)},
         "transfers": server.transfers.stats(),
         "eviction_policies": {"dram": server.config.dram.eviction_policy, "ssd": "lru"},
         # each DRAM class's order as it stands (auto: which candidate leads, scores)

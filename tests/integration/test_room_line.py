@@ -72,6 +72,12 @@ def wait_for(c: Client, test: Callable[[dict[str, Any]], bool], what: str) -> No
         time.sleep(0.01)
 
 
+def waiting(c: Client, count: int) -> None:
+    """Until ``count`` requests are in line for room (deferred, or for room coming)."""
+    wait_for(c, lambda s: s["scheduling"]["waiting_for_room"] == count,
+             f"never {count} requests in line for room")
+
+
 def test_room_coming_taken_by_another_defers_the_request_until_room_frees(
         tmp_path: Path) -> None:
     """A reserve of 16 demotes the 12 committed blocks, its SSD write stalled; a reserve of
@@ -97,8 +103,8 @@ def test_room_coming_taken_by_another_defers_the_request_until_room_frees(
         with Client(d.endpoint, tenant="acme") as c:
             wait_for(c, lambda s: s["tiers"]["ssd"]["reserved"] > 0, "no demotion began")
             waiter = on_thread(results, "waiter", reserve_and_commit(d, 5000, 5))
-            time.sleep(0.3)  # (it waits for the room coming meanwhile)
-            assert "waiter" not in results, results
+            waiting(c, 1)  # (for the room coming)
+            assert c.stats()["scheduling"]["defers"] == 0
             flag.unlink()
             wait_for(c, lambda s: s["tiers"]["dram"]["reserved_slots"] >= 16,
                      "the holder never got its 16 slots")
@@ -135,9 +141,9 @@ def test_a_wake_the_oldest_waiter_cannot_use_goes_to_the_next_that_can(
             putter = on_thread(results, "put", lambda: _put(d, 3000, 12))  # demotes the 12
             wait_for(c, lambda s: s["tiers"]["ssd"]["reserved"] > 0, "no demotion began")
             older = on_thread(results, "older", reserve_and_commit(d, 5000, 10))
-            time.sleep(0.3)
+            waiting(c, 1)
             younger = on_thread(results, "younger", reserve_and_commit(d, 7000, 2))
-            time.sleep(0.3)
+            waiting(c, 2)
             assert not {"older", "younger"} & results.keys(), results
             released = time.monotonic()
             held.abort()
