@@ -93,7 +93,7 @@ class Finisher:
             self.d.sessions.hold_bytes(session, sum(len(f) for f in payload))
         except BaseException:
             if keys is not None:
-                under_way.give(session, keys)
+                under_way.give(session, keys, freeing=verb in FREEING)
             raise
 
     @staticmethod
@@ -144,7 +144,7 @@ class Finisher:
         try:
             d.sessions.release_bytes(session, sum(len(f) for f in payload))
             if (keys := self._counted_keys(request, pending)) is not None:
-                d.under_way.give(session, keys)
+                d.under_way.give(session, keys, freeing=verb in FREEING)
             d.sessions.counted(session)
         finally:  # (the one reply goes whatever the bookkeeping did: a client waited)
             d.transport.send(routing_id, reply, out)

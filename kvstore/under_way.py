@@ -11,9 +11,14 @@ over every session and tenant, are at most ``server.max_requests_under_way`` nam
 most ``server.max_keys_under_way`` keys (before, many tenants, or one tenant's many
 sessions, together held tasks and keys without bound).  Past any of them,
 ``LimitExceededError`` and nothing is started (a best-effort prefetch too: its reply is
-that error).  An evict or a drop is not refused for the daemon's bound (it still counts
-in it): those waiting for room hold the bound, and one refused would leave them waiting
-for the room it makes until their deadline, every tenant's requests refused meanwhile.
+that error).  An evict or a drop is not refused for the daemon's bound: those waiting for
+room hold the bound, and one refused would leave them waiting for the room it makes until
+their deadline, every tenant's requests refused meanwhile.  Nor does it count against the
+bound for the other requests (``freeing``; it counts in the totals and in its session's
+and tenant's own): an evict waits up to a second for its session's get replies that
+ZeroMQ is still sending (``Removals``), so a tenant that left its get replies unread and
+sent evict after evict held the whole bound, and every other tenant's request that had
+to wait was refused, for as long as it went on.
 
 Within the daemon's bounds each tenant holds at most its share, so that one tenant's
 many sessions (each below its own bound) cannot take the whole of them and leave every
@@ -63,6 +68,9 @@ class UnderWay:
         self.requests = 0  # over every session
         self.keys = 0  # over every tenant
         self.weight_under_way = 0.0  # the weights of the tenants in ``tenant_requests``
+        # of ``requests`` and ``keys``, the evicts' and drops' (not held against others)
+        self.freeing = 0
+        self.freeing_keys = 0
 
     def __repr__(self) -> str:
         return (f"UnderWay(sessions={len(self.sessions)}, requests={self.requests}, "
@@ -77,6 +85,8 @@ class UnderWay:
         assert self.requests == sum(self.sessions.values()), f"{self!r}: requests"
         assert self.keys == sum(self.tenant_keys.values()), f"{self!r}: keys"
         assert self.requests == sum(self.tenant_requests.values()), f"{self!r}: tenants"
+        assert 0 <= self.freeing <= self.requests, f"{self!r}: freeing {self.freeing}"
+        assert 0 <= self.freeing_keys <= self.keys, f"{self!r}: freeing {self.freeing_keys}"
 
     def share(self, tenant: str) -> float:
         """The part of the daemon's bounds ``tenant`` may hold now: its weight over the
@@ -103,16 +113,20 @@ class UnderWay:
         tenant_held = self.tenant_requests.get(session.tenant, 0)
         if not freeing:
             self._check_share(session.tenant, tenant_held, tenant_keys, keys)
-        if not freeing and (self.requests >= self.most_requests or (
-                keys and self.keys and self.keys + keys > self.most_keys)):
+        requests, held_keys = self.requests - self.freeing, self.keys - self.freeing_keys
+        if not freeing and (requests >= self.most_requests or (
+                keys and held_keys and held_keys + keys > self.most_keys)):
             raise LimitExceededError(
-                f"the daemon has {self.requests} requests and prefetches naming "
-                f"{self.keys} keys still under way over every session (limits "
+                f"the daemon has {requests} requests and prefetches naming "
+                f"{held_keys} keys still under way over every session (limits "
                 f"{self.most_requests} and {self.most_keys} keys: "
                 f"server.max_requests_under_way, server.max_keys_under_way); wait for "
                 f"your replies, and try again")
         self.sessions[session.id] = held + 1
         self.requests += 1
+        if freeing:
+            self.freeing += 1
+            self.freeing_keys += keys
         if not tenant_held:
             self.weight_under_way += self.weights.get(session.tenant, 1.0)
         self.tenant_requests[session.tenant] = tenant_held + 1
@@ -120,10 +134,13 @@ class UnderWay:
             self.tenant_keys[session.tenant] = tenant_keys + keys
             self.keys += keys
 
-    def give(self, session: Session, keys: int) -> None:
-        """One of ``session``'s is done (``take``'s ``keys``)."""
+    def give(self, session: Session, keys: int, *, freeing: bool = False) -> None:
+        """One of ``session``'s is done (``take``'s ``keys`` and ``freeing``)."""
         held = self.sessions[session.id] - 1
         self.requests -= 1
+        if freeing:
+            self.freeing -= 1
+            self.freeing_keys -= keys
         if held:
             self.sessions[session.id] = held
         else:
