@@ -200,21 +200,31 @@ def _kv_dtype(host: Any, extra: dict[str, Any]) -> str:
 
 def _model_and_revision(config: HiCacheStorageConfig, host: Any,
                         extra: dict[str, Any]) -> tuple[str, str]:
-    """The model's name as SGLang gives it to storage backends, and a revision of its
-    weights: the extra config's ``model_revision``; else a fingerprint of the checkpoint
-    the server loaded (``model_path``: from the extra config, or the server's arguments,
-    or the name SGLang passes less the host pool's format tag it appends), or the commit
-    a hub id resolves to in the local cache; else the server's ``--revision``; else "unversioned", with a warning (engines serving other
-    weights under the same name would share pages)."""
+    """The model's name and a revision of its weights.
+
+    The name is the extra config's ``model_name``; else the model the server loaded
+    (its ``--model-path``), with the host pool's format tag as SGLang appends it; else
+    the name SGLang passes.  That name is the server's ``--served-model-name``, an
+    alias two deployments of different weights may share (a canary): with no revision
+    found, they loaded each other's pages.  The revision is the extra config's
+    ``model_revision``; else a fingerprint of the checkpoint the server loaded
+    (``model_path``: from the extra config, or the server's arguments, or the name
+    SGLang passes less the format tag), or the commit a hub id resolves to in the local
+    cache; else the server's ``--revision``; else "unversioned", with a warning (engines
+    serving other weights under the same name would share pages)."""
+    tag = getattr(host, "storage_format_tag", None)
+    served = str(config.model_name or "")
+    tagged = bool(tag) and served.endswith(f"-{tag}")
+    if tagged:
+        served = served[:-len(str(tag)) - 1]  # (cache_controller.storage_model_name adds it)
+    loaded = _server_arg("model_path")
     name = str(extra.get("model_name") or config.model_name or "unnamed")
+    if loaded and not extra.get("model_name"):
+        name = f"{loaded}-{tag}" if tag else str(loaded)  # (the format, as SGLang's)
     given = extra.get("model_revision")
     if given:
         return name, str(given)
-    paths = [str(p) for p in (extra.get("model_path"), _server_arg("model_path")) if p]
-    tag = getattr(host, "storage_format_tag", None)
-    served = str(config.model_name or "")
-    if tag and served.endswith(f"-{tag}"):
-        served = served[:-len(tag) - 1]  # (cache_controller.storage_model_name adds it)
+    paths = [str(p) for p in (extra.get("model_path"), loaded) if p]
     paths.append(served)
     revision = _server_arg("revision")
     for path in paths:
