@@ -51,6 +51,7 @@ from lmcache.v1.platform import create_event_notifier
 from kvstore.client import Client, Held, Namespace
 from kvstore.errors import (
     CapacityError,
+    ConfigError,
     KVStoreError,
     LimitExceededError,
     UnavailableError,
@@ -120,14 +121,18 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
         if unknown:
             raise ValueError(f"unknown kvstore adapter parameters: {sorted(unknown)}")
         timeout = d.get("timeout", 10.0)
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError("timeout must be a positive number of seconds")
-        return cls(object_bytes=object_bytes, endpoint=d.get("endpoint"),
-                   tenant=d.get("tenant"),
-                   token=None if d.get("token") is None else str(d["token"]),
-                   model_revision=(None if d.get("model_revision") is None
-                                   else str(d["model_revision"])),
-                   timeout=float(timeout))
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not math.isfinite(timeout) or timeout <= 0):
+            raise ConfigError(f"the kvstore adapter parameter 'timeout' is {timeout!r}: "
+                              "it takes a positive number of seconds (per request to "
+                              "the daemon)")
+        endpoint = d.get("endpoint")
+        if endpoint is not None and not isinstance(endpoint, str):
+            raise ConfigError(f"the kvstore adapter parameter 'endpoint' is {endpoint!r}: "
+                              "it takes text (ipc://PATH or tcp://HOST:PORT)")
+        return cls(object_bytes=object_bytes, endpoint=endpoint,
+                   tenant=_name_param(d, "tenant"), token=_name_param(d, "token"),
+                   model_revision=_name_param(d, "model_revision"), timeout=float(timeout))
 
     @classmethod
     def help(cls) -> str:
@@ -142,6 +147,20 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
                 "of the model's checkpoint directory, or its hub commit, else "
                 "'unversioned')\n"
                 "- timeout (float seconds)")
+
+
+def _name_param(params: dict[str, Any], key: str) -> str | None:
+    """An adapter parameter that names something (the tenant, the token, the weights'
+    revision): text, a whole number taken as its text, or None.  Anything else was
+    taken as its ``str()`` (a list became the revision "['r']"), or failed at the first
+    request with a header error naming no parameter (a tenant of 5)."""
+    value = params.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"the kvstore adapter parameter {key!r} is {value!r} "
+                      f"({type(value).__name__}): it takes text or a whole number")
 
 
 def object_identity(model_name: str, cache_salt: str,
