@@ -7,10 +7,11 @@ Configure LMCache with::
                    "adapter_params": {"endpoint": "ipc:///run/kvstore.sock",
                                       "tenant": "acme", "object_bytes": 262144}}'
 
-LMCache objects are opaque byte strings of up to ``object_bytes`` (LMCache's chunk
-size in bytes), so they live in namespaces of their own (layout ``lmcache-object``),
-one per LMCache model name and ``cache_salt``; a slot holds a 16-byte header (magic,
-length) and the object.  The chunk hash, ``kv_rank`` and object group make the key.
+LMCache objects are byte strings of up to ``object_bytes`` (LMCache's chunk size in
+bytes), so they live in namespaces of their own (layout ``lmcache-object``), one per
+LMCache model name, ``cache_salt`` and KV layout (the objects' shapes and dtypes:
+``kv_layout``); a slot holds a 16-byte header (magic, length) and the object.  The
+chunk hash, ``kv_rank`` and object group make the key.
 
 The adapter keeps LMCache's contract: every call only queues a task; a worker thread,
 the only user of its daemon connection, runs the lookups, loads and unlocks in order,
@@ -27,6 +28,7 @@ threads, releases the locks left, then closes the connections and the event fds.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -163,9 +165,10 @@ def _name_param(params: dict[str, Any], key: str) -> str | None:
                       f"({type(value).__name__}): it takes text or a whole number")
 
 
-def object_identity(model_name: str, cache_salt: str,
-                    config: KVStoreL2AdapterConfig) -> Identity:
-    """The namespace of one LMCache model's objects under one cache salt.
+def object_identity(model_name: str, cache_salt: str, config: KVStoreL2AdapterConfig,
+                    layout: str | None = None) -> Identity:
+    """The namespace of one LMCache model's objects of one KV layout (``kv_layout``;
+    None: objects of bytes that name none) under one cache salt.
 
     A slot is ``2 * head_dim * block_tokens`` bytes of uint8 (one layer, one head):
     the header plus ``object_bytes``, rounded up to even (``_slot_shape``).
@@ -173,7 +176,8 @@ def object_identity(model_name: str, cache_salt: str,
     tokens, head_dim = _slot_shape((_HEADER.size + config.object_bytes + 1) // 2)
     return Identity(model=model_name, model_revision=config.revision_of(model_name),
                     tenant=config.tenant, kv_dtype="uint8", num_layers=1, num_kv_heads=1,
-                    head_dim=head_dim, block_tokens=tokens, layout="lmcache-object",
+                    head_dim=head_dim, block_tokens=tokens,
+                    layout="lmcache-object" + (f";{layout}" if layout else ""),
                     salt=cache_salt)
 
 
@@ -191,6 +195,38 @@ def _slot_shape(half: int) -> tuple[int, int]:
     return tokens, -(-half // tokens)
 
 
+@functools.lru_cache(maxsize=256)
+def kv_layout(shapes: tuple[Any, ...], dtypes: tuple[Any, ...]) -> str | None:
+    """The text that names a KV layout in a namespace: each tensor's dtype and shape
+    (``bfloat16[2,32,256,1024]``, joined by ``+``; a digest of them past 256
+    characters), from a memory object's or a ``MemoryLayoutDesc``'s shapes and
+    dtypes.  None where they name no KV layout: none given (LMCache's benchmark passes
+    an empty one to lookups), or one flat buffer of bytes (its serde wrapper's and its
+    benchmark's objects), whose objects keep the namespace they always had.  Before,
+    no object's namespace named its layout: engines of one model whose KV was fp16 and
+    bf16 (or of other shapes, as many bytes) loaded each other's objects."""
+    parts = [f"{str(dtype).removeprefix('torch.')}[{','.join(map(str, shape))}]"
+             for shape, dtype in zip(shapes, dtypes, strict=True)]
+    if not parts or (len(shapes) == 1 and len(shapes[0]) == 1
+                     and str(dtypes[0]).removeprefix("torch.") == "uint8"):
+        return None
+    text = "+".join(parts)
+    if len(text) > 256:  # (an identity's text fields are of 512 characters at most)
+        text = "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    return text
+
+
+def _object_layout(obj: MemoryObj) -> str | None:
+    """A memory object's KV layout (``kv_layout``): its shapes and dtypes, or the one
+    shape and dtype of an object made without them."""
+    meta = getattr(obj, "meta", None)
+    if meta is None:  # (not one of LMCache's objects: its bytes name no layout)
+        return None
+    if meta.shapes is not None and meta.dtypes is not None:
+        return kv_layout(tuple(meta.shapes), tuple(meta.dtypes))
+    return kv_layout((meta.shape,), (meta.dtype,))
+
+
 def object_key(key: ObjectKey) -> bytes:
     h = hashlib.blake2b(digest_size=16, person=_KEY_DOMAIN)
     h.update(struct.pack("<qi", key.kv_rank, key.object_group_id))
@@ -204,6 +240,24 @@ class _Task:
     task_id: L2TaskId
     keys: list[ObjectKey]
     objects: list[MemoryObj] | None = None
+    descs: dict[int, MemoryLayoutDesc] | None = None  # a lookup's layouts, per group
+
+
+def _by_namespace(task: _Task) -> dict[tuple[str, str, str | None], list[int]]:
+    """Positions of a task's keys grouped by namespace (model, salt and KV layout), in
+    order.  The layout is the objects' for a store or a load, and for a lookup the one
+    LMCache gives for the key's object group (the layout of the objects it loads)."""
+    if task.objects is not None:
+        layouts = [_object_layout(obj) for obj in task.objects]
+    else:
+        descs = task.descs or {}
+        layouts = [None if (desc := descs.get(key.object_group_id)) is None
+                   else kv_layout(tuple(desc.shapes), tuple(desc.dtypes))
+                   for key in task.keys]
+    groups: dict[tuple[str, str, str | None], list[int]] = defaultdict(list)
+    for i, (key, layout) in enumerate(zip(task.keys, layouts)):
+        groups[(key.model_name, key.cache_salt, layout)].append(i)
+    return groups
 
 
 class KVStoreL2Adapter(L2AdapterInterface):
@@ -231,8 +285,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._load_results: dict[L2TaskId, Bitmap] = {}
         # Worker-thread state: the pins held for lookup-and-lock, per LMCache key, and
         # per pin how many of its keys are still locked.  Keyed by the whole ObjectKey:
-        # object_key() leaves out the model and the salt (they pick the namespace), so
-        # two models' or two salts' same chunk share it, and an unlock of one would
+        # object_key() leaves out the model, salt and layout (they pick the namespace),
+        # so two models' or two salts' same chunk share it, and an unlock of one would
         # release the other's pin.  Pins are keyed by the Held, not by the daemon's pin
         # id, which a daemon restarted on the endpoint hands out again.
         self._pins_by_key: dict[ObjectKey, list[Held]] = defaultdict(list)
@@ -265,12 +319,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return int(self._load_efd.fileno())
 
     # -- submissions (any thread) ---------------------------------------------------------
-    def _submit(self, kind: str, keys: list[ObjectKey],
-                objects: list[MemoryObj] | None = None) -> L2TaskId:
+    def _submit(self, kind: str, keys: list[ObjectKey], objects: list[MemoryObj] | None = None,
+                descs: dict[int, MemoryLayoutDesc] | None = None) -> L2TaskId:
         if objects is not None and len(objects) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         with self._lock:
-            task = _Task(kind, next(self._ids), list(keys), objects)
+            task = _Task(kind, next(self._ids), list(keys), objects,
+                         None if descs is None else dict(descs))
             if not self._closed:
                 (self._store_tasks if kind == "store" else self._tasks).put(task)
                 return task.task_id
@@ -288,7 +343,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def submit_lookup_and_lock_task(self, keys: list[ObjectKey],
                                     group_layout_descs: dict[int, MemoryLayoutDesc]) -> L2TaskId:
-        return self._submit("lookup", keys)
+        return self._submit("lookup", keys, descs=group_layout_descs)
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -433,44 +488,41 @@ class KVStoreL2Adapter(L2AdapterInterface):
             if not self._efds_closed:
                 efd.notify()
 
-    def _namespace(self, key: ObjectKey, link: DaemonLink | None = None, *,
-                   holding: bool = False) -> Namespace | None:
-        """The namespace of a key's model and salt on ``link`` (the worker's by
+    def _namespace(self, where: tuple[str, str, str | None], link: DaemonLink | None = None,
+                   *, holding: bool = False) -> Namespace | None:
+        """The namespace of a model, salt and KV layout on ``link`` (the worker's by
         default; ``holding``: the task holds pins through it); None while the daemon is
         failing (a failure of the task's)."""
-        where = (key.model_name, key.cache_salt)
         link = link or self._link
         failures = link.failures
-        ns = link.namespace(where, lambda: object_identity(*where, self._config))
+        model, salt, layout = where
+
+        def identity() -> Identity:
+            return object_identity(model, salt, self._config, layout)
+
+        ns = link.namespace(where, identity)
         if (ns is None and link.failures > failures
                 and isinstance(link.last_error, LimitExceededError)
                 and (link is self._store_link or not (holding or self._pin_keys_left))):
             # The session has as many namespaces open as the daemon allows (one per
-            # model and salt, and none is ever closed: past 1024 salts, say, every new
-            # one failed for the adapter's life).  A new session opens them again as
+            # model, salt and layout, and none is ever closed: past 1024 salts, say, every
+            # new one failed for the adapter's life).  A new session opens them again as
             # they are used; a link holding locks keeps its session (a miss this time).
             link.close()
-            ns = link.namespace(where, lambda: object_identity(*where, self._config))
+            ns = link.namespace(where, identity)
         if ns is None:
             self._daemon_failed(None, f"namespace of {where}", UnavailableError(
                 f"no namespace on the daemon at {link.endpoint}: it did not answer, "
                 "refused the connection, or cannot hold it (see the log)"))
         return ns
 
-    def _by_namespace(self, keys: Sequence[ObjectKey]) -> dict[tuple[str, str], list[int]]:
-        """Positions of ``keys`` grouped by namespace, in order."""
-        groups: dict[tuple[str, str], list[int]] = defaultdict(list)
-        for i, key in enumerate(keys):
-            groups[(key.model_name, key.cache_salt)].append(i)
-        return groups
-
     def _do_store(self, task: _Task) -> None:
         assert task.objects is not None
         objects = task.objects
         stored = 0
         ok = True
-        for positions in self._by_namespace(task.keys).values():
-            ns = self._namespace(task.keys[positions[0]], self._store_link)
+        for where, positions in _by_namespace(task).items():
+            ns = self._namespace(where, self._store_link)
             if ns is None:
                 ok = False
                 continue
@@ -511,8 +563,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         found = Bitmap(len(task.keys))
         pinned: list[tuple[list[int], Held]] = []  # each pin, with its keys' positions
         try:
-            for positions in self._by_namespace(task.keys).values():
-                ns = self._namespace(task.keys[positions[0]], holding=bool(pinned))
+            for where, positions in _by_namespace(task).items():
+                ns = self._namespace(where, holding=bool(pinned))
                 if ns is None:
                     continue  # misses
                 self._lease_s = _lease_of(ns.client)  # (a new session's, after a reconnect)
@@ -561,8 +613,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         assert task.objects is not None
         objects = task.objects
         loaded = Bitmap(len(task.keys))
-        for positions in self._by_namespace(task.keys).values():
-            ns = self._namespace(task.keys[positions[0]])
+        for where, positions in _by_namespace(task).items():
+            ns = self._namespace(where)
             if ns is None:
                 continue  # not loaded: LMCache recomputes
 

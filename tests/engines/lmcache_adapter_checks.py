@@ -68,11 +68,14 @@ def _positions(fd: int, query: Any, task: Any, what: str) -> list[int]:
     raise TimeoutError(what)
 
 
-def lookup(adapter: KVStoreL2Adapter, keys: list[Any]) -> list[int]:
-    """The positions of the keys found (and locked)."""
+def lookup(adapter: KVStoreL2Adapter, keys: list[Any],
+           layouts: dict[int, Any] | None = None) -> list[int]:
+    """The positions of the keys found (and locked).  ``layouts``: the layout of each
+    object group's objects, as LMCache passes them (none: objects of bytes, which name
+    no layout)."""
     return _positions(adapter.get_lookup_and_lock_event_fd(),
                       adapter.query_lookup_and_lock_result,
-                      adapter.submit_lookup_and_lock_task(keys, {}), "lookup")
+                      adapter.submit_lookup_and_lock_task(keys, layouts or {}), "lookup")
 
 
 def load(adapter: KVStoreL2Adapter, keys: list[Any], objects: list[Any]) -> list[int]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from lmcache.cli.commands.bench.l2_adapter_bench.data import make_object_keys
+from lmcache.v1.distributed.api import MemoryLayoutDesc
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache_adapter_checks import load, lookup, pinned, same, store
 
@@ -39,6 +40,12 @@ def kv_objects(n: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int) ->
     return out
 
 
+def layout_of(shape: tuple[int, ...], dtype: torch.dtype) -> dict[int, MemoryLayoutDesc]:
+    """What LMCache passes a lookup of ``kv_objects(n, shape, dtype)``: object group
+    0's layout (the objects' namespace names it)."""
+    return {0: MemoryLayoutDesc(shapes=[torch.Size(shape)], dtypes=[dtype])}
+
+
 def large_chunk(endpoint: str, tenant: str) -> dict[str, Any]:
     """Chunks of DeepSeek-V3 (MLA: 61 layers of 576 bf16 values a token) of 256 tokens:
     17,989,632 bytes each, half a slot of which (with its header) has a prime factor
@@ -51,7 +58,7 @@ def large_chunk(endpoint: str, tenant: str) -> dict[str, Any]:
     keys = make_object_keys(n, model_name="deepseek-ai/DeepSeek-V3")
     out: dict[str, Any] = {"n": n, "size": size}
     out["stored"] = store(adapter, keys, source)
-    out["found"] = len(lookup(adapter, keys))
+    out["found"] = len(lookup(adapter, keys, layout_of(shape, torch.bfloat16)))
     out["loaded"] = len(load(adapter, keys, target))
     out["same_bytes"] = same(source, target)
     adapter.submit_unlock(keys)
@@ -72,7 +79,7 @@ def past_dram(endpoint: str, tenant: str) -> dict[str, Any]:
     out: dict[str, Any] = {"n": n, "wanted": wanted}
     out["stored"] = [ok for start in range(0, n, 50)
                      for ok in store(adapter, keys[start:start + 50], source[start:start + 50])]
-    found = lookup(adapter, keys[:wanted])
+    found = lookup(adapter, keys[:wanted], layout_of((size // 2,), torch.float16))
     out["found"] = len(found)
     out["found_a_prefix"] = found == list(range(len(found)))
     out["pinned_after_lookup"] = pinned(endpoint, len(found))
