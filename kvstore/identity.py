@@ -20,6 +20,7 @@ DTYPE_BYTES: dict[str, int] = {
     "float16": 2,
     "bfloat16": 2,
     "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,  # (AMD MI300's fp8: other bits than e4m3fn, not to be mixed)
     "float8_e5m2": 1,
     "fp8": 1,
     "int8": 1,

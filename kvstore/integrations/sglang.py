@@ -181,8 +181,9 @@ def _kv_dtype(host: Any, extra: dict[str, Any]) -> str:
     """The KV cache's element format.  SGLang's pools keep fp8 KV as ``uint8`` (its
     index_put has no fp8), so the host pool's dtype does not tell e4m3 from e5m2: the
     format then comes from the extra config's ``kv_cache_dtype``, or the server's
-    ``--kv-cache-dtype``; without either, pages of bytes are refused rather than shared
-    between engines of different formats."""
+    ``--kv-cache-dtype`` (on ROCm, the GPU's own fp8 format: ``_hip_fp8_format``);
+    without either, pages of bytes are refused rather than shared between engines of
+    different formats."""
     dtype = str(host.dtype).removeprefix("torch.")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"kvstore cannot store KV pages of dtype {host.dtype}")
@@ -190,12 +191,37 @@ def _kv_dtype(host: Any, extra: dict[str, Any]) -> str:
         return dtype
     named = str(extra.get("kv_cache_dtype") or _server_arg("kv_cache_dtype") or "")
     if named in _FP8:
-        return _FP8[named]
+        return _hip_fp8_format() if _on_hip() else _FP8[named]
     raise ValueError(
         "SGLang's host pool holds this engine's KV as bytes (uint8: how it keeps fp8), so "
         "its format is unknown and pages of different formats would be shared; set "
         '"kv_cache_dtype" ("fp8_e4m3" or "fp8_e5m2") in the backend\'s extra config'
         + (f" (the server says {named!r})" if named else ""))
+
+
+def _on_hip() -> bool:
+    """Whether SGLang runs on ROCm, as SGLang itself decides (its ``is_hip()``)."""
+    from sglang.srt.utils import is_hip
+    return bool(is_hip())
+
+
+def _hip_fp8_format() -> str:
+    """The format SGLang on ROCm keeps fp8 KV in, whichever fp8 ``--kv-cache-dtype``
+    (its ``configure_kv_cache_dtype``: "natively supported format"): its fp8 kernels'
+    ``fp8_dtype``, float8_e4m3fnuz on MI300 (gfx94x), float8_e4m3fn on later GPUs.
+    Before, the flag named the format there too: an MI300 engine's e4m3fnuz pages were
+    shared with NVIDIA engines' e4m3fn ones, and an AMD engine's e4m3 pages under
+    ``fp8_e5m2`` with NVIDIA engines' e5m2 ones (each read the other's bits wrongly)."""
+    try:
+        from sglang.kernels.ops.quantization.fp8_kernel import fp8_dtype
+    except ImportError:
+        try:  # (where SGLang kept its fp8 kernels before)
+            from sglang.srt.layers.quantization.fp8_kernel import fp8_dtype
+        except ImportError as exc:
+            raise ValueError("kvstore cannot tell which fp8 format SGLang keeps KV in on "
+                             f"ROCm (its fp8_dtype is not found: {exc}); pages of other "
+                             "formats would be shared") from exc
+    return str(fp8_dtype).removeprefix("torch.")
 
 
 def _model_and_revision(config: HiCacheStorageConfig, host: Any,
