@@ -243,10 +243,34 @@ class _Task:
     descs: dict[int, MemoryLayoutDesc] | None = None  # a lookup's layouts, per group
 
 
-def _by_namespace(task: _Task) -> dict[tuple[str, str, str | None], list[int]]:
+def serde_layout(config: Any) -> str | None:
+    """The layout that names an adapter's objects when LMCache serializes them for it
+    (``serde_config`` set on the adapter's config: LMCache then wraps the adapter in its
+    ``SerdeL2AdapterWrapper``), None when it does not.  Such an adapter is handed the
+    serialized bytes to store and load, but the engine's own layout to look up: named
+    by each, every lookup missed the objects stored.  The serializer and its settings
+    name them instead, for all three."""
+    serde = getattr(config, "serde_config", None)
+    if serde is None:
+        return None
+    settings = ",".join(f"{k}={v}" for k, v in sorted((serde.kwargs or {}).items()))
+    text = f"serde:{serde.type}" + (f"({settings})" if settings else "")
+    if len(text) > 256:  # (as ``kv_layout``)
+        text = "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    return text
+
+
+def _by_namespace(task: _Task, serde: str | None = None
+                  ) -> dict[tuple[str, str, str | None], list[int]]:
     """Positions of a task's keys grouped by namespace (model, salt and KV layout), in
     order.  The layout is the objects' for a store or a load, and for a lookup the one
-    LMCache gives for the key's object group (the layout of the objects it loads)."""
+    LMCache gives for the key's object group (the layout of the objects it loads); or,
+    for all, ``serde``'s (``serde_layout``)."""
+    if serde is not None:
+        groups_s: dict[tuple[str, str, str | None], list[int]] = defaultdict(list)
+        for i, key in enumerate(task.keys):
+            groups_s[(key.model_name, key.cache_salt, serde)].append(i)
+        return groups_s
     if task.objects is not None:
         layouts = [_object_layout(obj) for obj in task.objects]
     else:
@@ -269,6 +293,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         if isinstance(config, dict):
             config = KVStoreL2AdapterConfig.from_dict(config)
         self._config = config
+        self._serde = serde_layout(config)  # (set by LMCache's parse, before it makes us)
         # The worker thread is the link's only user, but for this first connection: here,
         # so a wrong endpoint fails adapter creation rather than every task.
         self._link = DaemonLink(DaemonSettings(config.endpoint, config.tenant, config.token,
@@ -521,7 +546,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         objects = task.objects
         stored = 0
         ok = True
-        for where, positions in _by_namespace(task).items():
+        for where, positions in _by_namespace(task, self._serde).items():
             ns = self._namespace(where, self._store_link)
             if ns is None:
                 ok = False
@@ -563,7 +588,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         found = Bitmap(len(task.keys))
         pinned: list[tuple[list[int], Held]] = []  # each pin, with its keys' positions
         try:
-            for where, positions in _by_namespace(task).items():
+            for where, positions in _by_namespace(task, self._serde).items():
                 ns = self._namespace(where, holding=bool(pinned))
                 if ns is None:
                     continue  # misses
@@ -613,7 +638,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         assert task.objects is not None
         objects = task.objects
         loaded = Bitmap(len(task.keys))
-        for where, positions in _by_namespace(task).items():
+        for where, positions in _by_namespace(task, self._serde).items():
             ns = self._namespace(where)
             if ns is None:
                 continue  # not loaded: LMCache recomputes

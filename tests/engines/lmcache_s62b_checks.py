@@ -3,7 +3,8 @@ tenant and chunk size in bytes whose KV caches differ in format: fp16, bf16, and
 of other shapes (argv[1] the daemon's endpoint, argv[2] the tenant).  The fp16 engine
 stores its objects; the others look them up and load them with the layout LMCache
 gives each (its ``group_layout_descs`` for a lookup, its memory objects for a load);
-then the bf16 engine stores its own.  Prints, as JSON, what each step saw."""
+then the bf16 engine stores its own; and an adapter LMCache serializes objects for.
+Prints, as JSON, what each step saw."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from lmcache.cli.commands.bench.l2_adapter_bench.data import make_object_keys
 from lmcache_adapter_checks import load, lookup, pinned, same, store
 from lmcache_setups_checks import kv_objects, layout_of
 
-from kvstore.integrations.lmcache import KVStoreL2Adapter
+from kvstore.integrations.lmcache import KVStoreL2Adapter, KVStoreL2AdapterConfig
 
 N = 3
 SHAPE = (2, 2, 16, 64)   # K and V, 2 layers, 16 tokens, 64 values a token: 8 KiB in fp16
@@ -54,10 +55,33 @@ def main() -> None:
     out["stored_bf16"] = all(store(engines["bf16"], keys, objects["bf16"]))
     for name in FORMATS:
         out[f"after_bf16_stored/{name}"] = reads(name)
+    out["serde"] = serialized(endpoint, tenant, size)
     out["pinned_at_end"] = pinned(endpoint, 0)
     for engine in engines.values():
         engine.close()
     print(json.dumps(out))
+
+
+def serialized(endpoint: str, tenant: str, size: int) -> list[Any]:
+    """An adapter LMCache serializes objects for (``serde_config`` on its config, as
+    LMCache's parse sets it): handed the serialized bytes to store and load (one flat
+    buffer each), and the engine's fp16 layout to look up, as LMCache's
+    ``SerdeL2AdapterWrapper`` hands them.  [found, loaded, the bytes stored]."""
+    from lmcache.v1.distributed.serde import SerdeConfig
+
+    config = KVStoreL2AdapterConfig.from_dict({"endpoint": endpoint, "tenant": tenant,
+                                               "object_bytes": size, "model_revision": "r1"})
+    config.serde_config = SerdeConfig(type="fp8", kwargs={"fp8_dtype": "float8_e4m3fn"})
+    engine = KVStoreL2Adapter(config)
+    keys = make_object_keys(N, model_name="org/serialized")
+    source = kv_objects(N, (size // 2,), torch.uint8, 7)  # (fp8: half the bytes)
+    assert all(store(engine, keys, source))
+    found = len(lookup(engine, keys, layout_of(SHAPE, torch.float16)))
+    engine.submit_unlock(keys)
+    target = kv_objects(N, (size // 2,), torch.uint8, 8)
+    loaded = len(load(engine, keys, target))
+    engine.close()
+    return [found, loaded, loaded > 0 and same(source, target)]
 
 
 if __name__ == "__main__":

@@ -32,5 +32,9 @@ def test_engines_of_other_kv_dtypes_share_no_objects(
     assert out["after_bf16_stored/fp16"] == [3, 3, True, True], out
     assert out["after_bf16_stored/bf16"] == [3, 3, True, False], out
     assert out["after_bf16_stored/fp16_other_shape"] == [0, 0, False, False], out
+    # Serialized by LMCache (its serde): stored and loaded as bytes, looked up by the
+    # engine's layout, all in the serializer's namespace.  Before this was found, every
+    # lookup missed (its namespace the layout's, the objects' the bytes').
+    assert out["serde"] == [3, 3, True], out
     assert out["pinned_at_end"] == 0, out
     assert "Traceback" not in proc.stderr
