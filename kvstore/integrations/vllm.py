@@ -297,20 +297,18 @@ def check_values(extra: dict[str, Any]) -> None:
     hung the engine's step for good) and one of 0 made every call a miss; "10s" (or a
     ``max_pending_save_mib`` of "1GiB") raised float()'s bare error, which names no
     key; an ``endpoint`` that is not text crashed the connect thread, and the engine
-    served on without a word."""
+    served on without a word.  A rate in ``load_gbps`` of "fast" or null raised
+    float()'s bare error too, and one of NaN or ``true`` was taken."""
     for key, (least, least_taken) in _NUMBERS.items():
-        if key not in extra:
-            continue
-        value = extra[key]
-        try:
-            number = float(value) if not isinstance(value, bool) else math.nan
-        except (TypeError, ValueError):
-            number = math.nan
-        if not math.isfinite(number) or number < least or (number == least
-                                                          and not least_taken):
+        if key in extra and not _number_from(extra[key], least, least_taken):
             bound = f">= {least:g}" if least_taken else f"> {least:g}"
             raise ConfigError(f"KVStoreConnector: kv_connector_extra_config key {key!r} "
-                              f"is {value!r}: it takes a number {bound}")
+                              f"is {extra[key]!r}: it takes a number {bound}")
+    rates = extra.get("load_gbps", {})
+    if "load_gbps" in extra and not (isinstance(rates, dict) and all(
+            _number_from(value, 0.0, False) for value in rates.values())):
+        raise ConfigError(f"KVStoreConnector: kv_connector_extra_config key 'load_gbps' "
+                          f"is {rates!r}: it maps tiers to GB/s, each a number > 0")
     for key in ("endpoint", "model_name", *_NAMES):
         value = extra.get(key)
         if value is None or isinstance(value, str) or (
@@ -319,6 +317,16 @@ def check_values(extra: dict[str, Any]) -> None:
         kind = "text or a whole number" if key in _NAMES else "text"
         raise ConfigError(f"KVStoreConnector: kv_connector_extra_config key {key!r} is "
                           f"{value!r} ({type(value).__name__}): it takes {kind}")
+
+
+def _number_from(value: Any, least: float, least_taken: bool) -> bool:
+    """Whether ``value`` is a finite number (or its text) above ``least`` (or at it,
+    where ``least_taken``); a JSON boolean is not one."""
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(number) and (number > least or (number == least and least_taken))
 
 
 def usable_cores() -> int:
