@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SAVED_LATELY = 16384  # first-group keys of the last saves kept (``_saved_since``)
+# How long a request whose lookup missed a block that a finished request's save is still
+# sending waits for it, a scheduler step at a time, before it computes the block itself
+SAVE_WAIT_SECONDS = 2.0
+UNSENT_MOST = 4096  # finished requests whose saves are awaited, kept at most
 
 # ========================================================================================
 # metadata: scheduler -> worker
@@ -81,6 +85,7 @@ class RequestState:
     saving: bool = False        # saves were planned: the worker reports when they end
     planned: list[bytes] = field(default_factory=list)  # first group's keys it saves
     lookups: list[Callable[[], LookupResult]] | None = None  # sent on arrival, not read
+    waits_since: float | None = None  # since when it waits for a save in flight
 
 
 def count_tiers(stats: dict[str, int], tiers: Sequence[str], block_tokens: int) -> None:
@@ -194,6 +199,10 @@ class RequestBook:
         # the first group's keys of the last saves planned (oldest first, bounded): a
         # request's lookup, sent as it came, that missed one of them is sent again
         self._saved_lately: dict[bytes, None] = {}
+        # the first group's keys of finished requests whose saves the worker has not
+        # reported done yet (``finished`` to ``saves_done``), per request and counted
+        self._unsent: dict[str, list[bytes]] = {}
+        self._unsent_keys: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -251,7 +260,12 @@ class RequestBook:
             state.cached = self._lookup(state, full)
             missed = max(state.cached[0], first)  # (vLLM's own cache holds the first)
             if missed < full and self._saved_since(state, missed):
-                state.cached = self._lookup(state, full)
+                if state.waits_since is None:  # (else that lookup was just sent)
+                    state.cached = self._lookup(state, full)
+                    missed = max(state.cached[0], first)
+                if missed < full and self._waits_for_save(state, missed):
+                    state.cached = None
+                    return None, False  # (vLLM asks again at its next step)
             self.stats["lookup_us"] += int((time.perf_counter() - started) * 1e6)
         cached, tiers = state.cached
         # Blocks the store holds are never saved again, loaded or not.
@@ -295,6 +309,34 @@ class RequestBook:
         they saved meanwhile, and computed it all again (and sent it again, a
         duplicate).  Then it is looked up again, once."""
         return self._keys(state, self._groups[0], missed + 1)[missed] in self._saved_lately
+
+    def _waits_for_save(self, state: RequestState, missed: int) -> bool:
+        """Whether a request waits a step for the first block its lookup missed: one a
+        finished request of this engine saves, the save still on its way to the daemon
+        (the worker has not reported it done), for ``SAVE_WAIT_SECONDS`` at most.  A
+        request queued behind another of its prefix (``max_num_seqs`` reached, vLLM's
+        prefix cache off) was scheduled as that one ended, its saves sent off the step
+        and, on a busy host, not yet committed: it computed the blocks again (and sent
+        them again)."""
+        key = self._keys(state, self._groups[0], missed + 1)[missed]
+        if key not in self._unsent_keys:
+            return False
+        now = time.monotonic()
+        if state.waits_since is None:
+            state.waits_since = now
+        if now - state.waits_since > SAVE_WAIT_SECONDS:
+            return False
+        self.stats["save_waits"] = self.stats.get("save_waits", 0) + 1
+        return True
+
+    def saves_done(self, request_ids: Iterable[str]) -> None:
+        """The worker reported these finished requests' saves done (committed or failed:
+        a lookup tells which)."""
+        for request_id in request_ids:
+            for key in self._unsent.pop(request_id, ()):
+                count = self._unsent_keys.pop(key) - 1
+                if count:
+                    self._unsent_keys[key] = count
 
     def _pinnable(self, state: RequestState) -> int:
         """The most blocks of a request one load may pin: its blocks of every group and
@@ -456,4 +498,11 @@ class RequestBook:
             count = self._planned.pop(key) - 1
             if count:
                 self._planned[key] = count
-        return bool(state is not None and state.saving and self._roles.async_saves)
+        held = bool(state is not None and state.saving and self._roles.async_saves)
+        if held and state is not None and state.planned:  # (until ``saves_done``)
+            if len(self._unsent) >= UNSENT_MOST:  # (a report lost: the oldest let go)
+                self.saves_done([next(iter(self._unsent))])
+            self._unsent[request.request_id] = state.planned
+            for key in state.planned:
+                self._unsent_keys[key] = self._unsent_keys.get(key, 0) + 1
+        return held

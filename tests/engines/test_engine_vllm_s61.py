@@ -136,7 +136,14 @@ def one_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                        {"prompts": QUEUED[:2], "reset_prefix_cache": True}],
             "connector": {"extra": {**connector["extra"], "tenant": "async"}}})
 
-    in_lanes_on([daemon], plain, stored, scheduled_async)
+    def slow_saves() -> None:
+        # the first's saves held 0.5 s each (a busy host): still on their way when the
+        # second request is scheduled
+        out["slow"] = engine(tmp, "slow", {
+            "engine": ENGINE, "phases": PHASES[:1], "save_delay": 0.5,
+            "connector": {"extra": {**connector["extra"], "tenant": "slow"}}})
+
+    in_lanes_on([daemon], plain, stored, scheduled_async, slow_saves)
     return out
 
 
@@ -155,6 +162,21 @@ def test_a_queued_request_loads_what_the_requests_before_it_saved(
         0, 4 * BLOCK, 3 * BLOCK]
     assert run["phases"][0]["external_tokens"] == 7 * BLOCK
     assert run["phases"][0]["duplicates"] == 0
+
+
+def test_a_queued_request_waits_for_the_saves_still_on_their_way(
+        one_at_a_time: dict[str, Any]) -> None:
+    """The first request's saves held 0.5 s each: the second, scheduled as the first
+    ends, waits a step or two for them (the worker reports them done) and loads its 4
+    blocks.  Before, its lookup again missed what was still being sent, and it computed
+    the 4 blocks again (a suite run on a busy host failed the test above so: [0, 0, 96])."""
+    run, plain = one_at_a_time["slow"], one_at_a_time["plain"]
+    assert outputs(run, 0) == outputs(plain, 0)
+    assert [r["num_cached_tokens"] for r in run["phases"][0]["results"]] == [
+        0, 4 * BLOCK, 3 * BLOCK]
+    assert run["phases"][0]["duplicates"] == 0
+    assert run["daemon_dram"]["pinned_blocks"] == 0
+    assert run["daemon_dram"]["reserved_slots"] == 0
 
 
 def test_prompts_of_one_token_or_about_one_block_match_and_leave_nothing_held(

@@ -6,7 +6,8 @@ test_engine_vllm_setups.py.  ``--spec`` names a JSON object: ``engine`` (vLLM's
 ``kv_cache_mib``, ``max_model_len``, ``dtype``, ``max_num_seqs``,
 ``async_scheduling``), ``connector``
 (``role``, ``load_failure_policy`` and extra config; absent: no kvstore), ``log``
-(kvstore's log level on stderr) and ``phases``,
+(kvstore's log level on stderr), ``save_delay`` (seconds each background save is held
+before it goes, as on a busy host) and ``phases``,
 run in order, each ``{"prompts": [token id lists], "n": samples, "max_tokens": int,
 "seed": int, "temperature": float, "abort_after_steps": int, "reset_prefix_cache": bool,
 "pause": name, "step_pause": {"after": steps, "name": name}, "sleep": seconds,
@@ -181,6 +182,16 @@ def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
         handler.setFormatter(logging.Formatter("%(relativeCreated)d %(threadName)s %(message)s"))
         logging.getLogger("kvstore").addHandler(handler)
         logging.getLogger("kvstore").setLevel(spec["log"].upper())
+    if spec.get("save_delay"):  # each background save held this long before it goes
+        from kvstore.integrations import pipeline
+
+        store = pipeline.SaveSender._store
+
+        def slow_store(self: Any, number: int, job: Any) -> Any:
+            time.sleep(spec["save_delay"])
+            return store(self, number, job)
+
+        pipeline.SaveSender._store = slow_store  # type: ignore[method-assign]
     llm, engine, scheduler, preemptions, sched_conn, connected, worker = start_engine(
         model, eng, conn)
     phases, counter = [], 0
