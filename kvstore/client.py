@@ -268,6 +268,14 @@ class Client(SessionCore):
                 if rid in self._early:  # filed by another thread since the check above
                     return self._early.pop(rid)
                 return self._receive_for(rid)
+            except BaseException:
+                # Given up on, however: a timeout, the session gone, or an interrupt in
+                # the receive (KeyboardInterrupt, a signal handler's error).  What its
+                # reply holds (an acquire's pin, a reserve's slots) goes back when it
+                # comes; an interrupted call's pins and slots were held for the life of
+                # the session before, nobody left to release them.
+                self._abandon(rid)
+                raise
             finally:
                 self._io.release()
         finally:
@@ -287,18 +295,15 @@ class Client(SessionCore):
         while True:
             try:
                 received = self._receive()
-            except zmq.Again:  # RCVTIMEO passed: what a late reply holds goes back
-                self._abandon(rid)
+            except zmq.Again:  # RCVTIMEO passed (given up on: ``_wait``)
                 raise self._no_reply() from None
             if received[0].rid == rid or received[0].rid == 0:  # 0: the daemon could
                 self._heard(received[0])                      # not tell whose it is
                 return received
             self._file(received)
             if self._lost:  # the session is gone: no reply of ours will come
-                self._abandon(rid)
                 self._usable()
             if time.monotonic() > until:
-                self._abandon(rid)
                 raise self._no_reply()
 
     def _abandon(self, rid: int) -> None:
