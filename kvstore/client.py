@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -199,6 +200,22 @@ class Client(SessionCore):
                                "one thread at a time (open one per thread, or use "
                                "AsyncClient)")
 
+    @contextmanager
+    def _claimed(self) -> Iterator[None]:
+        """The socket held by this thread across a change of a reservation's or a pin's
+        state and the request that says so, so that a refusal (closed, another thread
+        in a call) comes before the change: refused after it, a release or commit left
+        the pins or slots held in the daemon and the object marked done, its retry a
+        no-op (or "already committed")."""
+        if self._sock is None:
+            raise KVStoreError("the client is closed")
+        self._usable()
+        self._claim()
+        try:
+            yield
+        finally:
+            self._io.release()
+
     def _run(self, exchange: Exchange[T]) -> T:
         """Carry out a verb of several requests, one after the other."""
         return self._begin(exchange)()
@@ -269,11 +286,9 @@ class Client(SessionCore):
                     return self._early.pop(rid)
                 return self._receive_for(rid)
             except BaseException:
-                # Given up on, however: a timeout, the session gone, or an interrupt in
-                # the receive (KeyboardInterrupt, a signal handler's error).  What its
-                # reply holds (an acquire's pin, a reserve's slots) goes back when it
-                # comes; an interrupted call's pins and slots were held for the life of
-                # the session before, nobody left to release them.
+                # Given up on (a timeout, the session gone, a KeyboardInterrupt): what
+                # its reply holds goes back when it comes (an interrupted acquire's
+                # pins were held for the life of the session, nobody left to release)
                 self._abandon(rid)
                 raise
             finally:
@@ -595,13 +610,23 @@ class Reservation(ReservationCore[Namespace]):
 
     def commit(self) -> int:
         """Publish the blocks; returns how many were new (the rest were cached already)."""
-        return self._on_commit(self.ns.client._call(self._commit_request()))
+        client = self.ns.client
+        with client._claimed():
+            req = self._commit_request()
+            client._send(req)
+        return self._on_commit(client._wait(req.rid))
 
     def abort(self) -> None:
         """Return the slots (nothing to do once committed or aborted)."""
-        req = self._abort_request()
-        if req is not None:
-            self.ns.client._on_ok(self.ns.client._call(req))
+        if self.done or not self.reserved:
+            return  # (nothing to do: not refused for a client closed since)
+        client = self.ns.client
+        with client._claimed():
+            req = self._abort_request()
+            if req is None:
+                return
+            client._send(req)
+        client._on_ok(client._wait(req.rid))
 
     def __enter__(self) -> Reservation:
         return self
@@ -624,9 +649,13 @@ class Held(HeldCore[Namespace]):
 
     def release(self) -> None:
         """Unpin, without a round trip: done before this client's next request."""
-        req = self._release_request()
-        if req is not None:
-            self.ns.client._post(req)
+        if self.released or not self.acquired:
+            return  # (nothing to do: not refused for a client closed since)
+        client = self.ns.client
+        with client._claimed():
+            req = self._release_request()
+            if req is not None:
+                client._post(req)
 
     def __enter__(self) -> Held:
         return self

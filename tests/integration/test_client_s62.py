@@ -1,11 +1,15 @@
 """A user's careless use of the blocking client against a real daemon process: what a
 call interrupted by a signal (Ctrl-C's KeyboardInterrupt) leaves behind, and what the
-same client's next call gets.
+same client's next call gets; and a release or commit refused because another thread
+is in a call.
 
 Before: a timed-out call's late reply gave its pins or slots back, but an interrupted
 one's did not: an acquire interrupted while the daemon was slow to answer left its
 blocks pinned (never evicted) and a reserve its slots taken for as long as the client
-lived, with nothing left in the program that could release them.
+lived, with nothing left in the program that could release them.  And a release or
+commit refused ("in use by another thread") had marked the pin released or the
+reservation done before the refusal: the retried release did nothing, the retried
+commit said "already committed or aborted", and the pins and slots stayed held.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,6 +26,7 @@ import pytest
 from kvtest import make_identity
 
 from kvstore import Client
+from kvstore.errors import KVStoreError
 
 IDENT = make_identity()
 
@@ -78,3 +84,33 @@ def test_an_interrupted_call_gives_back_what_its_reply_holds(daemon_factory: Any
         # the keys are free to reserve and store again
         assert ns.put(fresh, [b"\x07" * IDENT.block_bytes] * 2) == 2
         assert ns.get(fresh) == [b"\x07" * IDENT.block_bytes] * 2
+
+
+def test_a_release_or_commit_refused_for_another_thread_can_be_retried(
+        daemon_factory: Any) -> None:
+    d = daemon_factory()
+    with Client(d.endpoint, tenant="acme", timeout=10) as c:
+        ns = c.namespace(IDENT)
+        keys = ns.keys(range(4 * IDENT.block_tokens))
+        ns.put(keys, [b"\x01" * IDENT.block_bytes] * 4)
+        held = ns.acquire(keys)
+        fresh = ns.keys(range(1000, 1000 + 2 * IDENT.block_tokens))
+        r = ns.reserve(fresh)
+        for buf in r.buffers:
+            buf[:] = b"\x05" * IDENT.block_bytes
+        with daemon_stopped(d):
+            other = threading.Thread(target=c.ping)  # in a call till the daemon goes on
+            other.start()
+            time.sleep(0.3)
+            for refused in (held.release, r.commit, r.abort):
+                with pytest.raises(KVStoreError, match="in use by another thread"):
+                    refused()
+        other.join()
+        # the refusals changed nothing: the pin and the reservation are as they were
+        assert not held.released and not r.done
+        held.release()
+        assert r.commit() == 2  # (before: "already committed or aborted")
+        assert ns.get(fresh) == [b"\x05" * IDENT.block_bytes] * 2
+        assert dram(c) == {"pinned_blocks": 0, "reserved_slots": 0}  # (before: 4, 2)
+        held.release()  # nothing left to do: a no-op, as before
+        r.abort()
