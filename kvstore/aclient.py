@@ -403,6 +403,12 @@ class AsyncClient(SessionCore):
         if self._fd >= 0 and self._loop is not None:
             self._loop.remove_reader(self._fd)
             self._fd = -1
+        # no reply is read any more: a call still waiting for one is told so now (it
+        # waited out its whole timeout before, then blamed the daemon)
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(KVStoreError("the client was closed while this call "
+                                                  "waited for its reply"))
         if self._sock is not None:
             if self._watched:  # a connect failed before its hello: term would wait on it
                 stop_watching(self._sock)

@@ -9,11 +9,15 @@ blocks pinned (never evicted) and a reserve its slots taken for as long as the c
 lived, with nothing left in the program that could release them.  And a release or
 commit refused ("in use by another thread") had marked the pin released or the
 reservation done before the refusal: the retried release did nothing, the retried
-commit said "already committed or aborted", and the pins and slots stayed held.
+commit said "already committed or aborted", and the pins and slots stayed held.  An
+``AsyncClient`` closed while another task's call waited for its reply left that call
+waiting out its whole timeout (30 s by default), then blaming the daemon
+(``UnavailableError``, "no reply from the daemon").
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -25,7 +29,7 @@ from typing import Any
 import pytest
 from kvtest import make_identity
 
-from kvstore import Client
+from kvstore import AsyncClient, Client
 from kvstore.errors import KVStoreError
 
 IDENT = make_identity()
@@ -114,3 +118,28 @@ def test_a_release_or_commit_refused_for_another_thread_can_be_retried(
         assert dram(c) == {"pinned_blocks": 0, "reserved_slots": 0}  # (before: 4, 2)
         held.release()  # nothing left to do: a no-op, as before
         r.abort()
+
+
+def test_an_async_call_in_flight_when_its_client_closes_is_told_at_once(
+        daemon_factory: Any) -> None:
+    d = daemon_factory()
+
+    async def scenario() -> tuple[BaseException | None, float]:
+        c = await AsyncClient(d.endpoint, tenant="acme", timeout=10).connect()
+        ns = await c.namespace(IDENT)
+        keys = ns.keys(range(4 * IDENT.block_tokens))
+        await ns.put(keys, [b"\x01" * IDENT.block_bytes] * 4)
+        call = asyncio.ensure_future(ns.get(keys))  # another task's call, sent...
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        await c.close()  # ... and its reply never read
+        try:
+            await call
+        except BaseException as exc:  # noqa: BLE001 (the test looks at what it was)
+            return exc, time.monotonic() - started
+        return None, time.monotonic() - started
+
+    exc, took = asyncio.run(scenario())
+    # before: UnavailableError ("no reply from the daemon ... within 10s") after 10 s
+    assert type(exc) is KVStoreError and "closed" in str(exc), exc
+    assert took < 2, took
