@@ -74,10 +74,14 @@ class SideSocket:
 
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        if os.path.exists(self.path):
-            os.unlink(self.path)  # the ipc endpoint's bind checked no daemon serves here
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            # the ipc endpoint's bind checked no daemon serves here: what is left is a
+            # stale socket file or a link (``lexists``: one to nowhere too, else the bind
+            # said "address in use"); a directory is refused below, by name, as unlink
+            # fails (it escaped as a traceback, the daemon not started)
+            if os.path.lexists(self.path):
+                os.unlink(self.path)
             listener.bind(self.path)
             self.secure_file(self.path, 0o600)
             listener.listen(128)
