@@ -143,7 +143,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             print(json.dumps(stats, indent=2, sort_keys=True))
             return 0
         if not args.watch:
-            print(_stats_view(stats, None, 0.0))
+            print(_shown_stats(stats, None, 0.0))
             return 0
         previous, at = stats, time.monotonic()
         try:
@@ -151,10 +151,26 @@ def _cmd_stats(args: argparse.Namespace) -> int:
                 time.sleep(args.watch)
                 stats, now = client.stats(), time.monotonic()
                 # clear the screen and draw again, as top does
-                print("\x1b[H\x1b[2J" + _stats_view(stats, previous, now - at), flush=True)
+                print("\x1b[H\x1b[2J" + _shown_stats(stats, previous, now - at), flush=True)
                 previous, at = stats, now
         except KeyboardInterrupt:
             return 0
+
+
+def _shown_stats(stats: dict[str, Any], previous: dict[str, Any] | None, dt: float) -> str:
+    """``_stats_view`` of figures from whatever answers at the endpoint, fit to print.
+    Figures of another shape (a daemon of another version, or no daemon at all: anything
+    may listen at a socket path) are a KVStoreError saying so, not a traceback; and the
+    names in them are shown with control characters escaped, so that none can move the
+    cursor, clear the screen or retitle the terminal."""
+    try:
+        view = _stats_view(stats, previous, dt)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+        raise KVStoreError(f"the stats from the endpoint do not have the shape this "
+                           f"kvstore shows ({type(exc).__name__}: {exc}); --json prints "
+                           f"them as they came") from None
+    return "".join(ch if ch == "\n" or ch.isprintable() else ch.encode("unicode_escape")
+                   .decode("ascii") for ch in view)
 
 
 def _stats_view(stats: dict[str, Any], previous: dict[str, Any] | None, dt: float) -> str:

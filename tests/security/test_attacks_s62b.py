@@ -1,13 +1,20 @@
-"""A hostile local environment against the daemon's files (session 62, second round):
-what is left at the paths the daemon serves from.  Real daemon processes."""
+"""A hostile local environment (session 62, second round): what is left at the paths
+the daemon serves from (real daemon processes), and what answers at the socket path a
+``kvstore`` command is pointed at."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
+
 import pytest
+import zmq
 from daemon_proc import DaemonProcess
 
 from kvstore import Client
+from kvstore import protocol as p
+from kvstore.cli import main
 
 MEMFD = '[dram]\narena_kind = "memfd"\nper_tenant_arenas = true\n'
 
@@ -52,3 +59,79 @@ def test_a_dangling_link_at_the_side_socket_path_is_replaced(tmp_path: Path) -> 
         assert side.is_socket() and not (tmp_path / "nowhere").exists()
     finally:
         d.stop()
+
+
+class FakeDaemon:
+    """A ROUTER at ``endpoint`` that takes any hello and answers stats with ``stats``:
+    what a ``kvstore`` command meets at a socket path that no daemon of its own holds."""
+
+    def __init__(self, endpoint: str, stats: dict[str, Any]) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.stats = stats
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.done.is_set():
+            if not self.sock.poll(50):
+                continue
+            peer, header, *_ = self.sock.recv_multipart()
+            req = p.request_decoder.decode(header)
+            reply: p.Message
+            if isinstance(req, p.Hello):
+                reply = p.HelloReply(req.rid, p.PROTOCOL_VERSION, "s" * 32, req.tenant, "",
+                                     0, 30.0, 1024, 1 << 20)
+            elif isinstance(req, p.Stats):
+                reply = p.StatsReply(req.rid, self.stats)
+            else:
+                continue
+            self.sock.send_multipart([peer, p.encoder.encode(reply)])
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(5)
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.mark.parametrize("stats", [
+    {"tiers": 5},
+    {"tiers": {}},
+    {"tiers": {"dram": {"capacity": "x"}}, "sessions": 0, "namespaces": 0,
+     "invariant_violations": 0},
+    {"tenant_dram_bytes": [1, 2]},
+], ids=["tiers-a-number", "no-sessions", "capacity-a-string", "tenant-bytes-a-list"])
+def test_stats_of_another_shape_are_a_clear_error_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], stats: dict[str, Any]) -> None:
+    # ``kvstore stats`` pointed at whatever answers at a socket path (a daemon of
+    # another version, or a hostile one) died with a KeyError, TypeError or
+    # AttributeError traceback when the figures were not of the shape it draws.
+    endpoint = f"ipc://{tmp_path / 'fake.sock'}"
+    fake = FakeDaemon(endpoint, stats)
+    try:
+        code = main(["stats", "--endpoint", endpoint, "--timeout", "5"])
+    finally:
+        fake.close()
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "do not have the shape" in err and "--json" in err, err
+
+
+def test_stats_names_cannot_drive_the_terminal(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # A tier named with escape sequences went to the terminal as it came: an endpoint's
+    # figures could retitle the terminal, clear it or move the cursor over what was shown.
+    endpoint = f"ipc://{tmp_path / 'fake.sock'}"
+    fake = FakeDaemon(endpoint, {"tiers": {"\x1b]0;pwned\x07\x1b[2J": {"capacity": 1}},
+                                 "sessions": 0, "namespaces": 0, "invariant_violations": 0})
+    try:
+        assert main(["stats", "--endpoint", endpoint, "--timeout", "5"]) == 0
+    finally:
+        fake.close()
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out, repr(out)
+    assert "\\x1b]0;pwned\\x07" in out, repr(out)
