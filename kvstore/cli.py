@@ -169,8 +169,14 @@ def _shown_stats(stats: dict[str, Any], previous: dict[str, Any] | None, dt: flo
         raise KVStoreError(f"the stats from the endpoint do not have the shape this "
                            f"kvstore shows ({type(exc).__name__}: {exc}); --json prints "
                            f"them as they came") from None
+    return _printable(view)
+
+
+def _printable(text: str) -> str:
+    """``text`` with its control characters but newlines escaped (``\\x1b``): what came
+    from an endpoint (figures, an error's message) cannot drive the terminal."""
     return "".join(ch if ch == "\n" or ch.isprintable() else ch.encode("unicode_escape")
-                   .decode("ascii") for ch in view)
+                   .decode("ascii") for ch in text)
 
 
 def _stats_view(stats: dict[str, Any], previous: dict[str, Any] | None, dt: float) -> str:
@@ -483,10 +489,10 @@ def main(argv: list[str] | None = None) -> int:
         code: int = args.func(args)
         return code
     except ConfigError as exc:
-        print(f"kvstore: configuration error: {exc}", file=sys.stderr)
+        print(f"kvstore: configuration error: {_printable(str(exc))}", file=sys.stderr)
         return 2
-    except KVStoreError as exc:
-        print(f"kvstore: {exc}", file=sys.stderr)
+    except KVStoreError as exc:  # (its message may be an endpoint's: ``_printable``)
+        print(f"kvstore: {_printable(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -65,12 +65,13 @@ class FakeDaemon:
     """A ROUTER at ``endpoint`` that takes any hello and answers stats with ``stats``:
     what a ``kvstore`` command meets at a socket path that no daemon of its own holds."""
 
-    def __init__(self, endpoint: str, stats: dict[str, Any]) -> None:
+    def __init__(self, endpoint: str, stats: dict[str, Any], error: str = "") -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
         self.stats = stats
+        self.error = error  # if given, every request is refused with this message
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -82,7 +83,9 @@ class FakeDaemon:
             peer, header, *_ = self.sock.recv_multipart()
             req = p.request_decoder.decode(header)
             reply: p.Message
-            if isinstance(req, p.Hello):
+            if self.error:
+                reply = p.ErrorReply(req.rid, "forbidden", self.error)
+            elif isinstance(req, p.Hello):
                 reply = p.HelloReply(req.rid, p.PROTOCOL_VERSION, "s" * 32, req.tenant, "",
                                      0, 30.0, 1024, 1 << 20)
             elif isinstance(req, p.Stats):
@@ -135,3 +138,18 @@ def test_stats_names_cannot_drive_the_terminal(tmp_path: Path,
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out, repr(out)
     assert "\\x1b]0;pwned\\x07" in out, repr(out)
+
+
+@pytest.mark.parametrize("verb", ["ping", "stats"])
+def test_an_endpoints_error_message_cannot_drive_the_terminal(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], verb: str) -> None:
+    # An error's message comes from the endpoint, and was printed as it came.
+    endpoint = f"ipc://{tmp_path / 'fake.sock'}"
+    fake = FakeDaemon(endpoint, {}, error="\x1b]0;pwned\x07\x1b[2Jgo away")
+    try:
+        assert main([verb, "--endpoint", endpoint, "--timeout", "5"]) == 1
+    finally:
+        fake.close()
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err, repr(err)
+    assert "go away" in err, err
