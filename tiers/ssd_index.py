@@ -11,6 +11,7 @@ import errno
 import itertools
 import operator
 import os
+import stat
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -63,6 +64,11 @@ class SSDIndex:
         self.path = path
         self.layout = layout
         self.fresh = False
+        if _not_a_file(path / "data.mdb"):
+            raise BackendError(
+                f"SSD index {path}: its data.mdb is not a regular file (a FIFO, a device); "
+                f"delete it to start the tier cold"
+            )
         if _truncated(path / "data.mdb"):
             raise BackendError(
                 f"SSD index {path} is shorter than its last commit wrote (truncated?); "
@@ -353,6 +359,18 @@ _U64 = struct.Struct("=Q")
 _META_BYTES = 152  # page header, then MDB_meta up to mm_txnid (64-bit layout)
 _NO_PAGE = (1 << 64) - 1  # an empty database's root
 _LEAF, _SUBDATA = 0x02, 0x02  # a page's P_LEAF flag; a node's F_SUBDATA flag
+
+
+def _not_a_file(data_file: Path) -> bool:
+    """Whether something other than a regular file is where the index's data file goes:
+    a FIFO there held the daemon's start for ever (``_truncated`` opens it to read, which
+    waits for a writer), nothing logged.  Looked at without opening it.  (A directory
+    there is LMDB's to refuse, as the tier's other misplaced files are.)"""
+    try:
+        mode = os.stat(data_file).st_mode
+    except FileNotFoundError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def _truncated(data_file: Path) -> bool:

@@ -4,6 +4,7 @@ the daemon serves from (real daemon processes), and what answers at the socket p
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,46 @@ def test_a_dangling_link_at_the_side_socket_path_is_replaced(tmp_path: Path) -> 
     finally:
         d.stop()
 
+
+
+def start_or_hang(d: DaemonProcess, seconds: float = 20.0) -> str:
+    """"started", "refused: <why>", or "hung" (the daemon killed after ``seconds``)."""
+    outcome: list[str] = []
+
+    def start() -> None:
+        try:
+            d.start(timeout=seconds)
+            outcome.append("started")
+        except RuntimeError as exc:
+            outcome.append(f"refused: {exc}")
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():   # (its start blocks on the daemon's output: kill it to end)
+        assert d.proc is not None
+        d.proc.kill()
+        thread.join(10)
+        return "hung"
+    return outcome[0]
+
+
+def test_a_fifo_for_the_ssd_index_is_refused_not_waited_on(tmp_path: Path) -> None:
+    # A FIFO where the SSD index's data file goes (data.mdb) held the daemon's start for
+    # ever, with nothing logged: the check for an index cut short opened it to read,
+    # which waits for a writer that never comes.  It is refused, saying what to delete.
+    d = DaemonProcess(tmp_path / "d", ssd_capacity="16MiB", extra=["--slab-size", "1MiB"])
+    index = d.workdir / "ssd" / "index"
+    index.mkdir(parents=True, mode=0o700)
+    os.chmod(index.parent, 0o700)
+    os.mkfifo(index / "data.mdb")
+    try:
+        outcome = start_or_hang(d)
+        assert outcome.startswith("refused"), outcome
+        assert "Traceback" not in outcome and "data.mdb" in outcome, outcome
+        assert "delete it to start the tier cold" in outcome, outcome
+    finally:
+        d.stop()
 
 class FakeDaemon:
     """A ROUTER at ``endpoint`` that takes any hello and answers stats with ``stats``:
