@@ -143,6 +143,20 @@ class PinnedLookup:
 # the session
 # ----------------------------------------------------------------------------------------
 
+def _timeout(timeout: Any) -> float:
+    """A client's ``timeout``, checked: seconds a call waits for its reply, or any
+    negative number (or infinity) for no bound.  Before, None or text failed with a
+    bare comparison error naming no argument, NaN deep in a conversion, and 0 made every
+    call fail at once."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds (negative: no bound), "
+                        f"not {timeout!r}")
+    if timeout != timeout or timeout == 0:  # (NaN is not equal to itself)
+        raise ValueError(f"timeout must be a positive number of seconds (negative: no "
+                         f"bound), not {timeout!r}")
+    return -1.0 if timeout == float("inf") else float(timeout)
+
+
 class SessionCore:
     """A client's session without its socket: the connection settings, the hello facts,
     request ids, the arena mappings and the requests posted without waiting."""
@@ -151,7 +165,7 @@ class SessionCore:
                  timeout: float, map_arena: bool, curve: CurveKeys | None,
                  checksums: bool) -> None:
         self.endpoint = client_endpoint(endpoint)
-        self.timeout = timeout
+        self.timeout = _timeout(timeout)
         self.checksums = checksums  # send xxh3_64 of what is written, for readers to verify
         self._tenant = _tenant(tenant, token)
         self._tenant_named = bool(tenant or os.environ.get("KVSTORE_TENANT"))

@@ -9,7 +9,9 @@ import pytest
 from kvtest import make_identity
 
 from kvstore import protocol as p
-from kvstore.client_core import HeldCore, NamespaceCore, ReservationCore, SessionCore
+from kvstore.client import Client
+from kvstore.client_core import (HeldCore, NamespaceCore, ReservationCore, SessionCore,
+                                   _timeout)
 from kvstore.client_wire import Exchange, check_reply, checksum
 from kvstore.errors import CapacityError, CorruptError, KVStoreError, MalformedError
 
@@ -220,3 +222,17 @@ def test_token_ids_the_client_knows_go_when_it_does_not_know_all() -> None:
     assert put.token_ids == b""
     assert put.tokens == [b"", *encode_blocks(tokens, 3, bt)[1:]]
     check_blocks(put.tokens, 3, bt)  # as the daemon takes them
+
+
+@pytest.mark.parametrize("timeout", [None, "10", True, float("nan"), 0])
+def test_a_client_timeout_that_is_not_a_number_of_seconds_is_refused_naming_it(
+        timeout: object) -> None:
+    """Before: None or "10" failed with a bare comparison error naming no argument, NaN
+    deep in a conversion, and 0 made every call fail at once."""
+    with pytest.raises((TypeError, ValueError), match="timeout must be"):
+        Client("ipc:///nonexistent/kvstore.sock", timeout=timeout)  # type: ignore[arg-type]
+
+
+def test_an_infinite_client_timeout_is_no_bound_and_a_whole_number_is_seconds() -> None:
+    assert _timeout(float("inf")) == -1.0 and _timeout(-1) == -1.0
+    assert _timeout(5) == 5.0 and isinstance(_timeout(5), float)
