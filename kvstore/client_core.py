@@ -48,6 +48,7 @@ from kvstore.client_wire import (
     _token,
     check_reply,
     checksum,
+    client_timeout,
     got_blocks,
     map_named_arena,
     no_daemon_hint,
@@ -143,20 +144,6 @@ class PinnedLookup:
 # the session
 # ----------------------------------------------------------------------------------------
 
-def _timeout(timeout: Any) -> float:
-    """A client's ``timeout``, checked: seconds a call waits for its reply, or any
-    negative number (or infinity) for no bound.  Before, None or text failed with a
-    bare comparison error naming no argument, NaN deep in a conversion, and 0 made every
-    call fail at once."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds (negative: no bound), "
-                        f"not {timeout!r}")
-    if timeout != timeout or timeout == 0:  # (NaN is not equal to itself)
-        raise ValueError(f"timeout must be a positive number of seconds (negative: no "
-                         f"bound), not {timeout!r}")
-    return -1.0 if timeout == float("inf") else float(timeout)
-
-
 class SessionCore:
     """A client's session without its socket: the connection settings, the hello facts,
     request ids, the arena mappings and the requests posted without waiting."""
@@ -165,7 +152,7 @@ class SessionCore:
                  timeout: float, map_arena: bool, curve: CurveKeys | None,
                  checksums: bool) -> None:
         self.endpoint = client_endpoint(endpoint)
-        self.timeout = _timeout(timeout)
+        self.timeout = client_timeout(timeout)
         self.checksums = checksums  # send xxh3_64 of what is written, for readers to verify
         self._tenant = _tenant(tenant, token)
         self._tenant_named = bool(tenant or os.environ.get("KVSTORE_TENANT"))
@@ -175,9 +162,7 @@ class SessionCore:
         # request ids: ``next`` of a count is one step in C, never one id to two threads
         self._rids = itertools.count(1)
         self.hello: p.HelloReply | None = None
-        # Whether commits and puts carry token ids, as the daemon's last reserve, put or
-        # batch reply said (it wants them while someone hears its events)
-        self.tokens_wanted = True
+        self.tokens_wanted = True  # commits carry token ids (replies say: events heard)
         self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}  # arena path -> mapping
         self._map_arenas = map_arena
         self._pinned: dict[str, Any] = {}  # arena path -> its background CUDA registration

@@ -364,3 +364,17 @@ def _same_device(a: Any, b: Any) -> bool:
         return d.index if d.index is not None else torch.cuda.current_device()
 
     return index(a) == index(b)
+
+
+def client_timeout(timeout: Any) -> float:
+    """A client's ``timeout``, checked: seconds a call waits for its reply, or any
+    negative number (or infinity) for no bound.  Before, None or text failed with a
+    bare comparison error naming no argument, NaN deep in a conversion, and 0 made every
+    call fail at once."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds (negative: no bound), "
+                        f"not {timeout!r}")
+    if timeout != timeout or timeout == 0:  # (NaN is not equal to itself)
+        raise ValueError(f"timeout must be a positive number of seconds (negative: no "
+                         f"bound), not {timeout!r}")
+    return -1.0 if timeout == float("inf") else float(timeout)

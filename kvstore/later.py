@@ -240,8 +240,7 @@ class Finisher:
             if waits:
                 woken = not plan.expired
             if (deferral is not None and not deferral.expired
-                    and deferral.defer_until is not None
-                    and self.d.clock() >= deferral.defer_until):
+                    and self.d.clock() >= (deferral.defer_until or 0.0)):
                 # its deadline passed while it waited on another plan (room coming): the
                 # steps after "defer" run now, as they would have at the deadline
                 deferral.expired = True

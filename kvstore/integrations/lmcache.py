@@ -210,9 +210,14 @@ def kv_layout(shapes: tuple[Any, ...], dtypes: tuple[Any, ...]) -> str | None:
     if not parts or (len(shapes) == 1 and len(shapes[0]) == 1
                      and str(dtypes[0]).removeprefix("torch.") == "uint8"):
         return None
-    text = "+".join(parts)
-    if len(text) > 256:  # (an identity's text fields are of 512 characters at most)
-        text = "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    return _bounded("+".join(parts))
+
+
+def _bounded(text: str) -> str:
+    """A layout's name as a namespace keeps it: a digest of it past 256 characters (an
+    identity's text fields are of 512 characters at most)."""
+    if len(text) > 256:
+        return "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
     return text
 
 
@@ -254,10 +259,7 @@ def serde_layout(config: Any) -> str | None:
     if serde is None:
         return None
     settings = ",".join(f"{k}={v}" for k, v in sorted((serde.kwargs or {}).items()))
-    text = f"serde:{serde.type}" + (f"({settings})" if settings else "")
-    if len(text) > 256:  # (as ``kv_layout``)
-        text = "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-    return text
+    return _bounded(f"serde:{serde.type}" + (f"({settings})" if settings else ""))
 
 
 def _by_namespace(task: _Task, serde: str | None = None
@@ -266,12 +268,10 @@ def _by_namespace(task: _Task, serde: str | None = None
     order.  The layout is the objects' for a store or a load, and for a lookup the one
     LMCache gives for the key's object group (the layout of the objects it loads); or,
     for all, ``serde``'s (``serde_layout``)."""
+    layouts: list[str | None]
     if serde is not None:
-        groups_s: dict[tuple[str, str, str | None], list[int]] = defaultdict(list)
-        for i, key in enumerate(task.keys):
-            groups_s[(key.model_name, key.cache_salt, serde)].append(i)
-        return groups_s
-    if task.objects is not None:
+        layouts = [serde] * len(task.keys)
+    elif task.objects is not None:
         layouts = [_object_layout(obj) for obj in task.objects]
     else:
         descs = task.descs or {}

@@ -240,8 +240,7 @@ def _model_and_revision(config: HiCacheStorageConfig, host: Any,
     serving other weights under the same name would share pages)."""
     tag = getattr(host, "storage_format_tag", None)
     served = str(config.model_name or "")
-    tagged = bool(tag) and served.endswith(f"-{tag}")
-    if tagged:
+    if tag and served.endswith(f"-{tag}"):
         served = served[:-len(str(tag)) - 1]  # (cache_controller.storage_model_name adds it)
     loaded = _server_arg("model_path")
     name = str(extra.get("model_name") or config.model_name or "unnamed")

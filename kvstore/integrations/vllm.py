@@ -170,6 +170,7 @@ STATS = ("lookups", "hit_tokens", "prefetches", "offers", "offers_declined",
          "saves_after_failed_load",          # saves not sent: their request's load failed
          "lookup_us", "load_us", "save_us",  # time in the engine's steps, and of load_us
          "acquire_wait_us",                  # the time spent waiting for pins
+         "save_waits",                       # steps a request waited for a save in flight
          "layerwise_steps")                  # steps whose loads went layer by layer
 
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SAVED_LATELY = 16384  # first-group keys of the last saves kept (``_saved_since``)
+SAVED_LATELY = 16384  # first-group keys of the last saves kept (``_missed_key``)
 # How long a request whose lookup missed a block that a finished request's save is still
 # sending waits for it, a scheduler step at a time, before it computes the block itself
 SAVE_WAIT_SECONDS = 2.0
@@ -259,7 +259,7 @@ class RequestBook:
             started = time.perf_counter()
             state.cached = self._lookup(state, full)
             missed = max(state.cached[0], first)  # (vLLM's own cache holds the first)
-            if missed < full and self._saved_since(state, missed):
+            if missed < full and self._missed_key(state, missed) in self._saved_lately:
                 if state.waits_since is None:  # (else that lookup was just sent)
                     state.cached = self._lookup(state, full)
                     missed = max(state.cached[0], first)
@@ -301,14 +301,14 @@ class RequestBook:
                      request.request_id, tokens)
         return tokens, False
 
-    def _saved_since(self, state: RequestState, missed: int) -> bool:
-        """Whether the first block a request's lookup missed (and vLLM does not hold)
-        is one this engine saved lately: the lookup went out as the request came, and a
-        request that waited in vLLM's queue behind others of its prefix
-        (``max_num_seqs`` reached, its prefix cache off or evicted) found none of what
-        they saved meanwhile, and computed it all again (and sent it again, a
-        duplicate).  Then it is looked up again, once."""
-        return self._keys(state, self._groups[0], missed + 1)[missed] in self._saved_lately
+    def _missed_key(self, state: RequestState, missed: int) -> bytes:
+        """The first group's key of the first block a request's lookup missed (and vLLM
+        does not hold).  Where this engine saved it lately (``_saved_lately``), the
+        lookup is sent again, once: it went out as the request came, and a request that
+        waited in vLLM's queue behind others of its prefix (``max_num_seqs`` reached,
+        its prefix cache off or evicted) found none of what they saved meanwhile, and
+        computed it all again (and sent it again, a duplicate)."""
+        return self._keys(state, self._groups[0], missed + 1)[missed]
 
     def _waits_for_save(self, state: RequestState, missed: int) -> bool:
         """Whether a request waits a step for the first block its lookup missed: one a
@@ -318,15 +318,14 @@ class RequestBook:
         prefix cache off) was scheduled as that one ended, its saves sent off the step
         and, on a busy host, not yet committed: it computed the blocks again (and sent
         them again)."""
-        key = self._keys(state, self._groups[0], missed + 1)[missed]
-        if key not in self._unsent_keys:
+        if self._missed_key(state, missed) not in self._unsent_keys:
             return False
         now = time.monotonic()
         if state.waits_since is None:
             state.waits_since = now
         if now - state.waits_since > SAVE_WAIT_SECONDS:
             return False
-        self.stats["save_waits"] = self.stats.get("save_waits", 0) + 1
+        self.stats["save_waits"] += 1
         return True
 
     def saves_done(self, request_ids: Iterable[str]) -> None:

@@ -10,8 +10,8 @@ from kvtest import make_identity
 
 from kvstore import protocol as p
 from kvstore.client import Client
-from kvstore.client_core import (HeldCore, NamespaceCore, ReservationCore, SessionCore,
-                                   _timeout)
+from kvstore.client_core import HeldCore, NamespaceCore, ReservationCore, SessionCore
+from kvstore.client_wire import client_timeout
 from kvstore.client_wire import Exchange, check_reply, checksum
 from kvstore.errors import CapacityError, CorruptError, KVStoreError, MalformedError
 
@@ -234,5 +234,5 @@ def test_a_client_timeout_that_is_not_a_number_of_seconds_is_refused_naming_it(
 
 
 def test_an_infinite_client_timeout_is_no_bound_and_a_whole_number_is_seconds() -> None:
-    assert _timeout(float("inf")) == -1.0 and _timeout(-1) == -1.0
-    assert _timeout(5) == 5.0 and isinstance(_timeout(5), float)
+    assert client_timeout(float("inf")) == -1.0 and client_timeout(-1) == -1.0
+    assert client_timeout(5) == 5.0 and isinstance(client_timeout(5), float)

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,9 @@ def run(spec: dict[str, Any], model: str) -> dict[str, Any]:
             "warnings": counted.count, "warning_texts": counted.texts}
 
 
-def main() -> None:
+def main(more: Callable[[], dict[str, Any]] | None = None) -> None:
+    """``--model`` and ``--spec``: the run's result printed (with ``more()``'s figures,
+    read once it ended: a driver that counts something besides, vllm_s62_run.py)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--spec", required=True)
@@ -109,6 +112,8 @@ def main() -> None:
         from vllm_run import make_model
         make_model(args.model)
     result = run(spec, args.model)
+    if more is not None:
+        result.update(more())
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's slow interpreter teardown

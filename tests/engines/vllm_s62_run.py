@@ -7,8 +7,6 @@ on the last line of stdout.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -41,24 +39,11 @@ def counting_drafts(drafts: list[int]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--spec", required=True)
-    args = parser.parse_args()
-    with open(args.spec) as f:
-        spec = json.load(f)
-    if not os.path.exists(args.model):
-        from vllm_run import make_model
-        make_model(args.model)
     import vllm_s57_run
 
     drafts = [0]
     counting_drafts(drafts)
-    result = vllm_s57_run.run(spec, args.model)
-    result["drafts"] = drafts[0]
-    sys.stdout.write("\n" + json.dumps(result) + "\n")
-    sys.stdout.flush()
-    os._exit(0)  # skip vLLM's slow interpreter teardown
+    vllm_s57_run.main(lambda: {"drafts": drafts[0]})
 
 
 if __name__ == "__main__":
