@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.integrations.pipeline import LOAD_GBPS
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,9 @@ def check_values(extra: dict[str, Any]) -> None:
     ``max_pending_save_mib`` of "1GiB") raised float()'s bare error, which names no
     key; an ``endpoint`` that is not text crashed the connect thread, and the engine
     served on without a word.  A rate in ``load_gbps`` of "fast" or null raised
-    float()'s bare error too, and one of NaN or ``true`` was taken."""
+    float()'s bare error too, and one of NaN or ``true`` was taken; one for a tier the
+    daemon has no such name for (``"DRAM"``, ``"cpu"``) was ignored without a word, the
+    tier's default rate used instead (a tier meant to be declined was offered)."""
     for key, (least, least_taken) in _NUMBERS.items():
         if key in extra and not _number_from(extra[key], least, least_taken):
             bound = f">= {least:g}" if least_taken else f"> {least:g}"
@@ -67,6 +70,11 @@ def check_values(extra: dict[str, Any]) -> None:
             _number_from(value, 0.0, False) for value in rates.values())):
         raise ConfigError(f"KVStoreConnector: kv_connector_extra_config key 'load_gbps' "
                           f"is {rates!r}: it maps tiers to GB/s, each a number > 0")
+    unknown = sorted(str(tier) for tier in rates if tier not in LOAD_GBPS)
+    if unknown:
+        raise ConfigError(f"KVStoreConnector: kv_connector_extra_config key 'load_gbps' "
+                          f"names tiers {unknown} the daemon does not have: its tiers are "
+                          f"{sorted(LOAD_GBPS)}")
     for key in ("endpoint", "model_name", *_NAMES):
         value = extra.get(key)
         if value is None or isinstance(value, str) or (
