@@ -312,7 +312,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         # (warned, or refused, before anything starts: a connect)
-        ConnectorOptions.check_keys(extra)
+        ConnectorOptions.check_keys(extra, scheduler=role == KVConnectorRole.SCHEDULER)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy == "fail" and self._kv_transfer_config.is_kv_consumer and not _told_fail:
             # vLLM's default: a block evicted between the lookup and the load (a daemon

@@ -136,16 +136,27 @@ class ConnectorOptions:
     max_pending: int
 
     @staticmethod
-    def check_keys(extra: dict[str, Any]) -> list[str]:
+    def check_keys(extra: dict[str, Any], scheduler: bool = True) -> list[str]:
         """The keys the connector does not know, with a warning naming them: a misspelled
         one was ignored without a word, its setting left at the default (a
         ``model_revison``: the checkpoint's own; a ``salt``, meant to keep one
         deployment's blocks apart: none).  Warned, not refused: a configuration shared
-        with another connector's keys (or a later version's) still starts the engine."""
+        with another connector's keys (or a later version's) still starts the engine.
+        The scheduler's side (which offers loads) warns too of rates that judge nothing
+        for want of ``prefill_tokens_per_s``."""
         unknown = sorted(set(extra) - EXTRA_KEYS)
         if unknown:
             logger.warning("KVStoreConnector: unknown kv_connector_extra_config keys %s are "
                            "ignored; it takes %s", unknown, sorted(EXTRA_KEYS))
+        # Rates judge a load against its recompute only where the recompute has a rate:
+        # without one every cached block is offered, whatever they say (a ``load_gbps``
+        # meant to decline a slow tier's blocks was ignored without a word).
+        idle = sorted({"load_gbps", "rates_refresh_s"} & set(extra))
+        if scheduler and idle and not _number_from(extra.get("prefill_tokens_per_s", 0), 0.0,
+                                                   False):
+            logger.warning("KVStoreConnector: kv_connector_extra_config keys %s are ignored "
+                           "without 'prefill_tokens_per_s' > 0 (every cached block is "
+                           "offered)", idle)
         return unknown
 
     @classmethod

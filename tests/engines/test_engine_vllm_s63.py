@@ -1,27 +1,34 @@
 """vLLM on the CPU with kvstore's connector: the per-tier load rates of its extra config
 (``load_gbps``) are read as they are meant, or the engine is told.
 
-A real engine (vLLM's CPU build, in the vLLM environment) started with a rate for a tier
-the daemon has no such name for (``"DRAM"``).
+Real engines (vLLM's CPU build, in the vLLM environment) on a real daemon, side by side:
+one started with a rate for a tier the daemon has no such name for (``"DRAM"``), one
+run with rates but no ``prefill_tokens_per_s`` (its first phase computes and saves a
+prompt, its second loads it, vLLM's prefix cache emptied between them).
 
 Before: a rate for ``"DRAM"`` (the daemon's tier is ``"dram"``) was ignored without a
 word, the tier's default rate used: with a prefill rate that declines DRAM's blocks at
 the rate given, the engine loaded them (64 tokens offered and loaded, none declined;
 ``"dram"`` declined them).  Now the engine's start is refused, naming ``load_gbps``,
-the tier and the daemon's tiers.
+the tier and the daemon's tiers.  Rates given without ``prefill_tokens_per_s`` (every
+cached block offered, whatever they say) were ignored without a word too: now a
+warning at the start names them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from typing import Any
 
 import pytest
 from daemon_proc import DaemonProcess
-from engine_envs import HERE, in_lanes_on, last_json, run_in_env
+from engine_envs import HERE, in_lanes_on, last_json, run_in_env, run_spec
 from test_engine_vllm_s61 import START
 
+BLOCK = 32
+PROMPT = [(7 * i) % 500 + 3 for i in range(2 * BLOCK + 10)]   # 2 full blocks and 10 tokens
 SLOW_DRAM = 1e-6   # GB/s: a block takes seconds to load, more than it takes to compute
 
 VALUES = """
@@ -38,6 +45,9 @@ print(json.dumps(out))
 """
 UNKNOWN_TIERS = [{"DRAM": 1}, {"cpu": 2, "dram": 1}, {"local_disk": 0.5}, {"Remote": 1}]
 KNOWN_TIERS = [{"gpu": 50, "dram": 10, "ssd": 1.5, "remote": "0.5"}]
+
+
+engine = functools.partial(run_spec, "vllm_s57_run.py")
 
 
 def test_a_rate_for_a_tier_the_daemon_does_not_have_is_refused_naming_it() -> None:
@@ -69,7 +79,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                           cwd=tmp)
         out["misnamed"] = last_json(proc.stdout)
 
-    in_lanes_on([daemon], misnamed_tier)
+    def rates_without_prefill_rate() -> None:
+        out["no_prefill_rate"] = engine(tmp, "no-prefill-rate", {
+            "connector": {"extra": {**extra, "load_gbps": {"dram": SLOW_DRAM}}},
+            "phases": [{"prompts": [PROMPT]},
+                       {"prompts": [PROMPT], "reset_prefix_cache": True}]})
+
+    in_lanes_on([daemon], misnamed_tier, rates_without_prefill_rate)
     return out
 
 
@@ -79,3 +95,19 @@ def test_an_engine_given_a_rate_for_a_tier_misnamed_does_not_start(
     said = runs["misnamed"]
     assert said.startswith("ConfigError: KVStoreConnector"), said
     assert "'load_gbps'" in said and "['DRAM']" in said, said
+
+
+def test_rates_without_a_prefill_rate_are_named_in_a_warning(runs: dict[str, Any]) -> None:
+    run = runs["no_prefill_rate"]
+    # every cached block offered, as before: the rates judge nothing without a prefill
+    # rate, and the warning says so
+    cached = [r["num_cached_tokens"] for phase in run["phases"] for r in phase["results"]]
+    assert cached == [0, 2 * BLOCK]
+    assert run["scheduler"]["offers_declined"] == 0
+    outputs = [phase["results"][0]["outputs"] for phase in run["phases"]]
+    assert outputs[0] == outputs[1]
+    assert run["warnings"] == 1, run["warning_texts"]
+    assert "['load_gbps']" in run["warning_texts"][0]
+    assert "prefill_tokens_per_s" in run["warning_texts"][0]
+    for phase in run["phases"]:
+        assert phase["daemon"]["pinned_blocks"] == 0 and phase["daemon"]["reserved_slots"] == 0
