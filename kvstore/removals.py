@@ -15,6 +15,7 @@ from kvstore.core import Keeping, SubtreeDrop
 from kvstore.index import NamespaceDrop
 from kvstore.moves import Moves
 from kvstore.pending import Later, Pending
+from kvstore.slice_turns import SliceTurns
 from kvstore.store import BlockStore, Namespace
 from kvstore.transport import Transport
 
@@ -91,6 +92,9 @@ class Removals:
         self.sending = sending
         # namespaces being removed from in slices: an event set once that is over
         self.under_way: dict[Namespace, asyncio.Event] = {}
+        # the loop turns of the work done in slices, its slices one a turn over all of it
+        # (removals, whole snapshots, large puts): ``kvstore.slice_turns``
+        self.turns = SliceTurns()
         self._sweep: asyncio.Task[None] | None = None
         daemon.store.sweep_later = self._sweep_later
 
@@ -204,13 +208,13 @@ class Removals:
         try:
             drop = begin()
             while True:
+                await self.turns.turn()  # (a turn of its own: the others' slices first)
                 before = drop.count
                 done = drop.step(DROP_SLICE, DROP_SLICE_SECONDS)
                 self._hand_on(drop)
                 self._room_freed(drop, before)
                 if done:
                     break
-                await asyncio.sleep(0)  # a loop turn for everyone else
             count = drop.count
         finally:
             if drop is not None:

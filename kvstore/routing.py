@@ -32,7 +32,6 @@ router's question is not a use.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import weakref
 from collections.abc import Callable
@@ -50,6 +49,7 @@ from kvstore.first_blocks import visible_head
 from kvstore.ids import UnguessableIds
 from kvstore.pending import Later
 from kvstore.sessions import Session
+from kvstore.slice_turns import SliceTurns
 from kvstore.store import BlockStore
 from kvstore.tier_changes import TIER_BITS, holdings
 from kvstore.tiering import SsdMover
@@ -194,8 +194,9 @@ class RoutingDaemon(Protocol):
 class RoutingVerbs:
     """The handlers of ``Snapshot`` and ``Probe``."""
 
-    def __init__(self, daemon: RoutingDaemon) -> None:
+    def __init__(self, daemon: RoutingDaemon, turns: SliceTurns | None = None) -> None:
         self.d = daemon
+        self.turns = turns or SliceTurns()  # whole snapshots' pages: a turn each, by turns
         e = daemon.config.events
         self.configured = {  # load bandwidth per tier until measured, bytes a second
             "dram": float(parse_size(e.dram_bandwidth, "events.dram_bandwidth")),
@@ -276,15 +277,14 @@ class RoutingVerbs:
         correct the snapshot."""
         entries = WholeEntries(rid, walk.seq)
         page: list[Entry] = []
-        self._published()
         while True:
+            await self.turns.turn()  # (many under way: a page of one of them a turn)
+            self._published()
             done = walk.page(SNAPSHOT_PAGE, page, WHOLE_SECONDS)
             entries.add(page)
             page.clear()
             if done:
                 return entries.reply()
-            await asyncio.sleep(0)
-            self._published()
 
     def _probe(self, session: Session, req: p.Probe, payload: list[Any]) -> Outcome:
         d = self.d

@@ -125,9 +125,9 @@ class Server:
         self.moves = Moves(self.store, clock)  # its tiers' movers join in start()
         self.finisher = Finisher(self)
         self.under_way = UnderWay(s.max_requests_under_way, s.max_keys_under_way, s.tenant_weights)
-        self.verbs: Verbs = Verbs(self)
+        self.verbs: Verbs = (verbs := Verbs(self))
         self.sides: list[SideSocket] = []
-        self.verbs.add(RoutingVerbs(self).table() | NamespaceVerbs(self).table())
+        verbs.add(RoutingVerbs(self, verbs.removals.turns).table() | NamespaceVerbs(self).table())
         self.events = EventPublisher(config.events, self.store, self.auth,
                                      self.transport.secure_file, config.server.handshake_seconds) \
             if config.events.endpoint else None

@@ -588,7 +588,7 @@ async def _put_in_slices(v: Verbs, session: Session, req: p.Put, ns: Namespace,
                 view[offset + start:offset + end] = buf[start:end]
                 budget -= end - start
                 if budget <= 0:
-                    await asyncio.sleep(0)  # a loop turn for everyone else
+                    await v.removals.turns.turn()  # a turn for everyone else, and by turns
                     budget = PUT_SLICE_BYTES
                     if not _holds(d, session, r):
                         raise LeaseExpiredError(
