@@ -52,6 +52,11 @@ if _source_checkout():
                         or getattr(f, "__module__", None) != __name__]
     sys.meta_path.insert(0, _Beside)
 
+# (first: a SIGHUP while the daemon imports and starts is then noted, not fatal)
+from kvstore.start_signals import hold_if_daemon
+
+hold_if_daemon()
+
 from kvstore.aclient import AsyncClient
 from kvstore.client import Client
 from kvstore.client_core import BatchResult, LookupResult, PlanItem, PrefetchResult

@@ -87,6 +87,9 @@ def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore import start_signals
+
+    start_signals.hold()  # (done as kvstore was imported, where it ran as ``kvstore serve``)
     from kvstore.config import format_size, load_config
     from kvstore.server import Server, run_server
 

@@ -25,6 +25,7 @@ import msgspec
 import zmq
 
 from kvstore import protocol as p
+from kvstore import start_signals
 from kvstore.arena_waits import ArenaWaits
 from kvstore.auth import Auth, read_metrics_token
 from kvstore.config import Config, ServerConfig, merge_live, parse_size, restart_needed
@@ -711,6 +712,8 @@ async def run_server(config: Config, on_ready: Callable[[Server], None] | None =
         if on_ready is not None:
             on_ready(s)
         notifier.ready(f"serving on {', '.join(s.endpoints)}")
+        if start_signals.came():  # a SIGHUP while starting: the file may have changed
+            loop.call_soon(hangup)
 
     stop_watchdog = notifier.start_watchdog(loop, lambda: server.transport.is_open)
     stop_settling = settle_every(loop)  # full collections never walk the index

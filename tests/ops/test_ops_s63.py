@@ -1,0 +1,99 @@
+"""What an operator meets running the daemon: signals during start-up, the socket
+directory's permissions, reloads, the command line against a daemon that does not
+answer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from daemon_proc import DaemonProcess
+
+from kvstore import Client
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _caught(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` catches (or ignores) ``sig`` now."""
+    fields = dict(line.split(":\t", 1) for line in
+                  Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    mask = int(fields["SigCgt"], 16) | int(fields["SigIgn"], 16)
+    return bool(mask & (1 << (sig - 1)))
+
+
+def _lines(proc: subprocess.Popen[bytes], into: list[str]) -> threading.Thread:
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            into.append(line.decode(errors="replace"))
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t
+
+
+def test_sighup_during_start_up_is_applied_once_up_never_fatal(tmp_path: Path) -> None:
+    """A SIGHUP sent as soon as the daemon's interpreter runs, again and again until it
+    serves (a config tool reloading right after a start), ended the daemon (the signal's
+    default action) until its event loop took the signal, after every import and the
+    arena's population; now it is taken from the first import of kvstore on, and one
+    reload runs once the daemon serves."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text('[dram]\neviction_policy = "lru"\n')
+    sock = tmp_path / "kvstore.sock"
+    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_ENDPOINT"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "serve", "--config", str(config),
+         "--endpoint", f"ipc://{sock}", "--dram-capacity", "256MiB", "--ssd-capacity", "0",
+         "--ssd-path", str(tmp_path / "ssd"), "--log-level", "info"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    out: list[str] = []
+    reader = _lines(proc, out)
+    try:
+        # the interpreter's own start (before any of kvstore's code runs) cannot take
+        # a signal: wait until it has set up its SIGINT handler, then for kvstore's
+        # (or at most 0.3 s more, where it set none, still importing)
+        deadline = time.monotonic() + 30
+        while not _caught(proc.pid, signal.SIGINT) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        began = time.monotonic()
+        while not _caught(proc.pid, signal.SIGHUP) and time.monotonic() < began + 0.3:
+            time.sleep(0.001)
+        config.write_text('[dram]\neviction_policy = "arc"\n')
+        sent = 0
+        while not any("serving on" in line for line in out):
+            assert proc.poll() is None, f"the daemon ended ({proc.returncode}) after " \
+                                        f"{sent} SIGHUPs:\n{''.join(out)}"
+            assert time.monotonic() < deadline, "the daemon did not come up"
+            proc.send_signal(signal.SIGHUP)
+            sent += 1
+            time.sleep(0.005)
+        assert sent > 10
+        with Client(f"ipc://{sock}") as client:
+            deadline = time.monotonic() + 10
+            while client.stats()["eviction_policies"]["dram"] != "arc":
+                assert time.monotonic() < deadline, client.stats()["eviction_policies"]
+                time.sleep(0.05)
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        reader.join(5)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert proc.returncode == 0, "".join(out)
+    assert "reloaded the configuration" in "".join(out)
+
+
+def test_sighup_is_left_alone_in_a_process_that_is_not_the_daemon() -> None:
+    """An engine importing the client keeps SIGHUP's default action."""
+    code = "import signal, kvstore; print(signal.getsignal(signal.SIGHUP) is signal.SIG_DFL)"
+    out = subprocess.run([sys.executable, "-c", code, "serve"], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    assert out.stdout.strip() == "True"
