@@ -561,8 +561,11 @@ class Transport:
 
 def secure_file(path: str, mode: int, group: int | None) -> None:
     """Give a socket file ``mode`` (0600), or with ``server.socket_group`` (``group``) the
-    group's read and write too, and its directory 0750 with that group (where the daemon
-    owns it and it is not world-writable, as /tmp is)."""
+    group's read and write too, and its directory 0750 with that group where that is the
+    daemon's sockets' own: of the daemon's user, not world-writable, holding nothing but
+    the daemon's sockets (one it made, systemd's RuntimeDirectory, one kept from an
+    earlier run).  A directory shared with anything else (/run, a state directory, a
+    home) is left as it is, with a warning of what to do."""
     if group is None:
         os.chmod(path, mode)
         return
@@ -570,12 +573,39 @@ def secure_file(path: str, mode: int, group: int | None) -> None:
     os.chmod(path, mode | 0o060)
     directory = os.path.dirname(path) or "."
     info = os.stat(directory)
-    if info.st_uid == os.getuid() and not info.st_mode & stat.S_IWOTH:
+    if (info.st_uid == os.getuid() and not info.st_mode & stat.S_IWOTH
+            and _sockets_only(directory, os.path.basename(path))):
         os.chown(directory, -1, group)
         os.chmod(directory, 0o750)
-    else:
-        log.warning("server.socket_group: %s is not the daemon's own directory; its "
-                    "mode and group are left as they are", directory)
+    elif not (info.st_mode & stat.S_IXOTH
+              or (info.st_gid == group and info.st_mode & stat.S_IXGRP)):
+        name = _group_name(group)
+        log.warning("server.socket_group: %s holds more than the daemon's sockets (or is "
+                    "not the daemon's own), so its mode and group are left as they are, "
+                    "and engines of group %s cannot reach %s through it: let them in "
+                    "(chgrp %s %s && chmod g+x %s), or bind the endpoint in a directory "
+                    "of its own, which the daemon makes", directory, name, path, name,
+                    directory, directory)
+
+
+def _sockets_only(directory: str, name: str) -> bool:
+    """Whether every entry of ``directory`` is a socket named as the daemon's socket
+    ``name`` is (the same first part: ``kvstore.sock``, ``kvstore.sock.fd``)."""
+    stem = name.split(".", 1)[0]
+    try:
+        with os.scandir(directory) as entries:
+            return all(e.name.split(".", 1)[0] == stem
+                       and stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode)
+                       for e in entries)
+    except OSError:
+        return False
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
 
 
 def receive(sock: zmq.Socket[bytes]) -> list[zmq.Frame]:

@@ -4,8 +4,10 @@ answer."""
 
 from __future__ import annotations
 
+import grp
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -97,3 +99,66 @@ def test_sighup_is_left_alone_in_a_process_that_is_not_the_daemon() -> None:
     out = subprocess.run([sys.executable, "-c", code, "serve"], capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
     assert out.stdout.strip() == "True"
+
+
+def _another_group() -> grp.struct_group:
+    """A group of this host other than the test's own."""
+    return next(g for g in grp.getgrall() if g.gr_gid != os.getgid())
+
+
+def _mode_and_group(path: Path) -> tuple[int, int]:
+    info = os.stat(path)
+    return stat.S_IMODE(info.st_mode), info.st_gid
+
+
+def test_socket_group_leaves_a_shared_directory_as_it_is(tmp_path: Path) -> None:
+    """With ``server.socket_group``, the socket's directory became 0750 of that group
+    whatever it was, as long as the daemon's user owned it and others could not write
+    it: a directory it shares with other programs (/run, for a daemon run as root; a
+    state directory; a home) lost its group's access and others'.  Now only a directory
+    that holds the daemon's sockets alone changes; elsewhere, where the socket's group
+    cannot enter, the log says what to do."""
+    group = _another_group()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o750)  # (its group's, root's here, to enter)
+    (shared / "other-service.pid").write_text("1\n")
+    before = _mode_and_group(shared)
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f'[server]\nsocket_group = "{group.gr_name}"\n')
+    daemon = DaemonProcess(tmp_path / "d", extra=["--config", str(config)])
+    daemon.endpoint = f"ipc://{shared / 'kvstore.sock'}"
+    daemon.args[daemon.args.index("--endpoint") + 1] = daemon.endpoint
+    daemon.start()
+    try:
+        with Client(daemon.endpoint) as client:
+            client.ping()
+        assert _mode_and_group(shared) == before
+        sock = os.stat(shared / "kvstore.sock")
+        assert (stat.S_IMODE(sock.st_mode), sock.st_gid) == (0o660, group.gr_gid)
+        log = daemon.log()  # what to do, as the socket's group cannot enter
+        assert f"chgrp {group.gr_name} {shared}" in log, log
+    finally:
+        daemon.stop()
+    assert _mode_and_group(shared) == before
+
+
+def test_socket_group_still_opens_a_directory_of_the_daemons_sockets(
+        tmp_path: Path) -> None:
+    """A directory the daemon makes for its socket, or one holding nothing but its
+    sockets (systemd's RuntimeDirectory, or one kept from an earlier run), is still
+    made 0750 of the socket group."""
+    group = _another_group()
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f'[server]\nsocket_group = "{group.gr_name}"\n')
+    kept = tmp_path / "kept"
+    kept.mkdir(mode=0o700)
+    for run in (tmp_path / "made" / "run", kept):
+        daemon = DaemonProcess(tmp_path / f"d-{run.name}", extra=["--config", str(config)])
+        daemon.endpoint = f"ipc://{run / 'kvstore.sock'}"
+        daemon.args[daemon.args.index("--endpoint") + 1] = daemon.endpoint
+        daemon.start()
+        try:
+            assert _mode_and_group(run) == (0o750, group.gr_gid)
+        finally:
+            daemon.stop()
