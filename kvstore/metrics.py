@@ -17,6 +17,7 @@ The stats dict, as the collector reads it (every key optional)::
                         "duplicates": int, "aborts": int, "capacity_rejects": int,
                         "lease_expiries": int, "checksum_failures": int,
                         "evictions": int, "evictions_by_cause": {cause: int}}, ...},
+     "evictions_by_policy": {"dram": {policy: int}},
      "sessions": int, "namespaces": int, "invariant_violations": int}
 """
 
@@ -223,6 +224,8 @@ class _StatsCollector(Collector):
         if "remote" in stats:  # the store's marks of it, and the remote tier's own figures
             tiers = {**tiers, "remote": {**tiers.get("remote", {}), **stats["remote"]}}
         policies: Mapping[str, str] = stats.get("eviction_policies", {})
+        # a tier's evictions under each policy in charge since start (a SIGHUP changes it)
+        by_policies: Mapping[str, Mapping[str, int]] = stats.get("evictions_by_policy", {})
         for tier, t in tiers.items():
             for key, gauge in pool.items():
                 if key in t:
@@ -236,6 +239,12 @@ class _StatsCollector(Collector):
                     counter.add_metric([tier], self._monotonic((key, tier), float(t[key])))
             by_cause: Mapping[str, Any] = t.get("evictions_by_cause") or (
                 {"capacity": t["evictions"]} if "evictions" in t else {})
+            by_policy = by_policies.get(tier)
+            if by_policy and list(by_cause) == ["capacity"]:  # each policy's own share
+                for policy, count in by_policy.items():
+                    evictions.add_metric([tier, policy, "capacity"], self._monotonic(
+                        ("evictions", tier, "capacity", policy), float(count)))
+                by_cause = {}
             for cause, count in by_cause.items():
                 evictions.add_metric(
                     [tier, policies.get(tier, "none"), cause],

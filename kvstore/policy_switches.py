@@ -54,6 +54,10 @@ class PolicySwitches:
         self.done = 0  # changes carried through
         self.last_turns = 0  # loop turns the last one took
         self._catching_up = False  # a slice of the duels' backlogs is due
+        # DRAM evictions made under each policy that was in charge before, and the
+        # store's count when the one in charge now took over (``evictions_by_policy``)
+        self._evicted_under: dict[str, int] = {}
+        self._evictions_at_change = 0
 
     def after_request(self) -> None:
         """A request was answered: the next one takes its share of the duels' sampled
@@ -87,7 +91,12 @@ class PolicySwitches:
         (with none yet, the requests' own calls carry the change through)."""
         if self.store.dram_args[3] == name:
             return
-        self.store.set_eviction_policy(name)
+        leaving = self.store.dram_args[3]
+        self.store.set_eviction_policy(name)  # (first: an unknown name changes nothing)
+        evictions = self.store.counters.evictions
+        self._evicted_under[leaving] = (self._evicted_under.get(leaving, 0)
+                                        + evictions - self._evictions_at_change)
+        self._evictions_at_change = evictions
         if self.store.switches and self.task is None and _loop_running():
             self.task = spawn(self._steps())
 
@@ -109,6 +118,16 @@ class PolicySwitches:
                      time.thread_time() - cpu)
         finally:
             self.task = None
+
+    def evictions_by_policy(self) -> dict[str, int]:
+        """DRAM evictions made while each policy was in charge, since start: every
+        policy that was, the one in charge now included (a policy's count goes on
+        from where it stood when it comes back)."""
+        now = self.store.dram_args[3]
+        out = dict(self._evicted_under)
+        out[now] = (out.get(now, 0) + self.store.counters.evictions
+                    - self._evictions_at_change)
+        return out
 
     def stats(self) -> dict[str, Any]:
         switches = self.store.switches

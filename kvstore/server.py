@@ -507,6 +507,7 @@ def server_stats(server: Server) -> dict[str, Any]:
         "scheduling": {**server.scheduling, "waiting_for_room": len(server.moves.room)},
         "transfers": server.transfers.stats(),
         "eviction_policies": {"dram": server.config.dram.eviction_policy, "ssd": "lru"},
+        "evictions_by_policy": {"dram": server.policy_switches.evictions_by_policy()},
         # each DRAM class's order as it stands (auto: which candidate leads, scores)
         "eviction_orders": [repr(policy) for dram in server.store.drams.values()
                             for policy in dram.policies.values()],

@@ -12,9 +12,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, free_port
+from kvtest import make_identity
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore import Client
 
@@ -162,3 +165,63 @@ def test_socket_group_still_opens_a_directory_of_the_daemons_sockets(
             assert _mode_and_group(run) == (0o750, group.gr_gid)
         finally:
             daemon.stop()
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text.decode())
+            for s in family.samples}
+
+
+def _evictions(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
+               ) -> dict[str, float]:
+    """``kvstore_evictions_total`` of the DRAM tier by capacity, by policy label."""
+    return {dict(labels)["policy"]: v for (name, labels), v in samples.items()
+            if name == "kvstore_evictions_total" and dict(labels)["tier"] == "dram"
+            and dict(labels)["cause"] == "capacity"}
+
+
+def test_eviction_counts_stay_with_their_policy_across_a_reload(tmp_path: Path) -> None:
+    """``kvstore_evictions_total{policy=...}`` showed the tier's whole count under the
+    policy in charge at the scrape: after a SIGHUP from lru to arc, the lru series was
+    gone and arc's held every eviction lru had made (and back to lru, lru's jumped by
+    what arc evicted).  Now each policy's series counts the evictions made while it was
+    in charge, and stays."""
+    ident = make_identity(num_layers=4, num_kv_heads=4, head_dim=128)  # 128 KiB blocks
+    port = free_port()
+    config = tmp_path / "kvstore.toml"
+    config.write_text('[dram]\neviction_policy = "lru"\n')
+    daemon = DaemonProcess(tmp_path / "d", dram_capacity=str(8 * ident.block_bytes),
+                           extra=["--config", str(config), "--metrics-port", str(port),
+                                  "--slab-size", str(8 * ident.block_bytes),
+                                  "--log-level", "info"]).start()
+
+    def reload_to(policy: str) -> None:
+        config.write_text(f'[dram]\neviction_policy = "{policy}"\n')
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while client.stats()["eviction_policies"]["dram"] != policy:
+            assert time.monotonic() < deadline, daemon.log()
+            time.sleep(0.02)
+
+    def fill(start: int, blocks: int) -> None:
+        keys = ns.keys(range(start, start + 16 * blocks))
+        ns.put(keys, [bytes(ns.block_bytes)] * blocks)
+
+    try:
+        with Client(daemon.endpoint, tenant="acme") as client:
+            ns = client.namespace(ident)
+            fill(0, 8)
+            fill(100_000, 3)  # 3 evicted under lru
+            assert _evictions(_scrape(port)) == {"lru": 3}
+            reload_to("arc")
+            assert _evictions(_scrape(port)) == {"lru": 3, "arc": 0}
+            fill(200_000, 2)  # 2 under arc
+            assert _evictions(_scrape(port)) == {"lru": 3, "arc": 2}
+            reload_to("lru")
+            fill(300_000, 4)  # 4 more under lru
+            assert _evictions(_scrape(port)) == {"lru": 7, "arc": 2}
+    finally:
+        daemon.stop()
