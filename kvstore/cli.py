@@ -300,6 +300,10 @@ def _cmd_route(args: argparse.Namespace) -> int:
         print(json.dumps([dataclasses.asdict(r) for r in results], default=str, indent=2))
     else:
         print(format_routes(results, len(keys)))
+    if not any(r.answered for r in results):  # (no route: a script must not take one)
+        print(f"kvstore: route: no daemon answered (none within {args.deadline:g}s, or "
+              f"each refused: see above)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -5,6 +5,7 @@ answer."""
 from __future__ import annotations
 
 import grp
+import json
 import os
 import signal
 import stat
@@ -223,5 +224,43 @@ def test_eviction_counts_stay_with_their_policy_across_a_reload(tmp_path: Path) 
             reload_to("lru")
             fill(300_000, 4)  # 4 more under lru
             assert _evictions(_scrape(port)) == {"lru": 7, "arc": 2}
+    finally:
+        daemon.stop()
+
+
+def test_route_says_so_and_fails_when_no_daemon_answers(tmp_path: Path) -> None:
+    """``kvstore route`` over daemons that are down, stopped (SIGSTOP) or at a wrong
+    endpoint printed its table, every row "no answer within the deadline", and exited
+    0, as if a route had been found: a script taking its first row sent prompts to a
+    daemon that was not there.  Now it says on stderr that none answered and exits 1;
+    with one answering, 0."""
+    ident = make_identity()
+    identity = tmp_path / "identity.json"
+    identity.write_text(json.dumps({f: getattr(ident, f) for f in ident.__struct_fields__}))
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(list(range(64))))
+    daemon = DaemonProcess(tmp_path / "d").start()
+
+    def route(*endpoints: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kvstore", "route", "--endpoints", *endpoints,
+             "--tokens", str(tokens), "--identity", f"@{identity}", "--deadline", "0.5"],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    try:
+        down = f"ipc://{tmp_path / 'none.sock'}"
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            done = route(down, daemon.endpoint)
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert done.returncode == 1, done
+        assert "no daemon answered" in done.stderr, done
+        assert "no answer within the deadline" in done.stdout, done
+        done = route(down, daemon.endpoint)
+        assert done.returncode == 0, done
+        assert "0/4" in done.stdout, done
     finally:
         daemon.stop()
