@@ -17,7 +17,8 @@ The adapter keeps LMCache's contract: every call only queues a task; a worker th
 the only user of its daemon connection, runs the lookups, loads and unlocks in order,
 and a store thread with a connection of its own runs the stores (so a slow store never
 holds up a lookup or a load queued after it); they signal three distinct event fds
-(store, lookup-and-lock, load).  Lookup-and-lock pins the
+(store, lookup-and-lock, load).  ``delete`` (LMCache's L2 eviction) runs on the store
+thread, and is waited for.  Lookup-and-lock pins the
 blocks it finds (a daemon pin, renewed by the worker's pings every third of the daemon's
 lease while any is held) until ``submit_unlock``; a load pins, copies and unpins.  A
 task's keys go to the daemon in requests of at most its per-request key limit (and the
@@ -241,11 +242,12 @@ def object_key(key: ObjectKey) -> bytes:
 
 @dataclass
 class _Task:
-    kind: str                     # store | lookup | load | unlock | stop
+    kind: str                     # store | lookup | load | unlock | delete | stop
     task_id: L2TaskId
     keys: list[ObjectKey]
     objects: list[MemoryObj] | None = None
     descs: dict[int, MemoryLayoutDesc] | None = None  # a lookup's layouts, per group
+    done: threading.Event | None = None  # a delete's caller waits on it
 
 
 def serde_layout(config: Any) -> str | None:
@@ -316,6 +318,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         # id, which a daemon restarted on the endpoint hands out again.
         self._pins_by_key: dict[ObjectKey, list[Held]] = defaultdict(list)
         self._pin_keys_left: dict[Held, int] = {}
+        # Store-thread state: per model, salt and object group, the layout and size of
+        # its objects (``delete``, given keys alone, finds them by it)
+        self._stored_as: dict[tuple[str, str, int], tuple[str | None, int]] = {}
         self._pinged_at = time.monotonic()
         # Per thread (by name), the error of its last task if that raised or met a
         # daemon failure (or of the worker's last ping), until a later task on the thread
@@ -345,14 +350,16 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     # -- submissions (any thread) ---------------------------------------------------------
     def _submit(self, kind: str, keys: list[ObjectKey], objects: list[MemoryObj] | None = None,
-                descs: dict[int, MemoryLayoutDesc] | None = None) -> L2TaskId:
+                descs: dict[int, MemoryLayoutDesc] | None = None,
+                done: threading.Event | None = None) -> L2TaskId:
         if objects is not None and len(objects) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         with self._lock:
             task = _Task(kind, next(self._ids), list(keys), objects,
-                         None if descs is None else dict(descs))
+                         None if descs is None else dict(descs), done)
             if not self._closed:
-                (self._store_tasks if kind == "store" else self._tasks).put(task)
+                writes = kind in ("store", "delete")  # (in order, on the store thread)
+                (self._store_tasks if writes else self._tasks).put(task)
                 return task.task_id
         self._fail(task)  # a closed adapter answers at once: nothing is ever run
         return task.task_id
@@ -376,6 +383,16 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         self._submit("unlock", keys)
+
+    def delete(self, keys: list[ObjectKey]) -> None:
+        """Remove objects (LMCache's L2 eviction: ``IsolatedLRU``, for a ``cache_salt``
+        over its quota or with none), then tell LMCache's listeners; on the store thread,
+        after the stores queued before it.  Before, a no-op: such a salt's objects stayed
+        and loaded, and its bytes, never less, were evicted again at every pass."""
+        done = threading.Event()
+        self._submit("delete", keys, done=done)
+        if not done.wait(self._config.timeout * 3):
+            logger.warning("kvstore L2 adapter: a delete of %d keys goes on", len(keys))
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         return self._submit("load", keys, objects)
@@ -490,6 +507,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 self._recovered()
 
     def _fail(self, task: _Task) -> None:
+        if task.done is not None:
+            task.done.set()
         if task.kind == "store":
             self._finish(self._store_results, task.task_id,
                          L2StoreResult(False, 0), self._store_efd, failed=True)
@@ -553,34 +572,30 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 continue
             for part in _chunks(positions, ns.client.max_keys):
                 sizes = [objects[i].get_size() for i in part]
-                if max(sizes) > self._config.object_bytes:
-                    logger.warning("kvstore L2 adapter: an object of %d bytes exceeds "
-                                   "object_bytes=%d; not stored", max(sizes),
-                                   self._config.object_bytes)
-                    self._daemon_failed(None, "L2 store", ValueError(
-                        f"an object of {max(sizes)} bytes exceeds object_bytes="
-                        f"{self._config.object_bytes}"))
+                too_big = _too_big(sizes, self._config.object_bytes)
+                if too_big is not None:
+                    self._daemon_failed(None, "L2 store", too_big)
                     ok = False
                     continue
 
-                def fill(slots: Sequence[memoryview], first: int,
-                         part: list[int] = part, sizes: list[int] = sizes) -> None:
-                    for buf, i, size in zip(slots, part[first:], sizes[first:]):
-                        _HEADER.pack_into(buf, 0, _MAGIC, size)
-                        buf[_HEADER.size:_HEADER.size + size] = _bytes_of(objects[i])
-
+                written: set[int] = set()
                 # The keys are not a chain: no lookup, every object is written.
-                result = store_missing(ns, [object_key(task.keys[i]) for i in part], fill,
-                                       lookup=False)
+                result = store_missing(ns, [object_key(task.keys[i]) for i in part],
+                                       _writer(objects, part, sizes, written), lookup=False)
                 if result.error is not None:
                     self._daemon_failed(self._store_link, "L2 store", result.error)
                     ok = False
                     continue
                 # (fewer where a key another writer was storing was not stored by then:
-                # neither are those after it in the reservation, a later miss each)
-                kept = result.present
-                stored += sum(sizes[:kept])
-                self._notify_keys_stored([task.keys[i] for i in part[:kept]], sizes[:kept])
+                # neither are those after it in the reservation, a later miss each).
+                # LMCache counts salts' quotas by what it is told: those written now (all, before)
+                new = [j for j in range(result.present) if j in written]
+                stored += sum(sizes[j] for j in new)
+                self._stored_as.update(((k.model_name, k.cache_salt, k.object_group_id),
+                                        (where[2], size)) for k, size in
+                                       zip([task.keys[i] for i in part], sizes))
+                self._notify_keys_stored([task.keys[part[j]] for j in new],
+                                         [sizes[j] for j in new])
         self._finish(self._store_results, task.task_id, L2StoreResult(ok, stored),
                      self._store_efd)
 
@@ -621,6 +636,20 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 self._pins_by_key[task.keys[i]].append(held)
         self._finish(self._lookup_results, task.task_id, found, self._lookup_efd)
 
+    def _do_delete(self, task: _Task) -> None:
+        try:
+            for where, (keys, sizes) in _stored_groups(task.keys, self._stored_as).items():
+                ns = self._namespace(where, self._store_link)
+                try:  # (no namespace: they stay, and LMCache asks again at its next pass)
+                    if ns is not None:
+                        _evict(ns, [object_key(k) for k in keys])
+                        self._notify_keys_deleted(keys, sizes)
+                except KVStoreError as exc:
+                    self._daemon_failed(self._store_link, "L2 delete", exc)
+        finally:
+            assert task.done is not None, "a delete task has its caller's event"
+            task.done.set()
+
     def _do_unlock(self, task: _Task) -> None:
         for key in task.keys:
             pins = self._pins_by_key.get(key)
@@ -648,7 +677,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             for part in _chunks(positions, _lock_part(ns)):
 
                 def copy(j: int, slot: memoryview, part: list[int] = part) -> None:
-                    if self._copy_out(slot, objects[part[j]]):
+                    if _copy_out(slot, objects[part[j]]):
                         loaded.set(part[j])
 
                 result = read_blocks(ns, [object_key(task.keys[i]) for i in part], copy,
@@ -658,14 +687,60 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     break
         self._finish(self._load_results, task.task_id, loaded, self._load_efd)
 
-    def _copy_out(self, slot: memoryview, obj: MemoryObj) -> bool:
-        magic, length = _HEADER.unpack_from(slot, 0)
-        if magic != _MAGIC or length != obj.get_size():
-            logger.warning("kvstore L2 adapter: stored object holds %d bytes, the load "
-                           "buffer %d; not loaded", length, obj.get_size())
-            return False
-        _bytes_of(obj)[:] = slot[_HEADER.size:_HEADER.size + length]
-        return True
+
+def _evict(ns: Namespace, keys: list[bytes]) -> None:
+    """Remove the blocks of ``keys`` (and those below them), in requests the daemon takes."""
+    for start in range(0, len(keys), ns.client.max_keys):
+        ns.evict(keys[start:start + ns.client.max_keys])
+
+
+def _too_big(sizes: list[int], object_bytes: int) -> ValueError | None:
+    """The error of objects larger than slots hold (logged), None if none is."""
+    if max(sizes) <= object_bytes:
+        return None
+    logger.warning("kvstore L2 adapter: an object of %d bytes exceeds object_bytes=%d; "
+                   "not stored", max(sizes), object_bytes)
+    return ValueError(f"an object of {max(sizes)} bytes exceeds object_bytes={object_bytes}")
+
+
+def _writer(objects: list[MemoryObj], part: list[int], sizes: list[int],
+            written: set[int]) -> Callable[[Sequence[memoryview], int], None]:
+    """``store_missing``'s fill of the objects at ``part``'s positions (a slot: header,
+    then the object); adds to ``written`` those of ``part`` it wrote (not those held)."""
+    def fill(slots: Sequence[memoryview], first: int) -> None:
+        written.update(range(first, first + len(slots)))
+        for buf, i, size in zip(slots, part[first:], sizes[first:]):
+            _HEADER.pack_into(buf, 0, _MAGIC, size)
+            buf[_HEADER.size:_HEADER.size + size] = _bytes_of(objects[i])
+    return fill
+
+
+def _copy_out(slot: memoryview, obj: MemoryObj) -> bool:
+    """Copy a slot's object into a load buffer of its size (else none, and False)."""
+    magic, length = _HEADER.unpack_from(slot, 0)
+    if magic != _MAGIC or length != obj.get_size():
+        logger.warning("kvstore L2 adapter: stored object holds %d bytes, the load "
+                       "buffer %d; not loaded", length, obj.get_size())
+        return False
+    _bytes_of(obj)[:] = slot[_HEADER.size:_HEADER.size + length]
+    return True
+
+
+def _stored_groups(keys: list[ObjectKey],
+                   stored_as: dict[tuple[str, str, int], tuple[str | None, int]]
+                   ) -> dict[tuple[str, str, str | None], tuple[list[ObjectKey], list[int]]]:
+    """The keys of a delete by namespace (model, salt and the layout their object group
+    was stored in), each with its objects' size; keys of groups never stored here (none
+    LMCache's eviction tracks) are left out."""
+    groups: dict[tuple[str, str, str | None], tuple[list[ObjectKey], list[int]]] = {}
+    for key in keys:
+        known = stored_as.get((key.model_name, key.cache_salt, key.object_group_id))
+        if known is not None:
+            where = (key.model_name, key.cache_salt, known[0])
+            group = groups.setdefault(where, ([], []))
+            group[0].append(key)
+            group[1].append(known[1])
+    return groups
 
 
 def _bytes_of(obj: MemoryObj) -> memoryview:
