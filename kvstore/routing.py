@@ -66,7 +66,13 @@ PAGE_SECONDS = 0.002  # ...or as many as it goes through in this long (its encod
 # asked for in half the time would cost its client a round trip more (+5%).
 WHOLE_SECONDS = 0.001
 SNAPSHOTS_OPEN = 4  # paged snapshots a session may have under way (one more ends the oldest)
-WHOLE_OPEN = 2  # snapshots in one reply (limit 0) a session may have under way
+# Snapshots in one reply (limit 0) under way, each holding its reply (about 45 bytes a
+# block) from its request until ZeroMQ has sent it: at most this many a tenant, and the
+# daemon at most WHOLE_AT_ONCE.  Counted a session only, 100 sessions of one tenant
+# asking two each of a 60k-block store held 507 MiB, and a tenant may hold 4096
+# sessions; older clients ask for it whole, routers in pages (which this leaves alone).
+WHOLE_OPEN = 2
+WHOLE_AT_ONCE = 8
 
 Entry = tuple[bytes, bytes | None, str]
 
@@ -170,12 +176,14 @@ class WholeEntries:
         del self._buf[start:start + (1 if n < 16 else 3 if n < 1 << 16 else 5)]
         self.count += n
 
-    def reply(self) -> tuple[p.Message, EncodedHeader]:
-        """The reply: its header frame is the buffer (the reply stands beside it)."""
+    def reply(self, on_sent: Callable[[], None] | None = None
+              ) -> tuple[p.Message, EncodedHeader]:
+        """The reply: its header frame is the buffer (the reply stands beside it);
+        ``on_sent`` once ZeroMQ no longer holds it."""
         at = self._count_at
         self._buf[at:at + 4] = self.count.to_bytes(4, "big")
         self._buf += b"\x00"  # the cursor: no more pages
-        return p.SnapshotReply(self.rid, self.seq, []), EncodedHeader(self._buf)
+        return p.SnapshotReply(self.rid, self.seq, []), EncodedHeader(self._buf, on_sent)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -214,7 +222,7 @@ class RoutingVerbs:
         # snapshots under way, by session (gone with it) and cursor, oldest first
         self.walks: weakref.WeakKeyDictionary[Session, dict[int, SnapshotWalk]] = (
             weakref.WeakKeyDictionary())
-        self.whole: dict[Session, int] = {}  # snapshots in one reply under way, by session
+        self.whole: dict[str, int] = {}  # snapshots in one reply under way, by tenant
         self.cursors = UnguessableIds()  # (a counter's told others' snapshots)
 
     def table(self) -> dict[type[Any], Handler]:
@@ -260,24 +268,42 @@ class RoutingVerbs:
 
     def _whole_later(self, session: Session, rid: int, walk: SnapshotWalk) -> Answer:
         """The whole snapshot in one reply, as older clients ask it: at most
-        ``WHOLE_OPEN`` a session at once (each holds its list until it is sent)."""
-        if self.whole.get(session, 0) >= WHOLE_OPEN:
+        ``WHOLE_OPEN`` a tenant and ``WHOLE_AT_ONCE`` in all under way, each counted
+        until its reply is sent (``EncodedHeader.on_sent``), for it holds that reply."""
+        tenant, whole = session.tenant, self.whole
+        if whole.get(tenant, 0) >= WHOLE_OPEN:
             raise LimitExceededError(f"{WHOLE_OPEN} snapshots in one reply are under way "
-                                     f"for this session: wait for them, or ask in pages")
-        self.whole[session] = self.whole.get(session, 0) + 1
+                                     f"for tenant {tenant!r}: wait for them, or ask in "
+                                     f"pages (limit > 0)")
+        if sum(whole.values()) >= WHOLE_AT_ONCE:
+            raise LimitExceededError(f"{WHOLE_AT_ONCE} snapshots in one reply are under "
+                                     f"way in the daemon: ask in pages (limit > 0), or "
+                                     f"again later")
+        whole[tenant] = whole.get(tenant, 0) + 1
+        done = False
 
-        async def whole() -> tuple[p.Message, list[Any]]:
+        def sent() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            left = whole.get(tenant, 1) - 1
+            if left:
+                whole[tenant] = left
+            else:
+                whole.pop(tenant, None)
+
+        async def build() -> tuple[p.Message, list[Any]]:
             try:
-                return await self._whole(rid, walk)
-            finally:
-                left = self.whole.get(session, 1) - 1
-                if left:
-                    self.whole[session] = left
-                else:
-                    self.whole.pop(session, None)
-        return Later(whole())
+                return await self._whole(rid, walk, sent)
+            except BaseException:
+                sent()
+                raise
+        # (a coroutine closed before it ran, its request given up, runs no ``except``)
+        return Later(build(), give_up=sent)
 
-    async def _whole(self, rid: int, walk: SnapshotWalk) -> tuple[p.Message, list[Any]]:
+    async def _whole(self, rid: int, walk: SnapshotWalk,
+                     sent: Callable[[], None]) -> tuple[p.Message, list[Any]]:
         """Built a page a loop turn, each page encoded as it is read (``WholeEntries``),
         so no turn encodes more than a page.  Each page, the first too, reads the store
         only after what changed before it is published: a change seen but not yet
@@ -292,7 +318,7 @@ class RoutingVerbs:
             entries.add(page)
             page.clear()
             if done:
-                return entries.reply()
+                return entries.reply(sent)
 
     def _probe(self, session: Session, req: p.Probe, payload: list[Any]) -> Outcome:
         d = self.d

@@ -81,11 +81,32 @@ class EncodedHeader(list[Any]):
     """No payload frames, and the reply's header encoded already: sent as it is, without
     a copy, in place of the reply's encoding (the reply stands beside it for its rid).
     For a big header built a piece at a time across loop turns (``routing``'s whole
-    snapshot): encoding and copying 17 MB at the end held the loop for 20 ms."""
+    snapshot): encoding and copying 17 MB at the end held the loop for 20 ms.
+    ``on_sent`` is called once ZeroMQ no longer holds the header (sent, or dropped for a
+    gone or full peer): the daemon counts such a reply as held until then."""
 
-    def __init__(self, header: bytes | bytearray) -> None:
+    def __init__(self, header: bytes | bytearray,
+                 on_sent: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.header = header
+        self.on_sent = on_sent
+
+    def sent(self) -> Callable[[], None] | None:
+        """Its ``on_sent``, taken (the caller calls it, once)."""
+        done, self.on_sent = self.on_sent, None
+        return done
+
+
+# a reply ZeroMQ is still sending: its tracker, its pin, its bytes counted unread, and
+# what to call once it is sent (``EncodedHeader.on_sent``)
+_Sending = tuple[zmq.MessageTracker, int | None, int, Callable[[], None] | None]
+
+
+def _call(done: Callable[[], None] | None, result: bool) -> bool:
+    """``done()``, if any; ``result``."""
+    if done is not None:
+        done()
+    return result
 
 
 class RepliesInFlight:
@@ -101,7 +122,7 @@ class RepliesInFlight:
     goes at the next reap, not after the peer's big replies queued ahead of it."""
 
     def __init__(self) -> None:
-        self.by_peer: dict[bytes, deque[tuple[zmq.MessageTracker, int | None, int]]] = {}
+        self.by_peer: dict[bytes, deque[_Sending]] = {}
         self.ready: list[int] = []  # pins of replies done as they were added
         self.count = 0
         # peer -> bytes of its big replies zmq still holds (shared with ``Sessions``)
@@ -111,17 +132,19 @@ class RepliesInFlight:
         return self.count
 
     def add(self, peer: bytes, tracker: zmq.MessageTracker, pin: int | None,
-            size: int = 0) -> None:
+            size: int = 0, on_sent: Callable[[], None] | None = None) -> None:
         if tracker.done:  # copied as it was sent: done ahead of the peer's queued ones
             if pin is not None:
                 self.count += 1
                 self.ready.append(pin)
+            if on_sent is not None:
+                on_sent()
             return
         self.count += 1
         queue = self.by_peer.get(peer)
         if queue is None:
             queue = self.by_peer[peer] = deque()
-        queue.append((tracker, pin, size))
+        queue.append((tracker, pin, size, on_sent))
         if size:
             self.unread[peer] = self.unread.get(peer, 0) + size
 
@@ -137,8 +160,10 @@ class RepliesInFlight:
         for each in (peer,) if peer is not None else list(self.by_peer):
             queue = self.by_peer.get(each)
             while queue and queue[0][0].done:
-                _, pin, size = queue.popleft()
+                _, pin, size, on_sent = queue.popleft()
                 freed += 1
+                if on_sent is not None:
+                    on_sent()
                 if pin is not None:
                     release(pin)
                     pins += 1
@@ -155,7 +180,7 @@ class RepliesInFlight:
 
     def trackers(self, pins: set[int] | None = None) -> list[zmq.MessageTracker]:
         """The trackers of the replies pinning ``pins`` (all, if None)."""
-        return [tracker for queue in self.by_peer.values() for tracker, pin, _ in queue
+        return [tracker for queue in self.by_peer.values() for tracker, pin, _, _ in queue
                 if pins is None or pin in pins]
 
 
@@ -403,8 +428,9 @@ class Transport:
         """Reply to ``peer``: the socket's index byte, then the peer's routing id.  A reply
         that cannot be encoded (a bug) is logged and answered with an internal error
         instead, never raised (into the drain, or a request's task): False then."""
+        on_sent = payload.sent() if isinstance(payload, EncodedHeader) else None
         if not self._open:
-            return True
+            return _call(on_sent, True)
         sock, routing_id = self._socks[peer[0]], peer[1:]
         encoded = True
         try:
@@ -434,8 +460,8 @@ class Transport:
                 # and a copy's tracker is done at once, counting nothing)
                 tracker = sock.send(zmq.Frame(header, track=True, copy=False, copy_threshold=0),
                                     _NOBLOCK, copy=False, track=True)
-                self._in_flight.add(peer, tracker, None, len(header))
-                tracked = True
+                self._in_flight.add(peer, tracker, None, len(header), on_sent)
+                on_sent, tracked = None, True
             else:
                 # two sends, not send_multipart: half its cost for the one-frame replies
                 # of the control verbs (both copy: the frames are small)
@@ -454,6 +480,7 @@ class Transport:
                 log.warning("dropping a reply: %s", exc)
             if isinstance(payload, PinnedFrames):
                 self.release_pin(payload.pin)
+        _call(on_sent, True)  # (not handed to zmq, or copied by it: nothing held)
         if tracked or isinstance(payload, PinnedFrames):
             # outside the try: a pin it released is never released twice.  This peer's
             # earlier replies only (the others' on the timer: each pinned reply looked

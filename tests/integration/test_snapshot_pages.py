@@ -205,7 +205,8 @@ def test_a_change_the_first_page_reads_is_announced(daemon_factory: Any, limit: 
 
 def test_whole_snapshots_under_way_are_capped_per_session(daemon_factory: Any) -> None:
     """Each whole snapshot (limit 0) keeps its list until its reply goes: a session may
-    have ``WHOLE_OPEN`` under way, one more is refused (typed) and the others answered."""
+    have ``WHOLE_OPEN`` under way (its tenant too), one more is refused (typed) and the
+    others answered."""
     d = daemon_factory(dram_capacity="256MiB")
     rng = random.Random(5)
     with Client(d.endpoint, tenant="acme") as c:
