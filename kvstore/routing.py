@@ -47,6 +47,7 @@ from kvstore.errors import LimitExceededError, NotFoundError, TooLargeError
 from kvstore.events import EventPublisher
 from kvstore.first_blocks import visible_head
 from kvstore.ids import UnguessableIds
+from kvstore.namespace_order import NamespaceOrder
 from kvstore.pending import Later
 from kvstore.sessions import Session
 from kvstore.slice_turns import SliceTurns
@@ -89,15 +90,17 @@ class SnapshotWalk:
     docstring for why that is exact with the events after ``seq``.
     """
 
-    def __init__(self, namespaces: list[Namespace], seq: int,
+    def __init__(self, order: NamespaceOrder, seq: int,
                  visible: Callable[[Namespace], bool] | None = None) -> None:
         self.seq = seq
-        # every namespace as it began, each told visible as the walk reaches it: told
-        # at the start, and with empty ones not counted in a page's budget, one page at
-        # 20k open namespaces held the loop 60-80 ms
-        self._namespaces = namespaces
+        # the namespaces made up to its start, in that order, each told visible as the
+        # walk reaches it (told at the start, one page at 20k open namespaces held the
+        # loop 60-80 ms), and kept as the serial of the last reached: a copy of them all
+        # a walk, 2000 walks never finished held 307 MiB at 20k namespaces
+        self._order = order
+        self._after = 0
+        self._until = order.last
         self._visible = visible
-        self._ns = 0
         self._shards: list[dict[bytes, Block]] = []
         self._shard = 0
         self._batch: list[Block] = []  # the shard under way, copied
@@ -136,11 +139,11 @@ class SnapshotWalk:
                 self._shard += 1
                 self._at = 0
                 visits += 1
-            elif self._ns < len(self._namespaces):
-                ns = self._namespaces[self._ns]
-                self._ns += 1
-                visible = self._visible is None or self._visible(ns)
-                self._shards = list(ns.blocks.shards) if visible else []
+            elif self._after < self._until:
+                self._after, ns = self._order.after(self._after)
+                visible = (ns is not None and not ns.forgotten and self._after <= self._until
+                           and (self._visible is None or self._visible(ns)))
+                self._shards = list(ns.blocks.shards) if ns is not None and visible else []
                 self._shard = 0
                 visits += 1
             else:
@@ -242,7 +245,7 @@ class RoutingVerbs:
                                     f"again with cursor 0")
             cursor = req.cursor
         else:
-            walk = SnapshotWalk(list(self.d.store.namespaces.values()), self._published(),
+            walk = SnapshotWalk(self.d.store.order, self._published(),
                                 self._visible(session))
             if not req.limit:
                 return self._whole_later(session, req.rid, walk)

@@ -38,7 +38,7 @@ def test_pages_list_every_block_that_stays_parents_first() -> None:
     gone_before = chains[0][1][30:]
     store.evict(chains[0][0], [gone_before[0]])
     at_start = {b for ns in spaces for b in ns.blocks.values()}
-    walk = SnapshotWalk(spaces, 7)
+    walk = SnapshotWalk(store.order, 7)
     out: list[tuple[bytes, bytes | None, str]] = []
     pages = 0
     while not walk.page(rng.randint(1, 60), out):

@@ -55,8 +55,8 @@ def test_a_walk_encoded_page_by_page_lists_what_it_lists_in_one_go() -> None:
         assert isinstance(r, Reservation)
         store.commit("w", r.id, 0.0)
     listed: list[Entry] = []
-    assert SnapshotWalk([ns], 3).page(1 << 30, listed)
-    walk, whole, page, pages = SnapshotWalk([ns], 3), WholeEntries(1, 3), [], 0
+    assert SnapshotWalk(store.order, 3).page(1 << 30, listed)
+    walk, whole, page, pages = SnapshotWalk(store.order, 3), WholeEntries(1, 3), [], 0
     while True:
         done = walk.page(97, page)
         whole.add(page)
