@@ -238,6 +238,8 @@ class AsyncClient(SessionCore):
         if self._sock is None or self._loop is None:
             raise KVStoreError("the client is not connected")
         self._usable()
+        if self.drops:  # dropped unreleased (``client_drops``): given back first
+            self._post_now(self._dropped_requests())
         loop = self._loop
         future: asyncio.Future[Received] = loop.create_future()
         self._waiting[req.rid] = future
@@ -260,19 +262,21 @@ class AsyncClient(SessionCore):
         finally:
             self._waiting.pop(req.rid, None)
 
-    def _post_now(self, headers: list[bytes]) -> None:
-        """Post requests from where no send may wait (never with the sockets
-        ``make_socket`` sets up: they queue without limit); then read what the sends let
-        in, as ``_send`` does."""
+    def _post_now(self, reqs: list[p.Message]) -> None:
+        """Post requests that give something back from where no send may wait (never
+        with the sockets ``make_socket`` sets up: they queue without limit); then read
+        what the sends let in, as ``_send`` does."""
         sock = self._sock
-        if sock is None or not headers:
+        if sock is None or not reqs:
             return
-        try:
-            for header in headers:
-                sock.send(header, zmq.NOBLOCK)
-        except zmq.Again:  # no connection to queue on: the daemon's lease takes them back
-            log.warning("could not give %d request(s) back to the daemon: no connection",
-                        len(headers))
+        for sent, req in enumerate(reqs):
+            try:
+                sock.send(self._posted(req), zmq.NOBLOCK)
+            except zmq.Again:  # no connection to queue on: the daemon's lease takes
+                self._unread.pop(req.rid, None)  # them back (no reply to wait for)
+                log.warning("could not give %d request(s) back to the daemon: no "
+                            "connection", len(reqs) - sent)
+                break
         if sock.getsockopt(_EVENTS) & _POLLIN:
             self._drain_soon()
 
@@ -292,6 +296,8 @@ class AsyncClient(SessionCore):
         if self._sock is None or self._loop is None:
             raise KVStoreError("the client is not connected")
         self._usable()
+        if self.drops:  # dropped unreleased (``client_drops``): given back first
+            self._post_now(self._dropped_requests())
         await self._send([self._posted(req)], self._loop.time() + self.timeout)
 
     # -- verbs ----------------------------------------------------------------------------
@@ -320,19 +326,7 @@ class AsyncClient(SessionCore):
         if self._snapshots is None:
             self._snapshots = asyncio.Lock()
         async with self._snapshots:
-            return await self._snapshot(page)
-
-    async def _snapshot(self, page: int) -> p.SnapshotReply:
-        reply = check_reply((await self._call(p.Snapshot(self._next_rid(), 0, page)))[0],
-                            p.SnapshotReply)
-        blocks, cursor = reply.blocks, reply.cursor
-        while cursor:
-            more = check_reply(
-                (await self._call(p.Snapshot(self._next_rid(), cursor, page)))[0],
-                p.SnapshotReply)
-            blocks += more.blocks
-            cursor = more.cursor
-        return p.SnapshotReply(reply.rid, reply.seq, blocks)
+            return await self._run(self._snapshot_pages(page))
 
     async def probe(self, keys: Sequence[bytes] = ()) -> p.ProbeReply:
         """See ``Client.probe``."""
@@ -390,6 +384,11 @@ class AsyncClient(SessionCore):
         if self._letting_go:
             await asyncio.gather(*self._letting_go)
         self._unmap()
+        if self._sock is not None:  # dropped unreleased: given back (the goodbye may go)
+            try:
+                self._post_now(self._dropped_requests())
+            except zmq.ZMQError as exc:
+                log.warning("closing without giving back dropped holdings: %s", exc)
         if self._unread and self._sock is not None:
             # Posted releases must reach the daemon before the socket goes (it drops what
             # it has not sent), or their pins would stay until the session's lease ends.

@@ -163,6 +163,8 @@ class Client(SessionCore):
         frames = [header, *payload] if payload else None
         self._claim()
         try:
+            if self.drops:  # dropped unreleased (``client_drops``): given back first
+                self._post_now(self._dropped_requests())
             if not self._send_frames(header, frames, wait):
                 return False
             # awaited before another thread may read its reply (added after the socket
@@ -254,6 +256,8 @@ class Client(SessionCore):
 
     def _post_unread(self, req: p.Message) -> None:
         sock = self._sock
+        if self.drops:  # dropped unreleased (``client_drops``): given back first
+            self._post_now(self._dropped_requests())
         # keep the backlog short: as many replies read as posted ones are unread, at
         # most (an endpoint that kept sending replies to nothing held the caller for good)
         for _ in range(len(self._unread)):
@@ -343,17 +347,19 @@ class Client(SessionCore):
                     # again had them all kept for good, payloads and all)
                     self._early[reply.rid] = received
                 return
-            headers = self._give_back(reply)
-        posted = list(self._unread)[-len(headers):] if headers else []
-        for sent, header in enumerate(headers):
-            # never a wait here (replies are being read): with no connection to queue
-            # on, the daemon's lease takes them back, and no reply is awaited
-            if not self._send_frames(header, wait=False):
-                for unsent in posted[sent:]:
-                    self._unread.pop(unsent, None)
+            undo = self._give_back(reply)
+        self._post_now(undo)
+
+    def _post_now(self, reqs: list[p.Message]) -> None:
+        """Post requests that give something back, the socket claimed, never waiting
+        (replies are being read, or a call's request is about to go): with no
+        connection to queue on, the daemon's lease takes it back, no reply awaited."""
+        for sent, req in enumerate(reqs):
+            if not self._send_frames(self._posted(req), wait=False):
+                self._unread.pop(req.rid, None)
                 log.warning("could not give %d request(s) back to the daemon: no "
-                            "connection", len(posted) - sent)
-                break
+                            "connection", len(reqs) - sent)
+                return
 
     # -- verbs ----------------------------------------------------------------------------
     def namespace(self, identity: Identity) -> Namespace:
@@ -385,15 +391,7 @@ class Client(SessionCore):
         It comes in pages of at most ``page`` entries' worth (the daemon serves others
         between them), read here one after another; the store may change meanwhile,
         which those batches make good (``kvstore.routing`` says why)."""
-        reply = check_reply(self._call(p.Snapshot(self._next_rid(), 0, page))[0],
-                            p.SnapshotReply)
-        blocks, cursor = reply.blocks, reply.cursor
-        while cursor:
-            more = check_reply(self._call(p.Snapshot(self._next_rid(), cursor, page))[0],
-                               p.SnapshotReply)
-            blocks += more.blocks
-            cursor = more.cursor
-        return p.SnapshotReply(reply.rid, reply.seq, blocks)
+        return self._run(self._snapshot_pages(page))
 
     def probe(self, keys: Sequence[bytes] = ()) -> p.ProbeReply:
         """What a router asks, of this daemon: the longest cached prefix of a key chain
@@ -449,6 +447,7 @@ class Client(SessionCore):
             # it has not sent), or their pins would stay until the session's lease ends.
             deadline = time.monotonic() + self._close_wait()
             try:
+                self._post_now(self._dropped_requests())  # (the goodbye may go then)
                 while self._unread and (left := deadline - time.monotonic()) > 0:
                     if not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                         break

@@ -21,7 +21,6 @@ payload, is sent each reply, and returns the result.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import mmap
 import os
@@ -61,6 +60,7 @@ from kvstore.errors import (ForbiddenError, KVStoreError, LeaseExpiredError, Mal
 from kvstore.identity import Identity
 from kvstore.keys import chain_keys
 from kvstore.client_chains import Chains as _Chains
+from kvstore.client_drops import GivingBack
 from kvstore.tiers.arena_fds import (
     MEMFD_PREFIX,
     admit,
@@ -81,7 +81,6 @@ log = logging.getLogger("kvstore.client")
 SNAPSHOT_PAGE = p.SNAPSHOT_PAGE  # entries' worth of a snapshot's page (the daemon's loop turn)
 CLOSE_WAIT_S = 1.0  # how long close() waits for the replies to posted releases
 _NO_PAYLOAD: Sequence[Any] = ()
-_ABANDONED_MEMORY = 1 << 12  # requests given up on, remembered for their late replies
 SESSION_EXPIRED = SessionExpiredError.PREFIX  # how the daemon says so (``sessions``)
 _FORKS = [0]  # forks of this process: a client made before one is its parent's, not ours
 os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
@@ -144,9 +143,10 @@ class PinnedLookup:
 # the session
 # ----------------------------------------------------------------------------------------
 
-class SessionCore:
-    """A client's session without its socket: the connection settings, the hello facts,
-    request ids, the arena mappings and the requests posted without waiting."""
+class SessionCore(GivingBack):
+    """A client's session without its socket: the connection settings, the hello facts
+    and the arena mappings; request ids, the requests posted without waiting and what
+    it gives back unasked are ``GivingBack``'s (``client_drops``)."""
 
     def __init__(self, endpoint: str | None, *, tenant: str | None, token: str | None,
                  timeout: float, map_arena: bool, curve: CurveKeys | None,
@@ -159,8 +159,7 @@ class SessionCore:
         self._handshake = ""  # its credentials in the handshake: "ticket", "token" or none
         self._token = _token(token)
         self._curve = curve or _curve_from_env()
-        # request ids: ``next`` of a count is one step in C, never one id to two threads
-        self._rids = itertools.count(1)
+        super().__init__()
         self.hello: p.HelloReply | None = None
         self.tokens_wanted = True  # commits carry token ids (replies say: events heard)
         self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}  # arena path -> mapping
@@ -168,18 +167,10 @@ class SessionCore:
         self._pinned: dict[str, Any] = {}  # arena path -> its background CUDA registration
         self._pool: Any = None  # the GPU tier's pool, mapped (kvstore.tiers.gpu.PoolMapping)
         self.gpu_reason = ""  # why there is no GPU pool, once asked
-        # posted requests whose replies are not read: id -> what was asked (for the log)
-        self._unread: dict[int, str] = {}
-        # requests whose callers gave up on the reply (a timeout, a cancellation), the
-        # oldest forgotten past _ABANDONED_MEMORY
-        self._abandoned: dict[int, None] = {}
         self._forks = _FORKS[0]  # the forks before this client: another count, a child's
         self._pid = os.getpid()
         self._lost = ""  # why the daemon has no session for this client any more, once told
         self._holding = 0  # reservations and pins held (a goodbye would drop them in use)
-
-    def _next_rid(self) -> int:
-        return next(self._rids)
 
     # -- whether this client can still ask ------------------------------------------------
     @property
@@ -225,52 +216,6 @@ class SessionCore:
             self._lost = reply.message
             return True
         return False
-
-    # -- requests posted without waiting (releases) -------------------------------------
-    def _posted(self, req: p.Message) -> bytes:
-        """The header of a request whose reply nobody waits for: the shell reads that
-        reply later and hands it to ``_settle``.  The daemon serves a connection's
-        requests in order, so the next request sees it done."""
-        self._unread[req.rid] = type(req).__name__.lower()
-        return p.encoder.encode(req)
-
-    def _settle(self, reply: p.Message) -> bool:
-        """Whether ``reply`` answers a posted request; if so it is dropped here, and a
-        refusal logged (there is nobody left to raise it to)."""
-        asked = self._unread.pop(reply.rid, None)
-        if asked is None:
-            return False
-        if isinstance(reply, p.ErrorReply):  # (a prefetch past the bound on work under
-            quiet = (asked, reply.code) == ("prefetch", "limit_exceeded")  # way: quietly)
-            log.log(logging.DEBUG if quiet else logging.WARNING,
-                    "the daemon refused a posted %s: %s: %s", asked, reply.code,
-                    reply.message)
-        return True
-
-    # -- requests given up on -------------------------------------------------------------
-    def _abandon(self, rid: int) -> None:
-        """The caller of request ``rid`` gave up waiting for its reply: what the reply
-        holds, if it comes, is to be given back (``_give_back``)."""
-        self._abandoned[rid] = None
-        if len(self._abandoned) > _ABANDONED_MEMORY:
-            del self._abandoned[next(iter(self._abandoned))]
-
-    def _give_back(self, reply: p.Message) -> list[bytes]:
-        """The headers of the requests to post that give back what a reply nobody takes
-        holds: a pin's release, a reservation's abort (else, none: it is dropped)."""
-        self._abandoned.pop(reply.rid, None)
-        undo: list[p.Message]
-        if isinstance(reply, p.AcquireReply) or (isinstance(reply, p.LookupPinReply)
-                                                  and reply.pin):
-            undo = [p.Release(self._next_rid(), reply.pin)]
-        elif isinstance(reply, p.ReserveReply):
-            undo = [p.Abort(self._next_rid(), reply.reservation)]
-        elif isinstance(reply, p.BatchReply):
-            undo = [p.Abort(self._next_rid(), r) for r in reply.reservations]
-        else:
-            return []
-        log.info("giving back what a reply nobody waited for holds (%s)", type(reply).__name__)
-        return [self._posted(req) for req in undo]
 
     def _no_reply(self) -> UnavailableError:
         # a refused ZeroMQ handshake is silent: say what it checks
@@ -329,6 +274,18 @@ class SessionCore:
 
     def _ping_request(self) -> p.Ping:
         return p.Ping(self._next_rid())
+
+    def _snapshot_pages(self, page: int) -> Exchange[p.SnapshotReply]:
+        """``snapshot``: its pages, one request each, in one reply."""
+        received = yield p.Snapshot(self._next_rid(), 0, page), _NO_PAYLOAD
+        reply = check_reply(received[0], p.SnapshotReply)
+        blocks, cursor = reply.blocks, reply.cursor
+        while cursor:
+            received = yield p.Snapshot(self._next_rid(), cursor, page), _NO_PAYLOAD
+            more = check_reply(received[0], p.SnapshotReply)
+            blocks += more.blocks
+            cursor = more.cursor
+        return p.SnapshotReply(reply.rid, reply.seq, blocks)
 
     def _report_request(self, recomputed_tokens: int) -> p.Report:
         return p.Report(self._next_rid(), recomputed_tokens)
@@ -672,7 +629,10 @@ class ReservationCore(Generic[N]):
     until commit or abort.  A key whose block the daemon holds in DRAM already, or
     another open reservation holds a slot for, gets no slot (``offsets[i]`` -1): its
     buffer is scratch, its bytes need not be written; the commit stores the keys after
-    it only if that block is cached by then (``dropped``)."""
+    it only if that block is cached by then (``dropped``).  Dropped unreleased, it is
+    aborted at the client's next call (``client_drops``)."""
+
+    reserved = done = False  # (an object whose __init__ failed has nothing to give back)
 
     def __init__(self, ns: N, keys: list[bytes], parent: bytes | None = None) -> None:
         self.ns = ns
@@ -735,6 +695,10 @@ class ReservationCore(Generic[N]):
         for buf in self.buffers:
             buf.release()
 
+    def __del__(self) -> None:  # (only queued: any thread, any time; see client_drops)
+        if self.reserved and not self.done:
+            self.ns.client.drops.note(False, self.id, self.buffers)
+
     def __repr__(self) -> str:
         state = "done" if self.done else "reserved" if self.reserved else "asked"
         return f"{type(self).__name__}({self.id}, {len(self.keys)} keys, {state})"
@@ -742,7 +706,9 @@ class ReservationCore(Generic[N]):
 
 class HeldCore(Generic[N]):
     """Blocks pinned for ``keys`` (once acquired): read-only ``buffers`` in the arena until
-    release."""
+    release.  Dropped unreleased, its pin goes at the client's next call (``client_drops``)."""
+
+    acquired = released = False  # (an object whose __init__ failed has nothing to give back)
 
     def __init__(self, ns: N, keys: list[bytes]) -> None:
         self.ns = ns
@@ -793,6 +759,10 @@ class HeldCore(Generic[N]):
         for buf in self.buffers:
             buf.release()
         return p.Release(self.ns.client._next_rid(), self.pin)
+
+    def __del__(self) -> None:  # (only queued: any thread, any time; see client_drops)
+        if self.acquired and not self.released:
+            self.ns.client.drops.note(True, self.pin, self.buffers)
 
     def __repr__(self) -> str:
         state = "released" if self.released else f"pin {self.pin}"

@@ -59,7 +59,7 @@ def test_a_post_that_takes_the_descriptors_edge_reads_the_replies_it_let_in() ->
             peer.send_multipart([who, p.encoder.encode(p.OkReply(rid))])
             assert select.select([client._fd], [], [], 30)[0]  # the reply's edge
             time.sleep(0.01)  # past ZeroMQ's throttle: the next send reads its commands
-            client._post_now([client._posted(p.Ping(client._next_rid()))])
+            client._post_now([p.Ping(client._next_rid())])
             loop.add_reader(client._fd, client._drain)
             await asyncio.wait_for(ping, 30)  # not a timing: it hung before
         finally:
