@@ -35,9 +35,10 @@ _ABANDONED_MEMORY = 1 << 12  # requests given up on, remembered for their late r
 class Drops:
     """Holdings whose objects were dropped unreleased, queued by their finalizers for
     the client's next call (from any thread: a deque's append and popleft are atomic),
-    and how many so far: ``given_back`` (released or aborted), ``kept`` (one of its
-    buffers was still exported, a numpy array or a tensor over a slot: the holding
-    stays until the session ends, as before, so that the slot is not reused under it)."""
+    and how many so far: ``given_back`` (released or aborted, or gone with the
+    session), ``kept`` (one of its buffers was still exported, C code holding it as it
+    reads or writes the slot: the holding stays until the session ends, as before, so
+    that the slot is not reused under it)."""
 
     def __init__(self) -> None:
         # (a pin, not a reservation; given back, not kept; its id)
@@ -49,7 +50,9 @@ class Drops:
         """A finalizer's: the pin or the reservation ``ident`` of an object dropped
         unreleased.  Its buffers are released here, as an explicit release does (a
         view kept past its object is refused from then on, not read as another block's
-        bytes).  Queued only: no send, no lock, no log here."""
+        bytes; an array made over one, which takes the arena's memory rather than the
+        view, must not outlive the object, as after a release).  Queued only: no send,
+        no lock, no log here."""
         give_back = True
         for buf in buffers:
             try:
