@@ -61,6 +61,7 @@ from kvstore.identity import Identity
 from kvstore.keys import chain_keys
 from kvstore.client_chains import Chains as _Chains
 from kvstore.client_drops import GivingBack
+from kvstore.client_drops import let_go as _let_go
 from kvstore.tiers.arena_fds import (
     MEMFD_PREFIX,
     admit,
@@ -690,10 +691,9 @@ class ReservationCore(Generic[N]):
     def _finish(self) -> None:
         if self.done:
             raise KVStoreError(f"reservation {self.id} was already committed or aborted")
+        _let_go(self.buffers, f"reservation {self.id}")  # (first: refused, nothing changed)
         self.done = True
         self.ns.client._holding -= 1
-        for buf in self.buffers:
-            buf.release()
 
     def __del__(self) -> None:  # (only queued: any thread, any time; see client_drops)
         if self.reserved and not self.done:
@@ -754,10 +754,9 @@ class HeldCore(Generic[N]):
         the shells post it, without waiting for the reply."""
         if self.released or not self.acquired:
             return None
+        _let_go(self.buffers, f"pin {self.pin}")  # (first: refused, nothing changed)
         self.released = True
         self.ns.client._holding -= 1
-        for buf in self.buffers:
-            buf.release()
         return p.Release(self.ns.client._next_rid(), self.pin)
 
     def __del__(self) -> None:  # (only queued: any thread, any time; see client_drops)

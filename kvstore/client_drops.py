@@ -26,10 +26,30 @@ import logging
 from collections import deque
 
 from kvstore import protocol as p
+from kvstore.errors import BufferInUseError
 
 log = logging.getLogger("kvstore.client")
 
 _ABANDONED_MEMORY = 1 << 12  # requests given up on, remembered for their late replies
+
+
+def let_go(buffers: list[memoryview], what: str) -> None:
+    """Release the views of an object's slots as its release, commit or abort goes out;
+    refused (``BufferInUseError``) while any is exported, and then the object is as it
+    was: still holding, so the call may be made again once the export ends.  Before,
+    the object was marked released (or done) first, so the release or abort was never
+    sent, and the pin or slots stayed held for the session's life."""
+    exported = 0
+    for buf in buffers:
+        try:
+            buf.release()  # (a view released already: nothing)
+        except BufferError:
+            exported += 1
+    if exported:
+        raise BufferInUseError(
+            f"{what}: {exported} of its {len(buffers)} buffers are still exported (C "
+            f"code holds one, as an extension's reader does): let that go, then ask again; "
+            f"it stays held meanwhile")
 
 
 class Drops:

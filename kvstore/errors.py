@@ -127,6 +127,15 @@ class CorruptError(KVStoreError):
     code = "corrupt"
 
 
+class BufferInUseError(KVStoreError, BufferError):
+    """A release, commit or abort refused, nothing changed, while a view of one of the
+    object's slots is exported (C code holding it, as an extension's reader does): the
+    slot would be reused under the reader.  Let that go, then ask again.  (Client-side
+    only: the daemon never sends it.)"""
+
+    code = "buffer_in_use"
+
+
 class ConfigError(KVStoreError, ValueError):
     """The configuration is invalid; the message names the field."""
 

@@ -380,3 +380,48 @@ def test_drops_of_a_client_whose_daemon_is_gone_raise_nothing(
     assert any(DROPPED in r.getMessage() for r in caplog.records), caplog.text
     assert closed.drops.given_back == 2  # (sent to no one: the daemon took them with it)
     assert not unraisable
+
+
+def export_of(view: memoryview) -> Py_buffer:
+    """An export of ``view``, taken as C code reading it does (until PyBuffer_Release)."""
+    export = Py_buffer()
+    get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+    get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(Py_buffer), ctypes.c_int]
+    assert get_buffer(view, ctypes.byref(export), 0) == 0
+    return export
+
+
+@pytest.mark.parametrize("finish", ["release", "commit", "abort"])
+def test_a_release_commit_or_abort_refused_for_an_exported_buffer_changes_nothing(
+        daemon_factory: Any, finish: str) -> None:
+    """While C code reads a slot (an export of its view), its release, commit or abort
+    is refused (BufferInUseError) and the object is as it was: asked again once the
+    export ends, it goes through.  Before, the object was marked released (or done)
+    before its views were let go, so the BufferError came after: the release or abort
+    was never sent, a retry did nothing (or said "already committed or aborted"), and
+    the pin or slots stayed held for the client's life."""
+    from kvstore.errors import BufferInUseError
+
+    d = small_daemon(daemon_factory)
+    with Client(d.endpoint, tenant="acme", timeout=10) as c:
+        ns = c.namespace(BIG)
+        keys = chain(ns, 2)
+        if finish == "release":
+            ns.put(keys, [b"\x01" * BIG.block_bytes] * 2)
+            obj: Any = ns.acquire(keys)
+            call, held = obj.release, (2, 0)
+        else:
+            obj = ns.reserve(keys)
+            call, held = getattr(obj, finish), (0, 2)
+        export = export_of(obj.buffers[1])
+        try:
+            with pytest.raises(BufferInUseError, match="exported"):
+                call()
+            assert held_now(c.stats()) == held  # (still held, as it should be)
+        finally:
+            ctypes.pythonapi.PyBuffer_Release(ctypes.byref(export))
+        call()  # before: a no-op (release), or "already committed or aborted"
+        assert held_now(c.stats()) == (0, 0)  # before: held for the client's life
+        assert c.drops.given_back == 0
+        if finish == "commit":
+            assert ns.lookup(keys).blocks == 2
