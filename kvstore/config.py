@@ -24,49 +24,10 @@ from kvstore.arena_budget import budget_slab_bytes
 from kvstore.errors import ConfigError
 from kvstore.files import check_own_directory, check_socket_directory, read_regular_file
 from kvstore.scheduler.admission import SEEN_MOST
+from kvstore.sizes import format_size as format_size
+from kvstore.sizes import parse_size as parse_size
 
 log = logging.getLogger("kvstore.config")
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_SIZE_MOST = 1 << 60  # the largest size taken: far beyond any host, within a C long
-
-
-def parse_size(value: str | int, field: str = "size") -> int:
-    """``"256MiB"`` -> 268435456; plain integers are bytes."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{field}: expected a size such as '256MiB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{field}: a size cannot be negative")
-        size = value
-    else:
-        match = _SIZE.match(str(value))
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ConfigError(
-                f"{field}: {value!r} is not a size; use a number with an optional unit "
-                f"(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
-            )
-        size = int(float(match.group(1)) * _UNITS[unit])
-    if size > _SIZE_MOST:
-        # (larger ones crashed the daemon at start: a C long of ZeroMQ or mmap)
-        raise ConfigError(f"{field}: {value!r} is more than any host holds (at most "
-                          f"{format_size(_SIZE_MOST)})")
-    return size
-
-
-def format_size(value: int) -> str:
-    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if value >= factor and value % factor == 0:
-            return f"{value // factor}{unit}"
-    return f"{value}B"
-
 
 def runtime_dir() -> Path:
     """Where the socket lives: $XDG_RUNTIME_DIR/kvstore, else /tmp/kvstore-<uid>."""
@@ -168,7 +129,11 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # not: a hello flood's bound); 0: no limit
     max_sessions_per_tenant: int = 4096
     max_requests_per_second_per_tenant: float = 0.0
-    max_bytes_in_flight_per_tenant: str | int = 0
+    # over a tenant's sessions, and over the daemon: bytes in requests under way (a get's
+    # reply till sent, a deferred put) and big replies unread; a connection's bound
+    # alone let a tenant's 4096 sessions hold that much each (0: no limit)
+    max_bytes_in_flight_per_tenant: str | int = "2GiB"
+    max_bytes_in_flight_total: str | int = "4GiB"
     max_transfers_in_flight: int = 8
     # requests that finish later and prefetches under way in tasks (``under_way``), over
     # every session and tenant, and the keys they name (about 55 bytes a key): bounded
@@ -527,6 +492,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         parse_size(self.server.max_bytes_in_flight, "server.max_bytes_in_flight")
         parse_size(self.server.max_bytes_in_flight_per_tenant,
                    "server.max_bytes_in_flight_per_tenant")
+        parse_size(self.server.max_bytes_in_flight_total, "server.max_bytes_in_flight_total")
         tenant_rate = self.server.max_requests_per_second_per_tenant
         if tenant_rate != 0 and not tenant_rate >= 1:
             # its bucket holds one second's worth: below one request it never admits a

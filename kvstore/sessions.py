@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from kvstore.blocks import Pin
 from kvstore.config import ServerConfig
+from kvstore.sizes import parse_size
 from kvstore.errors import (
     ForbiddenError,
     KVStoreError,
@@ -35,6 +36,7 @@ from kvstore.errors import (
 from kvstore.grant_pins import GrantPins
 from kvstore.identity import Identity
 from kvstore.store import BlockStore, Namespace
+from kvstore.unread import UnreadBytes
 
 _NO_SESSION = (f"{NoSessionError.PREFIX} for this connection: the first request must be "
                "hello (a daemon that restarted has none of the connections before it)")
@@ -164,6 +166,7 @@ class Sessions:
         self.clock = clock
         self.max_bytes_in_flight = max_bytes_in_flight
         self.max_tenant_bytes_in_flight = max_tenant_bytes_in_flight
+        self.bytes_in_flight = 0  # over every session (``hold_bytes``)
         self.by_connection: dict[bytes, Session] = {}  # routing id -> session
         self.by_id: dict[str, Session] = {}
         self.tenants: dict[str, Tenant] = {}
@@ -177,8 +180,8 @@ class Sessions:
         # pins of get replies not yet sent in other tenants' namespaces, by id: counted
         # to the asking tenant (they outlive its session's lease, till zmq sends them)
         self.get_pins: dict[int, tuple[str, Pin]] = {}
-        # connection -> bytes of its big replies unsent (``RepliesInFlight.unread``)
-        self.unread: dict[bytes, int] = {}
+        # bytes of big replies unsent, by connection, tenant and in all (``RepliesInFlight``)
+        self.unread = UnreadBytes(self._tenant_of)
         self.asking = b""  # the connection of the request being handled (``get``)
         self.configure(settings, grantee_pin_share, grantee_pin_total)
 
@@ -196,6 +199,8 @@ class Sessions:
         self.max_pins_per_tenant = s.max_pins_per_tenant
         self.max_namespaces_per_session = s.max_namespaces_per_session
         self.max_namespaces_per_tenant = s.max_namespaces_per_tenant
+        self.max_total_bytes_in_flight = parse_size(s.max_bytes_in_flight_total,
+                                                    "server.max_bytes_in_flight_total")
         # each session a hello opens holds about 1.6 KB till its lease ends, whether its
         # connection stays or not (0: no limit)
         self.max_sessions_per_tenant = s.max_sessions_per_tenant
@@ -361,10 +366,13 @@ class Sessions:
     def admit(self, session: Session, connection: bytes = b"") -> None:
         """Request rates, per session and per tenant, as token buckets (a burst of one
         second's worth each), and the connection's big replies unread (within
-        ``max_bytes_in_flight``).  Each request also does a bounded part of the grantee
+        ``max_bytes_in_flight``), the tenant's and the daemon's too while it has some
+        unread (``check_totals``).  Each request also does a bounded part of the grantee
         pins' queued discharges (``GrantPins.drain``): exact counts soon after."""
         if self.unread:
-            _check_unread(self.unread.get(connection, 0), self.max_bytes_in_flight)
+            _check_unread(self.unread.by_peer.get(connection, 0), self.max_bytes_in_flight)
+            if session.tenant in self.unread.by_tenant:
+                check_totals(self, session.tenant)
         self.grant_pins.drain()
         now = self.clock()
         rate = self.max_requests_per_second
@@ -514,14 +522,14 @@ class Sessions:
             raise LimitExceededError(
                 f"the session has {session.bytes_in_flight} bytes in requests still under "
                 f"way (limit {limit}); wait for their replies")
-        tenant = self._tenant(session.tenant)
-        limit = self.max_tenant_bytes_in_flight
-        if limit and tenant.bytes_in_flight >= limit:
-            raise LimitExceededError(
-                f"tenant {session.tenant!r} has {tenant.bytes_in_flight} bytes in requests "
-                f"still under way (limit {limit})")
+        tenant = check_totals(self, session.tenant)
         session.bytes_in_flight += held
         tenant.bytes_in_flight += held
+        self.bytes_in_flight += held
+
+    def _tenant_of(self, connection: bytes) -> str | None:
+        session = self.by_connection.get(connection)
+        return None if session is None else session.tenant
 
     def release_bytes(self, session: Session, held: int) -> None:
         """The request that held ``held`` bytes has its reply."""
@@ -530,29 +538,59 @@ class Sessions:
         session.bytes_in_flight -= held
         tenant = self._tenant(session.tenant)
         tenant.bytes_in_flight -= held
+        self.bytes_in_flight -= held
         self.idle.note(tenant)  # (a reply that outlived its session's lease)
 
     def check_invariants(self) -> None:
         """Each session's counts match its holdings in the store, and each tenant's sums
         match its sessions' counts (AssertionError if not)."""
-        sums: dict[str, list[int]] = {}
-        for session in self.by_id.values():
-            state = self.store.owners.get(session.id)
-            held = (0, 0) if state is None else (len(state.reservations), len(state.pins))
-            assert (session.reservations, session.pins) == held, (
-                f"{session} counted {session.reservations} reservations and {session.pins} "
-                f"pins; it holds {held[0]} and {held[1]}")
-            total = sums.setdefault(session.tenant, [0, 0, 0])
-            total[0] += 1
-            total[1] += session.reservations
-            total[2] += session.pins
-        for name, tenant in self.tenants.items():
-            expected = sums.get(name, [0, 0, 0])
-            assert [tenant.sessions, tenant.reservations, tenant.pins] == expected, (
-                f"{tenant} does not sum its sessions: {expected}")
-            assert all(self.by_id.get(i) is s for i, s in tenant.members.items()), tenant
-        check_grant_pins(self)
-        check_namespace_users(self)
+        check_sessions(self)
+
+
+def check_totals(sessions: Sessions, name: str) -> Tenant:
+    """Tenant ``name``'s bytes in requests under way and in big replies unsent, over
+    all its sessions, and the daemon's, each below its bound (0: none), or
+    LimitExceededError: a tenant's many sessions (4096), or many tenants, that never
+    read held a connection's bound each.  The tenant."""
+    tenant = sessions._tenant(name)
+    limit = sessions.max_tenant_bytes_in_flight
+    held = tenant.bytes_in_flight + sessions.unread.by_tenant.get(name, 0)
+    if limit and held >= limit:
+        raise LimitExceededError(
+            f"tenant {name!r} has {held} bytes in replies not yet read and requests "
+            f"still under way over its sessions (limit {limit}, "
+            f"max_bytes_in_flight_per_tenant); read the replies first")
+    limit = sessions.max_total_bytes_in_flight
+    held = sessions.bytes_in_flight + sessions.unread.total
+    if limit and held >= limit:
+        raise LimitExceededError(
+            f"the daemon holds {held} bytes in replies not yet read and requests still "
+            f"under way (limit {limit}, max_bytes_in_flight_total); read the replies first")
+    return tenant
+
+
+def check_sessions(sessions: Sessions) -> None:
+    """``Sessions.check_invariants``."""
+    sums: dict[str, list[int]] = {}
+    for session in sessions.by_id.values():
+        state = sessions.store.owners.get(session.id)
+        held = (0, 0) if state is None else (len(state.reservations), len(state.pins))
+        assert (session.reservations, session.pins) == held, (
+            f"{session} counted {session.reservations} reservations and {session.pins} "
+            f"pins; it holds {held[0]} and {held[1]}")
+        total = sums.setdefault(session.tenant, [0, 0, 0])
+        total[0] += 1
+        total[1] += session.reservations
+        total[2] += session.pins
+    for name, tenant in sessions.tenants.items():
+        expected = sums.get(name, [0, 0, 0])
+        assert [tenant.sessions, tenant.reservations, tenant.pins] == expected, (
+            f"{tenant} does not sum its sessions: {expected}")
+        assert all(sessions.by_id.get(i) is s for i, s in tenant.members.items()), tenant
+    assert sessions.bytes_in_flight == sum(t.bytes_in_flight for t in sessions.tenants.values())
+    sessions.unread.check()
+    check_grant_pins(sessions)
+    check_namespace_users(sessions)
 
 
 def check_grant_pins(sessions: Sessions) -> None:

@@ -31,6 +31,7 @@ from kvstore.auth import Auth, address_uid
 from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError, UnavailableError
 from kvstore.files import check_socket_directory
+from kvstore.unread import UnreadBytes
 
 log = logging.getLogger("kvstore.server")
 
@@ -125,8 +126,9 @@ class RepliesInFlight:
         self.by_peer: dict[bytes, deque[_Sending]] = {}
         self.ready: list[int] = []  # pins of replies done as they were added
         self.count = 0
-        # peer -> bytes of its big replies zmq still holds (shared with ``Sessions``)
-        self.unread: dict[bytes, int] = {}
+        # bytes of big replies zmq still holds, by peer (shared with ``Sessions``)
+        self.unread_bytes = UnreadBytes()
+        self.unread = self.unread_bytes.by_peer
 
     def __len__(self) -> int:
         return self.count
@@ -146,7 +148,7 @@ class RepliesInFlight:
             queue = self.by_peer[peer] = deque()
         queue.append((tracker, pin, size, on_sent))
         if size:
-            self.unread[peer] = self.unread.get(peer, 0) + size
+            self.unread_bytes.add(peer, size)
 
     def reap(self, release: Callable[[int], None], peer: bytes | None = None) -> int:
         """``release`` the pin of each reply sent (to ``peer`` only, if given, and those
@@ -168,11 +170,7 @@ class RepliesInFlight:
                     release(pin)
                     pins += 1
                 if size:
-                    left = self.unread[each] - size
-                    if left:
-                        self.unread[each] = left
-                    else:
-                        del self.unread[each]
+                    self.unread_bytes.sent(each, size)
             if queue is not None and not queue:
                 del self.by_peer[each]
         self.count -= freed
@@ -195,7 +193,7 @@ class Transport:
 
     def __init__(self, config: Config, auth: Auth, on_message: OnMessage,
                  release_pin: Callable[[int], None], on_sent: Callable[[], None],
-                 unread: dict[bytes, int] | None = None) -> None:
+                 unread: UnreadBytes | None = None) -> None:
         self.config = config
         self.auth = auth
         self.on_message = on_message
@@ -216,7 +214,8 @@ class Transport:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_flight = RepliesInFlight()
         if unread is not None:
-            self._in_flight.unread = unread
+            self._in_flight.unread_bytes = unread
+            self._in_flight.unread = unread.by_peer
         self.unread = self._in_flight.unread
         self._reap_timer = False
         self.group = socket_gid(config.server.socket_group)
