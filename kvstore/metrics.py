@@ -87,6 +87,9 @@ _POOL_GAUGES = (
     ("blocks", "kvstore_pool_blocks", "Blocks cached."),
     ("pinned_blocks", "kvstore_pool_pinned_blocks",
      "Unique blocks referenced by at least one pin, reservation parent or held key."),
+    ("healthy", "kvstore_tier_healthy",
+     "1 while the tier is in use; 0 once it was turned off for good (the SSD tier's "
+     "directory removed or replaced under the daemon: off until a restart)."),
     ("empty_slabs", "kvstore_pool_empty_slabs", "Slabs not assigned to any slot size."),
     ("budget_slabs", "kvstore_pool_budget_slabs",
      "Slabs the per-tenant arenas may hold together (dram.capacity over the slab size)."),

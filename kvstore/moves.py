@@ -399,6 +399,8 @@ class Moves:
         and the remote store's generation checks."""
         if self.remote is not None:
             self.remote.watch.start()
+        if self.ssd is not None:
+            self.ssd.watch.start()  # (its directory removed under the daemon: off)
         self._ssd_written()
 
     def _ssd_written(self) -> None:

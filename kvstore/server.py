@@ -527,6 +527,8 @@ def server_stats(server: Server) -> dict[str, Any]:
         out["tiers"]["dram"]["allocated"] = sum(server.arenas.allocated_bytes().values())
     if server.ssd is not None:
         out["ssd_io"] = server.ssd.stats()
+        if "ssd" in out["tiers"]:  # 0 once its directory was removed under the daemon
+            out["tiers"]["ssd"]["healthy"] = int(server.ssd.lost is None)
         # each tenant's SSD copies, as its share of the tier counts them
         out["ssd_tenant_bytes"] = ssd_tenant_bytes(server.store)
     if server.gpu is not None:
@@ -617,6 +619,9 @@ async def drain_server(server: Server, bound: float) -> None:
             and not server.store.allow_demote:
         log.info("blocks only dram holds were not written to ssd on the way out: "
                  "dram.pressure has no demote")
+    elif server.ssd is not None and server.ssd.lost is not None:
+        log.info("blocks only dram holds were not written to ssd on the way out: its "
+                 "directory is gone (%s)", server.ssd.lost)
     elif server.ssd is not None:
         # write-back keeps on SSD only what DRAM evicted, write-through what the tier
         # took and kept (admitted, not evicted since): what DRAM alone holds goes there

@@ -405,14 +405,7 @@ class SsdCopies:
         another read holds it), and if that was the block's last copy, what hangs below
         it goes too unless in use; the SSD copies dropped are added to ``removed``."""
         self.store.counters.checksum_failures += 1
-        if b.ssd_offset is not None and b.ssd_holds == 0:
-            removed.append(self.store.drop_ssd_copy(b))
-        if not b.present and b.ns.blocks.get(b.key) is b:
-            # a hole in the chain: what hangs below it can no longer be found
-            self.store.drop_subtree(b.ns, [b], removed)
-        self.store.forget_if_gone(b)
-        if b.ns.blocks.get(b.key) is b and not b.present:
-            self.store.hollow.add(b)  # something below is in use: drop it when released
+        _lose_copy(self.store, b, removed)
 
     def restore_many(self, ns: Namespace, found: Sequence[Found]) -> list[bool]:
         """Take back the blocks found on SSD at start-up (the SSD index's records), parents
@@ -437,6 +430,33 @@ class SsdCopies:
 
 
 _ABSENT = b"absent"  # a parent key no block has (keys are 16 bytes)
+
+
+def _lose_copy(store: StoreCore, b: Block, removed: list[tuple[bytes, bytes]]) -> None:
+    """The block's SSD copy is lost (unless a read holds it, then it stays): if that was
+    its last copy, what hangs below it goes too unless in use; the SSD copies dropped are
+    added to ``removed``."""
+    if b.ssd_offset is not None and b.ssd_holds == 0:
+        removed.append(store.drop_ssd_copy(b))
+    if not b.present and b.ns.blocks.get(b.key) is b:
+        # a hole in the chain: what hangs below it can no longer be found
+        store.drop_subtree(b.ns, [b], removed)
+    store.forget_if_gone(b)
+    if b.ns.blocks.get(b.key) is b and not b.present:
+        store.hollow.add(b)  # something below is in use: drop it when released
+
+
+def lose_all(store: StoreCore) -> tuple[int, int]:
+    """The SSD tier's files are gone: every SSD copy goes, and what hangs below a block
+    left with no copy (``_lose_copy``); (copies dropped, copies held by reads under way,
+    left for a later call).  O(blocks cached): once, when the tier is lost."""
+    removed: list[tuple[bytes, bytes]] = []
+    on_ssd = [b for ns in list(store.namespaces.values()) for b in ns.blocks.values()
+              if b.ssd_offset is not None]
+    for b in on_ssd:  # (a subtree dropped on the way takes later ones' copies with it)
+        if b.ssd_offset is not None:
+            _lose_copy(store, b, removed)
+    return len(removed), sum(b.ssd_offset is not None for b in on_ssd)
 
 
 def _end_write(store: StoreCore, room: RoomMaker, t: Transfer,

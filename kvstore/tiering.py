@@ -13,18 +13,21 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from kvstore.config import Config
-from kvstore.errors import CapacityError, KVStoreError
+from kvstore.errors import BackendError, CapacityError, KVStoreError
 from kvstore.heap import paused
 from kvstore.identity import Identity
 from kvstore.scheduler.queues import TransferKind
+from kvstore.ssd_copies import lose_all
+from kvstore.ssd_watch import SsdDirectoryWatch
 from kvstore.store import Block, BlockStore, Namespace, Transfer
-from kvstore.tiers.ssd import BlockRecord, SSDStore
+from kvstore.tiers.ssd import BlockRecord, SSDStore, directory_missing
 from kvstore.transfers import Background, TransferGate
 
 log = logging.getLogger("kvstore.tiering")
@@ -61,6 +64,8 @@ class SsdMover:
         self.read_bytes = 0
         self.read_seconds = 0.0
         self.metrics: Any = None  # the daemon's Metrics, for transfer bytes and latency
+        self.lost: str | None = None  # what happened to the directory, once it is gone
+        self.watch = SsdDirectoryWatch(partial(directory_missing, self.engine), self.lose)
 
     # -- start-up --------------------------------------------------------------------------
     def restore(self) -> int:
@@ -135,6 +140,8 @@ class SsdMover:
 
     def remember_namespace(self, identity: Identity) -> None:
         """Write a namespace's record now (the blocks' writes carry it otherwise)."""
+        if self.lost is not None:
+            return
         self._forgotten.discard(identity.namespace_id)  # (its delete, if queued, is void)
         self.engine.put_namespace(identity.namespace_id, msgspec.msgpack.encode(identity))
         self._recorded.add(identity.namespace_id)
@@ -183,6 +190,8 @@ class SsdMover:
         CapacityError if the SSD tier could not take them (the store knows; ``evict``:
         whether cold SSD copies may make room)."""
         try:
+            if self.lost is not None:
+                raise CapacityError("the ssd tier is off: its directory is gone")
             t, removed = self.store.ssd_copies.reserve(blocks, evict)
         except CapacityError:
             self.store.ssd_copies.abort_demotion(blocks)
@@ -210,6 +219,8 @@ class SsdMover:
                                      for ns_id, identity in fresh.items()})
                 self._recorded.update(fresh)
                 self._forgotten.difference_update(fresh)  # (a delete still queued: void)
+            if self.lost is not None:  # (written to files no longer there)
+                raise BackendError("its directory is gone")
             if self.metrics is not None:
                 self.metrics.observe_transfer("demote", "ssd", nbytes,
                                               time.perf_counter() - started)
@@ -233,7 +244,31 @@ class SsdMover:
         asyncio.get_running_loop().call_later(_WRITE_COOLDOWN, self._resume_writes)
 
     def _resume_writes(self) -> None:
-        self.store.ssd_writable = True
+        self.store.ssd_writable = self.lost is None
+
+    def lose(self, what: str) -> None:
+        """The tier's directory was removed or replaced under the daemon (``ssd_watch``):
+        the tier is off until a restart, as a failed disk's writes pause, for good; its
+        copies go from the store (a restart finds none), their records are not withdrawn
+        (the files are no longer the tier's), and DRAM and the remote tier serve on."""
+        if self.lost is not None:
+            return
+        self.lost = what
+        self.store.ssd_writable = False
+        self._pending_removals.clear()
+        self._recorded.clear()  # (nothing of them to forget there either)
+        dropped, held = lose_all(self.store)
+        log.error("ssd tier directory %s: %s under the running daemon; the ssd tier is off "
+                  "until the daemon restarts: %d ssd copies dropped (and what only hung "
+                  "from them), dram and the remote tier serve on", self.engine.path, what,
+                  dropped + held)
+        if held:
+            self._sweep_lost()
+
+    def _sweep_lost(self) -> None:
+        """Copies reads held when the tier was lost: dropped once the reads end."""
+        if lose_all(self.store)[1]:
+            asyncio.get_running_loop().call_later(0.1, self._sweep_lost)
 
     async def wait_reads(self, blocks: list[Block]) -> None:
         """Wait for the promotions under way of these blocks (other requests' reads)."""
@@ -296,7 +331,7 @@ class SsdMover:
     # -- the SSD index -------------------------------------------------------------------
     def removed(self, ids: list[tuple[bytes, bytes]]) -> None:
         """SSD copies the store dropped: withdraw them from the index soon."""
-        if ids:
+        if ids and self.lost is None:
             self._pending_removals.extend(ids)
             self._background.spawn(self._flush_pending())
 
@@ -337,23 +372,30 @@ class SsdMover:
 
     def touch(self, blocks: Iterable[Block]) -> None:
         ids = [(b.ns.id, b.key) for b in blocks if b.ssd_offset is not None]
-        if ids:
+        if ids and self.lost is None:
             self.engine.touch(ids, time.time())
 
     async def drain(self) -> None:
         """Finish queued writes and removals, then make everything durable."""
         await self._background.drain()
+        if self.lost is not None:  # (the files are no longer the tier's)
+            return
         await self._flush_removals([])
         if self._forgotten and not self._forgetting:
             await self._flush_forgotten()
         await self.engine.sync()
 
     def close(self) -> None:
+        self.watch.close()
         self.engine.close()
 
-    def stats(self) -> dict[str, int | float]:
-        out = dict(self.engine.stats())
+    def stats(self) -> dict[str, int | float | str]:
+        out: dict[str, int | float | str] = dict(self.engine.stats())
         out["errors"] = self.errors
+        out["healthy"] = int(self.lost is None)
+        if self.lost is not None:  # (its records went with the directory)
+            out["records"] = 0
+            out["lost"] = self.lost
         return out
 
 

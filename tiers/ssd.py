@@ -55,7 +55,7 @@ from .ssd_rows import RowsPlan
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
 
-__all__ = ["BlockId", "BlockRecord", "SSDStore", "SyncPolicy"]
+__all__ = ["BlockId", "BlockRecord", "SSDStore", "SyncPolicy", "directory_missing"]
 
 BlockId = tuple[bytes, bytes]
 """(namespace id, block key), 16 bytes each."""
@@ -551,3 +551,9 @@ class SSDStore:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def directory_missing(store: SSDStore) -> str | None:
+    """What of ``store``'s directory is no longer at its path (``SSDDirectory.missing``),
+    or None; blocks (a few stats).  BackendError once the store is closed."""
+    return store._open_directory().missing()

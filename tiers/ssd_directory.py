@@ -44,6 +44,16 @@ _MISPLACED = frozenset({errno.EISDIR, errno.ENOTDIR, errno.ENXIO, errno.ENODEV,
                         errno.ESPIPE, errno.EINVAL})
 
 
+# what ``missing`` checks, the directory first: (as a log line names it, path inside it)
+_WATCHED = (("the directory", "."), ("its lock file", LOCK_FILE),
+            ("its data file", DATA_FILE), ("its index", f"{INDEX_DIR}/data.mdb"))
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
 class SSDDirectory:
     """The lock, data file and index of one SSD tier directory, open together."""
 
@@ -69,6 +79,7 @@ class SSDDirectory:
         self._lock_fd = -1
         self._index: SSDIndex | None = None
         self._data: DataFile | None = None
+        self._opened: dict[str, tuple[int, int]] = {}
         try:
             self._prepare_directory()
             self._check_free_space()
@@ -77,6 +88,7 @@ class SSDDirectory:
                 self.path / DATA_FILE, self.layout, direct_io=direct_io, preallocate=preallocate
             )
             self._index.write_layout()
+            self._opened = self._identities()
         except OSError as exc:  # a directory or a device where a file should be, say
             self.release()
             misplaced = exc.errno in _MISPLACED  # (not an I/O error, a permission, ...)
@@ -152,6 +164,29 @@ class SSDDirectory:
     def direct_io(self) -> bool:
         """Whether the data file bypasses the page cache for aligned blocks."""
         return self._data is not None and self._data.direct_io
+
+    # still there
+
+    def _identities(self) -> dict[str, tuple[int, int]]:
+        """(st_dev, st_ino) of the directory and of each file the tier keeps in it, by
+        what each is called in a log line."""
+        return {what: _identity(self.path / name) for what, name in _WATCHED}
+
+    def missing(self) -> str | None:
+        """What of the opened directory is no longer at its path (removed, or replaced by
+        another directory or file), or None while all is: a stat of each, cheap enough
+        for a timer.  Writes there would go to files nobody can find, and a restart
+        would find none of the blocks."""
+        for what, name in _WATCHED:
+            try:
+                now = _identity(self.path / name)
+            except FileNotFoundError:
+                return f"{what} was removed"
+            except OSError as exc:  # (a directory made a file: ENOTDIR)
+                return f"{what} cannot be found: {exc.strerror}"
+            if now != self._opened.get(what):
+                return f"{what} was replaced by another"
+        return None
 
     # warm restart
 

@@ -18,6 +18,7 @@ from kvstore.stopping import StopDeadline
 
 class Ssd:
     write_through = False
+    lost = None  # (its directory still there)
 
     def __init__(self) -> None:
         self.synced = False
