@@ -313,6 +313,11 @@ def _cmd_config(args: argparse.Namespace) -> int:
     config = load_config(args.file)
     if args.action == "check":
         print(f"{args.file or 'defaults'}: ok")
+        if args.file:
+            from kvstore.config_paths import resolved_paths
+
+            for line in resolved_paths(args.file):
+                print(f"  {line}")
     else:
         print(config_to_toml(config), end="")
     return 0

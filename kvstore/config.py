@@ -22,6 +22,7 @@ import msgspec
 
 from kvstore.arena_budget import budget_slab_bytes
 from kvstore.errors import ConfigError
+from kvstore.config_paths import resolve_relative
 from kvstore.files import check_own_directory, check_socket_directory, read_regular_file
 from kvstore.scheduler.admission import SEEN_MOST
 from kvstore.sizes import format_size as format_size
@@ -707,6 +708,7 @@ def load_config(
         except RecursionError:  # (arrays nested thousands deep: a traceback, on a SIGHUP)
             raise ConfigError(f"config file {str(path)!r} nests its values too deeply "
                               "to be a configuration") from None
+        resolve_relative(data, path)  # (against its directory; not the env's, flags')
     try:
         data = _merge(data, _env_overrides(os.environ if env is None else env))
         if overrides:

@@ -5,12 +5,16 @@ config file (``systemd`` starts the daemon in ``/``)."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-from daemon_proc import DaemonProcess, error_records
+from daemon_proc import DaemonProcess, error_records, free_port
 from kvtest import make_identity
 
 from kvstore import Client
@@ -133,3 +137,111 @@ def test_ssd_directory_replaced_under_the_daemon_is_left_to_the_new_owner(
         if other is not None:
             other.stop()
 
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _serve_in(cwd: Path, config: Path, *flags: str) -> tuple[Any, list[str]]:
+    """``kvstore serve --config CONFIG`` run in ``cwd`` (systemd runs it in ``/``), until
+    it serves or ends; the process and its output lines."""
+    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_ENDPOINT"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "serve", "--config", str(config),
+         "--dram-capacity", "64MiB", "--log-level", "info", *flags],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    out: list[str] = []
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 30
+    for raw in proc.stdout:
+        out.append(raw.decode(errors="replace"))
+        if "serving on" in out[-1] or time.monotonic() > deadline:
+            break
+    return proc, out
+
+
+def _end(proc: Any) -> None:
+    proc.terminate()
+    proc.communicate(timeout=20)  # (its output read to the end, the pipe closed)
+
+
+def test_relative_paths_in_a_config_file_follow_the_file_not_the_working_directory(
+        tmp_path: Path) -> None:
+    """A config file beside its token file and SSD directory, named relatively, read by a
+    daemon started elsewhere (systemd: in ``/``): before, each was looked for in the
+    working directory (the token not found, the daemon refused to start; the SSD tier
+    made in ``/rel/ssd`` or wherever it ran); now they are the file's neighbours, and
+    ``config show`` prints them absolute, ``config check`` says what it resolved."""
+    etc, elsewhere = tmp_path / "etc", tmp_path / "cwd"
+    etc.mkdir()
+    elsewhere.mkdir()
+    token = "t" * 32
+    (etc / "metrics.token").write_text(token + "\n")
+    port = free_port()
+    config = etc / "kvstore.toml"
+    config.write_text(
+        f'[server]\nendpoint = "ipc://kvstore.sock"\nmetrics_port = {port}\n'
+        'metrics_token_file = "metrics.token"\n'
+        '[ssd]\npath = "rel/ssd"\ncapacity = "8MiB"\nslab_size = "1MiB"\n')
+    proc, out = _serve_in(elsewhere, config)
+    try:
+        assert proc.poll() is None, "".join(out)  # (before: metrics.token not found)
+        assert (etc / "rel" / "ssd" / "blocks.dat").exists(), "".join(out)
+        assert not (elsewhere / "rel").exists()
+        assert (etc / "kvstore.sock").exists(), "".join(out)
+        with Client(f"ipc://{etc / 'kvstore.sock'}", tenant=IDENT.tenant) as c:
+            assert c.stats()["tiers"]["ssd"]["capacity"] == 8 << 20
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                         headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            assert reply.status == 200
+    finally:
+        _end(proc)
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvstore", "config", "show", str(config)], cwd=elsewhere,
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert f'path = "{etc / "rel" / "ssd"}"' in shown.stdout, shown.stdout + shown.stderr
+    assert f'metrics_token_file = "{etc / "metrics.token"}"' in shown.stdout
+    checked = subprocess.run(
+        [sys.executable, "-m", "kvstore", "config", "check", str(config)], cwd=elsewhere,
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert checked.returncode == 0, checked.stderr
+    assert f"ssd.path: 'rel/ssd' -> '{etc / 'rel' / 'ssd'}'" in checked.stdout, checked.stdout
+
+
+def test_relative_paths_given_as_flags_stay_relative_to_the_working_directory(
+        tmp_path: Path) -> None:
+    """A flag typed in a shell means what the shell's directory says: ``--ssd-path``
+    relative to where the daemon runs, even with a config file elsewhere."""
+    etc, elsewhere = tmp_path / "etc", tmp_path / "cwd"
+    etc.mkdir()
+    elsewhere.mkdir()
+    config = etc / "kvstore.toml"
+    config.write_text('[ssd]\npath = "rel/ssd"\nslab_size = "1MiB"\n')
+    proc, out = _serve_in(elsewhere, config, "--ssd-path", "flag/ssd", "--ssd-capacity",
+                          "8MiB", "--endpoint", f"ipc://{tmp_path / 'k.sock'}")
+    try:
+        assert proc.poll() is None, "".join(out)
+        assert (elsewhere / "flag" / "ssd" / "blocks.dat").exists(), "".join(out)
+        assert not (etc / "rel").exists()
+    finally:
+        _end(proc)
+
+
+def test_which_config_paths_are_resolved(tmp_path: Path) -> None:
+    """ipc paths (one or a list) resolved, an abstract or wildcard one, tcp, ``~`` and an
+    absolute path left; environment overrides stay as typed."""
+    from kvstore.config import load_config
+
+    config = tmp_path / "kvstore.toml"
+    config.write_text(
+        '[server]\nendpoint = "ipc://@kv"\n'
+        'extra_endpoints = ["ipc://run/k.sock", "tcp://127.0.0.1:5555", "ipc://*"]\n'
+        '[ssd]\npath = "~/ssd"\n[remote]\ntag_secret_file = "../tag"\n')
+    c = load_config(config, env={"KVSTORE_AUTH_SECRET_FILE": "env/secret"})
+    assert c.server.endpoint == "ipc://@kv"
+    assert c.server.extra_endpoints == [f"ipc://{tmp_path}/run/k.sock",
+                                        "tcp://127.0.0.1:5555", "ipc://*"]
+    assert c.ssd.path == "~/ssd"
+    assert c.remote.tag_secret_file == str(tmp_path.parent / "tag")
+    assert c.auth.secret_file == "env/secret"
