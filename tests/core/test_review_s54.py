@@ -34,6 +34,7 @@ class Remote:
 
 class Ssd:
     write_through = False
+    lost = None  # (the directory still there)
 
     def __init__(self) -> None:
         self.synced = False
