@@ -549,7 +549,8 @@ class Sessions:
 
 def check_totals(sessions: Sessions, name: str) -> Tenant:
     """Tenant ``name``'s bytes in requests under way and in big replies unsent, over
-    all its sessions, and the daemon's, each below its bound (0: none), or
+    all its sessions, below its bound, and, where it leaves replies unread, the
+    daemon's below its bound or its own below its share of it (0: no bound), or
     LimitExceededError: a tenant's many sessions (4096), or many tenants, that never
     read held a connection's bound each.  The tenant."""
     tenant = sessions._tenant(name)
@@ -560,12 +561,19 @@ def check_totals(sessions: Sessions, name: str) -> Tenant:
             f"tenant {name!r} has {held} bytes in replies not yet read and requests "
             f"still under way over its sessions (limit {limit}, "
             f"max_bytes_in_flight_per_tenant); read the replies first")
+    # The daemon's bound refuses only the tenants that leave replies unread, each at its
+    # share of the bound among them: counted for every tenant, two tenants that never
+    # read (each within its own bound) got every other tenant's gets refused, told to
+    # read replies it did not have
     limit = sessions.max_total_bytes_in_flight
-    held = sessions.bytes_in_flight + sessions.unread.total
-    if limit and held >= limit:
-        raise LimitExceededError(
-            f"the daemon holds {held} bytes in replies not yet read and requests still "
-            f"under way (limit {limit}, max_bytes_in_flight_total); read the replies first")
+    unread = sessions.unread.by_tenant
+    if limit and name in unread:
+        total = sessions.bytes_in_flight + sessions.unread.total
+        if total >= limit and held >= limit // len(unread):
+            raise LimitExceededError(
+                f"the daemon holds {total} bytes in replies not yet read and requests "
+                f"still under way (limit {limit}, max_bytes_in_flight_total), tenant "
+                f"{name!r} {held} of them; read the replies first")
     return tenant
 
 
