@@ -182,8 +182,11 @@ class SSDDirectory:
                 now = _identity(self.path / name)
             except FileNotFoundError:
                 return f"{what} was removed"
-            except OSError as exc:  # (a directory made a file: ENOTDIR)
+            except NotADirectoryError as exc:  # (the directory made a file)
                 return f"{what} cannot be found: {exc.strerror}"
+            # any other error (EIO, ESTALE, EACCES, ENOMEM: perhaps for a moment) is the
+            # caller's, which looks again later: taken as the directory gone, one failed
+            # stat turned the tier off and dropped every copy of intact files
             if now != self._opened.get(what):
                 return f"{what} was replaced by another"
         return None
