@@ -35,10 +35,14 @@ _ABANDONED_MEMORY = 1 << 12  # requests given up on, remembered for their late r
 
 def let_go(buffers: list[memoryview], what: str) -> None:
     """Release the views of an object's slots as its release, commit or abort goes out;
-    refused (``BufferInUseError``) while any is exported, and then the object is as it
-    was: still holding, so the call may be made again once the export ends.  Before,
-    the object was marked released (or done) first, so the release or abort was never
-    sent, and the pin or slots stayed held for the session's life."""
+    refused (``BufferInUseError``) while any is exported (a buffer taken of it by C
+    code, as ``PyObject_GetBuffer`` takes one), and then the object still holds its pin
+    or slots, so the call may be made again once the export ends; its views that were
+    not exported are let go all the same.  Before, the object was marked released (or
+    done) first, so the release or abort was never sent, and the pin or slots stayed
+    held for the session's life.  (An array made over a view, as numpy's and torch's
+    ``frombuffer`` make one, takes no export of it: nothing tells it apart, and it must
+    not outlive the release.)"""
     exported = 0
     for buf in buffers:
         try:
@@ -48,8 +52,8 @@ def let_go(buffers: list[memoryview], what: str) -> None:
     if exported:
         raise BufferInUseError(
             f"{what}: {exported} of its {len(buffers)} buffers are still exported (C "
-            f"code holds one, as an extension's reader does): let that go, then ask again; "
-            f"it stays held meanwhile")
+            f"code holds a buffer of it): let that go, then ask again; it stays held "
+            f"meanwhile, its other views let go")
 
 
 class Drops:

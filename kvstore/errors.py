@@ -128,10 +128,10 @@ class CorruptError(KVStoreError):
 
 
 class BufferInUseError(KVStoreError, BufferError):
-    """A release, commit or abort refused, nothing changed, while a view of one of the
-    object's slots is exported (C code holding it, as an extension's reader does): the
-    slot would be reused under the reader.  Let that go, then ask again.  (Client-side
-    only: the daemon never sends it.)"""
+    """A release, commit or abort refused while a view of one of the object's slots is
+    exported (C code holding a buffer of it): the slot would be reused under the reader.
+    The pin or slots stay held (its other views are let go): let the export go, then
+    ask again.  (Client-side only: the daemon never sends it.)"""
 
     code = "buffer_in_use"
 

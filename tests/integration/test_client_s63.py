@@ -395,8 +395,8 @@ def export_of(view: memoryview) -> Py_buffer:
 def test_a_release_commit_or_abort_refused_for_an_exported_buffer_changes_nothing(
         daemon_factory: Any, finish: str) -> None:
     """While C code reads a slot (an export of its view), its release, commit or abort
-    is refused (BufferInUseError) and the object is as it was: asked again once the
-    export ends, it goes through.  Before, the object was marked released (or done)
+    is refused (BufferInUseError) and the pin or slots stay held (its other views are
+    let go): asked again once the export ends, it goes through.  Before, the object was marked released (or done)
     before its views were let go, so the BufferError came after: the release or abort
     was never sent, a retry did nothing (or said "already committed or aborted"), and
     the pin or slots stayed held for the client's life."""
