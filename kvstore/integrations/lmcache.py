@@ -319,7 +319,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._pins_by_key: dict[ObjectKey, list[Held]] = defaultdict(list)
         self._pin_keys_left: dict[Held, int] = {}
         # Store-thread state: per model, salt and object group, the layout and size of
-        # its objects (``delete``, given keys alone, finds them by it)
+        # its objects (``delete``, given keys alone, finds them by it): ``_note_stored``
         self._stored_as: dict[tuple[str, str, int], tuple[str | None, int]] = {}
         self._pinged_at = time.monotonic()
         # Per thread (by name), the error of its last task if that raised or met a
@@ -385,11 +385,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._submit("unlock", keys)
 
     def delete(self, keys: list[ObjectKey]) -> None:
-        """Remove objects (LMCache's L2 eviction: ``IsolatedLRU``, for a ``cache_salt``
-        over its quota or with none), then tell LMCache's listeners; on the store thread,
-        after the stores queued before it.  Before, a no-op: such a salt's objects stayed
-        and loaded, and its bytes, never less, were evicted again at every pass."""
+        """Remove objects (LMCache's L2 eviction: ``IsolatedLRU``, for a salt over its
+        quota or with none), then tell LMCache's listeners; on the store thread, after
+        the stores queued before it (at once if asked there: by a listener told of a
+        store, queued, it waited on its own thread for the whole wait)."""
         done = threading.Event()
+        if threading.current_thread() is self._storer:
+            return self._do_delete(_Task("delete", -1, list(keys), None, None, done))
         self._submit("delete", keys, done=done)
         if not done.wait(self._config.timeout * 3):
             logger.warning("kvstore L2 adapter: a delete of %d keys goes on", len(keys))
@@ -591,9 +593,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 # LMCache counts salts' quotas by what it is told: those written now (all, before)
                 new = [j for j in range(result.present) if j in written]
                 stored += sum(sizes[j] for j in new)
-                self._stored_as.update(((k.model_name, k.cache_salt, k.object_group_id),
-                                        (where[2], size)) for k, size in
-                                       zip([task.keys[i] for i in part], sizes))
+                _note_stored(self._stored_as, where[2], [task.keys[i] for i in part], sizes)
                 self._notify_keys_stored([task.keys[part[j]] for j in new],
                                          [sizes[j] for j in new])
         self._finish(self._store_results, task.task_id, L2StoreResult(ok, stored),
@@ -724,6 +724,22 @@ def _copy_out(slot: memoryview, obj: MemoryObj) -> bool:
         return False
     _bytes_of(obj)[:] = slot[_HEADER.size:_HEADER.size + length]
     return True
+
+
+STORED_GROUPS = 1 << 16  # (model, salt, group)s whose layout ``delete`` remembers
+
+
+def _note_stored(stored_as: dict[tuple[str, str, int], tuple[str | None, int]],
+                 layout: str | None, keys: list[ObjectKey], sizes: list[int]) -> None:
+    """Remember the layout and size each key's (model, salt, group) was stored with, the
+    latest ``STORED_GROUPS`` of them (a delete of an older one's keys finds no namespace:
+    they stay, and LMCache asks again, as for any it cannot delete)."""
+    for k, size in zip(keys, sizes):
+        group = (k.model_name, k.cache_salt, k.object_group_id)
+        stored_as.pop(group, None)  # (to the newest end)
+        stored_as[group] = (layout, size)
+    while len(stored_as) > STORED_GROUPS:
+        del stored_as[next(iter(stored_as))]
 
 
 def _stored_groups(keys: list[ObjectKey],

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 import torch
 from lmcache.cli.commands.bench.l2_adapter_bench.data import make_object_keys
 from lmcache.v1.distributed.config import EvictionConfig
+from lmcache.v1.distributed.internal_api import L2AdapterListener
 from lmcache.v1.distributed.quota_manager import QuotaManager
 from lmcache.v1.distributed.storage_controllers.eviction_controller import (
     L2AdapterEvictionState,
@@ -32,7 +34,7 @@ SIZE = 2 * 2 * 16 * 64 * 2
 
 def main() -> None:
     endpoint, tenant = sys.argv[1], sys.argv[2]
-    adapter = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant,
+    adapter = KVStoreL2Adapter({"endpoint": endpoint, "tenant": tenant, "timeout": 5,
                                 "object_bytes": SIZE, "model_revision": "r1"})
     quotas = QuotaManager()
     quotas.set_quota("alice", 6 * SIZE)  # six chunks
@@ -70,6 +72,27 @@ def main() -> None:
     target = kv_objects(4, SHAPE, torch.float16, 2)
     out["alice_loaded"] = load(adapter, alice, target)
     out["alice_same"] = same(objects, target)
+    # a listener that deletes as it is told of a store, on the store thread (a policy of
+    # its own): before, the delete was queued behind the store that told it, and waited
+    # on its own thread for its whole wait (the adapter's timeout three times over)
+    eve = keys_of("eve")
+
+    class Deleter(L2AdapterListener):
+        def on_l2_keys_stored(self, keys: list[Any], sizes: list[int]) -> None:
+            if keys and keys[0].cache_salt == "eve":
+                adapter.delete(keys)
+
+        def on_l2_keys_accessed(self, keys: list[Any]) -> None:
+            pass
+
+        def on_l2_keys_deleted(self, keys: list[Any]) -> None:
+            pass
+
+    adapter.register_listener(Deleter())
+    began = time.monotonic()
+    out["eve_stored"] = store(adapter, eve, objects)
+    out["eve_seconds"] = time.monotonic() - began
+    out["eve_found"] = found(eve)
     out["pinned_at_end"] = pinned(endpoint, 0)
     out["healthy"] = adapter.report_status()["is_healthy"]
     adapter.close()

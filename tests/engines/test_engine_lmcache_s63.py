@@ -32,5 +32,9 @@ def test_salts_over_their_quota_lose_what_lmcache_evicts(
     assert out["usage_after"] == {"alice": 4, "bob": 2}, out
     assert out["found_after"] == {"alice": [0, 1, 2, 3], "bob": [0, 1], "mallory": []}, out
     assert out["alice_loaded"] == [0, 1, 2, 3] and out["alice_same"], out
+    # a listener deleting on the store thread as it is told of a store: at once (before:
+    # the delete waited on its own thread for three times the adapter's 5 s timeout)
+    assert out["eve_stored"] == [True] and out["eve_seconds"] < 10, out
+    assert out["eve_found"] == [], out
     assert out["pinned_at_end"] == 0 and out["healthy"], out
     assert "Traceback" not in proc.stderr
