@@ -336,6 +336,9 @@ class TierSlots:
                  backlogs: Backlogs | None = None,
                  tenant_weights: Mapping[str, float] | None = None) -> None:
         self.name = name
+        # False once the tier's files are gone (the SSD tier's directory removed under the
+        # daemon): its copies are being dropped (``ssd_lost``), and none may be read
+        self.readable = True
         # given: each class's order is one per tenant, the victim from the tenant furthest
         # over its weighted share (``TenantOrders``: the SSD tier's, one for all tenants)
         self.tenant_weights = tenant_weights

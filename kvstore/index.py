@@ -43,6 +43,8 @@ class Index:
         if self._unsettled is not None:
             self.settle()
         shards, mask = ns.blocks.shards, ns.blocks.mask  # ``ns.blocks.get``, inline
+        ssd = self.store.ssd
+        ssd_gone = ssd is not None and not ssd.readable  # (its copies not a hit: dropping)
         chain: list[Block] = []
         below = 0  # hits with no DRAM copy
         block: Block | None = None
@@ -62,7 +64,7 @@ class Index:
                     break
             if block.offset is None:
                 # ``Block.present``, inline: this loop is the lookup's cost
-                if block.ssd_offset is None and block.extra is None:
+                if (block.ssd_offset is None or ssd_gone) and block.extra is None:
                     break
                 below += 1
             if block.marks < SEEN_FULL:  # ``seen``, ``access``'s count here: one walk

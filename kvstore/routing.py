@@ -332,11 +332,13 @@ class RoutingVerbs:
         ns = self._namespace_of(session, req.keys)
         if ns is not None:
             blocks = ns.blocks
+            ssd = d.store.ssd  # (its copies no hit while they are dropped: ``ssd_lost``)
+            ssd_gone = ssd is not None and not ssd.readable
             for key in req.keys:
                 block = blocks.get(key)
                 # ``Block.present``, inline: this loop is the probe's cost
-                if block is None or (block.offset is None and block.ssd_offset is None
-                                     and block.extra is None):
+                if block is None or (block.offset is None and block.extra is None
+                                     and (block.ssd_offset is None or ssd_gone)):
                     break
                 chain.append(block)
         block_bytes = ns.block_bytes if ns is not None else 0

@@ -446,19 +446,6 @@ def _lose_copy(store: StoreCore, b: Block, removed: list[tuple[bytes, bytes]]) -
         store.hollow.add(b)  # something below is in use: drop it when released
 
 
-def lose_all(store: StoreCore) -> tuple[int, int]:
-    """The SSD tier's files are gone: every SSD copy goes, and what hangs below a block
-    left with no copy (``_lose_copy``); (copies dropped, copies held by reads under way,
-    left for a later call).  O(blocks cached): once, when the tier is lost."""
-    removed: list[tuple[bytes, bytes]] = []
-    on_ssd = [b for ns in list(store.namespaces.values()) for b in ns.blocks.values()
-              if b.ssd_offset is not None]
-    for b in on_ssd:  # (a subtree dropped on the way takes later ones' copies with it)
-        if b.ssd_offset is not None:
-            _lose_copy(store, b, removed)
-    return len(removed), sum(b.ssd_offset is not None for b in on_ssd)
-
-
 def _end_write(store: StoreCore, room: RoomMaker, t: Transfer,
                records: list[Any] | None) -> list[Block]:
     """``SsdCopies.finish_write`` over the transfer's blocks, in order: the SSD copies

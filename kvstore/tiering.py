@@ -24,7 +24,7 @@ from kvstore.errors import BackendError, CapacityError, KVStoreError
 from kvstore.heap import paused
 from kvstore.identity import Identity
 from kvstore.scheduler.queues import TransferKind
-from kvstore.ssd_copies import lose_all
+from kvstore.ssd_lost import LostCopies
 from kvstore.ssd_watch import SsdDirectoryWatch
 from kvstore.store import Block, BlockStore, Namespace, Transfer
 from kvstore.tiers.ssd import BlockRecord, SSDStore, directory_missing
@@ -65,6 +65,8 @@ class SsdMover:
         self.read_seconds = 0.0
         self.metrics: Any = None  # the daemon's Metrics, for transfer bytes and latency
         self.lost: str | None = None  # what happened to the directory, once it is gone
+        self.dropping: LostCopies | None = None  # its copies' drop, while under way
+        self._drop_next: asyncio.Handle | None = None  # the drop's next slice
         self.watch = SsdDirectoryWatch(partial(directory_missing, self.engine), self.lose)
 
     # -- start-up --------------------------------------------------------------------------
@@ -249,26 +251,41 @@ class SsdMover:
     def lose(self, what: str) -> None:
         """The tier's directory was removed or replaced under the daemon (``ssd_watch``):
         the tier is off until a restart, as a failed disk's writes pause, for good; its
-        copies go from the store (a restart finds none), their records are not withdrawn
-        (the files are no longer the tier's), and DRAM and the remote tier serve on."""
+        copies go from the store (a restart finds none), a slice a loop turn
+        (``LostCopies``: none is a hit or read meanwhile), their records are not
+        withdrawn (the files are no longer the tier's), and DRAM and the remote tier
+        serve on.  Once: a second call changes nothing."""
         if self.lost is not None:
             return
         self.lost = what
         self.store.ssd_writable = False
         self._pending_removals.clear()
         self._recorded.clear()  # (nothing of them to forget there either)
-        dropped, held = lose_all(self.store)
+        self.dropping = LostCopies(self.store)
         log.error("ssd tier directory %s: %s under the running daemon; the ssd tier is off "
-                  "until the daemon restarts: %d ssd copies dropped (and what only hung "
-                  "from them), dram and the remote tier serve on", self.engine.path, what,
-                  dropped + held)
-        if held:
-            self._sweep_lost()
+                  "until the daemon restarts: its %d ssd copies are dropped (and what only "
+                  "hung from them), dram and the remote tier serve on", self.engine.path,
+                  what, self.dropping.left)
+        self._drop_slice()  # (the first at once: a small tier is gone in it)
 
-    def _sweep_lost(self) -> None:
-        """Copies reads held when the tier was lost: dropped once the reads end."""
-        if lose_all(self.store)[1]:
-            asyncio.get_running_loop().call_later(0.1, self._sweep_lost)
+    def _drop_slice(self) -> None:
+        """A slice of the lost copies' drop, then another loop turn; copies reads held
+        are dropped once the reads end (looked at again every 0.1 s)."""
+        self._drop_next = None
+        drop = self.dropping
+        if drop is None:
+            return
+        loop = asyncio.get_running_loop()
+        if not drop.step():
+            self._drop_next = loop.call_soon(self._drop_slice)
+            return
+        held = [b for b in drop.held if b.ssd_offset is not None]
+        if held:
+            self.dropping = LostCopies(self.store, held)
+            self._drop_next = loop.call_later(0.1, self._drop_slice)
+            return
+        self.dropping = None
+        log.info("ssd tier directory %s: its ssd copies are dropped", self.engine.path)
 
     async def wait_reads(self, blocks: list[Block]) -> None:
         """Wait for the promotions under way of these blocks (other requests' reads)."""
@@ -284,6 +301,8 @@ class SsdMover:
             self._promoting[b] = loop.create_future()
         ok: list[bool] | None = None  # the reads' verdicts, once they came
         try:
+            if self.lost is not None:  # the tier is off: a miss, its files never read
+                return
             views = [self.slot(b.ns, off) for b, off in zip(t.blocks, t.offsets)]
             nbytes = sum(len(v) for v in views)
             async with self.gate.slot(nbytes, default_kind=TransferKind.RELOAD,
@@ -318,6 +337,8 @@ class SsdMover:
         """Read held SSD copies into ``views`` (buffers of the caller's, not DRAM slots),
         as a write-back transfer; which reads succeeded (False: a bad copy; None: no
         verdict, the batch failed as a whole)."""
+        if self.lost is not None:  # the tier is off: no verdict, its files never read
+            return [None] * len(blocks)
         nbytes = sum(len(v) for v in views)
         try:
             async with self.gate.slot(nbytes, default_kind=TransferKind.WRITEBACK,
@@ -387,6 +408,12 @@ class SsdMover:
 
     def close(self) -> None:
         self.watch.close()
+        if self._drop_next is not None:  # (stopped mid-drop: the rest goes with the process)
+            self._drop_next.cancel()
+            self._drop_next = None
+        if self.dropping is not None:
+            self.dropping.close()
+            self.dropping = None
         self.engine.close()
 
     def stats(self) -> dict[str, int | float | str]:
