@@ -67,6 +67,7 @@ class SsdMover:
         self.lost: str | None = None  # what happened to the directory, once it is gone
         self.dropping: LostCopies | None = None  # its copies' drop, while under way
         self._drop_next: asyncio.Handle | None = None  # the drop's next slice
+        self.drop_slices = 0  # the slices (loop turns) its drop took so far
         self.watch = SsdDirectoryWatch(partial(directory_missing, self.engine), self.lose)
 
     # -- start-up --------------------------------------------------------------------------
@@ -276,6 +277,7 @@ class SsdMover:
         if drop is None:
             return
         loop = asyncio.get_running_loop()
+        self.drop_slices += 1
         if not drop.step():
             self._drop_next = loop.call_soon(self._drop_slice)
             return
@@ -423,6 +425,8 @@ class SsdMover:
         if self.lost is not None:  # (its records went with the directory)
             out["records"] = 0
             out["lost"] = self.lost
+            out["lost_dropping"] = int(self.dropping is not None)  # its copies' drop
+            out["lost_slices"] = self.drop_slices  # (a loop turn each)
         return out
 
 
