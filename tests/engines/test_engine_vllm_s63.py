@@ -26,23 +26,12 @@ import pytest
 from daemon_proc import DaemonProcess
 from engine_envs import HERE, in_lanes_on, last_json, run_in_env, run_spec
 from test_engine_vllm_s61 import START
+from test_engine_vllm_s62 import VALUES  # (check_values over each extra config given)
 
 BLOCK = 32
 PROMPT = [(7 * i) % 500 + 3 for i in range(2 * BLOCK + 10)]   # 2 full blocks and 10 tokens
 SLOW_DRAM = 1e-6   # GB/s: a block takes seconds to load, more than it takes to compute
 
-VALUES = """
-import json, sys
-from kvstore.integrations.vllm import check_values
-out = []
-for extra in json.loads(sys.argv[1]):
-    try:
-        check_values(extra)
-        out.append("taken")
-    except Exception as exc:
-        out.append(f"{type(exc).__name__}: {exc}")
-print(json.dumps(out))
-"""
 UNKNOWN_TIERS = [{"DRAM": 1}, {"cpu": 2, "dram": 1}, {"local_disk": 0.5}, {"Remote": 1}]
 KNOWN_TIERS = [{"gpu": 50, "dram": 10, "ssd": 1.5, "remote": "0.5"}]
 
