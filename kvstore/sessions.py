@@ -555,7 +555,8 @@ def check_totals(sessions: Sessions, name: str) -> Tenant:
     read held a connection's bound each.  The tenant."""
     tenant = sessions._tenant(name)
     limit = sessions.max_tenant_bytes_in_flight
-    held = tenant.bytes_in_flight + sessions.unread.by_tenant.get(name, 0)
+    unread = sessions.unread.by_tenant
+    held = tenant.bytes_in_flight + unread.get(name, 0)
     if limit and held >= limit:
         raise LimitExceededError(
             f"tenant {name!r} has {held} bytes in replies not yet read and requests "
@@ -566,7 +567,6 @@ def check_totals(sessions: Sessions, name: str) -> Tenant:
     # read (each within its own bound) got every other tenant's gets refused, told to
     # read replies it did not have
     limit = sessions.max_total_bytes_in_flight
-    unread = sessions.unread.by_tenant
     if limit and name in unread:
         total = sessions.bytes_in_flight + sessions.unread.total
         if total >= limit and held >= limit // len(unread):
