@@ -8,28 +8,39 @@ and none of it stored.  A close leaves the blocks where they are (another sessio
 this one opening it again, finds them) and is refused while the session has a
 reservation open in the namespace (a commit into a namespace the store forgot would have
 nowhere to go); pins keep their blocks, and so the namespace, until released.
+
+The namespaces of sessions that ended are closed here too, a slice a loop turn
+(``kvstore.namespace_closes``), by turns with the daemon's other work in slices.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from kvstore import protocol as p
 from kvstore.errors import NamespaceInUseError, UnknownNamespaceError
-from kvstore.sessions import Session
+from kvstore.sessions import Session, Sessions
 from kvstore.store import BlockStore
-from kvstore.verbs import Answer, Handler
+from kvstore.verbs import Answer, Handler, Verbs
 
 
 class _Daemon(Protocol):
     store: BlockStore
+    sessions: Sessions
+    verbs: Verbs
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]: ...
 
 
 class NamespaceVerbs:
-    """The ``close`` verb."""
+    """The ``close`` verb, and the closes of sessions that ended."""
 
     def __init__(self, d: _Daemon) -> None:
         self.d = d
+        closes = d.sessions.closes
+        closes.wake = lambda: d.spawn(closes.run(d.verbs.removals.turns))
 
     def table(self) -> dict[type[Any], Handler]:
         return {p.CloseNamespace: self._close}

@@ -500,6 +500,7 @@ def server_stats(server: Server) -> dict[str, Any]:
         "tiers": server.store.tier_stats(),
         "sessions": len(server.sessions),
         "namespaces": len(server.store.namespaces),
+        "namespace_closes_queued": len(server.sessions.closes),
         "invariant_violations": server.invariant_violations,
         "invariant_checks_forked": (server.invariant_watch.forked
                                     if server.invariant_watch is not None else 0),
@@ -588,6 +589,7 @@ async def drain_server(server: Server, bound: float) -> None:
     server.verbs.commits.stop()  # commits waiting for other writers: none commits now
     if server._tasks:
         await asyncio.wait(list(server._tasks), timeout=stop.left(bound))
+    server.sessions.closes.finish()  # ended sessions' namespaces: no request is served now
     if server.remote is not None:
         stop.enter("writing blocks back to the remote store")
         try:

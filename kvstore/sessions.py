@@ -35,6 +35,7 @@ from kvstore.errors import (
 )
 from kvstore.grant_pins import GrantPins
 from kvstore.identity import Identity
+from kvstore.namespace_closes import NamespaceCloses
 from kvstore.store import BlockStore, Namespace
 from kvstore.unread import UnreadBytes
 
@@ -176,6 +177,7 @@ class Sessions:
         # (and those that said goodbye and left one: each with what it is told)
         self._let_go: dict[bytes, str] = {}
         self.idle = IdleTenants()
+        self.closes = NamespaceCloses(store)  # ended sessions' namespaces, closed in slices
         self.grant_pins = GrantPins(grantee_pin_share, self._owner_dram, grantee_pin_total)
         # pins of get replies not yet sent in other tenants' namespaces, by id: counted
         # to the asking tenant (they outlive its session's lease, till zmq sends them)
@@ -320,14 +322,10 @@ class Sessions:
                     _expire(self._expired, routing_id)
 
     def _close_namespaces(self, session: Session) -> None:
-        """A session that ended no longer uses its namespaces: those nothing else uses
-        are forgotten (``BlockStore.forget_if_unused``)."""
-        namespaces = self.store.namespaces
-        for ns_id in session.namespaces:
-            ns = namespaces.get(ns_id)
-            if ns is not None:
-                self.store.close_namespace(ns)
-        session.namespaces.clear()
+        """A session that ended no longer uses its namespaces: their closes are queued,
+        done a slice a loop turn (``kvstore.namespace_closes``)."""
+        self.closes.queue(session.tenant, session.namespaces)  # (handed over whole)
+        session.namespaces = set()
 
     def open_namespace(self, session: Session, identity: Identity) -> Namespace:
         """The namespace of ``identity``, open in the session (its one use of it), within
@@ -354,7 +352,8 @@ class Sessions:
             if held >= cap:
                 raise LimitExceededError(
                     f"tenant {tenant!r} has {held} namespaces in use (limit {cap}); a "
-                    f"namespace no session has open and that holds no block is forgotten")
+                    f"namespace no session has open and that holds no block is forgotten"
+                    + closing_soon(self.closes.by_tenant.get(tenant, 0)))
 
     def _tenant(self, name: str) -> Tenant:
         tenant = self.tenants.get(name)
@@ -627,7 +626,8 @@ def check_namespace_users(sessions: Sessions) -> None:
     reservations in it (fewer, and it could be forgotten in use; more is a caller of
     the store's own, as a test or a restore), and the store keeps none that nothing
     uses and that holds no entry."""
-    users: dict[bytes, int] = {}
+    users = sessions.closes.users()  # (each ended session's still counts, till closed)
+    sessions.closes.check()
     for session in sessions.by_id.values():
         for ns_id in session.namespaces:
             assert ns_id in sessions.store.namespaces, f"{session} has a forgotten namespace"
@@ -640,6 +640,15 @@ def check_namespace_users(sessions: Sessions) -> None:
         assert ns.users >= users.get(ns_id, 0), (
             f"{ns} counts {ns.users} users; {users.get(ns_id, 0)} use it")
         assert ns.users or ns.blocks, f"{ns} is unused and empty, yet kept"
+
+
+def closing_soon(queued: int) -> str:
+    """What a refusal at the tenant's namespace cap adds while closes of its sessions
+    that ended are queued (``kvstore.namespace_closes``)."""
+    if not queued:
+        return ""
+    return (f" ({queued} of its namespaces, of sessions that ended, are being closed "
+            f"now; try again in a moment)")
 
 
 def tenant_of_connection(sessions: Sessions, routing_id: bytes, otherwise: str) -> str:
