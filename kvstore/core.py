@@ -35,6 +35,7 @@ from kvstore.blocks import (
 from kvstore.first_blocks import Heads, no_longer_heads
 from kvstore.gpu_copies import GpuCopies
 from kvstore.ids import UnguessableIds
+from kvstore.namespace_order import NamespaceOrder
 from kvstore.pool import SlabClass
 from kvstore.errors import ConfigError
 from kvstore.scheduler.admission import SEEN_MOST, PolicyChain, Step
@@ -351,10 +352,10 @@ class StoreCore:
         self.dropped_ssd: list[tuple[bytes, bytes]] = []  # SSD copies dropped by sweeps
         self.limits = limits
         self.namespaces: dict[bytes, Namespace] = {}
+        self.order = NamespaceOrder()  # for walks across loop turns (a paged snapshot's)
         # the same namespaces by tenant: what a probe searches, what a tenant's cap counts
         self.tenant_namespaces: dict[str, dict[bytes, Namespace]] = {}
-        # told of each namespace forgotten (the daemon: its SSD record goes too)
-        self.on_forget: Callable[[Namespace], None] | None = None
+        self.on_forget: Callable[[Namespace], None] | None = None  # (its SSD record goes)
         self.owners: dict[Owner, OwnerState] = {}
         self.transfers: dict[int, Transfer] = {}
         self.counters = Counters()
@@ -590,7 +591,7 @@ class StoreCore:
         del group[ns.id]
         if not group:
             del self.tenant_namespaces[ns.tenant]
-        ns.forgotten = True
+        self.order.forgot(ns, len(self.namespaces))  # (marks it forgotten)
         if self.on_forget is not None:
             self.on_forget(ns)
         return True

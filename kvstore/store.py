@@ -69,7 +69,6 @@ from kvstore.errors import (
 )
 from kvstore.identity import Identity
 from kvstore.index import Index
-from kvstore.namespace_order import NamespaceOrder
 from kvstore.owners import Leases
 from kvstore.plans import Plan
 from kvstore.remote_copies import RemoteCopies
@@ -95,7 +94,6 @@ class BlockStore(StoreCore):
         # the parts, each over the core's state; the facade's verbs hand on to them
         self.index = Index(self)
         self.leases = Leases(self)
-        self.order = NamespaceOrder()  # for walks across loop turns (a paged snapshot's)
         self.room = RoomMaker(self)
         self.ssd_copies = SsdCopies(self, self.room)
         self.tiers.append(DramCopies(self))

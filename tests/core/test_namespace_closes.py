@@ -3,6 +3,8 @@ the counts stay exact at every step."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 from kvtest import make_identity
 
@@ -89,3 +91,21 @@ def test_a_tenant_at_its_namespace_cap_is_told_its_closes_are_under_way() -> Non
     sessions.closes.finish()
     sessions.open_namespace(again, make_identity(salt="new"))
     sessions.check_invariants()
+
+
+def test_the_namespaces_of_sessions_that_ended_are_let_go_at_once() -> None:
+    """The store's namespace order (``kvstore.namespace_order``) held every namespace
+    forgotten until the next one was made: 50 sessions of 1000 namespaces that ended
+    left all of them (and most of the memory they took) with the daemon.  Now it holds
+    them weakly and lets go of the references as they are forgotten."""
+    sessions = _sessions()
+    store = sessions.store
+    ended = sessions.hello(b"a", "acme", "")
+    first = weakref.ref(sessions.open_namespace(ended, make_identity(salt="first")))
+    for i in range(MANY):
+        sessions.open_namespace(ended, make_identity(salt=f"{i}"))
+    sessions.forget({ended.id})
+    sessions.closes.finish()
+    assert first() is None, "a namespace forgotten is still held"
+    assert len(store.order.spaces) <= 64, store.order
+    assert store.order.after(0) == (store.order.last, None)

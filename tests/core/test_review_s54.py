@@ -68,7 +68,8 @@ def test_a_remote_store_that_fails_to_close_leaves_the_ssd_steps_of_the_stop() -
         stop_deadline=deadline, transport=SimpleNamespace(stop_reading=lambda: None),
         moves=moves, _tasks=set(), remote=Remote(), gpu=None, ssd=ssd,
         store=SimpleNamespace(allow_demote=True, namespaces={}),  # (no copy to withdraw)
-        verbs=SimpleNamespace(commits=SimpleNamespace(stop=lambda: None)))
+        verbs=SimpleNamespace(commits=SimpleNamespace(stop=lambda: None)),
+        sessions=SimpleNamespace(closes=SimpleNamespace(finish=lambda: None)))
     deadline.begin(30.0)
     asyncio.run(drain_server(server, 30.0))  # (before: raised the close's error)
     assert moves.flushed, "what only DRAM holds is written to the ssd tier"
