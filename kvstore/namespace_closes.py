@@ -42,8 +42,10 @@ class NamespaceCloses:
         self.queued: deque[tuple[str, set[bytes]]] = deque()  # (tenant, namespace ids)
         self.count = 0
         self.by_tenant: dict[str, int] = {}  # queued closes, by the namespaces' tenant
-        # called when closes are queued and none were: the daemon drains them (``run``)
+        # called when closes are queued and no ``run`` is under way: the daemon drains
+        # them (``run``; one that failed is started again by the next queued)
         self.wake: Callable[[], object] | None = None
+        self.running = False
 
     def __repr__(self) -> str:
         return f"NamespaceCloses(queued={self.count}, sessions={len(self.queued)})"
@@ -56,11 +58,11 @@ class NamespaceCloses:
         of ``tenant`` that ended) later."""
         if not ids:
             return
-        was_empty = not self.count
         self.queued.append((tenant, ids))
         self.count += len(ids)
         self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + len(ids)
-        if was_empty and self.wake is not None:
+        if not self.running and self.wake is not None:
+            self.running = True
             self.wake()
 
     def step(self, budget: int = CLOSE_SLICE, seconds: float = CLOSE_SLICE_SECONDS) -> bool:
@@ -96,9 +98,13 @@ class NamespaceCloses:
 
     async def run(self, turns: SliceTurns) -> None:
         """Close what is queued, a slice a loop turn by turns, until none is left."""
-        while self.queued:
-            await turns.turn()
-            self.step()
+        self.running = True
+        try:
+            while self.queued:
+                await turns.turn()
+                self.step()
+        finally:
+            self.running = False
 
     def users(self) -> dict[bytes, int]:
         """The users the queued closes count, by namespace id (for the invariant check)."""

@@ -3,6 +3,7 @@ the counts stay exact at every step."""
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 
 import pytest
@@ -11,8 +12,9 @@ from kvtest import make_identity
 from kvstore.config import ServerConfig
 from kvstore.errors import LimitExceededError
 from kvstore.keys import chain_keys
-from kvstore.namespace_closes import CLOSE_SLICE
+from kvstore.namespace_closes import CLOSE_SLICE, NamespaceCloses
 from kvstore.sessions import Sessions
+from kvstore.slice_turns import SliceTurns
 from kvstore.plans import Plan
 from kvstore.store import BlockStore
 
@@ -109,3 +111,32 @@ def test_the_namespaces_of_sessions_that_ended_are_let_go_at_once() -> None:
     assert first() is None, "a namespace forgotten is still held"
     assert len(store.order.spaces) <= 64, store.order
     assert store.order.after(0) == (store.order.last, None)
+
+
+def test_a_run_that_failed_is_started_again_by_the_next_close_queued() -> None:
+    """The daemon drains the queue with a task it starts when closes are queued and no
+    drain is under way: one that ended by an error (or was cancelled) left closes queued
+    behind it, and only an empty queue started another, so none ever did again."""
+    class Failing:
+        namespaces: dict[bytes, object] = {}
+
+        def close_namespace(self, ns: object) -> None:
+            raise RuntimeError("a close failed")
+
+    closes = NamespaceCloses(Failing())  # type: ignore[arg-type]
+    Failing.namespaces[b"a"] = object()
+    started: list[int] = []
+    closes.wake = lambda: started.append(1)
+    closes.queue("acme", {b"a"})
+    assert started == [1]
+
+    async def drain() -> None:
+        try:
+            await closes.run(SliceTurns())
+        except RuntimeError:
+            pass
+
+    asyncio.run(drain())
+    assert not closes.running
+    closes.queue("acme", {b"b"})
+    assert started == [1, 1]  # before: [1], never started again
