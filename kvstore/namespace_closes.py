@@ -39,9 +39,11 @@ class NamespaceCloses:
 
     def __init__(self, store: BlockStore) -> None:
         self.store = store
-        self.queued: deque[tuple[str, set[bytes]]] = deque()  # (tenant, namespace ids)
+        # (the tenant of the session that ended, its namespace ids: most are its own
+        # tenant's, a grantee's may be another's)
+        self.queued: deque[tuple[str, set[bytes]]] = deque()
         self.count = 0
-        self.by_tenant: dict[str, int] = {}  # queued closes, by the namespaces' tenant
+        self.by_tenant: dict[str, int] = {}  # queued closes, by the sessions' tenant
         # called when closes are queued and no ``run`` is under way: the daemon drains
         # them (``run``; one that failed is started again by the next queued)
         self.wake: Callable[[], object] | None = None
@@ -115,13 +117,14 @@ class NamespaceCloses:
         return counts
 
     def check(self) -> None:
-        """The counts sum the queue, and each queued namespace is the store's."""
+        """The counts sum the queue, and each queued namespace is the store's (its
+        session's user still counted; a grantee's session queues another tenant's)."""
         counts: dict[str, int] = {}
+        namespaces = self.store.namespaces
         for tenant, ids in self.queued:
             assert ids, f"{self}: an empty set queued"
             for ns_id in ids:
-                ns = self.store.namespaces.get(ns_id)
-                assert ns is not None and ns.tenant == tenant, f"a queued close of {ns_id!r}"
+                assert ns_id in namespaces, f"a queued close of {ns_id!r}, forgotten"
             counts[tenant] = counts.get(tenant, 0) + len(ids)
         assert counts == self.by_tenant, f"{self} counts {self.by_tenant}; queued {counts}"
         assert self.count == sum(counts.values()), f"{self}: queued {counts}"

@@ -647,7 +647,7 @@ def closing_soon(queued: int) -> str:
     that ended are queued (``kvstore.namespace_closes``)."""
     if not queued:
         return ""
-    return (f" ({queued} of its namespaces, of sessions that ended, are being closed "
+    return (f" ({queued} namespaces its sessions that ended left open are being closed "
             f"now; try again in a moment)")
 
 

@@ -140,3 +140,21 @@ def test_a_run_that_failed_is_started_again_by_the_next_close_queued() -> None:
     assert not closes.running
     closes.queue("acme", {b"b"})
     assert started == [1, 1]  # before: [1], never started again
+
+
+def test_a_grantees_session_queues_the_close_of_another_tenants_namespace() -> None:
+    """A session may have another tenant's namespace open (a grant): its end queues
+    that close under the session's tenant, and the invariant check holds (it asserted
+    the namespace was the session tenant's, and failed every grantee's session end)."""
+    sessions = _sessions()
+    store = sessions.store
+    grantee = sessions.hello(b"g", "guest", "")
+    theirs = sessions.open_namespace(grantee, make_identity(tenant="acme", salt="shared"))
+    own = sessions.open_namespace(grantee, make_identity(tenant="guest", salt="own"))
+    sessions.forget({grantee.id})
+    assert sessions.closes.by_tenant == {"guest": 2}
+    sessions.check_invariants()
+    sessions.closes.finish()
+    assert theirs.id not in store.namespaces and own.id not in store.namespaces
+    assert not sessions.closes.by_tenant and not store.tenant_namespaces
+    sessions.check_invariants()

@@ -47,7 +47,8 @@ def test_the_ssd_sync_is_not_starved_by_the_write_back_before_it() -> None:
         stop_deadline=deadline, transport=SimpleNamespace(stop_reading=lambda: None),
         verbs=SimpleNamespace(commits=SimpleNamespace(stop=lambda: None)),
         moves=Moves(), _tasks=set(), remote=None, gpu=None, ssd=ssd,
-        store=SimpleNamespace(allow_demote=True, namespaces={}))  # (no copy to withdraw)
+        store=SimpleNamespace(allow_demote=True, namespaces={}),  # (no copy to withdraw)
+        sessions=SimpleNamespace(closes=SimpleNamespace(finish=lambda: None)))
     deadline.begin(3.0)  # the write-back is cut at 1 s (2 s kept for what follows)
     asyncio.run(drain_server(server, 30.0))
     assert ssd.synced
