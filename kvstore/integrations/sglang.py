@@ -161,6 +161,7 @@ def page_identity(config: HiCacheStorageConfig, host: Any, tenant: str,
     # (what the server's arguments change of the KV: ``engine_side.settings_tag``)
     revision += settings_tag(_server_arg("json_model_override_args"),
                              _server_arg("quantization"))
+    revision += adapters_tag(_server_arg("lora_paths"))
     identity = Identity(
         model=model, model_revision=revision, tenant=tenant,
         kv_dtype=dtype, num_layers=host.layer_num, num_kv_heads=heads, head_dim=head_dim,
@@ -263,6 +264,51 @@ def _model_and_revision(config: HiCacheStorageConfig, host: Any,
                    "extra config, no checkpoint directory found): engines serving other "
                    "weights under this name would share its pages", name)
     return name, "unversioned"
+
+
+def adapters_tag(lora_paths: Any) -> str:
+    """The revision's suffix for the LoRA adapters the server was started with
+    (``--lora-paths``): "" with none; else a digest of each one's name, path and weights
+    (``checkpoint_fingerprint`` of a local directory, the hub commit of a hub id).
+
+    SGLang seeds the page hashes of an adapter's requests with its ``lora_id``, and an
+    adapter given at start-up takes a stable one, made of its name and path only (so
+    that nodes agree on it): an adapter replaced in place (a new fine-tune at the same
+    path) kept its id, and a server restarted on it loaded the pages the old weights
+    computed.  The backend is not told which adapter a page is of, so the revision of
+    every page of the server carries its adapters' weights: a replaced adapter leaves
+    the old pages unfound, its base model's with them.  (An adapter loaded while the
+    server runs takes a random id: its pages are never another's.)"""
+    adapters = sorted(_adapters(lora_paths))
+    if not adapters:
+        return ""
+    digest = hashlib.blake2b(digest_size=8)
+    for name, path in adapters:
+        weights = checkpoint_fingerprint(path) or hub_commit(path) or "unversioned"
+        digest.update(f"{name}\0{path}\0{weights}\0".encode())
+    return f"+lora:{digest.hexdigest()}"
+
+
+def _adapters(lora_paths: Any) -> list[tuple[str, str]]:
+    """(name, path) of each adapter of ``--lora-paths`` in any form SGLang takes it: its
+    parsed ``LoRARef`` objects, "name=path" or "path" strings, dicts with ``lora_name``
+    and ``lora_path``, or one dict of name to path."""
+    if not lora_paths:
+        return []
+    if isinstance(lora_paths, dict):
+        return [(str(k), str(v)) for k, v in lora_paths.items()]
+    found = []
+    for item in lora_paths:
+        name: Any
+        path: Any
+        if isinstance(item, str):
+            name, _, path = item.partition("=") if "=" in item else (item, "", item)
+        elif isinstance(item, dict):
+            name, path = item.get("lora_name"), item.get("lora_path")
+        else:
+            name, path = getattr(item, "lora_name", None), getattr(item, "lora_path", None)
+        found.append((str(name), str(path)))
+    return found
 
 
 def _server_arg(name: str) -> Any:
