@@ -179,14 +179,14 @@ class WholeEntries:
         del self._buf[start:start + (1 if n < 16 else 3 if n < 1 << 16 else 5)]
         self.count += n
 
-    def reply(self, on_sent: Callable[[], None] | None = None
+    def reply(self, on_sent: Callable[[], None] | None = None, tenant: str | None = None
               ) -> tuple[p.Message, EncodedHeader]:
         """The reply: its header frame is the buffer (the reply stands beside it);
-        ``on_sent`` once ZeroMQ no longer holds it."""
+        ``on_sent`` once ZeroMQ no longer holds it; ``tenant`` asked for it."""
         at = self._count_at
         self._buf[at:at + 4] = self.count.to_bytes(4, "big")
         self._buf += b"\x00"  # the cursor: no more pages
-        return p.SnapshotReply(self.rid, self.seq, []), EncodedHeader(self._buf, on_sent)
+        return p.SnapshotReply(self.rid, self.seq, []), EncodedHeader(self._buf, on_sent, tenant)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -298,15 +298,15 @@ class RoutingVerbs:
 
         async def build() -> tuple[p.Message, list[Any]]:
             try:
-                return await self._whole(rid, walk, sent)
+                return await self._whole(rid, walk, sent, tenant)
             except BaseException:
                 sent()
                 raise
         # (a coroutine closed before it ran, its request given up, runs no ``except``)
         return Later(build(), give_up=sent)
 
-    async def _whole(self, rid: int, walk: SnapshotWalk,
-                     sent: Callable[[], None]) -> tuple[p.Message, list[Any]]:
+    async def _whole(self, rid: int, walk: SnapshotWalk, sent: Callable[[], None],
+                     tenant: str) -> tuple[p.Message, list[Any]]:
         """Built a page a loop turn, each page encoded as it is read (``WholeEntries``),
         so no turn encodes more than a page.  Each page, the first too, reads the store
         only after what changed before it is published: a change seen but not yet
@@ -321,7 +321,7 @@ class RoutingVerbs:
             entries.add(page)
             page.clear()
             if done:
-                return entries.reply(sent)
+                return entries.reply(sent, tenant)
 
     def _probe(self, session: Session, req: p.Probe, payload: list[Any]) -> Outcome:
         d = self.d

@@ -84,23 +84,26 @@ class EncodedHeader(list[Any]):
     For a big header built a piece at a time across loop turns (``routing``'s whole
     snapshot): encoding and copying 17 MB at the end held the loop for 20 ms.
     ``on_sent`` is called once ZeroMQ no longer holds the header (sent, or dropped for a
-    gone or full peer): the daemon counts such a reply as held until then."""
+    gone or full peer): the daemon counts such a reply as held until then.  ``tenant``:
+    the one that asked for it, charged with its bytes while unread (its session may
+    have ended before it is sent)."""
 
     def __init__(self, header: bytes | bytearray,
-                 on_sent: Callable[[], None] | None = None) -> None:
+                 on_sent: Callable[[], None] | None = None, tenant: str | None = None) -> None:
         super().__init__()
         self.header = header
         self.on_sent = on_sent
+        self.tenant = tenant
 
-    def sent(self) -> Callable[[], None] | None:
-        """Its ``on_sent``, taken (the caller calls it, once)."""
+    def sent(self) -> tuple[Callable[[], None] | None, str | None]:
+        """Its ``on_sent``, taken (the caller calls it, once), and its ``tenant``."""
         done, self.on_sent = self.on_sent, None
-        return done
+        return done, self.tenant
 
 
-# a reply ZeroMQ is still sending: its tracker, its pin, its bytes counted unread, and
-# what to call once it is sent (``EncodedHeader.on_sent``)
-_Sending = tuple[zmq.MessageTracker, int | None, int, Callable[[], None] | None]
+# a reply ZeroMQ is still sending: its tracker, its pin, its bytes counted unread, the
+# tenant they are charged to, and what to call once it is sent (``EncodedHeader.on_sent``)
+_Sending = tuple[zmq.MessageTracker, int | None, int, str | None, Callable[[], None] | None]
 
 
 def _call(done: Callable[[], None] | None, result: bool) -> bool:
@@ -134,7 +137,10 @@ class RepliesInFlight:
         return self.count
 
     def add(self, peer: bytes, tracker: zmq.MessageTracker, pin: int | None,
-            size: int = 0, on_sent: Callable[[], None] | None = None) -> None:
+            size: int = 0, on_sent: Callable[[], None] | None = None,
+            tenant: str | None = None) -> None:
+        """A reply handed to zmq; ``size`` bytes of it counted unread, charged to
+        ``tenant`` (None: the peer's session's, ``UnreadBytes.add``)."""
         if tracker.done:  # copied as it was sent: done ahead of the peer's queued ones
             if pin is not None:
                 self.count += 1
@@ -146,9 +152,8 @@ class RepliesInFlight:
         queue = self.by_peer.get(peer)
         if queue is None:
             queue = self.by_peer[peer] = deque()
-        queue.append((tracker, pin, size, on_sent))
-        if size:
-            self.unread_bytes.add(peer, size)
+        charged = self.unread_bytes.add(peer, size, tenant) if size else None
+        queue.append((tracker, pin, size, charged, on_sent))
 
     def reap(self, release: Callable[[int], None], peer: bytes | None = None) -> int:
         """``release`` the pin of each reply sent (to ``peer`` only, if given, and those
@@ -162,7 +167,7 @@ class RepliesInFlight:
         for each in (peer,) if peer is not None else list(self.by_peer):
             queue = self.by_peer.get(each)
             while queue and queue[0][0].done:
-                _, pin, size, on_sent = queue.popleft()
+                _, pin, size, charged, on_sent = queue.popleft()
                 freed += 1
                 if on_sent is not None:
                     on_sent()
@@ -170,7 +175,7 @@ class RepliesInFlight:
                     release(pin)
                     pins += 1
                 if size:
-                    self.unread_bytes.sent(each, size)
+                    self.unread_bytes.sent(each, size, charged)
             if queue is not None and not queue:
                 del self.by_peer[each]
         self.count -= freed
@@ -178,7 +183,7 @@ class RepliesInFlight:
 
     def trackers(self, pins: set[int] | None = None) -> list[zmq.MessageTracker]:
         """The trackers of the replies pinning ``pins`` (all, if None)."""
-        return [tracker for queue in self.by_peer.values() for tracker, pin, _, _ in queue
+        return [tracker for queue in self.by_peer.values() for tracker, pin, _, _, _ in queue
                 if pins is None or pin in pins]
 
 
@@ -427,7 +432,7 @@ class Transport:
         """Reply to ``peer``: the socket's index byte, then the peer's routing id.  A reply
         that cannot be encoded (a bug) is logged and answered with an internal error
         instead, never raised (into the drain, or a request's task): False then."""
-        on_sent = payload.sent() if isinstance(payload, EncodedHeader) else None
+        on_sent, asker = payload.sent() if isinstance(payload, EncodedHeader) else (None, None)
         if not self._open:
             return _call(on_sent, True)
         sock, routing_id = self._socks[peer[0]], peer[1:]
@@ -459,7 +464,7 @@ class Transport:
                 # and a copy's tracker is done at once, counting nothing)
                 tracker = sock.send(zmq.Frame(header, track=True, copy=False, copy_threshold=0),
                                     _NOBLOCK, copy=False, track=True)
-                self._in_flight.add(peer, tracker, None, len(header), on_sent)
+                self._in_flight.add(peer, tracker, None, len(header), on_sent, asker)
                 on_sent, tracked = None, True
             else:
                 # two sends, not send_multipart: half its cost for the one-frame replies

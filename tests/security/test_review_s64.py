@@ -1,0 +1,79 @@
+"""A second reader of session 63's bounds, against a running daemon (session 64): big
+replies unread counted per tenant, and whole snapshots counted until sent.  Real daemon
+processes, raw ZeroMQ where a client library would not send what is sent."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+from test_attacks_s63 import fill
+from test_attacks_s63b import Deaf, refusal
+from test_attacks_s63c import _unread_bytes
+
+from kvstore import Client
+from kvstore import protocol as p
+
+
+def _replies(peer: Deaf) -> list[p.Message]:
+    """Every reply ``peer`` left unread, read now."""
+    out = []
+    while peer.sock.poll(500):
+        out.append(p.reply_decoder.decode(peer.sock.recv_multipart()[0]))
+    return out
+
+
+def test_replies_after_a_goodbye_leave_no_connection_out_of_its_tenant_bound(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """A connection's unread bytes were charged to the tenant its session had when the
+    first of them was counted, and to it only, until every one of them was sent.  A
+    whole snapshot's reply goes out after its session may have ended: a connection that
+    asked one and said goodbye at once had that reply (1.4 MB) charged to no tenant,
+    and then, said hello again as the same tenant, left page after page unread charged
+    to no tenant either: two such connections held 4-5 MiB against a 1 MiB tenant
+    bound, none of their 40 pages refused, and the tenant's next request was served.
+    Each reply is now charged as it is handed to ZeroMQ, to the tenant of the
+    connection then, or to the one that asked for it (a whole snapshot's)."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text('[server]\nmax_bytes_in_flight = "64MiB"\n'
+                      'max_bytes_in_flight_per_tenant = "1MiB"\n')
+    d = daemon_factory(dram_capacity="256MiB", debug_invariants=False,
+                       extra=["--config", str(config)])
+    fill(d.endpoint, "acme", 30_000)  # a whole snapshot more than the socket buffers take
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        deaf = [Deaf(ctx, d.endpoint, "acme") for _ in range(2)]
+        for peer in deaf:
+            peer.send(p.Snapshot(10, 0, 0))  # whole: built in a task, sent after the bye
+            peer.send(p.Bye(11))
+        time.sleep(1.0)
+        for peer in deaf:
+            peer.send(p.Hello(12, p.PROTOCOL_VERSION, "acme"))
+            for rid in range(20):
+                peer.send(p.Snapshot(100 + rid, 0, 4096))
+        held = _unread_bytes(d)
+        with Client(d.endpoint, tenant="acme") as c:  # over its bound: refused
+            message = refusal(c._call(p.Snapshot(c._next_rid(), 0, 4096))[0])
+            assert "max_bytes_in_flight_per_tenant" in message, (held, message)
+        with Client(d.endpoint, tenant="globex") as c:  # another tenant: served
+            reply = c._call(p.Snapshot(c._next_rid(), 0, 4096))[0]
+            assert isinstance(reply, p.SnapshotReply), reply
+        for peer in deaf:
+            replies = _replies(peer)
+            whole = [r for r in replies if isinstance(r, p.SnapshotReply) and r.rid == 10]
+            assert len(whole) == 1 and len(whole[0].blocks) == 30_000
+            pages = [r for r in replies if r.rid >= 100]
+            refused = [r for r in pages if isinstance(r, p.ErrorReply)]
+            assert len(pages) == 20 and refused, (
+                f"{len(pages) - len(refused)} pages served unread, none refused, "
+                f"{held / 2**20:.1f} MiB unread (tenant bound 1 MiB)")
+            assert all("max_bytes_in_flight" in refusal(r) for r in refused)
+            peer.close()
+        assert _unread_bytes(d) == 0
+        with Client(d.endpoint, tenant="acme") as c:  # read: served again
+            reply = c._call(p.Snapshot(c._next_rid(), 0, 4096))[0]
+            assert isinstance(reply, p.SnapshotReply), reply
+    finally:
+        ctx.destroy(linger=0)
