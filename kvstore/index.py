@@ -13,10 +13,29 @@ so that dropping 400k blocks never holds the daemon's loop for more than a slice
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvstore.blocks import DRAM, SEEN_FULL, SEEN_ONE, Block, Namespace
 from kvstore.core import Keeping, StoreCore
+
+
+def leading_present(ns: Namespace, keys: list[bytes]) -> Iterator[Block]:
+    """The blocks of the leading keys that have a copy in some tier, in order."""
+    for key in keys:
+        block = ns.blocks.get(key)
+        if block is None or not block.present:
+            return
+        yield block
+
+
+def leading_in_dram(ns: Namespace, keys: list[bytes]) -> int:
+    """How many of the leading keys have their blocks in DRAM."""
+    n = 0
+    for block in leading_present(ns, keys):
+        if block.offset is None:
+            break
+        n += 1
+    return n
 
 
 class Index:

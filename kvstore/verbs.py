@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from kvstore import protocol as p
@@ -31,6 +31,7 @@ from kvstore.errors import (
 )
 from kvstore.events import EventPublisher
 from kvstore.gpu_mover import GpuMover
+from kvstore.index import leading_in_dram, leading_present
 from kvstore.metrics import Metrics
 from kvstore.moves import Moves
 from kvstore.pending import Later, Pending
@@ -396,8 +397,8 @@ class Verbs:
             if not trackers:
                 self._unpin_get(pin.id)
                 raise
-            return Later(self._get_after_sends(req.rid, session, pin, frames, held,
-                                               trackers))
+            return Later(self._get_after_sends(req.rid, session, pin, frames, held, trackers),
+                         functools.partial(self._unpin_get, pin.id))  # (given up: unpinned)
         except BaseException:
             self._unpin_get(pin.id)
             raise
@@ -454,7 +455,7 @@ class Verbs:
         ns = self._namespace(session, req.ns)
         self._check_keys(req.keys)
         cached = d.store.lookup(ns, req.keys)
-        ready = _leading_in_dram(ns, req.keys)
+        ready = leading_in_dram(ns, req.keys)
         if ready == len(req.keys) or (d.ssd is None and d.remote is None):
             return p.PrefetchReply(req.rid, ready, len(cached)), []
         task = d.under_way.background(session, len(req.keys), lambda: d.moves.bring_up(
@@ -480,8 +481,8 @@ class Verbs:
             await asyncio.wait_for(asyncio.shield(task), timeout)
         except TimeoutError:
             pass  # what is up by now is the answer; the rest goes on in the background
-        cached = sum(1 for _ in _leading_present(ns, req.keys))
-        return p.PrefetchReply(req.rid, _leading_in_dram(ns, req.keys), cached)
+        cached = sum(1 for _ in leading_present(ns, req.keys))
+        return p.PrefetchReply(req.rid, leading_in_dram(ns, req.keys), cached)
 
     def _report(self, session: Session, req: p.Report, payload: list[Any]) -> Outcome:
         if not 0 <= req.recomputed_tokens <= p.MAX_REPORTED_TOKENS:
@@ -714,7 +715,7 @@ def lookup_pin(v: Verbs, session: Session, req: p.LookupPin, payload: list[Any])
     ns = v._namespace(session, req.ns)
     v._check_keys(req.keys)
     tiers = d.store.lookup(ns, req.keys)
-    ready = _leading_in_dram(ns, req.keys[:len(tiers)])
+    ready = leading_in_dram(ns, req.keys[:len(tiers)])
     pin: Pin | None = None
     if ready:
         try:
@@ -727,7 +728,8 @@ def lookup_pin(v: Verbs, session: Session, req: p.LookupPin, payload: list[Any])
         except LimitExceededError:
             pin = None
     if d.remote is not None and len(tiers) < len(req.keys) and d.remote.healthy:
-        return Later(_remote_lookup_pin(v, req.rid, session, ns, req.keys, tiers, pin))
+        return Later(_remote_lookup_pin(v, req.rid, session, ns, req.keys, tiers, pin),
+                     functools.partial(_unpin_lookup, v, session, pin))
     if d.metrics is not None:
         bt = ns.identity.block_tokens
         d.metrics.observe_lookup_tokens(d.store.tier, session.tenant, len(tiers) * bt,
@@ -743,12 +745,19 @@ async def _remote_lookup_pin(v: Verbs, rid: int, session: Session, ns: Namespace
     try:
         found = await v._remote_lookup(rid, ns, keys, tiers)
     except BaseException:
-        if pin is not None and session.id in v.d.store.owners:
-            v.d.store.release(session.id, pin.id)
-            v.d.sessions.unpinned(session, pin.id)
+        _unpin_lookup(v, session, pin)
         raise
     assert isinstance(found, p.LookupReply), type(found)
     return _lookup_pin_reply(rid, found.blocks, found.tier_runs, pin)
+
+
+def _unpin_lookup(v: Verbs, session: Session, pin: Pin | None) -> None:
+    """A lookup's pin goes back when no reply carries it: the remote lookup failed, or
+    the request was given up before it ran (refused for the work under way: the pin
+    stayed the session's, unknown to its client, until the session ended)."""
+    if pin is not None and session.id in v.d.store.owners:
+        v.d.store.release(session.id, pin.id)
+        v.d.sessions.unpinned(session, pin.id)
 
 
 def _lookup_pin_reply(rid: int, blocks: int, runs: list[tuple[str, int]],
@@ -756,23 +765,6 @@ def _lookup_pin_reply(rid: int, blocks: int, runs: list[tuple[str, int]],
     if pin is None:
         return p.LookupPinReply(rid, blocks, runs)
     return p.LookupPinReply(rid, blocks, runs, pin.id, pin.offsets, pin.checksums)
-
-
-def _leading_present(ns: Namespace, keys: list[bytes]) -> Iterator[Block]:
-    for key in keys:
-        block = ns.blocks.get(key)
-        if block is None or not block.present:
-            return
-        yield block
-
-
-def _leading_in_dram(ns: Namespace, keys: list[bytes]) -> int:
-    n = 0
-    for block in _leading_present(ns, keys):
-        if block.offset is None:
-            break
-        n += 1
-    return n
 
 
 def arena_to_make(d: Daemon, routing_id: bytes, req: Any,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from kvtest import make_identity
 from test_attacks_s63 import fill
 from test_attacks_s63b import Deaf, refusal
 from test_attacks_s63c import _unread_bytes
@@ -75,5 +76,43 @@ def test_replies_after_a_goodbye_leave_no_connection_out_of_its_tenant_bound(
         with Client(d.endpoint, tenant="acme") as c:  # read: served again
             reply = c._call(p.Snapshot(c._next_rid(), 0, 4096))[0]
             assert isinstance(reply, p.SnapshotReply), reply
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_get_refused_for_the_work_under_way_leaves_no_pin(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """A get over its session's bytes in flight, with replies of its own still being
+    sent, waits for them in a task (``Later``), its blocks pinned (by the daemon's get
+    owner, whose pins no lease ends).  Refused there for the work under way
+    (``server.max_requests_under_way``, a session's 256, a tenant's share), its
+    coroutine was closed before it ran and its pin was never let go: the blocks stayed
+    pinned for the daemon's life, never evicted (16 of 16 kept here after every reply
+    was read and the connection closed).  The pin now goes with the refusal."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text('[server]\nmax_bytes_in_flight = "256KiB"\n'
+                      'max_requests_under_way = 4\n')
+    d = daemon_factory(extra=["--config", str(config)])
+    identity = make_identity(num_layers=4, head_dim=128)  # 64 KiB blocks
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(identity)
+        keys = ns.keys(range(16 * 16))
+        ns.put(keys, [b"\7" * ns.block_bytes] * len(keys))
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        peer = Deaf(ctx, d.endpoint, "acme")
+        peer.send(p.OpenNamespace(10, identity))
+        for rid in range(40):  # 1 MiB each, unread
+            peer.send(p.Get(100 + rid, identity.namespace_id, keys))
+        replies = _replies(peer)
+        gets = [r for r in replies if r.rid >= 100]
+        assert len(gets) == 40, len(gets)
+        refused = [refusal(r) for r in gets if isinstance(r, p.ErrorReply)]
+        assert any("under way" in message for message in refused), refused
+        peer.close()
+        time.sleep(0.5)
+        with Client(d.endpoint, tenant="acme") as c:
+            evicted = c.namespace(identity).evict(keys)
+        assert evicted == len(keys), f"{len(keys) - evicted} of {len(keys)} blocks kept pinned"
     finally:
         ctx.destroy(linger=0)
