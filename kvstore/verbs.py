@@ -758,6 +758,7 @@ def _unpin_lookup(v: Verbs, session: Session, pin: Pin | None) -> None:
     if pin is not None and session.id in v.d.store.owners:
         v.d.store.release(session.id, pin.id)
         v.d.sessions.unpinned(session, pin.id)
+        v.d.sessions.counted(session)  # (counted after the attempt that took it)
 
 
 def _lookup_pin_reply(rid: int, blocks: int, runs: list[tuple[str, int]],

@@ -10,7 +10,7 @@ from typing import Any
 
 import zmq
 from kvtest import make_identity
-from test_attacks_s63 import fill
+from test_attacks_s63 import Peer, fill
 from test_attacks_s63b import Deaf, refusal
 from test_attacks_s63c import _unread_bytes
 
@@ -114,5 +114,45 @@ def test_a_get_refused_for_the_work_under_way_leaves_no_pin(
         with Client(d.endpoint, tenant="acme") as c:
             evicted = c.namespace(identity).evict(keys)
         assert evicted == len(keys), f"{len(keys) - evicted} of {len(keys)} blocks kept pinned"
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_lookup_pin_refused_for_the_work_under_way_leaves_no_pin(
+        daemon_factory: Any, fresh_redis_server: Any, tmp_path: Path) -> None:
+    """A ``lookup_pin`` that asks the remote tier for the keys past its local hits pins
+    those hits for its session, then waits in a task.  Refused there for the work under
+    way, its coroutine was closed before it ran: the pin stayed the session's, unknown
+    to its client (no reply carried it), and its blocks could not be evicted until the
+    session ended.  The pin now goes with the refusal."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text("[server]\nmax_requests_under_way = 4\n")
+    d = daemon_factory(extra=["--config", str(config), "--remote", fresh_redis_server.url],
+                       env={"KVSTORE_REMOTE_TIMEOUT_S": "20"})
+    identity = make_identity()
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(identity)
+        keys = ns.keys(range(3 * 16))
+        ns.put(keys[:2], [b"\5" * ns.block_bytes] * 2)
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        peer = Peer(ctx, d.endpoint, "acme")
+        assert isinstance(peer.ask(p.OpenNamespace(2, identity)), p.NamespaceReply)
+        fresh_redis_server.pause()  # each remote lookup waits
+        try:
+            for rid in range(10):
+                peer.send(p.LookupPin(100 + rid, identity.namespace_id, keys))
+            refused = [refusal(r) for r in peer.replies(8, 10)]
+            assert len(refused) == 8 and all("under way" in m for m in refused), refused
+        finally:
+            fresh_redis_server.resume()
+        pinned = peer.replies(2, 30)
+        assert len(pinned) == 2, pinned
+        for reply in pinned:
+            assert isinstance(reply, p.LookupPinReply) and reply.pin, reply
+            assert isinstance(peer.ask(p.Release(200 + reply.rid, reply.pin)), p.OkReply)
+        evicted = peer.ask(p.Evict(300, identity.namespace_id, keys[:2]))
+        assert isinstance(evicted, p.CountReply) and evicted.count == 2, (
+            f"{evicted}: the blocks were still pinned by the refused lookups")
     finally:
         ctx.destroy(linger=0)
