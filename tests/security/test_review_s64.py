@@ -33,8 +33,8 @@ def test_replies_after_a_goodbye_leave_no_connection_out_of_its_tenant_bound(
     whole snapshot's reply goes out after its session may have ended: a connection that
     asked one and said goodbye at once had that reply (1.4 MB) charged to no tenant,
     and then, said hello again as the same tenant, left page after page unread charged
-    to no tenant either: two such connections held 4-5 MiB against a 1 MiB tenant
-    bound, none of their 40 pages refused, and the tenant's next request was served.
+    to no tenant either: two such connections left 2.4 MiB unread against a 1 MiB
+    tenant bound, charged to no tenant, and the tenant's next request was served.
     Each reply is now charged as it is handed to ZeroMQ, to the tenant of the
     connection then, or to the one that asked for it (a whole snapshot's)."""
     config = tmp_path / "kvstore.toml"
