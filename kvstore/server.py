@@ -392,12 +392,12 @@ class Server:
     def _apply_live(self) -> None:
         """Hand the live settings (``config.LIVE_SETTINGS``) to the parts that use them."""
         s = self.config.server
-        self.limits = _limits(s)
-        self.store.limits = self.limits
+        self.store.limits = self.limits = _limits(s)
         self.max_keys = s.max_keys_per_request
         self.debug_invariants = s.debug_invariants
         self.sessions.configure(s, self.config.auth.grantee_pin_share,
                                 self.config.auth.grantee_pin_total)
+        self.sessions.bound_bytes_in_flight(s)
         self.store.ssd_admit_after = self.config.ssd.admit_after
         self.policy_switches.change(self.config.dram.eviction_policy, self.spawn)
 
@@ -573,6 +573,9 @@ def live_settings(server: Server) -> dict[str, Any]:
         "server.max_requests_per_second_per_tenant":
             sessions.max_requests_per_second_per_tenant,
         "server.stop_seconds": server.config.server.stop_seconds,  # (read at the signal)
+        "server.max_bytes_in_flight": sessions.max_bytes_in_flight,
+        "server.max_bytes_in_flight_per_tenant": sessions.max_tenant_bytes_in_flight,
+        "server.max_bytes_in_flight_total": sessions.max_total_bytes_in_flight,
         "auth.grantee_pin_share": sessions.grant_pins.share,
         "auth.grantee_pin_total": sessions.grant_pins.total,
         "ssd.admit_after": server.store.ssd_admit_after,

@@ -207,6 +207,14 @@ class Sessions:
         # connection stays or not (0: no limit)
         self.max_sessions_per_tenant = s.max_sessions_per_tenant
 
+    def bound_bytes_in_flight(self, s: ServerConfig) -> None:
+        """A reload's bounds on bytes in flight per session and per tenant (the daemon's
+        is ``configure``'s): a lower one refuses what would pass it, takes back nothing
+        under way.  (The constructor's are the start-up's.)"""
+        self.max_bytes_in_flight = parse_size(s.max_bytes_in_flight, "server.max_bytes_in_flight")
+        self.max_tenant_bytes_in_flight = parse_size(s.max_bytes_in_flight_per_tenant,
+                                                     "server.max_bytes_in_flight_per_tenant")
+
     def __len__(self) -> int:
         return len(self.by_id)
 
