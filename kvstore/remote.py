@@ -27,6 +27,7 @@ from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
 from kvstore.plugins.turns import UrgentFirst, calling
 from kvstore.remote_health import TierHealth
 from kvstore.remote_held import HeldWrites
+from kvstore.remote_stop import flush_on_stop
 from kvstore.remote_watch import GenerationWatch
 from kvstore.scheduler.queues import TransferKind
 from kvstore.store import Block, BlockStore, Namespace, Pin, Reservation
@@ -263,9 +264,11 @@ class RemoteTier:
             # and again, the tier marked down each time
             most = max(1, PUT_BYTES_MOST // ns.block_bytes)
             for start in range(0, len(blocks), most):
-                await self._put(ns, blocks[start:start + most])
+                await self.send_blocks(ns, blocks[start:start + most])
 
-    async def _put(self, ns: Namespace, blocks: list[Block]) -> None:
+    async def send_blocks(self, ns: Namespace, blocks: list[Block]) -> None:
+        """Send cached blocks of ``ns`` (those DRAM holds; held back if the tier skips
+        their tenant), marking those written."""
         if not self.health.serves(ns.tenant):
             self.held.hold(blocks)
             return
@@ -405,33 +408,9 @@ class RemoteTier:
             self.store.finish_remote_write(blocks, ok, damaged)
 
     async def flush(self) -> int:
-        """Write back every DRAM-only block the remote store lacks (on the way out, so
-        that stopping loses nothing); returns how many were written."""
-        if not self.write_back:
-            return 0
-        before = self.counters["write_backs"]
-        # one try on the way out whatever a failure a moment ago said (a hiccup's skip
-        # lost every block only DRAM held; a store really down fails one send and the
-        # rest skip it); its generation first: marks of what it lost go too
-        self.health.clear()
-        await self.watch.check()
-        await self.watch.forgotten()
-        self.health.clear()
-        by_ns: dict[Namespace, list[Block]] = {}
-        for ns in list(self.store.namespaces.values()):
-            for b in ns.blocks.values():
-                if b.offset is not None and b.ssd_offset is None and not b.marks & REMOTE_MARK \
-                        and not b.demoting:
-                    by_ns.setdefault(ns, []).append(b)
-        for ns, blocks in by_ns.items():
-            for start in range(0, len(blocks), 64):
-                await self._put(ns, blocks[start:start + 64])
-        written = self.counters["write_backs"] - before
-        unsent = sum(len(blocks) for blocks in by_ns.values()) - written
-        if unsent > 0:
-            log.warning("%d blocks only DRAM held were not written back to the remote "
-                        "store on the way out", unsent)
-        return written
+        """On the way out, what the remote store should have and lacks goes, one try
+        whatever the tier's health (``remote_stop``); how many blocks went."""
+        return await flush_on_stop(self)
 
     async def drain(self) -> None:
         await self._background.drain()

@@ -34,14 +34,14 @@ def test_blocks_held_for_a_skipping_tenant_wait_for_it_and_count_once() -> None:
             Config(remote=RemoteConfig(url="memory://")), store,
             lambda _ns, off: memoryview(arena)[off:off + size], TransferGate(4))
         taken = 0  # blocks of the skipping tenant's handed to a send
-        put = remote._put
+        put = remote.send_blocks
 
         async def counted(ns: Namespace, blocks: list) -> None:  # type: ignore[type-arg]
             nonlocal taken
             taken += len(blocks) if ns.tenant == "acme" else 0
             await put(ns, blocks)
 
-        remote._put = counted  # type: ignore[method-assign]
+        remote.send_blocks = counted  # type: ignore[method-assign]
 
         async def commit(ns: Namespace, first: int, n: int) -> None:
             keys = chain_keys(ns.id, list(range(first, first + n * 16)), 16)

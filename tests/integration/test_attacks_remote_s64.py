@@ -1,0 +1,69 @@
+"""The remote tier attacked as an unlucky operator would: a real daemon, a real
+redis-server killed, restarted empty or configured to expire values.
+
+Each test failed before its fix (the figures are in its docstring)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvtest import make_identity
+from redis_servers import RedisServer
+
+from kvstore import Client
+
+IDENT = make_identity()
+CHAIN = 4
+PREFIX = b"kvstore:"
+
+
+def wait_for(check: Any, what: str, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def put_chain(ns: Any, i: int) -> list[bytes]:
+    keys: list[bytes] = ns.keys(range(i * 1000, i * 1000 + CHAIN * IDENT.block_tokens))
+    ns.put(keys, [bytes([i]) * IDENT.block_bytes for _ in keys])
+    return keys
+
+
+def in_redis(redis: RedisServer, keys: list[bytes]) -> int:
+    """How many of ``keys`` (of IDENT's namespace) the server holds."""
+    client = redis.client()
+    return sum(client.exists(PREFIX + IDENT.namespace_id + k) for k in keys)
+
+
+def test_write_throughs_held_back_go_on_a_clean_stop(
+        daemon_factory: Any, fresh_redis_server: RedisServer) -> None:
+    """Write-through blocks committed while the tier is skipped (an outage a moment
+    ago, ``remote.unhealthy_seconds`` not over) are held to be sent later; a clean stop
+    dropped them, unlogged, though the remote store answered again: only DRAM held them
+    (no SSD tier), so they were lost for every daemon of the store.  Measured before: 0
+    of the 24 blocks of 6 chains in Redis after the stop (the 4 chains put once it was
+    back, the one put while it was down, and the one the restarted store lost), nothing
+    logged; now 24 of 24."""
+    redis = fresh_redis_server
+    d = daemon_factory(extra=["--remote", redis.url, "--remote-write-policy", "write-through"],
+                       env={"KVSTORE_REMOTE_TIMEOUT_S": "1",
+                            "KVSTORE_REMOTE_UNHEALTHY_SECONDS": "600"})
+    chains: list[list[bytes]] = []
+    with Client(d.endpoint, tenant="acme") as c:
+        ns = c.namespace(IDENT)
+        chains.append(put_chain(ns, 0))
+        wait_for(lambda: c.stats()["remote"]["writes"] == CHAIN, "the first chain never went")
+        redis.kill()
+        chains.append(put_chain(ns, 1))  # its send is refused: the tier is skipped
+        wait_for(lambda: not c.stats()["remote"]["healthy"], "the outage was never noticed")
+        redis.start()  # back, empty; the daemon skips it for 600 s
+        for i in range(2, 6):
+            chains.append(put_chain(ns, i))
+        wait_for(lambda: c.stats()["remote"]["deferred_writes"] >= 5 * CHAIN,
+                 "the blocks put since the outage were not held back")
+        assert not c.stats()["remote"]["healthy"]
+    d.stop()
+    found = [in_redis(redis, keys) for keys in chains]
+    assert found == [CHAIN] * len(chains), (found, d.log()[-2000:])
