@@ -608,6 +608,13 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("remote.unhealthy_seconds: cannot be negative")
         if not 0.1 <= self.remote.check_seconds <= 3600:
             raise ConfigError("remote.check_seconds: from 0.1 to 3600 seconds")
+        if self.remote.write_policy == "write-back" and self.remote.options.get("ttl_s"):
+            # DRAM drops a block the store holds without writing it back; one the store
+            # expired meanwhile (read or written there a ttl ago, hot here since) was lost
+            raise ConfigError("remote.options.ttl_s: values that expire lose blocks under "
+                              "write-back (a block read from the store and kept here past "
+                              "the ttl is dropped as if the store held it); leave ttl_s "
+                              "out, or use write-through")
         from kvstore.scheduler.eviction import POLICIES
 
         if self.dram.eviction_policy not in POLICIES:
