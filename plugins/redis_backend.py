@@ -265,6 +265,8 @@ class RedisBackend(StorageBackend):
             return _CORRUPT  # something else sits under our key
         if command == "SET" and reply.kind == "OOM":
             return _MISS  # maxmemory reached with a no-eviction policy: this key only
+        if reply.kind in _REFUSED_CREDENTIALS:
+            raise self._error(command, redis.exceptions.AuthenticationError(reply.message))
         raise BackendError(f"{command} failed: {reply.message}")
 
     async def _get_slowly(self, namespace: bytes, key: bytes,
@@ -476,10 +478,34 @@ class RedisBackend(StorageBackend):
             raise self._error("close", exc) from exc
 
     def _error(self, op: str, exc: BaseException) -> KVStoreError:
-        what = f"redis backend at {_redact(self.url)}: {op}"
-        if isinstance(exc, _UNAVAILABLE):
-            return UnavailableError(f"{what}: {exc}")
-        return BackendError(f"{what}: {exc}")
+        return _backend_error(self.url, op, exc)
+
+
+# error replies of a server that refused the connection's credentials (or none given)
+_REFUSED_CREDENTIALS = frozenset({"NOAUTH", "WRONGPASS"})
+
+
+def _backend_error(url: str, op: str, exc: BaseException) -> KVStoreError:
+    """The failure ``exc`` of a call ``op`` as the daemon's error, naming the store (not
+    its password): unavailable where the server may answer again later."""
+    what = f"redis backend at {_redact(url)}: {op}"
+    if isinstance(exc, redis.exceptions.AuthenticationError):
+        return UnavailableError(f"{what}: {_refused_login(url, exc)}")
+    if isinstance(exc, _UNAVAILABLE):
+        return UnavailableError(f"{what}: {exc}")
+    return BackendError(f"{what}: {exc}")
+
+
+def _refused_login(url: str, exc: BaseException) -> str:
+    """An operator's reading of a refused login, a password the URL lacks or a wrong
+    one, with the server's own words after it: those depend on the library's handshake
+    ("HELLO must be called with the client already authenticated ..."), and say
+    nothing of the URL."""
+    if _redact(url) == url:  # (no password in the URL)
+        return (f"the server asks for a password and the URL gives none: give it as "
+                f"redis://:PASSWORD@HOST:PORT/DB, or USER:PASSWORD@ for an ACL user "
+                f"(the server said: {exc})")
+    return f"the server refused the URL's user name or password (the server said: {exc})"
 
 
 # payload bytes a keyed batch hashes on the loop (about 140 us); more go to a thread

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from kvtest import make_identity
 from redis_servers import RedisServer
 
@@ -98,3 +99,33 @@ def test_values_that_expire_are_refused_under_write_back(tmp_path: Path,
     checked = subprocess.run([sys.executable, "-m", "kvstore", "config", "check", str(config)],
                              capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked
+
+
+@pytest.mark.parametrize("login, told", [
+    ("", "the server asks for a password and the URL gives none"),
+    (":wrong@", "the server refused the URL's user name or password"),
+])
+def test_a_store_refusing_the_login_says_what_to_change(
+        daemon_factory: Any, fresh_redis_server: RedisServer, login: str, told: str) -> None:
+    """A Redis that requires a password, and a URL without one: the daemon's log said
+    "HELLO must be called with the client already authenticated, otherwise the HELLO
+    AUTH <user> <pass> option can be used ..." (redis-py's handshake), and a read on the
+    data path "GET failed: NOAUTH Authentication required." with no store named; neither
+    says the URL lacks the password.  Now both say what to change; the local tiers and
+    another tenant's requests are served meanwhile."""
+    redis = fresh_redis_server
+    redis.client().config_set("requirepass", "sekrit")
+    url = redis.url.replace("redis://", f"redis://{login}")
+    d = daemon_factory(extra=["--remote", url], env={"KVSTORE_REMOTE_TIMEOUT_S": "1"})
+    with Client(d.endpoint, tenant="acme") as c, Client(d.endpoint, tenant="other") as o:
+        ns = c.namespace(IDENT)
+        keys = put_chain(ns, 0)
+        wait_for(lambda: not c.stats()["remote"]["healthy"], "the refusal was never noticed")
+        assert ns.lookup(keys).blocks == CHAIN  # from DRAM
+        o.ping()
+        stranger = ns.keys(range(90_000, 90_000 + IDENT.block_tokens))
+        assert ns.lookup(stranger).blocks == 0
+    d.stop()
+    log = d.log()
+    assert told in log, log
+    assert "sekrit" not in log and "wrong" not in log.replace(told, ""), log
