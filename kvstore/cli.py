@@ -215,8 +215,11 @@ def _stats_view(stats: dict[str, Any], previous: dict[str, Any] | None, dt: floa
                  f"invariant violations={stats['invariant_violations']}")
     if "remote" in stats:
         r = stats["remote"]
-        lines.append(f"remote {r['backend']}: {'healthy' if r['healthy'] else 'UNHEALTHY'} "
-                     f"writes={r['writes']} reads={r['reads']} errors={r['errors']}")
+        failure = r.get("last_failure")
+        why = "" if r["healthy"] or not failure else (
+            f" ({failure['call']}: {failure['error']}, {failure['seconds_ago']:.0f}s ago)")
+        lines.append(f"remote {r['backend']}: {'healthy' if r['healthy'] else 'UNHEALTHY'}"
+                     f"{why} writes={r['writes']} reads={r['reads']} errors={r['errors']}")
     return "\n".join(lines)
 
 

@@ -426,6 +426,7 @@ class RemoteTier:
         # tenants whose own calls timed out, skipping the tier for now (how many: their
         # names are not every reader's to see)
         out["tenants_skipping"] = self.health.skipping()
+        out["last_failure"] = self.health.failure()  # (why it is down: the log says more)
         out.update(self.health.counters)
         out["forgetting_marks"] = self.watch.forgetting
         out["corrupt_values"] = self.backend.counters.corrupt_values

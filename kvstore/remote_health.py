@@ -57,6 +57,9 @@ class TierHealth:
         self._calls: dict[str, set[asyncio.Timeout]] = {}  # tenant -> its calls under way
         self.counters = {"tenant_timeouts": 0, "calls_again": 0, "probes": 0,
                          "probes_failed": 0, "late_checks": 0}
+        # the last failure that took the tier down for every tenant: (its call, the
+        # error's kind and code, when); the log has its text
+        self.last_failure: tuple[str, str, float] | None = None
 
     def __repr__(self) -> str:
         return (f"TierHealth(healthy={self.healthy}, tenants_skipping={len(self.tenants)}, "
@@ -103,7 +106,21 @@ class TierHealth:
         if self.healthy:
             log.warning("remote %s failed (%s); skipping the remote tier for %gs",
                         what, exc, self.cooldown)
-        self.down_until = self.clock() + self.cooldown
+        now = self.clock()
+        self.down_until = now + self.cooldown
+        code = getattr(exc, "code", "internal")
+        self.last_failure = (what, f"{type(exc).__name__}: {code}", now)
+
+    def failure(self) -> dict[str, Any] | None:
+        """The last failure that took the tier down for every tenant, for stats: its
+        call, the error's kind and code, how long ago, and whether the tier is still
+        skipped for it; None if none.  Only what any tenant may see (no address, no
+        server text: those are the log's, for the operator)."""
+        if self.last_failure is None:
+            return None
+        what, error, at = self.last_failure
+        return {"call": what, "error": error, "seconds_ago": round(self.clock() - at, 3),
+                "skipped_for_seconds": round(max(0.0, self.down_until - self.clock()), 3)}
 
     async def call(self, tenant: str, what: str, make: Callable[[], Awaitable[T]]) -> T:
         """``await make()``, one backend call for ``tenant``; a failure is judged (see
