@@ -32,6 +32,11 @@ from kvstore.transfers import Background, TransferGate
 
 log = logging.getLogger("kvstore.tiering")
 
+# why a warm restart drops index records the engine kept (``SsdMover._restore``), as
+# its log line says it: before, none of these was logged, and blocks went unannounced
+_NO_NAMESPACE = "of a namespace whose record is missing or unreadable"
+_OTHER_SIZE = "sized for another block size or slot layout"
+_UNPLACED = "whose parent or slot could not be restored"
 _WRITE_COOLDOWN = 5.0  # seconds without SSD writes after one failed (disk full, I/O error)
 
 
@@ -68,6 +73,7 @@ class SsdMover:
         self.dropping: LostCopies | None = None  # its copies' drop, while under way
         self._drop_next: asyncio.Handle | None = None  # the drop's next slice
         self.drop_slices = 0  # the slices (loop turns) its drop took so far
+        self._dropped: dict[str, int] = {}  # what the restore dropped, by reason
         self.watch = SsdDirectoryWatch(partial(directory_missing, self.engine), self.lose)
 
     # -- start-up --------------------------------------------------------------------------
@@ -75,13 +81,11 @@ class SsdMover:
         """Rebuild the SSD tier's blocks from the durable index (warm restart)."""
         with paused():  # all it builds lives on: nothing for the collector to find
             restored = self._restore()
-        orphans = self.engine.stats().get("dropped_orphans", 0)
-        if orphans:  # (their parents were not written: a stop that lost them, say)
-            log.warning("ssd tier: %d blocks dropped at restore: their parents were not "
-                        "on it", orphans)
+        _log_dropped(self.engine.stats(), self._dropped)
         return restored
 
     def _restore(self) -> int:
+        self._dropped = dict.fromkeys((_NO_NAMESPACE, _OTHER_SIZE, _UNPLACED), 0)
         namespaces = {}
         for ns_id, blob in self.engine.namespaces().items():
             try:
@@ -105,6 +109,9 @@ class SsdMover:
         fit = (rows.length[order] == length[space]) & (rows.size_class[order] == size[space])
         if not fit.all():
             lost = np.flatnonzero(~fit).tolist()
+            unread = int((length[space[lost]] < 0).sum())
+            self._dropped[_NO_NAMESPACE] = unread
+            self._dropped[_OTHER_SIZE] = len(lost) - unread
             self._pending_removals.extend(
                 zip(map(rows.spaces.__getitem__, space[lost].tolist()),
                     map(keys.__getitem__, lost)))
@@ -128,6 +135,7 @@ class SsdMover:
             back = sum(ok)
             restored += back
             if back < len(ok):
+                self._dropped[_UNPLACED] += len(ok) - back
                 self._pending_removals.extend(
                     (ns_id, key) for key, good in zip(mine, ok) if not good)
         # opened here; with no block back, forgotten (before serving: at once)
@@ -428,6 +436,18 @@ class SsdMover:
             out["lost_dropping"] = int(self.dropping is not None)  # its copies' drop
             out["lost_slices"] = self.drop_slices  # (a loop turn each)
         return out
+
+
+def _log_dropped(engine: dict[str, int | float], dropped: dict[str, int]) -> None:
+    """One line for the records a warm restart dropped, how many for each reason (a
+    stop that lost their parents, a namespace record unread, ...); none if none."""
+    why = {"their parents were not on it": engine.get("dropped_orphans", 0),
+           "outside the tier's layout": engine.get("dropped_invalid", 0),
+           "in a slot another block's bytes hold": engine.get("dropped_overlapping", 0),
+           **dropped}
+    if any(why.values()):
+        log.warning("ssd tier: %d blocks dropped at restore: %s", sum(why.values()),
+                    ", ".join(f"{n} {reason}" for reason, n in why.items() if n))
 
 
 def _runs(spaces: list[bytes], space: np.ndarray) -> Iterator[tuple[bytes, np.ndarray]]:
