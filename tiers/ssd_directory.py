@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import resource
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -81,6 +82,7 @@ class SSDDirectory:
         self._data: DataFile | None = None
         self._opened: dict[str, tuple[int, int]] = {}
         try:
+            self._check_file_size_limit()
             self._prepare_directory()
             self._check_free_space()
             self._index = SSDIndex(self.path / INDEX_DIR, self.layout, map_size=map_size, sync=sync)
@@ -140,6 +142,18 @@ class SSDDirectory:
             raise ConfigError(
                 f"SSD tier directory {self.path} cannot hold a lock file: {exc.strerror}"
             ) from exc
+
+    def _check_file_size_limit(self) -> None:
+        """Refuse a capacity past the process's file size limit (``ulimit -f``, a unit's
+        ``LimitFSIZE=``): the data file could not be sized to it, and the error then
+        was EFBIG on an open ("a file cannot be opened"), with no word of the limit."""
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and limit < self.layout.capacity_bytes:
+            raise ConfigError(
+                f"SSD tier directory {self.path}: capacity_bytes={self.layout.capacity_bytes} "
+                f"is past the daemon's file size limit of {limit} bytes (ulimit -f, "
+                f"LimitFSIZE= in a systemd unit); raise the limit or lower capacity_bytes"
+            )
 
     def _check_free_space(self) -> None:
         held = DataFile.allocated_bytes(self.path / DATA_FILE)

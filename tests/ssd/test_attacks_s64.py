@@ -8,14 +8,22 @@ the operator had no way to tell the other 8 had been thrown away, nor why.  Only
 orphans were logged; records outside the layout, overlapping ones, those sized for
 another configuration and those of no readable namespace went silently.  Now one line
 says how many went, for each reason.
+
+A daemon started under a file size limit (``ulimit -f``, ``LimitFSIZE=`` in its unit)
+lower than ``ssd.capacity`` refused to start with "SSD tier directory ...: a file
+cannot be opened ([Errno 27] File too large)": no word of the limit, and the file
+opened fine.  Now the error names the limit and the capacity, before anything is made.
 """
 
 from __future__ import annotations
 
+import resource
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+from daemon_proc import DaemonProcess
 from kvtest import make_identity
 
 from kvstore import Client
@@ -69,3 +77,17 @@ def test_a_restart_says_what_it_dropped_and_why(daemon_factory: Any, tmp_path: P
     assert len(dropped) == 1, log
     assert f"{CHAIN} blocks" in dropped[0] and "namespace" in dropped[0], dropped
 
+
+def test_a_file_size_limit_below_the_capacity_is_named(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "daemon", dram_capacity="4MiB", ssd_capacity="16MiB")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8 * MiB, hard))  # (the daemon inherits it)
+    try:
+        with pytest.raises(RuntimeError, match="exited early") as failed:
+            d.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        d.stop()
+    message = str(failed.value)
+    assert "file size limit" in message and str(8 * MiB) in message, message
+    assert not (tmp_path / "daemon" / "ssd" / "blocks.dat").exists()  # nothing made
