@@ -21,9 +21,11 @@ side of the exchange; the daemon's side is ``kvstore.side_socket``.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
+import resource
 import socket
 import struct
 from typing import Union
@@ -122,7 +124,7 @@ def create_memfd(capacity_bytes: int, name: str = "kvstore-arena", *,
                 os.ftruncate(fd, capacity_bytes)
         except OSError as exc:
             raise ConfigError(f"dram.capacity: cannot allocate {capacity_bytes} bytes of "
-                              f"shared memory: {exc.strerror}") from None
+                              f"shared memory: {exc.strerror}{size_limit_note(exc, 'dram.capacity')}") from None
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
     except BaseException:
         os.close(fd)
@@ -256,3 +258,15 @@ def refused_hint(credentials: str) -> str:
                 "not the named tenant's, or the daemon takes no tokens on this endpoint "
                 "(a token secret gates tcp endpoints; CurveZMQ needs keys instead)")
     return ""
+
+
+def size_limit_note(exc: OSError, field: str) -> str:
+    """What an arena's allocation refused with EFBIG adds: the process's file size
+    limit (``ulimit -f``, a unit's ``LimitFSIZE=``) bounds a memory file and a file in
+    /dev/shm alike, and the error said only "File too large", no word of the limit."""
+    if exc.errno != errno.EFBIG:
+        return ""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    shown = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes"
+    return (f" (the daemon's file size limit is {shown}: ulimit -f, LimitFSIZE= in a "
+            f"systemd unit; raise it or lower {field})")

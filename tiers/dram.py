@@ -44,7 +44,7 @@ from pathlib import Path
 
 from kvstore.arena_budget import ArenaBudget
 from kvstore.errors import ConfigError, LimitExceededError, UnavailableError
-from kvstore.tiers.arena_fds import MEMFD_PREFIX, allocated, create_memfd
+from kvstore.tiers.arena_fds import MEMFD_PREFIX, allocated, create_memfd, size_limit_note
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _MADV_POPULATE_WRITE = 23  # (Linux 5.14; not in the mmap module's constants)
@@ -114,7 +114,7 @@ def create_shared_file(directory: str, suffix: str, capacity_bytes: int, *,
                 os.ftruncate(fd, capacity_bytes)
         except OSError as exc:
             raise ConfigError(f"{size_field}: cannot allocate {capacity_bytes} bytes in "
-                              f"{directory}: {exc.strerror}") from None
+                              f"{directory}: {exc.strerror}{size_limit_note(exc, size_field)}") from None
     except BaseException:
         os.unlink(path)
         raise
