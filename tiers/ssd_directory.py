@@ -50,6 +50,16 @@ _WATCHED = (("the directory", "."), ("its lock file", LOCK_FILE),
             ("its data file", DATA_FILE), ("its index", f"{INDEX_DIR}/data.mdb"))
 
 
+def _holder(fd: int) -> str:
+    """The process holding a directory's lock, as its lock file names it (" (pid N)"),
+    or "" where it names none (a daemon of an older version)."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    return f" (pid {text})" if text.isdigit() else ""
+
+
 def _identity(path: Path) -> tuple[int, int]:
     st = os.stat(path)
     return st.st_dev, st.st_ino
@@ -134,9 +144,13 @@ class SSDDirectory:
                 self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
             )
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # who holds it, for a second daemon started on the directory to name
+            os.ftruncate(self._lock_fd, 0)
+            os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
         except BlockingIOError:
             raise ConfigError(
                 f"SSD tier directory {self.path} is in use by another kvstore process"
+                f"{_holder(self._lock_fd)}"
             ) from None
         except OSError as exc:
             raise ConfigError(

@@ -92,8 +92,11 @@ def test_layout_mismatch_on_reopen(
 
 
 def test_directory_held_by_another_store(open_store: StoreFactory) -> None:
+    """Refused, naming the process that holds it (its lock file says; before, the
+    error named none, and an operator had to look for it)."""
     open_store()
-    with pytest.raises(ConfigError, match="in use by another kvstore process"):
+    held = rf"in use by another kvstore process \(pid {os.getpid()}\)"
+    with pytest.raises(ConfigError, match=held):
         open_store()
 
 
