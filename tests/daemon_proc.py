@@ -117,6 +117,22 @@ class DaemonProcess:
         return self.log_path.read_text(errors="replace")
 
 
+def refused_under_file_size_limit(d: DaemonProcess, limit: int) -> str:
+    """Start ``d`` under a file size limit of ``limit`` bytes (``ulimit -f``: the
+    daemon inherits it) and return why it exited early; the limit is put back."""
+    import pytest
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        with pytest.raises(RuntimeError, match="exited early") as failed:
+            d.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        d.stop()
+    return str(failed.value)
+
+
 def error_records(log: str) -> list[str]:
     """The ERROR and CRITICAL records of a daemon log, each with its traceback."""
     records, current = [], ""

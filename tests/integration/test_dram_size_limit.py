@@ -5,11 +5,10 @@ cannot allocate 67108864 bytes in /dev/shm: File too large", with no word of the
 
 from __future__ import annotations
 
-import resource
 from pathlib import Path
 
 import pytest
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, refused_under_file_size_limit
 
 MiB = 1 << 20
 
@@ -18,14 +17,6 @@ MiB = 1 << 20
 def test_a_file_size_limit_below_the_arena_is_named(tmp_path: Path, arena_kind: str) -> None:
     d = DaemonProcess(tmp_path / "daemon", dram_capacity="64MiB",
                       env={"KVSTORE_DRAM_ARENA_KIND": arena_kind})
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (8 * MiB, hard))  # (the daemon inherits it)
-    try:
-        with pytest.raises(RuntimeError, match="exited early") as failed:
-            d.start()
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        d.stop()
-    message = str(failed.value)
+    message = refused_under_file_size_limit(d, 8 * MiB)
     assert "dram.capacity" in message and "file size limit" in message, message
     assert str(8 * MiB) in message, message

@@ -17,13 +17,11 @@ opened fine.  Now the error names the limit and the capacity, before anything is
 
 from __future__ import annotations
 
-import resource
 import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, refused_under_file_size_limit
 from kvtest import make_identity
 
 from kvstore import Client
@@ -80,14 +78,6 @@ def test_a_restart_says_what_it_dropped_and_why(daemon_factory: Any, tmp_path: P
 
 def test_a_file_size_limit_below_the_capacity_is_named(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "daemon", dram_capacity="4MiB", ssd_capacity="16MiB")
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (8 * MiB, hard))  # (the daemon inherits it)
-    try:
-        with pytest.raises(RuntimeError, match="exited early") as failed:
-            d.start()
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        d.stop()
-    message = str(failed.value)
+    message = refused_under_file_size_limit(d, 8 * MiB)
     assert "file size limit" in message and str(8 * MiB) in message, message
     assert not (tmp_path / "daemon" / "ssd" / "blocks.dat").exists()  # nothing made
