@@ -16,13 +16,12 @@ start after it."""
 from __future__ import annotations
 
 import asyncio
-import signal
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from daemon_proc import DaemonProcess
+from daemon_proc import DaemonProcess, check_invariants_from_now
 from kvtest import make_identity
 
 from kvstore import AsyncClient, Client
@@ -95,19 +94,6 @@ def load(endpoint: str, stop: threading.Event) -> None:
             if ssd["free"] < ssd["capacity"] // 2:
                 ns.drop()
                 ns = client.namespace(OTHER)
-
-
-def check_invariants_from_now(d: DaemonProcess, config: Path, client: Client) -> None:
-    """Turn the daemon's invariant check on (SIGHUP), and wait until one full check of
-    the store as it is has ended (a second forked check starts only once the first has
-    reported; a violation it found is in the log the fixture reads)."""
-    config.write_text("[server]\ndebug_invariants = true\n")
-    assert d.proc is not None
-    d.proc.send_signal(signal.SIGHUP)
-    deadline = time.monotonic() + 60
-    while client.stats()["invariant_checks_forked"] < 2:
-        assert time.monotonic() < deadline, "the invariant check did not run"
-        time.sleep(0.05)
 
 
 def test_blocks_evicted_and_committed_again_are_restored_from_ssd(
