@@ -27,6 +27,7 @@ from kvstore.files import check_own_directory, check_socket_directory, read_regu
 from kvstore.scheduler.admission import SEEN_MOST
 from kvstore.sizes import format_size as format_size
 from kvstore.sizes import parse_size as parse_size
+from kvstore.sizes import parse_size_or_share
 
 log = logging.getLogger("kvstore.config")
 
@@ -192,6 +193,13 @@ class RemoteConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # hex, at least 16 bytes, shared by the daemons of one remote store: values are
     # tagged with it, and only values tagged with it are taken ("" : unkeyed tags)
     tag_secret_file: str = ""
+    # the store's size ("64GiB"; 0: not known), which a tenant's share below is of
+    capacity: str | int = 0
+    # The most this daemon keeps in the store for any one tenant: a size ("8GiB"), a
+    # share of ``capacity`` ("50%"), or 0 for no bound.  Past it the tenant's own oldest
+    # values there are deleted first (``kvstore.remote_shares``).  A share of a capacity
+    # not known bounds nothing.
+    max_bytes_per_tenant: str | int = "50%"
 
 
 class GpuConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -354,6 +362,16 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def tenant_quota(self) -> int:
         """Most bytes of a shared DRAM tier one tenant may hold (0: no quota)."""
         return parse_size(self.dram.tenant_quota, "dram.tenant_quota")
+
+    @property
+    def remote_capacity(self) -> int:
+        return parse_size(self.remote.capacity, "remote.capacity")
+
+    @property
+    def remote_tenant_bytes(self) -> int:
+        """The bound on each tenant's bytes in the remote store (0: none)."""
+        return parse_size_or_share(self.remote.max_bytes_per_tenant, self.remote_capacity,
+                                   "remote.max_bytes_per_tenant", "remote.capacity")
 
     @property
     def gpu_capacity(self) -> int:
@@ -608,6 +626,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError("remote.unhealthy_seconds: cannot be negative")
         if not 0.1 <= self.remote.check_seconds <= 3600:
             raise ConfigError("remote.check_seconds: from 0.1 to 3600 seconds")
+        self.remote_tenant_bytes  # (a size, or a share of remote.capacity, both checked)
         if self.remote.write_policy == "write-back" and self.remote.options.get("ttl_s"):
             # DRAM drops a block the store holds without writing it back; one the store
             # expired meanwhile (read or written there a ttl ago, hot here since) was lost

@@ -27,6 +27,7 @@ from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
 from kvstore.plugins.turns import UrgentFirst, calling
 from kvstore.remote_health import TierHealth
 from kvstore.remote_held import HeldWrites
+from kvstore.remote_shares import TenantShares, put_in_share
 from kvstore.remote_stop import flush_on_stop
 from kvstore.remote_watch import GenerationWatch
 from kvstore.scheduler.queues import TransferKind
@@ -99,6 +100,7 @@ class RemoteTier:
                          "generation_checks": 0, "generations_lost": 0,
                          "marks_forgotten": 0}
         self.held = HeldWrites(self.counters)  # write-throughs to send again
+        self.shares = TenantShares(store, config.remote_tenant_bytes, r.concurrency)
         # where write-through blocks DRAM let go before they were sent (held back, or
         # batched) go: the pipeline sends their SSD copies (without an SSD tier, nowhere)
         self.from_ssd: Callable[[list[Block]], None] | None = None
@@ -155,6 +157,7 @@ class RemoteTier:
                             tenant, "lookup", lambda: self.backend.exists(ns.id, part))
                 n += found
                 if found < len(part):
+                    self.shares.gone(ns, part[found:found + 1])  # (evicted, expired)
                     break
         except KVStoreError:  # (judged: ``remote_health``)
             self.counters["errors"] += 1
@@ -200,6 +203,7 @@ class RemoteTier:
                     # (a tier marked unhealthy while this waited: a miss, not a timeout
                     # more) each payload's xxh3, verified on arrival: the DRAM copy's
                     # checksum too, which clients check
+                    corrupt = self.backend.counters.corrupt_values
                     with calling(True, tenant):
                         got = await self.health.call(
                             tenant, "read", lambda: self.backend.get_into_checksums(
@@ -207,8 +211,10 @@ class RemoteTier:
                         ) if self.health.serves(tenant) else []
                 found = [digest for digest in got if digest is not None]
                 sums += found
-                if len(found) < len(part):
-                    break  # a miss: the rest would be read for nothing
+                if len(found) < len(part):  # a miss: the rest would be read for nothing
+                    misread(self, ns, [k for k, d in zip(missing[start:], got) if d is None],
+                            self.backend.counters.corrupt_values > corrupt)
+                    break
         except KVStoreError as exc:  # (judged: ``remote_health``)
             self.counters["errors"] += 1
             failure: KVStoreError | None = exc
@@ -230,6 +236,8 @@ class RemoteTier:
         for block in result.blocks if self.epoch == epoch else ():
             block.remote = True
             self.store.changed(block)
+        if self.epoch == epoch:
+            self.shares.seen(ns, missing)
         self.counters["reads"] += len(missing)
         self.counters["read_bytes"] += len(missing) * ns.block_bytes
 
@@ -365,18 +373,18 @@ class RemoteTier:
                 # write-throughs, not write-backs, which DRAM needs for room)
                 if not self.healthy:
                     return None
-                with calling(False, ns.tenant):
-                    written = await self.health.call(
-                        ns.tenant, what, lambda: self.backend.put_checksummed(
-                            ns.id, keys, views, sums)) if keys else []
+                with calling(False, ns.tenant):  # (within the tenant's share)
+                    written = await put_in_share(
+                        self.shares, self.backend, ns, keys, views, sums, what,
+                        lambda op, make: self.health.call(ns.tenant, op, make))
         except KVStoreError:  # (judged: ``remote_health``)
             self.counters["errors"] += 1
             return None
         if self.epoch != epoch:  # the store lost what it held meanwhile: maybe these too
             written = [False] * len(written)
-        elif not all(written):
-            self._refused(len(written) - sum(written))
-        result: list[bool | None] = list(written)
+        elif False in written:
+            self._refused(written.count(False))
+        result = written
         if not all(same):
             sent = iter(written)
             result = [next(sent) if good else None for good in same]
@@ -431,7 +439,13 @@ class RemoteTier:
         out["forgetting_marks"] = self.watch.forgetting
         out["corrupt_values"] = self.backend.counters.corrupt_values
         out["timeouts"] = self.backend.counters.timeouts
+        out["tenant_share_bytes"] = self.shares.bound  # (0: no bound)
         return out
+
+
+def misread(tier: RemoteTier, ns: Namespace, gone: list[bytes], corrupt: bool) -> None:
+    """A read found the values of ``gone`` missing, or some ``corrupt``: off the ledger."""
+    tier.shares.gone(ns, gone)
 
 
 def asking(ns: Namespace) -> str:

@@ -31,6 +31,7 @@ from kvstore.core import StoreCore
 from kvstore.errors import KVStoreError
 from kvstore.plugins import GuardedBackend
 from kvstore.remote_copies import ForgetMarks
+from kvstore.remote_shares import TenantShares
 
 log = logging.getLogger("kvstore.remote")
 
@@ -50,6 +51,7 @@ class WatchedTier(Protocol):
     backend: GuardedBackend
     counters: dict[str, int]
     epoch: int
+    shares: TenantShares
 
     @property
     def store(self) -> StoreCore: ...
@@ -162,6 +164,7 @@ class GenerationWatch:
         tier = self.tier
         tier.epoch += 1
         tier.counters["generations_lost"] += 1
+        tier.shares.forget()  # (each tenant's values there with it)
         log.warning("the remote store lost what it held (its generation changed): "
                     "forgetting which blocks it holds; those still cached here are "
                     "written to it again")

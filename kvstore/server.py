@@ -539,6 +539,9 @@ def server_stats(server: Server) -> dict[str, Any]:
     if server.remote is not None:
         out["remote"] = server.remote.stats()
         out["remote"]["copying_from_ssd"] = server.moves.copying_from_ssd
+        # each tenant's values in it, as this daemon knows them, and those deleted or
+        # not sent to keep it within remote.max_bytes_per_tenant
+        out["remote_tenants"] = server.remote.shares.stats()
     if server.events is not None:
         out["events"] = server.events.stats()
     out["settings"] = live_settings(server)

@@ -40,6 +40,20 @@ def parse_size(value: str | int, field: str = "size") -> int:
     return size
 
 
+def parse_size_or_share(value: str | int, whole: int, field: str, of: str) -> int:
+    """A size, or a percentage (``"25%"``) of ``whole`` (named ``of``)."""
+    if not (isinstance(value, str) and value.strip().endswith("%")):
+        return parse_size(value, field)
+    try:
+        share = float(value.strip()[:-1])
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 100:
+        raise ConfigError(f"{field}: {value!r}; a share of {of} is a percentage above 0, "
+                          f"at most 100%")
+    return int(whole * share / 100)
+
+
 def format_size(value: int) -> str:
     for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if value >= factor and value % factor == 0:

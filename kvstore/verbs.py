@@ -551,7 +551,7 @@ def stats_for(d: Daemon, tenant: str) -> dict[str, Any]:
                             if visible(name))
     stats["namespaces"] = sum(len(group) for name, group
                               in d.store.tenant_namespaces.items() if visible(name))
-    for tenant_bytes in ("tenant_dram_bytes", "ssd_tenant_bytes"):
+    for tenant_bytes in ("tenant_dram_bytes", "ssd_tenant_bytes", "remote_tenants"):
         if tenant_bytes in stats:
             stats[tenant_bytes] = {other: nbytes for other, nbytes
                                    in stats[tenant_bytes].items() if visible(other)}

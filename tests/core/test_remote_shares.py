@@ -1,0 +1,80 @@
+"""The ledger of each tenant's values in the remote store (``kvstore.remote_shares``):
+exact across sends, deletes for room, failures, misses and a store that lost it all."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from kvstore.remote_shares import TenantShares
+
+SIZE = 100
+
+
+def make(bound: int, concurrency: int = 1) -> tuple[TenantShares, Any, Any]:
+    store: Any = SimpleNamespace(namespaces={}, changed=lambda b: None)
+    a = SimpleNamespace(tenant="a", id=b"A", block_bytes=SIZE)
+    b = SimpleNamespace(tenant="b", id=b"B", block_bytes=SIZE)
+    return TenantShares(store, bound, concurrency), a, b
+
+
+def keys(*ids: int) -> list[bytes]:
+    return [bytes([i]) for i in ids]
+
+
+def send(shares: TenantShares, ns: Any, ks: list[bytes], ok: bool = True) -> Any:
+    plan = shares.plan(ns, ks)
+    victims = [entry for entry, _ in plan.victims]
+    shares.deleted(plan, True)
+    shares.done(plan, [ok] * len(plan.send))
+    return plan, victims
+
+
+def test_a_tenant_past_its_bound_loses_its_own_oldest_values_only() -> None:
+    shares, a, b = make(3 * SIZE)
+    send(shares, b, keys(50, 51))
+    send(shares, a, keys(1, 2, 3))
+    _, victims = send(shares, a, keys(4, 5))
+    assert victims == [(b"A", bytes([1])), (b"A", bytes([2]))]
+    stats = shares.stats()
+    assert stats["a"] == {"bytes": 3 * SIZE, "share_deleted": 2, "share_refused": 0}
+    assert stats["b"]["bytes"] == 2 * SIZE
+
+
+def test_more_than_the_bound_at_once_is_refused_past_it() -> None:
+    shares, a, _ = make(2 * SIZE)
+    plan, _ = send(shares, a, keys(1, 2, 3, 4))
+    assert plan.send == [0, 1]
+    assert shares.stats()["a"] == {"bytes": 2 * SIZE, "share_deleted": 0,
+                                   "share_refused": 2}
+
+
+def test_failures_give_back_what_was_planned() -> None:
+    shares, a, _ = make(2 * SIZE)
+    send(shares, a, keys(1, 2))
+    plan = shares.plan(ns=a, keys=keys(3))
+    shares.deleted(plan, False)  # the delete failed: the victim may still be there
+    shares.done(plan, None)
+    assert shares.stats()["a"] == {"bytes": 2 * SIZE, "share_deleted": 0,
+                                   "share_refused": 0}
+    send(shares, a, keys(2), ok=False)  # sent again, refused: the old value stays
+    assert shares.stats()["a"]["bytes"] == 2 * SIZE
+
+
+def test_misses_and_a_lost_store_leave_the_ledger() -> None:
+    shares, a, _ = make(4 * SIZE)
+    send(shares, a, keys(1, 2, 3))
+    shares.gone(a, keys(2, 9))
+    assert shares.stats()["a"]["bytes"] == 2 * SIZE
+    shares.seen(a, keys(7, 1))  # read there: counted once each
+    assert shares.stats()["a"]["bytes"] == 3 * SIZE
+    plan = shares.plan(a, keys(4))
+    shares.forget()  # the store lost what it held, the send under way with it
+    shares.done(plan, [True])
+    assert shares.stats()["a"]["bytes"] == 0
+
+
+def test_no_bound_keeps_no_ledger() -> None:
+    shares, a, _ = make(0)
+    plan, _ = send(shares, a, keys(1, 2, 3))
+    assert plan.send == [0, 1, 2] and shares.stats() == {}
