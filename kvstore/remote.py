@@ -98,7 +98,9 @@ class RemoteTier:
                          # the store's generation asked; found another (the store lost
                          # what it held); and the marks of blocks it held taken back
                          "generation_checks": 0, "generations_lost": 0,
-                         "marks_forgotten": 0}
+                         "marks_forgotten": 0,
+                         # values found corrupt by a read, deleted from the store
+                         "corrupt_deleted": 0}
         self.held = HeldWrites(self.counters)  # write-throughs to send again
         self.shares = TenantShares(store, config.remote_tenant_bytes, r.concurrency)
         # where write-through blocks DRAM let go before they were sent (held back, or
@@ -444,8 +446,20 @@ class RemoteTier:
 
 
 def misread(tier: RemoteTier, ns: Namespace, gone: list[bytes], corrupt: bool) -> None:
-    """A read found the values of ``gone`` missing, or some ``corrupt``: off the ledger."""
+    """A read found the values of ``gone`` missing, or some ``corrupt``: off the
+    ledger, and deleted if corrupt (left, the store's EXISTS kept reporting them to
+    every lookup, and every acquire read them again, a miss each time)."""
     tier.shares.gone(ns, gone)
+    if corrupt and gone:
+        tier._background.spawn(_delete_corrupt(tier, ns, gone))
+
+
+async def _delete_corrupt(tier: RemoteTier, ns: Namespace, keys: list[bytes]) -> None:
+    try:
+        tier.counters["corrupt_deleted"] += await tier.health.call(
+            ns.tenant, "delete", lambda: tier.backend.delete(ns.id, keys))
+    except KVStoreError:  # (judged: ``remote_health``; a later read finds it again)
+        tier.counters["errors"] += 1
 
 
 def asking(ns: Namespace) -> str:
