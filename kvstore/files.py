@@ -5,6 +5,7 @@ daemon keeps its sockets and files in, no other user's to change."""
 from __future__ import annotations
 
 import os
+import resource
 import stat
 from pathlib import Path
 
@@ -82,3 +83,15 @@ def check_socket_directory(directory: Path) -> None:
     check_own_directory(directory, f"where the socket {directory} is bound",
                         "could replace the socket there; bind an endpoint elsewhere (or, to "
                         "share a folder, make it sticky, chmod +t, or use server.socket_group)")
+
+
+# where a daemon's file size limit comes from, as its refusals name it
+FILE_SIZE_LIMIT_FROM = "ulimit -f, LimitFSIZE= in a systemd unit"
+
+
+def file_size_limit() -> int | None:
+    """The process's file size limit in bytes (None: unlimited).  It bounds every file
+    the daemon sizes (the SSD tier's data file, a DRAM arena's memory file or file in
+    /dev/shm), and the kernel's refusal says only "File too large"."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if limit == resource.RLIM_INFINITY else limit

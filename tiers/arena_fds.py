@@ -25,7 +25,6 @@ import errno
 import fcntl
 import mmap
 import os
-import resource
 import socket
 import struct
 from typing import Union
@@ -34,6 +33,7 @@ import msgspec
 
 from kvstore.auth import token_tenant
 from kvstore.errors import ConfigError, ForbiddenError, KVStoreError, UnavailableError
+from kvstore.files import FILE_SIZE_LIMIT_FROM, file_size_limit
 
 MEMFD_PREFIX = "memfd:"        # an arena path naming a descriptor to ask for, not a file
 SIDE_SUFFIX = ".fd"
@@ -261,12 +261,12 @@ def refused_hint(credentials: str) -> str:
 
 
 def size_limit_note(exc: OSError, field: str) -> str:
-    """What an arena's allocation refused with EFBIG adds: the process's file size
-    limit (``ulimit -f``, a unit's ``LimitFSIZE=``) bounds a memory file and a file in
-    /dev/shm alike, and the error said only "File too large", no word of the limit."""
+    """What an arena's allocation refused with EFBIG adds: the file size limit
+    (``files.file_size_limit``) bounds a memory file and a file in /dev/shm alike, and
+    the error said only "File too large", no word of the limit."""
     if exc.errno != errno.EFBIG:
         return ""
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    shown = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes"
-    return (f" (the daemon's file size limit is {shown}: ulimit -f, LimitFSIZE= in a "
-            f"systemd unit; raise it or lower {field})")
+    limit = file_size_limit()
+    shown = "unlimited" if limit is None else f"{limit} bytes"
+    return (f" (the daemon's file size limit is {shown}: {FILE_SIZE_LIMIT_FROM}; raise it "
+            f"or lower {field})")

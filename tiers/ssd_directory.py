@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import resource
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import ConfigError
-from kvstore.files import check_own_directory
+from kvstore.files import FILE_SIZE_LIMIT_FROM, check_own_directory, file_size_limit
 
 from .ssd_index import SSDIndex, SyncPolicy
 from .ssd_io import DataFile, Span
@@ -161,12 +160,12 @@ class SSDDirectory:
         """Refuse a capacity past the process's file size limit (``ulimit -f``, a unit's
         ``LimitFSIZE=``): the data file could not be sized to it, and the error then
         was EFBIG on an open ("a file cannot be opened"), with no word of the limit."""
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if limit != resource.RLIM_INFINITY and limit < self.layout.capacity_bytes:
+        limit = file_size_limit()
+        if limit is not None and limit < self.layout.capacity_bytes:
             raise ConfigError(
                 f"SSD tier directory {self.path}: capacity_bytes={self.layout.capacity_bytes} "
-                f"is past the daemon's file size limit of {limit} bytes (ulimit -f, "
-                f"LimitFSIZE= in a systemd unit); raise the limit or lower capacity_bytes"
+                f"is past the daemon's file size limit of {limit} bytes "
+                f"({FILE_SIZE_LIMIT_FROM}); raise the limit or lower capacity_bytes"
             )
 
     def _check_free_space(self) -> None:
