@@ -33,7 +33,6 @@ router's question is not a use.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -51,6 +50,7 @@ from kvstore.namespace_order import NamespaceOrder
 from kvstore.pending import Later
 from kvstore.sessions import Session
 from kvstore.slice_turns import SliceTurns
+from kvstore.snapshot_walks import Walks
 from kvstore.store import BlockStore
 from kvstore.tier_changes import TIER_BITS, holdings
 from kvstore.tiering import SsdMover
@@ -67,6 +67,9 @@ PAGE_SECONDS = 0.002  # ...or as many as it goes through in this long (its encod
 # asked for in half the time would cost its client a round trip more (+5%).
 WHOLE_SECONDS = 0.001
 SNAPSHOTS_OPEN = 4  # paged snapshots a session may have under way (one more ends the oldest)
+# ...and a tenant over all its sessions (one more ends the tenant's oldest): each holds a
+# copy of a shard of a namespace's key map, up to 4096 entries (``kvstore.snapshot_walks``)
+SNAPSHOTS_A_TENANT = 64
 # Snapshots in one reply (limit 0) under way, each holding its reply (about 45 bytes a
 # block) from its request until ZeroMQ has sent it: at most this many a tenant, and the
 # daemon at most WHOLE_AT_ONCE.  Counted a session only, 100 sessions of one tenant
@@ -222,9 +225,8 @@ class RoutingVerbs:
             "dram": float(parse_size(e.dram_bandwidth, "events.dram_bandwidth")),
             "ssd": float(parse_size(e.ssd_bandwidth, "events.ssd_bandwidth")),
             "remote": float(parse_size(e.remote_bandwidth, "events.remote_bandwidth"))}
-        # snapshots under way, by session (gone with it) and cursor, oldest first
-        self.walks: weakref.WeakKeyDictionary[Session, dict[int, SnapshotWalk]] = (
-            weakref.WeakKeyDictionary())
+        # paged snapshots under way, by session (gone with it) and tenant, and cursor
+        self.walks: Walks[Session, SnapshotWalk] = Walks(SNAPSHOTS_OPEN, SNAPSHOTS_A_TENANT)
         self.whole: dict[str, int] = {}  # snapshots in one reply under way, by tenant
         self.cursors = UnguessableIds()  # (a counter's told others' snapshots)
 
@@ -236,12 +238,12 @@ class RoutingVerbs:
         return lambda ns: auth.may_open(tenant, ns.tenant)
 
     def _snapshot(self, session: Session, req: p.Snapshot, payload: list[Any]) -> Answer:
-        walks = self.walks.setdefault(session, {})
         if req.cursor:
-            walk = walks.pop(req.cursor, None)
+            walk = self.walks.take(session, req.cursor)
             if walk is None:
                 raise NotFoundError(f"no snapshot under way with cursor {req.cursor} (it "
-                                    f"ended, or {SNAPSHOTS_OPEN} newer ones began): begin "
+                                    f"ended, or {SNAPSHOTS_OPEN} newer ones of the session, "
+                                    f"or {SNAPSHOTS_A_TENANT} of its tenant, began): begin "
                                     f"again with cursor 0")
             cursor = req.cursor
         else:
@@ -250,15 +252,13 @@ class RoutingVerbs:
             if not req.limit:
                 return self._whole_later(session, req.rid, walk)
             cursor = next(self.cursors)
-            while len(walks) >= SNAPSHOTS_OPEN:
-                del walks[next(iter(walks))]  # the oldest
         blocks: list[Entry] = []
         if req.cursor:
             self._published()  # what changed since the last page, announced before it
         if walk.page(req.limit or SNAPSHOT_PAGE, blocks, PAGE_SECONDS):
             cursor = 0
         else:
-            walks[cursor] = walk
+            self.walks.keep(session, cursor, walk)  # (ending the oldest past the bounds)
         return p.SnapshotReply(req.rid, walk.seq, blocks, cursor), []
 
     def _published(self) -> int:

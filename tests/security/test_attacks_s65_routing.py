@@ -1,0 +1,72 @@
+"""A hostile tenant against the router-facing verbs of a running daemon (session 65):
+paged snapshots, and what they hold.  Real daemon processes, raw ZeroMQ where a client
+library would not send what is sent."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+from test_attacks_s63 import Peer, fill
+from test_attacks_s63b import anon_mib
+
+from kvstore import protocol as p
+from kvstore.routing import SNAPSHOTS_A_TENANT
+
+
+def first_page(peer: Peer, rid: int) -> int:
+    """Begin a paged snapshot with a page of 3 entries (its namespace, its key map's
+    shard, copied, and a block): its cursor."""
+    page = peer.ask(p.Snapshot(rid, 0, 3))
+    assert isinstance(page, p.SnapshotReply) and page.cursor, page
+    return page.cursor
+
+
+def test_paged_snapshots_never_finished_are_bounded_per_tenant(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """A paged snapshot under way holds a copy of the shard of the key map it goes
+    through (4096 entries of a namespace of 4096 blocks), and a session may keep 4 of
+    them: 500 sessions of one tenant beginning 4 each with a page of 3 entries, never
+    finished, grew the daemon by 63 MiB (a tenant may hold 4096 sessions: 0.5 GiB).  A
+    tenant now keeps at most ``SNAPSHOTS_A_TENANT`` over all its sessions, the oldest
+    ended (asked for again: not found, begin again), and another tenant's walk begun
+    before the flood pages on to its end."""
+    d = daemon_factory(dram_capacity="256MiB", debug_invariants=False)
+    fill(d.endpoint, "acme", 4096)
+    fill(d.endpoint, "globex", 100)
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        honest = Peer(ctx, d.endpoint, "globex")
+        honest_cursor = first_page(honest, 2)
+        flooders = [Peer(ctx, d.endpoint, "acme") for _ in range(500)]
+        time.sleep(0.3)
+        before = anon_mib(d.proc.pid)
+        cursors = []
+        for peer in flooders:
+            for rid in range(4):
+                peer.send(p.Snapshot(10 + rid, 0, 3))
+        for peer in flooders:
+            pages = peer.replies(4, 60)
+            assert len(pages) == 4 and all(isinstance(r, p.SnapshotReply) and r.cursor
+                                           for r in pages), pages
+            cursors.append(pages[-1].cursor)
+        grown = anon_mib(d.proc.pid) - before
+        assert grown < 16, (f"2000 paged snapshots of one tenant under way: the daemon "
+                            f"grew by {grown:.0f} MiB")
+        ended = flooders[0].ask(p.Snapshot(50, cursors[0], 3))
+        assert isinstance(ended, p.ErrorReply) and ended.code == "not_found", ended
+        assert "of its tenant" in ended.message, ended.message
+        newest = flooders[-1].ask(p.Snapshot(51, first_page(flooders[-1], 60), 3))
+        assert isinstance(newest, p.SnapshotReply), newest  # a new one always begins
+        listed, cursor = 0, honest_cursor
+        while cursor:
+            page = honest.ask(p.Snapshot(52, cursor, 4096))
+            assert isinstance(page, p.SnapshotReply), page
+            cursor, listed = page.cursor, listed + len(page.blocks)
+        assert listed >= 99  # (the first page's entries aside)
+        assert SNAPSHOTS_A_TENANT < 2000
+    finally:
+        ctx.destroy(linger=0)
+    assert d.alive()
