@@ -22,7 +22,7 @@ import msgspec
 
 from kvstore.arena_budget import budget_slab_bytes
 from kvstore.errors import ConfigError
-from kvstore.config_paths import resolve_relative
+from kvstore.config_paths import check_ipc_path, resolve_relative
 from kvstore.files import check_own_directory, check_socket_directory, read_regular_file
 from kvstore.scheduler.admission import SEEN_MOST
 from kvstore.sizes import format_size as format_size
@@ -286,6 +286,7 @@ class EventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if value and not value.startswith(("ipc://", "tcp://", "inproc://")):
                 raise ConfigError(f"events.{name}: {value!r} must start with ipc://, tcp:// "
                                   f"or inproc://")
+            check_ipc_path(f"events.{name}", value)
         if self.replay_endpoint and not self.endpoint:
             raise ConfigError("events.replay_endpoint: replays need events.endpoint set")
         if self.encoding not in ("map", "array"):
@@ -491,6 +492,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if not endpoint.startswith(("ipc://", "tcp://")):
                 raise ConfigError(
                     f"server.endpoint: {endpoint!r} must start with ipc:// or tcp://")
+            check_ipc_path("server.endpoint", endpoint)
         if not self.server.lease_seconds >= MIN_LEASE_SECONDS:
             # (a lease of 1e-9 was taken: every session ended at its next request, and
             # the reaper, due every quarter lease, ran on every turn of an idle loop)

@@ -17,8 +17,10 @@ import stat
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENDPOINT_FIELDS", "PATH_FIELDS", "config_directory", "resolve_relative",
-           "resolved_paths"]
+from kvstore.errors import ConfigError
+
+__all__ = ["ENDPOINT_FIELDS", "PATH_FIELDS", "check_ipc_path", "config_directory",
+           "resolve_relative", "resolved_paths"]
 
 # (section, field) of the settings that name a file or a directory
 PATH_FIELDS = (("server", "metrics_token_file"), ("dram", "directory"), ("ssd", "path"),
@@ -91,3 +93,16 @@ def resolved_paths(path: str | Path) -> list[str]:
     if config_directory(path) is None:
         return []
     return resolve_relative(tomllib.loads(Path(path).read_text("utf-8")), path)
+
+
+def check_ipc_path(setting: str, endpoint: str) -> None:
+    """Refuse an ipc endpoint that names no socket file (ConfigError): the daemon's
+    sockets and its event stream are guarded by their file's mode (0600) and
+    directory.  An abstract socket (``ipc://@name``) has neither, so any local user
+    could connect (read the stream: every tenant's keys and token ids), and a wildcard
+    (``ipc://*``) binds a file of ZeroMQ's naming that nobody could be told of; both
+    made the daemon stop at start with a traceback (``chmod`` of no such file)."""
+    if endpoint.startswith(("ipc://@", "ipc://*")):
+        raise ConfigError(f"{setting}: {endpoint!r} names no socket file (an abstract socket "
+                          f"or a wildcard has no file mode to keep other users out): name "
+                          f"a path, as ipc:///run/kvstore/kvstore.sock")

@@ -229,19 +229,33 @@ def test_relative_paths_given_as_flags_stay_relative_to_the_working_directory(
 
 
 def test_which_config_paths_are_resolved(tmp_path: Path) -> None:
-    """ipc paths (one or a list) resolved, an abstract or wildcard one, tcp, ``~`` and an
-    absolute path left; environment overrides stay as typed."""
-    from kvstore.config import load_config
+    """ipc paths (one or a list) resolved; tcp, ``~`` and an absolute path left;
+    environment overrides stay as typed.  An abstract or wildcard ipc endpoint is left
+    unresolved, and refused by name: it has no socket file whose mode keeps other users
+    out (it stopped the daemon at start with a traceback)."""
+    import pytest
 
+    from kvstore.config import load_config
+    from kvstore.config_paths import resolve_relative
+    from kvstore.errors import ConfigError
+
+    data = {"server": {"endpoint": "ipc://@kv", "extra_endpoints": ["ipc://*"]}}
+    resolve_relative(data, tmp_path / "kvstore.toml")
+    assert data == {"server": {"endpoint": "ipc://@kv", "extra_endpoints": ["ipc://*"]}}
     config = tmp_path / "kvstore.toml"
+    for endpoint in ("ipc://@kv", "ipc://*"):
+        for section in ("server", "events"):
+            config.write_text(f'[{section}]\nendpoint = "{endpoint}"\n')
+            with pytest.raises(ConfigError, match=f"{section}.endpoint: .*names no socket"):
+                load_config(config, env={})
     config.write_text(
-        '[server]\nendpoint = "ipc://@kv"\n'
-        'extra_endpoints = ["ipc://run/k.sock", "tcp://127.0.0.1:5555", "ipc://*"]\n'
+        '[server]\nendpoint = "ipc:///run/kv.sock"\n'
+        'extra_endpoints = ["ipc://run/k.sock", "tcp://127.0.0.1:5555"]\n'
         '[ssd]\npath = "~/ssd"\n[remote]\ntag_secret_file = "../tag"\n')
     c = load_config(config, env={"KVSTORE_AUTH_SECRET_FILE": "env/secret"})
-    assert c.server.endpoint == "ipc://@kv"
+    assert c.server.endpoint == "ipc:///run/kv.sock"
     assert c.server.extra_endpoints == [f"ipc://{tmp_path}/run/k.sock",
-                                        "tcp://127.0.0.1:5555", "ipc://*"]
+                                        "tcp://127.0.0.1:5555"]
     assert c.ssd.path == "~/ssd"
     assert c.remote.tag_secret_file == str(tmp_path.parent / "tag")
     assert c.auth.secret_file == "env/secret"

@@ -70,3 +70,30 @@ def test_paged_snapshots_never_finished_are_bounded_per_tenant(
     finally:
         ctx.destroy(linger=0)
     assert d.alive()
+
+
+def test_an_ipc_endpoint_with_no_socket_file_is_refused_by_name(tmp_path: Path) -> None:
+    """An abstract ipc socket (``ipc://@name``) has no file, so no mode keeps other local
+    users from connecting: the event stream there (every tenant's keys and token ids)
+    would be anyone's to read on a daemon without credentials.  Such an endpoint, and a
+    wildcard one, stopped the daemon at start with a traceback (``chmod`` of no such
+    file); both are now refused by name, for the stream and the daemon's own socket."""
+    import os
+    import subprocess
+    import sys
+
+    sock = f"ipc://{tmp_path / 'k.sock'}"
+    for env, setting in ((({"KVSTORE_EVENTS_ENDPOINT": "ipc://@kv-events-s65"}),
+                          "events.endpoint"),
+                         ({"KVSTORE_EVENTS_ENDPOINT": "ipc://*"}, "events.endpoint"),
+                         ({"KVSTORE_ENDPOINT": "ipc://@kv-s65"}, "server.endpoint")):
+        args = [sys.executable, "-m", "kvstore", "serve", "--dram-capacity", "16MiB",
+                "--ssd-capacity", "0", "--ssd-path", str(tmp_path / "ssd")]
+        if "KVSTORE_ENDPOINT" not in env:
+            args += ["--endpoint", sock]
+        done = subprocess.run(args, env={**os.environ, **env}, capture_output=True,
+                              text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode != 0, done
+        assert "Traceback" not in done.stderr, done.stderr
+        assert f"{setting}: " in done.stderr and "names no socket file" in done.stderr, (
+            done.stderr)
