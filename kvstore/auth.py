@@ -43,6 +43,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import pwd
@@ -409,8 +410,15 @@ class Auth:
         ``endpoint``, with the credentials the daemon has for it (``Config.validate``
         refused the combinations with none): on tcp a CurveZMQ key, else a token; on
         ipc a ticket of the side socket beside the daemon's ipc endpoint.  Nothing when
-        the daemon takes no credentials (a single-user host)."""
+        the daemon takes no credentials (a single-user host): then a tcp endpoint
+        reachable from other hosts is warned of, as the daemon's own are."""
         if not (self.curve_enabled or self.secret is not None or self.peer_tenants):
+            if endpoint.startswith("tcp://") and not _loopback_endpoint(endpoint):
+                log.warning("%s: the KV event stream takes no credentials (none are set): "
+                            "any peer that reaches it reads every tenant's keys and token "
+                            "ids; bind it on a loopback address or an ipc path, or set "
+                            "auth.secret_file (tokens) or auth.curve_secret_key_file "
+                            "(CurveZMQ) and events.readers", endpoint)
             return
         self._events_contexts.add(id(context))  # its own to release (``release``)
         if endpoint.startswith("tcp://") and self.curve_enabled:
@@ -461,3 +469,15 @@ class Auth:
         stream releases them as it closes its sockets)."""
         for key in [k for k in self._authenticators if k not in self._events_contexts]:
             self._authenticators.pop(key).stop()
+
+
+def _loopback_endpoint(endpoint: str) -> bool:
+    """Whether a tcp endpoint binds a loopback address only (``*``, an interface's name
+    or a host name: no)."""
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -97,3 +97,24 @@ def test_an_ipc_endpoint_with_no_socket_file_is_refused_by_name(tmp_path: Path) 
         assert "Traceback" not in done.stderr, done.stderr
         assert f"{setting}: " in done.stderr and "names no socket file" in done.stderr, (
             done.stderr)
+
+
+def test_an_event_stream_open_to_other_hosts_without_credentials_is_warned_of(
+        daemon_factory: Any) -> None:
+    """The stream carries every tenant's keys and token ids (the prompts' tokens); on a
+    daemon without credentials it has no gate of its own.  The daemon warned of its own
+    tcp endpoints and of a metrics port open to other hosts, and said nothing of a stream
+    bound on every address (as ``tcp://*:5557``): it now names it, and what to do.  A
+    stream bound on a loopback address is not warned of."""
+    from daemon_proc import free_port
+
+    warning = "the KV event stream takes no credentials"
+    open_to_all = daemon_factory(env={
+        "KVSTORE_EVENTS_ENDPOINT": f"tcp://*:{free_port()}",
+        "KVSTORE_EVENTS_REPLAY_ENDPOINT": f"tcp://0.0.0.0:{free_port()}"})
+    log = open_to_all.log()
+    assert log.count(warning) == 2 and "events.readers" in log, log
+    local = daemon_factory(env={
+        "KVSTORE_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
+        "KVSTORE_EVENTS_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{free_port()}"})
+    assert warning not in local.log(), local.log()
