@@ -247,7 +247,7 @@ class RoutingVerbs:
                                     f"again with cursor 0")
             cursor = req.cursor
         else:
-            walk = SnapshotWalk(self.d.store.order, self._published(),
+            walk = SnapshotWalk(self.d.store.order, self._seq_for(session),
                                 self._visible(session))
             if not req.limit:
                 return self._whole_later(session, req.rid, walk)
@@ -260,6 +260,19 @@ class RoutingVerbs:
         else:
             self.walks.keep(session, cursor, walk)  # (ending the oldest past the bounds)
         return p.SnapshotReply(req.rid, walk.seq, blocks, cursor), []
+
+    def _seq_for(self, session: Session) -> int:
+        """What changed published; the sequence number the session's snapshot begins
+        after.  With credentials, -1 for a tenant that may not read the stream (neither
+        in ``events.readers`` nor an operator): it could apply no batch after it, and the
+        number moves with every tenant's stores and evictions (polled, it told a tenant
+        when another's requests stored blocks, as a probe's queue once did)."""
+        seq = self._published()
+        config, tenant = self.d.config, session.tenant
+        if (config.credentials and tenant not in config.events.readers
+                and tenant not in config.auth.operators):
+            return -1
+        return seq
 
     def _published(self) -> int:
         """Publish what changed this loop turn; the sequence number of the last batch."""

@@ -118,3 +118,43 @@ def test_an_event_stream_open_to_other_hosts_without_credentials_is_warned_of(
         "KVSTORE_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
         "KVSTORE_EVENTS_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{free_port()}"})
     assert warning not in local.log(), local.log()
+
+
+def test_a_snapshots_number_tells_a_tenant_not_reading_the_stream_nothing(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """A snapshot is stamped with the number of the last batch of the event stream,
+    which moves with every tenant's stores and evictions: a tenant polling snapshots of
+    its own (empty) namespaces saw it move each time another tenant stored blocks, a
+    daemon-wide figure that credentials otherwise keep from it (as the probe's queue).
+    With credentials a tenant that may not read the stream (not in ``events.readers``)
+    gets -1, which it could not use anyway; a reader gets the number, as before."""
+    import subprocess
+    import sys
+
+    from daemon_proc import free_port
+    from kvtest import make_identity
+
+    from kvstore import Client
+    from kvstore.auth import issue_token, read_secret
+
+    secret_file = tmp_path / "secret"
+    subprocess.run([sys.executable, "-m", "kvstore", "keygen", "--secret", str(secret_file)],
+                   check=True, capture_output=True, timeout=60)
+    config = tmp_path / "events.toml"
+    config.write_text(f'[auth]\nsecret_file = "{secret_file}"\n'
+                      f'[events]\nendpoint = "tcp://127.0.0.1:{free_port()}"\n'
+                      f'readers = ["router"]\n')
+    d = daemon_factory(extra=["--config", str(config)])
+    secret = read_secret(secret_file)
+    with Client(d.endpoint, token=issue_token(secret, "alice", 600)) as alice, \
+            Client(d.endpoint, token=issue_token(secret, "mallory", 600)) as mallory, \
+            Client(d.endpoint, token=issue_token(secret, "router", 600)) as router:
+        ns = alice.namespace(make_identity(tenant="alice"))
+        seen, heard = [], []
+        for i in range(3):
+            keys = ns.keys(range(i * 1000, i * 1000 + 4 * ns.identity.block_tokens))
+            ns.put(keys, [b"a" * ns.block_bytes] * 4)
+            seen.append(mallory.snapshot().seq)
+            heard.append(router.snapshot().seq)
+        assert seen == [-1, -1, -1], seen
+        assert heard == sorted(set(heard)) and heard[0] >= 0, heard
