@@ -165,9 +165,8 @@ class TenantShares:
         t = self._of(plan.tenant)
         for entry, nbytes in plan.victims:
             t.deleting -= nbytes
-            if not ok:
-                t.held[entry] = nbytes
-                t.held_bytes += nbytes
+            if not ok:  # (counted once: a read or a send may have held it again since)
+                self._hold(t, entry, nbytes)
         if not ok:
             t.deleted -= len(plan.victims)
         plan.victims = []
@@ -220,6 +219,12 @@ class TenantShares:
         for t in self._tenants.values():
             t.held.clear()
             t.held_bytes = t.deleting = 0
+
+    def check(self) -> None:
+        """Each ledger's bytes are those of its entries (AssertionError if not)."""
+        for tenant, t in self._tenants.items():
+            assert t.held_bytes == sum(t.held.values()), (tenant, t.held_bytes, len(t.held))
+            assert t.sending >= 0 and t.deleting >= 0, (tenant, t)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tenant: bytes it has in the store (as this daemon knows), values deleted
