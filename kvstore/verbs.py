@@ -551,6 +551,9 @@ def stats_for(d: Daemon, tenant: str) -> dict[str, Any]:
                             if visible(name))
     stats["namespaces"] = sum(len(group) for name, group
                               in d.store.tenant_namespaces.items() if visible(name))
+    # and how many the sessions of each that ended held (the closes still queued)
+    stats["namespace_closes_queued"] = sum(
+        n for name, n in d.sessions.closes.by_tenant.items() if visible(name))
     for tenant_bytes in ("tenant_dram_bytes", "ssd_tenant_bytes", "remote_tenants"):
         if tenant_bytes in stats:
             stats[tenant_bytes] = {other: nbytes for other, nbytes

@@ -3,9 +3,15 @@ namespaces and their neighbours (defects found, each with the test that showed i
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from kvtest import make_identity
+
+from kvstore import Client
+from kvstore.auth import issue_token, read_secret, write_secret
 from kvstore.remote_shares import TenantShares
 
 SIZE = 100
@@ -46,3 +52,49 @@ def test_a_victim_read_again_while_its_delete_fails_is_counted_once() -> None:
     shares.check()
     assert shares.stats()["a"] == {"bytes": 2 * SIZE, "share_deleted": 1,
                                    "share_refused": 0}
+
+
+SESSIONS, EACH = 4, 4000
+
+
+def test_a_tenant_sees_no_other_tenants_queued_namespace_closes(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """With credentials, a tenant's stats show only the figures of the tenants whose
+    namespaces it may open (``verbs.stats_for``); ``namespace_closes_queued`` was the
+    daemon's: another tenant asking while acme's sessions of 16k namespaces ended saw
+    acme's closes counted down (how many namespaces its sessions held, and when they
+    ended).  Now each sees its own tenants' closes: globex none."""
+    secret_file = tmp_path / "secret"
+    write_secret(secret_file)
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f'[server]\nmax_namespaces_per_session = {EACH}\n\n'
+                      f'[auth]\nsecret_file = "{secret_file}"\n')
+    d = daemon_factory(extra=["--config", str(config)], debug_invariants=False)
+    secret = read_secret(secret_file)
+    clients = [Client(d.endpoint, tenant="acme", token=issue_token(secret, "acme", 3600))
+               for _ in range(SESSIONS)]
+    for n, c in enumerate(clients):
+        for i in range(EACH):
+            c.namespace(make_identity(salt=f"{n}-{i}"))
+    seen: list[int] = []
+    own: list[int] = []
+    stop = threading.Event()
+    with Client(d.endpoint, tenant="globex",
+                token=issue_token(secret, "globex", 3600)) as asker:
+        def ask() -> None:
+            while not stop.is_set():
+                seen.append(asker.stats().get("namespace_closes_queued", 0))
+        thread = threading.Thread(target=ask)
+        thread.start()
+        try:
+            for c in clients:
+                c.close()  # (a goodbye: its session ends, its closes are queued)
+            with Client(d.endpoint, tenant="acme",
+                        token=issue_token(secret, "acme", 3600)) as mine:
+                while (queued := mine.stats()["namespace_closes_queued"]):
+                    own.append(queued)
+        finally:
+            stop.set()
+            thread.join()
+    assert seen and not any(seen), sorted(set(seen))[-10:]
+    assert all(0 < n <= SESSIONS * EACH for n in own), own[:10]  # (its own: seen)
