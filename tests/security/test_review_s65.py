@@ -82,7 +82,7 @@ def test_a_tenant_sees_no_other_tenants_queued_namespace_closes(
     with Client(d.endpoint, tenant="globex",
                 token=issue_token(secret, "globex", 3600)) as asker:
         def ask() -> None:
-            while not stop.is_set():
+            while not stop.is_set() or not seen:
                 seen.append(asker.stats().get("namespace_closes_queued", 0))
         thread = threading.Thread(target=ask)
         thread.start()
