@@ -290,4 +290,7 @@ class Finisher:
             pending = answer
         if isinstance(pending, Plan):
             self.d.moves.abandon(pending)  # planned, never carried out: its marks go
+        else:  # a reply to come, never run: what its attempt took goes back now
+            pending.reply.close()
+            pending.gave_up()
         raise CapacityError("blocks kept moving between tiers; try again")

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from kvtest import make_identity
 
 from kvstore import Client
@@ -98,3 +99,46 @@ def test_a_tenant_sees_no_other_tenants_queued_namespace_closes(
             thread.join()
     assert seen and not any(seen), sorted(set(seen))[-10:]
     assert all(0 < n <= SESSIONS * EACH for n in own), own[:10]  # (its own: seen)
+
+
+def test_a_reply_made_later_at_a_requests_last_round_gives_back_what_it_held() -> None:
+    """A request runs again after each plan (a move, a wake-up for room), at most
+    1000 rounds.  One whose last round answered with a reply to come later (a big put's,
+    holding its reservation; a get's, pinned) was refused "blocks kept moving" and its
+    reply dropped unrun, ``Later.gave_up`` never called: the reservation or the pin
+    stayed the session's till its lease ran out (an engine's never does).  Now it is
+    given up, what it held let go."""
+    import asyncio
+
+    from kvstore.errors import CapacityError
+    from kvstore.later import _MAX_ROUNDS, Finisher
+    from kvstore.pending import Later
+    from kvstore.plans import Plan
+
+    gave_up: list[bool] = []
+    calls = 0
+
+    async def reply() -> Any:
+        raise AssertionError("never run")
+
+    def handler(session: Any, request: Any, payload: list[Any]) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls < _MAX_ROUNDS:
+            return Plan()  # (moves again)
+        return Later(reply(), lambda: gave_up.append(True))
+
+    async def carry_out(plan: Any) -> None:
+        return None
+
+    session = SimpleNamespace(id="s1")
+    daemon: Any = SimpleNamespace(
+        moves=SimpleNamespace(room=[], carry_out=carry_out, freed=lambda: None,
+                              abandon=lambda plan: None),
+        sessions=SimpleNamespace(by_id={"s1": session}, counted=lambda s: None),
+        store=SimpleNamespace(early=False), defer=False, clock=lambda: 0.0)
+    finisher = Finisher(daemon)
+    with pytest.raises(CapacityError, match="kept moving"):
+        asyncio.run(finisher._settle("put", "acme", handler, session, None, [], Plan()))
+    assert calls == _MAX_ROUNDS
+    assert gave_up == [True]
