@@ -128,11 +128,14 @@ class RemoteTier:
         would without a remote store."""
         return self.healthy and time.monotonic() >= self._refusing_until
 
-    def _refused(self, count: int) -> None:
-        self.counters["refused_writes"] += count
+    def _refused(self, count: int, tenant: str | None = None) -> None:
+        """The store refused ``count`` values (full), or ``tenant``'s share did (counted
+        as its own): either way, kept they would be refused again at each eviction."""
+        self.counters["refused_writes"] += 0 if tenant else count
         if self.write_back and time.monotonic() >= self._refusing_until:
-            log.warning("the remote store refused %d values (full?); write-backs skip it "
-                        "for %gs", count, self.cooldown)
+            log.warning("the remote store refused %d values (%s); write-backs skip it for "
+                        "%gs", count, f"tenant {tenant!r}'s share" if tenant else "full?",
+                        self.cooldown)
         self._refusing_until = time.monotonic() + self.cooldown
 
     def failed(self, what: str, exc: Exception, began: float | None = None) -> None:
@@ -386,6 +389,9 @@ class RemoteTier:
             written = [False] * len(written)
         elif False in written:
             self._refused(written.count(False))
+        if None in written:  # refused for the tenant's share: not sent, and not damaged
+            self._refused(written.count(None), ns.tenant)
+            written = [w is True for w in written]
         result = written
         if not all(same):
             sent = iter(written)
