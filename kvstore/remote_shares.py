@@ -10,19 +10,25 @@ past the bound, that tenant's own oldest values are deleted first (never another
 tenant's), and what still does not fit (a send larger than the whole bound) is not sent,
 counted per tenant as refused for the share.
 
-The ledger: per tenant, the values it has in the store that this daemon knows of (those
-it wrote, and those it read from there), oldest first, with their bytes; plus those being
-sent or deleted right now.  It loses an entry when a read or lookup finds the value gone
-(the store evicted or expired it) or corrupt (then deleted too), and all of them when the
-store lost what it held (``remote_watch``).  It outlives the blocks cached here: a block
-DRAM and SSD let go keeps its remote copy, and its bytes in the ledger.
+The ledger: per tenant, the values this daemon wrote to the store and knows to be there,
+oldest first, with their bytes; plus those being sent or deleted right now.  A read of
+one of them makes it the newest; a read of a value another daemon wrote (or an earlier
+run) counts nothing: before, every value read was added, so the ledger grew with every
+other daemon's values read here, and a write past the bound deleted values another
+daemon wrote (and keeps in its own ledger).  It loses an entry when a read or lookup
+finds the value gone (the store evicted or expired it) or corrupt (then deleted too),
+and all of them when the store lost what it held (``remote_watch``).  It outlives the
+blocks cached here: a block DRAM and SSD let go keeps its remote copy, and its bytes in
+the ledger.  Its size is bounded: a tenant's entries are those of at most its bound's
+bytes (and of the sends under way), and a tenant that holds, sends and counted nothing
+has no entry.
 
 After a restart the daemon no longer knows what it wrote: the ledger starts empty, and a
-value written by an earlier run counts once this daemon reads it (or writes it again).
-Until then such values are not bounded by this daemon; an operator who restarts often
-under ``noeviction`` should give the store an eviction policy (``allkeys-lru``), which
-lets those age out.  The bound is of this daemon's writes: daemons of several hosts
-sharing one store each keep a tenant within its bound.
+value written by an earlier run counts once this daemon writes it again.  Until then
+such values are not bounded by this daemon; an operator who restarts often under
+``noeviction`` should give the store an eviction policy (``allkeys-lru``), which lets
+those age out.  The bound is of this daemon's writes: daemons of several hosts sharing
+one store each keep a tenant within its bound, and delete only values they wrote.
 """
 
 from __future__ import annotations
@@ -177,8 +183,9 @@ class TenantShares:
             return
         t = self._of(plan.tenant)
         t.sending -= len(plan.new) * plan.size + sum(n for _, n in plan.again)
-        if plan.round != self._round:
-            return  # the store lost what it held meanwhile: the ledger starts again
+        if plan.round != self._round:  # the store lost what it held meanwhile: the
+            self._prune(plan.tenant, t)  # ledger starts again
+            return
         self.deleted(plan, False)  # (victims of a send that failed before it deleted)
         for entry, nbytes in plan.again:  # the value it replaces is there if it failed
             self._hold(t, entry, nbytes)
@@ -186,6 +193,7 @@ class TenantShares:
         for entry, good in zip(plan.entries, written or ()):
             if good and entry in new:
                 self._hold(t, entry, plan.size)
+        self._prune(plan.tenant, t)
 
     def _hold(self, t: _Tenant, entry: Entry, nbytes: int) -> None:
         if entry in t.held:  # (sent twice at once: counted once, newest now)
@@ -194,13 +202,17 @@ class TenantShares:
         t.held_bytes += nbytes
 
     def seen(self, ns: Namespace, keys: Sequence[bytes]) -> None:
-        """Values of ``keys`` were read from the store: counted (an earlier run's, or
-        another daemon's), newest now."""
-        if not self.bound:
+        """Values of ``keys`` were read from the store: those this daemon wrote are the
+        newest now; the others (an earlier run's, another daemon's) count nothing."""
+        t = self._tenants.get(ns.tenant)
+        if t is None:
             return
-        t = self._of(ns.tenant)
+        held = t.held
         for key in keys:
-            self._hold(t, (ns.id, key), ns.block_bytes)
+            entry = (ns.id, key)
+            nbytes = held.pop(entry, None)
+            if nbytes is not None:
+                held[entry] = nbytes
 
     def gone(self, ns: Namespace, keys: Sequence[bytes]) -> None:
         """The store lacks the values of ``keys`` (missed, or found corrupt)."""
@@ -211,19 +223,27 @@ class TenantShares:
             nbytes = t.held.pop((ns.id, key), None)
             if nbytes is not None:
                 t.held_bytes -= nbytes
+        self._prune(ns.tenant, t)
+
+    def _prune(self, tenant: str, t: _Tenant) -> None:
+        """A tenant that holds, sends and deletes nothing, and counted nothing, leaves."""
+        if not (t.held or t.sending or t.deleting or t.deleted or t.refused):
+            self._tenants.pop(tenant, None)
 
     def forget(self) -> None:
         """The store lost what it held: every ledger starts again (sends under way
         still count until they end, and then hold nothing)."""
         self._round += 1
-        for t in self._tenants.values():
+        for tenant, t in list(self._tenants.items()):
             t.held.clear()
             t.held_bytes = t.deleting = 0
+            self._prune(tenant, t)
 
     def check(self) -> None:
         """Each ledger's bytes are those of its entries (AssertionError if not)."""
         for tenant, t in self._tenants.items():
             assert t.held_bytes == sum(t.held.values()), (tenant, t.held_bytes, len(t.held))
+            assert t.held or t.sending or t.deleting or t.deleted or t.refused, tenant
             assert t.sending >= 0 and t.deleting >= 0, (tenant, t)
 
     def stats(self) -> dict[str, dict[str, int]]:
@@ -236,6 +256,7 @@ class TenantShares:
     def __repr__(self) -> str:
         return (f"TenantShares(bound={self.bound}, "
                 f"{sum(t.used for t in self._tenants.values())} bytes, "
+                f"{sum(len(t.held) for t in self._tenants.values())} values, "
                 f"{len(self._tenants)} tenants)")
 
 

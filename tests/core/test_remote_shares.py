@@ -66,15 +66,43 @@ def test_misses_and_a_lost_store_leave_the_ledger() -> None:
     send(shares, a, keys(1, 2, 3))
     shares.gone(a, keys(2, 9))
     assert shares.stats()["a"]["bytes"] == 2 * SIZE
-    shares.seen(a, keys(7, 1))  # read there: counted once each
-    assert shares.stats()["a"]["bytes"] == 3 * SIZE
+    shares.seen(a, keys(7, 1))  # read there: 1 the newest now, 7 not this daemon's
+    assert shares.stats()["a"]["bytes"] == 2 * SIZE
     plan = shares.plan(a, keys(4))
     shares.forget()  # the store lost what it held, the send under way with it
     shares.done(plan, [True])
-    assert shares.stats()["a"]["bytes"] == 0
+    assert shares.stats() == {}  # (holding and counting nothing, the tenant left)
 
 
 def test_no_bound_keeps_no_ledger() -> None:
     shares, a, _ = make(0)
     plan, _ = send(shares, a, keys(1, 2, 3))
     assert plan.send == [0, 1, 2] and shares.stats() == {}
+
+
+def test_values_read_that_this_daemon_did_not_write_count_nothing() -> None:
+    """Before, every value read was added: 100000 reads of another daemon's values left
+    100000 entries (and a tenant each), and the next write past the bound deleted
+    another daemon's values.  Now the ledger holds this daemon's writes only."""
+    shares, a, b = make(2 * SIZE)
+    for i in range(100_000):
+        shares.seen(b, [i.to_bytes(4, "big")])
+    assert shares.stats() == {}
+    assert "0 values, 0 tenants" in repr(shares), shares
+    send(shares, a, keys(1, 2))
+    shares.seen(a, [i.to_bytes(4, "big") for i in range(1000)] + keys(1))  # 1 newest
+    assert "2 values, 1 tenants" in repr(shares), shares
+    _, victims = send(shares, a, keys(3))
+    assert victims == [(b"A", bytes([2]))]  # its own oldest, never a value only read
+    shares.check()
+
+
+def test_a_tenant_that_holds_and_counted_nothing_leaves_the_ledger() -> None:
+    shares, a, _ = make(4 * SIZE)
+    send(shares, a, keys(1, 2))
+    shares.gone(a, keys(1, 2))
+    assert "0 values, 0 tenants" in repr(shares), shares
+    plan = shares.plan(a, keys(3))
+    shares.done(plan, None)  # failed
+    shares.check()
+    assert shares.stats() == {}
