@@ -178,7 +178,10 @@ class TenantShares:
         plan.victims = []
 
     def done(self, plan: SharePlan, written: Sequence[bool] | None) -> None:
-        """The plan's send ended: ``written`` per key of ``plan.send`` (None: failed)."""
+        """The plan's send ended: ``written`` per key of ``plan.send`` (empty: none was
+        sent; None: the put failed or timed out, any of them may be written, so all are
+        counted: left out, the tenant went past its bound by the values the store wrote
+        while the call failed)."""
         if not self.bound:
             return
         t = self._of(plan.tenant)
@@ -189,10 +192,14 @@ class TenantShares:
         self.deleted(plan, False)  # (victims of a send that failed before it deleted)
         for entry, nbytes in plan.again:  # the value it replaces is there if it failed
             self._hold(t, entry, nbytes)
-        new = set(plan.new)
-        for entry, good in zip(plan.entries, written or ()):
-            if good and entry in new:
+        if written is None:
+            for entry in plan.new:
                 self._hold(t, entry, plan.size)
+        else:
+            new = set(plan.new)
+            for entry, good in zip(plan.entries, written):
+                if good and entry in new:
+                    self._hold(t, entry, plan.size)
         self._prune(plan.tenant, t)
 
     def _hold(self, t: _Tenant, entry: Entry, nbytes: int) -> None:
@@ -284,12 +291,13 @@ async def _put_part(shares: TenantShares, backend: StorageBackend, ns: Namespace
                     ) -> list[bool | None]:
     """One backend call of ``put_in_share`` (and the deletes before it)."""
     plan = shares.plan(ns, keys)
-    written: list[bool] | None = None
+    written: list[bool] | None = []  # (none sent: a delete for room failed)
     try:
         for ns_id, victims in plan.victims_by_namespace().items():
             await call("delete", functools.partial(backend.delete, ns_id, victims))
         shares.deleted(plan, True)
         picked = plan.send
+        written = None  # (until it answers: failed, any of them may be written)
         written = await call(what, lambda: backend.put_checksummed(
             ns.id, [keys[i] for i in picked], [views[i] for i in picked],
             [sums[i] for i in picked])) if picked else []

@@ -54,7 +54,7 @@ def test_failures_give_back_what_was_planned() -> None:
     send(shares, a, keys(1, 2))
     plan = shares.plan(ns=a, keys=keys(3))
     shares.deleted(plan, False)  # the delete failed: the victim may still be there
-    shares.done(plan, None)
+    shares.done(plan, [])  # (and the put was never sent)
     assert shares.stats()["a"] == {"bytes": 2 * SIZE, "share_deleted": 0,
                                    "share_refused": 0}
     send(shares, a, keys(2), ok=False)  # sent again, refused: the old value stays
@@ -103,6 +103,62 @@ def test_a_tenant_that_holds_and_counted_nothing_leaves_the_ledger() -> None:
     shares.gone(a, keys(1, 2))
     assert "0 values, 0 tenants" in repr(shares), shares
     plan = shares.plan(a, keys(3))
-    shares.done(plan, None)  # failed
+    shares.done(plan, [])  # none sent
     shares.check()
     assert shares.stats() == {}
+
+
+def test_a_put_that_failed_or_timed_out_counts_what_it_may_have_written() -> None:
+    """Before, a failed put's values were left out of the ledger though the store may
+    have written them: here 1 value counted of the 3 the store may hold, and the next
+    send deleted nothing, 4 values of a bound of 3 there.  Now they count."""
+    shares, a, _ = make(3 * SIZE)
+    send(shares, a, keys(1))
+    plan = shares.plan(a, keys(2, 3))
+    shares.deleted(plan, True)
+    shares.done(plan, None)  # failed (timed out): any of them may be written
+    assert shares.stats()["a"]["bytes"] == 3 * SIZE, shares.stats()
+    _, victims = send(shares, a, keys(4))
+    assert victims == [(b"A", bytes([1]))]
+    shares.check()
+
+
+def test_put_in_share_counts_a_failed_put_but_not_one_never_sent() -> None:
+    """``put_in_share`` over a backend whose put fails (after the store took the
+    values, as a timeout may): they count; one whose delete for room fails sends
+    nothing, and nothing more counts."""
+    import asyncio
+
+    from kvstore.errors import KVStoreError
+    from kvstore.remote_shares import put_in_share
+
+    class Backend:
+        def __init__(self) -> None:
+            self.fail_delete = False
+
+        async def delete(self, ns_id: bytes, keys: list[bytes]) -> int:
+            if self.fail_delete:
+                raise KVStoreError("delete refused")
+            return len(keys)
+
+        async def put_checksummed(self, *args: Any) -> list[bool]:
+            raise KVStoreError("timed out")
+
+    async def call(what: str, make: Any) -> Any:
+        return await make()
+
+    async def put(ks: list[bytes]) -> None:
+        try:
+            await put_in_share(shares, backend, a, ks, [memoryview(b"")] * len(ks),
+                               [None] * len(ks), "write", call)
+        except KVStoreError:
+            pass
+
+    shares, a, _ = make(2 * SIZE)
+    backend: Any = Backend()
+    asyncio.run(put(keys(1, 2)))
+    assert shares.stats()["a"]["bytes"] == 2 * SIZE, shares.stats()
+    backend.fail_delete = True
+    asyncio.run(put(keys(3)))
+    assert shares.stats()["a"]["bytes"] == 2 * SIZE, shares.stats()
+    shares.check()

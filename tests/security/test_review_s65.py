@@ -46,7 +46,7 @@ def test_a_victim_read_again_while_its_delete_fails_is_counted_once() -> None:
         assert victim, plan
         shares.seen(ns, victim)  # read from the store meanwhile
         shares.deleted(plan, False)  # the delete failed: the value is still there
-        shares.done(plan, None)
+        shares.done(plan, [])  # (and the put was never sent)
         assert shares.stats()["a"]["bytes"] == 2 * SIZE, shares.stats()
     plan = _send(shares, ns, [b"4"])
     assert plan.send == [0], plan  # room made by deleting its oldest: not refused
