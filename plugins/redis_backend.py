@@ -19,11 +19,10 @@ replies are small.
 from __future__ import annotations
 
 import asyncio
-import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Self, cast
+from typing import Annotated, Any, Self
 from urllib.parse import unquote, urlsplit
 
 import msgspec
@@ -44,7 +43,7 @@ from .base import (
     parse_options,
     run_bounded,
 )
-from .redis_generation import ClusterTokens
+from .redis_generation import ClusterTokens, server_token
 from .resp import ReplyError, RespConnection, pack_command, pack_set
 from .turns import UrgentFirst, turn
 
@@ -398,28 +397,7 @@ class RedisBackend(StorageBackend):
             async with self._slots:
                 if isinstance(self._client, RedisCluster):
                     return await self._tokens.generation(self._client, key)
-                pipe = self._client.pipeline(transaction=False)
-                pipe.get(key)
-                pipe.info("server")
-                pipe.info("stats")
-                replies = await pipe.execute(raise_on_error=False)
-                token, server = replies[0], _server_state(replies[1:])
-                if isinstance(token, Exception):
-                    raise token
-                known = self._generation
-                if known is not None and token == known[0]:
-                    self._generation = (known[0], server or known[1])
-                    return known[0]
-                taken = (known is not None and token is None and server is not None
-                         and known[1] is not None and server[0] == known[1][0]
-                         and server[1] > known[1][1])  # by the server's own eviction
-                if token is None:
-                    made = known[0] if taken and known is not None and known[0] else (
-                        os.urandom(16).hex().encode())
-                    pipe = self._client.pipeline(transaction=False)
-                    pipe.set(key, made, nx=True)
-                    pipe.get(key)
-                    _, token = await pipe.execute(raise_on_error=False)
+                token, server = await server_token(self._client, key, self._generation)
         except _LIBRARY_ERRORS as exc:
             raise self._error("generation", exc) from exc
         if isinstance(token, Exception):
@@ -665,18 +643,6 @@ def _parse_cluster_url(url: str) -> tuple[list[ClusterNode], str | None, str | N
     if problem is not None:
         raise ConfigError(f"backend 'redis': url {_redact(url)!r}: {problem}")
     return nodes, unquote(username) or None, unquote(password) or None
-
-
-def _server_state(replies: Sequence[object]) -> tuple[str, int] | None:
-    """(run_id, evicted_keys) from the replies of INFO server and INFO stats; None where
-    they are not there (a cluster, INFO refused)."""
-    if len(replies) != 2 or not all(isinstance(r, dict) for r in replies):
-        return None
-    server, stats = cast(list[dict[str, object]], list(replies))
-    run_id, evicted = server.get("run_id"), stats.get("evicted_keys")
-    if not isinstance(run_id, str) or not isinstance(evicted, int):
-        return None
-    return run_id, evicted
 
 
 def _memory_use(infos: Sequence[Mapping[str, object]]) -> tuple[int | None, int | None]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
+from typing import Any, cast
 
 from redis.asyncio.cluster import RedisCluster
 
@@ -89,3 +91,47 @@ class ClusterTokens:
             return tokens[0]  # type: ignore[return-value]  # (bytes: checked above)
         joined = b"\0".join(tokens)  # type: ignore[arg-type]
         return hashlib.blake2b(joined, digest_size=16).hexdigest().encode()
+
+
+Known = tuple[bytes, tuple[str, int] | None]  # a token read, and its server's state then
+
+
+async def server_token(client: Any, key: bytes,
+                       known: Known | None) -> tuple[object, tuple[str, int] | None]:
+    """One server's token under ``key`` (``RedisBackend.generation``: the token last read,
+    ``known``, put back where the server's own eviction took it, else another made), and
+    the server's state (run_id, evicted_keys); the token as the server answered: bytes,
+    None (gone, and the server took no other), or the error it replied."""
+    pipe = client.pipeline(transaction=False)
+    pipe.get(key)
+    pipe.info("server")
+    pipe.info("stats")
+    replies = await pipe.execute(raise_on_error=False)
+    token, server = replies[0], _server_state(replies[1:])
+    if isinstance(token, Exception):
+        raise token
+    if known is not None and token == known[0]:
+        return known[0], server or known[1]
+    taken = (known is not None and token is None and server is not None
+             and known[1] is not None and server[0] == known[1][0]
+             and server[1] > known[1][1])  # by the server's own eviction
+    if token is None:
+        made = known[0] if taken and known is not None and known[0] else (
+            os.urandom(16).hex().encode())
+        pipe = client.pipeline(transaction=False)
+        pipe.set(key, made, nx=True)
+        pipe.get(key)
+        _, token = await pipe.execute(raise_on_error=False)
+    return token, server
+
+
+def _server_state(replies: Sequence[object]) -> tuple[str, int] | None:
+    """(run_id, evicted_keys) from the replies of INFO server and INFO stats; None where
+    they are not there (a cluster, INFO refused)."""
+    if len(replies) != 2 or not all(isinstance(r, dict) for r in replies):
+        return None
+    server, stats = cast(list[dict[str, object]], list(replies))
+    run_id, evicted = server.get("run_id"), stats.get("evicted_keys")
+    if not isinstance(run_id, str) or not isinstance(evicted, int):
+        return None
+    return run_id, evicted
