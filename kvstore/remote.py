@@ -446,6 +446,8 @@ class RemoteTier:
         out.update(self.health.counters)
         out["forgetting_marks"] = self.watch.forgetting
         out["corrupt_values"] = self.backend.counters.corrupt_values
+        out["corrupt_changed"] = self.backend.counters.corrupt_changed  # (kept, not ours)
+        out["corrupt_deletes_refused"] = self.backend.counters.deletes_refused
         out["timeouts"] = self.backend.counters.timeouts
         out["tenant_share_bytes"] = self.shares.bound  # (0: no bound)
         return out
@@ -461,9 +463,10 @@ def misread(tier: RemoteTier, ns: Namespace, gone: list[bytes], corrupt: bool) -
 
 
 async def _delete_corrupt(tier: RemoteTier, ns: Namespace, keys: list[bytes]) -> None:
-    try:
+    try:  # (those read corrupt, each only if still the value read: another daemon may
+        # have written a good one since; a store refusing the delete counts it)
         tier.counters["corrupt_deleted"] += await tier.health.call(
-            ns.tenant, "delete", lambda: tier.backend.delete(ns.id, keys))
+            ns.tenant, "delete", lambda: tier.backend.delete_corrupt(ns.id, keys))
     except KVStoreError:  # (judged: ``remote_health``; a later read finds it again)
         tier.counters["errors"] += 1
 

@@ -54,6 +54,8 @@ class BackendCounters:
     """Counts a backend keeps for the daemon's metrics."""
 
     corrupt_values: int = 0  # stored values that failed the codec's checks; read as misses
+    corrupt_changed: int = 0  # ... not deleted: another value was there by then
+    deletes_refused: int = 0  # ... not deleted: the store refused (a user without DEL)
     timeouts: int = 0
     errors: int = 0
 
@@ -143,6 +145,14 @@ class StorageBackend(ABC):
     @abstractmethod
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         """Remove the keys; the number that were stored."""
+
+    async def delete_corrupt(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        """Remove those of ``keys`` a read found corrupt, each only if the store still
+        holds the value found (another writer may have put a good one since), never
+        those that missed; the number removed.  A store that refuses the delete (its
+        permissions) counts it in ``counters.deletes_refused`` and raises nothing.  By
+        default: ``delete`` (a backend that cannot compare removes whatever is there)."""
+        return await self.delete(namespace, keys)
 
     async def generation(self) -> bytes | None:
         """A token that names what the store holds: the same while it keeps what it was
@@ -286,6 +296,16 @@ class GuardedBackend(StorageBackend):
         if not keys:
             return 0
         count = await self._bounded("delete", self.inner.delete(namespace, keys))
+        if type(count) is not int or not 0 <= count <= len(keys):
+            raise self._bad_result("delete", f"{count!r} for {len(keys)} keys")
+        return count
+
+    async def delete_corrupt(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        self._check_open()
+        self._check_keys(namespace, keys)
+        if not keys:
+            return 0
+        count = await self._bounded("delete", self.inner.delete_corrupt(namespace, keys))
         if type(count) is not int or not 0 <= count <= len(keys):
             raise self._bad_result("delete", f"{count!r} for {len(keys)} keys")
         return count

@@ -43,6 +43,7 @@ from .base import (
     parse_options,
     run_bounded,
 )
+from .redis_corrupt import NOT_A_STRING, CorruptValues, Found, same_bytes, same_length
 from .redis_generation import ClusterTokens, server_token
 from .resp import ReplyError, RespConnection, pack_command, pack_set
 from .turns import UrgentFirst, turn
@@ -114,6 +115,7 @@ class RedisBackend(StorageBackend):
         # the generation token last read, and the server's (run_id, evicted_keys) then
         self._generation: tuple[bytes, tuple[str, int] | None] | None = None
         self._tokens = ClusterTokens()  # a cluster's: a token per primary
+        self._corrupt = CorruptValues(self.counters)  # read so, to delete if unchanged
 
     def __repr__(self) -> str:
         mode = "cluster" if self.cluster else "standalone"
@@ -180,14 +182,20 @@ class RedisBackend(StorageBackend):
             for at, index in enumerate(indices):
                 then = _CRLF_BYTES + (prefixes[at + 1] if at + 1 < len(indices) else 0)
                 heads.append(await self._read_value(
-                    conn, index, buffers[index], statuses, ahead=prefixes[at], then=then))
+                    conn, index, buffers[index], statuses, ahead=prefixes[at], then=then,
+                    name=self.redis_key(namespace, keys[index])))
             def check() -> None:
                 for index, head in zip(indices, heads):
                     if head is not None:
                         sums[index] = self._check(namespace, keys[index], head, buffers[index])
                         statuses[index] = _HIT if sums[index] is not None else _CORRUPT
+                        if sums[index] is None:  # (recorded on the loop, below)
+                            bad.append((index, same_bytes(head, buffers[index])))
 
+            bad: list[tuple[int, Found]] = []
             await self._off_loop(check, sum(buffers[i].nbytes for i in indices))
+            for index, found in bad:
+                self._corrupt.found(self.redis_key(namespace, keys[index]), found)
 
         try:
             await self._on_connections(namespace, keys, fetch,
@@ -203,22 +211,26 @@ class RedisBackend(StorageBackend):
 
     async def _read_value(
         self, conn: RespConnection, index: int, out: memoryview, statuses: list[int], *,
-        ahead: int, then: int,
+        ahead: int, then: int, name: bytes,
     ) -> bytearray | None:
-        """Read one GET reply: the codec header (returned) and the payload, into ``out``;
-        None, with ``statuses[index]`` set, if there is no payload of ``out``'s size.
-        ``ahead``/``then``: the bytes expected before and after the payload."""
+        """Read one GET reply (of the Redis key ``name``): the codec header (returned) and
+        the payload, into ``out``; None, with ``statuses[index]`` set, if there is no
+        payload of ``out``'s size.  ``ahead``/``then``: the bytes expected before and
+        after the payload."""
         reply = await conn.read_bulk_header(ahead=ahead)
         if reply is None:
             statuses[index] = _MISS
             return None
         if isinstance(reply, ReplyError):
             statuses[index] = self._reply_status(reply, "GET")
+            if statuses[index] == _CORRUPT:
+                self._corrupt.found(name, NOT_A_STRING)
             return None
         if reply != codec.HEADER_BYTES + out.nbytes:
             await conn.skip(reply)
             await conn.end_bulk()
             statuses[index] = _CORRUPT
+            self._corrupt.found(name, same_length(reply))
             return None
         head = bytearray(codec.HEADER_BYTES)
         await conn.read_into(memoryview(head), then=0)
@@ -270,17 +282,21 @@ class RedisBackend(StorageBackend):
 
     async def _get_slowly(self, namespace: bytes, key: bytes,
                           out: memoryview) -> tuple[int, int | None]:
+        name = self.redis_key(namespace, key)
         try:
-            stored = await self._client.get(self.redis_key(namespace, key))
+            stored = await self._client.get(name)
         except redis.exceptions.ResponseError as exc:
             if not str(exc).startswith("WRONGTYPE"):
                 raise
+            self._corrupt.found(name, NOT_A_STRING)
             return _CORRUPT, None
         if stored is None:
             return _MISS, None
         if not isinstance(stored, bytes):  # only with decode_responses, which we never set
             return _CORRUPT, None
         digest = codec.decode_checked(namespace, key, stored, out, self.tag_secret)
+        if digest is None:
+            self._corrupt.found(name, same_bytes(stored))
         return (_HIT if digest is not None else _CORRUPT), digest
 
     async def put(
@@ -415,6 +431,14 @@ class RedisBackend(StorageBackend):
         except _LIBRARY_ERRORS as exc:
             raise self._error("delete", exc) from exc
         return int(removed)
+
+    async def delete_corrupt(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        try:
+            async with self._slots:  # (``redis_corrupt``)
+                return await self._corrupt.delete(
+                    self._client, [self.redis_key(namespace, k) for k in keys])
+        except _LIBRARY_ERRORS as exc:
+            raise self._error("delete", exc) from exc
 
     async def health(self) -> BackendHealth:
         where = _redact(self.url)
