@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -24,6 +25,8 @@ from .ssd_index import SSDIndex, SyncPolicy
 from .ssd_io import DataFile, Span
 from .ssd_layout import BlockRecord, LoadPlan, SlabLayout, plan_load
 from .ssd_rows import RowsBuilder, RowsPlan, plan_rows, rows_of
+
+log = logging.getLogger("kvstore.ssd")
 
 __all__ = ["DATA_FILE", "INDEX_DIR", "LOCK_FILE", "SSDDirectory"]
 
@@ -143,9 +146,6 @@ class SSDDirectory:
                 self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
             )
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # who holds it, for a second daemon started on the directory to name
-            os.ftruncate(self._lock_fd, 0)
-            os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
         except BlockingIOError:
             raise ConfigError(
                 f"SSD tier directory {self.path} is in use by another kvstore process"
@@ -155,6 +155,16 @@ class SSDDirectory:
             raise ConfigError(
                 f"SSD tier directory {self.path} cannot hold a lock file: {exc.strerror}"
             ) from exc
+        # who holds it, for a second daemon started on the directory to name: only that
+        # (the lock is what keeps it out), so a disk too full to take the pid starts the
+        # tier all the same; before, the tier refused to start ("cannot hold a lock file")
+        try:
+            os.ftruncate(self._lock_fd, 0)
+            os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            log.warning("SSD tier directory %s: its lock file cannot name this process "
+                        "(%s); a second daemon started on it is refused naming none",
+                        self.path, exc.strerror)
 
     def _check_file_size_limit(self) -> None:
         """Refuse a capacity past the process's file size limit (``ulimit -f``, a unit's

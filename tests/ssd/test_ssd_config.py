@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -154,3 +156,25 @@ def test_the_index_has_room_for_a_record_per_4k_slot(tmp_path: Path) -> None:
         index = store._directory.parts()[1]  # type: ignore[union-attr]
         # about 330 bytes a record, measured: 3M records filled a 1 GiB map
         assert index._env.info()["map_size"] >= capacity // 4096 * 400
+
+
+def test_a_lock_file_that_cannot_take_the_pid_still_locks(
+    open_store: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pid written into the lock file only names the holder: a disk too full to take
+    it (ENOSPC) refused the tier's start before ("cannot hold a lock file").  Now the
+    store opens, holds the lock all the same, and serves."""
+    pid_line = f"{os.getpid()}\n".encode()
+    real_pwrite = os.pwrite
+
+    def full_disk(fd: int, data: Any, offset: int) -> int:
+        if bytes(data) == pid_line:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    store = open_store()
+    records = write(store, chain(os.urandom(16), 2, 4096, 0))
+    assert all(read_ok(store, r) for r in records)
+    with pytest.raises(ConfigError, match="in use by another kvstore process"):
+        open_store()
