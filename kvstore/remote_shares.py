@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kvstore.blocks import REMOTE_MARK, Namespace
 from kvstore.core import StoreCore
 from kvstore.plugins import StorageBackend
+
+log = logging.getLogger("kvstore.remote")
 
 Entry = tuple[bytes, bytes]  # (namespace id, key)
 
@@ -99,6 +102,7 @@ class TenantShares:
         self.concurrency = concurrency  # (the tier's sends under way at once, at most)
         self._tenants: dict[str, _Tenant] = {}
         self._round = 0  # one more each time the store lost what it held
+        self._too_large: set[int] = set()  # block sizes past the bound, warned of
 
     def _of(self, tenant: str) -> _Tenant:
         t = self._tenants.get(tenant)
@@ -124,6 +128,12 @@ class TenantShares:
         if not self.bound:
             plan.send = list(range(len(keys)))
             return plan
+        if size > self.bound and size not in self._too_large:
+            self._too_large.add(size)  # (a few sizes: once each)
+            log.warning("remote.max_bytes_per_tenant is %d bytes, less than one block of "
+                        "%d bytes (namespace %s): no block of that size goes to the remote "
+                        "store, each refused for its tenant's share; raise the bound to a "
+                        "few blocks at least", self.bound, size, ns.id.hex()[:12])
         t = self._of(ns.tenant)
         held = t.held
         fresh: list[int] = []

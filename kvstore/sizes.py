@@ -41,7 +41,10 @@ def parse_size(value: str | int, field: str = "size") -> int:
 
 
 def parse_size_or_share(value: str | int, whole: int, field: str, of: str) -> int:
-    """A size, or a percentage (``"25%"``) of ``whole`` (named ``of``)."""
+    """A size, or a percentage (``"25%"``) of ``whole`` (named ``of``; 0: not known, and
+    a share of it is 0).  A share of a known ``whole`` that comes to less than a byte is
+    a ConfigError: 0 means "none" (for ``remote.max_bytes_per_tenant``, no bound), which
+    the tiny share given was not."""
     if not (isinstance(value, str) and value.strip().endswith("%")):
         return parse_size(value, field)
     try:
@@ -51,7 +54,11 @@ def parse_size_or_share(value: str | int, whole: int, field: str, of: str) -> in
     if not 0 < share <= 100:
         raise ConfigError(f"{field}: {value!r}; a share of {of} is a percentage above 0, "
                           f"at most 100%")
-    return int(whole * share / 100)
+    size = int(whole * share / 100)
+    if whole and not size:
+        raise ConfigError(f"{field}: {value!r} of {of} ({whole} bytes) is less than a byte; "
+                          f"give a larger share, a size, or 0 for none")
+    return size
 
 
 def format_size(value: int) -> str:

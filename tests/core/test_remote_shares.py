@@ -3,8 +3,11 @@ exact across sends, deletes for room, failures, misses and a store that lost it 
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from kvstore.remote_shares import TenantShares
 
@@ -162,3 +165,15 @@ def test_put_in_share_counts_a_failed_put_but_not_one_never_sent() -> None:
     asyncio.run(put(keys(3)))
     assert shares.stats()["a"]["bytes"] == 2 * SIZE, shares.stats()
     shares.check()
+
+
+def test_a_bound_below_one_block_says_so_naming_the_block_size(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Before, every write was refused without a word (only ``share_refused`` moved)."""
+    shares, a, _ = make(SIZE // 2)
+    with caplog.at_level(logging.WARNING, logger="kvstore.remote"):
+        send(shares, a, keys(1))
+        send(shares, a, keys(2))
+    said = [r.getMessage() for r in caplog.records if "max_bytes_per_tenant" in r.getMessage()]
+    assert len(said) == 1 and f"one block of {SIZE} bytes" in said[0], said
+    assert shares.stats()["a"]["share_refused"] == 2

@@ -63,3 +63,16 @@ def test_a_daemon_given_a_count_past_a_c_int_says_so_and_exits(tmp_path: Path) -
         capture_output=True, text=True, timeout=60)
     assert run.returncode == 2, run.stderr
     assert "events.buffer_steps" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("share", ["0.00001%", "1e-9%"])
+def test_a_tenant_share_of_the_remote_store_that_rounds_to_nothing_is_refused(
+        share: str) -> None:
+    """Before, a share of remote.capacity under a byte came to 0, which is "no bound":
+    the operator who meant a tiny bound got none, without a word."""
+    with pytest.raises(ConfigError, match="remote.max_bytes_per_tenant: .* less than a byte"):
+        load_config(env={"KVSTORE_REMOTE_CAPACITY": "1MiB",
+                         "KVSTORE_REMOTE_MAX_BYTES_PER_TENANT": share})
+    assert load_config(env={"KVSTORE_REMOTE_CAPACITY": "1MiB",
+                            "KVSTORE_REMOTE_MAX_BYTES_PER_TENANT": "0.001%"}
+                       ).remote_tenant_bytes == 10
