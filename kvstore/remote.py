@@ -320,10 +320,11 @@ class RemoteTier:
                     what: str, *, write_back: bool, blocks: Sequence[Block] = (),
                     checked: Sequence[int] = ()) -> list[bool | None] | None:
         """Put values here, through the transfer queues and within the concurrency bound;
-        per key whether it was written (None: not sent, its bytes changed since their
-        commit), or None if the remote store failed (counted, and the tier marked
-        unhealthy) or was marked unhealthy while this waited its turn (not sent: an
-        outage costs each send queued behind it no ``timeout_s`` of its own).
+        per key whether it was written (False: refused, by the store or the tenant's
+        share; None: not sent, its bytes changed since their commit, damaged), or None
+        if the remote store failed (counted, and the tier marked unhealthy) or was
+        marked unhealthy while this waited its turn (not sent: an outage costs each
+        send queued behind it no ``timeout_s`` of its own).
         ``blocks``: those the views are DRAM copies of; or ``checked``: the
         views' xxh3, checked already (an SSD read's, into a buffer of the daemon's own),
         which they go with, hashed no more."""
