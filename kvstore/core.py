@@ -330,8 +330,9 @@ class StoreCore:
         self.remote_tier = remote_tier  # a remote store lies below (the daemon has one)
         self.ssd_writable = True  # off for a while after the SSD tier failed a write
         # Remote write-back: whether the remote store takes blocks now (None: write-through
-        # or no remote tier).  DRAM-only blocks it lacks are written there before eviction.
+        # or no remote tier), and the tenants it skips a while (their shares refused values)
         self.remote_write_back: Callable[[], bool] | None = None
+        self.remote_skipping: Callable[[], frozenset[str]] = frozenset
         self.remote_demoting: set[Block] = set()
         # The configured steps under pressure, in order (evict, demote, defer, reject).
         # ``early``: the request may still defer, so only the steps before "defer" run
@@ -364,8 +365,7 @@ class StoreCore:
         self.committed_slots = 0     # DRAM copies
         self.ssd_reserved_slots = 0
         self.ssd_committed_slots = 0
-        # The same in bytes, and the pinned DRAM copies: kept as they change, so that
-        # figures cost O(tiers), never a walk of the blocks (the checker recounts them).
+        # The same in bytes, and the pinned DRAM copies: kept as they change (O(tiers))
         self.reserved_bytes = 0
         self.committed_bytes = 0
         self.pinned_blocks = 0

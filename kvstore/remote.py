@@ -27,6 +27,7 @@ from kvstore.plugins import GuardedBackend, load_backend, parse_remote_url
 from kvstore.plugins.turns import UrgentFirst, calling
 from kvstore.remote_health import TierHealth
 from kvstore.remote_held import HeldWrites
+from kvstore.remote_refusals import Refusals
 from kvstore.remote_shares import TenantShares, put_in_share
 from kvstore.remote_stop import flush_on_stop
 from kvstore.remote_watch import GenerationWatch
@@ -79,11 +80,12 @@ class RemoteTier:
         self._gate = UrgentFirst(r.concurrency, tenant_most=r.concurrency - 1)
         self.transfers = gate
         self.write_back = r.write_policy == "write-back"
-        # until when the remote store is left out of write-backs: it refused values (a
-        # full store), which a write-back planned again would only be refused again
-        self._refusing_until = 0.0
+        # until when write-backs leave the remote store out, all or a tenant's: it
+        # refused values (a full store, or the tenant's share), as it would again
+        self.refusals = Refusals(self.cooldown)
         if self.write_back:  # DRAM-only blocks come here before they are evicted
             store.remote_write_back = lambda: self.taking_write_backs
+            store.remote_skipping = self.refusals.skipping
         self._background = Background()
         self.health = TierHealth(self.cooldown, r.timeout_s, self.backend.health,
                                  lambda probe: self._background.spawn(probe, own_context=True))
@@ -126,17 +128,16 @@ class RemoteTier:
         DRAM for a write-back it refuses were picked again by every request that needed
         room, refused again, and DRAM took no new block.  Meanwhile they leave as they
         would without a remote store."""
-        return self.healthy and time.monotonic() >= self._refusing_until
+        return self.healthy and self.refusals.taking()
 
     def _refused(self, count: int, tenant: str | None = None) -> None:
         """The store refused ``count`` values (full), or ``tenant``'s share did (counted
         as its own): either way, kept they would be refused again at each eviction."""
         self.counters["refused_writes"] += 0 if tenant else count
-        if self.write_back and time.monotonic() >= self._refusing_until:
-            log.warning("the remote store refused %d values (%s); write-backs skip it for "
-                        "%gs", count, f"tenant {tenant!r}'s share" if tenant else "full?",
-                        self.cooldown)
-        self._refusing_until = time.monotonic() + self.cooldown
+        if self.refusals.refuse(tenant) and self.write_back:
+            log.warning("the remote store refused %d values (%s); %s write-backs skip it "
+                        "for %gs", count, f"tenant {tenant!r}'s share" if tenant else "full?",
+                        "the tenant's" if tenant else "every tenant's", self.cooldown)
 
     def failed(self, what: str, exc: Exception, began: float | None = None) -> None:
         """A call for no tenant (the generation check, begun at ``began``) failed."""
@@ -258,7 +259,8 @@ class RemoteTier:
         """Healthy, nothing refused for a cooldown: write-throughs held back go (of the
         tenants not skipping the tier); at each commit and each watch's check."""
         if not self.write_back and len(self.held) and self.taking_write_backs:
-            self._through.add(self.held.take(self.health.serves))
+            self._through.add(self.held.take(
+                lambda tenant: self.health.serves(tenant) and self.refusals.serves(tenant)))
 
     def write_again(self, blocks: list[Block]) -> None:
         """Blocks cached here whose copy the remote store lost: under write-through,
@@ -410,7 +412,8 @@ class RemoteTier:
                 group = [blocks[i] for i in indexes]
                 views = [self.slot(ns, b.offset) for b in group if b.offset is not None]
                 try:
-                    if len(views) != len(group) or not self.taking_write_backs:
+                    if (len(views) != len(group) or not self.healthy
+                            or not self.refusals.serves(ns.tenant)):
                         continue
                     written = await self.send(ns, [b.key for b in group], views,
                                               "write-back", write_back=True, blocks=group)

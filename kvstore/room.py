@@ -320,7 +320,7 @@ class _Facts:
     (read once per request, not per candidate: none of it changes while the request
     makes room, which awaits nothing)."""
 
-    __slots__ = ("admit_to_ssd", "admit_after", "remote_dirty", "ssd_refuses")
+    __slots__ = ("admit_to_ssd", "admit_after", "remote_dirty", "remote_skip", "ssd_refuses")
 
     def __init__(self, store: StoreCore) -> None:
         # ``StoreCore.admitted`` but for the block's own count
@@ -330,6 +330,8 @@ class _Facts:
         self.admit_after = store.ssd_admit_after
         # a leaf no lower tier holds goes to the remote store first (its write-back mode)
         self.remote_dirty = store.allow_demote and store.remote_writing_back()
+        # ...but not a tenant's whose share the store refused lately (``remote_refusals``)
+        self.remote_skip = store.remote_skipping() if self.remote_dirty else frozenset()
 
 
 class _Leaving:
@@ -385,7 +387,8 @@ class _Leaving:
             self._planned.add(victim)
             self.to_demote.append(victim)
             return GO_ON
-        if f.remote_dirty and not victim.marks & REMOTE_MARK:
+        if (f.remote_dirty and not victim.marks & REMOTE_MARK
+                and victim.ns.tenant not in f.remote_skip):
             victim.demoting = True                # to the remote store first
             self.store.remote_demoting.add(victim)
             self.to_remote.append(victim)

@@ -250,6 +250,7 @@ class SsdCopies:
             return []
         plan: list[Block] = []
         size = 0
+        skip = self.store.remote_skipping()  # (tenants whose share refused values lately)
         for slot_bytes, policy in self.store.ssd.policies.items():
             if not isinstance(policy, _ORDERED):
                 continue  # the SSD tier's order is LRU; only an order says what is coldest
@@ -264,7 +265,7 @@ class SsdCopies:
             for b in itertools.islice(coldest, window - free):
                 if size >= max_bytes or taken >= evictable // 2:
                     break
-                if not b.marks & REMOTE_MARK and b.ssd_holds == 0:
+                if not b.marks & REMOTE_MARK and b.ssd_holds == 0 and b.ns.tenant not in skip:
                     plan.append(b)
                     size += b.ns.block_bytes
                     taken += 1
