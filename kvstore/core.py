@@ -41,6 +41,7 @@ from kvstore.errors import ConfigError
 from kvstore.scheduler.admission import SEEN_MOST, PolicyChain, Step
 from kvstore.scheduler.switch import Switch
 from kvstore.scheduler.duel_samples import Backlogs
+from kvstore.shared_keys import KeyCounts, counted_keys, unmap
 from kvstore.tier import Tier
 from kvstore.tier_changes import TierChanges
 from kvstore.token_ids import let_go
@@ -340,9 +341,7 @@ class StoreCore:
         self.chain = PolicyChain()  # ``pressure`` sets it
         self.early = False
         self.hollow: set[Block] = set()  # lost their last copy; kept for what is in use below
-        # Chains' first blocks, by key -> their namespace: a router's probe finds a chain's
-        # namespace by one lookup, not by asking every namespace its tenants see
-        self.roots: dict[bytes, Heads] = {}
+        self.roots: dict[bytes, Heads] = {}  # chains' first keys -> namespaces (a probe's)
         # The sweep below them, left to go on in later calls (``sweep_hollow``): the
         # daemon's way to be called again, the round's entries left, the one under way.
         self.sweep_later: Callable[[], None] | None = None
@@ -373,6 +372,7 @@ class StoreCore:
         self.tiers: list[Tier] = []  # every tier's copies, fastest first (the parts add theirs)
         self.added_tiers: dict[str, Tier] = {}
         self.changes: TierChanges | None = None  # blocks whose copies changed (events on)
+        self.key_counts: KeyCounts | None = None  # every map's keys (events on: ``shared_keys``)
         # (ns, from, to): copies a block's bytes between DRAM slots (the daemon's arena)
         self.move_bytes: Callable[[Namespace, int, int], None] | None = None
         self._compose()
@@ -390,6 +390,7 @@ class StoreCore:
     def record_changes(self, changes: TierChanges) -> None:
         """Mark every block whose copies change from now on (the event stream is on)."""
         self.changes = changes
+        self.key_counts = counted_keys(self.namespaces, changes, self.dram_args[0], self.ssd)
         if self.gpu is not None:
             self.gpu.changes = changes
 
@@ -539,7 +540,7 @@ class StoreCore:
         while (block is not None and not block.present and block.kids is None
                and block.ssd_holds == 0 and not block.promoting
                and block.ns.blocks.get(block.key) is block):
-            del block.ns.blocks[block.key]
+            unmap(block, self.key_counts)  # (``del block.ns.blocks[block.key]``, counted)
             if block.parent is None:
                 no_longer_heads(self.roots, block.key, block.ns)
             if self.dropping:

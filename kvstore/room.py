@@ -19,6 +19,7 @@ from kvstore.first_blocks import no_longer_heads
 from kvstore.plans import Plan
 from kvstore.pool import SlabClass
 from kvstore.scheduler.policy import GO_ON
+from kvstore.shared_keys import FULL, SHIFT
 from kvstore.slab_moves import SlabMoves, ssd_refused
 from kvstore.tier_changes import TierChanges
 from kvstore.token_ids import TokenRun, split_sparse
@@ -349,7 +350,7 @@ class _Leaving:
     """
 
     __slots__ = ("store", "facts", "to_demote", "to_remote", "runs", "evicted",
-                 "lost", "emptied", "thinned", "_touch", "_run", "_planned")
+                 "lost", "emptied", "thinned", "_touch", "_counts", "_run", "_planned")
 
     def __init__(self, store: StoreCore, planned: set[Block]) -> None:
         self.store = store
@@ -368,6 +369,7 @@ class _Leaving:
         self.thinned: dict[TokenRun, BlockMap[Block]] = {}
         changes: TierChanges | None = store.changes
         self._touch = changes.touch if changes is not None else None
+        self._counts = store.key_counts  # (events on: the keys of every map, counted)
         self._run: tuple[Namespace, list[int]] | None = None
 
     def evict(self, victim: Block) -> object:
@@ -443,6 +445,12 @@ class _Leaving:
         if shard.get(key) is not b:
             return
         del shard[key]
+        counted = self._counts
+        if counted is not None:  # ``KeyCounts.discard``, inline
+            counts, slot = counted.counts, hash(key) >> SHIFT & counted.mask
+            n = counts[slot]
+            if n != FULL:
+                counts[slot] = n - 1
         ids = b.tokens
         if ids is not None:  # (it keeps its ids for an event still to come)
             ids.live -= 1

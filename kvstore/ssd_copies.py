@@ -583,6 +583,9 @@ def restore_blocks(store: StoreCore, ns: Namespace, keys: list[bytes],
     ssd.pool.place_at(cls, [b.ssd_offset for b in fresh], fresh)  # type: ignore[misc]
     store.ssd_committed_slots += len(fresh)
     store.ssd_committed_bytes += len(fresh) * cls.slot_bytes
+    if store.key_counts is not None:  # (restored after the stream began: counted)
+        for b in fresh:
+            store.key_counts.add(b.key)
     return ok
 
 
@@ -606,6 +609,9 @@ def restore_fresh(store: StoreCore, ns: Namespace, keys: list[bytes],
     ssd.pool.place_at(cls, [b.ssd_offset for b in fresh], fresh)  # type: ignore[misc]
     store.ssd_committed_slots += len(fresh)
     store.ssd_committed_bytes += len(fresh) * cls.slot_bytes
+    if store.key_counts is not None:  # (restored after the stream began: counted)
+        for b in fresh:
+            store.key_counts.add(b.key)
     return ok
 
 

@@ -77,6 +77,7 @@ from kvstore.scheduler.dueling import Duel
 from kvstore.scheduler.eviction import WarmPins, make_policy
 from kvstore.scheduler.policy import EvictionPolicy
 from kvstore.scheduler.switch import Switch
+from kvstore.shared_keys import FULL, SHIFT
 from kvstore.slab_moves import reachable_slots
 from kvstore.ssd_copies import SsdCopies
 from kvstore.store_view import check_invariants, tier_stats
@@ -246,10 +247,12 @@ class BlockStore(StoreCore):
         bare: list[Block] = []  # blocks already in DRAM with no token ids
         revived: list[Block] = []  # blocks only on SSD given a DRAM copy, with token ids
         shards, mask = ns.blocks.shards, ns.blocks.mask  # ``ns.blocks``' get and set, inline
+        counted = self.key_counts  # (events on: the keys of every map, counted)
         slots = r.slots()
         stored = len(slots)  # the leading keys stored (or cached): all but after a gap
         for i, (key, offset) in enumerate(zip(r.keys, slots)):
-            shard = shards[hash(key) & mask]
+            h = hash(key)
+            shard = shards[h & mask]
             block = shard.get(key)
             if offset < 0 and i in r.awaited:  # another reservation's slot: its bytes
                 if block is None or not block.present:  # not committed (aborted, its
@@ -271,6 +274,11 @@ class BlockStore(StoreCore):
                 elif self.roots.setdefault(key, ns) is not ns:
                     also_heads(self.roots, key, ns)  # a key of its client's making
                 shard[key] = block
+                if counted is not None:  # ``KeyCounts.add``, inline
+                    counts, at = counted.counts, h >> SHIFT & counted.mask
+                    n = counts[at]
+                    if n != FULL:
+                        counts[at] = n + 1
                 if checksums:
                     block.checksum = checksums[i]
                 block.offset = offset

@@ -23,6 +23,8 @@ def check_invariants(store: StoreCore) -> None:
     """Every tier's own invariants (``Tier.check``), and what spans tiers: pins, tenants'
     charges, prefix closure, child links; no lookup's hits left untold to the orders
     (``Index.settle``: the server settles each once its reply is sent)."""
+    if store.key_counts is not None:  # (events on: every map's keys counted)
+        store.key_counts.check()
     index = getattr(store, "index", None)  # (the store's; a bare core has none)
     assert index is None or index._unsettled is None, "a lookup's hits were never settled"
     room = getattr(store, "room", None)  # (the store's: demotions whose writes are to begin)

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvstore.blocks import ANNOUNCED, DRAM, REMOTE_MARK, SSD, Block, Namespace
-
 REMOTE = "remote"
 GPU = "gpu"
 
@@ -93,6 +92,9 @@ class TierChanges:
         self.unlisted = False  # blocks were marked together since the last drain
         self.on_first = on_first
         self.on_more = on_more
+        # The removals to announce of those drained (``kvstore.shared_keys``, set as the
+        # store starts counting its keys): none of a key another namespace holds there
+        self.sieve: Callable[[Iterable[Removed]], list[Removed]] | None = None
 
     def touch(self, block: Block) -> None:
         touched = self.touched
@@ -237,6 +239,8 @@ class TierChanges:
                     run.keys.append(block.key)
                     if tier == DRAM:
                         dram_gone, gone_ns = run.keys, ns
+        if removed and self.sieve is not None:
+            return [*self.sieve(removed.values()), *stored]
         return [*removed.values(), *stored]
 
     def drain_runs(self) -> list[list[Block]] | None:
