@@ -34,10 +34,11 @@ from kvstore.tier_changes import TIER_BITS, Removed, TierChanges, holdings
 # about half the time; fewer for a store whose tiers hold fewer blocks (``slot_bits_for``)
 SLOT_BITS = 24
 LEAST_BITS = 12
-# The block size a store's slots are reckoned by: twice as many slots as blocks of it
-# fit in its DRAM and SSD tiers (smaller blocks fill the filter more: more keys asked
-# about, none announced wrongly)
-BLOCK_BYTES = 64 << 10
+# The block size a store's slots are reckoned by, the smallest a slot is: twice as many
+# slots as blocks of it fit in its DRAM and SSD tiers, up to ``SLOT_BITS`` (past that,
+# or with copies on the remote store only, the filter fills: more keys asked about,
+# none announced wrongly)
+BLOCK_BYTES = 4096
 # A key's slot: bits of its hash above those that pick its shard (``block_map``)
 SHIFT = 32
 FULL = 255  # a counter that stays
