@@ -449,7 +449,7 @@ class _Leaving:
         if counted is not None:  # ``KeyCounts.discard``, inline
             counts, slot = counted.counts, hash(key) >> SHIFT & counted.mask
             n = counts[slot]
-            if n != FULL:
+            if 0 < n < FULL:
                 counts[slot] = n - 1
         ids = b.tokens
         if ids is not None:  # (it keeps its ids for an event still to come)
