@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvstore.blocks import ANNOUNCED, DRAM, REMOTE_MARK, SSD, Block, Namespace
+
 REMOTE = "remote"
 GPU = "gpu"
 
