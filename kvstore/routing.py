@@ -70,6 +70,7 @@ SNAPSHOTS_OPEN = 4  # paged snapshots a session may have under way (one more end
 # ...and a tenant over all its sessions (one more ends the tenant's oldest): each holds a
 # copy of a shard of a namespace's key map, up to 4096 entries (``kvstore.snapshot_walks``)
 SNAPSHOTS_A_TENANT = 64
+SNAPSHOTS_AT_ONCE = 1024  # ...and the daemon (one more ends the busiest tenant's oldest)
 # Snapshots in one reply (limit 0) under way, each holding its reply (about 45 bytes a
 # block) from its request until ZeroMQ has sent it: at most this many a tenant, and the
 # daemon at most WHOLE_AT_ONCE.  Counted a session only, 100 sessions of one tenant
@@ -226,7 +227,8 @@ class RoutingVerbs:
             "ssd": float(parse_size(e.ssd_bandwidth, "events.ssd_bandwidth")),
             "remote": float(parse_size(e.remote_bandwidth, "events.remote_bandwidth"))}
         # paged snapshots under way, by session (gone with it) and tenant, and cursor
-        self.walks: Walks[Session, SnapshotWalk] = Walks(SNAPSHOTS_OPEN, SNAPSHOTS_A_TENANT)
+        self.walks: Walks[Session, SnapshotWalk] = Walks(SNAPSHOTS_OPEN, SNAPSHOTS_A_TENANT,
+                                                         SNAPSHOTS_AT_ONCE)
         self.whole: dict[str, int] = {}  # snapshots in one reply under way, by tenant
         self.cursors = UnguessableIds()  # (a counter's told others' snapshots)
 
@@ -243,8 +245,9 @@ class RoutingVerbs:
             if walk is None:
                 raise NotFoundError(f"no snapshot under way with cursor {req.cursor} (it "
                                     f"ended, or {SNAPSHOTS_OPEN} newer ones of the session, "
-                                    f"or {SNAPSHOTS_A_TENANT} of its tenant, began): begin "
-                                    f"again with cursor 0")
+                                    f"or {SNAPSHOTS_A_TENANT} of its tenant, began, or the "
+                                    f"daemon kept {SNAPSHOTS_AT_ONCE}): begin again with "
+                                    f"cursor 0")
             cursor = req.cursor
         else:
             walk = SnapshotWalk(self.d.store.order, self._seq_for(session),

@@ -45,3 +45,24 @@ def test_a_sessions_walks_leave_its_tenants_count_with_it() -> None:
     for cursor in range(4, 8):
         walks.keep(stays, cursor, str(cursor))
     assert walks.count("acme") == 4 and walks.take(stays, 7) == "7"
+
+
+def test_the_daemons_bound_ends_the_busiest_tenants_oldest() -> None:
+    """Tenant names cost nothing without credentials: past the daemon's bound the
+    tenant keeping the most loses its oldest, the others keep theirs."""
+    walks: Walks[FakeSession, str] = Walks(per_session=4, per_tenant=4, per_daemon=5)
+    names = [FakeSession(f"t{i}") for i in range(3)]
+    busy = FakeSession("busy")
+    for cursor in range(1, 4):
+        walks.keep(busy, cursor, str(cursor))
+    walks.keep(names[0], 10, "a")
+    walks.keep(names[1], 11, "b")
+    assert walks.count() == 5
+    walks.keep(names[2], 12, "c")  # the sixth: busy's oldest (1) ends
+    assert walks.count() == 5 and walks.count("busy") == 2
+    assert walks.take(busy, 1) is None and walks.take(names[0], 10) == "a"
+    assert walks.count() == 4
+    for cursor in range(20, 30):  # one tenant alone: its own oldest end, never past 5
+        walks.keep(names[1], cursor, str(cursor))
+        assert walks.count() <= 5
+    assert walks.take(names[2], 12) == "c" and walks.take(busy, 3) == "3"
