@@ -133,18 +133,19 @@ class KeyCounts:
         return out
 
     def check(self) -> None:
-        """Each counter (short of ``FULL``) the number of entries of its slot (for tests
-        and the invariant checker)."""
+        """Each counter short of ``FULL`` the number of entries of its slot; a full one
+        stays as its entries go, down to none (for tests and the invariant checker)."""
         real: dict[int, int] = {}
         for ns in self.namespaces.values():
             for key in ns.blocks:
                 slot = hash(key) >> SHIFT & self.mask
                 real[slot] = real.get(slot, 0) + 1
         counts = self.counts
-        for slot, n in real.items():
-            assert counts[slot] == min(n, FULL), (
+        for slot, n in real.items():  # (a full counter stays: fewer entries may be left)
+            assert counts[slot] == FULL or counts[slot] == n, (
                 f"slot {slot}: counted {counts[slot]}, its entries {n}")
-        extra = len(counts) - counts.count(0) - len(real)
+        extra = (len(counts) - counts.count(0) - counts.count(FULL)
+                 - sum(1 for slot in real if counts[slot] != FULL))
         assert not extra, f"{extra} slots of no entry counted"
 
     def __repr__(self) -> str:

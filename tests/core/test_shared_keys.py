@@ -120,3 +120,29 @@ def test_entries_there_before_the_stream_began_are_counted() -> None:
     changes.drain()
     store.evict(mallory, keys[:1])
     assert _removed(changes) == []
+
+
+def test_a_counter_filled_by_one_key_in_many_namespaces_passes_the_check_as_they_go() -> None:
+    """A key of a client's own making in more namespaces than a counter counts: its
+    counter stays full as they let it go, and the invariant check takes that (it failed
+    the daemon's debug checks at the first entry gone)."""
+    slot = ALICE.block_bytes
+    store = BlockStore(300 * slot, 4 * slot)
+    changes = TierChanges()
+    store.record_changes(changes)
+    spaces = [store.open_namespace(make_identity(tenant=f"t{i}")) for i in range(FULL + 1)]
+    key = chain_keys(spaces[0].id, list(range(ALICE.block_tokens)), ALICE.block_tokens)
+    for i, ns in enumerate(spaces):
+        _put(store, ns, key, f"o{i}")
+    changes.drain()
+    counts = store.key_counts
+    assert counts is not None and counts.count(key[0]) == FULL
+    counts.check()
+    for ns in spaces[:-1]:
+        store.evict(ns, key)
+        counts.check()
+    assert _removed(changes) == []
+    store.evict(spaces[-1], key)
+    counts.check()
+    assert counts.count(key[0]) == FULL  # (stays: its keys are asked about for good)
+    assert [k for c in changes.drain() if isinstance(c, Removed) for k in c.keys] == key
