@@ -145,8 +145,10 @@ class RoomMaker:
         admit_to_ssd, admit_after, remote_dirty = f.admit_to_ssd, f.admit_after, f.remote_dirty
         refuses = f.ssd_refuses
         clean, dirty, lossy = "clean" in kinds, "dirty" in kinds, "lossy" in kinds
-        # "lossy" when nothing below takes it; else "dirty" (to the remote store first)
+        # "lossy" when nothing below takes it; else "dirty" (to the remote store first),
+        # but for a tenant whose write-backs skip it (``_Leaving.evict`` drops those)
         bare = dirty if remote_dirty else lossy
+        skip = f.remote_skip
 
         def allowed(b: Block) -> bool:
             if b.refs or b is protect or (tenant is not None and b.ns.tenant != tenant):
@@ -160,7 +162,7 @@ class RoomMaker:
                 return False  # without a copy on SSD, only leaves leave DRAM
             if b.marks & REMOTE_MARK:  # (``remote``, without a call)
                 return clean
-            return bare
+            return lossy if skip and b.ns.tenant in skip else bare
 
         return allowed
 
