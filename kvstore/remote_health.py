@@ -72,15 +72,7 @@ class TierHealth:
 
     def serves(self, tenant: str) -> bool:
         """Whether ``tenant``'s calls go to the store now."""
-        if not self.healthy:
-            return False
-        until = self.tenants.get(tenant)
-        if until is None:
-            return True
-        if self.clock() < until:
-            return False
-        del self.tenants[tenant]
-        return True
+        return self.healthy and lapsed(self.tenants, tenant, self.clock())
 
     def skipping(self) -> int:
         """How many tenants skip the tier now for their own timeouts."""
@@ -199,3 +191,15 @@ class TierHealth:
                 await asyncio.sleep(self.timeout_s / 4)
         finally:
             self._asking = False
+
+
+def lapsed(untils: dict[str, float], tenant: str, now: float) -> bool:
+    """Whether ``tenant``'s skip in ``untils`` (tenant -> until when) is over, or it has
+    none; one over is let go (the map holds the tenants skipping only)."""
+    until = untils.get(tenant)
+    if until is None:
+        return True
+    if now < until:
+        return False
+    del untils[tenant]
+    return True

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvstore.remote_health import lapsed
+
 __all__ = ["Refusals"]
 
 
@@ -46,15 +48,8 @@ class Refusals:
 
     def serves(self, tenant: str) -> bool:
         """Whether ``tenant``'s write-backs go to the store now."""
-        if self.clock() < self.until:
-            return False
-        until = self.tenants.get(tenant)
-        if until is None:
-            return True
-        if self.clock() < until:
-            return False
-        del self.tenants[tenant]  # (ended: the map holds the tenants skipping it only)
-        return True
+        now = self.clock()
+        return now >= self.until and lapsed(self.tenants, tenant, now)
 
     def skipping(self) -> frozenset[str]:
         """The tenants whose write-backs skip the store now (their cooldowns under way);
@@ -62,9 +57,7 @@ class Refusals:
         if not self.tenants:
             return frozenset()
         now = self.clock()
-        for tenant in [t for t, until in self.tenants.items() if now >= until]:
-            del self.tenants[tenant]
-        return frozenset(self.tenants)
+        return frozenset(t for t in list(self.tenants) if not lapsed(self.tenants, t, now))
 
     def __repr__(self) -> str:
         return f"Refusals(until={self.until:.3f}, tenants={len(self.tenants)})"

@@ -70,6 +70,12 @@ class _Tenant:
         under way at once refused their values for one another's victims)."""
         return self.held_bytes + self.sending
 
+    @property
+    def idle(self) -> bool:
+        """Holds, sends and deletes nothing, and counted nothing: no ledger needed."""
+        return not (self.held or self.sending or self.deleting or self.deleted
+                    or self.refused)
+
 
 @dataclasses.dataclass(slots=True)
 class SharePlan:
@@ -244,7 +250,7 @@ class TenantShares:
 
     def _prune(self, tenant: str, t: _Tenant) -> None:
         """A tenant that holds, sends and deletes nothing, and counted nothing, leaves."""
-        if not (t.held or t.sending or t.deleting or t.deleted or t.refused):
+        if t.idle:
             self._tenants.pop(tenant, None)
 
     def forget(self) -> None:
@@ -260,7 +266,7 @@ class TenantShares:
         """Each ledger's bytes are those of its entries (AssertionError if not)."""
         for tenant, t in self._tenants.items():
             assert t.held_bytes == sum(t.held.values()), (tenant, t.held_bytes, len(t.held))
-            assert t.held or t.sending or t.deleting or t.deleted or t.refused, tenant
+            assert not t.idle, tenant
             assert t.sending >= 0 and t.deleting >= 0, (tenant, t)
 
     def stats(self) -> dict[str, dict[str, int]]:

@@ -527,6 +527,16 @@ _offset = attrgetter("offset")
 _checksum = attrgetter("checksum")
 
 
+def _placed(store: StoreCore, slot_bytes: int, fresh: list[Block]) -> None:
+    """Restored blocks placed on SSD: counted in the tier's figures, and their keys in
+    the event stream's filter (restored after the stream began)."""
+    store.ssd_committed_slots += len(fresh)
+    store.ssd_committed_bytes += len(fresh) * slot_bytes
+    if store.key_counts is not None:
+        for b in fresh:
+            store.key_counts.add(b.key)
+
+
 def restore_blocks(store: StoreCore, ns: Namespace, keys: list[bytes],
                    parents: list[bytes | None], offsets: list[int],
                    checksums: list[int]) -> list[bool]:
@@ -581,11 +591,7 @@ def restore_blocks(store: StoreCore, ns: Namespace, keys: list[bytes],
             shards, mask = blocks.shards, blocks.mask
     ssd.policy(cls).insert_many(fresh)
     ssd.pool.place_at(cls, [b.ssd_offset for b in fresh], fresh)  # type: ignore[misc]
-    store.ssd_committed_slots += len(fresh)
-    store.ssd_committed_bytes += len(fresh) * cls.slot_bytes
-    if store.key_counts is not None:  # (restored after the stream began: counted)
-        for b in fresh:
-            store.key_counts.add(b.key)
+    _placed(store, cls.slot_bytes, fresh)
     return ok
 
 
@@ -607,11 +613,7 @@ def restore_fresh(store: StoreCore, ns: Namespace, keys: list[bytes],
         fresh = _made_with_gaps(store, ns, keys, parent_back, offsets, checksums, ok)
     ssd.policy(cls).insert_many(fresh)
     ssd.pool.place_at(cls, [b.ssd_offset for b in fresh], fresh)  # type: ignore[misc]
-    store.ssd_committed_slots += len(fresh)
-    store.ssd_committed_bytes += len(fresh) * cls.slot_bytes
-    if store.key_counts is not None:  # (restored after the stream began: counted)
-        for b in fresh:
-            store.key_counts.add(b.key)
+    _placed(store, cls.slot_bytes, fresh)
     return ok
 
 

@@ -218,13 +218,19 @@ class GuardedBackend(StorageBackend):
         self.tag_secret = self.inner.tag_secret = secret
 
     async def exists(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        return await self._count("exists", namespace, keys, self.inner.exists)
+
+    async def _count(self, op: str, namespace: bytes, keys: Sequence[bytes],
+                     call: Callable[[bytes, Sequence[bytes]], Awaitable[int]]) -> int:
+        """``call(namespace, keys)`` of the inner backend, checked, bounded in time, its
+        answer a count of the keys (BackendError if not)."""
         self._check_open()
         self._check_keys(namespace, keys)
         if not keys:
             return 0
-        count = await self._bounded("exists", self.inner.exists(namespace, keys))
+        count = await self._bounded(op, call(namespace, keys))
         if type(count) is not int or not 0 <= count <= len(keys):
-            raise self._bad_result("exists", f"{count!r} for {len(keys)} keys")
+            raise self._bad_result(op, f"{count!r} for {len(keys)} keys")
         return count
 
     def _get_views(self, namespace: bytes, keys: Sequence[bytes],
@@ -291,24 +297,10 @@ class GuardedBackend(StorageBackend):
                 for value in values]
 
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
-        self._check_open()
-        self._check_keys(namespace, keys)
-        if not keys:
-            return 0
-        count = await self._bounded("delete", self.inner.delete(namespace, keys))
-        if type(count) is not int or not 0 <= count <= len(keys):
-            raise self._bad_result("delete", f"{count!r} for {len(keys)} keys")
-        return count
+        return await self._count("delete", namespace, keys, self.inner.delete)
 
     async def delete_corrupt(self, namespace: bytes, keys: Sequence[bytes]) -> int:
-        self._check_open()
-        self._check_keys(namespace, keys)
-        if not keys:
-            return 0
-        count = await self._bounded("delete", self.inner.delete_corrupt(namespace, keys))
-        if type(count) is not int or not 0 <= count <= len(keys):
-            raise self._bad_result("delete", f"{count!r} for {len(keys)} keys")
-        return count
+        return await self._count("delete", namespace, keys, self.inner.delete_corrupt)
 
     async def generation(self) -> bytes | None:
         self._check_open()
