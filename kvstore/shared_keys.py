@@ -114,6 +114,9 @@ class KeyCounts:
             if other is not ns:
                 block = other.blocks.get(key)
                 if block is not None and holdings(block) & bit:
+                    # the stream keeps the key in the tier for this copy now: its going
+                    # is announced, even a copy stored and never announced itself
+                    block.marks |= bit
                     return True
         return False
 
